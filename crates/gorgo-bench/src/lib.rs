@@ -1,0 +1,3 @@
+//! Live replay client, metrics, reports and policy comparison
+#![forbid(unsafe_code)]
+#![deny(rust_2018_idioms)]

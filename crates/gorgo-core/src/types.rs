@@ -1,0 +1,64 @@
+//! Small value types shared by every module and by the drivers.
+
+use serde::{Deserialize, Serialize};
+
+/// A node's identity in the cluster. Ordered: the smallest live id leads tuning.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct NodeId(pub String);
+
+impl std::fmt::Display for NodeId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<&str> for NodeId {
+    fn from(s: &str) -> Self {
+        NodeId(s.to_owned())
+    }
+}
+
+/// The tunable weights of the cost model (`w_rtt`, `w_queue`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Weights {
+    /// Multiplies the network RTT term.
+    pub w_rtt: f64,
+    /// Multiplies the queueing term.
+    pub w_queue: f64,
+}
+
+impl Default for Weights {
+    /// DESIGN.md: if every estimate were exact the ideal weights would both be 1.0.
+    fn default() -> Self {
+        Weights { w_rtt: 1.0, w_queue: 1.0 }
+    }
+}
+
+/// A node's load signals, gossiped to peers (foca broadcast and with each summary).
+///
+/// Versioned per origin so that a receiver drops a stale copy.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct QueueStats {
+    /// Monotonic per origin; higher wins.
+    pub version: u64,
+    /// Prompt tokens admitted and not yet prefilled (the prefill queue).
+    pub unfinished_prefill_tokens: u64,
+    /// Requests running on the engine.
+    pub running: u32,
+    /// Requests waiting for admission.
+    pub waiting: u32,
+    /// KV tokens in use.
+    pub kv_used_tokens: u64,
+    /// KV capacity in tokens.
+    pub kv_capacity_tokens: u64,
+    /// Raw prompt tokens of requests dispatched and not finished (for `gorgo-paper`).
+    pub queued_prompt_tokens: u64,
+    /// The node's fitted prefill cost per uncached token, ms.
+    pub t_p_ms: f64,
+    /// The node's fitted fixed TTFT cost, ms.
+    pub base_ms: f64,
+    /// The node's fitted cost of one decode step at its current batch, ms.
+    pub decode_step_ms: f64,
+    /// The tuning epoch the node routes with.
+    pub epoch: u64,
+}
