@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The project's test command (the README's second command; `.ci/run` runs it in CI).
+# Formatting and lints first (cheap), then every Rust test, then the end-to-end tests
+# that drive a node with real clients (the official `openai` Python package, curl).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+
+echo "== cargo clippy --all-targets -- -D warnings"
+cargo clippy --workspace --all-targets -- -D warnings
+
+echo "== cargo test --workspace"
+cargo test --workspace
+
+echo "== end-to-end: openai Python client through a node"
+cargo build --bin gorgo
+if python3 -c 'import openai' 2>/dev/null; then
+  python3 tests/e2e_openai.py target/debug/gorgo
+else
+  echo "python package 'openai' missing: pip install openai" >&2
+  exit 1
+fi
+
+if [ "${GORGO_REAL_ENGINE:-0}" = "1" ]; then
+  echo "== real engine: llama.cpp in every region (GORGO_REAL_ENGINE=1)"
+  bash scripts/real-engine-e2e.sh
+fi
+echo "== all tests passed"
