@@ -1,0 +1,604 @@
+//! The node's configuration: one TOML file, one loader.
+//!
+//! Every table denies unknown fields so that a typo is an error naming it, and every
+//! required field is reported by name when missing. [`NodeConfig::validate`] checks the
+//! ranges serde cannot.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use gorgo_core::Weights;
+use serde::{Deserialize, Serialize};
+
+use crate::error::NodeError;
+
+/// The whole configuration of one `gorgo node`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeConfig {
+    /// Who this node is.
+    pub node: NodeSection,
+    /// Where it listens.
+    pub listen: ListenSection,
+    /// The engine it serves from.
+    pub engine: EngineSection,
+    /// Peers and gossip.
+    #[serde(default)]
+    pub cluster: ClusterSection,
+    /// Certificates for the QUIC mutual TLS.
+    pub tls: TlsSection,
+    /// Routing policy, weights and the hop guard.
+    #[serde(default)]
+    pub routing: RoutingSection,
+    /// Online tuning of the weights.
+    #[serde(default)]
+    pub tuning: TuningSection,
+    /// The admin API.
+    pub admin: AdminSection,
+    /// Caps on what clients and peers may cost us.
+    #[serde(default)]
+    pub limits: LimitsSection,
+}
+
+/// `[node]`: identity.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeSection {
+    /// Unique node id in the cluster (the smallest live id leads tuning).
+    pub id: String,
+    /// The region this node serves (reported in `x-gorgo-served-by` and metrics).
+    pub region: String,
+}
+
+/// `[listen]`: the three sockets.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListenSection {
+    /// OpenAI-compatible ingress for clients.
+    pub http: SocketAddr,
+    /// QUIC endpoint for peers (gossip and forwards).
+    pub quic: SocketAddr,
+    /// Admin API, `/metrics`, `/healthz`, `/readyz`.
+    pub admin: SocketAddr,
+    /// Address peers should dial to reach this node, when it differs from `quic`
+    /// (for example behind a WAN-emulation relay). Defaults to `quic`.
+    #[serde(default)]
+    pub advertise_quic: Option<SocketAddr>,
+}
+
+/// The kind of engine, which decides the `/metrics` names we read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineKind {
+    /// SGLang (and the GORGO emulator, which uses SGLang's metric names).
+    Sglang,
+    /// vLLM (`vllm:` metric names).
+    Vllm,
+    /// Any OpenAI-compatible server without usable metrics: local accounting only.
+    Openai,
+}
+
+impl std::fmt::Display for EngineKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            EngineKind::Sglang => "sglang",
+            EngineKind::Vllm => "vllm",
+            EngineKind::Openai => "openai",
+        })
+    }
+}
+
+/// `[engine]`: the local inference engine.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EngineSection {
+    /// Base URL, e.g. `http://127.0.0.1:30000` (paths `/v1/...` are appended).
+    pub url: String,
+    /// `sglang`, `vllm` or `openai`.
+    pub kind: EngineKind,
+    /// KV capacity in tokens; when absent it is read from the engine's metrics, and
+    /// failing that `default_kv_capacity_tokens` is used.
+    #[serde(default)]
+    pub kv_capacity_tokens: Option<u64>,
+    /// Health check path (GET, expects 2xx).
+    #[serde(default = "default_health_path")]
+    pub health_path: String,
+    /// How often the engine is health-checked, ms.
+    #[serde(default = "default_health_interval_ms")]
+    pub health_interval_ms: u64,
+    /// How often `/metrics` is scraped, ms (0 disables scraping).
+    #[serde(default = "default_metrics_interval_ms")]
+    pub metrics_interval_ms: u64,
+    /// Seed of the fitted prefill cost per uncached token, ms.
+    #[serde(default = "default_t_p_ms")]
+    pub t_p_ms: f64,
+    /// Seed of the fitted fixed TTFT cost, ms.
+    #[serde(default = "default_base_ms")]
+    pub base_ms: f64,
+    /// Seed of the cost of one decode step, ms.
+    #[serde(default = "default_decode_step_ms")]
+    pub decode_step_ms: f64,
+    /// Optional `tokenizer.json` for exact token counts (bytes-per-token otherwise).
+    #[serde(default)]
+    pub tokenizer: Option<PathBuf>,
+}
+
+/// `[cluster]`: peers and gossip.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterSection {
+    /// QUIC addresses to join through.
+    #[serde(default)]
+    pub seeds: Vec<SocketAddr>,
+    /// Per-peer dial addresses (node id -> address), overriding what the peer
+    /// advertises: under WAN emulation the path a->b goes through a relay specific
+    /// to that pair.
+    #[serde(default)]
+    pub peers: BTreeMap<String, SocketAddr>,
+    /// Gossip interval for summaries and queue stats, ms.
+    #[serde(default = "default_gossip_interval_ms")]
+    pub gossip_interval_ms: u64,
+}
+
+impl Default for ClusterSection {
+    fn default() -> Self {
+        ClusterSection {
+            seeds: Vec::new(),
+            peers: BTreeMap::new(),
+            gossip_interval_ms: default_gossip_interval_ms(),
+        }
+    }
+}
+
+/// `[tls]`: PEM files for QUIC mutual TLS (see `gorgo certs`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsSection {
+    /// The cluster CA certificate; peers must present a certificate it signed.
+    pub ca: PathBuf,
+    /// This node's certificate chain.
+    pub cert: PathBuf,
+    /// This node's private key.
+    pub key: PathBuf,
+}
+
+/// `[routing]`: the decision.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RoutingSection {
+    /// Policy name as in DESIGN.md (`gorgo`, `gorgo-paper`, `least-load`, ...).
+    #[serde(default = "default_policy")]
+    pub policy: String,
+    /// Starting weights of the cost model.
+    #[serde(default)]
+    pub weights: Weights,
+    /// A request that arrives with `hops >= max_hops` is served where it is.
+    #[serde(default = "default_max_hops")]
+    pub max_hops: u8,
+    /// Block size of the prompt hash chain, bytes.
+    #[serde(default = "default_block_bytes")]
+    pub block_bytes: usize,
+    /// Bytes per token when no tokenizer is configured.
+    #[serde(default = "default_bytes_per_token")]
+    pub bytes_per_token: usize,
+    /// Whether clients may pick the policy per request with `x-gorgo-policy`.
+    #[serde(default = "default_true")]
+    pub allow_policy_header: bool,
+    /// How many recent decisions `/admin/decisions` keeps.
+    #[serde(default = "default_decision_log")]
+    pub decision_log: usize,
+}
+
+impl Default for RoutingSection {
+    fn default() -> Self {
+        RoutingSection {
+            policy: default_policy(),
+            weights: Weights::default(),
+            max_hops: default_max_hops(),
+            block_bytes: default_block_bytes(),
+            bytes_per_token: default_bytes_per_token(),
+            allow_policy_header: true,
+            decision_log: default_decision_log(),
+        }
+    }
+}
+
+/// How the weights change over time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TuningMode {
+    /// Tune continuously.
+    Online,
+    /// Fixed weights from the config (or `PUT /admin/weights`).
+    Static,
+    /// Tune, then keep the best weights.
+    TuneThenFreeze,
+}
+
+/// `[tuning]`: the distributed (1+1)-ES.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TuningSection {
+    /// `online`, `static` or `tune-then-freeze`.
+    #[serde(default = "default_tuning_mode")]
+    pub mode: TuningMode,
+    /// Requests per trial window, cluster-wide.
+    #[serde(default = "default_window")]
+    pub window_requests: u32,
+    /// Time cap on a trial window, ms.
+    #[serde(default = "default_window_ms")]
+    pub window_max_ms: u64,
+    /// Reject a candidate whose p95 E2E is worse than the incumbent's by more than
+    /// this fraction.
+    #[serde(default = "default_e2e_guard")]
+    pub e2e_guard: f64,
+}
+
+impl Default for TuningSection {
+    fn default() -> Self {
+        TuningSection {
+            mode: default_tuning_mode(),
+            window_requests: default_window(),
+            window_max_ms: default_window_ms(),
+            e2e_guard: default_e2e_guard(),
+        }
+    }
+}
+
+/// `[admin]`: the admin API.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdminSection {
+    /// Bearer token required on `/admin/*`.
+    pub token: String,
+}
+
+/// `[limits]`: caps.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsSection {
+    /// Largest request body accepted from a client or peer, bytes.
+    #[serde(default = "default_max_body_bytes")]
+    pub max_body_bytes: usize,
+    /// Most requests in flight through the ingress at once; more get 503.
+    #[serde(default = "default_max_concurrency")]
+    pub max_concurrency: usize,
+    /// Time allowed to connect to the engine, ms.
+    #[serde(default = "default_connect_timeout_ms")]
+    pub connect_timeout_ms: u64,
+    /// Time allowed until response headers arrive (engine or peer), ms; 504 after.
+    #[serde(default = "default_first_byte_timeout_ms")]
+    pub first_byte_timeout_ms: u64,
+    /// Time allowed for a whole request, ms.
+    #[serde(default = "default_request_timeout_ms")]
+    pub request_timeout_ms: u64,
+    /// Most forwards in flight from or to peers at once.
+    #[serde(default = "default_max_forwards")]
+    pub max_forwards: usize,
+}
+
+impl Default for LimitsSection {
+    fn default() -> Self {
+        LimitsSection {
+            max_body_bytes: default_max_body_bytes(),
+            max_concurrency: default_max_concurrency(),
+            connect_timeout_ms: default_connect_timeout_ms(),
+            first_byte_timeout_ms: default_first_byte_timeout_ms(),
+            request_timeout_ms: default_request_timeout_ms(),
+            max_forwards: default_max_forwards(),
+        }
+    }
+}
+
+fn default_health_path() -> String {
+    "/health".to_owned()
+}
+fn default_health_interval_ms() -> u64 {
+    1_000
+}
+fn default_metrics_interval_ms() -> u64 {
+    250
+}
+fn default_t_p_ms() -> f64 {
+    // The paper's calibration (A100 + Mistral-7B + SGLang).
+    0.0938
+}
+fn default_base_ms() -> f64 {
+    150.72
+}
+fn default_decode_step_ms() -> f64 {
+    20.0
+}
+fn default_gossip_interval_ms() -> u64 {
+    250
+}
+fn default_policy() -> String {
+    "gorgo".to_owned()
+}
+fn default_max_hops() -> u8 {
+    1
+}
+fn default_block_bytes() -> usize {
+    gorgo_core::hash::DEFAULT_BLOCK_BYTES
+}
+fn default_bytes_per_token() -> usize {
+    gorgo_core::hash::BYTES_PER_TOKEN
+}
+fn default_true() -> bool {
+    true
+}
+fn default_decision_log() -> usize {
+    256
+}
+fn default_tuning_mode() -> TuningMode {
+    TuningMode::Static
+}
+fn default_window() -> u32 {
+    128
+}
+fn default_window_ms() -> u64 {
+    60_000
+}
+fn default_e2e_guard() -> f64 {
+    0.05
+}
+fn default_max_body_bytes() -> usize {
+    8 * 1024 * 1024
+}
+fn default_max_concurrency() -> usize {
+    4096
+}
+fn default_connect_timeout_ms() -> u64 {
+    2_000
+}
+fn default_first_byte_timeout_ms() -> u64 {
+    120_000
+}
+fn default_request_timeout_ms() -> u64 {
+    600_000
+}
+fn default_max_forwards() -> usize {
+    4096
+}
+
+/// Hard ceiling on `max_body_bytes`: nothing from the network is unbounded.
+pub const MAX_BODY_CEILING: usize = 256 * 1024 * 1024;
+
+/// Hard ceiling on `max_hops`: chains of forwards beyond this only add latency.
+pub const MAX_HOPS_CEILING: u8 = 8;
+
+/// The default KV capacity in tokens when neither config nor engine metrics say.
+pub const DEFAULT_KV_CAPACITY_TOKENS: u64 = 1_000_000;
+
+impl NodeConfig {
+    /// Parse TOML text and validate it. Errors name the field.
+    pub fn from_toml_str(text: &str) -> Result<Self, NodeError> {
+        let config: NodeConfig =
+            toml::from_str(text).map_err(|e| NodeError::Config(e.message().to_owned()))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Read, parse and validate a config file; relative TLS paths are resolved
+    /// against the file's directory so a config works from any working directory.
+    pub fn load(path: &Path) -> Result<Self, NodeError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| NodeError::Config(format!("cannot read {}: {e}", path.display())))?;
+        let mut config: NodeConfig = toml::from_str(&text)
+            .map_err(|e| NodeError::Config(format!("{}: {}", path.display(), e.message())))?;
+        if let Some(dir) = path.parent() {
+            config.resolve_paths(dir);
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn resolve_paths(&mut self, dir: &Path) {
+        for p in [&mut self.tls.ca, &mut self.tls.cert, &mut self.tls.key] {
+            if p.is_relative() {
+                *p = dir.join(&*p);
+            }
+        }
+        if let Some(t) = &mut self.engine.tokenizer {
+            if t.is_relative() {
+                *t = dir.join(&*t);
+            }
+        }
+    }
+
+    /// Range checks serde cannot express.
+    pub fn validate(&self) -> Result<(), NodeError> {
+        let bad = |field: &str, reason: &str| {
+            Err(NodeError::Config(format!("invalid `{field}`: {reason}")))
+        };
+        if self.node.id.trim().is_empty() {
+            return bad("node.id", "must not be empty");
+        }
+        if self.node.region.trim().is_empty() {
+            return bad("node.region", "must not be empty");
+        }
+        let url = self.engine.url.as_str();
+        if !(url.starts_with("http://") || url.starts_with("https://")) {
+            return bad("engine.url", "must start with http:// or https://");
+        }
+        if url.parse::<http::Uri>().is_err() {
+            return bad("engine.url", "not a valid URL");
+        }
+        if !self.engine.health_path.starts_with('/') {
+            return bad("engine.health_path", "must start with /");
+        }
+        if self.engine.health_interval_ms == 0 {
+            return bad("engine.health_interval_ms", "must be > 0");
+        }
+        if !(self.engine.t_p_ms.is_finite() && self.engine.t_p_ms >= 0.0) {
+            return bad("engine.t_p_ms", "must be a finite number >= 0");
+        }
+        if !(self.engine.base_ms.is_finite() && self.engine.base_ms >= 0.0) {
+            return bad("engine.base_ms", "must be a finite number >= 0");
+        }
+        if !(self.engine.decode_step_ms.is_finite() && self.engine.decode_step_ms >= 0.0) {
+            return bad("engine.decode_step_ms", "must be a finite number >= 0");
+        }
+        if self.engine.kv_capacity_tokens == Some(0) {
+            return bad("engine.kv_capacity_tokens", "must be > 0");
+        }
+        if self.cluster.gossip_interval_ms == 0 {
+            return bad("cluster.gossip_interval_ms", "must be > 0");
+        }
+        if self.cluster.peers.contains_key(&self.node.id) {
+            return bad("cluster.peers", "must not list this node itself");
+        }
+        crate::route::parse_policy(&self.routing.policy)
+            .map_err(|e| NodeError::Config(format!("invalid `routing.policy`: {e}")))?;
+        for (name, w) in [
+            ("routing.weights.w_rtt", self.routing.weights.w_rtt),
+            ("routing.weights.w_queue", self.routing.weights.w_queue),
+        ] {
+            if !(w.is_finite() && w >= 0.0) {
+                return bad(name, "must be a finite number >= 0");
+            }
+        }
+        if self.routing.max_hops > MAX_HOPS_CEILING {
+            return bad("routing.max_hops", "must be at most 8");
+        }
+        if self.routing.block_bytes == 0 {
+            return bad("routing.block_bytes", "must be > 0");
+        }
+        if self.routing.bytes_per_token == 0 {
+            return bad("routing.bytes_per_token", "must be > 0");
+        }
+        if self.routing.decision_log == 0 || self.routing.decision_log > 100_000 {
+            return bad("routing.decision_log", "must be in 1..=100000");
+        }
+        if self.tuning.window_requests == 0 {
+            return bad("tuning.window_requests", "must be > 0");
+        }
+        if !(self.tuning.e2e_guard.is_finite() && self.tuning.e2e_guard >= 0.0) {
+            return bad("tuning.e2e_guard", "must be a finite number >= 0");
+        }
+        if self.admin.token.len() < 8 {
+            return bad("admin.token", "must be at least 8 characters");
+        }
+        if self.limits.max_body_bytes == 0 || self.limits.max_body_bytes > MAX_BODY_CEILING {
+            return bad("limits.max_body_bytes", "must be in 1..=268435456");
+        }
+        if self.limits.max_concurrency == 0 {
+            return bad("limits.max_concurrency", "must be > 0");
+        }
+        if self.limits.max_forwards == 0 {
+            return bad("limits.max_forwards", "must be > 0");
+        }
+        for (name, v) in [
+            ("limits.connect_timeout_ms", self.limits.connect_timeout_ms),
+            (
+                "limits.first_byte_timeout_ms",
+                self.limits.first_byte_timeout_ms,
+            ),
+            ("limits.request_timeout_ms", self.limits.request_timeout_ms),
+        ] {
+            if v == 0 {
+                return bad(name, "must be > 0");
+            }
+        }
+        Ok(())
+    }
+
+    /// The address peers should dial to reach this node.
+    pub fn advertised_quic(&self) -> SocketAddr {
+        self.listen.advertise_quic.unwrap_or(self.listen.quic)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) const MINIMAL: &str = r#"
+[node]
+id = "a"
+region = "us-ashburn"
+
+[listen]
+http = "127.0.0.1:8000"
+quic = "127.0.0.1:9000"
+admin = "127.0.0.1:8100"
+
+[engine]
+url = "http://127.0.0.1:30000"
+kind = "sglang"
+
+[tls]
+ca = "ca.pem"
+cert = "a.pem"
+key = "a.key"
+
+[admin]
+token = "secret-token"
+"#;
+
+    #[test]
+    fn minimal_config_loads_with_defaults() {
+        let c = NodeConfig::from_toml_str(MINIMAL).unwrap();
+        assert_eq!(c.node.id, "a");
+        assert_eq!(c.routing.max_hops, 1);
+        assert_eq!(c.routing.policy, "gorgo");
+        assert_eq!(c.engine.kind, EngineKind::Sglang);
+        assert_eq!(c.tuning.mode, TuningMode::Static);
+    }
+
+    #[test]
+    fn typo_is_an_error_naming_the_field() {
+        let text = MINIMAL.replace("kind = \"sglang\"", "kind = \"sglang\"\nurll = \"x\"");
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        assert!(e.contains("urll"), "{e}");
+    }
+
+    #[test]
+    fn missing_field_is_an_error_naming_it() {
+        let text = MINIMAL.replace("region = \"us-ashburn\"\n", "");
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        assert!(e.contains("region"), "{e}");
+    }
+
+    #[test]
+    fn bad_engine_kind_is_rejected() {
+        let text = MINIMAL.replace("kind = \"sglang\"", "kind = \"tgi\"");
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        assert!(e.contains("tgi"), "{e}");
+    }
+
+    #[test]
+    fn out_of_range_value_names_the_field() {
+        let text = format!("{MINIMAL}\n[limits]\nmax_body_bytes = 0\n");
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        assert!(e.contains("limits.max_body_bytes"), "{e}");
+        let text = format!("{MINIMAL}\n[routing]\npolicy = \"nope\"\n");
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        assert!(e.contains("routing.policy"), "{e}");
+    }
+
+    #[test]
+    fn per_peer_dial_addresses_parse() {
+        let text = format!(
+            "{MINIMAL}\n[cluster]\nseeds = [\"127.0.0.2:9000\"]\n[cluster.peers]\nb = \"127.0.0.9:7001\"\n"
+        );
+        let c = NodeConfig::from_toml_str(&text).unwrap();
+        assert_eq!(c.cluster.peers["b"], "127.0.0.9:7001".parse().unwrap());
+        assert_eq!(c.cluster.seeds.len(), 1);
+    }
+
+    #[test]
+    fn example_configs_load() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../configs/nodes");
+        let mut n = 0;
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "toml") {
+                NodeConfig::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                n += 1;
+            }
+        }
+        assert!(n >= 3, "expected three example configs, found {n}");
+    }
+}

@@ -1,0 +1,18 @@
+//! The one error type of `gorgo-node`.
+
+/// Everything that can stop the node or fail a request inside it.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// The configuration is invalid; the message names the field.
+    #[error("config: {0}")]
+    Config(String),
+    /// A socket could not be bound or served.
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+    /// The cluster layer failed to start or to forward.
+    #[error("cluster: {0}")]
+    Cluster(String),
+    /// A peer sent bytes that break the forward protocol.
+    #[error("forward protocol: {0}")]
+    Protocol(String),
+}
