@@ -14,3 +14,5 @@ pub use error::CoreError;
 pub use types::{NodeId, QueueStats, Weights};
 pub mod hash;
 pub use hash::HashChain;
+pub mod cost;
+pub mod fit;

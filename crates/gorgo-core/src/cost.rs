@@ -1,0 +1,333 @@
+//! The GORGO cost model: an estimate, in milliseconds, of the TTFT a request would see
+//! at each candidate region.
+//!
+//! ```text
+//! cost(r) = w_rtt * RTT_ms(self -> r)          0 for the local region
+//!         + t_p(r) * uncached_tokens(r)        prefill of what r has not cached
+//!         + w_queue * queue_ms(r)              waiting behind work already at r
+//! ```
+//!
+//! The three terms happen one after another in the serving pipeline, so with exact
+//! estimates their sum is TTFT minus the engine's fixed cost, and both weights would be
+//! 1.0 (DESIGN.md, "Policies").
+
+use std::collections::{HashMap, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+use crate::types::{NodeId, QueueStats, Weights};
+
+/// `t_p` used when a candidate reports none (no stats yet, or a nonsensical value): the
+/// paper's A100 + Mistral-7B calibration, 0.0938 ms per prompt token.
+pub const FALLBACK_T_P_MS: f64 = 0.0938;
+
+/// Prefill tokens per scheduler iteration assumed when estimating how many decode steps
+/// interleave with the prefill work ahead (SGLang's `chunked_prefill_size` default).
+pub const PREFILL_CHUNK_TOKENS: u64 = 8192;
+
+/// One region a request could be served at, as the deciding node sees it right now.
+///
+/// The driver fills it from its own measurements (RTT), the peer's last summary
+/// (`cached_tokens`), the peer's last queue stats and its own [`ForwardLedger`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Candidate {
+    /// Which node serves if this candidate is chosen.
+    pub node: NodeId,
+    /// True for the deciding node itself (RTT term is 0, serving needs no forward).
+    pub is_local: bool,
+    /// False when the node or its engine is known to be unable to serve; never chosen.
+    pub healthy: bool,
+    /// Measured round-trip time to the node (EWMA of QUIC path RTT), ms.
+    pub rtt_ms: f64,
+    /// Longest prefix of this request the node is believed to have cached, tokens.
+    pub cached_tokens: u64,
+    /// The node's last gossiped load signals.
+    pub stats: QueueStats,
+    /// Requests this node forwarded there since those stats were produced.
+    pub inflight_forwards: u32,
+    /// Prefill tokens those forwards add ahead of a new request (the driver records the
+    /// uncached estimate at decision time; raw prompt tokens are a safe over-estimate).
+    pub inflight_forward_prompt_tokens: u64,
+}
+
+impl Candidate {
+    /// A healthy, idle candidate with no cache: a convenient starting point for drivers
+    /// and tests, which then set the fields they know.
+    pub fn idle(node: impl Into<NodeId>, is_local: bool, rtt_ms: f64) -> Self {
+        Candidate {
+            node: node.into(),
+            is_local,
+            healthy: true,
+            rtt_ms,
+            cached_tokens: 0,
+            stats: QueueStats::default(),
+            inflight_forwards: 0,
+            inflight_forward_prompt_tokens: 0,
+        }
+    }
+
+    /// The candidate's prefill cost per token, or [`FALLBACK_T_P_MS`] when the reported
+    /// one is missing or not a positive finite number.
+    pub fn t_p_ms(&self) -> f64 {
+        let t = self.stats.t_p_ms;
+        if t.is_finite() && t > 0.0 {
+            t
+        } else {
+            FALLBACK_T_P_MS
+        }
+    }
+
+    /// Requests at the node as this node knows it: running, waiting, and own forwards
+    /// not yet reflected in its stats. The load signal of the count-based baselines.
+    pub fn inflight_requests(&self) -> u64 {
+        self.stats.running as u64 + self.stats.waiting as u64 + self.inflight_forwards as u64
+    }
+}
+
+/// One candidate's cost, term by term, so decisions can be explained
+/// (`/admin/decisions`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct CostTerms {
+    /// `w_rtt * RTT_ms` (0 for the local candidate).
+    pub rtt_ms: f64,
+    /// `t_p * uncached_tokens`.
+    pub prefill_ms: f64,
+    /// `w_queue * queue_ms`.
+    pub queue_ms: f64,
+    /// The sum of the three terms: the score the `gorgo` policy minimises.
+    pub total_ms: f64,
+    /// Prompt tokens believed cached at the candidate.
+    pub cached_tokens: u64,
+    /// Prompt tokens the candidate would have to prefill.
+    pub uncached_tokens: u64,
+    /// The `t_p` used, ms per token.
+    pub t_p_ms: f64,
+    /// Unweighted queueing estimate, ms.
+    pub raw_queue_ms: f64,
+    /// Prefill tokens estimated ahead of this request.
+    pub tokens_ahead: u64,
+}
+
+/// Unweighted estimate of the wait before `c`'s engine starts this request's prefill.
+///
+/// `t_p x tokens ahead` (unfinished prefill tokens from its stats plus this node's
+/// in-flight forwards there), plus the decode steps the scheduler interleaves meanwhile
+/// when it has a running batch: one decode step per prefill chunk ahead
+/// (`ceil(tokens_ahead / PREFILL_CHUNK_TOKENS)`) plus, on average, half of the step in
+/// progress when the request arrives. Returns `(queue_ms, tokens_ahead)`.
+pub fn queue_ms(c: &Candidate) -> (f64, u64) {
+    let tokens_ahead = c
+        .stats
+        .unfinished_prefill_tokens
+        .saturating_add(c.inflight_forward_prompt_tokens);
+    let prefill = c.t_p_ms() * tokens_ahead as f64;
+    let step = c.stats.decode_step_ms;
+    let decode = if c.stats.running > 0 && step.is_finite() && step > 0.0 {
+        let chunks = tokens_ahead.div_ceil(PREFILL_CHUNK_TOKENS) as f64;
+        (chunks + 0.5) * step
+    } else {
+        0.0
+    };
+    (prefill + decode, tokens_ahead)
+}
+
+/// The `gorgo` cost of serving a `prompt_tokens`-token request at `c` under `weights`.
+///
+/// Non-finite or negative RTTs to a peer make the candidate infinitely expensive (never
+/// preferred over a measured one); the local candidate's RTT term is always 0.
+pub fn cost_terms(prompt_tokens: u64, c: &Candidate, weights: Weights) -> CostTerms {
+    let cached_tokens = c.cached_tokens.min(prompt_tokens);
+    let uncached_tokens = prompt_tokens - cached_tokens;
+    let t_p_ms = c.t_p_ms();
+    let rtt_ms = if c.is_local {
+        0.0
+    } else if c.rtt_ms.is_finite() && c.rtt_ms >= 0.0 {
+        weights.w_rtt * c.rtt_ms
+    } else {
+        f64::INFINITY
+    };
+    let prefill_ms = t_p_ms * uncached_tokens as f64;
+    let (raw_queue_ms, tokens_ahead) = queue_ms(c);
+    let queue_ms = weights.w_queue * raw_queue_ms;
+    CostTerms {
+        rtt_ms,
+        prefill_ms,
+        queue_ms,
+        total_ms: rtt_ms + prefill_ms + queue_ms,
+        cached_tokens,
+        uncached_tokens,
+        t_p_ms,
+        raw_queue_ms,
+        tokens_ahead,
+    }
+}
+
+/// Most forwards remembered per peer; beyond this the oldest are dropped, which only
+/// under-counts a peer that has sent no stats for a very long time (likely dead).
+pub const MAX_LEDGER_ENTRIES_PER_PEER: usize = 4096;
+
+#[derive(Debug, Clone, Default)]
+struct PeerLedger {
+    /// Highest stats version seen from the peer, if any.
+    stats_version: Option<u64>,
+    /// `(sent_at_ms, prefill_tokens)` of forwards not yet reflected in its stats.
+    forwards: VecDeque<(u64, u64)>,
+    prefill_tokens: u64,
+}
+
+/// This node's forwards to each peer since that peer's last stats (anti-herding).
+///
+/// Between two gossip rounds several nodes would otherwise all see the same idle peer
+/// and all send it work; counting our own forwards into its queue damps that. A forward
+/// sent at `t` reaches the peer at about `t + rtt/2`, and stats that arrive at `now`
+/// were produced at about `now - rtt/2`, so new stats reflect the forwards sent before
+/// `now - rtt`; only those are cleared.
+#[derive(Debug, Clone, Default)]
+pub struct ForwardLedger {
+    peers: HashMap<NodeId, PeerLedger>,
+}
+
+impl ForwardLedger {
+    /// An empty ledger.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Note a forward of a request with `prefill_tokens` expected prefill to `peer`.
+    pub fn record_forward(&mut self, peer: &NodeId, prefill_tokens: u64, now_ms: u64) {
+        let entry = self.peers.entry(peer.clone()).or_default();
+        if entry.forwards.len() >= MAX_LEDGER_ENTRIES_PER_PEER {
+            if let Some((_, t)) = entry.forwards.pop_front() {
+                entry.prefill_tokens -= t;
+            }
+        }
+        entry.forwards.push_back((now_ms, prefill_tokens));
+        entry.prefill_tokens += prefill_tokens;
+    }
+
+    /// New stats from `peer` arrived at `now_ms`: if their version is newer than the
+    /// last seen, clear the forwards they already reflect (those sent before
+    /// `now_ms - rtt_ms`). Pass `rtt_ms = 0` to clear every forward. Returns true when
+    /// the version was new.
+    pub fn observe_stats(&mut self, peer: &NodeId, version: u64, now_ms: u64, rtt_ms: f64) -> bool {
+        let entry = self.peers.entry(peer.clone()).or_default();
+        if entry.stats_version.is_some_and(|seen| version <= seen) {
+            return false;
+        }
+        entry.stats_version = Some(version);
+        let rtt = if rtt_ms.is_finite() && rtt_ms > 0.0 { rtt_ms as u64 } else { 0 };
+        let cutoff = now_ms.saturating_sub(rtt);
+        while let Some(&(sent, tokens)) = entry.forwards.front() {
+            if sent > cutoff {
+                break;
+            }
+            entry.forwards.pop_front();
+            entry.prefill_tokens -= tokens;
+        }
+        true
+    }
+
+    /// `(forwards, prefill_tokens)` not yet reflected in `peer`'s stats.
+    pub fn pending(&self, peer: &NodeId) -> (u32, u64) {
+        self.peers
+            .get(peer)
+            .map(|e| (e.forwards.len() as u32, e.prefill_tokens))
+            .unwrap_or((0, 0))
+    }
+
+    /// Copy the pending counts into a candidate built for `candidate.node`.
+    pub fn apply(&self, candidate: &mut Candidate) {
+        let (n, tokens) = self.pending(&candidate.node);
+        candidate.inflight_forwards = n;
+        candidate.inflight_forward_prompt_tokens = tokens;
+    }
+
+    /// Drop everything about a peer that left the cluster.
+    pub fn forget(&mut self, peer: &NodeId) {
+        self.peers.remove(peer);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peer(rtt: f64, cached: u64) -> Candidate {
+        let mut c = Candidate::idle("peer", false, rtt);
+        c.cached_tokens = cached;
+        c.stats.t_p_ms = 0.094;
+        c
+    }
+
+    #[test]
+    fn terms_add_up_and_local_has_no_rtt() {
+        let mut local = peer(50.0, 0);
+        local.is_local = true;
+        let t = cost_terms(1000, &local, Weights::default());
+        assert_eq!(t.rtt_ms, 0.0);
+        assert!((t.prefill_ms - 94.0).abs() < 1e-9);
+        assert_eq!(t.total_ms, t.rtt_ms + t.prefill_ms + t.queue_ms);
+    }
+
+    #[test]
+    fn cached_tokens_never_exceed_prompt() {
+        let t = cost_terms(100, &peer(10.0, 1000), Weights::default());
+        assert_eq!(t.cached_tokens, 100);
+        assert_eq!(t.uncached_tokens, 0);
+    }
+
+    #[test]
+    fn bad_rtt_or_t_p_is_guarded() {
+        let mut c = peer(f64::NAN, 0);
+        c.stats.t_p_ms = f64::NAN;
+        let t = cost_terms(10, &c, Weights::default());
+        assert_eq!(t.t_p_ms, FALLBACK_T_P_MS);
+        assert!(t.total_ms.is_infinite());
+    }
+
+    #[test]
+    fn queue_counts_decode_steps_when_running() {
+        let mut c = peer(0.0, 0);
+        c.stats.unfinished_prefill_tokens = 10_000;
+        c.stats.decode_step_ms = 20.0;
+        assert!((queue_ms(&c).0 - 940.0).abs() < 1e-9);
+        c.stats.running = 4;
+        // Two chunks ahead plus half a step in progress.
+        assert!((queue_ms(&c).0 - (940.0 + 2.5 * 20.0)).abs() < 1e-9);
+        c.inflight_forward_prompt_tokens = 1000;
+        assert_eq!(queue_ms(&c).1, 11_000);
+    }
+
+    #[test]
+    fn ledger_clears_on_newer_stats_only() {
+        let p = NodeId::from("b");
+        let mut l = ForwardLedger::new();
+        l.observe_stats(&p, 5, 0, 0.0);
+        l.record_forward(&p, 100, 1000);
+        l.record_forward(&p, 50, 1100);
+        assert_eq!(l.pending(&p), (2, 150));
+        assert!(!l.observe_stats(&p, 5, 2000, 0.0));
+        assert_eq!(l.pending(&p), (2, 150));
+        // Stats produced ~rtt/2 ago cannot reflect the forward sent 50 ms ago.
+        assert!(l.observe_stats(&p, 6, 1150, 80.0));
+        assert_eq!(l.pending(&p), (1, 50));
+        assert!(l.observe_stats(&p, 7, 1300, 80.0));
+        assert_eq!(l.pending(&p), (0, 0));
+        let mut c = Candidate::idle("b", false, 1.0);
+        l.record_forward(&p, 7, 1400);
+        l.apply(&mut c);
+        assert_eq!((c.inflight_forwards, c.inflight_forward_prompt_tokens), (1, 7));
+        l.forget(&p);
+        assert_eq!(l.pending(&p), (0, 0));
+    }
+
+    #[test]
+    fn ledger_is_bounded() {
+        let p = NodeId::from("b");
+        let mut l = ForwardLedger::new();
+        for i in 0..(MAX_LEDGER_ENTRIES_PER_PEER as u64 + 10) {
+            l.record_forward(&p, 1, i);
+        }
+        assert_eq!(l.pending(&p), (MAX_LEDGER_ENTRIES_PER_PEER as u32, MAX_LEDGER_ENTRIES_PER_PEER as u64));
+    }
+}

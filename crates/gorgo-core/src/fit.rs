@@ -1,0 +1,280 @@
+//! Online fit of a node's prefill cost: `TTFT - RTT = base + t_p * uncached_tokens`.
+//!
+//! Each node fits its own engine (DESIGN.md, "Signals: t_p per node") so heterogeneous
+//! regions get their own `t_p`, and gossips the result in its queue stats. Recursive
+//! least squares with a forgetting factor follows drift (load, model swaps) without
+//! storing history; the configured profile seeds it so the first decisions are sane.
+
+use std::collections::VecDeque;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::CoreError;
+
+/// Tokens are fitted in thousands so the two regressors have similar magnitudes and the
+/// 2x2 covariance stays well conditioned.
+const TOKEN_SCALE: f64 = 1000.0;
+
+/// Largest observation accepted, ms: anything above is a stuck request, not prefill.
+const MAX_OBSERVED_MS: f64 = 600_000.0;
+
+/// Largest prompt accepted, tokens: beyond any context window, so a bad count.
+const MAX_TOKENS: u64 = 10_000_000;
+
+/// Tuning knobs of [`PrefillFit`].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FitConfig {
+    /// RLS forgetting factor in (0, 1]; memory is about `1 / (1 - forgetting)` samples.
+    pub forgetting: f64,
+    /// Samples kept to compute R^2 of the current fit.
+    pub r2_window: usize,
+    /// Prior variance of the seeded base, ms^2 (how far the profile may be off).
+    pub base_prior_var: f64,
+    /// Prior variance of the seeded `t_p`, (ms per 1000 tokens)^2.
+    pub t_p_prior_var: f64,
+    /// Bound on the covariance trace: forgetting stops above it, which prevents windup
+    /// when every request has the same length and the data carry no information.
+    pub max_cov_trace: f64,
+}
+
+impl Default for FitConfig {
+    fn default() -> Self {
+        FitConfig {
+            forgetting: 0.995,
+            r2_window: 256,
+            base_prior_var: 100.0 * 100.0,
+            t_p_prior_var: 50.0 * 50.0,
+            max_cov_trace: 1e6,
+        }
+    }
+}
+
+impl FitConfig {
+    /// Check every field, naming the one that is wrong.
+    pub fn validate(&self) -> Result<(), CoreError> {
+        let bad = |field: &str, reason: &str| {
+            Err(CoreError::InvalidConfig { field: field.into(), reason: reason.into() })
+        };
+        if !(self.forgetting > 0.0 && self.forgetting <= 1.0) {
+            return bad("forgetting", "must be in (0, 1]");
+        }
+        if self.r2_window < 3 {
+            return bad("r2_window", "must be at least 3");
+        }
+        if !(self.base_prior_var.is_finite() && self.base_prior_var > 0.0) {
+            return bad("base_prior_var", "must be positive");
+        }
+        if !(self.t_p_prior_var.is_finite() && self.t_p_prior_var > 0.0) {
+            return bad("t_p_prior_var", "must be positive");
+        }
+        if !(self.max_cov_trace.is_finite() && self.max_cov_trace > 0.0) {
+            return bad("max_cov_trace", "must be positive");
+        }
+        Ok(())
+    }
+}
+
+/// Recursive-least-squares fit of `TTFT - RTT = base + t_p * uncached_tokens`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PrefillFit {
+    cfg: FitConfig,
+    /// `[base_ms, t_p_ms * TOKEN_SCALE]`.
+    theta: [f64; 2],
+    /// Covariance, row-major 2x2.
+    p: [[f64; 2]; 2],
+    /// Recent `(uncached_tokens, ttft - rtt)` for R^2.
+    recent: VecDeque<(f64, f64)>,
+    samples: u64,
+    rejected: u64,
+}
+
+impl PrefillFit {
+    /// Start from a profile's `base_ms` and `t_p_ms` (e.g. the paper's 150.72, 0.0938).
+    pub fn new(seed_base_ms: f64, seed_t_p_ms: f64, cfg: FitConfig) -> Result<Self, CoreError> {
+        cfg.validate()?;
+        if !(seed_base_ms.is_finite() && seed_base_ms >= 0.0) {
+            return Err(CoreError::InvalidConfig {
+                field: "base_ms".into(),
+                reason: "must be a finite, non-negative number".into(),
+            });
+        }
+        if !(seed_t_p_ms.is_finite() && seed_t_p_ms > 0.0) {
+            return Err(CoreError::InvalidConfig {
+                field: "t_p_ms".into(),
+                reason: "must be a finite, positive number".into(),
+            });
+        }
+        Ok(PrefillFit {
+            cfg,
+            theta: [seed_base_ms, seed_t_p_ms * TOKEN_SCALE],
+            p: [[cfg.base_prior_var, 0.0], [0.0, cfg.t_p_prior_var]],
+            recent: VecDeque::with_capacity(cfg.r2_window),
+            samples: 0,
+            rejected: 0,
+        })
+    }
+
+    /// Add one finished request. Returns false (and ignores it) when the inputs are not
+    /// finite, negative, or larger than any real prefill.
+    pub fn observe(&mut self, ttft_ms: f64, rtt_ms: f64, uncached_tokens: u64) -> bool {
+        let y = ttft_ms - rtt_ms;
+        if !(ttft_ms.is_finite() && rtt_ms.is_finite() && rtt_ms >= 0.0)
+            || !(0.0..=MAX_OBSERVED_MS).contains(&y)
+            || uncached_tokens > MAX_TOKENS
+        {
+            self.rejected += 1;
+            return false;
+        }
+        let x = [1.0, uncached_tokens as f64 / TOKEN_SCALE];
+        let px = [
+            self.p[0][0] * x[0] + self.p[0][1] * x[1],
+            self.p[1][0] * x[0] + self.p[1][1] * x[1],
+        ];
+        let trace = self.p[0][0] + self.p[1][1];
+        let lambda = if trace < self.cfg.max_cov_trace { self.cfg.forgetting } else { 1.0 };
+        let denom = lambda + x[0] * px[0] + x[1] * px[1];
+        if !(denom.is_finite() && denom > 0.0) {
+            self.rejected += 1;
+            return false;
+        }
+        let k = [px[0] / denom, px[1] / denom];
+        let err = y - (self.theta[0] * x[0] + self.theta[1] * x[1]);
+        let theta = [self.theta[0] + k[0] * err, self.theta[1] + k[1] * err];
+        // P = (P - k x^T P) / lambda, symmetrised against rounding drift.
+        let mut p = [[0.0; 2]; 2];
+        for (i, row) in p.iter_mut().enumerate() {
+            for (j, v) in row.iter_mut().enumerate() {
+                *v = (self.p[i][j] - k[i] * px[j]) / lambda;
+            }
+        }
+        let off = 0.5 * (p[0][1] + p[1][0]);
+        p[0][1] = off;
+        p[1][0] = off;
+        if !(theta.iter().all(|v| v.is_finite()) && p.iter().flatten().all(|v| v.is_finite())) {
+            self.rejected += 1;
+            return false;
+        }
+        self.theta = theta;
+        self.p = p;
+        if self.recent.len() == self.cfg.r2_window {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((uncached_tokens as f64, y));
+        self.samples += 1;
+        true
+    }
+
+    /// Fitted fixed cost, ms (never negative).
+    pub fn base_ms(&self) -> f64 {
+        self.theta[0].max(0.0)
+    }
+
+    /// Fitted prefill cost per uncached token, ms (never below a microsecond per
+    /// thousand tokens, so a noisy fit cannot make prefill look free).
+    pub fn t_p_ms(&self) -> f64 {
+        (self.theta[1] / TOKEN_SCALE).max(1e-6)
+    }
+
+    /// Predicted `TTFT - RTT` for `uncached_tokens`, ms.
+    pub fn predict_ms(&self, uncached_tokens: u64) -> f64 {
+        self.base_ms() + self.t_p_ms() * uncached_tokens as f64
+    }
+
+    /// Coefficient of determination of the current fit over the recent window; `None`
+    /// with fewer than 3 samples or when every observation is identical.
+    pub fn r_squared(&self) -> Option<f64> {
+        let n = self.recent.len();
+        if n < 3 {
+            return None;
+        }
+        let mean = self.recent.iter().map(|&(_, y)| y).sum::<f64>() / n as f64;
+        let ss_tot: f64 = self.recent.iter().map(|&(_, y)| (y - mean).powi(2)).sum();
+        if ss_tot <= f64::EPSILON {
+            return None;
+        }
+        let ss_res: f64 = self
+            .recent
+            .iter()
+            .map(|&(u, y)| {
+                let pred = self.theta[0] + self.theta[1] * u / TOKEN_SCALE;
+                (y - pred).powi(2)
+            })
+            .sum();
+        Some(1.0 - ss_res / ss_tot)
+    }
+
+    /// Observations accepted so far.
+    pub fn samples(&self) -> u64 {
+        self.samples
+    }
+
+    /// Observations refused as degenerate.
+    pub fn rejected(&self) -> u64 {
+        self.rejected
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn converges_to_a_new_engine() {
+        let mut f = PrefillFit::new(150.72, 0.0938, FitConfig::default()).unwrap();
+        // The engine is actually an H200: 40 ms + 0.0295 ms/token, with noise.
+        let mut s = 12345u64;
+        for i in 0..2000u64 {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let noise = ((s >> 33) as f64 / (1u64 << 31) as f64 - 0.5) * 10.0;
+            let tokens = 100 + (i * 7919) % 16_000;
+            let rtt = 30.0;
+            assert!(f.observe(rtt + 40.0 + 0.0295 * tokens as f64 + noise, rtt, tokens));
+        }
+        assert!((f.t_p_ms() - 0.0295).abs() < 0.001, "t_p {}", f.t_p_ms());
+        assert!((f.base_ms() - 40.0).abs() < 3.0, "base {}", f.base_ms());
+        assert!(f.r_squared().unwrap() > 0.98);
+    }
+
+    #[test]
+    fn degenerate_inputs_are_refused() {
+        let mut f = PrefillFit::new(150.0, 0.09, FitConfig::default()).unwrap();
+        assert!(!f.observe(f64::NAN, 0.0, 10));
+        assert!(!f.observe(100.0, f64::INFINITY, 10));
+        assert!(!f.observe(10.0, 50.0, 10));
+        assert!(!f.observe(100.0, -1.0, 10));
+        assert_eq!(f.samples(), 0);
+        assert_eq!(f.rejected(), 4);
+        assert_eq!(f.t_p_ms(), 0.09);
+        assert!(f.r_squared().is_none());
+        assert!(PrefillFit::new(-1.0, 0.09, FitConfig::default()).is_err());
+        let cfg = FitConfig { forgetting: 1.5, ..FitConfig::default() };
+        match PrefillFit::new(1.0, 0.09, cfg) {
+            Err(CoreError::InvalidConfig { field, .. }) => assert_eq!(field, "forgetting"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn constant_length_requests_do_not_wind_up() {
+        let mut f = PrefillFit::new(150.0, 0.09, FitConfig::default()).unwrap();
+        for _ in 0..100_000 {
+            f.observe(240.0, 0.0, 1000);
+        }
+        assert!(f.t_p_ms().is_finite() && f.base_ms().is_finite());
+        assert!((f.predict_ms(1000) - 240.0).abs() < 1.0);
+    }
+
+    proptest! {
+        #[test]
+        fn never_non_finite(obs in proptest::collection::vec((any::<f64>(), any::<f64>(), any::<u64>()), 0..200)) {
+            let mut f = PrefillFit::new(150.0, 0.09, FitConfig::default()).unwrap();
+            for (t, r, u) in obs {
+                f.observe(t, r, u);
+            }
+            prop_assert!(f.t_p_ms().is_finite() && f.base_ms().is_finite());
+            prop_assert!(f.t_p_ms() > 0.0 && f.base_ms() >= 0.0);
+        }
+    }
+}
