@@ -1,0 +1,262 @@
+//! The radix prefix cache, in tokens, over chain blocks.
+//!
+//! A chained block hash identifies its whole prefix, so a map from hash to node (with
+//! its parent hash) *is* a radix tree: no edge labels, no token comparison. Each node
+//! holds the tokens of one block, a reference count (requests using it now) and a
+//! last-use stamp. Only unreferenced leaves are evicted, least recently used first;
+//! evicting a leaf can make its parent an evictable leaf.
+//!
+//! Invariant: a request references every node of its matched/inserted path from the
+//! root, so a node's refcount is at least any child's, and every unreferenced node sits
+//! in an unreferenced subtree that leaf-first eviction can fully reclaim.
+
+use std::collections::{BTreeSet, HashMap};
+
+/// One block of a cached prefix.
+#[derive(Debug, Clone)]
+struct Node {
+    /// Hash of the previous block, `None` for the first block of a prompt.
+    parent: Option<u64>,
+    /// Tokens this block holds.
+    tokens: u32,
+    /// Requests holding this block.
+    refs: u32,
+    /// Cached children.
+    children: u32,
+    /// Logical clock of the last release (LRU order).
+    stamp: u64,
+}
+
+/// Prefix cache over chain blocks with LRU eviction of unreferenced leaves.
+#[derive(Debug, Default, Clone)]
+pub struct RadixCache {
+    nodes: HashMap<u64, Node>,
+    /// Unreferenced leaves ordered by `(stamp, hash)`: the eviction order.
+    evictable_leaves: BTreeSet<(u64, u64)>,
+    /// Tokens of every cached node.
+    cached_tokens: u64,
+    /// Tokens of cached nodes with no reference (reclaimable by eviction).
+    unreferenced_tokens: u64,
+    clock: u64,
+}
+
+impl RadixCache {
+    /// An empty cache.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Tokens held by cached blocks (referenced or not).
+    pub fn cached_tokens(&self) -> u64 {
+        self.cached_tokens
+    }
+
+    /// Tokens that eviction could reclaim now.
+    pub fn evictable_tokens(&self) -> u64 {
+        self.unreferenced_tokens
+    }
+
+    /// Number of cached blocks.
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// True when nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    /// True when block `hash` is cached.
+    pub fn contains(&self, hash: u64) -> bool {
+        self.nodes.contains_key(&hash)
+    }
+
+    /// Reference count of block `hash` (0 when absent).
+    pub fn refs(&self, hash: u64) -> u32 {
+        self.nodes.get(&hash).map_or(0, |n| n.refs)
+    }
+
+    /// How many leading blocks of `hashes` are cached.
+    pub fn match_len(&self, hashes: &[u64]) -> usize {
+        hashes.iter().take_while(|h| self.nodes.contains_key(h)).count()
+    }
+
+    /// Take a reference on a cached block (a request starts using it).
+    ///
+    /// Returns false (and does nothing) if the block is not cached.
+    pub fn acquire(&mut self, hash: u64) -> bool {
+        let Some(node) = self.nodes.get_mut(&hash) else {
+            return false;
+        };
+        if node.refs == 0 {
+            self.unreferenced_tokens -= node.tokens as u64;
+            if node.children == 0 {
+                self.evictable_leaves.remove(&(node.stamp, hash));
+            }
+        }
+        node.refs += 1;
+        true
+    }
+
+    /// Drop a reference taken with [`acquire`](Self::acquire) or [`insert`](Self::insert).
+    pub fn release(&mut self, hash: u64) {
+        self.clock += 1;
+        let stamp = self.clock;
+        let Some(node) = self.nodes.get_mut(&hash) else {
+            return;
+        };
+        debug_assert!(node.refs > 0, "release of an unreferenced block");
+        if node.refs == 0 {
+            return;
+        }
+        node.refs -= 1;
+        node.stamp = stamp;
+        if node.refs == 0 {
+            self.unreferenced_tokens += node.tokens as u64;
+            if node.children == 0 {
+                self.evictable_leaves.insert((stamp, hash));
+            }
+        }
+    }
+
+    /// Cache a newly computed block below `parent` and take one reference on it.
+    ///
+    /// The parent must be cached (and referenced by the caller) unless this is a first
+    /// block. If the block is already cached (another request computed it meanwhile) this
+    /// only takes a reference; returns whether new tokens were added to the cache.
+    pub fn insert(&mut self, hash: u64, parent: Option<u64>, tokens: u32) -> bool {
+        if self.acquire(hash) {
+            return false;
+        }
+        if let Some(p) = parent {
+            if let Some(pn) = self.nodes.get_mut(&p) {
+                if pn.children == 0 && pn.refs == 0 {
+                    self.evictable_leaves.remove(&(pn.stamp, p));
+                }
+                pn.children += 1;
+            }
+        }
+        self.clock += 1;
+        self.nodes.insert(
+            hash,
+            Node {
+                parent,
+                tokens,
+                refs: 1,
+                children: 0,
+                stamp: self.clock,
+            },
+        );
+        self.cached_tokens += tokens as u64;
+        true
+    }
+
+    /// Evict least recently used unreferenced leaves until at least `tokens` tokens
+    /// are freed or nothing is evictable. Returns the tokens freed.
+    pub fn evict(&mut self, tokens: u64) -> u64 {
+        let mut freed = 0;
+        while freed < tokens {
+            let Some((_, hash)) = self.evictable_leaves.pop_first() else {
+                break;
+            };
+            let node = self
+                .nodes
+                .remove(&hash)
+                .expect("evictable leaf is cached");
+            freed += node.tokens as u64;
+            self.cached_tokens -= node.tokens as u64;
+            self.unreferenced_tokens -= node.tokens as u64;
+            if let Some(p) = node.parent {
+                if let Some(pn) = self.nodes.get_mut(&p) {
+                    pn.children -= 1;
+                    if pn.children == 0 && pn.refs == 0 {
+                        self.evictable_leaves.insert((pn.stamp, p));
+                    }
+                }
+            }
+        }
+        freed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn evicts_lru_leaf_first_and_never_referenced() {
+        let mut c = RadixCache::new();
+        // Chain a: 1 -> 2 ; chain b: 1 -> 3.
+        c.insert(1, None, 10);
+        c.insert(2, Some(1), 10);
+        c.acquire(1);
+        c.insert(3, Some(1), 10);
+        // a finishes first, b is still running.
+        c.release(2);
+        c.release(1);
+        assert_eq!(c.evictable_tokens(), 10);
+        assert_eq!(c.evict(100), 10);
+        assert!(!c.contains(2));
+        assert!(c.contains(1) && c.contains(3));
+        c.release(3);
+        c.release(1);
+        assert_eq!(c.evict(5), 10);
+        assert!(!c.contains(3), "leaf goes before its parent");
+        assert_eq!(c.evict(5), 10);
+        assert!(c.is_empty());
+        assert_eq!(c.cached_tokens(), 0);
+    }
+
+    proptest! {
+        /// Random insert/release/evict sequences keep the token counters exact and
+        /// never evict a referenced block.
+        #[test]
+        fn counters_stay_exact(ops in proptest::collection::vec((0u8..3, 0usize..6, 1u64..40), 1..200)) {
+            let mut c = RadixCache::new();
+            // Chains of length 6 from 3 different roots; held[i] = depth held by holder i.
+            let mut held: Vec<(u64, usize)> = Vec::new();
+            for (op, depth, x) in ops {
+                match op {
+                    0 => {
+                        let root = x % 3;
+                        let chain: Vec<u64> = (0..=depth as u64).map(|i| root * 100 + i + 1).collect();
+                        let mut parent = None;
+                        for &h in &chain {
+                            c.insert(h, parent, 4);
+                            parent = Some(h);
+                        }
+                        held.push((root, depth));
+                    }
+                    1 => {
+                        if !held.is_empty() {
+                            let (root, depth) = held.swap_remove(x as usize % held.len());
+                            for i in 0..=depth as u64 {
+                                c.release(root * 100 + i + 1);
+                            }
+                        }
+                    }
+                    _ => {
+                        c.evict(x);
+                    }
+                }
+                let total: u64 = c.nodes.values().map(|n| n.tokens as u64).sum();
+                let unref: u64 = c.nodes.values().filter(|n| n.refs == 0).map(|n| n.tokens as u64).sum();
+                prop_assert_eq!(total, c.cached_tokens());
+                prop_assert_eq!(unref, c.evictable_tokens());
+                for &(root, depth) in &held {
+                    for i in 0..=depth as u64 {
+                        prop_assert!(c.contains(root * 100 + i + 1));
+                    }
+                }
+            }
+            for (root, depth) in held.drain(..) {
+                for i in 0..=depth as u64 {
+                    c.release(root * 100 + i + 1);
+                }
+            }
+            c.evict(u64::MAX);
+            prop_assert!(c.is_empty());
+        }
+    }
+}

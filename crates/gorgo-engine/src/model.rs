@@ -1,0 +1,571 @@
+//! The sans-IO engine model: an SGLang-like scheduler over a radix prefix cache.
+//!
+//! One [`Engine`] is one inference server. Requests go in with [`Engine::submit`];
+//! the driver calls [`Engine::step`] at (or after) [`Engine::next_event_time`] and gets
+//! the events that happened up to then. Time is an argument (`f64` milliseconds on any
+//! clock), so the emulator runs this on the real clock and the simulator on virtual time.
+//!
+//! Each scheduler iteration is either a prefill batch (up to `chunked_prefill_size` new
+//! prompt tokens, FCFS over admitted requests, long prompts chunked) or one decode step
+//! for every request past its prefill; when both kinds of work exist they alternate.
+//! Admission is FCFS and bounded by `max_running_requests` and by KV capacity: a request
+//! reserves its uncached prompt plus its whole output budget, evicting unreferenced
+//! cached blocks LRU-first if it must.
+
+use std::collections::VecDeque;
+
+use gorgo_core::HashChain;
+
+use crate::cache::RadixCache;
+use crate::Profile;
+
+/// One request as the engine sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineRequest {
+    /// Caller-chosen id, unique among live requests; events carry it back.
+    pub id: u64,
+    /// The prompt as chained block hashes (what the prefix cache matches on).
+    pub chain: HashChain,
+    /// Prompt tokens. Tokens past the chain's end are computed but never cached.
+    pub prompt_tokens: u64,
+    /// Output tokens to generate (the first one comes out of the prefill).
+    pub max_output_tokens: u32,
+    /// When the request reached the engine, ms.
+    pub arrival_ms: f64,
+}
+
+/// Why a request was refused at submission.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RejectReason {
+    /// Prompt plus output exceed the profile's `context_length`.
+    #[error("{requested} tokens requested, context length is {limit}")]
+    ContextLength {
+        /// Prompt plus output tokens asked for.
+        requested: u64,
+        /// The profile's context length.
+        limit: u64,
+    },
+    /// Prompt plus output could never fit in the KV cache.
+    #[error("{requested} tokens requested, KV capacity is {capacity}")]
+    OverCapacity {
+        /// Prompt plus output tokens asked for.
+        requested: u64,
+        /// The profile's `max_total_tokens`.
+        capacity: u64,
+    },
+    /// The waiting queue is at its configured limit.
+    #[error("waiting queue full ({limit} requests)")]
+    QueueFull {
+        /// The configured limit.
+        limit: usize,
+    },
+}
+
+/// What happened inside the engine, in time order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineEvent {
+    /// Prefill finished: the first output token exists.
+    FirstToken {
+        /// Request id.
+        id: u64,
+        /// When, ms.
+        at_ms: f64,
+        /// Prompt tokens served from the prefix cache.
+        cached_tokens: u64,
+    },
+    /// One decode step produced one more token for each of `ids` (only when
+    /// decode-step events are enabled, see [`Engine::set_emit_decode_steps`]).
+    DecodeStep {
+        /// Requests that got a token.
+        ids: Vec<u64>,
+        /// When, ms.
+        at_ms: f64,
+    },
+    /// The request produced its last token and released its resources.
+    Finished {
+        /// Request id.
+        id: u64,
+        /// When, ms.
+        at_ms: f64,
+        /// Output tokens produced.
+        output_tokens: u32,
+    },
+    /// The request was refused at submission (also returned by `submit`).
+    Rejected {
+        /// Request id.
+        id: u64,
+        /// Why.
+        reason: RejectReason,
+    },
+}
+
+/// A snapshot of the engine's load, as `/metrics` and the router's queue stats need it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineStats {
+    /// Requests admitted and not finished.
+    pub running: usize,
+    /// Requests waiting for admission.
+    pub waiting: usize,
+    /// KV tokens in use: cached blocks plus running requests' private reservations.
+    pub used_tokens: u64,
+    /// KV capacity in tokens.
+    pub capacity: u64,
+    /// Tokens held by the prefix cache (referenced or not).
+    pub cached_tokens: u64,
+    /// Cached tokens no running request references (reclaimable).
+    pub evictable_tokens: u64,
+    /// Prompt tokens not yet prefilled: running remainders plus whole waiting prompts.
+    pub unfinished_prefill_tokens: u64,
+    /// Cached / total prompt tokens over every admitted request so far.
+    pub cache_hit_rate: f64,
+    /// Prompt tokens of every admitted request.
+    pub prompt_tokens_total: u64,
+    /// Of which served from the cache.
+    pub cached_prompt_tokens_total: u64,
+    /// Output tokens produced.
+    pub generation_tokens_total: u64,
+    /// Requests finished.
+    pub finished_total: u64,
+    /// Cost of a decode step over the current decoding batch, ms.
+    pub decode_step_ms: f64,
+    /// Requests currently past prefill and decoding.
+    pub decoding: usize,
+}
+
+#[derive(Debug)]
+struct Waiting {
+    req: EngineRequest,
+    ready_ms: f64,
+}
+
+#[derive(Debug)]
+struct Running {
+    req: EngineRequest,
+    /// Prompt tokens reported as served from cache.
+    cached_tokens: u64,
+    /// Prompt tokens computed or cached so far.
+    computed: u64,
+    /// Leading chain blocks this request references in the cache.
+    held_blocks: usize,
+    /// Tokens of those blocks.
+    held_tokens: u64,
+    /// KV tokens reserved outside the cache (uncached prompt not yet cached + output).
+    reserved: u64,
+    /// Tokens of this request in the prefill batch now running.
+    chunk: u64,
+    /// Output tokens produced.
+    generated: u32,
+}
+
+impl Running {
+    fn prefilling(&self) -> bool {
+        self.computed < self.req.prompt_tokens
+    }
+    fn decoding(&self) -> bool {
+        !self.prefilling() && self.generated >= 1 && self.generated < self.req.max_output_tokens
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum IterationKind {
+    Prefill,
+    Decode,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Iteration {
+    kind: IterationKind,
+    end_ms: f64,
+}
+
+/// One inference engine: scheduler, KV accounting and prefix cache.
+#[derive(Debug)]
+pub struct Engine {
+    profile: Profile,
+    cache: RadixCache,
+    waiting: VecDeque<Waiting>,
+    waiting_prompt_tokens: u64,
+    running: Vec<Running>,
+    /// Empty buffer swapped with `running` when finished requests leave.
+    spare: Vec<Running>,
+    inflight: Option<Iteration>,
+    last_was_prefill: bool,
+    idle_since_ms: f64,
+    private_tokens: u64,
+    events: Vec<EngineEvent>,
+    max_waiting: Option<usize>,
+    emit_decode_steps: bool,
+    prompt_tokens_total: u64,
+    cached_prompt_tokens_total: u64,
+    generation_tokens_total: u64,
+    finished_total: u64,
+}
+
+impl Engine {
+    /// An idle engine with an empty cache.
+    pub fn new(profile: Profile) -> Self {
+        Engine {
+            profile,
+            cache: RadixCache::new(),
+            waiting: VecDeque::new(),
+            waiting_prompt_tokens: 0,
+            running: Vec::new(),
+            spare: Vec::new(),
+            inflight: None,
+            last_was_prefill: false,
+            idle_since_ms: f64::NEG_INFINITY,
+            private_tokens: 0,
+            events: Vec::new(),
+            max_waiting: None,
+            emit_decode_steps: true,
+            prompt_tokens_total: 0,
+            cached_prompt_tokens_total: 0,
+            generation_tokens_total: 0,
+            finished_total: 0,
+        }
+    }
+
+    /// The profile this engine runs.
+    pub fn profile(&self) -> &Profile {
+        &self.profile
+    }
+
+    /// Refuse submissions while `limit` requests wait (`None`: unbounded, the default).
+    pub fn set_max_waiting(&mut self, limit: Option<usize>) {
+        self.max_waiting = limit;
+    }
+
+    /// Whether to emit a [`EngineEvent::DecodeStep`] per decode step (default true).
+    /// A simulator that only needs TTFT and E2E turns it off to stay allocation-light.
+    pub fn set_emit_decode_steps(&mut self, emit: bool) {
+        self.emit_decode_steps = emit;
+    }
+
+    /// Queue a request that arrives at `now_ms`. Refusals are returned and also
+    /// emitted as [`EngineEvent::Rejected`].
+    pub fn submit(&mut self, mut req: EngineRequest, now_ms: f64) -> Result<(), RejectReason> {
+        self.advance(now_ms);
+        req.prompt_tokens = req.prompt_tokens.max(1);
+        req.max_output_tokens = req.max_output_tokens.max(1);
+        let requested = req.prompt_tokens + req.max_output_tokens as u64;
+        let refusal = if requested > self.profile.context_length {
+            Some(RejectReason::ContextLength {
+                requested,
+                limit: self.profile.context_length,
+            })
+        } else if requested > self.profile.max_total_tokens {
+            Some(RejectReason::OverCapacity {
+                requested,
+                capacity: self.profile.max_total_tokens,
+            })
+        } else {
+            match self.max_waiting {
+                Some(limit) if self.waiting.len() >= limit => Some(RejectReason::QueueFull { limit }),
+                _ => None,
+            }
+        };
+        if let Some(reason) = refusal {
+            self.events.push(EngineEvent::Rejected {
+                id: req.id,
+                reason: reason.clone(),
+            });
+            return Err(reason);
+        }
+        self.waiting_prompt_tokens += req.prompt_tokens;
+        let ready_ms = now_ms + self.profile.request_overhead_ms;
+        self.waiting.push_back(Waiting { req, ready_ms });
+        self.advance(now_ms);
+        Ok(())
+    }
+
+    /// Drop a request (client gone): it leaves the queue or frees its slot, its KV
+    /// reservation and its cache references now. Returns false if it was not live.
+    /// An aborted request produces no further events.
+    pub fn abort(&mut self, id: u64, now_ms: f64) -> bool {
+        self.advance(now_ms);
+        if let Some(i) = self.waiting.iter().position(|w| w.req.id == id) {
+            let w = self.waiting.remove(i).expect("index from position");
+            self.waiting_prompt_tokens -= w.req.prompt_tokens;
+            return true;
+        }
+        if let Some(i) = self.running.iter().position(|r| r.req.id == id) {
+            // `remove`, not `swap_remove`: prefill batches follow admission order.
+            let r = self.running.remove(i);
+            self.release(&r);
+            // The iteration in flight still costs its time; if nothing is left to do
+            // after it, the engine simply goes idle at its end.
+            return true;
+        }
+        false
+    }
+
+    /// When the next thing happens (an iteration ends or a queued request becomes
+    /// schedulable), ms; `None` when idle with nothing queued.
+    pub fn next_event_time(&self) -> Option<f64> {
+        match self.inflight {
+            Some(it) => Some(it.end_ms),
+            None => self
+                .waiting
+                .front()
+                .map(|w| w.ready_ms.max(self.idle_since_ms)),
+        }
+    }
+
+    /// Advance to `now_ms`, running every iteration that ends by then, and return the
+    /// events that happened, in time order.
+    pub fn step(&mut self, now_ms: f64) -> Vec<EngineEvent> {
+        self.advance(now_ms);
+        std::mem::take(&mut self.events)
+    }
+
+    /// Like [`step`](Self::step) but appends to `out`, so a hot loop reuses one buffer.
+    pub fn step_into(&mut self, now_ms: f64, out: &mut Vec<EngineEvent>) {
+        self.advance(now_ms);
+        out.append(&mut self.events);
+    }
+
+    /// Current load and cache figures.
+    pub fn stats(&self) -> EngineStats {
+        let mut decoding = 0usize;
+        let mut context = 0u64;
+        let mut unfinished = self.waiting_prompt_tokens;
+        for r in &self.running {
+            unfinished += r.req.prompt_tokens - r.computed;
+            if r.decoding() {
+                decoding += 1;
+                context += r.req.prompt_tokens + r.generated as u64;
+            }
+        }
+        EngineStats {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            used_tokens: self.cache.cached_tokens() + self.private_tokens,
+            capacity: self.profile.max_total_tokens,
+            cached_tokens: self.cache.cached_tokens(),
+            evictable_tokens: self.cache.evictable_tokens(),
+            unfinished_prefill_tokens: unfinished,
+            cache_hit_rate: if self.prompt_tokens_total == 0 {
+                0.0
+            } else {
+                self.cached_prompt_tokens_total as f64 / self.prompt_tokens_total as f64
+            },
+            prompt_tokens_total: self.prompt_tokens_total,
+            cached_prompt_tokens_total: self.cached_prompt_tokens_total,
+            generation_tokens_total: self.generation_tokens_total,
+            finished_total: self.finished_total,
+            decode_step_ms: if decoding == 0 {
+                0.0
+            } else {
+                self.profile.decode_step_ms(decoding, context)
+            },
+            decoding,
+        }
+    }
+
+    /// Run every iteration that ends by `now_ms`; start the next one when idle.
+    fn advance(&mut self, now_ms: f64) {
+        loop {
+            match self.inflight {
+                Some(it) if it.end_ms <= now_ms => {
+                    self.inflight = None;
+                    self.complete(it);
+                    self.idle_since_ms = it.end_ms;
+                    self.start_iteration(it.end_ms);
+                }
+                Some(_) => return,
+                None => {
+                    let Some(head) = self.waiting.front() else {
+                        return;
+                    };
+                    let start = head.ready_ms.max(self.idle_since_ms);
+                    if start > now_ms {
+                        return;
+                    }
+                    self.start_iteration(start);
+                    if self.inflight.is_none() {
+                        // Nothing could start (cannot happen with an empty engine, since
+                        // oversized requests are refused); do not spin.
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Admit what fits, then start a prefill batch or a decode step at `t`.
+    fn start_iteration(&mut self, t: f64) {
+        self.admit(t);
+        let has_prefill = self.running.iter().any(Running::prefilling);
+        let has_decode = self.running.iter().any(Running::decoding);
+        let kind = if has_prefill && (!has_decode || !self.last_was_prefill) {
+            IterationKind::Prefill
+        } else if has_decode {
+            IterationKind::Decode
+        } else {
+            return;
+        };
+        let cost = match kind {
+            IterationKind::Prefill => {
+                let mut budget = self.profile.chunked_prefill_size;
+                let mut total = 0;
+                for r in self.running.iter_mut().filter(|r| r.prefilling()) {
+                    if budget == 0 {
+                        break;
+                    }
+                    let take = (r.req.prompt_tokens - r.computed).min(budget);
+                    r.chunk = take;
+                    budget -= take;
+                    total += take;
+                }
+                self.profile.prefill_batch_ms(total)
+            }
+            IterationKind::Decode => {
+                let (mut batch, mut context) = (0usize, 0u64);
+                for r in self.running.iter().filter(|r| r.decoding()) {
+                    batch += 1;
+                    context += r.req.prompt_tokens + r.generated as u64;
+                }
+                self.profile.decode_step_ms(batch, context)
+            }
+        };
+        self.last_was_prefill = kind == IterationKind::Prefill;
+        self.inflight = Some(Iteration {
+            kind,
+            end_ms: t + cost,
+        });
+    }
+
+    /// FCFS admission of ready waiting requests while slots and KV allow.
+    fn admit(&mut self, t: f64) {
+        let capacity = self.profile.max_total_tokens;
+        while self.running.len() < self.profile.max_running_requests as usize {
+            let Some(head) = self.waiting.front() else {
+                return;
+            };
+            if head.ready_ms > t {
+                return;
+            }
+            let req = &head.req;
+            let matched = self.cache.match_len(&req.chain.hashes);
+            let matched_tokens = req.chain.prefix_tokens(matched);
+            // A fully cached prompt still computes its last token (as SGLang does).
+            let cached = matched_tokens.min(req.prompt_tokens - 1);
+            let need = req.prompt_tokens - cached + req.max_output_tokens as u64;
+            let unreferenced_matched: u64 = req.chain.hashes[..matched]
+                .iter()
+                .zip(&req.chain.block_tokens)
+                .filter(|(h, _)| self.cache.refs(**h) == 0)
+                .map(|(_, t)| *t as u64)
+                .sum();
+            let used = self.cache.cached_tokens() + self.private_tokens;
+            let free = capacity.saturating_sub(used);
+            let reclaimable = self.cache.evictable_tokens() - unreferenced_matched;
+            if free + reclaimable < need {
+                return;
+            }
+            let head = self.waiting.pop_front().expect("front exists");
+            let req = head.req;
+            for &h in &req.chain.hashes[..matched] {
+                self.cache.acquire(h);
+            }
+            if free < need {
+                self.cache.evict(need - free);
+            }
+            self.private_tokens += need;
+            self.waiting_prompt_tokens -= req.prompt_tokens;
+            self.prompt_tokens_total += req.prompt_tokens;
+            self.cached_prompt_tokens_total += cached;
+            self.running.push(Running {
+                cached_tokens: cached,
+                computed: cached,
+                held_blocks: matched,
+                held_tokens: matched_tokens,
+                reserved: need,
+                chunk: 0,
+                generated: 0,
+                req,
+            });
+        }
+    }
+
+    /// Apply the effects of an iteration that just ended.
+    fn complete(&mut self, it: Iteration) {
+        let at_ms = it.end_ms;
+        let mut finished = false;
+        match it.kind {
+            IterationKind::Prefill => {
+                for r in self.running.iter_mut().filter(|r| r.chunk > 0) {
+                    r.computed += r.chunk;
+                    r.chunk = 0;
+                    // Cache every block now fully computed.
+                    let chain = &r.req.chain;
+                    while r.held_blocks < chain.len() {
+                        let tokens = chain.block_tokens[r.held_blocks] as u64;
+                        if r.held_tokens + tokens > r.computed {
+                            break;
+                        }
+                        let parent = r.held_blocks.checked_sub(1).map(|p| chain.hashes[p]);
+                        self.cache
+                            .insert(chain.hashes[r.held_blocks], parent, tokens as u32);
+                        r.held_blocks += 1;
+                        r.held_tokens += tokens;
+                        r.reserved -= tokens;
+                        self.private_tokens -= tokens;
+                    }
+                    if !r.prefilling() {
+                        r.generated = 1;
+                        self.generation_tokens_total += 1;
+                        self.events.push(EngineEvent::FirstToken {
+                            id: r.req.id,
+                            at_ms,
+                            cached_tokens: r.cached_tokens,
+                        });
+                        finished |= r.generated >= r.req.max_output_tokens;
+                    }
+                }
+            }
+            IterationKind::Decode => {
+                let mut ids = Vec::new();
+                for r in self.running.iter_mut().filter(|r| r.decoding()) {
+                    r.generated += 1;
+                    self.generation_tokens_total += 1;
+                    if self.emit_decode_steps {
+                        ids.push(r.req.id);
+                    }
+                    finished |= r.generated >= r.req.max_output_tokens;
+                }
+                if self.emit_decode_steps && !ids.is_empty() {
+                    self.events.push(EngineEvent::DecodeStep { ids, at_ms });
+                }
+            }
+        }
+        if finished {
+            // Order-preserving compaction through a reused buffer.
+            let mut all = std::mem::take(&mut self.running);
+            let mut kept = std::mem::take(&mut self.spare);
+            for r in all.drain(..) {
+                if !r.prefilling() && r.generated >= r.req.max_output_tokens {
+                    self.events.push(EngineEvent::Finished {
+                        id: r.req.id,
+                        at_ms,
+                        output_tokens: r.generated,
+                    });
+                    self.finished_total += 1;
+                    self.release(&r);
+                } else {
+                    kept.push(r);
+                }
+            }
+            self.running = kept;
+            self.spare = all;
+        }
+    }
+
+    /// Give back a request's cache references and KV reservation.
+    fn release(&mut self, r: &Running) {
+        for &h in r.req.chain.hashes[..r.held_blocks].iter().rev() {
+            self.cache.release(h);
+        }
+        self.private_tokens -= r.reserved;
+    }
+}

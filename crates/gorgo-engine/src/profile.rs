@@ -1,0 +1,217 @@
+//! Timing and capacity profiles of an inference engine.
+//!
+//! A profile is what makes the one engine model behave like a particular GPU and
+//! model: the cost of a prefill batch, the cost of a decode step, the KV capacity and
+//! the scheduler limits. Built-in profiles live in `configs/engines/*.toml` and are
+//! embedded in the binary so `gorgo engine --profile <name>` works from any directory;
+//! `docs/engine-profiles.md` says how each was fitted.
+
+use serde::{Deserialize, Serialize};
+
+use crate::EngineError;
+
+/// The built-in profiles: `(name, TOML text)`, embedded at compile time.
+const BUILT_IN: &[(&str, &str)] = &[
+    (
+        "paper-a100-mistral7b",
+        include_str!("../../../configs/engines/paper-a100-mistral7b.toml"),
+    ),
+    (
+        "h200-mistral7b",
+        include_str!("../../../configs/engines/h200-mistral7b.toml"),
+    ),
+    (
+        "h200-dense-1.5b",
+        include_str!("../../../configs/engines/h200-dense-1.5b.toml"),
+    ),
+    (
+        "paper-l40s-qwen35b-a3b",
+        include_str!("../../../configs/engines/paper-l40s-qwen35b-a3b.toml"),
+    ),
+];
+
+/// Costs and limits of one engine (GPU + model + serving stack).
+///
+/// Every time is in milliseconds. A prefill batch of `n` new tokens costs
+/// `prefill_base_ms + t_p_ms_per_token * n`; a decode step over `b` sequences with `c`
+/// context tokens in total costs `decode_base_ms + per_seq_ms * b + per_ctx_token_ms * c`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Profile {
+    /// Profile name, as used with `--profile`.
+    pub name: String,
+    /// One line on what hardware, model and stack this profile stands for.
+    #[serde(default)]
+    pub description: String,
+    /// Model name the emulator reports by default (`/v1/models`, `model` fields).
+    pub model: String,
+    /// Fixed latency of every request before the scheduler sees it (HTTP, tokenizer,
+    /// IPC). It delays the first token but does not occupy the GPU.
+    #[serde(default)]
+    pub request_overhead_ms: f64,
+    /// Fixed cost of one prefill batch (kernel launches, scheduling), GPU-bound.
+    pub prefill_base_ms: f64,
+    /// Prefill cost per uncached prompt token.
+    pub t_p_ms_per_token: f64,
+    /// Fixed cost of one decode step.
+    pub decode_base_ms: f64,
+    /// Decode step cost per running sequence.
+    pub per_seq_ms: f64,
+    /// Decode step cost per context token summed over the batch (attention reads).
+    pub per_ctx_token_ms: f64,
+    /// KV cache capacity in tokens (SGLang's `max_total_num_tokens`).
+    pub max_total_tokens: u64,
+    /// Most new prompt tokens in one prefill batch (SGLang's `chunked_prefill_size`).
+    pub chunked_prefill_size: u64,
+    /// Most requests running (prefilling or decoding) at once.
+    pub max_running_requests: u32,
+    /// Longest prompt + output a request may ask for.
+    pub context_length: u64,
+}
+
+impl Profile {
+    /// Names of the built-in profiles.
+    pub fn built_in_names() -> Vec<&'static str> {
+        BUILT_IN.iter().map(|(n, _)| *n).collect()
+    }
+
+    /// A built-in profile by name (`paper-a100-mistral7b`, `h200-mistral7b`,
+    /// `h200-dense-1.5b`, `paper-l40s-qwen35b-a3b`).
+    pub fn by_name(name: &str) -> Result<Profile, EngineError> {
+        let (_, text) = BUILT_IN.iter().find(|(n, _)| *n == name).ok_or_else(|| {
+            EngineError::UnknownProfile {
+                name: name.to_owned(),
+                known: Self::built_in_names().join(", "),
+            }
+        })?;
+        Self::from_toml_str(text, name)
+    }
+
+    /// Load a custom profile from a TOML file.
+    pub fn from_file(path: impl AsRef<std::path::Path>) -> Result<Profile, EngineError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| EngineError::ReadProfile {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_toml_str(&text, &path.display().to_string())
+    }
+
+    /// A built-in name if there is one with that name, else a file path.
+    pub fn by_name_or_file(name_or_path: &str) -> Result<Profile, EngineError> {
+        if BUILT_IN.iter().any(|(n, _)| *n == name_or_path) {
+            Self::by_name(name_or_path)
+        } else if std::path::Path::new(name_or_path).exists() {
+            Self::from_file(name_or_path)
+        } else {
+            Self::by_name(name_or_path)
+        }
+    }
+
+    /// Parse and validate profile TOML; `source_name` goes into error messages.
+    pub fn from_toml_str(text: &str, source_name: &str) -> Result<Profile, EngineError> {
+        let profile: Profile =
+            toml::from_str(text).map_err(|e| EngineError::InvalidProfile {
+                source_name: source_name.to_owned(),
+                message: e.to_string(),
+            })?;
+        profile.validate().map_err(|message| EngineError::InvalidProfile {
+            source_name: source_name.to_owned(),
+            message,
+        })?;
+        Ok(profile)
+    }
+
+    /// Check value ranges; the error names the field.
+    pub fn validate(&self) -> Result<(), String> {
+        let non_negative = [
+            ("request_overhead_ms", self.request_overhead_ms),
+            ("prefill_base_ms", self.prefill_base_ms),
+            ("t_p_ms_per_token", self.t_p_ms_per_token),
+            ("decode_base_ms", self.decode_base_ms),
+            ("per_seq_ms", self.per_seq_ms),
+            ("per_ctx_token_ms", self.per_ctx_token_ms),
+        ];
+        for (field, v) in non_negative {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!("field `{field}` must be a finite number >= 0, got {v}"));
+            }
+        }
+        if self.prefill_base_ms + self.t_p_ms_per_token <= 0.0 {
+            return Err("fields `prefill_base_ms` and `t_p_ms_per_token` cannot both be 0".into());
+        }
+        if self.decode_base_ms + self.per_seq_ms <= 0.0 {
+            return Err("fields `decode_base_ms` and `per_seq_ms` cannot both be 0".into());
+        }
+        let positive = [
+            ("max_total_tokens", self.max_total_tokens),
+            ("chunked_prefill_size", self.chunked_prefill_size),
+            ("max_running_requests", self.max_running_requests as u64),
+            ("context_length", self.context_length),
+        ];
+        for (field, v) in positive {
+            if v == 0 {
+                return Err(format!("field `{field}` must be > 0"));
+            }
+        }
+        if self.name.is_empty() {
+            return Err("field `name` must not be empty".into());
+        }
+        Ok(())
+    }
+
+    /// Engine-side TTFT of a lone request with `uncached` new tokens on an idle engine.
+    pub fn idle_ttft_ms(&self, uncached: u64) -> f64 {
+        let chunks = uncached.max(1).div_ceil(self.chunked_prefill_size);
+        self.request_overhead_ms
+            + chunks as f64 * self.prefill_base_ms
+            + self.t_p_ms_per_token * uncached as f64
+    }
+
+    /// Cost of one decode step over `batch` sequences holding `context_tokens` in all.
+    pub fn decode_step_ms(&self, batch: usize, context_tokens: u64) -> f64 {
+        self.decode_base_ms
+            + self.per_seq_ms * batch as f64
+            + self.per_ctx_token_ms * context_tokens as f64
+    }
+
+    /// Cost of one prefill batch of `tokens` new tokens.
+    pub fn prefill_batch_ms(&self, tokens: u64) -> f64 {
+        self.prefill_base_ms + self.t_p_ms_per_token * tokens as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_built_in_profile_loads() {
+        for name in Profile::built_in_names() {
+            let p = Profile::by_name(name).unwrap();
+            assert_eq!(p.name, name);
+        }
+    }
+
+    #[test]
+    fn unknown_name_lists_the_known_ones() {
+        let e = Profile::by_name("nope").unwrap_err().to_string();
+        assert!(e.contains("paper-a100-mistral7b"), "{e}");
+    }
+
+    #[test]
+    fn unknown_field_is_named() {
+        let mut text = include_str!("../../../configs/engines/h200-mistral7b.toml").to_owned();
+        text.push_str("\nt_p_ms_per_tokn = 1.0\n");
+        let e = Profile::from_toml_str(&text, "x").unwrap_err().to_string();
+        assert!(e.contains("t_p_ms_per_tokn"), "{e}");
+    }
+
+    #[test]
+    fn bad_value_is_named() {
+        let text = include_str!("../../../configs/engines/h200-mistral7b.toml")
+            .replace("max_running_requests = ", "max_running_requests = 0 #");
+        let e = Profile::from_toml_str(&text, "x").unwrap_err().to_string();
+        assert!(e.contains("max_running_requests"), "{e}");
+    }
+}
