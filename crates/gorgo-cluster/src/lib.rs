@@ -1,3 +1,27 @@
-//! Cluster layer: QUIC transport with mutual TLS, foca SWIM membership, gossip of summaries and queue stats
+//! Cluster layer of GORGO: one QUIC endpoint per node with mutual TLS under a cluster
+//! CA, foca SWIM membership over QUIC datagrams, gossip of prefix summaries (deltas on
+//! uni-streams) and queue stats (foca broadcasts), bi-streams for forwarded requests,
+//! and the concurrent peer table the router reads.
+//!
+//! Start a member with [`start`]; the node keeps the returned [`ClusterHandle`].
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
+
+pub mod cluster;
+pub mod config;
+pub mod error;
+pub mod gossip;
+pub mod identity;
+pub mod state;
+pub mod tls;
+mod transport;
+
+pub use cluster::{start, AppMessage, ClusterHandle, ClusterSocket, IncomingForward, MembershipEvent};
+pub use config::{system_clock, ClusterConfig, SwimTimings, WallClock};
+pub use error::{ClusterError, Result};
+pub use gossip::SharedSummary;
+pub use identity::{MemberId, MAX_SWIM_PACKET};
+pub use state::{ClusterMetrics, PeerState, PeerTable, PeerView, RTT_EWMA_ALPHA};
+pub use tls::{write_cluster_certs, ClusterCa, IssuedNode, NodeCredentials, TlsFiles, CLUSTER_SERVER_NAME};
+pub use transport::{MAX_APP_MESSAGE, MAX_GOSSIP_FRAME};
+pub use tokio_util::sync::CancellationToken;

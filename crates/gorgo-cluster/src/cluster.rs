@@ -1,0 +1,562 @@
+//! The cluster driver: starts the endpoint, runs foca on a thin tokio task, and hands
+//! the node a [`ClusterHandle`].
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use foca::{AccumulatingRuntime, BroadcastHandler, Foca, Invalidates, OwnedNotification, Timer};
+use foca_rand::SeedableRng;
+use gorgo_core::summary::PeerSummary;
+use gorgo_core::{NodeId, QueueStats};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::ClusterConfig;
+use crate::error::{ClusterError, Result};
+use crate::gossip::{GossipState, SharedSummary};
+use crate::identity::{BincodeCodec, MemberId};
+use crate::state::{ClusterMetrics, PeerTable, PeerView, TrafficKind};
+use crate::tls::{client_crypto, server_crypto, validate_node_id};
+use crate::transport::{self, Connections, MAX_APP_MESSAGE, STREAM_APP};
+
+/// Where the QUIC endpoint gets its UDP socket.
+pub enum ClusterSocket {
+    /// Bind `ClusterConfig::listen` with a std socket.
+    Bind,
+    /// A bound std socket (real network).
+    Std(std::net::UdpSocket),
+    /// Any socket and runtime quinn accepts (tests: turmoil).
+    Custom {
+        /// The socket.
+        socket: Arc<dyn quinn::AsyncUdpSocket>,
+        /// The runtime (timers and spawning).
+        runtime: Arc<dyn quinn::Runtime>,
+    },
+}
+
+impl std::fmt::Debug for ClusterSocket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ClusterSocket::Bind => f.write_str("Bind"),
+            ClusterSocket::Std(s) => f.debug_tuple("Std").field(s).finish(),
+            ClusterSocket::Custom { socket, .. } => f.debug_tuple("Custom").field(socket).finish(),
+        }
+    }
+}
+
+/// A bi-stream a peer opened to forward a request to this node.
+#[derive(Debug)]
+pub struct IncomingForward {
+    /// The peer (from its certificate).
+    pub from: NodeId,
+    /// Where the response goes.
+    pub send: quinn::SendStream,
+    /// Where the request comes from.
+    pub recv: quinn::RecvStream,
+}
+
+/// An application message (e.g. the tuning protocol) from a peer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AppMessage {
+    /// The peer (from its certificate).
+    pub from: NodeId,
+    /// Application-defined kind byte.
+    pub kind: u8,
+    /// Payload, at most [`MAX_APP_MESSAGE`] bytes.
+    pub payload: Bytes,
+}
+
+/// A membership change as this node saw it, for the admin API and traces.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub enum MembershipEvent {
+    /// A peer became a routing candidate.
+    Up(NodeId, u64),
+    /// A peer was declared down or left.
+    Down(NodeId, u64),
+    /// This node rejoined with a new generation after being declared down.
+    Rejoined(u64),
+}
+
+pub(crate) enum FocaInput {
+    Data { from: NodeId, data: Bytes },
+    Timer(Timer<MemberId>),
+    Broadcast(Vec<u8>),
+    Leave(oneshot::Sender<()>),
+}
+
+/// Shared state of a running cluster member.
+pub(crate) struct Inner {
+    pub(crate) node_id: NodeId,
+    pub(crate) config: ClusterConfig,
+    pub(crate) me: Mutex<MemberId>,
+    pub(crate) endpoint: quinn::Endpoint,
+    pub(crate) conns: Connections,
+    pub(crate) peers: PeerTable,
+    pub(crate) metrics: ClusterMetrics,
+    pub(crate) foca_tx: mpsc::UnboundedSender<FocaInput>,
+    pub(crate) shutdown: CancellationToken,
+    pub(crate) summary: Arc<SharedSummary>,
+    pub(crate) local_stats: Mutex<QueueStats>,
+    pub(crate) gossip: Mutex<GossipState>,
+    pub(crate) forward_tx: mpsc::Sender<IncomingForward>,
+    forward_rx: Mutex<Option<mpsc::Receiver<IncomingForward>>>,
+    pub(crate) app_tx: mpsc::Sender<AppMessage>,
+    app_rx: Mutex<Option<mpsc::Receiver<AppMessage>>>,
+    started: Instant,
+    events: Mutex<Vec<(Duration, MembershipEvent)>>,
+}
+
+/// What the node holds: cheap to clone, every method usable from any task.
+#[derive(Clone)]
+pub struct ClusterHandle {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for ClusterHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterHandle").field("node", &self.inner.node_id).finish_non_exhaustive()
+    }
+}
+
+/// Forwards waiting for the node to take them.
+const FORWARD_INBOX: usize = 1024;
+/// App messages waiting for the node to take them.
+const APP_INBOX: usize = 1024;
+/// Cap on one encoded stats broadcast.
+const MAX_STATS_BROADCAST: usize = 512;
+
+/// Start a cluster member: bind the endpoint, announce to the seeds, gossip until
+/// `shutdown` is cancelled (then leave gracefully).
+pub async fn start(
+    config: ClusterConfig,
+    socket: ClusterSocket,
+    summary: Arc<SharedSummary>,
+    shutdown: CancellationToken,
+) -> Result<ClusterHandle> {
+    validate_node_id(&config.node_id)?;
+    if config.gossip_interval.is_zero() {
+        return Err(ClusterError::Config { field: "gossip_interval", reason: "must be > 0".into() });
+    }
+    if config.swim.probe_rtt >= config.swim.probe_period {
+        return Err(ClusterError::Config {
+            field: "swim.probe_rtt",
+            reason: "must be shorter than swim.probe_period".into(),
+        });
+    }
+    let transport = Arc::new(transport::transport_config(config.idle_timeout, config.keep_alive));
+    let mut server = quinn::ServerConfig::with_crypto(Arc::new(server_crypto(&config.credentials)?));
+    server.transport_config(transport.clone());
+    let mut client = quinn::ClientConfig::new(Arc::new(client_crypto(&config.credentials)?));
+    client.transport_config(transport);
+    let endpoint_config = quinn::EndpointConfig::default();
+    let mut endpoint = match socket {
+        ClusterSocket::Bind => {
+            let s = std::net::UdpSocket::bind(config.listen)?;
+            quinn::Endpoint::new(endpoint_config, Some(server), s, Arc::new(quinn::TokioRuntime))?
+        }
+        ClusterSocket::Std(s) => {
+            quinn::Endpoint::new(endpoint_config, Some(server), s, Arc::new(quinn::TokioRuntime))?
+        }
+        ClusterSocket::Custom { socket, runtime } => {
+            quinn::Endpoint::new_with_abstract_socket(endpoint_config, Some(server), socket, runtime)?
+        }
+    };
+    endpoint.set_default_client_config(client);
+
+    let generation = config.generation.unwrap_or_else(|| (config.wall_clock)());
+    let me = MemberId {
+        node: config.node_id.clone(),
+        region: config.region.clone(),
+        addr: config.advertise,
+        generation,
+    };
+    let seed = config.rng_seed.unwrap_or_else(|| {
+        gorgo_core::hash::hash_bytes(format!("{}/{generation}", config.node_id).as_bytes())
+    });
+    let (foca_tx, foca_rx) = mpsc::unbounded_channel();
+    let (forward_tx, forward_rx) = mpsc::channel(FORWARD_INBOX);
+    let (app_tx, app_rx) = mpsc::channel(APP_INBOX);
+    let inner = Arc::new(Inner {
+        node_id: config.node_id.clone(),
+        me: Mutex::new(me.clone()),
+        endpoint,
+        conns: Connections::default(),
+        peers: PeerTable::default(),
+        metrics: ClusterMetrics::default(),
+        foca_tx,
+        shutdown,
+        summary,
+        local_stats: Mutex::new(QueueStats::default()),
+        gossip: Mutex::new(GossipState::default()),
+        forward_tx,
+        forward_rx: Mutex::new(Some(forward_rx)),
+        app_tx,
+        app_rx: Mutex::new(Some(app_rx)),
+        started: Instant::now(),
+        events: Mutex::new(Vec::new()),
+        config,
+    });
+    let handler = StatsHandler { inner: Arc::downgrade(&inner) };
+    let foca = Foca::with_custom_broadcast(
+        me,
+        inner.config.swim.foca_config(),
+        foca_rand::rngs::SmallRng::seed_from_u64(seed),
+        BincodeCodec,
+        handler,
+    );
+    tokio::spawn(transport::accept_loop(inner.clone()));
+    tokio::spawn(run_foca(inner.clone(), foca, foca_rx));
+    tokio::spawn(crate::gossip::run(inner.clone()));
+    Ok(ClusterHandle { inner })
+}
+
+type ClusterFoca = Foca<MemberId, BincodeCodec, foca_rand::rngs::SmallRng, StatsHandler>;
+
+async fn run_foca(inner: Arc<Inner>, mut foca: ClusterFoca, mut rx: mpsc::UnboundedReceiver<FocaInput>) {
+    let mut rt = AccumulatingRuntime::new();
+    announce_to_seeds(&inner, &mut foca, &mut rt);
+    drain(&inner, &mut foca, &mut rt);
+    let mut reannounce = tokio::time::interval(inner.config.swim.announce_period);
+    reannounce.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    reannounce.tick().await;
+    loop {
+        tokio::select! {
+            biased;
+            _ = inner.shutdown.cancelled() => {
+                let _ = foca.leave_cluster(&mut rt);
+                drain(&inner, &mut foca, &mut rt);
+                flush_and_close(&inner).await;
+                return;
+            }
+            input = rx.recv() => {
+                let Some(input) = input else { return };
+                match input {
+                    FocaInput::Data { from, data } => handle_data(&inner, &mut foca, &mut rt, &from, &data),
+                    FocaInput::Timer(t) => {
+                        if let Err(e) = foca.handle_timer(t, &mut rt) {
+                            tracing::debug!("foca timer: {e}");
+                        }
+                    }
+                    FocaInput::Broadcast(b) => {
+                        if let Err(e) = foca.add_broadcast(&b) {
+                            tracing::debug!("foca broadcast: {e}");
+                        } else {
+                            let _ = foca.broadcast(&mut rt);
+                        }
+                    }
+                    FocaInput::Leave(done) => {
+                        let _ = foca.leave_cluster(&mut rt);
+                        drain(&inner, &mut foca, &mut rt);
+                        flush_and_close(&inner).await;
+                        inner.shutdown.cancel();
+                        let _ = done.send(());
+                        return;
+                    }
+                }
+            }
+            _ = reannounce.tick() => {
+                if foca.num_members() == 0 {
+                    announce_to_seeds(&inner, &mut foca, &mut rt);
+                }
+            }
+        }
+        drain(&inner, &mut foca, &mut rt);
+    }
+}
+
+fn announce_to_seeds(inner: &Arc<Inner>, foca: &mut ClusterFoca, rt: &mut AccumulatingRuntime<MemberId>) {
+    for seed in &inner.config.seeds {
+        if *seed == inner.config.advertise {
+            continue;
+        }
+        if let Err(e) = foca.announce(MemberId::seed(*seed), &mut *rt) {
+            tracing::debug!(%seed, "announce: {e}");
+        }
+    }
+}
+
+fn handle_data(
+    inner: &Arc<Inner>,
+    foca: &mut ClusterFoca,
+    rt: &mut AccumulatingRuntime<MemberId>,
+    from: &NodeId,
+    data: &[u8],
+) {
+    // The TLS peer must be who the packet claims to come from: a node may only speak
+    // for itself.
+    let header = foca::Codec::decode_header(&mut BincodeCodec, data);
+    match header {
+        Ok(h) if h.src.node == *from => {}
+        Ok(_) => {
+            ClusterMetrics::bump(&inner.metrics.spoofed_received);
+            return;
+        }
+        Err(_) => {
+            ClusterMetrics::bump(&inner.metrics.malformed_received);
+            return;
+        }
+    }
+    if let Err(e) = foca.handle_data(data, &mut *rt) {
+        ClusterMetrics::bump(&inner.metrics.malformed_received);
+        tracing::debug!(peer = %from, "swim packet refused: {e}");
+    }
+}
+
+/// Carry out what foca asked for: sends, timers, notifications.
+fn drain(inner: &Arc<Inner>, foca: &mut ClusterFoca, rt: &mut AccumulatingRuntime<MemberId>) {
+    while let Some((dst, bytes)) = rt.to_send() {
+        transport::send_swim(inner, dst, bytes);
+    }
+    while let Some((after, timer)) = rt.to_schedule() {
+        let tx = inner.foca_tx.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            let _ = tx.send(FocaInput::Timer(timer));
+        });
+    }
+    while let Some(n) = rt.to_notify() {
+        let now = Instant::now();
+        match n {
+            OwnedNotification::MemberUp(m) => {
+                inner.peers.member_up(&m, now);
+                inner.log(MembershipEvent::Up(m.node.clone(), m.generation));
+                crate::gossip::peer_joined(inner, &m.node);
+            }
+            OwnedNotification::MemberDown(m) => {
+                inner.peers.member_down(&m, now);
+                inner.log(MembershipEvent::Down(m.node.clone(), m.generation));
+            }
+            OwnedNotification::Rename(_, new) => {
+                if inner.peers.is_alive(&new.node) {
+                    inner.peers.member_up(&new, now);
+                }
+            }
+            OwnedNotification::Rejoin(id) => {
+                inner.log(MembershipEvent::Rejoined(id.generation));
+                *inner.me.lock() = id;
+            }
+            OwnedNotification::Defunct => tracing::warn!("declared down and cannot rejoin"),
+            OwnedNotification::Active | OwnedNotification::Idle => {}
+        }
+    }
+    let _ = foca;
+}
+
+/// Give queued SWIM datagrams (the leave notice) a moment to go out, then close.
+async fn flush_and_close(inner: &Inner) {
+    for _ in 0..20 {
+        let pending = inner
+            .conns
+            .all()
+            .iter()
+            .any(|(_, c)| c.close_reason().is_none() && c.datagram_send_buffer_space() < 256 * 1024);
+        if !pending {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // One more short pause: a datagram out of the buffer may still sit in quinn's
+    // packet queue.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    inner.endpoint.close(0u32.into(), b"leave");
+}
+
+impl Inner {
+    fn log(&self, e: MembershipEvent) {
+        tracing::info!(node = %self.node_id, event = ?e, "membership");
+        self.events.lock().push((self.started.elapsed(), e));
+    }
+}
+
+/// A queue-stats broadcast: small, versioned per origin.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct StatsBroadcast {
+    origin: NodeId,
+    stats: QueueStats,
+}
+
+/// Key under which foca disseminates a stats broadcast: a newer version from the same
+/// origin replaces an older one still in the backlog.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct StatsKey {
+    origin: NodeId,
+    version: u64,
+}
+
+impl Invalidates for StatsKey {
+    fn invalidates(&self, other: &Self) -> bool {
+        self.origin == other.origin && self.version > other.version
+    }
+}
+
+/// Decode error of a stats broadcast.
+#[derive(Debug, thiserror::Error)]
+#[error("stats broadcast: {0}")]
+struct StatsError(String);
+
+struct StatsHandler {
+    inner: std::sync::Weak<Inner>,
+}
+
+fn stats_config() -> impl bincode::config::Config {
+    bincode::config::standard().with_limit::<MAX_STATS_BROADCAST>()
+}
+
+impl BroadcastHandler<MemberId> for StatsHandler {
+    type Key = StatsKey;
+    type Error = StatsError;
+
+    fn receive_item(&mut self, data: &[u8], sender: Option<&MemberId>) -> Result<Option<StatsKey>, StatsError> {
+        if data.len() > MAX_STATS_BROADCAST {
+            return Err(StatsError(format!("{} bytes over {MAX_STATS_BROADCAST}", data.len())));
+        }
+        let (b, _): (StatsBroadcast, usize) =
+            bincode::serde::decode_from_slice(data, stats_config()).map_err(|e| StatsError(e.to_string()))?;
+        let key = StatsKey { origin: b.origin.clone(), version: b.stats.version };
+        let Some(inner) = self.inner.upgrade() else { return Ok(None) };
+        if sender.is_none() {
+            // Our own, added through `broadcast_stats`.
+            return Ok(Some(key));
+        }
+        if b.origin == inner.node_id {
+            return Ok(None);
+        }
+        let now = Instant::now();
+        Ok(inner.peers.offer_stats(&b.origin, &b.stats, now).then_some(key))
+    }
+}
+
+impl ClusterHandle {
+    /// This node's id.
+    pub fn node_id(&self) -> &NodeId {
+        &self.inner.node_id
+    }
+
+    /// This node's current SWIM identity (the generation grows on rejoin).
+    pub fn identity(&self) -> MemberId {
+        self.inner.me.lock().clone()
+    }
+
+    /// The local address of the QUIC endpoint.
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        Ok(self.inner.endpoint.local_addr()?)
+    }
+
+    /// Every known peer, alive or not, sorted by id.
+    pub fn peers(&self) -> Vec<PeerView> {
+        self.inner.peers.views(Instant::now())
+    }
+
+    /// Ids of the peers that are routing candidates now, sorted.
+    pub fn alive_peers(&self) -> Vec<NodeId> {
+        self.inner.peers.alive_ids()
+    }
+
+    /// Run `f` on `peer`'s summary while holding its table shard briefly: for routing,
+    /// keep `f` short (a prefix walk), never IO.
+    pub fn with_peer_summary<R>(&self, peer: &NodeId, f: impl FnOnce(&PeerSummary) -> R) -> Option<R> {
+        let e = self.inner.peers.peers.get(peer)?;
+        e.summary.as_ref().map(f)
+    }
+
+    /// The shared local summary this cluster gossips.
+    pub fn local_summary(&self) -> &Arc<SharedSummary> {
+        &self.inner.summary
+    }
+
+    /// Open a bi-stream to `peer` to forward a request.
+    pub async fn open_forward(&self, peer: &NodeId) -> Result<(quinn::SendStream, quinn::RecvStream)> {
+        let conn = match self.inner.conns.get(peer) {
+            Some(c) => c,
+            None => {
+                let addr = self
+                    .inner
+                    .peers
+                    .peers
+                    .get(peer)
+                    .map(|e| e.member.addr)
+                    .ok_or_else(|| ClusterError::UnknownPeer(peer.clone()))?;
+                transport::connect(&self.inner, Some(peer), addr).await?
+            }
+        };
+        Ok(conn.open_bi().await?)
+    }
+
+    /// The receiver of bi-streams peers open to forward requests here (once: the
+    /// first caller takes it).
+    pub fn incoming_forwards(&self) -> Option<mpsc::Receiver<IncomingForward>> {
+        self.inner.forward_rx.lock().take()
+    }
+
+    /// The receiver of application messages (once: the first caller takes it).
+    pub fn app_inbox(&self) -> Option<mpsc::Receiver<AppMessage>> {
+        self.inner.app_rx.lock().take()
+    }
+
+    /// Send an application message to one peer (reliable, on a uni-stream).
+    pub async fn send_to(&self, peer: &NodeId, kind: u8, payload: &[u8]) -> Result<()> {
+        if payload.len() > MAX_APP_MESSAGE {
+            return Err(ClusterError::TooLarge { size: payload.len(), limit: MAX_APP_MESSAGE });
+        }
+        let mut frame = Vec::with_capacity(payload.len() + 2);
+        frame.push(STREAM_APP);
+        frame.push(kind);
+        frame.extend_from_slice(payload);
+        transport::send_uni(&self.inner, peer, TrafficKind::App, &frame).await
+    }
+
+    /// Send an application message to every alive peer; returns how many got it.
+    pub async fn broadcast(&self, kind: u8, payload: &[u8]) -> Result<usize> {
+        let mut sent = 0;
+        for peer in self.alive_peers() {
+            match self.send_to(&peer, kind, payload).await {
+                Ok(()) => sent += 1,
+                Err(ClusterError::TooLarge { size, limit }) => return Err(ClusterError::TooLarge { size, limit }),
+                Err(e) => tracing::debug!(%peer, "app broadcast: {e}"),
+            }
+        }
+        Ok(sent)
+    }
+
+    /// Publish this node's queue stats: a foca broadcast now, and attached to every
+    /// summary message. The version is assigned here (monotonic per node).
+    pub fn broadcast_stats(&self, mut stats: QueueStats) -> Result<()> {
+        {
+            let mut cur = self.inner.local_stats.lock();
+            stats.version = stats.version.max(cur.version + 1);
+            *cur = stats.clone();
+        }
+        let b = StatsBroadcast { origin: self.inner.node_id.clone(), stats };
+        let bytes = bincode::serde::encode_to_vec(&b, stats_config())
+            .map_err(|e| ClusterError::Decode(e.to_string()))?;
+        self.inner.foca_tx.send(FocaInput::Broadcast(bytes)).map_err(|_| ClusterError::Shutdown)
+    }
+
+    /// The cluster's counters.
+    pub fn metrics(&self) -> &ClusterMetrics {
+        &self.inner.metrics
+    }
+
+    /// Membership changes seen so far, with the time since start.
+    pub fn membership_log(&self) -> Vec<(Duration, MembershipEvent)> {
+        self.inner.events.lock().clone()
+    }
+
+    /// Leave the cluster gracefully (peers see the leave at once rather than after a
+    /// failed probe) and stop every task.
+    pub async fn leave(&self) -> Result<()> {
+        let (tx, rx) = oneshot::channel();
+        self.inner.foca_tx.send(FocaInput::Leave(tx)).map_err(|_| ClusterError::Shutdown)?;
+        rx.await.map_err(|_| ClusterError::Shutdown)
+    }
+
+    /// True once the cluster has stopped (shutdown cancelled or left).
+    pub fn is_stopped(&self) -> bool {
+        self.inner.shutdown.is_cancelled()
+    }
+}

@@ -1,0 +1,275 @@
+//! Summary gossip: every interval, each alive peer gets the delta of this node's prefix
+//! summary since the version it last got (a snapshot on join, after a send failure or
+//! when it reports a gap), on its own QUIC uni-stream, with the current queue stats.
+//!
+//! Frame on the stream: `[STREAM_GOSSIP][oldest_change_ms: u64 LE][wire::GossipMessage]`.
+//! `oldest_change_ms` is when (origin's wall clock) the oldest change in the delta was
+//! made; the receiver subtracts it from its own clock to measure staleness. 0 means
+//! unknown (snapshots).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use gorgo_core::summary::{LocalSummary, PeerSummary};
+use gorgo_core::wire::{self, GossipMessage, MAX_GOSSIP_MESSAGE};
+use gorgo_core::{CoreError, NodeId};
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
+use crate::cluster::Inner;
+use crate::config::WallClock;
+use crate::state::{ClusterMetrics, TrafficKind};
+use crate::transport::{self, STREAM_GOSSIP};
+
+/// How many change points [`SharedSummary`] remembers for staleness stamps.
+const CHANGE_LOG: usize = 4096;
+/// A peer that reported a gap is not asked again for a snapshot sooner than this.
+const SNAPSHOT_REQUEST_BACKOFF: Duration = Duration::from_secs(1);
+
+/// The node's own summary, shared between the router (which records adds/removes) and
+/// the gossip task (which reads deltas). It also remembers when each version was
+/// reached, so that a delta can carry the time of its oldest change.
+pub struct SharedSummary {
+    inner: Mutex<SummaryInner>,
+    clock: WallClock,
+}
+
+struct SummaryInner {
+    summary: LocalSummary,
+    /// (version reached, wall ms when reached), oldest first.
+    changes: VecDeque<(u64, u64)>,
+}
+
+impl std::fmt::Debug for SharedSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedSummary").field("version", &self.read(|s| s.version())).finish()
+    }
+}
+
+impl SharedSummary {
+    /// Share `summary`, stamping changes with `clock`.
+    pub fn new(summary: LocalSummary, clock: WallClock) -> Arc<Self> {
+        Arc::new(SharedSummary { inner: Mutex::new(SummaryInner { summary, changes: VecDeque::new() }), clock })
+    }
+
+    /// Change the summary (keep `f` short: the gossip task waits on the same lock).
+    pub fn update<R>(&self, f: impl FnOnce(&mut LocalSummary) -> R) -> R {
+        let mut g = self.inner.lock();
+        let before = g.summary.version();
+        let r = f(&mut g.summary);
+        let after = g.summary.version();
+        if after != before {
+            let now = (self.clock)();
+            if g.changes.len() == CHANGE_LOG {
+                g.changes.pop_front();
+            }
+            g.changes.push_back((after, now));
+        }
+        r
+    }
+
+    /// Read the summary.
+    pub fn read<R>(&self, f: impl FnOnce(&LocalSummary) -> R) -> R {
+        f(&self.inner.lock().summary)
+    }
+
+    /// Wall ms of the oldest change after version `v` (0 when unknown).
+    fn oldest_change_after(changes: &VecDeque<(u64, u64)>, v: u64) -> u64 {
+        changes.iter().find(|(ver, _)| *ver > v).map_or(0, |(_, t)| *t)
+    }
+}
+
+/// Per-peer sender state.
+#[derive(Debug, Default)]
+pub(crate) struct GossipState {
+    peers: HashMap<NodeId, PeerGossip>,
+}
+
+#[derive(Debug, Default)]
+struct PeerGossip {
+    /// The version the peer was last sent; `None`: send a snapshot.
+    last_sent: Option<u64>,
+    in_flight: bool,
+    snapshot_requested_at: Option<Instant>,
+}
+
+/// A peer (re)joined: it gets a snapshot on the next round.
+pub(crate) fn peer_joined(inner: &Inner, node: &NodeId) {
+    inner.gossip.lock().peers.remove(node);
+}
+
+/// The gossip loop: one round per `gossip_interval` until shutdown.
+pub(crate) async fn run(inner: Arc<Inner>) {
+    let mut tick = tokio::time::interval(inner.config.gossip_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            biased;
+            _ = inner.shutdown.cancelled() => return,
+            _ = tick.tick() => round(&inner),
+        }
+    }
+}
+
+fn round(inner: &Arc<Inner>) {
+    for (node, conn) in inner.conns.all() {
+        if conn.close_reason().is_none() {
+            inner.peers.record_rtt(&node, conn.rtt().as_secs_f64() * 1000.0);
+        }
+    }
+    let stats = inner.local_stats.lock().clone();
+    for peer in inner.peers.alive_ids() {
+        let last_sent = {
+            let mut g = inner.gossip.lock();
+            let st = g.peers.entry(peer.clone()).or_default();
+            if st.in_flight {
+                continue;
+            }
+            st.last_sent
+        };
+        // Build the message under the summary lock, encode outside it.
+        let built = {
+            let g = inner.summary.inner.lock();
+            let version = g.summary.version();
+            match last_sent {
+                Some(v) if v == version => None,
+                Some(v) => match g.summary.delta_since(v) {
+                    Some(delta) => Some((
+                        version,
+                        SharedSummary::oldest_change_after(&g.changes, v),
+                        GossipMessage::SummaryDelta { origin: inner.node_id.clone(), delta, stats: stats.clone() },
+                    )),
+                    None => Some((version, 0, snapshot_message(inner, &g.summary, &stats))),
+                },
+                None => Some((version, 0, snapshot_message(inner, &g.summary, &stats))),
+            }
+        };
+        let Some((version, oldest_ms, msg)) = built else { continue };
+        let is_snapshot = matches!(msg, GossipMessage::SummarySnapshot { .. });
+        let frame = frame(oldest_ms, &msg);
+        if frame.len() > MAX_GOSSIP_MESSAGE + 9 {
+            tracing::warn!(bytes = frame.len(), "summary over the gossip cap; not sent");
+            continue;
+        }
+        if let Some(st) = inner.gossip.lock().peers.get_mut(&peer) {
+            st.in_flight = true;
+        }
+        let inner = inner.clone();
+        tokio::spawn(async move {
+            let result = transport::send_uni(&inner, &peer, TrafficKind::Summary, &frame).await;
+            if result.is_ok() {
+                ClusterMetrics::bump(if is_snapshot {
+                    &inner.metrics.snapshots_sent
+                } else {
+                    &inner.metrics.deltas_sent
+                });
+            }
+            let mut g = inner.gossip.lock();
+            if let Some(st) = g.peers.get_mut(&peer) {
+                st.in_flight = false;
+                st.last_sent = result.is_ok().then_some(version);
+            }
+        });
+    }
+}
+
+fn snapshot_message(inner: &Inner, summary: &LocalSummary, stats: &gorgo_core::QueueStats) -> GossipMessage {
+    GossipMessage::SummarySnapshot { origin: inner.node_id.clone(), snapshot: summary.snapshot(), stats: stats.clone() }
+}
+
+fn frame(oldest_change_ms: u64, msg: &GossipMessage) -> Vec<u8> {
+    let body = wire::encode(msg);
+    let mut f = Vec::with_capacity(body.len() + 9);
+    f.push(STREAM_GOSSIP);
+    f.extend_from_slice(&oldest_change_ms.to_le_bytes());
+    f.extend_from_slice(&body);
+    f
+}
+
+/// Handle one gossip frame (after its kind byte) from `from`.
+pub(crate) async fn handle_frame(inner: &Arc<Inner>, from: &NodeId, bytes: &[u8]) {
+    let Some((stamp, body)) = bytes.split_first_chunk::<8>() else {
+        ClusterMetrics::bump(&inner.metrics.malformed_received);
+        return;
+    };
+    let oldest_change_ms = u64::from_le_bytes(*stamp);
+    let msg: GossipMessage = match wire::decode(body, MAX_GOSSIP_MESSAGE) {
+        Ok(m) => m,
+        Err(e) => {
+            tracing::debug!(peer = %from, "gossip refused: {e}");
+            ClusterMetrics::bump(&inner.metrics.malformed_received);
+            return;
+        }
+    };
+    let origin = match &msg {
+        GossipMessage::SummaryDelta { origin, .. }
+        | GossipMessage::SummarySnapshot { origin, .. }
+        | GossipMessage::SnapshotRequest { origin, .. } => origin,
+    };
+    if origin != from {
+        ClusterMetrics::bump(&inner.metrics.spoofed_received);
+        return;
+    }
+    let now = Instant::now();
+    let need_snapshot = match msg {
+        GossipMessage::SnapshotRequest { .. } => {
+            if let Some(st) = inner.gossip.lock().peers.get_mut(from) {
+                st.last_sent = None;
+            }
+            false
+        }
+        GossipMessage::SummarySnapshot { snapshot, stats, .. } => {
+            let Some(mut e) = inner.peers.peers.get_mut(from) else { return };
+            e.summary.get_or_insert_with(PeerSummary::new).apply_snapshot(snapshot);
+            e.summary_at = Some(now);
+            e.summary_bytes = bytes.len() as u64 + 1;
+            drop(e);
+            inner.peers.offer_stats(from, &stats, now);
+            false
+        }
+        GossipMessage::SummaryDelta { delta, stats, .. } => {
+            let applied = {
+                let Some(mut e) = inner.peers.peers.get_mut(from) else { return };
+                match e.summary.as_mut() {
+                    None => Err(()),
+                    Some(s) => match s.apply_delta(&delta) {
+                        Ok(()) => {
+                            e.summary_at = Some(now);
+                            Ok(())
+                        }
+                        Err(CoreError::SummaryGap { .. }) => Err(()),
+                        Err(err) => {
+                            tracing::debug!(peer = %from, "bad delta: {err}");
+                            ClusterMetrics::bump(&inner.metrics.malformed_received);
+                            return;
+                        }
+                    },
+                }
+            };
+            inner.peers.offer_stats(from, &stats, now);
+            if applied.is_ok() && oldest_change_ms > 0 && !delta.is_empty() {
+                let wall = (inner.config.wall_clock)();
+                inner.metrics.record_staleness(wall.saturating_sub(oldest_change_ms));
+            }
+            applied.is_err()
+        }
+    };
+    if need_snapshot {
+        let have_version = inner.peers.peers.get(from).and_then(|e| e.summary.as_ref().map(|s| s.version()));
+        {
+            let mut g = inner.gossip.lock();
+            let st = g.peers.entry(from.clone()).or_default();
+            if st.snapshot_requested_at.is_some_and(|t| now.saturating_duration_since(t) < SNAPSHOT_REQUEST_BACKOFF) {
+                return;
+            }
+            st.snapshot_requested_at = Some(now);
+        }
+        let req = GossipMessage::SnapshotRequest { origin: inner.node_id.clone(), have_version: have_version.unwrap_or(0) };
+        let f = frame(0, &req);
+        ClusterMetrics::bump(&inner.metrics.snapshot_requests_sent);
+        if let Err(e) = transport::send_uni(inner, from, TrafficKind::Summary, &f).await {
+            tracing::debug!(peer = %from, "snapshot request: {e}");
+        }
+    }
+}

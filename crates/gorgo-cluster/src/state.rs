@@ -1,0 +1,314 @@
+//! What the rest of the node reads: the peer table and the cluster's metrics.
+//!
+//! Written by the cluster tasks, read concurrently by the router on every request, so
+//! it is a `DashMap` of small entries; readers take a copy ([`PeerView`]) or a short
+//! borrow ([`crate::ClusterHandle::with_peer_summary`]) and never hold a lock across IO.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use dashmap::DashMap;
+use gorgo_core::summary::PeerSummary;
+use gorgo_core::{NodeId, QueueStats};
+use parking_lot::Mutex;
+use serde::Serialize;
+use tokio::time::Instant;
+
+use crate::identity::MemberId;
+
+/// EWMA weight of a new RTT sample (DESIGN.md: alpha 0.3).
+pub const RTT_EWMA_ALPHA: f64 = 0.3;
+
+/// Membership of a peer as this node's SWIM view sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PeerState {
+    /// Active: a routing candidate.
+    Alive,
+    /// Declared down or left: not a routing candidate.
+    Down,
+}
+
+/// One peer's entry in the table.
+#[derive(Debug)]
+pub(crate) struct PeerEntry {
+    pub(crate) member: MemberId,
+    pub(crate) state: PeerState,
+    pub(crate) state_since: Instant,
+    pub(crate) rtt_ms: Option<f64>,
+    pub(crate) summary: Option<PeerSummary>,
+    pub(crate) summary_at: Option<Instant>,
+    pub(crate) summary_bytes: u64,
+    pub(crate) stats: Option<QueueStats>,
+    pub(crate) stats_at: Option<Instant>,
+    pub(crate) bytes_sent: u64,
+    pub(crate) bytes_received: u64,
+}
+
+impl PeerEntry {
+    fn new(member: MemberId, now: Instant) -> Self {
+        PeerEntry {
+            member,
+            state: PeerState::Down,
+            state_since: now,
+            rtt_ms: None,
+            summary: None,
+            summary_at: None,
+            summary_bytes: 0,
+            stats: None,
+            stats_at: None,
+            bytes_sent: 0,
+            bytes_received: 0,
+        }
+    }
+}
+
+/// A copy of one peer's state, cheap to hand to the admin API and the router.
+#[derive(Debug, Clone, Serialize)]
+pub struct PeerView {
+    /// Node id.
+    pub id: NodeId,
+    /// Region it serves.
+    pub region: String,
+    /// Address peers dial.
+    pub addr: SocketAddr,
+    /// Identity generation (grows on rejoin).
+    pub generation: u64,
+    /// Membership state.
+    pub state: PeerState,
+    /// True when the peer is a routing candidate.
+    pub alive: bool,
+    /// EWMA of QUIC path RTT, ms; `None` before the first sample.
+    pub rtt_ms: Option<f64>,
+    /// Version of the summary we hold; `None` before the first snapshot.
+    pub summary_version: Option<u64>,
+    /// Fingerprints in the summary we hold.
+    pub summary_len: usize,
+    /// Encoded size of the summary we hold, bytes.
+    pub summary_bytes: u64,
+    /// Time since the summary last changed or was confirmed, ms.
+    pub summary_age_ms: Option<u64>,
+    /// The peer's last queue stats.
+    pub stats: Option<QueueStats>,
+    /// Time since those stats arrived, ms.
+    pub stats_age_ms: Option<u64>,
+    /// Gossip bytes we sent to this peer (summaries and app messages).
+    pub bytes_sent: u64,
+    /// Gossip bytes we received from this peer.
+    pub bytes_received: u64,
+}
+
+/// The concurrent peer table.
+#[derive(Debug, Default)]
+pub struct PeerTable {
+    pub(crate) peers: DashMap<NodeId, PeerEntry>,
+}
+
+fn age_ms(at: Option<Instant>, now: Instant) -> Option<u64> {
+    at.map(|t| now.saturating_duration_since(t).as_millis() as u64)
+}
+
+impl PeerTable {
+    /// A copy of every known peer (alive or not), sorted by node id.
+    pub fn views(&self, now: Instant) -> Vec<PeerView> {
+        let mut out: Vec<PeerView> = self
+            .peers
+            .iter()
+            .map(|e| {
+                let p = e.value();
+                PeerView {
+                    id: e.key().clone(),
+                    region: p.member.region.clone(),
+                    addr: p.member.addr,
+                    generation: p.member.generation,
+                    state: p.state,
+                    alive: p.state == PeerState::Alive,
+                    rtt_ms: p.rtt_ms,
+                    summary_version: p.summary.as_ref().map(|s| s.version()),
+                    summary_len: p.summary.as_ref().map_or(0, |s| s.len()),
+                    summary_bytes: p.summary_bytes,
+                    summary_age_ms: age_ms(p.summary_at, now),
+                    stats: p.stats.clone(),
+                    stats_age_ms: age_ms(p.stats_at, now),
+                    bytes_sent: p.bytes_sent,
+                    bytes_received: p.bytes_received,
+                }
+            })
+            .collect();
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        out
+    }
+
+    /// Ids of the peers that are routing candidates, sorted.
+    pub fn alive_ids(&self) -> Vec<NodeId> {
+        let mut ids: Vec<NodeId> = self
+            .peers
+            .iter()
+            .filter(|e| e.value().state == PeerState::Alive)
+            .map(|e| e.key().clone())
+            .collect();
+        ids.sort();
+        ids
+    }
+
+    pub(crate) fn member_up(&self, member: &MemberId, now: Instant) {
+        let mut e = self
+            .peers
+            .entry(member.node.clone())
+            .or_insert_with(|| PeerEntry::new(member.clone(), now));
+        if e.member.generation != member.generation {
+            // A new incarnation of the node: what we held about the old one is void.
+            e.summary = None;
+            e.summary_at = None;
+            e.summary_bytes = 0;
+        }
+        e.member = member.clone();
+        if e.state != PeerState::Alive {
+            e.state = PeerState::Alive;
+            e.state_since = now;
+        }
+    }
+
+    pub(crate) fn member_down(&self, member: &MemberId, now: Instant) {
+        if let Some(mut e) = self.peers.get_mut(&member.node) {
+            if e.member.generation <= member.generation && e.state != PeerState::Down {
+                e.state = PeerState::Down;
+                e.state_since = now;
+            }
+        }
+    }
+
+    pub(crate) fn is_alive(&self, node: &NodeId) -> bool {
+        self.peers.get(node).is_some_and(|e| e.state == PeerState::Alive)
+    }
+
+    pub(crate) fn record_rtt(&self, node: &NodeId, sample_ms: f64) {
+        if let Some(mut e) = self.peers.get_mut(node) {
+            e.rtt_ms = Some(match e.rtt_ms {
+                None => sample_ms,
+                Some(prev) => RTT_EWMA_ALPHA * sample_ms + (1.0 - RTT_EWMA_ALPHA) * prev,
+            });
+        }
+    }
+
+    /// Keep `stats` if newer than what we hold; true when kept.
+    pub(crate) fn offer_stats(&self, node: &NodeId, stats: &QueueStats, now: Instant) -> bool {
+        match self.peers.get_mut(node) {
+            Some(mut e) => {
+                if e.stats.as_ref().is_some_and(|s| s.version >= stats.version) {
+                    return false;
+                }
+                e.stats = Some(stats.clone());
+                e.stats_at = Some(now);
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub(crate) fn add_bytes(&self, node: &NodeId, sent: u64, received: u64) {
+        if let Some(mut e) = self.peers.get_mut(node) {
+            e.bytes_sent += sent;
+            e.bytes_received += received;
+        }
+    }
+}
+
+/// How many staleness samples are kept for percentiles (a sliding window).
+pub const STALENESS_WINDOW: usize = 8192;
+
+/// Traffic kinds counted separately.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TrafficKind {
+    /// SWIM packets (QUIC datagrams), stats broadcasts included.
+    Swim,
+    /// Summary deltas, snapshots and snapshot requests (uni-streams).
+    Summary,
+    /// Application messages (tuning protocol), uni-streams.
+    App,
+}
+
+/// Counters the node exports as metrics. All byte counts are payload bytes as handed to
+/// QUIC (no QUIC/UDP overhead).
+#[derive(Debug, Default)]
+pub struct ClusterMetrics {
+    /// SWIM bytes sent.
+    pub swim_bytes_sent: AtomicU64,
+    /// SWIM bytes received.
+    pub swim_bytes_received: AtomicU64,
+    /// Summary gossip bytes sent.
+    pub summary_bytes_sent: AtomicU64,
+    /// Summary gossip bytes received.
+    pub summary_bytes_received: AtomicU64,
+    /// App message bytes sent.
+    pub app_bytes_sent: AtomicU64,
+    /// App message bytes received.
+    pub app_bytes_received: AtomicU64,
+    /// Summary deltas sent.
+    pub deltas_sent: AtomicU64,
+    /// Full snapshots sent.
+    pub snapshots_sent: AtomicU64,
+    /// Snapshot requests sent after a version gap.
+    pub snapshot_requests_sent: AtomicU64,
+    /// Messages dropped because they did not decode or were over their cap.
+    pub malformed_received: AtomicU64,
+    /// SWIM packets whose claimed sender did not match the TLS peer.
+    pub spoofed_received: AtomicU64,
+    /// Inbound connections refused (handshake failure, unknown identity).
+    pub handshakes_failed: AtomicU64,
+    staleness_ms: Mutex<VecDeque<u64>>,
+}
+
+impl ClusterMetrics {
+    pub(crate) fn sent(&self, kind: TrafficKind, bytes: usize) {
+        let c = match kind {
+            TrafficKind::Swim => &self.swim_bytes_sent,
+            TrafficKind::Summary => &self.summary_bytes_sent,
+            TrafficKind::App => &self.app_bytes_sent,
+        };
+        c.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    pub(crate) fn received(&self, kind: TrafficKind, bytes: usize) {
+        let c = match kind {
+            TrafficKind::Swim => &self.swim_bytes_received,
+            TrafficKind::Summary => &self.summary_bytes_received,
+            TrafficKind::App => &self.app_bytes_received,
+        };
+        c.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    pub(crate) fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Total gossip bytes sent, all kinds.
+    pub fn total_bytes_sent(&self) -> u64 {
+        self.swim_bytes_sent.load(Ordering::Relaxed)
+            + self.summary_bytes_sent.load(Ordering::Relaxed)
+            + self.app_bytes_sent.load(Ordering::Relaxed)
+    }
+
+    /// Total gossip bytes received, all kinds.
+    pub fn total_bytes_received(&self) -> u64 {
+        self.swim_bytes_received.load(Ordering::Relaxed)
+            + self.summary_bytes_received.load(Ordering::Relaxed)
+            + self.app_bytes_received.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn record_staleness(&self, ms: u64) {
+        let mut s = self.staleness_ms.lock();
+        if s.len() == STALENESS_WINDOW {
+            s.pop_front();
+        }
+        s.push_back(ms);
+    }
+
+    /// The recent summary staleness samples, ms: for each summary message received, the
+    /// time from the oldest change it carries being made at its origin to it being
+    /// applied here (origin and receiver clocks, see `docs/cluster.md`).
+    pub fn staleness_samples(&self) -> Vec<u64> {
+        self.staleness_ms.lock().iter().copied().collect()
+    }
+}

@@ -1,0 +1,291 @@
+//! Cluster certificates and the mutual-TLS configuration of the QUIC endpoint.
+//!
+//! One cluster CA signs one certificate per node. A node certificate names the node id
+//! (the TLS server name used to dial a known peer) and [`CLUSTER_SERVER_NAME`] (used to
+//! dial a seed whose id is not known yet). Both sides verify the chain against the CA
+//! and nothing else, so a node with a foreign certificate can neither dial in nor be
+//! dialed.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use gorgo_core::NodeId;
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose,
+};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ClusterError, Result};
+
+/// A name every node certificate carries besides its node id: lets a node dial a seed
+/// address before it knows which node answers there.
+pub const CLUSTER_SERVER_NAME: &str = "cluster.gorgo.internal";
+
+/// ALPN of the cluster protocol, so that a stray QUIC client is refused early.
+pub const ALPN: &[u8] = b"gorgo-cluster/1";
+
+/// Paths of a node's TLS material on disk, as written by `gorgo certs`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsFiles {
+    /// The cluster CA certificate (PEM).
+    pub ca: PathBuf,
+    /// This node's certificate (PEM).
+    pub cert: PathBuf,
+    /// This node's private key (PKCS#8 PEM).
+    pub key: PathBuf,
+}
+
+/// A node's TLS material in memory: what the endpoint is built from.
+#[derive(Debug)]
+pub struct NodeCredentials {
+    /// The cluster CA: the only root peers are checked against.
+    pub ca: CertificateDer<'static>,
+    /// This node's certificate chain, leaf first.
+    pub cert_chain: Vec<CertificateDer<'static>>,
+    /// This node's private key.
+    pub key: PrivateKeyDer<'static>,
+}
+
+impl Clone for NodeCredentials {
+    fn clone(&self) -> Self {
+        NodeCredentials {
+            ca: self.ca.clone(),
+            cert_chain: self.cert_chain.clone(),
+            key: self.key.clone_key(),
+        }
+    }
+}
+
+impl NodeCredentials {
+    /// Load PEM files written by `gorgo certs`.
+    pub fn load(files: &TlsFiles) -> Result<Self> {
+        let read = |p: &Path| {
+            std::fs::read(p)
+                .map_err(|e| ClusterError::Tls(format!("reading {}: {e}", p.display())))
+        };
+        let ca = CertificateDer::from_pem_slice(&read(&files.ca)?)
+            .map_err(|e| ClusterError::Tls(format!("ca {}: {e}", files.ca.display())))?;
+        let cert_chain = CertificateDer::pem_slice_iter(&read(&files.cert)?)
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| ClusterError::Tls(format!("cert {}: {e}", files.cert.display())))?;
+        if cert_chain.is_empty() {
+            return Err(ClusterError::Tls(format!("cert {}: no certificate", files.cert.display())));
+        }
+        let key = PrivateKeyDer::from_pem_slice(&read(&files.key)?)
+            .map_err(|e| ClusterError::Tls(format!("key {}: {e}", files.key.display())))?;
+        Ok(NodeCredentials { ca, cert_chain, key })
+    }
+}
+
+/// Refuse node ids that cannot be a DNS name in a certificate (they are TLS server names).
+pub fn validate_node_id(id: &NodeId) -> Result<()> {
+    let s = id.0.as_str();
+    let ok = !s.is_empty()
+        && s.len() <= 63
+        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(ClusterError::Config {
+            field: "node_id",
+            reason: format!("{s:?}: use 1-63 of [a-z0-9-], not starting or ending with '-'"),
+        })
+    }
+}
+
+/// A cluster certificate authority: signs node certificates.
+pub struct ClusterCa {
+    params: CertificateParams,
+    key: KeyPair,
+    cert: rcgen::Certificate,
+}
+
+impl std::fmt::Debug for ClusterCa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterCa").finish_non_exhaustive()
+    }
+}
+
+/// A node certificate and key as issued by [`ClusterCa::issue`].
+#[derive(Debug)]
+pub struct IssuedNode {
+    /// Certificate PEM.
+    pub cert_pem: String,
+    /// PKCS#8 private key PEM.
+    pub key_pem: String,
+    /// The same material as credentials, ready for an endpoint.
+    pub credentials: NodeCredentials,
+}
+
+impl ClusterCa {
+    /// Generate a fresh CA (ECDSA P-256).
+    pub fn generate(common_name: &str) -> Result<Self> {
+        let mut params = CertificateParams::new(Vec::<String>::new())?;
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, common_name);
+        params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        let key = KeyPair::generate()?;
+        let cert = params.self_signed(&key)?;
+        Ok(ClusterCa { params, key, cert })
+    }
+
+    /// The CA certificate, DER.
+    pub fn cert_der(&self) -> CertificateDer<'static> {
+        self.cert.der().clone()
+    }
+
+    /// The CA certificate, PEM.
+    pub fn cert_pem(&self) -> String {
+        self.cert.pem()
+    }
+
+    /// The CA private key, PEM (keep it off the nodes).
+    pub fn key_pem(&self) -> String {
+        self.key.serialize_pem()
+    }
+
+    /// Issue a certificate for `node`, valid as TLS server and client.
+    pub fn issue(&self, node: &NodeId) -> Result<IssuedNode> {
+        validate_node_id(node)?;
+        let mut params =
+            CertificateParams::new(vec![node.0.clone(), CLUSTER_SERVER_NAME.to_owned()])?;
+        params.distinguished_name.push(DnType::CommonName, node.0.as_str());
+        params.extended_key_usages =
+            vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        let key = KeyPair::generate()?;
+        let issuer = Issuer::from_params(&self.params, &self.key);
+        let cert = params.signed_by(&key, &issuer)?;
+        let credentials = NodeCredentials {
+            ca: self.cert_der(),
+            cert_chain: vec![cert.der().clone()],
+            key: PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+        };
+        Ok(IssuedNode { cert_pem: cert.pem(), key_pem: key.serialize_pem(), credentials })
+    }
+}
+
+/// Write a CA and one certificate per node under `out`: `ca.pem`, `ca.key`,
+/// `<node>.pem`, `<node>.key`. Returns the [`TlsFiles`] of each node, in order.
+pub fn write_cluster_certs(out: &Path, nodes: &[NodeId]) -> Result<Vec<(NodeId, TlsFiles)>> {
+    if nodes.is_empty() {
+        return Err(ClusterError::Config { field: "nodes", reason: "empty".into() });
+    }
+    for n in nodes {
+        validate_node_id(n)?;
+    }
+    std::fs::create_dir_all(out)?;
+    let ca = ClusterCa::generate("gorgo cluster CA")?;
+    let ca_path = out.join("ca.pem");
+    std::fs::write(&ca_path, ca.cert_pem())?;
+    write_secret(&out.join("ca.key"), &ca.key_pem())?;
+    let mut written = Vec::with_capacity(nodes.len());
+    for n in nodes {
+        let issued = ca.issue(n)?;
+        let cert = out.join(format!("{n}.pem"));
+        let key = out.join(format!("{n}.key"));
+        std::fs::write(&cert, &issued.cert_pem)?;
+        write_secret(&key, &issued.key_pem)?;
+        written.push((n.clone(), TlsFiles { ca: ca_path.clone(), cert, key }));
+    }
+    Ok(written)
+}
+
+/// Write a private key readable by its owner only (where the platform allows).
+fn write_secret(path: &Path, contents: &str) -> Result<()> {
+    std::fs::write(path, contents)?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    }
+    Ok(())
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn roots(creds: &NodeCredentials) -> Result<Arc<rustls::RootCertStore>> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(creds.ca.clone()).map_err(|e| ClusterError::Tls(format!("ca: {e}")))?;
+    Ok(Arc::new(roots))
+}
+
+/// The QUIC server side: requires a client certificate signed by the cluster CA.
+pub(crate) fn server_crypto(creds: &NodeCredentials) -> Result<quinn::crypto::rustls::QuicServerConfig> {
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(roots(creds)?, provider())
+        .build()
+        .map_err(|e| ClusterError::Tls(format!("client verifier: {e}")))?;
+    let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| ClusterError::Tls(e.to_string()))?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(creds.cert_chain.clone(), creds.key.clone_key())
+        .map_err(|e| ClusterError::Tls(format!("node cert: {e}")))?;
+    cfg.alpn_protocols = vec![ALPN.to_vec()];
+    quinn::crypto::rustls::QuicServerConfig::try_from(cfg).map_err(|e| ClusterError::Tls(e.to_string()))
+}
+
+/// The QUIC client side: presents this node's certificate, trusts only the cluster CA.
+pub(crate) fn client_crypto(creds: &NodeCredentials) -> Result<quinn::crypto::rustls::QuicClientConfig> {
+    let mut cfg = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| ClusterError::Tls(e.to_string()))?
+        .with_root_certificates(roots(creds)?)
+        .with_client_auth_cert(creds.cert_chain.clone(), creds.key.clone_key())
+        .map_err(|e| ClusterError::Tls(format!("node cert: {e}")))?;
+    cfg.alpn_protocols = vec![ALPN.to_vec()];
+    quinn::crypto::rustls::QuicClientConfig::try_from(cfg).map_err(|e| ClusterError::Tls(e.to_string()))
+}
+
+/// The node id named by the peer's (already CA-verified) certificate.
+pub(crate) fn peer_node_id(conn: &quinn::Connection) -> Option<NodeId> {
+    let identity = conn.peer_identity()?;
+    let certs = identity.downcast::<Vec<CertificateDer<'static>>>().ok()?;
+    let leaf = certs.first()?;
+    let ee = webpki::EndEntityCert::try_from(leaf).ok()?;
+    let name = ee.valid_dns_names().find(|n| *n != CLUSTER_SERVER_NAME)?.to_owned();
+    let id = NodeId(name);
+    validate_node_id(&id).ok()?;
+    Some(id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_ids_are_dns_labels() {
+        assert!(validate_node_id(&NodeId::from("us-ashburn")).is_ok());
+        assert!(validate_node_id(&NodeId::from("")).is_err());
+        assert!(validate_node_id(&NodeId::from("a.b")).is_err());
+        assert!(validate_node_id(&NodeId::from("-a")).is_err());
+        assert!(validate_node_id(&NodeId::from("A")).is_err());
+    }
+
+    #[test]
+    fn written_certs_load_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let nodes = vec![NodeId::from("a"), NodeId::from("b")];
+        let files = write_cluster_certs(dir.path(), &nodes).unwrap();
+        assert_eq!(files.len(), 2);
+        for (_, f) in &files {
+            let creds = NodeCredentials::load(f).unwrap();
+            assert_eq!(creds.cert_chain.len(), 1);
+            server_crypto(&creds).unwrap();
+            client_crypto(&creds).unwrap();
+        }
+        assert!(write_cluster_certs(dir.path(), &[NodeId::from("Bad Name")]).is_err());
+    }
+}

@@ -1,0 +1,309 @@
+//! The QUIC side: one endpoint per node, one connection per peer (single in-flight
+//! dial), and the demultiplexing of what arrives on a connection:
+//! datagrams are SWIM, uni-streams are summaries and app messages, bi-streams are
+//! forwarded requests handed to the node.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use dashmap::DashMap;
+use gorgo_core::NodeId;
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
+use crate::cluster::{FocaInput, Inner};
+use crate::error::{ClusterError, Result};
+use crate::identity::{MemberId, MAX_SWIM_PACKET};
+use crate::state::{ClusterMetrics, TrafficKind};
+use crate::tls::{peer_node_id, CLUSTER_SERVER_NAME};
+
+/// First byte of a uni-stream carrying summary gossip.
+pub(crate) const STREAM_GOSSIP: u8 = 1;
+/// First byte of a uni-stream carrying an application message.
+pub(crate) const STREAM_APP: u8 = 2;
+/// First byte of a SWIM datagram (room for other datagram kinds later).
+pub(crate) const DATAGRAM_SWIM: u8 = 1;
+
+/// Cap on one summary gossip stream: the largest gossip message plus its stamp.
+pub const MAX_GOSSIP_FRAME: usize = gorgo_core::wire::MAX_GOSSIP_MESSAGE + 9;
+/// Cap on one application message payload.
+pub const MAX_APP_MESSAGE: usize = 64 * 1024;
+/// After a failed dial, datagrams to that address are dropped for this long instead of
+/// queueing more dials behind a dead peer.
+const DIAL_BACKOFF: Duration = Duration::from_millis(500);
+
+/// The single in-flight dial to one address.
+#[derive(Debug, Default)]
+pub(crate) struct DialSlot {
+    lock: tokio::sync::Mutex<()>,
+    failed_at: Mutex<Option<Instant>>,
+}
+
+/// Connections by peer id (from its certificate) and, for dials, by address.
+#[derive(Debug, Default)]
+pub(crate) struct Connections {
+    by_node: DashMap<NodeId, quinn::Connection>,
+    by_addr: DashMap<SocketAddr, (NodeId, quinn::Connection)>,
+    dials: DashMap<SocketAddr, Arc<DialSlot>>,
+}
+
+fn usable(c: &quinn::Connection) -> bool {
+    c.close_reason().is_none()
+}
+
+impl Connections {
+    fn lookup(&self, node: Option<&NodeId>, addr: SocketAddr) -> Option<quinn::Connection> {
+        if let Some(n) = node {
+            if let Some(c) = self.by_node.get(n).filter(|c| usable(c)) {
+                return Some(c.clone());
+            }
+        }
+        self.by_addr
+            .get(&addr)
+            .filter(|e| usable(&e.1) && node.is_none_or(|n| *n == e.0))
+            .map(|e| e.1.clone())
+    }
+
+    pub(crate) fn get(&self, node: &NodeId) -> Option<quinn::Connection> {
+        self.by_node.get(node).filter(|c| usable(c)).map(|c| c.clone())
+    }
+
+    pub(crate) fn all(&self) -> Vec<(NodeId, quinn::Connection)> {
+        self.by_node.iter().map(|e| (e.key().clone(), e.value().clone())).collect()
+    }
+}
+
+/// The quinn transport config shared by both directions.
+pub(crate) fn transport_config(idle: Duration, keep_alive: Duration) -> quinn::TransportConfig {
+    let mut t = quinn::TransportConfig::default();
+    if let Ok(idle) = quinn::IdleTimeout::try_from(idle) {
+        t.max_idle_timeout(Some(idle));
+    }
+    t.keep_alive_interval(Some(keep_alive));
+    t.max_concurrent_uni_streams(64u32.into());
+    t.max_concurrent_bidi_streams(1024u32.into());
+    t.datagram_receive_buffer_size(Some(256 * 1024));
+    t.datagram_send_buffer_size(256 * 1024);
+    t
+}
+
+/// Get a connection to `addr` (the node there being `node` when known), dialing if
+/// needed. Concurrent callers for one address share a single dial.
+pub(crate) async fn connect(
+    inner: &Arc<Inner>,
+    node: Option<&NodeId>,
+    addr: SocketAddr,
+) -> Result<quinn::Connection> {
+    if let Some(c) = inner.conns.lookup(node, addr) {
+        return Ok(c);
+    }
+    let slot = inner.conns.dials.entry(addr).or_default().clone();
+    let _guard = slot.lock.lock().await;
+    if let Some(c) = inner.conns.lookup(node, addr) {
+        return Ok(c);
+    }
+    if slot.failed_at.lock().is_some_and(|t| t.elapsed() < DIAL_BACKOFF) {
+        return Err(ClusterError::Connection(quinn::ConnectionError::TimedOut));
+    }
+    let server_name = node.map_or(CLUSTER_SERVER_NAME, |n| n.0.as_str());
+    let result = async {
+        let conn = inner.endpoint.connect(addr, server_name)?.await?;
+        let Some(peer) = peer_node_id(&conn) else {
+            conn.close(1u32.into(), b"no node id");
+            return Err(ClusterError::Tls("peer certificate names no node id".into()));
+        };
+        if let Some(n) = node {
+            if *n != peer {
+                conn.close(1u32.into(), b"identity mismatch");
+                return Err(ClusterError::PeerMismatch { expected: n.clone(), got: peer.0 });
+            }
+        }
+        if peer == inner.node_id {
+            conn.close(1u32.into(), b"self");
+            return Err(ClusterError::PeerMismatch { expected: NodeId("<peer>".into()), got: peer.0 });
+        }
+        inner.conns.by_addr.insert(addr, (peer.clone(), conn.clone()));
+        register(inner, peer, conn.clone());
+        Ok(conn)
+    }
+    .await;
+    *slot.failed_at.lock() = if result.is_err() { Some(Instant::now()) } else { None };
+    result
+}
+
+/// Send one SWIM packet to `dst`, dialing in the background if there is no connection.
+pub(crate) fn send_swim(inner: &Arc<Inner>, dst: MemberId, packet: Bytes) {
+    let mut datagram = Vec::with_capacity(packet.len() + 1);
+    datagram.push(DATAGRAM_SWIM);
+    datagram.extend_from_slice(&packet);
+    let datagram = Bytes::from(datagram);
+    let node = (!dst.node.0.is_empty()).then_some(&dst.node);
+    if let Some(c) = inner.conns.lookup(node, dst.addr) {
+        send_datagram(inner, &c, node, datagram);
+        return;
+    }
+    let inner = inner.clone();
+    tokio::spawn(async move {
+        let node = (!dst.node.0.is_empty()).then_some(&dst.node);
+        match connect(&inner, node, dst.addr).await {
+            Ok(c) => send_datagram(&inner, &c, node, datagram),
+            Err(e) => tracing::debug!(peer = %dst.node, addr = %dst.addr, "swim send dropped: {e}"),
+        }
+    });
+}
+
+fn send_datagram(inner: &Inner, c: &quinn::Connection, node: Option<&NodeId>, datagram: Bytes) {
+    let len = datagram.len();
+    match c.send_datagram(datagram) {
+        Ok(()) => {
+            inner.metrics.sent(TrafficKind::Swim, len);
+            if let Some(n) = node {
+                inner.peers.add_bytes(n, len as u64, 0);
+            }
+        }
+        Err(e) => tracing::debug!("swim datagram dropped: {e}"),
+    }
+}
+
+/// Open a uni-stream to `node`, write `frame`, finish it.
+pub(crate) async fn send_uni(
+    inner: &Arc<Inner>,
+    node: &NodeId,
+    kind: TrafficKind,
+    frame: &[u8],
+) -> Result<()> {
+    let conn = match inner.conns.get(node) {
+        Some(c) => c,
+        None => {
+            let addr = inner
+                .peers
+                .peers
+                .get(node)
+                .map(|e| e.member.addr)
+                .ok_or_else(|| ClusterError::UnknownPeer(node.clone()))?;
+            connect(inner, Some(node), addr).await?
+        }
+    };
+    let mut send = conn.open_uni().await?;
+    send.write_all(frame).await?;
+    // A stream finished after the connection closed reports the close; the data
+    // either got there or the receiver will resync with a snapshot.
+    let _ = send.finish();
+    inner.metrics.sent(kind, frame.len());
+    inner.peers.add_bytes(node, frame.len() as u64, 0);
+    Ok(())
+}
+
+/// Accept inbound connections until shutdown.
+pub(crate) async fn accept_loop(inner: Arc<Inner>) {
+    loop {
+        let incoming = tokio::select! {
+            biased;
+            _ = inner.shutdown.cancelled() => return,
+            i = inner.endpoint.accept() => match i { Some(i) => i, None => return },
+        };
+        let inner = inner.clone();
+        tokio::spawn(async move {
+            let conn = match incoming.await {
+                Ok(c) => c,
+                Err(e) => {
+                    ClusterMetrics::bump(&inner.metrics.handshakes_failed);
+                    tracing::debug!("inbound handshake failed: {e}");
+                    return;
+                }
+            };
+            match peer_node_id(&conn) {
+                Some(peer) if peer != inner.node_id => register(&inner, peer, conn),
+                _ => {
+                    ClusterMetrics::bump(&inner.metrics.handshakes_failed);
+                    conn.close(1u32.into(), b"no node id");
+                }
+            }
+        });
+    }
+}
+
+/// Make `conn` the connection to `peer` and serve what arrives on it.
+fn register(inner: &Arc<Inner>, peer: NodeId, conn: quinn::Connection) {
+    inner.conns.by_node.insert(peer.clone(), conn.clone());
+    tokio::spawn(read_datagrams(inner.clone(), peer.clone(), conn.clone()));
+    tokio::spawn(accept_unis(inner.clone(), peer.clone(), conn.clone()));
+    tokio::spawn(accept_bis(inner.clone(), peer, conn));
+}
+
+async fn read_datagrams(inner: Arc<Inner>, peer: NodeId, conn: quinn::Connection) {
+    loop {
+        let d = tokio::select! {
+            biased;
+            _ = inner.shutdown.cancelled() => return,
+            d = conn.read_datagram() => match d { Ok(d) => d, Err(_) => break },
+        };
+        inner.metrics.received(TrafficKind::Swim, d.len());
+        inner.peers.add_bytes(&peer, 0, d.len() as u64);
+        if d.len() < 2 || d.len() > MAX_SWIM_PACKET + 1 || d[0] != DATAGRAM_SWIM {
+            ClusterMetrics::bump(&inner.metrics.malformed_received);
+            continue;
+        }
+        let _ = inner.foca_tx.send(FocaInput::Data { from: peer.clone(), data: d.slice(1..) });
+    }
+    // Forget the connection if it is still the registered one.
+    inner.conns.by_node.remove_if(&peer, |_, c| c.stable_id() == conn.stable_id());
+}
+
+async fn accept_unis(inner: Arc<Inner>, peer: NodeId, conn: quinn::Connection) {
+    loop {
+        let mut recv = tokio::select! {
+            biased;
+            _ = inner.shutdown.cancelled() => return,
+            r = conn.accept_uni() => match r { Ok(r) => r, Err(_) => return },
+        };
+        let inner = inner.clone();
+        let peer = peer.clone();
+        tokio::spawn(async move {
+            let bytes = match recv.read_to_end(MAX_GOSSIP_FRAME + 1).await {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::debug!(%peer, "uni-stream dropped: {e}");
+                    ClusterMetrics::bump(&inner.metrics.malformed_received);
+                    return;
+                }
+            };
+            inner.peers.add_bytes(&peer, 0, bytes.len() as u64);
+            match bytes.first() {
+                Some(&STREAM_GOSSIP) => {
+                    inner.metrics.received(TrafficKind::Summary, bytes.len());
+                    crate::gossip::handle_frame(&inner, &peer, &bytes[1..]).await;
+                }
+                Some(&STREAM_APP) if bytes.len() >= 2 && bytes.len() - 2 <= MAX_APP_MESSAGE => {
+                    inner.metrics.received(TrafficKind::App, bytes.len());
+                    let msg = crate::cluster::AppMessage {
+                        from: peer,
+                        kind: bytes[1],
+                        payload: Bytes::copy_from_slice(&bytes[2..]),
+                    };
+                    if inner.app_tx.try_send(msg).is_err() {
+                        tracing::debug!("app inbox full or closed; message dropped");
+                    }
+                }
+                _ => ClusterMetrics::bump(&inner.metrics.malformed_received),
+            }
+        });
+    }
+}
+
+async fn accept_bis(inner: Arc<Inner>, peer: NodeId, conn: quinn::Connection) {
+    loop {
+        let (send, recv) = tokio::select! {
+            biased;
+            _ = inner.shutdown.cancelled() => return,
+            r = conn.accept_bi() => match r { Ok(r) => r, Err(_) => return },
+        };
+        let fwd = crate::cluster::IncomingForward { from: peer.clone(), send, recv };
+        if inner.forward_tx.try_send(fwd).is_err() {
+            // Dropping the streams resets them: the origin retries locally.
+            tracing::debug!(%peer, "forward inbox full or closed; stream refused");
+        }
+    }
+}
