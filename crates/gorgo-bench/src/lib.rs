@@ -1,3 +1,21 @@
-//! Live replay client, metrics, reports and policy comparison
+//! Live replay client, metrics, reports and policy comparison.
+//!
+//! `gorgo bench` replays a trace against a running cluster and measures every request
+//! at the client (TTFT at the first content chunk, E2E, ITL, serving region, hops);
+//! `gorgo compare` and `gorgo demo` run one cluster per policy on the same workload.
+//! The pieces are split so each can be tested alone: [`sse`] parses streams without
+//! IO, [`client`] measures one request, [`replay`] schedules a workload.
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
+
+pub mod client;
+pub mod cluster;
+pub mod error;
+pub mod replay;
+pub mod sse;
+
+pub use cluster::{ClusterInfo, RegionEndpoint};
+pub use error::BenchError;
+pub use replay::{
+    replay, BodyBuilder, LoadMode, ReplayConfig, ReplayItem, ReplayOutput, RequestOutcome,
+};

@@ -1,0 +1,194 @@
+//! One streaming request, measured where the client is.
+//!
+//! TTFT is the time from just before the request is written to the first SSE event
+//! that carries non-empty generated text; E2E runs to the end of the stream. Every
+//! failure (connect, status, timeout, error event, truncated stream) becomes an error
+//! string in the measurement, never a panic or an early return of the whole run.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::StreamExt;
+
+use crate::sse::{SseEvent, SseParser};
+
+/// Response header naming the region that served the request.
+pub const SERVED_BY_HEADER: &str = "x-gorgo-served-by";
+/// Response header with the number of forwards the request took.
+pub const HOPS_HEADER: &str = "x-gorgo-hops";
+/// Request header selecting the routing policy per request (experiments).
+pub const POLICY_HEADER: &str = "x-gorgo-policy";
+/// Request header carrying the session key for session-affinity policies.
+pub const SESSION_HEADER: &str = "x-session-id";
+
+/// Cap on the error body we keep from a failed response.
+const MAX_ERROR_BODY: usize = 512;
+
+/// What one request measured.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Measured {
+    /// First content chunk, ms after the send.
+    pub ttft_ms: Option<f64>,
+    /// End of stream, ms after the send.
+    pub e2e_ms: Option<f64>,
+    /// Content chunks seen (the token count when usage is missing).
+    pub content_chunks: u64,
+    /// `usage.completion_tokens`.
+    pub completion_tokens: Option<u64>,
+    /// `usage.prompt_tokens`.
+    pub prompt_tokens: Option<u64>,
+    /// `usage.prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: Option<u64>,
+    /// `x-gorgo-served-by`.
+    pub served_by: Option<String>,
+    /// `x-gorgo-hops`.
+    pub hops: Option<u32>,
+    /// Why the request failed; `None` when it succeeded.
+    pub error: Option<String>,
+}
+
+/// Build the pooled HTTP client used for one region.
+pub fn build_client(
+    connect_timeout: Duration,
+    request_timeout: Duration,
+) -> Result<reqwest::Client, reqwest::Error> {
+    reqwest::Client::builder()
+        .tcp_nodelay(true)
+        // Loopback clusters must never go through an environment proxy.
+        .no_proxy()
+        .connect_timeout(connect_timeout)
+        .timeout(request_timeout)
+        .pool_idle_timeout(Duration::from_secs(60))
+        .build()
+}
+
+/// Send one streaming request and measure it. `headers` are extra request headers.
+pub async fn send_streaming(
+    client: &reqwest::Client,
+    url: &str,
+    body: Bytes,
+    headers: &[(&'static str, String)],
+) -> Measured {
+    let t0 = Instant::now();
+    let mut m = Measured::default();
+    let mut req = client
+        .post(url)
+        .header(reqwest::header::CONTENT_TYPE, "application/json")
+        .header(reqwest::header::ACCEPT, "text/event-stream")
+        .body(body);
+    for (name, value) in headers {
+        req = req.header(*name, value.as_str());
+    }
+    let resp = match req.send().await {
+        Ok(r) => r,
+        Err(e) => {
+            m.error = Some(describe(&e));
+            return m;
+        }
+    };
+    m.served_by = header_str(&resp, SERVED_BY_HEADER);
+    m.hops = header_str(&resp, HOPS_HEADER).and_then(|h| h.trim().parse().ok());
+    let status = resp.status();
+    if !status.is_success() {
+        let text = resp.text().await.unwrap_or_default();
+        let text: String = text.chars().take(MAX_ERROR_BODY).collect();
+        m.error = Some(format!("HTTP {}: {}", status.as_u16(), text.trim()));
+        m.e2e_ms = Some(ms_since(t0));
+        return m;
+    }
+    let mut parser = SseParser::new();
+    let mut events = Vec::new();
+    let mut done = false;
+    let mut stream = resp.bytes_stream();
+    while let Some(next) = stream.next().await {
+        match next {
+            Ok(bytes) => parser.feed(&bytes, &mut events),
+            Err(e) => {
+                m.error = Some(describe(&e));
+                break;
+            }
+        }
+        done |= absorb(&mut m, &mut events, t0);
+        if m.error.is_some() {
+            break;
+        }
+    }
+    if m.error.is_none() {
+        parser.finish(&mut events);
+        done |= absorb(&mut m, &mut events, t0);
+    }
+    m.e2e_ms = Some(ms_since(t0));
+    if m.error.is_none() && !done {
+        m.error = Some("stream ended before [DONE]".into());
+    }
+    if m.error.is_none() && m.ttft_ms.is_none() {
+        m.error = Some("stream carried no content".into());
+    }
+    m
+}
+
+/// Fold parsed events into the measurement; true once `[DONE]` was seen.
+fn absorb(m: &mut Measured, events: &mut Vec<SseEvent>, t0: Instant) -> bool {
+    let mut done = false;
+    for ev in events.drain(..) {
+        match ev {
+            SseEvent::Done => done = true,
+            SseEvent::Malformed(e) => {
+                m.error.get_or_insert(format!("malformed SSE event: {e}"));
+            }
+            SseEvent::Chunk(c) => {
+                if c.has_content {
+                    if m.ttft_ms.is_none() {
+                        m.ttft_ms = Some(ms_since(t0));
+                    }
+                    m.content_chunks += 1;
+                }
+                if c.completion_tokens.is_some() {
+                    m.completion_tokens = c.completion_tokens;
+                }
+                if c.prompt_tokens.is_some() {
+                    m.prompt_tokens = c.prompt_tokens;
+                }
+                if c.cached_tokens.is_some() {
+                    m.cached_tokens = c.cached_tokens;
+                }
+                if let Some(e) = c.error {
+                    m.error.get_or_insert(format!("error event: {e}"));
+                }
+            }
+        }
+    }
+    done
+}
+
+fn header_str(resp: &reqwest::Response, name: &str) -> Option<String> {
+    resp.headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
+fn ms_since(t0: Instant) -> f64 {
+    t0.elapsed().as_secs_f64() * 1000.0
+}
+
+/// A short, specific description of a transport error.
+fn describe(e: &reqwest::Error) -> String {
+    let kind = if e.is_timeout() {
+        "timeout"
+    } else if e.is_connect() {
+        "connect"
+    } else if e.is_body() || e.is_decode() {
+        "body"
+    } else {
+        "request"
+    };
+    let mut msg = format!("{kind}: {e}");
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        source = s.source();
+    }
+    msg
+}

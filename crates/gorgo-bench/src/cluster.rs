@@ -1,0 +1,156 @@
+//! Where to send requests: the client-facing URL of every region of a cluster.
+//!
+//! A cluster is given either as the run dir (or `cluster.json`) that `gorgo up` writes,
+//! or as a list `region=url,...` for clusters started some other way.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::BenchError;
+
+/// One region of `cluster.json` as written by `gorgo up`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RegionEndpoint {
+    /// Region name, as in the topology and the trace's home regions.
+    pub name: String,
+    /// The node's client-facing URL (through the emulated client-to-region delay).
+    pub client_url: String,
+    /// The node's admin URL, when known.
+    #[serde(default)]
+    pub admin_url: Option<String>,
+    /// The region's engine URL, when known.
+    #[serde(default)]
+    pub engine_url: Option<String>,
+    /// The node id, when known.
+    #[serde(default)]
+    pub node_id: Option<String>,
+}
+
+/// `cluster.json` as written by `gorgo up --run-dir D`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClusterInfo {
+    /// Bearer token of the nodes' admin API, when known.
+    #[serde(default)]
+    pub admin_token: Option<String>,
+    /// Every region with its URLs, in topology order.
+    pub regions: Vec<RegionEndpoint>,
+}
+
+impl ClusterInfo {
+    /// Read `cluster.json`, or `<dir>/cluster.json` when `path` is a directory.
+    pub fn from_path(path: &Path) -> Result<Self, BenchError> {
+        let file: PathBuf = if path.is_dir() {
+            path.join("cluster.json")
+        } else {
+            path.to_path_buf()
+        };
+        let text = std::fs::read_to_string(&file).map_err(|source| BenchError::Io {
+            path: file.clone(),
+            source,
+        })?;
+        let info: ClusterInfo = serde_json::from_str(&text)
+            .map_err(|source| BenchError::Json { path: file, source })?;
+        if info.regions.is_empty() {
+            return Err(BenchError::ClusterSpec(
+                "cluster.json lists no regions".into(),
+            ));
+        }
+        Ok(info)
+    }
+
+    /// Parse `region=url,region=url,...`.
+    pub fn from_list(list: &str) -> Result<Self, BenchError> {
+        let mut regions = Vec::new();
+        for part in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (name, url) = part.split_once('=').ok_or_else(|| {
+                BenchError::ClusterSpec(format!("`{part}` is not of the form region=url"))
+            })?;
+            let (name, url) = (name.trim(), url.trim());
+            if name.is_empty() || !(url.starts_with("http://") || url.starts_with("https://")) {
+                return Err(BenchError::ClusterSpec(format!(
+                    "`{part}`: need a region name and an http(s) URL"
+                )));
+            }
+            if regions.iter().any(|r: &RegionEndpoint| r.name == name) {
+                return Err(BenchError::ClusterSpec(format!(
+                    "region `{name}` listed twice"
+                )));
+            }
+            regions.push(RegionEndpoint {
+                name: name.to_owned(),
+                client_url: url.to_owned(),
+                admin_url: None,
+                engine_url: None,
+                node_id: None,
+            });
+        }
+        if regions.is_empty() {
+            return Err(BenchError::ClusterSpec("empty region list".into()));
+        }
+        Ok(ClusterInfo {
+            admin_token: None,
+            regions,
+        })
+    }
+
+    /// Accept what `--cluster` accepts: an existing path (run dir or cluster.json),
+    /// else a `region=url,...` list.
+    pub fn parse_spec(spec: &str) -> Result<Self, BenchError> {
+        let path = Path::new(spec);
+        if path.exists() {
+            Self::from_path(path)
+        } else if spec.contains('=') {
+            Self::from_list(spec)
+        } else {
+            Err(BenchError::ClusterSpec(format!(
+                "`{spec}` is neither an existing run dir / cluster.json nor a region=url list"
+            )))
+        }
+    }
+
+    /// Region names in order.
+    pub fn region_names(&self) -> Vec<String> {
+        self.regions.iter().map(|r| r.name.clone()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_list() {
+        let c = ClusterInfo::parse_spec("a=http://127.0.0.1:1, b=http://127.0.0.1:2").unwrap();
+        assert_eq!(c.region_names(), vec!["a", "b"]);
+        assert_eq!(c.regions[1].client_url, "http://127.0.0.1:2");
+    }
+
+    #[test]
+    fn rejects_bad_lists() {
+        assert!(ClusterInfo::from_list("a").is_err());
+        assert!(ClusterInfo::from_list("a=ftp://x").is_err());
+        assert!(ClusterInfo::from_list("a=http://x,a=http://y").is_err());
+        assert!(ClusterInfo::from_list(",").is_err());
+        assert!(ClusterInfo::parse_spec("/no/such/dir").is_err());
+    }
+
+    #[test]
+    fn reads_run_dir() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("cluster.json"),
+            r#"{"admin_token":"t","regions":[{"name":"us","client_url":"http://127.0.0.1:9",
+                "admin_url":"http://127.0.0.1:10","engine_url":"http://127.0.0.1:11","node_id":"n1"}]}"#,
+        )
+        .unwrap();
+        let c = ClusterInfo::parse_spec(dir.path().to_str().unwrap()).unwrap();
+        assert_eq!(c.admin_token.as_deref(), Some("t"));
+        assert_eq!(c.regions[0].node_id.as_deref(), Some("n1"));
+        std::fs::write(dir.path().join("cluster.json"), "{").unwrap();
+        assert!(matches!(
+            ClusterInfo::from_path(dir.path()),
+            Err(BenchError::Json { .. })
+        ));
+    }
+}

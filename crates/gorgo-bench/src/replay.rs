@@ -1,0 +1,379 @@
+//! The replay scheduler: open loop at `arrival x time_scale` (with an optional cap on
+//! requests in flight, the wait for a free slot recorded as slip) or closed loop at a
+//! fixed concurrency. Each request goes to its home region's URL.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+
+use crate::client::{self, Measured, POLICY_HEADER, SESSION_HEADER};
+use crate::cluster::ClusterInfo;
+use crate::BenchError;
+
+/// One request of the workload, already assigned to a home region.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplayItem {
+    /// Identifier carried into the results.
+    pub request_id: String,
+    /// The client's home region: the request goes to this region's URL.
+    pub region: String,
+    /// Arrival time in the trace, ms from the trace start (before time scaling).
+    pub arrival_ms: u64,
+    /// Prompt tokens according to the trace (used when the server reports no usage).
+    pub input_tokens: u64,
+    /// Requested output tokens.
+    pub output_tokens: u32,
+    /// Session key, sent as `x-session-id` for session-affinity policies.
+    pub session: Option<String>,
+}
+
+/// Builds the request body of item `i` when it is sent, so that a long trace's prompts
+/// are never all in memory at once.
+pub type BodyBuilder = Arc<dyn Fn(usize) -> Result<Bytes, String> + Send + Sync>;
+
+/// How load is offered.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LoadMode {
+    /// Send item i at `arrival_ms x time_scale` after the start.
+    Open {
+        /// Multiplies trace timestamps (0.5 = twice as fast).
+        time_scale: f64,
+    },
+    /// `concurrency` clients, each sending its next request when the last finished.
+    Closed {
+        /// Number of concurrent clients.
+        concurrency: usize,
+    },
+}
+
+/// Everything that shapes a replay besides the workload and the cluster.
+#[derive(Debug, Clone)]
+pub struct ReplayConfig {
+    /// Open or closed loop.
+    pub mode: LoadMode,
+    /// Open loop only: at most this many requests in flight (waits count as slip).
+    pub max_in_flight: Option<usize>,
+    /// Stop dispatching this long after the start (in-flight requests still finish).
+    pub duration: Option<Duration>,
+    /// Send at most this many requests.
+    pub max_requests: Option<usize>,
+    /// Per-request cap on the whole exchange.
+    pub request_timeout: Duration,
+    /// Per-connection cap on establishing TCP.
+    pub connect_timeout: Duration,
+    /// Sent as `x-gorgo-policy` when set.
+    pub policy_header: Option<String>,
+    /// Request path on the node (`/v1/chat/completions`).
+    pub path: String,
+    /// Draw a progress bar on stderr.
+    pub progress: bool,
+}
+
+impl Default for ReplayConfig {
+    fn default() -> Self {
+        ReplayConfig {
+            mode: LoadMode::Open { time_scale: 1.0 },
+            max_in_flight: None,
+            duration: None,
+            max_requests: None,
+            request_timeout: Duration::from_secs(600),
+            connect_timeout: Duration::from_secs(10),
+            policy_header: None,
+            path: "/v1/chat/completions".into(),
+            progress: false,
+        }
+    }
+}
+
+/// The measured result of one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestOutcome {
+    /// Index of the item in the workload.
+    pub index: usize,
+    /// The item's request id.
+    pub request_id: String,
+    /// The client's home region.
+    pub region: String,
+    /// Session key, when the workload has one.
+    pub session: Option<String>,
+    /// When it was sent, ms after the replay start.
+    pub start_ms: f64,
+    /// How late it was sent against its schedule, ms (0 in closed loop).
+    pub slip_ms: f64,
+    /// Prompt tokens (server's usage, else the trace's).
+    pub input_tokens: u64,
+    /// Output tokens (server's usage, else content chunks).
+    pub output_tokens: u64,
+    /// What the client measured.
+    pub measured: Measured,
+}
+
+impl RequestOutcome {
+    /// Succeeded end to end.
+    pub fn ok(&self) -> bool {
+        self.measured.error.is_none()
+    }
+
+    /// Inter-token latency: (E2E - TTFT) / (output tokens - 1), when defined.
+    pub fn itl_ms(&self) -> Option<f64> {
+        match (self.measured.ttft_ms, self.measured.e2e_ms) {
+            (Some(t), Some(e)) if self.output_tokens > 1 && self.ok() => {
+                Some((e - t) / (self.output_tokens - 1) as f64)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// What a replay produced.
+#[derive(Debug, Clone)]
+pub struct ReplayOutput {
+    /// One outcome per request sent, in workload order.
+    pub outcomes: Vec<RequestOutcome>,
+    /// Wall time from the start to the last request's end.
+    pub wall: Duration,
+    /// The run was stopped by the shutdown signal before it finished.
+    pub cancelled: bool,
+}
+
+impl ReplayOutput {
+    /// Requests that failed.
+    pub fn failed(&self) -> usize {
+        self.outcomes.iter().filter(|o| !o.ok()).count()
+    }
+
+    /// Largest dispatch slip, ms.
+    pub fn max_slip_ms(&self) -> f64 {
+        self.outcomes.iter().map(|o| o.slip_ms).fold(0.0, f64::max)
+    }
+
+    /// Mean dispatch slip, ms.
+    pub fn mean_slip_ms(&self) -> f64 {
+        if self.outcomes.is_empty() {
+            return 0.0;
+        }
+        self.outcomes.iter().map(|o| o.slip_ms).sum::<f64>() / self.outcomes.len() as f64
+    }
+}
+
+struct Shared {
+    items: Vec<ReplayItem>,
+    body: BodyBuilder,
+    targets: HashMap<String, (reqwest::Client, String)>,
+    policy_header: Option<String>,
+    start: Instant,
+    progress: indicatif::ProgressBar,
+    failures: AtomicUsize,
+}
+
+/// Replay `items` against `cluster`. Stops early (returning what finished) when
+/// `shutdown` completes. Fails only on a bad configuration or an item whose region
+/// the cluster lacks; request failures are recorded in the outcomes.
+pub async fn replay(
+    cluster: &ClusterInfo,
+    mut items: Vec<ReplayItem>,
+    body: BodyBuilder,
+    config: &ReplayConfig,
+    shutdown: impl Future<Output = ()>,
+) -> Result<ReplayOutput, BenchError> {
+    validate(config)?;
+    if let Some(n) = config.max_requests {
+        items.truncate(n);
+    }
+    if let (LoadMode::Open { time_scale }, Some(d)) = (config.mode, config.duration) {
+        // Open loop: a request whose scheduled time falls after the window is never sent.
+        let limit_ms = d.as_secs_f64() * 1000.0;
+        items.retain(|it| it.arrival_ms as f64 * time_scale < limit_ms);
+    }
+    let mut targets = HashMap::new();
+    for region in &cluster.regions {
+        let c = client::build_client(config.connect_timeout, config.request_timeout)
+            .map_err(|e| BenchError::Client(e.to_string()))?;
+        let url = format!("{}{}", region.client_url.trim_end_matches('/'), config.path);
+        targets.insert(region.name.clone(), (c, url));
+    }
+    if let Some(bad) = items.iter().find(|it| !targets.contains_key(&it.region)) {
+        return Err(BenchError::UnknownRegion(bad.region.clone()));
+    }
+    let progress = if config.progress {
+        let pb = indicatif::ProgressBar::new(items.len() as u64);
+        if let Ok(style) = indicatif::ProgressStyle::with_template(
+            "{elapsed_precise} [{wide_bar}] {pos}/{len} {msg}",
+        ) {
+            pb.set_style(style);
+        }
+        pb
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let shared = Arc::new(Shared {
+        items,
+        body,
+        targets,
+        policy_header: config.policy_header.clone(),
+        start: Instant::now(),
+        progress,
+        failures: AtomicUsize::new(0),
+    });
+    let mut tasks: JoinSet<Vec<RequestOutcome>> = JoinSet::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    let mut cancelled = false;
+    match config.mode {
+        LoadMode::Open { time_scale } => {
+            let sem = Arc::new(Semaphore::new(
+                config.max_in_flight.unwrap_or(Semaphore::MAX_PERMITS),
+            ));
+            for index in 0..shared.items.len() {
+                let offset = Duration::from_secs_f64(
+                    shared.items[index].arrival_ms as f64 * time_scale / 1000.0,
+                );
+                let scheduled = shared.start + offset;
+                let acquired = tokio::select! {
+                    _ = &mut shutdown => None,
+                    permit = async {
+                        tokio::time::sleep_until(scheduled.into()).await;
+                        sem.clone().acquire_owned().await
+                    } => permit.ok(),
+                };
+                let Some(permit) = acquired else {
+                    cancelled = true;
+                    break;
+                };
+                let slip_ms = Instant::now()
+                    .saturating_duration_since(scheduled)
+                    .as_secs_f64()
+                    * 1000.0;
+                let shared = shared.clone();
+                tasks.spawn(async move {
+                    let outcome = send_item(&shared, index, slip_ms).await;
+                    drop(permit);
+                    vec![outcome]
+                });
+            }
+        }
+        LoadMode::Closed { concurrency } => {
+            let next = Arc::new(AtomicUsize::new(0));
+            let deadline = config.duration.map(|d| shared.start + d);
+            for _ in 0..concurrency {
+                let shared = shared.clone();
+                let next = next.clone();
+                tasks.spawn(async move {
+                    let mut out = Vec::new();
+                    loop {
+                        if deadline.is_some_and(|d| Instant::now() >= d) {
+                            break;
+                        }
+                        let index = next.fetch_add(1, Ordering::Relaxed);
+                        if index >= shared.items.len() {
+                            break;
+                        }
+                        out.push(send_item(&shared, index, 0.0).await);
+                    }
+                    out
+                });
+            }
+        }
+    }
+    let mut outcomes = Vec::new();
+    if !cancelled {
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => { cancelled = true; break; }
+                joined = tasks.join_next() => match joined {
+                    Some(Ok(batch)) => outcomes.extend(batch),
+                    // A request task cannot panic by design; a join error is recorded
+                    // by its absence from the outcomes.
+                    Some(Err(e)) => tracing::error!("replay task failed: {e}"),
+                    None => break,
+                },
+            }
+        }
+    }
+    if cancelled {
+        tasks.abort_all();
+        while let Some(joined) = tasks.join_next().await {
+            if let Ok(batch) = joined {
+                outcomes.extend(batch);
+            }
+        }
+    }
+    shared.progress.finish_and_clear();
+    outcomes.sort_by_key(|o| o.index);
+    Ok(ReplayOutput {
+        outcomes,
+        wall: shared.start.elapsed(),
+        cancelled,
+    })
+}
+
+fn validate(config: &ReplayConfig) -> Result<(), BenchError> {
+    match config.mode {
+        LoadMode::Open { time_scale } if !(time_scale.is_finite() && time_scale >= 0.0) => {
+            return Err(BenchError::InvalidConfig {
+                field: "time_scale",
+                reason: format!("must be a finite number >= 0, got {time_scale}"),
+            })
+        }
+        LoadMode::Closed { concurrency: 0 } => {
+            return Err(BenchError::InvalidConfig {
+                field: "concurrency",
+                reason: "must be at least 1".into(),
+            })
+        }
+        _ => {}
+    }
+    if config.max_in_flight == Some(0) {
+        return Err(BenchError::InvalidConfig {
+            field: "max_in_flight",
+            reason: "must be at least 1".into(),
+        });
+    }
+    Ok(())
+}
+
+async fn send_item(shared: &Shared, index: usize, slip_ms: f64) -> RequestOutcome {
+    let item = &shared.items[index];
+    let start_ms = shared.start.elapsed().as_secs_f64() * 1000.0;
+    let measured = match (shared.body)(index) {
+        Err(e) => Measured {
+            error: Some(format!("building the request body: {e}")),
+            ..Measured::default()
+        },
+        Ok(body) => {
+            // Checked at the start of the replay: every item's region has a target.
+            let (client, url) = &shared.targets[&item.region];
+            let mut headers = Vec::with_capacity(2);
+            if let Some(p) = &shared.policy_header {
+                headers.push((POLICY_HEADER, p.clone()));
+            }
+            if let Some(s) = &item.session {
+                headers.push((SESSION_HEADER, s.clone()));
+            }
+            client::send_streaming(client, url, body, &headers).await
+        }
+    };
+    if measured.error.is_some() {
+        let failed = shared.failures.fetch_add(1, Ordering::Relaxed) + 1;
+        shared.progress.set_message(format!("{failed} failed"));
+    }
+    shared.progress.inc(1);
+    RequestOutcome {
+        index,
+        request_id: item.request_id.clone(),
+        region: item.region.clone(),
+        session: item.session.clone(),
+        start_ms,
+        slip_ms,
+        input_tokens: measured.prompt_tokens.unwrap_or(item.input_tokens),
+        output_tokens: measured
+            .completion_tokens
+            .unwrap_or(measured.content_chunks),
+        measured,
+    }
+}

@@ -1,0 +1,278 @@
+//! The replay engine against a tiny in-process SSE server: counts, fields and error
+//! paths, never speed.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use bytes::Bytes;
+use gorgo_bench::{
+    replay, BodyBuilder, ClusterInfo, LoadMode, ReplayConfig, ReplayItem, ReplayOutput,
+};
+
+/// A chat endpoint in OpenAI's streaming shape. `max_tokens` picks the behaviour:
+/// 0 -> HTTP 400, 999 -> stream cut before `[DONE]`, else that many content chunks.
+async fn chat(headers: HeaderMap, body: Bytes) -> Response {
+    let v: serde_json::Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(_) => return (StatusCode::BAD_REQUEST, "bad json").into_response(),
+    };
+    let n = v["max_tokens"].as_u64().unwrap_or(1);
+    if n == 0 {
+        return (
+            StatusCode::BAD_REQUEST,
+            r#"{"error":{"message":"max_tokens must be positive"}}"#,
+        )
+            .into_response();
+    }
+    let served_by = v["served_by"].as_str().unwrap_or("here").to_owned();
+    let session = headers
+        .get("x-session-id")
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    let mut s = String::new();
+    s.push_str("data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\"}}]}\n\n");
+    let content_chunks = if n == 999 { 2 } else { n };
+    for i in 0..content_chunks {
+        s.push_str(&format!(
+            "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"t{i}{session}\"}}}}]}}\n\n"
+        ));
+    }
+    if n != 999 {
+        s.push_str(&format!(
+            "data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":7,\"completion_tokens\":{n},\
+             \"prompt_tokens_details\":{{\"cached_tokens\":3}}}}}}\n\ndata: [DONE]\n\n"
+        ));
+    }
+    // Send the events as separate body frames, as a real streaming server would.
+    let frames: Vec<Result<Bytes, std::io::Error>> = s
+        .split_inclusive("\n\n")
+        .map(|f| Ok(Bytes::from(f.to_owned())))
+        .collect();
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .header("x-gorgo-served-by", served_by)
+        .header("x-gorgo-hops", "1")
+        .body(Body::from_stream(futures::stream::iter(frames)))
+        .unwrap()
+}
+
+struct Server {
+    url: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Server {
+    async fn start() -> Server {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let app = axum::Router::new().route("/v1/chat/completions", post(chat));
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async {
+                    let _ = rx.await;
+                })
+                .await
+                .unwrap();
+        });
+        Server {
+            url,
+            stop: Some(tx),
+            task,
+        }
+    }
+
+    async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        self.task.await.unwrap();
+    }
+}
+
+fn item(i: usize, region: &str, out: u32) -> ReplayItem {
+    ReplayItem {
+        request_id: format!("r{i}"),
+        region: region.to_owned(),
+        arrival_ms: i as u64 * 1000,
+        input_tokens: 100,
+        output_tokens: out,
+        session: Some(format!("s{}", i % 2)),
+    }
+}
+
+fn bodies(items: &[ReplayItem]) -> BodyBuilder {
+    let specs: Vec<(u32, String)> = items
+        .iter()
+        .map(|it| (it.output_tokens, format!("srv-{}", it.region)))
+        .collect();
+    Arc::new(move |i| {
+        let (n, by) = &specs[i];
+        Ok(Bytes::from(
+            serde_json::json!({"max_tokens": n, "served_by": by, "stream": true}).to_string(),
+        ))
+    })
+}
+
+async fn run(cluster: &ClusterInfo, items: Vec<ReplayItem>, config: ReplayConfig) -> ReplayOutput {
+    let b = bodies(&items);
+    replay(cluster, items, b, &config, std::future::pending())
+        .await
+        .unwrap()
+}
+
+fn open_now() -> ReplayConfig {
+    // Time scale 0: every request is due at once, so the test never waits on a clock.
+    ReplayConfig {
+        mode: LoadMode::Open { time_scale: 0.0 },
+        ..ReplayConfig::default()
+    }
+}
+
+#[tokio::test]
+async fn open_loop_measures_every_request() {
+    let (a, b) = (Server::start().await, Server::start().await);
+    let cluster = ClusterInfo::from_list(&format!("us={},eu={}", a.url, b.url)).unwrap();
+    let items: Vec<_> = (0..6)
+        .map(|i| item(i, if i % 2 == 0 { "us" } else { "eu" }, 4))
+        .collect();
+    let out = run(&cluster, items, open_now()).await;
+    assert_eq!(out.outcomes.len(), 6);
+    assert_eq!(out.failed(), 0);
+    assert!(!out.cancelled);
+    for (i, o) in out.outcomes.iter().enumerate() {
+        assert_eq!(o.index, i);
+        assert!(o.ok(), "{:?}", o.measured.error);
+        assert_eq!(o.output_tokens, 4);
+        assert_eq!(o.input_tokens, 7);
+        assert_eq!(o.measured.cached_tokens, Some(3));
+        assert_eq!(o.measured.content_chunks, 4);
+        assert_eq!(o.measured.hops, Some(1));
+        assert_eq!(
+            o.measured.served_by.as_deref(),
+            Some(format!("srv-{}", o.region).as_str())
+        );
+        let (t, e) = (o.measured.ttft_ms.unwrap(), o.measured.e2e_ms.unwrap());
+        assert!(t <= e);
+        assert!(o.itl_ms().is_some());
+        assert!(o.slip_ms >= 0.0);
+    }
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test]
+async fn failures_are_recorded_not_raised() {
+    let a = Server::start().await;
+    // A port nobody listens on: bind, learn the port, close.
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let cluster = ClusterInfo::from_list(&format!("us={},gone={dead}", a.url)).unwrap();
+    let items = vec![
+        item(0, "us", 0),
+        item(1, "us", 999),
+        item(2, "gone", 3),
+        item(3, "us", 1),
+    ];
+    let out = run(&cluster, items, open_now()).await;
+    assert_eq!(out.outcomes.len(), 4);
+    assert_eq!(out.failed(), 3);
+    let err = |i: usize| out.outcomes[i].measured.error.clone().unwrap_or_default();
+    assert!(err(0).starts_with("HTTP 400"), "{}", err(0));
+    assert!(err(1).contains("[DONE]"), "{}", err(1));
+    assert!(err(2).starts_with("connect"), "{}", err(2));
+    assert!(out.outcomes[3].ok());
+    // A single-token answer has no inter-token latency.
+    assert_eq!(out.outcomes[3].itl_ms(), None);
+    a.stop().await;
+}
+
+#[tokio::test]
+async fn closed_loop_and_limits() {
+    let a = Server::start().await;
+    let cluster = ClusterInfo::from_list(&format!("us={}", a.url)).unwrap();
+    let items: Vec<_> = (0..9).map(|i| item(i, "us", 2)).collect();
+    let config = ReplayConfig {
+        mode: LoadMode::Closed { concurrency: 2 },
+        max_requests: Some(5),
+        ..ReplayConfig::default()
+    };
+    let out = run(&cluster, items, config).await;
+    assert_eq!(out.outcomes.len(), 5);
+    assert_eq!(out.failed(), 0);
+    assert!(out.outcomes.iter().all(|o| o.slip_ms == 0.0));
+    assert_eq!(
+        out.outcomes.iter().map(|o| o.index).collect::<Vec<_>>(),
+        vec![0, 1, 2, 3, 4]
+    );
+
+    // Open loop with a window: arrivals at 0 s, 1 s, 2 s scaled by 0.001 -> 0, 1, 2 ms;
+    // a 1.5 ms window keeps the first two.
+    let items: Vec<_> = (0..3).map(|i| item(i, "us", 2)).collect();
+    let config = ReplayConfig {
+        mode: LoadMode::Open { time_scale: 0.001 },
+        duration: Some(std::time::Duration::from_micros(1500)),
+        max_in_flight: Some(1),
+        ..ReplayConfig::default()
+    };
+    let out = run(&cluster, items, config).await;
+    assert_eq!(out.outcomes.len(), 2);
+    a.stop().await;
+}
+
+#[tokio::test]
+async fn bad_config_and_unknown_region_fail_up_front() {
+    let cluster = ClusterInfo::from_list("us=http://127.0.0.1:9").unwrap();
+    let items = vec![item(0, "mars", 1)];
+    let b = bodies(&items);
+    let err = replay(&cluster, items, b, &open_now(), std::future::pending())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("mars"));
+    let config = ReplayConfig {
+        mode: LoadMode::Closed { concurrency: 0 },
+        ..ReplayConfig::default()
+    };
+    let items = vec![item(0, "us", 1)];
+    let b = bodies(&items);
+    let err = replay(&cluster, items, b, &config, std::future::pending())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("concurrency"));
+}
+
+#[tokio::test]
+async fn shutdown_stops_the_replay() {
+    let a = Server::start().await;
+    let cluster = ClusterInfo::from_list(&format!("us={}", a.url)).unwrap();
+    // Arrivals an hour apart: without the shutdown this would never end.
+    let items: Vec<_> = (0..3)
+        .map(|i| ReplayItem {
+            arrival_ms: i as u64 * 3_600_000,
+            ..item(i, "us", 1)
+        })
+        .collect();
+    let b = bodies(&items);
+    let config = ReplayConfig {
+        mode: LoadMode::Open { time_scale: 1.0 },
+        ..ReplayConfig::default()
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(async move {
+        replay(&cluster, items, b, &config, async {
+            let _ = rx.await;
+        })
+        .await
+        .unwrap()
+    });
+    tx.send(()).unwrap();
+    let out = run.await.unwrap();
+    assert!(out.cancelled);
+    assert!(out.outcomes.len() <= 1);
+    a.stop().await;
+}
