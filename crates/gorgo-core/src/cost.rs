@@ -215,7 +215,11 @@ impl ForwardLedger {
             return false;
         }
         entry.stats_version = Some(version);
-        let rtt = if rtt_ms.is_finite() && rtt_ms > 0.0 { rtt_ms as u64 } else { 0 };
+        let rtt = if rtt_ms.is_finite() && rtt_ms > 0.0 {
+            rtt_ms as u64
+        } else {
+            0
+        };
         let cutoff = now_ms.saturating_sub(rtt);
         while let Some(&(sent, tokens)) = entry.forwards.front() {
             if sent > cutoff {
@@ -316,7 +320,10 @@ mod tests {
         let mut c = Candidate::idle("b", false, 1.0);
         l.record_forward(&p, 7, 1400);
         l.apply(&mut c);
-        assert_eq!((c.inflight_forwards, c.inflight_forward_prompt_tokens), (1, 7));
+        assert_eq!(
+            (c.inflight_forwards, c.inflight_forward_prompt_tokens),
+            (1, 7)
+        );
         l.forget(&p);
         assert_eq!(l.pending(&p), (0, 0));
     }
@@ -328,6 +335,12 @@ mod tests {
         for i in 0..(MAX_LEDGER_ENTRIES_PER_PEER as u64 + 10) {
             l.record_forward(&p, 1, i);
         }
-        assert_eq!(l.pending(&p), (MAX_LEDGER_ENTRIES_PER_PEER as u32, MAX_LEDGER_ENTRIES_PER_PEER as u64));
+        assert_eq!(
+            l.pending(&p),
+            (
+                MAX_LEDGER_ENTRIES_PER_PEER as u32,
+                MAX_LEDGER_ENTRIES_PER_PEER as u64
+            )
+        );
     }
 }

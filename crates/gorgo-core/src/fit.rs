@@ -54,7 +54,10 @@ impl FitConfig {
     /// Check every field, naming the one that is wrong.
     pub fn validate(&self) -> Result<(), CoreError> {
         let bad = |field: &str, reason: &str| {
-            Err(CoreError::InvalidConfig { field: field.into(), reason: reason.into() })
+            Err(CoreError::InvalidConfig {
+                field: field.into(),
+                reason: reason.into(),
+            })
         };
         if !(self.forgetting > 0.0 && self.forgetting <= 1.0) {
             return bad("forgetting", "must be in (0, 1]");
@@ -132,7 +135,11 @@ impl PrefillFit {
             self.p[1][0] * x[0] + self.p[1][1] * x[1],
         ];
         let trace = self.p[0][0] + self.p[1][1];
-        let lambda = if trace < self.cfg.max_cov_trace { self.cfg.forgetting } else { 1.0 };
+        let lambda = if trace < self.cfg.max_cov_trace {
+            self.cfg.forgetting
+        } else {
+            1.0
+        };
         let denom = lambda + x[0] * px[0] + x[1] * px[1];
         if !(denom.is_finite() && denom > 0.0) {
             self.rejected += 1;
@@ -226,7 +233,9 @@ mod tests {
         // The engine is actually an H200: 40 ms + 0.0295 ms/token, with noise.
         let mut s = 12345u64;
         for i in 0..2000u64 {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             let noise = ((s >> 33) as f64 / (1u64 << 31) as f64 - 0.5) * 10.0;
             let tokens = 100 + (i * 7919) % 16_000;
             let rtt = 30.0;
@@ -249,7 +258,10 @@ mod tests {
         assert_eq!(f.t_p_ms(), 0.09);
         assert!(f.r_squared().is_none());
         assert!(PrefillFit::new(-1.0, 0.09, FitConfig::default()).is_err());
-        let cfg = FitConfig { forgetting: 1.5, ..FitConfig::default() };
+        let cfg = FitConfig {
+            forgetting: 1.5,
+            ..FitConfig::default()
+        };
         match PrefillFit::new(1.0, 0.09, cfg) {
             Err(CoreError::InvalidConfig { field, .. }) => assert_eq!(field, "forgetting"),
             other => panic!("{other:?}"),

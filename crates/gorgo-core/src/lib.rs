@@ -16,3 +16,5 @@ pub mod hash;
 pub use hash::HashChain;
 pub mod cost;
 pub mod fit;
+pub mod decision;
+pub mod policy;

@@ -1,0 +1,174 @@
+//! Forward or serve: the rules around a policy's pick that keep routing safe.
+//!
+//! - A request that arrived with `hops >= max_hops` is served where it is (no
+//!   forwarding loops, no ping-pong between nodes with different views).
+//! - Unhealthy candidates are never chosen.
+//! - When nothing can serve, the outcome says so ([`NoCandidate`]) and the driver
+//!   answers 503.
+//!
+//! Both outcomes are serde so the node can show them at `/admin/decisions`.
+
+use serde::{Deserialize, Serialize};
+
+use crate::cost::{Candidate, CostTerms};
+use crate::policy::{Policy, PolicyKind, RouteRequest};
+use crate::types::{NodeId, Weights};
+
+/// Why the target was chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DecisionReason {
+    /// The policy's pick.
+    Policy,
+    /// The request had used its hops: served here without asking the policy.
+    MaxHops,
+    /// The policy picked an unhealthy or unknown candidate; the local one (else the
+    /// first healthy one) was used instead.
+    PolicyFallback,
+}
+
+/// Why nothing can serve.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum NoCandidateReason {
+    /// No candidate is healthy.
+    NoneHealthy,
+    /// The request must be served here (max hops) and the local engine is unhealthy.
+    LocalUnhealthyAtMaxHops,
+    /// The policy declined every candidate (e.g. `local-only` with the local engine
+    /// down).
+    PolicyDeclined,
+}
+
+/// One candidate as the decision saw it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CandidateExplain {
+    /// The candidate node.
+    pub node: NodeId,
+    /// True for the deciding node.
+    pub is_local: bool,
+    /// Whether it could be chosen.
+    pub healthy: bool,
+    /// Whether it was chosen.
+    pub chosen: bool,
+    /// Measured RTT, ms.
+    pub rtt_ms: f64,
+    /// Prompt tokens believed cached there.
+    pub cached_tokens: u64,
+    /// Cost terms, for the cost-based policies.
+    pub terms: Option<CostTerms>,
+}
+
+/// Where a request goes, and why.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Decision {
+    /// Policy that decided.
+    pub policy: PolicyKind,
+    /// Index of the target in the candidate slice.
+    pub target_index: usize,
+    /// The node that serves.
+    pub target: NodeId,
+    /// True when served by the deciding node's own engine.
+    pub is_local: bool,
+    /// Hops the request had taken when it arrived here.
+    pub hops: u8,
+    /// Weights used.
+    pub weights: Weights,
+    /// Why this target.
+    pub reason: DecisionReason,
+    /// Every candidate considered.
+    pub candidates: Vec<CandidateExplain>,
+}
+
+/// Nothing can serve the request: the driver answers 503.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NoCandidate {
+    /// Policy that was asked.
+    pub policy: PolicyKind,
+    /// Hops the request had taken.
+    pub hops: u8,
+    /// Why nothing can serve.
+    pub reason: NoCandidateReason,
+    /// Every candidate considered.
+    pub candidates: Vec<CandidateExplain>,
+}
+
+fn explain(
+    candidates: &[Candidate],
+    terms: Option<&[CostTerms]>,
+    chosen: Option<usize>,
+) -> Vec<CandidateExplain> {
+    candidates
+        .iter()
+        .enumerate()
+        .map(|(i, c)| CandidateExplain {
+            node: c.node.clone(),
+            is_local: c.is_local,
+            healthy: c.healthy,
+            chosen: chosen == Some(i),
+            rtt_ms: c.rtt_ms,
+            cached_tokens: c.cached_tokens,
+            terms: terms.and_then(|t| t.get(i).copied()),
+        })
+        .collect()
+}
+
+/// Decide where `req` is served. `hops` is how many times it has been forwarded
+/// already; `rng_u64` is a fresh random number for the policy's tie-breaks.
+pub fn decide(
+    req: &RouteRequest<'_>,
+    hops: u8,
+    max_hops: u8,
+    candidates: &[Candidate],
+    policy: &mut dyn Policy,
+    weights: Weights,
+    rng_u64: u64,
+) -> Result<Decision, NoCandidate> {
+    let kind = policy.kind();
+    let local = candidates.iter().position(|c| c.is_local && c.healthy);
+    let no_candidate = |reason, terms: Option<&[CostTerms]>| NoCandidate {
+        policy: kind,
+        hops,
+        reason,
+        candidates: explain(candidates, terms, None),
+    };
+    let decision = |index: usize, reason, terms: Option<&[CostTerms]>| Decision {
+        policy: kind,
+        target_index: index,
+        target: candidates[index].node.clone(),
+        is_local: candidates[index].is_local,
+        hops,
+        weights,
+        reason,
+        candidates: explain(candidates, terms, Some(index)),
+    };
+
+    if hops >= max_hops {
+        return match local {
+            Some(i) => Ok(decision(i, DecisionReason::MaxHops, None)),
+            None => Err(no_candidate(
+                NoCandidateReason::LocalUnhealthyAtMaxHops,
+                None,
+            )),
+        };
+    }
+    if !candidates.iter().any(|c| c.healthy) {
+        return Err(no_candidate(NoCandidateReason::NoneHealthy, None));
+    }
+    let choice = policy.choose(req, candidates, weights, rng_u64);
+    let terms = choice.terms.as_deref();
+    match choice.index {
+        Some(i) if candidates.get(i).is_some_and(|c| c.healthy) => {
+            Ok(decision(i, DecisionReason::Policy, terms))
+        }
+        Some(_) => {
+            let fallback = local.or_else(|| candidates.iter().position(|c| c.healthy));
+            // At least one candidate is healthy (checked above).
+            match fallback {
+                Some(i) => Ok(decision(i, DecisionReason::PolicyFallback, terms)),
+                None => Err(no_candidate(NoCandidateReason::NoneHealthy, terms)),
+            }
+        }
+        None => Err(no_candidate(NoCandidateReason::PolicyDeclined, terms)),
+    }
+}

@@ -1,0 +1,552 @@
+//! Hand-built routing situations: the cost model, every policy's rule, and the
+//! forward-or-serve guards.
+
+use gorgo_core::cost::{cost_terms, Candidate};
+use gorgo_core::decision::{decide, DecisionReason, NoCandidateReason};
+use gorgo_core::hash::HashChain;
+use gorgo_core::policy::{build, PolicyKind, RouteRequest};
+use gorgo_core::{CoreError, Weights};
+use proptest::prelude::*;
+
+const T_P: f64 = 0.094;
+
+fn cand(name: &str, is_local: bool, rtt_ms: f64) -> Candidate {
+    let mut c = Candidate::idle(name, is_local, rtt_ms);
+    c.stats.t_p_ms = T_P;
+    c
+}
+
+fn chain_of(tokens: u64) -> HashChain {
+    HashChain::from_bytes(&vec![b'x'; (tokens * 4) as usize], 256, 4)
+}
+
+fn choose(
+    kind: PolicyKind,
+    req: &RouteRequest<'_>,
+    cands: &[Candidate],
+    rng: u64,
+) -> Option<usize> {
+    let mut p = build(kind);
+    p.choose(req, cands, kind.default_weights(), rng).index
+}
+
+fn target(kind: PolicyKind, req: &RouteRequest<'_>, cands: &[Candidate]) -> String {
+    let mut p = build(kind);
+    let d = decide(req, 0, 1, cands, p.as_mut(), kind.default_weights(), 7).expect("a target");
+    d.target.0
+}
+
+#[test]
+fn cached_peer_wins_only_while_rtt_is_below_the_prefill_it_saves() {
+    // 1,000 cached tokens x 0.094 ms = 94 ms of prefill saved at the peer.
+    let chain = chain_of(1200);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 1200,
+        session_key: None,
+    };
+    let local = cand("a-local", true, 0.0);
+    let mut peer = cand("b-peer", false, 20.0);
+    peer.cached_tokens = 1000;
+    assert_eq!(
+        target(PolicyKind::Gorgo, &req, &[local.clone(), peer.clone()]),
+        "b-peer"
+    );
+    let saved = cost_terms(1200, &local, Weights::default()).total_ms
+        - cost_terms(1200, &peer, Weights::default()).prefill_ms;
+    assert!((saved - 94.0).abs() < 1e-6);
+    peer.rtt_ms = 180.0;
+    assert_eq!(target(PolicyKind::Gorgo, &req, &[local, peer]), "a-local");
+}
+
+#[test]
+fn busy_local_engine_loses_to_an_idle_peer() {
+    let chain = chain_of(2000);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 2000,
+        session_key: None,
+    };
+    let mut local = cand("a", true, 0.0);
+    local.stats.unfinished_prefill_tokens = 20_000;
+    local.stats.running = 30;
+    local.stats.decode_step_ms = 25.0;
+    let peer = cand("b", false, 90.0);
+    assert_eq!(
+        target(PolicyKind::Gorgo, &req, &[local.clone(), peer.clone()]),
+        "b"
+    );
+    // With w_queue near zero the queue is ignored and the request stays.
+    let mut p = build(PolicyKind::Gorgo);
+    let w = Weights {
+        w_rtt: 1.0,
+        w_queue: 0.01,
+    };
+    let d = decide(&req, 0, 1, &[local, peer], p.as_mut(), w, 0).unwrap();
+    assert!(d.is_local);
+    let terms = d
+        .candidates
+        .iter()
+        .map(|c| c.terms.unwrap())
+        .collect::<Vec<_>>();
+    assert!(terms[0].queue_ms > 0.0 && terms[1].queue_ms == 0.0);
+}
+
+#[test]
+fn anti_herding_forwards_count_as_queue() {
+    let chain = chain_of(1000);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 1000,
+        session_key: None,
+    };
+    let mut local = cand("a", true, 0.0);
+    local.stats.unfinished_prefill_tokens = 3000;
+    let mut peer = cand("b", false, 50.0);
+    assert_eq!(
+        target(PolicyKind::Gorgo, &req, &[local.clone(), peer.clone()]),
+        "b"
+    );
+    peer.inflight_forwards = 3;
+    peer.inflight_forward_prompt_tokens = 3000;
+    assert_eq!(target(PolicyKind::Gorgo, &req, &[local, peer]), "a");
+}
+
+#[test]
+fn unhealthy_never_chosen_and_nothing_healthy_is_no_candidate() {
+    let chain = chain_of(500);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 500,
+        session_key: None,
+    };
+    let mut local = cand("a", true, 0.0);
+    local.stats.unfinished_prefill_tokens = 100_000;
+    let mut peer = cand("b", false, 10.0);
+    peer.healthy = false;
+    for kind in PolicyKind::ALL {
+        assert_eq!(
+            target(kind, &req, &[local.clone(), peer.clone()]),
+            "a",
+            "{kind}"
+        );
+    }
+    local.healthy = false;
+    for kind in PolicyKind::ALL {
+        let mut p = build(kind);
+        let err = decide(
+            &req,
+            0,
+            1,
+            &[local.clone(), peer.clone()],
+            p.as_mut(),
+            Weights::default(),
+            1,
+        )
+        .unwrap_err();
+        assert_eq!(err.reason, NoCandidateReason::NoneHealthy);
+    }
+    // At max hops with the local engine down, nothing may serve even if a peer could.
+    peer.healthy = true;
+    let mut p = build(PolicyKind::Gorgo);
+    let err = decide(
+        &req,
+        1,
+        1,
+        &[local.clone(), peer.clone()],
+        p.as_mut(),
+        Weights::default(),
+        1,
+    )
+    .unwrap_err();
+    assert_eq!(err.reason, NoCandidateReason::LocalUnhealthyAtMaxHops);
+    let mut p = build(PolicyKind::LocalOnly);
+    let err = decide(
+        &req,
+        0,
+        1,
+        &[local, peer],
+        p.as_mut(),
+        Weights::default(),
+        1,
+    )
+    .unwrap_err();
+    assert_eq!(err.reason, NoCandidateReason::PolicyDeclined);
+}
+
+#[test]
+fn decisions_serialize_for_the_admin_api() {
+    let chain = chain_of(500);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 500,
+        session_key: None,
+    };
+    let cands = [cand("a", true, 0.0), cand("b", false, 10.0)];
+    let mut p = build(PolicyKind::Gorgo);
+    let d = decide(&req, 0, 1, &cands, p.as_mut(), Weights::default(), 1).unwrap();
+    assert_eq!(d.reason, DecisionReason::Policy);
+    let json = serde_json::to_value(&d).unwrap();
+    assert_eq!(json["policy"], "gorgo");
+    assert_eq!(json["candidates"][0]["chosen"], true);
+    assert!(json["candidates"][1]["terms"]["total_ms"].is_number());
+    let back: gorgo_core::decision::Decision = serde_json::from_value(json).unwrap();
+    assert_eq!(back, d);
+}
+
+#[test]
+fn policy_names_round_trip() {
+    for kind in PolicyKind::ALL {
+        assert_eq!(kind.to_string().parse::<PolicyKind>().unwrap(), kind);
+        assert_eq!(build(kind).kind(), kind);
+        assert_eq!(serde_json::to_value(kind).unwrap(), kind.to_string());
+    }
+    assert_eq!(
+        "simple-session-affinity".parse::<PolicyKind>().unwrap(),
+        PolicyKind::SimpleSessionAffinity
+    );
+    match "fastest".parse::<PolicyKind>() {
+        Err(CoreError::InvalidConfig { field, .. }) => assert_eq!(field, "policy"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn least_load_and_least_request() {
+    let chain = chain_of(100);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 100,
+        session_key: None,
+    };
+    let mut a = cand("a", true, 0.0);
+    a.stats.running = 2;
+    let mut b = cand("b", false, 300.0);
+    b.stats.running = 1;
+    b.stats.kv_used_tokens = 10_000;
+    let mut c = cand("c", false, 300.0);
+    c.stats.running = 1;
+    c.stats.waiting = 1;
+    let cands = [a, b, c];
+    // least-load: a = 2, b = 10,001, c = 2 -> a (local wins the tie).
+    assert_eq!(choose(PolicyKind::LeastLoad, &req, &cands, 1), Some(0));
+    // least-request: a = 2, b = 1, c = 2 -> b.
+    assert_eq!(choose(PolicyKind::LeastRequest, &req, &cands, 1), Some(1));
+    let mut cands = cands;
+    cands[1].inflight_forwards = 5;
+    assert_eq!(choose(PolicyKind::LeastRequest, &req, &cands, 1), Some(0));
+}
+
+#[test]
+fn prefix_cache_rule() {
+    let chain = chain_of(4000);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 4000,
+        session_key: None,
+    };
+    let mut cands: Vec<Candidate> = (0..5)
+        .map(|i| cand(&format!("n{i}"), i == 0, 50.0))
+        .collect();
+    for c in cands.iter_mut() {
+        c.stats.running = 4;
+    }
+    cands[2].cached_tokens = 3000;
+    cands[3].cached_tokens = 1000;
+    assert_eq!(choose(PolicyKind::PrefixCache, &req, &cands, 0), Some(2));
+    // An outlier load above mean + 2 sigma is skipped despite its match.
+    for c in cands.iter_mut() {
+        c.stats.running = 1;
+    }
+    let mut many: Vec<Candidate> = cands.clone();
+    for i in 5..10 {
+        let mut c = cand(&format!("n{i}"), false, 50.0);
+        c.stats.running = 1;
+        many.push(c);
+    }
+    many[2].stats.running = 12;
+    assert_eq!(choose(PolicyKind::PrefixCache, &req, &many, 0), Some(3));
+    // Spread above 16 requests: least-request.
+    cands[2].stats.running = 20;
+    cands[4].stats.running = 0;
+    assert_eq!(choose(PolicyKind::PrefixCache, &req, &cands, 0), Some(4));
+}
+
+#[test]
+fn cache_aware_rule() {
+    let chain = chain_of(1000);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 1000,
+        session_key: None,
+    };
+    let mut a = cand("a", true, 0.0);
+    a.stats.kv_used_tokens = 50_000;
+    let mut b = cand("b", false, 50.0);
+    b.cached_tokens = 400;
+    b.stats.kv_used_tokens = 90_000;
+    let mut c = cand("c", false, 50.0);
+    c.stats.kv_used_tokens = 10_000;
+    // Match rate 0.4 > 0.3: longest match.
+    let mut cands = vec![a, b, c];
+    assert_eq!(choose(PolicyKind::CacheAware, &req, &cands, 0), Some(1));
+    // Match rate 0.2: smallest cache.
+    cands[1].cached_tokens = 200;
+    assert_eq!(choose(PolicyKind::CacheAware, &req, &cands, 0), Some(2));
+    // Imbalanced (100 vs 10: > 64 apart and > 1.5x): least loaded, whatever the cache.
+    cands[1].cached_tokens = 1000;
+    cands[0].stats.running = 10;
+    cands[1].stats.running = 100;
+    cands[2].stats.running = 30;
+    assert_eq!(choose(PolicyKind::CacheAware, &req, &cands, 0), Some(0));
+    // Spread 90 but ratio under 1.5 is not imbalance.
+    cands[0].stats.running = 200;
+    cands[1].stats.running = 290;
+    cands[2].stats.running = 250;
+    assert_eq!(choose(PolicyKind::CacheAware, &req, &cands, 0), Some(1));
+}
+
+#[test]
+fn session_affinity_is_consistent_across_nodes_and_membership() {
+    let names = ["eu", "us", "ap", "sa", "af"];
+    let chain = chain_of(300);
+    let mut moved = 0;
+    for key in 0..200u64 {
+        let req = RouteRequest {
+            chain: &chain,
+            prompt_tokens: 300,
+            session_key: Some(key),
+        };
+        let cands: Vec<Candidate> = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| cand(n, i == 0, 10.0))
+            .collect();
+        let first = target(PolicyKind::SessionAffinity, &req, &cands);
+        // Another node (other candidate order, other local) agrees.
+        let mut other: Vec<Candidate> = cands.iter().rev().cloned().collect();
+        for c in other.iter_mut() {
+            c.is_local = c.node.0 == "af";
+        }
+        assert_eq!(target(PolicyKind::SessionAffinity, &req, &other), first);
+        // Removing a node that did not hold the session never moves it.
+        let mut fewer = cands.clone();
+        let gone = fewer
+            .iter()
+            .position(|c| c.node.0 != first && !c.is_local)
+            .unwrap();
+        fewer[gone].healthy = false;
+        assert_eq!(target(PolicyKind::SessionAffinity, &req, &fewer), first);
+        if first != "eu" {
+            moved += 1;
+        }
+    }
+    // Sessions spread over nodes (not all pinned to the local one).
+    assert!(moved > 100, "{moved}");
+    // Without a session id, the first block decides: same first block, same target.
+    let a = HashChain::from_bytes(&[vec![b'q'; 256], vec![b'1'; 1000]].concat(), 256, 4);
+    let b = HashChain::from_bytes(&[vec![b'q'; 256], vec![b'2'; 3000]].concat(), 256, 4);
+    let cands: Vec<Candidate> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| cand(n, i == 0, 10.0))
+        .collect();
+    let ra = RouteRequest {
+        chain: &a,
+        prompt_tokens: a.total_tokens(),
+        session_key: None,
+    };
+    let rb = RouteRequest {
+        chain: &b,
+        prompt_tokens: b.total_tokens(),
+        session_key: None,
+    };
+    assert_eq!(
+        target(PolicyKind::SessionAffinity, &ra, &cands),
+        target(PolicyKind::SessionAffinity, &rb, &cands)
+    );
+}
+
+#[test]
+fn simple_session_affinity_hashes_the_first_256_tokens() {
+    let names = ["eu", "us", "ap"];
+    let cands: Vec<Candidate> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| cand(n, i == 0, 10.0))
+        .collect();
+    let mut targets = std::collections::HashSet::new();
+    for s in 0..50u8 {
+        // 1024 shared bytes = 256 tokens; what follows must not matter.
+        let head = vec![s; 1024];
+        let a = HashChain::from_bytes(&[head.clone(), vec![1; 500]].concat(), 256, 4);
+        let b = HashChain::from_bytes(&[head, vec![2; 9000]].concat(), 256, 4);
+        let ra = RouteRequest {
+            chain: &a,
+            prompt_tokens: a.total_tokens(),
+            session_key: Some(1),
+        };
+        let rb = RouteRequest {
+            chain: &b,
+            prompt_tokens: b.total_tokens(),
+            session_key: Some(2),
+        };
+        let ta = target(PolicyKind::SimpleSessionAffinity, &ra, &cands);
+        assert_eq!(ta, target(PolicyKind::SimpleSessionAffinity, &rb, &cands));
+        let reversed: Vec<Candidate> = cands.iter().rev().cloned().collect();
+        assert_eq!(
+            ta,
+            target(PolicyKind::SimpleSessionAffinity, &ra, &reversed)
+        );
+        targets.insert(ta);
+    }
+    assert_eq!(targets.len(), 3);
+}
+
+#[test]
+fn round_robin_random_local_only_oracle() {
+    let chain = chain_of(100);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 100,
+        session_key: None,
+    };
+    let mut cands: Vec<Candidate> = (0..4)
+        .map(|i| cand(&format!("n{i}"), i == 1, 30.0))
+        .collect();
+    cands[2].healthy = false;
+    let mut rr = build(PolicyKind::RoundRobin);
+    let picks: Vec<_> = (0..6)
+        .map(|_| {
+            rr.choose(&req, &cands, Weights::default(), 0)
+                .index
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(picks, vec![0, 1, 3, 0, 1, 3]);
+    let mut random = build(PolicyKind::Random);
+    let mut seen = [0usize; 4];
+    for r in 0..300u64 {
+        let i = random
+            .choose(
+                &req,
+                &cands,
+                Weights::default(),
+                r.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+            )
+            .index
+            .unwrap();
+        seen[i] += 1;
+    }
+    assert_eq!(seen[2], 0);
+    assert!(seen[0] > 50 && seen[1] > 50 && seen[3] > 50, "{seen:?}");
+    assert_eq!(choose(PolicyKind::LocalOnly, &req, &cands, 0), Some(1));
+    cands[0].cached_tokens = 100;
+    cands[0].rtt_ms = 1.0;
+    assert_eq!(
+        choose(PolicyKind::Oracle, &req, &cands, 0),
+        choose(PolicyKind::Gorgo, &req, &cands, 0)
+    );
+}
+
+#[test]
+fn gorgo_paper_uses_mixed_units() {
+    let chain = chain_of(1000);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 1000,
+        session_key: None,
+    };
+    let mut local = cand("a", true, 0.0);
+    local.stats.queued_prompt_tokens = 900;
+    let mut peer = cand("b", false, 90.0);
+    peer.cached_tokens = 500;
+    let w = Weights {
+        w_rtt: 0.276,
+        w_queue: 0.5,
+    };
+    let mut p = build(PolicyKind::GorgoPaper);
+    let c = p.choose(&req, &[local, peer], w, 0);
+    let t = c.terms.unwrap();
+    // local: 1000 + 0.5 * 900 = 1450; peer: 0.276 * 90 + 500 = 524.84.
+    assert!((t[0].total_ms - 1450.0).abs() < 1e-9);
+    assert!((t[1].total_ms - 524.84).abs() < 1e-9);
+    assert_eq!(c.index, Some(1));
+}
+
+fn arb_candidate(i: usize) -> impl Strategy<Value = Candidate> {
+    (
+        any::<bool>(),
+        prop_oneof![Just(f64::NAN), 0.0..500.0f64],
+        0u64..20_000,
+        0u64..50_000,
+        0u32..100,
+        0u32..50,
+        0u64..200_000,
+        0u32..20,
+    )
+        .prop_map(
+            move |(healthy, rtt, cached, unfinished, running, waiting, kv, fwd)| {
+                let mut c = cand(&format!("n{i}"), i == 0, rtt);
+                c.healthy = healthy;
+                c.cached_tokens = cached;
+                c.stats.unfinished_prefill_tokens = unfinished;
+                c.stats.running = running;
+                c.stats.waiting = waiting;
+                c.stats.kv_used_tokens = kv;
+                c.stats.decode_step_ms = 20.0;
+                c.inflight_forwards = fwd;
+                c.inflight_forward_prompt_tokens = fwd as u64 * 100;
+                c
+            },
+        )
+}
+
+fn arb_candidates() -> impl Strategy<Value = Vec<Candidate>> {
+    (1usize..8).prop_flat_map(|n| (0..n).map(arb_candidate).collect::<Vec<_>>())
+}
+
+proptest! {
+    #[test]
+    fn max_hops_is_never_exceeded_and_unhealthy_never_chosen(
+        cands in arb_candidates(),
+        hops in 0u8..4,
+        max_hops in 0u8..3,
+        prompt in 1u64..20_000,
+        policy in 0usize..PolicyKind::ALL.len(),
+        rng in any::<u64>(),
+        w_rtt in 0.05..4.0f64,
+        w_queue in 0.05..4.0f64,
+    ) {
+        let kind = PolicyKind::ALL[policy];
+        let chain = chain_of(prompt.min(2000));
+        let req = RouteRequest { chain: &chain, prompt_tokens: prompt, session_key: None };
+        let mut p = build(kind);
+        let w = Weights { w_rtt, w_queue };
+        match decide(&req, hops, max_hops, &cands, p.as_mut(), w, rng) {
+            Ok(d) => {
+                let chosen = &cands[d.target_index];
+                prop_assert!(chosen.healthy);
+                prop_assert_eq!(&chosen.node, &d.target);
+                // Forwarding adds a hop; it must never take the request past max_hops.
+                if !d.is_local {
+                    prop_assert!(hops + 1 <= max_hops);
+                }
+                if hops >= max_hops {
+                    prop_assert!(d.is_local);
+                    prop_assert_eq!(d.reason, DecisionReason::MaxHops);
+                }
+                prop_assert_eq!(d.candidates.iter().filter(|c| c.chosen).count(), 1);
+            }
+            Err(e) => {
+                let local_ok = cands.iter().any(|c| c.is_local && c.healthy);
+                let any_ok = cands.iter().any(|c| c.healthy);
+                match e.reason {
+                    NoCandidateReason::NoneHealthy => prop_assert!(!any_ok),
+                    NoCandidateReason::LocalUnhealthyAtMaxHops => prop_assert!(hops >= max_hops && !local_ok),
+                    NoCandidateReason::PolicyDeclined => prop_assert!(kind == PolicyKind::LocalOnly && !local_ok),
+                }
+            }
+        }
+    }
+}
