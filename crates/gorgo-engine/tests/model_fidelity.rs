@@ -1,0 +1,273 @@
+//! Fidelity of the engine model on virtual time: deterministic, no clocks.
+
+use gorgo_core::HashChain;
+use gorgo_engine::{Engine, EngineEvent, EngineRequest, Profile};
+use proptest::prelude::*;
+
+/// A prompt of `tokens` tokens (4 bytes each) whose bytes depend on `seed`.
+fn prompt(seed: u64, tokens: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(tokens * 4);
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    while out.len() < tokens * 4 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.push(b'a' + (x % 26) as u8);
+    }
+    out
+}
+
+fn request(id: u64, bytes: &[u8], out: u32, at: f64) -> EngineRequest {
+    let chain = HashChain::from_bytes(bytes, 64, 4);
+    EngineRequest {
+        id,
+        prompt_tokens: chain.total_tokens(),
+        chain,
+        max_output_tokens: out,
+        arrival_ms: at,
+    }
+}
+
+/// Drive `engine` until idle; returns every event.
+fn drain(engine: &mut Engine) -> Vec<EngineEvent> {
+    let mut events = Vec::new();
+    while let Some(t) = engine.next_event_time() {
+        engine.step_into(t, &mut events);
+    }
+    events
+}
+
+/// Submit `req` on an engine that is otherwise idle and run it to completion.
+/// Returns (TTFT, cached tokens, finish time).
+fn run_alone(engine: &mut Engine, req: EngineRequest) -> (f64, u64, f64) {
+    let (id, at) = (req.id, req.arrival_ms);
+    engine.submit(req, at).unwrap();
+    let events = drain(engine);
+    let mut first = None;
+    let mut end = None;
+    for e in events {
+        match e {
+            EngineEvent::FirstToken { id: i, at_ms, cached_tokens } if i == id => {
+                first = Some((at_ms - at, cached_tokens))
+            }
+            EngineEvent::Finished { id: i, at_ms, .. } if i == id => end = Some(at_ms),
+            _ => {}
+        }
+    }
+    let (ttft, cached) = first.expect("first token");
+    (ttft, cached, end.expect("finished"))
+}
+
+/// Least squares `y = a + b x`; returns (a, b, R^2).
+fn fit(xs: &[f64], ys: &[f64]) -> (f64, f64, f64) {
+    let n = xs.len() as f64;
+    let mx = xs.iter().sum::<f64>() / n;
+    let my = ys.iter().sum::<f64>() / n;
+    let sxy: f64 = xs.iter().zip(ys).map(|(x, y)| (x - mx) * (y - my)).sum();
+    let sxx: f64 = xs.iter().map(|x| (x - mx).powi(2)).sum();
+    let b = sxy / sxx;
+    let a = my - b * mx;
+    let ss_res: f64 = xs.iter().zip(ys).map(|(x, y)| (y - a - b * x).powi(2)).sum();
+    let ss_tot: f64 = ys.iter().map(|y| (y - my).powi(2)).sum();
+    (a, b, 1.0 - ss_res / ss_tot)
+}
+
+#[test]
+fn sequential_ttft_is_base_plus_t_p_times_tokens() {
+    let profile = Profile::by_name("paper-a100-mistral7b").unwrap();
+    let mut engine = Engine::new(profile);
+    let (mut xs, mut ys) = (Vec::new(), Vec::new());
+    let mut now = 0.0;
+    for i in 0..30u64 {
+        let tokens = 100 + (i as usize * 7900) / 29;
+        let (ttft, cached, end) = run_alone(&mut engine, request(i, &prompt(i, tokens), 4, now));
+        assert_eq!(cached, 0, "distinct prompts share nothing");
+        xs.push(tokens as f64);
+        ys.push(ttft);
+        now = end + 1.0;
+    }
+    let (a, b, r2) = fit(&xs, &ys);
+    assert!(r2 >= 0.99, "R^2 {r2}");
+    assert!((b - 0.0938).abs() < 1e-6, "slope {b}");
+    assert!((a - 150.72).abs() < 1e-3, "intercept {a}");
+}
+
+#[test]
+fn cached_prefix_pays_only_for_the_uncached_part() {
+    let profile = Profile::by_name("paper-a100-mistral7b").unwrap();
+    let p = profile.clone();
+    let mut engine = Engine::new(profile);
+    let base = prompt(7, 4000);
+    let (_, cached, end) = run_alone(&mut engine, request(1, &base, 2, 0.0));
+    assert_eq!(cached, 0);
+    let mut longer = base.clone();
+    longer.extend_from_slice(&prompt(8, 2000));
+    let (ttft, cached, end) = run_alone(&mut engine, request(2, &longer, 2, end + 10.0));
+    assert_eq!(cached, 4000);
+    let expected = p.request_overhead_ms + p.prefill_base_ms + p.t_p_ms_per_token * 2000.0;
+    assert!((ttft - expected).abs() < 1e-6, "ttft {ttft} expected {expected}");
+    // The very same prompt again: everything but the last token is cached.
+    let (ttft, cached, _) = run_alone(&mut engine, request(3, &longer, 2, end + 10.0));
+    assert_eq!(cached, 5999);
+    assert!(ttft < p.request_overhead_ms + p.prefill_base_ms + 1.0);
+}
+
+fn small_profile(capacity: u64) -> Profile {
+    let mut p = Profile::by_name("h200-mistral7b").unwrap();
+    p.max_total_tokens = capacity;
+    p
+}
+
+#[test]
+fn eviction_happens_at_capacity_and_only_to_unreferenced_blocks() {
+    let mut engine = Engine::new(small_profile(1000));
+    let a = prompt(1, 300);
+    let b = prompt(2, 300);
+    let (_, _, t) = run_alone(&mut engine, request(1, &a, 10, 0.0));
+    let (_, _, t) = run_alone(&mut engine, request(2, &b, 10, t + 1.0));
+    assert_eq!(engine.stats().cached_tokens, 600, "both prompts stay cached below capacity");
+    // C needs 600 + 10; only 400 are free: A (least recently used) goes, B stays.
+    let c = prompt(3, 600);
+    let (_, _, t) = run_alone(&mut engine, request(3, &c, 10, t + 1.0));
+    let (_, cached_b, t) = run_alone(&mut engine, request(4, &b, 10, t + 1.0));
+    assert_eq!(cached_b, 299, "B survived the eviction");
+    let (_, cached_a, t) = run_alone(&mut engine, request(5, &a, 10, t + 1.0));
+    assert!(cached_a < 300, "A was evicted (got {cached_a})");
+    assert!(engine.stats().used_tokens <= 1000);
+
+    // A long-running D holds 500 tokens; E (600 + 10) cannot evict them and waits.
+    let mut engine = Engine::new(small_profile(1000));
+    let d = prompt(10, 500);
+    let e = prompt(11, 600);
+    let t0 = t + 1.0;
+    engine.submit(request(10, &d, 200, t0), t0).unwrap();
+    // Let D finish its prefill so its blocks are in the cache and referenced.
+    let mut events = Vec::new();
+    while !events.iter().any(|e| matches!(e, EngineEvent::FirstToken { id: 10, .. })) {
+        let next = engine.next_event_time().unwrap();
+        engine.step_into(next, &mut events);
+    }
+    let t1 = engine.next_event_time().unwrap();
+    engine.submit(request(11, &e, 10, t1), t1).unwrap();
+    let s = engine.stats();
+    assert_eq!(s.waiting, 1, "E waits: D's blocks are referenced");
+    assert_eq!(s.cached_tokens, 500);
+    let mut d_end = None;
+    let mut e_first = None;
+    while let Some(next) = engine.next_event_time() {
+        for ev in engine.step(next) {
+            match ev {
+                EngineEvent::Finished { id: 10, at_ms, .. } => d_end = Some(at_ms),
+                EngineEvent::FirstToken { id: 11, at_ms, .. } => e_first = Some(at_ms),
+                _ => {}
+            }
+        }
+        assert!(engine.stats().used_tokens <= 1000);
+    }
+    assert!(e_first.unwrap() > d_end.unwrap(), "E ran only after D released its blocks");
+    // E needed 610 with 500 free: just enough of D's tail (whole 16-token blocks,
+    // leaf first) was evicted, the rest of D stays cached.
+    let cached = engine.stats().cached_tokens;
+    assert!((1100 - 16 - 110..=1100 - 110).contains(&cached), "cached {cached}");
+}
+
+#[test]
+fn under_a_burst_ttft_grows_with_queue_position() {
+    let profile = Profile::by_name("paper-a100-mistral7b").unwrap();
+    let mut engine = Engine::new(profile);
+    for i in 0..20u64 {
+        engine.submit(request(i, &prompt(100 + i, 3000), 32, 0.0), 0.0).unwrap();
+    }
+    let mut first = vec![f64::NAN; 20];
+    for e in drain(&mut engine) {
+        if let EngineEvent::FirstToken { id, at_ms, .. } = e {
+            first[id as usize] = at_ms;
+        }
+    }
+    for w in first.windows(2) {
+        assert!(w[1] >= w[0], "TTFT must not decrease with queue position: {first:?}");
+    }
+    assert!(first[19] > 5.0 * first[0], "{first:?}");
+}
+
+#[test]
+fn abort_frees_the_slot_and_the_kv_reference() {
+    let mut p = small_profile(1000);
+    p.max_running_requests = 1;
+    let mut engine = Engine::new(p);
+    engine.submit(request(1, &prompt(1, 400), 500, 0.0), 0.0).unwrap();
+    engine.submit(request(2, &prompt(2, 100), 5, 0.0), 0.0).unwrap();
+    let t = engine.next_event_time().unwrap();
+    engine.step(t);
+    assert_eq!(engine.stats().running, 1);
+    assert_eq!(engine.stats().waiting, 1);
+    assert!(engine.abort(1, t + 1.0));
+    let s = engine.stats();
+    assert_eq!(s.evictable_tokens, s.cached_tokens, "no reference left");
+    let events = drain(&mut engine);
+    assert!(events.iter().any(|e| matches!(e, EngineEvent::Finished { id: 2, .. })));
+    assert!(!events.iter().any(|e| matches!(e, EngineEvent::Finished { id: 1, .. })));
+    assert_eq!(engine.stats().used_tokens, engine.stats().cached_tokens);
+}
+
+#[test]
+fn oversized_and_queue_full_requests_are_rejected() {
+    let mut engine = Engine::new(small_profile(1000));
+    engine.set_max_waiting(Some(1));
+    let big = prompt(1, 2000);
+    assert!(engine.submit(request(1, &big, 10, 0.0), 0.0).is_err());
+    let huge = prompt(2, 40_000);
+    assert!(engine.submit(request(2, &huge, 10, 0.0), 0.0).is_err());
+    engine.submit(request(3, &prompt(3, 10), 10, 0.0), 0.0).unwrap();
+    engine.submit(request(4, &prompt(4, 10), 10, 0.0), 0.0).unwrap();
+    let rejected = engine.submit(request(5, &prompt(5, 10), 10, 0.0), 0.0);
+    assert!(rejected.is_err() || engine.stats().waiting <= 1);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    /// Any workload: KV use never exceeds capacity, every request finishes with the
+    /// output it asked for, and nothing stays reserved at the end.
+    #[test]
+    fn every_request_finishes_within_capacity(
+        reqs in proptest::collection::vec((0u64..6, 1usize..900, 1u32..40, 0.0f64..500.0), 1..40),
+        capacity in 1200u64..4000,
+        chunk in 64u64..2048,
+        max_running in 1u32..8,
+    ) {
+        let mut p = small_profile(capacity);
+        p.chunked_prefill_size = chunk;
+        p.max_running_requests = max_running;
+        let mut engine = Engine::new(p);
+        let mut reqs = reqs;
+        reqs.sort_by(|a, b| a.3.total_cmp(&b.3));
+        let mut want = std::collections::HashMap::new();
+        let mut got = std::collections::HashMap::new();
+        let mut events = Vec::new();
+        for (i, (family, tokens, out, at)) in reqs.into_iter().enumerate() {
+            while let Some(t) = engine.next_event_time() {
+                if t > at { break; }
+                engine.step_into(t, &mut events);
+            }
+            // Prompts of a family share prefixes of different lengths.
+            let r = request(i as u64, &prompt(family, tokens), out, at);
+            engine.submit(r, at).unwrap();
+            want.insert(i as u64, out);
+            prop_assert!(engine.stats().used_tokens <= capacity);
+        }
+        while let Some(t) = engine.next_event_time() {
+            engine.step_into(t, &mut events);
+            prop_assert!(engine.stats().used_tokens <= capacity);
+        }
+        for e in events {
+            if let EngineEvent::Finished { id, output_tokens, .. } = e {
+                got.insert(id, output_tokens);
+            }
+        }
+        prop_assert_eq!(want, got);
+        let s = engine.stats();
+        prop_assert_eq!(s.used_tokens, s.cached_tokens);
+        prop_assert_eq!(s.evictable_tokens, s.cached_tokens);
+        prop_assert_eq!(s.running + s.waiting, 0);
+    }
+}
