@@ -1,0 +1,518 @@
+//! The shadow prefix index: a node's model of its own engine's prefix cache.
+//!
+//! The node cannot see inside the engine, so it replays what it sends there: every
+//! dispatched prompt's hash chain is inserted, and blocks are evicted least recently
+//! used first when the modelled cache exceeds the engine's KV capacity in tokens, the
+//! way a radix prefix cache evicts (leaves first: a block is only evicted once no
+//! cached block extends it). Its blocks' fingerprints are what the node gossips, so the
+//! index owns the node's [`LocalSummary`] and reports every added and evicted block to
+//! it.
+//!
+//! Structure: a forest of blocks (each block's parent is the previous block of its
+//! chain) in a slab, a hash map from block hash to slot, and one intrusive LRU list of
+//! all blocks. A chain is touched from its last block back to its first, so every
+//! block is more recently used than all its descendants and the least recently used
+//! block is always a leaf: eviction pops the list's tail, O(1) per block.
+
+use std::collections::HashMap;
+
+use crate::hash::{fingerprint, HashChain};
+use crate::summary::{FingerprintBuildHasher, LocalSummary};
+
+const NIL: u32 = u32::MAX;
+
+#[derive(Debug, Clone)]
+struct Block {
+    hash: u64,
+    tokens: u32,
+    parent: u32,
+    first_child: u32,
+    next_sibling: u32,
+    prev_sibling: u32,
+    /// Towards the most recently used end.
+    newer: u32,
+    /// Towards the least recently used end.
+    older: u32,
+    last_used_ms: u64,
+}
+
+/// The node's model of its engine's prefix cache. See the module docs.
+#[derive(Debug, Clone)]
+pub struct ShadowIndex {
+    slots: Vec<Block>,
+    free: Vec<u32>,
+    by_hash: HashMap<u64, u32, U64BuildHasher>,
+    /// Most recently used block.
+    head: u32,
+    /// Least recently used block (always a leaf).
+    tail: u32,
+    used_tokens: u64,
+    capacity_tokens: u64,
+    summary: LocalSummary,
+}
+
+/// Block hashes are xxh3 outputs already; hash them by a cheap multiply like
+/// fingerprints.
+type U64BuildHasher = FingerprintBuildHasher;
+
+impl ShadowIndex {
+    /// An empty index modelling a cache of `capacity_tokens` KV tokens, with a fresh
+    /// [`LocalSummary`].
+    pub fn new(capacity_tokens: u64) -> Self {
+        Self::with_summary(capacity_tokens, LocalSummary::new())
+    }
+
+    /// An empty index reporting to `summary` (e.g. one seeded with
+    /// [`LocalSummary::starting_at`] or a custom log capacity).
+    pub fn with_summary(capacity_tokens: u64, summary: LocalSummary) -> Self {
+        ShadowIndex {
+            slots: Vec::new(),
+            free: Vec::new(),
+            by_hash: HashMap::default(),
+            head: NIL,
+            tail: NIL,
+            used_tokens: 0,
+            capacity_tokens,
+            summary,
+        }
+    }
+
+    /// The summary of this index's blocks, for gossip.
+    pub fn summary(&self) -> &LocalSummary {
+        &self.summary
+    }
+
+    /// Tokens held by the modelled cache.
+    pub fn used_tokens(&self) -> u64 {
+        self.used_tokens
+    }
+
+    /// The modelled KV capacity in tokens.
+    pub fn capacity_tokens(&self) -> u64 {
+        self.capacity_tokens
+    }
+
+    /// Change the capacity (e.g. once the engine adapter reads the real one), evicting
+    /// least recently used blocks until the index fits.
+    pub fn set_capacity(&mut self, capacity_tokens: u64) {
+        self.capacity_tokens = capacity_tokens;
+        self.evict_to_capacity();
+    }
+
+    /// Number of blocks held.
+    pub fn len(&self) -> usize {
+        self.by_hash.len()
+    }
+
+    /// True when nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.by_hash.is_empty()
+    }
+
+    /// True when the block with chained hash `hash` is held.
+    pub fn contains(&self, hash: u64) -> bool {
+        self.by_hash.contains_key(&hash)
+    }
+
+    /// Tokens of `chain` the modelled cache holds: blocks walked from the start until
+    /// the first miss.
+    pub fn longest_match(&self, chain: &HashChain) -> u64 {
+        chain.prefix_tokens(self.longest_match_blocks(chain))
+    }
+
+    /// Blocks of `chain` the modelled cache holds (see
+    /// [`longest_match`](Self::longest_match)).
+    pub fn longest_match_blocks(&self, chain: &HashChain) -> usize {
+        chain
+            .hashes
+            .iter()
+            .take_while(|h| self.by_hash.contains_key(h))
+            .count()
+    }
+
+    /// A prompt was dispatched to the engine at `now_ms`: the engine now caches all of
+    /// it. Touches the blocks held, adds the others, then evicts to capacity.
+    pub fn insert(&mut self, chain: &HashChain, now_ms: u64) {
+        self.insert_prefix(chain, chain.len(), now_ms);
+        self.evict_to_capacity();
+    }
+
+    /// Insert the first `blocks` blocks of `chain` and touch them, last to first.
+    fn insert_prefix(&mut self, chain: &HashChain, blocks: usize, now_ms: u64) {
+        let blocks = blocks.min(chain.hashes.len()).min(chain.block_tokens.len());
+        if blocks == 0 {
+            return;
+        }
+        let mut parent = NIL;
+        for i in 0..blocks {
+            let h = chain.hashes[i];
+            parent = match self.by_hash.get(&h) {
+                Some(&slot) => slot,
+                None => self.create(h, chain.block_tokens[i], parent, now_ms),
+            };
+        }
+        // Touch from the last block up its parent links: each block ends up more
+        // recent than its descendants, which keeps the LRU tail a leaf.
+        let mut slot = parent;
+        let mut steps = 0;
+        while slot != NIL && steps < blocks {
+            self.slots[slot as usize].last_used_ms = now_ms;
+            self.move_to_head(slot);
+            slot = self.slots[slot as usize].parent;
+            steps += 1;
+        }
+    }
+
+    /// The engine reported that this request found `engine_cached_tokens` of `chain`
+    /// in its cache when its prefill ran.
+    ///
+    /// The engine's word wins. Blocks of the chain within the reported tokens are held
+    /// (added if we had lost them: "if more, we believe the engine"). If the engine
+    /// cached less than we modelled, the first block it missed had been evicted there,
+    /// and with it everything that extended it; so the blocks other requests hung below
+    /// that point are dropped. The chain's own blocks past that point stay: the engine
+    /// has just computed them and caches them now.
+    pub fn correct(&mut self, chain: &HashChain, engine_cached_tokens: u64, now_ms: u64) {
+        let n = chain.hashes.len().min(chain.block_tokens.len());
+        // Blocks fully within the engine's cached tokens; a partly cached block counts
+        // as missed.
+        let mut covered = 0u64;
+        let mut k = 0;
+        while k < n && covered + chain.block_tokens[k] as u64 <= engine_cached_tokens {
+            covered += chain.block_tokens[k] as u64;
+            k += 1;
+        }
+        if k < n {
+            if let Some(&missed) = self.by_hash.get(&chain.hashes[k]) {
+                self.drop_off_chain_descendants(missed, chain, k);
+            }
+        }
+        self.insert_prefix(chain, n, now_ms);
+        self.evict_to_capacity();
+    }
+
+    /// Remove every descendant of `slot` (block `depth` of `chain`) that is not on
+    /// `chain` itself.
+    fn drop_off_chain_descendants(&mut self, mut slot: u32, chain: &HashChain, mut depth: usize) {
+        loop {
+            let next_on_chain = chain
+                .hashes
+                .get(depth + 1)
+                .and_then(|h| self.by_hash.get(h))
+                .copied();
+            let mut child = self.slots[slot as usize].first_child;
+            while child != NIL {
+                let next = self.slots[child as usize].next_sibling;
+                if Some(child) != next_on_chain {
+                    self.remove_subtree(child);
+                }
+                child = next;
+            }
+            match next_on_chain {
+                Some(c) if self.slots[c as usize].parent == slot => {
+                    slot = c;
+                    depth += 1;
+                }
+                _ => return,
+            }
+        }
+    }
+
+    fn evict_to_capacity(&mut self) {
+        while self.used_tokens > self.capacity_tokens && self.tail != NIL {
+            let victim = self.tail;
+            if self.slots[victim as usize].first_child == NIL {
+                self.remove_leaf(victim);
+            } else {
+                // Unreachable while the LRU invariant holds; stay consistent anyway.
+                self.remove_subtree(victim);
+            }
+        }
+    }
+
+    fn create(&mut self, hash: u64, tokens: u32, parent: u32, now_ms: u64) -> u32 {
+        let block = Block {
+            hash,
+            tokens,
+            parent,
+            first_child: NIL,
+            next_sibling: NIL,
+            prev_sibling: NIL,
+            newer: NIL,
+            older: NIL,
+            last_used_ms: now_ms,
+        };
+        let slot = match self.free.pop() {
+            Some(s) => {
+                self.slots[s as usize] = block;
+                s
+            }
+            None => {
+                self.slots.push(block);
+                (self.slots.len() - 1) as u32
+            }
+        };
+        if parent != NIL {
+            let old_first = self.slots[parent as usize].first_child;
+            self.slots[slot as usize].next_sibling = old_first;
+            if old_first != NIL {
+                self.slots[old_first as usize].prev_sibling = slot;
+            }
+            self.slots[parent as usize].first_child = slot;
+        }
+        self.push_head(slot);
+        self.by_hash.insert(hash, slot);
+        self.used_tokens += tokens as u64;
+        self.summary.record_add(fingerprint(hash));
+        slot
+    }
+
+    /// Remove `root` and all its descendants, deepest first.
+    fn remove_subtree(&mut self, root: u32) {
+        let mut slot = root;
+        loop {
+            // Descend to a leaf.
+            while self.slots[slot as usize].first_child != NIL {
+                slot = self.slots[slot as usize].first_child;
+            }
+            let parent = self.slots[slot as usize].parent;
+            let is_root = slot == root;
+            self.remove_leaf(slot);
+            if is_root {
+                return;
+            }
+            slot = parent;
+        }
+    }
+
+    fn remove_leaf(&mut self, slot: u32) {
+        let b = self.slots[slot as usize].clone();
+        debug_assert_eq!(b.first_child, NIL);
+        if b.prev_sibling != NIL {
+            self.slots[b.prev_sibling as usize].next_sibling = b.next_sibling;
+        } else if b.parent != NIL {
+            self.slots[b.parent as usize].first_child = b.next_sibling;
+        }
+        if b.next_sibling != NIL {
+            self.slots[b.next_sibling as usize].prev_sibling = b.prev_sibling;
+        }
+        self.unlink_lru(slot);
+        self.by_hash.remove(&b.hash);
+        self.used_tokens -= b.tokens as u64;
+        self.summary.record_remove(fingerprint(b.hash));
+        self.free.push(slot);
+    }
+
+    fn unlink_lru(&mut self, slot: u32) {
+        let (newer, older) = {
+            let b = &self.slots[slot as usize];
+            (b.newer, b.older)
+        };
+        if newer != NIL {
+            self.slots[newer as usize].older = older;
+        } else {
+            self.head = older;
+        }
+        if older != NIL {
+            self.slots[older as usize].newer = newer;
+        } else {
+            self.tail = newer;
+        }
+        let b = &mut self.slots[slot as usize];
+        b.newer = NIL;
+        b.older = NIL;
+    }
+
+    fn push_head(&mut self, slot: u32) {
+        let old_head = self.head;
+        {
+            let b = &mut self.slots[slot as usize];
+            b.newer = NIL;
+            b.older = old_head;
+        }
+        if old_head != NIL {
+            self.slots[old_head as usize].newer = slot;
+        } else {
+            self.tail = slot;
+        }
+        self.head = slot;
+    }
+
+    fn move_to_head(&mut self, slot: u32) {
+        if self.head == slot {
+            return;
+        }
+        self.unlink_lru(slot);
+        self.push_head(slot);
+    }
+
+    /// Check every structural invariant (tests and debugging): parent/child links,
+    /// LRU list order (parents more recent than children), token and summary totals.
+    #[doc(hidden)]
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut rank = HashMap::new();
+        let mut slot = self.head;
+        let mut prev = NIL;
+        while slot != NIL {
+            let b = &self.slots[slot as usize];
+            if b.newer != prev {
+                return Err(format!("lru back link broken at {slot}"));
+            }
+            rank.insert(slot, rank.len());
+            prev = slot;
+            slot = b.older;
+        }
+        if prev != self.tail {
+            return Err("lru tail wrong".into());
+        }
+        if rank.len() != self.by_hash.len() {
+            return Err(format!(
+                "lru has {} blocks, map {}",
+                rank.len(),
+                self.by_hash.len()
+            ));
+        }
+        let mut tokens = 0u64;
+        for (&hash, &slot) in &self.by_hash {
+            let b = &self.slots[slot as usize];
+            if b.hash != hash {
+                return Err("map points to wrong slot".into());
+            }
+            tokens += b.tokens as u64;
+            if b.parent != NIL {
+                if rank[&b.parent] > rank[&slot] {
+                    return Err("parent older than child".into());
+                }
+                let mut c = self.slots[b.parent as usize].first_child;
+                let mut found = false;
+                while c != NIL {
+                    found |= c == slot;
+                    c = self.slots[c as usize].next_sibling;
+                }
+                if !found {
+                    return Err("child missing from parent's list".into());
+                }
+            }
+            if !self.summary.contains(fingerprint(hash)) {
+                return Err("summary lacks a block".into());
+            }
+        }
+        if tokens != self.used_tokens {
+            return Err(format!(
+                "used_tokens {} but blocks hold {tokens}",
+                self.used_tokens
+            ));
+        }
+        if self.used_tokens > self.capacity_tokens {
+            return Err("over capacity".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn chain(ids: &[u64]) -> HashChain {
+        HashChain::from_int_block_ids(ids, 10, ids.len() as u64 * 10)
+    }
+
+    #[test]
+    fn insert_match_and_lru_eviction() {
+        let mut ix = ShadowIndex::new(50);
+        ix.insert(&chain(&[1, 2, 3]), 0);
+        assert_eq!(ix.longest_match(&chain(&[1, 2, 3, 4])), 30);
+        assert_eq!(ix.longest_match(&chain(&[1, 5])), 10);
+        ix.insert(&chain(&[1, 5]), 1); // shares block 1: 40 tokens
+        assert_eq!(ix.used_tokens(), 40);
+        ix.insert(&chain(&[7, 8]), 2); // 60 > 50: evict LRU leaf, [1,2,3]'s tail
+        assert_eq!(ix.used_tokens(), 50);
+        assert_eq!(ix.longest_match(&chain(&[1, 2, 3])), 20);
+        ix.check_invariants().unwrap();
+        ix.set_capacity(20);
+        assert_eq!(ix.len(), 2);
+        assert_eq!(ix.longest_match(&chain(&[7, 8])), 20);
+        ix.check_invariants().unwrap();
+        assert_eq!(ix.summary().len(), 2);
+    }
+
+    #[test]
+    fn shared_prefix_outlives_its_extensions() {
+        let mut ix = ShadowIndex::new(40);
+        ix.insert(&chain(&[1, 2]), 0);
+        ix.insert(&chain(&[1, 3]), 1);
+        ix.insert(&chain(&[9, 9]), 2); // evicts [1,2]'s leaf 2 first, never block 1
+        assert!(ix.contains(chain(&[1]).hashes[0]));
+        ix.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn correct_drops_stale_extensions_keeps_chain() {
+        let mut ix = ShadowIndex::new(1_000);
+        ix.insert(&chain(&[1, 2, 3]), 0);
+        ix.insert(&chain(&[1, 2, 4, 5]), 1);
+        // The next request on [1,2,3,6] hit only 10 tokens: block 2 had been evicted in
+        // the engine, so [1,2,4,5] beyond block 1 is gone there.
+        let c = chain(&[1, 2, 3, 6]);
+        ix.insert(&c, 2);
+        ix.correct(&c, 10, 3);
+        assert_eq!(ix.longest_match(&c), 40);
+        assert_eq!(ix.longest_match(&chain(&[1, 2, 4, 5])), 20);
+        ix.check_invariants().unwrap();
+        // More than we modelled: believe the engine.
+        let mut fresh = ShadowIndex::new(1_000);
+        fresh.correct(&c, 40, 4);
+        assert_eq!(fresh.longest_match(&c), 40);
+        fresh.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn oversized_chain_keeps_its_head() {
+        let mut ix = ShadowIndex::new(25);
+        let c = chain(&[1, 2, 3, 4]);
+        ix.insert(&c, 0);
+        assert_eq!(ix.longest_match(&c), 20);
+        ix.check_invariants().unwrap();
+        ix.insert(&HashChain::default(), 1);
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Insert(Vec<u64>),
+        Correct(Vec<u64>, u64),
+        Capacity(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        // Block ids from a small alphabet so chains share prefixes and branch.
+        let ids = prop::collection::vec(0u64..4, 0..8);
+        prop_oneof![
+            6 => ids.clone().prop_map(Op::Insert),
+            2 => (ids, 0u64..90).prop_map(|(c, t)| Op::Correct(c, t)),
+            1 => (0u64..200).prop_map(Op::Capacity),
+        ]
+    }
+
+    proptest! {
+        /// Any sequence of operations keeps the structure consistent, under capacity,
+        /// and the summary equal to the fingerprints of the blocks held.
+        #[test]
+        fn invariants_hold(ops in prop::collection::vec(op(), 0..60), cap in 0u64..200) {
+            let mut ix = ShadowIndex::new(cap);
+            for (t, op) in ops.into_iter().enumerate() {
+                match op {
+                    Op::Insert(ids) => ix.insert(&chain(&ids), t as u64),
+                    Op::Correct(ids, tokens) => ix.correct(&chain(&ids), tokens, t as u64),
+                    Op::Capacity(c) => ix.set_capacity(c),
+                }
+                prop_assert_eq!(ix.check_invariants(), Ok(()));
+            }
+            let mut fps: Vec<u32> = ix.by_hash.keys().map(|&h| fingerprint(h)).collect();
+            fps.sort_unstable();
+            fps.dedup();
+            prop_assert_eq!(fps, ix.summary().snapshot().fingerprints);
+        }
+    }
+}

@@ -1,0 +1,396 @@
+//! Latency statistics: the one nearest-rank percentile function of the project and a
+//! mergeable latency sketch.
+//!
+//! Exact percentiles ([`percentile`], [`summarize`]) are for reports, where every sample
+//! is at hand. The sketch ([`LatencySketch`]) is for the tuning protocol, where each
+//! node summarises the latencies it observed in an epoch and the leader merges the
+//! sketches: it is small, serde-serialisable for the wire and mergeable without loss
+//! beyond its 1% relative error.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// The nearest-rank percentile of `sorted` (ascending), `p` in `[0, 100]`.
+///
+/// Nearest rank: with `n` samples the answer is the sample of 1-based rank
+/// `ceil(p / 100 * n)`, clamped to `[1, n]` (so `p = 0` gives the minimum and
+/// `p = 100` the maximum). It always returns one of the samples, never an
+/// interpolation, which is what DESIGN.md prescribes for every report.
+///
+/// Returns `None` for an empty slice or a `p` outside `[0, 100]` (or NaN). The slice
+/// must be sorted ascending; this is not checked (callers sort once and ask several
+/// percentiles).
+pub fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
+    if sorted.is_empty() || !(0.0..=100.0).contains(&p) {
+        return None;
+    }
+    let n = sorted.len();
+    let rank = nearest_rank(p / 100.0, n as u64) as usize;
+    Some(sorted[rank - 1])
+}
+
+/// The 1-based nearest rank of quantile `q` in `[0, 1]` among `n >= 1` samples.
+fn nearest_rank(q: f64, n: u64) -> u64 {
+    // `q * n` can land a hair above an integer through rounding (0.95 * 100 is
+    // 95.00000000000001); trim that before `ceil` so the rank is the textbook one.
+    let x = q * n as f64;
+    let x = if (x - x.round()).abs() < 1e-9 {
+        x.round()
+    } else {
+        x
+    };
+    (x.ceil() as u64).clamp(1, n)
+}
+
+/// The latency aggregates written to `results.json` (`ttft_ms`, `e2e_ms`, `itl_ms`).
+///
+/// Field names are part of the report format: `p50`, `p95`, `p99`, `mean`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct LatencyStats {
+    /// Nearest-rank median.
+    pub p50: f64,
+    /// Nearest-rank 95th percentile.
+    pub p95: f64,
+    /// Nearest-rank 99th percentile.
+    pub p99: f64,
+    /// Arithmetic mean.
+    pub mean: f64,
+}
+
+/// Summarise `values` (sorted in place, NaNs last) with [`percentile`].
+///
+/// NaN values are dropped from the statistics. An empty input (or all NaN) gives all
+/// zeros, so reports of a policy that completed nothing still have the fields.
+pub fn summarize(values: &mut [f64]) -> LatencyStats {
+    values.sort_by(|a, b| a.total_cmp(b));
+    // total_cmp sorts positive NaN last and negative NaN first; keep the finite middle.
+    let start = values
+        .iter()
+        .position(|v| !v.is_nan())
+        .unwrap_or(values.len());
+    let end = values
+        .iter()
+        .rposition(|v| !v.is_nan())
+        .map_or(start, |i| i + 1);
+    let finite = &values[start..end.max(start)];
+    if finite.is_empty() {
+        return LatencyStats::default();
+    }
+    let mean = finite.iter().sum::<f64>() / finite.len() as f64;
+    LatencyStats {
+        p50: percentile(finite, 50.0).unwrap_or(0.0),
+        p95: percentile(finite, 95.0).unwrap_or(0.0),
+        p99: percentile(finite, 99.0).unwrap_or(0.0),
+        mean,
+    }
+}
+
+/// Relative accuracy of [`LatencySketch`]: every quantile is within 1% of a true
+/// sample value of the same rank.
+pub const SKETCH_RELATIVE_ACCURACY: f64 = 0.01;
+
+/// Values at or below this many milliseconds count as zero (one nanosecond: no latency
+/// GORGO measures is that small, and it bounds the number of buckets).
+pub const SKETCH_MIN_MS: f64 = 1e-6;
+
+/// Values above this many milliseconds are clamped to it (about 11.5 days).
+pub const SKETCH_MAX_MS: f64 = 1e9;
+
+/// `gamma = (1 + a) / (1 - a)`: bucket `k` holds values in `(gamma^(k-1), gamma^k]`.
+fn gamma() -> f64 {
+    (1.0 + SKETCH_RELATIVE_ACCURACY) / (1.0 - SKETCH_RELATIVE_ACCURACY)
+}
+
+fn key_of(ms: f64) -> i32 {
+    (ms.ln() / gamma().ln()).ceil() as i32
+}
+
+/// The bucket keys a valid sketch can hold; also the bound on its size.
+fn key_range() -> (i32, i32) {
+    (key_of(SKETCH_MIN_MS), key_of(SKETCH_MAX_MS))
+}
+
+/// A mergeable latency sketch with relative error at most 1% (DDSketch-style
+/// logarithmic buckets).
+///
+/// Every value `x` in `(SKETCH_MIN_MS, SKETCH_MAX_MS]` lands in bucket
+/// `ceil(log_gamma x)`; a quantile returns its bucket's midpoint
+/// `2 gamma^k / (gamma + 1)`, within 1% of every value in the bucket. Merging adds
+/// bucket counts, so the merge of two sketches equals the sketch of the union. At most
+/// about 2,300 buckets exist, bounding the wire size; a sketch from the network is
+/// validated on deserialisation (keys in range, counts consistent).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "SketchWire", into = "SketchWire")]
+pub struct LatencySketch {
+    buckets: BTreeMap<i32, u64>,
+    zero_count: u64,
+    count: u64,
+    sum: f64,
+    min: f64,
+    max: f64,
+}
+
+/// The serialised form of a sketch, checked by `TryFrom` before it becomes one.
+#[derive(Serialize, Deserialize)]
+struct SketchWire {
+    buckets: Vec<(i32, u64)>,
+    zero_count: u64,
+    sum: f64,
+    min: f64,
+    max: f64,
+}
+
+impl From<LatencySketch> for SketchWire {
+    fn from(s: LatencySketch) -> Self {
+        SketchWire {
+            buckets: s.buckets.into_iter().collect(),
+            zero_count: s.zero_count,
+            sum: s.sum,
+            min: s.min,
+            max: s.max,
+        }
+    }
+}
+
+impl TryFrom<SketchWire> for LatencySketch {
+    type Error = String;
+
+    fn try_from(w: SketchWire) -> Result<Self, String> {
+        let (lo, hi) = key_range();
+        let mut buckets = BTreeMap::new();
+        let mut count = w.zero_count;
+        for (k, c) in w.buckets {
+            if !(lo..=hi).contains(&k) {
+                return Err(format!("sketch bucket {k} out of range"));
+            }
+            if c == 0 {
+                continue;
+            }
+            let slot = buckets.entry(k).or_insert(0u64);
+            *slot = slot.checked_add(c).ok_or("sketch bucket count overflows")?;
+            count = count.checked_add(c).ok_or("sketch count overflows")?;
+        }
+        if !w.sum.is_finite() || !w.min.is_finite() || !w.max.is_finite() {
+            return Err("sketch sum/min/max not finite".into());
+        }
+        if count > 0 && w.min > w.max {
+            return Err("sketch min above max".into());
+        }
+        Ok(LatencySketch {
+            buckets,
+            zero_count: w.zero_count,
+            count,
+            sum: w.sum,
+            min: w.min,
+            max: w.max,
+        })
+    }
+}
+
+impl LatencySketch {
+    /// An empty sketch.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Record one latency in milliseconds. Non-finite values are ignored; negative
+    /// values and values at most [`SKETCH_MIN_MS`] count as zero; values above
+    /// [`SKETCH_MAX_MS`] are clamped.
+    pub fn add(&mut self, ms: f64) {
+        if !ms.is_finite() {
+            return;
+        }
+        let ms = ms.clamp(0.0, SKETCH_MAX_MS);
+        if ms <= SKETCH_MIN_MS {
+            self.zero_count += 1;
+        } else {
+            *self.buckets.entry(key_of(ms)).or_insert(0) += 1;
+        }
+        if self.count == 0 {
+            self.min = ms;
+            self.max = ms;
+        } else {
+            self.min = self.min.min(ms);
+            self.max = self.max.max(ms);
+        }
+        self.count += 1;
+        self.sum += ms;
+    }
+
+    /// Fold `other` into `self`: the result is the sketch of both sets of samples.
+    pub fn merge(&mut self, other: &LatencySketch) {
+        if other.count == 0 {
+            return;
+        }
+        for (&k, &c) in &other.buckets {
+            let slot = self.buckets.entry(k).or_insert(0);
+            *slot = slot.saturating_add(c);
+        }
+        self.zero_count = self.zero_count.saturating_add(other.zero_count);
+        if self.count == 0 {
+            self.min = other.min;
+            self.max = other.max;
+        } else {
+            self.min = self.min.min(other.min);
+            self.max = self.max.max(other.max);
+        }
+        self.count = self.count.saturating_add(other.count);
+        self.sum += other.sum;
+    }
+
+    /// The nearest-rank quantile `q` in `[0, 1]` (0.95 for p95), within 1% relative
+    /// error of the exact nearest-rank value ([`percentile`] at `100 q`).
+    ///
+    /// `None` when the sketch is empty or `q` is outside `[0, 1]`.
+    pub fn quantile(&self, q: f64) -> Option<f64> {
+        if self.count == 0 || !(0.0..=1.0).contains(&q) {
+            return None;
+        }
+        let rank = nearest_rank(q, self.count);
+        if rank <= self.zero_count {
+            return Some(0.0);
+        }
+        let mut seen = self.zero_count;
+        let g = gamma();
+        for (&k, &c) in &self.buckets {
+            seen += c;
+            if seen >= rank {
+                let mid = 2.0 * g.powi(k) / (g + 1.0);
+                // The true extremes are known exactly; never answer outside them.
+                return Some(mid.clamp(self.min, self.max));
+            }
+        }
+        Some(self.max)
+    }
+
+    /// Number of samples recorded.
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// Mean of the samples (exact), `None` when empty.
+    pub fn mean(&self) -> Option<f64> {
+        (self.count > 0).then(|| self.sum / self.count as f64)
+    }
+
+    /// True when nothing was recorded.
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn nearest_rank_textbook_values() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 50.0), Some(50.0));
+        assert_eq!(percentile(&v, 95.0), Some(95.0));
+        assert_eq!(percentile(&v, 99.0), Some(99.0));
+        assert_eq!(percentile(&v, 100.0), Some(100.0));
+        assert_eq!(percentile(&v, 0.0), Some(1.0));
+        let w = [15.0, 20.0, 35.0, 40.0, 50.0];
+        // Wikipedia's nearest-rank example.
+        assert_eq!(percentile(&w, 30.0), Some(20.0));
+        assert_eq!(percentile(&w, 40.0), Some(20.0));
+        assert_eq!(percentile(&w, 50.0), Some(35.0));
+        assert_eq!(percentile(&w, 100.0), Some(50.0));
+        assert_eq!(percentile(&[], 50.0), None);
+        assert_eq!(percentile(&w, 101.0), None);
+        assert_eq!(percentile(&w, f64::NAN), None);
+    }
+
+    #[test]
+    fn summarize_sorts_and_ignores_nan() {
+        let mut v = vec![3.0, f64::NAN, 1.0, 2.0, 4.0];
+        let s = summarize(&mut v);
+        assert_eq!(s.p50, 2.0);
+        assert_eq!(s.p99, 4.0);
+        assert_eq!(s.mean, 2.5);
+        assert_eq!(summarize(&mut []), LatencyStats::default());
+        let json = serde_json::to_value(s).unwrap();
+        assert!(json.get("p50").is_some() && json.get("mean").is_some());
+    }
+
+    #[test]
+    fn sketch_edges() {
+        let mut s = LatencySketch::new();
+        assert_eq!(s.quantile(0.5), None);
+        s.add(f64::NAN);
+        assert!(s.is_empty());
+        s.add(0.0);
+        s.add(-5.0);
+        s.add(1e12);
+        assert_eq!(s.count(), 3);
+        assert_eq!(s.quantile(0.0), Some(0.0));
+        assert_eq!(s.quantile(1.0), Some(SKETCH_MAX_MS));
+        assert_eq!(s.quantile(1.5), None);
+    }
+
+    #[test]
+    fn sketch_rejects_bad_wire_form() {
+        let bad = SketchWire {
+            buckets: vec![(i32::MAX, 1)],
+            zero_count: 0,
+            sum: 1.0,
+            min: 1.0,
+            max: 1.0,
+        };
+        let bytes = crate::wire::encode(&bad);
+        assert!(crate::wire::decode::<LatencySketch>(&bytes, 1 << 16).is_err());
+        let mut good = LatencySketch::new();
+        for x in [1.0, 10.0, 100.0] {
+            good.add(x);
+        }
+        let bytes = crate::wire::encode(&good);
+        assert_eq!(
+            crate::wire::decode::<LatencySketch>(&bytes, 1 << 16).unwrap(),
+            good
+        );
+    }
+
+    fn within(approx: f64, exact: f64) -> bool {
+        (approx - exact).abs() <= (SKETCH_RELATIVE_ACCURACY + 1e-9) * exact.abs()
+    }
+
+    proptest! {
+        #[test]
+        fn sketch_quantiles_within_one_percent(
+            values in prop::collection::vec(0.01f64..100_000.0, 1..400),
+            q in 0.0f64..=1.0,
+        ) {
+            let mut s = LatencySketch::new();
+            for &v in &values {
+                s.add(v);
+            }
+            let mut sorted = values.clone();
+            sorted.sort_by(|a, b| a.total_cmp(b));
+            let exact = percentile(&sorted, q * 100.0).unwrap();
+            let approx = s.quantile(q).unwrap();
+            prop_assert!(within(approx, exact), "q={q} exact={exact} approx={approx}");
+        }
+
+        #[test]
+        fn sketch_merge_equals_union(
+            a in prop::collection::vec(0.0f64..10_000.0, 0..200),
+            b in prop::collection::vec(0.0f64..10_000.0, 0..200),
+        ) {
+            let mut sa = LatencySketch::new();
+            let mut sb = LatencySketch::new();
+            let mut su = LatencySketch::new();
+            for &v in &a { sa.add(v); su.add(v); }
+            for &v in &b { sb.add(v); su.add(v); }
+            sa.merge(&sb);
+            prop_assert_eq!(sa.count(), su.count());
+            prop_assert_eq!(&sa.buckets, &su.buckets);
+            prop_assert_eq!(sa.zero_count, su.zero_count);
+            for q in [0.0, 0.5, 0.95, 0.99, 1.0] {
+                prop_assert_eq!(sa.quantile(q), su.quantile(q));
+            }
+        }
+    }
+}

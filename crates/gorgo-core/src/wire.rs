@@ -1,0 +1,281 @@
+//! Messages between nodes and their codec.
+//!
+//! Everything that crosses the network between nodes is one of the types here,
+//! encoded with bincode 2 (standard config: little-endian varints). Decoding is
+//! defensive: input over the caller's size limit is rejected before decoding, a length
+//! prefix cannot make the decoder allocate more than that limit, and trailing bytes
+//! are an error.
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::error::CoreError;
+use crate::hash::HashChain;
+use crate::prompt::Endpoint;
+use crate::summary::{SummaryDelta, SummarySnapshot};
+use crate::types::{NodeId, QueueStats};
+
+/// Largest gossip message accepted (4 MiB). A snapshot of about 800k fingerprints
+/// (a shadow index of ~50M tokens at 64 tokens per block) fits; gossip travels on its
+/// own QUIC uni-stream per message, so this also caps what one stream may buffer.
+pub const MAX_GOSSIP_MESSAGE: usize = 4 << 20;
+
+/// Largest forwarded request head accepted (16 MiB): the body of an OpenAI request
+/// (long contexts of a few MB of text) plus its hash chain and headers.
+pub const MAX_FORWARD_HEAD: usize = 16 << 20;
+
+/// Largest forwarded response head accepted (64 KiB): status and headers only; the
+/// response body streams after it as raw bytes.
+pub const MAX_RESPONSE_HEAD: usize = 64 << 10;
+
+/// Largest tuning message accepted (1 MiB): a proposal with the tuner's state, or a
+/// latency sketch report (a sketch is at most a few tens of KiB).
+pub const MAX_TUNING_MESSAGE: usize = 1 << 20;
+
+/// Encode a message. Use with [`decode`] on the other end.
+///
+/// # Panics
+/// Only if `T`'s `Serialize` produces a sequence or map of unknown length, which no
+/// derived implementation (and no type of this crate) does.
+pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
+    try_encode(msg).expect("wire types serialise with known lengths")
+}
+
+/// Encode a message, reporting a `Serialize` implementation that bincode cannot
+/// encode instead of panicking (for types from outside this crate).
+pub fn try_encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, CoreError> {
+    bincode::serde::encode_to_vec(msg, bincode::config::standard())
+        .map_err(|e| CoreError::Malformed(format!("cannot encode: {e}")))
+}
+
+/// Decode a message of at most `limit` bytes.
+///
+/// Errors: [`CoreError::TooLarge`] when `bytes` is longer than `limit` (checked first);
+/// [`CoreError::Malformed`] when the bytes do not decode, declare more memory than
+/// allowed, or leave trailing bytes.
+pub fn decode<T: DeserializeOwned>(bytes: &[u8], limit: usize) -> Result<T, CoreError> {
+    if bytes.len() > limit {
+        return Err(CoreError::TooLarge {
+            size: bytes.len(),
+            limit,
+        });
+    }
+    let (value, read) = decode_bounded::<T>(bytes, limit)?;
+    if read != bytes.len() {
+        return Err(CoreError::Malformed(format!(
+            "{} trailing bytes",
+            bytes.len() - read
+        )));
+    }
+    Ok(value)
+}
+
+/// bincode's memory limit is a const generic; pick the smallest power of two at least
+/// `limit` (so a length prefix can claim at most twice the caller's limit), from 1 KiB
+/// to 256 MiB.
+fn decode_bounded<T: DeserializeOwned>(
+    bytes: &[u8],
+    limit: usize,
+) -> Result<(T, usize), CoreError> {
+    macro_rules! by_limit {
+        ($($shift:literal)*) => {
+            $(
+                if limit <= (1usize << $shift) {
+                    let config = bincode::config::standard().with_limit::<{ 1usize << $shift }>();
+                    return bincode::serde::decode_from_slice::<T, _>(bytes, config).map_err(malformed);
+                }
+            )*
+        };
+    }
+    by_limit!(10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27);
+    let config = bincode::config::standard().with_limit::<{ 1usize << 28 }>();
+    bincode::serde::decode_from_slice::<T, _>(bytes, config).map_err(malformed)
+}
+
+fn malformed(e: bincode::error::DecodeError) -> CoreError {
+    match e {
+        bincode::error::DecodeError::LimitExceeded => {
+            CoreError::Malformed("declared lengths exceed the size limit".into())
+        }
+        other => CoreError::Malformed(other.to_string()),
+    }
+}
+
+/// What nodes gossip on their summary streams.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum GossipMessage {
+    /// The changes to `origin`'s summary since a version, with its current load.
+    SummaryDelta {
+        /// The node whose summary this is.
+        origin: NodeId,
+        /// The changes.
+        delta: SummaryDelta,
+        /// The origin's load signals at the time of sending.
+        stats: QueueStats,
+    },
+    /// `origin`'s whole summary, on join or after a version gap.
+    SummarySnapshot {
+        /// The node whose summary this is.
+        origin: NodeId,
+        /// The whole set.
+        snapshot: SummarySnapshot,
+        /// The origin's load signals at the time of sending.
+        stats: QueueStats,
+    },
+    /// "I hold your summary at `have_version` and saw a gap: send a snapshot."
+    SnapshotRequest {
+        /// The node asking.
+        origin: NodeId,
+        /// The version the asker holds.
+        have_version: u64,
+    },
+}
+
+/// The head of a forwarded request, first on a forwarding QUIC stream.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ForwardRequest {
+    /// Identifies the request in both nodes' logs and decisions.
+    pub request_id: u64,
+    /// Forwards so far, including this one; the max-hops guard reads it.
+    pub hops: u8,
+    /// The node the client sent the request to.
+    pub origin: NodeId,
+    /// The endpoint the client called.
+    pub endpoint: Endpoint,
+    /// The prompt's hash chain, so the receiver need not re-hash.
+    pub chain: HashChain,
+    /// The client's request body, unchanged.
+    pub body: Vec<u8>,
+    /// Client headers worth passing on (e.g. `x-session-id`, `x-gorgo-policy`).
+    pub headers: Vec<(String, String)>,
+}
+
+/// The head of a forwarded response, first on the return direction of the stream;
+/// the engine's response bytes follow unchanged.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ForwardResponseHead {
+    /// HTTP status from the engine (or the serving node's own error status).
+    pub status: u16,
+    /// Response headers to relay (e.g. `content-type`).
+    pub headers: Vec<(String, String)>,
+    /// The node that served the request.
+    pub served_by: NodeId,
+    /// Hops the request took.
+    pub hops: u8,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn forward_request() -> ForwardRequest {
+        ForwardRequest {
+            request_id: 42,
+            hops: 1,
+            origin: NodeId::from("us-ashburn"),
+            endpoint: Endpoint::Chat,
+            chain: HashChain::from_bytes(b"hello world, this is a prompt", 8, 4),
+            body: br#"{"messages":[]}"#.to_vec(),
+            headers: vec![("x-session-id".into(), "s1".into())],
+        }
+    }
+
+    #[test]
+    fn round_trips() {
+        let r = forward_request();
+        assert_eq!(
+            decode::<ForwardRequest>(&encode(&r), MAX_FORWARD_HEAD).unwrap(),
+            r
+        );
+        let h = ForwardResponseHead {
+            status: 200,
+            headers: vec![],
+            served_by: "b".into(),
+            hops: 1,
+        };
+        assert_eq!(
+            decode::<ForwardResponseHead>(&encode(&h), MAX_RESPONSE_HEAD).unwrap(),
+            h
+        );
+        let g = GossipMessage::SummaryDelta {
+            origin: "a".into(),
+            delta: SummaryDelta {
+                from_version: 1,
+                to_version: 3,
+                added: vec![9, 10],
+                removed: vec![4],
+            },
+            stats: QueueStats {
+                running: 3,
+                t_p_ms: 0.09,
+                ..Default::default()
+            },
+        };
+        assert_eq!(
+            decode::<GossipMessage>(&encode(&g), MAX_GOSSIP_MESSAGE).unwrap(),
+            g
+        );
+    }
+
+    #[test]
+    fn size_limit_and_trailing_bytes() {
+        let bytes = encode(&forward_request());
+        assert_eq!(
+            decode::<ForwardRequest>(&bytes, 10),
+            Err(CoreError::TooLarge {
+                size: bytes.len(),
+                limit: 10
+            })
+        );
+        let mut long = bytes.clone();
+        long.push(0);
+        assert!(matches!(
+            decode::<ForwardRequest>(&long, MAX_FORWARD_HEAD),
+            Err(CoreError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn length_prefix_cannot_claim_more_than_limit() {
+        // A tiny message whose body length claims 2^40 bytes.
+        let mut bytes = encode(&ForwardResponseHead {
+            status: 1,
+            headers: vec![],
+            served_by: "x".into(),
+            hops: 0,
+        });
+        let n = bytes.len();
+        bytes.truncate(n - 3); // drop served_by ("x": len 1 + byte) and hops
+        bytes.push(253); // u64 varint marker
+        bytes.extend_from_slice(&(1u64 << 40).to_le_bytes());
+        assert!(matches!(
+            decode::<ForwardResponseHead>(&bytes, MAX_RESPONSE_HEAD),
+            Err(CoreError::Malformed(_))
+        ));
+    }
+
+    proptest! {
+        #[test]
+        fn random_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+            let _ = decode::<GossipMessage>(&bytes, MAX_GOSSIP_MESSAGE);
+            let _ = decode::<ForwardRequest>(&bytes, MAX_FORWARD_HEAD);
+            let _ = decode::<ForwardResponseHead>(&bytes, MAX_RESPONSE_HEAD);
+            let _ = decode::<crate::sketch::LatencySketch>(&bytes, MAX_TUNING_MESSAGE);
+            let _ = decode::<SummaryDelta>(&bytes, MAX_GOSSIP_MESSAGE);
+            let _ = decode::<SummarySnapshot>(&bytes, MAX_GOSSIP_MESSAGE);
+        }
+
+        /// Mutating a valid message (flip, truncate) never panics either: it reaches
+        /// deeper decoder paths than uniformly random bytes.
+        #[test]
+        fn mutated_messages_never_panic(idx in any::<prop::sample::Index>(), val in any::<u8>(), cut in any::<prop::sample::Index>()) {
+            let mut bytes = encode(&forward_request());
+            let i = idx.index(bytes.len());
+            bytes[i] = val;
+            let _ = decode::<ForwardRequest>(&bytes, MAX_FORWARD_HEAD);
+            bytes.truncate(cut.index(bytes.len()));
+            let _ = decode::<ForwardRequest>(&bytes, MAX_FORWARD_HEAD);
+        }
+    }
+}
