@@ -1,16 +1,290 @@
 //! The GORGO router daemon: HTTP ingress, engine adapter, forwarding, admin API, metrics.
 //!
 //! One node runs per region beside the region's inference engine. For each request it
-//! asks the sans-IO core where the request is cheapest to serve (locally or at a peer)
-//! and moves the bytes accordingly. Everything that decides lives in `gorgo-core`; this
-//! crate only drives sockets and clocks.
+//! asks the routing core where the request is cheapest to serve (locally or at a peer)
+//! and moves the bytes accordingly. The cost model lives in `gorgo-core`; this crate
+//! drives sockets and clocks.
+//!
+//! Entry point: [`start`] with a validated [`NodeConfig`], bound [`NodeListeners`] (tests
+//! bind port 0), a [`PeerSource`] (the QUIC cluster, or [`mesh::Mesh`] in-process), the
+//! channel of forwards peers open to us, and a shutdown token.
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
 
+pub mod admin;
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod forward;
+pub mod ingress;
+pub mod mesh;
+pub mod metrics;
+pub mod peers;
 pub mod route;
+pub mod serve;
+pub mod shadow;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gorgo_core::fit::{FitConfig, PrefillFit};
+use gorgo_core::{NodeId, QueueStats, Weights};
+use parking_lot::{Mutex, RwLock};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, Semaphore};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
 
 pub use config::NodeConfig;
 pub use error::NodeError;
+pub use peers::{IncomingForward, NoPeers, PeerSource, PeerView};
+
+/// Everything a running node shares between its tasks.
+pub struct NodeState {
+    /// The validated config.
+    pub config: NodeConfig,
+    /// This node's id.
+    pub id: NodeId,
+    /// The local engine.
+    pub engine: Arc<engine::EngineAdapter>,
+    /// The cluster view.
+    pub peers: Arc<dyn PeerSource>,
+    /// The weights routing uses now; `PUT /admin/weights` and (later) the tuner write it.
+    pub weights: Arc<RwLock<Weights>>,
+    /// Decisions and the forward ledger.
+    pub router: route::Router,
+    /// Model of the local engine's prefix cache.
+    pub shadow: Mutex<shadow::ShadowIndex>,
+    /// Online fit of the local engine's prefill cost.
+    pub fit: Mutex<PrefillFit>,
+    /// Prometheus metrics.
+    pub metrics: metrics::NodeMetrics,
+    /// Ingress concurrency cap.
+    pub permits: Arc<Semaphore>,
+    /// Cap on forwards served for peers.
+    pub forward_permits: Arc<Semaphore>,
+    started: Instant,
+    next_id: AtomicU64,
+}
+
+impl std::fmt::Debug for NodeState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeState").field("id", &self.id).finish()
+    }
+}
+
+impl NodeState {
+    /// Build the shared state (no sockets yet).
+    pub fn new(config: NodeConfig, peers: Arc<dyn PeerSource>) -> Result<Arc<Self>, NodeError> {
+        config.validate()?;
+        let engine = engine::EngineAdapter::new(&config.engine, &config.limits)
+            .map_err(|e| NodeError::Config(format!("engine client: {e}")))?;
+        let fit = PrefillFit::new(
+            config.engine.base_ms,
+            config.engine.t_p_ms,
+            FitConfig::default(),
+        )
+        .map_err(|e| NodeError::Config(format!("engine seeds: {e}")))?;
+        let engine = Arc::new(engine);
+        let capacity = engine.kv_capacity_tokens();
+        Ok(Arc::new(NodeState {
+            id: NodeId(config.node.id.clone()),
+            weights: Arc::new(RwLock::new(config.routing.weights)),
+            router: route::Router::new(config.routing.decision_log),
+            shadow: Mutex::new(shadow::ShadowIndex::new(capacity)),
+            fit: Mutex::new(fit),
+            metrics: metrics::NodeMetrics::new(),
+            permits: Arc::new(Semaphore::new(config.limits.max_concurrency)),
+            forward_permits: Arc::new(Semaphore::new(config.limits.max_forwards)),
+            started: Instant::now(),
+            next_id: AtomicU64::new(1),
+            engine,
+            peers,
+            config,
+        }))
+    }
+
+    /// Milliseconds since the node started: the `now` handed to the core.
+    pub fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    /// A fresh request id.
+    pub fn next_request_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// This node's queue stats with the current fit.
+    pub fn local_stats(&self) -> QueueStats {
+        let (t_p, base) = {
+            let fit = self.fit.lock();
+            (fit.t_p_ms(), fit.base_ms())
+        };
+        self.local_stats_with(t_p, base)
+    }
+
+    /// This node's queue stats with the given fitted costs.
+    pub fn local_stats_with(&self, t_p_ms: f64, base_ms: f64) -> QueueStats {
+        self.engine.queue_stats(t_p_ms, base_ms, 0)
+    }
+
+    /// Update the gauges that are read at scrape time.
+    pub fn refresh_gauges(&self) {
+        let peers = self.peers.peers();
+        self.metrics
+            .peers_alive
+            .set(peers.iter().filter(|p| p.alive).count() as i64);
+        self.metrics
+            .engine_healthy
+            .set(self.engine.is_healthy() as i64);
+        let g = self.peers.gossip_counters();
+        self.metrics
+            .gossip_bytes_sent
+            .set(g.bytes_sent.min(i64::MAX as u64) as i64);
+        self.metrics
+            .gossip_bytes_received
+            .set(g.bytes_received.min(i64::MAX as u64) as i64);
+        for p in peers {
+            let label = metrics::PeerLabels {
+                peer: p.id.0.clone(),
+            };
+            if let Some(age) = p.summary_age_ms {
+                self.metrics
+                    .summary_age_ms
+                    .get_or_create(&label)
+                    .set(age.min(i64::MAX as u64) as i64);
+            }
+            if let Some(age) = p.stats_age_ms {
+                self.metrics
+                    .stats_age_ms
+                    .get_or_create(&label)
+                    .set(age.min(i64::MAX as u64) as i64);
+            }
+        }
+    }
+}
+
+/// The node's TCP listeners, bound by the caller (tests bind port 0).
+#[derive(Debug)]
+pub struct NodeListeners {
+    /// Client ingress.
+    pub http: TcpListener,
+    /// Admin API and metrics.
+    pub admin: TcpListener,
+}
+
+impl NodeListeners {
+    /// Bind the addresses in the config.
+    pub async fn bind(config: &NodeConfig) -> Result<Self, NodeError> {
+        Ok(NodeListeners {
+            http: TcpListener::bind(config.listen.http).await?,
+            admin: TcpListener::bind(config.listen.admin).await?,
+        })
+    }
+}
+
+/// A running node.
+#[derive(Debug)]
+pub struct NodeHandle {
+    /// Where clients connect.
+    pub http_addr: SocketAddr,
+    /// Where the admin API listens.
+    pub admin_addr: SocketAddr,
+    /// Shared state (tests inspect it).
+    pub state: Arc<NodeState>,
+    tasks: JoinSet<()>,
+}
+
+impl NodeHandle {
+    /// Wait until every task of the node ended (after shutdown).
+    pub async fn wait(mut self) {
+        while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+/// Start a node: serve the ingress and the admin API, health-check and scrape the
+/// engine, publish queue stats to peers, and serve incoming forwards, until `shutdown`.
+pub async fn start(
+    state: Arc<NodeState>,
+    listeners: NodeListeners,
+    mut incoming: mpsc::Receiver<IncomingForward>,
+    shutdown: CancellationToken,
+) -> Result<NodeHandle, NodeError> {
+    use axum::serve::ListenerExt;
+    let http_addr = listeners.http.local_addr()?;
+    let admin_addr = listeners.admin.local_addr()?;
+    let mut tasks = JoinSet::new();
+
+    let http = listeners.http.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    let app = ingress::router(state.clone());
+    let sd = shutdown.clone();
+    tasks.spawn(async move {
+        let serve =
+            axum::serve(http, app).with_graceful_shutdown(async move { sd.cancelled().await });
+        if let Err(e) = serve.await {
+            tracing::error!(error = %e, "ingress stopped");
+        }
+    });
+
+    let admin = listeners.admin.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    let app = admin::router(state.clone());
+    let sd = shutdown.clone();
+    tasks.spawn(async move {
+        let serve =
+            axum::serve(admin, app).with_graceful_shutdown(async move { sd.cancelled().await });
+        if let Err(e) = serve.await {
+            tracing::error!(error = %e, "admin stopped");
+        }
+    });
+
+    let engine = state.engine.clone();
+    let health_every = Duration::from_millis(state.config.engine.health_interval_ms);
+    let metrics_every = (state.config.engine.metrics_interval_ms > 0)
+        .then(|| Duration::from_millis(state.config.engine.metrics_interval_ms));
+    tasks.spawn(engine.run_background(health_every, metrics_every, shutdown.clone()));
+
+    let st = state.clone();
+    let sd = shutdown.clone();
+    tasks.spawn(async move {
+        let mut tick =
+            tokio::time::interval(Duration::from_millis(st.config.cluster.gossip_interval_ms));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = sd.cancelled() => return,
+                _ = tick.tick() => st.peers.publish_stats(st.local_stats()),
+            }
+        }
+    });
+
+    let st = state.clone();
+    let sd = shutdown.clone();
+    tasks.spawn(async move {
+        let mut running = JoinSet::new();
+        loop {
+            tokio::select! {
+                _ = sd.cancelled() => break,
+                next = incoming.recv() => match next {
+                    Some(fwd) => { running.spawn(serve::handle_incoming(st.clone(), fwd)); }
+                    None => break,
+                },
+                Some(_) = running.join_next(), if !running.is_empty() => {}
+            }
+        }
+        running.shutdown().await;
+    });
+
+    tracing::info!(node = %state.id, %http_addr, %admin_addr, "node started");
+    Ok(NodeHandle {
+        http_addr,
+        admin_addr,
+        state,
+        tasks,
+    })
+}

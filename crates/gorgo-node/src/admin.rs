@@ -1,0 +1,204 @@
+//! The admin listener: `/admin/*` behind the bearer token, Prometheus `/metrics`,
+//! `/healthz` and `/readyz` open (probes and scrapers carry no token).
+
+use std::sync::Arc;
+
+use axum::extract::{Query, Request, State};
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Json;
+use gorgo_core::Weights;
+use serde::Deserialize;
+use serde_json::json;
+
+use crate::ingress::{error_response, ApiError};
+use crate::NodeState;
+
+/// Largest PUT body on the admin API.
+const MAX_ADMIN_BODY: usize = 64 * 1024;
+/// Upper bound accepted for a weight set by hand.
+const MAX_WEIGHT: f64 = 100.0;
+
+/// The admin router.
+pub fn router(state: Arc<NodeState>) -> axum::Router {
+    let admin = axum::Router::new()
+        .route("/admin/state", get(admin_state))
+        .route("/admin/peers", get(peers))
+        .route("/admin/decisions", get(decisions))
+        .route("/admin/weights", get(get_weights).put(put_weights))
+        .route("/admin/tuning", get(tuning))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            require_token,
+        ))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_ADMIN_BODY));
+    axum::Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .merge(admin)
+        .fallback(|| async { error_response(StatusCode::NOT_FOUND, "unknown route") })
+        .with_state(state)
+}
+
+/// Constant-time comparison, so the token does not leak through timing.
+fn token_matches(given: &[u8], expected: &[u8]) -> bool {
+    if given.len() != expected.len() {
+        return false;
+    }
+    given
+        .iter()
+        .zip(expected)
+        .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+        == 0
+}
+
+async fn require_token(State(state): State<Arc<NodeState>>, req: Request, next: Next) -> Response {
+    let given = req
+        .headers()
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if token_matches(given.as_bytes(), state.config.admin.token.as_bytes()) {
+        next.run(req).await
+    } else {
+        error_response(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong admin bearer token",
+        )
+    }
+}
+
+async fn metrics(State(state): State<Arc<NodeState>>) -> Response {
+    state.refresh_gauges();
+    (
+        [(
+            http::header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.metrics.encode(),
+    )
+        .into_response()
+}
+
+async fn readyz(State(state): State<Arc<NodeState>>) -> Response {
+    let peers_alive = state.peers.peers().iter().filter(|p| p.alive).count();
+    if state.engine.is_healthy() || peers_alive > 0 {
+        (StatusCode::OK, "ready").into_response()
+    } else {
+        error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no engine and no live peer",
+        )
+    }
+}
+
+async fn admin_state(State(state): State<Arc<NodeState>>) -> Response {
+    let fit = state.fit.lock();
+    let body = json!({
+        "node": state.id,
+        "region": state.config.node.region,
+        "uptime_ms": state.now_ms(),
+        "engine": {
+            "url": state.config.engine.url,
+            "kind": state.engine.kind().to_string(),
+            "healthy": state.engine.is_healthy(),
+            "inflight": state.engine.inflight(),
+            "kv_capacity_tokens": state.engine.kv_capacity_tokens(),
+            "scraped": state.engine.scraped(),
+        },
+        "queue_stats": state.local_stats_with(fit.t_p_ms(), fit.base_ms()),
+        "fit": {
+            "t_p_ms": fit.t_p_ms(),
+            "base_ms": fit.base_ms(),
+            "r_squared": fit.r_squared(),
+            "samples": fit.samples(),
+        },
+        "shadow_index_blocks": state.shadow.lock().len(),
+        "peers": state.peers.peers(),
+        "weights": *state.weights.read(),
+        "policy": state.config.routing.policy,
+        "max_hops": state.config.routing.max_hops,
+        "tuning": {"mode": state.config.tuning.mode, "epoch": 0},
+        "gossip": state.peers.gossip_counters(),
+    });
+    Json(body).into_response()
+}
+
+async fn peers(State(state): State<Arc<NodeState>>) -> Response {
+    Json(state.peers.peers()).into_response()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DecisionsQuery {
+    limit: Option<usize>,
+}
+
+async fn decisions(
+    State(state): State<Arc<NodeState>>,
+    query: Result<Query<DecisionsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    let limit = match query {
+        Ok(Query(q)) => q.limit.unwrap_or(50),
+        Err(e) => return ApiError(StatusCode::BAD_REQUEST, e.body_text()).into_response(),
+    };
+    Json(state.router.recent(limit)).into_response()
+}
+
+async fn get_weights(State(state): State<Arc<NodeState>>) -> Response {
+    Json(*state.weights.read()).into_response()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WeightsBody {
+    w_rtt: f64,
+    w_queue: f64,
+}
+
+async fn put_weights(
+    State(state): State<Arc<NodeState>>,
+    body: Result<Json<WeightsBody>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    let w = match body {
+        Ok(Json(w)) => w,
+        Err(e) => return ApiError(StatusCode::BAD_REQUEST, e.body_text()).into_response(),
+    };
+    for (name, v) in [("w_rtt", w.w_rtt), ("w_queue", w.w_queue)] {
+        if !(v.is_finite() && (0.0..=MAX_WEIGHT).contains(&v)) {
+            return ApiError(
+                StatusCode::BAD_REQUEST,
+                format!("`{name}` must be in [0, {MAX_WEIGHT}]"),
+            )
+            .into_response();
+        }
+    }
+    let new = Weights {
+        w_rtt: w.w_rtt,
+        w_queue: w.w_queue,
+    };
+    *state.weights.write() = new;
+    tracing::info!(
+        w_rtt = new.w_rtt,
+        w_queue = new.w_queue,
+        "weights set through the admin API"
+    );
+    Json(new).into_response()
+}
+
+async fn tuning(State(state): State<Arc<NodeState>>) -> Response {
+    // Online tuning is wired in by a later change; until then the node reports its mode
+    // and the weights it routes with, and an empty history.
+    Json(json!({
+        "mode": state.config.tuning.mode,
+        "epoch": 0,
+        "leader": null,
+        "weights": *state.weights.read(),
+        "history": [],
+    }))
+    .into_response()
+}

@@ -1,0 +1,490 @@
+//! The OpenAI-compatible HTTP ingress: body cap, parsing, OpenAI error JSON, and the
+//! response relay that passes the engine's bytes through chunk by chunk.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use futures::Stream;
+use gorgo_core::HashChain;
+use http_body_util::BodyExt;
+use serde_json::Value;
+use tokio::sync::OwnedSemaphorePermit;
+
+use crate::serve::{serve, BodyStream, RoutedRequest, ServeError, Upstream, PASS_REQUEST_HEADERS};
+use crate::NodeState;
+
+/// Header naming the region that served a request.
+pub const SERVED_BY_HEADER: &str = "x-gorgo-served-by";
+/// Header with the hops a request took.
+pub const HOPS_HEADER: &str = "x-gorgo-hops";
+/// Per-request policy override (experiments).
+pub const POLICY_HEADER: &str = "x-gorgo-policy";
+/// Session key for affinity policies.
+pub const SESSION_HEADER: &str = "x-session-id";
+
+/// The OpenAI error body for `status` with `message`.
+pub fn error_json(status: u16, message: &str) -> String {
+    let (kind, code) = match status {
+        400 => ("invalid_request_error", "invalid_request"),
+        401 => ("authentication_error", "invalid_token"),
+        404 => ("invalid_request_error", "not_found"),
+        405 => ("invalid_request_error", "method_not_allowed"),
+        413 => ("invalid_request_error", "request_too_large"),
+        502 => ("server_error", "engine_failed"),
+        503 => ("server_error", "unavailable"),
+        504 => ("server_error", "timeout"),
+        _ => ("server_error", "error"),
+    };
+    serde_json::json!({
+        "error": {"message": message, "type": kind, "param": null, "code": code}
+    })
+    .to_string()
+}
+
+/// An error response in OpenAI's shape.
+pub fn error_response(status: StatusCode, message: &str) -> Response {
+    let mut resp = Response::new(Body::from(error_json(status.as_u16(), message)));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+/// The client-facing router.
+pub fn router(state: Arc<NodeState>) -> axum::Router {
+    axum::Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+}
+
+async fn not_found() -> Response {
+    error_response(StatusCode::NOT_FOUND, "unknown route")
+}
+
+async fn method_not_allowed() -> Response {
+    error_response(StatusCode::METHOD_NOT_ALLOWED, "method not allowed")
+}
+
+async fn chat(State(state): State<Arc<NodeState>>, headers: HeaderMap, body: Body) -> Response {
+    completion(state, "/v1/chat/completions", headers, body).await
+}
+
+async fn completions(
+    State(state): State<Arc<NodeState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    completion(state, "/v1/completions", headers, body).await
+}
+
+async fn models(State(state): State<Arc<NodeState>>) -> Response {
+    if !state.engine.is_healthy() {
+        return error_response(StatusCode::SERVICE_UNAVAILABLE, "engine unavailable");
+    }
+    match state
+        .engine
+        .send(http::Method::GET, "/v1/models", &[], Bytes::new())
+        .await
+    {
+        Ok(resp) => {
+            let status =
+                StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+            let ct = resp.headers().get("content-type").cloned();
+            match resp.bytes().await {
+                Ok(b) => {
+                    let mut r = Response::new(Body::from(b));
+                    *r.status_mut() = status;
+                    if let Some(ct) = ct.and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok()) {
+                        r.headers_mut().insert(http::header::CONTENT_TYPE, ct);
+                    }
+                    r
+                }
+                Err(e) => error_response(StatusCode::BAD_GATEWAY, &format!("engine failed: {e}")),
+            }
+        }
+        Err(crate::engine::EngineFailure::Timeout) => {
+            error_response(StatusCode::GATEWAY_TIMEOUT, "engine did not answer in time")
+        }
+        Err(crate::engine::EngineFailure::Failed(m)) => {
+            error_response(StatusCode::BAD_GATEWAY, &format!("engine failed: {m}"))
+        }
+    }
+}
+
+/// Render the canonical prompt bytes of a request body (messages with roles in order,
+/// or the `prompt`), so identical prompts hash identically on every node.
+pub fn canonical_prompt(endpoint: &str, body: &Value) -> Result<Vec<u8>, String> {
+    let mut out = Vec::new();
+    let push_content = |out: &mut Vec<u8>, v: &Value| -> Result<(), String> {
+        match v {
+            Value::String(s) => out.extend_from_slice(s.as_bytes()),
+            Value::Array(parts) => {
+                for p in parts {
+                    match p {
+                        Value::String(s) => out.extend_from_slice(s.as_bytes()),
+                        Value::Object(o) => {
+                            if let Some(Value::String(t)) = o.get("text") {
+                                out.extend_from_slice(t.as_bytes());
+                            }
+                        }
+                        _ => return Err("content parts must be strings or objects".into()),
+                    }
+                }
+            }
+            Value::Null => {}
+            _ => return Err("`content` must be a string or an array".into()),
+        }
+        Ok(())
+    };
+    if endpoint == "/v1/chat/completions" {
+        let Some(Value::Array(messages)) = body.get("messages") else {
+            return Err("`messages` must be an array".into());
+        };
+        for m in messages {
+            let Value::Object(m) = m else {
+                return Err("each message must be an object".into());
+            };
+            let Some(Value::String(role)) = m.get("role") else {
+                return Err("each message needs a string `role`".into());
+            };
+            out.extend_from_slice(role.as_bytes());
+            out.push(b'\n');
+            push_content(&mut out, m.get("content").unwrap_or(&Value::Null))?;
+            out.push(b'\n');
+        }
+    } else {
+        match body.get("prompt") {
+            Some(Value::String(s)) => out.extend_from_slice(s.as_bytes()),
+            Some(Value::Array(items)) => {
+                for item in items {
+                    match item {
+                        Value::String(s) => out.extend_from_slice(s.as_bytes()),
+                        Value::Number(n) => {
+                            out.extend_from_slice(n.to_string().as_bytes());
+                            out.push(b' ');
+                        }
+                        _ => return Err("`prompt` items must be strings or token ids".into()),
+                    }
+                }
+            }
+            _ => return Err("`prompt` must be a string or an array".into()),
+        }
+    }
+    Ok(out)
+}
+
+/// Why the body could not be read.
+enum BodyError {
+    TooLarge,
+    Broken(String),
+}
+
+async fn read_body(body: Body, limit: usize, headers: &HeaderMap) -> Result<Bytes, BodyError> {
+    if let Some(len) = headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        if len > limit as u64 {
+            return Err(BodyError::TooLarge);
+        }
+    }
+    match http_body_util::Limited::new(body, limit).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e)
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            Err(BodyError::TooLarge)
+        }
+        Err(e) => Err(BodyError::Broken(e.to_string())),
+    }
+}
+
+async fn completion(
+    state: Arc<NodeState>,
+    endpoint: &'static str,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let started = Instant::now();
+    let Ok(permit) = state.permits.clone().try_acquire_owned() else {
+        state.metrics.request("unavailable", "");
+        return error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many requests in flight",
+        );
+    };
+    let body = match read_body(body, state.config.limits.max_body_bytes, &headers).await {
+        Ok(b) => b,
+        Err(BodyError::TooLarge) => {
+            state.metrics.request("too_large", "");
+            return error_response(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                &format!(
+                    "request body over {} bytes",
+                    state.config.limits.max_body_bytes
+                ),
+            );
+        }
+        Err(BodyError::Broken(m)) => {
+            state.metrics.request("bad_request", "");
+            return error_response(StatusCode::BAD_REQUEST, &format!("cannot read body: {m}"));
+        }
+    };
+    let parsed: Value = match serde_json::from_slice(&body) {
+        Ok(v @ Value::Object(_)) => v,
+        Ok(_) => {
+            state.metrics.request("bad_request", "");
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "request body must be a JSON object",
+            );
+        }
+        Err(e) => {
+            state.metrics.request("bad_request", "");
+            return error_response(StatusCode::BAD_REQUEST, &format!("malformed JSON: {e}"));
+        }
+    };
+    let prompt = match canonical_prompt(endpoint, &parsed) {
+        Ok(p) => p,
+        Err(m) => {
+            state.metrics.request("bad_request", "");
+            return error_response(StatusCode::BAD_REQUEST, &m);
+        }
+    };
+    let streaming = parsed
+        .get("stream")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let chain = HashChain::from_bytes(
+        &prompt,
+        state.config.routing.block_bytes,
+        state.config.routing.bytes_per_token,
+    );
+    let policy = if state.config.routing.allow_policy_header {
+        match headers.get(POLICY_HEADER).map(|v| v.to_str().unwrap_or("")) {
+            None => None,
+            Some(p) => match crate::route::parse_policy(p) {
+                Ok(p) => Some(p),
+                Err(m) => {
+                    state.metrics.request("bad_request", "");
+                    return error_response(
+                        StatusCode::BAD_REQUEST,
+                        &format!("{POLICY_HEADER}: {m}"),
+                    );
+                }
+            },
+        }
+    } else {
+        None
+    };
+    let session_key = headers
+        .get(SESSION_HEADER)
+        .map(|v| gorgo_core::hash::hash_bytes(v.as_bytes()))
+        .or_else(|| chain.hashes.first().copied())
+        .unwrap_or(0);
+    let pass: Vec<(String, String)> = PASS_REQUEST_HEADERS
+        .iter()
+        .filter_map(|&n| {
+            headers
+                .get(n)
+                .and_then(|v| v.to_str().ok())
+                .map(|v| (n.to_owned(), v.to_owned()))
+        })
+        .collect();
+    let pass = if pass.iter().any(|(k, _)| k == "content-type") {
+        pass
+    } else {
+        let mut p = pass;
+        p.push(("content-type".into(), "application/json".into()));
+        p
+    };
+    let req = RoutedRequest {
+        request_id: state.next_request_id(),
+        endpoint: endpoint.to_owned(),
+        body,
+        headers: pass,
+        chain,
+        hops: 0,
+        policy,
+        session_key,
+        origin: state.id.clone(),
+    };
+    let request_id = req.request_id;
+    match serve(&state, req).await {
+        Ok(up) => {
+            tracing::debug!(request_id, served_by = %up.served_by, hops = up.hops, status = up.status, "serving");
+            respond(state, up, streaming, started, permit)
+        }
+        Err(e) => {
+            let (status, outcome, m) = match e {
+                ServeError::Unavailable(m) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable", m),
+                ServeError::Failed(m) => (StatusCode::BAD_GATEWAY, "engine_failed", m),
+                ServeError::Timeout(m) => (StatusCode::GATEWAY_TIMEOUT, "timeout", m),
+            };
+            tracing::warn!(request_id, %status, error = %m, "request failed");
+            state.metrics.request(outcome, "");
+            error_response(status, &m)
+        }
+    }
+}
+
+fn respond(
+    state: Arc<NodeState>,
+    up: Upstream,
+    streaming: bool,
+    started: Instant,
+    permit: OwnedSemaphorePermit,
+) -> Response {
+    let status = StatusCode::from_u16(up.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let deadline = Duration::from_millis(state.config.limits.request_timeout_ms);
+    let tracked = Tracked {
+        inner: up.body,
+        state: state.clone(),
+        started,
+        first_seen: false,
+        streaming,
+        ok_status: status.is_success(),
+        served_by: up.served_by.clone(),
+        finished: false,
+        deadline: Box::pin(tokio::time::sleep(deadline)),
+        _permit: permit,
+    };
+    state.metrics.inflight.inc();
+    let mut resp = Response::new(Body::from_stream(tracked));
+    *resp.status_mut() = status;
+    let h = resp.headers_mut();
+    for (k, v) in &up.headers {
+        if let (Ok(name), Ok(value)) = (
+            http::HeaderName::from_bytes(k.as_bytes()),
+            HeaderValue::from_str(v),
+        ) {
+            h.insert(name, value);
+        }
+    }
+    if let Ok(v) = HeaderValue::from_str(&up.served_by) {
+        h.insert(SERVED_BY_HEADER, v);
+    }
+    h.insert(HOPS_HEADER, HeaderValue::from(up.hops as u32));
+    resp
+}
+
+/// The response body relay: passes chunks through unchanged, measures TTFT and E2E,
+/// turns a mid-stream failure into an SSE error event (streams) or an aborted body,
+/// and counts a client that went away as cancelled.
+struct Tracked {
+    inner: BodyStream,
+    state: Arc<NodeState>,
+    started: Instant,
+    first_seen: bool,
+    streaming: bool,
+    ok_status: bool,
+    served_by: String,
+    finished: bool,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Tracked {
+    fn finish(&mut self, outcome: &str) {
+        if !self.finished {
+            self.finished = true;
+            self.state.metrics.inflight.dec();
+            let outcome = if outcome == "ok" && !self.ok_status {
+                "engine_error"
+            } else {
+                outcome
+            };
+            self.state.metrics.request(outcome, &self.served_by);
+            if outcome == "ok" {
+                self.state
+                    .metrics
+                    .e2e
+                    .observe(self.started.elapsed().as_secs_f64());
+            }
+        }
+    }
+
+    fn fail(&mut self, message: &str) -> Poll<Option<Result<Bytes, std::io::Error>>> {
+        let outcome = if message.contains("timed out") {
+            "timeout"
+        } else {
+            "stream_error"
+        };
+        self.finish(outcome);
+        if self.streaming {
+            let event = format!("data: {}\n\n", error_json(502, message));
+            Poll::Ready(Some(Ok(Bytes::from(event))))
+        } else {
+            Poll::Ready(Some(Err(std::io::Error::other(message.to_owned()))))
+        }
+    }
+}
+
+impl Stream for Tracked {
+    type Item = Result<Bytes, std::io::Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if self.finished {
+            return Poll::Ready(None);
+        }
+        if self.deadline.as_mut().poll(cx).is_ready() {
+            return self.fail("request timed out");
+        }
+        match self.inner.as_mut().poll_next(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(None) => {
+                self.finish("ok");
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(Ok(bytes))) => {
+                if !self.first_seen && !bytes.is_empty() {
+                    self.first_seen = true;
+                    let ttft = self.started.elapsed().as_secs_f64();
+                    if self.ok_status {
+                        self.state.metrics.ttft.observe(ttft);
+                    }
+                }
+                Poll::Ready(Some(Ok(bytes)))
+            }
+            Poll::Ready(Some(Err(m))) => {
+                tracing::warn!(error = %m, "upstream failed mid-response");
+                self.fail(&m)
+            }
+        }
+    }
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        // Dropped before the end: the client went away. Dropping `inner` cancels the
+        // engine request or the forward stream.
+        self.finish("cancelled");
+    }
+}
+
+use std::future::Future as _;
+
+/// Turn an error into a response for handlers outside this module.
+pub struct ApiError(pub StatusCode, pub String);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        error_response(self.0, &self.1)
+    }
+}

@@ -1,0 +1,173 @@
+//! An in-process cluster: nodes in one process see each other directly, with fresh
+//! stats and exact prefix matches, and forward over in-memory pipes.
+//!
+//! Why: it runs the node's real routing, forwarding and fallback code without QUIC,
+//! certificates or gossip timing, which makes multi-node tests deterministic and fast.
+//! Production uses the QUIC cluster through the same [`PeerSource`] trait.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Weak};
+
+use futures::future::BoxFuture;
+use gorgo_core::{HashChain, NodeId, QueueStats};
+use parking_lot::RwLock;
+use tokio::sync::mpsc;
+
+use crate::error::NodeError;
+use crate::peers::{ForwardRecv, ForwardSend, IncomingForward, PeerSource, PeerView};
+use crate::NodeState;
+
+/// Buffer of each in-memory forward pipe, bytes.
+const PIPE_BYTES: usize = 256 * 1024;
+
+struct Member {
+    state: Weak<NodeState>,
+    incoming: mpsc::Sender<IncomingForward>,
+    alive: bool,
+}
+
+/// The registry of in-process nodes.
+#[derive(Default)]
+pub struct Mesh {
+    members: RwLock<BTreeMap<NodeId, Member>>,
+    rtt_ms: RwLock<BTreeMap<(NodeId, NodeId), f64>>,
+}
+
+impl std::fmt::Debug for Mesh {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mesh")
+            .field("members", &self.members.read().len())
+            .finish()
+    }
+}
+
+impl Mesh {
+    /// An empty mesh.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Mesh::default())
+    }
+
+    /// The peer source node `me` should be built with.
+    pub fn peer_source(self: &Arc<Self>, me: &str) -> Arc<MeshPeers> {
+        Arc::new(MeshPeers {
+            mesh: self.clone(),
+            me: NodeId::from(me),
+        })
+    }
+
+    /// Set the RTT both ways between two nodes (default 0).
+    pub fn set_rtt(&self, a: &str, b: &str, rtt_ms: f64) {
+        let mut m = self.rtt_ms.write();
+        m.insert((NodeId::from(a), NodeId::from(b)), rtt_ms);
+        m.insert((NodeId::from(b), NodeId::from(a)), rtt_ms);
+    }
+
+    /// Register a node; the receiver carries the forwards peers open to it.
+    pub fn join(&self, state: &Arc<NodeState>) -> mpsc::Receiver<IncomingForward> {
+        let (tx, rx) = mpsc::channel(1024);
+        self.members.write().insert(
+            state.id.clone(),
+            Member {
+                state: Arc::downgrade(state),
+                incoming: tx,
+                alive: true,
+            },
+        );
+        rx
+    }
+
+    /// Mark a node dead, as a failure detector would: peers stop choosing it and new
+    /// forwards to it fail.
+    pub fn kill(&self, id: &str) {
+        if let Some(m) = self.members.write().get_mut(&NodeId::from(id)) {
+            m.alive = false;
+        }
+    }
+}
+
+/// One node's view of the mesh.
+#[derive(Debug)]
+pub struct MeshPeers {
+    mesh: Arc<Mesh>,
+    me: NodeId,
+}
+
+impl PeerSource for MeshPeers {
+    fn peers(&self) -> Vec<PeerView> {
+        let rtts = self.mesh.rtt_ms.read();
+        self.mesh
+            .members
+            .read()
+            .iter()
+            .filter(|(id, _)| **id != self.me)
+            .map(|(id, m)| {
+                let state = m.state.upgrade();
+                PeerView {
+                    id: id.clone(),
+                    region: state.as_ref().map(|s| s.config.node.region.clone()),
+                    alive: m.alive && state.is_some(),
+                    rtt_ms: rtts
+                        .get(&(self.me.clone(), id.clone()))
+                        .copied()
+                        .unwrap_or(0.0),
+                    stats_age_ms: state.as_ref().map(|_| 0),
+                    summary_version: 0,
+                    summary_entries: state
+                        .as_ref()
+                        .map(|s| s.shadow.lock().len() as u64)
+                        .unwrap_or(0),
+                    summary_age_ms: state.as_ref().map(|_| 0),
+                    stats: state.map(|s| s.local_stats()),
+                }
+            })
+            .collect()
+    }
+
+    fn matched_tokens(&self, peer: &NodeId, chain: &HashChain) -> u64 {
+        let members = self.mesh.members.read();
+        members
+            .get(peer)
+            .and_then(|m| m.state.upgrade())
+            .map(|s| s.shadow.lock().longest_match(chain))
+            .unwrap_or(0)
+    }
+
+    fn open_forward(
+        &self,
+        peer: &NodeId,
+    ) -> BoxFuture<'static, Result<(ForwardSend, ForwardRecv), NodeError>> {
+        let target = {
+            let members = self.mesh.members.read();
+            members
+                .get(peer)
+                .filter(|m| m.alive)
+                .map(|m| m.incoming.clone())
+        };
+        let from = self.me.clone();
+        let peer = peer.clone();
+        Box::pin(async move {
+            let Some(tx) = target else {
+                return Err(NodeError::Cluster(format!("peer {peer} is not alive")));
+            };
+            let (ours, theirs) = tokio::io::duplex(PIPE_BYTES);
+            let (our_recv, our_send) = tokio::io::split(ours);
+            let (their_recv, their_send) = tokio::io::split(theirs);
+            let incoming = IncomingForward {
+                from,
+                send: Box::pin(their_send),
+                recv: Box::pin(their_recv),
+            };
+            tx.send(incoming).await.map_err(|_| {
+                NodeError::Cluster(format!("peer {peer} stopped accepting forwards"))
+            })?;
+            Ok((
+                Box::pin(our_send) as ForwardSend,
+                Box::pin(our_recv) as ForwardRecv,
+            ))
+        })
+    }
+
+    fn publish_stats(&self, _stats: QueueStats) {
+        // Peers read our live stats directly.
+    }
+}

@@ -1,0 +1,110 @@
+//! What the node needs from the cluster layer, as a small trait.
+//!
+//! The router only needs a view of live peers (RTT, queue stats, cached prefixes) and a
+//! way to open a byte stream to one of them. Keeping that behind [`PeerSource`] lets
+//! the node run over the QUIC cluster in production and over an in-process mesh in
+//! tests, with the same routing and forwarding code.
+
+use std::pin::Pin;
+
+use futures::future::BoxFuture;
+use gorgo_core::{HashChain, NodeId, QueueStats};
+use serde::Serialize;
+use tokio::io::{AsyncRead, AsyncWrite};
+
+use crate::error::NodeError;
+
+/// The sending half of a forward stream.
+pub type ForwardSend = Pin<Box<dyn AsyncWrite + Send>>;
+/// The receiving half of a forward stream.
+pub type ForwardRecv = Pin<Box<dyn AsyncRead + Send>>;
+
+/// A forward stream a peer opened to us: who sent it and its two halves.
+pub struct IncomingForward {
+    /// The peer that opened the stream (for logs and metrics).
+    pub from: NodeId,
+    /// Where we write the response head and bytes.
+    pub send: ForwardSend,
+    /// Where we read the request.
+    pub recv: ForwardRecv,
+}
+
+impl std::fmt::Debug for IncomingForward {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IncomingForward")
+            .field("from", &self.from)
+            .finish()
+    }
+}
+
+/// One peer as the router sees it.
+#[derive(Debug, Clone, Serialize)]
+pub struct PeerView {
+    /// The peer's node id.
+    pub id: NodeId,
+    /// The peer's region, when known.
+    pub region: Option<String>,
+    /// Alive in the membership view.
+    pub alive: bool,
+    /// Smoothed RTT to the peer, ms.
+    pub rtt_ms: f64,
+    /// The peer's last queue stats, when any arrived.
+    pub stats: Option<QueueStats>,
+    /// Age of those stats, ms.
+    pub stats_age_ms: Option<u64>,
+    /// Version of the peer's prefix summary we hold.
+    pub summary_version: u64,
+    /// Fingerprints in that summary.
+    pub summary_entries: u64,
+    /// Age of that summary, ms.
+    pub summary_age_ms: Option<u64>,
+}
+
+/// Gossip traffic counters, for `/metrics`.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct GossipCounters {
+    /// Bytes of gossip sent.
+    pub bytes_sent: u64,
+    /// Bytes of gossip received.
+    pub bytes_received: u64,
+}
+
+/// The cluster as the router needs it.
+pub trait PeerSource: Send + Sync + 'static {
+    /// Every known peer (not this node), alive or not.
+    fn peers(&self) -> Vec<PeerView>;
+    /// Tokens of `chain`'s prefix the peer's last summary says it caches.
+    fn matched_tokens(&self, peer: &NodeId, chain: &HashChain) -> u64;
+    /// Open a forward stream to `peer`.
+    fn open_forward(
+        &self,
+        peer: &NodeId,
+    ) -> BoxFuture<'static, Result<(ForwardSend, ForwardRecv), NodeError>>;
+    /// Announce this node's queue stats to peers.
+    fn publish_stats(&self, stats: QueueStats);
+    /// Gossip traffic so far.
+    fn gossip_counters(&self) -> GossipCounters {
+        GossipCounters::default()
+    }
+}
+
+/// A cluster of one: no peers. Used when a node runs alone.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoPeers;
+
+impl PeerSource for NoPeers {
+    fn peers(&self) -> Vec<PeerView> {
+        Vec::new()
+    }
+    fn matched_tokens(&self, _peer: &NodeId, _chain: &HashChain) -> u64 {
+        0
+    }
+    fn open_forward(
+        &self,
+        peer: &NodeId,
+    ) -> BoxFuture<'static, Result<(ForwardSend, ForwardRecv), NodeError>> {
+        let peer = peer.clone();
+        Box::pin(async move { Err(NodeError::Cluster(format!("no peer {peer}"))) })
+    }
+    fn publish_stats(&self, _stats: QueueStats) {}
+}
