@@ -27,3 +27,4 @@ pub mod cost;
 pub mod fit;
 pub mod decision;
 pub mod policy;
+pub mod es;

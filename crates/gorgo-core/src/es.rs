@@ -1,0 +1,479 @@
+//! The (1+1) evolution strategy that tunes `w_rtt` and `w_queue` against p95 TTFT.
+//!
+//! - Mutation in log space, `w' = exp(ln w + sigma * N(0, 1))` per weight, clipped to
+//!   the bounds: weights are positive and their effect is multiplicative.
+//! - Step size by Rechenberg's 1/5 rule over the last 8 outcomes (decay 0.817).
+//! - Two fixes over the paper's code (DESIGN.md, "Online tuning"): a candidate is
+//!   accepted only when strictly better than the incumbent re-measured in an adjacent
+//!   window (a lucky incumbent score is never kept forever), and never when its p95 E2E
+//!   is worse than the incumbent's by more than `guard` (the paper's `w_queue = 0`
+//!   reward hacking).
+//!
+//! The whole state is serde and deterministic under its seed (the random stream is
+//! `(seed, draws)`), so it can travel in a proposal and any node can continue it.
+
+use std::collections::VecDeque;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rand_distr::StandardNormal;
+use serde::{Deserialize, Serialize};
+
+use crate::error::CoreError;
+use crate::policy::PolicyKind;
+use crate::types::Weights;
+
+/// Outcomes the 1/5 rule looks at.
+pub const SUCCESS_WINDOW: usize = 8;
+/// Rechenberg's step-size factor.
+pub const SIGMA_DECAY: f64 = 0.817;
+/// Target success rate of the 1/5 rule.
+pub const TARGET_SUCCESS_RATE: f64 = 0.2;
+
+/// Start value and bounds of one tuned weight.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParamBounds {
+    /// Initial value (and the fixed value in `static` mode).
+    pub start: f64,
+    /// Lower bound, > 0 (the mutation works on logarithms).
+    pub min: f64,
+    /// Upper bound.
+    pub max: f64,
+}
+
+impl ParamBounds {
+    fn clip(&self, w: f64) -> f64 {
+        if w.is_nan() {
+            self.start
+        } else {
+            w.clamp(self.min, self.max)
+        }
+    }
+
+    fn validate(&self, field: &str) -> Result<(), CoreError> {
+        let ok = self.min.is_finite()
+            && self.max.is_finite()
+            && self.min > 0.0
+            && self.min <= self.max
+            && self.start >= self.min
+            && self.start <= self.max;
+        if ok {
+            Ok(())
+        } else {
+            Err(CoreError::InvalidConfig {
+                field: field.into(),
+                reason: format!(
+                    "need 0 < min <= start <= max, got start {} in [{}, {}]",
+                    self.start, self.min, self.max
+                ),
+            })
+        }
+    }
+}
+
+/// How a node's weights evolve.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TuningMode {
+    /// Tune continuously.
+    Online,
+    /// Fixed weights (the `start` values: from config or a learned-weights file).
+    Static,
+    /// Tune until the step size falls below `freeze_sigma`, then keep the incumbent.
+    TuneThenFreeze,
+}
+
+/// Configuration of the tuner and of the distributed trial protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TuningConfig {
+    /// `online`, `static` or `tune-then-freeze`.
+    pub mode: TuningMode,
+    /// Requests per trial window, cluster-wide.
+    pub window: usize,
+    /// A window closes after this long even if not full, ms...
+    pub time_cap_ms: u64,
+    /// ...provided it has at least this many samples (else it is extended).
+    pub min_samples: usize,
+    /// `w_rtt` start and bounds.
+    pub w_rtt: ParamBounds,
+    /// `w_queue` start and bounds.
+    pub w_queue: ParamBounds,
+    /// Initial mutation step size (log space).
+    pub sigma0: f64,
+    /// Smallest step size.
+    pub sigma_min: f64,
+    /// Largest step size.
+    pub sigma_max: f64,
+    /// E2E guard: reject a candidate whose p95 E2E exceeds the incumbent's by more than
+    /// this fraction.
+    pub guard: f64,
+    /// `tune-then-freeze` stops when sigma falls below this.
+    pub freeze_sigma: f64,
+    /// Seed of the mutation stream.
+    pub seed: u64,
+}
+
+impl Default for TuningConfig {
+    fn default() -> Self {
+        TuningConfig::gorgo()
+    }
+}
+
+impl TuningConfig {
+    /// DESIGN.md defaults for the millisecond model: both weights start at 1.0 in
+    /// [0.05, 4.0].
+    pub fn gorgo() -> Self {
+        TuningConfig {
+            mode: TuningMode::Online,
+            window: 128,
+            time_cap_ms: 60_000,
+            min_samples: 32,
+            w_rtt: ParamBounds {
+                start: 1.0,
+                min: 0.05,
+                max: 4.0,
+            },
+            w_queue: ParamBounds {
+                start: 1.0,
+                min: 0.05,
+                max: 4.0,
+            },
+            sigma0: 0.5,
+            sigma_min: 0.01,
+            sigma_max: 2.0,
+            guard: 0.05,
+            freeze_sigma: 0.05,
+            seed: 0x676f_7267_6f65_7321,
+        }
+    }
+
+    /// The paper's setup for `gorgo-paper`: `w_rtt` 0.5 in [0.05, 2.0], `w_queue` 0.1
+    /// in [0.05, 0.5], sigma 0.5.
+    pub fn gorgo_paper() -> Self {
+        TuningConfig {
+            w_rtt: ParamBounds {
+                start: 0.5,
+                min: 0.05,
+                max: 2.0,
+            },
+            w_queue: ParamBounds {
+                start: 0.1,
+                min: 0.05,
+                max: 0.5,
+            },
+            ..TuningConfig::gorgo()
+        }
+    }
+
+    /// The defaults for tuning `kind`'s weights.
+    pub fn for_policy(kind: PolicyKind) -> Self {
+        match kind {
+            PolicyKind::GorgoPaper => TuningConfig::gorgo_paper(),
+            _ => TuningConfig::gorgo(),
+        }
+    }
+
+    /// The weights tuning starts from (and stays at in `static` mode).
+    pub fn start_weights(&self) -> Weights {
+        Weights {
+            w_rtt: self.w_rtt.start,
+            w_queue: self.w_queue.start,
+        }
+    }
+
+    /// `w` clipped to the bounds.
+    pub fn clip(&self, w: Weights) -> Weights {
+        Weights {
+            w_rtt: self.w_rtt.clip(w.w_rtt),
+            w_queue: self.w_queue.clip(w.w_queue),
+        }
+    }
+
+    /// Check every field, naming the one that is wrong.
+    pub fn validate(&self) -> Result<(), CoreError> {
+        let bad = |field: &str, reason: &str| {
+            Err(CoreError::InvalidConfig {
+                field: field.into(),
+                reason: reason.into(),
+            })
+        };
+        self.w_rtt.validate("w_rtt")?;
+        self.w_queue.validate("w_queue")?;
+        if self.window == 0 {
+            return bad("window", "must be at least 1");
+        }
+        if self.min_samples == 0 || self.min_samples > self.window {
+            return bad("min_samples", "must be in [1, window]");
+        }
+        if self.time_cap_ms == 0 {
+            return bad("time_cap_ms", "must be positive");
+        }
+        if !(self.sigma_min.is_finite() && self.sigma_min > 0.0) {
+            return bad("sigma_min", "must be positive");
+        }
+        if !(self.sigma_max.is_finite() && self.sigma_max >= self.sigma_min) {
+            return bad("sigma_max", "must be at least sigma_min");
+        }
+        if !(self.sigma0 >= self.sigma_min && self.sigma0 <= self.sigma_max) {
+            return bad("sigma0", "must be in [sigma_min, sigma_max]");
+        }
+        if !(self.guard.is_finite() && self.guard >= 0.0) {
+            return bad("guard", "must be a non-negative fraction");
+        }
+        if !(self.freeze_sigma.is_finite() && self.freeze_sigma >= 0.0) {
+            return bad("freeze_sigma", "must be non-negative");
+        }
+        Ok(())
+    }
+}
+
+/// What one trial window measured (merged over the cluster).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Measurement {
+    /// p95 TTFT, ms: the score (lower is better).
+    pub p95_ttft_ms: f64,
+    /// p95 E2E, ms: the guard.
+    pub p95_e2e_ms: f64,
+    /// Requests measured.
+    pub samples: u64,
+}
+
+impl Measurement {
+    fn is_valid(&self) -> bool {
+        self.samples > 0
+            && self.p95_ttft_ms.is_finite()
+            && self.p95_e2e_ms.is_finite()
+            && self.p95_ttft_ms >= 0.0
+            && self.p95_e2e_ms >= 0.0
+    }
+}
+
+/// Why a candidate was accepted or not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Verdict {
+    /// Strictly better p95 TTFT, E2E within the guard.
+    Accepted,
+    /// p95 TTFT not strictly better than the re-measured incumbent.
+    NotBetter,
+    /// Better TTFT, but p95 E2E worse than the incumbent's by more than the guard.
+    E2eGuard,
+    /// A measurement was empty or not finite; no outcome recorded.
+    InvalidMeasurement,
+}
+
+/// The whole tuner state: it travels with every proposal.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EsState {
+    /// Best weights so far.
+    pub incumbent: Weights,
+    /// The incumbent's last p95 TTFT, ms.
+    pub incumbent_score: Option<f64>,
+    /// The incumbent's measurement in the window adjacent to the pending candidate.
+    pub pending_incumbent: Option<Measurement>,
+    /// Mutation step size (log space).
+    pub sigma: f64,
+    /// Last outcomes (true = accepted), at most [`SUCCESS_WINDOW`].
+    pub outcomes: VecDeque<bool>,
+    /// Last epoch decided with this state (0 before any).
+    pub epoch: u64,
+    /// Candidates decided.
+    pub trials: u64,
+    /// Seed of the mutation stream.
+    pub seed: u64,
+    /// Mutations drawn so far (the stream position).
+    pub draws: u64,
+    /// True once `tune-then-freeze` has frozen.
+    pub frozen: bool,
+}
+
+impl EsState {
+    /// A fresh tuner at the configured start.
+    pub fn new(cfg: &TuningConfig) -> Self {
+        EsState {
+            incumbent: cfg.start_weights(),
+            incumbent_score: None,
+            pending_incumbent: None,
+            sigma: cfg.sigma0,
+            outcomes: VecDeque::with_capacity(SUCCESS_WINDOW),
+            epoch: 0,
+            trials: 0,
+            seed: cfg.seed,
+            draws: 0,
+            frozen: false,
+        }
+    }
+
+    /// Draw the next candidate: `exp(ln w + sigma * N(0,1))` per weight, clipped.
+    pub fn mutate(&mut self, cfg: &TuningConfig) -> Weights {
+        let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
+        rng.set_stream(self.draws);
+        self.draws += 1;
+        let z_rtt: f64 = rng.sample(StandardNormal);
+        let z_queue: f64 = rng.sample(StandardNormal);
+        let inc = cfg.clip(self.incumbent);
+        cfg.clip(Weights {
+            w_rtt: (inc.w_rtt.ln() + self.sigma * z_rtt).exp(),
+            w_queue: (inc.w_queue.ln() + self.sigma * z_queue).exp(),
+        })
+    }
+
+    /// Decide `candidate` from its window and the incumbent's adjacent window, update
+    /// the incumbent and the step size.
+    pub fn conclude(
+        &mut self,
+        cfg: &TuningConfig,
+        candidate: Weights,
+        cand: Measurement,
+        incumbent: Measurement,
+    ) -> Verdict {
+        if !cand.is_valid() || !incumbent.is_valid() {
+            return Verdict::InvalidMeasurement;
+        }
+        let verdict = if cand.p95_ttft_ms >= incumbent.p95_ttft_ms {
+            Verdict::NotBetter
+        } else if cand.p95_e2e_ms > incumbent.p95_e2e_ms * (1.0 + cfg.guard) {
+            Verdict::E2eGuard
+        } else {
+            Verdict::Accepted
+        };
+        let accepted = verdict == Verdict::Accepted;
+        if accepted {
+            self.incumbent = cfg.clip(candidate);
+            self.incumbent_score = Some(cand.p95_ttft_ms);
+        } else {
+            self.incumbent_score = Some(incumbent.p95_ttft_ms);
+        }
+        self.trials += 1;
+        if self.outcomes.len() == SUCCESS_WINDOW {
+            self.outcomes.pop_front();
+        }
+        self.outcomes.push_back(accepted);
+        if self.outcomes.len() == SUCCESS_WINDOW {
+            let rate = self.success_rate().unwrap_or(TARGET_SUCCESS_RATE);
+            if rate > TARGET_SUCCESS_RATE {
+                self.sigma /= SIGMA_DECAY;
+            } else if rate < TARGET_SUCCESS_RATE {
+                self.sigma *= SIGMA_DECAY;
+            }
+            self.sigma = self.sigma.clamp(cfg.sigma_min, cfg.sigma_max);
+        }
+        if cfg.mode == TuningMode::TuneThenFreeze && self.sigma < cfg.freeze_sigma {
+            self.frozen = true;
+        }
+        verdict
+    }
+
+    /// Share of accepted outcomes in the window, `None` before any.
+    pub fn success_rate(&self) -> Option<f64> {
+        if self.outcomes.is_empty() {
+            None
+        } else {
+            Some(self.outcomes.iter().filter(|&&o| o).count() as f64 / self.outcomes.len() as f64)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(ttft: f64, e2e: f64) -> Measurement {
+        Measurement {
+            p95_ttft_ms: ttft,
+            p95_e2e_ms: e2e,
+            samples: 128,
+        }
+    }
+
+    #[test]
+    fn mutation_is_deterministic_log_space_and_clipped() {
+        let cfg = TuningConfig::gorgo_paper();
+        let mut a = EsState::new(&cfg);
+        let mut b = a.clone();
+        for _ in 0..200 {
+            let wa = a.mutate(&cfg);
+            assert_eq!(wa, b.mutate(&cfg));
+            assert!((0.05..=2.0).contains(&wa.w_rtt) && (0.05..=0.5).contains(&wa.w_queue));
+        }
+        // Serde round trip keeps the stream position.
+        let json = serde_json::to_string(&a).unwrap();
+        let mut c: EsState = serde_json::from_str(&json).unwrap();
+        assert_eq!(c.mutate(&cfg), a.mutate(&cfg));
+    }
+
+    #[test]
+    fn strict_acceptance_and_e2e_guard() {
+        let cfg = TuningConfig::gorgo();
+        let mut s = EsState::new(&cfg);
+        let cand = Weights {
+            w_rtt: 2.0,
+            w_queue: 0.5,
+        };
+        assert_eq!(
+            s.conclude(&cfg, cand, m(100.0, 1000.0), m(100.0, 1000.0)),
+            Verdict::NotBetter
+        );
+        assert_eq!(s.incumbent, cfg.start_weights());
+        assert_eq!(
+            s.conclude(&cfg, cand, m(90.0, 1060.0), m(100.0, 1000.0)),
+            Verdict::E2eGuard
+        );
+        assert_eq!(s.incumbent, cfg.start_weights());
+        assert_eq!(
+            s.conclude(&cfg, cand, m(90.0, 1049.0), m(100.0, 1000.0)),
+            Verdict::Accepted
+        );
+        assert_eq!(s.incumbent, cand);
+        assert_eq!(s.incumbent_score, Some(90.0));
+        assert_eq!(
+            s.conclude(&cfg, cand, m(f64::NAN, 1.0), m(100.0, 1000.0)),
+            Verdict::InvalidMeasurement
+        );
+        assert_eq!(s.trials, 3);
+    }
+
+    #[test]
+    fn one_fifth_rule() {
+        let cfg = TuningConfig {
+            mode: TuningMode::TuneThenFreeze,
+            ..TuningConfig::gorgo()
+        };
+        let mut s = EsState::new(&cfg);
+        let w = cfg.start_weights();
+        for _ in 0..7 {
+            s.conclude(&cfg, w, m(200.0, 1.0), m(100.0, 1.0));
+        }
+        assert_eq!(s.sigma, cfg.sigma0, "no adaptation before 8 outcomes");
+        s.conclude(&cfg, w, m(200.0, 1.0), m(100.0, 1.0));
+        assert!((s.sigma - cfg.sigma0 * SIGMA_DECAY).abs() < 1e-12);
+        for _ in 0..8 {
+            s.conclude(&cfg, w, m(50.0, 1.0), m(100.0, 1.0));
+        }
+        assert!(s.sigma > cfg.sigma0 * SIGMA_DECAY);
+        for _ in 0..40 {
+            s.conclude(&cfg, w, m(200.0, 1.0), m(100.0, 1.0));
+        }
+        assert_eq!(s.sigma, cfg.sigma_min);
+        assert!(s.frozen);
+    }
+
+    #[test]
+    fn config_errors_name_the_field() {
+        let mut cfg = TuningConfig::gorgo();
+        cfg.w_queue.min = 0.0;
+        match cfg.validate() {
+            Err(CoreError::InvalidConfig { field, .. }) => assert_eq!(field, "w_queue"),
+            other => panic!("{other:?}"),
+        }
+        let bad: Result<TuningConfig, _> = serde_json::from_str(r#"{"windw": 3}"#);
+        assert!(bad.unwrap_err().to_string().contains("windw"));
+        let ok: TuningConfig =
+            serde_json::from_str(r#"{"window": 64, "mode": "tune-then-freeze"}"#).unwrap();
+        assert_eq!(ok.window, 64);
+        assert!(ok.validate().is_ok());
+        assert!(TuningConfig::gorgo_paper().validate().is_ok());
+    }
+}
