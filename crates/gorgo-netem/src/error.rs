@@ -1,0 +1,50 @@
+//! The one error type of this crate.
+
+use std::net::SocketAddr;
+
+/// Everything that can go wrong loading a topology or running relays.
+#[derive(Debug, thiserror::Error)]
+pub enum NetemError {
+    /// The topology file could not be read.
+    #[error("reading topology {path}: {source}")]
+    Read {
+        /// The file that failed.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The topology text is not valid TOML for the schema (serde names the field).
+    #[error("parsing topology: {0}")]
+    Parse(#[from] toml::de::Error),
+    /// A field parsed but has a value that makes no sense.
+    #[error("topology field `{field}`: {reason}")]
+    Invalid {
+        /// Dotted path of the offending field.
+        field: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A region name that the topology does not list.
+    #[error("unknown region `{0}`")]
+    UnknownRegion(String),
+    /// The cluster plan does not fit in the address or port space.
+    #[error("cluster plan: {0}")]
+    Plan(String),
+    /// A relay socket could not be bound.
+    #[error("binding {addr}: {source}")]
+    Bind {
+        /// The address we tried.
+        addr: SocketAddr,
+        /// Why it failed.
+        source: std::io::Error,
+    },
+}
+
+impl NetemError {
+    pub(crate) fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        NetemError::Invalid {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+}

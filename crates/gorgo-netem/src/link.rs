@@ -1,0 +1,278 @@
+//! The sans-IO link model: given a packet (or stream chunk) and the time it
+//! arrives, decide whether it is lost and when it leaves the far end.
+//! The relays are thin drivers around [`LinkShaper`]; tests drive it with
+//! made-up instants.
+
+use std::time::{Duration, Instant};
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Default byte budget of one relay direction's queue (bytes admitted and not
+/// yet delivered): 16 MiB holds 130 ms of a 1 Gbit/s link.
+pub const DEFAULT_QUEUE_LIMIT_BYTES: usize = 16 * 1024 * 1024;
+
+/// Properties of one direction of an emulated link.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LinkParams {
+    /// Fixed one-way propagation delay.
+    pub delay: Duration,
+    /// Each packet's delay is `delay` plus a uniform draw in `[-jitter, +jitter]`
+    /// (never below zero). Datagrams may reorder only when this is non-zero.
+    pub jitter: Duration,
+    /// Fraction of datagrams dropped, in `[0, 1)`. Streams (TCP) never lose bytes.
+    pub loss: f64,
+    /// Serialisation rate in bits per second; `None` is unlimited.
+    pub rate_bps: Option<u64>,
+    /// Datagrams that would push the queued bytes over this budget are dropped.
+    pub queue_limit_bytes: usize,
+}
+
+impl LinkParams {
+    /// A link with only a fixed delay: no jitter, loss or rate limit.
+    pub fn delay_only(delay: Duration) -> Self {
+        LinkParams {
+            delay,
+            jitter: Duration::ZERO,
+            loss: 0.0,
+            rate_bps: None,
+            queue_limit_bytes: DEFAULT_QUEUE_LIMIT_BYTES,
+        }
+    }
+}
+
+/// Both directions of a relayed path: towards the relay's target and back.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DuplexLink {
+    /// Source (the relay's client) to target.
+    pub to_target: LinkParams,
+    /// Target's replies back to the source.
+    pub to_source: LinkParams,
+}
+
+impl DuplexLink {
+    /// The same parameters in both directions.
+    pub fn symmetric(link: LinkParams) -> Self {
+        DuplexLink {
+            to_target: link.clone(),
+            to_source: link,
+        }
+    }
+}
+
+/// How the shaper treats what it carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// UDP: independent datagrams; loss applies; reorder happens only with jitter.
+    Datagram,
+    /// TCP: an ordered byte stream; never lost, a chunk never overtakes an earlier one.
+    Stream,
+}
+
+/// What happens to one admitted packet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Deliver at this instant.
+    Deliver(Instant),
+    /// Dropped by the loss model.
+    Lost,
+    /// Dropped because the queue's byte budget is full.
+    Overflow,
+}
+
+/// One direction of an emulated link as a state machine with `now` as input.
+#[derive(Debug)]
+pub struct LinkShaper {
+    params: LinkParams,
+    mode: Mode,
+    rng: ChaCha8Rng,
+    /// When the emulated wire finishes serialising what was admitted so far.
+    wire_free_at: Option<Instant>,
+    /// Latest delivery instant handed out (for stream order).
+    last_delivery: Option<Instant>,
+    queued_bytes: usize,
+}
+
+impl LinkShaper {
+    /// A shaper whose loss and jitter draws follow `seed` deterministically.
+    pub fn new(params: LinkParams, mode: Mode, seed: u64) -> Self {
+        LinkShaper {
+            params,
+            mode,
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            wire_free_at: None,
+            last_delivery: None,
+            queued_bytes: 0,
+        }
+    }
+
+    /// The link parameters this shaper applies.
+    pub fn params(&self) -> &LinkParams {
+        &self.params
+    }
+
+    /// Bytes admitted and not yet [`released`](Self::release).
+    pub fn queued_bytes(&self) -> usize {
+        self.queued_bytes
+    }
+
+    /// Decides the fate of `len` bytes arriving at `now`. A `Deliver` verdict
+    /// counts the bytes as queued until [`release`](Self::release).
+    pub fn admit(&mut self, now: Instant, len: usize) -> Verdict {
+        if self.mode == Mode::Datagram {
+            if self.params.loss > 0.0 && self.rng.random::<f64>() < self.params.loss {
+                return Verdict::Lost;
+            }
+            if self.queued_bytes.saturating_add(len) > self.params.queue_limit_bytes {
+                return Verdict::Overflow;
+            }
+        }
+        // Serialisation: the wire carries one packet at a time at the link rate.
+        let sent_at = match self.params.rate_bps {
+            Some(rate) if rate > 0 => {
+                let start = self.wire_free_at.map_or(now, |free| free.max(now));
+                let bits = len as u128 * 8;
+                let nanos = bits * 1_000_000_000 / rate as u128;
+                let done = start + Duration::from_nanos(nanos.min(u64::MAX as u128) as u64);
+                self.wire_free_at = Some(done);
+                done
+            }
+            _ => now,
+        };
+        let mut delay = self.params.delay;
+        if !self.params.jitter.is_zero() {
+            let j = self.params.jitter.as_secs_f64();
+            let offset = self.rng.random_range(-j..=j);
+            delay = Duration::from_secs_f64((delay.as_secs_f64() + offset).max(0.0));
+        }
+        let mut at = sent_at + delay;
+        if self.mode == Mode::Stream || self.params.jitter.is_zero() {
+            // Order-preserving: never earlier than what was admitted before.
+            if let Some(last) = self.last_delivery {
+                at = at.max(last);
+            }
+        }
+        self.last_delivery = Some(self.last_delivery.map_or(at, |l| l.max(at)));
+        self.queued_bytes += len;
+        Verdict::Deliver(at)
+    }
+
+    /// Gives back the budget of `len` delivered (or abandoned) bytes.
+    pub fn release(&mut self, len: usize) {
+        self.queued_bytes = self.queued_bytes.saturating_sub(len);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn lossy(loss: f64) -> LinkParams {
+        LinkParams {
+            loss,
+            ..LinkParams::delay_only(Duration::ZERO)
+        }
+    }
+
+    #[test]
+    fn one_percent_loss_is_about_one_percent_and_seeded() {
+        let now = Instant::now();
+        let count = |seed| {
+            let mut s = LinkShaper::new(lossy(0.01), Mode::Datagram, seed);
+            (0..20_000)
+                .filter(|_| {
+                    let v = s.admit(now, 100);
+                    s.release(100);
+                    v == Verdict::Lost
+                })
+                .count()
+        };
+        let lost = count(7);
+        assert!((100..=300).contains(&lost), "lost {lost} of 20000");
+        assert_eq!(lost, count(7), "same seed, same losses");
+    }
+
+    #[test]
+    fn rate_adds_serialisation_delay() {
+        let now = Instant::now();
+        let params = LinkParams {
+            rate_bps: Some(8_000_000), // 1 byte per microsecond
+            ..LinkParams::delay_only(Duration::from_millis(10))
+        };
+        let mut s = LinkShaper::new(params, Mode::Datagram, 1);
+        assert_eq!(
+            s.admit(now, 1000),
+            Verdict::Deliver(now + Duration::from_micros(11_000))
+        );
+        assert_eq!(
+            s.admit(now, 1000),
+            Verdict::Deliver(now + Duration::from_micros(12_000))
+        );
+    }
+
+    #[test]
+    fn overflow_drops_until_released() {
+        let now = Instant::now();
+        let params = LinkParams {
+            queue_limit_bytes: 1500,
+            ..LinkParams::delay_only(Duration::from_millis(1))
+        };
+        let mut s = LinkShaper::new(params, Mode::Datagram, 1);
+        assert!(matches!(s.admit(now, 1000), Verdict::Deliver(_)));
+        assert_eq!(s.admit(now, 1000), Verdict::Overflow);
+        s.release(1000);
+        assert!(matches!(s.admit(now, 1000), Verdict::Deliver(_)));
+    }
+
+    proptest! {
+        /// Without jitter, or in stream mode, deliveries never reorder.
+        #[test]
+        fn order_preserved_unless_jitter(
+            gaps in proptest::collection::vec(0u64..5_000, 1..200),
+            lens in proptest::collection::vec(1usize..3000, 200),
+            delay_us in 0u64..200_000,
+            jitter_us in 0u64..50_000,
+            rate in proptest::option::of(1_000_000u64..1_000_000_000),
+            stream in any::<bool>(),
+            seed in any::<u64>(),
+        ) {
+            let jitter_us = if stream { jitter_us } else { 0 };
+            let params = LinkParams {
+                delay: Duration::from_micros(delay_us),
+                jitter: Duration::from_micros(jitter_us),
+                loss: 0.0,
+                rate_bps: rate,
+                queue_limit_bytes: usize::MAX,
+            };
+            let mode = if stream { Mode::Stream } else { Mode::Datagram };
+            let mut s = LinkShaper::new(params, mode, seed);
+            let mut now = Instant::now();
+            let mut last = None;
+            for (gap, len) in gaps.iter().zip(&lens) {
+                now += Duration::from_micros(*gap);
+                let Verdict::Deliver(at) = s.admit(now, *len) else { panic!("dropped") };
+                prop_assert!(at >= now);
+                if let Some(l) = last { prop_assert!(at >= l); }
+                last = Some(at);
+            }
+        }
+
+        /// Jitter keeps each delay within delay +- jitter (plus serialisation).
+        #[test]
+        fn jitter_stays_in_bounds(delay_ms in 0u64..300, jitter_ms in 0u64..50, seed in any::<u64>()) {
+            let params = LinkParams {
+                jitter: Duration::from_millis(jitter_ms),
+                ..LinkParams::delay_only(Duration::from_millis(delay_ms))
+            };
+            let mut s = LinkShaper::new(params, Mode::Datagram, seed);
+            let now = Instant::now();
+            for _ in 0..50 {
+                let Verdict::Deliver(at) = s.admit(now, 10) else { panic!("dropped") };
+                let d = at - now;
+                prop_assert!(d <= Duration::from_millis(delay_ms + jitter_ms) + Duration::from_micros(1));
+                prop_assert!(d + Duration::from_millis(jitter_ms) + Duration::from_micros(1) >= Duration::from_millis(delay_ms));
+            }
+        }
+    }
+}

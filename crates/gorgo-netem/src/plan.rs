@@ -1,0 +1,260 @@
+//! Loopback addressing for a local multi-region cluster, and starting every
+//! relay such a cluster needs.
+//!
+//! Region `i` owns the address `127.0.0.(ip_base + i)`; on it, ports from
+//! `base_port` are laid out as:
+//!
+//! | port | what |
+//! |---|---|
+//! | base + 0 | client-facing TCP relay (client delay) to the node's HTTP ingress |
+//! | base + 1 | node HTTP ingress |
+//! | base + 2 | node QUIC endpoint (gossip and forwarding) |
+//! | base + 3 | engine emulator |
+//! | base + 4 | node admin API |
+//! | base + 10 + j | UDP relay this node dials to reach region j's QUIC endpoint |
+//!
+//! Node a reaches node b at `relay(a -> b)`, which sits on a's address and
+//! forwards to b's QUIC port with delay a -> b; b's replies on that connection
+//! return through the same relay with delay b -> a. When b initiates it dials
+//! `relay(b -> a)`. So every node gets its own per-peer address map
+//! ([`RegionPlan::peers`]) and needs no relay-aware code.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
+use serde::Serialize;
+
+use crate::link::DuplexLink;
+use crate::relay::{RelayCounters, RelayHandle};
+use crate::tcp::TcpRelay;
+use crate::topology::Topology;
+use crate::udp::UdpRelay;
+use crate::NetemError;
+
+/// Where the cluster's addresses start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlanOptions {
+    /// Last octet of region 0's loopback address (`127.0.0.<ip_base>`).
+    pub ip_base: u8,
+    /// First port of each region's block of ports.
+    pub base_port: u16,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions {
+            ip_base: 10,
+            base_port: 7100,
+        }
+    }
+}
+
+/// Port offsets within a region's block; see the module docs.
+const CLIENT_PORT: u16 = 0;
+const NODE_HTTP_PORT: u16 = 1;
+const NODE_QUIC_PORT: u16 = 2;
+const ENGINE_PORT: u16 = 3;
+const ADMIN_PORT: u16 = 4;
+const PEER_RELAY_PORT: u16 = 10;
+
+/// How one node reaches one peer.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PeerRoute {
+    /// The peer's region name.
+    pub region: String,
+    /// The UDP relay address this node must dial to reach the peer's QUIC endpoint.
+    pub relay_addr: SocketAddr,
+    /// The peer's real QUIC address (the relay's target).
+    pub quic_addr: SocketAddr,
+    /// The emulated round-trip time to the peer, in ms.
+    pub rtt_ms: f64,
+}
+
+/// Every address of one region in a local cluster.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RegionPlan {
+    /// Region name.
+    pub name: String,
+    /// The region's loopback address.
+    pub ip: IpAddr,
+    /// What clients of this region connect to: a TCP relay with the client delay.
+    pub client_addr: SocketAddr,
+    /// The node's HTTP ingress (the client relay's target).
+    pub node_http_addr: SocketAddr,
+    /// The node's QUIC endpoint.
+    pub node_quic_addr: SocketAddr,
+    /// The engine emulator's HTTP address.
+    pub engine_addr: SocketAddr,
+    /// The node's admin API.
+    pub admin_addr: SocketAddr,
+    /// One route per other region, in topology order.
+    pub peers: Vec<PeerRoute>,
+}
+
+/// The addresses of a whole local cluster, one entry per region in topology order.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ClusterPlan {
+    /// Regions in topology order.
+    pub regions: Vec<RegionPlan>,
+}
+
+/// Lays out loopback addresses and ports for every region of `topology`.
+pub fn plan_cluster(topology: &Topology, options: &PlanOptions) -> Result<ClusterPlan, NetemError> {
+    let n = topology.regions.len();
+    if options.ip_base == 0 || usize::from(options.ip_base) + n > 255 {
+        return Err(NetemError::Plan(format!(
+            "ip_base {} leaves no room for {n} regions in 127.0.0.1-254",
+            options.ip_base
+        )));
+    }
+    if options.base_port == 0
+        || usize::from(options.base_port) + usize::from(PEER_RELAY_PORT) + n > 65_535
+    {
+        return Err(NetemError::Plan(format!(
+            "base_port {} leaves no room for {n} regions",
+            options.base_port
+        )));
+    }
+    let ip = |i: usize| IpAddr::V4(Ipv4Addr::new(127, 0, 0, options.ip_base + i as u8));
+    let addr = |i: usize, offset: u16| SocketAddr::new(ip(i), options.base_port + offset);
+    let regions = (0..n)
+        .map(|a| RegionPlan {
+            name: topology.regions[a].name.clone(),
+            ip: ip(a),
+            client_addr: addr(a, CLIENT_PORT),
+            node_http_addr: addr(a, NODE_HTTP_PORT),
+            node_quic_addr: addr(a, NODE_QUIC_PORT),
+            engine_addr: addr(a, ENGINE_PORT),
+            admin_addr: addr(a, ADMIN_PORT),
+            peers: (0..n)
+                .filter(|&b| b != a)
+                .map(|b| PeerRoute {
+                    region: topology.regions[b].name.clone(),
+                    relay_addr: addr(a, PEER_RELAY_PORT + b as u16),
+                    quic_addr: addr(b, NODE_QUIC_PORT),
+                    rtt_ms: topology.one_way_ms[a][b] + topology.one_way_ms[b][a],
+                })
+                .collect(),
+        })
+        .collect();
+    Ok(ClusterPlan { regions })
+}
+
+/// One running relay of a cluster and what it connects.
+#[derive(Debug)]
+pub struct ClusterRelay {
+    /// `client->us-ashburn` or `us-ashburn->eu-frankfurt`.
+    pub name: String,
+    /// `tcp` or `udp`.
+    pub protocol: &'static str,
+    /// The relay's target.
+    pub target: SocketAddr,
+    /// The running relay.
+    pub handle: RelayHandle,
+}
+
+/// All relays of a local cluster: one client TCP relay per region and one
+/// UDP relay per ordered pair of regions.
+#[derive(Debug)]
+pub struct NetemCluster {
+    /// Every relay, client relays first.
+    pub relays: Vec<ClusterRelay>,
+}
+
+impl NetemCluster {
+    /// Starts every relay `plan` calls for, with link parameters from `topology`.
+    /// Each relay's loss and jitter draws derive from `seed`.
+    pub async fn start(
+        topology: &Topology,
+        plan: &ClusterPlan,
+        seed: u64,
+    ) -> Result<Self, NetemError> {
+        let mut relays = Vec::new();
+        for (a, region) in plan.regions.iter().enumerate() {
+            let handle = TcpRelay::start(
+                region.client_addr,
+                region.node_http_addr,
+                DuplexLink::symmetric(topology.client_link(a)),
+                seed ^ (a as u64 + 1),
+            )
+            .await?;
+            relays.push(ClusterRelay {
+                name: format!("client->{}", region.name),
+                protocol: "tcp",
+                target: region.node_http_addr,
+                handle,
+            });
+        }
+        for (a, region) in plan.regions.iter().enumerate() {
+            for peer in &region.peers {
+                let b = topology.region_index(&peer.region)?;
+                let link = DuplexLink {
+                    to_target: topology.link(a, b),
+                    to_source: topology.link(b, a),
+                };
+                let pair_seed = seed ^ ((a as u64 + 1) << 32 | (b as u64 + 1) << 16);
+                let handle =
+                    UdpRelay::start(peer.relay_addr, peer.quic_addr, link, pair_seed).await?;
+                relays.push(ClusterRelay {
+                    name: format!("{}->{}", region.name, peer.region),
+                    protocol: "udp",
+                    target: peer.quic_addr,
+                    handle,
+                });
+            }
+        }
+        Ok(NetemCluster { relays })
+    }
+
+    /// Counters of every relay by name.
+    pub fn counters(&self) -> Vec<(String, RelayCounters)> {
+        self.relays
+            .iter()
+            .map(|r| (r.name.clone(), r.handle.stats().snapshot()))
+            .collect()
+    }
+
+    /// Whether any relay has stopped on its own (a fatal socket error).
+    pub fn any_stopped(&self) -> bool {
+        self.relays.iter().any(|r| r.handle.is_stopped())
+    }
+
+    /// Stops every relay and waits for all their tasks.
+    pub async fn shutdown(self) {
+        for relay in self.relays {
+            relay.handle.shutdown().await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plan_gives_each_node_its_own_relay_per_peer() {
+        let text = r#"
+            [[regions]]
+            name = "a"
+            client_delay_ms = 2
+            [[regions]]
+            name = "b"
+            client_delay_ms = 3
+            [one_way_ms]
+            a = { b = 10 }
+        "#;
+        let t = Topology::from_toml(text).unwrap();
+        let plan = plan_cluster(&t, &PlanOptions::default()).unwrap();
+        let (a, b) = (&plan.regions[0], &plan.regions[1]);
+        assert_eq!(a.client_addr, "127.0.0.10:7100".parse().unwrap());
+        assert_eq!(b.node_quic_addr, "127.0.0.11:7102".parse().unwrap());
+        assert_eq!(a.peers[0].relay_addr, "127.0.0.10:7111".parse().unwrap());
+        assert_eq!(a.peers[0].quic_addr, b.node_quic_addr);
+        assert_eq!(b.peers[0].relay_addr, "127.0.0.11:7110".parse().unwrap());
+        assert_eq!(b.peers[0].rtt_ms, 20.0);
+        let bad = PlanOptions {
+            ip_base: 254,
+            base_port: 7100,
+        };
+        assert!(plan_cluster(&t, &bad).is_err());
+    }
+}

@@ -1,0 +1,269 @@
+//! The TCP relay: each accepted connection gets its own upstream connection;
+//! every chunk read on one side is written to the other after the link's delay.
+//! Chunks never overtake each other and bytes are never lost; a full queue
+//! (the byte budget) stops reading, which backpressures the sender as TCP would.
+//! Connection setup itself is not delayed: the first delay a client sees is on
+//! its first bytes.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::link::{DuplexLink, LinkParams, LinkShaper, Mode, Verdict};
+use crate::relay::{now, wake_at, RelayHandle, RelayStats};
+use crate::NetemError;
+
+/// Limits of a TCP relay.
+#[derive(Clone, Debug)]
+pub struct TcpRelayOptions {
+    /// Most concurrent connections; further ones are closed at once.
+    pub max_connections: usize,
+    /// Largest chunk read at once (one delay decision per chunk).
+    pub chunk_size: usize,
+}
+
+impl Default for TcpRelayOptions {
+    fn default() -> Self {
+        TcpRelayOptions {
+            max_connections: 4096,
+            chunk_size: 64 * 1024,
+        }
+    }
+}
+
+/// Starts TCP relays; see the module docs.
+#[derive(Debug)]
+pub struct TcpRelay;
+
+impl TcpRelay {
+    /// Listens on `listen` and relays each connection to `target` over `link`
+    /// (`to_target` for client bytes, `to_source` for the replies).
+    pub async fn start(
+        listen: SocketAddr,
+        target: SocketAddr,
+        link: DuplexLink,
+        seed: u64,
+    ) -> Result<RelayHandle, NetemError> {
+        Self::start_with(listen, target, link, seed, TcpRelayOptions::default()).await
+    }
+
+    /// [`start`](Self::start) with explicit limits.
+    pub async fn start_with(
+        listen: SocketAddr,
+        target: SocketAddr,
+        link: DuplexLink,
+        seed: u64,
+        options: TcpRelayOptions,
+    ) -> Result<RelayHandle, NetemError> {
+        let listener = TcpListener::bind(listen)
+            .await
+            .map_err(|source| NetemError::Bind {
+                addr: listen,
+                source,
+            })?;
+        let local_addr = listener.local_addr().map_err(|source| NetemError::Bind {
+            addr: listen,
+            source,
+        })?;
+        let cancel = CancellationToken::new();
+        let tracker = TaskTracker::new();
+        let stats = Arc::new(RelayStats::default());
+        tracker.spawn(accept_loop(
+            listener,
+            target,
+            link,
+            seed,
+            options,
+            stats.clone(),
+            cancel.clone(),
+            tracker.clone(),
+        ));
+        Ok(RelayHandle {
+            local_addr,
+            cancel,
+            tracker,
+            stats,
+        })
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn accept_loop(
+    listener: TcpListener,
+    target: SocketAddr,
+    link: DuplexLink,
+    seed: u64,
+    options: TcpRelayOptions,
+    stats: Arc<RelayStats>,
+    cancel: CancellationToken,
+    tracker: TaskTracker,
+) {
+    let slots = Arc::new(Semaphore::new(options.max_connections));
+    let mut opened: u64 = 0;
+    loop {
+        let accepted = tokio::select! {
+            _ = cancel.cancelled() => break,
+            a = listener.accept() => a,
+        };
+        let (client, peer) = match accepted {
+            Ok(a) => a,
+            Err(e) => {
+                // Per-connection failures (reset before accept, fd limits) are
+                // not fatal for the listener.
+                tracing::debug!(error = %e, "tcp relay accept failed");
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            stats.add(&stats.flows_rejected, 1);
+            continue;
+        };
+        opened += 1;
+        stats.add(&stats.flows_opened, 1);
+        stats.add(&stats.flows_active, 1);
+        let conn_seed = seed ^ opened.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let conn = cancel.child_token();
+        let (link, options, stats) = (link.clone(), options.clone(), stats.clone());
+        tracker.spawn(async move {
+            if let Err(e) =
+                relay_connection(client, target, &link, conn_seed, &options, &stats, &conn).await
+            {
+                tracing::debug!(error = %e, %peer, "tcp relay connection ended");
+            }
+            stats.sub(&stats.flows_active, 1);
+            drop(slot);
+        });
+    }
+}
+
+async fn relay_connection(
+    client: TcpStream,
+    target: SocketAddr,
+    link: &DuplexLink,
+    seed: u64,
+    options: &TcpRelayOptions,
+    stats: &RelayStats,
+    cancel: &CancellationToken,
+) -> std::io::Result<()> {
+    let upstream = tokio::select! {
+        _ = cancel.cancelled() => return Ok(()),
+        u = TcpStream::connect(target) => u?,
+    };
+    client.set_nodelay(true)?;
+    upstream.set_nodelay(true)?;
+    let (client_read, client_write) = client.into_split();
+    let (upstream_read, upstream_write) = upstream.into_split();
+    let forward = pipe(
+        client_read,
+        upstream_write,
+        &link.to_target,
+        seed,
+        options,
+        stats,
+        cancel,
+    );
+    let backward = pipe(
+        upstream_read,
+        client_write,
+        &link.to_source,
+        seed.rotate_left(17) ^ 1,
+        options,
+        stats,
+        cancel,
+    );
+    let (a, b) = tokio::join!(forward, backward);
+    a.and(b)
+}
+
+/// A chunk in flight; `None` data is the end of the stream.
+struct Chunk {
+    due: Instant,
+    data: Option<Bytes>,
+}
+
+/// One direction of a connection: a reader that stamps each chunk with its
+/// delivery time and a writer that writes it then. Any error cancels the
+/// whole connection (both directions).
+async fn pipe(
+    mut reader: impl AsyncRead + Unpin,
+    mut writer: impl AsyncWrite + Unpin,
+    params: &LinkParams,
+    seed: u64,
+    options: &TcpRelayOptions,
+    stats: &RelayStats,
+    cancel: &CancellationToken,
+) -> std::io::Result<()> {
+    let budget = params.queue_limit_bytes.max(options.chunk_size);
+    let credit = Semaphore::new(budget);
+    let (tx, mut rx) = mpsc::unbounded_channel::<Chunk>();
+    let mut shaper = LinkShaper::new(params.clone(), Mode::Stream, seed);
+
+    let read_side = async {
+        loop {
+            let mut buf = BytesMut::with_capacity(options.chunk_size);
+            let n = reader.read_buf(&mut buf).await?;
+            if n == 0 {
+                let due = match shaper.admit(now(), 0) {
+                    Verdict::Deliver(due) => due,
+                    _ => now(),
+                };
+                let _ = tx.send(Chunk { due, data: None });
+                return Ok::<(), std::io::Error>(());
+            }
+            stats.add(&stats.packets_in, 1);
+            stats.add(&stats.bytes_in, n as u64);
+            // Backpressure: wait for the writer to free budget.
+            let permits = credit
+                .acquire_many(n as u32)
+                .await
+                .map_err(|_| std::io::Error::other("relay queue closed"))?;
+            permits.forget();
+            let due = match shaper.admit(now(), n) {
+                Verdict::Deliver(due) => due,
+                _ => now(),
+            };
+            if tx
+                .send(Chunk {
+                    due,
+                    data: Some(buf.freeze()),
+                })
+                .is_err()
+            {
+                return Ok(());
+            }
+        }
+    };
+    let write_side = async {
+        while let Some(chunk) = rx.recv().await {
+            tokio::time::sleep_until(wake_at(chunk.due)).await;
+            match chunk.data {
+                Some(data) => {
+                    writer.write_all(&data).await?;
+                    stats.add(&stats.packets_out, 1);
+                    stats.add(&stats.bytes_out, data.len() as u64);
+                    credit.add_permits(data.len());
+                }
+                None => {
+                    writer.shutdown().await?;
+                    break;
+                }
+            }
+        }
+        Ok::<(), std::io::Error>(())
+    };
+    let result = tokio::select! {
+        _ = cancel.cancelled() => Ok(()),
+        r = async { tokio::try_join!(read_side, write_side).map(|_| ()) } => r,
+    };
+    if result.is_err() {
+        cancel.cancel();
+    }
+    result
+}

@@ -1,0 +1,428 @@
+//! The UDP relay: datagrams keep their boundaries and each gets its own delay.
+//!
+//! Every distinct source gets a dedicated upstream socket (a NAT-like table,
+//! bounded, with idle expiry), so the target's replies come back through the
+//! same socket, are delayed on the reverse link and leave from the listening
+//! address to the right source. This is what QUIC between two nodes needs.
+
+use std::cmp::Ordering as CmpOrdering;
+use std::collections::{BinaryHeap, HashMap};
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::net::UdpSocket;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::link::{DuplexLink, LinkShaper, Mode, Verdict};
+use crate::relay::{is_due, now, wake_at, RelayHandle, RelayStats};
+use crate::NetemError;
+
+/// Largest datagram carried (the UDP maximum).
+const MAX_DATAGRAM: usize = 65_535;
+
+/// Limits of a UDP relay's session table.
+#[derive(Clone, Debug)]
+pub struct UdpRelayOptions {
+    /// Most concurrent sources; packets from further new sources are dropped.
+    pub max_sessions: usize,
+    /// A source silent in both directions this long loses its session.
+    pub idle_timeout: Duration,
+}
+
+impl Default for UdpRelayOptions {
+    fn default() -> Self {
+        UdpRelayOptions {
+            max_sessions: 1024,
+            idle_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// Starts UDP relays; see the module docs.
+#[derive(Debug)]
+pub struct UdpRelay;
+
+impl UdpRelay {
+    /// Listens on `listen` and relays every source's datagrams to `target`
+    /// over `link`, with default table limits. `seed` drives loss and jitter.
+    pub async fn start(
+        listen: SocketAddr,
+        target: SocketAddr,
+        link: DuplexLink,
+        seed: u64,
+    ) -> Result<RelayHandle, NetemError> {
+        Self::start_with(listen, target, link, seed, UdpRelayOptions::default()).await
+    }
+
+    /// [`start`](Self::start) with explicit session-table limits.
+    pub async fn start_with(
+        listen: SocketAddr,
+        target: SocketAddr,
+        link: DuplexLink,
+        seed: u64,
+        options: UdpRelayOptions,
+    ) -> Result<RelayHandle, NetemError> {
+        let socket = UdpSocket::bind(listen)
+            .await
+            .map_err(|source| NetemError::Bind {
+                addr: listen,
+                source,
+            })?;
+        let local_addr = socket.local_addr().map_err(|source| NetemError::Bind {
+            addr: listen,
+            source,
+        })?;
+        let cancel = CancellationToken::new();
+        let tracker = TaskTracker::new();
+        let stats = Arc::new(RelayStats::default());
+        let relay = Forwarder {
+            listen: Arc::new(socket),
+            target,
+            upstream_ip: upstream_ip(local_addr.ip(), target.ip()),
+            shaper: LinkShaper::new(link.to_target.clone(), Mode::Datagram, seed),
+            link,
+            seed,
+            options,
+            sessions: HashMap::new(),
+            queue: DelayQueue::default(),
+            epoch: now(),
+            stats: stats.clone(),
+            cancel: cancel.clone(),
+            tracker: tracker.clone(),
+        };
+        tracker.spawn(relay.run());
+        Ok(RelayHandle {
+            local_addr,
+            cancel,
+            tracker,
+            stats,
+        })
+    }
+}
+
+/// The address upstream sockets bind to: the listening address's IP when both
+/// ends are loopback (so each region's traffic leaves from its own 127.0.0.x),
+/// else the unspecified address of the target's family.
+fn upstream_ip(listen: IpAddr, target: IpAddr) -> IpAddr {
+    if listen.is_loopback() && target.is_loopback() && listen.is_ipv4() == target.is_ipv4() {
+        listen
+    } else if target.is_ipv4() {
+        IpAddr::V4(Ipv4Addr::UNSPECIFIED)
+    } else {
+        IpAddr::V6(Ipv6Addr::UNSPECIFIED)
+    }
+}
+
+/// A datagram waiting for its delivery time.
+struct Pending {
+    due: Instant,
+    seq: u64,
+    payload: Bytes,
+    via: Arc<UdpSocket>,
+    /// Destination for an unconnected `via`; `None` when `via` is connected.
+    dest: Option<SocketAddr>,
+}
+
+impl PartialEq for Pending {
+    fn eq(&self, other: &Self) -> bool {
+        (self.due, self.seq) == (other.due, other.seq)
+    }
+}
+impl Eq for Pending {}
+impl PartialOrd for Pending {
+    fn partial_cmp(&self, other: &Self) -> Option<CmpOrdering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Pending {
+    // Reversed: BinaryHeap is a max-heap and we want the earliest first.
+    fn cmp(&self, other: &Self) -> CmpOrdering {
+        (other.due, other.seq).cmp(&(self.due, self.seq))
+    }
+}
+
+/// A delay queue of datagrams, sending each at its time.
+#[derive(Default)]
+struct DelayQueue {
+    heap: BinaryHeap<Pending>,
+    /// Tie-breaker so equal delivery times keep arrival order.
+    seq: u64,
+}
+
+impl DelayQueue {
+    fn push(
+        &mut self,
+        due: Instant,
+        payload: &[u8],
+        via: Arc<UdpSocket>,
+        dest: Option<SocketAddr>,
+    ) {
+        self.seq += 1;
+        self.heap.push(Pending {
+            due,
+            seq: self.seq,
+            payload: Bytes::copy_from_slice(payload),
+            via,
+            dest,
+        });
+    }
+
+    fn next_wake(&self) -> Option<tokio::time::Instant> {
+        self.heap.peek().map(|p| wake_at(p.due))
+    }
+
+    /// Sends everything due; returns the bytes sent or abandoned (to release).
+    async fn send_due(&mut self, stats: &RelayStats) -> usize {
+        let mut released = 0;
+        let now = now();
+        while self.heap.peek().is_some_and(|p| is_due(p.due, now)) {
+            let Some(p) = self.heap.pop() else { break };
+            released += p.payload.len();
+            let sent = match p.dest {
+                Some(dest) => p.via.send_to(&p.payload, dest).await,
+                None => p.via.send(&p.payload).await,
+            };
+            match sent {
+                Ok(n) => {
+                    stats.add(&stats.bytes_out, n as u64);
+                    stats.add(&stats.packets_out, 1);
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "relay send failed");
+                    stats.add(&stats.send_errors, 1);
+                }
+            }
+        }
+        released
+    }
+}
+
+struct Session {
+    upstream: Arc<UdpSocket>,
+    /// Milliseconds since the relay's epoch of the last packet either way.
+    last_active_ms: Arc<AtomicU64>,
+    cancel: CancellationToken,
+}
+
+/// The task owning the listening socket, the session table and the
+/// source-to-target delay queue.
+struct Forwarder {
+    listen: Arc<UdpSocket>,
+    target: SocketAddr,
+    upstream_ip: IpAddr,
+    shaper: LinkShaper,
+    link: DuplexLink,
+    seed: u64,
+    options: UdpRelayOptions,
+    sessions: HashMap<SocketAddr, Session>,
+    queue: DelayQueue,
+    epoch: Instant,
+    stats: Arc<RelayStats>,
+    cancel: CancellationToken,
+    tracker: TaskTracker,
+}
+
+impl Forwarder {
+    async fn run(mut self) {
+        let mut buf = vec![0u8; MAX_DATAGRAM];
+        let sweep_every = (self.options.idle_timeout / 2).max(Duration::from_millis(10));
+        let mut sweep = tokio::time::interval(sweep_every);
+        loop {
+            let wake = self.queue.next_wake();
+            tokio::select! {
+                biased;
+                _ = self.cancel.cancelled() => break,
+                _ = tokio::time::sleep_until(wake.unwrap_or_else(tokio::time::Instant::now)), if wake.is_some() => {
+                    let released = self.queue.send_due(&self.stats).await;
+                    self.shaper.release(released);
+                }
+                received = self.listen.recv_from(&mut buf) => match received {
+                    Ok((n, source)) => self.on_datagram(&buf[..n], source).await,
+                    Err(e) if transient(&e) => continue,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "udp relay receive failed; stopping");
+                        break;
+                    }
+                },
+                _ = sweep.tick() => self.expire_idle(),
+            }
+        }
+        for (_, session) in self.sessions.drain() {
+            session.cancel.cancel();
+        }
+        self.cancel.cancel();
+    }
+
+    fn elapsed_ms(&self) -> u64 {
+        now().saturating_duration_since(self.epoch).as_millis() as u64
+    }
+
+    async fn on_datagram(&mut self, payload: &[u8], source: SocketAddr) {
+        self.stats.add(&self.stats.packets_in, 1);
+        self.stats.add(&self.stats.bytes_in, payload.len() as u64);
+        let elapsed = self.elapsed_ms();
+        if self
+            .sessions
+            .get(&source)
+            .is_some_and(|s| s.cancel.is_cancelled())
+        {
+            // Its reply task failed: start afresh.
+            self.sessions.remove(&source);
+        }
+        let upstream = match self.sessions.get(&source) {
+            Some(s) => {
+                s.last_active_ms.store(elapsed, Ordering::Relaxed);
+                s.upstream.clone()
+            }
+            None => match self.open_session(source).await {
+                Some(u) => u,
+                None => return,
+            },
+        };
+        match self.shaper.admit(now(), payload.len()) {
+            Verdict::Deliver(due) => self.queue.push(due, payload, upstream, None),
+            Verdict::Lost => self.stats.add(&self.stats.lost, 1),
+            Verdict::Overflow => self.stats.add(&self.stats.overflowed, 1),
+        }
+    }
+
+    async fn open_session(&mut self, source: SocketAddr) -> Option<Arc<UdpSocket>> {
+        if self.sessions.len() >= self.options.max_sessions {
+            self.expire_idle();
+        }
+        if self.sessions.len() >= self.options.max_sessions {
+            self.stats.add(&self.stats.flows_rejected, 1);
+            return None;
+        }
+        let upstream = match bind_connected(SocketAddr::new(self.upstream_ip, 0), self.target).await
+        {
+            Ok(s) => Arc::new(s),
+            Err(e) => {
+                tracing::warn!(error = %e, %source, "udp relay cannot open upstream socket");
+                self.stats.add(&self.stats.flows_rejected, 1);
+                return None;
+            }
+        };
+        let opened = self.stats.flows_opened.load(Ordering::Relaxed);
+        self.stats.add(&self.stats.flows_opened, 1);
+        self.stats.add(&self.stats.flows_active, 1);
+        let last_active_ms = Arc::new(AtomicU64::new(self.elapsed_ms()));
+        let cancel = self.cancel.child_token();
+        let reverse = Reverse {
+            upstream: upstream.clone(),
+            listen: self.listen.clone(),
+            source,
+            shaper: LinkShaper::new(
+                self.link.to_source.clone(),
+                Mode::Datagram,
+                self.seed ^ (opened + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            ),
+            last_active_ms: last_active_ms.clone(),
+            epoch: self.epoch,
+            stats: self.stats.clone(),
+            cancel: cancel.clone(),
+        };
+        self.tracker.spawn(reverse.run());
+        self.sessions.insert(
+            source,
+            Session {
+                upstream: upstream.clone(),
+                last_active_ms,
+                cancel,
+            },
+        );
+        Some(upstream)
+    }
+
+    fn expire_idle(&mut self) {
+        let now_ms = self.elapsed_ms();
+        let idle_ms = self.options.idle_timeout.as_millis() as u64;
+        self.sessions.retain(|source, s| {
+            let idle = now_ms.saturating_sub(s.last_active_ms.load(Ordering::Relaxed)) >= idle_ms
+                || s.cancel.is_cancelled();
+            if idle {
+                tracing::debug!(%source, "udp relay session expired");
+                s.cancel.cancel();
+            }
+            !idle
+        });
+    }
+}
+
+async fn bind_connected(local: SocketAddr, target: SocketAddr) -> io::Result<UdpSocket> {
+    let socket = UdpSocket::bind(local).await?;
+    socket.connect(target).await?;
+    Ok(socket)
+}
+
+/// Errors a UDP socket reports for an earlier datagram (ICMP unreachable) and
+/// that say nothing about the socket itself.
+fn transient(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionRefused
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::Interrupted
+            | io::ErrorKind::WouldBlock
+    )
+}
+
+/// One session's task: the target's replies, delayed, back to the source.
+struct Reverse {
+    upstream: Arc<UdpSocket>,
+    listen: Arc<UdpSocket>,
+    source: SocketAddr,
+    shaper: LinkShaper,
+    last_active_ms: Arc<AtomicU64>,
+    epoch: Instant,
+    stats: Arc<RelayStats>,
+    cancel: CancellationToken,
+}
+
+impl Reverse {
+    async fn run(mut self) {
+        let mut buf = vec![0u8; MAX_DATAGRAM];
+        let mut queue = DelayQueue::default();
+        loop {
+            let wake = queue.next_wake();
+            tokio::select! {
+                biased;
+                _ = self.cancel.cancelled() => break,
+                _ = tokio::time::sleep_until(wake.unwrap_or_else(tokio::time::Instant::now)), if wake.is_some() => {
+                    let released = queue.send_due(&self.stats).await;
+                    self.shaper.release(released);
+                }
+                received = self.upstream.recv(&mut buf) => match received {
+                    Ok(n) => {
+                        self.stats.add(&self.stats.packets_in, 1);
+                        self.stats.add(&self.stats.bytes_in, n as u64);
+                        let at = now();
+                        self.last_active_ms.store(
+                            at.saturating_duration_since(self.epoch).as_millis() as u64,
+                            Ordering::Relaxed,
+                        );
+                        match self.shaper.admit(at, n) {
+                            Verdict::Deliver(due) => {
+                                queue.push(due, &buf[..n], self.listen.clone(), Some(self.source))
+                            }
+                            Verdict::Lost => self.stats.add(&self.stats.lost, 1),
+                            Verdict::Overflow => self.stats.add(&self.stats.overflowed, 1),
+                        }
+                    }
+                    Err(e) if transient(&e) => continue,
+                    Err(e) => {
+                        tracing::warn!(error = %e, source = %self.source, "udp relay session failed");
+                        break;
+                    }
+                },
+            }
+        }
+        self.cancel.cancel();
+        self.stats.sub(&self.stats.flows_active, 1);
+    }
+}
