@@ -1,3 +1,26 @@
-//! Trace formats, the session-based workload generator and prompt synthesis from block ids
+//! Trace formats, the session-based workload generator and prompt synthesis from block ids.
+//!
+//! Everything here is IO-free logic over `std::io::Read`/`Write` handed in by the
+//! caller (plus [`open_trace`], a thin convenience over a file path), so the live
+//! replay client, the simulator and tests all read traces the same way.
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
+
+mod error;
+pub mod generate;
+pub mod prompt;
+pub mod read;
+pub mod record;
+pub mod stats;
+pub mod write;
+
+pub use error::WorkloadError;
+pub use generate::{generate, GeneratorConfig};
+pub use prompt::{block_text, chat_body, synthesize_prompt};
+pub use read::{detect_format, open_trace, TraceFormat, TraceReader};
+pub use record::{BlockIds, TraceRequest};
+pub use stats::{LengthSummary, StatsAccumulator, TraceStats};
+pub use write::{write_jsonl, JsonlWriter};
+
+/// Convenience alias for this crate's results.
+pub type Result<T, E = WorkloadError> = std::result::Result<T, E>;

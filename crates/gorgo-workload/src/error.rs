@@ -1,0 +1,28 @@
+//! The one error type of `gorgo-workload`.
+
+/// What can go wrong reading, writing or generating a trace: bad input, never a bug.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkloadError {
+    /// The underlying reader or writer failed.
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+    /// A trace line that does not parse; `line` is 1-based.
+    #[error("line {line}: {reason}")]
+    Parse {
+        /// 1-based line number in the input (the CSV header is line 1).
+        line: u64,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The input matches none of the known trace formats.
+    #[error("unknown trace format: {0}")]
+    UnknownFormat(String),
+    /// A generator parameter out of its valid range.
+    #[error("invalid generator config `{field}`: {reason}")]
+    InvalidConfig {
+        /// The parameter's name as in [`crate::GeneratorConfig`].
+        field: &'static str,
+        /// Why it is rejected.
+        reason: String,
+    },
+}

@@ -1,0 +1,477 @@
+//! The session-based synthetic workload generator (`gorgo trace generate`).
+//!
+//! Users hold multi-turn conversations whose context grows turn by turn; each user has
+//! a system prompt of their own (reused by all their conversations, which is where
+//! almost all of ART-Chat-2.5M's block reuse comes from) and some share a short
+//! application prompt with other users (its 0.3% cross-user reuse). Every user lives in
+//! a home region; regions have skewed sizes and a diurnal swing in local time. Defaults
+//! reproduce ART-Chat-2.5M's published per-30-minute-window statistics (see
+//! docs/workloads.md for the target vs generated table).
+//!
+//! Block ids model content exactly: a conversation is a token stream made of segments
+//! (application prompt, system prompt, user messages, answers), and block `i`'s id is a
+//! chained hash of the segment pieces it covers. Two streams share a block id exactly
+//! when they share the content up to the block's end, and a partial last block gets a
+//! different id once the conversation extends it, as in Mooncake's traces.
+
+use gorgo_core::hash::hash_bytes;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, LogNormal, Poisson, StandardNormal};
+use serde::{Deserialize, Serialize};
+
+use crate::record::{BlockIds, TraceRequest};
+use crate::{Result, WorkloadError};
+
+/// Parameters of the generator. Defaults match ART-Chat-2.5M's 30-minute windows.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GeneratorConfig {
+    /// Seed of the ChaCha8 stream: same config and seed, same trace.
+    pub seed: u64,
+    /// Length of the generated window, seconds.
+    pub duration_s: f64,
+    /// Distinct users active in the window.
+    pub users: u32,
+    /// Home regions users are spread over.
+    pub regions: Vec<String>,
+    /// Relative share of users per region (regional skew); same length as `regions`.
+    pub region_weights: Vec<f64>,
+    /// Each region's UTC offset in hours, for its diurnal phase; same length as `regions`.
+    pub region_utc_offsets_h: Vec<f64>,
+    /// Time of day (UTC hours) at the window's start.
+    pub start_hour_utc: f64,
+    /// Diurnal swing of a region's request rate: `1 + a cos(2 pi (local - peak) / 24h)`.
+    pub diurnal_amplitude: f64,
+    /// Local hour of the daily peak.
+    pub diurnal_peak_hour: f64,
+    /// Mean requests per user per 30 minutes (across regions and the day, the diurnal
+    /// swing reshapes it in time and space but the window total stays at this).
+    pub requests_per_user: f64,
+    /// Log-normal sigma of per-user activity (how unequal users are).
+    pub activity_sigma: f64,
+    /// Share of conversations that have a single turn.
+    pub single_turn_sessions: f64,
+    /// Mean turns of a multi-turn conversation (at least 2).
+    pub multi_turn_mean_turns: f64,
+    /// Median seconds between the end of one turn and the next message.
+    pub think_time_median_s: f64,
+    /// Log-normal sigma of the think time.
+    pub think_time_sigma: f64,
+    /// Median tokens of a user's own system prompt.
+    pub system_prompt_median_tokens: f64,
+    /// Log-normal sigma of the system prompt length.
+    pub system_prompt_sigma: f64,
+    /// Number of application prompts shared across users.
+    pub shared_prompts: u32,
+    /// Tokens of each shared application prompt.
+    pub shared_prompt_tokens: u64,
+    /// Share of users whose context starts with a shared application prompt.
+    pub shared_prompt_users: f64,
+    /// Median tokens of a conversation's first message.
+    pub first_message_median_tokens: f64,
+    /// Median tokens of a follow-up message.
+    pub followup_message_median_tokens: f64,
+    /// Log-normal sigma of message lengths.
+    pub message_sigma: f64,
+    /// Output tokens of every request (ART-Chat's `max_tokens`), also the answer
+    /// length carried into the next turn's context.
+    pub output_tokens: u32,
+    /// Tokens per block of the generated ids.
+    pub tokens_per_block: u32,
+    /// A conversation stops before its context would exceed this.
+    pub max_input_tokens: u64,
+}
+
+impl Default for GeneratorConfig {
+    fn default() -> Self {
+        GeneratorConfig {
+            seed: 0,
+            duration_s: 1800.0,
+            users: 575,
+            regions: vec![
+                "us-ashburn".into(),
+                "eu-frankfurt".into(),
+                "ap-seoul".into(),
+            ],
+            region_weights: vec![0.45, 0.35, 0.2],
+            region_utc_offsets_h: vec![-5.0, 1.0, 9.0],
+            start_hour_utc: 15.0,
+            diurnal_amplitude: 0.5,
+            diurnal_peak_hour: 14.0,
+            requests_per_user: 14.5,
+            activity_sigma: 0.5,
+            single_turn_sessions: 0.58,
+            multi_turn_mean_turns: 4.0,
+            think_time_median_s: 25.0,
+            think_time_sigma: 0.8,
+            system_prompt_median_tokens: 3300.0,
+            system_prompt_sigma: 1.0,
+            shared_prompts: 8,
+            shared_prompt_tokens: 512,
+            shared_prompt_users: 0.6,
+            first_message_median_tokens: 600.0,
+            followup_message_median_tokens: 250.0,
+            message_sigma: 1.0,
+            output_tokens: 128,
+            tokens_per_block: 256,
+            max_input_tokens: 131_072,
+        }
+    }
+}
+
+/// Default regional weights for `n` regions that are not the default three: Zipf-like.
+pub fn zipf_weights(n: usize) -> Vec<f64> {
+    (0..n).map(|i| 1.0 / (i + 1) as f64).collect()
+}
+
+impl GeneratorConfig {
+    /// Check every parameter, naming the first bad one.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field: &'static str, reason: &str| {
+            Err(WorkloadError::InvalidConfig {
+                field,
+                reason: reason.to_owned(),
+            })
+        };
+        let positive = [
+            ("duration_s", self.duration_s),
+            ("requests_per_user", self.requests_per_user),
+            ("multi_turn_mean_turns", self.multi_turn_mean_turns),
+            ("think_time_median_s", self.think_time_median_s),
+            (
+                "system_prompt_median_tokens",
+                self.system_prompt_median_tokens,
+            ),
+            (
+                "first_message_median_tokens",
+                self.first_message_median_tokens,
+            ),
+            (
+                "followup_message_median_tokens",
+                self.followup_message_median_tokens,
+            ),
+        ];
+        for (field, v) in positive {
+            if !(v.is_finite() && v > 0.0) {
+                return bad(field, "must be a positive number");
+            }
+        }
+        let sigmas = [
+            ("activity_sigma", self.activity_sigma),
+            ("think_time_sigma", self.think_time_sigma),
+            ("system_prompt_sigma", self.system_prompt_sigma),
+            ("message_sigma", self.message_sigma),
+        ];
+        for (field, v) in sigmas {
+            if !(v.is_finite() && (0.0..=5.0).contains(&v)) {
+                return bad(field, "must be in [0, 5]");
+            }
+        }
+        for (field, v) in [
+            ("single_turn_sessions", self.single_turn_sessions),
+            ("shared_prompt_users", self.shared_prompt_users),
+            ("diurnal_amplitude", self.diurnal_amplitude),
+        ] {
+            if !(v.is_finite() && (0.0..=1.0).contains(&v)) {
+                return bad(field, "must be in [0, 1]");
+            }
+        }
+        if self.duration_s > 30.0 * 86_400.0 {
+            return bad("duration_s", "at most 30 days");
+        }
+        if self.multi_turn_mean_turns < 2.0 {
+            return bad("multi_turn_mean_turns", "must be at least 2");
+        }
+        if self.users == 0 {
+            return bad("users", "must be at least 1");
+        }
+        if self.regions.is_empty() {
+            return bad("regions", "needs at least one region");
+        }
+        if self.region_weights.len() != self.regions.len()
+            || self
+                .region_weights
+                .iter()
+                .any(|w| !(w.is_finite() && *w >= 0.0))
+            || self.region_weights.iter().sum::<f64>() <= 0.0
+        {
+            return bad(
+                "region_weights",
+                "one non-negative weight per region, not all zero",
+            );
+        }
+        if self.region_utc_offsets_h.len() != self.regions.len()
+            || self.region_utc_offsets_h.iter().any(|o| !o.is_finite())
+        {
+            return bad("region_utc_offsets_h", "one finite offset per region");
+        }
+        if !self.start_hour_utc.is_finite() {
+            return bad("start_hour_utc", "must be finite");
+        }
+        if !self.diurnal_peak_hour.is_finite() {
+            return bad("diurnal_peak_hour", "must be finite");
+        }
+        if self.shared_prompt_users > 0.0 && self.shared_prompts == 0 {
+            return bad(
+                "shared_prompts",
+                "must be at least 1 when shared_prompt_users > 0",
+            );
+        }
+        if self.tokens_per_block == 0 {
+            return bad("tokens_per_block", "must be positive");
+        }
+        if self.max_input_tokens == 0 {
+            return bad("max_input_tokens", "must be positive");
+        }
+        Ok(())
+    }
+
+    /// Rate multiplier of `region` at `t_s` seconds into the window.
+    fn diurnal(&self, region: usize, t_s: f64) -> f64 {
+        let local = self.start_hour_utc + t_s / 3600.0 + self.region_utc_offsets_h[region];
+        let phase = 2.0 * std::f64::consts::PI * (local - self.diurnal_peak_hour) / 24.0;
+        1.0 + self.diurnal_amplitude * phase.cos()
+    }
+
+    /// Mean of [`Self::diurnal`] over the window, numerically.
+    fn mean_diurnal(&self, region: usize) -> f64 {
+        const STEPS: usize = 256;
+        let dt = self.duration_s / STEPS as f64;
+        (0..STEPS)
+            .map(|i| self.diurnal(region, (i as f64 + 0.5) * dt))
+            .sum::<f64>()
+            / STEPS as f64
+    }
+}
+
+/// One stretch of a conversation's token stream with a single content identity.
+#[derive(Clone, Copy)]
+struct Segment {
+    id: u64,
+    tokens: u64,
+}
+
+/// Only 53 bits of each id, so that every JSON reader (JavaScript, Python floats) keeps
+/// them exact.
+const ID_MASK: u64 = (1 << 53) - 1;
+
+/// Block ids of the first `total` tokens of `segments`: block `i`'s id hashes block
+/// `i - 1`'s id with the (segment, start, end) pieces block `i` covers.
+fn block_ids(segments: &[Segment], total: u64, tokens_per_block: u64) -> Vec<u64> {
+    let mut ids = Vec::with_capacity(total.div_ceil(tokens_per_block) as usize);
+    let mut prev = 0u64;
+    let mut key: Vec<u8> = Vec::with_capacity(64);
+    let mut seg = 0usize;
+    let mut seg_start = 0u64; // stream offset of segments[seg]
+    let mut pos = 0u64;
+    while pos < total {
+        let end = (pos + tokens_per_block).min(total);
+        key.clear();
+        key.extend_from_slice(&prev.to_le_bytes());
+        let mut p = pos;
+        while p < end {
+            while seg_start + segments[seg].tokens <= p {
+                seg_start += segments[seg].tokens;
+                seg += 1;
+            }
+            let s = segments[seg];
+            let piece_end = end.min(seg_start + s.tokens);
+            key.extend_from_slice(&s.id.to_le_bytes());
+            key.extend_from_slice(&(p - seg_start).to_le_bytes());
+            key.extend_from_slice(&(piece_end - seg_start).to_le_bytes());
+            p = piece_end;
+        }
+        prev = hash_bytes(&key) & ID_MASK;
+        ids.push(prev);
+        pos = end;
+    }
+    ids
+}
+
+/// Generate a trace, sorted by arrival time, with request ids `r<index>`.
+pub fn generate(config: &GeneratorConfig) -> Result<Vec<TraceRequest>> {
+    config.validate()?;
+    let c = config;
+    let mut rng = ChaCha8Rng::seed_from_u64(c.seed);
+    let lognormal = |median: f64, sigma: f64| {
+        LogNormal::new(median.ln(), sigma).map_err(|e| WorkloadError::InvalidConfig {
+            field: "sigma",
+            reason: e.to_string(),
+        })
+    };
+    let think = lognormal(c.think_time_median_s, c.think_time_sigma)?;
+    let system_len = lognormal(c.system_prompt_median_tokens, c.system_prompt_sigma)?;
+    let first_len = lognormal(c.first_message_median_tokens, c.message_sigma)?;
+    let followup_len = lognormal(c.followup_message_median_tokens, c.message_sigma)?;
+
+    let weight_sum: f64 = c.region_weights.iter().sum();
+    let mean_diurnal: Vec<f64> = (0..c.regions.len()).map(|r| c.mean_diurnal(r)).collect();
+    let mean_turns =
+        c.single_turn_sessions + (1.0 - c.single_turn_sessions) * c.multi_turn_mean_turns;
+    // Sessions per user per second at diurnal factor 1.
+    let base_session_rate = c.requests_per_user / 1800.0 / mean_turns;
+    let extra_turns_p = 1.0 / (c.multi_turn_mean_turns - 1.0); // geometric on {2, 3, ...}
+    let tpb = c.tokens_per_block as u64;
+
+    let mut next_segment_id = c.shared_prompts as u64 + 1;
+    let mut fresh = || {
+        next_segment_id += 1;
+        next_segment_id
+    };
+    let mut out = Vec::new();
+    for user in 0..c.users {
+        // Home region by regional weight.
+        let mut pick = rng.random::<f64>() * weight_sum;
+        let mut region = c.regions.len() - 1;
+        for (i, w) in c.region_weights.iter().enumerate() {
+            if pick < *w {
+                region = i;
+                break;
+            }
+            pick -= w;
+        }
+        let z: f64 = rng.sample(StandardNormal);
+        let activity = (c.activity_sigma * z - c.activity_sigma * c.activity_sigma / 2.0).exp();
+        // Session starts: a Poisson process thinned by the region's diurnal curve,
+        // normalised so the window's expected total stays at `requests_per_user`.
+        let peak = 1.0 + c.diurnal_amplitude;
+        let rate_max = base_session_rate * activity * peak / mean_diurnal[region];
+        let expected = rate_max * c.duration_s;
+        let candidates = if expected > 0.0 {
+            Poisson::new(expected)
+                .map(|p| p.sample(&mut rng) as u64)
+                .unwrap_or(0)
+        } else {
+            0
+        };
+        let mut starts = Vec::new();
+        for _ in 0..candidates {
+            let t = rng.random::<f64>() * c.duration_s;
+            if rng.random::<f64>() < c.diurnal(region, t) / peak {
+                starts.push(t);
+            }
+        }
+        if starts.is_empty() {
+            // Every configured user is active in the window.
+            starts.push(rng.random::<f64>() * c.duration_s);
+        }
+        starts.sort_by(f64::total_cmp);
+
+        let user_name = format!("u{user:05}");
+        let mut prefix = Vec::new();
+        if rng.random::<f64>() < c.shared_prompt_users {
+            let app = rng.random_range(0..c.shared_prompts) as u64 + 1;
+            prefix.push(Segment {
+                id: app,
+                tokens: c.shared_prompt_tokens,
+            });
+        }
+        let own = (system_len.sample(&mut rng) as u64).max(1);
+        prefix.push(Segment {
+            id: fresh(),
+            tokens: own,
+        });
+        let system_hash = format!(
+            "{:016x}",
+            hash_bytes(&prefix[prefix.len() - 1].id.to_le_bytes())
+        );
+
+        for (s, start) in starts.into_iter().enumerate() {
+            let turns = if rng.random::<f64>() < c.single_turn_sessions {
+                1
+            } else {
+                let mut t = 2u32;
+                while rng.random::<f64>() >= extra_turns_p && t < 1000 {
+                    t += 1;
+                }
+                t
+            };
+            let mut segments = prefix.clone();
+            let mut t_s = start;
+            for turn in 0..turns {
+                let msg_len = if turn == 0 { &first_len } else { &followup_len };
+                let msg = (msg_len.sample(&mut rng) as u64).max(1);
+                segments.push(Segment {
+                    id: fresh(),
+                    tokens: msg,
+                });
+                let input: u64 = segments.iter().map(|s| s.tokens).sum();
+                if t_s >= c.duration_s || input > c.max_input_tokens {
+                    break;
+                }
+                out.push(TraceRequest {
+                    timestamp_ms: (t_s * 1000.0) as u64,
+                    input_tokens: input,
+                    output_tokens: c.output_tokens,
+                    blocks: BlockIds::Int(block_ids(&segments, input, tpb)),
+                    tokens_per_block: c.tokens_per_block,
+                    user: Some(user_name.clone()),
+                    session: Some(format!("{user_name}-s{s}")),
+                    home_region: Some(c.regions[region].clone()),
+                    request_id: None,
+                    system_prompt_hash: Some(system_hash.clone()),
+                });
+                segments.push(Segment {
+                    id: fresh(),
+                    tokens: c.output_tokens as u64,
+                });
+                // The answer streams for a while, then the user thinks and types.
+                t_s += 2.0 + c.output_tokens as f64 * 0.03 + think.sample(&mut rng);
+            }
+        }
+    }
+    out.sort_by_key(|r| r.timestamp_ms);
+    for (i, r) in out.iter_mut().enumerate() {
+        r.request_id = Some(format!("r{i}"));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_ids_follow_content() {
+        let a = [
+            Segment { id: 1, tokens: 300 },
+            Segment { id: 2, tokens: 100 },
+        ];
+        let b = [
+            Segment { id: 1, tokens: 300 },
+            Segment { id: 3, tokens: 500 },
+        ];
+        let ia = block_ids(&a, 400, 256);
+        let ib = block_ids(&b, 800, 256);
+        assert_eq!(ia.len(), 2);
+        assert_eq!(ib.len(), 4);
+        assert_eq!(ia[0], ib[0]);
+        assert_ne!(ia[1], ib[1]);
+        // Extending a partial last block changes its id; a prefix of it keeps earlier ones.
+        let short = block_ids(&a, 300, 256);
+        assert_eq!(short[0], ia[0]);
+        assert_ne!(short[1], ia[1]);
+    }
+
+    #[test]
+    fn same_seed_same_trace_and_config_errors_name_the_field() {
+        let cfg = GeneratorConfig {
+            users: 20,
+            duration_s: 300.0,
+            ..Default::default()
+        };
+        assert_eq!(generate(&cfg).unwrap(), generate(&cfg).unwrap());
+        let other = GeneratorConfig {
+            seed: 1,
+            ..cfg.clone()
+        };
+        assert_ne!(generate(&cfg).unwrap(), generate(&other).unwrap());
+        let bad = GeneratorConfig {
+            region_weights: vec![1.0],
+            ..cfg
+        };
+        let err = generate(&bad).unwrap_err().to_string();
+        assert!(err.contains("region_weights"), "{err}");
+    }
+}

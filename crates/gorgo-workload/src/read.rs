@@ -1,0 +1,491 @@
+//! Streaming trace readers: Mooncake JSONL, ART-Chat-2.5M day files, Azure CSV and the
+//! generator's own JSONL.
+//!
+//! A [`TraceReader`] yields one [`TraceRequest`] at a time, so a consumer (the
+//! simulator, the replay client) holds memory bounded by what it keeps, not by the
+//! trace's length.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::record::{BlockIds, TraceRequest};
+use crate::{Result, WorkloadError};
+
+/// Mooncake's block size in tokens.
+pub const MOONCAKE_TOKENS_PER_BLOCK: u32 = 512;
+/// ART-Chat-2.5M's block size in tokens (the generator uses it too).
+pub const ART_TOKENS_PER_BLOCK: u32 = 256;
+/// Longest trace line accepted: a corrupt file must not make us buffer gigabytes.
+pub const MAX_LINE_BYTES: usize = 16 << 20;
+
+/// The trace formats this crate reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TraceFormat {
+    /// `{"timestamp", "input_length", "output_length", "hash_ids": [int]}`, 512-token blocks.
+    Mooncake,
+    /// Mooncake-like rows with hex-string ids over 256-token blocks, `token_hash` (the
+    /// user), `request`, `request_id`, `system_prompt_hash`; timestamps are rebased to
+    /// the first row.
+    ArtChat,
+    /// `TIMESTAMP,ContextTokens,GeneratedTokens` with datetime timestamps (rebased to
+    /// the first row), no prefix information.
+    Azure,
+    /// The generator's JSONL: Mooncake-like plus `block_tokens`, `user`, `session`,
+    /// `home_region`, `request_id` (see docs/workloads.md).
+    Gorgo,
+}
+
+impl std::str::FromStr for TraceFormat {
+    type Err = WorkloadError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "mooncake" => Ok(TraceFormat::Mooncake),
+            "art" | "art-chat" | "artchat" => Ok(TraceFormat::ArtChat),
+            "azure" => Ok(TraceFormat::Azure),
+            "gorgo" | "jsonl" => Ok(TraceFormat::Gorgo),
+            other => Err(WorkloadError::UnknownFormat(format!(
+                "`{other}` (expected mooncake, art, azure or gorgo)"
+            ))),
+        }
+    }
+}
+
+/// Guess a trace's format from its path (extension) and its first bytes.
+///
+/// Content wins over the extension: a JSON object on the first line is one of the JSONL
+/// formats, told apart by its keys; a `TIMESTAMP` header is Azure.
+pub fn detect_format(path: Option<&Path>, head: &[u8]) -> Result<TraceFormat> {
+    let text = String::from_utf8_lossy(head);
+    let first = text.lines().map(str::trim).find(|l| !l.is_empty());
+    match first {
+        Some(line) if line.starts_with('{') => {
+            // Tell the JSONL formats apart by the first row's top-level keys (a chat
+            // body nested in ART rows must not count).
+            let row: serde_json::Map<String, serde_json::Value> = match serde_json::from_str(line) {
+                Ok(row) => row,
+                // A truncated head (a very long first line) still starts like JSONL.
+                Err(_) => return Ok(TraceFormat::Mooncake),
+            };
+            let has = |k: &str| row.contains_key(k);
+            if has("block_tokens") || has("user") || has("session") || has("home_region") {
+                Ok(TraceFormat::Gorgo)
+            } else if has("token_hash")
+                || has("system_prompt_hash")
+                || row
+                    .get("hash_ids")
+                    .and_then(|v| v.get(0))
+                    .is_some_and(|v| v.is_string())
+            {
+                Ok(TraceFormat::ArtChat)
+            } else {
+                Ok(TraceFormat::Mooncake)
+            }
+        }
+        Some(line) if line.to_ascii_uppercase().starts_with("TIMESTAMP") => Ok(TraceFormat::Azure),
+        _ => {
+            let ext = path
+                .and_then(|p| p.extension())
+                .and_then(|e| e.to_str())
+                .map(str::to_ascii_lowercase);
+            match ext.as_deref() {
+                Some("csv") => Ok(TraceFormat::Azure),
+                Some("jsonl") | Some("json") if first.is_none() => Ok(TraceFormat::Gorgo),
+                _ => Err(WorkloadError::UnknownFormat(match path {
+                    Some(p) => format!(
+                        "{} (neither JSONL rows nor an Azure CSV header)",
+                        p.display()
+                    ),
+                    None => "neither JSONL rows nor an Azure CSV header".to_owned(),
+                })),
+            }
+        }
+    }
+}
+
+/// Open a trace file and detect its format.
+pub fn open_trace(path: &Path) -> Result<TraceReader<BufReader<File>>> {
+    let file = File::open(path)?;
+    let mut reader = BufReader::with_capacity(64 << 10, file);
+    let format = detect_format(Some(path), reader.fill_buf()?)?;
+    Ok(TraceReader::new(reader, format))
+}
+
+enum Source<R> {
+    Lines {
+        reader: R,
+        buf: String,
+    },
+    Csv {
+        records: csv::Reader<R>,
+        columns: Option<[usize; 3]>,
+    },
+}
+
+/// A streaming iterator of [`TraceRequest`]s over any [`BufRead`].
+///
+/// Yields `Err` for a malformed line (naming its 1-based number) and keeps going, so a
+/// caller may skip bad rows or stop at the first.
+pub struct TraceReader<R> {
+    source: Source<R>,
+    format: TraceFormat,
+    line: u64,
+    origin_ms: Option<u64>,
+}
+
+impl<R: BufRead> TraceReader<R> {
+    /// Read `reader` as `format`.
+    pub fn new(reader: R, format: TraceFormat) -> Self {
+        let source = match format {
+            TraceFormat::Azure => Source::Csv {
+                records: csv::ReaderBuilder::new()
+                    .has_headers(false)
+                    .trim(csv::Trim::All)
+                    .flexible(true)
+                    .from_reader(reader),
+                columns: None,
+            },
+            _ => Source::Lines {
+                reader,
+                buf: String::new(),
+            },
+        };
+        TraceReader {
+            source,
+            format,
+            line: 0,
+            origin_ms: None,
+        }
+    }
+
+    /// The format being read.
+    pub fn format(&self) -> TraceFormat {
+        self.format
+    }
+
+    /// Timestamps of formats that are rebased (ART-Chat, Azure) are relative to the
+    /// first row; this is that row's absolute time in ms, once read.
+    pub fn origin_ms(&self) -> Option<u64> {
+        self.origin_ms
+    }
+
+    fn rebase(&mut self, absolute_ms: u64) -> u64 {
+        let origin = *self.origin_ms.get_or_insert(absolute_ms);
+        // Rows slightly out of order before the first one clamp to the window start.
+        absolute_ms.saturating_sub(origin)
+    }
+
+    fn next_line(&mut self) -> Option<Result<TraceRequest>> {
+        loop {
+            let Source::Lines { reader, buf } = &mut self.source else {
+                unreachable!("next_line on a CSV source")
+            };
+            buf.clear();
+            let n =
+                match std::io::Read::take(&mut *reader, MAX_LINE_BYTES as u64 + 1).read_line(buf) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        self.line += 1;
+                        return Some(Err(if e.kind() == std::io::ErrorKind::InvalidData {
+                            WorkloadError::Parse {
+                                line: self.line,
+                                reason: "not UTF-8".into(),
+                            }
+                        } else {
+                            e.into()
+                        }));
+                    }
+                };
+            if n == 0 {
+                return None;
+            }
+            self.line += 1;
+            if n > MAX_LINE_BYTES {
+                return Some(Err(WorkloadError::Parse {
+                    line: self.line,
+                    reason: format!("line longer than {MAX_LINE_BYTES} bytes"),
+                }));
+            }
+            let text = buf.trim();
+            if text.is_empty() {
+                continue;
+            }
+            let parsed = parse_json_row(text, self.format);
+            return Some(match parsed {
+                Ok((mut req, absolute_ms)) => {
+                    req.timestamp_ms = match self.format {
+                        TraceFormat::ArtChat => self.rebase(absolute_ms),
+                        _ => absolute_ms,
+                    };
+                    Ok(req)
+                }
+                Err(reason) => Err(WorkloadError::Parse {
+                    line: self.line,
+                    reason,
+                }),
+            });
+        }
+    }
+
+    fn next_csv(&mut self) -> Option<Result<TraceRequest>> {
+        loop {
+            let Source::Csv { records, columns } = &mut self.source else {
+                unreachable!("next_csv on a line source")
+            };
+            let mut record = csv::StringRecord::new();
+            match records.read_record(&mut record) {
+                Ok(false) => return None,
+                Ok(true) => {}
+                Err(e) => {
+                    let line = e.position().map(|p| p.line()).unwrap_or(self.line + 1);
+                    return Some(Err(WorkloadError::Parse {
+                        line,
+                        reason: e.to_string(),
+                    }));
+                }
+            }
+            let line = record.position().map(|p| p.line()).unwrap_or(self.line + 1);
+            self.line = line;
+            if record.iter().all(|f| f.is_empty()) {
+                continue;
+            }
+            let cols = match columns {
+                Some(c) => *c,
+                None => match azure_columns(&record) {
+                    Ok(c) => {
+                        *columns = Some(c);
+                        continue;
+                    }
+                    Err(reason) => return Some(Err(WorkloadError::Parse { line, reason })),
+                },
+            };
+            let row = parse_azure_row(&record, cols);
+            return Some(match row {
+                Ok((absolute_ms, input, output)) => Ok(TraceRequest {
+                    timestamp_ms: self.rebase(absolute_ms),
+                    input_tokens: input,
+                    output_tokens: output,
+                    blocks: BlockIds::None,
+                    tokens_per_block: ART_TOKENS_PER_BLOCK,
+                    user: None,
+                    session: None,
+                    home_region: None,
+                    request_id: None,
+                    system_prompt_hash: None,
+                }),
+                Err(reason) => Err(WorkloadError::Parse { line, reason }),
+            });
+        }
+    }
+}
+
+impl<R: BufRead> Iterator for TraceReader<R> {
+    type Item = Result<TraceRequest>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        match self.source {
+            Source::Lines { .. } => self.next_line(),
+            Source::Csv { .. } => self.next_csv(),
+        }
+    }
+}
+
+/// An id that traces spell as a string or a number; kept as a string.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum StringOrInt {
+    Str(String),
+    Int(u64),
+}
+
+impl From<StringOrInt> for String {
+    fn from(v: StringOrInt) -> String {
+        match v {
+            StringOrInt::Str(s) => s,
+            StringOrInt::Int(i) => i.to_string(),
+        }
+    }
+}
+
+/// Only `max_tokens` of an ART-Chat `request` body matters here; serde skips the rest.
+#[derive(Deserialize)]
+struct ChatRequestLimits {
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct JsonRow {
+    timestamp: f64,
+    input_length: u64,
+    output_length: Option<u64>,
+    #[serde(default)]
+    hash_ids: BlockIds,
+    block_tokens: Option<u32>,
+    user: Option<StringOrInt>,
+    token_hash: Option<StringOrInt>,
+    session: Option<StringOrInt>,
+    home_region: Option<String>,
+    request_id: Option<StringOrInt>,
+    system_prompt_hash: Option<String>,
+    request: Option<ChatRequestLimits>,
+}
+
+fn parse_json_row(
+    text: &str,
+    format: TraceFormat,
+) -> std::result::Result<(TraceRequest, u64), String> {
+    let row: JsonRow = serde_json::from_str(text).map_err(|e| e.to_string())?;
+    if !row.timestamp.is_finite() || row.timestamp < 0.0 {
+        return Err(format!(
+            "timestamp {} is not a non-negative number of ms",
+            row.timestamp
+        ));
+    }
+    let output = row
+        .output_length
+        .or_else(|| {
+            row.request
+                .as_ref()
+                .and_then(|r| r.max_tokens.or(r.max_completion_tokens))
+        })
+        .ok_or_else(|| "missing output_length (and no request.max_tokens)".to_owned())?;
+    let output_tokens =
+        u32::try_from(output).map_err(|_| format!("output_length {output} out of range"))?;
+    let default_block = match (&row.hash_ids, format) {
+        (BlockIds::Hex(_), _) | (_, TraceFormat::ArtChat) | (_, TraceFormat::Gorgo) => {
+            ART_TOKENS_PER_BLOCK
+        }
+        _ => MOONCAKE_TOKENS_PER_BLOCK,
+    };
+    let tokens_per_block = row.block_tokens.unwrap_or(default_block);
+    if tokens_per_block == 0 {
+        return Err("block_tokens must be positive".to_owned());
+    }
+    let req = TraceRequest {
+        timestamp_ms: 0,
+        input_tokens: row.input_length,
+        output_tokens,
+        blocks: row.hash_ids,
+        tokens_per_block,
+        user: row.user.or(row.token_hash).map(String::from),
+        session: row.session.map(String::from),
+        home_region: row.home_region,
+        request_id: row.request_id.map(String::from),
+        system_prompt_hash: row.system_prompt_hash,
+    };
+    Ok((req, row.timestamp.round() as u64))
+}
+
+fn azure_columns(header: &csv::StringRecord) -> std::result::Result<[usize; 3], String> {
+    let find = |name: &str| {
+        header
+            .iter()
+            .position(|h| h.eq_ignore_ascii_case(name))
+            .ok_or_else(|| format!("Azure CSV header lacks column `{name}`"))
+    };
+    Ok([
+        find("TIMESTAMP")?,
+        find("ContextTokens")?,
+        find("GeneratedTokens")?,
+    ])
+}
+
+fn parse_azure_row(
+    record: &csv::StringRecord,
+    [ts, ctx, gen]: [usize; 3],
+) -> std::result::Result<(u64, u64, u32), String> {
+    let field = |i: usize, name: &str| {
+        record
+            .get(i)
+            .ok_or_else(|| format!("missing column `{name}`"))
+    };
+    let when = parse_datetime_ms(field(ts, "TIMESTAMP")?)?;
+    let input = field(ctx, "ContextTokens")?
+        .parse::<u64>()
+        .map_err(|e| format!("ContextTokens: {e}"))?;
+    let output = field(gen, "GeneratedTokens")?
+        .parse::<u32>()
+        .map_err(|e| format!("GeneratedTokens: {e}"))?;
+    Ok((when, input, output))
+}
+
+/// Parse `YYYY-MM-DD HH:MM:SS[.fraction]` (also with `T`, ignoring a trailing `Z`) into
+/// ms since the Unix epoch, UTC.
+pub fn parse_datetime_ms(s: &str) -> std::result::Result<u64, String> {
+    let bad = || format!("timestamp `{s}` is not `YYYY-MM-DD HH:MM:SS[.fff]`");
+    let s = s.trim().trim_end_matches('Z');
+    let (date, time) = s.split_once([' ', 'T']).ok_or_else(bad)?;
+    let mut d = date.splitn(3, '-');
+    let (y, m, day) = (d.next(), d.next(), d.next());
+    let num = |v: Option<&str>| v.and_then(|x| x.parse::<i64>().ok()).ok_or_else(bad);
+    let (y, m, day) = (num(y)?, num(m)?, num(day)?);
+    let (hms, frac) = time.split_once('.').unwrap_or((time, ""));
+    let mut t = hms.splitn(3, ':');
+    let (hh, mm, ss) = (num(t.next())?, num(t.next())?, num(t.next())?);
+    if !(1..=12).contains(&m) || !(1..=31).contains(&day) || hh > 23 || mm > 59 || ss > 60 {
+        return Err(bad());
+    }
+    if !frac.chars().all(|c| c.is_ascii_digit()) {
+        return Err(bad());
+    }
+    // Milliseconds from the first three fraction digits, padded.
+    let ms_frac = frac
+        .chars()
+        .chain("000".chars())
+        .take(3)
+        .collect::<String>();
+    let ms_frac: i64 = ms_frac.parse().map_err(|_| bad())?;
+    let days = days_from_civil(y, m, day);
+    let ms = ((days * 24 + hh) * 60 + mm) * 60_000 + ss * 1000 + ms_frac;
+    u64::try_from(ms).map_err(|_| format!("timestamp `{s}` is before 1970"))
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's algorithm).
+fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn datetimes_parse_to_epoch_ms() {
+        assert_eq!(parse_datetime_ms("1970-01-01 00:00:00").unwrap(), 0);
+        assert_eq!(
+            parse_datetime_ms("1970-01-02 00:00:01.5").unwrap(),
+            86_401_500
+        );
+        // 2023-11-16T18:15:46.680Z
+        assert_eq!(
+            parse_datetime_ms("2023-11-16 18:15:46.6805900").unwrap(),
+            1_700_158_546_680
+        );
+        assert!(parse_datetime_ms("2023-13-16 18:15:46").is_err());
+        assert!(parse_datetime_ms("yesterday").is_err());
+    }
+
+    #[test]
+    fn formats_are_detected_from_content() {
+        let moon = br#"{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [0]}"#;
+        assert_eq!(detect_format(None, moon).unwrap(), TraceFormat::Mooncake);
+        let art = br#"{"timestamp": 5, "input_length": 1, "hash_ids": ["ab"], "token_hash": "u"}"#;
+        assert_eq!(detect_format(None, art).unwrap(), TraceFormat::ArtChat);
+        let gen = br#"{"timestamp": 5, "input_length": 1, "output_length": 1, "hash_ids": [1], "block_tokens": 256, "user": "u1"}"#;
+        assert_eq!(detect_format(None, gen).unwrap(), TraceFormat::Gorgo);
+        assert_eq!(
+            detect_format(None, b"TIMESTAMP,ContextTokens,GeneratedTokens\n").unwrap(),
+            TraceFormat::Azure
+        );
+        assert!(detect_format(None, b"hello\n").is_err());
+    }
+}
