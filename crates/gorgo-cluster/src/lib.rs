@@ -22,6 +22,6 @@ pub use error::{ClusterError, Result};
 pub use gossip::SharedSummary;
 pub use identity::{MemberId, MAX_SWIM_PACKET};
 pub use state::{ClusterMetrics, PeerState, PeerTable, PeerView, RTT_EWMA_ALPHA};
-pub use tls::{write_cluster_certs, ClusterCa, IssuedNode, NodeCredentials, TlsFiles, CLUSTER_SERVER_NAME};
+pub use tls::{quinn_client_config, write_cluster_certs, ClusterCa, IssuedNode, NodeCredentials, TlsFiles, CLUSTER_SERVER_NAME};
 pub use transport::{MAX_APP_MESSAGE, MAX_GOSSIP_FRAME};
 pub use tokio_util::sync::CancellationToken;

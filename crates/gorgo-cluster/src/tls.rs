@@ -249,6 +249,12 @@ pub(crate) fn client_crypto(creds: &NodeCredentials) -> Result<quinn::crypto::ru
     quinn::crypto::rustls::QuicClientConfig::try_from(cfg).map_err(|e| ClusterError::Tls(e.to_string()))
 }
 
+/// A quinn client config speaking the cluster protocol with these credentials (for
+/// tools and tests that talk to a node directly; nodes build theirs in [`crate::start`]).
+pub fn quinn_client_config(creds: &NodeCredentials) -> Result<quinn::ClientConfig> {
+    Ok(quinn::ClientConfig::new(Arc::new(client_crypto(creds)?)))
+}
+
 /// The node id named by the peer's (already CA-verified) certificate.
 pub(crate) fn peer_node_id(conn: &quinn::Connection) -> Option<NodeId> {
     let identity = conn.peer_identity()?;

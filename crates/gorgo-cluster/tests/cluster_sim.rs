@@ -6,6 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use gorgo_cluster::MembershipEvent;
 use gorgo_core::NodeId;
 
 const NAMES: [&str; 5] = ["n0", "n1", "n2", "n3", "n4"];
@@ -35,7 +36,7 @@ fn five_nodes(seed: u64, churn: Option<Churn>) -> (turmoil::Sim<'static>, Handle
 #[test]
 fn five_nodes_converge_to_full_membership() {
     let (mut sim, handles) = five_nodes(7, None);
-    let at = run_until(&mut sim, Duration::from_secs(10), || converged(&handles, &NAMES));
+    let at = run_until(&mut sim, Duration::from_secs(10), |_| converged(&handles, &NAMES));
     let at = at.expect("full membership within 10 s of simulated time");
     eprintln!("converged at {at:?}");
     // RTTs are measured and near the configured links.
@@ -52,12 +53,12 @@ fn five_nodes_converge_to_full_membership() {
 #[test]
 fn crashed_node_is_down_within_3s() {
     let (mut sim, handles) = five_nodes(11, None);
-    run_until(&mut sim, Duration::from_secs(10), || converged(&handles, &NAMES)).expect("converge");
+    run_until(&mut sim, Duration::from_secs(10), |_| converged(&handles, &NAMES)).expect("converge");
     run_for(&mut sim, Duration::from_secs(1));
     let crashed_at = sim.elapsed();
     sim.crash("n4");
     let n4 = NodeId::from("n4");
-    let down_at = run_until(&mut sim, Duration::from_secs(10), || {
+    let down_at = run_until(&mut sim, Duration::from_secs(10), |_| {
         let h = handles.lock();
         NAMES[..4].iter().all(|n| !h[*n].alive_peers().contains(&n4))
     })
@@ -79,7 +80,7 @@ fn partition_heals_and_summaries_resync() {
         until: Duration::from_secs(16),
     };
     let (mut sim, handles) = five_nodes(23, Some(churn));
-    run_until(&mut sim, Duration::from_secs(10), || converged(&handles, &NAMES)).expect("converge");
+    run_until(&mut sim, Duration::from_secs(10), |_| converged(&handles, &NAMES)).expect("converge");
     let (a, b) = (&NAMES[..2], &NAMES[2..]);
     for x in a {
         for y in b {
@@ -87,7 +88,7 @@ fn partition_heals_and_summaries_resync() {
         }
     }
     // Both sides declare the other down.
-    run_until(&mut sim, Duration::from_secs(10), || {
+    run_until(&mut sim, Duration::from_secs(10), |_| {
         let h = handles.lock();
         a.iter().all(|x| b.iter().all(|y| !h[*x].alive_peers().contains(&NodeId::from(*y))))
             && b.iter().all(|y| a.iter().all(|x| !h[*y].alive_peers().contains(&NodeId::from(*x))))
@@ -98,22 +99,16 @@ fn partition_heals_and_summaries_resync() {
             sim.repair(*x, *y);
         }
     }
-    run_until(&mut sim, Duration::from_secs(20), || converged(&handles, &NAMES)).expect("partition heals");
+    run_until(&mut sim, Duration::from_secs(20), |_| converged(&handles, &NAMES)).expect("partition heals");
     // Churn stops at 16 s; then every node holds every peer's current summary.
-    let synced = run_until(&mut sim, Duration::from_secs(20), || {
-        sim_elapsed_past(Duration::from_secs(16)) && summaries_synced(&handles)
+    let synced = run_until(&mut sim, Duration::from_secs(20), |t| {
+        t > churn.until && summaries_synced(&handles)
     });
     assert!(synced.is_some(), "summaries resync after the partition");
     let h = handles.lock();
     let m = h["n0"].metrics();
     assert!(m.snapshots_sent.load(std::sync::atomic::Ordering::Relaxed) > 0);
     assert!(!m.staleness_samples().is_empty());
-}
-
-fn sim_elapsed_past(_t: Duration) -> bool {
-    // Evaluated between steps, outside any host: use the summaries' own quiescence
-    // instead of the simulated clock (see `summaries_synced`).
-    true
 }
 
 /// True when every node's view of every peer's summary has that peer's current version
@@ -162,7 +157,7 @@ fn foreign_certificate_never_joins() {
         },
         handles.clone(),
     );
-    run_until(&mut sim, Duration::from_secs(10), || converged(&handles, &NAMES[..3])).expect("converge");
+    run_until(&mut sim, Duration::from_secs(10), |_| converged(&handles, &NAMES[..3])).expect("converge");
     run_for(&mut sim, Duration::from_secs(5));
     let h = handles.lock();
     for n in &NAMES[..3] {
@@ -177,12 +172,16 @@ fn foreign_certificate_never_joins() {
 fn same_seed_same_trace() {
     let trace = |seed| {
         let (mut sim, handles) = five_nodes(seed, None);
-        run_until(&mut sim, Duration::from_secs(10), || converged(&handles, &NAMES)).expect("converge");
+        run_until(&mut sim, Duration::from_secs(10), |_| converged(&handles, &NAMES)).expect("converge");
         run_for(&mut sim, Duration::from_millis(500));
         sim.crash("n3");
         run_for(&mut sim, Duration::from_secs(4));
         let h = handles.lock();
         h.iter().map(|(n, handle)| (n.clone(), handle.membership_log())).collect::<Vec<_>>()
     };
-    assert_eq!(trace(99), trace(99));
+    let first = trace(99);
+    // The trace holds the joins and n3's failure, with simulated timestamps.
+    let downs = first.iter().flat_map(|(_, log)| log).filter(|(_, e)| matches!(e, MembershipEvent::Down(..))).count();
+    assert_eq!(downs, 4, "{first:?}");
+    assert_eq!(first, trace(99));
 }

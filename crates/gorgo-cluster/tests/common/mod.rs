@@ -218,17 +218,17 @@ async fn churn(name: &str, summary: &SharedSummary, c: Churn) {
     }
 }
 
-/// Step the simulation until `cond` holds or `limit` of simulated time passes; returns
+/// Step the simulation until `cond(simulated time)` holds or `limit` of simulated time passes; returns
 /// the simulated time at which it held.
 pub fn run_until(
     sim: &mut turmoil::Sim<'_>,
     limit: Duration,
-    mut cond: impl FnMut() -> bool,
+    mut cond: impl FnMut(Duration) -> bool,
 ) -> Option<Duration> {
     let deadline = sim.elapsed() + limit;
     while sim.elapsed() < deadline {
         sim.step().expect("simulation step");
-        if cond() {
+        if cond(sim.elapsed()) {
             return Some(sim.elapsed());
         }
     }

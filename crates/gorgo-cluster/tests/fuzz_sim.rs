@@ -1,0 +1,111 @@
+//! 10,000 random datagrams and streams at a node: no panic, no membership change.
+
+mod common;
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use rand::{Rng, SeedableRng};
+
+const NAMES: [&str; 3] = ["n0", "n1", "n2"];
+
+#[test]
+fn random_traffic_changes_nothing() {
+    let mut sim = sim(3, Duration::from_secs(300));
+    let creds = credentials(&["n0", "n1", "n2", "fuzz"]);
+    let handles = Handles::default();
+    for (i, n) in NAMES.iter().enumerate() {
+        add_node(
+            &mut sim,
+            NodeSpec {
+                name: (*n).to_owned(),
+                region: format!("region-{i}"),
+                credentials: creds[*n].clone(),
+                seeds: if i == 0 { vec![] } else { vec!["n0".to_owned()] },
+                churn: None,
+                generation: 1,
+            },
+            handles.clone(),
+        );
+    }
+    set_wan_latencies(&mut sim, &NAMES);
+    run_until(&mut sim, Duration::from_secs(10), |_| converged(&handles, &NAMES)).expect("converge");
+    let logs_before: Vec<_> = handles.lock().values().map(|h| h.membership_log()).collect();
+
+    let done = Arc::new(AtomicBool::new(false));
+    let fuzz_creds = creds["fuzz"].clone();
+    let finished = done.clone();
+    sim.client("fuzz", async move {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(42);
+        let target = SocketAddr::new(turmoil::lookup("n0"), PORT);
+        // 4,000 raw UDP datagrams: not QUIC at all, or QUIC-looking headers.
+        let raw = turmoil::net::UdpSocket::bind((IpAddr::V4(Ipv4Addr::UNSPECIFIED), 9000)).await?;
+        for i in 0..4000 {
+            let len = rng.random_range(1..1500);
+            let mut d: Vec<u8> = (0..len).map(|_| rng.random()).collect();
+            if i % 2 == 0 {
+                d[0] = 0xc0 | (d[0] & 0x0f); // long header, version bytes random
+            }
+            raw.send_to(&d, target).await?;
+            if i % 100 == 0 {
+                tokio::task::yield_now().await;
+            }
+        }
+        // An authenticated peer (cert from the cluster CA) that speaks garbage:
+        // 3,000 datagrams, 2,000 uni-streams, 1,000 bi-streams.
+        let socket = TurmoilUdp::bind("fuzz", 9001).await?;
+        let mut endpoint = quinn::Endpoint::new_with_abstract_socket(
+            quinn::EndpointConfig::default(),
+            None,
+            socket,
+            Arc::new(quinn::TokioRuntime),
+        )?;
+        endpoint.set_default_client_config(gorgo_cluster::quinn_client_config(&fuzz_creds)?);
+        let conn = endpoint.connect(target, gorgo_cluster::CLUSTER_SERVER_NAME)?.await?;
+        for i in 0..3000 {
+            let len = rng.random_range(1..1000);
+            let mut d: Vec<u8> = (0..len).map(|_| rng.random()).collect();
+            if i % 2 == 0 {
+                d[0] = 1; // the SWIM datagram kind
+            }
+            let _ = conn.send_datagram(d.into());
+            if i % 50 == 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        for i in 0..3000 {
+            let len = rng.random_range(0..3000);
+            let mut d: Vec<u8> = (0..len).map(|_| rng.random()).collect();
+            if !d.is_empty() {
+                d[0] = [1u8, 2, 3][i % 3]; // gossip, app, unknown kinds
+            }
+            if i % 3 == 0 {
+                let (mut send, _recv) = conn.open_bi().await?;
+                let _ = send.write_all(&d).await;
+                let _ = send.finish();
+            } else {
+                let mut send = conn.open_uni().await?;
+                let _ = send.write_all(&d).await;
+                let _ = send.finish();
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        finished.store(true, Ordering::SeqCst);
+        Ok(())
+    });
+    run_until(&mut sim, Duration::from_secs(120), |_| done.load(Ordering::SeqCst)).expect("fuzzer finishes");
+    run_for(&mut sim, Duration::from_secs(3));
+
+    assert!(converged(&handles, &NAMES));
+    let h = handles.lock();
+    let logs_after: Vec<_> = h.values().map(|h| h.membership_log()).collect();
+    assert_eq!(logs_before, logs_after, "membership changed under fuzzing");
+    for n in NAMES {
+        assert!(h[n].peers().iter().all(|p| p.id.0 != "fuzz"), "{n} took the fuzzer in");
+    }
+    let m = h["n0"].metrics();
+    assert!(m.malformed_received.load(Ordering::Relaxed) > 1000, "{m:?}");
+}
