@@ -27,6 +27,14 @@ pub enum BenchError {
         #[source]
         source: serde_json::Error,
     },
+    /// A trace that could not be read.
+    #[error("trace {path}: {reason}")]
+    Trace {
+        /// The trace file.
+        path: PathBuf,
+        /// What is wrong with it (line number included).
+        reason: String,
+    },
     /// A trace request whose home region has no URL in the cluster.
     #[error("no URL for region `{0}` in the cluster")]
     UnknownRegion(String),

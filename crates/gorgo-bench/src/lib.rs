@@ -9,13 +9,18 @@
 #![deny(rust_2018_idioms)]
 
 pub mod client;
+pub mod compare;
 pub mod cluster;
 pub mod error;
+pub mod lifecycle;
 pub mod replay;
 pub mod sse;
+pub mod workload;
 
 pub use cluster::{ClusterInfo, RegionEndpoint};
+pub use compare::{compare, CompareSpec, PolicyRun};
 pub use error::BenchError;
+pub use lifecycle::{RunningCluster, UpOptions};
 pub use replay::{
     replay, BodyBuilder, LoadMode, ReplayConfig, ReplayItem, ReplayOutput, RequestOutcome,
 };

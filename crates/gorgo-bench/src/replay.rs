@@ -71,8 +71,10 @@ pub struct ReplayConfig {
     pub policy_header: Option<String>,
     /// Request path on the node (`/v1/chat/completions`).
     pub path: String,
-    /// Draw a progress bar on stderr.
-    pub progress: bool,
+    /// Progress bar to drive (its length is set to the number of requests); `None`
+    /// draws nothing. Callers running several replays pass bars of one
+    /// `indicatif::MultiProgress`.
+    pub progress: Option<indicatif::ProgressBar>,
 }
 
 impl Default for ReplayConfig {
@@ -86,7 +88,7 @@ impl Default for ReplayConfig {
             connect_timeout: Duration::from_secs(10),
             policy_header: None,
             path: "/v1/chat/completions".into(),
-            progress: false,
+            progress: None,
         }
     }
 }
@@ -201,16 +203,13 @@ pub async fn replay(
     if let Some(bad) = items.iter().find(|it| !targets.contains_key(&it.region)) {
         return Err(BenchError::UnknownRegion(bad.region.clone()));
     }
-    let progress = if config.progress {
-        let pb = indicatif::ProgressBar::new(items.len() as u64);
-        if let Ok(style) = indicatif::ProgressStyle::with_template(
-            "{elapsed_precise} [{wide_bar}] {pos}/{len} {msg}",
-        ) {
-            pb.set_style(style);
+    let progress = match &config.progress {
+        Some(pb) => {
+            pb.set_length(items.len() as u64);
+            pb.set_position(0);
+            pb.clone()
         }
-        pb
-    } else {
-        indicatif::ProgressBar::hidden()
+        None => indicatif::ProgressBar::hidden(),
     };
     let shared = Arc::new(Shared {
         items,
@@ -303,7 +302,7 @@ pub async fn replay(
             }
         }
     }
-    shared.progress.finish_and_clear();
+    shared.progress.finish();
     outcomes.sort_by_key(|o| o.index);
     Ok(ReplayOutput {
         outcomes,

@@ -1,0 +1,163 @@
+//! Run every policy on the same workload, each on its own cluster: all clusters up
+//! first, then every replay at once (as the paper ran them), or one policy after the
+//! other with `sequential`. Clusters are always torn down, on error and on cancel too.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use gorgo_workload::TraceRequest;
+use tokio_util::sync::CancellationToken;
+
+use crate::lifecycle::{supports_flag, RunningCluster, UpOptions};
+use crate::replay::{replay, ReplayConfig, ReplayOutput};
+use crate::workload::{body_builder, replay_items};
+use crate::BenchError;
+
+/// What a comparison runs.
+#[derive(Debug, Clone)]
+pub struct CompareSpec {
+    /// The `gorgo` binary that provides `up` and `down`.
+    pub exe: PathBuf,
+    /// Topology of every cluster.
+    pub topology: PathBuf,
+    /// Policies, one cluster each.
+    pub policies: Vec<String>,
+    /// Output dir; cluster `k`'s run dir is `<out>/<policy>/run`.
+    pub out: PathBuf,
+    /// One policy after the other instead of all at once.
+    pub sequential: bool,
+    /// Engine profile of the emulators, when not the default.
+    pub engine_profile: Option<String>,
+    /// First port of the first cluster; cluster `k` starts at `base_port + k * port_stride`.
+    pub base_port: u16,
+    /// Ports between the blocks of two clusters.
+    pub port_stride: u16,
+    /// Give up on one `gorgo up` after this long.
+    pub up_timeout: Duration,
+    /// How the workload is offered (the same for every policy).
+    pub replay: ReplayConfig,
+    /// `model` of the request bodies.
+    pub model: String,
+    /// Ask engines for exactly `max_tokens` output tokens.
+    pub ignore_eos: bool,
+    /// Progress bars, one per policy; nothing is drawn when `None`.
+    pub progress: Option<indicatif::MultiProgress>,
+}
+
+/// One policy's measured replay.
+#[derive(Debug, Clone)]
+pub struct PolicyRun {
+    /// The policy.
+    pub policy: String,
+    /// Region names of its cluster, in topology order.
+    pub regions: Vec<String>,
+    /// Everything the replay measured.
+    pub output: ReplayOutput,
+}
+
+/// Run the comparison. Stops (tearing everything down) when `cancel` fires, returning
+/// the policies that finished.
+pub async fn compare(
+    spec: &CompareSpec,
+    requests: Arc<Vec<TraceRequest>>,
+    cancel: CancellationToken,
+) -> Result<Vec<PolicyRun>, BenchError> {
+    if spec.policies.is_empty() {
+        return Err(BenchError::InvalidConfig {
+            field: "policies",
+            reason: "no policy given".into(),
+        });
+    }
+    let mut sequential = spec.sequential;
+    let has_base_port = supports_flag(&spec.exe, "up", "--base-port").await;
+    if !sequential && !has_base_port && spec.policies.len() > 1 {
+        tracing::warn!("`gorgo up` has no --base-port: clusters cannot run side by side, running sequentially");
+        sequential = true;
+    }
+    let up_options = |k: usize, policy: &str| UpOptions {
+        exe: spec.exe.clone(),
+        topology: spec.topology.clone(),
+        policy: policy.to_owned(),
+        engine_profile: spec.engine_profile.clone(),
+        run_dir: spec.out.join(policy).join("run"),
+        base_port: has_base_port
+            .then(|| spec.base_port.saturating_add((k as u16).saturating_mul(spec.port_stride))),
+        extra_args: Vec::new(),
+        timeout: spec.up_timeout,
+    };
+    let mut runs = Vec::new();
+    if sequential {
+        for (k, policy) in spec.policies.iter().enumerate() {
+            let cluster = start(&up_options(k, policy), &cancel).await?;
+            let run = run_policy(spec, policy, &cluster, requests.clone(), &cancel).await?;
+            cluster.down()?;
+            runs.push(run);
+            if cancel.is_cancelled() {
+                break;
+            }
+        }
+    } else {
+        let mut clusters = Vec::new();
+        for (k, policy) in spec.policies.iter().enumerate() {
+            // A failure here drops the clusters already up, which tears them down.
+            clusters.push(start(&up_options(k, policy), &cancel).await?);
+        }
+        let replays = spec
+            .policies
+            .iter()
+            .zip(&clusters)
+            .map(|(policy, cluster)| run_policy(spec, policy, cluster, requests.clone(), &cancel));
+        let results = futures::future::join_all(replays).await;
+        let mut first_err = None;
+        for cluster in clusters {
+            if let Err(e) = cluster.down() {
+                first_err.get_or_insert(e);
+            }
+        }
+        for r in results {
+            runs.push(r?);
+        }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+    }
+    Ok(runs)
+}
+
+async fn start(opts: &UpOptions, cancel: &CancellationToken) -> Result<RunningCluster, BenchError> {
+    tracing::info!(policy = %opts.policy, run_dir = %opts.run_dir.display(), "starting cluster");
+    tokio::select! {
+        r = RunningCluster::up(opts) => r,
+        _ = cancel.cancelled() => Err(BenchError::Cluster { action: "up", reason: "cancelled".into() }),
+    }
+}
+
+async fn run_policy(
+    spec: &CompareSpec,
+    policy: &str,
+    cluster: &RunningCluster,
+    requests: Arc<Vec<TraceRequest>>,
+    cancel: &CancellationToken,
+) -> Result<PolicyRun, BenchError> {
+    let regions = cluster.info.region_names();
+    let items = replay_items(&requests, &regions);
+    let bodies = body_builder(requests, spec.model.clone(), spec.ignore_eos);
+    let mut config = spec.replay.clone();
+    config.progress = spec.progress.as_ref().map(|mp| {
+        let pb = mp.add(indicatif::ProgressBar::new(items.len() as u64));
+        if let Ok(style) = indicatif::ProgressStyle::with_template(
+            "{prefix:>24} {elapsed_precise} [{wide_bar}] {pos}/{len} {msg}",
+        ) {
+            pb.set_style(style);
+        }
+        pb.set_prefix(policy.to_owned());
+        pb
+    });
+    let output = replay(&cluster.info, items, bodies, &config, cancel.cancelled()).await?;
+    Ok(PolicyRun {
+        policy: policy.to_owned(),
+        regions,
+        output,
+    })
+}

@@ -1,0 +1,170 @@
+//! From trace records to replay items: window slicing, home-region assignment and the
+//! lazy request-body builder.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use gorgo_workload::TraceRequest;
+
+use crate::replay::{BodyBuilder, ReplayItem};
+use crate::BenchError;
+
+/// Read the requests of `path` with `timestamp < window_s` (all when `None`), at most
+/// `max_requests` of them, sorted by arrival. A malformed line stops with its number.
+pub fn load_trace(
+    path: &Path,
+    window_s: Option<f64>,
+    max_requests: Option<usize>,
+) -> Result<Vec<TraceRequest>, BenchError> {
+    let trace_err = |e: gorgo_workload::WorkloadError| BenchError::Trace {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    };
+    let reader = gorgo_workload::open_trace(path).map_err(trace_err)?;
+    let limit_ms = window_s.map(|w| w * 1000.0);
+    let mut out = Vec::new();
+    for row in reader {
+        let req = row.map_err(trace_err)?;
+        if limit_ms.is_some_and(|l| req.timestamp_ms as f64 >= l) {
+            // Traces are (nearly) sorted; keep reading in case a few rows are not.
+            continue;
+        }
+        out.push(req);
+    }
+    out.sort_by_key(|r| r.timestamp_ms);
+    if let Some(n) = max_requests {
+        out.truncate(n);
+    }
+    Ok(out)
+}
+
+/// Rebase timestamps so the first request arrives at 0 (a window cut from the middle
+/// of a trace would otherwise start with idle time).
+pub fn rebase(requests: &mut [TraceRequest]) {
+    let Some(first) = requests.iter().map(|r| r.timestamp_ms).min() else {
+        return;
+    };
+    for r in requests {
+        r.timestamp_ms -= first;
+    }
+}
+
+/// The home region of a request: the trace's own when the cluster has it, else a
+/// deterministic pick by hashing the user (so a user's requests stay in one region),
+/// the session, or the request's position.
+pub fn home_region(req: &TraceRequest, index: usize, regions: &[String]) -> String {
+    if let Some(r) = &req.home_region {
+        if regions.contains(r) {
+            return r.clone();
+        }
+    }
+    let key = match (&req.user, &req.session) {
+        (Some(u), _) => u.as_bytes().to_vec(),
+        (None, Some(s)) => s.as_bytes().to_vec(),
+        (None, None) => (index as u64).to_le_bytes().to_vec(),
+    };
+    let n = regions.len().max(1) as u64;
+    regions[(gorgo_core::hash::hash_bytes(&key) % n) as usize].clone()
+}
+
+/// Replay items for `requests`, each assigned its home region among `regions`.
+pub fn replay_items(requests: &[TraceRequest], regions: &[String]) -> Vec<ReplayItem> {
+    requests
+        .iter()
+        .enumerate()
+        .map(|(i, r)| ReplayItem {
+            request_id: r.request_id.clone().unwrap_or_else(|| format!("r{i}")),
+            region: home_region(r, i, regions),
+            arrival_ms: r.timestamp_ms,
+            input_tokens: r.input_tokens,
+            output_tokens: r.output_tokens,
+            // Session affinity keys on the conversation, else on the user.
+            session: r
+                .session
+                .as_ref()
+                .map(|s| match &r.user {
+                    Some(u) => format!("{u}/{s}"),
+                    None => s.clone(),
+                })
+                .or_else(|| r.user.clone()),
+        })
+        .collect()
+}
+
+/// Builds each request's OpenAI chat body when it is sent (prompts are synthesised from
+/// block ids, so they never all sit in memory). `ignore_eos` asks the engine to produce
+/// exactly `max_tokens` (an SGLang/vLLM extension).
+pub fn body_builder(requests: Arc<Vec<TraceRequest>>, model: String, ignore_eos: bool) -> BodyBuilder {
+    Arc::new(move |i| {
+        let req = requests
+            .get(i)
+            .ok_or_else(|| format!("no request at index {i}"))?;
+        let mut body = gorgo_workload::chat_body(req, &model);
+        if ignore_eos {
+            body["ignore_eos"] = serde_json::Value::Bool(true);
+        }
+        serde_json::to_vec(&body)
+            .map(Bytes::from)
+            .map_err(|e| e.to_string())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gorgo_workload::BlockIds;
+
+    fn req(ts: u64, user: Option<&str>, home: Option<&str>) -> TraceRequest {
+        TraceRequest {
+            timestamp_ms: ts,
+            input_tokens: 40,
+            output_tokens: 3,
+            blocks: BlockIds::Int(vec![1, 2]),
+            tokens_per_block: 16,
+            user: user.map(str::to_owned),
+            session: None,
+            home_region: home.map(str::to_owned),
+            request_id: None,
+            system_prompt_hash: None,
+        }
+    }
+
+    #[test]
+    fn regions_are_stable_and_respect_the_trace() {
+        let regions = vec!["a".to_owned(), "b".to_owned(), "c".to_owned()];
+        assert_eq!(home_region(&req(0, None, Some("b")), 0, &regions), "b");
+        // Unknown trace region: fall back to hashing, still within the cluster.
+        let r = home_region(&req(0, None, Some("mars")), 5, &regions);
+        assert!(regions.contains(&r));
+        // One user, one region, whatever the position.
+        let u0 = home_region(&req(0, Some("u1"), None), 0, &regions);
+        let u9 = home_region(&req(9, Some("u1"), None), 9, &regions);
+        assert_eq!(u0, u9);
+        // Positions spread over every region.
+        let mut seen: Vec<String> = (0..60)
+            .map(|i| home_region(&req(0, None, None), i, &regions))
+            .collect();
+        seen.sort();
+        seen.dedup();
+        assert_eq!(seen.len(), 3);
+    }
+
+    #[test]
+    fn bodies_are_openai_chat_requests() {
+        let mut reqs = vec![req(500, Some("u"), None), req(700, None, None)];
+        rebase(&mut reqs);
+        assert_eq!(reqs[0].timestamp_ms, 0);
+        let items = replay_items(&reqs, &["x".to_owned()]);
+        assert_eq!(items[1].arrival_ms, 200);
+        assert_eq!(items[0].session.as_deref(), Some("u"));
+        assert_eq!(items[1].request_id, "r1");
+        let build = body_builder(Arc::new(reqs), "m".into(), true);
+        let v: serde_json::Value = serde_json::from_slice(&build(0).unwrap()).unwrap();
+        assert_eq!(v["max_tokens"], 3);
+        assert_eq!(v["stream"], true);
+        assert_eq!(v["ignore_eos"], true);
+        assert_eq!(v["messages"][0]["content"].as_str().unwrap().len(), 160);
+        assert!(build(7).is_err());
+    }
+}
