@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::ClusterConfig;
 use crate::error::{ClusterError, Result};
-use crate::gossip::{GossipState, SharedSummary};
+use crate::gossip::{GossipState, SummarySource};
 use crate::identity::{BincodeCodec, MemberId};
 use crate::state::{ClusterMetrics, PeerTable, PeerView, TrafficKind};
 use crate::tls::{client_crypto, server_crypto, validate_node_id};
@@ -100,7 +100,7 @@ pub(crate) struct Inner {
     pub(crate) metrics: ClusterMetrics,
     pub(crate) foca_tx: mpsc::UnboundedSender<FocaInput>,
     pub(crate) shutdown: CancellationToken,
-    pub(crate) summary: Arc<SharedSummary>,
+    pub(crate) summary: Arc<dyn SummarySource>,
     pub(crate) local_stats: Mutex<QueueStats>,
     pub(crate) gossip: Mutex<GossipState>,
     pub(crate) forward_tx: mpsc::Sender<IncomingForward>,
@@ -130,12 +130,13 @@ const APP_INBOX: usize = 1024;
 /// Cap on one encoded stats broadcast.
 const MAX_STATS_BROADCAST: usize = 512;
 
-/// Start a cluster member: bind the endpoint, announce to the seeds, gossip until
-/// `shutdown` is cancelled (then leave gracefully).
+/// Start a cluster member: bind the endpoint, announce to the seeds, gossip `summary`
+/// (e.g. an `Arc<SharedSummary<ShadowIndex>>`) until `shutdown` is cancelled (then
+/// leave gracefully).
 pub async fn start(
     config: ClusterConfig,
     socket: ClusterSocket,
-    summary: Arc<SharedSummary>,
+    summary: Arc<dyn SummarySource>,
     shutdown: CancellationToken,
 ) -> Result<ClusterHandle> {
     validate_node_id(&config.node_id)?;
@@ -464,8 +465,8 @@ impl ClusterHandle {
         e.summary.as_ref().map(f)
     }
 
-    /// The shared local summary this cluster gossips.
-    pub fn local_summary(&self) -> &Arc<SharedSummary> {
+    /// The local summary this cluster gossips.
+    pub fn local_summary(&self) -> &Arc<dyn SummarySource> {
         &self.inner.summary
     }
 

@@ -11,7 +11,8 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use gorgo_core::summary::{LocalSummary, PeerSummary};
+use gorgo_core::summary::{LocalSummary, PeerSummary, SummaryDelta, SummarySnapshot};
+use gorgo_core::ShadowIndex;
 use gorgo_core::wire::{self, GossipMessage, MAX_GOSSIP_MESSAGE};
 use gorgo_core::{CoreError, NodeId};
 use parking_lot::Mutex;
@@ -27,38 +28,93 @@ const CHANGE_LOG: usize = 4096;
 /// A peer that reported a gap is not asked again for a snapshot sooner than this.
 const SNAPSHOT_REQUEST_BACKOFF: Duration = Duration::from_secs(1);
 
-/// The node's own summary, shared between the router (which records adds/removes) and
-/// the gossip task (which reads deltas). It also remembers when each version was
-/// reached, so that a delta can carry the time of its oldest change.
-pub struct SharedSummary {
-    inner: Mutex<SummaryInner>,
+/// Anything that owns the node's [`LocalSummary`]: the summary itself, or the shadow
+/// index that maintains it.
+pub trait HoldsSummary: Send + 'static {
+    /// The summary to gossip.
+    fn summary(&self) -> &LocalSummary;
+}
+
+impl HoldsSummary for LocalSummary {
+    fn summary(&self) -> &LocalSummary {
+        self
+    }
+}
+
+impl HoldsSummary for ShadowIndex {
+    fn summary(&self) -> &LocalSummary {
+        ShadowIndex::summary(self)
+    }
+}
+
+/// What the gossip task sends a peer next.
+#[derive(Debug, Clone)]
+pub struct SummaryUpdate {
+    /// The version the peer holds once it applied this.
+    pub version: u64,
+    /// Wall ms of the oldest change carried (0: unknown).
+    pub oldest_change_ms: u64,
+    /// Delta or snapshot.
+    pub body: SummaryBody,
+}
+
+/// A delta or a whole snapshot.
+#[derive(Debug, Clone)]
+pub enum SummaryBody {
+    /// The changes since the version the peer holds.
+    Delta(SummaryDelta),
+    /// Everything.
+    Snapshot(SummarySnapshot),
+}
+
+/// The cluster's read side of the local summary (object safe, so the cluster need not
+/// know what holds the summary).
+pub trait SummarySource: Send + Sync + std::fmt::Debug + 'static {
+    /// Current version.
+    fn version(&self) -> u64;
+    /// Fingerprints held.
+    fn len(&self) -> usize;
+    /// True when empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// What a peer that was last sent `last_sent` (`None`: nothing yet) needs now;
+    /// `None` when it is up to date.
+    fn update_since(&self, last_sent: Option<u64>) -> Option<SummaryUpdate>;
+}
+
+/// The node's own summary (or the index holding it), shared between the router (which
+/// changes it) and the gossip task (which reads deltas). It also remembers when each
+/// version was reached, so that a delta can carry the time of its oldest change.
+pub struct SharedSummary<S = LocalSummary> {
+    inner: Mutex<SummaryInner<S>>,
     clock: WallClock,
 }
 
-struct SummaryInner {
-    summary: LocalSummary,
+struct SummaryInner<S> {
+    holder: S,
     /// (version reached, wall ms when reached), oldest first.
     changes: VecDeque<(u64, u64)>,
 }
 
-impl std::fmt::Debug for SharedSummary {
+impl<S: HoldsSummary> std::fmt::Debug for SharedSummary<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SharedSummary").field("version", &self.read(|s| s.version())).finish()
+        f.debug_struct("SharedSummary").field("version", &self.read(|s| s.summary().version())).finish()
     }
 }
 
-impl SharedSummary {
-    /// Share `summary`, stamping changes with `clock`.
-    pub fn new(summary: LocalSummary, clock: WallClock) -> Arc<Self> {
-        Arc::new(SharedSummary { inner: Mutex::new(SummaryInner { summary, changes: VecDeque::new() }), clock })
+impl<S: HoldsSummary> SharedSummary<S> {
+    /// Share `holder`, stamping summary changes with `clock`.
+    pub fn new(holder: S, clock: WallClock) -> Arc<Self> {
+        Arc::new(SharedSummary { inner: Mutex::new(SummaryInner { holder, changes: VecDeque::new() }), clock })
     }
 
-    /// Change the summary (keep `f` short: the gossip task waits on the same lock).
-    pub fn update<R>(&self, f: impl FnOnce(&mut LocalSummary) -> R) -> R {
+    /// Change the holder (keep `f` short: the gossip task waits on the same lock).
+    pub fn update<R>(&self, f: impl FnOnce(&mut S) -> R) -> R {
         let mut g = self.inner.lock();
-        let before = g.summary.version();
-        let r = f(&mut g.summary);
-        let after = g.summary.version();
+        let before = g.holder.summary().version();
+        let r = f(&mut g.holder);
+        let after = g.holder.summary().version();
         if after != before {
             let now = (self.clock)();
             if g.changes.len() == CHANGE_LOG {
@@ -69,14 +125,43 @@ impl SharedSummary {
         r
     }
 
-    /// Read the summary.
-    pub fn read<R>(&self, f: impl FnOnce(&LocalSummary) -> R) -> R {
-        f(&self.inner.lock().summary)
+    /// Read the holder.
+    pub fn read<R>(&self, f: impl FnOnce(&S) -> R) -> R {
+        f(&self.inner.lock().holder)
+    }
+}
+
+/// Wall ms of the oldest change after version `v` (0 when unknown).
+fn oldest_change_after(changes: &VecDeque<(u64, u64)>, v: u64) -> u64 {
+    changes.iter().find(|(ver, _)| *ver > v).map_or(0, |(_, t)| *t)
+}
+
+impl<S: HoldsSummary> SummarySource for SharedSummary<S> {
+    fn version(&self) -> u64 {
+        self.read(|s| s.summary().version())
     }
 
-    /// Wall ms of the oldest change after version `v` (0 when unknown).
-    fn oldest_change_after(changes: &VecDeque<(u64, u64)>, v: u64) -> u64 {
-        changes.iter().find(|(ver, _)| *ver > v).map_or(0, |(_, t)| *t)
+    fn len(&self) -> usize {
+        self.read(|s| s.summary().len())
+    }
+
+    fn update_since(&self, last_sent: Option<u64>) -> Option<SummaryUpdate> {
+        let g = self.inner.lock();
+        let summary = g.holder.summary();
+        let version = summary.version();
+        let snapshot = || SummaryUpdate { version, oldest_change_ms: 0, body: SummaryBody::Snapshot(summary.snapshot()) };
+        match last_sent {
+            Some(v) if v == version => None,
+            Some(v) => Some(match summary.delta_since(v) {
+                Some(delta) => SummaryUpdate {
+                    version,
+                    oldest_change_ms: oldest_change_after(&g.changes, v),
+                    body: SummaryBody::Delta(delta),
+                },
+                None => snapshot(),
+            }),
+            None => Some(snapshot()),
+        }
     }
 }
 
@@ -128,24 +213,13 @@ fn round(inner: &Arc<Inner>) {
             }
             st.last_sent
         };
-        // Build the message under the summary lock, encode outside it.
-        let built = {
-            let g = inner.summary.inner.lock();
-            let version = g.summary.version();
-            match last_sent {
-                Some(v) if v == version => None,
-                Some(v) => match g.summary.delta_since(v) {
-                    Some(delta) => Some((
-                        version,
-                        SharedSummary::oldest_change_after(&g.changes, v),
-                        GossipMessage::SummaryDelta { origin: inner.node_id.clone(), delta, stats: stats.clone() },
-                    )),
-                    None => Some((version, 0, snapshot_message(inner, &g.summary, &stats))),
-                },
-                None => Some((version, 0, snapshot_message(inner, &g.summary, &stats))),
-            }
+        let Some(update) = inner.summary.update_since(last_sent) else { continue };
+        let (version, oldest_ms) = (update.version, update.oldest_change_ms);
+        let origin = inner.node_id.clone();
+        let msg = match update.body {
+            SummaryBody::Delta(delta) => GossipMessage::SummaryDelta { origin, delta, stats: stats.clone() },
+            SummaryBody::Snapshot(snapshot) => GossipMessage::SummarySnapshot { origin, snapshot, stats: stats.clone() },
         };
-        let Some((version, oldest_ms, msg)) = built else { continue };
         let is_snapshot = matches!(msg, GossipMessage::SummarySnapshot { .. });
         let frame = frame(oldest_ms, &msg);
         if frame.len() > MAX_GOSSIP_MESSAGE + 9 {
@@ -172,10 +246,6 @@ fn round(inner: &Arc<Inner>) {
             }
         });
     }
-}
-
-fn snapshot_message(inner: &Inner, summary: &LocalSummary, stats: &gorgo_core::QueueStats) -> GossipMessage {
-    GossipMessage::SummarySnapshot { origin: inner.node_id.clone(), snapshot: summary.snapshot(), stats: stats.clone() }
 }
 
 fn frame(oldest_change_ms: u64, msg: &GossipMessage) -> Vec<u8> {

@@ -19,7 +19,7 @@ mod transport;
 pub use cluster::{start, AppMessage, ClusterHandle, ClusterSocket, IncomingForward, MembershipEvent};
 pub use config::{system_clock, ClusterConfig, SwimTimings, WallClock};
 pub use error::{ClusterError, Result};
-pub use gossip::SharedSummary;
+pub use gossip::{HoldsSummary, SharedSummary, SummaryBody, SummarySource, SummaryUpdate};
 pub use identity::{MemberId, MAX_SWIM_PACKET};
 pub use state::{ClusterMetrics, PeerState, PeerTable, PeerView, RTT_EWMA_ALPHA};
 pub use tls::{quinn_client_config, write_cluster_certs, ClusterCa, IssuedNode, NodeCredentials, TlsFiles, CLUSTER_SERVER_NAME};

@@ -117,7 +117,7 @@ fn summaries_synced(handles: &Handles) -> bool {
     let h = handles.lock();
     h.iter().all(|(name, handle)| {
         h.iter().filter(|(other, _)| *other != name).all(|(other, oh)| {
-            let (v, len) = oh.local_summary().read(|s| (s.version(), s.len()));
+            let (v, len) = (oh.local_summary().version(), oh.local_summary().len());
             handle
                 .with_peer_summary(&NodeId(other.clone()), |p| p.version() == v && p.len() == len)
                 .unwrap_or(false)
