@@ -113,6 +113,9 @@ pub struct TuningConfig {
     pub freeze_sigma: f64,
     /// Seed of the mutation stream.
     pub seed: u64,
+    /// A node that has heard no proposal waits this long after its first tick before
+    /// starting a new line of epochs, so a joining node adopts the running one instead.
+    pub startup_grace_ms: u64,
 }
 
 impl Default for TuningConfig {
@@ -146,6 +149,7 @@ impl TuningConfig {
             guard: 0.05,
             freeze_sigma: 0.05,
             seed: 0x676f_7267_6f65_7321,
+            startup_grace_ms: 1000,
         }
     }
 

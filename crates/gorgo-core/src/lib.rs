@@ -28,3 +28,4 @@ pub mod fit;
 pub mod decision;
 pub mod policy;
 pub mod es;
+pub mod tuning;

@@ -1,0 +1,645 @@
+//! The consensus-free distributed tuning protocol (DESIGN.md, "Online tuning"), one
+//! sans-IO state machine per node.
+//!
+//! - Leader: the smallest node id in the local membership view. No election: a node
+//!   leads when it is the smallest live id it knows of; it steps down when it sees a
+//!   smaller live id or a proposal that supersedes its own.
+//! - Every proposal carries `(epoch, leader)` and the whole tuner state. Nodes follow
+//!   the highest epoch they have seen, ties to the smaller leader id. A node that
+//!   becomes leader continues from the last proposal it follows, at its epoch + 1, so
+//!   no epoch is decided twice on one line and the search never restarts.
+//! - Trials come in pairs of adjacent windows: the incumbent is re-measured
+//!   ([`Phase::MeasureIncumbent`]), then the candidate is measured
+//!   ([`Phase::MeasureCandidate`]) and decided against it. One [`TuningRecord`] is
+//!   written per decided candidate epoch (the `tuning.jsonl` line).
+//! - Every node records client-side TTFT and E2E of requests admitted under the current
+//!   epoch into mergeable sketches and sends them (cumulatively) to the leader each
+//!   tick; the leader closes the window when the cluster-wide count reaches `window`,
+//!   or after `time_cap_ms` with at least `min_samples` (else it extends the window).
+//!
+//! Inputs: [`Tuner::set_membership`], [`Tuner::handle_proposal`],
+//! [`Tuner::handle_report`], [`Tuner::record`], [`Tuner::tick`]; outputs: the returned
+//! [`TuningOutput`]s and [`Tuner::weights`].
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::CoreError;
+use crate::es::{EsState, Measurement, TuningConfig, TuningMode, Verdict};
+use crate::sketch::LatencySketch;
+use crate::types::{NodeId, Weights};
+
+/// Records kept in memory for `/admin/tuning`.
+pub const HISTORY_LEN: usize = 1024;
+
+/// What an epoch measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Phase {
+    /// Re-measure the incumbent in the window just before its challenger.
+    MeasureIncumbent,
+    /// Measure the candidate; the leader decides it at the end of the window.
+    MeasureCandidate,
+    /// Tuning is over (`tune-then-freeze`): route with the incumbent.
+    Frozen,
+}
+
+/// A leader's announcement of an epoch: the weights every node routes with.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Proposal {
+    /// Epoch number, increasing along a line of proposals.
+    pub epoch: u64,
+    /// The node that leads this epoch.
+    pub leader: NodeId,
+    /// Weights to route with during the epoch.
+    pub weights: Weights,
+    /// What the epoch measures.
+    pub phase: Phase,
+    /// The whole tuner state, so any node can take over.
+    pub state: EsState,
+}
+
+impl Proposal {
+    /// True when `self` should be followed instead of `other`: higher epoch, or the
+    /// same epoch from a smaller leader id.
+    pub fn supersedes(&self, other: &Proposal) -> bool {
+        self.epoch > other.epoch || (self.epoch == other.epoch && self.leader < other.leader)
+    }
+}
+
+/// A node's measurements of one epoch, sent to its leader (cumulative: a later report
+/// for the same epoch replaces an earlier one).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EpochReport {
+    /// The epoch measured.
+    pub epoch: u64,
+    /// The leader of that epoch (two partitions may both have an epoch `e`).
+    pub leader: NodeId,
+    /// The reporting node.
+    pub from: NodeId,
+    /// Client-side TTFT of requests admitted under the epoch, ms.
+    pub ttft: LatencySketch,
+    /// Their E2E latency, ms.
+    pub e2e: LatencySketch,
+    /// Requests measured.
+    pub samples: u64,
+}
+
+/// Everything the protocol puts on the wire.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum TuningMessage {
+    /// Broadcast by the leader.
+    Proposal(Proposal),
+    /// Sent to the leader.
+    Report(EpochReport),
+}
+
+/// One decided trial: a line of `tuning.jsonl`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TuningRecord {
+    /// The candidate's epoch.
+    pub epoch: u64,
+    /// Who decided.
+    pub leader: NodeId,
+    /// Weights tried.
+    pub candidate: Weights,
+    /// Weights they were compared with.
+    pub incumbent: Weights,
+    /// Candidate p95 TTFT, ms.
+    pub score_p95_ttft_ms: f64,
+    /// Incumbent p95 TTFT in the adjacent window, ms.
+    pub incumbent_p95_ttft_ms: f64,
+    /// Candidate p95 E2E, ms.
+    pub p95_e2e_ms: f64,
+    /// Incumbent p95 E2E in the adjacent window, ms.
+    pub incumbent_p95_e2e_ms: f64,
+    /// Step size the candidate was drawn with.
+    pub sigma: f64,
+    /// Whether the candidate became the incumbent.
+    pub accepted: bool,
+    /// Why.
+    pub verdict: Verdict,
+    /// Requests in the candidate's window.
+    pub samples: u64,
+}
+
+/// What the driver must do after an input.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TuningOutput {
+    /// Send this proposal to every peer.
+    Broadcast(Proposal),
+    /// Send this report to `to` (the epoch's leader).
+    SendReport {
+        /// The leader.
+        to: NodeId,
+        /// The report.
+        report: EpochReport,
+    },
+    /// Send this proposal to `to` only (a newer line than the one `to` leads).
+    SendProposal {
+        /// The stale leader.
+        to: NodeId,
+        /// The proposal this node follows.
+        proposal: Proposal,
+    },
+    /// A trial was decided: append to `tuning.jsonl`.
+    Record(TuningRecord),
+}
+
+/// The leader's bookkeeping of the epoch it runs.
+#[derive(Debug, Clone)]
+struct Lead {
+    epoch: u64,
+    window_started_ms: u64,
+    reports: BTreeMap<NodeId, EpochReport>,
+}
+
+/// One node's side of the tuning protocol.
+#[derive(Debug, Clone)]
+pub struct Tuner {
+    id: NodeId,
+    cfg: TuningConfig,
+    live: BTreeSet<NodeId>,
+    current: Option<Proposal>,
+    ttft: LatencySketch,
+    e2e: LatencySketch,
+    unreported: bool,
+    lead: Option<Lead>,
+    last_decided: Option<u64>,
+    first_tick_ms: Option<u64>,
+    history: VecDeque<TuningRecord>,
+}
+
+impl Tuner {
+    /// A node that knows only itself.
+    pub fn new(id: NodeId, cfg: TuningConfig) -> Result<Self, CoreError> {
+        cfg.validate()?;
+        let live = BTreeSet::from([id.clone()]);
+        Ok(Tuner {
+            id,
+            cfg,
+            live,
+            current: None,
+            ttft: LatencySketch::new(),
+            e2e: LatencySketch::new(),
+            unreported: false,
+            lead: None,
+            last_decided: None,
+            first_tick_ms: None,
+            history: VecDeque::new(),
+        })
+    }
+
+    /// The local membership view changed: `live` are the members believed alive (this
+    /// node is always included).
+    pub fn set_membership<I: IntoIterator<Item = NodeId>>(&mut self, live: I) {
+        self.live = live.into_iter().collect();
+        self.live.insert(self.id.clone());
+        if !self.is_smallest_live() {
+            self.lead = None;
+        }
+    }
+
+    /// A proposal arrived. Adopts it when it supersedes the one followed; when the one
+    /// followed supersedes it, answers its sender (the leader of a stale line, e.g. on
+    /// the other side of a healed partition) with the newer proposal, so lines merge
+    /// even if the newer line's leader has stepped down.
+    pub fn handle_proposal(&mut self, mut p: Proposal) -> Vec<TuningOutput> {
+        if self.cfg.mode == TuningMode::Static {
+            return Vec::new();
+        }
+        if let Some(cur) = &self.current {
+            if cur.supersedes(&p) {
+                return vec![TuningOutput::SendProposal {
+                    to: p.leader,
+                    proposal: cur.clone(),
+                }];
+            }
+            if !p.supersedes(cur) {
+                return Vec::new();
+            }
+        }
+        // Never route with out-of-bounds or non-finite weights, whoever sent them.
+        p.weights = self.cfg.clip(p.weights);
+        p.state.incumbent = self.cfg.clip(p.state.incumbent);
+        if !(p.state.sigma.is_finite() && p.state.sigma > 0.0) {
+            p.state.sigma = self.cfg.sigma0;
+        }
+        self.adopt(p);
+        self.lead = None;
+        Vec::new()
+    }
+
+    /// A report arrived. Only the leader of the report's epoch uses it; the window may
+    /// close as a result.
+    pub fn handle_report(&mut self, r: EpochReport, now_ms: u64) -> Vec<TuningOutput> {
+        let Some(lead) = self.lead.as_mut() else {
+            return Vec::new();
+        };
+        if r.epoch != lead.epoch || r.leader != self.id || r.from == self.id {
+            return Vec::new();
+        }
+        let newer = lead
+            .reports
+            .get(&r.from)
+            .is_none_or(|old| r.ttft.count() >= old.ttft.count());
+        if newer {
+            lead.reports.insert(r.from.clone(), r);
+        }
+        let mut out = Vec::new();
+        self.maybe_close(now_ms, false, &mut out);
+        out
+    }
+
+    /// A request admitted under `epoch` finished with these latencies.
+    pub fn record(&mut self, epoch: u64, ttft_ms: f64, e2e_ms: f64) {
+        let Some(cur) = &self.current else { return };
+        if cur.epoch != epoch
+            || cur.phase == Phase::Frozen
+            || !ttft_ms.is_finite()
+            || !e2e_ms.is_finite()
+        {
+            return;
+        }
+        self.ttft.add(ttft_ms);
+        self.e2e.add(e2e_ms);
+        self.unreported = true;
+    }
+
+    /// Periodic work (call every gossip interval): lead, take over, or report.
+    pub fn tick(&mut self, now_ms: u64) -> Vec<TuningOutput> {
+        let mut out = Vec::new();
+        if self.cfg.mode == TuningMode::Static {
+            return out;
+        }
+        let first = *self.first_tick_ms.get_or_insert(now_ms);
+        if self.is_smallest_live() {
+            let leading = matches!((&self.lead, &self.current), (Some(l), Some(c)) if l.epoch == c.epoch && c.leader == self.id);
+            if leading {
+                self.maybe_close(now_ms, true, &mut out);
+                if let Some(cur) = &self.current {
+                    // Re-announce, for peers that missed it or just joined.
+                    if !out.iter().any(|o| matches!(o, TuningOutput::Broadcast(_))) {
+                        out.push(TuningOutput::Broadcast(cur.clone()));
+                    }
+                }
+            } else if let Some(cur) = self.current.clone() {
+                self.take_over(cur, now_ms, &mut out);
+            } else if now_ms.saturating_sub(first) >= self.cfg.startup_grace_ms {
+                // Nobody has proposed anything yet: start the line.
+                let state = EsState::new(&self.cfg);
+                let p = Proposal {
+                    epoch: 1,
+                    leader: self.id.clone(),
+                    weights: state.incumbent,
+                    phase: Phase::MeasureIncumbent,
+                    state,
+                };
+                self.start_leading(p, now_ms, &mut out);
+            }
+        } else if let Some(cur) = &self.current {
+            if self.unreported && cur.phase != Phase::Frozen && cur.leader != self.id {
+                out.push(TuningOutput::SendReport {
+                    to: cur.leader.clone(),
+                    report: self.report(cur),
+                });
+                self.unreported = false;
+            }
+        }
+        out
+    }
+
+    /// The weights to route with now.
+    pub fn weights(&self) -> Weights {
+        match (&self.current, self.cfg.mode) {
+            (Some(p), TuningMode::Online | TuningMode::TuneThenFreeze) => p.weights,
+            _ => self.cfg.start_weights(),
+        }
+    }
+
+    /// The epoch requests are admitted under now (0 before any proposal); pass it back
+    /// to [`Tuner::record`].
+    pub fn epoch(&self) -> u64 {
+        self.current.as_ref().map_or(0, |p| p.epoch)
+    }
+
+    /// The proposal this node follows.
+    pub fn current(&self) -> Option<&Proposal> {
+        self.current.as_ref()
+    }
+
+    /// True while this node leads the epoch it follows.
+    pub fn is_leader(&self) -> bool {
+        self.lead.is_some() && self.current.as_ref().is_some_and(|c| c.leader == self.id)
+    }
+
+    /// This node's id.
+    pub fn id(&self) -> &NodeId {
+        &self.id
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TuningConfig {
+        &self.cfg
+    }
+
+    /// Trials this node decided, oldest first (at most [`HISTORY_LEN`]).
+    pub fn history(&self) -> impl Iterator<Item = &TuningRecord> {
+        self.history.iter()
+    }
+
+    fn is_smallest_live(&self) -> bool {
+        self.live.first() == Some(&self.id)
+    }
+
+    fn report(&self, cur: &Proposal) -> EpochReport {
+        EpochReport {
+            epoch: cur.epoch,
+            leader: cur.leader.clone(),
+            from: self.id.clone(),
+            ttft: self.ttft.clone(),
+            e2e: self.e2e.clone(),
+            samples: self.ttft.count(),
+        }
+    }
+
+    fn adopt(&mut self, p: Proposal) {
+        let new_epoch = self
+            .current
+            .as_ref()
+            .is_none_or(|c| c.epoch != p.epoch || c.leader != p.leader);
+        if new_epoch {
+            self.ttft = LatencySketch::new();
+            self.e2e = LatencySketch::new();
+            self.unreported = false;
+        }
+        self.current = Some(p);
+    }
+
+    fn start_leading(&mut self, p: Proposal, now_ms: u64, out: &mut Vec<TuningOutput>) {
+        self.lead = Some(Lead {
+            epoch: p.epoch,
+            window_started_ms: now_ms,
+            reports: BTreeMap::new(),
+        });
+        self.adopt(p.clone());
+        out.push(TuningOutput::Broadcast(p));
+    }
+
+    /// Continue the line `cur` (led by someone else, or by this node before a restart)
+    /// at the next epoch. The interrupted epoch is never decided: its reports went to
+    /// the old leader. The trial pair restarts with a fresh incumbent measurement,
+    /// since the old one is no longer adjacent.
+    fn take_over(&mut self, cur: Proposal, now_ms: u64, out: &mut Vec<TuningOutput>) {
+        let mut state = cur.state;
+        state.pending_incumbent = None;
+        let phase = if state.frozen {
+            Phase::Frozen
+        } else {
+            Phase::MeasureIncumbent
+        };
+        let p = Proposal {
+            epoch: cur.epoch + 1,
+            leader: self.id.clone(),
+            weights: self.cfg.clip(state.incumbent),
+            phase,
+            state,
+        };
+        self.start_leading(p, now_ms, out);
+    }
+
+    /// Close the window if it is full (or timed out with enough samples), decide, and
+    /// propose the next epoch. `on_tick` enables the time-cap check.
+    fn maybe_close(&mut self, now_ms: u64, on_tick: bool, out: &mut Vec<TuningOutput>) {
+        let (Some(lead), Some(cur)) = (self.lead.as_mut(), self.current.as_ref()) else {
+            return;
+        };
+        if cur.phase == Phase::Frozen || lead.epoch != cur.epoch {
+            return;
+        }
+        let samples: u64 =
+            self.ttft.count() + lead.reports.values().map(|r| r.ttft.count()).sum::<u64>();
+        let full = samples >= self.cfg.window as u64;
+        let timed_out =
+            on_tick && now_ms.saturating_sub(lead.window_started_ms) >= self.cfg.time_cap_ms;
+        if !full && !(timed_out && samples >= self.cfg.min_samples as u64) {
+            if timed_out {
+                // Too few requests to score: extend the window.
+                lead.window_started_ms = now_ms;
+            }
+            return;
+        }
+        if self.last_decided.is_some_and(|d| d >= cur.epoch) {
+            return;
+        }
+        let mut ttft = self.ttft.clone();
+        let mut e2e = self.e2e.clone();
+        for r in lead.reports.values() {
+            ttft.merge(&r.ttft);
+            e2e.merge(&r.e2e);
+        }
+        let meas = Measurement {
+            p95_ttft_ms: ttft.quantile(0.95).unwrap_or(f64::NAN),
+            p95_e2e_ms: e2e.quantile(0.95).unwrap_or(f64::NAN),
+            samples: ttft.count(),
+        };
+        let cur = cur.clone();
+        self.last_decided = Some(cur.epoch);
+        let mut state = cur.state.clone();
+        state.epoch = cur.epoch;
+        let (weights, phase) = match cur.phase {
+            Phase::MeasureIncumbent => {
+                state.pending_incumbent = Some(meas);
+                state.incumbent_score = Some(meas.p95_ttft_ms);
+                (state.mutate(&self.cfg), Phase::MeasureCandidate)
+            }
+            _ => {
+                if let Some(inc) = state.pending_incumbent.take() {
+                    let sigma = state.sigma;
+                    let incumbent = state.incumbent;
+                    let verdict = state.conclude(&self.cfg, cur.weights, meas, inc);
+                    let record = TuningRecord {
+                        epoch: cur.epoch,
+                        leader: self.id.clone(),
+                        candidate: cur.weights,
+                        incumbent,
+                        score_p95_ttft_ms: meas.p95_ttft_ms,
+                        incumbent_p95_ttft_ms: inc.p95_ttft_ms,
+                        p95_e2e_ms: meas.p95_e2e_ms,
+                        incumbent_p95_e2e_ms: inc.p95_e2e_ms,
+                        sigma,
+                        accepted: verdict == Verdict::Accepted,
+                        verdict,
+                        samples: meas.samples,
+                    };
+                    if self.history.len() == HISTORY_LEN {
+                        self.history.pop_front();
+                    }
+                    self.history.push_back(record.clone());
+                    out.push(TuningOutput::Record(record));
+                }
+                let phase = if state.frozen {
+                    Phase::Frozen
+                } else {
+                    Phase::MeasureIncumbent
+                };
+                (state.incumbent, phase)
+            }
+        };
+        let next = Proposal {
+            epoch: cur.epoch + 1,
+            leader: self.id.clone(),
+            weights,
+            phase,
+            state,
+        };
+        self.start_leading(next, now_ms, out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> TuningConfig {
+        TuningConfig {
+            window: 10,
+            min_samples: 4,
+            time_cap_ms: 1000,
+            startup_grace_ms: 0,
+            ..TuningConfig::gorgo()
+        }
+    }
+
+    fn broadcasts(out: &[TuningOutput]) -> Vec<&Proposal> {
+        out.iter()
+            .filter_map(|o| match o {
+                TuningOutput::Broadcast(p) => Some(p),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn single_node_runs_trial_pairs() {
+        let mut t = Tuner::new("a".into(), cfg()).unwrap();
+        let out = t.tick(0);
+        assert_eq!(broadcasts(&out)[0].epoch, 1);
+        assert!(t.is_leader());
+        for i in 0..10 {
+            t.record(1, 100.0 + i as f64, 1000.0);
+        }
+        let out = t.tick(10);
+        let p = broadcasts(&out)[0];
+        assert_eq!((p.epoch, p.phase), (2, Phase::MeasureCandidate));
+        assert_eq!(t.weights(), p.weights);
+        for _ in 0..10 {
+            t.record(2, 50.0, 1000.0);
+        }
+        let out = t.tick(20);
+        let rec = out.iter().find_map(|o| match o {
+            TuningOutput::Record(r) => Some(r.clone()),
+            _ => None,
+        });
+        let rec = rec.expect("a decision");
+        assert!(rec.accepted);
+        assert_eq!(rec.epoch, 2);
+        assert_eq!(t.weights(), rec.candidate);
+        assert_eq!(t.current().unwrap().phase, Phase::MeasureIncumbent);
+        let line = serde_json::to_value(&rec).unwrap();
+        for k in [
+            "epoch",
+            "leader",
+            "candidate",
+            "incumbent",
+            "score_p95_ttft_ms",
+            "incumbent_p95_ttft_ms",
+            "p95_e2e_ms",
+            "sigma",
+            "accepted",
+            "samples",
+        ] {
+            assert!(line.get(k).is_some(), "{k}");
+        }
+    }
+
+    #[test]
+    fn time_cap_extends_until_min_samples() {
+        let mut t = Tuner::new("a".into(), cfg()).unwrap();
+        t.tick(0);
+        t.record(1, 100.0, 1000.0);
+        // Cap passed with 1 < 4 samples: extended, still epoch 1.
+        t.tick(1500);
+        assert_eq!(t.epoch(), 1);
+        for _ in 0..3 {
+            t.record(1, 100.0, 1000.0);
+        }
+        t.tick(2000);
+        assert_eq!(t.epoch(), 1, "window restarted at 1500");
+        t.tick(2600);
+        assert_eq!(t.epoch(), 2);
+    }
+
+    #[test]
+    fn static_mode_never_moves() {
+        let c = TuningConfig {
+            mode: TuningMode::Static,
+            ..cfg()
+        };
+        let mut t = Tuner::new("a".into(), c).unwrap();
+        assert!(t.tick(0).is_empty());
+        let p = Proposal {
+            epoch: 9,
+            leader: "0".into(),
+            weights: Weights {
+                w_rtt: 3.0,
+                w_queue: 3.0,
+            },
+            phase: Phase::MeasureCandidate,
+            state: EsState::new(&c),
+        };
+        assert!(t.handle_proposal(p).is_empty());
+        assert!(t.current().is_none());
+        assert_eq!(t.weights(), c.start_weights());
+    }
+
+    #[test]
+    fn hostile_proposals_are_clipped() {
+        let mut t = Tuner::new("b".into(), cfg()).unwrap();
+        let mut state = EsState::new(&cfg());
+        state.sigma = f64::NAN;
+        let p = Proposal {
+            epoch: 3,
+            leader: "a".into(),
+            weights: Weights {
+                w_rtt: f64::NAN,
+                w_queue: 1e9,
+            },
+            phase: Phase::MeasureCandidate,
+            state,
+        };
+        assert!(t.handle_proposal(p.clone()).is_empty());
+        assert_eq!(
+            t.weights(),
+            Weights {
+                w_rtt: 1.0,
+                w_queue: 4.0
+            }
+        );
+        assert_eq!(t.current().unwrap().state.sigma, cfg().sigma0);
+        // A stale proposal is answered with the newer one.
+        let stale = Proposal {
+            epoch: 2,
+            leader: "c".into(),
+            ..p
+        };
+        match t.handle_proposal(stale).as_slice() {
+            [TuningOutput::SendProposal { to, proposal }] => {
+                assert_eq!(to, &NodeId::from("c"));
+                assert_eq!(proposal.epoch, 3);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}

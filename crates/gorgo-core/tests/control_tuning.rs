@@ -1,0 +1,352 @@
+//! The distributed tuning protocol over a deterministic in-memory message bus: 3 and 5
+//! nodes, leader loss, partitions, and the E2E guard.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use gorgo_core::es::{TuningConfig, Verdict};
+use gorgo_core::tuning::{Phase, Proposal, Tuner, TuningOutput, TuningRecord};
+use gorgo_core::{NodeId, Weights};
+
+/// One gossip round of virtual time.
+const ROUND_MS: u64 = 250;
+
+/// A cluster of tuners wired by a bus that delivers every message of a round, in
+/// order, before the round ends. Partitions and dead nodes drop messages.
+struct Bus {
+    nodes: BTreeMap<NodeId, Tuner>,
+    alive: BTreeSet<NodeId>,
+    group: BTreeMap<NodeId, u8>,
+    now: u64,
+    records: Vec<TuningRecord>,
+    rng: u64,
+}
+
+impl Bus {
+    fn new(n: usize, cfg: TuningConfig) -> Self {
+        let ids: Vec<NodeId> = (0..n).map(|i| NodeId(format!("n{i}"))).collect();
+        let nodes = ids
+            .iter()
+            .map(|id| (id.clone(), Tuner::new(id.clone(), cfg).unwrap()))
+            .collect();
+        Bus {
+            nodes,
+            alive: ids.iter().cloned().collect(),
+            group: ids.iter().map(|id| (id.clone(), 0)).collect(),
+            now: 0,
+            records: Vec::new(),
+            rng: 0x1234_5678,
+        }
+    }
+
+    fn reachable(&self, a: &NodeId, b: &NodeId) -> bool {
+        self.alive.contains(a) && self.alive.contains(b) && self.group[a] == self.group[b]
+    }
+
+    fn noise(&mut self) -> f64 {
+        self.rng = self
+            .rng
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.rng >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Each live node serves `per_node` requests under its current epoch and weights.
+    fn traffic(&mut self, per_node: usize, latency: impl Fn(Weights, f64) -> (f64, f64)) {
+        let alive: Vec<NodeId> = self.alive.iter().cloned().collect();
+        for id in alive {
+            for _ in 0..per_node {
+                let u = self.noise();
+                let t = self.nodes.get_mut(&id).unwrap();
+                let (ttft, e2e) = latency(t.weights(), u);
+                let epoch = t.epoch();
+                t.record(epoch, ttft, e2e);
+            }
+        }
+    }
+
+    /// Membership views (foca's job) follow liveness and partitions at once.
+    fn update_membership(&mut self) {
+        let alive: Vec<NodeId> = self.alive.iter().cloned().collect();
+        for id in &alive {
+            let view: Vec<NodeId> = alive
+                .iter()
+                .filter(|o| self.reachable(id, o))
+                .cloned()
+                .collect();
+            self.nodes.get_mut(id).unwrap().set_membership(view);
+        }
+    }
+
+    /// One gossip round: every live node ticks, and everything sent is delivered.
+    fn round(&mut self) {
+        self.now += ROUND_MS;
+        self.update_membership();
+        let mut queue: VecDeque<(NodeId, TuningOutput)> = VecDeque::new();
+        let alive: Vec<NodeId> = self.alive.iter().cloned().collect();
+        for id in &alive {
+            let now = self.now;
+            for o in self.nodes.get_mut(id).unwrap().tick(now) {
+                queue.push_back((id.clone(), o));
+            }
+        }
+        while let Some((from, out)) = queue.pop_front() {
+            match out {
+                TuningOutput::Broadcast(p) => {
+                    for id in &alive {
+                        if id != &from && self.reachable(&from, id) {
+                            for o in self.nodes.get_mut(id).unwrap().handle_proposal(p.clone()) {
+                                queue.push_back((id.clone(), o));
+                            }
+                        }
+                    }
+                }
+                TuningOutput::SendProposal { to, proposal } => {
+                    if self.reachable(&from, &to) {
+                        for o in self.nodes.get_mut(&to).unwrap().handle_proposal(proposal) {
+                            queue.push_back((to.clone(), o));
+                        }
+                    }
+                }
+                TuningOutput::SendReport { to, report } => {
+                    if self.reachable(&from, &to) {
+                        let now = self.now;
+                        for o in self.nodes.get_mut(&to).unwrap().handle_report(report, now) {
+                            queue.push_back((to.clone(), o));
+                        }
+                    }
+                }
+                TuningOutput::Record(r) => self.records.push(r),
+            }
+        }
+    }
+
+    /// The proposal each live node of group `g` follows.
+    fn views(&self, g: u8) -> Vec<(u64, NodeId, Weights)> {
+        self.alive
+            .iter()
+            .filter(|id| self.group[*id] == g)
+            .map(|id| {
+                let t = &self.nodes[id];
+                let p = t.current().expect("a proposal");
+                (p.epoch, p.leader.clone(), t.weights())
+            })
+            .collect()
+    }
+
+    fn assert_agreement(&self, g: u8) {
+        let v = self.views(g);
+        assert!(
+            v.windows(2).all(|w| w[0] == w[1]),
+            "group {g} disagrees: {v:?}"
+        );
+    }
+}
+
+fn cfg() -> TuningConfig {
+    TuningConfig {
+        startup_grace_ms: 2 * ROUND_MS,
+        ..TuningConfig::gorgo()
+    }
+}
+
+/// A synthetic cluster: p95 TTFT is best near w_rtt = 1.6, w_queue = 0.6.
+fn latency(w: Weights, u: f64) -> (f64, f64) {
+    let ttft =
+        300.0 + 200.0 * (w.w_rtt - 1.6).powi(2) + 400.0 * (w.w_queue - 0.6).powi(2) + 60.0 * u;
+    (ttft, ttft + 2000.0)
+}
+
+fn assert_unique_epochs(records: &[TuningRecord]) {
+    let mut seen = BTreeSet::new();
+    for r in records {
+        assert!(
+            seen.insert(r.epoch),
+            "epoch {} decided twice: {records:#?}",
+            r.epoch
+        );
+    }
+}
+
+fn steady_state(n: usize) {
+    let mut bus = Bus::new(n, cfg());
+    let mut last_epoch = 0;
+    let mut proposals = 0;
+    for _ in 0..400 {
+        bus.traffic(8, latency);
+        bus.round();
+        if bus.now > 2 * ROUND_MS {
+            // Every node applies the leader's weights within the round it proposed them.
+            bus.assert_agreement(0);
+            let (epoch, leader, _) = bus.views(0)[0].clone();
+            assert_eq!(leader, NodeId::from("n0"));
+            assert!(epoch >= last_epoch);
+            if epoch > last_epoch {
+                proposals += 1;
+            }
+            last_epoch = epoch;
+        }
+    }
+    assert!(
+        bus.records.len() >= 20,
+        "{} records, {proposals} proposals",
+        bus.records.len()
+    );
+    assert_unique_epochs(&bus.records);
+    assert!(bus
+        .records
+        .iter()
+        .all(|r| r.samples >= 128 && r.leader == NodeId::from("n0")));
+    // Candidate epochs alternate with incumbent re-measurements.
+    assert!(bus.records.windows(2).all(|w| w[1].epoch == w[0].epoch + 2));
+    // The search moved towards the optimum (w_rtt 1.6, w_queue 0.6 from 1.0, 1.0).
+    assert!(bus.records.iter().any(|r| r.accepted));
+}
+
+#[test]
+fn three_nodes_follow_one_leader() {
+    steady_state(3);
+}
+
+#[test]
+fn five_nodes_follow_one_leader() {
+    steady_state(5);
+}
+
+#[test]
+fn leader_loss_mid_epoch_continues_the_line() {
+    let mut bus = Bus::new(5, cfg());
+    while bus.records.len() < 3 {
+        bus.traffic(8, latency);
+        bus.round();
+    }
+    // Measure part of an epoch, then lose the leader before it closes.
+    bus.traffic(4, latency);
+    bus.round();
+    let last: Proposal = bus.nodes[&NodeId::from("n0")].current().unwrap().clone();
+    assert_eq!(last.leader, NodeId::from("n0"));
+    bus.alive.remove(&NodeId::from("n0"));
+    let before = bus.records.len();
+    bus.traffic(4, latency);
+    bus.round();
+    let n1 = &bus.nodes[&NodeId::from("n1")];
+    let next = n1.current().unwrap();
+    assert!(n1.is_leader());
+    assert_eq!(next.epoch, last.epoch + 1);
+    assert_eq!(next.leader, NodeId::from("n1"));
+    assert_eq!(next.phase, Phase::MeasureIncumbent);
+    // The tuner state continues from the last proposal (the pending incumbent
+    // measurement is dropped: it is no longer adjacent to the next candidate).
+    let mut expect = last.state.clone();
+    expect.pending_incumbent = None;
+    assert_eq!(next.state, expect);
+    assert_eq!(next.weights, last.state.incumbent);
+    bus.assert_agreement(0);
+    for _ in 0..150 {
+        bus.traffic(8, latency);
+        bus.round();
+        bus.assert_agreement(0);
+    }
+    let after = &bus.records[before..];
+    assert!(after.len() >= 5);
+    assert!(after
+        .iter()
+        .all(|r| r.leader == NodeId::from("n1") && r.epoch > last.epoch));
+    assert_unique_epochs(&bus.records);
+}
+
+#[test]
+fn partition_makes_two_leaders_and_healing_resumes_one_line() {
+    let mut bus = Bus::new(5, cfg());
+    while bus.records.len() < 2 {
+        bus.traffic(8, latency);
+        bus.round();
+    }
+    for id in ["n2", "n3", "n4"] {
+        bus.group.insert(NodeId::from(id), 1);
+    }
+    let split = bus.records.len();
+    for _ in 0..120 {
+        bus.traffic(8, latency);
+        bus.round();
+        bus.assert_agreement(0);
+        bus.assert_agreement(1);
+    }
+    let during = bus.records[split..].to_vec();
+    let leaders: BTreeSet<NodeId> = during.iter().map(|r| r.leader.clone()).collect();
+    assert_eq!(
+        leaders,
+        BTreeSet::from([NodeId::from("n0"), NodeId::from("n2")])
+    );
+    let max_before_heal = bus.records.iter().map(|r| r.epoch).max().unwrap();
+
+    for id in ["n2", "n3", "n4"] {
+        bus.group.insert(NodeId::from(id), 0);
+    }
+    // One round for the views to merge, one for n0 to take over the higher line.
+    bus.traffic(8, latency);
+    bus.round();
+    bus.traffic(8, latency);
+    bus.round();
+    bus.assert_agreement(0);
+    assert_eq!(bus.views(0)[0].1, NodeId::from("n0"));
+    let healed = bus.records.len();
+    for _ in 0..120 {
+        bus.traffic(8, latency);
+        bus.round();
+        bus.assert_agreement(0);
+    }
+    let after = &bus.records[healed..];
+    assert!(after.len() >= 5);
+    assert!(after
+        .iter()
+        .all(|r| r.leader == NodeId::from("n0") && r.epoch > max_before_heal));
+    assert!(after.windows(2).all(|w| w[1].epoch > w[0].epoch));
+    // Within one line, no epoch is decided twice.
+    for leader in ["n0", "n2"] {
+        let line: Vec<TuningRecord> = bus
+            .records
+            .iter()
+            .filter(|r| r.leader == NodeId::from(leader))
+            .cloned()
+            .collect();
+        assert_unique_epochs(&line);
+    }
+}
+
+#[test]
+fn candidate_that_hurts_e2e_beyond_the_guard_is_rejected() {
+    let start = cfg().start_weights();
+    // Any move away from the start halves TTFT but doubles E2E.
+    let hacking = move |w: Weights, u: f64| {
+        if w == start {
+            (200.0 + u, 1000.0 + u)
+        } else {
+            (100.0 + u, 2000.0 + u)
+        }
+    };
+    let mut bus = Bus::new(3, cfg());
+    while bus.records.len() < 5 {
+        bus.traffic(8, hacking);
+        bus.round();
+    }
+    for r in &bus.records {
+        assert!(r.score_p95_ttft_ms < r.incumbent_p95_ttft_ms, "{r:?}");
+        assert!(!r.accepted);
+        assert_eq!(r.verdict, Verdict::E2eGuard);
+        assert_eq!(r.incumbent, start);
+    }
+    // The same improvement without the E2E cost is taken.
+    let honest = move |w: Weights, u: f64| {
+        if w == start {
+            (200.0 + u, 1000.0 + u)
+        } else {
+            (100.0 + u, 1000.0 + u)
+        }
+    };
+    let mut bus = Bus::new(3, cfg());
+    while bus.records.is_empty() {
+        bus.traffic(8, honest);
+        bus.round();
+    }
+    assert!(bus.records[0].accepted);
+}
