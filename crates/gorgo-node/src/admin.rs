@@ -118,6 +118,7 @@ async fn admin_state(State(state): State<Arc<NodeState>>) -> Response {
             "samples": fit.samples(),
         },
         "shadow_index_blocks": state.shadow.lock().len(),
+        "shadow_index_tokens": state.shadow.lock().used_tokens(),
         "peers": state.peers.peers(),
         "weights": *state.weights.read(),
         "policy": state.config.routing.policy,

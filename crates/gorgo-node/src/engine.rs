@@ -230,7 +230,12 @@ pub struct EngineAdapter {
     seed_base_ms: f64,
     seed_decode_step_ms: f64,
     stats_version: AtomicU64,
+    mean_prompt_tokens: AtomicU64,
 }
+
+/// Prompt size assumed for requests the engine queues that we know nothing about,
+/// until we have seen our own.
+const DEFAULT_MEAN_PROMPT_TOKENS: u64 = 1024;
 
 impl EngineAdapter {
     /// Build the adapter and its pooled client (TCP_NODELAY, keep-alive).
@@ -259,6 +264,7 @@ impl EngineAdapter {
             seed_base_ms: engine.base_ms,
             seed_decode_step_ms: engine.decode_step_ms,
             stats_version: AtomicU64::new(0),
+            mean_prompt_tokens: AtomicU64::new(DEFAULT_MEAN_PROMPT_TOKENS),
         })
     }
 
@@ -309,9 +315,18 @@ impl EngineAdapter {
             .or_else(|| m.kv_usage.map(|u| u * capacity as f64))
             .unwrap_or(0.0)
             .max(0.0) as u64;
+        // The engine's own waiting queue may hold work we did not send (other routers,
+        // direct clients): count it at our mean prompt size, and trust whichever of
+        // that and our accounting is larger.
+        let scraped_waiting = m.waiting.unwrap_or(0.0).max(0.0) as u64;
+        let mean = self.mean_prompt_tokens.load(Ordering::Relaxed);
+        let unfinished = self
+            .unfinished_prefill_tokens
+            .load(Ordering::Relaxed)
+            .max(scraped_waiting.saturating_mul(mean));
         QueueStats {
             version: self.stats_version.fetch_add(1, Ordering::Relaxed) + 1,
-            unfinished_prefill_tokens: self.unfinished_prefill_tokens.load(Ordering::Relaxed),
+            unfinished_prefill_tokens: unfinished,
             running: running.min(u32::MAX as u64) as u32,
             waiting: waiting.min(u32::MAX as u64) as u32,
             kv_used_tokens: kv_used,
@@ -333,6 +348,11 @@ impl EngineAdapter {
     /// progresses (first byte: prefill done; drop: finished).
     pub fn dispatch(self: &Arc<Self>, prompt_tokens: u64) -> EngineTicket {
         self.inflight.fetch_add(1, Ordering::Relaxed);
+        // EWMA (1/8) of prompt sizes we dispatch; races between updates only blur it.
+        let mean = self.mean_prompt_tokens.load(Ordering::Relaxed);
+        let next = (mean * 7 + prompt_tokens) / 8;
+        self.mean_prompt_tokens
+            .store(next.max(1), Ordering::Relaxed);
         self.unfinished_prefill_tokens
             .fetch_add(prompt_tokens, Ordering::Relaxed);
         self.queued_prompt_tokens

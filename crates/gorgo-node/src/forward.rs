@@ -6,70 +6,26 @@
 //! finishing cleanly (reset, error) after the head means the serving side failed
 //! mid-response.
 
-use gorgo_core::{HashChain, NodeId};
-use serde::{Deserialize, Serialize};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::error::NodeError;
 
-/// Largest response head accepted from a peer.
-pub const MAX_HEAD_BYTES: usize = 64 * 1024;
+pub use gorgo_core::wire::{
+    ForwardRequest, ForwardResponseHead, MAX_FORWARD_HEAD, MAX_RESPONSE_HEAD,
+};
 
-/// Room for the request's fields besides the body.
+/// Room for a forwarded request's fields besides the body.
 pub const REQUEST_OVERHEAD_BYTES: usize = 1024 * 1024;
-
-/// A client request travelling to a peer.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ForwardRequest {
-    /// Id for logs across nodes.
-    pub request_id: u64,
-    /// Hops taken so far, including the one this stream is.
-    pub hops: u8,
-    /// The node the client talks to.
-    pub origin: NodeId,
-    /// `/v1/chat/completions` or `/v1/completions`.
-    pub endpoint: String,
-    /// The prompt's hash chain (so the peer does not re-hash).
-    pub chain: HashChain,
-    /// The client's JSON body, unchanged.
-    pub body: Vec<u8>,
-    /// Client headers passed through to the engine.
-    pub headers: Vec<(String, String)>,
-    /// A per-request policy override (`x-gorgo-policy`).
-    pub policy: Option<String>,
-}
-
-/// The serving side's answer before the bytes.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ForwardResponseHead {
-    /// HTTP status from the engine (or the serving node's error status).
-    pub status: u16,
-    /// Engine response headers worth passing on.
-    pub headers: Vec<(String, String)>,
-    /// The region that served the request.
-    pub served_by: String,
-    /// Hops the request took to get there.
-    pub hops: u8,
-}
-
-fn bincode_config<const N: usize>() -> bincode::config::Configuration<
-    bincode::config::LittleEndian,
-    bincode::config::Varint,
-    bincode::config::Limit<N>,
-> {
-    bincode::config::standard().with_limit::<N>()
-}
-
-/// Largest request frame we decode at all; the per-node cap applies on top.
-const MAX_REQUEST_FRAME: usize = 256 * 1024 * 1024 + REQUEST_OVERHEAD_BYTES;
 
 /// Write one length-prefixed frame.
 pub async fn write_frame<W: AsyncWrite + Unpin + ?Sized, T: Serialize>(
     w: &mut W,
     msg: &T,
 ) -> Result<(), NodeError> {
-    let bytes = bincode::serde::encode_to_vec(msg, bincode::config::standard())
-        .map_err(|e| NodeError::Protocol(format!("encode: {e}")))?;
+    let bytes =
+        gorgo_core::wire::try_encode(msg).map_err(|e| NodeError::Protocol(e.to_string()))?;
     let len =
         u32::try_from(bytes.len()).map_err(|_| NodeError::Protocol("frame too large".into()))?;
     w.write_all(&len.to_be_bytes()).await?;
@@ -79,7 +35,7 @@ pub async fn write_frame<W: AsyncWrite + Unpin + ?Sized, T: Serialize>(
 }
 
 /// Read one length-prefixed frame of at most `limit` bytes.
-pub async fn read_frame<R: AsyncRead + Unpin + ?Sized, T: for<'de> Deserialize<'de>>(
+pub async fn read_frame<R: AsyncRead + Unpin + ?Sized, T: DeserializeOwned>(
     r: &mut R,
     limit: usize,
 ) -> Result<T, NodeError> {
@@ -93,29 +49,23 @@ pub async fn read_frame<R: AsyncRead + Unpin + ?Sized, T: for<'de> Deserialize<'
     }
     let mut buf = vec![0u8; len];
     r.read_exact(&mut buf).await?;
-    let (msg, used) =
-        bincode::serde::decode_from_slice(&buf, bincode_config::<MAX_REQUEST_FRAME>())
-            .map_err(|e| NodeError::Protocol(format!("decode: {e}")))?;
-    if used != len {
-        return Err(NodeError::Protocol("trailing bytes in frame".into()));
-    }
-    Ok(msg)
+    gorgo_core::wire::decode(&buf, limit).map_err(|e| NodeError::Protocol(e.to_string()))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gorgo_core::{HashChain, NodeId};
 
     fn sample() -> ForwardRequest {
         ForwardRequest {
             request_id: 7,
             hops: 1,
             origin: NodeId::from("a"),
-            endpoint: "/v1/completions".into(),
+            endpoint: gorgo_core::Endpoint::Completions,
             chain: HashChain::from_bytes(b"hello world", 4, 4),
             body: br#"{"prompt":"hello world"}"#.to_vec(),
             headers: vec![("content-type".into(), "application/json".into())],
-            policy: None,
         }
     }
 

@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use futures::Stream;
-use gorgo_core::HashChain;
+use gorgo_core::Endpoint;
 use http_body_util::BodyExt;
 use serde_json::Value;
 use tokio::sync::OwnedSemaphorePermit;
@@ -80,7 +80,7 @@ async fn method_not_allowed() -> Response {
 }
 
 async fn chat(State(state): State<Arc<NodeState>>, headers: HeaderMap, body: Body) -> Response {
-    completion(state, "/v1/chat/completions", headers, body).await
+    completion(state, Endpoint::Chat, headers, body).await
 }
 
 async fn completions(
@@ -88,7 +88,7 @@ async fn completions(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    completion(state, "/v1/completions", headers, body).await
+    completion(state, Endpoint::Completions, headers, body).await
 }
 
 async fn models(State(state): State<Arc<NodeState>>) -> Response {
@@ -125,68 +125,6 @@ async fn models(State(state): State<Arc<NodeState>>) -> Response {
     }
 }
 
-/// Render the canonical prompt bytes of a request body (messages with roles in order,
-/// or the `prompt`), so identical prompts hash identically on every node.
-pub fn canonical_prompt(endpoint: &str, body: &Value) -> Result<Vec<u8>, String> {
-    let mut out = Vec::new();
-    let push_content = |out: &mut Vec<u8>, v: &Value| -> Result<(), String> {
-        match v {
-            Value::String(s) => out.extend_from_slice(s.as_bytes()),
-            Value::Array(parts) => {
-                for p in parts {
-                    match p {
-                        Value::String(s) => out.extend_from_slice(s.as_bytes()),
-                        Value::Object(o) => {
-                            if let Some(Value::String(t)) = o.get("text") {
-                                out.extend_from_slice(t.as_bytes());
-                            }
-                        }
-                        _ => return Err("content parts must be strings or objects".into()),
-                    }
-                }
-            }
-            Value::Null => {}
-            _ => return Err("`content` must be a string or an array".into()),
-        }
-        Ok(())
-    };
-    if endpoint == "/v1/chat/completions" {
-        let Some(Value::Array(messages)) = body.get("messages") else {
-            return Err("`messages` must be an array".into());
-        };
-        for m in messages {
-            let Value::Object(m) = m else {
-                return Err("each message must be an object".into());
-            };
-            let Some(Value::String(role)) = m.get("role") else {
-                return Err("each message needs a string `role`".into());
-            };
-            out.extend_from_slice(role.as_bytes());
-            out.push(b'\n');
-            push_content(&mut out, m.get("content").unwrap_or(&Value::Null))?;
-            out.push(b'\n');
-        }
-    } else {
-        match body.get("prompt") {
-            Some(Value::String(s)) => out.extend_from_slice(s.as_bytes()),
-            Some(Value::Array(items)) => {
-                for item in items {
-                    match item {
-                        Value::String(s) => out.extend_from_slice(s.as_bytes()),
-                        Value::Number(n) => {
-                            out.extend_from_slice(n.to_string().as_bytes());
-                            out.push(b' ');
-                        }
-                        _ => return Err("`prompt` items must be strings or token ids".into()),
-                    }
-                }
-            }
-            _ => return Err("`prompt` must be a string or an array".into()),
-        }
-    }
-    Ok(out)
-}
-
 /// Why the body could not be read.
 enum BodyError {
     TooLarge,
@@ -217,7 +155,7 @@ async fn read_body(body: Body, limit: usize, headers: &HeaderMap) -> Result<Byte
 
 async fn completion(
     state: Arc<NodeState>,
-    endpoint: &'static str,
+    endpoint: Endpoint,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
@@ -260,22 +198,18 @@ async fn completion(
             return error_response(StatusCode::BAD_REQUEST, &format!("malformed JSON: {e}"));
         }
     };
-    let prompt = match canonical_prompt(endpoint, &parsed) {
+    let prompt = match gorgo_core::prompt::canonicalize(endpoint, &parsed) {
         Ok(p) => p,
-        Err(m) => {
+        Err(e) => {
             state.metrics.request("bad_request", "");
-            return error_response(StatusCode::BAD_REQUEST, &m);
+            return error_response(StatusCode::BAD_REQUEST, &e.to_string());
         }
     };
     let streaming = parsed
         .get("stream")
         .and_then(Value::as_bool)
         .unwrap_or(false);
-    let chain = HashChain::from_bytes(
-        &prompt,
-        state.config.routing.block_bytes,
-        state.config.routing.bytes_per_token,
-    );
+    let chain = state.hasher.chain(&prompt);
     let policy = if state.config.routing.allow_policy_header {
         match headers.get(POLICY_HEADER).map(|v| v.to_str().unwrap_or("")) {
             None => None,
@@ -293,11 +227,13 @@ async fn completion(
     } else {
         None
     };
-    let session_key = headers
+    let session_id = headers
         .get(SESSION_HEADER)
-        .map(|v| gorgo_core::hash::hash_bytes(v.as_bytes()))
-        .or_else(|| chain.hashes.first().copied())
-        .unwrap_or(0);
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let session_key = session_id
+        .as_deref()
+        .map(|s| gorgo_core::hash::hash_bytes(s.as_bytes()));
     let pass: Vec<(String, String)> = PASS_REQUEST_HEADERS
         .iter()
         .filter_map(|&n| {
@@ -316,13 +252,14 @@ async fn completion(
     };
     let req = RoutedRequest {
         request_id: state.next_request_id(),
-        endpoint: endpoint.to_owned(),
+        endpoint,
         body,
         headers: pass,
         chain,
         hops: 0,
         policy,
         session_key,
+        session_id,
         origin: state.id.clone(),
     };
     let request_id = req.request_id;

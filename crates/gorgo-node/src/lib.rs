@@ -56,7 +56,11 @@ pub struct NodeState {
     /// Decisions and the forward ledger.
     pub router: route::Router,
     /// Model of the local engine's prefix cache.
-    pub shadow: Mutex<shadow::ShadowIndex>,
+    pub shadow: Mutex<shadow::LocalCache>,
+    /// The configured policy.
+    pub policy: gorgo_core::policy::PolicyKind,
+    /// Canonical prompt hashing (block size, token counting).
+    pub hasher: gorgo_core::PromptHasher,
     /// Online fit of the local engine's prefill cost.
     pub fit: Mutex<PrefillFit>,
     /// Prometheus metrics.
@@ -88,12 +92,26 @@ impl NodeState {
         )
         .map_err(|e| NodeError::Config(format!("engine seeds: {e}")))?;
         let engine = Arc::new(engine);
+        let policy = route::parse_policy(&config.routing.policy)
+            .map_err(|e| NodeError::Config(format!("invalid `routing.policy`: {e}")))?;
+        let hasher = gorgo_core::PromptHasher::new(
+            config.routing.block_bytes,
+            Box::new(gorgo_core::BytesPerToken(
+                config.routing.bytes_per_token.min(u32::MAX as usize) as u32,
+            )),
+        )
+        .map_err(|e| NodeError::Config(format!("invalid `routing.block_bytes`: {e}")))?;
         let capacity = engine.kv_capacity_tokens();
         Ok(Arc::new(NodeState {
             id: NodeId(config.node.id.clone()),
             weights: Arc::new(RwLock::new(config.routing.weights)),
-            router: route::Router::new(config.routing.decision_log),
-            shadow: Mutex::new(shadow::ShadowIndex::new(capacity)),
+            router: route::Router::new(
+                config.routing.decision_log,
+                gorgo_core::hash::hash_bytes(config.node.id.as_bytes()),
+            ),
+            shadow: Mutex::new(shadow::LocalCache::new(capacity)),
+            policy,
+            hasher,
             fit: Mutex::new(fit),
             metrics: metrics::NodeMetrics::new(),
             permits: Arc::new(Semaphore::new(config.limits.max_concurrency)),

@@ -82,6 +82,8 @@ pub trait PeerSource: Send + Sync + 'static {
     ) -> BoxFuture<'static, Result<(ForwardSend, ForwardRecv), NodeError>>;
     /// Announce this node's queue stats to peers.
     fn publish_stats(&self, stats: QueueStats);
+    /// Hand changes of this node's prefix summary to gossip.
+    fn publish_summary(&self, _delta: &gorgo_core::summary::SummaryDelta) {}
     /// Gossip traffic so far.
     fn gossip_counters(&self) -> GossipCounters {
         GossipCounters::default()

@@ -1,52 +1,27 @@
 //! Routing: candidates from local state and the peer table, the core cost model, and
 //! a bounded log of recent decisions for `/admin/decisions`.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
+use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use gorgo_core::cost::{cost_terms, Candidate, CostTerms, ForwardLedger};
-use gorgo_core::{NodeId, Weights};
+use gorgo_core::cost::{Candidate, ForwardLedger};
+use gorgo_core::decision::{decide, CandidateExplain};
+use gorgo_core::policy::{build, Policy, PolicyKind, RouteRequest};
+use gorgo_core::{HashChain, NodeId, Weights};
 use parking_lot::Mutex;
 use serde::Serialize;
 
-/// Policy names DESIGN.md defines that a live node can run (`oracle` is simulator-only).
-const POLICIES: &[&str] = &[
-    "gorgo",
-    "gorgo-paper",
-    "least-load",
-    "least-request",
-    "prefix-cache",
-    "session-affinity",
-    "simple-session-affinity",
-    "cache-aware",
-    "round-robin",
-    "random",
-    "local-only",
-];
-
-/// Check a policy name; the error lists the valid ones.
-pub fn parse_policy(name: &str) -> Result<String, String> {
-    if POLICIES.contains(&name) {
-        Ok(name.to_owned())
-    } else {
-        Err(format!(
-            "unknown policy `{name}` (expected one of {})",
-            POLICIES.join(", ")
-        ))
+/// Parse a policy name as DESIGN.md spells it; `oracle` is simulator-only.
+pub fn parse_policy(name: &str) -> Result<PolicyKind, String> {
+    match PolicyKind::from_str(name) {
+        Ok(PolicyKind::Oracle) => Err("policy `oracle` exists only in the simulator".into()),
+        Ok(k) => Ok(k),
+        Err(e) => Err(match e {
+            gorgo_core::CoreError::InvalidConfig { reason, .. } => reason,
+            other => other.to_string(),
+        }),
     }
-}
-
-/// One candidate in a recorded decision.
-#[derive(Debug, Clone, Serialize)]
-pub struct CandidateRecord {
-    /// The candidate node.
-    pub node: NodeId,
-    /// This node itself.
-    pub is_local: bool,
-    /// Whether it could serve.
-    pub healthy: bool,
-    /// The cost terms (ms) under the weights in force.
-    pub terms: CostTerms,
 }
 
 /// One routing decision, as `/admin/decisions` shows it.
@@ -57,19 +32,19 @@ pub struct DecisionRecord {
     /// Milliseconds since the node started.
     pub at_ms: u64,
     /// The policy used.
-    pub policy: String,
+    pub policy: PolicyKind,
     /// Hops the request had taken when it arrived.
     pub hops: u8,
     /// Prompt tokens.
     pub prompt_tokens: u64,
     /// The weights used.
     pub weights: Weights,
-    /// Every candidate considered.
-    pub candidates: Vec<CandidateRecord>,
+    /// Every candidate considered, with its rtt/prefill/queue terms.
+    pub candidates: Vec<CandidateExplain>,
     /// The chosen node, `None` when nothing could serve.
     pub winner: Option<NodeId>,
-    /// Why (e.g. `max-hops`, `cheapest`, `no-candidate`).
-    pub reason: &'static str,
+    /// Why (`policy`, `max-hops`, `policy-fallback`, or why nothing could serve).
+    pub reason: String,
 }
 
 /// The outcome of a decision.
@@ -88,40 +63,51 @@ pub enum Target {
 pub struct DecisionInput<'a> {
     /// Request id for the log.
     pub request_id: u64,
-    /// Policy name (validated).
-    pub policy: &'a str,
+    /// The policy.
+    pub policy: PolicyKind,
     /// Hops taken so far.
     pub hops: u8,
     /// The max-hops guard.
     pub max_hops: u8,
+    /// The prompt's chain.
+    pub chain: &'a HashChain,
     /// Prompt tokens.
     pub prompt_tokens: u64,
-    /// Session key hash (header `x-session-id` or the first block hash).
-    pub session_key: u64,
+    /// Hash of `x-session-id`, when sent.
+    pub session_key: Option<u64>,
     /// Weights in force.
     pub weights: Weights,
     /// Milliseconds since the node started.
     pub now_ms: u64,
 }
 
-/// The router's own state: decision log, forward ledger, round-robin cursor.
-#[derive(Debug)]
+/// The router's own state: policy instances, decision log, forward ledger.
 pub struct Router {
+    policies: Mutex<HashMap<PolicyKind, Box<dyn Policy>>>,
     log: Mutex<VecDeque<DecisionRecord>>,
     log_capacity: usize,
     /// This node's forwards to each peer not yet visible in their stats.
     pub ledger: Mutex<ForwardLedger>,
-    cursor: AtomicU64,
+    rng: AtomicU64,
+}
+
+impl std::fmt::Debug for Router {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Router")
+            .field("log_capacity", &self.log_capacity)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Router {
-    /// A router keeping the last `log_capacity` decisions.
-    pub fn new(log_capacity: usize) -> Self {
+    /// A router keeping the last `log_capacity` decisions; `seed` seeds tie-breaks.
+    pub fn new(log_capacity: usize, seed: u64) -> Self {
         Router {
+            policies: Mutex::new(HashMap::new()),
             log: Mutex::new(VecDeque::with_capacity(log_capacity.min(4096))),
             log_capacity: log_capacity.max(1),
             ledger: Mutex::new(ForwardLedger::new()),
-            cursor: AtomicU64::new(0),
+            rng: AtomicU64::new(seed),
         }
     }
 
@@ -130,38 +116,89 @@ impl Router {
         self.log.lock().iter().rev().take(limit).cloned().collect()
     }
 
-    /// Decide where to serve. `candidates[0]` must be the local node. The decision is
-    /// recorded in the log.
-    pub fn decide(&self, input: &DecisionInput<'_>, mut candidates: Vec<Candidate>) -> Target {
+    fn next_random(&self) -> u64 {
+        // splitmix64 over a counter: cheap, lock-free, good enough for tie-breaks.
+        let mut z = self.rng.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Decide where to serve through the core decision (policy + max-hops guard), and
+    /// record it. Peer candidates get this node's pending forwards applied first.
+    pub fn decide(
+        &self,
+        input: &DecisionInput<'_>,
+        mut candidates: Vec<Candidate>,
+    ) -> (Target, DecisionRecord) {
         {
             let ledger = self.ledger.lock();
             for c in candidates.iter_mut().filter(|c| !c.is_local) {
                 ledger.apply(c);
             }
         }
-        let terms: Vec<CostTerms> = candidates
-            .iter()
-            .map(|c| cost_terms(input.prompt_tokens, c, input.weights))
-            .collect();
-        let (winner, reason) = self.pick(input, &candidates, &terms);
+        let req = RouteRequest {
+            chain: input.chain,
+            prompt_tokens: input.prompt_tokens,
+            session_key: input.session_key,
+        };
+        let rng = self.next_random();
+        let outcome = {
+            let mut policies = self.policies.lock();
+            let policy = policies
+                .entry(input.policy)
+                .or_insert_with(|| build(input.policy));
+            decide(
+                &req,
+                input.hops,
+                input.max_hops,
+                &candidates,
+                policy.as_mut(),
+                input.weights,
+                rng,
+            )
+        };
+        let (target, explain, winner, reason) = match outcome {
+            Ok(d) => {
+                let reason = serde_json::to_value(d.reason)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_owned))
+                    .unwrap_or_default();
+                let target = if d.is_local {
+                    Target::Local
+                } else {
+                    Target::Peer(d.target.clone())
+                };
+                (target, d.candidates, Some(d.target), reason)
+            }
+            Err(n) => {
+                let reason = serde_json::to_value(n.reason)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_owned))
+                    .unwrap_or_default();
+                (Target::Nothing, n.candidates, None, reason)
+            }
+        };
+        if let Target::Peer(peer) = &target {
+            let cached = candidates
+                .iter()
+                .find(|c| &c.node == peer)
+                .map_or(0, |c| c.cached_tokens);
+            self.ledger.lock().record_forward(
+                peer,
+                input.prompt_tokens.saturating_sub(cached),
+                input.now_ms,
+            );
+        }
         let record = DecisionRecord {
             request_id: input.request_id,
             at_ms: input.now_ms,
-            policy: input.policy.to_owned(),
+            policy: input.policy,
             hops: input.hops,
             prompt_tokens: input.prompt_tokens,
             weights: input.weights,
-            candidates: candidates
-                .iter()
-                .zip(&terms)
-                .map(|(c, t)| CandidateRecord {
-                    node: c.node.clone(),
-                    is_local: c.is_local,
-                    healthy: c.healthy,
-                    terms: *t,
-                })
-                .collect(),
-            winner: winner.map(|i| candidates[i].node.clone()),
+            candidates: explain,
+            winner,
             reason,
         };
         {
@@ -169,95 +206,9 @@ impl Router {
             if log.len() >= self.log_capacity {
                 log.pop_front();
             }
-            log.push_back(record);
+            log.push_back(record.clone());
         }
-        match winner {
-            None => Target::Nothing,
-            Some(i) if candidates[i].is_local => Target::Local,
-            Some(i) => {
-                let c = &candidates[i];
-                let uncached = input.prompt_tokens.saturating_sub(c.cached_tokens);
-                self.ledger
-                    .lock()
-                    .record_forward(&c.node, uncached, input.now_ms);
-                Target::Peer(c.node.clone())
-            }
-        }
-    }
-
-    fn pick(
-        &self,
-        input: &DecisionInput<'_>,
-        cands: &[Candidate],
-        terms: &[CostTerms],
-    ) -> (Option<usize>, &'static str) {
-        let local_ok = cands.first().is_some_and(|c| c.is_local && c.healthy);
-        // The max-hops guard: a request that has used its hops is served where it is.
-        if input.hops >= input.max_hops || input.policy == "local-only" {
-            return if local_ok {
-                (Some(0), "max-hops")
-            } else {
-                (None, "no-candidate")
-            };
-        }
-        let healthy: Vec<usize> = (0..cands.len()).filter(|&i| cands[i].healthy).collect();
-        if healthy.is_empty() {
-            return (None, "no-candidate");
-        }
-        let by_min = |key: &dyn Fn(usize) -> f64| -> usize {
-            // Ties go to the local node (index 0), then to the earlier candidate.
-            let mut best = healthy[0];
-            for &i in &healthy[1..] {
-                if key(i) < key(best) {
-                    best = i;
-                }
-            }
-            best
-        };
-        let inflight = |i: usize| cands[i].inflight_requests() as f64;
-        let choice = match input.policy {
-            "least-request" => by_min(&inflight),
-            "least-load" => by_min(&|i| {
-                let s = &cands[i].stats;
-                s.running as f64 + s.waiting as f64 + s.kv_used_tokens as f64
-            }),
-            "round-robin" => {
-                healthy[(self.cursor.fetch_add(1, Ordering::Relaxed) as usize) % healthy.len()]
-            }
-            "random" => {
-                let r = gorgo_core::hash::hash_bytes(
-                    &(self.cursor.fetch_add(1, Ordering::Relaxed) ^ input.request_id).to_le_bytes(),
-                );
-                healthy[(r as usize) % healthy.len()]
-            }
-            "session-affinity" | "simple-session-affinity" => {
-                // Rendezvous hashing: stable under membership change.
-                let score = |i: usize| {
-                    let mut b = input.session_key.to_le_bytes().to_vec();
-                    b.extend_from_slice(cands[i].node.0.as_bytes());
-                    gorgo_core::hash::hash_bytes(&b)
-                };
-                *healthy
-                    .iter()
-                    .max_by_key(|&&i| score(i))
-                    .unwrap_or(&healthy[0])
-            }
-            "prefix-cache" | "cache-aware" => {
-                let longest = healthy
-                    .iter()
-                    .map(|&i| cands[i].cached_tokens)
-                    .max()
-                    .unwrap_or(0);
-                if longest == 0 {
-                    by_min(&inflight)
-                } else {
-                    by_min(&|i| (longest - cands[i].cached_tokens) as f64 * 1e6 + inflight(i))
-                }
-            }
-            // `gorgo` and `gorgo-paper`: the cost model in milliseconds.
-            _ => by_min(&|i| terms[i].total_ms),
-        };
-        (Some(choice), "cheapest")
+        (target, record)
     }
 }
 
@@ -265,14 +216,15 @@ impl Router {
 mod tests {
     use super::*;
 
-    fn input(hops: u8) -> DecisionInput<'static> {
+    fn input(hops: u8, chain: &HashChain) -> DecisionInput<'_> {
         DecisionInput {
             request_id: 1,
-            policy: "gorgo",
+            policy: PolicyKind::Gorgo,
             hops,
             max_hops: 1,
+            chain,
             prompt_tokens: 4000,
-            session_key: 0,
+            session_key: None,
             weights: Weights::default(),
             now_ms: 0,
         }
@@ -302,18 +254,27 @@ mod tests {
 
     #[test]
     fn max_hops_serves_locally() {
-        let r = Router::new(8);
-        assert_eq!(r.decide(&input(1), cands()), Target::Local);
+        let r = Router::new(8, 1);
+        let chain = HashChain::default();
+        assert_eq!(r.decide(&input(1, &chain), cands()).0, Target::Local);
         let mut c = cands();
         c[0].healthy = false;
-        assert_eq!(r.decide(&input(1), c), Target::Nothing);
+        assert_eq!(r.decide(&input(1, &chain), c).0, Target::Nothing);
+    }
+
+    #[test]
+    fn oracle_and_unknown_policies_are_rejected() {
+        assert!(parse_policy("oracle").is_err());
+        assert!(parse_policy("nope").unwrap_err().contains("least-load"));
+        assert_eq!(parse_policy("least-load").unwrap(), PolicyKind::LeastLoad);
     }
 
     #[test]
     fn log_is_bounded() {
-        let r = Router::new(2);
+        let r = Router::new(2, 1);
+        let chain = HashChain::default();
         for _ in 0..5 {
-            r.decide(&input(1), cands());
+            r.decide(&input(1, &chain), cands());
         }
         assert_eq!(r.recent(10).len(), 2);
     }

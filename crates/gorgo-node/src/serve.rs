@@ -9,13 +9,14 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use gorgo_core::cost::Candidate;
-use gorgo_core::{HashChain, NodeId};
+use gorgo_core::policy::PolicyKind;
+use gorgo_core::{Endpoint, HashChain, NodeId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::engine::EngineFailure;
 use crate::error::NodeError;
 use crate::forward::{
-    read_frame, write_frame, ForwardRequest, ForwardResponseHead, MAX_HEAD_BYTES,
+    read_frame, write_frame, ForwardRequest, ForwardResponseHead, MAX_RESPONSE_HEAD,
 };
 use crate::peers::{ForwardRecv, IncomingForward};
 use crate::route::{DecisionInput, Target};
@@ -42,8 +43,8 @@ pub type BodyStream = Pin<Box<dyn Stream<Item = Result<Bytes, String>> + Send>>;
 pub struct RoutedRequest {
     /// Id on this node.
     pub request_id: u64,
-    /// `/v1/chat/completions` or `/v1/completions`.
-    pub endpoint: String,
+    /// Chat or completions.
+    pub endpoint: Endpoint,
     /// The client's body, unchanged.
     pub body: Bytes,
     /// Headers passed to the engine.
@@ -52,10 +53,12 @@ pub struct RoutedRequest {
     pub chain: HashChain,
     /// Hops taken so far.
     pub hops: u8,
-    /// Policy override.
-    pub policy: Option<String>,
-    /// Session key for affinity policies.
-    pub session_key: u64,
+    /// Policy override (`x-gorgo-policy`).
+    pub policy: Option<PolicyKind>,
+    /// Hash of `x-session-id`, when sent.
+    pub session_key: Option<u64>,
+    /// The raw `x-session-id`, passed on to peers.
+    pub session_id: Option<String>,
     /// The node the client talks to.
     pub origin: NodeId,
 }
@@ -148,32 +151,30 @@ fn candidates(state: &NodeState, chain: &HashChain) -> Vec<Candidate> {
 
 /// Route and serve one request.
 pub async fn serve(state: &Arc<NodeState>, req: RoutedRequest) -> Result<Upstream, ServeError> {
-    let policy = req
-        .policy
-        .clone()
-        .unwrap_or_else(|| state.config.routing.policy.clone());
+    let policy = req.policy.unwrap_or(state.policy);
     let prompt_tokens = req.chain.total_tokens();
     let input = DecisionInput {
         request_id: req.request_id,
-        policy: &policy,
+        policy,
         hops: req.hops,
         max_hops: state.config.routing.max_hops,
+        chain: &req.chain,
         prompt_tokens,
         session_key: req.session_key,
         weights: *state.weights.read(),
         now_ms: state.now_ms(),
     };
     let cands = candidates(state, &req.chain);
-    let target = state.router.decide(&input, cands);
-    if let Some(rec) = state.router.recent(1).first() {
-        if let Some(w) = rec
-            .candidates
-            .iter()
-            .find(|c| Some(&c.node) == rec.winner.as_ref())
-        {
-            state.metrics.terms(&w.terms);
-        }
+    let (target, record) = state.router.decide(&input, cands);
+    if let Some(terms) = record
+        .candidates
+        .iter()
+        .find(|c| c.chosen)
+        .and_then(|c| c.terms)
+    {
+        state.metrics.terms(&terms);
     }
+    tracing::debug!(request_id = req.request_id, ?target, reason = %record.reason, "decided");
     match target {
         Target::Nothing => Err(ServeError::Unavailable(
             "no healthy engine and no live peer".into(),
@@ -205,15 +206,23 @@ pub async fn serve_local(
     req: &RoutedRequest,
 ) -> Result<Upstream, ServeError> {
     let prompt_tokens = req.chain.total_tokens();
-    let cached = state.shadow.lock().longest_match(&req.chain);
-    state.shadow.lock().insert(&req.chain);
+    let (cached, delta) = {
+        let mut shadow = state.shadow.lock();
+        (
+            shadow.longest_match(&req.chain),
+            shadow.insert(&req.chain, state.now_ms()),
+        )
+    };
+    if let Some(delta) = delta {
+        state.peers.publish_summary(&delta);
+    }
     let mut ticket = state.engine.dispatch(prompt_tokens);
     let started = Instant::now();
     let resp = state
         .engine
         .send(
             http::Method::POST,
-            &req.endpoint,
+            req.endpoint.path(),
             &req.headers,
             req.body.clone(),
         )
@@ -257,18 +266,27 @@ async fn forward(
     let timeout = Duration::from_millis(state.config.limits.first_byte_timeout_ms);
     let fut = async {
         let (mut send, mut recv) = state.peers.open_forward(peer).await?;
+        let mut headers = req.headers.clone();
+        if let Some(p) = req.policy {
+            headers.push((
+                crate::ingress::POLICY_HEADER.to_owned(),
+                p.as_str().to_owned(),
+            ));
+        }
+        if let Some(s) = &req.session_id {
+            headers.push((crate::ingress::SESSION_HEADER.to_owned(), s.clone()));
+        }
         let msg = ForwardRequest {
             request_id: req.request_id,
             hops: req.hops.saturating_add(1),
             origin: req.origin.clone(),
-            endpoint: req.endpoint.clone(),
+            endpoint: req.endpoint,
             chain: req.chain.clone(),
             body: req.body.to_vec(),
-            headers: req.headers.clone(),
-            policy: req.policy.clone(),
+            headers,
         };
         write_frame(&mut send, &msg).await?;
-        let head: ForwardResponseHead = read_frame(&mut recv, MAX_HEAD_BYTES).await?;
+        let head: ForwardResponseHead = read_frame(&mut recv, MAX_RESPONSE_HEAD).await?;
         Ok::<_, NodeError>((send, recv, head))
     };
     let (send, recv, head) = tokio::time::timeout(timeout, fut)
@@ -290,7 +308,7 @@ async fn forward(
     Ok(Upstream {
         status: head.status,
         headers,
-        served_by: head.served_by,
+        served_by: head.served_by.0,
         hops: head.hops,
         body: chunk_stream(recv, send),
     })
@@ -334,7 +352,8 @@ pub async fn handle_incoming(state: Arc<NodeState>, incoming: IncomingForward) {
         mut recv,
     } = incoming;
     state.metrics.forwards_received.inc();
-    let limit = state.config.limits.max_body_bytes + crate::forward::REQUEST_OVERHEAD_BYTES;
+    let limit = (state.config.limits.max_body_bytes + crate::forward::REQUEST_OVERHEAD_BYTES)
+        .min(crate::forward::MAX_FORWARD_HEAD.max(state.config.limits.max_body_bytes));
     let msg: ForwardRequest = match read_frame(&mut recv, limit).await {
         Ok(m) => m,
         Err(e) => {
@@ -346,13 +365,19 @@ pub async fn handle_incoming(state: Arc<NodeState>, incoming: IncomingForward) {
         let _ = write_error_head(&mut send, &state, 503, msg.hops, "node overloaded").await;
         return;
     };
-    let chain_ok = msg.chain.hashes.len() == msg.chain.block_tokens.len();
-    let endpoint_ok = gorgo_endpoint_ok(&msg.endpoint);
-    if !chain_ok || !endpoint_ok {
+    if msg.chain.hashes.len() != msg.chain.block_tokens.len() {
         let _ = write_error_head(&mut send, &state, 400, msg.hops, "malformed forward").await;
         return;
     }
-    let policy = msg.policy.filter(|p| crate::route::parse_policy(p).is_ok());
+    let header = |name: &str| {
+        msg.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.clone())
+    };
+    let policy =
+        header(crate::ingress::POLICY_HEADER).and_then(|p| crate::route::parse_policy(&p).ok());
+    let session_id = header(crate::ingress::SESSION_HEADER);
     let req = RoutedRequest {
         request_id: state.next_request_id(),
         endpoint: msg.endpoint,
@@ -362,7 +387,10 @@ pub async fn handle_incoming(state: Arc<NodeState>, incoming: IncomingForward) {
             .into_iter()
             .filter(|(k, _)| PASS_REQUEST_HEADERS.contains(&k.to_ascii_lowercase().as_str()))
             .collect(),
-        session_key: msg.chain.hashes.first().copied().unwrap_or(0),
+        session_key: session_id
+            .as_deref()
+            .map(|s| gorgo_core::hash::hash_bytes(s.as_bytes())),
+        session_id,
         chain: msg.chain,
         hops: msg.hops,
         policy,
@@ -384,7 +412,7 @@ pub async fn handle_incoming(state: Arc<NodeState>, incoming: IncomingForward) {
     let head = ForwardResponseHead {
         status: up.status,
         headers: up.headers,
-        served_by: up.served_by,
+        served_by: NodeId(up.served_by),
         hops: up.hops,
     };
     if write_frame(&mut send, &head).await.is_err() {
@@ -421,10 +449,6 @@ pub async fn handle_incoming(state: Arc<NodeState>, incoming: IncomingForward) {
     let _ = send.shutdown().await;
 }
 
-fn gorgo_endpoint_ok(endpoint: &str) -> bool {
-    endpoint == "/v1/chat/completions" || endpoint == "/v1/completions"
-}
-
 async fn write_chunk(send: &mut crate::peers::ForwardSend, bytes: &[u8]) -> std::io::Result<()> {
     send.write_all(&(bytes.len() as u32).to_be_bytes()).await?;
     send.write_all(bytes).await?;
@@ -441,7 +465,7 @@ async fn write_error_head(
     let head = ForwardResponseHead {
         status,
         headers: vec![("content-type".into(), "application/json".into())],
-        served_by: state.config.node.region.clone(),
+        served_by: NodeId(state.config.node.region.clone()),
         hops,
     };
     write_frame(send, &head).await?;

@@ -1,77 +1,79 @@
-//! The shadow prefix index of this node's own engine: which chained block hashes the
-//! engine probably still caches, with LRU eviction under its KV token capacity.
-//!
-//! Kept small and private to the node until `gorgo_core::index::ShadowIndex` lands; the
-//! interface (`insert`, `longest_match`) is the same so the swap is mechanical.
+//! The node's model of its own engine's prefix cache (`gorgo_core::ShadowIndex`), plus
+//! the bookkeeping that hands its summary changes to the cluster for gossip.
 
-use std::collections::{BTreeMap, HashMap};
+use gorgo_core::summary::SummaryDelta;
+use gorgo_core::{HashChain, ShadowIndex};
 
-use gorgo_core::HashChain;
-
-/// LRU set of chained block hashes with a token budget.
+/// The shadow index and how far its summary has been handed to gossip.
 #[derive(Debug)]
-pub struct ShadowIndex {
-    capacity_tokens: u64,
-    used_tokens: u64,
-    tick: u64,
-    entries: HashMap<u64, (u64, u32)>,
-    by_age: BTreeMap<u64, u64>,
+pub struct LocalCache {
+    index: ShadowIndex,
+    published_version: u64,
 }
 
-impl ShadowIndex {
-    /// An empty index over `capacity_tokens`.
+impl LocalCache {
+    /// An empty model of a cache of `capacity_tokens`.
     pub fn new(capacity_tokens: u64) -> Self {
-        ShadowIndex {
-            capacity_tokens: capacity_tokens.max(1),
-            used_tokens: 0,
-            tick: 0,
-            entries: HashMap::new(),
-            by_age: BTreeMap::new(),
+        LocalCache {
+            index: ShadowIndex::new(capacity_tokens.max(1)),
+            published_version: 0,
         }
     }
 
-    /// Record that the engine was sent `chain` (its blocks are now cached).
-    pub fn insert(&mut self, chain: &HashChain) {
-        for (i, &h) in chain.hashes.iter().enumerate() {
-            self.tick += 1;
-            let tokens = chain.block_tokens.get(i).copied().unwrap_or(0);
-            if let Some((age, _)) = self.entries.get_mut(&h) {
-                self.by_age.remove(age);
-                *age = self.tick;
-            } else {
-                self.entries.insert(h, (self.tick, tokens));
-                self.used_tokens += tokens as u64;
-            }
-            self.by_age.insert(self.tick, h);
-        }
-        while self.used_tokens > self.capacity_tokens {
-            let Some((_, h)) = self.by_age.pop_first() else {
-                break;
-            };
-            if let Some((_, t)) = self.entries.remove(&h) {
-                self.used_tokens -= t as u64;
-            }
-        }
-    }
-
-    /// Tokens of the longest prefix of `chain` held.
+    /// Tokens of `chain`'s prefix the engine probably caches.
     pub fn longest_match(&self, chain: &HashChain) -> u64 {
-        let blocks = chain
-            .hashes
-            .iter()
-            .take_while(|h| self.entries.contains_key(h))
-            .count();
-        chain.prefix_tokens(blocks)
+        self.index.longest_match(chain)
     }
 
-    /// Number of blocks held.
+    /// Record a dispatch of `chain` to the engine; returns the summary changes to
+    /// gossip (`None` when nothing changed).
+    pub fn insert(&mut self, chain: &HashChain, now_ms: u64) -> Option<SummaryDelta> {
+        self.index.insert(chain, now_ms);
+        self.take_delta()
+    }
+
+    /// Correct the model with the engine's own count of cached prompt tokens.
+    pub fn correct(
+        &mut self,
+        chain: &HashChain,
+        cached_tokens: u64,
+        now_ms: u64,
+    ) -> Option<SummaryDelta> {
+        self.index.correct(chain, cached_tokens, now_ms);
+        self.take_delta()
+    }
+
+    /// Follow the engine's real capacity once known.
+    pub fn set_capacity(&mut self, capacity_tokens: u64) -> Option<SummaryDelta> {
+        if capacity_tokens > 0 && capacity_tokens != self.index.capacity_tokens() {
+            self.index.set_capacity(capacity_tokens);
+        }
+        self.take_delta()
+    }
+
+    fn take_delta(&mut self) -> Option<SummaryDelta> {
+        let summary = self.index.summary();
+        if summary.version() == self.published_version {
+            return None;
+        }
+        let delta = summary.delta_since(self.published_version);
+        self.published_version = summary.version();
+        delta
+    }
+
+    /// Blocks held.
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.index.len()
     }
 
     /// True when nothing is held.
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.index.is_empty()
+    }
+
+    /// Tokens held.
+    pub fn used_tokens(&self) -> u64 {
+        self.index.used_tokens()
     }
 }
 
@@ -80,14 +82,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn evicts_oldest_under_capacity() {
-        let mut idx = ShadowIndex::new(128);
-        let a = HashChain::from_bytes(&[b'a'; 512], 256, 4);
-        let b = HashChain::from_bytes(&[b'b'; 512], 256, 4);
-        idx.insert(&a);
-        assert_eq!(idx.longest_match(&a), 128);
-        idx.insert(&b);
-        assert_eq!(idx.longest_match(&b), 128);
-        assert_eq!(idx.longest_match(&a), 0);
+    fn inserts_yield_deltas_once() {
+        let mut c = LocalCache::new(1_000);
+        let chain = HashChain::from_bytes(&[b'a'; 512], 256, 4);
+        let d = c
+            .insert(&chain, 0)
+            .expect("first insert changes the summary");
+        assert_eq!(d.added.len(), 2);
+        assert!(c.insert(&chain, 1).is_none());
+        assert_eq!(c.longest_match(&chain), 128);
     }
 }

@@ -1,0 +1,291 @@
+//! Test harness: a controllable stub engine and in-process nodes on loopback.
+#![allow(dead_code)]
+
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::response::Response;
+use axum::routing::{get, post};
+use bytes::Bytes;
+use gorgo_node::mesh::Mesh;
+use gorgo_node::{NodeConfig, NodeHandle, NodeListeners, NodeState};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+/// How the stub engine answers completions.
+pub const NORMAL: u8 = 0;
+/// Never send response headers (until released).
+pub const HANG: u8 = 1;
+/// Send the first SSE chunk, then hang (until released), then end.
+pub const STREAM_THEN_HANG: u8 = 2;
+
+/// A stub OpenAI-compatible engine whose load and behaviour the test sets.
+pub struct StubEngine {
+    pub addr: std::net::SocketAddr,
+    pub mode: AtomicU8,
+    pub waiting: AtomicU32,
+    pub requests: AtomicU64,
+    pub release: Notify,
+    pub name: String,
+    pub shutdown: CancellationToken,
+}
+
+impl StubEngine {
+    pub async fn start(name: &str) -> Arc<StubEngine> {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let shutdown = CancellationToken::new();
+        let engine = Arc::new(StubEngine {
+            addr: listener.local_addr().unwrap(),
+            mode: AtomicU8::new(NORMAL),
+            waiting: AtomicU32::new(0),
+            requests: AtomicU64::new(0),
+            release: Notify::new(),
+            name: name.to_owned(),
+            shutdown: shutdown.clone(),
+        });
+        let app = axum::Router::new()
+            .route("/health", get(|| async { "ok" }))
+            .route("/metrics", get(metrics))
+            .route("/v1/models", get(|State(e): State<Arc<StubEngine>>| async move {
+                axum::Json(serde_json::json!({"object": "list", "data": [{"id": e.name, "object": "model"}]}))
+            }))
+            .route("/v1/chat/completions", post(complete))
+            .route("/v1/completions", post(complete))
+            .with_state(engine.clone());
+        tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move { shutdown.cancelled().await })
+                .await
+                .unwrap();
+        });
+        engine
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn set_mode(&self, mode: u8) {
+        self.mode.store(mode, Ordering::SeqCst);
+    }
+
+    pub fn requests(&self) -> u64 {
+        self.requests.load(Ordering::SeqCst)
+    }
+}
+
+async fn metrics(State(e): State<Arc<StubEngine>>) -> String {
+    format!(
+        "# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs{{tp_rank=\"0\"}} 0.0\n\
+         # TYPE sglang:num_queue_reqs gauge\nsglang:num_queue_reqs{{tp_rank=\"0\"}} {}.0\n\
+         # TYPE sglang:max_total_num_tokens gauge\nsglang:max_total_num_tokens{{tp_rank=\"0\"}} 100000.0\n",
+        e.waiting.load(Ordering::SeqCst)
+    )
+}
+
+async fn complete(State(e): State<Arc<StubEngine>>, body: Bytes) -> Response {
+    e.requests.fetch_add(1, Ordering::SeqCst);
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let stream = v.get("stream").and_then(|s| s.as_bool()).unwrap_or(false);
+    let is_chat = v.get("messages").is_some();
+    match e.mode.load(Ordering::SeqCst) {
+        HANG => e.release.notified().await,
+        _ => {}
+    }
+    if stream {
+        let mode = e.mode.load(Ordering::SeqCst);
+        let e2 = e.clone();
+        let chunk = |text: &str| {
+            let delta = if is_chat {
+                serde_json::json!({"id": "x", "object": "chat.completion.chunk", "created": 0, "model": e2.name,
+                    "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": null}]})
+            } else {
+                serde_json::json!({"id": "x", "object": "text_completion", "created": 0, "model": e2.name,
+                    "choices": [{"index": 0, "text": text, "finish_reason": null}]})
+            };
+            Bytes::from(format!("data: {delta}\n\n"))
+        };
+        let first = chunk("hello");
+        let second = chunk(" world");
+        let stream = async_stream(first, second, mode, e.clone());
+        return Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(Body::from_stream(stream))
+            .unwrap();
+    }
+    let body = if is_chat {
+        serde_json::json!({"id": "x", "object": "chat.completion", "created": 0, "model": e.name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello world"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}})
+    } else {
+        serde_json::json!({"id": "x", "object": "text_completion", "created": 0, "model": e.name,
+            "choices": [{"index": 0, "text": "hello world", "finish_reason": "stop", "logprobs": null}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}})
+    };
+    Response::builder()
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .unwrap()
+}
+
+fn async_stream(
+    first: Bytes,
+    second: Bytes,
+    mode: u8,
+    e: Arc<StubEngine>,
+) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> + Send {
+    futures::stream::unfold(0u8, move |step| {
+        let (first, second, e) = (first.clone(), second.clone(), e.clone());
+        async move {
+            match step {
+                0 => Some((Ok(first), 1)),
+                1 => {
+                    if mode == STREAM_THEN_HANG {
+                        e.release.notified().await;
+                    }
+                    Some((Ok(second), 2))
+                }
+                2 => Some((Ok(Bytes::from_static(b"data: [DONE]\n\n")), 3)),
+                _ => None,
+            }
+        }
+    })
+}
+
+/// A TCP server that answers health checks and drops every other request: an engine
+/// that fails after accepting work (502).
+pub async fn broken_engine() -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 65536];
+                let mut got = Vec::new();
+                loop {
+                    let Ok(n) = sock.read(&mut buf).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    got.extend_from_slice(&buf[..n]);
+                    if got.windows(4).any(|w| w == b"\r\n\r\n") {
+                        break;
+                    }
+                }
+                if got.starts_with(b"GET /health") {
+                    let _ = sock
+                        .write_all(
+                            b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+                        )
+                        .await;
+                }
+                // Anything else: drop the connection without an answer.
+            });
+        }
+    });
+    addr
+}
+
+pub const TOKEN: &str = "test-admin-token";
+
+/// A config for a test node; sockets are bound separately on port 0.
+pub fn config(id: &str, engine_url: &str, extra: &str) -> NodeConfig {
+    let text = format!(
+        r#"
+[node]
+id = "{id}"
+region = "{id}"
+[listen]
+http = "127.0.0.1:0"
+quic = "127.0.0.1:0"
+admin = "127.0.0.1:0"
+[engine]
+url = "{engine_url}"
+kind = "sglang"
+health_interval_ms = 3600000
+metrics_interval_ms = 0
+[tls]
+ca = "ca.pem"
+cert = "cert.pem"
+key = "key.pem"
+[admin]
+token = "{TOKEN}"
+{extra}
+"#
+    );
+    NodeConfig::from_toml_str(&text).unwrap()
+}
+
+/// A running in-process node.
+pub struct TestNode {
+    pub handle: NodeHandle,
+    pub shutdown: CancellationToken,
+    pub base: String,
+    pub admin: String,
+}
+
+impl TestNode {
+    pub fn state(&self) -> &Arc<NodeState> {
+        &self.handle.state
+    }
+}
+
+/// Start a node on the mesh (or alone when `mesh` is `None`).
+pub async fn start_node(config: NodeConfig, mesh: Option<&Arc<Mesh>>) -> TestNode {
+    let shutdown = CancellationToken::new();
+    let listeners = NodeListeners {
+        http: TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        admin: TcpListener::bind("127.0.0.1:0").await.unwrap(),
+    };
+    let (state, incoming) = match mesh {
+        Some(mesh) => {
+            let peers = mesh.peer_source(&config.node.id);
+            let state = NodeState::new(config, peers).unwrap();
+            let rx = mesh.join(&state);
+            (state, rx)
+        }
+        None => {
+            let state = NodeState::new(config, Arc::new(gorgo_node::NoPeers)).unwrap();
+            let (_tx, rx) = tokio::sync::mpsc::channel(1);
+            (state, rx)
+        }
+    };
+    let handle = gorgo_node::start(state, listeners, incoming, shutdown.clone())
+        .await
+        .unwrap();
+    let base = format!("http://{}", handle.http_addr);
+    let admin = format!("http://{}", handle.admin_addr);
+    TestNode {
+        handle,
+        shutdown,
+        base,
+        admin,
+    }
+}
+
+/// A prompt of about `bytes` bytes, distinct per `seed`.
+pub fn prompt(seed: &str, bytes: usize) -> String {
+    let mut s = String::new();
+    while s.len() < bytes {
+        s.push_str(seed);
+        s.push(' ');
+    }
+    s
+}
+
+pub fn chat_body(prompt: &str, stream: bool) -> serde_json::Value {
+    serde_json::json!({"model": "m", "messages": [{"role": "user", "content": prompt}], "stream": stream, "max_tokens": 8})
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder().build().unwrap()
+}

@@ -1,0 +1,341 @@
+//! One node beside a stub engine: pass-through, headers, errors, admin API.
+mod common;
+
+use common::*;
+
+async fn error_of(resp: reqwest::Response) -> (u16, serde_json::Value) {
+    let status = resp.status().as_u16();
+    let body: serde_json::Value = resp.json().await.expect("OpenAI error JSON");
+    assert!(body["error"]["message"].is_string(), "{body}");
+    assert!(body["error"]["type"].is_string(), "{body}");
+    (status, body)
+}
+
+#[tokio::test]
+async fn non_streaming_chat_passes_through_with_headers() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(config("a", &engine.url(), ""), None).await;
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&chat_body("hi there", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-gorgo-served-by"], "a");
+    assert_eq!(resp.headers()["x-gorgo-hops"], "0");
+    let v: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "hello world");
+    node.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn streaming_completion_stays_sse_byte_for_byte() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(config("a", &engine.url(), ""), None).await;
+    let body = serde_json::json!({"model": "m", "prompt": "once upon a time", "stream": true});
+    let via_node = client()
+        .post(format!("{}/v1/completions", node.base))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(via_node.status(), 200);
+    assert_eq!(via_node.headers()["content-type"], "text/event-stream");
+    let via_node = via_node.bytes().await.unwrap();
+    let direct = client()
+        .post(format!("{}/v1/completions", engine.url()))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(via_node, direct.bytes().await.unwrap());
+    node.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn models_are_listed() {
+    let engine = StubEngine::start("the-model").await;
+    let node = start_node(config("a", &engine.url(), ""), None).await;
+    let v: serde_json::Value = client()
+        .get(format!("{}/v1/models", node.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["data"][0]["id"], "the-model");
+    node.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn bad_inputs_get_the_right_status_and_openai_errors() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(
+        config("a", &engine.url(), "[limits]\nmax_body_bytes = 1048576\n"),
+        None,
+    )
+    .await;
+    let c = client();
+    let url = format!("{}/v1/chat/completions", node.base);
+
+    let resp = c
+        .post(&url)
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(resp).await.0, 400);
+
+    let resp = c
+        .post(&url)
+        .json(&serde_json::json!({"model": "m"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(resp).await.0, 400, "chat without messages");
+
+    let resp = c
+        .post(&url)
+        .json(&serde_json::json!([1, 2]))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(resp).await.0, 400, "not an object");
+
+    let big = vec![b'a'; 10 * 1024 * 1024];
+    let resp = c
+        .post(&url)
+        .header("content-type", "application/json")
+        .body(big)
+        .send()
+        .await;
+    // The node may answer 413 before reading the whole body; either way the client
+    // must not see a success.
+    if let Ok(resp) = resp {
+        assert_eq!(error_of(resp).await.0, 413);
+    }
+
+    let resp = c
+        .get(format!("{}/v1/nope", node.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(resp).await.0, 404);
+
+    let resp = c
+        .post(&url)
+        .header("x-gorgo-policy", "nope")
+        .json(&chat_body("x", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(resp).await.0, 400, "unknown policy header");
+
+    assert_eq!(engine.requests(), 0, "no bad request reached the engine");
+    node.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn chunked_body_over_the_cap_is_413() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(
+        config("a", &engine.url(), "[limits]\nmax_body_bytes = 1024\n"),
+        None,
+    )
+    .await;
+    let chunks: Vec<Result<bytes::Bytes, std::io::Error>> = (0..8)
+        .map(|_| Ok(bytes::Bytes::from(vec![b' '; 512])))
+        .collect();
+    let resp = client()
+        .post(format!("{}/v1/completions", node.base))
+        .header("content-type", "application/json")
+        .body(reqwest::Body::wrap_stream(futures::stream::iter(chunks)))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(resp).await.0, 413);
+    node.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn engine_failure_is_502_and_timeout_is_504() {
+    let broken = broken_engine().await;
+    let node = start_node(config("a", &format!("http://{broken}"), ""), None).await;
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&chat_body("x", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(resp).await.0, 502);
+    node.shutdown.cancel();
+
+    let engine = StubEngine::start("e").await;
+    engine.set_mode(HANG);
+    let node = start_node(
+        config(
+            "b",
+            &engine.url(),
+            "[limits]\nfirst_byte_timeout_ms = 200\n",
+        ),
+        None,
+    )
+    .await;
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&chat_body("x", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(resp).await.0, 504);
+    engine.release.notify_waiters();
+    node.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn no_engine_and_no_peer_is_503() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(config("a", &engine.url(), ""), None).await;
+    node.state().engine.set_healthy(false);
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&chat_body("x", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(resp).await.0, 503);
+    let resp = client()
+        .get(format!("{}/readyz", node.admin))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 503);
+    node.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn admin_api_requires_the_token_and_reports_decisions() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(config("a", &engine.url(), ""), None).await;
+    let c = client();
+    for path in [
+        "/admin/state",
+        "/admin/peers",
+        "/admin/decisions",
+        "/admin/weights",
+        "/admin/tuning",
+    ] {
+        let resp = c.get(format!("{}{path}", node.admin)).send().await.unwrap();
+        assert_eq!(error_of(resp).await.0, 401, "{path} without token");
+        let resp = c
+            .get(format!("{}{path}", node.admin))
+            .bearer_auth("wrong-token")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(error_of(resp).await.0, 401, "{path} with a wrong token");
+        let resp = c
+            .get(format!("{}{path}", node.admin))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200, "{path}");
+    }
+    c.post(format!("{}/v1/chat/completions", node.base))
+        .json(&chat_body("x", false))
+        .send()
+        .await
+        .unwrap();
+    let d: serde_json::Value = c
+        .get(format!("{}/admin/decisions?limit=5", node.admin))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(d.as_array().unwrap().len(), 1);
+    assert_eq!(d[0]["winner"], "a");
+    assert!(
+        d[0]["candidates"][0]["terms"]["prefill_ms"].is_number(),
+        "{d}"
+    );
+
+    let resp = c
+        .put(format!("{}/admin/weights", node.admin))
+        .bearer_auth(TOKEN)
+        .json(&serde_json::json!({"w_rtt": 0.5, "w_queue": 2.0}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(node.state().weights.read().w_queue, 2.0);
+    let resp = c
+        .put(format!("{}/admin/weights", node.admin))
+        .bearer_auth(TOKEN)
+        .json(&serde_json::json!({"w_rtt": -1.0, "w_queue": 2.0}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(resp).await.0, 400);
+    let resp = c
+        .put(format!("{}/admin/weights", node.admin))
+        .bearer_auth(TOKEN)
+        .json(&serde_json::json!({"w_rt": 1.0, "w_queue": 2.0}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(resp).await.0, 400, "typo in a field");
+
+    let metrics = c
+        .get(format!("{}/metrics", node.admin))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(metrics.contains("gorgo_requests_total"), "{metrics}");
+    assert!(metrics.contains("gorgo_ttft_seconds"), "{metrics}");
+    let resp = c
+        .get(format!("{}/healthz", node.admin))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    node.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn client_disconnect_releases_the_engine_request() {
+    let engine = StubEngine::start("e").await;
+    engine.set_mode(STREAM_THEN_HANG);
+    let node = start_node(config("a", &engine.url(), ""), None).await;
+    let mut resp = client()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&chat_body("x", true))
+        .send()
+        .await
+        .unwrap();
+    let first = resp.chunk().await.unwrap().unwrap();
+    assert!(first.starts_with(b"data: "));
+    assert_eq!(node.state().engine.inflight(), 1);
+    drop(resp);
+    // The node notices the closed client connection and drops the engine stream,
+    // which releases the local accounting; wait for that event, not for time.
+    let state = node.state().clone();
+    tokio::time::timeout(std::time::Duration::from_secs(10), async move {
+        while state.engine.inflight() != 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("accounting released after client disconnect");
+    engine.release.notify_waiters();
+    node.shutdown.cancel();
+}
