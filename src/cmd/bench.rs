@@ -1,28 +1,383 @@
-//! `gorgo bench`.
+//! `gorgo bench`, `gorgo compare` and `gorgo demo`: thin drivers over `gorgo-bench`.
+//!
+//! `bench` replays a trace against a running cluster; `compare` starts one cluster per
+//! policy (this binary's `up`/`down`) and replays the same workload on each; `demo` is
+//! `compare` on a bundled topology and a seeded generated workload, with no arguments.
 
-/// Arguments of this subcommand.
-#[derive(clap::Args, Debug)]
-pub struct BenchArgs {}
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
 
-/// Not implemented yet.
-pub fn run_bench(_args: BenchArgs) -> anyhow::Result<()> {
-    anyhow::bail!("not implemented yet")
+use anyhow::Context;
+use gorgo_bench::workload::{body_builder, load_trace, rebase, replay_items};
+use gorgo_bench::{indicatif, CancellationToken, ClusterInfo, CompareSpec, LoadMode, PolicyRun, ReplayConfig};
+use gorgo_workload::TraceRequest;
+
+/// The policies `compare` and `demo` run by default: GORGO and the paper's baselines.
+pub const MAIN_POLICIES: &str =
+    "gorgo,least-load,least-request,prefix-cache,session-affinity,simple-session-affinity";
+
+/// The demo's topology, bundled so the demo runs from any directory.
+const DEMO_TOPOLOGY: &str = include_str!("../../configs/topologies/three-region.toml");
+
+/// Open loop (trace timestamps) or closed loop (fixed concurrency).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Send each request at `timestamp x time_scale`.
+    Open,
+    /// `--concurrency` clients, each sending its next request when the last finished.
+    Closed,
 }
 
-/// Arguments of this subcommand.
-#[derive(clap::Args, Debug)]
-pub struct CompareArgs {}
-
-/// Not implemented yet.
-pub fn run_compare(_args: CompareArgs) -> anyhow::Result<()> {
-    anyhow::bail!("not implemented yet")
+/// How the load is offered: shared by `bench` and `compare`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct LoadArgs {
+    /// Multiplies trace timestamps in open loop (0.5 = twice as fast).
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Open or closed loop.
+    #[arg(long, value_enum, default_value_t = Mode::Open)]
+    pub mode: Mode,
+    /// Closed loop: number of clients (default 64). Open loop: cap on requests in
+    /// flight (waiting for a slot is recorded as slip; default no cap).
+    #[arg(long)]
+    pub concurrency: Option<usize>,
+    /// Stop sending after this many seconds of replay (in-flight requests finish).
+    #[arg(long)]
+    pub duration: Option<f64>,
+    /// Use only the trace's first this-many seconds (trace time, before --time-scale).
+    #[arg(long)]
+    pub window: Option<f64>,
+    /// Send at most this many requests.
+    #[arg(long)]
+    pub max_requests: Option<usize>,
+    /// Per-request timeout in seconds.
+    #[arg(long, default_value_t = 300.0)]
+    pub timeout_s: f64,
+    /// `model` field of the requests.
+    #[arg(long, default_value = "gorgo-emulated")]
+    pub model: String,
+    /// Do not send `ignore_eos: true` (engines may then stop before `max_tokens`).
+    #[arg(long)]
+    pub no_ignore_eos: bool,
+    /// No progress bars.
+    #[arg(long)]
+    pub no_progress: bool,
 }
 
-/// Arguments of this subcommand.
-#[derive(clap::Args, Debug)]
-pub struct DemoArgs {}
+impl LoadArgs {
+    fn replay_config(&self) -> anyhow::Result<ReplayConfig> {
+        let secs = |field: &str, s: f64| {
+            if s.is_finite() && s > 0.0 {
+                Ok(Duration::from_secs_f64(s))
+            } else {
+                anyhow::bail!("--{field} must be a positive number of seconds, got {s}")
+            }
+        };
+        let mode = match self.mode {
+            Mode::Open => LoadMode::Open {
+                time_scale: self.time_scale,
+            },
+            Mode::Closed => LoadMode::Closed {
+                concurrency: self.concurrency.unwrap_or(64),
+            },
+        };
+        Ok(ReplayConfig {
+            mode,
+            max_in_flight: match self.mode {
+                Mode::Open => self.concurrency,
+                Mode::Closed => None,
+            },
+            duration: self.duration.map(|d| secs("duration", d)).transpose()?,
+            max_requests: self.max_requests,
+            request_timeout: secs("timeout-s", self.timeout_s)?,
+            ..ReplayConfig::default()
+        })
+    }
 
-/// Not implemented yet.
-pub fn run_demo(_args: DemoArgs) -> anyhow::Result<()> {
-    anyhow::bail!("not implemented yet")
+    fn describe(&self) -> serde_json::Value {
+        serde_json::json!({
+            "mode": match self.mode { Mode::Open => "open", Mode::Closed => "closed" },
+            "time_scale": self.time_scale,
+            "concurrency": self.concurrency,
+            "duration_s": self.duration,
+            "window_s": self.window,
+            "max_requests": self.max_requests,
+            "timeout_s": self.timeout_s,
+            "model": self.model,
+            "ignore_eos": !self.no_ignore_eos,
+        })
+    }
+}
+
+/// Arguments of `gorgo bench`.
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// Trace file (Mooncake JSONL, ART-Chat, Azure CSV, generator JSONL).
+    #[arg(long)]
+    pub trace: PathBuf,
+    /// The cluster: a `gorgo up` run dir, its cluster.json, or `region=url,...`.
+    #[arg(long)]
+    pub cluster: String,
+    /// Name of this run in the results (e.g. the policy the cluster runs).
+    #[arg(long, default_value = "bench")]
+    pub label: String,
+    /// Send `x-gorgo-policy: <P>` with every request (per-request policy override).
+    #[arg(long)]
+    pub policy: Option<String>,
+    /// Where results.json, table.md, requests.csv and the plots go.
+    #[arg(long, default_value = "out/bench")]
+    pub out: PathBuf,
+    #[command(flatten)]
+    pub load: LoadArgs,
+}
+
+/// `gorgo bench`: replay a trace against a running cluster and report.
+pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
+    super::init_tracing();
+    let cluster = ClusterInfo::parse_spec(&args.cluster)?;
+    let requests = Arc::new(read_workload(&args.trace, &args.load)?);
+    let mut config = args.load.replay_config()?;
+    config.policy_header = args.policy.clone();
+    if !args.load.no_progress {
+        config.progress = Some(indicatif::ProgressBar::new(0));
+    }
+    let items = replay_items(&requests, &cluster.region_names());
+    let bodies = body_builder(
+        requests.clone(),
+        args.load.model.clone(),
+        !args.load.no_ignore_eos,
+    );
+    let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
+    let output = runtime.block_on(async {
+        let cancel = cancel_on_ctrl_c();
+        gorgo_bench::replay(&cluster, items, bodies, &config, cancel.cancelled()).await
+    })?;
+    let label = args.policy.clone().unwrap_or(args.label.clone());
+    let runs = vec![PolicyRun {
+        policy: label,
+        regions: cluster.region_names(),
+        output,
+    }];
+    let mut cfg = args.load.describe();
+    cfg["command"] = "bench".into();
+    cfg["trace"] = args.trace.display().to_string().into();
+    cfg["cluster"] = serde_json::to_value(&cluster)?;
+    cfg["requests_in_workload"] = requests.len().into();
+    finish(&args.out, cfg, &runs)
+}
+
+/// Arguments of `gorgo compare`.
+#[derive(clap::Args, Debug)]
+pub struct CompareArgs {
+    /// Trace file (Mooncake JSONL, ART-Chat, Azure CSV, generator JSONL).
+    #[arg(long)]
+    pub trace: PathBuf,
+    /// Topology of every cluster.
+    #[arg(long, default_value = "configs/topologies/three-region.toml")]
+    pub topology: PathBuf,
+    /// Comma-separated policies, one cluster each.
+    #[arg(long, default_value = MAIN_POLICIES)]
+    pub policies: String,
+    /// Output dir (results.json, table.md, requests.csv, plots; cluster logs per policy).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// One policy after the other instead of all clusters at once.
+    #[arg(long)]
+    pub sequential: bool,
+    /// Engine profile of the emulators (default: `gorgo up`'s).
+    #[arg(long)]
+    pub engine_profile: Option<String>,
+    /// First port of the first cluster; each further cluster gets the next block.
+    #[arg(long, default_value_t = 7100)]
+    pub base_port: u16,
+    /// Ports between two clusters' blocks.
+    #[arg(long, default_value_t = 100)]
+    pub port_stride: u16,
+    /// Seconds to wait for one cluster to be ready.
+    #[arg(long, default_value_t = 120.0)]
+    pub up_timeout_s: f64,
+    #[command(flatten)]
+    pub load: LoadArgs,
+}
+
+/// `gorgo compare`: every policy on the same workload, one cluster each.
+pub fn run_compare(args: CompareArgs) -> anyhow::Result<()> {
+    super::init_tracing();
+    let requests = read_workload(&args.trace, &args.load)?;
+    let mut cfg = args.load.describe();
+    cfg["command"] = "compare".into();
+    cfg["trace"] = args.trace.display().to_string().into();
+    compare_and_report(&args, requests, cfg)
+}
+
+fn compare_and_report(
+    args: &CompareArgs,
+    requests: Vec<TraceRequest>,
+    mut cfg: serde_json::Value,
+) -> anyhow::Result<()> {
+    let policies: Vec<String> = args
+        .policies
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(str::to_owned)
+        .collect();
+    if !args.topology.is_file() {
+        anyhow::bail!("--topology {}: no such file", args.topology.display());
+    }
+    if !(args.up_timeout_s.is_finite() && args.up_timeout_s > 0.0) {
+        anyhow::bail!("--up-timeout-s must be positive");
+    }
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let out = args.out.canonicalize()?;
+    let spec = CompareSpec {
+        exe: std::env::current_exe().context("locating the gorgo binary")?,
+        topology: args.topology.canonicalize()?,
+        policies: policies.clone(),
+        out: out.clone(),
+        sequential: args.sequential,
+        engine_profile: args.engine_profile.clone(),
+        base_port: args.base_port,
+        port_stride: args.port_stride,
+        up_timeout: Duration::from_secs_f64(args.up_timeout_s),
+        replay: args.load.replay_config()?,
+        model: args.load.model.clone(),
+        ignore_eos: !args.load.no_ignore_eos,
+        progress: (!args.load.no_progress).then(indicatif::MultiProgress::new),
+    };
+    cfg["topology"] = args.topology.display().to_string().into();
+    cfg["policies"] = serde_json::to_value(&policies)?;
+    cfg["sequential"] = args.sequential.into();
+    cfg["engine_profile"] = args.engine_profile.clone().into();
+    cfg["requests_in_workload"] = requests.len().into();
+    let requests = Arc::new(requests);
+    let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
+    let runs = runtime.block_on(async {
+        let cancel = cancel_on_ctrl_c();
+        gorgo_bench::compare(&spec, requests, cancel).await
+    })?;
+    finish(&out, cfg, &runs)
+}
+
+/// Arguments of `gorgo demo` (all optional: the demo needs none).
+#[derive(clap::Args, Debug)]
+pub struct DemoArgs {
+    /// Where the report goes.
+    #[arg(long, default_value = "out/demo")]
+    pub out: PathBuf,
+    /// Seed of the generated workload.
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
+    /// Users of the generated workload.
+    #[arg(long, default_value_t = 48)]
+    pub users: u32,
+    /// Seconds of generated trace (each user's ART-Chat-like 30-minute activity).
+    #[arg(long, default_value_t = 1800.0)]
+    pub trace_seconds: f64,
+    /// Replay speed: trace seconds are multiplied by this.
+    #[arg(long, default_value_t = 1.0 / 20.0)]
+    pub time_scale: f64,
+    /// Comma-separated policies.
+    #[arg(long, default_value = MAIN_POLICIES)]
+    pub policies: String,
+    /// Engine profile of the emulators (default: `gorgo up`'s).
+    #[arg(long)]
+    pub engine_profile: Option<String>,
+    /// One policy after the other instead of all clusters at once.
+    #[arg(long)]
+    pub sequential: bool,
+}
+
+/// `gorgo demo`: three regions, a seeded generated workload, every main policy.
+pub fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let topology = args.out.join("three-region.toml");
+    std::fs::write(&topology, DEMO_TOPOLOGY)
+        .with_context(|| format!("writing {}", topology.display()))?;
+    let generator = gorgo_workload::GeneratorConfig {
+        seed: args.seed,
+        users: args.users,
+        duration_s: args.trace_seconds,
+        ..gorgo_workload::GeneratorConfig::default()
+    };
+    let requests = gorgo_workload::generate(&generator).context("generating the workload")?;
+    eprintln!(
+        "gorgo demo: {} requests from {} users over {:.0} s of trace, replayed at x{} ({:.0} s), policies {}",
+        requests.len(),
+        args.users,
+        args.trace_seconds,
+        args.time_scale,
+        args.trace_seconds * args.time_scale,
+        args.policies
+    );
+    let compare = CompareArgs {
+        trace: PathBuf::from("(generated)"),
+        topology,
+        policies: args.policies.clone(),
+        out: args.out.clone(),
+        sequential: args.sequential,
+        engine_profile: args.engine_profile.clone(),
+        base_port: 7100,
+        port_stride: 100,
+        up_timeout_s: 120.0,
+        load: LoadArgs {
+            time_scale: args.time_scale,
+            mode: Mode::Open,
+            concurrency: None,
+            duration: None,
+            window: None,
+            max_requests: None,
+            timeout_s: 120.0,
+            model: "gorgo-emulated".into(),
+            no_ignore_eos: false,
+            no_progress: false,
+        },
+    };
+    let mut cfg = compare.load.describe();
+    cfg["command"] = "demo".into();
+    cfg["trace"] = "generated".into();
+    cfg["generator"] = serde_json::to_value(&generator)?;
+    super::init_tracing();
+    compare_and_report(&compare, requests, cfg)
+}
+
+/// Read the workload, cut to `--window` and rebased to start at 0.
+fn read_workload(path: &Path, load: &LoadArgs) -> anyhow::Result<Vec<TraceRequest>> {
+    let mut requests = load_trace(path, load.window, load.max_requests)?;
+    if requests.is_empty() {
+        anyhow::bail!("{}: no requests in the selected window", path.display());
+    }
+    rebase(&mut requests);
+    Ok(requests)
+}
+
+/// A token cancelled on the first Ctrl-C, so replays stop and clusters are torn down.
+fn cancel_on_ctrl_c() -> CancellationToken {
+    let cancel = CancellationToken::new();
+    let c = cancel.clone();
+    tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            eprintln!("interrupted: stopping replays and tearing clusters down");
+            c.cancel();
+        }
+    });
+    cancel
+}
+
+/// Write the report and print the table.
+fn finish(out: &Path, cfg: serde_json::Value, runs: &[PolicyRun]) -> anyhow::Result<()> {
+    let table = gorgo_bench::report::write_report(out, cfg, runs)?;
+    println!("{table}");
+    let failed: usize = runs.iter().map(|r| r.output.failed()).sum();
+    println!("report: {}", out.display());
+    if runs.iter().any(|r| r.output.cancelled) {
+        anyhow::bail!("interrupted: the report covers what finished");
+    }
+    if failed > 0 {
+        eprintln!("{failed} requests failed (see requests.csv)");
+    }
+    Ok(())
 }

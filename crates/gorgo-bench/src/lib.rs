@@ -14,6 +14,7 @@ pub mod cluster;
 pub mod error;
 pub mod lifecycle;
 pub mod replay;
+pub mod report;
 pub mod sse;
 pub mod workload;
 
@@ -24,3 +25,9 @@ pub use lifecycle::{RunningCluster, UpOptions};
 pub use replay::{
     replay, BodyBuilder, LoadMode, ReplayConfig, ReplayItem, ReplayOutput, RequestOutcome,
 };
+
+/// Re-exported so the CLI drives progress bars and cancellation with the very types
+/// this crate uses.
+pub use indicatif;
+/// Cancels a replay or a comparison (the CLI fires it on Ctrl-C).
+pub use tokio_util::sync::CancellationToken;
