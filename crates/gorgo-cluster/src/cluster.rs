@@ -543,6 +543,12 @@ impl ClusterHandle {
         &self.inner.metrics
     }
 
+    /// UDP bytes sent on the currently open connections, QUIC overhead included (a
+    /// closed connection's bytes drop out: use for rates over stable windows).
+    pub fn udp_bytes_sent(&self) -> u64 {
+        self.inner.conns.udp_bytes_sent()
+    }
+
     /// Membership changes seen so far, with the time since start.
     pub fn membership_log(&self) -> Vec<(Duration, MembershipEvent)> {
         self.inner.events.lock().clone()

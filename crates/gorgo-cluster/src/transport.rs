@@ -70,6 +70,19 @@ impl Connections {
         self.by_node.get(node).filter(|c| usable(c)).map(|c| c.clone())
     }
 
+    /// UDP bytes (QUIC overhead included) sent on every open connection so far.
+    pub(crate) fn udp_bytes_sent(&self) -> u64 {
+        let mut seen = std::collections::HashSet::new();
+        let mut total = 0;
+        let conns = self.by_node.iter().map(|e| e.value().clone()).chain(self.by_addr.iter().map(|e| e.value().1.clone()));
+        for c in conns {
+            if seen.insert(c.stable_id()) {
+                total += c.stats().udp_tx.bytes;
+            }
+        }
+        total
+    }
+
     pub(crate) fn all(&self) -> Vec<(NodeId, quinn::Connection)> {
         self.by_node.iter().map(|e| (e.key().clone(), e.value().clone())).collect()
     }
