@@ -48,25 +48,25 @@ up() {
   netns_add gorgo-me-israel-client 9 10.77.0.104
   shape gorgo-us-ashburn 11 10.77.0.11 delay 45ms
   shape gorgo-us-ashburn 12 10.77.0.12 delay 90ms
-  shape gorgo-us-ashburn 13 10.77.0.13 delay 31ms
+  shape gorgo-us-ashburn 13 10.77.0.13 delay 36ms
   shape gorgo-us-ashburn 14 10.77.0.14 delay 67ms
   shape gorgo-us-ashburn 15 10.77.0.100 delay 3ms
   shape gorgo-us-ashburn-client 10 10.77.0.10 delay 3ms
   shape gorgo-eu-frankfurt 10 10.77.0.10 delay 45ms
   shape gorgo-eu-frankfurt 12 10.77.0.12 delay 125ms
-  shape gorgo-eu-frankfurt 13 10.77.0.13 delay 73ms
+  shape gorgo-eu-frankfurt 13 10.77.0.13 delay 83ms
   shape gorgo-eu-frankfurt 14 10.77.0.14 delay 27ms
   shape gorgo-eu-frankfurt 16 10.77.0.101 delay 4ms
   shape gorgo-eu-frankfurt-client 11 10.77.0.11 delay 4ms
   shape gorgo-ap-seoul 10 10.77.0.10 delay 90ms
   shape gorgo-ap-seoul 11 10.77.0.11 delay 125ms
-  shape gorgo-ap-seoul 13 10.77.0.13 delay 67ms
+  shape gorgo-ap-seoul 13 10.77.0.13 delay 66ms
   shape gorgo-ap-seoul 14 10.77.0.14 delay 135ms
   shape gorgo-ap-seoul 17 10.77.0.102 delay 5ms
   shape gorgo-ap-seoul-client 12 10.77.0.12 delay 5ms
-  shape gorgo-us-west 10 10.77.0.10 delay 31ms
-  shape gorgo-us-west 11 10.77.0.11 delay 73ms
-  shape gorgo-us-west 12 10.77.0.12 delay 67ms
+  shape gorgo-us-west 10 10.77.0.10 delay 36ms
+  shape gorgo-us-west 11 10.77.0.11 delay 83ms
+  shape gorgo-us-west 12 10.77.0.12 delay 66ms
   shape gorgo-us-west 14 10.77.0.14 delay 140.5ms
   shape gorgo-us-west 18 10.77.0.103 delay 3ms
   shape gorgo-us-west-client 13 10.77.0.13 delay 3ms
