@@ -85,6 +85,8 @@ pub async fn wait_for_shutdown_signal() -> anyhow::Result<()> {
         }
     }
     #[cfg(not(unix))]
-    tokio::signal::ctrl_c().await.context("waiting for Ctrl-C")?;
+    tokio::signal::ctrl_c()
+        .await
+        .context("waiting for Ctrl-C")?;
     Ok(())
 }
