@@ -70,10 +70,12 @@ pub struct GeneratorConfig {
     pub shared_prompt_users: f64,
     /// Median tokens of a conversation's first message.
     pub first_message_median_tokens: f64,
+    /// Log-normal sigma of the first message's length (pasted documents make it wide).
+    pub first_message_sigma: f64,
     /// Median tokens of a follow-up message.
     pub followup_message_median_tokens: f64,
-    /// Log-normal sigma of message lengths.
-    pub message_sigma: f64,
+    /// Log-normal sigma of a follow-up message's length.
+    pub followup_message_sigma: f64,
     /// Output tokens of every request (ART-Chat's `max_tokens`), also the answer
     /// length carried into the next turn's context.
     pub output_tokens: u32,
@@ -100,7 +102,7 @@ impl Default for GeneratorConfig {
             diurnal_amplitude: 0.5,
             diurnal_peak_hour: 14.0,
             requests_per_user: 14.5,
-            activity_sigma: 0.5,
+            activity_sigma: 0.3,
             single_turn_sessions: 0.58,
             multi_turn_mean_turns: 4.0,
             think_time_median_s: 25.0,
@@ -111,8 +113,9 @@ impl Default for GeneratorConfig {
             shared_prompt_tokens: 512,
             shared_prompt_users: 0.6,
             first_message_median_tokens: 600.0,
+            first_message_sigma: 1.0,
             followup_message_median_tokens: 250.0,
-            message_sigma: 1.0,
+            followup_message_sigma: 1.0,
             output_tokens: 128,
             tokens_per_block: 256,
             max_input_tokens: 131_072,
@@ -126,6 +129,18 @@ pub fn zipf_weights(n: usize) -> Vec<f64> {
 }
 
 impl GeneratorConfig {
+    /// Parse a TOML parameter file (any subset of the fields; unknown fields are an
+    /// error naming them), then validate it.
+    pub fn from_toml_str(text: &str) -> Result<Self> {
+        let cfg: GeneratorConfig =
+            toml::from_str(text).map_err(|e| WorkloadError::InvalidConfig {
+                field: "toml",
+                reason: e.to_string(),
+            })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
     /// Check every parameter, naming the first bad one.
     pub fn validate(&self) -> Result<()> {
         let bad = |field: &'static str, reason: &str| {
@@ -161,7 +176,8 @@ impl GeneratorConfig {
             ("activity_sigma", self.activity_sigma),
             ("think_time_sigma", self.think_time_sigma),
             ("system_prompt_sigma", self.system_prompt_sigma),
-            ("message_sigma", self.message_sigma),
+            ("first_message_sigma", self.first_message_sigma),
+            ("followup_message_sigma", self.followup_message_sigma),
         ];
         for (field, v) in sigmas {
             if !(v.is_finite() && (0.0..=5.0).contains(&v)) {
@@ -302,8 +318,8 @@ pub fn generate(config: &GeneratorConfig) -> Result<Vec<TraceRequest>> {
     };
     let think = lognormal(c.think_time_median_s, c.think_time_sigma)?;
     let system_len = lognormal(c.system_prompt_median_tokens, c.system_prompt_sigma)?;
-    let first_len = lognormal(c.first_message_median_tokens, c.message_sigma)?;
-    let followup_len = lognormal(c.followup_message_median_tokens, c.message_sigma)?;
+    let first_len = lognormal(c.first_message_median_tokens, c.first_message_sigma)?;
+    let followup_len = lognormal(c.followup_message_median_tokens, c.followup_message_sigma)?;
 
     let weight_sum: f64 = c.region_weights.iter().sum();
     let mean_diurnal: Vec<f64> = (0..c.regions.len()).map(|r| c.mean_diurnal(r)).collect();

@@ -12,6 +12,7 @@ pub mod prompt;
 pub mod read;
 pub mod record;
 pub mod stats;
+pub mod window;
 pub mod write;
 
 pub use error::WorkloadError;
@@ -20,6 +21,7 @@ pub use prompt::{block_text, chat_body, synthesize_prompt};
 pub use read::{detect_format, open_trace, TraceFormat, TraceReader};
 pub use record::{BlockIds, TraceRequest};
 pub use stats::{LengthSummary, StatsAccumulator, TraceStats};
+pub use window::slice_window;
 pub use write::{write_jsonl, JsonlWriter};
 
 /// Convenience alias for this crate's results.
