@@ -23,9 +23,9 @@ use crate::hash::HashChain;
 /// heavy churn); older peers get a snapshot.
 pub const DEFAULT_SUMMARY_LOG_CAPACITY: usize = 1 << 16;
 
-/// A [`Hasher`] for fingerprints, which are already uniform hashes: it only spreads the
-/// 32 bits over 64 (one multiply) so that the hash table's control bytes, taken from
-/// the top bits, stay distinct. Far cheaper than SipHash on the routing hot path.
+/// A [`Hasher`] for fingerprints and block hashes, which are already uniform hashes: it
+/// only mixes them with one multiply so that the hash table's control bytes, taken
+/// from the top bits, stay distinct. Far cheaper than SipHash on the routing hot path.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct FingerprintHasher(u64);
 
@@ -41,6 +41,12 @@ impl Hasher for FingerprintHasher {
         for &b in bytes {
             self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         }
+    }
+
+    #[inline]
+    fn write_u64(&mut self, v: u64) {
+        // Block hashes (the shadow index's keys) are uniform 64-bit hashes already.
+        self.0 = (v ^ self.0.rotate_left(32)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     }
 
     #[inline]
