@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use gorgo_bench::workload::{body_builder, load_trace, rebase, replay_items};
-use gorgo_bench::{indicatif, CancellationToken, ClusterInfo, CompareSpec, LoadMode, PolicyRun, ReplayConfig};
+use gorgo_bench::{
+    indicatif, CancellationToken, ClusterInfo, CompareSpec, LoadMode, PolicyRun, ReplayConfig,
+};
 use gorgo_workload::TraceRequest;
 
 /// The policies `compare` and `demo` run by default: GORGO and the paper's baselines.

@@ -72,7 +72,9 @@ pub async fn compare(
     let mut sequential = spec.sequential;
     let has_base_port = supports_flag(&spec.exe, "up", "--base-port").await;
     if !sequential && !has_base_port && spec.policies.len() > 1 {
-        tracing::warn!("`gorgo up` has no --base-port: clusters cannot run side by side, running sequentially");
+        tracing::warn!(
+            "`gorgo up` has no --base-port: clusters cannot run side by side, running sequentially"
+        );
         sequential = true;
     }
     let up_options = |k: usize, policy: &str| UpOptions {
@@ -81,8 +83,10 @@ pub async fn compare(
         policy: policy.to_owned(),
         engine_profile: spec.engine_profile.clone(),
         run_dir: spec.out.join(policy).join("run"),
-        base_port: has_base_port
-            .then(|| spec.base_port.saturating_add((k as u16).saturating_mul(spec.port_stride))),
+        base_port: has_base_port.then(|| {
+            spec.base_port
+                .saturating_add((k as u16).saturating_mul(spec.port_stride))
+        }),
         extra_args: Vec::new(),
         timeout: spec.up_timeout,
     };

@@ -9,8 +9,8 @@
 #![deny(rust_2018_idioms)]
 
 pub mod client;
-pub mod compare;
 pub mod cluster;
+pub mod compare;
 pub mod error;
 pub mod lifecycle;
 pub mod replay;

@@ -95,7 +95,11 @@ pub fn replay_items(requests: &[TraceRequest], regions: &[String]) -> Vec<Replay
 /// Builds each request's OpenAI chat body when it is sent (prompts are synthesised from
 /// block ids, so they never all sit in memory). `ignore_eos` asks the engine to produce
 /// exactly `max_tokens` (an SGLang/vLLM extension).
-pub fn body_builder(requests: Arc<Vec<TraceRequest>>, model: String, ignore_eos: bool) -> BodyBuilder {
+pub fn body_builder(
+    requests: Arc<Vec<TraceRequest>>,
+    model: String,
+    ignore_eos: bool,
+) -> BodyBuilder {
     Arc::new(move |i| {
         let req = requests
             .get(i)
