@@ -242,9 +242,10 @@ mod tests {
 
     #[test]
     fn forwards_to_the_cheaper_peer() {
-        let r = Router::new(8);
+        let r = Router::new(8, 1);
+        let chain = HashChain::default();
         assert_eq!(
-            r.decide(&input(0), cands()),
+            r.decide(&input(0, &chain), cands()).0,
             Target::Peer(NodeId::from("b"))
         );
         let log = r.recent(10);

@@ -1,0 +1,237 @@
+//! Three nodes in one process (in-memory mesh), each beside its own stub engine:
+//! local serving, forwarding to the peer that holds the prefix, the max-hops guard,
+//! and killed peers.
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use gorgo_node::mesh::Mesh;
+
+struct Cluster {
+    mesh: Arc<Mesh>,
+    engines: Vec<Arc<StubEngine>>,
+    nodes: Vec<TestNode>,
+}
+
+const IDS: [&str; 3] = ["a", "b", "c"];
+
+async fn cluster(extra: &str) -> Cluster {
+    let mesh = Mesh::new();
+    mesh.set_rtt("a", "b", 150.0);
+    mesh.set_rtt("a", "c", 200.0);
+    mesh.set_rtt("b", "c", 250.0);
+    let mut engines = Vec::new();
+    let mut nodes = Vec::new();
+    for id in IDS {
+        let engine = StubEngine::start(id).await;
+        nodes.push(start_node(config(id, &engine.url(), extra), Some(&mesh)).await);
+        engines.push(engine);
+    }
+    Cluster {
+        mesh,
+        engines,
+        nodes,
+    }
+}
+
+impl Cluster {
+    /// Make node `i`'s engine report `waiting` queued requests, and read it now.
+    async fn saturate(&self, i: usize, waiting: u32) {
+        self.engines[i]
+            .waiting
+            .store(waiting, std::sync::atomic::Ordering::SeqCst);
+        self.nodes[i].state().engine.scrape().await;
+    }
+}
+
+async fn chat(node: &TestNode, prompt: &str) -> (u16, String, u32) {
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&chat_body(prompt, false))
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let served = resp
+        .headers()
+        .get("x-gorgo-served-by")
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    let hops = resp
+        .headers()
+        .get("x-gorgo-hops")
+        .map(|v| v.to_str().unwrap().parse().unwrap())
+        .unwrap_or(0);
+    let _ = resp.bytes().await.unwrap();
+    (status, served, hops)
+}
+
+#[tokio::test]
+async fn idle_local_engine_serves_locally() {
+    let c = cluster("").await;
+    for (i, id) in IDS.iter().enumerate() {
+        // Distinct prompts: a prompt another node has cached may rightly go there.
+        let (status, served, hops) = chat(&c.nodes[i], &prompt(id, 4000)).await;
+        assert_eq!((status, served.as_str(), hops), (200, *id, 0));
+    }
+}
+
+#[tokio::test]
+async fn saturated_node_forwards_to_the_peer_holding_the_prefix() {
+    let c = cluster("").await;
+    let p = prompt("shared context of a long conversation", 40_000);
+    // b serves the prompt first, so b's engine caches it.
+    assert_eq!(chat(&c.nodes[1], &p).await, (200, "b".into(), 0));
+    // a is saturated: 50 requests queued at its engine.
+    c.saturate(0, 50).await;
+    assert_eq!(chat(&c.nodes[0], &p).await, (200, "b".into(), 1));
+    assert_eq!(c.engines[0].requests(), 0, "a's engine never saw it");
+    assert_eq!(c.engines[1].requests(), 2);
+
+    // The decision at a shows every candidate's terms and b as the winner.
+    let d: serde_json::Value = client()
+        .get(format!("{}/admin/decisions?limit=1", c.nodes[0].admin))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(d[0]["winner"], "b");
+    assert_eq!(d[0]["candidates"].as_array().unwrap().len(), 3);
+    // At b the forwarded request arrived with hops = max_hops and was served there.
+    let d: serde_json::Value = client()
+        .get(format!("{}/admin/decisions?limit=1", c.nodes[1].admin))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(d[0]["reason"], "max-hops");
+
+    // Streaming through the forward stays SSE, chunk by chunk.
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", c.nodes[0].base))
+        .json(&chat_body(&p, true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.headers()["x-gorgo-served-by"], "b");
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let text = resp.text().await.unwrap();
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+}
+
+#[tokio::test]
+async fn never_more_than_max_hops_even_when_all_are_saturated() {
+    let c = cluster("").await;
+    for i in 0..3 {
+        c.saturate(i, 100).await;
+    }
+    for round in 0..4 {
+        for (i, node) in c.nodes.iter().enumerate() {
+            let (status, _, hops) = chat(node, &prompt(&format!("r{round}n{i}"), 8000)).await;
+            assert_eq!(status, 200);
+            assert!(hops <= 1, "hops {hops}");
+        }
+    }
+    // max_hops = 0 turns forwarding off.
+    let c = cluster("[routing]\nmax_hops = 0\n").await;
+    let p = prompt("zero hops", 40_000);
+    chat(&c.nodes[1], &p).await;
+    c.saturate(0, 100).await;
+    assert_eq!(chat(&c.nodes[0], &p).await, (200, "a".into(), 0));
+}
+
+#[tokio::test]
+async fn killed_peer_stops_receiving_forwards() {
+    let c = cluster("").await;
+    let p = prompt("context held by b", 40_000);
+    chat(&c.nodes[1], &p).await;
+    c.saturate(0, 50).await;
+    assert_eq!(chat(&c.nodes[0], &p).await.1, "b");
+    c.mesh.kill("b");
+    c.nodes[1].shutdown.cancel();
+    let before = c.engines[1].requests();
+    for _ in 0..3 {
+        let (status, served, _) = chat(&c.nodes[0], &p).await;
+        assert_eq!(status, 200);
+        assert_ne!(served, "b");
+    }
+    assert_eq!(c.engines[1].requests(), before);
+}
+
+async fn wait_for_requests(engine: &StubEngine, n: u64) {
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while engine.requests() < n {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("request reached the engine");
+}
+
+#[tokio::test]
+async fn forward_failing_before_first_byte_falls_back_locally() {
+    let c = cluster("").await;
+    let p = prompt("context held by b", 40_000);
+    chat(&c.nodes[1], &p).await;
+    c.saturate(0, 50).await;
+    c.engines[1].set_mode(HANG);
+    let node_a = c.nodes[0].base.clone();
+    let body = chat_body(&p, false);
+    let pending = tokio::spawn(async move {
+        let resp = client()
+            .post(format!("{node_a}/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let served = resp.headers()["x-gorgo-served-by"]
+            .to_str()
+            .unwrap()
+            .to_owned();
+        (resp.status().as_u16(), served)
+    });
+    // The forward is at b's engine, which holds it: now b dies.
+    wait_for_requests(&c.engines[1], 2).await;
+    c.mesh.kill("b");
+    c.nodes[1].shutdown.cancel();
+    let (status, served) = pending.await.unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(served, "a", "served locally after the forward failed");
+    c.engines[1].release.notify_waiters();
+}
+
+#[tokio::test]
+async fn forward_failing_mid_stream_ends_with_an_error_event() {
+    let c = cluster("").await;
+    let p = prompt("context held by b", 40_000);
+    chat(&c.nodes[1], &p).await;
+    c.saturate(0, 50).await;
+    c.engines[1].set_mode(STREAM_THEN_HANG);
+    let mut resp = client()
+        .post(format!("{}/v1/chat/completions", c.nodes[0].base))
+        .json(&chat_body(&p, true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.headers()["x-gorgo-served-by"], "b");
+    let first = resp.chunk().await.unwrap().unwrap();
+    assert!(first.starts_with(b"data: {"), "{first:?}");
+    c.mesh.kill("b");
+    c.nodes[1].shutdown.cancel();
+    let mut rest = Vec::new();
+    while let Some(chunk) = resp.chunk().await.unwrap() {
+        rest.extend_from_slice(&chunk);
+    }
+    let rest = String::from_utf8(rest).unwrap();
+    assert!(rest.starts_with("data: {\"error\""), "{rest}");
+    assert!(!rest.contains("[DONE]"), "{rest}");
+    c.engines[1].release.notify_waiters();
+}
