@@ -13,7 +13,8 @@
 //!   text; any other part gives `<|{type}:{hash}|>` (hash of the part's JSON, 16 hex
 //!   digits) so different images never look alike; `null`/missing content gives
 //!   nothing. A message's `tool_calls`, when present, follow the content as
-//!   `<|tool_calls:{json}|>`.
+//!   `<|tool_calls:{json}|>`. A non-empty `tools` array comes first, as
+//!   `<|tools|>\n{json}\n` (engines put tool definitions at the start of the prompt).
 //! - `completions`: a `prompt` string as is; an array of strings concatenated with
 //!   `\n` after each; token ids (array of integers, or array of such arrays) as 4
 //!   little-endian bytes per id, so the default 4-bytes-per-token estimate is exact
@@ -112,6 +113,18 @@ fn render_chat(body: &Value, out: &mut Vec<u8>) -> Result<(), CoreError> {
         .ok_or_else(|| invalid("`messages` must be an array"))?;
     if messages.is_empty() {
         return Err(invalid("`messages` must not be empty"));
+    }
+    // Engines render tool definitions into the start of the prompt, so they are part
+    // of the cached prefix: a different tool set is a different prefix.
+    match obj.get("tools") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(tools)) if tools.is_empty() => {}
+        Some(tools @ Value::Array(_)) => {
+            out.extend_from_slice(b"<|tools|>\n");
+            out.extend_from_slice(tools.to_string().as_bytes());
+            out.push(b'\n');
+        }
+        Some(_) => return Err(invalid("`tools` must be an array")),
     }
     for (i, m) in messages.iter().enumerate() {
         let m = m
@@ -330,6 +343,22 @@ mod tests {
     }
 
     #[test]
+    fn tools_prefix_the_prompt() {
+        let with = |tools: Value| {
+            let body = json!({"messages": [{"role": "user", "content": "hi"}], "tools": tools});
+            canonicalize(Endpoint::Chat, &body).unwrap()
+        };
+        assert_eq!(with(json!([])), b"<|user|>\nhi\n");
+        let a = with(json!([{"type": "function", "function": {"name": "f"}}]));
+        assert!(a.starts_with(b"<|tools|>\n[{"));
+        assert!(a.ends_with(b"<|user|>\nhi\n"));
+        assert_ne!(
+            a,
+            with(json!([{"type": "function", "function": {"name": "g"}}]))
+        );
+    }
+
+    #[test]
     fn completions_forms() {
         let s = canonicalize(Endpoint::Completions, &json!({"prompt": "abc"})).unwrap();
         assert_eq!(s, b"abc");
@@ -371,6 +400,10 @@ mod tests {
                 json!({"messages": [{"role": "user", "content": [{"text": "a"}]}]}),
             ),
             (Endpoint::Chat, json!([])),
+            (
+                Endpoint::Chat,
+                json!({"messages": [{"role": "user"}], "tools": {}}),
+            ),
             (Endpoint::Completions, json!({})),
             (Endpoint::Completions, json!({"prompt": 5})),
             (Endpoint::Completions, json!({"prompt": ["a", 1]})),

@@ -11,9 +11,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::CoreError;
 use crate::hash::HashChain;
-use crate::prompt::Endpoint;
 use crate::summary::{SummaryDelta, SummarySnapshot};
 use crate::types::{NodeId, QueueStats};
+
+/// The endpoint a forwarded request came to (defined with the prompt rendering it
+/// selects; re-exported here because it is part of [`ForwardRequest`]).
+pub use crate::prompt::Endpoint;
 
 /// Largest gossip message accepted (4 MiB). A snapshot of about 800k fingerprints
 /// (a shadow index of ~50M tokens at 64 tokens per block) fits; gossip travels on its
