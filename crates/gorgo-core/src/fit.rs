@@ -122,10 +122,12 @@ impl PrefillFit {
     /// finite, negative, or larger than any real prefill.
     pub fn observe(&mut self, ttft_ms: f64, rtt_ms: f64, uncached_tokens: u64) -> bool {
         let y = ttft_ms - rtt_ms;
-        if !(ttft_ms.is_finite() && rtt_ms.is_finite() && rtt_ms >= 0.0)
-            || !(0.0..=MAX_OBSERVED_MS).contains(&y)
-            || uncached_tokens > MAX_TOKENS
-        {
+        let sane = ttft_ms.is_finite()
+            && rtt_ms.is_finite()
+            && rtt_ms >= 0.0
+            && (0.0..=MAX_OBSERVED_MS).contains(&y)
+            && uncached_tokens <= MAX_TOKENS;
+        if !sane {
             self.rejected += 1;
             return false;
         }

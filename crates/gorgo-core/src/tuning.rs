@@ -423,7 +423,8 @@ impl Tuner {
         let full = samples >= self.cfg.window as u64;
         let timed_out =
             on_tick && now_ms.saturating_sub(lead.window_started_ms) >= self.cfg.time_cap_ms;
-        if !full && !(timed_out && samples >= self.cfg.min_samples as u64) {
+        let closes = full || (timed_out && samples >= self.cfg.min_samples as u64);
+        if !closes {
             if timed_out {
                 // Too few requests to score: extend the window.
                 lead.window_started_ms = now_ms;

@@ -528,9 +528,9 @@ proptest! {
                 let chosen = &cands[d.target_index];
                 prop_assert!(chosen.healthy);
                 prop_assert_eq!(&chosen.node, &d.target);
-                // Forwarding adds a hop; it must never take the request past max_hops.
+                // Forwarding adds a hop (hops + 1): it must never exceed max_hops.
                 if !d.is_local {
-                    prop_assert!(hops + 1 <= max_hops);
+                    prop_assert!(hops < max_hops);
                 }
                 if hops >= max_hops {
                     prop_assert!(d.is_local);
