@@ -119,7 +119,9 @@ pub struct ClusterHandle {
 
 impl std::fmt::Debug for ClusterHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ClusterHandle").field("node", &self.inner.node_id).finish_non_exhaustive()
+        f.debug_struct("ClusterHandle")
+            .field("node", &self.inner.node_id)
+            .finish_non_exhaustive()
     }
 }
 
@@ -141,7 +143,10 @@ pub async fn start(
 ) -> Result<ClusterHandle> {
     validate_node_id(&config.node_id)?;
     if config.gossip_interval.is_zero() {
-        return Err(ClusterError::Config { field: "gossip_interval", reason: "must be > 0".into() });
+        return Err(ClusterError::Config {
+            field: "gossip_interval",
+            reason: "must be > 0".into(),
+        });
     }
     if config.swim.probe_rtt >= config.swim.probe_period {
         return Err(ClusterError::Config {
@@ -149,8 +154,12 @@ pub async fn start(
             reason: "must be shorter than swim.probe_period".into(),
         });
     }
-    let transport = Arc::new(transport::transport_config(config.idle_timeout, config.keep_alive));
-    let mut server = quinn::ServerConfig::with_crypto(Arc::new(server_crypto(&config.credentials)?));
+    let transport = Arc::new(transport::transport_config(
+        config.idle_timeout,
+        config.keep_alive,
+    ));
+    let mut server =
+        quinn::ServerConfig::with_crypto(Arc::new(server_crypto(&config.credentials)?));
     server.transport_config(transport.clone());
     let mut client = quinn::ClientConfig::new(Arc::new(client_crypto(&config.credentials)?));
     client.transport_config(transport);
@@ -158,14 +167,25 @@ pub async fn start(
     let mut endpoint = match socket {
         ClusterSocket::Bind => {
             let s = std::net::UdpSocket::bind(config.listen)?;
-            quinn::Endpoint::new(endpoint_config, Some(server), s, Arc::new(quinn::TokioRuntime))?
+            quinn::Endpoint::new(
+                endpoint_config,
+                Some(server),
+                s,
+                Arc::new(quinn::TokioRuntime),
+            )?
         }
-        ClusterSocket::Std(s) => {
-            quinn::Endpoint::new(endpoint_config, Some(server), s, Arc::new(quinn::TokioRuntime))?
-        }
-        ClusterSocket::Custom { socket, runtime } => {
-            quinn::Endpoint::new_with_abstract_socket(endpoint_config, Some(server), socket, runtime)?
-        }
+        ClusterSocket::Std(s) => quinn::Endpoint::new(
+            endpoint_config,
+            Some(server),
+            s,
+            Arc::new(quinn::TokioRuntime),
+        )?,
+        ClusterSocket::Custom { socket, runtime } => quinn::Endpoint::new_with_abstract_socket(
+            endpoint_config,
+            Some(server),
+            socket,
+            runtime,
+        )?,
     };
     endpoint.set_default_client_config(client);
 
@@ -202,7 +222,9 @@ pub async fn start(
         events: Mutex::new(Vec::new()),
         config,
     });
-    let handler = StatsHandler { inner: Arc::downgrade(&inner) };
+    let handler = StatsHandler {
+        inner: Arc::downgrade(&inner),
+    };
     let foca = Foca::with_custom_broadcast(
         me,
         inner.config.swim.foca_config(),
@@ -218,7 +240,11 @@ pub async fn start(
 
 type ClusterFoca = Foca<MemberId, BincodeCodec, foca_rand::rngs::SmallRng, StatsHandler>;
 
-async fn run_foca(inner: Arc<Inner>, mut foca: ClusterFoca, mut rx: mpsc::UnboundedReceiver<FocaInput>) {
+async fn run_foca(
+    inner: Arc<Inner>,
+    mut foca: ClusterFoca,
+    mut rx: mpsc::UnboundedReceiver<FocaInput>,
+) {
     let mut rt = AccumulatingRuntime::new();
     announce_to_seeds(&inner, &mut foca, &mut rt);
     drain(&inner, &mut foca, &mut rt);
@@ -270,7 +296,11 @@ async fn run_foca(inner: Arc<Inner>, mut foca: ClusterFoca, mut rx: mpsc::Unboun
     }
 }
 
-fn announce_to_seeds(inner: &Arc<Inner>, foca: &mut ClusterFoca, rt: &mut AccumulatingRuntime<MemberId>) {
+fn announce_to_seeds(
+    inner: &Arc<Inner>,
+    foca: &mut ClusterFoca,
+    rt: &mut AccumulatingRuntime<MemberId>,
+) {
     for seed in &inner.config.seeds {
         if *seed == inner.config.advertise {
             continue;
@@ -351,11 +381,9 @@ fn drain(inner: &Arc<Inner>, foca: &mut ClusterFoca, rt: &mut AccumulatingRuntim
 /// Give queued SWIM datagrams (the leave notice) a moment to go out, then close.
 async fn flush_and_close(inner: &Inner) {
     for _ in 0..20 {
-        let pending = inner
-            .conns
-            .all()
-            .iter()
-            .any(|(_, c)| c.close_reason().is_none() && c.datagram_send_buffer_space() < 256 * 1024);
+        let pending = inner.conns.all().iter().any(|(_, c)| {
+            c.close_reason().is_none() && c.datagram_send_buffer_space() < 256 * 1024
+        });
         if !pending {
             break;
         }
@@ -412,14 +440,27 @@ impl BroadcastHandler<MemberId> for StatsHandler {
     type Key = StatsKey;
     type Error = StatsError;
 
-    fn receive_item(&mut self, data: &[u8], sender: Option<&MemberId>) -> Result<Option<StatsKey>, StatsError> {
+    fn receive_item(
+        &mut self,
+        data: &[u8],
+        sender: Option<&MemberId>,
+    ) -> Result<Option<StatsKey>, StatsError> {
         if data.len() > MAX_STATS_BROADCAST {
-            return Err(StatsError(format!("{} bytes over {MAX_STATS_BROADCAST}", data.len())));
+            return Err(StatsError(format!(
+                "{} bytes over {MAX_STATS_BROADCAST}",
+                data.len()
+            )));
         }
         let (b, _): (StatsBroadcast, usize) =
-            bincode::serde::decode_from_slice(data, stats_config()).map_err(|e| StatsError(e.to_string()))?;
-        let key = StatsKey { origin: b.origin.clone(), version: b.stats.version };
-        let Some(inner) = self.inner.upgrade() else { return Ok(None) };
+            bincode::serde::decode_from_slice(data, stats_config())
+                .map_err(|e| StatsError(e.to_string()))?;
+        let key = StatsKey {
+            origin: b.origin.clone(),
+            version: b.stats.version,
+        };
+        let Some(inner) = self.inner.upgrade() else {
+            return Ok(None);
+        };
         if sender.is_none() {
             // Our own, added through `broadcast_stats`.
             return Ok(Some(key));
@@ -428,7 +469,10 @@ impl BroadcastHandler<MemberId> for StatsHandler {
             return Ok(None);
         }
         let now = Instant::now();
-        Ok(inner.peers.offer_stats(&b.origin, &b.stats, now).then_some(key))
+        Ok(inner
+            .peers
+            .offer_stats(&b.origin, &b.stats, now)
+            .then_some(key))
     }
 }
 
@@ -460,7 +504,11 @@ impl ClusterHandle {
 
     /// Run `f` on `peer`'s summary while holding its table shard briefly: for routing,
     /// keep `f` short (a prefix walk), never IO.
-    pub fn with_peer_summary<R>(&self, peer: &NodeId, f: impl FnOnce(&PeerSummary) -> R) -> Option<R> {
+    pub fn with_peer_summary<R>(
+        &self,
+        peer: &NodeId,
+        f: impl FnOnce(&PeerSummary) -> R,
+    ) -> Option<R> {
         let e = self.inner.peers.peers.get(peer)?;
         e.summary.as_ref().map(f)
     }
@@ -471,7 +519,10 @@ impl ClusterHandle {
     }
 
     /// Open a bi-stream to `peer` to forward a request.
-    pub async fn open_forward(&self, peer: &NodeId) -> Result<(quinn::SendStream, quinn::RecvStream)> {
+    pub async fn open_forward(
+        &self,
+        peer: &NodeId,
+    ) -> Result<(quinn::SendStream, quinn::RecvStream)> {
         let conn = match self.inner.conns.get(peer) {
             Some(c) => c,
             None => {
@@ -502,7 +553,10 @@ impl ClusterHandle {
     /// Send an application message to one peer (reliable, on a uni-stream).
     pub async fn send_to(&self, peer: &NodeId, kind: u8, payload: &[u8]) -> Result<()> {
         if payload.len() > MAX_APP_MESSAGE {
-            return Err(ClusterError::TooLarge { size: payload.len(), limit: MAX_APP_MESSAGE });
+            return Err(ClusterError::TooLarge {
+                size: payload.len(),
+                limit: MAX_APP_MESSAGE,
+            });
         }
         let mut frame = Vec::with_capacity(payload.len() + 2);
         frame.push(STREAM_APP);
@@ -517,7 +571,9 @@ impl ClusterHandle {
         for peer in self.alive_peers() {
             match self.send_to(&peer, kind, payload).await {
                 Ok(()) => sent += 1,
-                Err(ClusterError::TooLarge { size, limit }) => return Err(ClusterError::TooLarge { size, limit }),
+                Err(ClusterError::TooLarge { size, limit }) => {
+                    return Err(ClusterError::TooLarge { size, limit })
+                }
                 Err(e) => tracing::debug!(%peer, "app broadcast: {e}"),
             }
         }
@@ -532,10 +588,16 @@ impl ClusterHandle {
             stats.version = stats.version.max(cur.version + 1);
             *cur = stats.clone();
         }
-        let b = StatsBroadcast { origin: self.inner.node_id.clone(), stats };
+        let b = StatsBroadcast {
+            origin: self.inner.node_id.clone(),
+            stats,
+        };
         let bytes = bincode::serde::encode_to_vec(&b, stats_config())
             .map_err(|e| ClusterError::Decode(e.to_string()))?;
-        self.inner.foca_tx.send(FocaInput::Broadcast(bytes)).map_err(|_| ClusterError::Shutdown)
+        self.inner
+            .foca_tx
+            .send(FocaInput::Broadcast(bytes))
+            .map_err(|_| ClusterError::Shutdown)
     }
 
     /// The cluster's counters.
@@ -558,7 +620,10 @@ impl ClusterHandle {
     /// failed probe) and stop every task.
     pub async fn leave(&self) -> Result<()> {
         let (tx, rx) = oneshot::channel();
-        self.inner.foca_tx.send(FocaInput::Leave(tx)).map_err(|_| ClusterError::Shutdown)?;
+        self.inner
+            .foca_tx
+            .send(FocaInput::Leave(tx))
+            .map_err(|_| ClusterError::Shutdown)?;
         rx.await.map_err(|_| ClusterError::Shutdown)
     }
 

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gorgo_core::summary::{LocalSummary, PeerSummary, SummaryDelta, SummarySnapshot};
-use gorgo_core::ShadowIndex;
 use gorgo_core::wire::{self, GossipMessage, MAX_GOSSIP_MESSAGE};
+use gorgo_core::ShadowIndex;
 use gorgo_core::{CoreError, NodeId};
 use parking_lot::Mutex;
 use tokio::time::Instant;
@@ -99,14 +99,22 @@ struct SummaryInner<S> {
 
 impl<S: HoldsSummary> std::fmt::Debug for SharedSummary<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SharedSummary").field("version", &self.read(|s| s.summary().version())).finish()
+        f.debug_struct("SharedSummary")
+            .field("version", &self.read(|s| s.summary().version()))
+            .finish()
     }
 }
 
 impl<S: HoldsSummary> SharedSummary<S> {
     /// Share `holder`, stamping summary changes with `clock`.
     pub fn new(holder: S, clock: WallClock) -> Arc<Self> {
-        Arc::new(SharedSummary { inner: Mutex::new(SummaryInner { holder, changes: VecDeque::new() }), clock })
+        Arc::new(SharedSummary {
+            inner: Mutex::new(SummaryInner {
+                holder,
+                changes: VecDeque::new(),
+            }),
+            clock,
+        })
     }
 
     /// Change the holder (keep `f` short: the gossip task waits on the same lock).
@@ -133,7 +141,10 @@ impl<S: HoldsSummary> SharedSummary<S> {
 
 /// Wall ms of the oldest change after version `v` (0 when unknown).
 fn oldest_change_after(changes: &VecDeque<(u64, u64)>, v: u64) -> u64 {
-    changes.iter().find(|(ver, _)| *ver > v).map_or(0, |(_, t)| *t)
+    changes
+        .iter()
+        .find(|(ver, _)| *ver > v)
+        .map_or(0, |(_, t)| *t)
 }
 
 impl<S: HoldsSummary> SummarySource for SharedSummary<S> {
@@ -149,7 +160,11 @@ impl<S: HoldsSummary> SummarySource for SharedSummary<S> {
         let g = self.inner.lock();
         let summary = g.holder.summary();
         let version = summary.version();
-        let snapshot = || SummaryUpdate { version, oldest_change_ms: 0, body: SummaryBody::Snapshot(summary.snapshot()) };
+        let snapshot = || SummaryUpdate {
+            version,
+            oldest_change_ms: 0,
+            body: SummaryBody::Snapshot(summary.snapshot()),
+        };
         match last_sent {
             Some(v) if v == version => None,
             Some(v) => Some(match summary.delta_since(v) {
@@ -200,7 +215,9 @@ pub(crate) async fn run(inner: Arc<Inner>) {
 fn round(inner: &Arc<Inner>) {
     for (node, conn) in inner.conns.all() {
         if conn.close_reason().is_none() {
-            inner.peers.record_rtt(&node, conn.rtt().as_secs_f64() * 1000.0);
+            inner
+                .peers
+                .record_rtt(&node, conn.rtt().as_secs_f64() * 1000.0);
         }
     }
     let stats = inner.local_stats.lock().clone();
@@ -213,12 +230,22 @@ fn round(inner: &Arc<Inner>) {
             }
             st.last_sent
         };
-        let Some(update) = inner.summary.update_since(last_sent) else { continue };
+        let Some(update) = inner.summary.update_since(last_sent) else {
+            continue;
+        };
         let (version, oldest_ms) = (update.version, update.oldest_change_ms);
         let origin = inner.node_id.clone();
         let msg = match update.body {
-            SummaryBody::Delta(delta) => GossipMessage::SummaryDelta { origin, delta, stats: stats.clone() },
-            SummaryBody::Snapshot(snapshot) => GossipMessage::SummarySnapshot { origin, snapshot, stats: stats.clone() },
+            SummaryBody::Delta(delta) => GossipMessage::SummaryDelta {
+                origin,
+                delta,
+                stats: stats.clone(),
+            },
+            SummaryBody::Snapshot(snapshot) => GossipMessage::SummarySnapshot {
+                origin,
+                snapshot,
+                stats: stats.clone(),
+            },
         };
         let is_snapshot = matches!(msg, GossipMessage::SummarySnapshot { .. });
         let frame = frame(oldest_ms, &msg);
@@ -289,9 +316,15 @@ pub(crate) async fn handle_frame(inner: &Arc<Inner>, from: &NodeId, bytes: &[u8]
             }
             false
         }
-        GossipMessage::SummarySnapshot { snapshot, stats, .. } => {
-            let Some(mut e) = inner.peers.peers.get_mut(from) else { return };
-            e.summary.get_or_insert_with(PeerSummary::new).apply_snapshot(snapshot);
+        GossipMessage::SummarySnapshot {
+            snapshot, stats, ..
+        } => {
+            let Some(mut e) = inner.peers.peers.get_mut(from) else {
+                return;
+            };
+            e.summary
+                .get_or_insert_with(PeerSummary::new)
+                .apply_snapshot(snapshot);
             e.summary_at = Some(now);
             e.summary_bytes = bytes.len() as u64 + 1;
             drop(e);
@@ -300,7 +333,9 @@ pub(crate) async fn handle_frame(inner: &Arc<Inner>, from: &NodeId, bytes: &[u8]
         }
         GossipMessage::SummaryDelta { delta, stats, .. } => {
             let applied = {
-                let Some(mut e) = inner.peers.peers.get_mut(from) else { return };
+                let Some(mut e) = inner.peers.peers.get_mut(from) else {
+                    return;
+                };
                 match e.summary.as_mut() {
                     None => Err(()),
                     Some(s) => match s.apply_delta(&delta) {
@@ -320,22 +355,34 @@ pub(crate) async fn handle_frame(inner: &Arc<Inner>, from: &NodeId, bytes: &[u8]
             inner.peers.offer_stats(from, &stats, now);
             if applied.is_ok() && oldest_change_ms > 0 && !delta.is_empty() {
                 let wall = (inner.config.wall_clock)();
-                inner.metrics.record_staleness(wall.saturating_sub(oldest_change_ms));
+                inner
+                    .metrics
+                    .record_staleness(wall.saturating_sub(oldest_change_ms));
             }
             applied.is_err()
         }
     };
     if need_snapshot {
-        let have_version = inner.peers.peers.get(from).and_then(|e| e.summary.as_ref().map(|s| s.version()));
+        let have_version = inner
+            .peers
+            .peers
+            .get(from)
+            .and_then(|e| e.summary.as_ref().map(|s| s.version()));
         {
             let mut g = inner.gossip.lock();
             let st = g.peers.entry(from.clone()).or_default();
-            if st.snapshot_requested_at.is_some_and(|t| now.saturating_duration_since(t) < SNAPSHOT_REQUEST_BACKOFF) {
+            if st
+                .snapshot_requested_at
+                .is_some_and(|t| now.saturating_duration_since(t) < SNAPSHOT_REQUEST_BACKOFF)
+            {
                 return;
             }
             st.snapshot_requested_at = Some(now);
         }
-        let req = GossipMessage::SnapshotRequest { origin: inner.node_id.clone(), have_version: have_version.unwrap_or(0) };
+        let req = GossipMessage::SnapshotRequest {
+            origin: inner.node_id.clone(),
+            have_version: have_version.unwrap_or(0),
+        };
         let f = frame(0, &req);
         ClusterMetrics::bump(&inner.metrics.snapshot_requests_sent);
         if let Err(e) = transport::send_uni(inner, from, TrafficKind::Summary, &f).await {

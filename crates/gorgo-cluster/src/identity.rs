@@ -27,7 +27,12 @@ impl MemberId {
     /// A placeholder identity for a seed address whose node is not known yet: foca
     /// accepts an announce addressed to any identity with the receiver's address.
     pub(crate) fn seed(addr: SocketAddr) -> Self {
-        MemberId { node: NodeId(String::new()), region: String::new(), addr, generation: 0 }
+        MemberId {
+            node: NodeId(String::new()),
+            region: String::new(),
+            addr,
+            generation: 0,
+        }
     }
 }
 
@@ -35,7 +40,10 @@ impl foca::Identity for MemberId {
     type Addr = SocketAddr;
 
     fn renew(&self) -> Option<Self> {
-        Some(MemberId { generation: self.generation.wrapping_add(1), ..self.clone() })
+        Some(MemberId {
+            generation: self.generation.wrapping_add(1),
+            ..self.clone()
+        })
     }
 
     fn addr(&self) -> SocketAddr {

@@ -16,12 +16,17 @@ pub mod state;
 pub mod tls;
 mod transport;
 
-pub use cluster::{start, AppMessage, ClusterHandle, ClusterSocket, IncomingForward, MembershipEvent};
+pub use cluster::{
+    start, AppMessage, ClusterHandle, ClusterSocket, IncomingForward, MembershipEvent,
+};
 pub use config::{system_clock, ClusterConfig, SwimTimings, WallClock};
 pub use error::{ClusterError, Result};
 pub use gossip::{HoldsSummary, SharedSummary, SummaryBody, SummarySource, SummaryUpdate};
 pub use identity::{MemberId, MAX_SWIM_PACKET};
 pub use state::{ClusterMetrics, PeerState, PeerTable, PeerView, RTT_EWMA_ALPHA};
-pub use tls::{quinn_client_config, write_cluster_certs, ClusterCa, IssuedNode, NodeCredentials, TlsFiles, CLUSTER_SERVER_NAME};
-pub use transport::{MAX_APP_MESSAGE, MAX_GOSSIP_FRAME};
+pub use tls::{
+    quinn_client_config, write_cluster_certs, ClusterCa, IssuedNode, NodeCredentials, TlsFiles,
+    CLUSTER_SERVER_NAME,
+};
 pub use tokio_util::sync::CancellationToken;
+pub use transport::{MAX_APP_MESSAGE, MAX_GOSSIP_FRAME};

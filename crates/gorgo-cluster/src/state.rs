@@ -180,7 +180,9 @@ impl PeerTable {
     }
 
     pub(crate) fn is_alive(&self, node: &NodeId) -> bool {
-        self.peers.get(node).is_some_and(|e| e.state == PeerState::Alive)
+        self.peers
+            .get(node)
+            .is_some_and(|e| e.state == PeerState::Alive)
     }
 
     pub(crate) fn record_rtt(&self, node: &NodeId, sample_ms: f64) {

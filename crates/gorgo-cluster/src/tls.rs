@@ -64,8 +64,7 @@ impl NodeCredentials {
     /// Load PEM files written by `gorgo certs`.
     pub fn load(files: &TlsFiles) -> Result<Self> {
         let read = |p: &Path| {
-            std::fs::read(p)
-                .map_err(|e| ClusterError::Tls(format!("reading {}: {e}", p.display())))
+            std::fs::read(p).map_err(|e| ClusterError::Tls(format!("reading {}: {e}", p.display())))
         };
         let ca = CertificateDer::from_pem_slice(&read(&files.ca)?)
             .map_err(|e| ClusterError::Tls(format!("ca {}: {e}", files.ca.display())))?;
@@ -73,11 +72,18 @@ impl NodeCredentials {
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(|e| ClusterError::Tls(format!("cert {}: {e}", files.cert.display())))?;
         if cert_chain.is_empty() {
-            return Err(ClusterError::Tls(format!("cert {}: no certificate", files.cert.display())));
+            return Err(ClusterError::Tls(format!(
+                "cert {}: no certificate",
+                files.cert.display()
+            )));
         }
         let key = PrivateKeyDer::from_pem_slice(&read(&files.key)?)
             .map_err(|e| ClusterError::Tls(format!("key {}: {e}", files.key.display())))?;
-        Ok(NodeCredentials { ca, cert_chain, key })
+        Ok(NodeCredentials {
+            ca,
+            cert_chain,
+            key,
+        })
     }
 }
 
@@ -86,7 +92,8 @@ pub fn validate_node_id(id: &NodeId) -> Result<()> {
     let s = id.0.as_str();
     let ok = !s.is_empty()
         && s.len() <= 63
-        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         && !s.starts_with('-')
         && !s.ends_with('-');
     if ok {
@@ -128,7 +135,9 @@ impl ClusterCa {
     pub fn generate(common_name: &str) -> Result<Self> {
         let mut params = CertificateParams::new(Vec::<String>::new())?;
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, common_name);
+        params
+            .distinguished_name
+            .push(DnType::CommonName, common_name);
         params.key_usages = vec![
             KeyUsagePurpose::KeyCertSign,
             KeyUsagePurpose::CrlSign,
@@ -159,9 +168,13 @@ impl ClusterCa {
         validate_node_id(node)?;
         let mut params =
             CertificateParams::new(vec![node.0.clone(), CLUSTER_SERVER_NAME.to_owned()])?;
-        params.distinguished_name.push(DnType::CommonName, node.0.as_str());
-        params.extended_key_usages =
-            vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+        params
+            .distinguished_name
+            .push(DnType::CommonName, node.0.as_str());
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         let key = KeyPair::generate()?;
         let issuer = Issuer::from_params(&self.params, &self.key);
@@ -171,7 +184,11 @@ impl ClusterCa {
             cert_chain: vec![cert.der().clone()],
             key: PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
         };
-        Ok(IssuedNode { cert_pem: cert.pem(), key_pem: key.serialize_pem(), credentials })
+        Ok(IssuedNode {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+            credentials,
+        })
     }
 }
 
@@ -179,7 +196,10 @@ impl ClusterCa {
 /// `<node>.pem`, `<node>.key`. Returns the [`TlsFiles`] of each node, in order.
 pub fn write_cluster_certs(out: &Path, nodes: &[NodeId]) -> Result<Vec<(NodeId, TlsFiles)>> {
     if nodes.is_empty() {
-        return Err(ClusterError::Config { field: "nodes", reason: "empty".into() });
+        return Err(ClusterError::Config {
+            field: "nodes",
+            reason: "empty".into(),
+        });
     }
     for n in nodes {
         validate_node_id(n)?;
@@ -196,7 +216,14 @@ pub fn write_cluster_certs(out: &Path, nodes: &[NodeId]) -> Result<Vec<(NodeId, 
         let key = out.join(format!("{n}.key"));
         std::fs::write(&cert, &issued.cert_pem)?;
         write_secret(&key, &issued.key_pem)?;
-        written.push((n.clone(), TlsFiles { ca: ca_path.clone(), cert, key }));
+        written.push((
+            n.clone(),
+            TlsFiles {
+                ca: ca_path.clone(),
+                cert,
+                key,
+            },
+        ));
     }
     Ok(written)
 }
@@ -218,15 +245,20 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 
 fn roots(creds: &NodeCredentials) -> Result<Arc<rustls::RootCertStore>> {
     let mut roots = rustls::RootCertStore::empty();
-    roots.add(creds.ca.clone()).map_err(|e| ClusterError::Tls(format!("ca: {e}")))?;
+    roots
+        .add(creds.ca.clone())
+        .map_err(|e| ClusterError::Tls(format!("ca: {e}")))?;
     Ok(Arc::new(roots))
 }
 
 /// The QUIC server side: requires a client certificate signed by the cluster CA.
-pub(crate) fn server_crypto(creds: &NodeCredentials) -> Result<quinn::crypto::rustls::QuicServerConfig> {
-    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(roots(creds)?, provider())
-        .build()
-        .map_err(|e| ClusterError::Tls(format!("client verifier: {e}")))?;
+pub(crate) fn server_crypto(
+    creds: &NodeCredentials,
+) -> Result<quinn::crypto::rustls::QuicServerConfig> {
+    let verifier =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(roots(creds)?, provider())
+            .build()
+            .map_err(|e| ClusterError::Tls(format!("client verifier: {e}")))?;
     let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| ClusterError::Tls(e.to_string()))?
@@ -234,11 +266,14 @@ pub(crate) fn server_crypto(creds: &NodeCredentials) -> Result<quinn::crypto::ru
         .with_single_cert(creds.cert_chain.clone(), creds.key.clone_key())
         .map_err(|e| ClusterError::Tls(format!("node cert: {e}")))?;
     cfg.alpn_protocols = vec![ALPN.to_vec()];
-    quinn::crypto::rustls::QuicServerConfig::try_from(cfg).map_err(|e| ClusterError::Tls(e.to_string()))
+    quinn::crypto::rustls::QuicServerConfig::try_from(cfg)
+        .map_err(|e| ClusterError::Tls(e.to_string()))
 }
 
 /// The QUIC client side: presents this node's certificate, trusts only the cluster CA.
-pub(crate) fn client_crypto(creds: &NodeCredentials) -> Result<quinn::crypto::rustls::QuicClientConfig> {
+pub(crate) fn client_crypto(
+    creds: &NodeCredentials,
+) -> Result<quinn::crypto::rustls::QuicClientConfig> {
     let mut cfg = rustls::ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| ClusterError::Tls(e.to_string()))?
@@ -246,7 +281,8 @@ pub(crate) fn client_crypto(creds: &NodeCredentials) -> Result<quinn::crypto::ru
         .with_client_auth_cert(creds.cert_chain.clone(), creds.key.clone_key())
         .map_err(|e| ClusterError::Tls(format!("node cert: {e}")))?;
     cfg.alpn_protocols = vec![ALPN.to_vec()];
-    quinn::crypto::rustls::QuicClientConfig::try_from(cfg).map_err(|e| ClusterError::Tls(e.to_string()))
+    quinn::crypto::rustls::QuicClientConfig::try_from(cfg)
+        .map_err(|e| ClusterError::Tls(e.to_string()))
 }
 
 /// A quinn client config speaking the cluster protocol with these credentials (for
@@ -261,7 +297,10 @@ pub(crate) fn peer_node_id(conn: &quinn::Connection) -> Option<NodeId> {
     let certs = identity.downcast::<Vec<CertificateDer<'static>>>().ok()?;
     let leaf = certs.first()?;
     let ee = webpki::EndEntityCert::try_from(leaf).ok()?;
-    let name = ee.valid_dns_names().find(|n| *n != CLUSTER_SERVER_NAME)?.to_owned();
+    let name = ee
+        .valid_dns_names()
+        .find(|n| *n != CLUSTER_SERVER_NAME)?
+        .to_owned();
     let id = NodeId(name);
     validate_node_id(&id).ok()?;
     Some(id)

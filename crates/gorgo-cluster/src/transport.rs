@@ -67,14 +67,21 @@ impl Connections {
     }
 
     pub(crate) fn get(&self, node: &NodeId) -> Option<quinn::Connection> {
-        self.by_node.get(node).filter(|c| usable(c)).map(|c| c.clone())
+        self.by_node
+            .get(node)
+            .filter(|c| usable(c))
+            .map(|c| c.clone())
     }
 
     /// UDP bytes (QUIC overhead included) sent on every open connection so far.
     pub(crate) fn udp_bytes_sent(&self) -> u64 {
         let mut seen = std::collections::HashSet::new();
         let mut total = 0;
-        let conns = self.by_node.iter().map(|e| e.value().clone()).chain(self.by_addr.iter().map(|e| e.value().1.clone()));
+        let conns = self
+            .by_node
+            .iter()
+            .map(|e| e.value().clone())
+            .chain(self.by_addr.iter().map(|e| e.value().1.clone()));
         for c in conns {
             if seen.insert(c.stable_id()) {
                 total += c.stats().udp_tx.bytes;
@@ -84,7 +91,10 @@ impl Connections {
     }
 
     pub(crate) fn all(&self) -> Vec<(NodeId, quinn::Connection)> {
-        self.by_node.iter().map(|e| (e.key().clone(), e.value().clone())).collect()
+        self.by_node
+            .iter()
+            .map(|e| (e.key().clone(), e.value().clone()))
+            .collect()
     }
 }
 
@@ -117,7 +127,11 @@ pub(crate) async fn connect(
     if let Some(c) = inner.conns.lookup(node, addr) {
         return Ok(c);
     }
-    if slot.failed_at.lock().is_some_and(|t| t.elapsed() < DIAL_BACKOFF) {
+    if slot
+        .failed_at
+        .lock()
+        .is_some_and(|t| t.elapsed() < DIAL_BACKOFF)
+    {
         return Err(ClusterError::Connection(quinn::ConnectionError::TimedOut));
     }
     let server_name = node.map_or(CLUSTER_SERVER_NAME, |n| n.0.as_str());
@@ -125,24 +139,39 @@ pub(crate) async fn connect(
         let conn = inner.endpoint.connect(addr, server_name)?.await?;
         let Some(peer) = peer_node_id(&conn) else {
             conn.close(1u32.into(), b"no node id");
-            return Err(ClusterError::Tls("peer certificate names no node id".into()));
+            return Err(ClusterError::Tls(
+                "peer certificate names no node id".into(),
+            ));
         };
         if let Some(n) = node {
             if *n != peer {
                 conn.close(1u32.into(), b"identity mismatch");
-                return Err(ClusterError::PeerMismatch { expected: n.clone(), got: peer.0 });
+                return Err(ClusterError::PeerMismatch {
+                    expected: n.clone(),
+                    got: peer.0,
+                });
             }
         }
         if peer == inner.node_id {
             conn.close(1u32.into(), b"self");
-            return Err(ClusterError::PeerMismatch { expected: NodeId("<peer>".into()), got: peer.0 });
+            return Err(ClusterError::PeerMismatch {
+                expected: NodeId("<peer>".into()),
+                got: peer.0,
+            });
         }
-        inner.conns.by_addr.insert(addr, (peer.clone(), conn.clone()));
+        inner
+            .conns
+            .by_addr
+            .insert(addr, (peer.clone(), conn.clone()));
         register(inner, peer, conn.clone());
         Ok(conn)
     }
     .await;
-    *slot.failed_at.lock() = if result.is_err() { Some(Instant::now()) } else { None };
+    *slot.failed_at.lock() = if result.is_err() {
+        Some(Instant::now())
+    } else {
+        None
+    };
     result
 }
 
@@ -259,10 +288,16 @@ async fn read_datagrams(inner: Arc<Inner>, peer: NodeId, conn: quinn::Connection
             ClusterMetrics::bump(&inner.metrics.malformed_received);
             continue;
         }
-        let _ = inner.foca_tx.send(FocaInput::Data { from: peer.clone(), data: d.slice(1..) });
+        let _ = inner.foca_tx.send(FocaInput::Data {
+            from: peer.clone(),
+            data: d.slice(1..),
+        });
     }
     // Forget the connection if it is still the registered one.
-    inner.conns.by_node.remove_if(&peer, |_, c| c.stable_id() == conn.stable_id());
+    inner
+        .conns
+        .by_node
+        .remove_if(&peer, |_, c| c.stable_id() == conn.stable_id());
 }
 
 async fn accept_unis(inner: Arc<Inner>, peer: NodeId, conn: quinn::Connection) {
@@ -313,7 +348,11 @@ async fn accept_bis(inner: Arc<Inner>, peer: NodeId, conn: quinn::Connection) {
             _ = inner.shutdown.cancelled() => return,
             r = conn.accept_bi() => match r { Ok(r) => r, Err(_) => return },
         };
-        let fwd = crate::cluster::IncomingForward { from: peer.clone(), send, recv };
+        let fwd = crate::cluster::IncomingForward {
+            from: peer.clone(),
+            send,
+            recv,
+        };
         if inner.forward_tx.try_send(fwd).is_err() {
             // Dropping the streams resets them: the origin retries locally.
             tracing::debug!(%peer, "forward inbox full or closed; stream refused");

@@ -22,7 +22,11 @@ fn five_nodes(seed: u64, churn: Option<Churn>) -> (turmoil::Sim<'static>, Handle
                 name: (*n).to_owned(),
                 region: format!("region-{i}"),
                 credentials: creds[*n].clone(),
-                seeds: if i == 0 { vec![] } else { vec!["n0".to_owned()] },
+                seeds: if i == 0 {
+                    vec![]
+                } else {
+                    vec!["n0".to_owned()]
+                },
                 churn,
                 generation: 1,
             },
@@ -36,7 +40,9 @@ fn five_nodes(seed: u64, churn: Option<Churn>) -> (turmoil::Sim<'static>, Handle
 #[test]
 fn five_nodes_converge_to_full_membership() {
     let (mut sim, handles) = five_nodes(7, None);
-    let at = run_until(&mut sim, Duration::from_secs(10), |_| converged(&handles, &NAMES));
+    let at = run_until(&mut sim, Duration::from_secs(10), |_| {
+        converged(&handles, &NAMES)
+    });
     let at = at.expect("full membership within 10 s of simulated time");
     eprintln!("converged at {at:?}");
     // RTTs are measured and near the configured links.
@@ -46,21 +52,29 @@ fn five_nodes_converge_to_full_membership() {
     let n1 = n0.iter().find(|p| p.id == NodeId::from("n1")).unwrap();
     let rtt = n1.rtt_ms.expect("rtt sampled");
     let want = 2.0 * one_way_ms(0, 1) as f64;
-    assert!((want - 5.0..=want + 25.0).contains(&rtt), "n0-n1 rtt {rtt}, links say {want}");
+    assert!(
+        (want - 5.0..=want + 25.0).contains(&rtt),
+        "n0-n1 rtt {rtt}, links say {want}"
+    );
     assert_eq!(n1.region, "region-1");
 }
 
 #[test]
 fn crashed_node_is_down_within_3s() {
     let (mut sim, handles) = five_nodes(11, None);
-    run_until(&mut sim, Duration::from_secs(10), |_| converged(&handles, &NAMES)).expect("converge");
+    run_until(&mut sim, Duration::from_secs(10), |_| {
+        converged(&handles, &NAMES)
+    })
+    .expect("converge");
     run_for(&mut sim, Duration::from_secs(1));
     let crashed_at = sim.elapsed();
     sim.crash("n4");
     let n4 = NodeId::from("n4");
     let down_at = run_until(&mut sim, Duration::from_secs(10), |_| {
         let h = handles.lock();
-        NAMES[..4].iter().all(|n| !h[*n].alive_peers().contains(&n4))
+        NAMES[..4]
+            .iter()
+            .all(|n| !h[*n].alive_peers().contains(&n4))
     })
     .expect("n4 declared down");
     let detect = down_at - crashed_at;
@@ -80,7 +94,10 @@ fn partition_heals_and_summaries_resync() {
         until: Duration::from_secs(16),
     };
     let (mut sim, handles) = five_nodes(23, Some(churn));
-    run_until(&mut sim, Duration::from_secs(10), |_| converged(&handles, &NAMES)).expect("converge");
+    run_until(&mut sim, Duration::from_secs(10), |_| {
+        converged(&handles, &NAMES)
+    })
+    .expect("converge");
     let (a, b) = (&NAMES[..2], &NAMES[2..]);
     for x in a {
         for y in b {
@@ -90,8 +107,13 @@ fn partition_heals_and_summaries_resync() {
     // Both sides declare the other down.
     run_until(&mut sim, Duration::from_secs(10), |_| {
         let h = handles.lock();
-        a.iter().all(|x| b.iter().all(|y| !h[*x].alive_peers().contains(&NodeId::from(*y))))
-            && b.iter().all(|y| a.iter().all(|x| !h[*y].alive_peers().contains(&NodeId::from(*x))))
+        a.iter().all(|x| {
+            b.iter()
+                .all(|y| !h[*x].alive_peers().contains(&NodeId::from(*y)))
+        }) && b.iter().all(|y| {
+            a.iter()
+                .all(|x| !h[*y].alive_peers().contains(&NodeId::from(*x)))
+        })
     })
     .expect("partition detected");
     for x in a {
@@ -99,7 +121,10 @@ fn partition_heals_and_summaries_resync() {
             sim.repair(*x, *y);
         }
     }
-    run_until(&mut sim, Duration::from_secs(20), |_| converged(&handles, &NAMES)).expect("partition heals");
+    run_until(&mut sim, Duration::from_secs(20), |_| {
+        converged(&handles, &NAMES)
+    })
+    .expect("partition heals");
     // Churn stops at 16 s; then every node holds every peer's current summary.
     let synced = run_until(&mut sim, Duration::from_secs(20), |t| {
         t > churn.until && summaries_synced(&handles)
@@ -116,12 +141,16 @@ fn partition_heals_and_summaries_resync() {
 fn summaries_synced(handles: &Handles) -> bool {
     let h = handles.lock();
     h.iter().all(|(name, handle)| {
-        h.iter().filter(|(other, _)| *other != name).all(|(other, oh)| {
-            let (v, len) = (oh.local_summary().version(), oh.local_summary().len());
-            handle
-                .with_peer_summary(&NodeId(other.clone()), |p| p.version() == v && p.len() == len)
-                .unwrap_or(false)
-        })
+        h.iter()
+            .filter(|(other, _)| *other != name)
+            .all(|(other, oh)| {
+                let (v, len) = (oh.local_summary().version(), oh.local_summary().len());
+                handle
+                    .with_peer_summary(&NodeId(other.clone()), |p| {
+                        p.version() == v && p.len() == len
+                    })
+                    .unwrap_or(false)
+            })
     })
 }
 
@@ -138,7 +167,11 @@ fn foreign_certificate_never_joins() {
                 name: (*n).to_owned(),
                 region: format!("region-{i}"),
                 credentials: creds[*n].clone(),
-                seeds: if i == 0 { vec![] } else { vec!["n0".to_owned()] },
+                seeds: if i == 0 {
+                    vec![]
+                } else {
+                    vec!["n0".to_owned()]
+                },
                 churn: None,
                 generation: 1,
             },
@@ -157,14 +190,27 @@ fn foreign_certificate_never_joins() {
         },
         handles.clone(),
     );
-    run_until(&mut sim, Duration::from_secs(10), |_| converged(&handles, &NAMES[..3])).expect("converge");
+    run_until(&mut sim, Duration::from_secs(10), |_| {
+        converged(&handles, &NAMES[..3])
+    })
+    .expect("converge");
     run_for(&mut sim, Duration::from_secs(5));
     let h = handles.lock();
     for n in &NAMES[..3] {
-        assert!(h[*n].peers().iter().all(|p| p.id.0 != "rogue"), "{n} let rogue in");
+        assert!(
+            h[*n].peers().iter().all(|p| p.id.0 != "rogue"),
+            "{n} let rogue in"
+        );
     }
-    assert!(h["rogue"].peers().is_empty(), "rogue sees {:?}", h["rogue"].peers());
-    let refused = h["n0"].metrics().handshakes_failed.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        h["rogue"].peers().is_empty(),
+        "rogue sees {:?}",
+        h["rogue"].peers()
+    );
+    let refused = h["n0"]
+        .metrics()
+        .handshakes_failed
+        .load(std::sync::atomic::Ordering::Relaxed);
     assert!(refused > 0, "n0 refused no handshake");
 }
 
@@ -172,16 +218,25 @@ fn foreign_certificate_never_joins() {
 fn same_seed_same_trace() {
     let trace = |seed| {
         let (mut sim, handles) = five_nodes(seed, None);
-        run_until(&mut sim, Duration::from_secs(10), |_| converged(&handles, &NAMES)).expect("converge");
+        run_until(&mut sim, Duration::from_secs(10), |_| {
+            converged(&handles, &NAMES)
+        })
+        .expect("converge");
         run_for(&mut sim, Duration::from_millis(500));
         sim.crash("n3");
         run_for(&mut sim, Duration::from_secs(4));
         let h = handles.lock();
-        h.iter().map(|(n, handle)| (n.clone(), handle.membership_log())).collect::<Vec<_>>()
+        h.iter()
+            .map(|(n, handle)| (n.clone(), handle.membership_log()))
+            .collect::<Vec<_>>()
     };
     let first = trace(99);
     // The trace holds the joins and n3's failure, with simulated timestamps.
-    let downs = first.iter().flat_map(|(_, log)| log).filter(|(_, e)| matches!(e, MembershipEvent::Down(..))).count();
+    let downs = first
+        .iter()
+        .flat_map(|(_, log)| log)
+        .filter(|(_, e)| matches!(e, MembershipEvent::Down(..)))
+        .count();
     assert_eq!(downs, 4, "{first:?}");
     assert_eq!(first, trace(99));
 }

@@ -24,7 +24,11 @@ fn random_traffic_changes_nothing() {
                 name: (*n).to_owned(),
                 region: format!("region-{i}"),
                 credentials: creds[*n].clone(),
-                seeds: if i == 0 { vec![] } else { vec!["n0".to_owned()] },
+                seeds: if i == 0 {
+                    vec![]
+                } else {
+                    vec!["n0".to_owned()]
+                },
                 churn: None,
                 generation: 1,
             },
@@ -32,8 +36,15 @@ fn random_traffic_changes_nothing() {
         );
     }
     set_wan_latencies(&mut sim, &NAMES);
-    run_until(&mut sim, Duration::from_secs(10), |_| converged(&handles, &NAMES)).expect("converge");
-    let logs_before: Vec<_> = handles.lock().values().map(|h| h.membership_log()).collect();
+    run_until(&mut sim, Duration::from_secs(10), |_| {
+        converged(&handles, &NAMES)
+    })
+    .expect("converge");
+    let logs_before: Vec<_> = handles
+        .lock()
+        .values()
+        .map(|h| h.membership_log())
+        .collect();
 
     let done = Arc::new(AtomicBool::new(false));
     let fuzz_creds = creds["fuzz"].clone();
@@ -43,14 +54,14 @@ fn random_traffic_changes_nothing() {
         let target = SocketAddr::new(turmoil::lookup("n0"), PORT);
         // 4,000 raw UDP datagrams: not QUIC at all, or QUIC-looking headers.
         let raw = turmoil::net::UdpSocket::bind((IpAddr::V4(Ipv4Addr::UNSPECIFIED), 9000)).await?;
-        for i in 0..4000 {
+        for i in 0..4000u32 {
             let len = rng.random_range(1..1500);
             let mut d: Vec<u8> = (0..len).map(|_| rng.random()).collect();
-            if i % 2 == 0 {
+            if i.is_multiple_of(2) {
                 d[0] = 0xc0 | (d[0] & 0x0f); // long header, version bytes random
             }
             raw.send_to(&d, target).await?;
-            if i % 100 == 0 {
+            if i.is_multiple_of(100) {
                 tokio::task::yield_now().await;
             }
         }
@@ -64,15 +75,17 @@ fn random_traffic_changes_nothing() {
             Arc::new(quinn::TokioRuntime),
         )?;
         endpoint.set_default_client_config(gorgo_cluster::quinn_client_config(&fuzz_creds)?);
-        let conn = endpoint.connect(target, gorgo_cluster::CLUSTER_SERVER_NAME)?.await?;
-        for i in 0..3000 {
+        let conn = endpoint
+            .connect(target, gorgo_cluster::CLUSTER_SERVER_NAME)?
+            .await?;
+        for i in 0..3000u32 {
             let len = rng.random_range(1..1000);
             let mut d: Vec<u8> = (0..len).map(|_| rng.random()).collect();
-            if i % 2 == 0 {
+            if i.is_multiple_of(2) {
                 d[0] = 1; // the SWIM datagram kind
             }
             let _ = conn.send_datagram(d.into());
-            if i % 50 == 0 {
+            if i.is_multiple_of(50) {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
         }
@@ -82,7 +95,7 @@ fn random_traffic_changes_nothing() {
             if !d.is_empty() {
                 d[0] = [1u8, 2, 3][i % 3]; // gossip, app, unknown kinds
             }
-            if i % 3 == 0 {
+            if i.is_multiple_of(3) {
                 let (mut send, _recv) = conn.open_bi().await?;
                 let _ = send.write_all(&d).await;
                 let _ = send.finish();
@@ -96,7 +109,10 @@ fn random_traffic_changes_nothing() {
         finished.store(true, Ordering::SeqCst);
         Ok(())
     });
-    run_until(&mut sim, Duration::from_secs(120), |_| done.load(Ordering::SeqCst)).expect("fuzzer finishes");
+    run_until(&mut sim, Duration::from_secs(120), |_| {
+        done.load(Ordering::SeqCst)
+    })
+    .expect("fuzzer finishes");
     run_for(&mut sim, Duration::from_secs(3));
 
     assert!(converged(&handles, &NAMES));
@@ -104,7 +120,10 @@ fn random_traffic_changes_nothing() {
     let logs_after: Vec<_> = h.values().map(|h| h.membership_log()).collect();
     assert_eq!(logs_before, logs_after, "membership changed under fuzzing");
     for n in NAMES {
-        assert!(h[n].peers().iter().all(|p| p.id.0 != "fuzz"), "{n} took the fuzzer in");
+        assert!(
+            h[n].peers().iter().all(|p| p.id.0 != "fuzz"),
+            "{n} took the fuzzer in"
+        );
     }
     let m = h["n0"].metrics();
     assert!(m.malformed_received.load(Ordering::Relaxed) > 1000, "{m:?}");

@@ -13,9 +13,9 @@ use std::time::Duration;
 
 use common::*;
 use gorgo_cluster::{ClusterConfig, ClusterSocket, SharedSummary};
-use quinn::AsyncUdpSocket;
 use gorgo_core::summary::LocalSummary;
 use gorgo_core::{HashChain, NodeId, ShadowIndex};
+use quinn::AsyncUdpSocket;
 
 const NODES: usize = 8;
 const RATE_PER_S: u64 = 50;
@@ -53,7 +53,12 @@ fn eight_nodes_fifty_rps_hundred_k_blocks() {
             let handles = handles.clone();
             async move {
                 let socket = TurmoilUdp::bind(&name, PORT).await?;
-                let mut cfg = ClusterConfig::new(NodeId(name.clone()), format!("r{i}"), socket.local_addr()?, cred);
+                let mut cfg = ClusterConfig::new(
+                    NodeId(name.clone()),
+                    format!("r{i}"),
+                    socket.local_addr()?,
+                    cred,
+                );
                 if i > 0 {
                     cfg.seeds = vec![SocketAddr::new(turmoil::lookup("n0"), PORT)];
                 }
@@ -73,7 +78,10 @@ fn eight_nodes_fifty_rps_hundred_k_blocks() {
                 let shared = SharedSummary::new(index, sim_clock());
                 let handle = gorgo_cluster::start(
                     cfg,
-                    ClusterSocket::Custom { socket, runtime: Arc::new(quinn::TokioRuntime) },
+                    ClusterSocket::Custom {
+                        socket,
+                        runtime: Arc::new(quinn::TokioRuntime),
+                    },
                     shared.clone(),
                     gorgo_cluster::CancellationToken::new(),
                 )
@@ -87,7 +95,7 @@ fn eight_nodes_fifty_rps_hundred_k_blocks() {
                     let chain = request_chain(i as u64, n);
                     n += 1;
                     shared.update(|idx| idx.insert(&chain, now_ms));
-                    if n % 5 == 0 {
+                    if n.is_multiple_of(5) {
                         stats.running = (n % 17) as u32;
                         let _ = handle.broadcast_stats(stats.clone());
                     }
@@ -96,9 +104,15 @@ fn eight_nodes_fifty_rps_hundred_k_blocks() {
         });
     }
     set_wan_latencies(&mut sim, &name_refs);
-    let joined = run_until(&mut sim, Duration::from_secs(30), |_| converged(&handles, &name_refs)).expect("converge");
+    let joined = run_until(&mut sim, Duration::from_secs(30), |_| {
+        converged(&handles, &name_refs)
+    })
+    .expect("converge");
     // Initial snapshots (7 x ~500 KB per node) ride QUIC slow start over 90-250 ms RTTs.
-    run_until(&mut sim, Duration::from_secs(60), |_| all_have_summaries(&handles)).expect("snapshots delivered");
+    run_until(&mut sim, Duration::from_secs(60), |_| {
+        all_have_summaries(&handles)
+    })
+    .expect("snapshots delivered");
     let warm = sim.elapsed();
     run_for(&mut sim, Duration::from_secs(5));
     let t1 = sim.elapsed();
@@ -112,7 +126,13 @@ fn eight_nodes_fifty_rps_hundred_k_blocks() {
     {
         let h = handles.lock();
         for handle in h.values() {
-            stale.extend(handle.metrics().staleness_samples().iter().map(|&x| x as f64));
+            stale.extend(
+                handle
+                    .metrics()
+                    .staleness_samples()
+                    .iter()
+                    .map(|&x| x as f64),
+            );
         }
     }
     stale.sort_by(f64::total_cmp);
@@ -124,7 +144,9 @@ fn eight_nodes_fifty_rps_hundred_k_blocks() {
     sim.crash("n7");
     let down = run_until(&mut sim, Duration::from_secs(20), |_| {
         let h = handles.lock();
-        name_refs[..NODES - 1].iter().all(|n| !h[*n].alive_peers().contains(&NodeId::from("n7")))
+        name_refs[..NODES - 1]
+            .iter()
+            .all(|n| !h[*n].alive_peers().contains(&NodeId::from("n7")))
     })
     .expect("n7 declared down");
 
@@ -140,18 +162,27 @@ fn eight_nodes_fifty_rps_hundred_k_blocks() {
             udp / 1024.0
         );
     }
-    let mean = b1.iter().zip(&b2).map(|(a, b)| (b - a) as f64).sum::<f64>() / NODES as f64 / secs / 1024.0;
-    let mean_udp = u1.iter().zip(&u2).map(|(a, b)| (b - a) as f64).sum::<f64>() / NODES as f64 / secs / 1024.0;
+    let mean =
+        b1.iter().zip(&b2).map(|(a, b)| (b - a) as f64).sum::<f64>() / NODES as f64 / secs / 1024.0;
+    let mean_udp =
+        u1.iter().zip(&u2).map(|(a, b)| (b - a) as f64).sum::<f64>() / NODES as f64 / secs / 1024.0;
     println!("mean sent per node: payload {mean:.1} KiB/s, UDP {mean_udp:.1} KiB/s");
-    println!("staleness: {} samples, p50 {p50} ms, p99 {p99} ms, max {max} ms", stale.len());
-    println!("failure detection (all 7 survivors): {:?}", down - crashed_at);
+    println!(
+        "staleness: {} samples, p50 {p50} ms, p99 {p99} ms, max {max} ms",
+        stale.len()
+    );
+    println!(
+        "failure detection (all 7 survivors): {:?}",
+        down - crashed_at
+    );
     assert!(p99 < 1000.0, "staleness p99 {p99} ms");
     assert!(mean_udp < 64.0, "{mean_udp} KiB/s per node on the wire");
 }
 
 fn all_have_summaries(handles: &Handles) -> bool {
     let h = handles.lock();
-    h.values().all(|handle| handle.peers().iter().all(|p| p.summary_len > 50_000))
+    h.values()
+        .all(|handle| handle.peers().iter().all(|p| p.summary_len > 50_000))
         && h.len() == NODES
 }
 
@@ -164,7 +195,11 @@ fn bytes(handles: &Handles) -> (Vec<u64>, Vec<u64>, Vec<u64>) {
         .iter()
         .map(|n| {
             let m = h[*n].metrics();
-            (m.total_bytes_sent(), m.swim_bytes_sent.load(Ordering::Relaxed), h[*n].udp_bytes_sent())
+            (
+                m.total_bytes_sent(),
+                m.swim_bytes_sent.load(Ordering::Relaxed),
+                h[*n].udp_bytes_sent(),
+            )
         })
         .fold((vec![], vec![], vec![]), |mut acc, (a, b, c)| {
             acc.0.push(a);

@@ -48,7 +48,11 @@ impl TurmoilUdp {
                 }
             }
         });
-        Ok(Arc::new(TurmoilUdp { socket, rx: Mutex::new(rx), local }))
+        Ok(Arc::new(TurmoilUdp {
+            socket,
+            rx: Mutex::new(rx),
+            local,
+        }))
     }
 }
 
@@ -69,7 +73,9 @@ impl AsyncUdpSocket for TurmoilUdp {
 
     fn try_send(&self, transmit: &Transmit<'_>) -> io::Result<()> {
         // A full queue or a crashed peer looks like loss to QUIC, which is what it is.
-        let _ = self.socket.try_send_to(transmit.contents, transmit.destination);
+        let _ = self
+            .socket
+            .try_send_to(transmit.contents, transmit.destination);
         Ok(())
     }
 
@@ -84,11 +90,12 @@ impl AsyncUdpSocket for TurmoilUdp {
             Poll::Ready(Some((data, from))) => {
                 let n = data.len().min(bufs[0].len());
                 bufs[0][..n].copy_from_slice(&data[..n]);
-                let mut m = RecvMeta::default();
-                m.addr = from;
-                m.len = n;
-                m.stride = n;
-                meta[0] = m;
+                meta[0] = RecvMeta {
+                    addr: from,
+                    len: n,
+                    stride: n,
+                    ..RecvMeta::default()
+                };
                 Poll::Ready(Ok(1))
             }
             Poll::Ready(None) => Poll::Ready(Err(io::Error::other("socket closed"))),
@@ -110,7 +117,11 @@ pub type Handles = Arc<Mutex<BTreeMap<String, ClusterHandle>>>;
 
 /// The simulated clock as a wall clock (ms since the simulated epoch).
 pub fn sim_clock() -> gorgo_cluster::WallClock {
-    Arc::new(|| turmoil::since_epoch().map(|d| d.as_millis() as u64).unwrap_or(0))
+    Arc::new(|| {
+        turmoil::since_epoch()
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0)
+    })
 }
 
 /// A turmoil simulation with deterministic latencies (set per link by the caller).
@@ -164,7 +175,11 @@ pub fn add_node(sim: &mut turmoil::Sim<'_>, spec: NodeSpec, handles: Handles) {
                 addr,
                 spec.credentials.clone(),
             );
-            cfg.seeds = spec.seeds.iter().map(|s| SocketAddr::new(turmoil::lookup(s.as_str()), PORT)).collect();
+            cfg.seeds = spec
+                .seeds
+                .iter()
+                .map(|s| SocketAddr::new(turmoil::lookup(s.as_str()), PORT))
+                .collect();
             cfg.generation = Some(spec.generation);
             cfg.rng_seed = Some(gorgo_core::hash::hash_bytes(spec.name.as_bytes()));
             cfg.wall_clock = sim_clock();
@@ -172,7 +187,10 @@ pub fn add_node(sim: &mut turmoil::Sim<'_>, spec: NodeSpec, handles: Handles) {
             let shutdown = gorgo_cluster::CancellationToken::new();
             let handle = gorgo_cluster::start(
                 cfg,
-                ClusterSocket::Custom { socket, runtime: Arc::new(quinn::TokioRuntime) },
+                ClusterSocket::Custom {
+                    socket,
+                    runtime: Arc::new(quinn::TokioRuntime),
+                },
                 summary.clone(),
                 shutdown,
             )
@@ -201,11 +219,15 @@ async fn churn(name: &str, summary: &SharedSummary, c: Churn) {
         summary.update(|s| {
             for i in 0..c.shared {
                 // Shared prefix blocks: the same fingerprints on every node.
-                s.record_add(gorgo_core::hash::fingerprint(gorgo_core::hash::hash_bytes(&(i as u64).to_le_bytes())));
+                s.record_add(gorgo_core::hash::fingerprint(gorgo_core::hash::hash_bytes(
+                    &(i as u64).to_le_bytes(),
+                )));
             }
             for _ in 0..c.adds {
                 n += 1;
-                let fp = gorgo_core::hash::fingerprint(salt ^ gorgo_core::hash::hash_bytes(&n.to_le_bytes()));
+                let fp = gorgo_core::hash::fingerprint(
+                    salt ^ gorgo_core::hash::hash_bytes(&n.to_le_bytes()),
+                );
                 s.record_add(fp);
                 order.push_back(fp);
             }
@@ -249,7 +271,10 @@ pub fn converged(handles: &Handles, names: &[&str]) -> bool {
     names.iter().all(|n| {
         h.get(*n).is_some_and(|handle| {
             let alive = handle.alive_peers();
-            names.iter().filter(|m| *m != n).all(|m| alive.contains(&NodeId((*m).to_owned())))
+            names
+                .iter()
+                .filter(|m| *m != n)
+                .all(|m| alive.contains(&NodeId((*m).to_owned())))
         })
     })
 }
@@ -259,7 +284,14 @@ pub fn credentials(names: &[&str]) -> BTreeMap<String, NodeCredentials> {
     let ca = gorgo_cluster::ClusterCa::generate("test CA").expect("ca");
     names
         .iter()
-        .map(|n| ((*n).to_owned(), ca.issue(&NodeId((*n).to_owned())).expect("issue").credentials))
+        .map(|n| {
+            (
+                (*n).to_owned(),
+                ca.issue(&NodeId((*n).to_owned()))
+                    .expect("issue")
+                    .credentials,
+            )
+        })
         .collect()
 }
 
