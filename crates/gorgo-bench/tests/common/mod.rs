@@ -1,0 +1,89 @@
+//! A tiny OpenAI-style SSE server for the tests, bound to 127.0.0.1:0.
+#![allow(dead_code)]
+
+use axum::body::Body;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use bytes::Bytes;
+
+/// A chat endpoint in OpenAI's streaming shape. `max_tokens` picks the behaviour:
+/// 0 -> HTTP 400, 999 -> stream cut before `[DONE]`, else that many content chunks.
+async fn chat(headers: HeaderMap, body: Bytes) -> Response {
+    let v: serde_json::Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(_) => return (StatusCode::BAD_REQUEST, "bad json").into_response(),
+    };
+    let n = v["max_tokens"].as_u64().unwrap_or(1);
+    if n == 0 {
+        return (
+            StatusCode::BAD_REQUEST,
+            r#"{"error":{"message":"max_tokens must be positive"}}"#,
+        )
+            .into_response();
+    }
+    let served_by = v["served_by"].as_str().unwrap_or("here").to_owned();
+    let session = headers
+        .get("x-session-id")
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    let mut s = String::new();
+    s.push_str("data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\"}}]}\n\n");
+    let content_chunks = if n == 999 { 2 } else { n };
+    for i in 0..content_chunks {
+        s.push_str(&format!(
+            "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"t{i}{session}\"}}}}]}}\n\n"
+        ));
+    }
+    if n != 999 {
+        s.push_str(&format!(
+            "data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":7,\"completion_tokens\":{n},\
+             \"prompt_tokens_details\":{{\"cached_tokens\":3}}}}}}\n\ndata: [DONE]\n\n"
+        ));
+    }
+    // Send the events as separate body frames, as a real streaming server would.
+    let frames: Vec<Result<Bytes, std::io::Error>> = s
+        .split_inclusive("\n\n")
+        .map(|f| Ok(Bytes::from(f.to_owned())))
+        .collect();
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .header("x-gorgo-served-by", served_by)
+        .header("x-gorgo-hops", "1")
+        .body(Body::from_stream(futures::stream::iter(frames)))
+        .unwrap()
+}
+
+pub struct Server {
+    pub url: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Server {
+    pub async fn start() -> Server {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let app = axum::Router::new().route("/v1/chat/completions", post(chat));
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async {
+                    let _ = rx.await;
+                })
+                .await
+                .unwrap();
+        });
+        Server {
+            url,
+            stop: Some(tx),
+            task,
+        }
+    }
+
+    pub async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        self.task.await.unwrap();
+    }
+}

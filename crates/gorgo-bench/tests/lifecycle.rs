@@ -1,0 +1,170 @@
+//! Cluster lifecycle and the whole comparison, with a stand-in `gorgo` binary (a shell
+//! script that "starts" clusters by writing cluster.json pointing at an in-process SSE
+//! server, and logs every `down`): teardown is checked on success and on failure.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::Server;
+use gorgo_bench::{
+    compare, BenchError, CancellationToken, CompareSpec, LoadMode, ReplayConfig, RunningCluster,
+    UpOptions,
+};
+use gorgo_workload::{BlockIds, TraceRequest};
+
+fn fake_gorgo(dir: &Path, url: &str) -> PathBuf {
+    let log = dir.join("calls.log");
+    let script = format!(
+        r#"#!/bin/sh
+cmd="$1"; shift
+if [ "$1" = "--help" ]; then echo "      --base-port <PORT>"; exit 0; fi
+dir=""; port="-"; policy=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --run-dir) dir="$2"; shift ;;
+    --base-port) port="$2"; shift ;;
+    --policy) policy="$2"; shift ;;
+  esac
+  shift
+done
+case "$cmd" in
+  up)
+    echo "up $policy $port" >> "{log}"
+    if [ "$policy" = "broken" ]; then echo "engine failed to start" >&2; exit 3; fi
+    printf '{{"admin_token":"t","regions":[{{"name":"us","client_url":"{url}"}},{{"name":"eu","client_url":"{url}/"}}]}}' > "$dir/cluster.json" ;;
+  down) echo "down $dir" >> "{log}" ;;
+esac
+"#,
+        log = log.display()
+    );
+    let path = dir.join("gorgo");
+    std::fs::write(&path, script).unwrap();
+    let mut perm = std::fs::metadata(&path).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+    std::fs::set_permissions(&path, perm).unwrap();
+    path
+}
+
+fn calls(dir: &Path) -> Vec<String> {
+    std::fs::read_to_string(dir.join("calls.log"))
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+fn requests(n: usize) -> Vec<TraceRequest> {
+    (0..n)
+        .map(|i| TraceRequest {
+            timestamp_ms: i as u64 * 10,
+            input_tokens: 64,
+            output_tokens: 3,
+            blocks: BlockIds::Int(vec![1, i as u64 + 2]),
+            tokens_per_block: 32,
+            user: Some(format!("u{}", i % 3)),
+            session: None,
+            home_region: None,
+            request_id: None,
+            system_prompt_hash: None,
+        })
+        .collect()
+}
+
+// One test function: every step spawns the script, and running them serially avoids
+// the fork-while-writing race (ETXTBSY) between test threads.
+#[tokio::test]
+async fn clusters_come_up_and_always_go_down() {
+    let server = Server::start().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = fake_gorgo(tmp.path(), &server.url);
+    let opts = |policy: &str| UpOptions {
+        exe: exe.clone(),
+        topology: tmp.path().join("topo.toml"),
+        policy: policy.to_owned(),
+        engine_profile: None,
+        run_dir: tmp.path().join(policy).join("run"),
+        base_port: Some(7100),
+        extra_args: Vec::new(),
+        timeout: Duration::from_secs(30),
+    };
+
+    // Up then drop: torn down by the guard.
+    {
+        let c = RunningCluster::up(&opts("a")).await.unwrap();
+        assert_eq!(c.info.region_names(), vec!["us", "eu"]);
+    }
+    let log = calls(tmp.path());
+    assert_eq!(log[0], "up a 7100");
+    assert!(
+        log[1].starts_with("down ") && log[1].ends_with("a/run"),
+        "{log:?}"
+    );
+
+    // A failing up: the error carries the log tail, and the partial cluster goes down.
+    let err = RunningCluster::up(&opts("broken")).await.unwrap_err();
+    assert!(matches!(err, BenchError::Cluster { action: "up", .. }));
+    assert!(err.to_string().contains("engine failed to start"), "{err}");
+    let log = calls(tmp.path());
+    assert!(log.last().unwrap().ends_with("broken/run"), "{log:?}");
+
+    // A whole parallel comparison: distinct port blocks, every request measured,
+    // every cluster down.
+    std::fs::remove_file(tmp.path().join("calls.log")).unwrap();
+    let spec = CompareSpec {
+        exe: exe.clone(),
+        topology: tmp.path().join("topo.toml"),
+        policies: vec!["p1".into(), "p2".into()],
+        out: tmp.path().join("cmp"),
+        sequential: false,
+        engine_profile: None,
+        base_port: 8000,
+        port_stride: 100,
+        up_timeout: Duration::from_secs(30),
+        replay: ReplayConfig {
+            mode: LoadMode::Open { time_scale: 0.0 },
+            ..ReplayConfig::default()
+        },
+        model: "m".into(),
+        ignore_eos: true,
+        progress: None,
+    };
+    let runs = compare(&spec, Arc::new(requests(8)), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(runs.len(), 2);
+    for run in &runs {
+        assert_eq!(run.output.outcomes.len(), 8);
+        assert_eq!(
+            run.output.failed(),
+            0,
+            "{:?}",
+            run.output.outcomes[0].measured
+        );
+        assert_eq!(run.regions, vec!["us", "eu"]);
+    }
+    let log = calls(tmp.path());
+    assert_eq!(&log[..2], &["up p1 8000", "up p2 8100"]);
+    assert_eq!(log.iter().filter(|l| l.starts_with("down")).count(), 2);
+
+    // A comparison whose second cluster fails: the first one still goes down.
+    std::fs::remove_file(tmp.path().join("calls.log")).unwrap();
+    let spec = CompareSpec {
+        policies: vec!["p1".into(), "broken".into()],
+        ..spec
+    };
+    let err = compare(&spec, Arc::new(requests(2)), CancellationToken::new())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("engine failed"), "{err}");
+    let log = calls(tmp.path());
+    assert_eq!(
+        log.iter().filter(|l| l.starts_with("down")).count(),
+        2,
+        "{log:?}"
+    );
+
+    server.stop().await;
+}
