@@ -390,3 +390,69 @@ pub(crate) async fn handle_frame(inner: &Arc<Inner>, from: &NodeId, bytes: &[u8]
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    fn clock() -> (Arc<AtomicU64>, WallClock) {
+        let t = Arc::new(AtomicU64::new(1_000));
+        let c = t.clone();
+        (t, Arc::new(move || c.load(Ordering::Relaxed)))
+    }
+
+    #[test]
+    fn first_update_is_a_snapshot_then_deltas_with_oldest_change_time() {
+        let (t, clock) = clock();
+        let shared = SharedSummary::new(LocalSummary::new().starting_at(10), clock);
+        shared.update(|s| s.record_add(1));
+        let first = shared.update_since(None).unwrap();
+        assert!(matches!(first.body, SummaryBody::Snapshot(_)));
+        assert_eq!(first.version, 11);
+        assert!(shared.update_since(Some(11)).is_none(), "up to date");
+
+        t.store(2_000, Ordering::Relaxed);
+        shared.update(|s| s.record_add(2));
+        t.store(3_000, Ordering::Relaxed);
+        shared.update(|s| s.record_remove(1));
+        let next = shared.update_since(Some(11)).unwrap();
+        assert_eq!(next.version, 13);
+        assert_eq!(
+            next.oldest_change_ms, 2_000,
+            "the oldest change not yet sent"
+        );
+        match next.body {
+            SummaryBody::Delta(d) => {
+                assert_eq!(d.added, vec![2]);
+                assert_eq!(d.removed, vec![1]);
+            }
+            SummaryBody::Snapshot(_) => panic!("expected a delta"),
+        }
+        // A reader that does not change anything records no change point.
+        shared.update(|s| s.contains(2));
+        assert_eq!(
+            shared.update_since(Some(12)).unwrap().oldest_change_ms,
+            3_000
+        );
+        // A version we cannot serve a delta from gets a snapshot.
+        assert!(matches!(
+            shared.update_since(Some(99)).unwrap().body,
+            SummaryBody::Snapshot(_)
+        ));
+    }
+
+    #[test]
+    fn frames_decode_and_garbage_does_not() {
+        let msg = GossipMessage::SnapshotRequest {
+            origin: NodeId::from("a"),
+            have_version: 3,
+        };
+        let f = frame(7, &msg);
+        assert_eq!(f[0], STREAM_GOSSIP);
+        assert_eq!(u64::from_le_bytes(f[1..9].try_into().unwrap()), 7);
+        let back: GossipMessage = wire::decode(&f[9..], MAX_GOSSIP_MESSAGE).unwrap();
+        assert_eq!(back, msg);
+        assert!(wire::decode::<GossipMessage>(&[0xff; 64], MAX_GOSSIP_MESSAGE).is_err());
+    }
+}

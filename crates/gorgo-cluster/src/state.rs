@@ -314,3 +314,63 @@ impl ClusterMetrics {
         self.staleness_ms.lock().iter().copied().collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(n: &str, g: u64) -> MemberId {
+        MemberId {
+            node: NodeId::from(n),
+            region: "r".into(),
+            addr: "10.0.0.1:1".parse().unwrap(),
+            generation: g,
+        }
+    }
+
+    #[test]
+    fn rtt_is_an_ewma_with_alpha_point_three() {
+        let t = PeerTable::default();
+        let now = Instant::now();
+        t.member_up(&member("a", 1), now);
+        t.record_rtt(&NodeId::from("a"), 100.0);
+        t.record_rtt(&NodeId::from("a"), 200.0);
+        let v = t.views(now);
+        assert!((v[0].rtt_ms.unwrap() - 130.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn stale_stats_are_dropped_and_down_peers_are_not_candidates() {
+        let t = PeerTable::default();
+        let now = Instant::now();
+        let a = NodeId::from("a");
+        t.member_up(&member("a", 1), now);
+        let s = |v| QueueStats {
+            version: v,
+            ..Default::default()
+        };
+        assert!(t.offer_stats(&a, &s(2), now));
+        assert!(!t.offer_stats(&a, &s(2), now));
+        assert!(!t.offer_stats(&a, &s(1), now));
+        assert!(t.offer_stats(&a, &s(3), now));
+        assert_eq!(t.alive_ids(), vec![a.clone()]);
+        // A down notice about an older generation does not take the new one down.
+        t.member_up(&member("a", 2), now);
+        t.member_down(&member("a", 1), now);
+        assert_eq!(t.alive_ids(), vec![a.clone()]);
+        t.member_down(&member("a", 2), now);
+        assert!(t.alive_ids().is_empty());
+        assert!(!t.views(now)[0].alive);
+    }
+
+    #[test]
+    fn staleness_window_is_bounded() {
+        let m = ClusterMetrics::default();
+        for i in 0..(STALENESS_WINDOW as u64 + 10) {
+            m.record_staleness(i);
+        }
+        let s = m.staleness_samples();
+        assert_eq!(s.len(), STALENESS_WINDOW);
+        assert_eq!(s[0], 10);
+    }
+}
