@@ -32,7 +32,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ee = apr5::p50_p95(&emu_e2e);
     let ri = apr5::p50_p95(&apr5::itl(&real_ttft, &real_e2e, &real_out));
     let ei = apr5::p50_p95(&apr5::itl(&emu_ttft, &emu_e2e, &emu_out));
-    println!("profile {} ; {} requests replayed in {:.3} s", profile.name, rows.len(), elapsed.as_secs_f64());
+    println!(
+        "profile {} ; {} requests replayed in {:.3} s",
+        profile.name,
+        rows.len(),
+        elapsed.as_secs_f64()
+    );
     println!("| metric | paper (real) | emulated | ratio |");
     println!("|---|---:|---:|---:|");
     for (m, r, e) in [

@@ -78,7 +78,10 @@ impl RadixCache {
 
     /// How many leading blocks of `hashes` are cached.
     pub fn match_len(&self, hashes: &[u64]) -> usize {
-        hashes.iter().take_while(|h| self.nodes.contains_key(h)).count()
+        hashes
+            .iter()
+            .take_while(|h| self.nodes.contains_key(h))
+            .count()
     }
 
     /// Take a reference on a cached block (a request starts using it).
@@ -159,10 +162,7 @@ impl RadixCache {
             let Some((_, hash)) = self.evictable_leaves.pop_first() else {
                 break;
             };
-            let node = self
-                .nodes
-                .remove(&hash)
-                .expect("evictable leaf is cached");
+            let node = self.nodes.remove(&hash).expect("evictable leaf is cached");
             freed += node.tokens as u64;
             self.cached_tokens -= node.tokens as u64;
             self.unreferenced_tokens -= node.tokens as u64;

@@ -11,10 +11,14 @@
 
 pub mod cache;
 pub mod error;
+pub mod metrics;
 pub mod model;
+pub mod openai;
 pub mod profile;
+pub mod server;
 
 pub use cache::RadixCache;
 pub use error::EngineError;
 pub use model::{Engine, EngineEvent, EngineRequest, EngineStats, RejectReason};
 pub use profile::Profile;
+pub use server::{serve, EmulatorConfig};

@@ -260,7 +260,9 @@ impl Engine {
             })
         } else {
             match self.max_waiting {
-                Some(limit) if self.waiting.len() >= limit => Some(RejectReason::QueueFull { limit }),
+                Some(limit) if self.waiting.len() >= limit => {
+                    Some(RejectReason::QueueFull { limit })
+                }
                 _ => None,
             }
         };

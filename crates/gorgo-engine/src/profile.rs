@@ -110,15 +110,16 @@ impl Profile {
 
     /// Parse and validate profile TOML; `source_name` goes into error messages.
     pub fn from_toml_str(text: &str, source_name: &str) -> Result<Profile, EngineError> {
-        let profile: Profile =
-            toml::from_str(text).map_err(|e| EngineError::InvalidProfile {
-                source_name: source_name.to_owned(),
-                message: e.to_string(),
-            })?;
-        profile.validate().map_err(|message| EngineError::InvalidProfile {
+        let profile: Profile = toml::from_str(text).map_err(|e| EngineError::InvalidProfile {
             source_name: source_name.to_owned(),
-            message,
+            message: e.to_string(),
         })?;
+        profile
+            .validate()
+            .map_err(|message| EngineError::InvalidProfile {
+                source_name: source_name.to_owned(),
+                message,
+            })?;
         Ok(profile)
     }
 
@@ -134,7 +135,9 @@ impl Profile {
         ];
         for (field, v) in non_negative {
             if !(v.is_finite() && v >= 0.0) {
-                return Err(format!("field `{field}` must be a finite number >= 0, got {v}"));
+                return Err(format!(
+                    "field `{field}` must be a finite number >= 0, got {v}"
+                ));
             }
         }
         if self.prefill_base_ms + self.t_p_ms_per_token <= 0.0 {

@@ -18,7 +18,9 @@ fn apr5_ttft_matches_the_papers_session_affinity_run() {
     assert_eq!(rows.len(), 7195);
     let profile = Profile::by_name("paper-l40s-qwen35b-a3b").unwrap();
     let out = apr5::replay(&rows, &profile);
-    assert!(out.iter().all(|o| o.ttft_ms.is_finite() && o.e2e_ms >= o.ttft_ms));
+    assert!(out
+        .iter()
+        .all(|o| o.ttft_ms.is_finite() && o.e2e_ms >= o.ttft_ms));
     let real: Vec<f64> = rows.iter().map(|r| r.ttft_ms).collect();
     let emu: Vec<f64> = out.iter().map(|o| o.ttft_ms).collect();
     let (real50, real95) = apr5::p50_p95(&real);

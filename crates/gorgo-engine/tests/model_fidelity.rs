@@ -47,9 +47,11 @@ fn run_alone(engine: &mut Engine, req: EngineRequest) -> (f64, u64, f64) {
     let mut end = None;
     for e in events {
         match e {
-            EngineEvent::FirstToken { id: i, at_ms, cached_tokens } if i == id => {
-                first = Some((at_ms - at, cached_tokens))
-            }
+            EngineEvent::FirstToken {
+                id: i,
+                at_ms,
+                cached_tokens,
+            } if i == id => first = Some((at_ms - at, cached_tokens)),
             EngineEvent::Finished { id: i, at_ms, .. } if i == id => end = Some(at_ms),
             _ => {}
         }
@@ -67,7 +69,11 @@ fn fit(xs: &[f64], ys: &[f64]) -> (f64, f64, f64) {
     let sxx: f64 = xs.iter().map(|x| (x - mx).powi(2)).sum();
     let b = sxy / sxx;
     let a = my - b * mx;
-    let ss_res: f64 = xs.iter().zip(ys).map(|(x, y)| (y - a - b * x).powi(2)).sum();
+    let ss_res: f64 = xs
+        .iter()
+        .zip(ys)
+        .map(|(x, y)| (y - a - b * x).powi(2))
+        .sum();
     let ss_tot: f64 = ys.iter().map(|y| (y - my).powi(2)).sum();
     (a, b, 1.0 - ss_res / ss_tot)
 }
@@ -105,7 +111,10 @@ fn cached_prefix_pays_only_for_the_uncached_part() {
     let (ttft, cached, end) = run_alone(&mut engine, request(2, &longer, 2, end + 10.0));
     assert_eq!(cached, 4000);
     let expected = p.request_overhead_ms + p.prefill_base_ms + p.t_p_ms_per_token * 2000.0;
-    assert!((ttft - expected).abs() < 1e-6, "ttft {ttft} expected {expected}");
+    assert!(
+        (ttft - expected).abs() < 1e-6,
+        "ttft {ttft} expected {expected}"
+    );
     // The very same prompt again: everything but the last token is cached.
     let (ttft, cached, _) = run_alone(&mut engine, request(3, &longer, 2, end + 10.0));
     assert_eq!(cached, 5999);
@@ -125,7 +134,11 @@ fn eviction_happens_at_capacity_and_only_to_unreferenced_blocks() {
     let b = prompt(2, 300);
     let (_, _, t) = run_alone(&mut engine, request(1, &a, 10, 0.0));
     let (_, _, t) = run_alone(&mut engine, request(2, &b, 10, t + 1.0));
-    assert_eq!(engine.stats().cached_tokens, 600, "both prompts stay cached below capacity");
+    assert_eq!(
+        engine.stats().cached_tokens,
+        600,
+        "both prompts stay cached below capacity"
+    );
     // C needs 600 + 10; only 400 are free: A (least recently used) goes, B stays.
     let c = prompt(3, 600);
     let (_, _, t) = run_alone(&mut engine, request(3, &c, 10, t + 1.0));
@@ -143,7 +156,10 @@ fn eviction_happens_at_capacity_and_only_to_unreferenced_blocks() {
     engine.submit(request(10, &d, 200, t0), t0).unwrap();
     // Let D finish its prefill so its blocks are in the cache and referenced.
     let mut events = Vec::new();
-    while !events.iter().any(|e| matches!(e, EngineEvent::FirstToken { id: 10, .. })) {
+    while !events
+        .iter()
+        .any(|e| matches!(e, EngineEvent::FirstToken { id: 10, .. }))
+    {
         let next = engine.next_event_time().unwrap();
         engine.step_into(next, &mut events);
     }
@@ -164,11 +180,17 @@ fn eviction_happens_at_capacity_and_only_to_unreferenced_blocks() {
         }
         assert!(engine.stats().used_tokens <= 1000);
     }
-    assert!(e_first.unwrap() > d_end.unwrap(), "E ran only after D released its blocks");
+    assert!(
+        e_first.unwrap() > d_end.unwrap(),
+        "E ran only after D released its blocks"
+    );
     // E needed 610 with 500 free: just enough of D's tail (whole 16-token blocks,
     // leaf first) was evicted, the rest of D stays cached.
     let cached = engine.stats().cached_tokens;
-    assert!((1100 - 16 - 110..=1100 - 110).contains(&cached), "cached {cached}");
+    assert!(
+        (1100 - 16 - 110..=1100 - 110).contains(&cached),
+        "cached {cached}"
+    );
 }
 
 #[test]
@@ -176,7 +198,9 @@ fn under_a_burst_ttft_grows_with_queue_position() {
     let profile = Profile::by_name("paper-a100-mistral7b").unwrap();
     let mut engine = Engine::new(profile);
     for i in 0..20u64 {
-        engine.submit(request(i, &prompt(100 + i, 3000), 32, 0.0), 0.0).unwrap();
+        engine
+            .submit(request(i, &prompt(100 + i, 3000), 32, 0.0), 0.0)
+            .unwrap();
     }
     let mut first = vec![f64::NAN; 20];
     for e in drain(&mut engine) {
@@ -185,7 +209,10 @@ fn under_a_burst_ttft_grows_with_queue_position() {
         }
     }
     for w in first.windows(2) {
-        assert!(w[1] >= w[0], "TTFT must not decrease with queue position: {first:?}");
+        assert!(
+            w[1] >= w[0],
+            "TTFT must not decrease with queue position: {first:?}"
+        );
     }
     assert!(first[19] > 5.0 * first[0], "{first:?}");
 }
@@ -195,8 +222,12 @@ fn abort_frees_the_slot_and_the_kv_reference() {
     let mut p = small_profile(1000);
     p.max_running_requests = 1;
     let mut engine = Engine::new(p);
-    engine.submit(request(1, &prompt(1, 400), 500, 0.0), 0.0).unwrap();
-    engine.submit(request(2, &prompt(2, 100), 5, 0.0), 0.0).unwrap();
+    engine
+        .submit(request(1, &prompt(1, 400), 500, 0.0), 0.0)
+        .unwrap();
+    engine
+        .submit(request(2, &prompt(2, 100), 5, 0.0), 0.0)
+        .unwrap();
     let t = engine.next_event_time().unwrap();
     engine.step(t);
     assert_eq!(engine.stats().running, 1);
@@ -205,8 +236,12 @@ fn abort_frees_the_slot_and_the_kv_reference() {
     let s = engine.stats();
     assert_eq!(s.evictable_tokens, s.cached_tokens, "no reference left");
     let events = drain(&mut engine);
-    assert!(events.iter().any(|e| matches!(e, EngineEvent::Finished { id: 2, .. })));
-    assert!(!events.iter().any(|e| matches!(e, EngineEvent::Finished { id: 1, .. })));
+    assert!(events
+        .iter()
+        .any(|e| matches!(e, EngineEvent::Finished { id: 2, .. })));
+    assert!(!events
+        .iter()
+        .any(|e| matches!(e, EngineEvent::Finished { id: 1, .. })));
     assert_eq!(engine.stats().used_tokens, engine.stats().cached_tokens);
 }
 
@@ -218,8 +253,12 @@ fn oversized_and_queue_full_requests_are_rejected() {
     assert!(engine.submit(request(1, &big, 10, 0.0), 0.0).is_err());
     let huge = prompt(2, 40_000);
     assert!(engine.submit(request(2, &huge, 10, 0.0), 0.0).is_err());
-    engine.submit(request(3, &prompt(3, 10), 10, 0.0), 0.0).unwrap();
-    engine.submit(request(4, &prompt(4, 10), 10, 0.0), 0.0).unwrap();
+    engine
+        .submit(request(3, &prompt(3, 10), 10, 0.0), 0.0)
+        .unwrap();
+    engine
+        .submit(request(4, &prompt(4, 10), 10, 0.0), 0.0)
+        .unwrap();
     let rejected = engine.submit(request(5, &prompt(5, 10), 10, 0.0), 0.0);
     assert!(rejected.is_err() || engine.stats().waiting <= 1);
 }

@@ -1,0 +1,363 @@
+//! OpenAI request parsing and response shapes for the emulator.
+//!
+//! Only what an engine needs: the prompt (rendered by `gorgo_core::prompt`, the one
+//! canonical rendering), the output budget, streaming flags. Responses copy the shapes
+//! SGLang and vLLM produce so routers and benchmarks parse the emulator like the real
+//! thing.
+
+use serde_json::{json, Value};
+
+use gorgo_core::prompt::{canonicalize, Endpoint};
+
+/// A request validation failure, rendered as OpenAI's error JSON with status 400.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BadRequest {
+    /// Human-readable message.
+    pub message: String,
+    /// The offending field, if one.
+    pub param: Option<&'static str>,
+    /// Machine-readable code, if any.
+    pub code: Option<&'static str>,
+}
+
+impl BadRequest {
+    fn new(message: impl Into<String>, param: Option<&'static str>) -> Self {
+        BadRequest {
+            message: message.into(),
+            param,
+            code: None,
+        }
+    }
+}
+
+/// What the emulator needs from a completion request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParsedRequest {
+    /// Which endpoint it came to.
+    pub endpoint: Endpoint,
+    /// Canonical prompt bytes (tokens = bytes / 4, rounded up).
+    pub prompt: Vec<u8>,
+    /// Output tokens to produce.
+    pub output_tokens: u32,
+    /// `max_tokens` as asked (or the default): "length" if output reaches it.
+    pub max_tokens: u32,
+    /// SSE streaming asked for.
+    pub stream: bool,
+    /// `stream_options.include_usage`.
+    pub include_usage: bool,
+    /// The `model` field, if given.
+    pub model: Option<String>,
+}
+
+fn positive_int(body: &Value, field: &'static str) -> Result<Option<u32>, BadRequest> {
+    match body.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_i64() {
+            Some(n) if n >= 1 => Ok(Some(n.min(u32::MAX as i64) as u32)),
+            Some(n) => Err(BadRequest::new(
+                format!("`{field}` must be at least 1, got {n}"),
+                Some(field),
+            )),
+            None => Err(BadRequest::new(
+                format!("`{field}` must be an integer"),
+                Some(field),
+            )),
+        },
+    }
+}
+
+/// Parse and validate a request body for `endpoint`.
+///
+/// Output length: `gorgo_output_tokens` (an extension, to replay a trace's
+/// `output_length`; capped by `max_tokens` when both are given) else `max_tokens`
+/// (`max_completion_tokens` on chat) else `default_max_tokens`. The emulator has no EOS,
+/// so `ignore_eos` changes nothing.
+pub fn parse(
+    endpoint: Endpoint,
+    body: &[u8],
+    default_max_tokens: u32,
+) -> Result<ParsedRequest, BadRequest> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
+        BadRequest::new(
+            format!("We could not parse the JSON body of your request: {e}"),
+            None,
+        )
+    })?;
+    if !value.is_object() {
+        return Err(BadRequest::new(
+            "the request body must be a JSON object",
+            None,
+        ));
+    }
+    match endpoint {
+        Endpoint::Chat => match value.get("messages") {
+            Some(Value::Array(m)) if !m.is_empty() => {}
+            Some(Value::Array(_)) => {
+                return Err(BadRequest::new(
+                    "`messages` must not be empty",
+                    Some("messages"),
+                ))
+            }
+            Some(_) => {
+                return Err(BadRequest::new(
+                    "`messages` must be an array",
+                    Some("messages"),
+                ))
+            }
+            None => {
+                return Err(BadRequest::new(
+                    "Missing required parameter: 'messages'.",
+                    Some("messages"),
+                ))
+            }
+        },
+        Endpoint::Completions => {
+            if value.get("prompt").is_none_or(Value::is_null) {
+                return Err(BadRequest::new(
+                    "Missing required parameter: 'prompt'.",
+                    Some("prompt"),
+                ));
+            }
+        }
+    }
+    let asked = match endpoint {
+        Endpoint::Chat => match positive_int(&value, "max_completion_tokens")? {
+            Some(n) => Some(n),
+            None => positive_int(&value, "max_tokens")?,
+        },
+        Endpoint::Completions => positive_int(&value, "max_tokens")?,
+    };
+    let trace_output = positive_int(&value, "gorgo_output_tokens")?;
+    let max_tokens = asked.unwrap_or(default_max_tokens.max(1));
+    let output_tokens = match (trace_output, asked) {
+        (Some(t), Some(m)) => t.min(m),
+        (Some(t), None) => t,
+        (None, _) => max_tokens,
+    };
+    let max_tokens = max_tokens.max(output_tokens);
+    let stream = match value.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(BadRequest::new(
+                "`stream` must be a boolean",
+                Some("stream"),
+            ))
+        }
+    };
+    let include_usage = value
+        .get("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let model = value
+        .get("model")
+        .and_then(Value::as_str)
+        .map(str::to_owned);
+    let param = match endpoint {
+        Endpoint::Chat => "messages",
+        Endpoint::Completions => "prompt",
+    };
+    let prompt =
+        canonicalize(endpoint, &value).map_err(|e| BadRequest::new(e.to_string(), Some(param)))?;
+    Ok(ParsedRequest {
+        endpoint,
+        prompt,
+        output_tokens,
+        max_tokens,
+        stream,
+        include_usage,
+        model,
+    })
+}
+
+/// The filler the emulator "generates": a fixed sentence cut in 4-byte tokens.
+const FILLER: &[u8] = b"Lorem ipsum dolor sit amet, consectetur adipiscing elit sed do. ";
+
+/// Text of output token `k` (deterministic, 4 ASCII bytes).
+pub fn token_text(k: u32) -> &'static str {
+    let start = (k as usize * 4) % FILLER.len();
+    std::str::from_utf8(&FILLER[start..start + 4]).expect("ASCII filler")
+}
+
+/// The whole text of `n` output tokens.
+pub fn filler_text(n: u32) -> String {
+    (0..n).map(token_text).collect()
+}
+
+/// `usage` object with `prompt_tokens_details.cached_tokens`.
+pub fn usage(prompt_tokens: u64, completion_tokens: u32, cached_tokens: u64) -> Value {
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens as u64,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    })
+}
+
+/// Identity of one response: what every chunk repeats.
+#[derive(Debug, Clone)]
+pub struct ResponseMeta {
+    /// Endpoint answered.
+    pub endpoint: Endpoint,
+    /// `chatcmpl-...` / `cmpl-...`.
+    pub id: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// Model name reported.
+    pub model: String,
+    /// Emit `"usage": null` on chunks and a final usage chunk.
+    pub include_usage: bool,
+}
+
+impl ResponseMeta {
+    /// A new response identity for request number `n`.
+    pub fn new(endpoint: Endpoint, n: u64, model: String, include_usage: bool) -> Self {
+        let created = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let prefix = match endpoint {
+            Endpoint::Chat => "chatcmpl",
+            Endpoint::Completions => "cmpl",
+        };
+        ResponseMeta {
+            endpoint,
+            id: format!("{prefix}-{n:016x}"),
+            created,
+            model,
+            include_usage,
+        }
+    }
+
+    fn object(&self, stream: bool) -> &'static str {
+        match (self.endpoint, stream) {
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Completions, _) => "text_completion",
+        }
+    }
+
+    /// One SSE chunk carrying token text (`first` adds the assistant role on chat).
+    pub fn chunk(&self, text: &str, first: bool, finish_reason: Option<&str>) -> Value {
+        let choice = match self.endpoint {
+            Endpoint::Chat => {
+                let delta = match (first, finish_reason) {
+                    (_, Some(_)) => json!({}),
+                    (true, None) => json!({"role": "assistant", "content": text}),
+                    (false, None) => json!({"content": text}),
+                };
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason})
+            }
+            Endpoint::Completions => {
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason})
+            }
+        };
+        let mut v = json!({
+            "id": self.id,
+            "object": self.object(true),
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        });
+        if self.include_usage {
+            v["usage"] = Value::Null;
+        }
+        v
+    }
+
+    /// The final usage-only chunk (`choices: []`).
+    pub fn usage_chunk(&self, usage: Value) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(true),
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage,
+        })
+    }
+
+    /// A whole non-streaming response.
+    pub fn full(&self, text: &str, finish_reason: &str, usage: Value) -> Value {
+        let choice = match self.endpoint {
+            Endpoint::Chat => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": null,
+                "finish_reason": finish_reason,
+            }),
+            Endpoint::Completions => json!({
+                "index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason,
+            }),
+        };
+        json!({
+            "id": self.id,
+            "object": self.object(false),
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage,
+        })
+    }
+}
+
+/// OpenAI's error body.
+pub fn error_body(message: &str, kind: &str, param: Option<&str>, code: Option<&str>) -> Value {
+    json!({"error": {"message": message, "type": kind, "param": param, "code": code}})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn output_length_rules() {
+        let p = parse(
+            Endpoint::Chat,
+            br#"{"messages":[{"role":"user","content":"hi"}]}"#,
+            128,
+        )
+        .unwrap();
+        assert_eq!((p.output_tokens, p.max_tokens, p.stream), (128, 128, false));
+        let p = parse(
+            Endpoint::Chat,
+            br#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":10,"gorgo_output_tokens":4,"stream":true,"stream_options":{"include_usage":true}}"#,
+            128,
+        )
+        .unwrap();
+        assert_eq!(
+            (p.output_tokens, p.max_tokens, p.stream, p.include_usage),
+            (4, 10, true, true)
+        );
+        let p = parse(
+            Endpoint::Completions,
+            br#"{"prompt":"abcd","gorgo_output_tokens":300}"#,
+            16,
+        )
+        .unwrap();
+        assert_eq!((p.output_tokens, p.max_tokens), (300, 300));
+    }
+
+    #[test]
+    fn bad_input_names_the_param() {
+        let e = parse(Endpoint::Chat, b"{not json", 1).unwrap_err();
+        assert_eq!(e.param, None);
+        let e = parse(Endpoint::Chat, br#"{"model":"m"}"#, 1).unwrap_err();
+        assert_eq!(e.param, Some("messages"));
+        let e = parse(
+            Endpoint::Chat,
+            br#"{"messages":[{"role":"user","content":"x"}],"max_tokens":-1}"#,
+            1,
+        )
+        .unwrap_err();
+        assert_eq!(e.param, Some("max_tokens"));
+        let e = parse(Endpoint::Completions, br#"{"max_tokens":3}"#, 1).unwrap_err();
+        assert_eq!(e.param, Some("prompt"));
+    }
+
+    #[test]
+    fn filler_is_four_bytes_per_token() {
+        assert!((0..100).all(|k| token_text(k).len() == 4));
+        assert_eq!(filler_text(3), "Lorem ipsum ");
+    }
+}
