@@ -258,6 +258,40 @@ mod tests {
         ));
     }
 
+    #[test]
+    fn large_legitimate_messages_fit_their_limits() {
+        // A 12 MiB prompt body with its 256-byte-block chain.
+        let body = vec![b'a'; 12 << 20];
+        let r = ForwardRequest {
+            chain: HashChain::from_bytes(&body, 256, 4),
+            body,
+            ..forward_request()
+        };
+        let bytes = encode(&r);
+        assert!(bytes.len() < MAX_FORWARD_HEAD);
+        assert_eq!(
+            decode::<ForwardRequest>(&bytes, MAX_FORWARD_HEAD).unwrap(),
+            r
+        );
+        // A snapshot of 800k fingerprints.
+        let g = GossipMessage::SummarySnapshot {
+            origin: "a".into(),
+            snapshot: SummarySnapshot {
+                version: 1,
+                fingerprints: (0..800_000u32)
+                    .map(|i| i.wrapping_mul(2_654_435_761))
+                    .collect(),
+            },
+            stats: QueueStats::default(),
+        };
+        let bytes = encode(&g);
+        assert!(bytes.len() < MAX_GOSSIP_MESSAGE, "{}", bytes.len());
+        assert_eq!(
+            decode::<GossipMessage>(&bytes, MAX_GOSSIP_MESSAGE).unwrap(),
+            g
+        );
+    }
+
     proptest! {
         #[test]
         fn random_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
