@@ -643,4 +643,32 @@ mod tests {
             other => panic!("{other:?}"),
         }
     }
+
+    #[test]
+    fn tune_then_freeze_stops_measuring() {
+        let c = TuningConfig {
+            mode: TuningMode::TuneThenFreeze,
+            sigma0: 0.04,
+            ..cfg()
+        };
+        let mut t = Tuner::new("a".into(), c).unwrap();
+        t.tick(0);
+        for epoch in 1..=2 {
+            for _ in 0..10 {
+                t.record(epoch, 100.0, 1000.0);
+            }
+            t.tick(epoch * 10);
+        }
+        let cur = t.current().unwrap().clone();
+        assert_eq!(cur.phase, Phase::Frozen);
+        assert!(cur.state.frozen);
+        assert_eq!(t.weights(), cur.state.incumbent);
+        // Nothing more is measured or decided; the leader keeps announcing the result.
+        for _ in 0..20 {
+            t.record(cur.epoch, 1.0, 1.0);
+        }
+        let out = t.tick(100);
+        assert_eq!(t.epoch(), cur.epoch);
+        assert!(matches!(out.as_slice(), [TuningOutput::Broadcast(p)] if p.phase == Phase::Frozen));
+    }
 }

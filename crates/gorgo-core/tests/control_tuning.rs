@@ -350,3 +350,40 @@ fn candidate_that_hurts_e2e_beyond_the_guard_is_rejected() {
     }
     assert!(bus.records[0].accepted);
 }
+
+#[test]
+fn tuning_messages_survive_the_wire_codec() {
+    use gorgo_core::tuning::{EpochReport, TuningMessage};
+    use gorgo_core::wire::{decode, encode, MAX_TUNING_MESSAGE};
+    let mut bus = Bus::new(3, cfg());
+    while bus.records.len() < 2 {
+        bus.traffic(8, latency);
+        bus.round();
+    }
+    let p = bus.nodes[&NodeId::from("n0")].current().unwrap().clone();
+    let mut ttft = gorgo_core::LatencySketch::new();
+    let mut e2e = gorgo_core::LatencySketch::new();
+    for i in 0..10_000 {
+        ttft.add(i as f64 * 0.7);
+        e2e.add(i as f64 * 3.1);
+    }
+    let report = EpochReport {
+        epoch: p.epoch,
+        leader: p.leader.clone(),
+        from: "n1".into(),
+        ttft,
+        e2e,
+        samples: 10_000,
+    };
+    for msg in [TuningMessage::Proposal(p), TuningMessage::Report(report)] {
+        let bytes = encode(&msg);
+        assert!(
+            bytes.len() < MAX_TUNING_MESSAGE / 8,
+            "{} bytes",
+            bytes.len()
+        );
+        let back: TuningMessage = decode(&bytes, MAX_TUNING_MESSAGE).unwrap();
+        assert_eq!(back, msg);
+        assert!(decode::<TuningMessage>(&bytes[..bytes.len() / 2], MAX_TUNING_MESSAGE).is_err());
+    }
+}
