@@ -1,0 +1,94 @@
+//! The per-request record every driver (live bench, simulator) produces.
+
+use serde::{Deserialize, Serialize};
+
+/// One request's outcome, as measured where the client is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RequestRecord {
+    /// Routing policy the request ran under.
+    pub policy: String,
+    /// The trace's (or the driver's) request id.
+    pub request_id: String,
+    /// The client's home region: the node it sent the request to.
+    pub region: String,
+    /// The region whose engine served it (`None` when it failed before any did).
+    pub served_by: Option<String>,
+    /// Forwards between nodes (0: served in the home region).
+    pub hops: u32,
+    /// Time to first token, ms.
+    pub ttft_ms: f64,
+    /// End-to-end latency, ms.
+    pub e2e_ms: f64,
+    /// Mean inter-token latency, ms, when the driver measured it; otherwise derived
+    /// by [`RequestRecord::itl`].
+    pub itl_ms: Option<f64>,
+    /// Prompt tokens.
+    pub input_tokens: u64,
+    /// Generated tokens.
+    pub output_tokens: u64,
+    /// Prompt tokens the engine reported cached, when it reports them.
+    pub cached_tokens: Option<u64>,
+    /// Send time, ms from the start of the run.
+    pub start_ms: f64,
+    /// True when the request completed.
+    pub ok: bool,
+    /// Why it failed.
+    pub error: Option<String>,
+}
+
+impl RequestRecord {
+    /// Inter-token latency: the measured one, or `(E2E - TTFT) / (output_tokens - 1)`
+    /// (DESIGN.md); `None` with fewer than two output tokens.
+    pub fn itl(&self) -> Option<f64> {
+        if let Some(itl) = self.itl_ms {
+            return itl.is_finite().then_some(itl);
+        }
+        (self.output_tokens >= 2 && self.e2e_ms.is_finite() && self.ttft_ms.is_finite())
+            .then(|| (self.e2e_ms - self.ttft_ms).max(0.0) / (self.output_tokens - 1) as f64)
+    }
+
+    /// True when the request left its home region.
+    pub fn forwarded(&self) -> bool {
+        self.hops > 0
+    }
+}
+
+/// A `requests.csv` row: the record with ITL filled in where it can be derived.
+#[derive(Serialize)]
+pub(crate) struct CsvRow<'a> {
+    policy: &'a str,
+    request_id: &'a str,
+    region: &'a str,
+    served_by: Option<&'a str>,
+    hops: u32,
+    ttft_ms: f64,
+    e2e_ms: f64,
+    itl_ms: Option<f64>,
+    input_tokens: u64,
+    output_tokens: u64,
+    cached_tokens: Option<u64>,
+    start_ms: f64,
+    ok: bool,
+    error: Option<&'a str>,
+}
+
+impl<'a> From<&'a RequestRecord> for CsvRow<'a> {
+    fn from(r: &'a RequestRecord) -> Self {
+        CsvRow {
+            policy: &r.policy,
+            request_id: &r.request_id,
+            region: &r.region,
+            served_by: r.served_by.as_deref(),
+            hops: r.hops,
+            ttft_ms: r.ttft_ms,
+            e2e_ms: r.e2e_ms,
+            itl_ms: r.itl(),
+            input_tokens: r.input_tokens,
+            output_tokens: r.output_tokens,
+            cached_tokens: r.cached_tokens,
+            start_ms: r.start_ms,
+            ok: r.ok,
+            error: r.error.as_deref(),
+        }
+    }
+}

@@ -1,0 +1,189 @@
+//! Aggregation on hand-built records and the files a report writes.
+
+use gorgo_report::{render_table, PolicyResult, Report, RequestRecord, Results};
+
+fn rec(policy: &str, id: usize, region: &str, served: &str, ttft: f64, e2e: f64) -> RequestRecord {
+    RequestRecord {
+        policy: policy.into(),
+        request_id: format!("r{id}"),
+        region: region.into(),
+        served_by: Some(served.into()),
+        hops: u32::from(region != served),
+        ttft_ms: ttft,
+        e2e_ms: e2e,
+        itl_ms: None,
+        input_tokens: 1000,
+        output_tokens: 11,
+        cached_tokens: Some(512),
+        start_ms: id as f64 * 100.0,
+        ok: true,
+        error: None,
+    }
+}
+
+/// Ten `gorgo` requests with TTFT 100..=1000 ms, one failure; three `local-only` ones.
+fn records() -> Vec<RequestRecord> {
+    let mut v: Vec<_> = (0..10)
+        .map(|i| {
+            let served = if i < 7 { "us" } else { "eu" };
+            rec(
+                "gorgo",
+                i,
+                "us",
+                served,
+                100.0 * (i + 1) as f64,
+                100.0 * (i + 1) as f64 + 1000.0,
+            )
+        })
+        .collect();
+    v.push(RequestRecord {
+        ok: false,
+        served_by: None,
+        error: Some("peer gone".into()),
+        ttft_ms: f64::NAN,
+        e2e_ms: f64::NAN,
+        ..rec("gorgo", 10, "us", "us", 0.0, 0.0)
+    });
+    for i in 0..3 {
+        v.push(rec("local-only", i, "eu", "eu", 50.0, 550.0));
+    }
+    v
+}
+
+#[test]
+fn aggregation_follows_the_results_schema() {
+    let report = Report::from_records(&serde_json::json!({"trace": "t"}), records()).unwrap();
+    let names: Vec<_> = report
+        .results
+        .policies
+        .iter()
+        .map(|(p, _)| p.as_str())
+        .collect();
+    assert_eq!(names, ["gorgo", "local-only"]);
+    let g = report.results.policy("gorgo").unwrap();
+    assert_eq!((g.requests, g.failed), (11, 1));
+    // Nearest rank over 100, 200, ..., 1000.
+    assert_eq!(
+        (g.ttft_ms.p50, g.ttft_ms.p95, g.ttft_ms.p99),
+        (500.0, 1000.0, 1000.0)
+    );
+    assert!((g.ttft_ms.mean - 550.0).abs() < 1e-9);
+    assert_eq!(g.e2e_ms.p50, 1500.0);
+    // ITL = (E2E - TTFT) / (11 - 1) = 100 ms for every request.
+    assert_eq!(g.itl_ms.p50, 100.0);
+    assert!((g.region_share["us"] - 0.7).abs() < 1e-9);
+    assert!((g.region_share["eu"] - 0.3).abs() < 1e-9);
+    assert!((g.forwarded_share - 0.3).abs() < 1e-9);
+    // First send at 0 ms; last completion: request 9 at 900 + 2000 ms.
+    assert!((g.duration_s - 2.9).abs() < 1e-9);
+    assert!((g.throughput_rps - 10.0 / 2.9).abs() < 1e-9);
+    let l = report.results.policy("local-only").unwrap();
+    assert_eq!(l.forwarded_share, 0.0);
+    assert_eq!(l.region_share.len(), 1);
+
+    let json = serde_json::to_value(&report.results).unwrap();
+    let p = &json["policies"]["gorgo"];
+    for key in [
+        "requests",
+        "failed",
+        "duration_s",
+        "throughput_rps",
+        "forwarded_share",
+    ] {
+        assert!(p[key].is_number(), "{key}");
+    }
+    for key in ["ttft_ms", "e2e_ms", "itl_ms"] {
+        for stat in ["p50", "p95", "p99", "mean"] {
+            assert!(p[key][stat].is_number(), "{key}.{stat}");
+        }
+    }
+    assert_eq!(json["config"]["trace"], "t");
+    let back: Results = serde_json::from_value(json).unwrap();
+    assert_eq!(back, report.results);
+}
+
+#[test]
+fn empty_and_all_failed_policies_still_aggregate() {
+    let failed = RequestRecord {
+        ok: false,
+        served_by: None,
+        ..rec("x", 0, "us", "us", 1.0, 2.0)
+    };
+    let r = PolicyResult::from_records([&failed]);
+    assert_eq!((r.requests, r.failed, r.throughput_rps), (1, 1, 0.0));
+    assert_eq!(r.ttft_ms.p95, 0.0);
+    let report = Report::from_records(&(), Vec::new()).unwrap();
+    assert!(report.results.policies.is_empty());
+    let dir = tempfile::tempdir().unwrap();
+    report.write(dir.path()).unwrap();
+}
+
+#[test]
+fn report_files_are_written() {
+    #[derive(serde::Serialize)]
+    struct Epoch {
+        epoch: u64,
+        accepted: bool,
+    }
+    let report = Report::from_records(&serde_json::json!({"n": 1}), records())
+        .unwrap()
+        .with_tuning(&[
+            Epoch {
+                epoch: 1,
+                accepted: true,
+            },
+            Epoch {
+                epoch: 2,
+                accepted: false,
+            },
+        ])
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    report.write(&out).unwrap();
+
+    let results: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
+    assert_eq!(results["policies"]["gorgo"]["requests"], 11);
+
+    let table = std::fs::read_to_string(out.join("table.md")).unwrap();
+    assert!(table.starts_with("| policy |"), "{table}");
+    assert_eq!(table.lines().count(), 4);
+    assert!(table.contains("| gorgo | 11 | 1 |"), "{table}");
+
+    let csv = std::fs::read_to_string(out.join("requests.csv")).unwrap();
+    let mut lines = csv.lines();
+    assert!(lines
+        .next()
+        .unwrap()
+        .starts_with("policy,request_id,region,served_by,hops,ttft_ms"));
+    assert_eq!(lines.count(), 14);
+    assert!(csv.contains("peer gone"));
+
+    let tuning = std::fs::read_to_string(out.join("tuning.jsonl")).unwrap();
+    assert_eq!(tuning.lines().count(), 2);
+    assert!(tuning.starts_with(r#"{"epoch":1,"accepted":true}"#));
+
+    for svg in ["ttft_cdf.svg", "region_share.svg"] {
+        let text = std::fs::read_to_string(out.join(svg)).unwrap();
+        assert!(
+            text.trim_start().starts_with("<svg"),
+            "{svg}: {}",
+            &text[..text.len().min(80)]
+        );
+        assert!(text.trim_end().ends_with("</svg>"), "{svg}");
+        assert!(text.contains("gorgo"), "{svg} lacks the policy label");
+    }
+
+    let console = render_table(&report);
+    assert_eq!(console.lines().count(), 3);
+    assert!(console.lines().nth(1).unwrap().starts_with("gorgo "));
+}
+
+#[test]
+fn no_tuning_records_no_tuning_file() {
+    let report = Report::from_records(&(), records()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    report.write(dir.path()).unwrap();
+    assert!(!dir.path().join("tuning.jsonl").exists());
+}
