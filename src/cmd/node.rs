@@ -1,10 +1,66 @@
-//! `gorgo node`.
+//! `gorgo node`: run a router node beside a region's inference engine.
+
+use std::path::PathBuf;
+
+use anyhow::Context as _;
 
 /// Arguments of this subcommand.
 #[derive(clap::Args, Debug)]
-pub struct NodeArgs {}
+pub struct NodeArgs {
+    /// The node's TOML config (see docs/node.md and configs/nodes/).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Check the config and exit.
+    #[arg(long)]
+    pub check: bool,
+}
 
-/// Not implemented yet.
-pub fn run(_args: NodeArgs) -> anyhow::Result<()> {
-    anyhow::bail!("not implemented yet")
+/// Load the config, start the node and its cluster member, serve until Ctrl-C or
+/// SIGTERM, then leave the cluster and stop.
+pub fn run(args: NodeArgs) -> anyhow::Result<()> {
+    super::init_tracing();
+    let config = gorgo_node::NodeConfig::load(&args.config)
+        .with_context(|| format!("loading {}", args.config.display()))?;
+    if args.check {
+        println!("{}: ok", args.config.display());
+        return Ok(());
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let shutdown = gorgo_node::CancellationToken::new();
+        let node = gorgo_node::cluster::start_with_cluster(config, shutdown.clone())
+            .await
+            .context("starting the node")?;
+        tracing::info!(http = %node.http_addr, admin = %node.admin_addr, "gorgo node ready");
+        wait_for_signal().await;
+        tracing::info!("shutting down");
+        shutdown.cancel();
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(10), node.wait()).await;
+        Ok(())
+    })
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }

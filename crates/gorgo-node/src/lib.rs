@@ -12,6 +12,7 @@
 #![deny(rust_2018_idioms)]
 
 pub mod admin;
+pub mod cluster;
 pub mod config;
 pub mod engine;
 pub mod error;
@@ -35,11 +36,11 @@ use parking_lot::{Mutex, RwLock};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinSet;
-use tokio_util::sync::CancellationToken;
 
 pub use config::NodeConfig;
 pub use error::NodeError;
 pub use peers::{IncomingForward, NoPeers, PeerSource, PeerView};
+pub use tokio_util::sync::CancellationToken;
 
 /// Everything a running node shares between its tasks.
 pub struct NodeState {

@@ -1,0 +1,169 @@
+//! The QUIC cluster (`gorgo-cluster`) behind the router's [`PeerSource`] trait, and the
+//! one-call startup of a node with it.
+
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use gorgo_cluster::{
+    ClusterConfig, ClusterHandle, ClusterSocket, NodeCredentials, SharedSummary, TlsFiles,
+};
+use gorgo_core::summary::SummaryDelta;
+use gorgo_core::{HashChain, LocalSummary, NodeId, QueueStats};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::NodeError;
+use crate::peers::{
+    ForwardRecv, ForwardSend, GossipCounters, IncomingForward, PeerSource, PeerView,
+};
+use crate::{NodeConfig, NodeHandle, NodeListeners, NodeState};
+
+/// The router's view of a running QUIC cluster member.
+#[derive(Debug, Clone)]
+pub struct ClusterPeers {
+    handle: ClusterHandle,
+    summary: Arc<SharedSummary<LocalSummary>>,
+}
+
+impl ClusterPeers {
+    /// Wrap a started cluster and the summary it gossips (the one passed to
+    /// `gorgo_cluster::start`).
+    pub fn new(handle: ClusterHandle, summary: Arc<SharedSummary<LocalSummary>>) -> Self {
+        ClusterPeers { handle, summary }
+    }
+}
+
+impl PeerSource for ClusterPeers {
+    fn peers(&self) -> Vec<PeerView> {
+        self.handle
+            .peers()
+            .into_iter()
+            .map(|p| PeerView {
+                id: p.id,
+                region: Some(p.region),
+                alive: p.alive,
+                // No RTT sample yet: the peer is not a candidate worth paying for.
+                rtt_ms: p.rtt_ms.unwrap_or(f64::INFINITY),
+                stats: p.stats,
+                stats_age_ms: p.stats_age_ms,
+                summary_version: p.summary_version.unwrap_or(0),
+                summary_entries: p.summary_len as u64,
+                summary_age_ms: p.summary_age_ms,
+            })
+            .collect()
+    }
+
+    fn matched_tokens(&self, peer: &NodeId, chain: &HashChain) -> u64 {
+        self.handle
+            .with_peer_summary(peer, |s| s.matched_tokens(chain))
+            .unwrap_or(0)
+    }
+
+    fn open_forward(
+        &self,
+        peer: &NodeId,
+    ) -> BoxFuture<'static, Result<(ForwardSend, ForwardRecv), NodeError>> {
+        let handle = self.handle.clone();
+        let peer = peer.clone();
+        Box::pin(async move {
+            let (send, recv) = handle
+                .open_forward(&peer)
+                .await
+                .map_err(|e| NodeError::Cluster(format!("{peer}: {e}")))?;
+            Ok((Box::pin(send) as ForwardSend, Box::pin(recv) as ForwardRecv))
+        })
+    }
+
+    fn publish_stats(&self, stats: QueueStats) {
+        if let Err(e) = self.handle.broadcast_stats(stats) {
+            tracing::debug!(error = %e, "stats broadcast failed");
+        }
+    }
+
+    fn publish_summary(&self, delta: &SummaryDelta) {
+        self.summary.update(|s| {
+            for &fp in &delta.added {
+                s.record_add(fp);
+            }
+            for &fp in &delta.removed {
+                s.record_remove(fp);
+            }
+        });
+    }
+
+    fn gossip_counters(&self) -> GossipCounters {
+        let m = self.handle.metrics();
+        GossipCounters {
+            bytes_sent: m.total_bytes_sent(),
+            bytes_received: m.total_bytes_received(),
+        }
+    }
+}
+
+/// Start a node and its QUIC cluster member from a config: load the certificates,
+/// join through the seeds, bind the HTTP and admin listeners, serve until `shutdown`.
+pub async fn start_with_cluster(
+    config: NodeConfig,
+    shutdown: CancellationToken,
+) -> Result<NodeHandle, NodeError> {
+    let files = TlsFiles {
+        ca: config.tls.ca.clone(),
+        cert: config.tls.cert.clone(),
+        key: config.tls.key.clone(),
+    };
+    let credentials =
+        NodeCredentials::load(&files).map_err(|e| NodeError::Config(format!("tls: {e}")))?;
+    let mut cc = ClusterConfig::new(
+        NodeId(config.node.id.clone()),
+        config.node.region.clone(),
+        config.listen.quic,
+        credentials,
+    );
+    cc.advertise = config.advertised_quic();
+    cc.seeds = config.cluster.seeds.clone();
+    cc.seeds.extend(
+        config
+            .cluster
+            .peers
+            .values()
+            .copied()
+            .filter(|a| !config.cluster.seeds.contains(a)),
+    );
+    cc.gossip_interval = std::time::Duration::from_millis(config.cluster.gossip_interval_ms);
+    if !config.cluster.peers.is_empty() {
+        tracing::warn!(
+            "cluster.peers: dial addresses are used as seeds; per-peer dial overrides need support in gorgo-cluster"
+        );
+    }
+    let summary = SharedSummary::new(LocalSummary::new(), gorgo_cluster::system_clock());
+    let handle = gorgo_cluster::start(cc, ClusterSocket::Bind, summary.clone(), shutdown.clone())
+        .await
+        .map_err(|e| NodeError::Cluster(e.to_string()))?;
+    let incoming = adapt_incoming(&handle)?;
+    let listeners = NodeListeners::bind(&config).await?;
+    let state = NodeState::new(config, Arc::new(ClusterPeers::new(handle, summary)))?;
+    crate::start(state, listeners, incoming, shutdown).await
+}
+
+/// Move the cluster's incoming forward streams onto the router's channel.
+pub fn adapt_incoming(
+    handle: &ClusterHandle,
+) -> Result<mpsc::Receiver<IncomingForward>, NodeError> {
+    let mut from_cluster = handle
+        .incoming_forwards()
+        .ok_or_else(|| NodeError::Cluster("incoming forwards already taken".into()))?;
+    let (tx, rx) = mpsc::channel(1024);
+    tokio::spawn(async move {
+        while let Some(f) = from_cluster.recv().await {
+            let fwd = IncomingForward {
+                from: f.from,
+                send: Box::pin(f.send),
+                recv: Box::pin(f.recv),
+            };
+            if tx.send(fwd).await.is_err() {
+                return;
+            }
+        }
+    });
+    Ok(rx)
+}
