@@ -49,6 +49,14 @@ pub enum BenchError {
         /// Why it is invalid.
         reason: String,
     },
+    /// Writing the report failed.
+    #[error("report {path}: {reason}")]
+    Report {
+        /// The output dir.
+        path: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
     /// Starting or stopping a cluster failed.
     #[error("cluster {action} failed: {reason}")]
     Cluster {

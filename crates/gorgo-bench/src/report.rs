@@ -1,65 +1,140 @@
-//! From replay outcomes to the report files.
+//! From replay outcomes to `gorgo-report`'s records and report files.
 
-use std::io::Write;
 use std::path::Path;
 
+use gorgo_report::{render_table, Report, RequestRecord};
+
 use crate::compare::PolicyRun;
+use crate::replay::RequestOutcome;
 use crate::BenchError;
 
-/// Write the report of `runs` under `out` and return the console table.
+/// One outcome as a report record under `policy`.
 ///
-/// Besides the report files, `outcomes.jsonl` keeps every request's raw measurement
-/// (including the dispatch slip), one JSON object per line.
+/// A failed request has NaN latencies (the report keeps them out of the statistics).
+/// When a successful response carries no `x-gorgo-served-by` (an engine or proxy that
+/// is not a GORGO node), it counts as served in its home region.
+pub fn to_record(policy: &str, o: &RequestOutcome) -> RequestRecord {
+    let ok = o.ok();
+    let served_by = o
+        .measured
+        .served_by
+        .clone()
+        .or_else(|| ok.then(|| o.region.clone()));
+    let hops = o.measured.hops.unwrap_or_else(|| {
+        // Without the header, a different serving region still means one forward.
+        u32::from(served_by.as_ref().is_some_and(|s| *s != o.region))
+    });
+    RequestRecord {
+        policy: policy.to_owned(),
+        request_id: o.request_id.clone(),
+        region: o.region.clone(),
+        served_by,
+        hops,
+        ttft_ms: if ok {
+            o.measured.ttft_ms.unwrap_or(f64::NAN)
+        } else {
+            f64::NAN
+        },
+        e2e_ms: o.measured.e2e_ms.unwrap_or(f64::NAN),
+        itl_ms: o.itl_ms(),
+        input_tokens: o.input_tokens,
+        output_tokens: o.output_tokens,
+        cached_tokens: o.measured.cached_tokens,
+        start_ms: o.start_ms,
+        ok,
+        error: o.measured.error.clone(),
+    }
+}
+
+/// Write `results.json`, `table.md`, `requests.csv` and the plots of `runs` under
+/// `out`, and return the console table. The dispatch slip of each policy (p50/p95/
+/// p99/mean, ms) is added to the config under `"slip_ms"`; `"cancelled"` lists the
+/// policies whose replay was interrupted.
 pub fn write_report(
     out: &Path,
-    config: serde_json::Value,
+    mut config: serde_json::Value,
     runs: &[PolicyRun],
 ) -> Result<String, BenchError> {
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| BenchError::Io { path, source }
-    };
-    std::fs::create_dir_all(out).map_err(io(out))?;
-    let raw = out.join("outcomes.jsonl");
-    let mut f = std::io::BufWriter::new(std::fs::File::create(&raw).map_err(io(&raw))?);
+    let mut slip = serde_json::Map::new();
+    let mut cancelled = Vec::new();
+    let mut records = Vec::new();
     for run in runs {
-        for o in &run.output.outcomes {
-            let line = serde_json::json!({
-                "policy": run.policy,
-                "index": o.index,
-                "request_id": o.request_id,
-                "region": o.region,
-                "session": o.session,
-                "start_ms": o.start_ms,
-                "slip_ms": o.slip_ms,
-                "input_tokens": o.input_tokens,
-                "output_tokens": o.output_tokens,
-                "cached_tokens": o.measured.cached_tokens,
-                "served_by": o.measured.served_by,
-                "hops": o.measured.hops,
-                "ttft_ms": o.measured.ttft_ms,
-                "e2e_ms": o.measured.e2e_ms,
-                "itl_ms": o.itl_ms(),
-                "error": o.measured.error,
-            });
-            writeln!(f, "{line}").map_err(io(&raw))?;
+        let mut slips: Vec<f64> = run.output.outcomes.iter().map(|o| o.slip_ms).collect();
+        let stats = gorgo_core::summarize(&mut slips);
+        slip.insert(
+            run.policy.clone(),
+            serde_json::to_value(stats).unwrap_or_default(),
+        );
+        if run.output.cancelled {
+            cancelled.push(run.policy.clone());
+        }
+        records.extend(
+            run.output
+                .outcomes
+                .iter()
+                .map(|o| to_record(&run.policy, o)),
+        );
+    }
+    if let Some(obj) = config.as_object_mut() {
+        obj.insert("slip_ms".into(), serde_json::Value::Object(slip));
+        if !cancelled.is_empty() {
+            obj.insert("cancelled".into(), cancelled.into());
         }
     }
-    f.flush().map_err(io(&raw))?;
-    let cfg_path = out.join("config.json");
-    std::fs::write(
-        &cfg_path,
-        serde_json::to_vec_pretty(&config).unwrap_or_default(),
-    )
-    .map_err(io(&cfg_path))?;
-    let mut table = String::from("| policy | requests | failed |\n|---|---|---|\n");
-    for run in runs {
-        table.push_str(&format!(
-            "| {} | {} | {} |\n",
-            run.policy,
-            run.output.outcomes.len(),
-            run.output.failed()
-        ));
+    let report = Report::from_records(&config, records).map_err(report_err(out))?;
+    report.write(out).map_err(report_err(out))?;
+    Ok(render_table(&report))
+}
+
+fn report_err(out: &Path) -> impl Fn(gorgo_report::ReportError) -> BenchError + '_ {
+    move |e| BenchError::Report {
+        path: out.to_path_buf(),
+        reason: e.to_string(),
     }
-    Ok(table)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::client::Measured;
+
+    fn outcome(served_by: Option<&str>, hops: Option<u32>, error: Option<&str>) -> RequestOutcome {
+        RequestOutcome {
+            index: 0,
+            request_id: "r0".into(),
+            region: "us".into(),
+            session: None,
+            start_ms: 5.0,
+            slip_ms: 1.0,
+            input_tokens: 10,
+            output_tokens: 3,
+            measured: Measured {
+                ttft_ms: Some(10.0),
+                e2e_ms: Some(30.0),
+                served_by: served_by.map(str::to_owned),
+                hops,
+                error: error.map(str::to_owned),
+                ..Measured::default()
+            },
+        }
+    }
+
+    #[test]
+    fn records_carry_region_hops_and_itl() {
+        let r = to_record("p", &outcome(Some("eu"), Some(1), None));
+        assert_eq!(
+            (r.served_by.as_deref(), r.hops, r.ok),
+            (Some("eu"), 1, true)
+        );
+        assert_eq!(r.itl_ms, Some(10.0));
+        // No headers: served at home, no forward.
+        let r = to_record("p", &outcome(None, None, None));
+        assert_eq!((r.served_by.as_deref(), r.hops), (Some("us"), 0));
+        // Served elsewhere without a hops header: one forward.
+        assert_eq!(to_record("p", &outcome(Some("eu"), None, None)).hops, 1);
+        // Failed: NaN TTFT, no serving region, the error kept.
+        let r = to_record("p", &outcome(None, None, Some("HTTP 503")));
+        assert!(!r.ok && r.ttft_ms.is_nan() && r.served_by.is_none());
+        assert_eq!(r.error.as_deref(), Some("HTTP 503"));
+    }
 }

@@ -147,6 +147,32 @@ async fn clusters_come_up_and_always_go_down() {
     }
     let log = calls(tmp.path());
     assert_eq!(&log[..2], &["up p1 8000", "up p2 8100"]);
+
+    // The report: DESIGN.md's results.json schema plus the table, CSV and plots.
+    let out = tmp.path().join("cmp");
+    let table =
+        gorgo_bench::report::write_report(&out, serde_json::json!({"trace": "t"}), &runs).unwrap();
+    assert!(table.contains("p1") && table.contains("p2"));
+    let results: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+    for p in ["p1", "p2"] {
+        let r = &results["policies"][p];
+        assert_eq!(r["requests"], 8);
+        assert_eq!(r["failed"], 0);
+        for key in ["p50", "p95", "p99", "mean"] {
+            assert!(r["ttft_ms"][key].is_number(), "{r}");
+        }
+        assert!(r["region_share"].is_object());
+        assert!(results["config"]["slip_ms"][p]["p99"].is_number());
+    }
+    for f in [
+        "table.md",
+        "requests.csv",
+        "ttft_cdf.svg",
+        "region_share.svg",
+    ] {
+        assert!(out.join(f).is_file(), "{f}");
+    }
     assert_eq!(log.iter().filter(|l| l.starts_with("down")).count(), 2);
 
     // A comparison whose second cluster fails: the first one still goes down.
