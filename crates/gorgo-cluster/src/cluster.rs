@@ -109,6 +109,7 @@ pub(crate) struct Inner {
     app_rx: Mutex<Option<mpsc::Receiver<AppMessage>>>,
     started: Instant,
     events: Mutex<Vec<(Duration, MembershipEvent)>>,
+    membership_tx: tokio::sync::watch::Sender<u64>,
 }
 
 /// What the node holds: cheap to clone, every method usable from any task.
@@ -188,6 +189,11 @@ pub async fn start(
         )?,
     };
     endpoint.set_default_client_config(client);
+    // Listening on port 0 (tests, ad-hoc runs): advertise the port actually bound.
+    let mut config = config;
+    if config.advertise.port() == 0 {
+        config.advertise.set_port(endpoint.local_addr()?.port());
+    }
 
     let generation = config.generation.unwrap_or_else(|| (config.wall_clock)());
     let me = MemberId {
@@ -220,6 +226,7 @@ pub async fn start(
         app_rx: Mutex::new(Some(app_rx)),
         started: Instant::now(),
         events: Mutex::new(Vec::new()),
+        membership_tx: tokio::sync::watch::channel(0).0,
         config,
     });
     let handler = StatsHandler {
@@ -399,6 +406,7 @@ impl Inner {
     fn log(&self, e: MembershipEvent) {
         tracing::info!(node = %self.node_id, event = ?e, "membership");
         self.events.lock().push((self.started.elapsed(), e));
+        self.membership_tx.send_modify(|n| *n += 1);
     }
 }
 
@@ -609,6 +617,12 @@ impl ClusterHandle {
     /// closed connection's bytes drop out: use for rates over stable windows).
     pub fn udp_bytes_sent(&self) -> u64 {
         self.inner.conns.udp_bytes_sent()
+    }
+
+    /// A receiver that changes on every membership change (the value counts them): wait
+    /// on it to re-evaluate routing candidates or tuning leadership.
+    pub fn subscribe_membership(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.inner.membership_tx.subscribe()
     }
 
     /// Membership changes seen so far, with the time since start.

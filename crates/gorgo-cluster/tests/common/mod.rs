@@ -160,6 +160,40 @@ pub struct Churn {
     pub until: Duration,
 }
 
+/// Start a cluster member for `spec` on the current turmoil host.
+pub async fn start_node(
+    spec: &NodeSpec,
+) -> Result<(ClusterHandle, Arc<SharedSummary>), Box<dyn std::error::Error>> {
+    let socket = TurmoilUdp::bind(&spec.name, PORT).await?;
+    let addr = socket.local_addr()?;
+    let mut cfg = ClusterConfig::new(
+        NodeId(spec.name.clone()),
+        spec.region.clone(),
+        addr,
+        spec.credentials.clone(),
+    );
+    cfg.seeds = spec
+        .seeds
+        .iter()
+        .map(|s| SocketAddr::new(turmoil::lookup(s.as_str()), PORT))
+        .collect();
+    cfg.generation = Some(spec.generation);
+    cfg.rng_seed = Some(gorgo_core::hash::hash_bytes(spec.name.as_bytes()));
+    cfg.wall_clock = sim_clock();
+    let summary = SharedSummary::new(LocalSummary::new().starting_at(1_000), sim_clock());
+    let handle = gorgo_cluster::start(
+        cfg,
+        ClusterSocket::Custom {
+            socket,
+            runtime: Arc::new(quinn::TokioRuntime),
+        },
+        summary.clone(),
+        gorgo_cluster::CancellationToken::new(),
+    )
+    .await?;
+    Ok((handle, summary))
+}
+
 /// Register `spec` as a host; its handle appears in `handles` once started.
 pub fn add_node(sim: &mut turmoil::Sim<'_>, spec: NodeSpec, handles: Handles) {
     let name = spec.name.clone();
@@ -167,34 +201,7 @@ pub fn add_node(sim: &mut turmoil::Sim<'_>, spec: NodeSpec, handles: Handles) {
         let spec = spec.clone();
         let handles = handles.clone();
         async move {
-            let socket = TurmoilUdp::bind(&spec.name, PORT).await?;
-            let addr = socket.local_addr()?;
-            let mut cfg = ClusterConfig::new(
-                NodeId(spec.name.clone()),
-                spec.region.clone(),
-                addr,
-                spec.credentials.clone(),
-            );
-            cfg.seeds = spec
-                .seeds
-                .iter()
-                .map(|s| SocketAddr::new(turmoil::lookup(s.as_str()), PORT))
-                .collect();
-            cfg.generation = Some(spec.generation);
-            cfg.rng_seed = Some(gorgo_core::hash::hash_bytes(spec.name.as_bytes()));
-            cfg.wall_clock = sim_clock();
-            let summary = SharedSummary::new(LocalSummary::new().starting_at(1_000), sim_clock());
-            let shutdown = gorgo_cluster::CancellationToken::new();
-            let handle = gorgo_cluster::start(
-                cfg,
-                ClusterSocket::Custom {
-                    socket,
-                    runtime: Arc::new(quinn::TokioRuntime),
-                },
-                summary.clone(),
-                shutdown,
-            )
-            .await?;
+            let (handle, summary) = start_node(&spec).await?;
             handles.lock().insert(spec.name.clone(), handle.clone());
             if let Some(c) = spec.churn {
                 churn(&spec.name, &summary, c).await;

@@ -1,0 +1,58 @@
+//! Two nodes on real loopback UDP (no simulation): join, see each other, leave.
+
+use std::time::Duration;
+
+use gorgo_cluster::{
+    CancellationToken, ClusterConfig, ClusterHandle, ClusterSocket, SharedSummary,
+};
+use gorgo_core::summary::LocalSummary;
+use gorgo_core::NodeId;
+
+async fn node(
+    name: &str,
+    ca: &gorgo_cluster::ClusterCa,
+    seeds: Vec<std::net::SocketAddr>,
+) -> (ClusterHandle, CancellationToken) {
+    let creds = ca.issue(&NodeId::from(name)).unwrap().credentials;
+    let mut cfg = ClusterConfig::new(
+        NodeId::from(name),
+        "local",
+        "127.0.0.1:0".parse().unwrap(),
+        creds,
+    );
+    cfg.seeds = seeds;
+    let summary = SharedSummary::new(LocalSummary::new(), gorgo_cluster::system_clock());
+    let shutdown = CancellationToken::new();
+    let h = gorgo_cluster::start(cfg, ClusterSocket::Bind, summary, shutdown.clone())
+        .await
+        .unwrap();
+    (h, shutdown)
+}
+
+/// Wait, on membership notifications (not on a timer), until `h` sees `peer` as `alive`.
+async fn until_alive(h: &ClusterHandle, peer: &str, alive: bool) {
+    let mut rx = h.subscribe_membership();
+    while h.alive_peers().contains(&NodeId::from(peer)) != alive {
+        rx.changed().await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn two_nodes_join_and_leave_on_loopback() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let ca = gorgo_cluster::ClusterCa::generate("loopback CA").unwrap();
+    let (a, _a_stop) = node("a", &ca, vec![]).await;
+    let a_addr = a.local_addr().unwrap();
+    assert_ne!(a.identity().addr.port(), 0, "advertises the bound port");
+    let (b, b_stop) = node("b", &ca, vec![a_addr]).await;
+    tokio::time::timeout(Duration::from_secs(20), async {
+        until_alive(&a, "b", true).await;
+        until_alive(&b, "a", true).await;
+    })
+    .await
+    .expect("join on loopback");
+    b_stop.cancel();
+    tokio::time::timeout(Duration::from_secs(20), until_alive(&a, "b", false))
+        .await
+        .expect("leave seen");
+}
