@@ -88,6 +88,7 @@ fn draw_ttft_cdf(report: &Report, svg: &mut String) -> DrawResult {
         .configure_mesh()
         .x_desc("TTFT (ms, log scale)")
         .y_desc("fraction of requests")
+        .x_label_formatter(&|v| format!("{v:.0}"))
         .draw()?;
     for (i, (policy, v)) in series.iter().enumerate() {
         if v.is_empty() {
