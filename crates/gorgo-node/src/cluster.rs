@@ -113,6 +113,19 @@ pub async fn start_with_cluster(
     };
     let credentials =
         NodeCredentials::load(&files).map_err(|e| NodeError::Config(format!("tls: {e}")))?;
+    let listeners = NodeListeners::bind(&config).await?;
+    start_with_credentials(config, credentials, listeners, shutdown).await
+}
+
+/// [`start_with_cluster`] with credentials in memory and listeners already bound
+/// (tests: certificates from `ClusterCa`, sockets on port 0).
+pub async fn start_with_credentials(
+    config: NodeConfig,
+    credentials: NodeCredentials,
+    listeners: NodeListeners,
+    shutdown: CancellationToken,
+) -> Result<NodeHandle, NodeError> {
+    config.validate()?;
     let mut cc = ClusterConfig::new(
         NodeId(config.node.id.clone()),
         config.node.region.clone(),
@@ -140,7 +153,6 @@ pub async fn start_with_cluster(
         .await
         .map_err(|e| NodeError::Cluster(e.to_string()))?;
     let incoming = adapt_incoming(&handle)?;
-    let listeners = NodeListeners::bind(&config).await?;
     let state = NodeState::new(config, Arc::new(ClusterPeers::new(handle, summary)))?;
     crate::start(state, listeners, incoming, shutdown).await
 }

@@ -1,0 +1,106 @@
+//! Two nodes over the real QUIC cluster (mutual TLS, foca, gossip) on loopback: the
+//! summary and stats gossip reach the peer, and a saturated node forwards to the peer
+//! holding the prefix over a QUIC bi-stream.
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use gorgo_core::NodeId;
+use gorgo_node::NodeListeners;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+async fn quic_node(
+    id: &str,
+    engine: &StubEngine,
+    ca: &gorgo_cluster::ClusterCa,
+    seeds: &[std::net::SocketAddr],
+) -> (
+    gorgo_node::NodeHandle,
+    CancellationToken,
+    std::net::SocketAddr,
+) {
+    // Bind the QUIC port first so the peer can use it as a seed.
+    let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let quic = udp.local_addr().unwrap();
+    drop(udp);
+    let seeds: Vec<String> = seeds.iter().map(|s| format!("\"{s}\"")).collect();
+    let mut cfg = config(
+        id,
+        &engine.url(),
+        &format!(
+            "[cluster]\nseeds = [{}]\ngossip_interval_ms = 50\n",
+            seeds.join(", ")
+        ),
+    );
+    cfg.listen.quic = quic;
+    let creds = ca.issue(&NodeId::from(id)).unwrap().credentials;
+    let listeners = NodeListeners {
+        http: TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        admin: TcpListener::bind("127.0.0.1:0").await.unwrap(),
+    };
+    let shutdown = CancellationToken::new();
+    let handle =
+        gorgo_node::cluster::start_with_credentials(cfg, creds, listeners, shutdown.clone())
+            .await
+            .unwrap();
+    (handle, shutdown, quic)
+}
+
+#[tokio::test]
+async fn saturated_node_forwards_over_quic() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let ca = gorgo_cluster::ClusterCa::generate("test CA").unwrap();
+    let (ea, eb) = (StubEngine::start("a").await, StubEngine::start("b").await);
+    let (a, a_stop, a_quic) = quic_node("a", &ea, &ca, &[]).await;
+    let (b, b_stop, _) = quic_node("b", &eb, &ca, &[a_quic]).await;
+    let p = prompt("a long shared context", 40_000);
+
+    // b serves the prompt: its shadow index, then its gossiped summary, hold it.
+    let resp = client()
+        .post(format!("http://{}/v1/chat/completions", b.http_addr))
+        .json(&chat_body(&p, false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.headers()["x-gorgo-served-by"], "b");
+
+    // Wait (bounded) until a sees b alive with an RTT, stats, and the prefix.
+    let chain = a.state.hasher.chain(
+        &gorgo_core::prompt::canonicalize(gorgo_core::Endpoint::Chat, &chat_body(&p, false))
+            .unwrap(),
+    );
+    let peers = a.state.peers.clone();
+    tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let ready = peers.peers().iter().any(|v| {
+                v.id == NodeId::from("b") && v.alive && v.rtt_ms.is_finite() && v.stats.is_some()
+            }) && peers.matched_tokens(&NodeId::from("b"), &chain) > 0;
+            if ready {
+                break;
+            }
+            // Gossip runs on its own clock; poll its result, never assume its timing.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("gossip reached a");
+
+    ea.waiting.store(50, std::sync::atomic::Ordering::SeqCst);
+    a.state.engine.scrape().await;
+    let resp = client()
+        .post(format!("http://{}/v1/chat/completions", a.http_addr))
+        .json(&chat_body(&p, true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-gorgo-served-by"], "b");
+    assert_eq!(resp.headers()["x-gorgo-hops"], "1");
+    let text = resp.text().await.unwrap();
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    assert_eq!(ea.requests(), 0);
+    a_stop.cancel();
+    b_stop.cancel();
+}
