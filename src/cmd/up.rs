@@ -1,19 +1,587 @@
-//! `gorgo up`.
+//! `gorgo up` / `gorgo down`: a whole local multi-region cluster as child
+//! processes of this binary: one `gorgo netem` (every WAN relay of the
+//! topology), and per region a `gorgo engine` emulator and a `gorgo node`,
+//! all on the loopback plan of `gorgo_netem::plan_cluster`.
+//!
+//! All children share one process group whose id, with every pid, is written
+//! to `<run-dir>/pids.json`; stopping is SIGTERM to the group, then SIGKILL to
+//! whatever is left after a grace period. `<run-dir>/cluster.json` tells
+//! clients (and `gorgo bench`) where each region is.
 
-/// Arguments of this subcommand.
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use gorgo_core::NodeId;
+use gorgo_netem::{plan_cluster, ClusterPlan, PlanOptions, Topology};
+use serde::{Deserialize, Serialize};
+
+/// How long stopping waits for SIGTERM to work before SIGKILL.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+/// How often readiness and child liveness are polled while starting.
+const POLL_EVERY: Duration = Duration::from_millis(200);
+
+/// Arguments of `gorgo up`.
 #[derive(clap::Args, Debug)]
-pub struct UpArgs {}
-
-/// Not implemented yet.
-pub fn run_up(_args: UpArgs) -> anyhow::Result<()> {
-    anyhow::bail!("not implemented yet")
+pub struct UpArgs {
+    /// Topology file (configs/topologies/*.toml).
+    #[arg(long, default_value = "configs/topologies/three-region.toml")]
+    pub topology: PathBuf,
+    /// Routing policy of every node (`gorgo`, `gorgo-paper`, `least-load`, ...).
+    #[arg(long, default_value = "gorgo")]
+    pub policy: String,
+    /// Engine emulator profile (a built-in name or a profile file).
+    #[arg(long, default_value = "paper-a100-mistral7b")]
+    pub engine_profile: String,
+    /// Use these engines instead of emulators: `region=url,...`.
+    #[arg(long, value_delimiter = ',')]
+    pub engine_url: Vec<String>,
+    /// Kind of the engines given with `--engine-url` (`sglang`, `vllm`, `openai`).
+    #[arg(long, default_value = "sglang")]
+    pub engine_kind: String,
+    /// Directory for logs, generated configs, certificates, pids and cluster.json.
+    #[arg(long, default_value = ".gorgo/run")]
+    pub run_dir: PathBuf,
+    /// Return once every node is ready, leaving the cluster running (`gorgo down` stops it).
+    #[arg(long)]
+    pub detach: bool,
+    /// First port of each region's block of ports (clusters side by side need distinct ones).
+    #[arg(long, default_value_t = PlanOptions::default().base_port)]
+    pub base_port: u16,
+    /// Last octet of region 0's loopback address 127.0.0.<ip-base>.
+    #[arg(long, default_value_t = PlanOptions::default().ip_base)]
+    pub ip_base: u8,
+    /// Seed of the relays' loss and jitter draws.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Give up if the nodes are not all ready after this many seconds.
+    #[arg(long, default_value_t = 60)]
+    pub ready_timeout_s: u64,
 }
 
-/// Arguments of this subcommand.
+/// Arguments of `gorgo down`.
 #[derive(clap::Args, Debug)]
-pub struct DownArgs {}
+pub struct DownArgs {
+    /// The run directory `gorgo up` used.
+    #[arg(long, default_value = ".gorgo/run")]
+    pub run_dir: PathBuf,
+}
 
-/// Not implemented yet.
-pub fn run_down(_args: DownArgs) -> anyhow::Result<()> {
-    anyhow::bail!("not implemented yet")
+/// One region of `cluster.json`.
+#[derive(Debug, Serialize)]
+struct ClusterRegion {
+    name: String,
+    client_url: String,
+    admin_url: String,
+    engine_url: String,
+    node_id: String,
+}
+
+/// `cluster.json`: what clients and `gorgo bench` need to reach the cluster.
+#[derive(Debug, Serialize)]
+struct ClusterFile {
+    admin_token: String,
+    regions: Vec<ClusterRegion>,
+}
+
+/// `pids.json`: what `gorgo down` stops.
+#[derive(Debug, Serialize, Deserialize)]
+struct PidsFile {
+    /// Process group of every child.
+    pgid: u32,
+    processes: Vec<PidEntry>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct PidEntry {
+    name: String,
+    pid: u32,
+}
+
+/// The running children; dropping it (an error while starting, or the end of
+/// a foreground run) stops them all.
+struct Children {
+    run_dir: PathBuf,
+    pgid: Option<u32>,
+    children: Vec<(String, Child)>,
+    armed: bool,
+}
+
+impl Children {
+    fn spawn(&mut self, name: &str, args: &[String]) -> anyhow::Result<()> {
+        let exe = std::env::current_exe().context("finding this binary")?;
+        let log_path = self.run_dir.join("logs").join(format!("{name}.log"));
+        let log = std::fs::File::create(&log_path)
+            .with_context(|| format!("creating {}", log_path.display()))?;
+        let mut cmd = Command::new(exe);
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        #[cfg(unix)]
+        {
+            use std::os::unix::process::CommandExt;
+            // One group for all children: `gorgo down` signals the group, and
+            // a terminal's Ctrl-C reaches only `gorgo up`, which stops them in order.
+            cmd.process_group(self.pgid.unwrap_or(0) as i32);
+        }
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("starting {name}: gorgo {}", args.join(" ")))?;
+        self.pgid.get_or_insert(child.id());
+        self.children.push((name.to_owned(), child));
+        self.write_pids()
+    }
+
+    fn write_pids(&self) -> anyhow::Result<()> {
+        let pids = PidsFile {
+            pgid: self.pgid.unwrap_or(0),
+            processes: self
+                .children
+                .iter()
+                .map(|(name, c)| PidEntry {
+                    name: name.clone(),
+                    pid: c.id(),
+                })
+                .collect(),
+        };
+        let path = self.run_dir.join("pids.json");
+        std::fs::write(&path, serde_json::to_vec_pretty(&pids)?)
+            .with_context(|| format!("writing {}", path.display()))
+    }
+
+    /// The first child that has exited, with its status.
+    fn exited(&mut self) -> Option<(String, std::process::ExitStatus)> {
+        self.children
+            .iter_mut()
+            .find_map(|(name, c)| match c.try_wait() {
+                Ok(Some(status)) => Some((name.clone(), status)),
+                _ => None,
+            })
+    }
+
+    /// SIGTERM the group, wait for every child, SIGKILL stragglers.
+    fn stop(&mut self) {
+        if let Some(pgid) = self.pgid {
+            signal_group(pgid, "TERM");
+        }
+        let deadline = Instant::now() + STOP_GRACE;
+        for (name, child) in &mut self.children {
+            loop {
+                match child.try_wait() {
+                    Ok(Some(_)) | Err(_) => break,
+                    Ok(None) if Instant::now() >= deadline => {
+                        eprintln!("{name} did not stop on SIGTERM; killing it");
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        break;
+                    }
+                    Ok(None) => std::thread::sleep(Duration::from_millis(50)),
+                }
+            }
+        }
+        if let Some(pgid) = self.pgid {
+            // Anything the children left in the group.
+            signal_group(pgid, "KILL");
+        }
+        let _ = std::fs::remove_file(self.run_dir.join("pids.json"));
+        self.armed = false;
+    }
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        if self.armed {
+            self.stop();
+        }
+    }
+}
+
+/// Sends a signal to a process group with the system `kill` (this crate has
+/// no unsafe code, hence no raw `kill(2)`).
+fn signal_group(pgid: u32, signal: &str) {
+    if pgid == 0 {
+        return;
+    }
+    let _ = Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg("--")
+        .arg(format!("-{pgid}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+}
+
+fn signal_pid(pid: u32, signal: &str) {
+    let _ = Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+}
+
+/// Whether a process is alive (a zombie counts as gone).
+fn pid_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesised command name.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .map(|(_, rest)| !rest.trim_start().starts_with('Z'))
+            .unwrap_or(true),
+        Err(_) => false,
+    }
+}
+
+fn random_token() -> anyhow::Result<String> {
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .context("reading /dev/urandom for the admin token")?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// `region=url,...` into a map, checking every region exists.
+fn parse_engine_urls(
+    specs: &[String],
+    topology: &Topology,
+) -> anyhow::Result<BTreeMap<String, String>> {
+    let mut urls = BTreeMap::new();
+    for spec in specs.iter().filter(|s| !s.trim().is_empty()) {
+        let (region, url) = spec
+            .split_once('=')
+            .with_context(|| format!("--engine-url `{spec}`: expected region=url"))?;
+        topology
+            .region_index(region.trim())
+            .with_context(|| format!("--engine-url `{spec}`"))?;
+        urls.insert(
+            region.trim().to_owned(),
+            url.trim().trim_end_matches('/').to_owned(),
+        );
+    }
+    Ok(urls)
+}
+
+fn toml_str(s: &str) -> String {
+    // serde_json's string escaping is valid TOML basic-string escaping.
+    serde_json::to_string(s).unwrap_or_else(|_| "\"\"".to_owned())
+}
+
+/// The node config of one region: its listeners from the plan, peers reached
+/// through the relays of its own address, the shared CA.
+fn node_config(
+    plan: &ClusterPlan,
+    i: usize,
+    engine_url: &str,
+    engine_kind: &str,
+    certs: &Path,
+    policy: &str,
+    token: &str,
+) -> String {
+    let r = &plan.regions[i];
+    let path = |f: String| toml_str(&certs.join(f).display().to_string());
+    let seeds: Vec<String> = r
+        .peers
+        .iter()
+        .map(|p| toml_str(&p.relay_addr.to_string()))
+        .collect();
+    let mut text = format!(
+        "# Generated by `gorgo up`.\n\
+         [node]\nid = {id}\nregion = {id}\n\n\
+         [listen]\nhttp = \"{http}\"\nquic = \"{quic}\"\nadmin = \"{admin}\"\n\n\
+         [engine]\nurl = {engine}\nkind = {kind}\n\n\
+         [cluster]\nseeds = [{seeds}]\n\n\
+         [cluster.peers]\n",
+        id = toml_str(&r.name),
+        http = r.node_http_addr,
+        quic = r.node_quic_addr,
+        admin = r.admin_addr,
+        engine = toml_str(engine_url),
+        kind = toml_str(engine_kind),
+        seeds = seeds.join(", "),
+    );
+    for p in &r.peers {
+        text += &format!("{} = \"{}\"\n", toml_str(&p.region), p.relay_addr);
+    }
+    text += &format!(
+        "\n[tls]\nca = {}\ncert = {}\nkey = {}\n\n\
+         [routing]\npolicy = {}\n\n\
+         [admin]\ntoken = {}\n",
+        path("ca.pem".into()),
+        path(format!("{}.pem", r.name)),
+        path(format!("{}.key", r.name)),
+        toml_str(policy),
+        toml_str(token),
+    );
+    text
+}
+
+/// One plain HTTP/1.1 GET; the status code, or `None` if nothing answered.
+fn http_status(addr: SocketAddr, path: &str) -> Option<u16> {
+    let timeout = Duration::from_secs(2);
+    let mut stream = TcpStream::connect_timeout(&addr, timeout).ok()?;
+    stream.set_read_timeout(Some(timeout)).ok()?;
+    stream.set_write_timeout(Some(timeout)).ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut head = [0u8; 64];
+    let n = stream.read(&mut head).ok()?;
+    let line = std::str::from_utf8(&head[..n]).ok()?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+fn log_tail(run_dir: &Path, name: &str) -> String {
+    let path = run_dir.join("logs").join(format!("{name}.log"));
+    let text = std::fs::read_to_string(&path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
+}
+
+/// Starts the cluster; see the module docs.
+pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
+    let topology = Topology::from_file(&args.topology)?;
+    let topology_path = std::fs::canonicalize(&args.topology)
+        .with_context(|| format!("resolving {}", args.topology.display()))?;
+    let options = PlanOptions {
+        ip_base: args.ip_base,
+        base_port: args.base_port,
+    };
+    let plan = plan_cluster(&topology, &options)?;
+    let external = parse_engine_urls(&args.engine_url, &topology)?;
+
+    std::fs::create_dir_all(args.run_dir.join("logs"))
+        .with_context(|| format!("creating {}", args.run_dir.display()))?;
+    let run_dir = std::fs::canonicalize(&args.run_dir)?;
+    if let Ok(text) = std::fs::read_to_string(run_dir.join("pids.json")) {
+        if let Ok(pids) = serde_json::from_str::<PidsFile>(&text) {
+            if pids.processes.iter().any(|p| pid_alive(p.pid)) {
+                bail!(
+                    "a cluster is already running from {}; run `gorgo down --run-dir {}` first",
+                    run_dir.display(),
+                    args.run_dir.display()
+                );
+            }
+        }
+    }
+    let _ = std::fs::remove_file(run_dir.join("cluster.json"));
+
+    let token = random_token()?;
+    let certs = run_dir.join("certs");
+    let ids: Vec<NodeId> = plan
+        .regions
+        .iter()
+        .map(|r| NodeId(r.name.clone()))
+        .collect();
+    gorgo_cluster::write_cluster_certs(&certs, &ids)
+        .with_context(|| format!("writing certificates to {}", certs.display()))?;
+
+    let mut children = Children {
+        run_dir: run_dir.clone(),
+        pgid: None,
+        children: Vec::new(),
+        armed: true,
+    };
+    children.spawn(
+        "netem",
+        &[
+            "netem".into(),
+            "--topology".into(),
+            topology_path.display().to_string(),
+            "--ip-base".into(),
+            args.ip_base.to_string(),
+            "--base-port".into(),
+            args.base_port.to_string(),
+            "--seed".into(),
+            args.seed.to_string(),
+        ],
+    )?;
+    let mut regions = Vec::new();
+    for (i, r) in plan.regions.iter().enumerate() {
+        let (engine_url, kind) = match external.get(&r.name) {
+            Some(url) => (url.clone(), args.engine_kind.clone()),
+            None => {
+                children.spawn(
+                    &format!("engine-{}", r.name),
+                    &[
+                        "engine".into(),
+                        "--profile".into(),
+                        args.engine_profile.clone(),
+                        "--listen".into(),
+                        r.engine_addr.to_string(),
+                    ],
+                )?;
+                (format!("http://{}", r.engine_addr), "sglang".to_owned())
+            }
+        };
+        let config_path = run_dir.join(format!("node-{}.toml", r.name));
+        let config = node_config(&plan, i, &engine_url, &kind, &certs, &args.policy, &token);
+        std::fs::write(&config_path, config)
+            .with_context(|| format!("writing {}", config_path.display()))?;
+        children.spawn(
+            &format!("node-{}", r.name),
+            &[
+                "node".into(),
+                "--config".into(),
+                config_path.display().to_string(),
+            ],
+        )?;
+        regions.push(ClusterRegion {
+            name: r.name.clone(),
+            client_url: format!("http://{}", r.client_addr),
+            admin_url: format!("http://{}", r.admin_addr),
+            engine_url,
+            node_id: r.name.clone(),
+        });
+    }
+
+    // Ready: every node answers /readyz with 200, and no child has died.
+    let deadline = Instant::now() + Duration::from_secs(args.ready_timeout_s);
+    let mut waiting: Vec<&str> = plan.regions.iter().map(|r| r.name.as_str()).collect();
+    while !waiting.is_empty() {
+        if let Some((name, status)) = children.exited() {
+            bail!(
+                "{name} exited ({status}) while starting; its log ({}):\n{}",
+                run_dir.join("logs").join(format!("{name}.log")).display(),
+                log_tail(&run_dir, &name)
+            );
+        }
+        waiting.retain(|name| {
+            let r = plan.regions.iter().find(|r| r.name == *name);
+            r.is_none_or(|r| http_status(r.admin_addr, "/readyz") != Some(200))
+        });
+        if waiting.is_empty() {
+            break;
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "nodes not ready after {} s: {} (logs in {})",
+                args.ready_timeout_s,
+                waiting.join(", "),
+                run_dir.join("logs").display()
+            );
+        }
+        std::thread::sleep(POLL_EVERY);
+    }
+
+    let cluster = ClusterFile {
+        admin_token: token,
+        regions,
+    };
+    let cluster_path = run_dir.join("cluster.json");
+    std::fs::write(&cluster_path, serde_json::to_vec_pretty(&cluster)?)
+        .with_context(|| format!("writing {}", cluster_path.display()))?;
+
+    println!(
+        "{:<16} {:<26} {:<26} {:<26} peers (emulated RTT ms)",
+        "region", "client url", "admin url", "engine url"
+    );
+    for (r, p) in cluster.regions.iter().zip(&plan.regions) {
+        let peers: Vec<String> = p
+            .peers
+            .iter()
+            .map(|q| format!("{} {}", q.region, q.rtt_ms))
+            .collect();
+        println!(
+            "{:<16} {:<26} {:<26} {:<26} {}",
+            r.name,
+            r.client_url,
+            r.admin_url,
+            r.engine_url,
+            peers.join(", ")
+        );
+    }
+    println!("cluster file: {}", cluster_path.display());
+    println!("admin token:  {}", cluster.admin_token);
+
+    if args.detach {
+        println!(
+            "running detached; stop with `gorgo down --run-dir {}`",
+            args.run_dir.display()
+        );
+        children.armed = false;
+        return Ok(());
+    }
+    println!("running; Ctrl-C to stop");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    let died = runtime.block_on(async {
+        let mut poll = tokio::time::interval(Duration::from_millis(500));
+        let signal = super::netem::wait_for_shutdown_signal();
+        tokio::pin!(signal);
+        loop {
+            tokio::select! {
+                r = &mut signal => { r?; return Ok::<_, anyhow::Error>(None); }
+                _ = poll.tick() => {
+                    if let Some(exited) = children.exited() {
+                        return Ok(Some(exited));
+                    }
+                }
+            }
+        }
+    })?;
+    eprintln!("stopping the cluster");
+    children.stop();
+    if let Some((name, status)) = died {
+        bail!(
+            "{name} exited ({status}); its log:\n{}",
+            log_tail(&run_dir, &name)
+        );
+    }
+    Ok(())
+}
+
+/// Stops a cluster started with `gorgo up --detach`.
+pub fn run_down(args: DownArgs) -> anyhow::Result<()> {
+    let pids_path = args.run_dir.join("pids.json");
+    let text = match std::fs::read_to_string(&pids_path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            println!("nothing running from {}", args.run_dir.display());
+            return Ok(());
+        }
+        Err(e) => return Err(e).with_context(|| format!("reading {}", pids_path.display())),
+    };
+    let pids: PidsFile =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", pids_path.display()))?;
+    signal_group(pids.pgid, "TERM");
+    for p in &pids.processes {
+        // Children that left the group still get asked.
+        if pid_alive(p.pid) {
+            signal_pid(p.pid, "TERM");
+        }
+    }
+    let deadline = Instant::now() + STOP_GRACE;
+    while pids.processes.iter().any(|p| pid_alive(p.pid)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut killed = Vec::new();
+    for p in &pids.processes {
+        if pid_alive(p.pid) {
+            signal_pid(p.pid, "KILL");
+            killed.push(p.name.as_str());
+        }
+    }
+    signal_group(pids.pgid, "KILL");
+    std::fs::remove_file(&pids_path)
+        .with_context(|| format!("removing {}", pids_path.display()))?;
+    if killed.is_empty() {
+        println!("stopped {} processes", pids.processes.len());
+    } else {
+        println!(
+            "stopped {} processes ({} needed SIGKILL: {})",
+            pids.processes.len(),
+            killed.len(),
+            killed.join(", ")
+        );
+    }
+    Ok(())
 }

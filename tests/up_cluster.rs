@@ -1,0 +1,177 @@
+//! `gorgo up --detach` / `gorgo down` end to end: the real binary starts a
+//! three-region LAN cluster (relays, engine emulators, nodes), every region
+//! serves a streaming chat request through its client relay, every node sees
+//! its two peers, and `gorgo down` leaves no process behind.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+const GORGO: &str = env!("CARGO_BIN_EXE_gorgo");
+/// How long the cluster may take to form (debug build, 2 busy cores).
+const FORM_TIMEOUT: Duration = Duration::from_secs(60);
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn gorgo(args: &[&str]) -> Output {
+    Command::new(GORGO)
+        .args(args)
+        .current_dir(root())
+        .output()
+        .expect("running gorgo")
+}
+
+/// Runs `gorgo down` however the test ends.
+struct Down<'a>(&'a Path);
+
+impl Drop for Down<'_> {
+    fn drop(&mut self) {
+        let _ = gorgo(&["down", "--run-dir", &self.0.display().to_string()]);
+    }
+}
+
+fn pid_alive(pid: u64) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')),
+        Err(_) => false,
+    }
+}
+
+#[test]
+fn down_without_a_cluster_is_a_no_op_and_bad_topologies_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = gorgo(&["down", "--run-dir", &dir.path().display().to_string()]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("nothing running"));
+
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "[[regions]]\nname = \"a\"\nclient_delay_ms = -1\n").unwrap();
+    let out = gorgo(&[
+        "up",
+        "--topology",
+        &bad.display().to_string(),
+        "--run-dir",
+        &dir.path().display().to_string(),
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("regions[0].client_delay_ms"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_serves_every_region_and_down_stops_everything() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let run = run_dir.display().to_string();
+    let _down = Down(&run_dir);
+    let out = tokio::task::spawn_blocking({
+        let run = run.clone();
+        move || {
+            gorgo(&[
+                "up",
+                "--topology",
+                "configs/topologies/lan.toml",
+                "--run-dir",
+                &run,
+                "--detach",
+                // Away from the defaults so a developer's own cluster is untouched.
+                "--ip-base",
+                "170",
+                "--base-port",
+                "47600",
+                "--ready-timeout-s",
+                "120",
+            ])
+        }
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "gorgo up failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let cluster: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(run_dir.join("cluster.json")).unwrap()).unwrap();
+    let pids: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(run_dir.join("pids.json")).unwrap()).unwrap();
+    let token = cluster["admin_token"].as_str().unwrap().to_owned();
+    let regions = cluster["regions"].as_array().unwrap();
+    assert_eq!(regions.len(), 3);
+
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    for region in regions {
+        let url = format!(
+            "{}/v1/chat/completions",
+            region["client_url"].as_str().unwrap()
+        );
+        let body = serde_json::json!({
+            "model": "emulated",
+            "messages": [{"role": "user", "content": format!("hello from {}", region["name"])}],
+            "max_tokens": 4,
+            "stream": true,
+        });
+        let response = http.post(&url).json(&body).send().await.unwrap();
+        assert_eq!(response.status(), 200, "{url}");
+        let text = response.text().await.unwrap();
+        assert!(
+            text.contains("data:") && text.contains("[DONE]"),
+            "{url}: {text}"
+        );
+    }
+
+    // Membership forms over the relays: each node lists both peers, alive.
+    for region in regions {
+        let url = format!("{}/admin/peers", region["admin_url"].as_str().unwrap());
+        let deadline = Instant::now() + FORM_TIMEOUT;
+        loop {
+            let peers: serde_json::Value = http
+                .get(&url)
+                .bearer_auth(&token)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            let alive = peers
+                .as_array()
+                .map(|p| p.iter().filter(|p| p["alive"] == true).count())
+                .unwrap_or(0);
+            if alive == 2 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{url}: peers never formed: {peers}"
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    let out = tokio::task::spawn_blocking(move || gorgo(&["down", "--run-dir", &run]))
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for p in pids["processes"].as_array().unwrap() {
+        let pid = p["pid"].as_u64().unwrap();
+        assert!(
+            !pid_alive(pid),
+            "{} (pid {pid}) survived gorgo down",
+            p["name"]
+        );
+    }
+    assert!(!run_dir.join("pids.json").exists());
+}
