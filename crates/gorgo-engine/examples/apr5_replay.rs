@@ -1,7 +1,9 @@
 //! Replays the GORGO paper's Apr 5 arrivals against three emulated engines on virtual
 //! time and prints the comparison with the paper's real `simple-session-affinity` run.
 //!
-//! `cargo run -p gorgo-engine --release --example apr5_replay [-- <profile name or toml>]`
+//! `cargo run -p gorgo-engine --release --example apr5_replay [-- <profile name or toml> [<csv out>]]`
+//!
+//! With a CSV path it also writes `input_tokens,engine,real_ttft_ms,emulated_ttft_ms` per request.
 
 #[path = "../tests/support/apr5.rs"]
 mod apr5;
@@ -49,6 +51,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ("ITL p95 (ms)", ri.1, ei.1),
     ] {
         println!("| {m} | {r:.0} | {e:.0} | {:.2} |", e / r);
+    }
+    if let Some(path) = std::env::args().nth(2) {
+        let mut csv = String::from("input_tokens,engine,real_ttft_ms,emulated_ttft_ms\n");
+        for (r, o) in rows.iter().zip(&out) {
+            csv.push_str(&format!(
+                "{},{},{:.3},{:.3}\n",
+                r.input_tokens, o.engine, r.ttft_ms, o.ttft_ms
+            ));
+        }
+        std::fs::write(&path, csv)?;
     }
     Ok(())
 }
