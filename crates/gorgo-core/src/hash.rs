@@ -25,8 +25,15 @@ pub fn hash_bytes(bytes: &[u8]) -> u64 {
 /// Extend a chain by one block: `xxh3(prev || block)`.
 #[inline]
 pub fn chain_step(prev: u64, block: &[u8]) -> u64 {
-    // Hash the predecessor and the block in one pass over a small stack buffer when the
-    // block is small, so the hot path does not allocate.
+    // One-shot xxh3 over `prev || block` in a stack buffer is several times faster than
+    // the streaming hasher for the small blocks we use; both give the same hash.
+    const STACK: usize = 512;
+    if block.len() <= STACK - 8 {
+        let mut buf = [0u8; STACK];
+        buf[..8].copy_from_slice(&prev.to_le_bytes());
+        buf[8..8 + block.len()].copy_from_slice(block);
+        return xxh3_64(&buf[..8 + block.len()]);
+    }
     let mut hasher = xxhash_rust::xxh3::Xxh3Default::new();
     hasher.update(&prev.to_le_bytes());
     hasher.update(block);
@@ -70,7 +77,10 @@ impl HashChain {
             hashes.push(prev);
             block_tokens.push(block.len().div_ceil(bytes_per_token) as u32);
         }
-        HashChain { hashes, block_tokens }
+        HashChain {
+            hashes,
+            block_tokens,
+        }
     }
 
     /// Build a chain from trace block ids (already prefix-chained by the trace), each
@@ -94,12 +104,19 @@ impl HashChain {
             block_tokens.push(t.max(1) as u32);
             left -= t;
         }
-        HashChain { hashes, block_tokens }
+        HashChain {
+            hashes,
+            block_tokens,
+        }
     }
 
     /// Build a chain from integer block ids (Mooncake traces).
     pub fn from_int_block_ids(ids: &[u64], tokens_per_block: u32, total_tokens: u64) -> Self {
-        Self::from_block_ids(ids.iter().map(|id| id.to_le_bytes()), tokens_per_block, total_tokens)
+        Self::from_block_ids(
+            ids.iter().map(|id| id.to_le_bytes()),
+            tokens_per_block,
+            total_tokens,
+        )
     }
 
     /// Number of blocks.
@@ -149,6 +166,18 @@ mod tests {
         assert_ne!(ca.hashes[3], cb.hashes[3]);
         assert_eq!(ca.total_tokens(), 250);
         assert_eq!(ca.block_tokens, vec![64, 64, 64, 58]);
+    }
+
+    #[test]
+    fn one_shot_and_streaming_steps_agree() {
+        let small = vec![7u8; 100];
+        let big = vec![9u8; 2000];
+        for block in [&small[..], &big[..]] {
+            let mut h = xxhash_rust::xxh3::Xxh3Default::new();
+            h.update(&42u64.to_le_bytes());
+            h.update(block);
+            assert_eq!(chain_step(42, block), h.digest());
+        }
     }
 
     #[test]

@@ -30,7 +30,10 @@ pub struct Weights {
 impl Default for Weights {
     /// DESIGN.md: if every estimate were exact the ideal weights would both be 1.0.
     fn default() -> Self {
-        Weights { w_rtt: 1.0, w_queue: 1.0 }
+        Weights {
+            w_rtt: 1.0,
+            w_queue: 1.0,
+        }
     }
 }
 
