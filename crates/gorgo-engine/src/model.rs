@@ -247,13 +247,29 @@ impl Engine {
         self.advance(now_ms);
         req.prompt_tokens = req.prompt_tokens.max(1);
         req.max_output_tokens = req.max_output_tokens.max(1);
+        // A chain may list more tokens than the prompt has (trace block ids pad the
+        // last block): keep only the blocks inside the prompt, so cached tokens never
+        // exceed it.
+        let mut inside = 0u64;
+        let keep = req
+            .chain
+            .block_tokens
+            .iter()
+            .take_while(|&&t| {
+                inside += t as u64;
+                inside <= req.prompt_tokens
+            })
+            .count();
+        req.chain.hashes.truncate(keep);
+        req.chain.block_tokens.truncate(keep);
         let requested = req.prompt_tokens + req.max_output_tokens as u64;
         let refusal = if requested > self.profile.context_length {
             Some(RejectReason::ContextLength {
                 requested,
                 limit: self.profile.context_length,
             })
-        } else if requested > self.profile.max_total_tokens {
+        } else if requested >= self.profile.max_total_tokens {
+            // `>=`: a fully cached prompt recomputes one token, which needs one more.
             Some(RejectReason::OverCapacity {
                 requested,
                 capacity: self.profile.max_total_tokens,

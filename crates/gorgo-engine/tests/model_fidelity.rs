@@ -263,6 +263,29 @@ fn oversized_and_queue_full_requests_are_rejected() {
     assert!(rejected.is_err() || engine.stats().waiting <= 1);
 }
 
+#[test]
+fn chains_longer_than_the_prompt_are_cut_to_it() {
+    let mut engine = Engine::new(small_profile(2000));
+    // Trace-style chain for a 600-token prompt: blocks of 512, 88 and a padding 1.
+    let chain = HashChain::from_int_block_ids(&[1, 2, 3], 512, 600);
+    assert_eq!(chain.total_tokens(), 601);
+    let req = |id, at| EngineRequest {
+        id,
+        chain: chain.clone(),
+        prompt_tokens: 600,
+        max_output_tokens: 5,
+        arrival_ms: at,
+    };
+    let (_, cached, end) = run_alone(&mut engine, req(1, 0.0));
+    assert_eq!(cached, 0);
+    let (_, cached, _) = run_alone(&mut engine, req(2, end + 1.0));
+    assert_eq!(
+        cached, 599,
+        "the padding block is dropped, the prompt is all cached"
+    );
+    assert!(engine.stats().cached_tokens <= 600);
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
     /// Any workload: KV use never exceeds capacity, every request finishes with the
