@@ -372,6 +372,8 @@ fn drain(inner: &Arc<Inner>, foca: &mut ClusterFoca, rt: &mut AccumulatingRuntim
             OwnedNotification::Rename(_, new) => {
                 if inner.peers.is_alive(&new.node) {
                     inner.peers.member_up(&new, now);
+                    // A new incarnation holds nothing of ours: start it with a snapshot.
+                    crate::gossip::peer_joined(inner, &new.node);
                 }
             }
             OwnedNotification::Rejoin(id) => {

@@ -310,7 +310,23 @@ async fn accept_unis(inner: Arc<Inner>, peer: NodeId, conn: quinn::Connection) {
         let inner = inner.clone();
         let peer = peer.clone();
         tokio::spawn(async move {
-            let bytes = match recv.read_to_end(MAX_GOSSIP_FRAME + 1).await {
+            // Read the kind first so each kind gets its own cap: an app message
+            // stream may not buffer a gossip-sized payload.
+            let mut kind = [0u8; 1];
+            if recv.read_exact(&mut kind).await.is_err() {
+                ClusterMetrics::bump(&inner.metrics.malformed_received);
+                return;
+            }
+            let cap = match kind[0] {
+                STREAM_GOSSIP => MAX_GOSSIP_FRAME,
+                STREAM_APP => MAX_APP_MESSAGE + 2,
+                _ => {
+                    ClusterMetrics::bump(&inner.metrics.malformed_received);
+                    let _ = recv.stop(1u32.into());
+                    return;
+                }
+            };
+            let rest = match recv.read_to_end(cap - 1).await {
                 Ok(b) => b,
                 Err(e) => {
                     tracing::debug!(%peer, "uni-stream dropped: {e}");
@@ -318,6 +334,9 @@ async fn accept_unis(inner: Arc<Inner>, peer: NodeId, conn: quinn::Connection) {
                     return;
                 }
             };
+            let mut bytes = Vec::with_capacity(rest.len() + 1);
+            bytes.push(kind[0]);
+            bytes.extend_from_slice(&rest);
             inner.peers.add_bytes(&peer, 0, bytes.len() as u64);
             match bytes.first() {
                 Some(&STREAM_GOSSIP) => {
