@@ -15,9 +15,10 @@
 //! different id once the conversation extends it, as in Mooncake's traces.
 
 use gorgo_core::hash::hash_bytes;
+use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use rand_distr::{Distribution, LogNormal, Poisson, StandardNormal};
+use rand_distr::{Distribution, LogNormal, Poisson};
 use serde::{Deserialize, Serialize};
 
 use crate::record::{BlockIds, TraceRequest};
@@ -76,9 +77,13 @@ pub struct GeneratorConfig {
     pub followup_message_median_tokens: f64,
     /// Log-normal sigma of a follow-up message's length.
     pub followup_message_sigma: f64,
-    /// Output tokens of every request (ART-Chat's `max_tokens`), also the answer
-    /// length carried into the next turn's context.
+    /// Output tokens of every request (ART-Chat's `max_tokens`).
     pub output_tokens: u32,
+    /// Median tokens of the assistant answer carried into the next turn's context (the
+    /// recorded conversation's answer, not capped by the replay's `max_tokens`).
+    pub answer_context_median_tokens: f64,
+    /// Log-normal sigma of that answer length.
+    pub answer_context_sigma: f64,
     /// Tokens per block of the generated ids.
     pub tokens_per_block: u32,
     /// A conversation stops before its context would exceed this.
@@ -117,6 +122,8 @@ impl Default for GeneratorConfig {
             followup_message_median_tokens: 250.0,
             followup_message_sigma: 1.0,
             output_tokens: 128,
+            answer_context_median_tokens: 128.0,
+            answer_context_sigma: 0.0,
             tokens_per_block: 256,
             max_input_tokens: 131_072,
         }
@@ -178,6 +185,7 @@ impl GeneratorConfig {
             ("system_prompt_sigma", self.system_prompt_sigma),
             ("first_message_sigma", self.first_message_sigma),
             ("followup_message_sigma", self.followup_message_sigma),
+            ("answer_context_sigma", self.answer_context_sigma),
         ];
         for (field, v) in sigmas {
             if !(v.is_finite() && (0.0..=5.0).contains(&v)) {
@@ -317,9 +325,9 @@ pub fn generate(config: &GeneratorConfig) -> Result<Vec<TraceRequest>> {
         })
     };
     let think = lognormal(c.think_time_median_s, c.think_time_sigma)?;
-    let system_len = lognormal(c.system_prompt_median_tokens, c.system_prompt_sigma)?;
     let first_len = lognormal(c.first_message_median_tokens, c.first_message_sigma)?;
     let followup_len = lognormal(c.followup_message_median_tokens, c.followup_message_sigma)?;
+    let answer_len = lognormal(c.answer_context_median_tokens, c.answer_context_sigma)?;
 
     let weight_sum: f64 = c.region_weights.iter().sum();
     let mean_diurnal: Vec<f64> = (0..c.regions.len()).map(|r| c.mean_diurnal(r)).collect();
@@ -336,6 +344,11 @@ pub fn generate(config: &GeneratorConfig) -> Result<Vec<TraceRequest>> {
         next_segment_id
     };
     let mut out = Vec::new();
+    // Per-user traits are stratified (one draw per 1/users quantile slice, in random
+    // order): with a few hundred users, independent draws would let a handful of heavy
+    // users move the window's p95 by 10% from seed to seed.
+    let activity_z = stratified_normals(c.users as usize, &mut rng);
+    let system_z = stratified_normals(c.users as usize, &mut rng);
     for user in 0..c.users {
         // Home region by regional weight.
         let mut pick = rng.random::<f64>() * weight_sum;
@@ -347,7 +360,7 @@ pub fn generate(config: &GeneratorConfig) -> Result<Vec<TraceRequest>> {
             }
             pick -= w;
         }
-        let z: f64 = rng.sample(StandardNormal);
+        let z = activity_z[user as usize];
         let activity = (c.activity_sigma * z - c.activity_sigma * c.activity_sigma / 2.0).exp();
         // Session starts: a Poisson process thinned by the region's diurnal curve,
         // normalised so the window's expected total stays at `requests_per_user`.
@@ -383,7 +396,9 @@ pub fn generate(config: &GeneratorConfig) -> Result<Vec<TraceRequest>> {
                 tokens: c.shared_prompt_tokens,
             });
         }
-        let own = (system_len.sample(&mut rng) as u64).max(1);
+        let own = (c.system_prompt_median_tokens
+            * (c.system_prompt_sigma * system_z[user as usize]).exp()) as u64;
+        let own = own.max(1);
         prefix.push(Segment {
             id: fresh(),
             tokens: own,
@@ -428,9 +443,10 @@ pub fn generate(config: &GeneratorConfig) -> Result<Vec<TraceRequest>> {
                     request_id: None,
                     system_prompt_hash: Some(system_hash.clone()),
                 });
+                let answer = (answer_len.sample(&mut rng) as u64).max(1);
                 segments.push(Segment {
                     id: fresh(),
-                    tokens: c.output_tokens as u64,
+                    tokens: answer,
                 });
                 // The answer streams for a while, then the user thinks and types.
                 t_s += 2.0 + c.output_tokens as f64 * 0.03 + think.sample(&mut rng);
@@ -444,9 +460,74 @@ pub fn generate(config: &GeneratorConfig) -> Result<Vec<TraceRequest>> {
     Ok(out)
 }
 
+/// `n` standard normal values, one from each of `n` equal-probability slices, shuffled.
+fn stratified_normals(n: usize, rng: &mut ChaCha8Rng) -> Vec<f64> {
+    let mut v: Vec<f64> = (0..n)
+        .map(|i| inverse_normal_cdf((i as f64 + rng.random::<f64>()) / n as f64))
+        .collect();
+    v.shuffle(rng);
+    v
+}
+
+/// The standard normal quantile function (Acklam's rational approximation, relative
+/// error below 1.2e-9), clamped away from 0 and 1.
+fn inverse_normal_cdf(p: f64) -> f64 {
+    const A: [f64; 6] = [
+        -3.969683028665376e1,
+        2.209460984245205e2,
+        -2.759285104469687e2,
+        1.383577518672690e2,
+        -3.066479806614716e1,
+        2.506628277459239,
+    ];
+    const B: [f64; 5] = [
+        -5.447609879822406e1,
+        1.615858368580409e2,
+        -1.556989798598866e2,
+        6.680131188771972e1,
+        -1.328068155288572e1,
+    ];
+    const C: [f64; 6] = [
+        -7.784894002430293e-3,
+        -3.223964580411365e-1,
+        -2.400758277161838,
+        -2.549671010229708,
+        4.374664141464968,
+        2.938163982698783,
+    ];
+    const D: [f64; 4] = [
+        7.784695709041462e-3,
+        3.224671290700398e-1,
+        2.445134137142996,
+        3.754408661907416,
+    ];
+    let p = p.clamp(1e-12, 1.0 - 1e-12);
+    let tail = |q: f64| {
+        (((((C[0] * q + C[1]) * q + C[2]) * q + C[3]) * q + C[4]) * q + C[5])
+            / ((((D[0] * q + D[1]) * q + D[2]) * q + D[3]) * q + 1.0)
+    };
+    if p < 0.02425 {
+        tail((-2.0 * p.ln()).sqrt())
+    } else if p > 1.0 - 0.02425 {
+        -tail((-2.0 * (1.0 - p).ln()).sqrt())
+    } else {
+        let q = p - 0.5;
+        let r = q * q;
+        (((((A[0] * r + A[1]) * r + A[2]) * r + A[3]) * r + A[4]) * r + A[5]) * q
+            / (((((B[0] * r + B[1]) * r + B[2]) * r + B[3]) * r + B[4]) * r + 1.0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn inverse_normal_cdf_matches_known_quantiles() {
+        assert!(inverse_normal_cdf(0.5).abs() < 1e-9);
+        assert!((inverse_normal_cdf(0.975) - 1.959_964).abs() < 1e-5);
+        assert!((inverse_normal_cdf(0.01) + 2.326_348).abs() < 1e-5);
+    }
 
     #[test]
     fn block_ids_follow_content() {
