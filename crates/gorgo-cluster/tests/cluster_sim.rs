@@ -240,3 +240,63 @@ fn same_seed_same_trace() {
     assert_eq!(downs, 4, "{first:?}");
     assert_eq!(first, trace(99));
 }
+
+#[test]
+fn restarted_node_rejoins_with_a_new_generation_and_resyncs() {
+    let churn = Churn {
+        period: Duration::from_millis(100),
+        adds: 4,
+        shared: 2,
+        capacity: 500,
+        until: Duration::from_secs(30),
+    };
+    let mut sim = sim(31, Duration::from_secs(120));
+    let creds = credentials(&NAMES);
+    let handles = Handles::default();
+    for (i, n) in NAMES.iter().enumerate() {
+        add_node(
+            &mut sim,
+            NodeSpec {
+                name: (*n).to_owned(),
+                region: format!("region-{i}"),
+                credentials: creds[*n].clone(),
+                seeds: if i == 0 {
+                    vec![]
+                } else {
+                    vec!["n0".to_owned()]
+                },
+                churn: Some(churn),
+                generation: 0,
+            },
+            handles.clone(),
+        );
+    }
+    set_wan_latencies(&mut sim, &NAMES);
+    run_until(&mut sim, Duration::from_secs(10), |_| {
+        converged(&handles, &NAMES)
+    })
+    .expect("converge");
+    run_for(&mut sim, Duration::from_secs(1));
+    // Drop the test's handle first: it owns the old endpoint and so its socket's port.
+    let old_generation = handles.lock().remove("n4").unwrap().identity().generation;
+    sim.bounce("n4");
+    let n4 = NodeId::from("n4");
+    run_until(&mut sim, Duration::from_secs(15), |_| {
+        let h = handles.lock();
+        let Some(new_generation) = h.get("n4").map(|n| n.identity().generation) else {
+            return false;
+        };
+        new_generation > old_generation
+            && NAMES[..4].iter().all(|n| {
+                h[*n]
+                    .peers()
+                    .iter()
+                    .any(|p| p.id == n4 && p.alive && p.generation == new_generation)
+            })
+    })
+    .expect("the restarted n4 is a member under its new generation");
+    run_until(&mut sim, Duration::from_secs(30), |t| {
+        t > churn.until && summaries_synced(&handles)
+    })
+    .expect("summaries resync with the restarted node");
+}

@@ -177,7 +177,12 @@ pub async fn start_node(
         .iter()
         .map(|s| SocketAddr::new(turmoil::lookup(s.as_str()), PORT))
         .collect();
-    cfg.generation = Some(spec.generation);
+    // Generation 0: take the (simulated) wall clock, as a real restart would.
+    cfg.generation = Some(if spec.generation == 0 {
+        turmoil::since_epoch().map_or(1, |d| d.as_millis() as u64)
+    } else {
+        spec.generation
+    });
     cfg.rng_seed = Some(gorgo_core::hash::hash_bytes(spec.name.as_bytes()));
     cfg.wall_clock = sim_clock();
     let summary = SharedSummary::new(LocalSummary::new().starting_at(1_000), sim_clock());
