@@ -106,7 +106,9 @@ pub struct EngineStats {
     pub running: usize,
     /// Requests waiting for admission.
     pub waiting: usize,
-    /// KV tokens in use: cached blocks plus running requests' private reservations.
+    /// KV tokens in use and not reclaimable, as SGLang counts `num_used_tokens`:
+    /// running requests' reservations plus cached blocks they reference (unreferenced
+    /// cached blocks are free to evict, so they do not count).
     pub used_tokens: u64,
     /// KV capacity in tokens.
     pub capacity: u64,
@@ -357,7 +359,8 @@ impl Engine {
         EngineStats {
             running: self.running.len(),
             waiting: self.waiting.len(),
-            used_tokens: self.cache.cached_tokens() + self.private_tokens,
+            used_tokens: self.cache.cached_tokens() - self.cache.evictable_tokens()
+                + self.private_tokens,
             capacity: self.profile.max_total_tokens,
             cached_tokens: self.cache.cached_tokens(),
             evictable_tokens: self.cache.evictable_tokens(),
