@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use gorgo_bench::workload::{body_builder, load_trace, rebase, replay_items};
+use gorgo_bench::workload::{body_builder, clamp_context, load_trace, rebase, replay_items};
 use gorgo_bench::{
     indicatif, CancellationToken, ClusterInfo, CompareSpec, LoadMode, PolicyRun, ReplayConfig,
 };
@@ -18,6 +18,9 @@ use gorgo_workload::TraceRequest;
 /// The policies `compare` and `demo` run by default: GORGO and the paper's baselines.
 pub const MAIN_POLICIES: &str =
     "gorgo,least-load,least-request,prefix-cache,session-affinity,simple-session-affinity";
+
+/// First port of the first cluster `compare` and `demo` start.
+const DEFAULT_BASE_PORT: u16 = 17100;
 
 /// The demo's topology, bundled so the demo runs from any directory.
 const DEMO_TOPOLOGY: &str = include_str!("../../configs/topologies/three-region.toml");
@@ -53,6 +56,10 @@ pub struct LoadArgs {
     /// Send at most this many requests.
     #[arg(long)]
     pub max_requests: Option<usize>,
+    /// Shorten prompts so prompt + output fit this engine context (tokens); the
+    /// emulator profiles' context is 32,768 and Mooncake prompts reach 120k.
+    #[arg(long)]
+    pub max_context_tokens: Option<u64>,
     /// Per-request timeout in seconds.
     #[arg(long, default_value_t = 300.0)]
     pub timeout_s: f64,
@@ -105,6 +112,7 @@ impl LoadArgs {
             "duration_s": self.duration,
             "window_s": self.window,
             "max_requests": self.max_requests,
+            "max_context_tokens": self.max_context_tokens,
             "timeout_s": self.timeout_s,
             "model": self.model,
             "ignore_eos": !self.no_ignore_eos,
@@ -138,7 +146,10 @@ pub struct BenchArgs {
 pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     super::init_tracing();
     let cluster = ClusterInfo::parse_spec(&args.cluster)?;
-    let requests = Arc::new(read_workload(&args.trace, &args.load)?);
+    let mut requests = read_workload(&args.trace, &args.load)?;
+    let mut cfg = args.load.describe();
+    prepare(&mut requests, &args.load, &mut cfg);
+    let requests = Arc::new(requests);
     let mut config = args.load.replay_config()?;
     config.policy_header = args.policy.clone();
     if !args.load.no_progress {
@@ -161,11 +172,9 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         regions: cluster.region_names(),
         output,
     }];
-    let mut cfg = args.load.describe();
     cfg["command"] = "bench".into();
     cfg["trace"] = args.trace.display().to_string().into();
     cfg["cluster"] = serde_json::to_value(&cluster)?;
-    cfg["requests_in_workload"] = requests.len().into();
     finish(&args.out, cfg, &runs)
 }
 
@@ -191,7 +200,9 @@ pub struct CompareArgs {
     #[arg(long)]
     pub engine_profile: Option<String>,
     /// First port of the first cluster; each further cluster gets the next block.
-    #[arg(long, default_value_t = 7100)]
+    /// Away from `gorgo up`'s default (7100) so a cluster already running there is
+    /// never mistaken for one of ours.
+    #[arg(long, default_value_t = DEFAULT_BASE_PORT)]
     pub base_port: u16,
     /// Ports between two clusters' blocks.
     #[arg(long, default_value_t = 100)]
@@ -206,8 +217,9 @@ pub struct CompareArgs {
 /// `gorgo compare`: every policy on the same workload, one cluster each.
 pub fn run_compare(args: CompareArgs) -> anyhow::Result<()> {
     super::init_tracing();
-    let requests = read_workload(&args.trace, &args.load)?;
+    let mut requests = read_workload(&args.trace, &args.load)?;
     let mut cfg = args.load.describe();
+    prepare(&mut requests, &args.load, &mut cfg);
     cfg["command"] = "compare".into();
     cfg["trace"] = args.trace.display().to_string().into();
     compare_and_report(&args, requests, cfg)
@@ -253,7 +265,6 @@ fn compare_and_report(
     cfg["policies"] = serde_json::to_value(&policies)?;
     cfg["sequential"] = args.sequential.into();
     cfg["engine_profile"] = args.engine_profile.clone().into();
-    cfg["requests_in_workload"] = requests.len().into();
     let requests = Arc::new(requests);
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
     let runs = runtime.block_on(async {
@@ -305,7 +316,7 @@ pub fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
         duration_s: args.trace_seconds,
         ..gorgo_workload::GeneratorConfig::default()
     };
-    let requests = gorgo_workload::generate(&generator).context("generating the workload")?;
+    let mut requests = gorgo_workload::generate(&generator).context("generating the workload")?;
     eprintln!(
         "gorgo demo: {} requests from {} users over {:.0} s of trace, replayed at x{} ({:.0} s), policies {}",
         requests.len(),
@@ -322,7 +333,7 @@ pub fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
         out: args.out.clone(),
         sequential: args.sequential,
         engine_profile: args.engine_profile.clone(),
-        base_port: 7100,
+        base_port: DEFAULT_BASE_PORT,
         port_stride: 100,
         up_timeout_s: 120.0,
         load: LoadArgs {
@@ -332,6 +343,7 @@ pub fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
             duration: None,
             window: None,
             max_requests: None,
+            max_context_tokens: Some(32_768),
             timeout_s: 120.0,
             model: "gorgo-emulated".into(),
             no_ignore_eos: false,
@@ -342,18 +354,32 @@ pub fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
     cfg["command"] = "demo".into();
     cfg["trace"] = "generated".into();
     cfg["generator"] = serde_json::to_value(&generator)?;
+    prepare(&mut requests, &compare.load, &mut cfg);
     super::init_tracing();
     compare_and_report(&compare, requests, cfg)
 }
 
-/// Read the workload, cut to `--window` and rebased to start at 0.
+/// Read the workload, cut to `--window` and `--max-requests`.
 fn read_workload(path: &Path, load: &LoadArgs) -> anyhow::Result<Vec<TraceRequest>> {
-    let mut requests = load_trace(path, load.window, load.max_requests)?;
+    let requests = load_trace(path, load.window, load.max_requests)?;
     if requests.is_empty() {
         anyhow::bail!("{}: no requests in the selected window", path.display());
     }
-    rebase(&mut requests);
     Ok(requests)
+}
+
+/// Rebase arrivals to start at 0 and fit prompts to `--max-context-tokens`; records
+/// what it changed in `cfg`.
+fn prepare(requests: &mut [TraceRequest], load: &LoadArgs, cfg: &mut serde_json::Value) {
+    rebase(requests);
+    if let Some(max) = load.max_context_tokens {
+        let n = clamp_context(requests, max);
+        if n > 0 {
+            eprintln!("{n} prompts shortened to fit a {max}-token context");
+        }
+        cfg["prompts_shortened"] = n.into();
+    }
+    cfg["requests_in_workload"] = requests.len().into();
 }
 
 /// A token cancelled on the first Ctrl-C, so replays stop and clusters are torn down.

@@ -50,6 +50,28 @@ pub fn rebase(requests: &mut [TraceRequest]) {
     }
 }
 
+/// Tokens the chat template adds around a prompt, kept free when clamping to a context
+/// limit (the engine counts them against the context too).
+pub const CHAT_TEMPLATE_TOKENS: u64 = 64;
+
+/// Shorten prompts so that prompt + output fits an engine context of `max_context`
+/// tokens (with [`CHAT_TEMPLATE_TOKENS`] to spare); returns how many were shortened.
+/// Arrivals and block prefixes stay as they are: only the prompt's tail is cut.
+pub fn clamp_context(requests: &mut [TraceRequest], max_context: u64) -> usize {
+    let mut clamped = 0;
+    for r in requests {
+        let limit = max_context
+            .saturating_sub(u64::from(r.output_tokens))
+            .saturating_sub(CHAT_TEMPLATE_TOKENS)
+            .max(1);
+        if r.input_tokens > limit {
+            r.input_tokens = limit;
+            clamped += 1;
+        }
+    }
+    clamped
+}
+
 /// The home region of a request: the trace's own when the cluster has it, else a
 /// deterministic pick by hashing the user (so a user's requests stay in one region),
 /// the session, or the request's position.
@@ -152,6 +174,15 @@ mod tests {
         seen.sort();
         seen.dedup();
         assert_eq!(seen.len(), 3);
+    }
+
+    #[test]
+    fn clamping_keeps_prompt_and_output_within_the_context() {
+        let mut reqs = vec![req(0, None, None), req(1, None, None)];
+        reqs[1].input_tokens = 5000;
+        assert_eq!(clamp_context(&mut reqs, 1000), 1);
+        assert_eq!(reqs[0].input_tokens, 40);
+        assert_eq!(reqs[1].input_tokens, 1000 - 3 - CHAT_TEMPLATE_TOKENS);
     }
 
     #[test]
