@@ -277,7 +277,15 @@ pub async fn start(
         loop {
             tokio::select! {
                 _ = sd.cancelled() => return,
-                _ = tick.tick() => st.peers.publish_stats(st.local_stats()),
+                _ = tick.tick() => {
+                    // Follow the engine's KV capacity once its metrics report it.
+                    let capacity = st.engine.kv_capacity_tokens();
+                    let delta = st.shadow.lock().set_capacity(capacity);
+                    if let Some(delta) = delta {
+                        st.peers.publish_summary(&delta);
+                    }
+                    st.peers.publish_stats(st.local_stats());
+                }
             }
         }
     });

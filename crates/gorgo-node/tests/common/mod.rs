@@ -92,9 +92,8 @@ async fn complete(State(e): State<Arc<StubEngine>>, body: Bytes) -> Response {
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     let stream = v.get("stream").and_then(|s| s.as_bool()).unwrap_or(false);
     let is_chat = v.get("messages").is_some();
-    match e.mode.load(Ordering::SeqCst) {
-        HANG => e.release.notified().await,
-        _ => {}
+    if e.mode.load(Ordering::SeqCst) == HANG {
+        e.release.notified().await;
     }
     if stream {
         let mode = e.mode.load(Ordering::SeqCst);
