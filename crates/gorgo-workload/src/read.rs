@@ -474,6 +474,19 @@ mod tests {
         assert!(parse_datetime_ms("yesterday").is_err());
     }
 
+    proptest::proptest! {
+        #[test]
+        fn arbitrary_input_never_panics(text in "(\\PC|\n){0,200}", fmt in 0usize..4) {
+            let format = [TraceFormat::Mooncake, TraceFormat::ArtChat, TraceFormat::Azure, TraceFormat::Gorgo][fmt];
+            for row in TraceReader::new(std::io::Cursor::new(text.as_bytes()), format).take(1000) {
+                if let Err(e) = row {
+                    proptest::prop_assert!(!e.to_string().is_empty());
+                }
+            }
+            let _ = detect_format(None, text.as_bytes());
+        }
+    }
+
     #[test]
     fn formats_are_detected_from_content() {
         let moon = br#"{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [0]}"#;
