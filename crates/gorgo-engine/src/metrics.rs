@@ -136,7 +136,6 @@ impl MetricsSnapshot {
         } else {
             s.used_tokens as f64 / s.capacity as f64
         };
-        let decode_sum_seq_lens = 0.0; // not tracked separately; SGLang reports it only mid-decode
         for (name, help, v) in [
             (
                 "num_running_reqs",
@@ -152,7 +151,7 @@ impl MetricsSnapshot {
             (
                 "decode_sum_seq_lens",
                 "The sum of all sequence lengths in decode.",
-                decode_sum_seq_lens,
+                s.decode_context_tokens as f64,
             ),
             (
                 "num_queue_reqs",

@@ -132,6 +132,8 @@ pub struct EngineStats {
     pub decode_step_ms: f64,
     /// Requests currently past prefill and decoding.
     pub decoding: usize,
+    /// Context tokens (prompt + generated) summed over the decoding requests.
+    pub decode_context_tokens: u64,
 }
 
 #[derive(Debug)]
@@ -380,6 +382,7 @@ impl Engine {
                 self.profile.decode_step_ms(decoding, context)
             },
             decoding,
+            decode_context_tokens: context,
         }
     }
 
