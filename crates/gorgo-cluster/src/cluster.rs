@@ -98,7 +98,7 @@ pub(crate) struct Inner {
     pub(crate) conns: Connections,
     pub(crate) peers: PeerTable,
     pub(crate) metrics: ClusterMetrics,
-    pub(crate) foca_tx: mpsc::UnboundedSender<FocaInput>,
+    pub(crate) foca_tx: mpsc::Sender<FocaInput>,
     pub(crate) shutdown: CancellationToken,
     pub(crate) summary: Arc<dyn SummarySource>,
     pub(crate) local_stats: Mutex<QueueStats>,
@@ -130,6 +130,9 @@ impl std::fmt::Debug for ClusterHandle {
 const FORWARD_INBOX: usize = 1024;
 /// App messages waiting for the node to take them.
 const APP_INBOX: usize = 1024;
+/// Inputs queued for the SWIM task; SWIM packets beyond it are dropped (SWIM tolerates
+/// loss), timers and commands wait.
+const FOCA_INBOX: usize = 4096;
 /// Cap on one encoded stats broadcast.
 const MAX_STATS_BROADCAST: usize = 512;
 
@@ -205,7 +208,7 @@ pub async fn start(
     let seed = config.rng_seed.unwrap_or_else(|| {
         gorgo_core::hash::hash_bytes(format!("{}/{generation}", config.node_id).as_bytes())
     });
-    let (foca_tx, foca_rx) = mpsc::unbounded_channel();
+    let (foca_tx, foca_rx) = mpsc::channel(FOCA_INBOX);
     let (forward_tx, forward_rx) = mpsc::channel(FORWARD_INBOX);
     let (app_tx, app_rx) = mpsc::channel(APP_INBOX);
     let inner = Arc::new(Inner {
@@ -247,11 +250,7 @@ pub async fn start(
 
 type ClusterFoca = Foca<MemberId, BincodeCodec, foca_rand::rngs::SmallRng, StatsHandler>;
 
-async fn run_foca(
-    inner: Arc<Inner>,
-    mut foca: ClusterFoca,
-    mut rx: mpsc::UnboundedReceiver<FocaInput>,
-) {
+async fn run_foca(inner: Arc<Inner>, mut foca: ClusterFoca, mut rx: mpsc::Receiver<FocaInput>) {
     let mut rt = AccumulatingRuntime::new();
     announce_to_seeds(&inner, &mut foca, &mut rt);
     drain(&inner, &mut foca, &mut rt);
@@ -354,7 +353,7 @@ fn drain(inner: &Arc<Inner>, foca: &mut ClusterFoca, rt: &mut AccumulatingRuntim
         let tx = inner.foca_tx.clone();
         tokio::spawn(async move {
             tokio::time::sleep(after).await;
-            let _ = tx.send(FocaInput::Timer(timer));
+            let _ = tx.send(FocaInput::Timer(timer)).await;
         });
     }
     while let Some(n) = rt.to_notify() {
@@ -604,10 +603,13 @@ impl ClusterHandle {
         };
         let bytes = bincode::serde::encode_to_vec(&b, stats_config())
             .map_err(|e| ClusterError::Decode(e.to_string()))?;
-        self.inner
-            .foca_tx
-            .send(FocaInput::Broadcast(bytes))
-            .map_err(|_| ClusterError::Shutdown)
+        match self.inner.foca_tx.try_send(FocaInput::Broadcast(bytes)) {
+            Ok(()) => Ok(()),
+            // Saturated: this copy is dropped, the next one (and every summary message)
+            // carries newer stats anyway.
+            Err(mpsc::error::TrySendError::Full(_)) => Ok(()),
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(ClusterError::Shutdown),
+        }
     }
 
     /// The cluster's counters.
@@ -639,6 +641,7 @@ impl ClusterHandle {
         self.inner
             .foca_tx
             .send(FocaInput::Leave(tx))
+            .await
             .map_err(|_| ClusterError::Shutdown)?;
         rx.await.map_err(|_| ClusterError::Shutdown)
     }

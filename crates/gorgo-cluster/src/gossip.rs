@@ -328,7 +328,9 @@ pub(crate) async fn handle_frame(inner: &Arc<Inner>, from: &NodeId, bytes: &[u8]
             e.summary_at = Some(now);
             e.summary_bytes = bytes.len() as u64 + 1;
             drop(e);
-            inner.peers.offer_stats(from, &stats, now);
+            if stats.version > 0 {
+                inner.peers.offer_stats(from, &stats, now);
+            }
             false
         }
         GossipMessage::SummaryDelta { delta, stats, .. } => {
@@ -352,7 +354,9 @@ pub(crate) async fn handle_frame(inner: &Arc<Inner>, from: &NodeId, bytes: &[u8]
                     },
                 }
             };
-            inner.peers.offer_stats(from, &stats, now);
+            if stats.version > 0 {
+                inner.peers.offer_stats(from, &stats, now);
+            }
             if applied.is_ok() && oldest_change_ms > 0 && !delta.is_empty() {
                 let wall = (inner.config.wall_clock)();
                 inner

@@ -288,10 +288,13 @@ async fn read_datagrams(inner: Arc<Inner>, peer: NodeId, conn: quinn::Connection
             ClusterMetrics::bump(&inner.metrics.malformed_received);
             continue;
         }
-        let _ = inner.foca_tx.send(FocaInput::Data {
+        let input = FocaInput::Data {
             from: peer.clone(),
             data: d.slice(1..),
-        });
+        };
+        if inner.foca_tx.try_send(input).is_err() {
+            tracing::debug!(%peer, "swim inbox full; packet dropped");
+        }
     }
     // Forget the connection if it is still the registered one.
     inner
