@@ -1,0 +1,196 @@
+//! What one policy's run produces: compact per-request rows (up to a cap), streaming
+//! sketches of every latency (always), counters for conservation checks, and tuning
+//! records.
+//!
+//! Rows are kept only up to [`crate::SimConfig::max_rows`] so memory is bounded by the
+//! cap, not by trace length; past it the report is built from the sketches.
+
+use gorgo_core::tuning::TuningRecord;
+use gorgo_core::LatencySketch;
+use serde::Serialize;
+
+/// One finished request, compactly (about 48 bytes): what `requests.csv` needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Row {
+    /// Position of the request in the trace (its id is `r<index>`).
+    pub index: u64,
+    /// Client's home region (index into the network's regions).
+    pub home: u8,
+    /// Serving region, `None` when nothing served it.
+    pub served: Option<u8>,
+    /// Forwards between nodes.
+    pub hops: u8,
+    /// False when the request failed (engine refusal, no candidate).
+    pub ok: bool,
+    /// Why it failed, when it did.
+    pub error: Option<Box<str>>,
+    /// Time to first token at the client, ms.
+    pub ttft_ms: f32,
+    /// End-to-end latency at the client, ms.
+    pub e2e_ms: f32,
+    /// When the client sent it, ms from the start of the run.
+    pub start_ms: f64,
+    /// Prompt tokens.
+    pub input_tokens: u32,
+    /// Output tokens.
+    pub output_tokens: u32,
+    /// Prompt tokens the engine served from its prefix cache.
+    pub cached_tokens: u32,
+}
+
+/// Counts that let a caller check the run: conservation of requests, the max-hops
+/// guard, KV occupancy, and how much work the simulation did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct SimCounters {
+    /// Requests read from the trace.
+    pub requests: u64,
+    /// Requests whose last byte reached the client.
+    pub completed: u64,
+    /// Requests that failed.
+    pub failed: u64,
+    /// Requests served outside their home region.
+    pub forwarded: u64,
+    /// Largest hop count any request reached.
+    pub max_hops_seen: u8,
+    /// Engine first-token events (one per served request).
+    pub first_tokens: u64,
+    /// Engine finish events (one per served request).
+    pub finishes: u64,
+    /// Engine events for a request already finished or never submitted there (must be 0).
+    pub unexpected_events: u64,
+    /// Per region: the most KV tokens its engine ever had in use.
+    pub max_used_tokens: Vec<u64>,
+    /// Per region: the most tokens its prefix cache ever held.
+    pub max_cached_tokens: Vec<u64>,
+    /// Per region: its engine's KV capacity.
+    pub capacity_tokens: Vec<u64>,
+    /// Per region: requests its engine served.
+    pub served_by_region: Vec<u64>,
+    /// Events processed.
+    pub events: u64,
+    /// Most requests in flight at once (what memory scales with).
+    pub max_in_flight: usize,
+    /// Gossip messages delivered (summaries + stats).
+    pub gossip_messages: u64,
+    /// Their approximate encoded size, bytes.
+    pub gossip_bytes: u64,
+    /// Trace rows that arrived out of order (sent at the current time instead).
+    pub reordered_rows: u64,
+    /// Virtual time at the end, ms.
+    pub end_ms: f64,
+}
+
+/// One `tuning.jsonl` line: the core's record plus the policy it tuned.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TuningLine {
+    /// The policy being tuned.
+    pub policy: String,
+    /// The decided trial.
+    #[serde(flatten)]
+    pub record: TuningRecord,
+}
+
+/// Streaming aggregates of one policy's run, kept whatever the row cap.
+#[derive(Debug, Clone, Default)]
+pub struct Sketches {
+    /// TTFT of completed requests, ms.
+    pub ttft: LatencySketch,
+    /// E2E of completed requests, ms.
+    pub e2e: LatencySketch,
+    /// ITL of completed requests with two or more output tokens, ms.
+    pub itl: LatencySketch,
+    /// Earliest send, ms.
+    pub first_start_ms: f64,
+    /// Latest last byte, ms.
+    pub last_end_ms: f64,
+}
+
+/// Everything one policy's run produced.
+#[derive(Debug, Clone)]
+pub struct PolicyRun {
+    /// The policy's name.
+    pub policy: String,
+    /// Region names, in the network's order (rows refer to them by index).
+    pub regions: Vec<String>,
+    /// Per-request rows, in completion order; `None` when the row cap was exceeded.
+    pub rows: Option<Vec<Row>>,
+    /// Streaming aggregates.
+    pub sketches: Sketches,
+    /// Conservation and work counters.
+    pub counters: SimCounters,
+    /// Decided tuning trials, in decision order.
+    pub tuning: Vec<TuningLine>,
+}
+
+/// Accumulates a run's results as requests finish.
+#[derive(Debug)]
+pub(crate) struct Collector {
+    pub(crate) run: PolicyRun,
+    max_rows: usize,
+}
+
+impl Collector {
+    pub(crate) fn new(policy: &str, regions: Vec<String>, max_rows: usize) -> Self {
+        let n = regions.len();
+        Collector {
+            run: PolicyRun {
+                policy: policy.to_owned(),
+                regions,
+                rows: Some(Vec::new()),
+                sketches: Sketches {
+                    first_start_ms: f64::INFINITY,
+                    last_end_ms: f64::NEG_INFINITY,
+                    ..Default::default()
+                },
+                counters: SimCounters {
+                    max_used_tokens: vec![0; n],
+                    max_cached_tokens: vec![0; n],
+                    capacity_tokens: vec![0; n],
+                    served_by_region: vec![0; n],
+                    ..Default::default()
+                },
+                tuning: Vec::new(),
+            },
+            max_rows,
+        }
+    }
+
+    pub(crate) fn push(&mut self, row: Row) {
+        let s = &mut self.run.sketches;
+        let c = &mut self.run.counters;
+        s.first_start_ms = s.first_start_ms.min(row.start_ms);
+        if row.ok {
+            c.completed += 1;
+            s.last_end_ms = s.last_end_ms.max(row.start_ms + row.e2e_ms as f64);
+            s.ttft.add(row.ttft_ms as f64);
+            s.e2e.add(row.e2e_ms as f64);
+            if row.output_tokens >= 2 {
+                s.itl.add(
+                    (row.e2e_ms - row.ttft_ms).max(0.0) as f64 / (row.output_tokens - 1) as f64,
+                );
+            }
+            if row.hops > 0 {
+                c.forwarded += 1;
+            }
+            if let Some(r) = row.served {
+                c.served_by_region[r as usize] += 1;
+            }
+        } else {
+            c.failed += 1;
+            s.last_end_ms = s.last_end_ms.max(row.start_ms);
+        }
+        c.max_hops_seen = c.max_hops_seen.max(row.hops);
+        let keep = self
+            .run
+            .rows
+            .as_ref()
+            .is_some_and(|r| r.len() < self.max_rows);
+        if keep {
+            if let Some(rows) = self.run.rows.as_mut() {
+                rows.push(row);
+            }
+        } else {
+            self.run.rows = None;
+        }
+    }
+}
