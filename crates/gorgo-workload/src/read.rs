@@ -66,8 +66,9 @@ pub fn detect_format(path: Option<&Path>, head: &[u8]) -> Result<TraceFormat> {
             // body nested in ART rows must not count).
             let row: serde_json::Map<String, serde_json::Value> = match serde_json::from_str(line) {
                 Ok(row) => row,
-                // A truncated head (a very long first line) still starts like JSONL.
-                Err(_) => return Ok(TraceFormat::Mooncake),
+                // A head cut inside a very long first line (ART rows carry whole chat
+                // bodies): fall back to looking for the telling keys in the text.
+                Err(_) => return Ok(detect_truncated_row(line)),
             };
             let has = |k: &str| row.contains_key(k);
             if has("block_tokens") || has("user") || has("session") || has("home_region") {
@@ -105,10 +106,23 @@ pub fn detect_format(path: Option<&Path>, head: &[u8]) -> Result<TraceFormat> {
     }
 }
 
+fn detect_truncated_row(head: &str) -> TraceFormat {
+    let compact: String = head.split_whitespace().collect();
+    if compact.contains("\"block_tokens\":") || compact.contains("\"home_region\":") {
+        TraceFormat::Gorgo
+    } else if compact.contains("\"token_hash\":") || compact.contains("\"hash_ids\":[\"") {
+        TraceFormat::ArtChat
+    } else {
+        TraceFormat::Mooncake
+    }
+}
+
 /// Open a trace file and detect its format.
 pub fn open_trace(path: &Path) -> Result<TraceReader<BufReader<File>>> {
     let file = File::open(path)?;
-    let mut reader = BufReader::with_capacity(64 << 10, file);
+    // Large enough that the first row of an ART-Chat file (with its chat body) usually
+    // fits whole in the detection window.
+    let mut reader = BufReader::with_capacity(1 << 20, file);
     let format = detect_format(Some(path), reader.fill_buf()?)?;
     Ok(TraceReader::new(reader, format))
 }
@@ -500,5 +514,7 @@ mod tests {
             TraceFormat::Azure
         );
         assert!(detect_format(None, b"hello\n").is_err());
+        let cut = br#"{"timestamp": 5, "input_length": 1, "hash_ids": ["ab", "cd"], "request": {"messages": [{"role": "user", "content": "lo"#;
+        assert_eq!(detect_format(None, cut).unwrap(), TraceFormat::ArtChat);
     }
 }
