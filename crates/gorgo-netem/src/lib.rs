@@ -28,4 +28,4 @@ pub use relay::{RelayCounters, RelayHandle, RelayStats};
 pub use tc::tc_script;
 pub use tcp::{TcpRelay, TcpRelayOptions};
 pub use topology::{Region, Topology, MAX_REGIONS};
-pub use udp::{UdpRelay, UdpRelayOptions};
+pub use udp::{SourceRoutes, UdpRelay, UdpRelayOptions};

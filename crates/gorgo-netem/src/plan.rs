@@ -11,13 +11,14 @@
 //! | base + 2 | node QUIC endpoint (gossip and forwarding) |
 //! | base + 3 | engine emulator |
 //! | base + 4 | node admin API |
-//! | base + 10 + j | UDP relay this node dials to reach region j's QUIC endpoint |
+//! | base + 5 | QUIC relay in front of the node: what peers dial and the node advertises |
 //!
-//! Node a reaches node b at `relay(a -> b)`, which sits on a's address and
-//! forwards to b's QUIC port with delay a -> b; b's replies on that connection
-//! return through the same relay with delay b -> a. When b initiates it dials
-//! `relay(b -> a)`. So every node gets its own per-peer address map
-//! ([`RegionPlan::peers`]) and needs no relay-aware code.
+//! Every region sends from its own address, so the one UDP relay in front of
+//! node b tells its peers apart by source IP: datagrams from a's address cross
+//! the a -> b link, and b's replies to them go back over b -> a. Node a reaches
+//! b by dialling b's relay address (b advertises it as its QUIC address), b
+//! reaches a by dialling a's; membership gossip spreads those same addresses,
+//! so no path bypasses the emulation and nodes need no relay-aware code.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
@@ -27,7 +28,7 @@ use crate::link::DuplexLink;
 use crate::relay::{RelayCounters, RelayHandle};
 use crate::tcp::TcpRelay;
 use crate::topology::Topology;
-use crate::udp::UdpRelay;
+use crate::udp::{SourceRoutes, UdpRelay, UdpRelayOptions};
 use crate::NetemError;
 
 /// Where the cluster's addresses start.
@@ -54,14 +55,14 @@ const NODE_HTTP_PORT: u16 = 1;
 const NODE_QUIC_PORT: u16 = 2;
 const ENGINE_PORT: u16 = 3;
 const ADMIN_PORT: u16 = 4;
-const PEER_RELAY_PORT: u16 = 10;
+const QUIC_RELAY_PORT: u16 = 5;
 
 /// How one node reaches one peer.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct PeerRoute {
     /// The peer's region name.
     pub region: String,
-    /// The UDP relay address this node must dial to reach the peer's QUIC endpoint.
+    /// The address to dial to reach the peer: the UDP relay in front of its QUIC endpoint.
     pub relay_addr: SocketAddr,
     /// The peer's real QUIC address (the relay's target).
     pub quic_addr: SocketAddr,
@@ -82,6 +83,9 @@ pub struct RegionPlan {
     pub node_http_addr: SocketAddr,
     /// The node's QUIC endpoint.
     pub node_quic_addr: SocketAddr,
+    /// The UDP relay in front of the node's QUIC endpoint: what peers dial and
+    /// what the node advertises.
+    pub quic_relay_addr: SocketAddr,
     /// The engine emulator's HTTP address.
     pub engine_addr: SocketAddr,
     /// The node's admin API.
@@ -107,7 +111,7 @@ pub fn plan_cluster(topology: &Topology, options: &PlanOptions) -> Result<Cluste
         )));
     }
     if options.base_port == 0
-        || usize::from(options.base_port) + usize::from(PEER_RELAY_PORT) + n > 65_535
+        || usize::from(options.base_port) + usize::from(QUIC_RELAY_PORT) > 65_535
     {
         return Err(NetemError::Plan(format!(
             "base_port {} leaves no room for {n} regions",
@@ -123,13 +127,14 @@ pub fn plan_cluster(topology: &Topology, options: &PlanOptions) -> Result<Cluste
             client_addr: addr(a, CLIENT_PORT),
             node_http_addr: addr(a, NODE_HTTP_PORT),
             node_quic_addr: addr(a, NODE_QUIC_PORT),
+            quic_relay_addr: addr(a, QUIC_RELAY_PORT),
             engine_addr: addr(a, ENGINE_PORT),
             admin_addr: addr(a, ADMIN_PORT),
             peers: (0..n)
                 .filter(|&b| b != a)
                 .map(|b| PeerRoute {
                     region: topology.regions[b].name.clone(),
-                    relay_addr: addr(a, PEER_RELAY_PORT + b as u16),
+                    relay_addr: addr(b, QUIC_RELAY_PORT),
                     quic_addr: addr(b, NODE_QUIC_PORT),
                     rtt_ms: topology.one_way_ms[a][b] + topology.one_way_ms[b][a],
                 })
@@ -142,7 +147,7 @@ pub fn plan_cluster(topology: &Topology, options: &PlanOptions) -> Result<Cluste
 /// One running relay of a cluster and what it connects.
 #[derive(Debug)]
 pub struct ClusterRelay {
-    /// `client->us-ashburn` or `us-ashburn->eu-frankfurt`.
+    /// `client->us-ashburn` or `peers->us-ashburn`.
     pub name: String,
     /// `tcp` or `udp`.
     pub protocol: &'static str,
@@ -152,8 +157,8 @@ pub struct ClusterRelay {
     pub handle: RelayHandle,
 }
 
-/// All relays of a local cluster: one client TCP relay per region and one
-/// UDP relay per ordered pair of regions.
+/// All relays of a local cluster: per region, one client TCP relay and one
+/// UDP relay in front of the node's QUIC endpoint.
 #[derive(Debug)]
 pub struct NetemCluster {
     /// Every relay, client relays first.
@@ -184,23 +189,31 @@ impl NetemCluster {
                 handle,
             });
         }
-        for (a, region) in plan.regions.iter().enumerate() {
-            for peer in &region.peers {
-                let b = topology.region_index(&peer.region)?;
-                let link = DuplexLink {
-                    to_target: topology.link(a, b),
-                    to_source: topology.link(b, a),
-                };
-                let pair_seed = seed ^ ((a as u64 + 1) << 32 | (b as u64 + 1) << 16);
-                let handle =
-                    UdpRelay::start(peer.relay_addr, peer.quic_addr, link, pair_seed).await?;
-                relays.push(ClusterRelay {
-                    name: format!("{}->{}", region.name, peer.region),
-                    protocol: "udp",
-                    target: peer.quic_addr,
-                    handle,
-                });
+        for (b, region) in plan.regions.iter().enumerate() {
+            let mut routes = SourceRoutes::default();
+            for (a, peer) in plan.regions.iter().enumerate() {
+                if a != b {
+                    let link = DuplexLink {
+                        to_target: topology.link(a, b),
+                        to_source: topology.link(b, a),
+                    };
+                    routes.by_ip.push((peer.ip, link));
+                }
             }
+            let handle = UdpRelay::start_routed(
+                region.quic_relay_addr,
+                region.node_quic_addr,
+                routes,
+                seed ^ ((b as u64 + 1) << 32),
+                UdpRelayOptions::default(),
+            )
+            .await?;
+            relays.push(ClusterRelay {
+                name: format!("peers->{}", region.name),
+                protocol: "udp",
+                target: region.node_quic_addr,
+                handle,
+            });
         }
         Ok(NetemCluster { relays })
     }
@@ -247,9 +260,10 @@ mod tests {
         let (a, b) = (&plan.regions[0], &plan.regions[1]);
         assert_eq!(a.client_addr, "127.0.0.10:7100".parse().unwrap());
         assert_eq!(b.node_quic_addr, "127.0.0.11:7102".parse().unwrap());
-        assert_eq!(a.peers[0].relay_addr, "127.0.0.10:7111".parse().unwrap());
+        assert_eq!(a.peers[0].relay_addr, "127.0.0.11:7105".parse().unwrap());
+        assert_eq!(a.peers[0].relay_addr, b.quic_relay_addr);
         assert_eq!(a.peers[0].quic_addr, b.node_quic_addr);
-        assert_eq!(b.peers[0].relay_addr, "127.0.0.11:7110".parse().unwrap());
+        assert_eq!(b.peers[0].relay_addr, a.quic_relay_addr);
         assert_eq!(b.peers[0].rtt_ms, 20.0);
         let bad = PlanOptions {
             ip_base: 254,

@@ -4,6 +4,10 @@
 //! bounded, with idle expiry), so the target's replies come back through the
 //! same socket, are delayed on the reverse link and leave from the listening
 //! address to the right source. This is what QUIC between two nodes needs.
+//!
+//! Which link a datagram crosses can depend on its source IP
+//! ([`SourceRoutes`]): one relay in front of a node then emulates every
+//! peer's link to it, since each region sends from its own loopback address.
 
 use std::cmp::Ordering as CmpOrdering;
 use std::collections::{BinaryHeap, HashMap};
@@ -43,6 +47,36 @@ impl Default for UdpRelayOptions {
     }
 }
 
+/// Which link a datagram crosses, chosen by the IP it comes from.
+#[derive(Clone, Debug, Default)]
+pub struct SourceRoutes {
+    /// Sources with their own link (e.g. each peer region's loopback address).
+    pub by_ip: Vec<(IpAddr, DuplexLink)>,
+    /// The link for any other source; `None` drops their datagrams (counted as
+    /// rejected flows).
+    pub default: Option<DuplexLink>,
+}
+
+impl SourceRoutes {
+    /// Every source crosses the same link.
+    pub fn all(link: DuplexLink) -> Self {
+        SourceRoutes {
+            by_ip: Vec::new(),
+            default: Some(link),
+        }
+    }
+
+    fn lookup(&self, ip: IpAddr) -> Option<(LinkKey, &DuplexLink)> {
+        match self.by_ip.iter().find(|(i, _)| *i == ip) {
+            Some((i, link)) => Some((Some(*i), link)),
+            None => self.default.as_ref().map(|l| (None, l)),
+        }
+    }
+}
+
+/// Which forward shaper a datagram used: its source IP's, or the default's.
+type LinkKey = Option<IpAddr>;
+
 /// Starts UDP relays; see the module docs.
 #[derive(Debug)]
 pub struct UdpRelay;
@@ -67,6 +101,17 @@ impl UdpRelay {
         seed: u64,
         options: UdpRelayOptions,
     ) -> Result<RelayHandle, NetemError> {
+        Self::start_routed(listen, target, SourceRoutes::all(link), seed, options).await
+    }
+
+    /// A relay whose link depends on each datagram's source IP.
+    pub async fn start_routed(
+        listen: SocketAddr,
+        target: SocketAddr,
+        routes: SourceRoutes,
+        seed: u64,
+        options: UdpRelayOptions,
+    ) -> Result<RelayHandle, NetemError> {
         let socket = UdpSocket::bind(listen)
             .await
             .map_err(|source| NetemError::Bind {
@@ -84,8 +129,8 @@ impl UdpRelay {
             listen: Arc::new(socket),
             target,
             upstream_ip: upstream_ip(local_addr.ip(), target.ip()),
-            shaper: LinkShaper::new(link.to_target.clone(), Mode::Datagram, seed),
-            link,
+            shapers: HashMap::new(),
+            routes,
             seed,
             options,
             sessions: HashMap::new(),
@@ -122,6 +167,7 @@ fn upstream_ip(listen: IpAddr, target: IpAddr) -> IpAddr {
 struct Pending {
     due: Instant,
     seq: u64,
+    link: LinkKey,
     payload: Bytes,
     via: Arc<UdpSocket>,
     /// Destination for an unconnected `via`; `None` when `via` is connected.
@@ -158,6 +204,7 @@ impl DelayQueue {
     fn push(
         &mut self,
         due: Instant,
+        link: LinkKey,
         payload: &[u8],
         via: Arc<UdpSocket>,
         dest: Option<SocketAddr>,
@@ -166,6 +213,7 @@ impl DelayQueue {
         self.heap.push(Pending {
             due,
             seq: self.seq,
+            link,
             payload: Bytes::copy_from_slice(payload),
             via,
             dest,
@@ -176,13 +224,13 @@ impl DelayQueue {
         self.heap.peek().map(|p| wake_at(p.due))
     }
 
-    /// Sends everything due; returns the bytes sent or abandoned (to release).
-    async fn send_due(&mut self, stats: &RelayStats) -> usize {
-        let mut released = 0;
+    /// Sends everything due; returns the bytes sent or abandoned per link (to release).
+    async fn send_due(&mut self, stats: &RelayStats) -> Vec<(LinkKey, usize)> {
+        let mut released = Vec::new();
         let now = now();
         while self.heap.peek().is_some_and(|p| is_due(p.due, now)) {
             let Some(p) = self.heap.pop() else { break };
-            released += p.payload.len();
+            released.push((p.link, p.payload.len()));
             let sent = match p.dest {
                 Some(dest) => p.via.send_to(&p.payload, dest).await,
                 None => p.via.send(&p.payload).await,
@@ -215,8 +263,9 @@ struct Forwarder {
     listen: Arc<UdpSocket>,
     target: SocketAddr,
     upstream_ip: IpAddr,
-    shaper: LinkShaper,
-    link: DuplexLink,
+    /// One shaper per link (source IP or default), shared by its sessions.
+    shapers: HashMap<LinkKey, LinkShaper>,
+    routes: SourceRoutes,
     seed: u64,
     options: UdpRelayOptions,
     sessions: HashMap<SocketAddr, Session>,
@@ -238,8 +287,11 @@ impl Forwarder {
                 biased;
                 _ = self.cancel.cancelled() => break,
                 _ = tokio::time::sleep_until(wake.unwrap_or_else(tokio::time::Instant::now)), if wake.is_some() => {
-                    let released = self.queue.send_due(&self.stats).await;
-                    self.shaper.release(released);
+                    for (link, len) in self.queue.send_due(&self.stats).await {
+                        if let Some(shaper) = self.shapers.get_mut(&link) {
+                            shaper.release(len);
+                        }
+                    }
                 }
                 received = self.listen.recv_from(&mut buf) => match received {
                     Ok((n, source)) => self.on_datagram(&buf[..n], source).await,
@@ -284,14 +336,27 @@ impl Forwarder {
                 None => return,
             },
         };
-        match self.shaper.admit(now(), payload.len()) {
-            Verdict::Deliver(due) => self.queue.push(due, payload, upstream, None),
+        let Some((key, link)) = self.routes.lookup(source.ip()) else {
+            return;
+        };
+        let seed = self.seed ^ key.map_or(0, ip_seed);
+        let shaper = self
+            .shapers
+            .entry(key)
+            .or_insert_with(|| LinkShaper::new(link.to_target.clone(), Mode::Datagram, seed));
+        match shaper.admit(now(), payload.len()) {
+            Verdict::Deliver(due) => self.queue.push(due, key, payload, upstream, None),
             Verdict::Lost => self.stats.add(&self.stats.lost, 1),
             Verdict::Overflow => self.stats.add(&self.stats.overflowed, 1),
         }
     }
 
     async fn open_session(&mut self, source: SocketAddr) -> Option<Arc<UdpSocket>> {
+        let Some((_, link)) = self.routes.lookup(source.ip()) else {
+            self.stats.add(&self.stats.flows_rejected, 1);
+            return None;
+        };
+        let to_source = link.to_source.clone();
         if self.sessions.len() >= self.options.max_sessions {
             self.expire_idle();
         }
@@ -318,7 +383,7 @@ impl Forwarder {
             listen: self.listen.clone(),
             source,
             shaper: LinkShaper::new(
-                self.link.to_source.clone(),
+                to_source,
                 Mode::Datagram,
                 self.seed ^ (opened + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15),
             ),
@@ -352,6 +417,18 @@ impl Forwarder {
             !idle
         });
     }
+}
+
+/// A per-source-IP seed component, so each link draws its own sequence.
+fn ip_seed(ip: IpAddr) -> u64 {
+    let bits = match ip {
+        IpAddr::V4(v4) => u64::from(u32::from(v4)),
+        IpAddr::V6(v6) => {
+            let b = u128::from(v6);
+            (b as u64) ^ ((b >> 64) as u64)
+        }
+    };
+    bits.wrapping_mul(0x2545_F491_4F6C_DD1D)
 }
 
 async fn bind_connected(local: SocketAddr, target: SocketAddr) -> io::Result<UdpSocket> {
@@ -394,8 +471,9 @@ impl Reverse {
                 biased;
                 _ = self.cancel.cancelled() => break,
                 _ = tokio::time::sleep_until(wake.unwrap_or_else(tokio::time::Instant::now)), if wake.is_some() => {
-                    let released = queue.send_due(&self.stats).await;
-                    self.shaper.release(released);
+                    for (_, len) in queue.send_due(&self.stats).await {
+                        self.shaper.release(len);
+                    }
                 }
                 received = self.upstream.recv(&mut buf) => match received {
                     Ok(n) => {
@@ -408,7 +486,7 @@ impl Reverse {
                         );
                         match self.shaper.admit(at, n) {
                             Verdict::Deliver(due) => {
-                                queue.push(due, &buf[..n], self.listen.clone(), Some(self.source))
+                                queue.push(due, None, &buf[..n], self.listen.clone(), Some(self.source))
                             }
                             Verdict::Lost => self.stats.add(&self.stats.lost, 1),
                             Verdict::Overflow => self.stats.add(&self.stats.overflowed, 1),

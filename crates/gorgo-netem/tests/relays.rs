@@ -373,9 +373,10 @@ async fn shutdown_stops_relays_with_open_flows() {
     .expect("test timed out");
 }
 
-/// A whole planned cluster: node a reaches node b through relay(a -> b), b's
-/// reply comes back through the same relay, and the relay's address is what b
-/// sees as the source.
+/// A whole planned cluster: node a reaches node b through the relay in front
+/// of b, with the a -> b delay one way and b -> a back (asymmetric here), the
+/// reply returns through the same relay, and sources that are no region's
+/// address are turned away.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planned_cluster_routes_peers_through_their_relays() {
     let text = r#"
@@ -386,7 +387,8 @@ async fn planned_cluster_routes_peers_through_their_relays() {
         name = "b"
         client_delay_ms = 1
         [one_way_ms]
-        a = { b = 1 }
+        a = { b = 4 }
+        b = { a = 16 }
     "#;
     let topology = Topology::from_toml(text).unwrap();
     // Addresses unlikely to clash with anything else on the machine.
@@ -408,19 +410,37 @@ async fn planned_cluster_routes_peers_through_their_relays() {
         let cluster = NetemCluster::start(&topology, &plan, 7).await.unwrap();
         assert_eq!(cluster.relays.len(), 2 + 2);
 
-        let relay_ab = plan.regions[0].peers[0].relay_addr;
-        node_a.send_to(b"hello b", relay_ab).await.unwrap();
+        let relay_b = plan.regions[0].peers[0].relay_addr;
+        assert_eq!(relay_b, plan.regions[1].quic_relay_addr);
         let mut buf = [0u8; 64];
-        let (n, seen_from) = node_b.recv_from(&mut buf).await.unwrap();
-        assert_eq!(&buf[..n], b"hello b");
-        assert_eq!(
-            seen_from.ip(),
-            plan.regions[0].ip,
-            "traffic leaves from a's address"
-        );
-        node_b.send_to(b"hello a", seen_from).await.unwrap();
-        let (n, from) = node_a.recv_from(&mut buf).await.unwrap();
-        assert_eq!((&buf[..n], from), (&b"hello a"[..], relay_ab));
+        let mut rtts = Vec::new();
+        for i in 0..15u8 {
+            let sent = Instant::now();
+            node_a.send_to(&[i], relay_b).await.unwrap();
+            let (n, seen_from) = node_b.recv_from(&mut buf).await.unwrap();
+            assert_eq!(&buf[..n], &[i]);
+            assert_eq!(
+                seen_from.ip(),
+                plan.regions[1].ip,
+                "relay upstream on b's address"
+            );
+            node_b.send_to(&buf[..n], seen_from).await.unwrap();
+            let (n, from) = node_a.recv_from(&mut buf).await.unwrap();
+            assert_eq!((&buf[..n], from), (&[i][..], relay_b));
+            rtts.push(sent.elapsed().as_secs_f64() * 1000.0);
+        }
+        assert_p50(rtts, 20.0, "planned a -> b -> a");
+
+        // 127.0.0.1 is no region: dropped, not relayed.
+        let stranger = UdpSocket::bind(localhost()).await.unwrap();
+        stranger.send_to(b"who", relay_b).await.unwrap();
+        let relay = &cluster
+            .relays
+            .iter()
+            .find(|r| r.name == "peers->b")
+            .unwrap()
+            .handle;
+        relay.stats().wait_until(|c| c.flows_rejected == 1).await;
 
         // The client relay of region b reaches b's HTTP ingress.
         let mut client = TcpStream::connect(plan.regions[1].client_addr)
