@@ -234,15 +234,27 @@ pub async fn serve_local(
     let status = resp.status().as_u16();
     let headers = pass_headers(resp.headers());
     let uncached = prompt_tokens.saturating_sub(cached);
-    let fit_state = state.clone();
+    let st = state.clone();
+    let chain = req.chain.clone();
     let mut first = true;
+    let mut corrected = false;
     let body = resp.bytes_stream().map(move |chunk| {
         if first {
             first = false;
             ticket.prefilled();
             let ttft_ms = started.elapsed().as_secs_f64() * 1000.0;
             if status < 300 {
-                fit_state.fit.lock().observe(ttft_ms, 0.0, uncached);
+                st.fit.lock().observe(ttft_ms, 0.0, uncached);
+            }
+        }
+        if let (Ok(bytes), false) = (&chunk, corrected) {
+            // The engine's own count of cached prompt tokens corrects the shadow index.
+            if let Some(cached) = find_cached_tokens(bytes) {
+                corrected = true;
+                let delta = st.shadow.lock().correct(&chain, cached, st.now_ms());
+                if let Some(delta) = delta {
+                    st.peers.publish_summary(&delta);
+                }
             }
         }
         chunk.map_err(|e| format!("engine stream failed: {e}"))
@@ -254,6 +266,21 @@ pub async fn serve_local(
         hops: req.hops,
         body: Box::pin(body),
     })
+}
+
+/// `usage.prompt_tokens_details.cached_tokens` in a response chunk, found without
+/// parsing the JSON (the usage object arrives in the last chunk, in one piece).
+fn find_cached_tokens(bytes: &[u8]) -> Option<u64> {
+    const KEY: &[u8] = b"\"cached_tokens\":";
+    let at = bytes.windows(KEY.len()).position(|w| w == KEY)?;
+    let rest = &bytes[at + KEY.len()..];
+    let start = rest.iter().position(|b| !b.is_ascii_whitespace())?;
+    let digits: &[u8] = &rest[start..];
+    let len = digits.iter().take_while(|b| b.is_ascii_digit()).count();
+    if len == 0 || len > 19 {
+        return None;
+    }
+    std::str::from_utf8(&digits[..len]).ok()?.parse().ok()
 }
 
 /// Forward to a peer and wait for its response head. Any error here happened before
@@ -474,4 +501,21 @@ async fn write_error_head(
     send.write_all(&END_OK.to_be_bytes()).await?;
     send.shutdown().await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::find_cached_tokens;
+
+    #[test]
+    fn finds_cached_tokens_in_usage() {
+        let chunk = br#"data: {"usage":{"prompt_tokens":10,"prompt_tokens_details":{"cached_tokens": 64}}}"#;
+        assert_eq!(find_cached_tokens(chunk), Some(64));
+        assert_eq!(find_cached_tokens(br#"{"cached_tokens":null}"#), None);
+        assert_eq!(find_cached_tokens(b"data: [DONE]"), None);
+        assert_eq!(
+            find_cached_tokens(br#"{"cached_tokens":99999999999999999999999}"#),
+            None
+        );
+    }
 }

@@ -1,0 +1,74 @@
+//! Three nodes (in-memory mesh) beside three `gorgo-engine` emulators: the node runs
+//! against an SGLang-compatible engine with only the engine URL in its config.
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use gorgo_engine::profile::Profile;
+use gorgo_engine::server::EmulatorConfig;
+use gorgo_node::mesh::Mesh;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+async fn emulator(shutdown: &CancellationToken) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let cfg = EmulatorConfig::new(Profile::by_name("h200-dense-1.5b").unwrap());
+    let sd = shutdown.clone();
+    tokio::spawn(async move {
+        gorgo_engine::server::serve(listener, cfg, async move { sd.cancelled().await }).await
+    });
+    format!("http://{addr}")
+}
+
+#[tokio::test]
+async fn three_nodes_over_emulators() {
+    let stop = CancellationToken::new();
+    let mesh = Mesh::new();
+    mesh.set_rtt("a", "b", 150.0);
+    mesh.set_rtt("a", "c", 200.0);
+    mesh.set_rtt("b", "c", 250.0);
+    let mut nodes = Vec::new();
+    for id in ["a", "b", "c"] {
+        let url = emulator(&stop).await;
+        nodes.push(start_node(config(id, &url, ""), Some(&mesh)).await);
+    }
+    let c = client();
+    for (node, id) in nodes.iter().zip(["a", "b", "c"]) {
+        let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": prompt(id, 2000)}],
+            "max_tokens": 4});
+        let resp = c
+            .post(format!("{}/v1/chat/completions", node.base))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.headers()["x-gorgo-served-by"], id);
+        let v: serde_json::Value = resp.json().await.unwrap();
+        assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 0, "{v}");
+
+        // Streaming through the node: SSE from the emulator, ending with [DONE].
+        let mut body = body.clone();
+        body["stream"] = true.into();
+        let resp = c
+            .post(format!("{}/v1/chat/completions", node.base))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let text = resp.text().await.unwrap();
+        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    }
+    // The node read the emulator's SGLang metrics.
+    let state: &Arc<gorgo_node::NodeState> = nodes[0].state();
+    state.engine.scrape().await;
+    assert!(
+        state.engine.scraped().kv_capacity_tokens.is_some(),
+        "{:?}",
+        state.engine.scraped()
+    );
+    stop.cancel();
+}
