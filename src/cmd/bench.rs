@@ -22,6 +22,9 @@ pub const MAIN_POLICIES: &str =
 /// First port of the first cluster `compare` and `demo` start.
 const DEFAULT_BASE_PORT: u16 = 17100;
 
+/// The engine emulators' profile unless told otherwise: the paper's calibration.
+const DEFAULT_ENGINE_PROFILE: &str = "paper-a100-mistral7b";
+
 /// The demo's topology, bundled so the demo runs from any directory.
 const DEMO_TOPOLOGY: &str = include_str!("../../configs/topologies/three-region.toml");
 
@@ -196,9 +199,9 @@ pub struct CompareArgs {
     /// One policy after the other instead of all clusters at once.
     #[arg(long)]
     pub sequential: bool,
-    /// Engine profile of the emulators (default: `gorgo up`'s).
-    #[arg(long)]
-    pub engine_profile: Option<String>,
+    /// Engine profile of the emulators.
+    #[arg(long, default_value = DEFAULT_ENGINE_PROFILE)]
+    pub engine_profile: String,
     /// First port of the first cluster; each further cluster gets the next block.
     /// Away from `gorgo up`'s default (7100) so a cluster already running there is
     /// never mistaken for one of ours.
@@ -252,7 +255,7 @@ fn compare_and_report(
         policies: policies.clone(),
         out: out.clone(),
         sequential: args.sequential,
-        engine_profile: args.engine_profile.clone(),
+        engine_profile: Some(args.engine_profile.clone()),
         base_port: args.base_port,
         port_stride: args.port_stride,
         up_timeout: Duration::from_secs_f64(args.up_timeout_s),
@@ -295,9 +298,9 @@ pub struct DemoArgs {
     /// Comma-separated policies.
     #[arg(long, default_value = MAIN_POLICIES)]
     pub policies: String,
-    /// Engine profile of the emulators (default: `gorgo up`'s).
-    #[arg(long)]
-    pub engine_profile: Option<String>,
+    /// Engine profile of the emulators.
+    #[arg(long, default_value = DEFAULT_ENGINE_PROFILE)]
+    pub engine_profile: String,
     /// One policy after the other instead of all clusters at once.
     #[arg(long)]
     pub sequential: bool,
