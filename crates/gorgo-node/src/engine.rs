@@ -549,4 +549,24 @@ mod tests {
         let m = parse_engine_metrics("{{{ not prometheus\n\u{0}\nfoo bar baz", EngineKind::Sglang);
         assert_eq!(m, EngineMetrics::default());
     }
+
+    proptest::proptest! {
+        #[test]
+        fn any_text_parses_without_panic(text in "\\PC{0,400}") {
+            let _ = parse_engine_metrics(&text, EngineKind::Sglang);
+            let _ = parse_engine_metrics(&text, EngineKind::Vllm);
+        }
+
+        #[test]
+        fn gauge_lines_round_trip(running in 0u32..100_000, waiting in 0u32..100_000, ranks in 1usize..4) {
+            let mut text = String::from("# TYPE sglang:num_running_reqs gauge\n");
+            for r in 0..ranks {
+                text += &format!("sglang:num_running_reqs{{tp_rank=\"{r}\",model_name=\"a,b}}\"}} {running}.0\n");
+                text += &format!("sglang:num_queue_reqs{{tp_rank=\"{r}\"}} {waiting}\n");
+            }
+            let m = parse_engine_metrics(&text, EngineKind::Sglang);
+            proptest::prop_assert_eq!(m.running, Some(running as f64 * ranks as f64));
+            proptest::prop_assert_eq!(m.waiting, Some(waiting as f64 * ranks as f64));
+        }
+    }
 }
