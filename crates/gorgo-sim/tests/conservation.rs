@@ -1,0 +1,239 @@
+//! Replays small generated traces and checks conservation: every request is served
+//! exactly once, hops never exceed `max_hops`, and no engine's KV occupancy or prefix
+//! cache ever exceeds its capacity. Also checks determinism, the oracle mode, tuning
+//! and the report.
+
+use std::collections::HashSet;
+
+use gorgo_core::policy::PolicyKind;
+use gorgo_engine::Profile;
+use gorgo_sim::{report::build_report, simulate, Network, PolicyRun, SimConfig};
+use gorgo_workload::{generate, GeneratorConfig, TraceRequest};
+
+fn trace(seed: u64, duration_s: f64, users: u32) -> Vec<TraceRequest> {
+    let cfg = GeneratorConfig {
+        seed,
+        duration_s,
+        users,
+        requests_per_user: 300.0,
+        think_time_median_s: 5.0,
+        ..GeneratorConfig::default()
+    };
+    generate(&cfg).expect("generator config is valid")
+}
+
+/// A small engine so that eviction and queueing both happen in a short trace.
+fn small_profile() -> Profile {
+    let mut p = Profile::by_name("paper-a100-mistral7b").unwrap();
+    p.max_total_tokens = 60_000;
+    p.max_running_requests = 16;
+    p
+}
+
+fn config() -> SimConfig {
+    let mut network = Network::uniform(3, 40.0, 3.0);
+    network.jitter_ms = 5.0;
+    let mut cfg = SimConfig::new(network, small_profile());
+    cfg.time_scale = 0.5;
+    cfg.seed = 7;
+    cfg
+}
+
+fn run(cfg: &SimConfig, kind: PolicyKind, t: &[TraceRequest]) -> PolicyRun {
+    simulate(cfg, kind, t.iter().cloned().map(Ok), &mut |_| {}).unwrap()
+}
+
+fn check_conservation(cfg: &SimConfig, run: &PolicyRun, n: usize) {
+    let c = &run.counters;
+    let p = &run.policy;
+    assert_eq!(c.requests, n as u64, "{p}: every row read");
+    assert_eq!(
+        c.completed + c.failed,
+        n as u64,
+        "{p}: every request finished"
+    );
+    assert_eq!(c.unexpected_events, 0, "{p}");
+    // Served exactly once: one first token and one finish per completed request.
+    assert_eq!(c.first_tokens, c.completed, "{p}");
+    assert_eq!(c.finishes, c.completed, "{p}");
+    assert_eq!(c.served_by_region.iter().sum::<u64>(), c.completed, "{p}");
+    assert!(
+        c.max_hops_seen <= cfg.max_hops,
+        "{p}: hops {}",
+        c.max_hops_seen
+    );
+    for r in 0..c.capacity_tokens.len() {
+        assert!(
+            c.max_used_tokens[r] <= c.capacity_tokens[r],
+            "{p}: region {r} used {} of {}",
+            c.max_used_tokens[r],
+            c.capacity_tokens[r]
+        );
+        assert!(c.max_cached_tokens[r] <= c.capacity_tokens[r], "{p}");
+    }
+    let rows = run.rows.as_ref().expect("rows kept");
+    assert_eq!(rows.len(), n, "{p}");
+    let ids: HashSet<u64> = rows.iter().map(|r| r.index).collect();
+    assert_eq!(ids.len(), n, "{p}: each request recorded once");
+    for r in rows {
+        assert!(r.hops <= cfg.max_hops, "{p}");
+        if r.ok {
+            assert!(r.served.is_some());
+            if r.hops == 0 {
+                assert_eq!(
+                    r.served,
+                    Some(r.home),
+                    "{p}: unforwarded means served at home"
+                );
+            } else if cfg.max_hops == 1 {
+                assert_ne!(r.served, Some(r.home), "{p}: one forward leaves home");
+            }
+            assert!(r.ttft_ms > 0.0 && r.e2e_ms >= r.ttft_ms, "{p}: {r:?}");
+        }
+    }
+}
+
+#[test]
+fn every_policy_conserves_requests() {
+    let t = trace(1, 120.0, 40);
+    assert!(t.len() > 200, "trace too small: {}", t.len());
+    let cfg = config();
+    // Only prompts longer than the context fail, whatever the policy.
+    let too_long = t
+        .iter()
+        .filter(|r| r.input_tokens + r.output_tokens as u64 > cfg.profiles[0].context_length)
+        .count() as u64;
+    for kind in PolicyKind::ALL {
+        let r = run(&cfg, kind, &t);
+        check_conservation(&cfg, &r, t.len());
+        assert_eq!(r.counters.failed, too_long, "{kind}");
+    }
+}
+
+#[test]
+fn cache_pressure_evicts_but_never_overflows() {
+    let t = trace(2, 120.0, 60);
+    let mut cfg = config();
+    for p in &mut cfg.profiles {
+        p.max_total_tokens = 40_000;
+        p.context_length = 32_000;
+    }
+    let r = run(&cfg, PolicyKind::Gorgo, &t);
+    check_conservation(&cfg, &r, t.len());
+    // The caches filled up: occupancy reached most of the capacity.
+    assert!(r.counters.max_cached_tokens.iter().any(|&c| c > 20_000));
+}
+
+#[test]
+fn same_seed_same_result() {
+    let t = trace(3, 60.0, 30);
+    let cfg = config();
+    let a = run(&cfg, PolicyKind::Gorgo, &t);
+    let b = run(&cfg, PolicyKind::Gorgo, &t);
+    assert_eq!(a.rows, b.rows);
+    assert_eq!(a.counters, b.counters);
+}
+
+#[test]
+fn max_hops_two_still_bounded() {
+    let t = trace(4, 60.0, 30);
+    let mut cfg = config();
+    cfg.max_hops = 2;
+    let r = run(&cfg, PolicyKind::Random, &t);
+    check_conservation(&cfg, &r, t.len());
+    assert!(r.counters.max_hops_seen >= 1);
+}
+
+#[test]
+fn local_only_never_forwards_and_failures_are_recorded() {
+    let mut t = trace(5, 60.0, 20);
+    // One request no engine can take: recorded as failed, not lost.
+    t[3].input_tokens = 1_000_000;
+    let cfg = config();
+    let r = run(&cfg, PolicyKind::LocalOnly, &t);
+    assert_eq!(r.counters.forwarded, 0);
+    assert_eq!(r.counters.failed, 1);
+    assert_eq!(r.counters.completed + 1, t.len() as u64);
+    let failed: Vec<_> = r.rows.as_ref().unwrap().iter().filter(|r| !r.ok).collect();
+    assert!(failed[0]
+        .error
+        .as_deref()
+        .unwrap()
+        .contains("engine refused"));
+}
+
+#[test]
+fn tuning_decides_epochs_and_report_has_them() {
+    let t = trace(6, 300.0, 60);
+    let mut cfg = config();
+    cfg.tune = true;
+    cfg.tuning_window = Some(32);
+    let g = run(&cfg, PolicyKind::Gorgo, &t);
+    check_conservation(&cfg, &g, t.len());
+    assert!(!g.tuning.is_empty(), "no tuning epoch decided");
+    let o = run(&cfg, PolicyKind::Oracle, &t);
+    let report = build_report(&serde_json::json!({"test": true}), &[g, o]).unwrap();
+    assert_eq!(report.results.policies.len(), 2);
+    assert!(!report.tuning.is_empty());
+    let line: serde_json::Value = serde_json::from_str(&report.tuning[0]).unwrap();
+    for key in [
+        "policy",
+        "epoch",
+        "leader",
+        "candidate",
+        "incumbent",
+        "accepted",
+        "sigma",
+    ] {
+        assert!(line.get(key).is_some(), "tuning line lacks {key}: {line}");
+    }
+    let gap = gorgo_sim::report::oracle_gap(&report.results).unwrap();
+    assert!(gap.p95_ttft_ratio.is_finite() && gap.p95_ttft_ratio > 0.0);
+}
+
+#[test]
+fn row_cap_falls_back_to_sketches() {
+    let t = trace(7, 60.0, 20);
+    let mut cfg = config();
+    cfg.max_rows = 10;
+    let r = run(&cfg, PolicyKind::LeastLoad, &t);
+    assert!(r.rows.is_none());
+    let report = build_report(&serde_json::json!({}), std::slice::from_ref(&r)).unwrap();
+    let p = report.results.policy("least-load").unwrap();
+    assert_eq!(p.requests, t.len() as u64);
+    assert!(p.ttft_ms.p50 > 0.0 && p.ttft_ms.p95 >= p.ttft_ms.p50);
+    assert!(report.records.is_empty());
+}
+
+#[test]
+fn bad_config_names_the_field() {
+    let mut cfg = config();
+    cfg.time_scale = 0.0;
+    let e = simulate(&cfg, PolicyKind::Gorgo, std::iter::empty(), &mut |_| {}).unwrap_err();
+    assert!(e.to_string().contains("time_scale"), "{e}");
+    let mut cfg = config();
+    cfg.profiles.pop();
+    let e = simulate(&cfg, PolicyKind::Gorgo, std::iter::empty(), &mut |_| {}).unwrap_err();
+    assert!(e.to_string().contains("profiles"), "{e}");
+}
+
+#[test]
+fn mooncake_slice_runs_if_present() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../../shared/data/traces/mooncake_conversation_trace.jsonl"
+    );
+    let Ok(reader) = gorgo_workload::open_trace(std::path::Path::new(path)) else {
+        eprintln!("skipping: {path} missing");
+        return;
+    };
+    let mut cfg = SimConfig::new(
+        Network::uniform(3, 45.0, 3.0),
+        Profile::by_name("paper-a100-mistral7b").unwrap(),
+    );
+    cfg.max_requests = Some(300);
+    let r = simulate(&cfg, PolicyKind::Gorgo, reader, &mut |_| {}).unwrap();
+    assert_eq!(r.counters.requests, 300);
+    assert_eq!(r.counters.completed + r.counters.failed, 300);
+    assert_eq!(r.counters.first_tokens, r.counters.completed);
+}
