@@ -46,8 +46,8 @@ pub struct GeneratorConfig {
     pub diurnal_amplitude: f64,
     /// Local hour of the daily peak.
     pub diurnal_peak_hour: f64,
-    /// Mean requests per user per 30 minutes (across regions and the day, the diurnal
-    /// swing reshapes it in time and space but the window total stays at this).
+    /// Mean requests per user per 30 minutes over the window; the diurnal swing moves
+    /// requests between regions and over time, not the window's total.
     pub requests_per_user: f64,
     /// Log-normal sigma of per-user activity (how unequal users are).
     pub activity_sigma: f64,
@@ -106,7 +106,7 @@ impl Default for GeneratorConfig {
             start_hour_utc: 15.0,
             diurnal_amplitude: 0.5,
             diurnal_peak_hour: 14.0,
-            requests_per_user: 14.5,
+            requests_per_user: 15.3,
             activity_sigma: 0.3,
             single_turn_sessions: 0.58,
             multi_turn_mean_turns: 4.0,
@@ -330,7 +330,13 @@ pub fn generate(config: &GeneratorConfig) -> Result<Vec<TraceRequest>> {
     let answer_len = lognormal(c.answer_context_median_tokens, c.answer_context_sigma)?;
 
     let weight_sum: f64 = c.region_weights.iter().sum();
-    let mean_diurnal: Vec<f64> = (0..c.regions.len()).map(|r| c.mean_diurnal(r)).collect();
+    // The user-weighted mean rate multiplier over the window: dividing by it keeps the
+    // window's expected total at `requests_per_user` while regions awake in the window
+    // get more of it than regions asleep.
+    let mean_diurnal = (0..c.regions.len())
+        .map(|r| c.region_weights[r] * c.mean_diurnal(r))
+        .sum::<f64>()
+        / weight_sum;
     let mean_turns =
         c.single_turn_sessions + (1.0 - c.single_turn_sessions) * c.multi_turn_mean_turns;
     // Sessions per user per second at diurnal factor 1.
@@ -362,10 +368,9 @@ pub fn generate(config: &GeneratorConfig) -> Result<Vec<TraceRequest>> {
         }
         let z = activity_z[user as usize];
         let activity = (c.activity_sigma * z - c.activity_sigma * c.activity_sigma / 2.0).exp();
-        // Session starts: a Poisson process thinned by the region's diurnal curve,
-        // normalised so the window's expected total stays at `requests_per_user`.
+        // Session starts: a Poisson process thinned by the region's diurnal curve.
         let peak = 1.0 + c.diurnal_amplitude;
-        let rate_max = base_session_rate * activity * peak / mean_diurnal[region];
+        let rate_max = base_session_rate * activity * peak / mean_diurnal;
         let expected = rate_max * c.duration_s;
         let candidates = if expected > 0.0 {
             Poisson::new(expected)
