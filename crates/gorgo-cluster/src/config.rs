@@ -1,5 +1,6 @@
 //! Cluster configuration: identity, addresses, TLS, gossip interval and SWIM timings.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::num::{NonZeroU8, NonZeroUsize};
 use std::sync::Arc;
@@ -111,6 +112,10 @@ pub struct ClusterConfig {
     pub advertise: SocketAddr,
     /// Addresses to announce to on start.
     pub seeds: Vec<SocketAddr>,
+    /// Dial addresses by advertised address (seeds included): where this node must
+    /// dial to reach a peer that advertises the key, e.g. a WAN-emulation relay chosen
+    /// by this node's region. SWIM identities keep the advertised address.
+    pub dial_overrides: HashMap<SocketAddr, SocketAddr>,
     /// CA, certificate and key.
     pub credentials: NodeCredentials,
     /// How often summary deltas go out (DESIGN.md: 250 ms).
@@ -137,6 +142,7 @@ impl std::fmt::Debug for ClusterConfig {
             .field("listen", &self.listen)
             .field("advertise", &self.advertise)
             .field("seeds", &self.seeds)
+            .field("dial_overrides", &self.dial_overrides)
             .field("gossip_interval", &self.gossip_interval)
             .field("swim", &self.swim)
             .finish_non_exhaustive()
@@ -157,6 +163,7 @@ impl ClusterConfig {
             listen,
             advertise: listen,
             seeds: Vec::new(),
+            dial_overrides: HashMap::new(),
             credentials,
             gossip_interval: Duration::from_millis(250),
             swim: SwimTimings::default(),

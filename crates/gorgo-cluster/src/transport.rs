@@ -119,6 +119,7 @@ pub(crate) async fn connect(
     node: Option<&NodeId>,
     addr: SocketAddr,
 ) -> Result<quinn::Connection> {
+    let addr = dial_addr(inner, addr);
     if let Some(c) = inner.conns.lookup(node, addr) {
         return Ok(c);
     }
@@ -175,6 +176,17 @@ pub(crate) async fn connect(
     result
 }
 
+/// Where to dial a peer that advertises `advertised`: its configured override, else
+/// that address.
+fn dial_addr(inner: &Inner, advertised: SocketAddr) -> SocketAddr {
+    inner
+        .config
+        .dial_overrides
+        .get(&advertised)
+        .copied()
+        .unwrap_or(advertised)
+}
+
 /// Send one SWIM packet to `dst`, dialing in the background if there is no connection.
 pub(crate) fn send_swim(inner: &Arc<Inner>, dst: MemberId, packet: Bytes) {
     let mut datagram = Vec::with_capacity(packet.len() + 1);
@@ -182,7 +194,7 @@ pub(crate) fn send_swim(inner: &Arc<Inner>, dst: MemberId, packet: Bytes) {
     datagram.extend_from_slice(&packet);
     let datagram = Bytes::from(datagram);
     let node = (!dst.node.0.is_empty()).then_some(&dst.node);
-    if let Some(c) = inner.conns.lookup(node, dst.addr) {
+    if let Some(c) = inner.conns.lookup(node, dial_addr(inner, dst.addr)) {
         send_datagram(inner, &c, node, datagram);
         return;
     }

@@ -56,3 +56,53 @@ async fn two_nodes_join_and_leave_on_loopback() {
         .await
         .expect("leave seen");
 }
+
+#[tokio::test]
+async fn dial_overrides_reach_a_peer_behind_another_address() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let ca = gorgo_cluster::ClusterCa::generate("loopback CA").unwrap();
+    // `a` advertises an address nothing listens on; `b` knows where to dial instead.
+    let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let real = socket.local_addr().unwrap();
+    let advertised: std::net::SocketAddr = "127.0.0.1:9".parse().unwrap();
+    let creds = ca.issue(&NodeId::from("a")).unwrap().credentials;
+    let mut cfg = ClusterConfig::new(NodeId::from("a"), "local", real, creds);
+    cfg.advertise = advertised;
+    let summary = SharedSummary::new(LocalSummary::new(), gorgo_cluster::system_clock());
+    let a = gorgo_cluster::start(
+        cfg,
+        ClusterSocket::Std(socket),
+        summary,
+        CancellationToken::new(),
+    )
+    .await
+    .unwrap();
+    let creds = ca.issue(&NodeId::from("b")).unwrap().credentials;
+    let mut cfg = ClusterConfig::new(
+        NodeId::from("b"),
+        "local",
+        "127.0.0.1:0".parse().unwrap(),
+        creds,
+    );
+    cfg.seeds = vec![advertised];
+    cfg.dial_overrides.insert(advertised, real);
+    let summary = SharedSummary::new(LocalSummary::new(), gorgo_cluster::system_clock());
+    let b = gorgo_cluster::start(cfg, ClusterSocket::Bind, summary, CancellationToken::new())
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(20), async {
+        until_alive(&a, "b", true).await;
+        until_alive(&b, "a", true).await;
+    })
+    .await
+    .expect("join through the override");
+    let seen = b
+        .peers()
+        .into_iter()
+        .find(|p| p.id == NodeId::from("a"))
+        .unwrap();
+    assert_eq!(
+        seen.addr, advertised,
+        "identity keeps the advertised address"
+    );
+}
