@@ -18,12 +18,20 @@ pub struct CertsArgs {
 
 /// Write the CA and node certificates, then list what was written.
 pub fn run(args: CertsArgs) -> anyhow::Result<()> {
-    let nodes: Vec<NodeId> = args.nodes.iter().map(|n| NodeId(n.trim().to_owned())).collect();
+    let nodes: Vec<NodeId> = args
+        .nodes
+        .iter()
+        .map(|n| NodeId(n.trim().to_owned()))
+        .collect();
     let written = gorgo_cluster::write_cluster_certs(&args.out, &nodes)
         .with_context(|| format!("writing certificates to {}", args.out.display()))?;
     println!("CA: {}", args.out.join("ca.pem").display());
     for (node, files) in written {
-        println!("{node}: cert {} key {}", files.cert.display(), files.key.display());
+        println!(
+            "{node}: cert {} key {}",
+            files.cert.display(),
+            files.key.display()
+        );
     }
     Ok(())
 }
