@@ -17,6 +17,9 @@ pub enum WorkloadError {
     /// The input matches none of the known trace formats.
     #[error("unknown trace format: {0}")]
     UnknownFormat(String),
+    /// A generator parameter file that does not parse (the message names the field).
+    #[error("generator config file: {0}")]
+    ConfigFile(String),
     /// A generator parameter out of its valid range.
     #[error("invalid generator config `{field}`: {reason}")]
     InvalidConfig {

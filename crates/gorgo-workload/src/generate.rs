@@ -140,10 +140,7 @@ impl GeneratorConfig {
     /// error naming them), then validate it.
     pub fn from_toml_str(text: &str) -> Result<Self> {
         let cfg: GeneratorConfig =
-            toml::from_str(text).map_err(|e| WorkloadError::InvalidConfig {
-                field: "toml",
-                reason: e.to_string(),
-            })?;
+            toml::from_str(text).map_err(|e| WorkloadError::ConfigFile(e.to_string()))?;
         cfg.validate()?;
         Ok(cfg)
     }
