@@ -386,7 +386,7 @@ impl NodeConfig {
         let text = std::fs::read_to_string(path)
             .map_err(|e| NodeError::Config(format!("cannot read {}: {e}", path.display())))?;
         let mut config: NodeConfig = toml::from_str(&text)
-            .map_err(|e| NodeError::Config(format!("{}: {}", path.display(), e.message())))?;
+            .map_err(|e| NodeError::Config(format!("{}: {e}", path.display())))?;
         if let Some(dir) = path.parent() {
             config.resolve_paths(dir);
         }

@@ -424,7 +424,21 @@ pub async fn handle_incoming(state: Arc<NodeState>, incoming: IncomingForward) {
         origin: msg.origin,
     };
     tracing::debug!(%from, request_id = req.request_id, hops = req.hops, "forward received");
-    let up = match serve(&state, req.clone()).await {
+    // The origin keeps its half open until the response ends; reading EOF (or an error)
+    // from it means the client went away, which cancels the work here.
+    let origin_gone = async move {
+        let mut probe = [0u8; 1];
+        let _ = recv.read(&mut probe).await;
+    };
+    tokio::pin!(origin_gone);
+    let served = tokio::select! {
+        served = serve(&state, req.clone()) => served,
+        _ = &mut origin_gone => {
+            tracing::debug!(request_id = req.request_id, "origin went away before the response");
+            return;
+        }
+    };
+    let up = match served {
         Ok(up) => up,
         Err(e) => {
             let (status, m) = match e {
@@ -446,7 +460,17 @@ pub async fn handle_incoming(state: Arc<NodeState>, incoming: IncomingForward) {
         return;
     }
     let mut body = up.body;
-    while let Some(chunk) = body.next().await {
+    loop {
+        let chunk = tokio::select! {
+            chunk = body.next() => match chunk {
+                Some(chunk) => chunk,
+                None => break,
+            },
+            _ = &mut origin_gone => {
+                tracing::debug!(request_id = req.request_id, "origin went away mid-response");
+                return;
+            }
+        };
         let res = match chunk {
             Ok(bytes) if bytes.is_empty() => continue,
             Ok(bytes) => {

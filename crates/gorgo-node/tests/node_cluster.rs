@@ -235,3 +235,31 @@ async fn forward_failing_mid_stream_ends_with_an_error_event() {
     assert!(!rest.contains("[DONE]"), "{rest}");
     c.engines[1].release.notify_waiters();
 }
+
+#[tokio::test]
+async fn client_disconnect_cancels_the_forwarded_request_at_the_peer() {
+    let c = cluster("").await;
+    let p = prompt("context held by b", 40_000);
+    chat(&c.nodes[1], &p).await;
+    c.saturate(0, 50).await;
+    c.engines[1].set_mode(STREAM_THEN_HANG);
+    let mut resp = client()
+        .post(format!("{}/v1/chat/completions", c.nodes[0].base))
+        .json(&chat_body(&p, true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.headers()["x-gorgo-served-by"], "b");
+    resp.chunk().await.unwrap().unwrap();
+    assert_eq!(c.nodes[1].state().engine.inflight(), 1);
+    drop(resp);
+    let b = c.nodes[1].state().clone();
+    tokio::time::timeout(Duration::from_secs(10), async move {
+        while b.engine.inflight() != 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the peer dropped the engine request");
+    c.engines[1].release.notify_waiters();
+}
