@@ -197,9 +197,13 @@ async fn engine_failure_is_502_and_timeout_is_504() {
 
 #[tokio::test]
 async fn no_engine_and_no_peer_is_503() {
-    let engine = StubEngine::start("e").await;
-    let node = start_node(config("a", &engine.url(), ""), None).await;
-    node.state().engine.set_healthy(false);
+    // An engine address nothing listens on: every health check fails.
+    let gone = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let node = start_node(config("a", &format!("http://{gone}"), ""), None).await;
+    assert!(!node.state().engine.check_health().await);
     let resp = client()
         .post(format!("{}/v1/chat/completions", node.base))
         .json(&chat_body("x", false))
