@@ -170,7 +170,7 @@ mod tests {
 
     #[test]
     fn one_shot_and_streaming_steps_agree() {
-        let small = vec![7u8; 100];
+        let small = [7u8; 100];
         let big = vec![9u8; 2000];
         for block in [&small[..], &big[..]] {
             let mut h = xxhash_rust::xxh3::Xxh3Default::new();
