@@ -440,6 +440,14 @@ impl NodeConfig {
         if !(self.engine.decode_step_ms.is_finite() && self.engine.decode_step_ms >= 0.0) {
             return bad("engine.decode_step_ms", "must be a finite number >= 0");
         }
+        if self.engine.tokenizer.is_some() {
+            // Accepted by the schema so configs can name it, refused until token counts
+            // from a tokenizer are wired in: silently ignoring it would mislead.
+            return bad(
+                "engine.tokenizer",
+                "not supported yet (token counts use routing.bytes_per_token)",
+            );
+        }
         if self.engine.kv_capacity_tokens == Some(0) {
             return bad("engine.kv_capacity_tokens", "must be > 0");
         }
