@@ -7,7 +7,9 @@ const GORGO: &str = env!("CARGO_BIN_EXE_gorgo");
 
 fn node(config: &std::path::Path, check: bool) -> std::process::Output {
     let mut cmd = Command::new(GORGO);
-    cmd.args(["node", "--config"]).arg(config).env("RUST_BACKTRACE", "0");
+    cmd.args(["node", "--config"])
+        .arg(config)
+        .env("RUST_BACKTRACE", "0");
     if check {
         cmd.arg("--check");
     }
@@ -19,7 +21,11 @@ fn example_configs_validate() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/nodes");
     for name in ["us-ashburn", "eu-frankfurt", "ap-seoul"] {
         let out = node(&dir.join(format!("{name}.toml")), true);
-        assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
 
@@ -46,7 +52,11 @@ fn typo_and_missing_field_are_named() {
     assert!(err.contains("missing field `kind`"), "{err}");
 
     let range = dir.path().join("range.toml");
-    std::fs::write(&range, example.replace("max_body_bytes = 8388608", "max_body_bytes = 0")).unwrap();
+    std::fs::write(
+        &range,
+        example.replace("max_body_bytes = 8388608", "max_body_bytes = 0"),
+    )
+    .unwrap();
     let out = node(&range, false);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
