@@ -1,0 +1,224 @@
+#!/usr/bin/env bash
+# Node overhead vs SGLang's router (docs/benchmarks.md, "Node overhead vs SGLang router").
+#
+# One `gorgo engine` emulator with near-zero costs, one single `gorgo node` (no peers)
+# and SGLang's router (sglang-router 0.3.2, cache_aware) in front of that same
+# emulator. The same requests go three ways (direct, node, sglang), interleaved:
+#   1. sequential, one request at a time (scripts/proxy_bench_latency.py): TTFT and
+#      E2E per request, non-streaming and streaming; added latency = proxy - direct;
+#   2. at concurrency with wrk (requests/s and latency), non-streaming and streaming,
+#      the three targets in turn for several rounds.
+# Not part of CI. Needs: a release build, python3 (venv), wrk (apt-get install wrk).
+#
+# Environment (defaults in brackets):
+#   GORGO_BENCH_VENV  venv with sglang-router [~/.cache/gorgo/bench-venv], made if missing
+#   OUT               result directory [out/proxy-bench/<UTC time>]
+#   REQUESTS [1000]  WARMUP [30]  MAX_TOKENS [16]: sequential run
+#   WRK_CONNECTIONS [32]  WRK_THREADS [1]  WRK_DURATION [5s]  WRK_ROUNDS [3]: wrk runs
+#   NODE_POLICY [gorgo]: the node's routing policy (single node: always local)
+#   SKIP_BUILD [0]: 1 uses target/release/gorgo as it is
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+VENV=${GORGO_BENCH_VENV:-$HOME/.cache/gorgo/bench-venv}
+OUT=${OUT:-$ROOT/out/proxy-bench/$(date -u +%Y%m%dT%H%M%SZ)}
+REQUESTS=${REQUESTS:-1000}
+WARMUP=${WARMUP:-30}
+MAX_TOKENS=${MAX_TOKENS:-16}
+WRK_CONNECTIONS=${WRK_CONNECTIONS:-32}
+WRK_THREADS=${WRK_THREADS:-1}
+WRK_DURATION=${WRK_DURATION:-5s}
+WRK_ROUNDS=${WRK_ROUNDS:-3}
+NODE_POLICY=${NODE_POLICY:-gorgo}
+GORGO=$ROOT/target/release/gorgo
+
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
+  echo "== cargo build --release --bin gorgo"
+  cargo build --release --bin gorgo
+fi
+command -v wrk >/dev/null || { echo "wrk missing: apt-get install wrk" >&2; exit 1; }
+if ! "$VENV/bin/python" -c 'import sglang_router' 2>/dev/null; then
+  echo "== installing sglang-router==0.3.2 into $VENV"
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q sglang-router==0.3.2
+fi
+
+mkdir -p "$OUT"
+WORK=$(mktemp -d)
+PIDS=()
+cleanup() {
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+  rm -rf "$WORK"
+}
+trap cleanup EXIT INT TERM
+
+# Five free loopback ports (engine, node http, node quic, node admin, router).
+read -r ENGINE_PORT NODE_PORT QUIC_PORT ADMIN_PORT ROUTER_PORT < <(python3 - <<'EOF'
+import socket
+socks = []
+for kind in (socket.SOCK_STREAM,) * 2 + (socket.SOCK_DGRAM,) + (socket.SOCK_STREAM,) * 2:
+    s = socket.socket(socket.AF_INET, kind)
+    s.bind(("127.0.0.1", 0))
+    socks.append(s)
+print(" ".join(str(s.getsockname()[1]) for s in socks))
+EOF
+)
+
+# An engine whose own latency is tiny and stable: near-zero prefill and decode costs,
+# so a request's whole output is ready at the first timer tick (about 1 ms) and the
+# emulator writes its SSE chunks back to back.
+cat > "$WORK/engine.toml" <<EOF
+name = "proxy-bench"
+description = "near-zero costs: the engine is not the bottleneck"
+model = "bench"
+request_overhead_ms = 0.0
+prefill_base_ms = 0.001
+t_p_ms_per_token = 0.0
+decode_base_ms = 0.001
+per_seq_ms = 0.0
+per_ctx_token_ms = 0.0
+max_total_tokens = 100000000
+chunked_prefill_size = 1000000
+max_running_requests = 4096
+context_length = 1000000
+EOF
+
+cp "$GORGO" "$WORK/gorgo" # others may rebuild target/release meanwhile
+GORGO=$WORK/gorgo
+"$GORGO" certs --out "$WORK/certs" --nodes bench >/dev/null
+cat > "$WORK/node.toml" <<EOF
+[node]
+id = "bench"
+region = "bench"
+
+[listen]
+http = "127.0.0.1:$NODE_PORT"
+quic = "127.0.0.1:$QUIC_PORT"
+admin = "127.0.0.1:$ADMIN_PORT"
+
+[engine]
+url = "http://127.0.0.1:$ENGINE_PORT"
+kind = "sglang"
+
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/bench.pem"
+key = "certs/bench.key"
+
+[routing]
+policy = "$NODE_POLICY"
+
+[admin]
+token = "proxy-bench-token"
+EOF
+
+echo "== starting engine :$ENGINE_PORT, node :$NODE_PORT, sglang router :$ROUTER_PORT"
+RUST_LOG=warn "$GORGO" engine --profile "$WORK/engine.toml" --listen "127.0.0.1:$ENGINE_PORT" \
+  --max-queue 100000 >"$OUT/engine.log" 2>&1 &
+PIDS+=($!)
+RUST_LOG=warn "$GORGO" node --config "$WORK/node.toml" >"$OUT/node.log" 2>&1 &
+PIDS+=($!)
+"$VENV/bin/python" -m sglang_router.launch_router \
+  --worker-urls "http://127.0.0.1:$ENGINE_PORT" --policy cache_aware \
+  --host 127.0.0.1 --port "$ROUTER_PORT" --log-level warn >"$OUT/router.log" 2>&1 &
+PIDS+=($!)
+
+wait_ready() { # name url
+  for _ in $(seq 1 300); do
+    if curl -fsS -o /dev/null "$2" 2>/dev/null; then return 0; fi
+    sleep 0.2 # waiting for a process to start, not synchronising a test
+  done
+  echo "$1 not ready at $2; see $OUT/*.log" >&2
+  exit 1
+}
+wait_ready engine "http://127.0.0.1:$ENGINE_PORT/health"
+wait_ready node "http://127.0.0.1:$ADMIN_PORT/readyz"
+wait_ready router "http://127.0.0.1:$ROUTER_PORT/health"
+# The router answers /health before its worker check passes: wait for a completion.
+for _ in $(seq 1 150); do
+  if curl -fsS -o /dev/null -H 'content-type: application/json' \
+    -d '{"model":"bench","messages":[{"role":"user","content":"hi"}],"max_tokens":2}' \
+    "http://127.0.0.1:$ROUTER_PORT/v1/chat/completions" 2>/dev/null; then break; fi
+  sleep 0.2
+done
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "commit: $(git rev-parse --short HEAD)"
+  echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //') x $(nproc)"
+  echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "sglang-router: $("$VENV/bin/pip" show sglang-router 2>/dev/null | grep ^Version)"
+} | tee "$OUT/machine.txt"
+
+TARGETS=(direct="127.0.0.1:$ENGINE_PORT" node="127.0.0.1:$NODE_PORT" sglang="127.0.0.1:$ROUTER_PORT")
+
+echo "== sequential latency: $REQUESTS requests per target and mode, targets interleaved"
+python3 scripts/proxy_bench_latency.py \
+  --target "${TARGETS[0]}" --target "${TARGETS[1]}" --target "${TARGETS[2]}" \
+  --requests "$REQUESTS" --warmup "$WARMUP" --max-tokens "$MAX_TOKENS" \
+  --out "$OUT/latency.json" | tee "$OUT/latency.txt"
+
+echo "== throughput: wrk -t$WRK_THREADS -c$WRK_CONNECTIONS -d$WRK_DURATION, $WRK_ROUNDS rounds"
+PROMPT=$(python3 -c 'print(("route cache prefix region token queue " * 40)[:1000])')
+for mode in nonstream stream; do
+  stream=false
+  [ "$mode" = stream ] && stream=true
+  printf '{"model":"bench","messages":[{"role":"user","content":"%s"}],"max_tokens":%d,"stream":%s}' \
+    "$PROMPT" "$MAX_TOKENS" "$stream" >"$WORK/body-$mode.json"
+done
+cat > "$WORK/post.lua" <<'EOF'
+local f = assert(io.open(os.getenv("BODY_FILE"), "rb"))
+wrk.method = "POST"
+wrk.body = f:read("*a")
+f:close()
+wrk.headers["Content-Type"] = "application/json"
+EOF
+: >"$OUT/wrk.tsv"
+for round in $(seq 1 "$WRK_ROUNDS"); do
+  for mode in nonstream stream; do
+    for target in "${TARGETS[@]}"; do
+      name=${target%%=*}
+      addr=${target#*=}
+      log="$OUT/wrk-$mode-$name-$round.txt"
+      BODY_FILE="$WORK/body-$mode.json" wrk -t"$WRK_THREADS" -c"$WRK_CONNECTIONS" \
+        -d"$WRK_DURATION" --latency -s "$WORK/post.lua" \
+        "http://$addr/v1/chat/completions" >"$log" 2>&1
+      python3 - "$log" "$mode" "$name" "$round" >>"$OUT/wrk.tsv" <<'EOF'
+import re, sys
+text = open(sys.argv[1]).read()
+def ms(v):
+    n, unit = re.match(r"([\d.]+)(us|ms|s)", v).groups()
+    return float(n) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
+rps = re.search(r"Requests/sec:\s+([\d.]+)", text).group(1)
+p50 = ms(re.search(r"^\s+50%\s+(\S+)", text, re.M).group(1))
+p99 = ms(re.search(r"^\s+99%\s+(\S+)", text, re.M).group(1))
+bad = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
+errs = re.search(r"Socket errors: (.*)", text)
+print("\t".join([sys.argv[2], sys.argv[3], sys.argv[4], rps, f"{p50:.3f}", f"{p99:.3f}",
+                 bad.group(1) if bad else "0", errs.group(1) if errs else "-"]))
+EOF
+      tail -n1 "$OUT/wrk.tsv"
+    done
+  done
+done
+
+python3 - "$OUT/wrk.tsv" <<'EOF' | tee "$OUT/throughput.txt"
+import statistics, sys
+rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
+print("\nthroughput (wrk, median over rounds)")
+print(f"{'mode':<10} {'target':<8} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}  req/s by round")
+for mode in ("nonstream", "stream"):
+    for name in ("direct", "node", "sglang"):
+        sel = [r for r in rows if r[0] == mode and r[1] == name]
+        if not sel:
+            continue
+        rps = [float(r[3]) for r in sel]
+        print(f"{mode:<10} {name:<8} {statistics.median(rps):>9.0f} "
+              f"{statistics.median(float(r[4]) for r in sel):>8.2f} "
+              f"{statistics.median(float(r[5]) for r in sel):>8.2f} "
+              f"{sum(int(r[6]) for r in sel):>8}  {' '.join(f'{x:.0f}' for x in rps)}")
+EOF
+echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/machine.txt"
+echo "== results in $OUT"
