@@ -102,8 +102,9 @@ pub struct EngineSection {
     #[serde(default)]
     pub kv_capacity_tokens: Option<u64>,
     /// Health check path (GET, expects 2xx).
-    #[serde(default = "default_health_path")]
-    pub health_path: String,
+    /// Default: `/health` for SGLang and vLLM, `/v1/models` for a generic OpenAI server.
+    #[serde(default)]
+    pub health_path: Option<String>,
     /// How often the engine is health-checked, ms.
     #[serde(default = "default_health_interval_ms")]
     pub health_interval_ms: u64,
@@ -291,9 +292,6 @@ impl Default for LimitsSection {
     }
 }
 
-fn default_health_path() -> String {
-    "/health".to_owned()
-}
 fn default_health_interval_ms() -> u64 {
     1_000
 }
@@ -371,6 +369,17 @@ pub const MAX_HOPS_CEILING: u8 = 8;
 /// The default KV capacity in tokens when neither config nor engine metrics say.
 pub const DEFAULT_KV_CAPACITY_TOKENS: u64 = 1_000_000;
 
+impl EngineSection {
+    /// The health-check path, defaulted by engine kind.
+    pub fn health_path(&self) -> &str {
+        match (&self.health_path, self.kind) {
+            (Some(p), _) => p,
+            (None, EngineKind::Openai) => "/v1/models",
+            (None, _) => "/health",
+        }
+    }
+}
+
 impl NodeConfig {
     /// Parse TOML text and validate it. Errors name the field.
     pub fn from_toml_str(text: &str) -> Result<Self, NodeError> {
@@ -425,7 +434,7 @@ impl NodeConfig {
         if url.parse::<http::Uri>().is_err() {
             return bad("engine.url", "not a valid URL");
         }
-        if !self.engine.health_path.starts_with('/') {
+        if !self.engine.health_path().starts_with('/') {
             return bad("engine.health_path", "must start with /");
         }
         if self.engine.health_interval_ms == 0 {

@@ -250,7 +250,7 @@ impl EngineAdapter {
             client,
             base: engine.url.trim_end_matches('/').to_owned(),
             kind: engine.kind,
-            health_path: engine.health_path.clone(),
+            health_path: engine.health_path().to_owned(),
             // Optimistic until the first check: a node that starts beside a live engine
             // should serve at once; the first failed check flips it.
             healthy: AtomicBool::new(true),
