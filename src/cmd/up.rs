@@ -43,6 +43,14 @@ pub struct UpArgs {
     /// Kind of the engines given with `--engine-url` (`sglang`, `vllm`, `openai`).
     #[arg(long, default_value = "sglang")]
     pub engine_kind: String,
+    /// Health check path of the engines given with `--engine-url` (default: `/health`,
+    /// or `/v1/models` for kind `openai`, which servers such as llama.cpp's answer).
+    #[arg(long)]
+    pub engine_health_path: Option<String>,
+    /// KV capacity in tokens of the engines given with `--engine-url`, for engines whose
+    /// `/metrics` cannot tell (kind `openai`): bounds each node's model of its engine's cache.
+    #[arg(long)]
+    pub engine_kv_tokens: Option<u64>,
     /// Directory for logs, generated configs, certificates, pids and cluster.json.
     #[arg(long, default_value = ".gorgo/run")]
     pub run_dir: PathBuf,
@@ -271,13 +279,53 @@ fn toml_str(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_else(|_| "\"\"".to_owned())
 }
 
+/// What a node is told about its engine beyond the URL and kind.
+#[derive(Debug, Default, Clone)]
+struct EngineExtras {
+    health_path: Option<String>,
+    kv_capacity_tokens: Option<u64>,
+    /// `/metrics` scraping off (engines with no Prometheus endpoint).
+    no_metrics: bool,
+}
+
+impl EngineExtras {
+    /// The extras for an engine given with `--engine-url`.
+    fn external(args: &UpArgs) -> Self {
+        let openai = args.engine_kind == "openai";
+        EngineExtras {
+            health_path: args
+                .engine_health_path
+                .clone()
+                .or_else(|| openai.then(|| "/v1/models".to_owned())),
+            kv_capacity_tokens: args.engine_kv_tokens,
+            no_metrics: openai,
+        }
+    }
+
+    fn toml_lines(&self) -> String {
+        let mut text = String::new();
+        if let Some(path) = &self.health_path {
+            text += &format!("health_path = {}\n", toml_str(path));
+        }
+        if let Some(kv) = self.kv_capacity_tokens {
+            text += &format!("kv_capacity_tokens = {kv}\n");
+        }
+        if self.no_metrics {
+            text += "metrics_interval_ms = 0\n";
+        }
+        text
+    }
+}
+
 /// The node config of one region: its listeners from the plan, its QUIC
 /// relay as the advertised address, peers' relays as seeds, the shared CA.
+#[allow(clippy::too_many_arguments)]
 fn node_config(
     plan: &ClusterPlan,
     i: usize,
     engine_url: &str,
     engine_kind: &str,
+    engine_extras: &EngineExtras,
     certs: &Path,
     policy: &str,
     token: &str,
@@ -294,7 +342,7 @@ fn node_config(
          [node]\nid = {id}\nregion = {id}\n\n\
          [listen]\nhttp = \"{http}\"\nquic = \"{quic}\"\nadmin = \"{admin}\"\n\
          advertise_quic = \"{advertise}\"\n\n\
-         [engine]\nurl = {engine}\nkind = {kind}\n\n\
+         [engine]\nurl = {engine}\nkind = {kind}\n{extras}\n\
          [cluster]\nseeds = [{seeds}]\n",
         id = toml_str(&r.name),
         http = r.node_http_addr,
@@ -303,6 +351,7 @@ fn node_config(
         advertise = r.quic_relay_addr,
         engine = toml_str(engine_url),
         kind = toml_str(engine_kind),
+        extras = engine_extras.toml_lines(),
         seeds = seeds.join(", "),
     );
     text += &format!(
@@ -402,8 +451,12 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     )?;
     let mut regions = Vec::new();
     for (i, r) in plan.regions.iter().enumerate() {
-        let (engine_url, kind) = match external.get(&r.name) {
-            Some(url) => (url.clone(), args.engine_kind.clone()),
+        let (engine_url, kind, extras) = match external.get(&r.name) {
+            Some(url) => (
+                url.clone(),
+                args.engine_kind.clone(),
+                EngineExtras::external(&args),
+            ),
             None => {
                 children.spawn(
                     &format!("engine-{}", r.name),
@@ -415,11 +468,24 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
                         r.engine_addr.to_string(),
                     ],
                 )?;
-                (format!("http://{}", r.engine_addr), "sglang".to_owned())
+                (
+                    format!("http://{}", r.engine_addr),
+                    "sglang".to_owned(),
+                    EngineExtras::default(),
+                )
             }
         };
         let config_path = run_dir.join(format!("node-{}.toml", r.name));
-        let config = node_config(&plan, i, &engine_url, &kind, &certs, &args.policy, &token);
+        let config = node_config(
+            &plan,
+            i,
+            &engine_url,
+            &kind,
+            &extras,
+            &certs,
+            &args.policy,
+            &token,
+        );
         std::fs::write(&config_path, config)
             .with_context(|| format!("writing {}", config_path.display()))?;
         children.spawn(
