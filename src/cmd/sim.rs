@@ -1,10 +1,243 @@
-//! `gorgo sim`.
+//! `gorgo sim`: replay a trace through the discrete-event simulator (crates/gorgo-sim)
+//! for each policy and write the report of `gorgo compare` (results.json, table.md,
+//! requests.csv, plots, tuning.jsonl with `--tune`) plus `sim.json` (conservation
+//! counters, speed, the distributed-vs-oracle gap).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use gorgo_core::policy::PolicyKind;
+use gorgo_engine::Profile;
+use gorgo_netem::Topology;
+use gorgo_sim::report::{build_report, oracle_gap};
+use gorgo_sim::{simulate, Network, PolicyRun, Progress, RegionNet, SimConfig};
+use gorgo_workload::{open_trace, TraceRequest, WorkloadError};
+use serde_json::json;
+
+/// Every policy, then the oracle: what `--policies all` runs.
+const ALL_POLICIES: &str = "gorgo,gorgo-paper,least-load,least-request,prefix-cache,session-affinity,simple-session-affinity,cache-aware,round-robin,random,local-only,oracle";
 
 /// Arguments of this subcommand.
 #[derive(clap::Args, Debug)]
-pub struct SimArgs {}
+pub struct SimArgs {
+    /// Trace file (Mooncake, ART-Chat, Azure or generator JSONL; format detected).
+    #[arg(long)]
+    trace: PathBuf,
+    /// Topology TOML (regions, client delays, one-way delay matrix, jitter, rate).
+    #[arg(long, default_value = "configs/topologies/three-region.toml")]
+    topology: PathBuf,
+    /// Comma-separated policies (`oracle` included), or `all`.
+    #[arg(long, default_value = "gorgo,least-load,least-request,prefix-cache,session-affinity,simple-session-affinity,oracle")]
+    policies: String,
+    /// Multiplies inter-arrival times (< 1 compresses the trace and loads the engines).
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// Run the distributed tuning protocol for the policies that use weights; writes
+    /// `tuning.jsonl`.
+    #[arg(long)]
+    tune: bool,
+    /// Tuning trial window, requests cluster-wide (default: the core's).
+    #[arg(long)]
+    tuning_window: Option<usize>,
+    /// Seed of jitter, gossip phases, tie-breaks and tuning mutations.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Salt of the home-region hash (default: the same assignment as `gorgo bench`).
+    #[arg(long)]
+    region_seed: Option<u64>,
+    /// Engine profile name or TOML file, for every region.
+    #[arg(long, default_value = "paper-a100-mistral7b")]
+    engine_profile: String,
+    /// Gossip interval (summaries, queue stats, tuning ticks), ms.
+    #[arg(long, default_value_t = 250.0)]
+    gossip_interval_ms: f64,
+    /// Extra gossip transit delay on top of the one-way delay, ms.
+    #[arg(long, default_value_t = 0.0)]
+    gossip_delay_ms: f64,
+    /// The max-hops guard.
+    #[arg(long, default_value_t = 1)]
+    max_hops: u8,
+    /// Only the first this many seconds of the trace.
+    #[arg(long)]
+    window_s: Option<f64>,
+    /// Only the first this many requests.
+    #[arg(long)]
+    max_requests: Option<u64>,
+    /// Per-request rows kept per policy for requests.csv and exact percentiles; longer
+    /// runs report from sketches (1% accuracy) and write no rows.
+    #[arg(long, default_value_t = 200_000)]
+    max_rows: usize,
+    /// Output directory.
+    #[arg(long)]
+    out: PathBuf,
+}
 
-/// Not implemented yet.
-pub fn run(_args: SimArgs) -> anyhow::Result<()> {
-    anyhow::bail!("not implemented yet")
+/// The simulator's network from a topology file.
+fn network(t: &Topology) -> Network {
+    Network {
+        regions: t
+            .regions
+            .iter()
+            .map(|r| RegionNet {
+                name: r.name.clone(),
+                client_delay_ms: r.client_delay_ms,
+                client_jitter_ms: r.client_jitter_ms,
+            })
+            .collect(),
+        one_way_ms: t.one_way_ms.clone(),
+        jitter_ms: t.jitter_ms,
+        rate_mbps: t.rate_mbps,
+    }
+}
+
+fn parse_policies(list: &str) -> anyhow::Result<Vec<PolicyKind>> {
+    let list = if list.trim() == "all" { ALL_POLICIES } else { list };
+    let mut out = Vec::new();
+    for name in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let k = PolicyKind::from_str(name).with_context(|| format!("--policies: `{name}`"))?;
+        if !out.contains(&k) {
+            out.push(k);
+        }
+    }
+    if out.is_empty() {
+        bail!("--policies: no policy given");
+    }
+    Ok(out)
+}
+
+/// The trace's rows, cut to the first `window_s` seconds after its first row.
+fn rows(
+    path: &Path,
+    window_s: Option<f64>,
+) -> anyhow::Result<impl Iterator<Item = Result<TraceRequest, WorkloadError>>> {
+    let reader = open_trace(path).with_context(|| format!("--trace {}", path.display()))?;
+    let limit_ms = window_s.map(|w| w * 1000.0);
+    let mut origin = None;
+    Ok(reader.take_while(move |row| match (row, limit_ms) {
+        (Ok(r), Some(limit)) => {
+            let o = *origin.get_or_insert(r.timestamp_ms);
+            (r.timestamp_ms.saturating_sub(o) as f64) < limit
+        }
+        _ => true,
+    }))
+}
+
+/// Run the simulation for every policy and write the report.
+pub fn run(args: SimArgs) -> anyhow::Result<()> {
+    let policies = parse_policies(&args.policies)?;
+    let topology = Topology::from_file(&args.topology)
+        .with_context(|| format!("--topology {}", args.topology.display()))?;
+    let profile = Profile::by_name_or_file(&args.engine_profile)
+        .with_context(|| format!("--engine-profile {}", args.engine_profile))?;
+    if let Some(w) = args.window_s {
+        if !(w.is_finite() && w > 0.0) {
+            bail!("--window-s must be > 0");
+        }
+    }
+    let mut cfg = SimConfig::new(network(&topology), profile.clone());
+    cfg.gossip_interval_ms = args.gossip_interval_ms;
+    cfg.gossip_extra_delay_ms = args.gossip_delay_ms;
+    cfg.max_hops = args.max_hops;
+    cfg.time_scale = args.time_scale;
+    cfg.seed = args.seed;
+    cfg.tune = args.tune;
+    cfg.tuning_window = args.tuning_window;
+    cfg.region_seed = args.region_seed;
+    cfg.max_rows = args.max_rows;
+    cfg.max_requests = args.max_requests;
+    cfg.validate().context("simulation config")?;
+
+    let config = json!({
+        "mode": "sim",
+        "trace": args.trace.display().to_string(),
+        "topology": args.topology.display().to_string(),
+        "regions": cfg.network.names(),
+        "engine_profile": profile.name,
+        "policies": policies.iter().map(|p| p.as_str()).collect::<Vec<_>>(),
+        "time_scale": args.time_scale,
+        "tune": args.tune,
+        "tuning_window": args.tuning_window,
+        "seed": args.seed,
+        "region_seed": args.region_seed,
+        "gossip_interval_ms": args.gossip_interval_ms,
+        "gossip_delay_ms": args.gossip_delay_ms,
+        "max_hops": args.max_hops,
+        "window_s": args.window_s,
+        "max_requests": args.max_requests,
+    });
+
+    let mut runs: Vec<PolicyRun> = Vec::new();
+    let mut speed = Vec::new();
+    for kind in &policies {
+        let started = Instant::now();
+        let mut last_line = Instant::now();
+        let name = kind.as_str();
+        let mut progress = |p: Progress| {
+            if last_line.elapsed().as_secs_f64() >= 1.0 {
+                last_line = Instant::now();
+                eprintln!(
+                    "[sim {name}] {} requests read, {} finished, {} in flight, virtual {:.1} s",
+                    p.requests,
+                    p.finished,
+                    p.in_flight,
+                    p.now_ms / 1000.0
+                );
+            }
+        };
+        let run = simulate(&cfg, *kind, rows(&args.trace, args.window_s)?, &mut progress)
+            .with_context(|| format!("simulating {name}"))?;
+        let wall_s = started.elapsed().as_secs_f64();
+        let c = &run.counters;
+        eprintln!(
+            "[sim {name}] done: {} requests ({} failed) in {:.2} s wall, {:.0} requests/min, virtual {:.1} s",
+            c.requests,
+            c.failed,
+            wall_s,
+            c.requests as f64 / wall_s.max(1e-9) * 60.0,
+            c.end_ms / 1000.0
+        );
+        speed.push(json!({
+            "policy": name,
+            "wall_s": wall_s,
+            "requests_per_min": c.requests as f64 / wall_s.max(1e-9) * 60.0,
+            "counters": c,
+        }));
+        runs.push(run);
+    }
+
+    let report = build_report(&config, &runs).context("building the report")?;
+    report
+        .write(&args.out)
+        .with_context(|| format!("writing the report to {}", args.out.display()))?;
+    let gap = oracle_gap(&report.results);
+    let summary = json!({
+        "config": config,
+        "runs": speed,
+        "oracle_gap": gap,
+        "exact_percentiles": runs.iter().all(|r| r.rows.is_some()),
+    });
+    let path = args.out.join("sim.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&summary)? + "\n")
+        .with_context(|| format!("writing {}", path.display()))?;
+
+    let mut stdout = std::io::stdout().lock();
+    write!(stdout, "{}", gorgo_report::render_table(&report))?;
+    if let Some(g) = gap {
+        let line = format!(
+            "Distributed vs oracle: gorgo p95 TTFT {:.1} ms / oracle {:.1} ms = {:.3} (p50 ratio {:.3})\n",
+            g.gorgo_p95_ttft_ms, g.oracle_p95_ttft_ms, g.p95_ttft_ratio, g.p50_ttft_ratio
+        );
+        write!(stdout, "\n{line}")?;
+        let table = args.out.join("table.md");
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&table)
+            .with_context(|| format!("appending to {}", table.display()))?;
+        write!(f, "\n{line}")?;
+    }
+    writeln!(stdout, "\nReport: {}", args.out.display())?;
+    Ok(())
 }
