@@ -286,8 +286,9 @@ pub struct DemoArgs {
     /// Seed of the generated workload.
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
-    /// Users of the generated workload.
-    #[arg(long, default_value_t = 48)]
+    /// Users of the generated workload (12: about 180 requests, 2 req/s per cluster,
+    /// which loads `paper-a100-mistral7b` emulators without overloading them).
+    #[arg(long, default_value_t = 12)]
     pub users: u32,
     /// Seconds of generated trace (each user's ART-Chat-like 30-minute activity).
     #[arg(long, default_value_t = 1800.0)]
