@@ -13,9 +13,12 @@
 # Environment (defaults in brackets):
 #   GORGO_BENCH_VENV  venv with sglang-router [~/.cache/gorgo/bench-venv], made if missing
 #   OUT               result directory [out/proxy-bench/<UTC time>]
-#   REQUESTS [1000]  WARMUP [30]  MAX_TOKENS [16]: sequential run
+#   REQUESTS [2000]  WARMUP [30]  MAX_TOKENS [16]: sequential run
 #   WRK_CONNECTIONS [32]  WRK_THREADS [1]  WRK_DURATION [5s]  WRK_ROUNDS [3]: wrk runs
 #   NODE_POLICY [gorgo]: the node's routing policy (single node: always local)
+#   NICE [-10 as root, else 0]: nice level of every process of the benchmark (engine,
+#     node, router, clients alike), so that other jobs on a shared machine disturb the
+#     tails less
 #   SKIP_BUILD [0]: 1 uses target/release/gorgo as it is
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +26,7 @@ ROOT=$PWD
 
 VENV=${GORGO_BENCH_VENV:-$HOME/.cache/gorgo/bench-venv}
 OUT=${OUT:-$ROOT/out/proxy-bench/$(date -u +%Y%m%dT%H%M%SZ)}
-REQUESTS=${REQUESTS:-1000}
+REQUESTS=${REQUESTS:-2000}
 WARMUP=${WARMUP:-30}
 MAX_TOKENS=${MAX_TOKENS:-16}
 WRK_CONNECTIONS=${WRK_CONNECTIONS:-32}
@@ -32,6 +35,8 @@ WRK_DURATION=${WRK_DURATION:-5s}
 WRK_ROUNDS=${WRK_ROUNDS:-3}
 NODE_POLICY=${NODE_POLICY:-gorgo}
 GORGO=$ROOT/target/release/gorgo
+if [ "$(id -u)" = 0 ]; then NICE=${NICE:--10}; else NICE=${NICE:-0}; fi
+RUN=(nice -n "$NICE")
 
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
   echo "== cargo build --release --bin gorgo"
@@ -115,16 +120,9 @@ token = "proxy-bench-token"
 EOF
 
 echo "== starting engine :$ENGINE_PORT, node :$NODE_PORT, sglang router :$ROUTER_PORT"
-RUST_LOG=warn "$GORGO" engine --profile "$WORK/engine.toml" --listen "127.0.0.1:$ENGINE_PORT" \
+RUST_LOG=warn "${RUN[@]}" "$GORGO" engine --profile "$WORK/engine.toml" --listen "127.0.0.1:$ENGINE_PORT" \
   --max-queue 100000 >"$OUT/engine.log" 2>&1 &
 PIDS+=($!)
-RUST_LOG=warn "$GORGO" node --config "$WORK/node.toml" >"$OUT/node.log" 2>&1 &
-PIDS+=($!)
-"$VENV/bin/python" -m sglang_router.launch_router \
-  --worker-urls "http://127.0.0.1:$ENGINE_PORT" --policy cache_aware \
-  --host 127.0.0.1 --port "$ROUTER_PORT" --log-level warn >"$OUT/router.log" 2>&1 &
-PIDS+=($!)
-
 wait_ready() { # name url
   for _ in $(seq 1 300); do
     if curl -fsS -o /dev/null "$2" 2>/dev/null; then return 0; fi
@@ -134,6 +132,13 @@ wait_ready() { # name url
   exit 1
 }
 wait_ready engine "http://127.0.0.1:$ENGINE_PORT/health"
+RUST_LOG=warn "${RUN[@]}" "$GORGO" node --config "$WORK/node.toml" >"$OUT/node.log" 2>&1 &
+PIDS+=($!)
+"${RUN[@]}" "$VENV/bin/python" -m sglang_router.launch_router \
+  --worker-urls "http://127.0.0.1:$ENGINE_PORT" --policy cache_aware \
+  --host 127.0.0.1 --port "$ROUTER_PORT" --log-level warn >"$OUT/router.log" 2>&1 &
+PIDS+=($!)
+
 wait_ready node "http://127.0.0.1:$ADMIN_PORT/readyz"
 wait_ready router "http://127.0.0.1:$ROUTER_PORT/health"
 # The router answers /health before its worker check passes: wait for a completion.
@@ -148,6 +153,7 @@ done
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "commit: $(git rev-parse --short HEAD)"
   echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //') x $(nproc)"
+  echo "nice: $NICE"
   echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "sglang-router: $("$VENV/bin/pip" show sglang-router 2>/dev/null | grep ^Version)"
 } | tee "$OUT/machine.txt"
@@ -155,7 +161,7 @@ done
 TARGETS=(direct="127.0.0.1:$ENGINE_PORT" node="127.0.0.1:$NODE_PORT" sglang="127.0.0.1:$ROUTER_PORT")
 
 echo "== sequential latency: $REQUESTS requests per target and mode, targets interleaved"
-python3 scripts/proxy_bench_latency.py \
+"${RUN[@]}" python3 scripts/proxy_bench_latency.py \
   --target "${TARGETS[0]}" --target "${TARGETS[1]}" --target "${TARGETS[2]}" \
   --requests "$REQUESTS" --warmup "$WARMUP" --max-tokens "$MAX_TOKENS" \
   --out "$OUT/latency.json" | tee "$OUT/latency.txt"
@@ -182,7 +188,7 @@ for round in $(seq 1 "$WRK_ROUNDS"); do
       name=${target%%=*}
       addr=${target#*=}
       log="$OUT/wrk-$mode-$name-$round.txt"
-      BODY_FILE="$WORK/body-$mode.json" wrk -t"$WRK_THREADS" -c"$WRK_CONNECTIONS" \
+      BODY_FILE="$WORK/body-$mode.json" "${RUN[@]}" wrk -t"$WRK_THREADS" -c"$WRK_CONNECTIONS" \
         -d"$WRK_DURATION" --latency -s "$WORK/post.lua" \
         "http://$addr/v1/chat/completions" >"$log" 2>&1
       python3 - "$log" "$mode" "$name" "$round" >>"$OUT/wrk.tsv" <<'EOF'

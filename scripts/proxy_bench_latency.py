@@ -226,6 +226,7 @@ def main():
                         "paired_p50": percentile(paired[name][metric], 50),
                         "paired_p99": percentile(paired[name][metric], 99),
                     }
+            row["samples_ms"] = samples[name]
             out[name] = row
         results["modes"][mode] = out
 
