@@ -9,6 +9,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Json;
+use gorgo_core::es::TuningMode;
 use gorgo_core::Weights;
 use serde::Deserialize;
 use serde_json::json;
@@ -123,7 +124,12 @@ async fn admin_state(State(state): State<Arc<NodeState>>) -> Response {
         "weights": *state.weights.read(),
         "policy": state.config.routing.policy,
         "max_hops": state.config.routing.max_hops,
-        "tuning": {"mode": state.config.tuning.mode, "epoch": 0},
+        "tuning": {
+            "mode": state.tuning.mode(),
+            "epoch": state.tuning.epoch(),
+            "leader": state.tuning.view().leader,
+            "is_leader": state.tuning.is_leader(),
+        },
         "gossip": state.peers.gossip_counters(),
     });
     Json(body).into_response()
@@ -151,55 +157,101 @@ async fn decisions(
 }
 
 async fn get_weights(State(state): State<Arc<NodeState>>) -> Response {
-    Json(*state.weights.read()).into_response()
+    Json(weights_body(&state)).into_response()
 }
 
+fn weights_body(state: &NodeState) -> serde_json::Value {
+    let w = state.tuning.weights();
+    json!({
+        "w_rtt": w.w_rtt,
+        "w_queue": w.w_queue,
+        "mode": state.tuning.mode(),
+        "epoch": state.tuning.epoch(),
+    })
+}
+
+/// `PUT /admin/weights`: `{"w_rtt", "w_queue"}` fixes the weights (mode `static`);
+/// `{"mode": "online" | "tune-then-freeze"}` hands them back to the tuner, which
+/// rejoins the cluster's line of proposals; `{"mode": "static"}` alone freezes the
+/// weights in use.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct WeightsBody {
-    w_rtt: f64,
-    w_queue: f64,
+    #[serde(default)]
+    w_rtt: Option<f64>,
+    #[serde(default)]
+    w_queue: Option<f64>,
+    #[serde(default)]
+    mode: Option<TuningMode>,
 }
 
 async fn put_weights(
     State(state): State<Arc<NodeState>>,
     body: Result<Json<WeightsBody>, axum::extract::rejection::JsonRejection>,
 ) -> Response {
-    let w = match body {
+    let body = match body {
         Ok(Json(w)) => w,
         Err(e) => return ApiError(StatusCode::BAD_REQUEST, e.body_text()).into_response(),
     };
-    for (name, v) in [("w_rtt", w.w_rtt), ("w_queue", w.w_queue)] {
-        if !(v.is_finite() && (0.0..=MAX_WEIGHT).contains(&v)) {
-            return ApiError(
-                StatusCode::BAD_REQUEST,
-                format!("`{name}` must be in [0, {MAX_WEIGHT}]"),
-            )
-            .into_response();
+    for (name, v) in [("w_rtt", body.w_rtt), ("w_queue", body.w_queue)] {
+        if let Some(v) = v {
+            if !(v.is_finite() && (0.0..=MAX_WEIGHT).contains(&v)) {
+                return ApiError(
+                    StatusCode::BAD_REQUEST,
+                    format!("`{name}` must be in [0, {MAX_WEIGHT}]"),
+                )
+                .into_response();
+            }
         }
     }
-    let new = Weights {
-        w_rtt: w.w_rtt,
-        w_queue: w.w_queue,
+    let weights = match (body.w_rtt, body.w_queue) {
+        (Some(w_rtt), Some(w_queue)) => Some(Weights { w_rtt, w_queue }),
+        (None, None) => None,
+        _ => {
+            return ApiError(
+                StatusCode::BAD_REQUEST,
+                "give both `w_rtt` and `w_queue`, or neither".into(),
+            )
+            .into_response()
+        }
     };
-    *state.weights.write() = new;
+    let mode = match (body.mode, weights) {
+        (Some(TuningMode::Static) | None, Some(_)) => TuningMode::Static,
+        (Some(m), None) => m,
+        (Some(m), Some(_)) => {
+            return ApiError(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "weights can only be set with mode `static` (mode `{}` tunes them)",
+                    serde_json::to_value(m)
+                        .ok()
+                        .and_then(|v| v.as_str().map(str::to_owned))
+                        .unwrap_or_default()
+                ),
+            )
+            .into_response()
+        }
+        (None, None) => {
+            return ApiError(
+                StatusCode::BAD_REQUEST,
+                "give `w_rtt` and `w_queue`, or `mode`".into(),
+            )
+            .into_response()
+        }
+    };
+    if let Err(e) = state.set_tuning_mode(mode, weights) {
+        return ApiError(StatusCode::BAD_REQUEST, e.to_string()).into_response();
+    }
+    let w = state.tuning.weights();
     tracing::info!(
-        w_rtt = new.w_rtt,
-        w_queue = new.w_queue,
+        w_rtt = w.w_rtt,
+        w_queue = w.w_queue,
+        ?mode,
         "weights set through the admin API"
     );
-    Json(new).into_response()
+    Json(weights_body(&state)).into_response()
 }
 
 async fn tuning(State(state): State<Arc<NodeState>>) -> Response {
-    // Online tuning is wired in by a later change; until then the node reports its mode
-    // and the weights it routes with, and an empty history.
-    Json(json!({
-        "mode": state.config.tuning.mode,
-        "epoch": 0,
-        "leader": null,
-        "weights": *state.weights.read(),
-        "history": [],
-    }))
-    .into_response()
+    Json(state.tuning.view()).into_response()
 }

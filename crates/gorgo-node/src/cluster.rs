@@ -6,8 +6,10 @@ use std::sync::Arc;
 use futures::future::BoxFuture;
 use gorgo_cluster::{
     ClusterConfig, ClusterHandle, ClusterSocket, NodeCredentials, SharedSummary, TlsFiles,
+    MAX_APP_MESSAGE,
 };
 use gorgo_core::summary::SummaryDelta;
+use gorgo_core::tuning::TuningMessage;
 use gorgo_core::{HashChain, LocalSummary, NodeId, QueueStats};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -16,6 +18,7 @@ use crate::error::NodeError;
 use crate::peers::{
     ForwardRecv, ForwardSend, GossipCounters, IncomingForward, PeerSource, PeerView,
 };
+use crate::tuning::TUNING_APP_KIND;
 use crate::{NodeConfig, NodeHandle, NodeListeners, NodeState};
 
 /// The router's view of a running QUIC cluster member.
@@ -91,6 +94,36 @@ impl PeerSource for ClusterPeers {
         });
     }
 
+    fn send_tuning(&self, to: &NodeId, msg: &TuningMessage) {
+        let Some(bytes) = tuning_bytes(msg) else {
+            return;
+        };
+        let handle = self.handle.clone();
+        let to = to.clone();
+        tokio::spawn(async move {
+            if let Err(e) = handle.send_to(&to, TUNING_APP_KIND, &bytes).await {
+                tracing::debug!(peer = %to, error = %e, "tuning message not sent");
+            }
+        });
+    }
+
+    fn broadcast_tuning(&self, msg: &TuningMessage) {
+        let Some(bytes) = tuning_bytes(msg) else {
+            return;
+        };
+        let bytes = bytes::Bytes::from(bytes);
+        // One task per peer, so an unreachable peer does not hold up the others.
+        for to in self.handle.alive_peers() {
+            let handle = self.handle.clone();
+            let bytes = bytes.clone();
+            tokio::spawn(async move {
+                if let Err(e) = handle.send_to(&to, TUNING_APP_KIND, &bytes).await {
+                    tracing::debug!(peer = %to, error = %e, "tuning message not sent");
+                }
+            });
+        }
+    }
+
     fn gossip_counters(&self) -> GossipCounters {
         let m = self.handle.metrics();
         GossipCounters {
@@ -98,6 +131,53 @@ impl PeerSource for ClusterPeers {
             bytes_received: m.total_bytes_received(),
         }
     }
+}
+
+/// A tuning message encoded for the cluster's application channel, `None` (logged)
+/// when it does not fit.
+fn tuning_bytes(msg: &TuningMessage) -> Option<Vec<u8>> {
+    match gorgo_core::wire::try_encode(msg) {
+        Ok(b) if b.len() <= MAX_APP_MESSAGE => Some(b),
+        Ok(b) => {
+            tracing::warn!(bytes = b.len(), "tuning message too large for the cluster");
+            None
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "tuning message not encodable");
+            None
+        }
+    }
+}
+
+/// Hand tuning messages from the cluster's application inbox to the node, until
+/// `shutdown`. Other kinds and undecodable payloads are dropped (logged).
+pub fn spawn_app_inbox(
+    handle: &ClusterHandle,
+    state: Arc<NodeState>,
+    shutdown: CancellationToken,
+) -> Result<(), NodeError> {
+    let mut inbox = handle
+        .app_inbox()
+        .ok_or_else(|| NodeError::Cluster("app inbox already taken".into()))?;
+    tokio::spawn(async move {
+        loop {
+            let msg = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                m = inbox.recv() => match m { Some(m) => m, None => return },
+            };
+            if msg.kind != TUNING_APP_KIND {
+                tracing::debug!(from = %msg.from, kind = msg.kind, "unknown app message kind");
+                continue;
+            }
+            match gorgo_core::wire::decode::<TuningMessage>(&msg.payload, MAX_APP_MESSAGE) {
+                Ok(m) => state.on_tuning_message(&msg.from, m),
+                Err(e) => {
+                    tracing::debug!(from = %msg.from, error = %e, "malformed tuning message")
+                }
+            }
+        }
+    });
+    Ok(())
 }
 
 /// Start a node and its QUIC cluster member from a config: load the certificates,
@@ -153,7 +233,8 @@ pub async fn start_with_credentials(
         .await
         .map_err(|e| NodeError::Cluster(e.to_string()))?;
     let incoming = adapt_incoming(&handle)?;
-    let state = NodeState::new(config, Arc::new(ClusterPeers::new(handle, summary)))?;
+    let state = NodeState::new(config, Arc::new(ClusterPeers::new(handle.clone(), summary)))?;
+    spawn_app_inbox(&handle, state.clone(), shutdown.clone())?;
     crate::start(state, listeners, incoming, shutdown).await
 }
 

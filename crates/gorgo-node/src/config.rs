@@ -205,35 +205,65 @@ impl Default for RoutingSection {
     }
 }
 
-/// How the weights change over time.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum TuningMode {
-    /// Tune continuously.
-    Online,
-    /// Fixed weights from the config (or `PUT /admin/weights`).
-    Static,
-    /// Tune, then keep the best weights.
-    TuneThenFreeze,
-}
+/// How the weights change over time (`online`, `static`, `tune-then-freeze`): the
+/// core's enum, so config, admin API and tuner speak one vocabulary.
+pub use gorgo_core::es::TuningMode;
+use gorgo_core::es::{ParamBounds, TuningConfig};
 
-/// `[tuning]`: the distributed (1+1)-ES.
+/// `[tuning]`: the distributed (1+1)-ES (DESIGN.md, "Online tuning"). Unset fields take
+/// the defaults of the policy being tuned (`gorgo`: start 1.0 in [0.05, 4.0];
+/// `gorgo-paper`: the paper's `w_rtt` 0.5 in [0.05, 2.0], `w_queue` 0.1 in [0.05, 0.5]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TuningSection {
     /// `online`, `static` or `tune-then-freeze`.
     #[serde(default = "default_tuning_mode")]
     pub mode: TuningMode,
-    /// Requests per trial window, cluster-wide.
+    /// Requests per trial window, cluster-wide (the paper: 128).
     #[serde(default = "default_window")]
     pub window_requests: u32,
-    /// Time cap on a trial window, ms.
+    /// Time cap on a trial window, ms: a quiet window is scored on what it has after
+    /// this long if it holds `min_samples`, else extended.
     #[serde(default = "default_window_ms")]
     pub window_max_ms: u64,
+    /// Fewest samples a window is scored on when its time cap passes.
+    #[serde(default = "default_min_samples")]
+    pub min_samples: u32,
     /// Reject a candidate whose p95 E2E is worse than the incumbent's by more than
     /// this fraction.
     #[serde(default = "default_e2e_guard")]
     pub e2e_guard: f64,
+    /// Initial mutation step size (log space).
+    #[serde(default = "default_sigma0")]
+    pub sigma0: f64,
+    /// Smallest step size the 1/5 rule may reach.
+    #[serde(default = "default_sigma_min")]
+    pub sigma_min: f64,
+    /// `tune-then-freeze` stops once sigma falls below this.
+    #[serde(default = "default_freeze_sigma")]
+    pub freeze_sigma: f64,
+    /// `w_rtt` start and bounds; default by policy.
+    #[serde(default)]
+    pub w_rtt: Option<ParamBounds>,
+    /// `w_queue` start and bounds; default by policy.
+    #[serde(default)]
+    pub w_queue: Option<ParamBounds>,
+    /// A learned-weights JSON file (`{"rtt_weight", "queue_weight", ...}`, the format
+    /// of the paper's `paper_learned_weights.json`): the fixed weights in `static` mode
+    /// (instead of `routing.weights`), the start of tuning otherwise (unless `w_rtt` /
+    /// `w_queue` set a start).
+    #[serde(default)]
+    pub weights_file: Option<PathBuf>,
+    /// Where `tune-then-freeze` writes the learned weights (same format) once frozen.
+    #[serde(default)]
+    pub learned_weights_out: Option<PathBuf>,
+    /// Seed of the mutation stream (every node should use the same).
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// A node that has heard no proposal waits this long before starting a line of
+    /// epochs itself, so a joining node adopts the running line, ms.
+    #[serde(default = "default_startup_grace_ms")]
+    pub startup_grace_ms: u64,
 }
 
 impl Default for TuningSection {
@@ -242,8 +272,69 @@ impl Default for TuningSection {
             mode: default_tuning_mode(),
             window_requests: default_window(),
             window_max_ms: default_window_ms(),
+            min_samples: default_min_samples(),
             e2e_guard: default_e2e_guard(),
+            sigma0: default_sigma0(),
+            sigma_min: default_sigma_min(),
+            freeze_sigma: default_freeze_sigma(),
+            w_rtt: None,
+            w_queue: None,
+            weights_file: None,
+            learned_weights_out: None,
+            seed: None,
+            startup_grace_ms: default_startup_grace_ms(),
         }
+    }
+}
+
+impl TuningSection {
+    /// The core tuner's configuration for tuning `policy`'s weights, starting from
+    /// `learned` (weights read from `weights_file`, clipped into the bounds) where no
+    /// explicit start is configured. Errors name the field.
+    pub fn core_config(
+        &self,
+        policy: gorgo_core::policy::PolicyKind,
+        learned: Option<Weights>,
+    ) -> Result<TuningConfig, NodeError> {
+        let mut c = TuningConfig::for_policy(policy);
+        c.mode = self.mode;
+        c.window = self.window_requests as usize;
+        c.time_cap_ms = self.window_max_ms;
+        c.min_samples = self.min_samples as usize;
+        c.guard = self.e2e_guard;
+        c.sigma0 = self.sigma0;
+        c.sigma_min = self.sigma_min;
+        c.sigma_max = c.sigma_max.max(self.sigma0);
+        c.freeze_sigma = self.freeze_sigma;
+        c.startup_grace_ms = self.startup_grace_ms;
+        if let Some(seed) = self.seed {
+            c.seed = seed;
+        }
+        if let Some(w) = learned {
+            c.w_rtt.start = w.w_rtt.clamp(c.w_rtt.min, c.w_rtt.max);
+            c.w_queue.start = w.w_queue.clamp(c.w_queue.min, c.w_queue.max);
+        }
+        if let Some(b) = self.w_rtt {
+            c.w_rtt = b;
+        }
+        if let Some(b) = self.w_queue {
+            c.w_queue = b;
+        }
+        c.validate().map_err(|e| match e {
+            gorgo_core::CoreError::InvalidConfig { field, reason } => {
+                // The core's names for the fields this section spells differently.
+                let field = match field.as_str() {
+                    "window" => "window_requests",
+                    "time_cap_ms" => "window_max_ms",
+                    "guard" => "e2e_guard",
+                    "sigma_max" => "sigma0",
+                    f => f,
+                };
+                NodeError::Config(format!("invalid `tuning.{field}`: {reason}"))
+            }
+            other => NodeError::Config(format!("invalid `tuning`: {other}")),
+        })?;
+        Ok(c)
     }
 }
 
@@ -341,6 +432,21 @@ fn default_window_ms() -> u64 {
 fn default_e2e_guard() -> f64 {
     0.05
 }
+fn default_min_samples() -> u32 {
+    32
+}
+fn default_sigma0() -> f64 {
+    0.5
+}
+fn default_sigma_min() -> f64 {
+    0.01
+}
+fn default_freeze_sigma() -> f64 {
+    0.05
+}
+fn default_startup_grace_ms() -> u64 {
+    1_000
+}
 fn default_max_body_bytes() -> usize {
     8 * 1024 * 1024
 }
@@ -405,6 +511,17 @@ impl NodeConfig {
 
     fn resolve_paths(&mut self, dir: &Path) {
         for p in [&mut self.tls.ca, &mut self.tls.cert, &mut self.tls.key] {
+            if p.is_relative() {
+                *p = dir.join(&*p);
+            }
+        }
+        for p in [
+            &mut self.tuning.weights_file,
+            &mut self.tuning.learned_weights_out,
+        ]
+        .into_iter()
+        .flatten()
+        {
             if p.is_relative() {
                 *p = dir.join(&*p);
             }
@@ -494,6 +611,16 @@ impl NodeConfig {
         if !(self.tuning.e2e_guard.is_finite() && self.tuning.e2e_guard >= 0.0) {
             return bad("tuning.e2e_guard", "must be a finite number >= 0");
         }
+        if self.tuning.min_samples == 0 || self.tuning.min_samples > self.tuning.window_requests {
+            return bad("tuning.min_samples", "must be in 1..=window_requests");
+        }
+        if self.tuning.window_max_ms == 0 {
+            return bad("tuning.window_max_ms", "must be > 0");
+        }
+        // Bounds, sigmas and starts: the core names the field.
+        let policy = crate::route::parse_policy(&self.routing.policy)
+            .map_err(|e| NodeError::Config(format!("invalid `routing.policy`: {e}")))?;
+        self.tuning.core_config(policy, None)?;
         if self.admin.token.len() < 8 {
             return bad("admin.token", "must be at least 8 characters");
         }

@@ -250,7 +250,12 @@ async fn completion(
         p.push(("content-type".into(), "application/json".into()));
         p
     };
+    // Tuning: route with the epoch's weights and attribute the latencies to it, unless
+    // the client picked another policy (those requests measure something else).
+    let admission = state.tuning.admit();
+    let tuned = policy.is_none_or(|p| p == state.policy);
     let req = RoutedRequest {
+        weights: admission.weights,
         request_id: state.next_request_id(),
         endpoint,
         body,
@@ -266,7 +271,8 @@ async fn completion(
     match serve(&state, req).await {
         Ok(up) => {
             tracing::debug!(request_id, served_by = %up.served_by, hops = up.hops, status = up.status, "serving");
-            respond(state, up, streaming, started, permit)
+            let epoch = tuned.then_some(admission.epoch);
+            respond(state, up, streaming, started, permit, epoch)
         }
         Err(e) => {
             let (status, outcome, m) = match e {
@@ -287,6 +293,7 @@ fn respond(
     streaming: bool,
     started: Instant,
     permit: OwnedSemaphorePermit,
+    epoch: Option<u64>,
 ) -> Response {
     let status = StatusCode::from_u16(up.status).unwrap_or(StatusCode::BAD_GATEWAY);
     let deadline = Duration::from_millis(state.config.limits.request_timeout_ms);
@@ -294,6 +301,8 @@ fn respond(
         inner: up.body,
         state: state.clone(),
         started,
+        epoch,
+        ttft_ms: None,
         first_seen: false,
         streaming,
         ok_status: status.is_success(),
@@ -328,6 +337,10 @@ struct Tracked {
     inner: BodyStream,
     state: Arc<NodeState>,
     started: Instant,
+    /// The tuning epoch the request was admitted under (`None`: not measured).
+    epoch: Option<u64>,
+    /// Client-side TTFT, once the first content byte went out.
+    ttft_ms: Option<f64>,
     first_seen: bool,
     streaming: bool,
     ok_status: bool,
@@ -349,10 +362,11 @@ impl Tracked {
             };
             self.state.metrics.request(outcome, &self.served_by);
             if outcome == "ok" {
-                self.state
-                    .metrics
-                    .e2e
-                    .observe(self.started.elapsed().as_secs_f64());
+                let e2e = self.started.elapsed().as_secs_f64();
+                self.state.metrics.e2e.observe(e2e);
+                if let (Some(epoch), Some(ttft_ms)) = (self.epoch, self.ttft_ms) {
+                    self.state.tuning.record(epoch, ttft_ms, e2e * 1000.0);
+                }
             }
         }
     }
@@ -395,6 +409,7 @@ impl Stream for Tracked {
                     let ttft = self.started.elapsed().as_secs_f64();
                     if self.ok_status {
                         self.state.metrics.ttft.observe(ttft);
+                        self.ttft_ms = Some(ttft * 1000.0);
                     }
                 }
                 Poll::Ready(Some(Ok(bytes)))

@@ -24,6 +24,7 @@ pub mod peers;
 pub mod route;
 pub mod serve;
 pub mod shadow;
+pub mod tuning;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -52,8 +53,11 @@ pub struct NodeState {
     pub engine: Arc<engine::EngineAdapter>,
     /// The cluster view.
     pub peers: Arc<dyn PeerSource>,
-    /// The weights routing uses now; `PUT /admin/weights` and (later) the tuner write it.
+    /// The weights routing uses now: a mirror of [`NodeState::tuning`]'s, refreshed
+    /// after every tuning step (requests take theirs from [`tuning::TuningDriver::admit`]).
     pub weights: Arc<RwLock<Weights>>,
+    /// Online tuning of the weights (DESIGN.md, "Online tuning").
+    pub tuning: tuning::TuningDriver,
     /// Decisions and the forward ledger.
     pub router: route::Router,
     /// Model of the local engine's prefix cache.
@@ -103,9 +107,23 @@ impl NodeState {
         )
         .map_err(|e| NodeError::Config(format!("invalid `routing.block_bytes`: {e}")))?;
         let capacity = engine.kv_capacity_tokens();
+        let learned = config
+            .tuning
+            .weights_file
+            .as_deref()
+            .map(tuning::read_learned_weights)
+            .transpose()?;
+        let tuning_cfg = config.tuning.core_config(policy, learned)?;
+        let id = NodeId(config.node.id.clone());
+        let tuning = tuning::TuningDriver::new(
+            id.clone(),
+            tuning_cfg,
+            learned.unwrap_or(config.routing.weights),
+        )?;
         Ok(Arc::new(NodeState {
-            id: NodeId(config.node.id.clone()),
-            weights: Arc::new(RwLock::new(config.routing.weights)),
+            id,
+            weights: Arc::new(RwLock::new(tuning.weights())),
+            tuning,
             router: route::Router::new(
                 config.routing.decision_log,
                 gorgo_core::hash::hash_bytes(config.node.id.as_bytes()),
@@ -146,7 +164,88 @@ impl NodeState {
 
     /// This node's queue stats with the given fitted costs.
     pub fn local_stats_with(&self, t_p_ms: f64, base_ms: f64) -> QueueStats {
-        self.engine.queue_stats(t_p_ms, base_ms, 0)
+        self.engine
+            .queue_stats(t_p_ms, base_ms, self.tuning.epoch())
+    }
+
+    /// One tuning tick: follow the membership view, then lead, take over or report.
+    pub fn tuning_tick(&self) {
+        let live = self
+            .peers
+            .peers()
+            .into_iter()
+            .filter(|p| p.alive)
+            .map(|p| p.id);
+        let fx = self.tuning.tick(live, self.now_ms());
+        self.apply_tuning(fx);
+    }
+
+    /// A tuning message from peer `from`.
+    pub fn on_tuning_message(&self, from: &NodeId, msg: gorgo_core::tuning::TuningMessage) {
+        let fx = self.tuning.handle(from, msg, self.now_ms());
+        self.apply_tuning(fx);
+    }
+
+    /// Switch the tuning mode (`PUT /admin/weights`); see
+    /// [`tuning::TuningDriver::set_mode`].
+    pub fn set_tuning_mode(
+        &self,
+        mode: gorgo_core::es::TuningMode,
+        weights: Option<Weights>,
+    ) -> Result<(), NodeError> {
+        self.tuning.set_mode(mode, weights)?;
+        self.apply_tuning(tuning::Effects::default());
+        Ok(())
+    }
+
+    /// Carry out what a tuning step asked for: send, count, write learned weights,
+    /// refresh the weights mirror.
+    fn apply_tuning(&self, fx: tuning::Effects) {
+        for send in fx.sends {
+            match send {
+                tuning::TuningSend::All(m) => self.peers.broadcast_tuning(&m),
+                tuning::TuningSend::To(to, m) => self.peers.send_tuning(&to, &m),
+            }
+        }
+        for r in &fx.decided {
+            let verdict = serde_json::to_value(r.verdict)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_owned))
+                .unwrap_or_default();
+            self.metrics
+                .tuning_trials
+                .get_or_create(&metrics::VerdictLabels { verdict })
+                .inc();
+            tracing::info!(
+                epoch = r.epoch,
+                w_rtt = r.candidate.w_rtt,
+                w_queue = r.candidate.w_queue,
+                p95_ttft_ms = r.score_p95_ttft_ms,
+                incumbent_p95_ttft_ms = r.incumbent_p95_ttft_ms,
+                accepted = r.accepted,
+                samples = r.samples,
+                "tuning trial decided"
+            );
+        }
+        if let Some(w) = fx.frozen {
+            tracing::info!(
+                w_rtt = w.w_rtt,
+                w_queue = w.w_queue,
+                "tuning converged and froze"
+            );
+            if let Some(path) = &self.config.tuning.learned_weights_out {
+                if let Err(e) = tuning::write_learned_weights(path, w) {
+                    tracing::warn!(path = %path.display(), error = %e, "cannot write learned weights");
+                }
+            }
+        }
+        *self.weights.write() = self.tuning.weights();
+        self.metrics
+            .tuning_epoch
+            .set(self.tuning.epoch().min(i64::MAX as u64) as i64);
+        self.metrics
+            .tuning_leader
+            .set(self.tuning.is_leader() as i64);
     }
 
     /// Update the gauges that are read at scrape time.
@@ -285,6 +384,7 @@ pub async fn start(
                         st.peers.publish_summary(&delta);
                     }
                     st.peers.publish_stats(st.local_stats());
+                    st.tuning_tick();
                 }
             }
         }

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Weak};
 
 use futures::future::BoxFuture;
+use gorgo_core::tuning::TuningMessage;
 use gorgo_core::{HashChain, NodeId, QueueStats};
 use parking_lot::RwLock;
 use tokio::sync::mpsc;
@@ -92,6 +93,20 @@ pub struct MeshPeers {
     me: NodeId,
 }
 
+impl MeshPeers {
+    /// `peer`'s state when both it and this node are alive (locks released).
+    fn live_state(&self, peer: &NodeId) -> Option<Arc<NodeState>> {
+        let members = self.mesh.members.read();
+        if !members.get(&self.me).is_some_and(|m| m.alive) {
+            return None;
+        }
+        members
+            .get(peer)
+            .filter(|m| m.alive)
+            .and_then(|m| m.state.upgrade())
+    }
+}
+
 impl PeerSource for MeshPeers {
     fn peers(&self) -> Vec<PeerView> {
         let rtts = self.mesh.rtt_ms.read();
@@ -169,5 +184,27 @@ impl PeerSource for MeshPeers {
 
     fn publish_stats(&self, _stats: QueueStats) {
         // Peers read our live stats directly.
+    }
+
+    fn send_tuning(&self, to: &NodeId, msg: &TuningMessage) {
+        // Delivered at once, on the caller's task: a deterministic bus. Nothing is
+        // delivered from or to a killed node.
+        if let Some(peer) = self.live_state(to) {
+            peer.on_tuning_message(&self.me, msg.clone());
+        }
+    }
+
+    fn broadcast_tuning(&self, msg: &TuningMessage) {
+        let ids: Vec<NodeId> = self
+            .mesh
+            .members
+            .read()
+            .keys()
+            .filter(|id| **id != self.me)
+            .cloned()
+            .collect();
+        for id in ids {
+            self.send_tuning(&id, msg);
+        }
     }
 }

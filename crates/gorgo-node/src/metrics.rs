@@ -40,6 +40,13 @@ pub struct PeerLabels {
     pub peer: String,
 }
 
+/// Labels of tuning decisions.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct VerdictLabels {
+    /// `accepted`, `not-better`, `e2e-guard`, `invalid-measurement`.
+    pub verdict: String,
+}
+
 /// Every metric the node exports.
 #[derive(Debug)]
 pub struct NodeMetrics {
@@ -70,6 +77,12 @@ pub struct NodeMetrics {
     pub engine_healthy: Gauge,
     /// Live peers.
     pub peers_alive: Gauge,
+    /// The tuning epoch this node routes under.
+    pub tuning_epoch: Gauge,
+    /// 1 while this node leads the tuning epoch it follows.
+    pub tuning_leader: Gauge,
+    /// Trials this node decided as leader, by verdict.
+    pub tuning_trials: Family<VerdictLabels, Counter>,
 }
 
 impl Default for NodeMetrics {
@@ -158,6 +171,24 @@ impl NodeMetrics {
             "Live peers in the membership view",
             peers_alive.clone(),
         );
+        let tuning_epoch = Gauge::default();
+        registry.register(
+            "tuning_epoch",
+            "Tuning epoch this node routes under",
+            tuning_epoch.clone(),
+        );
+        let tuning_leader = Gauge::default();
+        registry.register(
+            "tuning_leader",
+            "1 while this node leads the tuning epoch it follows",
+            tuning_leader.clone(),
+        );
+        let tuning_trials = Family::<VerdictLabels, Counter>::default();
+        registry.register(
+            "tuning_trials",
+            "Tuning trials this node decided as leader, by verdict",
+            tuning_trials.clone(),
+        );
         NodeMetrics {
             registry,
             requests,
@@ -173,6 +204,9 @@ impl NodeMetrics {
             inflight,
             engine_healthy,
             peers_alive,
+            tuning_epoch,
+            tuning_leader,
+            tuning_trials,
         }
     }
 

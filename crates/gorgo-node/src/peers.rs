@@ -8,6 +8,7 @@
 use std::pin::Pin;
 
 use futures::future::BoxFuture;
+use gorgo_core::tuning::TuningMessage;
 use gorgo_core::{HashChain, NodeId, QueueStats};
 use serde::Serialize;
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -88,6 +89,11 @@ pub trait PeerSource: Send + Sync + 'static {
     fn gossip_counters(&self) -> GossipCounters {
         GossipCounters::default()
     }
+    /// Send a tuning message to one peer, best effort (the protocol repeats itself
+    /// every tick, so a lost message costs one round).
+    fn send_tuning(&self, _to: &NodeId, _msg: &TuningMessage) {}
+    /// Send a tuning message to every live peer, best effort.
+    fn broadcast_tuning(&self, _msg: &TuningMessage) {}
 }
 
 /// A cluster of one: no peers. Used when a node runs alone.

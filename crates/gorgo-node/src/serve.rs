@@ -61,6 +61,9 @@ pub struct RoutedRequest {
     pub session_id: Option<String>,
     /// The node the client talks to.
     pub origin: NodeId,
+    /// The cost weights to route with: the tuning epoch's, fixed at admission so the
+    /// request is routed with the weights of the epoch it is attributed to.
+    pub weights: gorgo_core::Weights,
 }
 
 /// Why a request could not be served; the ingress maps it to a status.
@@ -161,7 +164,7 @@ pub async fn serve(state: &Arc<NodeState>, req: RoutedRequest) -> Result<Upstrea
         chain: &req.chain,
         prompt_tokens,
         session_key: req.session_key,
-        weights: *state.weights.read(),
+        weights: req.weights,
         now_ms: state.now_ms(),
     };
     let cands = candidates(state, &req.chain);
@@ -422,6 +425,7 @@ pub async fn handle_incoming(state: Arc<NodeState>, incoming: IncomingForward) {
         hops: msg.hops,
         policy,
         origin: msg.origin,
+        weights: state.tuning.weights(),
     };
     tracing::debug!(%from, request_id = req.request_id, hops = req.hops, "forward received");
     // The origin keeps its half open until the response ends; reading EOF (or an error)
