@@ -170,10 +170,12 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         gorgo_bench::replay(&cluster, items, bodies, &config, cancel.cancelled()).await
     })?;
     let label = args.policy.clone().unwrap_or(args.label.clone());
+    let tuning = runtime.block_on(gorgo_bench::cluster::fetch_tuning(&cluster, &label));
     let runs = vec![PolicyRun {
         policy: label,
         regions: cluster.region_names(),
         output,
+        tuning,
     }];
     cfg["command"] = "bench".into();
     cfg["trace"] = args.trace.display().to_string().into();
@@ -359,7 +361,19 @@ pub fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
     cfg["trace"] = "generated".into();
     cfg["generator"] = serde_json::to_value(&generator)?;
     prepare(&mut requests, &compare.load, &mut cfg);
-    super::init_tracing();
+    // The demo's output is the table: only warnings from the libraries (RUST_LOG
+    // still overrides).
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .try_init();
+    eprintln!(
+        "starting {} clusters (logs under {}), then replaying on all at once...",
+        compare.policies.split(',').count(),
+        args.out.display()
+    );
     compare_and_report(&compare, requests, cfg)
 }
 

@@ -115,6 +115,56 @@ impl ClusterInfo {
     }
 }
 
+/// Cap on one admin response read by [`fetch_tuning`].
+const MAX_ADMIN_RESPONSE: usize = 16 << 20;
+
+/// The tuning decisions (`GET /admin/tuning`, its `history`) of every node of the
+/// cluster, each tagged with `policy` and `node`, one per epoch (several nodes may
+/// report the same decision; the first copy wins), in epoch order. Nodes that do not
+/// answer are skipped: tuning records are a bonus to the report, not a condition.
+pub async fn fetch_tuning(info: &ClusterInfo, policy: &str) -> Vec<serde_json::Value> {
+    let Ok(client) = crate::client::build_client(
+        std::time::Duration::from_secs(5),
+        std::time::Duration::from_secs(10),
+    ) else {
+        return Vec::new();
+    };
+    let mut by_epoch = std::collections::BTreeMap::new();
+    for region in &info.regions {
+        let Some(admin) = &region.admin_url else {
+            continue;
+        };
+        let url = format!("{}/admin/tuning", admin.trim_end_matches('/'));
+        let mut req = client.get(&url);
+        if let Some(token) = &info.admin_token {
+            req = req.bearer_auth(token);
+        }
+        let body = match req.send().await {
+            Ok(resp) if resp.status().is_success() => resp.bytes().await.ok(),
+            _ => None,
+        };
+        let Some(body) = body.filter(|b| b.len() <= MAX_ADMIN_RESPONSE) else {
+            tracing::debug!(%url, "no tuning view");
+            continue;
+        };
+        let Ok(view) = serde_json::from_slice::<serde_json::Value>(&body) else {
+            continue;
+        };
+        let history = view["history"].as_array().cloned().unwrap_or_default();
+        for mut entry in history {
+            let Some(epoch) = entry["epoch"].as_u64() else {
+                continue;
+            };
+            if let Some(obj) = entry.as_object_mut() {
+                obj.insert("policy".into(), policy.into());
+                obj.insert("node".into(), region.name.clone().into());
+            }
+            by_epoch.entry(epoch).or_insert(entry);
+        }
+    }
+    by_epoch.into_values().collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -54,6 +54,9 @@ pub struct PolicyRun {
     pub regions: Vec<String>,
     /// Everything the replay measured.
     pub output: ReplayOutput,
+    /// The cluster's tuning decisions (DESIGN.md's `tuning.jsonl` records tagged with
+    /// `policy` and `node`); empty when nothing was tuned.
+    pub tuning: Vec<serde_json::Value>,
 }
 
 /// Run the comparison. Stops (tearing everything down) when `cancel` fires, returning
@@ -159,9 +162,11 @@ async fn run_policy(
         pb
     });
     let output = replay(&cluster.info, items, bodies, &config, cancel.cancelled()).await?;
+    let tuning = crate::cluster::fetch_tuning(&cluster.info, policy).await;
     Ok(PolicyRun {
         policy: policy.to_owned(),
         regions,
         output,
+        tuning,
     })
 }

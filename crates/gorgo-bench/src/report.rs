@@ -46,8 +46,9 @@ pub fn to_record(policy: &str, o: &RequestOutcome) -> RequestRecord {
     }
 }
 
-/// Write `results.json`, `table.md`, `requests.csv` and the plots of `runs` under
-/// `out`, and return the console table. The dispatch slip of each policy (p50/p95/
+/// Write `results.json`, `table.md`, `requests.csv`, the plots and (when a cluster
+/// tuned its weights) `tuning.jsonl` of `runs` under `out`, and return the console
+/// table. The dispatch slip of each policy (p50/p95/
 /// p99/mean, ms) is added to the config under `"slip_ms"`; `"cancelled"` lists the
 /// policies whose replay was interrupted.
 pub fn write_report(
@@ -81,7 +82,10 @@ pub fn write_report(
             obj.insert("cancelled".into(), cancelled.into());
         }
     }
-    let report = Report::from_records(&config, records).map_err(report_err(out))?;
+    let tuning: Vec<&serde_json::Value> = runs.iter().flat_map(|r| &r.tuning).collect();
+    let report = Report::from_records(&config, records)
+        .and_then(|r| r.with_tuning(&tuning))
+        .map_err(report_err(out))?;
     report.write(out).map_err(report_err(out))?;
     Ok(render_table(&report))
 }

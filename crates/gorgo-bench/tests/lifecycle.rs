@@ -34,7 +34,7 @@ case "$cmd" in
   up)
     echo "up $policy $port" >> "{log}"
     if [ "$policy" = "broken" ]; then echo "engine failed to start" >&2; exit 3; fi
-    printf '{{"admin_token":"t","regions":[{{"name":"us","client_url":"{url}"}},{{"name":"eu","client_url":"{url}/"}}]}}' > "$dir/cluster.json" ;;
+    printf '{{"admin_token":"t","regions":[{{"name":"us","client_url":"{url}","admin_url":"{url}"}},{{"name":"eu","client_url":"{url}/"}}]}}' > "$dir/cluster.json" ;;
   down) echo "down $dir" >> "{log}" ;;
 esac
 "#,

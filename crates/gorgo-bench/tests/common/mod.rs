@@ -55,6 +55,19 @@ async fn chat(headers: HeaderMap, body: Bytes) -> Response {
         .unwrap()
 }
 
+/// A node's tuning view: two decisions, one of them reported twice, behind a token.
+async fn tuning(headers: HeaderMap) -> Response {
+    if headers.get("authorization").and_then(|h| h.to_str().ok()) != Some("Bearer t") {
+        return (StatusCode::UNAUTHORIZED, "token").into_response();
+    }
+    axum::Json(serde_json::json!({"history": [
+        {"epoch": 2, "accepted": false},
+        {"epoch": 1, "accepted": true},
+        {"epoch": 2, "accepted": false},
+    ]}))
+    .into_response()
+}
+
 pub struct Server {
     pub url: String,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
@@ -65,7 +78,9 @@ impl Server {
     pub async fn start() -> Server {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
-        let app = axum::Router::new().route("/v1/chat/completions", post(chat));
+        let app = axum::Router::new()
+            .route("/v1/chat/completions", post(chat))
+            .route("/admin/tuning", axum::routing::get(tuning));
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             axum::serve(listener, app)
