@@ -30,7 +30,10 @@ pub struct SimArgs {
     #[arg(long, default_value = "configs/topologies/three-region.toml")]
     topology: PathBuf,
     /// Comma-separated policies (`oracle` included), or `all`.
-    #[arg(long, default_value = "gorgo,least-load,least-request,prefix-cache,session-affinity,simple-session-affinity,oracle")]
+    #[arg(
+        long,
+        default_value = "gorgo,least-load,least-request,prefix-cache,session-affinity,simple-session-affinity,oracle"
+    )]
     policies: String,
     /// Multiplies inter-arrival times (< 1 compresses the trace and loads the engines).
     #[arg(long, default_value_t = 1.0)]
@@ -66,6 +69,10 @@ pub struct SimArgs {
     /// Only the first this many requests.
     #[arg(long)]
     max_requests: Option<u64>,
+    /// Shorten prompts so prompt + output fit this many tokens, as `gorgo compare
+    /// --max-context-tokens` does (default: leave them; longer ones fail).
+    #[arg(long)]
+    max_context_tokens: Option<u64>,
     /// Per-request rows kept per policy for requests.csv and exact percentiles; longer
     /// runs report from sketches (1% accuracy) and write no rows.
     #[arg(long, default_value_t = 200_000)]
@@ -94,7 +101,11 @@ fn network(t: &Topology) -> Network {
 }
 
 fn parse_policies(list: &str) -> anyhow::Result<Vec<PolicyKind>> {
-    let list = if list.trim() == "all" { ALL_POLICIES } else { list };
+    let list = if list.trim() == "all" {
+        ALL_POLICIES
+    } else {
+        list
+    };
     let mut out = Vec::new();
     for name in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let k = PolicyKind::from_str(name).with_context(|| format!("--policies: `{name}`"))?;
@@ -148,6 +159,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     cfg.region_seed = args.region_seed;
     cfg.max_rows = args.max_rows;
     cfg.max_requests = args.max_requests;
+    cfg.max_context_tokens = args.max_context_tokens;
     cfg.validate().context("simulation config")?;
 
     let config = json!({
@@ -167,6 +179,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         "max_hops": args.max_hops,
         "window_s": args.window_s,
         "max_requests": args.max_requests,
+        "max_context_tokens": args.max_context_tokens,
     });
 
     let mut runs: Vec<PolicyRun> = Vec::new();
@@ -187,8 +200,13 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
                 );
             }
         };
-        let run = simulate(&cfg, *kind, rows(&args.trace, args.window_s)?, &mut progress)
-            .with_context(|| format!("simulating {name}"))?;
+        let run = simulate(
+            &cfg,
+            *kind,
+            rows(&args.trace, args.window_s)?,
+            &mut progress,
+        )
+        .with_context(|| format!("simulating {name}"))?;
         let wall_s = started.elapsed().as_secs_f64();
         let c = &run.counters;
         eprintln!(

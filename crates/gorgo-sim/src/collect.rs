@@ -78,6 +78,11 @@ pub struct SimCounters {
     pub reordered_rows: u64,
     /// Virtual time at the end, ms.
     pub end_ms: f64,
+    /// Per region (distributed modes): each node's fitted prefill cost at the end, ms
+    /// per token (what it gossiped as `t_p`).
+    pub fitted_t_p_ms: Vec<f64>,
+    /// Per region (distributed modes): each node's fitted fixed TTFT cost at the end.
+    pub fitted_base_ms: Vec<f64>,
 }
 
 /// One `tuning.jsonl` line: the core's record plus the policy it tuned.

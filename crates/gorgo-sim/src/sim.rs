@@ -61,7 +61,14 @@ pub struct SimConfig {
     pub max_rows: usize,
     /// Stop after this many trace rows (`None`: all).
     pub max_requests: Option<u64>,
+    /// Shorten prompts so prompt + output fit this context, as `gorgo bench
+    /// --max-context-tokens` does (`None`: leave them; too long ones fail).
+    pub max_context_tokens: Option<u64>,
 }
+
+/// Tokens `gorgo bench` keeps free for the chat template when it shortens prompts to a
+/// context (its `CHAT_TEMPLATE_TOKENS`), so both shorten the same way.
+pub const CHAT_TEMPLATE_TOKENS: u64 = 64;
 
 impl SimConfig {
     /// Defaults of DESIGN.md around a network, one profile for every region.
@@ -80,6 +87,7 @@ impl SimConfig {
             region_seed: None,
             max_rows: 200_000,
             max_requests: None,
+            max_context_tokens: None,
         }
     }
 
@@ -518,10 +526,25 @@ impl<'a> Sim<'a> {
             send
         };
         let home = home_region(&row, index, &self.names, self.cfg.region_seed);
-        let chain = row.chain();
+        let mut row = row;
+        if let Some(max) = self.cfg.max_context_tokens {
+            let limit = max
+                .saturating_sub(u64::from(row.output_tokens))
+                .saturating_sub(CHAT_TEMPLATE_TOKENS)
+                .max(1);
+            row.input_tokens = row.input_tokens.min(limit);
+        }
+        let mut chain = row.chain();
+        // Blocks listed past the prompt's length (a trace's rounding, or a shortened
+        // prompt) are not part of the prompt.
+        let input = row.input_tokens.max(1);
+        while chain.len() > 1 && chain.prefix_tokens(chain.len() - 1) >= input {
+            chain.hashes.pop();
+            chain.block_tokens.pop();
+        }
         // Tokens past the chain are computed but never cached; with no block ids the
         // prompt is all "past the chain".
-        let prompt_tokens = row.input_tokens.max(chain.total_tokens()).max(1);
+        let prompt_tokens = input.max(chain.total_tokens());
         let flight = Flight {
             index,
             chain,
@@ -1075,7 +1098,10 @@ impl<'a> Sim<'a> {
         }
     }
 
-    fn finish(self) -> PolicyRun {
+    fn finish(mut self) -> PolicyRun {
+        let c = &mut self.out.run.counters;
+        c.fitted_t_p_ms = self.nodes.iter().map(|n| n.fit.t_p_ms()).collect();
+        c.fitted_base_ms = self.nodes.iter().map(|n| n.fit.base_ms()).collect();
         self.out.run
     }
 }

@@ -237,3 +237,30 @@ fn mooncake_slice_runs_if_present() {
     assert_eq!(r.counters.completed + r.counters.failed, 300);
     assert_eq!(r.counters.first_tokens, r.counters.completed);
 }
+
+#[test]
+fn max_context_shortens_instead_of_failing() {
+    let mut t = trace(8, 60.0, 20);
+    // A prompt far past the context, with block ids past its shortened length.
+    t[2].input_tokens = 200_000;
+    if let gorgo_workload::BlockIds::Int(ids) = &mut t[2].blocks {
+        ids.extend(1_000_000..1_000_800);
+    }
+    let mut cfg = config();
+    cfg.max_context_tokens = Some(cfg.profiles[0].context_length);
+    let r = run(&cfg, PolicyKind::Gorgo, &t);
+    check_conservation(&cfg, &r, t.len());
+    assert_eq!(r.counters.failed, 0);
+    let row = r
+        .rows
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|r| r.index == 2)
+        .unwrap();
+    assert!(row.ok);
+    assert_eq!(
+        row.input_tokens as u64,
+        cfg.profiles[0].context_length - row.output_tokens as u64 - gorgo_sim::CHAT_TEMPLATE_TOKENS
+    );
+}
