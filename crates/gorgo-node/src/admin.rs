@@ -86,14 +86,13 @@ async fn metrics(State(state): State<Arc<NodeState>>) -> Response {
 }
 
 async fn readyz(State(state): State<Arc<NodeState>>) -> Response {
-    let peers_alive = state.peers.peers().iter().filter(|p| p.alive).count();
-    if state.engine.is_healthy() || peers_alive > 0 {
+    // Ready means this node can serve a request itself: its own engine passed its last
+    // health check. Live peers alone are not enough: right after start a node may know
+    // its peers before it has an RTT sample or stats for them, and would answer 503.
+    if state.engine.is_ready() {
         (StatusCode::OK, "ready").into_response()
     } else {
-        error_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "no engine and no live peer",
-        )
+        error_response(StatusCode::SERVICE_UNAVAILABLE, "local engine not healthy")
     }
 }
 

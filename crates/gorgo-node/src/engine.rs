@@ -220,6 +220,8 @@ pub struct EngineAdapter {
     kind: EngineKind,
     health_path: String,
     healthy: AtomicBool,
+    /// True once a health check has succeeded: readiness needs evidence, not optimism.
+    confirmed: AtomicBool,
     scraped: RwLock<EngineMetrics>,
     kv_capacity_config: Option<u64>,
     first_byte_timeout: Duration,
@@ -254,6 +256,7 @@ impl EngineAdapter {
             // Optimistic until the first check: a node that starts beside a live engine
             // should serve at once; the first failed check flips it.
             healthy: AtomicBool::new(true),
+            confirmed: AtomicBool::new(false),
             scraped: RwLock::new(EngineMetrics::default()),
             kv_capacity_config: engine.kv_capacity_tokens,
             first_byte_timeout: Duration::from_millis(limits.first_byte_timeout_ms),
@@ -401,7 +404,16 @@ impl EngineAdapter {
             Ok(Ok(r)) if r.status().is_success()
         );
         self.set_healthy(ok);
+        if ok {
+            self.confirmed.store(true, Ordering::Relaxed);
+        }
         ok
+    }
+
+    /// True when the engine is healthy and at least one health check has confirmed it
+    /// (what `/readyz` reports).
+    pub fn is_ready(&self) -> bool {
+        self.confirmed.load(Ordering::Relaxed) && self.is_healthy()
     }
 
     /// One scrape of `/metrics`; failures keep the previous values.

@@ -1,0 +1,276 @@
+//! Online tuning through the real node driver: three in-process nodes on the mesh,
+//! `online` mode with a small window. Proposals propagate, epochs advance, every node
+//! routes with the leader's weights; a killed leader is replaced by the next-smallest
+//! id, which continues the line; the admin API shows the trajectory and switches modes.
+//!
+//! Time: the nodes tick on the real clock (gossip interval 20 ms); tests wait on the
+//! driver's epoch watch, never on a fixed sleep.
+mod common;
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use gorgo_core::tuning::Phase;
+use gorgo_core::{NodeId, Weights};
+use gorgo_node::mesh::Mesh;
+use serde_json::Value;
+
+const IDS: [&str; 3] = ["a", "b", "c"];
+
+const TUNING: &str = r#"
+[cluster]
+gossip_interval_ms = 20
+[tuning]
+mode = "online"
+window_requests = 6
+min_samples = 2
+window_max_ms = 600000
+startup_grace_ms = 0
+"#;
+
+struct Cluster {
+    mesh: Arc<Mesh>,
+    _engines: Vec<Arc<StubEngine>>,
+    nodes: Vec<TestNode>,
+}
+
+async fn cluster() -> Cluster {
+    let mesh = Mesh::new();
+    mesh.set_rtt("a", "b", 90.0);
+    mesh.set_rtt("a", "c", 180.0);
+    mesh.set_rtt("b", "c", 250.0);
+    let mut engines = Vec::new();
+    let mut nodes = Vec::new();
+    for id in IDS {
+        let engine = StubEngine::start(id).await;
+        nodes.push(start_node(config(id, &engine.url(), TUNING), Some(&mesh)).await);
+        engines.push(engine);
+    }
+    Cluster {
+        mesh,
+        _engines: engines,
+        nodes,
+    }
+}
+
+async fn chat_ok(node: &TestNode, i: usize) {
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&chat_body(
+            &prompt(&format!("q{i}"), 600),
+            i.is_multiple_of(2),
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    resp.bytes().await.unwrap();
+}
+
+/// Send requests round-robin to `nodes` until node `watch` follows epoch >= `epoch`.
+async fn drive_until(c: &Cluster, nodes: &[usize], watch: usize, epoch: u64) {
+    let state = c.nodes[watch].state();
+    for i in 0..2000 {
+        if state.tuning.epoch() >= epoch {
+            return;
+        }
+        chat_ok(&c.nodes[nodes[i % nodes.len()]], i).await;
+    }
+    panic!(
+        "epoch {} after 2000 requests, wanted {epoch}",
+        state.tuning.epoch()
+    );
+}
+
+/// (epoch, leader, weights) of every listed node.
+fn views(c: &Cluster, nodes: &[usize]) -> Vec<(u64, Option<NodeId>, Weights)> {
+    nodes
+        .iter()
+        .map(|&i| {
+            let v = c.nodes[i].state().tuning.view();
+            (v.epoch, v.leader, v.weights)
+        })
+        .collect()
+}
+
+/// Traffic stopped: wait (on epoch changes, not on a clock) until the listed nodes
+/// agree, as they must within a gossip round of the last proposal.
+async fn assert_agree(c: &Cluster, nodes: &[usize]) -> (u64, Option<NodeId>, Weights) {
+    let mut rx = c.nodes[nodes[0]].state().tuning.subscribe();
+    for _ in 0..10 {
+        let v = views(c, nodes);
+        if v.windows(2).all(|w| w[0] == w[1]) {
+            return v[0].clone();
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(2), rx.changed()).await;
+    }
+    panic!("nodes disagree: {:?}", views(c, nodes));
+}
+
+#[tokio::test]
+async fn three_nodes_follow_one_leader_and_epochs_advance() {
+    let c = cluster().await;
+    drive_until(&c, &[0, 1, 2], 0, 9).await;
+    let (epoch, leader, weights) = assert_agree(&c, &[0, 1, 2]).await;
+    assert!(epoch >= 9);
+    assert_eq!(leader, Some(NodeId::from("a")));
+    // Every node routes with the weights of the epoch it follows.
+    for n in &c.nodes {
+        assert_eq!(*n.state().weights.read(), weights);
+        assert_eq!(n.state().tuning.admit().weights, weights);
+    }
+    let a = c.nodes[0].state().tuning.view();
+    assert!(a.is_leader);
+    assert!(a.history.len() >= 4, "{} trials", a.history.len());
+    let epochs: BTreeSet<u64> = a.history.iter().map(|e| e.record.epoch).collect();
+    assert_eq!(epochs.len(), a.history.len(), "an epoch decided twice");
+    let bounds = c.nodes[0].state().tuning.config();
+    for e in &a.history {
+        assert_eq!(e.record.leader, NodeId::from("a"));
+        assert!(e.record.samples >= 6);
+        let w = e.record.candidate;
+        assert!(w.w_rtt >= bounds.w_rtt.min && w.w_rtt <= bounds.w_rtt.max);
+        assert!(w.w_queue >= bounds.w_queue.min && w.w_queue <= bounds.w_queue.max);
+    }
+    // Followers decide nothing.
+    for n in &c.nodes[1..] {
+        assert!(n.state().tuning.view().history.is_empty());
+        assert!(!n.state().tuning.is_leader());
+    }
+
+    // The admin API: trajectory in both formats, state and metrics.
+    let body: Value = client()
+        .get(format!("{}/admin/tuning", c.nodes[0].admin))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(body["mode"], "online");
+    assert_eq!(body["leader"], "a");
+    let history = body["history"].as_array().unwrap();
+    assert!(history.len() >= 4);
+    for k in [
+        "epoch",
+        "leader",
+        "candidate",
+        "incumbent",
+        "score_p95_ttft_ms",
+        "incumbent_p95_ttft_ms",
+        "p95_e2e_ms",
+        "sigma",
+        "accepted",
+        "samples",
+    ] {
+        assert!(history[0].get(k).is_some(), "{k} missing: {}", history[0]);
+    }
+    let paper = &body["es_trace"][0];
+    for k in [
+        "kind",
+        "step",
+        "score",
+        "best_score",
+        "best_params",
+        "candidate",
+        "sigma",
+        "accepted",
+        "rechenberg",
+    ] {
+        assert!(paper.get(k).is_some(), "{k} missing: {paper}");
+    }
+    let metrics = client()
+        .get(format!("{}/metrics", c.nodes[1].admin))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(metrics.contains("gorgo_tuning_epoch"), "{metrics}");
+}
+
+#[tokio::test]
+async fn killed_leader_is_replaced_by_the_next_smallest_id() {
+    let c = cluster().await;
+    drive_until(&c, &[0, 1, 2], 0, 5).await;
+    // Part of an epoch, then the leader dies before it closes.
+    chat_ok(&c.nodes[1], 1).await;
+    chat_ok(&c.nodes[2], 2).await;
+    let last = c.nodes[0].state().tuning.view();
+    let a_decided: BTreeSet<u64> = last.history.iter().map(|e| e.record.epoch).collect();
+    c.mesh.kill("a");
+    // b takes over within a tick of seeing a gone, from a's last proposal.
+    drive_until(&c, &[1, 2], 1, last.epoch + 5).await;
+    let (_, leader, _) = assert_agree(&c, &[1, 2]).await;
+    assert_eq!(leader, Some(NodeId::from("b")));
+    let b = c.nodes[1].state().tuning.view();
+    assert!(b.is_leader);
+    assert!(!b.history.is_empty());
+    assert!(b.trials.unwrap() >= last.trials.unwrap());
+    for e in &b.history {
+        assert_eq!(e.record.leader, NodeId::from("b"));
+        assert!(
+            e.record.epoch > last.epoch,
+            "epoch {} reused",
+            e.record.epoch
+        );
+        assert!(!a_decided.contains(&e.record.epoch));
+        // The line continues: b's steps count on from a's.
+        assert!(e.step > last.trials.unwrap());
+    }
+}
+
+#[tokio::test]
+async fn put_weights_switches_modes() {
+    let c = cluster().await;
+    drive_until(&c, &[0, 1, 2], 2, 2).await;
+    let put = |node: &TestNode, body: Value| {
+        let url = format!("{}/admin/weights", node.admin);
+        async move {
+            client()
+                .put(url)
+                .bearer_auth(TOKEN)
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    let c_node = &c.nodes[2];
+    let r = put(c_node, serde_json::json!({"w_rtt": 0.3, "w_queue": 0.2})).await;
+    assert_eq!(r.status(), 200);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["mode"], "static");
+    let fixed = Weights {
+        w_rtt: 0.3,
+        w_queue: 0.2,
+    };
+    assert_eq!(c_node.state().tuning.admit().weights, fixed);
+    // Static: proposals no longer move this node.
+    let before = c.nodes[0].state().tuning.epoch();
+    drive_until(&c, &[0, 1], 0, before + 2).await;
+    assert_eq!(c_node.state().tuning.weights(), fixed);
+    // Weights with a tuning mode make no sense; a lone weight neither.
+    let r = put(
+        c_node,
+        serde_json::json!({"w_rtt": 0.3, "w_queue": 0.2, "mode": "online"}),
+    )
+    .await;
+    assert_eq!(r.status(), 400);
+    let r = put(c_node, serde_json::json!({"w_rtt": 0.3})).await;
+    assert_eq!(r.status(), 400);
+    let r = put(c_node, serde_json::json!({"mode": "sometimes"})).await;
+    assert_eq!(r.status(), 400);
+    // Back online: it rejoins the running line at the leader's next announcement.
+    let r = put(c_node, serde_json::json!({"mode": "online"})).await;
+    assert_eq!(r.status(), 200);
+    let target = c.nodes[0].state().tuning.epoch() + 1;
+    drive_until(&c, &[0, 1], 2, target).await;
+    let (_, leader, _) = assert_agree(&c, &[0, 1, 2]).await;
+    assert_eq!(leader, Some(NodeId::from("a")));
+    assert_ne!(c_node.state().tuning.view().phase, Some(Phase::Frozen));
+}
