@@ -66,6 +66,19 @@ pub struct UpArgs {
     /// Seed of the relays' loss and jitter draws.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Tuning mode of every node: `static`, `online` or `tune-then-freeze`.
+    #[arg(long, default_value = "static")]
+    pub tuning: String,
+    /// Tuning trial window, requests cluster-wide (default: the node's, 128).
+    #[arg(long)]
+    pub tuning_window: Option<u32>,
+    /// Time cap of a quiet tuning window, ms (default: the node's, 60000).
+    #[arg(long)]
+    pub tuning_window_ms: Option<u64>,
+    /// Fewest samples a capped window is scored on (default: the node's, 32, at most the
+    /// window).
+    #[arg(long)]
+    pub tuning_min_samples: Option<u32>,
     /// Give up if the nodes are not all ready after this many seconds.
     #[arg(long, default_value_t = 60)]
     pub ready_timeout_s: u64,
@@ -367,6 +380,31 @@ fn node_config(
     text
 }
 
+/// The `[tuning]` table of every node (appended to the generated config); in
+/// `tune-then-freeze` the learned weights go to `<run-dir>/learned-weights-<region>.json`.
+fn tuning_toml(args: &UpArgs, region: &str) -> String {
+    let mut text = format!("\n[tuning]\nmode = {}\n", toml_str(&args.tuning));
+    let window = args.tuning_window;
+    if let Some(w) = window {
+        text += &format!("window_requests = {w}\n");
+    }
+    // A small window needs a matching minimum (default 32) to stay valid.
+    match (args.tuning_min_samples, window) {
+        (Some(m), _) => text += &format!("min_samples = {m}\n"),
+        (None, Some(w)) if w < 32 => text += &format!("min_samples = {}\n", w.div_ceil(2)),
+        _ => {}
+    }
+    if let Some(ms) = args.tuning_window_ms {
+        text += &format!("window_max_ms = {ms}\n");
+    }
+    if args.tuning == "tune-then-freeze" {
+        // Relative: resolved against the config's directory, the run directory.
+        let out = format!("learned-weights-{region}.json");
+        text += &format!("learned_weights_out = {}\n", toml_str(&out));
+    }
+    text
+}
+
 /// One plain HTTP/1.1 GET; the status code, or `None` if nothing answered.
 fn http_status(addr: SocketAddr, path: &str) -> Option<u16> {
     let timeout = Duration::from_secs(2);
@@ -476,6 +514,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             }
         };
         let config_path = run_dir.join(format!("node-{}.toml", r.name));
+        let config = tuning_toml(&args, &r.name);
         let config = node_config(
             &plan,
             i,
@@ -485,7 +524,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             &certs,
             &args.policy,
             &token,
-        );
+        ) + &config;
         std::fs::write(&config_path, config)
             .with_context(|| format!("writing {}", config_path.display()))?;
         children.spawn(
