@@ -223,9 +223,15 @@ pub async fn start_with_credentials(
             .filter(|a| !config.cluster.seeds.contains(a)),
     );
     cc.gossip_interval = std::time::Duration::from_millis(config.cluster.gossip_interval_ms);
+    cc.dial_overrides = config
+        .cluster
+        .dial_overrides
+        .iter()
+        .map(|(&advertised, &dial)| (advertised, dial))
+        .collect();
     if !config.cluster.peers.is_empty() {
-        tracing::warn!(
-            "cluster.peers: dial addresses are used as seeds; per-peer dial overrides need support in gorgo-cluster"
+        tracing::info!(
+            "cluster.peers: used as seeds; to dial a peer somewhere other than what it advertises, use cluster.dial_overrides"
         );
     }
     let summary = SharedSummary::new(LocalSummary::new(), gorgo_cluster::system_clock());

@@ -137,6 +137,12 @@ pub struct ClusterSection {
     /// to that pair.
     #[serde(default)]
     pub peers: BTreeMap<String, SocketAddr>,
+    /// Dial addresses by advertised address (`"advertised" = "dial"`): to reach a peer
+    /// that advertises the key (seeds included), dial the value instead, e.g. a
+    /// WAN-emulation relay or a NAT. Keyed by address, not node id, because a peer's
+    /// id is only known after the first exchange, its advertised address before.
+    #[serde(default)]
+    pub dial_overrides: BTreeMap<SocketAddr, SocketAddr>,
     /// Gossip interval for summaries and queue stats, ms.
     #[serde(default = "default_gossip_interval_ms")]
     pub gossip_interval_ms: u64,
@@ -147,6 +153,7 @@ impl Default for ClusterSection {
         ClusterSection {
             seeds: Vec::new(),
             peers: BTreeMap::new(),
+            dial_overrides: BTreeMap::new(),
             gossip_interval_ms: default_gossip_interval_ms(),
         }
     }
@@ -730,6 +737,63 @@ token = "secret-token"
         let c = NodeConfig::from_toml_str(&text).unwrap();
         assert_eq!(c.cluster.peers["b"], "127.0.0.9:7001".parse().unwrap());
         assert_eq!(c.cluster.seeds.len(), 1);
+    }
+
+    #[test]
+    fn dial_overrides_parse_by_address() {
+        let text = format!(
+            "{MINIMAL}\n[cluster]\nseeds = [\"127.0.0.12:9000\"]\n[cluster.dial_overrides]\n\"127.0.0.12:9000\" = \"127.0.1.1:9000\"\n"
+        );
+        let c = NodeConfig::from_toml_str(&text).unwrap();
+        assert_eq!(
+            c.cluster.dial_overrides[&"127.0.0.12:9000".parse().unwrap()],
+            "127.0.1.1:9000".parse().unwrap()
+        );
+        let text = format!("{MINIMAL}\n[cluster.dial_overrides]\nfrankfurt = \"127.0.1.1:9000\"\n");
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        assert!(e.contains("address"), "{e}");
+    }
+
+    #[test]
+    fn tuning_config_defaults_follow_the_policy() {
+        use gorgo_core::policy::PolicyKind;
+        let c = NodeConfig::from_toml_str(MINIMAL).unwrap();
+        let t = c.tuning.core_config(PolicyKind::GorgoPaper, None).unwrap();
+        assert_eq!((t.window, t.min_samples), (128, 32));
+        assert_eq!((t.w_rtt.start, t.w_rtt.min, t.w_rtt.max), (0.5, 0.05, 2.0));
+        assert_eq!((t.w_queue.start, t.w_queue.max), (0.1, 0.5));
+        let t = c.tuning.core_config(PolicyKind::Gorgo, None).unwrap();
+        assert_eq!((t.w_rtt.start, t.w_rtt.max), (1.0, 4.0));
+        // A learned start is clipped into the bounds.
+        let learned = Weights {
+            w_rtt: 0.276,
+            w_queue: 9.0,
+        };
+        let t = c
+            .tuning
+            .core_config(PolicyKind::GorgoPaper, Some(learned))
+            .unwrap();
+        assert_eq!((t.w_rtt.start, t.w_queue.start), (0.276, 0.5));
+    }
+
+    #[test]
+    fn tuning_errors_name_the_field() {
+        for (extra, field) in [
+            ("window_requests = 0", "tuning.window_requests"),
+            ("min_samples = 500", "tuning.min_samples"),
+            ("sigma0 = -1.0", "tuning.sigma0"),
+            ("e2e_guard = -0.5", "tuning.e2e_guard"),
+            (
+                "w_rtt = { start = 5.0, min = 0.05, max = 2.0 }",
+                "tuning.w_rtt",
+            ),
+            ("mode = \"sometimes\"", "sometimes"),
+            ("windw = 3", "windw"),
+        ] {
+            let text = format!("{MINIMAL}\n[tuning]\n{extra}\n");
+            let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+            assert!(e.contains(field), "{extra}: {e}");
+        }
     }
 
     #[test]

@@ -1,0 +1,96 @@
+//! Online tuning over the real QUIC cluster: proposals and reports travel on the
+//! cluster's application channel (mutual TLS). Node `a` advertises an address nothing
+//! listens on; `b` reaches it only through `[cluster.dial_overrides]`, so the test also
+//! shows the node wires that table into the cluster.
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use gorgo_core::NodeId;
+use gorgo_node::NodeListeners;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+fn free_udp() -> std::net::SocketAddr {
+    let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    udp.local_addr().unwrap()
+}
+
+async fn quic_node(
+    id: &str,
+    engine: &StubEngine,
+    ca: &gorgo_cluster::ClusterCa,
+    advertise: Option<std::net::SocketAddr>,
+    cluster: &str,
+) -> (gorgo_node::NodeHandle, CancellationToken) {
+    let tuning =
+        "[tuning]\nmode = \"online\"\nwindow_requests = 4\nmin_samples = 2\nstartup_grace_ms = 0\n";
+    let mut cfg = config(id, &engine.url(), &format!("{cluster}\n{tuning}"));
+    cfg.listen.quic = free_udp();
+    cfg.listen.advertise_quic = advertise;
+    let creds = ca.issue(&NodeId::from(id)).unwrap().credentials;
+    let listeners = NodeListeners {
+        http: TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        admin: TcpListener::bind("127.0.0.1:0").await.unwrap(),
+    };
+    let shutdown = CancellationToken::new();
+    let handle =
+        gorgo_node::cluster::start_with_credentials(cfg, creds, listeners, shutdown.clone())
+            .await
+            .unwrap();
+    (handle, shutdown)
+}
+
+#[tokio::test]
+async fn proposals_and_reports_travel_over_quic_through_a_dial_override() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let ca = gorgo_cluster::ClusterCa::generate("test CA").unwrap();
+    let (ea, eb) = (StubEngine::start("a").await, StubEngine::start("b").await);
+    // `a` advertises an address nothing listens on, as behind a relay.
+    let a_advertised = free_udp();
+    let gossip = "[cluster]\ngossip_interval_ms = 50\n";
+    let (a, a_stop) = quic_node("a", &ea, &ca, Some(a_advertised), gossip).await;
+    let b_cluster = format!(
+        "[cluster]\nseeds = [\"{a_advertised}\"]\ngossip_interval_ms = 50\n\
+         [cluster.dial_overrides]\n\"{a_advertised}\" = \"{}\"\n",
+        a.state.config.listen.quic
+    );
+    let (b, b_stop) = quic_node("b", &eb, &ca, None, &b_cluster).await;
+
+    // Clients talk to b only: a (the leader, smallest id) can fill its windows only
+    // from b's reports, and b routes with a's proposals.
+    let mut b_epoch = b.state.tuning.subscribe();
+    let base = format!("http://{}", b.http_addr);
+    let drive = async {
+        for i in 0usize.. {
+            let v = b.state.tuning.view();
+            if v.epoch >= 5 && v.leader == Some("a".into()) {
+                return;
+            }
+            let resp = client()
+                .post(format!("{base}/v1/chat/completions"))
+                .json(&chat_body(&prompt(&format!("p{i}"), 300), false))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200);
+            resp.bytes().await.unwrap();
+            if i % 4 == 3 {
+                // Give the report a round to reach a: wait for b's epoch to move
+                // (bounded, not a fixed sleep).
+                let _ = tokio::time::timeout(Duration::from_millis(500), b_epoch.changed()).await;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), drive)
+        .await
+        .expect("b never followed a's epochs");
+    let view = a.state.tuning.view();
+    assert!(view.is_leader);
+    assert!(!view.history.is_empty(), "a decided nothing");
+    // Every sample a decided on came from b.
+    assert!(view.history.iter().all(|e| e.record.samples >= 2));
+    a_stop.cancel();
+    b_stop.cancel();
+}
