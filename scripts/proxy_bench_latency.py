@@ -130,6 +130,16 @@ def percentile(values, p):
     return s[int(rank) - 1]
 
 
+def output_tokens(data, stream):
+    """Completion tokens in a response: content deltas (stream) or usage (JSON)."""
+    if stream:
+        return data.count(b'"content"') - data.count(b'"content":""')
+    try:
+        return json.loads(data)["usage"]["completion_tokens"]
+    except (ValueError, KeyError, TypeError):
+        return -1
+
+
 def make_prompts(n, seed):
     """n distinct chat prompts of 200 to 4000 bytes (deterministic)."""
     rng = random.Random(seed)
@@ -176,13 +186,22 @@ def main():
     prompts = make_prompts(args.requests, args.seed)
     results = {"config": vars(args), "modes": {}}
 
-    for mode in args.modes.split(","):
-        stream = mode == "stream"
-        samples = {name: {"ttft": [], "e2e": []} for name, _ in targets}
-        paired = {name: {"ttft": [], "e2e": []} for name, _ in targets[1:]}
-        errors = {name: 0 for name, _ in targets}
-        for rnd in range(-args.warmup, args.requests):
-            prompt = prompts[rnd % len(prompts)]
+    modes = args.modes.split(",")
+    state = {}
+    for mode in modes:
+        state[mode] = {
+            "samples": {name: {"ttft": [], "e2e": []} for name, _ in targets},
+            "paired": {name: {"ttft": [], "e2e": []} for name, _ in targets[1:]},
+            "errors": {name: 0 for name, _ in targets},
+            "tokens": {name: set() for name, _ in targets},
+        }
+    # Rounds interleave modes as well as targets, so that a burst of load from
+    # elsewhere on the machine hits every (mode, target) alike.
+    for rnd in range(-args.warmup, args.requests):
+        prompt = prompts[rnd % len(prompts)]
+        for mode in modes:
+            stream = mode == "stream"
+            st = state[mode]
             body = body_for(prompt, stream, args.max_tokens, args.model)
             order = targets[rnd % len(targets):] + targets[:rnd % len(targets)]
             got = {}
@@ -191,27 +210,38 @@ def main():
                     status, ttft, e2e, data = conn.request("/v1/chat/completions", body)
                 except (OSError, HttpError, ValueError) as e:
                     conn.close()
-                    errors[name] += 1
+                    st["errors"][name] += 1
                     print(f"{mode} {name}: {e}", file=sys.stderr)
                     continue
                 if status != 200 or (stream and b"[DONE]" not in data):
-                    errors[name] += 1
+                    st["errors"][name] += 1
                     print(f"{mode} {name}: status {status}: {data[:200]!r}", file=sys.stderr)
                     continue
                 got[name] = (ttft, e2e)
+                st["tokens"][name].add(output_tokens(data, stream))
             if rnd < 0:
                 continue
             for name, (ttft, e2e) in got.items():
-                samples[name]["ttft"].append(ttft * 1000)
-                samples[name]["e2e"].append(e2e * 1000)
+                st["samples"][name]["ttft"].append(ttft * 1000)
+                st["samples"][name]["e2e"].append(e2e * 1000)
             if direct in got:
-                for name in paired:
+                for name in st["paired"]:
                     if name in got:
-                        paired[name]["ttft"].append((got[name][0] - got[direct][0]) * 1000)
-                        paired[name]["e2e"].append((got[name][1] - got[direct][1]) * 1000)
+                        st["paired"][name]["ttft"].append((got[name][0] - got[direct][0]) * 1000)
+                        st["paired"][name]["e2e"].append((got[name][1] - got[direct][1]) * 1000)
+
+    for mode in modes:
+        samples, paired = state[mode]["samples"], state[mode]["paired"]
+        errors, tokens = state[mode]["errors"], state[mode]["tokens"]
         out = {}
         for name, _ in targets:
-            row = {"requests": len(samples[name]["e2e"]), "errors": errors[name]}
+            row = {"requests": len(samples[name]["e2e"]), "errors": errors[name],
+                   "output_tokens_seen": sorted(tokens[name])}
+            if tokens[name] != {args.max_tokens}:
+                # A proxy that rewrites the request (e.g. max_tokens) is not comparable.
+                print(f"{mode} {name}: output tokens {sorted(tokens[name])}, "
+                      f"expected {args.max_tokens}", file=sys.stderr)
+                row["errors"] += 1
             for metric in ("ttft", "e2e"):
                 vals = samples[name][metric]
                 row[f"{metric}_ms"] = {
