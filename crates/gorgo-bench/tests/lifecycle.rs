@@ -175,6 +175,25 @@ async fn clusters_come_up_and_always_go_down() {
     }
     assert_eq!(log.iter().filter(|l| l.starts_with("down")).count(), 2);
 
+    // Sequential: each cluster is down before the next one comes up.
+    std::fs::remove_file(tmp.path().join("calls.log")).unwrap();
+    let sequential = CompareSpec {
+        sequential: true,
+        ..spec.clone()
+    };
+    let runs = compare(&sequential, Arc::new(requests(3)), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(
+        runs.iter().map(|r| r.output.outcomes.len()).sum::<usize>(),
+        6
+    );
+    let kinds: Vec<String> = calls(tmp.path())
+        .iter()
+        .map(|l| l.split(' ').next().unwrap().to_owned())
+        .collect();
+    assert_eq!(kinds, vec!["up", "down", "up", "down"]);
+
     // A comparison whose second cluster fails: the first one still goes down.
     std::fs::remove_file(tmp.path().join("calls.log")).unwrap();
     let spec = CompareSpec {
