@@ -72,6 +72,20 @@ pub async fn compare(
             reason: "no policy given".into(),
         });
     }
+    for (i, p) in spec.policies.iter().enumerate() {
+        if spec.policies[..i].contains(p) {
+            return Err(BenchError::InvalidConfig {
+                field: "policies",
+                reason: format!("`{p}` listed twice (each policy gets one cluster and run dir)"),
+            });
+        }
+        if p.is_empty() || p.contains(['/', '\\']) || p == "." || p == ".." {
+            return Err(BenchError::InvalidConfig {
+                field: "policies",
+                reason: format!("`{p}` is not a policy name"),
+            });
+        }
+    }
     let mut sequential = spec.sequential;
     let has_base_port = supports_flag(&spec.exe, "up", "--base-port").await;
     if !sequential && !has_base_port && spec.policies.len() > 1 {

@@ -194,6 +194,21 @@ async fn clusters_come_up_and_always_go_down() {
         .collect();
     assert_eq!(kinds, vec!["up", "down", "up", "down"]);
 
+    // Duplicate or path-like policy names are refused before anything starts.
+    for bad in [
+        vec!["p1".to_owned(), "p1".to_owned()],
+        vec!["../x".to_owned()],
+    ] {
+        let spec = CompareSpec {
+            policies: bad,
+            ..spec.clone()
+        };
+        let err = compare(&spec, Arc::new(requests(1)), CancellationToken::new())
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("policies"), "{err}");
+    }
+
     // A comparison whose second cluster fails: the first one still goes down.
     std::fs::remove_file(tmp.path().join("calls.log")).unwrap();
     let spec = CompareSpec {
