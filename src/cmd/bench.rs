@@ -427,3 +427,62 @@ fn finish(out: &Path, cfg: serde_json::Value, runs: &[PolicyRun]) -> anyhow::Res
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Demo {
+        #[command(flatten)]
+        args: DemoArgs,
+    }
+
+    #[derive(Parser)]
+    struct Load {
+        #[command(flatten)]
+        args: LoadArgs,
+    }
+
+    fn load(argv: &[&str]) -> LoadArgs {
+        Load::try_parse_from(std::iter::once("t").chain(argv.iter().copied()))
+            .unwrap()
+            .args
+    }
+
+    #[test]
+    fn demo_needs_no_arguments() {
+        let d = Demo::try_parse_from(["demo"]).unwrap().args;
+        assert_eq!(d.policies.split(',').count(), 6);
+        assert_eq!(d.engine_profile, DEFAULT_ENGINE_PROFILE);
+        assert!(DEMO_TOPOLOGY.contains("us-ashburn"));
+    }
+
+    #[test]
+    fn load_flags_become_a_replay_config() {
+        let c = load(&[
+            "--time-scale",
+            "0.5",
+            "--concurrency",
+            "8",
+            "--duration",
+            "30",
+        ])
+        .replay_config()
+        .unwrap();
+        assert_eq!(c.mode, LoadMode::Open { time_scale: 0.5 });
+        assert_eq!(c.max_in_flight, Some(8));
+        assert_eq!(c.duration, Some(Duration::from_secs(30)));
+        let c = load(&["--mode", "closed"]).replay_config().unwrap();
+        assert_eq!(c.mode, LoadMode::Closed { concurrency: 64 });
+        assert_eq!(c.max_in_flight, None);
+        for (bad, field) in [
+            ("--timeout-s=0", "timeout-s"),
+            ("--duration=-1", "duration"),
+        ] {
+            let err = load(&[bad]).replay_config().unwrap_err().to_string();
+            assert!(err.contains(field), "{err}");
+        }
+    }
+}
