@@ -63,7 +63,8 @@ pub struct SimArgs {
     /// The max-hops guard.
     #[arg(long, default_value_t = 1)]
     max_hops: u8,
-    /// Only the first this many seconds of the trace.
+    /// Only requests with a trace timestamp before this many seconds (as `gorgo
+    /// compare --window`).
     #[arg(long)]
     window_s: Option<f64>,
     /// Only the first this many requests.
@@ -73,6 +74,11 @@ pub struct SimArgs {
     /// --max-context-tokens` does (default: leave them; longer ones fail).
     #[arg(long)]
     max_context_tokens: Option<u64>,
+    /// Hash prompts as a live replay does (synthesised chat body, node rendering,
+    /// 256-byte blocks) rather than from trace block ids; slower, for comparisons with
+    /// `gorgo compare`.
+    #[arg(long)]
+    live_chains: bool,
     /// Per-request rows kept per policy for requests.csv and exact percentiles; longer
     /// runs report from sketches (1% accuracy) and write no rows.
     #[arg(long, default_value_t = 200_000)]
@@ -119,21 +125,29 @@ fn parse_policies(list: &str) -> anyhow::Result<Vec<PolicyKind>> {
     Ok(out)
 }
 
-/// The trace's rows, cut to the first `window_s` seconds after its first row.
+/// The trace's rows with a timestamp before `window_s` seconds, as `gorgo bench
+/// --window` selects them (trace time, before rebasing and `--time-scale`).
 fn rows(
     path: &Path,
     window_s: Option<f64>,
 ) -> anyhow::Result<impl Iterator<Item = Result<TraceRequest, WorkloadError>>> {
     let reader = open_trace(path).with_context(|| format!("--trace {}", path.display()))?;
     let limit_ms = window_s.map(|w| w * 1000.0);
-    let mut origin = None;
-    Ok(reader.take_while(move |row| match (row, limit_ms) {
-        (Ok(r), Some(limit)) => {
-            let o = *origin.get_or_insert(r.timestamp_ms);
-            (r.timestamp_ms.saturating_sub(o) as f64) < limit
-        }
-        _ => true,
-    }))
+    // Traces are (nearly) sorted: keep reading past a late row, like the bench does,
+    // but stop once rows are well past the window.
+    let mut past = 0u32;
+    Ok(reader
+        .take_while(move |row| match (row, limit_ms) {
+            (Ok(r), Some(limit)) if r.timestamp_ms as f64 >= limit => {
+                past += 1;
+                past < 1024
+            }
+            _ => true,
+        })
+        .filter(move |row| match (row, limit_ms) {
+            (Ok(r), Some(limit)) => (r.timestamp_ms as f64) < limit,
+            _ => true,
+        }))
 }
 
 /// Run the simulation for every policy and write the report.
@@ -160,6 +174,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     cfg.max_rows = args.max_rows;
     cfg.max_requests = args.max_requests;
     cfg.max_context_tokens = args.max_context_tokens;
+    cfg.live_chains = args.live_chains;
     cfg.validate().context("simulation config")?;
 
     let config = json!({
@@ -180,6 +195,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         "window_s": args.window_s,
         "max_requests": args.max_requests,
         "max_context_tokens": args.max_context_tokens,
+        "live_chains": args.live_chains,
     });
 
     let mut runs: Vec<PolicyRun> = Vec::new();

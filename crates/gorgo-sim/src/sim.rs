@@ -64,6 +64,12 @@ pub struct SimConfig {
     /// Shorten prompts so prompt + output fit this context, as `gorgo bench
     /// --max-context-tokens` does (`None`: leave them; too long ones fail).
     pub max_context_tokens: Option<u64>,
+    /// Build each prompt's chain the way a live replay does (synthesise the chat body
+    /// like `gorgo bench`, render and hash it like the node: 256-byte blocks, 4 bytes
+    /// per token) instead of from the trace's block ids. Slower; for side-by-side
+    /// comparisons with `gorgo compare`, where hash-keyed policies then pick the same
+    /// regions.
+    pub live_chains: bool,
 }
 
 /// Tokens `gorgo bench` keeps free for the chat template when it shortens prompts to a
@@ -88,6 +94,7 @@ impl SimConfig {
             max_rows: 200_000,
             max_requests: None,
             max_context_tokens: None,
+            live_chains: false,
         }
     }
 
@@ -159,6 +166,23 @@ fn session_key(req: &TraceRequest) -> Option<u64> {
         (None, u) => u.clone(),
     };
     s.map(|s| hash_bytes(s.as_bytes()))
+}
+
+/// The `model` field `gorgo bench` sends by default.
+const BENCH_MODEL: &str = "gorgo-emulated";
+
+/// The chain and prompt tokens the node computes for the body `gorgo bench` sends.
+fn live_chain(row: &TraceRequest) -> (HashChain, u64) {
+    let body = gorgo_workload::chat_body(row, BENCH_MODEL);
+    match gorgo_core::prompt::canonicalize(gorgo_core::Endpoint::Chat, &body) {
+        Ok(canonical) => {
+            let chain = gorgo_core::PromptHasher::default().chain(&canonical);
+            let tokens = chain.total_tokens().max(1);
+            (chain, tokens)
+        }
+        // Cannot happen for a body we built; fall back to an uncacheable prompt.
+        Err(_) => (HashChain::default(), row.input_tokens.max(1)),
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -534,17 +558,22 @@ impl<'a> Sim<'a> {
                 .max(1);
             row.input_tokens = row.input_tokens.min(limit);
         }
-        let mut chain = row.chain();
-        // Blocks listed past the prompt's length (a trace's rounding, or a shortened
-        // prompt) are not part of the prompt.
-        let input = row.input_tokens.max(1);
-        while chain.len() > 1 && chain.prefix_tokens(chain.len() - 1) >= input {
-            chain.hashes.pop();
-            chain.block_tokens.pop();
-        }
-        // Tokens past the chain are computed but never cached; with no block ids the
-        // prompt is all "past the chain".
-        let prompt_tokens = input.max(chain.total_tokens());
+        let (chain, prompt_tokens) = if self.cfg.live_chains {
+            live_chain(&row)
+        } else {
+            let mut chain = row.chain();
+            // Blocks listed past the prompt's length (a trace's rounding, or a
+            // shortened prompt) are not part of the prompt.
+            let input = row.input_tokens.max(1);
+            while chain.len() > 1 && chain.prefix_tokens(chain.len() - 1) >= input {
+                chain.hashes.pop();
+                chain.block_tokens.pop();
+            }
+            // Tokens past the chain are computed but never cached; with no block ids
+            // the prompt is all "past the chain".
+            let prompt_tokens = input.max(chain.total_tokens());
+            (chain, prompt_tokens)
+        };
         let flight = Flight {
             index,
             chain,

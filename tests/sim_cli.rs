@@ -1,0 +1,170 @@
+//! `gorgo sim` end to end: generate a small trace with `gorgo trace generate`, simulate
+//! it for a few policies plus the oracle with tuning, and check the report files and
+//! their schema (DESIGN.md, Interfaces).
+
+use std::path::Path;
+use std::process::Command;
+
+fn gorgo() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_gorgo"))
+}
+
+fn topology() -> String {
+    concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/configs/topologies/three-region.toml"
+    )
+    .to_owned()
+}
+
+fn generate(dir: &Path) -> std::path::PathBuf {
+    let trace = dir.join("trace.jsonl");
+    let out = gorgo()
+        .args([
+            "trace",
+            "generate",
+            "--seed",
+            "3",
+            "--duration-s",
+            "120",
+            "--users",
+            "40",
+        ])
+        .arg("--out")
+        .arg(&trace)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    trace
+}
+
+#[test]
+fn sim_writes_the_compare_report_with_tuning_and_oracle_gap() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = generate(dir.path());
+    let out_dir = dir.path().join("out");
+    let out = gorgo()
+        .args([
+            "sim",
+            "--policies",
+            "gorgo,least-load,oracle",
+            "--tune",
+            "--tuning-window",
+            "16",
+        ])
+        .args([
+            "--time-scale",
+            "0.5",
+            "--seed",
+            "1",
+            "--topology",
+            &topology(),
+        ])
+        .arg("--trace")
+        .arg(&trace)
+        .arg("--out")
+        .arg(&out_dir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("Distributed vs oracle"), "{stdout}");
+    for f in [
+        "results.json",
+        "table.md",
+        "requests.csv",
+        "ttft_cdf.svg",
+        "region_share.svg",
+        "sim.json",
+        "tuning.jsonl",
+    ] {
+        assert!(out_dir.join(f).exists(), "{f} missing");
+    }
+    let results: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out_dir.join("results.json")).unwrap()).unwrap();
+    for p in ["gorgo", "least-load", "oracle"] {
+        let r = &results["policies"][p];
+        for k in [
+            "requests",
+            "failed",
+            "duration_s",
+            "throughput_rps",
+            "ttft_ms",
+            "e2e_ms",
+            "itl_ms",
+            "region_share",
+            "forwarded_share",
+        ] {
+            assert!(r.get(k).is_some(), "{p}.{k} missing: {r}");
+        }
+        for q in ["p50", "p95", "p99", "mean"] {
+            assert!(r["ttft_ms"][q].as_f64().is_some(), "{p}.ttft_ms.{q}");
+        }
+    }
+    let sim: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out_dir.join("sim.json")).unwrap()).unwrap();
+    assert!(sim["oracle_gap"]["p95_ttft_ratio"].as_f64().unwrap() > 0.0);
+    for run in sim["runs"].as_array().unwrap() {
+        let c = &run["counters"];
+        assert_eq!(
+            c["requests"],
+            results["policies"][run["policy"].as_str().unwrap()]["requests"]
+        );
+        assert_eq!(c["unexpected_events"], 0);
+    }
+    let tuning = std::fs::read_to_string(out_dir.join("tuning.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(tuning.lines().next().unwrap()).unwrap();
+    for k in [
+        "epoch",
+        "leader",
+        "candidate",
+        "incumbent",
+        "score_p95_ttft_ms",
+        "incumbent_p95_ttft_ms",
+        "p95_e2e_ms",
+        "sigma",
+        "accepted",
+        "samples",
+    ] {
+        assert!(first.get(k).is_some(), "tuning.jsonl lacks {k}: {first}");
+    }
+}
+
+#[test]
+fn sim_rejects_bad_input_with_the_flag_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = generate(dir.path());
+    let run = |extra: &[&str]| {
+        gorgo()
+            .args(["sim", "--topology", &topology()])
+            .arg("--trace")
+            .arg(&trace)
+            .arg("--out")
+            .arg(dir.path().join("o"))
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["--policies", "gorgo,nope"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--policies"));
+    let out = run(&["--time-scale", "0"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("time_scale"));
+    let out = gorgo()
+        .args(["sim", "--trace", "/nonexistent/trace.jsonl", "--out"])
+        .arg(dir.path().join("o"))
+        .args(["--topology", &topology()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--trace"));
+}
