@@ -67,7 +67,8 @@ cleanup() {
   stop_all
   rm -rf "$WORK"
 }
-trap cleanup EXIT INT TERM
+trap cleanup EXIT
+trap "exit 130" INT TERM
 
 # Others may rebuild target/release while this runs: use a copy.
 cp "$ROOT/target/release/gorgo" "$WORK/gorgo"
