@@ -4,11 +4,15 @@
 #
 #   bash scripts/real-engine-e2e.sh            # everything: venv, model, check, 4 policies, report
 #
+# llama-cpp-python's server takes its model lock for /v1/models too, so a health check
+# there waits behind a long prefill; the nodes check /docs (a static page) instead.
+#
 # Steps: a Python venv with llama-cpp-python (reused when it works), a tiny GGUF model
 # (../shared/tools/tiny_gguf.py), a release build of gorgo, a generated multi-turn session
 # workload, then for each policy: fresh llama servers, `gorgo up --engine-url ...
 # --engine-kind openai --detach`, `gorgo bench`, the nodes' /admin/state, `gorgo down`,
-# servers stopped. Before the first replay the official `openai` client is checked
+# servers stopped. First one server is calibrated (cold prefill cost: the nodes' seeds).
+# Before the first replay the official `openai` client is checked
 # through a node against the engine it fronts (streaming and not). Last, the comparison
 # report (results.json, table.md, evidence of the engines' own prefix caching).
 # Every process started here is stopped on exit, success or not.
@@ -18,9 +22,11 @@
 #   GORGO_REAL_OUT       output dir (default out/real-engine)
 #   GORGO_REAL_POLICIES  comma-separated (default gorgo,round-robin,least-request,session-affinity)
 #   GORGO_REAL_SEED      workload seed (default 1)
-#   GORGO_REAL_USERS     users in the workload (default 30)
+#   GORGO_REAL_USERS     users in the workload (default 24)
 #   GORGO_REAL_SECONDS   trace window in seconds, one policy's replay (default 210)
 #   GORGO_REAL_THREADS   llama.cpp threads per server (default 1)
+#   GORGO_REAL_CACHE_MB  each server's RAM prompt cache, MiB (default 128; 0: one context only)
+#   GORGO_REAL_KV_TOKENS the nodes' assumed engine cache, node tokens (default from the above)
 #   GORGO_BIN            use this gorgo binary instead of building target/release/gorgo
 #   GORGO_REAL_STRICT=1  exit non-zero unless gorgo's p95 TTFT beats round-robin's and least-request's
 set -euo pipefail
@@ -31,7 +37,7 @@ VENV=${GORGO_LLAMA_VENV:-$HOME/.cache/gorgo/llama-venv}
 OUT=${GORGO_REAL_OUT:-out/real-engine}
 POLICIES=${GORGO_REAL_POLICIES:-gorgo,round-robin,least-request,session-affinity}
 SEED=${GORGO_REAL_SEED:-1}
-USERS=${GORGO_REAL_USERS:-30}
+USERS=${GORGO_REAL_USERS:-24}
 SECONDS_WINDOW=${GORGO_REAL_SECONDS:-210}
 THREADS=${GORGO_REAL_THREADS:-1}
 TOPOLOGY=configs/topologies/three-region.toml
@@ -39,9 +45,24 @@ TOOLS=../shared/tools
 LLAMA_PORT0=18410   # llama servers: 18410, 18411, ... (127.0.0.1)
 BASE_PORT=19100     # gorgo up's port block, away from the default 7100 and compare's 17100
 N_CTX=8192
-# The node's prompt-length estimate is 4 bytes per token; this model's tokenizer makes
-# about 3.4 tokens of those 4 bytes, so the 8,192-token context holds ~2,400 node tokens.
-KV_NODE_TOKENS=2400
+# The engines' prefix cache. A plain llama.cpp server keeps one context: the last prompt
+# it ran; any other prompt in between evicts it, and with tens of sessions interleaving
+# on each server no policy gets reuse (docs/real-engine.md). llama-cpp-python's RAM
+# prompt cache (--cache) keeps the states of recent prompts, LRU within CACHE_MB, and
+# restores the longest matching prefix: a real multi-prefix cache like vLLM's or SGLang's.
+CACHE_MB=${GORGO_REAL_CACHE_MB:-128}
+# What each node assumes its engine caches, in the node's tokens (4 bytes each; this
+# model's tokenizer makes about 3.4 of its own tokens of those 4 bytes). A saved state
+# takes ~4 KiB per model token (4 layers x 256 x K,V x f16), and each state is a full
+# copy of its prompt, shared prefixes included (hence ~0.6 of the raw figure):
+# 128 MiB ~ 5,800 node tokens. With one context, about one of the longest prompts.
+if [ "$CACHE_MB" -gt 0 ]; then
+  KV_NODE_TOKENS=${GORGO_REAL_KV_TOKENS:-$((CACHE_MB * 45))}
+  CACHE_ARGS=(--cache True --cache_type ram --cache_size $((CACHE_MB * 1048576)))
+else
+  KV_NODE_TOKENS=${GORGO_REAL_KV_TOKENS:-1000}
+  CACHE_ARGS=()
+fi
 
 log() { printf '== %s\n' "$*"; }
 die() { printf 'real-engine-e2e: %s\n' "$*" >&2; exit 1; }
@@ -159,7 +180,7 @@ start_llama() {
     # a router's engine must queue them instead.
     "$PY" -m llama_cpp.server --model "$MODEL" --host 127.0.0.1 --port "$port" \
       --n_ctx "$N_CTX" --chat_format chatml --n_threads "$THREADS" --n_threads_batch "$THREADS" \
-      --interrupt_requests False \
+      --interrupt_requests False "${CACHE_ARGS[@]}" \
       >"$OUT/llama/$tag-$region.log" 2>&1 &
     LLAMA_PIDS+=($!)
     ENGINE_URLS+="${ENGINE_URLS:+,}$region=http://127.0.0.1:$port"
@@ -183,7 +204,9 @@ start_llama() {
 up() {
   RUN_DIRS+=("$2")
   "$GORGO" up --topology "$TOPOLOGY" --policy "$1" --run-dir "$2" --base-port "$BASE_PORT" \
-    --engine-url "$ENGINE_URLS" --engine-kind openai --engine-kv-tokens "$KV_NODE_TOKENS" --detach \
+    --engine-url "$ENGINE_URLS" --engine-kind openai --engine-kv-tokens "$KV_NODE_TOKENS" \
+    --engine-health-path /docs --engine-t-p-ms "$T_P_MS" --engine-base-ms "$BASE_MS" \
+    --engine-decode-step-ms "$DECODE_MS" --detach \
     >"$2.up.log" 2>&1 || { cat "$2.up.log" >&2; die "gorgo up failed for $1"; }
 }
 
@@ -196,9 +219,18 @@ for k in sys.argv[2:]:
 print(d)' "$@"
 }
 
+# ---------------------------------------------------------------- calibration
+# The nodes' prefill fit is seeded from the engine, as an operator would: cold prompts
+# across the workload's range on one server (the others idle), TTFT = base + t_p x tokens.
+log "calibrating the engine (cold prompts, node token counts)"
+start_llama check
+"$PY" scripts/real_engine_calibrate.py "http://127.0.0.1:$LLAMA_PORT0" | tee "$OUT/calibration.json"
+T_P_MS=$(json_get "$OUT/calibration.json" t_p_ms)
+BASE_MS=$(json_get "$OUT/calibration.json" base_ms)
+DECODE_MS=$(json_get "$OUT/calibration.json" decode_step_ms)
+
 # ---------------------------------------------------------------- openai client check
 log "openai client through a node to llama.cpp (streaming and not)"
-start_llama check
 up local-only "$OUT/run-check"
 NODE_URL=$(json_get "$OUT/run-check/cluster.json" regions 0 client_url)
 ENGINE_URL=$(json_get "$OUT/run-check/cluster.json" regions 0 engine_url)

@@ -23,15 +23,22 @@ from pathlib import Path
 # context it kept from the previous request, then llama.cpp's own timing of the prefill.
 PREFIX_RE = re.compile(r"Llama\.generate: (\d+) prefix-match hit, remaining (\d+) prompt tokens to eval")
 PROMPT_EVAL_RE = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
+# With the RAM prompt cache: a saved state restored because it shares the longest prefix.
+CACHE_HIT = "Llama._create_completion: cache hit"
 # Prefills shorter than this are dominated by fixed costs, not per-token work.
 MIN_TOKENS_FOR_RATE = 64
 
 
 def engine_log_stats(path):
-    """Per request: (prefix tokens reused, tokens prefilled, prefill ms)."""
+    """Per request: (prefix tokens reused, tokens prefilled, prefill ms); and how many
+    saved states the RAM cache restored."""
     requests = []
     pending_hit = 0
+    restores = 0
     for line in path.read_text(errors="replace").splitlines():
+        if CACHE_HIT in line:
+            restores += 1
+            continue
         m = PREFIX_RE.search(line)
         if m:
             pending_hit = int(m.group(1))
@@ -40,7 +47,7 @@ def engine_log_stats(path):
         if m:
             requests.append((pending_hit, int(m.group(2)), float(m.group(1))))
             pending_hit = 0
-    return requests
+    return requests, restores
 
 
 def fmt_ms(x):
@@ -84,8 +91,8 @@ def main():
     (a.out / "table.md").write_text(table)
 
     # The engines' own evidence, and the nodes' fits against it.
-    ev = ["| policy | region | requests | prompt tokens | reused from cache | prefill ms (engine) |",
-          "|---|---|---|---|---|---|"]
+    ev = ["| policy | region | requests | prompt tokens | reused from cache | cached states restored | prefill time (engine) |",
+          "|---|---|---|---|---|---|---|"]
     fit = ["| policy | region | node t_p ms/token (fitted) | base ms | R^2 | samples | engine ms/token (llama.cpp, x tokens per node token) |",
            "|---|---|---|---|---|---|---|"]
     for p in policies:
@@ -98,12 +105,12 @@ def main():
                         served_tokens[row["served_by"]] = served_tokens.get(row["served_by"], 0) + int(float(row["input_tokens"]))
         for r in regions:
             log = a.out / "llama" / f"{p}-{r}.log"
-            reqs = engine_log_stats(log) if log.exists() else []
+            reqs, restores = engine_log_stats(log) if log.exists() else ([], 0)
             hit = sum(h for h, _, _ in reqs)
             evaluated = sum(n for _, n, _ in reqs)
             ms = sum(t for _, _, t in reqs)
             total = hit + evaluated
-            ev.append(f"| {p} | {r} | {len(reqs)} | {total:,} | {hit / total if total else 0:.0%} | {ms / 1000:,.1f} s |")
+            ev.append(f"| {p} | {r} | {len(reqs)} | {total:,} | {hit / total if total else 0:.0%} | {restores} | {ms / 1000:,.1f} s |")
             big = [(n, t) for _, n, t in reqs if n >= MIN_TOKENS_FOR_RATE]
             per_llama_token = sum(t for _, t in big) / sum(n for n, _ in big) if big else None
             ratio = total / served_tokens[r] if served_tokens.get(r) else None

@@ -43,14 +43,24 @@ pub struct UpArgs {
     /// Kind of the engines given with `--engine-url` (`sglang`, `vllm`, `openai`).
     #[arg(long, default_value = "sglang")]
     pub engine_kind: String,
-    /// Health check path of the engines given with `--engine-url` (default: `/health`,
-    /// or `/v1/models` for kind `openai`, which servers such as llama.cpp's answer).
+    /// Health check path of the engines given with `--engine-url` (the node's default:
+    /// `/health`, or `/v1/models` for kind `openai`).
     #[arg(long)]
     pub engine_health_path: Option<String>,
     /// KV capacity in tokens of the engines given with `--engine-url`, for engines whose
     /// `/metrics` cannot tell (kind `openai`): bounds each node's model of its engine's cache.
     #[arg(long)]
     pub engine_kv_tokens: Option<u64>,
+    /// Seed of each node's fitted prefill cost per uncached token (ms) for the engines
+    /// given with `--engine-url`: a calibration of that engine (default: the paper's A100).
+    #[arg(long)]
+    pub engine_t_p_ms: Option<f64>,
+    /// Seed of each node's fitted fixed TTFT cost (ms) for the engines given with `--engine-url`.
+    #[arg(long)]
+    pub engine_base_ms: Option<f64>,
+    /// Seed of the cost of one decode step (ms) for the engines given with `--engine-url`.
+    #[arg(long)]
+    pub engine_decode_step_ms: Option<f64>,
     /// Directory for logs, generated configs, certificates, pids and cluster.json.
     #[arg(long, default_value = ".gorgo/run")]
     pub run_dir: PathBuf,
@@ -299,6 +309,10 @@ struct EngineExtras {
     kv_capacity_tokens: Option<u64>,
     /// `/metrics` scraping off (engines with no Prometheus endpoint).
     no_metrics: bool,
+    /// Calibrated seeds of the node's prefill fit and decode step, ms.
+    t_p_ms: Option<f64>,
+    base_ms: Option<f64>,
+    decode_step_ms: Option<f64>,
 }
 
 impl EngineExtras {
@@ -306,12 +320,12 @@ impl EngineExtras {
     fn external(args: &UpArgs) -> Self {
         let openai = args.engine_kind == "openai";
         EngineExtras {
-            health_path: args
-                .engine_health_path
-                .clone()
-                .or_else(|| openai.then(|| "/v1/models".to_owned())),
+            health_path: args.engine_health_path.clone(),
             kv_capacity_tokens: args.engine_kv_tokens,
             no_metrics: openai,
+            t_p_ms: args.engine_t_p_ms,
+            base_ms: args.engine_base_ms,
+            decode_step_ms: args.engine_decode_step_ms,
         }
     }
 
@@ -325,6 +339,16 @@ impl EngineExtras {
         }
         if self.no_metrics {
             text += "metrics_interval_ms = 0\n";
+        }
+        for (field, value) in [
+            ("t_p_ms", self.t_p_ms),
+            ("base_ms", self.base_ms),
+            ("decode_step_ms", self.decode_step_ms),
+        ] {
+            if let Some(v) = value {
+                // `{:?}` keeps a decimal point, so TOML reads a float.
+                text += &format!("{field} = {v:?}\n");
+            }
         }
         text
     }
@@ -440,6 +464,17 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     };
     let plan = plan_cluster(&topology, &options)?;
     let external = parse_engine_urls(&args.engine_url, &topology)?;
+    for (flag, value, zero_ok) in [
+        ("--engine-t-p-ms", args.engine_t_p_ms, false),
+        ("--engine-base-ms", args.engine_base_ms, true),
+        ("--engine-decode-step-ms", args.engine_decode_step_ms, false),
+    ] {
+        if let Some(v) = value {
+            if !(v.is_finite() && (v > 0.0 || (zero_ok && v == 0.0))) {
+                bail!("{flag} {v}: must be a finite, positive number of milliseconds");
+            }
+        }
+    }
 
     std::fs::create_dir_all(args.run_dir.join("logs"))
         .with_context(|| format!("creating {}", args.run_dir.display()))?;
@@ -687,4 +722,62 @@ pub fn run_down(args: DownArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn external_engine_settings_reach_a_valid_node_config() {
+        let topology = Topology::from_file(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/configs/topologies/three-region.toml"
+        ))
+        .unwrap();
+        let plan = plan_cluster(&topology, &PlanOptions::default()).unwrap();
+        let extras = EngineExtras {
+            health_path: Some("/docs".into()),
+            kv_capacity_tokens: Some(5760),
+            no_metrics: true,
+            t_p_ms: Some(1.43),
+            base_ms: Some(0.0),
+            decode_step_ms: Some(3.0),
+        };
+        let text = node_config(
+            &plan,
+            0,
+            "http://127.0.0.1:18410",
+            "openai",
+            &extras,
+            Path::new("/certs"),
+            "gorgo",
+            "test-admin-token",
+        );
+        let config = gorgo_node::config::NodeConfig::from_toml_str(&text).unwrap();
+        let engine = &config.engine;
+        assert_eq!(engine.url, "http://127.0.0.1:18410");
+        assert_eq!(engine.kind, gorgo_node::config::EngineKind::Openai);
+        assert_eq!(engine.health_path(), "/docs");
+        assert_eq!(engine.kv_capacity_tokens, Some(5760));
+        assert_eq!(engine.metrics_interval_ms, 0);
+        assert_eq!(engine.t_p_ms, 1.43);
+        assert_eq!(engine.base_ms, 0.0);
+        assert_eq!(engine.decode_step_ms, 3.0);
+
+        // Nothing given: the node's own defaults.
+        let text = node_config(
+            &plan,
+            1,
+            "http://127.0.0.1:18411",
+            "openai",
+            &EngineExtras::default(),
+            Path::new("/certs"),
+            "gorgo",
+            "test-admin-token",
+        );
+        let config = gorgo_node::config::NodeConfig::from_toml_str(&text).unwrap();
+        assert_eq!(config.engine.health_path(), "/v1/models");
+        assert_eq!(config.engine.kv_capacity_tokens, None);
+    }
 }
