@@ -348,21 +348,26 @@ impl EngineAdapter {
     }
 
     /// Record a dispatch; the returned ticket releases the accounting as the request
-    /// progresses (first byte: prefill done; drop: finished).
-    pub fn dispatch(self: &Arc<Self>, prompt_tokens: u64) -> EngineTicket {
+    /// progresses (first byte: prefill done; drop: finished). `uncached_tokens` is what
+    /// the engine must prefill (the prompt less the prefix the shadow index expects it
+    /// to have cached): that is the queue's work, while the raw prompt size is what the
+    /// `gorgo-paper` score counts.
+    pub fn dispatch(self: &Arc<Self>, prompt_tokens: u64, uncached_tokens: u64) -> EngineTicket {
+        let prefill_tokens = uncached_tokens.min(prompt_tokens);
         self.inflight.fetch_add(1, Ordering::Relaxed);
-        // EWMA (1/8) of prompt sizes we dispatch; races between updates only blur it.
+        // EWMA (1/8) of the prefill work we dispatch; races between updates only blur it.
         let mean = self.mean_prompt_tokens.load(Ordering::Relaxed);
-        let next = (mean * 7 + prompt_tokens) / 8;
+        let next = (mean * 7 + prefill_tokens) / 8;
         self.mean_prompt_tokens
             .store(next.max(1), Ordering::Relaxed);
         self.unfinished_prefill_tokens
-            .fetch_add(prompt_tokens, Ordering::Relaxed);
+            .fetch_add(prefill_tokens, Ordering::Relaxed);
         self.queued_prompt_tokens
             .fetch_add(prompt_tokens, Ordering::Relaxed);
         EngineTicket {
             engine: self.clone(),
             prompt_tokens,
+            prefill_tokens,
             prefilled: false,
         }
     }
@@ -486,6 +491,7 @@ impl EngineAdapter {
 pub struct EngineTicket {
     engine: Arc<EngineAdapter>,
     prompt_tokens: u64,
+    prefill_tokens: u64,
     prefilled: bool,
 }
 
@@ -496,7 +502,7 @@ impl EngineTicket {
             self.prefilled = true;
             self.engine
                 .unfinished_prefill_tokens
-                .fetch_sub(self.prompt_tokens, Ordering::Relaxed);
+                .fetch_sub(self.prefill_tokens, Ordering::Relaxed);
         }
     }
 }
@@ -516,6 +522,31 @@ mod tests {
     use super::*;
 
     const VLLM_FIXTURE: &str = include_str!("../tests/fixtures/vllm_metrics_sample.txt");
+
+    #[test]
+    fn dispatch_counts_uncached_tokens_as_prefill_work() {
+        let section: EngineSection =
+            toml::from_str("url = \"http://127.0.0.1:9\"\nkind = \"openai\"").unwrap();
+        let engine = Arc::new(
+            EngineAdapter::new(&section, &crate::config::LimitsSection::default()).unwrap(),
+        );
+        let mut ticket = engine.dispatch(1000, 150);
+        let stats = engine.queue_stats(1.0, 0.0, 0);
+        assert_eq!(stats.unfinished_prefill_tokens, 150);
+        assert_eq!(stats.queued_prompt_tokens, 1000);
+        assert_eq!(engine.inflight(), 1);
+        ticket.prefilled();
+        assert_eq!(engine.queue_stats(1.0, 0.0, 0).unfinished_prefill_tokens, 0);
+        drop(ticket);
+        let stats = engine.queue_stats(1.0, 0.0, 0);
+        assert_eq!((stats.queued_prompt_tokens, engine.inflight()), (0, 0));
+        // More uncached than prompt (a stale count) is clamped to the prompt.
+        let _t = engine.dispatch(10, 50);
+        assert_eq!(
+            engine.queue_stats(1.0, 0.0, 0).unfinished_prefill_tokens,
+            10
+        );
+    }
 
     #[test]
     fn parses_the_real_sglang_sample() {

@@ -219,7 +219,8 @@ pub async fn serve_local(
     if let Some(delta) = delta {
         state.peers.publish_summary(&delta);
     }
-    let mut ticket = state.engine.dispatch(prompt_tokens);
+    let uncached = prompt_tokens.saturating_sub(cached);
+    let mut ticket = state.engine.dispatch(prompt_tokens, uncached);
     let started = Instant::now();
     let resp = state
         .engine
@@ -236,7 +237,6 @@ pub async fn serve_local(
         })?;
     let status = resp.status().as_u16();
     let headers = pass_headers(resp.headers());
-    let uncached = prompt_tokens.saturating_sub(cached);
     let st = state.clone();
     let chain = req.chain.clone();
     let mut first = true;
