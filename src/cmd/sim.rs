@@ -79,6 +79,11 @@ pub struct SimArgs {
     /// `gorgo compare`.
     #[arg(long)]
     live_chains: bool,
+    /// Build each node's own queue stats as the live node does (dispatch accounting,
+    /// engine metrics scraped every 250 ms, decode-step seed) rather than from its
+    /// engine's exact state; for comparisons with `gorgo compare`.
+    #[arg(long)]
+    live_node_stats: bool,
     /// Per-request rows kept per policy for requests.csv and exact percentiles; longer
     /// runs report from sketches (1% accuracy) and write no rows.
     #[arg(long, default_value_t = 200_000)]
@@ -175,6 +180,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     cfg.max_requests = args.max_requests;
     cfg.max_context_tokens = args.max_context_tokens;
     cfg.live_chains = args.live_chains;
+    cfg.live_node_stats = args.live_node_stats;
     cfg.validate().context("simulation config")?;
 
     let config = json!({
@@ -196,6 +202,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         "max_requests": args.max_requests,
         "max_context_tokens": args.max_context_tokens,
         "live_chains": args.live_chains,
+        "live_node_stats": args.live_node_stats,
     });
 
     let mut runs: Vec<PolicyRun> = Vec::new();

@@ -70,7 +70,19 @@ pub struct SimConfig {
     /// comparisons with `gorgo compare`, where hash-keyed policies then pick the same
     /// regions.
     pub live_chains: bool,
+    /// Build each node's own queue stats the way the live node does (its accounting of
+    /// the requests it dispatched, the engine's `/metrics` scraped every
+    /// [`LIVE_METRICS_INTERVAL_MS`], the configured decode-step seed) instead of from
+    /// its engine's exact state. For side-by-side comparisons with `gorgo compare`.
+    pub live_node_stats: bool,
 }
+
+/// The live node's default `/metrics` scrape interval (`engine.metrics_interval_ms`).
+pub const LIVE_METRICS_INTERVAL_MS: f64 = 250.0;
+/// The live node's default decode-step seed (`engine.decode_step_ms`).
+pub const LIVE_DECODE_STEP_MS: f64 = 20.0;
+/// The live node's starting guess of the prompt size of requests it did not send.
+const LIVE_DEFAULT_MEAN_PROMPT_TOKENS: u64 = 1024;
 
 /// Tokens `gorgo bench` keeps free for the chat template when it shortens prompts to a
 /// context (its `CHAT_TEMPLATE_TOKENS`), so both shorten the same way.
@@ -95,6 +107,7 @@ impl SimConfig {
             max_requests: None,
             max_context_tokens: None,
             live_chains: false,
+            live_node_stats: false,
         }
     }
 
@@ -199,6 +212,8 @@ enum Ev {
     Deliver(u32),
     /// A request's last byte reached its client.
     Complete(u32),
+    /// A node scrapes its engine's metrics (`live_node_stats`).
+    Scrape(u8),
 }
 
 struct Scheduled {
@@ -289,6 +304,15 @@ struct Region {
     queued_prompt_tokens: u64,
     /// Next wakeup scheduled for the engine.
     wake_at: Option<f64>,
+    /// The live node's accounting (used with `live_node_stats`): requests dispatched
+    /// and not finished...
+    acct_inflight: u64,
+    /// ...raw prompt tokens dispatched and not yet past their first token...
+    acct_unprefilled_tokens: u64,
+    /// ...the EWMA of dispatched prompt sizes...
+    acct_mean_prompt: u64,
+    /// ...and the engine's state at the last scrape.
+    scraped: Option<gorgo_engine::EngineStats>,
 }
 
 /// The central router of `oracle` mode: exact state of every engine, instantly.
@@ -356,6 +380,10 @@ impl<'a> Sim<'a> {
                     engine,
                     queued_prompt_tokens: 0,
                     wake_at: None,
+                    acct_inflight: 0,
+                    acct_unprefilled_tokens: 0,
+                    acct_mean_prompt: LIVE_DEFAULT_MEAN_PROMPT_TOKENS,
+                    scraped: None,
                 }
             })
             .collect();
@@ -432,6 +460,10 @@ impl<'a> Sim<'a> {
             for i in 0..n {
                 let phase = rng.random::<f64>() * cfg.gossip_interval_ms;
                 sim.push(phase, Ev::Tick(i as u8));
+                if cfg.live_node_stats {
+                    let phase = rng.random::<f64>() * LIVE_METRICS_INTERVAL_MS;
+                    sim.push(phase, Ev::Scrape(i as u8));
+                }
             }
         }
         sim.rng = rng;
@@ -516,6 +548,13 @@ impl<'a> Sim<'a> {
                 Ev::ForwardArrival(slot) => self.forward_arrival(slot, at),
                 Ev::EngineWake(r) => self.engine_wake(r as usize, at),
                 Ev::Tick(r) => self.tick(r as usize, at),
+                Ev::Scrape(r) => {
+                    let r = r as usize;
+                    self.regions[r].scraped = Some(self.regions[r].engine.stats());
+                    if !(self.trace_done && self.live == 0) {
+                        self.push(at + LIVE_METRICS_INTERVAL_MS, Ev::Scrape(r as u8));
+                    }
+                }
                 Ev::Deliver(m) => self.deliver(m, at),
                 Ev::Complete(slot) => self.complete(slot, at),
             }
@@ -635,6 +674,30 @@ impl<'a> Sim<'a> {
                 (p.t_p_ms_per_token, p.idle_ttft_ms(0), 0, 0)
             }
         };
+        if self.cfg.live_node_stats && self.oracle.is_none() {
+            // EngineAdapter::queue_stats: scraped engine state made fresher by the
+            // node's own accounting.
+            let reg = &self.regions[r];
+            let m = reg.scraped.clone().unwrap_or_default();
+            let running = m.running as u64;
+            let waiting = (m.waiting as u64).max(reg.acct_inflight.saturating_sub(running));
+            let unfinished = reg
+                .acct_unprefilled_tokens
+                .max((m.waiting as u64).saturating_mul(reg.acct_mean_prompt));
+            return QueueStats {
+                version,
+                unfinished_prefill_tokens: unfinished,
+                running: running.min(u32::MAX as u64) as u32,
+                waiting: waiting.min(u32::MAX as u64) as u32,
+                kv_used_tokens: m.used_tokens,
+                kv_capacity_tokens: s.capacity,
+                queued_prompt_tokens: reg.queued_prompt_tokens,
+                t_p_ms,
+                base_ms,
+                decode_step_ms: LIVE_DECODE_STEP_MS,
+                epoch,
+            };
+        }
         QueueStats {
             version,
             unfinished_prefill_tokens: s.unfinished_prefill_tokens,
@@ -832,7 +895,13 @@ impl<'a> Sim<'a> {
         }
         let region = &mut self.regions[r];
         match region.engine.submit(req, now) {
-            Ok(()) => region.queued_prompt_tokens += prompt_tokens,
+            Ok(()) => {
+                region.queued_prompt_tokens += prompt_tokens;
+                region.acct_inflight += 1;
+                region.acct_unprefilled_tokens += prompt_tokens;
+                region.acct_mean_prompt =
+                    ((region.acct_mean_prompt * 7 + prompt_tokens) / 8).max(1);
+            }
             Err(reason) => {
                 let msg = format!("engine refused: {reason}");
                 self.fail(slot, now, &msg);
@@ -901,6 +970,9 @@ impl<'a> Sim<'a> {
         f.ttft_ms = at + back - f.send_ms;
         let engine_ttft = at - f.dispatched_ms;
         let uncached = f.prompt_tokens.saturating_sub(cached);
+        let prompt = f.prompt_tokens;
+        let reg = &mut self.regions[r];
+        reg.acct_unprefilled_tokens = reg.acct_unprefilled_tokens.saturating_sub(prompt);
         match self.oracle.as_mut() {
             Some(o) => {
                 let f = self.flights[slot as usize].as_ref().expect("live");
@@ -921,6 +993,7 @@ impl<'a> Sim<'a> {
         let f = self.flight(slot);
         let (home, prompt, out_tokens) = (f.home as usize, f.prompt_tokens, f.output_tokens);
         self.regions[r].queued_prompt_tokens -= prompt;
+        self.regions[r].acct_inflight -= 1;
         let mut back = self.client_delay(home);
         if r != home {
             back += self.link_delay(r, home);

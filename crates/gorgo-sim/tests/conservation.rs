@@ -264,3 +264,19 @@ fn max_context_shortens_instead_of_failing() {
         cfg.profiles[0].context_length - row.output_tokens as u64 - gorgo_sim::CHAT_TEMPLATE_TOKENS
     );
 }
+
+#[test]
+fn live_views_conserve_too() {
+    let t = trace(9, 60.0, 30);
+    let mut cfg = config();
+    cfg.live_chains = true;
+    cfg.live_node_stats = true;
+    for kind in [
+        PolicyKind::Gorgo,
+        PolicyKind::SimpleSessionAffinity,
+        PolicyKind::Oracle,
+    ] {
+        let r = run(&cfg, kind, &t);
+        check_conservation(&cfg, &r, t.len());
+    }
+}
