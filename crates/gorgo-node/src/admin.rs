@@ -126,7 +126,7 @@ async fn admin_state(State(state): State<Arc<NodeState>>) -> Response {
         "tuning": {
             "mode": state.tuning.mode(),
             "epoch": state.tuning.epoch(),
-            "leader": state.tuning.view().leader,
+            "leader": state.tuning.leader(),
             "is_leader": state.tuning.is_leader(),
         },
         "gossip": state.peers.gossip_counters(),

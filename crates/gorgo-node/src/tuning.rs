@@ -314,6 +314,11 @@ impl TuningDriver {
         self.inner.lock().cfg
     }
 
+    /// The leader of the epoch this node follows.
+    pub fn leader(&self) -> Option<NodeId> {
+        self.inner.lock().tuner.current().map(|p| p.leader.clone())
+    }
+
     /// True while this node leads the epoch it follows.
     pub fn is_leader(&self) -> bool {
         self.inner.lock().tuner.is_leader()
