@@ -254,6 +254,8 @@ for policy in "${POLICY_LIST[@]}"; do
     admin=$(json_get "$run_dir/cluster.json" regions "$i" admin_url)
     curl -sf -H "authorization: Bearer $token" "$admin/admin/state" >"$OUT/bench-$policy/admin-${REGIONS[$i]}.json" \
       || echo "could not read $admin/admin/state" >&2
+    curl -sf -H "authorization: Bearer $token" "$admin/admin/decisions?limit=1000" \
+      >"$OUT/bench-$policy/decisions-${REGIONS[$i]}.json" || echo "could not read $admin/admin/decisions" >&2
   done
   "$GORGO" down --run-dir "$run_dir"
   stop_llama
