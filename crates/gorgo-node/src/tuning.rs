@@ -694,4 +694,102 @@ mod tests {
         assert_eq!(frozen, vec![c.start_weights()]);
         assert_eq!(d.view().phase, Some(Phase::Frozen));
     }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Tick(u8, u16),
+        Record(u8, f64, f64),
+        Proposal(u8, u8, f64, f64, f64),
+        Report(u8, u8, u8, u16),
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        let w = prop_oneof![
+            Just(f64::NAN),
+            Just(f64::INFINITY),
+            Just(-1.0),
+            0.0..10.0f64
+        ];
+        prop_oneof![
+            (any::<u8>(), 0..5000u16).prop_map(|(m, dt)| Op::Tick(m, dt)),
+            (0..4u8, w.clone(), w.clone()).prop_map(|(e, t, x)| Op::Record(e, t, x)),
+            (0..40u8, 0..4u8, w.clone(), w.clone(), w)
+                .prop_map(|(e, l, a, b, s)| Op::Proposal(e, l, a, b, s)),
+            (0..40u8, 0..4u8, 0..4u8, 0..300u16).prop_map(|(e, l, f, n)| Op::Report(e, l, f, n)),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Whatever peers send, in any order: no panic, the weights routed with stay
+        /// finite and inside the bounds, and the followed epoch never goes back.
+        #[test]
+        fn hostile_sequences_keep_weights_in_bounds(ops in proptest::collection::vec(op(), 1..80)) {
+            let ids = ["a", "b", "c", "d"];
+            let c = cfg();
+            let d = TuningDriver::new("b".into(), c, Weights::default()).unwrap();
+            let mut now = 0u64;
+            let mut last_epoch = 0;
+            for o in ops {
+                match o {
+                    Op::Tick(mask, dt) => {
+                        now += u64::from(dt);
+                        let live = ids.iter().enumerate().filter(|(i, _)| mask & (1 << i) != 0).map(|(_, id)| NodeId::from(*id));
+                        d.tick(live, now);
+                    }
+                    Op::Record(back, t, e) => {
+                        let epoch = d.epoch().saturating_sub(u64::from(back));
+                        d.record(epoch, t, e);
+                    }
+                    Op::Proposal(epoch, leader, a, b, sigma) => {
+                        let mut state = gorgo_core::es::EsState::new(&c);
+                        state.sigma = sigma;
+                        state.incumbent = Weights { w_rtt: b, w_queue: a };
+                        let p = gorgo_core::tuning::Proposal {
+                            epoch: u64::from(epoch),
+                            leader: ids[leader as usize].into(),
+                            weights: Weights { w_rtt: a, w_queue: b },
+                            phase: Phase::MeasureCandidate,
+                            state,
+                        };
+                        d.handle(&ids[leader as usize].into(), TuningMessage::Proposal(p), now);
+                    }
+                    Op::Report(epoch, leader, from, n) => {
+                        let mut ttft = gorgo_core::LatencySketch::new();
+                        let mut e2e = gorgo_core::LatencySketch::new();
+                        for i in 0..n {
+                            ttft.add(f64::from(i));
+                            e2e.add(f64::from(i) * 2.0);
+                        }
+                        let r = gorgo_core::tuning::EpochReport {
+                            epoch: u64::from(epoch),
+                            leader: ids[leader as usize].into(),
+                            from: ids[from as usize].into(),
+                            ttft,
+                            e2e,
+                            samples: u64::from(n),
+                        };
+                        d.handle(&ids[from as usize].into(), TuningMessage::Report(r), now);
+                    }
+                }
+                let w = d.admit().weights;
+                proptest::prop_assert!(w.w_rtt.is_finite() && w.w_rtt >= c.w_rtt.min && w.w_rtt <= c.w_rtt.max, "{w:?}");
+                proptest::prop_assert!(w.w_queue.is_finite() && w.w_queue >= c.w_queue.min && w.w_queue <= c.w_queue.max, "{w:?}");
+                proptest::prop_assert!(d.epoch() >= last_epoch);
+                last_epoch = d.epoch();
+                let _ = d.view();
+            }
+        }
+
+        /// Arbitrary bytes as a learned-weights file: an error or weights, never a panic.
+        #[test]
+        fn learned_weights_reader_never_panics(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200)) {
+            let dir = tempfile::tempdir().unwrap();
+            let p = dir.path().join("w.json");
+            std::fs::write(&p, &bytes).unwrap();
+            if let Ok(w) = read_learned_weights(&p) {
+                proptest::prop_assert!(w.w_rtt.is_finite() && w.w_queue.is_finite());
+            }
+        }
+    }
 }
