@@ -94,7 +94,11 @@ pub(crate) struct Inner {
     pub(crate) node_id: NodeId,
     pub(crate) config: ClusterConfig,
     pub(crate) me: Mutex<MemberId>,
-    pub(crate) endpoint: quinn::Endpoint,
+    /// Taken (closed and dropped) on shutdown, so that handle clones the node still
+    /// holds do not keep the UDP socket bound.
+    endpoint: Mutex<Option<quinn::Endpoint>>,
+    /// Cancelled once the endpoint is closed and released.
+    closed: CancellationToken,
     pub(crate) conns: Connections,
     pub(crate) peers: PeerTable,
     pub(crate) metrics: ClusterMetrics,
@@ -135,6 +139,9 @@ const APP_INBOX: usize = 1024;
 const FOCA_INBOX: usize = 4096;
 /// Cap on one encoded stats broadcast.
 const MAX_STATS_BROADCAST: usize = 512;
+/// How long shutdown waits for closing connections to drain before it lets go of the
+/// endpoint (the socket is released once they have).
+const CLOSE_DRAIN: Duration = Duration::from_secs(2);
 
 /// Start a cluster member: bind the endpoint, announce to the seeds, gossip `summary`
 /// (e.g. an `Arc<SharedSummary<ShadowIndex>>`) until `shutdown` is cancelled (then
@@ -214,7 +221,8 @@ pub async fn start(
     let inner = Arc::new(Inner {
         node_id: config.node_id.clone(),
         me: Mutex::new(me.clone()),
-        endpoint,
+        endpoint: Mutex::new(Some(endpoint)),
+        closed: CancellationToken::new(),
         conns: Connections::default(),
         peers: PeerTable::default(),
         metrics: ClusterMetrics::default(),
@@ -294,11 +302,77 @@ async fn run_foca(inner: Arc<Inner>, mut foca: ClusterFoca, mut rx: mpsc::Receiv
             }
             _ = reannounce.tick() => {
                 if foca.num_members() == 0 {
-                    announce_to_seeds(&inner, &mut foca, &mut rt);
+                    // Alone: the seeds may be back, and so may members we saw go down
+                    // (a node with no seeds has only those to rejoin through).
+                    announce_to_known(&inner, &mut foca, &mut rt);
                 }
             }
         }
-        drain(&inner, &mut foca, &mut rt);
+        // Renewing the identity makes foca ask for more work: bounded, as renewing
+        // cannot by itself make foca declare us down again.
+        for _ in 0..3 {
+            match drain(&inner, &mut foca, &mut rt) {
+                SelfState::Fine => break,
+                SelfState::Defunct => renew_identity(&inner, &mut foca, &mut rt),
+                SelfState::Rejoined => announce_to_known(&inner, &mut foca, &mut rt),
+            }
+        }
+    }
+}
+
+/// What foca's notifications said about this node's own identity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SelfState {
+    /// Nothing to do.
+    Fine,
+    /// foca renewed the identity itself (declared down, `Notification::Rejoin`): tell
+    /// everyone we know, not just whoever foca picks.
+    Rejoined,
+    /// foca gave up on the identity (`Notification::Defunct`): renew it ourselves.
+    Defunct,
+}
+
+/// A node must never stay defunct: take a new generation and rejoin through the seeds
+/// and every member we know (foca 2.0's intended pattern: `Identity::renew` +
+/// `Foca::change_identity`, then announce).
+fn renew_identity(
+    inner: &Arc<Inner>,
+    foca: &mut ClusterFoca,
+    rt: &mut AccumulatingRuntime<MemberId>,
+) {
+    let current = foca.identity().clone();
+    let next = MemberId {
+        generation: current.generation.saturating_add(1),
+        ..current
+    };
+    match foca.change_identity(next.clone(), &mut *rt) {
+        Ok(()) => {
+            tracing::warn!(generation = next.generation, "declared down; rejoining");
+            inner.log(MembershipEvent::Rejoined(next.generation));
+            *inner.me.lock() = next;
+            announce_to_known(inner, foca, rt);
+        }
+        Err(e) => tracing::warn!("renewing the identity failed: {e}"),
+    }
+}
+
+/// Announce to the seeds and to every member foca remembers, down ones included.
+fn announce_to_known(
+    inner: &Arc<Inner>,
+    foca: &mut ClusterFoca,
+    rt: &mut AccumulatingRuntime<MemberId>,
+) {
+    announce_to_seeds(inner, foca, rt);
+    let seeds = &inner.config.seeds;
+    let known: Vec<MemberId> = foca
+        .iter_membership_state()
+        .map(|m| m.id().clone())
+        .filter(|id| id.node != inner.node_id && !seeds.contains(&id.addr))
+        .collect();
+    for id in known {
+        if let Err(e) = foca.announce(id, &mut *rt) {
+            tracing::debug!("announce: {e}");
+        }
     }
 }
 
@@ -344,8 +418,14 @@ fn handle_data(
     }
 }
 
-/// Carry out what foca asked for: sends, timers, notifications.
-fn drain(inner: &Arc<Inner>, foca: &mut ClusterFoca, rt: &mut AccumulatingRuntime<MemberId>) {
+/// Carry out what foca asked for: sends, timers, notifications; says whether this
+/// node's own identity needs attention.
+fn drain(
+    inner: &Arc<Inner>,
+    foca: &mut ClusterFoca,
+    rt: &mut AccumulatingRuntime<MemberId>,
+) -> SelfState {
+    let mut self_state = SelfState::Fine;
     while let Some((dst, bytes)) = rt.to_send() {
         transport::send_swim(inner, dst, bytes);
     }
@@ -361,6 +441,7 @@ fn drain(inner: &Arc<Inner>, foca: &mut ClusterFoca, rt: &mut AccumulatingRuntim
         match n {
             OwnedNotification::MemberUp(m) => {
                 inner.peers.member_up(&m, now);
+                seed_rtt(inner, &m.node);
                 inner.log(MembershipEvent::Up(m.node.clone(), m.generation));
                 crate::gossip::peer_joined(inner, &m.node);
             }
@@ -371,6 +452,7 @@ fn drain(inner: &Arc<Inner>, foca: &mut ClusterFoca, rt: &mut AccumulatingRuntim
             OwnedNotification::Rename(_, new) => {
                 if inner.peers.is_alive(&new.node) {
                     inner.peers.member_up(&new, now);
+                    seed_rtt(inner, &new.node);
                     // A new incarnation holds nothing of ours: start it with a snapshot.
                     crate::gossip::peer_joined(inner, &new.node);
                 }
@@ -378,12 +460,35 @@ fn drain(inner: &Arc<Inner>, foca: &mut ClusterFoca, rt: &mut AccumulatingRuntim
             OwnedNotification::Rejoin(id) => {
                 inner.log(MembershipEvent::Rejoined(id.generation));
                 *inner.me.lock() = id;
+                self_state = self_state.max_with(SelfState::Rejoined);
             }
-            OwnedNotification::Defunct => tracing::warn!("declared down and cannot rejoin"),
+            // Also what foca says after our own `leave_cluster`; the callers that leave
+            // stop right after and ignore it.
+            OwnedNotification::Defunct => self_state = SelfState::Defunct,
             OwnedNotification::Active | OwnedNotification::Idle => {}
         }
     }
     let _ = foca;
+    self_state
+}
+
+impl SelfState {
+    /// Defunct outranks Rejoined outranks Fine.
+    fn max_with(self, other: SelfState) -> SelfState {
+        match (self, other) {
+            (SelfState::Defunct, _) | (_, SelfState::Defunct) => SelfState::Defunct,
+            (SelfState::Rejoined, _) | (_, SelfState::Rejoined) => SelfState::Rejoined,
+            _ => SelfState::Fine,
+        }
+    }
+}
+
+/// A peer that just came up has a connection (SWIM ran over it): seed its RTT from
+/// quinn's estimate (handshake RTT at first) so cost-based routing can use it now.
+fn seed_rtt(inner: &Inner, node: &NodeId) {
+    if let Some(c) = inner.conns.get(node) {
+        inner.peers.seed_rtt(node, c.rtt().as_secs_f64() * 1000.0);
+    }
 }
 
 /// Give queued SWIM datagrams (the leave notice) a moment to go out, then close.
@@ -400,10 +505,23 @@ async fn flush_and_close(inner: &Inner) {
     // One more short pause: a datagram out of the buffer may still sit in quinn's
     // packet queue.
     tokio::time::sleep(Duration::from_millis(20)).await;
-    inner.endpoint.close(0u32.into(), b"leave");
+    let endpoint = inner.endpoint.lock().take();
+    if let Some(endpoint) = endpoint {
+        endpoint.close(0u32.into(), b"leave");
+        // quinn's driver keeps the socket until every endpoint clone is gone and the
+        // closing connections have drained.
+        let _ = tokio::time::timeout(CLOSE_DRAIN, endpoint.wait_idle()).await;
+    }
+    inner.conns.clear();
+    inner.closed.cancel();
 }
 
 impl Inner {
+    /// The endpoint, until shutdown closes it.
+    pub(crate) fn endpoint(&self) -> Result<quinn::Endpoint> {
+        self.endpoint.lock().clone().ok_or(ClusterError::Shutdown)
+    }
+
     fn log(&self, e: MembershipEvent) {
         tracing::info!(node = %self.node_id, event = ?e, "membership");
         self.events.lock().push((self.started.elapsed(), e));
@@ -498,7 +616,7 @@ impl ClusterHandle {
 
     /// The local address of the QUIC endpoint.
     pub fn local_addr(&self) -> Result<SocketAddr> {
-        Ok(self.inner.endpoint.local_addr()?)
+        Ok(self.inner.endpoint()?.local_addr()?)
     }
 
     /// Every known peer, alive or not, sorted by id.
@@ -649,5 +767,13 @@ impl ClusterHandle {
     /// True once the cluster has stopped (shutdown cancelled or left).
     pub fn is_stopped(&self) -> bool {
         self.inner.shutdown.is_cancelled()
+    }
+
+    /// Resolves once a stopped cluster has closed its endpoint and let go of it (the
+    /// UDP socket is released as soon as quinn's driver sees that), whatever handle
+    /// clones are still around: a node restarted in the same process can then bind
+    /// the same port.
+    pub async fn closed(&self) {
+        self.inner.closed.cancelled().await
     }
 }

@@ -17,8 +17,10 @@ use crate::tls::NodeCredentials;
 /// over 30 s to declare a node down; a router that keeps forwarding to a dead region for
 /// that long fails requests. With these defaults a crashed node is declared down in
 /// `<= probe_period (wait to be probed) + probe_period (direct + indirect probe) +
-/// suspect_to_down_after` = 0.8 + 0.8 + 0.8 = 2.4 s, plus one gossip hop to spread
-/// the verdict; see `docs/cluster.md` for the measured figure.
+/// suspect_to_down_after` = 0.8 + 0.8 + 1.6 = 3.2 s, plus one gossip hop to spread
+/// the verdict; see `docs/cluster.md` for the measured figure. The suspicion timeout
+/// is two probe periods so that a live node whose runtime is starved for a few hundred
+/// ms (late acks, late refutation) is suspected but not declared down.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SwimTimings {
     /// How often each node probes one random member.
@@ -48,7 +50,7 @@ impl Default for SwimTimings {
             probe_period: Duration::from_millis(800),
             probe_rtt: Duration::from_millis(280),
             num_indirect_probes: 2,
-            suspect_to_down_after: Duration::from_millis(800),
+            suspect_to_down_after: Duration::from_millis(1600),
             max_transmissions: 6,
             periodic_gossip: Duration::from_millis(200),
             announce_period: Duration::from_secs(2),

@@ -7,7 +7,7 @@
 //! made; the receiver subtracts it from its own clock to measure staleness. 0 means
 //! unknown (snapshots).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,6 +27,107 @@ use crate::transport::{self, STREAM_GOSSIP};
 const CHANGE_LOG: usize = 4096;
 /// A peer that reported a gap is not asked again for a snapshot sooner than this.
 const SNAPSHOT_REQUEST_BACKOFF: Duration = Duration::from_secs(1);
+
+/// Deltas held per peer while waiting for the one they follow.
+const MAX_PENDING_DELTAS: usize = 8;
+/// A version gap that has not filled after this long is a real loss: ask for a snapshot.
+const GAP_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Receiver-side reordering of one peer's deltas. Each delta travels on its own
+/// uni-stream, so a later one can overtake an earlier one (a lost packet retransmitted);
+/// instead of asking for a snapshot at once, hold a few future deltas until the gap
+/// fills, and ask only when it persists past [`GAP_TIMEOUT`] or too many pile up.
+#[derive(Debug, Default)]
+pub(crate) struct DeltaReorder {
+    /// Future deltas by `from_version`.
+    pending: BTreeMap<u64, SummaryDelta>,
+    /// When the current gap was first seen (or last narrowed).
+    gap_since: Option<Instant>,
+}
+
+/// What receiving a delta did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DeltaOutcome {
+    /// Applied, with any held deltas that follow on from it.
+    Applied,
+    /// Ahead of the held version: kept until the gap fills.
+    Buffered,
+    /// The gap did not fill in time (or cannot): the sender must send a snapshot.
+    NeedSnapshot,
+}
+
+impl DeltaReorder {
+    /// Apply `delta` to `summary`, or hold it if it is ahead; `now` times the gap.
+    pub(crate) fn receive(
+        &mut self,
+        summary: &mut PeerSummary,
+        delta: SummaryDelta,
+        now: Instant,
+    ) -> Result<DeltaOutcome, CoreError> {
+        match summary.apply_delta(&delta) {
+            Ok(()) => {
+                self.drain(summary, now)?;
+                Ok(DeltaOutcome::Applied)
+            }
+            Err(CoreError::SummaryGap { have, from }) if from > have => {
+                let since = *self.gap_since.get_or_insert(now);
+                let full = self.pending.len() >= MAX_PENDING_DELTAS
+                    && !self.pending.contains_key(&delta.from_version);
+                if full || now.saturating_duration_since(since) >= GAP_TIMEOUT {
+                    self.clear();
+                    return Ok(DeltaOutcome::NeedSnapshot);
+                }
+                self.pending.insert(delta.from_version, delta);
+                Ok(DeltaOutcome::Buffered)
+            }
+            // A delta from before what we hold that reaches past it: only a snapshot
+            // can repair that.
+            Err(CoreError::SummaryGap { .. }) => {
+                self.clear();
+                Ok(DeltaOutcome::NeedSnapshot)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// After a snapshot: drop what it covers and apply what follows it.
+    pub(crate) fn after_snapshot(&mut self, summary: &mut PeerSummary, now: Instant) {
+        if self.drain(summary, now).is_err() {
+            self.clear();
+        }
+    }
+
+    /// Apply held deltas that now follow on; forget the ones already covered.
+    fn drain(&mut self, summary: &mut PeerSummary, now: Instant) -> Result<(), CoreError> {
+        let mut progressed = false;
+        loop {
+            let held = summary.version();
+            self.pending.retain(|_, d| d.to_version > held);
+            let Some(next) = self.pending.remove(&held) else {
+                break;
+            };
+            summary.apply_delta(&next)?;
+            progressed = true;
+        }
+        if self.pending.is_empty() {
+            self.gap_since = None;
+        } else if progressed {
+            self.gap_since = Some(now);
+        }
+        Ok(())
+    }
+
+    fn clear(&mut self) {
+        self.pending.clear();
+        self.gap_since = None;
+    }
+
+    /// Deltas held now.
+    #[cfg(test)]
+    pub(crate) fn pending(&self) -> usize {
+        self.pending.len()
+    }
+}
 
 /// Anything that owns the node's [`LocalSummary`]: the summary itself, or the shadow
 /// index that maintains it.
@@ -319,33 +420,38 @@ pub(crate) async fn handle_frame(inner: &Arc<Inner>, from: &NodeId, bytes: &[u8]
         GossipMessage::SummarySnapshot {
             snapshot, stats, ..
         } => {
-            let Some(mut e) = inner.peers.peers.get_mut(from) else {
+            let Some(mut guard) = inner.peers.peers.get_mut(from) else {
                 return;
             };
-            e.summary
-                .get_or_insert_with(PeerSummary::new)
-                .apply_snapshot(snapshot);
+            let e = &mut *guard;
+            let summary = e.summary.get_or_insert_with(PeerSummary::new);
+            summary.apply_snapshot(snapshot);
+            // Deltas that overtook the snapshot follow on from it.
+            e.reorder.after_snapshot(summary, now);
             e.summary_at = Some(now);
             e.summary_bytes = bytes.len() as u64 + 1;
-            drop(e);
+            drop(guard);
             if stats.version > 0 {
                 inner.peers.offer_stats(from, &stats, now);
             }
             false
         }
         GossipMessage::SummaryDelta { delta, stats, .. } => {
+            let delta_is_empty = delta.is_empty();
             let applied = {
-                let Some(mut e) = inner.peers.peers.get_mut(from) else {
+                let Some(mut guard) = inner.peers.peers.get_mut(from) else {
                     return;
                 };
+                let e = &mut *guard;
                 match e.summary.as_mut() {
                     None => Err(()),
-                    Some(s) => match s.apply_delta(&delta) {
-                        Ok(()) => {
+                    Some(s) => match e.reorder.receive(s, delta, now) {
+                        Ok(DeltaOutcome::Applied) => {
                             e.summary_at = Some(now);
-                            Ok(())
+                            Ok(true)
                         }
-                        Err(CoreError::SummaryGap { .. }) => Err(()),
+                        Ok(DeltaOutcome::Buffered) => Ok(false),
+                        Ok(DeltaOutcome::NeedSnapshot) => Err(()),
                         Err(err) => {
                             tracing::debug!(peer = %from, "bad delta: {err}");
                             ClusterMetrics::bump(&inner.metrics.malformed_received);
@@ -357,7 +463,7 @@ pub(crate) async fn handle_frame(inner: &Arc<Inner>, from: &NodeId, bytes: &[u8]
             if stats.version > 0 {
                 inner.peers.offer_stats(from, &stats, now);
             }
-            if applied.is_ok() && oldest_change_ms > 0 && !delta.is_empty() {
+            if applied == Ok(true) && oldest_change_ms > 0 && !delta_is_empty {
                 let wall = (inner.config.wall_clock)();
                 inner
                     .metrics
@@ -444,6 +550,97 @@ mod tests {
             shared.update_since(Some(99)).unwrap().body,
             SummaryBody::Snapshot(_)
         ));
+    }
+
+    fn delta(from: u64, to: u64, added: &[u32]) -> SummaryDelta {
+        SummaryDelta {
+            from_version: from,
+            to_version: to,
+            added: added.to_vec(),
+            removed: vec![],
+        }
+    }
+
+    fn peer_at(version: u64) -> PeerSummary {
+        let mut p = PeerSummary::new();
+        p.apply_snapshot(SummarySnapshot {
+            version,
+            fingerprints: vec![],
+        });
+        p
+    }
+
+    #[test]
+    fn overtaken_deltas_wait_for_the_gap_instead_of_a_snapshot() {
+        let t0 = Instant::now();
+        let mut peer = peer_at(1);
+        let mut r = DeltaReorder::default();
+        // 3->4 and 2->3 overtake 1->2 (three uni-streams, delivered backwards).
+        assert_eq!(
+            r.receive(&mut peer, delta(3, 4, &[4]), t0).unwrap(),
+            DeltaOutcome::Buffered
+        );
+        assert_eq!(
+            r.receive(&mut peer, delta(2, 3, &[3]), t0).unwrap(),
+            DeltaOutcome::Buffered
+        );
+        assert_eq!(peer.version(), 1);
+        assert_eq!(
+            r.receive(
+                &mut peer,
+                delta(1, 2, &[2]),
+                t0 + Duration::from_millis(300)
+            )
+            .unwrap(),
+            DeltaOutcome::Applied
+        );
+        assert_eq!(peer.version(), 4, "the held deltas followed on");
+        assert_eq!(peer.len(), 3);
+        assert_eq!(r.pending(), 0);
+    }
+
+    #[test]
+    fn a_gap_that_persists_or_overflows_asks_for_a_snapshot() {
+        let t0 = Instant::now();
+        let mut peer = peer_at(1);
+        let mut r = DeltaReorder::default();
+        assert_eq!(
+            r.receive(&mut peer, delta(2, 3, &[]), t0).unwrap(),
+            DeltaOutcome::Buffered
+        );
+        assert_eq!(
+            r.receive(&mut peer, delta(3, 4, &[]), t0 + GAP_TIMEOUT)
+                .unwrap(),
+            DeltaOutcome::NeedSnapshot
+        );
+        assert_eq!(r.pending(), 0);
+        // A snapshot then picks up the deltas that follow it.
+        let mut r = DeltaReorder::default();
+        for v in 5..5 + MAX_PENDING_DELTAS as u64 {
+            assert_eq!(
+                r.receive(&mut peer, delta(v, v + 1, &[v as u32]), t0)
+                    .unwrap(),
+                DeltaOutcome::Buffered
+            );
+        }
+        let mut snap = peer_at(6);
+        r.after_snapshot(&mut snap, t0);
+        assert_eq!(snap.version(), 5 + MAX_PENDING_DELTAS as u64);
+        assert_eq!(r.pending(), 0);
+        // Too many held deltas: stop waiting.
+        let mut r = DeltaReorder::default();
+        for v in 5..5 + MAX_PENDING_DELTAS as u64 {
+            r.receive(&mut peer, delta(v, v + 1, &[]), t0).unwrap();
+        }
+        assert_eq!(
+            r.receive(&mut peer, delta(50, 51, &[]), t0).unwrap(),
+            DeltaOutcome::NeedSnapshot
+        );
+        // A delta from before what we hold that reaches past it cannot be repaired.
+        assert_eq!(
+            r.receive(&mut peer, delta(0, 9, &[]), t0).unwrap(),
+            DeltaOutcome::NeedSnapshot
+        );
     }
 
     #[test]

@@ -15,6 +15,7 @@ use parking_lot::Mutex;
 use serde::Serialize;
 use tokio::time::Instant;
 
+use crate::gossip::DeltaReorder;
 use crate::identity::MemberId;
 
 /// EWMA weight of a new RTT sample (DESIGN.md: alpha 0.3).
@@ -40,6 +41,8 @@ pub(crate) struct PeerEntry {
     pub(crate) summary: Option<PeerSummary>,
     pub(crate) summary_at: Option<Instant>,
     pub(crate) summary_bytes: u64,
+    /// Deltas that overtook the one they follow, held until the gap fills.
+    pub(crate) reorder: DeltaReorder,
     pub(crate) stats: Option<QueueStats>,
     pub(crate) stats_at: Option<Instant>,
     pub(crate) bytes_sent: u64,
@@ -56,6 +59,7 @@ impl PeerEntry {
             summary: None,
             summary_at: None,
             summary_bytes: 0,
+            reorder: DeltaReorder::default(),
             stats: None,
             stats_at: None,
             bytes_sent: 0,
@@ -162,6 +166,7 @@ impl PeerTable {
             e.summary = None;
             e.summary_at = None;
             e.summary_bytes = 0;
+            e.reorder = DeltaReorder::default();
         }
         e.member = member.clone();
         if e.state != PeerState::Alive {
@@ -191,6 +196,17 @@ impl PeerTable {
                 None => sample_ms,
                 Some(prev) => RTT_EWMA_ALPHA * sample_ms + (1.0 - RTT_EWMA_ALPHA) * prev,
             });
+        }
+    }
+
+    /// Seed the RTT of a peer that has no sample yet (quinn's handshake estimate of a
+    /// fresh connection), so a just-joined peer is routable before the first gossip
+    /// round samples it.
+    pub(crate) fn seed_rtt(&self, node: &NodeId, sample_ms: f64) {
+        if let Some(mut e) = self.peers.get_mut(node) {
+            if e.rtt_ms.is_none() {
+                e.rtt_ms = Some(sample_ms);
+            }
         }
     }
 

@@ -90,6 +90,13 @@ impl Connections {
         total
     }
 
+    /// Forget every connection (shutdown).
+    pub(crate) fn clear(&self) {
+        self.by_node.clear();
+        self.by_addr.clear();
+        self.dials.clear();
+    }
+
     pub(crate) fn all(&self) -> Vec<(NodeId, quinn::Connection)> {
         self.by_node
             .iter()
@@ -137,7 +144,7 @@ pub(crate) async fn connect(
     }
     let server_name = node.map_or(CLUSTER_SERVER_NAME, |n| n.0.as_str());
     let result = async {
-        let conn = inner.endpoint.connect(addr, server_name)?.await?;
+        let conn = inner.endpoint()?.connect(addr, server_name)?.await?;
         let Some(peer) = peer_node_id(&conn) else {
             conn.close(1u32.into(), b"no node id");
             return Err(ClusterError::Tls(
@@ -252,11 +259,14 @@ pub(crate) async fn send_uni(
 
 /// Accept inbound connections until shutdown.
 pub(crate) async fn accept_loop(inner: Arc<Inner>) {
+    let Ok(endpoint) = inner.endpoint() else {
+        return;
+    };
     loop {
         let incoming = tokio::select! {
             biased;
             _ = inner.shutdown.cancelled() => return,
-            i = inner.endpoint.accept() => match i { Some(i) => i, None => return },
+            i = endpoint.accept() => match i { Some(i) => i, None => return },
         };
         let inner = inner.clone();
         tokio::spawn(async move {
@@ -281,6 +291,11 @@ pub(crate) async fn accept_loop(inner: Arc<Inner>) {
 
 /// Make `conn` the connection to `peer` and serve what arrives on it.
 fn register(inner: &Arc<Inner>, peer: NodeId, conn: quinn::Connection) {
+    // quinn has an RTT estimate from the handshake already: a known peer gets it now
+    // rather than at the next gossip round.
+    inner
+        .peers
+        .seed_rtt(&peer, conn.rtt().as_secs_f64() * 1000.0);
     inner.conns.by_node.insert(peer.clone(), conn.clone());
     tokio::spawn(read_datagrams(inner.clone(), peer.clone(), conn.clone()));
     tokio::spawn(accept_unis(inner.clone(), peer.clone(), conn.clone()));

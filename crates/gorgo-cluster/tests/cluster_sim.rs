@@ -60,7 +60,7 @@ fn five_nodes_converge_to_full_membership() {
 }
 
 #[test]
-fn crashed_node_is_down_within_3s() {
+fn crashed_node_is_down_within_4s() {
     let (mut sim, handles) = five_nodes(11, None);
     run_until(&mut sim, Duration::from_secs(10), |_| {
         converged(&handles, &NAMES)
@@ -79,7 +79,8 @@ fn crashed_node_is_down_within_3s() {
     .expect("n4 declared down");
     let detect = down_at - crashed_at;
     eprintln!("failure detection: {detect:?}");
-    assert!(detect < Duration::from_secs(3), "took {detect:?}");
+    // Bound: 0.8 + 0.8 + 1.6 s (SwimTimings) plus a gossip hop.
+    assert!(detect < Duration::from_secs(4), "took {detect:?}");
     // The survivors still see each other.
     assert!(converged(&handles, &NAMES[..4]));
 }

@@ -106,3 +106,43 @@ async fn dial_overrides_reach_a_peer_behind_another_address() {
         "identity keeps the advertised address"
     );
 }
+
+#[tokio::test]
+async fn shutdown_releases_the_port_even_with_handle_clones_alive() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let ca = gorgo_cluster::ClusterCa::generate("loopback CA").unwrap();
+    let (a, a_stop) = node("a", &ca, vec![]).await;
+    let addr = a.local_addr().unwrap();
+    // The node (router, admin API, tasks) still holds clones when it shuts down.
+    let clone = a.clone();
+    a_stop.cancel();
+    tokio::time::timeout(Duration::from_secs(20), clone.closed())
+        .await
+        .expect("endpoint closed");
+    assert!(clone.local_addr().is_err(), "no endpoint after shutdown");
+    // quinn's driver drops the socket once it runs again after the last endpoint
+    // clone is gone: give the scheduler turns, not wall time.
+    let mut rebound = None;
+    for _ in 0..10_000 {
+        match std::net::UdpSocket::bind(addr) {
+            Ok(s) => {
+                rebound = Some(s);
+                break;
+            }
+            Err(_) => tokio::task::yield_now().await,
+        }
+    }
+    let socket = rebound.expect("port released while handle clones are alive");
+    // A node restarted in the same process binds the same port.
+    let creds = ca.issue(&NodeId::from("a")).unwrap().credentials;
+    let cfg = ClusterConfig::new(NodeId::from("a"), "local", addr, creds);
+    drop(socket);
+    let summary = SharedSummary::new(LocalSummary::new(), gorgo_cluster::system_clock());
+    let restarted =
+        gorgo_cluster::start(cfg, ClusterSocket::Bind, summary, CancellationToken::new())
+            .await
+            .expect("restart on the same port");
+    assert_eq!(restarted.local_addr().unwrap(), addr);
+    drop(a);
+    drop(clone);
+}

@@ -164,6 +164,14 @@ pub struct Churn {
 pub async fn start_node(
     spec: &NodeSpec,
 ) -> Result<(ClusterHandle, Arc<SharedSummary>), Box<dyn std::error::Error>> {
+    start_node_with(spec, |_| {}).await
+}
+
+/// [`start_node`] with a last say on the config (timings, intervals).
+pub async fn start_node_with(
+    spec: &NodeSpec,
+    tweak: impl FnOnce(&mut ClusterConfig),
+) -> Result<(ClusterHandle, Arc<SharedSummary>), Box<dyn std::error::Error>> {
     let socket = TurmoilUdp::bind(&spec.name, PORT).await?;
     let addr = socket.local_addr()?;
     let mut cfg = ClusterConfig::new(
@@ -185,6 +193,7 @@ pub async fn start_node(
     });
     cfg.rng_seed = Some(gorgo_core::hash::hash_bytes(spec.name.as_bytes()));
     cfg.wall_clock = sim_clock();
+    tweak(&mut cfg);
     let summary = SharedSummary::new(LocalSummary::new().starting_at(1_000), sim_clock());
     let handle = gorgo_cluster::start(
         cfg,
