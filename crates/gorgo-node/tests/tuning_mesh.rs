@@ -274,3 +274,41 @@ async fn put_weights_switches_modes() {
     assert_eq!(leader, Some(NodeId::from("a")));
     assert_ne!(c_node.state().tuning.view().phase, Some(Phase::Frozen));
 }
+
+#[tokio::test]
+async fn learned_weights_file_sets_static_weights_and_the_tuning_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("learned.json");
+    std::fs::write(
+        &file,
+        r#"{"rtt_weight": 0.276, "prefill_weight": 1.0, "load_weight": 1.0, "queue_weight": 0.5}"#,
+    )
+    .unwrap();
+    let learned = Weights {
+        w_rtt: 0.276,
+        w_queue: 0.5,
+    };
+    let state = |extra: String| {
+        let cfg = config("a", "http://127.0.0.1:9", &extra);
+        gorgo_node::NodeState::new(cfg, Arc::new(gorgo_node::NoPeers)).unwrap()
+    };
+    let path = file.display();
+    // Static: the file's weights, instead of routing.weights.
+    let s = state(format!("[tuning]\nweights_file = \"{path}\"\n"));
+    assert_eq!(s.tuning.admit().weights, learned);
+    assert_eq!(*s.weights.read(), learned);
+    // Online: tuning starts there (clipped into the policy's bounds).
+    let s = state(format!(
+        "[routing]\npolicy = \"gorgo-paper\"\n[tuning]\nmode = \"online\"\nweights_file = \"{path}\"\n"
+    ));
+    assert_eq!(s.tuning.config().start_weights(), learned);
+    assert_eq!(s.tuning.admit().weights, learned);
+    // A missing file is a config error naming the key.
+    let cfg = config(
+        "a",
+        "http://127.0.0.1:9",
+        "[tuning]\nweights_file = \"/nonexistent/w.json\"\n",
+    );
+    let e = gorgo_node::NodeState::new(cfg, Arc::new(gorgo_node::NoPeers)).unwrap_err();
+    assert!(e.to_string().contains("tuning.weights_file"), "{e}");
+}
