@@ -119,7 +119,8 @@ impl NodeState {
             id.clone(),
             tuning_cfg,
             learned.unwrap_or(config.routing.weights),
-        )?;
+        )?
+        .with_learned_weights_out(config.tuning.learned_weights_out.clone());
         Ok(Arc::new(NodeState {
             id,
             weights: Arc::new(RwLock::new(tuning.weights())),
@@ -233,11 +234,6 @@ impl NodeState {
                 w_queue = w.w_queue,
                 "tuning converged and froze"
             );
-            if let Some(path) = &self.config.tuning.learned_weights_out {
-                if let Err(e) = tuning::write_learned_weights(path, w) {
-                    tracing::warn!(path = %path.display(), error = %e, "cannot write learned weights");
-                }
-            }
         }
         *self.weights.write() = self.tuning.weights();
         self.metrics

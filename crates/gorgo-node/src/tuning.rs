@@ -205,7 +205,8 @@ pub struct Effects {
     pub sends: Vec<TuningSend>,
     /// Trials decided in this step.
     pub decided: Vec<TuningRecord>,
-    /// Tuning just froze on these weights (`tune-then-freeze`): write them out.
+    /// Tuning just froze on these weights (`tune-then-freeze`; already written to the
+    /// learned-weights file when one is configured).
     pub frozen: Option<Weights>,
 }
 
@@ -248,6 +249,7 @@ struct Inner {
     trace: VecDeque<TrialEntry>,
     total_samples: u64,
     froze_at_epoch: Option<u64>,
+    learned_out: Option<std::path::PathBuf>,
 }
 
 /// One node's tuning: the core tuner plus what the node needs around it.
@@ -280,9 +282,17 @@ impl TuningDriver {
                 trace: VecDeque::new(),
                 total_samples: 0,
                 froze_at_epoch: None,
+                learned_out: None,
             }),
             epoch_tx: watch::channel(0).0,
         })
+    }
+
+    /// Write the weights to `path` when `tune-then-freeze` freezes (under the driver's
+    /// lock, so whoever sees the frozen phase finds the file).
+    pub fn with_learned_weights_out(self, path: Option<std::path::PathBuf>) -> Self {
+        self.inner.lock().learned_out = path;
+        self
     }
 
     /// The epoch and weights to route a new client request with.
@@ -467,6 +477,11 @@ impl TuningDriver {
             if p.phase == Phase::Frozen && inner.froze_at_epoch.is_none() {
                 inner.froze_at_epoch = Some(p.epoch);
                 fx.frozen = Some(p.weights);
+                if let Some(path) = &inner.learned_out {
+                    if let Err(e) = write_learned_weights(path, p.weights) {
+                        tracing::warn!(path = %path.display(), error = %e, "cannot write learned weights");
+                    }
+                }
             }
         }
         self.epoch_tx.send_if_modified(|e| {

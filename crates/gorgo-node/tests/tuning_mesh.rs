@@ -312,3 +312,42 @@ async fn learned_weights_file_sets_static_weights_and_the_tuning_start() {
     let e = gorgo_node::NodeState::new(cfg, Arc::new(gorgo_node::NoPeers)).unwrap_err();
     assert!(e.to_string().contains("tuning.weights_file"), "{e}");
 }
+
+#[tokio::test]
+async fn tune_then_freeze_stops_and_writes_the_learned_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let mesh = Mesh::new();
+    let mut engines = Vec::new();
+    let mut nodes = Vec::new();
+    for id in IDS {
+        let engine = StubEngine::start(id).await;
+        // sigma0 below freeze_sigma: the first decided trial freezes the line.
+        let extra = TUNING.replace("mode = \"online\"", "mode = \"tune-then-freeze\"")
+            + &format!(
+                "sigma0 = 0.04\nlearned_weights_out = \"{}\"\n",
+                dir.path().join(format!("{id}.json")).display()
+            );
+        nodes.push(start_node(config(id, &engine.url(), &extra), Some(&mesh)).await);
+        engines.push(engine);
+    }
+    let c = Cluster {
+        mesh,
+        _engines: engines,
+        nodes,
+    };
+    drive_until(&c, &[0, 1, 2], 2, 3).await;
+    let (epoch, _, weights) = assert_agree(&c, &[0, 1, 2]).await;
+    for n in &c.nodes {
+        let v = n.state().tuning.view();
+        assert_eq!(v.phase, Some(Phase::Frozen));
+        let file = dir.path().join(format!("{}.json", n.state().id));
+        let learned = gorgo_node::tuning::read_learned_weights(&file).unwrap();
+        assert_eq!(learned, weights);
+    }
+    // Frozen: more traffic decides nothing and moves no epoch.
+    for i in 0..20 {
+        chat_ok(&c.nodes[i % 3], i).await;
+    }
+    assert_eq!(c.nodes[0].state().tuning.epoch(), epoch);
+    assert_eq!(c.nodes[0].state().tuning.view().history.len(), 1);
+}
