@@ -427,6 +427,10 @@ fn drain(
 ) -> SelfState {
     let mut self_state = SelfState::Fine;
     while let Some((dst, bytes)) = rt.to_send() {
+        if is_spurious_turn_undead(foca, &dst, &bytes) {
+            ClusterMetrics::bump(&inner.metrics.spurious_turn_undead_dropped);
+            continue;
+        }
         transport::send_swim(inner, dst, bytes);
     }
     while let Some((after, timer)) = rt.to_schedule() {
@@ -470,6 +474,23 @@ fn drain(
     }
     let _ = foca;
     self_state
+}
+
+/// foca 2.0 sends `TurnUndead` ("you were declared down") when a suspicion timer
+/// fires even if the suspect refuted in time and is still active in its own view (the
+/// refutation fails the timer's incarnation check, but the courtesy message goes out
+/// regardless). The receiver then renews its identity for nothing: under CPU load,
+/// where refutations come late but in time, that is a stream of needless rejoins. Such
+/// a message is dropped here; a `TurnUndead` to a member foca does hold as down (or no
+/// longer knows) still goes out.
+fn is_spurious_turn_undead(foca: &ClusterFoca, dst: &MemberId, packet: &[u8]) -> bool {
+    let Ok(header) = foca::Codec::decode_header(&mut BincodeCodec, packet) else {
+        return false;
+    };
+    header.message == foca::Message::TurnUndead
+        && foca
+            .iter_membership_state()
+            .any(|m| m.id() == dst && m.state() != foca::State::Down)
 }
 
 impl SelfState {

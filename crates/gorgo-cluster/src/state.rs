@@ -275,6 +275,9 @@ pub struct ClusterMetrics {
     pub spoofed_received: AtomicU64,
     /// Inbound connections refused (handshake failure, unknown identity).
     pub handshakes_failed: AtomicU64,
+    /// "You were declared down" notices foca wanted to send to a member that refuted
+    /// its suspicion in time (dropped: see `docs/cluster.md`).
+    pub spurious_turn_undead_dropped: AtomicU64,
     staleness_ms: Mutex<VecDeque<u64>>,
 }
 
