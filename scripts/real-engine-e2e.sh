@@ -70,7 +70,9 @@ die() { printf 'real-engine-e2e: %s\n' "$*" >&2; exit 1; }
 # ---------------------------------------------------------------- cleanup
 LLAMA_PIDS=()
 RUN_DIRS=()
-GORGO=${GORGO_BIN:-$ROOT/target/release/gorgo}
+TARGET_DIR=${CARGO_TARGET_DIR:-target}
+case $TARGET_DIR in /*) ;; *) TARGET_DIR=$ROOT/$TARGET_DIR ;; esac
+GORGO=${GORGO_BIN:-$TARGET_DIR/release/gorgo}
 stop_llama() {
   local pid
   for pid in "${LLAMA_PIDS[@]:-}"; do
