@@ -72,9 +72,21 @@ def main():
             merged["policies"][name] = entry
     (a.out / "results.json").write_text(json.dumps(merged, indent=2) + "\n")
 
+    # How fast the machine let the engines prefill during each policy's run (the engines
+    # share 2 cores with everything else): ms per prefilled model token, prefills of at
+    # least MIN_TOKENS_FOR_RATE tokens, all regions.
+    speed = {}
+    for p in policies:
+        big = []
+        for r in regions:
+            log = a.out / "llama" / f"{p}-{r}.log"
+            if log.exists():
+                big += [(n, t) for _, n, t in engine_log_stats(log)[0] if n >= MIN_TOKENS_FOR_RATE]
+        speed[p] = sum(t for _, t in big) / sum(n for n, _ in big) if big else None
+
     # The table: every number straight from gorgo's results.json.
     head = ["policy", "requests", "failed", "TTFT p50", "TTFT p95", "TTFT p99", "E2E p95"]
-    head += [f"share {r}" for r in regions] + ["forwarded"]
+    head += [f"share {r}" for r in regions] + ["forwarded", "engine ms/token"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in policies:
         e = merged["policies"].get(p)
@@ -86,8 +98,12 @@ def main():
         cells += [fmt_ms(e["e2e_ms"]["p95"])]
         cells += [f"{share.get(r, 0.0):.0%}" for r in regions]
         cells += [f"{e.get('forwarded_share', 0.0):.0%}"]
+        cells += ["-" if speed.get(p) is None else f"{speed[p]:.3f}"]
         rows.append("| " + " | ".join(cells) + " |")
-    table = "\n".join(rows) + "\n\n(milliseconds; share: where requests were served)\n"
+    table = "\n".join(rows) + (
+        "\n\n(milliseconds; share: where requests were served; engine ms/token: the engines'"
+        " own prefill time per model token during that run, i.e. how fast the shared machine was)\n"
+    )
     (a.out / "table.md").write_text(table)
 
     # The engines' own evidence, and the nodes' fits against it.
