@@ -7,25 +7,25 @@
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
 
+pub mod cost;
+pub mod decision;
 pub mod error;
-pub mod types;
-
-pub use error::CoreError;
-pub use types::{NodeId, QueueStats, Weights};
+pub mod es;
+pub mod fit;
 pub mod hash;
-pub use hash::HashChain;
 pub mod index;
+pub mod policy;
 pub mod prompt;
 pub mod sketch;
 pub mod summary;
+pub mod tuning;
+pub mod types;
 pub mod wire;
+
+pub use error::CoreError;
+pub use hash::HashChain;
 pub use index::ShadowIndex;
 pub use prompt::{BytesPerToken, Endpoint, PromptHasher, TokenCounter};
 pub use sketch::{percentile, summarize, LatencySketch, LatencyStats};
 pub use summary::{LocalSummary, PeerSummary, SummaryDelta, SummarySnapshot};
-pub mod cost;
-pub mod fit;
-pub mod decision;
-pub mod policy;
-pub mod es;
-pub mod tuning;
+pub use types::{NodeId, QueueStats, Weights};
