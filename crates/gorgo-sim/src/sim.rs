@@ -71,7 +71,8 @@ pub struct SimConfig {
     /// regions.
     pub live_chains: bool,
     /// Build each node's own queue stats the way the live node does (its accounting of
-    /// the requests it dispatched, the engine's `/metrics` scraped every
+    /// the requests it dispatched: expected prefill tokens until the first token, the
+    /// in-flight count; the engine's `/metrics` scraped every
     /// [`LIVE_METRICS_INTERVAL_MS`], the configured decode-step seed) instead of from
     /// its engine's exact state. For side-by-side comparisons with `gorgo compare`.
     pub live_node_stats: bool,
@@ -262,6 +263,8 @@ struct Flight {
     first_token_seen: bool,
     /// Expected prefill tokens counted in the oracle's in-transit figure.
     transit_tokens: u64,
+    /// Prefill work the serving node accounted at dispatch (`live_node_stats`).
+    acct_prefill_tokens: u64,
 }
 
 enum Payload {
@@ -307,9 +310,10 @@ struct Region {
     /// The live node's accounting (used with `live_node_stats`): requests dispatched
     /// and not finished...
     acct_inflight: u64,
-    /// ...raw prompt tokens dispatched and not yet past their first token...
+    /// ...expected prefill tokens (prompt less the shadow index's match) of those not
+    /// yet past their first token...
     acct_unprefilled_tokens: u64,
-    /// ...the EWMA of dispatched prompt sizes...
+    /// ...the EWMA of that expected prefill work per dispatch...
     acct_mean_prompt: u64,
     /// ...and the engine's state at the last scrape.
     scraped: Option<gorgo_engine::EngineStats>,
@@ -629,6 +633,7 @@ impl<'a> Sim<'a> {
             cached_tokens: 0,
             first_token_seen: false,
             transit_tokens: 0,
+            acct_prefill_tokens: 0,
         };
         let slot = match self.free.pop() {
             Some(s) => {
@@ -889,10 +894,21 @@ impl<'a> Sim<'a> {
             arrival_ms: now,
         };
         let prompt_tokens = f.prompt_tokens;
-        match self.oracle.as_mut() {
-            Some(o) => o.index[r].insert(&f.chain, nowu),
-            None => self.nodes[r].shadow.insert(&f.chain, nowu),
-        }
+        // The live node accounts the prefill work it expects: the prompt less the
+        // prefix its shadow index believes cached, looked up before inserting.
+        let prefill_tokens = match self.oracle.as_mut() {
+            Some(o) => {
+                o.index[r].insert(&f.chain, nowu);
+                prompt_tokens
+            }
+            None => {
+                let shadow = &mut self.nodes[r].shadow;
+                let cached = shadow.longest_match(&f.chain).min(prompt_tokens);
+                shadow.insert(&f.chain, nowu);
+                prompt_tokens - cached
+            }
+        };
+        f.acct_prefill_tokens = prefill_tokens;
         let region = &mut self.regions[r];
         match region.engine.submit(req, now) {
             Ok(()) => {
@@ -970,9 +986,9 @@ impl<'a> Sim<'a> {
         f.ttft_ms = at + back - f.send_ms;
         let engine_ttft = at - f.dispatched_ms;
         let uncached = f.prompt_tokens.saturating_sub(cached);
-        let prompt = f.prompt_tokens;
+        let prefill = f.acct_prefill_tokens;
         let reg = &mut self.regions[r];
-        reg.acct_unprefilled_tokens = reg.acct_unprefilled_tokens.saturating_sub(prompt);
+        reg.acct_unprefilled_tokens = reg.acct_unprefilled_tokens.saturating_sub(prefill);
         match self.oracle.as_mut() {
             Some(o) => {
                 let f = self.flights[slot as usize].as_ref().expect("live");
