@@ -25,6 +25,14 @@ pub const FALLBACK_T_P_MS: f64 = 0.0938;
 /// interleave with the prefill work ahead (SGLang's `chunked_prefill_size` default).
 pub const PREFILL_CHUNK_TOKENS: u64 = 8192;
 
+/// Output length assumed for requests already running when estimating how soon they
+/// free a slot, tokens (the paper's `max_tokens`; requests report no output length).
+pub const DEFAULT_OUTPUT_TOKENS: u64 = 128;
+
+/// KV occupancy above which a new request is assumed to wait for admission even when
+/// the engine reports nobody waiting (the next admission needs room for a whole prompt).
+pub const KV_NEARLY_FULL: f64 = 0.95;
+
 /// One region a request could be served at, as the deciding node sees it right now.
 ///
 /// The driver fills it from its own measurements (RTT), the peer's last summary
@@ -110,11 +118,19 @@ pub struct CostTerms {
 
 /// Unweighted estimate of the wait before `c`'s engine starts this request's prefill.
 ///
-/// `t_p x tokens ahead` (unfinished prefill tokens from its stats plus this node's
-/// in-flight forwards there), plus the decode steps the scheduler interleaves meanwhile
-/// when it has a running batch: one decode step per prefill chunk ahead
-/// (`ceil(tokens_ahead / PREFILL_CHUNK_TOKENS)`) plus, on average, half of the step in
-/// progress when the request arrives. Returns `(queue_ms, tokens_ahead)`.
+/// Three parts, all in ms:
+///
+/// - **prefill ahead**: `t_p x tokens ahead` (unfinished prefill tokens from its stats
+///   plus this node's in-flight forwards there);
+/// - **decode steps interleaved** with that prefill when it has a running batch: one
+///   decode step per prefill chunk ahead (`ceil(tokens_ahead / PREFILL_CHUNK_TOKENS)`)
+///   plus, on average, half of the step in progress when the request arrives;
+/// - **admission wait** ([`admission_wait_ms`]): when the engine is bound by KV capacity
+///   or its running-request limit, requests wait for running ones to finish while
+///   `unfinished_prefill_tokens` stays small (only admitted prompts count there). Without
+///   this term `gorgo` piled onto cache-warm, decode-bound engines (docs/simulator.md).
+///
+/// Returns `(queue_ms, tokens_ahead)`.
 pub fn queue_ms(c: &Candidate) -> (f64, u64) {
     let tokens_ahead = c
         .stats
@@ -128,7 +144,39 @@ pub fn queue_ms(c: &Candidate) -> (f64, u64) {
     } else {
         0.0
     };
-    (prefill + decode, tokens_ahead)
+    (prefill + decode + admission_wait_ms(c), tokens_ahead)
+}
+
+/// Expected wait for a slot at a decode-bound engine, ms; 0 when it admits at once.
+///
+/// The engine is taken to be admission-bound when requests are waiting (its own
+/// `waiting` plus this node's in-flight forwards, which arrive behind them) or its KV is
+/// at least [`KV_NEARLY_FULL`]. Then this request needs `waiting + 1` running requests to
+/// finish first. A running batch of `running` requests, each decoding about
+/// [`DEFAULT_OUTPUT_TOKENS`] steps, completes `running / DEFAULT_OUTPUT_TOKENS` requests
+/// per step in steady state, so
+///
+/// ```text
+/// admission_wait = (waiting + 1) / max(running, 1) * DEFAULT_OUTPUT_TOKENS * decode_step_ms
+/// ```
+///
+/// Waiting requests also need their own prefill once admitted; that work is not in
+/// `unfinished_prefill_tokens` and is left out (prompt sizes of waiting requests are not
+/// reported), so this under-estimates for long prompts.
+pub fn admission_wait_ms(c: &Candidate) -> f64 {
+    let step = c.stats.decode_step_ms;
+    if !(step.is_finite() && step > 0.0) {
+        return 0.0;
+    }
+    let waiting = c.stats.waiting as u64 + c.inflight_forwards as u64;
+    let kv_full = c.stats.kv_capacity_tokens > 0
+        && c.stats.kv_used_tokens as f64 >= KV_NEARLY_FULL * c.stats.kv_capacity_tokens as f64;
+    // Forwards alone do not make an engine admission-bound: only its own report does.
+    if c.stats.waiting == 0 && !kv_full {
+        return 0.0;
+    }
+    let running = c.stats.running.max(1) as f64;
+    (waiting + 1) as f64 / running * DEFAULT_OUTPUT_TOKENS as f64 * step
 }
 
 /// The `gorgo` cost of serving a `prompt_tokens`-token request at `c` under `weights`.
@@ -300,6 +348,31 @@ mod tests {
         assert!((queue_ms(&c).0 - (940.0 + 2.5 * 20.0)).abs() < 1e-9);
         c.inflight_forward_prompt_tokens = 1000;
         assert_eq!(queue_ms(&c).1, 11_000);
+    }
+
+    #[test]
+    fn admission_wait_when_decode_bound() {
+        let mut c = peer(0.0, 0);
+        c.stats.decode_step_ms = 30.0;
+        c.stats.running = 64;
+        // Nobody waiting and KV not full: admitted at once, forwards or not.
+        c.inflight_forwards = 5;
+        assert_eq!(admission_wait_ms(&c), 0.0);
+        // 63 waiting + 1 forward + this one = 65 slots; 64 running free one per 2 steps.
+        c.stats.waiting = 63;
+        c.inflight_forwards = 1;
+        let want = 65.0 / 64.0 * 128.0 * 30.0;
+        assert!((admission_wait_ms(&c) - want).abs() < 1e-9);
+        assert!((queue_ms(&c).0 - (0.5 * 30.0 + want)).abs() < 1e-9);
+        // KV nearly full with nobody waiting: this request waits for one finish.
+        c.stats.waiting = 0;
+        c.inflight_forwards = 0;
+        c.stats.kv_capacity_tokens = 1000;
+        c.stats.kv_used_tokens = 960;
+        assert!((admission_wait_ms(&c) - 128.0 / 64.0 * 30.0).abs() < 1e-9);
+        // No decode-step figure: no estimate.
+        c.stats.decode_step_ms = f64::NAN;
+        assert_eq!(admission_wait_ms(&c), 0.0);
     }
 
     #[test]

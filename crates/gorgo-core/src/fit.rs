@@ -4,6 +4,28 @@
 //! regions get their own `t_p`, and gossips the result in its queue stats. Recursive
 //! least squares with a forgetting factor follows drift (load, model swaps) without
 //! storing history; the configured profile seeds it so the first decisions are sane.
+//!
+//! What the fit is fed, and why (the simulator found both problems, docs/simulator.md):
+//!
+//! - **Prefill only, not queueing.** Engine-side TTFT includes the wait behind work
+//!   already at the engine. Fed raw, under overload that wait (seconds to hours, not
+//!   proportional to this request's own uncached tokens) swamps the regression: `t_p`
+//!   collapsed to its floor on one node and tripled on another, and routing went
+//!   haywire. Drivers therefore call [`PrefillFit::observe_after_wait`] with the
+//!   unweighted queueing estimate the node had at dispatch (`cost::queue_ms` of its own
+//!   local candidate, the same estimate the cost model uses) and the fit regresses on
+//!   `TTFT - RTT - queued`. Samples where that is negative (the estimate overshot) are
+//!   refused rather than clamped to 0, which would bias `t_p` down. We chose subtraction
+//!   over "only samples with nothing ahead" because under sustained load the latter
+//!   leaves the fit with no samples at all, which is exactly when it matters.
+//! - **A band around the seed.** The estimate is imperfect, so `t_p` is also kept in
+//!   `[seed / T_P_BAND, seed * T_P_BAND]` (the state itself is projected into the band
+//!   after every update, so it cannot wind up outside it and take a long time to come
+//!   back) and `base` in `[0, max(seed_base * T_P_BAND, MIN_BASE_CAP_MS)]`. A real
+//!   engine within 4x of its profile is fitted exactly; one bad window cannot make a
+//!   node look a million times cheaper or dearer than its peers. A profile off by more
+//!   than 4x is a configuration error, visible in `/admin/state` as `t_p` pinned at a
+//!   band edge.
 
 use std::collections::VecDeque;
 
@@ -20,6 +42,12 @@ const MAX_OBSERVED_MS: f64 = 600_000.0;
 
 /// Largest prompt accepted, tokens: beyond any context window, so a bad count.
 const MAX_TOKENS: u64 = 10_000_000;
+
+/// Factor bounding the fitted `t_p` (and `base`) around the profile seed, both ways.
+pub const T_P_BAND: f64 = 4.0;
+
+/// Smallest upper bound on the fitted base, ms, so a zero seed still leaves room.
+const MIN_BASE_CAP_MS: f64 = 1000.0;
 
 /// Tuning knobs of [`PrefillFit`].
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -90,6 +118,20 @@ pub struct PrefillFit {
     recent: VecDeque<(f64, f64)>,
     samples: u64,
     rejected: u64,
+    /// `[min, max]` of `theta[1]` (scaled `t_p`): the band around the seed.
+    #[serde(default = "unbounded")]
+    t_p_band: [f64; 2],
+    /// Largest `theta[0]` (base), ms.
+    #[serde(default = "unbounded_cap")]
+    base_cap_ms: f64,
+}
+
+fn unbounded() -> [f64; 2] {
+    [0.0, f64::MAX]
+}
+
+fn unbounded_cap() -> f64 {
+    f64::MAX
 }
 
 impl PrefillFit {
@@ -115,16 +157,38 @@ impl PrefillFit {
             recent: VecDeque::with_capacity(cfg.r2_window),
             samples: 0,
             rejected: 0,
+            t_p_band: [
+                seed_t_p_ms * TOKEN_SCALE / T_P_BAND,
+                seed_t_p_ms * TOKEN_SCALE * T_P_BAND,
+            ],
+            base_cap_ms: (seed_base_ms * T_P_BAND).max(MIN_BASE_CAP_MS),
         })
     }
 
-    /// Add one finished request. Returns false (and ignores it) when the inputs are not
-    /// finite, negative, or larger than any real prefill.
+    /// Add one finished request that waited behind no work (or whose wait is unknown).
+    /// Same as [`PrefillFit::observe_after_wait`] with `queued_ms = 0`.
     pub fn observe(&mut self, ttft_ms: f64, rtt_ms: f64, uncached_tokens: u64) -> bool {
-        let y = ttft_ms - rtt_ms;
+        self.observe_after_wait(ttft_ms, rtt_ms, 0.0, uncached_tokens)
+    }
+
+    /// Add one finished request whose engine-side TTFT includes an estimated
+    /// `queued_ms` of waiting behind other work (the node's unweighted
+    /// `cost::queue_ms` for itself at dispatch); the fit sees `ttft - rtt - queued`.
+    /// Returns false (and ignores it) when the inputs are not finite, negative, larger
+    /// than any real prefill, or when the wait estimate exceeds the observed latency.
+    pub fn observe_after_wait(
+        &mut self,
+        ttft_ms: f64,
+        rtt_ms: f64,
+        queued_ms: f64,
+        uncached_tokens: u64,
+    ) -> bool {
+        let y = ttft_ms - rtt_ms - queued_ms;
         let sane = ttft_ms.is_finite()
             && rtt_ms.is_finite()
             && rtt_ms >= 0.0
+            && queued_ms.is_finite()
+            && queued_ms >= 0.0
             && (0.0..=MAX_OBSERVED_MS).contains(&y)
             && uncached_tokens <= MAX_TOKENS;
         if !sane {
@@ -149,7 +213,11 @@ impl PrefillFit {
         }
         let k = [px[0] / denom, px[1] / denom];
         let err = y - (self.theta[0] * x[0] + self.theta[1] * x[1]);
-        let theta = [self.theta[0] + k[0] * err, self.theta[1] + k[1] * err];
+        // Projected into the band (see the module docs).
+        let theta = [
+            (self.theta[0] + k[0] * err).clamp(0.0, self.base_cap_ms),
+            (self.theta[1] + k[1] * err).clamp(self.t_p_band[0], self.t_p_band[1]),
+        ];
         // P = (P - k x^T P) / lambda, symmetrised against rounding drift.
         let mut p = [[0.0; 2]; 2];
         for (i, row) in p.iter_mut().enumerate() {
@@ -179,10 +247,11 @@ impl PrefillFit {
         self.theta[0].max(0.0)
     }
 
-    /// Fitted prefill cost per uncached token, ms (never below a microsecond per
-    /// thousand tokens, so a noisy fit cannot make prefill look free).
+    /// Fitted prefill cost per uncached token, ms: within [`T_P_BAND`] of the seed, and
+    /// never below a microsecond per thousand tokens, so a noisy fit can make prefill
+    /// look neither free nor absurdly dear.
     pub fn t_p_ms(&self) -> f64 {
-        (self.theta[1] / TOKEN_SCALE).max(1e-6)
+        (self.theta[1].clamp(self.t_p_band[0], self.t_p_band[1]) / TOKEN_SCALE).max(1e-6)
     }
 
     /// Predicted `TTFT - RTT` for `uncached_tokens`, ms.
@@ -280,7 +349,41 @@ mod tests {
         assert!((f.predict_ms(1000) - 240.0).abs() < 1.0);
     }
 
+    #[test]
+    fn queueing_is_subtracted_not_fitted() {
+        // The engine prefills at 40 ms + 0.05 ms/token, but every request also waits
+        // behind a random amount of work the node estimated at dispatch.
+        let mut raw = PrefillFit::new(150.72, 0.0938, FitConfig::default()).unwrap();
+        let mut net = raw.clone();
+        for i in 0..3000u64 {
+            let tokens = 500 + (i * 7919) % 8000;
+            let wait = ((i * 104_729) % 50_000) as f64;
+            let ttft = 40.0 + 0.05 * tokens as f64 + wait;
+            raw.observe(ttft, 0.0, tokens);
+            assert!(net.observe_after_wait(ttft, 0.0, wait, tokens));
+        }
+        assert!((net.t_p_ms() - 0.05).abs() < 1e-3, "t_p {}", net.t_p_ms());
+        assert!((net.base_ms() - 40.0).abs() < 3.0, "base {}", net.base_ms());
+        // Fed raw, the fit is garbage, but the band keeps it within 4x of the seed.
+        let t = raw.t_p_ms();
+        assert!((0.0938 / T_P_BAND - 1e-12..=0.0938 * T_P_BAND + 1e-12).contains(&t));
+        // A wait estimate larger than the latency itself is refused.
+        assert!(!net.observe_after_wait(100.0, 0.0, 200.0, 10));
+        assert!(!net.observe_after_wait(100.0, 0.0, f64::NAN, 10));
+    }
+
     proptest! {
+        #[test]
+        fn stays_in_the_band(obs in proptest::collection::vec((0.0..1e6f64, 0u64..100_000), 1..300)) {
+            let mut f = PrefillFit::new(150.0, 0.09, FitConfig::default()).unwrap();
+            for (t, u) in obs {
+                f.observe(t, 0.0, u);
+            }
+            prop_assert!(f.t_p_ms() >= 0.09 / T_P_BAND * (1.0 - 1e-12));
+            prop_assert!(f.t_p_ms() <= 0.09 * T_P_BAND * (1.0 + 1e-12));
+            prop_assert!(f.base_ms() <= (150.0 * T_P_BAND).max(MIN_BASE_CAP_MS));
+        }
+
         #[test]
         fn never_non_finite(obs in proptest::collection::vec((any::<f64>(), any::<f64>(), any::<u64>()), 0..200)) {
             let mut f = PrefillFit::new(150.0, 0.09, FitConfig::default()).unwrap();
