@@ -14,7 +14,7 @@ cargo clippy --workspace --all-targets -- -D warnings
 echo "== cargo test --workspace"
 cargo test --workspace
 
-echo "== end-to-end: openai Python client through a node"
+echo "== end-to-end: openai Python client and curl through a node"
 cargo build --bin gorgo
 if python3 -c 'import openai' 2>/dev/null; then
   python3 tests/e2e_openai.py target/debug/gorgo

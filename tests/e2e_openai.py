@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""End-to-end: the official `openai` Python client through a `gorgo node`.
+"""End-to-end: the official `openai` Python client (and curl) through a `gorgo node`.
 
 Starts `gorgo engine` (the emulator) and `gorgo node` from the built binary on free
 127.0.0.1 ports, then drives chat and completions, streaming and not, checks the
@@ -163,7 +163,22 @@ token = "{ADMIN_TOKEN}"
         check(status == 200 and json.loads(body)["node"] == NODE_ID, f"admin state: {body}")
         status, body = http_status(f"{admin}/metrics")
         check(status == 200 and b"gorgo_requests_total" in body, "metrics")
-        print("e2e_openai: ok")
+
+        # curl, the other real client: a streaming chat request stays SSE end to end.
+        curl = subprocess.run(
+            ["curl", "-sS", "-N", "-D", "-", "--max-time", "30",
+             f"http://127.0.0.1:{http_port}/v1/chat/completions",
+             "-H", "content-type: application/json",
+             "-d", json.dumps({"model": "e2e-model", "stream": True, "max_tokens": 8,
+                               "messages": [{"role": "user", "content": "hello from curl"}]})],
+            capture_output=True, text=True, timeout=60)
+        check(curl.returncode == 0, f"curl failed: {curl.stderr}")
+        out = curl.stdout.lower()
+        check("text/event-stream" in out, f"curl: not SSE: {curl.stdout[:300]}")
+        check(f"x-gorgo-served-by: {NODE_ID}" in out, f"curl: served-by header: {curl.stdout[:300]}")
+        check("data: [done]" in out, f"curl: stream did not end with [DONE]: {curl.stdout[-300:]}")
+        check(out.count("data: {") >= 2, f"curl: expected several SSE chunks: {curl.stdout[-300:]}")
+        print("e2e_openai: ok (openai client and curl)")
     except Exception:
         logs.flush()
         print(f"e2e_openai: process logs in {logs.name}", file=sys.stderr)
