@@ -16,8 +16,16 @@
 //!   local candidate, the same estimate the cost model uses) and the fit regresses on
 //!   `TTFT - RTT - queued`. Samples where that is negative (the estimate overshot) are
 //!   refused rather than clamped to 0, which would bias `t_p` down. We chose subtraction
-//!   over "only samples with nothing ahead" because under sustained load the latter
-//!   leaves the fit with no samples at all, which is exactly when it matters.
+//!   over "only samples with nothing ahead" alone because at moderate load most
+//!   requests wait a little and that would starve the fit.
+//! - **Only samples the estimate can clean.** Under overload the wait is minutes to
+//!   hours and the estimate's error alone dwarfs a prefill of a second: the
+//!   subtraction leaves garbage (measured: `t_p` pinned at a band edge). A sample is
+//!   therefore skipped (counted in [`PrefillFit::skipped`]) when the estimated wait
+//!   exceeds [`MAX_QUEUED_SHARE`] x the fit's own prediction for it, or when what is
+//!   left exceeds [`MAX_RESIDUAL_FACTOR`] x that prediction (a wait the estimate did
+//!   not see). During sustained overload the fit thus keeps its last good value instead
+//!   of learning the queue.
 //! - **A band around the seed.** The estimate is imperfect, so `t_p` is also kept in
 //!   `[seed / T_P_BAND, seed * T_P_BAND]` (the state itself is projected into the band
 //!   after every update, so it cannot wind up outside it and take a long time to come
@@ -45,6 +53,14 @@ const MAX_TOKENS: u64 = 10_000_000;
 
 /// Factor bounding the fitted `t_p` (and `base`) around the profile seed, both ways.
 pub const T_P_BAND: f64 = 4.0;
+
+/// Largest estimated wait, as a multiple of the predicted prefill, for which a sample
+/// is still used.
+pub const MAX_QUEUED_SHARE: f64 = 1.0;
+
+/// Largest `TTFT - RTT - queued`, as a multiple of the predicted prefill, accepted as a
+/// prefill observation (the band's width: a real engine up to 4x off is still tracked).
+pub const MAX_RESIDUAL_FACTOR: f64 = T_P_BAND;
 
 /// Smallest upper bound on the fitted base, ms, so a zero seed still leaves room.
 const MIN_BASE_CAP_MS: f64 = 1000.0;
@@ -118,6 +134,9 @@ pub struct PrefillFit {
     recent: VecDeque<(f64, f64)>,
     samples: u64,
     rejected: u64,
+    /// Samples skipped because queueing dominated them.
+    #[serde(default)]
+    skipped: u64,
     /// `[min, max]` of `theta[1]` (scaled `t_p`): the band around the seed.
     #[serde(default = "unbounded")]
     t_p_band: [f64; 2],
@@ -157,6 +176,7 @@ impl PrefillFit {
             recent: VecDeque::with_capacity(cfg.r2_window),
             samples: 0,
             rejected: 0,
+            skipped: 0,
             t_p_band: [
                 seed_t_p_ms * TOKEN_SCALE / T_P_BAND,
                 seed_t_p_ms * TOKEN_SCALE * T_P_BAND,
@@ -175,7 +195,9 @@ impl PrefillFit {
     /// `queued_ms` of waiting behind other work (the node's unweighted
     /// `cost::queue_ms` for itself at dispatch); the fit sees `ttft - rtt - queued`.
     /// Returns false (and ignores it) when the inputs are not finite, negative, larger
-    /// than any real prefill, or when the wait estimate exceeds the observed latency.
+    /// than any real prefill, or when the wait estimate exceeds the observed latency
+    /// (all counted in [`PrefillFit::rejected`]), or when queueing dominates the sample
+    /// (counted in [`PrefillFit::skipped`]; see the module docs).
     pub fn observe_after_wait(
         &mut self,
         ttft_ms: f64,
@@ -193,6 +215,11 @@ impl PrefillFit {
             && uncached_tokens <= MAX_TOKENS;
         if !sane {
             self.rejected += 1;
+            return false;
+        }
+        let predicted = self.predict_ms(uncached_tokens);
+        if queued_ms > MAX_QUEUED_SHARE * predicted || y > MAX_RESIDUAL_FACTOR * predicted {
+            self.skipped += 1;
             return false;
         }
         let x = [1.0, uncached_tokens as f64 / TOKEN_SCALE];
@@ -291,6 +318,11 @@ impl PrefillFit {
     pub fn rejected(&self) -> u64 {
         self.rejected
     }
+
+    /// Observations skipped because queueing dominated them.
+    pub fn skipped(&self) -> u64 {
+        self.skipped
+    }
 }
 
 #[cfg(test)]
@@ -351,17 +383,19 @@ mod tests {
 
     #[test]
     fn queueing_is_subtracted_not_fitted() {
-        // The engine prefills at 40 ms + 0.05 ms/token, but every request also waits
-        // behind a random amount of work the node estimated at dispatch.
+        // The engine prefills at 40 ms + 0.05 ms/token, but requests also wait behind
+        // a random amount of work the node estimated at dispatch (up to about as long
+        // as their prefill; longer waits are skipped, tested below).
         let mut raw = PrefillFit::new(150.72, 0.0938, FitConfig::default()).unwrap();
         let mut net = raw.clone();
         for i in 0..3000u64 {
             let tokens = 500 + (i * 7919) % 8000;
-            let wait = ((i * 104_729) % 50_000) as f64;
+            let wait = ((i * 104_729) % 200) as f64;
             let ttft = 40.0 + 0.05 * tokens as f64 + wait;
             raw.observe(ttft, 0.0, tokens);
-            assert!(net.observe_after_wait(ttft, 0.0, wait, tokens));
+            net.observe_after_wait(ttft, 0.0, wait, tokens);
         }
+        assert!(net.samples() > 2500, "{} samples", net.samples());
         assert!((net.t_p_ms() - 0.05).abs() < 1e-3, "t_p {}", net.t_p_ms());
         assert!((net.base_ms() - 40.0).abs() < 3.0, "base {}", net.base_ms());
         // Fed raw, the fit is garbage, but the band keeps it within 4x of the seed.
@@ -370,6 +404,17 @@ mod tests {
         // A wait estimate larger than the latency itself is refused.
         assert!(!net.observe_after_wait(100.0, 0.0, 200.0, 10));
         assert!(!net.observe_after_wait(100.0, 0.0, f64::NAN, 10));
+        assert_eq!(net.rejected(), 2);
+        net.skipped = 0;
+        // Overload: waits of minutes, estimated or not, teach the fit nothing.
+        let before = net.clone();
+        assert!(!net.observe_after_wait(600_000.0 - 1.0, 0.0, 500_000.0, 1000));
+        assert!(!net.observe_after_wait(30_000.0, 0.0, 0.0, 1000));
+        assert_eq!(net.skipped(), 2);
+        assert_eq!(
+            (net.t_p_ms(), net.base_ms()),
+            (before.t_p_ms(), before.base_ms())
+        );
     }
 
     proptest! {

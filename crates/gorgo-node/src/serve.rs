@@ -220,6 +220,13 @@ pub async fn serve_local(
         state.peers.publish_summary(&delta);
     }
     let uncached = prompt_tokens.saturating_sub(cached);
+    // The wait this node expects behind work already at its engine: the fit subtracts
+    // it so `t_p` measures prefill, not queueing (gorgo-core `fit.rs`).
+    let queued_est_ms = gorgo_core::cost::queue_ms(&Candidate {
+        stats: state.local_stats(),
+        ..Candidate::idle("local", true, 0.0)
+    })
+    .0;
     let mut ticket = state.engine.dispatch(prompt_tokens, uncached);
     let started = Instant::now();
     let resp = state
@@ -247,7 +254,9 @@ pub async fn serve_local(
             ticket.prefilled();
             let ttft_ms = started.elapsed().as_secs_f64() * 1000.0;
             if status < 300 {
-                st.fit.lock().observe(ttft_ms, 0.0, uncached);
+                st.fit
+                    .lock()
+                    .observe_after_wait(ttft_ms, 0.0, queued_est_ms, uncached);
             }
         }
         if let (Ok(bytes), false) = (&chunk, corrected) {

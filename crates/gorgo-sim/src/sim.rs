@@ -265,6 +265,9 @@ struct Flight {
     transit_tokens: u64,
     /// Prefill work the serving node accounted at dispatch (`live_node_stats`).
     acct_prefill_tokens: u64,
+    /// The serving node's own queueing estimate at dispatch, ms: subtracted from the
+    /// engine-side TTFT its `PrefillFit` sees (as the live node does).
+    queued_est_ms: f64,
 }
 
 enum Payload {
@@ -634,6 +637,7 @@ impl<'a> Sim<'a> {
             first_token_seen: false,
             transit_tokens: 0,
             acct_prefill_tokens: 0,
+            queued_est_ms: 0.0,
         };
         let slot = match self.free.pop() {
             Some(s) => {
@@ -883,7 +887,13 @@ impl<'a> Sim<'a> {
     /// Submit a request to region `r`'s engine.
     fn dispatch(&mut self, slot: u32, r: usize, now: f64) {
         let nowu = now as u64;
+        let queued_est_ms = gorgo_core::cost::queue_ms(&Candidate {
+            stats: self.local_stats(r),
+            ..Candidate::idle("local", true, 0.0)
+        })
+        .0;
         let f = self.flights[slot as usize].as_mut().expect("live");
+        f.queued_est_ms = queued_est_ms;
         f.served = Some(r as u8);
         f.dispatched_ms = now;
         let req = EngineRequest {
@@ -985,6 +995,7 @@ impl<'a> Sim<'a> {
         f.cached_tokens = cached;
         f.ttft_ms = at + back - f.send_ms;
         let engine_ttft = at - f.dispatched_ms;
+        let queued_est_ms = f.queued_est_ms;
         let uncached = f.prompt_tokens.saturating_sub(cached);
         let prefill = f.acct_prefill_tokens;
         let reg = &mut self.regions[r];
@@ -995,7 +1006,9 @@ impl<'a> Sim<'a> {
                 o.index[r].correct(&f.chain, cached, at as u64);
             }
             None => {
-                self.nodes[r].fit.observe(engine_ttft, 0.0, uncached);
+                self.nodes[r]
+                    .fit
+                    .observe_after_wait(engine_ttft, 0.0, queued_est_ms, uncached);
             }
         }
     }
