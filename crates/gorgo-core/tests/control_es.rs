@@ -166,3 +166,45 @@ fn e2e_guard_uses_the_adjacent_incumbent_window() {
     );
     assert_eq!(es.incumbent, cfg.start_weights());
 }
+
+/// Windows as small as the simulator's (~35 requests): the same weights measure ~20%
+/// apart from window to window. The adaptive margin must keep the tuner from
+/// random-walking: sigma never reaches its cap, weights stay off the bounds.
+#[test]
+fn very_noisy_flat_objective_is_left_alone() {
+    for seed in 1..=5u64 {
+        let cfg = TuningConfig {
+            seed,
+            ..TuningConfig::gorgo()
+        };
+        let mut es = EsState::new(&cfg);
+        let mut noise = ChaCha8Rng::seed_from_u64(seed ^ 0x0123);
+        let flat = |rng: &mut ChaCha8Rng| {
+            let z: f64 = rng.sample(StandardNormal);
+            Measurement {
+                p95_ttft_ms: 1000.0 * (0.2 * z).exp(),
+                p95_e2e_ms: 20_000.0,
+                samples: 35,
+            }
+        };
+        let mut max_sigma: f64 = 0.0;
+        for _ in 0..200 {
+            let cand = es.mutate(&cfg);
+            let inc = flat(&mut noise);
+            let c = flat(&mut noise);
+            es.conclude(&cfg, cand, c, inc);
+            max_sigma = max_sigma.max(es.sigma);
+        }
+        assert!(
+            es.margin(&cfg) > 0.2,
+            "seed {seed}: margin {}",
+            es.margin(&cfg)
+        );
+        assert!(max_sigma < cfg.sigma_max, "seed {seed}: sigma {max_sigma}");
+        assert!(
+            es.incumbent.w_queue > 0.075 && es.incumbent.w_rtt > 0.075,
+            "seed {seed}: {:?}",
+            es.incumbent
+        );
+    }
+}
