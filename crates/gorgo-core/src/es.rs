@@ -422,7 +422,9 @@ impl EsState {
         // Once per SUCCESS_WINDOW trials, not after every trial: with a sliding window
         // two lucky successes kept sigma growing for eight trials in a row (x5 in all),
         // the inflation the simulator saw.
-        if self.outcomes.len() == SUCCESS_WINDOW && self.trials % SUCCESS_WINDOW as u64 == 0 {
+        if self.outcomes.len() == SUCCESS_WINDOW
+            && self.trials.is_multiple_of(SUCCESS_WINDOW as u64)
+        {
             let rate = self.success_rate().unwrap_or(TARGET_SUCCESS_RATE);
             // Successes judged before the noise was known may be luck: no growth until
             // the whole outcome window was judged with the noise margin.
