@@ -171,6 +171,16 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     })?;
     let label = args.policy.clone().unwrap_or(args.label.clone());
     let tuning = runtime.block_on(gorgo_bench::cluster::fetch_tuning(&cluster, &label));
+    // The same trajectory in the paper's ES trace format, to compare with
+    // ../shared/data/reference/paper_es_tune_trace_apr5.jsonl.
+    let es_trace = runtime.block_on(gorgo_bench::cluster::fetch_es_trace(&cluster, &label));
+    if !es_trace.is_empty() {
+        std::fs::create_dir_all(&args.out)
+            .with_context(|| format!("creating {}", args.out.display()))?;
+        let path = args.out.join("es_trace.jsonl");
+        gorgo_bench::cluster::write_jsonl(&path, &es_trace)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
     let runs = vec![PolicyRun {
         policy: label,
         regions: cluster.region_names(),

@@ -118,18 +118,16 @@ impl ClusterInfo {
 /// Cap on one admin response read by [`fetch_tuning`].
 const MAX_ADMIN_RESPONSE: usize = 16 << 20;
 
-/// The tuning decisions (`GET /admin/tuning`, its `history`) of every node of the
-/// cluster, each tagged with `policy` and `node`, one per epoch (several nodes may
-/// report the same decision; the first copy wins), in epoch order. Nodes that do not
-/// answer are skipped: tuning records are a bonus to the report, not a condition.
-pub async fn fetch_tuning(info: &ClusterInfo, policy: &str) -> Vec<serde_json::Value> {
+/// Every node's `GET /admin/tuning` view, with the node's region name. Nodes that do
+/// not answer are skipped: tuning records are a bonus to the report, not a condition.
+async fn fetch_tuning_views(info: &ClusterInfo) -> Vec<(String, serde_json::Value)> {
     let Ok(client) = crate::client::build_client(
         std::time::Duration::from_secs(5),
         std::time::Duration::from_secs(10),
     ) else {
         return Vec::new();
     };
-    let mut by_epoch = std::collections::BTreeMap::new();
+    let mut views = Vec::new();
     for region in &info.regions {
         let Some(admin) = &region.admin_url else {
             continue;
@@ -150,14 +148,29 @@ pub async fn fetch_tuning(info: &ClusterInfo, policy: &str) -> Vec<serde_json::V
         let Ok(view) = serde_json::from_slice::<serde_json::Value>(&body) else {
             continue;
         };
-        let history = view["history"].as_array().cloned().unwrap_or_default();
-        for mut entry in history {
+        views.push((region.name.clone(), view));
+    }
+    views
+}
+
+/// The entries of array `key` of every view, each tagged with `policy` and `node`, one
+/// per epoch (several nodes may report the same decision; the first copy wins), in
+/// epoch order.
+fn merge_by_epoch(
+    views: Vec<(String, serde_json::Value)>,
+    key: &str,
+    policy: &str,
+) -> Vec<serde_json::Value> {
+    let mut by_epoch = std::collections::BTreeMap::new();
+    for (node, view) in views {
+        let entries = view[key].as_array().cloned().unwrap_or_default();
+        for mut entry in entries {
             let Some(epoch) = entry["epoch"].as_u64() else {
                 continue;
             };
             if let Some(obj) = entry.as_object_mut() {
                 obj.insert("policy".into(), policy.into());
-                obj.insert("node".into(), region.name.clone().into());
+                obj.insert("node".into(), node.clone().into());
             }
             by_epoch.entry(epoch).or_insert(entry);
         }
@@ -165,9 +178,53 @@ pub async fn fetch_tuning(info: &ClusterInfo, policy: &str) -> Vec<serde_json::V
     by_epoch.into_values().collect()
 }
 
+/// The tuning decisions (`GET /admin/tuning`, its `history`: DESIGN.md's `tuning.jsonl`
+/// records) of every node of the cluster, each tagged with `policy` and `node`, one per
+/// epoch, in epoch order.
+pub async fn fetch_tuning(info: &ClusterInfo, policy: &str) -> Vec<serde_json::Value> {
+    merge_by_epoch(fetch_tuning_views(info).await, "history", policy)
+}
+
+/// The same decisions in the format of the paper's ES trace
+/// (`paper_es_tune_trace_apr5.jsonl`: `score` = -p95 TTFT s, `best_params`, `sigma`,
+/// `rechenberg`, ...; the `es_trace` of `GET /admin/tuning`), for `es_trace.jsonl`.
+pub async fn fetch_es_trace(info: &ClusterInfo, policy: &str) -> Vec<serde_json::Value> {
+    merge_by_epoch(fetch_tuning_views(info).await, "es_trace", policy)
+}
+
+/// Write `lines` as JSON lines to `path` (nothing when there are none).
+pub fn write_jsonl(path: &Path, lines: &[serde_json::Value]) -> std::io::Result<()> {
+    if lines.is_empty() {
+        return Ok(());
+    }
+    let mut text = String::new();
+    for l in lines {
+        text += &l.to_string();
+        text.push('\n');
+    }
+    std::fs::write(path, text)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tuning_views_merge_by_epoch_first_copy_wins() {
+        let a = serde_json::json!({"es_trace": [{"epoch": 4, "score": -1.0}, {"epoch": 2, "score": -2.0}]});
+        let b = serde_json::json!({"es_trace": [{"epoch": 2, "score": -9.0}, {"nope": 1}]});
+        let lines = merge_by_epoch(vec![("a".into(), a), ("b".into(), b)], "es_trace", "gorgo");
+        assert_eq!(lines.len(), 2);
+        assert_eq!(lines[0]["epoch"], 2);
+        assert_eq!(lines[0]["node"], "a");
+        assert_eq!(lines[1]["policy"], "gorgo");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("es_trace.jsonl");
+        write_jsonl(&path, &lines).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap().lines().count(), 2);
+        write_jsonl(&dir.path().join("none.jsonl"), &[]).unwrap();
+        assert!(!dir.path().join("none.jsonl").exists());
+    }
 
     #[test]
     fn parses_list() {
