@@ -249,6 +249,14 @@ pub struct TuningSection {
     /// `tune-then-freeze` stops once sigma falls below this.
     #[serde(default = "default_freeze_sigma")]
     pub freeze_sigma: f64,
+    /// A candidate must beat the incumbent's p95 TTFT by at least this fraction
+    /// (default: the core's, 0.03).
+    #[serde(default)]
+    pub min_improvement: Option<f64>,
+    /// ...and by this many standard deviations of the incumbent's measured
+    /// window-to-window noise (default: the core's, 1.64; 0 disables).
+    #[serde(default)]
+    pub noise_z: Option<f64>,
     /// `w_rtt` start and bounds; default by policy.
     #[serde(default)]
     pub w_rtt: Option<ParamBounds>,
@@ -284,6 +292,8 @@ impl Default for TuningSection {
             sigma0: default_sigma0(),
             sigma_min: default_sigma_min(),
             freeze_sigma: default_freeze_sigma(),
+            min_improvement: None,
+            noise_z: None,
             w_rtt: None,
             w_queue: None,
             weights_file: None,
@@ -313,6 +323,12 @@ impl TuningSection {
         c.sigma_min = self.sigma_min;
         c.sigma_max = c.sigma_max.max(self.sigma0);
         c.freeze_sigma = self.freeze_sigma;
+        if let Some(m) = self.min_improvement {
+            c.min_improvement = m;
+        }
+        if let Some(z) = self.noise_z {
+            c.noise_z = z;
+        }
         c.startup_grace_ms = self.startup_grace_ms;
         if let Some(seed) = self.seed {
             c.seed = seed;
@@ -783,6 +799,8 @@ token = "secret-token"
             ("min_samples = 500", "tuning.min_samples"),
             ("sigma0 = -1.0", "tuning.sigma0"),
             ("e2e_guard = -0.5", "tuning.e2e_guard"),
+            ("min_improvement = 1.5", "tuning.min_improvement"),
+            ("noise_z = -1.0", "tuning.noise_z"),
             (
                 "w_rtt = { start = 5.0, min = 0.05, max = 2.0 }",
                 "tuning.w_rtt",
