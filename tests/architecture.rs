@@ -1,0 +1,176 @@
+//! The crate graph `docs/design.md` allows, checked against `cargo metadata`.
+//!
+//! The sans-IO split only holds while nobody adds the wrong dependency: the simulator
+//! must run the node's logic through `gorgo-core`, never by linking `gorgo-node`, and
+//! `gorgo-core` must never reach an async runtime. This test reads the resolved graph
+//! and fails naming the edge that breaks the table in `docs/design.md`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::Command;
+
+use serde_json::Value;
+
+/// Which workspace crates each workspace crate may depend on (normal dependencies),
+/// as `docs/design.md` states it. The root package `gorgo` (the CLI) may use any.
+const ALLOWED: &[(&str, &[&str])] = &[
+    ("gorgo-core", &[]),
+    ("gorgo-workload", &["gorgo-core"]),
+    ("gorgo-report", &["gorgo-core"]),
+    ("gorgo-engine", &["gorgo-core"]),
+    ("gorgo-netem", &[]),
+    ("gorgo-cluster", &["gorgo-core"]),
+    ("gorgo-node", &["gorgo-core", "gorgo-cluster"]),
+    (
+        "gorgo-bench",
+        &["gorgo-core", "gorgo-workload", "gorgo-report"],
+    ),
+    (
+        "gorgo-sim",
+        &[
+            "gorgo-core",
+            "gorgo-engine",
+            "gorgo-workload",
+            "gorgo-report",
+        ],
+    ),
+];
+
+/// Crates that mean IO (an async runtime, sockets, HTTP): none may be reachable from
+/// `gorgo-core` through normal dependencies, directly or transitively.
+const IO_CRATES: &[&str] = &[
+    "tokio",
+    "mio",
+    "quinn",
+    "hyper",
+    "axum",
+    "reqwest",
+    "async-std",
+    "smol",
+];
+
+/// The resolved graph: package name -> names of its normal (non-dev, non-build)
+/// dependencies. Built from `cargo metadata`'s `resolve` section.
+type Graph = BTreeMap<String, BTreeSet<String>>;
+
+fn normal_graph(metadata: &Value) -> Graph {
+    let mut names = BTreeMap::new();
+    for p in metadata["packages"].as_array().expect("packages") {
+        names.insert(
+            p["id"].as_str().expect("id").to_owned(),
+            p["name"].as_str().expect("name").to_owned(),
+        );
+    }
+    let mut graph = Graph::new();
+    for node in metadata["resolve"]["nodes"].as_array().expect("resolve") {
+        let from = names[node["id"].as_str().expect("id")].clone();
+        let deps = graph.entry(from).or_default();
+        for d in node["deps"].as_array().expect("deps") {
+            let normal = d["dep_kinds"]
+                .as_array()
+                .expect("dep_kinds")
+                .iter()
+                .any(|k| k["kind"].is_null());
+            if normal {
+                deps.insert(names[d["pkg"].as_str().expect("pkg")].clone());
+            }
+        }
+    }
+    graph
+}
+
+/// Every rule the graph breaks, one line each (empty: the graph is as designed).
+fn violations(graph: &Graph) -> Vec<String> {
+    let mut out = Vec::new();
+    for (krate, allowed) in ALLOWED {
+        let Some(deps) = graph.get(*krate) else {
+            out.push(format!("{krate}: missing from the workspace"));
+            continue;
+        };
+        for d in deps.iter().filter(|d| d.starts_with("gorgo")) {
+            if !allowed.contains(&d.as_str()) {
+                out.push(format!(
+                    "{krate} depends on {d}; docs/design.md allows only {allowed:?}"
+                ));
+            }
+        }
+    }
+    // Transitive closure from gorgo-core over normal dependencies.
+    let mut seen = BTreeSet::new();
+    let mut stack = vec!["gorgo-core".to_owned()];
+    while let Some(k) = stack.pop() {
+        if !seen.insert(k.clone()) {
+            continue;
+        }
+        if let Some(deps) = graph.get(&k) {
+            stack.extend(deps.iter().cloned());
+        }
+    }
+    for io in IO_CRATES {
+        if seen.contains(*io) {
+            out.push(format!(
+                "gorgo-core reaches `{io}` through its dependencies; the core is sans-IO"
+            ));
+        }
+    }
+    out
+}
+
+fn cargo_metadata() -> Value {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .args(["metadata", "--format-version", "1", "--locked"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run cargo metadata");
+    assert!(
+        out.status.success(),
+        "cargo metadata failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("cargo metadata JSON")
+}
+
+#[test]
+fn the_workspace_follows_the_documented_crate_graph() {
+    let graph = normal_graph(&cargo_metadata());
+    let broken = violations(&graph);
+    assert!(
+        broken.is_empty(),
+        "crate graph broken:\n{}",
+        broken.join("\n")
+    );
+}
+
+#[test]
+fn the_checker_catches_a_forbidden_edge_and_a_runtime_in_the_core() {
+    let mut graph = normal_graph(&cargo_metadata());
+    graph
+        .get_mut("gorgo-sim")
+        .unwrap()
+        .insert("gorgo-node".into());
+    graph.get_mut("gorgo-core").unwrap().insert("bytes".into());
+    graph
+        .entry("bytes".into())
+        .or_default()
+        .insert("tokio".into());
+    let broken = violations(&graph);
+    assert!(
+        broken
+            .iter()
+            .any(|l| l.starts_with("gorgo-sim depends on gorgo-node")),
+        "{broken:?}"
+    );
+    assert!(broken.iter().any(|l| l.contains("`tokio`")), "{broken:?}");
+}
+
+#[test]
+fn the_design_doc_lists_every_crate() {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/design.md"))
+        .expect("docs/design.md");
+    for (krate, _) in ALLOWED {
+        assert!(
+            doc.contains(&format!("`{krate}`")),
+            "{krate} not in docs/design.md"
+        );
+    }
+}
