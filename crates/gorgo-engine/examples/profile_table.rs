@@ -15,8 +15,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let p = Profile::by_name(name)?;
         let r = Roofline::of(name).ok_or("no roofline inputs")?;
         println!(
-            "\n{name}: decode {} ms + {} ms/seq + {} ms/context token, KV {} tokens",
-            p.decode_base_ms, p.per_seq_ms, p.per_ctx_token_ms, p.max_total_tokens
+            "\n{name}: decode {} ms + {} ms/seq (cap {:?}) + {} ms/context token, KV {} tokens",
+            p.decode_base_ms,
+            p.per_seq_ms,
+            p.per_seq_batch_cap,
+            p.per_ctx_token_ms,
+            p.max_total_tokens
         );
         println!("| batch | context | total context | profile ms | roofline ms | ratio |");
         println!("|---:|---|---:|---:|---:|---:|");
