@@ -34,7 +34,8 @@ const BUILT_IN: &[(&str, &str)] = &[
 ///
 /// Every time is in milliseconds. A prefill batch of `n` new tokens costs
 /// `prefill_base_ms + t_p_ms_per_token * n`; a decode step over `b` sequences with `c`
-/// context tokens in total costs `decode_base_ms + per_seq_ms * b + per_ctx_token_ms * c`.
+/// context tokens in total costs
+/// `decode_base_ms + per_seq_ms * min(b, per_seq_batch_cap) + per_ctx_token_ms * c`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Profile {
@@ -57,6 +58,11 @@ pub struct Profile {
     pub decode_base_ms: f64,
     /// Decode step cost per running sequence.
     pub per_seq_ms: f64,
+    /// Most sequences `per_seq_ms` is charged for (none: every one). A mixture-of-experts
+    /// model reads more experts as the batch grows until it reads all of them; past
+    /// that batch more sequences add no weight reads.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_seq_batch_cap: Option<u32>,
     /// Decode step cost per context token summed over the batch (attention reads).
     pub per_ctx_token_ms: f64,
     /// KV cache capacity in tokens (SGLang's `max_total_num_tokens`).
@@ -157,6 +163,9 @@ impl Profile {
                 return Err(format!("field `{field}` must be > 0"));
             }
         }
+        if self.per_seq_batch_cap == Some(0) {
+            return Err("field `per_seq_batch_cap` must be > 0 (leave it out for no cap)".into());
+        }
         if self.name.is_empty() {
             return Err("field `name` must not be empty".into());
         }
@@ -173,8 +182,12 @@ impl Profile {
 
     /// Cost of one decode step over `batch` sequences holding `context_tokens` in all.
     pub fn decode_step_ms(&self, batch: usize, context_tokens: u64) -> f64 {
+        let charged = match self.per_seq_batch_cap {
+            Some(cap) => batch.min(cap as usize),
+            None => batch,
+        };
         self.decode_base_ms
-            + self.per_seq_ms * batch as f64
+            + self.per_seq_ms * charged as f64
             + self.per_ctx_token_ms * context_tokens as f64
     }
 
@@ -208,6 +221,22 @@ mod tests {
         text.push_str("\nt_p_ms_per_tokn = 1.0\n");
         let e = Profile::from_toml_str(&text, "x").unwrap_err().to_string();
         assert!(e.contains("t_p_ms_per_tokn"), "{e}");
+    }
+
+    #[test]
+    fn per_seq_cost_stops_at_the_batch_cap() {
+        let mut p = Profile::by_name("h200-mistral7b").unwrap();
+        p.per_ctx_token_ms = 0.0;
+        p.per_seq_ms = 1.0;
+        p.decode_base_ms = 2.0;
+        assert_eq!(p.decode_step_ms(10, 0), 12.0);
+        p.per_seq_batch_cap = Some(4);
+        assert_eq!(p.decode_step_ms(3, 0), 5.0);
+        assert_eq!(p.decode_step_ms(10, 0), 6.0);
+        let text = include_str!("../../../configs/engines/h200-mistral7b.toml").to_owned()
+            + "\nper_seq_batch_cap = 0\n";
+        let e = Profile::from_toml_str(&text, "x").unwrap_err().to_string();
+        assert!(e.contains("per_seq_batch_cap"), "{e}");
     }
 
     #[test]

@@ -368,7 +368,7 @@ async fn overload_is_503_and_a_disconnect_frees_the_slot() {
             }))
             .send()
     };
-    // A holds the only slot for ~100 s of decode; wait for its first token.
+    // A holds the only slot for ~35 s of decode (8,000 steps); wait for its first token.
     let a = chat(text(1, 200), 8000).await.unwrap();
     let mut a_stream = a.bytes_stream();
     a_stream.next().await.unwrap().unwrap();
