@@ -16,12 +16,16 @@ cargo test --workspace
 
 echo "== end-to-end: openai Python client and curl through a node"
 cargo build --bin gorgo
-if python3 -c 'import openai' 2>/dev/null; then
-  python3 tests/e2e_openai.py target/debug/gorgo
-else
-  echo "python package 'openai' missing: pip install openai" >&2
-  exit 1
+# The Python clients live in a virtualenv of this checkout's own (.venv, gitignored),
+# made on first use and reused after, so a fresh clone needs nothing installed by hand.
+VENV=${GORGO_TEST_VENV:-.venv}
+if ! "$VENV/bin/python" -c 'import openai' 2>/dev/null; then
+  echo "   setting up $VENV with the openai package"
+  python3 -m venv "$VENV"
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "openai>=1.40"
 fi
+command -v curl >/dev/null 2>&1 || { echo "curl missing: apt-get install curl" >&2; exit 1; }
+"$VENV/bin/python" tests/e2e_openai.py target/debug/gorgo
 
 if [ "${GORGO_REAL_ENGINE:-0}" = "1" ]; then
   echo "== real engine: llama.cpp in every region (GORGO_REAL_ENGINE=1)"
