@@ -35,6 +35,11 @@ pub const DEFAULT_METRICS_INTERVAL_MS: u64 = 250;
 /// Default decode-step cost the node reports (`engine.decode_step_ms`), ms: engines
 /// do not report it, so the node's stats carry this seed.
 pub const DEFAULT_DECODE_STEP_MS: f64 = 20.0;
+/// Default seed of the fit's fixed TTFT cost (`engine.base_ms`), ms: the paper's
+/// calibration (A100 + Mistral-7B + SGLang).
+pub const DEFAULT_SEED_BASE_MS: f64 = 150.72;
+/// Default seed of the fit's prefill cost per uncached token (`engine.t_p_ms`), ms.
+pub const DEFAULT_SEED_T_P_MS: f64 = crate::cost::FALLBACK_T_P_MS;
 /// Prompt size assumed for requests the engine queues that we know nothing about,
 /// until we have seen our own.
 pub const DEFAULT_MEAN_PROMPT_TOKENS: u64 = 1024;
@@ -61,8 +66,8 @@ impl Default for ViewConfig {
         ViewConfig {
             kv_capacity_tokens: None,
             decode_step_ms: DEFAULT_DECODE_STEP_MS,
-            seed_base_ms: 150.72,
-            seed_t_p_ms: crate::cost::FALLBACK_T_P_MS,
+            seed_base_ms: DEFAULT_SEED_BASE_MS,
+            seed_t_p_ms: DEFAULT_SEED_T_P_MS,
             fit: FitConfig::default(),
         }
     }
