@@ -112,6 +112,12 @@ fn sim_writes_the_compare_report_with_tuning_and_oracle_gap() {
     let sim: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out_dir.join("sim.json")).unwrap()).unwrap();
     assert!(sim["oracle_gap"]["p95_ttft_ratio"].as_f64().unwrap() > 0.0);
+    // The default is the node's own view of its engine; the oracle is labelled exact.
+    assert_eq!(sim["config"]["view"], "node");
+    assert_eq!(sim["config"]["oracle_view"], "exact-state");
+    let table = std::fs::read_to_string(out_dir.join("table.md")).unwrap();
+    assert!(table.starts_with("Simulated, view: node"), "{table}");
+    assert!(stdout.contains("oracle: exact-state"), "{stdout}");
     for run in sim["runs"].as_array().unwrap() {
         let c = &run["counters"];
         assert_eq!(
@@ -159,6 +165,30 @@ fn sim_rejects_bad_input_with_the_flag_named() {
     let out = run(&["--time-scale", "0"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("time_scale"));
+    let out = run(&["--metrics-interval-ms", "0"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("metrics_interval_ms"));
+    // The old flag is gone: the node's view is the default.
+    let out = run(&["--live-node-stats"]);
+    assert!(!out.status.success());
+    // The idealisation is asked for by name and reported as such.
+    let out = run(&[
+        "--exact-state",
+        "--policies",
+        "gorgo",
+        "--max-requests",
+        "50",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let sim: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("o/sim.json")).unwrap()).unwrap();
+    assert_eq!(sim["config"]["view"], "exact-state");
+    let table = std::fs::read_to_string(dir.path().join("o/table.md")).unwrap();
+    assert!(table.starts_with("Simulated, view: exact-state"), "{table}");
     let out = gorgo()
         .args(["sim", "--trace", "/nonexistent/trace.jsonl", "--out"])
         .arg(dir.path().join("o"))

@@ -79,11 +79,16 @@ pub struct SimArgs {
     /// `gorgo compare`.
     #[arg(long)]
     live_chains: bool,
-    /// Build each node's own queue stats as the live node does (dispatch accounting,
-    /// engine metrics scraped every 250 ms, decode-step seed) rather than from its
-    /// engine's exact state; for comparisons with `gorgo compare`.
+    /// Idealisation: nodes decide on and gossip their engines' exact state. By default
+    /// each node knows what a deployed node knows: its own view of its engine (its
+    /// dispatches, first tokens and finishes, and the engine's `/metrics` scraped every
+    /// `--metrics-interval-ms`), computed by the node's code (gorgo-core `EngineView`).
     #[arg(long)]
-    live_node_stats: bool,
+    exact_state: bool,
+    /// Period of each node's `/metrics` scrape, ms (the node's
+    /// `engine.metrics_interval_ms`).
+    #[arg(long, default_value_t = gorgo_core::accounting::DEFAULT_METRICS_INTERVAL_MS as f64)]
+    metrics_interval_ms: f64,
     /// Per-request rows kept per policy for requests.csv and exact percentiles; longer
     /// runs report from sketches (1% accuracy) and write no rows.
     #[arg(long, default_value_t = 200_000)]
@@ -109,6 +114,31 @@ fn network(t: &Topology) -> Network {
         jitter_ms: t.jitter_ms,
         rate_mbps: t.rate_mbps,
     }
+}
+
+/// What the nodes know, as `sim.json` names it.
+fn view_name(exact_state: bool) -> &'static str {
+    if exact_state {
+        "exact-state"
+    } else {
+        "node"
+    }
+}
+
+/// The line above the table saying what the nodes knew.
+fn view_header(cfg: &SimConfig, with_oracle: bool) -> String {
+    let mut line = if cfg.exact_state {
+        "Simulated, view: exact-state (idealisation: every node decides on its engine's exact state)".to_owned()
+    } else {
+        format!(
+            "Simulated, view: node (each node's own view of its engine: its dispatches and the engine's /metrics every {} ms)",
+            cfg.metrics_interval_ms
+        )
+    };
+    if with_oracle {
+        line += "; oracle: exact-state, perfect information";
+    }
+    line
 }
 
 fn parse_policies(list: &str) -> anyhow::Result<Vec<PolicyKind>> {
@@ -180,7 +210,8 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     cfg.max_requests = args.max_requests;
     cfg.max_context_tokens = args.max_context_tokens;
     cfg.live_chains = args.live_chains;
-    cfg.live_node_stats = args.live_node_stats;
+    cfg.exact_state = args.exact_state;
+    cfg.metrics_interval_ms = args.metrics_interval_ms;
     cfg.validate().context("simulation config")?;
 
     let config = json!({
@@ -202,7 +233,10 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         "max_requests": args.max_requests,
         "max_context_tokens": args.max_context_tokens,
         "live_chains": args.live_chains,
-        "live_node_stats": args.live_node_stats,
+        "view": view_name(args.exact_state),
+        "metrics_interval_ms": args.metrics_interval_ms,
+        "decode_step_ms": cfg.decode_step_ms,
+        "oracle_view": "exact-state",
     });
 
     let mut runs: Vec<PolicyRun> = Vec::new();
@@ -253,6 +287,12 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     report
         .write(&args.out)
         .with_context(|| format!("writing the report to {}", args.out.display()))?;
+    let header = view_header(&cfg, policies.contains(&PolicyKind::Oracle));
+    let table = args.out.join("table.md");
+    let text =
+        std::fs::read_to_string(&table).with_context(|| format!("reading {}", table.display()))?;
+    std::fs::write(&table, format!("{header}\n\n{text}"))
+        .with_context(|| format!("writing {}", table.display()))?;
     let gap = oracle_gap(&report.results);
     let summary = json!({
         "config": config,
@@ -265,7 +305,11 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         .with_context(|| format!("writing {}", path.display()))?;
 
     let mut stdout = std::io::stdout().lock();
-    write!(stdout, "{}", gorgo_report::render_table(&report))?;
+    write!(
+        stdout,
+        "{header}\n\n{}",
+        gorgo_report::render_table(&report)
+    )?;
     if let Some(g) = gap {
         let line = format!(
             "Distributed vs oracle: gorgo p95 TTFT {:.1} ms / oracle {:.1} ms = {:.3} (p50 ratio {:.3})\n",

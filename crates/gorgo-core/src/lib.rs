@@ -7,8 +7,11 @@
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
 
+pub mod accounting;
+pub mod candidates;
 pub mod cost;
 pub mod decision;
+pub mod engine_metrics;
 pub mod error;
 pub mod es;
 pub mod fit;
@@ -22,6 +25,8 @@ pub mod tuning;
 pub mod types;
 pub mod wire;
 
+pub use accounting::{EngineView, ViewConfig};
+pub use engine_metrics::{EngineKind, EngineMetrics};
 pub use error::CoreError;
 pub use hash::HashChain;
 pub use index::ShadowIndex;

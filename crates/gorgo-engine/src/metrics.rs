@@ -6,6 +6,8 @@
 
 use std::fmt::Write;
 
+use gorgo_core::EngineMetrics;
+
 use crate::EngineStats;
 
 /// SGLang's TTFT histogram bounds, seconds.
@@ -131,11 +133,7 @@ impl MetricsSnapshot {
         let labels = format!(
             "engine_type=\"unified\",model_name=\"{model}\",moe_ep_rank=\"0\",pp_rank=\"0\",tp_rank=\"0\""
         );
-        let usage = if s.capacity == 0 {
-            0.0
-        } else {
-            s.used_tokens as f64 / s.capacity as f64
-        };
+        let usage = token_usage(s);
         for (name, help, v) in [
             (
                 "num_running_reqs",
@@ -199,8 +197,67 @@ impl MetricsSnapshot {
     }
 }
 
+impl EngineStats {
+    /// What a node's scrape of this engine's `/metrics` reads: the fields of
+    /// [`MetricsSnapshot::render`] that the SGLang parser
+    /// ([`gorgo_core::engine_metrics::parse_engine_metrics`]) turns into
+    /// [`EngineMetrics`], without the text round trip. The simulator's `/metrics`
+    /// scrape; the TTFT histogram is the server's, not the model's, so it is absent.
+    pub fn scrape(&self) -> EngineMetrics {
+        EngineMetrics {
+            running: Some(self.running as f64),
+            waiting: Some(self.waiting as f64),
+            kv_used_tokens: Some(self.used_tokens as f64),
+            kv_usage: Some(token_usage(self)),
+            kv_capacity_tokens: Some(self.capacity as f64),
+            cache_hit_rate: Some(self.cache_hit_rate),
+            ttft_seconds_sum: None,
+            ttft_count: None,
+        }
+    }
+}
+
+/// SGLang's `token_usage` gauge: used over capacity (0 with no capacity).
+fn token_usage(s: &EngineStats) -> f64 {
+    if s.capacity == 0 {
+        0.0
+    } else {
+        s.used_tokens as f64 / s.capacity as f64
+    }
+}
+
 impl Default for MetricsSnapshot {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gorgo_core::engine_metrics::parse_engine_metrics;
+    use gorgo_core::EngineKind;
+
+    #[test]
+    fn scrape_equals_parsing_the_rendered_page() {
+        let mut snap = MetricsSnapshot::new();
+        snap.stats = EngineStats {
+            running: 3,
+            waiting: 5,
+            used_tokens: 1234,
+            capacity: 4096,
+            cache_hit_rate: 0.25,
+            ..EngineStats::default()
+        };
+        let parsed = parse_engine_metrics(&snap.render("m"), EngineKind::Sglang);
+        let direct = snap.stats.scrape();
+        assert_eq!(
+            EngineMetrics {
+                ttft_seconds_sum: None,
+                ttft_count: None,
+                ..parsed
+            },
+            direct
+        );
     }
 }

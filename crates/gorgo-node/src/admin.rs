@@ -97,7 +97,7 @@ async fn readyz(State(state): State<Arc<NodeState>>) -> Response {
 }
 
 async fn admin_state(State(state): State<Arc<NodeState>>) -> Response {
-    let fit = state.fit.lock();
+    let fit = state.engine.fit();
     let body = json!({
         "node": state.id,
         "region": state.config.node.region,
@@ -107,10 +107,11 @@ async fn admin_state(State(state): State<Arc<NodeState>>) -> Response {
             "kind": state.engine.kind().to_string(),
             "healthy": state.engine.is_healthy(),
             "inflight": state.engine.inflight(),
+            "accounting": state.engine.counters(),
             "kv_capacity_tokens": state.engine.kv_capacity_tokens(),
             "scraped": state.engine.scraped(),
         },
-        "queue_stats": state.local_stats_with(fit.t_p_ms(), fit.base_ms()),
+        "queue_stats": state.local_stats(),
         "fit": {
             "t_p_ms": fit.t_p_ms(),
             "base_ms": fit.base_ms(),

@@ -67,27 +67,9 @@ pub struct ListenSection {
     pub advertise_quic: Option<SocketAddr>,
 }
 
-/// The kind of engine, which decides the `/metrics` names we read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum EngineKind {
-    /// SGLang (and the GORGO emulator, which uses SGLang's metric names).
-    Sglang,
-    /// vLLM (`vllm:` metric names).
-    Vllm,
-    /// Any OpenAI-compatible server without usable metrics: local accounting only.
-    Openai,
-}
-
-impl std::fmt::Display for EngineKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            EngineKind::Sglang => "sglang",
-            EngineKind::Vllm => "vllm",
-            EngineKind::Openai => "openai",
-        })
-    }
-}
+/// The kind of engine, which decides the `/metrics` names we read (defined in the
+/// core, beside the parser that reads them).
+pub use gorgo_core::EngineKind;
 
 /// `[engine]`: the local inference engine.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -410,17 +392,16 @@ fn default_health_interval_ms() -> u64 {
     1_000
 }
 fn default_metrics_interval_ms() -> u64 {
-    250
+    gorgo_core::accounting::DEFAULT_METRICS_INTERVAL_MS
 }
 fn default_t_p_ms() -> f64 {
-    // The paper's calibration (A100 + Mistral-7B + SGLang).
-    0.0938
+    gorgo_core::accounting::DEFAULT_SEED_T_P_MS
 }
 fn default_base_ms() -> f64 {
-    150.72
+    gorgo_core::accounting::DEFAULT_SEED_BASE_MS
 }
 fn default_decode_step_ms() -> f64 {
-    20.0
+    gorgo_core::accounting::DEFAULT_DECODE_STEP_MS
 }
 fn default_gossip_interval_ms() -> u64 {
     250
@@ -496,7 +477,7 @@ pub const MAX_BODY_CEILING: usize = 256 * 1024 * 1024;
 pub const MAX_HOPS_CEILING: u8 = 8;
 
 /// The default KV capacity in tokens when neither config nor engine metrics say.
-pub const DEFAULT_KV_CAPACITY_TOKENS: u64 = 1_000_000;
+pub const DEFAULT_KV_CAPACITY_TOKENS: u64 = gorgo_core::accounting::DEFAULT_KV_CAPACITY_TOKENS;
 
 impl EngineSection {
     /// The health-check path, defaulted by engine kind.

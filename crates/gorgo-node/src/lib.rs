@@ -31,7 +31,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gorgo_core::fit::{FitConfig, PrefillFit};
 use gorgo_core::{NodeId, QueueStats, Weights};
 use parking_lot::{Mutex, RwLock};
 use tokio::net::TcpListener;
@@ -66,8 +65,6 @@ pub struct NodeState {
     pub policy: gorgo_core::policy::PolicyKind,
     /// Canonical prompt hashing (block size, token counting).
     pub hasher: gorgo_core::PromptHasher,
-    /// Online fit of the local engine's prefill cost.
-    pub fit: Mutex<PrefillFit>,
     /// Prometheus metrics.
     pub metrics: metrics::NodeMetrics,
     /// Ingress concurrency cap.
@@ -88,14 +85,7 @@ impl NodeState {
     /// Build the shared state (no sockets yet).
     pub fn new(config: NodeConfig, peers: Arc<dyn PeerSource>) -> Result<Arc<Self>, NodeError> {
         config.validate()?;
-        let engine = engine::EngineAdapter::new(&config.engine, &config.limits)
-            .map_err(|e| NodeError::Config(format!("engine client: {e}")))?;
-        let fit = PrefillFit::new(
-            config.engine.base_ms,
-            config.engine.t_p_ms,
-            FitConfig::default(),
-        )
-        .map_err(|e| NodeError::Config(format!("engine seeds: {e}")))?;
+        let engine = engine::EngineAdapter::new(&config.engine, &config.limits)?;
         let engine = Arc::new(engine);
         let policy = route::parse_policy(&config.routing.policy)
             .map_err(|e| NodeError::Config(format!("invalid `routing.policy`: {e}")))?;
@@ -132,7 +122,6 @@ impl NodeState {
             shadow: Mutex::new(shadow::LocalCache::new(capacity)),
             policy,
             hasher,
-            fit: Mutex::new(fit),
             metrics: metrics::NodeMetrics::new(),
             permits: Arc::new(Semaphore::new(config.limits.max_concurrency)),
             forward_permits: Arc::new(Semaphore::new(config.limits.max_forwards)),
@@ -154,19 +143,10 @@ impl NodeState {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// This node's queue stats with the current fit.
+    /// This node's queue stats: its view of its engine (with the current fit) and
+    /// the tuning epoch it routes with.
     pub fn local_stats(&self) -> QueueStats {
-        let (t_p, base) = {
-            let fit = self.fit.lock();
-            (fit.t_p_ms(), fit.base_ms())
-        };
-        self.local_stats_with(t_p, base)
-    }
-
-    /// This node's queue stats with the given fitted costs.
-    pub fn local_stats_with(&self, t_p_ms: f64, base_ms: f64) -> QueueStats {
-        self.engine
-            .queue_stats(t_p_ms, base_ms, self.tuning.epoch())
+        self.engine.queue_stats(self.tuning.epoch())
     }
 
     /// One tuning tick: follow the membership view, then lead, take over or report.

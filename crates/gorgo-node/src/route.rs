@@ -125,18 +125,14 @@ impl Router {
     }
 
     /// Decide where to serve through the core decision (policy + max-hops guard), and
-    /// record it. Peer candidates get this node's pending forwards applied first.
+    /// record it. The candidates come from [`gorgo_core::candidates::build_candidates`],
+    /// which has already applied this node's pending forwards; a forward decided here
+    /// is recorded in the ledger.
     pub fn decide(
         &self,
         input: &DecisionInput<'_>,
-        mut candidates: Vec<Candidate>,
+        candidates: Vec<Candidate>,
     ) -> (Target, DecisionRecord) {
-        {
-            let ledger = self.ledger.lock();
-            for c in candidates.iter_mut().filter(|c| !c.is_local) {
-                ledger.apply(c);
-            }
-        }
         let req = RouteRequest {
             chain: input.chain,
             prompt_tokens: input.prompt_tokens,

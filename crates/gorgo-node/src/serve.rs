@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
+use gorgo_core::candidates::{build_candidates, LocalState, PeerState};
 use gorgo_core::cost::Candidate;
 use gorgo_core::policy::PolicyKind;
 use gorgo_core::{Endpoint, HashChain, NodeId};
@@ -113,43 +114,30 @@ fn pass_headers(headers: &reqwest::header::HeaderMap) -> Vec<(String, String)> {
         .collect()
 }
 
-/// Build the candidates: the local node first, then every live peer.
+/// The candidates of a decision, built by the core ([`build_candidates`]) from this
+/// node's view of its engine, its shadow index, the peer table and the forward ledger.
 fn candidates(state: &NodeState, chain: &HashChain) -> Vec<Candidate> {
-    let mut out = Vec::new();
-    let local_stats = state.local_stats();
-    out.push(Candidate {
+    let local = LocalState {
         node: state.id.clone(),
-        is_local: true,
         healthy: state.engine.is_healthy(),
-        rtt_ms: 0.0,
         cached_tokens: state.shadow.lock().longest_match(chain),
-        stats: local_stats,
-        inflight_forwards: 0,
-        inflight_forward_prompt_tokens: 0,
+        stats: state.local_stats(),
+    };
+    let peers = state.peers.peers();
+    let views = peers.iter().map(|p| PeerState {
+        node: &p.id,
+        alive: p.alive,
+        rtt_ms: p.rtt_ms,
+        stats: p.stats.as_ref(),
     });
-    for p in state.peers.peers() {
-        if !p.alive || p.id == state.id {
-            continue;
-        }
-        let Some(stats) = p.stats.clone() else {
-            continue;
-        };
-        {
-            let mut ledger = state.router.ledger.lock();
-            ledger.observe_stats(&p.id, stats.version, state.now_ms(), p.rtt_ms);
-        }
-        out.push(Candidate {
-            cached_tokens: state.peers.matched_tokens(&p.id, chain),
-            node: p.id,
-            is_local: false,
-            healthy: true,
-            rtt_ms: p.rtt_ms,
-            stats,
-            inflight_forwards: 0,
-            inflight_forward_prompt_tokens: 0,
-        });
-    }
-    out
+    let mut ledger = state.router.ledger.lock();
+    build_candidates(
+        local,
+        views,
+        |peer| state.peers.matched_tokens(peer, chain),
+        &mut ledger,
+        state.now_ms(),
+    )
 }
 
 /// Route and serve one request.
@@ -220,14 +208,11 @@ pub async fn serve_local(
         state.peers.publish_summary(&delta);
     }
     let uncached = prompt_tokens.saturating_sub(cached);
-    // The wait this node expects behind work already at its engine: the fit subtracts
-    // it so `t_p` measures prefill, not queueing (gorgo-core `fit.rs`).
-    let queued_est_ms = gorgo_core::cost::queue_ms(&Candidate {
-        stats: state.local_stats(),
-        ..Candidate::idle("local", true, 0.0)
-    })
-    .0;
-    let mut ticket = state.engine.dispatch(prompt_tokens, uncached);
+    // The view records the wait it expects behind work already at the engine; the fit
+    // subtracts it at the first byte so `t_p` measures prefill, not queueing.
+    let mut ticket = state
+        .engine
+        .dispatch(prompt_tokens, uncached, state.now_ms());
     let started = Instant::now();
     let resp = state
         .engine
@@ -251,13 +236,8 @@ pub async fn serve_local(
     let body = resp.bytes_stream().map(move |chunk| {
         if first {
             first = false;
-            ticket.prefilled();
             let ttft_ms = started.elapsed().as_secs_f64() * 1000.0;
-            if status < 300 {
-                st.fit
-                    .lock()
-                    .observe_after_wait(ttft_ms, 0.0, queued_est_ms, uncached);
-            }
+            ticket.prefilled((status < 300).then_some(ttft_ms), st.now_ms());
         }
         if let (Ok(bytes), false) = (&chunk, corrected) {
             // The engine's own count of cached prompt tokens corrects the shadow index.

@@ -83,6 +83,9 @@ pub struct SimCounters {
     pub fitted_t_p_ms: Vec<f64>,
     /// Per region (distributed modes): each node's fitted fixed TTFT cost at the end.
     pub fitted_base_ms: Vec<f64>,
+    /// Per region (distributed modes): each node's view accounting at the end (all zero
+    /// once every request finished: the view does not drift).
+    pub view_counters_end: Vec<gorgo_core::accounting::ViewCounters>,
 }
 
 /// One `tuning.jsonl` line: the core's record plus the policy it tuned.

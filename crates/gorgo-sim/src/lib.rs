@@ -3,9 +3,11 @@
 //!
 //! The simulator runs the very code the live system runs: per region one
 //! [`gorgo_engine::Engine`] (the emulator's model), one routing node deciding with
-//! [`gorgo_core::decision::decide`] over candidates built the way the live node builds
-//! them (its exact local state, peers' [`gorgo_core::PeerSummary`] and
-//! [`gorgo_core::QueueStats`] as of the last gossip round plus transit, its own
+//! [`gorgo_core::decision::decide`] over candidates built by the live node's own code
+//! ([`gorgo_core::candidates::build_candidates`]: its [`gorgo_core::EngineView`] of its
+//! engine, fed by its dispatches and by `/metrics` scrapes, or with
+//! `SimConfig::exact_state` the engine's exact state; peers' [`gorgo_core::PeerSummary`]
+//! and [`gorgo_core::QueueStats`] as of the last gossip round plus transit; its own
 //! [`gorgo_core::cost::ForwardLedger`]), and, with tuning, one
 //! [`gorgo_core::tuning::Tuner`] per node exchanging proposals and reports over the
 //! simulated network. The `oracle` policy replaces the nodes with one router that sees

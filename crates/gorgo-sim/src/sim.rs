@@ -13,10 +13,14 @@
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
+use gorgo_core::accounting::{
+    EngineView, ViewConfig, DEFAULT_DECODE_STEP_MS, DEFAULT_METRICS_INTERVAL_MS,
+};
+use gorgo_core::candidates::{build_candidates, LocalState, PeerState};
 use gorgo_core::cost::{Candidate, ForwardLedger};
 use gorgo_core::decision::decide;
 use gorgo_core::es::TuningConfig;
-use gorgo_core::fit::{FitConfig, PrefillFit};
+use gorgo_core::fit::FitConfig;
 use gorgo_core::policy::{Policy, PolicyKind, RouteRequest};
 use gorgo_core::summary::{SummaryDelta, SummarySnapshot};
 use gorgo_core::tuning::{EpochReport, Proposal, Tuner, TuningOutput};
@@ -70,20 +74,19 @@ pub struct SimConfig {
     /// comparisons with `gorgo compare`, where hash-keyed policies then pick the same
     /// regions.
     pub live_chains: bool,
-    /// Build each node's own queue stats the way the live node does (its accounting of
-    /// the requests it dispatched: expected prefill tokens until the first token, the
-    /// in-flight count; the engine's `/metrics` scraped every
-    /// [`LIVE_METRICS_INTERVAL_MS`], the configured decode-step seed) instead of from
-    /// its engine's exact state. For side-by-side comparisons with `gorgo compare`.
-    pub live_node_stats: bool,
+    /// Idealisation: each node decides on and gossips its engine's exact state
+    /// instead of its own view of it. By default (`false`) a node knows what a deployed
+    /// node knows: its [`EngineView`] fed by its own dispatches, first tokens and
+    /// finishes and by its engine's `/metrics` scraped every `metrics_interval_ms`.
+    /// Either way the prefill fit is the view's.
+    pub exact_state: bool,
+    /// Period of each node's scrape of its engine's `/metrics`, ms (the node's
+    /// `engine.metrics_interval_ms`).
+    pub metrics_interval_ms: f64,
+    /// The decode-step cost each node reports in its stats, ms (the node's
+    /// `engine.decode_step_ms` seed; engines do not report it).
+    pub decode_step_ms: f64,
 }
-
-/// The live node's default `/metrics` scrape interval (`engine.metrics_interval_ms`).
-pub const LIVE_METRICS_INTERVAL_MS: f64 = 250.0;
-/// The live node's default decode-step seed (`engine.decode_step_ms`).
-pub const LIVE_DECODE_STEP_MS: f64 = 20.0;
-/// The live node's starting guess of the prompt size of requests it did not send.
-const LIVE_DEFAULT_MEAN_PROMPT_TOKENS: u64 = 1024;
 
 /// Tokens `gorgo bench` keeps free for the chat template when it shortens prompts to a
 /// context (its `CHAT_TEMPLATE_TOKENS`), so both shorten the same way.
@@ -108,7 +111,9 @@ impl SimConfig {
             max_requests: None,
             max_context_tokens: None,
             live_chains: false,
-            live_node_stats: false,
+            exact_state: false,
+            metrics_interval_ms: DEFAULT_METRICS_INTERVAL_MS as f64,
+            decode_step_ms: DEFAULT_DECODE_STEP_MS,
         }
     }
 
@@ -129,6 +134,12 @@ impl SimConfig {
         }
         if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
             return Err(invalid("time_scale", "must be > 0"));
+        }
+        if !(self.metrics_interval_ms.is_finite() && self.metrics_interval_ms > 0.0) {
+            return Err(invalid("metrics_interval_ms", "must be > 0"));
+        }
+        if !(self.decode_step_ms.is_finite() && self.decode_step_ms >= 0.0) {
+            return Err(invalid("decode_step_ms", "must be >= 0"));
         }
         if self.tuning_window == Some(0) {
             return Err(invalid("tuning_window", "must be > 0"));
@@ -213,7 +224,7 @@ enum Ev {
     Deliver(u32),
     /// A request's last byte reached its client.
     Complete(u32),
-    /// A node scrapes its engine's metrics (`live_node_stats`).
+    /// A node scrapes its engine's `/metrics`.
     Scrape(u8),
 }
 
@@ -263,11 +274,6 @@ struct Flight {
     first_token_seen: bool,
     /// Expected prefill tokens counted in the oracle's in-transit figure.
     transit_tokens: u64,
-    /// Prefill work the serving node accounted at dispatch (`live_node_stats`).
-    acct_prefill_tokens: u64,
-    /// The serving node's own queueing estimate at dispatch, ms: subtracted from the
-    /// engine-side TTFT its `PrefillFit` sees (as the live node does).
-    queued_est_ms: f64,
 }
 
 enum Payload {
@@ -294,7 +300,8 @@ struct Node {
     peer_summaries: Vec<PeerSummary>,
     peer_stats: Vec<Option<QueueStats>>,
     ledger: ForwardLedger,
-    fit: PrefillFit,
+    /// The node's view of its engine (the live node's accounting and prefill fit).
+    view: EngineView,
     stats_version: u64,
     /// Summary version last sent to each peer (`None`: send a snapshot).
     sent_version: Vec<Option<u64>>,
@@ -310,16 +317,6 @@ struct Region {
     queued_prompt_tokens: u64,
     /// Next wakeup scheduled for the engine.
     wake_at: Option<f64>,
-    /// The live node's accounting (used with `live_node_stats`): requests dispatched
-    /// and not finished...
-    acct_inflight: u64,
-    /// ...expected prefill tokens (prompt less the shadow index's match) of those not
-    /// yet past their first token...
-    acct_unprefilled_tokens: u64,
-    /// ...the EWMA of that expected prefill work per dispatch...
-    acct_mean_prompt: u64,
-    /// ...and the engine's state at the last scrape.
-    scraped: Option<gorgo_engine::EngineStats>,
 }
 
 /// The central router of `oracle` mode: exact state of every engine, instantly.
@@ -387,10 +384,6 @@ impl<'a> Sim<'a> {
                     engine,
                     queued_prompt_tokens: 0,
                     wake_at: None,
-                    acct_inflight: 0,
-                    acct_unprefilled_tokens: 0,
-                    acct_mean_prompt: LIVE_DEFAULT_MEAN_PROMPT_TOKENS,
-                    scraped: None,
                 }
             })
             .collect();
@@ -452,11 +445,13 @@ impl<'a> Sim<'a> {
                     peer_summaries: vec![PeerSummary::new(); n],
                     peer_stats: vec![None; n],
                     ledger: ForwardLedger::new(),
-                    fit: PrefillFit::new(
-                        p.idle_ttft_ms(0),
-                        p.t_p_ms_per_token,
-                        FitConfig::default(),
-                    )?,
+                    view: EngineView::new(ViewConfig {
+                        kv_capacity_tokens: None,
+                        decode_step_ms: cfg.decode_step_ms,
+                        seed_base_ms: p.idle_ttft_ms(0),
+                        seed_t_p_ms: p.t_p_ms_per_token,
+                        fit: FitConfig::default(),
+                    })?,
                     stats_version: 0,
                     sent_version: vec![None; n],
                     last_gossip_at: vec![0.0; n],
@@ -467,10 +462,8 @@ impl<'a> Sim<'a> {
             for i in 0..n {
                 let phase = rng.random::<f64>() * cfg.gossip_interval_ms;
                 sim.push(phase, Ev::Tick(i as u8));
-                if cfg.live_node_stats {
-                    let phase = rng.random::<f64>() * LIVE_METRICS_INTERVAL_MS;
-                    sim.push(phase, Ev::Scrape(i as u8));
-                }
+                let phase = rng.random::<f64>() * cfg.metrics_interval_ms;
+                sim.push(phase, Ev::Scrape(i as u8));
             }
         }
         sim.rng = rng;
@@ -555,13 +548,7 @@ impl<'a> Sim<'a> {
                 Ev::ForwardArrival(slot) => self.forward_arrival(slot, at),
                 Ev::EngineWake(r) => self.engine_wake(r as usize, at),
                 Ev::Tick(r) => self.tick(r as usize, at),
-                Ev::Scrape(r) => {
-                    let r = r as usize;
-                    self.regions[r].scraped = Some(self.regions[r].engine.stats());
-                    if !(self.trace_done && self.live == 0) {
-                        self.push(at + LIVE_METRICS_INTERVAL_MS, Ev::Scrape(r as u8));
-                    }
-                }
+                Ev::Scrape(r) => self.scrape(r as usize, at),
                 Ev::Deliver(m) => self.deliver(m, at),
                 Ev::Complete(slot) => self.complete(slot, at),
             }
@@ -636,8 +623,6 @@ impl<'a> Sim<'a> {
             cached_tokens: 0,
             first_token_seen: false,
             transit_tokens: 0,
-            acct_prefill_tokens: 0,
-            queued_est_ms: 0.0,
         };
         let slot = match self.free.pop() {
             Some(s) => {
@@ -668,45 +653,43 @@ impl<'a> Sim<'a> {
             .expect("events only name live flights")
     }
 
-    /// Exact local load signals of region `r`'s engine, as its node reports them.
-    fn local_stats(&self, r: usize) -> QueueStats {
+    /// Node `r` scrapes its engine's `/metrics` (the simulated scrape,
+    /// [`gorgo_engine::EngineStats::scrape`]) into its view.
+    fn scrape(&mut self, r: usize, now: f64) {
+        let metrics = self.regions[r].engine.stats().scrape();
+        if let Some(node) = self.nodes.get_mut(r) {
+            node.view.scrape(metrics, now as u64);
+        }
+        if !(self.trace_done && self.live == 0) {
+            self.push(now + self.cfg.metrics_interval_ms, Ev::Scrape(r as u8));
+        }
+    }
+
+    /// Region `r`'s queue stats as its node reports them: its view of its engine, or,
+    /// with `exact_state` and for the oracle, the engine's exact state.
+    fn local_stats(&mut self, r: usize) -> QueueStats {
+        let epoch = self
+            .nodes
+            .get(r)
+            .and_then(|n| n.tuner.as_ref())
+            .map_or(0, |t| t.epoch());
+        if !self.cfg.exact_state {
+            if let Some(n) = self.nodes.get_mut(r) {
+                return n.view.queue_stats(epoch);
+            }
+        }
         let s = self.regions[r].engine.stats();
-        let (t_p_ms, base_ms, version, epoch) = match self.nodes.get(r) {
+        let (t_p_ms, base_ms, version) = match self.nodes.get(r) {
             Some(n) => (
-                n.fit.t_p_ms(),
-                n.fit.base_ms(),
+                n.view.fit().t_p_ms(),
+                n.view.fit().base_ms(),
                 n.stats_version,
-                n.tuner.as_ref().map_or(0, |t| t.epoch()),
             ),
             None => {
                 let p = &self.cfg.profiles[r];
-                (p.t_p_ms_per_token, p.idle_ttft_ms(0), 0, 0)
+                (p.t_p_ms_per_token, p.idle_ttft_ms(0), 0)
             }
         };
-        if self.cfg.live_node_stats && self.oracle.is_none() {
-            // EngineAdapter::queue_stats: scraped engine state made fresher by the
-            // node's own accounting.
-            let reg = &self.regions[r];
-            let m = reg.scraped.clone().unwrap_or_default();
-            let running = m.running as u64;
-            let waiting = (m.waiting as u64).max(reg.acct_inflight.saturating_sub(running));
-            let unfinished = reg
-                .acct_unprefilled_tokens
-                .max((m.waiting as u64).saturating_mul(reg.acct_mean_prompt));
-            return QueueStats {
-                version,
-                unfinished_prefill_tokens: unfinished,
-                running: running.min(u32::MAX as u64) as u32,
-                waiting: waiting.min(u32::MAX as u64) as u32,
-                kv_used_tokens: m.used_tokens,
-                kv_capacity_tokens: s.capacity,
-                queued_prompt_tokens: reg.queued_prompt_tokens,
-                t_p_ms,
-                base_ms,
-                decode_step_ms: LIVE_DECODE_STEP_MS,
-                epoch,
-            };
-        }
         QueueStats {
             version,
             unfinished_prefill_tokens: s.unfinished_prefill_tokens,
@@ -722,53 +705,72 @@ impl<'a> Sim<'a> {
         }
     }
 
-    /// Candidates as node `at_node` sees them (distributed), or as the oracle sees
-    /// them from `at_node` (exact). Returns candidates and their region indices.
-    fn candidates(&self, at_node: usize, chain: &HashChain) -> (Vec<Candidate>, Vec<usize>) {
+    /// Candidates as node `at_node` sees them (the core's [`build_candidates`], as the
+    /// live node builds them), or as the oracle sees them from `at_node` (exact state).
+    /// Returns candidates and their region indices.
+    fn candidates(
+        &mut self,
+        at_node: usize,
+        chain: &HashChain,
+        now: f64,
+    ) -> (Vec<Candidate>, Vec<usize>) {
         let n = self.names.len();
-        let mut cands = Vec::with_capacity(n);
-        let mut regions = Vec::with_capacity(n);
-        if let Some(o) = &self.oracle {
+        if self.oracle.is_some() {
+            let mut cands = Vec::with_capacity(n);
             for r in 0..n {
                 let mut c = Candidate::idle(
                     self.node_ids[r].clone(),
                     r == at_node,
                     self.cfg.network.rtt_ms(at_node, r),
                 );
-                c.cached_tokens = o.index[r].longest_match(chain);
                 c.stats = self.local_stats(r);
+                let o = self.oracle.as_ref().expect("checked above");
+                c.cached_tokens = o.index[r].longest_match(chain);
                 c.inflight_forwards = o.in_transit[r].0;
                 c.inflight_forward_prompt_tokens = o.in_transit[r].1;
                 cands.push(c);
-                regions.push(r);
             }
-            return (cands, regions);
+            return (cands, (0..n).collect());
         }
-        let node = &self.nodes[at_node];
-        let mut local = Candidate::idle(node.id.clone(), true, 0.0);
-        local.cached_tokens = node.shadow.longest_match(chain);
-        local.stats = self.local_stats(at_node);
-        cands.push(local);
-        regions.push(at_node);
-        for p in 0..n {
-            if p == at_node {
-                continue;
-            }
-            // Like the live node: a peer is a candidate once its stats have arrived.
-            let Some(stats) = &node.peer_stats[p] else {
-                continue;
-            };
-            let mut c = Candidate::idle(
-                self.node_ids[p].clone(),
-                false,
-                self.cfg.network.rtt_ms(at_node, p),
-            );
-            c.cached_tokens = node.peer_summaries[p].matched_tokens(chain);
-            c.stats = stats.clone();
-            node.ledger.apply(&mut c);
-            cands.push(c);
-            regions.push(p);
-        }
+        let local = LocalState {
+            node: self.nodes[at_node].id.clone(),
+            healthy: true,
+            cached_tokens: self.nodes[at_node].shadow.longest_match(chain),
+            stats: self.local_stats(at_node),
+        };
+        let rtts: Vec<f64> = (0..n)
+            .map(|p| self.cfg.network.rtt_ms(at_node, p))
+            .collect();
+        let node_ids = &self.node_ids;
+        let node = &mut self.nodes[at_node];
+        let peers = (0..n).filter(|&p| p != at_node).map(|p| PeerState {
+            node: &node_ids[p],
+            alive: true,
+            rtt_ms: rtts[p],
+            stats: node.peer_stats[p].as_ref(),
+        });
+        let summaries = &node.peer_summaries;
+        let cands = build_candidates(
+            local,
+            peers,
+            |peer| {
+                node_ids
+                    .iter()
+                    .position(|id| id == peer)
+                    .map_or(0, |p| summaries[p].matched_tokens(chain))
+            },
+            &mut node.ledger,
+            now as u64,
+        );
+        let regions = cands
+            .iter()
+            .map(|c| {
+                node_ids
+                    .iter()
+                    .position(|id| *id == c.node)
+                    .expect("candidates are cluster nodes")
+            })
+            .collect();
         (cands, regions)
     }
 
@@ -785,7 +787,7 @@ impl<'a> Sim<'a> {
         let session = f.session_key;
         // Take the chain out while deciding (borrows), then put it back.
         let chain = std::mem::take(&mut self.flight_mut(slot).chain);
-        let (cands, cand_regions) = self.candidates(r, &chain);
+        let (cands, cand_regions) = self.candidates(r, &chain, now);
         let weights = match (&self.oracle, self.nodes.get(r)) {
             (None, Some(n)) => n
                 .tuner
@@ -887,13 +889,7 @@ impl<'a> Sim<'a> {
     /// Submit a request to region `r`'s engine.
     fn dispatch(&mut self, slot: u32, r: usize, now: f64) {
         let nowu = now as u64;
-        let queued_est_ms = gorgo_core::cost::queue_ms(&Candidate {
-            stats: self.local_stats(r),
-            ..Candidate::idle("local", true, 0.0)
-        })
-        .0;
         let f = self.flights[slot as usize].as_mut().expect("live");
-        f.queued_est_ms = queued_est_ms;
         f.served = Some(r as u8);
         f.dispatched_ms = now;
         let req = EngineRequest {
@@ -904,31 +900,26 @@ impl<'a> Sim<'a> {
             arrival_ms: now,
         };
         let prompt_tokens = f.prompt_tokens;
-        // The live node accounts the prefill work it expects: the prompt less the
-        // prefix its shadow index believes cached, looked up before inserting.
-        let prefill_tokens = match self.oracle.as_mut() {
-            Some(o) => {
-                o.index[r].insert(&f.chain, nowu);
-                prompt_tokens
-            }
+        // As the live node's `serve_local`: the prefill work it expects is the prompt
+        // less the prefix its shadow index believes cached, looked up before inserting;
+        // its view records the dispatch before the engine sees it.
+        match self.oracle.as_mut() {
+            Some(o) => o.index[r].insert(&f.chain, nowu),
             None => {
-                let shadow = &mut self.nodes[r].shadow;
-                let cached = shadow.longest_match(&f.chain).min(prompt_tokens);
-                shadow.insert(&f.chain, nowu);
-                prompt_tokens - cached
+                let node = &mut self.nodes[r];
+                let cached = node.shadow.longest_match(&f.chain).min(prompt_tokens);
+                node.shadow.insert(&f.chain, nowu);
+                node.view
+                    .dispatch(slot as u64, prompt_tokens, prompt_tokens - cached, nowu);
             }
-        };
-        f.acct_prefill_tokens = prefill_tokens;
+        }
         let region = &mut self.regions[r];
         match region.engine.submit(req, now) {
-            Ok(()) => {
-                region.queued_prompt_tokens += prompt_tokens;
-                region.acct_inflight += 1;
-                region.acct_unprefilled_tokens += prompt_tokens;
-                region.acct_mean_prompt =
-                    ((region.acct_mean_prompt * 7 + prompt_tokens) / 8).max(1);
-            }
+            Ok(()) => region.queued_prompt_tokens += prompt_tokens,
             Err(reason) => {
+                if let Some(node) = self.nodes.get_mut(r) {
+                    node.view.finish(slot as u64);
+                }
                 let msg = format!("engine refused: {reason}");
                 self.fail(slot, now, &msg);
             }
@@ -995,21 +986,14 @@ impl<'a> Sim<'a> {
         f.cached_tokens = cached;
         f.ttft_ms = at + back - f.send_ms;
         let engine_ttft = at - f.dispatched_ms;
-        let queued_est_ms = f.queued_est_ms;
-        let uncached = f.prompt_tokens.saturating_sub(cached);
-        let prefill = f.acct_prefill_tokens;
-        let reg = &mut self.regions[r];
-        reg.acct_unprefilled_tokens = reg.acct_unprefilled_tokens.saturating_sub(prefill);
         match self.oracle.as_mut() {
             Some(o) => {
                 let f = self.flights[slot as usize].as_ref().expect("live");
                 o.index[r].correct(&f.chain, cached, at as u64);
             }
-            None => {
-                self.nodes[r]
-                    .fit
-                    .observe_after_wait(engine_ttft, 0.0, queued_est_ms, uncached);
-            }
+            None => self.nodes[r]
+                .view
+                .first_token(slot as u64, Some(engine_ttft), at as u64),
         }
     }
 
@@ -1022,7 +1006,9 @@ impl<'a> Sim<'a> {
         let f = self.flight(slot);
         let (home, prompt, out_tokens) = (f.home as usize, f.prompt_tokens, f.output_tokens);
         self.regions[r].queued_prompt_tokens -= prompt;
-        self.regions[r].acct_inflight -= 1;
+        if let Some(node) = self.nodes.get_mut(r) {
+            node.view.finish(slot as u64);
+        }
         let mut back = self.client_delay(home);
         if r != home {
             back += self.link_delay(r, home);
@@ -1162,11 +1148,9 @@ impl<'a> Sim<'a> {
                 delta,
                 snapshot,
             } => {
-                let rtt = self.cfg.network.rtt_ms(to, from);
-                let peer = self.node_ids[from].clone();
+                // The ledger observes these stats when the next decision builds its
+                // candidates (core `build_candidates`), as on the live node.
                 let node = &mut self.nodes[to];
-                node.ledger
-                    .observe_stats(&peer, stats.version, now as u64, rtt);
                 node.peer_stats[from] = Some(stats);
                 let gap = match (delta, snapshot) {
                     (Some(d), _) => node.peer_summaries[from].apply_delta(&d).is_err(),
@@ -1231,8 +1215,9 @@ impl<'a> Sim<'a> {
 
     fn finish(mut self) -> PolicyRun {
         let c = &mut self.out.run.counters;
-        c.fitted_t_p_ms = self.nodes.iter().map(|n| n.fit.t_p_ms()).collect();
-        c.fitted_base_ms = self.nodes.iter().map(|n| n.fit.base_ms()).collect();
+        c.fitted_t_p_ms = self.nodes.iter().map(|n| n.view.fit().t_p_ms()).collect();
+        c.fitted_base_ms = self.nodes.iter().map(|n| n.view.fit().base_ms()).collect();
+        c.view_counters_end = self.nodes.iter().map(|n| n.view.counters()).collect();
         self.out.run
     }
 }

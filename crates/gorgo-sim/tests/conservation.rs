@@ -53,6 +53,13 @@ fn check_conservation(cfg: &SimConfig, run: &PolicyRun, n: usize) {
         "{p}: every request finished"
     );
     assert_eq!(c.unexpected_events, 0, "{p}");
+    for v in &c.view_counters_end {
+        assert_eq!(
+            v.inflight + v.unfinished_prefill_tokens + v.queued_prompt_tokens,
+            0,
+            "{p}: a node's view drifted"
+        );
+    }
     // Served exactly once: one first token and one finish per completed request.
     assert_eq!(c.first_tokens, c.completed, "{p}");
     assert_eq!(c.finishes, c.completed, "{p}");
@@ -266,17 +273,51 @@ fn max_context_shortens_instead_of_failing() {
 }
 
 #[test]
-fn live_views_conserve_too() {
+fn live_chains_and_exact_state_conserve_too() {
     let t = trace(9, 60.0, 30);
+    for exact_state in [false, true] {
+        let mut cfg = config();
+        cfg.live_chains = true;
+        cfg.exact_state = exact_state;
+        for kind in [
+            PolicyKind::Gorgo,
+            PolicyKind::SimpleSessionAffinity,
+            PolicyKind::Oracle,
+        ] {
+            let r = run(&cfg, kind, &t);
+            check_conservation(&cfg, &r, t.len());
+        }
+    }
+}
+
+#[test]
+fn node_view_counters_return_to_zero() {
+    // Loaded (queueing, evictions, refusals possible) so every path of the view runs.
+    let t = trace(21, 90.0, 60);
     let mut cfg = config();
-    cfg.live_chains = true;
-    cfg.live_node_stats = true;
+    cfg.time_scale = 0.25;
     for kind in [
         PolicyKind::Gorgo,
-        PolicyKind::SimpleSessionAffinity,
-        PolicyKind::Oracle,
+        PolicyKind::LeastRequest,
+        PolicyKind::PrefixCache,
     ] {
         let r = run(&cfg, kind, &t);
         check_conservation(&cfg, &r, t.len());
+        let views = &r.counters.view_counters_end;
+        assert_eq!(views.len(), 3, "{kind:?}: one view per node");
+        for (i, v) in views.iter().enumerate() {
+            assert_eq!(
+                (
+                    v.inflight,
+                    v.unfinished_prefill_tokens,
+                    v.queued_prompt_tokens
+                ),
+                (0, 0, 0),
+                "{kind:?}: node {i}'s view drifted"
+            );
+        }
     }
+    // The oracle has no nodes, so no views.
+    let r = run(&cfg, PolicyKind::Oracle, &t);
+    assert!(r.counters.view_counters_end.is_empty());
 }

@@ -1,0 +1,517 @@
+//! The node's view of its engine: what it knows about the work at its own engine, and
+//! the [`QueueStats`] it gossips and decides on.
+//!
+//! Two sources, combined the same way whoever drives this:
+//!
+//! - the engine's `/metrics`, scraped every `engine.metrics_interval_ms` (a lagging,
+//!   exact picture: running and waiting requests, KV use and capacity);
+//! - the node's own accounting of the requests it dispatched (fresh the instant it
+//!   dispatches): in flight, expected prefill tokens not yet past their first token,
+//!   raw prompt tokens not finished.
+//!
+//! It also owns the node's prefill fit ([`PrefillFit`]): at dispatch it records how
+//! long the request is expected to wait behind work already there
+//! ([`crate::cost::queue_ms`] of its own stats), and at the first token it feeds the
+//! fit the engine-side TTFT less that wait.
+//!
+//! The live node (gorgo-node `EngineAdapter`) feeds it from HTTP; the simulator feeds
+//! it from its engine model on virtual time. Both call exactly this code, so the
+//! simulator knows what a deployed node knows.
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+
+use crate::cost::{queue_ms, Candidate};
+use crate::engine_metrics::EngineMetrics;
+use crate::error::CoreError;
+use crate::fit::{FitConfig, PrefillFit};
+use crate::types::QueueStats;
+
+/// KV capacity assumed when neither the config nor the engine's metrics give one.
+pub const DEFAULT_KV_CAPACITY_TOKENS: u64 = 1_000_000;
+/// Default period of the node's `/metrics` scrape (`engine.metrics_interval_ms`), ms.
+pub const DEFAULT_METRICS_INTERVAL_MS: u64 = 250;
+/// Default decode-step cost the node reports (`engine.decode_step_ms`), ms: engines
+/// do not report it, so the node's stats carry this seed.
+pub const DEFAULT_DECODE_STEP_MS: f64 = 20.0;
+/// Default seed of the fit's fixed TTFT cost (`engine.base_ms`), ms: the paper's
+/// calibration (A100 + Mistral-7B + SGLang).
+pub const DEFAULT_SEED_BASE_MS: f64 = 150.72;
+/// Default seed of the fit's prefill cost per uncached token (`engine.t_p_ms`), ms.
+pub const DEFAULT_SEED_T_P_MS: f64 = crate::cost::FALLBACK_T_P_MS;
+/// Prompt size assumed for requests the engine queues that we know nothing about,
+/// until we have seen our own.
+pub const DEFAULT_MEAN_PROMPT_TOKENS: u64 = 1024;
+
+/// How the view is set up: the node's `[engine]` seeds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ViewConfig {
+    /// KV capacity from config; when `None` the scrape's, then
+    /// [`DEFAULT_KV_CAPACITY_TOKENS`].
+    pub kv_capacity_tokens: Option<u64>,
+    /// Decode-step cost reported in the stats, ms.
+    pub decode_step_ms: f64,
+    /// Seed of the fit's fixed TTFT cost, ms.
+    pub seed_base_ms: f64,
+    /// Seed of the fit's prefill cost per uncached token, ms.
+    pub seed_t_p_ms: f64,
+    /// The fit's settings.
+    pub fit: FitConfig,
+}
+
+impl Default for ViewConfig {
+    /// The node's `[engine]` defaults (the paper's A100 + Mistral-7B seeds).
+    fn default() -> Self {
+        ViewConfig {
+            kv_capacity_tokens: None,
+            decode_step_ms: DEFAULT_DECODE_STEP_MS,
+            seed_base_ms: DEFAULT_SEED_BASE_MS,
+            seed_t_p_ms: DEFAULT_SEED_T_P_MS,
+            fit: FitConfig::default(),
+        }
+    }
+}
+
+/// One dispatched request until it finishes.
+#[derive(Debug, Clone, Copy)]
+struct Dispatched {
+    prompt_tokens: u64,
+    /// Expected prefill work (prompt less the expected cached prefix), until the first
+    /// token.
+    prefill_tokens: u64,
+    prefilled: bool,
+    /// The view's own queueing estimate at dispatch, ms.
+    queued_est_ms: f64,
+}
+
+/// The node's view of its engine: scrapes plus its own dispatch accounting, and the
+/// prefill fit. A plain state machine; see the module docs.
+#[derive(Debug, Clone)]
+pub struct EngineView {
+    cfg: ViewConfig,
+    scraped: EngineMetrics,
+    scraped_at_ms: Option<u64>,
+    dispatched: HashMap<u64, Dispatched>,
+    unfinished_prefill_tokens: u64,
+    queued_prompt_tokens: u64,
+    mean_prompt_tokens: u64,
+    stats_version: u64,
+    fit: PrefillFit,
+}
+
+/// Counters of the view, for `/admin/state` and for tests that check nothing drifts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ViewCounters {
+    /// Requests dispatched and not finished.
+    pub inflight: u64,
+    /// Expected prefill tokens of those not past their first token.
+    pub unfinished_prefill_tokens: u64,
+    /// Raw prompt tokens of those not finished.
+    pub queued_prompt_tokens: u64,
+}
+
+impl EngineView {
+    /// A view with nothing dispatched and nothing scraped yet.
+    pub fn new(cfg: ViewConfig) -> Result<Self, CoreError> {
+        if !(cfg.decode_step_ms.is_finite() && cfg.decode_step_ms >= 0.0) {
+            return Err(CoreError::InvalidConfig {
+                field: "decode_step_ms".into(),
+                reason: "must be a finite number >= 0".into(),
+            });
+        }
+        if cfg.kv_capacity_tokens == Some(0) {
+            return Err(CoreError::InvalidConfig {
+                field: "kv_capacity_tokens".into(),
+                reason: "must be > 0".into(),
+            });
+        }
+        let fit = PrefillFit::new(cfg.seed_base_ms, cfg.seed_t_p_ms, cfg.fit)?;
+        Ok(EngineView {
+            cfg,
+            scraped: EngineMetrics::default(),
+            scraped_at_ms: None,
+            dispatched: HashMap::new(),
+            unfinished_prefill_tokens: 0,
+            queued_prompt_tokens: 0,
+            mean_prompt_tokens: DEFAULT_MEAN_PROMPT_TOKENS,
+            stats_version: 0,
+            fit,
+        })
+    }
+
+    /// A scrape of the engine's `/metrics` arrived at `now_ms`; it replaces the last.
+    pub fn scrape(&mut self, metrics: EngineMetrics, now_ms: u64) {
+        self.scraped = metrics;
+        self.scraped_at_ms = Some(now_ms);
+    }
+
+    /// The last scrape (default when none arrived yet).
+    pub fn scraped(&self) -> &EngineMetrics {
+        &self.scraped
+    }
+
+    /// When the last scrape arrived, ms on the driver's clock.
+    pub fn scraped_at_ms(&self) -> Option<u64> {
+        self.scraped_at_ms
+    }
+
+    /// KV capacity: config first, then the engine's own report, then a default.
+    pub fn kv_capacity_tokens(&self) -> u64 {
+        self.cfg
+            .kv_capacity_tokens
+            .or_else(|| {
+                self.scraped
+                    .kv_capacity_tokens
+                    .filter(|c| c.is_finite() && *c >= 1.0)
+                    .map(|c| c as u64)
+            })
+            .filter(|&c| c > 0)
+            .unwrap_or(DEFAULT_KV_CAPACITY_TOKENS)
+    }
+
+    /// The accounting counters now.
+    pub fn counters(&self) -> ViewCounters {
+        ViewCounters {
+            inflight: self.dispatched.len() as u64,
+            unfinished_prefill_tokens: self.unfinished_prefill_tokens,
+            queued_prompt_tokens: self.queued_prompt_tokens,
+        }
+    }
+
+    /// Requests dispatched and not finished.
+    pub fn inflight(&self) -> u64 {
+        self.dispatched.len() as u64
+    }
+
+    /// The node's prefill fit.
+    pub fn fit(&self) -> &PrefillFit {
+        &self.fit
+    }
+
+    /// The queue stats this node gossips and decides on, with a fresh version:
+    /// scraped engine state made fresher by the node's own accounting.
+    pub fn queue_stats(&mut self, epoch: u64) -> QueueStats {
+        self.stats_version += 1;
+        self.stats_at(self.stats_version, epoch)
+    }
+
+    fn stats_at(&self, version: u64, epoch: u64) -> QueueStats {
+        let m = &self.scraped;
+        let gauge = |v: Option<f64>| v.filter(|x| x.is_finite()).unwrap_or(0.0).max(0.0) as u64;
+        let inflight = self.inflight();
+        let running = gauge(m.running);
+        let scraped_waiting = gauge(m.waiting);
+        // Work we dispatched that the last scrape does not show yet counts as waiting.
+        let waiting = scraped_waiting.max(inflight.saturating_sub(running));
+        let capacity = self.kv_capacity_tokens();
+        let kv_used = gauge(
+            m.kv_used_tokens
+                .or_else(|| m.kv_usage.map(|u| u * capacity as f64)),
+        );
+        // The engine's own waiting queue may hold work we did not send (other routers,
+        // direct clients): count it at our mean prompt size, and trust whichever of
+        // that and our accounting is larger.
+        let unfinished = self
+            .unfinished_prefill_tokens
+            .max(scraped_waiting.saturating_mul(self.mean_prompt_tokens));
+        QueueStats {
+            version,
+            unfinished_prefill_tokens: unfinished,
+            running: running.min(u32::MAX as u64) as u32,
+            waiting: waiting.min(u32::MAX as u64) as u32,
+            kv_used_tokens: kv_used,
+            kv_capacity_tokens: capacity,
+            queued_prompt_tokens: self.queued_prompt_tokens,
+            t_p_ms: self.fit.t_p_ms(),
+            base_ms: self.fit.base_ms(),
+            decode_step_ms: self.cfg.decode_step_ms,
+            epoch,
+        }
+    }
+
+    /// The wait a request dispatched now is expected to see behind work already at the
+    /// engine, ms (the unweighted [`queue_ms`] of this view's stats).
+    pub fn queued_estimate_ms(&self) -> f64 {
+        queue_ms(&Candidate {
+            stats: self.stats_at(self.stats_version, 0),
+            ..Candidate::idle("local", true, 0.0)
+        })
+        .0
+    }
+
+    /// Request `id` was sent to the engine at `now_ms`. `uncached_tokens` is what the
+    /// engine must prefill (the prompt less the prefix the shadow index expects cached,
+    /// clamped to the prompt): the queue's work, while the raw `prompt_tokens` is what
+    /// `gorgo-paper` counts. A repeated `id` first finishes the old one, so counters
+    /// never double count. Returns the queueing estimate recorded for the fit, ms.
+    pub fn dispatch(
+        &mut self,
+        id: u64,
+        prompt_tokens: u64,
+        uncached_tokens: u64,
+        now_ms: u64,
+    ) -> f64 {
+        let _ = now_ms;
+        self.finish(id);
+        let queued_est_ms = self.queued_estimate_ms();
+        let prefill_tokens = uncached_tokens.min(prompt_tokens);
+        // EWMA (1/8) of the prefill work we dispatch.
+        self.mean_prompt_tokens = (self
+            .mean_prompt_tokens
+            .saturating_mul(7)
+            .saturating_add(prefill_tokens)
+            / 8)
+        .max(1);
+        self.unfinished_prefill_tokens = self
+            .unfinished_prefill_tokens
+            .saturating_add(prefill_tokens);
+        self.queued_prompt_tokens = self.queued_prompt_tokens.saturating_add(prompt_tokens);
+        self.dispatched.insert(
+            id,
+            Dispatched {
+                prompt_tokens,
+                prefill_tokens,
+                prefilled: false,
+                queued_est_ms,
+            },
+        );
+        queued_est_ms
+    }
+
+    /// The first token (first response byte) of `id` arrived: its prefill is done.
+    /// `engine_ttft_ms` is the time from dispatch to then as the node measured it, or
+    /// `None` when the response says nothing about prefill (an error status); with a
+    /// value the fit observes it less the wait estimated at dispatch. Repeats and
+    /// unknown ids are ignored.
+    pub fn first_token(&mut self, id: u64, engine_ttft_ms: Option<f64>, now_ms: u64) {
+        let _ = now_ms;
+        let Some(d) = self.dispatched.get_mut(&id) else {
+            return;
+        };
+        if d.prefilled {
+            return;
+        }
+        d.prefilled = true;
+        let d = *d;
+        self.unfinished_prefill_tokens = self
+            .unfinished_prefill_tokens
+            .saturating_sub(d.prefill_tokens);
+        if let Some(ttft) = engine_ttft_ms {
+            self.fit
+                .observe_after_wait(ttft, 0.0, d.queued_est_ms, d.prefill_tokens);
+        }
+    }
+
+    /// `id` finished, failed or was cancelled: release what it still holds. Idempotent;
+    /// unknown ids are ignored.
+    pub fn finish(&mut self, id: u64) {
+        let Some(d) = self.dispatched.remove(&id) else {
+            return;
+        };
+        if !d.prefilled {
+            self.unfinished_prefill_tokens = self
+                .unfinished_prefill_tokens
+                .saturating_sub(d.prefill_tokens);
+        }
+        self.queued_prompt_tokens = self.queued_prompt_tokens.saturating_sub(d.prompt_tokens);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn view() -> EngineView {
+        EngineView::new(ViewConfig::default()).unwrap()
+    }
+
+    #[test]
+    fn dispatch_counts_uncached_tokens_as_prefill_work() {
+        let mut v = view();
+        v.dispatch(1, 1000, 150, 0);
+        let stats = v.queue_stats(0);
+        assert_eq!(stats.unfinished_prefill_tokens, 150);
+        assert_eq!(stats.queued_prompt_tokens, 1000);
+        assert_eq!(
+            stats.waiting, 1,
+            "dispatched work the scrape does not show waits"
+        );
+        assert_eq!(v.inflight(), 1);
+        v.first_token(1, Some(200.0), 10);
+        assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, 0);
+        v.finish(1);
+        let stats = v.queue_stats(0);
+        assert_eq!((stats.queued_prompt_tokens, v.inflight()), (0, 0));
+        // More uncached than prompt (a stale count) is clamped to the prompt.
+        v.dispatch(2, 10, 50, 20);
+        assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, 10);
+    }
+
+    #[test]
+    fn scraped_waiting_counts_at_the_mean_prompt() {
+        let mut v = view();
+        v.scrape(
+            EngineMetrics {
+                running: Some(2.0),
+                waiting: Some(3.0),
+                kv_usage: Some(0.5),
+                kv_capacity_tokens: Some(1000.0),
+                ..EngineMetrics::default()
+            },
+            5,
+        );
+        let s = v.queue_stats(7);
+        assert_eq!(s.unfinished_prefill_tokens, 3 * DEFAULT_MEAN_PROMPT_TOKENS);
+        assert_eq!((s.running, s.waiting), (2, 3));
+        assert_eq!((s.kv_used_tokens, s.kv_capacity_tokens), (500, 1000));
+        assert_eq!(s.epoch, 7);
+        assert_eq!(s.decode_step_ms, DEFAULT_DECODE_STEP_MS);
+        assert_eq!(v.scraped_at_ms(), Some(5));
+    }
+
+    #[test]
+    fn versions_increase_and_config_capacity_wins() {
+        let mut v = EngineView::new(ViewConfig {
+            kv_capacity_tokens: Some(77),
+            ..ViewConfig::default()
+        })
+        .unwrap();
+        v.scrape(
+            EngineMetrics {
+                kv_capacity_tokens: Some(1e6),
+                ..EngineMetrics::default()
+            },
+            0,
+        );
+        let a = v.queue_stats(0);
+        let b = v.queue_stats(0);
+        assert!(b.version > a.version);
+        assert_eq!(a.kv_capacity_tokens, 77);
+        assert!(EngineView::new(ViewConfig {
+            kv_capacity_tokens: Some(0),
+            ..ViewConfig::default()
+        })
+        .is_err());
+    }
+
+    #[test]
+    fn the_fit_sees_ttft_less_the_wait_estimated_at_dispatch() {
+        let mut v = view();
+        // Work ahead: one request with 100k uncached tokens, not yet prefilled.
+        v.dispatch(1, 100_000, 100_000, 0);
+        let est = v.dispatch(2, 1000, 1000, 0);
+        assert!(est > 1000.0, "100k tokens ahead at ~0.09 ms each: {est}");
+        let before = v.fit().samples();
+        // An engine-side TTFT that is all queueing is skipped or absorbed, never
+        // fitted as prefill of 1000 tokens.
+        v.first_token(2, Some(est + 150.72 + 93.8), 1);
+        assert!(v.fit().samples() + v.fit().skipped() + v.fit().rejected() > before);
+        // No sample without a TTFT.
+        let n = v.fit().samples() + v.fit().skipped() + v.fit().rejected();
+        v.first_token(1, None, 2);
+        assert_eq!(
+            v.fit().samples() + v.fit().skipped() + v.fit().rejected(),
+            n
+        );
+    }
+
+    #[test]
+    fn cancel_before_first_token_releases_everything() {
+        let mut v = view();
+        v.dispatch(9, 500, 400, 0);
+        v.finish(9);
+        v.finish(9);
+        v.first_token(9, Some(1.0), 0);
+        assert_eq!(
+            v.counters(),
+            ViewCounters {
+                inflight: 0,
+                unfinished_prefill_tokens: 0,
+                queued_prompt_tokens: 0
+            }
+        );
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Dispatch { id: u8, prompt: u32, uncached: u32 },
+        FirstToken { id: u8, ttft: Option<u16> },
+        Finish { id: u8 },
+        Scrape { running: u8, waiting: u8 },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0u8..16, 0u32..200_000, 0u32..300_000).prop_map(|(id, prompt, uncached)| {
+                Op::Dispatch {
+                    id,
+                    prompt,
+                    uncached,
+                }
+            }),
+            (0u8..20, proptest::option::of(0u16..60_000))
+                .prop_map(|(id, ttft)| Op::FirstToken { id, ttft }),
+            (0u8..20).prop_map(|id| Op::Finish { id }),
+            (0u8..50, 0u8..50).prop_map(|(running, waiting)| Op::Scrape { running, waiting }),
+        ]
+    }
+
+    proptest! {
+        /// Any sequence of dispatches, first tokens, finishes and cancels (a finish
+        /// before the first token) leaves counters that match the requests still open,
+        /// and finishing everything returns them to zero: no drift, no underflow.
+        #[test]
+        fn counters_return_to_zero(ops in proptest::collection::vec(op(), 0..200)) {
+            let mut v = view();
+            let mut open: HashMap<u64, (u64, u64, bool)> = HashMap::new();
+            for (t, op) in ops.into_iter().enumerate() {
+                let now = t as u64;
+                match op {
+                    Op::Dispatch { id, prompt, uncached } => {
+                        let (p, u) = (prompt as u64, uncached as u64);
+                        v.dispatch(id as u64, p, u, now);
+                        open.insert(id as u64, (p, u.min(p), false));
+                    }
+                    Op::FirstToken { id, ttft } => {
+                        v.first_token(id as u64, ttft.map(f64::from), now);
+                        if let Some(e) = open.get_mut(&(id as u64)) {
+                            e.2 = true;
+                        }
+                    }
+                    Op::Finish { id } => {
+                        v.finish(id as u64);
+                        open.remove(&(id as u64));
+                    }
+                    Op::Scrape { running, waiting } => v.scrape(
+                        EngineMetrics {
+                            running: Some(running as f64),
+                            waiting: Some(waiting as f64),
+                            ..EngineMetrics::default()
+                        },
+                        now,
+                    ),
+                }
+                let c = v.counters();
+                prop_assert_eq!(c.inflight, open.len() as u64);
+                prop_assert_eq!(c.queued_prompt_tokens, open.values().map(|e| e.0).sum::<u64>());
+                prop_assert_eq!(
+                    c.unfinished_prefill_tokens,
+                    open.values().filter(|e| !e.2).map(|e| e.1).sum::<u64>()
+                );
+                let s = v.queue_stats(0);
+                prop_assert!(s.unfinished_prefill_tokens >= c.unfinished_prefill_tokens);
+                prop_assert!(s.t_p_ms.is_finite() && s.base_ms.is_finite());
+            }
+            let ids: Vec<u64> = open.keys().copied().collect();
+            for id in ids {
+                v.finish(id);
+            }
+            prop_assert_eq!(
+                v.counters(),
+                ViewCounters { inflight: 0, unfinished_prefill_tokens: 0, queued_prompt_tokens: 0 }
+            );
+        }
+    }
+}

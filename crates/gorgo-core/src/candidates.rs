@@ -1,0 +1,170 @@
+//! The candidate list of one routing decision, built one way for every driver.
+//!
+//! The local node first (its health, the shadow index's match, its own
+//! [`crate::accounting::EngineView`] stats), then every live peer whose queue stats
+//! have arrived (their last stats, the match in their last summary, the measured
+//! RTT), with this node's [`ForwardLedger`] brought up to date with those stats and
+//! its pending forwards added. The live node and the simulator both call
+//! [`build_candidates`]; neither assembles candidates itself.
+
+use crate::cost::{Candidate, ForwardLedger};
+use crate::types::{NodeId, QueueStats};
+
+/// What the deciding node knows about itself.
+#[derive(Debug, Clone)]
+pub struct LocalState {
+    /// This node.
+    pub node: NodeId,
+    /// Whether its engine can serve.
+    pub healthy: bool,
+    /// Prompt tokens its shadow index believes the engine has cached.
+    pub cached_tokens: u64,
+    /// Its own queue stats.
+    pub stats: QueueStats,
+}
+
+/// What the deciding node knows about one peer.
+#[derive(Debug, Clone, Copy)]
+pub struct PeerState<'a> {
+    /// The peer.
+    pub node: &'a NodeId,
+    /// Whether membership says it is alive.
+    pub alive: bool,
+    /// Measured RTT to it, ms.
+    pub rtt_ms: f64,
+    /// Its last queue stats; a peer is a candidate only once they arrived.
+    pub stats: Option<&'a QueueStats>,
+}
+
+/// Build the candidates of one decision at `now_ms`. `matched_tokens` gives the
+/// prompt tokens a peer's last summary matches (asked only for peers that are
+/// candidates). Peers that are dead, have sent no stats, or carry the local node's id
+/// are left out. The ledger observes every candidate peer's stats version (clearing
+/// the forwards those stats already reflect) and its pending forwards are applied.
+pub fn build_candidates<'a>(
+    local: LocalState,
+    peers: impl IntoIterator<Item = PeerState<'a>>,
+    mut matched_tokens: impl FnMut(&NodeId) -> u64,
+    ledger: &mut ForwardLedger,
+    now_ms: u64,
+) -> Vec<Candidate> {
+    let mut out = vec![Candidate {
+        node: local.node,
+        is_local: true,
+        healthy: local.healthy,
+        rtt_ms: 0.0,
+        cached_tokens: local.cached_tokens,
+        stats: local.stats,
+        inflight_forwards: 0,
+        inflight_forward_prompt_tokens: 0,
+    }];
+    for p in peers {
+        if !p.alive || *p.node == out[0].node {
+            continue;
+        }
+        let Some(stats) = p.stats else {
+            continue;
+        };
+        ledger.observe_stats(p.node, stats.version, now_ms, p.rtt_ms);
+        let mut c = Candidate {
+            node: p.node.clone(),
+            is_local: false,
+            healthy: true,
+            rtt_ms: p.rtt_ms,
+            cached_tokens: matched_tokens(p.node),
+            stats: stats.clone(),
+            inflight_forwards: 0,
+            inflight_forward_prompt_tokens: 0,
+        };
+        ledger.apply(&mut c);
+        out.push(c);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn local() -> LocalState {
+        LocalState {
+            node: NodeId::from("a"),
+            healthy: true,
+            cached_tokens: 7,
+            stats: QueueStats::default(),
+        }
+    }
+
+    #[test]
+    fn local_first_then_live_peers_with_stats() {
+        let (b, c, d, a) = (
+            NodeId::from("b"),
+            NodeId::from("c"),
+            NodeId::from("d"),
+            NodeId::from("a"),
+        );
+        let stats = QueueStats {
+            version: 3,
+            ..QueueStats::default()
+        };
+        let peers = [
+            PeerState {
+                node: &b,
+                alive: true,
+                rtt_ms: 20.0,
+                stats: Some(&stats),
+            },
+            PeerState {
+                node: &c,
+                alive: false,
+                rtt_ms: 20.0,
+                stats: Some(&stats),
+            },
+            PeerState {
+                node: &d,
+                alive: true,
+                rtt_ms: 20.0,
+                stats: None,
+            },
+            PeerState {
+                node: &a,
+                alive: true,
+                rtt_ms: 0.0,
+                stats: Some(&stats),
+            },
+        ];
+        let mut ledger = ForwardLedger::new();
+        let out = build_candidates(local(), peers, |_| 42, &mut ledger, 100);
+        assert_eq!(out.len(), 2);
+        assert!(out[0].is_local && out[0].cached_tokens == 7);
+        assert_eq!(
+            (out[1].node.0.as_str(), out[1].cached_tokens, out[1].rtt_ms),
+            ("b", 42, 20.0)
+        );
+    }
+
+    #[test]
+    fn the_ledger_is_observed_then_applied() {
+        let b = NodeId::from("b");
+        let mut ledger = ForwardLedger::new();
+        // Sent at 10 and 95; stats v1 arriving at 100 with rtt 20 reflect only the first.
+        ledger.record_forward(&b, 1000, 10);
+        ledger.record_forward(&b, 500, 95);
+        let stats = QueueStats {
+            version: 1,
+            ..QueueStats::default()
+        };
+        let peer = PeerState {
+            node: &b,
+            alive: true,
+            rtt_ms: 20.0,
+            stats: Some(&stats),
+        };
+        let out = build_candidates(local(), [peer], |_| 0, &mut ledger, 100);
+        assert_eq!(out[1].inflight_forwards, 1);
+        assert_eq!(out[1].inflight_forward_prompt_tokens, 500);
+        // The same version again clears nothing more.
+        let out = build_candidates(local(), [peer], |_| 0, &mut ledger, 1000);
+        assert_eq!(out[1].inflight_forward_prompt_tokens, 500);
+    }
+}
