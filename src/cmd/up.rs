@@ -16,6 +16,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use gorgo_bench::{ClusterInfo, RegionEndpoint};
 use gorgo_core::NodeId;
 use gorgo_netem::{plan_cluster, ClusterPlan, PlanOptions, Topology};
 use serde::{Deserialize, Serialize};
@@ -100,23 +101,6 @@ pub struct DownArgs {
     /// The run directory `gorgo up` used.
     #[arg(long, default_value = ".gorgo/run")]
     pub run_dir: PathBuf,
-}
-
-/// One region of `cluster.json`.
-#[derive(Debug, Serialize)]
-struct ClusterRegion {
-    name: String,
-    client_url: String,
-    admin_url: String,
-    engine_url: String,
-    node_id: String,
-}
-
-/// `cluster.json`: what clients and `gorgo bench` need to reach the cluster.
-#[derive(Debug, Serialize)]
-struct ClusterFile {
-    admin_token: String,
-    regions: Vec<ClusterRegion>,
 }
 
 /// `pids.json`: what `gorgo down` stops.
@@ -276,23 +260,23 @@ fn random_token() -> anyhow::Result<String> {
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// `region=url,...` into a map, checking every region exists.
+/// `--engine-url` (`region=url,...`, read by the one parser of such lists) into a map,
+/// checking every region exists.
 fn parse_engine_urls(
     specs: &[String],
     topology: &Topology,
 ) -> anyhow::Result<BTreeMap<String, String>> {
+    let list = specs.join(",");
+    if list.split(',').all(|s| s.trim().is_empty()) {
+        return Ok(BTreeMap::new());
+    }
+    let pairs = gorgo_bench::parse_region_urls(&list).context("--engine-url")?;
     let mut urls = BTreeMap::new();
-    for spec in specs.iter().filter(|s| !s.trim().is_empty()) {
-        let (region, url) = spec
-            .split_once('=')
-            .with_context(|| format!("--engine-url `{spec}`: expected region=url"))?;
+    for (region, url) in pairs {
         topology
-            .region_index(region.trim())
-            .with_context(|| format!("--engine-url `{spec}`"))?;
-        urls.insert(
-            region.trim().to_owned(),
-            url.trim().trim_end_matches('/').to_owned(),
-        );
+            .region_index(&region)
+            .with_context(|| format!("--engine-url `{region}={url}`"))?;
+        urls.insert(region, url);
     }
     Ok(urls)
 }
@@ -570,12 +554,12 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
                 config_path.display().to_string(),
             ],
         )?;
-        regions.push(ClusterRegion {
+        regions.push(RegionEndpoint {
             name: r.name.clone(),
             client_url: format!("http://{}", r.client_addr),
-            admin_url: format!("http://{}", r.admin_addr),
-            engine_url,
-            node_id: r.name.clone(),
+            admin_url: Some(format!("http://{}", r.admin_addr)),
+            engine_url: Some(engine_url),
+            node_id: Some(r.name.clone()),
         });
     }
 
@@ -608,8 +592,8 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         std::thread::sleep(POLL_EVERY);
     }
 
-    let cluster = ClusterFile {
-        admin_token: token,
+    let cluster = ClusterInfo {
+        admin_token: Some(token.clone()),
         regions,
     };
     let cluster_path = run_dir.join("cluster.json");
@@ -630,13 +614,13 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             "{:<16} {:<26} {:<26} {:<26} {}",
             r.name,
             r.client_url,
-            r.admin_url,
-            r.engine_url,
+            r.admin_url.as_deref().unwrap_or("-"),
+            r.engine_url.as_deref().unwrap_or("-"),
             peers.join(", ")
         );
     }
     println!("cluster file: {}", cluster_path.display());
-    println!("admin token:  {}", cluster.admin_token);
+    println!("admin token:  {token}");
 
     if args.detach {
         println!(
@@ -727,6 +711,24 @@ pub fn run_down(args: DownArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn engine_urls_are_parsed_once_and_checked_against_the_topology() {
+        let topology = Topology::from_file(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/configs/topologies/three-region.toml"
+        ))
+        .unwrap();
+        let region = topology.regions[0].name.clone();
+        let urls =
+            parse_engine_urls(&[format!("{region}=http://127.0.0.1:30000/")], &topology).unwrap();
+        assert_eq!(urls[&region], "http://127.0.0.1:30000");
+        assert!(parse_engine_urls(&[], &topology).unwrap().is_empty());
+        let e = parse_engine_urls(&["mars=http://x".into()], &topology).unwrap_err();
+        assert!(format!("{e:#}").contains("mars"), "{e:#}");
+        let e = parse_engine_urls(&[region.clone()], &topology).unwrap_err();
+        assert!(format!("{e:#}").contains("region=url"), "{e:#}");
+    }
 
     #[test]
     fn external_engine_settings_reach_a_valid_node_config() {
