@@ -19,7 +19,7 @@ use crate::peers::{
     ForwardRecv, ForwardSend, GossipCounters, IncomingForward, PeerSource, PeerView,
 };
 use crate::tuning::TUNING_APP_KIND;
-use crate::{NodeConfig, NodeHandle, NodeListeners, NodeState};
+use crate::{NodeHandle, NodeListeners, NodeState, ValidatedConfig};
 
 /// The router's view of a running QUIC cluster member.
 #[derive(Debug, Clone)]
@@ -183,7 +183,7 @@ pub fn spawn_app_inbox(
 /// Start a node and its QUIC cluster member from a config: load the certificates,
 /// join through the seeds, bind the HTTP and admin listeners, serve until `shutdown`.
 pub async fn start_with_cluster(
-    config: NodeConfig,
+    config: ValidatedConfig,
     shutdown: CancellationToken,
 ) -> Result<NodeHandle, NodeError> {
     let files = TlsFiles {
@@ -200,12 +200,11 @@ pub async fn start_with_cluster(
 /// [`start_with_cluster`] with credentials in memory and listeners already bound
 /// (tests: certificates from `ClusterCa`, sockets on port 0).
 pub async fn start_with_credentials(
-    config: NodeConfig,
+    config: ValidatedConfig,
     credentials: NodeCredentials,
     listeners: NodeListeners,
     shutdown: CancellationToken,
 ) -> Result<NodeHandle, NodeError> {
-    config.validate()?;
     let mut cc = ClusterConfig::new(
         NodeId(config.node.id.clone()),
         config.node.region.clone(),

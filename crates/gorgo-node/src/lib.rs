@@ -5,7 +5,7 @@
 //! and moves the bytes accordingly. The cost model lives in `gorgo-core`; this crate
 //! drives sockets and clocks.
 //!
-//! Entry point: [`start`] with a validated [`NodeConfig`], bound [`NodeListeners`] (tests
+//! Entry point: [`start`] with a [`ValidatedConfig`], bound [`NodeListeners`] (tests
 //! bind port 0), a [`PeerSource`] (the QUIC cluster, or [`mesh::Mesh`] in-process), the
 //! channel of forwards peers open to us, and a shutdown token.
 #![forbid(unsafe_code)]
@@ -38,15 +38,15 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinSet;
 
-pub use config::NodeConfig;
+pub use config::{NodeConfig, ValidatedConfig};
 pub use error::NodeError;
 pub use peers::{IncomingForward, NoPeers, PeerSource, PeerView};
 pub use tokio_util::sync::CancellationToken;
 
 /// Everything a running node shares between its tasks.
 pub struct NodeState {
-    /// The validated config.
-    pub config: NodeConfig,
+    /// The config, checked once where it was read.
+    pub config: ValidatedConfig,
     /// This node's id.
     pub id: NodeId,
     /// The local engine.
@@ -86,8 +86,10 @@ impl std::fmt::Debug for NodeState {
 
 impl NodeState {
     /// Build the shared state (no sockets yet).
-    pub fn new(config: NodeConfig, peers: Arc<dyn PeerSource>) -> Result<Arc<Self>, NodeError> {
-        config.validate()?;
+    pub fn new(
+        config: ValidatedConfig,
+        peers: Arc<dyn PeerSource>,
+    ) -> Result<Arc<Self>, NodeError> {
         let engine = engine::EngineAdapter::new(&config.engine, &config.limits)
             .map_err(|e| NodeError::Config(format!("engine client: {e}")))?;
         let fit = PrefillFit::new(
@@ -97,8 +99,7 @@ impl NodeState {
         )
         .map_err(|e| NodeError::Config(format!("engine seeds: {e}")))?;
         let engine = Arc::new(engine);
-        let policy = route::parse_policy(&config.routing.policy)
-            .map_err(|e| NodeError::Config(format!("invalid `routing.policy`: {e}")))?;
+        let policy = config.routing.policy;
         let hasher = gorgo_core::PromptHasher::new(
             config.routing.block_bytes,
             Box::new(gorgo_core::BytesPerToken(
@@ -113,7 +114,7 @@ impl NodeState {
             .as_deref()
             .map(tuning::read_learned_weights)
             .transpose()?;
-        let tuning_cfg = config.tuning.core_config(policy, learned)?;
+        let tuning_cfg = config.tuning.core_config(learned);
         let id = NodeId(config.node.id.clone());
         let tuning = tuning::TuningDriver::new(
             id.clone(),
