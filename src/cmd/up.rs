@@ -729,7 +729,7 @@ mod tests {
         assert!(parse_engine_urls(&[], &topology).unwrap().is_empty());
         let e = parse_engine_urls(&["mars=http://x".into()], &topology).unwrap_err();
         assert!(format!("{e:#}").contains("mars"), "{e:#}");
-        let e = parse_engine_urls(&[region.clone()], &topology).unwrap_err();
+        let e = parse_engine_urls(std::slice::from_ref(&region), &topology).unwrap_err();
         assert!(format!("{e:#}").contains("region=url"), "{e:#}");
     }
 
