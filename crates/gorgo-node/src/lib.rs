@@ -12,6 +12,7 @@
 #![deny(rust_2018_idioms)]
 
 pub mod admin;
+pub mod api;
 pub mod cluster;
 pub mod config;
 pub mod engine;
@@ -395,7 +396,11 @@ pub async fn start(
             tokio::select! {
                 _ = sd.cancelled() => break,
                 next = incoming.recv() => match next {
-                    Some(fwd) => { running.spawn(serve::handle_incoming(st.clone(), fwd)); }
+                    Some(fwd) => {
+                        running.spawn(forward::handle_incoming(st.clone(), fwd, |state, req| async move {
+                            serve::serve(&state, req).await
+                        }));
+                    }
                     None => break,
                 },
                 Some(_) = running.join_next(), if !running.is_empty() => {}
