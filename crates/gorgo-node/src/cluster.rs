@@ -11,12 +11,12 @@ use gorgo_cluster::{
 use gorgo_core::summary::SummaryDelta;
 use gorgo_core::tuning::TuningMessage;
 use gorgo_core::{HashChain, LocalSummary, NodeId, QueueStats};
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::NodeError;
 use crate::peers::{
-    ForwardRecv, ForwardSend, GossipCounters, IncomingForward, PeerSource, PeerView,
+    ForwardRecv, ForwardSend, GossipCounters, IncomingForward, IncomingForwards, PeerSource,
+    PeerView,
 };
 use crate::tuning::TUNING_APP_KIND;
 use crate::{NodeHandle, NodeListeners, NodeState, ValidatedConfig};
@@ -243,25 +243,17 @@ pub async fn start_with_credentials(
     crate::start(state, listeners, incoming, shutdown).await
 }
 
-/// Move the cluster's incoming forward streams onto the router's channel.
-pub fn adapt_incoming(
-    handle: &ClusterHandle,
-) -> Result<mpsc::Receiver<IncomingForward>, NodeError> {
-    let mut from_cluster = handle
+/// The cluster's incoming forward streams, as the node takes them (converted as they
+/// are taken: no relay task, no second channel).
+pub fn adapt_incoming(handle: &ClusterHandle) -> Result<IncomingForwards, NodeError> {
+    let from_cluster = handle
         .incoming_forwards()
         .ok_or_else(|| NodeError::Cluster("incoming forwards already taken".into()))?;
-    let (tx, rx) = mpsc::channel(1024);
-    tokio::spawn(async move {
-        while let Some(f) = from_cluster.recv().await {
-            let fwd = IncomingForward {
-                from: f.from,
-                send: Box::pin(f.send),
-                recv: Box::pin(f.recv),
-            };
-            if tx.send(fwd).await.is_err() {
-                return;
-            }
+    Ok(IncomingForwards::from_receiver(from_cluster, |f| {
+        IncomingForward {
+            from: f.from,
+            send: Box::pin(f.send),
+            recv: Box::pin(f.recv),
         }
-    });
-    Ok(rx)
+    }))
 }

@@ -36,12 +36,12 @@ use gorgo_core::fit::{FitConfig, PrefillFit};
 use gorgo_core::{NodeId, QueueStats, Weights};
 use parking_lot::{Mutex, RwLock};
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 pub use config::{NodeConfig, ValidatedConfig};
 pub use error::NodeError;
-pub use peers::{IncomingForward, NoPeers, PeerSource, PeerView};
+pub use peers::{IncomingForward, IncomingForwards, NoPeers, PeerSource, PeerView};
 pub use tokio_util::sync::CancellationToken;
 
 /// Everything a running node shares between its tasks.
@@ -325,9 +325,11 @@ impl NodeHandle {
 pub async fn start(
     state: Arc<NodeState>,
     listeners: NodeListeners,
-    mut incoming: mpsc::Receiver<IncomingForward>,
+    incoming: impl Into<IncomingForwards>,
     shutdown: CancellationToken,
 ) -> Result<NodeHandle, NodeError> {
+    use futures::StreamExt;
+    let mut incoming: IncomingForwards = incoming.into();
     use axum::serve::ListenerExt;
     let http_addr = listeners.http.local_addr()?;
     let admin_addr = listeners.admin.local_addr()?;
@@ -395,7 +397,7 @@ pub async fn start(
         loop {
             tokio::select! {
                 _ = sd.cancelled() => break,
-                next = incoming.recv() => match next {
+                next = incoming.next() => match next {
                     Some(fwd) => {
                         running.spawn(forward::handle_incoming(st.clone(), fwd, |state, req| async move {
                             serve::serve(&state, req).await
