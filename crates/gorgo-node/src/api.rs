@@ -14,14 +14,10 @@ use futures::Stream;
 use gorgo_core::policy::PolicyKind;
 use gorgo_core::{Endpoint, HashChain, NodeId};
 
-/// Header naming the region that served a request.
-pub const SERVED_BY_HEADER: &str = "x-gorgo-served-by";
-/// Header with the hops a request took.
-pub const HOPS_HEADER: &str = "x-gorgo-hops";
-/// Per-request policy override (experiments).
-pub const POLICY_HEADER: &str = "x-gorgo-policy";
-/// Session key for affinity policies.
-pub const SESSION_HEADER: &str = "x-session-id";
+/// The client API's headers (defined in the core, shared with the bench client).
+pub use gorgo_core::headers::{
+    session_key, HOPS_HEADER, POLICY_HEADER, SERVED_BY_HEADER, SESSION_HEADER,
+};
 
 /// The OpenAI error body for `status` with `message`.
 pub fn error_json(status: u16, message: &str) -> String {
@@ -58,12 +54,6 @@ pub const PASS_RESPONSE_HEADERS: &[&str] = &["content-type", "cache-control", "x
 /// Client headers that travel to the engine.
 pub const PASS_REQUEST_HEADERS: &[&str] =
     &["content-type", "authorization", "accept", "x-request-id"];
-
-/// The routing key of a session id (`x-session-id`): how every node hashes the header,
-/// so a session is keyed the same wherever it is routed.
-pub fn session_key(session_id: &str) -> u64 {
-    gorgo_core::hash::hash_bytes(session_id.as_bytes())
-}
 
 /// A streaming body: chunks as the engine produced them, or an error mid-stream.
 pub type BodyStream = Pin<Box<dyn Stream<Item = Result<Bytes, String>> + Send>>;

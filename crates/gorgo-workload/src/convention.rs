@@ -54,10 +54,10 @@ pub fn session_id(req: &TraceRequest) -> Option<String> {
     }
 }
 
-/// [`session_id`] hashed as the node hashes the `x-session-id` header it receives
-/// (`gorgo_core::hash::hash_bytes` of its bytes): what the routing policy sees.
+/// [`session_id`] keyed as the node keys the `x-session-id` header it receives
+/// ([`gorgo_core::headers::session_key`]): what the routing policy sees.
 pub fn session_key(req: &TraceRequest) -> Option<u64> {
-    session_id(req).map(|s| hash_bytes(s.as_bytes()))
+    session_id(req).map(|s| gorgo_core::headers::session_key(&s))
 }
 
 /// The index in `regions` of the home region of trace request number `index`: the
