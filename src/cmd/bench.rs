@@ -67,7 +67,7 @@ pub struct LoadArgs {
     #[arg(long, default_value_t = 300.0)]
     pub timeout_s: f64,
     /// `model` field of the requests.
-    #[arg(long, default_value = "gorgo-emulated")]
+    #[arg(long, default_value = gorgo_workload::DEFAULT_MODEL)]
     pub model: String,
     /// Do not send `ignore_eos: true` (engines may then stop before `max_tokens`).
     #[arg(long)]
@@ -361,7 +361,7 @@ pub fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
             max_requests: None,
             max_context_tokens: Some(32_768),
             timeout_s: 120.0,
-            model: "gorgo-emulated".into(),
+            model: gorgo_workload::DEFAULT_MODEL.into(),
             no_ignore_eos: false,
             no_progress: false,
         },

@@ -16,8 +16,15 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use gorgo_bench::{ClusterInfo, RegionEndpoint};
+use gorgo_core::policy::PolicyKind;
 use gorgo_core::NodeId;
 use gorgo_netem::{plan_cluster, ClusterPlan, PlanOptions, Topology};
+use gorgo_node::config::{
+    AdminSection, ClusterSection, EngineKind, EngineSection, LimitsSection, ListenSection,
+    NodeSection, RoutingSection, TlsSection, TuningMode, TuningSection,
+};
+use gorgo_node::{NodeConfig, ValidatedConfig};
 use serde::{Deserialize, Serialize};
 
 /// How long stopping waits for SIGTERM to work before SIGKILL.
@@ -100,23 +107,6 @@ pub struct DownArgs {
     /// The run directory `gorgo up` used.
     #[arg(long, default_value = ".gorgo/run")]
     pub run_dir: PathBuf,
-}
-
-/// One region of `cluster.json`.
-#[derive(Debug, Serialize)]
-struct ClusterRegion {
-    name: String,
-    client_url: String,
-    admin_url: String,
-    engine_url: String,
-    node_id: String,
-}
-
-/// `cluster.json`: what clients and `gorgo bench` need to reach the cluster.
-#[derive(Debug, Serialize)]
-struct ClusterFile {
-    admin_token: String,
-    regions: Vec<ClusterRegion>,
 }
 
 /// `pids.json`: what `gorgo down` stops.
@@ -276,30 +266,25 @@ fn random_token() -> anyhow::Result<String> {
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// `region=url,...` into a map, checking every region exists.
+/// `--engine-url` (`region=url,...`, read by the one parser of such lists) into a map,
+/// checking every region exists.
 fn parse_engine_urls(
     specs: &[String],
     topology: &Topology,
 ) -> anyhow::Result<BTreeMap<String, String>> {
+    let list = specs.join(",");
+    if list.split(',').all(|s| s.trim().is_empty()) {
+        return Ok(BTreeMap::new());
+    }
+    let pairs = gorgo_bench::parse_region_urls(&list).context("--engine-url")?;
     let mut urls = BTreeMap::new();
-    for spec in specs.iter().filter(|s| !s.trim().is_empty()) {
-        let (region, url) = spec
-            .split_once('=')
-            .with_context(|| format!("--engine-url `{spec}`: expected region=url"))?;
+    for (region, url) in pairs {
         topology
-            .region_index(region.trim())
-            .with_context(|| format!("--engine-url `{spec}`"))?;
-        urls.insert(
-            region.trim().to_owned(),
-            url.trim().trim_end_matches('/').to_owned(),
-        );
+            .region_index(&region)
+            .with_context(|| format!("--engine-url `{region}={url}`"))?;
+        urls.insert(region, url);
     }
     Ok(urls)
-}
-
-fn toml_str(s: &str) -> String {
-    // serde_json's string escaping is valid TOML basic-string escaping.
-    serde_json::to_string(s).unwrap_or_else(|_| "\"\"".to_owned())
 }
 
 /// What a node is told about its engine beyond the URL and kind.
@@ -316,117 +301,113 @@ struct EngineExtras {
 }
 
 impl EngineExtras {
-    /// The extras for an engine given with `--engine-url`.
-    fn external(args: &UpArgs) -> Self {
-        let openai = args.engine_kind == "openai";
+    /// The extras for an engine of `kind` given with `--engine-url`.
+    fn external(args: &UpArgs, kind: EngineKind) -> Self {
         EngineExtras {
             health_path: args.engine_health_path.clone(),
             kv_capacity_tokens: args.engine_kv_tokens,
-            no_metrics: openai,
+            no_metrics: kind == EngineKind::Openai,
             t_p_ms: args.engine_t_p_ms,
             base_ms: args.engine_base_ms,
             decode_step_ms: args.engine_decode_step_ms,
         }
     }
 
-    fn toml_lines(&self) -> String {
-        let mut text = String::new();
-        if let Some(path) = &self.health_path {
-            text += &format!("health_path = {}\n", toml_str(path));
-        }
-        if let Some(kv) = self.kv_capacity_tokens {
-            text += &format!("kv_capacity_tokens = {kv}\n");
-        }
+    /// `[engine]` for the engine at `url`: what is given here, the node's defaults for
+    /// the rest.
+    fn engine_section(&self, url: &str, kind: EngineKind) -> EngineSection {
+        let mut engine = EngineSection::new(url, kind);
+        engine.health_path = self.health_path.clone();
+        engine.kv_capacity_tokens = self.kv_capacity_tokens;
         if self.no_metrics {
-            text += "metrics_interval_ms = 0\n";
+            engine.metrics_interval_ms = 0;
         }
-        for (field, value) in [
-            ("t_p_ms", self.t_p_ms),
-            ("base_ms", self.base_ms),
-            ("decode_step_ms", self.decode_step_ms),
-        ] {
-            if let Some(v) = value {
-                // `{:?}` keeps a decimal point, so TOML reads a float.
-                text += &format!("{field} = {v:?}\n");
-            }
+        if let Some(v) = self.t_p_ms {
+            engine.t_p_ms = v;
         }
-        text
+        if let Some(v) = self.base_ms {
+            engine.base_ms = v;
+        }
+        if let Some(v) = self.decode_step_ms {
+            engine.decode_step_ms = v;
+        }
+        engine
     }
 }
 
 /// The node config of one region: its listeners from the plan, its QUIC
-/// relay as the advertised address, peers' relays as seeds, the shared CA.
-#[allow(clippy::too_many_arguments)]
+/// relay as the advertised address, peers' relays as seeds, the shared CA;
+/// validated, so a bad flag fails here with the field's name.
 fn node_config(
     plan: &ClusterPlan,
     i: usize,
-    engine_url: &str,
-    engine_kind: &str,
-    engine_extras: &EngineExtras,
+    engine: EngineSection,
     certs: &Path,
-    policy: &str,
+    routing: RoutingSection,
+    tuning: TuningSection,
     token: &str,
-) -> String {
+) -> anyhow::Result<ValidatedConfig> {
     let r = &plan.regions[i];
-    let path = |f: String| toml_str(&certs.join(f).display().to_string());
-    let seeds: Vec<String> = r
-        .peers
-        .iter()
-        .map(|p| toml_str(&p.relay_addr.to_string()))
-        .collect();
-    let mut text = format!(
-        "# Generated by `gorgo up`.\n\
-         [node]\nid = {id}\nregion = {id}\n\n\
-         [listen]\nhttp = \"{http}\"\nquic = \"{quic}\"\nadmin = \"{admin}\"\n\
-         advertise_quic = \"{advertise}\"\n\n\
-         [engine]\nurl = {engine}\nkind = {kind}\n{extras}\n\
-         [cluster]\nseeds = [{seeds}]\n",
-        id = toml_str(&r.name),
-        http = r.node_http_addr,
-        quic = r.node_quic_addr,
-        admin = r.admin_addr,
-        advertise = r.quic_relay_addr,
-        engine = toml_str(engine_url),
-        kind = toml_str(engine_kind),
-        extras = engine_extras.toml_lines(),
-        seeds = seeds.join(", "),
-    );
-    text += &format!(
-        "\n[tls]\nca = {}\ncert = {}\nkey = {}\n\n\
-         [routing]\npolicy = {}\n\n\
-         [admin]\ntoken = {}\n",
-        path("ca.pem".into()),
-        path(format!("{}.pem", r.name)),
-        path(format!("{}.key", r.name)),
-        toml_str(policy),
-        toml_str(token),
-    );
-    text
+    let config = NodeConfig {
+        node: NodeSection {
+            id: r.name.clone(),
+            region: r.name.clone(),
+        },
+        listen: ListenSection {
+            http: r.node_http_addr,
+            quic: r.node_quic_addr,
+            admin: r.admin_addr,
+            advertise_quic: Some(r.quic_relay_addr),
+        },
+        engine,
+        cluster: ClusterSection {
+            seeds: r.peers.iter().map(|p| p.relay_addr).collect(),
+            ..ClusterSection::default()
+        },
+        tls: TlsSection {
+            ca: certs.join("ca.pem"),
+            cert: certs.join(format!("{}.pem", r.name)),
+            key: certs.join(format!("{}.key", r.name)),
+        },
+        routing,
+        tuning,
+        admin: AdminSection {
+            token: token.to_owned(),
+        },
+        limits: LimitsSection::default(),
+    };
+    config
+        .validate()
+        .with_context(|| format!("node config of region {}", r.name))
 }
 
-/// The `[tuning]` table of every node (appended to the generated config); in
+/// The `[tuning]` of every node: the policy's defaults with the `--tuning*` flags; in
 /// `tune-then-freeze` the learned weights go to `<run-dir>/learned-weights-<region>.json`.
-fn tuning_toml(args: &UpArgs, region: &str) -> String {
-    let mut text = format!("\n[tuning]\nmode = {}\n", toml_str(&args.tuning));
-    let window = args.tuning_window;
-    if let Some(w) = window {
-        text += &format!("window_requests = {w}\n");
+fn tuning_section(
+    args: &UpArgs,
+    region: &str,
+    policy: PolicyKind,
+) -> anyhow::Result<TuningSection> {
+    let mut tuning = TuningSection::for_policy(policy);
+    tuning.es.mode = serde_json::from_value::<TuningMode>(args.tuning.clone().into())
+        .map_err(|e| anyhow::anyhow!("--tuning {}: {e}", args.tuning))?;
+    if let Some(w) = args.tuning_window {
+        tuning.es.window = w as usize;
     }
     // A small window needs a matching minimum (default 32) to stay valid.
-    match (args.tuning_min_samples, window) {
-        (Some(m), _) => text += &format!("min_samples = {m}\n"),
-        (None, Some(w)) if w < 32 => text += &format!("min_samples = {}\n", w.div_ceil(2)),
+    match (args.tuning_min_samples, args.tuning_window) {
+        (Some(m), _) => tuning.es.min_samples = m as usize,
+        (None, Some(w)) if w < 32 => tuning.es.min_samples = w.div_ceil(2) as usize,
         _ => {}
     }
     if let Some(ms) = args.tuning_window_ms {
-        text += &format!("window_max_ms = {ms}\n");
+        tuning.es.time_cap_ms = ms;
     }
-    if args.tuning == "tune-then-freeze" {
+    if tuning.es.mode == TuningMode::TuneThenFreeze {
         // Relative: resolved against the config's directory, the run directory.
-        let out = format!("learned-weights-{region}.json");
-        text += &format!("learned_weights_out = {}\n", toml_str(&out));
+        tuning.learned_weights_out = Some(format!("learned-weights-{region}.json").into());
     }
-    text
+    Ok(tuning)
 }
 
 /// One plain HTTP/1.1 GET; the status code, or `None` if nothing answered.
@@ -464,6 +445,9 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     };
     let plan = plan_cluster(&topology, &options)?;
     let external = parse_engine_urls(&args.engine_url, &topology)?;
+    let policy = gorgo_node::route::parse_policy(&args.policy)
+        .map_err(|e| anyhow::anyhow!("--policy: {e}"))?;
+    let engine_kind: EngineKind = args.engine_kind.parse().context("--engine-kind")?;
     for (flag, value, zero_ok) in [
         ("--engine-t-p-ms", args.engine_t_p_ms, false),
         ("--engine-base-ms", args.engine_base_ms, true),
@@ -527,8 +511,8 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         let (engine_url, kind, extras) = match external.get(&r.name) {
             Some(url) => (
                 url.clone(),
-                args.engine_kind.clone(),
-                EngineExtras::external(&args),
+                engine_kind,
+                EngineExtras::external(&args, engine_kind),
             ),
             None => {
                 children.spawn(
@@ -543,24 +527,27 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
                 )?;
                 (
                     format!("http://{}", r.engine_addr),
-                    "sglang".to_owned(),
+                    EngineKind::Sglang,
                     EngineExtras::default(),
                 )
             }
         };
         let config_path = run_dir.join(format!("node-{}.toml", r.name));
-        let config = tuning_toml(&args, &r.name);
+        let routing = RoutingSection {
+            policy,
+            ..RoutingSection::default()
+        };
         let config = node_config(
             &plan,
             i,
-            &engine_url,
-            &kind,
-            &extras,
+            extras.engine_section(&engine_url, kind),
             &certs,
-            &args.policy,
+            routing,
+            tuning_section(&args, &r.name, policy)?,
             &token,
-        ) + &config;
-        std::fs::write(&config_path, config)
+        )?;
+        let text = format!("# Generated by `gorgo up`.\n{}", config.to_toml_string()?);
+        std::fs::write(&config_path, text)
             .with_context(|| format!("writing {}", config_path.display()))?;
         children.spawn(
             &format!("node-{}", r.name),
@@ -570,12 +557,12 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
                 config_path.display().to_string(),
             ],
         )?;
-        regions.push(ClusterRegion {
+        regions.push(RegionEndpoint {
             name: r.name.clone(),
             client_url: format!("http://{}", r.client_addr),
-            admin_url: format!("http://{}", r.admin_addr),
-            engine_url,
-            node_id: r.name.clone(),
+            admin_url: Some(format!("http://{}", r.admin_addr)),
+            engine_url: Some(engine_url),
+            node_id: Some(r.name.clone()),
         });
     }
 
@@ -608,8 +595,8 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         std::thread::sleep(POLL_EVERY);
     }
 
-    let cluster = ClusterFile {
-        admin_token: token,
+    let cluster = ClusterInfo {
+        admin_token: Some(token.clone()),
         regions,
     };
     let cluster_path = run_dir.join("cluster.json");
@@ -630,13 +617,13 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             "{:<16} {:<26} {:<26} {:<26} {}",
             r.name,
             r.client_url,
-            r.admin_url,
-            r.engine_url,
+            r.admin_url.as_deref().unwrap_or("-"),
+            r.engine_url.as_deref().unwrap_or("-"),
             peers.join(", ")
         );
     }
     println!("cluster file: {}", cluster_path.display());
-    println!("admin token:  {}", cluster.admin_token);
+    println!("admin token:  {token}");
 
     if args.detach {
         println!(
@@ -729,13 +716,43 @@ mod tests {
     use super::*;
 
     #[test]
-    fn external_engine_settings_reach_a_valid_node_config() {
+    fn engine_urls_are_parsed_once_and_checked_against_the_topology() {
         let topology = Topology::from_file(concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/configs/topologies/three-region.toml"
         ))
         .unwrap();
-        let plan = plan_cluster(&topology, &PlanOptions::default()).unwrap();
+        let region = topology.regions[0].name.clone();
+        let urls =
+            parse_engine_urls(&[format!("{region}=http://127.0.0.1:30000/")], &topology).unwrap();
+        assert_eq!(urls[&region], "http://127.0.0.1:30000");
+        assert!(parse_engine_urls(&[], &topology).unwrap().is_empty());
+        let e = parse_engine_urls(&["mars=http://x".into()], &topology).unwrap_err();
+        assert!(format!("{e:#}").contains("mars"), "{e:#}");
+        let e = parse_engine_urls(std::slice::from_ref(&region), &topology).unwrap_err();
+        assert!(format!("{e:#}").contains("region=url"), "{e:#}");
+    }
+
+    fn plan() -> ClusterPlan {
+        let topology = Topology::from_file(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/configs/topologies/three-region.toml"
+        ))
+        .unwrap();
+        plan_cluster(&topology, &PlanOptions::default()).unwrap()
+    }
+
+    /// What `gorgo node` reads back from what `gorgo up` writes.
+    fn written_and_read(config: &ValidatedConfig) -> ValidatedConfig {
+        let text = config.to_toml_string().unwrap();
+        let back = NodeConfig::from_toml_str(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        assert_eq!(&back, config, "{text}");
+        back
+    }
+
+    #[test]
+    fn external_engine_settings_reach_a_valid_node_config() {
+        let plan = plan();
         let extras = EngineExtras {
             health_path: Some("/docs".into()),
             kv_capacity_tokens: Some(5760),
@@ -744,40 +761,105 @@ mod tests {
             base_ms: Some(0.0),
             decode_step_ms: Some(3.0),
         };
-        let text = node_config(
+        let config = node_config(
             &plan,
             0,
-            "http://127.0.0.1:18410",
-            "openai",
-            &extras,
+            extras.engine_section("http://127.0.0.1:18410", EngineKind::Openai),
             Path::new("/certs"),
-            "gorgo",
+            RoutingSection::default(),
+            TuningSection::default(),
             "test-admin-token",
-        );
-        let config = gorgo_node::config::NodeConfig::from_toml_str(&text).unwrap();
+        )
+        .unwrap();
+        let config = written_and_read(&config);
         let engine = &config.engine;
         assert_eq!(engine.url, "http://127.0.0.1:18410");
-        assert_eq!(engine.kind, gorgo_node::config::EngineKind::Openai);
+        assert_eq!(engine.kind, EngineKind::Openai);
         assert_eq!(engine.health_path(), "/docs");
         assert_eq!(engine.kv_capacity_tokens, Some(5760));
         assert_eq!(engine.metrics_interval_ms, 0);
         assert_eq!(engine.t_p_ms, 1.43);
         assert_eq!(engine.base_ms, 0.0);
         assert_eq!(engine.decode_step_ms, 3.0);
+        assert_eq!(
+            config.listen.advertise_quic,
+            Some(plan.regions[0].quic_relay_addr)
+        );
+        assert_eq!(config.cluster.seeds.len(), plan.regions[0].peers.len());
 
         // Nothing given: the node's own defaults.
-        let text = node_config(
+        let config = node_config(
             &plan,
             1,
-            "http://127.0.0.1:18411",
-            "openai",
-            &EngineExtras::default(),
+            EngineExtras::default().engine_section("http://127.0.0.1:18411", EngineKind::Openai),
             Path::new("/certs"),
-            "gorgo",
+            RoutingSection::default(),
+            TuningSection::default(),
             "test-admin-token",
-        );
-        let config = gorgo_node::config::NodeConfig::from_toml_str(&text).unwrap();
+        )
+        .unwrap();
+        let config = written_and_read(&config);
         assert_eq!(config.engine.health_path(), "/v1/models");
         assert_eq!(config.engine.kv_capacity_tokens, None);
+
+        // A bad value fails when the config is built, naming the field.
+        let mut engine = EngineExtras::default().engine_section("http://x", EngineKind::Sglang);
+        engine.t_p_ms = f64::NAN;
+        let e = node_config(
+            &plan,
+            0,
+            engine,
+            Path::new("/certs"),
+            RoutingSection::default(),
+            TuningSection::default(),
+            "test-admin-token",
+        )
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("engine.t_p_ms"), "{e:#}");
+    }
+
+    #[test]
+    fn tuning_flags_reach_the_node_config() {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            up: UpArgs,
+        }
+        let cli = Cli::parse_from([
+            "up",
+            "--tuning",
+            "tune-then-freeze",
+            "--tuning-window",
+            "8",
+            "--tuning-window-ms",
+            "5000",
+        ]);
+        let tuning = tuning_section(&cli.up, "us", PolicyKind::GorgoPaper).unwrap();
+        assert_eq!(tuning.es.mode, TuningMode::TuneThenFreeze);
+        assert_eq!((tuning.es.window, tuning.es.min_samples), (8, 4));
+        assert_eq!(tuning.es.time_cap_ms, 5000);
+        assert_eq!(tuning.es.w_rtt.max, 2.0, "the policy's bounds");
+        assert_eq!(
+            tuning.learned_weights_out.as_deref(),
+            Some(Path::new("learned-weights-us.json"))
+        );
+        let config = node_config(
+            &plan(),
+            0,
+            EngineSection::new("http://127.0.0.1:1", EngineKind::Sglang),
+            Path::new("/certs"),
+            RoutingSection {
+                policy: PolicyKind::GorgoPaper,
+                ..RoutingSection::default()
+            },
+            tuning,
+            "test-admin-token",
+        )
+        .unwrap();
+        written_and_read(&config);
+        let cli = Cli::parse_from(["up", "--tuning", "sometimes"]);
+        let e = tuning_section(&cli.up, "us", PolicyKind::Gorgo).unwrap_err();
+        assert!(e.to_string().contains("--tuning"), "{e}");
     }
 }

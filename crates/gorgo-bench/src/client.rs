@@ -12,14 +12,8 @@ use futures::StreamExt;
 
 use crate::sse::{SseEvent, SseParser};
 
-/// Response header naming the region that served the request.
-pub const SERVED_BY_HEADER: &str = "x-gorgo-served-by";
-/// Response header with the number of forwards the request took.
-pub const HOPS_HEADER: &str = "x-gorgo-hops";
-/// Request header selecting the routing policy per request (experiments).
-pub const POLICY_HEADER: &str = "x-gorgo-policy";
-/// Request header carrying the session key for session-affinity policies.
-pub const SESSION_HEADER: &str = "x-session-id";
+/// The client API's headers, as the node names them.
+pub use gorgo_core::headers::{HOPS_HEADER, POLICY_HEADER, SERVED_BY_HEADER, SESSION_HEADER};
 
 /// Cap on the error body we keep from a failed response.
 const MAX_ERROR_BODY: usize = 512;

@@ -1,7 +1,10 @@
 //! Where to send requests: the client-facing URL of every region of a cluster.
 //!
 //! A cluster is given either as the run dir (or `cluster.json`) that `gorgo up` writes,
-//! or as a list `region=url,...` for clusters started some other way.
+//! or as a list `region=url,...` for clusters started some other way. [`ClusterInfo`]
+//! is the one `cluster.json` type: `gorgo up` writes it, `gorgo bench` reads it; and
+//! [`parse_region_urls`] is the one reader of `region=url` lists (`gorgo bench
+//! --cluster`, `gorgo up --engine-url`).
 
 use std::path::{Path, PathBuf};
 
@@ -9,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::BenchError;
 
-/// One region of `cluster.json` as written by `gorgo up`.
+/// One region of `cluster.json`: where its clients, its admin API and its engine are.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RegionEndpoint {
     /// Region name, as in the topology and the trace's home regions.
@@ -17,21 +20,22 @@ pub struct RegionEndpoint {
     /// The node's client-facing URL (through the emulated client-to-region delay).
     pub client_url: String,
     /// The node's admin URL, when known.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub admin_url: Option<String>,
     /// The region's engine URL, when known.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub engine_url: Option<String>,
     /// The node id, when known.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_id: Option<String>,
 }
 
-/// `cluster.json` as written by `gorgo up --run-dir D`.
+/// `cluster.json`, as `gorgo up --run-dir D` writes it and `gorgo bench --cluster D`
+/// reads it: one type for both sides, so they cannot disagree on the format.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ClusterInfo {
     /// Bearer token of the nodes' admin API, when known.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub admin_token: Option<String>,
     /// Every region with its URLs, in topology order.
     pub regions: Vec<RegionEndpoint>,
@@ -59,35 +63,18 @@ impl ClusterInfo {
         Ok(info)
     }
 
-    /// Parse `region=url,region=url,...`.
+    /// Parse `region=url,region=url,...` (see [`parse_region_urls`]).
     pub fn from_list(list: &str) -> Result<Self, BenchError> {
-        let mut regions = Vec::new();
-        for part in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let (name, url) = part.split_once('=').ok_or_else(|| {
-                BenchError::ClusterSpec(format!("`{part}` is not of the form region=url"))
-            })?;
-            let (name, url) = (name.trim(), url.trim());
-            if name.is_empty() || !(url.starts_with("http://") || url.starts_with("https://")) {
-                return Err(BenchError::ClusterSpec(format!(
-                    "`{part}`: need a region name and an http(s) URL"
-                )));
-            }
-            if regions.iter().any(|r: &RegionEndpoint| r.name == name) {
-                return Err(BenchError::ClusterSpec(format!(
-                    "region `{name}` listed twice"
-                )));
-            }
-            regions.push(RegionEndpoint {
-                name: name.to_owned(),
-                client_url: url.to_owned(),
+        let regions = parse_region_urls(list)?
+            .into_iter()
+            .map(|(name, client_url)| RegionEndpoint {
+                name,
+                client_url,
                 admin_url: None,
                 engine_url: None,
                 node_id: None,
-            });
-        }
-        if regions.is_empty() {
-            return Err(BenchError::ClusterSpec("empty region list".into()));
-        }
+            })
+            .collect();
         Ok(ClusterInfo {
             admin_token: None,
             regions,
@@ -113,6 +100,34 @@ impl ClusterInfo {
     pub fn region_names(&self) -> Vec<String> {
         self.regions.iter().map(|r| r.name.clone()).collect()
     }
+}
+
+/// Parse a `region=url,region=url,...` list into `(region, url)` pairs in order: each
+/// region named once, each URL http(s), trailing slashes dropped (paths are appended).
+/// Empty items are skipped; an empty list is an error. Errors quote the bad item.
+pub fn parse_region_urls(list: &str) -> Result<Vec<(String, String)>, BenchError> {
+    let mut pairs: Vec<(String, String)> = Vec::new();
+    for part in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (name, url) = part.split_once('=').ok_or_else(|| {
+            BenchError::ClusterSpec(format!("`{part}` is not of the form region=url"))
+        })?;
+        let (name, url) = (name.trim(), url.trim().trim_end_matches('/'));
+        if name.is_empty() || !(url.starts_with("http://") || url.starts_with("https://")) {
+            return Err(BenchError::ClusterSpec(format!(
+                "`{part}`: need a region name and an http(s) URL"
+            )));
+        }
+        if pairs.iter().any(|(n, _)| n == name) {
+            return Err(BenchError::ClusterSpec(format!(
+                "region `{name}` listed twice"
+            )));
+        }
+        pairs.push((name.to_owned(), url.to_owned()));
+    }
+    if pairs.is_empty() {
+        return Err(BenchError::ClusterSpec("empty region list".into()));
+    }
+    Ok(pairs)
 }
 
 /// Cap on one admin response read by [`fetch_tuning`].
@@ -228,9 +243,30 @@ mod tests {
 
     #[test]
     fn parses_list() {
-        let c = ClusterInfo::parse_spec("a=http://127.0.0.1:1, b=http://127.0.0.1:2").unwrap();
+        let c = ClusterInfo::parse_spec("a=http://127.0.0.1:1, b=http://127.0.0.1:2/").unwrap();
         assert_eq!(c.region_names(), vec!["a", "b"]);
         assert_eq!(c.regions[1].client_url, "http://127.0.0.1:2");
+        assert_eq!(
+            parse_region_urls("x = https://e.example/v ,").unwrap(),
+            vec![("x".to_owned(), "https://e.example/v".to_owned())]
+        );
+    }
+
+    #[test]
+    fn cluster_json_round_trips() {
+        let info = ClusterInfo {
+            admin_token: Some("t".into()),
+            regions: vec![RegionEndpoint {
+                name: "us".into(),
+                client_url: "http://127.0.0.1:9".into(),
+                admin_url: Some("http://127.0.0.1:10".into()),
+                engine_url: None,
+                node_id: Some("us".into()),
+            }],
+        };
+        let text = serde_json::to_string(&info).unwrap();
+        assert!(!text.contains("engine_url"), "{text}");
+        assert_eq!(serde_json::from_str::<ClusterInfo>(&text).unwrap(), info);
     }
 
     #[test]

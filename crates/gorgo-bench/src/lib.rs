@@ -18,7 +18,7 @@ pub mod report;
 pub mod sse;
 pub mod workload;
 
-pub use cluster::{ClusterInfo, RegionEndpoint};
+pub use cluster::{parse_region_urls, ClusterInfo, RegionEndpoint};
 pub use compare::{compare, CompareSpec, PolicyRun};
 pub use error::BenchError;
 pub use lifecycle::{RunningCluster, UpOptions};

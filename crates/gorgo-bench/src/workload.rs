@@ -50,44 +50,15 @@ pub fn rebase(requests: &mut [TraceRequest]) {
     }
 }
 
-/// Tokens the chat template adds around a prompt, kept free when clamping to a context
-/// limit (the engine counts them against the context too).
-pub const CHAT_TEMPLATE_TOKENS: u64 = 64;
-
 /// Shorten prompts so that prompt + output fits an engine context of `max_context`
-/// tokens (with [`CHAT_TEMPLATE_TOKENS`] to spare); returns how many were shortened.
-/// Arrivals and block prefixes stay as they are: only the prompt's tail is cut.
+/// tokens (the convention of [`gorgo_workload::clamp_to_context`], shared with
+/// `gorgo sim`); returns how many were shortened.
 pub fn clamp_context(requests: &mut [TraceRequest], max_context: u64) -> usize {
     let mut clamped = 0;
     for r in requests {
-        let limit = max_context
-            .saturating_sub(u64::from(r.output_tokens))
-            .saturating_sub(CHAT_TEMPLATE_TOKENS)
-            .max(1);
-        if r.input_tokens > limit {
-            r.input_tokens = limit;
-            clamped += 1;
-        }
+        clamped += usize::from(gorgo_workload::clamp_to_context(r, max_context));
     }
     clamped
-}
-
-/// The home region of a request: the trace's own when the cluster has it, else a
-/// deterministic pick by hashing the user (so a user's requests stay in one region),
-/// the session, or the request's position.
-pub fn home_region(req: &TraceRequest, index: usize, regions: &[String]) -> String {
-    if let Some(r) = &req.home_region {
-        if regions.contains(r) {
-            return r.clone();
-        }
-    }
-    let key = match (&req.user, &req.session) {
-        (Some(u), _) => u.as_bytes().to_vec(),
-        (None, Some(s)) => s.as_bytes().to_vec(),
-        (None, None) => (index as u64).to_le_bytes().to_vec(),
-    };
-    let n = regions.len().max(1) as u64;
-    regions[(gorgo_core::hash::hash_bytes(&key) % n) as usize].clone()
 }
 
 /// Replay items for `requests`, each assigned its home region among `regions`.
@@ -97,19 +68,15 @@ pub fn replay_items(requests: &[TraceRequest], regions: &[String]) -> Vec<Replay
         .enumerate()
         .map(|(i, r)| ReplayItem {
             request_id: r.request_id.clone().unwrap_or_else(|| format!("r{i}")),
-            region: home_region(r, i, regions),
+            // The convention shared with `gorgo sim` (unsalted).
+            region: regions
+                .get(gorgo_workload::home_region(r, i as u64, regions, None))
+                .cloned()
+                .unwrap_or_default(),
             arrival_ms: r.timestamp_ms,
             input_tokens: r.input_tokens,
             output_tokens: r.output_tokens,
-            // Session affinity keys on the conversation, else on the user.
-            session: r
-                .session
-                .as_ref()
-                .map(|s| match &r.user {
-                    Some(u) => format!("{u}/{s}"),
-                    None => s.clone(),
-                })
-                .or_else(|| r.user.clone()),
+            session: gorgo_workload::session_id(r),
         })
         .collect()
 }
@@ -157,23 +124,18 @@ mod tests {
     }
 
     #[test]
-    fn regions_are_stable_and_respect_the_trace() {
+    fn items_take_the_shared_home_region() {
         let regions = vec!["a".to_owned(), "b".to_owned(), "c".to_owned()];
-        assert_eq!(home_region(&req(0, None, Some("b")), 0, &regions), "b");
-        // Unknown trace region: fall back to hashing, still within the cluster.
-        let r = home_region(&req(0, None, Some("mars")), 5, &regions);
-        assert!(regions.contains(&r));
-        // One user, one region, whatever the position.
-        let u0 = home_region(&req(0, Some("u1"), None), 0, &regions);
-        let u9 = home_region(&req(9, Some("u1"), None), 9, &regions);
-        assert_eq!(u0, u9);
-        // Positions spread over every region.
-        let mut seen: Vec<String> = (0..60)
-            .map(|i| home_region(&req(0, None, None), i, &regions))
-            .collect();
-        seen.sort();
-        seen.dedup();
-        assert_eq!(seen.len(), 3);
+        let reqs: Vec<TraceRequest> = (0..30).map(|i| req(i, None, None)).collect();
+        let items = replay_items(&reqs, &regions);
+        for (i, (item, r)) in items.iter().zip(&reqs).enumerate() {
+            let home = gorgo_workload::home_region(r, i as u64, &regions, None);
+            assert_eq!(item.region, regions[home]);
+        }
+        assert_eq!(
+            replay_items(&[req(0, None, Some("b"))], &regions)[0].region,
+            "b"
+        );
     }
 
     #[test]
@@ -182,7 +144,10 @@ mod tests {
         reqs[1].input_tokens = 5000;
         assert_eq!(clamp_context(&mut reqs, 1000), 1);
         assert_eq!(reqs[0].input_tokens, 40);
-        assert_eq!(reqs[1].input_tokens, 1000 - 3 - CHAT_TEMPLATE_TOKENS);
+        assert_eq!(
+            reqs[1].input_tokens,
+            1000 - 3 - gorgo_workload::CHAT_TEMPLATE_TOKENS
+        );
     }
 
     #[test]

@@ -28,6 +28,23 @@ impl std::fmt::Display for EngineKind {
     }
 }
 
+impl std::str::FromStr for EngineKind {
+    type Err = crate::CoreError;
+
+    /// The config's spelling (`sglang`, `vllm`, `openai`), for CLI flags.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "sglang" => Ok(EngineKind::Sglang),
+            "vllm" => Ok(EngineKind::Vllm),
+            "openai" => Ok(EngineKind::Openai),
+            other => Err(crate::CoreError::InvalidConfig {
+                field: "engine.kind".into(),
+                reason: format!("unknown engine kind `{other}` (expected sglang, vllm or openai)"),
+            }),
+        }
+    }
+}
+
 /// What a scrape of the engine's `/metrics` tells us. Absent values stay `None`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct EngineMetrics {

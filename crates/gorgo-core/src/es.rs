@@ -107,14 +107,23 @@ pub enum TuningMode {
 }
 
 /// Configuration of the tuner and of the distributed trial protocol.
+///
+/// Also the schema of a node's `[tuning]` table (`gorgo-node`'s config deserialises
+/// into it), so the serde names are the config's: `window_requests`, `window_max_ms`
+/// and `e2e_guard` (the field names are accepted as aliases), and [`validate`] names
+/// fields by them.
+///
+/// [`validate`]: TuningConfig::validate
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TuningConfig {
     /// `online`, `static` or `tune-then-freeze`.
     pub mode: TuningMode,
     /// Requests per trial window, cluster-wide.
+    #[serde(rename = "window_requests", alias = "window")]
     pub window: usize,
     /// A window closes after this long even if not full, ms...
+    #[serde(rename = "window_max_ms", alias = "time_cap_ms")]
     pub time_cap_ms: u64,
     /// ...provided it has at least this many samples (else it is extended).
     pub min_samples: usize,
@@ -136,6 +145,7 @@ pub struct TuningConfig {
     pub noise_z: f64,
     /// E2E guard: reject a candidate whose p95 E2E exceeds the incumbent's by more than
     /// this fraction.
+    #[serde(rename = "e2e_guard", alias = "guard")]
     pub guard: f64,
     /// `tune-then-freeze` stops when sigma falls below this.
     pub freeze_sigma: f64,
@@ -236,13 +246,13 @@ impl TuningConfig {
         self.w_rtt.validate("w_rtt")?;
         self.w_queue.validate("w_queue")?;
         if self.window == 0 {
-            return bad("window", "must be at least 1");
+            return bad("window_requests", "must be at least 1");
         }
         if self.min_samples == 0 || self.min_samples > self.window {
-            return bad("min_samples", "must be in [1, window]");
+            return bad("min_samples", "must be in [1, window_requests]");
         }
         if self.time_cap_ms == 0 {
-            return bad("time_cap_ms", "must be positive");
+            return bad("window_max_ms", "must be positive");
         }
         if !(self.sigma_min.is_finite() && self.sigma_min > 0.0) {
             return bad("sigma_min", "must be positive");
@@ -260,7 +270,7 @@ impl TuningConfig {
             return bad("noise_z", "must be non-negative");
         }
         if !(self.guard.is_finite() && self.guard >= 0.0) {
-            return bad("guard", "must be a non-negative fraction");
+            return bad("e2e_guard", "must be a non-negative fraction");
         }
         if !(self.freeze_sigma.is_finite() && self.freeze_sigma >= 0.0) {
             return bad("freeze_sigma", "must be non-negative");
@@ -564,5 +574,15 @@ mod tests {
         assert_eq!(ok.window, 64);
         assert!(ok.validate().is_ok());
         assert!(TuningConfig::gorgo_paper().validate().is_ok());
+        // The config's names are the serde names, and the names errors use.
+        let text = serde_json::to_string(&TuningConfig::gorgo()).unwrap();
+        for key in ["window_requests", "window_max_ms", "e2e_guard"] {
+            assert!(text.contains(key), "{text}");
+        }
+        let cfg: TuningConfig = serde_json::from_str(r#"{"window_requests": 0}"#).unwrap();
+        match cfg.validate() {
+            Err(CoreError::InvalidConfig { field, .. }) => assert_eq!(field, "window_requests"),
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -16,6 +16,7 @@ pub mod error;
 pub mod es;
 pub mod fit;
 pub mod hash;
+pub mod headers;
 pub mod index;
 pub mod policy;
 pub mod prompt;

@@ -14,7 +14,7 @@ use gorgo_core::Weights;
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::ingress::{error_response, ApiError};
+use crate::api::{error_response, ApiError};
 use crate::NodeState;
 
 /// Largest PUT body on the admin API.

@@ -11,15 +11,15 @@ use gorgo_cluster::{
 use gorgo_core::summary::SummaryDelta;
 use gorgo_core::tuning::TuningMessage;
 use gorgo_core::{HashChain, LocalSummary, NodeId, QueueStats};
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::NodeError;
 use crate::peers::{
-    ForwardRecv, ForwardSend, GossipCounters, IncomingForward, PeerSource, PeerView,
+    ForwardRecv, ForwardSend, GossipCounters, IncomingForward, IncomingForwards, PeerSource,
+    PeerView,
 };
 use crate::tuning::TUNING_APP_KIND;
-use crate::{NodeConfig, NodeHandle, NodeListeners, NodeState};
+use crate::{NodeHandle, NodeListeners, NodeState, ValidatedConfig};
 
 /// The router's view of a running QUIC cluster member.
 #[derive(Debug, Clone)]
@@ -183,7 +183,7 @@ pub fn spawn_app_inbox(
 /// Start a node and its QUIC cluster member from a config: load the certificates,
 /// join through the seeds, bind the HTTP and admin listeners, serve until `shutdown`.
 pub async fn start_with_cluster(
-    config: NodeConfig,
+    config: ValidatedConfig,
     shutdown: CancellationToken,
 ) -> Result<NodeHandle, NodeError> {
     let files = TlsFiles {
@@ -200,12 +200,11 @@ pub async fn start_with_cluster(
 /// [`start_with_cluster`] with credentials in memory and listeners already bound
 /// (tests: certificates from `ClusterCa`, sockets on port 0).
 pub async fn start_with_credentials(
-    config: NodeConfig,
+    config: ValidatedConfig,
     credentials: NodeCredentials,
     listeners: NodeListeners,
     shutdown: CancellationToken,
 ) -> Result<NodeHandle, NodeError> {
-    config.validate()?;
     let mut cc = ClusterConfig::new(
         NodeId(config.node.id.clone()),
         config.node.region.clone(),
@@ -244,25 +243,17 @@ pub async fn start_with_credentials(
     crate::start(state, listeners, incoming, shutdown).await
 }
 
-/// Move the cluster's incoming forward streams onto the router's channel.
-pub fn adapt_incoming(
-    handle: &ClusterHandle,
-) -> Result<mpsc::Receiver<IncomingForward>, NodeError> {
-    let mut from_cluster = handle
+/// The cluster's incoming forward streams, as the node takes them (converted as they
+/// are taken: no relay task, no second channel).
+pub fn adapt_incoming(handle: &ClusterHandle) -> Result<IncomingForwards, NodeError> {
+    let from_cluster = handle
         .incoming_forwards()
         .ok_or_else(|| NodeError::Cluster("incoming forwards already taken".into()))?;
-    let (tx, rx) = mpsc::channel(1024);
-    tokio::spawn(async move {
-        while let Some(f) = from_cluster.recv().await {
-            let fwd = IncomingForward {
-                from: f.from,
-                send: Box::pin(f.send),
-                recv: Box::pin(f.recv),
-            };
-            if tx.send(fwd).await.is_err() {
-                return;
-            }
+    Ok(IncomingForwards::from_receiver(from_cluster, |f| {
+        IncomingForward {
+            from: f.from,
+            send: Box::pin(f.send),
+            recv: Box::pin(f.recv),
         }
-    });
-    Ok(rx)
+    }))
 }

@@ -1,15 +1,20 @@
-//! The node's configuration: one TOML file, one loader.
+//! The node's configuration: one TOML file, one schema, one loader.
 //!
-//! Every table denies unknown fields so that a typo is an error naming it, and every
-//! required field is reported by name when missing. [`NodeConfig::validate`] checks the
-//! ranges serde cannot.
+//! [`NodeConfig`] is the schema: `gorgo node` reads it and `gorgo up` writes it (by
+//! serialising values, never by formatting TOML). Every table denies unknown fields so
+//! that a typo is an error naming it, and every required field is reported by name
+//! when missing. `[tuning]` is the core's [`TuningConfig`] itself (plus two file
+//! paths), `routing.policy` a [`PolicyKind`]. [`NodeConfig::validate`] checks the
+//! ranges serde cannot, once, and returns the checked [`ValidatedConfig`] that the
+//! node starts from.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+use gorgo_core::policy::PolicyKind;
 use gorgo_core::Weights;
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::error::NodeError;
 
@@ -107,6 +112,24 @@ pub struct EngineSection {
     pub tokenizer: Option<PathBuf>,
 }
 
+impl EngineSection {
+    /// An engine at `url` of `kind` with every other field at its default.
+    pub fn new(url: impl Into<String>, kind: EngineKind) -> Self {
+        EngineSection {
+            url: url.into(),
+            kind,
+            kv_capacity_tokens: None,
+            health_path: None,
+            health_interval_ms: default_health_interval_ms(),
+            metrics_interval_ms: default_metrics_interval_ms(),
+            t_p_ms: default_t_p_ms(),
+            base_ms: default_base_ms(),
+            decode_step_ms: default_decode_step_ms(),
+            tokenizer: None,
+        }
+    }
+}
+
 /// `[cluster]`: peers and gossip.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -117,13 +140,13 @@ pub struct ClusterSection {
     /// Per-peer dial addresses (node id -> address), overriding what the peer
     /// advertises: under WAN emulation the path a->b goes through a relay specific
     /// to that pair.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub peers: BTreeMap<String, SocketAddr>,
     /// Dial addresses by advertised address (`"advertised" = "dial"`): to reach a peer
     /// that advertises the key (seeds included), dial the value instead, e.g. a
     /// WAN-emulation relay or a NAT. Keyed by address, not node id, because a peer's
     /// id is only known after the first exchange, its advertised address before.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub dial_overrides: BTreeMap<SocketAddr, SocketAddr>,
     /// Gossip interval for summaries and queue stats, ms.
     #[serde(default = "default_gossip_interval_ms")]
@@ -157,9 +180,10 @@ pub struct TlsSection {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RoutingSection {
-    /// Policy name as in DESIGN.md (`gorgo`, `gorgo-paper`, `least-load`, ...).
-    #[serde(default = "default_policy")]
-    pub policy: String,
+    /// The policy, named as in DESIGN.md (`gorgo`, `gorgo-paper`, `least-load`, ...);
+    /// `oracle` is refused (it exists only in the simulator).
+    #[serde(default = "default_policy", deserialize_with = "policy_by_name")]
+    pub policy: PolicyKind,
     /// Starting weights of the cost model.
     #[serde(default)]
     pub weights: Weights,
@@ -194,153 +218,136 @@ impl Default for RoutingSection {
     }
 }
 
+use gorgo_core::es::TuningConfig;
 /// How the weights change over time (`online`, `static`, `tune-then-freeze`): the
 /// core's enum, so config, admin API and tuner speak one vocabulary.
 pub use gorgo_core::es::TuningMode;
-use gorgo_core::es::{ParamBounds, TuningConfig};
 
-/// `[tuning]`: the distributed (1+1)-ES (DESIGN.md, "Online tuning"). Unset fields take
-/// the defaults of the policy being tuned (`gorgo`: start 1.0 in [0.05, 4.0];
-/// `gorgo-paper`: the paper's `w_rtt` 0.5 in [0.05, 2.0], `w_queue` 0.1 in [0.05, 0.5]).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// The two `[tuning]` keys that are the node's, not the tuner's: file paths.
+const TUNING_FILE_KEYS: [&str; 2] = ["weights_file", "learned_weights_out"];
+
+/// `[tuning]`: the distributed (1+1)-ES (DESIGN.md, "Online tuning"). Its keys are the
+/// core's [`TuningConfig`] (`mode`, `window_requests`, `window_max_ms`, `min_samples`,
+/// `e2e_guard`, `sigma0`, `w_rtt`, ...) plus two file paths. Keys left unset take the
+/// defaults of the policy being tuned ([`TuningSection::for_policy`]: `gorgo` starts
+/// at 1.0 in [0.05, 4.0], `gorgo-paper` at the paper's `w_rtt` 0.5 in [0.05, 2.0] and
+/// `w_queue` 0.1 in [0.05, 0.5]), with mode `static`.
+#[derive(Debug, Clone, PartialEq)]
 pub struct TuningSection {
-    /// `online`, `static` or `tune-then-freeze`.
-    #[serde(default = "default_tuning_mode")]
-    pub mode: TuningMode,
-    /// Requests per trial window, cluster-wide (the paper: 128).
-    #[serde(default = "default_window")]
-    pub window_requests: u32,
-    /// Time cap on a trial window, ms: a quiet window is scored on what it has after
-    /// this long if it holds `min_samples`, else extended.
-    #[serde(default = "default_window_ms")]
-    pub window_max_ms: u64,
-    /// Fewest samples a window is scored on when its time cap passes.
-    #[serde(default = "default_min_samples")]
-    pub min_samples: u32,
-    /// Reject a candidate whose p95 E2E is worse than the incumbent's by more than
-    /// this fraction.
-    #[serde(default = "default_e2e_guard")]
-    pub e2e_guard: f64,
-    /// Initial mutation step size (log space).
-    #[serde(default = "default_sigma0")]
-    pub sigma0: f64,
-    /// Smallest step size the 1/5 rule may reach.
-    #[serde(default = "default_sigma_min")]
-    pub sigma_min: f64,
-    /// `tune-then-freeze` stops once sigma falls below this.
-    #[serde(default = "default_freeze_sigma")]
-    pub freeze_sigma: f64,
-    /// A candidate must beat the incumbent's p95 TTFT by at least this fraction
-    /// (default: the core's, 0.03).
-    #[serde(default)]
-    pub min_improvement: Option<f64>,
-    /// ...and by this many standard deviations of the incumbent's measured
-    /// window-to-window noise (default: the core's, 1.64; 0 disables).
-    #[serde(default)]
-    pub noise_z: Option<f64>,
-    /// `w_rtt` start and bounds; default by policy.
-    #[serde(default)]
-    pub w_rtt: Option<ParamBounds>,
-    /// `w_queue` start and bounds; default by policy.
-    #[serde(default)]
-    pub w_queue: Option<ParamBounds>,
+    /// The tuner's configuration, as the core takes it.
+    pub es: TuningConfig,
     /// A learned-weights JSON file (`{"rtt_weight", "queue_weight", ...}`, the format
     /// of the paper's `paper_learned_weights.json`): the fixed weights in `static` mode
-    /// (instead of `routing.weights`), the start of tuning otherwise (unless `w_rtt` /
-    /// `w_queue` set a start).
-    #[serde(default)]
+    /// (instead of `routing.weights`), the start of tuning otherwise (clipped into the
+    /// `w_rtt` / `w_queue` bounds).
     pub weights_file: Option<PathBuf>,
     /// Where `tune-then-freeze` writes the learned weights (same format) once frozen.
-    #[serde(default)]
     pub learned_weights_out: Option<PathBuf>,
-    /// Seed of the mutation stream (every node should use the same).
-    #[serde(default)]
-    pub seed: Option<u64>,
-    /// A node that has heard no proposal waits this long before starting a line of
-    /// epochs itself, so a joining node adopts the running line, ms.
-    #[serde(default = "default_startup_grace_ms")]
-    pub startup_grace_ms: u64,
+}
+
+impl TuningSection {
+    /// The defaults of `[tuning]` for tuning `policy`'s weights: the core's defaults for
+    /// that policy, in `static` mode (a node tunes only when told to).
+    pub fn for_policy(policy: PolicyKind) -> Self {
+        TuningSection {
+            es: TuningConfig {
+                mode: TuningMode::Static,
+                ..TuningConfig::for_policy(policy)
+            },
+            weights_file: None,
+            learned_weights_out: None,
+        }
+    }
+
+    /// The core tuner's configuration, starting from `learned` (weights read from
+    /// `weights_file`, clipped into the bounds) when given.
+    pub fn core_config(&self, learned: Option<Weights>) -> TuningConfig {
+        let mut c = self.es;
+        if let Some(w) = learned {
+            let start = c.clip(w);
+            c.w_rtt.start = start.w_rtt;
+            c.w_queue.start = start.w_queue;
+        }
+        c
+    }
 }
 
 impl Default for TuningSection {
     fn default() -> Self {
-        TuningSection {
-            mode: default_tuning_mode(),
-            window_requests: default_window(),
-            window_max_ms: default_window_ms(),
-            min_samples: default_min_samples(),
-            e2e_guard: default_e2e_guard(),
-            sigma0: default_sigma0(),
-            sigma_min: default_sigma_min(),
-            freeze_sigma: default_freeze_sigma(),
-            min_improvement: None,
-            noise_z: None,
-            w_rtt: None,
-            w_queue: None,
-            weights_file: None,
-            learned_weights_out: None,
-            seed: None,
-            startup_grace_ms: default_startup_grace_ms(),
+        TuningSection::for_policy(default_policy())
+    }
+}
+
+/// `[tuning]` as written: the core's fields with the two paths beside them.
+#[derive(Serialize)]
+struct TuningToml<'a> {
+    #[serde(flatten)]
+    es: &'a TuningConfig,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    weights_file: &'a Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    learned_weights_out: &'a Option<PathBuf>,
+}
+
+impl Serialize for TuningSection {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        TuningToml {
+            es: &self.es,
+            weights_file: &self.weights_file,
+            learned_weights_out: &self.learned_weights_out,
+        }
+        .serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for TuningSection {
+    /// The two paths are taken out, the rest deserialises into [`TuningConfig`] (which
+    /// denies unknown keys, so a typo names itself). Unset keys take the core's
+    /// defaults here; the loader fills in the policy's defaults before this runs.
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        let mut table = toml::Table::deserialize(deserializer)?;
+        let mut path = |key: &str| {
+            table
+                .remove(key)
+                .map(|v| PathBuf::deserialize(v).map_err(|e| D::Error::custom(toml_error(e))))
+                .transpose()
+        };
+        let weights_file = path(TUNING_FILE_KEYS[0])?;
+        let learned_weights_out = path(TUNING_FILE_KEYS[1])?;
+        // Normally the loader has filled in the policy's defaults already; this fills
+        // in `gorgo`'s (and the node's `static` mode) for any other source.
+        fill_tuning_defaults(&mut table, default_policy());
+        let es = TuningConfig::deserialize(toml::Value::Table(table))
+            .map_err(|e| D::Error::custom(toml_error(e)))?;
+        Ok(TuningSection {
+            es,
+            weights_file,
+            learned_weights_out,
+        })
+    }
+}
+
+/// Add to a `[tuning]` table every key it does not set, at the defaults for `policy`.
+fn fill_tuning_defaults(table: &mut toml::Table, policy: PolicyKind) {
+    // Serialising a value of plain numbers and enums cannot fail.
+    if let Ok(defaults) = toml::Table::try_from(TuningSection::for_policy(policy).es) {
+        for (key, value) in defaults {
+            table.entry(key).or_insert(value);
         }
     }
 }
 
-impl TuningSection {
-    /// The core tuner's configuration for tuning `policy`'s weights, starting from
-    /// `learned` (weights read from `weights_file`, clipped into the bounds) where no
-    /// explicit start is configured. Errors name the field.
-    pub fn core_config(
-        &self,
-        policy: gorgo_core::policy::PolicyKind,
-        learned: Option<Weights>,
-    ) -> Result<TuningConfig, NodeError> {
-        let mut c = TuningConfig::for_policy(policy);
-        c.mode = self.mode;
-        c.window = self.window_requests as usize;
-        c.time_cap_ms = self.window_max_ms;
-        c.min_samples = self.min_samples as usize;
-        c.guard = self.e2e_guard;
-        c.sigma0 = self.sigma0;
-        c.sigma_min = self.sigma_min;
-        c.sigma_max = c.sigma_max.max(self.sigma0);
-        c.freeze_sigma = self.freeze_sigma;
-        if let Some(m) = self.min_improvement {
-            c.min_improvement = m;
-        }
-        if let Some(z) = self.noise_z {
-            c.noise_z = z;
-        }
-        c.startup_grace_ms = self.startup_grace_ms;
-        if let Some(seed) = self.seed {
-            c.seed = seed;
-        }
-        if let Some(w) = learned {
-            c.w_rtt.start = w.w_rtt.clamp(c.w_rtt.min, c.w_rtt.max);
-            c.w_queue.start = w.w_queue.clamp(c.w_queue.min, c.w_queue.max);
-        }
-        if let Some(b) = self.w_rtt {
-            c.w_rtt = b;
-        }
-        if let Some(b) = self.w_queue {
-            c.w_queue = b;
-        }
-        c.validate().map_err(|e| match e {
-            gorgo_core::CoreError::InvalidConfig { field, reason } => {
-                // The core's names for the fields this section spells differently.
-                let field = match field.as_str() {
-                    "window" => "window_requests",
-                    "time_cap_ms" => "window_max_ms",
-                    "guard" => "e2e_guard",
-                    "sigma_max" => "sigma0",
-                    f => f,
-                };
-                NodeError::Config(format!("invalid `tuning.{field}`: {reason}"))
-            }
-            other => NodeError::Config(format!("invalid `tuning`: {other}")),
-        })?;
-        Ok(c)
-    }
+/// A TOML error as one line: the message and, when known, the key it is about.
+fn toml_error(e: toml::de::Error) -> String {
+    e.to_string().trim().replace('\n', " ")
+}
+
+/// `routing.policy` by its DESIGN.md name; `oracle` and unknown names are errors (the
+/// deserialiser adds the field's name).
+fn policy_by_name<'de, D: Deserializer<'de>>(deserializer: D) -> Result<PolicyKind, D::Error> {
+    let name = String::deserialize(deserializer)?;
+    crate::route::parse_policy(&name).map_err(serde::de::Error::custom)
 }
 
 /// `[admin]`: the admin API.
@@ -406,8 +413,8 @@ fn default_decode_step_ms() -> f64 {
 fn default_gossip_interval_ms() -> u64 {
     250
 }
-fn default_policy() -> String {
-    "gorgo".to_owned()
+fn default_policy() -> PolicyKind {
+    PolicyKind::Gorgo
 }
 fn default_max_hops() -> u8 {
     1
@@ -423,33 +430,6 @@ fn default_true() -> bool {
 }
 fn default_decision_log() -> usize {
     256
-}
-fn default_tuning_mode() -> TuningMode {
-    TuningMode::Static
-}
-fn default_window() -> u32 {
-    128
-}
-fn default_window_ms() -> u64 {
-    60_000
-}
-fn default_e2e_guard() -> f64 {
-    0.05
-}
-fn default_min_samples() -> u32 {
-    32
-}
-fn default_sigma0() -> f64 {
-    0.5
-}
-fn default_sigma_min() -> f64 {
-    0.01
-}
-fn default_freeze_sigma() -> f64 {
-    0.05
-}
-fn default_startup_grace_ms() -> u64 {
-    1_000
 }
 fn default_max_body_bytes() -> usize {
     8 * 1024 * 1024
@@ -490,27 +470,85 @@ impl EngineSection {
     }
 }
 
+/// A [`NodeConfig`] that passed [`NodeConfig::validate`]: what a node starts from, so
+/// validation runs once, where the config is read, and nothing downstream re-checks.
+/// Read it through `Deref`; change it only by [`into_inner`](Self::into_inner) and
+/// validating again.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(transparent)]
+pub struct ValidatedConfig(NodeConfig);
+
+impl ValidatedConfig {
+    /// The config itself, to change it (and validate it again).
+    pub fn into_inner(self) -> NodeConfig {
+        self.0
+    }
+}
+
+impl std::ops::Deref for ValidatedConfig {
+    type Target = NodeConfig;
+    fn deref(&self) -> &NodeConfig {
+        &self.0
+    }
+}
+
 impl NodeConfig {
     /// Parse TOML text and validate it. Errors name the field.
-    pub fn from_toml_str(text: &str) -> Result<Self, NodeError> {
-        let config: NodeConfig =
-            toml::from_str(text).map_err(|e| NodeError::Config(e.message().to_owned()))?;
-        config.validate()?;
-        Ok(config)
+    pub fn from_toml_str(text: &str) -> Result<ValidatedConfig, NodeError> {
+        NodeConfig::parse_toml(text)
+            .map_err(NodeError::Config)?
+            .validate()
     }
 
-    /// Read, parse and validate a config file; relative TLS paths are resolved
-    /// against the file's directory so a config works from any working directory.
-    pub fn load(path: &Path) -> Result<Self, NodeError> {
+    /// Read, parse and validate a config file; relative paths (TLS, tuning files) are
+    /// resolved against the file's directory so a config works from any working
+    /// directory.
+    pub fn load(path: &Path) -> Result<ValidatedConfig, NodeError> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| NodeError::Config(format!("cannot read {}: {e}", path.display())))?;
-        let mut config: NodeConfig = toml::from_str(&text)
+        let mut config = NodeConfig::parse_toml(&text)
             .map_err(|e| NodeError::Config(format!("{}: {e}", path.display())))?;
         if let Some(dir) = path.parent() {
             config.resolve_paths(dir);
         }
-        config.validate()?;
-        Ok(config)
+        config.validate()
+    }
+
+    /// The config as TOML text (what `gorgo up` writes); [`NodeConfig::from_toml_str`]
+    /// reads it back to an equal value.
+    pub fn to_toml_string(&self) -> Result<String, NodeError> {
+        toml::to_string(self).map_err(|e| NodeError::Config(format!("cannot write TOML: {e}")))
+    }
+
+    /// Parse without validating. `[tuning]` keys left unset take the defaults of the
+    /// configured policy, filled in before deserialising.
+    fn parse_toml(text: &str) -> Result<NodeConfig, String> {
+        let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
+            // A syntax error: the message with its line, not the source snippet.
+            match e.span() {
+                Some(span) => {
+                    let before = &text.as_bytes()[..span.start.min(text.len())];
+                    let line = 1 + before.iter().filter(|&&b| b == b'\n').count();
+                    format!("line {line}: {}", e.message())
+                }
+                None => e.message().to_owned(),
+            }
+        })?;
+        // An unreadable policy is reported when the whole config is deserialised.
+        let policy = table
+            .get("routing")
+            .and_then(|r| r.get("policy"))
+            .and_then(|p| p.as_str())
+            .and_then(|p| crate::route::parse_policy(p).ok())
+            .unwrap_or_else(default_policy);
+        if let Some(tuning) = table
+            .entry("tuning")
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+            .as_table_mut()
+        {
+            fill_tuning_defaults(tuning, policy);
+        }
+        NodeConfig::deserialize(toml::Value::Table(table)).map_err(toml_error)
     }
 
     fn resolve_paths(&mut self, dir: &Path) {
@@ -537,8 +575,14 @@ impl NodeConfig {
         }
     }
 
-    /// Range checks serde cannot express.
-    pub fn validate(&self) -> Result<(), NodeError> {
+    /// Range checks serde cannot express, once: the checked config or an error naming
+    /// the field.
+    pub fn validate(self) -> Result<ValidatedConfig, NodeError> {
+        self.check()?;
+        Ok(ValidatedConfig(self))
+    }
+
+    fn check(&self) -> Result<(), NodeError> {
         let bad = |field: &str, reason: &str| {
             Err(NodeError::Config(format!("invalid `{field}`: {reason}")))
         };
@@ -587,8 +631,13 @@ impl NodeConfig {
         if self.cluster.peers.contains_key(&self.node.id) {
             return bad("cluster.peers", "must not list this node itself");
         }
-        crate::route::parse_policy(&self.routing.policy)
-            .map_err(|e| NodeError::Config(format!("invalid `routing.policy`: {e}")))?;
+        if self.routing.policy == PolicyKind::Oracle {
+            // Refused when read; this guards values built in code.
+            return bad(
+                "routing.policy",
+                "policy `oracle` exists only in the simulator",
+            );
+        }
         for (name, w) in [
             ("routing.weights.w_rtt", self.routing.weights.w_rtt),
             ("routing.weights.w_queue", self.routing.weights.w_queue),
@@ -609,22 +658,14 @@ impl NodeConfig {
         if self.routing.decision_log == 0 || self.routing.decision_log > 100_000 {
             return bad("routing.decision_log", "must be in 1..=100000");
         }
-        if self.tuning.window_requests == 0 {
-            return bad("tuning.window_requests", "must be > 0");
-        }
-        if !(self.tuning.e2e_guard.is_finite() && self.tuning.e2e_guard >= 0.0) {
-            return bad("tuning.e2e_guard", "must be a finite number >= 0");
-        }
-        if self.tuning.min_samples == 0 || self.tuning.min_samples > self.tuning.window_requests {
-            return bad("tuning.min_samples", "must be in 1..=window_requests");
-        }
-        if self.tuning.window_max_ms == 0 {
-            return bad("tuning.window_max_ms", "must be > 0");
-        }
-        // Bounds, sigmas and starts: the core names the field.
-        let policy = crate::route::parse_policy(&self.routing.policy)
-            .map_err(|e| NodeError::Config(format!("invalid `routing.policy`: {e}")))?;
-        self.tuning.core_config(policy, None)?;
+        // Windows, bounds, sigmas and starts: the core names the field, by the names
+        // `[tuning]` uses.
+        self.tuning.es.validate().map_err(|e| match e {
+            gorgo_core::CoreError::InvalidConfig { field, reason } => {
+                NodeError::Config(format!("invalid `tuning.{field}`: {reason}"))
+            }
+            other => NodeError::Config(format!("invalid `tuning`: {other}")),
+        })?;
         if self.admin.token.len() < 8 {
             return bad("admin.token", "must be at least 8 characters");
         }
@@ -690,9 +731,9 @@ token = "secret-token"
         let c = NodeConfig::from_toml_str(MINIMAL).unwrap();
         assert_eq!(c.node.id, "a");
         assert_eq!(c.routing.max_hops, 1);
-        assert_eq!(c.routing.policy, "gorgo");
+        assert_eq!(c.routing.policy, PolicyKind::Gorgo);
         assert_eq!(c.engine.kind, EngineKind::Sglang);
-        assert_eq!(c.tuning.mode, TuningMode::Static);
+        assert_eq!(c.tuning.es.mode, TuningMode::Static);
     }
 
     #[test]
@@ -721,9 +762,11 @@ token = "secret-token"
         let text = format!("{MINIMAL}\n[limits]\nmax_body_bytes = 0\n");
         let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
         assert!(e.contains("limits.max_body_bytes"), "{e}");
-        let text = format!("{MINIMAL}\n[routing]\npolicy = \"nope\"\n");
-        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
-        assert!(e.contains("routing.policy"), "{e}");
+        for policy in ["nope", "oracle"] {
+            let text = format!("{MINIMAL}\n[routing]\npolicy = \"{policy}\"\n");
+            let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+            assert!(e.contains("routing.policy") && e.contains(policy), "{e}");
+        }
     }
 
     #[test]
@@ -753,24 +796,54 @@ token = "secret-token"
 
     #[test]
     fn tuning_config_defaults_follow_the_policy() {
-        use gorgo_core::policy::PolicyKind;
         let c = NodeConfig::from_toml_str(MINIMAL).unwrap();
-        let t = c.tuning.core_config(PolicyKind::GorgoPaper, None).unwrap();
+        let t = c.tuning.core_config(None);
+        assert_eq!(t.mode, TuningMode::Static);
+        assert_eq!((t.w_rtt.start, t.w_rtt.max), (1.0, 4.0));
+        let text = format!(
+            "{MINIMAL}\n[routing]\npolicy = \"gorgo-paper\"\n[tuning]\nmode = \"online\"\n"
+        );
+        let c = NodeConfig::from_toml_str(&text).unwrap();
+        let t = c.tuning.core_config(None);
+        assert_eq!(t.mode, TuningMode::Online);
         assert_eq!((t.window, t.min_samples), (128, 32));
         assert_eq!((t.w_rtt.start, t.w_rtt.min, t.w_rtt.max), (0.5, 0.05, 2.0));
         assert_eq!((t.w_queue.start, t.w_queue.max), (0.1, 0.5));
-        let t = c.tuning.core_config(PolicyKind::Gorgo, None).unwrap();
-        assert_eq!((t.w_rtt.start, t.w_rtt.max), (1.0, 4.0));
+        // A key that is set wins over the policy's default.
+        let text = format!(
+            "{MINIMAL}\n[routing]\npolicy = \"gorgo-paper\"\n[tuning]\nw_queue = {{ start = 0.2, min = 0.1, max = 0.3 }}\n"
+        );
+        let c = NodeConfig::from_toml_str(&text).unwrap();
+        assert_eq!(c.tuning.es.w_queue.max, 0.3);
+        assert_eq!(c.tuning.es.w_rtt.max, 2.0);
         // A learned start is clipped into the bounds.
         let learned = Weights {
             w_rtt: 0.276,
             w_queue: 9.0,
         };
-        let t = c
-            .tuning
-            .core_config(PolicyKind::GorgoPaper, Some(learned))
-            .unwrap();
-        assert_eq!((t.w_rtt.start, t.w_queue.start), (0.276, 0.5));
+        let t = c.tuning.core_config(Some(learned));
+        assert_eq!((t.w_rtt.start, t.w_queue.start), (0.276, 0.3));
+    }
+
+    #[test]
+    fn a_config_round_trips_through_toml() {
+        let text = format!(
+            "{MINIMAL}\n[routing]\npolicy = \"gorgo-paper\"\n[tuning]\nmode = \"tune-then-freeze\"\nwindow_requests = 16\nmin_samples = 8\nlearned_weights_out = \"w.json\"\n[cluster]\nseeds = [\"127.0.0.12:9000\"]\n[cluster.dial_overrides]\n\"127.0.0.12:9000\" = \"127.0.1.1:9000\"\n"
+        );
+        let c = NodeConfig::from_toml_str(&text).unwrap();
+        let written = c.to_toml_string().unwrap();
+        let back = NodeConfig::from_toml_str(&written).unwrap_or_else(|e| panic!("{e}\n{written}"));
+        assert_eq!(back, c, "{written}");
+        assert!(written.contains("window_requests = 16"), "{written}");
+        assert!(written.contains("policy = \"gorgo-paper\""), "{written}");
+    }
+
+    #[test]
+    fn syntax_errors_give_the_line() {
+        let text = format!("{MINIMAL}\n[limits]\nmax_body_bytes = = 3\n");
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        let line = text.lines().position(|l| l.contains("= =")).unwrap() + 1;
+        assert!(e.contains(&format!("line {line}")), "{e}");
     }
 
     #[test]

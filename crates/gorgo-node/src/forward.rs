@@ -5,12 +5,28 @@
 //! engine's response bytes, raw, until the stream ends. A stream that ends without
 //! finishing cleanly (reset, error) after the head means the serving side failed
 //! mid-response.
+//!
+//! Both ends live here: [`forward`] is the client (the origin relays a request to the
+//! peer `serve` chose), [`handle_incoming`] the server (a peer relays one to us).
 
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use gorgo_core::NodeId;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use crate::api::{
+    error_json, session_key, BodyStream, RoutedRequest, ServeError, Upstream, PASS_REQUEST_HEADERS,
+    PASS_RESPONSE_HEADERS, POLICY_HEADER, SESSION_HEADER,
+};
 use crate::error::NodeError;
+use crate::peers::{ForwardRecv, ForwardSend, IncomingForward};
+use crate::NodeState;
 
 pub use gorgo_core::wire::{
     ForwardRequest, ForwardResponseHead, MAX_FORWARD_HEAD, MAX_RESPONSE_HEAD,
@@ -50,6 +66,253 @@ pub async fn read_frame<R: AsyncRead + Unpin + ?Sized, T: DeserializeOwned>(
     let mut buf = vec![0u8; len];
     r.read_exact(&mut buf).await?;
     gorgo_core::wire::decode(&buf, limit).map_err(|e| NodeError::Protocol(e.to_string()))
+}
+
+/// Largest chunk a peer may send in one response frame.
+pub const MAX_CHUNK_BYTES: usize = 16 * 1024 * 1024;
+/// Chunk-length marker: the response ended cleanly.
+const END_OK: u32 = 0;
+/// Chunk-length marker: the serving side failed mid-response.
+const END_ERR: u32 = u32::MAX;
+
+/// Forward to a peer and wait for its response head. Any error here happened before
+/// the first byte, so the caller may serve locally instead.
+pub async fn forward(
+    state: &Arc<NodeState>,
+    peer: &NodeId,
+    req: &RoutedRequest,
+) -> Result<Upstream, NodeError> {
+    let timeout = Duration::from_millis(state.config.limits.first_byte_timeout_ms);
+    let fut = async {
+        let (mut send, mut recv) = state.peers.open_forward(peer).await?;
+        let mut headers = req.headers.clone();
+        if let Some(p) = req.policy {
+            headers.push((POLICY_HEADER.to_owned(), p.as_str().to_owned()));
+        }
+        if let Some(s) = &req.session_id {
+            headers.push((SESSION_HEADER.to_owned(), s.clone()));
+        }
+        let msg = ForwardRequest {
+            request_id: req.request_id,
+            hops: req.hops.saturating_add(1),
+            origin: req.origin.clone(),
+            endpoint: req.endpoint,
+            chain: req.chain.clone(),
+            body: req.body.to_vec(),
+            headers,
+        };
+        write_frame(&mut send, &msg).await?;
+        let head: ForwardResponseHead = read_frame(&mut recv, MAX_RESPONSE_HEAD).await?;
+        Ok::<_, NodeError>((send, recv, head))
+    };
+    let (send, recv, head) = tokio::time::timeout(timeout, fut)
+        .await
+        .map_err(|_| NodeError::Cluster(format!("peer {peer} sent no response head in time")))??;
+    if head.status == 502 || head.status == 503 {
+        // The peer could not serve after all (its engine failed or it is overloaded):
+        // nothing reached the client yet, so the caller may still serve locally.
+        return Err(NodeError::Cluster(format!(
+            "peer {peer} answered {}",
+            head.status
+        )));
+    }
+    let headers = head
+        .headers
+        .into_iter()
+        .filter(|(k, _)| PASS_RESPONSE_HEADERS.contains(&k.to_ascii_lowercase().as_str()))
+        .collect();
+    Ok(Upstream {
+        status: head.status,
+        headers,
+        served_by: head.served_by.0,
+        hops: head.hops,
+        body: chunk_stream(recv, send),
+    })
+}
+
+/// Turn a peer's chunk frames into a body stream. `keep` (the send half) lives as long
+/// as the stream so the peer does not see us go away before we do.
+fn chunk_stream<K: Send + 'static>(recv: ForwardRecv, keep: K) -> BodyStream {
+    Box::pin(futures::stream::unfold(
+        Some((recv, keep)),
+        |st| async move {
+            let (mut recv, keep) = st?;
+            let mut len = [0u8; 4];
+            if let Err(e) = recv.read_exact(&mut len).await {
+                return Some((Err(format!("peer stream ended early: {e}")), None));
+            }
+            match u32::from_be_bytes(len) {
+                END_OK => None,
+                END_ERR => Some((Err("serving node failed mid-response".to_owned()), None)),
+                n if n as usize > MAX_CHUNK_BYTES => {
+                    Some((Err(format!("peer chunk of {n} bytes over limit")), None))
+                }
+                n => {
+                    let mut buf = vec![0u8; n as usize];
+                    match recv.read_exact(&mut buf).await {
+                        Ok(_) => Some((Ok(Bytes::from(buf)), Some((recv, keep)))),
+                        Err(e) => Some((Err(format!("peer stream ended early: {e}")), None)),
+                    }
+                }
+            }
+        },
+    ))
+}
+
+/// Serve a forward a peer opened to us: read the request, route it with `serve` (the
+/// node's decision, `crate::serve::serve`, handed in so this module does not import
+/// the module that imports it), write the head and relay the bytes as chunk frames.
+pub async fn handle_incoming<F, Fut>(state: Arc<NodeState>, incoming: IncomingForward, serve: F)
+where
+    F: FnOnce(Arc<NodeState>, RoutedRequest) -> Fut,
+    Fut: Future<Output = Result<Upstream, ServeError>>,
+{
+    let IncomingForward {
+        from,
+        mut send,
+        mut recv,
+    } = incoming;
+    state.metrics.forwards_received.inc();
+    let limit = (state.config.limits.max_body_bytes + REQUEST_OVERHEAD_BYTES)
+        .min(MAX_FORWARD_HEAD.max(state.config.limits.max_body_bytes));
+    let msg: ForwardRequest = match read_frame(&mut recv, limit).await {
+        Ok(m) => m,
+        Err(e) => {
+            tracing::warn!(%from, error = %e, "bad forward request");
+            return;
+        }
+    };
+    let Some(_permit) = state.forward_permits.clone().try_acquire_owned().ok() else {
+        let _ = write_error_head(&mut send, &state, 503, msg.hops, "node overloaded").await;
+        return;
+    };
+    if msg.chain.hashes.len() != msg.chain.block_tokens.len() {
+        let _ = write_error_head(&mut send, &state, 400, msg.hops, "malformed forward").await;
+        return;
+    }
+    let header = |name: &str| {
+        msg.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.clone())
+    };
+    let policy = header(POLICY_HEADER).and_then(|p| crate::route::parse_policy(&p).ok());
+    let session_id = header(SESSION_HEADER);
+    let req = RoutedRequest {
+        request_id: state.next_request_id(),
+        endpoint: msg.endpoint,
+        body: Bytes::from(msg.body),
+        headers: msg
+            .headers
+            .into_iter()
+            .filter(|(k, _)| PASS_REQUEST_HEADERS.contains(&k.to_ascii_lowercase().as_str()))
+            .collect(),
+        session_key: session_id.as_deref().map(session_key),
+        session_id,
+        chain: msg.chain,
+        hops: msg.hops,
+        policy,
+        origin: msg.origin,
+        weights: state.tuning.weights(),
+    };
+    tracing::debug!(%from, request_id = req.request_id, hops = req.hops, "forward received");
+    // The origin keeps its half open until the response ends; reading EOF (or an error)
+    // from it means the client went away, which cancels the work here.
+    let origin_gone = async move {
+        let mut probe = [0u8; 1];
+        let _ = recv.read(&mut probe).await;
+    };
+    tokio::pin!(origin_gone);
+    let served = tokio::select! {
+        served = serve(state.clone(), req.clone()) => served,
+        _ = &mut origin_gone => {
+            tracing::debug!(request_id = req.request_id, "origin went away before the response");
+            return;
+        }
+    };
+    let up = match served {
+        Ok(up) => up,
+        Err(e) => {
+            let status = e.status().0.as_u16();
+            let _ = write_error_head(&mut send, &state, status, req.hops, e.message()).await;
+            return;
+        }
+    };
+    let head = ForwardResponseHead {
+        status: up.status,
+        headers: up.headers,
+        served_by: NodeId(up.served_by),
+        hops: up.hops,
+    };
+    if write_frame(&mut send, &head).await.is_err() {
+        return;
+    }
+    let mut body = up.body;
+    loop {
+        let chunk = tokio::select! {
+            chunk = body.next() => match chunk {
+                Some(chunk) => chunk,
+                None => break,
+            },
+            _ = &mut origin_gone => {
+                tracing::debug!(request_id = req.request_id, "origin went away mid-response");
+                return;
+            }
+        };
+        let res = match chunk {
+            Ok(bytes) if bytes.is_empty() => continue,
+            Ok(bytes) => {
+                let mut ok = Ok(());
+                for piece in bytes.chunks(MAX_CHUNK_BYTES) {
+                    ok = write_chunk(&mut send, piece).await;
+                    if ok.is_err() {
+                        break;
+                    }
+                }
+                ok
+            }
+            Err(e) => {
+                tracing::warn!(request_id = req.request_id, error = %e, "engine failed mid-stream");
+                let _ = send.write_all(&END_ERR.to_be_bytes()).await;
+                let _ = send.shutdown().await;
+                return;
+            }
+        };
+        if res.is_err() {
+            // The origin went away (client disconnect): dropping the body cancels the
+            // engine request.
+            return;
+        }
+    }
+    let _ = send.write_all(&END_OK.to_be_bytes()).await;
+    let _ = send.shutdown().await;
+}
+
+async fn write_chunk(send: &mut ForwardSend, bytes: &[u8]) -> std::io::Result<()> {
+    send.write_all(&(bytes.len() as u32).to_be_bytes()).await?;
+    send.write_all(bytes).await?;
+    send.flush().await
+}
+
+async fn write_error_head(
+    send: &mut ForwardSend,
+    state: &NodeState,
+    status: u16,
+    hops: u8,
+    message: &str,
+) -> Result<(), NodeError> {
+    let head = ForwardResponseHead {
+        status,
+        headers: vec![("content-type".into(), "application/json".into())],
+        served_by: NodeId(state.config.node.region.clone()),
+        hops,
+    };
+    write_frame(send, &head).await?;
+    let body = error_json(status, message);
+    write_chunk(send, body.as_bytes()).await?;
+    send.write_all(&END_OK.to_be_bytes()).await?;
+    send.shutdown().await?;
+    Ok(())
 }
 
 #[cfg(test)]

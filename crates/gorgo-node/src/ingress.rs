@@ -1,6 +1,7 @@
 //! The OpenAI-compatible HTTP ingress: body cap, parsing, OpenAI error JSON, and the
 //! response relay that passes the engine's bytes through chunk by chunk.
 
+use std::future::Future as _;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -9,7 +10,7 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::routing::{get, post};
 use bytes::Bytes;
 use futures::Stream;
@@ -18,47 +19,12 @@ use http_body_util::BodyExt;
 use serde_json::Value;
 use tokio::sync::OwnedSemaphorePermit;
 
-use crate::serve::{serve, BodyStream, RoutedRequest, ServeError, Upstream, PASS_REQUEST_HEADERS};
+use crate::api::{
+    error_json, error_response, session_key, BodyStream, RoutedRequest, Upstream, HOPS_HEADER,
+    PASS_REQUEST_HEADERS, POLICY_HEADER, SERVED_BY_HEADER, SESSION_HEADER,
+};
+use crate::serve::serve;
 use crate::NodeState;
-
-/// Header naming the region that served a request.
-pub const SERVED_BY_HEADER: &str = "x-gorgo-served-by";
-/// Header with the hops a request took.
-pub const HOPS_HEADER: &str = "x-gorgo-hops";
-/// Per-request policy override (experiments).
-pub const POLICY_HEADER: &str = "x-gorgo-policy";
-/// Session key for affinity policies.
-pub const SESSION_HEADER: &str = "x-session-id";
-
-/// The OpenAI error body for `status` with `message`.
-pub fn error_json(status: u16, message: &str) -> String {
-    let (kind, code) = match status {
-        400 => ("invalid_request_error", "invalid_request"),
-        401 => ("authentication_error", "invalid_token"),
-        404 => ("invalid_request_error", "not_found"),
-        405 => ("invalid_request_error", "method_not_allowed"),
-        413 => ("invalid_request_error", "request_too_large"),
-        502 => ("server_error", "engine_failed"),
-        503 => ("server_error", "unavailable"),
-        504 => ("server_error", "timeout"),
-        _ => ("server_error", "error"),
-    };
-    serde_json::json!({
-        "error": {"message": message, "type": kind, "param": null, "code": code}
-    })
-    .to_string()
-}
-
-/// An error response in OpenAI's shape.
-pub fn error_response(status: StatusCode, message: &str) -> Response {
-    let mut resp = Response::new(Body::from(error_json(status.as_u16(), message)));
-    *resp.status_mut() = status;
-    resp.headers_mut().insert(
-        http::header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    resp
-}
 
 /// The client-facing router.
 pub fn router(state: Arc<NodeState>) -> axum::Router {
@@ -231,9 +197,7 @@ async fn completion(
         .get(SESSION_HEADER)
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
-    let session_key = session_id
-        .as_deref()
-        .map(|s| gorgo_core::hash::hash_bytes(s.as_bytes()));
+    let session_key = session_id.as_deref().map(session_key);
     let pass: Vec<(String, String)> = PASS_REQUEST_HEADERS
         .iter()
         .filter_map(|&n| {
@@ -275,14 +239,11 @@ async fn completion(
             respond(state, up, streaming, started, permit, epoch)
         }
         Err(e) => {
-            let (status, outcome, m) = match e {
-                ServeError::Unavailable(m) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable", m),
-                ServeError::Failed(m) => (StatusCode::BAD_GATEWAY, "engine_failed", m),
-                ServeError::Timeout(m) => (StatusCode::GATEWAY_TIMEOUT, "timeout", m),
-            };
+            let (status, outcome) = e.status();
+            let m = e.message();
             tracing::warn!(request_id, %status, error = %m, "request failed");
             state.metrics.request(outcome, "");
-            error_response(status, &m)
+            error_response(status, m)
         }
     }
 }
@@ -427,16 +388,5 @@ impl Drop for Tracked {
         // Dropped before the end: the client went away. Dropping `inner` cancels the
         // engine request or the forward stream.
         self.finish("cancelled");
-    }
-}
-
-use std::future::Future as _;
-
-/// Turn an error into a response for handlers outside this module.
-pub struct ApiError(pub StatusCode, pub String);
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        error_response(self.0, &self.1)
     }
 }

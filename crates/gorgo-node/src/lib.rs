@@ -5,13 +5,14 @@
 //! and moves the bytes accordingly. The cost model lives in `gorgo-core`; this crate
 //! drives sockets and clocks.
 //!
-//! Entry point: [`start`] with a validated [`NodeConfig`], bound [`NodeListeners`] (tests
+//! Entry point: [`start`] with a [`ValidatedConfig`], bound [`NodeListeners`] (tests
 //! bind port 0), a [`PeerSource`] (the QUIC cluster, or [`mesh::Mesh`] in-process), the
 //! channel of forwards peers open to us, and a shutdown token.
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
 
 pub mod admin;
+pub mod api;
 pub mod cluster;
 pub mod config;
 pub mod engine;
@@ -34,18 +35,18 @@ use std::time::{Duration, Instant};
 use gorgo_core::{NodeId, QueueStats, Weights};
 use parking_lot::{Mutex, RwLock};
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
-pub use config::NodeConfig;
+pub use config::{NodeConfig, ValidatedConfig};
 pub use error::NodeError;
-pub use peers::{IncomingForward, NoPeers, PeerSource, PeerView};
+pub use peers::{IncomingForward, IncomingForwards, NoPeers, PeerSource, PeerView};
 pub use tokio_util::sync::CancellationToken;
 
 /// Everything a running node shares between its tasks.
 pub struct NodeState {
-    /// The validated config.
-    pub config: NodeConfig,
+    /// The config, checked once where it was read.
+    pub config: ValidatedConfig,
     /// This node's id.
     pub id: NodeId,
     /// The local engine.
@@ -83,12 +84,13 @@ impl std::fmt::Debug for NodeState {
 
 impl NodeState {
     /// Build the shared state (no sockets yet).
-    pub fn new(config: NodeConfig, peers: Arc<dyn PeerSource>) -> Result<Arc<Self>, NodeError> {
-        config.validate()?;
+    pub fn new(
+        config: ValidatedConfig,
+        peers: Arc<dyn PeerSource>,
+    ) -> Result<Arc<Self>, NodeError> {
         let engine = engine::EngineAdapter::new(&config.engine, &config.limits)?;
         let engine = Arc::new(engine);
-        let policy = route::parse_policy(&config.routing.policy)
-            .map_err(|e| NodeError::Config(format!("invalid `routing.policy`: {e}")))?;
+        let policy = config.routing.policy;
         let hasher = gorgo_core::PromptHasher::new(
             config.routing.block_bytes,
             Box::new(gorgo_core::BytesPerToken(
@@ -103,7 +105,7 @@ impl NodeState {
             .as_deref()
             .map(tuning::read_learned_weights)
             .transpose()?;
-        let tuning_cfg = config.tuning.core_config(policy, learned)?;
+        let tuning_cfg = config.tuning.core_config(learned);
         let id = NodeId(config.node.id.clone());
         let tuning = tuning::TuningDriver::new(
             id.clone(),
@@ -303,9 +305,11 @@ impl NodeHandle {
 pub async fn start(
     state: Arc<NodeState>,
     listeners: NodeListeners,
-    mut incoming: mpsc::Receiver<IncomingForward>,
+    incoming: impl Into<IncomingForwards>,
     shutdown: CancellationToken,
 ) -> Result<NodeHandle, NodeError> {
+    use futures::StreamExt;
+    let mut incoming: IncomingForwards = incoming.into();
     use axum::serve::ListenerExt;
     let http_addr = listeners.http.local_addr()?;
     let admin_addr = listeners.admin.local_addr()?;
@@ -373,8 +377,12 @@ pub async fn start(
         loop {
             tokio::select! {
                 _ = sd.cancelled() => break,
-                next = incoming.recv() => match next {
-                    Some(fwd) => { running.spawn(serve::handle_incoming(st.clone(), fwd)); }
+                next = incoming.next() => match next {
+                    Some(fwd) => {
+                        running.spawn(forward::handle_incoming(st.clone(), fwd, |state, req| async move {
+                            serve::serve(&state, req).await
+                        }));
+                    }
                     None => break,
                 },
                 Some(_) = running.join_next(), if !running.is_empty() => {}

@@ -8,6 +8,7 @@
 use std::pin::Pin;
 
 use futures::future::BoxFuture;
+use futures::Stream;
 use gorgo_core::tuning::TuningMessage;
 use gorgo_core::{HashChain, NodeId, QueueStats};
 use serde::Serialize;
@@ -28,6 +29,50 @@ pub struct IncomingForward {
     pub send: ForwardSend,
     /// Where we read the request.
     pub recv: ForwardRecv,
+}
+
+/// The forwards peers open to a node, as [`crate::start`] takes them: any stream of
+/// them, so each transport hands over its own receiver (mapped in place, not relayed
+/// through a second channel): the QUIC cluster's, or an in-process mesh's channel.
+pub struct IncomingForwards(Pin<Box<dyn Stream<Item = IncomingForward> + Send>>);
+
+impl IncomingForwards {
+    /// Wrap any stream of incoming forwards.
+    pub fn new(stream: impl Stream<Item = IncomingForward> + Send + 'static) -> Self {
+        IncomingForwards(Box::pin(stream))
+    }
+
+    /// The items of `rx`, converted by `convert` as they are taken.
+    pub fn from_receiver<T: Send + 'static>(
+        rx: tokio::sync::mpsc::Receiver<T>,
+        convert: fn(T) -> IncomingForward,
+    ) -> Self {
+        IncomingForwards::new(futures::stream::unfold(rx, move |mut rx| async move {
+            rx.recv().await.map(|item| (convert(item), rx))
+        }))
+    }
+}
+
+impl From<tokio::sync::mpsc::Receiver<IncomingForward>> for IncomingForwards {
+    fn from(rx: tokio::sync::mpsc::Receiver<IncomingForward>) -> Self {
+        IncomingForwards::from_receiver(rx, |f| f)
+    }
+}
+
+impl Stream for IncomingForwards {
+    type Item = IncomingForward;
+    fn poll_next(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<IncomingForward>> {
+        self.0.as_mut().poll_next(cx)
+    }
+}
+
+impl std::fmt::Debug for IncomingForwards {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("IncomingForwards")
+    }
 }
 
 impl std::fmt::Debug for IncomingForward {

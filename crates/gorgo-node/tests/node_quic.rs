@@ -33,8 +33,10 @@ async fn quic_node(
             "[cluster]\nseeds = [{}]\ngossip_interval_ms = 50\n",
             seeds.join(", ")
         ),
-    );
+    )
+    .into_inner();
     cfg.listen.quic = quic;
+    let cfg = cfg.validate().unwrap();
     let creds = ca.issue(&NodeId::from(id)).unwrap().credentials;
     let listeners = NodeListeners {
         http: TcpListener::bind("127.0.0.1:0").await.unwrap(),

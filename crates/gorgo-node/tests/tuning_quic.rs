@@ -26,9 +26,10 @@ async fn quic_node(
 ) -> (gorgo_node::NodeHandle, CancellationToken) {
     let tuning =
         "[tuning]\nmode = \"online\"\nwindow_requests = 4\nmin_samples = 2\nstartup_grace_ms = 0\n";
-    let mut cfg = config(id, &engine.url(), &format!("{cluster}\n{tuning}"));
+    let mut cfg = config(id, &engine.url(), &format!("{cluster}\n{tuning}")).into_inner();
     cfg.listen.quic = free_udp();
     cfg.listen.advertise_quic = advertise;
+    let cfg = cfg.validate().unwrap();
     let creds = ca.issue(&NodeId::from(id)).unwrap().credentials;
     let listeners = NodeListeners {
         http: TcpListener::bind("127.0.0.1:0").await.unwrap(),

@@ -25,7 +25,7 @@ mod sim;
 
 pub use collect::{PolicyRun, Row, SimCounters, TuningLine};
 pub use network::{Network, RegionNet};
-pub use sim::{home_region, simulate, Progress, SimConfig, CHAT_TEMPLATE_TOKENS};
+pub use sim::{simulate, Progress, SimConfig};
 
 /// The one error type of `gorgo-sim`.
 #[derive(Debug, thiserror::Error)]

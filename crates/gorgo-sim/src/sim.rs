@@ -88,10 +88,6 @@ pub struct SimConfig {
     pub decode_step_ms: f64,
 }
 
-/// Tokens `gorgo bench` keeps free for the chat template when it shortens prompts to a
-/// context (its `CHAT_TEMPLATE_TOKENS`), so both shorten the same way.
-pub const CHAT_TEMPLATE_TOKENS: u64 = 64;
-
 impl SimConfig {
     /// Defaults of DESIGN.md around a network, one profile for every region.
     pub fn new(network: Network, profile: Profile) -> Self {
@@ -161,44 +157,9 @@ pub struct Progress {
     pub now_ms: f64,
 }
 
-/// The home region of a trace request: its own `home_region` when the network has it;
-/// else a hash of its user, else of its session, else of its position, over the
-/// regions. With `salt = None` this is exactly `gorgo bench`'s assignment, so a
-/// simulation and a live replay of one trace put every client in the same region.
-pub fn home_region(req: &TraceRequest, index: u64, regions: &[String], salt: Option<u64>) -> usize {
-    if let Some(r) = &req.home_region {
-        if let Some(i) = regions.iter().position(|n| n == r) {
-            return i;
-        }
-    }
-    let mut key = match (&req.user, &req.session) {
-        (Some(u), _) => u.as_bytes().to_vec(),
-        (None, Some(s)) => s.as_bytes().to_vec(),
-        (None, None) => index.to_le_bytes().to_vec(),
-    };
-    if let Some(s) = salt {
-        key.extend_from_slice(&s.to_le_bytes());
-    }
-    (hash_bytes(&key) % regions.len().max(1) as u64) as usize
-}
-
-/// The session key the bench client sends as `x-session-id` (conversation within
-/// user, else user), hashed as the node hashes the header.
-fn session_key(req: &TraceRequest) -> Option<u64> {
-    let s = match (&req.session, &req.user) {
-        (Some(s), Some(u)) => Some(format!("{u}/{s}")),
-        (Some(s), None) => Some(s.clone()),
-        (None, u) => u.clone(),
-    };
-    s.map(|s| hash_bytes(s.as_bytes()))
-}
-
-/// The `model` field `gorgo bench` sends by default.
-const BENCH_MODEL: &str = "gorgo-emulated";
-
 /// The chain and prompt tokens the node computes for the body `gorgo bench` sends.
 fn live_chain(row: &TraceRequest) -> (HashChain, u64) {
-    let body = gorgo_workload::chat_body(row, BENCH_MODEL);
+    let body = gorgo_workload::chat_body(row, gorgo_workload::DEFAULT_MODEL);
     match gorgo_core::prompt::canonicalize(gorgo_core::Endpoint::Chat, &body) {
         Ok(canonical) => {
             let chain = gorgo_core::PromptHasher::default().chain(&canonical);
@@ -582,14 +543,10 @@ impl<'a> Sim<'a> {
         } else {
             send
         };
-        let home = home_region(&row, index, &self.names, self.cfg.region_seed);
+        let home = gorgo_workload::home_region(&row, index, &self.names, self.cfg.region_seed);
         let mut row = row;
         if let Some(max) = self.cfg.max_context_tokens {
-            let limit = max
-                .saturating_sub(u64::from(row.output_tokens))
-                .saturating_sub(CHAT_TEMPLATE_TOKENS)
-                .max(1);
-            row.input_tokens = row.input_tokens.min(limit);
+            gorgo_workload::clamp_to_context(&mut row, max);
         }
         let (chain, prompt_tokens) = if self.cfg.live_chains {
             live_chain(&row)
@@ -610,7 +567,7 @@ impl<'a> Sim<'a> {
         let flight = Flight {
             index,
             chain,
-            session_key: session_key(&row),
+            session_key: gorgo_workload::session_key(&row),
             prompt_tokens,
             output_tokens: row.output_tokens.max(1),
             home: home as u8,

@@ -268,7 +268,9 @@ fn max_context_shortens_instead_of_failing() {
     assert!(row.ok);
     assert_eq!(
         row.input_tokens as u64,
-        cfg.profiles[0].context_length - row.output_tokens as u64 - gorgo_sim::CHAT_TEMPLATE_TOKENS
+        cfg.profiles[0].context_length
+            - row.output_tokens as u64
+            - gorgo_workload::CHAT_TEMPLATE_TOKENS
     );
 }
 

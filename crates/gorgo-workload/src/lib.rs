@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
 
+pub mod convention;
 mod error;
 pub mod generate;
 pub mod prompt;
@@ -15,6 +16,10 @@ pub mod stats;
 pub mod window;
 pub mod write;
 
+pub use convention::{
+    clamp_to_context, context_prompt_limit, home_region, session_id, session_key,
+    CHAT_TEMPLATE_TOKENS, DEFAULT_MODEL,
+};
 pub use error::WorkloadError;
 pub use generate::{generate, GeneratorConfig};
 pub use prompt::{block_text, chat_body, synthesize_prompt};

@@ -10,7 +10,7 @@ use axum::response::Response;
 use axum::routing::{get, post};
 use bytes::Bytes;
 use gorgo_node::mesh::Mesh;
-use gorgo_node::{NodeConfig, NodeHandle, NodeListeners, NodeState};
+use gorgo_node::{NodeConfig, NodeHandle, NodeListeners, NodeState, ValidatedConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
@@ -197,7 +197,7 @@ pub async fn broken_engine() -> std::net::SocketAddr {
 pub const TOKEN: &str = "test-admin-token";
 
 /// A config for a test node; sockets are bound separately on port 0.
-pub fn config(id: &str, engine_url: &str, extra: &str) -> NodeConfig {
+pub fn config(id: &str, engine_url: &str, extra: &str) -> ValidatedConfig {
     let text = format!(
         r#"
 [node]
@@ -239,7 +239,7 @@ impl TestNode {
 }
 
 /// Start a node on the mesh (or alone when `mesh` is `None`).
-pub async fn start_node(config: NodeConfig, mesh: Option<&Arc<Mesh>>) -> TestNode {
+pub async fn start_node(config: ValidatedConfig, mesh: Option<&Arc<Mesh>>) -> TestNode {
     let shutdown = CancellationToken::new();
     let listeners = NodeListeners {
         http: TcpListener::bind("127.0.0.1:0").await.unwrap(),
