@@ -12,6 +12,7 @@ pub mod decision;
 pub mod error;
 pub mod es;
 pub mod fit;
+pub mod gossip;
 pub mod hash;
 pub mod index;
 pub mod policy;
