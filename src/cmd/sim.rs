@@ -240,23 +240,29 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         let c = &run.counters;
         // Summary gossip sent per node per second of virtual time (frames as the live
         // cluster writes them; none in oracle mode).
-        let gossip_bps = c.gossip_bytes as f64
-            / cfg.network.regions.len() as f64
-            / (c.end_ms / 1000.0).max(1e-9);
+        let per_node_per_s = |bytes: u64, ms: f64| {
+            bytes as f64 / cfg.network.regions.len() as f64 / (ms / 1000.0).max(1e-9)
+        };
+        let gossip_bps = per_node_per_s(c.gossip_bytes, c.end_ms);
+        // While the trace arrives (the drain after it gossips little but stats).
+        let gossip_bps_arriving =
+            per_node_per_s(c.gossip_bytes_arriving, c.gossip_arriving_until_ms);
         eprintln!(
-            "[sim {name}] done: {} requests ({} failed) in {:.2} s wall, {:.0} requests/min, virtual {:.1} s, gossip {:.1} KiB/s per node",
+            "[sim {name}] done: {} requests ({} failed) in {:.2} s wall, {:.0} requests/min, virtual {:.1} s, gossip {:.1} KiB/s per node ({:.1} KiB/s while requests arrive)",
             c.requests,
             c.failed,
             wall_s,
             c.requests as f64 / wall_s.max(1e-9) * 60.0,
             c.end_ms / 1000.0,
-            gossip_bps / 1024.0
+            gossip_bps / 1024.0,
+            gossip_bps_arriving / 1024.0
         );
         speed.push(json!({
             "policy": name,
             "wall_s": wall_s,
             "requests_per_min": c.requests as f64 / wall_s.max(1e-9) * 60.0,
             "gossip_bytes_per_node_per_s": gossip_bps,
+            "gossip_bytes_per_node_per_s_arriving": gossip_bps_arriving,
             "counters": c,
         }));
         runs.push(run);

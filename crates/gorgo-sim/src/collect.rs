@@ -76,6 +76,11 @@ pub struct SimCounters {
     /// Their size as the live cluster frames them (the core's encoded message plus the
     /// frame header), bytes; QUIC and UDP overhead not included.
     pub gossip_bytes: u64,
+    /// Of `gossip_bytes`, those sent while trace rows were still arriving (until the
+    /// last row was read), bytes.
+    pub gossip_bytes_arriving: u64,
+    /// When the last of those was sent, virtual ms.
+    pub gossip_arriving_until_ms: f64,
     /// Gossip messages lost (`gossip_loss`).
     pub gossip_lost: u64,
     /// Snapshot requests sent after a version gap.

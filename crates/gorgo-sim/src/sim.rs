@@ -1165,7 +1165,13 @@ impl<'a> Sim<'a> {
         let delay = self.link_delay(r, p) + self.cfg.gossip_extra_delay_ms;
         let c = &mut self.out.run.counters;
         c.gossip_messages += 1;
-        c.gossip_bytes += (core_gossip::encoded_len(&msg) + GOSSIP_FRAME_HEADER) as u64;
+        let bytes = (core_gossip::encoded_len(&msg) + GOSSIP_FRAME_HEADER) as u64;
+        c.gossip_bytes += bytes;
+        if !self.trace_done {
+            // While requests still arrive: the load the gossip figure is quoted at.
+            c.gossip_bytes_arriving += bytes;
+            c.gossip_arriving_until_ms = now;
+        }
         if self.cfg.gossip_loss > 0.0
             && self.nodes[r].gossip_loss_rng.random::<f64>() < self.cfg.gossip_loss
         {
