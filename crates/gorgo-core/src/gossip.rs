@@ -710,8 +710,7 @@ mod tests {
             let deliver = |m: GossipMessage, now: u64, view: &mut PeerGossip, sender: &mut GossipSender| {
                 let r = view.receive(&b, &a, m, now, &cfg).unwrap();
                 // The reply (snapshot request) may itself be lost: some are dropped.
-                if r.reply.is_some() && now % 2 == 0 {
-                    let req = r.reply.unwrap();
+                if let Some(req) = r.reply.filter(|_| now.is_multiple_of(2)) {
                     let r2 = PeerGossip::new().receive(&a, &b, req, now, &cfg).unwrap();
                     if r2.snapshot_requested {
                         sender.on_snapshot_request(&b);
