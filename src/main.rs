@@ -39,6 +39,8 @@ enum Command {
     Certs(cmd::certs::CertsArgs),
     /// Inspect, convert and generate traces.
     Trace(cmd::trace::TraceArgs),
+    /// Generate a topology of N regions on a sphere (great-circle delays).
+    Topology(cmd::topology::TopologyArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -57,5 +59,6 @@ fn main() -> anyhow::Result<()> {
         Command::Demo(a) => cmd::bench::run_demo(a),
         Command::Certs(a) => cmd::certs::run(a),
         Command::Trace(a) => cmd::trace::run(a),
+        Command::Topology(a) => cmd::topology::run(a),
     }
 }

@@ -60,6 +60,10 @@ pub struct SimArgs {
     /// Extra gossip transit delay on top of the one-way delay, ms.
     #[arg(long, default_value_t = 0.0)]
     gossip_delay_ms: f64,
+    /// Probability that a gossip message is lost (seeded by --seed), in [0, 1):
+    /// exercises the receivers' reorder buffers and snapshot requests.
+    #[arg(long, default_value_t = 0.0)]
+    gossip_loss: f64,
     /// The max-hops guard.
     #[arg(long, default_value_t = 1)]
     max_hops: u8,
@@ -200,6 +204,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     let mut cfg = SimConfig::new(network(&topology), profile.clone());
     cfg.gossip_interval_ms = args.gossip_interval_ms;
     cfg.gossip_extra_delay_ms = args.gossip_delay_ms;
+    cfg.gossip_loss = args.gossip_loss;
     cfg.max_hops = args.max_hops;
     cfg.time_scale = args.time_scale;
     cfg.seed = args.seed;
@@ -228,6 +233,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         "region_seed": args.region_seed,
         "gossip_interval_ms": args.gossip_interval_ms,
         "gossip_delay_ms": args.gossip_delay_ms,
+        "gossip_loss": args.gossip_loss,
         "max_hops": args.max_hops,
         "window_s": args.window_s,
         "max_requests": args.max_requests,
@@ -266,18 +272,31 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         .with_context(|| format!("simulating {name}"))?;
         let wall_s = started.elapsed().as_secs_f64();
         let c = &run.counters;
+        // Summary gossip sent per node per second of virtual time (frames as the live
+        // cluster writes them; none in oracle mode).
+        let per_node_per_s = |bytes: u64, ms: f64| {
+            bytes as f64 / cfg.network.regions.len() as f64 / (ms / 1000.0).max(1e-9)
+        };
+        let gossip_bps = per_node_per_s(c.gossip_bytes, c.end_ms);
+        // While the trace arrives (the drain after it gossips little but stats).
+        let gossip_bps_arriving =
+            per_node_per_s(c.gossip_bytes_arriving, c.gossip_arriving_until_ms);
         eprintln!(
-            "[sim {name}] done: {} requests ({} failed) in {:.2} s wall, {:.0} requests/min, virtual {:.1} s",
+            "[sim {name}] done: {} requests ({} failed) in {:.2} s wall, {:.0} requests/min, virtual {:.1} s, gossip {:.1} KiB/s per node ({:.1} KiB/s while requests arrive)",
             c.requests,
             c.failed,
             wall_s,
             c.requests as f64 / wall_s.max(1e-9) * 60.0,
-            c.end_ms / 1000.0
+            c.end_ms / 1000.0,
+            gossip_bps / 1024.0,
+            gossip_bps_arriving / 1024.0
         );
         speed.push(json!({
             "policy": name,
             "wall_s": wall_s,
             "requests_per_min": c.requests as f64 / wall_s.max(1e-9) * 60.0,
+            "gossip_bytes_per_node_per_s": gossip_bps,
+            "gossip_bytes_per_node_per_s_arriving": gossip_bps_arriving,
             "counters": c,
         }));
         runs.push(run);

@@ -18,11 +18,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::ClusterConfig;
 use crate::error::{ClusterError, Result};
-use crate::gossip::{GossipState, SummarySource};
+use crate::gossip::{GossipDriver, SummarySource};
 use crate::identity::{BincodeCodec, MemberId};
 use crate::state::{ClusterMetrics, PeerTable, PeerView, TrafficKind};
 use crate::tls::{client_crypto, server_crypto, validate_node_id};
-use crate::transport::{self, Connections, MAX_APP_MESSAGE, STREAM_APP};
+use crate::transport::{self, Inbound, Transport, MAX_APP_MESSAGE, STREAM_APP};
+pub use crate::transport::{AppMessage, IncomingForward};
 
 /// Where the QUIC endpoint gets its UDP socket.
 pub enum ClusterSocket {
@@ -49,28 +50,6 @@ impl std::fmt::Debug for ClusterSocket {
     }
 }
 
-/// A bi-stream a peer opened to forward a request to this node.
-#[derive(Debug)]
-pub struct IncomingForward {
-    /// The peer (from its certificate).
-    pub from: NodeId,
-    /// Where the response goes.
-    pub send: quinn::SendStream,
-    /// Where the request comes from.
-    pub recv: quinn::RecvStream,
-}
-
-/// An application message (e.g. the tuning protocol) from a peer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AppMessage {
-    /// The peer (from its certificate).
-    pub from: NodeId,
-    /// Application-defined kind byte.
-    pub kind: u8,
-    /// Payload, at most [`MAX_APP_MESSAGE`] bytes.
-    pub payload: Bytes,
-}
-
 /// A membership change as this node saw it, for the admin API and traces.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub enum MembershipEvent {
@@ -82,7 +61,7 @@ pub enum MembershipEvent {
     Rejoined(u64),
 }
 
-pub(crate) enum FocaInput {
+enum FocaInput {
     Data { from: NodeId, data: Bytes },
     Timer(Timer<MemberId>),
     Broadcast(Vec<u8>),
@@ -90,26 +69,24 @@ pub(crate) enum FocaInput {
 }
 
 /// Shared state of a running cluster member.
-pub(crate) struct Inner {
-    pub(crate) node_id: NodeId,
-    pub(crate) config: ClusterConfig,
-    pub(crate) me: Mutex<MemberId>,
-    /// Taken (closed and dropped) on shutdown, so that handle clones the node still
-    /// holds do not keep the UDP socket bound.
-    endpoint: Mutex<Option<quinn::Endpoint>>,
+struct Inner {
+    node_id: NodeId,
+    config: ClusterConfig,
+    me: Mutex<MemberId>,
+    /// The QUIC endpoint and connections (hands what arrives back to this `Inner`
+    /// through [`Inbound`]).
+    transport: Arc<Transport>,
+    /// Summary gossip (the core's state machine and its IO).
+    gossip: Arc<GossipDriver>,
     /// Cancelled once the endpoint is closed and released.
     closed: CancellationToken,
-    pub(crate) conns: Connections,
-    pub(crate) peers: PeerTable,
-    pub(crate) metrics: ClusterMetrics,
-    pub(crate) foca_tx: mpsc::Sender<FocaInput>,
-    pub(crate) shutdown: CancellationToken,
-    pub(crate) summary: Arc<dyn SummarySource>,
-    pub(crate) local_stats: Mutex<QueueStats>,
-    pub(crate) gossip: Mutex<GossipState>,
-    pub(crate) forward_tx: mpsc::Sender<IncomingForward>,
+    peers: Arc<PeerTable>,
+    metrics: Arc<ClusterMetrics>,
+    foca_tx: mpsc::Sender<FocaInput>,
+    shutdown: CancellationToken,
+    forward_tx: mpsc::Sender<IncomingForward>,
     forward_rx: Mutex<Option<mpsc::Receiver<IncomingForward>>>,
-    pub(crate) app_tx: mpsc::Sender<AppMessage>,
+    app_tx: mpsc::Sender<AppMessage>,
     app_rx: Mutex<Option<mpsc::Receiver<AppMessage>>>,
     started: Instant,
     events: Mutex<Vec<(Duration, MembershipEvent)>>,
@@ -218,19 +195,30 @@ pub async fn start(
     let (foca_tx, foca_rx) = mpsc::channel(FOCA_INBOX);
     let (forward_tx, forward_rx) = mpsc::channel(FORWARD_INBOX);
     let (app_tx, app_rx) = mpsc::channel(APP_INBOX);
-    let inner = Arc::new(Inner {
+    let peers = Arc::new(PeerTable::default());
+    let metrics = Arc::new(ClusterMetrics::default());
+    let inner = Arc::new_cyclic(|weak: &std::sync::Weak<Inner>| Inner {
         node_id: config.node_id.clone(),
         me: Mutex::new(me.clone()),
-        endpoint: Mutex::new(Some(endpoint)),
+        transport: Arc::new(Transport::new(
+            config.node_id.clone(),
+            endpoint,
+            config.dial_overrides.clone(),
+            peers.clone(),
+            metrics.clone(),
+            shutdown.clone(),
+            weak.clone(),
+        )),
+        gossip: Arc::new(GossipDriver::new(
+            config.node_id.clone(),
+            summary,
+            config.wall_clock.clone(),
+        )),
         closed: CancellationToken::new(),
-        conns: Connections::default(),
-        peers: PeerTable::default(),
-        metrics: ClusterMetrics::default(),
+        peers,
+        metrics,
         foca_tx,
         shutdown,
-        summary,
-        local_stats: Mutex::new(QueueStats::default()),
-        gossip: Mutex::new(GossipState::default()),
         forward_tx,
         forward_rx: Mutex::new(Some(forward_rx)),
         app_tx,
@@ -250,9 +238,14 @@ pub async fn start(
         BincodeCodec,
         handler,
     );
-    tokio::spawn(transport::accept_loop(inner.clone()));
+    tokio::spawn(transport::accept_loop(inner.transport.clone()));
     tokio::spawn(run_foca(inner.clone(), foca, foca_rx));
-    tokio::spawn(crate::gossip::run(inner.clone()));
+    tokio::spawn(crate::gossip::run(
+        inner.gossip.clone(),
+        inner.transport.clone(),
+        inner.config.gossip_interval,
+        inner.shutdown.clone(),
+    ));
     Ok(ClusterHandle { inner })
 }
 
@@ -431,7 +424,7 @@ fn drain(
             ClusterMetrics::bump(&inner.metrics.spurious_turn_undead_dropped);
             continue;
         }
-        transport::send_swim(inner, dst, bytes);
+        transport::send_swim(&inner.transport, dst, bytes);
     }
     while let Some((after, timer)) = rt.to_schedule() {
         let tx = inner.foca_tx.clone();
@@ -447,7 +440,7 @@ fn drain(
                 inner.peers.member_up(&m, now);
                 seed_rtt(inner, &m.node);
                 inner.log(MembershipEvent::Up(m.node.clone(), m.generation));
-                crate::gossip::peer_joined(inner, &m.node);
+                inner.gossip.peer_joined(&m.node);
             }
             OwnedNotification::MemberDown(m) => {
                 inner.peers.member_down(&m, now);
@@ -458,7 +451,7 @@ fn drain(
                     inner.peers.member_up(&new, now);
                     seed_rtt(inner, &new.node);
                     // A new incarnation holds nothing of ours: start it with a snapshot.
-                    crate::gossip::peer_joined(inner, &new.node);
+                    inner.gossip.peer_joined(&new.node);
                 }
             }
             OwnedNotification::Rejoin(id) => {
@@ -507,7 +500,7 @@ impl SelfState {
 /// A peer that just came up has a connection (SWIM ran over it): seed its RTT from
 /// quinn's estimate (handshake RTT at first) so cost-based routing can use it now.
 fn seed_rtt(inner: &Inner, node: &NodeId) {
-    if let Some(c) = inner.conns.get(node) {
+    if let Some(c) = inner.transport.conns.get(node) {
         inner.peers.seed_rtt(node, c.rtt().as_secs_f64() * 1000.0);
     }
 }
@@ -515,7 +508,7 @@ fn seed_rtt(inner: &Inner, node: &NodeId) {
 /// Give queued SWIM datagrams (the leave notice) a moment to go out, then close.
 async fn flush_and_close(inner: &Inner) {
     for _ in 0..20 {
-        let pending = inner.conns.all().iter().any(|(_, c)| {
+        let pending = inner.transport.conns.all().iter().any(|(_, c)| {
             c.close_reason().is_none() && c.datagram_send_buffer_space() < 256 * 1024
         });
         if !pending {
@@ -526,23 +519,52 @@ async fn flush_and_close(inner: &Inner) {
     // One more short pause: a datagram out of the buffer may still sit in quinn's
     // packet queue.
     tokio::time::sleep(Duration::from_millis(20)).await;
-    let endpoint = inner.endpoint.lock().take();
+    let endpoint = inner.transport.take_endpoint();
     if let Some(endpoint) = endpoint {
         endpoint.close(0u32.into(), b"leave");
         // quinn's driver keeps the socket until every endpoint clone is gone and the
         // closing connections have drained.
         let _ = tokio::time::timeout(CLOSE_DRAIN, endpoint.wait_idle()).await;
     }
-    inner.conns.clear();
+    inner.transport.conns.clear();
     inner.closed.cancel();
 }
 
-impl Inner {
-    /// The endpoint, until shutdown closes it.
-    pub(crate) fn endpoint(&self) -> Result<quinn::Endpoint> {
-        self.endpoint.lock().clone().ok_or(ClusterError::Shutdown)
+impl Inbound for Inner {
+    fn swim(&self, from: NodeId, data: Bytes) {
+        if self
+            .foca_tx
+            .try_send(FocaInput::Data { from, data })
+            .is_err()
+        {
+            tracing::debug!("swim inbox full; packet dropped");
+        }
     }
 
+    fn gossip(&self, from: &NodeId, frame: &[u8]) {
+        crate::gossip::handle_frame(&self.gossip, &self.transport, from, frame);
+    }
+
+    fn app(&self, msg: AppMessage) {
+        if self.app_tx.try_send(msg).is_err() {
+            tracing::debug!("app inbox full or closed; message dropped");
+        }
+    }
+
+    fn forward(&self, fwd: IncomingForward) {
+        if let Err(e) = self.forward_tx.try_send(fwd) {
+            // Dropping the streams resets them: the origin retries locally.
+            let peer = match &e {
+                mpsc::error::TrySendError::Full(f) | mpsc::error::TrySendError::Closed(f) => {
+                    f.from.clone()
+                }
+            };
+            tracing::debug!(%peer, "forward inbox full or closed; stream refused");
+        }
+    }
+}
+
+impl Inner {
     fn log(&self, e: MembershipEvent) {
         tracing::info!(node = %self.node_id, event = ?e, "membership");
         self.events.lock().push((self.started.elapsed(), e));
@@ -637,7 +659,7 @@ impl ClusterHandle {
 
     /// The local address of the QUIC endpoint.
     pub fn local_addr(&self) -> Result<SocketAddr> {
-        Ok(self.inner.endpoint()?.local_addr()?)
+        Ok(self.inner.transport.endpoint()?.local_addr()?)
     }
 
     /// Every known peer, alive or not, sorted by id.
@@ -658,12 +680,12 @@ impl ClusterHandle {
         f: impl FnOnce(&PeerSummary) -> R,
     ) -> Option<R> {
         let e = self.inner.peers.peers.get(peer)?;
-        e.summary.as_ref().map(f)
+        e.gossip.summary().map(f)
     }
 
     /// The local summary this cluster gossips.
     pub fn local_summary(&self) -> &Arc<dyn SummarySource> {
-        &self.inner.summary
+        &self.inner.gossip.summary
     }
 
     /// Open a bi-stream to `peer` to forward a request.
@@ -671,7 +693,7 @@ impl ClusterHandle {
         &self,
         peer: &NodeId,
     ) -> Result<(quinn::SendStream, quinn::RecvStream)> {
-        let conn = match self.inner.conns.get(peer) {
+        let conn = match self.inner.transport.conns.get(peer) {
             Some(c) => c,
             None => {
                 let addr = self
@@ -681,7 +703,7 @@ impl ClusterHandle {
                     .get(peer)
                     .map(|e| e.member.addr)
                     .ok_or_else(|| ClusterError::UnknownPeer(peer.clone()))?;
-                transport::connect(&self.inner, Some(peer), addr).await?
+                transport::connect(&self.inner.transport, Some(peer), addr).await?
             }
         };
         Ok(conn.open_bi().await?)
@@ -710,7 +732,7 @@ impl ClusterHandle {
         frame.push(STREAM_APP);
         frame.push(kind);
         frame.extend_from_slice(payload);
-        transport::send_uni(&self.inner, peer, TrafficKind::App, &frame).await
+        transport::send_uni(&self.inner.transport, peer, TrafficKind::App, &frame).await
     }
 
     /// Send an application message to every alive peer; returns how many got it.
@@ -732,7 +754,7 @@ impl ClusterHandle {
     /// summary message. The version is assigned here (monotonic per node).
     pub fn broadcast_stats(&self, mut stats: QueueStats) -> Result<()> {
         {
-            let mut cur = self.inner.local_stats.lock();
+            let mut cur = self.inner.gossip.local_stats.lock();
             stats.version = stats.version.max(cur.version + 1);
             *cur = stats.clone();
         }
@@ -759,7 +781,7 @@ impl ClusterHandle {
     /// UDP bytes sent on the currently open connections, QUIC overhead included (a
     /// closed connection's bytes drop out: use for rates over stable windows).
     pub fn udp_bytes_sent(&self) -> u64 {
-        self.inner.conns.udp_bytes_sent()
+        self.inner.transport.conns.udp_bytes_sent()
     }
 
     /// A receiver that changes on every membership change (the value counts them): wait

@@ -21,7 +21,7 @@ pub use cluster::{
 };
 pub use config::{system_clock, ClusterConfig, SwimTimings, WallClock};
 pub use error::{ClusterError, Result};
-pub use gossip::{HoldsSummary, SharedSummary, SummaryBody, SummarySource, SummaryUpdate};
+pub use gossip::{HoldsSummary, SharedSummary, SummarySource};
 pub use identity::{MemberId, MAX_SWIM_PACKET};
 pub use state::{ClusterMetrics, PeerState, PeerTable, PeerView, RTT_EWMA_ALPHA};
 pub use tls::{

@@ -9,13 +9,12 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use dashmap::DashMap;
-use gorgo_core::summary::PeerSummary;
+use gorgo_core::gossip::PeerGossip;
 use gorgo_core::{NodeId, QueueStats};
 use parking_lot::Mutex;
 use serde::Serialize;
 use tokio::time::Instant;
 
-use crate::gossip::DeltaReorder;
 use crate::identity::MemberId;
 
 /// EWMA weight of a new RTT sample (DESIGN.md: alpha 0.3).
@@ -38,12 +37,11 @@ pub(crate) struct PeerEntry {
     pub(crate) state: PeerState,
     pub(crate) state_since: Instant,
     pub(crate) rtt_ms: Option<f64>,
-    pub(crate) summary: Option<PeerSummary>,
+    /// The peer's summary and stats as heard, and its reorder buffer (the core's
+    /// gossip state machine; this table only stores it).
+    pub(crate) gossip: PeerGossip,
     pub(crate) summary_at: Option<Instant>,
     pub(crate) summary_bytes: u64,
-    /// Deltas that overtook the one they follow, held until the gap fills.
-    pub(crate) reorder: DeltaReorder,
-    pub(crate) stats: Option<QueueStats>,
     pub(crate) stats_at: Option<Instant>,
     pub(crate) bytes_sent: u64,
     pub(crate) bytes_received: u64,
@@ -56,11 +54,9 @@ impl PeerEntry {
             state: PeerState::Down,
             state_since: now,
             rtt_ms: None,
-            summary: None,
+            gossip: PeerGossip::new(),
             summary_at: None,
             summary_bytes: 0,
-            reorder: DeltaReorder::default(),
-            stats: None,
             stats_at: None,
             bytes_sent: 0,
             bytes_received: 0,
@@ -129,11 +125,11 @@ impl PeerTable {
                     state: p.state,
                     alive: p.state == PeerState::Alive,
                     rtt_ms: p.rtt_ms,
-                    summary_version: p.summary.as_ref().map(|s| s.version()),
-                    summary_len: p.summary.as_ref().map_or(0, |s| s.len()),
+                    summary_version: p.gossip.summary().map(|s| s.version()),
+                    summary_len: p.gossip.summary().map_or(0, |s| s.len()),
                     summary_bytes: p.summary_bytes,
                     summary_age_ms: age_ms(p.summary_at, now),
-                    stats: p.stats.clone(),
+                    stats: p.gossip.stats().cloned(),
                     stats_age_ms: age_ms(p.stats_at, now),
                     bytes_sent: p.bytes_sent,
                     bytes_received: p.bytes_received,
@@ -162,11 +158,12 @@ impl PeerTable {
             .entry(member.node.clone())
             .or_insert_with(|| PeerEntry::new(member.clone(), now));
         if e.member.generation != member.generation {
-            // A new incarnation of the node: what we held about the old one is void.
-            e.summary = None;
+            // A new incarnation of the node: what we held about the old one is void
+            // (its stats too: the new one counts stats versions afresh).
+            e.gossip = PeerGossip::new();
             e.summary_at = None;
             e.summary_bytes = 0;
-            e.reorder = DeltaReorder::default();
+            e.stats_at = None;
         }
         e.member = member.clone();
         if e.state != PeerState::Alive {
@@ -214,12 +211,11 @@ impl PeerTable {
     pub(crate) fn offer_stats(&self, node: &NodeId, stats: &QueueStats, now: Instant) -> bool {
         match self.peers.get_mut(node) {
             Some(mut e) => {
-                if e.stats.as_ref().is_some_and(|s| s.version >= stats.version) {
-                    return false;
+                let kept = e.gossip.offer_stats(stats);
+                if kept {
+                    e.stats_at = Some(now);
                 }
-                e.stats = Some(stats.clone());
-                e.stats_at = Some(now);
-                true
+                kept
             }
             None => false,
         }

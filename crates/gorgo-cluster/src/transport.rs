@@ -2,9 +2,14 @@
 //! dial), and the demultiplexing of what arrives on a connection:
 //! datagrams are SWIM, uni-streams are summaries and app messages, bi-streams are
 //! forwarded requests handed to the node.
+//!
+//! This is the bottom layer of the crate: it knows the peer table and the metrics
+//! (`state`), and hands what arrives to an [`Inbound`] the cluster implements, so it
+//! imports nothing from the modules above it.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -12,12 +17,63 @@ use dashmap::DashMap;
 use gorgo_core::NodeId;
 use parking_lot::Mutex;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
-use crate::cluster::{FocaInput, Inner};
 use crate::error::{ClusterError, Result};
 use crate::identity::{MemberId, MAX_SWIM_PACKET};
-use crate::state::{ClusterMetrics, TrafficKind};
+use crate::state::{ClusterMetrics, PeerTable, TrafficKind};
 use crate::tls::{peer_node_id, CLUSTER_SERVER_NAME};
+
+/// A bi-stream a peer opened to forward a request to this node.
+#[derive(Debug)]
+pub struct IncomingForward {
+    /// The peer (from its certificate).
+    pub from: NodeId,
+    /// Where the response goes.
+    pub send: quinn::SendStream,
+    /// Where the request comes from.
+    pub recv: quinn::RecvStream,
+}
+
+/// An application message (e.g. the tuning protocol) from a peer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AppMessage {
+    /// The peer (from its certificate).
+    pub from: NodeId,
+    /// Application-defined kind byte.
+    pub kind: u8,
+    /// Payload, at most [`MAX_APP_MESSAGE`] bytes.
+    pub payload: Bytes,
+}
+
+/// Where the transport hands what arrives (implemented by the cluster driver): the
+/// transport stays below the SWIM, gossip and node layers instead of reaching into
+/// them.
+pub(crate) trait Inbound: Send + Sync + 'static {
+    /// A SWIM packet (kind byte stripped) from `from`.
+    fn swim(&self, from: NodeId, data: Bytes);
+    /// A summary gossip frame (kind byte stripped) from `from`.
+    fn gossip(&self, from: &NodeId, frame: &[u8]);
+    /// An application message.
+    fn app(&self, msg: AppMessage);
+    /// A forwarding bi-stream.
+    fn forward(&self, fwd: IncomingForward);
+}
+
+/// The node's QUIC endpoint, its connections, and the byte counting of what crosses
+/// them.
+pub(crate) struct Transport {
+    node_id: NodeId,
+    /// Taken (closed and dropped) on shutdown, so that handle clones the node still
+    /// holds do not keep the UDP socket bound.
+    endpoint: Mutex<Option<quinn::Endpoint>>,
+    pub(crate) conns: Connections,
+    dial_overrides: HashMap<SocketAddr, SocketAddr>,
+    pub(crate) peers: Arc<PeerTable>,
+    pub(crate) metrics: Arc<ClusterMetrics>,
+    shutdown: CancellationToken,
+    inbound: Weak<dyn Inbound>,
+}
 
 /// First byte of a uni-stream carrying summary gossip.
 pub(crate) const STREAM_GOSSIP: u8 = 1;
@@ -119,10 +175,45 @@ pub(crate) fn transport_config(idle: Duration, keep_alive: Duration) -> quinn::T
     t
 }
 
+impl Transport {
+    /// A transport on `endpoint` that hands what arrives to `inbound`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        node_id: NodeId,
+        endpoint: quinn::Endpoint,
+        dial_overrides: HashMap<SocketAddr, SocketAddr>,
+        peers: Arc<PeerTable>,
+        metrics: Arc<ClusterMetrics>,
+        shutdown: CancellationToken,
+        inbound: Weak<dyn Inbound>,
+    ) -> Self {
+        Transport {
+            node_id,
+            endpoint: Mutex::new(Some(endpoint)),
+            conns: Connections::default(),
+            dial_overrides,
+            peers,
+            metrics,
+            shutdown,
+            inbound,
+        }
+    }
+
+    /// The endpoint, until shutdown closes it.
+    pub(crate) fn endpoint(&self) -> Result<quinn::Endpoint> {
+        self.endpoint.lock().clone().ok_or(ClusterError::Shutdown)
+    }
+
+    /// Take the endpoint for closing (shutdown).
+    pub(crate) fn take_endpoint(&self) -> Option<quinn::Endpoint> {
+        self.endpoint.lock().take()
+    }
+}
+
 /// Get a connection to `addr` (the node there being `node` when known), dialing if
 /// needed. Concurrent callers for one address share a single dial.
 pub(crate) async fn connect(
-    inner: &Arc<Inner>,
+    inner: &Arc<Transport>,
     node: Option<&NodeId>,
     addr: SocketAddr,
 ) -> Result<quinn::Connection> {
@@ -185,9 +276,8 @@ pub(crate) async fn connect(
 
 /// Where to dial a peer that advertises `advertised`: its configured override, else
 /// that address.
-fn dial_addr(inner: &Inner, advertised: SocketAddr) -> SocketAddr {
+fn dial_addr(inner: &Transport, advertised: SocketAddr) -> SocketAddr {
     inner
-        .config
         .dial_overrides
         .get(&advertised)
         .copied()
@@ -195,7 +285,7 @@ fn dial_addr(inner: &Inner, advertised: SocketAddr) -> SocketAddr {
 }
 
 /// Send one SWIM packet to `dst`, dialing in the background if there is no connection.
-pub(crate) fn send_swim(inner: &Arc<Inner>, dst: MemberId, packet: Bytes) {
+pub(crate) fn send_swim(inner: &Arc<Transport>, dst: MemberId, packet: Bytes) {
     let mut datagram = Vec::with_capacity(packet.len() + 1);
     datagram.push(DATAGRAM_SWIM);
     datagram.extend_from_slice(&packet);
@@ -215,7 +305,7 @@ pub(crate) fn send_swim(inner: &Arc<Inner>, dst: MemberId, packet: Bytes) {
     });
 }
 
-fn send_datagram(inner: &Inner, c: &quinn::Connection, node: Option<&NodeId>, datagram: Bytes) {
+fn send_datagram(inner: &Transport, c: &quinn::Connection, node: Option<&NodeId>, datagram: Bytes) {
     let len = datagram.len();
     match c.send_datagram(datagram) {
         Ok(()) => {
@@ -230,7 +320,7 @@ fn send_datagram(inner: &Inner, c: &quinn::Connection, node: Option<&NodeId>, da
 
 /// Open a uni-stream to `node`, write `frame`, finish it.
 pub(crate) async fn send_uni(
-    inner: &Arc<Inner>,
+    inner: &Arc<Transport>,
     node: &NodeId,
     kind: TrafficKind,
     frame: &[u8],
@@ -258,7 +348,7 @@ pub(crate) async fn send_uni(
 }
 
 /// Accept inbound connections until shutdown.
-pub(crate) async fn accept_loop(inner: Arc<Inner>) {
+pub(crate) async fn accept_loop(inner: Arc<Transport>) {
     let Ok(endpoint) = inner.endpoint() else {
         return;
     };
@@ -290,7 +380,7 @@ pub(crate) async fn accept_loop(inner: Arc<Inner>) {
 }
 
 /// Make `conn` the connection to `peer` and serve what arrives on it.
-fn register(inner: &Arc<Inner>, peer: NodeId, conn: quinn::Connection) {
+fn register(inner: &Arc<Transport>, peer: NodeId, conn: quinn::Connection) {
     // quinn has an RTT estimate from the handshake already: a known peer gets it now
     // rather than at the next gossip round.
     inner
@@ -302,7 +392,7 @@ fn register(inner: &Arc<Inner>, peer: NodeId, conn: quinn::Connection) {
     tokio::spawn(accept_bis(inner.clone(), peer, conn));
 }
 
-async fn read_datagrams(inner: Arc<Inner>, peer: NodeId, conn: quinn::Connection) {
+async fn read_datagrams(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connection) {
     loop {
         let d = tokio::select! {
             biased;
@@ -315,12 +405,9 @@ async fn read_datagrams(inner: Arc<Inner>, peer: NodeId, conn: quinn::Connection
             ClusterMetrics::bump(&inner.metrics.malformed_received);
             continue;
         }
-        let input = FocaInput::Data {
-            from: peer.clone(),
-            data: d.slice(1..),
-        };
-        if inner.foca_tx.try_send(input).is_err() {
-            tracing::debug!(%peer, "swim inbox full; packet dropped");
+        match inner.inbound.upgrade() {
+            Some(inbound) => inbound.swim(peer.clone(), d.slice(1..)),
+            None => return,
         }
     }
     // Forget the connection if it is still the registered one.
@@ -330,7 +417,7 @@ async fn read_datagrams(inner: Arc<Inner>, peer: NodeId, conn: quinn::Connection
         .remove_if(&peer, |_, c| c.stable_id() == conn.stable_id());
 }
 
-async fn accept_unis(inner: Arc<Inner>, peer: NodeId, conn: quinn::Connection) {
+async fn accept_unis(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connection) {
     loop {
         let mut recv = tokio::select! {
             biased;
@@ -371,17 +458,19 @@ async fn accept_unis(inner: Arc<Inner>, peer: NodeId, conn: quinn::Connection) {
             match bytes.first() {
                 Some(&STREAM_GOSSIP) => {
                     inner.metrics.received(TrafficKind::Summary, bytes.len());
-                    crate::gossip::handle_frame(&inner, &peer, &bytes[1..]).await;
+                    if let Some(inbound) = inner.inbound.upgrade() {
+                        inbound.gossip(&peer, &bytes[1..]);
+                    }
                 }
                 Some(&STREAM_APP) if bytes.len() >= 2 && bytes.len() - 2 <= MAX_APP_MESSAGE => {
                     inner.metrics.received(TrafficKind::App, bytes.len());
-                    let msg = crate::cluster::AppMessage {
+                    let msg = AppMessage {
                         from: peer,
                         kind: bytes[1],
                         payload: Bytes::copy_from_slice(&bytes[2..]),
                     };
-                    if inner.app_tx.try_send(msg).is_err() {
-                        tracing::debug!("app inbox full or closed; message dropped");
+                    if let Some(inbound) = inner.inbound.upgrade() {
+                        inbound.app(msg);
                     }
                 }
                 _ => ClusterMetrics::bump(&inner.metrics.malformed_received),
@@ -390,21 +479,21 @@ async fn accept_unis(inner: Arc<Inner>, peer: NodeId, conn: quinn::Connection) {
     }
 }
 
-async fn accept_bis(inner: Arc<Inner>, peer: NodeId, conn: quinn::Connection) {
+async fn accept_bis(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connection) {
     loop {
         let (send, recv) = tokio::select! {
             biased;
             _ = inner.shutdown.cancelled() => return,
             r = conn.accept_bi() => match r { Ok(r) => r, Err(_) => return },
         };
-        let fwd = crate::cluster::IncomingForward {
+        let fwd = IncomingForward {
             from: peer.clone(),
             send,
             recv,
         };
-        if inner.forward_tx.try_send(fwd).is_err() {
-            // Dropping the streams resets them: the origin retries locally.
-            tracing::debug!(%peer, "forward inbox full or closed; stream refused");
+        match inner.inbound.upgrade() {
+            Some(inbound) => inbound.forward(fwd),
+            None => return,
         }
     }
 }

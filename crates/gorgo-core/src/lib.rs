@@ -15,6 +15,7 @@ pub mod engine_metrics;
 pub mod error;
 pub mod es;
 pub mod fit;
+pub mod gossip;
 pub mod hash;
 pub mod headers;
 pub mod index;

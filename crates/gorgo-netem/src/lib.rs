@@ -14,6 +14,7 @@ mod error;
 mod link;
 mod plan;
 mod relay;
+pub mod sphere;
 mod tc;
 mod tcp;
 mod topology;

@@ -70,10 +70,21 @@ pub struct SimCounters {
     pub events: u64,
     /// Most requests in flight at once (what memory scales with).
     pub max_in_flight: usize,
-    /// Gossip messages delivered (summaries + stats).
+    /// Gossip messages sent (summaries with stats, snapshot requests), lost ones
+    /// included.
     pub gossip_messages: u64,
-    /// Their approximate encoded size, bytes.
+    /// Their size as the live cluster frames them (the core's encoded message plus the
+    /// frame header), bytes; QUIC and UDP overhead not included.
     pub gossip_bytes: u64,
+    /// Of `gossip_bytes`, those sent while trace rows were still arriving (until the
+    /// last row was read), bytes.
+    pub gossip_bytes_arriving: u64,
+    /// When the last of those was sent, virtual ms.
+    pub gossip_arriving_until_ms: f64,
+    /// Gossip messages lost (`gossip_loss`).
+    pub gossip_lost: u64,
+    /// Snapshot requests sent after a version gap.
+    pub snapshot_requests: u64,
     /// Trace rows that arrived out of order (sent at the current time instead).
     pub reordered_rows: u64,
     /// Virtual time at the end, ms.

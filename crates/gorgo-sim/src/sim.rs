@@ -21,10 +21,11 @@ use gorgo_core::cost::{Candidate, ForwardLedger};
 use gorgo_core::decision::decide;
 use gorgo_core::es::TuningConfig;
 use gorgo_core::fit::FitConfig;
+use gorgo_core::gossip::{self as core_gossip, GossipConfig, GossipSender, PeerGossip};
 use gorgo_core::policy::{Policy, PolicyKind, RouteRequest};
-use gorgo_core::summary::{SummaryDelta, SummarySnapshot};
 use gorgo_core::tuning::{EpochReport, Proposal, Tuner, TuningOutput};
-use gorgo_core::{hash::hash_bytes, HashChain, NodeId, PeerSummary, QueueStats, ShadowIndex};
+use gorgo_core::wire::GossipMessage;
+use gorgo_core::{hash::hash_bytes, HashChain, NodeId, QueueStats, ShadowIndex};
 use gorgo_engine::{Engine, EngineEvent, EngineRequest, Profile};
 use gorgo_workload::{TraceRequest, WorkloadError};
 use rand::{Rng, RngCore, SeedableRng};
@@ -49,6 +50,11 @@ pub struct SimConfig {
     pub gossip_interval_ms: f64,
     /// Extra transit delay of gossip on top of the one-way delay, ms.
     pub gossip_extra_delay_ms: f64,
+    /// Probability that a gossip message (summary, stats, snapshot request) is lost,
+    /// drawn per message from a per-node generator seeded by `seed` (the rest of the
+    /// run's randomness is unchanged by it). Exercises the receivers' reorder buffers
+    /// and snapshot requests.
+    pub gossip_loss: f64,
     /// The max-hops guard (DESIGN.md default 1).
     pub max_hops: u8,
     /// Multiplies trace inter-arrival times (< 1 compresses and loads the engines).
@@ -88,6 +94,20 @@ pub struct SimConfig {
     pub decode_step_ms: f64,
 }
 
+/// Bytes the live cluster puts before each gossip message on its uni-stream (kind
+/// byte and staleness stamp, `gorgo-cluster`'s gossip frame).
+pub const GOSSIP_FRAME_HEADER: usize = 9;
+
+/// The core's gossip as the simulator runs it: the live defaults, except that an
+/// up-to-date peer still gets a message every round, because the queue stats travel
+/// only on gossip here (live nodes also broadcast them on SWIM).
+pub fn sim_gossip_config() -> GossipConfig {
+    GossipConfig {
+        send_unchanged: true,
+        ..GossipConfig::default()
+    }
+}
+
 impl SimConfig {
     /// Defaults of DESIGN.md around a network, one profile for every region.
     pub fn new(network: Network, profile: Profile) -> Self {
@@ -97,6 +117,7 @@ impl SimConfig {
             profiles,
             gossip_interval_ms: 250.0,
             gossip_extra_delay_ms: 0.0,
+            gossip_loss: 0.0,
             max_hops: 1,
             time_scale: 1.0,
             seed: 0,
@@ -127,6 +148,9 @@ impl SimConfig {
         }
         if !(self.gossip_extra_delay_ms.is_finite() && self.gossip_extra_delay_ms >= 0.0) {
             return Err(invalid("gossip_extra_delay_ms", "must be >= 0"));
+        }
+        if !(self.gossip_loss.is_finite() && (0.0..1.0).contains(&self.gossip_loss)) {
+            return Err(invalid("gossip_loss", "must be in [0, 1)"));
         }
         if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
             return Err(invalid("time_scale", "must be > 0"));
@@ -238,11 +262,8 @@ struct Flight {
 }
 
 enum Payload {
-    Gossip {
-        stats: QueueStats,
-        delta: Option<SummaryDelta>,
-        snapshot: Option<SummarySnapshot>,
-    },
+    /// A message of the core's gossip state machine, as the wire carries it.
+    Gossip(GossipMessage),
     Proposal(Proposal),
     Report(EpochReport),
 }
@@ -258,16 +279,17 @@ struct Node {
     id: NodeId,
     policy: Box<dyn Policy>,
     shadow: ShadowIndex,
-    peer_summaries: Vec<PeerSummary>,
-    peer_stats: Vec<Option<QueueStats>>,
+    /// Per region: that peer's summary and stats as heard (the core's receiver state;
+    /// the own region's entry stays empty).
+    peers: Vec<PeerGossip>,
     ledger: ForwardLedger,
     /// The node's view of its engine (the live node's accounting and prefill fit).
     view: EngineView,
     stats_version: u64,
-    /// Summary version last sent to each peer (`None`: send a snapshot).
-    sent_version: Vec<Option<u64>>,
-    /// When the last gossip message to each peer is delivered (links are FIFO).
-    last_gossip_at: Vec<f64>,
+    /// What this node sends each peer next (the core's sender state).
+    gossip: GossipSender,
+    /// Draws the loss of this node's outgoing gossip (`gossip_loss`).
+    gossip_loss_rng: ChaCha8Rng,
     tuner: Option<Tuner>,
 }
 
@@ -403,8 +425,7 @@ impl<'a> Sim<'a> {
                     id: node_ids[i].clone(),
                     policy: kind.build(),
                     shadow: ShadowIndex::new(p.max_total_tokens),
-                    peer_summaries: vec![PeerSummary::new(); n],
-                    peer_stats: vec![None; n],
+                    peers: vec![PeerGossip::new(); n],
                     ledger: ForwardLedger::new(),
                     view: EngineView::new(ViewConfig {
                         kv_capacity_tokens: None,
@@ -414,8 +435,10 @@ impl<'a> Sim<'a> {
                         fit: FitConfig::default(),
                     })?,
                     stats_version: 0,
-                    sent_version: vec![None; n],
-                    last_gossip_at: vec![0.0; n],
+                    gossip: GossipSender::new(node_ids[i].clone(), sim_gossip_config()),
+                    gossip_loss_rng: ChaCha8Rng::seed_from_u64(
+                        cfg.seed ^ hash_bytes(format!("gossip-loss/{i}").as_bytes()),
+                    ),
                     tuner,
                 });
             }
@@ -704,17 +727,18 @@ impl<'a> Sim<'a> {
             node: &node_ids[p],
             alive: true,
             rtt_ms: rtts[p],
-            stats: node.peer_stats[p].as_ref(),
+            stats: node.peers[p].stats(),
         });
-        let summaries = &node.peer_summaries;
+        let gossip_peers = &node.peers;
         let cands = build_candidates(
             local,
             peers,
             |peer| {
-                node_ids
-                    .iter()
-                    .position(|id| id == peer)
-                    .map_or(0, |p| summaries[p].matched_tokens(chain))
+                node_ids.iter().position(|id| id == peer).map_or(0, |p| {
+                    gossip_peers[p]
+                        .summary()
+                        .map_or(0, |s| s.matched_tokens(chain))
+                })
             },
             &mut node.ledger,
             now as u64,
@@ -1055,35 +1079,17 @@ impl<'a> Sim<'a> {
             if p == r {
                 continue;
             }
-            let node = &self.nodes[r];
-            let summary = node.shadow.summary();
-            let (delta, snapshot) = match node.sent_version[p].and_then(|v| summary.delta_since(v))
-            {
-                Some(d) => (Some(d), None),
-                None => (None, Some(summary.snapshot())),
-            };
-            let bytes = 96
-                + delta.as_ref().map_or(0, |d| d.encoded_len())
-                + snapshot.as_ref().map_or(0, |s| s.encoded_len());
-            let version = summary.version();
-            let delay = self.link_delay(r, p) + self.cfg.gossip_extra_delay_ms;
             let node = &mut self.nodes[r];
-            node.sent_version[p] = Some(version);
-            // One QUIC stream per peer: deliveries keep their order.
-            let at = (now + delay).max(node.last_gossip_at[p]);
-            node.last_gossip_at[p] = at;
-            self.out.run.counters.gossip_messages += 1;
-            self.out.run.counters.gossip_bytes += bytes as u64;
-            self.send(
-                r,
-                p,
-                Payload::Gossip {
-                    stats: stats.clone(),
-                    delta,
-                    snapshot,
-                },
-                at,
-            );
+            let Some(msg) = node
+                .gossip
+                .poll(&self.node_ids[p], node.shadow.summary(), &stats)
+            else {
+                continue;
+            };
+            // The transport took it (one uni-stream per message, as live); a loss
+            // below is repaired by the receiver's snapshot request.
+            node.gossip.on_sent(&self.node_ids[p], true);
+            self.send_gossip(r, p, msg, now);
         }
         let outputs = match self.nodes[r].tuner.as_mut() {
             Some(t) => t.tick(now as u64),
@@ -1095,31 +1101,52 @@ impl<'a> Sim<'a> {
         }
     }
 
+    /// Put gossip message `msg` from `r` to `p` on the wire at `now`: count its bytes
+    /// as the live cluster frames it, and lose it with probability `gossip_loss`.
+    fn send_gossip(&mut self, r: usize, p: usize, msg: GossipMessage, now: f64) {
+        let delay = self.link_delay(r, p) + self.cfg.gossip_extra_delay_ms;
+        let c = &mut self.out.run.counters;
+        c.gossip_messages += 1;
+        let bytes = (core_gossip::encoded_len(&msg) + GOSSIP_FRAME_HEADER) as u64;
+        c.gossip_bytes += bytes;
+        if !self.trace_done {
+            // While requests still arrive: the load the gossip figure is quoted at.
+            c.gossip_bytes_arriving += bytes;
+            c.gossip_arriving_until_ms = now;
+        }
+        if self.cfg.gossip_loss > 0.0
+            && self.nodes[r].gossip_loss_rng.random::<f64>() < self.cfg.gossip_loss
+        {
+            c.gossip_lost += 1;
+            return;
+        }
+        self.send(r, p, Payload::Gossip(msg), now + delay);
+    }
+
     fn deliver(&mut self, id: u32, now: f64) {
         let m = self.messages[id as usize].take().expect("live message");
         self.free_messages.push(id);
         let (from, to) = (m.from as usize, m.to as usize);
         match m.payload {
-            Payload::Gossip {
-                stats,
-                delta,
-                snapshot,
-            } => {
+            Payload::Gossip(msg) => {
+                let node = &mut self.nodes[to];
+                let received = node.peers[from].receive(
+                    &self.node_ids[to],
+                    &self.node_ids[from],
+                    msg,
+                    now as u64,
+                    node.gossip.config(),
+                );
+                // The simulator only builds well-formed messages between honest nodes.
+                let received = received.expect("simulated gossip is well-formed");
                 // The ledger observes these stats when the next decision builds its
                 // candidates (core `build_candidates`), as on the live node.
-                let node = &mut self.nodes[to];
-                node.peer_stats[from] = Some(stats);
-                let gap = match (delta, snapshot) {
-                    (Some(d), _) => node.peer_summaries[from].apply_delta(&d).is_err(),
-                    (None, Some(s)) => {
-                        node.peer_summaries[from].apply_snapshot(s);
-                        false
-                    }
-                    (None, None) => false,
-                };
-                if gap {
-                    // The receiver asks for a snapshot; the sender's next tick sends one.
-                    self.nodes[from].sent_version[to] = None;
+                if received.snapshot_requested {
+                    node.gossip.on_snapshot_request(&self.node_ids[from]);
+                }
+                if let Some(reply) = received.reply {
+                    self.out.run.counters.snapshot_requests += 1;
+                    self.send_gossip(to, from, reply, now);
                 }
             }
             Payload::Proposal(p) => {

@@ -323,3 +323,30 @@ fn node_view_counters_return_to_zero() {
     let r = run(&cfg, PolicyKind::Oracle, &t);
     assert!(r.counters.view_counters_end.is_empty());
 }
+
+#[test]
+fn gossip_loss_is_repaired_by_snapshot_requests() {
+    let t = trace(11, 60.0, 12);
+    let mut cfg = config();
+    cfg.gossip_loss = 0.2;
+    let lossy = run(&cfg, PolicyKind::Gorgo, &t);
+    check_conservation(&cfg, &lossy, t.len());
+    let c = &lossy.counters;
+    assert!(c.gossip_lost > 0, "some gossip lost");
+    assert!(c.snapshot_requests > 0, "gaps asked for snapshots");
+    assert!(
+        c.gossip_bytes > c.gossip_messages,
+        "bytes from encoded sizes"
+    );
+    // Seeded: the same loss again.
+    let again = run(&cfg, PolicyKind::Gorgo, &t);
+    assert_eq!(again.counters.gossip_lost, c.gossip_lost);
+    assert_eq!(again.counters.snapshot_requests, c.snapshot_requests);
+    // Without loss nothing is lost and no gap needs a snapshot.
+    cfg.gossip_loss = 0.0;
+    let clean = run(&cfg, PolicyKind::Gorgo, &t);
+    assert_eq!(clean.counters.gossip_lost, 0);
+    assert_eq!(clean.counters.snapshot_requests, 0);
+    cfg.gossip_loss = 1.0;
+    assert!(cfg.validate().is_err());
+}

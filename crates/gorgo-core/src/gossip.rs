@@ -1,0 +1,784 @@
+//! Summary gossip as a sans-IO state machine: what each node sends its peers and what
+//! it makes of what they send.
+//!
+//! Why here: the live cluster (`gorgo-cluster`, over QUIC uni-streams) and the
+//! simulator (`gorgo-sim`, on virtual time) must gossip the same way, so that what a
+//! simulated router knows of its peers is what a live one would know. Both drive this
+//! code; neither has gossip logic of its own.
+//!
+//! Two halves:
+//! - [`GossipSender`], one per node: per peer, the summary version in flight and the
+//!   version the peer is known to hold (acknowledged by the transport), the delta or
+//!   snapshot choice, and resets on join and on a peer's snapshot request.
+//! - [`PeerGossip`], one per peer in the driver's peer table: that peer's summary as
+//!   heard, its last queue stats (kept only when newer), and the reorder buffer for
+//!   deltas that overtook the one they follow. A gap that does not fill in time (or a
+//!   delta before any snapshot) yields a [`GossipMessage::SnapshotRequest`] to send
+//!   back, rate-limited per peer.
+//!
+//! Messages are the wire types of [`crate::wire`]; times are `now_ms` on the driver's
+//! clock.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::error::CoreError;
+use crate::summary::{LocalSummary, PeerSummary, SummaryDelta};
+use crate::types::{NodeId, QueueStats};
+use crate::wire::GossipMessage;
+
+/// Knobs of the gossip state machine (defaults: what the live cluster runs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GossipConfig {
+    /// Deltas held per peer while waiting for the one they follow.
+    pub max_pending_deltas: usize,
+    /// A version gap that has not filled after this long is a real loss: ask for a
+    /// snapshot, ms.
+    pub gap_timeout_ms: u64,
+    /// A peer is not asked for a snapshot again sooner than this, ms.
+    pub snapshot_request_backoff_ms: u64,
+    /// Send an empty delta to a peer that is up to date. Needed where the queue stats
+    /// travel only on gossip (the simulator); the live cluster also broadcasts stats on
+    /// SWIM and leaves this off.
+    pub send_unchanged: bool,
+}
+
+impl Default for GossipConfig {
+    fn default() -> Self {
+        GossipConfig {
+            max_pending_deltas: 8,
+            gap_timeout_ms: 1_000,
+            snapshot_request_backoff_ms: 1_000,
+            send_unchanged: false,
+        }
+    }
+}
+
+/// The node whose summary a gossip message is about (or who asks for a snapshot).
+pub fn origin(msg: &GossipMessage) -> &NodeId {
+    match msg {
+        GossipMessage::SummaryDelta { origin, .. }
+        | GossipMessage::SummarySnapshot { origin, .. }
+        | GossipMessage::SnapshotRequest { origin, .. } => origin,
+    }
+}
+
+/// Bytes `msg` takes on the wire ([`crate::wire::encode`]), computed without encoding
+/// (the simulator counts gossip bytes with it).
+pub fn encoded_len(msg: &GossipMessage) -> usize {
+    // One varint for the enum variant, the origin as a length-prefixed string.
+    let origin_len = |o: &NodeId| varint_len(o.0.len() as u64) + o.0.len();
+    1 + match msg {
+        GossipMessage::SummaryDelta {
+            origin,
+            delta,
+            stats,
+        } => origin_len(origin) + delta.encoded_len() + crate::wire::encode(stats).len(),
+        GossipMessage::SummarySnapshot {
+            origin,
+            snapshot,
+            stats,
+        } => origin_len(origin) + snapshot.encoded_len() + crate::wire::encode(stats).len(),
+        GossipMessage::SnapshotRequest {
+            origin,
+            have_version,
+        } => origin_len(origin) + varint_len(*have_version),
+    }
+}
+
+fn varint_len(v: u64) -> usize {
+    match v {
+        0..=250 => 1,
+        251..=0xFFFF => 3,
+        0x1_0000..=0xFFFF_FFFF => 5,
+        _ => 9,
+    }
+}
+
+/// Sender-side state for one peer.
+#[derive(Debug, Clone, Default)]
+struct SendState {
+    /// The version the peer holds once the message in flight lands.
+    in_flight: Option<u64>,
+    /// The version the peer is known to hold (the transport took our last message);
+    /// `None`: it needs a snapshot.
+    acked: Option<u64>,
+}
+
+/// The sender half: what this node sends each peer next.
+#[derive(Debug, Clone)]
+pub struct GossipSender {
+    me: NodeId,
+    config: GossipConfig,
+    peers: HashMap<NodeId, SendState>,
+}
+
+impl GossipSender {
+    /// The sender of node `me`.
+    pub fn new(me: NodeId, config: GossipConfig) -> Self {
+        GossipSender {
+            me,
+            config,
+            peers: HashMap::new(),
+        }
+    }
+
+    /// This node.
+    pub fn me(&self) -> &NodeId {
+        &self.me
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &GossipConfig {
+        &self.config
+    }
+
+    /// A peer (re)joined: it holds nothing of ours, so it gets a snapshot next.
+    pub fn peer_joined(&mut self, peer: &NodeId) {
+        self.peers.remove(peer);
+    }
+
+    /// The version `peer` is known to hold, if any.
+    pub fn acked(&self, peer: &NodeId) -> Option<u64> {
+        self.peers.get(peer).and_then(|s| s.acked)
+    }
+
+    /// The message to send `peer` now, with our `summary` and `stats`: a delta since
+    /// the version it holds, or a snapshot when it holds nothing or the change log no
+    /// longer reaches back that far. `None` while a message to it is in flight, or
+    /// when it is up to date (unless [`GossipConfig::send_unchanged`]). The driver
+    /// reports the transport's verdict with [`on_sent`](Self::on_sent).
+    pub fn poll(
+        &mut self,
+        peer: &NodeId,
+        summary: &LocalSummary,
+        stats: &QueueStats,
+    ) -> Option<GossipMessage> {
+        if *peer == self.me {
+            return None;
+        }
+        let st = self.peers.entry(peer.clone()).or_default();
+        if st.in_flight.is_some() {
+            return None;
+        }
+        let version = summary.version();
+        let origin = self.me.clone();
+        let msg = match st.acked.map(|v| (v, summary.delta_since(v))) {
+            Some((v, Some(delta))) => {
+                if v == version && !self.config.send_unchanged {
+                    return None;
+                }
+                GossipMessage::SummaryDelta {
+                    origin,
+                    delta,
+                    stats: stats.clone(),
+                }
+            }
+            _ => GossipMessage::SummarySnapshot {
+                origin,
+                snapshot: summary.snapshot(),
+                stats: stats.clone(),
+            },
+        };
+        st.in_flight = Some(version);
+        Some(msg)
+    }
+
+    /// The transport's verdict on the message [`poll`](Self::poll) last gave for
+    /// `peer`: `delivered` when it took it (the peer holds that version unless the
+    /// message is lost after all, which the peer repairs with a snapshot request);
+    /// otherwise the next message is a snapshot.
+    pub fn on_sent(&mut self, peer: &NodeId, delivered: bool) {
+        if let Some(st) = self.peers.get_mut(peer) {
+            let v = st.in_flight.take();
+            st.acked = if delivered { v } else { None };
+        }
+    }
+
+    /// `peer` asked for a snapshot: its next message is one.
+    pub fn on_snapshot_request(&mut self, peer: &NodeId) {
+        if let Some(st) = self.peers.get_mut(peer) {
+            st.acked = None;
+        }
+    }
+}
+
+/// What receiving a gossip message did to the summary held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SummaryEvent {
+    /// Nothing changed (a snapshot request, or a delta that was dropped).
+    None,
+    /// A snapshot replaced the summary (and held deltas that follow were applied).
+    Snapshot,
+    /// The delta (and any held ones that follow on) applied; `empty` when it carried
+    /// no change.
+    Applied {
+        /// The delta itself changed nothing.
+        empty: bool,
+    },
+    /// The delta is ahead of the version held: kept until the gap fills.
+    Buffered,
+    /// A version gap this side cannot repair: a snapshot was (or is being) asked for.
+    Gap,
+}
+
+/// What one received gossip message did, for the driver to act on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Received {
+    /// The summary side.
+    pub summary: SummaryEvent,
+    /// The message's queue stats were newer than the ones held and were kept.
+    pub stats_updated: bool,
+    /// The peer asked for our snapshot: the driver tells its [`GossipSender`]
+    /// ([`GossipSender::on_snapshot_request`]).
+    pub snapshot_requested: bool,
+    /// A message to send back to the peer (a snapshot request).
+    pub reply: Option<GossipMessage>,
+}
+
+/// The receiver half for one peer: its summary and stats as heard, and the reorder
+/// buffer. The driver keeps one per peer in its peer table and resets it
+/// ([`PeerGossip::default`]) when the peer's identity changes.
+#[derive(Debug, Clone, Default)]
+pub struct PeerGossip {
+    summary: Option<PeerSummary>,
+    stats: Option<QueueStats>,
+    /// Future deltas by `from_version`.
+    pending: BTreeMap<u64, SummaryDelta>,
+    /// When the current gap was first seen (or last narrowed), ms.
+    gap_since_ms: Option<u64>,
+    /// When we last asked this peer for a snapshot, ms.
+    snapshot_requested_at_ms: Option<u64>,
+}
+
+impl PeerGossip {
+    /// Nothing heard yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The peer's summary; `None` before its first snapshot.
+    pub fn summary(&self) -> Option<&PeerSummary> {
+        self.summary.as_ref()
+    }
+
+    /// The peer's last queue stats.
+    pub fn stats(&self) -> Option<&QueueStats> {
+        self.stats.as_ref()
+    }
+
+    /// Deltas held until a gap fills.
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Keep `stats` when newer than the ones held (by version; version 0 means "never
+    /// published" and is not kept). True when kept. Also the path of stats that arrive
+    /// outside summary gossip (SWIM broadcasts).
+    pub fn offer_stats(&mut self, stats: &QueueStats) -> bool {
+        if stats.version == 0
+            || self
+                .stats
+                .as_ref()
+                .is_some_and(|s| s.version >= stats.version)
+        {
+            return false;
+        }
+        self.stats = Some(stats.clone());
+        true
+    }
+
+    /// Handle `msg`, which the transport says came from `from`, on behalf of node `me`.
+    ///
+    /// Errors: [`CoreError::Malformed`] when the message speaks for another node than
+    /// its sender, or its delta goes backwards; nothing is changed then.
+    pub fn receive(
+        &mut self,
+        me: &NodeId,
+        from: &NodeId,
+        msg: GossipMessage,
+        now_ms: u64,
+        config: &GossipConfig,
+    ) -> Result<Received, CoreError> {
+        if origin(&msg) != from {
+            return Err(CoreError::Malformed(format!(
+                "gossip from {from} claims to come from {}",
+                origin(&msg)
+            )));
+        }
+        let mut out = Received {
+            summary: SummaryEvent::None,
+            stats_updated: false,
+            snapshot_requested: false,
+            reply: None,
+        };
+        match msg {
+            GossipMessage::SnapshotRequest { .. } => out.snapshot_requested = true,
+            GossipMessage::SummarySnapshot {
+                snapshot, stats, ..
+            } => {
+                let summary = self.summary.get_or_insert_with(PeerSummary::new);
+                summary.apply_snapshot(snapshot);
+                // Deltas that overtook the snapshot follow on from it.
+                if drain(&mut self.pending, &mut self.gap_since_ms, summary, now_ms).is_err() {
+                    self.clear_pending();
+                }
+                out.summary = SummaryEvent::Snapshot;
+                out.stats_updated = self.offer_stats(&stats);
+            }
+            GossipMessage::SummaryDelta { delta, stats, .. } => {
+                if delta.to_version < delta.from_version {
+                    return Err(CoreError::Malformed(format!(
+                        "summary delta goes backwards: {} -> {}",
+                        delta.from_version, delta.to_version
+                    )));
+                }
+                out.summary = self.receive_delta(delta, now_ms, config)?;
+                out.stats_updated = self.offer_stats(&stats);
+            }
+        }
+        if out.summary == SummaryEvent::Gap {
+            out.reply = self.snapshot_request(me, now_ms, config);
+        }
+        Ok(out)
+    }
+
+    fn receive_delta(
+        &mut self,
+        delta: SummaryDelta,
+        now_ms: u64,
+        config: &GossipConfig,
+    ) -> Result<SummaryEvent, CoreError> {
+        let Some(summary) = self.summary.as_mut() else {
+            // Nothing to apply it to: only a snapshot helps.
+            return Ok(SummaryEvent::Gap);
+        };
+        let empty = delta.is_empty();
+        match summary.apply_delta(&delta) {
+            Ok(()) => {
+                drain(&mut self.pending, &mut self.gap_since_ms, summary, now_ms)?;
+                Ok(SummaryEvent::Applied { empty })
+            }
+            Err(CoreError::SummaryGap { have, from }) if from > have => {
+                let since = *self.gap_since_ms.get_or_insert(now_ms);
+                let full = self.pending.len() >= config.max_pending_deltas
+                    && !self.pending.contains_key(&delta.from_version);
+                if full || now_ms.saturating_sub(since) >= config.gap_timeout_ms {
+                    self.clear_pending();
+                    return Ok(SummaryEvent::Gap);
+                }
+                self.pending.insert(delta.from_version, delta);
+                Ok(SummaryEvent::Buffered)
+            }
+            // A delta from before what we hold that reaches past it: only a snapshot
+            // can repair that.
+            Err(CoreError::SummaryGap { .. }) => {
+                self.clear_pending();
+                Ok(SummaryEvent::Gap)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// A snapshot request for the peer, unless one went out within the backoff.
+    fn snapshot_request(
+        &mut self,
+        me: &NodeId,
+        now_ms: u64,
+        config: &GossipConfig,
+    ) -> Option<GossipMessage> {
+        if self
+            .snapshot_requested_at_ms
+            .is_some_and(|t| now_ms.saturating_sub(t) < config.snapshot_request_backoff_ms)
+        {
+            return None;
+        }
+        self.snapshot_requested_at_ms = Some(now_ms);
+        Some(GossipMessage::SnapshotRequest {
+            origin: me.clone(),
+            have_version: self.summary.as_ref().map_or(0, |s| s.version()),
+        })
+    }
+
+    fn clear_pending(&mut self) {
+        self.pending.clear();
+        self.gap_since_ms = None;
+    }
+}
+
+/// Apply held deltas that now follow on; forget the ones already covered.
+fn drain(
+    pending: &mut BTreeMap<u64, SummaryDelta>,
+    gap_since_ms: &mut Option<u64>,
+    summary: &mut PeerSummary,
+    now_ms: u64,
+) -> Result<(), CoreError> {
+    let mut progressed = false;
+    loop {
+        let held = summary.version();
+        pending.retain(|_, d| d.to_version > held);
+        let Some(next) = pending.remove(&held) else {
+            break;
+        };
+        summary.apply_delta(&next)?;
+        progressed = true;
+    }
+    if pending.is_empty() {
+        *gap_since_ms = None;
+    } else if progressed {
+        *gap_since_ms = Some(now_ms);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::summary::SummarySnapshot;
+    use crate::wire::{self, MAX_GOSSIP_MESSAGE};
+    use proptest::prelude::*;
+
+    fn delta(from: u64, to: u64, added: &[u32]) -> GossipMessage {
+        GossipMessage::SummaryDelta {
+            origin: "b".into(),
+            delta: SummaryDelta {
+                from_version: from,
+                to_version: to,
+                added: added.to_vec(),
+                removed: vec![],
+            },
+            stats: QueueStats::default(),
+        }
+    }
+
+    fn snapshot(version: u64) -> GossipMessage {
+        GossipMessage::SummarySnapshot {
+            origin: "b".into(),
+            snapshot: SummarySnapshot {
+                version,
+                fingerprints: vec![],
+            },
+            stats: QueueStats::default(),
+        }
+    }
+
+    fn recv(p: &mut PeerGossip, msg: GossipMessage, now: u64) -> Received {
+        p.receive(&"a".into(), &"b".into(), msg, now, &GossipConfig::default())
+            .unwrap()
+    }
+
+    #[test]
+    fn sender_starts_with_a_snapshot_then_sends_deltas() {
+        let mut s = GossipSender::new("a".into(), GossipConfig::default());
+        let mut local = LocalSummary::new().starting_at(10);
+        local.record_add(1);
+        let b = NodeId::from("b");
+        let st = QueueStats::default();
+        assert!(matches!(
+            s.poll(&b, &local, &st),
+            Some(GossipMessage::SummarySnapshot { .. })
+        ));
+        assert!(s.poll(&b, &local, &st).is_none(), "one in flight");
+        s.on_sent(&b, true);
+        assert_eq!(s.acked(&b), Some(11));
+        assert!(s.poll(&b, &local, &st).is_none(), "up to date");
+        local.record_add(2);
+        match s.poll(&b, &local, &st) {
+            Some(GossipMessage::SummaryDelta { delta, .. }) => {
+                assert_eq!((delta.from_version, delta.to_version), (11, 12));
+                assert_eq!(delta.added, vec![2]);
+            }
+            other => panic!("expected a delta, got {other:?}"),
+        }
+        // A failed send: snapshot next.
+        s.on_sent(&b, false);
+        assert!(matches!(
+            s.poll(&b, &local, &st),
+            Some(GossipMessage::SummarySnapshot { .. })
+        ));
+        s.on_sent(&b, true);
+        s.on_snapshot_request(&b);
+        assert!(matches!(
+            s.poll(&b, &local, &st),
+            Some(GossipMessage::SummarySnapshot { .. })
+        ));
+        // Where stats travel only on gossip, an up-to-date peer still gets a message.
+        let mut s = GossipSender::new(
+            "a".into(),
+            GossipConfig {
+                send_unchanged: true,
+                ..Default::default()
+            },
+        );
+        s.poll(&b, &local, &st);
+        s.on_sent(&b, true);
+        assert!(matches!(
+            s.poll(&b, &local, &st),
+            Some(GossipMessage::SummaryDelta { delta, .. }) if delta.is_empty()
+        ));
+        assert!(s.poll(&"a".into(), &local, &st).is_none(), "not to itself");
+    }
+
+    #[test]
+    fn overtaken_deltas_wait_for_the_gap_instead_of_a_snapshot() {
+        let mut p = PeerGossip::new();
+        recv(&mut p, snapshot(1), 0);
+        assert_eq!(
+            recv(&mut p, delta(3, 4, &[4]), 0).summary,
+            SummaryEvent::Buffered
+        );
+        assert_eq!(
+            recv(&mut p, delta(2, 3, &[3]), 0).summary,
+            SummaryEvent::Buffered
+        );
+        assert_eq!(p.summary().unwrap().version(), 1);
+        let r = recv(&mut p, delta(1, 2, &[2]), 300);
+        assert_eq!(r.summary, SummaryEvent::Applied { empty: false });
+        assert!(r.reply.is_none());
+        assert_eq!(
+            p.summary().unwrap().version(),
+            4,
+            "the held deltas followed on"
+        );
+        assert_eq!(p.summary().unwrap().len(), 3);
+        assert_eq!(p.pending(), 0);
+    }
+
+    #[test]
+    fn a_gap_that_persists_or_overflows_asks_for_a_snapshot() {
+        let cfg = GossipConfig::default();
+        let mut p = PeerGossip::new();
+        // A delta before any snapshot.
+        let r = recv(&mut p, delta(0, 1, &[]), 0);
+        assert_eq!(r.summary, SummaryEvent::Gap);
+        assert!(matches!(
+            r.reply,
+            Some(GossipMessage::SnapshotRequest {
+                have_version: 0,
+                ..
+            })
+        ));
+        recv(&mut p, snapshot(1), 0);
+        assert_eq!(
+            recv(&mut p, delta(2, 3, &[]), 10).summary,
+            SummaryEvent::Buffered
+        );
+        let r = recv(&mut p, delta(3, 4, &[]), 10 + cfg.gap_timeout_ms);
+        assert_eq!(r.summary, SummaryEvent::Gap);
+        assert!(r.reply.is_some(), "past the backoff of the first request");
+        assert_eq!(p.pending(), 0);
+        // Within the backoff, no second request.
+        let r = recv(&mut p, delta(0, 9, &[]), 20 + cfg.gap_timeout_ms);
+        assert_eq!(r.summary, SummaryEvent::Gap);
+        assert!(r.reply.is_none());
+        // A snapshot picks up the deltas that follow it.
+        let mut p = PeerGossip::new();
+        recv(&mut p, snapshot(1), 0);
+        for v in 5..5 + cfg.max_pending_deltas as u64 {
+            assert_eq!(
+                recv(&mut p, delta(v, v + 1, &[v as u32]), 0).summary,
+                SummaryEvent::Buffered
+            );
+        }
+        // Too many held deltas: stop waiting.
+        assert_eq!(
+            recv(&mut p, delta(50, 51, &[]), 0).summary,
+            SummaryEvent::Gap
+        );
+        for v in 5..5 + cfg.max_pending_deltas as u64 {
+            recv(&mut p, delta(v, v + 1, &[v as u32]), 0);
+        }
+        recv(&mut p, snapshot(6), 0);
+        assert_eq!(
+            p.summary().unwrap().version(),
+            5 + cfg.max_pending_deltas as u64
+        );
+        assert_eq!(p.pending(), 0);
+    }
+
+    #[test]
+    fn stats_only_when_newer_and_spoofs_refused() {
+        let mut p = PeerGossip::new();
+        let s = |v| QueueStats {
+            version: v,
+            ..Default::default()
+        };
+        assert!(!p.offer_stats(&s(0)));
+        assert!(p.offer_stats(&s(2)));
+        assert!(!p.offer_stats(&s(2)));
+        assert!(!p.offer_stats(&s(1)));
+        assert!(p.offer_stats(&s(3)));
+        let err = p.receive(
+            &"a".into(),
+            &"c".into(),
+            snapshot(1),
+            0,
+            &GossipConfig::default(),
+        );
+        assert!(matches!(err, Err(CoreError::Malformed(_))));
+        assert!(p.summary().is_none());
+        let backwards = delta(5, 4, &[]);
+        recv(&mut p, snapshot(5), 0);
+        assert!(p
+            .receive(
+                &"a".into(),
+                &"b".into(),
+                backwards,
+                0,
+                &GossipConfig::default()
+            )
+            .is_err());
+    }
+
+    #[test]
+    fn encoded_len_matches_codec() {
+        let msgs = [
+            delta(300, 1 << 40, &[0, 250, 251, 70_000, u32::MAX]),
+            snapshot(7),
+            GossipMessage::SnapshotRequest {
+                origin: "region-with-a-long-name".into(),
+                have_version: 1 << 20,
+            },
+            GossipMessage::SummaryDelta {
+                origin: "x".into(),
+                delta: SummaryDelta::default(),
+                stats: QueueStats {
+                    running: 3,
+                    t_p_ms: 0.09,
+                    version: 1 << 33,
+                    ..Default::default()
+                },
+            },
+        ];
+        for m in msgs {
+            assert_eq!(encoded_len(&m), wire::encode(&m).len(), "{m:?}");
+        }
+    }
+
+    /// What the network does to one message.
+    #[derive(Debug, Clone, Copy)]
+    enum Fate {
+        Deliver,
+        Drop,
+        Duplicate,
+        /// Held back and delivered after the next one.
+        Delay,
+    }
+
+    fn fate() -> impl Strategy<Value = Fate> {
+        prop_oneof![
+            6 => Just(Fate::Deliver),
+            1 => Just(Fate::Drop),
+            1 => Just(Fate::Duplicate),
+            2 => Just(Fate::Delay),
+        ]
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Add(u32),
+        Remove(u32),
+        /// A gossip round: the sender polls, the network decides the message's fate,
+        /// time advances by this many ms.
+        Round(Fate, u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (0u32..32).prop_map(Op::Add),
+            3 => (0u32..32).prop_map(Op::Remove),
+            3 => (fate(), 0u64..600).prop_map(|(f, dt)| Op::Round(f, dt)),
+        ]
+    }
+
+    proptest! {
+        /// Under any loss, duplication and reordering of messages in both directions,
+        /// once the network behaves for a while the receiver holds exactly the sender's
+        /// summary.
+        #[test]
+        fn receiver_converges_under_loss_reorder_and_duplication(
+            ops in prop::collection::vec(op(), 0..150),
+            cap in 1usize..40,
+        ) {
+            let cfg = GossipConfig { send_unchanged: true, ..Default::default() };
+            let (a, b) = (NodeId::from("a"), NodeId::from("b"));
+            let mut local = LocalSummary::with_log_capacity(cap).starting_at(100);
+            let mut sender = GossipSender::new(a.clone(), cfg.clone());
+            let mut view = PeerGossip::new();
+            let mut now = 0u64;
+            let mut held: Option<GossipMessage> = None;
+            let mut stats = QueueStats::default();
+            let deliver = |m: GossipMessage, now: u64, view: &mut PeerGossip, sender: &mut GossipSender| {
+                let r = view.receive(&b, &a, m, now, &cfg).unwrap();
+                // The reply (snapshot request) may itself be lost: some are dropped.
+                if let Some(req) = r.reply.filter(|_| now.is_multiple_of(2)) {
+                    let r2 = PeerGossip::new().receive(&a, &b, req, now, &cfg).unwrap();
+                    if r2.snapshot_requested {
+                        sender.on_snapshot_request(&b);
+                    }
+                }
+            };
+            for op in ops {
+                match op {
+                    Op::Add(fp) => local.record_add(fp),
+                    Op::Remove(fp) => local.record_remove(fp),
+                    Op::Round(f, dt) => {
+                        now += dt;
+                        stats.version += 1;
+                        let Some(m) = sender.poll(&b, &local, &stats) else { continue };
+                        sender.on_sent(&b, true);
+                        match f {
+                            Fate::Deliver => {
+                                deliver(m, now, &mut view, &mut sender);
+                                if let Some(h) = held.take() {
+                                    deliver(h, now, &mut view, &mut sender);
+                                }
+                            }
+                            Fate::Drop => {}
+                            Fate::Duplicate => {
+                                deliver(m.clone(), now, &mut view, &mut sender);
+                                deliver(m, now, &mut view, &mut sender);
+                            }
+                            Fate::Delay => {
+                                if let Some(h) = held.replace(m) {
+                                    deliver(h, now, &mut view, &mut sender);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            // Then a calm network: rounds a second apart, replies delivered.
+            for _ in 0..6 {
+                now += 1_000;
+                stats.version += 1;
+                if let Some(m) = sender.poll(&b, &local, &stats) {
+                    sender.on_sent(&b, true);
+                    let r = view.receive(&b, &a, m, now, &cfg).unwrap();
+                    if r.reply.is_some() {
+                        sender.on_snapshot_request(&b);
+                    }
+                }
+            }
+            let got = view.summary().expect("a snapshot arrived");
+            prop_assert_eq!(got.version(), local.version());
+            let want = local.snapshot().fingerprints;
+            prop_assert_eq!(got.len(), want.len());
+            for fp in want {
+                prop_assert!(got.contains(fp));
+            }
+            prop_assert_eq!(view.stats().map(|s| s.version), Some(stats.version));
+        }
+
+        /// Random bytes never decode into a panic, and whatever decodes is handled
+        /// without one.
+        #[test]
+        fn random_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+            if let Ok(m) = wire::decode::<GossipMessage>(&bytes, MAX_GOSSIP_MESSAGE) {
+                let from = origin(&m).clone();
+                let mut p = PeerGossip::new();
+                let _ = p.receive(&"me".into(), &from, m.clone(), 0, &GossipConfig::default());
+                let _ = p.receive(&"me".into(), &from, m, 5_000, &GossipConfig::default());
+            }
+        }
+    }
+}
