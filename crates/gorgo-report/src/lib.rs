@@ -27,10 +27,10 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-pub use aggregate::{aggregate, PolicyResult};
+pub use aggregate::{aggregate, hit_ratio, PolicyResult, PredictionError};
 pub use gorgo_core::LatencyStats;
 pub use record::RequestRecord;
-pub use table::{render_markdown, render_table};
+pub use table::{aligned, markdown, render_markdown, render_table};
 
 /// The one error type of `gorgo-report`.
 #[derive(Debug, thiserror::Error)]
