@@ -16,6 +16,8 @@ use crate::sse::{SseEvent, SseParser};
 pub const SERVED_BY_HEADER: &str = "x-gorgo-served-by";
 /// Response header with the number of forwards the request took.
 pub const HOPS_HEADER: &str = "x-gorgo-hops";
+/// Response header with the node's predicted TTFT for its choice, ms.
+pub const PREDICTED_TTFT_HEADER: &str = "x-gorgo-predicted-ttft-ms";
 /// Request header selecting the routing policy per request (experiments).
 pub const POLICY_HEADER: &str = "x-gorgo-policy";
 /// Request header carrying the session key for session-affinity policies.
@@ -43,6 +45,8 @@ pub struct Measured {
     pub served_by: Option<String>,
     /// `x-gorgo-hops`.
     pub hops: Option<u32>,
+    /// `x-gorgo-predicted-ttft-ms` (finite values only).
+    pub predicted_ttft_ms: Option<f64>,
     /// Why the request failed; `None` when it succeeded.
     pub error: Option<String>,
 }
@@ -88,6 +92,9 @@ pub async fn send_streaming(
     };
     m.served_by = header_str(&resp, SERVED_BY_HEADER);
     m.hops = header_str(&resp, HOPS_HEADER).and_then(|h| h.trim().parse().ok());
+    m.predicted_ttft_ms = header_str(&resp, PREDICTED_TTFT_HEADER)
+        .and_then(|h| h.trim().parse::<f64>().ok())
+        .filter(|v| v.is_finite() && *v >= 0.0);
     let status = resp.status();
     if !status.is_success() {
         let text = resp.text().await.unwrap_or_default();

@@ -30,6 +30,11 @@ const END_OK: u32 = 0;
 const END_ERR: u32 = u32::MAX;
 
 /// Response headers from the engine that travel to the client.
+/// Response header with the TTFT, ms, the cost model predicted for the candidate this
+/// node chose (`gorgo_core::cost::estimated_ttft_ms`; cost-based policies only), so a
+/// benchmark client can report the model's prediction error. Set by the client's node:
+/// a forwarded request carries its first decision's prediction.
+pub const PREDICTED_TTFT_HEADER: &str = "x-gorgo-predicted-ttft-ms";
 const PASS_RESPONSE_HEADERS: &[&str] = &["content-type", "cache-control", "x-request-id"];
 /// Client headers that travel to the engine.
 pub const PASS_REQUEST_HEADERS: &[&str] =
@@ -177,8 +182,13 @@ pub async fn serve(state: &Arc<NodeState>, req: RoutedRequest) -> Result<Upstrea
     {
         state.metrics.terms(&terms);
     }
+    let predicted = record
+        .candidates
+        .iter()
+        .find(|c| c.chosen)
+        .and_then(|c| c.terms?.estimated_ttft_ms);
     tracing::debug!(request_id = req.request_id, ?target, reason = %record.reason, "decided");
-    match target {
+    let served = match target {
         Target::Nothing => Err(ServeError::Unavailable(
             "no healthy engine and no live peer".into(),
         )),
@@ -200,7 +210,16 @@ pub async fn serve(state: &Arc<NodeState>, req: RoutedRequest) -> Result<Upstrea
                 }
             }
         },
-    }
+    };
+    served.map(|mut up| {
+        if let Some(p) = predicted {
+            up.headers
+                .retain(|(k, _)| !k.eq_ignore_ascii_case(PREDICTED_TTFT_HEADER));
+            up.headers
+                .push((PREDICTED_TTFT_HEADER.to_owned(), format!("{p:.1}")));
+        }
+        up
+    })
 }
 
 /// Serve on the local engine.
