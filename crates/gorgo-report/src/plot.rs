@@ -206,12 +206,23 @@ fn draw_region_share(report: &Report, svg: &mut String) -> DrawResult {
     let policies = &report.results.policies;
 
     let panels = policies.len().max(1);
-    let root = SVGBackend::with_string(svg, (900, 60 + 200 * panels as u32)).into_drawing_area();
+    let root = SVGBackend::with_string(svg, (900, 90 + 200 * panels as u32)).into_drawing_area();
     root.fill(&WHITE)?;
     let root = root.titled(
         "Share of completed requests per serving region over time (stacked)",
         ("sans-serif", 22),
     )?;
+    // One legend for every panel, in stacking order (bottom band first).
+    let (legend, root) = root.split_vertically(36);
+    for (k, region) in regions.iter().enumerate() {
+        let x = 60 + 190 * k as i32;
+        legend.draw(&Rectangle::new([(x, 8), (x + 18, 24)], color(k).mix(0.85).filled()))?;
+        legend.draw(&Text::new(
+            region.to_string(),
+            (x + 24, 9),
+            ("sans-serif", 15).into_font(),
+        ))?;
+    }
     let areas = root.split_evenly((panels, 1));
     for ((policy, _), area) in policies.iter().zip(areas) {
         // served[bin][region], completed[bin]
@@ -239,13 +250,13 @@ fn draw_region_share(report: &Report, svg: &mut String) -> DrawResult {
             .margin(8)
             .x_label_area_size(30)
             .y_label_area_size(50)
-            .right_y_label_area_size(110)
             .build_cartesian_2d(0f64..end_s, 0f64..1f64)?;
         chart
             .configure_mesh()
             .x_desc("time (s)")
             .y_desc("share")
             .y_labels(5)
+            .x_label_formatter(&|v| format!("{v:.0}"))
             .disable_x_mesh()
             .draw()?;
         // Bins with completions, each drawn as a step over its whole width.
@@ -253,7 +264,7 @@ fn draw_region_share(report: &Report, svg: &mut String) -> DrawResult {
         let cumulative = |b: usize, upto: usize| -> f64 {
             served[b][..upto].iter().sum::<u64>() as f64 / completed[b] as f64
         };
-        for (k, region) in regions.iter().enumerate() {
+        for k in 0..regions.len() {
             let mut upper = Vec::with_capacity(bins.len() * 2);
             let mut lower = Vec::with_capacity(bins.len() * 2);
             for &b in &bins {
@@ -264,22 +275,10 @@ fn draw_region_share(report: &Report, svg: &mut String) -> DrawResult {
             }
             lower.reverse();
             upper.extend(lower);
-            let c = color(k);
-            chart
-                .draw_series(std::iter::once(Polygon::new(upper, c.mix(0.85).filled())))?
-                .label(*region)
-                .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 16, y + 6)], c.filled()));
-        }
-        if !regions.is_empty() {
-            chart
-                .configure_series_labels()
-                .position(SeriesLabelPosition::Coordinate(
-                    area.dim_in_pixel().0 as i32 - 170,
-                    10,
-                ))
-                .background_style(WHITE.mix(0.9))
-                .border_style(BLACK)
-                .draw()?;
+            chart.draw_series(std::iter::once(Polygon::new(
+                upper,
+                color(k).mix(0.85).filled(),
+            )))?;
         }
     }
     root.present()?;
