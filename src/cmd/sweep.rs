@@ -270,7 +270,10 @@ fn live(
     let mut results = Vec::new();
     for &scale in scales {
         let out = args.out.join(format!("live-x{scale}"));
-        eprintln!("[sweep] time scale {scale}: gorgo compare -> {}", out.display());
+        eprintln!(
+            "[sweep] time scale {scale}: gorgo compare -> {}",
+            out.display()
+        );
         run_compare(CompareArgs {
             trace: args.trace.clone(),
             topology: m.topology.clone(),

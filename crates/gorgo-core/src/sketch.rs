@@ -385,7 +385,12 @@ mod tests {
         let r = spearman(&tied).unwrap();
         assert!((r - 4.5 / (4.5f64 * 5.0).sqrt()).abs() < 1e-12, "{r}");
         // Non-finite pairs dropped; too few or constant sides give None.
-        let nan = [(1.0, 1.0), (f64::NAN, 2.0), (2.0, 2.0), (3.0, f64::INFINITY)];
+        let nan = [
+            (1.0, 1.0),
+            (f64::NAN, 2.0),
+            (2.0, 2.0),
+            (3.0, f64::INFINITY),
+        ];
         assert!((spearman(&nan).unwrap() - 1.0).abs() < 1e-12);
         assert_eq!(spearman(&[(1.0, 2.0)]), None);
         assert_eq!(spearman(&[(1.0, 2.0), (1.0, 3.0)]), None);

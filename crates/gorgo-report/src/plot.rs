@@ -83,7 +83,9 @@ pub(crate) fn fmt_ms(v: f64) -> String {
 fn log_bounds<'a>(values: impl Iterator<Item = &'a f64>) -> (f64, f64) {
     let (lo, hi) = values
         .filter(|v| v.is_finite() && **v > 0.0)
-        .fold((f64::INFINITY, 0.0f64), |(lo, hi), v| (lo.min(*v), hi.max(*v)));
+        .fold((f64::INFINITY, 0.0f64), |(lo, hi), v| {
+            (lo.min(*v), hi.max(*v))
+        });
     if lo.is_finite() && hi > lo {
         (lo * 0.8, hi * 1.25)
     } else if lo.is_finite() {
@@ -124,8 +126,18 @@ fn draw_latency_cdfs(report: &Report, svg: &mut String) -> DrawResult {
     let root = SVGBackend::with_string(svg, (1400, 560)).into_drawing_area();
     root.fill(&WHITE)?;
     let (left, right) = root.split_horizontally(700);
-    draw_cdf(&left, "TTFT CDF", "TTFT (log scale)", &series(|r| r.ttft_ms))?;
-    draw_cdf(&right, "E2E CDF", "end-to-end latency (log scale)", &series(|r| r.e2e_ms))?;
+    draw_cdf(
+        &left,
+        "TTFT CDF",
+        "TTFT (log scale)",
+        &series(|r| r.ttft_ms),
+    )?;
+    draw_cdf(
+        &right,
+        "E2E CDF",
+        "end-to-end latency (log scale)",
+        &series(|r| r.e2e_ms),
+    )?;
     root.present()?;
     Ok(())
 }
@@ -216,7 +228,10 @@ fn draw_region_share(report: &Report, svg: &mut String) -> DrawResult {
     let (legend, root) = root.split_vertically(36);
     for (k, region) in regions.iter().enumerate() {
         let x = 60 + 190 * k as i32;
-        legend.draw(&Rectangle::new([(x, 8), (x + 18, 24)], color(k).mix(0.85).filled()))?;
+        legend.draw(&Rectangle::new(
+            [(x, 8), (x + 18, 24)],
+            color(k).mix(0.85).filled(),
+        ))?;
         legend.draw(&Text::new(
             region.to_string(),
             (x + 24, 9),
@@ -414,7 +429,9 @@ where
                 grey.stroke_width(2),
             ))?
             .label(format!("SLO {}", fmt_ms(s)))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], grey.stroke_width(2)));
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], grey.stroke_width(2))
+            });
     }
     for (i, (policy, pts)) in lines.iter().enumerate() {
         let c = color(i);

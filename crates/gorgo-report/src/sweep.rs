@@ -89,8 +89,10 @@ pub fn goodput_at_slo(curve: &[(f64, f64, f64)], slo: Slo) -> f64 {
         .filter(|p| p.0.is_finite() && p.0 >= 0.0)
         .collect();
     points.sort_by(|a, b| a.0.total_cmp(&b.0));
+    // False for NaN: a latency that could not be measured misses.
+    let within = |v: f64, limit: f64| v <= limit;
     let meets = |p: &(f64, f64, f64)| {
-        p.1 <= slo.ttft_p95_ms && slo.e2e_p95_ms.is_none_or(|e| p.2 <= e)
+        within(p.1, slo.ttft_p95_ms) && slo.e2e_p95_ms.is_none_or(|e| within(p.2, e))
     };
     let Some(first_miss) = points.iter().position(|p| !meets(p)) else {
         return points.last().map_or(0.0, |p| p.0);
@@ -108,11 +110,11 @@ pub fn goodput_at_slo(curve: &[(f64, f64, f64)], slo: Slo) -> f64 {
         }
     };
     let mut load = hi.0;
-    if !(hi.1 <= slo.ttft_p95_ms) {
+    if !within(hi.1, slo.ttft_p95_ms) {
         load = load.min(cross(lo.1, hi.1, slo.ttft_p95_ms));
     }
     if let Some(e) = slo.e2e_p95_ms {
-        if !(hi.2 <= e) {
+        if !within(hi.2, e) {
             load = load.min(cross(lo.2, hi.2, e));
         }
     }
@@ -407,7 +409,10 @@ mod tests {
         assert!((g[1].1 - ll).abs() < 1e-12);
         assert_eq!(g[2].1, 4.0);
         let md = render_sweep_markdown(&sweep);
-        assert!(md.contains("| least-load (best baseline) | 2.67 | 1.00x |"), "{md}");
+        assert!(
+            md.contains("| least-load (best baseline) | 2.67 | 1.00x |"),
+            "{md}"
+        );
         let back: Sweep = serde_json::from_str(&serde_json::to_string(&sweep).unwrap()).unwrap();
         assert_eq!(back, sweep);
     }

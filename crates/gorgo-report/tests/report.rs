@@ -107,7 +107,10 @@ fn aggregation_follows_the_results_schema() {
 fn cache_hits_and_prediction_error_are_aggregated() {
     let mut v = records();
     // Served in eu: half their prompt cached; `local-only` made no estimates.
-    for r in v.iter_mut().filter(|r| r.served_by.as_deref() == Some("eu")) {
+    for r in v
+        .iter_mut()
+        .filter(|r| r.served_by.as_deref() == Some("eu"))
+    {
         r.cached_tokens = Some(500);
     }
     // gorgo's estimates: 10% high on every completed request except one 50% low, so
@@ -133,8 +136,14 @@ fn cache_hits_and_prediction_error_are_aggregated() {
     // The new fields are in results.json and read back.
     let json = serde_json::to_value(&report.results).unwrap();
     assert_eq!(json["policies"]["gorgo"]["prediction"]["n"], 10);
-    assert_eq!(json["policies"]["local-only"]["prediction"], serde_json::Value::Null);
-    assert_eq!(json["policies"]["gorgo"]["cache_hit_ratio_by_region"]["eu"], 0.5);
+    assert_eq!(
+        json["policies"]["local-only"]["prediction"],
+        serde_json::Value::Null
+    );
+    assert_eq!(
+        json["policies"]["gorgo"]["cache_hit_ratio_by_region"]["eu"],
+        0.5
+    );
     let back: Results = serde_json::from_value(json).unwrap();
     assert_eq!(back, report.results);
 }
@@ -188,7 +197,10 @@ fn report_files_are_written() {
     let (main, hits) = table.split_once("\n\n").unwrap();
     assert_eq!(main.lines().count(), 4);
     assert!(table.contains("| gorgo | 11 | 1 |"), "{table}");
-    assert!(hits.contains("| policy | cache hit eu | cache hit us |"), "{table}");
+    assert!(
+        hits.contains("| policy | cache hit eu | cache hit us |"),
+        "{table}"
+    );
     assert!(hits.contains("| local-only | 51.2% | - |"), "{table}");
 
     let csv = std::fs::read_to_string(out.join("requests.csv")).unwrap();
