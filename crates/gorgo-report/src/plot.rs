@@ -11,6 +11,9 @@ use crate::{PolicyResult, Report, ReportError, Result};
 
 /// Most points drawn per line: keeps SVGs small for long runs without changing shape.
 const MAX_POINTS: usize = 2000;
+/// Sweep latency plots stop at this many times the SLO (higher values sit on the top
+/// edge).
+const CLIP_X_SLO: f64 = 50.0;
 /// Time bins of the region-share plot.
 const SHARE_BINS: usize = 30;
 
@@ -373,9 +376,36 @@ fn draw_sweep(
     } else {
         (0.0, 1.0)
     };
-    let root = SVGBackend::with_string(svg, (900, 560)).into_drawing_area();
+    let root = SVGBackend::with_string(svg, (1000, 560)).into_drawing_area();
     root.fill(&WHITE)?;
-    let mut builder = ChartBuilder::on(&root);
+    // The legend gets its own column so it never hides a line.
+    let (plot_area, legend) = root.split_horizontally(780);
+    let mut entries: Vec<(String, RGBColor, bool)> = Vec::new();
+    if let Some(s) = slo {
+        entries.push((format!("SLO {}", fmt_ms(s)), RGBColor(120, 120, 120), true));
+    }
+    entries.extend(
+        lines
+            .iter()
+            .enumerate()
+            .map(|(i, (p, _))| (p.clone(), color(i), false)),
+    );
+    for (k, (label, c, dashed)) in entries.iter().enumerate() {
+        let y = 60 + 24 * k as i32;
+        if *dashed {
+            legend.draw(&PathElement::new(vec![(10, y), (18, y)], c.stroke_width(3)))?;
+            legend.draw(&PathElement::new(vec![(24, y), (32, y)], c.stroke_width(3)))?;
+        } else {
+            legend.draw(&PathElement::new(vec![(10, y), (32, y)], c.stroke_width(3)))?;
+            legend.draw(&Circle::new((21, y), 4, c.filled()))?;
+        }
+        legend.draw(&Text::new(
+            label.clone(),
+            (40, y - 8),
+            ("sans-serif", 15).into_font(),
+        ))?;
+    }
+    let mut builder = ChartBuilder::on(&plot_area);
     builder
         .caption(title, ("sans-serif", 22))
         .margin(15)
@@ -384,23 +414,46 @@ fn draw_sweep(
     let values = lines.iter().flat_map(|(_, v)| v.iter().map(|p| &p.1));
     if log {
         let (lo, hi) = log_bounds(values.chain(slo.iter()));
+        // A saturated policy's latencies run to hours; past CLIP_X_SLO times the SLO
+        // they are drawn at the top edge so the lines near the SLO stay readable.
+        let hi = slo.map_or(hi, |s| hi.min(s * CLIP_X_SLO).max(lo * 2.0));
+        let clipped: Vec<(String, Vec<(f64, f64)>)> = lines
+            .iter()
+            .map(|(p, pts)| {
+                (
+                    p.clone(),
+                    pts.iter().map(|&(x, y)| (x, y.min(hi))).collect(),
+                )
+            })
+            .collect();
         let mut chart = builder.build_cartesian_2d(
             x_lo..x_hi,
             (lo..hi).log_scale().with_key_points(log_ticks(lo, hi)),
         )?;
+        let desc = if slo.is_some() {
+            format!("{y_desc}; clipped at {}", fmt_ms(hi))
+        } else {
+            y_desc.to_owned()
+        };
         chart
             .configure_mesh()
             .x_desc("offered load (requests/s)")
-            .y_desc(y_desc)
+            .y_desc(desc)
             .y_label_formatter(&|v| fmt_ms(*v))
+            .max_light_lines(2)
             .draw()?;
-        draw_lines(&mut chart, &lines, slo, (x_lo, x_hi))?;
+        draw_lines(&mut chart, &clipped, slo, (x_lo, x_hi))?;
     } else {
-        let mut chart = builder.build_cartesian_2d(x_lo..x_hi, 0f64..100f64)?;
+        // Ratios are often a few percent: scale to the data, not to 100%.
+        let top = values.fold(0.0f64, |m, v| m.max(*v));
+        let top = (top * 1.25).clamp(5.0, 100.0);
+        let mut chart = builder.build_cartesian_2d(x_lo..x_hi, 0f64..top)?;
         chart
             .configure_mesh()
             .x_desc("offered load (requests/s)")
             .y_desc(y_desc)
+            .y_label_formatter(&|v| format!("{v:.0}"))
+            .max_light_lines(2)
             .draw()?;
         draw_lines(&mut chart, &lines, slo, (x_lo, x_hi))?;
     }
@@ -421,32 +474,18 @@ where
 {
     if let Some(s) = slo {
         let grey = RGBColor(120, 120, 120);
-        chart
-            .draw_series(DashedLineSeries::new(
-                vec![(x_lo, s), (x_hi, s)],
-                8,
-                5,
-                grey.stroke_width(2),
-            ))?
-            .label(format!("SLO {}", fmt_ms(s)))
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 20, y)], grey.stroke_width(2))
-            });
+        chart.draw_series(DashedLineSeries::new(
+            vec![(x_lo, s), (x_hi, s)],
+            8,
+            5,
+            grey.stroke_width(2),
+        ))?;
     }
-    for (i, (policy, pts)) in lines.iter().enumerate() {
+    for (i, (_, pts)) in lines.iter().enumerate() {
         let c = color(i);
-        chart
-            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?
-            .label(policy.as_str())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+        chart.draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?;
         chart.draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled())))?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()?;
     Ok(())
 }
 
