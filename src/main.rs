@@ -33,6 +33,8 @@ enum Command {
     Compare(cmd::bench::CompareArgs),
     /// Discrete-event simulation of a trace on virtual time.
     Sim(cmd::sim::SimArgs),
+    /// Every policy at several offered loads (simulated or live) and goodput at an SLO.
+    Sweep(cmd::sweep::SweepArgs),
     /// Three regions, a bundled workload, all main policies: one command.
     Demo(cmd::bench::DemoArgs),
     /// Generate a cluster CA and node certificates.
@@ -56,6 +58,7 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(a) => cmd::bench::run_bench(a),
         Command::Compare(a) => cmd::bench::run_compare(a),
         Command::Sim(a) => cmd::sim::run(a),
+        Command::Sweep(a) => cmd::sweep::run(a),
         Command::Demo(a) => cmd::bench::run_demo(a),
         Command::Certs(a) => cmd::certs::run(a),
         Command::Trace(a) => cmd::trace::run(a),

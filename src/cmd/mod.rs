@@ -5,6 +5,7 @@ pub mod engine;
 pub mod netem;
 pub mod node;
 pub mod sim;
+pub mod sweep;
 pub mod topology;
 pub mod trace;
 pub mod up;

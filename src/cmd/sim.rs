@@ -26,14 +26,8 @@ pub struct SimArgs {
     /// Trace file (Mooncake, ART-Chat, Azure or generator JSONL; format detected).
     #[arg(long)]
     trace: PathBuf,
-    /// Topology TOML (regions, client delays, one-way delay matrix, jitter, rate).
-    #[arg(long, default_value = "configs/topologies/three-region.toml")]
-    topology: PathBuf,
     /// Comma-separated policies (`oracle` included), or `all`.
-    #[arg(
-        long,
-        default_value = "gorgo,least-load,least-request,prefix-cache,session-affinity,simple-session-affinity,oracle"
-    )]
+    #[arg(long, default_value = DEFAULT_POLICIES)]
     policies: String,
     /// Multiplies inter-arrival times (< 1 compresses the trace and loads the engines).
     #[arg(long, default_value_t = 1.0)]
@@ -45,54 +39,6 @@ pub struct SimArgs {
     /// Tuning trial window, requests cluster-wide (default: the core's).
     #[arg(long)]
     tuning_window: Option<usize>,
-    /// Seed of jitter, gossip phases, tie-breaks and tuning mutations.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Salt of the home-region hash (default: the same assignment as `gorgo bench`).
-    #[arg(long)]
-    region_seed: Option<u64>,
-    /// Engine profile name or TOML file, for every region.
-    #[arg(long, default_value = "paper-a100-mistral7b")]
-    engine_profile: String,
-    /// Gossip interval (summaries, queue stats, tuning ticks), ms.
-    #[arg(long, default_value_t = 250.0)]
-    gossip_interval_ms: f64,
-    /// Extra gossip transit delay on top of the one-way delay, ms.
-    #[arg(long, default_value_t = 0.0)]
-    gossip_delay_ms: f64,
-    /// Probability that a gossip message is lost (seeded by --seed), in [0, 1):
-    /// exercises the receivers' reorder buffers and snapshot requests.
-    #[arg(long, default_value_t = 0.0)]
-    gossip_loss: f64,
-    /// The max-hops guard.
-    #[arg(long, default_value_t = 1)]
-    max_hops: u8,
-    /// Only requests with a trace timestamp before this many seconds (as `gorgo
-    /// compare --window`).
-    #[arg(long)]
-    window_s: Option<f64>,
-    /// Only the first this many requests.
-    #[arg(long)]
-    max_requests: Option<u64>,
-    /// Shorten prompts so prompt + output fit this many tokens, as `gorgo compare
-    /// --max-context-tokens` does (default: leave them; longer ones fail).
-    #[arg(long)]
-    max_context_tokens: Option<u64>,
-    /// Hash prompts as a live replay does (synthesised chat body, node rendering,
-    /// 256-byte blocks) rather than from trace block ids; slower, for comparisons with
-    /// `gorgo compare`.
-    #[arg(long)]
-    live_chains: bool,
-    /// Idealisation: nodes decide on and gossip their engines' exact state. By default
-    /// each node knows what a deployed node knows: its own view of its engine (its
-    /// dispatches, first tokens and finishes, and the engine's `/metrics` scraped every
-    /// `--metrics-interval-ms`), computed by the node's code (gorgo-core `EngineView`).
-    #[arg(long)]
-    exact_state: bool,
-    /// Period of each node's `/metrics` scrape, ms (the node's
-    /// `engine.metrics_interval_ms`).
-    #[arg(long, default_value_t = gorgo_core::accounting::DEFAULT_METRICS_INTERVAL_MS as f64)]
-    metrics_interval_ms: f64,
     /// Per-request rows kept per policy for requests.csv and exact percentiles; longer
     /// runs report from sketches (1% accuracy) and write no rows.
     #[arg(long, default_value_t = 200_000)]
@@ -100,6 +46,148 @@ pub struct SimArgs {
     /// Output directory.
     #[arg(long)]
     out: PathBuf,
+    #[command(flatten)]
+    model: SimModelArgs,
+}
+
+/// The policies `gorgo sim` (and `gorgo sweep`) run by default: the main ones and the
+/// oracle.
+pub const DEFAULT_POLICIES: &str =
+    "gorgo,least-load,least-request,prefix-cache,session-affinity,simple-session-affinity,oracle";
+
+/// What the simulated system is (topology, engines, gossip, routing guard) and which
+/// part of the trace it replays: shared by `gorgo sim` and `gorgo sweep`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SimModelArgs {
+    /// Topology TOML (regions, client delays, one-way delay matrix, jitter, rate).
+    #[arg(long, default_value = "configs/topologies/three-region.toml")]
+    pub topology: PathBuf,
+    /// Seed of jitter, gossip phases, tie-breaks and tuning mutations.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Salt of the home-region hash (default: the same assignment as `gorgo bench`).
+    #[arg(long)]
+    pub region_seed: Option<u64>,
+    /// Engine profile name or TOML file, for every region.
+    #[arg(long, default_value = "paper-a100-mistral7b")]
+    pub engine_profile: String,
+    /// Gossip interval (summaries, queue stats, tuning ticks), ms.
+    #[arg(long, default_value_t = 250.0)]
+    pub gossip_interval_ms: f64,
+    /// Extra gossip transit delay on top of the one-way delay, ms.
+    #[arg(long, default_value_t = 0.0)]
+    pub gossip_delay_ms: f64,
+    /// Probability that a gossip message is lost (seeded by --seed), in [0, 1):
+    /// exercises the receivers' reorder buffers and snapshot requests.
+    #[arg(long, default_value_t = 0.0)]
+    pub gossip_loss: f64,
+    /// The max-hops guard.
+    #[arg(long, default_value_t = 1)]
+    pub max_hops: u8,
+    /// Only requests with a trace timestamp before this many seconds (as `gorgo
+    /// compare --window`).
+    #[arg(long)]
+    pub window_s: Option<f64>,
+    /// Only the first this many requests.
+    #[arg(long)]
+    pub max_requests: Option<u64>,
+    /// Shorten prompts so prompt + output fit this many tokens, as `gorgo compare
+    /// --max-context-tokens` does (default: leave them; longer ones fail).
+    #[arg(long)]
+    pub max_context_tokens: Option<u64>,
+    /// Hash prompts as a live replay does (synthesised chat body, node rendering,
+    /// 256-byte blocks) rather than from trace block ids; slower, for comparisons with
+    /// `gorgo compare`.
+    #[arg(long)]
+    pub live_chains: bool,
+    /// Idealisation: nodes decide on and gossip their engines' exact state. By default
+    /// each node knows what a deployed node knows: its own view of its engine (its
+    /// dispatches, first tokens and finishes, and the engine's `/metrics` scraped every
+    /// `--metrics-interval-ms`), computed by the node's code (gorgo-core `EngineView`).
+    #[arg(long)]
+    pub exact_state: bool,
+    /// Period of each node's `/metrics` scrape, ms (the node's
+    /// `engine.metrics_interval_ms`).
+    #[arg(long, default_value_t = gorgo_core::accounting::DEFAULT_METRICS_INTERVAL_MS as f64)]
+    pub metrics_interval_ms: f64,
+}
+
+impl SimModelArgs {
+    /// The simulation config these flags describe (time scale 1, no tuning, the
+    /// default row cap), validated.
+    pub fn config(&self) -> anyhow::Result<SimConfig> {
+        let topology = Topology::from_file(&self.topology)
+            .with_context(|| format!("--topology {}", self.topology.display()))?;
+        let profile = Profile::by_name_or_file(&self.engine_profile)
+            .with_context(|| format!("--engine-profile {}", self.engine_profile))?;
+        if let Some(w) = self.window_s {
+            if !(w.is_finite() && w > 0.0) {
+                bail!("--window-s must be > 0");
+            }
+        }
+        let mut cfg = SimConfig::new(network(&topology), profile);
+        cfg.gossip_interval_ms = self.gossip_interval_ms;
+        cfg.gossip_extra_delay_ms = self.gossip_delay_ms;
+        cfg.gossip_loss = self.gossip_loss;
+        cfg.max_hops = self.max_hops;
+        cfg.seed = self.seed;
+        cfg.region_seed = self.region_seed;
+        cfg.max_requests = self.max_requests;
+        cfg.max_context_tokens = self.max_context_tokens;
+        cfg.live_chains = self.live_chains;
+        cfg.exact_state = self.exact_state;
+        cfg.metrics_interval_ms = self.metrics_interval_ms;
+        cfg.validate().context("simulation config")?;
+        Ok(cfg)
+    }
+
+    /// These flags for the report's `config`.
+    pub fn describe(&self, cfg: &SimConfig) -> serde_json::Value {
+        json!({
+            "topology": self.topology.display().to_string(),
+            "regions": cfg.network.names(),
+            "engine_profile": cfg.profiles.first().map(|p| p.name.clone()),
+            "seed": self.seed,
+            "region_seed": self.region_seed,
+            "gossip_interval_ms": self.gossip_interval_ms,
+            "gossip_delay_ms": self.gossip_delay_ms,
+            "gossip_loss": self.gossip_loss,
+            "max_hops": self.max_hops,
+            "window_s": self.window_s,
+            "max_requests": self.max_requests,
+            "max_context_tokens": self.max_context_tokens,
+            "live_chains": self.live_chains,
+            "view": view_name(self.exact_state),
+            "metrics_interval_ms": self.metrics_interval_ms,
+            "decode_step_ms": cfg.decode_step_ms,
+            "oracle_view": "exact-state",
+        })
+    }
+}
+
+/// What the nodes know, as `sim.json` names it.
+pub fn view_name(exact_state: bool) -> &'static str {
+    if exact_state {
+        "exact-state"
+    } else {
+        "node"
+    }
+}
+
+/// The line above the table saying what the nodes knew.
+pub fn view_header(cfg: &SimConfig, with_oracle: bool) -> String {
+    let mut line = if cfg.exact_state {
+        "Simulated, view: exact-state (idealisation: every node decides on its engine's exact state)".to_owned()
+    } else {
+        format!(
+            "Simulated, view: node (each node's own view of its engine: its dispatches and the engine's /metrics every {} ms)",
+            cfg.metrics_interval_ms
+        )
+    };
+    if with_oracle {
+        line += "; oracle: exact-state, perfect information";
+    }
+    line
 }
 
 /// The simulator's network from a topology file.
@@ -120,32 +208,8 @@ fn network(t: &Topology) -> Network {
     }
 }
 
-/// What the nodes know, as `sim.json` names it.
-fn view_name(exact_state: bool) -> &'static str {
-    if exact_state {
-        "exact-state"
-    } else {
-        "node"
-    }
-}
-
-/// The line above the table saying what the nodes knew.
-fn view_header(cfg: &SimConfig, with_oracle: bool) -> String {
-    let mut line = if cfg.exact_state {
-        "Simulated, view: exact-state (idealisation: every node decides on its engine's exact state)".to_owned()
-    } else {
-        format!(
-            "Simulated, view: node (each node's own view of its engine: its dispatches and the engine's /metrics every {} ms)",
-            cfg.metrics_interval_ms
-        )
-    };
-    if with_oracle {
-        line += "; oracle: exact-state, perfect information";
-    }
-    line
-}
-
-fn parse_policies(list: &str) -> anyhow::Result<Vec<PolicyKind>> {
+/// Policy names from a comma-separated list (`all`: every policy and the oracle).
+pub fn parse_policies(list: &str) -> anyhow::Result<Vec<PolicyKind>> {
     let list = if list.trim() == "all" {
         ALL_POLICIES
     } else {
@@ -166,7 +230,7 @@ fn parse_policies(list: &str) -> anyhow::Result<Vec<PolicyKind>> {
 
 /// The trace's rows with a timestamp before `window_s` seconds, as `gorgo bench
 /// --window` selects them (trace time, before rebasing and `--time-scale`).
-fn rows(
+pub fn rows(
     path: &Path,
     window_s: Option<f64>,
 ) -> anyhow::Result<impl Iterator<Item = Result<TraceRequest, WorkloadError>>> {
@@ -192,58 +256,26 @@ fn rows(
 /// Run the simulation for every policy and write the report.
 pub fn run(args: SimArgs) -> anyhow::Result<()> {
     let policies = parse_policies(&args.policies)?;
-    let topology = Topology::from_file(&args.topology)
-        .with_context(|| format!("--topology {}", args.topology.display()))?;
-    let profile = Profile::by_name_or_file(&args.engine_profile)
-        .with_context(|| format!("--engine-profile {}", args.engine_profile))?;
-    if let Some(w) = args.window_s {
-        if !(w.is_finite() && w > 0.0) {
-            bail!("--window-s must be > 0");
-        }
-    }
-    let mut cfg = SimConfig::new(network(&topology), profile.clone());
-    cfg.gossip_interval_ms = args.gossip_interval_ms;
-    cfg.gossip_extra_delay_ms = args.gossip_delay_ms;
-    cfg.gossip_loss = args.gossip_loss;
-    cfg.max_hops = args.max_hops;
+    let mut cfg = args.model.config()?;
     cfg.time_scale = args.time_scale;
-    cfg.seed = args.seed;
     cfg.tune = args.tune;
     cfg.tuning_window = args.tuning_window;
-    cfg.region_seed = args.region_seed;
     cfg.max_rows = args.max_rows;
-    cfg.max_requests = args.max_requests;
-    cfg.max_context_tokens = args.max_context_tokens;
-    cfg.live_chains = args.live_chains;
-    cfg.exact_state = args.exact_state;
-    cfg.metrics_interval_ms = args.metrics_interval_ms;
     cfg.validate().context("simulation config")?;
 
-    let config = json!({
+    let mut config = json!({
         "mode": "sim",
         "trace": args.trace.display().to_string(),
-        "topology": args.topology.display().to_string(),
-        "regions": cfg.network.names(),
-        "engine_profile": profile.name,
         "policies": policies.iter().map(|p| p.as_str()).collect::<Vec<_>>(),
         "time_scale": args.time_scale,
         "tune": args.tune,
         "tuning_window": args.tuning_window,
-        "seed": args.seed,
-        "region_seed": args.region_seed,
-        "gossip_interval_ms": args.gossip_interval_ms,
-        "gossip_delay_ms": args.gossip_delay_ms,
-        "gossip_loss": args.gossip_loss,
-        "max_hops": args.max_hops,
-        "window_s": args.window_s,
-        "max_requests": args.max_requests,
-        "max_context_tokens": args.max_context_tokens,
-        "live_chains": args.live_chains,
-        "view": view_name(args.exact_state),
-        "metrics_interval_ms": args.metrics_interval_ms,
-        "decode_step_ms": cfg.decode_step_ms,
-        "oracle_view": "exact-state",
     });
+    if let (Some(c), serde_json::Value::Object(m)) =
+        (config.as_object_mut(), args.model.describe(&cfg))
+    {
+        c.extend(m);
+    }
 
     let mut runs: Vec<PolicyRun> = Vec::new();
     let mut speed = Vec::new();
@@ -266,7 +298,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         let run = simulate(
             &cfg,
             *kind,
-            rows(&args.trace, args.window_s)?,
+            rows(&args.trace, args.model.window_s)?,
             &mut progress,
         )
         .with_context(|| format!("simulating {name}"))?;
@@ -306,12 +338,6 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     report
         .write(&args.out)
         .with_context(|| format!("writing the report to {}", args.out.display()))?;
-    let header = view_header(&cfg, policies.contains(&PolicyKind::Oracle));
-    let table = args.out.join("table.md");
-    let text =
-        std::fs::read_to_string(&table).with_context(|| format!("reading {}", table.display()))?;
-    std::fs::write(&table, format!("{header}\n\n{text}"))
-        .with_context(|| format!("writing {}", table.display()))?;
     let gap = oracle_gap(&report.results);
     let summary = json!({
         "config": config,
@@ -323,6 +349,12 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     std::fs::write(&path, serde_json::to_string_pretty(&summary)? + "\n")
         .with_context(|| format!("writing {}", path.display()))?;
 
+    let header = view_header(&cfg, policies.contains(&PolicyKind::Oracle));
+    let table = args.out.join("table.md");
+    let text =
+        std::fs::read_to_string(&table).with_context(|| format!("reading {}", table.display()))?;
+    std::fs::write(&table, format!("{header}\n\n{text}"))
+        .with_context(|| format!("writing {}", table.display()))?;
     let mut stdout = std::io::stdout().lock();
     write!(
         stdout,

@@ -13,7 +13,9 @@ use futures::StreamExt;
 use crate::sse::{SseEvent, SseParser};
 
 /// The client API's headers, as the node names them.
-pub use gorgo_core::headers::{HOPS_HEADER, POLICY_HEADER, SERVED_BY_HEADER, SESSION_HEADER};
+pub use gorgo_core::headers::{
+    HOPS_HEADER, POLICY_HEADER, PREDICTED_TTFT_HEADER, SERVED_BY_HEADER, SESSION_HEADER,
+};
 
 /// Cap on the error body we keep from a failed response.
 const MAX_ERROR_BODY: usize = 512;
@@ -37,6 +39,8 @@ pub struct Measured {
     pub served_by: Option<String>,
     /// `x-gorgo-hops`.
     pub hops: Option<u32>,
+    /// `x-gorgo-predicted-ttft-ms` (finite values only).
+    pub predicted_ttft_ms: Option<f64>,
     /// Why the request failed; `None` when it succeeded.
     pub error: Option<String>,
 }
@@ -82,6 +86,9 @@ pub async fn send_streaming(
     };
     m.served_by = header_str(&resp, SERVED_BY_HEADER);
     m.hops = header_str(&resp, HOPS_HEADER).and_then(|h| h.trim().parse().ok());
+    m.predicted_ttft_ms = header_str(&resp, PREDICTED_TTFT_HEADER)
+        .and_then(|h| h.trim().parse::<f64>().ok())
+        .filter(|v| v.is_finite() && *v >= 0.0);
     let status = resp.status();
     if !status.is_success() {
         let text = resp.text().await.unwrap_or_default();

@@ -40,6 +40,7 @@ pub fn to_record(policy: &str, o: &RequestOutcome) -> RequestRecord {
         input_tokens: o.input_tokens,
         output_tokens: o.output_tokens,
         cached_tokens: o.measured.cached_tokens,
+        predicted_ttft_ms: o.measured.predicted_ttft_ms,
         start_ms: o.start_ms,
         ok,
         error: o.measured.error.clone(),

@@ -114,6 +114,11 @@ pub struct CostTerms {
     pub raw_queue_ms: f64,
     /// Prefill tokens estimated ahead of this request.
     pub tokens_ahead: u64,
+    /// The model's unweighted TTFT prediction for this candidate, ms
+    /// ([`estimated_ttft_ms`]); what reports compare with the measured TTFT.
+    /// Non-finite (no measured RTT) is written as `null`.
+    #[serde(default)]
+    pub estimated_ttft_ms: Option<f64>,
 }
 
 /// Unweighted estimate of the wait before `c`'s engine starts this request's prefill.
@@ -185,6 +190,41 @@ pub fn admission_wait_ms(c: &Candidate) -> f64 {
     (waiting + 1) as f64 / running * DEFAULT_OUTPUT_TOKENS as f64 * step
 }
 
+/// The TTFT the cost model predicts for a `prompt_tokens`-token request served at `c`,
+/// ms, unweighted: what the model says the deciding node will see, so reports can check
+/// the model against measurements (median absolute percentage error, rank correlation).
+///
+/// ```text
+/// estimated_ttft = RTT_ms(self -> c)     0 for the local candidate (a forward costs
+///                                        one round trip before the first token)
+///                + base_ms(c)            the node's fitted fixed TTFT cost (0 if unknown)
+///                + t_p(c) * uncached     prefill of what c has not cached
+///                + queue_ms(c)           [`queue_ms`], unweighted
+/// ```
+///
+/// Unlike [`cost_terms`]' `total_ms` it carries no weights (the tuner's weights trade
+/// terms off, they are not part of the prediction) and it includes the fixed cost, which
+/// is the same at every candidate and so irrelevant to the choice. It does not include
+/// the client's own link to its home node, which no node measures: a client far from its
+/// node sees that round trip on top. Non-finite when a peer's RTT is not measured.
+pub fn estimated_ttft_ms(prompt_tokens: u64, c: &Candidate) -> f64 {
+    let uncached = prompt_tokens.saturating_sub(c.cached_tokens.min(prompt_tokens));
+    let rtt = if c.is_local {
+        0.0
+    } else if c.rtt_ms.is_finite() && c.rtt_ms >= 0.0 {
+        c.rtt_ms
+    } else {
+        f64::INFINITY
+    };
+    let base = c.stats.base_ms;
+    let base = if base.is_finite() && base >= 0.0 {
+        base
+    } else {
+        0.0
+    };
+    rtt + base + c.t_p_ms() * uncached as f64 + queue_ms(c).0
+}
+
 /// The `gorgo` cost of serving a `prompt_tokens`-token request at `c` under `weights`.
 ///
 /// Non-finite or negative RTTs to a peer make the candidate infinitely expensive (never
@@ -213,7 +253,14 @@ pub fn cost_terms(prompt_tokens: u64, c: &Candidate, weights: Weights) -> CostTe
         t_p_ms,
         raw_queue_ms,
         tokens_ahead,
+        estimated_ttft_ms: finite(estimated_ttft_ms(prompt_tokens, c)),
     }
+}
+
+/// `Some(v)` for a finite `v`: estimates that cannot be made are absent, not infinite
+/// (JSON has no infinity).
+pub(crate) fn finite(v: f64) -> Option<f64> {
+    v.is_finite().then_some(v)
 }
 
 /// Most forwards remembered per peer; beyond this the oldest are dropped, which only
@@ -325,6 +372,26 @@ mod tests {
         assert_eq!(t.rtt_ms, 0.0);
         assert!((t.prefill_ms - 94.0).abs() < 1e-9);
         assert_eq!(t.total_ms, t.rtt_ms + t.prefill_ms + t.queue_ms);
+    }
+
+    #[test]
+    fn estimated_ttft_is_unweighted_sum_with_base() {
+        let mut c = peer(40.0, 200);
+        c.stats.base_ms = 15.0;
+        c.stats.unfinished_prefill_tokens = 1000;
+        let w = Weights {
+            w_rtt: 3.0,
+            w_queue: 0.5,
+        };
+        let t = cost_terms(1200, &c, w);
+        let expected = 40.0 + 15.0 + 0.094 * 1000.0 + 0.094 * 1000.0;
+        assert!((estimated_ttft_ms(1200, &c) - expected).abs() < 1e-9);
+        assert_eq!(t.estimated_ttft_ms, Some(estimated_ttft_ms(1200, &c)));
+        c.rtt_ms = f64::NAN;
+        assert_eq!(cost_terms(1200, &c, w).estimated_ttft_ms, None);
+        c.is_local = true;
+        c.stats.base_ms = f64::NAN;
+        assert!((estimated_ttft_ms(1200, &c) - 188.0).abs() < 1e-9);
     }
 
     #[test]

@@ -5,6 +5,11 @@
 pub const SERVED_BY_HEADER: &str = "x-gorgo-served-by";
 /// Response header with the number of forwards the request took.
 pub const HOPS_HEADER: &str = "x-gorgo-hops";
+/// Response header with the TTFT, ms, the cost model predicted for the candidate the
+/// client's node chose (`gorgo_core::cost::estimated_ttft_ms`; cost-based policies only),
+/// so a benchmark client can report the model's prediction error. A forwarded request
+/// carries its first decision's prediction.
+pub const PREDICTED_TTFT_HEADER: &str = "x-gorgo-predicted-ttft-ms";
 /// Request header selecting the routing policy per request (experiments).
 pub const POLICY_HEADER: &str = "x-gorgo-policy";
 /// Request header carrying the session key for session-affinity policies.

@@ -33,6 +33,6 @@ pub use error::CoreError;
 pub use hash::HashChain;
 pub use index::ShadowIndex;
 pub use prompt::{BytesPerToken, Endpoint, PromptHasher, TokenCounter};
-pub use sketch::{percentile, summarize, LatencySketch, LatencyStats};
+pub use sketch::{percentile, spearman, summarize, LatencySketch, LatencyStats};
 pub use summary::{LocalSummary, PeerSummary, SummaryDelta, SummarySnapshot};
 pub use types::{NodeId, QueueStats, Weights};

@@ -338,6 +338,12 @@ impl Policy for GorgoPaper {
                     t_p_ms: 1.0,
                     raw_queue_ms: queued as f64,
                     tokens_ahead: queued,
+                    // The paper's score is in tokens; the prediction is the gorgo
+                    // model's, so both cost-based policies are checked the same way.
+                    estimated_ttft_ms: crate::cost::finite(crate::cost::estimated_ttft_ms(
+                        req.prompt_tokens,
+                        c,
+                    )),
                 }
             })
             .collect();

@@ -86,6 +86,61 @@ pub fn summarize(values: &mut [f64]) -> LatencyStats {
     }
 }
 
+/// Spearman rank correlation of the pairs `(x, y)`: how well the order of one predicts
+/// the order of the other (1: same order, -1: reversed, 0: unrelated). Reports use it to
+/// judge the cost model, whose job is to rank candidates, not to be exact.
+///
+/// The Pearson correlation of the ranks, ties given their average rank. Pairs with a
+/// non-finite value are dropped. `None` with fewer than two pairs or when either side
+/// has all values equal (no ranking to compare).
+pub fn spearman(pairs: &[(f64, f64)]) -> Option<f64> {
+    let kept: Vec<(f64, f64)> = pairs
+        .iter()
+        .copied()
+        .filter(|(x, y)| x.is_finite() && y.is_finite())
+        .collect();
+    if kept.len() < 2 {
+        return None;
+    }
+    let rx = ranks(kept.iter().map(|p| p.0));
+    let ry = ranks(kept.iter().map(|p| p.1));
+    let n = kept.len() as f64;
+    let mean = (n + 1.0) / 2.0;
+    let (mut sxy, mut sxx, mut syy) = (0.0, 0.0, 0.0);
+    for (a, b) in rx.iter().zip(&ry) {
+        let (dx, dy) = (a - mean, b - mean);
+        sxy += dx * dy;
+        sxx += dx * dx;
+        syy += dy * dy;
+    }
+    if sxx <= 0.0 || syy <= 0.0 {
+        return None;
+    }
+    Some((sxy / (sxx * syy).sqrt()).clamp(-1.0, 1.0))
+}
+
+/// 1-based ranks of `values` in input order, ties sharing their average rank.
+fn ranks(values: impl Iterator<Item = f64>) -> Vec<f64> {
+    let v: Vec<f64> = values.collect();
+    let mut order: Vec<usize> = (0..v.len()).collect();
+    order.sort_by(|&a, &b| v[a].total_cmp(&v[b]));
+    let mut out = vec![0.0; v.len()];
+    let mut i = 0;
+    while i < order.len() {
+        let mut j = i;
+        while j + 1 < order.len() && v[order[j + 1]] == v[order[i]] {
+            j += 1;
+        }
+        // Ranks i+1..=j+1 share their mean.
+        let rank = (i + j) as f64 / 2.0 + 1.0;
+        for &k in &order[i..=j] {
+            out[k] = rank;
+        }
+        i = j + 1;
+    }
+    out
+}
+
 /// Relative accuracy of [`LatencySketch`]: every quantile is within 1% of a true
 /// sample value of the same rank.
 pub const SKETCH_RELATIVE_ACCURACY: f64 = 0.01;
@@ -314,6 +369,31 @@ mod tests {
         assert_eq!(summarize(&mut []), LatencyStats::default());
         let json = serde_json::to_value(s).unwrap();
         assert!(json.get("p50").is_some() && json.get("mean").is_some());
+    }
+
+    #[test]
+    fn spearman_known_inputs() {
+        let same = [(1.0, 10.0), (2.0, 20.0), (3.0, 25.0), (4.0, 1000.0)];
+        assert!((spearman(&same).unwrap() - 1.0).abs() < 1e-12);
+        let reversed = [(1.0, 4.0), (2.0, 3.0), (3.0, 2.0), (4.0, 1.0)];
+        assert!((spearman(&reversed).unwrap() + 1.0).abs() < 1e-12);
+        // Textbook example: d = (0, -1, 1, 0, 0) -> rho = 1 - 6 * 2 / (5 * 24) = 0.9.
+        let xs = [(1.0, 1.0), (2.0, 3.0), (3.0, 2.0), (4.0, 4.0), (5.0, 5.0)];
+        assert!((spearman(&xs).unwrap() - 0.9).abs() < 1e-12);
+        // Ties take their average rank: x ranks (1, 2.5, 2.5, 4) against y = (1, 2, 3, 4).
+        let tied = [(1.0, 1.0), (2.0, 2.0), (2.0, 3.0), (3.0, 4.0)];
+        let r = spearman(&tied).unwrap();
+        assert!((r - 4.5 / (4.5f64 * 5.0).sqrt()).abs() < 1e-12, "{r}");
+        // Non-finite pairs dropped; too few or constant sides give None.
+        let nan = [
+            (1.0, 1.0),
+            (f64::NAN, 2.0),
+            (2.0, 2.0),
+            (3.0, f64::INFINITY),
+        ];
+        assert!((spearman(&nan).unwrap() - 1.0).abs() < 1e-12);
+        assert_eq!(spearman(&[(1.0, 2.0)]), None);
+        assert_eq!(spearman(&[(1.0, 2.0), (1.0, 3.0)]), None);
     }
 
     #[test]

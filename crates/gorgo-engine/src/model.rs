@@ -483,7 +483,13 @@ impl Engine {
                 .sum();
             let used = self.cache.cached_tokens() + self.private_tokens;
             let free = capacity.saturating_sub(used);
-            let reclaimable = self.cache.evictable_tokens() - unreferenced_matched;
+            // Saturating: the request's own block sizes can differ from the cached
+            // blocks' (a chain cut to a shorter prompt ends in a partial block, and
+            // repeated hashes count twice), so the sum can exceed the evictable total.
+            let reclaimable = self
+                .cache
+                .evictable_tokens()
+                .saturating_sub(unreferenced_matched);
             if free + reclaimable < need {
                 return;
             }

@@ -16,7 +16,8 @@ use gorgo_core::{Endpoint, HashChain, NodeId};
 
 /// The client API's headers (defined in the core, shared with the bench client).
 pub use gorgo_core::headers::{
-    session_key, HOPS_HEADER, POLICY_HEADER, SERVED_BY_HEADER, SESSION_HEADER,
+    session_key, HOPS_HEADER, POLICY_HEADER, PREDICTED_TTFT_HEADER, SERVED_BY_HEADER,
+    SESSION_HEADER,
 };
 
 /// The OpenAI error body for `status` with `message`.

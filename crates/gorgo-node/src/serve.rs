@@ -10,7 +10,9 @@ use gorgo_core::candidates::{build_candidates, LocalState, PeerState};
 use gorgo_core::cost::Candidate;
 use gorgo_core::HashChain;
 
-use crate::api::{RoutedRequest, ServeError, Upstream, PASS_RESPONSE_HEADERS};
+use crate::api::{
+    RoutedRequest, ServeError, Upstream, PASS_RESPONSE_HEADERS, PREDICTED_TTFT_HEADER,
+};
 use crate::engine::EngineFailure;
 use crate::forward::forward;
 use crate::route::{DecisionInput, Target};
@@ -79,8 +81,13 @@ pub async fn serve(state: &Arc<NodeState>, req: RoutedRequest) -> Result<Upstrea
     {
         state.metrics.terms(&terms);
     }
+    let predicted = record
+        .candidates
+        .iter()
+        .find(|c| c.chosen)
+        .and_then(|c| c.terms?.estimated_ttft_ms);
     tracing::debug!(request_id = req.request_id, ?target, reason = %record.reason, "decided");
-    match target {
+    let served = match target {
         Target::Nothing => Err(ServeError::Unavailable(
             "no healthy engine and no live peer".into(),
         )),
@@ -102,7 +109,16 @@ pub async fn serve(state: &Arc<NodeState>, req: RoutedRequest) -> Result<Upstrea
                 }
             }
         },
-    }
+    };
+    served.map(|mut up| {
+        if let Some(p) = predicted {
+            up.headers
+                .retain(|(k, _)| !k.eq_ignore_ascii_case(PREDICTED_TTFT_HEADER));
+            up.headers
+                .push((PREDICTED_TTFT_HEADER.to_owned(), format!("{p:.1}")));
+        }
+        up
+    })
 }
 
 /// Serve on the local engine.

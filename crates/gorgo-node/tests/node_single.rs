@@ -24,6 +24,13 @@ async fn non_streaming_chat_passes_through_with_headers() {
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["x-gorgo-served-by"], "a");
     assert_eq!(resp.headers()["x-gorgo-hops"], "0");
+    // The default policy (gorgo) is cost-based: its prediction comes with the answer.
+    let predicted: f64 = resp.headers()["x-gorgo-predicted-ttft-ms"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(predicted.is_finite() && predicted >= 0.0, "{predicted}");
     let v: serde_json::Value = resp.json().await.unwrap();
     assert_eq!(v["choices"][0]["message"]["content"], "hello world");
     node.shutdown.cancel();

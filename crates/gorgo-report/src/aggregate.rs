@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use gorgo_core::{summarize, LatencyStats};
+use gorgo_core::{percentile, spearman, summarize, LatencyStats};
 use serde::{Deserialize, Serialize};
 
 use crate::record::RequestRecord;
@@ -31,6 +31,57 @@ pub struct PolicyResult {
     pub region_share: BTreeMap<String, f64>,
     /// Fraction of completed requests served outside their home region.
     pub forwarded_share: f64,
+    /// Engine-reported cached prompt tokens over prompt tokens, over completed requests
+    /// whose engine reported them; `None` when none did.
+    #[serde(default)]
+    pub cache_hit_ratio: Option<f64>,
+    /// The same ratio per serving region (regions with a report only).
+    #[serde(default)]
+    pub cache_hit_ratio_by_region: BTreeMap<String, f64>,
+    /// How well the cost model's TTFT estimate matched the measured TTFT; `None` when no
+    /// completed request carried an estimate (policies that do not estimate costs).
+    #[serde(default)]
+    pub prediction: Option<PredictionError>,
+}
+
+/// The cost model's prediction error over one policy's completed requests: the chosen
+/// candidate's estimated TTFT against the TTFT measured at the client.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct PredictionError {
+    /// Median of `|estimated - measured| / measured`, percent.
+    pub mape_median: f64,
+    /// Spearman rank correlation of estimated and measured TTFT (`None` with fewer than
+    /// two requests or no spread, or when the run kept no per-request rows).
+    pub spearman: Option<f64>,
+    /// Requests compared.
+    pub n: u64,
+}
+
+impl PredictionError {
+    /// From `(estimated, measured)` TTFT pairs, ms; `None` when no pair is usable (both
+    /// finite, measured > 0).
+    pub fn from_pairs(pairs: &[(f64, f64)]) -> Option<Self> {
+        let pairs: Vec<(f64, f64)> = pairs
+            .iter()
+            .copied()
+            .filter(|(e, m)| e.is_finite() && m.is_finite() && *m > 0.0)
+            .collect();
+        let mut ape: Vec<f64> = pairs
+            .iter()
+            .map(|(e, m)| (e - m).abs() / m * 100.0)
+            .collect();
+        ape.sort_by(f64::total_cmp);
+        Some(PredictionError {
+            mape_median: percentile(&ape, 50.0)?,
+            spearman: spearman(&pairs),
+            n: pairs.len() as u64,
+        })
+    }
+}
+
+/// `cached / prompt` as a ratio, `None` without prompt tokens.
+pub fn hit_ratio(cached: u64, prompt: u64) -> Option<f64> {
+    (prompt > 0).then(|| cached as f64 / prompt as f64)
 }
 
 impl PolicyResult {
@@ -42,6 +93,10 @@ impl PolicyResult {
         let (mut ttft, mut e2e, mut itl) = (Vec::new(), Vec::new(), Vec::new());
         let mut served: BTreeMap<String, u64> = BTreeMap::new();
         let mut forwarded = 0u64;
+        // (cached, prompt) tokens, overall and per serving region.
+        let mut hits = (0u64, 0u64);
+        let mut hits_by_region: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+        let mut predicted = Vec::new();
         for r in records {
             requests += 1;
             if r.start_ms.is_finite() {
@@ -69,6 +124,19 @@ impl PolicyResult {
             }
             if r.forwarded() {
                 forwarded += 1;
+            }
+            if let Some(cached) = r.cached_tokens {
+                let cached = cached.min(r.input_tokens);
+                hits.0 += cached;
+                hits.1 += r.input_tokens;
+                if let Some(s) = &r.served_by {
+                    let e = hits_by_region.entry(s.clone()).or_insert((0, 0));
+                    e.0 += cached;
+                    e.1 += r.input_tokens;
+                }
+            }
+            if let Some(p) = r.predicted_ttft_ms {
+                predicted.push((p, r.ttft_ms));
             }
         }
         let completed = requests - failed;
@@ -98,6 +166,12 @@ impl PolicyResult {
             itl_ms: summarize(&mut itl),
             region_share: served.into_iter().map(|(k, n)| (k, share(n))).collect(),
             forwarded_share: share(forwarded),
+            cache_hit_ratio: hit_ratio(hits.0, hits.1),
+            cache_hit_ratio_by_region: hits_by_region
+                .into_iter()
+                .filter_map(|(k, (c, p))| Some((k, hit_ratio(c, p)?)))
+                .collect(),
+            prediction: PredictionError::from_pairs(&predicted),
         }
     }
 }

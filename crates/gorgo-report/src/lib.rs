@@ -19,6 +19,7 @@
 mod aggregate;
 mod plot;
 mod record;
+pub mod sweep;
 mod table;
 
 use std::fs;
@@ -27,10 +28,11 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-pub use aggregate::{aggregate, PolicyResult};
+pub use aggregate::{aggregate, hit_ratio, PolicyResult, PredictionError};
 pub use gorgo_core::LatencyStats;
 pub use record::RequestRecord;
-pub use table::{render_markdown, render_table};
+pub use sweep::{goodput_at_slo, Slo, Sweep, SweepPoint};
+pub use table::{aligned, markdown, render_markdown, render_table};
 
 /// The one error type of `gorgo-report`.
 #[derive(Debug, thiserror::Error)]
@@ -133,8 +135,8 @@ impl Report {
         Ok(self)
     }
 
-    /// Write `results.json`, `table.md`, `requests.csv`, `ttft_cdf.svg`,
-    /// `region_share.svg` and, with tuning records, `tuning.jsonl` into `out_dir`
+    /// Write `results.json`, `table.md`, `requests.csv`, `ttft_cdf.svg` (TTFT and E2E
+    /// CDFs side by side), `region_share.svg` (stacked per policy) and, with tuning records, `tuning.jsonl` into `out_dir`
     /// (created if missing).
     pub fn write(&self, out_dir: &Path) -> Result<()> {
         let io = |path: &Path| {

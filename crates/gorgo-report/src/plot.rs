@@ -1,13 +1,19 @@
-//! SVG plots: the TTFT CDF per policy and the per-region request share over time.
+//! SVG plots: TTFT and E2E CDFs per policy, the per-region request share over time
+//! (stacked), and a load sweep's p95 latencies and cache hit ratio against offered load.
 
 use std::error::Error;
 
+use plotters::coord::combinators::BindKeyPoints;
 use plotters::prelude::*;
 
-use crate::{Report, ReportError, Result};
+use crate::sweep::Sweep;
+use crate::{PolicyResult, Report, ReportError, Result};
 
 /// Most points drawn per line: keeps SVGs small for long runs without changing shape.
 const MAX_POINTS: usize = 2000;
+/// Sweep latency plots stop at this many times the SLO (higher values sit on the top
+/// edge).
+const CLIP_X_SLO: f64 = 50.0;
 /// Time bins of the region-share plot.
 const SHARE_BINS: usize = 30;
 
@@ -36,59 +42,133 @@ fn color(i: usize) -> RGBColor {
     COLORS[i % COLORS.len()]
 }
 
-/// `ttft_cdf.svg`: the empirical CDF of TTFT of completed requests, one line per
-/// policy, log x axis.
+/// Tick positions on a log axis from `lo` to `hi`: 1, 2 and 5 times each power of ten
+/// (fewer per decade on wide ranges), so sub-second latencies get labels too.
+pub(crate) fn log_ticks(lo: f64, hi: f64) -> Vec<f64> {
+    if !(lo.is_finite() && hi.is_finite() && lo > 0.0 && hi > lo) {
+        return Vec::new();
+    }
+    let decades = (hi / lo).log10();
+    let mantissas: &[f64] = if decades > 5.0 {
+        &[1.0]
+    } else if decades > 3.0 {
+        &[1.0, 3.0]
+    } else {
+        &[1.0, 2.0, 5.0]
+    };
+    let mut out = Vec::new();
+    let mut p = 10f64.powf(lo.log10().floor());
+    while p <= hi {
+        for m in mantissas {
+            let v = m * p;
+            if v >= lo && v <= hi {
+                out.push(v);
+            }
+        }
+        p *= 10.0;
+    }
+    out
+}
+
+/// A latency in ms as a short label: `50 ms`, `200 ms`, `1.5 s`, `20 s`.
+pub(crate) fn fmt_ms(v: f64) -> String {
+    if v < 1.0 {
+        format!("{v:.2} ms")
+    } else if v < 1000.0 {
+        format!("{v:.0} ms")
+    } else {
+        let s = format!("{:.1}", v / 1000.0);
+        format!("{} s", s.trim_end_matches(".0"))
+    }
+}
+
+/// `(lo, hi)` of a log axis covering every value, padded; a default when empty.
+fn log_bounds<'a>(values: impl Iterator<Item = &'a f64>) -> (f64, f64) {
+    let (lo, hi) = values
+        .filter(|v| v.is_finite() && **v > 0.0)
+        .fold((f64::INFINITY, 0.0f64), |(lo, hi), v| {
+            (lo.min(*v), hi.max(*v))
+        });
+    if lo.is_finite() && hi > lo {
+        (lo * 0.8, hi * 1.25)
+    } else if lo.is_finite() {
+        (lo * 0.5, lo * 2.0)
+    } else {
+        (1.0, 10_000.0)
+    }
+}
+
+/// `ttft_cdf.svg`: the empirical CDFs of TTFT (left) and E2E latency (right) of
+/// completed requests, one line per policy, log x axes.
 pub(crate) fn ttft_cdf(report: &Report) -> Result<String> {
     let mut svg = String::new();
-    draw_ttft_cdf(report, &mut svg).map_err(plot_error("ttft_cdf.svg"))?;
+    draw_latency_cdfs(report, &mut svg).map_err(plot_error("ttft_cdf.svg"))?;
     Ok(svg)
 }
 
-fn draw_ttft_cdf(report: &Report, svg: &mut String) -> DrawResult {
-    let series: Vec<(&str, Vec<f64>)> = report
-        .results
-        .policies
-        .iter()
-        .map(|(policy, _)| {
-            let mut v: Vec<f64> = report
-                .records
-                .iter()
-                .filter(|r| r.ok && &r.policy == policy && r.ttft_ms.is_finite())
-                .map(|r| r.ttft_ms.max(0.1))
-                .collect();
-            v.sort_by(f64::total_cmp);
-            (policy.as_str(), v)
-        })
-        .collect();
-    let lo = series
-        .iter()
-        .filter_map(|(_, v)| v.first())
-        .copied()
-        .fold(f64::INFINITY, f64::min);
-    let hi = series
-        .iter()
-        .filter_map(|(_, v)| v.last())
-        .copied()
-        .fold(0.0, f64::max);
-    let (lo, hi) = if lo.is_finite() && hi > lo {
-        (lo * 0.9, hi * 1.1)
-    } else {
-        (1.0, 10_000.0)
+fn draw_latency_cdfs(report: &Report, svg: &mut String) -> DrawResult {
+    let series = |pick: fn(&crate::RequestRecord) -> f64| -> Vec<(&str, Vec<f64>)> {
+        report
+            .results
+            .policies
+            .iter()
+            .map(|(policy, _)| {
+                let mut v: Vec<f64> = report
+                    .records
+                    .iter()
+                    .filter(|r| r.ok && &r.policy == policy)
+                    .map(pick)
+                    .filter(|v| v.is_finite())
+                    .map(|v| v.max(0.1))
+                    .collect();
+                v.sort_by(f64::total_cmp);
+                (policy.as_str(), v)
+            })
+            .collect()
     };
-
-    let root = SVGBackend::with_string(svg, (900, 560)).into_drawing_area();
+    let root = SVGBackend::with_string(svg, (1400, 560)).into_drawing_area();
     root.fill(&WHITE)?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption("TTFT CDF", ("sans-serif", 22))
+    let (left, right) = root.split_horizontally(700);
+    draw_cdf(
+        &left,
+        "TTFT CDF",
+        "TTFT (log scale)",
+        &series(|r| r.ttft_ms),
+    )?;
+    draw_cdf(
+        &right,
+        "E2E CDF",
+        "end-to-end latency (log scale)",
+        &series(|r| r.e2e_ms),
+    )?;
+    root.present()?;
+    Ok(())
+}
+
+fn draw_cdf<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    title: &str,
+    x_desc: &str,
+    series: &[(&str, Vec<f64>)],
+) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    let (lo, hi) = log_bounds(series.iter().flat_map(|(_, v)| v.iter()));
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 22))
         .margin(15)
         .x_label_area_size(45)
         .y_label_area_size(55)
-        .build_cartesian_2d((lo..hi).log_scale(), 0f64..1f64)?;
+        .build_cartesian_2d(
+            (lo..hi).log_scale().with_key_points(log_ticks(lo, hi)),
+            0f64..1f64,
+        )?;
     chart
         .configure_mesh()
-        .x_desc("TTFT (ms, log scale)")
+        .x_desc(x_desc)
         .y_desc("fraction of requests")
-        .x_label_formatter(&|v| format!("{v:.0}"))
+        .x_label_formatter(&|v| fmt_ms(*v))
         .draw()?;
     for (i, (policy, v)) in series.iter().enumerate() {
         if v.is_empty() {
@@ -111,12 +191,11 @@ fn draw_ttft_cdf(report: &Report, svg: &mut String) -> DrawResult {
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
         .draw()?;
-    root.present()?;
     Ok(())
 }
 
-/// `region_share.svg`: for each policy a panel with, per region, the share of completed
-/// requests it served in each time bin.
+/// `region_share.svg`: for each policy a panel of stacked areas: per time bin, the
+/// share of completed requests each region served (the bands add up to 1).
 pub(crate) fn region_share(report: &Report) -> Result<String> {
     let mut svg = String::new();
     draw_region_share(report, &mut svg).map_err(plot_error("region_share.svg"))?;
@@ -142,12 +221,26 @@ fn draw_region_share(report: &Report, svg: &mut String) -> DrawResult {
     let policies = &report.results.policies;
 
     let panels = policies.len().max(1);
-    let root = SVGBackend::with_string(svg, (900, 60 + 240 * panels as u32)).into_drawing_area();
+    let root = SVGBackend::with_string(svg, (900, 90 + 200 * panels as u32)).into_drawing_area();
     root.fill(&WHITE)?;
     let root = root.titled(
-        "Request share per serving region over time",
+        "Share of completed requests per serving region over time (stacked)",
         ("sans-serif", 22),
     )?;
+    // One legend for every panel, in stacking order (bottom band first).
+    let (legend, root) = root.split_vertically(36);
+    for (k, region) in regions.iter().enumerate() {
+        let x = 60 + 190 * k as i32;
+        legend.draw(&Rectangle::new(
+            [(x, 8), (x + 18, 24)],
+            color(k).mix(0.85).filled(),
+        ))?;
+        legend.draw(&Text::new(
+            region.to_string(),
+            (x + 24, 9),
+            ("sans-serif", 15).into_font(),
+        ))?;
+    }
     let areas = root.split_evenly((panels, 1));
     for ((policy, _), area) in policies.iter().zip(areas) {
         // served[bin][region], completed[bin]
@@ -172,42 +265,244 @@ fn draw_region_share(report: &Report, svg: &mut String) -> DrawResult {
         }
         let mut chart = ChartBuilder::on(&area)
             .caption(policy.as_str(), ("sans-serif", 16))
-            .margin(10)
-            .x_label_area_size(35)
+            .margin(8)
+            .x_label_area_size(30)
             .y_label_area_size(50)
             .build_cartesian_2d(0f64..end_s, 0f64..1f64)?;
         chart
             .configure_mesh()
             .x_desc("time (s)")
             .y_desc("share")
+            .y_labels(5)
+            .x_label_formatter(&|v| format!("{v:.0}"))
+            .disable_x_mesh()
             .draw()?;
-        for (k, region) in regions.iter().enumerate() {
-            let points: Vec<(f64, f64)> = (0..SHARE_BINS)
-                .filter(|&b| completed[b] > 0)
-                .map(|b| {
-                    (
-                        (b as f64 + 0.5) * bin_s,
-                        served[b][k] as f64 / completed[b] as f64,
-                    )
-                })
-                .collect();
-            let c = color(k);
-            chart
-                .draw_series(LineSeries::new(points, c.stroke_width(2)))?
-                .label(*region)
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
-                });
-        }
-        if !regions.is_empty() {
-            chart
-                .configure_series_labels()
-                .position(SeriesLabelPosition::UpperRight)
-                .background_style(WHITE.mix(0.8))
-                .border_style(BLACK)
-                .draw()?;
+        // Bins with completions, each drawn as a step over its whole width.
+        let bins: Vec<usize> = (0..SHARE_BINS).filter(|&b| completed[b] > 0).collect();
+        let cumulative = |b: usize, upto: usize| -> f64 {
+            served[b][..upto].iter().sum::<u64>() as f64 / completed[b] as f64
+        };
+        for k in 0..regions.len() {
+            let mut upper = Vec::with_capacity(bins.len() * 2);
+            let mut lower = Vec::with_capacity(bins.len() * 2);
+            for &b in &bins {
+                let (x0, x1) = (b as f64 * bin_s, (b + 1) as f64 * bin_s);
+                let (lo, hi) = (cumulative(b, k), cumulative(b, k + 1));
+                upper.extend([(x0, hi), (x1, hi)]);
+                lower.extend([(x0, lo), (x1, lo)]);
+            }
+            lower.reverse();
+            upper.extend(lower);
+            chart.draw_series(std::iter::once(Polygon::new(
+                upper,
+                color(k).mix(0.85).filled(),
+            )))?;
         }
     }
     root.present()?;
     Ok(())
+}
+
+/// The three plots of a load sweep, `(file name, SVG)`: p95 TTFT, p95 E2E and cache
+/// hit ratio against offered load, one line per policy.
+pub(crate) fn sweep_plots(sweep: &Sweep) -> Result<Vec<(&'static str, String)>> {
+    type Pick = fn(&PolicyResult) -> Option<f64>;
+    let plots: [(&'static str, &str, &str, Pick, bool); 3] = [
+        (
+            "sweep_ttft_p95.svg",
+            "p95 TTFT vs offered load",
+            "p95 TTFT (log scale)",
+            |r| Some(r.ttft_ms.p95),
+            true,
+        ),
+        (
+            "sweep_e2e_p95.svg",
+            "p95 E2E latency vs offered load",
+            "p95 E2E (log scale)",
+            |r| Some(r.e2e_ms.p95),
+            true,
+        ),
+        (
+            "sweep_cache_hit.svg",
+            "Cache hit ratio vs offered load",
+            "cached / prompt tokens (%)",
+            |r| r.cache_hit_ratio.map(|h| h * 100.0),
+            false,
+        ),
+    ];
+    let mut out = Vec::new();
+    for (file, title, y_desc, pick, log) in plots {
+        let slo = match file {
+            "sweep_ttft_p95.svg" => Some(sweep.slo.ttft_p95_ms),
+            "sweep_e2e_p95.svg" => sweep.slo.e2e_p95_ms,
+            _ => None,
+        };
+        let mut svg = String::new();
+        draw_sweep(sweep, &mut svg, title, y_desc, pick, log, slo).map_err(plot_error(file))?;
+        out.push((file, svg));
+    }
+    Ok(out)
+}
+
+fn draw_sweep(
+    sweep: &Sweep,
+    svg: &mut String,
+    title: &str,
+    y_desc: &str,
+    pick: fn(&PolicyResult) -> Option<f64>,
+    log: bool,
+    slo: Option<f64>,
+) -> DrawResult {
+    let lines: Vec<(String, Vec<(f64, f64)>)> = sweep
+        .policies()
+        .into_iter()
+        .map(|p| {
+            let pts = sweep
+                .curve(&p)
+                .into_iter()
+                .filter_map(|(x, r)| pick(r).filter(|v| v.is_finite()).map(|v| (x, v)))
+                .map(|(x, v)| (x, if log { v.max(0.1) } else { v }))
+                .collect();
+            (p, pts)
+        })
+        .collect();
+    let xs = sweep.points.iter().map(|p| p.offered_rps);
+    let (x_lo, x_hi) = xs.fold((f64::INFINITY, 0.0f64), |(a, b), x| (a.min(x), b.max(x)));
+    let (x_lo, x_hi) = if x_lo.is_finite() && x_hi > x_lo {
+        let pad = (x_hi - x_lo) * 0.05;
+        ((x_lo - pad).max(0.0), x_hi + pad)
+    } else if x_lo.is_finite() {
+        (x_lo * 0.5, x_lo * 1.5 + 1e-3)
+    } else {
+        (0.0, 1.0)
+    };
+    let root = SVGBackend::with_string(svg, (1000, 560)).into_drawing_area();
+    root.fill(&WHITE)?;
+    // The legend gets its own column so it never hides a line.
+    let (plot_area, legend) = root.split_horizontally(780);
+    let mut entries: Vec<(String, RGBColor, bool)> = Vec::new();
+    if let Some(s) = slo {
+        entries.push((format!("SLO {}", fmt_ms(s)), RGBColor(120, 120, 120), true));
+    }
+    entries.extend(
+        lines
+            .iter()
+            .enumerate()
+            .map(|(i, (p, _))| (p.clone(), color(i), false)),
+    );
+    for (k, (label, c, dashed)) in entries.iter().enumerate() {
+        let y = 60 + 24 * k as i32;
+        if *dashed {
+            legend.draw(&PathElement::new(vec![(10, y), (18, y)], c.stroke_width(3)))?;
+            legend.draw(&PathElement::new(vec![(24, y), (32, y)], c.stroke_width(3)))?;
+        } else {
+            legend.draw(&PathElement::new(vec![(10, y), (32, y)], c.stroke_width(3)))?;
+            legend.draw(&Circle::new((21, y), 4, c.filled()))?;
+        }
+        legend.draw(&Text::new(
+            label.clone(),
+            (40, y - 8),
+            ("sans-serif", 15).into_font(),
+        ))?;
+    }
+    let mut builder = ChartBuilder::on(&plot_area);
+    builder
+        .caption(title, ("sans-serif", 22))
+        .margin(15)
+        .x_label_area_size(45)
+        .y_label_area_size(65);
+    let values = lines.iter().flat_map(|(_, v)| v.iter().map(|p| &p.1));
+    if log {
+        let (lo, hi) = log_bounds(values.chain(slo.iter()));
+        // A saturated policy's latencies run to hours; past CLIP_X_SLO times the SLO
+        // they are drawn at the top edge so the lines near the SLO stay readable.
+        let hi = slo.map_or(hi, |s| hi.min(s * CLIP_X_SLO).max(lo * 2.0));
+        let clipped: Vec<(String, Vec<(f64, f64)>)> = lines
+            .iter()
+            .map(|(p, pts)| {
+                (
+                    p.clone(),
+                    pts.iter().map(|&(x, y)| (x, y.min(hi))).collect(),
+                )
+            })
+            .collect();
+        let mut chart = builder.build_cartesian_2d(
+            x_lo..x_hi,
+            (lo..hi).log_scale().with_key_points(log_ticks(lo, hi)),
+        )?;
+        let desc = if slo.is_some() {
+            format!("{y_desc}; clipped at {}", fmt_ms(hi))
+        } else {
+            y_desc.to_owned()
+        };
+        chart
+            .configure_mesh()
+            .x_desc("offered load (requests/s)")
+            .y_desc(desc)
+            .y_label_formatter(&|v| fmt_ms(*v))
+            .max_light_lines(2)
+            .draw()?;
+        draw_lines(&mut chart, &clipped, slo, (x_lo, x_hi))?;
+    } else {
+        // Ratios are often a few percent: scale to the data, not to 100%.
+        let top = values.fold(0.0f64, |m, v| m.max(*v));
+        let top = (top * 1.25).clamp(5.0, 100.0);
+        let mut chart = builder.build_cartesian_2d(x_lo..x_hi, 0f64..top)?;
+        chart
+            .configure_mesh()
+            .x_desc("offered load (requests/s)")
+            .y_desc(y_desc)
+            .y_label_formatter(&|v| format!("{v:.0}"))
+            .max_light_lines(2)
+            .draw()?;
+        draw_lines(&mut chart, &lines, slo, (x_lo, x_hi))?;
+    }
+    root.present()?;
+    Ok(())
+}
+
+fn draw_lines<'a, DB, Y>(
+    chart: &mut ChartContext<'a, DB, Cartesian2d<plotters::coord::types::RangedCoordf64, Y>>,
+    lines: &[(String, Vec<(f64, f64)>)],
+    slo: Option<f64>,
+    (x_lo, x_hi): (f64, f64),
+) -> DrawResult
+where
+    DB: DrawingBackend + 'a,
+    DB::ErrorType: 'static,
+    Y: Ranged<ValueType = f64>,
+{
+    if let Some(s) = slo {
+        let grey = RGBColor(120, 120, 120);
+        chart.draw_series(DashedLineSeries::new(
+            vec![(x_lo, s), (x_hi, s)],
+            8,
+            5,
+            grey.stroke_width(2),
+        ))?;
+    }
+    for (i, (_, pts)) in lines.iter().enumerate() {
+        let c = color(i);
+        chart.draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?;
+        chart.draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled())))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_ticks_label_sub_second_latencies() {
+        assert_eq!(
+            log_ticks(40.0, 3000.0),
+            vec![50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0]
+        );
+        assert_eq!(log_ticks(1.0, 1e7).len(), 8);
+        assert!(log_ticks(0.0, 10.0).is_empty());
+        assert_eq!(fmt_ms(200.0), "200 ms");
+        assert_eq!(fmt_ms(2000.0), "2 s");
+        assert_eq!(fmt_ms(1500.0), "1.5 s");
+    }
 }

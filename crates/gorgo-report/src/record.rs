@@ -28,6 +28,11 @@ pub struct RequestRecord {
     pub output_tokens: u64,
     /// Prompt tokens the engine reported cached, when it reports them.
     pub cached_tokens: Option<u64>,
+    /// The TTFT the cost model predicted for the chosen candidate when the client's node
+    /// decided, ms (`gorgo_core::cost::estimated_ttft_ms`); `None` for policies that do
+    /// not estimate costs, or when the driver did not get one.
+    #[serde(default)]
+    pub predicted_ttft_ms: Option<f64>,
     /// Send time, ms from the start of the run.
     pub start_ms: f64,
     /// True when the request completed.
@@ -67,6 +72,7 @@ pub(crate) struct CsvRow<'a> {
     input_tokens: u64,
     output_tokens: u64,
     cached_tokens: Option<u64>,
+    predicted_ttft_ms: Option<f64>,
     start_ms: f64,
     ok: bool,
     error: Option<&'a str>,
@@ -86,6 +92,7 @@ impl<'a> From<&'a RequestRecord> for CsvRow<'a> {
             input_tokens: r.input_tokens,
             output_tokens: r.output_tokens,
             cached_tokens: r.cached_tokens,
+            predicted_ttft_ms: r.predicted_ttft_ms,
             start_ms: r.start_ms,
             ok: r.ok,
             error: r.error.as_deref(),

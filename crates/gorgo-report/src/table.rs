@@ -26,6 +26,9 @@ fn cells(report: &Report) -> (Vec<String>, Vec<Vec<String>>) {
         "E2E p99 s",
         "ITL p50 ms",
         "forwarded",
+        "cache hit",
+        "pred MAPE",
+        "pred rho",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -50,6 +53,13 @@ fn cells(report: &Report) -> (Vec<String>, Vec<Vec<String>>) {
                 format!("{:.2}", r.e2e_ms.p99 / 1000.0),
                 format!("{:.1}", r.itl_ms.p50),
                 format!("{:.1}%", r.forwarded_share * 100.0),
+                r.cache_hit_ratio
+                    .map_or("-".into(), |h| format!("{:.1}%", h * 100.0)),
+                r.prediction
+                    .map_or("-".into(), |p| format!("{:.0}%", p.mape_median)),
+                r.prediction
+                    .and_then(|p| p.spearman)
+                    .map_or("-".into(), |s| format!("{s:.2}")),
             ];
             row.extend(regions.iter().map(|reg| {
                 format!(
@@ -63,9 +73,63 @@ fn cells(report: &Report) -> (Vec<String>, Vec<Vec<String>>) {
     (header, rows)
 }
 
-/// The table as Markdown: what `table.md` holds.
+/// Header and rows of the per-region cache-hit table, `None` when no policy has a
+/// per-region figure.
+fn hit_cells(report: &Report) -> Option<(Vec<String>, Vec<Vec<String>>)> {
+    let mut regions: Vec<&str> = report
+        .results
+        .policies
+        .iter()
+        .flat_map(|(_, r)| r.cache_hit_ratio_by_region.keys().map(String::as_str))
+        .collect();
+    regions.sort_unstable();
+    regions.dedup();
+    if regions.is_empty() {
+        return None;
+    }
+    let mut header = vec!["policy".to_string()];
+    header.extend(regions.iter().map(|r| format!("cache hit {r}")));
+    let rows = report
+        .results
+        .policies
+        .iter()
+        .map(|(name, r)| {
+            let mut row = vec![name.clone()];
+            row.extend(regions.iter().map(|reg| {
+                r.cache_hit_ratio_by_region
+                    .get(*reg)
+                    .map_or("-".into(), |h| format!("{:.1}%", h * 100.0))
+            }));
+            row
+        })
+        .collect();
+    Some((header, rows))
+}
+
+/// The table as Markdown: what `table.md` holds (then the per-region cache hits).
 pub fn render_markdown(report: &Report) -> String {
     let (header, rows) = cells(report);
+    let mut out = markdown(&header, &rows);
+    if let Some((header, rows)) = hit_cells(report) {
+        out.push_str("\nCache hit ratio by serving region:\n\n");
+        out.push_str(&markdown(&header, &rows));
+    }
+    out
+}
+
+/// The table with aligned columns for a terminal (then the per-region cache hits).
+pub fn render_table(report: &Report) -> String {
+    let (header, rows) = cells(report);
+    let mut out = aligned(&header, &rows);
+    if let Some((header, rows)) = hit_cells(report) {
+        out.push('\n');
+        out.push_str(&aligned(&header, &rows));
+    }
+    out
+}
+
+/// A Markdown table: the first column left-aligned, the others (numbers) right.
+pub fn markdown(header: &[String], rows: &[Vec<String>]) -> String {
     let mut out = format!("| {} |\n", header.join(" | "));
     out.push('|');
     for (i, _) in header.iter().enumerate() {
@@ -79,9 +143,9 @@ pub fn render_markdown(report: &Report) -> String {
     out
 }
 
-/// The table with aligned columns for a terminal.
-pub fn render_table(report: &Report) -> String {
-    let (header, rows) = cells(report);
+/// A table with aligned columns for a terminal: the first column left-aligned, the
+/// others right.
+pub fn aligned(header: &[String], rows: &[Vec<String>]) -> String {
     let widths: Vec<usize> = (0..header.len())
         .map(|i| {
             rows.iter()
@@ -106,8 +170,8 @@ pub fn render_table(report: &Report) -> String {
             .collect();
         parts.join("  ").trim_end().to_owned() + "\n"
     };
-    let mut out = line(&header);
-    for row in &rows {
+    let mut out = line(header);
+    for row in rows {
         out.push_str(&line(row));
     }
     out

@@ -15,6 +15,7 @@ fn rec(policy: &str, id: usize, region: &str, served: &str, ttft: f64, e2e: f64)
         input_tokens: 1000,
         output_tokens: 11,
         cached_tokens: Some(512),
+        predicted_ttft_ms: None,
         start_ms: id as f64 * 100.0,
         ok: true,
         error: None,
@@ -103,6 +104,51 @@ fn aggregation_follows_the_results_schema() {
 }
 
 #[test]
+fn cache_hits_and_prediction_error_are_aggregated() {
+    let mut v = records();
+    // Served in eu: half their prompt cached; `local-only` made no estimates.
+    for r in v
+        .iter_mut()
+        .filter(|r| r.served_by.as_deref() == Some("eu"))
+    {
+        r.cached_tokens = Some(500);
+    }
+    // gorgo's estimates: 10% high on every completed request except one 50% low, so
+    // the ranks still agree except where that one lands.
+    for r in v.iter_mut().filter(|r| r.policy == "gorgo" && r.ok) {
+        r.predicted_ttft_ms = Some(r.ttft_ms * 1.1);
+    }
+    v[0].predicted_ttft_ms = Some(v[0].ttft_ms * 0.5);
+    let report = Report::from_records(&(), v).unwrap();
+    let g = report.results.policy("gorgo").unwrap();
+    // 7 in us at 512/1000, 3 in eu at 500/1000; the failed request does not count.
+    assert!((g.cache_hit_ratio.unwrap() - (7.0 * 512.0 + 3.0 * 500.0) / 10_000.0).abs() < 1e-12);
+    assert_eq!(g.cache_hit_ratio_by_region["us"], 0.512);
+    assert_eq!(g.cache_hit_ratio_by_region["eu"], 0.5);
+    let p = g.prediction.unwrap();
+    assert_eq!(p.n, 10);
+    assert!((p.mape_median - 10.0).abs() < 1e-9, "{p:?}");
+    // Request 0 (smallest TTFT) stays the smallest estimate: ranks agree exactly.
+    assert!((p.spearman.unwrap() - 1.0).abs() < 1e-12);
+    let l = report.results.policy("local-only").unwrap();
+    assert_eq!(l.prediction, None);
+    assert_eq!(l.cache_hit_ratio, Some(0.5));
+    // The new fields are in results.json and read back.
+    let json = serde_json::to_value(&report.results).unwrap();
+    assert_eq!(json["policies"]["gorgo"]["prediction"]["n"], 10);
+    assert_eq!(
+        json["policies"]["local-only"]["prediction"],
+        serde_json::Value::Null
+    );
+    assert_eq!(
+        json["policies"]["gorgo"]["cache_hit_ratio_by_region"]["eu"],
+        0.5
+    );
+    let back: Results = serde_json::from_value(json).unwrap();
+    assert_eq!(back, report.results);
+}
+
+#[test]
 fn empty_and_all_failed_policies_still_aggregate() {
     let failed = RequestRecord {
         ok: false,
@@ -148,8 +194,14 @@ fn report_files_are_written() {
 
     let table = std::fs::read_to_string(out.join("table.md")).unwrap();
     assert!(table.starts_with("| policy |"), "{table}");
-    assert_eq!(table.lines().count(), 4);
+    let (main, hits) = table.split_once("\n\n").unwrap();
+    assert_eq!(main.lines().count(), 4);
     assert!(table.contains("| gorgo | 11 | 1 |"), "{table}");
+    assert!(
+        hits.contains("| policy | cache hit eu | cache hit us |"),
+        "{table}"
+    );
+    assert!(hits.contains("| local-only | 51.2% | - |"), "{table}");
 
     let csv = std::fs::read_to_string(out.join("requests.csv")).unwrap();
     let mut lines = csv.lines();
@@ -176,7 +228,8 @@ fn report_files_are_written() {
     }
 
     let console = render_table(&report);
-    assert_eq!(console.lines().count(), 3);
+    // Main table (header + 2 policies), a blank line, the per-region cache hits.
+    assert_eq!(console.lines().count(), 7);
     assert!(console.lines().nth(1).unwrap().starts_with("gorgo "));
 }
 

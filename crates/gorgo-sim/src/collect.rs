@@ -36,6 +36,9 @@ pub struct Row {
     pub output_tokens: u32,
     /// Prompt tokens the engine served from its prefix cache.
     pub cached_tokens: u32,
+    /// The cost model's TTFT estimate for the chosen candidate at the client's node, ms
+    /// (cost-based policies only).
+    pub predicted_ttft_ms: Option<f32>,
 }
 
 /// Counts that let a caller check the run: conservation of requests, the max-hops
@@ -122,6 +125,11 @@ pub struct Sketches {
     pub first_start_ms: f64,
     /// Latest last byte, ms.
     pub last_end_ms: f64,
+    /// Per region (index as `PolicyRun::regions`): `(cached, prompt)` tokens of the
+    /// completed requests it served, for cache hit ratios.
+    pub hit_tokens: Vec<(u64, u64)>,
+    /// Absolute percentage errors of the TTFT estimate, completed requests with one.
+    pub prediction_ape: LatencySketch,
 }
 
 /// Everything one policy's run produced.
@@ -159,6 +167,7 @@ impl Collector {
                 sketches: Sketches {
                     first_start_ms: f64::INFINITY,
                     last_end_ms: f64::NEG_INFINITY,
+                    hit_tokens: vec![(0, 0); n],
                     ..Default::default()
                 },
                 counters: SimCounters {
@@ -193,6 +202,15 @@ impl Collector {
             }
             if let Some(r) = row.served {
                 c.served_by_region[r as usize] += 1;
+                let h = &mut s.hit_tokens[r as usize];
+                h.0 += row.cached_tokens.min(row.input_tokens) as u64;
+                h.1 += row.input_tokens as u64;
+            }
+            if let Some(p) = row.predicted_ttft_ms {
+                if row.ttft_ms > 0.0 {
+                    s.prediction_ape
+                        .add(((p - row.ttft_ms).abs() / row.ttft_ms * 100.0) as f64);
+                }
             }
         } else {
             c.failed += 1;

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use gorgo_core::{LatencySketch, LatencyStats};
-use gorgo_report::{PolicyResult, Report, RequestRecord, Results};
+use gorgo_report::{hit_ratio, PolicyResult, PredictionError, Report, RequestRecord, Results};
 use serde::Serialize;
 
 use crate::collect::{PolicyRun, Row};
@@ -50,6 +50,7 @@ fn record(policy: &str, regions: &[String], r: &Row) -> RequestRecord {
         input_tokens: r.input_tokens as u64,
         output_tokens: r.output_tokens as u64,
         cached_tokens: r.ok.then_some(r.cached_tokens as u64),
+        predicted_ttft_ms: r.predicted_ttft_ms.map(f64::from),
         start_ms: r.start_ms,
         ok: r.ok,
         error: r.error.as_deref().map(str::to_owned),
@@ -67,7 +68,8 @@ fn stats(s: &LatencySketch) -> LatencyStats {
 }
 
 /// A policy's aggregate from its sketches (1% relative accuracy on percentiles), for
-/// runs too long to keep every row.
+/// runs too long to keep every row. The prediction's Spearman correlation needs every
+/// pair, so it is absent here.
 pub fn result_from_sketches(run: &PolicyRun) -> PolicyResult {
     let c = &run.counters;
     let s = &run.sketches;
@@ -104,6 +106,24 @@ pub fn result_from_sketches(run: &PolicyRun) -> PolicyResult {
         itl_ms: stats(&s.itl),
         region_share,
         forwarded_share: share(c.forwarded),
+        cache_hit_ratio: {
+            let (cached, prompt) = s
+                .hit_tokens
+                .iter()
+                .fold((0, 0), |a, h| (a.0 + h.0, a.1 + h.1));
+            hit_ratio(cached, prompt)
+        },
+        cache_hit_ratio_by_region: run
+            .regions
+            .iter()
+            .zip(&s.hit_tokens)
+            .filter_map(|(r, &(cached, prompt))| Some((r.clone(), hit_ratio(cached, prompt)?)))
+            .collect(),
+        prediction: s.prediction_ape.quantile(0.5).map(|m| PredictionError {
+            mape_median: m,
+            spearman: None,
+            n: s.prediction_ape.count(),
+        }),
     }
 }
 

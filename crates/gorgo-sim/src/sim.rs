@@ -259,6 +259,9 @@ struct Flight {
     first_token_seen: bool,
     /// Expected prefill tokens counted in the oracle's in-transit figure.
     transit_tokens: u64,
+    /// The TTFT the client's node's decision predicted for its chosen candidate, ms
+    /// (cost-based policies only).
+    predicted_ttft_ms: Option<f32>,
 }
 
 enum Payload {
@@ -601,6 +604,7 @@ impl<'a> Sim<'a> {
             epoch: 0,
             ttft_ms: f64::NAN,
             cached_tokens: 0,
+            predicted_ttft_ms: None,
             first_token_seen: false,
             transit_tokens: 0,
         };
@@ -808,6 +812,13 @@ impl<'a> Sim<'a> {
                 rng,
             ),
         };
+        // The client's node's prediction for its choice (a forward keeps the first).
+        let predicted = outcome.as_ref().ok().and_then(|d| {
+            d.candidates
+                .iter()
+                .find(|c| c.chosen)
+                .and_then(|c| c.terms?.estimated_ttft_ms)
+        });
         let target = outcome.map(|d| {
             (
                 cand_regions[d.target_index],
@@ -815,7 +826,9 @@ impl<'a> Sim<'a> {
             )
         });
         if hops == 0 {
-            self.flight_mut(slot).epoch = epoch;
+            let f = self.flight_mut(slot);
+            f.epoch = epoch;
+            f.predicted_ttft_ms = predicted.map(|v| v as f32);
         }
         match target {
             Err(_) => {
@@ -1022,6 +1035,7 @@ impl<'a> Sim<'a> {
             input_tokens: f.prompt_tokens.min(u32::MAX as u64) as u32,
             output_tokens: 0,
             cached_tokens: 0,
+            predicted_ttft_ms: f.predicted_ttft_ms,
         });
     }
 
@@ -1048,6 +1062,7 @@ impl<'a> Sim<'a> {
             input_tokens: f.prompt_tokens.min(u32::MAX as u64) as u32,
             output_tokens: f.output_tokens,
             cached_tokens: f.cached_tokens.min(u32::MAX as u64) as u32,
+            predicted_ttft_ms: f.predicted_ttft_ms,
         });
     }
 

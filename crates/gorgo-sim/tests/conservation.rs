@@ -350,3 +350,54 @@ fn gossip_loss_is_repaired_by_snapshot_requests() {
     cfg.gossip_loss = 1.0;
     assert!(cfg.validate().is_err());
 }
+
+#[test]
+fn results_carry_cache_hits_and_prediction_error() {
+    let cfg = config();
+    let t = trace(3, 300.0, 12);
+    let runs: Vec<PolicyRun> = [PolicyKind::Gorgo, PolicyKind::LeastLoad]
+        .into_iter()
+        .map(|k| run(&cfg, k, &t))
+        .collect();
+    let report = build_report(&serde_json::json!({}), &runs).unwrap();
+    let json = serde_json::to_value(&report.results).unwrap();
+    let g = &json["policies"]["gorgo"];
+    let hit = g["cache_hit_ratio"].as_f64().unwrap();
+    assert!(hit > 0.0 && hit < 1.0, "{g}");
+    assert!(!g["cache_hit_ratio_by_region"]
+        .as_object()
+        .unwrap()
+        .is_empty());
+    let p = &g["prediction"];
+    assert!(p["n"].as_u64().unwrap() > 0, "{p}");
+    assert!(p["mape_median"].as_f64().unwrap() >= 0.0, "{p}");
+    let rho = p["spearman"].as_f64().unwrap();
+    assert!((-1.0..=1.0).contains(&rho), "{p}");
+    // Every completed gorgo request has an estimate; least-load makes none.
+    let completed = g["requests"].as_u64().unwrap() - g["failed"].as_u64().unwrap();
+    assert_eq!(p["n"].as_u64().unwrap(), completed);
+    assert!(json["policies"]["least-load"]["prediction"].is_null());
+    assert!(json["policies"]["least-load"]["cache_hit_ratio"]
+        .as_f64()
+        .is_some());
+    assert!(report
+        .records
+        .iter()
+        .filter(|r| r.policy == "gorgo")
+        .all(|r| r.predicted_ttft_ms.is_some()));
+
+    // Past the row cap the same fields come from the sketches (no Spearman there).
+    let mut capped = cfg.clone();
+    capped.max_rows = 10;
+    let run = run(&capped, PolicyKind::Gorgo, &t);
+    let r = gorgo_sim::report::result_from_sketches(&run);
+    let exact = report.results.policy("gorgo").unwrap();
+    assert!((r.cache_hit_ratio.unwrap() - exact.cache_hit_ratio.unwrap()).abs() < 1e-9);
+    let p = r.prediction.unwrap();
+    assert_eq!(p.spearman, None);
+    assert_eq!(p.n, exact.prediction.unwrap().n);
+    assert!(
+        (p.mape_median - exact.prediction.unwrap().mape_median).abs()
+            <= 0.02 * exact.prediction.unwrap().mape_median + 1e-9
+    );
+}

@@ -1,0 +1,419 @@
+//! Load sweeps: the same workload through every policy at several offered loads, and
+//! **goodput at SLO**, the highest offered load at which a policy still meets its
+//! latency objectives.
+//!
+//! A single load point says little: which policy wins changes with load (the paper's
+//! own results change sign past a time scale of about 3). `gorgo sweep` produces one
+//! [`Results`]-style aggregate per (load, policy); this module turns them into
+//! `sweep.json`, `sweep.md` and the per-load plots, whatever driver (simulator or live
+//! clusters) produced them.
+
+use std::fs;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::table::markdown;
+use crate::{plot, PolicyResult, ReportError, Result};
+
+/// The latency objectives a sweep point must meet to count towards goodput.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Slo {
+    /// Largest acceptable p95 TTFT, ms.
+    pub ttft_p95_ms: f64,
+    /// Largest acceptable p95 end-to-end latency, ms (`None`: not checked).
+    pub e2e_p95_ms: Option<f64>,
+}
+
+/// One load of a sweep: every policy's aggregate at one time scale.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SweepPoint {
+    /// The factor applied to the trace's inter-arrival times (< 1: faster).
+    pub time_scale: f64,
+    /// Offered load, requests per second: the trace's mean rate / `time_scale`.
+    pub offered_rps: f64,
+    /// Aggregates by policy name, in run order.
+    #[serde(with = "crate::ordered_map")]
+    pub policies: Vec<(String, PolicyResult)>,
+}
+
+/// One policy's goodput at the SLO.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Goodput {
+    /// The policy.
+    pub policy: String,
+    /// Highest offered load meeting the SLO, requests/s ([`goodput_at_slo`]).
+    pub goodput_rps: f64,
+    /// `goodput_rps` over the best baseline's (`None` when the best baseline's is 0 or
+    /// no baseline ran).
+    pub ratio_to_best_baseline: Option<f64>,
+}
+
+/// A whole sweep: what `sweep.json` holds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sweep {
+    /// Whatever describes the run (trace, topology, flags): free-form JSON.
+    pub config: serde_json::Value,
+    /// The workload's mean arrival rate at time scale 1, requests/s.
+    pub trace_rate_rps: f64,
+    /// The objectives goodput is measured against.
+    pub slo: Slo,
+    /// One entry per load, by increasing offered load.
+    pub points: Vec<SweepPoint>,
+    /// Per policy, in run order.
+    pub goodput: Vec<Goodput>,
+    /// The baseline with the highest goodput (ties: the first), if any baseline ran.
+    pub best_baseline: Option<String>,
+}
+
+/// True for the policies goodput ratios are taken against: neither a `gorgo` policy
+/// nor the `oracle` (which no deployment can run).
+pub fn is_baseline(policy: &str) -> bool {
+    !policy.starts_with("gorgo") && policy != "oracle"
+}
+
+/// Highest offered load meeting `slo` on a measured curve of `(offered_rps, p95 TTFT
+/// ms, p95 E2E ms)` points (any order).
+///
+/// Walking up from the lowest load: 0 when the lowest point already misses the SLO;
+/// the highest load when every point meets it; otherwise the load where the curve
+/// crosses the SLO between the last point that meets it and the first that does not,
+/// by linear interpolation of each violated metric (the lowest crossing of the
+/// violated metrics). Points past the first miss are ignored: a latency that comes
+/// back under the SLO at a higher load is noise, not capacity. Points with a
+/// non-finite load are dropped; a non-finite latency counts as a miss.
+pub fn goodput_at_slo(curve: &[(f64, f64, f64)], slo: Slo) -> f64 {
+    let mut points: Vec<(f64, f64, f64)> = curve
+        .iter()
+        .copied()
+        .filter(|p| p.0.is_finite() && p.0 >= 0.0)
+        .collect();
+    points.sort_by(|a, b| a.0.total_cmp(&b.0));
+    // False for NaN: a latency that could not be measured misses.
+    let within = |v: f64, limit: f64| v <= limit;
+    let meets = |p: &(f64, f64, f64)| {
+        within(p.1, slo.ttft_p95_ms) && slo.e2e_p95_ms.is_none_or(|e| within(p.2, e))
+    };
+    let Some(first_miss) = points.iter().position(|p| !meets(p)) else {
+        return points.last().map_or(0.0, |p| p.0);
+    };
+    if first_miss == 0 {
+        return 0.0;
+    }
+    let (lo, hi) = (points[first_miss - 1], points[first_miss]);
+    // Where `value` goes from `a` (<= limit, at lo.0) to `b` (> limit, at hi.0).
+    let cross = |a: f64, b: f64, limit: f64| {
+        if b.is_finite() && b > a {
+            lo.0 + (limit - a) / (b - a) * (hi.0 - lo.0)
+        } else {
+            lo.0
+        }
+    };
+    let mut load = hi.0;
+    if !within(hi.1, slo.ttft_p95_ms) {
+        load = load.min(cross(lo.1, hi.1, slo.ttft_p95_ms));
+    }
+    if let Some(e) = slo.e2e_p95_ms {
+        if !within(hi.2, e) {
+            load = load.min(cross(lo.2, hi.2, e));
+        }
+    }
+    load.clamp(lo.0, hi.0)
+}
+
+impl Sweep {
+    /// Assemble a sweep from its points (sorted here by offered load) and compute every
+    /// policy's goodput and its ratio to the best baseline.
+    pub fn new(
+        config: serde_json::Value,
+        trace_rate_rps: f64,
+        slo: Slo,
+        mut points: Vec<SweepPoint>,
+    ) -> Self {
+        points.sort_by(|a, b| a.offered_rps.total_cmp(&b.offered_rps));
+        let mut sweep = Sweep {
+            config,
+            trace_rate_rps,
+            slo,
+            points,
+            goodput: Vec::new(),
+            best_baseline: None,
+        };
+        let mut goodput: Vec<Goodput> = sweep
+            .policies()
+            .into_iter()
+            .map(|p| {
+                let curve: Vec<(f64, f64, f64)> = sweep
+                    .curve(&p)
+                    .into_iter()
+                    .map(|(load, r)| (load, r.ttft_ms.p95, r.e2e_ms.p95))
+                    .collect();
+                Goodput {
+                    goodput_rps: goodput_at_slo(&curve, slo),
+                    policy: p,
+                    ratio_to_best_baseline: None,
+                }
+            })
+            .collect();
+        let best = goodput
+            .iter()
+            .filter(|g| is_baseline(&g.policy))
+            .fold(None::<&Goodput>, |best, g| match best {
+                Some(b) if b.goodput_rps >= g.goodput_rps => Some(b),
+                _ => Some(g),
+            })
+            .map(|g| (g.policy.clone(), g.goodput_rps));
+        if let Some((_, base)) = &best {
+            for g in &mut goodput {
+                g.ratio_to_best_baseline = (*base > 0.0).then(|| g.goodput_rps / base);
+            }
+        }
+        sweep.best_baseline = best.map(|(p, _)| p);
+        sweep.goodput = goodput;
+        sweep
+    }
+
+    /// Policy names in the order they first appear.
+    pub fn policies(&self) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for (p, _) in self.points.iter().flat_map(|pt| &pt.policies) {
+            if !out.contains(p) {
+                out.push(p.clone());
+            }
+        }
+        out
+    }
+
+    /// `policy`'s aggregates by increasing offered load.
+    pub fn curve(&self, policy: &str) -> Vec<(f64, &PolicyResult)> {
+        self.points
+            .iter()
+            .filter_map(|pt| {
+                pt.policies
+                    .iter()
+                    .find(|(p, _)| p == policy)
+                    .map(|(_, r)| (pt.offered_rps, r))
+            })
+            .collect()
+    }
+
+    /// Write `sweep.json`, `sweep.md`, `sweep_ttft_p95.svg`, `sweep_e2e_p95.svg` and
+    /// `sweep_cache_hit.svg` into `out_dir` (created if missing).
+    pub fn write(&self, out_dir: &Path) -> Result<()> {
+        let io = |path: &Path| {
+            let path = path.display().to_string();
+            move |source| ReportError::Io { path, source }
+        };
+        fs::create_dir_all(out_dir).map_err(io(out_dir))?;
+        let path = out_dir.join("sweep.json");
+        let json = serde_json::to_string_pretty(self).map_err(|source| ReportError::Json {
+            what: "sweep",
+            source,
+        })?;
+        fs::write(&path, json + "\n").map_err(io(&path))?;
+        let path = out_dir.join("sweep.md");
+        fs::write(&path, render_sweep_markdown(self)).map_err(io(&path))?;
+        for (file, svg) in plot::sweep_plots(self)? {
+            let path = out_dir.join(file);
+            fs::write(&path, svg).map_err(io(&path))?;
+        }
+        Ok(())
+    }
+}
+
+/// One table: a row per policy, a column per offered load, cells from `cell`.
+fn per_load_table(sweep: &Sweep, cell: impl Fn(&PolicyResult) -> String) -> String {
+    let mut header = vec!["policy".to_string()];
+    header.extend(
+        sweep
+            .points
+            .iter()
+            .map(|p| format!("{:.2} req/s (x{})", p.offered_rps, p.time_scale)),
+    );
+    let rows: Vec<Vec<String>> = sweep
+        .policies()
+        .into_iter()
+        .map(|policy| {
+            let mut row = vec![policy.clone()];
+            row.extend(sweep.points.iter().map(|pt| {
+                pt.policies
+                    .iter()
+                    .find(|(p, _)| *p == policy)
+                    .map_or("-".into(), |(_, r)| cell(r))
+            }));
+            row
+        })
+        .collect();
+    markdown(&header, &rows)
+}
+
+/// `sweep.md`: goodput at the SLO, then p95 TTFT, p95 E2E, cache hit ratio and the
+/// cost model's prediction error per policy and load.
+pub fn render_sweep_markdown(sweep: &Sweep) -> String {
+    let slo = match sweep.slo.e2e_p95_ms {
+        Some(e) => format!(
+            "p95 TTFT <= {:.0} ms and p95 E2E <= {:.0} ms",
+            sweep.slo.ttft_p95_ms, e
+        ),
+        None => format!("p95 TTFT <= {:.0} ms", sweep.slo.ttft_p95_ms),
+    };
+    let mut out = format!(
+        "Goodput at SLO ({slo}; highest offered load meeting it, interpolated between \
+         sweep points; trace rate {:.3} req/s at time scale 1):\n\n",
+        sweep.trace_rate_rps
+    );
+    let header: Vec<String> = ["policy", "goodput req/s", "vs best baseline"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let rows: Vec<Vec<String>> = sweep
+        .goodput
+        .iter()
+        .map(|g| {
+            let mut name = g.policy.clone();
+            if sweep.best_baseline.as_deref() == Some(g.policy.as_str()) {
+                name.push_str(" (best baseline)");
+            }
+            vec![
+                name,
+                format!("{:.2}", g.goodput_rps),
+                g.ratio_to_best_baseline
+                    .map_or("-".into(), |r| format!("{r:.2}x")),
+            ]
+        })
+        .collect();
+    out.push_str(&markdown(&header, &rows));
+    out.push_str("\np95 TTFT, ms:\n\n");
+    out.push_str(&per_load_table(sweep, |r| format!("{:.0}", r.ttft_ms.p95)));
+    out.push_str("\np95 E2E, s:\n\n");
+    out.push_str(&per_load_table(sweep, |r| {
+        format!("{:.2}", r.e2e_ms.p95 / 1000.0)
+    }));
+    out.push_str("\nCache hit ratio (cached prompt tokens / prompt tokens):\n\n");
+    out.push_str(&per_load_table(sweep, |r| {
+        r.cache_hit_ratio
+            .map_or("-".into(), |h| format!("{:.1}%", h * 100.0))
+    }));
+    out.push_str(
+        "\nPrediction error of the cost model (median APE / Spearman rho of estimated vs \
+         measured TTFT):\n\n",
+    );
+    out.push_str(&per_load_table(sweep, |r| {
+        r.prediction.map_or("-".into(), |p| {
+            format!(
+                "{:.0}% / {}",
+                p.mape_median,
+                p.spearman.map_or("-".into(), |s| format!("{s:.2}"))
+            )
+        })
+    }));
+    let failed: u64 = sweep
+        .points
+        .iter()
+        .flat_map(|p| &p.policies)
+        .map(|(_, r)| r.failed)
+        .sum();
+    if failed > 0 {
+        out.push_str("\nFailed requests:\n\n");
+        out.push_str(&per_load_table(sweep, |r| r.failed.to_string()));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SLO: Slo = Slo {
+        ttft_p95_ms: 2000.0,
+        e2e_p95_ms: None,
+    };
+
+    #[test]
+    fn never_meets_is_zero() {
+        let curve = [(1.0, 2500.0, 0.0), (2.0, 3000.0, 0.0), (4.0, 9000.0, 0.0)];
+        assert_eq!(goodput_at_slo(&curve, SLO), 0.0);
+        assert_eq!(goodput_at_slo(&[], SLO), 0.0);
+    }
+
+    #[test]
+    fn meets_everywhere_is_the_highest_load() {
+        let curve = [(4.0, 900.0, 0.0), (1.0, 300.0, 0.0), (2.0, 500.0, 0.0)];
+        assert_eq!(goodput_at_slo(&curve, SLO), 4.0);
+    }
+
+    #[test]
+    fn crossing_is_interpolated() {
+        // TTFT 1000 ms at 2 req/s, 3000 ms at 4 req/s: 2000 ms is crossed at 3 req/s.
+        let curve = [(1.0, 500.0, 0.0), (2.0, 1000.0, 0.0), (4.0, 3000.0, 0.0)];
+        assert!((goodput_at_slo(&curve, SLO) - 3.0).abs() < 1e-12);
+        // Exactly at the SLO counts as meeting it.
+        let curve = [(1.0, 500.0, 0.0), (2.0, 2000.0, 0.0), (4.0, 3000.0, 0.0)];
+        assert!((goodput_at_slo(&curve, SLO) - 2.0).abs() < 1e-12);
+        // A recovery past the first miss is ignored.
+        let curve = [(1.0, 1000.0, 0.0), (2.0, 3000.0, 0.0), (3.0, 1500.0, 0.0)];
+        assert!((goodput_at_slo(&curve, SLO) - 1.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_e2e_objective_binds_when_it_crosses_first() {
+        let slo = Slo {
+            ttft_p95_ms: 2000.0,
+            e2e_p95_ms: Some(10_000.0),
+        };
+        // TTFT crosses at 3.5 req/s, E2E (8 s -> 16 s) at 2.5 req/s.
+        let curve = [(2.0, 1000.0, 8_000.0), (4.0, 2500.0, 16_000.0)];
+        assert!((goodput_at_slo(&curve, slo) - 2.5).abs() < 1e-12);
+        // A non-finite latency is a miss (crossing at the last good point).
+        let curve = [(2.0, 1000.0, 8_000.0), (4.0, f64::NAN, 9_000.0)];
+        assert_eq!(goodput_at_slo(&curve, slo), 2.0);
+    }
+
+    fn result(ttft_p95: f64) -> PolicyResult {
+        let mut r = PolicyResult::from_records(std::iter::empty());
+        r.ttft_ms.p95 = ttft_p95;
+        r
+    }
+
+    #[test]
+    fn ratios_are_to_the_best_baseline() {
+        let point = |load: f64, ttft: [f64; 3]| SweepPoint {
+            time_scale: 1.0 / load,
+            offered_rps: load,
+            policies: vec![
+                ("gorgo".into(), result(ttft[0])),
+                ("least-load".into(), result(ttft[1])),
+                ("oracle".into(), result(ttft[2])),
+            ],
+        };
+        let sweep = Sweep::new(
+            serde_json::json!({}),
+            1.0,
+            SLO,
+            vec![
+                point(4.0, [1500.0, 4000.0, 100.0]),
+                point(2.0, [1000.0, 1000.0, 100.0]),
+            ],
+        );
+        assert_eq!(sweep.points[0].offered_rps, 2.0);
+        assert_eq!(sweep.best_baseline.as_deref(), Some("least-load"));
+        let g: Vec<_> = sweep
+            .goodput
+            .iter()
+            .map(|g| (g.policy.as_str(), g.goodput_rps, g.ratio_to_best_baseline))
+            .collect();
+        // least-load crosses 2000 ms a third of the way from 2 to 4 req/s.
+        let ll = 2.0 + 2.0 / 3.0;
+        assert_eq!(g[0], ("gorgo", 4.0, Some(4.0 / ll)));
+        assert_eq!(g[1].2, Some(1.0));
+        assert!((g[1].1 - ll).abs() < 1e-12);
+        assert_eq!(g[2].1, 4.0);
+        let md = render_sweep_markdown(&sweep);
+        assert!(
+            md.contains("| least-load (best baseline) | 2.67 | 1.00x |"),
+            "{md}"
+        );
+        let back: Sweep = serde_json::from_str(&serde_json::to_string(&sweep).unwrap()).unwrap();
+        assert_eq!(back, sweep);
+    }
+}

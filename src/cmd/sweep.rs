@@ -1,0 +1,348 @@
+//! `gorgo sweep`: one workload through every policy at several offered loads, in the
+//! simulator (default) or on live clusters (`--live`, through `gorgo compare`), and
+//! each policy's goodput at an SLO. Writes `sweep.json`, `sweep.md` and the sweep plots
+//! (crates/gorgo-report's `sweep` module).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use gorgo_bench::indicatif::{ProgressBar, ProgressStyle};
+use gorgo_core::policy::PolicyKind;
+use gorgo_report::{PolicyResult, Results, Slo, Sweep, SweepPoint};
+use gorgo_sim::report::build_report;
+use gorgo_sim::{simulate, Progress};
+use serde_json::json;
+
+use super::bench::{run_compare, CompareArgs, LoadArgs, Mode};
+use super::sim::{parse_policies, rows, SimModelArgs, DEFAULT_POLICIES};
+
+/// Arguments of `gorgo sweep`.
+#[derive(clap::Args, Debug)]
+pub struct SweepArgs {
+    /// Trace file (Mooncake, ART-Chat, Azure or generator JSONL; format detected).
+    #[arg(long)]
+    trace: PathBuf,
+    /// Comma-separated policies (`oracle` included in simulation), or `all`.
+    #[arg(long, default_value = DEFAULT_POLICIES)]
+    policies: String,
+    /// Loads as time scales (factors on the trace's inter-arrival times; smaller is
+    /// more load).
+    #[arg(long, value_delimiter = ',', default_value = "8,6,4,3,2")]
+    time_scales: Vec<f64>,
+    /// Loads as offered request rates, requests/s (converted to time scales from the
+    /// trace's mean rate); replaces `--time-scales`.
+    #[arg(long, value_delimiter = ',', conflicts_with = "time_scales")]
+    rates: Option<Vec<f64>>,
+    /// SLO on p95 TTFT, ms.
+    #[arg(long, default_value_t = 2000.0)]
+    ttft_slo_ms: f64,
+    /// SLO on p95 end-to-end latency, ms (default: not checked).
+    #[arg(long)]
+    e2e_slo_ms: Option<f64>,
+    /// Run on live clusters of emulators (`gorgo compare` per load) instead of the
+    /// simulator; `oracle` is skipped (it exists only in simulation).
+    #[arg(long)]
+    live: bool,
+    /// Simulations run at once (threads).
+    #[arg(long, default_value_t = 2)]
+    jobs: usize,
+    /// Live: first port of the first cluster (see `gorgo compare --base-port`).
+    #[arg(long, default_value_t = 17100)]
+    base_port: u16,
+    /// No progress bar.
+    #[arg(long)]
+    no_progress: bool,
+    /// Output directory (live runs keep each load's `gorgo compare` report under
+    /// `live-x<scale>/`).
+    #[arg(long, default_value = "out/sweep")]
+    out: PathBuf,
+    #[command(flatten)]
+    model: SimModelArgs,
+}
+
+/// Requests in the selected part of the trace and its mean arrival rate, requests/s.
+fn trace_rate(path: &Path, model: &SimModelArgs) -> anyhow::Result<(u64, f64)> {
+    let (mut n, mut first, mut last) = (0u64, u64::MAX, 0u64);
+    for row in rows(path, model.window_s)? {
+        let row = row.with_context(|| format!("--trace {}", path.display()))?;
+        if model.max_requests.is_some_and(|m| n >= m) {
+            break;
+        }
+        n += 1;
+        first = first.min(row.timestamp_ms);
+        last = last.max(row.timestamp_ms);
+    }
+    if n < 2 || last <= first {
+        bail!(
+            "{}: need at least two requests spread over time to define a load (got {n})",
+            path.display()
+        );
+    }
+    Ok((n, n as f64 / ((last - first) as f64 / 1000.0)))
+}
+
+/// The time scales to run, largest (lightest load) first.
+fn time_scales(args: &SweepArgs, rate: f64) -> anyhow::Result<Vec<f64>> {
+    let mut scales: Vec<f64> = match &args.rates {
+        Some(rates) => rates
+            .iter()
+            .map(|&r| {
+                if r.is_finite() && r > 0.0 {
+                    Ok(rate / r)
+                } else {
+                    bail!("--rates: {r} is not a positive rate")
+                }
+            })
+            .collect::<anyhow::Result<_>>()?,
+        None => args
+            .time_scales
+            .iter()
+            .map(|&s| {
+                if s.is_finite() && s > 0.0 {
+                    Ok(s)
+                } else {
+                    bail!("--time-scales: {s} is not a positive factor")
+                }
+            })
+            .collect::<anyhow::Result<_>>()?,
+    };
+    if scales.is_empty() {
+        bail!("no load to run");
+    }
+    scales.sort_by(|a, b| b.total_cmp(a));
+    scales.dedup();
+    Ok(scales)
+}
+
+/// Run the sweep and write its files.
+pub fn run(args: SweepArgs) -> anyhow::Result<()> {
+    if !(args.ttft_slo_ms.is_finite() && args.ttft_slo_ms > 0.0) {
+        bail!("--ttft-slo-ms must be positive");
+    }
+    if args.e2e_slo_ms.is_some_and(|e| !(e.is_finite() && e > 0.0)) {
+        bail!("--e2e-slo-ms must be positive");
+    }
+    let policies = parse_policies(&args.policies)?;
+    let (requests, rate) = trace_rate(&args.trace, &args.model)?;
+    let scales = time_scales(&args, rate)?;
+    let slo = Slo {
+        ttft_p95_ms: args.ttft_slo_ms,
+        e2e_p95_ms: args.e2e_slo_ms,
+    };
+    let started = Instant::now();
+    let (results, mut config) = if args.live {
+        live(&args, &policies, &scales)?
+    } else {
+        simulated(&args, &policies, &scales, requests)?
+    };
+    config["trace"] = args.trace.display().to_string().into();
+    config["requests"] = requests.into();
+    config["time_scales"] = json!(scales);
+    config["wall_s"] = started.elapsed().as_secs_f64().into();
+    let points = scales
+        .iter()
+        .zip(results)
+        .map(|(&time_scale, policies)| SweepPoint {
+            time_scale,
+            offered_rps: rate / time_scale,
+            policies,
+        })
+        .collect();
+    let sweep = Sweep::new(config, rate, slo, points);
+    sweep
+        .write(&args.out)
+        .with_context(|| format!("writing the sweep to {}", args.out.display()))?;
+    print!("{}", gorgo_report::sweep::render_sweep_markdown(&sweep));
+    println!(
+        "\nSweep: {} ({:.1} s wall)",
+        args.out.display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+type PointResults = Vec<Vec<(String, PolicyResult)>>;
+
+/// Every (load, policy) in the simulator, `--jobs` at a time.
+fn simulated(
+    args: &SweepArgs,
+    policies: &[PolicyKind],
+    scales: &[f64],
+    requests: u64,
+) -> anyhow::Result<(PointResults, serde_json::Value)> {
+    let base = args.model.config()?;
+    let jobs: Vec<(usize, PolicyKind)> = (0..scales.len())
+        .flat_map(|s| policies.iter().map(move |&p| (s, p)))
+        .collect();
+    let bar = if args.no_progress {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(jobs.len() as u64 * requests)
+    };
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{elapsed_precise} [{bar:40}] {percent}% of {len} simulated requests ({msg})",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> "),
+    );
+    let next = AtomicUsize::new(0);
+    let done = AtomicUsize::new(0);
+    let out: Mutex<Vec<Option<anyhow::Result<PolicyResult>>>> =
+        Mutex::new((0..jobs.len()).map(|_| None).collect());
+    let threads = args.jobs.clamp(1, jobs.len().max(1));
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&(s, kind)) = jobs.get(i) else { break };
+                let mut cfg = base.clone();
+                cfg.time_scale = scales[s];
+                let mut seen = 0u64;
+                let mut progress = |p: Progress| {
+                    bar.inc(p.finished.saturating_sub(seen));
+                    seen = seen.max(p.finished);
+                };
+                let result = rows(&args.trace, args.model.window_s)
+                    .and_then(|rows| {
+                        simulate(&cfg, kind, rows, &mut progress)
+                            .with_context(|| format!("simulating {kind} at x{}", scales[s]))
+                    })
+                    .and_then(|run| {
+                        let report = build_report(&json!({}), std::slice::from_ref(&run))?;
+                        report
+                            .results
+                            .policies
+                            .into_iter()
+                            .next()
+                            .map(|(_, r)| r)
+                            .context("the simulation produced no result")
+                    });
+                bar.inc(requests.saturating_sub(seen));
+                let n = done.fetch_add(1, Ordering::Relaxed) + 1;
+                bar.set_message(format!("{n}/{} runs", jobs.len()));
+                if let Ok(mut out) = out.lock() {
+                    out[i] = Some(result);
+                }
+            });
+        }
+    });
+    bar.finish_and_clear();
+    let mut results: PointResults = vec![Vec::new(); scales.len()];
+    let out = out
+        .into_inner()
+        .map_err(|_| anyhow::anyhow!("a simulation thread panicked"))?;
+    for ((s, kind), r) in jobs.into_iter().zip(out) {
+        let r = r.context("a simulation did not run")??;
+        results[s].push((kind.as_str().to_owned(), r));
+    }
+    let mut config = json!({
+        "mode": "sim",
+        "policies": policies.iter().map(|p| p.as_str()).collect::<Vec<_>>(),
+    });
+    if let (Some(c), serde_json::Value::Object(m)) =
+        (config.as_object_mut(), args.model.describe(&base))
+    {
+        c.extend(m);
+    }
+    Ok((results, config))
+}
+
+/// Every load on live clusters: one `gorgo compare` per time scale, its report kept
+/// under `live-x<scale>/`.
+fn live(
+    args: &SweepArgs,
+    policies: &[PolicyKind],
+    scales: &[f64],
+) -> anyhow::Result<(PointResults, serde_json::Value)> {
+    let names: Vec<&str> = policies
+        .iter()
+        .map(|p| p.as_str())
+        .filter(|p| *p != "oracle")
+        .collect();
+    if names.is_empty() {
+        bail!("--live: no policy to run (`oracle` exists only in simulation)");
+    }
+    let m = &args.model;
+    let mut results = Vec::new();
+    for &scale in scales {
+        let out = args.out.join(format!("live-x{scale}"));
+        eprintln!(
+            "[sweep] time scale {scale}: gorgo compare -> {}",
+            out.display()
+        );
+        run_compare(CompareArgs {
+            trace: args.trace.clone(),
+            topology: m.topology.clone(),
+            policies: names.join(","),
+            out: out.clone(),
+            sequential: false,
+            engine_profile: m.engine_profile.clone(),
+            base_port: args.base_port,
+            port_stride: 100,
+            up_timeout_s: 120.0,
+            load: LoadArgs {
+                time_scale: scale,
+                mode: Mode::Open,
+                concurrency: None,
+                duration: None,
+                window: m.window_s,
+                max_requests: m.max_requests.map(|n| n as usize),
+                max_context_tokens: m.max_context_tokens,
+                timeout_s: 300.0,
+                model: "gorgo-emulated".into(),
+                no_ignore_eos: false,
+                no_progress: args.no_progress,
+            },
+        })
+        .with_context(|| format!("live run at time scale {scale}"))?;
+        let path = out.join("results.json");
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+        let r: Results =
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        results.push(r.policies);
+    }
+    let config = json!({
+        "mode": "live",
+        "policies": names,
+        "topology": m.topology.display().to_string(),
+        "engine_profile": m.engine_profile,
+        "window_s": m.window_s,
+        "max_requests": m.max_requests,
+        "max_context_tokens": m.max_context_tokens,
+    });
+    Ok((results, config))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: SweepArgs,
+    }
+
+    fn parse(argv: &[&str]) -> Result<SweepArgs, clap::Error> {
+        Cli::try_parse_from(["sweep", "--trace", "t.jsonl"].iter().chain(argv)).map(|c| c.args)
+    }
+
+    #[test]
+    fn loads_come_from_scales_or_rates() {
+        let a = parse(&[]).unwrap();
+        assert_eq!(time_scales(&a, 4.0).unwrap(), vec![8.0, 6.0, 4.0, 3.0, 2.0]);
+        assert_eq!(a.ttft_slo_ms, 2000.0);
+        let a = parse(&["--rates", "1,2"]).unwrap();
+        // 4 req/s of trace: 1 req/s is x4, 2 req/s is x2.
+        assert_eq!(time_scales(&a, 4.0).unwrap(), vec![4.0, 2.0]);
+        assert!(parse(&["--rates", "1", "--time-scales", "2"]).is_err());
+        let a = parse(&["--rates", "0"]).unwrap();
+        assert!(time_scales(&a, 4.0).is_err());
+    }
+}
