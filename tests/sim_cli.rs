@@ -1,6 +1,6 @@
 //! `gorgo sim` end to end: generate a small trace with `gorgo trace generate`, simulate
 //! it for a few policies plus the oracle with tuning, and check the report files and
-//! their schema (DESIGN.md, Interfaces).
+//! their schema (docs/design.md, Interfaces).
 
 use std::path::Path;
 use std::process::Command;

@@ -34,7 +34,7 @@ enum TraceCommand {
 struct StatsArgs {
     /// Trace file.
     file: PathBuf,
-    /// Print JSON (the keys of DESIGN.md's Interfaces) instead of a table.
+    /// Print JSON (the keys of docs/design.md's Interfaces) instead of a table.
     #[arg(long)]
     json: bool,
     /// Input format: mooncake, art, azure, gorgo (default: detect).

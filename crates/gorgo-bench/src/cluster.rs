@@ -193,7 +193,7 @@ fn merge_by_epoch(
     by_epoch.into_values().collect()
 }
 
-/// The tuning decisions (`GET /admin/tuning`, its `history`: DESIGN.md's `tuning.jsonl`
+/// The tuning decisions (`GET /admin/tuning`, its `history`: docs/design.md's `tuning.jsonl`
 /// records) of every node of the cluster, each tagged with `policy` and `node`, one per
 /// epoch, in epoch order.
 pub async fn fetch_tuning(info: &ClusterInfo, policy: &str) -> Vec<serde_json::Value> {

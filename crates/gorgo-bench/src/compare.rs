@@ -54,7 +54,7 @@ pub struct PolicyRun {
     pub regions: Vec<String>,
     /// Everything the replay measured.
     pub output: ReplayOutput,
-    /// The cluster's tuning decisions (DESIGN.md's `tuning.jsonl` records tagged with
+    /// The cluster's tuning decisions (docs/design.md's `tuning.jsonl` records tagged with
     /// `policy` and `node`); empty when nothing was tuned.
     pub tuning: Vec<serde_json::Value>,
 }

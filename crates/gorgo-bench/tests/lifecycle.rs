@@ -148,7 +148,7 @@ async fn clusters_come_up_and_always_go_down() {
     let log = calls(tmp.path());
     assert_eq!(&log[..2], &["up p1 8000", "up p2 8100"]);
 
-    // The report: DESIGN.md's results.json schema plus the table, CSV and plots.
+    // The report: docs/design.md's results.json schema plus the table, CSV and plots.
     let out = tmp.path().join("cmp");
     let table =
         gorgo_bench::report::write_report(&out, serde_json::json!({"trace": "t"}), &runs).unwrap();

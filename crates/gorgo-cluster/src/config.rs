@@ -120,7 +120,7 @@ pub struct ClusterConfig {
     pub dial_overrides: HashMap<SocketAddr, SocketAddr>,
     /// CA, certificate and key.
     pub credentials: NodeCredentials,
-    /// How often summary deltas go out (DESIGN.md: 250 ms).
+    /// How often summary deltas go out (docs/design.md: 250 ms).
     pub gossip_interval: Duration,
     /// SWIM timings.
     pub swim: SwimTimings,

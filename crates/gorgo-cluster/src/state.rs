@@ -17,7 +17,7 @@ use tokio::time::Instant;
 
 use crate::identity::MemberId;
 
-/// EWMA weight of a new RTT sample (DESIGN.md: alpha 0.3).
+/// EWMA weight of a new RTT sample (docs/design.md: alpha 0.3).
 pub const RTT_EWMA_ALPHA: f64 = 0.3;
 
 /// Membership of a peer as this node's SWIM view sees it.

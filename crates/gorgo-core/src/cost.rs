@@ -9,7 +9,7 @@
 //!
 //! The three terms happen one after another in the serving pipeline, so with exact
 //! estimates their sum is TTFT minus the engine's fixed cost, and both weights would be
-//! 1.0 (DESIGN.md, "Policies").
+//! 1.0 (docs/design.md, "Cost model").
 
 use std::collections::{HashMap, VecDeque};
 

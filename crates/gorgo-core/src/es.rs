@@ -3,7 +3,7 @@
 //! - Mutation in log space, `w' = exp(ln w + sigma * N(0, 1))` per weight, clipped to
 //!   the bounds: weights are positive and their effect is multiplicative.
 //! - Step size by Rechenberg's 1/5 rule over the last 8 outcomes (decay 0.817).
-//! - Two fixes over the paper's code (DESIGN.md, "Online tuning"): a candidate is
+//! - Two fixes over the paper's code (docs/design.md, "Online tuning"): a candidate is
 //!   accepted only when strictly better than the incumbent re-measured in an adjacent
 //!   window (a lucky incumbent score is never kept forever), and never when its p95 E2E
 //!   is worse than the incumbent's by more than `guard` (the paper's `w_queue = 0`
@@ -163,7 +163,7 @@ impl Default for TuningConfig {
 }
 
 impl TuningConfig {
-    /// DESIGN.md defaults for the millisecond model: both weights start at 1.0 in
+    /// docs/design.md defaults for the millisecond model: both weights start at 1.0 in
     /// [0.05, 4.0].
     pub fn gorgo() -> Self {
         TuningConfig {

@@ -1,6 +1,6 @@
 //! Online fit of a node's prefill cost: `TTFT - RTT = base + t_p * uncached_tokens`.
 //!
-//! Each node fits its own engine (DESIGN.md, "Signals: t_p per node") so heterogeneous
+//! Each node fits its own engine (docs/design.md, "What a node knows") so heterogeneous
 //! regions get their own `t_p`, and gossips the result in its queue stats. Recursive
 //! least squares with a forgetting factor follows drift (load, model swaps) without
 //! storing history; the configured profile seeds it so the first decisions are sane.

@@ -252,7 +252,7 @@ fn matched(req: &RouteRequest<'_>, c: &Candidate) -> u64 {
 }
 
 /// `gorgo`: minimise the estimated TTFT in milliseconds,
-/// `w_rtt * RTT + t_p * uncached_tokens + w_queue * queue_ms` (DESIGN.md; see
+/// `w_rtt * RTT + t_p * uncached_tokens + w_queue * queue_ms` (docs/design.md; see
 /// [`crate::cost`]). Also serves as `oracle` when the simulator feeds it exact state.
 #[derive(Debug, Clone)]
 pub struct Gorgo {

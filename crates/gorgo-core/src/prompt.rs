@@ -68,7 +68,7 @@ pub trait TokenCounter: Send + Sync {
 pub struct BytesPerToken(pub u32);
 
 impl Default for BytesPerToken {
-    /// 4 bytes per token, DESIGN.md's token model.
+    /// 4 bytes per token, docs/design.md's token model.
     fn default() -> Self {
         BytesPerToken(BYTES_PER_TOKEN as u32)
     }

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 /// Nearest rank: with `n` samples the answer is the sample of 1-based rank
 /// `ceil(p / 100 * n)`, clamped to `[1, n]` (so `p = 0` gives the minimum and
 /// `p = 100` the maximum). It always returns one of the samples, never an
-/// interpolation, which is what DESIGN.md prescribes for every report.
+/// interpolation, which is what docs/design.md prescribes for every report.
 ///
 /// Returns `None` for an empty slice or a `p` outside `[0, 100]` (or NaN). The slice
 /// must be sorted ascending; this is not checked (callers sort once and ask several

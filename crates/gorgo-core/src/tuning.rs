@@ -1,4 +1,4 @@
-//! The consensus-free distributed tuning protocol (DESIGN.md, "Online tuning"), one
+//! The consensus-free distributed tuning protocol (docs/design.md, "Online tuning"), one
 //! sans-IO state machine per node.
 //!
 //! - Leader: the smallest node id in the local membership view. No election: a node

@@ -28,7 +28,7 @@ pub struct Weights {
 }
 
 impl Default for Weights {
-    /// DESIGN.md: if every estimate were exact the ideal weights would both be 1.0.
+    /// docs/design.md: if every estimate were exact the ideal weights would both be 1.0.
     fn default() -> Self {
         Weights {
             w_rtt: 1.0,

@@ -180,7 +180,7 @@ pub struct TlsSection {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RoutingSection {
-    /// The policy, named as in DESIGN.md (`gorgo`, `gorgo-paper`, `least-load`, ...);
+    /// The policy, named as in docs/design.md (`gorgo`, `gorgo-paper`, `least-load`, ...);
     /// `oracle` is refused (it exists only in the simulator).
     #[serde(default = "default_policy", deserialize_with = "policy_by_name")]
     pub policy: PolicyKind,
@@ -226,7 +226,7 @@ pub use gorgo_core::es::TuningMode;
 /// The two `[tuning]` keys that are the node's, not the tuner's: file paths.
 const TUNING_FILE_KEYS: [&str; 2] = ["weights_file", "learned_weights_out"];
 
-/// `[tuning]`: the distributed (1+1)-ES (DESIGN.md, "Online tuning"). Its keys are the
+/// `[tuning]`: the distributed (1+1)-ES (docs/design.md, "Online tuning"). Its keys are the
 /// core's [`TuningConfig`] (`mode`, `window_requests`, `window_max_ms`, `min_samples`,
 /// `e2e_guard`, `sigma0`, `w_rtt`, ...) plus two file paths. Keys left unset take the
 /// defaults of the policy being tuned ([`TuningSection::for_policy`]: `gorgo` starts
@@ -343,7 +343,7 @@ fn toml_error(e: toml::de::Error) -> String {
     e.to_string().trim().replace('\n', " ")
 }
 
-/// `routing.policy` by its DESIGN.md name; `oracle` and unknown names are errors (the
+/// `routing.policy` by its docs/design.md name; `oracle` and unknown names are errors (the
 /// deserialiser adds the field's name).
 fn policy_by_name<'de, D: Deserializer<'de>>(deserializer: D) -> Result<PolicyKind, D::Error> {
     let name = String::deserialize(deserializer)?;

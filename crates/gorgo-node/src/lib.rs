@@ -56,7 +56,7 @@ pub struct NodeState {
     /// The weights routing uses now: a mirror of [`NodeState::tuning`]'s, refreshed
     /// after every tuning step (requests take theirs from [`tuning::TuningDriver::admit`]).
     pub weights: Arc<RwLock<Weights>>,
-    /// Online tuning of the weights (DESIGN.md, "Online tuning").
+    /// Online tuning of the weights (docs/design.md, "Online tuning").
     pub tuning: tuning::TuningDriver,
     /// Decisions and the forward ledger.
     pub router: route::Router,

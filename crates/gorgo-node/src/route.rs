@@ -12,7 +12,7 @@ use gorgo_core::{HashChain, NodeId, Weights};
 use parking_lot::Mutex;
 use serde::Serialize;
 
-/// Parse a policy name as DESIGN.md spells it; `oracle` is simulator-only.
+/// Parse a policy name as docs/design.md spells it; `oracle` is simulator-only.
 pub fn parse_policy(name: &str) -> Result<PolicyKind, String> {
     match PolicyKind::from_str(name) {
         Ok(PolicyKind::Oracle) => Err("policy `oracle` exists only in the simulator".into()),

@@ -1,5 +1,5 @@
 //! The node's side of online tuning: a thin driver around the sans-IO
-//! [`gorgo_core::tuning::Tuner`] (DESIGN.md, "Online tuning").
+//! [`gorgo_core::tuning::Tuner`] (docs/design.md, "Online tuning").
 //!
 //! What the driver adds to the core state machine:
 //! - admission: the `(epoch, weights)` pair a client request is routed and attributed
@@ -7,7 +7,7 @@
 //! - the mode switch of `PUT /admin/weights` (`online`, `static`, `tune-then-freeze`),
 //!   which rebuilds the tuner without losing the line of proposals it follows;
 //! - the trajectory shown by `GET /admin/tuning`: every trial this node decided, with
-//!   the tuner state after the decision, in DESIGN.md's `tuning.jsonl` shape and in
+//!   the tuner state after the decision, in docs/design.md's `tuning.jsonl` shape and in
 //!   the paper's `es_tune_trace` shape;
 //! - the learned-weights file (the paper's `paper_learned_weights.json` format).
 //!
@@ -108,7 +108,7 @@ pub fn write_learned_weights(path: &Path, w: Weights) -> Result<(), NodeError> {
 }
 
 /// One trial this node decided, with the tuner state right after the decision: a line
-/// of `GET /admin/tuning`'s `history` (DESIGN.md's `tuning.jsonl` fields first).
+/// of `GET /admin/tuning`'s `history` (docs/design.md's `tuning.jsonl` fields first).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TrialEntry {
     /// The core's record (epoch, leader, candidate, incumbent, scores, sigma,

@@ -1,4 +1,4 @@
-//! Per-policy aggregation in DESIGN.md's results.json schema.
+//! Per-policy aggregation in docs/design.md's results.json schema.
 
 use std::collections::BTreeMap;
 

@@ -2,7 +2,7 @@
 //! requests.csv and SVG plots.
 //!
 //! `gorgo bench`, `gorgo compare` and `gorgo sim` all produce [`RequestRecord`]s; this
-//! crate turns them into the one report format of DESIGN.md (Interfaces), so live runs
+//! crate turns them into the one report format of docs/design.md (Interfaces), so live runs
 //! and simulations compare cell by cell.
 //!
 //! ```no_run
@@ -121,7 +121,7 @@ impl Report {
         })
     }
 
-    /// Attach tuning records (one per epoch; DESIGN.md's `tuning.jsonl` fields), of any
+    /// Attach tuning records (one per epoch; docs/design.md's `tuning.jsonl` fields), of any
     /// serialisable type so this crate does not depend on the tuner.
     pub fn with_tuning<T: Serialize>(mut self, epochs: &[T]) -> Result<Self> {
         self.tuning = epochs

@@ -43,7 +43,7 @@ pub struct RequestRecord {
 
 impl RequestRecord {
     /// Inter-token latency: the measured one, or `(E2E - TTFT) / (output_tokens - 1)`
-    /// (DESIGN.md); `None` with fewer than two output tokens.
+    /// (docs/design.md); `None` with fewer than two output tokens.
     pub fn itl(&self) -> Option<f64> {
         if let Some(itl) = self.itl_ms {
             return itl.is_finite().then_some(itl);

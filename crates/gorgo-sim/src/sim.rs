@@ -55,7 +55,7 @@ pub struct SimConfig {
     /// run's randomness is unchanged by it). Exercises the receivers' reorder buffers
     /// and snapshot requests.
     pub gossip_loss: f64,
-    /// The max-hops guard (DESIGN.md default 1).
+    /// The max-hops guard (docs/design.md default 1).
     pub max_hops: u8,
     /// Multiplies trace inter-arrival times (< 1 compresses and loads the engines).
     pub time_scale: f64,
@@ -109,7 +109,7 @@ pub fn sim_gossip_config() -> GossipConfig {
 }
 
 impl SimConfig {
-    /// Defaults of DESIGN.md around a network, one profile for every region.
+    /// Defaults of docs/design.md around a network, one profile for every region.
     pub fn new(network: Network, profile: Profile) -> Self {
         let profiles = vec![profile; network.regions.len()];
         SimConfig {

@@ -34,7 +34,7 @@ impl LengthSummary {
 }
 
 /// A trace's statistics; serialises to the JSON of `gorgo trace stats --json`
-/// (DESIGN.md, Interfaces). Fields that need block ids or user ids are `None` (JSON
+/// (docs/design.md, Interfaces). Fields that need block ids or user ids are `None` (JSON
 /// `null`) when the trace lacks them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TraceStats {

@@ -12,7 +12,7 @@
 //! - the client (the paper's proxy, in us-ashburn) keeps at most 64 requests in flight:
 //!   a request leaves at `max(scheduled_ms, first free slot)`;
 //! - TTFT and E2E as the proxy sees them: the engine's times plus one round trip from
-//!   us-ashburn to the engine's region (5, 90, 180 ms: DESIGN.md's three-region RTTs).
+//!   us-ashburn to the engine's region (5, 90, 180 ms: docs/design.md's three-region RTTs).
 #![allow(dead_code)]
 
 use std::cmp::Ordering;
