@@ -27,9 +27,10 @@ fn plot_error(file: &'static str) -> impl Fn(Box<dyn Error>) -> ReportError {
 }
 
 fn color(i: usize) -> RGBColor {
-    // A small qualitative palette (Okabe-Ito), readable in print and for colour-blind
-    // readers.
-    const COLORS: [RGBColor; 8] = [
+    // A qualitative palette: Okabe-Ito's eight (readable in print and for colour-blind
+    // readers), then four of Paul Tol's, so the dozen policies of `--policies all`
+    // never share a colour.
+    const COLORS: [RGBColor; 12] = [
         RGBColor(0, 114, 178),
         RGBColor(213, 94, 0),
         RGBColor(0, 158, 115),
@@ -38,6 +39,10 @@ fn color(i: usize) -> RGBColor {
         RGBColor(86, 180, 233),
         RGBColor(0, 0, 0),
         RGBColor(240, 228, 66),
+        RGBColor(136, 34, 85),
+        RGBColor(17, 119, 51),
+        RGBColor(153, 153, 51),
+        RGBColor(102, 51, 153),
     ];
     COLORS[i % COLORS.len()]
 }
