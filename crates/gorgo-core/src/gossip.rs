@@ -22,7 +22,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use crate::error::CoreError;
-use crate::summary::{LocalSummary, PeerSummary, SummaryDelta};
+use crate::summary::{varint_len, LocalSummary, PeerSummary, SummaryDelta};
 use crate::types::{NodeId, QueueStats};
 use crate::wire::GossipMessage;
 
@@ -85,14 +85,6 @@ pub fn encoded_len(msg: &GossipMessage) -> usize {
     }
 }
 
-fn varint_len(v: u64) -> usize {
-    match v {
-        0..=250 => 1,
-        251..=0xFFFF => 3,
-        0x1_0000..=0xFFFF_FFFF => 5,
-        _ => 9,
-    }
-}
 
 /// Sender-side state for one peer.
 #[derive(Debug, Clone, Default)]

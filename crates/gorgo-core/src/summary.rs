@@ -106,8 +106,9 @@ impl SummarySnapshot {
     }
 }
 
-/// bincode 2 standard-config varint size of an unsigned integer.
-fn varint_len(v: u64) -> usize {
+/// bincode 2 standard-config varint size of an unsigned integer (the one place that
+/// knows it: summaries and the gossip state machine size their messages with it).
+pub(crate) fn varint_len(v: u64) -> usize {
     match v {
         0..=250 => 1,
         251..=0xFFFF => 3,
