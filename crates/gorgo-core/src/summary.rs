@@ -10,6 +10,16 @@
 //!
 //! Versions count membership changes: each fingerprint that enters or leaves the set
 //! bumps the version by one.
+//!
+//! **Sampling.** Only one block in [`SUMMARY_SAMPLE`] enters a summary: those whose
+//! fingerprint [`is_summarised`]. Gossip bytes are proportional to summary changes
+//! (every insert and eviction of the shadow index, sent to every peer), so sampling
+//! divides them by that factor, which is what keeps a 32-region cluster under its
+//! gossip budget (`docs/cluster.md`). The price is precision: because hashes are
+//! chained, a summarised block proves its whole prefix cached, so the receiver answers
+//! with the prefix up to the last summarised block it finds, on average
+//! `SUMMARY_SAMPLE - 1` blocks (about 190 tokens at 64 tokens a block) short of the
+//! truth, never over it. A node's own candidate uses its exact shadow index.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -18,6 +28,16 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::CoreError;
 use crate::hash::HashChain;
+
+/// One block in this many enters a summary (a power of two; see the module docs).
+pub const SUMMARY_SAMPLE: u32 = 4;
+
+/// True when a block with fingerprint `fp` is part of summaries: its low bits are zero,
+/// so about one block in [`SUMMARY_SAMPLE`], spread uniformly along every chain.
+#[inline]
+pub fn is_summarised(fp: u32) -> bool {
+    fp & (SUMMARY_SAMPLE - 1) == 0
+}
 
 /// Default number of changes the sender retains for deltas (about 64 gossip rounds of
 /// heavy churn); older peers get a snapshot.
@@ -339,16 +359,25 @@ impl PeerSummary {
         self.set.contains(&fp)
     }
 
-    /// Blocks of `chain` the peer has cached: its fingerprints walked from the start
-    /// until the first miss (a prefix cache holds prefixes, so a later hit after a miss
-    /// would be a fingerprint collision, not a usable cache entry).
+    /// Blocks of `chain` the peer has cached: the chain walked from the start up to the
+    /// last block found in the set, stopping at the first summarised block that is
+    /// missing (a prefix cache holds prefixes, so a later hit after such a miss would
+    /// be a fingerprint collision, not a usable cache entry). Blocks that are not
+    /// summarised ([`is_summarised`]) are absent from sampled summaries and skipped, so
+    /// the answer ends at the last summarised hit; a summary that holds every block (as
+    /// tests build) gives the exact prefix.
     #[inline]
     pub fn longest_match_blocks(&self, chain: &HashChain) -> usize {
-        chain
-            .hashes
-            .iter()
-            .take_while(|&&h| self.set.contains(&crate::hash::fingerprint(h)))
-            .count()
+        let mut best = 0;
+        for (i, &h) in chain.hashes.iter().enumerate() {
+            let fp = crate::hash::fingerprint(h);
+            if self.set.contains(&fp) {
+                best = i + 1;
+            } else if is_summarised(fp) {
+                break;
+            }
+        }
+        best
     }
 
     /// Tokens of `chain` the peer has cached (see
@@ -363,6 +392,44 @@ impl PeerSummary {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    proptest! {
+        /// A peer's answer from a sampled summary (what a shadow index publishes) is
+        /// never more than the truth and ends exactly at the last summarised block of
+        /// the cached prefix.
+        #[test]
+        fn sampled_summary_answers_the_last_summarised_prefix(
+            ids in prop::collection::vec(0u64..1_000_000, 1..200),
+            cached_blocks in 0usize..200,
+        ) {
+            let chain = HashChain::from_int_block_ids(&ids, 64, ids.len() as u64 * 64);
+            let cached = cached_blocks.min(chain.len());
+            let mut local = LocalSummary::new();
+            for i in 0..cached {
+                if is_summarised(chain.fingerprint(i)) {
+                    local.record_add(chain.fingerprint(i));
+                }
+            }
+            let mut peer = PeerSummary::new();
+            peer.apply_snapshot(local.snapshot());
+            let expect = (0..cached)
+                .rev()
+                .find(|&i| is_summarised(chain.fingerprint(i)))
+                .map_or(0, |i| i + 1);
+            prop_assert_eq!(peer.longest_match_blocks(&chain), expect);
+        }
+    }
+
+    #[test]
+    fn about_one_block_in_the_sample_rate_is_summarised() {
+        let ids: Vec<u64> = (0..20_000).collect();
+        let chain = HashChain::from_int_block_ids(&ids, 64, ids.len() as u64 * 64);
+        let n = (0..chain.len())
+            .filter(|&i| is_summarised(chain.fingerprint(i)))
+            .count();
+        let expect = chain.len() / SUMMARY_SAMPLE as usize;
+        assert!(n.abs_diff(expect) < expect / 10, "{n} of {}", chain.len());
+    }
 
     #[test]
     fn refcounted_fingerprints() {
@@ -430,7 +497,7 @@ mod tests {
     }
 
     #[test]
-    fn matches_walk_until_first_miss() {
+    fn matches_walk_until_the_first_summarised_miss() {
         let chain = HashChain::from_bytes(&[b'x'; 1024], 256, 4);
         let mut p = PeerSummary::new();
         p.apply_snapshot(SummarySnapshot {
@@ -441,8 +508,16 @@ mod tests {
                 chain.fingerprint(3),
             ],
         });
-        assert_eq!(p.longest_match_blocks(&chain), 2);
-        assert_eq!(p.matched_tokens(&chain), 128);
+        // Block 2 is missing: a summarised block's absence ends the prefix; an
+        // unsummarised one is never in a sampled summary, and the later hit on the
+        // chained hash of block 3 proves the whole prefix.
+        let (blocks, tokens) = if is_summarised(chain.fingerprint(2)) {
+            (2, 128)
+        } else {
+            (4, 256)
+        };
+        assert_eq!(p.longest_match_blocks(&chain), blocks);
+        assert_eq!(p.matched_tokens(&chain), tokens);
     }
 
     #[test]
