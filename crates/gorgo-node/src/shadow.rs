@@ -83,13 +83,19 @@ mod tests {
 
     #[test]
     fn inserts_yield_deltas_once() {
-        let mut c = LocalCache::new(1_000);
-        let chain = HashChain::from_bytes(&[b'a'; 512], 256, 4);
+        let mut c = LocalCache::new(10_000);
+        // Enough blocks that some are summarised (one in `SUMMARY_SAMPLE`).
+        let text: Vec<u8> = (0..16 * 256).map(|i| (i % 251) as u8).collect();
+        let chain = HashChain::from_bytes(&text, 256, 4);
+        let summarised = (0..chain.len())
+            .filter(|&i| gorgo_core::summary::is_summarised(chain.fingerprint(i)))
+            .count();
+        assert!(summarised > 0);
         let d = c
             .insert(&chain, 0)
             .expect("first insert changes the summary");
-        assert_eq!(d.added.len(), 2);
+        assert_eq!(d.added.len(), summarised);
         assert!(c.insert(&chain, 1).is_none());
-        assert_eq!(c.longest_match(&chain), 128);
+        assert_eq!(c.longest_match(&chain), chain.prefix_tokens(chain.len()));
     }
 }
