@@ -85,7 +85,6 @@ pub fn encoded_len(msg: &GossipMessage) -> usize {
     }
 }
 
-
 /// Sender-side state for one peer.
 #[derive(Debug, Clone, Default)]
 struct SendState {

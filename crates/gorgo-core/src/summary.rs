@@ -39,7 +39,8 @@ pub const SUMMARY_SAMPLE: u32 = 1;
 /// so about one block in [`SUMMARY_SAMPLE`], spread uniformly along every chain.
 #[inline]
 pub fn is_summarised(fp: u32) -> bool {
-    fp & (SUMMARY_SAMPLE - 1) == 0
+    // Low `log2(SUMMARY_SAMPLE)` bits zero (written so that a sample of 1 is no mask).
+    fp.trailing_zeros() >= SUMMARY_SAMPLE.trailing_zeros()
 }
 
 /// Default number of changes the sender retains for deltas (about 64 gossip rounds of
