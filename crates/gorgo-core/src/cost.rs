@@ -1,15 +1,22 @@
-//! The GORGO cost model: an estimate, in milliseconds, of the TTFT a request would see
-//! at each candidate region.
+//! The GORGO cost model: an estimate, in milliseconds, of what serving a request at each
+//! candidate region costs: the TTFT it would see there, and the delay its prefill
+//! inflicts on the requests already decoding there.
 //!
 //! ```text
 //! cost(r) = w_rtt * RTT_ms(self -> r)          0 for the local region
 //!         + t_p(r) * uncached_tokens(r)        prefill of what r has not cached
 //!         + w_queue * queue_ms(r)              waiting behind work already at r
+//!         + DECODE_STALL_WEIGHT                the stall: every request decoding at r
+//!           * t_p(r) * uncached_tokens(r)      waits while this prompt is prefilled
+//!           * running(r)
 //! ```
 //!
-//! The three terms happen one after another in the serving pipeline, so with exact
-//! estimates their sum is TTFT minus the engine's fixed cost, and both weights would be
-//! 1.0 (docs/design.md, "Cost model").
+//! The first three terms happen one after another in the serving pipeline, so with
+//! exact estimates their sum is TTFT minus the engine's fixed cost, and both weights
+//! would be 1.0 (docs/design.md, "Cost model"). The fourth is what the choice costs
+//! other users: a greedy TTFT minimiser ignores it, and under load moves sessions off
+//! their caches, re-prefilling whole prompts at engines whose running batches then
+//! stall (docs/policy.md has the measurements).
 
 use std::collections::{HashMap, VecDeque};
 
@@ -32,6 +39,17 @@ pub const DEFAULT_OUTPUT_TOKENS: u64 = 128;
 /// KV occupancy above which a new request is assumed to wait for admission even when
 /// the engine reports nobody waiting (the next admission needs room for a whole prompt).
 pub const KV_NEARLY_FULL: f64 = 0.95;
+
+/// Weight of the decode-stall term ([`stall_ms`]) in the `gorgo` cost.
+///
+/// 1.0 would be the exact social cost of the engine model (a prefill of `P` ms delays
+/// each running request by `P`). Half of it is used because `running` is the least
+/// fresh signal in a peer's stats (a gossip interval old, and the same at every node):
+/// at full weight nodes that decide on the same stale counts herd onto the same
+/// target in a burst (docs/policy.md: the largest target's share of a burst rose
+/// from 0.44 to 0.55 on the Mooncake conversation trace and p95 TTFT by up to 40%),
+/// while at 0.5 the collapse under load is still prevented on every workload swept.
+pub const DECODE_STALL_WEIGHT: f64 = 0.5;
 
 /// One region a request could be served at, as the deciding node sees it right now.
 ///
@@ -102,7 +120,11 @@ pub struct CostTerms {
     pub prefill_ms: f64,
     /// `w_queue * queue_ms`.
     pub queue_ms: f64,
-    /// The sum of the three terms: the score the `gorgo` policy minimises.
+    /// The delay this request's prefill inflicts on the requests running at the
+    /// candidate ([`stall_ms`]); 0 for `gorgo-paper`, which has no such term.
+    #[serde(default)]
+    pub stall_ms: f64,
+    /// The sum of the terms: the score the `gorgo` policy minimises.
     pub total_ms: f64,
     /// Prompt tokens believed cached at the candidate.
     pub cached_tokens: u64,
@@ -190,6 +212,22 @@ pub fn admission_wait_ms(c: &Candidate) -> f64 {
     (waiting + 1) as f64 / running * DEFAULT_OUTPUT_TOKENS as f64 * step
 }
 
+/// The delay, ms, that prefilling `prefill_ms` at `c` inflicts on the requests running
+/// there, weighted by [`DECODE_STALL_WEIGHT`].
+///
+/// An engine that has prefill work interleaves it with its decode steps (SGLang's
+/// chunked prefill; the emulator alternates a prefill chunk and a decode step), so
+/// every request decoding at `c` gets its next tokens `prefill_ms` later. Running
+/// requests are the candidate's last reported `running` plus this node's forwards
+/// since (they will be running by the time this request is prefilled). The term is 0
+/// at an idle engine, so at light load the rule is the TTFT minimiser; under load it
+/// grows with the batch, and the uncached prefill it multiplies is what makes moving
+/// a session off its cache expensive: the cached prefix is prefilled again.
+pub fn stall_ms(c: &Candidate, prefill_ms: f64) -> f64 {
+    let running = c.stats.running as f64 + c.inflight_forwards as f64;
+    DECODE_STALL_WEIGHT * prefill_ms * running
+}
+
 /// The TTFT the cost model predicts for a `prompt_tokens`-token request served at `c`,
 /// ms, unweighted: what the model says the deciding node will see, so reports can check
 /// the model against measurements (median absolute percentage error, rank correlation).
@@ -243,11 +281,13 @@ pub fn cost_terms(prompt_tokens: u64, c: &Candidate, weights: Weights) -> CostTe
     let prefill_ms = t_p_ms * uncached_tokens as f64;
     let (raw_queue_ms, tokens_ahead) = queue_ms(c);
     let queue_ms = weights.w_queue * raw_queue_ms;
+    let stall_ms = stall_ms(c, prefill_ms);
     CostTerms {
         rtt_ms,
         prefill_ms,
         queue_ms,
-        total_ms: rtt_ms + prefill_ms + queue_ms,
+        stall_ms,
+        total_ms: rtt_ms + prefill_ms + queue_ms + stall_ms,
         cached_tokens,
         uncached_tokens,
         t_p_ms,
@@ -371,7 +411,10 @@ mod tests {
         let t = cost_terms(1000, &local, Weights::default());
         assert_eq!(t.rtt_ms, 0.0);
         assert!((t.prefill_ms - 94.0).abs() < 1e-9);
-        assert_eq!(t.total_ms, t.rtt_ms + t.prefill_ms + t.queue_ms);
+        assert_eq!(
+            t.total_ms,
+            t.rtt_ms + t.prefill_ms + t.queue_ms + t.stall_ms
+        );
     }
 
     #[test]
@@ -392,6 +435,74 @@ mod tests {
         c.is_local = true;
         c.stats.base_ms = f64::NAN;
         assert!((estimated_ttft_ms(1200, &c) - 188.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn stall_is_zero_when_idle_and_grows_with_the_batch_and_the_prefill() {
+        let mut c = peer(10.0, 0);
+        let idle = cost_terms(1000, &c, Weights::default());
+        assert_eq!(idle.stall_ms, 0.0);
+        c.stats.running = 8;
+        let t8 = cost_terms(1000, &c, Weights::default());
+        assert!((t8.stall_ms - DECODE_STALL_WEIGHT * t8.prefill_ms * 8.0).abs() < 1e-9);
+        // Our own forwards since the stats count as running too.
+        c.inflight_forwards = 2;
+        let t10 = cost_terms(1000, &c, Weights::default());
+        assert!((t10.stall_ms - t8.stall_ms * 10.0 / 8.0).abs() < 1e-9);
+        // A cached prefix is prefill nobody waits for.
+        c.cached_tokens = 1000;
+        assert_eq!(cost_terms(1000, &c, Weights::default()).stall_ms, 0.0);
+        // The prediction of TTFT does not include what others wait.
+        let base = c.stats.base_ms;
+        let want = t10.rtt_ms + base + t10.prefill_ms + t10.raw_queue_ms;
+        assert!((t10.estimated_ttft_ms.unwrap() - want).abs() < 1e-9);
+    }
+
+    #[test]
+    fn under_load_the_stall_keeps_a_session_on_its_cache() {
+        // The session's cache is at a busy candidate (24 running, 2 s of prefill queued);
+        // an idle-queue peer 40 ms away has 16 running and nothing cached. The greedy TTFT
+        // (the first three terms) prefers the peer; with the stall the cached one wins,
+        // because moving re-prefills 7,000 tokens while 16 requests wait.
+        let mut home = Candidate::idle("home", true, 0.0);
+        home.cached_tokens = 7000;
+        home.stats.running = 24;
+        home.stats.unfinished_prefill_tokens = 20_000;
+        let mut away = peer(40.0, 0);
+        away.stats.running = 16;
+        let (h, a) = (
+            cost_terms(8000, &home, Weights::default()),
+            cost_terms(8000, &away, Weights::default()),
+        );
+        let ttft = |t: &CostTerms| t.rtt_ms + t.prefill_ms + t.queue_ms;
+        assert!(ttft(&a) < ttft(&h), "greedy TTFT moves: {a:?} vs {h:?}");
+        assert!(
+            h.total_ms < a.total_ms,
+            "the stall keeps it: {a:?} vs {h:?}"
+        );
+    }
+
+    proptest::proptest! {
+        /// More running requests or more uncached tokens never make a candidate cheaper.
+        #[test]
+        fn stall_is_monotone(
+            running in 0u32..512,
+            more_running in 0u32..64,
+            prompt in 0u64..40_000,
+            cached in 0u64..40_000,
+            fewer_cached in 0u64..40_000,
+        ) {
+            let mut c = peer(20.0, cached);
+            c.stats.running = running;
+            let base = cost_terms(prompt, &c, Weights::default());
+            let mut busier = c.clone();
+            busier.stats.running = running + more_running;
+            proptest::prop_assert!(cost_terms(prompt, &busier, Weights::default()).stall_ms >= base.stall_ms);
+            let mut colder = c.clone();
+            colder.cached_tokens = cached.saturating_sub(fewer_cached);
+            proptest::prop_assert!(cost_terms(prompt, &colder, Weights::default()).stall_ms >= base.stall_ms);
+            proptest::prop_assert!(base.stall_ms >= 0.0 && base.stall_ms.is_finite());
+        }
     }
 
     #[test]

@@ -251,9 +251,11 @@ fn matched(req: &RouteRequest<'_>, c: &Candidate) -> u64 {
     c.cached_tokens.min(req.prompt_tokens)
 }
 
-/// `gorgo`: minimise the estimated TTFT in milliseconds,
-/// `w_rtt * RTT + t_p * uncached_tokens + w_queue * queue_ms` (docs/design.md; see
-/// [`crate::cost`]). Also serves as `oracle` when the simulator feeds it exact state.
+/// `gorgo`: minimise, in milliseconds, the estimated TTFT plus the stall the request's
+/// prefill inflicts on the batch running there,
+/// `w_rtt * RTT + t_p * uncached + w_queue * queue_ms + stall_ms` (docs/design.md and
+/// docs/policy.md; see [`crate::cost`]). Also serves as `oracle` when the simulator
+/// feeds it exact state.
 #[derive(Debug, Clone)]
 pub struct Gorgo {
     kind: PolicyKind,
@@ -332,6 +334,7 @@ impl Policy for GorgoPaper {
                     rtt_ms: rtt,
                     prefill_ms: uncached_tokens as f64,
                     queue_ms: queue,
+                    stall_ms: 0.0,
                     total_ms: rtt + uncached_tokens as f64 + queue,
                     cached_tokens,
                     uncached_tokens,

@@ -71,7 +71,9 @@ fn busy_local_engine_loses_to_an_idle_peer() {
     local.stats.unfinished_prefill_tokens = 20_000;
     local.stats.running = 30;
     local.stats.decode_step_ms = 25.0;
-    let peer = cand("b", false, 90.0);
+    // The same batch at both, so the decode-stall term is equal and the queue decides.
+    let mut peer = cand("b", false, 90.0);
+    peer.stats.running = 30;
     assert_eq!(
         target(PolicyKind::Gorgo, &req, &[local.clone(), peer.clone()]),
         "b"

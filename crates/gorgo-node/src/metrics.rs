@@ -236,6 +236,7 @@ impl NodeMetrics {
             ("rtt", t.rtt_ms),
             ("prefill", t.prefill_ms),
             ("queue", t.queue_ms),
+            ("stall", t.stall_ms),
             ("total", t.total_ms),
         ] {
             if v.is_finite() {
