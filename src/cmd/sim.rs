@@ -18,7 +18,7 @@ use gorgo_workload::{open_trace, TraceRequest, WorkloadError};
 use serde_json::json;
 
 /// Every policy, then the oracle: what `--policies all` runs.
-const ALL_POLICIES: &str = "gorgo,gorgo-paper,least-load,least-request,prefix-cache,session-affinity,simple-session-affinity,cache-aware,round-robin,random,local-only,oracle";
+const ALL_POLICIES: &str = "gorgo,gorgo-ttft,gorgo-paper,least-load,least-request,prefix-cache,session-affinity,simple-session-affinity,cache-aware,round-robin,random,local-only,oracle";
 
 /// Arguments of this subcommand.
 #[derive(clap::Args, Debug)]

@@ -57,6 +57,8 @@ pub fn build_candidates<'a>(
         stats: local.stats,
         inflight_forwards: 0,
         inflight_forward_prompt_tokens: 0,
+        forward_bias_ms: 0.0,
+        deciders: 1,
     }];
     for p in peers {
         if !p.alive || *p.node == out[0].node {
@@ -75,9 +77,16 @@ pub fn build_candidates<'a>(
             stats: stats.clone(),
             inflight_forwards: 0,
             inflight_forward_prompt_tokens: 0,
+            forward_bias_ms: 0.0,
+            deciders: 1,
         };
-        ledger.apply(&mut c);
+        ledger.apply(&mut c, now_ms);
         out.push(c);
+    }
+    // Every node but the peer itself decides on the same stale stats of that peer.
+    let deciders = (out.len() as u32).saturating_sub(1).max(1);
+    for c in out.iter_mut().skip(1) {
+        c.deciders = deciders;
     }
     out
 }
@@ -137,6 +146,8 @@ mod tests {
         let out = build_candidates(local(), peers, |_| 42, &mut ledger, 100);
         assert_eq!(out.len(), 2);
         assert!(out[0].is_local && out[0].cached_tokens == 7);
+        // Two nodes in the decision: the peer is judged by one node (this one).
+        assert_eq!((out[0].deciders, out[1].deciders), (1, 1));
         assert_eq!(
             (out[1].node.0.as_str(), out[1].cached_tokens, out[1].rtt_ms),
             ("b", 42, 20.0)

@@ -66,6 +66,9 @@ pub trait Policy: Send {
 pub enum PolicyKind {
     /// [`Gorgo`]: the millisecond cost model.
     Gorgo,
+    /// [`Gorgo`] without its decode-stall term: the greedy TTFT minimiser `gorgo` was
+    /// before docs/policy.md's analysis, kept for comparison.
+    GorgoTtft,
     /// [`GorgoPaper`]: the paper's mixed-unit score.
     GorgoPaper,
     /// [`LeastLoad`].
@@ -93,8 +96,9 @@ pub enum PolicyKind {
 
 impl PolicyKind {
     /// Every policy, in a stable order.
-    pub const ALL: [PolicyKind; 12] = [
+    pub const ALL: [PolicyKind; 13] = [
         PolicyKind::Gorgo,
+        PolicyKind::GorgoTtft,
         PolicyKind::GorgoPaper,
         PolicyKind::LeastLoad,
         PolicyKind::LeastRequest,
@@ -112,6 +116,7 @@ impl PolicyKind {
     pub fn as_str(self) -> &'static str {
         match self {
             PolicyKind::Gorgo => "gorgo",
+            PolicyKind::GorgoTtft => "gorgo-ttft",
             PolicyKind::GorgoPaper => "gorgo-paper",
             PolicyKind::LeastLoad => "least-load",
             PolicyKind::LeastRequest => "least-request",
@@ -142,7 +147,7 @@ impl PolicyKind {
     pub fn uses_weights(self) -> bool {
         matches!(
             self,
-            PolicyKind::Gorgo | PolicyKind::GorgoPaper | PolicyKind::Oracle
+            PolicyKind::Gorgo | PolicyKind::GorgoTtft | PolicyKind::GorgoPaper | PolicyKind::Oracle
         )
     }
 
@@ -184,6 +189,9 @@ pub fn build(kind: PolicyKind) -> Box<dyn Policy> {
         PolicyKind::Gorgo => Box::new(Gorgo::default()),
         PolicyKind::Oracle => Box::new(Gorgo {
             kind: PolicyKind::Oracle,
+        }),
+        PolicyKind::GorgoTtft => Box::new(Gorgo {
+            kind: PolicyKind::GorgoTtft,
         }),
         PolicyKind::GorgoPaper => Box::new(GorgoPaper),
         PolicyKind::LeastLoad => Box::new(LeastLoad),
@@ -255,7 +263,7 @@ fn matched(req: &RouteRequest<'_>, c: &Candidate) -> u64 {
 /// prefill inflicts on the batch running there,
 /// `w_rtt * RTT + t_p * uncached + w_queue * queue_ms + stall_ms` (docs/design.md and
 /// docs/policy.md; see [`crate::cost`]). Also serves as `oracle` when the simulator
-/// feeds it exact state.
+/// feeds it exact state, and as `gorgo-ttft` (the same without the stall term).
 #[derive(Debug, Clone)]
 pub struct Gorgo {
     kind: PolicyKind,
@@ -281,9 +289,17 @@ impl Policy for Gorgo {
         weights: Weights,
         rng_u64: u64,
     ) -> Choice {
+        let greedy = self.kind == PolicyKind::GorgoTtft;
         let terms: Vec<CostTerms> = candidates
             .iter()
-            .map(|c| cost_terms(req.prompt_tokens, c, weights))
+            .map(|c| {
+                let mut t = cost_terms(req.prompt_tokens, c, weights);
+                if greedy {
+                    t.stall_ms = 0.0;
+                    t.total_ms = t.rtt_ms + t.prefill_ms + t.queue_ms;
+                }
+                t
+            })
             .collect();
         let index = pick_min(candidates, rng_u64, |i, _| [terms[i].total_ms]);
         Choice {
@@ -340,6 +356,7 @@ impl Policy for GorgoPaper {
                     uncached_tokens,
                     t_p_ms: 1.0,
                     raw_queue_ms: queued as f64,
+                    forward_bias_ms: 0.0,
                     tokens_ahead: queued,
                     // The paper's score is in tokens; the prediction is the gorgo
                     // model's, so both cost-based policies are checked the same way.

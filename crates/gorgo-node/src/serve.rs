@@ -8,7 +8,7 @@ use std::time::Instant;
 use futures::StreamExt;
 use gorgo_core::candidates::{build_candidates, LocalState, PeerState};
 use gorgo_core::cost::Candidate;
-use gorgo_core::HashChain;
+use gorgo_core::{HashChain, NodeId};
 
 use crate::api::{
     RoutedRequest, ServeError, Upstream, PASS_RESPONSE_HEADERS, PREDICTED_TTFT_HEADER,
@@ -86,6 +86,7 @@ pub async fn serve(state: &Arc<NodeState>, req: RoutedRequest) -> Result<Upstrea
         .iter()
         .find(|c| c.chosen)
         .and_then(|c| c.terms?.estimated_ttft_ms);
+    let decided = Instant::now();
     tracing::debug!(request_id = req.request_id, ?target, reason = %record.reason, "decided");
     let served = match target {
         Target::Nothing => Err(ServeError::Unavailable(
@@ -95,7 +96,7 @@ pub async fn serve(state: &Arc<NodeState>, req: RoutedRequest) -> Result<Upstrea
         Target::Peer(peer) => match forward(state, &peer, &req).await {
             Ok(up) => {
                 state.metrics.forward(&peer.0, "ok");
-                Ok(up)
+                Ok(learn_forward_bias(state, peer, predicted, decided, up))
             }
             Err(e) => {
                 tracing::warn!(request_id = req.request_id, %peer, error = %e, "forward failed before first byte; serving locally");
@@ -119,6 +120,46 @@ pub async fn serve(state: &Arc<NodeState>, req: RoutedRequest) -> Result<Upstrea
         }
         up
     })
+}
+
+/// Wrap a forwarded response so that its first chunk tells the forward ledger how long
+/// the forward took against the cost model's prediction (`gorgo_core::cost::
+/// ForwardLedger::observe_forward_ttft`): the peer's forward bias.
+fn learn_forward_bias(
+    state: &Arc<NodeState>,
+    peer: NodeId,
+    predicted_ms: Option<f64>,
+    decided: Instant,
+    mut up: Upstream,
+) -> Upstream {
+    let Some(predicted_ms) = predicted_ms else {
+        return up;
+    };
+    // Only a stream's first chunk marks its first token; a whole JSON body comes at the
+    // end, which would teach the ledger E2E instead.
+    let streaming = up
+        .headers
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("content-type") && v.contains("text/event-stream"));
+    if up.status >= 300 || !streaming {
+        return up;
+    }
+    let st = state.clone();
+    let mut first = true;
+    up.body = Box::pin(up.body.map(move |chunk| {
+        if first && chunk.is_ok() {
+            first = false;
+            let measured_ms = decided.elapsed().as_secs_f64() * 1000.0;
+            st.router.ledger.lock().observe_forward_ttft(
+                &peer,
+                predicted_ms,
+                measured_ms,
+                st.now_ms(),
+            );
+        }
+        chunk
+    }));
+    up
 }
 
 /// Serve on the local engine.

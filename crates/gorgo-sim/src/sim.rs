@@ -211,6 +211,8 @@ enum Ev {
     Complete(u32),
     /// A node scrapes its engine's `/metrics`.
     Scrape(u8),
+    /// The first byte of a forwarded request reached the node that forwarded it.
+    FirstByte(u32),
 }
 
 struct Scheduled {
@@ -262,6 +264,10 @@ struct Flight {
     /// The TTFT the client's node's decision predicted for its chosen candidate, ms
     /// (cost-based policies only).
     predicted_ttft_ms: Option<f32>,
+    /// When the client's node forwarded it, ms (distributed mode, hops 0 -> 1).
+    forwarded_ms: Option<f64>,
+    /// When its first byte reaches the forwarding node ([`Ev::FirstByte`]), ms.
+    first_byte_due_ms: Option<f64>,
 }
 
 enum Payload {
@@ -536,6 +542,7 @@ impl<'a> Sim<'a> {
                 Ev::EngineWake(r) => self.engine_wake(r as usize, at),
                 Ev::Tick(r) => self.tick(r as usize, at),
                 Ev::Scrape(r) => self.scrape(r as usize, at),
+                Ev::FirstByte(slot) => self.first_byte(slot, at),
                 Ev::Deliver(m) => self.deliver(m, at),
                 Ev::Complete(slot) => self.complete(slot, at),
             }
@@ -605,6 +612,8 @@ impl<'a> Sim<'a> {
             ttft_ms: f64::NAN,
             cached_tokens: 0,
             predicted_ttft_ms: None,
+            forwarded_ms: None,
+            first_byte_due_ms: None,
             first_token_seen: false,
             transit_tokens: 0,
         };
@@ -854,6 +863,9 @@ impl<'a> Sim<'a> {
                     }
                 }
                 let f = self.flight_mut(slot);
+                if hops == 0 {
+                    f.forwarded_ms = Some(now);
+                }
                 f.chain = chain;
                 f.transit_tokens = uncached;
                 f.hops += 1;
@@ -974,7 +986,13 @@ impl<'a> Sim<'a> {
         }
         self.out.run.counters.first_tokens += 1;
         let home = self.flight(slot).home as usize;
-        let back = self.link_delay(r, home) + self.client_delay(home);
+        let link = self.link_delay(r, home);
+        let back = link + self.client_delay(home);
+        if r != home && self.oracle.is_none() && self.flight(slot).forwarded_ms.is_some() {
+            // The forwarding node learns its forward's TTFT when the byte reaches it.
+            self.push(at + link, Ev::FirstByte(slot));
+            self.flight_mut(slot).first_byte_due_ms = Some(at + link);
+        }
         let f = self.flight_mut(slot);
         f.first_token_seen = true;
         f.cached_tokens = cached;
@@ -988,6 +1006,29 @@ impl<'a> Sim<'a> {
             None => self.nodes[r]
                 .view
                 .first_token(slot as u64, Some(engine_ttft), at as u64),
+        }
+    }
+
+    /// A forward's first byte reached its home node: the node's forward ledger learns
+    /// how late it was against the prediction (as the live node does when the first
+    /// chunk of a forwarded stream arrives).
+    fn first_byte(&mut self, slot: u32, now: f64) {
+        let Some(f) = self.flights.get_mut(slot as usize).and_then(|f| f.as_mut()) else {
+            return;
+        };
+        if f.first_byte_due_ms != Some(now) {
+            return; // the slot was released and reused
+        }
+        f.first_byte_due_ms = None;
+        let (Some(sent), Some(pred), Some(t)) = (f.forwarded_ms, f.predicted_ttft_ms, f.served)
+        else {
+            return;
+        };
+        let home = f.home as usize;
+        let peer = self.node_ids[t as usize].clone();
+        if let Some(node) = self.nodes.get_mut(home) {
+            node.ledger
+                .observe_forward_ttft(&peer, pred as f64, now - sent, now as u64);
         }
     }
 
