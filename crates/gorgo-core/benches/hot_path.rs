@@ -5,12 +5,13 @@
 //! (figures in docs/benchmarks.md).
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
-use gorgo_core::cost::Candidate;
+use gorgo_core::candidates::{build_candidates, LocalState, PeerState};
+use gorgo_core::cost::ForwardLedger;
 use gorgo_core::decision::decide;
 use gorgo_core::policy::{build, PolicyKind, RouteRequest};
 use gorgo_core::prompt::PromptHasher;
 use gorgo_core::summary::{PeerSummary, SummarySnapshot};
-use gorgo_core::{HashChain, NodeId, QueueStats, ShadowIndex, Weights};
+use gorgo_core::{percentile, HashChain, NodeId, QueueStats, ShadowIndex, Weights};
 use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -110,33 +111,75 @@ fn bench(c: &mut Criterion) {
     };
     let mut policy = build(PolicyKind::Gorgo);
     let weights = Weights::default();
+    // This node's ledger: a few forwards pending at every peer and a learnt forward
+    // bias, so the decision pays for the ledger lookups it makes in production.
+    let mut ledger = ForwardLedger::new();
+    for (i, p) in peers.iter().enumerate() {
+        for k in 0..(i % 4) as u64 {
+            ledger.record_forward(&p.node, 2_000, 1_000 + k);
+        }
+        ledger.observe_forward_ttft(&p.node, 800.0, 900.0 + 10.0 * i as f64, 1_000);
+    }
+    // The node looks a peer's summary up by id (its peer table is a map).
+    let summaries: std::collections::HashMap<&NodeId, &PeerSummary> =
+        peers.iter().map(|p| (&p.node, &p.summary)).collect();
     let mut n = 0u64;
+    // Everything a request costs the node before it proxies: hash the prompt, match it
+    // locally and against every peer, build candidates (the core's builder, as the node
+    // calls it), decide.
+    let mut one_decision = |n: u64| {
+        let chain = hasher.chain(black_box(&prompt));
+        let prompt_tokens = chain.total_tokens();
+        let local = LocalState {
+            node: local_node.clone(),
+            healthy: true,
+            cached_tokens: index.longest_match(&chain),
+            stats: local_stats.clone(),
+        };
+        let peer_states = peers.iter().map(|p| PeerState {
+            node: &p.node,
+            alive: true,
+            rtt_ms: p.rtt_ms,
+            stats: Some(&p.stats),
+        });
+        let candidates = build_candidates(
+            local,
+            peer_states,
+            |id| summaries.get(id).map_or(0, |s| s.matched_tokens(&chain)),
+            &mut ledger,
+            1_500,
+        );
+        let req = RouteRequest {
+            chain: &chain,
+            prompt_tokens,
+            session_key: None,
+        };
+        decide(&req, 0, 1, &candidates, policy.as_mut(), weights, n).map(|d| d.target_index)
+    };
     c.bench_function("gorgo_decision_16_peers_100k_blocks_8k_prompt", |b| {
         b.iter(|| {
-            // Everything a request costs the node before it proxies: hash the prompt,
-            // match it locally and against every peer, build candidates, decide.
-            let chain = hasher.chain(black_box(&prompt));
-            let prompt_tokens = chain.total_tokens();
-            let mut candidates = Vec::with_capacity(PEERS + 1);
-            let mut local = Candidate::idle(local_node.clone(), true, 0.0);
-            local.cached_tokens = index.longest_match(&chain);
-            local.stats = local_stats.clone();
-            candidates.push(local);
-            for p in &peers {
-                let mut c = Candidate::idle(p.node.clone(), false, p.rtt_ms);
-                c.cached_tokens = p.summary.matched_tokens(&chain);
-                c.stats = p.stats.clone();
-                candidates.push(c);
-            }
-            let req = RouteRequest {
-                chain: &chain,
-                prompt_tokens,
-                session_key: None,
-            };
             n = n.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            decide(&req, 0, 1, &candidates, policy.as_mut(), weights, n).map(|d| d.target_index)
+            one_decision(n)
         })
     });
+    // Criterion reports means and medians; the tail comes from raw samples, one
+    // decision per sample.
+    let mut samples_us: Vec<f64> = (0..50_000u64)
+        .map(|i| {
+            let t = std::time::Instant::now();
+            black_box(one_decision(i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).ok());
+            t.elapsed().as_secs_f64() * 1e6
+        })
+        .collect();
+    samples_us.sort_by(f64::total_cmp);
+    println!(
+        "gorgo_decision raw samples: n {} p50 {:.2} us p99 {:.2} us p99.9 {:.2} us max {:.2} us",
+        samples_us.len(),
+        percentile(&samples_us, 50.0).unwrap_or(f64::NAN),
+        percentile(&samples_us, 99.0).unwrap_or(f64::NAN),
+        percentile(&samples_us, 99.9).unwrap_or(f64::NAN),
+        samples_us.last().copied().unwrap_or(f64::NAN),
+    );
 }
 
 criterion_group!(benches, bench);

@@ -429,7 +429,12 @@ impl ForwardLedger {
     /// `now_ms - rtt_ms`). Pass `rtt_ms = 0` to clear every forward. Returns true when
     /// the version was new.
     pub fn observe_stats(&mut self, peer: &NodeId, version: u64, now_ms: u64, rtt_ms: f64) -> bool {
-        let entry = self.peers.entry(peer.clone()).or_default();
+        // Looked up before inserting: this runs per peer per request, and `entry` would
+        // clone the id every time.
+        if !self.peers.contains_key(peer) {
+            self.peers.insert(peer.clone(), PeerLedger::default());
+        }
+        let entry = self.peers.get_mut(peer).expect("inserted above");
         if entry.stats_version.is_some_and(|seen| version <= seen) {
             return false;
         }
@@ -488,10 +493,19 @@ impl ForwardLedger {
     /// Copy the pending counts and the forward bias into a candidate built for
     /// `candidate.node`.
     pub fn apply(&self, candidate: &mut Candidate, now_ms: u64) {
-        let (n, tokens) = self.pending(&candidate.node);
-        candidate.inflight_forwards = n;
-        candidate.inflight_forward_prompt_tokens = tokens;
-        candidate.forward_bias_ms = self.forward_bias_ms(&candidate.node, now_ms);
+        let Some(e) = self.peers.get(&candidate.node) else {
+            candidate.inflight_forwards = 0;
+            candidate.inflight_forward_prompt_tokens = 0;
+            candidate.forward_bias_ms = 0.0;
+            return;
+        };
+        candidate.inflight_forwards = e.forwards.len() as u32;
+        candidate.inflight_forward_prompt_tokens = e.prefill_tokens;
+        candidate.forward_bias_ms = if e.bias_ms == 0.0 {
+            0.0
+        } else {
+            e.bias_at(now_ms)
+        };
     }
 
     /// Drop everything about a peer that left the cluster.

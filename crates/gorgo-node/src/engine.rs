@@ -32,6 +32,21 @@ pub enum EngineFailure {
     Failed(String),
 }
 
+impl From<EngineFailure> for crate::api::ServeError {
+    /// The one mapping from an engine call's failure to the request path's error (and
+    /// through [`crate::api::ServeError::status`] to the client's status).
+    fn from(e: EngineFailure) -> Self {
+        match e {
+            EngineFailure::Timeout => {
+                crate::api::ServeError::Timeout("engine did not answer in time".into())
+            }
+            EngineFailure::Failed(m) => {
+                crate::api::ServeError::Failed(format!("engine failed: {m}"))
+            }
+        }
+    }
+}
+
 /// The local engine: client, health, and the node's view of it.
 #[derive(Debug)]
 pub struct EngineAdapter {

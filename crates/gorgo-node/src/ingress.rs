@@ -20,8 +20,8 @@ use serde_json::Value;
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::api::{
-    error_json, error_response, session_key, BodyStream, RoutedRequest, Upstream, HOPS_HEADER,
-    PASS_REQUEST_HEADERS, POLICY_HEADER, SERVED_BY_HEADER, SESSION_HEADER,
+    error_json, error_response, session_key, BodyStream, RoutedRequest, ServeError, Upstream,
+    HOPS_HEADER, PASS_REQUEST_HEADERS, POLICY_HEADER, SERVED_BY_HEADER, SESSION_HEADER,
 };
 use crate::serve::serve;
 use crate::NodeState;
@@ -82,11 +82,9 @@ async fn models(State(state): State<Arc<NodeState>>) -> Response {
                 Err(e) => error_response(StatusCode::BAD_GATEWAY, &format!("engine failed: {e}")),
             }
         }
-        Err(crate::engine::EngineFailure::Timeout) => {
-            error_response(StatusCode::GATEWAY_TIMEOUT, "engine did not answer in time")
-        }
-        Err(crate::engine::EngineFailure::Failed(m)) => {
-            error_response(StatusCode::BAD_GATEWAY, &format!("engine failed: {m}"))
+        Err(e) => {
+            let e = ServeError::from(e);
+            error_response(e.status().0, e.message())
         }
     }
 }

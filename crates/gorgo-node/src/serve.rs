@@ -13,7 +13,6 @@ use gorgo_core::{HashChain, NodeId};
 use crate::api::{
     RoutedRequest, ServeError, Upstream, PASS_RESPONSE_HEADERS, PREDICTED_TTFT_HEADER,
 };
-use crate::engine::EngineFailure;
 use crate::forward::forward;
 use crate::route::{DecisionInput, Target};
 use crate::NodeState;
@@ -194,10 +193,7 @@ pub async fn serve_local(
             req.body.clone(),
         )
         .await
-        .map_err(|e| match e {
-            EngineFailure::Timeout => ServeError::Timeout("engine did not answer in time".into()),
-            EngineFailure::Failed(m) => ServeError::Failed(format!("engine failed: {m}")),
-        })?;
+        .map_err(ServeError::from)?;
     let status = resp.status().as_u16();
     let headers = pass_headers(resp.headers());
     let st = state.clone();

@@ -5,7 +5,9 @@
 //! the one [`Engine::next_event_time`] reports is scheduled; stale ones are skipped),
 //! a node's gossip tick, a gossip or tuning message reaching its peer, and a request's
 //! last byte reaching the client. First tokens need no event of their own: the engine
-//! reports when they happen and the client sees them a fixed delay later.
+//! reports when they happen and the client sees them a fixed delay later; only a
+//! forwarded request's first byte reaching the node that forwarded it is an event
+//! (`FirstByte`), because that node learns its forward bias from it then.
 //!
 //! The trace is streamed: a row is read only when virtual time reaches its send time,
 //! so memory follows the requests in flight and the engines' caches, not trace length.

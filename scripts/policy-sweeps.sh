@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The load sweeps behind docs/policy.md: three workloads, every policy, light load to
+# saturation, in the simulator's default (node-view) mode. 35 s wall on 2 cores.
+# Usage: scripts/policy-sweeps.sh [OUT]   (default out/policy)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-out/policy}
+G=${GORGO:-target/release/gorgo}
+[ -x "$G" ] || cargo build --release -q
+mkdir -p "$OUT"
+[ -f "$OUT/gen5.jsonl" ] || "$G" trace generate --seed 5 --duration-s 1800 --out "$OUT/gen5.jsonl" > /dev/null
+P=gorgo,gorgo-ttft,gorgo-paper,least-load,least-request,prefix-cache,session-affinity,simple-session-affinity,cache-aware,round-robin,oracle
+"$G" sweep --trace "$OUT/gen5.jsonl" --policies $P --time-scales 4,3,2,1.5,1.25,1 \
+  --max-context-tokens 32768 --out "$OUT/gen5"
+"$G" sweep --trace ../shared/data/traces/mooncake_synthetic_trace.jsonl --policies $P \
+  --time-scales 8,4,3,2,1.5,1.25,1 --max-context-tokens 32768 --ttft-slo-ms 10000 --out "$OUT/syn"
+"$G" sweep --trace ../shared/data/traces/mooncake_conversation_trace.jsonl --policies $P \
+  --time-scales 8,6,4,3,2,1.5 --max-context-tokens 32768 --ttft-slo-ms 10000 --out "$OUT/mc"
