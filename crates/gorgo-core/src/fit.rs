@@ -26,6 +26,11 @@
 //!   left exceeds [`MAX_RESIDUAL_FACTOR`] x that prediction (a wait the estimate did
 //!   not see). During sustained overload the fit thus keeps its last good value instead
 //!   of learning the queue.
+//! - **Weighted by the noise of a sample.** Each observation is scaled by its expected
+//!   noise ([`FitConfig::noise_cv`] x the fit's prediction, at least 25 ms), so the
+//!   seed's prior counts against real noise and a couple of slow early requests cannot
+//!   move `t_p` by their whole error (on a real engine two samples once took a region
+//!   from 1.35 to 4.0 ms per token and starved it of the traffic that would correct it).
 //! - **A band around the seed.** The estimate is imperfect, so `t_p` is also kept in
 //!   `[seed / T_P_BAND, seed * T_P_BAND]` (the state itself is projected into the band
 //!   after every update, so it cannot wind up outside it and take a long time to come
@@ -80,7 +85,23 @@ pub struct FitConfig {
     /// Bound on the covariance trace: forgetting stops above it, which prevents windup
     /// when every request has the same length and the data carry no information.
     pub max_cov_trace: f64,
+    /// Standard deviation of one observation about the fitted line, as a fraction of
+    /// the fit's prediction for it (TTFT noise grows with the prefill): how much a single
+    /// sample is trusted against the seed. The regression is weighted by it, so the first
+    /// samples move the fit in proportion to how far the profile may be off, not by
+    /// almost all of their error (plain RLS assumes a noise of 1 ms: on a real engine two
+    /// samples took a region's `t_p` from 1.35 to 4.0 ms per token, and the region then
+    /// got almost no traffic to correct it; docs/real-engine.md).
+    #[serde(default = "default_noise_cv")]
+    pub noise_cv: f64,
 }
+
+fn default_noise_cv() -> f64 {
+    0.25
+}
+
+/// Smallest observation noise assumed, ms (a tiny prediction is not that precise).
+const MIN_NOISE_MS: f64 = 25.0;
 
 impl Default for FitConfig {
     fn default() -> Self {
@@ -90,6 +111,7 @@ impl Default for FitConfig {
             base_prior_var: 100.0 * 100.0,
             t_p_prior_var: 50.0 * 50.0,
             max_cov_trace: 1e6,
+            noise_cv: default_noise_cv(),
         }
     }
 }
@@ -117,6 +139,9 @@ impl FitConfig {
         }
         if !(self.max_cov_trace.is_finite() && self.max_cov_trace > 0.0) {
             return bad("max_cov_trace", "must be positive");
+        }
+        if !(self.noise_cv.is_finite() && self.noise_cv > 0.0) {
+            return bad("noise_cv", "must be positive");
         }
         Ok(())
     }
@@ -222,7 +247,10 @@ impl PrefillFit {
             self.skipped += 1;
             return false;
         }
-        let x = [1.0, uncached_tokens as f64 / TOKEN_SCALE];
+        // Weighted least squares: each observation scaled by its noise.
+        let sigma = (self.cfg.noise_cv * predicted).max(MIN_NOISE_MS);
+        let x = [1.0 / sigma, uncached_tokens as f64 / TOKEN_SCALE / sigma];
+        let y_scaled = y / sigma;
         let px = [
             self.p[0][0] * x[0] + self.p[0][1] * x[1],
             self.p[1][0] * x[0] + self.p[1][1] * x[1],
@@ -239,7 +267,7 @@ impl PrefillFit {
             return false;
         }
         let k = [px[0] / denom, px[1] / denom];
-        let err = y - (self.theta[0] * x[0] + self.theta[1] * x[1]);
+        let err = y_scaled - (self.theta[0] * x[0] + self.theta[1] * x[1]);
         // Projected into the band (see the module docs).
         let theta = [
             (self.theta[0] + k[0] * err).clamp(0.0, self.base_cap_ms),
@@ -329,6 +357,25 @@ impl PrefillFit {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn two_slow_samples_do_not_make_a_region_look_three_times_dearer() {
+        // The real-engine case: seed 1.35 ms/token, two early requests that took about
+        // three times the seed's prediction (a cold start). The fit moves, but a
+        // handful of samples must not pin the region at the band's top edge.
+        let mut f = PrefillFit::new(150.0, 1.35, FitConfig::default()).unwrap();
+        for _ in 0..2 {
+            assert!(f.observe(150.0 + 3.0 * 1.35 * 1500.0, 0.0, 1500));
+        }
+        assert!(f.t_p_ms() > 1.35, "it learns: {}", f.t_p_ms());
+        assert!(f.t_p_ms() < 2.0, "but not from two samples: {}", f.t_p_ms());
+        // Evidence that keeps coming still wins.
+        for i in 0..1000u64 {
+            let u = 500 + (i * 97) % 3000;
+            f.observe(150.0 + 3.0 * 1.35 * u as f64, 0.0, u);
+        }
+        assert!((f.t_p_ms() - 4.05).abs() < 0.3, "{}", f.t_p_ms());
+    }
 
     #[test]
     fn converges_to_a_new_engine() {
