@@ -18,6 +18,7 @@ pub mod fit;
 pub mod gossip;
 pub mod hash;
 pub mod headers;
+pub mod health;
 pub mod index;
 pub mod policy;
 pub mod prompt;

@@ -40,7 +40,8 @@ pub fn router(state: Arc<NodeState>) -> axum::Router {
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .merge(admin)
-        .fallback(|| async { error_response(StatusCode::NOT_FOUND, "unknown route") })
+        .fallback(crate::api::not_found)
+        .method_not_allowed_fallback(crate::api::method_not_allowed)
         .with_state(state)
 }
 
@@ -86,11 +87,14 @@ async fn metrics(State(state): State<Arc<NodeState>>) -> Response {
 }
 
 async fn readyz(State(state): State<Arc<NodeState>>) -> Response {
-    // Ready means this node can serve a request itself: its own engine passed its last
-    // health check. Live peers alone are not enough: right after start a node may know
-    // its peers before it has an RTT sample or stats for them, and would answer 503.
-    if state.engine.is_ready() {
+    // Ready means this node can serve a request itself: not draining, and its own
+    // engine passed a health check and its breaker is not open. Live peers alone are
+    // not enough: right after start a node may know its peers before it has an RTT
+    // sample or stats for them.
+    if state.is_ready() {
         (StatusCode::OK, "ready").into_response()
+    } else if state.is_draining() {
+        error_response(StatusCode::SERVICE_UNAVAILABLE, "draining")
     } else {
         error_response(StatusCode::SERVICE_UNAVAILABLE, "local engine not healthy")
     }
@@ -106,6 +110,8 @@ async fn admin_state(State(state): State<Arc<NodeState>>) -> Response {
             "url": state.config.engine.url,
             "kind": state.engine.kind().to_string(),
             "healthy": state.engine.is_healthy(),
+            "breaker": state.engine.breaker(),
+            "max_context_tokens": state.engine.max_context_tokens(),
             "inflight": state.engine.inflight(),
             "accounting": state.engine.counters(),
             "kv_capacity_tokens": state.engine.kv_capacity_tokens(),

@@ -20,28 +20,78 @@ pub use gorgo_core::headers::{
     SESSION_HEADER,
 };
 
-/// The OpenAI error body for `status` with `message`.
+/// The OpenAI error body for `status` with `message`, the code the status implies.
 pub fn error_json(status: u16, message: &str) -> String {
-    let (kind, code) = match status {
+    error_json_detailed(status, message, None, None)
+}
+
+/// The OpenAI error body with an explicit `code` (e.g. `context_length_exceeded`)
+/// and the request field it is about (`param`).
+pub fn error_json_detailed(
+    status: u16,
+    message: &str,
+    code: Option<&str>,
+    param: Option<&str>,
+) -> String {
+    let (kind, default_code) = match status {
         400 => ("invalid_request_error", "invalid_request"),
         401 => ("authentication_error", "invalid_token"),
         404 => ("invalid_request_error", "not_found"),
         405 => ("invalid_request_error", "method_not_allowed"),
+        408 => ("invalid_request_error", "request_timeout"),
         413 => ("invalid_request_error", "request_too_large"),
+        429 => ("rate_limit_error", "rate_limit_exceeded"),
+        431 => ("invalid_request_error", "request_header_too_large"),
         502 => ("server_error", "engine_failed"),
         503 => ("server_error", "unavailable"),
         504 => ("server_error", "timeout"),
         _ => ("server_error", "error"),
     };
     serde_json::json!({
-        "error": {"message": message, "type": kind, "param": null, "code": code}
+        "error": {
+            "message": message,
+            "type": kind,
+            "param": param,
+            "code": code.unwrap_or(default_code),
+        }
     })
     .to_string()
 }
 
 /// An error response in OpenAI's shape.
 pub fn error_response(status: StatusCode, message: &str) -> Response {
-    let mut resp = Response::new(Body::from(error_json(status.as_u16(), message)));
+    json_error_response(status, error_json(status.as_u16(), message))
+}
+
+/// 404 in OpenAI's shape: the routers' fallback.
+pub async fn not_found() -> Response {
+    error_response(StatusCode::NOT_FOUND, "unknown route")
+}
+
+/// 405 in OpenAI's shape: the routers' answer to a known path with the wrong method.
+pub async fn method_not_allowed() -> Response {
+    error_response(StatusCode::METHOD_NOT_ALLOWED, "method not allowed")
+}
+
+/// A 400 about one request field, in OpenAI's shape (`param` names the field).
+pub fn invalid_field_response(param: &str, code: &str, message: &str) -> Response {
+    json_error_response(
+        StatusCode::BAD_REQUEST,
+        error_json_detailed(400, message, Some(code), Some(param)),
+    )
+}
+
+/// An overload answer (429 or 503) with `Retry-After`, so clients back off instead
+/// of retrying at once.
+pub fn overloaded_response(status: StatusCode, message: &str, retry_after_s: u64) -> Response {
+    let mut resp = error_response(status, message);
+    resp.headers_mut()
+        .insert(http::header::RETRY_AFTER, HeaderValue::from(retry_after_s));
+    resp
+}
+
+fn json_error_response(status: StatusCode, body: String) -> Response {
+    let mut resp = Response::new(Body::from(body));
     *resp.status_mut() = status;
     resp.headers_mut().insert(
         http::header::CONTENT_TYPE,
@@ -96,6 +146,8 @@ pub enum ServeError {
     Failed(String),
     /// Timed out before the first byte (504).
     Timeout(String),
+    /// The prompt does not fit the engine's context (400 `context_length_exceeded`).
+    ContextLength(String),
 }
 
 /// A response on its way to the client.
@@ -130,14 +182,44 @@ impl ServeError {
             ServeError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             ServeError::Failed(_) => (StatusCode::BAD_GATEWAY, "engine_failed"),
             ServeError::Timeout(_) => (StatusCode::GATEWAY_TIMEOUT, "timeout"),
+            ServeError::ContextLength(_) => (StatusCode::BAD_REQUEST, "bad_request"),
         }
     }
 
     /// What went wrong, for the error body.
     pub fn message(&self) -> &str {
         match self {
-            ServeError::Unavailable(m) | ServeError::Failed(m) | ServeError::Timeout(m) => m,
+            ServeError::Unavailable(m)
+            | ServeError::Failed(m)
+            | ServeError::Timeout(m)
+            | ServeError::ContextLength(m) => m,
         }
+    }
+
+    /// The OpenAI error code of the body, where the status alone does not say it.
+    pub fn code(&self) -> Option<&'static str> {
+        match self {
+            ServeError::ContextLength(_) => Some("context_length_exceeded"),
+            _ => None,
+        }
+    }
+
+    /// The error as a client response, in OpenAI's shape.
+    pub fn response(&self) -> Response {
+        let status = self.status().0;
+        json_error_response(
+            status,
+            error_json_detailed(status.as_u16(), self.message(), self.code(), None),
+        )
+    }
+
+    /// Whether the failure was the serving engine's (or peer's), so the request may
+    /// still be served elsewhere; a request the engine can never take is not.
+    pub fn may_fall_back(&self) -> bool {
+        matches!(
+            self,
+            ServeError::Failed(_) | ServeError::Timeout(_) | ServeError::Unavailable(_)
+        )
     }
 }
 

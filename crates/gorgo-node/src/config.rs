@@ -110,6 +110,22 @@ pub struct EngineSection {
     /// Optional `tokenizer.json` for exact token counts (bytes-per-token otherwise).
     #[serde(default)]
     pub tokenizer: Option<PathBuf>,
+    /// The engine's context length in tokens; when absent it is read from the
+    /// engine's `/v1/models` (`max_model_len`, or `context_length`). A prompt longer
+    /// than this is refused before routing.
+    #[serde(default)]
+    pub max_context_tokens: Option<u64>,
+    /// Time a health check may take, ms; slower counts as a failure (a hung engine
+    /// accepts connections and answers nothing).
+    #[serde(default = "default_health_timeout_ms")]
+    pub health_timeout_ms: u64,
+    /// Consecutive failures of real requests (connect errors, first-byte timeouts,
+    /// 5xx) that open the engine's circuit breaker.
+    #[serde(default = "default_breaker_failures")]
+    pub breaker_failures: u32,
+    /// How long an open breaker waits before one half-open probe, ms.
+    #[serde(default = "default_breaker_cooldown_ms")]
+    pub breaker_cooldown_ms: u64,
 }
 
 impl EngineSection {
@@ -126,6 +142,10 @@ impl EngineSection {
             base_ms: default_base_ms(),
             decode_step_ms: default_decode_step_ms(),
             tokenizer: None,
+            max_context_tokens: None,
+            health_timeout_ms: default_health_timeout_ms(),
+            breaker_failures: default_breaker_failures(),
+            breaker_cooldown_ms: default_breaker_cooldown_ms(),
         }
     }
 }
@@ -196,8 +216,10 @@ pub struct RoutingSection {
     /// Bytes per token when no tokenizer is configured.
     #[serde(default = "default_bytes_per_token")]
     pub bytes_per_token: usize,
-    /// Whether clients may pick the policy per request with `x-gorgo-policy`.
-    #[serde(default = "default_true")]
+    /// Whether clients may pick the policy per request with `x-gorgo-policy`. Off by
+    /// default: routing is the operator's choice, and a client that picks
+    /// `local-only` everywhere defeats it. Benchmarks turn it on.
+    #[serde(default)]
     pub allow_policy_header: bool,
     /// How many recent decisions `/admin/decisions` keeps.
     #[serde(default = "default_decision_log")]
@@ -212,7 +234,7 @@ impl Default for RoutingSection {
             max_hops: default_max_hops(),
             block_bytes: default_block_bytes(),
             bytes_per_token: default_bytes_per_token(),
-            allow_policy_header: true,
+            allow_policy_header: false,
             decision_log: default_decision_log(),
         }
     }
@@ -380,6 +402,37 @@ pub struct LimitsSection {
     /// Most forwards in flight from or to peers at once.
     #[serde(default = "default_max_forwards")]
     pub max_forwards: usize,
+    /// Time a client has to send a request's headers, ms; also how long an idle
+    /// HTTP/1 keep-alive connection stays open (hyper's header-read timer starts when
+    /// the connection waits for its next request).
+    #[serde(default = "default_header_timeout_ms")]
+    pub header_timeout_ms: u64,
+    /// Time a client has to send a whole request body, ms (408 after): a slow body
+    /// must not hold a connection and its buffer for ever.
+    #[serde(default = "default_body_timeout_ms")]
+    pub body_timeout_ms: u64,
+    /// A connection with no request in flight for this long is closed, ms (HTTP/2 has
+    /// no header timer between streams).
+    #[serde(default = "default_idle_timeout_ms")]
+    pub idle_timeout_ms: u64,
+    /// Most client connections open at once; more are accepted and closed at once.
+    /// Capped further by the process's file-descriptor limit, less a reserve kept for
+    /// the admin port, the engine pool and peers.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// Most client connections open at once from one IP address.
+    #[serde(default = "default_max_connections_per_ip")]
+    pub max_connections_per_ip: usize,
+    /// Largest request head (request line and headers) answered normally, bytes;
+    /// larger gets 431.
+    #[serde(default = "default_max_header_bytes")]
+    pub max_header_bytes: usize,
+    /// How long a draining node (SIGTERM) lets in-flight requests finish, ms.
+    #[serde(default = "default_drain_timeout_ms")]
+    pub drain_timeout_ms: u64,
+    /// `Retry-After` sent with 429 and 503 answers to overload, seconds.
+    #[serde(default = "default_retry_after_s")]
+    pub retry_after_s: u64,
 }
 
 impl Default for LimitsSection {
@@ -391,6 +444,14 @@ impl Default for LimitsSection {
             first_byte_timeout_ms: default_first_byte_timeout_ms(),
             request_timeout_ms: default_request_timeout_ms(),
             max_forwards: default_max_forwards(),
+            header_timeout_ms: default_header_timeout_ms(),
+            body_timeout_ms: default_body_timeout_ms(),
+            idle_timeout_ms: default_idle_timeout_ms(),
+            max_connections: default_max_connections(),
+            max_connections_per_ip: default_max_connections_per_ip(),
+            max_header_bytes: default_max_header_bytes(),
+            drain_timeout_ms: default_drain_timeout_ms(),
+            retry_after_s: default_retry_after_s(),
         }
     }
 }
@@ -425,9 +486,6 @@ fn default_block_bytes() -> usize {
 fn default_bytes_per_token() -> usize {
     gorgo_core::hash::BYTES_PER_TOKEN
 }
-fn default_true() -> bool {
-    true
-}
 fn default_decision_log() -> usize {
     256
 }
@@ -448,6 +506,39 @@ fn default_request_timeout_ms() -> u64 {
 }
 fn default_max_forwards() -> usize {
     4096
+}
+fn default_header_timeout_ms() -> u64 {
+    20_000
+}
+fn default_body_timeout_ms() -> u64 {
+    30_000
+}
+fn default_idle_timeout_ms() -> u64 {
+    60_000
+}
+fn default_max_connections() -> usize {
+    16_384
+}
+fn default_max_connections_per_ip() -> usize {
+    1_024
+}
+fn default_max_header_bytes() -> usize {
+    64 * 1024
+}
+fn default_drain_timeout_ms() -> u64 {
+    30_000
+}
+fn default_retry_after_s() -> u64 {
+    1
+}
+fn default_health_timeout_ms() -> u64 {
+    1_000
+}
+fn default_breaker_failures() -> u32 {
+    3
+}
+fn default_breaker_cooldown_ms() -> u64 {
+    2_000
 }
 
 /// Hard ceiling on `max_body_bytes`: nothing from the network is unbounded.
@@ -678,6 +769,21 @@ impl NodeConfig {
         if self.limits.max_forwards == 0 {
             return bad("limits.max_forwards", "must be > 0");
         }
+        if self.limits.max_connections == 0 {
+            return bad("limits.max_connections", "must be > 0");
+        }
+        if self.limits.max_connections_per_ip == 0 {
+            return bad("limits.max_connections_per_ip", "must be > 0");
+        }
+        if !(1024..=16 * 1024 * 1024).contains(&self.limits.max_header_bytes) {
+            return bad("limits.max_header_bytes", "must be in 1024..=16777216");
+        }
+        if self.engine.breaker_failures == 0 {
+            return bad("engine.breaker_failures", "must be > 0");
+        }
+        if self.engine.max_context_tokens == Some(0) {
+            return bad("engine.max_context_tokens", "must be > 0");
+        }
         for (name, v) in [
             ("limits.connect_timeout_ms", self.limits.connect_timeout_ms),
             (
@@ -685,6 +791,15 @@ impl NodeConfig {
                 self.limits.first_byte_timeout_ms,
             ),
             ("limits.request_timeout_ms", self.limits.request_timeout_ms),
+            ("limits.header_timeout_ms", self.limits.header_timeout_ms),
+            ("limits.body_timeout_ms", self.limits.body_timeout_ms),
+            ("limits.idle_timeout_ms", self.limits.idle_timeout_ms),
+            ("limits.drain_timeout_ms", self.limits.drain_timeout_ms),
+            ("engine.health_timeout_ms", self.engine.health_timeout_ms),
+            (
+                "engine.breaker_cooldown_ms",
+                self.engine.breaker_cooldown_ms,
+            ),
         ] {
             if v == 0 {
                 return bad(name, "must be > 0");

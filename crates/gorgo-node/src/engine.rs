@@ -5,7 +5,7 @@
 //! own accounting of the work it sent, and the prefill fit) is the core's
 //! [`EngineView`], the very state machine the simulator runs, behind one mutex.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,6 +13,7 @@ use bytes::Bytes;
 use gorgo_core::accounting::{ViewConfig, ViewCounters};
 use gorgo_core::engine_metrics::parse_engine_metrics;
 use gorgo_core::fit::{FitConfig, PrefillFit};
+use gorgo_core::health::{BreakerState, EngineHealth, HealthChange, HealthConfig, RequestOutcome};
 use gorgo_core::{EngineMetrics, EngineView, QueueStats};
 use parking_lot::Mutex;
 use tokio_util::sync::CancellationToken;
@@ -54,9 +55,14 @@ pub struct EngineAdapter {
     base: String,
     kind: EngineKind,
     health_path: String,
-    healthy: AtomicBool,
-    /// True once a health check has succeeded: readiness needs evidence, not optimism.
-    confirmed: AtomicBool,
+    health_timeout: Duration,
+    /// The breaker (core state machine): checks and real requests in, routable out.
+    health: Mutex<EngineHealth>,
+    /// `true` while the breaker is open; requests waiting for the engine's head watch
+    /// it so they can fall back the moment it opens.
+    opened: tokio::sync::watch::Sender<bool>,
+    /// The engine's context length, once known (config, or `/v1/models`).
+    max_context_tokens: AtomicU64,
     first_byte_timeout: Duration,
     view: Mutex<EngineView>,
     /// Ids of dispatches in the view, unique per adapter.
@@ -88,10 +94,13 @@ impl EngineAdapter {
             base: engine.url.trim_end_matches('/').to_owned(),
             kind: engine.kind,
             health_path: engine.health_path().to_owned(),
-            // Optimistic until the first check: a node that starts beside a live engine
-            // should serve at once; the first failed check flips it.
-            healthy: AtomicBool::new(true),
-            confirmed: AtomicBool::new(false),
+            health_timeout: Duration::from_millis(engine.health_timeout_ms),
+            health: Mutex::new(EngineHealth::new(HealthConfig {
+                failures_to_open: engine.breaker_failures,
+                cooldown_ms: engine.breaker_cooldown_ms,
+            })),
+            opened: tokio::sync::watch::Sender::new(false),
+            max_context_tokens: AtomicU64::new(engine.max_context_tokens.unwrap_or(0)),
             first_byte_timeout: Duration::from_millis(limits.first_byte_timeout_ms),
             view: Mutex::new(view),
             next_ticket: AtomicU64::new(1),
@@ -104,14 +113,54 @@ impl EngineAdapter {
         self.kind
     }
 
-    /// Whether the last health check passed.
-    pub fn is_healthy(&self) -> bool {
-        self.healthy.load(Ordering::Relaxed)
+    fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
     }
 
-    /// Mark health (from the checker, or from a failed proxy call).
-    pub fn set_healthy(&self, healthy: bool) {
-        self.healthy.store(healthy, Ordering::Relaxed);
+    /// Whether routing may count on the engine now: the breaker is closed, or
+    /// half-open with its probe slot free.
+    pub fn is_healthy(&self) -> bool {
+        self.health.lock().routable(self.now_ms())
+    }
+
+    /// The breaker's state now (for `/admin/state` and the gauge).
+    pub fn breaker(&self) -> BreakerState {
+        self.health.lock().state(self.now_ms())
+    }
+
+    /// Act on a change of the breaker: wake requests waiting for a head.
+    fn changed(&self, change: Option<HealthChange>) {
+        match change {
+            Some(HealthChange::Opened) => {
+                tracing::warn!(engine = %self.base, "engine breaker opened: no new work until a probe passes");
+                self.opened.send_replace(true);
+            }
+            Some(HealthChange::Closed) => {
+                tracing::info!(engine = %self.base, "engine breaker closed");
+                self.opened.send_replace(false);
+            }
+            None => {}
+        }
+    }
+
+    /// Count a real request's outcome towards the breaker.
+    pub fn record(&self, outcome: RequestOutcome) {
+        let now = self.now_ms();
+        let change = self.health.lock().on_request(outcome, now);
+        self.changed(change);
+    }
+
+    /// A future that resolves once the breaker is open (at once if it is now).
+    pub fn opened(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.opened.subscribe();
+        async move {
+            let _ = rx.wait_for(|open| *open).await;
+        }
+    }
+
+    /// The engine's context length in tokens, when known.
+    pub fn max_context_tokens(&self) -> Option<u64> {
+        Some(self.max_context_tokens.load(Ordering::Relaxed)).filter(|&n| n > 0)
     }
 
     /// The last scrape.
@@ -163,6 +212,36 @@ impl EngineAdapter {
         }
     }
 
+    /// Send a real request (one the breaker judges the engine by) and wait for its
+    /// head: refused at once while the breaker is open, abandoned the moment it opens
+    /// (so the caller can fall back before the first byte), its outcome counted.
+    pub async fn send_request(
+        &self,
+        method: http::Method,
+        path: &str,
+        headers: &[(String, String)],
+        body: Bytes,
+    ) -> Result<reqwest::Response, EngineFailure> {
+        let now = self.now_ms();
+        if !self.health.lock().admit(now) {
+            return Err(EngineFailure::Failed(
+                "engine circuit breaker is open".into(),
+            ));
+        }
+        let opened = self.opened();
+        let result = tokio::select! {
+            r = self.send(method, path, headers, body) => r,
+            _ = opened => Err(EngineFailure::Failed("engine circuit breaker opened".into())),
+        };
+        let outcome = match &result {
+            Ok(resp) if resp.status().is_server_error() => RequestOutcome::Failed,
+            Ok(_) => RequestOutcome::Answered,
+            Err(_) => RequestOutcome::Failed,
+        };
+        self.record(outcome);
+        result
+    }
+
     /// Send a request to the engine and wait for its response head (bounded by the
     /// first-byte timeout). The body streams from the returned response.
     pub async fn send(
@@ -182,34 +261,54 @@ impl EngineAdapter {
         match tokio::time::timeout(self.first_byte_timeout, fut).await {
             Err(_) => Err(EngineFailure::Timeout),
             Ok(Err(e)) if e.is_timeout() => Err(EngineFailure::Timeout),
-            Ok(Err(e)) => {
-                if e.is_connect() {
-                    self.set_healthy(false);
-                }
-                Err(EngineFailure::Failed(e.to_string()))
-            }
+            Ok(Err(e)) => Err(EngineFailure::Failed(e.to_string())),
             Ok(Ok(resp)) => Ok(resp),
         }
     }
 
-    /// One health check: GET the health path, 2xx is healthy.
+    /// One health check: GET the health path within the health timeout, 2xx is
+    /// healthy; the result goes to the breaker.
     pub async fn check_health(&self) -> bool {
         let url = format!("{}{}", self.base, self.health_path);
         let ok = matches!(
-            tokio::time::timeout(Duration::from_secs(5), self.client.get(url).send()).await,
+            tokio::time::timeout(self.health_timeout, self.client.get(url).send()).await,
             Ok(Ok(r)) if r.status().is_success()
         );
-        self.set_healthy(ok);
-        if ok {
-            self.confirmed.store(true, Ordering::Relaxed);
-        }
+        let now = self.now_ms();
+        let change = self.health.lock().on_check(ok, now);
+        self.changed(change);
         ok
     }
 
-    /// True when the engine is healthy and at least one health check has confirmed it
-    /// (what `/readyz` reports).
+    /// True when the engine is routable and at least one health check has confirmed
+    /// it.
     pub fn is_ready(&self) -> bool {
-        self.confirmed.load(Ordering::Relaxed) && self.is_healthy()
+        self.health.lock().confirmed() && self.is_healthy()
+    }
+
+    /// Learn the engine's context length from `/v1/models` (vLLM's `max_model_len`,
+    /// SGLang's and others' `context_length`/`max_context_length`) unless the config
+    /// gave one. Failures leave it unknown.
+    pub async fn learn_context_length(&self) {
+        if self.max_context_tokens().is_some() {
+            return;
+        }
+        let url = format!("{}/v1/models", self.base);
+        let Ok(Ok(resp)) =
+            tokio::time::timeout(self.health_timeout * 5, self.client.get(url).send()).await
+        else {
+            return;
+        };
+        if !resp.status().is_success() || resp.content_length().unwrap_or(0) > 1 << 20 {
+            return;
+        }
+        let Ok(v) = resp.json::<serde_json::Value>().await else {
+            return;
+        };
+        if let Some(n) = context_length_of(&v) {
+            self.max_context_tokens.store(n, Ordering::Relaxed);
+            tracing::info!(engine = %self.base, max_context_tokens = n, "engine context length");
+        }
     }
 
     /// One scrape of `/metrics`; failures keep the previous values.
@@ -237,7 +336,7 @@ impl EngineAdapter {
             return;
         }
         let metrics = parse_engine_metrics(&text, self.kind);
-        let now_ms = self.started.elapsed().as_millis() as u64;
+        let now_ms = self.now_ms();
         self.view.lock().scrape(metrics, now_ms);
     }
 
@@ -257,7 +356,11 @@ impl EngineAdapter {
                 loop {
                     tokio::select! {
                         _ = shutdown.cancelled() => return,
-                        _ = tick.tick() => { me.check_health().await; }
+                        _ = tick.tick() => {
+                            if me.check_health().await {
+                                me.learn_context_length().await;
+                            }
+                        }
                     }
                 }
             }
@@ -277,6 +380,15 @@ impl EngineAdapter {
         };
         tokio::join!(health, scrape);
     }
+}
+
+/// The context length a `/v1/models` answer states for its first model.
+fn context_length_of(models: &serde_json::Value) -> Option<u64> {
+    let first = models.get("data")?.as_array()?.first()?;
+    ["max_model_len", "context_length", "max_context_length"]
+        .iter()
+        .find_map(|k| first.get(*k).and_then(serde_json::Value::as_u64))
+        .filter(|&n| n > 0)
 }
 
 /// One dispatch in the view, released in steps.
@@ -328,5 +440,16 @@ mod tests {
         // Dropped before the first byte (a cancel): everything is released too.
         drop(engine.dispatch(10, 50, 2));
         assert_eq!(engine.counters().unfinished_prefill_tokens, 0);
+    }
+
+    #[test]
+    fn context_length_is_read_from_vllm_and_sglang_model_lists() {
+        let vllm = serde_json::json!({"data": [{"id": "m", "max_model_len": 32768}]});
+        let sglang = serde_json::json!({"data": [{"id": "m", "context_length": 8192}]});
+        let none = serde_json::json!({"data": [{"id": "m"}]});
+        assert_eq!(context_length_of(&vllm), Some(32768));
+        assert_eq!(context_length_of(&sglang), Some(8192));
+        assert_eq!(context_length_of(&none), None);
+        assert_eq!(context_length_of(&serde_json::json!({"data": []})), None);
     }
 }

@@ -20,10 +20,11 @@ use serde_json::Value;
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::api::{
-    error_json, error_response, session_key, BodyStream, RoutedRequest, ServeError, Upstream,
-    HOPS_HEADER, PASS_REQUEST_HEADERS, POLICY_HEADER, SERVED_BY_HEADER, SESSION_HEADER,
+    error_json, error_response, invalid_field_response, method_not_allowed, not_found,
+    overloaded_response, session_key, BodyStream, RoutedRequest, ServeError, Upstream, HOPS_HEADER,
+    PASS_REQUEST_HEADERS, POLICY_HEADER, SERVED_BY_HEADER, SESSION_HEADER,
 };
-use crate::serve::serve;
+use crate::serve::{serve, serve_elsewhere};
 use crate::NodeState;
 
 /// The client-facing router.
@@ -35,14 +36,6 @@ pub fn router(state: Arc<NodeState>) -> axum::Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
-}
-
-async fn not_found() -> Response {
-    error_response(StatusCode::NOT_FOUND, "unknown route")
-}
-
-async fn method_not_allowed() -> Response {
-    error_response(StatusCode::METHOD_NOT_ALLOWED, "method not allowed")
 }
 
 async fn chat(State(state): State<Arc<NodeState>>, headers: HeaderMap, body: Body) -> Response {
@@ -82,10 +75,7 @@ async fn models(State(state): State<Arc<NodeState>>) -> Response {
                 Err(e) => error_response(StatusCode::BAD_GATEWAY, &format!("engine failed: {e}")),
             }
         }
-        Err(e) => {
-            let e = ServeError::from(e);
-            error_response(e.status().0, e.message())
-        }
+        Err(e) => ServeError::from(e).response(),
     }
 }
 
@@ -124,16 +114,27 @@ async fn completion(
     body: Body,
 ) -> Response {
     let started = Instant::now();
-    let Ok(permit) = state.permits.clone().try_acquire_owned() else {
-        state.metrics.request("unavailable", "");
-        return error_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "too many requests in flight",
-        );
-    };
-    let body = match read_body(body, state.config.limits.max_body_bytes, &headers).await {
-        Ok(b) => b,
-        Err(BodyError::TooLarge) => {
+    let limits = &state.config.limits;
+    // The body is read before a concurrency slot is taken, within its own deadline:
+    // slow or stalled uploads must not hold the slots of requests that are ready.
+    let body_timeout = Duration::from_millis(limits.body_timeout_ms);
+    let read = tokio::time::timeout(
+        body_timeout,
+        read_body(body, limits.max_body_bytes, &headers),
+    );
+    let body = match read.await {
+        Err(_) => {
+            state.metrics.request("bad_request", "");
+            return error_response(
+                StatusCode::REQUEST_TIMEOUT,
+                &format!(
+                    "request body not received within {} ms",
+                    limits.body_timeout_ms
+                ),
+            );
+        }
+        Ok(Ok(b)) => b,
+        Ok(Err(BodyError::TooLarge)) => {
             state.metrics.request("too_large", "");
             return error_response(
                 StatusCode::PAYLOAD_TOO_LARGE,
@@ -143,7 +144,7 @@ async fn completion(
                 ),
             );
         }
-        Err(BodyError::Broken(m)) => {
+        Ok(Err(BodyError::Broken(m))) => {
             state.metrics.request("bad_request", "");
             return error_response(StatusCode::BAD_REQUEST, &format!("cannot read body: {m}"));
         }
@@ -162,6 +163,10 @@ async fn completion(
             return error_response(StatusCode::BAD_REQUEST, &format!("malformed JSON: {e}"));
         }
     };
+    if let Err(e) = crate::validate::validate_request(endpoint, &parsed) {
+        state.metrics.request("bad_request", "");
+        return invalid_field_response(e.param, e.code, &e.message);
+    }
     let prompt = match gorgo_core::prompt::canonicalize(endpoint, &parsed) {
         Ok(p) => p,
         Err(e) => {
@@ -230,20 +235,63 @@ async fn completion(
         origin: state.id.clone(),
     };
     let request_id = req.request_id;
-    match serve(&state, req).await {
+    // A slot for serving here; without one (the node is full) a peer with room may
+    // still take the request, holding a forward slot instead. Only with neither is the
+    // client told to come back.
+    let slot = match state.permits.clone().try_acquire_owned() {
+        Ok(p) => Some(Slot::Ingress(p)),
+        Err(_) => state
+            .forward_permits
+            .clone()
+            .try_acquire_owned()
+            .ok()
+            .map(Slot::Overflow),
+    };
+    let Some(slot) = slot else {
+        state.metrics.request("unavailable", "");
+        return overloaded_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many requests in flight",
+            limits.retry_after_s,
+        );
+    };
+    let served = match slot {
+        // Draining: peers take new work while any is alive, so the node empties.
+        Slot::Ingress(_) if state.is_draining() => match serve_elsewhere(&state, req.clone()).await
+        {
+            Err(e) if e.may_fall_back() => serve(&state, req).await,
+            served => served,
+        },
+        Slot::Ingress(_) => serve(&state, req).await,
+        Slot::Overflow(_) => serve_elsewhere(&state, req).await,
+    };
+    match served {
         Ok(up) => {
             tracing::debug!(request_id, served_by = %up.served_by, hops = up.hops, status = up.status, "serving");
             let epoch = tuned.then_some(admission.epoch);
-            respond(state, up, streaming, started, permit, epoch)
+            respond(state, up, streaming, started, slot, epoch)
         }
         Err(e) => {
             let (status, outcome) = e.status();
             let m = e.message();
             tracing::warn!(request_id, %status, error = %m, "request failed");
             state.metrics.request(outcome, "");
-            error_response(status, m)
+            let mut resp = e.response();
+            if status == StatusCode::SERVICE_UNAVAILABLE {
+                if let Ok(v) = HeaderValue::from_str(&limits.retry_after_s.to_string()) {
+                    resp.headers_mut().insert(http::header::RETRY_AFTER, v);
+                }
+            }
+            resp
         }
     }
+}
+
+/// What a request in flight holds: a slot of the ingress cap, or (the node full) one
+/// of the forward cap while a peer serves it.
+enum Slot {
+    Ingress(#[allow(dead_code)] OwnedSemaphorePermit),
+    Overflow(#[allow(dead_code)] OwnedSemaphorePermit),
 }
 
 fn respond(
@@ -251,7 +299,7 @@ fn respond(
     up: Upstream,
     streaming: bool,
     started: Instant,
-    permit: OwnedSemaphorePermit,
+    slot: Slot,
     epoch: Option<u64>,
 ) -> Response {
     let status = StatusCode::from_u16(up.status).unwrap_or(StatusCode::BAD_GATEWAY);
@@ -268,7 +316,7 @@ fn respond(
         served_by: up.served_by.clone(),
         finished: false,
         deadline: Box::pin(tokio::time::sleep(deadline)),
-        _permit: permit,
+        _slot: slot,
     };
     state.metrics.inflight.inc();
     let mut resp = Response::new(Body::from_stream(tracked));
@@ -306,7 +354,7 @@ struct Tracked {
     served_by: String,
     finished: bool,
     deadline: Pin<Box<tokio::time::Sleep>>,
-    _permit: OwnedSemaphorePermit,
+    _slot: Slot,
 }
 
 impl Tracked {

@@ -19,6 +19,7 @@ pub mod engine;
 pub mod error;
 pub mod forward;
 pub mod ingress;
+pub mod listen;
 pub mod mesh;
 pub mod metrics;
 pub mod peers;
@@ -26,9 +27,10 @@ pub mod route;
 pub mod serve;
 pub mod shadow;
 pub mod tuning;
+pub mod validate;
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -72,6 +74,9 @@ pub struct NodeState {
     pub permits: Arc<Semaphore>,
     /// Cap on forwards served for peers.
     pub forward_permits: Arc<Semaphore>,
+    /// Set when the node starts draining (SIGTERM): `/readyz` answers 503 so load
+    /// balancers stop sending, while in-flight requests finish.
+    draining: AtomicBool,
     started: Instant,
     next_id: AtomicU64,
 }
@@ -127,6 +132,7 @@ impl NodeState {
             metrics: metrics::NodeMetrics::new(),
             permits: Arc::new(Semaphore::new(config.limits.max_concurrency)),
             forward_permits: Arc::new(Semaphore::new(config.limits.max_forwards)),
+            draining: AtomicBool::new(false),
             started: Instant::now(),
             next_id: AtomicU64::new(1),
             engine,
@@ -138,6 +144,30 @@ impl NodeState {
     /// Milliseconds since the node started: the `now` handed to the core.
     pub fn now_ms(&self) -> u64 {
         self.started.elapsed().as_millis() as u64
+    }
+
+    /// Mark the node as draining (see [`NodeState::is_draining`]).
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the node is draining: not ready for new traffic.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Whether this node is ready for traffic (`/readyz`): not draining, and its own
+    /// engine is confirmed healthy. A node whose engine is down could still forward,
+    /// but a load balancer does better sending its clients to a node with an engine.
+    pub fn is_ready(&self) -> bool {
+        !self.is_draining() && self.engine.is_ready()
+    }
+
+    /// Requests in flight through this node: clients' (ingress slots) and peers'
+    /// (forward slots, which also hold overflow requests sent on to peers).
+    pub fn in_flight(&self) -> usize {
+        (self.config.limits.max_concurrency - self.permits.available_permits())
+            + (self.config.limits.max_forwards - self.forward_permits.available_permits())
     }
 
     /// A fresh request id.
@@ -235,6 +265,9 @@ impl NodeState {
         self.metrics
             .engine_healthy
             .set(self.engine.is_healthy() as i64);
+        self.metrics
+            .engine_breaker
+            .set(self.engine.breaker().code());
         let g = self.peers.gossip_counters();
         self.metrics
             .gossip_bytes_sent
@@ -294,6 +327,33 @@ pub struct NodeHandle {
 }
 
 impl NodeHandle {
+    /// The graceful stop (SIGTERM), before shutdown: `/readyz` turns 503 so load
+    /// balancers stop sending, peers are told this node is leaving so they stop
+    /// forwarding to it, new client requests go to peers while any is alive, and the
+    /// requests in flight (clients' and peers' forwards) finish, for up to `deadline`.
+    /// Returns how many were still in flight at the end (0: a clean drain). The caller
+    /// then cancels the shutdown token.
+    pub async fn drain(&self, deadline: Duration) -> usize {
+        let state = &self.state;
+        state.start_draining();
+        state.peers.leave().await;
+        let started = Instant::now();
+        loop {
+            let in_flight = state.in_flight();
+            if in_flight == 0 {
+                tracing::info!(elapsed_ms = started.elapsed().as_millis() as u64, "drained");
+                return 0;
+            }
+            if started.elapsed() >= deadline {
+                tracing::warn!(in_flight, "drain deadline passed with requests in flight");
+                return in_flight;
+            }
+            // A stop is rare and this is not a test: a short poll is the simple way to
+            // watch two semaphores.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Wait until every task of the node ended (after shutdown).
     pub async fn wait(mut self) {
         while self.tasks.join_next().await.is_some() {}
@@ -310,36 +370,33 @@ pub async fn start(
 ) -> Result<NodeHandle, NodeError> {
     use futures::StreamExt;
     let mut incoming: IncomingForwards = incoming.into();
-    use axum::serve::ListenerExt;
     let http_addr = listeners.http.local_addr()?;
     let admin_addr = listeners.admin.local_addr()?;
     let mut tasks = JoinSet::new();
 
-    let http = listeners.http.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    let app = ingress::router(state.clone());
-    let sd = shutdown.clone();
-    tasks.spawn(async move {
-        let serve =
-            axum::serve(http, app).with_graceful_shutdown(async move { sd.cancelled().await });
-        if let Err(e) = serve.await {
-            tracing::error!(error = %e, "ingress stopped");
-        }
-    });
-
-    let admin = listeners.admin.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    let app = admin::router(state.clone());
-    let sd = shutdown.clone();
-    tasks.spawn(async move {
-        let serve =
-            axum::serve(admin, app).with_graceful_shutdown(async move { sd.cancelled().await });
-        if let Err(e) = serve.await {
-            tracing::error!(error = %e, "admin stopped");
-        }
-    });
+    let fd_limit = listen::raise_fd_limit();
+    let client_limits = listen::ConnLimits::client(&state.config.limits, fd_limit);
+    tracing::info!(
+        fd_limit,
+        max_connections = client_limits.max_connections,
+        "connection caps"
+    );
+    tasks.spawn(listen::run(
+        listeners.http,
+        ingress::router(state.clone()),
+        client_limits,
+        "client",
+        state.metrics.connections.clone(),
+        shutdown.clone(),
+    ));
+    tasks.spawn(listen::run(
+        listeners.admin,
+        admin::router(state.clone()),
+        listen::ConnLimits::admin(&state.config.limits),
+        "admin",
+        state.metrics.connections.clone(),
+        shutdown.clone(),
+    ));
 
     let engine = state.engine.clone();
     let health_every = Duration::from_millis(state.config.engine.health_interval_ms);
@@ -388,6 +445,9 @@ pub async fn start(
                 Some(_) = running.join_next(), if !running.is_empty() => {}
             }
         }
+        // Shutdown is a stop: forwards still being served end here, and their origins
+        // fall back or report the cut. A graceful stop drains first
+        // ([`NodeHandle::drain`]).
         running.shutdown().await;
     });
 

@@ -83,6 +83,12 @@ pub struct NodeMetrics {
     pub tuning_leader: Gauge,
     /// Trials this node decided as leader, by verdict.
     pub tuning_trials: Family<VerdictLabels, Counter>,
+    /// Client and admin connections: open, and refused or closed by a limit.
+    pub connections: crate::listen::ConnMetrics,
+    /// State of the engine's circuit breaker: 0 closed, 1 open, 2 half-open.
+    pub engine_breaker: Gauge,
+    /// Failures of real requests to the engine that count towards its breaker.
+    pub engine_failures: Counter,
 }
 
 impl Default for NodeMetrics {
@@ -189,7 +195,33 @@ impl NodeMetrics {
             "Tuning trials this node decided as leader, by verdict",
             tuning_trials.clone(),
         );
+        let connections = crate::listen::ConnMetrics::default();
+        registry.register(
+            "connections_open",
+            "Connections open, by port",
+            connections.open.clone(),
+        );
+        registry.register(
+            "connections_refused",
+            "Connections refused or closed by a limit, by port and reason",
+            connections.refused.clone(),
+        );
+        let engine_breaker = Gauge::default();
+        registry.register(
+            "engine_breaker_state",
+            "Engine circuit breaker: 0 closed, 1 open, 2 half-open",
+            engine_breaker.clone(),
+        );
+        let engine_failures = Counter::default();
+        registry.register(
+            "engine_failures",
+            "Failures of real requests to the engine (connect, timeout, 5xx)",
+            engine_failures.clone(),
+        );
         NodeMetrics {
+            connections,
+            engine_breaker,
+            engine_failures,
             registry,
             requests,
             ttft,

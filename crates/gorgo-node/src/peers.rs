@@ -139,6 +139,11 @@ pub trait PeerSource: Send + Sync + 'static {
     fn send_tuning(&self, _to: &NodeId, _msg: &TuningMessage) {}
     /// Send a tuning message to every live peer, best effort.
     fn broadcast_tuning(&self, _msg: &TuningMessage) {}
+    /// Tell peers this node is leaving (a graceful stop), so they stop forwarding to it
+    /// at once instead of after failure detection. Resolves once said.
+    fn leave(&self) -> BoxFuture<'static, ()> {
+        Box::pin(async {})
+    }
 }
 
 /// A cluster of one: no peers. Used when a node runs alone.

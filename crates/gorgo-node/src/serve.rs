@@ -31,10 +31,12 @@ fn pass_headers(headers: &reqwest::header::HeaderMap) -> Vec<(String, String)> {
 
 /// The candidates of a decision, built by the core ([`build_candidates`]) from this
 /// node's view of its engine, its shadow index, the peer table and the forward ledger.
-fn candidates(state: &NodeState, chain: &HashChain) -> Vec<Candidate> {
+/// With `local_excluded` the local engine is not a candidate (it just failed this
+/// request, or the node is too full to serve it itself).
+fn candidates(state: &NodeState, chain: &HashChain, local_excluded: bool) -> Vec<Candidate> {
     let local = LocalState {
         node: state.id.clone(),
-        healthy: state.engine.is_healthy(),
+        healthy: !local_excluded && state.engine.is_healthy(),
         cached_tokens: state.shadow.lock().longest_match(chain),
         stats: state.local_stats(),
     };
@@ -55,8 +57,53 @@ fn candidates(state: &NodeState, chain: &HashChain) -> Vec<Candidate> {
     )
 }
 
-/// Route and serve one request.
+/// Route and serve one request. A prompt longer than the engine's context is refused
+/// here, before routing, so it reaches no engine and no cache model. When the local
+/// engine fails it before the first byte (a breaker that opened, a timeout, a 5xx
+/// head), the request is routed again without the local engine.
 pub async fn serve(state: &Arc<NodeState>, req: RoutedRequest) -> Result<Upstream, ServeError> {
+    check_context(state, &req)?;
+    match route_and_serve(state, &req, false).await {
+        Err(e) if e.may_fall_back() && req.hops < state.config.routing.max_hops => {
+            match route_and_serve(state, &req, true).await {
+                Ok(up) => Ok(up),
+                // Nowhere else to go: the first failure says what went wrong.
+                Err(_) => Err(e),
+            }
+        }
+        served => served,
+    }
+}
+
+/// Serve `req` anywhere but on the local engine: the node is too full to take it
+/// itself, and a peer with room is better than a 503.
+pub async fn serve_elsewhere(
+    state: &Arc<NodeState>,
+    req: RoutedRequest,
+) -> Result<Upstream, ServeError> {
+    check_context(state, &req)?;
+    route_and_serve(state, &req, true).await
+}
+
+/// Refuse a prompt the engine cannot hold.
+fn check_context(state: &NodeState, req: &RoutedRequest) -> Result<(), ServeError> {
+    let prompt_tokens = req.chain.total_tokens();
+    match state.engine.max_context_tokens() {
+        Some(max) if prompt_tokens > max => Err(ServeError::ContextLength(format!(
+            "this model's maximum context length is {max} tokens; the prompt has about \
+             {prompt_tokens}"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// One decision and its dispatch. A forward that fails before its first byte falls
+/// back to the local engine (unless `local_excluded`).
+async fn route_and_serve(
+    state: &Arc<NodeState>,
+    req: &RoutedRequest,
+    local_excluded: bool,
+) -> Result<Upstream, ServeError> {
     let policy = req.policy.unwrap_or(state.policy);
     let prompt_tokens = req.chain.total_tokens();
     let input = DecisionInput {
@@ -70,7 +117,7 @@ pub async fn serve(state: &Arc<NodeState>, req: RoutedRequest) -> Result<Upstrea
         weights: req.weights,
         now_ms: state.now_ms(),
     };
-    let cands = candidates(state, &req.chain);
+    let cands = candidates(state, &req.chain, local_excluded);
     let (target, record) = state.router.decide(&input, cands);
     if let Some(terms) = record
         .candidates
@@ -91,8 +138,8 @@ pub async fn serve(state: &Arc<NodeState>, req: RoutedRequest) -> Result<Upstrea
         Target::Nothing => Err(ServeError::Unavailable(
             "no healthy engine and no live peer".into(),
         )),
-        Target::Local => serve_local(state, &req).await,
-        Target::Peer(peer) => match forward(state, &peer, &req).await {
+        Target::Local => serve_local(state, req).await,
+        Target::Peer(peer) => match forward(state, &peer, req).await {
             Ok(up) => {
                 state.metrics.forward(&peer.0, "ok");
                 Ok(learn_forward_bias(state, peer, predicted, decided, up))
@@ -100,8 +147,8 @@ pub async fn serve(state: &Arc<NodeState>, req: RoutedRequest) -> Result<Upstrea
             Err(e) => {
                 tracing::warn!(request_id = req.request_id, %peer, error = %e, "forward failed before first byte; serving locally");
                 state.metrics.forward(&peer.0, "fallback");
-                if state.engine.is_healthy() {
-                    serve_local(state, &req).await
+                if !local_excluded && state.engine.is_healthy() {
+                    serve_local(state, req).await
                 } else {
                     Err(ServeError::Unavailable(format!(
                         "forward to {peer} failed and no local engine"
@@ -161,22 +208,15 @@ fn learn_forward_bias(
     up
 }
 
-/// Serve on the local engine.
+/// Serve on the local engine. The shadow index learns the prompt only once the engine
+/// has accepted it (a success head): a prompt the engine refuses is not in its cache,
+/// and must not be gossiped as if it were.
 pub async fn serve_local(
     state: &Arc<NodeState>,
     req: &RoutedRequest,
 ) -> Result<Upstream, ServeError> {
     let prompt_tokens = req.chain.total_tokens();
-    let (cached, delta) = {
-        let mut shadow = state.shadow.lock();
-        (
-            shadow.longest_match(&req.chain),
-            shadow.insert(&req.chain, state.now_ms()),
-        )
-    };
-    if let Some(delta) = delta {
-        state.peers.publish_summary(&delta);
-    }
+    let cached = state.shadow.lock().longest_match(&req.chain);
     let uncached = prompt_tokens.saturating_sub(cached);
     // The view records the wait it expects behind work already at the engine; the fit
     // subtracts it at the first byte so `t_p` measures prefill, not queueing.
@@ -186,7 +226,7 @@ pub async fn serve_local(
     let started = Instant::now();
     let resp = state
         .engine
-        .send(
+        .send_request(
             http::Method::POST,
             req.endpoint.path(),
             &req.headers,
@@ -195,6 +235,16 @@ pub async fn serve_local(
         .await
         .map_err(ServeError::from)?;
     let status = resp.status().as_u16();
+    if resp.status().is_server_error() {
+        // Nothing of it reached the client: let the caller route it elsewhere.
+        return Err(ServeError::Failed(format!("engine answered {status}")));
+    }
+    if resp.status().is_success() {
+        let delta = state.shadow.lock().insert(&req.chain, state.now_ms());
+        if let Some(delta) = delta {
+            state.peers.publish_summary(&delta);
+        }
+    }
     let headers = pass_headers(resp.headers());
     let st = state.clone();
     let chain = req.chain.clone();

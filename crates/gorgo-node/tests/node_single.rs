@@ -132,16 +132,78 @@ async fn bad_inputs_get_the_right_status_and_openai_errors() {
         .unwrap();
     assert_eq!(error_of(resp).await.0, 404);
 
+    // Fields the engine would choke on (or coerce) are refused here, naming the field.
+    for (field, value, code) in [
+        ("max_tokens", serde_json::json!(-1), "invalid_value"),
+        ("max_tokens", serde_json::json!("ten"), "invalid_type"),
+        ("stream", serde_json::json!("yes"), "invalid_type"),
+        ("temperature", serde_json::json!(9), "invalid_value"),
+    ] {
+        let mut body = chat_body("x", false);
+        body[field] = value.clone();
+        let resp = c.post(&url).json(&body).send().await.unwrap();
+        let (status, err) = error_of(resp).await;
+        assert_eq!(status, 400, "{field}={value}");
+        assert_eq!(err["error"]["param"], field, "{err}");
+        assert_eq!(err["error"]["code"], code, "{err}");
+    }
+
+    // A known path with the wrong method, on both ports: OpenAI JSON, not a bare 405.
+    let resp = c.get(&url).send().await.unwrap();
+    assert_eq!(error_of(resp).await.0, 405);
     let resp = c
+        .post(format!("{}/readyz", node.admin))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(resp).await.0, 405);
+
+    // An oversized request head: 431 in OpenAI's shape.
+    let resp = c
+        .post(&url)
+        .header("x-padding", "p".repeat(70 * 1024))
+        .json(&chat_body("x", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(resp).await.0, 431);
+
+    assert_eq!(engine.requests(), 0, "no bad request reached the engine");
+    node.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn the_policy_header_is_honoured_only_when_the_config_allows_it() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(config("a", &engine.url(), ""), None).await;
+    let url = format!("{}/v1/chat/completions", node.base);
+    let resp = client()
         .post(&url)
         .header("x-gorgo-policy", "nope")
         .json(&chat_body("x", false))
         .send()
         .await
         .unwrap();
-    assert_eq!(error_of(resp).await.0, 400, "unknown policy header");
+    assert_eq!(resp.status(), 200, "ignored by default");
+    node.shutdown.cancel();
 
-    assert_eq!(engine.requests(), 0, "no bad request reached the engine");
+    let node = start_node(
+        config(
+            "b",
+            &engine.url(),
+            "[routing]\nallow_policy_header = true\n",
+        ),
+        None,
+    )
+    .await;
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .header("x-gorgo-policy", "nope")
+        .json(&chat_body("x", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(resp).await.0, 400, "unknown policy header");
     node.shutdown.cancel();
 }
 

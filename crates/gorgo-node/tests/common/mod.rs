@@ -22,6 +22,10 @@ pub const NORMAL: u8 = 0;
 pub const HANG: u8 = 1;
 /// Send the first SSE chunk, then hang (until released), then end.
 pub const STREAM_THEN_HANG: u8 = 2;
+/// Refuse every completion with 400 (as an engine refuses a prompt over its context).
+pub const REJECT: u8 = 3;
+/// Answer nothing at all, health checks included (a SIGSTOPped engine), until released.
+pub const HANG_ALL: u8 = 4;
 
 /// A stub OpenAI-compatible engine whose load and behaviour the test sets.
 pub struct StubEngine {
@@ -48,7 +52,12 @@ impl StubEngine {
             shutdown: shutdown.clone(),
         });
         let app = axum::Router::new()
-            .route("/health", get(|| async { "ok" }))
+            .route("/health", get(|State(e): State<Arc<StubEngine>>| async move {
+                if e.mode.load(Ordering::SeqCst) == HANG_ALL {
+                    e.release.notified().await;
+                }
+                "ok"
+            }))
             .route("/metrics", get(metrics))
             .route("/v1/models", get(|State(e): State<Arc<StubEngine>>| async move {
                 axum::Json(serde_json::json!({"object": "list", "data": [{"id": e.name, "object": "model"}]}))
@@ -92,8 +101,18 @@ async fn complete(State(e): State<Arc<StubEngine>>, body: Bytes) -> Response {
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     let stream = v.get("stream").and_then(|s| s.as_bool()).unwrap_or(false);
     let is_chat = v.get("messages").is_some();
-    if e.mode.load(Ordering::SeqCst) == HANG {
-        e.release.notified().await;
+    match e.mode.load(Ordering::SeqCst) {
+        HANG | HANG_ALL => e.release.notified().await,
+        REJECT => {
+            return Response::builder()
+                .status(400)
+                .header("content-type", "application/json")
+                .body(Body::from(
+                    r#"{"error":{"message":"prompt too long","type":"invalid_request_error","param":null,"code":null}}"#,
+                ))
+                .unwrap()
+        }
+        _ => {}
     }
     if stream {
         let mode = e.mode.load(Ordering::SeqCst);
@@ -198,6 +217,16 @@ pub const TOKEN: &str = "test-admin-token";
 
 /// A config for a test node; sockets are bound separately on port 0.
 pub fn config(id: &str, engine_url: &str, extra: &str) -> ValidatedConfig {
+    config_full(id, engine_url, "", extra)
+}
+
+/// [`config`] with more keys in `[engine]`.
+#[allow(dead_code)]
+pub fn config_with_engine(id: &str, engine_url: &str, engine_extra: &str) -> ValidatedConfig {
+    config_full(id, engine_url, engine_extra, "")
+}
+
+fn config_full(id: &str, engine_url: &str, engine_extra: &str, extra: &str) -> ValidatedConfig {
     let text = format!(
         r#"
 [node]
@@ -210,8 +239,8 @@ admin = "127.0.0.1:0"
 [engine]
 url = "{engine_url}"
 kind = "sglang"
-health_interval_ms = 3600000
 metrics_interval_ms = 0
+{engine_health}{engine_extra}
 [tls]
 ca = "ca.pem"
 cert = "cert.pem"
@@ -219,7 +248,12 @@ key = "key.pem"
 [admin]
 token = "{TOKEN}"
 {extra}
-"#
+"#,
+        engine_health = if engine_extra.contains("health_interval_ms") {
+            ""
+        } else {
+            "health_interval_ms = 3600000\n"
+        },
     );
     NodeConfig::from_toml_str(&text).unwrap()
 }

@@ -1,0 +1,619 @@
+//! The one place that owns client and admin connections: accept, caps, timeouts,
+//! protocol, drain.
+//!
+//! `axum::serve` accepts every connection and keeps it for as long as the peer likes;
+//! a node in front of an engine must not. Here each accepted connection first takes a
+//! slot (a global cap kept under the process's descriptor limit, and a cap per client
+//! IP), then is served by hyper's auto builder (HTTP/1.1, and HTTP/2 with prior
+//! knowledge, "h2c") with a header-read timeout, an idle timeout and a cap on the
+//! request head. A connection that cannot get a slot is accepted and closed at once,
+//! so it leaves the kernel's backlog instead of blocking the clients behind it.
+//! Shutdown stops accepting, asks every connection to finish its in-flight requests
+//! (HTTP/1 `Connection: close`, HTTP/2 GOAWAY) and waits up to a drain deadline.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::http::{Request, Response, StatusCode};
+use bytes::Bytes;
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use parking_lot::Mutex;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::net::TcpListener;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tower::ServiceExt;
+
+use crate::api::error_response;
+
+/// Descriptors kept back from the client port's connection cap: the admin port, the
+/// engine client's pool, peers' QUIC socket, files. Without a reserve, idle clients
+/// can take the last descriptor and `/readyz` stops answering.
+pub const RESERVED_FDS: u64 = 1_024;
+
+/// How long a stopping listener waits for its connections to close.
+const CLOSE_GRACE: Duration = Duration::from_secs(1);
+
+/// Caps and timeouts of one listener.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnLimits {
+    /// Time to send a request head (and, for HTTP/1, the longest wait for the next
+    /// request on a keep-alive connection).
+    pub header_timeout: Duration,
+    /// A connection with no request in flight for this long is closed.
+    pub idle_timeout: Duration,
+    /// Connections open at once.
+    pub max_connections: usize,
+    /// Connections open at once from one IP.
+    pub max_per_ip: usize,
+    /// Largest request head answered normally (431 above).
+    pub max_header_bytes: usize,
+    /// Most headers in a request head (431 above).
+    pub max_headers: usize,
+    /// How long shutdown waits for connections to close once asked to. A graceful
+    /// stop drains requests before shutdown ([`crate::NodeHandle::drain`]), so this is
+    /// short.
+    pub close_grace: Duration,
+}
+
+impl ConnLimits {
+    /// The client port's limits from `[limits]`, the connection cap lowered to fit the
+    /// descriptor limit (`fd_limit`) less [`RESERVED_FDS`]: each client connection
+    /// costs one descriptor here and may cost one more towards the engine.
+    pub fn client(limits: &crate::config::LimitsSection, fd_limit: Option<u64>) -> Self {
+        let by_fds = fd_limit
+            .map(|n| (n.saturating_sub(RESERVED_FDS) / 2).max(16) as usize)
+            .unwrap_or(usize::MAX);
+        ConnLimits {
+            header_timeout: Duration::from_millis(limits.header_timeout_ms),
+            idle_timeout: Duration::from_millis(limits.idle_timeout_ms),
+            max_connections: limits.max_connections.min(by_fds),
+            max_per_ip: limits.max_connections_per_ip,
+            max_header_bytes: limits.max_header_bytes,
+            max_headers: 100,
+            close_grace: CLOSE_GRACE,
+        }
+    }
+
+    /// The admin port's limits: few connections (operators, probes, scrapers), served
+    /// from the descriptor reserve, the same timeouts.
+    pub fn admin(limits: &crate::config::LimitsSection) -> Self {
+        ConnLimits {
+            header_timeout: Duration::from_millis(limits.header_timeout_ms),
+            idle_timeout: Duration::from_millis(limits.idle_timeout_ms),
+            max_connections: 256,
+            max_per_ip: 64,
+            max_header_bytes: limits.max_header_bytes,
+            max_headers: 100,
+            close_grace: CLOSE_GRACE,
+        }
+    }
+}
+
+/// Raise the soft descriptor limit to the hard one (as Go's runtime and most servers
+/// do) and return the limit now in force, `None` where it cannot be read.
+pub fn raise_fd_limit() -> Option<u64> {
+    rlimit::increase_nofile_limit(u64::MAX).ok()
+}
+
+/// Labels of connection counts.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ConnLabels {
+    /// `client` or `admin`.
+    pub port: String,
+}
+
+/// Labels of refused connections.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusedLabels {
+    /// `client` or `admin`.
+    pub port: String,
+    /// `max_connections`, `per_ip` (refused: no idle connection to evict),
+    /// `evicted_max_connections`, `evicted_per_ip` (an idle connection was closed to
+    /// make room), `header_timeout`, `idle`, `header_too_large`.
+    pub reason: String,
+}
+
+/// The connection metrics a listener updates (handles into the node's registry).
+#[derive(Debug, Clone, Default)]
+pub struct ConnMetrics {
+    /// Connections open now, by port.
+    pub open: Family<ConnLabels, Gauge>,
+    /// Connections refused or closed by a limit, by port and reason.
+    pub refused: Family<RefusedLabels, Counter>,
+}
+
+impl ConnMetrics {
+    fn refuse(&self, port: &str, reason: &str) {
+        self.refused
+            .get_or_create(&RefusedLabels {
+                port: port.to_owned(),
+                reason: reason.to_owned(),
+            })
+            .inc();
+    }
+    fn open_gauge(&self, port: &str) -> Gauge {
+        self.open
+            .get_or_create(&ConnLabels {
+                port: port.to_owned(),
+            })
+            .clone()
+    }
+}
+
+/// Most connections being evicted at once: the cap is exceeded by at most this many
+/// while evicted connections close.
+const MAX_EVICTING: usize = 64;
+
+/// Open connections, in total and per IP, with what eviction needs of each.
+#[derive(Debug, Default)]
+struct Slots {
+    total: usize,
+    per_ip: HashMap<IpAddr, usize>,
+    conns: HashMap<u64, Conn>,
+    next_id: u64,
+    evicting: usize,
+}
+
+/// One open connection as [`Slots`] sees it.
+#[derive(Debug)]
+struct Conn {
+    ip: IpAddr,
+    activity: Arc<Activity>,
+    /// Cancelled to evict the connection.
+    evict: CancellationToken,
+    evicted: bool,
+}
+
+impl Slots {
+    /// Evict the connection idle longest (no request in flight), from `ip` when given:
+    /// a connection doing nothing yields its place to one that wants to do something.
+    fn evict_idle(&mut self, ip: Option<IpAddr>) -> bool {
+        if self.evicting >= MAX_EVICTING {
+            return false;
+        }
+        let victim = self
+            .conns
+            .iter()
+            .filter(|(_, c)| !c.evicted && ip.is_none_or(|ip| c.ip == ip))
+            .filter(|(_, c)| c.activity.active.load(Ordering::Relaxed) == 0)
+            .min_by_key(|(_, c)| c.activity.last_ms.load(Ordering::Relaxed))
+            .map(|(&id, _)| id);
+        let Some(id) = victim else { return false };
+        if let Some(c) = self.conns.get_mut(&id) {
+            c.evicted = true;
+            c.evict.cancel();
+        }
+        self.evicting += 1;
+        true
+    }
+}
+
+/// One connection's claim on [`Slots`], released on drop.
+struct Slot {
+    slots: Arc<Mutex<Slots>>,
+    id: u64,
+    gauge: Gauge,
+    activity: Arc<Activity>,
+    evict: CancellationToken,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut s = self.slots.lock();
+        s.total -= 1;
+        if let Some(c) = s.conns.remove(&self.id) {
+            if c.evicted {
+                s.evicting -= 1;
+            }
+            if let Some(n) = s.per_ip.get_mut(&c.ip) {
+                *n -= 1;
+                if *n == 0 {
+                    s.per_ip.remove(&c.ip);
+                }
+            }
+        }
+        self.gauge.dec();
+    }
+}
+
+/// Claim a slot for a connection from `ip` at `epoch`'s clock. At a cap, the longest
+/// idle connection (of that IP, for the per-IP cap) is evicted to make room; with none
+/// idle the new connection is refused and the error names the cap.
+fn claim(
+    slots: &Arc<Mutex<Slots>>,
+    limits: &ConnLimits,
+    ip: IpAddr,
+    gauge: &Gauge,
+    epoch: Instant,
+) -> Result<(Slot, Option<&'static str>), &'static str> {
+    let mut s = slots.lock();
+    let mut evicted = None;
+    if s.per_ip.get(&ip).copied().unwrap_or(0) >= limits.max_per_ip {
+        if !s.evict_idle(Some(ip)) {
+            return Err("per_ip");
+        }
+        evicted = Some("per_ip");
+    } else if s.total >= limits.max_connections {
+        if !s.evict_idle(None) {
+            return Err("max_connections");
+        }
+        evicted = Some("max_connections");
+    }
+    *s.per_ip.entry(ip).or_insert(0) += 1;
+    s.total += 1;
+    let id = s.next_id;
+    s.next_id += 1;
+    let activity = Arc::new(Activity {
+        active: AtomicUsize::new(0),
+        last_ms: AtomicU64::new(epoch.elapsed().as_millis() as u64),
+        epoch,
+    });
+    let evict = CancellationToken::new();
+    s.conns.insert(
+        id,
+        Conn {
+            ip,
+            activity: activity.clone(),
+            evict: evict.clone(),
+            evicted: false,
+        },
+    );
+    gauge.inc();
+    Ok((
+        Slot {
+            slots: slots.clone(),
+            id,
+            gauge: gauge.clone(),
+            activity,
+            evict,
+        },
+        evicted,
+    ))
+}
+
+/// What a connection's watchdog and eviction need: requests in flight and the last
+/// time one started or ended, in ms on the listener's clock.
+#[derive(Debug)]
+struct Activity {
+    active: AtomicUsize,
+    last_ms: AtomicU64,
+    epoch: Instant,
+}
+
+impl Activity {
+    fn touch(&self) {
+        self.last_ms
+            .store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+    fn idle_for(&self) -> Option<Duration> {
+        if self.active.load(Ordering::Relaxed) > 0 {
+            return None;
+        }
+        let now = self.epoch.elapsed().as_millis() as u64;
+        Some(Duration::from_millis(
+            now.saturating_sub(self.last_ms.load(Ordering::Relaxed)),
+        ))
+    }
+}
+
+/// Marks a request in flight on its connection until its response body ends.
+struct InFlight(Arc<Activity>);
+
+impl InFlight {
+    fn begin(a: &Arc<Activity>) -> Self {
+        a.active.fetch_add(1, Ordering::Relaxed);
+        a.touch();
+        InFlight(a.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.touch();
+        self.0.active.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A response body that keeps its request counted as in flight until it ends.
+struct TrackedBody {
+    inner: Body,
+    _in_flight: InFlight,
+}
+
+impl HttpBody for TrackedBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Bytes of a request head as the limit counts them: request target and headers.
+fn head_bytes<B>(req: &Request<B>) -> usize {
+    let target = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
+    target
+        + req
+            .headers()
+            .iter()
+            .map(|(k, v)| k.as_str().len() + v.len() + 4)
+            .sum::<usize>()
+}
+
+/// Serve `app` on `listener` under `limits` until `shutdown`, then stop accepting,
+/// ask every connection to close after its in-flight requests and wait up to
+/// `limits.close_grace` for them.
+/// `port` labels the metrics (`client`, `admin`).
+pub async fn run(
+    listener: TcpListener,
+    app: axum::Router,
+    limits: ConnLimits,
+    port: &'static str,
+    metrics: ConnMetrics,
+    shutdown: CancellationToken,
+) {
+    let slots = Arc::new(Mutex::new(Slots::default()));
+    let epoch = Instant::now();
+    let mut connections = JoinSet::new();
+    let gauge = metrics.open_gauge(port);
+    loop {
+        let accepted = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+            a = listener.accept() => a,
+        };
+        let (tcp, addr) = match accepted {
+            Ok(a) => a,
+            Err(e) => {
+                // EMFILE/ENFILE and friends: the process is out of descriptors. Back off
+                // instead of spinning; connections closing will free some.
+                tracing::warn!(port, error = %e, "accept failed; backing off");
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                }
+                continue;
+            }
+        };
+        let slot = match claim(&slots, &limits, addr.ip(), &gauge, epoch) {
+            Ok((slot, evicted)) => {
+                if let Some(cap) = evicted {
+                    metrics.refuse(port, &format!("evicted_{cap}"));
+                }
+                slot
+            }
+            Err(reason) => {
+                metrics.refuse(port, reason);
+                tracing::debug!(port, %addr, reason, "connection refused");
+                drop(tcp);
+                continue;
+            }
+        };
+        let _ = tcp.set_nodelay(true);
+        connections.spawn(serve_connection(
+            tcp,
+            addr,
+            slot,
+            app.clone(),
+            limits,
+            port,
+            metrics.clone(),
+            shutdown.clone(),
+        ));
+    }
+    // Every connection has been asked to close (they watch `shutdown`); those still
+    // open after the grace are cut, so no task outlives the node.
+    let closed = async { while connections.join_next().await.is_some() {} };
+    if tokio::time::timeout(limits.close_grace, closed)
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            port,
+            open = connections.len(),
+            "close grace passed with connections open; cutting them"
+        );
+        connections.shutdown().await;
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn serve_connection(
+    tcp: tokio::net::TcpStream,
+    addr: SocketAddr,
+    slot: Slot,
+    app: axum::Router,
+    limits: ConnLimits,
+    port: &'static str,
+    metrics: ConnMetrics,
+    shutdown: CancellationToken,
+) {
+    let activity = slot.activity.clone();
+    let evict = slot.evict.clone();
+    let svc_activity = activity.clone();
+    let svc_metrics = metrics.clone();
+    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let in_flight = InFlight::begin(&svc_activity);
+        let app = app.clone();
+        let metrics = svc_metrics.clone();
+        async move {
+            let resp = if head_bytes(&req) > limits.max_header_bytes
+                || req.headers().len() > limits.max_headers
+            {
+                metrics.refuse(port, "header_too_large");
+                error_response(
+                    StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                    &format!(
+                        "request head over {} bytes or {} headers",
+                        limits.max_header_bytes, limits.max_headers
+                    ),
+                )
+            } else {
+                match app.oneshot(req.map(Body::new)).await {
+                    Ok(r) => r,
+                    Err(never) => match never {},
+                }
+            };
+            let (parts, body) = resp.into_parts();
+            Ok::<_, Infallible>(Response::from_parts(
+                parts,
+                TrackedBody {
+                    inner: body,
+                    _in_flight: in_flight,
+                },
+            ))
+        }
+    });
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        // Hyper answers a bare 431 above this; under it the service answers in JSON.
+        .max_buf_size((limits.max_header_bytes * 4).max(64 * 1024))
+        .max_headers(limits.max_headers * 4);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(256)
+        .max_header_list_size((limits.max_header_bytes * 4).min(u32::MAX as usize) as u32)
+        .keep_alive_interval(Duration::from_secs(20))
+        .keep_alive_timeout(Duration::from_secs(10));
+    let conn = builder.serve_connection(TokioIo::new(tcp), service);
+    tokio::pin!(conn);
+    let mut closing = false;
+    let mut check = Box::pin(tokio::time::sleep(limits.idle_timeout));
+    loop {
+        tokio::select! {
+            r = conn.as_mut() => {
+                if let Err(e) = r {
+                    let m = e.to_string();
+                    if m.contains("timeout") {
+                        metrics.refuse(port, "header_timeout");
+                    }
+                    tracing::debug!(port, %addr, error = %m, "connection ended");
+                }
+                return;
+            }
+            _ = shutdown.cancelled(), if !closing => {
+                closing = true;
+                conn.as_mut().graceful_shutdown();
+            }
+            // Evicted to make room: chosen because it had no request in flight, so
+            // closing it loses nothing.
+            _ = evict.cancelled(), if !closing => {
+                if activity.idle_for().is_some() {
+                    return;
+                }
+                closing = true;
+                conn.as_mut().graceful_shutdown();
+            }
+            _ = check.as_mut(), if !closing => {
+                match activity.idle_for() {
+                    // Nothing in flight: close outright (a graceful close would wait
+                    // for a half-sent head).
+                    Some(idle) if idle >= limits.idle_timeout => {
+                        metrics.refuse(port, "idle");
+                        return;
+                    }
+                    Some(idle) => check.as_mut().reset(tokio::time::Instant::now() + (limits.idle_timeout - idle)),
+                    None => check.as_mut().reset(tokio::time::Instant::now() + limits.idle_timeout),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(max: usize, per_ip: usize) -> ConnLimits {
+        ConnLimits {
+            header_timeout: Duration::from_secs(1),
+            idle_timeout: Duration::from_secs(1),
+            max_connections: max,
+            max_per_ip: per_ip,
+            max_header_bytes: 1024,
+            max_headers: 10,
+            close_grace: Duration::from_secs(1),
+        }
+    }
+
+    #[test]
+    fn slots_cap_total_and_per_ip_and_free_on_drop() {
+        let slots = Arc::new(Mutex::new(Slots::default()));
+        let g = Gauge::default();
+        let l = limits(3, 2);
+        let t = Instant::now();
+        let a: IpAddr = "127.0.0.2".parse().unwrap();
+        let b: IpAddr = "127.0.0.3".parse().unwrap();
+        let busy = |s: &Slot| s.activity.active.store(1, Ordering::Relaxed);
+        let (s1, _) = claim(&slots, &l, a, &g, t).unwrap();
+        let (s2, _) = claim(&slots, &l, a, &g, t).unwrap();
+        busy(&s1);
+        busy(&s2);
+        assert_eq!(claim(&slots, &l, a, &g, t).err(), Some("per_ip"));
+        let (s3, _) = claim(&slots, &l, b, &g, t).unwrap();
+        busy(&s3);
+        assert_eq!(claim(&slots, &l, b, &g, t).err(), Some("max_connections"));
+        assert_eq!(g.get(), 3);
+        drop(s1);
+        assert_eq!(g.get(), 2);
+        assert!(claim(&slots, &l, a, &g, t).is_ok());
+    }
+
+    #[test]
+    fn at_a_cap_the_longest_idle_connection_is_evicted() {
+        let slots = Arc::new(Mutex::new(Slots::default()));
+        let g = Gauge::default();
+        let l = limits(2, 2);
+        let t = Instant::now();
+        let a: IpAddr = "127.0.0.2".parse().unwrap();
+        let b: IpAddr = "127.0.0.3".parse().unwrap();
+        let (old, _) = claim(&slots, &l, a, &g, t).unwrap();
+        let (young, _) = claim(&slots, &l, a, &g, t).unwrap();
+        old.activity.last_ms.store(0, Ordering::Relaxed);
+        young.activity.last_ms.store(10, Ordering::Relaxed);
+        // b needs a place: a's longest idle connection yields it.
+        let (_nb, evicted) = claim(&slots, &l, b, &g, t).unwrap();
+        assert_eq!(evicted, Some("max_connections"));
+        assert!(old.evict.is_cancelled());
+        assert!(!young.evict.is_cancelled());
+        // An evicted connection closing releases its place and its eviction.
+        drop(old);
+        assert_eq!(slots.lock().evicting, 0);
+        assert_eq!(slots.lock().total, 2);
+    }
+
+    #[test]
+    fn client_cap_fits_under_the_descriptor_limit() {
+        let l = crate::config::LimitsSection::default();
+        let c = ConnLimits::client(&l, Some(20_000));
+        assert_eq!(c.max_connections, (20_000 - RESERVED_FDS as usize) / 2);
+        let c = ConnLimits::client(&l, None);
+        assert_eq!(c.max_connections, l.max_connections);
+    }
+}

@@ -1,0 +1,195 @@
+//! Request fields checked at the node, by OpenAI's rules (types and ranges), so a bad
+//! request gets a precise 400 naming its field here instead of an engine-specific
+//! error (or a crash, or silent coercion) after it was routed, forwarded and queued.
+//!
+//! Only fields whose meaning is common to OpenAI, vLLM and SGLang are checked; unknown
+//! fields pass through (engines have many extensions). The prompt itself (`messages`,
+//! `prompt`) is checked where it is canonicalised, in `gorgo_core::prompt`.
+
+use gorgo_core::Endpoint;
+use serde_json::Value;
+
+/// A field that breaks the rules: its name, the OpenAI error code (`invalid_type` or
+/// `invalid_value`) and a message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvalidField {
+    /// The request field (`param` in the error body).
+    pub param: &'static str,
+    /// `invalid_type` or `invalid_value`.
+    pub code: &'static str,
+    /// What is wrong, for people.
+    pub message: String,
+}
+
+#[derive(Clone, Copy)]
+enum Rule {
+    Bool,
+    String,
+    Object,
+    /// An integer in the range.
+    Int(i64, i64),
+    /// A number in the range.
+    Number(f64, f64),
+    /// A string or an array of strings.
+    Stop,
+    /// Chat: a boolean; completions: an integer 0..=20.
+    Logprobs,
+}
+
+const RULES: &[(&str, Rule)] = &[
+    ("model", Rule::String),
+    ("stream", Rule::Bool),
+    ("max_tokens", Rule::Int(1, i64::MAX)),
+    ("max_completion_tokens", Rule::Int(1, i64::MAX)),
+    ("n", Rule::Int(1, 128)),
+    ("temperature", Rule::Number(0.0, 2.0)),
+    ("top_p", Rule::Number(0.0, 1.0)),
+    ("presence_penalty", Rule::Number(-2.0, 2.0)),
+    ("frequency_penalty", Rule::Number(-2.0, 2.0)),
+    ("seed", Rule::Int(i64::MIN, i64::MAX)),
+    ("stop", Rule::Stop),
+    ("logprobs", Rule::Logprobs),
+    ("top_logprobs", Rule::Int(0, 20)),
+    ("stream_options", Rule::Object),
+    ("logit_bias", Rule::Object),
+    ("user", Rule::String),
+];
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(n) if n.is_i64() || n.is_u64() => "an integer",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn wrong_type(param: &'static str, expected: &str, got: &Value) -> InvalidField {
+    InvalidField {
+        param,
+        code: "invalid_type",
+        message: format!(
+            "Invalid type for '{param}': expected {expected}, but got {} instead.",
+            type_name(got)
+        ),
+    }
+}
+
+fn out_of_range(param: &'static str, range: String, got: &Value) -> InvalidField {
+    InvalidField {
+        param,
+        code: "invalid_value",
+        message: format!("Invalid value for '{param}': {got} is not in {range}."),
+    }
+}
+
+fn check(
+    param: &'static str,
+    rule: Rule,
+    v: &Value,
+    endpoint: Endpoint,
+) -> Result<(), InvalidField> {
+    match rule {
+        Rule::Bool if v.is_boolean() => Ok(()),
+        Rule::Bool => Err(wrong_type(param, "a boolean", v)),
+        Rule::String if v.is_string() => Ok(()),
+        Rule::String => Err(wrong_type(param, "a string", v)),
+        Rule::Object if v.is_object() => Ok(()),
+        Rule::Object => Err(wrong_type(param, "an object", v)),
+        Rule::Int(lo, hi) => {
+            let n = v
+                .as_i64()
+                .or_else(|| v.as_u64().map(|_| i64::MAX))
+                .ok_or_else(|| wrong_type(param, "an integer", v))?;
+            if n < lo || n > hi {
+                let range = match (lo, hi) {
+                    (lo, i64::MAX) => format!("[{lo}, inf)"),
+                    (lo, hi) => format!("[{lo}, {hi}]"),
+                };
+                return Err(out_of_range(param, range, v));
+            }
+            Ok(())
+        }
+        Rule::Number(lo, hi) => {
+            let x = v.as_f64().ok_or_else(|| wrong_type(param, "a number", v))?;
+            if !(lo..=hi).contains(&x) {
+                return Err(out_of_range(param, format!("[{lo}, {hi}]"), v));
+            }
+            Ok(())
+        }
+        Rule::Stop => match v {
+            Value::String(_) => Ok(()),
+            Value::Array(items) if items.iter().all(Value::is_string) => Ok(()),
+            _ => Err(wrong_type(param, "a string or an array of strings", v)),
+        },
+        Rule::Logprobs => match endpoint {
+            Endpoint::Chat => check(param, Rule::Bool, v, endpoint),
+            Endpoint::Completions => check(param, Rule::Int(0, 20), v, endpoint),
+        },
+    }
+}
+
+/// Check the fields of a parsed request body (a JSON object). `null` means unset, as
+/// in OpenAI's API.
+pub fn validate_request(endpoint: Endpoint, body: &Value) -> Result<(), InvalidField> {
+    for &(param, rule) in RULES {
+        match body.get(param) {
+            None | Some(Value::Null) => {}
+            Some(v) => check(param, rule, v, endpoint)?,
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn err(body: Value) -> InvalidField {
+        validate_request(Endpoint::Chat, &body).unwrap_err()
+    }
+
+    #[test]
+    fn good_requests_pass() {
+        let body = json!({"model": "m", "messages": [], "max_tokens": 16, "stream": true,
+            "temperature": 0.7, "top_p": 1, "stop": ["\n"], "n": 1, "seed": -3,
+            "logprobs": true, "top_logprobs": 5, "stream_options": {"include_usage": true},
+            "max_tokens_extension_field": "passes"});
+        assert_eq!(validate_request(Endpoint::Chat, &body), Ok(()));
+        let nulls = json!({"max_tokens": null, "stream": null, "stop": null});
+        assert_eq!(validate_request(Endpoint::Chat, &nulls), Ok(()));
+        let completions = json!({"prompt": "x", "logprobs": 3});
+        assert_eq!(
+            validate_request(Endpoint::Completions, &completions),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn the_fields_an_operator_saw_reach_the_engine_are_refused() {
+        let e = err(json!({"max_tokens": -1}));
+        assert_eq!((e.param, e.code), ("max_tokens", "invalid_value"));
+        let e = err(json!({"max_tokens": "ten"}));
+        assert_eq!((e.param, e.code), ("max_tokens", "invalid_type"));
+        assert!(e.message.contains("expected an integer"), "{}", e.message);
+        let e = err(json!({"stream": "yes"}));
+        assert_eq!((e.param, e.code), ("stream", "invalid_type"));
+        let e = err(json!({"max_tokens": 1.5}));
+        assert_eq!(e.param, "max_tokens");
+        let e = err(json!({"temperature": 3}));
+        assert_eq!((e.param, e.code), ("temperature", "invalid_value"));
+        let e = err(json!({"stop": [1]}));
+        assert_eq!(e.param, "stop");
+        let e = err(json!({"n": 0}));
+        assert_eq!(e.param, "n");
+        let e = err(json!({"logprobs": 2}));
+        assert_eq!(e.param, "logprobs");
+        // A huge max_tokens is the context check's business, not a type error.
+        let huge = json!({"max_tokens": 18446744073709551615u64});
+        assert_eq!(validate_request(Endpoint::Chat, &huge), Ok(()));
+    }
+}

@@ -1,0 +1,334 @@
+//! What the node does with clients that misbehave at the connection level (slow
+//! bodies, idle connections, many connections from one address, HTTP/2 with prior
+//! knowledge), with prompts its engine cannot hold, and with an engine that hangs.
+mod common;
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use common::*;
+use gorgo_node::mesh::Mesh;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpSocket, TcpStream};
+
+/// A connection from `from` (a 127.0.0.x address) to `to`.
+async fn connect_from(from: &str, to: SocketAddr) -> TcpStream {
+    let sock = TcpSocket::new_v4().unwrap();
+    sock.bind(format!("{from}:0").parse().unwrap()).unwrap();
+    sock.connect(to).await.unwrap()
+}
+
+fn http_addr(node: &TestNode) -> SocketAddr {
+    node.handle.http_addr
+}
+
+/// A client from another address than the misbehaving ones.
+fn client_from(ip: &str) -> reqwest::Client {
+    reqwest::Client::builder()
+        .local_address(ip.parse::<IpAddr>().unwrap())
+        .build()
+        .unwrap()
+}
+
+/// Start a request whose body never finishes: the head announces 100 bytes, one is
+/// sent.
+async fn slow_body(from: &str, to: SocketAddr) -> TcpStream {
+    let mut s = connect_from(from, to).await;
+    s.write_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{",
+    )
+    .await
+    .unwrap();
+    s
+}
+
+/// Read what the server sends until it closes, within `limit`.
+async fn read_to_close(s: &mut TcpStream, limit: Duration) -> Vec<u8> {
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(limit, s.read_to_end(&mut out))
+        .await
+        .expect("the node closes the connection");
+    out
+}
+
+#[tokio::test]
+async fn slow_bodies_do_not_take_the_slots_of_ready_requests() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(
+        config("a", &engine.url(), "[limits]\nmax_concurrency = 4\n"),
+        None,
+    )
+    .await;
+    let mut slow = Vec::new();
+    for _ in 0..16 {
+        slow.push(slow_body("127.0.0.2", http_addr(&node)).await);
+    }
+    // Wait until the node holds all 16 (their heads are parsed as soon as they are).
+    while open_connections(&node).await < 16 {
+        tokio::task::yield_now().await;
+    }
+    let resp = client_from("127.0.0.3")
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&chat_body("hi", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "a ready request is served");
+    drop(slow);
+    node.shutdown.cancel();
+}
+
+/// The node's `gorgo_connections_open{port="client"}`.
+async fn open_connections(node: &TestNode) -> u64 {
+    let text = client()
+        .get(format!("{}/metrics", node.admin))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find(|l| l.starts_with("gorgo_connections_open{port=\"client\"}"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn a_body_that_never_arrives_gets_408_in_openai_json() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(
+        config("a", &engine.url(), "[limits]\nbody_timeout_ms = 200\n"),
+        None,
+    )
+    .await;
+    let mut s = slow_body("127.0.0.2", http_addr(&node)).await;
+    let out = read_to_close(&mut s, Duration::from_secs(10)).await;
+    let text = String::from_utf8_lossy(&out);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("\"request_timeout\""), "{text}");
+    assert_eq!(engine.requests(), 0);
+    node.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn idle_and_silent_connections_are_closed() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(
+        config(
+            "a",
+            &engine.url(),
+            "[limits]\nheader_timeout_ms = 200\nidle_timeout_ms = 300\n",
+        ),
+        None,
+    )
+    .await;
+    // Never sends a byte.
+    let mut silent = connect_from("127.0.0.2", http_addr(&node)).await;
+    // Sends half a request head.
+    let mut half = connect_from("127.0.0.2", http_addr(&node)).await;
+    half.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost:")
+        .await
+        .unwrap();
+    read_to_close(&mut silent, Duration::from_secs(10)).await;
+    read_to_close(&mut half, Duration::from_secs(10)).await;
+    node.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn one_address_cannot_take_every_connection() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(
+        config(
+            "a",
+            &engine.url(),
+            "[limits]\nmax_connections = 64\nmax_connections_per_ip = 8\n",
+        ),
+        None,
+    )
+    .await;
+    let mut idle = Vec::new();
+    for _ in 0..40 {
+        idle.push(connect_from("127.0.0.2", http_addr(&node)).await);
+    }
+    // Past its cap, the address's idle connections make room for its new ones: the
+    // oldest are closed.
+    let closed = futures::future::join_all(idle.iter_mut().map(|s| async move {
+        let mut b = [0u8; 1];
+        matches!(
+            tokio::time::timeout(Duration::from_millis(500), s.read(&mut b)).await,
+            Ok(Ok(0))
+        )
+    }))
+    .await;
+    let refused = closed.iter().filter(|&&c| c).count();
+    assert_eq!(refused, 32, "8 kept, 32 closed");
+    let resp = client_from("127.0.0.3")
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&chat_body("hi", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "another address is served");
+    let metrics = client()
+        .get(format!("{}/metrics", node.admin))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains(
+            "gorgo_connections_refused_total{port=\"client\",reason=\"evicted_per_ip\"} 32"
+        ),
+        "{metrics}"
+    );
+    node.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn http2_with_prior_knowledge_is_served() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(config("a", &engine.url(), ""), None).await;
+    let tcp = TcpStream::connect(http_addr(&node)).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .expect("an HTTP/2 handshake");
+    tokio::spawn(conn);
+    let body = chat_body("hi", false).to_string();
+    let req = http::Request::post(format!("http://{}/v1/chat/completions", http_addr(&node)))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .unwrap();
+    let resp = sender.send_request(req).await.expect("an HTTP/2 response");
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-gorgo-served-by"], "a");
+    node.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn a_prompt_over_the_context_is_refused_before_routing_and_never_cached() {
+    let mesh = Mesh::new();
+    mesh.set_rtt("a", "b", 5.0);
+    let ea = StubEngine::start("a").await;
+    let eb = StubEngine::start("b").await;
+    let a = start_node(
+        config_with_engine("a", &ea.url(), "max_context_tokens = 1000\n"),
+        Some(&mesh),
+    )
+    .await;
+    let b = start_node(
+        config_with_engine("b", &eb.url(), "max_context_tokens = 1000\n"),
+        Some(&mesh),
+    )
+    .await;
+    let big = prompt("huge", 64 * 1024);
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", a.base))
+        .json(&chat_body(&big, false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let err: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(err["error"]["code"], "context_length_exceeded", "{err}");
+    assert_eq!((ea.requests(), eb.requests()), (0, 0), "no engine saw it");
+    for n in [&a, &b] {
+        assert_eq!(
+            n.state().shadow.lock().longest_match(
+                &n.state().hasher.chain(
+                    &gorgo_core::prompt::canonicalize(
+                        gorgo_core::Endpoint::Chat,
+                        &chat_body(&big, false),
+                    )
+                    .unwrap(),
+                )
+            ),
+            0
+        );
+    }
+    a.shutdown.cancel();
+    b.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn what_the_engine_refuses_is_not_put_in_the_cache_model() {
+    let engine = StubEngine::start("e").await;
+    engine.set_mode(REJECT);
+    let node = start_node(config("a", &engine.url(), ""), None).await;
+    let body = chat_body(&prompt("refused", 8000), false);
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400, "the engine's answer is relayed");
+    let chain = node
+        .state()
+        .hasher
+        .chain(&gorgo_core::prompt::canonicalize(gorgo_core::Endpoint::Chat, &body).unwrap());
+    assert_eq!(node.state().shadow.lock().longest_match(&chain), 0);
+    engine.set_mode(NORMAL);
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(
+        node.state().shadow.lock().longest_match(&chain) > 0,
+        "accepted: cached"
+    );
+    node.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn requests_waiting_on_a_hung_engine_fall_back_to_a_peer_when_its_breaker_opens() {
+    let mesh = Mesh::new();
+    mesh.set_rtt("a", "b", 5.0);
+    let ea = StubEngine::start("a").await;
+    let eb = StubEngine::start("b").await;
+    let checks = "health_interval_ms = 100\nhealth_timeout_ms = 200\n";
+    let a = start_node(config_with_engine("a", &ea.url(), checks), Some(&mesh)).await;
+    let b = start_node(config_with_engine("b", &eb.url(), checks), Some(&mesh)).await;
+    // Both engines confirmed healthy, and each node has the other's stats.
+    for n in [&a, &b] {
+        while !n.state().engine.is_ready()
+            || !n
+                .state()
+                .peers
+                .peers()
+                .iter()
+                .any(|p| p.alive && p.stats.is_some())
+        {
+            tokio::task::yield_now().await;
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    // a's engine stops answering anything (SIGSTOP); a request sent to a now would
+    // wait for the first-byte timeout (120 s) without the breaker.
+    ea.set_mode(HANG_ALL);
+    let resp = tokio::time::timeout(
+        Duration::from_secs(20),
+        client()
+            .post(format!("{}/v1/chat/completions", a.base))
+            .json(&chat_body(&prompt("fresh", 200), false))
+            .send(),
+    )
+    .await
+    .expect("answered long before the first-byte timeout")
+    .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-gorgo-served-by"], "b");
+    assert!(!a.state().engine.is_healthy());
+    ea.release.notify_waiters();
+    a.shutdown.cancel();
+    b.shutdown.cancel();
+}
