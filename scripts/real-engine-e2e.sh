@@ -208,7 +208,7 @@ up() {
   "$GORGO" up --topology "$TOPOLOGY" --policy "$1" --run-dir "$2" --base-port "$BASE_PORT" \
     --engine-url "$ENGINE_URLS" --engine-kind openai --engine-kv-tokens "$KV_NODE_TOKENS" \
     --engine-health-path /docs --engine-t-p-ms "$T_P_MS" --engine-base-ms "$BASE_MS" \
-    --engine-decode-step-ms "$DECODE_MS" --detach \
+    --engine-decode-step-ms "$DECODE_MS" --allow-policy-header --detach \
     >"$2.up.log" 2>&1 || { cat "$2.up.log" >&2; die "gorgo up failed for $1"; }
 }
 

@@ -27,6 +27,8 @@ enum Command {
     Up(cmd::up::UpArgs),
     /// Stop a cluster started with `gorgo up --detach`.
     Down(cmd::up::DownArgs),
+    /// Restart one node (or engine) of a cluster started with `gorgo up --detach`.
+    Restart(cmd::up::RestartArgs),
     /// Replay a trace against a running cluster.
     Bench(cmd::bench::BenchArgs),
     /// Run every policy on the same workload and compare them.
@@ -55,6 +57,7 @@ fn main() -> anyhow::Result<()> {
         Command::Netem(a) => cmd::netem::run(a),
         Command::Up(a) => cmd::up::run_up(a),
         Command::Down(a) => cmd::up::run_down(a),
+        Command::Restart(a) => cmd::up::run_restart(a),
         Command::Bench(a) => cmd::bench::run_bench(a),
         Command::Compare(a) => cmd::bench::run_compare(a),
         Command::Sim(a) => cmd::sim::run(a),

@@ -135,7 +135,9 @@ pub struct BenchArgs {
     /// Name of this run in the results (e.g. the policy the cluster runs).
     #[arg(long, default_value = "bench")]
     pub label: String,
-    /// Send `x-gorgo-policy: <P>` with every request (per-request policy override).
+    /// Send `x-gorgo-policy: <P>` with every request (per-request policy override;
+    /// the nodes must allow it: `routing.allow_policy_header`, `gorgo up
+    /// --allow-policy-header`).
     #[arg(long)]
     pub policy: Option<String>,
     /// Where results.json, table.md, requests.csv and the plots go.

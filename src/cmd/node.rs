@@ -16,7 +16,8 @@ pub struct NodeArgs {
 }
 
 /// Load the config, start the node and its cluster member, serve until Ctrl-C or
-/// SIGTERM, then leave the cluster and stop.
+/// SIGTERM, then drain (readiness off, peers told, in-flight requests finish up to
+/// `limits.drain_timeout_ms`), stop and exit 0. A second signal stops at once.
 pub fn run(args: NodeArgs) -> anyhow::Result<()> {
     super::init_tracing();
     let config = gorgo_node::NodeConfig::load(&args.config)
@@ -36,7 +37,14 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
             .context("starting the node")?;
         tracing::info!(http = %node.http_addr, admin = %node.admin_addr, "gorgo node ready");
         wait_for_signal().await;
-        tracing::info!("shutting down");
+        let deadline = std::time::Duration::from_millis(node.state.config.limits.drain_timeout_ms);
+        tracing::info!(deadline_ms = deadline.as_millis() as u64, "draining");
+        tokio::select! {
+            left = node.drain(deadline) => {
+                tracing::info!(left_in_flight = left, "drained; shutting down");
+            }
+            _ = wait_for_signal() => tracing::warn!("second signal: stopping now"),
+        }
         shutdown.cancel();
         let _ = tokio::time::timeout(std::time::Duration::from_secs(10), node.wait()).await;
         Ok(())

@@ -41,6 +41,10 @@ pub struct UpArgs {
     /// Routing policy of every node (`gorgo`, `gorgo-paper`, `least-load`, ...).
     #[arg(long, default_value = "gorgo")]
     pub policy: String,
+    /// Let clients pick the policy per request (`x-gorgo-policy`; `gorgo bench
+    /// --policy`); off by default, as in a node's config.
+    #[arg(long)]
+    pub allow_policy_header: bool,
     /// Engine emulator profile (a built-in name or a profile file).
     #[arg(long, default_value = "paper-a100-mistral7b")]
     pub engine_profile: String,
@@ -121,6 +125,67 @@ struct PidsFile {
 struct PidEntry {
     name: String,
     pid: u32,
+    /// The arguments it was started with (`gorgo restart` starts it again with them).
+    #[serde(default)]
+    args: Vec<String>,
+}
+
+/// Arguments of `gorgo restart`.
+#[derive(clap::Args, Debug)]
+pub struct RestartArgs {
+    /// The run directory `gorgo up` used.
+    #[arg(long, default_value = ".gorgo/run")]
+    pub run_dir: PathBuf,
+    /// What to restart: a region (its node), or a process name from `pids.json`
+    /// (`node-<region>`, `engine-<region>`, `netem`).
+    pub name: String,
+    /// Kill it (SIGKILL, a crash) instead of a graceful stop (SIGTERM: the node
+    /// drains first).
+    #[arg(long)]
+    pub kill: bool,
+    /// Give up if a restarted node is not ready after this many seconds.
+    #[arg(long, default_value_t = 60)]
+    pub ready_timeout_s: u64,
+}
+
+/// Start `gorgo <args>` as the child `name` with its output in `<run_dir>/logs/
+/// <name>.log` (appended to with `append`, as a restart does), in process group
+/// `pgid` (a new group led by the child when `None`).
+fn spawn_child(
+    run_dir: &Path,
+    name: &str,
+    args: &[String],
+    pgid: Option<u32>,
+    append: bool,
+) -> anyhow::Result<Child> {
+    let exe = std::env::current_exe().context("finding this binary")?;
+    let log_path = run_dir.join("logs").join(format!("{name}.log"));
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .append(append)
+        .truncate(!append)
+        .open(&log_path)
+        .with_context(|| format!("creating {}", log_path.display()))?;
+    let mut cmd = Command::new(exe);
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log);
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::CommandExt;
+        // One group for all children: `gorgo down` signals the group, and
+        // a terminal's Ctrl-C reaches only `gorgo up`, which stops them in order.
+        cmd.process_group(pgid.unwrap_or(0) as i32);
+    }
+    cmd.spawn()
+        .with_context(|| format!("starting {name}: gorgo {}", args.join(" ")))
+}
+
+/// Write a file only its owner can read (it holds the admin token).
+fn write_secret(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    gorgo_cluster::write_secret(path, bytes).with_context(|| format!("writing {}", path.display()))
 }
 
 /// The running children; dropping it (an error while starting, or the end of
@@ -128,33 +193,15 @@ struct PidEntry {
 struct Children {
     run_dir: PathBuf,
     pgid: Option<u32>,
-    children: Vec<(String, Child)>,
+    children: Vec<(String, Child, Vec<String>)>,
     armed: bool,
 }
 
 impl Children {
     fn spawn(&mut self, name: &str, args: &[String]) -> anyhow::Result<()> {
-        let exe = std::env::current_exe().context("finding this binary")?;
-        let log_path = self.run_dir.join("logs").join(format!("{name}.log"));
-        let log = std::fs::File::create(&log_path)
-            .with_context(|| format!("creating {}", log_path.display()))?;
-        let mut cmd = Command::new(exe);
-        cmd.args(args)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log);
-        #[cfg(unix)]
-        {
-            use std::os::unix::process::CommandExt;
-            // One group for all children: `gorgo down` signals the group, and
-            // a terminal's Ctrl-C reaches only `gorgo up`, which stops them in order.
-            cmd.process_group(self.pgid.unwrap_or(0) as i32);
-        }
-        let child = cmd
-            .spawn()
-            .with_context(|| format!("starting {name}: gorgo {}", args.join(" ")))?;
+        let child = spawn_child(&self.run_dir, name, args, self.pgid, false)?;
         self.pgid.get_or_insert(child.id());
-        self.children.push((name.to_owned(), child));
+        self.children.push((name.to_owned(), child, args.to_vec()));
         self.write_pids()
     }
 
@@ -164,9 +211,10 @@ impl Children {
             processes: self
                 .children
                 .iter()
-                .map(|(name, c)| PidEntry {
+                .map(|(name, c, args)| PidEntry {
                     name: name.clone(),
                     pid: c.id(),
+                    args: args.clone(),
                 })
                 .collect(),
         };
@@ -179,7 +227,7 @@ impl Children {
     fn exited(&mut self) -> Option<(String, std::process::ExitStatus)> {
         self.children
             .iter_mut()
-            .find_map(|(name, c)| match c.try_wait() {
+            .find_map(|(name, c, _)| match c.try_wait() {
                 Ok(Some(status)) => Some((name.clone(), status)),
                 _ => None,
             })
@@ -191,7 +239,7 @@ impl Children {
             signal_group(pgid, "TERM");
         }
         let deadline = Instant::now() + STOP_GRACE;
-        for (name, child) in &mut self.children {
+        for (name, child, _) in &mut self.children {
             loop {
                 match child.try_wait() {
                     Ok(Some(_)) | Err(_) => break,
@@ -535,6 +583,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         let config_path = run_dir.join(format!("node-{}.toml", r.name));
         let routing = RoutingSection {
             policy,
+            allow_policy_header: args.allow_policy_header,
             ..RoutingSection::default()
         };
         let config = node_config(
@@ -547,8 +596,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             &token,
         )?;
         let text = format!("# Generated by `gorgo up`.\n{}", config.to_toml_string()?);
-        std::fs::write(&config_path, text)
-            .with_context(|| format!("writing {}", config_path.display()))?;
+        write_secret(&config_path, text.as_bytes())?;
         children.spawn(
             &format!("node-{}", r.name),
             &[
@@ -600,8 +648,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         regions,
     };
     let cluster_path = run_dir.join("cluster.json");
-    std::fs::write(&cluster_path, serde_json::to_vec_pretty(&cluster)?)
-        .with_context(|| format!("writing {}", cluster_path.display()))?;
+    write_secret(&cluster_path, &serde_json::to_vec_pretty(&cluster)?)?;
 
     println!(
         "{:<16} {:<26} {:<26} {:<26} peers (emulated RTT ms)",
@@ -661,6 +708,88 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             log_tail(&run_dir, &name)
         );
     }
+    Ok(())
+}
+
+/// Restarts one process of a cluster started with `gorgo up --detach`: stops it
+/// (gracefully, or `--kill`), starts it again with the same arguments in the same
+/// process group, records the new pid in `pids.json` (so `gorgo down` stops it) and,
+/// for a node, waits until it is ready.
+pub fn run_restart(args: RestartArgs) -> anyhow::Result<()> {
+    let pids_path = args.run_dir.join("pids.json");
+    let text = std::fs::read_to_string(&pids_path)
+        .with_context(|| format!("reading {} (is a cluster running?)", pids_path.display()))?;
+    let mut pids: PidsFile =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", pids_path.display()))?;
+    let wanted = [args.name.clone(), format!("node-{}", args.name)];
+    let Some(entry) = pids.processes.iter_mut().find(|p| wanted.contains(&p.name)) else {
+        let names: Vec<&str> = pids.processes.iter().map(|p| p.name.as_str()).collect();
+        bail!(
+            "no process `{}` in {}; there are: {}",
+            args.name,
+            pids_path.display(),
+            names.join(", ")
+        );
+    };
+    if entry.args.is_empty() {
+        bail!(
+            "{} was started by an older `gorgo up` that did not record its arguments",
+            entry.name
+        );
+    }
+    let name = entry.name.clone();
+    if pid_alive(entry.pid) {
+        signal_pid(entry.pid, if args.kill { "KILL" } else { "TERM" });
+        // A node drains before it exits: allow its drain deadline and then some.
+        let deadline = Instant::now() + STOP_GRACE * 4;
+        while pid_alive(entry.pid) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if pid_alive(entry.pid) {
+            eprintln!("{name} did not stop on SIGTERM; killing it");
+            signal_pid(entry.pid, "KILL");
+            while pid_alive(entry.pid) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+    let run_dir = std::fs::canonicalize(&args.run_dir)?;
+    // Join the cluster's group if it still exists; otherwise a group of its own (its
+    // pid is recorded either way, and `gorgo down` signals pids too).
+    let child = spawn_child(&run_dir, &name, &entry.args, Some(pids.pgid), true)
+        .or_else(|_| spawn_child(&run_dir, &name, &entry.args, None, true))?;
+    entry.pid = child.id();
+    let pid = entry.pid;
+    write_secret(&pids_path, &serde_json::to_vec_pretty(&pids)?)?;
+    if let Some(region) = name.strip_prefix("node-") {
+        let cluster: ClusterInfo = serde_json::from_str(
+            &std::fs::read_to_string(run_dir.join("cluster.json"))
+                .context("reading cluster.json")?,
+        )
+        .context("parsing cluster.json")?;
+        let admin = cluster
+            .regions
+            .iter()
+            .find(|r| r.name == region)
+            .and_then(|r| r.admin_url.as_deref())
+            .and_then(|u| u.trim_start_matches("http://").parse::<SocketAddr>().ok());
+        if let Some(admin) = admin {
+            let deadline = Instant::now() + Duration::from_secs(args.ready_timeout_s);
+            while http_status(admin, "/readyz") != Some(200) {
+                if !pid_alive(pid) {
+                    bail!(
+                        "{name} exited while starting; its log:\n{}",
+                        log_tail(&run_dir, &name)
+                    );
+                }
+                if Instant::now() >= deadline {
+                    bail!("{name} not ready after {} s", args.ready_timeout_s);
+                }
+                std::thread::sleep(POLL_EVERY);
+            }
+        }
+    }
+    println!("restarted {name} (pid {pid})");
     Ok(())
 }
 

@@ -228,15 +228,26 @@ pub fn write_cluster_certs(out: &Path, nodes: &[NodeId]) -> Result<Vec<(NodeId, 
     Ok(written)
 }
 
-/// Write a private key readable by its owner only (where the platform allows).
-fn write_secret(path: &Path, contents: &str) -> Result<()> {
-    std::fs::write(path, contents)?;
+/// Write a secret (a private key, a config or cluster file holding the admin token)
+/// readable by its owner only, where the platform allows: created 0600, so it is never
+/// readable by others, not even between creation and a chmod.
+pub fn write_secret(path: &Path, contents: impl AsRef<[u8]>) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let mut options = std::fs::OpenOptions::new();
+    options.create(true).write(true).truncate(true);
     #[cfg(unix)]
     {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(0o600);
     }
-    Ok(())
+    let mut f = options.open(path)?;
+    #[cfg(unix)]
+    {
+        // A file that existed keeps its old mode through `open`.
+        use std::os::unix::fs::PermissionsExt;
+        f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    }
+    f.write_all(contents.as_ref())
 }
 
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
@@ -309,6 +320,26 @@ pub(crate) fn peer_node_id(conn: &quinn::Connection) -> Option<NodeId> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[cfg(unix)]
+    #[test]
+    fn secrets_are_owner_only_even_over_a_world_readable_file() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cluster.json");
+        std::fs::write(&path, "old").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        write_secret(&path, "token").unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "token");
+        let fresh = dir.path().join("node.toml");
+        write_secret(&fresh, b"x").unwrap();
+        assert_eq!(
+            std::fs::metadata(&fresh).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+    }
 
     #[test]
     fn node_ids_are_dns_labels() {
