@@ -208,7 +208,7 @@ pub fn write_cluster_certs(out: &Path, nodes: &[NodeId]) -> Result<Vec<(NodeId, 
     let ca = ClusterCa::generate("gorgo cluster CA")?;
     let ca_path = out.join("ca.pem");
     std::fs::write(&ca_path, ca.cert_pem())?;
-    write_secret(&out.join("ca.key"), &ca.key_pem())?;
+    write_secret(&out.join("ca.key"), ca.key_pem())?;
     let mut written = Vec::with_capacity(nodes.len());
     for n in nodes {
         let issued = ca.issue(n)?;
