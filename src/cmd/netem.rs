@@ -1,11 +1,13 @@
 //! `gorgo netem`: runs every user-space WAN relay a topology calls for (one
-//! client TCP relay per region, one UDP relay per ordered pair of regions) on
-//! the loopback plan of `gorgo_netem::plan_cluster`, until Ctrl-C or SIGTERM.
+//! client TCP relay per region, one UDP relay in front of each node) on the
+//! loopback plan of `gorgo_netem::plan_cluster`, and the control API that cuts
+//! and heals their links, until Ctrl-C or SIGTERM.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use gorgo_netem::{plan_cluster, tc_script, NetemCluster, PlanOptions, Topology};
+use gorgo_netem::{plan_cluster, serve_control, tc_script, NetemCluster, PlanOptions, Topology};
 
 /// Arguments of this subcommand.
 #[derive(clap::Args, Debug)]
@@ -19,6 +21,11 @@ pub struct NetemArgs {
     /// First port of each region's block of ports.
     #[arg(long, default_value_t = PlanOptions::default().base_port)]
     pub base_port: u16,
+    /// Address of the control API (`POST /partition?a=X&b=Y`, `POST /heal?a=X&b=Y`,
+    /// `GET /links`); default: the plan's `control_addr`, base port + 6 on region
+    /// 0's address.
+    #[arg(long)]
+    pub control: Option<SocketAddr>,
     /// Seed of every relay's loss and jitter draws.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -55,6 +62,12 @@ pub fn run(args: NetemArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
     runtime.block_on(async {
         let cluster = NetemCluster::start(&topology, &plan, args.seed).await?;
+        let control_addr = args.control.unwrap_or(plan.control_addr);
+        let listener = tokio::net::TcpListener::bind(control_addr)
+            .await
+            .with_context(|| format!("binding the control API on {control_addr}"))?;
+        // Runs until the signal; dropping it at the end closes the listener.
+        let control = serve_control(listener, cluster.links.clone(), std::future::pending());
         println!("{:<34} {:<5} {:<22} target", "relay", "proto", "listen");
         for relay in &cluster.relays {
             println!(
@@ -65,8 +78,12 @@ pub fn run(args: NetemArgs) -> anyhow::Result<()> {
                 relay.target
             );
         }
+        println!("control API: http://{control_addr} (POST /partition?a=X&b=Y, POST /heal?a=X&b=Y, GET /links)");
         println!("relays running; Ctrl-C to stop");
-        wait_for_shutdown_signal().await?;
+        tokio::select! {
+            r = wait_for_shutdown_signal() => r?,
+            r = control => r.context("control API failed")?,
+        }
         tracing::info!("stopping relays");
         cluster.shutdown().await;
         Ok(())

@@ -27,6 +27,9 @@ pub enum NetemError {
     /// A region name that the topology does not list.
     #[error("unknown region `{0}`")]
     UnknownRegion(String),
+    /// A link that cannot be cut or healed (a region paired with itself).
+    #[error("link {0}")]
+    Link(String),
     /// The cluster plan does not fit in the address or port space.
     #[error("cluster plan: {0}")]
     Plan(String),

@@ -6,10 +6,12 @@
 //! Layers: [`Topology`] (the file), [`LinkShaper`] (sans-IO: a packet and
 //! `now` in, a delivery time or a drop out), [`UdpRelay`] / [`TcpRelay`]
 //! (thin tokio drivers), [`plan_cluster`] / [`NetemCluster`] (a whole local
-//! cluster on loopback addresses).
+//! cluster on loopback addresses), [`LinkTable`] / [`serve_control`] (cutting
+//! and healing its links while it runs).
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
 
+mod control;
 mod error;
 mod link;
 mod plan;
@@ -20,12 +22,13 @@ mod tcp;
 mod topology;
 mod udp;
 
+pub use control::{serve_control, LinkChange, LinkStatus, LinkTable, CLIENTS, MAX_URI_BYTES};
 pub use error::NetemError;
 pub use link::{DuplexLink, LinkParams, LinkShaper, Mode, Verdict, DEFAULT_QUEUE_LIMIT_BYTES};
 pub use plan::{
     plan_cluster, ClusterPlan, ClusterRelay, NetemCluster, PeerRoute, PlanOptions, RegionPlan,
 };
-pub use relay::{RelayCounters, RelayHandle, RelayStats};
+pub use relay::{LinkGate, RelayCounters, RelayHandle, RelayStats};
 pub use tc::tc_script;
 pub use tcp::{TcpRelay, TcpRelayOptions};
 pub use topology::{Region, Topology, MAX_REGIONS};

@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use crate::relay::LinkGate;
+
 /// Default byte budget of one relay direction's queue (bytes admitted and not
 /// yet delivered): 16 MiB holds 130 ms of a 1 Gbit/s link.
 pub const DEFAULT_QUEUE_LIMIT_BYTES: usize = 16 * 1024 * 1024;
@@ -41,21 +43,26 @@ impl LinkParams {
     }
 }
 
-/// Both directions of a relayed path: towards the relay's target and back.
-#[derive(Clone, Debug, PartialEq)]
+/// Both directions of a relayed path: towards the relay's target and back, and
+/// the switch that can cut it.
+#[derive(Clone, Debug)]
 pub struct DuplexLink {
     /// Source (the relay's client) to target.
     pub to_target: LinkParams,
     /// Target's replies back to the source.
     pub to_source: LinkParams,
+    /// Up or cut (a partition); clones of a link share it, so one switch can cut
+    /// both relays a pair of regions talks through.
+    pub gate: LinkGate,
 }
 
 impl DuplexLink {
-    /// The same parameters in both directions.
+    /// The same parameters in both directions, with a gate of its own (up).
     pub fn symmetric(link: LinkParams) -> Self {
         DuplexLink {
             to_target: link.clone(),
             to_source: link,
+            gate: LinkGate::default(),
         }
     }
 }

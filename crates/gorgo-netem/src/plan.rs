@@ -12,6 +12,7 @@
 //! | base + 3 | engine emulator |
 //! | base + 4 | node admin API |
 //! | base + 5 | QUIC relay in front of the node: what peers dial and the node advertises |
+//! | base + 6 | region 0's address only: `gorgo netem`'s control API ([`crate::serve_control`]) |
 //!
 //! Every region sends from its own address, so the one UDP relay in front of
 //! node b tells its peers apart by source IP: datagrams from a's address cross
@@ -24,6 +25,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use serde::Serialize;
 
+use crate::control::LinkTable;
 use crate::link::DuplexLink;
 use crate::relay::{RelayCounters, RelayHandle};
 use crate::tcp::TcpRelay;
@@ -56,6 +58,9 @@ const NODE_QUIC_PORT: u16 = 2;
 const ENGINE_PORT: u16 = 3;
 const ADMIN_PORT: u16 = 4;
 const QUIC_RELAY_PORT: u16 = 5;
+/// On region 0's address only: one control API per cluster, at an address
+/// every script can derive from `--ip-base` and `--base-port` alone.
+const CONTROL_PORT: u16 = 6;
 
 /// How one node reaches one peer.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -99,6 +104,8 @@ pub struct RegionPlan {
 pub struct ClusterPlan {
     /// Regions in topology order.
     pub regions: Vec<RegionPlan>,
+    /// Where `gorgo netem` serves its control API (partition and heal links).
+    pub control_addr: SocketAddr,
 }
 
 /// Lays out loopback addresses and ports for every region of `topology`.
@@ -110,8 +117,7 @@ pub fn plan_cluster(topology: &Topology, options: &PlanOptions) -> Result<Cluste
             options.ip_base
         )));
     }
-    if options.base_port == 0
-        || usize::from(options.base_port) + usize::from(QUIC_RELAY_PORT) > 65_535
+    if options.base_port == 0 || usize::from(options.base_port) + usize::from(CONTROL_PORT) > 65_535
     {
         return Err(NetemError::Plan(format!(
             "base_port {} leaves no room for {n} regions",
@@ -141,7 +147,10 @@ pub fn plan_cluster(topology: &Topology, options: &PlanOptions) -> Result<Cluste
                 .collect(),
         })
         .collect();
-    Ok(ClusterPlan { regions })
+    Ok(ClusterPlan {
+        regions,
+        control_addr: addr(0, CONTROL_PORT),
+    })
 }
 
 /// One running relay of a cluster and what it connects.
@@ -158,11 +167,14 @@ pub struct ClusterRelay {
 }
 
 /// All relays of a local cluster: per region, one client TCP relay and one
-/// UDP relay in front of the node's QUIC endpoint.
+/// UDP relay in front of the node's QUIC endpoint; and the gates that cut them.
 #[derive(Debug)]
 pub struct NetemCluster {
     /// Every relay, client relays first.
     pub relays: Vec<ClusterRelay>,
+    /// The gate of every link: regions a and b share one (it drops a's
+    /// datagrams at b's relay and b's at a's), each region's clients have one.
+    pub links: LinkTable,
 }
 
 impl NetemCluster {
@@ -174,11 +186,15 @@ impl NetemCluster {
         seed: u64,
     ) -> Result<Self, NetemError> {
         let mut relays = Vec::new();
+        let links = LinkTable::new(plan.regions.iter().map(|r| r.name.clone()).collect());
         for (a, region) in plan.regions.iter().enumerate() {
             let handle = TcpRelay::start(
                 region.client_addr,
                 region.node_http_addr,
-                DuplexLink::symmetric(topology.client_link(a)),
+                DuplexLink {
+                    gate: links.gate(a, None).clone(),
+                    ..DuplexLink::symmetric(topology.client_link(a))
+                },
                 seed ^ (a as u64 + 1),
             )
             .await?;
@@ -196,6 +212,7 @@ impl NetemCluster {
                     let link = DuplexLink {
                         to_target: topology.link(a, b),
                         to_source: topology.link(b, a),
+                        gate: links.gate(a, Some(b)).clone(),
                     };
                     routes.by_ip.push((peer.ip, link));
                 }
@@ -215,7 +232,7 @@ impl NetemCluster {
                 handle,
             });
         }
-        Ok(NetemCluster { relays })
+        Ok(NetemCluster { relays, links })
     }
 
     /// Counters of every relay by name.
@@ -265,6 +282,7 @@ mod tests {
         assert_eq!(a.peers[0].quic_addr, b.node_quic_addr);
         assert_eq!(b.peers[0].relay_addr, a.quic_relay_addr);
         assert_eq!(b.peers[0].rtt_ms, 20.0);
+        assert_eq!(plan.control_addr, "127.0.0.10:7106".parse().unwrap());
         let bad = PlanOptions {
             ip_base: 254,
             base_port: 7100,

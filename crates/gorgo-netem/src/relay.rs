@@ -1,5 +1,5 @@
 //! What the UDP and TCP relays share: counters, the handle that stops them,
-//! and the delivery timer.
+//! the gate that cuts a link, and the delivery timer.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use tokio::sync::Notify;
+use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -32,6 +32,48 @@ pub(crate) fn now() -> Instant {
     tokio::time::Instant::now().into_std()
 }
 
+/// The on/off switch of a link, shared by every relay task that carries it.
+///
+/// It exists so a chaos script can partition two regions and heal them again
+/// while the relays run: while the gate is down, datagrams in either direction
+/// are dropped and TCP connections are refused, and open ones are cut (a relay
+/// cannot drop bytes out of a stream without corrupting it). Checked when a
+/// packet or connection arrives; what was admitted before the cut still lands,
+/// as packets already on the wire would.
+#[derive(Clone, Debug)]
+pub struct LinkGate {
+    up: Arc<watch::Sender<bool>>,
+}
+
+impl Default for LinkGate {
+    fn default() -> Self {
+        LinkGate {
+            up: Arc::new(watch::Sender::new(true)),
+        }
+    }
+}
+
+impl LinkGate {
+    /// Whether the link carries traffic now.
+    pub fn is_up(&self) -> bool {
+        *self.up.borrow()
+    }
+
+    /// Puts the link up (`true`) or cuts it (`false`); returns whether that
+    /// changed anything.
+    pub fn set_up(&self, up: bool) -> bool {
+        self.up
+            .send_if_modified(|state| std::mem::replace(state, up) != up)
+    }
+
+    /// Resolves once the link is cut (at once if it is already).
+    pub(crate) async fn cut(&self) {
+        let mut rx = self.up.subscribe();
+        // The sender lives as long as `self`, so this cannot fail.
+        let _ = rx.wait_for(|up| !*up).await;
+    }
+}
+
 /// Live counters of one relay, shared with its tasks.
 #[derive(Debug, Default)]
 pub struct RelayStats {
@@ -45,6 +87,7 @@ pub struct RelayStats {
     pub(crate) flows_opened: AtomicU64,
     pub(crate) flows_active: AtomicU64,
     pub(crate) flows_rejected: AtomicU64,
+    pub(crate) partitioned: AtomicU64,
     changed: Notify,
 }
 
@@ -71,6 +114,9 @@ pub struct RelayCounters {
     pub flows_active: u64,
     /// New sources or connections turned away because the table was full.
     pub flows_rejected: u64,
+    /// Datagrams dropped, and TCP connections refused or cut, because their
+    /// link's [`LinkGate`] was down.
+    pub partitioned: u64,
 }
 
 impl RelayStats {
@@ -98,6 +144,7 @@ impl RelayStats {
             flows_opened: g(&self.flows_opened),
             flows_active: g(&self.flows_active),
             flows_rejected: g(&self.flows_rejected),
+            partitioned: g(&self.partitioned),
         }
     }
 

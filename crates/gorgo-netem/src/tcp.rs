@@ -3,7 +3,8 @@
 //! Chunks never overtake each other and bytes are never lost; a full queue
 //! (the byte budget) stops reading, which backpressures the sender as TCP would.
 //! Connection setup itself is not delayed: the first delay a client sees is on
-//! its first bytes.
+//! its first bytes. While the link's gate is down (a partition) new connections
+//! are closed at once and open ones are cut.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -121,6 +122,12 @@ async fn accept_loop(
                 continue;
             }
         };
+        if !link.gate.is_up() {
+            // A partition: refused (closed at once), as a cut network would
+            // refuse it.
+            stats.add(&stats.partitioned, 1);
+            continue;
+        }
         let Ok(slot) = slots.clone().try_acquire_owned() else {
             stats.add(&stats.flows_rejected, 1);
             continue;
@@ -132,10 +139,17 @@ async fn accept_loop(
         let conn = cancel.child_token();
         let (link, options, stats) = (link.clone(), options.clone(), stats.clone());
         tracker.spawn(async move {
-            if let Err(e) =
-                relay_connection(client, target, &link, conn_seed, &options, &stats, &conn).await
-            {
-                tracing::debug!(error = %e, %peer, "tcp relay connection ended");
+            tokio::select! {
+                r = relay_connection(client, target, &link, conn_seed, &options, &stats, &conn) => {
+                    if let Err(e) = r {
+                        tracing::debug!(error = %e, %peer, "tcp relay connection ended");
+                    }
+                }
+                // A partition cuts the connection: both sockets close with it.
+                _ = link.gate.cut() => {
+                    stats.add(&stats.partitioned, 1);
+                    conn.cancel();
+                }
             }
             stats.sub(&stats.flows_active, 1);
             drop(slot);

@@ -141,6 +141,12 @@ impl Topology {
                     format!("`{name}`: use 1-{MAX_NAME_LEN} characters of a-z, 0-9 and -"),
                 ));
             }
+            if name == crate::CLIENTS {
+                return Err(NetemError::invalid(
+                    field,
+                    format!("`{name}` is reserved: it names a region's clients in link names"),
+                ));
+            }
             if index.insert(name.clone(), i).is_some() {
                 return Err(NetemError::invalid(
                     field,
@@ -352,6 +358,12 @@ mod tests {
         assert!(err(&negative).contains("regions[1].client_delay_ms"));
         let dup = SMALL.replace("name = \"c\"", "name = \"a\"");
         assert!(err(&dup).contains("regions[2].name"));
+        let reserved = SMALL.replace("name = \"c\"", "name = \"clients\"");
+        assert!(
+            err(&reserved).contains("regions[2].name"),
+            "{}",
+            err(&reserved)
+        );
         assert!(err("regions = []").contains("regions"));
     }
 

@@ -8,6 +8,8 @@
 //! Which link a datagram crosses can depend on its source IP
 //! ([`SourceRoutes`]): one relay in front of a node then emulates every
 //! peer's link to it, since each region sends from its own loopback address.
+//! While that link's gate is down (a partition) its datagrams are dropped both
+//! ways.
 
 use std::cmp::Ordering as CmpOrdering;
 use std::collections::{BinaryHeap, HashMap};
@@ -23,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::link::{DuplexLink, LinkShaper, Mode, Verdict};
-use crate::relay::{is_due, now, wake_at, RelayHandle, RelayStats};
+use crate::relay::{is_due, now, wake_at, LinkGate, RelayHandle, RelayStats};
 use crate::NetemError;
 
 /// Largest datagram carried (the UDP maximum).
@@ -317,6 +319,16 @@ impl Forwarder {
     async fn on_datagram(&mut self, payload: &[u8], source: SocketAddr) {
         self.stats.add(&self.stats.packets_in, 1);
         self.stats.add(&self.stats.bytes_in, payload.len() as u64);
+        if self
+            .routes
+            .lookup(source.ip())
+            .is_some_and(|(_, link)| !link.gate.is_up())
+        {
+            // A partition: dropped before it opens or refreshes a session, as a
+            // cut wire would; the session (if any) carries on after the heal.
+            self.stats.add(&self.stats.partitioned, 1);
+            return;
+        }
         let elapsed = self.elapsed_ms();
         if self
             .sessions
@@ -356,7 +368,7 @@ impl Forwarder {
             self.stats.add(&self.stats.flows_rejected, 1);
             return None;
         };
-        let to_source = link.to_source.clone();
+        let (to_source, gate) = (link.to_source.clone(), link.gate.clone());
         if self.sessions.len() >= self.options.max_sessions {
             self.expire_idle();
         }
@@ -387,6 +399,7 @@ impl Forwarder {
                 Mode::Datagram,
                 self.seed ^ (opened + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15),
             ),
+            gate,
             last_active_ms: last_active_ms.clone(),
             epoch: self.epoch,
             stats: self.stats.clone(),
@@ -455,6 +468,8 @@ struct Reverse {
     listen: Arc<UdpSocket>,
     source: SocketAddr,
     shaper: LinkShaper,
+    /// The source's link's gate: replies are dropped while it is down.
+    gate: LinkGate,
     last_active_ms: Arc<AtomicU64>,
     epoch: Instant,
     stats: Arc<RelayStats>,
@@ -479,6 +494,10 @@ impl Reverse {
                     Ok(n) => {
                         self.stats.add(&self.stats.packets_in, 1);
                         self.stats.add(&self.stats.bytes_in, n as u64);
+                        if !self.gate.is_up() {
+                            self.stats.add(&self.stats.partitioned, 1);
+                            continue;
+                        }
                         let at = now();
                         self.last_active_ms.store(
                             at.saturating_duration_since(self.epoch).as_millis() as u64,
