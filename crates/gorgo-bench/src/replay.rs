@@ -140,6 +140,10 @@ pub struct ReplayOutput {
     pub outcomes: Vec<RequestOutcome>,
     /// Wall time from the start to the last request's end.
     pub wall: Duration,
+    /// The start (what every `start_ms` counts from) on the system clock, ms since
+    /// the Unix epoch: lines the requests up with events logged elsewhere, such as
+    /// a chaos run's faults.
+    pub started_unix_ms: f64,
     /// The run was stopped by the shutdown signal before it finished.
     pub cancelled: bool,
 }
@@ -211,6 +215,7 @@ pub async fn replay(
         }
         None => indicatif::ProgressBar::hidden(),
     };
+    let started_unix_ms = unix_ms_now();
     let shared = Arc::new(Shared {
         items,
         body,
@@ -307,8 +312,16 @@ pub async fn replay(
     Ok(ReplayOutput {
         outcomes,
         wall: shared.start.elapsed(),
+        started_unix_ms,
         cancelled,
     })
+}
+
+/// The system clock, ms since the Unix epoch (0 on a clock set before 1970).
+fn unix_ms_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64() * 1000.0)
 }
 
 fn validate(config: &ReplayConfig) -> Result<(), BenchError> {

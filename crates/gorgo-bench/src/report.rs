@@ -10,7 +10,9 @@ use crate::BenchError;
 
 /// One outcome as a report record under `policy`.
 ///
-/// A failed request has NaN latencies (the report keeps them out of the statistics).
+/// A failed request keeps the TTFT it saw, if any (so a stream cut after its first
+/// token tells itself apart from a request that failed before it: NaN), and the
+/// report keeps every failed request out of the latency statistics.
 /// When a successful response carries no `x-gorgo-served-by` (an engine or proxy that
 /// is not a GORGO node), it counts as served in its home region.
 pub fn to_record(policy: &str, o: &RequestOutcome) -> RequestRecord {
@@ -30,11 +32,7 @@ pub fn to_record(policy: &str, o: &RequestOutcome) -> RequestRecord {
         region: o.region.clone(),
         served_by,
         hops,
-        ttft_ms: if ok {
-            o.measured.ttft_ms.unwrap_or(f64::NAN)
-        } else {
-            f64::NAN
-        },
+        ttft_ms: o.measured.ttft_ms.unwrap_or(f64::NAN),
         e2e_ms: o.measured.e2e_ms.unwrap_or(f64::NAN),
         itl_ms: o.itl_ms(),
         input_tokens: o.input_tokens,
@@ -50,7 +48,8 @@ pub fn to_record(policy: &str, o: &RequestOutcome) -> RequestRecord {
 /// Write `results.json`, `table.md`, `requests.csv`, the plots and (when a cluster
 /// tuned its weights) `tuning.jsonl` of `runs` under `out`, and return the console
 /// table. The dispatch slip of each policy (p50/p95/
-/// p99/mean, ms) is added to the config under `"slip_ms"`; `"cancelled"` lists the
+/// p99/mean, ms) is added to the config under `"slip_ms"`, each replay's start on
+/// the system clock under `"started_unix_ms"`; `"cancelled"` lists the
 /// policies whose replay was interrupted.
 pub fn write_report(
     out: &Path,
@@ -58,6 +57,7 @@ pub fn write_report(
     runs: &[PolicyRun],
 ) -> Result<String, BenchError> {
     let mut slip = serde_json::Map::new();
+    let mut started = serde_json::Map::new();
     let mut cancelled = Vec::new();
     let mut records = Vec::new();
     for run in runs {
@@ -67,6 +67,7 @@ pub fn write_report(
             run.policy.clone(),
             serde_json::to_value(stats).unwrap_or_default(),
         );
+        started.insert(run.policy.clone(), run.output.started_unix_ms.into());
         if run.output.cancelled {
             cancelled.push(run.policy.clone());
         }
@@ -79,6 +80,7 @@ pub fn write_report(
     }
     if let Some(obj) = config.as_object_mut() {
         obj.insert("slip_ms".into(), serde_json::Value::Object(slip));
+        obj.insert("started_unix_ms".into(), serde_json::Value::Object(started));
         if !cancelled.is_empty() {
             obj.insert("cancelled".into(), cancelled.into());
         }
@@ -137,9 +139,14 @@ mod tests {
         assert_eq!((r.served_by.as_deref(), r.hops), (Some("us"), 0));
         // Served elsewhere without a hops header: one forward.
         assert_eq!(to_record("p", &outcome(Some("eu"), None, None)).hops, 1);
-        // Failed: NaN TTFT, no serving region, the error kept.
-        let r = to_record("p", &outcome(None, None, Some("HTTP 503")));
+        // Failed before any token: NaN TTFT, no serving region, the error kept.
+        let mut failed = outcome(None, None, Some("HTTP 503"));
+        failed.measured.ttft_ms = None;
+        let r = to_record("p", &failed);
         assert!(!r.ok && r.ttft_ms.is_nan() && r.served_by.is_none());
         assert_eq!(r.error.as_deref(), Some("HTTP 503"));
+        // Cut after its first token: the TTFT it saw stays.
+        let r = to_record("p", &outcome(Some("eu"), Some(1), Some("body: reset")));
+        assert!(!r.ok && r.ttft_ms == 10.0);
     }
 }
