@@ -25,6 +25,9 @@ const MAX_ERROR_BODY: usize = 512;
 pub struct Measured {
     /// First content chunk, ms after the send.
     pub ttft_ms: Option<f64>,
+    /// The 2xx response head, ms after the send: the stream began (a failure after
+    /// it is a stream cut mid-way, before it a request that never started).
+    pub first_byte_ms: Option<f64>,
     /// End of stream, ms after the send.
     pub e2e_ms: Option<f64>,
     /// Content chunks seen (the token count when usage is missing).
@@ -90,7 +93,9 @@ pub async fn send_streaming(
         .and_then(|h| h.trim().parse::<f64>().ok())
         .filter(|v| v.is_finite() && *v >= 0.0);
     let status = resp.status();
-    if !status.is_success() {
+    if status.is_success() {
+        m.first_byte_ms = Some(ms_since(t0));
+    } else {
         let text = resp.text().await.unwrap_or_default();
         let text: String = text.chars().take(MAX_ERROR_BODY).collect();
         m.error = Some(format!("HTTP {}: {}", status.as_u16(), text.trim()));

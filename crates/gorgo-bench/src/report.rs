@@ -10,9 +10,8 @@ use crate::BenchError;
 
 /// One outcome as a report record under `policy`.
 ///
-/// A failed request keeps the TTFT it saw, if any (so a stream cut after its first
-/// token tells itself apart from a request that failed before it: NaN), and the
-/// report keeps every failed request out of the latency statistics.
+/// A failed request has a NaN TTFT (the report keeps it out of the statistics); its
+/// `first_byte_ms` tells a stream cut mid-way from a request that never started.
 /// When a successful response carries no `x-gorgo-served-by` (an engine or proxy that
 /// is not a GORGO node), it counts as served in its home region.
 pub fn to_record(policy: &str, o: &RequestOutcome) -> RequestRecord {
@@ -32,7 +31,11 @@ pub fn to_record(policy: &str, o: &RequestOutcome) -> RequestRecord {
         region: o.region.clone(),
         served_by,
         hops,
-        ttft_ms: o.measured.ttft_ms.unwrap_or(f64::NAN),
+        ttft_ms: if ok {
+            o.measured.ttft_ms.unwrap_or(f64::NAN)
+        } else {
+            f64::NAN
+        },
         e2e_ms: o.measured.e2e_ms.unwrap_or(f64::NAN),
         itl_ms: o.itl_ms(),
         input_tokens: o.input_tokens,
@@ -40,6 +43,7 @@ pub fn to_record(policy: &str, o: &RequestOutcome) -> RequestRecord {
         cached_tokens: o.measured.cached_tokens,
         predicted_ttft_ms: o.measured.predicted_ttft_ms,
         start_ms: o.start_ms,
+        first_byte_ms: o.measured.first_byte_ms,
         ok,
         error: o.measured.error.clone(),
     }
@@ -139,14 +143,14 @@ mod tests {
         assert_eq!((r.served_by.as_deref(), r.hops), (Some("us"), 0));
         // Served elsewhere without a hops header: one forward.
         assert_eq!(to_record("p", &outcome(Some("eu"), None, None)).hops, 1);
-        // Failed before any token: NaN TTFT, no serving region, the error kept.
-        let mut failed = outcome(None, None, Some("HTTP 503"));
-        failed.measured.ttft_ms = None;
-        let r = to_record("p", &failed);
+        // Failed: NaN TTFT, no serving region, the error kept, no stream begun.
+        let r = to_record("p", &outcome(None, None, Some("HTTP 503")));
         assert!(!r.ok && r.ttft_ms.is_nan() && r.served_by.is_none());
         assert_eq!(r.error.as_deref(), Some("HTTP 503"));
-        // Cut after its first token: the TTFT it saw stays.
-        let r = to_record("p", &outcome(Some("eu"), Some(1), Some("body: reset")));
-        assert!(!r.ok && r.ttft_ms == 10.0);
+        assert_eq!(r.first_byte_ms, None);
+        // Cut mid-stream: the head's time stays.
+        let mut cut = outcome(Some("eu"), Some(1), Some("body: reset"));
+        cut.measured.first_byte_ms = Some(4.0);
+        assert_eq!(to_record("p", &cut).first_byte_ms, Some(4.0));
     }
 }

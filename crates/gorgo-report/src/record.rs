@@ -35,6 +35,12 @@ pub struct RequestRecord {
     pub predicted_ttft_ms: Option<f64>,
     /// Send time, ms from the start of the run.
     pub start_ms: f64,
+    /// When a successful (2xx) response head arrived, ms after the send: the stream
+    /// began. `None` when the request failed before one did (connect error, error
+    /// status, timeout), or when the driver does not measure it (the simulator). A
+    /// failed request that has it was cut mid-stream.
+    #[serde(default)]
+    pub first_byte_ms: Option<f64>,
     /// True when the request completed.
     pub ok: bool,
     /// Why it failed.
@@ -76,6 +82,7 @@ pub(crate) struct CsvRow<'a> {
     start_ms: f64,
     ok: bool,
     error: Option<&'a str>,
+    first_byte_ms: Option<f64>,
 }
 
 impl<'a> From<&'a RequestRecord> for CsvRow<'a> {
@@ -96,6 +103,7 @@ impl<'a> From<&'a RequestRecord> for CsvRow<'a> {
             start_ms: r.start_ms,
             ok: r.ok,
             error: r.error.as_deref(),
+            first_byte_ms: r.first_byte_ms,
         }
     }
 }

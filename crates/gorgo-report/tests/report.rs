@@ -17,6 +17,7 @@ fn rec(policy: &str, id: usize, region: &str, served: &str, ttft: f64, e2e: f64)
         cached_tokens: Some(512),
         predicted_ttft_ms: None,
         start_ms: id as f64 * 100.0,
+        first_byte_ms: Some(ttft / 2.0),
         ok: true,
         error: None,
     }

@@ -52,6 +52,8 @@ fn record(policy: &str, regions: &[String], r: &Row) -> RequestRecord {
         cached_tokens: r.ok.then_some(r.cached_tokens as u64),
         predicted_ttft_ms: r.predicted_ttft_ms.map(f64::from),
         start_ms: r.start_ms,
+        // The simulator has no response head apart from the first token.
+        first_byte_ms: None,
         ok: r.ok,
         error: r.error.as_deref().map(str::to_owned),
     }
