@@ -334,29 +334,33 @@ impl NodeHandle {
     /// Returns how many were still in flight at the end (0: a clean drain). The caller
     /// then cancels the shutdown token.
     pub async fn drain(&self, deadline: Duration) -> usize {
-        let state = &self.state;
-        state.start_draining();
-        state.peers.leave().await;
-        let started = Instant::now();
-        loop {
-            let in_flight = state.in_flight();
-            if in_flight == 0 {
-                tracing::info!(elapsed_ms = started.elapsed().as_millis() as u64, "drained");
-                return 0;
-            }
-            if started.elapsed() >= deadline {
-                tracing::warn!(in_flight, "drain deadline passed with requests in flight");
-                return in_flight;
-            }
-            // A stop is rare and this is not a test: a short poll is the simple way to
-            // watch two semaphores.
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        drain(&self.state, deadline).await
     }
 
     /// Wait until every task of the node ended (after shutdown).
     pub async fn wait(mut self) {
         while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+/// [`NodeHandle::drain`] on the node's shared state.
+pub async fn drain(state: &Arc<NodeState>, deadline: Duration) -> usize {
+    state.start_draining();
+    state.peers.leave().await;
+    let started = Instant::now();
+    loop {
+        let in_flight = state.in_flight();
+        if in_flight == 0 {
+            tracing::info!(elapsed_ms = started.elapsed().as_millis() as u64, "drained");
+            return 0;
+        }
+        if started.elapsed() >= deadline {
+            tracing::warn!(in_flight, "drain deadline passed with requests in flight");
+            return in_flight;
+        }
+        // A stop is rare and this is not a test: a short poll is the simple way to
+        // watch two semaphores.
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

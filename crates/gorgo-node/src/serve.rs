@@ -91,7 +91,7 @@ fn check_context(state: &NodeState, req: &RoutedRequest) -> Result<(), ServeErro
     match state.engine.max_context_tokens() {
         Some(max) if prompt_tokens > max => Err(ServeError::ContextLength(format!(
             "this model's maximum context length is {max} tokens; the prompt has about \
-             {prompt_tokens}"
+             {prompt_tokens} tokens (estimated at routing.bytes_per_token)"
         ))),
         _ => Ok(()),
     }
