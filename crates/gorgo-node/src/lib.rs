@@ -242,6 +242,12 @@ impl NodeState {
         self.metrics
             .gossip_bytes_received
             .set(g.bytes_received.min(i64::MAX as u64) as i64);
+        self.metrics
+            .cluster_identity_conflicts
+            .set(g.identity_conflicts.min(i64::MAX as u64) as i64);
+        self.metrics
+            .cluster_own_id_claimed
+            .set(g.own_id_claimed.min(i64::MAX as u64) as i64);
         for p in peers {
             let label = metrics::PeerLabels {
                 peer: p.id.0.clone(),

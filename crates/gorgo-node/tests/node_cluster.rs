@@ -263,3 +263,112 @@ async fn client_disconnect_cancels_the_forwarded_request_at_the_peer() {
     .expect("the peer dropped the engine request");
     c.engines[1].release.notify_waiters();
 }
+
+/// Timeouts far beyond any test: only membership can end a forward to a dead peer.
+const NO_TIMEOUTS: &str =
+    "[limits]\nfirst_byte_timeout_ms = 3600000\nrequest_timeout_ms = 3600000\n";
+
+/// Guard against a hang: what it wraps must end long before, or the test fails.
+async fn or_hang<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(60), fut)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: still waiting"))
+}
+
+#[tokio::test]
+async fn a_forward_to_a_peer_declared_dead_falls_back_at_once() {
+    let c = cluster(NO_TIMEOUTS).await;
+    let p = prompt("context held by b", 40_000);
+    chat(&c.nodes[1], &p).await;
+    c.saturate(0, 50).await;
+    c.engines[1].set_mode(HANG);
+    let node_a = c.nodes[0].base.clone();
+    let body = chat_body(&p, false);
+    let pending = tokio::spawn(async move {
+        let resp = client()
+            .post(format!("{node_a}/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let served = resp.headers()["x-gorgo-served-by"]
+            .to_str()
+            .unwrap()
+            .to_owned();
+        (resp.status().as_u16(), served)
+    });
+    // The forward is at b's engine, which holds it. Then b is declared dead, as after
+    // kill -9: nothing closes the stream (b's node and engine are still there, still
+    // holding it), only membership knows.
+    wait_for_requests(&c.engines[1], 2).await;
+    c.mesh.kill("b");
+    let (status, served) = or_hang("the forward to dead b", pending).await.unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(served, "a", "served locally once b was declared dead");
+    c.engines[1].release.notify_waiters();
+}
+
+#[tokio::test]
+async fn a_stream_from_a_peer_declared_dead_ends_with_an_error_event() {
+    let c = cluster(NO_TIMEOUTS).await;
+    let p = prompt("context held by b", 40_000);
+    chat(&c.nodes[1], &p).await;
+    c.saturate(0, 50).await;
+    c.engines[1].set_mode(STREAM_THEN_HANG);
+    let mut resp = client()
+        .post(format!("{}/v1/chat/completions", c.nodes[0].base))
+        .json(&chat_body(&p, true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.headers()["x-gorgo-served-by"], "b");
+    let first = resp.chunk().await.unwrap().unwrap();
+    assert!(first.starts_with(b"data: {"), "{first:?}");
+    // b is declared dead mid-stream; its stream stays open (its engine still holds).
+    c.mesh.kill("b");
+    let rest = or_hang("the stream from dead b", async {
+        let mut rest = Vec::new();
+        while let Some(chunk) = resp.chunk().await.unwrap() {
+            rest.extend_from_slice(&chunk);
+        }
+        rest
+    })
+    .await;
+    let rest = String::from_utf8(rest).unwrap();
+    assert!(rest.starts_with("data: {\"error\""), "{rest}");
+    assert!(rest.contains("declared dead"), "{rest}");
+    assert!(!rest.contains("[DONE]"), "{rest}");
+    c.engines[1].release.notify_waiters();
+}
+
+#[tokio::test]
+async fn a_draining_peer_gets_no_new_forwards_but_finishes_what_it_has() {
+    let c = cluster("").await;
+    let p = prompt("context held by b", 40_000);
+    chat(&c.nodes[1], &p).await;
+    c.saturate(0, 50).await;
+    // A stream b is serving for a when b starts draining.
+    c.engines[1].set_mode(STREAM_THEN_HANG);
+    let mut resp = client()
+        .post(format!("{}/v1/chat/completions", c.nodes[0].base))
+        .json(&chat_body(&p, true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.headers()["x-gorgo-served-by"], "b");
+    resp.chunk().await.unwrap().unwrap();
+    // SIGTERM at b: drain.
+    c.nodes[1].state().peers.drain();
+    c.engines[1].set_mode(NORMAL);
+    let before = c.engines[1].requests();
+    for _ in 0..3 {
+        let (status, served, _) = chat(&c.nodes[0], &p).await;
+        assert_eq!(status, 200);
+        assert_ne!(served, "b", "a forwarded to draining b");
+    }
+    assert_eq!(c.engines[1].requests(), before);
+    // What b had in flight finishes normally.
+    c.engines[1].release.notify_waiters();
+    let rest = or_hang("b's last stream", resp.text()).await.unwrap();
+    assert!(rest.ends_with("data: [DONE]\n\n"), "{rest}");
+}
