@@ -17,18 +17,7 @@ fn spec(
     i: usize,
     creds: &std::collections::BTreeMap<String, gorgo_cluster::NodeCredentials>,
 ) -> NodeSpec {
-    NodeSpec {
-        name: NAMES[i].to_owned(),
-        region: format!("region-{i}"),
-        credentials: creds[NAMES[i]].clone(),
-        seeds: if i == 0 {
-            vec![]
-        } else {
-            vec!["n0".to_owned()]
-        },
-        churn: None,
-        generation: 1,
-    }
+    seeded_spec(&NAMES, i, creds, 1)
 }
 
 #[test]
@@ -202,16 +191,11 @@ fn peer_gone_resolves_when_the_peer_dies_or_restarts_and_not_before() {
         });
     }
     for i in [1, 2] {
-        let mut s = spec(i, &creds);
         // The wall clock: a restart takes a newer generation, as a real one does.
-        s.generation = 0;
-        add_node(&mut sim, s, handles.clone());
+        add_node(&mut sim, seeded_spec(&NAMES, i, &creds, 0), handles.clone());
     }
     set_wan_latencies(&mut sim, &NAMES);
-    run_until(&mut sim, Duration::from_secs(10), |_| {
-        converged(&handles, &NAMES)
-    })
-    .expect("converge");
+    converge(&mut sim, &handles, &NAMES);
     run_for(&mut sim, Duration::from_secs(2));
     assert!(gone_at.lock().is_empty(), "{:?}", gone_at.lock());
 
@@ -255,14 +239,7 @@ fn a_draining_node_stops_being_a_candidate_at_once_but_stays_a_member() {
     let mut sim = sim(23, Duration::from_secs(60));
     let creds = credentials(&NAMES);
     let handles = Handles::default();
-    for i in 0..3 {
-        add_node(&mut sim, spec(i, &creds), handles.clone());
-    }
-    set_wan_latencies(&mut sim, &NAMES);
-    run_until(&mut sim, Duration::from_secs(10), |_| {
-        converged(&handles, &NAMES)
-    })
-    .expect("converge");
+    converged_cluster(&mut sim, &NAMES, &creds, 1, &handles);
     handles.lock()["n1"]
         .broadcast_stats(QueueStats {
             running: 3,

@@ -13,26 +13,8 @@ use common::*;
 use gorgo_core::{NodeId, QueueStats};
 
 const NAMES: [&str; 3] = ["n0", "n1", "n2"];
-
-fn spec(
-    i: usize,
-    creds: &std::collections::BTreeMap<String, gorgo_cluster::NodeCredentials>,
-) -> NodeSpec {
-    NodeSpec {
-        name: NAMES[i].to_owned(),
-        region: format!("region-{i}"),
-        credentials: creds[NAMES[i]].clone(),
-        seeds: if i == 0 {
-            vec![]
-        } else {
-            vec!["n0".to_owned()]
-        },
-        churn: None,
-        // The (simulated) wall clock: a restart takes a newer generation, as a real
-        // one does.
-        generation: 0,
-    }
-}
+// Every node here takes generation 0 (`seeded_spec`): the simulated wall clock, so a
+// restart takes a newer generation, as a real one does.
 
 /// What the restarted node's peers must hold of it: the stats and the summary of
 /// the run that is alive now.
@@ -79,14 +61,14 @@ fn a_restarted_node_replaces_its_previous_run_at_once() {
     let creds = credentials(&NAMES);
     let handles = Handles::default();
     for i in [0, 2] {
-        add_node(&mut sim, spec(i, &creds), handles.clone());
+        add_node(&mut sim, seeded_spec(&NAMES, i, &creds, 0), handles.clone());
     }
     // n1: its first run publishes stats every 10 ms (so its stats versions run far
     // ahead) with 4 running; the restarted run every 100 ms with 0 running. Each run
     // has its own summary.
     let runs = Arc::new(AtomicU32::new(0));
     {
-        let s = spec(1, &creds);
+        let s = seeded_spec(&NAMES, 1, &creds, 0);
         let handles = handles.clone();
         let runs = runs.clone();
         sim.host("n1", move || {
@@ -115,10 +97,7 @@ fn a_restarted_node_replaces_its_previous_run_at_once() {
         });
     }
     set_wan_latencies(&mut sim, &NAMES);
-    run_until(&mut sim, Duration::from_secs(10), |_| {
-        converged(&handles, &NAMES)
-    })
-    .expect("converge");
+    converge(&mut sim, &handles, &NAMES);
     let first = run_until(&mut sim, Duration::from_secs(10), |_| {
         holds_current_run(&handles, 4)
     });
@@ -195,14 +174,7 @@ fn an_impostor_with_the_same_id_never_pushes_the_genuine_node_out() {
     let mut sim = sim(67, Duration::from_secs(120));
     let creds = credentials(&NAMES);
     let handles = Handles::default();
-    for i in 0..3 {
-        add_node(&mut sim, spec(i, &creds), handles.clone());
-    }
-    set_wan_latencies(&mut sim, &NAMES);
-    run_until(&mut sim, Duration::from_secs(10), |_| {
-        converged(&handles, &NAMES)
-    })
-    .expect("converge");
+    converged_cluster(&mut sim, &NAMES, &creds, 0, &handles);
     run_for(&mut sim, Duration::from_secs(2));
     let n1_addr = handles.lock()["n1"].identity().addr;
     assert_eq!(genuine_n1_violation(&handles, n1_addr), None);
@@ -211,7 +183,7 @@ fn an_impostor_with_the_same_id_never_pushes_the_genuine_node_out() {
     // address, 1 ms from everyone, joining through n0 and n2.
     let impostor = Handles::default();
     {
-        let mut s = spec(1, &creds);
+        let mut s = seeded_spec(&NAMES, 1, &creds, 0);
         s.name = "imp".to_owned();
         s.region = "elsewhere".to_owned();
         s.seeds = vec!["n0".to_owned(), "n2".to_owned()];
@@ -233,13 +205,12 @@ fn an_impostor_with_the_same_id_never_pushes_the_genuine_node_out() {
             }
         });
     }
-    let broken = run_until(&mut sim, Duration::from_secs(23), |_| {
-        genuine_n1_violation(&handles, n1_addr).is_some()
-    });
-    assert!(
-        broken.is_none(),
-        "while the impostor runs, at {broken:?}: {:?}",
-        genuine_n1_violation(&handles, n1_addr)
+    genuine_n1_kept(
+        &mut sim,
+        &handles,
+        n1_addr,
+        Duration::from_secs(23),
+        "while the impostor runs",
     );
     for viewer in ["n0", "n2"] {
         let stats = view_of(&handles, viewer, "n1").and_then(|v| v.stats);
@@ -261,12 +232,30 @@ fn an_impostor_with_the_same_id_never_pushes_the_genuine_node_out() {
         impostor.lock()["imp"].peers()
     );
     sim.crash("imp");
-    let broken = run_until(&mut sim, Duration::from_secs(20), |_| {
-        genuine_n1_violation(&handles, n1_addr).is_some()
+    genuine_n1_kept(
+        &mut sim,
+        &handles,
+        n1_addr,
+        Duration::from_secs(20),
+        "after the impostor died",
+    );
+}
+
+/// Run `for_` of simulated time, failing the test the first moment the genuine n1 is
+/// not kept ([`genuine_n1_violation`]).
+fn genuine_n1_kept(
+    sim: &mut turmoil::Sim<'_>,
+    handles: &Handles,
+    n1_addr: SocketAddr,
+    for_: Duration,
+    phase: &str,
+) {
+    let broken = run_until(sim, for_, |_| {
+        genuine_n1_violation(handles, n1_addr).is_some()
     });
     assert!(
         broken.is_none(),
-        "after the impostor died, at {broken:?}: {:?}",
-        genuine_n1_violation(&handles, n1_addr)
+        "{phase}, at {broken:?}: {:?}",
+        genuine_n1_violation(handles, n1_addr)
     );
 }

@@ -236,18 +236,15 @@ impl NodeState {
             .engine_healthy
             .set(self.engine.is_healthy() as i64);
         let g = self.peers.gossip_counters();
-        self.metrics
-            .gossip_bytes_sent
-            .set(g.bytes_sent.min(i64::MAX as u64) as i64);
-        self.metrics
-            .gossip_bytes_received
-            .set(g.bytes_received.min(i64::MAX as u64) as i64);
-        self.metrics
-            .cluster_identity_conflicts
-            .set(g.identity_conflicts.min(i64::MAX as u64) as i64);
-        self.metrics
-            .cluster_own_id_claimed
-            .set(g.own_id_claimed.min(i64::MAX as u64) as i64);
+        let m = &self.metrics;
+        for (gauge, count) in [
+            (&m.gossip_bytes_sent, g.bytes_sent),
+            (&m.gossip_bytes_received, g.bytes_received),
+            (&m.cluster_identity_conflicts, g.identity_conflicts),
+            (&m.cluster_own_id_claimed, g.own_id_claimed),
+        ] {
+            gauge.set(count.min(i64::MAX as u64) as i64);
+        }
         for p in peers {
             let label = metrics::PeerLabels {
                 peer: p.id.0.clone(),

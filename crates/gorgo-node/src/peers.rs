@@ -142,7 +142,9 @@ pub trait PeerSource: Send + Sync + 'static {
     fn drain(&self) {}
     /// Leave the cluster (after [`drain`](Self::drain)): peers see this node go at
     /// once rather than after failure detection. Resolves when the leave is sent and
-    /// the cluster's endpoint closed; forwards still in flight end with it.
+    /// the cluster's endpoint closed; forwards still in flight end with it. The QUIC
+    /// cluster then cancels the shutdown token it was started with, which
+    /// [`crate::cluster::start_with_cluster`] shares with the node: the node stops too.
     fn leave(&self) -> BoxFuture<'static, ()> {
         Box::pin(std::future::ready(()))
     }
