@@ -266,12 +266,15 @@ impl NodeState {
             .engine_breaker
             .set(self.engine.breaker().code());
         let g = self.peers.gossip_counters();
-        self.metrics
-            .gossip_bytes_sent
-            .set(g.bytes_sent.min(i64::MAX as u64) as i64);
-        self.metrics
-            .gossip_bytes_received
-            .set(g.bytes_received.min(i64::MAX as u64) as i64);
+        let m = &self.metrics;
+        for (gauge, count) in [
+            (&m.gossip_bytes_sent, g.bytes_sent),
+            (&m.gossip_bytes_received, g.bytes_received),
+            (&m.cluster_identity_conflicts, g.identity_conflicts),
+            (&m.cluster_own_id_claimed, g.own_id_claimed),
+        ] {
+            gauge.set(count.min(i64::MAX as u64) as i64);
+        }
         for p in peers {
             let label = metrics::PeerLabels {
                 peer: p.id.0.clone(),
@@ -329,7 +332,7 @@ impl NodeHandle {
     /// forwarding to it, new client requests go to peers while any is alive, and the
     /// requests in flight (clients' and peers' forwards) finish, for up to `deadline`.
     /// Returns how many were still in flight at the end (0: a clean drain). The caller
-    /// then cancels the shutdown token.
+    /// then leaves the cluster (`PeerSource::leave`) and cancels the shutdown token.
     pub async fn drain(&self, deadline: Duration) -> usize {
         drain(&self.state, deadline).await
     }
@@ -341,7 +344,8 @@ impl NodeHandle {
 }
 
 /// [`NodeHandle::drain`] on the node's shared state. In order: readiness off and
-/// peers told (they stop forwarding here); new client requests go to peers; once the
+/// peers told (its stats say `draining`: they stop forwarding here, `PeerSource::
+/// drain`); new client requests go to peers; once the
 /// local engine's requests and peers' forwards are done, the client listener stops
 /// accepting and each connection closes after its in-flight requests (HTTP/1
 /// `Connection: close`, HTTP/2 GOAWAY: clients reconnect elsewhere); then the client
@@ -349,7 +353,7 @@ impl NodeHandle {
 /// end under load: keep-alive clients keep sending.
 pub async fn drain(state: &Arc<NodeState>, deadline: Duration) -> usize {
     state.start_draining();
-    state.peers.leave().await;
+    state.peers.drain();
     let started = Instant::now();
     let limits = &state.config.limits;
     let local_work = || {
