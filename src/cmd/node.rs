@@ -41,7 +41,9 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         tracing::info!(deadline_ms = deadline.as_millis() as u64, "draining");
         tokio::select! {
             left = node.drain(deadline) => {
-                tracing::info!(left_in_flight = left, "drained; shutting down");
+                tracing::info!(left_in_flight = left, "drained; leaving the cluster");
+                let leave = node.state.peers.leave();
+                let _ = tokio::time::timeout(std::time::Duration::from_secs(5), leave).await;
             }
             _ = wait_for_signal() => tracing::warn!("second signal: stopping now"),
         }

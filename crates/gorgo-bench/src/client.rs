@@ -46,7 +46,12 @@ pub struct Measured {
     pub predicted_ttft_ms: Option<f64>,
     /// Why the request failed; `None` when it succeeded.
     pub error: Option<String>,
+    /// Times the connection was refused before the request got through (or failed).
+    pub connect_retries: u32,
 }
+
+/// Retries of a request whose connection could not be made (nothing was sent).
+pub const CONNECT_RETRIES: u32 = 2;
 
 /// Build the pooled HTTP client used for one region.
 pub fn build_client(
@@ -72,19 +77,30 @@ pub async fn send_streaming(
 ) -> Measured {
     let t0 = Instant::now();
     let mut m = Measured::default();
-    let mut req = client
-        .post(url)
-        .header(reqwest::header::CONTENT_TYPE, "application/json")
-        .header(reqwest::header::ACCEPT, "text/event-stream")
-        .body(body);
-    for (name, value) in headers {
-        req = req.header(*name, value.as_str());
-    }
-    let resp = match req.send().await {
-        Ok(r) => r,
-        Err(e) => {
-            m.error = Some(describe(&e));
-            return m;
+    let mut attempt = 0;
+    let resp = loop {
+        let mut req = client
+            .post(url)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .header(reqwest::header::ACCEPT, "text/event-stream")
+            .body(body.clone());
+        for (name, value) in headers {
+            req = req.header(*name, value.as_str());
+        }
+        match req.send().await {
+            Ok(r) => break r,
+            // Nothing was sent: retry, as OpenAI's SDK does (2 retries, backoff), so a
+            // node restarting behind its address costs a delay, not a failure. The
+            // delay counts in the request's TTFT and E2E.
+            Err(e) if e.is_connect() && attempt < CONNECT_RETRIES => {
+                attempt += 1;
+                m.connect_retries = attempt;
+                tokio::time::sleep(Duration::from_millis(250 << attempt)).await;
+            }
+            Err(e) => {
+                m.error = Some(describe(&e));
+                return m;
+            }
         }
     };
     m.served_by = header_str(&resp, SERVED_BY_HEADER);

@@ -20,7 +20,7 @@ use crate::config::ClusterConfig;
 use crate::error::{ClusterError, Result};
 use crate::gossip::{GossipDriver, SummarySource};
 use crate::identity::{BincodeCodec, MemberId};
-use crate::state::{ClusterMetrics, PeerTable, PeerView, TrafficKind};
+use crate::state::{Claim, ClusterMetrics, PeerTable, PeerView, TrafficKind};
 use crate::tls::{client_crypto, server_crypto, validate_node_id};
 use crate::transport::{self, Inbound, Transport, MAX_APP_MESSAGE, STREAM_APP};
 pub use crate::transport::{AppMessage, IncomingForward};
@@ -57,12 +57,20 @@ pub enum MembershipEvent {
     Up(NodeId, u64),
     /// A peer was declared down or left.
     Down(NodeId, u64),
+    /// A live peer came back under a new generation without being seen down: it
+    /// restarted at its address (or rejoined) before failure detection fired, so what
+    /// was in flight to its old run is lost.
+    Renamed(NodeId, u64),
     /// This node rejoined with a new generation after being declared down.
     Rejoined(u64),
 }
 
 enum FocaInput {
-    Data { from: NodeId, data: Bytes },
+    Data {
+        from: NodeId,
+        conn: quinn::Connection,
+        data: Bytes,
+    },
     Timer(Timer<MemberId>),
     Broadcast(Vec<u8>),
     Leave(oneshot::Sender<()>),
@@ -73,6 +81,15 @@ struct Inner {
     node_id: NodeId,
     config: ClusterConfig,
     me: Mutex<MemberId>,
+    /// This run of the process (the wall clock at start, ms), stamped on every stats
+    /// copy it publishes: peers order copies by it first (docs/cluster.md,
+    /// "Incarnations").
+    incarnation: u64,
+    /// Set by [`ClusterHandle::drain`]: every stats copy from then on says so.
+    draining: std::sync::atomic::AtomicBool,
+    /// Refused claims already logged at warning level, so that an impostor sending
+    /// ten packets a second logs once (the metric counts them all).
+    refusals_logged: Mutex<std::collections::HashSet<(NodeId, SocketAddr)>>,
     /// The QUIC endpoint and connections (hands what arrives back to this `Inner`
     /// through [`Inbound`]).
     transport: Arc<Transport>,
@@ -182,7 +199,8 @@ pub async fn start(
         config.advertise.set_port(endpoint.local_addr()?.port());
     }
 
-    let generation = config.generation.unwrap_or_else(|| (config.wall_clock)());
+    let incarnation = (config.wall_clock)();
+    let generation = config.generation.unwrap_or(incarnation);
     let me = MemberId {
         node: config.node_id.clone(),
         region: config.region.clone(),
@@ -200,6 +218,9 @@ pub async fn start(
     let inner = Arc::new_cyclic(|weak: &std::sync::Weak<Inner>| Inner {
         node_id: config.node_id.clone(),
         me: Mutex::new(me.clone()),
+        incarnation,
+        draining: std::sync::atomic::AtomicBool::new(false),
+        refusals_logged: Mutex::new(std::collections::HashSet::new()),
         transport: Arc::new(Transport::new(
             config.node_id.clone(),
             endpoint,
@@ -211,6 +232,7 @@ pub async fn start(
         )),
         gossip: Arc::new(GossipDriver::new(
             config.node_id.clone(),
+            incarnation,
             summary,
             config.wall_clock.clone(),
         )),
@@ -270,7 +292,9 @@ async fn run_foca(inner: Arc<Inner>, mut foca: ClusterFoca, mut rx: mpsc::Receiv
             input = rx.recv() => {
                 let Some(input) = input else { return };
                 match input {
-                    FocaInput::Data { from, data } => handle_data(&inner, &mut foca, &mut rt, &from, &data),
+                    FocaInput::Data { from, conn, data } => {
+                        handle_data(&inner, &mut foca, &mut rt, &from, &conn, &data)
+                    }
                     FocaInput::Timer(t) => {
                         if let Err(e) = foca.handle_timer(t, &mut rt) {
                             tracing::debug!("foca timer: {e}");
@@ -389,19 +413,29 @@ fn handle_data(
     foca: &mut ClusterFoca,
     rt: &mut AccumulatingRuntime<MemberId>,
     from: &NodeId,
+    conn: &quinn::Connection,
     data: &[u8],
 ) {
     // The TLS peer must be who the packet claims to come from: a node may only speak
     // for itself.
-    let header = foca::Codec::decode_header(&mut BincodeCodec, data);
-    match header {
-        Ok(h) if h.src.node == *from => {}
+    let src = match foca::Codec::decode_header(&mut BincodeCodec, data) {
+        Ok(h) if h.src.node == *from => h.src,
         Ok(_) => {
             ClusterMetrics::bump(&inner.metrics.spoofed_received);
             return;
         }
         Err(_) => {
             ClusterMetrics::bump(&inner.metrics.malformed_received);
+            return;
+        }
+    };
+    // And the id must not be held alive at another address: a second process with
+    // the same certificate stays out of SWIM altogether (docs/cluster.md, "Identity").
+    match inner.peers.claim(&inner.node_id, from, src.addr) {
+        Claim::Accepted => inner.transport.bind_inbound(conn, &src),
+        refused => {
+            inner.transport.refuse(from, conn);
+            inner.refused(&src, refused);
             return;
         }
     }
@@ -424,6 +458,14 @@ fn drain(
             ClusterMetrics::bump(&inner.metrics.spurious_turn_undead_dropped);
             continue;
         }
+        // foca may hold a refused claim it heard of second-hand (this node, or a live
+        // peer's id at another address): nothing goes to it, and the connection to the
+        // genuine node is not used to reach it. Seeds (no node id yet) always go.
+        if !dst.node.0.is_empty()
+            && inner.peers.claim(&inner.node_id, &dst.node, dst.addr) != Claim::Accepted
+        {
+            continue;
+        }
         transport::send_swim(&inner.transport, dst, bytes);
     }
     while let Some((after, timer)) = rt.to_schedule() {
@@ -436,22 +478,38 @@ fn drain(
     while let Some(n) = rt.to_notify() {
         let now = Instant::now();
         match n {
-            OwnedNotification::MemberUp(m) => {
-                inner.peers.member_up(&m, now);
-                seed_rtt(inner, &m.node);
-                inner.log(MembershipEvent::Up(m.node.clone(), m.generation));
-                inner.gossip.peer_joined(&m.node);
-            }
+            OwnedNotification::MemberUp(m) => member_up(inner, &m, now),
             OwnedNotification::MemberDown(m) => {
-                inner.peers.member_down(&m, now);
-                inner.log(MembershipEvent::Down(m.node.clone(), m.generation));
+                if inner.peers.member_down(&m, now) {
+                    inner.log(MembershipEvent::Down(m.node.clone(), m.generation));
+                    // Another process may have claimed the id meanwhile (a node
+                    // restarted elsewhere before its old self was declared down): foca
+                    // holds it alive, and will not say so again.
+                    let next = foca
+                        .iter_membership_state()
+                        .find(|c| {
+                            c.id().node == m.node
+                                && c.id().addr != m.addr
+                                && c.state() != foca::State::Down
+                        })
+                        .map(|c| c.id().clone());
+                    if let Some(next) = next {
+                        member_up(inner, &next, now);
+                    }
+                }
             }
             OwnedNotification::Rename(_, new) => {
                 if inner.peers.is_alive(&new.node) {
-                    inner.peers.member_up(&new, now);
-                    seed_rtt(inner, &new.node);
-                    // A new incarnation holds nothing of ours: start it with a snapshot.
-                    inner.gossip.peer_joined(&new.node);
+                    match inner.peers.member_up(&inner.node_id, &new, now) {
+                        Claim::Accepted => {
+                            seed_rtt(inner, &new.node);
+                            inner.log(MembershipEvent::Renamed(new.node.clone(), new.generation));
+                            // A new incarnation holds nothing of ours: start it with a
+                            // snapshot.
+                            inner.gossip.peer_joined(&new.node);
+                        }
+                        refused => inner.refused(&new, refused),
+                    }
                 }
             }
             OwnedNotification::Rejoin(id) => {
@@ -467,6 +525,19 @@ fn drain(
     }
     let _ = foca;
     self_state
+}
+
+/// foca says `member` is up: it becomes a routing candidate unless its claim to the
+/// node id is refused.
+fn member_up(inner: &Arc<Inner>, member: &MemberId, now: Instant) {
+    match inner.peers.member_up(&inner.node_id, member, now) {
+        Claim::Accepted => {
+            seed_rtt(inner, &member.node);
+            inner.log(MembershipEvent::Up(member.node.clone(), member.generation));
+            inner.gossip.peer_joined(&member.node);
+        }
+        refused => inner.refused(member, refused),
+    }
 }
 
 /// foca 2.0 sends `TurnUndead` ("you were declared down") when a suspicion timer
@@ -531,10 +602,10 @@ async fn flush_and_close(inner: &Inner) {
 }
 
 impl Inbound for Inner {
-    fn swim(&self, from: NodeId, data: Bytes) {
+    fn swim(&self, from: NodeId, conn: quinn::Connection, data: Bytes) {
         if self
             .foca_tx
-            .try_send(FocaInput::Data { from, data })
+            .try_send(FocaInput::Data { from, conn, data })
             .is_err()
         {
             tracing::debug!("swim inbox full; packet dropped");
@@ -570,26 +641,69 @@ impl Inner {
         self.events.lock().push((self.started.elapsed(), e));
         self.membership_tx.send_modify(|n| *n += 1);
     }
+
+    /// Count and log a refused claim to a node id (loudly when it is this node's own:
+    /// another process runs with this node's certificate). This node goes on either
+    /// way.
+    fn refused(&self, claim: &MemberId, why: Claim) {
+        let first = {
+            let mut logged = self.refusals_logged.lock();
+            if logged.len() >= 1024 {
+                logged.clear();
+            }
+            logged.insert((claim.node.clone(), claim.addr))
+        };
+        match why {
+            Claim::Accepted => {}
+            Claim::Ours => {
+                ClusterMetrics::bump(&self.metrics.own_id_claimed);
+                if first {
+                    tracing::error!(
+                        node = %self.node_id,
+                        claimed_from = %claim.addr,
+                        region = %claim.region,
+                        "another process claims this node's id (same certificate?); refused, this node keeps it"
+                    );
+                }
+            }
+            Claim::Conflict { bound } => {
+                ClusterMetrics::bump(&self.metrics.identity_conflicts);
+                if first {
+                    tracing::warn!(
+                        peer = %claim.node,
+                        claimed_from = %claim.addr,
+                        region = %claim.region,
+                        alive_at = %bound,
+                        "node id claimed from a second address while alive at its first; refused"
+                    );
+                }
+            }
+        }
+    }
 }
 
-/// A queue-stats broadcast: small, versioned per origin.
+/// A queue-stats broadcast: small, ordered per origin by [`QueueStats::order`]. It
+/// travels through third nodes, so it names the address its origin advertises: a
+/// receiver drops it when the id is bound alive elsewhere (an impostor's).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct StatsBroadcast {
     origin: NodeId,
+    addr: SocketAddr,
     stats: QueueStats,
 }
 
-/// Key under which foca disseminates a stats broadcast: a newer version from the same
-/// origin replaces an older one still in the backlog.
+/// Key under which foca disseminates a stats broadcast: newer stats from the same
+/// origin (a newer run's, whatever their version) replace older ones still in the
+/// backlog.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct StatsKey {
     origin: NodeId,
-    version: u64,
+    order: (u64, u64),
 }
 
 impl Invalidates for StatsKey {
     fn invalidates(&self, other: &Self) -> bool {
-        self.origin == other.origin && self.version > other.version
+        self.origin == other.origin && self.order > other.order
     }
 }
 
@@ -626,7 +740,7 @@ impl BroadcastHandler<MemberId> for StatsHandler {
                 .map_err(|e| StatsError(e.to_string()))?;
         let key = StatsKey {
             origin: b.origin.clone(),
-            version: b.stats.version,
+            order: b.stats.order(),
         };
         let Some(inner) = self.inner.upgrade() else {
             return Ok(None);
@@ -636,6 +750,12 @@ impl BroadcastHandler<MemberId> for StatsHandler {
             return Ok(Some(key));
         }
         if b.origin == inner.node_id {
+            // Ours from a previous run, or another process's with our id: not a peer.
+            return Ok(None);
+        }
+        if let Claim::Conflict { bound } = inner.peers.claim(&inner.node_id, &b.origin, b.addr) {
+            ClusterMetrics::bump(&inner.metrics.identity_conflicts);
+            tracing::debug!(origin = %b.origin, claimed_from = %b.addr, alive_at = %bound, "stats broadcast of a refused claim dropped");
             return Ok(None);
         }
         let now = Instant::now();
@@ -655,6 +775,13 @@ impl ClusterHandle {
     /// This node's current SWIM identity (the generation grows on rejoin).
     pub fn identity(&self) -> MemberId {
         self.inner.me.lock().clone()
+    }
+
+    /// This run of the process: the wall clock at start, ms, on every stats copy and
+    /// so on every summary message it sends. A restarted node has a newer one, which
+    /// makes its peers drop what they held of the previous run at once.
+    pub fn incarnation(&self) -> u64 {
+        self.inner.incarnation
     }
 
     /// The local address of the QUIC endpoint.
@@ -751,15 +878,19 @@ impl ClusterHandle {
     }
 
     /// Publish this node's queue stats: a foca broadcast now, and attached to every
-    /// summary message. The version is assigned here (monotonic per node).
+    /// summary message. The version is assigned here (monotonic for this run), and so
+    /// are this run's incarnation and whether the node is draining.
     pub fn broadcast_stats(&self, mut stats: QueueStats) -> Result<()> {
         {
             let mut cur = self.inner.gossip.local_stats.lock();
             stats.version = stats.version.max(cur.version + 1);
+            stats.incarnation = self.inner.incarnation;
+            stats.draining = self.is_draining();
             *cur = stats.clone();
         }
         let b = StatsBroadcast {
             origin: self.inner.node_id.clone(),
+            addr: self.inner.config.advertise,
             stats,
         };
         let bytes = bincode::serde::encode_to_vec(&b, stats_config())
@@ -795,8 +926,57 @@ impl ClusterHandle {
         self.inner.events.lock().clone()
     }
 
+    /// Resolves once `peer` is no longer alive as it is now in this node's membership
+    /// view: declared down or left, or back under another generation (it restarted
+    /// before failure detection fired). At once when it is not alive now. Why: a
+    /// forward to a peer that died waits on a QUIC stream that only the idle timeout
+    /// would end; the forward races its response against this and ends the moment
+    /// membership knows (docs/cluster.md, "Forwards to a dead peer").
+    pub fn peer_gone(
+        &self,
+        peer: &NodeId,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
+        // Subscribed before looking, so that a change in between is not missed.
+        let mut changes = self.inner.membership_tx.subscribe();
+        let peers = self.inner.peers.clone();
+        let peer = peer.clone();
+        let now = peers.alive_generation(&peer);
+        async move {
+            let Some(generation) = now else {
+                return;
+            };
+            while peers.alive_generation(&peer) == Some(generation) {
+                if changes.changed().await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Start draining: every stats copy this node publishes from now on (and the one
+    /// broadcast right away) says it is draining, and peers leave it out of their
+    /// routing candidates as soon as one arrives (about one one-way delay), while it
+    /// stays a member: forwards already in flight here finish, and gossip goes on.
+    /// Then, once the work in flight is done, [`leave`](Self::leave). The node binary
+    /// calls this first on SIGTERM.
+    pub fn drain(&self) -> Result<()> {
+        self.inner
+            .draining
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        let stats = self.inner.gossip.local_stats.lock().clone();
+        self.broadcast_stats(stats)
+    }
+
+    /// True once [`drain`](Self::drain) was called.
+    pub fn is_draining(&self) -> bool {
+        self.inner
+            .draining
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Leave the cluster gracefully (peers see the leave at once rather than after a
-    /// failed probe) and stop every task.
+    /// failed probe) and stop every task. Forwards still in flight from or to this
+    /// node end with it: [`drain`](Self::drain) first and wait for them.
     pub async fn leave(&self) -> Result<()> {
         let (tx, rx) = oneshot::channel();
         self.inner

@@ -160,15 +160,25 @@ pub(crate) struct GossipDriver {
 }
 
 impl GossipDriver {
-    /// Gossip `summary` as node `me`.
-    pub(crate) fn new(me: NodeId, summary: Arc<dyn SummarySource>, wall_clock: WallClock) -> Self {
+    /// Gossip `summary` as run `incarnation` of node `me`.
+    pub(crate) fn new(
+        me: NodeId,
+        incarnation: u64,
+        summary: Arc<dyn SummarySource>,
+        wall_clock: WallClock,
+    ) -> Self {
         let config = GossipConfig::default();
         GossipDriver {
             sender: Mutex::new(GossipSender::new(me.clone(), config.clone())),
             me,
             config,
             summary,
-            local_stats: Mutex::new(QueueStats::default()),
+            // Stamped from the start: a summary sent before the first stats are
+            // published must already say which run it is of (receivers order by it).
+            local_stats: Mutex::new(QueueStats {
+                incarnation,
+                ..QueueStats::default()
+            }),
             wall_clock,
             started: Instant::now(),
         }
@@ -303,6 +313,7 @@ pub(crate) fn handle_frame(
                 if r.stats_updated {
                     e.stats_at = Some(now);
                 }
+                e.forget_summary_stamps_if_gone();
                 r
             }
             Err(err) => {

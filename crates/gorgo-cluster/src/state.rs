@@ -30,6 +30,28 @@ pub enum PeerState {
     Down,
 }
 
+/// What this node makes of someone claiming a node id from an address (the sender of
+/// a SWIM packet, a member foca tells us about, the origin of a stats broadcast).
+///
+/// A node id is bound to its certificate (the TLS layer checks that) and to one live
+/// address: the first live claim holds it until membership declares it down. Why: a
+/// second process with the same certificate (a misconfigured deploy, a copied key)
+/// must not take a live node's place in routing, nor take it down with it when it
+/// dies (docs/cluster.md, "Identity").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Claim {
+    /// Nobody else holds the id alive (a new node, a node restarted at its address,
+    /// or one restarted elsewhere after its old self was declared down).
+    Accepted,
+    /// A live member holds the id at another address: refused, it keeps the id.
+    Conflict {
+        /// Where the live holder of the id is.
+        bound: SocketAddr,
+    },
+    /// The id is this node's own: whoever claims it is never one of its peers.
+    Ours,
+}
+
 /// One peer's entry in the table.
 #[derive(Debug)]
 pub(crate) struct PeerEntry {
@@ -48,6 +70,15 @@ pub(crate) struct PeerEntry {
 }
 
 impl PeerEntry {
+    /// The gossip state let go of the summary (a newer run of the peer replaced what
+    /// was held): its stamps go with it.
+    pub(crate) fn forget_summary_stamps_if_gone(&mut self) {
+        if self.gossip.summary().is_none() {
+            self.summary_at = None;
+            self.summary_bytes = 0;
+        }
+    }
+
     fn new(member: MemberId, now: Instant) -> Self {
         PeerEntry {
             member,
@@ -75,6 +106,9 @@ pub struct PeerView {
     pub addr: SocketAddr,
     /// Identity generation (grows on rejoin).
     pub generation: u64,
+    /// The run of the peer's process the summary and stats held are from (its start
+    /// time, ms); `None` before anything arrived.
+    pub incarnation: Option<u64>,
     /// Membership state.
     pub state: PeerState,
     /// True when the peer is a routing candidate.
@@ -122,6 +156,7 @@ impl PeerTable {
                     region: p.member.region.clone(),
                     addr: p.member.addr,
                     generation: p.member.generation,
+                    incarnation: p.gossip.incarnation(),
                     state: p.state,
                     alive: p.state == PeerState::Alive,
                     rtt_ms: p.rtt_ms,
@@ -152,15 +187,42 @@ impl PeerTable {
         ids
     }
 
-    pub(crate) fn member_up(&self, member: &MemberId, now: Instant) {
+    /// What this node (`me`) makes of `node` being claimed from `addr` (see [`Claim`]).
+    pub(crate) fn claim(&self, me: &NodeId, node: &NodeId, addr: SocketAddr) -> Claim {
+        if node == me {
+            return Claim::Ours;
+        }
+        match self.bound_addr(node) {
+            Some(bound) if bound != addr => Claim::Conflict { bound },
+            _ => Claim::Accepted,
+        }
+    }
+
+    /// The address `node` is bound to while it is alive.
+    pub(crate) fn bound_addr(&self, node: &NodeId) -> Option<SocketAddr> {
+        self.peers
+            .get(node)
+            .filter(|e| e.state == PeerState::Alive)
+            .map(|e| e.member.addr)
+    }
+
+    /// `member` is up, as this node (`me`) sees it: it becomes (or stays) a routing
+    /// candidate unless the claim is refused ([`Claim`]), which the table leaves as it
+    /// was.
+    pub(crate) fn member_up(&self, me: &NodeId, member: &MemberId, now: Instant) -> Claim {
+        let claim = self.claim(me, &member.node, member.addr);
+        if claim != Claim::Accepted {
+            return claim;
+        }
         let mut e = self
             .peers
             .entry(member.node.clone())
             .or_insert_with(|| PeerEntry::new(member.clone(), now));
         if e.member.generation != member.generation {
-            // A new incarnation of the node: what we held about the old one is void
-            // (its stats too: the new one counts stats versions afresh).
-            e.gossip = PeerGossip::new();
+            // A new identity (a restart, or a rejoin after being declared down): what
+            // we held may be a dead run's. The gossip state keeps the newest run it
+            // heard of, so that run's messages still travelling cannot come back.
+            e.gossip.forget();
             e.summary_at = None;
             e.summary_bytes = 0;
             e.stats_at = None;
@@ -170,21 +232,38 @@ impl PeerTable {
             e.state = PeerState::Alive;
             e.state_since = now;
         }
+        claim
     }
 
-    pub(crate) fn member_down(&self, member: &MemberId, now: Instant) {
-        if let Some(mut e) = self.peers.get_mut(&member.node) {
-            if e.member.generation <= member.generation && e.state != PeerState::Down {
-                e.state = PeerState::Down;
-                e.state_since = now;
-            }
+    /// `member` was declared down or left; true when that took its entry down. A
+    /// claim this table refused (another address) never takes the holder down.
+    pub(crate) fn member_down(&self, member: &MemberId, now: Instant) -> bool {
+        let Some(mut e) = self.peers.get_mut(&member.node) else {
+            return false;
+        };
+        if e.member.addr != member.addr
+            || e.member.generation > member.generation
+            || e.state == PeerState::Down
+        {
+            return false;
         }
+        e.state = PeerState::Down;
+        e.state_since = now;
+        true
     }
 
     pub(crate) fn is_alive(&self, node: &NodeId) -> bool {
         self.peers
             .get(node)
             .is_some_and(|e| e.state == PeerState::Alive)
+    }
+
+    /// The generation `node` is alive under, if it is.
+    pub(crate) fn alive_generation(&self, node: &NodeId) -> Option<u64> {
+        self.peers
+            .get(node)
+            .filter(|e| e.state == PeerState::Alive)
+            .map(|e| e.member.generation)
     }
 
     pub(crate) fn record_rtt(&self, node: &NodeId, sample_ms: f64) {
@@ -215,6 +294,7 @@ impl PeerTable {
                 if kept {
                     e.stats_at = Some(now);
                 }
+                e.forget_summary_stamps_if_gone();
                 kept
             }
             None => false,
@@ -274,6 +354,16 @@ pub struct ClusterMetrics {
     /// "You were declared down" notices foca wanted to send to a member that refuted
     /// its suspicion in time (dropped: see `docs/cluster.md`).
     pub spurious_turn_undead_dropped: AtomicU64,
+    /// Claims of a peer's node id from another address than the live member holding
+    /// it (SWIM packets, membership updates, stats broadcasts), refused: an impostor,
+    /// or a node restarted elsewhere before its old self was declared down.
+    pub identity_conflicts: AtomicU64,
+    /// Membership updates that claim this node's own id for another process, refused
+    /// (this node keeps its id and goes on).
+    pub own_id_claimed: AtomicU64,
+    /// Streams (gossip, app messages, forwards) refused because they came on a
+    /// connection no accepted claim vouches for while the node id is bound elsewhere.
+    pub unbound_streams_dropped: AtomicU64,
     staleness_ms: Mutex<VecDeque<u64>>,
 }
 
@@ -343,11 +433,22 @@ mod tests {
         }
     }
 
+    fn member_at(n: &str, g: u64, addr: &str) -> MemberId {
+        MemberId {
+            addr: addr.parse().unwrap(),
+            ..member(n, g)
+        }
+    }
+
+    fn me() -> NodeId {
+        NodeId::from("me")
+    }
+
     #[test]
     fn rtt_is_an_ewma_with_alpha_point_three() {
         let t = PeerTable::default();
         let now = Instant::now();
-        t.member_up(&member("a", 1), now);
+        t.member_up(&me(), &member("a", 1), now);
         t.record_rtt(&NodeId::from("a"), 100.0);
         t.record_rtt(&NodeId::from("a"), 200.0);
         let v = t.views(now);
@@ -359,7 +460,7 @@ mod tests {
         let t = PeerTable::default();
         let now = Instant::now();
         let a = NodeId::from("a");
-        t.member_up(&member("a", 1), now);
+        t.member_up(&me(), &member("a", 1), now);
         let s = |v| QueueStats {
             version: v,
             ..Default::default()
@@ -370,12 +471,70 @@ mod tests {
         assert!(t.offer_stats(&a, &s(3), now));
         assert_eq!(t.alive_ids(), vec![a.clone()]);
         // A down notice about an older generation does not take the new one down.
-        t.member_up(&member("a", 2), now);
+        t.member_up(&me(), &member("a", 2), now);
         t.member_down(&member("a", 1), now);
         assert_eq!(t.alive_ids(), vec![a.clone()]);
         t.member_down(&member("a", 2), now);
         assert!(t.alive_ids().is_empty());
         assert!(!t.views(now)[0].alive);
+    }
+
+    #[test]
+    fn a_restarted_peers_stats_replace_its_dead_runs_whatever_their_versions() {
+        let t = PeerTable::default();
+        let now = Instant::now();
+        let a = NodeId::from("a");
+        let run = |incarnation, version, running| QueueStats {
+            incarnation,
+            version,
+            running,
+            ..Default::default()
+        };
+        t.member_up(&me(), &member("a", 100), now);
+        assert!(t.offer_stats(&a, &run(100, 2_272, 4), now));
+        // kill -9 and restart: a new generation at the same address, stats versions
+        // from 1 again.
+        t.member_up(&me(), &member("a", 200), now);
+        assert!(t.offer_stats(&a, &run(200, 661, 0), now));
+        // The dead run's last stats, still disseminated by a third node, stay out.
+        assert!(!t.offer_stats(&a, &run(100, 2_273, 4), now));
+        let v = &t.views(now)[0];
+        assert_eq!(v.stats.as_ref().map(|s| s.running), Some(0));
+        assert_eq!(v.incarnation, Some(200));
+    }
+
+    #[test]
+    fn a_node_id_is_bound_to_one_live_address() {
+        let t = PeerTable::default();
+        let now = Instant::now();
+        let a = NodeId::from("a");
+        let genuine = member_at("a", 1, "10.0.0.1:7000");
+        let impostor = member_at("a", 9, "10.0.0.9:7000");
+        assert_eq!(t.member_up(&me(), &genuine, now), Claim::Accepted);
+        // Same id from another address while the first is alive: refused, and the
+        // table still holds the genuine node.
+        let refused = Claim::Conflict {
+            bound: genuine.addr,
+        };
+        assert_eq!(t.member_up(&me(), &impostor, now), refused);
+        assert_eq!(t.claim(&me(), &a, impostor.addr), refused);
+        assert_eq!(t.views(now)[0].addr, genuine.addr);
+        // The impostor dying does not take the genuine node down with it.
+        assert!(!t.member_down(&impostor, now));
+        assert_eq!(t.alive_ids(), vec![a.clone()]);
+        // A restart at the same address is the same node.
+        let restarted = member_at("a", 2, "10.0.0.1:7000");
+        assert_eq!(t.member_up(&me(), &restarted, now), Claim::Accepted);
+        assert_eq!(t.alive_generation(&a), Some(2));
+        // Once it is declared down, the id may come back from another address (a node
+        // restarted elsewhere).
+        assert!(t.member_down(&restarted, now));
+        assert_eq!(t.member_up(&me(), &impostor, now), Claim::Accepted);
+        assert_eq!(t.bound_addr(&a), Some(impostor.addr));
+        // And a node never lists itself among its peers.
+        let me_elsewhere = member_at("me", 5, "10.0.0.5:7000");
+        assert_eq!(t.member_up(&me(), &me_elsewhere, now), Claim::Ours);
+        assert!(t.views(now).iter().all(|v| v.id != me()));
     }
 
     #[test]

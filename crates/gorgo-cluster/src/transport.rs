@@ -50,8 +50,10 @@ pub struct AppMessage {
 /// transport stays below the SWIM, gossip and node layers instead of reaching into
 /// them.
 pub(crate) trait Inbound: Send + Sync + 'static {
-    /// A SWIM packet (kind byte stripped) from `from`.
-    fn swim(&self, from: NodeId, data: Bytes);
+    /// A SWIM packet (kind byte stripped) from `from`, on `conn`: the claim it makes
+    /// (its sender's address) decides whether the connection may speak for `from`
+    /// ([`Transport::bind_inbound`]).
+    fn swim(&self, from: NodeId, conn: quinn::Connection, data: Bytes);
     /// A summary gossip frame (kind byte stripped) from `from`.
     fn gossip(&self, from: &NodeId, frame: &[u8]);
     /// An application message.
@@ -97,12 +99,38 @@ pub(crate) struct DialSlot {
     failed_at: Mutex<Option<Instant>>,
 }
 
+/// What this node knows of the process behind a connection, beyond the node id its
+/// certificate names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Vouched {
+    /// This node dialed it, at an address it chose (a seed, or where the peer table
+    /// binds the node).
+    Dialed,
+    /// It came in, and its SWIM packets claim the node from this advertised address,
+    /// a claim the peer table accepted.
+    At(SocketAddr),
+    /// It came in, and its SWIM packets claim the node from an address the peer table
+    /// refused (the id is alive elsewhere).
+    Refused,
+}
+
 /// Connections by peer id (from its certificate) and, for dials, by address.
+///
+/// A certificate proves a node id but not which process holds it: two processes with
+/// the same certificate each connect as that id. So an inbound connection becomes the
+/// one this node sends to the peer on only once a SWIM packet on it claims an address
+/// the peer table accepts, and one whose claim was refused carries nothing up but its
+/// (checked) SWIM packets (docs/cluster.md, "Identity").
 #[derive(Debug, Default)]
 pub(crate) struct Connections {
+    /// The connection this node sends to each peer on.
     by_node: DashMap<NodeId, quinn::Connection>,
     by_addr: DashMap<SocketAddr, (NodeId, quinn::Connection)>,
     dials: DashMap<SocketAddr, Arc<DialSlot>>,
+    /// What is known of each open connection's process, by `stable_id`, and the
+    /// newest generation it is known to speak for (dialed, or claimed by an accepted
+    /// SWIM packet on it).
+    vouched: DashMap<usize, (Vouched, u64)>,
 }
 
 fn usable(c: &quinn::Connection) -> bool {
@@ -151,6 +179,7 @@ impl Connections {
         self.by_node.clear();
         self.by_addr.clear();
         self.dials.clear();
+        self.vouched.clear();
     }
 
     pub(crate) fn all(&self) -> Vec<(NodeId, quinn::Connection)> {
@@ -208,6 +237,82 @@ impl Transport {
     pub(crate) fn take_endpoint(&self) -> Option<quinn::Endpoint> {
         self.endpoint.lock().take()
     }
+
+    /// A SWIM packet on inbound `conn` claims `peer` from advertised address `addr`,
+    /// and the peer table accepted the claim: the connection may speak for `peer`, and
+    /// becomes the one this node sends to it on unless a usable one is there already.
+    /// The newest generation `conn` is known to speak for (0: none yet).
+    fn generation_of(&self, conn: &quinn::Connection) -> u64 {
+        self.conns.vouched.get(&conn.stable_id()).map_or(0, |v| v.1)
+    }
+
+    /// A SWIM packet on `conn` claims `claim.node` from `claim.addr` under
+    /// `claim.generation`, and the peer table accepted the claim: the connection may
+    /// speak for the node, and becomes the one this node sends to it on when there is
+    /// no usable one, or when the one there speaks for an older generation (the
+    /// node's previous run, restarted at its address: that connection leads to a dead
+    /// process until its idle timeout).
+    pub(crate) fn bind_inbound(&self, conn: &quinn::Connection, claim: &MemberId) {
+        let id = conn.stable_id();
+        {
+            let mut v = self
+                .conns
+                .vouched
+                .entry(id)
+                .or_insert((Vouched::At(claim.addr), 0));
+            if v.0 != Vouched::Dialed {
+                v.0 = Vouched::At(claim.addr);
+            }
+            v.1 = v.1.max(claim.generation);
+        }
+        let current = self.conns.by_node.get(&claim.node).map(|c| c.clone());
+        let replace = current.is_none_or(|c| {
+            c.stable_id() != id && (!usable(&c) || self.generation_of(&c) < claim.generation)
+        });
+        if replace {
+            // quinn has an RTT estimate from the handshake already: a known peer gets
+            // it now rather than at the next gossip round.
+            self.peers
+                .seed_rtt(&claim.node, conn.rtt().as_secs_f64() * 1000.0);
+            self.conns.by_node.insert(claim.node.clone(), conn.clone());
+        }
+    }
+
+    /// A SWIM packet on `conn` made a claim for `peer` the peer table refused: nothing
+    /// from it speaks for `peer`, and this node does not send to `peer` on it.
+    pub(crate) fn refuse(&self, peer: &NodeId, conn: &quinn::Connection) {
+        let id = conn.stable_id();
+        {
+            let mut v = self
+                .conns
+                .vouched
+                .entry(id)
+                .or_insert((Vouched::Refused, 0));
+            if v.0 == Vouched::Dialed {
+                // This node chose the address; the claim was refused as a whole (SWIM
+                // drops it), the connection stays what it is.
+                return;
+            }
+            v.0 = Vouched::Refused;
+        }
+        self.conns
+            .by_node
+            .remove_if(peer, |_, c| c.stable_id() == id);
+    }
+
+    /// Whether a stream on `conn` speaks for `peer`: not on a connection whose claim
+    /// was refused, nor on one accepted for another address than the one the id is
+    /// bound to now. A connection that has not made a claim yet does: a peer may open
+    /// a gossip stream on a fresh connection before its first SWIM packet on it, and a
+    /// second process with the id learns no members (its SWIM is refused), so it has
+    /// no streams to send.
+    fn may_speak_for(&self, peer: &NodeId, conn: &quinn::Connection) -> bool {
+        match self.conns.vouched.get(&conn.stable_id()).map(|v| v.0) {
+            Some(Vouched::Refused) => false,
+            Some(Vouched::At(addr)) => self.peers.bound_addr(peer).is_none_or(|b| b == addr),
+            Some(Vouched::Dialed) | None => true,
+        }
+    }
 }
 
 /// Get a connection to `addr` (the node there being `node` when known), dialing if
@@ -262,7 +367,18 @@ pub(crate) async fn connect(
             .conns
             .by_addr
             .insert(addr, (peer.clone(), conn.clone()));
-        register(inner, peer, conn.clone());
+        let generation = inner.peers.alive_generation(&peer).unwrap_or(0);
+        inner
+            .conns
+            .vouched
+            .insert(conn.stable_id(), (Vouched::Dialed, generation));
+        // quinn has an RTT estimate from the handshake already: a known peer gets it
+        // now rather than at the next gossip round.
+        inner
+            .peers
+            .seed_rtt(&peer, conn.rtt().as_secs_f64() * 1000.0);
+        inner.conns.by_node.insert(peer.clone(), conn.clone());
+        serve(inner, peer, conn.clone());
         Ok(conn)
     }
     .await;
@@ -369,7 +485,9 @@ pub(crate) async fn accept_loop(inner: Arc<Transport>) {
                 }
             };
             match peer_node_id(&conn) {
-                Some(peer) if peer != inner.node_id => register(&inner, peer, conn),
+                // Not yet the connection to `peer`: its SWIM packets must first claim
+                // an address the peer table accepts (`Transport::bind_inbound`).
+                Some(peer) if peer != inner.node_id => serve(&inner, peer, conn),
                 _ => {
                     ClusterMetrics::bump(&inner.metrics.handshakes_failed);
                     conn.close(1u32.into(), b"no node id");
@@ -379,14 +497,8 @@ pub(crate) async fn accept_loop(inner: Arc<Transport>) {
     }
 }
 
-/// Make `conn` the connection to `peer` and serve what arrives on it.
-fn register(inner: &Arc<Transport>, peer: NodeId, conn: quinn::Connection) {
-    // quinn has an RTT estimate from the handshake already: a known peer gets it now
-    // rather than at the next gossip round.
-    inner
-        .peers
-        .seed_rtt(&peer, conn.rtt().as_secs_f64() * 1000.0);
-    inner.conns.by_node.insert(peer.clone(), conn.clone());
+/// Serve what arrives on `conn`, a connection to `peer`.
+fn serve(inner: &Arc<Transport>, peer: NodeId, conn: quinn::Connection) {
     tokio::spawn(read_datagrams(inner.clone(), peer.clone(), conn.clone()));
     tokio::spawn(accept_unis(inner.clone(), peer.clone(), conn.clone()));
     tokio::spawn(accept_bis(inner.clone(), peer, conn));
@@ -406,7 +518,7 @@ async fn read_datagrams(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connec
             continue;
         }
         match inner.inbound.upgrade() {
-            Some(inbound) => inbound.swim(peer.clone(), d.slice(1..)),
+            Some(inbound) => inbound.swim(peer.clone(), conn.clone(), d.slice(1..)),
             None => return,
         }
     }
@@ -415,6 +527,7 @@ async fn read_datagrams(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connec
         .conns
         .by_node
         .remove_if(&peer, |_, c| c.stable_id() == conn.stable_id());
+    inner.conns.vouched.remove(&conn.stable_id());
 }
 
 async fn accept_unis(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connection) {
@@ -424,6 +537,11 @@ async fn accept_unis(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connectio
             _ = inner.shutdown.cancelled() => return,
             r = conn.accept_uni() => match r { Ok(r) => r, Err(_) => return },
         };
+        if !inner.may_speak_for(&peer, &conn) {
+            ClusterMetrics::bump(&inner.metrics.unbound_streams_dropped);
+            let _ = recv.stop(1u32.into());
+            continue;
+        }
         let inner = inner.clone();
         let peer = peer.clone();
         tokio::spawn(async move {
@@ -486,6 +604,11 @@ async fn accept_bis(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connection
             _ = inner.shutdown.cancelled() => return,
             r = conn.accept_bi() => match r { Ok(r) => r, Err(_) => return },
         };
+        if !inner.may_speak_for(&peer, &conn) {
+            // Dropping the streams resets them: the origin serves elsewhere.
+            ClusterMetrics::bump(&inner.metrics.unbound_streams_dropped);
+            continue;
+        }
         let fwd = IncomingForward {
             from: peer.clone(),
             send,

@@ -17,18 +17,7 @@ fn spec(
     i: usize,
     creds: &std::collections::BTreeMap<String, gorgo_cluster::NodeCredentials>,
 ) -> NodeSpec {
-    NodeSpec {
-        name: NAMES[i].to_owned(),
-        region: format!("region-{i}"),
-        credentials: creds[NAMES[i]].clone(),
-        seeds: if i == 0 {
-            vec![]
-        } else {
-            vec!["n0".to_owned()]
-        },
-        churn: None,
-        generation: 1,
-    }
+    seeded_spec(&NAMES, i, creds, 1)
 }
 
 #[test]
@@ -164,4 +153,134 @@ fn forwards_app_messages_stats_and_leave() {
     let took = gone - asked;
     eprintln!("converged+forwarded by {asked:?}, leave seen after {took:?}");
     assert!(took < Duration::from_millis(800), "leave took {took:?}");
+}
+
+#[test]
+fn peer_gone_resolves_when_the_peer_dies_or_restarts_and_not_before() {
+    let mut sim = sim(19, Duration::from_secs(60));
+    let creds = credentials(&NAMES);
+    let handles = Handles::default();
+    // When n0's `peer_gone` resolved for each peer, in simulated time.
+    let gone_at = Arc::new(Mutex::new(std::collections::BTreeMap::new()));
+    {
+        let s = spec(0, &creds);
+        let handles = handles.clone();
+        let gone_at = gone_at.clone();
+        sim.host("n0", move || {
+            let s = s.clone();
+            let handles = handles.clone();
+            let gone_at = gone_at.clone();
+            async move {
+                let (h, _) = start_node(&s).await?;
+                handles.lock().insert(s.name.clone(), h.clone());
+                let mut changes = h.subscribe_membership();
+                while h.alive_peers().len() < 2 {
+                    changes.changed().await?;
+                }
+                for peer in ["n1", "n2"] {
+                    let gone = h.peer_gone(&NodeId::from(peer));
+                    let gone_at = gone_at.clone();
+                    tokio::spawn(async move {
+                        gone.await;
+                        gone_at.lock().insert(peer, turmoil::elapsed());
+                    });
+                }
+                std::future::pending::<()>().await;
+                Ok(())
+            }
+        });
+    }
+    for i in [1, 2] {
+        // The wall clock: a restart takes a newer generation, as a real one does.
+        add_node(&mut sim, seeded_spec(&NAMES, i, &creds, 0), handles.clone());
+    }
+    set_wan_latencies(&mut sim, &NAMES);
+    converge(&mut sim, &handles, &NAMES);
+    run_for(&mut sim, Duration::from_secs(2));
+    assert!(gone_at.lock().is_empty(), "{:?}", gone_at.lock());
+
+    // n1 dies (kill -9): gone the moment n0's membership declares it down.
+    sim.crash("n1");
+    let n1 = NodeId::from("n1");
+    let down_at = run_until(&mut sim, Duration::from_secs(10), |_| {
+        !handles.lock()["n0"].alive_peers().contains(&n1)
+    })
+    .expect("n1 declared down at n0");
+    run_for(&mut sim, Duration::from_millis(1));
+    let at = gone_at.lock().get("n1").copied();
+    assert!(
+        at.is_some_and(|t| t <= down_at + Duration::from_millis(1)),
+        "declared down at {down_at:?}, gone at {at:?}"
+    );
+    assert!(!gone_at.lock().contains_key("n2"));
+
+    // n2 restarts at its address before failure detection could fire: its old run is
+    // gone as soon as n0 sees the new one, although n2 was never seen down.
+    let old = handles.lock().remove("n2").unwrap().identity().generation;
+    sim.bounce("n2");
+    let n2 = NodeId::from("n2");
+    let renamed_at = run_until(&mut sim, Duration::from_secs(10), |_| {
+        handles.lock()["n0"]
+            .peers()
+            .iter()
+            .any(|p| p.id == n2 && p.alive && p.generation > old)
+    })
+    .expect("n0 sees n2's new run");
+    run_for(&mut sim, Duration::from_millis(1));
+    let at = gone_at.lock().get("n2").copied();
+    assert!(
+        at.is_some_and(|t| t <= renamed_at + Duration::from_millis(1)),
+        "new run seen at {renamed_at:?}, gone at {at:?}"
+    );
+}
+
+#[test]
+fn a_draining_node_stops_being_a_candidate_at_once_but_stays_a_member() {
+    let mut sim = sim(23, Duration::from_secs(60));
+    let creds = credentials(&NAMES);
+    let handles = Handles::default();
+    converged_cluster(&mut sim, &NAMES, &creds, 1, &handles);
+    handles.lock()["n1"]
+        .broadcast_stats(QueueStats {
+            running: 3,
+            ..Default::default()
+        })
+        .unwrap();
+    let n1 = NodeId::from("n1");
+    let n1_says = |draining: bool| {
+        let h = handles.lock();
+        ["n0", "n2"].iter().all(|o| {
+            h[*o]
+                .peers()
+                .iter()
+                .any(|p| p.id == n1 && p.stats.as_ref().is_some_and(|s| s.draining == draining))
+        })
+    };
+    run_until(&mut sim, Duration::from_secs(5), |_| n1_says(false)).expect("stats arrive");
+
+    // SIGTERM at n1: drain first.
+    let asked = sim.elapsed();
+    handles.lock()["n1"].drain().unwrap();
+    assert!(handles.lock()["n1"].is_draining());
+    let seen = run_until(&mut sim, Duration::from_secs(5), |_| n1_says(true))
+        .expect("peers see n1 draining");
+    let took = seen - asked;
+    eprintln!("draining seen after {took:?}");
+    // The broadcast goes out at once: about one one-way delay (45-125 ms), well
+    // before a gossip round or failure detection would tell.
+    assert!(took < Duration::from_millis(400), "took {took:?}");
+    // Still a member everywhere (forwards in flight there finish), and the stats it
+    // publishes from now on keep saying so.
+    handles.lock()["n1"]
+        .broadcast_stats(QueueStats::default())
+        .unwrap();
+    let left = run_until(&mut sim, Duration::from_secs(5), |_| {
+        !n1_says(true) || {
+            let h = handles.lock();
+            ["n0", "n2"]
+                .iter()
+                .any(|o| !h[*o].alive_peers().contains(&n1))
+        }
+    });
+    assert!(left.is_none(), "n1 stopped draining or left at {left:?}");
 }

@@ -227,6 +227,10 @@ impl EngineView {
             base_ms: self.fit.base_ms(),
             decode_step_ms: self.cfg.decode_step_ms,
             epoch,
+            // The view of an engine knows neither: the cluster that publishes these
+            // stamps its run and whether the node is draining.
+            incarnation: 0,
+            draining: false,
         }
     }
 

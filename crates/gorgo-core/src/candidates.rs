@@ -38,8 +38,9 @@ pub struct PeerState<'a> {
 
 /// Build the candidates of one decision at `now_ms`. `matched_tokens` gives the
 /// prompt tokens a peer's last summary matches (asked only for peers that are
-/// candidates). Peers that are dead, have sent no stats, or carry the local node's id
-/// are left out. The ledger observes every candidate peer's stats version (clearing
+/// candidates). Peers that are dead, have sent no stats, say they are draining (about
+/// to shut down: what is in flight there finishes, nothing new goes there), or carry
+/// the local node's id are left out. The ledger observes every candidate peer's stats version (clearing
 /// the forwards those stats already reflect) and its pending forwards are applied.
 pub fn build_candidates<'a>(
     local: LocalState,
@@ -64,10 +65,10 @@ pub fn build_candidates<'a>(
         if !p.alive || *p.node == out[0].node {
             continue;
         }
-        let Some(stats) = p.stats else {
+        let Some(stats) = p.stats.filter(|s| !s.draining) else {
             continue;
         };
-        ledger.observe_stats(p.node, stats.version, now_ms, p.rtt_ms);
+        ledger.observe_stats(p.node, stats, now_ms, p.rtt_ms);
         let mut c = Candidate {
             node: p.node.clone(),
             is_local: false,
@@ -105,7 +106,7 @@ mod tests {
     }
 
     #[test]
-    fn local_first_then_live_peers_with_stats() {
+    fn local_first_then_live_peers_with_stats_not_draining() {
         let (b, c, d, a) = (
             NodeId::from("b"),
             NodeId::from("c"),
@@ -115,6 +116,11 @@ mod tests {
         let stats = QueueStats {
             version: 3,
             ..QueueStats::default()
+        };
+        let e = NodeId::from("e");
+        let draining = QueueStats {
+            draining: true,
+            ..stats.clone()
         };
         let peers = [
             PeerState {
@@ -140,6 +146,12 @@ mod tests {
                 alive: true,
                 rtt_ms: 0.0,
                 stats: Some(&stats),
+            },
+            PeerState {
+                node: &e,
+                alive: true,
+                rtt_ms: 20.0,
+                stats: Some(&draining),
             },
         ];
         let mut ledger = ForwardLedger::new();

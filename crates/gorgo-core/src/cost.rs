@@ -369,8 +369,8 @@ pub const MAX_FORWARD_BIAS_MS: f64 = 60_000.0;
 
 #[derive(Debug, Clone, Default)]
 struct PeerLedger {
-    /// Highest stats version seen from the peer, if any.
-    stats_version: Option<u64>,
+    /// Highest stats [`QueueStats::order`] seen from the peer, if any.
+    stats_order: Option<(u64, u64)>,
     /// `(sent_at_ms, prefill_tokens)` of forwards not yet reflected in its stats.
     forwards: VecDeque<(u64, u64)>,
     prefill_tokens: u64,
@@ -424,21 +424,29 @@ impl ForwardLedger {
         entry.prefill_tokens += prefill_tokens;
     }
 
-    /// New stats from `peer` arrived at `now_ms`: if their version is newer than the
-    /// last seen, clear the forwards they already reflect (those sent before
-    /// `now_ms - rtt_ms`). Pass `rtt_ms = 0` to clear every forward. Returns true when
-    /// the version was new.
-    pub fn observe_stats(&mut self, peer: &NodeId, version: u64, now_ms: u64, rtt_ms: f64) -> bool {
+    /// New stats from `peer` arrived at `now_ms`: if they are newer (by
+    /// [`QueueStats::order`]: a restarted peer's first stats are newer than its dead
+    /// run's last) than the last seen, clear the forwards they already reflect (those
+    /// sent before `now_ms - rtt_ms`). Pass `rtt_ms = 0` to clear every forward.
+    /// Returns true when they were new.
+    pub fn observe_stats(
+        &mut self,
+        peer: &NodeId,
+        stats: &QueueStats,
+        now_ms: u64,
+        rtt_ms: f64,
+    ) -> bool {
         // Looked up before inserting: this runs per peer per request, and `entry` would
         // clone the id every time.
         if !self.peers.contains_key(peer) {
             self.peers.insert(peer.clone(), PeerLedger::default());
         }
         let entry = self.peers.get_mut(peer).expect("inserted above");
-        if entry.stats_version.is_some_and(|seen| version <= seen) {
+        let order = stats.order();
+        if entry.stats_order.is_some_and(|seen| order <= seen) {
             return false;
         }
-        entry.stats_version = Some(version);
+        entry.stats_order = Some(order);
         let rtt = if rtt_ms.is_finite() && rtt_ms > 0.0 {
             rtt_ms as u64
         } else {
@@ -681,20 +689,28 @@ mod tests {
         assert_eq!(admission_wait_ms(&c), 0.0);
     }
 
+    fn stats_v(incarnation: u64, version: u64) -> QueueStats {
+        QueueStats {
+            incarnation,
+            version,
+            ..QueueStats::default()
+        }
+    }
+
     #[test]
     fn ledger_clears_on_newer_stats_only() {
         let p = NodeId::from("b");
         let mut l = ForwardLedger::new();
-        l.observe_stats(&p, 5, 0, 0.0);
+        l.observe_stats(&p, &stats_v(0, 5), 0, 0.0);
         l.record_forward(&p, 100, 1000);
         l.record_forward(&p, 50, 1100);
         assert_eq!(l.pending(&p), (2, 150));
-        assert!(!l.observe_stats(&p, 5, 2000, 0.0));
+        assert!(!l.observe_stats(&p, &stats_v(0, 5), 2000, 0.0));
         assert_eq!(l.pending(&p), (2, 150));
         // Stats produced ~rtt/2 ago cannot reflect the forward sent 50 ms ago.
-        assert!(l.observe_stats(&p, 6, 1150, 80.0));
+        assert!(l.observe_stats(&p, &stats_v(0, 6), 1150, 80.0));
         assert_eq!(l.pending(&p), (1, 50));
-        assert!(l.observe_stats(&p, 7, 1300, 80.0));
+        assert!(l.observe_stats(&p, &stats_v(0, 7), 1300, 80.0));
         assert_eq!(l.pending(&p), (0, 0));
         let mut c = Candidate::idle("b", false, 1.0);
         l.record_forward(&p, 7, 1400);
@@ -705,6 +721,23 @@ mod tests {
         );
         l.forget(&p);
         assert_eq!(l.pending(&p), (0, 0));
+    }
+
+    #[test]
+    fn a_restarted_peers_first_stats_clear_what_its_dead_run_never_reflected() {
+        // The dead run got far in versions; the restarted one counts from 1. Before
+        // incarnations, its stats were "old" here for as long as the dead run had been
+        // up, and the forwards sent meanwhile piled up against it: it was never chosen.
+        let p = NodeId::from("b");
+        let mut l = ForwardLedger::new();
+        assert!(l.observe_stats(&p, &stats_v(100, 2_272), 0, 0.0));
+        l.record_forward(&p, 500, 1000);
+        assert!(l.observe_stats(&p, &stats_v(200, 1), 2000, 0.0));
+        assert_eq!(l.pending(&p), (0, 0));
+        // A late copy from the dead run changes nothing.
+        l.record_forward(&p, 500, 2100);
+        assert!(!l.observe_stats(&p, &stats_v(100, 2_273), 3000, 0.0));
+        assert_eq!(l.pending(&p), (1, 500));
     }
 
     #[test]

@@ -14,7 +14,10 @@
 //!   heard, its last queue stats (kept only when newer), and the reorder buffer for
 //!   deltas that overtook the one they follow. A gap that does not fill in time (or a
 //!   delta before any snapshot) yields a [`GossipMessage::SnapshotRequest`] to send
-//!   back, rate-limited per peer.
+//!   back, rate-limited per peer. Everything held is of one incarnation of the peer
+//!   (the run of its process, [`QueueStats::incarnation`] on every message): a newer
+//!   one replaces it at once, an older one (a dead run's messages still travelling)
+//!   is dropped.
 //!
 //! Messages are the wire types of [`crate::wire`]; times are `now_ms` on the driver's
 //! clock.
@@ -196,7 +199,8 @@ impl GossipSender {
 /// What receiving a gossip message did to the summary held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SummaryEvent {
-    /// Nothing changed (a snapshot request, or a delta that was dropped).
+    /// Nothing changed (a snapshot request, a delta that was dropped, or a message
+    /// from an older incarnation of the peer).
     None,
     /// A snapshot replaced the summary (and held deltas that follow were applied).
     Snapshot,
@@ -227,10 +231,13 @@ pub struct Received {
 }
 
 /// The receiver half for one peer: its summary and stats as heard, and the reorder
-/// buffer. The driver keeps one per peer in its peer table and resets it
-/// ([`PeerGossip::default`]) when the peer's identity changes.
+/// buffer, all of one incarnation of the peer. The driver keeps one per peer in its
+/// peer table and calls [`PeerGossip::forget`] when the peer's membership identity
+/// changes.
 #[derive(Debug, Clone, Default)]
 pub struct PeerGossip {
+    /// The newest incarnation of the peer heard from; `None` before any message.
+    incarnation: Option<u64>,
     summary: Option<PeerSummary>,
     stats: Option<QueueStats>,
     /// Future deltas by `from_version`.
@@ -262,15 +269,50 @@ impl PeerGossip {
         self.pending.len()
     }
 
-    /// Keep `stats` when newer than the ones held (by version; version 0 means "never
-    /// published" and is not kept). True when kept. Also the path of stats that arrive
-    /// outside summary gossip (SWIM broadcasts).
+    /// The newest incarnation of the peer heard from, if any.
+    pub fn incarnation(&self) -> Option<u64> {
+        self.incarnation
+    }
+
+    /// The peer's membership identity changed (a restart or a rejoin): what is held
+    /// may be a dead run's, so let it go. The newest incarnation heard from stays: a
+    /// dead run's messages still travelling must not fill the table again.
+    pub fn forget(&mut self) {
+        self.summary = None;
+        self.stats = None;
+        self.clear_pending();
+        self.snapshot_requested_at_ms = None;
+    }
+
+    /// Whether a message of `incarnation` is of the run held (or a newer one, which
+    /// replaces everything held first). False for an older run's message.
+    fn admit(&mut self, incarnation: u64) -> bool {
+        match self.incarnation {
+            Some(held) if incarnation < held => false,
+            Some(held) if incarnation == held => true,
+            held => {
+                if held.is_some() {
+                    // A restarted peer: its summary versions and stats versions start
+                    // afresh, so nothing held of the old run can be compared with them.
+                    self.forget();
+                }
+                self.incarnation = Some(incarnation);
+                true
+            }
+        }
+    }
+
+    /// Keep `stats` when newer than the ones held (by [`QueueStats::order`]: a newer
+    /// incarnation replaces everything held, an older one is dropped; version 0 means
+    /// "never published" and is not kept). True when kept. Also the path of stats that
+    /// arrive outside summary gossip (SWIM broadcasts).
     pub fn offer_stats(&mut self, stats: &QueueStats) -> bool {
-        if stats.version == 0
+        if !self.admit(stats.incarnation)
+            || stats.version == 0
             || self
                 .stats
                 .as_ref()
-                .is_some_and(|s| s.version >= stats.version)
+                .is_some_and(|s| s.order() >= stats.order())
         {
             return false;
         }
@@ -302,6 +344,22 @@ impl PeerGossip {
             snapshot_requested: false,
             reply: None,
         };
+        let incarnation = match &msg {
+            GossipMessage::SummaryDelta { delta, .. } if delta.to_version < delta.from_version => {
+                return Err(CoreError::Malformed(format!(
+                    "summary delta goes backwards: {} -> {}",
+                    delta.from_version, delta.to_version
+                )));
+            }
+            GossipMessage::SummarySnapshot { stats, .. }
+            | GossipMessage::SummaryDelta { stats, .. } => Some(stats.incarnation),
+            GossipMessage::SnapshotRequest { .. } => None,
+        };
+        if incarnation.is_some_and(|i| !self.admit(i)) {
+            // A dead run's summary message, still travelling: its versions do not
+            // belong to the run held (a restarted peer counts from the start again).
+            return Ok(out);
+        }
         match msg {
             GossipMessage::SnapshotRequest { .. } => out.snapshot_requested = true,
             GossipMessage::SummarySnapshot {
@@ -317,12 +375,6 @@ impl PeerGossip {
                 out.stats_updated = self.offer_stats(&stats);
             }
             GossipMessage::SummaryDelta { delta, stats, .. } => {
-                if delta.to_version < delta.from_version {
-                    return Err(CoreError::Malformed(format!(
-                        "summary delta goes backwards: {} -> {}",
-                        delta.from_version, delta.to_version
-                    )));
-                }
                 out.summary = self.receive_delta(delta, now_ms, config)?;
                 out.stats_updated = self.offer_stats(&stats);
             }
@@ -618,6 +670,81 @@ mod tests {
                 &GossipConfig::default()
             )
             .is_err());
+    }
+
+    /// `msg` as sent by incarnation `incarnation` of its origin, with stats `version`.
+    fn of_run(incarnation: u64, version: u64, mut msg: GossipMessage) -> GossipMessage {
+        if let GossipMessage::SummaryDelta { stats, .. }
+        | GossipMessage::SummarySnapshot { stats, .. } = &mut msg
+        {
+            stats.incarnation = incarnation;
+            stats.version = version;
+        }
+        msg
+    }
+
+    fn snapshot_of(version: u64, fingerprints: &[u32]) -> GossipMessage {
+        GossipMessage::SummarySnapshot {
+            origin: "b".into(),
+            snapshot: SummarySnapshot {
+                version,
+                fingerprints: fingerprints.to_vec(),
+            },
+            stats: QueueStats::default(),
+        }
+    }
+
+    #[test]
+    fn a_restarted_peer_replaces_its_dead_run_and_the_dead_runs_messages_are_dropped() {
+        let mut p = PeerGossip::new();
+        recv(&mut p, of_run(1, 500, snapshot_of(1000, &[1, 2, 3])), 0);
+        recv(&mut p, of_run(1, 501, delta(1000, 1001, &[4])), 0);
+        assert_eq!(p.summary().unwrap().len(), 4);
+        assert_eq!(p.incarnation(), Some(1));
+        // The restarted run: its summary and stats versions start afresh.
+        let r = recv(&mut p, of_run(2, 1, snapshot_of(1000, &[9])), 10);
+        assert_eq!(r.summary, SummaryEvent::Snapshot);
+        assert!(r.stats_updated, "its first stats replace the dead run's");
+        assert_eq!(p.incarnation(), Some(2));
+        assert_eq!(p.summary().unwrap().len(), 1);
+        assert_eq!(p.stats().unwrap().order(), (2, 1));
+        // The dead run's messages, still travelling, change nothing: not its delta
+        // (whose versions would line up with the new run's), not its higher stats.
+        let r = recv(&mut p, of_run(1, 502, delta(1000, 1001, &[5])), 20);
+        assert_eq!(r.summary, SummaryEvent::None);
+        assert!(!r.stats_updated);
+        assert!(!p.summary().unwrap().contains(5));
+        assert_eq!(p.summary().unwrap().version(), 1000);
+        assert!(!p.offer_stats(&QueueStats {
+            incarnation: 1,
+            version: 2_272,
+            ..QueueStats::default()
+        }));
+        assert_eq!(p.stats().unwrap().order(), (2, 1));
+        // A newer run's delta before its snapshot: what was held goes, a snapshot is
+        // asked for.
+        let r = recv(&mut p, of_run(3, 1, delta(1000, 1001, &[7])), 2_000);
+        assert_eq!(r.summary, SummaryEvent::Gap);
+        assert!(r.reply.is_some());
+        assert!(p.summary().is_none());
+        assert_eq!(p.stats().unwrap().order(), (3, 1));
+    }
+
+    #[test]
+    fn forgetting_keeps_the_newest_incarnation_out_of_reach_of_older_ones() {
+        let mut p = PeerGossip::new();
+        let run = |incarnation, version| QueueStats {
+            incarnation,
+            version,
+            ..QueueStats::default()
+        };
+        assert!(p.offer_stats(&run(5, 10)));
+        recv(&mut p, of_run(5, 11, snapshot_of(3, &[1])), 0);
+        p.forget();
+        assert!(p.summary().is_none() && p.stats().is_none());
+        assert!(!p.offer_stats(&run(4, 99)), "an older run stays out");
+        assert!(p.offer_stats(&run(5, 1)), "the same run starts over");
+        assert!(p.offer_stats(&run(6, 1)));
     }
 
     #[test]

@@ -39,10 +39,11 @@ impl Default for Weights {
 
 /// A node's load signals, gossiped to peers (foca broadcast and with each summary).
 ///
-/// Versioned per origin so that a receiver drops a stale copy.
+/// Versioned per run of the origin's process so that a receiver drops a stale copy:
+/// copies are ordered by [`QueueStats::order`], incarnation first.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct QueueStats {
-    /// Monotonic per origin; higher wins.
+    /// Monotonic per incarnation of the origin; higher wins.
     pub version: u64,
     /// Prompt tokens admitted and not yet prefilled (the prefill queue).
     pub unfinished_prefill_tokens: u64,
@@ -64,4 +65,22 @@ pub struct QueueStats {
     pub decode_step_ms: f64,
     /// The tuning epoch the node routes with.
     pub epoch: u64,
+    /// Which run of the origin's process these come from (the cluster stamps its start
+    /// time, ms): a restarted node counts `version` afresh, so without it a receiver
+    /// would keep the dead run's higher versions (docs/cluster.md, "Incarnations").
+    /// 0 where nodes never restart (the simulator).
+    #[serde(default)]
+    pub incarnation: u64,
+    /// The origin is draining (about to shut down): peers route nothing new to it,
+    /// while what is in flight there finishes (docs/cluster.md, "Leaving").
+    #[serde(default)]
+    pub draining: bool,
+}
+
+impl QueueStats {
+    /// Where this copy stands among its origin's copies, `(incarnation, version)`:
+    /// the one comparison every receiver makes (peer gossip, the forward ledger).
+    pub fn order(&self) -> (u64, u64) {
+        (self.incarnation, self.version)
+    }
 }

@@ -77,6 +77,26 @@ impl PeerSource for ClusterPeers {
         })
     }
 
+    fn peer_gone(&self, peer: &NodeId) -> BoxFuture<'static, ()> {
+        Box::pin(self.handle.peer_gone(peer))
+    }
+
+    fn drain(&self) {
+        if let Err(e) = self.handle.drain() {
+            tracing::warn!(error = %e, "draining: stats broadcast failed");
+        }
+    }
+
+    fn leave(&self) -> BoxFuture<'static, ()> {
+        let handle = self.handle.clone();
+        Box::pin(async move {
+            if let Err(e) = handle.leave().await {
+                // Already stopped (shutdown cancelled): nothing left to leave.
+                tracing::debug!(error = %e, "leave");
+            }
+        })
+    }
+
     fn publish_stats(&self, stats: QueueStats) {
         if let Err(e) = self.handle.broadcast_stats(stats) {
             tracing::debug!(error = %e, "stats broadcast failed");
@@ -126,9 +146,12 @@ impl PeerSource for ClusterPeers {
 
     fn gossip_counters(&self) -> GossipCounters {
         let m = self.handle.metrics();
+        let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
         GossipCounters {
             bytes_sent: m.total_bytes_sent(),
             bytes_received: m.total_bytes_received(),
+            identity_conflicts: load(&m.identity_conflicts),
+            own_id_claimed: load(&m.own_id_claimed),
         }
     }
 }

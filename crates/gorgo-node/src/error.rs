@@ -15,4 +15,9 @@ pub enum NodeError {
     /// A peer sent bytes that break the forward protocol.
     #[error("forward protocol: {0}")]
     Protocol(String),
+    /// Membership declared the peer a forward went to dead (or saw it restart) before
+    /// it answered: nothing reached the client, so the request may be served
+    /// elsewhere.
+    #[error("peer {0} declared dead before it answered")]
+    PeerGone(gorgo_core::NodeId),
 }

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::future::BoxFuture;
 use futures::StreamExt;
 use gorgo_core::NodeId;
 use serde::de::DeserializeOwned;
@@ -77,12 +78,22 @@ const END_ERR: u32 = u32::MAX;
 
 /// Forward to a peer and wait for its response head. Any error here happened before
 /// the first byte, so the caller may serve locally instead.
+///
+/// The whole forward races the peer's death in membership
+/// ([`crate::peers::PeerSource::peer_gone`]): a killed peer's stream never ends by
+/// itself (nothing closes it until the QUIC idle timeout or the first-byte timeout),
+/// so the moment membership declares the peer dead, a forward still waiting for its
+/// head fails with [`NodeError::PeerGone`] (`serve` falls back to serving it here),
+/// and a response already relaying ends with an error (the ingress sends the client an
+/// SSE error event).
 pub async fn forward(
     state: &Arc<NodeState>,
     peer: &NodeId,
     req: &RoutedRequest,
 ) -> Result<Upstream, NodeError> {
     let timeout = Duration::from_millis(state.config.limits.first_byte_timeout_ms);
+    // Taken before opening: a death while the stream opens counts too.
+    let mut gone = state.peers.peer_gone(peer);
     let fut = async {
         let (mut send, mut recv) = state.peers.open_forward(peer).await?;
         let mut headers = req.headers.clone();
@@ -105,9 +116,13 @@ pub async fn forward(
         let head: ForwardResponseHead = read_frame(&mut recv, MAX_RESPONSE_HEAD).await?;
         Ok::<_, NodeError>((send, recv, head))
     };
-    let (send, recv, head) = tokio::time::timeout(timeout, fut)
-        .await
-        .map_err(|_| NodeError::Cluster(format!("peer {peer} sent no response head in time")))??;
+    let (send, recv, head) = tokio::select! {
+        biased;
+        _ = &mut gone => return Err(NodeError::PeerGone(peer.clone())),
+        head = tokio::time::timeout(timeout, fut) => head.map_err(|_| {
+            NodeError::Cluster(format!("peer {peer} sent no response head in time"))
+        })??,
+    };
     if head.status == 502 || head.status == 503 {
         // The peer could not serve after all (its engine failed or it is overloaded):
         // nothing reached the client yet, so the caller may still serve locally.
@@ -126,37 +141,61 @@ pub async fn forward(
         headers,
         served_by: head.served_by.0,
         hops: head.hops,
-        body: chunk_stream(recv, send),
+        body: chunk_stream(recv, send, gone, peer.clone()),
     })
 }
 
-/// Turn a peer's chunk frames into a body stream. `keep` (the send half) lives as long
-/// as the stream so the peer does not see us go away before we do.
-fn chunk_stream<K: Send + 'static>(recv: ForwardRecv, keep: K) -> BodyStream {
+/// Turn a peer's chunk frames into a body stream that ends with an error once `gone`
+/// (the peer's death in membership) resolves. `keep` (the send half) lives as long as
+/// the stream so the peer does not see us go away before we do.
+fn chunk_stream<K: Send + 'static>(
+    recv: ForwardRecv,
+    keep: K,
+    gone: BoxFuture<'static, ()>,
+    peer: NodeId,
+) -> BodyStream {
     Box::pin(futures::stream::unfold(
-        Some((recv, keep)),
-        |st| async move {
-            let (mut recv, keep) = st?;
-            let mut len = [0u8; 4];
-            if let Err(e) = recv.read_exact(&mut len).await {
-                return Some((Err(format!("peer stream ended early: {e}")), None));
-            }
-            match u32::from_be_bytes(len) {
-                END_OK => None,
-                END_ERR => Some((Err("serving node failed mid-response".to_owned()), None)),
-                n if n as usize > MAX_CHUNK_BYTES => {
-                    Some((Err(format!("peer chunk of {n} bytes over limit")), None))
-                }
-                n => {
-                    let mut buf = vec![0u8; n as usize];
-                    match recv.read_exact(&mut buf).await {
-                        Ok(_) => Some((Ok(Bytes::from(buf)), Some((recv, keep)))),
-                        Err(e) => Some((Err(format!("peer stream ended early: {e}")), None)),
-                    }
+        Some((recv, keep, gone)),
+        move |st| {
+            let peer = peer.clone();
+            async move {
+                let (mut recv, keep, mut gone) = st?;
+                tokio::select! {
+                    biased;
+                    _ = &mut gone => Some((
+                        Err(format!("peer {peer} declared dead mid-response")),
+                        None,
+                    )),
+                    chunk = read_chunk(&mut recv) => match chunk {
+                        Ok(Some(bytes)) => Some((Ok(bytes), Some((recv, keep, gone)))),
+                        Ok(None) => None,
+                        Err(e) => Some((Err(e), None)),
+                    },
                 }
             }
         },
     ))
+}
+
+/// One chunk frame of a forwarded response: its bytes, `None` at a clean end, or why
+/// the stream broke.
+async fn read_chunk(recv: &mut ForwardRecv) -> Result<Option<Bytes>, String> {
+    let mut len = [0u8; 4];
+    recv.read_exact(&mut len)
+        .await
+        .map_err(|e| format!("peer stream ended early: {e}"))?;
+    match u32::from_be_bytes(len) {
+        END_OK => Ok(None),
+        END_ERR => Err("serving node failed mid-response".to_owned()),
+        n if n as usize > MAX_CHUNK_BYTES => Err(format!("peer chunk of {n} bytes over limit")),
+        n => {
+            let mut buf = vec![0u8; n as usize];
+            recv.read_exact(&mut buf)
+                .await
+                .map_err(|e| format!("peer stream ended early: {e}"))?;
+            Ok(Some(Bytes::from(buf)))
+        }
+    }
 }
 
 /// Serve a forward a peer opened to us: read the request, route it with `serve` (the

@@ -77,6 +77,9 @@ pub struct NodeState {
     /// Set when the node starts draining (SIGTERM): `/readyz` answers 503 so load
     /// balancers stop sending, while in-flight requests finish.
     draining: AtomicBool,
+    /// Cancelled by a drain once local work is done: the listeners stop accepting and
+    /// close connections after their in-flight requests (a child of shutdown).
+    closing: CancellationToken,
     started: Instant,
     next_id: AtomicU64,
 }
@@ -133,6 +136,7 @@ impl NodeState {
             permits: Arc::new(Semaphore::new(config.limits.max_concurrency)),
             forward_permits: Arc::new(Semaphore::new(config.limits.max_forwards)),
             draining: AtomicBool::new(false),
+            closing: CancellationToken::new(),
             started: Instant::now(),
             next_id: AtomicU64::new(1),
             engine,
@@ -161,13 +165,6 @@ impl NodeState {
     /// but a load balancer does better sending its clients to a node with an engine.
     pub fn is_ready(&self) -> bool {
         !self.is_draining() && self.engine.is_ready()
-    }
-
-    /// Requests in flight through this node: clients' (ingress slots) and peers'
-    /// (forward slots, which also hold overflow requests sent on to peers).
-    pub fn in_flight(&self) -> usize {
-        (self.config.limits.max_concurrency - self.permits.available_permits())
-            + (self.config.limits.max_forwards - self.forward_permits.available_permits())
     }
 
     /// A fresh request id.
@@ -269,12 +266,15 @@ impl NodeState {
             .engine_breaker
             .set(self.engine.breaker().code());
         let g = self.peers.gossip_counters();
-        self.metrics
-            .gossip_bytes_sent
-            .set(g.bytes_sent.min(i64::MAX as u64) as i64);
-        self.metrics
-            .gossip_bytes_received
-            .set(g.bytes_received.min(i64::MAX as u64) as i64);
+        let m = &self.metrics;
+        for (gauge, count) in [
+            (&m.gossip_bytes_sent, g.bytes_sent),
+            (&m.gossip_bytes_received, g.bytes_received),
+            (&m.cluster_identity_conflicts, g.identity_conflicts),
+            (&m.cluster_own_id_claimed, g.own_id_claimed),
+        ] {
+            gauge.set(count.min(i64::MAX as u64) as i64);
+        }
         for p in peers {
             let label = metrics::PeerLabels {
                 peer: p.id.0.clone(),
@@ -332,32 +332,62 @@ impl NodeHandle {
     /// forwarding to it, new client requests go to peers while any is alive, and the
     /// requests in flight (clients' and peers' forwards) finish, for up to `deadline`.
     /// Returns how many were still in flight at the end (0: a clean drain). The caller
-    /// then cancels the shutdown token.
+    /// then leaves the cluster (`PeerSource::leave`) and cancels the shutdown token.
     pub async fn drain(&self, deadline: Duration) -> usize {
-        let state = &self.state;
-        state.start_draining();
-        state.peers.leave().await;
-        let started = Instant::now();
-        loop {
-            let in_flight = state.in_flight();
-            if in_flight == 0 {
-                tracing::info!(elapsed_ms = started.elapsed().as_millis() as u64, "drained");
-                return 0;
-            }
-            if started.elapsed() >= deadline {
-                tracing::warn!(in_flight, "drain deadline passed with requests in flight");
-                return in_flight;
-            }
-            // A stop is rare and this is not a test: a short poll is the simple way to
-            // watch two semaphores.
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        drain(&self.state, deadline).await
     }
 
     /// Wait until every task of the node ended (after shutdown).
     pub async fn wait(mut self) {
         while self.tasks.join_next().await.is_some() {}
     }
+}
+
+/// [`NodeHandle::drain`] on the node's shared state. In order: readiness off and
+/// peers told (its stats say `draining`: they stop forwarding here, `PeerSource::
+/// drain`); new client requests go to peers; once the
+/// local engine's requests and peers' forwards are done, the client listener stops
+/// accepting and each connection closes after its in-flight requests (HTTP/1
+/// `Connection: close`, HTTP/2 GOAWAY: clients reconnect elsewhere); then the client
+/// requests still being relayed finish. Waiting on relayed requests alone would never
+/// end under load: keep-alive clients keep sending.
+pub async fn drain(state: &Arc<NodeState>, deadline: Duration) -> usize {
+    state.start_draining();
+    state.peers.drain();
+    let started = Instant::now();
+    let limits = &state.config.limits;
+    let local_work = || {
+        state.engine.inflight() as usize
+            + (limits.max_forwards - state.forward_permits.available_permits())
+    };
+    let clients = || limits.max_concurrency - state.permits.available_permits();
+    for phase in ["local work", "client requests"] {
+        loop {
+            let n = if phase == "local work" {
+                local_work()
+            } else {
+                clients()
+            };
+            if n == 0 {
+                tracing::info!(
+                    phase,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "drained"
+                );
+                break;
+            }
+            if started.elapsed() >= deadline {
+                tracing::warn!(phase, in_flight = n, "drain deadline passed");
+                state.closing.cancel();
+                return local_work() + clients();
+            }
+            // A stop is rare and this is not a test: a short poll is the simple way to
+            // watch the counters.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        state.closing.cancel();
+    }
+    0
 }
 
 /// Start a node: serve the ingress and the admin API, health-check and scrape the
@@ -387,14 +417,17 @@ pub async fn start(
         client_limits,
         "client",
         state.metrics.connections.clone(),
+        state.closing.clone(),
         shutdown.clone(),
     ));
+    // The admin port stays up through a drain (probes see `draining`) until shutdown.
     tasks.spawn(listen::run(
         listeners.admin,
         admin::router(state.clone()),
         listen::ConnLimits::admin(&state.config.limits),
         "admin",
         state.metrics.connections.clone(),
+        shutdown.child_token(),
         shutdown.clone(),
     ));
 

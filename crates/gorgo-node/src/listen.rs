@@ -63,8 +63,7 @@ pub struct ConnLimits {
     /// Most headers in a request head (431 above).
     pub max_headers: usize,
     /// How long shutdown waits for connections to close once asked to. A graceful
-    /// stop drains requests before shutdown ([`crate::NodeHandle::drain`]), so this is
-    /// short.
+    /// stop drains before shutdown ([`crate::NodeHandle::drain`]), so this is short.
     pub close_grace: Duration,
 }
 
@@ -362,9 +361,10 @@ fn head_bytes<B>(req: &Request<B>) -> usize {
             .sum::<usize>()
 }
 
-/// Serve `app` on `listener` under `limits` until `shutdown`, then stop accepting,
-/// ask every connection to close after its in-flight requests and wait up to
-/// `limits.close_grace` for them.
+/// Serve `app` on `listener` under `limits` until `closing` (or `shutdown`, which
+/// implies it): then stop accepting and ask every connection to close after its
+/// in-flight requests (HTTP/1 `Connection: close`, HTTP/2 GOAWAY). Return when they
+/// all have, or `limits.close_grace` after `shutdown`, cutting what is left.
 /// `port` labels the metrics (`client`, `admin`).
 pub async fn run(
     listener: TcpListener,
@@ -372,6 +372,7 @@ pub async fn run(
     limits: ConnLimits,
     port: &'static str,
     metrics: ConnMetrics,
+    closing: CancellationToken,
     shutdown: CancellationToken,
 ) {
     let slots = Arc::new(Mutex::new(Slots::default()));
@@ -380,6 +381,7 @@ pub async fn run(
     let gauge = metrics.open_gauge(port);
     loop {
         let accepted = tokio::select! {
+            _ = closing.cancelled() => break,
             _ = shutdown.cancelled() => break,
             Some(_) = connections.join_next(), if !connections.is_empty() => continue,
             a = listener.accept() => a,
@@ -391,6 +393,7 @@ pub async fn run(
                 // instead of spinning; connections closing will free some.
                 tracing::warn!(port, error = %e, "accept failed; backing off");
                 tokio::select! {
+                    _ = closing.cancelled() => break,
                     _ = shutdown.cancelled() => break,
                     _ = tokio::time::sleep(Duration::from_millis(50)) => {}
                 }
@@ -420,9 +423,10 @@ pub async fn run(
             limits,
             port,
             metrics.clone(),
-            shutdown.clone(),
+            closing.clone(),
         ));
     }
+    drop(listener);
     // Every connection has been asked to close (they watch `shutdown`); those still
     // open after the grace are cut, so no task outlives the node.
     let closed = async { while connections.join_next().await.is_some() {} };
@@ -448,7 +452,7 @@ async fn serve_connection(
     limits: ConnLimits,
     port: &'static str,
     metrics: ConnMetrics,
-    shutdown: CancellationToken,
+    closing: CancellationToken,
 ) {
     let activity = slot.activity.clone();
     let evict = slot.evict.clone();
@@ -501,6 +505,7 @@ async fn serve_connection(
         .max_header_list_size((limits.max_header_bytes * 4).min(u32::MAX as usize) as u32)
         .keep_alive_interval(Duration::from_secs(20))
         .keep_alive_timeout(Duration::from_secs(10));
+    let closing_token = closing;
     let conn = builder.serve_connection(TokioIo::new(tcp), service);
     tokio::pin!(conn);
     let mut closing = false;
@@ -517,7 +522,7 @@ async fn serve_connection(
                 }
                 return;
             }
-            _ = shutdown.cancelled(), if !closing => {
+            _ = closing_token.cancelled(), if !closing => {
                 closing = true;
                 conn.as_mut().graceful_shutdown();
             }

@@ -25,6 +25,8 @@ struct Member {
     state: Weak<NodeState>,
     incoming: mpsc::Sender<IncomingForward>,
     alive: bool,
+    /// It called [`PeerSource::drain`]: peers see its stats say so.
+    draining: bool,
 }
 
 /// The registry of in-process nodes.
@@ -32,6 +34,8 @@ struct Member {
 pub struct Mesh {
     members: RwLock<BTreeMap<NodeId, Member>>,
     rtt_ms: RwLock<BTreeMap<(NodeId, NodeId), f64>>,
+    /// Counts membership changes (kills), for [`PeerSource::peer_gone`] to wait on.
+    changes: tokio::sync::watch::Sender<u64>,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -72,17 +76,24 @@ impl Mesh {
                 state: Arc::downgrade(state),
                 incoming: tx,
                 alive: true,
+                draining: false,
             },
         );
         rx
     }
 
-    /// Mark a node dead, as a failure detector would: peers stop choosing it and new
-    /// forwards to it fail.
+    /// Mark a node dead, as a failure detector would: peers stop choosing it, new
+    /// forwards to it fail, and forwards in flight to it end
+    /// ([`PeerSource::peer_gone`]), whatever the node itself still does.
     pub fn kill(&self, id: &str) {
         if let Some(m) = self.members.write().get_mut(&NodeId::from(id)) {
             m.alive = false;
         }
+        self.changes.send_modify(|n| *n += 1);
+    }
+
+    fn is_alive(&self, id: &NodeId) -> bool {
+        self.members.read().get(id).is_some_and(|m| m.alive)
     }
 }
 
@@ -132,7 +143,10 @@ impl PeerSource for MeshPeers {
                         .map(|s| s.shadow.lock().len() as u64)
                         .unwrap_or(0),
                     summary_age_ms: state.as_ref().map(|_| 0),
-                    stats: state.map(|s| s.local_stats()),
+                    stats: state.map(|s| QueueStats {
+                        draining: m.draining,
+                        ..s.local_stats()
+                    }),
                 }
             })
             .collect()
@@ -180,6 +194,26 @@ impl PeerSource for MeshPeers {
                 Box::pin(our_recv) as ForwardRecv,
             ))
         })
+    }
+
+    fn peer_gone(&self, peer: &NodeId) -> BoxFuture<'static, ()> {
+        // Subscribed before looking, so that a kill in between is not missed.
+        let mut changes = self.mesh.changes.subscribe();
+        let mesh = self.mesh.clone();
+        let peer = peer.clone();
+        Box::pin(async move {
+            while mesh.is_alive(&peer) {
+                if changes.changed().await.is_err() {
+                    return;
+                }
+            }
+        })
+    }
+
+    fn drain(&self) {
+        if let Some(m) = self.mesh.members.write().get_mut(&self.me) {
+            m.draining = true;
+        }
     }
 
     fn publish_stats(&self, _stats: QueueStats) {

@@ -67,6 +67,12 @@ pub struct NodeMetrics {
     pub gossip_bytes_sent: Gauge,
     /// Gossip bytes received.
     pub gossip_bytes_received: Gauge,
+    /// Claims of a peer's node id from a second address, refused (an impostor with
+    /// its certificate, or a node restarted elsewhere before its old self was
+    /// declared down): nonzero means two processes run with one certificate.
+    pub cluster_identity_conflicts: Gauge,
+    /// Claims of this node's own id by another process, refused.
+    pub cluster_own_id_claimed: Gauge,
     /// Age of each peer's summary, ms (staleness).
     pub summary_age_ms: Family<PeerLabels, Gauge>,
     /// Age of each peer's queue stats, ms.
@@ -146,6 +152,18 @@ impl NodeMetrics {
             "gossip_bytes_received",
             "Gossip bytes received",
             gossip_bytes_received.clone(),
+        );
+        let cluster_identity_conflicts = Gauge::default();
+        registry.register(
+            "cluster_identity_conflicts",
+            "Claims of a peer's node id from a second address, refused",
+            cluster_identity_conflicts.clone(),
+        );
+        let cluster_own_id_claimed = Gauge::default();
+        registry.register(
+            "cluster_own_id_claimed",
+            "Claims of this node's own id by another process, refused",
+            cluster_own_id_claimed.clone(),
         );
         let summary_age_ms = Family::<PeerLabels, Gauge>::default();
         registry.register(
@@ -231,6 +249,8 @@ impl NodeMetrics {
             cost_terms,
             gossip_bytes_sent,
             gossip_bytes_received,
+            cluster_identity_conflicts,
+            cluster_own_id_claimed,
             summary_age_ms,
             stats_age_ms,
             inflight,

@@ -113,6 +113,10 @@ pub struct GossipCounters {
     pub bytes_sent: u64,
     /// Bytes of gossip received.
     pub bytes_received: u64,
+    /// Claims of a peer's node id from a second address, refused.
+    pub identity_conflicts: u64,
+    /// Claims of this node's own id by another process, refused.
+    pub own_id_claimed: u64,
 }
 
 /// The cluster as the router needs it.
@@ -126,6 +130,24 @@ pub trait PeerSource: Send + Sync + 'static {
         &self,
         peer: &NodeId,
     ) -> BoxFuture<'static, Result<(ForwardSend, ForwardRecv), NodeError>>;
+    /// Resolves once `peer` is not alive (at once when it is not alive now), or is
+    /// back as a new run of its process: what was in flight to it will never be
+    /// answered. A forward races its response against it ([`crate::forward::forward`]):
+    /// a stream to a killed node would otherwise hang until a timeout although
+    /// membership declared the node dead.
+    fn peer_gone(&self, peer: &NodeId) -> BoxFuture<'static, ()>;
+    /// Start draining (the node binary's SIGTERM): tell peers to stop sending this
+    /// node new forwards at once, while it stays a member so that what is in flight
+    /// finishes. Then wait for the work in flight and [`leave`](Self::leave).
+    fn drain(&self) {}
+    /// Leave the cluster (after [`drain`](Self::drain)): peers see this node go at
+    /// once rather than after failure detection. Resolves when the leave is sent and
+    /// the cluster's endpoint closed; forwards still in flight end with it. The QUIC
+    /// cluster then cancels the shutdown token it was started with, which
+    /// [`crate::cluster::start_with_cluster`] shares with the node: the node stops too.
+    fn leave(&self) -> BoxFuture<'static, ()> {
+        Box::pin(std::future::ready(()))
+    }
     /// Announce this node's queue stats to peers.
     fn publish_stats(&self, stats: QueueStats);
     /// Hand changes of this node's prefix summary to gossip.
@@ -139,11 +161,6 @@ pub trait PeerSource: Send + Sync + 'static {
     fn send_tuning(&self, _to: &NodeId, _msg: &TuningMessage) {}
     /// Send a tuning message to every live peer, best effort.
     fn broadcast_tuning(&self, _msg: &TuningMessage) {}
-    /// Tell peers this node is leaving (a graceful stop), so they stop forwarding to it
-    /// at once instead of after failure detection. Resolves once said.
-    fn leave(&self) -> BoxFuture<'static, ()> {
-        Box::pin(async {})
-    }
 }
 
 /// A cluster of one: no peers. Used when a node runs alone.
@@ -163,6 +180,10 @@ impl PeerSource for NoPeers {
     ) -> BoxFuture<'static, Result<(ForwardSend, ForwardRecv), NodeError>> {
         let peer = peer.clone();
         Box::pin(async move { Err(NodeError::Cluster(format!("no peer {peer}"))) })
+    }
+    fn peer_gone(&self, _peer: &NodeId) -> BoxFuture<'static, ()> {
+        // No peer is ever alive here.
+        Box::pin(std::future::ready(()))
     }
     fn publish_stats(&self, _stats: QueueStats) {}
 }

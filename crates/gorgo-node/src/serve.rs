@@ -91,7 +91,7 @@ fn check_context(state: &NodeState, req: &RoutedRequest) -> Result<(), ServeErro
     match state.engine.max_context_tokens() {
         Some(max) if prompt_tokens > max => Err(ServeError::ContextLength(format!(
             "this model's maximum context length is {max} tokens; the prompt has about \
-             {prompt_tokens}"
+             {prompt_tokens} tokens (estimated at routing.bytes_per_token)"
         ))),
         _ => Ok(()),
     }
@@ -233,9 +233,13 @@ pub async fn serve_local(
             req.body.clone(),
         )
         .await
-        .map_err(ServeError::from)?;
+        .map_err(|e| {
+            state.metrics.engine_failures.inc();
+            ServeError::from(e)
+        })?;
     let status = resp.status().as_u16();
     if resp.status().is_server_error() {
+        state.metrics.engine_failures.inc();
         // Nothing of it reached the client: let the caller route it elsewhere.
         return Err(ServeError::Failed(format!("engine answered {status}")));
     }

@@ -176,30 +176,92 @@ async fn wait_for_requests(engine: &StubEngine, n: u64) {
     .expect("request reached the engine");
 }
 
-#[tokio::test]
-async fn forward_failing_before_first_byte_falls_back_locally() {
-    let c = cluster("").await;
-    let p = prompt("context held by b", 40_000);
-    chat(&c.nodes[1], &p).await;
-    c.saturate(0, 50).await;
-    c.engines[1].set_mode(HANG);
-    let node_a = c.nodes[0].base.clone();
-    let body = chat_body(&p, false);
-    let pending = tokio::spawn(async move {
-        let resp = client()
-            .post(format!("{node_a}/v1/chat/completions"))
-            .json(&body)
+/// Timeouts far beyond any test: only membership can end a forward to a dead peer.
+const NO_TIMEOUTS: &str =
+    "[limits]\nfirst_byte_timeout_ms = 3600000\nrequest_timeout_ms = 3600000\n";
+
+/// Guard against a hang: what it wraps must end long before, or the test fails.
+async fn or_hang<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(60), fut)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: still waiting"))
+}
+
+/// The prompt whose prefix b holds in the forward tests.
+fn b_prompt() -> String {
+    prompt("context held by b", 40_000)
+}
+
+impl Cluster {
+    /// a, saturated, forwards a prompt to b (which holds its prefix), whose engine is
+    /// in `mode`; returns the prompt.
+    async fn prefix_at_b(&self, mode: u8) -> String {
+        let p = b_prompt();
+        chat(&self.nodes[1], &p).await;
+        self.saturate(0, 50).await;
+        self.engines[1].set_mode(mode);
+        p
+    }
+
+    /// A non-streaming request at a, forwarded to b and held by b's engine: its status
+    /// and server once it is answered.
+    async fn held_at_b(&self) -> tokio::task::JoinHandle<(u16, String)> {
+        let p = self.prefix_at_b(HANG).await;
+        let node_a = self.nodes[0].base.clone();
+        let body = chat_body(&p, false);
+        let pending = tokio::spawn(async move {
+            let resp = client()
+                .post(format!("{node_a}/v1/chat/completions"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            let served = resp.headers()["x-gorgo-served-by"]
+                .to_str()
+                .unwrap()
+                .to_owned();
+            (resp.status().as_u16(), served)
+        });
+        wait_for_requests(&self.engines[1], 2).await;
+        pending
+    }
+
+    /// A stream at a, forwarded to b, after its first chunk (b's engine then holds).
+    async fn streaming_from_b(&self) -> reqwest::Response {
+        let p = self.prefix_at_b(STREAM_THEN_HANG).await;
+        let mut resp = client()
+            .post(format!("{}/v1/chat/completions", self.nodes[0].base))
+            .json(&chat_body(&p, true))
             .send()
             .await
             .unwrap();
-        let served = resp.headers()["x-gorgo-served-by"]
-            .to_str()
-            .unwrap()
-            .to_owned();
-        (resp.status().as_u16(), served)
-    });
+        assert_eq!(resp.headers()["x-gorgo-served-by"], "b");
+        let first = resp.chunk().await.unwrap().unwrap();
+        assert!(first.starts_with(b"data: {"), "{first:?}");
+        resp
+    }
+}
+
+/// The rest of a stream, as text.
+async fn rest_of(mut resp: reqwest::Response) -> String {
+    let mut rest = Vec::new();
+    while let Some(chunk) = resp.chunk().await.unwrap() {
+        rest.extend_from_slice(&chunk);
+    }
+    String::from_utf8(rest).unwrap()
+}
+
+/// The rest of a stream that broke: an SSE error event, no end marker.
+fn assert_error_event(rest: &str) {
+    assert!(rest.starts_with("data: {\"error\""), "{rest}");
+    assert!(!rest.contains("[DONE]"), "{rest}");
+}
+
+#[tokio::test]
+async fn forward_failing_before_first_byte_falls_back_locally() {
+    let c = cluster("").await;
+    let pending = c.held_at_b().await;
     // The forward is at b's engine, which holds it: now b dies.
-    wait_for_requests(&c.engines[1], 2).await;
     c.mesh.kill("b");
     c.nodes[1].shutdown.cancel();
     let (status, served) = pending.await.unwrap();
@@ -211,46 +273,17 @@ async fn forward_failing_before_first_byte_falls_back_locally() {
 #[tokio::test]
 async fn forward_failing_mid_stream_ends_with_an_error_event() {
     let c = cluster("").await;
-    let p = prompt("context held by b", 40_000);
-    chat(&c.nodes[1], &p).await;
-    c.saturate(0, 50).await;
-    c.engines[1].set_mode(STREAM_THEN_HANG);
-    let mut resp = client()
-        .post(format!("{}/v1/chat/completions", c.nodes[0].base))
-        .json(&chat_body(&p, true))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.headers()["x-gorgo-served-by"], "b");
-    let first = resp.chunk().await.unwrap().unwrap();
-    assert!(first.starts_with(b"data: {"), "{first:?}");
+    let resp = c.streaming_from_b().await;
     c.mesh.kill("b");
     c.nodes[1].shutdown.cancel();
-    let mut rest = Vec::new();
-    while let Some(chunk) = resp.chunk().await.unwrap() {
-        rest.extend_from_slice(&chunk);
-    }
-    let rest = String::from_utf8(rest).unwrap();
-    assert!(rest.starts_with("data: {\"error\""), "{rest}");
-    assert!(!rest.contains("[DONE]"), "{rest}");
+    assert_error_event(&rest_of(resp).await);
     c.engines[1].release.notify_waiters();
 }
 
 #[tokio::test]
 async fn client_disconnect_cancels_the_forwarded_request_at_the_peer() {
     let c = cluster("").await;
-    let p = prompt("context held by b", 40_000);
-    chat(&c.nodes[1], &p).await;
-    c.saturate(0, 50).await;
-    c.engines[1].set_mode(STREAM_THEN_HANG);
-    let mut resp = client()
-        .post(format!("{}/v1/chat/completions", c.nodes[0].base))
-        .json(&chat_body(&p, true))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.headers()["x-gorgo-served-by"], "b");
-    resp.chunk().await.unwrap().unwrap();
+    let resp = c.streaming_from_b().await;
     assert_eq!(c.nodes[1].state().engine.inflight(), 1);
     drop(resp);
     let b = c.nodes[1].state().clone();
@@ -262,4 +295,50 @@ async fn client_disconnect_cancels_the_forwarded_request_at_the_peer() {
     .await
     .expect("the peer dropped the engine request");
     c.engines[1].release.notify_waiters();
+}
+
+#[tokio::test]
+async fn a_forward_to_a_peer_declared_dead_falls_back_at_once() {
+    let c = cluster(NO_TIMEOUTS).await;
+    let pending = c.held_at_b().await;
+    // b is declared dead, as after kill -9: nothing closes the stream (b's node and
+    // engine are still there, still holding it), only membership knows.
+    c.mesh.kill("b");
+    let (status, served) = or_hang("the forward to dead b", pending).await.unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(served, "a", "served locally once b was declared dead");
+    c.engines[1].release.notify_waiters();
+}
+
+#[tokio::test]
+async fn a_stream_from_a_peer_declared_dead_ends_with_an_error_event() {
+    let c = cluster(NO_TIMEOUTS).await;
+    let resp = c.streaming_from_b().await;
+    // b is declared dead mid-stream; its stream stays open (its engine still holds).
+    c.mesh.kill("b");
+    let rest = or_hang("the stream from dead b", rest_of(resp)).await;
+    assert_error_event(&rest);
+    assert!(rest.contains("declared dead"), "{rest}");
+    c.engines[1].release.notify_waiters();
+}
+
+#[tokio::test]
+async fn a_draining_peer_gets_no_new_forwards_but_finishes_what_it_has() {
+    let c = cluster("").await;
+    // A stream b is serving for a when b starts draining (SIGTERM at b).
+    let resp = c.streaming_from_b().await;
+    c.nodes[1].state().peers.drain();
+    c.engines[1].set_mode(NORMAL);
+    let p = b_prompt();
+    let before = c.engines[1].requests();
+    for _ in 0..3 {
+        let (status, served, _) = chat(&c.nodes[0], &p).await;
+        assert_eq!(status, 200);
+        assert_ne!(served, "b", "a forwarded to draining b");
+    }
+    assert_eq!(c.engines[1].requests(), before);
+    // What b had in flight finishes normally.
+    c.engines[1].release.notify_waiters();
+    let rest = or_hang("b's last stream", rest_of(resp)).await;
+    assert!(rest.ends_with("data: [DONE]\n\n"), "{rest}");
 }

@@ -332,3 +332,70 @@ async fn requests_waiting_on_a_hung_engine_fall_back_to_a_peer_when_its_breaker_
     a.shutdown.cancel();
     b.shutdown.cancel();
 }
+
+#[tokio::test]
+async fn a_draining_node_finishes_what_it_has_and_sends_new_work_to_peers() {
+    let mesh = Mesh::new();
+    mesh.set_rtt("a", "b", 5.0);
+    let ea = StubEngine::start("a").await;
+    let eb = StubEngine::start("b").await;
+    let a = start_node(config("a", &ea.url(), ""), Some(&mesh)).await;
+    let b = start_node(config("b", &eb.url(), ""), Some(&mesh)).await;
+    while !a
+        .state()
+        .peers
+        .peers()
+        .iter()
+        .any(|p| p.alive && p.stats.is_some())
+    {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // One request in flight at a's engine, held there.
+    ea.set_mode(HANG);
+    let url = format!("{}/v1/chat/completions", a.base);
+    let held = tokio::spawn({
+        let url = url.clone();
+        async move {
+            client()
+                .post(url)
+                .json(&chat_body(&prompt("held", 200), false))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    });
+    while ea.requests() < 1 {
+        tokio::task::yield_now().await;
+    }
+    let drain = tokio::spawn({
+        let state = a.state().clone();
+        async move { gorgo_node::drain(&state, Duration::from_secs(30)).await }
+    });
+    while !a.state().is_draining() {
+        tokio::task::yield_now().await;
+    }
+    let ready = client()
+        .get(format!("{}/readyz", a.admin))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), 503, "not ready while draining");
+    // New work goes to the peer.
+    let resp = client()
+        .post(&url)
+        .json(&chat_body(&prompt("new", 200), false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-gorgo-served-by"], "b");
+    assert!(!drain.is_finished(), "the held request is still in flight");
+    // The held request finishes: the drain ends clean.
+    ea.set_mode(NORMAL);
+    ea.release.notify_waiters();
+    assert_eq!(held.await.unwrap(), 200);
+    assert_eq!(drain.await.unwrap(), 0, "nothing left in flight");
+    a.shutdown.cancel();
+    b.shutdown.cancel();
+}

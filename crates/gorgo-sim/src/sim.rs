@@ -697,6 +697,9 @@ impl<'a> Sim<'a> {
             base_ms,
             decode_step_ms: s.decode_step_ms,
             epoch,
+            // Simulated nodes neither restart nor drain.
+            incarnation: 0,
+            draining: false,
         }
     }
 

@@ -300,6 +300,56 @@ pub fn converged(handles: &Handles, names: &[&str]) -> bool {
     })
 }
 
+/// The spec of the `i`-th of `names`: region `region-{i}`, the first node the seed of
+/// the others, no churn, `generation` (0: the simulated wall clock, as a real restart
+/// takes).
+pub fn seeded_spec(
+    names: &[&str],
+    i: usize,
+    creds: &BTreeMap<String, NodeCredentials>,
+    generation: u64,
+) -> NodeSpec {
+    NodeSpec {
+        name: names[i].to_owned(),
+        region: format!("region-{i}"),
+        credentials: creds[names[i]].clone(),
+        seeds: if i == 0 {
+            vec![]
+        } else {
+            vec![names[0].to_owned()]
+        },
+        churn: None,
+        generation,
+    }
+}
+
+/// Add every one of `names` as a node ([`seeded_spec`]) on WAN-like links, and run
+/// until they all see each other.
+pub fn converged_cluster(
+    sim: &mut turmoil::Sim<'_>,
+    names: &[&str],
+    creds: &BTreeMap<String, NodeCredentials>,
+    generation: u64,
+    handles: &Handles,
+) {
+    for i in 0..names.len() {
+        add_node(
+            sim,
+            seeded_spec(names, i, creds, generation),
+            handles.clone(),
+        );
+    }
+    set_wan_latencies(sim, names);
+    converge(sim, handles, names);
+}
+
+/// Run until every node in `names` sees every other alive (at most 10 s of simulated
+/// time, else the test fails).
+pub fn converge(sim: &mut turmoil::Sim<'_>, handles: &Handles, names: &[&str]) {
+    run_until(sim, Duration::from_secs(10), |_| converged(handles, names))
+        .expect("full membership within 10 s of simulated time");
+}
+
 /// Issue credentials for `names` from one fresh CA.
 pub fn credentials(names: &[&str]) -> BTreeMap<String, NodeCredentials> {
     let ca = gorgo_cluster::ClusterCa::generate("test CA").expect("ca");
