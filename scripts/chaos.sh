@@ -24,8 +24,8 @@
 # Knobs (environment):
 #   CHAOS_DURATION_S  replay length and schedule span, s (default 600)
 #   CHAOS_SEED        workload and schedule seed (default 1)
-#   CHAOS_USERS       users of the generated workload (default 300 for 600 s and more,
-#                     150 below: about 2.3 requests/s either way)
+#   CHAOS_USERS       users of the generated workload (default 400 for 600 s and more,
+#                     150 below: about 3.3 and 2.3 requests/s)
 #   CHAOS_HOLD_S      how long a pause or a partition lasts, s (default 10; shorter
 #                     when the slots are: at most half of one)
 #   CHAOS_OUT         output dir (default out/chaos): trace.jsonl, bench/ (the bench's
@@ -40,7 +40,7 @@ ROOT=$(pwd)
 
 DURATION=${CHAOS_DURATION_S:-600}
 SEED=${CHAOS_SEED:-1}
-USERS=${CHAOS_USERS:-$(( DURATION >= 600 ? 300 : 150 ))}
+USERS=${CHAOS_USERS:-$(( DURATION >= 600 ? 400 : 150 ))}
 HOLD=${CHAOS_HOLD_S:-10}
 OUT=${CHAOS_OUT:-out/chaos}
 IP_BASE=${CHAOS_IP_BASE:-40}
