@@ -14,7 +14,8 @@ region with every kind once).
 
 watch polls every node's /admin/state and appends one line per poll: {"t_ms" (the
 system clock when the poll was sent), "region", "up" (the node answered), "engine_healthy",
-"alive": {peer region: alive}}, until SIGTERM.
+"alive": {peer region: alive}, "stats_version": {peer region: version of the stats it
+holds}}, until SIGTERM.
 
 report reads the bench's requests.csv and results.json (config.started_unix_ms puts
 each request's send time on the system clock the fault log uses), the fault log and the
@@ -119,7 +120,7 @@ def watch(cluster_path, out_path, interval_s):
         while not stop.is_set():
             sent = time.time()
             line = {"t_ms": round(sent * 1000), "region": region, "up": False,
-                    "engine_healthy": None, "alive": {}}
+                    "engine_healthy": None, "alive": {}, "stats_version": {}}
             try:
                 req = urllib.request.Request(url + "/admin/state",
                                              headers={"Authorization": f"Bearer {token}"})
@@ -127,8 +128,10 @@ def watch(cluster_path, out_path, interval_s):
                     state = json.load(resp)
                 line["up"] = True
                 line["engine_healthy"] = (state.get("engine") or {}).get("healthy")
-                line["alive"] = {p.get("region") or p.get("id"): bool(p.get("alive"))
-                                 for p in state.get("peers") or []}
+                peers = state.get("peers") or []
+                line["alive"] = {p.get("region") or p.get("id"): bool(p.get("alive")) for p in peers}
+                line["stats_version"] = {p.get("region") or p.get("id"): (p.get("stats") or {}).get("version")
+                                         for p in peers}
             except Exception:
                 pass
             with lock:
@@ -299,10 +302,19 @@ class Shares:
 
 def detect_ms(fault, admin, regions):
     """When the fault was first seen in /admin/state: for node faults and partitions,
-    the first poll after which every other node had reported the target not alive;
-    for engine faults, the target's node reporting its engine unhealthy."""
+    the first poll by which every other node had reported the target not alive, or
+    (a node restarted faster than failure detection) back as a new generation: its
+    stats version below the last one seen before the fault, since a restarted node
+    counts from the start again; for engine faults, the target's node reporting its
+    engine unhealthy."""
     start, limit = fault["start_ms"], fault["end_ms"] + DETECT_GRACE_MS
     polls = [a for a in admin if start <= a["t_ms"] <= limit]
+    before = {}
+    for a in admin:
+        if a["t_ms"] < start and a["up"]:
+            v = (a.get("stats_version") or {}).get(fault["target"])
+            if v is not None:
+                before[a["region"]] = v
     if fault["kind"].startswith("engine_"):
         for a in polls:
             if a["region"] == fault["target"] and a["up"] and a["engine_healthy"] is False:
@@ -311,7 +323,11 @@ def detect_ms(fault, admin, regions):
     seen = set()
     others = {r for r in regions if r != fault["target"]}
     for a in polls:
-        if a["region"] in others and a["up"] and not a["alive"].get(fault["target"], False):
+        if a["region"] not in others or not a["up"]:
+            continue
+        v = (a.get("stats_version") or {}).get(fault["target"])
+        renewed = fault["kind"] in NODE_DOWN and v is not None and v < before.get(a["region"], -1)
+        if renewed or not a["alive"].get(fault["target"], False):
             seen.add(a["region"])
             if seen == others:
                 return a["t_ms"] - start

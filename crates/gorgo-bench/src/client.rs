@@ -99,6 +99,9 @@ pub async fn send_streaming(
             }
             Err(e) => {
                 m.error = Some(describe(&e));
+                // When it failed, as for every other failure: lines it up with what
+                // happened meanwhile (a node killed while the request was on its way).
+                m.e2e_ms = Some(ms_since(t0));
                 return m;
             }
         }
