@@ -54,6 +54,9 @@ if [ "$DURATION" -ge 600 ]; then MIN_PER_KIND=3; else MIN_PER_KIND=1; fi
 log() { printf '== %s\n' "$*"; }
 die() { printf 'chaos: %s\n' "$*" >&2; exit 1; }
 now_ms() { date +%s%3N; }
+# A sleep that Ctrl-C or SIGTERM interrupts at once (bash runs a trap only after its
+# foreground command ends, and the script waits up to a slot between faults).
+pause() { sleep "$1" & wait $!; }
 
 TARGET_DIR=${CARGO_TARGET_DIR:-target}
 case $TARGET_DIR in /*) ;; *) TARGET_DIR=$ROOT/$TARGET_DIR ;; esac
@@ -64,15 +67,20 @@ RUN=
 WATCH_PID=
 BENCH_PID=
 PAUSED_PID=
+stop_pid() {  # stop_pid PID: SIGTERM, up to 10 s to go, then SIGKILL
+  kill "$1" 2>/dev/null || return 0
+  for _ in $(seq 1 100); do kill -0 "$1" 2>/dev/null || break; sleep 0.1; done
+  kill -9 "$1" 2>/dev/null || true
+  wait "$1" 2>/dev/null || true
+}
 cleanup() {
   local rc=$?
   # A stopped engine would sit on SIGTERM until `gorgo down` gives up on it.
   if [ -n "$PAUSED_PID" ]; then kill -CONT "$PAUSED_PID" 2>/dev/null || true; fi
-  if [ -n "$BENCH_PID" ] && kill -0 "$BENCH_PID" 2>/dev/null; then
-    kill -INT "$BENCH_PID" 2>/dev/null || true
-    wait "$BENCH_PID" 2>/dev/null || true
-  fi
-  if [ -n "$WATCH_PID" ]; then kill "$WATCH_PID" 2>/dev/null || true; wait "$WATCH_PID" 2>/dev/null || true; fi
+  # An interrupted run has no report to write: the bench just stops (a background job
+  # of a script ignores SIGINT, so it gets SIGTERM).
+  if [ -n "$BENCH_PID" ]; then stop_pid "$BENCH_PID"; fi
+  if [ -n "$WATCH_PID" ]; then stop_pid "$WATCH_PID"; fi
   if [ -n "$RUN" ] && [ -f "$RUN/pids.json" ]; then "$GORGO" down --run-dir "$RUN" >/dev/null 2>&1 || true; fi
   exit $rc
 }
@@ -165,7 +173,7 @@ run_fault() {  # run_fault KIND TARGET HOLD_S; sets FAILURE (why it could not ru
       pid=$(pid_of "engine-$target") || { FAILURE="no engine-$target in pids.json"; return; }
       PAUSED_PID=$pid
       kill -STOP "$pid" || { PAUSED_PID=; FAILURE="SIGSTOP to $pid failed"; return; }
-      sleep "$hold"
+      pause "$hold"
       kill -CONT "$pid" || { FAILURE="SIGCONT to $pid failed"; return; }
       PAUSED_PID= ;;
     engine_kill)
@@ -183,7 +191,7 @@ run_fault() {  # run_fault KIND TARGET HOLD_S; sets FAILURE (why it could not ru
         [ "$other" = "$target" ] || link partition "$target" "$other" \
           || { FAILURE="partition $target-$other failed (control.log)"; return; }
       done
-      sleep "$hold"
+      pause "$hold"
       for other in "${REGIONS[@]}"; do
         [ "$other" = "$target" ] || link heal "$target" "$other" \
           || { FAILURE="heal $target-$other failed (control.log)"; return; }
@@ -199,7 +207,7 @@ for line in "${SCHEDULE[@]}"; do
     'import json,sys; f=json.load(sys.stdin); print(round(f["at_s"] * 1000), f["kind"], f["target"], f["hold_s"] or 0)')
   # Scheduled from the bench's start; a fault that ran long delays the next one.
   WAIT_MS=$(( T0 + AT_MS - $(now_ms) ))
-  if [ "$WAIT_MS" -gt 0 ]; then sleep "$(( WAIT_MS / 1000 )).$(printf '%03d' $(( WAIT_MS % 1000 )))"; fi
+  if [ "$WAIT_MS" -gt 0 ]; then pause "$(( WAIT_MS / 1000 )).$(printf '%03d' $(( WAIT_MS % 1000 )))"; fi
   kill -0 "$BENCH_PID" 2>/dev/null || die "gorgo bench exited early (bench.log):
 $(tail -20 "$OUT/bench.log")"
   START=$(now_ms)
