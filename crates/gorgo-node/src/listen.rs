@@ -427,13 +427,20 @@ pub async fn run(
         ));
     }
     drop(listener);
-    // Every connection has been asked to close (they watch `shutdown`); those still
-    // open after the grace are cut, so no task outlives the node.
+    // Every connection has been asked to close (they watch `closing`). A drain waits
+    // for them; a shutdown cuts those still open after the grace, so no task outlives
+    // the node.
+    closing.cancel();
     let closed = async { while connections.join_next().await.is_some() {} };
-    if tokio::time::timeout(limits.close_grace, closed)
-        .await
-        .is_err()
-    {
+    let cut = async {
+        shutdown.cancelled().await;
+        tokio::time::sleep(limits.close_grace).await;
+    };
+    let finished = tokio::select! {
+        _ = closed => true,
+        _ = cut => false,
+    };
+    if !finished {
         tracing::warn!(
             port,
             open = connections.len(),
