@@ -190,21 +190,12 @@ fn ms_since(t0: Instant) -> f64 {
     t0.elapsed().as_secs_f64() * 1000.0
 }
 
-/// Whether the request failed before any answer: the connection was refused, or a
-/// pooled keep-alive connection was closed by the server as the request went out (the
-/// race every HTTP/1 client meets when a server closes idle connections).
+/// Whether the request failed before any answer (an error of the send itself, not a
+/// timeout): the connection was refused or reset, or a pooled keep-alive connection
+/// was closed by the server as the request went out (the race every HTTP/1 client
+/// meets when a server closes idle connections). OpenAI's SDK retries these too.
 fn unanswered(e: &reqwest::Error) -> bool {
-    if e.is_connect() {
-        return true;
-    }
-    let mut source = std::error::Error::source(e);
-    while let Some(s) = source {
-        if let Some(h) = s.downcast_ref::<hyper::Error>() {
-            return h.is_incomplete_message() || h.is_canceled();
-        }
-        source = s.source();
-    }
-    false
+    !e.is_timeout() && (e.is_connect() || e.is_request())
 }
 
 /// A short, specific description of a transport error.

@@ -426,7 +426,10 @@ pub async fn run(
             closing.clone(),
         ));
     }
-    drop(listener);
+    // The socket stays open, unaccepted, until the node stops: connections arriving
+    // during a drain wait in the kernel's backlog instead of being refused, and are
+    // reset when the process exits, which clients retry (nothing was sent on them).
+    let _listener = listener;
     // Every connection has been asked to close (they watch `closing`). A drain waits
     // for them; a shutdown cuts those still open after the grace, so no task outlives
     // the node.
