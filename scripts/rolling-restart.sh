@@ -2,7 +2,10 @@
 # A rolling restart of every node of a `gorgo up` cluster under load (issue #18;
 # docs/reliability.md): while `gorgo bench` replays a generated multi-turn trace,
 # each node in turn is restarted gracefully (`gorgo restart`: SIGTERM drains it,
-# then it starts again and joins), GAP_S seconds apart. Passes when no request failed.
+# then it starts again and joins), GAP_S seconds apart. Passes when no request failed
+# for any reason but its prompt being over the engine's context (the trace's own).
+# The bench client retries requests nothing answered (refused or reset connections),
+# as OpenAI's SDK does: the restarting node's address is closed for about a second.
 #
 # Environment (defaults in brackets):
 #   DURATION_S [120]: trace window  GAP_S [20]: between restarts  TIME_SCALE [1]
@@ -41,12 +44,19 @@ for r in $regions; do
   sleep "$GAP_S"
 done
 wait "$BENCH"
-python3 - "$OUT/bench/results.json" "$OUT/restarts.tsv" <<'PY' | tee "$OUT/summary.txt"
-import json, sys
-r = next(iter(json.load(open(sys.argv[1]))["policies"].values()))
-print(f"requests {r.get('requests')}, failed {r.get('failed')}")
+python3 - "$OUT/bench/requests.csv" "$OUT/restarts.tsv" <<'PY' | tee "$OUT/summary.txt"
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+errors = [r["error"] for r in rows if r["error"]]
+# Prompts over the engine's context fail with or without restarts: the trace's own.
+context = [e for e in errors if "context_length_exceeded" in e]
+other = [e for e in errors if "context_length_exceeded" not in e]
+print(f"requests {len(rows)}, failed {len(errors)}: {len(context)} over the context "
+      f"(the trace's, not the restarts'), {len(other)} others")
+for e in other[:10]:
+    print("  ", e[:160])
 for line in open(sys.argv[2]):
     region, t0, t1 = line.split()
     print(f"restart {region}: {int(t1) - int(t0)} ms from SIGTERM to ready")
-sys.exit(0 if r.get("failed", 1) == 0 else 1)
+sys.exit(0 if not other else 1)
 PY

@@ -46,7 +46,8 @@ pub struct Measured {
     pub predicted_ttft_ms: Option<f64>,
     /// Why the request failed; `None` when it succeeded.
     pub error: Option<String>,
-    /// Times the connection was refused before the request got through (or failed).
+    /// Times the request was sent again because nothing answered it (connection
+    /// refused, or closed by the server as the request went out).
     pub connect_retries: u32,
 }
 
@@ -89,10 +90,10 @@ pub async fn send_streaming(
         }
         match req.send().await {
             Ok(r) => break r,
-            // Nothing was sent: retry, as OpenAI's SDK does (2 retries, backoff), so a
-            // node restarting behind its address costs a delay, not a failure. The
-            // delay counts in the request's TTFT and E2E.
-            Err(e) if e.is_connect() && attempt < CONNECT_RETRIES => {
+            // Nothing was answered: retry, as OpenAI's SDK does (2 retries, backoff),
+            // so a node restarting behind its address costs a delay, not a failure.
+            // The delay counts in the request's TTFT and E2E.
+            Err(e) if unanswered(&e) && attempt < CONNECT_RETRIES => {
                 attempt += 1;
                 m.connect_retries = attempt;
                 tokio::time::sleep(Duration::from_millis(250 << attempt)).await;
@@ -195,6 +196,14 @@ fn header_str(resp: &reqwest::Response, name: &str) -> Option<String> {
 
 fn ms_since(t0: Instant) -> f64 {
     t0.elapsed().as_secs_f64() * 1000.0
+}
+
+/// Whether the request failed before any answer (an error of the send itself, not a
+/// timeout): the connection was refused or reset, or a pooled keep-alive connection
+/// was closed by the server as the request went out (the race every HTTP/1 client
+/// meets when a server closes idle connections). OpenAI's SDK retries these too.
+fn unanswered(e: &reqwest::Error) -> bool {
+    !e.is_timeout() && (e.is_connect() || e.is_request())
 }
 
 /// A short, specific description of a transport error.

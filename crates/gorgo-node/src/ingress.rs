@@ -13,7 +13,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::Response;
 use axum::routing::{get, post};
 use bytes::Bytes;
-use futures::Stream;
+use futures::{Stream, StreamExt};
 use gorgo_core::Endpoint;
 use http_body_util::BodyExt;
 use serde_json::Value;
@@ -33,6 +33,13 @@ pub fn router(state: Arc<NodeState>) -> axum::Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/health_generate", get(health_generate))
+        .route("/v1/embeddings", post(local_passthrough))
+        .route("/v1/responses", post(local_passthrough))
+        .route("/generate", post(local_passthrough))
+        .route("/tokenize", post(local_passthrough))
+        .route("/detokenize", post(local_passthrough))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
@@ -77,6 +84,157 @@ async fn models(State(state): State<Arc<NodeState>>) -> Response {
         }
         Err(e) => ServeError::from(e).response(),
     }
+}
+
+/// `GET /health` as SGLang and vLLM answer it (clients such as GuideLLM check it
+/// before a run): 200 with an empty body while this node can serve (not draining; its
+/// engine healthy or a live peer to forward to), 503 otherwise.
+async fn health(State(state): State<Arc<NodeState>>) -> Response {
+    let can_serve = !state.is_draining()
+        && (state.engine.is_healthy() || state.peers.peers().iter().any(|p| p.alive));
+    if can_serve {
+        Response::new(Body::empty())
+    } else {
+        error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no healthy engine and no live peer",
+        )
+    }
+}
+
+/// `GET /health_generate` (SGLang's): a one-token generation through the local engine,
+/// so a probe sees an engine that answers `/health` but cannot generate.
+async fn health_generate(State(state): State<Arc<NodeState>>) -> Response {
+    let model = engine_model(&state)
+        .await
+        .unwrap_or_else(|| "default".to_owned());
+    let body =
+        serde_json::json!({"model": model, "prompt": "ping", "max_tokens": 1, "stream": false});
+    let headers = [("content-type".to_owned(), "application/json".to_owned())];
+    let sent = state
+        .engine
+        .send_request(
+            http::Method::POST,
+            "/v1/completions",
+            &headers,
+            Bytes::from(body.to_string()),
+        )
+        .await;
+    match sent {
+        Ok(resp) if resp.status().is_success() => match resp.bytes().await {
+            Ok(_) => Response::new(Body::empty()),
+            Err(e) => error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &format!("engine failed: {e}"),
+            ),
+        },
+        Ok(resp) => error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &format!("engine answered {}", resp.status().as_u16()),
+        ),
+        Err(e) => error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ServeError::from(e).message(),
+        ),
+    }
+}
+
+/// The id of the first model the local engine lists.
+async fn engine_model(state: &NodeState) -> Option<String> {
+    let resp = state
+        .engine
+        .send(http::Method::GET, "/v1/models", &[], Bytes::new())
+        .await
+        .ok()?;
+    let v: Value = resp.json().await.ok()?;
+    v.get("data")?
+        .get(0)?
+        .get("id")?
+        .as_str()
+        .map(str::to_owned)
+}
+
+/// Endpoints the node passes to its local engine unrouted (`/v1/embeddings`,
+/// `/v1/responses`, SGLang's `/generate`, `/tokenize`, `/detokenize`): the same body
+/// cap and deadline, concurrency slot, breaker, OpenAI error JSON and
+/// `x-gorgo-served-by` as routed requests, and a client that goes away cancels the
+/// engine request (the body stream is dropped). Their prompts are not in a form the
+/// cost model reads (token ids, response items), so they are not routed.
+async fn local_passthrough(
+    State(state): State<Arc<NodeState>>,
+    uri: http::Uri,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let limits = &state.config.limits;
+    let read = tokio::time::timeout(
+        Duration::from_millis(limits.body_timeout_ms),
+        read_body(body, limits.max_body_bytes, &headers),
+    );
+    let body = match read.await {
+        Err(_) => {
+            return error_response(
+                StatusCode::REQUEST_TIMEOUT,
+                "request body not received in time",
+            )
+        }
+        Ok(Err(BodyError::TooLarge)) => {
+            return error_response(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                &format!("request body over {} bytes", limits.max_body_bytes),
+            )
+        }
+        Ok(Err(BodyError::Broken(m))) => {
+            return error_response(StatusCode::BAD_REQUEST, &format!("cannot read body: {m}"))
+        }
+        Ok(Ok(b)) => b,
+    };
+    if serde_json::from_slice::<Value>(&body).map_or(true, |v| !v.is_object()) {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "request body must be a JSON object",
+        );
+    }
+    let Ok(permit) = state.permits.clone().try_acquire_owned() else {
+        return overloaded_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many requests in flight",
+            limits.retry_after_s,
+        );
+    };
+    let pass: Vec<(String, String)> = PASS_REQUEST_HEADERS
+        .iter()
+        .filter_map(|&n| {
+            headers
+                .get(n)
+                .and_then(|v| v.to_str().ok())
+                .map(|v| (n.to_owned(), v.to_owned()))
+        })
+        .collect();
+    let resp = match state
+        .engine
+        .send_request(http::Method::POST, uri.path(), &pass, body)
+        .await
+    {
+        Ok(r) => r,
+        Err(e) => return ServeError::from(e).response(),
+    };
+    let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let ct = resp.headers().get("content-type").cloned();
+    let stream = resp.bytes_stream().map(move |chunk| {
+        let _slot = &permit;
+        chunk.map_err(std::io::Error::other)
+    });
+    let mut r = Response::new(Body::from_stream(stream));
+    *r.status_mut() = status;
+    if let Some(ct) = ct.and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok()) {
+        r.headers_mut().insert(http::header::CONTENT_TYPE, ct);
+    }
+    if let Ok(v) = HeaderValue::from_str(&state.config.node.region) {
+        r.headers_mut().insert(SERVED_BY_HEADER, v);
+    }
+    r.headers_mut().insert(HOPS_HEADER, HeaderValue::from(0u32));
+    r
 }
 
 /// Why the body could not be read.

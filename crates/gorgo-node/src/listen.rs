@@ -426,14 +426,24 @@ pub async fn run(
             closing.clone(),
         ));
     }
-    drop(listener);
-    // Every connection has been asked to close (they watch `shutdown`); those still
-    // open after the grace are cut, so no task outlives the node.
+    // The socket stays open, unaccepted, until the node stops: connections arriving
+    // during a drain wait in the kernel's backlog instead of being refused, and are
+    // reset when the process exits, which clients retry (nothing was sent on them).
+    let _listener = listener;
+    // Every connection has been asked to close (they watch `closing`). A drain waits
+    // for them; a shutdown cuts those still open after the grace, so no task outlives
+    // the node.
+    closing.cancel();
     let closed = async { while connections.join_next().await.is_some() {} };
-    if tokio::time::timeout(limits.close_grace, closed)
-        .await
-        .is_err()
-    {
+    let cut = async {
+        shutdown.cancelled().await;
+        tokio::time::sleep(limits.close_grace).await;
+    };
+    let finished = tokio::select! {
+        _ = closed => true,
+        _ = cut => false,
+    };
+    if !finished {
         tracing::warn!(
             port,
             open = connections.len(),

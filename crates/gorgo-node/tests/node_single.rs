@@ -412,3 +412,53 @@ async fn client_disconnect_releases_the_engine_request() {
     engine.release.notify_waiters();
     node.shutdown.cancel();
 }
+
+#[tokio::test]
+async fn health_routes_and_local_passthrough_answer_as_engines_do() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(config("a", &engine.url(), ""), None).await;
+    let c = client();
+    let resp = c.get(format!("{}/health", node.base)).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        resp.bytes().await.unwrap().len(),
+        0,
+        "empty, as SGLang and vLLM answer"
+    );
+    let resp = c
+        .get(format!("{}/health_generate", node.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "a one-token generation went through");
+    assert_eq!(engine.requests(), 1);
+    let resp = c
+        .post(format!("{}/tokenize", node.base))
+        .json(&serde_json::json!({"prompt": "one two three"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-gorgo-served-by"], "a");
+    let v: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(v["count"], 3);
+    let resp = c
+        .post(format!("{}/tokenize", node.base))
+        .body("not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(resp).await.0, 400);
+    node.shutdown.cancel();
+
+    // No engine and no peer: /health says so.
+    let gone = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let node = start_node(config("b", &format!("http://{gone}"), ""), None).await;
+    assert!(!node.state().engine.check_health().await);
+    let resp = c.get(format!("{}/health", node.base)).send().await.unwrap();
+    assert_eq!(error_of(resp).await.0, 503);
+    node.shutdown.cancel();
+}

@@ -64,6 +64,11 @@ impl StubEngine {
             }))
             .route("/v1/chat/completions", post(complete))
             .route("/v1/completions", post(complete))
+            .route("/tokenize", post(|body: Bytes| async move {
+                let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+                let n = v["prompt"].as_str().map_or(0, |p| p.split_whitespace().count());
+                axum::Json(serde_json::json!({"tokens": (0..n).collect::<Vec<usize>>(), "count": n}))
+            }))
             .with_state(engine.clone());
         tokio::spawn(async move {
             axum::serve(listener, app)
