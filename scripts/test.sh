@@ -27,6 +27,11 @@ fi
 command -v curl >/dev/null 2>&1 || { echo "curl missing: apt-get install curl" >&2; exit 1; }
 "$VENV/bin/python" tests/e2e_openai.py target/debug/gorgo
 
+if [ "${GORGO_CHAOS:-0}" = "1" ]; then
+  echo "== chaos soak, short form: every fault kind once (GORGO_CHAOS=1; docs/reliability.md)"
+  CHAOS_DURATION_S=90 bash scripts/chaos.sh
+fi
+
 if [ "${GORGO_REAL_ENGINE:-0}" = "1" ]; then
   echo "== real engine: llama.cpp in every region (GORGO_REAL_ENGINE=1)"
   bash scripts/real-engine-e2e.sh
