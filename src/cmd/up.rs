@@ -754,6 +754,7 @@ pub fn run_restart(args: RestartArgs) -> anyhow::Result<()> {
         }
     }
     let run_dir = std::fs::canonicalize(&args.run_dir)?;
+    wait_for_ports(&entry.args);
     // Join the cluster's group if it still exists; otherwise a group of its own (its
     // pid is recorded either way, and `gorgo down` signals pids too).
     let child = spawn_child(&run_dir, &name, &entry.args, Some(pids.pgid), true)
@@ -791,6 +792,32 @@ pub fn run_restart(args: RestartArgs) -> anyhow::Result<()> {
     }
     println!("restarted {name} (pid {pid})");
     Ok(())
+}
+
+/// For a node (`node --config F`), wait up to 10 s until its listen addresses can be
+/// bound again. A process whose main thread has exited reads as gone while its other
+/// threads still hold its sockets; starting the new one then would fail with "address
+/// in use".
+fn wait_for_ports(args: &[String]) {
+    let Some(path) = args
+        .iter()
+        .position(|a| a == "--config")
+        .and_then(|i| args.get(i + 1))
+    else {
+        return;
+    };
+    let Ok(config) = NodeConfig::load(Path::new(path)) else {
+        return;
+    };
+    let free = || {
+        std::net::TcpListener::bind(config.listen.http).is_ok()
+            && std::net::TcpListener::bind(config.listen.admin).is_ok()
+            && std::net::UdpSocket::bind(config.listen.quic).is_ok()
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !free() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// Stops a cluster started with `gorgo up --detach`.
