@@ -214,8 +214,27 @@ impl EngineAdapter {
 
     /// Send a real request (one the breaker judges the engine by) and wait for its
     /// head: refused at once while the breaker is open, abandoned the moment it opens
-    /// (so the caller can fall back before the first byte), its outcome counted.
+    /// (so the caller can fall back before the first byte), its outcome counted: a
+    /// failure or a 5xx head as a failure, any other head as a success.
     pub async fn send_request(
+        &self,
+        method: http::Method,
+        path: &str,
+        headers: &[(String, String)],
+        body: Bytes,
+    ) -> Result<reqwest::Response, EngineFailure> {
+        let result = self.send_streamed(method, path, headers, body).await;
+        if matches!(&result, Ok(resp) if !resp.status().is_server_error()) {
+            self.record(RequestOutcome::Answered);
+        }
+        result
+    }
+
+    /// [`EngineAdapter::send_request`] for a response whose body the caller relays:
+    /// failures before the head and 5xx heads are counted here, the success is not;
+    /// the caller records the outcome when the body ends ([`EngineAdapter::record`]),
+    /// so an engine that dies mid-stream counts as failing.
+    pub async fn send_streamed(
         &self,
         method: http::Method,
         path: &str,
@@ -233,12 +252,11 @@ impl EngineAdapter {
             r = self.send(method, path, headers, body) => r,
             _ = opened => Err(EngineFailure::Failed("engine circuit breaker opened".into())),
         };
-        let outcome = match &result {
-            Ok(resp) if resp.status().is_server_error() => RequestOutcome::Failed,
-            Ok(_) => RequestOutcome::Answered,
-            Err(_) => RequestOutcome::Failed,
-        };
-        self.record(outcome);
+        match &result {
+            Ok(resp) if resp.status().is_server_error() => self.record(RequestOutcome::Failed),
+            Ok(_) => {}
+            Err(_) => self.record(RequestOutcome::Failed),
+        }
         result
     }
 

@@ -8,6 +8,7 @@ use std::time::Instant;
 use futures::StreamExt;
 use gorgo_core::candidates::{build_candidates, LocalState, PeerState};
 use gorgo_core::cost::Candidate;
+use gorgo_core::health::RequestOutcome;
 use gorgo_core::{HashChain, NodeId};
 
 use crate::api::{
@@ -226,7 +227,7 @@ pub async fn serve_local(
     let started = Instant::now();
     let resp = state
         .engine
-        .send_request(
+        .send_streamed(
             http::Method::POST,
             req.endpoint.path(),
             &req.headers,
@@ -254,7 +255,12 @@ pub async fn serve_local(
     let chain = req.chain.clone();
     let mut first = true;
     let mut corrected = false;
+    let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let failed_in_body = failed.clone();
     let body = resp.bytes_stream().map(move |chunk| {
+        if chunk.is_err() {
+            failed_in_body.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         if first {
             first = false;
             let ttft_ms = started.elapsed().as_secs_f64() * 1000.0;
@@ -270,8 +276,24 @@ pub async fn serve_local(
                 }
             }
         }
-        chunk.map_err(|e| format!("engine stream failed: {e}"))
+        chunk.map_err(|e| {
+            // An engine that dies mid-stream failed this request as surely as one that
+            // refuses it: it counts towards the breaker (a client going away drops the
+            // stream instead, and counts nothing).
+            st.metrics.engine_failures.inc();
+            st.engine.record(RequestOutcome::Failed);
+            format!("engine stream failed: {e}")
+        })
     });
+    // The body ran to its end: the request succeeded, for the breaker too.
+    let st = state.clone();
+    let ended = futures::stream::once(async move {
+        if !failed.load(std::sync::atomic::Ordering::Relaxed) {
+            st.engine.record(RequestOutcome::Answered);
+        }
+    })
+    .filter_map(|()| async { None });
+    let body = body.chain(ended);
     Ok(Upstream {
         status,
         headers,

@@ -399,3 +399,42 @@ async fn a_draining_node_finishes_what_it_has_and_sends_new_work_to_peers() {
     a.shutdown.cancel();
     b.shutdown.cancel();
 }
+
+#[tokio::test]
+async fn an_engine_failing_mid_stream_opens_its_breaker() {
+    let engine = StubEngine::start("e").await;
+    engine.set_mode(FAIL_MID_STREAM);
+    let node = start_node(
+        config_with_engine("a", &engine.url(), "breaker_failures = 2\n"),
+        None,
+    )
+    .await;
+    for i in 0..2 {
+        assert!(
+            node.state().engine.is_healthy(),
+            "closed before failure {i}"
+        );
+        let resp = client()
+            .post(format!("{}/v1/chat/completions", node.base))
+            .json(&chat_body(&prompt(&format!("s{i}"), 100), true))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200, "the head had come");
+        let mut resp = resp;
+        let first = resp.chunk().await.unwrap().unwrap();
+        assert!(String::from_utf8_lossy(&first).contains("hello"));
+        engine.release.notify_one();
+        let mut rest = Vec::new();
+        while let Ok(Some(c)) = resp.chunk().await {
+            rest.extend_from_slice(&c);
+        }
+        let text = String::from_utf8_lossy(&rest);
+        assert!(text.contains("error"), "the stream says it was cut: {text}");
+    }
+    assert!(
+        !node.state().engine.is_healthy(),
+        "two streams cut by the engine open its breaker"
+    );
+    node.shutdown.cancel();
+}

@@ -26,6 +26,9 @@ pub const STREAM_THEN_HANG: u8 = 2;
 pub const REJECT: u8 = 3;
 /// Answer nothing at all, health checks included (a SIGSTOPped engine), until released.
 pub const HANG_ALL: u8 = 4;
+/// Send the first SSE chunk, wait to be released (`release.notify_one()`), then break
+/// the connection (an engine dying mid-stream).
+pub const FAIL_MID_STREAM: u8 = 5;
 
 /// A stub OpenAI-compatible engine whose load and behaviour the test sets.
 pub struct StubEngine {
@@ -166,6 +169,10 @@ fn async_stream(
         async move {
             match step {
                 0 => Some((Ok(first), 1)),
+                1 if mode == FAIL_MID_STREAM => {
+                    e.release.notified().await;
+                    Some((Err(std::io::Error::other("engine died")), 3))
+                }
                 1 => {
                     if mode == STREAM_THEN_HANG {
                         e.release.notified().await;
