@@ -44,6 +44,7 @@ pub fn to_record(policy: &str, o: &RequestOutcome) -> RequestRecord {
         predicted_ttft_ms: o.measured.predicted_ttft_ms,
         start_ms: o.start_ms,
         first_byte_ms: o.measured.first_byte_ms,
+        retries: o.measured.connect_retries,
         ok,
         error: o.measured.error.clone(),
     }

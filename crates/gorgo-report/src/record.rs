@@ -41,6 +41,11 @@ pub struct RequestRecord {
     /// failed request that has it was cut mid-stream.
     #[serde(default)]
     pub first_byte_ms: Option<f64>,
+    /// Times the client sent the request again because nothing answered it (refused
+    /// or reset connections: a node restarting behind its address). 0 where the
+    /// driver does not retry (the simulator).
+    #[serde(default)]
+    pub retries: u32,
     /// True when the request completed.
     pub ok: bool,
     /// Why it failed.
@@ -83,6 +88,7 @@ pub(crate) struct CsvRow<'a> {
     ok: bool,
     error: Option<&'a str>,
     first_byte_ms: Option<f64>,
+    retries: u32,
 }
 
 impl<'a> From<&'a RequestRecord> for CsvRow<'a> {
@@ -104,6 +110,7 @@ impl<'a> From<&'a RequestRecord> for CsvRow<'a> {
             ok: r.ok,
             error: r.error.as_deref(),
             first_byte_ms: r.first_byte_ms,
+            retries: r.retries,
         }
     }
 }

@@ -18,6 +18,7 @@ fn rec(policy: &str, id: usize, region: &str, served: &str, ttft: f64, e2e: f64)
         predicted_ttft_ms: None,
         start_ms: id as f64 * 100.0,
         first_byte_ms: Some(ttft / 2.0),
+        retries: 0,
         ok: true,
         error: None,
     }

@@ -54,6 +54,7 @@ fn record(policy: &str, regions: &[String], r: &Row) -> RequestRecord {
         start_ms: r.start_ms,
         // The simulator has no response head apart from the first token.
         first_byte_ms: None,
+        retries: 0,
         ok: r.ok,
         error: r.error.as_deref().map(str::to_owned),
     }
