@@ -42,6 +42,28 @@ async fn slow_body(from: &str, to: SocketAddr) -> TcpStream {
     s
 }
 
+/// Wait until `cond` holds, polling (what it waits for, gossip on the real clock, has
+/// no event to await); fail after 10 s naming `what`.
+async fn until(what: &str, cond: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !cond() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Whether `n` holds stats of a live peer.
+fn has_peer_stats(n: &TestNode) -> bool {
+    n.state()
+        .peers
+        .peers()
+        .iter()
+        .any(|p| p.alive && p.stats.is_some())
+}
+
 /// Read what the server sends until it closes, within `limit`.
 async fn read_to_close(s: &mut TcpStream, limit: Duration) -> Vec<u8> {
     let mut out = Vec::new();
@@ -300,17 +322,10 @@ async fn requests_waiting_on_a_hung_engine_fall_back_to_a_peer_when_its_breaker_
     let b = start_node(config_with_engine("b", &eb.url(), checks), Some(&mesh)).await;
     // Both engines confirmed healthy, and each node has the other's stats.
     for n in [&a, &b] {
-        while !n.state().engine.is_ready()
-            || !n
-                .state()
-                .peers
-                .peers()
-                .iter()
-                .any(|p| p.alive && p.stats.is_some())
-        {
-            tokio::task::yield_now().await;
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        until("engines confirmed and peers' stats in", || {
+            n.state().engine.is_ready() && has_peer_stats(n)
+        })
+        .await;
     }
     // a's engine stops answering anything (SIGSTOP); a request sent to a now would
     // wait for the first-byte timeout (120 s) without the breaker.
@@ -341,15 +356,7 @@ async fn a_draining_node_finishes_what_it_has_and_sends_new_work_to_peers() {
     let eb = StubEngine::start("b").await;
     let a = start_node(config("a", &ea.url(), ""), Some(&mesh)).await;
     let b = start_node(config("b", &eb.url(), ""), Some(&mesh)).await;
-    while !a
-        .state()
-        .peers
-        .peers()
-        .iter()
-        .any(|p| p.alive && p.stats.is_some())
-    {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until("a has b's stats", || has_peer_stats(&a)).await;
     // One request in flight at a's engine, held there.
     ea.set_mode(HANG);
     let url = format!("{}/v1/chat/completions", a.base);
@@ -365,16 +372,12 @@ async fn a_draining_node_finishes_what_it_has_and_sends_new_work_to_peers() {
                 .status()
         }
     });
-    while ea.requests() < 1 {
-        tokio::task::yield_now().await;
-    }
+    until("the held request is at a's engine", || ea.requests() >= 1).await;
     let drain = tokio::spawn({
         let state = a.state().clone();
         async move { gorgo_node::drain(&state, Duration::from_secs(30)).await }
     });
-    while !a.state().is_draining() {
-        tokio::task::yield_now().await;
-    }
+    until("a is draining", || a.state().is_draining()).await;
     let ready = client()
         .get(format!("{}/readyz", a.admin))
         .send()
