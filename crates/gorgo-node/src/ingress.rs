@@ -167,27 +167,9 @@ async fn local_passthrough(
     body: Body,
 ) -> Response {
     let limits = &state.config.limits;
-    let read = tokio::time::timeout(
-        Duration::from_millis(limits.body_timeout_ms),
-        read_body(body, limits.max_body_bytes, &headers),
-    );
-    let body = match read.await {
-        Err(_) => {
-            return error_response(
-                StatusCode::REQUEST_TIMEOUT,
-                "request body not received in time",
-            )
-        }
-        Ok(Err(BodyError::TooLarge)) => {
-            return error_response(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                &format!("request body over {} bytes", limits.max_body_bytes),
-            )
-        }
-        Ok(Err(BodyError::Broken(m))) => {
-            return error_response(StatusCode::BAD_REQUEST, &format!("cannot read body: {m}"))
-        }
-        Ok(Ok(b)) => b,
+    let body = match read_client_body(&state, body, &headers).await {
+        Ok(b) => b,
+        Err(resp) => return resp,
     };
     if serde_json::from_slice::<Value>(&body).map_or(true, |v| !v.is_object()) {
         return error_response(
@@ -202,15 +184,7 @@ async fn local_passthrough(
             limits.retry_after_s,
         );
     };
-    let pass: Vec<(String, String)> = PASS_REQUEST_HEADERS
-        .iter()
-        .filter_map(|&n| {
-            headers
-                .get(n)
-                .and_then(|v| v.to_str().ok())
-                .map(|v| (n.to_owned(), v.to_owned()))
-        })
-        .collect();
+    let pass = pass_headers(&headers);
     let resp = match state
         .engine
         .send_request(http::Method::POST, uri.path(), &pass, body)
@@ -235,6 +209,56 @@ async fn local_passthrough(
     }
     r.headers_mut().insert(HOPS_HEADER, HeaderValue::from(0u32));
     r
+}
+
+/// The client headers that travel to the engine ([`PASS_REQUEST_HEADERS`]).
+fn pass_headers(headers: &HeaderMap) -> Vec<(String, String)> {
+    PASS_REQUEST_HEADERS
+        .iter()
+        .filter_map(|&n| {
+            headers
+                .get(n)
+                .and_then(|v| v.to_str().ok())
+                .map(|v| (n.to_owned(), v.to_owned()))
+        })
+        .collect()
+}
+
+/// Read a client's body under `[limits]` (size cap, deadline), or the error answer
+/// (413, 408, 400) with the request counted.
+async fn read_client_body(
+    state: &NodeState,
+    body: Body,
+    headers: &HeaderMap,
+) -> Result<Bytes, Response> {
+    let limits = &state.config.limits;
+    let read = tokio::time::timeout(
+        Duration::from_millis(limits.body_timeout_ms),
+        read_body(body, limits.max_body_bytes, headers),
+    );
+    let (outcome, status, message) = match read.await {
+        Ok(Ok(b)) => return Ok(b),
+        Err(_) => (
+            "bad_request",
+            StatusCode::REQUEST_TIMEOUT,
+            format!(
+                "request body not received within {} ms",
+                limits.body_timeout_ms
+            ),
+        ),
+        Ok(Err(BodyError::TooLarge)) => (
+            "too_large",
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("request body over {} bytes", limits.max_body_bytes),
+        ),
+        Ok(Err(BodyError::Broken(m))) => (
+            "bad_request",
+            StatusCode::BAD_REQUEST,
+            format!("cannot read body: {m}"),
+        ),
+    };
+    state.metrics.request(outcome, "");
+    Err(error_response(status, &message))
 }
 
 /// Why the body could not be read.
@@ -275,37 +299,9 @@ async fn completion(
     let limits = &state.config.limits;
     // The body is read before a concurrency slot is taken, within its own deadline:
     // slow or stalled uploads must not hold the slots of requests that are ready.
-    let body_timeout = Duration::from_millis(limits.body_timeout_ms);
-    let read = tokio::time::timeout(
-        body_timeout,
-        read_body(body, limits.max_body_bytes, &headers),
-    );
-    let body = match read.await {
-        Err(_) => {
-            state.metrics.request("bad_request", "");
-            return error_response(
-                StatusCode::REQUEST_TIMEOUT,
-                &format!(
-                    "request body not received within {} ms",
-                    limits.body_timeout_ms
-                ),
-            );
-        }
-        Ok(Ok(b)) => b,
-        Ok(Err(BodyError::TooLarge)) => {
-            state.metrics.request("too_large", "");
-            return error_response(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                &format!(
-                    "request body over {} bytes",
-                    state.config.limits.max_body_bytes
-                ),
-            );
-        }
-        Ok(Err(BodyError::Broken(m))) => {
-            state.metrics.request("bad_request", "");
-            return error_response(StatusCode::BAD_REQUEST, &format!("cannot read body: {m}"));
-        }
+    let body = match read_client_body(&state, body, &headers).await {
+        Ok(b) => b,
+        Err(resp) => return resp,
     };
     let parsed: Value = match serde_json::from_slice(&body) {
         Ok(v @ Value::Object(_)) => v,
@@ -359,15 +355,7 @@ async fn completion(
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
     let session_key = session_id.as_deref().map(session_key);
-    let pass: Vec<(String, String)> = PASS_REQUEST_HEADERS
-        .iter()
-        .filter_map(|&n| {
-            headers
-                .get(n)
-                .and_then(|v| v.to_str().ok())
-                .map(|v| (n.to_owned(), v.to_owned()))
-        })
-        .collect();
+    let pass = pass_headers(&headers);
     let pass = if pass.iter().any(|(k, _)| k == "content-type") {
         pass
     } else {
