@@ -180,7 +180,7 @@ start_llama() {
     fi
     # --interrupt_requests False: by default a new request aborts the stream in progress;
     # a router's engine must queue them instead.
-    "$PY" -m llama_cpp.server --model "$MODEL" --host 127.0.0.1 --port "$port" \
+    "$PY" -m llama_cpp.server --model "$MODEL" --model_alias tiny --host 127.0.0.1 --port "$port" \
       --n_ctx "$N_CTX" --chat_format chatml --n_threads "$THREADS" --n_threads_batch "$THREADS" \
       --interrupt_requests False "${CACHE_ARGS[@]}" \
       >"$OUT/llama/$tag-$region.log" 2>&1 &

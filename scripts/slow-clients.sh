@@ -78,7 +78,7 @@ sleep 15  # let the attackers reach their counts before measuring
 
 ok=0; fail=0; admin_ok=0; admin_fail=0; : >"$OUT/good.tsv"
 deadline=$((SECONDS + HOLD_S))
-body='{"model":"m","messages":[{"role":"user","content":"hello"}],"max_tokens":4}'
+body='{"model":"gorgo-emulated","messages":[{"role":"user","content":"hello"}],"max_tokens":4}'
 for i in $(seq 1 "$GOOD"); do
   r=$(curl -sS -o /dev/null -w '%{http_code} %{time_total}' --interface 127.0.0.3 --max-time 30 \
     -H 'content-type: application/json' -d "$body" "http://127.0.0.1:$NODE_PORT/v1/chat/completions" 2>&1 || true)

@@ -114,7 +114,7 @@ async fn up_serves_every_region_and_down_stops_everything() {
             region["client_url"].as_str().unwrap()
         );
         let body = serde_json::json!({
-            "model": "emulated",
+            "model": "gorgo-emulated",
             "messages": [{"role": "user", "content": format!("hello from {}", region["name"])}],
             "max_tokens": 4,
             "stream": true,

@@ -571,6 +571,10 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
                         args.engine_profile.clone(),
                         "--listen".into(),
                         r.engine_addr.to_string(),
+                        // The name `gorgo bench` sends by default: nodes route a
+                        // request only to engines that list the model it names.
+                        "--model".into(),
+                        gorgo_workload::DEFAULT_MODEL.into(),
                     ],
                 )?;
                 (

@@ -888,6 +888,9 @@ impl ClusterHandle {
             stats.draining = self.is_draining();
             *cur = stats.clone();
         }
+        // The SWIM copy is capped small ([`MAX_STATS_BROADCAST`]): it leaves the model
+        // list to the summary messages, and receivers keep the models they hold.
+        stats.models.clear();
         let b = StatsBroadcast {
             origin: self.inner.node_id.clone(),
             addr: self.inner.config.advertise,

@@ -231,6 +231,8 @@ impl EngineView {
             // stamps its run and whether the node is draining.
             incarnation: 0,
             draining: false,
+            // The node adds the models its engine lists (`/v1/models`).
+            models: Vec::new(),
         }
     }
 

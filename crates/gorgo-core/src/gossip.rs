@@ -306,6 +306,9 @@ impl PeerGossip {
     /// incarnation replaces everything held, an older one is dropped; version 0 means
     /// "never published" and is not kept). True when kept. Also the path of stats that
     /// arrive outside summary gossip (SWIM broadcasts).
+    ///
+    /// SWIM broadcasts are capped small and leave the model list out: newer stats
+    /// without models keep the models held for the same incarnation.
     pub fn offer_stats(&mut self, stats: &QueueStats) -> bool {
         if !self.admit(stats.incarnation)
             || stats.version == 0
@@ -316,7 +319,17 @@ impl PeerGossip {
         {
             return false;
         }
-        self.stats = Some(stats.clone());
+        let mut kept = stats.clone();
+        if kept.models.is_empty() {
+            if let Some(held) = self
+                .stats
+                .as_mut()
+                .filter(|s| s.incarnation == kept.incarnation)
+            {
+                kept.models = std::mem::take(&mut held.models);
+            }
+        }
+        self.stats = Some(kept);
         true
     }
 
@@ -636,6 +649,29 @@ mod tests {
             5 + cfg.max_pending_deltas as u64
         );
         assert_eq!(p.pending(), 0);
+    }
+
+    #[test]
+    fn stats_without_models_keep_the_models_held_for_the_same_run() {
+        let mut p = PeerGossip::new();
+        let with = |incarnation, version, models: &[&str]| QueueStats {
+            incarnation,
+            version,
+            models: models.iter().map(|m| m.to_string()).collect(),
+            ..QueueStats::default()
+        };
+        assert!(p.offer_stats(&with(1, 1, &["llama", "qwen"])));
+        // A SWIM copy (models left out) updates the load, keeps the models.
+        assert!(p.offer_stats(&with(1, 2, &[])));
+        assert_eq!(p.stats().unwrap().models, ["llama", "qwen"]);
+        assert!(p.stats().unwrap().serves("qwen") && !p.stats().unwrap().serves("gpt"));
+        // A summary's copy replaces them.
+        assert!(p.offer_stats(&with(1, 3, &["qwen"])));
+        assert_eq!(p.stats().unwrap().models, ["qwen"]);
+        // A new run starts from what it says: unknown, so it serves anything.
+        assert!(p.offer_stats(&with(2, 1, &[])));
+        assert!(p.stats().unwrap().models.is_empty());
+        assert!(p.stats().unwrap().serves("gpt"));
     }
 
     #[test]

@@ -75,6 +75,11 @@ pub struct QueueStats {
     /// while what is in flight there finishes (docs/cluster.md, "Leaving").
     #[serde(default)]
     pub draining: bool,
+    /// The model ids the origin's engine serves (its `/v1/models`), so that a request
+    /// naming a model goes only where it is served. Empty: not known (yet), or a driver
+    /// without models (the simulator); such a node is taken to serve any model.
+    #[serde(default)]
+    pub models: Vec<String>,
 }
 
 impl QueueStats {
@@ -82,5 +87,12 @@ impl QueueStats {
     /// the one comparison every receiver makes (peer gossip, the forward ledger).
     pub fn order(&self) -> (u64, u64) {
         (self.incarnation, self.version)
+    }
+
+    /// Whether the origin serves `model`: it lists it, or it lists no models at all
+    /// (unknown is not "no": an engine whose model list could not be read still
+    /// serves, and the engine itself answers a wrong name).
+    pub fn serves(&self, model: &str) -> bool {
+        self.models.is_empty() || self.models.iter().any(|m| m == model)
     }
 }

@@ -151,6 +151,8 @@ pub struct ForwardRequest {
     pub body: Vec<u8>,
     /// Client headers worth passing on (e.g. `x-session-id`, `x-gorgo-policy`).
     pub headers: Vec<(String, String)>,
+    /// The `model` the body names, so the receiver need not parse the body to route.
+    pub model: Option<String>,
 }
 
 /// The head of a forwarded response, first on the return direction of the stream;
@@ -181,6 +183,7 @@ mod tests {
             chain: HashChain::from_bytes(b"hello world, this is a prompt", 8, 4),
             body: br#"{"messages":[]}"#.to_vec(),
             headers: vec![("x-session-id".into(), "s1".into())],
+            model: Some("m".into()),
         }
     }
 

@@ -130,6 +130,8 @@ pub struct RoutedRequest {
     pub session_key: Option<u64>,
     /// The raw `x-session-id`, passed on to peers.
     pub session_id: Option<String>,
+    /// The `model` the body names, if any: only regions serving it are candidates.
+    pub model: Option<String>,
     /// The node the client talks to.
     pub origin: NodeId,
     /// The cost weights to route with: the tuning epoch's, fixed at admission so the
@@ -148,6 +150,9 @@ pub enum ServeError {
     Timeout(String),
     /// The prompt does not fit the engine's context (400 `context_length_exceeded`).
     ContextLength(String),
+    /// No region of the cluster serves the model the request names (404
+    /// `model_not_found`, as OpenAI answers); holds the model.
+    ModelNotFound(String),
 }
 
 /// A response on its way to the client.
@@ -183,16 +188,20 @@ impl ServeError {
             ServeError::Failed(_) => (StatusCode::BAD_GATEWAY, "engine_failed"),
             ServeError::Timeout(_) => (StatusCode::GATEWAY_TIMEOUT, "timeout"),
             ServeError::ContextLength(_) => (StatusCode::BAD_REQUEST, "bad_request"),
+            ServeError::ModelNotFound(_) => (StatusCode::NOT_FOUND, "model_not_found"),
         }
     }
 
     /// What went wrong, for the error body.
-    pub fn message(&self) -> &str {
+    pub fn message(&self) -> String {
         match self {
             ServeError::Unavailable(m)
             | ServeError::Failed(m)
             | ServeError::Timeout(m)
-            | ServeError::ContextLength(m) => m,
+            | ServeError::ContextLength(m) => m.clone(),
+            ServeError::ModelNotFound(model) => format!(
+                "The model `{model}` does not exist or is not served by any region of this cluster."
+            ),
         }
     }
 
@@ -200,6 +209,16 @@ impl ServeError {
     pub fn code(&self) -> Option<&'static str> {
         match self {
             ServeError::ContextLength(_) => Some("context_length_exceeded"),
+            ServeError::ModelNotFound(_) => Some("model_not_found"),
+            _ => None,
+        }
+    }
+
+    /// The request field the error is about.
+    pub fn param(&self) -> Option<&'static str> {
+        match self {
+            ServeError::ContextLength(_) => Some("messages"),
+            ServeError::ModelNotFound(_) => Some("model"),
             _ => None,
         }
     }
@@ -209,7 +228,7 @@ impl ServeError {
         let status = self.status().0;
         json_error_response(
             status,
-            error_json_detailed(status.as_u16(), self.message(), self.code(), None),
+            error_json_detailed(status.as_u16(), &self.message(), self.code(), self.param()),
         )
     }
 

@@ -224,6 +224,23 @@ pub struct RoutingSection {
     /// How many recent decisions `/admin/decisions` keeps.
     #[serde(default = "default_decision_log")]
     pub decision_log: usize,
+    /// A request naming a model that no region's engine lists: refused with 404
+    /// `model_not_found` (`reject`, OpenAI's and vLLM's answer), or routed as if it
+    /// named none (`any`: for engines that serve whatever name they are sent, as
+    /// SGLang and llama.cpp do).
+    #[serde(default)]
+    pub unlisted_model: UnlistedModel,
+}
+
+/// `routing.unlisted_model`: what a model that no region lists gets.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum UnlistedModel {
+    /// 404 `model_not_found`.
+    #[default]
+    Reject,
+    /// Routed among all regions; the engine answers the name.
+    Any,
 }
 
 impl Default for RoutingSection {
@@ -236,6 +253,7 @@ impl Default for RoutingSection {
             bytes_per_token: default_bytes_per_token(),
             allow_policy_header: false,
             decision_log: default_decision_log(),
+            unlisted_model: UnlistedModel::default(),
         }
     }
 }

@@ -23,6 +23,15 @@ use crate::error::NodeError;
 
 /// Largest `/metrics` page we read from the engine.
 const MAX_METRICS_BYTES: usize = 4 * 1024 * 1024;
+/// Cap on a `/v1/models` answer read from the engine.
+const MAX_MODELS_BYTES: usize = 1 << 20;
+/// Models kept from one engine's list (vLLM lists every LoRA adapter as a model), and
+/// the longest id kept: both bound what the node gossips.
+pub const MAX_MODELS: usize = 64;
+/// Longest model id kept, bytes.
+pub const MAX_MODEL_ID_BYTES: usize = 256;
+/// How often a known model list is read again (adapters come and go).
+const MODELS_REFRESH: Duration = Duration::from_secs(30);
 
 /// Why a call to the engine failed; the ingress maps it to a status.
 #[derive(Debug)]
@@ -63,6 +72,8 @@ pub struct EngineAdapter {
     opened: tokio::sync::watch::Sender<bool>,
     /// The engine's context length, once known (config, or `/v1/models`).
     max_context_tokens: AtomicU64,
+    /// What the engine's `/v1/models` last listed.
+    models: Mutex<EngineModels>,
     first_byte_timeout: Duration,
     view: Mutex<EngineView>,
     /// Ids of dispatches in the view, unique per adapter.
@@ -101,6 +112,7 @@ impl EngineAdapter {
             })),
             opened: tokio::sync::watch::Sender::new(false),
             max_context_tokens: AtomicU64::new(engine.max_context_tokens.unwrap_or(0)),
+            models: Mutex::new(EngineModels::default()),
             first_byte_timeout: Duration::from_millis(limits.first_byte_timeout_ms),
             view: Mutex::new(view),
             next_ticket: AtomicU64::new(1),
@@ -183,9 +195,23 @@ impl EngineAdapter {
         self.view.lock().counters()
     }
 
-    /// The local queue signal (see [`EngineView::queue_stats`]).
+    /// The local queue signal (see [`EngineView::queue_stats`]), with the models the
+    /// engine serves.
     pub fn queue_stats(&self, epoch: u64) -> QueueStats {
-        self.view.lock().queue_stats(epoch)
+        let mut stats = self.view.lock().queue_stats(epoch);
+        stats.models = self.models.lock().ids.clone();
+        stats
+    }
+
+    /// The model ids the engine listed last; empty until a list was read.
+    pub fn models(&self) -> Vec<String> {
+        self.models.lock().ids.clone()
+    }
+
+    /// The engine's own `/v1/models` entries (ids and whatever else it says of them,
+    /// e.g. `max_model_len`), as last read.
+    pub fn model_entries(&self) -> Vec<serde_json::Value> {
+        self.models.lock().entries.clone()
     }
 
     /// A copy of the node's prefill fit.
@@ -304,29 +330,61 @@ impl EngineAdapter {
         self.health.lock().confirmed() && self.is_healthy()
     }
 
-    /// Learn the engine's context length from `/v1/models` (vLLM's `max_model_len`,
-    /// SGLang's and others' `context_length`/`max_context_length`) unless the config
-    /// gave one. Failures leave it unknown.
-    pub async fn learn_context_length(&self) {
-        if self.max_context_tokens().is_some() {
-            return;
-        }
+    /// Read the engine's `/v1/models`: the models it serves (gossiped, so requests
+    /// naming a model go where it is served) and, unless the config gave one, its
+    /// context length (vLLM's `max_model_len`, SGLang's and others' `context_length` /
+    /// `max_context_length`). Failures keep what was known. Returns true when a list
+    /// was read.
+    pub async fn learn_models(&self) -> bool {
         let url = format!("{}/v1/models", self.base);
         let Ok(Ok(resp)) =
             tokio::time::timeout(self.health_timeout * 5, self.client.get(url).send()).await
         else {
-            return;
+            return false;
         };
-        if !resp.status().is_success() || resp.content_length().unwrap_or(0) > 1 << 20 {
-            return;
+        if !resp.status().is_success()
+            || resp.content_length().unwrap_or(0) > MAX_MODELS_BYTES as u64
+        {
+            return false;
         }
-        let Ok(v) = resp.json::<serde_json::Value>().await else {
-            return;
+        let Ok(Ok(body)) = tokio::time::timeout(self.health_timeout * 5, resp.bytes()).await else {
+            return false;
         };
-        if let Some(n) = context_length_of(&v) {
-            self.max_context_tokens.store(n, Ordering::Relaxed);
-            tracing::info!(engine = %self.base, max_context_tokens = n, "engine context length");
+        if body.len() > MAX_MODELS_BYTES {
+            return false;
         }
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body) else {
+            return false;
+        };
+        let Some(list) = ModelList::parse(&v) else {
+            return false;
+        };
+        if self.max_context_tokens().is_none() {
+            if let Some(n) = context_length_of(&v) {
+                self.max_context_tokens.store(n, Ordering::Relaxed);
+                tracing::info!(engine = %self.base, max_context_tokens = n, "engine context length");
+            }
+        }
+        let now = self.now_ms();
+        let mut held = self.models.lock();
+        if held.ids != list.ids {
+            tracing::info!(engine = %self.base, models = ?list.ids, "engine models");
+        }
+        *held = EngineModels {
+            ids: list.ids,
+            entries: list.entries,
+            read_at_ms: Some(now),
+        };
+        true
+    }
+
+    /// True when the model list was never read or is older than [`MODELS_REFRESH`].
+    fn models_due(&self) -> bool {
+        let now = self.now_ms();
+        self.models
+            .lock()
+            .read_at_ms
+            .is_none_or(|t| now.saturating_sub(t) >= MODELS_REFRESH.as_millis() as u64)
     }
 
     /// One scrape of `/metrics`; failures keep the previous values.
@@ -375,8 +433,8 @@ impl EngineAdapter {
                     tokio::select! {
                         _ = shutdown.cancelled() => return,
                         _ = tick.tick() => {
-                            if me.check_health().await {
-                                me.learn_context_length().await;
+                            if me.check_health().await && me.models_due() {
+                                me.learn_models().await;
                             }
                         }
                     }
@@ -397,6 +455,48 @@ impl EngineAdapter {
             }
         };
         tokio::join!(health, scrape);
+    }
+}
+
+/// What the node holds of its engine's model list.
+#[derive(Debug, Default)]
+struct EngineModels {
+    ids: Vec<String>,
+    entries: Vec<serde_json::Value>,
+    read_at_ms: Option<u64>,
+}
+
+/// A `/v1/models` answer, bounded: at most [`MAX_MODELS`] entries with a string `id`
+/// of at most [`MAX_MODEL_ID_BYTES`], duplicates dropped.
+#[derive(Debug, PartialEq)]
+struct ModelList {
+    ids: Vec<String>,
+    entries: Vec<serde_json::Value>,
+}
+
+impl ModelList {
+    /// `None` when the answer is not an OpenAI model list (`{"data": [...]}`).
+    fn parse(v: &serde_json::Value) -> Option<ModelList> {
+        let data = v.get("data")?.as_array()?;
+        let mut out = ModelList {
+            ids: Vec::new(),
+            entries: Vec::new(),
+        };
+        for entry in data {
+            let Some(id) = entry.get("id").and_then(serde_json::Value::as_str) else {
+                continue;
+            };
+            if id.is_empty() || id.len() > MAX_MODEL_ID_BYTES || out.ids.iter().any(|k| k == id) {
+                continue;
+            }
+            if out.ids.len() == MAX_MODELS {
+                tracing::warn!(kept = MAX_MODELS, "engine lists more models than are kept");
+                break;
+            }
+            out.ids.push(id.to_owned());
+            out.entries.push(entry.clone());
+        }
+        Some(out)
     }
 }
 
@@ -458,6 +558,27 @@ mod tests {
         // Dropped before the first byte (a cancel): everything is released too.
         drop(engine.dispatch(10, 50, 2));
         assert_eq!(engine.counters().unfinished_prefill_tokens, 0);
+    }
+
+    #[test]
+    fn model_lists_are_bounded_and_deduplicated() {
+        let v = serde_json::json!({"object": "list", "data": [
+            {"id": "base", "object": "model", "max_model_len": 4096},
+            {"id": "base"},
+            {"id": "lora-a", "parent": "base"},
+            {"object": "model"},
+            {"id": ""},
+            {"id": "x".repeat(MAX_MODEL_ID_BYTES + 1)},
+        ]});
+        let list = ModelList::parse(&v).unwrap();
+        assert_eq!(list.ids, ["base", "lora-a"]);
+        assert_eq!(list.entries[0]["max_model_len"], 4096);
+        let many: Vec<_> = (0..MAX_MODELS + 10)
+            .map(|i| serde_json::json!({"id": format!("m{i}")}))
+            .collect();
+        let list = ModelList::parse(&serde_json::json!({ "data": many })).unwrap();
+        assert_eq!(list.ids.len(), MAX_MODELS);
+        assert_eq!(ModelList::parse(&serde_json::json!({"models": []})), None);
     }
 
     #[test]

@@ -111,6 +111,7 @@ pub async fn forward(
             chain: req.chain.clone(),
             body: req.body.to_vec(),
             headers,
+            model: req.model.clone(),
         };
         write_frame(&mut send, &msg).await?;
         let head: ForwardResponseHead = read_frame(&mut recv, MAX_RESPONSE_HEAD).await?;
@@ -252,6 +253,7 @@ where
         hops: msg.hops,
         policy,
         origin: msg.origin,
+        model: msg.model,
         weights: state.tuning.weights(),
     };
     tracing::debug!(%from, request_id = req.request_id, hops = req.hops, "forward received");
@@ -273,7 +275,7 @@ where
         Ok(up) => up,
         Err(e) => {
             let status = e.status().0.as_u16();
-            let _ = write_error_head(&mut send, &state, status, req.hops, e.message()).await;
+            let _ = write_error_head(&mut send, &state, status, req.hops, &e.message()).await;
             return;
         }
     };
@@ -368,6 +370,7 @@ mod tests {
             chain: HashChain::from_bytes(b"hello world", 4, 4),
             body: br#"{"prompt":"hello world"}"#.to_vec(),
             headers: vec![("content-type".into(), "application/json".into())],
+            model: None,
         }
     }
 

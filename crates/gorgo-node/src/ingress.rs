@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
@@ -57,33 +57,51 @@ async fn completions(
     completion(state, Endpoint::Completions, headers, body).await
 }
 
+/// `GET /v1/models`: every model served anywhere in the cluster, in OpenAI's list
+/// shape. The local engine's entries come as it lists them (with its own fields, e.g.
+/// `max_model_len`); a model only peers serve gets a plain entry. Each entry adds
+/// `nodes`: the nodes whose engines serve it, from their gossiped stats.
 async fn models(State(state): State<Arc<NodeState>>) -> Response {
-    if !state.engine.is_healthy() {
-        return error_response(StatusCode::SERVICE_UNAVAILABLE, "engine unavailable");
+    if state.engine.models().is_empty() && state.engine.is_healthy() {
+        state.engine.learn_models().await;
     }
-    match state
+    let mut listed: Vec<(Value, Vec<String>)> = state
         .engine
-        .send(http::Method::GET, "/v1/models", &[], Bytes::new())
-        .await
-    {
-        Ok(resp) => {
-            let status =
-                StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
-            let ct = resp.headers().get("content-type").cloned();
-            match resp.bytes().await {
-                Ok(b) => {
-                    let mut r = Response::new(Body::from(b));
-                    *r.status_mut() = status;
-                    if let Some(ct) = ct.and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok()) {
-                        r.headers_mut().insert(http::header::CONTENT_TYPE, ct);
-                    }
-                    r
-                }
-                Err(e) => error_response(StatusCode::BAD_GATEWAY, &format!("engine failed: {e}")),
+        .model_entries()
+        .into_iter()
+        .map(|entry| (entry, vec![state.id.0.clone()]))
+        .collect();
+    for peer in state.peers.peers().iter().filter(|p| p.alive) {
+        let Some(stats) = peer.stats.as_ref().filter(|s| !s.draining) else {
+            continue;
+        };
+        for model in &stats.models {
+            match listed
+                .iter_mut()
+                .find(|(e, _)| e.get("id").and_then(Value::as_str) == Some(model))
+            {
+                Some((_, nodes)) => nodes.push(peer.id.0.clone()),
+                None => listed.push((
+                    serde_json::json!({"id": model, "object": "model", "created": 0, "owned_by": "gorgo"}),
+                    vec![peer.id.0.clone()],
+                )),
             }
         }
-        Err(e) => ServeError::from(e).response(),
     }
+    if listed.is_empty() && !state.engine.is_healthy() {
+        return error_response(StatusCode::SERVICE_UNAVAILABLE, "engine unavailable");
+    }
+    let data: Vec<Value> = listed
+        .into_iter()
+        .map(|(mut entry, mut nodes)| {
+            nodes.sort();
+            if let Some(obj) = entry.as_object_mut() {
+                obj.insert("nodes".into(), nodes.into());
+            }
+            entry
+        })
+        .collect();
+    axum::Json(serde_json::json!({"object": "list", "data": data})).into_response()
 }
 
 /// `GET /health` as SGLang and vLLM answer it (clients such as GuideLLM check it
@@ -134,24 +152,17 @@ async fn health_generate(State(state): State<Arc<NodeState>>) -> Response {
         ),
         Err(e) => error_response(
             StatusCode::SERVICE_UNAVAILABLE,
-            ServeError::from(e).message(),
+            &ServeError::from(e).message(),
         ),
     }
 }
 
 /// The id of the first model the local engine lists.
 async fn engine_model(state: &NodeState) -> Option<String> {
-    let resp = state
-        .engine
-        .send(http::Method::GET, "/v1/models", &[], Bytes::new())
-        .await
-        .ok()?;
-    let v: Value = resp.json().await.ok()?;
-    v.get("data")?
-        .get(0)?
-        .get("id")?
-        .as_str()
-        .map(str::to_owned)
+    if state.engine.models().is_empty() {
+        state.engine.learn_models().await;
+    }
+    state.engine.models().into_iter().next()
 }
 
 /// Endpoints the node passes to its local engine unrouted (`/v1/embeddings`,
@@ -378,6 +389,10 @@ async fn completion(
         policy,
         session_key,
         session_id,
+        model: parsed
+            .get("model")
+            .and_then(Value::as_str)
+            .map(str::to_owned),
         origin: state.id.clone(),
     };
     let request_id = req.request_id;

@@ -9,11 +9,12 @@ use futures::StreamExt;
 use gorgo_core::candidates::{build_candidates, LocalState, PeerState};
 use gorgo_core::cost::Candidate;
 use gorgo_core::health::RequestOutcome;
-use gorgo_core::{HashChain, NodeId};
+use gorgo_core::NodeId;
 
 use crate::api::{
     RoutedRequest, ServeError, Upstream, PASS_RESPONSE_HEADERS, PREDICTED_TTFT_HEADER,
 };
+use crate::config::UnlistedModel;
 use crate::forward::forward;
 use crate::route::{DecisionInput, Target};
 use crate::NodeState;
@@ -33,21 +34,32 @@ fn pass_headers(headers: &reqwest::header::HeaderMap) -> Vec<(String, String)> {
 /// The candidates of a decision, built by the core ([`build_candidates`]) from this
 /// node's view of its engine, its shadow index, the peer table and the forward ledger.
 /// With `local_excluded` the local engine is not a candidate (it just failed this
-/// request, or the node is too full to serve it itself).
-fn candidates(state: &NodeState, chain: &HashChain, local_excluded: bool) -> Vec<Candidate> {
+/// request, or the node is too full to serve it itself). A request that names a model
+/// has only the regions serving it as candidates ([`QueueStats::serves`]).
+///
+/// [`QueueStats::serves`]: gorgo_core::QueueStats::serves
+fn candidates(state: &NodeState, req: &RoutedRequest, local_excluded: bool) -> Vec<Candidate> {
+    let chain = &req.chain;
+    let model = req.model.as_deref();
+    let stats = state.local_stats();
     let local = LocalState {
         node: state.id.clone(),
-        healthy: !local_excluded && state.engine.is_healthy(),
+        healthy: !local_excluded
+            && state.engine.is_healthy()
+            && model.is_none_or(|m| stats.serves(m)),
         cached_tokens: state.shadow.lock().longest_match(chain),
-        stats: state.local_stats(),
+        stats,
     };
     let peers = state.peers.peers();
-    let views = peers.iter().map(|p| PeerState {
-        node: &p.id,
-        alive: p.alive,
-        rtt_ms: p.rtt_ms,
-        stats: p.stats.as_ref(),
-    });
+    let views = peers
+        .iter()
+        .filter(|p| model.is_none_or(|m| p.stats.as_ref().is_none_or(|s| s.serves(m))))
+        .map(|p| PeerState {
+            node: &p.id,
+            alive: p.alive,
+            rtt_ms: p.rtt_ms,
+            stats: p.stats.as_ref(),
+        });
     let mut ledger = state.router.ledger.lock();
     build_candidates(
         local,
@@ -58,11 +70,37 @@ fn candidates(state: &NodeState, chain: &HashChain, local_excluded: bool) -> Vec
     )
 }
 
+/// A request for a model that no region serves (neither the local engine nor any
+/// live peer lists it; a region whose list is not known counts as serving it) is
+/// refused, or with `routing.unlisted_model = "any"` routed as if it named none.
+fn check_model(state: &NodeState, mut req: RoutedRequest) -> Result<RoutedRequest, ServeError> {
+    let Some(model) = req.model.as_deref() else {
+        return Ok(req);
+    };
+    let served = state.local_stats().serves(model)
+        || state
+            .peers
+            .peers()
+            .iter()
+            .filter(|p| p.alive)
+            .filter_map(|p| p.stats.as_ref())
+            .any(|s| !s.draining && s.serves(model));
+    match state.config.routing.unlisted_model {
+        _ if served => Ok(req),
+        UnlistedModel::Any => {
+            req.model = None;
+            Ok(req)
+        }
+        UnlistedModel::Reject => Err(ServeError::ModelNotFound(model.to_owned())),
+    }
+}
+
 /// Route and serve one request. A prompt longer than the engine's context is refused
 /// here, before routing, so it reaches no engine and no cache model. When the local
 /// engine fails it before the first byte (a breaker that opened, a timeout, a 5xx
 /// head), the request is routed again without the local engine.
 pub async fn serve(state: &Arc<NodeState>, req: RoutedRequest) -> Result<Upstream, ServeError> {
+    let req = check_model(state, req)?;
     check_context(state, &req)?;
     match route_and_serve(state, &req, false).await {
         Err(e) if e.may_fall_back() && req.hops < state.config.routing.max_hops => {
@@ -82,6 +120,7 @@ pub async fn serve_elsewhere(
     state: &Arc<NodeState>,
     req: RoutedRequest,
 ) -> Result<Upstream, ServeError> {
+    let req = check_model(state, req)?;
     check_context(state, &req)?;
     route_and_serve(state, &req, true).await
 }
@@ -118,7 +157,7 @@ async fn route_and_serve(
         weights: req.weights,
         now_ms: state.now_ms(),
     };
-    let cands = candidates(state, &req.chain, local_excluded);
+    let cands = candidates(state, req, local_excluded);
     let (target, record) = state.router.decide(&input, cands);
     if let Some(terms) = record
         .candidates

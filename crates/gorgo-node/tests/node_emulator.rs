@@ -36,7 +36,7 @@ async fn three_nodes_over_emulators() {
     }
     let c = client();
     for (node, id) in nodes.iter().zip(["a", "b", "c"]) {
-        let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": prompt(id, 2000)}],
+        let body = serde_json::json!({"model": "Qwen/Qwen2.5-1.5B-Instruct", "messages": [{"role": "user", "content": prompt(id, 2000)}],
             "max_tokens": 4});
         let resp = c
             .post(format!("{}/v1/chat/completions", node.base))

@@ -3,14 +3,6 @@ mod common;
 
 use common::*;
 
-async fn error_of(resp: reqwest::Response) -> (u16, serde_json::Value) {
-    let status = resp.status().as_u16();
-    let body: serde_json::Value = resp.json().await.expect("OpenAI error JSON");
-    assert!(body["error"]["message"].is_string(), "{body}");
-    assert!(body["error"]["type"].is_string(), "{body}");
-    (status, body)
-}
-
 #[tokio::test]
 async fn non_streaming_chat_passes_through_with_headers() {
     let engine = StubEngine::start("e").await;
@@ -62,7 +54,8 @@ async fn streaming_completion_stays_sse_byte_for_byte() {
 
 #[tokio::test]
 async fn models_are_listed() {
-    let engine = StubEngine::start("the-model").await;
+    let engine = StubEngine::start("e").await;
+    engine.set_models(&["the-model"]);
     let node = start_node(config("a", &engine.url(), ""), None).await;
     let v: serde_json::Value = client()
         .get(format!("{}/v1/models", node.base))
@@ -73,6 +66,8 @@ async fn models_are_listed() {
         .await
         .unwrap();
     assert_eq!(v["data"][0]["id"], "the-model");
+    assert_eq!(v["data"][0]["owned_by"], "e", "the engine's own entry");
+    assert_eq!(v["data"][0]["nodes"], serde_json::json!(["a"]));
     node.shutdown.cancel();
 }
 

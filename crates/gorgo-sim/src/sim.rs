@@ -697,9 +697,10 @@ impl<'a> Sim<'a> {
             base_ms,
             decode_step_ms: s.decode_step_ms,
             epoch,
-            // Simulated nodes neither restart nor drain.
+            // Simulated nodes neither restart nor drain, and serve the one model.
             incarnation: 0,
             draining: false,
+            models: Vec::new(),
         }
     }
 

@@ -38,6 +38,8 @@ pub struct StubEngine {
     pub requests: AtomicU64,
     pub release: Notify,
     pub name: String,
+    /// The model ids its `/v1/models` lists (`["m"]`, what the tests' bodies name).
+    pub models: std::sync::Mutex<Vec<String>>,
     pub shutdown: CancellationToken,
 }
 
@@ -52,26 +54,43 @@ impl StubEngine {
             requests: AtomicU64::new(0),
             release: Notify::new(),
             name: name.to_owned(),
+            models: std::sync::Mutex::new(vec!["m".to_owned()]),
             shutdown: shutdown.clone(),
         });
         let app = axum::Router::new()
-            .route("/health", get(|State(e): State<Arc<StubEngine>>| async move {
-                if e.mode.load(Ordering::SeqCst) == HANG_ALL {
-                    e.release.notified().await;
-                }
-                "ok"
-            }))
+            .route(
+                "/health",
+                get(|State(e): State<Arc<StubEngine>>| async move {
+                    if e.mode.load(Ordering::SeqCst) == HANG_ALL {
+                        e.release.notified().await;
+                    }
+                    "ok"
+                }),
+            )
             .route("/metrics", get(metrics))
-            .route("/v1/models", get(|State(e): State<Arc<StubEngine>>| async move {
-                axum::Json(serde_json::json!({"object": "list", "data": [{"id": e.name, "object": "model"}]}))
-            }))
+            .route(
+                "/v1/models",
+                get(|State(e): State<Arc<StubEngine>>| async move {
+                    let data: Vec<_> = e.models.lock().unwrap().iter()
+                    .map(|id| serde_json::json!({"id": id, "object": "model", "owned_by": e.name}))
+                    .collect();
+                    axum::Json(serde_json::json!({"object": "list", "data": data}))
+                }),
+            )
             .route("/v1/chat/completions", post(complete))
             .route("/v1/completions", post(complete))
-            .route("/tokenize", post(|body: Bytes| async move {
-                let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
-                let n = v["prompt"].as_str().map_or(0, |p| p.split_whitespace().count());
-                axum::Json(serde_json::json!({"tokens": (0..n).collect::<Vec<usize>>(), "count": n}))
-            }))
+            .route(
+                "/tokenize",
+                post(|body: Bytes| async move {
+                    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+                    let n = v["prompt"]
+                        .as_str()
+                        .map_or(0, |p| p.split_whitespace().count());
+                    axum::Json(
+                        serde_json::json!({"tokens": (0..n).collect::<Vec<usize>>(), "count": n}),
+                    )
+                }),
+            )
             .with_state(engine.clone());
         tokio::spawn(async move {
             axum::serve(listener, app)
@@ -84,6 +103,11 @@ impl StubEngine {
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// Serve these models (what `/v1/models` lists from now on).
+    pub fn set_models(&self, models: &[&str]) {
+        *self.models.lock().unwrap() = models.iter().map(|m| m.to_string()).collect();
     }
 
     pub fn set_mode(&self, mode: u8) {
@@ -333,4 +357,14 @@ pub fn chat_body(prompt: &str, stream: bool) -> serde_json::Value {
 
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder().build().unwrap()
+}
+
+/// The status and body of an error answer, checked to be OpenAI's error shape.
+#[allow(dead_code)]
+pub async fn error_of(resp: reqwest::Response) -> (u16, serde_json::Value) {
+    let status = resp.status().as_u16();
+    let body: serde_json::Value = resp.json().await.expect("OpenAI error JSON");
+    assert!(body["error"]["message"].is_string(), "{body}");
+    assert!(body["error"]["type"].is_string(), "{body}");
+    (status, body)
 }

@@ -1,0 +1,142 @@
+//! Model-aware routing: each node learns the models its engine lists (`/v1/models`)
+//! and peers learn them from its stats; a request naming a model goes only to regions
+//! that serve it, one no region serves is refused in OpenAI's shape, and `/v1/models`
+//! on any node lists the cluster's models with the nodes serving each.
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use gorgo_node::mesh::Mesh;
+
+/// Two regions, `a` serving `alpha` and `b` serving `beta` (and both `shared`), their
+/// model lists read.
+async fn two_model_cluster(extra: &str) -> (Vec<Arc<StubEngine>>, Vec<TestNode>) {
+    let mesh = Mesh::new();
+    mesh.set_rtt("a", "b", 50.0);
+    let mut engines = Vec::new();
+    let mut nodes = Vec::new();
+    for (id, model) in [("a", "alpha"), ("b", "beta")] {
+        let engine = StubEngine::start(id).await;
+        engine.set_models(&[model, "shared"]);
+        let node = start_node(config(id, &engine.url(), extra), Some(&mesh)).await;
+        assert!(node.state().engine.learn_models().await);
+        engines.push(engine);
+        nodes.push(node);
+    }
+    (engines, nodes)
+}
+
+fn body(model: &str, prompt: &str, stream: bool) -> serde_json::Value {
+    serde_json::json!({"model": model, "messages": [{"role": "user", "content": prompt}],
+        "stream": stream, "max_tokens": 8})
+}
+
+async fn send(node: &TestNode, body: &serde_json::Value) -> reqwest::Response {
+    client()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn requests_go_only_where_their_model_is_served() {
+    let (engines, nodes) = two_model_cluster("").await;
+    // `beta` is served only at b: a forwards it, though its own engine is idle.
+    for stream in [false, true] {
+        let resp = send(&nodes[0], &body("beta", "hello beta", stream)).await;
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.headers()["x-gorgo-served-by"], "b");
+        let text = resp.text().await.unwrap();
+        assert!(text.contains("hello"), "{text}");
+    }
+    // `alpha` at a, from either node.
+    for node in &nodes {
+        let resp = send(node, &body("alpha", "hello alpha", false)).await;
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.headers()["x-gorgo-served-by"], "a");
+    }
+    assert_eq!(engines[1].requests(), 2);
+    assert_eq!(engines[0].requests(), 2);
+    // A model no region serves: OpenAI's 404, and no engine saw it.
+    let (status, error) = error_of(send(&nodes[1], &body("gamma", "hi", false)).await).await;
+    let error = &error["error"];
+    assert_eq!(status, 404);
+    assert_eq!(error["code"], "model_not_found");
+    assert_eq!(error["param"], "model");
+    assert_eq!(error["type"], "invalid_request_error");
+    assert!(error["message"].as_str().unwrap().contains("gamma"));
+    assert_eq!(engines[0].requests() + engines[1].requests(), 4);
+    // No model named: any region.
+    let mut anon = body("x", "no model", false);
+    anon.as_object_mut().unwrap().remove("model");
+    assert_eq!(send(&nodes[0], &anon).await.status(), 200);
+}
+
+#[tokio::test]
+async fn unlisted_models_can_be_let_through_for_engines_that_take_any_name() {
+    let (_engines, nodes) = two_model_cluster("[routing]\nunlisted_model = \"any\"\n").await;
+    let resp = send(&nodes[0], &body("gamma", "hi", false)).await;
+    assert_eq!(resp.status(), 200, "routed as if it named no model");
+    // A listed model is still routed by where it is served.
+    let resp = send(&nodes[0], &body("beta", "hi", false)).await;
+    assert_eq!(resp.headers()["x-gorgo-served-by"], "b");
+}
+
+#[tokio::test]
+async fn v1_models_lists_the_clusters_models_and_where_each_is_served() {
+    let (_engines, nodes) = two_model_cluster("").await;
+    for node in &nodes {
+        let resp = client()
+            .get(format!("{}/v1/models", node.base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let v: serde_json::Value = resp.json().await.unwrap();
+        assert_eq!(v["object"], "list");
+        let mut listed: Vec<(String, Vec<String>)> = v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                assert_eq!(m["object"], "model");
+                let nodes = m["nodes"].as_array().unwrap();
+                let nodes = nodes.iter().map(|n| n.as_str().unwrap().to_owned());
+                (m["id"].as_str().unwrap().to_owned(), nodes.collect())
+            })
+            .collect();
+        listed.sort();
+        let want =
+            |id: &str, at: &[&str]| (id.to_owned(), at.iter().map(|s| s.to_string()).collect());
+        assert_eq!(
+            listed,
+            [
+                want("alpha", &["a"]),
+                want("beta", &["b"]),
+                want("shared", &["a", "b"])
+            ]
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_changed_model_list_changes_the_routing() {
+    let (engines, nodes) = two_model_cluster("").await;
+    let resp = send(&nodes[0], &body("delta", "hi", false)).await;
+    assert_eq!(resp.status(), 404);
+    // b's engine loads `delta` (an adapter, say); once b reads its list again, a
+    // routes `delta` there.
+    engines[1].set_models(&["beta", "delta"]);
+    assert!(nodes[1].state().engine.learn_models().await);
+    let resp = send(&nodes[0], &body("delta", "hi", false)).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-gorgo-served-by"], "b");
+    // Now b no longer lists `shared`: requests for it stay at a.
+    for node in &nodes {
+        let resp = send(node, &body("shared", "hi", false)).await;
+        assert_eq!(resp.headers()["x-gorgo-served-by"], "a");
+    }
+}
