@@ -9,6 +9,7 @@ use axum::extract::State;
 use axum::response::Response;
 use axum::routing::{get, post};
 use bytes::Bytes;
+use futures::StreamExt;
 use gorgo_node::mesh::Mesh;
 use gorgo_node::{NodeConfig, NodeHandle, NodeListeners, NodeState, ValidatedConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -36,6 +37,8 @@ pub struct StubEngine {
     pub mode: AtomicU8,
     pub waiting: AtomicU32,
     pub requests: AtomicU64,
+    /// Handlers of the native routes running now (a dropped one was cancelled).
+    pub active: Arc<AtomicU64>,
     pub release: Notify,
     pub name: String,
     /// The model ids its `/v1/models` lists (`["m"]`, what the tests' bodies name).
@@ -52,6 +55,7 @@ impl StubEngine {
             mode: AtomicU8::new(NORMAL),
             waiting: AtomicU32::new(0),
             requests: AtomicU64::new(0),
+            active: Arc::new(AtomicU64::new(0)),
             release: Notify::new(),
             name: name.to_owned(),
             models: std::sync::Mutex::new(vec!["m".to_owned()]),
@@ -91,6 +95,10 @@ impl StubEngine {
                     )
                 }),
             )
+            .route("/v1/embeddings", post(native))
+            .route("/v1/responses", post(native))
+            .route("/generate", post(native))
+            .route("/detokenize", post(native))
             .with_state(engine.clone());
         tokio::spawn(async move {
             axum::serve(listener, app)
@@ -208,6 +216,59 @@ fn async_stream(
             }
         }
     })
+}
+
+/// Counts a running handler while alive.
+struct Active(Arc<AtomicU64>);
+impl Active {
+    fn new(n: &Arc<AtomicU64>) -> Active {
+        n.fetch_add(1, Ordering::SeqCst);
+        Active(n.clone())
+    }
+}
+impl Drop for Active {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The engine's native routes (`/v1/embeddings`, `/v1/responses`, SGLang's
+/// `/generate`, `/detokenize`): a JSON answer naming the route and echoing the body,
+/// or with `"stream": true` two SSE events and `[DONE]`. `HANG` holds them.
+async fn native(State(e): State<Arc<StubEngine>>, uri: axum::http::Uri, body: Bytes) -> Response {
+    let active = Active::new(&e.active);
+    e.requests.fetch_add(1, Ordering::SeqCst);
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let mode = e.mode.load(Ordering::SeqCst);
+    if mode == HANG {
+        e.release.notified().await;
+    }
+    let path = uri.path().to_owned();
+    if v.get("stream").and_then(|s| s.as_bool()).unwrap_or(false) {
+        let first = Bytes::from(format!(
+            "data: {}\n\n",
+            serde_json::json!({"route": path, "text": "hello"})
+        ));
+        let second = Bytes::from(format!(
+            "data: {}\n\n",
+            serde_json::json!({"route": path, "text": " world"})
+        ));
+        let stream = async_stream(first, second, mode, e.clone()).map(move |c| {
+            let _active = &active;
+            c
+        });
+        return Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(Body::from_stream(stream))
+            .unwrap();
+    }
+    drop(active);
+    Response::builder()
+        .header("content-type", "application/json")
+        .body(Body::from(
+            serde_json::json!({"route": path, "engine": e.name, "echo": v}).to_string(),
+        ))
+        .unwrap()
 }
 
 /// A TCP server that answers health checks and drops every other request: an engine

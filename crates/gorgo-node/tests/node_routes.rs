@@ -1,0 +1,210 @@
+//! The engine routes a node serves besides chat and completions, through a node of an
+//! in-process two-node cluster: `/health`, `/health_generate`, `/v1/embeddings`,
+//! `/v1/responses`, SGLang's `/generate` (text and `input_ids`), `/tokenize` and
+//! `/detokenize`. Each is checked for success, streaming where the engine streams it,
+//! bad input (OpenAI error JSON) and a client that goes away (the engine's request is
+//! cancelled, not left running).
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use gorgo_node::mesh::Mesh;
+
+async fn cluster() -> (Vec<Arc<StubEngine>>, Vec<TestNode>) {
+    let mesh = Mesh::new();
+    mesh.set_rtt("a", "b", 50.0);
+    let mut engines = Vec::new();
+    let mut nodes = Vec::new();
+    for id in ["a", "b"] {
+        let engine = StubEngine::start(id).await;
+        let extra = "[limits]\nmax_body_bytes = 65536\n";
+        nodes.push(start_node(config(id, &engine.url(), extra), Some(&mesh)).await);
+        engines.push(engine);
+    }
+    (engines, nodes)
+}
+
+/// Wait (bounded) until `cond` holds.
+async fn until(what: &str, cond: impl Fn() -> bool) {
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while !cond() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("timed out waiting for {what}"));
+}
+
+async fn post(node: &TestNode, path: &str, body: serde_json::Value) -> reqwest::Response {
+    client()
+        .post(format!("{}{path}", node.base))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+}
+
+const NATIVE: [(&str, bool); 4] = [
+    ("/v1/embeddings", false),
+    ("/v1/responses", true),
+    ("/generate", true),
+    ("/detokenize", false),
+];
+
+fn native_body(path: &str, stream: bool) -> serde_json::Value {
+    match path {
+        "/v1/embeddings" => serde_json::json!({"model": "m", "input": ["one", "two"]}),
+        "/v1/responses" => serde_json::json!({"model": "m", "input": "hello", "stream": stream}),
+        "/generate" => {
+            serde_json::json!({"text": "hello", "sampling_params": {"max_new_tokens": 4}, "stream": stream})
+        }
+        _ => serde_json::json!({"tokens": [1, 2, 3]}),
+    }
+}
+
+#[tokio::test]
+async fn native_routes_pass_through_with_the_nodes_headers() {
+    let (engines, nodes) = cluster().await;
+    for (path, streams) in NATIVE {
+        let resp = post(&nodes[0], path, native_body(path, false)).await;
+        assert_eq!(resp.status(), 200, "{path}");
+        assert_eq!(resp.headers()["x-gorgo-served-by"], "a", "{path}");
+        assert_eq!(resp.headers()["content-type"], "application/json");
+        let v: serde_json::Value = resp.json().await.unwrap();
+        assert_eq!(v["route"], path, "the engine got the route asked for");
+        assert_eq!(
+            v["echo"],
+            native_body(path, false),
+            "and the body unchanged"
+        );
+        if streams {
+            let resp = post(&nodes[0], path, native_body(path, true)).await;
+            assert_eq!(resp.status(), 200);
+            assert_eq!(resp.headers()["content-type"], "text/event-stream");
+            let text = resp.text().await.unwrap();
+            assert!(text.contains("hello") && text.contains(" world"), "{text}");
+            assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+        }
+    }
+    // SGLang's /generate takes token ids as well as text.
+    let ids = serde_json::json!({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}});
+    let v: serde_json::Value = post(&nodes[1], "/generate", ids.clone())
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["echo"], ids);
+    assert_eq!(v["engine"], "b", "served by the node's own engine");
+    // /tokenize (the stub counts words).
+    let v: serde_json::Value = post(
+        &nodes[0],
+        "/tokenize",
+        serde_json::json!({"prompt": "a b c d"}),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(v["count"], 4);
+    assert_eq!(engines[1].requests(), 1);
+}
+
+#[tokio::test]
+async fn native_routes_refuse_bad_input_in_openai_shape() {
+    let (engines, nodes) = cluster().await;
+    for path in [
+        "/v1/embeddings",
+        "/v1/responses",
+        "/generate",
+        "/tokenize",
+        "/detokenize",
+    ] {
+        let url = format!("{}{path}", nodes[0].base);
+        for (body, status) in [
+            ("not json".to_owned(), 400),
+            ("[1, 2]".to_owned(), 400),
+            (format!("{{\"text\": \"{}\"}}", "x".repeat(70_000)), 413),
+        ] {
+            let resp = client()
+                .post(&url)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            let (got, _) = error_of(resp).await;
+            assert_eq!(got, status, "{path}");
+        }
+        let resp = client().get(&url).send().await.unwrap();
+        assert_eq!(error_of(resp).await.0, 405, "{path}: GET");
+    }
+    assert_eq!(
+        engines[0].requests(),
+        0,
+        "no bad request reached the engine"
+    );
+    // /health_generate when the engine cannot generate.
+    engines[0].set_mode(REJECT);
+    let resp = client()
+        .get(format!("{}/health_generate", nodes[0].base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(resp).await.0, 503);
+    engines[0].set_mode(NORMAL);
+    let resp = client()
+        .get(format!("{}/health_generate", nodes[0].base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        client()
+            .get(format!("{}/health", nodes[0].base))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+}
+
+#[tokio::test]
+async fn a_client_that_goes_away_cancels_the_engine_request() {
+    let (engines, nodes) = cluster().await;
+    let engine = engines[0].clone();
+    for (path, streams) in NATIVE {
+        // Before the engine answered: the engine holds the request.
+        engine.set_mode(HANG);
+        let url = format!("{}{path}", nodes[0].base);
+        let body = native_body(path, false);
+        let pending = tokio::spawn(async move { client().post(url).json(&body).send().await });
+        until("the engine to hold the request", || {
+            engine.active.load(Ordering::SeqCst) == 1
+        })
+        .await;
+        pending.abort();
+        until("the engine request to be cancelled", || {
+            engine.active.load(Ordering::SeqCst) == 0
+        })
+        .await;
+        // Mid-stream: the first event arrived, then the client leaves.
+        if streams {
+            engine.set_mode(STREAM_THEN_HANG);
+            let mut resp = post(&nodes[0], path, native_body(path, true)).await;
+            assert_eq!(resp.status(), 200);
+            let first = resp.chunk().await.unwrap().unwrap();
+            assert!(first.starts_with(b"data: "));
+            assert_eq!(engine.active.load(Ordering::SeqCst), 1);
+            drop(resp);
+            until("the engine stream to be dropped", || {
+                engine.active.load(Ordering::SeqCst) == 0
+            })
+            .await;
+        }
+    }
+    engine.release.notify_waiters();
+}
