@@ -96,6 +96,16 @@ struct SendState {
     /// The version the peer is known to hold (the transport took our last message);
     /// `None`: it needs a snapshot.
     acked: Option<u64>,
+    /// Digest of the model list in the message in flight, and of the one the peer
+    /// holds: a changed list is sent even when the summary is not (SWIM broadcasts
+    /// leave models out).
+    models_in_flight: Option<u64>,
+    models_acked: Option<u64>,
+}
+
+/// Digest of a model list, to tell whether a peer holds the current one.
+fn models_digest(models: &[String]) -> u64 {
+    crate::hash::hash_bytes(models.join("\0").as_bytes())
 }
 
 /// The sender half: what this node sends each peer next.
@@ -156,9 +166,10 @@ impl GossipSender {
         }
         let version = summary.version();
         let origin = self.me.clone();
+        let models = models_digest(&stats.models);
         let msg = match st.acked.map(|v| (v, summary.delta_since(v))) {
             Some((v, Some(delta))) => {
-                if v == version && !self.config.send_unchanged {
+                if v == version && !self.config.send_unchanged && st.models_acked == Some(models) {
                     return None;
                 }
                 GossipMessage::SummaryDelta {
@@ -174,6 +185,7 @@ impl GossipSender {
             },
         };
         st.in_flight = Some(version);
+        st.models_in_flight = Some(models);
         Some(msg)
     }
 
@@ -184,7 +196,9 @@ impl GossipSender {
     pub fn on_sent(&mut self, peer: &NodeId, delivered: bool) {
         if let Some(st) = self.peers.get_mut(peer) {
             let v = st.in_flight.take();
+            let models = st.models_in_flight.take();
             st.acked = if delivered { v } else { None };
+            st.models_acked = if delivered { models } else { None };
         }
     }
 
@@ -333,6 +347,25 @@ impl PeerGossip {
         true
     }
 
+    /// Stats that came with a summary message: the load as [`offer_stats`]
+    /// (newer only), and the model list whatever the load's order. Only summary
+    /// messages carry models, and they arrive in the order sent (one in flight per
+    /// peer), while the SWIM copies of the same stats may have overtaken them.
+    ///
+    /// [`offer_stats`]: Self::offer_stats
+    fn offer_summary_stats(&mut self, stats: QueueStats) -> bool {
+        let mut updated = self.offer_stats(&stats);
+        if let Some(held) = self
+            .stats
+            .as_mut()
+            .filter(|s| s.incarnation == stats.incarnation && s.models != stats.models)
+        {
+            held.models = stats.models;
+            updated = true;
+        }
+        updated
+    }
+
     /// Handle `msg`, which the transport says came from `from`, on behalf of node `me`.
     ///
     /// Errors: [`CoreError::Malformed`] when the message speaks for another node than
@@ -385,11 +418,11 @@ impl PeerGossip {
                     self.clear_pending();
                 }
                 out.summary = SummaryEvent::Snapshot;
-                out.stats_updated = self.offer_stats(&stats);
+                out.stats_updated = self.offer_summary_stats(stats);
             }
             GossipMessage::SummaryDelta { delta, stats, .. } => {
                 out.summary = self.receive_delta(delta, now_ms, config)?;
-                out.stats_updated = self.offer_stats(&stats);
+                out.stats_updated = self.offer_summary_stats(stats);
             }
         }
         if out.summary == SummaryEvent::Gap {
@@ -575,6 +608,31 @@ mod tests {
     }
 
     #[test]
+    fn a_changed_model_list_is_sent_though_the_summary_is_not() {
+        let mut s = GossipSender::new("a".into(), GossipConfig::default());
+        let local = LocalSummary::new().starting_at(10);
+        let b = NodeId::from("b");
+        let mut st = QueueStats::default();
+        s.poll(&b, &local, &st);
+        s.on_sent(&b, true);
+        assert!(s.poll(&b, &local, &st).is_none(), "up to date");
+        // The engine's list was read: an empty delta carries it.
+        st.models = vec!["llama".into()];
+        match s.poll(&b, &local, &st) {
+            Some(GossipMessage::SummaryDelta { delta, stats, .. }) => {
+                assert!(delta.is_empty());
+                assert_eq!(stats.models, ["llama"]);
+            }
+            other => panic!("expected a delta, got {other:?}"),
+        }
+        // Lost on the way: sent again.
+        s.on_sent(&b, false);
+        assert!(s.poll(&b, &local, &st).is_some());
+        s.on_sent(&b, true);
+        assert!(s.poll(&b, &local, &st).is_none(), "the peer holds the list");
+    }
+
+    #[test]
     fn overtaken_deltas_wait_for_the_gap_instead_of_a_snapshot() {
         let mut p = PeerGossip::new();
         recv(&mut p, snapshot(1), 0);
@@ -672,6 +730,20 @@ mod tests {
         assert!(p.offer_stats(&with(2, 1, &[])));
         assert!(p.stats().unwrap().models.is_empty());
         assert!(p.stats().unwrap().serves("gpt"));
+        // SWIM copies overtook the summary message that carries the list: the list
+        // is still taken, the older load is not.
+        assert!(p.offer_stats(&with(2, 5, &[])));
+        let msg = GossipMessage::SummarySnapshot {
+            origin: "b".into(),
+            snapshot: SummarySnapshot {
+                version: 1,
+                fingerprints: vec![],
+            },
+            stats: with(2, 4, &["llama"]),
+        };
+        assert!(recv(&mut p, msg, 0).stats_updated);
+        assert_eq!(p.stats().unwrap().order(), (2, 5));
+        assert_eq!(p.stats().unwrap().models, ["llama"]);
     }
 
     #[test]
