@@ -10,9 +10,9 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use std::sync::atomic::AtomicU64;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 
 /// Labels of request counts.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -376,15 +376,27 @@ mod tests {
         m.routed_request("ok", "gorgo", "a");
         m.ttft.observe(0.1);
         let text = m.encode_prometheus_text();
-        assert!(text.contains("# HELP gorgo_requests_total Client requests"), "{text}");
-        assert!(text.contains("# TYPE gorgo_requests_total counter\n"), "{text}");
+        assert!(
+            text.contains("# HELP gorgo_requests_total Client requests"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE gorgo_requests_total counter\n"),
+            "{text}"
+        );
         assert!(
             text.contains(r#"gorgo_requests_total{outcome="ok",policy="gorgo",served_by="a"} 1"#),
             "{text}"
         );
         // Histograms and gauges are named alike in both formats.
-        assert!(text.contains("# TYPE gorgo_ttft_seconds histogram\n"), "{text}");
-        assert!(text.contains("# TYPE gorgo_inflight_requests gauge\n"), "{text}");
+        assert!(
+            text.contains("# TYPE gorgo_ttft_seconds histogram\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE gorgo_inflight_requests gauge\n"),
+            "{text}"
+        );
         assert!(!text.contains("# EOF"), "{text}");
         assert!(m.encode().ends_with("# EOF\n"));
     }
