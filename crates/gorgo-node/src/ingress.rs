@@ -25,7 +25,7 @@ use crate::api::{
     PASS_REQUEST_HEADERS, POLICY_HEADER, SERVED_BY_HEADER, SESSION_HEADER,
 };
 use crate::serve::{serve, serve_elsewhere};
-use crate::NodeState;
+use crate::{telemetry, NodeState};
 
 /// The client-facing router.
 pub fn router(state: Arc<NodeState>) -> axum::Router {
@@ -46,7 +46,8 @@ pub fn router(state: Arc<NodeState>) -> axum::Router {
 }
 
 async fn chat(State(state): State<Arc<NodeState>>, headers: HeaderMap, body: Body) -> Response {
-    completion(state, Endpoint::Chat, headers, body).await
+    let span = telemetry::request_span(&state.id, Endpoint::Chat, &headers);
+    telemetry::in_request_span(span, completion(state, Endpoint::Chat, headers, body)).await
 }
 
 async fn completions(
@@ -54,7 +55,12 @@ async fn completions(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    completion(state, Endpoint::Completions, headers, body).await
+    let span = telemetry::request_span(&state.id, Endpoint::Completions, &headers);
+    telemetry::in_request_span(
+        span,
+        completion(state, Endpoint::Completions, headers, body),
+    )
+    .await
 }
 
 async fn models(State(state): State<Arc<NodeState>>) -> Response {

@@ -26,6 +26,7 @@ pub mod peers;
 pub mod route;
 pub mod serve;
 pub mod shadow;
+pub mod telemetry;
 pub mod tuning;
 pub mod validate;
 
