@@ -19,7 +19,6 @@ use axum::body::Body;
 use axum::response::Response;
 use bytes::Bytes;
 use gorgo_core::{Endpoint, NodeId};
-use http_body_util::BodyExt;
 use opentelemetry::propagation::TextMapPropagator;
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::{WithExportConfig, WithHttpConfig};
@@ -182,12 +181,34 @@ pub async fn in_request_span(span: Span, handler: impl Future<Output = Response>
             span.record(field, v);
         }
     }
-    resp.map(|body| {
-        Body::new(body.map_frame(move |frame| {
-            let _open_until_the_body_ends = &span;
-            frame
-        }))
-    })
+    resp.map(|inner| Body::new(InSpan { inner, _span: span }))
+}
+
+/// A response body that holds its request's span open until it is dropped. It passes
+/// on the body's size, so a whole response keeps its `content-length`.
+struct InSpan {
+    inner: Body,
+    _span: Span,
+}
+
+impl http_body::Body for InSpan {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
+        std::pin::Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 /// The span of a forward a peer sent this node, a child of the peer's `forward`
