@@ -53,6 +53,11 @@ where
 {
     tracing_opentelemetry::layer()
         .with_tracer(provider.tracer("gorgo-node"))
+        // The spans are made here, in this module: source location and target would
+        // say so on every one. Threads say nothing on a work-stealing runtime.
+        .with_location(false)
+        .with_target(false)
+        .with_threads(false)
         .with_filter(Targets::new().with_target("gorgo_node", tracing::Level::INFO))
 }
 
