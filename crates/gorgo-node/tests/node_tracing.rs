@@ -169,6 +169,12 @@ async fn a_forwarded_request_is_one_trace_across_both_nodes() {
         attr(span("engine", "b"), "http.response.status_code").as_deref(),
         Some("200")
     );
+    // b's engine got the engine span's context, to trace the request itself.
+    let engine_span = span("engine", "b").span_context.span_id();
+    assert_eq!(
+        eb.traceparents.lock().last().cloned(),
+        Some(format!("00-{CLIENT_TRACE}-{engine_span}-01"))
+    );
     // The forward lasts while b serves: it started before and ended after b's part.
     let (fwd, served) = (span("forward", "a"), span("forwarded", "b"));
     assert!(fwd.start_time <= served.start_time && served.end_time <= fwd.end_time);

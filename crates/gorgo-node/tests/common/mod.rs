@@ -36,6 +36,8 @@ pub struct StubEngine {
     pub mode: AtomicU8,
     pub waiting: AtomicU32,
     pub requests: AtomicU64,
+    /// The `traceparent` header of each completion request, in arrival order.
+    pub traceparents: parking_lot::Mutex<Vec<String>>,
     pub release: Notify,
     pub name: String,
     pub shutdown: CancellationToken,
@@ -50,6 +52,7 @@ impl StubEngine {
             mode: AtomicU8::new(NORMAL),
             waiting: AtomicU32::new(0),
             requests: AtomicU64::new(0),
+            traceparents: parking_lot::Mutex::new(Vec::new()),
             release: Notify::new(),
             name: name.to_owned(),
             shutdown: shutdown.clone(),
@@ -104,8 +107,15 @@ async fn metrics(State(e): State<Arc<StubEngine>>) -> String {
     )
 }
 
-async fn complete(State(e): State<Arc<StubEngine>>, body: Bytes) -> Response {
+async fn complete(
+    State(e): State<Arc<StubEngine>>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
     e.requests.fetch_add(1, Ordering::SeqCst);
+    if let Some(tp) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
+        e.traceparents.lock().push(tp.to_owned());
+    }
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     let stream = v.get("stream").and_then(|s| s.as_bool()).unwrap_or(false);
     let is_chat = v.get("messages").is_some();
