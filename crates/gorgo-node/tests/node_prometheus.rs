@@ -12,11 +12,9 @@ use std::collections::BTreeMap;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use gorgo_node::mesh::Mesh;
 
 const IDS: [&str; 3] = ["a", "b", "c"];
 /// How long Prometheus may take to start and to scrape what was sent (a debug build
@@ -68,41 +66,15 @@ impl Drop for KillOnDrop {
     }
 }
 
-struct Cluster {
-    _mesh: Arc<Mesh>,
-    _engines: Vec<Arc<StubEngine>>,
-    nodes: Vec<TestNode>,
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        for n in &self.nodes {
-            n.shutdown.cancel();
-        }
-    }
-}
-
 /// Three nodes on an in-process mesh, each beside its own stub engine; clients may
 /// pick the policy (`x-gorgo-policy`), which is how the traffic forces forwards.
-async fn cluster() -> Cluster {
-    let mesh = Mesh::new();
+async fn cluster() -> MeshCluster {
     // Far apart: the default policy serves an idle node's own requests locally.
-    mesh.set_rtt("a", "b", 150.0);
-    mesh.set_rtt("a", "c", 200.0);
-    mesh.set_rtt("b", "c", 250.0);
-    let mut engines = Vec::new();
-    let mut nodes = Vec::new();
-    for id in IDS {
-        let engine = StubEngine::start(id).await;
-        let cfg = config(id, &engine.url(), "[routing]\nallow_policy_header = true\n");
-        nodes.push(start_node(cfg, Some(&mesh)).await);
-        engines.push(engine);
-    }
-    Cluster {
-        _mesh: mesh,
-        _engines: engines,
-        nodes,
-    }
+    let rtts = [("a", "b", 150.0), ("a", "c", 200.0), ("b", "c", 250.0)];
+    mesh_cluster(&IDS, &rtts, |_| {
+        "[routing]\nallow_policy_header = true\n".to_owned()
+    })
+    .await
 }
 
 /// What the clients sent and saw.
@@ -128,7 +100,7 @@ impl Sent {
 /// Requests to every node under its default policy (`gorgo`, served where they
 /// arrive), then round-robin requests to `a`, which spreads them over all three
 /// nodes: forwards to `b` and `c`. Streaming and whole responses alternate.
-async fn send_traffic(c: &Cluster) -> Sent {
+async fn send_traffic(c: &MeshCluster) -> Sent {
     let http = client();
     let mut sent = Sent::default();
     let mut jobs: Vec<(usize, Option<&str>)> = Vec::new();
@@ -406,14 +378,7 @@ async fn promtool_finds_nothing_to_lint_in_node_metrics() {
     assert!(sent.forwards() > 0);
     for node in &c.nodes {
         // No `Accept`: the Prometheus text format, what promtool reads.
-        let text = client()
-            .get(format!("{}/metrics", node.admin))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = metrics_text(node).await;
         assert!(text.contains("gorgo_requests_total{"), "{text}");
         let mut check = Command::new(&promtool)
             .args(["check", "metrics"])

@@ -327,6 +327,51 @@ pub async fn start_node(config: ValidatedConfig, mesh: Option<&Arc<Mesh>>) -> Te
     }
 }
 
+/// Nodes on one in-process mesh, each beside its own stub engine (in the order of
+/// the ids).
+pub struct MeshCluster {
+    pub mesh: Arc<Mesh>,
+    pub engines: Vec<Arc<StubEngine>>,
+    pub nodes: Vec<TestNode>,
+}
+
+/// Start a stub engine and a node for each id on a new mesh, with the RTTs given
+/// (both ways, ms); `extra(id)` is node `id`'s config beyond [`config`]'s.
+pub async fn mesh_cluster(
+    ids: &[&str],
+    rtts: &[(&str, &str, f64)],
+    extra: impl Fn(&str) -> String,
+) -> MeshCluster {
+    let mesh = Mesh::new();
+    for (a, b, rtt_ms) in rtts {
+        mesh.set_rtt(a, b, *rtt_ms);
+    }
+    let mut engines = Vec::new();
+    let mut nodes = Vec::new();
+    for id in ids {
+        let engine = StubEngine::start(id).await;
+        nodes.push(start_node(config(id, &engine.url(), &extra(id)), Some(&mesh)).await);
+        engines.push(engine);
+    }
+    MeshCluster {
+        mesh,
+        engines,
+        nodes,
+    }
+}
+
+/// A node's `/metrics` as a plain HTTP client gets it (Prometheus text 0.0.4).
+pub async fn metrics_text(node: &TestNode) -> String {
+    client()
+        .get(format!("{}/metrics", node.admin))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
 /// A prompt of about `bytes` bytes, distinct per `seed`.
 pub fn prompt(seed: &str, bytes: usize) -> String {
     let mut s = String::new();
