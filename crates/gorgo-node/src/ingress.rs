@@ -42,12 +42,15 @@ pub fn router(state: Arc<NodeState>) -> axum::Router {
         .route("/detokenize", post(local_passthrough))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            telemetry::trace_request,
+        ))
         .with_state(state)
 }
 
 async fn chat(State(state): State<Arc<NodeState>>, headers: HeaderMap, body: Body) -> Response {
-    let span = telemetry::request_span(&state.id, Endpoint::Chat, &headers);
-    telemetry::in_request_span(span, completion(state, Endpoint::Chat, headers, body)).await
+    completion(state, Endpoint::Chat, headers, body).await
 }
 
 async fn completions(
@@ -55,12 +58,7 @@ async fn completions(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let span = telemetry::request_span(&state.id, Endpoint::Completions, &headers);
-    telemetry::in_request_span(
-        span,
-        completion(state, Endpoint::Completions, headers, body),
-    )
-    .await
+    completion(state, Endpoint::Completions, headers, body).await
 }
 
 async fn models(State(state): State<Arc<NodeState>>) -> Response {

@@ -15,10 +15,14 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::middleware::Next;
 use axum::response::Response;
 use bytes::Bytes;
-use gorgo_core::{Endpoint, NodeId};
+use gorgo_core::NodeId;
 use opentelemetry::propagation::TextMapPropagator;
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::{WithExportConfig, WithHttpConfig};
@@ -35,6 +39,7 @@ use crate::api::{HOPS_HEADER, SERVED_BY_HEADER};
 use crate::config::TelemetrySection;
 use crate::error::NodeError;
 use crate::route::Target;
+use crate::NodeState;
 
 /// The W3C trace context header (the trace and the parent span).
 pub const TRACEPARENT: &str = "traceparent";
@@ -155,14 +160,30 @@ pub fn set_remote_parent<'h>(span: &Span, headers: impl IntoIterator<Item = (&'h
     }
 }
 
+/// Ingress middleware: each client request (`POST`: completions and the endpoints
+/// passed to the engine) runs in a [`request_span`], open until its response body
+/// ends. `GET`s (probes, `/v1/models`) are not traced: a load balancer's health
+/// checks would be most of the traces.
+pub async fn trace_request(
+    State(state): State<Arc<NodeState>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if request.method() == http::Method::GET {
+        return next.run(request).await;
+    }
+    let span = request_span(&state.id, request.uri().path(), request.headers());
+    in_request_span(span, next.run(request)).await
+}
+
 /// The span of a client request at the node it arrived at, a child of the client's
 /// `traceparent` when it sent one.
-pub fn request_span(node: &NodeId, endpoint: Endpoint, headers: &http::HeaderMap) -> Span {
+pub fn request_span(node: &NodeId, path: &str, headers: &http::HeaderMap) -> Span {
     let span = tracing::info_span!(
         "request",
         otel.kind = "server",
         node = %node,
-        endpoint = endpoint.path(),
+        url.path = path,
         http.response.status_code = Empty,
         served_by = Empty,
         hops = Empty,

@@ -197,6 +197,38 @@ async fn a_forwarded_request_is_one_trace_across_both_nodes() {
         own[&("engine".to_owned(), "b".to_owned())].parent_span_id,
         first.span_context.span_id()
     );
+
+    // Requests passed straight to the engine are traced too; probes are not.
+    let resp = client()
+        .post(format!("{}/tokenize", b.base))
+        .json(&serde_json::json!({"prompt": "one two"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let _ = resp.bytes().await.unwrap();
+    let health = client()
+        .get(format!("{}/health", b.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(health.status(), 200);
+    let deadline = Instant::now() + SPANS_DEADLINE;
+    let paths = loop {
+        let paths: Vec<String> = exporter
+            .get_finished_spans()
+            .unwrap()
+            .iter()
+            .filter(|s| s.name == "request")
+            .filter_map(|s| attr(s, "url.path"))
+            .collect();
+        if paths.iter().any(|p| p == "/tokenize") || Instant::now() >= deadline {
+            break paths;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert!(paths.iter().any(|p| p == "/tokenize"), "{paths:?}");
+    assert!(!paths.iter().any(|p| p == "/health"), "{paths:?}");
     a.shutdown.cancel();
     b.shutdown.cancel();
 }
