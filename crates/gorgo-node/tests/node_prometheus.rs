@@ -36,7 +36,9 @@ fn required_tool(name: &str) -> Option<PathBuf> {
             "`{name}` not found on PATH and GORGO_REQUIRE_PROMETHEUS=1 \
              (install Debian's `prometheus` package)"
         );
-        eprintln!(
+        // Straight to stderr, past the test harness' capture: a skip must show.
+        let _ = writeln!(
+            std::io::stderr(),
             "SKIPPED: `{name}` not found on PATH (apt-get install prometheus); \
              set GORGO_REQUIRE_PROMETHEUS=1 to fail instead"
         );
