@@ -11,6 +11,12 @@ cargo fmt --all -- --check
 echo "== cargo clippy --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
 
+# In CI the Prometheus tests must run: a missing `prometheus` or `promtool` fails them
+# instead of skipping them (.ci/run installs Debian's package).
+if [ "${CI:-}" = "true" ]; then
+  export GORGO_REQUIRE_PROMETHEUS=1
+fi
+
 echo "== cargo test --workspace"
 cargo test --workspace
 

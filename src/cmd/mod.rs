@@ -10,9 +10,27 @@ pub mod topology;
 pub mod trace;
 pub mod up;
 
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
+use tracing_subscriber::Layer as _;
+
+/// A layer of the process' subscriber beside its log lines (the node's OpenTelemetry
+/// layer).
+pub type ExtraLayer =
+    Box<dyn tracing_subscriber::Layer<tracing_subscriber::Registry> + Send + Sync>;
+
 /// Initialise `tracing` once for a long-running subcommand (`RUST_LOG` filters).
 pub fn init_tracing() {
+    init_tracing_with(None);
+}
+
+/// [`init_tracing`] with one more layer, which filters for itself: `RUST_LOG` filters
+/// the log lines only.
+pub fn init_tracing_with(extra: Option<ExtraLayer>) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).try_init();
+    let _ = tracing_subscriber::registry()
+        .with(extra)
+        .with(tracing_subscriber::fmt::layer().with_filter(filter))
+        .try_init();
 }

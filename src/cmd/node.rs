@@ -19,7 +19,6 @@ pub struct NodeArgs {
 /// SIGTERM, then drain (readiness off, peers told, in-flight requests finish up to
 /// `limits.drain_timeout_ms`), stop and exit 0. A second signal stops at once.
 pub fn run(args: NodeArgs) -> anyhow::Result<()> {
-    super::init_tracing();
     let config = gorgo_node::NodeConfig::load(&args.config)
         .with_context(|| format!("loading {}", args.config.display()))?;
     if args.check {
@@ -30,6 +29,36 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
+    // Traces leave by OTLP only when `[telemetry] otlp_endpoint` is set.
+    let traces = gorgo_node::telemetry::otlp_provider(
+        &config.telemetry,
+        &gorgo_core::NodeId(config.node.id.clone()),
+        runtime.handle().clone(),
+    )
+    .context("setting up trace export")?;
+    super::init_tracing_with(
+        traces
+            .as_ref()
+            .map(|p| Box::new(gorgo_node::telemetry::layer(p)) as super::ExtraLayer),
+    );
+    if let Some(endpoint) = &config.telemetry.otlp_endpoint {
+        tracing::info!(%endpoint, "exporting traces by OTLP/HTTP");
+    }
+    let served = serve(&runtime, config);
+    if let Some(traces) = traces {
+        // The runtime still runs: the last batch can go out.
+        if let Err(e) = traces.shutdown() {
+            tracing::warn!(error = %e, "flushing traces at exit failed");
+        }
+    }
+    served
+}
+
+/// Run the node until a signal, drained and stopped (see [`run`]).
+fn serve(
+    runtime: &tokio::runtime::Runtime,
+    config: gorgo_node::ValidatedConfig,
+) -> anyhow::Result<()> {
     runtime.block_on(async move {
         let shutdown = gorgo_node::CancellationToken::new();
         let node = gorgo_node::cluster::start_with_cluster(config, shutdown.clone())

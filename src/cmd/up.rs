@@ -423,6 +423,7 @@ fn node_config(
             token: token.to_owned(),
         },
         limits: LimitsSection::default(),
+        telemetry: Default::default(),
     };
     config
         .validate()

@@ -74,16 +74,35 @@ async fn require_token(State(state): State<Arc<NodeState>>, req: Request, next: 
     }
 }
 
-async fn metrics(State(state): State<Arc<NodeState>>) -> Response {
+/// `GET /metrics`: OpenMetrics to a scraper that asks for it (Prometheus does, in
+/// its `Accept`), the Prometheus text format 0.0.4 to everyone else (`curl`,
+/// `promtool check metrics`), as Prometheus' own client libraries negotiate.
+async fn metrics(State(state): State<Arc<NodeState>>, headers: http::HeaderMap) -> Response {
     state.refresh_gauges();
-    (
-        [(
-            http::header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        state.metrics.encode(),
-    )
-        .into_response()
+    let openmetrics = headers
+        .get_all(http::header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("application/openmetrics-text"));
+    if openmetrics {
+        (
+            [(
+                http::header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            state.metrics.encode(),
+        )
+            .into_response()
+    } else {
+        (
+            [(
+                http::header::CONTENT_TYPE,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )],
+            state.metrics.encode_prometheus_text(),
+        )
+            .into_response()
+    }
 }
 
 async fn readyz(State(state): State<Arc<NodeState>>) -> Response {

@@ -44,6 +44,37 @@ pub struct NodeConfig {
     /// Caps on what clients and peers may cost us.
     #[serde(default)]
     pub limits: LimitsSection,
+    /// Where traces go.
+    #[serde(default)]
+    pub telemetry: TelemetrySection,
+}
+
+/// `[telemetry]`: traces of the request path (docs/node.md, "Tracing"). Metrics need
+/// no config: Prometheus scrapes `/metrics` on the admin port.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TelemetrySection {
+    /// The collector's OTLP/HTTP traces URL, used as given (for example
+    /// `http://127.0.0.1:4318/v1/traces`); spans go there as protobuf, in batches.
+    /// Unset: no exporter, and no trace context is read or passed on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub otlp_endpoint: Option<String>,
+    /// `service.name` of the exported spans.
+    #[serde(default = "default_service_name")]
+    pub service_name: String,
+}
+
+fn default_service_name() -> String {
+    "gorgo-node".to_owned()
+}
+
+impl Default for TelemetrySection {
+    fn default() -> Self {
+        TelemetrySection {
+            otlp_endpoint: None,
+            service_name: default_service_name(),
+        }
+    }
 }
 
 /// `[node]`: identity.
@@ -802,6 +833,18 @@ impl NodeConfig {
         if self.engine.max_context_tokens == Some(0) {
             return bad("engine.max_context_tokens", "must be > 0");
         }
+        if let Some(url) = &self.telemetry.otlp_endpoint {
+            if !url.starts_with("http://") {
+                // The node's HTTP client speaks no TLS: a collector runs beside it.
+                return bad("telemetry.otlp_endpoint", "must start with http://");
+            }
+            if url.parse::<http::Uri>().is_err() {
+                return bad("telemetry.otlp_endpoint", "not a valid URL");
+            }
+        }
+        if self.telemetry.service_name.trim().is_empty() {
+            return bad("telemetry.service_name", "must not be empty");
+        }
         for (name, v) in [
             ("limits.connect_timeout_ms", self.limits.connect_timeout_ms),
             (
@@ -1013,5 +1056,34 @@ token = "secret-token"
             }
         }
         assert!(n >= 3, "expected three example configs, found {n}");
+    }
+
+    #[test]
+    fn telemetry_is_off_by_default_and_checked_when_set() {
+        let c = NodeConfig::from_toml_str(MINIMAL).unwrap();
+        assert_eq!(c.telemetry, TelemetrySection::default());
+        assert_eq!(c.telemetry.service_name, "gorgo-node");
+        let text = format!(
+            "{MINIMAL}\n[telemetry]\notlp_endpoint = \"http://127.0.0.1:4318/v1/traces\"\nservice_name = \"gorgo-eu\"\n"
+        );
+        let c = NodeConfig::from_toml_str(&text).unwrap();
+        let back = NodeConfig::from_toml_str(&c.to_toml_string().unwrap()).unwrap();
+        assert_eq!(back.telemetry, c.telemetry);
+        for (extra, field) in [
+            (
+                "otlp_endpoint = \"https://collector:4318/v1/traces\"",
+                "telemetry.otlp_endpoint",
+            ),
+            (
+                "otlp_endpoint = \"http://bad host/\"",
+                "telemetry.otlp_endpoint",
+            ),
+            ("service_name = \" \"", "telemetry.service_name"),
+            ("otlp_endpont = \"http://x\"", "otlp_endpont"),
+        ] {
+            let text = format!("{MINIMAL}\n[telemetry]\n{extra}\n");
+            let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+            assert!(e.contains(field), "{extra}: {e}");
+        }
     }
 }

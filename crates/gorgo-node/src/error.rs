@@ -20,4 +20,7 @@ pub enum NodeError {
     /// elsewhere.
     #[error("peer {0} declared dead before it answered")]
     PeerGone(gorgo_core::NodeId),
+    /// The trace exporter could not be built from `[telemetry]`.
+    #[error("telemetry: {0}")]
+    Telemetry(String),
 }

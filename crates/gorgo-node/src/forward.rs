@@ -27,7 +27,8 @@ use crate::api::{
 };
 use crate::error::NodeError;
 use crate::peers::{ForwardRecv, ForwardSend, IncomingForward};
-use crate::NodeState;
+use crate::{telemetry, NodeState};
+use tracing::Instrument as _;
 
 pub use gorgo_core::wire::{
     ForwardRequest, ForwardResponseHead, MAX_FORWARD_HEAD, MAX_RESPONSE_HEAD,
@@ -94,6 +95,7 @@ pub async fn forward(
     let timeout = Duration::from_millis(state.config.limits.first_byte_timeout_ms);
     // Taken before opening: a death while the stream opens counts too.
     let mut gone = state.peers.peer_gone(peer);
+    let span = telemetry::forward_span(&state.id, peer, req.hops.saturating_add(1));
     let fut = async {
         let (mut send, mut recv) = state.peers.open_forward(peer).await?;
         let mut headers = req.headers.clone();
@@ -103,6 +105,8 @@ pub async fn forward(
         if let Some(s) = &req.session_id {
             headers.push((SESSION_HEADER.to_owned(), s.clone()));
         }
+        // The peer's spans join this trace as children of this forward.
+        headers.extend(telemetry::trace_headers(&span));
         let msg = ForwardRequest {
             request_id: req.request_id,
             hops: req.hops.saturating_add(1),
@@ -120,7 +124,7 @@ pub async fn forward(
     let (send, recv, head) = tokio::select! {
         biased;
         _ = &mut gone => return Err(NodeError::PeerGone(peer.clone())),
-        head = tokio::time::timeout(timeout, fut) => head.map_err(|_| {
+        head = tokio::time::timeout(timeout, fut).instrument(span.clone()) => head.map_err(|_| {
             NodeError::Cluster(format!("peer {peer} sent no response head in time"))
         })??,
     };
@@ -142,7 +146,8 @@ pub async fn forward(
         headers,
         served_by: head.served_by.0,
         hops: head.hops,
-        body: chunk_stream(recv, send, gone, peer.clone()),
+        // The forward's span stays open while its response relays.
+        body: chunk_stream(recv, (send, span), gone, peer.clone()),
     })
 }
 
@@ -236,6 +241,7 @@ where
             .find(|(k, _)| k.eq_ignore_ascii_case(name))
             .map(|(_, v)| v.clone())
     };
+    let span = telemetry::forwarded_span(&state.id, &from, msg.hops, &msg.headers);
     let policy = header(POLICY_HEADER).and_then(|p| crate::route::parse_policy(&p).ok());
     let session_id = header(SESSION_HEADER);
     let req = RoutedRequest {
@@ -265,7 +271,7 @@ where
     };
     tokio::pin!(origin_gone);
     let served = tokio::select! {
-        served = serve(state.clone(), req.clone()) => served,
+        served = serve(state.clone(), req.clone()).instrument(span.clone()) => served,
         _ = &mut origin_gone => {
             tracing::debug!(request_id = req.request_id, "origin went away before the response");
             return;

@@ -25,7 +25,7 @@ use crate::api::{
     PASS_REQUEST_HEADERS, POLICY_HEADER, SERVED_BY_HEADER, SESSION_HEADER,
 };
 use crate::serve::{serve, serve_elsewhere};
-use crate::NodeState;
+use crate::{telemetry, NodeState};
 
 /// The client-facing router.
 pub fn router(state: Arc<NodeState>) -> axum::Router {
@@ -42,6 +42,10 @@ pub fn router(state: Arc<NodeState>) -> axum::Router {
         .route("/detokenize", post(local_passthrough))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            telemetry::trace_request,
+        ))
         .with_state(state)
 }
 
@@ -396,6 +400,7 @@ async fn completion(
         origin: state.id.clone(),
     };
     let request_id = req.request_id;
+    let policy_name = policy.unwrap_or(state.policy).as_str();
     // A slot for serving here; without one (the node is full) a peer with room may
     // still take the request, holding a forward slot instead. Only with neither is the
     // client told to come back.
@@ -430,13 +435,13 @@ async fn completion(
         Ok(up) => {
             tracing::debug!(request_id, served_by = %up.served_by, hops = up.hops, status = up.status, "serving");
             let epoch = tuned.then_some(admission.epoch);
-            respond(state, up, streaming, started, slot, epoch)
+            respond(state, up, streaming, started, slot, epoch, policy_name)
         }
         Err(e) => {
             let (status, outcome) = e.status();
             let m = e.message();
             tracing::warn!(request_id, %status, error = %m, "request failed");
-            state.metrics.request(outcome, "");
+            state.metrics.routed_request(outcome, policy_name, "");
             let mut resp = e.response();
             if status == StatusCode::SERVICE_UNAVAILABLE {
                 if let Ok(v) = HeaderValue::from_str(&limits.retry_after_s.to_string()) {
@@ -462,6 +467,7 @@ fn respond(
     started: Instant,
     slot: Slot,
     epoch: Option<u64>,
+    policy: &'static str,
 ) -> Response {
     let status = StatusCode::from_u16(up.status).unwrap_or(StatusCode::BAD_GATEWAY);
     let deadline = Duration::from_millis(state.config.limits.request_timeout_ms);
@@ -475,6 +481,7 @@ fn respond(
         streaming,
         ok_status: status.is_success(),
         served_by: up.served_by.clone(),
+        policy,
         finished: false,
         deadline: Box::pin(tokio::time::sleep(deadline)),
         _slot: slot,
@@ -513,6 +520,8 @@ struct Tracked {
     streaming: bool,
     ok_status: bool,
     served_by: String,
+    /// The routing policy that placed the request.
+    policy: &'static str,
     finished: bool,
     deadline: Pin<Box<tokio::time::Sleep>>,
     _slot: Slot,
@@ -528,7 +537,9 @@ impl Tracked {
             } else {
                 outcome
             };
-            self.state.metrics.request(outcome, &self.served_by);
+            self.state
+                .metrics
+                .routed_request(outcome, self.policy, &self.served_by);
             if outcome == "ok" {
                 let e2e = self.started.elapsed().as_secs_f64();
                 self.state.metrics.e2e.observe(e2e);

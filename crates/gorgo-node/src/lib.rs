@@ -26,6 +26,7 @@ pub mod peers;
 pub mod route;
 pub mod serve;
 pub mod shadow;
+pub mod telemetry;
 pub mod tuning;
 pub mod validate;
 
@@ -279,17 +280,17 @@ impl NodeState {
             let label = metrics::PeerLabels {
                 peer: p.id.0.clone(),
             };
-            if let Some(age) = p.summary_age_ms {
+            if let Some(age_ms) = p.summary_age_ms {
                 self.metrics
-                    .summary_age_ms
+                    .prefixes_age
                     .get_or_create(&label)
-                    .set(age.min(i64::MAX as u64) as i64);
+                    .set(age_ms as f64 / 1000.0);
             }
-            if let Some(age) = p.stats_age_ms {
+            if let Some(age_ms) = p.stats_age_ms {
                 self.metrics
-                    .stats_age_ms
+                    .stats_age
                     .get_or_create(&label)
-                    .set(age.min(i64::MAX as u64) as i64);
+                    .set(age_ms as f64 / 1000.0);
             }
         }
     }

@@ -1,4 +1,10 @@
 //! The node's Prometheus metrics (`GET /metrics` on the admin listener).
+//!
+//! Names follow Prometheus' conventions so that `promtool check metrics` finds nothing
+//! to lint: base units (seconds, bytes) spelled out, `_total` on counters, help text on
+//! every family. [`NodeMetrics::encode`] writes OpenMetrics (what Prometheus asks for),
+//! [`NodeMetrics::encode_prometheus_text`] the older text format that `promtool` and
+//! plain HTTP clients read.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -6,6 +12,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 
 /// Labels of request counts.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -13,6 +20,9 @@ pub struct RequestLabels {
     /// `ok`, `bad_request`, `too_large`, `engine_failed`, `unavailable`, `timeout`,
     /// `stream_error`, `cancelled`.
     pub outcome: String,
+    /// The routing policy that placed it (`gorgo`, `round-robin`, ...; empty when the
+    /// request was refused before it was routed).
+    pub policy: String,
     /// The region that served it (empty when none did).
     pub served_by: String,
 }
@@ -51,7 +61,7 @@ pub struct VerdictLabels {
 #[derive(Debug)]
 pub struct NodeMetrics {
     registry: Registry,
-    /// Requests by outcome and serving region.
+    /// Requests by outcome, routing policy and serving region.
     pub requests: Family<RequestLabels, Counter>,
     /// Time to first content byte at the client, seconds.
     pub ttft: Histogram,
@@ -61,7 +71,7 @@ pub struct NodeMetrics {
     pub forwards: Family<ForwardLabels, Counter>,
     /// Forwards received from peers.
     pub forwards_received: Counter,
-    /// Cost terms of the chosen candidate, ms.
+    /// Cost terms of the chosen candidate, seconds.
     pub cost_terms: Family<TermLabels, Histogram>,
     /// Gossip bytes sent.
     pub gossip_bytes_sent: Gauge,
@@ -73,10 +83,10 @@ pub struct NodeMetrics {
     pub cluster_identity_conflicts: Gauge,
     /// Claims of this node's own id by another process, refused.
     pub cluster_own_id_claimed: Gauge,
-    /// Age of each peer's summary, ms (staleness).
-    pub summary_age_ms: Family<PeerLabels, Gauge>,
-    /// Age of each peer's queue stats, ms.
-    pub stats_age_ms: Family<PeerLabels, Gauge>,
+    /// Age of each peer's gossiped prefix summary, seconds (staleness).
+    pub prefixes_age: Family<PeerLabels, Gauge<f64, AtomicU64>>,
+    /// Age of each peer's queue stats, seconds.
+    pub stats_age: Family<PeerLabels, Gauge<f64, AtomicU64>>,
     /// Requests in flight through the ingress.
     pub inflight: Gauge,
     /// 1 when the local engine is healthy.
@@ -110,7 +120,7 @@ impl NodeMetrics {
         let requests = Family::<RequestLabels, Counter>::default();
         registry.register(
             "requests",
-            "Requests by outcome and serving region",
+            "Client requests by outcome, routing policy and serving region",
             requests.clone(),
         );
         let ttft = Histogram::new(exponential_buckets(0.005, 1.6, 20));
@@ -133,12 +143,13 @@ impl NodeMetrics {
             "Forwards received from peers",
             forwards_received.clone(),
         );
+        // 1 ms to about 33 s.
         let cost_terms = Family::<TermLabels, Histogram>::new_with_constructor(
-            (|| Histogram::new(exponential_buckets(1.0, 2.0, 16))) as fn() -> Histogram,
+            (|| Histogram::new(exponential_buckets(0.001, 2.0, 16))) as fn() -> Histogram,
         );
         registry.register(
-            "cost_term_ms",
-            "Cost terms of the chosen candidate, ms",
+            "cost_term_seconds",
+            "Cost terms of the chosen candidate, as the cost model estimated them",
             cost_terms.clone(),
         );
         let gossip_bytes_sent = Gauge::default();
@@ -165,17 +176,18 @@ impl NodeMetrics {
             "Claims of this node's own id by another process, refused",
             cluster_own_id_claimed.clone(),
         );
-        let summary_age_ms = Family::<PeerLabels, Gauge>::default();
+        // Not `..._summary_...`: promtool reads that as the name of a summary metric.
+        let prefixes_age = Family::<PeerLabels, Gauge<f64, AtomicU64>>::default();
         registry.register(
-            "peer_summary_age_ms",
-            "Age of each peer's prefix summary",
-            summary_age_ms.clone(),
+            "peer_prefixes_age_seconds",
+            "Age of each peer's gossiped prefix summary",
+            prefixes_age.clone(),
         );
-        let stats_age_ms = Family::<PeerLabels, Gauge>::default();
+        let stats_age = Family::<PeerLabels, Gauge<f64, AtomicU64>>::default();
         registry.register(
-            "peer_stats_age_ms",
+            "peer_stats_age_seconds",
             "Age of each peer's queue stats",
-            stats_age_ms.clone(),
+            stats_age.clone(),
         );
         let inflight = Gauge::default();
         registry.register(
@@ -251,8 +263,8 @@ impl NodeMetrics {
             gossip_bytes_received,
             cluster_identity_conflicts,
             cluster_own_id_claimed,
-            summary_age_ms,
-            stats_age_ms,
+            prefixes_age,
+            stats_age,
             inflight,
             engine_healthy,
             peers_alive,
@@ -262,11 +274,17 @@ impl NodeMetrics {
         }
     }
 
-    /// Count one finished request.
+    /// Count one request refused before it was routed (no policy placed it).
     pub fn request(&self, outcome: &str, served_by: &str) {
+        self.routed_request(outcome, "", served_by);
+    }
+
+    /// Count one finished request that `policy` routed.
+    pub fn routed_request(&self, outcome: &str, policy: &str, served_by: &str) {
         self.requests
             .get_or_create(&RequestLabels {
                 outcome: outcome.to_owned(),
+                policy: policy.to_owned(),
                 served_by: served_by.to_owned(),
             })
             .inc();
@@ -282,7 +300,7 @@ impl NodeMetrics {
             .inc();
     }
 
-    /// Record the chosen candidate's cost terms.
+    /// Record the chosen candidate's cost terms (the core's are in ms).
     pub fn terms(&self, t: &gorgo_core::cost::CostTerms) {
         for (name, v) in [
             ("rtt", t.rtt_ms),
@@ -296,16 +314,90 @@ impl NodeMetrics {
                     .get_or_create(&TermLabels {
                         term: name.to_owned(),
                     })
-                    .observe(v.max(0.0));
+                    .observe(v.max(0.0) / 1000.0);
             }
         }
     }
 
-    /// Render the text exposition format.
+    /// Render the OpenMetrics text format (what Prometheus asks for).
     pub fn encode(&self) -> String {
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+
+    /// Render the Prometheus text format 0.0.4, for readers that know no OpenMetrics
+    /// (`promtool check metrics`, `curl`). The two differ, for these metrics, only in
+    /// how a counter family is named: OpenMetrics names it without the `_total` of its
+    /// samples, which the older format reads as a second family with no help text.
+    pub fn encode_prometheus_text(&self) -> String {
+        openmetrics_to_prometheus_text(&self.encode())
+    }
+}
+
+/// Rewrite OpenMetrics text as Prometheus text 0.0.4: counter families take their
+/// samples' `_total` name, and the `# EOF` and `# UNIT` lines (0.0.4 has neither) go.
+fn openmetrics_to_prometheus_text(open: &str) -> String {
+    let counters: std::collections::HashSet<&str> = open
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|rest| rest.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(open.len() + 16 * counters.len());
+    for line in open.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| line.strip_prefix(p).map(|rest| (p, rest)));
+        match meta.and_then(|(p, rest)| Some((p, rest.split_once(' ')?))) {
+            Some((prefix, (name, rest))) if counters.contains(name) => {
+                out.push_str(prefix);
+                out.push_str(name);
+                out.push_str("_total ");
+                out.push_str(rest);
+            }
+            _ => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prometheus_text_names_counter_families_by_their_samples() {
+        let m = NodeMetrics::new();
+        m.routed_request("ok", "gorgo", "a");
+        m.ttft.observe(0.1);
+        let text = m.encode_prometheus_text();
+        assert!(
+            text.contains("# HELP gorgo_requests_total Client requests"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE gorgo_requests_total counter\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"gorgo_requests_total{outcome="ok",policy="gorgo",served_by="a"} 1"#),
+            "{text}"
+        );
+        // Histograms and gauges are named alike in both formats.
+        assert!(
+            text.contains("# TYPE gorgo_ttft_seconds histogram\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE gorgo_inflight_requests gauge\n"),
+            "{text}"
+        );
+        assert!(!text.contains("# EOF"), "{text}");
+        assert!(m.encode().ends_with("# EOF\n"));
     }
 }

@@ -17,7 +17,8 @@ use crate::api::{
 use crate::config::UnlistedModel;
 use crate::forward::forward;
 use crate::route::{DecisionInput, Target};
-use crate::NodeState;
+use crate::{telemetry, NodeState};
+use tracing::Instrument as _;
 
 fn pass_headers(headers: &reqwest::header::HeaderMap) -> Vec<(String, String)> {
     PASS_RESPONSE_HEADERS
@@ -157,8 +158,13 @@ async fn route_and_serve(
         weights: req.weights,
         now_ms: state.now_ms(),
     };
-    let cands = candidates(state, req, local_excluded);
-    let (target, record) = state.router.decide(&input, cands);
+    let (target, record) = telemetry::decide_span(&state.id, policy).in_scope(|| {
+        let cands = candidates(state, req, local_excluded);
+        let count = cands.len();
+        let (target, record) = state.router.decide(&input, cands);
+        telemetry::record_decision(count, &state.id, &target, &record.reason);
+        (target, record)
+    });
     if let Some(terms) = record
         .candidates
         .iter()
@@ -264,20 +270,25 @@ pub async fn serve_local(
         .engine
         .dispatch(prompt_tokens, uncached, state.now_ms());
     let started = Instant::now();
+    let engine_span = telemetry::engine_span(&state.id);
+    let mut headers = req.headers.clone();
+    headers.extend(telemetry::trace_headers(&engine_span));
     let resp = state
         .engine
         .send_streamed(
             http::Method::POST,
             req.endpoint.path(),
-            &req.headers,
+            &headers,
             req.body.clone(),
         )
+        .instrument(engine_span.clone())
         .await
         .map_err(|e| {
             state.metrics.engine_failures.inc();
             ServeError::from(e)
         })?;
     let status = resp.status().as_u16();
+    engine_span.record("http.response.status_code", status);
     if resp.status().is_server_error() {
         state.metrics.engine_failures.inc();
         // Nothing of it reached the client: let the caller route it elsewhere.
@@ -330,6 +341,8 @@ pub async fn serve_local(
         if !failed.load(std::sync::atomic::Ordering::Relaxed) {
             st.engine.record(RequestOutcome::Answered);
         }
+        // The engine's part ends with its body (or when the relay drops it).
+        drop(engine_span);
     })
     .filter_map(|()| async { None });
     let body = body.chain(ended);

@@ -3,37 +3,17 @@
 //! and killed peers.
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use gorgo_node::mesh::Mesh;
-
-struct Cluster {
-    mesh: Arc<Mesh>,
-    engines: Vec<Arc<StubEngine>>,
-    nodes: Vec<TestNode>,
-}
 
 const IDS: [&str; 3] = ["a", "b", "c"];
 
+type Cluster = MeshCluster;
+
 async fn cluster(extra: &str) -> Cluster {
-    let mesh = Mesh::new();
-    mesh.set_rtt("a", "b", 150.0);
-    mesh.set_rtt("a", "c", 200.0);
-    mesh.set_rtt("b", "c", 250.0);
-    let mut engines = Vec::new();
-    let mut nodes = Vec::new();
-    for id in IDS {
-        let engine = StubEngine::start(id).await;
-        nodes.push(start_node(config(id, &engine.url(), extra), Some(&mesh)).await);
-        engines.push(engine);
-    }
-    Cluster {
-        mesh,
-        engines,
-        nodes,
-    }
+    let rtts = [("a", "b", 150.0), ("a", "c", 200.0), ("b", "c", 250.0)];
+    mesh_cluster(&IDS, &rtts, |_| extra.to_owned()).await
 }
 
 impl Cluster {

@@ -102,14 +102,7 @@ async fn slow_bodies_do_not_take_the_slots_of_ready_requests() {
 
 /// The node's `gorgo_connections_open{port="client"}`.
 async fn open_connections(node: &TestNode) -> u64 {
-    let text = client()
-        .get(format!("{}/metrics", node.admin))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = metrics_text(node).await;
     text.lines()
         .find(|l| l.starts_with("gorgo_connections_open{port=\"client\"}"))
         .and_then(|l| l.rsplit(' ').next())
@@ -193,14 +186,7 @@ async fn one_address_cannot_take_every_connection() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 200, "another address is served");
-    let metrics = client()
-        .get(format!("{}/metrics", node.admin))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics_text(&node).await;
     assert!(
         metrics.contains(
             "gorgo_connections_refused_total{port=\"client\",reason=\"evicted_per_ip\"} 32"

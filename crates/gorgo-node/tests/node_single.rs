@@ -360,14 +360,7 @@ async fn admin_api_requires_the_token_and_reports_decisions() {
         .unwrap();
     assert_eq!(error_of(resp).await.0, 400, "typo in a field");
 
-    let metrics = c
-        .get(format!("{}/metrics", node.admin))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics_text(&node).await;
     assert!(metrics.contains("gorgo_requests_total"), "{metrics}");
     assert!(metrics.contains("gorgo_ttft_seconds"), "{metrics}");
     let resp = c

@@ -14,7 +14,6 @@ use std::time::Duration;
 use common::*;
 use gorgo_core::tuning::Phase;
 use gorgo_core::{NodeId, Weights};
-use gorgo_node::mesh::Mesh;
 use serde_json::Value;
 
 const IDS: [&str; 3] = ["a", "b", "c"];
@@ -30,29 +29,12 @@ window_max_ms = 600000
 startup_grace_ms = 0
 "#;
 
-struct Cluster {
-    mesh: Arc<Mesh>,
-    _engines: Vec<Arc<StubEngine>>,
-    nodes: Vec<TestNode>,
-}
+type Cluster = MeshCluster;
+
+const RTTS: [(&str, &str, f64); 3] = [("a", "b", 90.0), ("a", "c", 180.0), ("b", "c", 250.0)];
 
 async fn cluster() -> Cluster {
-    let mesh = Mesh::new();
-    mesh.set_rtt("a", "b", 90.0);
-    mesh.set_rtt("a", "c", 180.0);
-    mesh.set_rtt("b", "c", 250.0);
-    let mut engines = Vec::new();
-    let mut nodes = Vec::new();
-    for id in IDS {
-        let engine = StubEngine::start(id).await;
-        nodes.push(start_node(config(id, &engine.url(), TUNING), Some(&mesh)).await);
-        engines.push(engine);
-    }
-    Cluster {
-        mesh,
-        _engines: engines,
-        nodes,
-    }
+    mesh_cluster(&IDS, &RTTS, |_| TUNING.to_owned()).await
 }
 
 async fn chat_ok(node: &TestNode, i: usize) {
@@ -182,14 +164,7 @@ async fn three_nodes_follow_one_leader_and_epochs_advance() {
     ] {
         assert!(paper.get(k).is_some(), "{k} missing: {paper}");
     }
-    let metrics = client()
-        .get(format!("{}/metrics", c.nodes[1].admin))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics_text(&c.nodes[1]).await;
     assert!(metrics.contains("gorgo_tuning_epoch"), "{metrics}");
 }
 
@@ -316,25 +291,15 @@ async fn learned_weights_file_sets_static_weights_and_the_tuning_start() {
 #[tokio::test]
 async fn tune_then_freeze_stops_and_writes_the_learned_weights() {
     let dir = tempfile::tempdir().unwrap();
-    let mesh = Mesh::new();
-    let mut engines = Vec::new();
-    let mut nodes = Vec::new();
-    for id in IDS {
-        let engine = StubEngine::start(id).await;
+    let c = mesh_cluster(&IDS, &[], |id| {
         // sigma0 below freeze_sigma: the first decided trial freezes the line.
-        let extra = TUNING.replace("mode = \"online\"", "mode = \"tune-then-freeze\"")
+        TUNING.replace("mode = \"online\"", "mode = \"tune-then-freeze\"")
             + &format!(
                 "sigma0 = 0.04\nlearned_weights_out = \"{}\"\n",
                 dir.path().join(format!("{id}.json")).display()
-            );
-        nodes.push(start_node(config(id, &engine.url(), &extra), Some(&mesh)).await);
-        engines.push(engine);
-    }
-    let c = Cluster {
-        mesh,
-        _engines: engines,
-        nodes,
-    };
+            )
+    })
+    .await;
     drive_until(&c, &[0, 1, 2], 2, 3).await;
     let (epoch, _, weights) = assert_agree(&c, &[0, 1, 2]).await;
     for n in &c.nodes {

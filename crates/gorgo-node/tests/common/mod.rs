@@ -39,6 +39,8 @@ pub struct StubEngine {
     pub requests: AtomicU64,
     /// Handlers of the native routes running now (a dropped one was cancelled).
     pub active: Arc<AtomicU64>,
+    /// The `traceparent` header of each completion request, in arrival order.
+    pub traceparents: parking_lot::Mutex<Vec<String>>,
     pub release: Notify,
     pub name: String,
     /// The model ids its `/v1/models` lists (`["m"]`, what the tests' bodies name).
@@ -56,6 +58,7 @@ impl StubEngine {
             waiting: AtomicU32::new(0),
             requests: AtomicU64::new(0),
             active: Arc::new(AtomicU64::new(0)),
+            traceparents: parking_lot::Mutex::new(Vec::new()),
             release: Notify::new(),
             name: name.to_owned(),
             models: std::sync::Mutex::new(vec!["m".to_owned()]),
@@ -136,8 +139,15 @@ async fn metrics(State(e): State<Arc<StubEngine>>) -> String {
     )
 }
 
-async fn complete(State(e): State<Arc<StubEngine>>, body: Bytes) -> Response {
+async fn complete(
+    State(e): State<Arc<StubEngine>>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
     e.requests.fetch_add(1, Ordering::SeqCst);
+    if let Some(tp) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
+        e.traceparents.lock().push(tp.to_owned());
+    }
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     let stream = v.get("stream").and_then(|s| s.as_bool()).unwrap_or(false);
     let is_chat = v.get("messages").is_some();
@@ -400,6 +410,51 @@ pub async fn start_node(config: ValidatedConfig, mesh: Option<&Arc<Mesh>>) -> Te
         base,
         admin,
     }
+}
+
+/// Nodes on one in-process mesh, each beside its own stub engine (in the order of
+/// the ids).
+pub struct MeshCluster {
+    pub mesh: Arc<Mesh>,
+    pub engines: Vec<Arc<StubEngine>>,
+    pub nodes: Vec<TestNode>,
+}
+
+/// Start a stub engine and a node for each id on a new mesh, with the RTTs given
+/// (both ways, ms); `extra(id)` is node `id`'s config beyond [`config`]'s.
+pub async fn mesh_cluster(
+    ids: &[&str],
+    rtts: &[(&str, &str, f64)],
+    extra: impl Fn(&str) -> String,
+) -> MeshCluster {
+    let mesh = Mesh::new();
+    for (a, b, rtt_ms) in rtts {
+        mesh.set_rtt(a, b, *rtt_ms);
+    }
+    let mut engines = Vec::new();
+    let mut nodes = Vec::new();
+    for id in ids {
+        let engine = StubEngine::start(id).await;
+        nodes.push(start_node(config(id, &engine.url(), &extra(id)), Some(&mesh)).await);
+        engines.push(engine);
+    }
+    MeshCluster {
+        mesh,
+        engines,
+        nodes,
+    }
+}
+
+/// A node's `/metrics` as a plain HTTP client gets it (Prometheus text 0.0.4).
+pub async fn metrics_text(node: &TestNode) -> String {
+    client()
+        .get(format!("{}/metrics", node.admin))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
 }
 
 /// A prompt of about `bytes` bytes, distinct per `seed`.
