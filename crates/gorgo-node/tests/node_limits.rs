@@ -398,6 +398,16 @@ async fn an_engine_failing_mid_stream_opens_its_breaker() {
         None,
     )
     .await;
+    // The node's first health check passes and resets the failure count: let it land
+    // before the failures, not between them (the next is an hour away).
+    let state = node.state().clone();
+    tokio::time::timeout(std::time::Duration::from_secs(10), async move {
+        while !state.engine.is_ready() {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the first health check");
     for i in 0..2 {
         assert!(
             node.state().engine.is_healthy(),
