@@ -56,8 +56,10 @@ impl Endpoint {
 
 /// Counts the tokens of prompt bytes.
 ///
-/// Why a trait: the node uses a real tokenizer (HF `tokenizer.json`) when configured
-/// and [`BytesPerToken`] otherwise; the core only needs counts.
+/// Why a trait: without a tokenizer the node counts with the ratio it learns from the
+/// engine ([`crate::token_ratio::TokenRatio`]), tests and tools with a fixed
+/// [`BytesPerToken`]; the block hashes are the same whatever counts. (With a tokenizer
+/// the chain is over token ids instead: [`HashChain::from_token_ids`].)
 pub trait TokenCounter: Send + Sync {
     /// Tokens in `text` (a block of canonical prompt bytes).
     fn count(&self, text: &[u8]) -> u64;
