@@ -34,7 +34,7 @@ pub use engine_metrics::{EngineKind, EngineMetrics};
 pub use error::CoreError;
 pub use hash::HashChain;
 pub use index::ShadowIndex;
-pub use prompt::{BytesPerToken, Endpoint, PromptHasher, TokenCounter};
+pub use prompt::{BytesPerToken, Endpoint, PromptHasher, PromptShape, TokenCounter};
 pub use sketch::{percentile, spearman, summarize, LatencySketch, LatencyStats};
 pub use summary::{LocalSummary, PeerSummary, SummaryDelta, SummarySnapshot};
 pub use token_ratio::TokenRatio;
