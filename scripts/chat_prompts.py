@@ -121,7 +121,7 @@ def conversation(rng):
             tool = body["tools"][0]["function"]
             args = {k: "Oslo" if k == "city" else "2026-11-03" if k == "date" else "ARN"
                     for k in tool["parameters"]["required"]}
-            messages.append({"role": "assistant", "content": None, "tool_calls": [
+            messages.append({"role": "assistant", "content": "", "tool_calls": [
                 {"id": f"call_{t}", "type": "function", "function": {"name": tool["name"], "arguments": json.dumps(args)}}]})
             messages.append({"role": "tool", "tool_call_id": f"call_{t}",
                              "content": json.dumps({"result": "ok", "value": rng.randint(1, 999)})})
