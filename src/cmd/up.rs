@@ -968,7 +968,20 @@ mod tests {
             t_p_ms: Some(1.43),
             base_ms: Some(0.0),
             decode_step_ms: Some(3.0),
+            tokenizer: Some("/models/tok/tokenizer.json".into()),
+            chat_template: Some("/models/tok/chatml.jinja".into()),
+            chat_add_special_tokens: true,
         };
+        assert_eq!(
+            extras.emulator_args(),
+            [
+                "--tokenizer",
+                "/models/tok/tokenizer.json",
+                "--chat-template",
+                "/models/tok/chatml.jinja",
+                "--chat-add-special-tokens"
+            ]
+        );
         let config = node_config(
             &plan,
             0,
@@ -989,6 +1002,11 @@ mod tests {
         assert_eq!(engine.t_p_ms, 1.43);
         assert_eq!(engine.base_ms, 0.0);
         assert_eq!(engine.decode_step_ms, 3.0);
+        assert_eq!(
+            engine.tokenizer.as_deref(),
+            Some(Path::new("/models/tok/tokenizer.json"))
+        );
+        assert!(engine.chat_add_special_tokens);
         assert_eq!(
             config.listen.advertise_quic,
             Some(plan.regions[0].quic_relay_addr)

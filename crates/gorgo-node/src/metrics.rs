@@ -249,7 +249,7 @@ impl NodeMetrics {
             bytes_per_token.clone(),
         );
         let prompt_token_error =
-            Histogram::new([0.0, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0].into_iter());
+            Histogram::new([0.0, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]);
         registry.register(
             "prompt_token_error_ratio",
             "Relative error of the node's prompt-token count against the engine's usage.prompt_tokens",
