@@ -6,7 +6,8 @@
 Multi-turn conversations (1 to 4 user turns with the assistant's answers between),
 system prompts (most), English prose with capitals, punctuation, numbers and code,
 some non-English and emoji, tool definitions (about one in five) and tool calls with
-their results. Prompt sizes range from a few hundred bytes to ~6 KB. The workload
+their results (the assistant's tool-call turn has content "": llama-cpp-python's server
+refuses null). Prompt sizes range from a few hundred bytes to ~6 KB. The workload
 crate's prompt text (pseudo-words of lowercase syllables, made to be 4 bytes per token)
 is not used: how many bytes a real tokenizer makes a token of depends on real text.
 

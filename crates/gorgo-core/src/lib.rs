@@ -8,6 +8,7 @@
 #![deny(rust_2018_idioms)]
 
 pub mod accounting;
+pub mod calendar;
 pub mod candidates;
 pub mod cost;
 pub mod decision;

@@ -77,15 +77,7 @@ async fn send(node: &TestNode, body: &str, stream: bool) -> (u64, u64) {
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
         v["usage"]["prompt_tokens"].as_u64().unwrap()
     };
-    let decisions: serde_json::Value = c
-        .get(format!("{}/admin/decisions?limit=1", node.admin))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let decisions = admin_json(node, "/admin/decisions?limit=1").await;
     (usage, decisions[0]["prompt_tokens"].as_u64().unwrap())
 }
 
@@ -114,15 +106,7 @@ async fn configured_tokenizer_matches_the_engine_exactly() {
     );
     // The byte-level estimate it replaces is far off for this vocabulary.
     assert!(engine_total as f64 > 1.5 * (bytes / 4) as f64);
-    let state: serde_json::Value = client()
-        .get(format!("{}/admin/state", node.admin))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let state = admin_json(&node, "/admin/state").await;
     assert_eq!(state["tokens"]["counting"], "tokenizer", "{state}");
     assert_eq!(state["tokens"]["block_tokens"], 64);
     stop.cancel();

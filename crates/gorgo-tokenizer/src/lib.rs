@@ -523,19 +523,9 @@ fn strftime(format: &str, unix_secs: u64) -> Result<String, minijinja::Error> {
     ];
     let days = (unix_secs / 86_400) as i64;
     let secs = unix_secs % 86_400;
-    // Howard Hinnant's civil_from_days.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
-    let before: [i64; 12] = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
-    let yday = before[(month - 1) as usize] + day + i64::from(leap && month > 2);
+    let (year, month, day) = gorgo_core::calendar::civil_from_days(days);
+    // Day of the year: days since the year's first day.
+    let yday = days - gorgo_core::calendar::days_from_civil(year, 1, 1) + 1;
     let weekday = DAYS[(days.rem_euclid(7)) as usize];
     let month_name = MONTHS[(month - 1) as usize];
     let mut out = String::new();

@@ -334,3 +334,17 @@ pub fn chat_body(prompt: &str, stream: bool) -> serde_json::Value {
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder().build().unwrap()
 }
+
+/// GET an admin route of `node` (`/admin/state`, `/admin/decisions?limit=1`, ...) with
+/// the admin token, as JSON.
+pub async fn admin_json(node: &TestNode, path: &str) -> serde_json::Value {
+    client()
+        .get(format!("{}{path}", node.admin))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
