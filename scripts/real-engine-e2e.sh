@@ -51,16 +51,17 @@ N_CTX=8192
 # prompt cache (--cache) keeps the states of recent prompts, LRU within CACHE_MB, and
 # restores the longest matching prefix: a real multi-prefix cache like vLLM's or SGLang's.
 CACHE_MB=${GORGO_REAL_CACHE_MB:-128}
-# What each node assumes its engine caches, in the node's tokens (4 bytes each; this
-# model's tokenizer makes about 3.4 of its own tokens of those 4 bytes). A saved state
-# takes ~4 KiB per model token (4 layers x 256 x K,V x f16), and each state is a full
-# copy of its prompt, shared prefixes included (hence ~0.6 of the raw figure):
-# 128 MiB ~ 5,800 node tokens. With one context, about one of the longest prompts.
+# What each node assumes its engine caches, in the node's tokens: the model's, which the
+# node learns to count from the engine's usage.prompt_tokens (docs/node.md, "Tokens";
+# before issue #17 part 3 they were 4 bytes each, ~3.4 model tokens). A saved state takes
+# ~4 KiB per model token (4 layers x 256 x K,V x f16), and each state is a full copy of
+# its prompt, shared prefixes included (hence ~0.6 of the raw figure): 128 MiB ~ 19,000
+# tokens. With one context, about one of the longest prompts.
 if [ "$CACHE_MB" -gt 0 ]; then
-  KV_NODE_TOKENS=${GORGO_REAL_KV_TOKENS:-$((CACHE_MB * 45))}
+  KV_NODE_TOKENS=${GORGO_REAL_KV_TOKENS:-$((CACHE_MB * 150))}
   CACHE_ARGS=(--cache True --cache_type ram --cache_size $((CACHE_MB * 1048576)))
 else
-  KV_NODE_TOKENS=${GORGO_REAL_KV_TOKENS:-1000}
+  KV_NODE_TOKENS=${GORGO_REAL_KV_TOKENS:-3400}
   CACHE_ARGS=()
 fi
 

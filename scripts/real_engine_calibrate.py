@@ -5,8 +5,10 @@ Usage: real_engine_calibrate.py ENGINE_URL [--out FILE]
 
 Sends cold prompts (text no earlier prompt shares) of several lengths, streaming, one
 at a time, and fits TTFT = base + t_p x prompt_tokens by least squares, with prompt
-tokens counted as the node counts them (4 bytes per token: the node has no tokenizer
-for this model). Also measures the decode step, (E2E - TTFT) / (tokens - 1). Prints one
+tokens as the engine counts them (`usage.prompt_tokens` of the same prompt sent again
+without streaming): what the node counts too, with the model's tokenizer or by learning
+the ratio from the engine (docs/node.md, "Tokens"). Also measures the decode step,
+(E2E - TTFT) / (tokens - 1). Prints one
 JSON object {"t_p_ms", "base_ms", "decode_step_ms", "samples": [...]}: the seeds of each
 node's online fit (`gorgo up --engine-t-p-ms/--engine-base-ms/--engine-decode-step-ms`),
 which the nodes then refine from their own traffic.
@@ -18,7 +20,8 @@ import sys
 import time
 import urllib.request
 
-# The node's estimate of a prompt's tokens: bytes / 4 (gorgo_core::hash::BYTES_PER_TOKEN).
+# Prompt sizes are chosen in 4-byte units (the workload generator's token model); the fit
+# is over the engine's own counts.
 BYTES_PER_TOKEN = 4
 SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ba", "de", "fi", "go", "hu", "je"]
 LENGTHS = [100, 300, 500, 700, 900]  # node tokens: the workload's range
@@ -33,6 +36,19 @@ def cold_text(rng, node_tokens):
         words.append(w)
         size += len(w) + 1
     return " ".join(words)[: node_tokens * BYTES_PER_TOKEN]
+
+
+def engine_tokens(url, text):
+    """The engine's `usage.prompt_tokens` for the chat prompt `text`."""
+    body = json.dumps({
+        "model": "tiny",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 1,
+    }).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return json.loads(resp.read())["usage"]["prompt_tokens"]
 
 
 def timed_stream(url, text):
@@ -73,9 +89,11 @@ def main():
     timed_stream(url, cold_text(rng, 50))  # first call pays one-time setup
     samples = []
     for n in LENGTHS:
-        ttft, e2e, chunks = timed_stream(url, cold_text(rng, n))
-        samples.append({"node_tokens": n, "ttft_ms": round(ttft, 1), "e2e_ms": round(e2e, 1), "chunks": chunks})
-    xs = [s["node_tokens"] for s in samples]
+        text = cold_text(rng, n)
+        ttft, e2e, chunks = timed_stream(url, text)
+        samples.append({"bytes": len(text), "prompt_tokens": engine_tokens(url, text),
+                        "ttft_ms": round(ttft, 1), "e2e_ms": round(e2e, 1), "chunks": chunks})
+    xs = [s["prompt_tokens"] for s in samples]
     ys = [s["ttft_ms"] for s in samples]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     sxx = sum((x - mx) ** 2 for x in xs)

@@ -16,10 +16,14 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("gorgo-core", &[]),
     ("gorgo-workload", &["gorgo-core"]),
     ("gorgo-report", &["gorgo-core"]),
-    ("gorgo-engine", &["gorgo-core"]),
+    ("gorgo-tokenizer", &["gorgo-core"]),
+    ("gorgo-engine", &["gorgo-core", "gorgo-tokenizer"]),
     ("gorgo-netem", &[]),
     ("gorgo-cluster", &["gorgo-core"]),
-    ("gorgo-node", &["gorgo-core", "gorgo-cluster"]),
+    (
+        "gorgo-node",
+        &["gorgo-core", "gorgo-cluster", "gorgo-tokenizer"],
+    ),
     (
         "gorgo-bench",
         &["gorgo-core", "gorgo-workload", "gorgo-report"],

@@ -25,6 +25,18 @@ pub struct EngineArgs {
     /// Output tokens when a request sets neither `max_tokens` nor `gorgo_output_tokens`.
     #[arg(long, default_value_t = 128)]
     pub default_max_tokens: u32,
+    /// Count prompt tokens (`usage.prompt_tokens`, context, cache) with this HF
+    /// `tokenizer.json` and its chat template, as a real engine does, instead of
+    /// canonical bytes / 4.
+    #[arg(long)]
+    pub tokenizer: Option<std::path::PathBuf>,
+    /// The chat template for `--tokenizer` (default: `tokenizer_config.json`'s).
+    #[arg(long, requires = "tokenizer")]
+    pub chat_template: Option<std::path::PathBuf>,
+    /// Add the tokenizer's special tokens (BOS) to rendered chat prompts, as
+    /// llama-cpp-python's built-in chat formats do.
+    #[arg(long, requires = "tokenizer")]
+    pub chat_add_special_tokens: bool,
 }
 
 /// Serve until Ctrl-C.
@@ -37,6 +49,20 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
     config.block_bytes = args.block_bytes;
     config.max_queue = args.max_queue;
     config.default_max_tokens = args.default_max_tokens.max(1);
+    if let Some(path) = &args.tokenizer {
+        let tokenizer = gorgo_tokenizer::EngineTokenizer::load(
+            path,
+            args.chat_template.as_deref(),
+            args.chat_add_special_tokens,
+        )
+        .map_err(|e| match e {
+            gorgo_tokenizer::TokenizerError::Config { field, reason } => {
+                anyhow::anyhow!("--{}: {reason}", field.replace('_', "-"))
+            }
+            other => anyhow::anyhow!("--tokenizer: {other}"),
+        })?;
+        config.tokenizer = Some(std::sync::Arc::new(tokenizer));
+    }
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(args.listen)

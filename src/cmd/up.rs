@@ -72,6 +72,17 @@ pub struct UpArgs {
     /// Seed of the cost of one decode step (ms) for the engines given with `--engine-url`.
     #[arg(long)]
     pub engine_decode_step_ms: Option<f64>,
+    /// The model's HF `tokenizer.json`: every node counts prompt tokens with it
+    /// (`engine.tokenizer`), and so do the emulators.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// The chat template for `--tokenizer` (default: `tokenizer_config.json`'s).
+    #[arg(long, requires = "tokenizer")]
+    pub chat_template: Option<PathBuf>,
+    /// The engines add BOS to rendered chat prompts (`engine.chat_add_special_tokens`;
+    /// llama-cpp-python's built-in chat formats do).
+    #[arg(long, requires = "tokenizer")]
+    pub chat_add_special_tokens: bool,
     /// Directory for logs, generated configs, certificates, pids and cluster.json.
     #[arg(long, default_value = ".gorgo/run")]
     pub run_dir: PathBuf,
@@ -346,6 +357,10 @@ struct EngineExtras {
     t_p_ms: Option<f64>,
     base_ms: Option<f64>,
     decode_step_ms: Option<f64>,
+    /// `--tokenizer`, `--chat-template` (absolute) and `--chat-add-special-tokens`.
+    tokenizer: Option<PathBuf>,
+    chat_template: Option<PathBuf>,
+    chat_add_special_tokens: bool,
 }
 
 impl EngineExtras {
@@ -358,7 +373,41 @@ impl EngineExtras {
             t_p_ms: args.engine_t_p_ms,
             base_ms: args.engine_base_ms,
             decode_step_ms: args.engine_decode_step_ms,
+            ..EngineExtras::tokens(args)
         }
+    }
+
+    /// The token-counting extras alone (what an emulator's node gets), paths made
+    /// absolute: the node's config lives in the run directory.
+    fn tokens(args: &UpArgs) -> Self {
+        let absolute = |p: &Option<PathBuf>| {
+            p.as_ref()
+                .map(|p| std::path::absolute(p).unwrap_or_else(|_| p.clone()))
+        };
+        EngineExtras {
+            tokenizer: absolute(&args.tokenizer),
+            chat_template: absolute(&args.chat_template),
+            chat_add_special_tokens: args.chat_add_special_tokens,
+            ..EngineExtras::default()
+        }
+    }
+
+    /// The emulator's arguments that make it count as the nodes do.
+    fn emulator_args(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (flag, path) in [
+            ("--tokenizer", &self.tokenizer),
+            ("--chat-template", &self.chat_template),
+        ] {
+            if let Some(p) = path {
+                out.push(flag.to_owned());
+                out.push(p.display().to_string());
+            }
+        }
+        if self.chat_add_special_tokens {
+            out.push("--chat-add-special-tokens".to_owned());
+        }
+        out
     }
 
     /// `[engine]` for the engine at `url`: what is given here, the node's defaults for
@@ -379,6 +428,9 @@ impl EngineExtras {
         if let Some(v) = self.decode_step_ms {
             engine.decode_step_ms = v;
         }
+        engine.tokenizer = self.tokenizer.clone();
+        engine.chat_template = self.chat_template.clone();
+        engine.chat_add_special_tokens = self.chat_add_special_tokens;
         engine
     }
 }
@@ -564,24 +616,24 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
                 EngineExtras::external(&args, engine_kind),
             ),
             None => {
-                children.spawn(
-                    &format!("engine-{}", r.name),
-                    &[
-                        "engine".into(),
-                        "--profile".into(),
-                        args.engine_profile.clone(),
-                        "--listen".into(),
-                        r.engine_addr.to_string(),
-                        // The name `gorgo bench` sends by default: nodes route a
-                        // request only to engines that list the model it names.
-                        "--model".into(),
-                        gorgo_workload::DEFAULT_MODEL.into(),
-                    ],
-                )?;
+                let extras = EngineExtras::tokens(&args);
+                let mut engine_args = vec![
+                    "engine".into(),
+                    "--profile".into(),
+                    args.engine_profile.clone(),
+                    "--listen".into(),
+                    r.engine_addr.to_string(),
+                    // The name `gorgo bench` sends by default: nodes route a request
+                    // only to engines that list the model it names.
+                    "--model".into(),
+                    gorgo_workload::DEFAULT_MODEL.into(),
+                ];
+                engine_args.extend(extras.emulator_args());
+                children.spawn(&format!("engine-{}", r.name), &engine_args)?;
                 (
                     format!("http://{}", r.engine_addr),
                     EngineKind::Sglang,
-                    EngineExtras::default(),
+                    extras,
                 )
             }
         };
@@ -921,7 +973,20 @@ mod tests {
             t_p_ms: Some(1.43),
             base_ms: Some(0.0),
             decode_step_ms: Some(3.0),
+            tokenizer: Some("/models/tok/tokenizer.json".into()),
+            chat_template: Some("/models/tok/chatml.jinja".into()),
+            chat_add_special_tokens: true,
         };
+        assert_eq!(
+            extras.emulator_args(),
+            [
+                "--tokenizer",
+                "/models/tok/tokenizer.json",
+                "--chat-template",
+                "/models/tok/chatml.jinja",
+                "--chat-add-special-tokens"
+            ]
+        );
         let config = node_config(
             &plan,
             0,
@@ -942,6 +1007,11 @@ mod tests {
         assert_eq!(engine.t_p_ms, 1.43);
         assert_eq!(engine.base_ms, 0.0);
         assert_eq!(engine.decode_step_ms, 3.0);
+        assert_eq!(
+            engine.tokenizer.as_deref(),
+            Some(Path::new("/models/tok/tokenizer.json"))
+        );
+        assert!(engine.chat_add_special_tokens);
         assert_eq!(
             config.listen.advertise_quic,
             Some(plan.regions[0].quic_relay_addr)

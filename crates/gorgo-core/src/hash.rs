@@ -13,6 +13,12 @@ pub const DEFAULT_BLOCK_BYTES: usize = 256;
 /// Default bytes-per-token estimate when no tokenizer is configured.
 pub const BYTES_PER_TOKEN: usize = 4;
 
+/// Default block size over token ids when a tokenizer is configured: 64 tokens, the
+/// size of the default byte block (256 bytes at 4 bytes per token) and a multiple of
+/// the engines' KV page sizes (vLLM 16, SGLang 1 to 64, llama.cpp per token), so block
+/// boundaries fall on page boundaries.
+pub const DEFAULT_BLOCK_TOKENS: usize = 64;
+
 /// Seed of the chain: the "previous hash" of block 0.
 const CHAIN_SEED: u64 = 0x6f72_676f_6772_6f67;
 
@@ -80,6 +86,34 @@ impl HashChain {
         HashChain {
             hashes,
             block_tokens,
+        }
+    }
+
+    /// Hash a prompt's token ids in blocks of `block_tokens` ids, each block hashed as
+    /// its ids' little-endian bytes (4 per id) by [`chain_step`]: the chain a node with a
+    /// tokenizer builds, aligned with the engine's KV pages, and the one an engine's own
+    /// block events (token ids per block) can be hashed into by the same function.
+    ///
+    /// A trailing partial block is included, as in [`HashChain::from_bytes`].
+    pub fn from_token_ids(ids: &[u32], block_tokens: usize) -> Self {
+        let block_tokens = block_tokens.max(1);
+        let n = ids.len().div_ceil(block_tokens);
+        let mut hashes = Vec::with_capacity(n);
+        let mut counts = Vec::with_capacity(n);
+        let mut bytes = Vec::with_capacity(block_tokens * 4);
+        let mut prev = CHAIN_SEED;
+        for block in ids.chunks(block_tokens) {
+            bytes.clear();
+            for id in block {
+                bytes.extend_from_slice(&id.to_le_bytes());
+            }
+            prev = chain_step(prev, &bytes);
+            hashes.push(prev);
+            counts.push(block.len() as u32);
+        }
+        HashChain {
+            hashes,
+            block_tokens: counts,
         }
     }
 
@@ -178,6 +212,24 @@ mod tests {
             h.update(block);
             assert_eq!(chain_step(42, block), h.digest());
         }
+    }
+
+    #[test]
+    fn token_id_chains_share_prefixes_and_count_ids() {
+        let a: Vec<u32> = (0..150).collect();
+        let mut b = a.clone();
+        b[140] = 7;
+        let (ca, cb) = (
+            HashChain::from_token_ids(&a, 64),
+            HashChain::from_token_ids(&b, 64),
+        );
+        assert_eq!(ca.block_tokens, vec![64, 64, 22]);
+        assert_eq!(ca.hashes[..2], cb.hashes[..2]);
+        assert_ne!(ca.hashes[2], cb.hashes[2]);
+        // Each block is its ids' little-endian bytes through the one chain step.
+        let first: Vec<u8> = a[..64].iter().flat_map(|id| id.to_le_bytes()).collect();
+        assert_eq!(ca.hashes[0], chain_step(CHAIN_SEED, &first));
+        assert!(HashChain::from_token_ids(&[], 64).is_empty());
     }
 
     #[test]

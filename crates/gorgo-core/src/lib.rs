@@ -8,6 +8,7 @@
 #![deny(rust_2018_idioms)]
 
 pub mod accounting;
+pub mod calendar;
 pub mod candidates;
 pub mod cost;
 pub mod decision;
@@ -24,6 +25,7 @@ pub mod policy;
 pub mod prompt;
 pub mod sketch;
 pub mod summary;
+pub mod token_ratio;
 pub mod tuning;
 pub mod types;
 pub mod wire;
@@ -33,7 +35,8 @@ pub use engine_metrics::{EngineKind, EngineMetrics};
 pub use error::CoreError;
 pub use hash::HashChain;
 pub use index::ShadowIndex;
-pub use prompt::{BytesPerToken, Endpoint, PromptHasher, TokenCounter};
+pub use prompt::{BytesPerToken, Endpoint, PromptHasher, PromptShape, TokenCounter};
 pub use sketch::{percentile, spearman, summarize, LatencySketch, LatencyStats};
 pub use summary::{LocalSummary, PeerSummary, SummaryDelta, SummarySnapshot};
+pub use token_ratio::TokenRatio;
 pub use types::{NodeId, QueueStats, Weights};

@@ -54,10 +54,74 @@ impl Endpoint {
     }
 }
 
+/// What, beside its length, decides how many tokens an engine's template adds to a
+/// prompt: its endpoint, and for chat whether tool definitions come first (templates
+/// put a long preamble before them). A node without a tokenizer learns one
+/// [`crate::token_ratio::TokenRatio`] per shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PromptShape {
+    /// A chat request without tools.
+    Chat,
+    /// A chat request with a non-empty `tools` array.
+    ChatTools,
+    /// A completions request.
+    Completions,
+}
+
+impl PromptShape {
+    /// Every shape, in the order of [`PromptShape::index`].
+    pub const ALL: [PromptShape; 3] = [
+        PromptShape::Chat,
+        PromptShape::ChatTools,
+        PromptShape::Completions,
+    ];
+
+    /// The shape of a request to `endpoint` whose canonical prompt is `canonical`
+    /// (tools render first, as `<|tools|>`).
+    pub fn of(endpoint: Endpoint, canonical: &[u8]) -> Self {
+        match endpoint {
+            Endpoint::Completions => PromptShape::Completions,
+            Endpoint::Chat if canonical.starts_with(TOOLS_TAG) => PromptShape::ChatTools,
+            Endpoint::Chat => PromptShape::Chat,
+        }
+    }
+
+    /// Position in [`PromptShape::ALL`], for per-shape arrays.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// A canonical prompt's size and shape: what a token estimate is made and learned from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CanonicalSize {
+    /// Canonical prompt bytes.
+    pub bytes: u64,
+    /// The prompt's shape.
+    pub shape: PromptShape,
+}
+
+impl CanonicalSize {
+    /// The size and shape of a request to `endpoint` whose canonical prompt is
+    /// `canonical`.
+    pub fn of(endpoint: Endpoint, canonical: &[u8]) -> Self {
+        CanonicalSize {
+            bytes: canonical.len() as u64,
+            shape: PromptShape::of(endpoint, canonical),
+        }
+    }
+}
+
+/// How a non-empty `tools` array starts the canonical rendering.
+const TOOLS_TAG: &[u8] = b"<|tools|>\n";
+
 /// Counts the tokens of prompt bytes.
 ///
-/// Why a trait: the node uses a real tokenizer (HF `tokenizer.json`) when configured
-/// and [`BytesPerToken`] otherwise; the core only needs counts.
+/// Why a trait: without a tokenizer the node counts with the ratio it learns from the
+/// engine ([`crate::token_ratio::TokenRatio`]), tests and tools with a fixed
+/// [`BytesPerToken`]; the block hashes are the same whatever counts. (With a tokenizer
+/// the chain is over token ids instead: [`HashChain::from_token_ids`].)
 pub trait TokenCounter: Send + Sync {
     /// Tokens in `text` (a block of canonical prompt bytes).
     fn count(&self, text: &[u8]) -> u64;
@@ -120,7 +184,7 @@ fn render_chat(body: &Value, out: &mut Vec<u8>) -> Result<(), CoreError> {
         None | Some(Value::Null) => {}
         Some(Value::Array(tools)) if tools.is_empty() => {}
         Some(tools @ Value::Array(_)) => {
-            out.extend_from_slice(b"<|tools|>\n");
+            out.extend_from_slice(TOOLS_TAG);
             out.extend_from_slice(tools.to_string().as_bytes());
             out.push(b'\n');
         }
@@ -274,6 +338,12 @@ impl PromptHasher {
 
     /// Hash canonical prompt bytes.
     pub fn chain(&self, canonical: &[u8]) -> HashChain {
+        self.chain_counted(canonical, &*self.counter)
+    }
+
+    /// Hash canonical prompt bytes, counting each block's tokens with `counter` (a
+    /// per-request rate, e.g. the ratio learned for the prompt's shape).
+    pub fn chain_counted(&self, canonical: &[u8], counter: &dyn TokenCounter) -> HashChain {
         // The hashes are those of `HashChain::from_bytes` (one hashing scheme for live
         // prompts and traces); only the token counts come from the counter.
         let mut chain = HashChain::from_bytes(canonical, self.block_bytes, 1);
@@ -282,7 +352,7 @@ impl PromptHasher {
             .iter_mut()
             .zip(canonical.chunks(self.block_bytes))
         {
-            *tokens = self.counter.count(block).min(u32::MAX as u64) as u32;
+            *tokens = counter.count(block).min(u32::MAX as u64) as u32;
         }
         chain
     }
@@ -356,6 +426,26 @@ mod tests {
             a,
             with(json!([{"type": "function", "function": {"name": "g"}}]))
         );
+    }
+
+    #[test]
+    fn shapes_follow_endpoint_and_tools() {
+        let chat = |body: Value| canonicalize(Endpoint::Chat, &body).unwrap();
+        let plain = chat(json!({"messages": [{"role": "user", "content": "hi"}]}));
+        let tools = chat(json!({"messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}]}));
+        assert_eq!(PromptShape::of(Endpoint::Chat, &plain), PromptShape::Chat);
+        assert_eq!(
+            PromptShape::of(Endpoint::Chat, &tools),
+            PromptShape::ChatTools
+        );
+        assert_eq!(
+            PromptShape::of(Endpoint::Completions, b"x"),
+            PromptShape::Completions
+        );
+        for (i, s) in PromptShape::ALL.iter().enumerate() {
+            assert_eq!(s.index(), i);
+        }
     }
 
     #[test]

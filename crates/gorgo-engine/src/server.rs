@@ -44,6 +44,10 @@ pub struct EmulatorConfig {
     pub max_body_bytes: usize,
     /// Output tokens when a request gives neither `max_tokens` nor `gorgo_output_tokens`.
     pub default_max_tokens: u32,
+    /// Count prompt tokens with the model's tokenizer and chat template, as a real
+    /// engine does, instead of canonical bytes / 4: `usage.prompt_tokens`, the context
+    /// check and the prefix cache (blocks of `block_bytes / 4` token ids) follow it.
+    pub tokenizer: Option<Arc<gorgo_tokenizer::EngineTokenizer>>,
 }
 
 impl EmulatorConfig {
@@ -57,6 +61,7 @@ impl EmulatorConfig {
             max_queue: 1024,
             max_body_bytes: 16 << 20,
             default_max_tokens: 128,
+            tokenizer: None,
         }
     }
 
@@ -331,11 +336,29 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
         Ok(p) => p,
         Err(e) => return bad_request(e),
     };
-    let chain = HashChain::from_bytes(
-        &parsed.prompt,
-        state.config.block_bytes,
-        gorgo_core::hash::BYTES_PER_TOKEN,
-    );
+    let chain = match &state.config.tokenizer {
+        None => HashChain::from_bytes(
+            &parsed.prompt,
+            state.config.block_bytes,
+            gorgo_core::hash::BYTES_PER_TOKEN,
+        ),
+        Some(tokenizer) => match tokenizer.prompt_ids(endpoint, &body) {
+            Ok(ids) => HashChain::from_token_ids(
+                &ids,
+                state.config.block_bytes / gorgo_core::hash::BYTES_PER_TOKEN,
+            ),
+            Err(e) => {
+                return bad_request(BadRequest {
+                    message: e.to_string(),
+                    param: Some(match endpoint {
+                        Endpoint::Chat => "messages",
+                        Endpoint::Completions => "prompt",
+                    }),
+                    code: None,
+                })
+            }
+        },
+    };
     let prompt_tokens = chain.total_tokens().max(1);
     let profile = &state.config.profile;
     let requested = prompt_tokens + parsed.output_tokens as u64;

@@ -143,6 +143,7 @@ async fn admin_state(State(state): State<Arc<NodeState>>) -> Response {
             "r_squared": fit.r_squared(),
             "samples": fit.samples(),
         },
+        "tokens": state.tokens.view(state.config.routing.block_bytes),
         "shadow_index_blocks": state.shadow.lock().len(),
         "shadow_index_tokens": state.shadow.lock().used_tokens(),
         "peers": state.peers.peers(),

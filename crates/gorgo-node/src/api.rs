@@ -122,6 +122,10 @@ pub struct RoutedRequest {
     pub headers: Vec<(String, String)>,
     /// The prompt's chain.
     pub chain: HashChain,
+    /// The canonical prompt's size and shape, when this node rendered it (not for a
+    /// peer's forward): with the engine's `usage.prompt_tokens`, what the node's token
+    /// estimate learns from.
+    pub canonical: Option<gorgo_core::prompt::CanonicalSize>,
     /// Hops taken so far.
     pub hops: u8,
     /// Policy override (`x-gorgo-policy`).

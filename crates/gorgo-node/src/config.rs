@@ -138,9 +138,25 @@ pub struct EngineSection {
     /// Seed of the cost of one decode step, ms.
     #[serde(default = "default_decode_step_ms")]
     pub decode_step_ms: f64,
-    /// Optional `tokenizer.json` for exact token counts (bytes-per-token otherwise).
+    /// The model's Hugging Face `tokenizer.json`, for prompt-token counts exactly as the
+    /// engine counts them (context check, cost model) and a hash chain over token ids in
+    /// blocks of `routing.block_tokens`. Without it, tokens are estimated from canonical
+    /// bytes with a bytes-per-token ratio learned from the engine's `usage.prompt_tokens`.
+    /// Every node of a cluster must agree on having one (and on the tokenizer), or their
+    /// prefix summaries do not match.
     #[serde(default)]
     pub tokenizer: Option<PathBuf>,
+    /// The chat template (a Jinja file, or a `chat_template.json`); default: the
+    /// `chat_template` of `tokenizer_config.json` beside `tokenizer`. Only with
+    /// `tokenizer`.
+    #[serde(default)]
+    pub chat_template: Option<PathBuf>,
+    /// Whether the engine adds the tokenizer's special tokens (BOS) to a rendered chat
+    /// prompt. `false` for vLLM and SGLang (the template writes `bos_token` itself);
+    /// `true` for llama-cpp-python's built-in chat formats (`--chat_format chatml`),
+    /// which add BOS to a template that has none.
+    #[serde(default)]
+    pub chat_add_special_tokens: bool,
     /// The engine's context length in tokens; when absent it is read from the
     /// engine's `/v1/models` (`max_model_len`, or `context_length`). A prompt longer
     /// than this is refused before routing.
@@ -173,6 +189,8 @@ impl EngineSection {
             base_ms: default_base_ms(),
             decode_step_ms: default_decode_step_ms(),
             tokenizer: None,
+            chat_template: None,
+            chat_add_special_tokens: false,
             max_context_tokens: None,
             health_timeout_ms: default_health_timeout_ms(),
             breaker_failures: default_breaker_failures(),
@@ -241,10 +259,17 @@ pub struct RoutingSection {
     /// A request that arrives with `hops >= max_hops` is served where it is.
     #[serde(default = "default_max_hops")]
     pub max_hops: u8,
-    /// Block size of the prompt hash chain, bytes.
+    /// Block size of the prompt hash chain over canonical bytes (no tokenizer), bytes.
+    /// Every node of a cluster must use the same, or their summaries do not match.
     #[serde(default = "default_block_bytes")]
     pub block_bytes: usize,
-    /// Bytes per token when no tokenizer is configured.
+    /// Block size of the prompt hash chain over token ids (with `engine.tokenizer`),
+    /// tokens: a multiple of the engine's KV page size keeps blocks on page boundaries.
+    /// Every node of a cluster must use the same.
+    #[serde(default = "default_block_tokens")]
+    pub block_tokens: usize,
+    /// The starting bytes-per-token ratio without a tokenizer; the node then learns the
+    /// ratio from the engine's `usage.prompt_tokens` (`/admin/state` `tokens`).
     #[serde(default = "default_bytes_per_token")]
     pub bytes_per_token: usize,
     /// Whether clients may pick the policy per request with `x-gorgo-policy`. Off by
@@ -281,6 +306,7 @@ impl Default for RoutingSection {
             weights: Weights::default(),
             max_hops: default_max_hops(),
             block_bytes: default_block_bytes(),
+            block_tokens: default_block_tokens(),
             bytes_per_token: default_bytes_per_token(),
             allow_policy_header: false,
             decision_log: default_decision_log(),
@@ -532,6 +558,9 @@ fn default_max_hops() -> u8 {
 fn default_block_bytes() -> usize {
     gorgo_core::hash::DEFAULT_BLOCK_BYTES
 }
+fn default_block_tokens() -> usize {
+    gorgo_core::hash::DEFAULT_BLOCK_TOKENS
+}
 fn default_bytes_per_token() -> usize {
     gorgo_core::hash::BYTES_PER_TOKEN
 }
@@ -708,7 +737,10 @@ impl NodeConfig {
                 *p = dir.join(&*p);
             }
         }
-        if let Some(t) = &mut self.engine.tokenizer {
+        for t in [&mut self.engine.tokenizer, &mut self.engine.chat_template]
+            .into_iter()
+            .flatten()
+        {
             if t.is_relative() {
                 *t = dir.join(&*t);
             }
@@ -754,13 +786,15 @@ impl NodeConfig {
         if !(self.engine.decode_step_ms.is_finite() && self.engine.decode_step_ms >= 0.0) {
             return bad("engine.decode_step_ms", "must be a finite number >= 0");
         }
-        if self.engine.tokenizer.is_some() {
-            // Accepted by the schema so configs can name it, refused until token counts
-            // from a tokenizer are wired in: silently ignoring it would mislead.
-            return bad(
-                "engine.tokenizer",
-                "not supported yet (token counts use routing.bytes_per_token)",
-            );
+        // The files themselves are read (and their errors named) when the node starts:
+        // `NodeState::new`.
+        if self.engine.tokenizer.is_none() {
+            if self.engine.chat_template.is_some() {
+                return bad("engine.chat_template", "needs engine.tokenizer");
+            }
+            if self.engine.chat_add_special_tokens {
+                return bad("engine.chat_add_special_tokens", "needs engine.tokenizer");
+            }
         }
         if self.engine.kv_capacity_tokens == Some(0) {
             return bad("engine.kv_capacity_tokens", "must be > 0");
@@ -792,8 +826,11 @@ impl NodeConfig {
         if self.routing.block_bytes == 0 {
             return bad("routing.block_bytes", "must be > 0");
         }
-        if self.routing.bytes_per_token == 0 {
-            return bad("routing.bytes_per_token", "must be > 0");
+        if !(1..=64).contains(&self.routing.bytes_per_token) {
+            return bad("routing.bytes_per_token", "must be in 1..=64");
+        }
+        if self.routing.block_tokens == 0 {
+            return bad("routing.block_tokens", "must be > 0");
         }
         if self.routing.decision_log == 0 || self.routing.decision_log > 100_000 {
             return bad("routing.decision_log", "must be in 1..=100000");
@@ -943,6 +980,30 @@ token = "secret-token"
             let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
             assert!(e.contains("routing.policy") && e.contains(policy), "{e}");
         }
+    }
+
+    #[test]
+    fn tokenizer_settings_need_a_tokenizer() {
+        for (extra, field) in [
+            ("chat_template = \"t.jinja\"", "engine.chat_template"),
+            (
+                "chat_add_special_tokens = true",
+                "engine.chat_add_special_tokens",
+            ),
+        ] {
+            let text = MINIMAL.replace("kind = \"sglang\"", &format!("kind = \"sglang\"\n{extra}"));
+            let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+            assert!(e.contains(field), "{e}");
+        }
+        let text = MINIMAL.replace(
+            "kind = \"sglang\"",
+            "kind = \"sglang\"\ntokenizer = \"tok/tokenizer.json\"\nchat_template = \"t.jinja\"",
+        );
+        let c = NodeConfig::from_toml_str(&text).unwrap();
+        assert_eq!(c.routing.block_tokens, 64);
+        let text = format!("{MINIMAL}\n[routing]\nblock_tokens = 0\n");
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        assert!(e.contains("routing.block_tokens"), "{e}");
     }
 
     #[test]

@@ -256,6 +256,7 @@ where
         session_key: session_id.as_deref().map(session_key),
         session_id,
         chain: msg.chain,
+        canonical: None,
         hops: msg.hops,
         policy,
         origin: msg.origin,

@@ -347,7 +347,14 @@ async fn completion(
         .get("stream")
         .and_then(Value::as_bool)
         .unwrap_or(false);
-    let chain = state.hasher.chain(&prompt);
+    let canonical = gorgo_core::prompt::CanonicalSize::of(endpoint, &prompt);
+    let chain = match crate::tokens::request_chain(&state, endpoint, &body, prompt).await {
+        Ok(c) => c,
+        Err(e) => {
+            state.metrics.request("bad_request", "");
+            return error_response(StatusCode::BAD_REQUEST, &e.to_string());
+        }
+    };
     let policy = if state.config.routing.allow_policy_header {
         match headers.get(POLICY_HEADER).map(|v| v.to_str().unwrap_or("")) {
             None => None,
@@ -389,6 +396,7 @@ async fn completion(
         body,
         headers: pass,
         chain,
+        canonical: Some(canonical),
         hops: 0,
         policy,
         session_key,

@@ -27,7 +27,9 @@ pub mod route;
 pub mod serve;
 pub mod shadow;
 pub mod telemetry;
+pub mod tokens;
 pub mod tuning;
+pub mod usage;
 pub mod validate;
 
 use std::net::SocketAddr;
@@ -67,8 +69,12 @@ pub struct NodeState {
     pub shadow: Mutex<shadow::LocalCache>,
     /// The configured policy.
     pub policy: gorgo_core::policy::PolicyKind,
-    /// Canonical prompt hashing (block size, token counting).
+    /// Canonical prompt hashing (block size), the chain of every request without a
+    /// tokenizer; its own counter is the fixed `routing.bytes_per_token` (the requests'
+    /// counts come from `tokens`, learned per prompt shape).
     pub hasher: gorgo_core::PromptHasher,
+    /// How prompt tokens are counted: the engine's tokenizer, or the learned ratio.
+    pub tokens: tokens::PromptTokens,
     /// Prometheus metrics.
     pub metrics: metrics::NodeMetrics,
     /// Ingress concurrency cap.
@@ -100,6 +106,7 @@ impl NodeState {
         let engine = engine::EngineAdapter::new(&config.engine, &config.limits)?;
         let engine = Arc::new(engine);
         let policy = config.routing.policy;
+        let tokens = tokens::PromptTokens::new(&config)?;
         let hasher = gorgo_core::PromptHasher::new(
             config.routing.block_bytes,
             Box::new(gorgo_core::BytesPerToken(
@@ -107,6 +114,8 @@ impl NodeState {
             )),
         )
         .map_err(|e| NodeError::Config(format!("invalid `routing.block_bytes`: {e}")))?;
+        let metrics = metrics::NodeMetrics::new();
+        metrics.bytes_per_token.set(tokens.bytes_per_token());
         let capacity = engine.kv_capacity_tokens();
         let learned = config
             .tuning
@@ -133,7 +142,8 @@ impl NodeState {
             shadow: Mutex::new(shadow::LocalCache::new(capacity)),
             policy,
             hasher,
-            metrics: metrics::NodeMetrics::new(),
+            metrics,
+            tokens,
             permits: Arc::new(Semaphore::new(config.limits.max_concurrency)),
             forward_permits: Arc::new(Semaphore::new(config.limits.max_forwards)),
             draining: AtomicBool::new(false),

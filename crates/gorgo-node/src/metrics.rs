@@ -105,6 +105,12 @@ pub struct NodeMetrics {
     pub engine_breaker: Gauge,
     /// Failures of real requests to the engine that count towards its breaker.
     pub engine_failures: Counter,
+    /// The bytes-per-token ratio the node counts with (learned from the engine without
+    /// a tokenizer).
+    pub bytes_per_token: Gauge<f64, std::sync::atomic::AtomicU64>,
+    /// |node's prompt-token count - engine's `usage.prompt_tokens`| / engine's, per
+    /// request served locally whose response reported usage.
+    pub prompt_token_error: Histogram,
 }
 
 impl Default for NodeMetrics {
@@ -248,7 +254,22 @@ impl NodeMetrics {
             "Failures of real requests to the engine (connect, timeout, 5xx)",
             engine_failures.clone(),
         );
+        let bytes_per_token = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "bytes_per_token",
+            "Bytes per prompt token the node estimates with (learned without a tokenizer)",
+            bytes_per_token.clone(),
+        );
+        let prompt_token_error =
+            Histogram::new([0.0, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]);
+        registry.register(
+            "prompt_token_error_ratio",
+            "Relative error of the node's prompt-token count against the engine's usage.prompt_tokens",
+            prompt_token_error.clone(),
+        );
         NodeMetrics {
+            bytes_per_token,
+            prompt_token_error,
             connections,
             engine_breaker,
             engine_failures,

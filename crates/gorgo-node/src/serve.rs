@@ -131,8 +131,9 @@ fn check_context(state: &NodeState, req: &RoutedRequest) -> Result<(), ServeErro
     let prompt_tokens = req.chain.total_tokens();
     match state.engine.max_context_tokens() {
         Some(max) if prompt_tokens > max => Err(ServeError::ContextLength(format!(
-            "this model's maximum context length is {max} tokens; the prompt has about \
-             {prompt_tokens} tokens (estimated at routing.bytes_per_token)"
+            "this model's maximum context length is {max} tokens; the prompt has \
+             {prompt_tokens} tokens ({})",
+            state.tokens.how_counted()
         ))),
         _ => Ok(()),
     }
@@ -303,8 +304,11 @@ pub async fn serve_local(
     let headers = pass_headers(resp.headers());
     let st = state.clone();
     let chain = req.chain.clone();
+    let canonical = req.canonical;
     let mut first = true;
     let mut corrected = false;
+    let mut observed = false;
+    let mut usage = crate::usage::UsageScanner::default();
     let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let failed_in_body = failed.clone();
     let body = resp.bytes_stream().map(move |chunk| {
@@ -316,13 +320,22 @@ pub async fn serve_local(
             let ttft_ms = started.elapsed().as_secs_f64() * 1000.0;
             ticket.prefilled((status < 300).then_some(ttft_ms), st.now_ms());
         }
-        if let (Ok(bytes), false) = (&chunk, corrected) {
+        if let (Ok(bytes), false) = (&chunk, corrected && observed) {
+            usage.feed(bytes);
             // The engine's own count of cached prompt tokens corrects the shadow index.
-            if let Some(cached) = find_cached_tokens(bytes) {
+            if let (Some(cached), false) = (usage.cached_tokens(), corrected) {
                 corrected = true;
                 let delta = st.shadow.lock().correct(&chain, cached, st.now_ms());
                 if let Some(delta) = delta {
                     st.peers.publish_summary(&delta);
+                }
+            }
+            // Its count of prompt tokens measures ours and teaches the ratio.
+            if let (Some(engine_tokens), false) = (usage.prompt_tokens(), observed) {
+                observed = true;
+                if status < 300 {
+                    st.tokens
+                        .observe(&st.metrics, canonical, chain.total_tokens(), engine_tokens);
                 }
             }
         }
@@ -353,36 +366,4 @@ pub async fn serve_local(
         hops: req.hops,
         body: Box::pin(body),
     })
-}
-
-/// `usage.prompt_tokens_details.cached_tokens` in a response chunk, found without
-/// parsing the JSON (the usage object arrives in the last chunk, in one piece).
-fn find_cached_tokens(bytes: &[u8]) -> Option<u64> {
-    const KEY: &[u8] = b"\"cached_tokens\":";
-    let at = bytes.windows(KEY.len()).position(|w| w == KEY)?;
-    let rest = &bytes[at + KEY.len()..];
-    let start = rest.iter().position(|b| !b.is_ascii_whitespace())?;
-    let digits: &[u8] = &rest[start..];
-    let len = digits.iter().take_while(|b| b.is_ascii_digit()).count();
-    if len == 0 || len > 19 {
-        return None;
-    }
-    std::str::from_utf8(&digits[..len]).ok()?.parse().ok()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::find_cached_tokens;
-
-    #[test]
-    fn finds_cached_tokens_in_usage() {
-        let chunk = br#"data: {"usage":{"prompt_tokens":10,"prompt_tokens_details":{"cached_tokens": 64}}}"#;
-        assert_eq!(find_cached_tokens(chunk), Some(64));
-        assert_eq!(find_cached_tokens(br#"{"cached_tokens":null}"#), None);
-        assert_eq!(find_cached_tokens(b"data: [DONE]"), None);
-        assert_eq!(
-            find_cached_tokens(br#"{"cached_tokens":99999999999999999999999}"#),
-            None
-        );
-    }
 }

@@ -71,27 +71,11 @@ async fn saturated_node_forwards_to_the_peer_holding_the_prefix() {
     assert_eq!(c.engines[1].requests(), 2);
 
     // The decision at a shows every candidate's terms and b as the winner.
-    let d: serde_json::Value = client()
-        .get(format!("{}/admin/decisions?limit=1", c.nodes[0].admin))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let d = admin_json(&c.nodes[0], "/admin/decisions?limit=1").await;
     assert_eq!(d[0]["winner"], "b");
     assert_eq!(d[0]["candidates"].as_array().unwrap().len(), 3);
     // At b the forwarded request arrived with hops = max_hops and was served there.
-    let d: serde_json::Value = client()
-        .get(format!("{}/admin/decisions?limit=1", c.nodes[1].admin))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let d = admin_json(&c.nodes[1], "/admin/decisions?limit=1").await;
     assert_eq!(d[0]["reason"], "max-hops");
 
     // Streaming through the forward stays SSE, chunk by chunk.

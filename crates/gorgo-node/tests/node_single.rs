@@ -318,15 +318,7 @@ async fn admin_api_requires_the_token_and_reports_decisions() {
         .send()
         .await
         .unwrap();
-    let d: serde_json::Value = c
-        .get(format!("{}/admin/decisions?limit=5", node.admin))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let d = admin_json(&node, "/admin/decisions?limit=5").await;
     assert_eq!(d.as_array().unwrap().len(), 1);
     assert_eq!(d[0]["winner"], "a");
     assert!(

@@ -123,15 +123,7 @@ async fn three_nodes_follow_one_leader_and_epochs_advance() {
     }
 
     // The admin API: trajectory in both formats, state and metrics.
-    let body: Value = client()
-        .get(format!("{}/admin/tuning", c.nodes[0].admin))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let body = admin_json(&c.nodes[0], "/admin/tuning").await;
     assert_eq!(body["mode"], "online");
     assert_eq!(body["leader"], "a");
     let history = body["history"].as_array().unwrap();

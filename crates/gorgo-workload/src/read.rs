@@ -9,6 +9,7 @@ use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 
+use gorgo_core::calendar::days_from_civil;
 use serde::Deserialize;
 
 use crate::record::{BlockIds, TraceRequest};
@@ -455,17 +456,6 @@ pub fn parse_datetime_ms(s: &str) -> std::result::Result<u64, String> {
     let days = days_from_civil(y, m, day);
     let ms = ((days * 24 + hh) * 60 + mm) * 60_000 + ss * 1000 + ms_frac;
     u64::try_from(ms).map_err(|_| format!("timestamp `{s}` is before 1970"))
-}
-
-/// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's algorithm).
-fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
 }
 
 #[cfg(test)]

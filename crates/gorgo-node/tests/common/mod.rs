@@ -484,3 +484,17 @@ pub async fn error_of(resp: reqwest::Response) -> (u16, serde_json::Value) {
     assert!(body["error"]["type"].is_string(), "{body}");
     (status, body)
 }
+
+/// GET an admin route of `node` (`/admin/state`, `/admin/decisions?limit=1`, ...) with
+/// the admin token, as JSON.
+pub async fn admin_json(node: &TestNode, path: &str) -> serde_json::Value {
+    client()
+        .get(format!("{}{path}", node.admin))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}

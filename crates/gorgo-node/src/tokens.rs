@@ -1,0 +1,226 @@
+//! Prompt tokens on the node: exact with the engine's tokenizer, learned without.
+//!
+//! With `engine.tokenizer` the node renders and tokenises each request as the engine
+//! does ([`gorgo_tokenizer::EngineTokenizer`]) and hashes the token ids in blocks of
+//! `routing.block_tokens` ([`HashChain::from_token_ids`]): exact prompt-token counts for
+//! the context check and the cost model, and blocks on the engine's KV page
+//! boundaries. Without it the chain stays over canonical bytes (`NodeState::hasher`)
+//! and its token counts come from a [`TokenRatio`] per [`PromptShape`] (chat, chat
+//! with tools, completions: their templates add different overheads) learned from
+//! the engine's `usage.prompt_tokens`: each block at the learned bytes per token, the
+//! fitted overhead on the first block (the template puts it at the start). The hashes
+//! do not move with the estimate. Every node of a
+//! cluster must hash the same way (both with the same tokenizer and `block_tokens`, or
+//! both without and the same `block_bytes`), or their prefix summaries never match.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use gorgo_core::prompt::{CanonicalSize, PromptShape};
+use gorgo_core::{Endpoint, HashChain, TokenRatio};
+use gorgo_tokenizer::{EngineTokenizer, TokenizerError};
+use parking_lot::RwLock;
+use serde::Serialize;
+
+use crate::config::ValidatedConfig;
+use crate::error::NodeError;
+use crate::NodeState;
+
+/// Bodies larger than this are tokenised off the async workers (a long prompt takes
+/// milliseconds).
+const INLINE_TOKENIZE_BYTES: usize = 64 * 1024;
+
+/// How this node counts prompt tokens (see the module docs).
+#[derive(Debug)]
+pub struct PromptTokens {
+    tokenizer: Option<EngineTokenizer>,
+    block_tokens: usize,
+    /// One learner per shape, by [`PromptShape::index`].
+    ratios: [RwLock<TokenRatio>; 3],
+}
+
+/// What `/admin/state` shows under `tokens`.
+#[derive(Debug, Clone, Serialize)]
+pub struct TokensView {
+    /// `tokenizer` (exact counts) or `ratio` (learned from the engine).
+    pub counting: &'static str,
+    /// The `tokenizer.json` in use.
+    pub tokenizer: Option<String>,
+    /// Block size of the chain over token ids, with a tokenizer.
+    pub block_tokens: Option<usize>,
+    /// Block size of the chain over canonical bytes, without.
+    pub block_bytes: Option<usize>,
+    /// The learned estimate of each prompt shape, without a tokenizer.
+    pub shapes: Vec<ShapeView>,
+}
+
+/// The learned estimate of one prompt shape.
+#[derive(Debug, Clone, Serialize)]
+pub struct ShapeView {
+    /// `chat`, `chat_tools` or `completions`.
+    pub shape: PromptShape,
+    /// Bytes per token of the canonical text.
+    pub bytes_per_token: f64,
+    /// Tokens the engine's template adds to each prompt beyond its canonical text.
+    pub overhead_tokens: u64,
+    /// Engine counts learned from.
+    pub samples: u64,
+    /// The ratio it started from (`routing.bytes_per_token`).
+    pub seed_bytes_per_token: f64,
+}
+
+impl PromptTokens {
+    /// Load the tokenizer (errors name `engine.tokenizer` / `engine.chat_template`) or
+    /// seed the ratio from `routing.bytes_per_token`.
+    pub fn new(config: &ValidatedConfig) -> Result<Self, NodeError> {
+        let tokenizer = match &config.engine.tokenizer {
+            None => None,
+            Some(path) => Some(
+                EngineTokenizer::load(
+                    path,
+                    config.engine.chat_template.as_deref(),
+                    config.engine.chat_add_special_tokens,
+                )
+                .map_err(|e| match e {
+                    TokenizerError::Config { field, reason } => {
+                        NodeError::Config(format!("invalid `engine.{field}`: {reason}"))
+                    }
+                    other => NodeError::Config(format!("invalid `engine.tokenizer`: {other}")),
+                })?,
+            ),
+        };
+        let ratio = TokenRatio::new(config.routing.bytes_per_token as f64)
+            .map_err(|e| NodeError::Config(format!("invalid `routing.bytes_per_token`: {e}")))?;
+        Ok(PromptTokens {
+            tokenizer,
+            block_tokens: config.routing.block_tokens,
+            ratios: PromptShape::ALL.map(|_| RwLock::new(ratio.clone())),
+        })
+    }
+
+    /// Whether counts are exact (a tokenizer is configured).
+    pub fn exact(&self) -> bool {
+        self.tokenizer.is_some()
+    }
+
+    /// The learned bytes per token of chat prompts without tools (the common shape):
+    /// the `gorgo_bytes_per_token` gauge.
+    pub fn bytes_per_token(&self) -> f64 {
+        self.ratios[PromptShape::Chat.index()]
+            .read()
+            .bytes_per_token()
+    }
+
+    /// The chain of a request whose canonical prompt is `canonical`: over token ids with
+    /// a tokenizer, over the canonical bytes (hashed by `byte_chains`) without, counted
+    /// with the estimate learned for the prompt's shape.
+    fn chain(
+        &self,
+        byte_chains: &gorgo_core::PromptHasher,
+        endpoint: Endpoint,
+        body: &[u8],
+        canonical: &[u8],
+    ) -> Result<HashChain, TokenizerError> {
+        if let Some(t) = &self.tokenizer {
+            return Ok(HashChain::from_token_ids(
+                &t.prompt_ids(endpoint, body)?,
+                self.block_tokens,
+            ));
+        }
+        let shape = PromptShape::of(endpoint, canonical);
+        let (rate, overhead) = {
+            let ratio = self.ratios[shape.index()].read();
+            (ratio.per_byte(), ratio.overhead_tokens())
+        };
+        let mut chain = byte_chains.chain_counted(canonical, &rate);
+        if let Some(first) = chain.block_tokens.first_mut() {
+            *first = first.saturating_add(overhead.min(u32::MAX as u64) as u32);
+        }
+        Ok(chain)
+    }
+
+    /// Learn from the engine's `usage.prompt_tokens` for a request this node counted
+    /// as `node_tokens` (`canonical`: its canonical size, `None` when a peer rendered
+    /// it): the relative error of the node's count is recorded, and without a
+    /// tokenizer the shape's estimate learns.
+    pub fn observe(
+        &self,
+        metrics: &crate::metrics::NodeMetrics,
+        canonical: Option<CanonicalSize>,
+        node_tokens: u64,
+        engine_tokens: u64,
+    ) {
+        if engine_tokens > 0 {
+            let error = (node_tokens as f64 - engine_tokens as f64).abs() / engine_tokens as f64;
+            metrics.prompt_token_error.observe(error);
+        }
+        if let (None, Some(size)) = (&self.tokenizer, canonical) {
+            self.ratios[size.shape.index()]
+                .write()
+                .observe(size.bytes, engine_tokens);
+            metrics.bytes_per_token.set(self.bytes_per_token());
+        }
+    }
+
+    /// The `tokens` object of `/admin/state`.
+    pub fn view(&self, block_bytes: usize) -> TokensView {
+        match &self.tokenizer {
+            Some(t) => TokensView {
+                counting: "tokenizer",
+                tokenizer: Some(t.source().display().to_string()),
+                block_tokens: Some(self.block_tokens),
+                block_bytes: None,
+                shapes: Vec::new(),
+            },
+            None => TokensView {
+                counting: "ratio",
+                tokenizer: None,
+                block_tokens: None,
+                block_bytes: Some(block_bytes),
+                shapes: PromptShape::ALL
+                    .iter()
+                    .map(|&shape| {
+                        let r = self.ratios[shape.index()].read();
+                        ShapeView {
+                            shape,
+                            bytes_per_token: r.bytes_per_token(),
+                            overhead_tokens: r.overhead_tokens(),
+                            samples: r.samples(),
+                            seed_bytes_per_token: r.seed(),
+                        }
+                    })
+                    .collect(),
+            },
+        }
+    }
+
+    /// How the count in a context-length refusal was made, for its message.
+    pub fn how_counted(&self) -> &'static str {
+        match &self.tokenizer {
+            Some(_) => "counted with the engine's tokenizer",
+            None => "estimated from its bytes, at the rate learned from the engine",
+        }
+    }
+}
+
+/// The chain of a request at the ingress: `canonical` is its canonical prompt
+/// (`gorgo_core::prompt::canonicalize`, which also validated it). Long bodies are
+/// tokenised on a blocking thread. A body the template cannot render is the client's
+/// error (`TokenizerError::Request`, a 400).
+pub async fn request_chain(
+    state: &Arc<NodeState>,
+    endpoint: Endpoint,
+    body: &Bytes,
+    canonical: Vec<u8>,
+) -> Result<HashChain, TokenizerError> {
+    if !state.tokens.exact() || body.len() <= INLINE_TOKENIZE_BYTES {
+        return state
+            .tokens
+            .chain(&state.hasher, endpoint, body, &canonical);
+    }
+    let st = state.clone();
+    let body = body.clone();
+    tokio::task::spawn_blocking(move || st.tokens.chain(&st.hasher, endpoint, &body, &canonical))
+        .await
+        .map_err(|e| TokenizerError::Request(format!("tokenizing failed: {e}")))?
+}

@@ -1,0 +1,261 @@
+//! Prompt tokens as the engine counts them (issue #17): a node in front of the engine
+//! emulator counting with the fixture tokenizer (`gorgo_tokenizer::FIXTURE_TOKENIZER`,
+//! tiny_gguf's SentencePiece vocabulary with a ChatML + tools template), on the
+//! realistic chat prompts of `fixtures/chat-prompts.jsonl` (multi-turn, system prompts,
+//! code, non-English text, emoji, tools and tool calls).
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use common::*;
+use gorgo_engine::profile::Profile;
+use gorgo_engine::server::EmulatorConfig;
+use gorgo_tokenizer::{EngineTokenizer, FIXTURE_TOKENIZER};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+/// The fixture's chat request bodies, as the raw JSON lines (key order kept).
+fn prompts() -> Vec<String> {
+    let path = Path::new(FIXTURE_TOKENIZER).with_file_name("../chat-prompts.jsonl");
+    std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+fn fixture_tokenizer() -> EngineTokenizer {
+    EngineTokenizer::load(Path::new(FIXTURE_TOKENIZER), None, false).unwrap()
+}
+
+/// An emulator that counts `usage.prompt_tokens` with the fixture tokenizer.
+async fn counting_emulator(shutdown: &CancellationToken) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut cfg = EmulatorConfig::new(Profile::by_name("h200-dense-1.5b").unwrap());
+    cfg.tokenizer = Some(Arc::new(fixture_tokenizer()));
+    let sd = shutdown.clone();
+    tokio::spawn(async move {
+        gorgo_engine::server::serve(listener, cfg, async move { sd.cancelled().await }).await
+    });
+    format!("http://{addr}")
+}
+
+fn tokenizer_keys() -> String {
+    format!("tokenizer = \"{FIXTURE_TOKENIZER}\"\n")
+}
+
+/// Send one body (non-streamed, or streamed with usage); the engine's
+/// `usage.prompt_tokens` and the node's count of the same request.
+async fn send(node: &TestNode, body: &str, stream: bool) -> (u64, u64) {
+    let c = client();
+    let body = if stream {
+        let mut v: serde_json::Value = serde_json::from_str(body).unwrap();
+        v["stream"] = true.into();
+        v["stream_options"] = serde_json::json!({"include_usage": true});
+        v.to_string()
+    } else {
+        body.to_owned()
+    };
+    let resp = c
+        .post(format!("{}/v1/chat/completions", node.base))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let text = resp.text().await.unwrap();
+    let usage = if stream {
+        text.lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find_map(|v| v["usage"]["prompt_tokens"].as_u64())
+            .expect("a usage chunk")
+    } else {
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        v["usage"]["prompt_tokens"].as_u64().unwrap()
+    };
+    let decisions = admin_json(node, "/admin/decisions?limit=1").await;
+    (usage, decisions[0]["prompt_tokens"].as_u64().unwrap())
+}
+
+#[tokio::test]
+async fn configured_tokenizer_matches_the_engine_exactly() {
+    let stop = CancellationToken::new();
+    let url = counting_emulator(&stop).await;
+    let node = start_node(config_with_engine("a", &url, &tokenizer_keys()), None).await;
+    let prompts = prompts();
+    assert!(prompts.len() >= 60);
+    let mut exact = 0;
+    let mut engine_total = 0;
+    for (i, body) in prompts.iter().enumerate() {
+        let (engine, counted) = send(&node, body, i % 3 == 0).await;
+        assert_eq!(
+            counted, engine,
+            "request {i}: node {counted}, engine {engine}"
+        );
+        exact += 1;
+        engine_total += engine;
+    }
+    let bytes: usize = prompts.iter().map(String::len).sum();
+    println!(
+        "tokenizer: {exact}/{} exact; engine counted {engine_total} tokens for {bytes} body bytes",
+        prompts.len()
+    );
+    // The byte-level estimate it replaces is far off for this vocabulary.
+    assert!(engine_total as f64 > 1.5 * (bytes / 4) as f64);
+    let state = admin_json(&node, "/admin/state").await;
+    assert_eq!(state["tokens"]["counting"], "tokenizer", "{state}");
+    assert_eq!(state["tokens"]["block_tokens"], 64);
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn learned_ratio_is_within_five_percent_after_fifty_requests() {
+    let stop = CancellationToken::new();
+    let url = counting_emulator(&stop).await;
+    let node = start_node(config("a", &url, ""), None).await;
+    let prompts = prompts();
+    let mut errors = Vec::new();
+    let mut first_error = None;
+    for (i, body) in prompts.iter().enumerate() {
+        let (engine, estimated) = send(&node, body, i % 2 == 1).await;
+        let error = (estimated as f64 - engine as f64).abs() / engine as f64;
+        first_error.get_or_insert(error);
+        if i >= 50 {
+            errors.push(error);
+        }
+    }
+    let mean = errors.iter().sum::<f64>() / errors.len() as f64;
+    let max = errors.iter().cloned().fold(0.0, f64::max);
+    let state = node.state();
+    let view = state.tokens.view(256);
+    let learned: Vec<String> = view
+        .shapes
+        .iter()
+        .filter(|s| s.samples > 0)
+        .map(|s| {
+            format!(
+                "{:?} {:.3} bytes/token + {} tokens ({} samples)",
+                s.shape, s.bytes_per_token, s.overhead_tokens, s.samples
+            )
+        })
+        .collect();
+    println!(
+        "ratio: first request off by {:.1}% (4 bytes per token); after 50 requests ({} measured) \
+         mean error {:.2}%, max {:.2}%; learned {}",
+        100.0 * first_error.unwrap(),
+        errors.len(),
+        100.0 * mean,
+        100.0 * max,
+        learned.join(", "),
+    );
+    assert!(mean <= 0.05, "mean relative error {mean}");
+    assert_eq!(view.counting, "ratio");
+    let samples: u64 = view.shapes.iter().map(|s| s.samples).sum();
+    assert_eq!(samples, prompts.len() as u64);
+    let metrics = state.metrics.encode();
+    assert!(metrics.contains("gorgo_bytes_per_token"), "{metrics}");
+    assert!(
+        metrics.contains("gorgo_prompt_token_error_ratio_count"),
+        "{metrics}"
+    );
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn context_check_uses_the_exact_count() {
+    let stop = CancellationToken::new();
+    let url = counting_emulator(&stop).await;
+    let tokenizer = fixture_tokenizer();
+    let body = |text: &str| serde_json::json!({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": text}]});
+    let long = "The quick brown fox jumps over the lazy dog. ".repeat(40);
+    let short = "The quick brown fox.";
+    let exact = tokenizer
+        .prompt_ids(
+            gorgo_core::Endpoint::Chat,
+            body(&long).to_string().as_bytes(),
+        )
+        .unwrap()
+        .len() as u64;
+    // bytes / 4 would let the long prompt through: it estimates far fewer tokens.
+    assert!((long.len() as u64 / 4) < exact / 2);
+    let keys = format!("{}max_context_tokens = {}\n", tokenizer_keys(), exact - 1);
+    let node = start_node(config_with_engine("a", &url, &keys), None).await;
+    let c = client();
+    let resp = c
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&body(&long))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let err: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(err["error"]["code"], "context_length_exceeded", "{err}");
+    let message = err["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains(&format!("has {exact} tokens")) && message.contains("tokenizer"),
+        "{message}"
+    );
+    let resp = c
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&body(short))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn a_body_the_template_cannot_render_is_a_400() {
+    let stop = CancellationToken::new();
+    let url = counting_emulator(&stop).await;
+    let node = start_node(config_with_engine("a", &url, &tokenizer_keys()), None).await;
+    // The fixture's template raises on an unknown role.
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&serde_json::json!({"model": "m", "messages": [{"role": "wizard", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let err: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(err["error"]["type"], "invalid_request_error", "{err}");
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("unknown role"),
+        "{err}"
+    );
+    stop.cancel();
+}
+
+#[test]
+fn bad_tokenizer_files_are_config_errors_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.json");
+    let template = dir.path().join("bad.jinja");
+    std::fs::write(&template, "{% if %}").unwrap();
+    for (keys, field) in [
+        (
+            format!("tokenizer = \"{}\"\n", missing.display()),
+            "engine.tokenizer",
+        ),
+        (
+            format!(
+                "{}chat_template = \"{}\"\n",
+                tokenizer_keys(),
+                template.display()
+            ),
+            "engine.chat_template",
+        ),
+    ] {
+        let config = config_with_engine("a", "http://127.0.0.1:1", &keys);
+        let e = gorgo_node::NodeState::new(config, Arc::new(gorgo_node::NoPeers)).unwrap_err();
+        assert!(e.to_string().contains(field), "{e}");
+    }
+}

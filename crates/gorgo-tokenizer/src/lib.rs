@@ -1,0 +1,564 @@
+//! Prompt tokens as the engine counts them.
+//!
+//! Without a tokenizer, GORGO estimates a prompt's tokens from its canonical bytes
+//! (`gorgo_core::prompt`), and on a real engine that estimate can be off by a factor of
+//! several. [`EngineTokenizer`] loads the model's Hugging Face `tokenizer.json` and its
+//! chat template and turns an OpenAI request body into the token ids the engine will
+//! see, the way vLLM, SGLang and llama.cpp do it:
+//!
+//! - `chat/completions`: the template is rendered (Jinja, as HF's `apply_chat_template`
+//!   renders it: `trim_blocks`, `lstrip_blocks`, loop controls, Python string methods,
+//!   HF's `tojson`, `raise_exception`, `strftime_now`) with `messages`,
+//!   `add_generation_prompt = true`, `tools` (none when absent or empty), `bos_token`,
+//!   `eos_token` and the request's `chat_template_kwargs`; the text is tokenised with
+//!   special tokens parsed, and the tokenizer's own added tokens (BOS) only when
+//!   `chat_add_special_tokens` says so (vLLM and SGLang: no, the template writes
+//!   `bos_token` itself; llama-cpp-python's built-in chat formats: yes).
+//! - `completions`: a string prompt is tokenised with special tokens added (all three
+//!   engines do); an array of strings is a batch, counted as the sum; token ids are
+//!   taken as they are.
+//!
+//! It lives in its own crate because two programs need the very same counting: the
+//! node (routing, context check, hash chain over token ids) and the engine emulator
+//! (its `usage.prompt_tokens`), and the sans-IO core must stay free of file reading
+//! and of these dependencies.
+#![forbid(unsafe_code)]
+#![deny(rust_2018_idioms)]
+
+use std::path::{Path, PathBuf};
+
+use gorgo_core::Endpoint;
+use minijinja::value::{Kwargs, Serde, Value};
+use minijinja::{Environment, ErrorKind};
+use serde::Serialize;
+
+mod pyjson;
+
+/// The test fixture: `tiny_gguf.py`'s vocabulary as a `tokenizer.json`, with a
+/// `tokenizer_config.json` holding a ChatML template with tools (`fixtures/tiny-spm`,
+/// see its README). Public so the node's and the emulator's tests count with the same
+/// file.
+pub const FIXTURE_TOKENIZER: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/fixtures/tiny-spm/tokenizer.json"
+);
+
+/// Everything that can go wrong loading a tokenizer or counting a request with it.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    /// A tokenizer or template file that is missing, unreadable or invalid; `field`
+    /// names the setting (`tokenizer` or `chat_template`) so callers can prefix their
+    /// own section (`engine.tokenizer`, `--tokenizer`).
+    #[error("invalid `{field}`: {reason}")]
+    Config {
+        /// `tokenizer` or `chat_template`.
+        field: &'static str,
+        /// What is wrong, with the path.
+        reason: String,
+    },
+    /// A request body the template cannot render or the tokenizer cannot encode: the
+    /// client's fault, answered with a 400.
+    #[error("{0}")]
+    Request(String),
+}
+
+/// The model's tokenizer and chat template, loaded once at startup.
+pub struct EngineTokenizer {
+    tokenizer: tokenizers::Tokenizer,
+    template: Option<ChatTemplate>,
+    chat_add_special_tokens: bool,
+    source: PathBuf,
+}
+
+impl std::fmt::Debug for EngineTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineTokenizer")
+            .field("source", &self.source)
+            .field("chat_template", &self.template.is_some())
+            .field("chat_add_special_tokens", &self.chat_add_special_tokens)
+            .finish()
+    }
+}
+
+/// A compiled chat template with the special-token strings it is rendered with.
+struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+/// Name of the one template in a [`ChatTemplate`]'s environment.
+const TEMPLATE: &str = "chat";
+
+/// What `tokenizer_config.json` (HF's file beside `tokenizer.json`) says that matters.
+#[derive(Debug, Default)]
+struct TokenizerConfig {
+    chat_template: Option<String>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+    add_bos_token: Option<bool>,
+    add_eos_token: Option<bool>,
+}
+
+impl EngineTokenizer {
+    /// Load `tokenizer` (a `tokenizer.json`) and the chat template: from
+    /// `chat_template` (a Jinja file, or a `chat_template.json` holding one) when given,
+    /// else from `tokenizer_config.json` beside the tokenizer. That file, when present,
+    /// also gives `bos_token`, `eos_token`, and `add_bos_token` / `add_eos_token`, which
+    /// (as HF's Llama tokenizers do) rebuild the post-processor that adds them.
+    ///
+    /// No template at all is not an error here (a completions-only engine needs none);
+    /// chat requests then fail with [`TokenizerError::Request`]. The template is test-
+    /// rendered on a one-message conversation, so one that calls something missing
+    /// fails at startup.
+    pub fn load(
+        tokenizer: &Path,
+        chat_template: Option<&Path>,
+        chat_add_special_tokens: bool,
+    ) -> Result<Self, TokenizerError> {
+        let bad_tokenizer = |reason: String| TokenizerError::Config {
+            field: "tokenizer",
+            reason: format!("{}: {reason}", tokenizer.display()),
+        };
+        let text = std::fs::read_to_string(tokenizer).map_err(|e| bad_tokenizer(e.to_string()))?;
+        let mut tok: tokenizers::Tokenizer = text
+            .parse()
+            .map_err(|e| bad_tokenizer(format!("not a tokenizer.json: {e}")))?;
+        let config_path = tokenizer.with_file_name("tokenizer_config.json");
+        let config = if config_path.is_file() {
+            read_tokenizer_config(&config_path).map_err(|reason| TokenizerError::Config {
+                field: "tokenizer",
+                reason: format!("{}: {reason}", config_path.display()),
+            })?
+        } else {
+            TokenizerConfig::default()
+        };
+        if config.add_bos_token.is_some() || config.add_eos_token.is_some() {
+            let processor = special_tokens_processor(&tok, &config).map_err(bad_tokenizer)?;
+            tok.with_post_processor(Some(processor));
+        }
+        let source = match chat_template {
+            Some(path) => Some(read_template_file(path)?),
+            None => config.chat_template.clone(),
+        };
+        let template = match source {
+            None => None,
+            Some(source) => Some(
+                ChatTemplate::compile(
+                    source,
+                    config.bos_token.clone().unwrap_or_default(),
+                    config.eos_token.clone().unwrap_or_default(),
+                )
+                .map_err(|reason| TokenizerError::Config {
+                    field: "chat_template",
+                    reason: match chat_template {
+                        Some(p) => format!("{}: {reason}", p.display()),
+                        None => format!("{} (`chat_template`): {reason}", config_path.display()),
+                    },
+                })?,
+            ),
+        };
+        Ok(EngineTokenizer {
+            tokenizer: tok,
+            template,
+            chat_add_special_tokens,
+            source: tokenizer.to_owned(),
+        })
+    }
+
+    /// Whether a chat template was found (chat requests can be counted).
+    pub fn has_chat_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// The `tokenizer.json` this was loaded from.
+    pub fn source(&self) -> &Path {
+        &self.source
+    }
+
+    /// The chat prompt the engine builds from a `chat/completions` body.
+    pub fn render_chat(&self, body: &[u8]) -> Result<String, TokenizerError> {
+        let template = self.template.as_ref().ok_or_else(|| {
+            TokenizerError::Request(
+                "chat requests cannot be counted: the tokenizer has no chat template".into(),
+            )
+        })?;
+        // Parsed into template values directly, which keep the client's key order (the
+        // engine's Python dicts do; `tojson` of tools must print them as it does).
+        let body: Value = serde_json::from_slice(body)
+            .map_err(|e| TokenizerError::Request(format!("body is not JSON: {e}")))?;
+        template.render(&body)
+    }
+
+    /// The prompt's token ids as the engine counts them (see the crate docs).
+    pub fn prompt_ids(&self, endpoint: Endpoint, body: &[u8]) -> Result<Vec<u32>, TokenizerError> {
+        match endpoint {
+            Endpoint::Chat => {
+                let text = self.render_chat(body)?;
+                self.encode(&text, self.chat_add_special_tokens)
+            }
+            Endpoint::Completions => {
+                let body: serde_json::Value = serde_json::from_slice(body)
+                    .map_err(|e| TokenizerError::Request(format!("body is not JSON: {e}")))?;
+                self.completion_ids(body.get("prompt").unwrap_or(&serde_json::Value::Null))
+            }
+        }
+    }
+
+    fn completion_ids(&self, prompt: &serde_json::Value) -> Result<Vec<u32>, TokenizerError> {
+        use serde_json::Value as J;
+        let wrong = || {
+            TokenizerError::Request(
+                "`prompt` must be a string, an array of strings, an array of token ids or an array of token-id arrays".into(),
+            )
+        };
+        let ids_of = |items: &[J]| -> Result<Vec<u32>, TokenizerError> {
+            items
+                .iter()
+                .map(|v| {
+                    v.as_u64()
+                        .and_then(|n| u32::try_from(n).ok())
+                        .ok_or_else(wrong)
+                })
+                .collect()
+        };
+        match prompt {
+            J::String(s) => self.encode(s, true),
+            J::Array(items) if items.iter().all(J::is_string) => {
+                let mut ids = Vec::new();
+                for s in items.iter().filter_map(J::as_str) {
+                    ids.extend(self.encode(s, true)?);
+                }
+                Ok(ids)
+            }
+            J::Array(items) if items.iter().all(J::is_number) => ids_of(items),
+            J::Array(items) if items.iter().all(J::is_array) => {
+                let mut ids = Vec::new();
+                for inner in items.iter().filter_map(J::as_array) {
+                    ids.extend(ids_of(inner)?);
+                }
+                Ok(ids)
+            }
+            _ => Err(wrong()),
+        }
+    }
+
+    /// Tokenise `text`, special tokens written in it parsed as such; with
+    /// `add_special_tokens` the tokenizer's post-processor adds its own (BOS, ...).
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
+        self.tokenizer
+            .encode_fast(text, add_special_tokens)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TokenizerError::Request(format!("cannot tokenize the prompt: {e}")))
+    }
+}
+
+fn read_template_file(path: &Path) -> Result<String, TokenizerError> {
+    let bad = |reason: String| TokenizerError::Config {
+        field: "chat_template",
+        reason: format!("{}: {reason}", path.display()),
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    if path.extension().is_some_and(|e| e == "json") {
+        // `chat_template.json`, as newer HF repositories ship it.
+        let v: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+        return template_of(v.get("chat_template"))
+            .ok_or_else(|| bad("no string `chat_template` in it".into()));
+    }
+    Ok(text)
+}
+
+/// A `chat_template` value: a string, or HF's list of named templates (`default`, else
+/// the first).
+fn template_of(v: Option<&serde_json::Value>) -> Option<String> {
+    match v? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Array(named) => {
+            let template = |t: &serde_json::Value| t.get("template")?.as_str().map(str::to_owned);
+            named
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .and_then(template)
+                .or_else(|| named.first().and_then(template))
+        }
+        _ => None,
+    }
+}
+
+fn read_tokenizer_config(path: &Path) -> Result<TokenizerConfig, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("not JSON: {e}"))?;
+    // A special token is a string, or an AddedToken object with its `content`.
+    let token = |key: &str| match v.get(key)? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        t => t.get("content")?.as_str().map(str::to_owned),
+    };
+    Ok(TokenizerConfig {
+        chat_template: template_of(v.get("chat_template")),
+        bos_token: token("bos_token"),
+        eos_token: token("eos_token"),
+        add_bos_token: v.get("add_bos_token").and_then(serde_json::Value::as_bool),
+        add_eos_token: v.get("add_eos_token").and_then(serde_json::Value::as_bool),
+    })
+}
+
+/// HF's `LlamaTokenizerFast.update_post_processor`: `bos? $A eos?` (and the pair form)
+/// from `add_bos_token` (default on) and `add_eos_token` (default off).
+fn special_tokens_processor(
+    tok: &tokenizers::Tokenizer,
+    config: &TokenizerConfig,
+) -> Result<tokenizers::processors::PostProcessorWrapper, String> {
+    use tokenizers::processors::template::TemplateProcessing;
+    let mut specials = Vec::new();
+    let mut wanted =
+        |flag: bool, token: &Option<String>, name: &str| -> Result<Option<String>, String> {
+            if !flag {
+                return Ok(None);
+            }
+            let t = token
+                .clone()
+                .ok_or_else(|| format!("`add_{name}_token` is set but `{name}_token` is not"))?;
+            let id = tok
+                .token_to_id(&t)
+                .ok_or_else(|| format!("`{name}_token` {t:?} is not in the vocabulary"))?;
+            specials.push((t.clone(), id));
+            Ok(Some(t))
+        };
+    let bos = wanted(
+        config.add_bos_token.unwrap_or(true),
+        &config.bos_token,
+        "bos",
+    )?;
+    let eos = wanted(
+        config.add_eos_token.unwrap_or(false),
+        &config.eos_token,
+        "eos",
+    )?;
+    let wrap = |seq: &str, type_id: u8| {
+        let mut parts = Vec::new();
+        if let Some(b) = &bos {
+            parts.push(format!("{b}:{type_id}"));
+        }
+        parts.push(format!("${seq}:{type_id}"));
+        if let Some(e) = &eos {
+            parts.push(format!("{e}:{type_id}"));
+        }
+        parts.join(" ")
+    };
+    let single = wrap("A", 0);
+    let pair = format!("{} {}", wrap("A", 0), wrap("B", 1));
+    let processor = TemplateProcessing::builder()
+        .try_single(single.as_str())
+        .map_err(|e| e.to_string())?
+        .try_pair(pair.as_str())
+        .map_err(|e| e.to_string())?
+        .special_tokens(specials)
+        .build()
+        .map_err(|e| e.to_string())?;
+    Ok(processor.into())
+}
+
+/// The arguments every chat render gets, beside `messages` and the request's
+/// `chat_template_kwargs`.
+#[derive(Serialize)]
+struct RenderContext<'a> {
+    messages: &'a Value,
+    tools: Value,
+    add_generation_prompt: bool,
+    bos_token: &'a str,
+    eos_token: &'a str,
+}
+
+impl ChatTemplate {
+    /// Compile `source` in an environment set up as HF's (`transformers`'
+    /// `ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)` with loop
+    /// controls, its `tojson`, `raise_exception` and `strftime_now`), then render a
+    /// one-message conversation to catch templates that need what we lack.
+    fn compile(source: String, bos_token: String, eos_token: String) -> Result<Self, String> {
+        let mut env = Environment::new();
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| e.to_string())?;
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_filter("tojson", tojson);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_template_owned(TEMPLATE, source)
+            .map_err(|e| format!("template does not compile: {e:#}"))?;
+        let template = ChatTemplate {
+            env,
+            bos_token,
+            eos_token,
+        };
+        let probe = Value::from(Serde(serde_json::json!({
+            "messages": [{"role": "user", "content": "hello"}]
+        })));
+        template
+            .render(&probe)
+            .map_err(|e| format!("template does not render a one-message chat: {e}"))?;
+        Ok(template)
+    }
+
+    fn render(&self, body: &Value) -> Result<String, TokenizerError> {
+        let field = |name: &str| body.get_attr(name).ok().filter(|v| !v.is_undefined());
+        let messages = field("messages")
+            .ok_or_else(|| TokenizerError::Request("missing `messages`".into()))?;
+        let tools = field("tools")
+            .filter(|t| t.len().is_some_and(|n| n > 0))
+            .unwrap_or(Value::from(()));
+        let base = Value::from(Serde(RenderContext {
+            messages: &messages,
+            tools,
+            add_generation_prompt: true,
+            bos_token: &self.bos_token,
+            eos_token: &self.eos_token,
+        }));
+        // vLLM and SGLang pass `chat_template_kwargs` (e.g. `enable_thinking`) to the
+        // template; the fixed arguments win over them.
+        let ctx = match field("chat_template_kwargs") {
+            Some(extra) if extra.kind() == minijinja::value::ValueKind::Map => {
+                minijinja::context! { ..base, ..extra }
+            }
+            _ => base,
+        };
+        let template = self
+            .env
+            .get_template(TEMPLATE)
+            .map_err(|e| TokenizerError::Request(e.to_string()))?;
+        template.render(ctx).map_err(|e| {
+            TokenizerError::Request(format!("the chat template cannot render this request: {e}"))
+        })
+    }
+}
+
+fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+}
+
+/// HF's `tojson`: Python's `json.dumps(x, ensure_ascii=False, indent=..., separators=...,
+/// sort_keys=...)`, unlike minijinja's HTML-safe one, so tool definitions print as the
+/// engine prints them.
+fn tojson(value: &Value, indent: Option<Value>, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
+    let indent = match indent {
+        Some(v) => Some(v),
+        None => kwargs.get::<Option<Value>>("indent")?,
+    };
+    let indent = match indent {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => Some(usize::try_from(v)?),
+    };
+    let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
+    let ensure_ascii = kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false);
+    let separators = kwargs.get::<Option<Vec<String>>>("separators")?;
+    kwargs.assert_all_used()?;
+    let (item, key) = match separators.as_deref() {
+        Some([item, key]) => (item.clone(), key.clone()),
+        Some(_) => {
+            return Err(minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                "tojson: `separators` must be two strings",
+            ))
+        }
+        // Python's defaults: ", " / ": ", and "," before a newline when indenting.
+        None if indent.is_some() => (",".to_owned(), ": ".to_owned()),
+        None => (", ".to_owned(), ": ".to_owned()),
+    };
+    let style = pyjson::Style {
+        item,
+        key,
+        indent,
+        ensure_ascii,
+    };
+    let text = if sort_keys {
+        // serde_json's map is sorted by key.
+        let sorted = serde_json::to_value(value)
+            .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+        pyjson::dumps(&sorted, &style)
+    } else {
+        pyjson::dumps(value, &style)
+    }
+    .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, e))?;
+    Ok(Value::from_safe_string(text))
+}
+
+/// `strftime_now(format)`: the current UTC time (transformers passes local time; a node
+/// runs in UTC) formatted with the common `strftime` fields (`%d %b %B %Y %y %m %H %M
+/// %S %A %a %j %%`), for templates that print today's date (Llama 3).
+fn strftime_now(format: String) -> Result<Value, minijinja::Error> {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    strftime(&format, secs).map(Value::from)
+}
+
+fn strftime(format: &str, unix_secs: u64) -> Result<String, minijinja::Error> {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+    ];
+    let days = (unix_secs / 86_400) as i64;
+    let secs = unix_secs % 86_400;
+    let (year, month, day) = gorgo_core::calendar::civil_from_days(days);
+    // Day of the year: days since the year's first day.
+    let yday = days - gorgo_core::calendar::days_from_civil(year, 1, 1) + 1;
+    let weekday = DAYS[(days.rem_euclid(7)) as usize];
+    let month_name = MONTHS[(month - 1) as usize];
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('b') => out.push_str(&month_name[..3]),
+            Some('B') => out.push_str(month_name),
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", year % 100)),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('H') => out.push_str(&format!("{:02}", secs / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", secs / 60 % 60)),
+            Some('S') => out.push_str(&format!("{:02}", secs % 60)),
+            Some('A') => out.push_str(weekday),
+            Some('a') => out.push_str(&weekday[..3]),
+            Some('j') => out.push_str(&format!("{yday:03}")),
+            Some('%') => out.push('%'),
+            other => {
+                return Err(minijinja::Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("strftime_now: unsupported field %{}", other.unwrap_or(' ')),
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,247 @@
+use super::*;
+use serde_json::json;
+
+fn fixture() -> EngineTokenizer {
+    EngineTokenizer::load(Path::new(FIXTURE_TOKENIZER), None, false).unwrap()
+}
+
+fn ids(t: &EngineTokenizer, text: &str) -> Vec<u32> {
+    t.encode(text, false).unwrap()
+}
+
+fn id(t: &EngineTokenizer, piece: &str) -> u32 {
+    t.tokenizer.token_to_id(piece).unwrap()
+}
+
+#[test]
+fn fixture_tokenizes_as_llama_cpp_spm() {
+    let t = fixture();
+    // "▁the" is a piece but "▁th" is not: pairwise merges stop at "▁t".
+    let space_t = id(&t, "\u{e000}t");
+    let (h, e) = (id(&t, "h"), id(&t, "e"));
+    assert_eq!(ids(&t, "the"), vec![space_t, h, e]);
+    // "▁an" then "▁and": words whose prefixes are pieces merge whole.
+    assert_eq!(ids(&t, "and"), vec![id(&t, "\u{e000}and")]);
+    // A "▁" before a character it cannot merge with falls back to its three bytes, as
+    // does the uppercase letter.
+    let bytes =
+        |s: &str| -> Vec<u32> { s.bytes().map(|b| id(&t, &format!("<0x{b:02X}>"))).collect() };
+    assert_eq!(ids(&t, "A"), [bytes("\u{2581}"), bytes("A")].concat());
+    assert_eq!(ids(&t, "é"), [bytes("\u{2581}"), bytes("é")].concat());
+    // The merge-only "▁" is never emitted.
+    let merge_only = id(&t, "\u{e000}");
+    let text = "Hello there, the quick brown fox!\n  Ünïcödé 😀 and tabs\tin it";
+    assert!(!ids(&t, text).contains(&merge_only));
+    // The post-processor adds BOS (tokenizer_config.json's add_bos_token).
+    assert_eq!(t.encode("a", true).unwrap()[0], 1);
+    assert_eq!(t.encode("a", false).unwrap()[0], id(&t, "\u{e000}a"));
+    // Special tokens written in the text are parsed.
+    assert_eq!(ids(&t, "<s>a")[0], 1);
+}
+
+fn chat(messages: serde_json::Value) -> Vec<u8> {
+    serde_json::to_vec(&json!({"model": "m", "messages": messages})).unwrap()
+}
+
+#[test]
+fn chat_renders_like_the_template() {
+    let t = fixture();
+    let body = chat(json!([
+        {"role": "system", "content": "  Be brief. "},
+        {"role": "user", "content": "hi"},
+    ]));
+    let text = t.render_chat(&body).unwrap();
+    assert_eq!(
+        text,
+        "<s><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    // BOS comes from the template: once, unless the engine also adds its own.
+    let once = t.prompt_ids(Endpoint::Chat, &body).unwrap();
+    assert_eq!(once[0], 1);
+    assert_ne!(once[1], 1);
+    let twice = EngineTokenizer::load(Path::new(FIXTURE_TOKENIZER), None, true).unwrap();
+    assert_eq!(
+        twice.prompt_ids(Endpoint::Chat, &body).unwrap().len(),
+        once.len() + 1
+    );
+}
+
+#[test]
+fn tools_print_as_hf_tojson_in_client_order() {
+    let t = fixture();
+    // The client's key order, not serde_json's sorted one (`json!` would sort).
+    let body = br#"{"messages": [{"role": "user", "content": "weather?"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]}"#;
+    let text = t.render_chat(body).unwrap();
+    assert!(
+        text.contains(r#"<tools>
+{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+</tools>"#),
+        "{text}"
+    );
+    // An empty tools array is no tools.
+    let none = serde_json::to_vec(&json!({
+        "messages": [{"role": "user", "content": "weather?"}], "tools": [],
+    }))
+    .unwrap();
+    assert!(!t.render_chat(&none).unwrap().contains("<tools>"));
+    // Tool calls and tool responses.
+    let body = chat(json!([
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny"},
+    ]));
+    let text = t.render_chat(&body).unwrap();
+    assert!(text.contains("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n"), "{text}");
+}
+
+#[test]
+fn completions_forms() {
+    let t = fixture();
+    let body = |prompt: serde_json::Value| serde_json::to_vec(&json!({"prompt": prompt})).unwrap();
+    let one = t
+        .prompt_ids(Endpoint::Completions, &body(json!("the cat")))
+        .unwrap();
+    assert_eq!(one[0], 1, "completions add BOS");
+    let two = t
+        .prompt_ids(Endpoint::Completions, &body(json!(["the cat", "the cat"])))
+        .unwrap();
+    assert_eq!(two.len(), 2 * one.len(), "a batch counts each prompt");
+    let raw = t
+        .prompt_ids(Endpoint::Completions, &body(json!([5, 6, 7])))
+        .unwrap();
+    assert_eq!(raw, vec![5, 6, 7]);
+    let nested = t
+        .prompt_ids(Endpoint::Completions, &body(json!([[5], [6, 7]])))
+        .unwrap();
+    assert_eq!(nested, vec![5, 6, 7]);
+    for bad in [json!(5), json!([-1]), json!(["a", 1]), json!(null)] {
+        assert!(matches!(
+            t.prompt_ids(Endpoint::Completions, &body(bad)),
+            Err(TokenizerError::Request(_))
+        ));
+    }
+}
+
+#[test]
+fn bad_requests_are_request_errors() {
+    let t = fixture();
+    for body in [
+        chat(json!([{"role": "wizard", "content": "x"}])),
+        // `+` of a string and a list: the template cannot render array content.
+        chat(json!([{"role": "user", "content": [{"type": "text", "text": "x"}]}])),
+        b"{not json".to_vec(),
+        b"{}".to_vec(),
+    ] {
+        match t.prompt_ids(Endpoint::Chat, &body) {
+            Err(TokenizerError::Request(m)) => assert!(!m.is_empty()),
+            other => panic!("{}: {other:?}", String::from_utf8_lossy(&body)),
+        }
+    }
+}
+
+#[test]
+fn chat_template_kwargs_reach_the_template() {
+    let dir = tempfile::tempdir().unwrap();
+    let tpl = dir.path().join("t.jinja");
+    std::fs::write(
+        &tpl,
+        "{% if enable_thinking %}think {% endif %}{{ messages[0].content }}",
+    )
+    .unwrap();
+    let t = EngineTokenizer::load(Path::new(FIXTURE_TOKENIZER), Some(&tpl), false).unwrap();
+    let body = |kwargs: serde_json::Value| {
+        serde_json::to_vec(&json!({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": kwargs})).unwrap()
+    };
+    assert_eq!(
+        t.render_chat(&body(json!({"enable_thinking": true})))
+            .unwrap(),
+        "think x"
+    );
+    assert_eq!(t.render_chat(&body(json!({}))).unwrap(), "x");
+    // The fixed arguments win.
+    let forced = t.render_chat(&body(json!({"messages": []}))).unwrap();
+    assert_eq!(forced, "x");
+}
+
+#[test]
+fn config_errors_name_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope.json");
+    let err = |r: Result<EngineTokenizer, TokenizerError>| match r {
+        Err(TokenizerError::Config { field, reason }) => (field, reason),
+        other => panic!("{other:?}"),
+    };
+    let (field, reason) = err(EngineTokenizer::load(&missing, None, false));
+    assert_eq!(field, "tokenizer");
+    assert!(reason.contains("nope.json"), "{reason}");
+    let junk = dir.path().join("tokenizer.json");
+    std::fs::write(&junk, r#"{"hello": 1}"#).unwrap();
+    let (field, reason) = err(EngineTokenizer::load(&junk, None, false));
+    assert_eq!(field, "tokenizer");
+    assert!(reason.contains("not a tokenizer.json"), "{reason}");
+    let tpl = dir.path().join("bad.jinja");
+    std::fs::write(&tpl, "{% for m in messages %}{{ m.content }").unwrap();
+    let (field, reason) = err(EngineTokenizer::load(
+        Path::new(FIXTURE_TOKENIZER),
+        Some(&tpl),
+        false,
+    ));
+    assert_eq!(field, "chat_template");
+    assert!(reason.contains("does not compile"), "{reason}");
+    std::fs::write(&tpl, "{{ nothing_here() }}").unwrap();
+    let (field, reason) = err(EngineTokenizer::load(
+        Path::new(FIXTURE_TOKENIZER),
+        Some(&tpl),
+        false,
+    ));
+    assert_eq!(field, "chat_template");
+    assert!(reason.contains("does not render"), "{reason}");
+    let (field, _) = err(EngineTokenizer::load(
+        Path::new(FIXTURE_TOKENIZER),
+        Some(&missing),
+        false,
+    ));
+    assert_eq!(field, "chat_template");
+    // A chat_template.json holds the template as a string.
+    let tj = dir.path().join("chat_template.json");
+    std::fs::write(&tj, r#"{"chat_template": "{{ messages[0].content }}!"}"#).unwrap();
+    let t = EngineTokenizer::load(Path::new(FIXTURE_TOKENIZER), Some(&tj), false).unwrap();
+    assert_eq!(
+        t.render_chat(&chat(json!([{"role": "user", "content": "x"}])))
+            .unwrap(),
+        "x!"
+    );
+}
+
+#[test]
+fn without_a_template_chat_is_refused_but_completions_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = dir.path().join("tokenizer.json");
+    std::fs::copy(FIXTURE_TOKENIZER, &tok).unwrap();
+    let t = EngineTokenizer::load(&tok, None, false).unwrap();
+    assert!(!t.has_chat_template());
+    assert!(matches!(
+        t.prompt_ids(
+            Endpoint::Chat,
+            &chat(json!([{"role": "user", "content": "x"}]))
+        ),
+        Err(TokenizerError::Request(_))
+    ));
+    // No tokenizer_config.json: the tokenizer.json's own post-processor (BOS) applies.
+    let ids = t
+        .prompt_ids(Endpoint::Completions, br#"{"prompt": "a"}"#)
+        .unwrap();
+    assert_eq!(ids[0], 1);
+}
+
+#[test]
+fn strftime_fields() {
+    // 2024-02-29 13:05:09 UTC, a Thursday.
+    let t = 1_709_211_909;
+    assert_eq!(
+        strftime("%d %b %Y, %A %H:%M:%S %j %y %m %B %a %%", t).unwrap(),
+        "29 Feb 2024, Thursday 13:05:09 060 24 02 February Thu %"
+    );
+    assert!(strftime("%Q", t).is_err());
+}
