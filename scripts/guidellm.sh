@@ -103,7 +103,7 @@ if [ "${OWN_CLUSTER:-0}" = "1" ]; then
 fi
 
 python3 - "$OUT" <<'PY'
-import json, os, sys
+import csv, json, os, statistics, sys
 out = sys.argv[1]
 g = json.load(open(os.path.join(out, "guidellm.json")))["benchmarks"][0]["metrics"]
 rows = []
@@ -119,7 +119,8 @@ if os.path.exists(bench):
     b = json.load(open(bench))["policies"]["gorgo"]
     rows.append(("gorgo bench (each region's clients)", b["requests"] - b["failed"], b["failed"],
                  b["ttft_ms"]["p50"], b["ttft_ms"]["p95"], b["e2e_ms"]["p50"], b["e2e_ms"]["p95"],
-                 b.get("prompt_tokens", {}).get("p50", float("nan")) if isinstance(b.get("prompt_tokens"), dict) else float("nan")))
+                 statistics.median(int(r["input_tokens"]) for r in csv.DictReader(
+                     open(os.path.join(out, "bench", "requests.csv"))) if r["ok"] == "true")))
 lines = ["| client | ok | failed | TTFT p50 ms | TTFT p95 ms | E2E p50 ms | E2E p95 ms | prompt tokens p50 |",
          "|---|---|---|---|---|---|---|---|"]
 for r in rows:
