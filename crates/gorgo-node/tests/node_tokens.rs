@@ -35,6 +35,8 @@ async fn counting_emulator(shutdown: &CancellationToken) -> String {
     let addr = listener.local_addr().unwrap();
     let mut cfg = EmulatorConfig::new(Profile::by_name("h200-dense-1.5b").unwrap());
     cfg.tokenizer = Some(Arc::new(fixture_tokenizer()));
+    // The model the fixture's chat prompts name: nodes route only to engines listing it.
+    cfg.model_name = Some("m".into());
     let sd = shutdown.clone();
     tokio::spawn(async move {
         gorgo_engine::server::serve(listener, cfg, async move { sd.cancelled().await }).await
