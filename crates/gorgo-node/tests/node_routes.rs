@@ -47,10 +47,11 @@ async fn post(node: &TestNode, path: &str, body: serde_json::Value) -> reqwest::
         .unwrap()
 }
 
-const NATIVE: [(&str, bool); 4] = [
+const NATIVE: [(&str, bool); 5] = [
     ("/v1/embeddings", false),
     ("/v1/responses", true),
     ("/generate", true),
+    ("/tokenize", false),
     ("/detokenize", false),
 ];
 
@@ -110,6 +111,11 @@ async fn native_routes_pass_through_with_the_nodes_headers() {
     .unwrap();
     assert_eq!(v["count"], 4);
     assert_eq!(engines[1].requests(), 1);
+    assert_eq!(
+        engines[0].requests(),
+        8,
+        "five routes, two streamed too, and /tokenize"
+    );
 }
 
 #[tokio::test]

@@ -86,18 +86,7 @@ impl StubEngine {
             )
             .route("/v1/chat/completions", post(complete))
             .route("/v1/completions", post(complete))
-            .route(
-                "/tokenize",
-                post(|body: Bytes| async move {
-                    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
-                    let n = v["prompt"]
-                        .as_str()
-                        .map_or(0, |p| p.split_whitespace().count());
-                    axum::Json(
-                        serde_json::json!({"tokens": (0..n).collect::<Vec<usize>>(), "count": n}),
-                    )
-                }),
-            )
+            .route("/tokenize", post(native))
             .route("/v1/embeddings", post(native))
             .route("/v1/responses", post(native))
             .route("/generate", post(native))
@@ -243,7 +232,7 @@ impl Drop for Active {
 }
 
 /// The engine's native routes (`/v1/embeddings`, `/v1/responses`, SGLang's
-/// `/generate`, `/detokenize`): a JSON answer naming the route and echoing the body,
+/// `/generate`, `/tokenize` (one token per word), `/detokenize`): a JSON answer naming the route and echoing the body,
 /// or with `"stream": true` two SSE events and `[DONE]`. `HANG` holds them.
 async fn native(State(e): State<Arc<StubEngine>>, uri: axum::http::Uri, body: Bytes) -> Response {
     let active = Active::new(&e.active);
@@ -273,11 +262,18 @@ async fn native(State(e): State<Arc<StubEngine>>, uri: axum::http::Uri, body: By
             .unwrap();
     }
     drop(active);
+    let mut answer = serde_json::json!({"route": path, "engine": e.name, "echo": v});
+    if path == "/tokenize" {
+        // One token per word.
+        let n = v["prompt"]
+            .as_str()
+            .map_or(0, |p| p.split_whitespace().count());
+        answer["tokens"] = (0..n).collect::<Vec<usize>>().into();
+        answer["count"] = n.into();
+    }
     Response::builder()
         .header("content-type", "application/json")
-        .body(Body::from(
-            serde_json::json!({"route": path, "engine": e.name, "echo": v}).to_string(),
-        ))
+        .body(Body::from(answer.to_string()))
         .unwrap()
 }
 
