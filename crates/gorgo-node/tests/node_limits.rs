@@ -242,8 +242,8 @@ async fn a_prompt_over_the_context_is_refused_before_routing_and_never_cached() 
         .send()
         .await
         .unwrap();
-    assert_eq!(resp.status(), 400);
-    let err: serde_json::Value = resp.json().await.unwrap();
+    let (status, err) = error_of(resp).await;
+    assert_eq!(status, 400);
     assert_eq!(err["error"]["code"], "context_length_exceeded", "{err}");
     assert_eq!((ea.requests(), eb.requests()), (0, 0), "no engine saw it");
     for n in [&a, &b] {

@@ -193,8 +193,8 @@ async fn context_check_uses_the_exact_count() {
         .send()
         .await
         .unwrap();
-    assert_eq!(resp.status(), 400);
-    let err: serde_json::Value = resp.json().await.unwrap();
+    let (status, err) = error_of(resp).await;
+    assert_eq!(status, 400);
     assert_eq!(err["error"]["code"], "context_length_exceeded", "{err}");
     let message = err["error"]["message"].as_str().unwrap();
     assert!(
@@ -223,8 +223,8 @@ async fn a_body_the_template_cannot_render_is_a_400() {
         .send()
         .await
         .unwrap();
-    assert_eq!(resp.status(), 400);
-    let err: serde_json::Value = resp.json().await.unwrap();
+    let (status, err) = error_of(resp).await;
+    assert_eq!(status, 400);
     assert_eq!(err["error"]["type"], "invalid_request_error", "{err}");
     assert!(
         err["error"]["message"]
