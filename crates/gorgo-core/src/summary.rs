@@ -29,9 +29,10 @@
 //! changes (version bumps), so peers converge through the normal delta/snapshot path.
 //! [`SampleChooser`] picks the rate: `auto` (the default) is the smallest power of two
 //! at least `ceil(live peers / 8)`, with hysteresis. Measured (`docs/cluster.md`, "32
-//! regions"): a 32-region cluster (31 peers, auto picks 4) gossips 56 KiB/s per node
-//! instead of 197 at a sample of 1, under the 64 KiB/s target; three regions keep 1,
-//! where a sample of 4 would cost `gorgo` 7% of its goodput on the multi-turn sweep.
+//! regions"): a 32-region cluster (31 peers, auto picks 4) gossips 84.9 KiB/s per node
+//! while requests arrive instead of 309.5 at a sample of 1 (still over the 64 KiB/s
+//! target on that trace); three regions keep 1, where a sample of 4 would cost
+//! `gorgo` 7% of its goodput on the multi-turn sweep.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
