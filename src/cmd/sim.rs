@@ -110,6 +110,11 @@ pub struct SimModelArgs {
     /// `engine.metrics_interval_ms`).
     #[arg(long, default_value_t = gorgo_core::accounting::DEFAULT_METRICS_INTERVAL_MS as f64)]
     pub metrics_interval_ms: f64,
+    /// Summary sample (the nodes' `cluster.summary_sample`): `auto` (by the
+    /// topology's peer count: 1 up to 8 peers, 2 up to 16, 4 up to 32, ...) or a power
+    /// of two from 1 to 64.
+    #[arg(long, default_value = "auto")]
+    pub summary_sample: gorgo_core::summary::SampleSetting,
 }
 
 impl SimModelArgs {
@@ -137,6 +142,7 @@ impl SimModelArgs {
         cfg.live_chains = self.live_chains;
         cfg.exact_state = self.exact_state;
         cfg.metrics_interval_ms = self.metrics_interval_ms;
+        cfg.summary_sample = self.summary_sample;
         cfg.validate().context("simulation config")?;
         Ok(cfg)
     }
@@ -160,6 +166,8 @@ impl SimModelArgs {
             "view": view_name(self.exact_state),
             "metrics_interval_ms": self.metrics_interval_ms,
             "decode_step_ms": cfg.decode_step_ms,
+            "summary_sample": self.summary_sample.to_string(),
+            "summary_sample_rate": cfg.summary_sample_rate().rate(),
             "oracle_view": "exact-state",
         })
     }

@@ -10,7 +10,7 @@ use gorgo_core::cost::ForwardLedger;
 use gorgo_core::decision::decide;
 use gorgo_core::policy::{build, PolicyKind, RouteRequest};
 use gorgo_core::prompt::PromptHasher;
-use gorgo_core::summary::{PeerSummary, SummarySnapshot};
+use gorgo_core::summary::{PeerSummary, SummarySample, SummarySnapshot};
 use gorgo_core::{percentile, HashChain, NodeId, QueueStats, ShadowIndex, Weights};
 use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -52,6 +52,7 @@ fn peer_summary(rng: &mut ChaCha8Rng, chain: &HashChain, shared_blocks: usize) -
     s.apply_snapshot(SummarySnapshot {
         version: 1,
         fingerprints: fps,
+        sample: SummarySample::EVERY_BLOCK,
     });
     s
 }

@@ -522,6 +522,7 @@ fn drain(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::summary::SummarySample;
     use crate::summary::SummarySnapshot;
     use crate::wire::{self, MAX_GOSSIP_MESSAGE};
     use proptest::prelude::*;
@@ -534,6 +535,7 @@ mod tests {
                 to_version: to,
                 added: added.to_vec(),
                 removed: vec![],
+                sample: SummarySample::EVERY_BLOCK,
             },
             stats: QueueStats::default(),
         }
@@ -545,6 +547,7 @@ mod tests {
             snapshot: SummarySnapshot {
                 version,
                 fingerprints: vec![],
+                sample: SummarySample::EVERY_BLOCK,
             },
             stats: QueueStats::default(),
         }
@@ -738,6 +741,7 @@ mod tests {
             snapshot: SummarySnapshot {
                 version: 1,
                 fingerprints: vec![],
+                sample: SummarySample::EVERY_BLOCK,
             },
             stats: with(2, 4, &["llama"]),
         };
@@ -797,6 +801,7 @@ mod tests {
             snapshot: SummarySnapshot {
                 version,
                 fingerprints: fingerprints.to_vec(),
+                sample: SummarySample::EVERY_BLOCK,
             },
             stats: QueueStats::default(),
         }

@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 
 use crate::hash::{fingerprint, HashChain};
-use crate::summary::{is_summarised, FingerprintBuildHasher, LocalSummary};
+use crate::summary::{is_summarised, FingerprintBuildHasher, LocalSummary, SummarySample};
 
 const NIL: u32 = u32::MAX;
 
@@ -62,8 +62,15 @@ impl ShadowIndex {
         Self::with_summary(capacity_tokens, LocalSummary::new())
     }
 
+    /// An empty index whose summary keeps one block in `sample` (a cluster setting:
+    /// see [`crate::summary::SampleChooser`]).
+    pub fn with_sample(capacity_tokens: u64, sample: SummarySample) -> Self {
+        Self::with_summary(capacity_tokens, LocalSummary::new().with_sample(sample))
+    }
+
     /// An empty index reporting to `summary` (e.g. one seeded with
-    /// [`LocalSummary::starting_at`] or a custom log capacity).
+    /// [`LocalSummary::starting_at`], a custom log capacity or a sample), which must be
+    /// empty: the index records its blocks at the summary's sample.
     pub fn with_summary(capacity_tokens: u64, summary: LocalSummary) -> Self {
         ShadowIndex {
             slots: Vec::new(),
@@ -80,6 +87,27 @@ impl ShadowIndex {
     /// The summary of this index's blocks, for gossip.
     pub fn summary(&self) -> &LocalSummary {
         &self.summary
+    }
+
+    /// Summarise one block in `sample` from now on: the blocks held whose fingerprint
+    /// enters or leaves the set at the new rate are recorded as ordinary changes
+    /// (version bumps; 1 -> 4 removes about three quarters, 4 -> 1 adds them back), so
+    /// peers follow through the usual deltas or snapshots. O(blocks held), once per
+    /// change of rate; a no-op when the rate is unchanged.
+    pub fn set_summary_sample(&mut self, sample: SummarySample) {
+        let old = self.summary.sample();
+        if old == sample {
+            return;
+        }
+        for &hash in self.by_hash.keys() {
+            let fp = fingerprint(hash);
+            match (is_summarised(fp, old), is_summarised(fp, sample)) {
+                (true, false) => self.summary.record_remove(fp),
+                (false, true) => self.summary.record_add(fp),
+                _ => {}
+            }
+        }
+        self.summary.set_sample(sample);
     }
 
     /// Tokens held by the modelled cache.
@@ -263,7 +291,7 @@ impl ShadowIndex {
         self.push_head(slot);
         self.by_hash.insert(hash, slot);
         self.used_tokens += tokens as u64;
-        if is_summarised(fingerprint(hash)) {
+        if is_summarised(fingerprint(hash), self.summary.sample()) {
             self.summary.record_add(fingerprint(hash));
         }
         slot
@@ -301,7 +329,7 @@ impl ShadowIndex {
         self.unlink_lru(slot);
         self.by_hash.remove(&b.hash);
         self.used_tokens -= b.tokens as u64;
-        if is_summarised(fingerprint(b.hash)) {
+        if is_summarised(fingerprint(b.hash), self.summary.sample()) {
             self.summary.record_remove(fingerprint(b.hash));
         }
         self.free.push(slot);
@@ -397,8 +425,11 @@ impl ShadowIndex {
                     return Err("child missing from parent's list".into());
                 }
             }
-            if is_summarised(fingerprint(hash)) && !self.summary.contains(fingerprint(hash)) {
-                return Err("summary lacks a block".into());
+            let summarised = is_summarised(fingerprint(hash), self.summary.sample());
+            if summarised != self.summary.contains(fingerprint(hash)) {
+                return Err(format!(
+                    "summary disagrees on a block (summarised: {summarised})"
+                ));
             }
         }
         if tokens != self.used_tokens {
@@ -440,7 +471,9 @@ mod tests {
         assert_eq!(ix.longest_match(&chain(&[7, 8])), 20);
         ix.check_invariants().unwrap();
         let c = chain(&[7, 8]);
-        let summarised = (0..2).filter(|&i| is_summarised(c.fingerprint(i))).count();
+        let summarised = (0..2)
+            .filter(|&i| is_summarised(c.fingerprint(i), SummarySample::EVERY_BLOCK))
+            .count();
         assert_eq!(ix.summary().len(), summarised);
     }
 
@@ -484,11 +517,47 @@ mod tests {
         ix.insert(&HashChain::default(), 1);
     }
 
+    #[test]
+    fn changing_the_sample_re_derives_the_summary_as_changes() {
+        let ids: Vec<u64> = (0..400).collect();
+        let c = HashChain::from_int_block_ids(&ids, 10, 4_000);
+        let mut ix = ShadowIndex::with_sample(1_000_000, SummarySample::EVERY_BLOCK);
+        ix.insert(&c, 0);
+        assert_eq!(ix.summary().len(), 400);
+        let v = ix.summary().version();
+        let four = SummarySample::from_rate(4).unwrap();
+        let at_four = (0..400)
+            .filter(|&i| is_summarised(c.fingerprint(i), four))
+            .count();
+        assert!(at_four > 50 && at_four < 150, "{at_four}");
+
+        ix.set_summary_sample(four);
+        ix.check_invariants().unwrap();
+        assert_eq!(ix.summary().len(), at_four);
+        assert_eq!(ix.summary().version(), v + (400 - at_four) as u64);
+        let down = ix.summary().delta_since(v).unwrap();
+        assert_eq!((down.added.len(), down.removed.len()), (0, 400 - at_four));
+        assert_eq!(down.sample, four);
+        // Unchanged rate: nothing moves.
+        ix.set_summary_sample(four);
+        assert_eq!(ix.summary().version(), v + (400 - at_four) as u64);
+
+        let v4 = ix.summary().version();
+        ix.set_summary_sample(SummarySample::EVERY_BLOCK);
+        ix.check_invariants().unwrap();
+        assert_eq!(ix.summary().len(), 400);
+        let up = ix.summary().delta_since(v4).unwrap();
+        assert_eq!((up.added.len(), up.removed.len()), (400 - at_four, 0));
+        assert_eq!(up.sample, SummarySample::EVERY_BLOCK);
+    }
+
     #[derive(Debug, Clone)]
     enum Op {
         Insert(Vec<u64>),
         Correct(Vec<u64>, u64),
         Capacity(u64),
+        Sample(u8),
+        Sync,
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -498,32 +567,56 @@ mod tests {
             6 => ids.clone().prop_map(Op::Insert),
             2 => (ids, 0u64..90).prop_map(|(c, t)| Op::Correct(c, t)),
             1 => (0u64..200).prop_map(Op::Capacity),
+            1 => (0u8..=3).prop_map(Op::Sample),
+            1 => Just(Op::Sync),
         ]
     }
 
     proptest! {
-        /// Any sequence of operations keeps the structure consistent, under capacity,
-        /// and the summary equal to the fingerprints of the blocks held.
+        /// Any sequence of operations, changes of sample included, keeps the structure
+        /// consistent, under capacity, and the summary equal to the fingerprints of the
+        /// blocks held that are summarised at the current sample; a peer syncing by
+        /// deltas (snapshots on a gap) holds exactly that set and the sender's sample.
         #[test]
-        fn invariants_hold(ops in prop::collection::vec(op(), 0..60), cap in 0u64..200) {
-            let mut ix = ShadowIndex::new(cap);
+        fn invariants_hold(
+            ops in prop::collection::vec(op(), 0..60),
+            cap in 0u64..200,
+            log_capacity in 1usize..64,
+        ) {
+            let mut ix = ShadowIndex::with_summary(cap, LocalSummary::with_log_capacity(log_capacity));
+            let mut peer = crate::summary::PeerSummary::new();
+            let sync = |ix: &ShadowIndex, peer: &mut crate::summary::PeerSummary| {
+                match ix.summary().delta_since(peer.version()) {
+                    Some(d) => peer.apply_delta(&d).unwrap(),
+                    None => peer.apply_snapshot(ix.summary().snapshot()),
+                }
+            };
             for (t, op) in ops.into_iter().enumerate() {
                 match op {
                     Op::Insert(ids) => ix.insert(&chain(&ids), t as u64),
                     Op::Correct(ids, tokens) => ix.correct(&chain(&ids), tokens, t as u64),
                     Op::Capacity(c) => ix.set_capacity(c),
+                    Op::Sample(bits) => ix.set_summary_sample(SummarySample::from_bits(bits).unwrap()),
+                    Op::Sync => sync(&ix, &mut peer),
                 }
                 prop_assert_eq!(ix.check_invariants(), Ok(()));
             }
+            let sample = ix.summary().sample();
             let mut fps: Vec<u32> = ix
                 .by_hash
                 .keys()
                 .map(|&h| fingerprint(h))
-                .filter(|&fp| is_summarised(fp))
+                .filter(|&fp| is_summarised(fp, sample))
                 .collect();
             fps.sort_unstable();
             fps.dedup();
-            prop_assert_eq!(fps, ix.summary().snapshot().fingerprints);
+            prop_assert_eq!(&fps, &ix.summary().snapshot().fingerprints);
+            sync(&ix, &mut peer);
+            let mut held: Vec<u32> = fps.iter().copied().filter(|&fp| peer.contains(fp)).collect();
+            held.dedup();
+            prop_assert_eq!(held.len(), peer.len());
+            prop_assert_eq!(held, fps);
+            prop_assert_eq!(peer.sample(), sample);
         }
     }
 }

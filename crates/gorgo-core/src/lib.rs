@@ -37,6 +37,9 @@ pub use hash::HashChain;
 pub use index::ShadowIndex;
 pub use prompt::{BytesPerToken, Endpoint, PromptHasher, PromptShape, TokenCounter};
 pub use sketch::{percentile, spearman, summarize, LatencySketch, LatencyStats};
-pub use summary::{LocalSummary, PeerSummary, SummaryDelta, SummarySnapshot};
+pub use summary::{
+    LocalSummary, PeerSummary, SampleChooser, SampleSetting, SummaryDelta, SummarySample,
+    SummarySnapshot,
+};
 pub use token_ratio::TokenRatio;
 pub use types::{NodeId, QueueStats, Weights};

@@ -11,17 +11,28 @@
 //! Versions count membership changes: each fingerprint that enters or leaves the set
 //! bumps the version by one.
 //!
-//! **Sampling.** Only one block in [`SUMMARY_SAMPLE`] enters a summary: those whose
-//! fingerprint [`is_summarised`]. Gossip bytes are proportional to summary changes
-//! (every insert and eviction of the shadow index, sent to every peer), so sampling
-//! divides them by that factor. The price is precision: because hashes are chained, a
-//! summarised block proves its whole prefix cached, so the receiver answers with the
-//! prefix up to the last summarised block it finds, on average `SUMMARY_SAMPLE - 1`
-//! blocks short of the truth, never over it. A node's own candidate uses its exact
-//! shadow index. Measured (`docs/cluster.md`, "32 regions"): a sample of 4 cuts a
-//! 32-region cluster's gossip from 197 to 56 KiB/s per node but costs `gorgo` 7% of
-//! its goodput on the multi-turn sweep, so the shipped value is 1 (every block): the
-//! mechanism is in place, the rate is not yet a cluster setting carried on the wire.
+//! **Sampling.** Only one block in `sample` enters a summary: those whose fingerprint
+//! [`is_summarised`] at the sender's [`SummarySample`] (low `bits` zero). Gossip bytes
+//! are proportional to summary changes (every insert and eviction of the shadow
+//! index, sent to every peer), so sampling divides them by the rate. The price is
+//! precision: because hashes are chained, a summarised block proves its whole prefix
+//! cached, so the receiver answers with the prefix up to the last summarised block it
+//! finds, on average `sample - 1` blocks short of the truth, never over it. A node's
+//! own candidate uses its exact shadow index.
+//!
+//! The rate is a cluster setting, not a constant, because its best value depends on
+//! the cluster's size: bytes grow with the number of peers, precision matters most on
+//! small clusters. Every [`SummarySnapshot`] and [`SummaryDelta`] carries the sender's
+//! rate and a [`PeerSummary`] matches with the rate of the last message it applied, so
+//! senders may differ and change it at run time. A sender changing its rate re-derives
+//! its set from its index ([`crate::ShadowIndex::set_summary_sample`]) as ordinary
+//! changes (version bumps), so peers converge through the normal delta/snapshot path.
+//! [`SampleChooser`] picks the rate: `auto` (the default) is the smallest power of two
+//! at least `ceil(live peers / 8)`, with hysteresis. Measured (`docs/cluster.md`, "32
+//! regions"): a 32-region cluster (31 peers, auto picks 4) gossips 84.9 KiB/s per node
+//! while requests arrive instead of 309.5 at a sample of 1 (still over the 64 KiB/s
+//! target on that trace); three regions keep 1, where a sample of 4 would cost
+//! `gorgo` 7% of its goodput on the multi-turn sweep.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -31,16 +42,95 @@ use serde::{Deserialize, Serialize};
 use crate::error::CoreError;
 use crate::hash::HashChain;
 
-/// One block in this many enters a summary (a power of two; see the module docs for
-/// why it is 1).
-pub const SUMMARY_SAMPLE: u32 = 1;
+/// Log2 of the largest sample rate a summary may use (one block in 64): past it a
+/// receiver's answers fall too far short of the truth to route on.
+pub const MAX_SAMPLE_BITS: u8 = 6;
 
-/// True when a block with fingerprint `fp` is part of summaries: its low bits are zero,
-/// so about one block in [`SUMMARY_SAMPLE`], spread uniformly along every chain.
+/// One block in `rate()` (a power of two, 1..=64) enters a summary. Carried on the
+/// wire as its log2 (one byte) in every snapshot and delta so that the receiver
+/// matches with the sender's rate; a value over [`MAX_SAMPLE_BITS`] does not decode.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(try_from = "u8", into = "u8")]
+pub struct SummarySample {
+    bits: u8,
+}
+
+impl SummarySample {
+    /// Every block is summarised: exact answers (the rate of small clusters).
+    pub const EVERY_BLOCK: SummarySample = SummarySample { bits: 0 };
+
+    /// The sample of one block in `2^bits`; an error past [`MAX_SAMPLE_BITS`].
+    pub fn from_bits(bits: u8) -> Result<Self, CoreError> {
+        if bits > MAX_SAMPLE_BITS {
+            return Err(CoreError::Malformed(format!(
+                "summary sample bits {bits} over {MAX_SAMPLE_BITS}"
+            )));
+        }
+        Ok(SummarySample { bits })
+    }
+
+    /// The sample of one block in `rate`; an error unless `rate` is a power of two
+    /// from 1 to 64.
+    pub fn from_rate(rate: u64) -> Result<Self, CoreError> {
+        let max = 1u64 << MAX_SAMPLE_BITS;
+        if !rate.is_power_of_two() || rate > max {
+            return Err(CoreError::InvalidConfig {
+                field: "summary_sample".into(),
+                reason: format!("must be a power of two from 1 to {max}, got {rate}"),
+            });
+        }
+        Ok(SummarySample {
+            bits: rate.trailing_zeros() as u8,
+        })
+    }
+
+    /// The smallest sample of at least one block in `rate`, capped at the largest.
+    pub fn at_least(rate: u64) -> Self {
+        let bits = rate.max(1).next_power_of_two().trailing_zeros();
+        SummarySample {
+            bits: bits.min(MAX_SAMPLE_BITS as u32) as u8,
+        }
+    }
+
+    /// Log2 of the rate: the number of low fingerprint bits that must be zero.
+    pub fn bits(self) -> u8 {
+        self.bits
+    }
+
+    /// One block in this many is summarised.
+    pub fn rate(self) -> u32 {
+        1 << self.bits
+    }
+}
+
+impl TryFrom<u8> for SummarySample {
+    type Error = CoreError;
+
+    fn try_from(bits: u8) -> Result<Self, CoreError> {
+        Self::from_bits(bits)
+    }
+}
+
+impl From<SummarySample> for u8 {
+    fn from(s: SummarySample) -> u8 {
+        s.bits
+    }
+}
+
+impl std::fmt::Display for SummarySample {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.rate())
+    }
+}
+
+/// True when a block with fingerprint `fp` is part of summaries at `sample`: its low
+/// `sample.bits()` bits are zero, so about one block in `sample.rate()`, spread
+/// uniformly along every chain. The one predicate senders and receivers share.
 #[inline]
-pub fn is_summarised(fp: u32) -> bool {
-    // Low `log2(SUMMARY_SAMPLE)` bits zero (written so that a sample of 1 is no mask).
-    fp.trailing_zeros() >= SUMMARY_SAMPLE.trailing_zeros()
+pub fn is_summarised(fp: u32, sample: SummarySample) -> bool {
+    fp.trailing_zeros() >= sample.bits as u32
 }
 
 /// Default number of changes the sender retains for deltas (about 64 gossip rounds of
@@ -96,6 +186,8 @@ pub struct SummaryDelta {
     pub added: Vec<u32>,
     /// Fingerprints present at `from_version` and absent at `to_version` (sorted).
     pub removed: Vec<u32>,
+    /// The sender's sample at `to_version`: the receiver matches with it once applied.
+    pub sample: SummarySample,
 }
 
 impl SummaryDelta {
@@ -106,6 +198,7 @@ impl SummaryDelta {
             + varint_len(self.to_version)
             + seq_len(&self.added)
             + seq_len(&self.removed)
+            + 1
     }
 
     /// True when the delta changes nothing (the sender had no changes).
@@ -121,12 +214,14 @@ pub struct SummarySnapshot {
     pub version: u64,
     /// Every fingerprint in the set (sorted, distinct).
     pub fingerprints: Vec<u32>,
+    /// The sample the set was derived with: the receiver matches with it.
+    pub sample: SummarySample,
 }
 
 impl SummarySnapshot {
     /// Bytes this snapshot takes on the wire ([`crate::wire::encode`]).
     pub fn encoded_len(&self) -> usize {
-        varint_len(self.version) + seq_len(&self.fingerprints)
+        varint_len(self.version) + seq_len(&self.fingerprints) + 1
     }
 }
 
@@ -159,6 +254,8 @@ pub struct LocalSummary {
     log: VecDeque<(u32, bool)>,
     log_start: u64,
     log_capacity: usize,
+    /// The rate the set is derived with, stamped on every message.
+    sample: SummarySample,
 }
 
 impl Default for LocalSummary {
@@ -181,7 +278,33 @@ impl LocalSummary {
             log: VecDeque::new(),
             log_start: 0,
             log_capacity,
+            sample: SummarySample::EVERY_BLOCK,
         }
+    }
+
+    /// The same summary announcing `sample` (builder form of
+    /// [`set_sample`](Self::set_sample), for construction).
+    pub fn with_sample(mut self, sample: SummarySample) -> Self {
+        self.sample = sample;
+        self
+    }
+
+    /// The rate the set is derived with.
+    pub fn sample(&self) -> SummarySample {
+        self.sample
+    }
+
+    /// Announce `sample` from now on. The set itself is the caller's to keep
+    /// consistent with it: [`crate::ShadowIndex::set_summary_sample`] records the
+    /// fingerprints that enter or leave first (as ordinary changes), and a mirror of a
+    /// summary copies the sample of each delta it replays.
+    ///
+    /// A change that moves no fingerprint does not bump the version, so peers already
+    /// up to date keep matching with the old rate until the next change: harmless,
+    /// because then the index holds no block the two rates disagree on, and either
+    /// rate gives the same answer.
+    pub fn set_sample(&mut self, sample: SummarySample) {
+        self.sample = sample;
     }
 
     /// Start counting versions at `version` (only while empty and unchanged).
@@ -267,6 +390,7 @@ impl LocalSummary {
         let mut delta = SummaryDelta {
             from_version: v,
             to_version: self.version,
+            sample: self.sample,
             ..Default::default()
         };
         for (fp, (first_add, last_add)) in net {
@@ -288,6 +412,7 @@ impl LocalSummary {
         SummarySnapshot {
             version: self.version,
             fingerprints,
+            sample: self.sample,
         }
     }
 }
@@ -297,6 +422,8 @@ impl LocalSummary {
 pub struct PeerSummary {
     set: FingerprintSet,
     version: u64,
+    /// The sender's rate as of the last message applied.
+    sample: SummarySample,
 }
 
 impl PeerSummary {
@@ -307,9 +434,10 @@ impl PeerSummary {
 
     /// Apply a delta.
     ///
-    /// Applies when `d.from_version` is the version held; ignores a delta already
-    /// applied (`d.to_version <= version`); otherwise [`CoreError::SummaryGap`]: the
-    /// caller asks the sender for a snapshot.
+    /// Applies when `d.from_version` is the version held (and from then on matches
+    /// with the delta's sample); ignores a delta already applied (`d.to_version <=
+    /// version`); otherwise [`CoreError::SummaryGap`]: the caller asks the sender for
+    /// a snapshot.
     pub fn apply_delta(&mut self, d: &SummaryDelta) -> Result<(), CoreError> {
         if d.to_version < d.from_version {
             return Err(CoreError::Malformed(format!(
@@ -323,6 +451,7 @@ impl PeerSummary {
             }
             self.set.extend(d.added.iter().copied());
             self.version = d.to_version;
+            self.sample = d.sample;
             Ok(())
         } else if d.to_version <= self.version {
             Ok(())
@@ -340,6 +469,12 @@ impl PeerSummary {
         self.set.clear();
         self.set.extend(s.fingerprints);
         self.version = s.version;
+        self.sample = s.sample;
+    }
+
+    /// The sender's rate as of the last message applied (what matching uses).
+    pub fn sample(&self) -> SummarySample {
+        self.sample
     }
 
     /// The version held.
@@ -367,17 +502,18 @@ impl PeerSummary {
     /// last block found in the set, stopping at the first summarised block that is
     /// missing (a prefix cache holds prefixes, so a later hit after such a miss would
     /// be a fingerprint collision, not a usable cache entry). Blocks that are not
-    /// summarised ([`is_summarised`]) are absent from sampled summaries and skipped, so
-    /// the answer ends at the last summarised hit; a summary that holds every block (as
-    /// tests build) gives the exact prefix.
+    /// summarised ([`is_summarised`] at the sender's sample) are absent from sampled
+    /// summaries and skipped, so the answer ends at the last summarised hit; a summary
+    /// that holds every block (as tests build) gives the exact prefix.
     #[inline]
     pub fn longest_match_blocks(&self, chain: &HashChain) -> usize {
+        let sample = self.sample;
         let mut best = 0;
         for (i, &h) in chain.hashes.iter().enumerate() {
             let fp = crate::hash::fingerprint(h);
             if self.set.contains(&fp) {
                 best = i + 1;
-            } else if is_summarised(fp) {
+            } else if is_summarised(fp, sample) {
                 break;
             }
         }
@@ -389,6 +525,142 @@ impl PeerSummary {
     #[inline]
     pub fn matched_tokens(&self, chain: &HashChain) -> u64 {
         chain.prefix_tokens(self.longest_match_blocks(chain))
+    }
+}
+
+/// Peers per step of the automatic rate: `auto` keeps one block in
+/// `ceil(live peers / AUTO_PEERS_PER_SAMPLE)` (rounded up to a power of two), so a
+/// node's gossip bytes, (peers) x (changes / rate), stay bounded as the cluster grows.
+pub const AUTO_PEERS_PER_SAMPLE: usize = 8;
+
+/// How long the live peer count must call for another rate before `auto` moves to it
+/// (ms): membership flaps (a peer suspected then back) must not churn the summary,
+/// since every change of rate re-sends a large part of it.
+pub const AUTO_SAMPLE_HOLD_MS: u64 = 30_000;
+
+/// The summary sample a cluster runs with: the `summary_sample` setting.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum SampleSetting {
+    /// Chosen by cluster size ([`sample_for_peers`]), with hysteresis.
+    #[default]
+    Auto,
+    /// This rate whatever the size.
+    Fixed(SummarySample),
+}
+
+impl std::str::FromStr for SampleSetting {
+    type Err = CoreError;
+
+    /// `auto` or a power of two from 1 to 64.
+    fn from_str(s: &str) -> Result<Self, CoreError> {
+        let s = s.trim();
+        if s.eq_ignore_ascii_case("auto") {
+            return Ok(SampleSetting::Auto);
+        }
+        let rate: u64 = s.parse().map_err(|_| CoreError::InvalidConfig {
+            field: "summary_sample".into(),
+            reason: format!("must be \"auto\" or a power of two from 1 to 64, got {s:?}"),
+        })?;
+        SummarySample::from_rate(rate).map(SampleSetting::Fixed)
+    }
+}
+
+impl std::fmt::Display for SampleSetting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SampleSetting::Auto => f.write_str("auto"),
+            SampleSetting::Fixed(s) => write!(f, "{s}"),
+        }
+    }
+}
+
+/// The rate `auto` calls for with `live_peers` peers: the smallest power of two at
+/// least `ceil(live_peers / AUTO_PEERS_PER_SAMPLE)` (1 up to 8 peers, 2 up to 16, 4 up
+/// to 32, ...), capped at 64.
+pub fn sample_for_peers(live_peers: usize) -> SummarySample {
+    SummarySample::at_least(live_peers.div_ceil(AUTO_PEERS_PER_SAMPLE) as u64)
+}
+
+/// Decides the rate a node's summary uses from its live peer count over time
+/// (sans-IO: the driver feeds membership and `now_ms`, and applies the answer with
+/// [`crate::ShadowIndex::set_summary_sample`]).
+///
+/// `auto` moves up once the count has called for a higher rate for
+/// [`AUTO_SAMPLE_HOLD_MS`], and down only once it is well below the lower rate's
+/// bound (a third more peers would still fit it) for as long: a count hovering at a
+/// threshold, or a flapping peer, does not change the rate back and forth.
+#[derive(Debug, Clone)]
+pub struct SampleChooser {
+    setting: SampleSetting,
+    current: SummarySample,
+    /// A rate other than `current` the count has called for, and since when (ms);
+    /// the clock restarts when the direction of the change does.
+    pending: Option<(SummarySample, u64)>,
+    hold_ms: u64,
+}
+
+impl SampleChooser {
+    /// A chooser starting at the rate `setting` gives `live_peers` peers (no history
+    /// to hold back on yet: a node that knows its cluster's size starts right).
+    pub fn new(setting: SampleSetting, live_peers: usize) -> Self {
+        let current = match setting {
+            SampleSetting::Auto => sample_for_peers(live_peers),
+            SampleSetting::Fixed(s) => s,
+        };
+        SampleChooser {
+            setting,
+            current,
+            pending: None,
+            hold_ms: AUTO_SAMPLE_HOLD_MS,
+        }
+    }
+
+    /// The same chooser with another hold time (tests, simulations).
+    pub fn with_hold_ms(mut self, hold_ms: u64) -> Self {
+        self.hold_ms = hold_ms;
+        self
+    }
+
+    /// The setting it follows.
+    pub fn setting(&self) -> SampleSetting {
+        self.setting
+    }
+
+    /// The rate chosen now.
+    pub fn current(&self) -> SummarySample {
+        self.current
+    }
+
+    /// `live_peers` peers are live at `now_ms`: the rate to use from now on.
+    pub fn observe(&mut self, live_peers: usize, now_ms: u64) -> SummarySample {
+        if self.setting != SampleSetting::Auto {
+            return self.current;
+        }
+        let up = sample_for_peers(live_peers);
+        let down = sample_for_peers(live_peers.saturating_add(live_peers / 3));
+        let wanted = if up > self.current {
+            up
+        } else if down < self.current {
+            down
+        } else {
+            self.current
+        };
+        if wanted == self.current {
+            self.pending = None;
+            return self.current;
+        }
+        let rising = wanted > self.current;
+        let since = match self.pending {
+            Some((p, since)) if (p > self.current) == rising => since,
+            _ => now_ms,
+        };
+        if now_ms.saturating_sub(since) >= self.hold_ms {
+            self.current = wanted;
+            self.pending = None;
+        } else {
+            self.pending = Some((wanted, since));
+        }
+        self.current
     }
 }
 
@@ -405,20 +677,23 @@ mod tests {
         fn sampled_summary_answers_the_last_summarised_prefix(
             ids in prop::collection::vec(0u64..1_000_000, 1..200),
             cached_blocks in 0usize..200,
+            bits in 0u8..=MAX_SAMPLE_BITS,
         ) {
+            let sample = SummarySample::from_bits(bits).unwrap();
             let chain = HashChain::from_int_block_ids(&ids, 64, ids.len() as u64 * 64);
             let cached = cached_blocks.min(chain.len());
-            let mut local = LocalSummary::new();
+            let mut local = LocalSummary::new().with_sample(sample);
             for i in 0..cached {
-                if is_summarised(chain.fingerprint(i)) {
+                if is_summarised(chain.fingerprint(i), sample) {
                     local.record_add(chain.fingerprint(i));
                 }
             }
             let mut peer = PeerSummary::new();
             peer.apply_snapshot(local.snapshot());
+            prop_assert_eq!(peer.sample(), sample);
             let expect = (0..cached)
                 .rev()
-                .find(|&i| is_summarised(chain.fingerprint(i)))
+                .find(|&i| is_summarised(chain.fingerprint(i), sample))
                 .map_or(0, |i| i + 1);
             prop_assert_eq!(peer.longest_match_blocks(&chain), expect);
         }
@@ -428,11 +703,214 @@ mod tests {
     fn about_one_block_in_the_sample_rate_is_summarised() {
         let ids: Vec<u64> = (0..20_000).collect();
         let chain = HashChain::from_int_block_ids(&ids, 64, ids.len() as u64 * 64);
-        let n = (0..chain.len())
-            .filter(|&i| is_summarised(chain.fingerprint(i)))
-            .count();
-        let expect = chain.len() / SUMMARY_SAMPLE as usize;
-        assert!(n.abs_diff(expect) < expect / 10, "{n} of {}", chain.len());
+        for bits in 0..=MAX_SAMPLE_BITS {
+            let sample = SummarySample::from_bits(bits).unwrap();
+            let n = (0..chain.len())
+                .filter(|&i| is_summarised(chain.fingerprint(i), sample))
+                .count();
+            let expect = chain.len() / sample.rate() as usize;
+            assert!(
+                n.abs_diff(expect) < expect / 5,
+                "{n} of {} at {sample}",
+                chain.len()
+            );
+        }
+    }
+
+    #[test]
+    fn sample_values_and_their_bounds() {
+        assert_eq!(SummarySample::default(), SummarySample::EVERY_BLOCK);
+        assert_eq!(SummarySample::from_rate(1).unwrap().bits(), 0);
+        assert_eq!(SummarySample::from_rate(64).unwrap().bits(), 6);
+        for bad in [0, 3, 6, 128, u64::MAX] {
+            assert!(SummarySample::from_rate(bad).is_err(), "{bad}");
+        }
+        assert!(SummarySample::from_bits(MAX_SAMPLE_BITS + 1).is_err());
+        assert_eq!(SummarySample::at_least(0).rate(), 1);
+        assert_eq!(SummarySample::at_least(3).rate(), 4);
+        assert_eq!(SummarySample::at_least(1 << 40).rate(), 64);
+        assert_eq!(
+            "auto".parse::<SampleSetting>().unwrap(),
+            SampleSetting::Auto
+        );
+        assert_eq!(
+            " 16".parse::<SampleSetting>().unwrap(),
+            SampleSetting::Fixed(SummarySample::from_rate(16).unwrap())
+        );
+        for bad in ["", "0", "5", "128", "-1", "four"] {
+            assert!(bad.parse::<SampleSetting>().is_err(), "{bad:?}");
+        }
+        for s in ["auto", "1", "8", "64"] {
+            assert_eq!(s.parse::<SampleSetting>().unwrap().to_string(), s);
+        }
+    }
+
+    #[test]
+    fn a_sample_over_the_cap_does_not_decode() {
+        let s = SummarySnapshot {
+            version: 7,
+            fingerprints: vec![1, 2],
+            sample: SummarySample::from_rate(64).unwrap(),
+        };
+        let mut bytes = crate::wire::encode(&s);
+        assert_eq!(
+            crate::wire::decode::<SummarySnapshot>(&bytes, 1 << 10).unwrap(),
+            s
+        );
+        // The sample is the last byte: 7 is one block in 128, over the cap.
+        *bytes.last_mut().unwrap() = MAX_SAMPLE_BITS + 1;
+        assert!(matches!(
+            crate::wire::decode::<SummarySnapshot>(&bytes, 1 << 10),
+            Err(CoreError::Malformed(_))
+        ));
+        let d = SummaryDelta {
+            from_version: 1,
+            to_version: 2,
+            added: vec![3],
+            removed: vec![],
+            sample: SummarySample::from_rate(4).unwrap(),
+        };
+        let mut bytes = crate::wire::encode(&d);
+        *bytes.last_mut().unwrap() = 255;
+        assert!(matches!(
+            crate::wire::decode::<SummaryDelta>(&bytes, 1 << 10),
+            Err(CoreError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn a_receiver_matches_with_the_rate_of_the_last_message_applied() {
+        let ids: Vec<u64> = (0..64).collect();
+        let chain = HashChain::from_int_block_ids(&ids, 64, 64 * 64);
+        let four = SummarySample::from_rate(4).unwrap();
+        // The sender holds the whole chain; at 4 only its summarised blocks are sent.
+        let fps_at = |s: SummarySample| -> Vec<u32> {
+            let mut v: Vec<u32> = (0..chain.len())
+                .map(|i| chain.fingerprint(i))
+                .filter(|&fp| is_summarised(fp, s))
+                .collect();
+            v.sort_unstable();
+            v
+        };
+        let last_at_four = (0..chain.len())
+            .rev()
+            .find(|&i| is_summarised(chain.fingerprint(i), four))
+            .unwrap();
+        let mut p = PeerSummary::new();
+        p.apply_snapshot(SummarySnapshot {
+            version: 1,
+            fingerprints: fps_at(four),
+            sample: four,
+        });
+        assert_eq!(p.longest_match_blocks(&chain), last_at_four + 1);
+        // The same set read as a sample of 1 would stop at the first unsent block.
+        let every = SummarySample::EVERY_BLOCK;
+        let first_unsent = (0..chain.len())
+            .find(|&i| !is_summarised(chain.fingerprint(i), four))
+            .unwrap();
+        p.apply_delta(&SummaryDelta {
+            from_version: 1,
+            to_version: 1,
+            sample: every,
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(p.sample(), every);
+        assert_eq!(p.longest_match_blocks(&chain), first_unsent);
+        // A delta already applied does not change the rate.
+        p.apply_delta(&SummaryDelta {
+            from_version: 0,
+            to_version: 1,
+            sample: four,
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(p.sample(), every);
+    }
+
+    #[test]
+    fn auto_follows_cluster_size() {
+        let rate = |peers| sample_for_peers(peers).rate();
+        assert_eq!(
+            [0, 1, 2, 8, 9, 16, 17, 31, 32, 33, 64, 65, 1_000].map(rate),
+            [1, 1, 1, 1, 2, 2, 4, 4, 4, 8, 8, 16, 64]
+        );
+        assert_eq!(
+            SampleChooser::new(SampleSetting::Auto, 31).current().rate(),
+            4
+        );
+        assert_eq!(
+            SampleChooser::new(SampleSetting::Auto, 2).current().rate(),
+            1
+        );
+        let fixed = SampleSetting::Fixed(SummarySample::from_rate(8).unwrap());
+        let mut c = SampleChooser::new(fixed, 2);
+        assert_eq!(c.observe(100, 0).rate(), 8);
+        assert_eq!(c.observe(0, 1_000_000).rate(), 8);
+    }
+
+    #[test]
+    fn auto_changes_only_after_the_hold_and_goes_down_well_below() {
+        let hold = AUTO_SAMPLE_HOLD_MS;
+        let mut c = SampleChooser::new(SampleSetting::Auto, 2);
+        // Growing to 31 peers: 4 only after the hold.
+        assert_eq!(c.observe(31, 1_000).rate(), 1);
+        assert_eq!(c.observe(31, 1_000 + hold - 1).rate(), 1);
+        assert_eq!(c.observe(31, 1_000 + hold).rate(), 4);
+        // A flap under the threshold and back resets nothing upwards and never
+        // lowers the rate.
+        let t = 1_000 + hold;
+        assert_eq!(c.observe(15, t + 1).rate(), 4);
+        assert_eq!(
+            c.observe(15, t + 2 * hold).rate(),
+            4,
+            "15 is not well below 16"
+        );
+        // 12 peers is well below 16 (a third more still fits 2): down after the hold.
+        let t = t + 3 * hold;
+        assert_eq!(c.observe(12, t).rate(), 4);
+        assert_eq!(
+            c.observe(31, t + hold / 2).rate(),
+            4,
+            "back up: the pending drop ends"
+        );
+        assert_eq!(c.observe(12, t + hold).rate(), 4, "the hold restarted");
+        assert_eq!(c.observe(12, t + 2 * hold).rate(), 2);
+        // A peer count that flaps across a threshold every few seconds never moves it.
+        let mut c = SampleChooser::new(SampleSetting::Auto, 8);
+        for i in 0..100u64 {
+            let peers = if i % 2 == 0 { 9 } else { 8 };
+            assert_eq!(c.observe(peers, i * 5_000).rate(), 1);
+        }
+    }
+
+    proptest! {
+        /// Whatever the peer counts, the chosen rate only changes to one the current
+        /// count calls for (between `sample_for_peers` of it and of a third more), and
+        /// never twice within one hold.
+        #[test]
+        fn auto_is_bounded_and_holds(
+            steps in prop::collection::vec((0usize..200, 0u64..20_000), 1..200),
+            start in 0usize..200,
+        ) {
+            let mut c = SampleChooser::new(SampleSetting::Auto, start);
+            let mut now = 0u64;
+            let mut last_change: Option<u64> = None;
+            let mut rate = c.current();
+            for (peers, dt) in steps {
+                now += dt;
+                let r = c.observe(peers, now);
+                if r != rate {
+                    prop_assert!(r >= sample_for_peers(peers));
+                    prop_assert!(r <= sample_for_peers(peers + peers / 3));
+                    if let Some(t) = last_change {
+                        prop_assert!(now - t >= AUTO_SAMPLE_HOLD_MS);
+                    }
+                    last_change = Some(now);
+                    rate = r;
+                }
+            }
+        }
     }
 
     #[test]
@@ -480,6 +958,7 @@ mod tests {
             to_version: 3,
             added: vec![99],
             removed: vec![],
+            sample: SummarySample::EVERY_BLOCK,
         })
         .unwrap();
         assert!(!p.contains(99));
@@ -504,6 +983,7 @@ mod tests {
     fn matches_walk_until_the_first_summarised_miss() {
         let chain = HashChain::from_bytes(&[b'x'; 1024], 256, 4);
         let mut p = PeerSummary::new();
+        let sample = SummarySample::from_rate(4).unwrap();
         p.apply_snapshot(SummarySnapshot {
             version: 1,
             fingerprints: vec![
@@ -511,11 +991,12 @@ mod tests {
                 chain.fingerprint(1),
                 chain.fingerprint(3),
             ],
+            sample,
         });
         // Block 2 is missing: a summarised block's absence ends the prefix; an
         // unsummarised one is never in a sampled summary, and the later hit on the
         // chained hash of block 3 proves the whole prefix.
-        let (blocks, tokens) = if is_summarised(chain.fingerprint(2)) {
+        let (blocks, tokens) = if is_summarised(chain.fingerprint(2), sample) {
             (2, 128)
         } else {
             (4, 256)
@@ -531,11 +1012,13 @@ mod tests {
             to_version: 1 << 40,
             added: vec![0, 250, 251, 70_000, u32::MAX],
             removed: vec![1],
+            sample: SummarySample::from_rate(32).unwrap(),
         };
         assert_eq!(d.encoded_len(), crate::wire::encode(&d).len());
         let s = SummarySnapshot {
             version: 7,
             fingerprints: (0..300).map(|i| i * 1_000_003).collect(),
+            sample: SummarySample::EVERY_BLOCK,
         };
         assert_eq!(s.encoded_len(), crate::wire::encode(&s).len());
     }

@@ -172,6 +172,7 @@ pub struct ForwardResponseHead {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::summary::SummarySample;
     use proptest::prelude::*;
 
     fn forward_request() -> ForwardRequest {
@@ -211,6 +212,7 @@ mod tests {
                 to_version: 3,
                 added: vec![9, 10],
                 removed: vec![4],
+                sample: SummarySample::EVERY_BLOCK,
             },
             stats: QueueStats {
                 running: 3,
@@ -284,6 +286,7 @@ mod tests {
                 fingerprints: (0..800_000u32)
                     .map(|i| i.wrapping_mul(2_654_435_761))
                     .collect(),
+                sample: SummarySample::EVERY_BLOCK,
             },
             stats: QueueStats::default(),
         };

@@ -4,7 +4,7 @@
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 
-use gorgo_core::summary::{is_summarised, SUMMARY_SAMPLE};
+use gorgo_core::summary::{is_summarised, SummarySample};
 use gorgo_core::{HashChain, PeerSummary, ShadowIndex};
 use proptest::prelude::*;
 
@@ -155,14 +155,16 @@ fn mooncake_replay_matches_reference() {
 /// Replays the whole Mooncake conversation trace into an index sized like an engine's
 /// KV cache and gossips its summary to a peer every 8 requests: right after each sync
 /// the peer's view of a request's match equals the index's own, and the peer ends
-/// holding exactly the local set.
+/// holding exactly the local set, at the sender's sample of one block in 4 (the rate
+/// `auto` picks for 17 to 32 peers).
 #[test]
 fn mooncake_replay_gossip() {
     let Some(rows) = mooncake_rows(usize::MAX) else {
         return;
     };
     let capacity = 2_000_000; // tokens
-    let mut ix = ShadowIndex::new(capacity);
+    let sample = SummarySample::from_rate(4).unwrap();
+    let mut ix = ShadowIndex::with_sample(capacity, sample);
     let mut unbounded = ShadowIndex::new(u64::MAX);
     let mut peer = PeerSummary::new();
     let (mut hit, mut hit_unbounded, mut total) = (0u64, 0u64, 0u64);
@@ -180,11 +182,11 @@ fn mooncake_replay_gossip() {
             deltas += 1;
             peer.apply_delta(&d).unwrap();
             // The peer sees the sampled summary: the prefix up to the last summarised
-            // block of the local match (docs on `summary::SUMMARY_SAMPLE`).
+            // block of the local match (module docs of `summary`, "Sampling").
             let blocks = ix.longest_match_blocks(&c);
             let expect = (0..blocks)
                 .rev()
-                .find(|&b| is_summarised(c.fingerprint(b)))
+                .find(|&b| is_summarised(c.fingerprint(b), sample))
                 .map_or(0, |b| c.prefix_tokens(b + 1));
             assert_eq!(peer.matched_tokens(&c), expect, "request {i}");
             assert!(expect <= m);
@@ -200,8 +202,9 @@ fn mooncake_replay_gossip() {
     peer.apply_delta(&ix.summary().delta_since(peer.version()).unwrap())
         .unwrap();
     let snapshot = ix.summary().snapshot();
-    // About one block in SUMMARY_SAMPLE is summarised.
-    let expect = ix.len() / SUMMARY_SAMPLE as usize;
+    // About one block in the sample is summarised.
+    assert_eq!(peer.sample(), sample);
+    let expect = ix.len() / sample.rate() as usize;
     assert!(
         snapshot.fingerprints.len().abs_diff(expect) < expect / 10 + 10,
         "{} summarised of {} blocks",

@@ -111,6 +111,8 @@ impl PeerSource for ClusterPeers {
             for &fp in &delta.removed {
                 s.record_remove(fp);
             }
+            // The mirror gossips the shadow index's rate with the set derived at it.
+            s.set_sample(delta.sample);
         });
     }
 

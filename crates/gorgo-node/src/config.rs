@@ -13,6 +13,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use gorgo_core::policy::PolicyKind;
+use gorgo_core::summary::SampleSetting;
 use gorgo_core::Weights;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -220,6 +221,14 @@ pub struct ClusterSection {
     /// Gossip interval for summaries and queue stats, ms.
     #[serde(default = "default_gossip_interval_ms")]
     pub gossip_interval_ms: u64,
+    /// One block in this many enters the summary this node gossips: `"auto"` (the
+    /// default: by live peer count, 1 up to 8 peers, 2 up to 16, 4 up to 32, ...,
+    /// with hysteresis) or a power of two from 1 to 64. Summary bytes grow with the
+    /// peer count; sampling bounds them at a small cost in routing precision
+    /// (docs/cluster.md, "32 regions"). Nodes need not agree: every summary carries
+    /// its sender's rate.
+    #[serde(default, with = "summary_sample_setting")]
+    pub summary_sample: SampleSetting,
 }
 
 impl Default for ClusterSection {
@@ -229,7 +238,49 @@ impl Default for ClusterSection {
             peers: BTreeMap::new(),
             dial_overrides: BTreeMap::new(),
             gossip_interval_ms: default_gossip_interval_ms(),
+            summary_sample: SampleSetting::Auto,
         }
+    }
+}
+
+/// `cluster.summary_sample` in TOML: the string `"auto"` or an integer rate (a string
+/// of digits is accepted too, as the command line writes it).
+mod summary_sample_setting {
+    use gorgo_core::summary::{SampleSetting, SummarySample};
+    use serde::{de, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &SampleSetting, s: S) -> Result<S::Ok, S::Error> {
+        match v {
+            SampleSetting::Auto => s.serialize_str("auto"),
+            SampleSetting::Fixed(rate) => s.serialize_u32(rate.rate()),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<SampleSetting, D::Error> {
+        struct Setting;
+        impl de::Visitor<'_> for Setting {
+            type Value = SampleSetting;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("\"auto\" or a power of two from 1 to 64")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<SampleSetting, E> {
+                v.parse().map_err(E::custom)
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<SampleSetting, E> {
+                SummarySample::from_rate(v)
+                    .map(SampleSetting::Fixed)
+                    .map_err(E::custom)
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<SampleSetting, E> {
+                let v = u64::try_from(v).map_err(|_| {
+                    E::custom(format!(
+                        "`summary_sample` must be \"auto\" or a power of two from 1 to 64, got {v}"
+                    ))
+                })?;
+                self.visit_u64(v)
+            }
+        }
+        d.deserialize_any(Setting)
     }
 }
 
@@ -979,6 +1030,37 @@ token = "secret-token"
             let text = format!("{MINIMAL}\n[routing]\npolicy = \"{policy}\"\n");
             let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
             assert!(e.contains("routing.policy") && e.contains(policy), "{e}");
+        }
+    }
+
+    #[test]
+    fn summary_sample_is_auto_or_a_power_of_two() {
+        use gorgo_core::summary::SummarySample;
+        let c = NodeConfig::from_toml_str(MINIMAL).unwrap();
+        assert_eq!(c.cluster.summary_sample, SampleSetting::Auto);
+        for (value, want) in [
+            ("\"auto\"", SampleSetting::Auto),
+            (
+                "4",
+                SampleSetting::Fixed(SummarySample::from_rate(4).unwrap()),
+            ),
+            (
+                "\"64\"",
+                SampleSetting::Fixed(SummarySample::from_rate(64).unwrap()),
+            ),
+            ("1", SampleSetting::Fixed(SummarySample::EVERY_BLOCK)),
+        ] {
+            let text = format!("{MINIMAL}\n[cluster]\nsummary_sample = {value}\n");
+            let c = NodeConfig::from_toml_str(&text).unwrap();
+            assert_eq!(c.cluster.summary_sample, want, "{value}");
+            // What `gorgo up` writes reads back the same.
+            let back = NodeConfig::from_toml_str(&c.to_toml_string().unwrap()).unwrap();
+            assert_eq!(back.cluster.summary_sample, want, "{value}");
+        }
+        for value in ["3", "0", "128", "-4", "\"often\"", "true"] {
+            let text = format!("{MINIMAL}\n[cluster]\nsummary_sample = {value}\n");
+            let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+            assert!(e.contains("summary_sample"), "{value}: {e}");
         }
     }
 

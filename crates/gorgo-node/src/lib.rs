@@ -139,7 +139,10 @@ impl NodeState {
                 config.routing.decision_log,
                 gorgo_core::hash::hash_bytes(config.node.id.as_bytes()),
             ),
-            shadow: Mutex::new(shadow::LocalCache::new(capacity)),
+            shadow: Mutex::new(shadow::LocalCache::new(
+                capacity,
+                config.cluster.summary_sample,
+            )),
             policy,
             hasher,
             metrics,
@@ -187,6 +190,18 @@ impl NodeState {
     /// the tuning epoch it routes with.
     pub fn local_stats(&self) -> QueueStats {
         self.engine.queue_stats(self.tuning.epoch())
+    }
+
+    /// Keep the summary's sample in step with the cluster's size
+    /// (`cluster.summary_sample`): the live peer count goes to the shadow index's
+    /// [`gorgo_core::SampleChooser`], and the summary changes a new rate causes are
+    /// gossiped like any other.
+    pub fn summary_sample_tick(&self) {
+        let live = self.peers.peers().iter().filter(|p| p.alive).count();
+        let delta = self.shadow.lock().follow_peers(live, self.now_ms());
+        if let Some(delta) = delta {
+            self.peers.publish_summary(&delta);
+        }
     }
 
     /// One tuning tick: follow the membership view, then lead, take over or report.
@@ -464,6 +479,7 @@ pub async fn start(
                     if let Some(delta) = delta {
                         st.peers.publish_summary(&delta);
                     }
+                    st.summary_sample_tick();
                     st.peers.publish_stats(st.local_stats());
                     st.tuning_tick();
                 }

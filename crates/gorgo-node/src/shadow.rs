@@ -1,23 +1,54 @@
 //! The node's model of its own engine's prefix cache (`gorgo_core::ShadowIndex`), plus
-//! the bookkeeping that hands its summary changes to the cluster for gossip.
+//! the bookkeeping that hands its summary changes to the cluster for gossip and keeps
+//! its summary sample in step with the cluster's size (`cluster.summary_sample`).
 
-use gorgo_core::summary::SummaryDelta;
+use gorgo_core::summary::{SampleChooser, SampleSetting, SummaryDelta, SummarySample};
 use gorgo_core::{HashChain, ShadowIndex};
 
-/// The shadow index and how far its summary has been handed to gossip.
+/// The shadow index, how far its summary has been handed to gossip, and the choice of
+/// its summary sample.
 #[derive(Debug)]
 pub struct LocalCache {
     index: ShadowIndex,
     published_version: u64,
+    published_sample: SummarySample,
+    sample: SampleChooser,
 }
 
 impl LocalCache {
-    /// An empty model of a cache of `capacity_tokens`.
-    pub fn new(capacity_tokens: u64) -> Self {
+    /// An empty model of a cache of `capacity_tokens`, summarised at the rate
+    /// `setting` gives a node that knows no peers yet (it follows the cluster's size
+    /// from then on: [`follow_peers`](Self::follow_peers)).
+    pub fn new(capacity_tokens: u64, setting: SampleSetting) -> Self {
+        let sample = SampleChooser::new(setting, 0);
         LocalCache {
-            index: ShadowIndex::new(capacity_tokens.max(1)),
+            index: ShadowIndex::with_sample(capacity_tokens.max(1), sample.current()),
             published_version: 0,
+            published_sample: sample.current(),
+            sample,
         }
+    }
+
+    /// `live_peers` peers are live at `now_ms`: change the summary's sample when the
+    /// setting calls for it; returns the summary changes to gossip (the fingerprints
+    /// that enter or leave at the new rate).
+    pub fn follow_peers(&mut self, live_peers: usize, now_ms: u64) -> Option<SummaryDelta> {
+        let sample = self.sample.observe(live_peers, now_ms);
+        if sample != self.index.summary().sample() {
+            tracing::info!(
+                live_peers,
+                from = %self.index.summary().sample(),
+                to = %sample,
+                "summary sample changes"
+            );
+            self.index.set_summary_sample(sample);
+        }
+        self.take_delta()
+    }
+
+    /// The summary's sample now: one block in this many is gossiped.
+    pub fn summary_sample(&self) -> SummarySample {
+        self.index.summary().sample()
     }
 
     /// Tokens of `chain`'s prefix the engine probably caches.
@@ -51,13 +82,18 @@ impl LocalCache {
         self.take_delta()
     }
 
+    /// The changes since the last one handed out, stamped with the current sample;
+    /// also an empty one when only the sample changed, so that the gossiped mirror of
+    /// the summary announces it.
     fn take_delta(&mut self) -> Option<SummaryDelta> {
         let summary = self.index.summary();
-        if summary.version() == self.published_version {
+        if summary.version() == self.published_version && summary.sample() == self.published_sample
+        {
             return None;
         }
         let delta = summary.delta_since(self.published_version);
         self.published_version = summary.version();
+        self.published_sample = summary.sample();
         delta
     }
 
@@ -81,14 +117,16 @@ impl LocalCache {
 mod tests {
     use super::*;
 
+    use gorgo_core::summary::is_summarised;
+
     #[test]
     fn inserts_yield_deltas_once() {
-        let mut c = LocalCache::new(10_000);
-        // Enough blocks that some are summarised (one in `SUMMARY_SAMPLE`).
+        let mut c = LocalCache::new(10_000, SampleSetting::Auto);
+        assert_eq!(c.summary_sample(), SummarySample::EVERY_BLOCK);
         let text: Vec<u8> = (0..16 * 256).map(|i| (i % 251) as u8).collect();
         let chain = HashChain::from_bytes(&text, 256, 4);
         let summarised = (0..chain.len())
-            .filter(|&i| gorgo_core::summary::is_summarised(chain.fingerprint(i)))
+            .filter(|&i| is_summarised(chain.fingerprint(i), c.summary_sample()))
             .count();
         assert!(summarised > 0);
         let d = c
@@ -97,5 +135,53 @@ mod tests {
         assert_eq!(d.added.len(), summarised);
         assert!(c.insert(&chain, 1).is_none());
         assert_eq!(c.longest_match(&chain), chain.prefix_tokens(chain.len()));
+    }
+
+    #[test]
+    fn the_sample_follows_the_peer_count_as_deltas() {
+        let hold = gorgo_core::summary::AUTO_SAMPLE_HOLD_MS;
+        let mut c = LocalCache::new(1_000_000, SampleSetting::Auto);
+        let text: Vec<u8> = (0..200 * 256).map(|i| (i * 7 % 251) as u8).collect();
+        let chain = HashChain::from_bytes(&text, 256, 4);
+        let d = c.insert(&chain, 0).unwrap();
+        assert_eq!(d.added.len(), chain.len());
+        // The mirror the cluster gossips, fed the deltas the way `publish_summary` is.
+        let mut mirror = gorgo_core::LocalSummary::new();
+        let replay = |m: &mut gorgo_core::LocalSummary, d: &SummaryDelta| {
+            d.added.iter().for_each(|&fp| m.record_add(fp));
+            d.removed.iter().for_each(|&fp| m.record_remove(fp));
+            m.set_sample(d.sample);
+        };
+        replay(&mut mirror, &d);
+        assert!(c.follow_peers(31, 1).is_none(), "held back");
+        let d = c
+            .follow_peers(31, 1 + hold)
+            .expect("31 peers: one block in 4");
+        let four = SummarySample::from_rate(4).unwrap();
+        assert_eq!((c.summary_sample(), d.sample), (four, four));
+        let kept = (0..chain.len())
+            .filter(|&i| is_summarised(chain.fingerprint(i), four))
+            .count();
+        assert_eq!((d.added.len(), d.removed.len()), (0, chain.len() - kept));
+        replay(&mut mirror, &d);
+        assert_eq!(mirror.len(), kept);
+        assert_eq!(mirror.sample(), four);
+        // Back down to two peers: everything again.
+        assert!(c.follow_peers(2, 2 + hold).is_none());
+        let d = c.follow_peers(2, 2 + 2 * hold).unwrap();
+        assert_eq!(
+            (d.added.len(), d.sample),
+            (chain.len() - kept, SummarySample::EVERY_BLOCK)
+        );
+        replay(&mut mirror, &d);
+        assert_eq!(mirror.len(), chain.len());
+        // A sample change that moves no fingerprint still reaches the mirror.
+        let mut empty = LocalCache::new(1_000, SampleSetting::Auto);
+        let d = empty.follow_peers(40, 0);
+        assert!(d.is_none());
+        let d = empty.follow_peers(40, hold).unwrap();
+        assert!(d.is_empty());
+        assert_eq!(d.sample.rate(), 8);
+        assert!(empty.follow_peers(40, hold + 1).is_none());
     }
 }

@@ -25,6 +25,7 @@ use gorgo_core::es::TuningConfig;
 use gorgo_core::fit::FitConfig;
 use gorgo_core::gossip::{self as core_gossip, GossipConfig, GossipSender, PeerGossip};
 use gorgo_core::policy::{Policy, PolicyKind, RouteRequest};
+use gorgo_core::summary::{SampleChooser, SampleSetting, SummarySample};
 use gorgo_core::tuning::{EpochReport, Proposal, Tuner, TuningOutput};
 use gorgo_core::wire::GossipMessage;
 use gorgo_core::{hash::hash_bytes, HashChain, NodeId, QueueStats, ShadowIndex};
@@ -94,6 +95,10 @@ pub struct SimConfig {
     /// The decode-step cost each node reports in its stats, ms (the node's
     /// `engine.decode_step_ms` seed; engines do not report it).
     pub decode_step_ms: f64,
+    /// The nodes' `cluster.summary_sample`: each node's [`SampleChooser`] follows the
+    /// topology's peer count (every region but its own, all live), as a live node
+    /// follows its membership.
+    pub summary_sample: SampleSetting,
 }
 
 /// Bytes the live cluster puts before each gossip message on its uni-stream (kind
@@ -133,7 +138,19 @@ impl SimConfig {
             exact_state: false,
             metrics_interval_ms: DEFAULT_METRICS_INTERVAL_MS as f64,
             decode_step_ms: DEFAULT_DECODE_STEP_MS,
+            summary_sample: SampleSetting::Auto,
         }
+    }
+
+    /// The summary sample the nodes run with: what `summary_sample` gives the
+    /// topology's peer count (for the report).
+    pub fn summary_sample_rate(&self) -> SummarySample {
+        SampleChooser::new(self.summary_sample, self.peer_count()).current()
+    }
+
+    /// Peers of every node: all the other regions.
+    fn peer_count(&self) -> usize {
+        self.network.regions.len().saturating_sub(1)
     }
 
     /// Check every field; errors name it.
@@ -302,6 +319,8 @@ struct Node {
     /// Draws the loss of this node's outgoing gossip (`gossip_loss`).
     gossip_loss_rng: ChaCha8Rng,
     tuner: Option<Tuner>,
+    /// The rate of the summary `shadow` publishes (`SimConfig::summary_sample`).
+    summary_sample: SampleChooser,
 }
 
 /// The state every region has whatever the mode.
@@ -432,10 +451,11 @@ impl<'a> Sim<'a> {
                 } else {
                     None
                 };
+                let summary_sample = SampleChooser::new(cfg.summary_sample, cfg.peer_count());
                 sim.nodes.push(Node {
                     id: node_ids[i].clone(),
                     policy: kind.build(),
-                    shadow: ShadowIndex::new(p.max_total_tokens),
+                    shadow: ShadowIndex::with_sample(p.max_total_tokens, summary_sample.current()),
                     peers: vec![PeerGossip::new(); n],
                     ledger: ForwardLedger::new(),
                     view: EngineView::new(ViewConfig {
@@ -451,6 +471,7 @@ impl<'a> Sim<'a> {
                         cfg.seed ^ hash_bytes(format!("gossip-loss/{i}").as_bytes()),
                     ),
                     tuner,
+                    summary_sample,
                 });
             }
             // Nodes do not tick in lockstep: each starts at its own phase.
@@ -1136,6 +1157,11 @@ impl<'a> Sim<'a> {
     fn tick(&mut self, r: usize, now: f64) {
         let n = self.names.len();
         self.nodes[r].stats_version += 1;
+        // Follow the cluster's size (constant here: every peer stays live).
+        let peers = self.cfg.peer_count();
+        let node = &mut self.nodes[r];
+        let sample = node.summary_sample.observe(peers, now as u64);
+        node.shadow.set_summary_sample(sample);
         let stats = self.local_stats(r);
         for p in 0..n {
             if p == r {
