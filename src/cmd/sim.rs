@@ -111,7 +111,7 @@ pub struct SimModelArgs {
     #[arg(long, default_value_t = gorgo_core::accounting::DEFAULT_METRICS_INTERVAL_MS as f64)]
     pub metrics_interval_ms: f64,
     /// Summary sample (the nodes' `cluster.summary_sample`): `auto` (by the
-    /// topology's peer count: 1 up to 8 peers, 2 up to 16, 4 up to 32, ...) or a power
+    /// topology's peer count: 1 up to 4 peers, 2 up to 8, 4 up to 16, 8 up to 32) or a power
     /// of two from 1 to 64.
     #[arg(long, default_value = "auto")]
     pub summary_sample: gorgo_core::summary::SampleSetting,

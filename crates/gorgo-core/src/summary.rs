@@ -28,10 +28,10 @@
 //! its set from its index ([`crate::ShadowIndex::set_summary_sample`]) as ordinary
 //! changes (version bumps), so peers converge through the normal delta/snapshot path.
 //! [`SampleChooser`] picks the rate: `auto` (the default) is the smallest power of two
-//! at least `ceil(live peers / 8)`, with hysteresis. Measured (`docs/cluster.md`, "32
-//! regions"): a 32-region cluster (31 peers, auto picks 4) gossips 84.9 KiB/s per node
-//! while requests arrive instead of 309.5 at a sample of 1 (still over the 64 KiB/s
-//! target on that trace); three regions keep 1, where a sample of 4 would cost
+//! at least `ceil(live peers / 4)`, with hysteresis. Measured (`docs/cluster.md`, "32
+//! regions"): a 32-region cluster (31 peers, auto picks 8) gossips 47.4 KiB/s per node
+//! while requests arrive instead of 309.5 at a sample of 1 (under the 64 KiB/s
+//! target); three regions keep 1, where a sample of 4 would cost
 //! `gorgo` 7% of its goodput on the multi-turn sweep.
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -530,8 +530,11 @@ impl PeerSummary {
 
 /// Peers per step of the automatic rate: `auto` keeps one block in
 /// `ceil(live peers / AUTO_PEERS_PER_SAMPLE)` (rounded up to a power of two), so a
-/// node's gossip bytes, (peers) x (changes / rate), stay bounded as the cluster grows.
-pub const AUTO_PEERS_PER_SAMPLE: usize = 8;
+/// node's gossip bytes, (peers) x (changes / rate), stay at most what a node of a
+/// five-node cluster sends at a sample of 1, however large the cluster grows: 1 up to 4
+/// peers, 2 up to 8, 4 up to 16, 8 up to 32 (`docs/cluster.md`, "32 regions": 8 keeps
+/// the 32-region run under its 64 KiB/s target, 4 does not).
+pub const AUTO_PEERS_PER_SAMPLE: usize = 4;
 
 /// How long the live peer count must call for another rate before `auto` moves to it
 /// (ms): membership flaps (a peer suspected then back) must not churn the summary,
@@ -575,8 +578,8 @@ impl std::fmt::Display for SampleSetting {
 }
 
 /// The rate `auto` calls for with `live_peers` peers: the smallest power of two at
-/// least `ceil(live_peers / AUTO_PEERS_PER_SAMPLE)` (1 up to 8 peers, 2 up to 16, 4 up
-/// to 32, ...), capped at 64.
+/// least `ceil(live_peers / AUTO_PEERS_PER_SAMPLE)` (1 up to 4 peers, 2 up to 8, 4 up
+/// to 16, 8 up to 32, ...), capped at 64.
 pub fn sample_for_peers(live_peers: usize) -> SummarySample {
     SummarySample::at_least(live_peers.div_ceil(AUTO_PEERS_PER_SAMPLE) as u64)
 }
@@ -832,12 +835,12 @@ mod tests {
     fn auto_follows_cluster_size() {
         let rate = |peers| sample_for_peers(peers).rate();
         assert_eq!(
-            [0, 1, 2, 8, 9, 16, 17, 31, 32, 33, 64, 65, 1_000].map(rate),
-            [1, 1, 1, 1, 2, 2, 4, 4, 4, 8, 8, 16, 64]
+            [0, 1, 2, 4, 5, 8, 9, 16, 17, 31, 32, 33, 1_000].map(rate),
+            [1, 1, 1, 1, 2, 2, 4, 4, 8, 8, 8, 16, 64]
         );
         assert_eq!(
             SampleChooser::new(SampleSetting::Auto, 31).current().rate(),
-            4
+            8
         );
         assert_eq!(
             SampleChooser::new(SampleSetting::Auto, 2).current().rate(),
@@ -853,33 +856,33 @@ mod tests {
     fn auto_changes_only_after_the_hold_and_goes_down_well_below() {
         let hold = AUTO_SAMPLE_HOLD_MS;
         let mut c = SampleChooser::new(SampleSetting::Auto, 2);
-        // Growing to 31 peers: 4 only after the hold.
-        assert_eq!(c.observe(31, 1_000).rate(), 1);
-        assert_eq!(c.observe(31, 1_000 + hold - 1).rate(), 1);
-        assert_eq!(c.observe(31, 1_000 + hold).rate(), 4);
+        // Growing to 15 peers: 4 only after the hold.
+        assert_eq!(c.observe(15, 1_000).rate(), 1);
+        assert_eq!(c.observe(15, 1_000 + hold - 1).rate(), 1);
+        assert_eq!(c.observe(15, 1_000 + hold).rate(), 4);
         // A flap under the threshold and back resets nothing upwards and never
         // lowers the rate.
         let t = 1_000 + hold;
-        assert_eq!(c.observe(15, t + 1).rate(), 4);
+        assert_eq!(c.observe(7, t + 1).rate(), 4);
         assert_eq!(
-            c.observe(15, t + 2 * hold).rate(),
+            c.observe(7, t + 2 * hold).rate(),
             4,
-            "15 is not well below 16"
+            "7 is not well below 8"
         );
-        // 12 peers is well below 16 (a third more still fits 2): down after the hold.
+        // 6 peers is well below 8 (a third more still fits 2): down after the hold.
         let t = t + 3 * hold;
-        assert_eq!(c.observe(12, t).rate(), 4);
+        assert_eq!(c.observe(6, t).rate(), 4);
         assert_eq!(
-            c.observe(31, t + hold / 2).rate(),
+            c.observe(15, t + hold / 2).rate(),
             4,
             "back up: the pending drop ends"
         );
-        assert_eq!(c.observe(12, t + hold).rate(), 4, "the hold restarted");
-        assert_eq!(c.observe(12, t + 2 * hold).rate(), 2);
+        assert_eq!(c.observe(6, t + hold).rate(), 4, "the hold restarted");
+        assert_eq!(c.observe(6, t + 2 * hold).rate(), 2);
         // A peer count that flaps across a threshold every few seconds never moves it.
-        let mut c = SampleChooser::new(SampleSetting::Auto, 8);
+        let mut c = SampleChooser::new(SampleSetting::Auto, 4);
         for i in 0..100u64 {
-            let peers = if i % 2 == 0 { 9 } else { 8 };
+            let peers = if i % 2 == 0 { 5 } else { 4 };
             assert_eq!(c.observe(peers, i * 5_000).rate(), 1);
         }
     }

@@ -222,7 +222,7 @@ pub struct ClusterSection {
     #[serde(default = "default_gossip_interval_ms")]
     pub gossip_interval_ms: u64,
     /// One block in this many enters the summary this node gossips: `"auto"` (the
-    /// default: by live peer count, 1 up to 8 peers, 2 up to 16, 4 up to 32, ...,
+    /// default: by live peer count, 1 up to 4 peers, 2 up to 8, 4 up to 16, 8 up to 32,
     /// with hysteresis) or a power of two from 1 to 64. Summary bytes grow with the
     /// peer count; sampling bounds them at a small cost in routing precision
     /// (docs/cluster.md, "32 regions"). Nodes need not agree: every summary carries

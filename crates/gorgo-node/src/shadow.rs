@@ -153,10 +153,10 @@ mod tests {
             m.set_sample(d.sample);
         };
         replay(&mut mirror, &d);
-        assert!(c.follow_peers(31, 1).is_none(), "held back");
+        assert!(c.follow_peers(15, 1).is_none(), "held back");
         let d = c
-            .follow_peers(31, 1 + hold)
-            .expect("31 peers: one block in 4");
+            .follow_peers(15, 1 + hold)
+            .expect("15 peers: one block in 4");
         let four = SummarySample::from_rate(4).unwrap();
         assert_eq!((c.summary_sample(), d.sample), (four, four));
         let kept = (0..chain.len())
@@ -177,11 +177,11 @@ mod tests {
         assert_eq!(mirror.len(), chain.len());
         // A sample change that moves no fingerprint still reaches the mirror.
         let mut empty = LocalCache::new(1_000, SampleSetting::Auto);
-        let d = empty.follow_peers(40, 0);
+        let d = empty.follow_peers(20, 0);
         assert!(d.is_none());
-        let d = empty.follow_peers(40, hold).unwrap();
+        let d = empty.follow_peers(20, hold).unwrap();
         assert!(d.is_empty());
         assert_eq!(d.sample.rate(), 8);
-        assert!(empty.follow_peers(40, hold + 1).is_none());
+        assert!(empty.follow_peers(20, hold + 1).is_none());
     }
 }

@@ -329,13 +329,13 @@ fn summary_sample_follows_the_topology_and_divides_gossip() {
     use gorgo_core::summary::{SampleSetting, SummarySample};
     let t = trace(11, 30.0, 12);
     let mut cfg = config();
-    // Auto: three regions (two peers) keep every block; 31 peers take one in 4.
+    // Auto: three regions (two peers) keep every block; 31 peers take one in 8.
     assert_eq!(cfg.summary_sample, SampleSetting::Auto);
     assert_eq!(cfg.summary_sample_rate(), SummarySample::EVERY_BLOCK);
     let every = run(&cfg, PolicyKind::Gorgo, &t);
     let big = SimConfig::new(Network::uniform(32, 40.0, 3.0), small_profile());
     big.validate().unwrap();
-    assert_eq!(big.summary_sample_rate().rate(), 4);
+    assert_eq!(big.summary_sample_rate().rate(), 8);
     // A fixed 4 on three regions: far fewer summary bytes, same requests conserved.
     cfg.summary_sample = SampleSetting::Fixed(SummarySample::from_rate(4).unwrap());
     assert_eq!(cfg.summary_sample_rate().rate(), 4);
