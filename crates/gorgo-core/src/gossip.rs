@@ -334,6 +334,7 @@ impl PeerGossip {
             return false;
         }
         let mut kept = stats.clone();
+        kept.bound_models();
         if kept.models.is_empty() {
             if let Some(held) = self
                 .stats
@@ -353,7 +354,8 @@ impl PeerGossip {
     /// peer), while the SWIM copies of the same stats may have overtaken them.
     ///
     /// [`offer_stats`]: Self::offer_stats
-    fn offer_summary_stats(&mut self, stats: QueueStats) -> bool {
+    fn offer_summary_stats(&mut self, mut stats: QueueStats) -> bool {
+        stats.bound_models();
         let mut updated = self.offer_stats(&stats);
         if let Some(held) = self
             .stats
@@ -748,6 +750,16 @@ mod tests {
         assert!(recv(&mut p, msg, 0).stats_updated);
         assert_eq!(p.stats().unwrap().order(), (2, 5));
         assert_eq!(p.stats().unwrap().models, ["llama"]);
+        // A peer's list is bounded before it is held.
+        let many: Vec<String> = (0..1000).map(|i| format!("m{i}")).collect();
+        let mut huge = with(2, 6, &[]);
+        huge.models = many;
+        huge.models
+            .insert(0, "x".repeat(crate::types::MAX_MODEL_ID_BYTES + 1));
+        assert!(p.offer_stats(&huge));
+        let held = &p.stats().unwrap().models;
+        assert_eq!(held.len(), crate::types::MAX_MODELS);
+        assert_eq!(held[0], "m0");
     }
 
     #[test]

@@ -37,6 +37,13 @@ impl Default for Weights {
     }
 }
 
+/// Most model ids a node's stats carry (vLLM lists every LoRA adapter as a model): a
+/// bound on what one peer's stats can make every other node hold and scan.
+pub const MAX_MODELS: usize = 64;
+
+/// Longest model id a node's stats carry, bytes.
+pub const MAX_MODEL_ID_BYTES: usize = 256;
+
 /// A node's load signals, gossiped to peers (foca broadcast and with each summary).
 ///
 /// Versioned per run of the origin's process so that a receiver drops a stale copy:
@@ -94,5 +101,13 @@ impl QueueStats {
     /// serves, and the engine itself answers a wrong name).
     pub fn serves(&self, model: &str) -> bool {
         self.models.is_empty() || self.models.iter().any(|m| m == model)
+    }
+
+    /// Keep at most [`MAX_MODELS`] model ids of at most [`MAX_MODEL_ID_BYTES`]: what a
+    /// receiver does to stats from the network before holding them.
+    pub fn bound_models(&mut self) {
+        self.models
+            .retain(|m| !m.is_empty() && m.len() <= MAX_MODEL_ID_BYTES);
+        self.models.truncate(MAX_MODELS);
     }
 }

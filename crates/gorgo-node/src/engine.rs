@@ -14,6 +14,7 @@ use gorgo_core::accounting::{ViewConfig, ViewCounters};
 use gorgo_core::engine_metrics::parse_engine_metrics;
 use gorgo_core::fit::{FitConfig, PrefillFit};
 use gorgo_core::health::{BreakerState, EngineHealth, HealthChange, HealthConfig, RequestOutcome};
+use gorgo_core::types::{MAX_MODELS, MAX_MODEL_ID_BYTES};
 use gorgo_core::{EngineMetrics, EngineView, QueueStats};
 use parking_lot::Mutex;
 use tokio_util::sync::CancellationToken;
@@ -25,11 +26,6 @@ use crate::error::NodeError;
 const MAX_METRICS_BYTES: usize = 4 * 1024 * 1024;
 /// Cap on a `/v1/models` answer read from the engine.
 const MAX_MODELS_BYTES: usize = 1 << 20;
-/// Models kept from one engine's list (vLLM lists every LoRA adapter as a model), and
-/// the longest id kept: both bound what the node gossips.
-pub const MAX_MODELS: usize = 64;
-/// Longest model id kept, bytes.
-pub const MAX_MODEL_ID_BYTES: usize = 256;
 /// How often a known model list is read again (adapters come and go).
 const MODELS_REFRESH: Duration = Duration::from_secs(30);
 
