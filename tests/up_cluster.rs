@@ -175,3 +175,83 @@ async fn up_serves_every_region_and_down_stops_everything() {
     }
     assert!(!run_dir.join("pids.json").exists());
 }
+
+/// `gorgo compare` killed (SIGTERM: a `kill`, a CI job's timeout) in the middle of its
+/// replay stops the replay and tears its clusters down: no engine, node or relay it
+/// started outlives it.
+#[test]
+fn a_terminated_compare_tears_its_clusters_down() {
+    let dir = tempfile::tempdir().unwrap();
+    // A minute of small requests: the replay is still going when the signal comes.
+    let trace = dir.path().join("trace.jsonl");
+    let rows: Vec<String> = (0..60)
+        .map(|i| {
+            format!(
+                r#"{{"timestamp": {}, "input_length": 600, "output_length": 16, "hash_ids": [{}, {}]}}"#,
+                i * 1000,
+                i % 3,
+                100 + i
+            )
+        })
+        .collect();
+    std::fs::write(&trace, rows.join("\n") + "\n").unwrap();
+    let out = dir.path().join("out");
+    let mut compare = Command::new(GORGO)
+        .args([
+            "compare",
+            "--trace",
+            &trace.display().to_string(),
+            "--topology",
+            "configs/topologies/lan.toml",
+            "--policies",
+            "gorgo",
+            "--base-port",
+            "47800",
+            "--no-progress",
+            "--out",
+            &out.display().to_string(),
+        ])
+        .current_dir(root())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let run_dir = out.join("gorgo").join("run");
+    let _down = Down(&run_dir);
+    // The cluster is up once its cluster.json is written; its processes are in pids.json.
+    let deadline = Instant::now() + FORM_TIMEOUT * 2;
+    let pids = loop {
+        let ready = run_dir.join("cluster.json").exists();
+        if let (true, Ok(bytes)) = (ready, std::fs::read(run_dir.join("pids.json"))) {
+            break serde_json::from_slice::<serde_json::Value>(&bytes).unwrap();
+        }
+        assert!(
+            compare.try_wait().unwrap().is_none(),
+            "compare ended before its cluster was up"
+        );
+        assert!(Instant::now() < deadline, "the cluster never came up");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let status = Command::new("kill")
+        .args(["-TERM", &compare.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let deadline = Instant::now() + FORM_TIMEOUT;
+    let exit = loop {
+        if let Some(exit) = compare.try_wait().unwrap() {
+            break exit;
+        }
+        assert!(Instant::now() < deadline, "compare did not stop on SIGTERM");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(!exit.success(), "an interrupted compare exits non-zero");
+    for p in pids["processes"].as_array().unwrap() {
+        let pid = p["pid"].as_u64().unwrap();
+        assert!(
+            !pid_alive(pid),
+            "{} (pid {pid}) outlived the terminated compare",
+            p["name"]
+        );
+    }
+}

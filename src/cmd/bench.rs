@@ -412,12 +412,13 @@ fn prepare(requests: &mut [TraceRequest], load: &LoadArgs, cfg: &mut serde_json:
     cfg["requests_in_workload"] = requests.len().into();
 }
 
-/// A token cancelled on the first Ctrl-C, so replays stop and clusters are torn down.
+/// A token cancelled on the first Ctrl-C or SIGTERM (a `kill`, a CI timeout), so
+/// replays stop and clusters are torn down rather than left running.
 fn cancel_on_ctrl_c() -> CancellationToken {
     let cancel = CancellationToken::new();
     let c = cancel.clone();
     tokio::spawn(async move {
-        if tokio::signal::ctrl_c().await.is_ok() {
+        if super::netem::wait_for_shutdown_signal().await.is_ok() {
             eprintln!("interrupted: stopping replays and tearing clusters down");
             c.cancel();
         }
