@@ -31,6 +31,8 @@
 #   CHAOS_OUT         output dir (default out/chaos): trace.jsonl, bench/ (the bench's
 #                     report, requests.csv), faults.jsonl, admin.jsonl, run/ (the
 #                     cluster's logs), chaos.md, chaos.json
+#   CHAOS_RECOVERY_TARGET_S  how soon after a fault's end the routing share must be back
+#                     to normal, s (default 10)
 #   CHAOS_IP_BASE     gorgo up --ip-base (default 40: away from up's default 10)
 #   CHAOS_BASE_PORT   gorgo up --base-port (default 27100)
 #   GORGO_BIN         use this gorgo binary instead of building target/release/gorgo
@@ -45,6 +47,7 @@ HOLD=${CHAOS_HOLD_S:-10}
 OUT=${CHAOS_OUT:-out/chaos}
 IP_BASE=${CHAOS_IP_BASE:-40}
 BASE_PORT=${CHAOS_BASE_PORT:-27100}
+RECOVERY_TARGET_S=${CHAOS_RECOVERY_TARGET_S:-10}
 TOPOLOGY=configs/topologies/three-region.toml
 PY=python3
 REPORT=$ROOT/scripts/chaos_report.py
@@ -237,7 +240,7 @@ tail -n 25 "$OUT/bench.log"
 
 REPORT_RC=0
 $PY "$REPORT" report --bench "$OUT/bench" --faults "$FAULTS" --admin "$OUT/admin.jsonl" \
-  --out "$OUT" --min-per-kind "$MIN_PER_KIND" || REPORT_RC=$?
+  --out "$OUT" --min-per-kind "$MIN_PER_KIND" --recovery-target-s "$RECOVERY_TARGET_S" || REPORT_RC=$?
 log "report: $OUT/chaos.md, $OUT/chaos.json"
 [ "$FAULTS_FAILED" -eq 0 ] || die "$FAULTS_FAILED faults could not be run (faults.jsonl)"
 [ "$REPORT_RC" -eq 0 ] || die "checks failed (chaos.md)"
