@@ -18,7 +18,8 @@ if [ "${CI:-}" = "true" ]; then
 fi
 
 echo "== cargo test --workspace"
-cargo test --workspace
+# --no-fail-fast: one failing test binary does not hide the others' results.
+cargo test --workspace --no-fail-fast
 
 echo "== end-to-end: openai Python client and curl through a node"
 cargo build --bin gorgo
