@@ -33,8 +33,9 @@ fn delay(ms: u64) -> DuplexLink {
     DuplexLink::symmetric(LinkParams::delay_only(Duration::from_millis(ms)))
 }
 
-/// What a test can hold on a shared machine: a relay never delivers early by
-/// more than the timer's 1 ms granularity (measured: up to 0.55 ms), and the
+/// What a test can hold on a shared machine: a relay never delivers more than
+/// its timer lead (0.9 ms, armed early to centre delivery on the configured
+/// delay) early per hop, so no round trip is more than 2 ms short, and the
 /// p50 is not grossly late (a delay applied twice or not at all fails at 90
 /// and 250 ms). The tolerance, 1 ms + 5% at p50, is a property of an
 /// idle machine, not of the code: a busy 2-core CI runner measured p50 11.7 ms
@@ -46,7 +47,7 @@ fn assert_delay(mut rtts_ms: Vec<f64>, expected_ms: f64, what: &str) {
     let (min, max) = (rtts_ms[0], rtts_ms[rtts_ms.len() - 1]);
     println!("{what}: expected {expected_ms} ms, p50 {p50:.3} ms, min {min:.3}, max {max:.3}");
     assert!(
-        min >= expected_ms - 1.0,
+        min >= expected_ms - 2.0,
         "{what}: an RTT of {min:.3} ms is below the configured {expected_ms} ms"
     );
     let late = 8.0 + 1.25 * expected_ms;
