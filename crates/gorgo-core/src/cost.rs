@@ -6,9 +6,11 @@
 //! cost(r) = w_rtt * RTT_ms(self -> r)          0 for the local region
 //!         + t_p(r) * uncached_tokens(r)        prefill of what r has not cached
 //!         + w_queue * queue_ms(r)              waiting behind work already at r
-//!         + DECODE_STALL_WEIGHT                the stall: every request decoding at r
-//!           * t_p(r) * uncached_tokens(r)      waits while this prompt is prefilled
-//!           * running(r)
+//!         + t_p(r) * running(r)                the stall: every request decoding at r
+//!           * ( REPREFILL_STALL_WEIGHT         waits while this prompt is prefilled:
+//!               * reprefill_tokens(r)          the part another candidate has cached,
+//!             + SHARED_STALL_WEIGHT            and the part every candidate would
+//!               * shared_tokens )              have to prefill
 //! ```
 //!
 //! The first three terms happen one after another in the serving pipeline, so with
@@ -40,16 +42,30 @@ pub const DEFAULT_OUTPUT_TOKENS: u64 = 128;
 /// the engine reports nobody waiting (the next admission needs room for a whole prompt).
 pub const KV_NEARLY_FULL: f64 = 0.95;
 
-/// Weight of the decode-stall term ([`stall_ms`]) in the `gorgo` cost.
+/// Weight of the re-prefill part of the decode-stall term ([`stall_ms`]): the prompt
+/// tokens a candidate would prefill although another candidate of the same decision has
+/// them cached.
 ///
-/// 1.0 would be the exact social cost of the engine model (a prefill of `P` ms delays
-/// each running request by `P`). Half of it is used because `running` is the least
-/// fresh signal in a peer's stats (a gossip interval old, and the same at every node):
-/// at full weight nodes that decide on the same stale counts herd onto the same
-/// target in a burst (docs/policy.md: the largest target's share of a burst rose
-/// from 0.44 to 0.55 on the Mooncake conversation trace and p95 TTFT by up to 40%),
-/// while at 0.5 the collapse under load is still prevented on every workload swept.
-pub const DECODE_STALL_WEIGHT: f64 = 0.5;
+/// 1.0 is the exact social cost in the engine model (a prefill of `P` ms delays each
+/// running request by `P`), and this part can carry it: it is work the cluster does
+/// only because of the choice (moving a session off its cache prefills the cached
+/// prefix again while the target's batch waits), and it comes from the per-request
+/// match against the prefix summaries, which differs from request to request, so nodes
+/// deciding on the same stale stats do not all read it the same way.
+pub const REPREFILL_STALL_WEIGHT: f64 = 1.0;
+
+/// Weight of the shared part of the decode-stall term ([`stall_ms`]): the prompt tokens
+/// that every candidate would have to prefill (the fewest uncached of the decision).
+///
+/// Placing that prefill where fewer requests decode does stall fewer of them, but the
+/// only thing that differs between candidates here is `running`, the least fresh signal
+/// in a peer's stats (a gossip interval old, and the same at every node): weighted as
+/// the social cost it makes every node that sees a burst pick the same small batch.
+/// Measured (docs/policy.md, "The stall weights"): 0.5 on both parts (the previous
+/// rule) left `gorgo` at 1.10-1.13x round-robin's p95 TTFT on the Mooncake conversation
+/// trace and 1.53x on a skewed multi-turn workload near saturation; 0.1 here keeps
+/// enough of the balance for p95 E2E.
+pub const SHARED_STALL_WEIGHT: f64 = 0.1;
 
 /// One region a request could be served at, as the deciding node sees it right now.
 ///
@@ -162,6 +178,10 @@ pub struct CostTerms {
     pub cached_tokens: u64,
     /// Prompt tokens the candidate would have to prefill.
     pub uncached_tokens: u64,
+    /// The part of `uncached_tokens` that another candidate of the decision has cached
+    /// (what choosing this one prefills again); the stall weighs it in full.
+    #[serde(default)]
+    pub reprefill_tokens: u64,
     /// The `t_p` used, ms per token.
     pub t_p_ms: f64,
     /// Unweighted queueing estimate, ms: [`queue_ms`] plus the forward bias.
@@ -248,21 +268,38 @@ pub fn admission_wait_ms(c: &Candidate) -> f64 {
     (waiting + 1) as f64 / running * DEFAULT_OUTPUT_TOKENS as f64 * step
 }
 
-/// The delay, ms, that prefilling `prefill_ms` at `c` inflicts on the requests running
-/// there, weighted by [`DECODE_STALL_WEIGHT`].
+/// The delay, ms, that prefilling `uncached_tokens` at `c` inflicts on the requests
+/// running there, weighted by part: [`REPREFILL_STALL_WEIGHT`] for the
+/// `reprefill_tokens` another candidate has cached, [`SHARED_STALL_WEIGHT`] for the rest
+/// (the prefill the request needs wherever it goes).
 ///
 /// An engine that has prefill work interleaves it with its decode steps (SGLang's
 /// chunked prefill; the emulator alternates a prefill chunk and a decode step), so
-/// every request decoding at `c` gets its next tokens `prefill_ms` later. Running
+/// every request decoding at `c` gets its next tokens that much later. Running
 /// requests are the candidate's last reported `running` plus the forwards expected
 /// since ([`Candidate::expected_forwards`]; they will be running by the time this
-/// request is prefilled). The term is 0
-/// at an idle engine, so at light load the rule is the TTFT minimiser; under load it
-/// grows with the batch, and the uncached prefill it multiplies is what makes moving
-/// a session off its cache expensive: the cached prefix is prefilled again.
-pub fn stall_ms(c: &Candidate, prefill_ms: f64) -> f64 {
+/// request is prefilled). The term is 0 at an idle engine, so at light load the rule is
+/// the TTFT minimiser; under load it grows with the batch, and the re-prefill it
+/// weighs in full is what makes moving a session off its cache expensive.
+pub fn stall_ms(c: &Candidate, uncached_tokens: u64, reprefill_tokens: u64) -> f64 {
     let running = c.stats.running as f64 + c.expected_forwards().0;
-    DECODE_STALL_WEIGHT * prefill_ms * running
+    let reprefill = reprefill_tokens.min(uncached_tokens);
+    let shared = uncached_tokens - reprefill;
+    let weighted = REPREFILL_STALL_WEIGHT * reprefill as f64 + SHARED_STALL_WEIGHT * shared as f64;
+    c.t_p_ms() * weighted * running
+}
+
+/// The fewest prompt tokens any healthy candidate would have to prefill for a
+/// `prompt_tokens`-token request: the prefill the cluster needs wherever it goes
+/// (the rest of a candidate's uncached tokens is re-prefill, [`stall_ms`]). The prompt
+/// itself when no candidate is healthy.
+pub fn fewest_uncached_tokens(prompt_tokens: u64, candidates: &[Candidate]) -> u64 {
+    candidates
+        .iter()
+        .filter(|c| c.healthy)
+        .map(|c| prompt_tokens - c.cached_tokens.min(prompt_tokens))
+        .min()
+        .unwrap_or(prompt_tokens)
 }
 
 /// The TTFT the cost model predicts for a `prompt_tokens`-token request served at `c`,
@@ -311,13 +348,21 @@ fn biased_queue_ms(c: &Candidate) -> f64 {
     (queue_ms(c).0 + bias).max(0.0)
 }
 
-/// The `gorgo` cost of serving a `prompt_tokens`-token request at `c` under `weights`.
+/// The `gorgo` cost of serving a `prompt_tokens`-token request at `c` under `weights`,
+/// when the best candidate of the decision has `fewest_uncached` tokens to prefill
+/// ([`fewest_uncached_tokens`]; pass `prompt_tokens` to judge `c` with no re-prefill).
 ///
 /// Non-finite or negative RTTs to a peer make the candidate infinitely expensive (never
 /// preferred over a measured one); the local candidate's RTT term is always 0.
-pub fn cost_terms(prompt_tokens: u64, c: &Candidate, weights: Weights) -> CostTerms {
+pub fn cost_terms(
+    prompt_tokens: u64,
+    c: &Candidate,
+    weights: Weights,
+    fewest_uncached: u64,
+) -> CostTerms {
     let cached_tokens = c.cached_tokens.min(prompt_tokens);
     let uncached_tokens = prompt_tokens - cached_tokens;
+    let reprefill_tokens = uncached_tokens.saturating_sub(fewest_uncached);
     let t_p_ms = c.t_p_ms();
     let rtt_ms = if c.is_local {
         0.0
@@ -331,7 +376,7 @@ pub fn cost_terms(prompt_tokens: u64, c: &Candidate, weights: Weights) -> CostTe
     let raw_queue_ms = biased_queue_ms(c);
     let forward_bias_ms = raw_queue_ms - unbiased_queue_ms;
     let queue_ms = weights.w_queue * raw_queue_ms;
-    let stall_ms = stall_ms(c, prefill_ms);
+    let stall_ms = stall_ms(c, uncached_tokens, reprefill_tokens);
     CostTerms {
         rtt_ms,
         prefill_ms,
@@ -340,6 +385,7 @@ pub fn cost_terms(prompt_tokens: u64, c: &Candidate, weights: Weights) -> CostTe
         total_ms: rtt_ms + prefill_ms + queue_ms + stall_ms,
         cached_tokens,
         uncached_tokens,
+        reprefill_tokens,
         t_p_ms,
         raw_queue_ms,
         forward_bias_ms,
@@ -537,7 +583,7 @@ mod tests {
     fn terms_add_up_and_local_has_no_rtt() {
         let mut local = peer(50.0, 0);
         local.is_local = true;
-        let t = cost_terms(1000, &local, Weights::default());
+        let t = cost_terms(1000, &local, Weights::default(), 1000);
         assert_eq!(t.rtt_ms, 0.0);
         assert!((t.prefill_ms - 94.0).abs() < 1e-9);
         assert_eq!(
@@ -555,12 +601,12 @@ mod tests {
             w_rtt: 3.0,
             w_queue: 0.5,
         };
-        let t = cost_terms(1200, &c, w);
+        let t = cost_terms(1200, &c, w, 1200);
         let expected = 40.0 + 15.0 + 0.094 * 1000.0 + 0.094 * 1000.0;
         assert!((estimated_ttft_ms(1200, &c) - expected).abs() < 1e-9);
         assert_eq!(t.estimated_ttft_ms, Some(estimated_ttft_ms(1200, &c)));
         c.rtt_ms = f64::NAN;
-        assert_eq!(cost_terms(1200, &c, w).estimated_ttft_ms, None);
+        assert_eq!(cost_terms(1200, &c, w, 1200).estimated_ttft_ms, None);
         c.is_local = true;
         c.stats.base_ms = f64::NAN;
         assert!((estimated_ttft_ms(1200, &c) - 188.0).abs() < 1e-9);
@@ -569,22 +615,45 @@ mod tests {
     #[test]
     fn stall_is_zero_when_idle_and_grows_with_the_batch_and_the_prefill() {
         let mut c = peer(10.0, 0);
-        let idle = cost_terms(1000, &c, Weights::default());
+        let w = Weights::default();
+        let idle = cost_terms(1000, &c, w, 1000);
         assert_eq!(idle.stall_ms, 0.0);
         c.stats.running = 8;
-        let t8 = cost_terms(1000, &c, Weights::default());
-        assert!((t8.stall_ms - DECODE_STALL_WEIGHT * t8.prefill_ms * 8.0).abs() < 1e-9);
+        // Judged alone, all of the prefill is shared: the shared weight.
+        let t8 = cost_terms(1000, &c, w, 1000);
+        assert_eq!(t8.reprefill_tokens, 0);
+        assert!((t8.stall_ms - SHARED_STALL_WEIGHT * t8.prefill_ms * 8.0).abs() < 1e-9);
+        // Another candidate has 600 of the 1,000 tokens cached: those are re-prefill.
+        let t8r = cost_terms(1000, &c, w, 400);
+        assert_eq!(t8r.reprefill_tokens, 600);
+        let want =
+            t8r.t_p_ms * 8.0 * (REPREFILL_STALL_WEIGHT * 600.0 + SHARED_STALL_WEIGHT * 400.0);
+        assert!((t8r.stall_ms - want).abs() < 1e-9);
         // Our own forwards since the stats count as running too.
         c.inflight_forwards = 2;
-        let t10 = cost_terms(1000, &c, Weights::default());
+        let t10 = cost_terms(1000, &c, w, 1000);
         assert!((t10.stall_ms - t8.stall_ms * 10.0 / 8.0).abs() < 1e-9);
         // A cached prefix is prefill nobody waits for.
         c.cached_tokens = 1000;
-        assert_eq!(cost_terms(1000, &c, Weights::default()).stall_ms, 0.0);
+        assert_eq!(cost_terms(1000, &c, w, 0).stall_ms, 0.0);
         // The prediction of TTFT does not include what others wait.
         let base = c.stats.base_ms;
         let want = t10.rtt_ms + base + t10.prefill_ms + t10.raw_queue_ms;
         assert!((t10.estimated_ttft_ms.unwrap() - want).abs() < 1e-9);
+    }
+
+    #[test]
+    fn fewest_uncached_counts_healthy_candidates_only() {
+        let mut warm = peer(10.0, 700);
+        let cold = peer(10.0, 100);
+        assert_eq!(
+            fewest_uncached_tokens(1000, &[cold.clone(), warm.clone()]),
+            300
+        );
+        warm.healthy = false;
+        assert_eq!(fewest_uncached_tokens(1000, &[cold, warm.clone()]), 900);
+        assert_eq!(fewest_uncached_tokens(1000, &[warm]), 1000);
+        assert_eq!(fewest_uncached_tokens(1000, &[]), 1000);
     }
 
     #[test]
@@ -599,10 +668,13 @@ mod tests {
         home.stats.unfinished_prefill_tokens = 20_000;
         let mut away = peer(40.0, 0);
         away.stats.running = 16;
+        let fewest = fewest_uncached_tokens(8000, &[home.clone(), away.clone()]);
+        assert_eq!(fewest, 1000);
         let (h, a) = (
-            cost_terms(8000, &home, Weights::default()),
-            cost_terms(8000, &away, Weights::default()),
+            cost_terms(8000, &home, Weights::default(), fewest),
+            cost_terms(8000, &away, Weights::default(), fewest),
         );
+        assert_eq!((h.reprefill_tokens, a.reprefill_tokens), (0, 7000));
         let ttft = |t: &CostTerms| t.rtt_ms + t.prefill_ms + t.queue_ms;
         assert!(ttft(&a) < ttft(&h), "greedy TTFT moves: {a:?} vs {h:?}");
         assert!(
@@ -611,8 +683,32 @@ mod tests {
         );
     }
 
+    #[test]
+    fn with_nothing_cached_anywhere_a_smaller_batch_wins_only_by_the_shared_weight() {
+        // No reuse: every candidate prefills the whole prompt. Batches of 20 and 14, equal
+        // queues: the stall prefers the smaller batch by 0.1 x P x 6 (0.6 P), not by the
+        // 0.5 x P x 6 (3 P) of the previous rule, which outweighed three queued prefills.
+        let mut a = peer(0.0, 0);
+        a.is_local = true;
+        a.stats.running = 20;
+        let mut b = peer(0.0, 0);
+        b.stats.running = 14;
+        let fewest = fewest_uncached_tokens(7000, &[a.clone(), b.clone()]);
+        let (ta, tb) = (
+            cost_terms(7000, &a, Weights::default(), fewest),
+            cost_terms(7000, &b, Weights::default(), fewest),
+        );
+        let p = ta.prefill_ms;
+        assert!((ta.stall_ms - tb.stall_ms - SHARED_STALL_WEIGHT * p * 6.0).abs() < 1e-6);
+        // One queued prefill of the same size at the smaller batch outweighs it.
+        b.stats.unfinished_prefill_tokens = 7000;
+        let tb = cost_terms(7000, &b, Weights::default(), fewest);
+        assert!(ta.total_ms < tb.total_ms, "{ta:?} vs {tb:?}");
+    }
+
     proptest::proptest! {
-        /// More running requests or more uncached tokens never make a candidate cheaper.
+        /// More running requests or more uncached tokens never make a candidate cheaper,
+        /// whatever the decision's fewest uncached tokens.
         #[test]
         fn stall_is_monotone(
             running in 0u32..512,
@@ -620,23 +716,24 @@ mod tests {
             prompt in 0u64..40_000,
             cached in 0u64..40_000,
             fewer_cached in 0u64..40_000,
+            fewest in 0u64..40_000,
         ) {
             let mut c = peer(20.0, cached);
             c.stats.running = running;
-            let base = cost_terms(prompt, &c, Weights::default());
+            let base = cost_terms(prompt, &c, Weights::default(), fewest);
             let mut busier = c.clone();
             busier.stats.running = running + more_running;
-            proptest::prop_assert!(cost_terms(prompt, &busier, Weights::default()).stall_ms >= base.stall_ms);
+            proptest::prop_assert!(cost_terms(prompt, &busier, Weights::default(), fewest).stall_ms >= base.stall_ms);
             let mut colder = c.clone();
             colder.cached_tokens = cached.saturating_sub(fewer_cached);
-            proptest::prop_assert!(cost_terms(prompt, &colder, Weights::default()).stall_ms >= base.stall_ms);
+            proptest::prop_assert!(cost_terms(prompt, &colder, Weights::default(), fewest).stall_ms >= base.stall_ms);
             proptest::prop_assert!(base.stall_ms >= 0.0 && base.stall_ms.is_finite());
         }
     }
 
     #[test]
     fn cached_tokens_never_exceed_prompt() {
-        let t = cost_terms(100, &peer(10.0, 1000), Weights::default());
+        let t = cost_terms(100, &peer(10.0, 1000), Weights::default(), 100);
         assert_eq!(t.cached_tokens, 100);
         assert_eq!(t.uncached_tokens, 0);
     }
@@ -645,7 +742,7 @@ mod tests {
     fn bad_rtt_or_t_p_is_guarded() {
         let mut c = peer(f64::NAN, 0);
         c.stats.t_p_ms = f64::NAN;
-        let t = cost_terms(10, &c, Weights::default());
+        let t = cost_terms(10, &c, Weights::default(), 10);
         assert_eq!(t.t_p_ms, FALLBACK_T_P_MS);
         assert!(t.total_ms.is_infinite());
     }
@@ -746,10 +843,10 @@ mod tests {
         c.stats.running = 4;
         c.inflight_forwards = 2;
         c.inflight_forward_prompt_tokens = 3000;
-        let alone = cost_terms(1000, &c, Weights::default());
+        let alone = cost_terms(1000, &c, Weights::default(), 1000);
         c.deciders = 3;
         assert_eq!(c.expected_forwards(), (6.0, 9000));
-        let three = cost_terms(1000, &c, Weights::default());
+        let three = cost_terms(1000, &c, Weights::default(), 1000);
         assert_eq!(three.tokens_ahead, 9000);
         assert!(three.queue_ms > alone.queue_ms && three.stall_ms > alone.stall_ms);
         // Without forwards of our own there is nothing to multiply.
@@ -774,13 +871,13 @@ mod tests {
         // It enters the peer's queue term and the prediction, never the local one's.
         let mut c = peer(10.0, 0);
         l.apply(&mut c, 640);
-        let t = cost_terms(100, &c, Weights::default());
+        let t = cost_terms(100, &c, Weights::default(), 100);
         assert!((t.forward_bias_ms - learnt).abs() < 1e-6, "{t:?} {learnt}");
         assert!((t.raw_queue_ms - queue_ms(&c).0 - learnt).abs() < 1e-9);
         let mut local = Candidate::idle("a", true, 0.0);
         local.forward_bias_ms = 5000.0;
         assert_eq!(
-            cost_terms(100, &local, Weights::default()).forward_bias_ms,
+            cost_terms(100, &local, Weights::default(), 100).forward_bias_ms,
             0.0
         );
         // Without new forwards it halves every half-life, so a peer is never shut out.
@@ -793,7 +890,10 @@ mod tests {
         // A negative bias never makes the queue negative.
         let mut fast = peer(10.0, 0);
         fast.forward_bias_ms = -1e6;
-        assert_eq!(cost_terms(100, &fast, Weights::default()).raw_queue_ms, 0.0);
+        assert_eq!(
+            cost_terms(100, &fast, Weights::default(), 100).raw_queue_ms,
+            0.0
+        );
     }
 
     #[test]

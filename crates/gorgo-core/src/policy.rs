@@ -12,7 +12,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::cost::{cost_terms, Candidate, CostTerms};
+use crate::cost::{cost_terms, fewest_uncached_tokens, Candidate, CostTerms};
 use crate::error::CoreError;
 use crate::hash::{hash_bytes, HashChain};
 use crate::types::Weights;
@@ -290,10 +290,11 @@ impl Policy for Gorgo {
         rng_u64: u64,
     ) -> Choice {
         let greedy = self.kind == PolicyKind::GorgoTtft;
+        let fewest = fewest_uncached_tokens(req.prompt_tokens, candidates);
         let terms: Vec<CostTerms> = candidates
             .iter()
             .map(|c| {
-                let mut t = cost_terms(req.prompt_tokens, c, weights);
+                let mut t = cost_terms(req.prompt_tokens, c, weights, fewest);
                 if greedy {
                     t.stall_ms = 0.0;
                     t.total_ms = t.rtt_ms + t.prefill_ms + t.queue_ms;
@@ -354,6 +355,7 @@ impl Policy for GorgoPaper {
                     total_ms: rtt + uncached_tokens as f64 + queue,
                     cached_tokens,
                     uncached_tokens,
+                    reprefill_tokens: 0,
                     t_p_ms: 1.0,
                     raw_queue_ms: queued as f64,
                     forward_bias_ms: 0.0,

@@ -52,8 +52,8 @@ fn cached_peer_wins_only_while_rtt_is_below_the_prefill_it_saves() {
         target(PolicyKind::Gorgo, &req, &[local.clone(), peer.clone()]),
         "b-peer"
     );
-    let saved = cost_terms(1200, &local, Weights::default()).total_ms
-        - cost_terms(1200, &peer, Weights::default()).prefill_ms;
+    let saved = cost_terms(1200, &local, Weights::default(), 1200).total_ms
+        - cost_terms(1200, &peer, Weights::default(), 1200).prefill_ms;
     assert!((saved - 94.0).abs() < 1e-6);
     peer.rtt_ms = 180.0;
     assert_eq!(target(PolicyKind::Gorgo, &req, &[local, peer]), "a-local");
