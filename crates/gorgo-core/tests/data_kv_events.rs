@@ -42,11 +42,11 @@ impl RefEngine {
         let (mut hashes, mut token_ids, mut run_parent) = (Vec::new(), Vec::new(), None);
         for block in prompt.chunks_exact(self.block_size) {
             let h = Self::key(parent, block);
-            if !self.blocks.contains_key(&h) {
+            if let std::collections::hash_map::Entry::Vacant(e) = self.blocks.entry(h) {
                 if hashes.is_empty() {
                     run_parent = parent;
                 }
-                self.blocks.insert(h, (parent, block.to_vec()));
+                e.insert((parent, block.to_vec()));
                 hashes.push(h);
                 token_ids.extend_from_slice(block);
             }
