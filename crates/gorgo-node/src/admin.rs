@@ -146,6 +146,8 @@ async fn admin_state(State(state): State<Arc<NodeState>>) -> Response {
         "tokens": state.tokens.view(state.config.routing.block_bytes),
         "shadow_index_blocks": state.shadow.lock().len(),
         "shadow_index_tokens": state.shadow.lock().used_tokens(),
+        "prefix_index_source": state.shadow.lock().source(),
+        "kv_events": state.kv_events.as_ref().map(|kv| kv.view(state.now_ms())),
         "peers": state.peers.peers(),
         "weights": *state.weights.read(),
         "policy": state.config.routing.policy,
