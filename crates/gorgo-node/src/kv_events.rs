@@ -30,6 +30,16 @@ const REPLAY_CHANNEL: usize = 256;
 /// How long a connect to the publisher may take before it is retried.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The node's blocks in tokens: with a tokenizer, `routing.block_tokens`; without,
+/// the byte blocks at 4 bytes per "token" (an engine that hashes bytes, like the
+/// emulator without a tokenizer, publishes 4-byte chunks as token ids).
+pub fn node_block_tokens(config: &ValidatedConfig) -> usize {
+    match config.engine.tokenizer {
+        Some(_) => config.routing.block_tokens,
+        None => config.routing.block_bytes / gorgo_core::hash::BYTES_PER_TOKEN,
+    }
+}
+
 /// The follower and what `/admin/state` shows of it.
 #[derive(Debug)]
 pub struct KvEvents {
@@ -69,13 +79,7 @@ impl KvEvents {
         let Some(endpoint) = engine.kv_events.clone() else {
             return Ok(None);
         };
-        // The node's blocks in tokens: with a tokenizer, `routing.block_tokens`; without,
-        // the byte blocks at 4 bytes per "token" (an engine that hashes bytes, like the
-        // emulator without a tokenizer, publishes 4-byte chunks as token ids).
-        let node_block_tokens = match engine.tokenizer {
-            Some(_) => config.routing.block_tokens,
-            None => config.routing.block_bytes / gorgo_core::hash::BYTES_PER_TOKEN,
-        };
+        let node_block_tokens = node_block_tokens(config);
         let follower_config = KvFollowerConfig {
             max_engine_blocks: engine.kv_events_max_blocks,
             max_payload_bytes: engine.kv_events_max_message_bytes,

@@ -63,6 +63,11 @@ impl LocalCache {
         self.index.summary().sample()
     }
 
+    /// Blocks of `chain`'s prefix the engine probably caches.
+    pub fn longest_match_blocks(&self, chain: &HashChain) -> usize {
+        self.index.longest_match_blocks(chain)
+    }
+
     /// Tokens of `chain`'s prefix the engine probably caches.
     pub fn longest_match(&self, chain: &HashChain) -> u64 {
         self.index.longest_match(chain)
