@@ -138,6 +138,26 @@ pub enum NodeBlockChange {
     Cleared,
 }
 
+/// A cache change of an engine that hashes the node's own chain (the simulator's
+/// engines: their blocks are the node's blocks), so nothing needs re-chaining.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AlignedBlockEvent {
+    /// The engine stored block `hash` below `parent`.
+    Stored {
+        /// The block's chained hash (the node's).
+        hash: u64,
+        /// The block before it.
+        parent: Option<u64>,
+        /// Tokens it holds.
+        tokens: u32,
+    },
+    /// The engine evicted block `hash`.
+    Removed {
+        /// The block's chained hash.
+        hash: u64,
+    },
+}
+
 /// What the follower asks its driver to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FollowerAction {
@@ -358,6 +378,38 @@ impl KvEventFollower {
         *next = seq + 1;
         // An undecodable batch resyncs inside: the replay is then over.
         self.apply(payload, now_ms);
+    }
+
+    /// A batch of an in-process stream that loses nothing and whose blocks are the
+    /// node's already (the simulator: its engine's changes after the transit delay).
+    /// The stream starts with the engine, so its history is complete.
+    pub fn apply_aligned(&mut self, events: &[AlignedBlockEvent], now_ms: u64) {
+        if let Stream::Fresh { .. } = self.stream {
+            self.history_complete = true;
+            self.continuous_since_ms = Some(now_ms);
+            self.stream = Stream::Live { next: 0 };
+        }
+        self.counters.batches += 1;
+        self.last_batch_ms = now_ms;
+        self.dispatches_since_batch = 0;
+        let mut out = Vec::new();
+        for event in events {
+            self.counters.events += 1;
+            match *event {
+                AlignedBlockEvent::Stored {
+                    hash,
+                    parent,
+                    tokens,
+                } => self
+                    .tracker
+                    .store_aligned(hash, parent, tokens, &mut out, &mut self.counters),
+                AlignedBlockEvent::Removed { hash } => self.tracker.remove(hash, &mut out),
+            }
+        }
+        if self.source == IndexSource::Events {
+            self.changes.extend(out);
+        }
+        self.update_source(now_ms);
     }
 
     /// Time passes: replay deadlines, silence, the warm-up.
@@ -761,6 +813,43 @@ impl BlockTracker {
                 p.children.push(h);
             }
             prev = Some(h);
+        }
+    }
+
+    /// One engine block that is a node block (see [`AlignedBlockEvent`]).
+    fn store_aligned(
+        &mut self,
+        hash: u64,
+        parent: Option<u64>,
+        tokens: u32,
+        out: &mut Vec<NodeBlockChange>,
+        counters: &mut KvEventCounters,
+    ) {
+        if self.engine.contains_key(&hash) {
+            return;
+        }
+        if parent.is_some_and(|p| !self.engine.contains_key(&p)) {
+            counters.ignored_blocks += 1;
+            return;
+        }
+        if self.engine.len() >= self.max_engine_blocks {
+            counters.dropped_blocks += 1;
+            return;
+        }
+        self.add_node_ref(hash, parent, tokens, out);
+        self.engine.insert(
+            hash,
+            EngineBlock {
+                parent,
+                end: 0,
+                tokens: Box::new([]),
+                chain_end: Some(hash),
+                completes: vec![hash],
+                children: Vec::new(),
+            },
+        );
+        if let Some(p) = parent.and_then(|p| self.engine.get_mut(&p)) {
+            p.children.push(hash);
         }
     }
 
