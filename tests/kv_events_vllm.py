@@ -20,10 +20,8 @@ import hashlib
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -31,6 +29,8 @@ from typing import Any
 
 import msgspec
 import zmq
+
+from e2e_util import check, node_setup
 
 ADMIN_TOKEN = "kv-events-admin-token"
 NODE_ID = "kv-region"
@@ -242,18 +242,6 @@ class Publisher:
         self.router.close(linger=0)
 
 
-def free_tcp_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_udp_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http(url, body=None):
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method="POST" if data else "GET",
@@ -286,40 +274,13 @@ def wait_until(what, cond, procs, publisher, timeout_s=60.0):
 def run(binary):
     binary = os.path.abspath(binary)
     rng = random.Random(19)
-    tmp = tempfile.mkdtemp(prefix="gorgo-kv-")
-    subprocess.run([binary, "certs", "--out", os.path.join(tmp, "certs"), "--nodes", NODE_ID],
-                   check=True, stdout=subprocess.DEVNULL)
     ctx = zmq.Context()
     publisher = Publisher(ctx)
-    engine_port, http_port, admin_port, quic_port = (
-        free_tcp_port(), free_tcp_port(), free_tcp_port(), free_udp_port())
-    config = f"""
-[node]
-id = "{NODE_ID}"
-region = "{NODE_ID}"
-
-[listen]
-http = "127.0.0.1:{http_port}"
-quic = "127.0.0.1:{quic_port}"
-admin = "127.0.0.1:{admin_port}"
-
-[engine]
-url = "http://127.0.0.1:{engine_port}"
-kind = "sglang"
-kv_events = "tcp://127.0.0.1:{publisher.pub_port}"
-kv_events_replay = "tcp://127.0.0.1:{publisher.replay_port}"
-
-[tls]
-ca = "certs/ca.pem"
-cert = "certs/{NODE_ID}.pem"
-key = "certs/{NODE_ID}.key"
-
-[admin]
-token = "{ADMIN_TOKEN}"
-"""
-    config_path = os.path.join(tmp, "node.toml")
-    with open(config_path, "w") as f:
-        f.write(config)
+    node = node_setup(binary, NODE_ID, ADMIN_TOKEN, "gorgo-kv-", engine_extra=(
+        f'kv_events = "tcp://127.0.0.1:{publisher.pub_port}"\n'
+        f'kv_events_replay = "tcp://127.0.0.1:{publisher.replay_port}"\n'))
+    tmp, config_path, engine_port, admin_port = (
+        node.tmp, node.config_path, node.engine_port, node.admin_port)
     admin = f"http://127.0.0.1:{admin_port}"
     logs = open(os.path.join(tmp, "log.txt"), "w")
     procs = []
@@ -451,11 +412,6 @@ token = "{ADMIN_TOKEN}"
         publisher.close()
         ctx.destroy(linger=0)
         logs.close()
-
-
-def check(cond, msg):
-    if not cond:
-        raise AssertionError(msg)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,18 @@ fn down_without_a_cluster_is_a_no_op_and_bad_topologies_are_named() {
     assert!(err.contains("regions[0].client_delay_ms"), "{err}");
 }
 
+/// GET an admin route with the cluster's token, as JSON.
+async fn admin_get(http: &reqwest::Client, url: &str, token: &str) -> serde_json::Value {
+    http.get(url)
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_serves_every_region_and_down_stops_everything() {
     let dir = tempfile::tempdir().unwrap();
@@ -148,15 +160,7 @@ async fn up_serves_every_region_and_down_stops_everything() {
         let url = format!("{}/admin/state", region["admin_url"].as_str().unwrap());
         let deadline = Instant::now() + FORM_TIMEOUT;
         loop {
-            let state: serde_json::Value = http
-                .get(&url)
-                .bearer_auth(&token)
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+            let state = admin_get(&http, &url, &token).await;
             if state["prefix_index_source"] == "events" {
                 assert!(state["kv_events"]["counters"]["batches"].as_u64() > Some(0));
                 break;
@@ -175,15 +179,7 @@ async fn up_serves_every_region_and_down_stops_everything() {
         let url = format!("{}/admin/peers", region["admin_url"].as_str().unwrap());
         let deadline = Instant::now() + FORM_TIMEOUT;
         loop {
-            let peers: serde_json::Value = http
-                .get(&url)
-                .bearer_auth(&token)
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+            let peers = admin_get(&http, &url, &token).await;
             let alive = peers
                 .as_array()
                 .map(|p| p.iter().filter(|p| p["alive"] == true).count())

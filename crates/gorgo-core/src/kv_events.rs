@@ -39,6 +39,10 @@ use crate::hash::{chain_step, CHAIN_SEED};
 use crate::kv_wire::{decode_batch, decode_seq, KvEvent, DEFAULT_MAX_PAYLOAD_BYTES, MEDIUM_GPU};
 use crate::summary::FingerprintBuildHasher;
 
+/// What one batch held during a replay counts against `max_pending_bytes` beyond its
+/// payload: its map entry.
+const PENDING_ENTRY_BYTES: usize = 64;
+
 /// Limits and timings of a [`KvEventFollower`]; every one bounds what a bad stream
 /// can cost.
 #[derive(Debug, Clone, PartialEq)]
@@ -50,7 +54,8 @@ pub struct KvFollowerConfig {
     pub max_engine_blocks: usize,
     /// Largest batch payload decoded.
     pub max_payload_bytes: usize,
-    /// Bytes of live batches held while a replay runs; past it, a resync.
+    /// Bytes of live batches held while a replay runs (64 more per batch); past it, a
+    /// resync.
     pub max_pending_bytes: usize,
     /// Longest gap (in batches) worth a replay; longer is a resync. vLLM keeps
     /// 10 000 batches for replay by default.
@@ -504,11 +509,14 @@ impl KvEventFollower {
                 pending_bytes,
                 ..
             } => {
-                if *pending_bytes + payload.len() > self.config.max_pending_bytes {
+                // Each held batch costs its bytes and its entry, so a flood of tiny
+                // messages is bounded too.
+                let cost = payload.len() + PENDING_ENTRY_BYTES;
+                if *pending_bytes + cost > self.config.max_pending_bytes {
                     self.replay_failed(now_ms, "replay backlog full");
                     return self.on_batch(seq, payload, now_ms);
                 }
-                *pending_bytes += payload.len();
+                *pending_bytes += cost;
                 pending.insert(seq, payload.to_vec());
             }
         }
@@ -524,7 +532,7 @@ impl KvEventFollower {
             first_seen: false,
             deadline_ms: now_ms.saturating_add(self.config.replay_timeout_ms),
             pending,
-            pending_bytes: payload.len(),
+            pending_bytes: payload.len() + PENDING_ENTRY_BYTES,
         };
         self.actions
             .push(FollowerAction::RequestReplay { from_seq: from });

@@ -491,3 +491,26 @@ fn gaps_replay_and_restarts() {
     assert_eq!(f.node_blocks(), 1);
     assert_eq!(held_node_blocks(&f, &[7, 7, 7, 7], 4), 1);
 }
+
+/// Live batches held during a replay are capped in bytes and entries: a flood of tiny
+/// messages while the replay is out ends it (a resync), the rest goes on.
+#[test]
+fn the_replay_backlog_is_bounded() {
+    let cfg = KvFollowerConfig {
+        max_pending_bytes: 64 * 100,
+        ..config(4)
+    };
+    let mut f = KvEventFollower::new(cfg, 0).unwrap();
+    let (s, p) = message(0, vec![]);
+    deliver(&mut f, s, &p, 0);
+    // Batch 1 is lost: 2 opens a replay, which never answers.
+    for seq in 2..200 {
+        let (s, p) = message(seq, vec![]);
+        deliver(&mut f, s, &p, 1);
+    }
+    assert_eq!(f.counters().replays, 1);
+    assert_eq!(f.counters().replay_failures, 1);
+    assert_eq!(f.fallback_reason(), Some("replay backlog full"));
+    // The held batches went on as a stream whose start is unknown.
+    assert_eq!(f.counters().batches, 1 + 198);
+}

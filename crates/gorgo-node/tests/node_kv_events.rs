@@ -15,18 +15,6 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use zeromq::{Socket, SocketSend};
 
-/// Wait for `cond` (checked every few ms) for at most 20 s.
-async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !cond() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 /// `[engine]` keys subscribing to `pub_ep` (and replaying from `replay_ep`), with
 /// short warm-up and silence so the test runs quickly.
 fn kv_config(pub_ep: &str, replay_ep: Option<&str>) -> String {
@@ -91,7 +79,7 @@ async fn bad_streams_resync_onto_the_shadow_model_and_recover() {
     let a = text(1, 512);
     let (ev, _) = stored(&a, 1);
     publisher.publish(vec![ev], 0.0);
-    wait_for("the node to follow the events", || {
+    until("the node to follow the events", || {
         if kv.view(0).counters.batches == 0 {
             publisher.publish(vec![], 0.0);
         }
@@ -99,7 +87,7 @@ async fn bad_streams_resync_onto_the_shadow_model_and_recover() {
     })
     .await;
     let chain_a = HashChain::from_bytes(&a, 256, 4);
-    wait_for("the stored blocks in the index", || {
+    until("the stored blocks in the index", || {
         state.shadow.lock().longest_match(&chain_a) == 128
     })
     .await;
@@ -170,7 +158,7 @@ async fn bad_streams_resync_onto_the_shadow_model_and_recover() {
     let mut publisher = publisher.expect("rebinding the publisher");
     // Heard once the SUB socket has reconnected.
     let batches = kv.view(0).counters.batches;
-    wait_for("the node to hear the new publisher", || {
+    until("the node to hear the new publisher", || {
         publisher.publish(vec![], 1.0);
         kv.view(0).counters.batches > batches
     })
@@ -179,7 +167,7 @@ async fn bad_streams_resync_onto_the_shadow_model_and_recover() {
     let (ev, b_hashes) = stored(&b, 2);
     publisher.publish(vec![ev], 1.0);
     let chain_b = HashChain::from_bytes(&b, 256, 4);
-    wait_for("the new publisher's blocks", || {
+    until("the new publisher's blocks", || {
         kv.source() == IndexSource::Events && state.shadow.lock().longest_match(&chain_b) == 192
     })
     .await;
@@ -193,7 +181,7 @@ async fn bad_streams_resync_onto_the_shadow_model_and_recover() {
         }],
         2.0,
     );
-    wait_for("the eviction", || {
+    until("the eviction", || {
         state.shadow.lock().longest_match(&chain_b) == 64
     })
     .await;
@@ -209,7 +197,7 @@ async fn bad_streams_resync_onto_the_shadow_model_and_recover() {
             .unwrap();
         assert_eq!(resp.status(), 200);
     }
-    wait_for("the silence to be noticed", || {
+    until("the silence to be noticed", || {
         kv.view(0).counters.silences == 1
     })
     .await;
@@ -279,7 +267,7 @@ async fn the_node_follows_the_emulators_cache() {
             }
         }
         // Wait for the events of this round before the next.
-        wait_for("the emulator's events", || {
+        until("the emulator's events", || {
             kv.source() == IndexSource::Events && state.shadow.lock().len() >= 30
         })
         .await;
