@@ -514,3 +514,52 @@ fn the_replay_backlog_is_bounded() {
     // The held batches went on as a stream whose start is unknown.
     assert_eq!(f.counters().batches, 1 + 198);
 }
+
+proptest! {
+    /// Whatever arrives on either socket, in any framing, the follower neither
+    /// panics nor holds more than its caps, and a good batch after it is applied.
+    #[test]
+    fn any_bytes_never_panic(
+        messages in prop::collection::vec(
+            (prop::collection::vec(prop::collection::vec(any::<u8>(), 0..40), 0..5), any::<bool>()),
+            0..40,
+        ),
+        mutate in prop::collection::vec((any::<usize>(), any::<u8>()), 0..8),
+    ) {
+        let cfg = KvFollowerConfig {
+            max_engine_blocks: 64,
+            max_payload_bytes: 1024,
+            replay_timeout_ms: 5,
+            ..config(4)
+        };
+        let mut f = KvEventFollower::new(cfg, 0).unwrap();
+        // A real batch with bytes flipped, as well as raw garbage.
+        let mut engine = RefEngine::new(2);
+        let (_, mut good) = message(0, vec![engine.store(&[1, 2, 3, 4, 5, 6, 7, 8]).unwrap()]);
+        for (i, b) in mutate {
+            let n = good.len();
+            good[i % n] = b;
+        }
+        for (now, (frames, replay)) in messages.iter().enumerate() {
+            let mut parts: Vec<&[u8]> = frames.iter().map(|f| f.as_slice()).collect();
+            if parts.len() == 3 {
+                parts[2] = &good;
+            }
+            if *replay {
+                f.on_replay_message(&parts, now as u64);
+            } else {
+                f.on_message(&parts, now as u64);
+            }
+            f.tick(now as u64);
+            prop_assert!(f.engine_blocks() <= 64);
+            f.take_changes();
+            f.take_actions();
+        }
+        f.tick(1_000);
+        let (_, fine) = message(1_000, vec![]);
+        let before = f.counters().batches;
+        deliver(&mut f, 1_000, &fine, 1_001);
+        f.tick(1_002);
+        prop_assert!(f.counters().batches > before || f.take_actions().len() == 1);
+    }
+}
