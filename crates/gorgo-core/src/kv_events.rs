@@ -330,6 +330,30 @@ impl KvEventFollower {
         self.dispatches_since_batch = self.dispatches_since_batch.saturating_add(1);
     }
 
+    /// The SUB socket is subscribed (at start, or again): with a replay socket and no
+    /// batch seen yet, ask for everything the publisher still buffers, so that what
+    /// it published before the subscription took effect (a PUB drops what no
+    /// subscriber takes) is not waited for until the next batch shows a gap. An
+    /// empty answer means it has published nothing: the index follows the events,
+    /// which start with the next batch, seq 0.
+    pub fn on_subscribed(&mut self, now_ms: u64) {
+        if let Stream::Fresh { full_replay: true } = self.stream {
+            if self.config.replay {
+                self.counters.replays += 1;
+                self.stream = Stream::Replaying {
+                    from: 0,
+                    next: 0,
+                    first_seen: false,
+                    deadline_ms: now_ms.saturating_add(self.config.replay_timeout_ms),
+                    pending: BTreeMap::new(),
+                    pending_bytes: 0,
+                };
+                self.actions
+                    .push(FollowerAction::RequestReplay { from_seq: 0 });
+            }
+        }
+    }
+
     /// A message of the SUB socket: `[topic, seq, payload]`.
     pub fn on_message(&mut self, frames: &[&[u8]], now_ms: u64) {
         let (seq, payload) = match self.parse_frames(frames, 3) {
@@ -550,8 +574,14 @@ impl KvEventFollower {
         else {
             return;
         };
-        if from == 0 && !first_seen {
-            // An empty replay buffer: the start is not there to see.
+        if from == 0 && !first_seen && pending.is_empty() {
+            // Asked on subscribing, before any batch: nothing published yet, so the
+            // cache is empty and the stream starts at seq 0.
+            self.history_complete = true;
+            self.continuous_since_ms = Some(now_ms);
+            self.stream = Stream::Live { next: 0 };
+        } else if from == 0 && !first_seen {
+            // An empty replay buffer behind live batches: the start is not there to see.
             self.history_complete = false;
             self.continuous_since_ms = Some(now_ms);
             self.stream = Stream::Fresh { full_replay: false };

@@ -665,6 +665,46 @@ mod tests {
         ));
     }
 
+    /// SGLang's classes: `array_like`, a batch of two fields, `BlockStored` without
+    /// `medium`, `BlockRemoved` with the hashes only, pages of one token.
+    #[test]
+    fn sglang_shapes() {
+        let bytes = rmp_serde::to_vec(&(
+            0.5f64,
+            (
+                (
+                    "BlockStored",
+                    vec![1u64, 2],
+                    None::<u64>,
+                    vec![5u32, 6],
+                    1u32,
+                    None::<i64>,
+                ),
+                ("BlockRemoved", vec![1u64]),
+            ),
+        ))
+        .unwrap();
+        let batch = decode_batch(&bytes, 1 << 20).unwrap();
+        assert_eq!(batch.data_parallel_rank, None);
+        assert_eq!(
+            batch.events,
+            vec![
+                KvEvent::BlockStored {
+                    block_hashes: vec![1, 2],
+                    parent: None,
+                    token_ids: vec![5, 6],
+                    block_size: 1,
+                    lora_id: None,
+                    medium: None,
+                },
+                KvEvent::BlockRemoved {
+                    block_hashes: vec![1],
+                    medium: None,
+                },
+            ]
+        );
+    }
+
     #[test]
     fn seq_frames() {
         assert_eq!(decode_seq(&encode_seq(42)).unwrap(), 42);

@@ -563,3 +563,36 @@ proptest! {
         prop_assert!(f.counters().batches > before || f.take_actions().len() == 1);
     }
 }
+
+/// On subscribing, the follower asks for the publisher's buffer: what was published
+/// before the subscription took effect comes from there, and an empty buffer means an
+/// empty cache, followed at once.
+#[test]
+fn subscribing_asks_for_the_buffered_history() {
+    let mut f = KvEventFollower::new(config(4), 0).unwrap();
+    f.on_subscribed(0);
+    assert_eq!(
+        f.take_actions(),
+        vec![FollowerAction::RequestReplay { from_seq: 0 }]
+    );
+    f.on_replay_message(&[b"", &encode_seq(-1), b""], 1);
+    assert_eq!(f.source(), IndexSource::Events, "nothing published yet");
+    let mut engine = RefEngine::new(2);
+    let (s, p) = message(0, vec![engine.store(&[1, 2, 3, 4]).unwrap()]);
+    deliver(&mut f, s, &p, 2);
+    assert_eq!(f.node_blocks(), 1);
+
+    // Published before the subscription: the replay brings it.
+    let mut f = KvEventFollower::new(config(4), 0).unwrap();
+    f.on_subscribed(10);
+    f.take_actions();
+    f.on_replay_message(&[b"", &encode_seq(0), &p], 11);
+    f.on_replay_message(&[b"", &encode_seq(-1), b""], 11);
+    assert_eq!(f.source(), IndexSource::Events);
+    assert_eq!(f.node_blocks(), 1);
+    assert_eq!(f.counters().gaps, 0);
+    // Without a replay socket there is nothing to ask.
+    let mut f = KvEventFollower::new(KvFollowerConfig::new(4), 0).unwrap();
+    f.on_subscribed(0);
+    assert!(f.take_actions().is_empty());
+}

@@ -27,8 +27,12 @@ const TICK: Duration = Duration::from_millis(200);
 /// Replay messages waiting for the follower at most; the replay task waits beyond.
 const REPLAY_CHANNEL: usize = 256;
 
-/// How long a connect to the publisher may take before it is retried.
+/// How long a connect to the publisher may take (the socket retries within it)
+/// before it is started again.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The pause between two connects that timed out.
+const CONNECT_RETRY: Duration = Duration::from_secs(1);
 
 /// The node's blocks in tokens: with a tokenizer, `routing.block_tokens`; without,
 /// the byte blocks at 4 bytes per "token" (an engine that hashes bytes, like the
@@ -146,17 +150,34 @@ pub async fn run(state: Arc<NodeState>, shutdown: CancellationToken) {
                 tracing::warn!(endpoint, error = %e, "kv events: cannot subscribe yet");
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(CONNECT_TIMEOUT) => {}
+                    _ = tokio::time::sleep(CONNECT_RETRY) => {}
                 }
             }
         }
     };
     tracing::info!(endpoint, "kv events: subscribed");
+    kv.follower.lock().on_subscribed(state.now_ms());
     let (replay_tx, mut replay_rx) = mpsc::channel::<Vec<bytes::Bytes>>(REPLAY_CHANNEL);
     let mut replay_task: Option<tokio::task::JoinHandle<()>> = None;
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut actions = apply_follower(&state, kv);
     loop {
+        for FollowerAction::RequestReplay { from_seq } in actions {
+            let Some(replay_endpoint) = kv.replay_endpoint.clone() else {
+                continue;
+            };
+            if let Some(old) = replay_task.take() {
+                old.abort();
+            }
+            tracing::info!(from_seq, "kv events: asking for a replay");
+            replay_task = Some(tokio::spawn(replay(
+                replay_endpoint,
+                from_seq,
+                kv.replay_timeout,
+                replay_tx.clone(),
+            )));
+        }
         tokio::select! {
             _ = shutdown.cancelled() => break,
             msg = sub.recv() => match msg {
@@ -185,23 +206,7 @@ pub async fn run(state: Arc<NodeState>, shutdown: CancellationToken) {
                 kv.follower.lock().tick(now);
             }
         }
-        let actions = apply_follower(&state, kv);
-        for FollowerAction::RequestReplay { from_seq } in actions {
-            let Some(replay_endpoint) = kv.replay_endpoint.clone() else {
-                continue;
-            };
-            if let Some(old) = replay_task.take() {
-                old.abort();
-            }
-            tracing::info!(from_seq, "kv events: gap, asking for a replay");
-            let timeout = kv.replay_timeout;
-            replay_task = Some(tokio::spawn(replay(
-                replay_endpoint,
-                from_seq,
-                timeout,
-                replay_tx.clone(),
-            )));
-        }
+        actions = apply_follower(&state, kv);
     }
     if let Some(task) = replay_task {
         task.abort();
