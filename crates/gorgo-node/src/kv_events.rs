@@ -215,7 +215,7 @@ pub async fn run(state: Arc<NodeState>, shutdown: CancellationToken) {
 
 /// Hand the follower's changes to the node's index and gossip; returns its actions.
 fn apply_follower(state: &NodeState, kv: &KvEvents) -> Vec<FollowerAction> {
-    let (actions, changes, source, counters, fallback_ms) = {
+    let (actions, changes, source, counters, fallback_ms, reason) = {
         let mut f = kv.follower.lock();
         let now = state.now_ms();
         (
@@ -224,18 +224,40 @@ fn apply_follower(state: &NodeState, kv: &KvEvents) -> Vec<FollowerAction> {
             f.source(),
             *f.counters(),
             f.fallback_ms(now),
+            f.fallback_reason(),
         )
     };
-    state
+    let was = state
         .metrics
         .kv_events
         .observe(&counters, fallback_ms, source);
+    if counters.resyncs > was.resyncs {
+        tracing::warn!(
+            reason = reason.unwrap_or("resync"),
+            resyncs = counters.resyncs,
+            decode_errors = counters.decode_errors,
+            "kv events: resync, every block forgotten"
+        );
+    }
+    if counters.restarts > was.restarts {
+        tracing::warn!(
+            restarts = counters.restarts,
+            "kv events: the publisher restarted"
+        );
+    }
+    if counters.gaps > was.gaps {
+        tracing::info!(gaps = counters.gaps, "kv events: a gap in the sequence");
+    }
     let now = state.now_ms();
     let mut deltas = Vec::new();
     {
         let mut cache = state.shadow.lock();
         if cache.source() != source {
-            tracing::info!(?source, "kv events: the prefix index follows a new source");
+            tracing::info!(
+                ?source,
+                reason = reason.unwrap_or(""),
+                "kv events: the prefix index follows a new source"
+            );
             deltas.extend(cache.set_source(source));
         }
         if !changes.is_empty() {

@@ -203,13 +203,14 @@ impl KvEventMetrics {
         }
     }
 
-    /// Mirror the follower's totals (counters only ever move forward).
+    /// Mirror the follower's totals (counters only ever move forward); returns the
+    /// totals mirrored before, so the caller can log what moved.
     pub fn observe(
         &self,
         now: &gorgo_core::kv_events::KvEventCounters,
         fallback_ms: u64,
         source: gorgo_core::IndexSource,
-    ) {
+    ) -> gorgo_core::kv_events::KvEventCounters {
         let mut last = self.last.lock();
         let (was, was_fallback_ms) = *last;
         let up = |c: &Counter, now: u64, was: u64| {
@@ -238,6 +239,7 @@ impl KvEventMetrics {
         self.source_events
             .set((source == gorgo_core::IndexSource::Events) as i64);
         *last = (*now, fallback_ms.max(was_fallback_ms));
+        was
     }
 }
 
