@@ -26,13 +26,18 @@ cargo build --bin gorgo
 # The Python clients live in a virtualenv of this checkout's own (.venv, gitignored),
 # made on first use and reused after, so a fresh clone needs nothing installed by hand.
 VENV=${GORGO_TEST_VENV:-.venv}
-if ! "$VENV/bin/python" -c 'import openai' 2>/dev/null; then
-  echo "   setting up $VENV with the openai package"
+# msgspec and pyzmq: the KV-event test's publisher, vLLM's message classes re-declared.
+if ! "$VENV/bin/python" -c 'import openai, msgspec, zmq' 2>/dev/null; then
+  echo "   setting up $VENV with the openai, msgspec and pyzmq packages"
   python3 -m venv "$VENV"
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "openai>=1.40"
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+    "openai>=1.40" "msgspec>=0.18" "pyzmq>=25"
 fi
 command -v curl >/dev/null 2>&1 || { echo "curl missing: apt-get install curl" >&2; exit 1; }
 "$VENV/bin/python" tests/e2e_openai.py target/debug/gorgo
+
+echo "== end-to-end: a vLLM-format KV-event publisher (msgspec + pyzmq) drives a node"
+"$VENV/bin/python" tests/kv_events_vllm.py target/debug/gorgo
 
 # In CI (CI=true), or with GORGO_CHAOS=1: the chaos soak's short form, every fault kind
 # once on a three-region cluster (about 1.5 minutes, the debug binary built above).

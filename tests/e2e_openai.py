@@ -11,30 +11,18 @@ and stops both. Exit status is non-zero on any failure.
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
 
 import openai
 
+from e2e_util import check, node_setup
+
 ADMIN_TOKEN = "e2e-admin-token"
 NODE_ID = "e2e-region"
-
-
-def free_tcp_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_udp_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(what, check, procs, timeout_s=60.0):
@@ -62,42 +50,10 @@ def http_status(url, data=None, headers=None, method=None):
         return e.code, e.read()
 
 
-def check(cond, msg):
-    if not cond:
-        raise AssertionError(msg)
-
-
 def run(binary):
-    tmp = tempfile.mkdtemp(prefix="gorgo-e2e-")
-    subprocess.run([binary, "certs", "--out", os.path.join(tmp, "certs"), "--nodes", NODE_ID],
-                   check=True, stdout=subprocess.DEVNULL)
-    engine_port, http_port, admin_port, quic_port = (
-        free_tcp_port(), free_tcp_port(), free_tcp_port(), free_udp_port())
-    config = f"""
-[node]
-id = "{NODE_ID}"
-region = "{NODE_ID}"
-
-[listen]
-http = "127.0.0.1:{http_port}"
-quic = "127.0.0.1:{quic_port}"
-admin = "127.0.0.1:{admin_port}"
-
-[engine]
-url = "http://127.0.0.1:{engine_port}"
-kind = "sglang"
-
-[tls]
-ca = "certs/ca.pem"
-cert = "certs/{NODE_ID}.pem"
-key = "certs/{NODE_ID}.key"
-
-[admin]
-token = "{ADMIN_TOKEN}"
-"""
-    config_path = os.path.join(tmp, "node.toml")
-    with open(config_path, "w") as f:
-        f.write(config)
+    node = node_setup(binary, NODE_ID, ADMIN_TOKEN, "gorgo-e2e-")
+    tmp, config_path = node.tmp, node.config_path
+    engine_port, http_port, admin_port = node.engine_port, node.http_port, node.admin_port
 
     logs = open(os.path.join(tmp, "log.txt"), "w")
     procs = []

@@ -62,6 +62,18 @@ fn down_without_a_cluster_is_a_no_op_and_bad_topologies_are_named() {
     assert!(err.contains("regions[0].client_delay_ms"), "{err}");
 }
 
+/// GET an admin route with the cluster's token, as JSON.
+async fn admin_get(http: &reqwest::Client, url: &str, token: &str) -> serde_json::Value {
+    http.get(url)
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_serves_every_region_and_down_stops_everything() {
     let dir = tempfile::tempdir().unwrap();
@@ -85,6 +97,8 @@ async fn up_serves_every_region_and_down_stops_everything() {
                 "47600",
                 "--ready-timeout-s",
                 "120",
+                // The emulators publish KV events and the nodes follow them.
+                "--kv-events",
             ])
         }
     })
@@ -108,6 +122,7 @@ async fn up_serves_every_region_and_down_stops_everything() {
         .timeout(Duration::from_secs(30))
         .build()
         .unwrap();
+    let mut served = std::collections::BTreeSet::new();
     for region in regions {
         let url = format!(
             "{}/v1/chat/completions",
@@ -115,12 +130,19 @@ async fn up_serves_every_region_and_down_stops_everything() {
         );
         let body = serde_json::json!({
             "model": "gorgo-emulated",
-            "messages": [{"role": "user", "content": format!("hello from {}", region["name"])}],
+            // Long enough for full cache blocks, which the KV events publish.
+            "messages": [{"role": "user", "content": format!("hello from {} ", region["name"]).repeat(30)}],
             "max_tokens": 4,
             "stream": true,
         });
         let response = http.post(&url).json(&body).send().await.unwrap();
         assert_eq!(response.status(), 200, "{url}");
+        served.insert(
+            response.headers()["x-gorgo-served-by"]
+                .to_str()
+                .unwrap()
+                .to_owned(),
+        );
         let text = response.text().await.unwrap();
         assert!(
             text.contains("data:") && text.contains("[DONE]"),
@@ -128,20 +150,36 @@ async fn up_serves_every_region_and_down_stops_everything() {
         );
     }
 
+    // The prefix index of each node whose engine served follows the engine's KV
+    // events once they flow (a node whose requests all went to peers hears none).
+    assert!(!served.is_empty());
+    for region in regions
+        .iter()
+        .filter(|r| served.contains(r["name"].as_str().unwrap()))
+    {
+        let url = format!("{}/admin/state", region["admin_url"].as_str().unwrap());
+        let deadline = Instant::now() + FORM_TIMEOUT;
+        loop {
+            let state = admin_get(&http, &url, &token).await;
+            if state["prefix_index_source"] == "events" {
+                assert!(state["kv_events"]["counters"]["batches"].as_u64() > Some(0));
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{url}: the index never followed the events: {}",
+                state["kv_events"]
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     // Membership forms over the relays: each node lists both peers, alive.
     for region in regions {
         let url = format!("{}/admin/peers", region["admin_url"].as_str().unwrap());
         let deadline = Instant::now() + FORM_TIMEOUT;
         loop {
-            let peers: serde_json::Value = http
-                .get(&url)
-                .bearer_auth(&token)
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+            let peers = admin_get(&http, &url, &token).await;
             let alive = peers
                 .as_array()
                 .map(|p| p.iter().filter(|p| p["alive"] == true).count())

@@ -37,6 +37,14 @@ pub struct EngineArgs {
     /// llama-cpp-python's built-in chat formats do.
     #[arg(long, requires = "tokenizer")]
     pub chat_add_special_tokens: bool,
+    /// Publish the prefix cache's KV events in vLLM's wire format on a ZeroMQ PUB
+    /// socket bound here, e.g. `tcp://127.0.0.1:5557` (docs/kv-events.md).
+    #[arg(long)]
+    pub kv_events: Option<String>,
+    /// Answer replay requests for missed KV-event batches on a ZeroMQ ROUTER bound
+    /// here, e.g. `tcp://127.0.0.1:5558`.
+    #[arg(long, requires = "kv_events")]
+    pub kv_events_replay: Option<String>,
 }
 
 /// Serve until Ctrl-C.
@@ -44,6 +52,10 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
     super::init_tracing();
     let profile = Profile::by_name_or_file(&args.profile)?;
     anyhow::ensure!(args.block_bytes > 0, "--block-bytes must be > 0");
+    anyhow::ensure!(
+        args.kv_events.is_none() || args.block_bytes.is_multiple_of(4),
+        "--block-bytes must be a multiple of 4 with --kv-events (blocks of whole tokens)"
+    );
     let mut config = EmulatorConfig::new(profile);
     config.model_name = args.model;
     config.block_bytes = args.block_bytes;
@@ -76,7 +88,25 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
         let shutdown = async {
             let _ = tokio::signal::ctrl_c().await;
         };
-        gorgo_engine::serve(listener, config, shutdown).await?;
+        let kv_events = match &args.kv_events {
+            None => None,
+            Some(endpoint) => {
+                let publisher = gorgo_engine::kv_events::KvPublisher::bind(
+                    endpoint,
+                    args.kv_events_replay.as_deref(),
+                    config.block_bytes / gorgo_core::hash::BYTES_PER_TOKEN,
+                )
+                .await
+                .with_context(|| format!("--kv-events {endpoint}"))?;
+                tracing::info!(
+                    endpoint = %publisher.endpoint,
+                    replay = ?publisher.replay_endpoint,
+                    "publishing KV events"
+                );
+                Some(publisher)
+            }
+        };
+        gorgo_engine::serve_with_kv_events(listener, config, kv_events, shutdown).await?;
         Ok(())
     })
 }

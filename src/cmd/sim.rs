@@ -115,6 +115,14 @@ pub struct SimModelArgs {
     /// of two from 1 to 64.
     #[arg(long, default_value = "auto")]
     pub summary_sample: gorgo_core::summary::SampleSetting,
+    /// Each node's prefix index follows its engine's KV events (the cache's stores and
+    /// evictions, after `--kv-events-delay-ms`) instead of its shadow model
+    /// (docs/kv-events.md).
+    #[arg(long)]
+    pub kv_events: bool,
+    /// The KV events' transit delay from engine to node, ms.
+    #[arg(long, default_value_t = 2.0)]
+    pub kv_events_delay_ms: f64,
 }
 
 impl SimModelArgs {
@@ -143,6 +151,8 @@ impl SimModelArgs {
         cfg.exact_state = self.exact_state;
         cfg.metrics_interval_ms = self.metrics_interval_ms;
         cfg.summary_sample = self.summary_sample;
+        cfg.kv_events = self.kv_events;
+        cfg.kv_events_delay_ms = self.kv_events_delay_ms;
         cfg.validate().context("simulation config")?;
         Ok(cfg)
     }
@@ -169,8 +179,25 @@ impl SimModelArgs {
             "summary_sample": self.summary_sample.to_string(),
             "summary_sample_rate": cfg.summary_sample_rate().rate(),
             "oracle_view": "exact-state",
+            "kv_events": self.kv_events,
+            "kv_events_delay_ms": self.kv_events_delay_ms,
         })
     }
+}
+
+/// The cache-estimate error of a run (the client's node's predicted cached tokens for
+/// its choice against the engine's count), for `sim.json`: percent of the prompt and
+/// mean tokens, over the completed requests with a prediction.
+fn cache_estimate_error(s: &gorgo_sim::Sketches) -> serde_json::Value {
+    let pct = &s.cache_estimate_error_pct;
+    let (sum, n) = s.cache_estimate_error_tokens;
+    json!({
+        "n": n,
+        "mean_tokens": (n > 0).then(|| sum as f64 / n as f64),
+        "mean_pct": pct.mean(),
+        "p50_pct": pct.quantile(0.5),
+        "p95_pct": pct.quantile(0.95),
+    })
 }
 
 /// What the nodes know, as `sim.json` names it.
@@ -337,6 +364,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             "requests_per_min": c.requests as f64 / wall_s.max(1e-9) * 60.0,
             "gossip_bytes_per_node_per_s": gossip_bps,
             "gossip_bytes_per_node_per_s_arriving": gossip_bps_arriving,
+            "cache_estimate_error": cache_estimate_error(&run.sketches),
             "counters": c,
         }));
         runs.push(run);

@@ -114,6 +114,26 @@ pub struct UpArgs {
     /// Give up if the nodes are not all ready after this many seconds.
     #[arg(long, default_value_t = 60)]
     pub ready_timeout_s: u64,
+    /// Each region's emulator publishes its cache's KV events (on its address, ports
+    /// base + 7 and base + 8 for replay) and its node's prefix index follows them
+    /// (`engine.kv_events`, docs/kv-events.md). Emulated regions only.
+    #[arg(long)]
+    pub kv_events: bool,
+}
+
+/// The KV-event publisher and replay endpoints of the emulator at `engine`: the
+/// region's address, the two ports after its block's (base + 7, base + 8).
+fn kv_event_endpoints(engine: std::net::SocketAddr) -> anyhow::Result<(String, String)> {
+    let port = |offset: u16| {
+        engine
+            .port()
+            .checked_add(offset)
+            .with_context(|| format!("--kv-events: no port {offset} above {engine}"))
+    };
+    Ok((
+        format!("tcp://{}:{}", engine.ip(), port(4)?),
+        format!("tcp://{}:{}", engine.ip(), port(5)?),
+    ))
 }
 
 /// Arguments of `gorgo down`.
@@ -629,6 +649,15 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
                     gorgo_workload::DEFAULT_MODEL.into(),
                 ];
                 engine_args.extend(extras.emulator_args());
+                if args.kv_events {
+                    let (publish, replay) = kv_event_endpoints(r.engine_addr)?;
+                    engine_args.extend([
+                        "--kv-events".into(),
+                        publish,
+                        "--kv-events-replay".into(),
+                        replay,
+                    ]);
+                }
                 children.spawn(&format!("engine-{}", r.name), &engine_args)?;
                 (
                     format!("http://{}", r.engine_addr),
@@ -643,10 +672,16 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             allow_policy_header: args.allow_policy_header,
             ..RoutingSection::default()
         };
+        let mut engine_section = extras.engine_section(&engine_url, kind);
+        if args.kv_events && !external.contains_key(&r.name) {
+            let (publish, replay) = kv_event_endpoints(r.engine_addr)?;
+            engine_section.kv_events = Some(publish);
+            engine_section.kv_events_replay = Some(replay);
+        }
         let config = node_config(
             &plan,
             i,
-            extras.engine_section(&engine_url, kind),
+            engine_section,
             &certs,
             routing,
             tuning_section(&args, &r.name, policy)?,

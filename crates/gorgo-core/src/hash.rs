@@ -20,7 +20,7 @@ pub const BYTES_PER_TOKEN: usize = 4;
 pub const DEFAULT_BLOCK_TOKENS: usize = 64;
 
 /// Seed of the chain: the "previous hash" of block 0.
-const CHAIN_SEED: u64 = 0x6f72_676f_6772_6f67;
+pub(crate) const CHAIN_SEED: u64 = 0x6f72_676f_6772_6f67;
 
 /// Hash arbitrary bytes. Every other hash in the project goes through here.
 #[inline]

@@ -219,6 +219,55 @@ impl ShadowIndex {
         self.evict_to_capacity();
     }
 
+    /// The engine says it holds block `hash` below `parent` (its KV events:
+    /// [`crate::kv_events`]): add it, or touch it if held. A parent not held makes it
+    /// a first block. It enters the LRU order just behind its parent, so that parents
+    /// stay more recent than their children without touching the whole chain, and the
+    /// shadow model can take over from this picture. No eviction: the engine evicts.
+    pub fn insert_block(&mut self, hash: u64, parent: Option<u64>, tokens: u32, now_ms: u64) {
+        if let Some(&slot) = self.by_hash.get(&hash) {
+            self.slots[slot as usize].last_used_ms = now_ms;
+            return;
+        }
+        let parent_slot = parent
+            .and_then(|p| self.by_hash.get(&p))
+            .copied()
+            .unwrap_or(NIL);
+        let slot = self.create(hash, tokens, parent_slot, now_ms);
+        if parent_slot != NIL {
+            // `create` put it at the head; move it just older than its parent.
+            self.unlink_lru(slot);
+            let older = self.slots[parent_slot as usize].older;
+            self.slots[slot as usize].newer = parent_slot;
+            self.slots[slot as usize].older = older;
+            self.slots[parent_slot as usize].older = slot;
+            if older != NIL {
+                self.slots[older as usize].newer = slot;
+            } else {
+                self.tail = slot;
+            }
+        }
+    }
+
+    /// The engine no longer matches block `hash`: remove it and every block below it.
+    /// Returns whether it was held.
+    pub fn remove_block(&mut self, hash: u64) -> bool {
+        match self.by_hash.get(&hash) {
+            Some(&slot) => {
+                self.remove_subtree(slot);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Forget every block (each leaves the summary as an ordinary change).
+    pub fn clear(&mut self) {
+        while self.tail != NIL {
+            self.remove_subtree(self.tail);
+        }
+    }
+
     /// Remove every descendant of `slot` (block `depth` of `chain`) that is not on
     /// `chain` itself.
     fn drop_off_chain_descendants(&mut self, mut slot: u32, chain: &HashChain, mut depth: usize) {

@@ -21,6 +21,8 @@ pub mod hash;
 pub mod headers;
 pub mod health;
 pub mod index;
+pub mod kv_events;
+pub mod kv_wire;
 pub mod policy;
 pub mod prompt;
 pub mod sketch;
@@ -35,6 +37,7 @@ pub use engine_metrics::{EngineKind, EngineMetrics};
 pub use error::CoreError;
 pub use hash::HashChain;
 pub use index::ShadowIndex;
+pub use kv_events::{IndexSource, KvEventFollower, KvFollowerConfig, NodeBlockChange};
 pub use prompt::{BytesPerToken, Endpoint, PromptHasher, PromptShape, TokenCounter};
 pub use sketch::{percentile, spearman, summarize, LatencySketch, LatencyStats};
 pub use summary::{

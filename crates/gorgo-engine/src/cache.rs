@@ -38,12 +38,28 @@ pub struct RadixCache {
     /// Tokens of cached nodes with no reference (reclaimable by eviction).
     unreferenced_tokens: u64,
     clock: u64,
+    /// Hashes evicted since the last [`take_evicted`](Self::take_evicted), when
+    /// recorded (the engine's KV events): `None` records nothing.
+    evicted: Option<Vec<u64>>,
 }
 
 impl RadixCache {
     /// An empty cache.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Record the hashes of evicted blocks (for [`take_evicted`](Self::take_evicted)).
+    pub fn set_record_evictions(&mut self, on: bool) {
+        self.evicted = on.then(Vec::new);
+    }
+
+    /// The blocks evicted since the last call, in eviction order (leaves first).
+    pub fn take_evicted(&mut self) -> Vec<u64> {
+        self.evicted
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// Tokens held by cached blocks (referenced or not).
@@ -163,6 +179,9 @@ impl RadixCache {
                 break;
             };
             let node = self.nodes.remove(&hash).expect("evictable leaf is cached");
+            if let Some(log) = &mut self.evicted {
+                log.push(hash);
+            }
             freed += node.tokens as u64;
             self.cached_tokens -= node.tokens as u64;
             self.unreferenced_tokens -= node.tokens as u64;

@@ -11,6 +11,7 @@
 
 pub mod cache;
 pub mod error;
+pub mod kv_events;
 pub mod metrics;
 pub mod model;
 pub mod openai;
@@ -19,6 +20,6 @@ pub mod server;
 
 pub use cache::RadixCache;
 pub use error::EngineError;
-pub use model::{Engine, EngineEvent, EngineRequest, EngineStats, RejectReason};
+pub use model::{CacheChange, Engine, EngineEvent, EngineRequest, EngineStats, RejectReason};
 pub use profile::Profile;
-pub use server::{serve, EmulatorConfig};
+pub use server::{serve, serve_with_kv_events, EmulatorConfig};

@@ -182,6 +182,30 @@ struct Iteration {
     end_ms: f64,
 }
 
+/// A change of the engine's prefix cache, for its KV events (vLLM's `BlockStored` and
+/// `BlockRemoved`), recorded when asked ([`Engine::set_record_cache_changes`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheChange {
+    /// Block `block` of request `request`'s chain entered the cache.
+    Stored {
+        /// The block's chained hash.
+        hash: u64,
+        /// The block before it, `None` for a first block.
+        parent: Option<u64>,
+        /// Tokens it holds.
+        tokens: u32,
+        /// The request whose prefill computed it.
+        request: u64,
+        /// Its index in that request's chain.
+        block: usize,
+    },
+    /// The block left the cache (evicted).
+    Removed {
+        /// The block's chained hash.
+        hash: u64,
+    },
+}
+
 /// One inference engine: scheduler, KV accounting and prefix cache.
 #[derive(Debug)]
 pub struct Engine {
@@ -203,6 +227,8 @@ pub struct Engine {
     cached_prompt_tokens_total: u64,
     generation_tokens_total: u64,
     finished_total: u64,
+    /// Cache changes since the last take, when recorded.
+    cache_changes: Option<Vec<CacheChange>>,
 }
 
 impl Engine {
@@ -226,6 +252,35 @@ impl Engine {
             cached_prompt_tokens_total: 0,
             generation_tokens_total: 0,
             finished_total: 0,
+            cache_changes: None,
+        }
+    }
+
+    /// Record every change of the prefix cache (default off): what an engine
+    /// publishing KV events tells. Take them with
+    /// [`take_cache_changes`](Self::take_cache_changes) after each step.
+    pub fn set_record_cache_changes(&mut self, on: bool) {
+        self.cache_changes = on.then(Vec::new);
+        self.cache.set_record_evictions(on);
+    }
+
+    /// The cache changes since the last call, in order.
+    pub fn take_cache_changes(&mut self) -> Vec<CacheChange> {
+        self.cache_changes
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// Move the evictions just made into the change log, in order with the stores.
+    fn record_evictions(&mut self) {
+        let evicted = self.cache.take_evicted();
+        if let Some(log) = &mut self.cache_changes {
+            log.extend(
+                evicted
+                    .into_iter()
+                    .map(|hash| CacheChange::Removed { hash }),
+            );
         }
     }
 
@@ -500,6 +555,7 @@ impl Engine {
             }
             if free < need {
                 self.cache.evict(need - free);
+                self.record_evictions();
             }
             self.private_tokens += need;
             self.waiting_prompt_tokens -= req.prompt_tokens;
@@ -535,8 +591,17 @@ impl Engine {
                             break;
                         }
                         let parent = r.held_blocks.checked_sub(1).map(|p| chain.hashes[p]);
-                        self.cache
-                            .insert(chain.hashes[r.held_blocks], parent, tokens as u32);
+                        let hash = chain.hashes[r.held_blocks];
+                        let added = self.cache.insert(hash, parent, tokens as u32);
+                        if let (true, Some(log)) = (added, &mut self.cache_changes) {
+                            log.push(CacheChange::Stored {
+                                hash,
+                                parent,
+                                tokens: tokens as u32,
+                                request: r.req.id,
+                                block: r.held_blocks,
+                            });
+                        }
                         r.held_blocks += 1;
                         r.held_tokens += tokens;
                         r.reserved -= tokens;

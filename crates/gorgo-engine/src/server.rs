@@ -83,6 +83,8 @@ enum Progress {
 enum Command {
     Submit {
         req: EngineRequest,
+        /// The prompt's token ids, for the KV events (only when they are published).
+        token_ids: Option<Arc<[u32]>>,
         progress: mpsc::UnboundedSender<Progress>,
         reply: oneshot::Sender<Result<(), RejectReason>>,
     },
@@ -100,6 +102,8 @@ struct AppState {
     config: Arc<EmulatorConfig>,
     model: Arc<str>,
     next_id: Arc<AtomicU64>,
+    /// Whether KV events are published (requests then carry their token ids).
+    kv_events: bool,
 }
 
 /// Serve the emulator on `listener` until `shutdown` resolves (then drain connections).
@@ -108,16 +112,29 @@ pub async fn serve(
     config: EmulatorConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), EngineError> {
+    serve_with_kv_events(listener, config, None, shutdown).await
+}
+
+/// [`serve`], publishing the cache's KV events on `kv_events` (bound by the caller, so
+/// it knows the ports: [`crate::kv_events::KvPublisher::bind`]).
+pub async fn serve_with_kv_events(
+    listener: tokio::net::TcpListener,
+    config: EmulatorConfig,
+    kv_events: Option<crate::kv_events::KvPublisher>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), EngineError> {
     let (commands, rx) = mpsc::unbounded_channel();
     let mut engine = Engine::new(config.profile.clone());
     engine.set_max_waiting(Some(config.max_queue));
-    let driver = tokio::spawn(drive(engine, rx));
+    engine.set_record_cache_changes(kv_events.is_some());
     let state = AppState {
+        kv_events: kv_events.is_some(),
         commands,
         model: config.model().into(),
         config: Arc::new(config),
         next_id: Arc::new(AtomicU64::new(1)),
     };
+    let driver = tokio::spawn(drive(engine, rx, kv_events));
     let app = router(state);
     let listener = listener.tap_io(|tcp| {
         // Tokens go out one small SSE chunk at a time: never wait for Nagle.
@@ -142,8 +159,15 @@ fn router(state: AppState) -> Router {
 }
 
 /// The engine task: owns the model, runs it on the real clock.
-async fn drive(mut engine: Engine, mut rx: mpsc::UnboundedReceiver<Command>) {
+async fn drive(
+    mut engine: Engine,
+    mut rx: mpsc::UnboundedReceiver<Command>,
+    mut kv_events: Option<crate::kv_events::KvPublisher>,
+) {
     let start = Instant::now();
+    // Token ids of the live requests, for the KV events (bounded by the queue and the
+    // running slots: entries leave with their request).
+    let mut token_ids: HashMap<u64, Arc<[u32]>> = HashMap::new();
     let now_ms = |start: Instant| start.elapsed().as_secs_f64() * 1000.0;
     let mut streams: HashMap<u64, (mpsc::UnboundedSender<Progress>, f64)> = HashMap::new();
     let mut snapshot = MetricsSnapshot::new();
@@ -157,12 +181,15 @@ async fn drive(mut engine: Engine, mut rx: mpsc::UnboundedReceiver<Command>) {
                 let Some(cmd) = cmd else { return };
                 let now = now_ms(start);
                 match cmd {
-                    Command::Submit { mut req, progress, reply } => {
+                    Command::Submit { mut req, token_ids: ids, progress, reply } => {
                         req.arrival_ms = now;
                         let id = req.id;
                         let result = engine.submit(req, now);
                         if result.is_ok() {
                             streams.insert(id, (progress, now));
+                            if let Some(ids) = ids {
+                                token_ids.insert(id, ids);
+                            }
                         }
                         let _ = reply.send(result);
                     }
@@ -170,6 +197,7 @@ async fn drive(mut engine: Engine, mut rx: mpsc::UnboundedReceiver<Command>) {
                         if streams.remove(&id).is_some() {
                             engine.abort(id, now);
                         }
+                        token_ids.remove(&id);
                     }
                     Command::Metrics { reply } => {
                         engine.step_into(now, &mut events);
@@ -181,6 +209,12 @@ async fn drive(mut engine: Engine, mut rx: mpsc::UnboundedReceiver<Command>) {
             _ = sleep_until(wake) => {}
         }
         engine.step_into(now_ms(start), &mut events);
+        if let Some(publisher) = &mut kv_events {
+            let changes = engine.take_cache_changes();
+            if !changes.is_empty() {
+                publisher.publish_changes(&changes, &token_ids, now_ms(start) / 1000.0);
+            }
+        }
         for event in events.drain(..) {
             match event {
                 EngineEvent::FirstToken {
@@ -205,16 +239,32 @@ async fn drive(mut engine: Engine, mut rx: mpsc::UnboundedReceiver<Command>) {
                     at_ms,
                     output_tokens,
                 } => {
+                    token_ids.remove(&id);
                     if let Some((tx, arrival)) = streams.remove(&id) {
                         snapshot.e2e.observe((at_ms - arrival) / 1000.0);
                         snapshot.requests_total += 1;
                         let _ = tx.send(Progress::Done { output_tokens });
                     }
                 }
-                EngineEvent::Rejected { .. } => {}
+                EngineEvent::Rejected { id, .. } => {
+                    token_ids.remove(&id);
+                }
             }
         }
     }
+}
+
+/// A byte prompt as little-endian `u32` "token ids" of 4 bytes each (the last chunk
+/// zero-padded; it only ever falls in a partial block, which is not published).
+fn byte_chunk_ids(bytes: &[u8]) -> Arc<[u32]> {
+    bytes
+        .chunks(4)
+        .map(|c| {
+            let mut b = [0u8; 4];
+            b[..c.len()].copy_from_slice(c);
+            u32::from_le_bytes(b)
+        })
+        .collect()
 }
 
 async fn sleep_until(wake: Option<Instant>) {
@@ -336,16 +386,24 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
         Ok(p) => p,
         Err(e) => return bad_request(e),
     };
-    let chain = match &state.config.tokenizer {
-        None => HashChain::from_bytes(
-            &parsed.prompt,
-            state.config.block_bytes,
-            gorgo_core::hash::BYTES_PER_TOKEN,
+    let (chain, token_ids) = match &state.config.tokenizer {
+        None => (
+            HashChain::from_bytes(
+                &parsed.prompt,
+                state.config.block_bytes,
+                gorgo_core::hash::BYTES_PER_TOKEN,
+            ),
+            // The KV events' "token ids" of a byte-hashed prompt: its 4-byte chunks,
+            // which hash to the same chain (docs/kv-events.md).
+            state.kv_events.then(|| byte_chunk_ids(&parsed.prompt)),
         ),
         Some(tokenizer) => match tokenizer.prompt_ids(endpoint, &body) {
-            Ok(ids) => HashChain::from_token_ids(
-                &ids,
-                state.config.block_bytes / gorgo_core::hash::BYTES_PER_TOKEN,
+            Ok(ids) => (
+                HashChain::from_token_ids(
+                    &ids,
+                    state.config.block_bytes / gorgo_core::hash::BYTES_PER_TOKEN,
+                ),
+                state.kv_events.then(|| Arc::from(ids.as_slice())),
             ),
             Err(e) => {
                 return bad_request(BadRequest {
@@ -382,6 +440,7 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
     let (progress, mut progress_rx) = mpsc::unbounded_channel();
     let (reply, reply_rx) = oneshot::channel();
     let submitted = state.commands.send(Command::Submit {
+        token_ids,
         req: EngineRequest {
             id,
             chain,

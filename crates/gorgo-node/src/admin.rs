@@ -30,6 +30,7 @@ pub fn router(state: Arc<NodeState>) -> axum::Router {
         .route("/admin/decisions", get(decisions))
         .route("/admin/weights", get(get_weights).put(put_weights))
         .route("/admin/tuning", get(tuning))
+        .route("/admin/prefix_match", axum::routing::post(prefix_match))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             require_token,
@@ -146,6 +147,8 @@ async fn admin_state(State(state): State<Arc<NodeState>>) -> Response {
         "tokens": state.tokens.view(state.config.routing.block_bytes),
         "shadow_index_blocks": state.shadow.lock().len(),
         "shadow_index_tokens": state.shadow.lock().used_tokens(),
+        "prefix_index_source": state.shadow.lock().source(),
+        "kv_events": state.kv_events.as_ref().map(|kv| kv.view(state.now_ms())),
         "peers": state.peers.peers(),
         "weights": *state.weights.read(),
         "policy": state.config.routing.policy,
@@ -159,6 +162,40 @@ async fn admin_state(State(state): State<Arc<NodeState>>) -> Response {
         "gossip": state.peers.gossip_counters(),
     });
     Json(body).into_response()
+}
+
+/// `POST /admin/prefix_match` body: a prompt's token ids.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PrefixMatchBody {
+    token_ids: Vec<u32>,
+}
+
+/// `POST /admin/prefix_match`: how much of a tokenised prompt the node's prefix index
+/// holds, in the node's blocks over token ids (what the KV events feed: checks and
+/// debugging; the body limit caps the prompt).
+async fn prefix_match(
+    State(state): State<Arc<NodeState>>,
+    body: Result<Json<PrefixMatchBody>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    let Ok(Json(body)) = body else {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "body must be {\"token_ids\": [integers]}",
+        );
+    };
+    let chain = gorgo_core::HashChain::from_token_ids(
+        &body.token_ids,
+        crate::kv_events::node_block_tokens(&state.config),
+    );
+    let cache = state.shadow.lock();
+    let blocks = cache.longest_match_blocks(&chain);
+    Json(json!({
+        "source": cache.source(),
+        "blocks": blocks,
+        "tokens": chain.prefix_tokens(blocks),
+    }))
+    .into_response()
 }
 
 async fn peers(State(state): State<Arc<NodeState>>) -> Response {

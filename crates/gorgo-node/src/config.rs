@@ -174,6 +174,35 @@ pub struct EngineSection {
     /// How long an open breaker waits before one half-open probe, ms.
     #[serde(default = "default_breaker_cooldown_ms")]
     pub breaker_cooldown_ms: u64,
+    /// The engine's KV-event publisher, `tcp://host:port` (vLLM's
+    /// `--kv-events-config` `endpoint`, SGLang's, `gorgo engine --kv-events`): the
+    /// prefix index then follows the engine's own stored and removed blocks while the
+    /// stream is healthy, and the shadow model otherwise (docs/kv-events.md). Unset:
+    /// the shadow model only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<String>,
+    /// The publisher's replay socket, `tcp://host:port` (vLLM's `replay_endpoint`):
+    /// asked for the batches a gap lost. Unset: a gap is a resync. Only with
+    /// `kv_events`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events_replay: Option<String>,
+    /// How long a stream whose start the node did not see must run unbroken before the
+    /// index follows it, ms (blocks cached before it are unknown until evicted and
+    /// stored again).
+    #[serde(default = "default_kv_events_warmup_ms")]
+    pub kv_events_warmup_ms: u64,
+    /// No event for this long while the node sent the engine requests is a silent
+    /// stream: a resync onto the shadow model, ms.
+    #[serde(default = "default_kv_events_silence_ms")]
+    pub kv_events_silence_ms: u64,
+    /// Engine blocks tracked at most (memory bound: about 100 bytes plus 4 per token
+    /// each); past it, new blocks are dropped and counted.
+    #[serde(default = "default_kv_events_max_blocks")]
+    pub kv_events_max_blocks: usize,
+    /// Largest event batch accepted, bytes; a larger one is a decode error and a
+    /// resync.
+    #[serde(default = "default_kv_events_max_message_bytes")]
+    pub kv_events_max_message_bytes: usize,
 }
 
 impl EngineSection {
@@ -196,6 +225,12 @@ impl EngineSection {
             health_timeout_ms: default_health_timeout_ms(),
             breaker_failures: default_breaker_failures(),
             breaker_cooldown_ms: default_breaker_cooldown_ms(),
+            kv_events: None,
+            kv_events_replay: None,
+            kv_events_warmup_ms: default_kv_events_warmup_ms(),
+            kv_events_silence_ms: default_kv_events_silence_ms(),
+            kv_events_max_blocks: default_kv_events_max_blocks(),
+            kv_events_max_message_bytes: default_kv_events_max_message_bytes(),
         }
     }
 }
@@ -670,6 +705,35 @@ fn default_breaker_cooldown_ms() -> u64 {
     2_000
 }
 
+fn default_kv_events_warmup_ms() -> u64 {
+    30_000
+}
+
+fn default_kv_events_silence_ms() -> u64 {
+    30_000
+}
+
+fn default_kv_events_max_blocks() -> usize {
+    1 << 20
+}
+
+fn default_kv_events_max_message_bytes() -> usize {
+    gorgo_core::kv_wire::DEFAULT_MAX_PAYLOAD_BYTES
+}
+
+/// Ceiling of `engine.kv_events_max_blocks`: 16M blocks is over a gigabyte.
+const KV_EVENTS_MAX_BLOCKS_CEILING: usize = 1 << 24;
+
+/// Ceiling of `engine.kv_events_max_message_bytes`.
+const KV_EVENTS_MAX_MESSAGE_CEILING: usize = 256 << 20;
+
+/// `tcp://host:port` with a non-empty host and a port.
+fn is_tcp_endpoint(s: &str) -> bool {
+    s.strip_prefix("tcp://")
+        .and_then(|rest| rest.rsplit_once(':'))
+        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok())
+}
+
 /// Hard ceiling on `max_body_bytes`: nothing from the network is unbounded.
 pub const MAX_BODY_CEILING: usize = 256 * 1024 * 1024;
 
@@ -849,6 +913,40 @@ impl NodeConfig {
         }
         if self.engine.kv_capacity_tokens == Some(0) {
             return bad("engine.kv_capacity_tokens", "must be > 0");
+        }
+        if let Some(endpoint) = &self.engine.kv_events {
+            if !is_tcp_endpoint(endpoint) {
+                return bad("engine.kv_events", "must be tcp://host:port");
+            }
+            if self.engine.tokenizer.is_none() && !self.routing.block_bytes.is_multiple_of(4) {
+                // Without a tokenizer the node's blocks are bytes, and engine tokens
+                // are matched as 4-byte chunks (docs/kv-events.md).
+                return bad(
+                    "routing.block_bytes",
+                    "must be a multiple of 4 with engine.kv_events and no engine.tokenizer",
+                );
+            }
+        }
+        match &self.engine.kv_events_replay {
+            Some(_) if self.engine.kv_events.is_none() => {
+                return bad("engine.kv_events_replay", "needs engine.kv_events");
+            }
+            Some(endpoint) if !is_tcp_endpoint(endpoint) => {
+                return bad("engine.kv_events_replay", "must be tcp://host:port");
+            }
+            _ => {}
+        }
+        if self.engine.kv_events_silence_ms == 0 {
+            return bad("engine.kv_events_silence_ms", "must be > 0");
+        }
+        if !(1..=KV_EVENTS_MAX_BLOCKS_CEILING).contains(&self.engine.kv_events_max_blocks) {
+            return bad("engine.kv_events_max_blocks", "must be in 1..=16777216");
+        }
+        if !(1..=KV_EVENTS_MAX_MESSAGE_CEILING).contains(&self.engine.kv_events_max_message_bytes) {
+            return bad(
+                "engine.kv_events_max_message_bytes",
+                "must be in 1..=268435456",
+            );
         }
         if self.cluster.gossip_interval_ms == 0 {
             return bad("cluster.gossip_interval_ms", "must be > 0");

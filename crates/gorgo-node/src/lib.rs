@@ -19,6 +19,7 @@ pub mod engine;
 pub mod error;
 pub mod forward;
 pub mod ingress;
+pub mod kv_events;
 pub mod listen;
 pub mod mesh;
 pub mod metrics;
@@ -67,6 +68,9 @@ pub struct NodeState {
     pub router: route::Router,
     /// Model of the local engine's prefix cache.
     pub shadow: Mutex<shadow::LocalCache>,
+    /// The engine's KV events, when `engine.kv_events` is set: the index follows them
+    /// while the stream is healthy.
+    pub kv_events: Option<kv_events::KvEvents>,
     /// The configured policy.
     pub policy: gorgo_core::policy::PolicyKind,
     /// Canonical prompt hashing (block size), the chain of every request without a
@@ -124,6 +128,7 @@ impl NodeState {
             .map(tuning::read_learned_weights)
             .transpose()?;
         let tuning_cfg = config.tuning.core_config(learned);
+        let kv_events = kv_events::KvEvents::from_config(&config, 0)?;
         let id = NodeId(config.node.id.clone());
         let tuning = tuning::TuningDriver::new(
             id.clone(),
@@ -143,6 +148,7 @@ impl NodeState {
                 capacity,
                 config.cluster.summary_sample,
             )),
+            kv_events,
             policy,
             hasher,
             metrics,
@@ -486,6 +492,10 @@ pub async fn start(
             }
         }
     });
+
+    if state.kv_events.is_some() {
+        tasks.spawn(kv_events::run(state.clone(), shutdown.clone()));
+    }
 
     let st = state.clone();
     let sd = shutdown.clone();

@@ -111,6 +111,136 @@ pub struct NodeMetrics {
     /// |node's prompt-token count - engine's `usage.prompt_tokens`| / engine's, per
     /// request served locally whose response reported usage.
     pub prompt_token_error: Histogram,
+    /// |cached tokens the index predicted at dispatch - the engine's reported
+    /// `cached_tokens`| / prompt tokens, per request served locally that reported it:
+    /// how well the prefix index knows the engine's cache.
+    pub cache_estimate_error: Histogram,
+    /// The KV-event stream (`engine.kv_events`).
+    pub kv_events: KvEventMetrics,
+}
+
+/// The KV-event stream's metrics: the follower's counters, mirrored at each step.
+#[derive(Debug, Default)]
+pub struct KvEventMetrics {
+    /// 1 while the prefix index follows the engine's events, 0 on the shadow model.
+    pub source_events: Gauge,
+    /// Seconds the index followed the shadow model though events were configured.
+    pub fallback_seconds: Counter<f64, AtomicU64>,
+    /// Batches applied.
+    pub batches: Counter,
+    /// Events applied.
+    pub events: Counter,
+    /// Seq gaps.
+    pub gaps: Counter,
+    /// Replays asked for.
+    pub replays: Counter,
+    /// Replays failed (timeout, broken, incomplete).
+    pub replay_failures: Counter,
+    /// Resyncs (every block forgotten, back to the shadow model).
+    pub resyncs: Counter,
+    /// Publisher restarts.
+    pub restarts: Counter,
+    /// Messages that did not decode, oversized ones included.
+    pub decode_errors: Counter,
+    /// Silent streams.
+    pub silences: Counter,
+    /// Engine blocks ignored (LoRA, other tiers, unknown parents, odd sizes) or
+    /// dropped over `engine.kv_events_max_blocks`.
+    pub ignored_blocks: Counter,
+    last: parking_lot::Mutex<(gorgo_core::kv_events::KvEventCounters, u64)>,
+}
+
+impl KvEventMetrics {
+    fn register(&self, registry: &mut Registry) {
+        let r = registry.sub_registry_with_prefix("kv_event");
+        r.register(
+            "source_events",
+            "1 while the prefix index follows the engine's KV events, 0 on the shadow model",
+            self.source_events.clone(),
+        );
+        r.register(
+            "fallback_seconds",
+            "Time the prefix index followed the shadow model though KV events are configured",
+            self.fallback_seconds.clone(),
+        );
+        for (name, help, c) in [
+            ("batches", "KV event batches applied", &self.batches),
+            ("events", "KV events applied", &self.events),
+            ("gaps", "Gaps in the KV event sequence", &self.gaps),
+            ("replays", "KV event replays asked for", &self.replays),
+            (
+                "replay_failures",
+                "KV event replays that timed out, broke or came back incomplete",
+                &self.replay_failures,
+            ),
+            (
+                "resyncs",
+                "KV event resyncs: every block forgotten, back to the shadow model",
+                &self.resyncs,
+            ),
+            (
+                "restarts",
+                "KV event publisher restarts (the sequence went back)",
+                &self.restarts,
+            ),
+            (
+                "decode_errors",
+                "KV event messages that did not decode, oversized ones included",
+                &self.decode_errors,
+            ),
+            (
+                "silences",
+                "KV event streams gone silent while requests were served",
+                &self.silences,
+            ),
+            (
+                "ignored_blocks",
+                "Engine blocks the index cannot use or track (LoRA, other tiers, unknown parent, over the cap)",
+                &self.ignored_blocks,
+            ),
+        ] {
+            r.register(name, help, c.clone());
+        }
+    }
+
+    /// Mirror the follower's totals (counters only ever move forward); returns the
+    /// totals mirrored before, so the caller can log what moved.
+    pub fn observe(
+        &self,
+        now: &gorgo_core::kv_events::KvEventCounters,
+        fallback_ms: u64,
+        source: gorgo_core::IndexSource,
+    ) -> gorgo_core::kv_events::KvEventCounters {
+        let mut last = self.last.lock();
+        let (was, was_fallback_ms) = *last;
+        let up = |c: &Counter, now: u64, was: u64| {
+            c.inc_by(now.saturating_sub(was));
+        };
+        up(&self.batches, now.batches, was.batches);
+        up(&self.events, now.events, was.events);
+        up(&self.gaps, now.gaps, was.gaps);
+        up(&self.replays, now.replays, was.replays);
+        up(
+            &self.replay_failures,
+            now.replay_failures,
+            was.replay_failures,
+        );
+        up(&self.resyncs, now.resyncs, was.resyncs);
+        up(&self.restarts, now.restarts, was.restarts);
+        up(&self.decode_errors, now.decode_errors, was.decode_errors);
+        up(&self.silences, now.silences, was.silences);
+        up(
+            &self.ignored_blocks,
+            now.ignored_blocks + now.dropped_blocks,
+            was.ignored_blocks + was.dropped_blocks,
+        );
+        self.fallback_seconds
+            .inc_by(fallback_ms.saturating_sub(was_fallback_ms) as f64 / 1000.0);
+        self.source_events
+            .set((source == gorgo_core::IndexSource::Events) as i64);
+        *last = (*now, fallback_ms.max(was_fallback_ms));
+        was
+    }
 }
 
 impl Default for NodeMetrics {
@@ -267,7 +397,18 @@ impl NodeMetrics {
             "Relative error of the node's prompt-token count against the engine's usage.prompt_tokens",
             prompt_token_error.clone(),
         );
+        let cache_estimate_error =
+            Histogram::new([0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0]);
+        registry.register(
+            "cache_estimate_error_ratio",
+            "|cached tokens the prefix index predicted - the engine's cached_tokens| / prompt tokens, per local request",
+            cache_estimate_error.clone(),
+        );
+        let kv_events = KvEventMetrics::default();
+        kv_events.register(&mut registry);
         NodeMetrics {
+            cache_estimate_error,
+            kv_events,
             bytes_per_token,
             prompt_token_error,
             connections,

@@ -296,6 +296,9 @@ pub async fn serve_local(
         return Err(ServeError::Failed(format!("engine answered {status}")));
     }
     if resp.status().is_success() {
+        if let Some(kv) = &state.kv_events {
+            kv.on_dispatch();
+        }
         let delta = state.shadow.lock().insert(&req.chain, state.now_ms());
         if let Some(delta) = delta {
             state.peers.publish_summary(&delta);
@@ -305,6 +308,7 @@ pub async fn serve_local(
     let st = state.clone();
     let chain = req.chain.clone();
     let canonical = req.canonical;
+    let predicted = cached;
     let mut first = true;
     let mut corrected = false;
     let mut observed = false;
@@ -325,6 +329,10 @@ pub async fn serve_local(
             // The engine's own count of cached prompt tokens corrects the shadow index.
             if let (Some(cached), false) = (usage.cached_tokens(), corrected) {
                 corrected = true;
+                if status < 300 && prompt_tokens > 0 {
+                    let error = predicted.abs_diff(cached) as f64 / prompt_tokens as f64;
+                    st.metrics.cache_estimate_error.observe(error.min(1.0));
+                }
                 let delta = st.shadow.lock().correct(&chain, cached, st.now_ms());
                 if let Some(delta) = delta {
                     st.peers.publish_summary(&delta);

@@ -1,9 +1,15 @@
 //! The node's model of its own engine's prefix cache (`gorgo_core::ShadowIndex`), plus
 //! the bookkeeping that hands its summary changes to the cluster for gossip and keeps
 //! its summary sample in step with the cluster's size (`cluster.summary_sample`).
+//!
+//! The index has two sources (`engine.kv_events`, docs/kv-events.md): the shadow
+//! model (inserted at dispatch, corrected from `cached_tokens`, evicted by its LRU at
+//! the engine's capacity) or the engine's KV events (blocks added and removed as the
+//! engine says, nothing modelled). One index serves both, so its summary and what
+//! peers hold of it carry on across a switch as ordinary changes.
 
 use gorgo_core::summary::{SampleChooser, SampleSetting, SummaryDelta, SummarySample};
-use gorgo_core::{HashChain, ShadowIndex};
+use gorgo_core::{HashChain, IndexSource, NodeBlockChange, ShadowIndex};
 
 /// The shadow index, how far its summary has been handed to gossip, and the choice of
 /// its summary sample.
@@ -13,6 +19,10 @@ pub struct LocalCache {
     published_version: u64,
     published_sample: SummarySample,
     sample: SampleChooser,
+    source: IndexSource,
+    /// The engine's capacity, which the shadow model evicts to (unbounded while the
+    /// events rule: the engine evicts).
+    model_capacity: u64,
 }
 
 impl LocalCache {
@@ -26,6 +36,8 @@ impl LocalCache {
             published_version: 0,
             published_sample: sample.current(),
             sample,
+            source: IndexSource::Shadow,
+            model_capacity: capacity_tokens.max(1),
         }
     }
 
@@ -51,33 +63,87 @@ impl LocalCache {
         self.index.summary().sample()
     }
 
+    /// Blocks of `chain`'s prefix the engine probably caches.
+    pub fn longest_match_blocks(&self, chain: &HashChain) -> usize {
+        self.index.longest_match_blocks(chain)
+    }
+
     /// Tokens of `chain`'s prefix the engine probably caches.
     pub fn longest_match(&self, chain: &HashChain) -> u64 {
         self.index.longest_match(chain)
     }
 
     /// Record a dispatch of `chain` to the engine; returns the summary changes to
-    /// gossip (`None` when nothing changed).
+    /// gossip (`None` when nothing changed). Nothing while the events rule: the
+    /// engine's own `BlockStored` follows.
     pub fn insert(&mut self, chain: &HashChain, now_ms: u64) -> Option<SummaryDelta> {
-        self.index.insert(chain, now_ms);
+        if self.source == IndexSource::Shadow {
+            self.index.insert(chain, now_ms);
+        }
         self.take_delta()
     }
 
-    /// Correct the model with the engine's own count of cached prompt tokens.
+    /// Correct the model with the engine's own count of cached prompt tokens (the
+    /// shadow model only: the events are the engine's word already).
     pub fn correct(
         &mut self,
         chain: &HashChain,
         cached_tokens: u64,
         now_ms: u64,
     ) -> Option<SummaryDelta> {
-        self.index.correct(chain, cached_tokens, now_ms);
+        if self.source == IndexSource::Shadow {
+            self.index.correct(chain, cached_tokens, now_ms);
+        }
         self.take_delta()
     }
 
-    /// Follow the engine's real capacity once known.
+    /// Follow the engine's real capacity once known (what the shadow model evicts to).
     pub fn set_capacity(&mut self, capacity_tokens: u64) -> Option<SummaryDelta> {
-        if capacity_tokens > 0 && capacity_tokens != self.index.capacity_tokens() {
-            self.index.set_capacity(capacity_tokens);
+        if capacity_tokens > 0 {
+            self.model_capacity = capacity_tokens;
+        }
+        if self.source == IndexSource::Shadow && self.model_capacity != self.index.capacity_tokens()
+        {
+            self.index.set_capacity(self.model_capacity);
+        }
+        self.take_delta()
+    }
+
+    /// The source the index follows.
+    pub fn source(&self) -> IndexSource {
+        self.source
+    }
+
+    /// Switch sources. To the events: the engine evicts, so the model's capacity is
+    /// lifted (the follower's `Cleared` and blocks come next). Back to the shadow
+    /// model: it carries on from the events' picture, evicting to the capacity.
+    pub fn set_source(&mut self, source: IndexSource) -> Option<SummaryDelta> {
+        self.source = source;
+        match source {
+            IndexSource::Events => self.index.set_capacity(u64::MAX),
+            IndexSource::Shadow => self.index.set_capacity(self.model_capacity),
+        }
+        self.take_delta()
+    }
+
+    /// Apply the KV-event follower's changes (while the events rule).
+    pub fn apply_kv_changes(
+        &mut self,
+        changes: &[NodeBlockChange],
+        now_ms: u64,
+    ) -> Option<SummaryDelta> {
+        for change in changes {
+            match *change {
+                NodeBlockChange::Added {
+                    hash,
+                    parent,
+                    tokens,
+                } => self.index.insert_block(hash, parent, tokens, now_ms),
+                NodeBlockChange::Removed { hash } => {
+                    self.index.remove_block(hash);
+                }
+                NodeBlockChange::Cleared => self.index.clear(),
+            }
         }
         self.take_delta()
     }

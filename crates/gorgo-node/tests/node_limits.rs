@@ -42,19 +42,6 @@ async fn slow_body(from: &str, to: SocketAddr) -> TcpStream {
     s
 }
 
-/// Wait until `cond` holds, polling (what it waits for, gossip on the real clock, has
-/// no event to await); fail after 10 s naming `what`.
-async fn until(what: &str, cond: impl Fn() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !cond() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 /// Whether `n` holds stats of a live peer.
 fn has_peer_stats(n: &TestNode) -> bool {
     n.state()

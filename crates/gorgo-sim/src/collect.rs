@@ -39,6 +39,9 @@ pub struct Row {
     /// The cost model's TTFT estimate for the chosen candidate at the client's node, ms
     /// (cost-based policies only).
     pub predicted_ttft_ms: Option<f32>,
+    /// The prompt tokens the client's node believed its chosen candidate had cached
+    /// (distributed modes).
+    pub predicted_cached_tokens: Option<u32>,
 }
 
 /// Counts that let a caller check the run: conservation of requests, the max-hops
@@ -130,6 +133,12 @@ pub struct Sketches {
     pub hit_tokens: Vec<(u64, u64)>,
     /// Absolute percentage errors of the TTFT estimate, completed requests with one.
     pub prediction_ape: LatencySketch,
+    /// The cache-estimate error: |cached tokens the client's node predicted for its
+    /// choice - the engine's reported cached tokens| / prompt tokens, in percent,
+    /// completed requests with a prediction.
+    pub cache_estimate_error_pct: LatencySketch,
+    /// Sum and count of the same error in tokens (its mean).
+    pub cache_estimate_error_tokens: (u64, u64),
 }
 
 /// Everything one policy's run produced.
@@ -205,6 +214,13 @@ impl Collector {
                 let h = &mut s.hit_tokens[r as usize];
                 h.0 += row.cached_tokens.min(row.input_tokens) as u64;
                 h.1 += row.input_tokens as u64;
+            }
+            if let Some(p) = row.predicted_cached_tokens {
+                let error = p.abs_diff(row.cached_tokens.min(row.input_tokens)) as u64;
+                s.cache_estimate_error_pct
+                    .add(error as f64 / row.input_tokens.max(1) as f64 * 100.0);
+                s.cache_estimate_error_tokens.0 += error;
+                s.cache_estimate_error_tokens.1 += 1;
             }
             if let Some(p) = row.predicted_ttft_ms {
                 if row.ttft_ms > 0.0 {

@@ -24,12 +24,14 @@ use gorgo_core::decision::decide;
 use gorgo_core::es::TuningConfig;
 use gorgo_core::fit::FitConfig;
 use gorgo_core::gossip::{self as core_gossip, GossipConfig, GossipSender, PeerGossip};
+use gorgo_core::kv_events::{AlignedBlockEvent, KvEventFollower, KvFollowerConfig};
 use gorgo_core::policy::{Policy, PolicyKind, RouteRequest};
 use gorgo_core::summary::{SampleChooser, SampleSetting, SummarySample};
 use gorgo_core::tuning::{EpochReport, Proposal, Tuner, TuningOutput};
 use gorgo_core::wire::GossipMessage;
 use gorgo_core::{hash::hash_bytes, HashChain, NodeId, QueueStats, ShadowIndex};
-use gorgo_engine::{Engine, EngineEvent, EngineRequest, Profile};
+use gorgo_core::{IndexSource, NodeBlockChange};
+use gorgo_engine::{CacheChange, Engine, EngineEvent, EngineRequest, Profile};
 use gorgo_workload::{TraceRequest, WorkloadError};
 use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -99,6 +101,12 @@ pub struct SimConfig {
     /// topology's peer count (every region but its own, all live), as a live node
     /// follows its membership.
     pub summary_sample: SampleSetting,
+    /// Each node's prefix index follows its engine's cache changes (KV events,
+    /// docs/kv-events.md) delivered `kv_events_delay_ms` after they happen, through
+    /// the core's [`KvEventFollower`], instead of its shadow model.
+    pub kv_events: bool,
+    /// The engine-to-node transit delay of the KV events, ms.
+    pub kv_events_delay_ms: f64,
 }
 
 /// Bytes the live cluster puts before each gossip message on its uni-stream (kind
@@ -139,6 +147,8 @@ impl SimConfig {
             metrics_interval_ms: DEFAULT_METRICS_INTERVAL_MS as f64,
             decode_step_ms: DEFAULT_DECODE_STEP_MS,
             summary_sample: SampleSetting::Auto,
+            kv_events: false,
+            kv_events_delay_ms: 2.0,
         }
     }
 
@@ -182,6 +192,9 @@ impl SimConfig {
         }
         if self.tuning_window == Some(0) {
             return Err(invalid("tuning_window", "must be > 0"));
+        }
+        if !(self.kv_events_delay_ms.is_finite() && self.kv_events_delay_ms >= 0.0) {
+            return Err(invalid("kv_events_delay_ms", "must be >= 0"));
         }
         Ok(())
     }
@@ -232,6 +245,8 @@ enum Ev {
     Scrape(u8),
     /// The first byte of a forwarded request reached the node that forwarded it.
     FirstByte(u32),
+    /// A region's engine's KV events reach its node (`kv_events`).
+    KvEvents(u8),
 }
 
 struct Scheduled {
@@ -287,6 +302,8 @@ struct Flight {
     forwarded_ms: Option<f64>,
     /// When its first byte reaches the forwarding node ([`Ev::FirstByte`]), ms.
     first_byte_due_ms: Option<f64>,
+    /// The cached tokens the client's node believed its chosen candidate holds.
+    predicted_cached_tokens: Option<u64>,
 }
 
 enum Payload {
@@ -321,6 +338,8 @@ struct Node {
     tuner: Option<Tuner>,
     /// The rate of the summary `shadow` publishes (`SimConfig::summary_sample`).
     summary_sample: SampleChooser,
+    /// Follows the engine's KV events into `shadow` (`SimConfig::kv_events`).
+    kv: Option<KvEventFollower>,
 }
 
 /// The state every region has whatever the mode.
@@ -330,6 +349,9 @@ struct Region {
     queued_prompt_tokens: u64,
     /// Next wakeup scheduled for the engine.
     wake_at: Option<f64>,
+    /// KV-event batches on their way to the node, with their arrival times (one
+    /// delay for all: first in, first out).
+    kv_in_transit: std::collections::VecDeque<(f64, Vec<AlignedBlockEvent>)>,
 }
 
 /// The central router of `oracle` mode: exact state of every engine, instantly.
@@ -393,10 +415,12 @@ impl<'a> Sim<'a> {
             .map(|p| {
                 let mut engine = Engine::new(p.clone());
                 engine.set_emit_decode_steps(false);
+                engine.set_record_cache_changes(cfg.kv_events && kind != PolicyKind::Oracle);
                 Region {
                     engine,
                     queued_prompt_tokens: 0,
                     wake_at: None,
+                    kv_in_transit: Default::default(),
                 }
             })
             .collect();
@@ -472,6 +496,10 @@ impl<'a> Sim<'a> {
                     ),
                     tuner,
                     summary_sample,
+                    kv: cfg
+                        .kv_events
+                        .then(|| KvEventFollower::new(KvFollowerConfig::new(1), 0))
+                        .transpose()?,
                 });
             }
             // Nodes do not tick in lockstep: each starts at its own phase.
@@ -568,6 +596,7 @@ impl<'a> Sim<'a> {
                 Ev::FirstByte(slot) => self.first_byte(slot, at),
                 Ev::Deliver(m) => self.deliver(m, at),
                 Ev::Complete(slot) => self.complete(slot, at),
+                Ev::KvEvents(r) => self.kv_events(r as usize, at),
             }
             let finished = self.out.run.counters.completed + self.out.run.counters.failed;
             if finished >= reported + 4096 {
@@ -637,6 +666,7 @@ impl<'a> Sim<'a> {
             predicted_ttft_ms: None,
             forwarded_ms: None,
             first_byte_due_ms: None,
+            predicted_cached_tokens: None,
             first_token_seen: false,
             transit_tokens: 0,
         };
@@ -865,6 +895,7 @@ impl<'a> Sim<'a> {
             let f = self.flight_mut(slot);
             f.epoch = epoch;
             f.predicted_ttft_ms = predicted.map(|v| v as f32);
+            f.predicted_cached_tokens = target.as_ref().ok().map(|&(_, c)| c);
         }
         match target {
             Err(_) => {
@@ -941,7 +972,14 @@ impl<'a> Sim<'a> {
             None => {
                 let node = &mut self.nodes[r];
                 let cached = node.shadow.longest_match(&f.chain).min(prompt_tokens);
-                node.shadow.insert(&f.chain, nowu);
+                // Following the engine's events, the node models nothing.
+                if node
+                    .kv
+                    .as_ref()
+                    .is_none_or(|kv| kv.source() == IndexSource::Shadow)
+                {
+                    node.shadow.insert(&f.chain, nowu);
+                }
                 node.view
                     .dispatch(slot as u64, prompt_tokens, prompt_tokens - cached, nowu);
             }
@@ -972,6 +1010,31 @@ impl<'a> Sim<'a> {
     fn drain_engine(&mut self, r: usize, now: f64) {
         let mut events = std::mem::take(&mut self.engine_events);
         self.regions[r].engine.step_into(now, &mut events);
+        if self.cfg.kv_events && self.oracle.is_none() {
+            let batch: Vec<AlignedBlockEvent> = self.regions[r]
+                .engine
+                .take_cache_changes()
+                .into_iter()
+                .map(|c| match c {
+                    CacheChange::Stored {
+                        hash,
+                        parent,
+                        tokens,
+                        ..
+                    } => AlignedBlockEvent::Stored {
+                        hash,
+                        parent,
+                        tokens,
+                    },
+                    CacheChange::Removed { hash } => AlignedBlockEvent::Removed { hash },
+                })
+                .collect();
+            if !batch.is_empty() {
+                let at = now + self.cfg.kv_events_delay_ms;
+                self.regions[r].kv_in_transit.push_back((at, batch));
+                self.push(at, Ev::KvEvents(r as u8));
+            }
+        }
         for ev in events.drain(..) {
             match ev {
                 EngineEvent::FirstToken {
@@ -995,6 +1058,34 @@ impl<'a> Sim<'a> {
             if self.regions[r].wake_at != Some(t) {
                 self.regions[r].wake_at = Some(t);
                 self.push(t, Ev::EngineWake(r as u8));
+            }
+        }
+    }
+
+    /// Region `r`'s KV-event batches due by `now` reach its node: through the
+    /// follower into the node's index (as the live node's `kv_events` task does).
+    fn kv_events(&mut self, r: usize, now: f64) {
+        while self.regions[r]
+            .kv_in_transit
+            .front()
+            .is_some_and(|(at, _)| *at <= now)
+        {
+            let (_, batch) = self.regions[r].kv_in_transit.pop_front().expect("checked");
+            let node = &mut self.nodes[r];
+            let Some(kv) = node.kv.as_mut() else { return };
+            kv.apply_aligned(&batch, now as u64);
+            for change in kv.take_changes() {
+                match change {
+                    NodeBlockChange::Added {
+                        hash,
+                        parent,
+                        tokens,
+                    } => node.shadow.insert_block(hash, parent, tokens, now as u64),
+                    NodeBlockChange::Removed { hash } => {
+                        node.shadow.remove_block(hash);
+                    }
+                    NodeBlockChange::Cleared => node.shadow.clear(),
+                }
             }
         }
     }
@@ -1104,6 +1195,7 @@ impl<'a> Sim<'a> {
             output_tokens: 0,
             cached_tokens: 0,
             predicted_ttft_ms: f.predicted_ttft_ms,
+            predicted_cached_tokens: None,
         });
     }
 
@@ -1131,6 +1223,9 @@ impl<'a> Sim<'a> {
             output_tokens: f.output_tokens,
             cached_tokens: f.cached_tokens.min(u32::MAX as u64) as u32,
             predicted_ttft_ms: f.predicted_ttft_ms,
+            predicted_cached_tokens: f
+                .predicted_cached_tokens
+                .map(|c| c.min(u32::MAX as u64) as u32),
         });
     }
 

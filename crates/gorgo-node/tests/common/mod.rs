@@ -494,3 +494,17 @@ pub async fn admin_json(node: &TestNode, path: &str) -> serde_json::Value {
         .await
         .unwrap()
 }
+
+/// Wait until `cond` holds, polling every 10 ms (what it waits for, gossip or a
+/// socket on the real clock, has no event to await); fail after 20 s naming `what`.
+#[allow(dead_code)]
+pub async fn until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !cond() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting: {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}

@@ -1,0 +1,965 @@
+//! Following an engine's own KV events: its prefix cache as the engine says it is.
+//!
+//! The shadow index ([`crate::ShadowIndex`]) models the engine's cache from what the
+//! node dispatches; an engine that publishes KV events (vLLM `--kv-events-config`,
+//! SGLang, the emulator's `--kv-events`) tells what it stored and evicted instead.
+//! [`KvEventFollower`] is the sans-IO state machine between the two: the raw messages
+//! of the SUB socket and the replay socket go in with `now`, and out come
+//!
+//! - the changes of the node's index ([`NodeBlockChange`]), in the node's own blocks:
+//!   engine blocks (16 tokens in vLLM, one in SGLang) are re-chained into blocks of
+//!   `routing.block_tokens` with [`chain_step`] over their token ids, the way
+//!   [`crate::HashChain::from_token_ids`] hashes a tokenised prompt, so a new request's
+//!   chain matches them;
+//! - the replay requests to send ([`FollowerAction`]);
+//! - which source the index follows ([`IndexSource`]): the events while the stream is
+//!   healthy, the shadow model otherwise.
+//!
+//! The stream: batches carry a seq from 0. A gap asks the replay socket for the
+//! missing batches (the live ones are held meanwhile, within a byte budget); a long
+//! gap, a failed or incomplete replay, an undecodable batch or a stream that went
+//! silent while requests were served is a resync: forget every block and fall back
+//! to the shadow model until the stream has been continuous for the warm-up time (or
+//! from its seq 0: then it has told everything). A seq that goes back is a publisher
+//! restart: from seq 0 its cache starts empty.
+//!
+//! The mapping: an engine block is kept with its own token ids, where it ends in the
+//! sequence and the node chain up to the last node-block boundary it reaches, so a
+//! child's tokens extend its parent's. A node block exists while some stored engine
+//! block completes it (its ancestors are stored too: a block whose parent is unknown
+//! is ignored). `BlockRemoved` drops the engine block and everything stored below it
+//! (the engine matches no further), with the node blocks no other engine block keeps.
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde::Serialize;
+
+use crate::error::CoreError;
+use crate::hash::{chain_step, CHAIN_SEED};
+use crate::kv_wire::{decode_batch, decode_seq, KvEvent, DEFAULT_MAX_PAYLOAD_BYTES, MEDIUM_GPU};
+use crate::summary::FingerprintBuildHasher;
+
+/// What one batch held during a replay counts against `max_pending_bytes` beyond its
+/// payload: its map entry.
+const PENDING_ENTRY_BYTES: usize = 64;
+
+/// Limits and timings of a [`KvEventFollower`]; every one bounds what a bad stream
+/// can cost.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvFollowerConfig {
+    /// The node's block size in tokens (`routing.block_tokens`): a multiple of the
+    /// engine's block size, or the engine's blocks are ignored.
+    pub node_block_tokens: usize,
+    /// Engine blocks tracked at most; blocks stored beyond are ignored and counted.
+    pub max_engine_blocks: usize,
+    /// Largest batch payload decoded.
+    pub max_payload_bytes: usize,
+    /// Bytes of live batches held while a replay runs (64 more per batch); past it, a
+    /// resync.
+    pub max_pending_bytes: usize,
+    /// Longest gap (in batches) worth a replay; longer is a resync. vLLM keeps
+    /// 10 000 batches for replay by default.
+    pub max_replay_gap: u64,
+    /// Whether a replay socket is configured.
+    pub replay: bool,
+    /// How long a replay may take before it counts as failed, ms.
+    pub replay_timeout_ms: u64,
+    /// Continuous stream needed before the index follows a stream whose start it did
+    /// not see, ms.
+    pub warmup_ms: u64,
+    /// A stream with no batch for this long while requests were served is silent, ms.
+    pub silence_ms: u64,
+    /// Requests dispatched since the last batch before silence counts (an engine that
+    /// serves only cache hits stores nothing).
+    pub silence_dispatches: u64,
+}
+
+impl KvFollowerConfig {
+    /// Defaults for a node whose blocks hold `node_block_tokens` tokens.
+    pub fn new(node_block_tokens: usize) -> Self {
+        KvFollowerConfig {
+            node_block_tokens,
+            max_engine_blocks: 1 << 20,
+            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+            max_pending_bytes: 64 << 20,
+            max_replay_gap: 10_000,
+            replay: false,
+            replay_timeout_ms: 2_000,
+            warmup_ms: 30_000,
+            silence_ms: 30_000,
+            silence_dispatches: 16,
+        }
+    }
+
+    /// Check the ranges (errors name the field).
+    pub fn validate(&self) -> Result<(), CoreError> {
+        let bad = |field: &str, reason: &str| {
+            Err(CoreError::InvalidConfig {
+                field: field.into(),
+                reason: reason.into(),
+            })
+        };
+        if self.node_block_tokens == 0 || self.node_block_tokens > 4096 {
+            return bad("node_block_tokens", "must be in 1..=4096");
+        }
+        if self.max_engine_blocks == 0 {
+            return bad("max_engine_blocks", "must be at least 1");
+        }
+        if self.max_payload_bytes == 0 {
+            return bad("max_payload_bytes", "must be at least 1");
+        }
+        Ok(())
+    }
+}
+
+/// Where the node's prefix index comes from now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IndexSource {
+    /// The shadow model: inserted at dispatch, evicted by its LRU.
+    Shadow,
+    /// The engine's KV events.
+    Events,
+}
+
+/// A change of the node's index, in node blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeBlockChange {
+    /// The engine holds this node block (`parent`: the node block before it).
+    Added {
+        /// The node's chained hash of the block.
+        hash: u64,
+        /// The previous block of its chain, `None` for a first block.
+        parent: Option<u64>,
+        /// Tokens in it (the node's block size).
+        tokens: u32,
+    },
+    /// The engine no longer matches this node block (nor anything below it).
+    Removed {
+        /// The node's chained hash of the block.
+        hash: u64,
+    },
+    /// Forget every block (the list of `Added` that follows, if any, is all there is).
+    Cleared,
+}
+
+/// A cache change of an engine that hashes the node's own chain (the simulator's
+/// engines: their blocks are the node's blocks), so nothing needs re-chaining.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AlignedBlockEvent {
+    /// The engine stored block `hash` below `parent`.
+    Stored {
+        /// The block's chained hash (the node's).
+        hash: u64,
+        /// The block before it.
+        parent: Option<u64>,
+        /// Tokens it holds.
+        tokens: u32,
+    },
+    /// The engine evicted block `hash`.
+    Removed {
+        /// The block's chained hash.
+        hash: u64,
+    },
+}
+
+/// What the follower asks its driver to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FollowerAction {
+    /// Ask the replay socket for every batch from `from_seq` on.
+    RequestReplay {
+        /// First seq wanted.
+        from_seq: u64,
+    },
+}
+
+/// What happened on the stream so far (the node's metrics and `/admin/state`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct KvEventCounters {
+    /// Batches applied.
+    pub batches: u64,
+    /// Events applied.
+    pub events: u64,
+    /// Events of a type this version does not know, skipped.
+    pub unknown_events: u64,
+    /// Engine blocks stored that the index cannot use: LoRA blocks, other tiers, an
+    /// unknown parent, token counts that do not fit the block size, a block size that
+    /// does not divide the node's.
+    pub ignored_blocks: u64,
+    /// Engine blocks not tracked because `max_engine_blocks` were.
+    pub dropped_blocks: u64,
+    /// Gaps in the seq.
+    pub gaps: u64,
+    /// Replays asked for.
+    pub replays: u64,
+    /// Replays that timed out, came back broken or incomplete.
+    pub replay_failures: u64,
+    /// Publisher restarts (the seq went back).
+    pub restarts: u64,
+    /// Resyncs: every block forgotten, back to the shadow model.
+    pub resyncs: u64,
+    /// Messages or batches that did not decode (oversized ones included).
+    pub decode_errors: u64,
+    /// Messages over `max_payload_bytes`.
+    pub oversized: u64,
+    /// Times the stream went silent while requests were served.
+    pub silences: u64,
+}
+
+/// The position of the stream.
+#[derive(Debug)]
+enum Stream {
+    /// Nothing in order yet (start, or after a resync). `full_replay`: ask for the
+    /// publisher's whole buffer when the first batch is not seq 0.
+    Fresh { full_replay: bool },
+    /// In order; `next` is the seq expected.
+    Live { next: u64 },
+    /// Waiting for the replay of `next..` (asked from `from`); live batches held.
+    Replaying {
+        from: u64,
+        next: u64,
+        first_seen: bool,
+        deadline_ms: u64,
+        pending: BTreeMap<u64, Vec<u8>>,
+        pending_bytes: usize,
+    },
+}
+
+/// The state machine of the module docs.
+#[derive(Debug)]
+pub struct KvEventFollower {
+    config: KvFollowerConfig,
+    tracker: BlockTracker,
+    stream: Stream,
+    /// The tracker holds everything the engine stored since its start (we saw seq 0,
+    /// or an `AllBlocksCleared`, since the last resync).
+    history_complete: bool,
+    /// When the stream became continuous after the last resync.
+    continuous_since_ms: Option<u64>,
+    source: IndexSource,
+    source_since_ms: u64,
+    fallback_reason: &'static str,
+    fallback_ms_before: u64,
+    last_batch_ms: u64,
+    dispatches_since_batch: u64,
+    changes: Vec<NodeBlockChange>,
+    actions: Vec<FollowerAction>,
+    counters: KvEventCounters,
+}
+
+impl KvEventFollower {
+    /// A follower that has heard nothing yet (the index follows the shadow model).
+    pub fn new(config: KvFollowerConfig, now_ms: u64) -> Result<Self, CoreError> {
+        config.validate()?;
+        Ok(KvEventFollower {
+            tracker: BlockTracker::new(config.node_block_tokens, config.max_engine_blocks),
+            config,
+            stream: Stream::Fresh { full_replay: true },
+            history_complete: false,
+            continuous_since_ms: None,
+            source: IndexSource::Shadow,
+            source_since_ms: now_ms,
+            fallback_reason: "no events yet",
+            fallback_ms_before: 0,
+            last_batch_ms: now_ms,
+            dispatches_since_batch: 0,
+            changes: Vec::new(),
+            actions: Vec::new(),
+            counters: KvEventCounters::default(),
+        })
+    }
+
+    /// The source the index follows now.
+    pub fn source(&self) -> IndexSource {
+        self.source
+    }
+
+    /// Since when (`now_ms` of the change).
+    pub fn source_since_ms(&self) -> u64 {
+        self.source_since_ms
+    }
+
+    /// Why the index follows the shadow model, when it does.
+    pub fn fallback_reason(&self) -> Option<&'static str> {
+        (self.source == IndexSource::Shadow).then_some(self.fallback_reason)
+    }
+
+    /// Milliseconds spent on the shadow model so far (from the start: no events yet
+    /// counts).
+    pub fn fallback_ms(&self, now_ms: u64) -> u64 {
+        self.fallback_ms_before
+            + match self.source {
+                IndexSource::Shadow => now_ms.saturating_sub(self.source_since_ms),
+                IndexSource::Events => 0,
+            }
+    }
+
+    /// The counters.
+    pub fn counters(&self) -> &KvEventCounters {
+        &self.counters
+    }
+
+    /// Engine blocks tracked.
+    pub fn engine_blocks(&self) -> usize {
+        self.tracker.engine.len()
+    }
+
+    /// Node blocks the engine holds, as far as the events told.
+    pub fn node_blocks(&self) -> usize {
+        self.tracker.nodes.len()
+    }
+
+    /// Whether the node block `hash` is held (tests and checks).
+    pub fn contains_node_block(&self, hash: u64) -> bool {
+        self.tracker.nodes.contains_key(&hash)
+    }
+
+    /// The index changes since the last call: only while the source is the events
+    /// (a switch to them starts with `Cleared` and every block held).
+    pub fn take_changes(&mut self) -> Vec<NodeBlockChange> {
+        std::mem::take(&mut self.changes)
+    }
+
+    /// The actions since the last call.
+    pub fn take_actions(&mut self) -> Vec<FollowerAction> {
+        std::mem::take(&mut self.actions)
+    }
+
+    /// The node dispatched a request to the engine (the silence check).
+    pub fn on_dispatch(&mut self) {
+        self.dispatches_since_batch = self.dispatches_since_batch.saturating_add(1);
+    }
+
+    /// The SUB socket is subscribed (at start, or again): with a replay socket and no
+    /// batch seen yet, ask for everything the publisher still buffers, so that what
+    /// it published before the subscription took effect (a PUB drops what no
+    /// subscriber takes) is not waited for until the next batch shows a gap. An
+    /// empty answer means it has published nothing: the index follows the events,
+    /// which start with the next batch, seq 0.
+    pub fn on_subscribed(&mut self, now_ms: u64) {
+        if let Stream::Fresh { full_replay: true } = self.stream {
+            if self.config.replay {
+                self.counters.replays += 1;
+                self.stream = Stream::Replaying {
+                    from: 0,
+                    next: 0,
+                    first_seen: false,
+                    deadline_ms: now_ms.saturating_add(self.config.replay_timeout_ms),
+                    pending: BTreeMap::new(),
+                    pending_bytes: 0,
+                };
+                self.actions
+                    .push(FollowerAction::RequestReplay { from_seq: 0 });
+            }
+        }
+    }
+
+    /// A message of the SUB socket: `[topic, seq, payload]`.
+    pub fn on_message(&mut self, frames: &[&[u8]], now_ms: u64) {
+        let (seq, payload) = match self.parse_frames(frames, 3) {
+            Ok(v) => v,
+            Err(reason) => return self.resync(now_ms, reason),
+        };
+        self.on_batch(seq, payload, now_ms);
+    }
+
+    /// A message of the replay socket: `[seq, payload]` (after the ROUTER envelope;
+    /// a leading empty delimiter frame is skipped).
+    pub fn on_replay_message(&mut self, frames: &[&[u8]], now_ms: u64) {
+        let Stream::Replaying { .. } = self.stream else {
+            return; // a late answer to a replay given up on
+        };
+        let frames = match frames {
+            [empty, rest @ ..] if empty.is_empty() && rest.len() == 2 => rest,
+            _ => frames,
+        };
+        if frames.len() == 2 && frames[0] == crate::kv_wire::encode_seq(-1) {
+            return self.finish_replay(now_ms);
+        }
+        let (seq, payload) = match self.parse_frames(frames, 2) {
+            Ok(v) => v,
+            Err(reason) => return self.replay_failed(now_ms, reason),
+        };
+        let Stream::Replaying {
+            from,
+            next,
+            first_seen,
+            ..
+        } = &mut self.stream
+        else {
+            return;
+        };
+        let startup = *from == 0 && !*first_seen;
+        *first_seen = true;
+        if seq < *next {
+            return; // already applied
+        }
+        if seq > *next {
+            if !startup {
+                return self.replay_failed(now_ms, "replay misses batches");
+            }
+            // The publisher's buffer no longer starts at 0: the cache's start is lost.
+            self.history_complete = false;
+            self.continuous_since_ms = Some(now_ms);
+        } else if startup {
+            self.history_complete = true;
+        }
+        *next = seq + 1;
+        // An undecodable batch resyncs inside: the replay is then over.
+        self.apply(payload, now_ms);
+    }
+
+    /// A batch of an in-process stream that loses nothing and whose blocks are the
+    /// node's already (the simulator: its engine's changes after the transit delay).
+    /// The stream starts with the engine, so its history is complete.
+    pub fn apply_aligned(&mut self, events: &[AlignedBlockEvent], now_ms: u64) {
+        if let Stream::Fresh { .. } = self.stream {
+            self.history_complete = true;
+            self.continuous_since_ms = Some(now_ms);
+            self.stream = Stream::Live { next: 0 };
+        }
+        self.counters.batches += 1;
+        self.last_batch_ms = now_ms;
+        self.dispatches_since_batch = 0;
+        let mut out = Vec::new();
+        for event in events {
+            self.counters.events += 1;
+            match *event {
+                AlignedBlockEvent::Stored {
+                    hash,
+                    parent,
+                    tokens,
+                } => self
+                    .tracker
+                    .store_aligned(hash, parent, tokens, &mut out, &mut self.counters),
+                AlignedBlockEvent::Removed { hash } => self.tracker.remove(hash, &mut out),
+            }
+        }
+        if self.source == IndexSource::Events {
+            self.changes.extend(out);
+        }
+        self.update_source(now_ms);
+    }
+
+    /// Time passes: replay deadlines, silence, the warm-up.
+    pub fn tick(&mut self, now_ms: u64) {
+        if let Stream::Replaying { deadline_ms, .. } = self.stream {
+            if now_ms >= deadline_ms {
+                self.replay_failed(now_ms, "replay timed out");
+            }
+        }
+        if self.source == IndexSource::Events
+            && now_ms.saturating_sub(self.last_batch_ms) >= self.config.silence_ms
+            && self.dispatches_since_batch >= self.config.silence_dispatches
+        {
+            self.counters.silences += 1;
+            self.resync(now_ms, "silent stream");
+        }
+        self.update_source(now_ms);
+    }
+
+    fn parse_frames<'a>(
+        &mut self,
+        frames: &[&'a [u8]],
+        parts: usize,
+    ) -> Result<(u64, &'a [u8]), &'static str> {
+        if frames.len() != parts {
+            self.counters.decode_errors += 1;
+            return Err("malformed message");
+        }
+        let seq = match decode_seq(frames[parts - 2]) {
+            Ok(s) if s >= 0 => s as u64,
+            _ => {
+                self.counters.decode_errors += 1;
+                return Err("malformed seq");
+            }
+        };
+        let payload = frames[parts - 1];
+        if payload.len() > self.config.max_payload_bytes {
+            self.counters.decode_errors += 1;
+            self.counters.oversized += 1;
+            return Err("oversized batch");
+        }
+        Ok((seq, payload))
+    }
+
+    fn on_batch(&mut self, seq: u64, payload: &[u8], now_ms: u64) {
+        match &mut self.stream {
+            Stream::Fresh { full_replay } => {
+                if seq == 0 {
+                    self.history_complete = true;
+                } else if *full_replay && self.config.replay && seq <= self.config.max_replay_gap {
+                    return self.start_replay(0, seq, payload, now_ms);
+                } else {
+                    self.history_complete = false;
+                }
+                self.continuous_since_ms = Some(now_ms);
+                self.stream = Stream::Live { next: seq + 1 };
+                self.apply(payload, now_ms);
+            }
+            Stream::Live { next } => {
+                let next = *next;
+                if seq == next {
+                    self.stream = Stream::Live { next: seq + 1 };
+                    self.apply(payload, now_ms);
+                } else if seq > next {
+                    self.counters.gaps += 1;
+                    if self.config.replay && seq - next <= self.config.max_replay_gap {
+                        self.start_replay(next, seq, payload, now_ms);
+                    } else {
+                        self.resync(now_ms, "gap without replay");
+                        self.on_batch(seq, payload, now_ms);
+                    }
+                } else {
+                    self.counters.restarts += 1;
+                    if seq == 0 {
+                        // A new publisher: its cache starts empty.
+                        self.tracker.clear(&mut Vec::new());
+                        if self.source == IndexSource::Events {
+                            self.changes.push(NodeBlockChange::Cleared);
+                        }
+                        self.history_complete = true;
+                        self.stream = Stream::Live { next: 1 };
+                        self.apply(payload, now_ms);
+                    } else {
+                        self.resync(now_ms, "publisher restarted");
+                        self.stream = Stream::Fresh { full_replay: true };
+                        self.on_batch(seq, payload, now_ms);
+                    }
+                }
+            }
+            Stream::Replaying {
+                pending,
+                pending_bytes,
+                ..
+            } => {
+                // Each held batch costs its bytes and its entry, so a flood of tiny
+                // messages is bounded too.
+                let cost = payload.len() + PENDING_ENTRY_BYTES;
+                if *pending_bytes + cost > self.config.max_pending_bytes {
+                    self.replay_failed(now_ms, "replay backlog full");
+                    return self.on_batch(seq, payload, now_ms);
+                }
+                *pending_bytes += cost;
+                pending.insert(seq, payload.to_vec());
+            }
+        }
+    }
+
+    fn start_replay(&mut self, from: u64, seq: u64, payload: &[u8], now_ms: u64) {
+        self.counters.replays += 1;
+        let mut pending = BTreeMap::new();
+        pending.insert(seq, payload.to_vec());
+        self.stream = Stream::Replaying {
+            from,
+            next: from,
+            first_seen: false,
+            deadline_ms: now_ms.saturating_add(self.config.replay_timeout_ms),
+            pending,
+            pending_bytes: payload.len() + PENDING_ENTRY_BYTES,
+        };
+        self.actions
+            .push(FollowerAction::RequestReplay { from_seq: from });
+    }
+
+    /// The end marker: carry on with the batches held.
+    fn finish_replay(&mut self, now_ms: u64) {
+        let Stream::Replaying {
+            next,
+            pending,
+            first_seen,
+            from,
+            ..
+        } = std::mem::replace(&mut self.stream, Stream::Live { next: 0 })
+        else {
+            return;
+        };
+        if from == 0 && !first_seen && pending.is_empty() {
+            // Asked on subscribing, before any batch: nothing published yet, so the
+            // cache is empty and the stream starts at seq 0.
+            self.history_complete = true;
+            self.continuous_since_ms = Some(now_ms);
+            self.stream = Stream::Live { next: 0 };
+        } else if from == 0 && !first_seen {
+            // An empty replay buffer behind live batches: the start is not there to see.
+            self.history_complete = false;
+            self.continuous_since_ms = Some(now_ms);
+            self.stream = Stream::Fresh { full_replay: false };
+        } else {
+            self.stream = Stream::Live { next };
+        }
+        self.update_source(now_ms);
+        for (seq, payload) in pending {
+            if let Stream::Live { next } = self.stream {
+                if seq < next {
+                    continue; // the replay had it already
+                }
+            }
+            self.on_batch(seq, &payload, now_ms);
+        }
+    }
+
+    fn replay_failed(&mut self, now_ms: u64, reason: &'static str) {
+        self.counters.replay_failures += 1;
+        let pending =
+            match std::mem::replace(&mut self.stream, Stream::Fresh { full_replay: false }) {
+                Stream::Replaying { pending, .. } => pending,
+                _ => BTreeMap::new(),
+            };
+        self.resync(now_ms, reason);
+        for (seq, payload) in pending {
+            self.on_batch(seq, &payload, now_ms);
+        }
+    }
+
+    /// Forget every block and fall back to the shadow model; the next batch starts a
+    /// stream whose beginning we did not see.
+    fn resync(&mut self, now_ms: u64, reason: &'static str) {
+        self.counters.resyncs += 1;
+        self.tracker.clear(&mut Vec::new());
+        self.history_complete = false;
+        self.continuous_since_ms = None;
+        self.stream = Stream::Fresh { full_replay: false };
+        if self.source == IndexSource::Events {
+            self.source = IndexSource::Shadow;
+            self.source_since_ms = now_ms;
+        }
+        self.fallback_reason = reason;
+    }
+
+    /// Decode and apply one batch in order; false when it did not decode (a resync).
+    fn apply(&mut self, payload: &[u8], now_ms: u64) -> bool {
+        let batch = match decode_batch(payload, self.config.max_payload_bytes) {
+            Ok(b) => b,
+            Err(_) => {
+                self.counters.decode_errors += 1;
+                self.resync(now_ms, "undecodable batch");
+                return false;
+            }
+        };
+        self.counters.batches += 1;
+        self.last_batch_ms = now_ms;
+        self.dispatches_since_batch = 0;
+        let mut out = Vec::new();
+        for event in batch.events {
+            self.counters.events += 1;
+            match event {
+                KvEvent::BlockStored {
+                    block_hashes,
+                    parent,
+                    token_ids,
+                    block_size,
+                    lora_id,
+                    medium,
+                } => {
+                    if lora_id.is_some() || !is_gpu(medium.as_deref()) {
+                        self.counters.ignored_blocks += block_hashes.len() as u64;
+                        continue;
+                    }
+                    self.tracker.store(
+                        &block_hashes,
+                        parent,
+                        &token_ids,
+                        block_size as usize,
+                        &mut out,
+                        &mut self.counters,
+                    );
+                }
+                KvEvent::BlockRemoved {
+                    block_hashes,
+                    medium,
+                } => {
+                    if is_gpu(medium.as_deref()) {
+                        for h in block_hashes {
+                            self.tracker.remove(h, &mut out);
+                        }
+                    }
+                }
+                KvEvent::AllBlocksCleared => {
+                    self.tracker.clear(&mut out);
+                    // The cache is empty now: from here on the tracker sees everything.
+                    self.history_complete = true;
+                }
+                KvEvent::Unknown => self.counters.unknown_events += 1,
+            }
+        }
+        if self.source == IndexSource::Events {
+            self.changes.extend(out);
+        }
+        self.update_source(now_ms);
+        true
+    }
+
+    fn update_source(&mut self, now_ms: u64) {
+        let flowing = matches!(self.stream, Stream::Live { .. } | Stream::Replaying { .. });
+        let warm = self
+            .continuous_since_ms
+            .is_some_and(|t| now_ms.saturating_sub(t) >= self.config.warmup_ms);
+        if self.source == IndexSource::Shadow && flowing && (self.history_complete || warm) {
+            self.fallback_ms_before += now_ms.saturating_sub(self.source_since_ms);
+            self.source = IndexSource::Events;
+            self.source_since_ms = now_ms;
+            self.changes.clear();
+            self.changes.push(NodeBlockChange::Cleared);
+            self.changes.extend(self.tracker.snapshot());
+        }
+    }
+}
+
+fn is_gpu(medium: Option<&str>) -> bool {
+    medium.is_none_or(|m| m == MEDIUM_GPU)
+}
+
+/// One engine block as the tracker keeps it.
+#[derive(Debug, Clone)]
+struct EngineBlock {
+    parent: Option<u64>,
+    /// Tokens of the sequence up to and including this block.
+    end: u64,
+    /// This block's token ids.
+    tokens: Box<[u32]>,
+    /// The node chain's last full block at or before `end` (`None`: none yet).
+    chain_end: Option<u64>,
+    /// The node blocks whose last token is in this block.
+    completes: Vec<u64>,
+    children: Vec<u64>,
+}
+
+/// One node block: held while `refs` engine blocks complete it.
+#[derive(Debug, Clone)]
+struct NodeBlock {
+    refs: u32,
+    parent: Option<u64>,
+    tokens: u32,
+    depth: u32,
+}
+
+/// Engine blocks re-chained into node blocks (the module docs' mapping).
+#[derive(Debug)]
+struct BlockTracker {
+    node_block_tokens: usize,
+    max_engine_blocks: usize,
+    engine: HashMap<u64, EngineBlock, FingerprintBuildHasher>,
+    nodes: HashMap<u64, NodeBlock, FingerprintBuildHasher>,
+}
+
+impl BlockTracker {
+    fn new(node_block_tokens: usize, max_engine_blocks: usize) -> Self {
+        BlockTracker {
+            node_block_tokens,
+            max_engine_blocks,
+            engine: HashMap::default(),
+            nodes: HashMap::default(),
+        }
+    }
+
+    /// The last `n` tokens of the sequence that ends with `block`.
+    fn tail_tokens(&self, block: Option<u64>, n: usize) -> Vec<u32> {
+        let mut chunks: Vec<&[u32]> = Vec::new();
+        let (mut cur, mut need) = (block, n);
+        while need > 0 {
+            let Some(b) = cur.and_then(|h| self.engine.get(&h)) else {
+                break;
+            };
+            let take = need.min(b.tokens.len());
+            chunks.push(&b.tokens[b.tokens.len() - take..]);
+            need -= take;
+            cur = b.parent;
+        }
+        chunks
+            .iter()
+            .rev()
+            .flat_map(|c| c.iter().copied())
+            .collect()
+    }
+
+    fn store(
+        &mut self,
+        hashes: &[u64],
+        parent: Option<u64>,
+        token_ids: &[u32],
+        block_size: usize,
+        out: &mut Vec<NodeBlockChange>,
+        counters: &mut KvEventCounters,
+    ) {
+        // A node block must end on an engine block's end: the engine matches whole
+        // blocks, so a node block cut inside one would claim tokens the engine may not
+        // match (node blocks are 64 tokens by default; vLLM's are 16, SGLang's 1).
+        if block_size == 0
+            || !self.node_block_tokens.is_multiple_of(block_size)
+            || Some(token_ids.len()) != hashes.len().checked_mul(block_size)
+        {
+            counters.ignored_blocks += hashes.len() as u64;
+            return;
+        }
+        let b = self.node_block_tokens;
+        let (mut end, mut chain_end) = match parent {
+            None => (0, None),
+            Some(p) => match self.engine.get(&p) {
+                Some(pb) => (pb.end, pb.chain_end),
+                None => {
+                    counters.ignored_blocks += hashes.len() as u64;
+                    return;
+                }
+            },
+        };
+        let mut prev = parent;
+        let mut partial = self.tail_tokens(prev, (end % b as u64) as usize);
+        let mut bytes = Vec::with_capacity(b * 4);
+        for (i, &h) in hashes.iter().enumerate() {
+            if let Some(existing) = self.engine.get(&h) {
+                // Stored already (another request got there first): follow it.
+                end = existing.end;
+                chain_end = existing.chain_end;
+                prev = Some(h);
+                partial = self.tail_tokens(prev, (end % b as u64) as usize);
+                continue;
+            }
+            if self.engine.len() >= self.max_engine_blocks {
+                counters.dropped_blocks += (hashes.len() - i) as u64;
+                return;
+            }
+            let tokens = &token_ids[i * block_size..(i + 1) * block_size];
+            let mut completes = Vec::new();
+            for &t in tokens {
+                partial.push(t);
+                if partial.len() == b {
+                    bytes.clear();
+                    for id in &partial {
+                        bytes.extend_from_slice(&id.to_le_bytes());
+                    }
+                    let node = chain_step(chain_end.unwrap_or(CHAIN_SEED), &bytes);
+                    self.add_node_ref(node, chain_end, b as u32, out);
+                    completes.push(node);
+                    chain_end = Some(node);
+                    partial.clear();
+                }
+            }
+            end += block_size as u64;
+            self.engine.insert(
+                h,
+                EngineBlock {
+                    parent: prev,
+                    end,
+                    tokens: tokens.into(),
+                    chain_end,
+                    completes,
+                    children: Vec::new(),
+                },
+            );
+            if let Some(p) = prev.and_then(|p| self.engine.get_mut(&p)) {
+                p.children.push(h);
+            }
+            prev = Some(h);
+        }
+    }
+
+    /// One engine block that is a node block (see [`AlignedBlockEvent`]).
+    fn store_aligned(
+        &mut self,
+        hash: u64,
+        parent: Option<u64>,
+        tokens: u32,
+        out: &mut Vec<NodeBlockChange>,
+        counters: &mut KvEventCounters,
+    ) {
+        if self.engine.contains_key(&hash) {
+            return;
+        }
+        if parent.is_some_and(|p| !self.engine.contains_key(&p)) {
+            counters.ignored_blocks += 1;
+            return;
+        }
+        if self.engine.len() >= self.max_engine_blocks {
+            counters.dropped_blocks += 1;
+            return;
+        }
+        self.add_node_ref(hash, parent, tokens, out);
+        self.engine.insert(
+            hash,
+            EngineBlock {
+                parent,
+                end: 0,
+                tokens: Box::new([]),
+                chain_end: Some(hash),
+                completes: vec![hash],
+                children: Vec::new(),
+            },
+        );
+        if let Some(p) = parent.and_then(|p| self.engine.get_mut(&p)) {
+            p.children.push(hash);
+        }
+    }
+
+    fn add_node_ref(
+        &mut self,
+        hash: u64,
+        parent: Option<u64>,
+        tokens: u32,
+        out: &mut Vec<NodeBlockChange>,
+    ) {
+        let depth = parent
+            .and_then(|p| self.nodes.get(&p))
+            .map_or(0, |p| p.depth + 1);
+        let node = self.nodes.entry(hash).or_insert_with(|| {
+            out.push(NodeBlockChange::Added {
+                hash,
+                parent,
+                tokens,
+            });
+            NodeBlock {
+                refs: 0,
+                parent,
+                tokens,
+                depth,
+            }
+        });
+        node.refs += 1;
+    }
+
+    /// Drop engine block `hash` and everything stored below it.
+    fn remove(&mut self, hash: u64, out: &mut Vec<NodeBlockChange>) {
+        let Some(parent) = self.engine.get(&hash).map(|b| b.parent) else {
+            return;
+        };
+        if let Some(p) = parent.and_then(|p| self.engine.get_mut(&p)) {
+            p.children.retain(|&c| c != hash);
+        }
+        let mut stack = vec![hash];
+        while let Some(h) = stack.pop() {
+            let Some(b) = self.engine.remove(&h) else {
+                continue;
+            };
+            stack.extend(b.children);
+            for node in b.completes {
+                if let Some(n) = self.nodes.get_mut(&node) {
+                    n.refs -= 1;
+                    if n.refs == 0 {
+                        self.nodes.remove(&node);
+                        out.push(NodeBlockChange::Removed { hash: node });
+                    }
+                }
+            }
+        }
+    }
+
+    fn clear(&mut self, out: &mut Vec<NodeBlockChange>) {
+        self.engine.clear();
+        self.nodes.clear();
+        out.push(NodeBlockChange::Cleared);
+    }
+
+    /// Every node block, parents before children.
+    fn snapshot(&self) -> Vec<NodeBlockChange> {
+        let mut blocks: Vec<(&u64, &NodeBlock)> = self.nodes.iter().collect();
+        blocks.sort_unstable_by_key(|(h, n)| (n.depth, **h));
+        blocks
+            .into_iter()
+            .map(|(&hash, n)| NodeBlockChange::Added {
+                hash,
+                parent: n.parent,
+                tokens: n.tokens,
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,598 @@
+//! The KV-event follower against a reference model of an engine's block cache: the
+//! node blocks it holds are exactly those whose engine blocks the engine matches, for
+//! any engine and node block sizes, through evictions, clears, lost batches with
+//! replay, publisher restarts and garbage.
+
+use std::collections::HashMap;
+
+use gorgo_core::hash::hash_bytes;
+use gorgo_core::kv_events::{FollowerAction, IndexSource, KvEventFollower, KvFollowerConfig};
+use gorgo_core::kv_wire::{encode_batch, encode_seq, KvEvent, KvEventBatch};
+use gorgo_core::{HashChain, NodeBlockChange, ShadowIndex};
+use proptest::prelude::*;
+
+/// An engine's prefix cache as plainly as it can be written: blocks of `block_size`
+/// token ids keyed by a hash of (parent, tokens), stored in runs as vLLM does (one
+/// `BlockStored` per new run, parent the last block already cached), evicted leaf
+/// first, or a whole subtree at once.
+struct RefEngine {
+    block_size: usize,
+    blocks: HashMap<u64, (Option<u64>, Vec<u32>)>,
+}
+
+impl RefEngine {
+    fn new(block_size: usize) -> Self {
+        RefEngine {
+            block_size,
+            blocks: HashMap::new(),
+        }
+    }
+
+    fn key(parent: Option<u64>, tokens: &[u32]) -> u64 {
+        let mut bytes = parent.unwrap_or(0).to_le_bytes().to_vec();
+        bytes.push(parent.is_some() as u8);
+        tokens
+            .iter()
+            .for_each(|t| bytes.extend_from_slice(&t.to_le_bytes()));
+        hash_bytes(&bytes)
+    }
+
+    fn store(&mut self, prompt: &[u32]) -> Option<KvEvent> {
+        let mut parent = None;
+        let (mut hashes, mut token_ids, mut run_parent) = (Vec::new(), Vec::new(), None);
+        for block in prompt.chunks_exact(self.block_size) {
+            let h = Self::key(parent, block);
+            if let std::collections::hash_map::Entry::Vacant(e) = self.blocks.entry(h) {
+                if hashes.is_empty() {
+                    run_parent = parent;
+                }
+                e.insert((parent, block.to_vec()));
+                hashes.push(h);
+                token_ids.extend_from_slice(block);
+            }
+            parent = Some(h);
+        }
+        (!hashes.is_empty()).then(|| KvEvent::BlockStored {
+            block_hashes: hashes,
+            parent: run_parent,
+            token_ids,
+            block_size: self.block_size as u32,
+            lora_id: None,
+            medium: Some("GPU".into()),
+        })
+    }
+
+    fn leaves(&self) -> Vec<u64> {
+        let mut leaves: Vec<u64> = self
+            .blocks
+            .keys()
+            .filter(|h| !self.blocks.values().any(|(p, _)| *p == Some(**h)))
+            .copied()
+            .collect();
+        leaves.sort_unstable();
+        leaves
+    }
+
+    fn evict_leaf(&mut self, pick: usize) -> Option<KvEvent> {
+        let leaves = self.leaves();
+        let h = *leaves.get(pick % leaves.len().max(1))?;
+        self.blocks.remove(&h);
+        Some(KvEvent::BlockRemoved {
+            block_hashes: vec![h],
+            medium: None,
+        })
+    }
+
+    /// A block and all below it, listed root first (the follower must not care).
+    fn evict_subtree(&mut self, pick: usize) -> Option<KvEvent> {
+        let mut all: Vec<u64> = self.blocks.keys().copied().collect();
+        all.sort_unstable();
+        let root = *all.get(pick % all.len().max(1))?;
+        let mut gone = vec![root];
+        let mut i = 0;
+        while i < gone.len() {
+            let h = gone[i];
+            gone.extend(
+                self.blocks
+                    .iter()
+                    .filter(|(_, (p, _))| *p == Some(h))
+                    .map(|(c, _)| *c),
+            );
+            i += 1;
+        }
+        gone.iter().for_each(|h| {
+            self.blocks.remove(h);
+        });
+        Some(KvEvent::BlockRemoved {
+            block_hashes: gone,
+            medium: Some("GPU".into()),
+        })
+    }
+
+    /// Tokens of `prompt` the engine would serve from its cache.
+    fn matched_tokens(&self, prompt: &[u32]) -> usize {
+        let mut parent = None;
+        let mut n = 0;
+        for block in prompt.chunks_exact(self.block_size) {
+            let h = Self::key(parent, block);
+            if !self.blocks.contains_key(&h) {
+                break;
+            }
+            n += block.len();
+            parent = Some(h);
+        }
+        n
+    }
+}
+
+/// The node blocks of `prompt` the engine fully holds: what the follower must hold.
+fn expected_node_blocks(engine: &RefEngine, prompt: &[u32], node_block: usize) -> usize {
+    engine.matched_tokens(prompt) / node_block
+}
+
+fn held_node_blocks(f: &KvEventFollower, prompt: &[u32], node_block: usize) -> usize {
+    let chain = HashChain::from_token_ids(prompt, node_block);
+    chain
+        .hashes
+        .iter()
+        .zip(&chain.block_tokens)
+        .take_while(|(h, &t)| t as usize == node_block && f.contains_node_block(**h))
+        .count()
+}
+
+/// Apply a follower's changes to a node index, as the node does.
+fn apply(index: &mut ShadowIndex, changes: &[NodeBlockChange]) {
+    for c in changes {
+        match *c {
+            NodeBlockChange::Added {
+                hash,
+                parent,
+                tokens,
+            } => index.insert_block(hash, parent, tokens, 0),
+            NodeBlockChange::Removed { hash } => {
+                index.remove_block(hash);
+            }
+            NodeBlockChange::Cleared => index.clear(),
+        }
+    }
+}
+
+fn message(seq: u64, events: Vec<KvEvent>) -> (u64, Vec<u8>) {
+    let payload = encode_batch(&KvEventBatch {
+        ts: seq as f64,
+        events,
+        data_parallel_rank: None,
+    });
+    (seq, payload)
+}
+
+fn deliver(f: &mut KvEventFollower, seq: u64, payload: &[u8], now: u64) {
+    f.on_message(&[b"kv", &encode_seq(seq as i64), payload], now);
+}
+
+/// Answer the follower's replay requests from `buffer` (seq, payload), as vLLM's
+/// ROUTER does: every batch from the start seq, then the end marker.
+fn serve_replays(f: &mut KvEventFollower, buffer: &[(u64, Vec<u8>)], now: u64) {
+    for _ in 0..8 {
+        let actions = f.take_actions();
+        if actions.is_empty() {
+            return;
+        }
+        for FollowerAction::RequestReplay { from_seq } in actions {
+            for (seq, payload) in buffer.iter().filter(|(s, _)| *s >= from_seq) {
+                f.on_replay_message(&[b"", &encode_seq(*seq as i64), payload], now);
+            }
+            f.on_replay_message(&[b"", &encode_seq(-1), b""], now);
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Store(Vec<u32>),
+    EvictLeaf(usize),
+    EvictSubtree(usize),
+    Clear,
+    Query(Vec<u32>),
+    Restart,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    // Tokens from a tiny alphabet so prompts share prefixes and branch.
+    let prompt = prop::collection::vec(0u32..3, 0..40);
+    prop_oneof![
+        6 => prompt.clone().prop_map(Op::Store),
+        3 => any::<usize>().prop_map(Op::EvictLeaf),
+        1 => any::<usize>().prop_map(Op::EvictSubtree),
+        1 => Just(Op::Clear),
+        3 => prompt.prop_map(Op::Query),
+        1 => Just(Op::Restart),
+    ]
+}
+
+fn config(node_block: usize) -> KvFollowerConfig {
+    KvFollowerConfig {
+        replay: true,
+        ..KvFollowerConfig::new(node_block)
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    /// Any engine block size and node block size a multiple of it, any cache history, any batches lost on the
+    /// way (replayed from the publisher's buffer), publisher restarts: the follower
+    /// holds exactly the node blocks the engine matches, and a node index fed its
+    /// changes agrees.
+    #[test]
+    fn follows_the_reference_engine(
+        engine_block in 1usize..5,
+        blocks_per_node in 1usize..4,
+        ops in prop::collection::vec((op(), any::<bool>()), 1..60),
+    ) {
+        let node_block = engine_block * blocks_per_node;
+        let mut engine = RefEngine::new(engine_block);
+        let mut f = KvEventFollower::new(config(node_block), 0).unwrap();
+        let mut index = ShadowIndex::new(u64::MAX);
+        let mut buffer: Vec<(u64, Vec<u8>)> = Vec::new();
+        let mut seq = 0u64;
+        let mut just_restarted = true;
+        // A batch lost and not yet noticed (no later batch came): the follower lags.
+        let mut outstanding = false;
+        for (t, (op, lost)) in ops.into_iter().enumerate() {
+            let now = t as u64;
+            let event = match &op {
+                Op::Store(p) => engine.store(p),
+                Op::EvictLeaf(i) => engine.evict_leaf(*i),
+                Op::EvictSubtree(i) => engine.evict_subtree(*i),
+                Op::Clear => Some(KvEvent::AllBlocksCleared),
+                Op::Restart => {
+                    engine = RefEngine::new(engine_block);
+                    buffer.clear();
+                    seq = 0;
+                    just_restarted = true;
+                    // Unseen until the new publisher's first batch.
+                    outstanding = true;
+                    None
+                }
+                Op::Query(_) if outstanding => None,
+                Op::Query(p) => {
+                    prop_assert_eq!(
+                        held_node_blocks(&f, p, node_block),
+                        expected_node_blocks(&engine, p, node_block)
+                    );
+                    let chain = HashChain::from_token_ids(p, node_block);
+                    prop_assert_eq!(
+                        index.longest_match_blocks(&chain).min(p.len() / node_block),
+                        expected_node_blocks(&engine, p, node_block)
+                    );
+                    None
+                }
+            };
+            if let Op::Clear = op {
+                engine.blocks.clear();
+            }
+            let Some(event) = event else { continue };
+            let (s, payload) = message(seq, vec![event]);
+            seq += 1;
+            buffer.push((s, payload.clone()));
+            // A publisher's first batch after a restart always arrives: a restart
+            // whose first batches are all lost is indistinguishable from a gap.
+            if !lost || just_restarted {
+                deliver(&mut f, s, &payload, now);
+                serve_replays(&mut f, &buffer, now);
+                outstanding = false;
+            } else {
+                outstanding = true;
+            }
+            just_restarted = false;
+            apply(&mut index, &f.take_changes());
+            prop_assert_eq!(index.check_invariants(), Ok(()));
+        }
+        // A last batch flushes any gap at the end.
+        let (s, payload) = message(seq, vec![]);
+        buffer.push((s, payload.clone()));
+        deliver(&mut f, s, &payload, 1_000);
+        serve_replays(&mut f, &buffer, 1_000);
+        apply(&mut index, &f.take_changes());
+        prop_assert_eq!(f.source(), IndexSource::Events);
+        prop_assert_eq!(f.counters().resyncs, 0);
+        prop_assert_eq!(index.len(), f.node_blocks());
+    }
+}
+
+/// 4-byte "token ids" made of a byte prompt's 4-byte chunks hash to the same chain as
+/// the bytes themselves (full blocks): a node without a tokenizer hashes canonical
+/// bytes, and an emulator can publish those chunks as token ids.
+#[test]
+fn byte_chunks_as_token_ids_match_the_byte_chain() {
+    let bytes: Vec<u8> = (0..1000u32).map(|i| (i * 7 % 251) as u8).collect();
+    let ids: Vec<u32> = bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let by_bytes = HashChain::from_bytes(&bytes, 256, 4);
+    let by_ids = HashChain::from_token_ids(&ids, 64);
+    let full = bytes.len() / 256;
+    assert_eq!(by_bytes.hashes[..full], by_ids.hashes[..full]);
+}
+
+fn stored(prompt: &[u32], block: usize, parent_key: Option<u64>) -> (Vec<u64>, KvEvent) {
+    let mut parent = parent_key;
+    let mut hashes = Vec::new();
+    for b in prompt.chunks_exact(block) {
+        let h = RefEngine::key(parent, b);
+        hashes.push(h);
+        parent = Some(h);
+    }
+    (
+        hashes.clone(),
+        KvEvent::BlockStored {
+            block_hashes: hashes,
+            parent: parent_key,
+            token_ids: prompt.to_vec(),
+            block_size: block as u32,
+            lora_id: None,
+            medium: None,
+        },
+    )
+}
+
+#[test]
+fn engine_blocks_become_node_blocks_and_removal_cuts_descendants() {
+    let mut f = KvEventFollower::new(KvFollowerConfig::new(64), 0).unwrap();
+    let prompt: Vec<u32> = (0..200).collect();
+    let (hashes, ev) = stored(&prompt[..192], 16, None);
+    let (s, p) = message(0, vec![ev]);
+    deliver(&mut f, s, &p, 0);
+    assert_eq!(f.source(), IndexSource::Events, "seq 0: the whole history");
+    assert_eq!(f.engine_blocks(), 12);
+    assert_eq!(held_node_blocks(&f, &prompt, 64), 3);
+    let changes = f.take_changes();
+    assert_eq!(changes[0], NodeBlockChange::Cleared);
+    assert_eq!(changes.len(), 4);
+    // The engine evicts block 5 (tokens 80..96): node block 1 (64..128) and 2 go.
+    let (s, p) = message(
+        1,
+        vec![KvEvent::BlockRemoved {
+            block_hashes: vec![hashes[5]],
+            medium: None,
+        }],
+    );
+    deliver(&mut f, s, &p, 1);
+    assert_eq!(held_node_blocks(&f, &prompt, 64), 1);
+    assert_eq!(f.engine_blocks(), 5);
+    let removed: Vec<_> = f
+        .take_changes()
+        .into_iter()
+        .filter(|c| matches!(c, NodeBlockChange::Removed { .. }))
+        .collect();
+    assert_eq!(removed.len(), 2);
+    // LoRA blocks, other tiers and orphans are ignored and counted.
+    let (_, mut lora) = stored(&prompt[..16], 16, Some(12345));
+    if let KvEvent::BlockStored { parent, .. } = &mut lora {
+        *parent = None;
+    }
+    if let KvEvent::BlockStored { lora_id, .. } = &mut lora {
+        *lora_id = Some(1);
+    }
+    let (_, orphan) = stored(&prompt[..16], 16, Some(999));
+    let (s, p) = message(2, vec![lora, orphan, KvEvent::Unknown]);
+    deliver(&mut f, s, &p, 2);
+    assert_eq!(f.counters().ignored_blocks, 2);
+    assert_eq!(f.engine_blocks(), 5);
+}
+
+#[test]
+fn garbage_oversized_and_silence_resync_into_the_shadow_model() {
+    let cfg = KvFollowerConfig {
+        max_payload_bytes: 4096,
+        warmup_ms: 100,
+        silence_ms: 1_000,
+        silence_dispatches: 2,
+        ..KvFollowerConfig::new(4)
+    };
+    let mut f = KvEventFollower::new(cfg, 0).unwrap();
+    let prompt: Vec<u32> = (0..16).collect();
+    let (_, ev) = stored(&prompt, 4, None);
+    let (s, p) = message(0, vec![ev]);
+    deliver(&mut f, s, &p, 0);
+    assert_eq!(f.source(), IndexSource::Events);
+    assert_eq!(f.node_blocks(), 4);
+
+    // Garbage with a good seq: a resync, every block forgotten.
+    deliver(&mut f, 1, b"\xc1\xc1 not msgpack", 10);
+    assert_eq!(f.source(), IndexSource::Shadow);
+    assert_eq!(f.fallback_reason(), Some("undecodable batch"));
+    assert_eq!(f.node_blocks(), 0);
+    assert_eq!(f.counters().decode_errors, 1);
+    // Wrong framing, a short seq, an oversized payload: counted, never a panic.
+    f.on_message(&[b"only one frame"], 11);
+    f.on_message(&[b"", b"123", b""], 12);
+    f.on_message(&[b"", &encode_seq(2), &vec![0u8; 5000]], 13);
+    assert_eq!(f.counters().decode_errors, 4);
+    assert_eq!(f.counters().oversized, 1);
+
+    // The stream comes back mid-way: the index waits for the warm-up (the blocks
+    // cached before are unknown), then follows the events again.
+    let (_, ev) = stored(&prompt[..8], 4, None);
+    let (s, p) = message(5, vec![ev]);
+    deliver(&mut f, s, &p, 20);
+    assert_eq!(f.source(), IndexSource::Shadow);
+    f.tick(119);
+    assert_eq!(f.source(), IndexSource::Shadow);
+    f.tick(120);
+    assert_eq!(f.source(), IndexSource::Events);
+    assert_eq!(f.node_blocks(), 2);
+    assert_eq!(f.fallback_ms(120), 110);
+
+    // Silence with requests served: a resync; silence without requests is fine.
+    f.tick(5_000);
+    assert_eq!(f.source(), IndexSource::Events);
+    f.on_dispatch();
+    f.on_dispatch();
+    f.tick(5_001);
+    assert_eq!(f.source(), IndexSource::Shadow);
+    assert_eq!(f.fallback_reason(), Some("silent stream"));
+    assert_eq!(f.counters().silences, 1);
+}
+
+#[test]
+fn gaps_replay_and_restarts() {
+    let cfg = KvFollowerConfig {
+        replay_timeout_ms: 50,
+        ..config(4)
+    };
+    let mut f = KvEventFollower::new(cfg, 0).unwrap();
+    let mut engine = RefEngine::new(2);
+    let mut buffer = Vec::new();
+    for (i, p) in [[1u32, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9]]
+        .iter()
+        .enumerate()
+    {
+        buffer.push(message(i as u64, vec![engine.store(p).unwrap()]));
+    }
+    // Joining late: batch 1 first, the replay from 0 gives the whole history.
+    deliver(&mut f, 1, &buffer[1].1, 0);
+    assert_eq!(
+        f.take_actions(),
+        vec![FollowerAction::RequestReplay { from_seq: 0 }]
+    );
+    assert_eq!(f.source(), IndexSource::Shadow);
+    for (s, p) in &buffer {
+        f.on_replay_message(&[&encode_seq(*s as i64), p], 1);
+    }
+    f.on_replay_message(&[&encode_seq(-1), b""], 1);
+    assert_eq!(f.source(), IndexSource::Events);
+    assert_eq!(f.node_blocks(), 3);
+
+    // A gap whose replay never comes: a resync after the timeout.
+    buffer.push(message(2, vec![engine.evict_leaf(0).unwrap()]));
+    buffer.push(message(3, vec![]));
+    deliver(&mut f, 3, &buffer[3].1, 10);
+    assert_eq!(f.counters().gaps, 1);
+    assert_eq!(
+        f.take_actions(),
+        vec![FollowerAction::RequestReplay { from_seq: 2 }]
+    );
+    f.tick(59);
+    assert_eq!(f.source(), IndexSource::Events);
+    f.tick(60);
+    assert_eq!(f.source(), IndexSource::Shadow);
+    assert_eq!(f.fallback_reason(), Some("replay timed out"));
+    assert_eq!(f.counters().replay_failures, 1);
+
+    // A publisher that restarts starts from an empty cache at seq 0.
+    let mut engine = RefEngine::new(2);
+    let (s, p) = message(0, vec![engine.store(&[7, 7, 7, 7]).unwrap()]);
+    deliver(&mut f, s, &p, 100);
+    assert_eq!(f.counters().restarts, 1);
+    assert_eq!(f.source(), IndexSource::Events);
+    assert_eq!(f.node_blocks(), 1);
+    assert_eq!(held_node_blocks(&f, &[7, 7, 7, 7], 4), 1);
+}
+
+/// Live batches held during a replay are capped in bytes and entries: a flood of tiny
+/// messages while the replay is out ends it (a resync), the rest goes on.
+#[test]
+fn the_replay_backlog_is_bounded() {
+    let cfg = KvFollowerConfig {
+        max_pending_bytes: 64 * 100,
+        ..config(4)
+    };
+    let mut f = KvEventFollower::new(cfg, 0).unwrap();
+    let (s, p) = message(0, vec![]);
+    deliver(&mut f, s, &p, 0);
+    // Batch 1 is lost: 2 opens a replay, which never answers.
+    for seq in 2..200 {
+        let (s, p) = message(seq, vec![]);
+        deliver(&mut f, s, &p, 1);
+    }
+    assert_eq!(f.counters().replays, 1);
+    assert_eq!(f.counters().replay_failures, 1);
+    assert_eq!(f.fallback_reason(), Some("replay backlog full"));
+    // The held batches went on as a stream whose start is unknown.
+    assert_eq!(f.counters().batches, 1 + 198);
+}
+
+proptest! {
+    /// Whatever arrives on either socket, in any framing, the follower neither
+    /// panics nor holds more than its caps, and a good batch after it is applied.
+    #[test]
+    fn any_bytes_never_panic(
+        messages in prop::collection::vec(
+            (prop::collection::vec(prop::collection::vec(any::<u8>(), 0..40), 0..5), any::<bool>()),
+            0..40,
+        ),
+        mutate in prop::collection::vec((any::<usize>(), any::<u8>()), 0..8),
+    ) {
+        let cfg = KvFollowerConfig {
+            max_engine_blocks: 64,
+            max_payload_bytes: 1024,
+            replay_timeout_ms: 5,
+            ..config(4)
+        };
+        let mut f = KvEventFollower::new(cfg, 0).unwrap();
+        // A real batch with bytes flipped, as well as raw garbage.
+        let mut engine = RefEngine::new(2);
+        let (_, mut good) = message(0, vec![engine.store(&[1, 2, 3, 4, 5, 6, 7, 8]).unwrap()]);
+        for (i, b) in mutate {
+            let n = good.len();
+            good[i % n] = b;
+        }
+        for (now, (frames, replay)) in messages.iter().enumerate() {
+            let mut parts: Vec<&[u8]> = frames.iter().map(|f| f.as_slice()).collect();
+            if parts.len() == 3 {
+                parts[2] = &good;
+            }
+            if *replay {
+                f.on_replay_message(&parts, now as u64);
+            } else {
+                f.on_message(&parts, now as u64);
+            }
+            f.tick(now as u64);
+            prop_assert!(f.engine_blocks() <= 64);
+            f.take_changes();
+            f.take_actions();
+        }
+        f.tick(1_000);
+        let (_, fine) = message(1_000, vec![]);
+        let before = f.counters().batches;
+        deliver(&mut f, 1_000, &fine, 1_001);
+        f.tick(1_002);
+        prop_assert!(f.counters().batches > before || f.take_actions().len() == 1);
+    }
+}
+
+/// On subscribing, the follower asks for the publisher's buffer: what was published
+/// before the subscription took effect comes from there, and an empty buffer means an
+/// empty cache, followed at once.
+#[test]
+fn subscribing_asks_for_the_buffered_history() {
+    let mut f = KvEventFollower::new(config(4), 0).unwrap();
+    f.on_subscribed(0);
+    assert_eq!(
+        f.take_actions(),
+        vec![FollowerAction::RequestReplay { from_seq: 0 }]
+    );
+    f.on_replay_message(&[b"", &encode_seq(-1), b""], 1);
+    assert_eq!(f.source(), IndexSource::Events, "nothing published yet");
+    let mut engine = RefEngine::new(2);
+    let (s, p) = message(0, vec![engine.store(&[1, 2, 3, 4]).unwrap()]);
+    deliver(&mut f, s, &p, 2);
+    assert_eq!(f.node_blocks(), 1);
+
+    // Published before the subscription: the replay brings it.
+    let mut f = KvEventFollower::new(config(4), 0).unwrap();
+    f.on_subscribed(10);
+    f.take_actions();
+    f.on_replay_message(&[b"", &encode_seq(0), &p], 11);
+    f.on_replay_message(&[b"", &encode_seq(-1), b""], 11);
+    assert_eq!(f.source(), IndexSource::Events);
+    assert_eq!(f.node_blocks(), 1);
+    assert_eq!(f.counters().gaps, 0);
+    // Without a replay socket there is nothing to ask.
+    let mut f = KvEventFollower::new(KvFollowerConfig::new(4), 0).unwrap();
+    f.on_subscribed(0);
+    assert!(f.take_actions().is_empty());
+}

@@ -1,0 +1,318 @@
+//! The engine's KV events (`engine.kv_events`): a ZeroMQ SUB task feeding the core's
+//! [`KvEventFollower`], whose changes drive the node's prefix index instead of the
+//! shadow model while the stream is healthy (docs/kv-events.md).
+//!
+//! The task owns the sockets and the clock; the follower decides. Replays run on their
+//! own DEALER socket, one per request, and hand their messages back through a bounded
+//! channel; their wait is capped by the follower's replay timeout. Nothing a publisher
+//! sends panics the node: the follower counts it and resyncs.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use gorgo_core::kv_events::{FollowerAction, IndexSource, KvEventFollower, KvFollowerConfig};
+use parking_lot::Mutex;
+use serde::Serialize;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::config::ValidatedConfig;
+use crate::error::NodeError;
+use crate::NodeState;
+
+/// How often the follower's clock is advanced (replay deadlines, silence, warm-up).
+const TICK: Duration = Duration::from_millis(200);
+
+/// Replay messages waiting for the follower at most; the replay task waits beyond.
+const REPLAY_CHANNEL: usize = 256;
+
+/// How long a connect to the publisher may take (the socket retries within it)
+/// before it is started again.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The pause between two connects that timed out.
+const CONNECT_RETRY: Duration = Duration::from_secs(1);
+
+/// The node's blocks in tokens: with a tokenizer, `routing.block_tokens`; without,
+/// the byte blocks at 4 bytes per "token" (an engine that hashes bytes, like the
+/// emulator without a tokenizer, publishes 4-byte chunks as token ids).
+pub fn node_block_tokens(config: &ValidatedConfig) -> usize {
+    match config.engine.tokenizer {
+        Some(_) => config.routing.block_tokens,
+        None => config.routing.block_bytes / gorgo_core::hash::BYTES_PER_TOKEN,
+    }
+}
+
+/// The follower and what `/admin/state` shows of it.
+#[derive(Debug)]
+pub struct KvEvents {
+    follower: Mutex<KvEventFollower>,
+    endpoint: String,
+    replay_endpoint: Option<String>,
+    replay_timeout: Duration,
+}
+
+/// What `/admin/state` shows under `kv_events`.
+#[derive(Debug, Clone, Serialize)]
+pub struct KvEventsView {
+    /// The publisher subscribed to.
+    pub endpoint: String,
+    /// Its replay socket.
+    pub replay_endpoint: Option<String>,
+    /// The source the prefix index follows now: `events` or `shadow`.
+    pub source: IndexSource,
+    /// Since when, node milliseconds (`uptime_ms` of the switch).
+    pub source_since_ms: u64,
+    /// Why the index follows the shadow model, when it does.
+    pub fallback_reason: Option<&'static str>,
+    /// Seconds on the shadow model since the node started.
+    pub fallback_seconds: f64,
+    /// Engine blocks tracked.
+    pub engine_blocks: usize,
+    /// Node blocks the events say the engine holds.
+    pub node_blocks: usize,
+    /// The stream's counters.
+    pub counters: gorgo_core::kv_events::KvEventCounters,
+}
+
+impl KvEvents {
+    /// The follower for `engine.kv_events`, when configured.
+    pub fn from_config(config: &ValidatedConfig, now_ms: u64) -> Result<Option<Self>, NodeError> {
+        let engine = &config.engine;
+        let Some(endpoint) = engine.kv_events.clone() else {
+            return Ok(None);
+        };
+        let node_block_tokens = node_block_tokens(config);
+        let follower_config = KvFollowerConfig {
+            max_engine_blocks: engine.kv_events_max_blocks,
+            max_payload_bytes: engine.kv_events_max_message_bytes,
+            replay: engine.kv_events_replay.is_some(),
+            warmup_ms: engine.kv_events_warmup_ms,
+            silence_ms: engine.kv_events_silence_ms,
+            ..KvFollowerConfig::new(node_block_tokens)
+        };
+        let follower = KvEventFollower::new(follower_config.clone(), now_ms).map_err(|e| match e {
+            gorgo_core::CoreError::InvalidConfig { field, reason } if field == "node_block_tokens" => {
+                NodeError::Config(format!(
+                    "invalid `routing.block_tokens` (or `routing.block_bytes` / 4) for engine.kv_events: {reason}"
+                ))
+            }
+            other => NodeError::Config(format!("invalid `engine.kv_events`: {other}")),
+        })?;
+        Ok(Some(KvEvents {
+            replay_timeout: Duration::from_millis(follower_config.replay_timeout_ms),
+            follower: Mutex::new(follower),
+            endpoint,
+            replay_endpoint: engine.kv_events_replay.clone(),
+        }))
+    }
+
+    /// The node dispatched a request to its engine (the silence check).
+    pub fn on_dispatch(&self) {
+        self.follower.lock().on_dispatch();
+    }
+
+    /// The source the index follows now.
+    pub fn source(&self) -> IndexSource {
+        self.follower.lock().source()
+    }
+
+    /// The `/admin/state` view at `now_ms`.
+    pub fn view(&self, now_ms: u64) -> KvEventsView {
+        let f = self.follower.lock();
+        KvEventsView {
+            endpoint: self.endpoint.clone(),
+            replay_endpoint: self.replay_endpoint.clone(),
+            source: f.source(),
+            source_since_ms: f.source_since_ms(),
+            fallback_reason: f.fallback_reason(),
+            fallback_seconds: f.fallback_ms(now_ms) as f64 / 1000.0,
+            engine_blocks: f.engine_blocks(),
+            node_blocks: f.node_blocks(),
+            counters: *f.counters(),
+        }
+    }
+}
+
+/// Subscribe to the engine's KV events until `shutdown`, feeding the follower and the
+/// node's index. Connection failures are retried (the publisher may start later than
+/// the node, or restart); the follower's view of them is what the metrics show.
+pub async fn run(state: Arc<NodeState>, shutdown: CancellationToken) {
+    let Some(kv) = state.kv_events.as_ref() else {
+        return;
+    };
+    let endpoint = kv.endpoint.clone();
+    let mut sub = loop {
+        match connect_sub(&endpoint).await {
+            Ok(sub) => break sub,
+            Err(e) => {
+                tracing::warn!(endpoint, error = %e, "kv events: cannot subscribe yet");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(CONNECT_RETRY) => {}
+                }
+            }
+        }
+    };
+    tracing::info!(endpoint, "kv events: subscribed");
+    kv.follower.lock().on_subscribed(state.now_ms());
+    let (replay_tx, mut replay_rx) = mpsc::channel::<Vec<bytes::Bytes>>(REPLAY_CHANNEL);
+    let mut replay_task: Option<tokio::task::JoinHandle<()>> = None;
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut actions = apply_follower(&state, kv);
+    loop {
+        for FollowerAction::RequestReplay { from_seq } in actions {
+            let Some(replay_endpoint) = kv.replay_endpoint.clone() else {
+                continue;
+            };
+            if let Some(old) = replay_task.take() {
+                old.abort();
+            }
+            tracing::info!(from_seq, "kv events: asking for a replay");
+            replay_task = Some(tokio::spawn(replay(
+                replay_endpoint,
+                from_seq,
+                kv.replay_timeout,
+                replay_tx.clone(),
+            )));
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            msg = sub.recv() => match msg {
+                Ok(msg) => {
+                    let frames = msg.into_vec();
+                    let parts: Vec<&[u8]> = frames.iter().map(|f| f.as_ref()).collect();
+                    let now = state.now_ms();
+                    kv.follower.lock().on_message(&parts, now);
+                }
+                Err(e) => {
+                    // The socket reconnects by itself; do not spin on a broken one.
+                    tracing::warn!(error = %e, "kv events: receive failed");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = tokio::time::sleep(TICK) => {}
+                    }
+                }
+            },
+            Some(frames) = replay_rx.recv() => {
+                let parts: Vec<&[u8]> = frames.iter().map(|f| f.as_ref()).collect();
+                let now = state.now_ms();
+                kv.follower.lock().on_replay_message(&parts, now);
+            }
+            _ = tick.tick() => {
+                let now = state.now_ms();
+                kv.follower.lock().tick(now);
+            }
+        }
+        actions = apply_follower(&state, kv);
+    }
+    if let Some(task) = replay_task {
+        task.abort();
+    }
+}
+
+/// Hand the follower's changes to the node's index and gossip; returns its actions.
+fn apply_follower(state: &NodeState, kv: &KvEvents) -> Vec<FollowerAction> {
+    let (actions, changes, source, counters, fallback_ms, reason) = {
+        let mut f = kv.follower.lock();
+        let now = state.now_ms();
+        (
+            f.take_actions(),
+            f.take_changes(),
+            f.source(),
+            *f.counters(),
+            f.fallback_ms(now),
+            f.fallback_reason(),
+        )
+    };
+    let was = state
+        .metrics
+        .kv_events
+        .observe(&counters, fallback_ms, source);
+    if counters.resyncs > was.resyncs {
+        tracing::warn!(
+            reason = reason.unwrap_or("resync"),
+            resyncs = counters.resyncs,
+            decode_errors = counters.decode_errors,
+            "kv events: resync, every block forgotten"
+        );
+    }
+    if counters.restarts > was.restarts {
+        tracing::warn!(
+            restarts = counters.restarts,
+            "kv events: the publisher restarted"
+        );
+    }
+    if counters.gaps > was.gaps {
+        tracing::info!(gaps = counters.gaps, "kv events: a gap in the sequence");
+    }
+    let now = state.now_ms();
+    let mut deltas = Vec::new();
+    {
+        let mut cache = state.shadow.lock();
+        if cache.source() != source {
+            tracing::info!(
+                ?source,
+                reason = reason.unwrap_or(""),
+                "kv events: the prefix index follows a new source"
+            );
+            deltas.extend(cache.set_source(source));
+        }
+        if !changes.is_empty() {
+            deltas.extend(cache.apply_kv_changes(&changes, now));
+        }
+    }
+    for delta in deltas {
+        state.peers.publish_summary(&delta);
+    }
+    actions
+}
+
+async fn connect_sub(endpoint: &str) -> Result<zeromq::SubSocket, zeromq::ZmqError> {
+    let mut options = zeromq::SocketOptions::default();
+    options.connect_timeout(CONNECT_TIMEOUT);
+    let mut sub = zeromq::SubSocket::with_options(options);
+    sub.connect(endpoint).await?;
+    sub.subscribe("").await?;
+    Ok(sub)
+}
+
+/// One replay: ask `endpoint` for every batch from `from_seq`, pass each answer on
+/// until the end marker, within `timeout` in all.
+async fn replay(
+    endpoint: String,
+    from_seq: u64,
+    timeout: Duration,
+    out: mpsc::Sender<Vec<bytes::Bytes>>,
+) {
+    let work = async {
+        let mut options = zeromq::SocketOptions::default();
+        options.connect_timeout(timeout);
+        let mut dealer = zeromq::DealerSocket::with_options(options);
+        dealer.connect(&endpoint).await?;
+        // A DEALER speaks to the ROUTER as a REQ would: an empty delimiter first.
+        let mut request = ZmqMessage::from(Vec::<u8>::new());
+        request.push_back(bytes::Bytes::copy_from_slice(
+            &gorgo_core::kv_wire::encode_seq(from_seq as i64),
+        ));
+        dealer.send(request).await?;
+        loop {
+            let frames = dealer.recv().await?.into_vec();
+            let end = frames
+                .iter()
+                .rev()
+                .nth(1)
+                .is_some_and(|seq| seq.as_ref() == gorgo_core::kv_wire::encode_seq(-1));
+            if out.send(frames).await.is_err() || end {
+                return Ok::<(), zeromq::ZmqError>(());
+            }
+        }
+    };
+    match tokio::time::timeout(timeout, work).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(endpoint, error = %e, "kv events: replay failed"),
+        Err(_) => tracing::warn!(endpoint, "kv events: replay timed out"),
+    }
+}

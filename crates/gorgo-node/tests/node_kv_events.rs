@@ -1,0 +1,299 @@
+//! A node following its engine's KV events (`engine.kv_events`): over the emulator's
+//! publisher, and over a hand-driven one for the bad streams (garbage, oversized
+//! batches, a restart, silence), which are counted, resynced and never a panic.
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use gorgo_core::kv_wire::{encode_seq, KvEvent};
+use gorgo_core::{HashChain, IndexSource};
+use gorgo_engine::kv_events::KvPublisher;
+use gorgo_engine::profile::Profile;
+use gorgo_engine::server::EmulatorConfig;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use zeromq::{Socket, SocketSend};
+
+/// `[engine]` keys subscribing to `pub_ep` (and replaying from `replay_ep`), with
+/// short warm-up and silence so the test runs quickly.
+fn kv_config(pub_ep: &str, replay_ep: Option<&str>) -> String {
+    let mut extra = format!("kv_events = \"{pub_ep}\"\n");
+    if let Some(r) = replay_ep {
+        extra.push_str(&format!("kv_events_replay = \"{r}\"\n"));
+    }
+    extra.push_str("kv_events_warmup_ms = 300\nkv_events_silence_ms = 500\n");
+    extra
+}
+
+/// 4-byte chunks of `bytes` as token ids: how a byte-hashing engine publishes.
+fn chunk_ids(bytes: &[u8]) -> Vec<u32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// A `BlockStored` of `bytes` (a multiple of 64) in 16-token engine blocks from the
+/// start of a sequence; returns the event and the engine hashes.
+fn stored(bytes: &[u8], salt: u64) -> (KvEvent, Vec<u64>) {
+    let ids = chunk_ids(bytes);
+    let hashes: Vec<u64> = (0..ids.len() / 16)
+        .map(|i| salt * 1_000 + i as u64)
+        .collect();
+    (
+        KvEvent::BlockStored {
+            block_hashes: hashes.clone(),
+            parent: None,
+            token_ids: ids,
+            block_size: 16,
+            lora_id: None,
+            medium: Some("GPU".into()),
+        },
+        hashes,
+    )
+}
+
+fn text(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| b'a' + ((i * 7 + seed as usize * 13) % 26) as u8)
+        .collect()
+}
+
+#[tokio::test]
+async fn bad_streams_resync_onto_the_shadow_model_and_recover() {
+    let stop = CancellationToken::new();
+    let engine = StubEngine::start("a").await;
+    let mut publisher = KvPublisher::bind("tcp://127.0.0.1:0", Some("tcp://127.0.0.1:0"), 16)
+        .await
+        .unwrap();
+    let extra = kv_config(&publisher.endpoint, publisher.replay_endpoint.as_deref())
+        + "kv_events_max_message_bytes = 65536\n";
+    let node = start_node(config_with_engine("a", &engine.url(), &extra), None).await;
+    let state = node.state().clone();
+    let kv = state.kv_events.as_ref().unwrap();
+
+    // Batches published before the SUB socket joined are lost: the replay from 0 gets
+    // them, so the node sees the whole history and follows at once.
+    let a = text(1, 512);
+    let (ev, _) = stored(&a, 1);
+    publisher.publish(vec![ev], 0.0);
+    until("the node to follow the events", || {
+        if kv.view(0).counters.batches == 0 {
+            publisher.publish(vec![], 0.0);
+        }
+        kv.source() == IndexSource::Events
+    })
+    .await;
+    let chain_a = HashChain::from_bytes(&a, 256, 4);
+    until("the stored blocks in the index", || {
+        state.shadow.lock().longest_match(&chain_a) == 128
+    })
+    .await;
+
+    // The publisher goes away and a raw one on its address sends garbage.
+    let endpoint = publisher.endpoint.clone();
+    let replay = publisher.replay_endpoint.clone();
+    drop(publisher);
+    let mut raw = zeromq::PubSocket::new();
+    // The port may take a moment to be free again.
+    let mut bound = false;
+    for _ in 0..200 {
+        if raw.bind(&endpoint).await.is_ok() {
+            bound = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(bound, "rebinding {endpoint}");
+    let resyncs_before = kv.view(0).counters.resyncs;
+    let garbage = |seq: i64, payload: Vec<u8>| {
+        zeromq::ZmqMessage::try_from(vec![
+            bytes::Bytes::new(),
+            bytes::Bytes::copy_from_slice(&encode_seq(seq)),
+            bytes::Bytes::from(payload),
+        ])
+        .unwrap()
+    };
+    // Sent until the node has counted it (the SUB reconnects to the new socket).
+    let mut sent = 0;
+    loop {
+        raw.send(garbage(1, b"\xc1\xc1 not msgpack".to_vec()))
+            .await
+            .unwrap();
+        raw.send(garbage(2, vec![0x90; 100_000])).await.unwrap();
+        raw.send(zeromq::ZmqMessage::from("one frame"))
+            .await
+            .unwrap();
+        sent += 1;
+        let c = kv.view(0).counters;
+        if c.decode_errors >= 3 && c.oversized >= 1 {
+            break;
+        }
+        assert!(sent < 2_000, "the node never heard the raw publisher");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let view = kv.view(0);
+    assert!(view.counters.resyncs > resyncs_before, "{view:?}");
+    assert_eq!(kv.source(), IndexSource::Shadow);
+    // The shadow model carries on from the events' picture.
+    assert_eq!(state.shadow.lock().source(), IndexSource::Shadow);
+    let admin = admin_json(&node, "/admin/state").await;
+    assert_eq!(admin["prefix_index_source"], "shadow", "{admin}");
+    assert!(admin["kv_events"]["fallback_reason"].is_string(), "{admin}");
+    drop(raw);
+
+    // The real publisher comes back (seq from 0): its stream is followed again after
+    // the warm-up (the node did not see its start: the batches before the SUB socket
+    // reconnected are lost and the replay cannot tell a restart from a gap).
+    let mut publisher = None;
+    for _ in 0..200 {
+        if let Ok(p) = KvPublisher::bind(&endpoint, replay.as_deref(), 16).await {
+            publisher = Some(p);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut publisher = publisher.expect("rebinding the publisher");
+    // Heard once the SUB socket has reconnected.
+    let batches = kv.view(0).counters.batches;
+    until("the node to hear the new publisher", || {
+        publisher.publish(vec![], 1.0);
+        kv.view(0).counters.batches > batches
+    })
+    .await;
+    let b = text(2, 768);
+    let (ev, b_hashes) = stored(&b, 2);
+    publisher.publish(vec![ev], 1.0);
+    let chain_b = HashChain::from_bytes(&b, 256, 4);
+    until("the new publisher's blocks", || {
+        kv.source() == IndexSource::Events && state.shadow.lock().longest_match(&chain_b) == 192
+    })
+    .await;
+    // The old blocks went with the resync and the restart.
+    assert_eq!(state.shadow.lock().longest_match(&chain_a), 0);
+    // An eviction in the middle cuts the chain there.
+    publisher.publish(
+        vec![KvEvent::BlockRemoved {
+            block_hashes: vec![b_hashes[5]],
+            medium: None,
+        }],
+        2.0,
+    );
+    until("the eviction", || {
+        state.shadow.lock().longest_match(&chain_b) == 64
+    })
+    .await;
+
+    // Silence while requests are served: a resync onto the shadow model.
+    let c = client();
+    for i in 0..20 {
+        let resp = c
+            .post(format!("{}/v1/chat/completions", node.base))
+            .json(&chat_body(&prompt(&format!("silence {i}"), 300), false))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+    }
+    until("the silence to be noticed", || {
+        kv.view(0).counters.silences == 1
+    })
+    .await;
+    assert_eq!(kv.source(), IndexSource::Shadow);
+    let metrics = metrics_text(&node).await;
+    for name in [
+        "gorgo_kv_event_batches_total",
+        "gorgo_kv_event_resyncs_total",
+        "gorgo_kv_event_decode_errors_total",
+        "gorgo_kv_event_silences_total",
+        "gorgo_kv_event_fallback_seconds_total",
+        "gorgo_kv_event_source_events 0",
+    ] {
+        assert!(metrics.contains(name), "{name} missing:\n{metrics}");
+    }
+    stop.cancel();
+    node.shutdown.cancel();
+}
+
+/// The emulator publishes its cache's events; the node's index follows them, and a
+/// repeated prompt's predicted cached tokens are the engine's, to the node's block.
+#[tokio::test]
+async fn the_node_follows_the_emulators_cache() {
+    let stop = CancellationToken::new();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let cfg = EmulatorConfig::new(Profile::by_name("h200-dense-1.5b").unwrap());
+    let publisher = KvPublisher::bind("tcp://127.0.0.1:0", Some("tcp://127.0.0.1:0"), 16)
+        .await
+        .unwrap();
+    let extra = kv_config(&publisher.endpoint, publisher.replay_endpoint.as_deref());
+    let sd = stop.clone();
+    tokio::spawn(async move {
+        gorgo_engine::serve_with_kv_events(listener, cfg, Some(publisher), async move {
+            sd.cancelled().await
+        })
+        .await
+    });
+    let node = start_node(
+        config_with_engine("a", &format!("http://{addr}"), &extra),
+        None,
+    )
+    .await;
+    let state = node.state().clone();
+    let kv = state.kv_events.as_ref().unwrap();
+    let c = client();
+    let mut engine_cached = Vec::new();
+    for round in 0..2 {
+        for i in 0..3 {
+            let mut body = chat_body(&prompt(&format!("emulated prompt {i}"), 3000), false);
+            body["model"] = "Qwen/Qwen2.5-1.5B-Instruct".into();
+            let cached = {
+                let resp = c
+                    .post(format!("{}/v1/chat/completions", node.base))
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(resp.status(), 200);
+                let v: serde_json::Value = resp.json().await.unwrap();
+                v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap()
+            };
+            if round == 1 {
+                engine_cached.push(cached);
+            }
+        }
+        // Wait for the events of this round before the next.
+        until("the emulator's events", || {
+            kv.source() == IndexSource::Events && state.shadow.lock().len() >= 30
+        })
+        .await;
+    }
+    // Second round: every prompt was cached by the engine.
+    assert!(
+        engine_cached.iter().all(|&c| c >= 2900 / 4),
+        "{engine_cached:?}"
+    );
+    let metrics = metrics_text(&node).await;
+    assert!(
+        metrics.contains("gorgo_kv_event_source_events 1"),
+        "{metrics}"
+    );
+    // The node's predictions against the engine's counts, all six requests: the
+    // first round none cached, the second all but the tail below one node block
+    // (64 tokens of a 750-token prompt).
+    let hist = metrics
+        .lines()
+        .find(|l| l.starts_with("gorgo_cache_estimate_error_ratio_bucket{le=\"0.1\"}"))
+        .unwrap()
+        .to_owned();
+    let within: u64 = hist.rsplit(' ').next().unwrap().parse().unwrap();
+    assert_eq!(within, 6, "{hist}\n{metrics}");
+    let view = kv.view(state.now_ms());
+    assert_eq!(view.counters.resyncs, 0, "{view:?}");
+    assert_eq!(view.counters.decode_errors, 0, "{view:?}");
+    stop.cancel();
+    node.shutdown.cancel();
+}
