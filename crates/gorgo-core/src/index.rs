@@ -194,7 +194,8 @@ impl ShadowIndex {
     /// The engine reported that this request found `engine_cached_tokens` of `chain`
     /// in its cache when its prefill ran.
     ///
-    /// The engine's word wins. Blocks of the chain within the reported tokens are held
+    /// The engine's word wins. Blocks of the chain within the reported tokens (at least
+    /// their first half: the node's token counts may be estimates) are held
     /// (added if we had lost them: "if more, we believe the engine"). If the engine
     /// cached less than we modelled, the first block it missed had been evicted there,
     /// and with it everything that extended it; so the blocks other requests hung below
@@ -202,11 +203,17 @@ impl ShadowIndex {
     /// has just computed them and caches them now.
     pub fn correct(&mut self, chain: &HashChain, engine_cached_tokens: u64, now_ms: u64) {
         let n = chain.hashes.len().min(chain.block_tokens.len());
-        // Blocks fully within the engine's cached tokens; a partly cached block counts
-        // as missed.
+        // Blocks whose first half lies within the engine's cached tokens. The chain's
+        // token counts are the node's (exact with a tokenizer, learned estimates
+        // without: bytes per token and the template's overhead on the first block),
+        // the engine's are its own; requiring a whole block would read a count one
+        // token high as a miss of the first block and drop every other prefix hung
+        // below it (measured live: a one-token overhead estimate wiped the shadow
+        // index below the shared first block on every cold request).
         let mut covered = 0u64;
         let mut k = 0;
-        while k < n && covered + chain.block_tokens[k] as u64 <= engine_cached_tokens {
+        while k < n && covered + (chain.block_tokens[k] as u64).div_ceil(2) <= engine_cached_tokens
+        {
             covered += chain.block_tokens[k] as u64;
             k += 1;
         }
@@ -554,6 +561,26 @@ mod tests {
         fresh.correct(&c, 40, 4);
         assert_eq!(fresh.longest_match(&c), 40);
         fresh.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_count_one_token_high_is_not_a_miss_of_the_shared_first_block() {
+        // Two sessions share their first block (a common system prompt). The node's
+        // estimate counts that block one token higher than the engine (the learned
+        // template overhead): the engine reporting exactly the block's 10 tokens cached
+        // is a hit of block 0, not a miss that drops the other session's blocks.
+        let mut ix = ShadowIndex::new(1_000);
+        ix.insert(&chain(&[1, 2, 3]), 0);
+        let mut c = chain(&[1, 7]);
+        c.block_tokens[0] += 1;
+        ix.insert(&c, 1);
+        ix.correct(&c, 10, 2);
+        assert_eq!(
+            ix.longest_match(&chain(&[1, 2, 3])),
+            30,
+            "the other session stays"
+        );
+        ix.check_invariants().unwrap();
     }
 
     #[test]
