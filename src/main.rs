@@ -37,6 +37,9 @@ enum Command {
     Sim(cmd::sim::SimArgs),
     /// Every policy at several offered loads (simulated or live) and goodput at an SLO.
     Sweep(cmd::sweep::SweepArgs),
+    /// The best fixed weights of a policy on one workload and load (a simulated grid):
+    /// the reference online tuning should approach.
+    TuneOffline(cmd::tune_offline::TuneOfflineArgs),
     /// Three regions, a bundled workload, all main policies: one command.
     Demo(cmd::bench::DemoArgs),
     /// Generate a cluster CA and node certificates.
@@ -62,6 +65,7 @@ fn main() -> anyhow::Result<()> {
         Command::Compare(a) => cmd::bench::run_compare(a),
         Command::Sim(a) => cmd::sim::run(a),
         Command::Sweep(a) => cmd::sweep::run(a),
+        Command::TuneOffline(a) => cmd::tune_offline::run(a),
         Command::Demo(a) => cmd::bench::run_demo(a),
         Command::Certs(a) => cmd::certs::run(a),
         Command::Trace(a) => cmd::trace::run(a),

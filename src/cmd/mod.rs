@@ -8,6 +8,7 @@ pub mod sim;
 pub mod sweep;
 pub mod topology;
 pub mod trace;
+pub mod tune_offline;
 pub mod up;
 
 use tracing_subscriber::layer::SubscriberExt as _;

@@ -9,7 +9,9 @@ use std::str::FromStr;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
+use gorgo_core::es::TrialDesign;
 use gorgo_core::policy::PolicyKind;
+use gorgo_core::Weights;
 use gorgo_engine::Profile;
 use gorgo_netem::Topology;
 use gorgo_sim::report::{build_report, oracle_gap};
@@ -39,6 +41,14 @@ pub struct SimArgs {
     /// Tuning trial window, requests cluster-wide (default: the core's).
     #[arg(long)]
     tuning_window: Option<usize>,
+    /// Tuning trial design: `interleaved` (candidate and incumbent in one window, by
+    /// a hash of each request) or `sequential` (adjacent windows).
+    #[arg(long, default_value = "interleaved", value_parser = parse_trial)]
+    trial: TrialDesign,
+    /// Fixed weights `W_RTT,W_QUEUE` for the policies that use weights (with
+    /// `--tune`: where tuning starts). Default: each policy's own.
+    #[arg(long, value_parser = parse_weights)]
+    weights: Option<Weights>,
     /// Per-request rows kept per policy for requests.csv and exact percentiles; longer
     /// runs report from sketches (1% accuracy) and write no rows.
     #[arg(long, default_value_t = 200_000)]
@@ -243,6 +253,31 @@ fn network(t: &Topology) -> Network {
     }
 }
 
+/// `W_RTT,W_QUEUE`, both positive.
+pub fn parse_weights(s: &str) -> Result<Weights, String> {
+    let parts: Vec<&str> = s.split(',').map(str::trim).collect();
+    let [r, q] = parts.as_slice() else {
+        return Err(format!("`{s}`: want W_RTT,W_QUEUE"));
+    };
+    let num = |v: &str| match v.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(format!("`{v}` is not a positive number")),
+    };
+    Ok(Weights {
+        w_rtt: num(r)?,
+        w_queue: num(q)?,
+    })
+}
+
+/// `interleaved` or `sequential`.
+fn parse_trial(s: &str) -> Result<TrialDesign, String> {
+    match s {
+        "interleaved" => Ok(TrialDesign::Interleaved),
+        "sequential" => Ok(TrialDesign::Sequential),
+        _ => Err(format!("`{s}`: want interleaved or sequential")),
+    }
+}
+
 /// Policy names from a comma-separated list (`all`: every policy and the oracle).
 pub fn parse_policies(list: &str) -> anyhow::Result<Vec<PolicyKind>> {
     let list = if list.trim() == "all" {
@@ -295,6 +330,8 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     cfg.time_scale = args.time_scale;
     cfg.tune = args.tune;
     cfg.tuning_window = args.tuning_window;
+    cfg.trial = args.trial;
+    cfg.weights = args.weights;
     cfg.max_rows = args.max_rows;
     cfg.validate().context("simulation config")?;
 
@@ -305,6 +342,8 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         "time_scale": args.time_scale,
         "tune": args.tune,
         "tuning_window": args.tuning_window,
+        "trial": args.trial,
+        "weights": args.weights,
     });
     if let (Some(c), serde_json::Value::Object(m)) =
         (config.as_object_mut(), args.model.describe(&cfg))

@@ -13,7 +13,7 @@ use gorgo_bench::indicatif::{ProgressBar, ProgressStyle};
 use gorgo_core::policy::PolicyKind;
 use gorgo_report::{PolicyResult, Results, Slo, Sweep, SweepPoint};
 use gorgo_sim::report::build_report;
-use gorgo_sim::{simulate, Progress};
+use gorgo_sim::{simulate, PolicyRun, Progress, SimConfig};
 use serde_json::json;
 
 use super::bench::{run_compare, CompareArgs, LoadArgs, Mode};
@@ -64,7 +64,7 @@ pub struct SweepArgs {
 }
 
 /// Requests in the selected part of the trace and its mean arrival rate, requests/s.
-fn trace_rate(path: &Path, model: &SimModelArgs) -> anyhow::Result<(u64, f64)> {
+pub fn trace_rate(path: &Path, model: &SimModelArgs) -> anyhow::Result<(u64, f64)> {
     let (mut n, mut first, mut last) = (0u64, u64::MAX, 0u64);
     for row in rows(path, model.window_s)? {
         let row = row.with_context(|| format!("--trace {}", path.display()))?;
@@ -174,70 +174,28 @@ fn simulated(
     requests: u64,
 ) -> anyhow::Result<(PointResults, serde_json::Value)> {
     let base = args.model.config()?;
-    let jobs: Vec<(usize, PolicyKind)> = (0..scales.len())
+    let index: Vec<(usize, PolicyKind)> = (0..scales.len())
         .flat_map(|s| policies.iter().map(move |&p| (s, p)))
         .collect();
-    let bar = if args.no_progress {
-        ProgressBar::hidden()
-    } else {
-        ProgressBar::new(jobs.len() as u64 * requests)
-    };
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{elapsed_precise} [{bar:40}] {percent}% of {len} simulated requests ({msg})",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar())
-        .progress_chars("=> "),
-    );
-    let next = AtomicUsize::new(0);
-    let done = AtomicUsize::new(0);
-    let out: Mutex<Vec<Option<anyhow::Result<PolicyResult>>>> =
-        Mutex::new((0..jobs.len()).map(|_| None).collect());
-    let threads = args.jobs.clamp(1, jobs.len().max(1));
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(&(s, kind)) = jobs.get(i) else { break };
-                let mut cfg = base.clone();
-                cfg.time_scale = scales[s];
-                let mut seen = 0u64;
-                let mut progress = |p: Progress| {
-                    bar.inc(p.finished.saturating_sub(seen));
-                    seen = seen.max(p.finished);
-                };
-                let result = rows(&args.trace, args.model.window_s)
-                    .and_then(|rows| {
-                        simulate(&cfg, kind, rows, &mut progress)
-                            .with_context(|| format!("simulating {kind} at x{}", scales[s]))
-                    })
-                    .and_then(|run| {
-                        let report = build_report(&json!({}), std::slice::from_ref(&run))?;
-                        report
-                            .results
-                            .policies
-                            .into_iter()
-                            .next()
-                            .map(|(_, r)| r)
-                            .context("the simulation produced no result")
-                    });
-                bar.inc(requests.saturating_sub(seen));
-                let n = done.fetch_add(1, Ordering::Relaxed) + 1;
-                bar.set_message(format!("{n}/{} runs", jobs.len()));
-                if let Ok(mut out) = out.lock() {
-                    out[i] = Some(result);
-                }
-            });
-        }
-    });
-    bar.finish_and_clear();
+    let jobs: Vec<SimJob> = index
+        .iter()
+        .map(|&(s, kind)| {
+            let mut cfg = base.clone();
+            cfg.time_scale = scales[s];
+            SimJob { cfg, kind }
+        })
+        .collect();
+    let runs = simulate_jobs(
+        &jobs,
+        &args.trace,
+        args.model.window_s,
+        args.jobs,
+        requests,
+        !args.no_progress,
+    )?;
     let mut results: PointResults = vec![Vec::new(); scales.len()];
-    let out = out
-        .into_inner()
-        .map_err(|_| anyhow::anyhow!("a simulation thread panicked"))?;
-    for ((s, kind), r) in jobs.into_iter().zip(out) {
-        let r = r.context("a simulation did not run")??;
-        results[s].push((kind.as_str().to_owned(), r));
+    for ((s, kind), run) in index.into_iter().zip(runs) {
+        results[s].push((kind.as_str().to_owned(), policy_result(&run)?));
     }
     let mut config = json!({
         "mode": "sim",
@@ -249,6 +207,88 @@ fn simulated(
         c.extend(m);
     }
     Ok((results, config))
+}
+
+/// One simulation of a batch: the system and load, and the policy.
+#[derive(Debug, Clone)]
+pub struct SimJob {
+    /// The simulated system, load and tuning.
+    pub cfg: SimConfig,
+    /// The policy.
+    pub kind: PolicyKind,
+}
+
+/// Run `jobs` on the trace (`window_s` selects its rows), `threads` at a time, under
+/// one progress bar over all simulated requests (`requests` per job); runs come back in
+/// job order. Shared by `gorgo sweep` and `gorgo tune-offline`.
+pub fn simulate_jobs(
+    jobs: &[SimJob],
+    trace: &Path,
+    window_s: Option<f64>,
+    threads: usize,
+    requests: u64,
+    progress: bool,
+) -> anyhow::Result<Vec<PolicyRun>> {
+    let bar = if progress {
+        ProgressBar::new(jobs.len() as u64 * requests)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{elapsed_precise} [{bar:40}] {percent}% of {len} simulated requests ({msg})",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> "),
+    );
+    let next = AtomicUsize::new(0);
+    let done = AtomicUsize::new(0);
+    let out: Mutex<Vec<Option<anyhow::Result<PolicyRun>>>> =
+        Mutex::new((0..jobs.len()).map(|_| None).collect());
+    let threads = threads.clamp(1, jobs.len().max(1));
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(job) = jobs.get(i) else { break };
+                let mut seen = 0u64;
+                let mut progress = |p: Progress| {
+                    bar.inc(p.finished.saturating_sub(seen));
+                    seen = seen.max(p.finished);
+                };
+                let result = rows(trace, window_s).and_then(|rows| {
+                    simulate(&job.cfg, job.kind, rows, &mut progress).with_context(|| {
+                        format!("simulating {} at x{}", job.kind, job.cfg.time_scale)
+                    })
+                });
+                bar.inc(requests.saturating_sub(seen));
+                let n = done.fetch_add(1, Ordering::Relaxed) + 1;
+                bar.set_message(format!("{n}/{} runs", jobs.len()));
+                if let Ok(mut out) = out.lock() {
+                    out[i] = Some(result);
+                }
+            });
+        }
+    });
+    bar.finish_and_clear();
+    let out = out
+        .into_inner()
+        .map_err(|_| anyhow::anyhow!("a simulation thread panicked"))?;
+    out.into_iter()
+        .map(|r| r.context("a simulation did not run")?)
+        .collect()
+}
+
+/// The aggregates of one run (its `results.json` entry).
+pub fn policy_result(run: &PolicyRun) -> anyhow::Result<PolicyResult> {
+    let report = build_report(&json!({}), std::slice::from_ref(run))?;
+    report
+        .results
+        .policies
+        .into_iter()
+        .next()
+        .map(|(_, r)| r)
+        .context("the simulation produced no result")
 }
 
 /// Every load on live clusters: one `gorgo compare` per time scale, its report kept

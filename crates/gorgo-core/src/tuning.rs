@@ -8,30 +8,68 @@
 //!   the highest epoch they have seen, ties to the smaller leader id. A node that
 //!   becomes leader continues from the last proposal it follows, at its epoch + 1, so
 //!   no epoch is decided twice on one line and the search never restarts.
-//! - Trials come in pairs of adjacent windows: the incumbent is re-measured
-//!   ([`Phase::MeasureIncumbent`]), then the candidate is measured
-//!   ([`Phase::MeasureCandidate`]) and decided against it. One [`TuningRecord`] is
-//!   written per decided candidate epoch (the `tuning.jsonl` line).
+//! - A trial is one window in which every node routes each request with the incumbent
+//!   or the candidate by a hash of the request's id ([`Phase::Interleaved`], the
+//!   default), or, with [`TrialDesign::Sequential`], a pair of adjacent windows: the
+//!   incumbent re-measured ([`Phase::MeasureIncumbent`]), then the candidate
+//!   ([`Phase::MeasureCandidate`]). One [`TuningRecord`] is written per decided
+//!   candidate epoch (the `tuning.jsonl` line).
 //! - Every node records client-side TTFT and E2E of requests admitted under the current
-//!   epoch into mergeable sketches and sends them (cumulatively) to the leader each
+//!   epoch into mergeable sketches, one per [`Cell`] (arm and half), and sends them (cumulatively) to the leader each
 //!   tick; the leader closes the window when the cluster-wide count reaches `window`,
 //!   or after `time_cap_ms` with at least `min_samples` (else it extends the window).
 //!
 //! Inputs: [`Tuner::set_membership`], [`Tuner::handle_proposal`],
 //! [`Tuner::handle_report`], [`Tuner::record`], [`Tuner::tick`]; outputs: the returned
-//! [`TuningOutput`]s and [`Tuner::weights`].
+//! [`TuningOutput`]s, [`Tuner::admit`] (a request's weights and cell) and
+//! [`Tuner::weights`].
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::CoreError;
-use crate::es::{EsState, Measurement, TuningConfig, TuningMode, Verdict};
+use crate::es::{EsState, Measurement, TrialDesign, TuningConfig, TuningMode, Verdict};
 use crate::sketch::LatencySketch;
 use crate::types::{NodeId, Weights};
 
 /// Records kept in memory for `/admin/tuning`.
 pub const HISTORY_LEN: usize = 1024;
+/// Measurement cells per epoch: two arms (incumbent, candidate) by two halves.
+pub const CELLS: usize = 4;
+
+/// Where a request's latencies are counted: `arm * 2 + half`. The arm is the weight
+/// set it was routed with (0 the incumbent, 1 the candidate; always 0 outside an
+/// interleaved trial); the half, a second bit of its key, splits each arm in two so
+/// every window also measures two halves with the same weights (the noise).
+pub type Cell = u8;
+
+/// What a new request is routed and measured under.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Assignment {
+    /// The epoch to pass back to [`Tuner::record`].
+    pub epoch: u64,
+    /// The cell to pass back to [`Tuner::record`].
+    pub cell: Cell,
+    /// The weights to route with.
+    pub weights: Weights,
+}
+
+/// TTFT and E2E sketches of one cell.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CellSketches {
+    /// Client-side TTFT, ms.
+    pub ttft: LatencySketch,
+    /// E2E latency, ms.
+    pub e2e: LatencySketch,
+}
+
+impl CellSketches {
+    fn merge(&mut self, other: &CellSketches) {
+        self.ttft.merge(&other.ttft);
+        self.e2e.merge(&other.e2e);
+    }
+}
 
 /// What an epoch measures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -41,6 +79,9 @@ pub enum Phase {
     MeasureIncumbent,
     /// Measure the candidate; the leader decides it at the end of the window.
     MeasureCandidate,
+    /// Route each request with the incumbent or the candidate by its key, measure
+    /// both in this one window; the leader decides at its end.
+    Interleaved,
     /// Tuning is over (`tune-then-freeze`): route with the incumbent.
     Frozen,
 }
@@ -52,8 +93,12 @@ pub struct Proposal {
     pub epoch: u64,
     /// The node that leads this epoch.
     pub leader: NodeId,
-    /// Weights to route with during the epoch.
+    /// Weights to route with during the epoch (in an interleaved trial: the
+    /// incumbent's arm).
     pub weights: Weights,
+    /// The candidate's arm of an interleaved trial.
+    #[serde(default)]
+    pub candidate: Option<Weights>,
     /// What the epoch measures.
     pub phase: Phase,
     /// The whole tuner state, so any node can take over.
@@ -78,12 +123,16 @@ pub struct EpochReport {
     pub leader: NodeId,
     /// The reporting node.
     pub from: NodeId,
-    /// Client-side TTFT of requests admitted under the epoch, ms.
-    pub ttft: LatencySketch,
-    /// Their E2E latency, ms.
-    pub e2e: LatencySketch,
+    /// Client-side TTFT and E2E of requests admitted under the epoch, by [`Cell`].
+    pub cells: Box<[CellSketches; CELLS]>,
     /// Requests measured.
     pub samples: u64,
+}
+
+impl EpochReport {
+    fn count(&self) -> u64 {
+        self.cells.iter().map(|c| c.ttft.count()).sum()
+    }
 }
 
 /// Everything the protocol puts on the wire.
@@ -120,8 +169,14 @@ pub struct TuningRecord {
     pub accepted: bool,
     /// Why.
     pub verdict: Verdict,
-    /// Requests in the candidate's window.
+    /// Requests measured for the candidate (its window, or its arm of the window).
     pub samples: u64,
+    /// Requests measured for the incumbent.
+    #[serde(default)]
+    pub incumbent_samples: u64,
+    /// The line's E2E drift after the decision (`EsState::e2e_drift`).
+    #[serde(default)]
+    pub e2e_drift: f64,
 }
 
 /// What the driver must do after an input.
@@ -162,8 +217,7 @@ pub struct Tuner {
     cfg: TuningConfig,
     live: BTreeSet<NodeId>,
     current: Option<Proposal>,
-    ttft: LatencySketch,
-    e2e: LatencySketch,
+    cells: [CellSketches; CELLS],
     unreported: bool,
     lead: Option<Lead>,
     last_decided: Option<u64>,
@@ -181,8 +235,7 @@ impl Tuner {
             cfg,
             live,
             current: None,
-            ttft: LatencySketch::new(),
-            e2e: LatencySketch::new(),
+            cells: Default::default(),
             unreported: false,
             lead: None,
             last_decided: None,
@@ -222,6 +275,7 @@ impl Tuner {
         }
         // Never route with out-of-bounds or non-finite weights, whoever sent them.
         p.weights = self.cfg.clip(p.weights);
+        p.candidate = p.candidate.map(|c| self.cfg.clip(c));
         p.state.incumbent = self.cfg.clip(p.state.incumbent);
         if !(p.state.sigma.is_finite() && p.state.sigma > 0.0) {
             p.state.sigma = self.cfg.sigma0;
@@ -243,7 +297,7 @@ impl Tuner {
         let newer = lead
             .reports
             .get(&r.from)
-            .is_none_or(|old| r.ttft.count() >= old.ttft.count());
+            .is_none_or(|old| r.count() >= old.count());
         if newer {
             lead.reports.insert(r.from.clone(), r);
         }
@@ -252,8 +306,36 @@ impl Tuner {
         out
     }
 
-    /// A request admitted under `epoch` finished with these latencies.
-    pub fn record(&mut self, epoch: u64, ttft_ms: f64, e2e_ms: f64) {
+    /// A new request: the epoch, cell and weights it is routed and measured under.
+    /// `key` is a hash of the request's id (any well-mixed 64 bits; its low bit picks
+    /// the arm of an interleaved trial, the next one the half).
+    pub fn admit(&self, key: u64) -> Assignment {
+        let half = ((key >> 1) & 1) as Cell;
+        match (&self.current, self.cfg.mode) {
+            (Some(p), TuningMode::Online | TuningMode::TuneThenFreeze) => {
+                match (p.phase, p.candidate) {
+                    (Phase::Interleaved, Some(c)) if key & 1 == 1 => Assignment {
+                        epoch: p.epoch,
+                        cell: 2 + half,
+                        weights: c,
+                    },
+                    _ => Assignment {
+                        epoch: p.epoch,
+                        cell: half,
+                        weights: p.weights,
+                    },
+                }
+            }
+            _ => Assignment {
+                epoch: self.epoch(),
+                cell: half,
+                weights: self.cfg.start_weights(),
+            },
+        }
+    }
+
+    /// A request admitted under `epoch` in `cell` finished with these latencies.
+    pub fn record(&mut self, epoch: u64, cell: Cell, ttft_ms: f64, e2e_ms: f64) {
         let Some(cur) = &self.current else { return };
         if cur.epoch != epoch
             || cur.phase == Phase::Frozen
@@ -262,8 +344,9 @@ impl Tuner {
         {
             return;
         }
-        self.ttft.add(ttft_ms);
-        self.e2e.add(e2e_ms);
+        let c = &mut self.cells[(cell as usize).min(CELLS - 1)];
+        c.ttft.add(ttft_ms);
+        c.e2e.add(e2e_ms);
         self.unreported = true;
     }
 
@@ -288,14 +371,7 @@ impl Tuner {
                 self.take_over(cur, now_ms, &mut out);
             } else if now_ms.saturating_sub(first) >= self.cfg.startup_grace_ms {
                 // Nobody has proposed anything yet: start the line.
-                let state = EsState::new(&self.cfg);
-                let p = Proposal {
-                    epoch: 1,
-                    leader: self.id.clone(),
-                    weights: state.incumbent,
-                    phase: Phase::MeasureIncumbent,
-                    state,
-                };
+                let p = self.trial_proposal(1, EsState::new(&self.cfg));
                 self.start_leading(p, now_ms, &mut out);
             }
         } else if let Some(cur) = &self.current {
@@ -358,9 +434,8 @@ impl Tuner {
             epoch: cur.epoch,
             leader: cur.leader.clone(),
             from: self.id.clone(),
-            ttft: self.ttft.clone(),
-            e2e: self.e2e.clone(),
-            samples: self.ttft.count(),
+            cells: Box::new(self.cells.clone()),
+            samples: self.cells.iter().map(|c| c.ttft.count()).sum(),
         }
     }
 
@@ -370,8 +445,7 @@ impl Tuner {
             .as_ref()
             .is_none_or(|c| c.epoch != p.epoch || c.leader != p.leader);
         if new_epoch {
-            self.ttft = LatencySketch::new();
-            self.e2e = LatencySketch::new();
+            self.cells = Default::default();
             self.unreported = false;
         }
         self.current = Some(p);
@@ -394,19 +468,31 @@ impl Tuner {
     fn take_over(&mut self, cur: Proposal, now_ms: u64, out: &mut Vec<TuningOutput>) {
         let mut state = cur.state;
         state.pending_incumbent = None;
-        let phase = if state.frozen {
-            Phase::Frozen
+        let p = self.trial_proposal(cur.epoch + 1, state);
+        self.start_leading(p, now_ms, out);
+    }
+
+    /// The proposal that starts a trial at `epoch` from `state`: the incumbent and a
+    /// fresh candidate together (interleaved), the incumbent's re-measurement
+    /// (sequential), or the frozen incumbent.
+    fn trial_proposal(&self, epoch: u64, mut state: EsState) -> Proposal {
+        let weights = self.cfg.clip(state.incumbent);
+        let (phase, candidate) = if state.frozen {
+            (Phase::Frozen, None)
         } else {
-            Phase::MeasureIncumbent
+            match self.cfg.trial {
+                TrialDesign::Sequential => (Phase::MeasureIncumbent, None),
+                TrialDesign::Interleaved => (Phase::Interleaved, Some(state.mutate(&self.cfg))),
+            }
         };
-        let p = Proposal {
-            epoch: cur.epoch + 1,
+        Proposal {
+            epoch,
             leader: self.id.clone(),
-            weights: self.cfg.clip(state.incumbent),
+            weights,
+            candidate,
             phase,
             state,
-        };
-        self.start_leading(p, now_ms, out);
+        }
     }
 
     /// Close the window if it is full (or timed out with enough samples), decide, and
@@ -418,8 +504,8 @@ impl Tuner {
         if cur.phase == Phase::Frozen || lead.epoch != cur.epoch {
             return;
         }
-        let samples: u64 =
-            self.ttft.count() + lead.reports.values().map(|r| r.ttft.count()).sum::<u64>();
+        let samples: u64 = self.cells.iter().map(|c| c.ttft.count()).sum::<u64>()
+            + lead.reports.values().map(EpochReport::count).sum::<u64>();
         let full = samples >= self.cfg.window as u64;
         let timed_out =
             on_tick && now_ms.saturating_sub(lead.window_started_ms) >= self.cfg.time_cap_ms;
@@ -434,68 +520,101 @@ impl Tuner {
         if self.last_decided.is_some_and(|d| d >= cur.epoch) {
             return;
         }
-        let mut ttft = self.ttft.clone();
-        let mut e2e = self.e2e.clone();
+        let mut cells = self.cells.clone();
         for r in lead.reports.values() {
-            ttft.merge(&r.ttft);
-            e2e.merge(&r.e2e);
+            for (c, rc) in cells.iter_mut().zip(r.cells.iter()) {
+                c.merge(rc);
+            }
         }
-        let meas = Measurement {
-            p95_ttft_ms: ttft.quantile(0.95).unwrap_or(f64::NAN),
-            p95_e2e_ms: e2e.quantile(0.95).unwrap_or(f64::NAN),
-            samples: ttft.count(),
-        };
         let cur = cur.clone();
         self.last_decided = Some(cur.epoch);
         let mut state = cur.state.clone();
         state.epoch = cur.epoch;
-        let (weights, phase) = match cur.phase {
-            Phase::MeasureIncumbent => {
+        let next = match (cur.phase, cur.candidate) {
+            (Phase::MeasureIncumbent, _) => {
+                let meas = measure(&cells, 0..CELLS);
                 state.pending_incumbent = Some(meas);
                 state.incumbent_score = Some(meas.p95_ttft_ms);
-                (state.mutate(&self.cfg), Phase::MeasureCandidate)
+                let weights = state.mutate(&self.cfg);
+                Proposal {
+                    epoch: cur.epoch + 1,
+                    leader: self.id.clone(),
+                    weights,
+                    candidate: None,
+                    phase: Phase::MeasureCandidate,
+                    state,
+                }
+            }
+            (Phase::Interleaved, Some(candidate)) => {
+                for arm in 0..2 {
+                    let half = |h: usize| cells[arm * 2 + h].ttft.quantile(0.95);
+                    if let (Some(a), Some(b)) = (half(0), half(1)) {
+                        state.observe_halves(a, b);
+                    }
+                }
+                let inc = measure(&cells, 0..2);
+                let cand = measure(&cells, 2..CELLS);
+                self.decide(&mut state, &cur, candidate, cand, inc, out);
+                self.trial_proposal(cur.epoch + 1, state)
             }
             _ => {
+                let meas = measure(&cells, 0..CELLS);
                 if let Some(inc) = state.pending_incumbent.take() {
-                    let sigma = state.sigma;
-                    let incumbent = state.incumbent;
-                    let verdict = state.conclude(&self.cfg, cur.weights, meas, inc);
-                    let record = TuningRecord {
-                        epoch: cur.epoch,
-                        leader: self.id.clone(),
-                        candidate: cur.weights,
-                        incumbent,
-                        score_p95_ttft_ms: meas.p95_ttft_ms,
-                        incumbent_p95_ttft_ms: inc.p95_ttft_ms,
-                        p95_e2e_ms: meas.p95_e2e_ms,
-                        incumbent_p95_e2e_ms: inc.p95_e2e_ms,
-                        sigma,
-                        accepted: verdict == Verdict::Accepted,
-                        verdict,
-                        samples: meas.samples,
-                    };
-                    if self.history.len() == HISTORY_LEN {
-                        self.history.pop_front();
-                    }
-                    self.history.push_back(record.clone());
-                    out.push(TuningOutput::Record(record));
+                    self.decide(&mut state, &cur, cur.weights, meas, inc, out);
                 }
-                let phase = if state.frozen {
-                    Phase::Frozen
-                } else {
-                    Phase::MeasureIncumbent
-                };
-                (state.incumbent, phase)
+                self.trial_proposal(cur.epoch + 1, state)
             }
         };
-        let next = Proposal {
-            epoch: cur.epoch + 1,
-            leader: self.id.clone(),
-            weights,
-            phase,
-            state,
-        };
         self.start_leading(next, now_ms, out);
+    }
+
+    /// Conclude the trial of `candidate` (epoch `cur`) and write its record.
+    fn decide(
+        &mut self,
+        state: &mut EsState,
+        cur: &Proposal,
+        candidate: Weights,
+        cand: Measurement,
+        inc: Measurement,
+        out: &mut Vec<TuningOutput>,
+    ) {
+        let sigma = state.sigma;
+        let incumbent = state.incumbent;
+        let verdict = state.conclude(&self.cfg, candidate, cand, inc);
+        let record = TuningRecord {
+            epoch: cur.epoch,
+            leader: self.id.clone(),
+            candidate,
+            incumbent,
+            score_p95_ttft_ms: cand.p95_ttft_ms,
+            incumbent_p95_ttft_ms: inc.p95_ttft_ms,
+            p95_e2e_ms: cand.p95_e2e_ms,
+            incumbent_p95_e2e_ms: inc.p95_e2e_ms,
+            sigma,
+            accepted: verdict == Verdict::Accepted,
+            verdict,
+            samples: cand.samples,
+            incumbent_samples: inc.samples,
+            e2e_drift: state.e2e_drift,
+        };
+        if self.history.len() == HISTORY_LEN {
+            self.history.pop_front();
+        }
+        self.history.push_back(record.clone());
+        out.push(TuningOutput::Record(record));
+    }
+}
+
+/// p95 TTFT and E2E over `range` of the cells.
+fn measure(cells: &[CellSketches; CELLS], range: std::ops::Range<usize>) -> Measurement {
+    let mut all = CellSketches::default();
+    for c in &cells[range] {
+        all.merge(c);
+    }
+    Measurement {
+        p95_ttft_ms: all.ttft.quantile(0.95).unwrap_or(f64::NAN),
+        p95_e2e_ms: all.e2e.quantile(0.95).unwrap_or(f64::NAN),
+        samples: all.ttft.count(),
     }
 }
 
@@ -522,21 +641,72 @@ mod tests {
             .collect()
     }
 
+    fn sequential() -> TuningConfig {
+        TuningConfig {
+            trial: TrialDesign::Sequential,
+            ..cfg()
+        }
+    }
+
+    /// `n` requests admitted now on `t`, each finishing with `ttft(weights)`.
+    fn serve(t: &mut Tuner, keys: std::ops::Range<u64>, ttft: impl Fn(Weights) -> f64) {
+        for k in keys {
+            let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()));
+            t.record(a.epoch, a.cell, ttft(a.weights), 1000.0);
+        }
+    }
+
+    #[test]
+    fn single_node_runs_interleaved_trials() {
+        let mut t = Tuner::new("a".into(), cfg()).unwrap();
+        let out = t.tick(0);
+        let p = broadcasts(&out)[0].clone();
+        assert_eq!((p.epoch, p.phase), (1, Phase::Interleaved));
+        let cand = p.candidate.expect("a candidate arm");
+        assert_eq!(t.weights(), p.weights, "weights() is the incumbent's arm");
+        // Both arms are routed, each with its own weights, in every cell.
+        let mut seen = [0; CELLS];
+        for k in 0..64u64 {
+            let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()));
+            seen[a.cell as usize] += 1;
+            let want = if a.cell >= 2 { cand } else { p.weights };
+            assert_eq!(a.weights, want);
+        }
+        assert!(seen.iter().all(|&n| n > 5), "{seen:?}");
+        // The candidate's arm is faster in the same window: accepted at its end.
+        serve(&mut t, 0..10, |w| if w == cand { 50.0 } else { 100.0 });
+        let out = t.tick(10);
+        let rec = out
+            .iter()
+            .find_map(|o| match o {
+                TuningOutput::Record(r) => Some(r.clone()),
+                _ => None,
+            })
+            .expect("a decision after one window");
+        assert!(rec.accepted, "{rec:?}");
+        assert_eq!((rec.epoch, rec.candidate), (1, cand));
+        assert_eq!(rec.samples + rec.incumbent_samples, 10);
+        let next = t.current().unwrap();
+        assert_eq!((next.epoch, next.phase), (2, Phase::Interleaved));
+        assert_eq!(next.weights, cand, "the winner is the next incumbent");
+        assert_ne!(next.candidate, Some(cand));
+    }
+
     #[test]
     fn single_node_runs_trial_pairs() {
-        let mut t = Tuner::new("a".into(), cfg()).unwrap();
+        let mut t = Tuner::new("a".into(), sequential()).unwrap();
         let out = t.tick(0);
         assert_eq!(broadcasts(&out)[0].epoch, 1);
         assert!(t.is_leader());
         for i in 0..10 {
-            t.record(1, 100.0 + i as f64, 1000.0);
+            t.record(1, 0, 100.0 + i as f64, 1000.0);
         }
         let out = t.tick(10);
         let p = broadcasts(&out)[0];
         assert_eq!((p.epoch, p.phase), (2, Phase::MeasureCandidate));
         assert_eq!(t.weights(), p.weights);
         for _ in 0..10 {
-            t.record(2, 50.0, 1000.0);
+            t.record(2, 1, 50.0, 1000.0);
         }
         let out = t.tick(20);
         let rec = out.iter().find_map(|o| match o {
@@ -569,12 +739,12 @@ mod tests {
     fn time_cap_extends_until_min_samples() {
         let mut t = Tuner::new("a".into(), cfg()).unwrap();
         t.tick(0);
-        t.record(1, 100.0, 1000.0);
+        t.record(1, 0, 100.0, 1000.0);
         // Cap passed with 1 < 4 samples: extended, still epoch 1.
         t.tick(1500);
         assert_eq!(t.epoch(), 1);
         for _ in 0..3 {
-            t.record(1, 100.0, 1000.0);
+            t.record(1, 3, 100.0, 1000.0);
         }
         t.tick(2000);
         assert_eq!(t.epoch(), 1, "window restarted at 1500");
@@ -597,6 +767,7 @@ mod tests {
                 w_rtt: 3.0,
                 w_queue: 3.0,
             },
+            candidate: None,
             phase: Phase::MeasureCandidate,
             state: EsState::new(&c),
         };
@@ -617,6 +788,7 @@ mod tests {
                 w_rtt: f64::NAN,
                 w_queue: 1e9,
             },
+            candidate: None,
             phase: Phase::MeasureCandidate,
             state,
         };
@@ -653,10 +825,8 @@ mod tests {
         };
         let mut t = Tuner::new("a".into(), c).unwrap();
         t.tick(0);
-        for epoch in 1..=2 {
-            for _ in 0..10 {
-                t.record(epoch, 100.0, 1000.0);
-            }
+        for epoch in 1..=2u64 {
+            serve(&mut t, epoch * 100..epoch * 100 + 10, |_| 100.0);
             t.tick(epoch * 10);
         }
         let cur = t.current().unwrap().clone();
@@ -665,7 +835,7 @@ mod tests {
         assert_eq!(t.weights(), cur.state.incumbent);
         // Nothing more is measured or decided; the leader keeps announcing the result.
         for _ in 0..20 {
-            t.record(cur.epoch, 1.0, 1.0);
+            t.record(cur.epoch, 0, 1.0, 1.0);
         }
         let out = t.tick(100);
         assert_eq!(t.epoch(), cur.epoch);

@@ -1,7 +1,7 @@
 //! The (1+1)-ES on a synthetic noisy quadratic: it must get close to the optimum from
 //! the paper's start point within 200 trials, deterministically under a seed.
 
-use gorgo_core::es::{EsState, Measurement, TuningConfig, Verdict};
+use gorgo_core::es::{EsState, Measurement, TrialDesign, TuningConfig, Verdict};
 use gorgo_core::Weights;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -173,8 +173,10 @@ fn e2e_guard_uses_the_adjacent_incumbent_window() {
 #[test]
 fn very_noisy_flat_objective_is_left_alone() {
     for seed in 1..=5u64 {
+        // Sequential windows: the noise is read from consecutive incumbent windows.
         let cfg = TuningConfig {
             seed,
+            trial: TrialDesign::Sequential,
             ..TuningConfig::gorgo()
         };
         let mut es = EsState::new(&cfg);
@@ -207,4 +209,47 @@ fn very_noisy_flat_objective_is_left_alone() {
             es.incumbent
         );
     }
+}
+
+/// The paper's reward-hacking corner approached in small steps: each candidate buys 10%
+/// TTFT with 3% E2E, inside a per-trial guard of 5%. The line's E2E budget (5% from the
+/// start weights, summed over the accepted steps) stops the walk after one step; the
+/// next that adds nothing to E2E is taken again.
+#[test]
+fn e2e_guard_holds_along_the_line_not_per_trial() {
+    let cfg = TuningConfig::gorgo();
+    let mut es = EsState::new(&cfg);
+    let m = |ttft: f64, e2e: f64| Measurement {
+        p95_ttft_ms: ttft,
+        p95_e2e_ms: e2e,
+        samples: 64,
+    };
+    let (mut ttft, mut e2e) = (1000.0, 20_000.0);
+    let mut verdicts = Vec::new();
+    for _ in 0..4 {
+        let cand = es.mutate(&cfg);
+        let v = es.conclude(&cfg, cand, m(ttft * 0.9, e2e * 1.03), m(ttft, e2e));
+        if v == Verdict::Accepted {
+            ttft *= 0.9;
+            e2e *= 1.03;
+        }
+        verdicts.push(v);
+    }
+    assert_eq!(
+        verdicts,
+        [
+            Verdict::Accepted,
+            Verdict::E2eGuard,
+            Verdict::E2eGuard,
+            Verdict::E2eGuard
+        ]
+    );
+    assert!((es.e2e_drift - 1.03f64.ln()).abs() < 1e-12);
+    // A step that also gives E2E back is taken, and credits the budget.
+    let cand = es.mutate(&cfg);
+    assert_eq!(
+        es.conclude(&cfg, cand, m(ttft * 0.9, e2e * 0.98), m(ttft, e2e)),
+        Verdict::Accepted
+    );
+    assert!((es.e2e_drift - (1.03f64 * 0.98).ln()).abs() < 1e-12);
 }

@@ -3,7 +3,8 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use gorgo_core::es::{TuningConfig, Verdict};
+use gorgo_core::es::{TrialDesign, TuningConfig, Verdict};
+use gorgo_core::hash::hash_bytes;
 use gorgo_core::tuning::{Phase, Proposal, Tuner, TuningOutput, TuningRecord};
 use gorgo_core::{NodeId, Weights};
 
@@ -19,6 +20,7 @@ struct Bus {
     now: u64,
     records: Vec<TuningRecord>,
     rng: u64,
+    requests: u64,
 }
 
 impl Bus {
@@ -35,6 +37,7 @@ impl Bus {
             now: 0,
             records: Vec::new(),
             rng: 0x1234_5678,
+            requests: 0,
         }
     }
 
@@ -50,16 +53,30 @@ impl Bus {
         (self.rng >> 11) as f64 / (1u64 << 53) as f64
     }
 
-    /// Each live node serves `per_node` requests under its current epoch and weights.
+    /// Each live node serves `per_node` requests under its current epoch, each routed
+    /// with the weights its key is assigned.
     fn traffic(&mut self, per_node: usize, latency: impl Fn(Weights, f64) -> (f64, f64)) {
+        self.traffic_drifting(per_node, |_| 1.0, latency);
+    }
+
+    /// [`Bus::traffic`] under a load that scales every latency by `load(now)`.
+    fn traffic_drifting(
+        &mut self,
+        per_node: usize,
+        load: impl Fn(u64) -> f64,
+        latency: impl Fn(Weights, f64) -> (f64, f64),
+    ) {
         let alive: Vec<NodeId> = self.alive.iter().cloned().collect();
+        let f = load(self.now);
         for id in alive {
             for _ in 0..per_node {
                 let u = self.noise();
+                self.requests += 1;
+                let key = hash_bytes(&self.requests.to_le_bytes());
                 let t = self.nodes.get_mut(&id).unwrap();
-                let (ttft, e2e) = latency(t.weights(), u);
-                let epoch = t.epoch();
-                t.record(epoch, ttft, e2e);
+                let a = t.admit(key);
+                let (ttft, e2e) = latency(a.weights, u);
+                t.record(a.epoch, a.cell, ttft * f, e2e * f);
             }
         }
     }
@@ -149,6 +166,13 @@ fn cfg() -> TuningConfig {
     }
 }
 
+fn sequential() -> TuningConfig {
+    TuningConfig {
+        trial: TrialDesign::Sequential,
+        ..cfg()
+    }
+}
+
 /// A synthetic cluster: p95 TTFT is best near w_rtt = 1.6, w_queue = 0.6.
 fn latency(w: Weights, u: f64) -> (f64, f64) {
     let ttft =
@@ -167,8 +191,8 @@ fn assert_unique_epochs(records: &[TuningRecord]) {
     }
 }
 
-fn steady_state(n: usize) {
-    let mut bus = Bus::new(n, cfg());
+fn steady_state(n: usize, cfg: TuningConfig) {
+    let mut bus = Bus::new(n, cfg);
     let mut last_epoch = 0;
     let mut proposals = 0;
     for _ in 0..400 {
@@ -195,26 +219,83 @@ fn steady_state(n: usize) {
     assert!(bus
         .records
         .iter()
-        .all(|r| r.samples >= 128 && r.leader == NodeId::from("n0")));
-    // Candidate epochs alternate with incumbent re-measurements.
-    assert!(bus.records.windows(2).all(|w| w[1].epoch == w[0].epoch + 2));
+        .all(|r| r.samples + r.incumbent_samples >= 128 && r.leader == NodeId::from("n0")));
+    match cfg.trial {
+        // Every epoch is a trial, both arms in it, about half the requests each.
+        TrialDesign::Interleaved => {
+            assert!(bus.records.windows(2).all(|w| w[1].epoch == w[0].epoch + 1));
+            assert!(bus
+                .records
+                .iter()
+                .all(|r| r.samples.abs_diff(r.incumbent_samples)
+                    < (r.samples + r.incumbent_samples) / 3));
+        }
+        // Candidate epochs alternate with incumbent re-measurements.
+        TrialDesign::Sequential => {
+            assert!(bus.records.windows(2).all(|w| w[1].epoch == w[0].epoch + 2))
+        }
+    }
     // The search moved towards the optimum (w_rtt 1.6, w_queue 0.6 from 1.0, 1.0).
     assert!(bus.records.iter().any(|r| r.accepted));
 }
 
 #[test]
 fn three_nodes_follow_one_leader() {
-    steady_state(3);
+    steady_state(3, cfg());
+    steady_state(3, sequential());
 }
 
 #[test]
 fn five_nodes_follow_one_leader() {
-    steady_state(5);
+    steady_state(5, cfg());
+    steady_state(5, sequential());
+}
+
+/// Load rising 8% a window, and every candidate 15% better than the start weights: a
+/// sequential trial measures the candidate one window after the incumbent, so it sees
+/// 0.85 x 1.08 = 0.92, and the drift it measures between incumbent windows inflates its
+/// noise margin past that; it never accepts. Interleaved arms see the same load.
+#[test]
+fn drifting_load_fools_sequential_trials_but_not_interleaved_ones() {
+    let start = cfg().start_weights();
+    let better = move |w: Weights, u: f64| {
+        let f = if w == start { 1.0 } else { 0.85 };
+        (300.0 * f + 10.0 * u, 2000.0 + 10.0 * u)
+    };
+    let window_ms = 4 * ROUND_MS;
+    let rising = move |now: u64| 1.08f64.powf(now as f64 / window_ms as f64);
+    let mut accepted = Vec::new();
+    for cfg in [sequential(), cfg()] {
+        let mut bus = Bus::new(3, cfg);
+        // 3 nodes x 11 requests a round: a 128-request window every 4 rounds.
+        while bus.records.len() < 12 {
+            bus.traffic_drifting(11, rising, better);
+            bus.round();
+        }
+        let n = bus.records[..12].iter().filter(|r| r.accepted).count();
+        accepted.push((cfg.trial, n, bus.records[..12].to_vec()));
+    }
+    let (_, seq, seq_records) = &accepted[0];
+    let (_, inter, inter_records) = &accepted[1];
+    assert_eq!(*seq, 0, "sequential accepted: {seq_records:#?}");
+    assert!(
+        *inter >= 1 && inter_records[0].accepted,
+        "interleaved: {inter_records:#?}"
+    );
+    // What each saw of the first trial: the drift, against the candidate's real 15%.
+    let ratio = |r: &TuningRecord| r.score_p95_ttft_ms / r.incumbent_p95_ttft_ms;
+    assert!(ratio(&seq_records[0]) > 0.88, "{}", ratio(&seq_records[0]));
+    assert!((ratio(&inter_records[0]) - 0.85).abs() < 0.03);
 }
 
 #[test]
 fn leader_loss_mid_epoch_continues_the_line() {
-    let mut bus = Bus::new(5, cfg());
+    leader_loss(cfg());
+    leader_loss(sequential());
+}
+
+fn leader_loss(cfg: TuningConfig) {
+    let mut bus = Bus::new(5, cfg);
     while bus.records.len() < 3 {
         bus.traffic(8, latency);
         bus.round();
@@ -233,11 +314,18 @@ fn leader_loss_mid_epoch_continues_the_line() {
     assert!(n1.is_leader());
     assert_eq!(next.epoch, last.epoch + 1);
     assert_eq!(next.leader, NodeId::from("n1"));
-    assert_eq!(next.phase, Phase::MeasureIncumbent);
     // The tuner state continues from the last proposal (the pending incumbent
-    // measurement is dropped: it is no longer adjacent to the next candidate).
+    // measurement is dropped: it is no longer adjacent to the next candidate; an
+    // interleaved trial draws its candidate from the stream where the last stopped).
     let mut expect = last.state.clone();
     expect.pending_incumbent = None;
+    match cfg.trial {
+        TrialDesign::Sequential => assert_eq!(next.phase, Phase::MeasureIncumbent),
+        TrialDesign::Interleaved => {
+            assert_eq!(next.phase, Phase::Interleaved);
+            expect.draws += 1;
+        }
+    }
     assert_eq!(next.state, expect);
     assert_eq!(next.weights, last.state.incumbent);
     bus.assert_agreement(0);
@@ -353,7 +441,7 @@ fn candidate_that_hurts_e2e_beyond_the_guard_is_rejected() {
 
 #[test]
 fn tuning_messages_survive_the_wire_codec() {
-    use gorgo_core::tuning::{EpochReport, TuningMessage};
+    use gorgo_core::tuning::{CellSketches, EpochReport, TuningMessage, CELLS};
     use gorgo_core::wire::{decode, encode, MAX_TUNING_MESSAGE};
     let mut bus = Bus::new(3, cfg());
     while bus.records.len() < 2 {
@@ -361,18 +449,17 @@ fn tuning_messages_survive_the_wire_codec() {
         bus.round();
     }
     let p = bus.nodes[&NodeId::from("n0")].current().unwrap().clone();
-    let mut ttft = gorgo_core::LatencySketch::new();
-    let mut e2e = gorgo_core::LatencySketch::new();
+    let mut cells: [CellSketches; CELLS] = Default::default();
     for i in 0..10_000 {
-        ttft.add(i as f64 * 0.7);
-        e2e.add(i as f64 * 3.1);
+        let c = &mut cells[i % CELLS];
+        c.ttft.add(i as f64 * 0.7);
+        c.e2e.add(i as f64 * 3.1);
     }
     let report = EpochReport {
         epoch: p.epoch,
         leader: p.leader.clone(),
         from: "n1".into(),
-        ttft,
-        e2e,
+        cells: Box::new(cells),
         samples: 10_000,
     };
     for msg in [TuningMessage::Proposal(p), TuningMessage::Report(report)] {

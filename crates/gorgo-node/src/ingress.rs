@@ -14,6 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
+use gorgo_core::tuning::Cell;
 use gorgo_core::Endpoint;
 use http_body_util::BodyExt;
 use serde_json::Value;
@@ -387,11 +388,15 @@ async fn completion(
     };
     // Tuning: route with the epoch's weights and attribute the latencies to it, unless
     // the client picked another policy (those requests measure something else).
-    let admission = state.tuning.admit();
+    // The key (a hash of the request id) picks the arm of an interleaved trial.
+    let request_id = state.next_request_id();
+    let admission = state
+        .tuning
+        .admit(gorgo_core::hash::hash_bytes(&request_id.to_le_bytes()));
     let tuned = policy.is_none_or(|p| p == state.policy);
     let req = RoutedRequest {
         weights: admission.weights,
-        request_id: state.next_request_id(),
+        request_id,
         endpoint,
         body,
         headers: pass,
@@ -407,7 +412,6 @@ async fn completion(
             .map(str::to_owned),
         origin: state.id.clone(),
     };
-    let request_id = req.request_id;
     let policy_name = policy.unwrap_or(state.policy).as_str();
     // A slot for serving here; without one (the node is full) a peer with room may
     // still take the request, holding a forward slot instead. Only with neither is the
@@ -442,8 +446,8 @@ async fn completion(
     match served {
         Ok(up) => {
             tracing::debug!(request_id, served_by = %up.served_by, hops = up.hops, status = up.status, "serving");
-            let epoch = tuned.then_some(admission.epoch);
-            respond(state, up, streaming, started, slot, epoch, policy_name)
+            let measured = tuned.then_some((admission.epoch, admission.cell));
+            respond(state, up, streaming, started, slot, measured, policy_name)
         }
         Err(e) => {
             let (status, outcome) = e.status();
@@ -474,7 +478,7 @@ fn respond(
     streaming: bool,
     started: Instant,
     slot: Slot,
-    epoch: Option<u64>,
+    measured: Option<(u64, Cell)>,
     policy: &'static str,
 ) -> Response {
     let status = StatusCode::from_u16(up.status).unwrap_or(StatusCode::BAD_GATEWAY);
@@ -483,7 +487,7 @@ fn respond(
         inner: up.body,
         state: state.clone(),
         started,
-        epoch,
+        measured,
         ttft_ms: None,
         first_seen: false,
         streaming,
@@ -520,8 +524,9 @@ struct Tracked {
     inner: BodyStream,
     state: Arc<NodeState>,
     started: Instant,
-    /// The tuning epoch the request was admitted under (`None`: not measured).
-    epoch: Option<u64>,
+    /// The tuning epoch and cell the request was admitted under (`None`: not
+    /// measured).
+    measured: Option<(u64, Cell)>,
     /// Client-side TTFT, once the first content byte went out.
     ttft_ms: Option<f64>,
     first_seen: bool,
@@ -551,8 +556,8 @@ impl Tracked {
             if outcome == "ok" {
                 let e2e = self.started.elapsed().as_secs_f64();
                 self.state.metrics.e2e.observe(e2e);
-                if let (Some(epoch), Some(ttft_ms)) = (self.epoch, self.ttft_ms) {
-                    self.state.tuning.record(epoch, ttft_ms, e2e * 1000.0);
+                if let (Some((epoch, cell)), Some(ttft_ms)) = (self.measured, self.ttft_ms) {
+                    self.state.tuning.record(epoch, cell, ttft_ms, e2e * 1000.0);
                 }
             }
         }

@@ -19,7 +19,9 @@ use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use gorgo_core::es::{TuningConfig, TuningMode, SIGMA_DECAY, SUCCESS_WINDOW, TARGET_SUCCESS_RATE};
-use gorgo_core::tuning::{Phase, Tuner, TuningMessage, TuningOutput, TuningRecord, HISTORY_LEN};
+use gorgo_core::tuning::{
+    Cell, Phase, Tuner, TuningMessage, TuningOutput, TuningRecord, HISTORY_LEN,
+};
 use gorgo_core::{NodeId, Weights};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
@@ -189,14 +191,9 @@ pub enum TuningSend {
     To(NodeId, TuningMessage),
 }
 
-/// The weights and epoch a client request is routed and attributed under.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Admission {
-    /// The epoch to pass back to [`TuningDriver::record`].
-    pub epoch: u64,
-    /// The weights to route with.
-    pub weights: Weights,
-}
+/// The weights, epoch and measurement cell a client request is routed and attributed
+/// under (the core's assignment; in static mode, the static weights).
+pub type Admission = gorgo_core::tuning::Assignment;
 
 /// What a step of the driver asks the caller to do.
 #[derive(Debug, Default)]
@@ -225,8 +222,10 @@ pub struct TuningView {
     pub is_leader: bool,
     /// What the epoch measures.
     pub phase: Option<Phase>,
-    /// The weights it routes with.
+    /// The weights it routes with (the incumbent's arm of an interleaved trial).
     pub weights: Weights,
+    /// The candidate's arm of an interleaved trial.
+    pub candidate: Option<Weights>,
     /// Best weights along the line.
     pub incumbent: Option<Weights>,
     /// Current step size.
@@ -295,12 +294,17 @@ impl TuningDriver {
         self
     }
 
-    /// The epoch and weights to route a new client request with.
-    pub fn admit(&self) -> Admission {
+    /// The epoch, cell and weights to route a new client request with. `key` is a
+    /// well-mixed hash of the request's id: in an interleaved trial it picks the arm.
+    pub fn admit(&self, key: u64) -> Admission {
         let inner = self.inner.lock();
-        Admission {
-            epoch: inner.tuner.epoch(),
-            weights: inner.weights(),
+        let a = inner.tuner.admit(key);
+        match inner.cfg.mode {
+            TuningMode::Static => Admission {
+                weights: inner.static_weights,
+                ..a
+            },
+            _ => a,
         }
     }
 
@@ -339,9 +343,10 @@ impl TuningDriver {
         self.epoch_tx.subscribe()
     }
 
-    /// A request admitted under `epoch` finished with these client-side latencies.
-    pub fn record(&self, epoch: u64, ttft_ms: f64, e2e_ms: f64) {
-        self.inner.lock().tuner.record(epoch, ttft_ms, e2e_ms);
+    /// A request admitted under `epoch` in `cell` finished with these client-side
+    /// latencies.
+    pub fn record(&self, epoch: u64, cell: Cell, ttft_ms: f64, e2e_ms: f64) {
+        self.inner.lock().tuner.record(epoch, cell, ttft_ms, e2e_ms);
     }
 
     /// Periodic work: follow the membership view (`live`: peers believed alive), then
@@ -411,6 +416,9 @@ impl TuningDriver {
             is_leader: inner.tuner.is_leader(),
             phase: cur.map(|p| p.phase),
             weights: inner.weights(),
+            candidate: cur
+                .filter(|_| inner.cfg.mode != TuningMode::Static)
+                .and_then(|p| p.candidate),
             incumbent: cur.map(|p| p.state.incumbent),
             sigma: cur.map(|p| p.state.sigma),
             trials: cur.map(|p| p.state.trials),
@@ -426,10 +434,15 @@ impl TuningDriver {
         for o in outs {
             match o {
                 TuningOutput::Broadcast(p) => {
-                    if p.phase == Phase::MeasureCandidate && p.leader == self.id {
+                    let candidate = match p.phase {
+                        Phase::MeasureCandidate => Some(p.weights),
+                        Phase::Interleaved => p.candidate,
+                        _ => None,
+                    };
+                    if let (Some(c), true) = (candidate, p.leader == self.id) {
                         if let Some(last) = inner.trace.back_mut() {
                             if last.next_candidate.is_none() && p.epoch > last.record.epoch {
-                                last.next_candidate = Some(p.weights);
+                                last.next_candidate = Some(c);
                             }
                         }
                     }
@@ -444,7 +457,7 @@ impl TuningDriver {
                         .push(TuningSend::To(to, TuningMessage::Report(report)));
                 }
                 TuningOutput::Record(r) => {
-                    inner.total_samples += r.samples;
+                    inner.total_samples += r.samples + r.incumbent_samples;
                     let state = inner.tuner.current().map(|p| p.state.clone());
                     let entry = TrialEntry {
                         wall_ts: rfc3339_now(),
@@ -536,6 +549,14 @@ mod tests {
         }
     }
 
+    /// Requests `keys` admitted and finished now, each with `ttft` ms.
+    fn serve(d: &TuningDriver, keys: std::ops::Range<u64>, ttft: f64) {
+        for k in keys {
+            let a = d.admit(gorgo_core::hash::hash_bytes(&k.to_le_bytes()));
+            d.record(a.epoch, a.cell, ttft, 500.0);
+        }
+    }
+
     #[test]
     fn rfc3339_dates() {
         assert_eq!(rfc3339(0, 0), "1970-01-01T00:00:00.000000Z");
@@ -589,15 +610,13 @@ mod tests {
         );
         assert!(rx.has_changed().unwrap());
         for round in 0..6u64 {
-            let a = d.admit();
-            for _ in 0..4 {
-                d.record(a.epoch, 100.0 - round as f64, 500.0);
-            }
+            serve(&d, round * 8..round * 8 + 8, 100.0 - round as f64);
             d.tick([], 10 * (round + 1));
         }
         let v = d.view();
         assert_eq!(v.epoch, 7);
-        assert_eq!(v.history.len(), 3);
+        // Interleaved: every epoch is a trial of both arms.
+        assert_eq!(v.history.len(), 6);
         assert!(v.is_leader);
         let line = &v.es_trace[0];
         assert_eq!(line["kind"], "tune");
@@ -606,7 +625,7 @@ mod tests {
         assert!(line["candidate"]["rtt_weight"].is_number());
         assert!(line["proposal"]["queue_weight"].is_number());
         assert_eq!(v.history[0].step, 1);
-        assert_eq!(v.history[2].total_samples, 12);
+        assert_eq!(v.history[2].total_samples, 24);
         let j = serde_json::to_value(&v.history[0]).unwrap();
         for k in [
             "epoch",
@@ -628,10 +647,7 @@ mod tests {
     fn static_mode_and_switching_back_keep_the_line() {
         let d = TuningDriver::new("a".into(), cfg(), Weights::default()).unwrap();
         d.tick([], 0);
-        let a = d.admit();
-        for _ in 0..4 {
-            d.record(a.epoch, 100.0, 500.0);
-        }
+        serve(&d, 0..4, 100.0);
         d.tick([], 1);
         assert_eq!(d.epoch(), 2);
         let fixed = Weights {
@@ -639,7 +655,8 @@ mod tests {
             w_queue: 3.0,
         };
         d.set_mode(TuningMode::Static, Some(fixed)).unwrap();
-        assert_eq!(d.admit().weights, fixed);
+        assert_eq!(d.admit(1).weights, fixed);
+        assert_eq!(d.admit(2).weights, fixed);
         assert!(d.tick([], 2).sends.is_empty());
         d.set_mode(TuningMode::Online, None).unwrap();
         // Static mode follows no line; online starts (or joins) one again.
@@ -656,18 +673,16 @@ mod tests {
             TuningSend::All(TuningMessage::Proposal(p)) => p.clone(),
             other => panic!("{other:?}"),
         };
-        let mut ttft = gorgo_core::LatencySketch::new();
-        let mut e2e = gorgo_core::LatencySketch::new();
-        for _ in 0..10 {
-            ttft.add(1.0);
-            e2e.add(1.0);
+        let mut cells: [gorgo_core::tuning::CellSketches; 4] = Default::default();
+        for i in 0..10 {
+            cells[i % 4].ttft.add(1.0);
+            cells[i % 4].e2e.add(1.0);
         }
         let report = gorgo_core::tuning::EpochReport {
             epoch: p.epoch,
             leader: p.leader.clone(),
             from: "b".into(),
-            ttft,
-            e2e,
+            cells: Box::new(cells),
             samples: 10,
         };
         let fx = d.handle(&"c".into(), TuningMessage::Report(report.clone()), 2);
@@ -689,10 +704,7 @@ mod tests {
         d.tick([], 0);
         let mut frozen = Vec::new();
         for t in 1..10 {
-            let a = d.admit();
-            for _ in 0..4 {
-                d.record(a.epoch, 100.0, 500.0);
-            }
+            serve(&d, t * 8..t * 8 + 8, 100.0);
             if let Some(w) = d.tick([], t).frozen {
                 frozen.push(w);
             }
@@ -704,7 +716,7 @@ mod tests {
     #[derive(Debug, Clone)]
     enum Op {
         Tick(u8, u16),
-        Record(u8, f64, f64),
+        Record(u8, u8, f64, f64),
         Proposal(u8, u8, f64, f64, f64),
         Report(u8, u8, u8, u16),
     }
@@ -719,7 +731,8 @@ mod tests {
         ];
         prop_oneof![
             (any::<u8>(), 0..5000u16).prop_map(|(m, dt)| Op::Tick(m, dt)),
-            (0..4u8, w.clone(), w.clone()).prop_map(|(e, t, x)| Op::Record(e, t, x)),
+            (0..4u8, any::<u8>(), w.clone(), w.clone())
+                .prop_map(|(e, c, t, x)| Op::Record(e, c, t, x)),
             (0..40u8, 0..4u8, w.clone(), w.clone(), w)
                 .prop_map(|(e, l, a, b, s)| Op::Proposal(e, l, a, b, s)),
             (0..40u8, 0..4u8, 0..4u8, 0..300u16).prop_map(|(e, l, f, n)| Op::Report(e, l, f, n)),
@@ -743,9 +756,9 @@ mod tests {
                         let live = ids.iter().enumerate().filter(|(i, _)| mask & (1 << i) != 0).map(|(_, id)| NodeId::from(*id));
                         d.tick(live, now);
                     }
-                    Op::Record(back, t, e) => {
+                    Op::Record(back, cell, t, e) => {
                         let epoch = d.epoch().saturating_sub(u64::from(back));
-                        d.record(epoch, t, e);
+                        d.record(epoch, cell, t, e);
                     }
                     Op::Proposal(epoch, leader, a, b, sigma) => {
                         let mut state = gorgo_core::es::EsState::new(&c);
@@ -755,32 +768,34 @@ mod tests {
                             epoch: u64::from(epoch),
                             leader: ids[leader as usize].into(),
                             weights: Weights { w_rtt: a, w_queue: b },
-                            phase: Phase::MeasureCandidate,
+                            candidate: Some(Weights { w_rtt: sigma, w_queue: a }),
+                            phase: if sigma > 1.0 { Phase::Interleaved } else { Phase::MeasureCandidate },
                             state,
                         };
                         d.handle(&ids[leader as usize].into(), TuningMessage::Proposal(p), now);
                     }
                     Op::Report(epoch, leader, from, n) => {
-                        let mut ttft = gorgo_core::LatencySketch::new();
-                        let mut e2e = gorgo_core::LatencySketch::new();
+                        let mut cells: [gorgo_core::tuning::CellSketches; 4] = Default::default();
                         for i in 0..n {
-                            ttft.add(f64::from(i));
-                            e2e.add(f64::from(i) * 2.0);
+                            let c = &mut cells[usize::from(i) % 4];
+                            c.ttft.add(f64::from(i));
+                            c.e2e.add(f64::from(i) * 2.0);
                         }
                         let r = gorgo_core::tuning::EpochReport {
                             epoch: u64::from(epoch),
                             leader: ids[leader as usize].into(),
                             from: ids[from as usize].into(),
-                            ttft,
-                            e2e,
+                            cells: Box::new(cells),
                             samples: u64::from(n),
                         };
                         d.handle(&ids[from as usize].into(), TuningMessage::Report(r), now);
                     }
                 }
-                let w = d.admit().weights;
+                for key in 0..4 {
+                let w = d.admit(key).weights;
                 proptest::prop_assert!(w.w_rtt.is_finite() && w.w_rtt >= c.w_rtt.min && w.w_rtt <= c.w_rtt.max, "{w:?}");
                 proptest::prop_assert!(w.w_queue.is_finite() && w.w_queue >= c.w_queue.min && w.w_queue <= c.w_queue.max, "{w:?}");
+                }
                 proptest::prop_assert!(d.epoch() >= last_epoch);
                 last_epoch = d.epoch();
                 let _ = d.view();

@@ -101,7 +101,13 @@ async fn three_nodes_follow_one_leader_and_epochs_advance() {
     // Every node routes with the weights of the epoch it follows.
     for n in &c.nodes {
         assert_eq!(*n.state().weights.read(), weights);
-        assert_eq!(n.state().tuning.admit().weights, weights);
+        // A key with the low bit clear is routed on the incumbent's arm, the weights
+        // the node reports; one with it set on the candidate's of an interleaved trial.
+        assert_eq!(n.state().tuning.admit(0).weights, weights);
+        let v = n.state().tuning.view();
+        if v.phase == Some(Phase::Interleaved) {
+            assert_eq!(Some(n.state().tuning.admit(1).weights), v.candidate);
+        }
     }
     let a = c.nodes[0].state().tuning.view();
     assert!(a.is_leader);
@@ -111,7 +117,7 @@ async fn three_nodes_follow_one_leader_and_epochs_advance() {
     let bounds = c.nodes[0].state().tuning.config();
     for e in &a.history {
         assert_eq!(e.record.leader, NodeId::from("a"));
-        assert!(e.record.samples >= 6);
+        assert!(e.record.samples + e.record.incumbent_samples >= 6);
         let w = e.record.candidate;
         assert!(w.w_rtt >= bounds.w_rtt.min && w.w_rtt <= bounds.w_rtt.max);
         assert!(w.w_queue >= bounds.w_queue.min && w.w_queue <= bounds.w_queue.max);
@@ -216,7 +222,7 @@ async fn put_weights_switches_modes() {
         w_rtt: 0.3,
         w_queue: 0.2,
     };
-    assert_eq!(c_node.state().tuning.admit().weights, fixed);
+    assert_eq!(c_node.state().tuning.admit(0).weights, fixed);
     // Static: proposals no longer move this node.
     let before = c.nodes[0].state().tuning.epoch();
     drive_until(&c, &[0, 1], 0, before + 2).await;
@@ -262,14 +268,14 @@ async fn learned_weights_file_sets_static_weights_and_the_tuning_start() {
     let path = file.display();
     // Static: the file's weights, instead of routing.weights.
     let s = state(format!("[tuning]\nweights_file = \"{path}\"\n"));
-    assert_eq!(s.tuning.admit().weights, learned);
+    assert_eq!(s.tuning.admit(0).weights, learned);
     assert_eq!(*s.weights.read(), learned);
     // Online: tuning starts there (clipped into the policy's bounds).
     let s = state(format!(
         "[routing]\npolicy = \"gorgo-paper\"\n[tuning]\nmode = \"online\"\nweights_file = \"{path}\"\n"
     ));
     assert_eq!(s.tuning.config().start_weights(), learned);
-    assert_eq!(s.tuning.admit().weights, learned);
+    assert_eq!(s.tuning.admit(0).weights, learned);
     // A missing file is a config error naming the key.
     let cfg = config(
         "a",
@@ -292,7 +298,8 @@ async fn tune_then_freeze_stops_and_writes_the_learned_weights() {
             )
     })
     .await;
-    drive_until(&c, &[0, 1, 2], 2, 3).await;
+    // Interleaved: epoch 1 is the first trial, so epoch 2 is frozen.
+    drive_until(&c, &[0, 1, 2], 2, 2).await;
     let (epoch, _, weights) = assert_agree(&c, &[0, 1, 2]).await;
     for n in &c.nodes {
         let v = n.state().tuning.view();

@@ -110,6 +110,8 @@ pub struct SimCounters {
 pub struct TuningLine {
     /// The policy being tuned.
     pub policy: String,
+    /// Simulated time of the decision, ms from the trace's start.
+    pub at_ms: f64,
     /// The decided trial.
     #[serde(flatten)]
     pub record: TuningRecord,

@@ -21,15 +21,15 @@ use gorgo_core::accounting::{
 use gorgo_core::candidates::{build_candidates, LocalState, PeerState};
 use gorgo_core::cost::{Candidate, ForwardLedger};
 use gorgo_core::decision::decide;
-use gorgo_core::es::TuningConfig;
+use gorgo_core::es::{TrialDesign, TuningConfig};
 use gorgo_core::fit::FitConfig;
 use gorgo_core::gossip::{self as core_gossip, GossipConfig, GossipSender, PeerGossip};
 use gorgo_core::kv_events::{AlignedBlockEvent, KvEventFollower, KvFollowerConfig};
 use gorgo_core::policy::{Policy, PolicyKind, RouteRequest};
 use gorgo_core::summary::{SampleChooser, SampleSetting, SummarySample};
-use gorgo_core::tuning::{EpochReport, Proposal, Tuner, TuningOutput};
+use gorgo_core::tuning::{Assignment, Cell, EpochReport, Proposal, Tuner, TuningOutput};
 use gorgo_core::wire::GossipMessage;
-use gorgo_core::{hash::hash_bytes, HashChain, NodeId, QueueStats, ShadowIndex};
+use gorgo_core::{hash::hash_bytes, HashChain, NodeId, QueueStats, ShadowIndex, Weights};
 use gorgo_core::{IndexSource, NodeBlockChange};
 use gorgo_engine::{CacheChange, Engine, EngineEvent, EngineRequest, Profile};
 use gorgo_workload::{TraceRequest, WorkloadError};
@@ -70,6 +70,11 @@ pub struct SimConfig {
     pub tune: bool,
     /// Trial window in requests cluster-wide (`None`: the core's default).
     pub tuning_window: Option<usize>,
+    /// How tuning trials compare candidate and incumbent.
+    pub trial: TrialDesign,
+    /// Fixed weights for the policies that use weights, and the start of tuning
+    /// (`None`: the policy's defaults).
+    pub weights: Option<Weights>,
     /// Salt of the home-region hash (`None`: the same assignment as `gorgo bench`).
     pub region_seed: Option<u64>,
     /// Per-request rows kept per policy; past this only sketches are kept.
@@ -138,6 +143,8 @@ impl SimConfig {
             seed: 0,
             tune: false,
             tuning_window: None,
+            trial: TrialDesign::default(),
+            weights: None,
             region_seed: None,
             max_rows: 200_000,
             max_requests: None,
@@ -189,6 +196,12 @@ impl SimConfig {
         }
         if !(self.decode_step_ms.is_finite() && self.decode_step_ms >= 0.0) {
             return Err(invalid("decode_step_ms", "must be >= 0"));
+        }
+        if let Some(w) = self.weights {
+            let ok = |x: f64| x.is_finite() && x > 0.0;
+            if !(ok(w.w_rtt) && ok(w.w_queue)) {
+                return Err(invalid("weights", "must be finite and > 0"));
+            }
         }
         if self.tuning_window == Some(0) {
             return Err(invalid("tuning_window", "must be > 0"));
@@ -290,6 +303,8 @@ struct Flight {
     send_ms: f64,
     dispatched_ms: f64,
     epoch: u64,
+    /// The tuning cell it is measured in (its arm of an interleaved trial, and half).
+    cell: Cell,
     ttft_ms: f64,
     cached_tokens: u64,
     first_token_seen: bool,
@@ -465,6 +480,11 @@ impl<'a> Sim<'a> {
                 let tuner = if tune {
                     let mut tc = TuningConfig::for_policy(kind);
                     tc.seed = cfg.seed.wrapping_add(i as u64);
+                    tc.trial = cfg.trial;
+                    if let Some(w) = cfg.weights {
+                        tc.w_rtt.start = w.w_rtt.clamp(tc.w_rtt.min, tc.w_rtt.max);
+                        tc.w_queue.start = w.w_queue.clamp(tc.w_queue.min, tc.w_queue.max);
+                    }
                     if let Some(w) = cfg.tuning_window {
                         tc.window = w;
                         tc.min_samples = tc.min_samples.min(w);
@@ -661,6 +681,7 @@ impl<'a> Sim<'a> {
             send_ms: send,
             dispatched_ms: send,
             epoch: 0,
+            cell: 0,
             ttft_ms: f64::NAN,
             cached_tokens: 0,
             predicted_ttft_ms: None,
@@ -839,18 +860,27 @@ impl<'a> Sim<'a> {
         // Take the chain out while deciding (borrows), then put it back.
         let chain = std::mem::take(&mut self.flight_mut(slot).chain);
         let (cands, cand_regions) = self.candidates(r, &chain, now);
-        let weights = match (&self.oracle, self.nodes.get(r)) {
-            (None, Some(n)) => n
-                .tuner
-                .as_ref()
-                .map_or(self.kind.default_weights(), |t| t.weights()),
-            _ => self.kind.default_weights(),
+        // A client request is routed on its arm of the trial (a hash of its index
+        // picks it, as a node hashes its request id); a forwarded one with the
+        // receiving node's incumbent, as a node does.
+        let f = self.flight(slot);
+        let key = hash_bytes(&f.index.to_le_bytes());
+        let admission = match (&self.oracle, self.nodes.get(r)) {
+            (None, Some(n)) => n.tuner.as_ref().map(|t| {
+                if hops == 0 {
+                    t.admit(key)
+                } else {
+                    Assignment {
+                        epoch: t.epoch(),
+                        cell: 0,
+                        weights: t.weights(),
+                    }
+                }
+            }),
+            _ => None,
         };
-        let epoch = self
-            .nodes
-            .get(r)
-            .and_then(|n| n.tuner.as_ref())
-            .map_or(0, |t| t.epoch());
+        let weights = admission.map_or(self.default_weights(), |a| a.weights);
+        let (epoch, cell) = admission.map_or((0, 0), |a| (a.epoch, a.cell));
         let rng = self.rng.next_u64();
         let req = RouteRequest {
             chain: &chain,
@@ -894,6 +924,7 @@ impl<'a> Sim<'a> {
         if hops == 0 {
             let f = self.flight_mut(slot);
             f.epoch = epoch;
+            f.cell = cell;
             f.predicted_ttft_ms = predicted.map(|v| v as f32);
             f.predicted_cached_tokens = target.as_ref().ok().map(|&(_, c)| c);
         }
@@ -1199,6 +1230,11 @@ impl<'a> Sim<'a> {
         });
     }
 
+    /// The weights of an untuned run: `--weights`, else the policy's own.
+    fn default_weights(&self) -> Weights {
+        self.cfg.weights.unwrap_or(self.kind.default_weights())
+    }
+
     fn complete(&mut self, slot: u32, now: f64) {
         let f = self.release(slot);
         let e2e = now - f.send_ms;
@@ -1207,7 +1243,7 @@ impl<'a> Sim<'a> {
             .get_mut(f.home as usize)
             .and_then(|n| n.tuner.as_mut())
         {
-            t.record(f.epoch, f.ttft_ms, e2e);
+            t.record(f.epoch, f.cell, f.ttft_ms, e2e);
         }
         self.out.push(Row {
             index: f.index,
@@ -1374,6 +1410,7 @@ impl<'a> Sim<'a> {
                 }
                 TuningOutput::Record(record) => self.out.run.tuning.push(TuningLine {
                     policy: self.kind.as_str().to_owned(),
+                    at_ms: now,
                     record,
                 }),
             }
