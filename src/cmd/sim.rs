@@ -49,6 +49,11 @@ pub struct SimArgs {
     /// `--tune`: where tuning starts). Default: each policy's own.
     #[arg(long, value_parser = parse_weights)]
     weights: Option<Weights>,
+    /// The tuner's initial step size (log space; default the core's 0.5). A tiny one
+    /// (0.01) makes every trial compare nearly equal weights: its log ratios are the
+    /// trial design's noise.
+    #[arg(long)]
+    tuning_sigma: Option<f64>,
     /// Per-request rows kept per policy for requests.csv and exact percentiles; longer
     /// runs report from sketches (1% accuracy) and write no rows.
     #[arg(long, default_value_t = 200_000)]
@@ -332,6 +337,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     cfg.tuning_window = args.tuning_window;
     cfg.trial = args.trial;
     cfg.weights = args.weights;
+    cfg.tuning_sigma = args.tuning_sigma;
     cfg.max_rows = args.max_rows;
     cfg.validate().context("simulation config")?;
 
@@ -344,6 +350,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         "tuning_window": args.tuning_window,
         "trial": args.trial,
         "weights": args.weights,
+        "tuning_sigma": args.tuning_sigma,
     });
     if let (Some(c), serde_json::Value::Object(m)) =
         (config.as_object_mut(), args.model.describe(&cfg))

@@ -319,6 +319,30 @@ impl LatencySketch {
         Some(self.max)
     }
 
+    /// Mean of the samples at or above the nearest-rank quantile `q` (the tail mean,
+    /// or CVaR: `tail_mean(0.8)` is the mean of the slowest 20%), from bucket
+    /// midpoints (each within 1%). `None` when empty or `q` is outside `[0, 1]`.
+    pub fn tail_mean(&self, q: f64) -> Option<f64> {
+        if self.count == 0 || !(0.0..=1.0).contains(&q) {
+            return None;
+        }
+        let mut want = self.count - nearest_rank(q, self.count) + 1;
+        let n = want as f64;
+        let g = gamma();
+        let mut sum = 0.0;
+        for (&k, &c) in self.buckets.iter().rev() {
+            let take = c.min(want);
+            let mid = (2.0 * g.powi(k) / (g + 1.0)).clamp(self.min, self.max);
+            sum += mid * take as f64;
+            want -= take;
+            if want == 0 {
+                break;
+            }
+        }
+        // Whatever is left sits in the zero bucket.
+        Some(sum / n)
+    }
+
     /// Number of samples recorded.
     pub fn count(&self) -> u64 {
         self.count
@@ -339,6 +363,25 @@ impl LatencySketch {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn tail_mean_is_the_mean_of_the_slowest() {
+        let mut s = LatencySketch::new();
+        for v in 1..=100 {
+            s.add(f64::from(v));
+        }
+        // Nearest rank 80 of 100: values 80..=100, mean 90.
+        let t = s.tail_mean(0.8).unwrap();
+        assert!((t - 90.0).abs() < 0.9, "{t}");
+        assert!((s.tail_mean(0.0).unwrap() - 50.5).abs() < 0.6);
+        assert!((s.tail_mean(1.0).unwrap() - 100.0).abs() < 1e-9);
+        assert_eq!(LatencySketch::new().tail_mean(0.8), None);
+        assert_eq!(s.tail_mean(1.5), None);
+        let mut z = LatencySketch::new();
+        z.add(0.0);
+        z.add(0.0);
+        assert_eq!(z.tail_mean(0.5), Some(0.0));
+    }
 
     #[test]
     fn nearest_rank_textbook_values() {

@@ -29,7 +29,9 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use serde::{Deserialize, Serialize};
 
 use crate::error::CoreError;
-use crate::es::{EsState, Measurement, TrialDesign, TuningConfig, TuningMode, Verdict};
+use crate::es::{
+    EsState, Measurement, TrialDesign, TuningConfig, TuningMode, Verdict, TAIL_QUANTILE,
+};
 use crate::sketch::LatencySketch;
 use crate::types::{NodeId, Weights};
 
@@ -174,9 +176,20 @@ pub struct TuningRecord {
     /// Requests measured for the incumbent.
     #[serde(default)]
     pub incumbent_samples: u64,
+    /// What the trial compared: the candidate's mean TTFT of its slowest 20%, ms
+    /// (geometric mean over the trial's windows).
+    #[serde(default)]
+    pub score_tail_ttft_ms: Option<f64>,
+    /// The incumbent's.
+    #[serde(default)]
+    pub incumbent_tail_ttft_ms: Option<f64>,
     /// The line's E2E drift after the decision (`EsState::e2e_drift`).
     #[serde(default)]
     pub e2e_drift: f64,
+    /// The measured noise after the decision: the standard deviation of the log ratio
+    /// of p95 TTFT a comparison of equal weights shows (`EsState::noise_sd`).
+    #[serde(default)]
+    pub noise_sd: Option<f64>,
 }
 
 /// What the driver must do after an input.
@@ -468,6 +481,9 @@ impl Tuner {
     fn take_over(&mut self, cur: Proposal, now_ms: u64, out: &mut Vec<TuningOutput>) {
         let mut state = cur.state;
         state.pending_incumbent = None;
+        // A multi-window trial is not continued: its next window's reports went to
+        // the old leader too.
+        state.pending_trial = None;
         let p = self.trial_proposal(cur.epoch + 1, state);
         self.start_leading(p, now_ms, out);
     }
@@ -547,15 +563,38 @@ impl Tuner {
             }
             (Phase::Interleaved, Some(candidate)) => {
                 for arm in 0..2 {
-                    let half = |h: usize| cells[arm * 2 + h].ttft.quantile(0.95);
+                    let half = |h: usize| cells[arm * 2 + h].ttft.tail_mean(TAIL_QUANTILE);
                     if let (Some(a), Some(b)) = (half(0), half(1)) {
                         state.observe_halves(a, b);
                     }
                 }
                 let inc = measure(&cells, 0..2);
                 let cand = measure(&cells, 2..CELLS);
-                self.decide(&mut state, &cur, candidate, cand, inc, out);
-                self.trial_proposal(cur.epoch + 1, state)
+                let sigma = state.sigma;
+                let incumbent = state.incumbent;
+                match state.observe_window(&self.cfg, candidate, cand, inc) {
+                    Some((verdict, cand, inc)) => {
+                        let trial = Trial {
+                            candidate,
+                            incumbent,
+                            sigma,
+                            verdict,
+                            cand,
+                            inc,
+                        };
+                        self.write_record(&state, &cur, trial, out);
+                        self.trial_proposal(cur.epoch + 1, state)
+                    }
+                    // Not decided yet: the same two arms for another window.
+                    None => Proposal {
+                        epoch: cur.epoch + 1,
+                        leader: self.id.clone(),
+                        weights: cur.weights,
+                        candidate: Some(candidate),
+                        phase: Phase::Interleaved,
+                        state,
+                    },
+                }
             }
             _ => {
                 let meas = measure(&cells, 0..CELLS);
@@ -568,7 +607,7 @@ impl Tuner {
         self.start_leading(next, now_ms, out);
     }
 
-    /// Conclude the trial of `candidate` (epoch `cur`) and write its record.
+    /// Conclude the sequential trial of `candidate` (epoch `cur`) and write its record.
     fn decide(
         &mut self,
         state: &mut EsState,
@@ -581,6 +620,33 @@ impl Tuner {
         let sigma = state.sigma;
         let incumbent = state.incumbent;
         let verdict = state.conclude(&self.cfg, candidate, cand, inc);
+        let trial = Trial {
+            candidate,
+            incumbent,
+            sigma,
+            verdict,
+            cand,
+            inc,
+        };
+        self.write_record(state, cur, trial, out);
+    }
+
+    /// The record of a decided trial (epoch `cur`, `state` after the decision).
+    fn write_record(
+        &mut self,
+        state: &EsState,
+        cur: &Proposal,
+        t: Trial,
+        out: &mut Vec<TuningOutput>,
+    ) {
+        let Trial {
+            candidate,
+            incumbent,
+            sigma,
+            verdict,
+            cand,
+            inc,
+        } = t;
         let record = TuningRecord {
             epoch: cur.epoch,
             leader: self.id.clone(),
@@ -595,7 +661,10 @@ impl Tuner {
             verdict,
             samples: cand.samples,
             incumbent_samples: inc.samples,
+            score_tail_ttft_ms: cand.tail_ttft_ms,
+            incumbent_tail_ttft_ms: inc.tail_ttft_ms,
             e2e_drift: state.e2e_drift,
+            noise_sd: state.noise_sd(),
         };
         if self.history.len() == HISTORY_LEN {
             self.history.pop_front();
@@ -605,7 +674,17 @@ impl Tuner {
     }
 }
 
-/// p95 TTFT and E2E over `range` of the cells.
+/// A decided trial, before its record is written.
+struct Trial {
+    candidate: Weights,
+    incumbent: Weights,
+    sigma: f64,
+    verdict: Verdict,
+    cand: Measurement,
+    inc: Measurement,
+}
+
+/// p95 TTFT and E2E, and the tail mean, over `range` of the cells.
 fn measure(cells: &[CellSketches; CELLS], range: std::ops::Range<usize>) -> Measurement {
     let mut all = CellSketches::default();
     for c in &cells[range] {
@@ -615,6 +694,7 @@ fn measure(cells: &[CellSketches; CELLS], range: std::ops::Range<usize>) -> Meas
         p95_ttft_ms: all.ttft.quantile(0.95).unwrap_or(f64::NAN),
         p95_e2e_ms: all.e2e.quantile(0.95).unwrap_or(f64::NAN),
         samples: all.ttft.count(),
+        tail_ttft_ms: all.ttft.tail_mean(TAIL_QUANTILE),
     }
 }
 
@@ -821,6 +901,8 @@ mod tests {
         let c = TuningConfig {
             mode: TuningMode::TuneThenFreeze,
             sigma0: 0.04,
+            // One window per trial: a neutral candidate is decided at once.
+            max_trial_windows: 1,
             ..cfg()
         };
         let mut t = Tuner::new("a".into(), c).unwrap();

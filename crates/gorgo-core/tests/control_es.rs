@@ -23,6 +23,7 @@ fn measure(w: Weights, rng: &mut ChaCha8Rng) -> Measurement {
         p95_ttft_ms: objective(w) + 3.0 * noise,
         p95_e2e_ms: 2000.0,
         samples: 128,
+        tail_ttft_ms: None,
     }
 }
 
@@ -112,6 +113,7 @@ fn flat_noisy_objective_neither_inflates_sigma_nor_drifts() {
                 p95_ttft_ms: 1000.0 * (1.0 + 0.015 * z),
                 p95_e2e_ms: 20_000.0 * (1.0 + 0.02 * e),
                 samples: 128,
+                tail_ttft_ms: None,
             }
         };
         let mut max_sigma: f64 = 0.0;
@@ -153,6 +155,7 @@ fn e2e_guard_uses_the_adjacent_incumbent_window() {
         p95_ttft_ms: ttft,
         p95_e2e_ms: e2e,
         samples: 128,
+        tail_ttft_ms: None,
     };
     // 20% better TTFT bought with 10% worse E2E: refused.
     assert_eq!(
@@ -187,6 +190,7 @@ fn very_noisy_flat_objective_is_left_alone() {
                 p95_ttft_ms: 1000.0 * (0.2 * z).exp(),
                 p95_e2e_ms: 20_000.0,
                 samples: 35,
+                tail_ttft_ms: None,
             }
         };
         let mut max_sigma: f64 = 0.0;
@@ -223,6 +227,7 @@ fn e2e_guard_holds_along_the_line_not_per_trial() {
         p95_ttft_ms: ttft,
         p95_e2e_ms: e2e,
         samples: 64,
+        tail_ttft_ms: None,
     };
     let (mut ttft, mut e2e) = (1000.0, 20_000.0);
     let mut verdicts = Vec::new();

@@ -545,6 +545,8 @@ mod tests {
             window: 4,
             min_samples: 2,
             startup_grace_ms: 0,
+            // Every window decides its trial (a neutral one would take four).
+            max_trial_windows: 1,
             ..TuningConfig::gorgo()
         }
     }

@@ -24,6 +24,7 @@ gossip_interval_ms = 20
 [tuning]
 mode = "online"
 window_requests = 6
+max_trial_windows = 1
 min_samples = 2
 window_max_ms = 600000
 startup_grace_ms = 0

@@ -25,7 +25,7 @@ async fn quic_node(
     cluster: &str,
 ) -> (gorgo_node::NodeHandle, CancellationToken) {
     let tuning =
-        "[tuning]\nmode = \"online\"\nwindow_requests = 4\nmin_samples = 2\nstartup_grace_ms = 0\n";
+        "[tuning]\nmode = \"online\"\nwindow_requests = 4\nmax_trial_windows = 1\nmin_samples = 2\nstartup_grace_ms = 0\n";
     let mut cfg = config(id, &engine.url(), &format!("{cluster}\n{tuning}")).into_inner();
     cfg.listen.quic = free_udp();
     cfg.listen.advertise_quic = advertise;

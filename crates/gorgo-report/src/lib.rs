@@ -136,7 +136,8 @@ impl Report {
     }
 
     /// Write `results.json`, `table.md`, `requests.csv`, `ttft_cdf.svg` (TTFT and E2E
-    /// CDFs side by side), `region_share.svg` (stacked per policy) and, with tuning records, `tuning.jsonl` into `out_dir`
+    /// CDFs side by side), `region_share.svg` (stacked per policy) and, with tuning records,
+    /// `tuning.jsonl` and `tuning.svg` (the trajectory) into `out_dir`
     /// (created if missing).
     pub fn write(&self, out_dir: &Path) -> Result<()> {
         let io = |path: &Path| {
@@ -169,6 +170,10 @@ impl Report {
         let path = out_dir.join("region_share.svg");
         fs::write(&path, plot::region_share(self)?).map_err(io(&path))?;
 
+        if let Some(svg) = plot::tuning_trajectory(&self.tuning)? {
+            let path = out_dir.join("tuning.svg");
+            fs::write(&path, svg).map_err(io(&path))?;
+        }
         if !self.tuning.is_empty() {
             let path = out_dir.join("tuning.jsonl");
             let mut out = std::io::BufWriter::new(fs::File::create(&path).map_err(io(&path))?);

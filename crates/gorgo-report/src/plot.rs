@@ -1,5 +1,6 @@
 //! SVG plots: TTFT and E2E CDFs per policy, the per-region request share over time
-//! (stacked), and a load sweep's p95 latencies and cache hit ratio against offered load.
+//! (stacked), a load sweep's p95 latencies and cache hit ratio against offered load,
+//! and a tuning run's trajectory (weights and scores over trials).
 
 use std::error::Error;
 
@@ -462,6 +463,144 @@ fn draw_sweep(
             .draw()?;
         draw_lines(&mut chart, &lines, slo, (x_lo, x_hi))?;
     }
+    root.present()?;
+    Ok(())
+}
+
+/// A weight pair as `tuning.jsonl` writes it.
+#[derive(Debug, Clone, Copy, serde::Deserialize)]
+struct WeightsLine {
+    w_rtt: f64,
+    w_queue: f64,
+}
+
+/// One decided trial as `tuning.jsonl` has it (the fields the plot reads).
+#[derive(serde::Deserialize)]
+struct TrialLine {
+    #[serde(default)]
+    policy: Option<String>,
+    epoch: u64,
+    candidate: WeightsLine,
+    incumbent: WeightsLine,
+    score_p95_ttft_ms: Option<f64>,
+    incumbent_p95_ttft_ms: Option<f64>,
+    accepted: bool,
+}
+
+/// The trajectory of a tuning run (`tuning.svg`): above, the incumbent's `w_rtt` and
+/// `w_queue` after each trial (lines) and each candidate (dots); below, the p95 TTFT
+/// of candidate and incumbent in each trial. Only the first policy of the lines is
+/// drawn (a simulation tunes each weighted policy on its own line); `None` without
+/// trials.
+pub(crate) fn tuning_trajectory(lines: &[String]) -> Result<Option<String>> {
+    let trials: Vec<TrialLine> = lines
+        .iter()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let Some(first) = trials.first().map(|t| t.policy.clone()) else {
+        return Ok(None);
+    };
+    let mut trials: Vec<TrialLine> = trials.into_iter().filter(|t| t.policy == first).collect();
+    trials.sort_by_key(|t| t.epoch);
+    let mut svg = String::new();
+    draw_tuning(&trials, first.as_deref(), &mut svg).map_err(plot_error("tuning.svg"))?;
+    Ok(Some(svg))
+}
+
+fn draw_tuning(trials: &[TrialLine], policy: Option<&str>, svg: &mut String) -> DrawResult {
+    let x_hi = trials.len().max(2) as f64;
+    let after = |t: &TrialLine| if t.accepted { t.candidate } else { t.incumbent };
+    let mut rtt = vec![(0.0, trials[0].incumbent.w_rtt)];
+    let mut queue = vec![(0.0, trials[0].incumbent.w_queue)];
+    for (i, t) in trials.iter().enumerate() {
+        let w = after(t);
+        rtt.push(((i + 1) as f64, w.w_rtt));
+        queue.push(((i + 1) as f64, w.w_queue));
+    }
+    let root = SVGBackend::with_string(svg, (1000, 720)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (top, bottom) = root.split_vertically(380);
+    let title = match policy {
+        Some(p) => format!("Tuning trajectory of {p}: weights after each trial"),
+        None => "Tuning trajectory: weights after each trial".to_owned(),
+    };
+    let w_all = trials
+        .iter()
+        .flat_map(|t| [t.candidate.w_rtt, t.candidate.w_queue, t.incumbent.w_rtt, t.incumbent.w_queue]);
+    let (w_lo, w_hi) = log_bounds(w_all.collect::<Vec<_>>().iter());
+    let mut chart = ChartBuilder::on(&top)
+        .caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(35)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0f64..x_hi, (w_lo..w_hi).log_scale())?;
+    chart
+        .configure_mesh()
+        .x_desc("trial")
+        .y_desc("weight (log scale)")
+        .y_label_formatter(&|v| format!("{v:.2}"))
+        .max_light_lines(2)
+        .draw()?;
+    for (k, (name, pts, pick)) in [
+        ("w_rtt", &rtt, (|w: WeightsLine| w.w_rtt) as fn(WeightsLine) -> f64),
+        ("w_queue", &queue, |w: WeightsLine| w.w_queue),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let c = color(k);
+        chart
+            .draw_series(LineSeries::new(pts.iter().copied(), c.stroke_width(2)))?
+            .label(format!("{name} (incumbent)"))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+        chart
+            .draw_series(trials.iter().enumerate().map(|(i, t)| {
+                let style = if t.accepted { c.filled() } else { c.mix(0.35).filled() };
+                Circle::new(((i + 1) as f64, pick(t.candidate)), 3, style)
+            }))?
+            .label(format!("{name} of each candidate (solid: accepted)"))
+            .legend(move |(x, y)| Circle::new((x + 10, y), 3, c.filled()));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()?;
+    let pick = |f: fn(&TrialLine) -> Option<f64>| -> Vec<(f64, f64)> {
+        trials
+            .iter()
+            .enumerate()
+            .filter_map(|(i, t)| f(t).filter(|v| v.is_finite() && *v > 0.0).map(|v| ((i + 1) as f64, v)))
+            .collect()
+    };
+    let cand = pick(|t| t.score_p95_ttft_ms);
+    let inc = pick(|t| t.incumbent_p95_ttft_ms);
+    let (lo, hi) = log_bounds(cand.iter().chain(&inc).map(|p| &p.1));
+    let mut chart = ChartBuilder::on(&bottom)
+        .caption("p95 TTFT in each trial", ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0f64..x_hi, (lo..hi).log_scale().with_key_points(log_ticks(lo, hi)))?;
+    chart
+        .configure_mesh()
+        .x_desc("trial")
+        .y_desc("p95 TTFT (log scale)")
+        .y_label_formatter(&|v| fmt_ms(*v))
+        .max_light_lines(2)
+        .draw()?;
+    for (k, (name, pts)) in [("incumbent", inc), ("candidate", cand)].into_iter().enumerate() {
+        let c = color(k + 2);
+        chart
+            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()?;
     root.present()?;
     Ok(())
 }

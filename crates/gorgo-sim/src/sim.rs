@@ -72,6 +72,9 @@ pub struct SimConfig {
     pub tuning_window: Option<usize>,
     /// How tuning trials compare candidate and incumbent.
     pub trial: TrialDesign,
+    /// The tuner's initial step size (`None`: the core's `sigma0`); also lowers
+    /// `sigma_min` to it when smaller.
+    pub tuning_sigma: Option<f64>,
     /// Fixed weights for the policies that use weights, and the start of tuning
     /// (`None`: the policy's defaults).
     pub weights: Option<Weights>,
@@ -144,6 +147,7 @@ impl SimConfig {
             tune: false,
             tuning_window: None,
             trial: TrialDesign::default(),
+            tuning_sigma: None,
             weights: None,
             region_seed: None,
             max_rows: 200_000,
@@ -196,6 +200,9 @@ impl SimConfig {
         }
         if !(self.decode_step_ms.is_finite() && self.decode_step_ms >= 0.0) {
             return Err(invalid("decode_step_ms", "must be >= 0"));
+        }
+        if self.tuning_sigma.is_some_and(|s| !(s.is_finite() && s > 0.0)) {
+            return Err(invalid("tuning_sigma", "must be > 0"));
         }
         if let Some(w) = self.weights {
             let ok = |x: f64| x.is_finite() && x > 0.0;
@@ -481,6 +488,10 @@ impl<'a> Sim<'a> {
                     let mut tc = TuningConfig::for_policy(kind);
                     tc.seed = cfg.seed.wrapping_add(i as u64);
                     tc.trial = cfg.trial;
+                    if let Some(sigma) = cfg.tuning_sigma {
+                        tc.sigma_min = tc.sigma_min.min(sigma);
+                        tc.sigma0 = sigma.min(tc.sigma_max);
+                    }
                     if let Some(w) = cfg.weights {
                         tc.w_rtt.start = w.w_rtt.clamp(tc.w_rtt.min, tc.w_rtt.max);
                         tc.w_queue.start = w.w_queue.clamp(tc.w_queue.min, tc.w_queue.max);

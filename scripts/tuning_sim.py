@@ -1,0 +1,202 @@
+#!/usr/bin/env python3
+"""Online tuning in the simulator against fixed weights (issue #16, docs/tuning.md).
+
+For each workload of scripts/policy-sweeps.sh at two loads:
+  - the reference: `gorgo tune-offline` (a grid of fixed weights, seed 0);
+  - 5 seeds of: untuned `gorgo`; tuned from the default weights with interleaved and
+    with sequential trials; tuned from deliberately bad weights (w_rtt 2.0,
+    w_queue 0.05), whose incumbent after the first third of the run is then run as
+    fixed weights and compared with the grid's best;
+  - the trial designs' noise: tuning with a step size of 0.01, so that every trial
+    compares nearly equal weights; the standard deviation of ln(candidate p95 /
+    incumbent p95) over the trials is the noise a decision has to see through.
+
+Usage: scripts/tuning_sim.py OUT [GORGO_BIN]   (about 10 minutes on 2 cores)
+Writes OUT/tuning_sim.json and OUT/tuning_sim.md.
+"""
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+OUT = sys.argv[1] if len(sys.argv) > 1 else "out/tuning-sim"
+G = sys.argv[2] if len(sys.argv) > 2 else "target/release/gorgo"
+SHARED = "../shared/data/traces"
+SEEDS = [0, 1, 2, 3, 4]
+BAD = "2.0,0.05"
+JOBS = int(os.environ.get("JOBS", "2"))
+
+# (name, trace, light load, heavy load): time scales from scripts/policy-sweeps.sh,
+# one light and one where queues build (below saturation).
+WORKLOADS = [
+    ("gen5", f"{OUT}/gen5.jsonl", 2.0, 1.25),
+    ("syn", f"{SHARED}/mooncake_synthetic_trace.jsonl", 4.0, 2.0),
+    ("mc", f"{SHARED}/mooncake_conversation_trace.jsonl", 4.0, 2.0),
+    ("skew", f"{OUT}/skew.jsonl", 2.0, 1.0),
+    ("azure", f"{SHARED}/AzureLLMInferenceTrace_conv_2023.csv", 1.0, 0.5),
+]
+COMMON = ["--policies", "gorgo", "--max-context-tokens", "32768", "--max-rows", "0"]
+
+
+def sh(args):
+    r = subprocess.run(args, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)}\n{r.stderr[-2000:]}")
+    return r.stdout
+
+
+def sim(trace, ts, seed, out, extra=()):
+    sh([G, "sim", "--trace", trace, "--time-scale", str(ts), "--seed", str(seed),
+        "--region-seed", str(seed), *COMMON, "--out", out, *extra])
+    res = json.load(open(f"{out}/results.json"))
+    pol = dict(res["policies"]) if isinstance(res["policies"], list) else res["policies"]
+    g = pol["gorgo"]
+    tuning = []
+    path = f"{out}/tuning.jsonl"
+    if os.path.exists(path):
+        tuning = [json.loads(l) for l in open(path) if l.strip()]
+    sj = json.load(open(f"{out}/sim.json"))
+    end_ms = sj["runs"][0]["counters"]["end_ms"]
+    return {
+        "p95_ttft": g["ttft_ms"]["p95"],
+        "p50_ttft": g["ttft_ms"]["p50"],
+        "p95_e2e": g["e2e_ms"]["p95"],
+        "tuning": tuning,
+        "end_ms": end_ms,
+    }
+
+
+def incumbent_at(tuning, t_ms, start):
+    """The incumbent after the last decision before t_ms."""
+    w = start
+    for r in tuning:
+        if r["at_ms"] > t_ms:
+            break
+        w = r["candidate"] if r["accepted"] else r["incumbent"]
+    return w
+
+
+def final_incumbent(tuning, start):
+    return incumbent_at(tuning, float("inf"), start)
+
+
+def point(name, trace, ts):
+    base = f"{OUT}/{name}-x{ts}"
+    os.makedirs(base, exist_ok=True)
+    sh([G, "tune-offline", "--trace", trace, "--time-scale", str(ts), "--max-context-tokens",
+        "32768", "--jobs", "1", "--no-progress", "--out", f"{base}/grid"])
+    grid = json.load(open(f"{base}/grid/grid.json"))
+    seeds = []
+    for seed in SEEDS:
+        d = f"{base}/s{seed}"
+        un = sim(trace, ts, seed, f"{d}/untuned")
+        ti = sim(trace, ts, seed, f"{d}/tuned", ["--tune"])
+        tq = sim(trace, ts, seed, f"{d}/tuned-seq", ["--tune", "--trial", "sequential"])
+        tb = sim(trace, ts, seed, f"{d}/tuned-bad", ["--tune", "--weights", BAD])
+        w3 = incumbent_at(tb["tuning"], tb["end_ms"] / 3, {"w_rtt": 2.0, "w_queue": 0.05})
+        at3 = sim(trace, ts, seed, f"{d}/bad-third",
+                  ["--weights", f"{w3['w_rtt']},{w3['w_queue']}"])
+        fixed_bad = sim(trace, ts, seed, f"{d}/bad-fixed", ["--weights", BAD])
+        seeds.append({
+            "seed": seed,
+            "untuned": strip(un),
+            "tuned": strip(ti),
+            "tuned_seq": strip(tq),
+            "tuned_bad": strip(tb),
+            "bad_fixed": strip(fixed_bad),
+            "bad_third_weights": w3,
+            "bad_third": strip(at3),
+            "final_weights": final_incumbent(ti["tuning"], {"w_rtt": 1.0, "w_queue": 1.0}),
+            "final_weights_bad": final_incumbent(tb["tuning"], {"w_rtt": 2.0, "w_queue": 0.05}),
+            "trials": len(ti["tuning"]),
+            "accepted": sum(r["accepted"] for r in ti["tuning"]),
+            "guarded": sum(r["verdict"] == "e2e-guard" for r in ti["tuning"]),
+        })
+    noise = {}
+    for design in ["interleaved", "sequential"]:
+        n = sim(trace, ts, 0, f"{base}/noise-{design}",
+                ["--tune", "--trial", design, "--tuning-sigma", "0.01"])
+        logs = [math.log(r["score_p95_ttft_ms"] / r["incumbent_p95_ttft_ms"])
+                for r in n["tuning"]
+                if r["score_p95_ttft_ms"] > 0 and r["incumbent_p95_ttft_ms"] > 0]
+        noise[design] = {
+            "trials": len(logs),
+            "sd": statistics.pstdev(logs) if len(logs) > 1 else None,
+            "mean": statistics.fmean(logs) if logs else None,
+            "estimated_sd": n["tuning"][-1].get("noise_sd") if n["tuning"] else None,
+        }
+    return {"workload": name, "time_scale": ts, "grid_best": grid["best"],
+            "grid_best_within_e2e": grid["best_within_e2e"], "grid_default": grid["default"],
+            "seeds": seeds, "noise": noise}
+
+
+def strip(r):
+    return {k: r[k] for k in ("p95_ttft", "p50_ttft", "p95_e2e")}
+
+
+def mean(xs):
+    return statistics.fmean(xs)
+
+
+def render(points):
+    out = ["## Tuned against untuned, 5 seeds (mean of per-seed ratios)", "",
+           "| workload | load | untuned p95 TTFT ms | tuned / untuned p95 TTFT | tuned / untuned p95 E2E | sequential: TTFT / E2E | trials (accepted, E2E-guarded) per run | final weights (seed 0) |",
+           "|---|---|---:|---:|---:|---:|---:|---|"]
+    for p in points:
+        s = p["seeds"]
+        ut = mean([x["untuned"]["p95_ttft"] for x in s])
+        rt = mean([x["tuned"]["p95_ttft"] / x["untuned"]["p95_ttft"] for x in s])
+        re = mean([x["tuned"]["p95_e2e"] / x["untuned"]["p95_e2e"] for x in s])
+        qt = mean([x["tuned_seq"]["p95_ttft"] / x["untuned"]["p95_ttft"] for x in s])
+        qe = mean([x["tuned_seq"]["p95_e2e"] / x["untuned"]["p95_e2e"] for x in s])
+        tr = mean([x["trials"] for x in s])
+        ac = mean([x["accepted"] for x in s])
+        gu = mean([x["guarded"] for x in s])
+        fw = s[0]["final_weights"]
+        out.append(f"| {p['workload']} | x{p['time_scale']} | {ut:,.0f} | {rt:.3f} | {re:.3f} | {qt:.3f} / {qe:.3f} | {tr:.0f} ({ac:.1f}, {gu:.1f}) | {fw['w_rtt']:.2f}, {fw['w_queue']:.2f} |")
+    out += ["", "## From bad weights (w_rtt 2.0, w_queue 0.05) against the grid's best fixed weights", "",
+            "| workload | load | grid best (w_rtt, w_queue): p95 TTFT ms | default (1, 1) | bad, fixed | incumbent after 1/3 of the run, run fixed: p95 TTFT / grid best (5 seeds) | within 5% | tuned from bad, whole run / untuned |",
+            "|---|---|---|---:|---:|---|---:|---:|"]
+    for p in points:
+        b = p["grid_best"]
+        s = p["seeds"]
+        ratios = [x["bad_third"]["p95_ttft"] / b["p95_ttft_ms"] for x in s]
+        within = sum(r <= 1.05 for r in ratios)
+        bf = mean([x["bad_fixed"]["p95_ttft"] for x in s])
+        whole = mean([x["tuned_bad"]["p95_ttft"] / x["untuned"]["p95_ttft"] for x in s])
+        out.append(f"| {p['workload']} | x{p['time_scale']} | ({b['weights']['w_rtt']}, {b['weights']['w_queue']}): {b['p95_ttft_ms']:,.0f} | {p['grid_default']['p95_ttft_ms']:,.0f} | {bf:,.0f} (mean) | {' / '.join(f'{r:.3f}' for r in ratios)} | {within}/5 | {whole:.3f} |")
+    out += ["", "## Noise of a trial: sd of ln(candidate p95 / incumbent p95) at step size 0.01 (seed 0)", "",
+            "| workload | load | interleaved sd (trials) | sequential sd (trials) | interleaved: the tuner's own estimate |",
+            "|---|---|---:|---:|---:|"]
+    for p in points:
+        n = p["noise"]
+        f = lambda d: f"{n[d]['sd']:.3f} ({n[d]['trials']})" if n[d]["sd"] is not None else "-"
+        est = n["interleaved"]["estimated_sd"]
+        out.append(f"| {p['workload']} | x{p['time_scale']} | {f('interleaved')} | {f('sequential')} | {est:.3f} |" if est is not None else f"| {p['workload']} | x{p['time_scale']} | {f('interleaved')} | {f('sequential')} | - |")
+    return "\n".join(out) + "\n"
+
+
+def main():
+    os.makedirs(OUT, exist_ok=True)
+    if not os.path.exists(f"{OUT}/gen5.jsonl"):
+        sh([G, "trace", "generate", "--seed", "5", "--duration-s", "1800", "--out", f"{OUT}/gen5.jsonl"])
+    if not os.path.exists(f"{OUT}/skew.jsonl"):
+        sh([G, "trace", "generate", "--seed", "23", "--duration-s", "1800", "--users", "400",
+            "--output-tokens", "400", "--region-weights", "3,1,1", "--out", f"{OUT}/skew.jsonl"])
+    tasks = [(n, t, ts) for (n, t, a, b) in WORKLOADS for ts in (a, b)]
+    with ThreadPoolExecutor(JOBS) as ex:
+        points = list(ex.map(lambda x: point(*x), tasks))
+        for p in points:
+            print(f"done {p['workload']} x{p['time_scale']}", file=sys.stderr)
+    json.dump(points, open(f"{OUT}/tuning_sim.json", "w"), indent=1)
+    md = render(points)
+    open(f"{OUT}/tuning_sim.md", "w").write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
