@@ -39,7 +39,7 @@ WORKLOADS = [
     ("skew", f"{OUT}/skew.jsonl", 2.0, 1.0),
     ("azure", f"{SHARED}/AzureLLMInferenceTrace_conv_2023.csv", 1.0, 0.5),
 ]
-COMMON = ["--policies", "gorgo", "--max-context-tokens", "32768", "--max-rows", "0"]
+COMMON = ["--policies", "gorgo", "--max-context-tokens", "32768"]
 
 
 def sh(args):

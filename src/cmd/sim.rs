@@ -54,6 +54,10 @@ pub struct SimArgs {
     /// trial design's noise.
     #[arg(long)]
     tuning_sigma: Option<f64>,
+    /// Set a `[tuning]` key (as in a node's config) on the policy's tuning defaults,
+    /// `KEY=VALUE` (a JSON value, e.g. `max_trial_windows=2`); repeatable.
+    #[arg(long = "tuning-set", value_parser = parse_key_value)]
+    tuning_set: Vec<(String, serde_json::Value)>,
     /// Per-request rows kept per policy for requests.csv and exact percentiles; longer
     /// runs report from sketches (1% accuracy) and write no rows.
     #[arg(long, default_value_t = 200_000)]
@@ -274,6 +278,15 @@ pub fn parse_weights(s: &str) -> Result<Weights, String> {
     })
 }
 
+/// `KEY=VALUE`, the value read as JSON (a bare word is a string).
+fn parse_key_value(s: &str) -> Result<(String, serde_json::Value), String> {
+    let (k, v) = s
+        .split_once('=')
+        .ok_or_else(|| format!("`{s}`: want KEY=VALUE"))?;
+    let v = serde_json::from_str(v).unwrap_or_else(|_| serde_json::Value::String(v.to_owned()));
+    Ok((k.trim().to_owned(), v))
+}
+
 /// `interleaved` or `sequential`.
 fn parse_trial(s: &str) -> Result<TrialDesign, String> {
     match s {
@@ -338,6 +351,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     cfg.trial = args.trial;
     cfg.weights = args.weights;
     cfg.tuning_sigma = args.tuning_sigma;
+    cfg.tuning_set = args.tuning_set.clone();
     cfg.max_rows = args.max_rows;
     cfg.validate().context("simulation config")?;
 
@@ -351,6 +365,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         "trial": args.trial,
         "weights": args.weights,
         "tuning_sigma": args.tuning_sigma,
+        "tuning_set": args.tuning_set.iter().cloned().collect::<serde_json::Map<_, _>>(),
     });
     if let (Some(c), serde_json::Value::Object(m)) =
         (config.as_object_mut(), args.model.describe(&cfg))

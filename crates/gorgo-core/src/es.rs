@@ -47,7 +47,7 @@ use std::collections::VecDeque;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use rand_distr::StandardNormal;
+use rand_distr::{Cauchy, StandardNormal};
 use serde::{Deserialize, Serialize};
 
 use crate::error::CoreError;
@@ -84,6 +84,21 @@ impl ParamBounds {
         } else {
             w.clamp(self.min, self.max)
         }
+    }
+
+    /// `exp(ln_w)` reflected into the bounds in log space: a step past a bound comes
+    /// back by as much as it overshot, so a weight at its bound still moves on every
+    /// mutation (clipping would leave it there on half of them).
+    fn reflect(&self, ln_w: f64) -> f64 {
+        let (lo, hi) = (self.min.ln(), self.max.ln());
+        let span = hi - lo;
+        if !ln_w.is_finite() || span <= 0.0 {
+            return self.clip(ln_w.exp());
+        }
+        // Fold onto [0, 2 span), then mirror the upper half.
+        let x = (ln_w - lo).rem_euclid(2.0 * span);
+        let x = if x > span { 2.0 * span - x } else { x };
+        self.clip((lo + x).exp())
     }
 
     fn validate(&self, field: &str) -> Result<(), CoreError> {
@@ -132,6 +147,19 @@ pub enum TrialDesign {
     Sequential,
 }
 
+/// The distribution of a mutation step (in log space, scaled by sigma).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mutation {
+    /// Standard normal: every step local.
+    #[default]
+    Gaussian,
+    /// Standard Cauchy (heavy tails): most steps local, one in five over three sigma,
+    /// so a line that starts in a bad corner can jump out of it in one trial, where
+    /// normal steps need a chain of small gains that the noise hides.
+    Cauchy,
+}
+
 /// Configuration of the tuner and of the distributed trial protocol.
 ///
 /// Also the schema of a node's `[tuning]` table (`gorgo-node`'s config deserialises
@@ -147,6 +175,8 @@ pub struct TuningConfig {
     pub mode: TuningMode,
     /// `interleaved` (default) or `sequential`.
     pub trial: TrialDesign,
+    /// `gaussian` or `cauchy` mutation steps.
+    pub mutation: Mutation,
     /// Interleaved: windows one trial may take before its candidate counts as not
     /// better (it is decided sooner once clearly better or clearly not).
     pub max_trial_windows: u32,
@@ -200,7 +230,8 @@ impl TuningConfig {
         TuningConfig {
             mode: TuningMode::Online,
             trial: TrialDesign::Interleaved,
-            max_trial_windows: 4,
+            mutation: Mutation::Gaussian,
+            max_trial_windows: 2,
             window: 128,
             time_cap_ms: 60_000,
             min_samples: 32,
@@ -214,7 +245,7 @@ impl TuningConfig {
                 min: 0.05,
                 max: 4.0,
             },
-            sigma0: 0.5,
+            sigma0: 1.0,
             sigma_min: 0.01,
             sigma_max: 1.0,
             min_improvement: 0.03,
@@ -425,7 +456,7 @@ pub struct EsState {
     pub noise_samples: u64,
     /// The pending interleaved trial's evidence (`None` between trials).
     #[serde(default)]
-    pub pending_trial: Option<TrialEvidence>,
+    pub pending_trial: Option<Box<TrialEvidence>>,
     /// Sum of `ln(candidate p95 E2E / incumbent p95 E2E)` over the accepted trials: how
     /// much the line's E2E has moved from the start weights, each step measured paired.
     #[serde(default)]
@@ -494,7 +525,7 @@ impl EsState {
         cand: Measurement,
         incumbent: Measurement,
     ) -> Option<(Verdict, Measurement, Measurement)> {
-        let ev = self.pending_trial.get_or_insert_with(TrialEvidence::default);
+        let ev = self.pending_trial.get_or_insert_with(Box::default);
         ev.windows += 1;
         if cand.is_valid() && incumbent.is_valid() {
             ev.valid += 1;
@@ -515,7 +546,7 @@ impl EsState {
             ev.cand_samples += cand.samples;
             ev.inc_samples += incumbent.samples;
         }
-        let ev = ev.clone();
+        let ev = (**ev).clone();
         let last = ev.windows >= cfg.max_trial_windows;
         if ev.valid == 0 {
             if last {
@@ -561,18 +592,22 @@ impl EsState {
         Some((verdict, cand_m, inc_m))
     }
 
-    /// Draw the next candidate: `exp(ln w + sigma * N(0,1))` per weight, clipped.
+    /// Draw the next candidate: `exp(ln w + sigma * z)` per weight (`z` standard
+    /// normal or Cauchy), reflected into the bounds.
     pub fn mutate(&mut self, cfg: &TuningConfig) -> Weights {
         let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
         rng.set_stream(self.draws);
         self.draws += 1;
-        let z_rtt: f64 = rng.sample(StandardNormal);
-        let z_queue: f64 = rng.sample(StandardNormal);
+        let (z_rtt, z_queue): (f64, f64) = match cfg.mutation {
+            Mutation::Gaussian => (rng.sample(StandardNormal), rng.sample(StandardNormal)),
+            Mutation::Cauchy => Cauchy::new(0.0, 1.0)
+                .map_or((0.0, 0.0), |c: Cauchy<f64>| (rng.sample(c), rng.sample(c))),
+        };
         let inc = cfg.clip(self.incumbent);
-        cfg.clip(Weights {
-            w_rtt: (inc.w_rtt.ln() + self.sigma * z_rtt).exp(),
-            w_queue: (inc.w_queue.ln() + self.sigma * z_queue).exp(),
-        })
+        Weights {
+            w_rtt: cfg.w_rtt.reflect(inc.w_rtt.ln() + self.sigma * z_rtt),
+            w_queue: cfg.w_queue.reflect(inc.w_queue.ln() + self.sigma * z_queue),
+        }
     }
 
     /// Decide `candidate` from its window and the incumbent's adjacent window, update
@@ -728,6 +763,29 @@ mod tests {
         let json = serde_json::to_string(&a).unwrap();
         let mut c: EsState = serde_json::from_str(&json).unwrap();
         assert_eq!(c.mutate(&cfg), a.mutate(&cfg));
+    }
+
+    #[test]
+    fn a_weight_at_its_bound_is_reflected_not_stuck() {
+        let cfg = TuningConfig::gorgo();
+        let mut s = EsState::new(&cfg);
+        s.incumbent = Weights {
+            w_rtt: 2.0,
+            w_queue: cfg.w_queue.min,
+        };
+        for _ in 0..200 {
+            let c = s.mutate(&cfg);
+            assert!(c.w_queue > cfg.w_queue.min, "{c:?}");
+            assert!(c.w_queue <= cfg.w_queue.max && c.w_rtt <= cfg.w_rtt.max);
+            assert!(c.w_rtt >= cfg.w_rtt.min);
+        }
+        let b = cfg.w_queue;
+        // Past the top by ln 2: back by ln 2; a huge step folds but stays inside.
+        assert!((b.reflect(b.max.ln() + 2f64.ln()) - b.max / 2.0).abs() < 1e-9);
+        assert!((b.reflect(b.min.ln() - 2f64.ln()) - b.min * 2.0).abs() < 1e-9);
+        let far = b.reflect(1e6);
+        assert!(far >= b.min && far <= b.max);
+        assert_eq!(b.reflect(f64::NAN), b.start);
     }
 
     #[test]

@@ -138,6 +138,9 @@ impl EpochReport {
 }
 
 /// Everything the protocol puts on the wire.
+// A message lives from decode to its handling only; boxing the proposal would buy
+// nothing but an allocation.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum TuningMessage {
     /// Broadcast by the leader.

@@ -100,8 +100,12 @@ fn deterministic_under_a_seed() {
 #[test]
 fn flat_noisy_objective_neither_inflates_sigma_nor_drifts() {
     for seed in 1..=5u64 {
+        // Sequential windows (conclude() reads the noise from the incumbent's), from
+        // half the step-size cap so that growth would show.
         let cfg = TuningConfig {
             seed,
+            trial: TrialDesign::Sequential,
+            sigma0: 0.5,
             ..TuningConfig::gorgo()
         };
         let mut es = EsState::new(&cfg);
@@ -180,6 +184,7 @@ fn very_noisy_flat_objective_is_left_alone() {
         let cfg = TuningConfig {
             seed,
             trial: TrialDesign::Sequential,
+            sigma0: 0.5,
             ..TuningConfig::gorgo()
         };
         let mut es = EsState::new(&cfg);

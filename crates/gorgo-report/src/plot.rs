@@ -524,9 +524,14 @@ fn draw_tuning(trials: &[TrialLine], policy: Option<&str>, svg: &mut String) -> 
         Some(p) => format!("Tuning trajectory of {p}: weights after each trial"),
         None => "Tuning trajectory: weights after each trial".to_owned(),
     };
-    let w_all = trials
-        .iter()
-        .flat_map(|t| [t.candidate.w_rtt, t.candidate.w_queue, t.incumbent.w_rtt, t.incumbent.w_queue]);
+    let w_all = trials.iter().flat_map(|t| {
+        [
+            t.candidate.w_rtt,
+            t.candidate.w_queue,
+            t.incumbent.w_rtt,
+            t.incumbent.w_queue,
+        ]
+    });
     let (w_lo, w_hi) = log_bounds(w_all.collect::<Vec<_>>().iter());
     let mut chart = ChartBuilder::on(&top)
         .caption(title, ("sans-serif", 20))
@@ -542,7 +547,11 @@ fn draw_tuning(trials: &[TrialLine], policy: Option<&str>, svg: &mut String) -> 
         .max_light_lines(2)
         .draw()?;
     for (k, (name, pts, pick)) in [
-        ("w_rtt", &rtt, (|w: WeightsLine| w.w_rtt) as fn(WeightsLine) -> f64),
+        (
+            "w_rtt",
+            &rtt,
+            (|w: WeightsLine| w.w_rtt) as fn(WeightsLine) -> f64,
+        ),
         ("w_queue", &queue, |w: WeightsLine| w.w_queue),
     ]
     .into_iter()
@@ -555,7 +564,11 @@ fn draw_tuning(trials: &[TrialLine], policy: Option<&str>, svg: &mut String) -> 
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
         chart
             .draw_series(trials.iter().enumerate().map(|(i, t)| {
-                let style = if t.accepted { c.filled() } else { c.mix(0.35).filled() };
+                let style = if t.accepted {
+                    c.filled()
+                } else {
+                    c.mix(0.35).filled()
+                };
                 Circle::new(((i + 1) as f64, pick(t.candidate)), 3, style)
             }))?
             .label(format!("{name} of each candidate (solid: accepted)"))
@@ -570,7 +583,10 @@ fn draw_tuning(trials: &[TrialLine], policy: Option<&str>, svg: &mut String) -> 
         trials
             .iter()
             .enumerate()
-            .filter_map(|(i, t)| f(t).filter(|v| v.is_finite() && *v > 0.0).map(|v| ((i + 1) as f64, v)))
+            .filter_map(|(i, t)| {
+                f(t).filter(|v| v.is_finite() && *v > 0.0)
+                    .map(|v| ((i + 1) as f64, v))
+            })
             .collect()
     };
     let cand = pick(|t| t.score_p95_ttft_ms);
@@ -581,7 +597,10 @@ fn draw_tuning(trials: &[TrialLine], policy: Option<&str>, svg: &mut String) -> 
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)
-        .build_cartesian_2d(0f64..x_hi, (lo..hi).log_scale().with_key_points(log_ticks(lo, hi)))?;
+        .build_cartesian_2d(
+            0f64..x_hi,
+            (lo..hi).log_scale().with_key_points(log_ticks(lo, hi)),
+        )?;
     chart
         .configure_mesh()
         .x_desc("trial")
@@ -589,7 +608,10 @@ fn draw_tuning(trials: &[TrialLine], policy: Option<&str>, svg: &mut String) -> 
         .y_label_formatter(&|v| fmt_ms(*v))
         .max_light_lines(2)
         .draw()?;
-    for (k, (name, pts)) in [("incumbent", inc), ("candidate", cand)].into_iter().enumerate() {
+    for (k, (name, pts)) in [("incumbent", inc), ("candidate", cand)]
+        .into_iter()
+        .enumerate()
+    {
         let c = color(k + 2);
         chart
             .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?

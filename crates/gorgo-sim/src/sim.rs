@@ -75,6 +75,9 @@ pub struct SimConfig {
     /// The tuner's initial step size (`None`: the core's `sigma0`); also lowers
     /// `sigma_min` to it when smaller.
     pub tuning_sigma: Option<f64>,
+    /// `[tuning]` keys set on the policy's tuning defaults (the node config's names and
+    /// values, e.g. `("max_trial_windows", 2)`), applied last.
+    pub tuning_set: Vec<(String, serde_json::Value)>,
     /// Fixed weights for the policies that use weights, and the start of tuning
     /// (`None`: the policy's defaults).
     pub weights: Option<Weights>,
@@ -148,6 +151,7 @@ impl SimConfig {
             tuning_window: None,
             trial: TrialDesign::default(),
             tuning_sigma: None,
+            tuning_set: Vec::new(),
             weights: None,
             region_seed: None,
             max_rows: 200_000,
@@ -201,7 +205,10 @@ impl SimConfig {
         if !(self.decode_step_ms.is_finite() && self.decode_step_ms >= 0.0) {
             return Err(invalid("decode_step_ms", "must be >= 0"));
         }
-        if self.tuning_sigma.is_some_and(|s| !(s.is_finite() && s > 0.0)) {
+        if self
+            .tuning_sigma
+            .is_some_and(|s| !(s.is_finite() && s > 0.0))
+        {
             return Err(invalid("tuning_sigma", "must be > 0"));
         }
         if let Some(w) = self.weights {
@@ -297,6 +304,23 @@ impl Ord for Scheduled {
 }
 
 /// A request between its arrival and its last byte.
+/// `tc` with `keys` set as a node's `[tuning]` table would set them (errors name the
+/// key).
+fn with_tuning_keys(
+    tc: TuningConfig,
+    keys: &[(String, serde_json::Value)],
+) -> Result<TuningConfig> {
+    let mut v = serde_json::to_value(tc).map_err(|e| invalid("tuning_set", e.to_string()))?;
+    for (k, val) in keys {
+        v[k.as_str()] = val.clone();
+    }
+    let tc: TuningConfig =
+        serde_json::from_value(v).map_err(|e| invalid("tuning_set", e.to_string()))?;
+    tc.validate()
+        .map_err(|e| invalid("tuning_set", e.to_string()))?;
+    Ok(tc)
+}
+
 #[derive(Debug)]
 struct Flight {
     index: u64,
@@ -491,6 +515,9 @@ impl<'a> Sim<'a> {
                     if let Some(sigma) = cfg.tuning_sigma {
                         tc.sigma_min = tc.sigma_min.min(sigma);
                         tc.sigma0 = sigma.min(tc.sigma_max);
+                    }
+                    if !cfg.tuning_set.is_empty() {
+                        tc = with_tuning_keys(tc, &cfg.tuning_set)?;
                     }
                     if let Some(w) = cfg.weights {
                         tc.w_rtt.start = w.w_rtt.clamp(tc.w_rtt.min, tc.w_rtt.max);

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Online tuning live (docs/tuning.md, "Live run"): `gorgo up` three regions of emulated
+# engines behind netem WAN relays, policy gorgo, tuning online with the default trial
+# design, replaying WIN seconds of a generated multi-turn trace at time scale TS (30
+# minutes of replay by default). Then, in the simulator on the same window: the grid of
+# fixed weights (`gorgo tune-offline`), and the final live weights run as fixed weights,
+# against the grid's best. About 40 minutes wall on 2 cores; keep the machine idle.
+# Usage: scripts/tuning-live.sh [OUT]   (env: WIN=1800 TS=2 BASE_PORT=27100)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-out/tuning-live}
+G=${GORGO:-target/release/gorgo}
+WIN=${WIN:-900}
+TS=${TS:-2}
+PORT=${BASE_PORT:-27100}
+[ -x "$G" ] || cargo build --release -q
+mkdir -p "$OUT"
+T="$OUT/gen5.jsonl"
+[ -f "$T" ] || "$G" trace generate --seed 5 --duration-s 1800 --out "$T" > /dev/null
+"$G" down --run-dir "$OUT/run" > /dev/null 2>&1 || true
+"$G" up --topology configs/topologies/three-region.toml --policy gorgo --tuning online \
+  --run-dir "$OUT/run" --base-port "$PORT" --detach
+trap '"$G" down --run-dir "$OUT/run" > /dev/null 2>&1 || true' EXIT
+"$G" bench --trace "$T" --cluster "$OUT/run" --window "$WIN" --time-scale "$TS" \
+  --max-context-tokens 32768 --label gorgo-online --no-progress --out "$OUT/live" \
+  > "$OUT/live.log" 2>&1
+"$G" down --run-dir "$OUT/run" > /dev/null 2>&1 || true
+trap - EXIT
+"$G" tune-offline --trace "$T" --window-s "$WIN" --time-scale "$TS" \
+  --max-context-tokens 32768 --no-progress --out "$OUT/grid" > "$OUT/grid.log" 2>&1
+python3 - "$OUT" "$G" "$T" "$WIN" "$TS" <<'EOF'
+import json, math, subprocess, sys
+out, g, trace, win, ts = sys.argv[1:]
+lines = [json.loads(l) for l in open(f"{out}/live/tuning.jsonl") if l.strip()]
+lines.sort(key=lambda r: r["epoch"])
+inc = lines[0]["incumbent"] if lines else {"w_rtt": 1.0, "w_queue": 1.0}
+for r in lines:
+    inc = r["candidate"] if r["accepted"] else r["incumbent"]
+third = len(lines) * 2 // 3
+late = [r for r in lines[third:] if r["accepted"]]
+noise = [r.get("noise_sd") for r in lines if r.get("noise_sd")]
+sd = noise[-1] if noise else None
+late_gain = [math.log(r["score_tail_ttft_ms"] / r["incumbent_tail_ttft_ms"])
+             for r in late if r.get("score_tail_ttft_ms") and r.get("incumbent_tail_ttft_ms")]
+subprocess.run([g, "sim", "--trace", trace, "--window-s", win, "--time-scale", ts,
+                "--max-context-tokens", "32768", "--policies", "gorgo", "--weights",
+                f"{inc['w_rtt']},{inc['w_queue']}", "--out", f"{out}/final-weights"],
+               check=True, capture_output=True)
+final = json.load(open(f"{out}/final-weights/results.json"))["policies"]["gorgo"]
+grid = json.load(open(f"{out}/grid/grid.json"))
+live = json.load(open(f"{out}/live/results.json"))["policies"]
+live = next(iter(live.values())) if isinstance(live, dict) else live[0][1]
+summary = {
+    "trials": len(lines),
+    "accepted": sum(r["accepted"] for r in lines),
+    "verdicts": {v: sum(r["verdict"] == v for r in lines) for v in sorted({r["verdict"] for r in lines})},
+    "accepted_in_last_third": len(late),
+    "late_accepted_log_gains": late_gain,
+    "noise_sd": sd,
+    "final_weights": inc,
+    "final_weights_sim_p95_ttft_ms": final["ttft_ms"]["p95"],
+    "final_weights_sim_p95_e2e_ms": final["e2e_ms"]["p95"],
+    "grid_best": grid["best"],
+    "grid_default": grid["default"],
+    "final_over_grid_best": final["ttft_ms"]["p95"] / grid["best"]["p95_ttft_ms"],
+    "live_p95_ttft_ms": live["ttft_ms"]["p95"],
+    "live_p95_e2e_ms": live["e2e_ms"]["p95"],
+    "live_requests": live["requests"],
+    "live_failed": live["failed"],
+}
+json.dump(summary, open(f"{out}/summary.json", "w"), indent=1)
+print(json.dumps(summary, indent=1))
+EOF
