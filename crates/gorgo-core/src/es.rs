@@ -407,6 +407,15 @@ pub struct TrialEvidence {
     pub inc_samples: u64,
 }
 
+impl TrialEvidence {
+    /// Every sum finite (a proposal from the network may carry anything).
+    pub fn is_finite(&self) -> bool {
+        self.sum_log_score.is_finite()
+            && self.sum_log_e2e.is_finite()
+            && self.sum_ln.iter().all(|v| v.is_finite())
+    }
+}
+
 /// Why a candidate was accepted or not.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]

@@ -292,6 +292,17 @@ impl Tuner {
         // Never route with out-of-bounds or non-finite weights, whoever sent them.
         p.weights = self.cfg.clip(p.weights);
         p.candidate = p.candidate.map(|c| self.cfg.clip(c));
+        // Evidence and drift that are not finite would poison every later decision.
+        if p.state
+            .pending_trial
+            .as_ref()
+            .is_some_and(|t| !t.is_finite())
+        {
+            p.state.pending_trial = None;
+        }
+        if !p.state.e2e_drift.is_finite() {
+            p.state.e2e_drift = 0.0;
+        }
         p.state.incumbent = self.cfg.clip(p.state.incumbent);
         if !(p.state.sigma.is_finite() && p.state.sigma > 0.0) {
             p.state.sigma = self.cfg.sigma0;
@@ -573,19 +584,10 @@ impl Tuner {
                 }
                 let inc = measure(&cells, 0..2);
                 let cand = measure(&cells, 2..CELLS);
-                let sigma = state.sigma;
-                let incumbent = state.incumbent;
+                let before = (state.incumbent, state.sigma);
                 match state.observe_window(&self.cfg, candidate, cand, inc) {
-                    Some((verdict, cand, inc)) => {
-                        let trial = Trial {
-                            candidate,
-                            incumbent,
-                            sigma,
-                            verdict,
-                            cand,
-                            inc,
-                        };
-                        self.write_record(&state, &cur, trial, out);
+                    Some(decided) => {
+                        self.write_record(&state, &cur, candidate, before, decided, out);
                         self.trial_proposal(cur.epoch + 1, state)
                     }
                     // Not decided yet: the same two arms for another window.
@@ -602,7 +604,10 @@ impl Tuner {
             _ => {
                 let meas = measure(&cells, 0..CELLS);
                 if let Some(inc) = state.pending_incumbent.take() {
-                    self.decide(&mut state, &cur, cur.weights, meas, inc, out);
+                    let before = (state.incumbent, state.sigma);
+                    let verdict = state.conclude(&self.cfg, cur.weights, meas, inc);
+                    let decided = (verdict, meas, inc);
+                    self.write_record(&state, &cur, cur.weights, before, decided, out);
                 }
                 self.trial_proposal(cur.epoch + 1, state)
             }
@@ -610,46 +615,18 @@ impl Tuner {
         self.start_leading(next, now_ms, out);
     }
 
-    /// Conclude the sequential trial of `candidate` (epoch `cur`) and write its record.
-    fn decide(
-        &mut self,
-        state: &mut EsState,
-        cur: &Proposal,
-        candidate: Weights,
-        cand: Measurement,
-        inc: Measurement,
-        out: &mut Vec<TuningOutput>,
-    ) {
-        let sigma = state.sigma;
-        let incumbent = state.incumbent;
-        let verdict = state.conclude(&self.cfg, candidate, cand, inc);
-        let trial = Trial {
-            candidate,
-            incumbent,
-            sigma,
-            verdict,
-            cand,
-            inc,
-        };
-        self.write_record(state, cur, trial, out);
-    }
-
-    /// The record of a decided trial (epoch `cur`, `state` after the decision).
+    /// The record of the trial of `candidate` decided at epoch `cur`: `before` is the
+    /// incumbent and step size it was judged against, `decided` the verdict and the two
+    /// arms' measurements, `state` the tuner after the decision.
     fn write_record(
         &mut self,
         state: &EsState,
         cur: &Proposal,
-        t: Trial,
+        candidate: Weights,
+        (incumbent, sigma): (Weights, f64),
+        (verdict, cand, inc): (Verdict, Measurement, Measurement),
         out: &mut Vec<TuningOutput>,
     ) {
-        let Trial {
-            candidate,
-            incumbent,
-            sigma,
-            verdict,
-            cand,
-            inc,
-        } = t;
         let record = TuningRecord {
             epoch: cur.epoch,
             leader: self.id.clone(),
@@ -675,16 +652,6 @@ impl Tuner {
         self.history.push_back(record.clone());
         out.push(TuningOutput::Record(record));
     }
-}
-
-/// A decided trial, before its record is written.
-struct Trial {
-    candidate: Weights,
-    incumbent: Weights,
-    sigma: f64,
-    verdict: Verdict,
-    cand: Measurement,
-    inc: Measurement,
 }
 
 /// p95 TTFT and E2E, and the tail mean, over `range` of the cells.
@@ -897,6 +864,31 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn non_finite_trial_evidence_from_a_peer_is_dropped() {
+        let mut t = Tuner::new("b".into(), cfg()).unwrap();
+        let mut state = EsState::new(&cfg());
+        state.e2e_drift = f64::INFINITY;
+        state.pending_trial = Some(Box::new(crate::es::TrialEvidence {
+            windows: 1,
+            valid: 1,
+            sum_log_score: f64::NAN,
+            ..Default::default()
+        }));
+        let p = Proposal {
+            epoch: 3,
+            leader: "a".into(),
+            weights: cfg().start_weights(),
+            candidate: Some(cfg().start_weights()),
+            phase: Phase::Interleaved,
+            state,
+        };
+        assert!(t.handle_proposal(p).is_empty());
+        let cur = t.current().unwrap();
+        assert_eq!(cur.state.pending_trial, None);
+        assert_eq!(cur.state.e2e_drift, 0.0);
     }
 
     #[test]
