@@ -142,6 +142,11 @@ pub struct SimModelArgs {
     /// The KV events' transit delay from engine to node, ms.
     #[arg(long, default_value_t = 2.0)]
     pub kv_events_delay_ms: f64,
+    /// Whether a forward's target refuses it when serving it there would cost more than
+    /// the forwarding node's own engine (the nodes' `routing.refuse_forwards`;
+    /// docs/policy.md, "Refusal at the target").
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub refuse_forwards: bool,
 }
 
 impl SimModelArgs {
@@ -172,6 +177,7 @@ impl SimModelArgs {
         cfg.summary_sample = self.summary_sample;
         cfg.kv_events = self.kv_events;
         cfg.kv_events_delay_ms = self.kv_events_delay_ms;
+        cfg.refuse_forwards = self.refuse_forwards;
         cfg.validate().context("simulation config")?;
         Ok(cfg)
     }
@@ -200,6 +206,7 @@ impl SimModelArgs {
             "oracle_view": "exact-state",
             "kv_events": self.kv_events,
             "kv_events_delay_ms": self.kv_events_delay_ms,
+            "refuse_forwards": self.refuse_forwards,
         })
     }
 }

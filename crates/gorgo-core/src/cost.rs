@@ -509,6 +509,23 @@ impl ForwardLedger {
         true
     }
 
+    /// A forward recorded at `sent_ms` with `prefill_tokens` never ran at `peer` (it
+    /// refused it, [`crate::decision::refuse_forward`]): it no longer counts as pending
+    /// there. Nothing happens if the peer's stats already cleared it.
+    pub fn cancel_forward(&mut self, peer: &NodeId, prefill_tokens: u64, sent_ms: u64) {
+        let Some(entry) = self.peers.get_mut(peer) else {
+            return;
+        };
+        if let Some(i) = entry
+            .forwards
+            .iter()
+            .position(|&(at, t)| at == sent_ms && t == prefill_tokens)
+        {
+            entry.forwards.remove(i);
+            entry.prefill_tokens -= prefill_tokens;
+        }
+    }
+
     /// `(forwards, prefill_tokens)` not yet reflected in `peer`'s stats.
     pub fn pending(&self, peer: &NodeId) -> (u32, u64) {
         self.peers

@@ -172,3 +172,69 @@ pub fn decide(
         None => Err(no_candidate(NoCandidateReason::PolicyDeclined, terms)),
     }
 }
+
+/// A forward the target declined before serving a byte of it: serving it there would
+/// cost more than the forwarding node's own engine, as the target sees its queue now.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Refusal {
+    /// The target's `gorgo` cost of serving the request itself, ms.
+    pub local_cost_ms: f64,
+    /// The target's TTFT estimate for serving it itself, ms (what the forwarding
+    /// node's forward bias learns from).
+    pub local_estimated_ttft_ms: Option<f64>,
+    /// What the forwarding node said serving it there would cost, ms.
+    pub origin_cost_ms: f64,
+}
+
+/// Check a forward where it arrived, before it is served (`hops >= max_hops`).
+///
+/// Why: a node forwards on its peers' last gossiped stats, which cannot show what
+/// reached the peer since, in particular the other nodes' forwards of the same burst:
+/// on bursty traffic forwards met queues about 40% longer than predicted
+/// (docs/policy.md, "Refusal at the target"). The target knows its own queue now. The
+/// forwarding node sends the cost of its alternative, serving the request itself
+/// (`origin_cost_ms`, the total of its local candidate), and the target refuses when
+/// its own local cost under `policy` is higher: the request then goes back and is
+/// served at the forwarding node. Both ways the response travels the same link back,
+/// so the comparison needs no RTT term. A refusal happens at most once per request:
+/// the forwarding node serves a refused request itself.
+///
+/// `None` (serve here) for policies without a millisecond cost (only `gorgo` and
+/// `gorgo-ttft` refuse), a non-finite offer, or no healthy local candidate (the
+/// decision reports that).
+pub fn refuse_forward(
+    req: &RouteRequest<'_>,
+    candidates: &[Candidate],
+    policy: &mut dyn Policy,
+    weights: Weights,
+    origin_cost_ms: f64,
+    rng_u64: u64,
+) -> Option<Refusal> {
+    if !matches!(policy.kind(), PolicyKind::Gorgo | PolicyKind::GorgoTtft)
+        || !origin_cost_ms.is_finite()
+    {
+        return None;
+    }
+    let local = candidates.iter().position(|c| c.is_local && c.healthy)?;
+    let choice = policy.choose(req, candidates, weights, rng_u64);
+    let terms = choice.terms?.get(local).copied()?;
+    (terms.total_ms > origin_cost_ms).then_some(Refusal {
+        local_cost_ms: terms.total_ms,
+        local_estimated_ttft_ms: terms.estimated_ttft_ms,
+        origin_cost_ms,
+    })
+}
+
+impl Decision {
+    /// The cost of serving at the deciding node itself (its local candidate's `gorgo`
+    /// total), when the policy computed one: what a forward carries as its
+    /// `origin_cost_ms` ([`refuse_forward`]).
+    pub fn local_cost_ms(&self) -> Option<f64> {
+        self.candidates
+            .iter()
+            .find(|c| c.is_local && c.healthy)
+            .and_then(|c| c.terms)
+            .map(|t| t.total_ms)
+            .filter(|v| v.is_finite())
+    }
+}

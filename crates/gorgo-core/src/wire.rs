@@ -153,6 +153,10 @@ pub struct ForwardRequest {
     pub headers: Vec<(String, String)>,
     /// The `model` the body names, so the receiver need not parse the body to route.
     pub model: Option<String>,
+    /// What serving the request at the forwarding node itself would cost, ms: the
+    /// receiver refuses the forward when serving it would cost more there
+    /// ([`crate::decision::refuse_forward`]). `None`: never refused.
+    pub origin_cost_ms: Option<f64>,
 }
 
 /// The head of a forwarded response, first on the return direction of the stream;
@@ -167,6 +171,9 @@ pub struct ForwardResponseHead {
     pub served_by: NodeId,
     /// Hops the request took.
     pub hops: u8,
+    /// Set when the receiver refused the forward (status 503, no body follows that
+    /// the client should see): the forwarding node serves the request itself.
+    pub refusal: Option<crate::decision::Refusal>,
 }
 
 #[cfg(test)]
@@ -185,6 +192,7 @@ mod tests {
             body: br#"{"messages":[]}"#.to_vec(),
             headers: vec![("x-session-id".into(), "s1".into())],
             model: Some("m".into()),
+            origin_cost_ms: Some(812.5),
         }
     }
 
@@ -200,10 +208,24 @@ mod tests {
             headers: vec![],
             served_by: "b".into(),
             hops: 1,
+            refusal: None,
         };
         assert_eq!(
             decode::<ForwardResponseHead>(&encode(&h), MAX_RESPONSE_HEAD).unwrap(),
             h
+        );
+        let refused = ForwardResponseHead {
+            status: 503,
+            refusal: Some(crate::decision::Refusal {
+                local_cost_ms: 900.0,
+                local_estimated_ttft_ms: Some(850.0),
+                origin_cost_ms: 700.0,
+            }),
+            ..h
+        };
+        assert_eq!(
+            decode::<ForwardResponseHead>(&encode(&refused), MAX_RESPONSE_HEAD).unwrap(),
+            refused
         );
         let g = GossipMessage::SummaryDelta {
             origin: "a".into(),
@@ -252,9 +274,11 @@ mod tests {
             headers: vec![],
             served_by: "x".into(),
             hops: 0,
+            refusal: None,
         });
         let n = bytes.len();
-        bytes.truncate(n - 3); // drop served_by ("x": len 1 + byte) and hops
+        // Drop served_by ("x": len 1 + byte), hops and the refusal (`None`: one byte).
+        bytes.truncate(n - 4);
         bytes.push(253); // u64 varint marker
         bytes.extend_from_slice(&(1u64 << 40).to_le_bytes());
         assert!(matches!(

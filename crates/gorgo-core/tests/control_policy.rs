@@ -2,7 +2,8 @@
 //! forward-or-serve guards.
 
 use gorgo_core::cost::{cost_terms, Candidate};
-use gorgo_core::decision::{decide, DecisionReason, NoCandidateReason};
+use gorgo_core::cost::{fewest_uncached_tokens, ForwardLedger};
+use gorgo_core::decision::{decide, refuse_forward, DecisionReason, NoCandidateReason};
 use gorgo_core::hash::HashChain;
 use gorgo_core::policy::{build, PolicyKind, RouteRequest};
 use gorgo_core::{CoreError, Weights};
@@ -547,6 +548,112 @@ proptest! {
                     NoCandidateReason::NoneHealthy => prop_assert!(!any_ok),
                     NoCandidateReason::LocalUnhealthyAtMaxHops => prop_assert!(hops >= max_hops && !local_ok),
                     NoCandidateReason::PolicyDeclined => prop_assert!(kind == PolicyKind::LocalOnly && !local_ok),
+                }
+            }
+        }
+    }
+}
+
+/// The target of a forward: itself (busy or idle) and the forwarding node as a peer.
+fn at_target(local_prefill_ahead: u64) -> Vec<Candidate> {
+    let mut local = cand("b-target", true, 0.0);
+    local.stats.unfinished_prefill_tokens = local_prefill_ahead;
+    local.stats.running = 4;
+    let origin = cand("a-origin", false, 80.0);
+    vec![local, origin]
+}
+
+#[test]
+fn a_forward_is_refused_only_when_serving_it_costs_more_than_at_its_origin() {
+    let chain = chain_of(2000);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 2000,
+        session_key: None,
+    };
+    let w = Weights::default();
+    let mut p = build(PolicyKind::Gorgo);
+    // Idle target: 2,000 tokens of prefill, 188 ms; the origin said 500 ms.
+    let idle = at_target(0);
+    assert_eq!(refuse_forward(&req, &idle, p.as_mut(), w, 500.0, 1), None);
+    // 20,000 tokens ahead at the target (about 1.9 s): refused, with its figures.
+    let busy = at_target(20_000);
+    let r = refuse_forward(&req, &busy, p.as_mut(), w, 500.0, 1).expect("refused");
+    let fewest = fewest_uncached_tokens(2000, &busy);
+    let expected = cost_terms(2000, &busy[0], w, fewest).total_ms;
+    assert!((r.local_cost_ms - expected).abs() < 1e-9, "{r:?}");
+    assert!(r.local_cost_ms > 500.0);
+    assert_eq!(r.origin_cost_ms, 500.0);
+    assert!(
+        r.local_estimated_ttft_ms.is_some_and(|t| t > 1000.0),
+        "{r:?}"
+    );
+    // The same forward against a dearer origin is served.
+    assert_eq!(refuse_forward(&req, &busy, p.as_mut(), w, 1e9, 1), None);
+}
+
+#[test]
+fn only_the_millisecond_policies_refuse_and_never_without_a_usable_offer() {
+    let chain = chain_of(2000);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 2000,
+        session_key: None,
+    };
+    let busy = at_target(20_000);
+    for kind in PolicyKind::ALL {
+        let mut p = build(kind);
+        let refused = refuse_forward(&req, &busy, p.as_mut(), kind.default_weights(), 1.0, 1);
+        let refuses = matches!(kind, PolicyKind::Gorgo | PolicyKind::GorgoTtft);
+        assert_eq!(refused.is_some(), refuses, "{kind}");
+    }
+    let mut p = build(PolicyKind::Gorgo);
+    let w = Weights::default();
+    for bad in [f64::NAN, f64::INFINITY] {
+        assert_eq!(refuse_forward(&req, &busy, p.as_mut(), w, bad, 1), None);
+    }
+    // With its own engine down the target does not refuse: the decision says 503.
+    let mut down = busy.clone();
+    down[0].healthy = false;
+    assert_eq!(refuse_forward(&req, &down, p.as_mut(), w, 1.0, 1), None);
+}
+
+#[test]
+fn a_refused_forward_no_longer_counts_as_pending() {
+    let mut ledger = ForwardLedger::new();
+    let peer = "b".into();
+    ledger.record_forward(&peer, 1000, 10);
+    ledger.record_forward(&peer, 500, 20);
+    ledger.cancel_forward(&peer, 1000, 10);
+    assert_eq!(ledger.pending(&peer), (1, 500));
+    // Unknown forwards and peers change nothing.
+    ledger.cancel_forward(&peer, 1000, 10);
+    ledger.cancel_forward(&"c".into(), 500, 20);
+    assert_eq!(ledger.pending(&peer), (1, 500));
+}
+
+proptest! {
+    #[test]
+    fn a_forward_is_refused_exactly_when_the_local_cost_exceeds_the_offer(
+        cands in arb_candidates(),
+        prompt in 1u64..20_000,
+        offer in 0.0..20_000.0f64,
+        w_rtt in 0.05..4.0f64,
+        w_queue in 0.05..4.0f64,
+    ) {
+        let chain = chain_of(prompt.min(2000));
+        let req = RouteRequest { chain: &chain, prompt_tokens: prompt, session_key: None };
+        let w = Weights { w_rtt, w_queue };
+        let mut p = build(PolicyKind::Gorgo);
+        let refused = refuse_forward(&req, &cands, p.as_mut(), w, offer, 3);
+        match cands.iter().position(|c| c.is_local && c.healthy) {
+            None => prop_assert!(refused.is_none()),
+            Some(i) => {
+                let fewest = fewest_uncached_tokens(prompt, &cands);
+                let local = cost_terms(prompt, &cands[i], w, fewest).total_ms;
+                prop_assert_eq!(refused.is_some(), local > offer);
+                if let Some(r) = refused {
+                    prop_assert!(r.local_cost_ms > r.origin_cost_ms);
                 }
             }
         }

@@ -141,6 +141,9 @@ pub struct RoutedRequest {
     /// The cost weights to route with: the tuning epoch's, fixed at admission so the
     /// request is routed with the weights of the epoch it is attributed to.
     pub weights: gorgo_core::Weights,
+    /// For a peer's forward: what serving it at that peer would have cost, ms (this
+    /// node may refuse the forward against it, `routing.refuse_forwards`).
+    pub origin_cost_ms: Option<f64>,
 }
 
 /// Why a request could not be served; the ingress maps it to a status.
@@ -157,6 +160,10 @@ pub enum ServeError {
     /// No region of the cluster serves the model the request names (404
     /// `model_not_found`, as OpenAI answers); holds the model.
     ModelNotFound(String),
+    /// This node refused a peer's forward: serving it here would cost more than the
+    /// peer said serving it there would (503 on the forward stream, never to a client:
+    /// only forwards carry a cost to refuse against).
+    Refused(gorgo_core::decision::Refusal),
 }
 
 /// A response on its way to the client.
@@ -193,6 +200,7 @@ impl ServeError {
             ServeError::Timeout(_) => (StatusCode::GATEWAY_TIMEOUT, "timeout"),
             ServeError::ContextLength(_) => (StatusCode::BAD_REQUEST, "bad_request"),
             ServeError::ModelNotFound(_) => (StatusCode::NOT_FOUND, "model_not_found"),
+            ServeError::Refused(_) => (StatusCode::SERVICE_UNAVAILABLE, "refused"),
         }
     }
 
@@ -205,6 +213,10 @@ impl ServeError {
             | ServeError::ContextLength(m) => m.clone(),
             ServeError::ModelNotFound(model) => format!(
                 "The model `{model}` does not exist or is not served by any region of this cluster."
+            ),
+            ServeError::Refused(r) => format!(
+                "forward refused: {:.0} ms here against {:.0} ms at the forwarding node",
+                r.local_cost_ms, r.origin_cost_ms
             ),
         }
     }

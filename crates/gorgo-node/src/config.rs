@@ -372,6 +372,13 @@ pub struct RoutingSection {
     /// SGLang and llama.cpp do).
     #[serde(default)]
     pub unlisted_model: UnlistedModel,
+    /// Whether this node refuses a forward when serving it here would cost more than
+    /// the forwarding node said serving it there would (the forward carries that cost;
+    /// the forwarding node then serves the request itself). On by default: the target
+    /// knows its own queue now, the forwarding node only its last stats
+    /// (docs/policy.md, "Refusal at the target").
+    #[serde(default = "default_true")]
+    pub refuse_forwards: bool,
 }
 
 /// `routing.unlisted_model`: what a model that no region lists gets.
@@ -397,6 +404,7 @@ impl Default for RoutingSection {
             allow_policy_header: false,
             decision_log: default_decision_log(),
             unlisted_model: UnlistedModel::default(),
+            refuse_forwards: true,
         }
     }
 }
@@ -637,6 +645,9 @@ fn default_gossip_interval_ms() -> u64 {
 }
 fn default_policy() -> PolicyKind {
     PolicyKind::Gorgo
+}
+fn default_true() -> bool {
+    true
 }
 fn default_max_hops() -> u8 {
     1

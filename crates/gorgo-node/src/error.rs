@@ -20,6 +20,15 @@ pub enum NodeError {
     /// elsewhere.
     #[error("peer {0} declared dead before it answered")]
     PeerGone(gorgo_core::NodeId),
+    /// The peer refused the forward: serving it there would cost more than serving it
+    /// here (`gorgo_core::decision::refuse_forward`). Nothing reached the client.
+    #[error("peer {peer} refused the forward ({:.0} ms there against {:.0} ms here)", refusal.local_cost_ms, refusal.origin_cost_ms)]
+    Refused {
+        /// The peer.
+        peer: gorgo_core::NodeId,
+        /// Its figures.
+        refusal: gorgo_core::decision::Refusal,
+    },
     /// The trace exporter could not be built from `[telemetry]`.
     #[error("telemetry: {0}")]
     Telemetry(String),

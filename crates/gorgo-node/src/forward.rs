@@ -87,10 +87,14 @@ const END_ERR: u32 = u32::MAX;
 /// head fails with [`NodeError::PeerGone`] (`serve` falls back to serving it here),
 /// and a response already relaying ends with an error (the ingress sends the client an
 /// SSE error event).
+///
+/// `origin_cost_ms` is what serving the request here would cost; the peer may refuse
+/// the forward against it ([`NodeError::Refused`]).
 pub async fn forward(
     state: &Arc<NodeState>,
     peer: &NodeId,
     req: &RoutedRequest,
+    origin_cost_ms: Option<f64>,
 ) -> Result<Upstream, NodeError> {
     let timeout = Duration::from_millis(state.config.limits.first_byte_timeout_ms);
     // Taken before opening: a death while the stream opens counts too.
@@ -116,6 +120,7 @@ pub async fn forward(
             body: req.body.to_vec(),
             headers,
             model: req.model.clone(),
+            origin_cost_ms,
         };
         write_frame(&mut send, &msg).await?;
         let head: ForwardResponseHead = read_frame(&mut recv, MAX_RESPONSE_HEAD).await?;
@@ -128,6 +133,12 @@ pub async fn forward(
             NodeError::Cluster(format!("peer {peer} sent no response head in time"))
         })??,
     };
+    if let Some(refusal) = head.refusal {
+        return Err(NodeError::Refused {
+            peer: peer.clone(),
+            refusal,
+        });
+    }
     if head.status == 502 || head.status == 503 {
         // The peer could not serve after all (its engine failed or it is overloaded):
         // nothing reached the client yet, so the caller may still serve locally.
@@ -262,6 +273,7 @@ where
         origin: msg.origin,
         model: msg.model,
         weights: state.tuning.weights(),
+        origin_cost_ms: msg.origin_cost_ms.filter(|c| c.is_finite()),
     };
     tracing::debug!(%from, request_id = req.request_id, hops = req.hops, "forward received");
     // The origin keeps its half open until the response ends; reading EOF (or an error)
@@ -280,6 +292,20 @@ where
     };
     let up = match served {
         Ok(up) => up,
+        Err(ServeError::Refused(refusal)) => {
+            let head = ForwardResponseHead {
+                status: 503,
+                headers: Vec::new(),
+                served_by: NodeId(state.config.node.region.clone()),
+                hops: req.hops,
+                refusal: Some(refusal),
+            };
+            if write_frame(&mut send, &head).await.is_ok() {
+                let _ = send.write_all(&END_OK.to_be_bytes()).await;
+                let _ = send.shutdown().await;
+            }
+            return;
+        }
         Err(e) => {
             let status = e.status().0.as_u16();
             let _ = write_error_head(&mut send, &state, status, req.hops, &e.message()).await;
@@ -291,6 +317,7 @@ where
         headers: up.headers,
         served_by: NodeId(up.served_by),
         hops: up.hops,
+        refusal: None,
     };
     if write_frame(&mut send, &head).await.is_err() {
         return;
@@ -354,6 +381,7 @@ async fn write_error_head(
         headers: vec![("content-type".into(), "application/json".into())],
         served_by: NodeId(state.config.node.region.clone()),
         hops,
+        refusal: None,
     };
     write_frame(send, &head).await?;
     let body = error_json(status, message);
@@ -378,6 +406,7 @@ mod tests {
             body: br#"{"prompt":"hello world"}"#.to_vec(),
             headers: vec![("content-type".into(), "application/json".into())],
             model: None,
+            origin_cost_ms: Some(12.5),
         }
     }
 

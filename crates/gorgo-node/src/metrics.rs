@@ -71,6 +71,8 @@ pub struct NodeMetrics {
     pub forwards: Family<ForwardLabels, Counter>,
     /// Forwards received from peers.
     pub forwards_received: Counter,
+    /// Forwards from peers this node refused (serving them here would cost more).
+    pub forwards_refused: Counter,
     /// Cost terms of the chosen candidate, seconds.
     pub cost_terms: Family<TermLabels, Histogram>,
     /// Gossip bytes sent.
@@ -279,6 +281,12 @@ impl NodeMetrics {
             "Forwards received from peers",
             forwards_received.clone(),
         );
+        let forwards_refused = Counter::default();
+        registry.register(
+            "forwards_refused",
+            "Forwards from peers refused: serving them here would cost more than at the forwarding node",
+            forwards_refused.clone(),
+        );
         // 1 ms to about 33 s.
         let cost_terms = Family::<TermLabels, Histogram>::new_with_constructor(
             (|| Histogram::new(exponential_buckets(0.001, 2.0, 16))) as fn() -> Histogram,
@@ -420,6 +428,7 @@ impl NodeMetrics {
             e2e,
             forwards,
             forwards_received,
+            forwards_refused,
             cost_terms,
             gossip_bytes_sent,
             gossip_bytes_received,

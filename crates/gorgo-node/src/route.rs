@@ -6,7 +6,7 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use gorgo_core::cost::{Candidate, ForwardLedger};
-use gorgo_core::decision::{decide, CandidateExplain};
+use gorgo_core::decision::{decide, refuse_forward, CandidateExplain, Refusal};
 use gorgo_core::policy::{build, Policy, PolicyKind, RouteRequest};
 use gorgo_core::{HashChain, NodeId, Weights};
 use parking_lot::Mutex;
@@ -205,6 +205,96 @@ impl Router {
             log.push_back(record.clone());
         }
         (target, record)
+    }
+
+    /// Check a peer's forward against the cost it said serving it there would have
+    /// (`gorgo_core::decision::refuse_forward`). A refusal is logged as a decision with
+    /// no winner and reason `refused`, each candidate's terms shown.
+    pub fn refuse(
+        &self,
+        input: &DecisionInput<'_>,
+        candidates: &[Candidate],
+        origin_cost_ms: f64,
+    ) -> Option<Refusal> {
+        let req = RouteRequest {
+            chain: input.chain,
+            prompt_tokens: input.prompt_tokens,
+            session_key: input.session_key,
+        };
+        let rng = self.next_random();
+        let refusal = {
+            let mut policies = self.policies.lock();
+            let policy = policies
+                .entry(input.policy)
+                .or_insert_with(|| build(input.policy));
+            let refusal = refuse_forward(
+                &req,
+                candidates,
+                policy.as_mut(),
+                input.weights,
+                origin_cost_ms,
+                rng,
+            )?;
+            // The terms of every candidate, for the log (the policy's own numbers).
+            let terms = policy.choose(&req, candidates, input.weights, rng).terms;
+            (refusal, terms)
+        };
+        let (refusal, terms) = refusal;
+        let record = DecisionRecord {
+            request_id: input.request_id,
+            at_ms: input.now_ms,
+            policy: input.policy,
+            hops: input.hops,
+            prompt_tokens: input.prompt_tokens,
+            weights: input.weights,
+            candidates: candidates
+                .iter()
+                .enumerate()
+                .map(|(i, c)| CandidateExplain {
+                    node: c.node.clone(),
+                    is_local: c.is_local,
+                    healthy: c.healthy,
+                    chosen: false,
+                    rtt_ms: c.rtt_ms,
+                    cached_tokens: c.cached_tokens,
+                    terms: terms.as_ref().and_then(|t| t.get(i).copied()),
+                })
+                .collect(),
+            winner: None,
+            reason: "refused".to_owned(),
+        };
+        let mut log = self.log.lock();
+        if log.len() >= self.log_capacity {
+            log.pop_front();
+        }
+        log.push_back(record);
+        Some(refusal)
+    }
+
+    /// `peer` refused a forward decided by `record`: it no longer counts as pending
+    /// there, and the peer's forward bias learns from the refusal as from a first
+    /// byte, with the peer's own estimate in place of the TTFT (`elapsed_ms` since the
+    /// decision, plus what the peer estimated serving it would take).
+    pub fn forward_refused(
+        &self,
+        peer: &NodeId,
+        record: &DecisionRecord,
+        refusal: &Refusal,
+        elapsed_ms: f64,
+        now_ms: u64,
+    ) {
+        let chosen = record.candidates.iter().find(|c| c.chosen);
+        let cached = chosen.map_or(0, |c| c.cached_tokens);
+        let mut ledger = self.ledger.lock();
+        ledger.cancel_forward(
+            peer,
+            record.prompt_tokens.saturating_sub(cached),
+            record.at_ms,
+        );
+        let predicted = chosen.and_then(|c| c.terms?.estimated_ttft_ms);
+        if let (Some(predicted), Some(estimate)) = (predicted, refusal.local_estimated_ttft_ms) {
+            ledger.observe_forward_ttft(peer, predicted, elapsed_ms + estimate, now_ms);
+        }
     }
 }
 

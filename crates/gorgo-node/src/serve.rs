@@ -15,6 +15,7 @@ use crate::api::{
     RoutedRequest, ServeError, Upstream, PASS_RESPONSE_HEADERS, PREDICTED_TTFT_HEADER,
 };
 use crate::config::UnlistedModel;
+use crate::error::NodeError;
 use crate::forward::forward;
 use crate::route::{DecisionInput, Target};
 use crate::{telemetry, NodeState};
@@ -159,13 +160,30 @@ async fn route_and_serve(
         weights: req.weights,
         now_ms: state.now_ms(),
     };
-    let (target, record) = telemetry::decide_span(&state.id, policy).in_scope(|| {
+    let decided = telemetry::decide_span(&state.id, policy).in_scope(|| {
         let cands = candidates(state, req, local_excluded);
+        // A peer's forward, checked against what the peer said serving it there costs.
+        if let Some(origin_cost) = req
+            .origin_cost_ms
+            .filter(|_| state.config.routing.refuse_forwards && req.hops >= input.max_hops)
+        {
+            if let Some(refusal) = state.router.refuse(&input, &cands, origin_cost) {
+                return Err(refusal);
+            }
+        }
         let count = cands.len();
         let (target, record) = state.router.decide(&input, cands);
         telemetry::record_decision(count, &state.id, &target, &record.reason);
-        (target, record)
+        Ok((target, record))
     });
+    let (target, record) = match decided {
+        Ok(d) => d,
+        Err(refusal) => {
+            state.metrics.forwards_refused.inc();
+            tracing::debug!(request_id = req.request_id, origin = %req.origin, ?refusal, "forward refused");
+            return Err(ServeError::Refused(refusal));
+        }
+    };
     if let Some(terms) = record
         .candidates
         .iter()
@@ -180,16 +198,38 @@ async fn route_and_serve(
         .find(|c| c.chosen)
         .and_then(|c| c.terms?.estimated_ttft_ms);
     let decided = Instant::now();
+    // What serving here costs, sent with a forward so the peer can refuse it; not when
+    // this node cannot serve it itself.
+    let origin_cost = if local_excluded {
+        None
+    } else {
+        record
+            .candidates
+            .iter()
+            .find(|c| c.is_local && c.healthy)
+            .and_then(|c| c.terms)
+            .map(|t| t.total_ms)
+            .filter(|v| v.is_finite())
+    };
     tracing::debug!(request_id = req.request_id, ?target, reason = %record.reason, "decided");
     let served = match target {
         Target::Nothing => Err(ServeError::Unavailable(
             "no healthy engine and no live peer".into(),
         )),
         Target::Local => serve_local(state, req).await,
-        Target::Peer(peer) => match forward(state, &peer, req).await {
+        Target::Peer(peer) => match forward(state, &peer, req, origin_cost).await {
             Ok(up) => {
                 state.metrics.forward(&peer.0, "ok");
                 Ok(learn_forward_bias(state, peer, predicted, decided, up))
+            }
+            Err(NodeError::Refused { refusal, .. }) if !local_excluded => {
+                tracing::debug!(request_id = req.request_id, %peer, ?refusal, "forward refused; serving locally");
+                state.metrics.forward(&peer.0, "refused");
+                let elapsed_ms = decided.elapsed().as_secs_f64() * 1000.0;
+                state
+                    .router
+                    .forward_refused(&peer, &record, &refusal, elapsed_ms, state.now_ms());
+                serve_local(state, req).await
             }
             Err(e) => {
                 tracing::warn!(request_id = req.request_id, %peer, error = %e, "forward failed before first byte; serving locally");

@@ -306,3 +306,66 @@ async fn a_draining_peer_gets_no_new_forwards_but_finishes_what_it_has() {
     let rest = or_hang("b's last stream", rest_of(resp)).await;
     assert!(rest.ends_with("data: [DONE]\n\n"), "{rest}");
 }
+
+/// a weighs queues lightly, b heavily: with both engines queued, a forwards to b (it
+/// holds the prefix) what b, judging its own queue, would serve later than a.
+async fn refusing_cluster(b_refuses: bool) -> Cluster {
+    let rtts = [("a", "b", 150.0), ("a", "c", 200.0), ("b", "c", 250.0)];
+    mesh_cluster(&IDS, &rtts, |id| match id {
+        "a" => "[routing]\nweights = { w_rtt = 1.0, w_queue = 0.05 }\n".to_owned(),
+        "b" => format!(
+            "[routing]\nweights = {{ w_rtt = 1.0, w_queue = 4.0 }}\nrefuse_forwards = {b_refuses}\n"
+        ),
+        _ => String::new(),
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_forward_the_target_would_serve_later_is_refused_and_served_at_its_origin() {
+    let c = refusing_cluster(true).await;
+    let p = b_prompt();
+    assert_eq!(chat(&c.nodes[1], &p).await, (200, "b".into(), 0));
+    c.saturate(0, 50).await;
+    c.saturate(1, 50).await;
+    let (status, served, _) = chat(&c.nodes[0], &p).await;
+    assert_eq!((status, served.as_str()), (200, "a"));
+    assert_eq!(
+        c.engines[1].requests(),
+        1,
+        "b's engine never saw the forward"
+    );
+    // a decided to forward to b; b's log shows the refusal with its terms.
+    let d = admin_json(&c.nodes[0], "/admin/decisions?limit=1").await;
+    assert_eq!(d[0]["winner"], "b");
+    let d = admin_json(&c.nodes[1], "/admin/decisions?limit=1").await;
+    assert_eq!(d[0]["reason"], "refused");
+    assert!(d[0]["winner"].is_null());
+    let local = d[0]["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["is_local"] == true)
+        .unwrap();
+    assert!(local["terms"]["total_ms"].as_f64().unwrap() > 0.0);
+    let m = metrics_text(&c.nodes[0]).await;
+    assert!(
+        m.contains(r#"gorgo_forwards_total{peer="b",result="refused"} 1"#),
+        "{m}"
+    );
+    let m = metrics_text(&c.nodes[1]).await;
+    assert!(m.contains("gorgo_forwards_refused_total 1"), "{m}");
+    // Nothing of the refused forward stays pending at a.
+    let pending = c.nodes[0].state().router.ledger.lock().pending(&"b".into());
+    assert_eq!(pending, (0, 0));
+}
+
+#[tokio::test]
+async fn a_node_with_refusals_off_serves_every_forward() {
+    let c = refusing_cluster(false).await;
+    let p = b_prompt();
+    chat(&c.nodes[1], &p).await;
+    c.saturate(0, 50).await;
+    c.saturate(1, 50).await;
+    assert_eq!(chat(&c.nodes[0], &p).await, (200, "b".into(), 1));
+}

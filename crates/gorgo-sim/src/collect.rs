@@ -56,6 +56,8 @@ pub struct SimCounters {
     pub failed: u64,
     /// Requests served outside their home region.
     pub forwarded: u64,
+    /// Forwards their target refused (served at the forwarding node instead).
+    pub refused_forwards: u64,
     /// Largest hop count any request reached.
     pub max_hops_seen: u8,
     /// Engine first-token events (one per served request).

@@ -20,7 +20,7 @@ use gorgo_core::accounting::{
 };
 use gorgo_core::candidates::{build_candidates, LocalState, PeerState};
 use gorgo_core::cost::{Candidate, ForwardLedger};
-use gorgo_core::decision::decide;
+use gorgo_core::decision::{decide, refuse_forward};
 use gorgo_core::es::{TrialDesign, TuningConfig};
 use gorgo_core::fit::FitConfig;
 use gorgo_core::gossip::{self as core_gossip, GossipConfig, GossipSender, PeerGossip};
@@ -118,6 +118,10 @@ pub struct SimConfig {
     pub kv_events: bool,
     /// The engine-to-node transit delay of the KV events, ms.
     pub kv_events_delay_ms: f64,
+    /// Targets check forwards against the forwarding node's own cost and refuse the
+    /// ones they would serve at a higher cost ([`refuse_forward`]; the node's
+    /// `routing.refuse_forwards`).
+    pub refuse_forwards: bool,
 }
 
 /// Bytes the live cluster puts before each gossip message on its uni-stream (kind
@@ -164,6 +168,7 @@ impl SimConfig {
             summary_sample: SampleSetting::Auto,
             kv_events: false,
             kv_events_delay_ms: 2.0,
+            refuse_forwards: true,
         }
     }
 
@@ -274,6 +279,8 @@ enum Ev {
     FirstByte(u32),
     /// A region's engine's KV events reach its node (`kv_events`).
     KvEvents(u8),
+    /// The target's refusal of a forward reached the node that forwarded it.
+    Refused(u32),
 }
 
 struct Scheduled {
@@ -350,6 +357,9 @@ struct Flight {
     first_byte_due_ms: Option<f64>,
     /// The cached tokens the client's node believed its chosen candidate holds.
     predicted_cached_tokens: Option<u64>,
+    /// What the client's node said serving it itself would cost, sent with a forward
+    /// (`SimConfig::refuse_forwards`, [`refuse_forward`]).
+    origin_cost_ms: Option<f64>,
 }
 
 enum Payload {
@@ -652,6 +662,7 @@ impl<'a> Sim<'a> {
                 Ev::Tick(r) => self.tick(r as usize, at),
                 Ev::Scrape(r) => self.scrape(r as usize, at),
                 Ev::FirstByte(slot) => self.first_byte(slot, at),
+                Ev::Refused(slot) => self.refused(slot, at),
                 Ev::Deliver(m) => self.deliver(m, at),
                 Ev::Complete(slot) => self.complete(slot, at),
                 Ev::KvEvents(r) => self.kv_events(r as usize, at),
@@ -724,6 +735,7 @@ impl<'a> Sim<'a> {
             cached_tokens: 0,
             predicted_ttft_ms: None,
             forwarded_ms: None,
+            origin_cost_ms: None,
             first_byte_due_ms: None,
             predicted_cached_tokens: None,
             first_token_seen: false,
@@ -953,6 +965,11 @@ impl<'a> Sim<'a> {
                 .find(|c| c.chosen)
                 .and_then(|c| c.terms?.estimated_ttft_ms)
         });
+        let origin_cost = outcome
+            .as_ref()
+            .ok()
+            .filter(|_| hops == 0 && self.cfg.refuse_forwards && self.oracle.is_none())
+            .and_then(|d| d.local_cost_ms());
         let target = outcome.map(|d| {
             (
                 cand_regions[d.target_index],
@@ -992,6 +1009,7 @@ impl<'a> Sim<'a> {
                 let f = self.flight_mut(slot);
                 if hops == 0 {
                     f.forwarded_ms = Some(now);
+                    f.origin_cost_ms = origin_cost;
                 }
                 f.chain = chain;
                 f.transit_tokens = uncached;
@@ -1014,9 +1032,84 @@ impl<'a> Sim<'a> {
             o.in_transit[t].0 = o.in_transit[t].0.saturating_sub(1);
             o.in_transit[t].1 = o.in_transit[t].1.saturating_sub(uncached);
             self.dispatch(slot, t, now);
-        } else {
+        } else if !self.refuse(slot, t, now) {
             self.route_at(slot, t, now);
         }
+    }
+
+    /// As a live node's forward server does before serving a forward: refuse it when
+    /// serving it here costs more than the forwarding node's alternative
+    /// ([`refuse_forward`]); the refusal travels back ([`Ev::Refused`]). True when
+    /// refused.
+    fn refuse(&mut self, slot: u32, t: usize, now: f64) -> bool {
+        let Some(origin_cost) = self.flight(slot).origin_cost_ms else {
+            return false;
+        };
+        let chain = std::mem::take(&mut self.flight_mut(slot).chain);
+        let (cands, _) = self.candidates(t, &chain, now);
+        let f = self.flight(slot);
+        let req = RouteRequest {
+            chain: &chain,
+            prompt_tokens: f.prompt_tokens,
+            session_key: f.session_key,
+        };
+        let weights = self.nodes[t]
+            .tuner
+            .as_ref()
+            .map_or(self.default_weights(), |tu| tu.weights());
+        let rng = self.rng.next_u64();
+        let refusal = refuse_forward(
+            &req,
+            &cands,
+            self.nodes[t].policy.as_mut(),
+            weights,
+            origin_cost,
+            rng,
+        );
+        self.flight_mut(slot).chain = chain;
+        let Some(refusal) = refusal else {
+            return false;
+        };
+        self.out.run.counters.refused_forwards += 1;
+        let f = self.flight_mut(slot);
+        f.first_byte_due_ms = None;
+        f.origin_cost_ms = None;
+        let (home, sent, pred) = (f.home as usize, f.forwarded_ms, f.predicted_ttft_ms);
+        let back = self.link_delay(t, home);
+        // The refusal carries the target's own estimate: the forwarding node learns
+        // its forward bias from it as from a first byte.
+        if let (Some(sent), Some(pred), Some(est)) = (sent, pred, refusal.local_estimated_ttft_ms) {
+            let measured = now + back - sent + est;
+            let peer = self.node_ids[t].clone();
+            self.nodes[home].ledger.observe_forward_ttft(
+                &peer,
+                pred as f64,
+                measured,
+                (now + back) as u64,
+            );
+        }
+        self.push(now + back, Ev::Refused(slot));
+        true
+    }
+
+    /// A refusal reached the forwarding node: it serves the request itself (and, as
+    /// the live node's `x-gorgo-hops`, reports it unforwarded).
+    fn refused(&mut self, slot: u32, now: f64) {
+        self.flight_mut(slot).hops = 0;
+        let f = self.flight(slot);
+        let (home, t, sent, tokens) = (
+            f.home as usize,
+            f.served.expect("set when forwarded") as usize,
+            f.forwarded_ms,
+            f.transit_tokens,
+        );
+        if let Some(sent) = sent {
+            let peer = self.node_ids[t].clone();
+            self.nodes[home]
+                .ledger
+                .cancel_forward(&peer, tokens, sent as u64);
+        }
+        self.dispatch(slot, home, now);
     }
 
     /// Submit a request to region `r`'s engine.

@@ -118,6 +118,27 @@ fn every_policy_conserves_requests() {
 }
 
 #[test]
+fn refused_forwards_are_served_at_home_exactly_once() {
+    let t = trace(1, 120.0, 40);
+    let mut cfg = config();
+    cfg.time_scale = 0.25;
+    for refuse in [true, false] {
+        cfg.refuse_forwards = refuse;
+        for kind in [
+            PolicyKind::Gorgo,
+            PolicyKind::GorgoTtft,
+            PolicyKind::CacheAware,
+        ] {
+            let r = run(&cfg, kind, &t);
+            check_conservation(&cfg, &r, t.len());
+            let refused = r.counters.refused_forwards;
+            let refuses = refuse && kind != PolicyKind::CacheAware;
+            assert_eq!(refused > 0, refuses, "{kind} refuse={refuse}: {refused}");
+        }
+    }
+}
+
+#[test]
 fn cache_pressure_evicts_but_never_overflows() {
     let t = trace(2, 120.0, 60);
     let mut cfg = config();
