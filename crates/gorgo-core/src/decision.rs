@@ -186,6 +186,12 @@ pub struct Refusal {
     pub origin_cost_ms: f64,
 }
 
+/// How much dearer than the forwarding node's offer serving here must be before a
+/// forward is refused, as a fraction of the offer: the cost model's own relative noise
+/// ([`crate::fit::DEFAULT_NOISE_CV`]). The offer is also stale by the forward's round
+/// trip: at a burst the forwarding node has taken more of it itself since.
+pub const REFUSAL_MARGIN: f64 = crate::fit::DEFAULT_NOISE_CV;
+
 /// Check a forward where it arrived, before it is served (`hops >= max_hops`).
 ///
 /// Why: a node forwards on its peers' last gossiped stats, which cannot show what
@@ -194,10 +200,11 @@ pub struct Refusal {
 /// (docs/policy.md, "Refusal at the target"). The target knows its own queue now. The
 /// forwarding node sends the cost of its alternative, serving the request itself
 /// (`origin_cost_ms`, the total of its local candidate), and the target refuses when
-/// its own local cost under `policy` is higher: the request then goes back and is
-/// served at the forwarding node. Both ways the response travels the same link back,
-/// so the comparison needs no RTT term. A refusal happens at most once per request:
-/// the forwarding node serves a refused request itself.
+/// its own local cost under `policy` is higher by more than the cost model's noise
+/// ([`REFUSAL_MARGIN`]): the request then goes back and is served at the forwarding
+/// node. Both ways the response travels the same link back, so the comparison needs
+/// no RTT term. A refusal happens at most once per request: the forwarding node
+/// serves a refused request itself.
 ///
 /// `None` (serve here) for policies without a millisecond cost (only `gorgo` and
 /// `gorgo-ttft` refuse), a non-finite offer, or no healthy local candidate (the
@@ -218,7 +225,7 @@ pub fn refuse_forward(
     let local = candidates.iter().position(|c| c.is_local && c.healthy)?;
     let choice = policy.choose(req, candidates, weights, rng_u64);
     let terms = choice.terms?.get(local).copied()?;
-    (terms.total_ms > origin_cost_ms).then_some(Refusal {
+    (terms.total_ms > origin_cost_ms * (1.0 + REFUSAL_MARGIN)).then_some(Refusal {
         local_cost_ms: terms.total_ms,
         local_estimated_ttft_ms: terms.estimated_ttft_ms,
         origin_cost_ms,

@@ -96,8 +96,13 @@ pub struct FitConfig {
     pub noise_cv: f64,
 }
 
+/// The default [`FitConfig::noise_cv`]: a TTFT prediction is trusted to about a
+/// quarter of itself. Forward refusals use the same figure as their margin
+/// ([`crate::decision::refuse_forward`]).
+pub const DEFAULT_NOISE_CV: f64 = 0.25;
+
 fn default_noise_cv() -> f64 {
-    0.25
+    DEFAULT_NOISE_CV
 }
 
 /// Smallest observation noise assumed, ms (a tiny prediction is not that precise).
