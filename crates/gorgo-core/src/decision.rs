@@ -208,7 +208,8 @@ pub const REFUSAL_MARGIN: f64 = crate::fit::DEFAULT_NOISE_CV;
 ///
 /// `None` (serve here) for policies without a millisecond cost (only `gorgo` and
 /// `gorgo-ttft` refuse), a non-finite offer, or no healthy local candidate (the
-/// decision reports that).
+/// decision reports that). A refusal comes with every candidate as the check saw it
+/// (none chosen), for `/admin/decisions`.
 pub fn refuse_forward(
     req: &RouteRequest<'_>,
     candidates: &[Candidate],
@@ -216,7 +217,7 @@ pub fn refuse_forward(
     weights: Weights,
     origin_cost_ms: f64,
     rng_u64: u64,
-) -> Option<Refusal> {
+) -> Option<(Refusal, Vec<CandidateExplain>)> {
     if !matches!(policy.kind(), PolicyKind::Gorgo | PolicyKind::GorgoTtft)
         || !origin_cost_ms.is_finite()
     {
@@ -224,12 +225,17 @@ pub fn refuse_forward(
     }
     let local = candidates.iter().position(|c| c.is_local && c.healthy)?;
     let choice = policy.choose(req, candidates, weights, rng_u64);
-    let terms = choice.terms?.get(local).copied()?;
-    (terms.total_ms > origin_cost_ms * (1.0 + REFUSAL_MARGIN)).then_some(Refusal {
+    let all = choice.terms?;
+    let terms = all.get(local).copied()?;
+    if terms.total_ms <= origin_cost_ms * (1.0 + REFUSAL_MARGIN) {
+        return None;
+    }
+    let refusal = Refusal {
         local_cost_ms: terms.total_ms,
         local_estimated_ttft_ms: terms.estimated_ttft_ms,
         origin_cost_ms,
-    })
+    };
+    Some((refusal, explain(candidates, Some(&all), None)))
 }
 
 impl Decision {

@@ -580,7 +580,9 @@ fn a_forward_is_refused_only_when_serving_it_costs_more_than_at_its_origin() {
     assert_eq!(refuse_forward(&req, &idle, p.as_mut(), w, 500.0, 1), None);
     // 20,000 tokens ahead at the target (about 1.9 s): refused, with its figures.
     let busy = at_target(20_000);
-    let r = refuse_forward(&req, &busy, p.as_mut(), w, 500.0, 1).expect("refused");
+    let (r, explained) = refuse_forward(&req, &busy, p.as_mut(), w, 500.0, 1).expect("refused");
+    assert_eq!(explained.len(), busy.len());
+    assert!(explained.iter().all(|c| !c.chosen && c.terms.is_some()));
     let fewest = fewest_uncached_tokens(2000, &busy);
     let expected = cost_terms(2000, &busy[0], w, fewest).total_ms;
     assert!((r.local_cost_ms - expected).abs() < 1e-9, "{r:?}");
@@ -650,7 +652,7 @@ proptest! {
         let req = RouteRequest { chain: &chain, prompt_tokens: prompt, session_key: None };
         let w = Weights { w_rtt, w_queue };
         let mut p = build(PolicyKind::Gorgo);
-        let refused = refuse_forward(&req, &cands, p.as_mut(), w, offer, 3);
+        let refused = refuse_forward(&req, &cands, p.as_mut(), w, offer, 3).map(|(r, _)| r);
         match cands.iter().position(|c| c.is_local && c.healthy) {
             None => prop_assert!(refused.is_none()),
             Some(i) => {

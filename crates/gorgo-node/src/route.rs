@@ -133,27 +133,19 @@ impl Router {
         input: &DecisionInput<'_>,
         candidates: Vec<Candidate>,
     ) -> (Target, DecisionRecord) {
-        let req = RouteRequest {
-            chain: input.chain,
-            prompt_tokens: input.prompt_tokens,
-            session_key: input.session_key,
-        };
+        let req = route_request(input);
         let rng = self.next_random();
-        let outcome = {
-            let mut policies = self.policies.lock();
-            let policy = policies
-                .entry(input.policy)
-                .or_insert_with(|| build(input.policy));
+        let outcome = self.with_policy(input.policy, |policy| {
             decide(
                 &req,
                 input.hops,
                 input.max_hops,
                 &candidates,
-                policy.as_mut(),
+                policy,
                 input.weights,
                 rng,
             )
-        };
+        });
         let (target, explain, winner, reason) = match outcome {
             Ok(d) => {
                 let reason = serde_json::to_value(d.reason)
@@ -186,24 +178,8 @@ impl Router {
                 input.now_ms,
             );
         }
-        let record = DecisionRecord {
-            request_id: input.request_id,
-            at_ms: input.now_ms,
-            policy: input.policy,
-            hops: input.hops,
-            prompt_tokens: input.prompt_tokens,
-            weights: input.weights,
-            candidates: explain,
-            winner,
-            reason,
-        };
-        {
-            let mut log = self.log.lock();
-            if log.len() >= self.log_capacity {
-                log.pop_front();
-            }
-            log.push_back(record.clone());
-        }
+        let record = record(input, explain, winner, reason);
+        self.log(record.clone());
         (target, record)
     }
 
@@ -216,59 +192,29 @@ impl Router {
         candidates: &[Candidate],
         origin_cost_ms: f64,
     ) -> Option<Refusal> {
-        let req = RouteRequest {
-            chain: input.chain,
-            prompt_tokens: input.prompt_tokens,
-            session_key: input.session_key,
-        };
+        let req = route_request(input);
         let rng = self.next_random();
-        let refusal = {
-            let mut policies = self.policies.lock();
-            let policy = policies
-                .entry(input.policy)
-                .or_insert_with(|| build(input.policy));
-            let refusal = refuse_forward(
-                &req,
-                candidates,
-                policy.as_mut(),
-                input.weights,
-                origin_cost_ms,
-                rng,
-            )?;
-            // The terms of every candidate, for the log (the policy's own numbers).
-            let terms = policy.choose(&req, candidates, input.weights, rng).terms;
-            (refusal, terms)
-        };
-        let (refusal, terms) = refusal;
-        let record = DecisionRecord {
-            request_id: input.request_id,
-            at_ms: input.now_ms,
-            policy: input.policy,
-            hops: input.hops,
-            prompt_tokens: input.prompt_tokens,
-            weights: input.weights,
-            candidates: candidates
-                .iter()
-                .enumerate()
-                .map(|(i, c)| CandidateExplain {
-                    node: c.node.clone(),
-                    is_local: c.is_local,
-                    healthy: c.healthy,
-                    chosen: false,
-                    rtt_ms: c.rtt_ms,
-                    cached_tokens: c.cached_tokens,
-                    terms: terms.as_ref().and_then(|t| t.get(i).copied()),
-                })
-                .collect(),
-            winner: None,
-            reason: "refused".to_owned(),
-        };
+        let (refusal, explained) = self.with_policy(input.policy, |policy| {
+            refuse_forward(&req, candidates, policy, input.weights, origin_cost_ms, rng)
+        })?;
+        self.log(record(input, explained, None, "refused".to_owned()));
+        Some(refusal)
+    }
+
+    /// Run `f` with this router's instance of `kind` (built on first use).
+    fn with_policy<R>(&self, kind: PolicyKind, f: impl FnOnce(&mut dyn Policy) -> R) -> R {
+        let mut policies = self.policies.lock();
+        let policy = policies.entry(kind).or_insert_with(|| build(kind));
+        f(policy.as_mut())
+    }
+
+    /// Keep `record` in the bounded decision log.
+    fn log(&self, record: DecisionRecord) {
         let mut log = self.log.lock();
         if log.len() >= self.log_capacity {
             log.pop_front();
         }
         log.push_back(record);
-        Some(refusal)
     }
 
     /// `peer` refused a forward decided by `record`: it no longer counts as pending
@@ -295,6 +241,35 @@ impl Router {
         if let (Some(predicted), Some(estimate)) = (predicted, refusal.local_estimated_ttft_ms) {
             ledger.observe_forward_ttft(peer, predicted, elapsed_ms + estimate, now_ms);
         }
+    }
+}
+
+/// The core's view of the request being decided.
+fn route_request<'a>(input: &DecisionInput<'a>) -> RouteRequest<'a> {
+    RouteRequest {
+        chain: input.chain,
+        prompt_tokens: input.prompt_tokens,
+        session_key: input.session_key,
+    }
+}
+
+/// The log entry of a decision (or refusal) about `input`.
+fn record(
+    input: &DecisionInput<'_>,
+    candidates: Vec<CandidateExplain>,
+    winner: Option<NodeId>,
+    reason: String,
+) -> DecisionRecord {
+    DecisionRecord {
+        request_id: input.request_id,
+        at_ms: input.now_ms,
+        policy: input.policy,
+        hops: input.hops,
+        prompt_tokens: input.prompt_tokens,
+        weights: input.weights,
+        candidates,
+        winner,
+        reason,
     }
 }
 

@@ -1067,7 +1067,7 @@ impl<'a> Sim<'a> {
             rng,
         );
         self.flight_mut(slot).chain = chain;
-        let Some(refusal) = refusal else {
+        let Some((refusal, _)) = refusal else {
             return false;
         };
         self.out.run.counters.refused_forwards += 1;
