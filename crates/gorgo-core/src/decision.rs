@@ -173,6 +173,28 @@ pub fn decide(
     }
 }
 
+/// What a forwarding node offers the target as its alternative: its own cost of
+/// serving the request, and the weights it priced it with, so that the target prices
+/// its own cost on the same scale (under online tuning a request's weights are its
+/// trial arm's, which need not be the target's incumbent).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ForwardOffer {
+    /// The `gorgo` total of the forwarding node's local candidate, ms.
+    pub cost_ms: f64,
+    /// The weights of that decision.
+    pub weights: Weights,
+}
+
+impl ForwardOffer {
+    /// An offer, when its figures can be compared with: a finite, non-negative cost
+    /// and finite, positive weights (a peer's garbage is ignored, not refused on).
+    pub fn new(cost_ms: f64, weights: Weights) -> Option<Self> {
+        let ok = |v: f64| v.is_finite() && v > 0.0;
+        (cost_ms.is_finite() && cost_ms >= 0.0 && ok(weights.w_rtt) && ok(weights.w_queue))
+            .then_some(ForwardOffer { cost_ms, weights })
+    }
+}
+
 /// A forward the target declined before serving a byte of it: serving it there would
 /// cost more than the forwarding node's own engine, as the target sees its queue now.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -199,8 +221,9 @@ pub const REFUSAL_MARGIN: f64 = crate::fit::DEFAULT_NOISE_CV;
 /// on bursty traffic forwards met queues about 40% longer than predicted
 /// (docs/policy.md, "Refusal at the target"). The target knows its own queue now. The
 /// forwarding node sends the cost of its alternative, serving the request itself
-/// (`origin_cost_ms`, the total of its local candidate), and the target refuses when
-/// its own local cost under `policy` is higher by more than the cost model's noise
+/// ([`ForwardOffer`]: the total of its local candidate and the weights it used), and
+/// the target refuses when its own local cost under `policy` and the same weights is
+/// higher by more than the cost model's noise
 /// ([`REFUSAL_MARGIN`]): the request then goes back and is served at the forwarding
 /// node. Both ways the response travels the same link back, so the comparison needs
 /// no RTT term. A refusal happens at most once per request: the forwarding node
@@ -214,17 +237,17 @@ pub fn refuse_forward(
     req: &RouteRequest<'_>,
     candidates: &[Candidate],
     policy: &mut dyn Policy,
-    weights: Weights,
-    origin_cost_ms: f64,
+    offer: &ForwardOffer,
     rng_u64: u64,
 ) -> Option<(Refusal, Vec<CandidateExplain>)> {
+    let origin_cost_ms = offer.cost_ms;
     if !matches!(policy.kind(), PolicyKind::Gorgo | PolicyKind::GorgoTtft)
         || !origin_cost_ms.is_finite()
     {
         return None;
     }
     let local = candidates.iter().position(|c| c.is_local && c.healthy)?;
-    let choice = policy.choose(req, candidates, weights, rng_u64);
+    let choice = policy.choose(req, candidates, offer.weights, rng_u64);
     let all = choice.terms?;
     let terms = all.get(local).copied()?;
     if terms.total_ms <= origin_cost_ms * (1.0 + REFUSAL_MARGIN) {
@@ -240,8 +263,8 @@ pub fn refuse_forward(
 
 impl Decision {
     /// The cost of serving at the deciding node itself (its local candidate's `gorgo`
-    /// total), when the policy computed one: what a forward carries as its
-    /// `origin_cost_ms` ([`refuse_forward`]).
+    /// total), when the policy computed one: what a forward offers
+    /// ([`ForwardOffer`], [`refuse_forward`]).
     pub fn local_cost_ms(&self) -> Option<f64> {
         self.candidates
             .iter()

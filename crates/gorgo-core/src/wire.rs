@@ -153,10 +153,10 @@ pub struct ForwardRequest {
     pub headers: Vec<(String, String)>,
     /// The `model` the body names, so the receiver need not parse the body to route.
     pub model: Option<String>,
-    /// What serving the request at the forwarding node itself would cost, ms: the
+    /// What serving the request at the forwarding node itself would cost: the
     /// receiver refuses the forward when serving it would cost more there
     /// ([`crate::decision::refuse_forward`]). `None`: never refused.
-    pub origin_cost_ms: Option<f64>,
+    pub offer: Option<crate::decision::ForwardOffer>,
 }
 
 /// The head of a forwarded response, first on the return direction of the stream;
@@ -192,7 +192,13 @@ mod tests {
             body: br#"{"messages":[]}"#.to_vec(),
             headers: vec![("x-session-id".into(), "s1".into())],
             model: Some("m".into()),
-            origin_cost_ms: Some(812.5),
+            offer: Some(crate::decision::ForwardOffer {
+                cost_ms: 812.5,
+                weights: crate::Weights {
+                    w_rtt: 1.5,
+                    w_queue: 0.5,
+                },
+            }),
         }
     }
 

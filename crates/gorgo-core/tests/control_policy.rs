@@ -4,7 +4,7 @@
 use gorgo_core::cost::{cost_terms, Candidate};
 use gorgo_core::cost::{fewest_uncached_tokens, ForwardLedger};
 use gorgo_core::decision::{
-    decide, refuse_forward, DecisionReason, NoCandidateReason, REFUSAL_MARGIN,
+    decide, refuse_forward, DecisionReason, ForwardOffer, NoCandidateReason, REFUSAL_MARGIN,
 };
 use gorgo_core::hash::HashChain;
 use gorgo_core::policy::{build, PolicyKind, RouteRequest};
@@ -556,6 +556,12 @@ proptest! {
     }
 }
 
+/// An offer as a forwarding node makes it; any cost, even one `ForwardOffer::new` would
+/// refuse to build, to test the check itself.
+fn offer(cost_ms: f64, weights: Weights) -> ForwardOffer {
+    ForwardOffer { cost_ms, weights }
+}
+
 /// The target of a forward: itself (busy or idle) and the forwarding node as a peer.
 fn at_target(local_prefill_ahead: u64) -> Vec<Candidate> {
     let mut local = cand("b-target", true, 0.0);
@@ -577,10 +583,14 @@ fn a_forward_is_refused_only_when_serving_it_costs_more_than_at_its_origin() {
     let mut p = build(PolicyKind::Gorgo);
     // Idle target: 2,000 tokens of prefill, 188 ms; the origin said 500 ms.
     let idle = at_target(0);
-    assert_eq!(refuse_forward(&req, &idle, p.as_mut(), w, 500.0, 1), None);
+    assert_eq!(
+        refuse_forward(&req, &idle, p.as_mut(), &offer(500.0, w), 1),
+        None
+    );
     // 20,000 tokens ahead at the target (about 1.9 s): refused, with its figures.
     let busy = at_target(20_000);
-    let (r, explained) = refuse_forward(&req, &busy, p.as_mut(), w, 500.0, 1).expect("refused");
+    let (r, explained) =
+        refuse_forward(&req, &busy, p.as_mut(), &offer(500.0, w), 1).expect("refused");
     assert_eq!(explained.len(), busy.len());
     assert!(explained.iter().all(|c| !c.chosen && c.terms.is_some()));
     let fewest = fewest_uncached_tokens(2000, &busy);
@@ -590,13 +600,19 @@ fn a_forward_is_refused_only_when_serving_it_costs_more_than_at_its_origin() {
     assert_eq!(r.origin_cost_ms, 500.0);
     // Dearer here, but within the cost model's noise of the offer: served.
     let near = r.local_cost_ms / (1.0 + REFUSAL_MARGIN / 2.0);
-    assert_eq!(refuse_forward(&req, &busy, p.as_mut(), w, near, 1), None);
+    assert_eq!(
+        refuse_forward(&req, &busy, p.as_mut(), &offer(near, w), 1),
+        None
+    );
     assert!(
         r.local_estimated_ttft_ms.is_some_and(|t| t > 1000.0),
         "{r:?}"
     );
     // The same forward against a dearer origin is served.
-    assert_eq!(refuse_forward(&req, &busy, p.as_mut(), w, 1e9, 1), None);
+    assert_eq!(
+        refuse_forward(&req, &busy, p.as_mut(), &offer(1e9, w), 1),
+        None
+    );
 }
 
 #[test]
@@ -610,19 +626,73 @@ fn only_the_millisecond_policies_refuse_and_never_without_a_usable_offer() {
     let busy = at_target(20_000);
     for kind in PolicyKind::ALL {
         let mut p = build(kind);
-        let refused = refuse_forward(&req, &busy, p.as_mut(), kind.default_weights(), 1.0, 1);
+        let refused = refuse_forward(
+            &req,
+            &busy,
+            p.as_mut(),
+            &offer(1.0, kind.default_weights()),
+            1,
+        );
         let refuses = matches!(kind, PolicyKind::Gorgo | PolicyKind::GorgoTtft);
         assert_eq!(refused.is_some(), refuses, "{kind}");
     }
     let mut p = build(PolicyKind::Gorgo);
     let w = Weights::default();
     for bad in [f64::NAN, f64::INFINITY] {
-        assert_eq!(refuse_forward(&req, &busy, p.as_mut(), w, bad, 1), None);
+        assert_eq!(
+            refuse_forward(&req, &busy, p.as_mut(), &offer(bad, w), 1),
+            None
+        );
     }
     // With its own engine down the target does not refuse: the decision says 503.
     let mut down = busy.clone();
     down[0].healthy = false;
-    assert_eq!(refuse_forward(&req, &down, p.as_mut(), w, 1.0, 1), None);
+    assert_eq!(
+        refuse_forward(&req, &down, p.as_mut(), &offer(1.0, w), 1),
+        None
+    );
+}
+
+#[test]
+fn the_target_prices_its_cost_with_the_offers_weights_and_garbage_offers_are_dropped() {
+    let chain = chain_of(2000);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 2000,
+        session_key: None,
+    };
+    let busy = at_target(20_000);
+    let mut p = build(PolicyKind::Gorgo);
+    let light = Weights {
+        w_rtt: 1.0,
+        w_queue: 0.05,
+    };
+    // The same offer: refused when the queue weighs fully, served when it barely counts.
+    let heavy = refuse_forward(
+        &req,
+        &busy,
+        p.as_mut(),
+        &offer(500.0, Weights::default()),
+        1,
+    );
+    assert!(heavy.is_some());
+    assert_eq!(
+        refuse_forward(&req, &busy, p.as_mut(), &offer(500.0, light), 1),
+        None
+    );
+    let w = Weights::default();
+    assert!(ForwardOffer::new(500.0, w).is_some());
+    assert!(ForwardOffer::new(0.0, w).is_some());
+    for cost in [f64::NAN, f64::INFINITY, -1.0] {
+        assert_eq!(ForwardOffer::new(cost, w), None, "{cost}");
+    }
+    for bad in [0.0, -1.0, f64::NAN] {
+        let weights = Weights {
+            w_rtt: 1.0,
+            w_queue: bad,
+        };
+        assert_eq!(ForwardOffer::new(500.0, weights), None, "{bad}");
+    }
 }
 
 #[test]
@@ -644,7 +714,7 @@ proptest! {
     fn a_forward_is_refused_exactly_when_the_local_cost_exceeds_the_offer(
         cands in arb_candidates(),
         prompt in 1u64..20_000,
-        offer in 0.0..20_000.0f64,
+        cost in 0.0..20_000.0f64,
         w_rtt in 0.05..4.0f64,
         w_queue in 0.05..4.0f64,
     ) {
@@ -652,13 +722,13 @@ proptest! {
         let req = RouteRequest { chain: &chain, prompt_tokens: prompt, session_key: None };
         let w = Weights { w_rtt, w_queue };
         let mut p = build(PolicyKind::Gorgo);
-        let refused = refuse_forward(&req, &cands, p.as_mut(), w, offer, 3).map(|(r, _)| r);
+        let refused = refuse_forward(&req, &cands, p.as_mut(), &offer(cost, w), 3).map(|(r, _)| r);
         match cands.iter().position(|c| c.is_local && c.healthy) {
             None => prop_assert!(refused.is_none()),
             Some(i) => {
                 let fewest = fewest_uncached_tokens(prompt, &cands);
                 let local = cost_terms(prompt, &cands[i], w, fewest).total_ms;
-                prop_assert_eq!(refused.is_some(), local > offer * (1.0 + REFUSAL_MARGIN));
+                prop_assert_eq!(refused.is_some(), local > cost * (1.0 + REFUSAL_MARGIN));
                 if let Some(r) = refused {
                     prop_assert!(r.local_cost_ms > r.origin_cost_ms);
                 }

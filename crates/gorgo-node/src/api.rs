@@ -141,9 +141,9 @@ pub struct RoutedRequest {
     /// The cost weights to route with: the tuning epoch's, fixed at admission so the
     /// request is routed with the weights of the epoch it is attributed to.
     pub weights: gorgo_core::Weights,
-    /// For a peer's forward: what serving it at that peer would have cost, ms (this
-    /// node may refuse the forward against it, `routing.refuse_forwards`).
-    pub origin_cost_ms: Option<f64>,
+    /// For a peer's forward: what serving it at that peer would have cost (this node
+    /// may refuse the forward against it, `routing.refuse_forwards`).
+    pub offer: Option<gorgo_core::decision::ForwardOffer>,
 }
 
 /// Why a request could not be served; the ingress maps it to a status.

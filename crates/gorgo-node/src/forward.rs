@@ -88,13 +88,13 @@ const END_ERR: u32 = u32::MAX;
 /// and a response already relaying ends with an error (the ingress sends the client an
 /// SSE error event).
 ///
-/// `origin_cost_ms` is what serving the request here would cost; the peer may refuse
-/// the forward against it ([`NodeError::Refused`]).
+/// `offer` is what serving the request here would cost; the peer may refuse the
+/// forward against it ([`NodeError::Refused`]).
 pub async fn forward(
     state: &Arc<NodeState>,
     peer: &NodeId,
     req: &RoutedRequest,
-    origin_cost_ms: Option<f64>,
+    offer: Option<gorgo_core::decision::ForwardOffer>,
 ) -> Result<Upstream, NodeError> {
     let timeout = Duration::from_millis(state.config.limits.first_byte_timeout_ms);
     // Taken before opening: a death while the stream opens counts too.
@@ -120,7 +120,7 @@ pub async fn forward(
             body: req.body.to_vec(),
             headers,
             model: req.model.clone(),
-            origin_cost_ms,
+            offer,
         };
         write_frame(&mut send, &msg).await?;
         let head: ForwardResponseHead = read_frame(&mut recv, MAX_RESPONSE_HEAD).await?;
@@ -273,7 +273,9 @@ where
         origin: msg.origin,
         model: msg.model,
         weights: state.tuning.weights(),
-        origin_cost_ms: msg.origin_cost_ms.filter(|c| c.is_finite()),
+        offer: msg
+            .offer
+            .and_then(|o| gorgo_core::decision::ForwardOffer::new(o.cost_ms, o.weights)),
     };
     tracing::debug!(%from, request_id = req.request_id, hops = req.hops, "forward received");
     // The origin keeps its half open until the response ends; reading EOF (or an error)
@@ -406,7 +408,7 @@ mod tests {
             body: br#"{"prompt":"hello world"}"#.to_vec(),
             headers: vec![("content-type".into(), "application/json".into())],
             model: None,
-            origin_cost_ms: Some(12.5),
+            offer: gorgo_core::decision::ForwardOffer::new(12.5, gorgo_core::Weights::default()),
         }
     }
 

@@ -411,7 +411,7 @@ async fn completion(
             .and_then(Value::as_str)
             .map(str::to_owned),
         origin: state.id.clone(),
-        origin_cost_ms: None,
+        offer: None,
     };
     let policy_name = policy.unwrap_or(state.policy).as_str();
     // A slot for serving here; without one (the node is full) a peer with room may

@@ -6,7 +6,7 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use gorgo_core::cost::{Candidate, ForwardLedger};
-use gorgo_core::decision::{decide, refuse_forward, CandidateExplain, Refusal};
+use gorgo_core::decision::{decide, refuse_forward, CandidateExplain, ForwardOffer, Refusal};
 use gorgo_core::policy::{build, Policy, PolicyKind, RouteRequest};
 use gorgo_core::{HashChain, NodeId, Weights};
 use parking_lot::Mutex;
@@ -184,20 +184,23 @@ impl Router {
     }
 
     /// Check a peer's forward against the cost it said serving it there would have
-    /// (`gorgo_core::decision::refuse_forward`). A refusal is logged as a decision with
-    /// no winner and reason `refused`, each candidate's terms shown.
+    /// (`gorgo_core::decision::refuse_forward`, priced with the offer's weights). A
+    /// refusal is logged as a decision with no winner and reason `refused`, each
+    /// candidate's terms and the offer's weights shown.
     pub fn refuse(
         &self,
         input: &DecisionInput<'_>,
         candidates: &[Candidate],
-        origin_cost_ms: f64,
+        offer: &ForwardOffer,
     ) -> Option<Refusal> {
         let req = route_request(input);
         let rng = self.next_random();
         let (refusal, explained) = self.with_policy(input.policy, |policy| {
-            refuse_forward(&req, candidates, policy, input.weights, origin_cost_ms, rng)
+            refuse_forward(&req, candidates, policy, offer, rng)
         })?;
-        self.log(record(input, explained, None, "refused".to_owned()));
+        let mut refused = record(input, explained, None, "refused".to_owned());
+        refused.weights = offer.weights;
+        self.log(refused);
         Some(refusal)
     }
 

@@ -8,6 +8,7 @@ use std::time::Instant;
 use futures::StreamExt;
 use gorgo_core::candidates::{build_candidates, LocalState, PeerState};
 use gorgo_core::cost::Candidate;
+use gorgo_core::decision::ForwardOffer;
 use gorgo_core::health::RequestOutcome;
 use gorgo_core::NodeId;
 
@@ -163,11 +164,11 @@ async fn route_and_serve(
     let decided = telemetry::decide_span(&state.id, policy).in_scope(|| {
         let cands = candidates(state, req, local_excluded);
         // A peer's forward, checked against what the peer said serving it there costs.
-        if let Some(origin_cost) = req
-            .origin_cost_ms
+        if let Some(offer) = req
+            .offer
             .filter(|_| state.config.routing.refuse_forwards && req.hops >= input.max_hops)
         {
-            if let Some(refusal) = state.router.refuse(&input, &cands, origin_cost) {
+            if let Some(refusal) = state.router.refuse(&input, &cands, &offer) {
                 return Err(refusal);
             }
         }
@@ -200,7 +201,7 @@ async fn route_and_serve(
     let decided = Instant::now();
     // What serving here costs, sent with a forward so the peer can refuse it; not when
     // this node cannot serve it itself.
-    let origin_cost = if local_excluded {
+    let offer = if local_excluded {
         None
     } else {
         record
@@ -208,8 +209,7 @@ async fn route_and_serve(
             .iter()
             .find(|c| c.is_local && c.healthy)
             .and_then(|c| c.terms)
-            .map(|t| t.total_ms)
-            .filter(|v| v.is_finite())
+            .and_then(|t| ForwardOffer::new(t.total_ms, input.weights))
     };
     tracing::debug!(request_id = req.request_id, ?target, reason = %record.reason, "decided");
     let served = match target {
@@ -217,7 +217,7 @@ async fn route_and_serve(
             "no healthy engine and no live peer".into(),
         )),
         Target::Local => serve_local(state, req).await,
-        Target::Peer(peer) => match forward(state, &peer, req, origin_cost).await {
+        Target::Peer(peer) => match forward(state, &peer, req, offer).await {
             Ok(up) => {
                 state.metrics.forward(&peer.0, "ok");
                 Ok(learn_forward_bias(state, peer, predicted, decided, up))

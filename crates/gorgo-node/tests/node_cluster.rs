@@ -307,27 +307,32 @@ async fn a_draining_peer_gets_no_new_forwards_but_finishes_what_it_has() {
     assert!(rest.ends_with("data: [DONE]\n\n"), "{rest}");
 }
 
-/// a weighs queues lightly, b heavily: with both engines queued, a forwards to b (it
-/// holds the prefix) what b, judging its own queue, would serve later than a.
-async fn refusing_cluster(b_refuses: bool) -> Cluster {
+/// b holds the prefix and is far busier than a, but a believes b fast: its forward
+/// bias for b says its last forwards there were early by a minute (a stale belief, as
+/// after a burst has just reached b). a forwards to b what b, knowing its own queue,
+/// serves later than a would.
+async fn refusing_cluster(b_refuses: bool) -> (Cluster, String) {
     let rtts = [("a", "b", 150.0), ("a", "c", 200.0), ("b", "c", 250.0)];
-    mesh_cluster(&IDS, &rtts, |id| match id {
-        "a" => "[routing]\nweights = { w_rtt = 1.0, w_queue = 0.05 }\n".to_owned(),
-        "b" => format!(
-            "[routing]\nweights = {{ w_rtt = 1.0, w_queue = 4.0 }}\nrefuse_forwards = {b_refuses}\n"
-        ),
+    let c = mesh_cluster(&IDS, &rtts, |id| match id {
+        "b" => format!("[routing]\nrefuse_forwards = {b_refuses}\n"),
         _ => String::new(),
     })
-    .await
+    .await;
+    let p = b_prompt();
+    assert_eq!(chat(&c.nodes[1], &p).await, (200, "b".into(), 0));
+    c.saturate(0, 50).await;
+    c.saturate(1, 500).await;
+    let a = c.nodes[0].state();
+    a.router
+        .ledger
+        .lock()
+        .observe_forward_ttft(&"b".into(), 1e6, 0.0, a.now_ms());
+    (c, p)
 }
 
 #[tokio::test]
 async fn a_forward_the_target_would_serve_later_is_refused_and_served_at_its_origin() {
-    let c = refusing_cluster(true).await;
-    let p = b_prompt();
-    assert_eq!(chat(&c.nodes[1], &p).await, (200, "b".into(), 0));
-    c.saturate(0, 50).await;
-    c.saturate(1, 50).await;
+    let (c, p) = refusing_cluster(true).await;
     let (status, served, _) = chat(&c.nodes[0], &p).await;
     assert_eq!((status, served.as_str()), (200, "a"));
     assert_eq!(
@@ -362,10 +367,6 @@ async fn a_forward_the_target_would_serve_later_is_refused_and_served_at_its_ori
 
 #[tokio::test]
 async fn a_node_with_refusals_off_serves_every_forward() {
-    let c = refusing_cluster(false).await;
-    let p = b_prompt();
-    chat(&c.nodes[1], &p).await;
-    c.saturate(0, 50).await;
-    c.saturate(1, 50).await;
+    let (c, p) = refusing_cluster(false).await;
     assert_eq!(chat(&c.nodes[0], &p).await, (200, "b".into(), 1));
 }

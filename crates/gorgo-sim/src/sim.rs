@@ -20,7 +20,7 @@ use gorgo_core::accounting::{
 };
 use gorgo_core::candidates::{build_candidates, LocalState, PeerState};
 use gorgo_core::cost::{Candidate, ForwardLedger};
-use gorgo_core::decision::{decide, refuse_forward};
+use gorgo_core::decision::{decide, refuse_forward, ForwardOffer};
 use gorgo_core::es::{TrialDesign, TuningConfig};
 use gorgo_core::fit::FitConfig;
 use gorgo_core::gossip::{self as core_gossip, GossipConfig, GossipSender, PeerGossip};
@@ -359,7 +359,7 @@ struct Flight {
     predicted_cached_tokens: Option<u64>,
     /// What the client's node said serving it itself would cost, sent with a forward
     /// (`SimConfig::refuse_forwards`, [`refuse_forward`]).
-    origin_cost_ms: Option<f64>,
+    offer: Option<ForwardOffer>,
 }
 
 enum Payload {
@@ -735,7 +735,7 @@ impl<'a> Sim<'a> {
             cached_tokens: 0,
             predicted_ttft_ms: None,
             forwarded_ms: None,
-            origin_cost_ms: None,
+            offer: None,
             first_byte_due_ms: None,
             predicted_cached_tokens: None,
             first_token_seen: false,
@@ -965,11 +965,12 @@ impl<'a> Sim<'a> {
                 .find(|c| c.chosen)
                 .and_then(|c| c.terms?.estimated_ttft_ms)
         });
-        let origin_cost = outcome
+        let offer = outcome
             .as_ref()
             .ok()
             .filter(|_| hops == 0 && self.cfg.refuse_forwards && self.oracle.is_none())
-            .and_then(|d| d.local_cost_ms());
+            .and_then(|d| d.local_cost_ms())
+            .and_then(|c| ForwardOffer::new(c, weights));
         let target = outcome.map(|d| {
             (
                 cand_regions[d.target_index],
@@ -1009,7 +1010,7 @@ impl<'a> Sim<'a> {
                 let f = self.flight_mut(slot);
                 if hops == 0 {
                     f.forwarded_ms = Some(now);
-                    f.origin_cost_ms = origin_cost;
+                    f.offer = offer;
                 }
                 f.chain = chain;
                 f.transit_tokens = uncached;
@@ -1042,7 +1043,7 @@ impl<'a> Sim<'a> {
     /// ([`refuse_forward`]); the refusal travels back ([`Ev::Refused`]). True when
     /// refused.
     fn refuse(&mut self, slot: u32, t: usize, now: f64) -> bool {
-        let Some(origin_cost) = self.flight(slot).origin_cost_ms else {
+        let Some(offer) = self.flight(slot).offer else {
             return false;
         };
         let chain = std::mem::take(&mut self.flight_mut(slot).chain);
@@ -1053,19 +1054,8 @@ impl<'a> Sim<'a> {
             prompt_tokens: f.prompt_tokens,
             session_key: f.session_key,
         };
-        let weights = self.nodes[t]
-            .tuner
-            .as_ref()
-            .map_or(self.default_weights(), |tu| tu.weights());
         let rng = self.rng.next_u64();
-        let refusal = refuse_forward(
-            &req,
-            &cands,
-            self.nodes[t].policy.as_mut(),
-            weights,
-            origin_cost,
-            rng,
-        );
+        let refusal = refuse_forward(&req, &cands, self.nodes[t].policy.as_mut(), &offer, rng);
         self.flight_mut(slot).chain = chain;
         let Some((refusal, _)) = refusal else {
             return false;
@@ -1073,7 +1063,7 @@ impl<'a> Sim<'a> {
         self.out.run.counters.refused_forwards += 1;
         let f = self.flight_mut(slot);
         f.first_byte_due_ms = None;
-        f.origin_cost_ms = None;
+        f.offer = None;
         let (home, sent, pred) = (f.home as usize, f.forwarded_ms, f.predicted_ttft_ms);
         let back = self.link_delay(t, home);
         // The refusal carries the target's own estimate: the forwarding node learns
