@@ -4,7 +4,8 @@
 use gorgo_core::cost::{cost_terms, Candidate};
 use gorgo_core::cost::{fewest_uncached_tokens, ForwardLedger};
 use gorgo_core::decision::{
-    decide, refuse_forward, DecisionReason, ForwardOffer, NoCandidateReason, REFUSAL_MARGIN,
+    decide, refuse_forward, CandidateExplain, DecisionReason, ForwardOffer, NoCandidateReason,
+    Refusal, REFUSAL_MARGIN,
 };
 use gorgo_core::hash::HashChain;
 use gorgo_core::policy::{build, PolicyKind, RouteRequest};
@@ -571,26 +572,33 @@ fn at_target(local_prefill_ahead: u64) -> Vec<Candidate> {
     vec![local, origin]
 }
 
-#[test]
-fn a_forward_is_refused_only_when_serving_it_costs_more_than_at_its_origin() {
+/// `refuse_forward` of a 2,000-token prompt at `cands`, under a fresh `kind`, against
+/// an offer of `cost_ms` priced with `weights`.
+fn refusal(
+    kind: PolicyKind,
+    cands: &[Candidate],
+    cost_ms: f64,
+    weights: Weights,
+) -> Option<(Refusal, Vec<CandidateExplain>)> {
     let chain = chain_of(2000);
     let req = RouteRequest {
         chain: &chain,
         prompt_tokens: 2000,
         session_key: None,
     };
+    let mut p = build(kind);
+    refuse_forward(&req, cands, p.as_mut(), &offer(cost_ms, weights), 1)
+}
+
+#[test]
+fn a_forward_is_refused_only_when_serving_it_costs_more_than_at_its_origin() {
     let w = Weights::default();
-    let mut p = build(PolicyKind::Gorgo);
+    let gorgo = PolicyKind::Gorgo;
     // Idle target: 2,000 tokens of prefill, 188 ms; the origin said 500 ms.
-    let idle = at_target(0);
-    assert_eq!(
-        refuse_forward(&req, &idle, p.as_mut(), &offer(500.0, w), 1),
-        None
-    );
+    assert_eq!(refusal(gorgo, &at_target(0), 500.0, w), None);
     // 20,000 tokens ahead at the target (about 1.9 s): refused, with its figures.
     let busy = at_target(20_000);
-    let (r, explained) =
-        refuse_forward(&req, &busy, p.as_mut(), &offer(500.0, w), 1).expect("refused");
+    let (r, explained) = refusal(gorgo, &busy, 500.0, w).expect("refused");
     assert_eq!(explained.len(), busy.len());
     assert!(explained.iter().all(|c| !c.chosen && c.terms.is_some()));
     let fewest = fewest_uncached_tokens(2000, &busy);
@@ -600,86 +608,43 @@ fn a_forward_is_refused_only_when_serving_it_costs_more_than_at_its_origin() {
     assert_eq!(r.origin_cost_ms, 500.0);
     // Dearer here, but within the cost model's noise of the offer: served.
     let near = r.local_cost_ms / (1.0 + REFUSAL_MARGIN / 2.0);
-    assert_eq!(
-        refuse_forward(&req, &busy, p.as_mut(), &offer(near, w), 1),
-        None
-    );
+    assert_eq!(refusal(gorgo, &busy, near, w), None);
     assert!(
         r.local_estimated_ttft_ms.is_some_and(|t| t > 1000.0),
         "{r:?}"
     );
     // The same forward against a dearer origin is served.
-    assert_eq!(
-        refuse_forward(&req, &busy, p.as_mut(), &offer(1e9, w), 1),
-        None
-    );
+    assert_eq!(refusal(gorgo, &busy, 1e9, w), None);
 }
 
 #[test]
 fn only_the_millisecond_policies_refuse_and_never_without_a_usable_offer() {
-    let chain = chain_of(2000);
-    let req = RouteRequest {
-        chain: &chain,
-        prompt_tokens: 2000,
-        session_key: None,
-    };
     let busy = at_target(20_000);
     for kind in PolicyKind::ALL {
-        let mut p = build(kind);
-        let refused = refuse_forward(
-            &req,
-            &busy,
-            p.as_mut(),
-            &offer(1.0, kind.default_weights()),
-            1,
-        );
+        let refused = refusal(kind, &busy, 1.0, kind.default_weights());
         let refuses = matches!(kind, PolicyKind::Gorgo | PolicyKind::GorgoTtft);
         assert_eq!(refused.is_some(), refuses, "{kind}");
     }
-    let mut p = build(PolicyKind::Gorgo);
     let w = Weights::default();
     for bad in [f64::NAN, f64::INFINITY] {
-        assert_eq!(
-            refuse_forward(&req, &busy, p.as_mut(), &offer(bad, w), 1),
-            None
-        );
+        assert_eq!(refusal(PolicyKind::Gorgo, &busy, bad, w), None);
     }
     // With its own engine down the target does not refuse: the decision says 503.
     let mut down = busy.clone();
     down[0].healthy = false;
-    assert_eq!(
-        refuse_forward(&req, &down, p.as_mut(), &offer(1.0, w), 1),
-        None
-    );
+    assert_eq!(refusal(PolicyKind::Gorgo, &down, 1.0, w), None);
 }
 
 #[test]
 fn the_target_prices_its_cost_with_the_offers_weights_and_garbage_offers_are_dropped() {
-    let chain = chain_of(2000);
-    let req = RouteRequest {
-        chain: &chain,
-        prompt_tokens: 2000,
-        session_key: None,
-    };
     let busy = at_target(20_000);
-    let mut p = build(PolicyKind::Gorgo);
     let light = Weights {
         w_rtt: 1.0,
         w_queue: 0.05,
     };
     // The same offer: refused when the queue weighs fully, served when it barely counts.
-    let heavy = refuse_forward(
-        &req,
-        &busy,
-        p.as_mut(),
-        &offer(500.0, Weights::default()),
-        1,
-    );
-    assert!(heavy.is_some());
-    assert_eq!(
-        refuse_forward(&req, &busy, p.as_mut(), &offer(500.0, light), 1),
-        None
-    );
+    assert!(refusal(PolicyKind::Gorgo, &busy, 500.0, Weights::default()).is_some());
+    assert_eq!(refusal(PolicyKind::Gorgo, &busy, 500.0, light), None);
     let w = Weights::default();
     assert!(ForwardOffer::new(500.0, w).is_some());
     assert!(ForwardOffer::new(0.0, w).is_some());
