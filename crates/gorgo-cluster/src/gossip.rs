@@ -291,6 +291,13 @@ pub(crate) fn handle_frame(
         ClusterMetrics::bump(&metrics.spoofed_received);
         return;
     }
+    // A live node fronts one engine and keeps one summary per peer: a peer's other
+    // engines' streams (the simulator's `--replicas`) are not held yet.
+    if core_gossip::replica(&msg) != 0 {
+        tracing::debug!(peer = %from, "gossip about another engine than replica 0: ignored");
+        ClusterMetrics::bump(&metrics.malformed_received);
+        return;
+    }
     let now = Instant::now();
     let received = {
         let Some(mut guard) = transport.peers.peers.get_mut(from) else {
@@ -378,6 +385,7 @@ mod tests {
         let msg = GossipMessage::SnapshotRequest {
             origin: NodeId::from("a"),
             have_version: 3,
+            replica: 0,
         };
         let f = frame(7, &msg);
         assert_eq!(f[0], STREAM_GOSSIP);

@@ -25,7 +25,7 @@ use crate::error::{ClusterError, Result};
 pub const CLUSTER_SERVER_NAME: &str = "cluster.gorgo.internal";
 
 /// ALPN of the cluster protocol, so that a stray QUIC client is refused early.
-pub const ALPN: &[u8] = b"gorgo-cluster/2";
+pub const ALPN: &[u8] = b"gorgo-cluster/3";
 
 /// Paths of a node's TLS material on disk, as written by `gorgo certs`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

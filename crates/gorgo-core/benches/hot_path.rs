@@ -117,9 +117,9 @@ fn bench(c: &mut Criterion) {
     let mut ledger = ForwardLedger::new();
     for (i, p) in peers.iter().enumerate() {
         for k in 0..(i % 4) as u64 {
-            ledger.record_forward(&p.node, 2_000, 1_000 + k);
+            ledger.record_forward(&p.node, 0, 2_000, 1_000 + k);
         }
-        ledger.observe_forward_ttft(&p.node, 800.0, 900.0 + 10.0 * i as f64, 1_000);
+        ledger.observe_forward_ttft(&p.node, 0, 800.0, 900.0 + 10.0 * i as f64, 1_000);
     }
     // The node looks a peer's summary up by id (its peer table is a map).
     let summaries: std::collections::HashMap<&NodeId, &PeerSummary> =
@@ -144,9 +144,9 @@ fn bench(c: &mut Criterion) {
             stats: Some(&p.stats),
         });
         let candidates = build_candidates(
-            local,
+            [local],
             peer_states,
-            |id| summaries.get(id).map_or(0, |s| s.matched_tokens(&chain)),
+            |id, _replica| summaries.get(id).map_or(0, |s| s.matched_tokens(&chain)),
             &mut ledger,
             1_500,
         );

@@ -58,6 +58,8 @@ pub struct ViewConfig {
     pub seed_t_p_ms: f64,
     /// The fit's settings.
     pub fit: FitConfig,
+    /// Which of the node's engines this view is of ([`QueueStats::replica`]).
+    pub replica: u16,
 }
 
 impl Default for ViewConfig {
@@ -69,6 +71,7 @@ impl Default for ViewConfig {
             seed_base_ms: DEFAULT_SEED_BASE_MS,
             seed_t_p_ms: DEFAULT_SEED_T_P_MS,
             fit: FitConfig::default(),
+            replica: 0,
         }
     }
 }
@@ -233,6 +236,7 @@ impl EngineView {
             draining: false,
             // The node adds the models its engine lists (`/v1/models`).
             models: Vec::new(),
+            replica: self.cfg.replica,
         }
     }
 

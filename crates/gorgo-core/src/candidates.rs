@@ -1,29 +1,30 @@
 //! The candidate list of one routing decision, built one way for every driver.
 //!
-//! The local node first (its health, the shadow index's match, its own
-//! [`crate::accounting::EngineView`] stats), then every live peer whose queue stats
-//! have arrived (their last stats, the match in their last summary, the measured
-//! RTT), with this node's [`ForwardLedger`] brought up to date with those stats and
-//! its pending forwards added. The live node and the simulator both call
-//! [`build_candidates`]; neither assembles candidates itself.
+//! The local engines first (one per replica the node fronts: each its health, the
+//! match in its shadow index, its own [`crate::accounting::EngineView`] stats), then
+//! every engine of every live peer whose queue stats have arrived (their last stats,
+//! the match in their last summary, the measured RTT to the peer), with this node's
+//! [`ForwardLedger`] brought up to date with those stats and its pending forwards
+//! added. The live node and the simulator both call [`build_candidates`]; neither
+//! assembles candidates itself.
 
 use crate::cost::{Candidate, ForwardLedger};
 use crate::types::{NodeId, QueueStats};
 
-/// What the deciding node knows about itself.
+/// What the deciding node knows about one of its own engines.
 #[derive(Debug, Clone)]
 pub struct LocalState {
     /// This node.
     pub node: NodeId,
-    /// Whether its engine can serve.
+    /// Whether this engine can serve.
     pub healthy: bool,
     /// Prompt tokens its shadow index believes the engine has cached.
     pub cached_tokens: u64,
-    /// Its own queue stats.
+    /// Its queue stats (their `replica` says which engine this is).
     pub stats: QueueStats,
 }
 
-/// What the deciding node knows about one peer.
+/// What the deciding node knows about one engine of one peer.
 #[derive(Debug, Clone, Copy)]
 pub struct PeerState<'a> {
     /// The peer.
@@ -32,37 +33,47 @@ pub struct PeerState<'a> {
     pub alive: bool,
     /// Measured RTT to it, ms.
     pub rtt_ms: f64,
-    /// Its last queue stats; a peer is a candidate only once they arrived.
+    /// The engine's last queue stats (their `replica` says which engine); it is a
+    /// candidate only once they arrived.
     pub stats: Option<&'a QueueStats>,
 }
 
-/// Build the candidates of one decision at `now_ms`. `matched_tokens` gives the
-/// prompt tokens a peer's last summary matches (asked only for peers that are
-/// candidates). Peers that are dead, have sent no stats, say they are draining (about
-/// to shut down: what is in flight there finishes, nothing new goes there), or carry
-/// the local node's id are left out. The ledger observes every candidate peer's stats version (clearing
-/// the forwards those stats already reflect) and its pending forwards are applied.
+/// Build the candidates of one decision at `now_ms`. `matched_tokens(peer, replica)`
+/// gives the prompt tokens the last summary of that peer engine matches (asked only
+/// for candidates). Peer engines whose node is dead, that have sent no stats, say they
+/// are draining (about to shut down: what is in flight there finishes, nothing new
+/// goes there), or carry the local node's id are left out. The ledger observes every
+/// candidate's stats version (clearing the forwards those stats already reflect) and
+/// its pending forwards are applied. A peer's engines come one after another (the
+/// count of peer nodes, which sets [`Candidate::deciders`], relies on it).
 pub fn build_candidates<'a>(
-    local: LocalState,
+    locals: impl IntoIterator<Item = LocalState>,
     peers: impl IntoIterator<Item = PeerState<'a>>,
-    mut matched_tokens: impl FnMut(&NodeId) -> u64,
+    mut matched_tokens: impl FnMut(&NodeId, u16) -> u64,
     ledger: &mut ForwardLedger,
     now_ms: u64,
 ) -> Vec<Candidate> {
-    let mut out = vec![Candidate {
-        node: local.node,
-        is_local: true,
-        healthy: local.healthy,
-        rtt_ms: 0.0,
-        cached_tokens: local.cached_tokens,
-        stats: local.stats,
-        inflight_forwards: 0,
-        inflight_forward_prompt_tokens: 0,
-        forward_bias_ms: 0.0,
-        deciders: 1,
-    }];
+    let mut out: Vec<Candidate> = locals
+        .into_iter()
+        .map(|l| Candidate {
+            node: l.node,
+            is_local: true,
+            healthy: l.healthy,
+            rtt_ms: 0.0,
+            cached_tokens: l.cached_tokens,
+            stats: l.stats,
+            inflight_forwards: 0,
+            inflight_forward_prompt_tokens: 0,
+            forward_bias_ms: 0.0,
+            deciders: 1,
+        })
+        .collect();
+    let n_local = out.len();
+    let me = out.first().map(|c| c.node.clone());
+    // Peer nodes among the candidates (their engines come one after another).
+    let mut peer_nodes = 0u32;
     for p in peers {
-        if !p.alive || *p.node == out[0].node {
+        if !p.alive || me.as_ref() == Some(p.node) {
             continue;
         }
         let Some(stats) = p.stats.filter(|s| !s.draining) else {
@@ -74,7 +85,7 @@ pub fn build_candidates<'a>(
             is_local: false,
             healthy: true,
             rtt_ms: p.rtt_ms,
-            cached_tokens: matched_tokens(p.node),
+            cached_tokens: matched_tokens(p.node, stats.replica),
             stats: stats.clone(),
             inflight_forwards: 0,
             inflight_forward_prompt_tokens: 0,
@@ -82,11 +93,14 @@ pub fn build_candidates<'a>(
             deciders: 1,
         };
         ledger.apply(&mut c, now_ms);
+        if out.len() == n_local || out[out.len() - 1].node != c.node {
+            peer_nodes += 1;
+        }
         out.push(c);
     }
     // Every node but the peer itself decides on the same stale stats of that peer.
-    let deciders = (out.len() as u32).saturating_sub(1).max(1);
-    for c in out.iter_mut().skip(1) {
+    let deciders = peer_nodes.max(1);
+    for c in out.iter_mut().skip(n_local) {
         c.deciders = deciders;
     }
     out
@@ -155,7 +169,7 @@ mod tests {
             },
         ];
         let mut ledger = ForwardLedger::new();
-        let out = build_candidates(local(), peers, |_| 42, &mut ledger, 100);
+        let out = build_candidates([local()], peers, |_, _| 42, &mut ledger, 100);
         assert_eq!(out.len(), 2);
         assert!(out[0].is_local && out[0].cached_tokens == 7);
         // Two nodes in the decision: the peer is judged by one node (this one).
@@ -171,8 +185,8 @@ mod tests {
         let b = NodeId::from("b");
         let mut ledger = ForwardLedger::new();
         // Sent at 10 and 95; stats v1 arriving at 100 with rtt 20 reflect only the first.
-        ledger.record_forward(&b, 1000, 10);
-        ledger.record_forward(&b, 500, 95);
+        ledger.record_forward(&b, 0, 1000, 10);
+        ledger.record_forward(&b, 0, 500, 95);
         let stats = QueueStats {
             version: 1,
             ..QueueStats::default()
@@ -183,11 +197,11 @@ mod tests {
             rtt_ms: 20.0,
             stats: Some(&stats),
         };
-        let out = build_candidates(local(), [peer], |_| 0, &mut ledger, 100);
+        let out = build_candidates([local()], [peer], |_, _| 0, &mut ledger, 100);
         assert_eq!(out[1].inflight_forwards, 1);
         assert_eq!(out[1].inflight_forward_prompt_tokens, 500);
         // The same version again clears nothing more.
-        let out = build_candidates(local(), [peer], |_| 0, &mut ledger, 1000);
+        let out = build_candidates([local()], [peer], |_, _| 0, &mut ledger, 1000);
         assert_eq!(out[1].inflight_forward_prompt_tokens, 500);
     }
 }

@@ -24,7 +24,7 @@ use std::collections::{HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-use crate::types::{NodeId, QueueStats, Weights};
+use crate::types::{NodeId, QueueStats, Weights, MAX_REPLICAS};
 
 /// `t_p` used when a candidate reports none (no stats yet, or a nonsensical value): the
 /// paper's A100 + Mistral-7B calibration, 0.0938 ms per prompt token.
@@ -449,7 +449,10 @@ impl PeerLedger {
 /// rule stops preferring a peer because it looks better than it turns out to be.
 #[derive(Debug, Clone, Default)]
 pub struct ForwardLedger {
-    peers: HashMap<NodeId, PeerLedger>,
+    /// Per peer, per engine of it ([`QueueStats::replica`]): each engine gossips its
+    /// own stats, so forwards are cleared against the stats of the engine they were
+    /// sent to.
+    peers: HashMap<NodeId, Vec<PeerLedger>>,
 }
 
 impl ForwardLedger {
@@ -458,9 +461,41 @@ impl ForwardLedger {
         Self::default()
     }
 
-    /// Note a forward of a request with `prefill_tokens` expected prefill to `peer`.
-    pub fn record_forward(&mut self, peer: &NodeId, prefill_tokens: u64, now_ms: u64) {
-        let entry = self.peers.entry(peer.clone()).or_default();
+    /// The entry of `peer`'s engine `replica`, made on first use; `None` for a replica
+    /// past [`MAX_REPLICAS`] (nothing is kept for it).
+    fn entry(&mut self, peer: &NodeId, replica: u16) -> Option<&mut PeerLedger> {
+        if replica >= MAX_REPLICAS {
+            return None;
+        }
+        // Looked up before inserting: this runs per peer per request, and `entry` would
+        // clone the id every time.
+        if !self.peers.contains_key(peer) {
+            self.peers.insert(peer.clone(), Vec::new());
+        }
+        let engines = self.peers.get_mut(peer).expect("inserted above");
+        let i = replica as usize;
+        if engines.len() <= i {
+            engines.resize_with(i + 1, PeerLedger::default);
+        }
+        Some(&mut engines[i])
+    }
+
+    fn get(&self, peer: &NodeId, replica: u16) -> Option<&PeerLedger> {
+        self.peers.get(peer)?.get(replica as usize)
+    }
+
+    /// Note a forward of a request with `prefill_tokens` expected prefill to `peer`'s
+    /// engine `replica`.
+    pub fn record_forward(
+        &mut self,
+        peer: &NodeId,
+        replica: u16,
+        prefill_tokens: u64,
+        now_ms: u64,
+    ) {
+        let Some(entry) = self.entry(peer, replica) else {
+            return;
+        };
         if entry.forwards.len() >= MAX_LEDGER_ENTRIES_PER_PEER {
             if let Some((_, t)) = entry.forwards.pop_front() {
                 entry.prefill_tokens -= t;
@@ -470,11 +505,11 @@ impl ForwardLedger {
         entry.prefill_tokens += prefill_tokens;
     }
 
-    /// New stats from `peer` arrived at `now_ms`: if they are newer (by
-    /// [`QueueStats::order`]: a restarted peer's first stats are newer than its dead
-    /// run's last) than the last seen, clear the forwards they already reflect (those
-    /// sent before `now_ms - rtt_ms`). Pass `rtt_ms = 0` to clear every forward.
-    /// Returns true when they were new.
+    /// New stats from `peer` (of its engine `stats.replica`) arrived at `now_ms`: if
+    /// they are newer (by [`QueueStats::order`]: a restarted peer's first stats are
+    /// newer than its dead run's last) than the last seen, clear the forwards they
+    /// already reflect (those sent before `now_ms - rtt_ms`). Pass `rtt_ms = 0` to
+    /// clear every forward. Returns true when they were new.
     pub fn observe_stats(
         &mut self,
         peer: &NodeId,
@@ -482,12 +517,9 @@ impl ForwardLedger {
         now_ms: u64,
         rtt_ms: f64,
     ) -> bool {
-        // Looked up before inserting: this runs per peer per request, and `entry` would
-        // clone the id every time.
-        if !self.peers.contains_key(peer) {
-            self.peers.insert(peer.clone(), PeerLedger::default());
-        }
-        let entry = self.peers.get_mut(peer).expect("inserted above");
+        let Some(entry) = self.entry(peer, stats.replica) else {
+            return false;
+        };
         let order = stats.order();
         if entry.stats_order.is_some_and(|seen| order <= seen) {
             return false;
@@ -509,11 +541,22 @@ impl ForwardLedger {
         true
     }
 
-    /// A forward recorded at `sent_ms` with `prefill_tokens` never ran at `peer` (it
-    /// refused it, [`crate::decision::refuse_forward`]): it no longer counts as pending
-    /// there. Nothing happens if the peer's stats already cleared it.
-    pub fn cancel_forward(&mut self, peer: &NodeId, prefill_tokens: u64, sent_ms: u64) {
-        let Some(entry) = self.peers.get_mut(peer) else {
+    /// A forward recorded at `sent_ms` with `prefill_tokens` for `peer`'s engine
+    /// `replica` never ran there (the peer refused it,
+    /// [`crate::decision::refuse_forward`]): it no longer counts as pending. Nothing
+    /// happens if the peer's stats already cleared it.
+    pub fn cancel_forward(
+        &mut self,
+        peer: &NodeId,
+        replica: u16,
+        prefill_tokens: u64,
+        sent_ms: u64,
+    ) {
+        let Some(entry) = self
+            .peers
+            .get_mut(peer)
+            .and_then(|e| e.get_mut(replica as usize))
+        else {
             return;
         };
         if let Some(i) = entry
@@ -526,21 +569,22 @@ impl ForwardLedger {
         }
     }
 
-    /// `(forwards, prefill_tokens)` not yet reflected in `peer`'s stats.
-    pub fn pending(&self, peer: &NodeId) -> (u32, u64) {
-        self.peers
-            .get(peer)
+    /// `(forwards, prefill_tokens)` not yet reflected in the stats of `peer`'s engine
+    /// `replica`.
+    pub fn pending(&self, peer: &NodeId, replica: u16) -> (u32, u64) {
+        self.get(peer, replica)
             .map(|e| (e.forwards.len() as u32, e.prefill_tokens))
             .unwrap_or((0, 0))
     }
 
-    /// A forward to `peer` got its first byte: the cost model had predicted
-    /// `predicted_ms` for it and it took `measured_ms` from the decision (both as this
-    /// node sees them: RTT included). Updates the peer's forward bias; non-finite
-    /// values are ignored.
+    /// A forward to `peer`'s engine `replica` got its first byte: the cost model had
+    /// predicted `predicted_ms` for it and it took `measured_ms` from the decision (both
+    /// as this node sees them: RTT included). Updates that engine's forward bias;
+    /// non-finite values are ignored.
     pub fn observe_forward_ttft(
         &mut self,
         peer: &NodeId,
+        replica: u16,
         predicted_ms: f64,
         measured_ms: f64,
         now_ms: u64,
@@ -548,7 +592,9 @@ impl ForwardLedger {
         if !(predicted_ms.is_finite() && measured_ms.is_finite()) {
             return;
         }
-        let entry = self.peers.entry(peer.clone()).or_default();
+        let Some(entry) = self.entry(peer, replica) else {
+            return;
+        };
         let bias = entry.bias_at(now_ms);
         let residual = measured_ms - predicted_ms;
         entry.bias_ms = (bias + FORWARD_BIAS_GAIN * (residual - bias))
@@ -556,15 +602,16 @@ impl ForwardLedger {
         entry.bias_at_ms = now_ms;
     }
 
-    /// `peer`'s forward bias at `now_ms`, ms (0 when nothing was observed).
-    pub fn forward_bias_ms(&self, peer: &NodeId, now_ms: u64) -> f64 {
-        self.peers.get(peer).map_or(0.0, |e| e.bias_at(now_ms))
+    /// The forward bias of `peer`'s engine `replica` at `now_ms`, ms (0 when nothing
+    /// was observed).
+    pub fn forward_bias_ms(&self, peer: &NodeId, replica: u16, now_ms: u64) -> f64 {
+        self.get(peer, replica).map_or(0.0, |e| e.bias_at(now_ms))
     }
 
     /// Copy the pending counts and the forward bias into a candidate built for
-    /// `candidate.node`.
+    /// `candidate.node`'s engine `candidate.stats.replica`.
     pub fn apply(&self, candidate: &mut Candidate, now_ms: u64) {
-        let Some(e) = self.peers.get(&candidate.node) else {
+        let Some(e) = self.get(&candidate.node, candidate.stats.replica) else {
             candidate.inflight_forwards = 0;
             candidate.inflight_forward_prompt_tokens = 0;
             candidate.forward_bias_ms = 0.0;
@@ -816,25 +863,25 @@ mod tests {
         let p = NodeId::from("b");
         let mut l = ForwardLedger::new();
         l.observe_stats(&p, &stats_v(0, 5), 0, 0.0);
-        l.record_forward(&p, 100, 1000);
-        l.record_forward(&p, 50, 1100);
-        assert_eq!(l.pending(&p), (2, 150));
+        l.record_forward(&p, 0, 100, 1000);
+        l.record_forward(&p, 0, 50, 1100);
+        assert_eq!(l.pending(&p, 0), (2, 150));
         assert!(!l.observe_stats(&p, &stats_v(0, 5), 2000, 0.0));
-        assert_eq!(l.pending(&p), (2, 150));
+        assert_eq!(l.pending(&p, 0), (2, 150));
         // Stats produced ~rtt/2 ago cannot reflect the forward sent 50 ms ago.
         assert!(l.observe_stats(&p, &stats_v(0, 6), 1150, 80.0));
-        assert_eq!(l.pending(&p), (1, 50));
+        assert_eq!(l.pending(&p, 0), (1, 50));
         assert!(l.observe_stats(&p, &stats_v(0, 7), 1300, 80.0));
-        assert_eq!(l.pending(&p), (0, 0));
+        assert_eq!(l.pending(&p, 0), (0, 0));
         let mut c = Candidate::idle("b", false, 1.0);
-        l.record_forward(&p, 7, 1400);
+        l.record_forward(&p, 0, 7, 1400);
         l.apply(&mut c, 0);
         assert_eq!(
             (c.inflight_forwards, c.inflight_forward_prompt_tokens),
             (1, 7)
         );
         l.forget(&p);
-        assert_eq!(l.pending(&p), (0, 0));
+        assert_eq!(l.pending(&p, 0), (0, 0));
     }
 
     #[test]
@@ -845,13 +892,13 @@ mod tests {
         let p = NodeId::from("b");
         let mut l = ForwardLedger::new();
         assert!(l.observe_stats(&p, &stats_v(100, 2_272), 0, 0.0));
-        l.record_forward(&p, 500, 1000);
+        l.record_forward(&p, 0, 500, 1000);
         assert!(l.observe_stats(&p, &stats_v(200, 1), 2000, 0.0));
-        assert_eq!(l.pending(&p), (0, 0));
+        assert_eq!(l.pending(&p, 0), (0, 0));
         // A late copy from the dead run changes nothing.
-        l.record_forward(&p, 500, 2100);
+        l.record_forward(&p, 0, 500, 2100);
         assert!(!l.observe_stats(&p, &stats_v(100, 2_273), 3000, 0.0));
-        assert_eq!(l.pending(&p), (1, 500));
+        assert_eq!(l.pending(&p, 0), (1, 500));
     }
 
     #[test]
@@ -878,12 +925,12 @@ mod tests {
     fn forward_bias_learns_decays_and_is_bounded() {
         let mut l = ForwardLedger::new();
         let b = NodeId::from("peer");
-        assert_eq!(l.forward_bias_ms(&b, 0), 0.0);
+        assert_eq!(l.forward_bias_ms(&b, 0, 0), 0.0);
         // Forwards that take 1 s longer than predicted pull the bias towards +1 s.
         for i in 0..64 {
-            l.observe_forward_ttft(&b, 500.0, 1500.0, i * 10);
+            l.observe_forward_ttft(&b, 0, 500.0, 1500.0, i * 10);
         }
-        let learnt = l.forward_bias_ms(&b, 640);
+        let learnt = l.forward_bias_ms(&b, 0, 640);
         assert!((learnt - 1000.0).abs() < 10.0, "{learnt}");
         // It enters the peer's queue term and the prediction, never the local one's.
         let mut c = peer(10.0, 0);
@@ -898,12 +945,12 @@ mod tests {
             0.0
         );
         // Without new forwards it halves every half-life, so a peer is never shut out.
-        let later = l.forward_bias_ms(&b, 640 + FORWARD_BIAS_HALF_LIFE_MS as u64);
+        let later = l.forward_bias_ms(&b, 0, 640 + FORWARD_BIAS_HALF_LIFE_MS as u64);
         assert!((later - learnt / 2.0).abs() < 1.0, "{later}");
         // Garbage is ignored, and one huge residual cannot push it past the bound.
-        l.observe_forward_ttft(&b, f64::NAN, 1.0, 700);
-        l.observe_forward_ttft(&b, 0.0, 1e12, 700);
-        assert!(l.forward_bias_ms(&b, 700) <= MAX_FORWARD_BIAS_MS);
+        l.observe_forward_ttft(&b, 0, f64::NAN, 1.0, 700);
+        l.observe_forward_ttft(&b, 0, 0.0, 1e12, 700);
+        assert!(l.forward_bias_ms(&b, 0, 700) <= MAX_FORWARD_BIAS_MS);
         // A negative bias never makes the queue negative.
         let mut fast = peer(10.0, 0);
         fast.forward_bias_ms = -1e6;
@@ -918,14 +965,45 @@ mod tests {
         let p = NodeId::from("b");
         let mut l = ForwardLedger::new();
         for i in 0..(MAX_LEDGER_ENTRIES_PER_PEER as u64 + 10) {
-            l.record_forward(&p, 1, i);
+            l.record_forward(&p, 0, 1, i);
         }
         assert_eq!(
-            l.pending(&p),
+            l.pending(&p, 0),
             (
                 MAX_LEDGER_ENTRIES_PER_PEER as u32,
                 MAX_LEDGER_ENTRIES_PER_PEER as u64
             )
         );
+    }
+
+    #[test]
+    fn ledger_keeps_each_engine_of_a_peer_apart() {
+        let p = NodeId::from("b");
+        let mut l = ForwardLedger::new();
+        l.record_forward(&p, 0, 100, 1000);
+        l.record_forward(&p, 2, 40, 1000);
+        assert_eq!(
+            (l.pending(&p, 0), l.pending(&p, 1), l.pending(&p, 2)),
+            ((1, 100), (0, 0), (1, 40))
+        );
+        // Stats of engine 2 clear only engine 2's forwards.
+        let stats = QueueStats {
+            version: 1,
+            replica: 2,
+            ..QueueStats::default()
+        };
+        assert!(l.observe_stats(&p, &stats, 2000, 0.0));
+        assert_eq!((l.pending(&p, 0), l.pending(&p, 2)), ((1, 100), (0, 0)));
+        let mut c = Candidate::idle("b", false, 10.0);
+        l.apply(&mut c, 2000);
+        assert_eq!(c.inflight_forwards, 1);
+        c.stats.replica = 2;
+        l.apply(&mut c, 2000);
+        assert_eq!(c.inflight_forwards, 0);
+        // Engines past the bound keep nothing.
+        l.record_forward(&p, MAX_REPLICAS, 5, 3000);
+        assert_eq!(l.pending(&p, MAX_REPLICAS), (0, 0));
+        l.cancel_forward(&p, 0, 100, 1000);
+        assert_eq!(l.pending(&p, 0), (0, 0));
     }
 }

@@ -1,7 +1,8 @@
 //! Forward or serve: the rules around a policy's pick that keep routing safe.
 //!
 //! - A request that arrived with `hops >= max_hops` is served where it is (no
-//!   forwarding loops, no ping-pong between nodes with different views).
+//!   forwarding loops, no ping-pong between nodes with different views); a node with
+//!   several engines lets the policy pick among them alone.
 //! - Unhealthy candidates are never chosen.
 //! - When nothing can serve, the outcome says so ([`NoCandidate`]) and the driver
 //!   answers 503.
@@ -20,7 +21,8 @@ use crate::types::{NodeId, Weights};
 pub enum DecisionReason {
     /// The policy's pick.
     Policy,
-    /// The request had used its hops: served here without asking the policy.
+    /// The request had used its hops: served here (the policy asked only to pick among
+    /// this node's engines, when it has several).
     MaxHops,
     /// The policy picked an unhealthy or unknown candidate; the local one (else the
     /// first healthy one) was used instead.
@@ -45,6 +47,9 @@ pub enum NoCandidateReason {
 pub struct CandidateExplain {
     /// The candidate node.
     pub node: NodeId,
+    /// Which of its engines ([`crate::QueueStats::replica`]).
+    #[serde(default)]
+    pub replica: u16,
     /// True for the deciding node.
     pub is_local: bool,
     /// Whether it could be chosen.
@@ -68,6 +73,10 @@ pub struct Decision {
     pub target_index: usize,
     /// The node that serves.
     pub target: NodeId,
+    /// Which of its engines the decision priced (a forward's target picks its engine
+    /// again when the request arrives).
+    #[serde(default)]
+    pub target_replica: u16,
     /// True when served by the deciding node's own engine.
     pub is_local: bool,
     /// Hops the request had taken when it arrived here.
@@ -103,6 +112,7 @@ fn explain(
         .enumerate()
         .map(|(i, c)| CandidateExplain {
             node: c.node.clone(),
+            replica: c.stats.replica,
             is_local: c.is_local,
             healthy: c.healthy,
             chosen: chosen == Some(i),
@@ -136,6 +146,7 @@ pub fn decide(
         policy: kind,
         target_index: index,
         target: candidates[index].node.clone(),
+        target_replica: candidates[index].stats.replica,
         is_local: candidates[index].is_local,
         hops,
         weights,
@@ -144,13 +155,32 @@ pub fn decide(
     };
 
     if hops >= max_hops {
-        return match local {
-            Some(i) => Ok(decision(i, DecisionReason::MaxHops, None)),
-            None => Err(no_candidate(
+        let Some(first) = local else {
+            return Err(no_candidate(
                 NoCandidateReason::LocalUnhealthyAtMaxHops,
                 None,
-            )),
+            ));
         };
+        // Several local engines: the policy picks among them alone.
+        let locals: Vec<usize> = (0..candidates.len())
+            .filter(|&i| candidates[i].is_local && candidates[i].healthy)
+            .collect();
+        if locals.len() == 1 {
+            return Ok(decision(first, DecisionReason::MaxHops, None));
+        }
+        let subset: Vec<Candidate> = locals.iter().map(|&i| candidates[i].clone()).collect();
+        let choice = policy.choose(req, &subset, weights, rng_u64);
+        let index = choice
+            .index
+            .and_then(|i| locals.get(i).copied())
+            .unwrap_or(first);
+        let mut d = decision(index, DecisionReason::MaxHops, None);
+        if let Some(terms) = choice.terms {
+            for (&i, t) in locals.iter().zip(terms) {
+                d.candidates[i].terms = Some(t);
+            }
+        }
+        return Ok(d);
     }
     if !candidates.iter().any(|c| c.healthy) {
         return Err(no_candidate(NoCandidateReason::NoneHealthy, None));
@@ -246,10 +276,15 @@ pub fn refuse_forward(
     {
         return None;
     }
-    let local = candidates.iter().position(|c| c.is_local && c.healthy)?;
     let choice = policy.choose(req, candidates, offer.weights, rng_u64);
     let all = choice.terms?;
-    let terms = all.get(local).copied()?;
+    // The target serves on its cheapest engine.
+    let terms = candidates
+        .iter()
+        .zip(&all)
+        .filter(|(c, _)| c.is_local && c.healthy)
+        .map(|(_, t)| *t)
+        .min_by(|a, b| a.total_ms.total_cmp(&b.total_ms))?;
     if terms.total_ms <= origin_cost_ms * (1.0 + REFUSAL_MARGIN) {
         return None;
     }
@@ -262,15 +297,16 @@ pub fn refuse_forward(
 }
 
 impl Decision {
-    /// The cost of serving at the deciding node itself (its local candidate's `gorgo`
-    /// total), when the policy computed one: what a forward offers
+    /// The cost of serving at the deciding node itself (its cheapest local engine's
+    /// `gorgo` total), when the policy computed one: what a forward offers
     /// ([`ForwardOffer`], [`refuse_forward`]).
     pub fn local_cost_ms(&self) -> Option<f64> {
         self.candidates
             .iter()
-            .find(|c| c.is_local && c.healthy)
-            .and_then(|c| c.terms)
+            .filter(|c| c.is_local && c.healthy)
+            .filter_map(|c| c.terms)
             .map(|t| t.total_ms)
             .filter(|v| v.is_finite())
+            .min_by(f64::total_cmp)
     }
 }

@@ -26,7 +26,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::error::CoreError;
 use crate::summary::{varint_len, LocalSummary, PeerSummary, SummaryDelta};
-use crate::types::{NodeId, QueueStats};
+use crate::types::{NodeId, QueueStats, MAX_REPLICAS};
 use crate::wire::GossipMessage;
 
 /// Knobs of the gossip state machine (defaults: what the live cluster runs).
@@ -65,6 +65,18 @@ pub fn origin(msg: &GossipMessage) -> &NodeId {
     }
 }
 
+/// Which of the origin's engines a summary message is about (its stats'
+/// [`QueueStats::replica`]), or, for a snapshot request, which of the receiver's
+/// engines the asker wants a snapshot of: drivers keep one [`PeerGossip`] per peer
+/// engine and one [`GossipSender`] per own engine, and route each message by it.
+pub fn replica(msg: &GossipMessage) -> u16 {
+    match msg {
+        GossipMessage::SummaryDelta { stats, .. }
+        | GossipMessage::SummarySnapshot { stats, .. } => stats.replica,
+        GossipMessage::SnapshotRequest { replica, .. } => *replica,
+    }
+}
+
 /// Bytes `msg` takes on the wire ([`crate::wire::encode`]), computed without encoding
 /// (the simulator counts gossip bytes with it).
 pub fn encoded_len(msg: &GossipMessage) -> usize {
@@ -84,7 +96,8 @@ pub fn encoded_len(msg: &GossipMessage) -> usize {
         GossipMessage::SnapshotRequest {
             origin,
             have_version,
-        } => origin_len(origin) + varint_len(*have_version),
+            replica,
+        } => origin_len(origin) + varint_len(*have_version) + varint_len(*replica as u64),
     }
 }
 
@@ -324,7 +337,8 @@ impl PeerGossip {
     /// SWIM broadcasts are capped small and leave the model list out: newer stats
     /// without models keep the models held for the same incarnation.
     pub fn offer_stats(&mut self, stats: &QueueStats) -> bool {
-        if !self.admit(stats.incarnation)
+        if stats.replica >= MAX_REPLICAS
+            || !self.admit(stats.incarnation)
             || stats.version == 0
             || self
                 .stats
@@ -386,6 +400,12 @@ impl PeerGossip {
                 origin(&msg)
             )));
         }
+        let replica = replica(&msg);
+        if replica >= MAX_REPLICAS {
+            return Err(CoreError::Malformed(format!(
+                "gossip names replica {replica}, the limit is {MAX_REPLICAS}"
+            )));
+        }
         let mut out = Received {
             summary: SummaryEvent::None,
             stats_updated: false,
@@ -428,7 +448,7 @@ impl PeerGossip {
             }
         }
         if out.summary == SummaryEvent::Gap {
-            out.reply = self.snapshot_request(me, now_ms, config);
+            out.reply = self.snapshot_request(me, replica, now_ms, config);
         }
         Ok(out)
     }
@@ -474,6 +494,7 @@ impl PeerGossip {
     fn snapshot_request(
         &mut self,
         me: &NodeId,
+        replica: u16,
         now_ms: u64,
         config: &GossipConfig,
     ) -> Option<GossipMessage> {
@@ -487,6 +508,7 @@ impl PeerGossip {
         Some(GossipMessage::SnapshotRequest {
             origin: me.clone(),
             have_version: self.summary.as_ref().map_or(0, |s| s.version()),
+            replica,
         })
     }
 
@@ -880,6 +902,7 @@ mod tests {
             GossipMessage::SnapshotRequest {
                 origin: "region-with-a-long-name".into(),
                 have_version: 1 << 20,
+                replica: 3,
             },
             GossipMessage::SummaryDelta {
                 origin: "x".into(),

@@ -222,7 +222,7 @@ fn pick_min<const N: usize>(
     };
     let mut best: Option<[f64; N]> = None;
     let mut ties = 0u64;
-    let mut local_tied = None;
+    let mut local_ties = 0u64;
     for (i, c) in candidates.iter().enumerate().filter(|(_, c)| c.healthy) {
         let k = key(i, c);
         match best.as_ref().map(|b| cmp(&k, b)) {
@@ -231,20 +231,20 @@ fn pick_min<const N: usize>(
             _ => {
                 best = Some(k);
                 ties = 1;
-                local_tied = None;
+                local_ties = 0;
             }
         }
         if c.is_local {
-            local_tied = Some(i);
+            local_ties += 1;
         }
     }
     let best = best?;
-    if local_tied.is_some() {
-        return local_tied;
-    }
-    let mut nth = rng_u64 % ties;
+    // A tie that includes local engines stays local (no forward for nothing); among
+    // tied local engines, or tied peers, the draw is random.
+    let local_only = local_ties > 0;
+    let mut nth = rng_u64 % if local_only { local_ties } else { ties };
     for (i, c) in candidates.iter().enumerate().filter(|(_, c)| c.healthy) {
-        if cmp(&key(i, c), &best).is_eq() {
+        if (!local_only || c.is_local) && cmp(&key(i, c), &best).is_eq() {
             if nth == 0 {
                 return Some(i);
             }
@@ -492,11 +492,15 @@ fn session_key(req: &RouteRequest<'_>) -> u64 {
 }
 
 /// Rendezvous (highest random weight) score of `node` for `key`.
+/// A node's engines other than the first add their replica number to the node's
+/// hash, so one-engine clusters map sessions as before replicas existed.
 fn rendezvous(key: u64, c: &Candidate) -> u64 {
-    let mut buf = [0u8; 16];
+    let mut buf = [0u8; 18];
     buf[..8].copy_from_slice(&key.to_le_bytes());
-    buf[8..].copy_from_slice(&hash_bytes(c.node.0.as_bytes()).to_le_bytes());
-    hash_bytes(&buf)
+    buf[8..16].copy_from_slice(&hash_bytes(c.node.0.as_bytes()).to_le_bytes());
+    buf[16..].copy_from_slice(&c.stats.replica.to_le_bytes());
+    let len = if c.stats.replica == 0 { 16 } else { 18 };
+    hash_bytes(&buf[..len])
 }
 
 /// `session-affinity`: rendezvous hashing of the session key (`x-session-id`, else the
@@ -565,7 +569,10 @@ impl Policy for SimpleSessionAffinity {
         if healthy.is_empty() {
             return Choice::pick(None);
         }
-        healthy.sort_by(|&a, &b| candidates[a].node.cmp(&candidates[b].node));
+        healthy.sort_by(|&a, &b| {
+            let key = |i: usize| (&candidates[i].node, candidates[i].stats.replica);
+            key(a).cmp(&key(b))
+        });
         Choice::pick(Some(healthy[(key % healthy.len() as u64) as usize]))
     }
 }
@@ -722,6 +729,15 @@ impl Policy for LocalOnly {
         _w: Weights,
         _rng: u64,
     ) -> Choice {
-        Choice::pick(candidates.iter().position(|c| c.is_local && c.healthy))
+        // Among several local engines, the one with the fewest requests (what a
+        // region's own load balancer would do).
+        Choice::pick(
+            candidates
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| c.is_local && c.healthy)
+                .min_by_key(|(_, c)| c.stats.running as u64 + c.stats.waiting as u64)
+                .map(|(i, _)| i),
+        )
     }
 }

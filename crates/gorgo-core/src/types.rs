@@ -87,7 +87,17 @@ pub struct QueueStats {
     /// without models (the simulator); such a node is taken to serve any model.
     #[serde(default)]
     pub models: Vec<String>,
+    /// Which of the origin's engines (replicas, numbered from 0 in its config) these
+    /// describe: a node fronting several engines gossips one stats stream and one
+    /// summary per engine, so that every peer decides over every engine of the cluster
+    /// (docs/design.md, "Replicas"). Below [`MAX_REPLICAS`]; 0 for a one-engine node.
+    #[serde(default)]
+    pub replica: u16,
 }
+
+/// Most engines one node fronts: a bound on per-replica state kept for a peer (a
+/// peer's stats naming a higher replica are dropped on receipt).
+pub const MAX_REPLICAS: u16 = 64;
 
 impl QueueStats {
     /// Where this copy stands among its origin's copies, `(incarnation, version)`:

@@ -131,6 +131,8 @@ pub enum GossipMessage {
         origin: NodeId,
         /// The version the asker holds.
         have_version: u64,
+        /// Which of the receiver's engines the summary is of ([`QueueStats::replica`]).
+        replica: u16,
     },
 }
 

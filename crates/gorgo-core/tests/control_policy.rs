@@ -664,14 +664,14 @@ fn the_target_prices_its_cost_with_the_offers_weights_and_garbage_offers_are_dro
 fn a_refused_forward_no_longer_counts_as_pending() {
     let mut ledger = ForwardLedger::new();
     let peer = "b".into();
-    ledger.record_forward(&peer, 1000, 10);
-    ledger.record_forward(&peer, 500, 20);
-    ledger.cancel_forward(&peer, 1000, 10);
-    assert_eq!(ledger.pending(&peer), (1, 500));
+    ledger.record_forward(&peer, 0, 1000, 10);
+    ledger.record_forward(&peer, 0, 500, 20);
+    ledger.cancel_forward(&peer, 0, 1000, 10);
+    assert_eq!(ledger.pending(&peer, 0), (1, 500));
     // Unknown forwards and peers change nothing.
-    ledger.cancel_forward(&peer, 1000, 10);
-    ledger.cancel_forward(&"c".into(), 500, 20);
-    assert_eq!(ledger.pending(&peer), (1, 500));
+    ledger.cancel_forward(&peer, 0, 1000, 10);
+    ledger.cancel_forward(&"c".into(), 0, 500, 20);
+    assert_eq!(ledger.pending(&peer, 0), (1, 500));
 }
 
 proptest! {

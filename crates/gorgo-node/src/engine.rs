@@ -94,6 +94,8 @@ impl EngineAdapter {
             seed_base_ms: engine.base_ms,
             seed_t_p_ms: engine.t_p_ms,
             fit: FitConfig::default(),
+            // The live node fronts one engine (docs/design.md, "Replicas").
+            replica: 0,
         })
         .map_err(|e| NodeError::Config(format!("engine seeds: {e}")))?;
         Ok(EngineAdapter {

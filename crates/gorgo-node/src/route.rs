@@ -168,12 +168,11 @@ impl Router {
             }
         };
         if let Target::Peer(peer) = &target {
-            let cached = candidates
-                .iter()
-                .find(|c| &c.node == peer)
-                .map_or(0, |c| c.cached_tokens);
+            let chosen = explain.iter().find(|c| c.chosen);
+            let cached = chosen.map_or(0, |c| c.cached_tokens);
             self.ledger.lock().record_forward(
                 peer,
+                chosen.map_or(0, |c| c.replica),
                 input.prompt_tokens.saturating_sub(cached),
                 input.now_ms,
             );
@@ -234,15 +233,17 @@ impl Router {
     ) {
         let chosen = record.candidates.iter().find(|c| c.chosen);
         let cached = chosen.map_or(0, |c| c.cached_tokens);
+        let replica = chosen.map_or(0, |c| c.replica);
         let mut ledger = self.ledger.lock();
         ledger.cancel_forward(
             peer,
+            replica,
             record.prompt_tokens.saturating_sub(cached),
             record.at_ms,
         );
         let predicted = chosen.and_then(|c| c.terms?.estimated_ttft_ms);
         if let (Some(predicted), Some(estimate)) = (predicted, refusal.local_estimated_ttft_ms) {
-            ledger.observe_forward_ttft(peer, predicted, elapsed_ms + estimate, now_ms);
+            ledger.observe_forward_ttft(peer, replica, predicted, elapsed_ms + estimate, now_ms);
         }
     }
 }

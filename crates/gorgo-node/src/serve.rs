@@ -65,9 +65,10 @@ fn candidates(state: &NodeState, req: &RoutedRequest, local_excluded: bool) -> V
         });
     let mut ledger = state.router.ledger.lock();
     build_candidates(
-        local,
+        [local],
         views,
-        |peer| state.peers.matched_tokens(peer, chain),
+        // The live node takes gossip from each peer's engine 0 only.
+        |peer, _replica| state.peers.matched_tokens(peer, chain),
         &mut ledger,
         state.now_ms(),
     )
@@ -193,11 +194,9 @@ async fn route_and_serve(
     {
         state.metrics.terms(&terms);
     }
-    let predicted = record
-        .candidates
-        .iter()
-        .find(|c| c.chosen)
-        .and_then(|c| c.terms?.estimated_ttft_ms);
+    let chosen = record.candidates.iter().find(|c| c.chosen);
+    let predicted = chosen.and_then(|c| c.terms?.estimated_ttft_ms);
+    let chosen_replica = chosen.map_or(0, |c| c.replica);
     let decided = Instant::now();
     // What serving here costs, sent with a forward so the peer can refuse it; not when
     // this node cannot serve it itself.
@@ -220,7 +219,13 @@ async fn route_and_serve(
         Target::Peer(peer) => match forward(state, &peer, req, offer).await {
             Ok(up) => {
                 state.metrics.forward(&peer.0, "ok");
-                Ok(learn_forward_bias(state, peer, predicted, decided, up))
+                Ok(learn_forward_bias(
+                    state,
+                    (peer, chosen_replica),
+                    predicted,
+                    decided,
+                    up,
+                ))
             }
             Err(NodeError::Refused { refusal, .. }) if !local_excluded => {
                 tracing::debug!(request_id = req.request_id, %peer, ?refusal, "forward refused; serving locally");
@@ -260,7 +265,7 @@ async fn route_and_serve(
 /// ForwardLedger::observe_forward_ttft`): the peer's forward bias.
 fn learn_forward_bias(
     state: &Arc<NodeState>,
-    peer: NodeId,
+    (peer, replica): (NodeId, u16),
     predicted_ms: Option<f64>,
     decided: Instant,
     mut up: Upstream,
@@ -285,6 +290,7 @@ fn learn_forward_bias(
             let measured_ms = decided.elapsed().as_secs_f64() * 1000.0;
             st.router.ledger.lock().observe_forward_ttft(
                 &peer,
+                replica,
                 predicted_ms,
                 measured_ms,
                 st.now_ms(),

@@ -326,7 +326,7 @@ async fn refusing_cluster(b_refuses: bool) -> (Cluster, String) {
     a.router
         .ledger
         .lock()
-        .observe_forward_ttft(&"b".into(), 1e6, 0.0, a.now_ms());
+        .observe_forward_ttft(&"b".into(), 0, 1e6, 0.0, a.now_ms());
     (c, p)
 }
 
@@ -361,7 +361,12 @@ async fn a_forward_the_target_would_serve_later_is_refused_and_served_at_its_ori
     let m = metrics_text(&c.nodes[1]).await;
     assert!(m.contains("gorgo_forwards_refused_total 1"), "{m}");
     // Nothing of the refused forward stays pending at a.
-    let pending = c.nodes[0].state().router.ledger.lock().pending(&"b".into());
+    let pending = c.nodes[0]
+        .state()
+        .router
+        .ledger
+        .lock()
+        .pending(&"b".into(), 0);
     assert_eq!(pending, (0, 0));
 }
 

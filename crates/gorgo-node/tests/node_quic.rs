@@ -105,12 +105,12 @@ async fn saturated_node_forwards_over_quic() {
     assert_eq!(ea.requests(), 0);
     // The forwarded stream's first chunk taught a's ledger how b's first byte compared
     // with the cost model's prediction (docs/policy.md, "forward bias").
-    let bias = a
-        .state
-        .router
-        .ledger
-        .lock()
-        .forward_bias_ms(&NodeId::from("b"), a.state.now_ms());
+    let bias =
+        a.state
+            .router
+            .ledger
+            .lock()
+            .forward_bias_ms(&NodeId::from("b"), 0, a.state.now_ms());
     assert!(bias != 0.0 && bias.is_finite(), "bias {bias}");
     a_stop.cancel();
     b_stop.cancel();

@@ -556,6 +556,7 @@ impl<'a> Sim<'a> {
                         seed_base_ms: p.idle_ttft_ms(0),
                         seed_t_p_ms: p.t_p_ms_per_token,
                         fit: FitConfig::default(),
+                        replica: 0,
                     })?,
                     stats_version: 0,
                     gossip: GossipSender::new(node_ids[i].clone(), sim_gossip_config()),
@@ -809,6 +810,7 @@ impl<'a> Sim<'a> {
         };
         QueueStats {
             version,
+            replica: 0,
             unfinished_prefill_tokens: s.unfinished_prefill_tokens,
             running: s.running.min(u32::MAX as usize) as u32,
             waiting: s.waiting.min(u32::MAX as usize) as u32,
@@ -872,9 +874,9 @@ impl<'a> Sim<'a> {
         });
         let gossip_peers = &node.peers;
         let cands = build_candidates(
-            local,
+            [local],
             peers,
-            |peer| {
+            |peer, _replica| {
                 node_ids.iter().position(|id| id == peer).map_or(0, |p| {
                     gossip_peers[p]
                         .summary()
@@ -1004,7 +1006,7 @@ impl<'a> Sim<'a> {
                         let peer = self.node_ids[t].clone();
                         self.nodes[r]
                             .ledger
-                            .record_forward(&peer, uncached, now as u64);
+                            .record_forward(&peer, 0, uncached, now as u64);
                     }
                 }
                 let f = self.flight_mut(slot);
@@ -1073,6 +1075,7 @@ impl<'a> Sim<'a> {
             let peer = self.node_ids[t].clone();
             self.nodes[home].ledger.observe_forward_ttft(
                 &peer,
+                0,
                 pred as f64,
                 measured,
                 (now + back) as u64,
@@ -1097,7 +1100,7 @@ impl<'a> Sim<'a> {
             let peer = self.node_ids[t].clone();
             self.nodes[home]
                 .ledger
-                .cancel_forward(&peer, tokens, sent as u64);
+                .cancel_forward(&peer, 0, tokens, sent as u64);
         }
         self.dispatch(slot, home, now);
     }
@@ -1298,7 +1301,7 @@ impl<'a> Sim<'a> {
         let peer = self.node_ids[t as usize].clone();
         if let Some(node) = self.nodes.get_mut(home) {
             node.ledger
-                .observe_forward_ttft(&peer, pred as f64, now - sent, now as u64);
+                .observe_forward_ttft(&peer, 0, pred as f64, now - sent, now as u64);
         }
     }
 
