@@ -90,6 +90,10 @@ pub struct SimModelArgs {
     /// Engine profile name or TOML file, for every region.
     #[arg(long, default_value = "paper-a100-mistral7b")]
     pub engine_profile: String,
+    /// Engines per region (replicas), each with the engine profile: every node decides
+    /// over its own engines and every peer's (docs/design.md, "Replicas").
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
     /// Gossip interval (summaries, queue stats, tuning ticks), ms.
     #[arg(long, default_value_t = 250.0)]
     pub gossip_interval_ms: f64,
@@ -163,6 +167,7 @@ impl SimModelArgs {
             }
         }
         let mut cfg = SimConfig::new(network(&topology), profile);
+        cfg.replicas = self.replicas;
         cfg.gossip_interval_ms = self.gossip_interval_ms;
         cfg.gossip_extra_delay_ms = self.gossip_delay_ms;
         cfg.gossip_loss = self.gossip_loss;
@@ -188,6 +193,7 @@ impl SimModelArgs {
             "topology": self.topology.display().to_string(),
             "regions": cfg.network.names(),
             "engine_profile": cfg.profiles.first().map(|p| p.name.clone()),
+            "replicas": cfg.replicas,
             "seed": self.seed,
             "region_seed": self.region_seed,
             "gossip_interval_ms": self.gossip_interval_ms,

@@ -66,11 +66,12 @@ pub struct SimCounters {
     pub finishes: u64,
     /// Engine events for a request already finished or never submitted there (must be 0).
     pub unexpected_events: u64,
-    /// Per region: the most KV tokens its engine ever had in use.
+    /// Per engine (region-major: region `r`'s replica `k` at `r * replicas + k`): the
+    /// most KV tokens it ever had in use.
     pub max_used_tokens: Vec<u64>,
-    /// Per region: the most tokens its prefix cache ever held.
+    /// Per engine: the most tokens its prefix cache ever held.
     pub max_cached_tokens: Vec<u64>,
-    /// Per region: its engine's KV capacity.
+    /// Per engine: its KV capacity.
     pub capacity_tokens: Vec<u64>,
     /// Per region: requests its engine served.
     pub served_by_region: Vec<u64>,
@@ -97,12 +98,12 @@ pub struct SimCounters {
     pub reordered_rows: u64,
     /// Virtual time at the end, ms.
     pub end_ms: f64,
-    /// Per region (distributed modes): each node's fitted prefill cost at the end, ms
+    /// Per engine (distributed modes): its node's fitted prefill cost at the end, ms
     /// per token (what it gossiped as `t_p`).
     pub fitted_t_p_ms: Vec<f64>,
-    /// Per region (distributed modes): each node's fitted fixed TTFT cost at the end.
+    /// Per engine (distributed modes): its node's fitted fixed TTFT cost at the end.
     pub fitted_base_ms: Vec<f64>,
-    /// Per region (distributed modes): each node's view accounting at the end (all zero
+    /// Per engine (distributed modes): its node's view accounting at the end (all zero
     /// once every request finished: the view does not drift).
     pub view_counters_end: Vec<gorgo_core::accounting::ViewCounters>,
 }
@@ -170,7 +171,8 @@ pub(crate) struct Collector {
 }
 
 impl Collector {
-    pub(crate) fn new(policy: &str, regions: Vec<String>, max_rows: usize) -> Self {
+    /// `engines` in all, `regions.len()` of them or a multiple (replicas).
+    pub(crate) fn new(policy: &str, regions: Vec<String>, engines: usize, max_rows: usize) -> Self {
         let n = regions.len();
         Collector {
             run: PolicyRun {
@@ -184,9 +186,9 @@ impl Collector {
                     ..Default::default()
                 },
                 counters: SimCounters {
-                    max_used_tokens: vec![0; n],
-                    max_cached_tokens: vec![0; n],
-                    capacity_tokens: vec![0; n],
+                    max_used_tokens: vec![0; engines],
+                    max_cached_tokens: vec![0; engines],
+                    capacity_tokens: vec![0; engines],
                     served_by_region: vec![0; n],
                     ..Default::default()
                 },

@@ -28,6 +28,7 @@ use gorgo_core::kv_events::{AlignedBlockEvent, KvEventFollower, KvFollowerConfig
 use gorgo_core::policy::{Policy, PolicyKind, RouteRequest};
 use gorgo_core::summary::{SampleChooser, SampleSetting, SummarySample};
 use gorgo_core::tuning::{Assignment, Cell, EpochReport, Proposal, Tuner, TuningOutput};
+use gorgo_core::types::MAX_REPLICAS;
 use gorgo_core::wire::GossipMessage;
 use gorgo_core::{hash::hash_bytes, HashChain, NodeId, QueueStats, ShadowIndex, Weights};
 use gorgo_core::{IndexSource, NodeBlockChange};
@@ -51,6 +52,10 @@ pub struct SimConfig {
     pub network: Network,
     /// One engine profile per region, in the network's order.
     pub profiles: Vec<Profile>,
+    /// Engines per region (replicas, each with the region's profile). Every node
+    /// decides over its own engines and every peer's, each with its own view, prefix
+    /// index and gossip stream (docs/design.md, "Replicas"); 1 by default.
+    pub replicas: usize,
     /// Period of each node's gossip (summary delta + queue stats) and tuning tick, ms.
     pub gossip_interval_ms: f64,
     /// Extra transit delay of gossip on top of the one-way delay, ms.
@@ -145,6 +150,7 @@ impl SimConfig {
         SimConfig {
             network,
             profiles,
+            replicas: 1,
             gossip_interval_ms: 250.0,
             gossip_extra_delay_ms: 0.0,
             gossip_loss: 0.0,
@@ -191,6 +197,12 @@ impl SimConfig {
         }
         for p in &self.profiles {
             p.validate().map_err(|e| invalid("engine_profile", e))?;
+        }
+        if !(1..=MAX_REPLICAS as usize).contains(&self.replicas) {
+            return Err(invalid(
+                "replicas",
+                format!("must be in 1..={MAX_REPLICAS}"),
+            ));
         }
         if !(self.gossip_interval_ms.is_finite() && self.gossip_interval_ms > 0.0) {
             return Err(invalid("gossip_interval_ms", "must be > 0"));
@@ -265,20 +277,20 @@ enum Ev {
     Arrival(u32),
     /// A forwarded request reached the node that will serve it.
     ForwardArrival(u32),
-    /// The engine of a region may have finished an iteration.
-    EngineWake(u8),
+    /// An engine (region-major index) may have finished an iteration.
+    EngineWake(u16),
     /// A node's gossip and tuning tick.
     Tick(u8),
     /// A message reached its destination.
     Deliver(u32),
     /// A request's last byte reached its client.
     Complete(u32),
-    /// A node scrapes its engine's `/metrics`.
-    Scrape(u8),
+    /// A node scrapes one of its engines' `/metrics` (region-major engine index).
+    Scrape(u16),
     /// The first byte of a forwarded request reached the node that forwarded it.
     FirstByte(u32),
-    /// A region's engine's KV events reach its node (`kv_events`).
-    KvEvents(u8),
+    /// An engine's KV events reach its node (`kv_events`; region-major engine index).
+    KvEvents(u16),
     /// The target's refusal of a forward reached the node that forwarded it.
     Refused(u32),
 }
@@ -336,7 +348,14 @@ struct Flight {
     prompt_tokens: u64,
     output_tokens: u32,
     home: u8,
+    /// The region serving it (for a forward on its way: its target).
     served: Option<u8>,
+    /// Which engine of `served` serves it (for a forward on its way: the one the
+    /// deciding node priced, until the target picks its own).
+    replica: u16,
+    /// The engine of the forward's target that the client's node priced: its
+    /// forward-ledger key for this forward.
+    forward_replica: u16,
     hops: u8,
     send_ms: f64,
     dispatched_ms: f64,
@@ -379,27 +398,33 @@ struct Message {
 struct Node {
     id: NodeId,
     policy: Box<dyn Policy>,
-    shadow: ShadowIndex,
-    /// Per region: that peer's summary and stats as heard (the core's receiver state;
-    /// the own region's entry stays empty).
-    peers: Vec<PeerGossip>,
+    /// Per replica: what the node knows of that engine of its region.
+    engines: Vec<NodeEngine>,
+    /// Per region, per replica: that peer engine's summary and stats as heard (the
+    /// core's receiver state; the own region's entries stay empty).
+    peers: Vec<Vec<PeerGossip>>,
     ledger: ForwardLedger,
-    /// The node's view of its engine (the live node's accounting and prefill fit).
-    view: EngineView,
-    stats_version: u64,
-    /// What this node sends each peer next (the core's sender state).
-    gossip: GossipSender,
     /// Draws the loss of this node's outgoing gossip (`gossip_loss`).
     gossip_loss_rng: ChaCha8Rng,
     tuner: Option<Tuner>,
-    /// The rate of the summary `shadow` publishes (`SimConfig::summary_sample`).
+    /// The rate of the summaries the shadows publish (`SimConfig::summary_sample`).
     summary_sample: SampleChooser,
+}
+
+/// What a node knows and sends about one of its engines.
+struct NodeEngine {
+    shadow: ShadowIndex,
+    /// The node's view of the engine (the live node's accounting and prefill fit).
+    view: EngineView,
+    stats_version: u64,
+    /// What this engine's stream sends each peer next (the core's sender state).
+    gossip: GossipSender,
     /// Follows the engine's KV events into `shadow` (`SimConfig::kv_events`).
     kv: Option<KvEventFollower>,
 }
 
-/// The state every region has whatever the mode.
-struct Region {
+/// The state every engine has whatever the mode.
+struct Replica {
     engine: Engine,
     /// Raw prompt tokens dispatched here and not finished (`gorgo-paper`'s signal).
     queued_prompt_tokens: u64,
@@ -413,10 +438,10 @@ struct Region {
 /// The central router of `oracle` mode: exact state of every engine, instantly.
 struct Oracle {
     policy: Box<dyn Policy>,
-    /// Per region: the engine's prefix cache as the oracle tracks it (inserted on
-    /// dispatch, corrected with the engine's own cached-token count at first token).
+    /// Per engine: its prefix cache as the oracle tracks it (inserted on dispatch,
+    /// corrected with the engine's own cached-token count at first token).
     index: Vec<ShadowIndex>,
-    /// Per region: requests on their way there, and their expected prefill tokens.
+    /// Per engine: requests on their way there, and their expected prefill tokens.
     in_transit: Vec<(u32, u64)>,
 }
 
@@ -425,7 +450,8 @@ struct Sim<'a> {
     kind: PolicyKind,
     names: Vec<String>,
     node_ids: Vec<NodeId>,
-    regions: Vec<Region>,
+    /// Every engine, region-major ([`Sim::engine_index`]).
+    engines: Vec<Replica>,
     nodes: Vec<Node>,
     oracle: Option<Oracle>,
     heap: BinaryHeap<Scheduled>,
@@ -465,14 +491,19 @@ impl<'a> Sim<'a> {
         let n = names.len();
         let node_ids: Vec<NodeId> = names.iter().map(|s| NodeId(s.clone())).collect();
         let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ hash_bytes(kind.as_str().as_bytes()));
-        let regions = cfg
+        let replicas = cfg.replicas;
+        let engine_profiles: Vec<&Profile> = cfg
             .profiles
             .iter()
+            .flat_map(|p| std::iter::repeat_n(p, replicas))
+            .collect();
+        let engines = engine_profiles
+            .iter()
             .map(|p| {
-                let mut engine = Engine::new(p.clone());
+                let mut engine = Engine::new((*p).clone());
                 engine.set_emit_decode_steps(false);
                 engine.set_record_cache_changes(cfg.kv_events && kind != PolicyKind::Oracle);
-                Region {
+                Replica {
                     engine,
                     queued_prompt_tokens: 0,
                     wake_at: None,
@@ -480,16 +511,21 @@ impl<'a> Sim<'a> {
                 }
             })
             .collect();
-        let mut out = Collector::new(kind.as_str(), names.clone(), cfg.max_rows);
-        for (i, p) in cfg.profiles.iter().enumerate() {
-            out.run.counters.capacity_tokens[i] = p.max_total_tokens;
+        let mut out = Collector::new(
+            kind.as_str(),
+            names.clone(),
+            engine_profiles.len(),
+            cfg.max_rows,
+        );
+        for (e, p) in engine_profiles.iter().enumerate() {
+            out.run.counters.capacity_tokens[e] = p.max_total_tokens;
         }
         let mut sim = Sim {
             cfg,
             kind,
             names,
             node_ids: node_ids.clone(),
-            regions,
+            engines,
             nodes: Vec::new(),
             oracle: None,
             heap: BinaryHeap::new(),
@@ -508,12 +544,11 @@ impl<'a> Sim<'a> {
         if kind == PolicyKind::Oracle {
             sim.oracle = Some(Oracle {
                 policy: kind.build(),
-                index: cfg
-                    .profiles
+                index: engine_profiles
                     .iter()
                     .map(|p| ShadowIndex::new(p.max_total_tokens))
                     .collect(),
-                in_transit: vec![(0, 0); n],
+                in_transit: vec![(0, 0); engine_profiles.len()],
             });
         } else {
             let tune = cfg.tune && kind.uses_weights();
@@ -544,43 +579,67 @@ impl<'a> Sim<'a> {
                     None
                 };
                 let summary_sample = SampleChooser::new(cfg.summary_sample, cfg.peer_count());
+                let node_engines = (0..replicas)
+                    .map(|k| {
+                        Ok(NodeEngine {
+                            shadow: ShadowIndex::with_sample(
+                                p.max_total_tokens,
+                                summary_sample.current(),
+                            ),
+                            view: EngineView::new(ViewConfig {
+                                kv_capacity_tokens: None,
+                                decode_step_ms: cfg.decode_step_ms,
+                                seed_base_ms: p.idle_ttft_ms(0),
+                                seed_t_p_ms: p.t_p_ms_per_token,
+                                fit: FitConfig::default(),
+                                replica: k as u16,
+                            })?,
+                            stats_version: 0,
+                            gossip: GossipSender::new(node_ids[i].clone(), sim_gossip_config()),
+                            kv: cfg
+                                .kv_events
+                                .then(|| KvEventFollower::new(KvFollowerConfig::new(1), 0))
+                                .transpose()?,
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
                 sim.nodes.push(Node {
                     id: node_ids[i].clone(),
                     policy: kind.build(),
-                    shadow: ShadowIndex::with_sample(p.max_total_tokens, summary_sample.current()),
-                    peers: vec![PeerGossip::new(); n],
+                    engines: node_engines,
+                    peers: vec![vec![PeerGossip::new(); replicas]; n],
                     ledger: ForwardLedger::new(),
-                    view: EngineView::new(ViewConfig {
-                        kv_capacity_tokens: None,
-                        decode_step_ms: cfg.decode_step_ms,
-                        seed_base_ms: p.idle_ttft_ms(0),
-                        seed_t_p_ms: p.t_p_ms_per_token,
-                        fit: FitConfig::default(),
-                        replica: 0,
-                    })?,
-                    stats_version: 0,
-                    gossip: GossipSender::new(node_ids[i].clone(), sim_gossip_config()),
                     gossip_loss_rng: ChaCha8Rng::seed_from_u64(
                         cfg.seed ^ hash_bytes(format!("gossip-loss/{i}").as_bytes()),
                     ),
                     tuner,
                     summary_sample,
-                    kv: cfg
-                        .kv_events
-                        .then(|| KvEventFollower::new(KvFollowerConfig::new(1), 0))
-                        .transpose()?,
                 });
             }
-            // Nodes do not tick in lockstep: each starts at its own phase.
+            // Nodes do not tick in lockstep, nor scrape their engines together: each
+            // starts at its own phase.
             for i in 0..n {
                 let phase = rng.random::<f64>() * cfg.gossip_interval_ms;
                 sim.push(phase, Ev::Tick(i as u8));
-                let phase = rng.random::<f64>() * cfg.metrics_interval_ms;
-                sim.push(phase, Ev::Scrape(i as u8));
+                for k in 0..replicas {
+                    let phase = rng.random::<f64>() * cfg.metrics_interval_ms;
+                    let e = sim.engine_index(i, k);
+                    sim.push(phase, Ev::Scrape(e as u16));
+                }
             }
         }
         sim.rng = rng;
         Ok(sim)
+    }
+
+    /// Region `r`'s engine `k` among all engines.
+    fn engine_index(&self, r: usize, k: usize) -> usize {
+        r * self.cfg.replicas + k
+    }
+
+    /// The region and replica of engine `e`.
+    fn engine_of(&self, e: usize) -> (usize, usize) {
+        (e / self.cfg.replicas, e % self.cfg.replicas)
     }
 
     fn push(&mut self, at: f64, ev: Ev) {
@@ -659,14 +718,14 @@ impl<'a> Sim<'a> {
             match ev {
                 Ev::Arrival(slot) => self.route(slot, at),
                 Ev::ForwardArrival(slot) => self.forward_arrival(slot, at),
-                Ev::EngineWake(r) => self.engine_wake(r as usize, at),
+                Ev::EngineWake(e) => self.engine_wake(e as usize, at),
                 Ev::Tick(r) => self.tick(r as usize, at),
-                Ev::Scrape(r) => self.scrape(r as usize, at),
+                Ev::Scrape(e) => self.scrape(e as usize, at),
                 Ev::FirstByte(slot) => self.first_byte(slot, at),
                 Ev::Refused(slot) => self.refused(slot, at),
                 Ev::Deliver(m) => self.deliver(m, at),
                 Ev::Complete(slot) => self.complete(slot, at),
-                Ev::KvEvents(r) => self.kv_events(r as usize, at),
+                Ev::KvEvents(e) => self.kv_events(e as usize, at),
             }
             let finished = self.out.run.counters.completed + self.out.run.counters.failed;
             if finished >= reported + 4096 {
@@ -727,6 +786,8 @@ impl<'a> Sim<'a> {
             output_tokens: row.output_tokens.max(1),
             home: home as u8,
             served: None,
+            replica: 0,
+            forward_replica: 0,
             hops: 0,
             send_ms: send,
             dispatched_ms: send,
@@ -771,21 +832,23 @@ impl<'a> Sim<'a> {
             .expect("events only name live flights")
     }
 
-    /// Node `r` scrapes its engine's `/metrics` (the simulated scrape,
-    /// [`gorgo_engine::EngineStats::scrape`]) into its view.
-    fn scrape(&mut self, r: usize, now: f64) {
-        let metrics = self.regions[r].engine.stats().scrape();
+    /// Engine `e`'s node scrapes its `/metrics` (the simulated scrape,
+    /// [`gorgo_engine::EngineStats::scrape`]) into its view of it.
+    fn scrape(&mut self, e: usize, now: f64) {
+        let (r, k) = self.engine_of(e);
+        let metrics = self.engines[e].engine.stats().scrape();
         if let Some(node) = self.nodes.get_mut(r) {
-            node.view.scrape(metrics, now as u64);
+            node.engines[k].view.scrape(metrics, now as u64);
         }
         if !(self.trace_done && self.live == 0) {
-            self.push(now + self.cfg.metrics_interval_ms, Ev::Scrape(r as u8));
+            self.push(now + self.cfg.metrics_interval_ms, Ev::Scrape(e as u16));
         }
     }
 
-    /// Region `r`'s queue stats as its node reports them: its view of its engine, or,
+    /// Engine `e`'s queue stats as its node reports them: its view of the engine, or,
     /// with `exact_state` and for the oracle, the engine's exact state.
-    fn local_stats(&mut self, r: usize) -> QueueStats {
+    fn local_stats(&mut self, e: usize) -> QueueStats {
+        let (r, k) = self.engine_of(e);
         let epoch = self
             .nodes
             .get(r)
@@ -793,15 +856,15 @@ impl<'a> Sim<'a> {
             .map_or(0, |t| t.epoch());
         if !self.cfg.exact_state {
             if let Some(n) = self.nodes.get_mut(r) {
-                return n.view.queue_stats(epoch);
+                return n.engines[k].view.queue_stats(epoch);
             }
         }
-        let s = self.regions[r].engine.stats();
+        let s = self.engines[e].engine.stats();
         let (t_p_ms, base_ms, version) = match self.nodes.get(r) {
             Some(n) => (
-                n.view.fit().t_p_ms(),
-                n.view.fit().base_ms(),
-                n.stats_version,
+                n.engines[k].view.fit().t_p_ms(),
+                n.engines[k].view.fit().base_ms(),
+                n.engines[k].stats_version,
             ),
             None => {
                 let p = &self.cfg.profiles[r];
@@ -810,13 +873,13 @@ impl<'a> Sim<'a> {
         };
         QueueStats {
             version,
-            replica: 0,
+            replica: k as u16,
             unfinished_prefill_tokens: s.unfinished_prefill_tokens,
             running: s.running.min(u32::MAX as usize) as u32,
             waiting: s.waiting.min(u32::MAX as usize) as u32,
             kv_used_tokens: s.used_tokens,
             kv_capacity_tokens: s.capacity,
-            queued_prompt_tokens: self.regions[r].queued_prompt_tokens,
+            queued_prompt_tokens: self.engines[e].queued_prompt_tokens,
             t_p_ms,
             base_ms,
             decode_step_ms: s.decode_step_ms,
@@ -829,8 +892,9 @@ impl<'a> Sim<'a> {
     }
 
     /// Candidates as node `at_node` sees them (the core's [`build_candidates`], as the
-    /// live node builds them), or as the oracle sees them from `at_node` (exact state).
-    /// Returns candidates and their region indices.
+    /// live node builds them: its own engines, then every engine of every peer), or as
+    /// the oracle sees them from `at_node` (exact state of every engine). Returns
+    /// candidates and their engine indices.
     fn candidates(
         &mut self,
         at_node: usize,
@@ -838,64 +902,73 @@ impl<'a> Sim<'a> {
         now: f64,
     ) -> (Vec<Candidate>, Vec<usize>) {
         let n = self.names.len();
+        let replicas = self.cfg.replicas;
         if self.oracle.is_some() {
-            let mut cands = Vec::with_capacity(n);
-            for r in 0..n {
+            let mut cands = Vec::with_capacity(self.engines.len());
+            for e in 0..self.engines.len() {
+                let r = self.engine_of(e).0;
                 let mut c = Candidate::idle(
                     self.node_ids[r].clone(),
                     r == at_node,
                     self.cfg.network.rtt_ms(at_node, r),
                 );
-                c.stats = self.local_stats(r);
+                c.stats = self.local_stats(e);
                 let o = self.oracle.as_ref().expect("checked above");
-                c.cached_tokens = o.index[r].longest_match(chain);
-                c.inflight_forwards = o.in_transit[r].0;
-                c.inflight_forward_prompt_tokens = o.in_transit[r].1;
+                c.cached_tokens = o.index[e].longest_match(chain);
+                c.inflight_forwards = o.in_transit[e].0;
+                c.inflight_forward_prompt_tokens = o.in_transit[e].1;
                 cands.push(c);
             }
-            return (cands, (0..n).collect());
+            return (cands, (0..self.engines.len()).collect());
         }
-        let local = LocalState {
-            node: self.nodes[at_node].id.clone(),
-            healthy: true,
-            cached_tokens: self.nodes[at_node].shadow.longest_match(chain),
-            stats: self.local_stats(at_node),
-        };
+        let locals: Vec<LocalState> = (0..replicas)
+            .map(|k| LocalState {
+                node: self.nodes[at_node].id.clone(),
+                healthy: true,
+                cached_tokens: self.nodes[at_node].engines[k].shadow.longest_match(chain),
+                stats: self.local_stats(self.engine_index(at_node, k)),
+            })
+            .collect();
         let rtts: Vec<f64> = (0..n)
             .map(|p| self.cfg.network.rtt_ms(at_node, p))
             .collect();
         let node_ids = &self.node_ids;
         let node = &mut self.nodes[at_node];
-        let peers = (0..n).filter(|&p| p != at_node).map(|p| PeerState {
-            node: &node_ids[p],
-            alive: true,
-            rtt_ms: rtts[p],
-            stats: node.peers[p].stats(),
-        });
         let gossip_peers = &node.peers;
+        let peers = (0..n)
+            .filter(|&p| p != at_node)
+            .flat_map(|p| (0..replicas).map(move |k| (p, k)))
+            .map(|(p, k)| PeerState {
+                node: &node_ids[p],
+                alive: true,
+                rtt_ms: rtts[p],
+                stats: gossip_peers[p][k].stats(),
+            });
         let cands = build_candidates(
-            [local],
+            locals,
             peers,
-            |peer, _replica| {
+            |peer, replica| {
                 node_ids.iter().position(|id| id == peer).map_or(0, |p| {
                     gossip_peers[p]
-                        .summary()
+                        .get(replica as usize)
+                        .and_then(|g| g.summary())
                         .map_or(0, |s| s.matched_tokens(chain))
                 })
             },
             &mut node.ledger,
             now as u64,
         );
-        let regions = cands
+        let engines = cands
             .iter()
             .map(|c| {
-                node_ids
+                let r = node_ids
                     .iter()
                     .position(|id| *id == c.node)
-                    .expect("candidates are cluster nodes")
+                    .expect("candidates are cluster nodes");
+                r * replicas + c.stats.replica as usize
             })
             .collect();
-        (cands, regions)
+        (cands, engines)
     }
 
     /// Decide where a request that is at node `r` is served, and send it there.
@@ -911,7 +984,7 @@ impl<'a> Sim<'a> {
         let session = f.session_key;
         // Take the chain out while deciding (borrows), then put it back.
         let chain = std::mem::take(&mut self.flight_mut(slot).chain);
-        let (cands, cand_regions) = self.candidates(r, &chain, now);
+        let (cands, cand_engines) = self.candidates(r, &chain, now);
         // A client request is routed on its arm of the trial (a hash of its index
         // picks it, as a node hashes its request id); a forwarded one with the
         // receiving node's incumbent, as a node does.
@@ -975,7 +1048,7 @@ impl<'a> Sim<'a> {
             .and_then(|c| ForwardOffer::new(c, weights));
         let target = outcome.map(|d| {
             (
-                cand_regions[d.target_index],
+                cand_engines[d.target_index],
                 cands[d.target_index].cached_tokens,
             )
         });
@@ -991,33 +1064,36 @@ impl<'a> Sim<'a> {
                 self.flight_mut(slot).chain = chain;
                 self.fail(slot, now, "no candidate can serve");
             }
-            Ok((t, _)) if t == r => {
+            Ok((e, _)) if self.engine_of(e).0 == r => {
                 self.flight_mut(slot).chain = chain;
-                self.dispatch(slot, r, now);
+                self.dispatch(slot, e, now);
             }
-            Ok((t, believed_cached)) => {
+            Ok((e, believed_cached)) => {
+                let (t, k) = self.engine_of(e);
                 let uncached = prompt_tokens.saturating_sub(believed_cached);
                 match self.oracle.as_mut() {
                     Some(o) => {
-                        o.in_transit[t].0 += 1;
-                        o.in_transit[t].1 += uncached;
+                        o.in_transit[e].0 += 1;
+                        o.in_transit[e].1 += uncached;
                     }
                     None => {
                         let peer = self.node_ids[t].clone();
                         self.nodes[r]
                             .ledger
-                            .record_forward(&peer, 0, uncached, now as u64);
+                            .record_forward(&peer, k as u16, uncached, now as u64);
                     }
                 }
                 let f = self.flight_mut(slot);
                 if hops == 0 {
                     f.forwarded_ms = Some(now);
                     f.offer = offer;
+                    f.forward_replica = k as u16;
                 }
                 f.chain = chain;
                 f.transit_tokens = uncached;
                 f.hops += 1;
                 f.served = Some(t as u8);
+                f.replica = k as u16;
                 let at = now + self.link_delay(r, t);
                 self.push(at, Ev::ForwardArrival(slot));
             }
@@ -1025,16 +1101,15 @@ impl<'a> Sim<'a> {
     }
 
     fn forward_arrival(&mut self, slot: u32, now: f64) {
-        let t = self.flight(slot).served.expect("set when forwarded") as usize;
+        let f = self.flight(slot);
+        let t = f.served.expect("set when forwarded") as usize;
+        let (replica, uncached) = (f.replica as usize, f.transit_tokens);
+        let e = self.engine_index(t, replica);
         if let Some(o) = self.oracle.as_mut() {
-            // The oracle serves where it decided; nothing is in transit any more.
-            let uncached = self.flights[slot as usize]
-                .as_ref()
-                .expect("live")
-                .transit_tokens;
-            o.in_transit[t].0 = o.in_transit[t].0.saturating_sub(1);
-            o.in_transit[t].1 = o.in_transit[t].1.saturating_sub(uncached);
-            self.dispatch(slot, t, now);
+            // The oracle serves on the engine it decided; nothing is in transit any more.
+            o.in_transit[e].0 = o.in_transit[e].0.saturating_sub(1);
+            o.in_transit[e].1 = o.in_transit[e].1.saturating_sub(uncached);
+            self.dispatch(slot, e, now);
         } else if !self.refuse(slot, t, now) {
             self.route_at(slot, t, now);
         }
@@ -1067,6 +1142,7 @@ impl<'a> Sim<'a> {
         f.first_byte_due_ms = None;
         f.offer = None;
         let (home, sent, pred) = (f.home as usize, f.forwarded_ms, f.predicted_ttft_ms);
+        let priced = f.forward_replica;
         let back = self.link_delay(t, home);
         // The refusal carries the target's own estimate: the forwarding node learns
         // its forward bias from it as from a first byte.
@@ -1075,7 +1151,7 @@ impl<'a> Sim<'a> {
             let peer = self.node_ids[t].clone();
             self.nodes[home].ledger.observe_forward_ttft(
                 &peer,
-                0,
+                priced,
                 pred as f64,
                 measured,
                 (now + back) as u64,
@@ -1090,9 +1166,10 @@ impl<'a> Sim<'a> {
     fn refused(&mut self, slot: u32, now: f64) {
         self.flight_mut(slot).hops = 0;
         let f = self.flight(slot);
-        let (home, t, sent, tokens) = (
+        let (home, t, priced, sent, tokens) = (
             f.home as usize,
             f.served.expect("set when forwarded") as usize,
+            f.forward_replica,
             f.forwarded_ms,
             f.transit_tokens,
         );
@@ -1100,16 +1177,53 @@ impl<'a> Sim<'a> {
             let peer = self.node_ids[t].clone();
             self.nodes[home]
                 .ledger
-                .cancel_forward(&peer, 0, tokens, sent as u64);
+                .cancel_forward(&peer, priced, tokens, sent as u64);
         }
-        self.dispatch(slot, home, now);
+        let e = self.local_engine(slot, home, now);
+        self.dispatch(slot, e, now);
     }
 
-    /// Submit a request to region `r`'s engine.
-    fn dispatch(&mut self, slot: u32, r: usize, now: f64) {
+    /// The engine of region `r` that serves a request its node takes whatever the
+    /// policy would say (a refused forward come back): the policy's pick among the
+    /// node's own engines, as the core's `decide` makes it at max hops.
+    fn local_engine(&mut self, slot: u32, r: usize, now: f64) -> usize {
+        if self.cfg.replicas == 1 {
+            return self.engine_index(r, 0);
+        }
+        let chain = std::mem::take(&mut self.flight_mut(slot).chain);
+        let (cands, engines) = self.candidates(r, &chain, now);
+        let f = self.flight(slot);
+        let req = RouteRequest {
+            chain: &chain,
+            prompt_tokens: f.prompt_tokens,
+            session_key: f.session_key,
+        };
+        let weights = self.nodes[r]
+            .tuner
+            .as_ref()
+            .map_or(self.default_weights(), |t| t.weights());
+        let rng = self.rng.next_u64();
+        let max_hops = self.cfg.max_hops;
+        let outcome = decide(
+            &req,
+            max_hops,
+            max_hops,
+            &cands,
+            self.nodes[r].policy.as_mut(),
+            weights,
+            rng,
+        );
+        self.flight_mut(slot).chain = chain;
+        outcome.map_or(self.engine_index(r, 0), |d| engines[d.target_index])
+    }
+
+    /// Submit a request to engine `e`.
+    fn dispatch(&mut self, slot: u32, e: usize, now: f64) {
         let nowu = now as u64;
+        let (r, k) = self.engine_of(e);
         let f = self.flights[slot as usize].as_mut().expect("live");
         f.served = Some(r as u8);
+        f.replica = k as u16;
         f.dispatched_ms = now;
         let req = EngineRequest {
             id: slot as u64,
@@ -1123,9 +1237,9 @@ impl<'a> Sim<'a> {
         // less the prefix its shadow index believes cached, looked up before inserting;
         // its view records the dispatch before the engine sees it.
         match self.oracle.as_mut() {
-            Some(o) => o.index[r].insert(&f.chain, nowu),
+            Some(o) => o.index[e].insert(&f.chain, nowu),
             None => {
-                let node = &mut self.nodes[r];
+                let node = &mut self.nodes[r].engines[k];
                 let cached = node.shadow.longest_match(&f.chain).min(prompt_tokens);
                 // Following the engine's events, the node models nothing.
                 if node
@@ -1139,34 +1253,34 @@ impl<'a> Sim<'a> {
                     .dispatch(slot as u64, prompt_tokens, prompt_tokens - cached, nowu);
             }
         }
-        let region = &mut self.regions[r];
-        match region.engine.submit(req, now) {
-            Ok(()) => region.queued_prompt_tokens += prompt_tokens,
+        let engine = &mut self.engines[e];
+        match engine.engine.submit(req, now) {
+            Ok(()) => engine.queued_prompt_tokens += prompt_tokens,
             Err(reason) => {
                 if let Some(node) = self.nodes.get_mut(r) {
-                    node.view.finish(slot as u64);
+                    node.engines[k].view.finish(slot as u64);
                 }
                 let msg = format!("engine refused: {reason}");
                 self.fail(slot, now, &msg);
             }
         }
-        self.drain_engine(r, now);
+        self.drain_engine(e, now);
     }
 
-    fn engine_wake(&mut self, r: usize, now: f64) {
-        if self.regions[r].wake_at != Some(now) {
+    fn engine_wake(&mut self, e: usize, now: f64) {
+        if self.engines[e].wake_at != Some(now) {
             return; // superseded
         }
-        self.regions[r].wake_at = None;
-        self.drain_engine(r, now);
+        self.engines[e].wake_at = None;
+        self.drain_engine(e, now);
     }
 
-    /// Handle what region `r`'s engine did up to `now` and schedule its next wakeup.
-    fn drain_engine(&mut self, r: usize, now: f64) {
+    /// Handle what engine `e` did up to `now` and schedule its next wakeup.
+    fn drain_engine(&mut self, e: usize, now: f64) {
         let mut events = std::mem::take(&mut self.engine_events);
-        self.regions[r].engine.step_into(now, &mut events);
+        self.engines[e].engine.step_into(now, &mut events);
         if self.cfg.kv_events && self.oracle.is_none() {
-            let batch: Vec<AlignedBlockEvent> = self.regions[r]
+            let batch: Vec<AlignedBlockEvent> = self.engines[e]
                 .engine
                 .take_cache_changes()
                 .into_iter()
@@ -1186,8 +1300,8 @@ impl<'a> Sim<'a> {
                 .collect();
             if !batch.is_empty() {
                 let at = now + self.cfg.kv_events_delay_ms;
-                self.regions[r].kv_in_transit.push_back((at, batch));
-                self.push(at, Ev::KvEvents(r as u8));
+                self.engines[e].kv_in_transit.push_back((at, batch));
+                self.push(at, Ev::KvEvents(e as u16));
             }
         }
         for ev in events.drain(..) {
@@ -1196,37 +1310,38 @@ impl<'a> Sim<'a> {
                     id,
                     at_ms,
                     cached_tokens,
-                } => self.first_token(r, id as u32, at_ms, cached_tokens),
-                EngineEvent::Finished { id, at_ms, .. } => self.finished(r, id as u32, at_ms),
+                } => self.first_token(e, id as u32, at_ms, cached_tokens),
+                EngineEvent::Finished { id, at_ms, .. } => self.finished(e, id as u32, at_ms),
                 // Refusals are handled where `submit` returns them; decode steps are off.
                 EngineEvent::Rejected { .. } | EngineEvent::DecodeStep { .. } => {}
             }
         }
         self.engine_events = events;
-        let s = self.regions[r].engine.stats();
+        let s = self.engines[e].engine.stats();
         let c = &mut self.out.run.counters;
-        c.max_used_tokens[r] = c.max_used_tokens[r].max(s.used_tokens);
-        c.max_cached_tokens[r] = c.max_cached_tokens[r].max(s.cached_tokens);
-        let next = self.regions[r].engine.next_event_time();
+        c.max_used_tokens[e] = c.max_used_tokens[e].max(s.used_tokens);
+        c.max_cached_tokens[e] = c.max_cached_tokens[e].max(s.cached_tokens);
+        let next = self.engines[e].engine.next_event_time();
         if let Some(t) = next {
             let t = t.max(now);
-            if self.regions[r].wake_at != Some(t) {
-                self.regions[r].wake_at = Some(t);
-                self.push(t, Ev::EngineWake(r as u8));
+            if self.engines[e].wake_at != Some(t) {
+                self.engines[e].wake_at = Some(t);
+                self.push(t, Ev::EngineWake(e as u16));
             }
         }
     }
 
-    /// Region `r`'s KV-event batches due by `now` reach its node: through the
-    /// follower into the node's index (as the live node's `kv_events` task does).
-    fn kv_events(&mut self, r: usize, now: f64) {
-        while self.regions[r]
+    /// Engine `e`'s KV-event batches due by `now` reach its node: through the
+    /// follower into the node's index of it (as the live node's `kv_events` task does).
+    fn kv_events(&mut self, e: usize, now: f64) {
+        let (r, k) = self.engine_of(e);
+        while self.engines[e]
             .kv_in_transit
             .front()
             .is_some_and(|(at, _)| *at <= now)
         {
-            let (_, batch) = self.regions[r].kv_in_transit.pop_front().expect("checked");
-            let node = &mut self.nodes[r];
+            let (_, batch) = self.engines[e].kv_in_transit.pop_front().expect("checked");
+            let node = &mut self.nodes[r].engines[k];
             let Some(kv) = node.kv.as_mut() else { return };
             kv.apply_aligned(&batch, now as u64);
             for change in kv.take_changes() {
@@ -1245,15 +1360,17 @@ impl<'a> Sim<'a> {
         }
     }
 
-    fn valid_on(&self, slot: u32, r: usize) -> bool {
+    fn valid_on(&self, slot: u32, e: usize) -> bool {
+        let (r, k) = self.engine_of(e);
         self.flights
             .get(slot as usize)
             .and_then(|f| f.as_ref())
-            .is_some_and(|f| f.served == Some(r as u8))
+            .is_some_and(|f| f.served == Some(r as u8) && f.replica == k as u16)
     }
 
-    fn first_token(&mut self, r: usize, slot: u32, at: f64, cached: u64) {
-        if !self.valid_on(slot, r) || self.flight(slot).first_token_seen {
+    fn first_token(&mut self, e: usize, slot: u32, at: f64, cached: u64) {
+        let (r, k) = self.engine_of(e);
+        if !self.valid_on(slot, e) || self.flight(slot).first_token_seen {
             self.out.run.counters.unexpected_events += 1;
             return;
         }
@@ -1274,11 +1391,13 @@ impl<'a> Sim<'a> {
         match self.oracle.as_mut() {
             Some(o) => {
                 let f = self.flights[slot as usize].as_ref().expect("live");
-                o.index[r].correct(&f.chain, cached, at as u64);
+                o.index[e].correct(&f.chain, cached, at as u64);
             }
-            None => self.nodes[r]
-                .view
-                .first_token(slot as u64, Some(engine_ttft), at as u64),
+            None => {
+                self.nodes[r].engines[k]
+                    .view
+                    .first_token(slot as u64, Some(engine_ttft), at as u64)
+            }
         }
     }
 
@@ -1297,25 +1416,26 @@ impl<'a> Sim<'a> {
         else {
             return;
         };
-        let home = f.home as usize;
+        let (home, priced) = (f.home as usize, f.forward_replica);
         let peer = self.node_ids[t as usize].clone();
         if let Some(node) = self.nodes.get_mut(home) {
             node.ledger
-                .observe_forward_ttft(&peer, 0, pred as f64, now - sent, now as u64);
+                .observe_forward_ttft(&peer, priced, pred as f64, now - sent, now as u64);
         }
     }
 
-    fn finished(&mut self, r: usize, slot: u32, at: f64) {
-        if !self.valid_on(slot, r) || !self.flight(slot).first_token_seen {
+    fn finished(&mut self, e: usize, slot: u32, at: f64) {
+        let (r, k) = self.engine_of(e);
+        if !self.valid_on(slot, e) || !self.flight(slot).first_token_seen {
             self.out.run.counters.unexpected_events += 1;
             return;
         }
         self.out.run.counters.finishes += 1;
         let f = self.flight(slot);
         let (home, prompt, out_tokens) = (f.home as usize, f.prompt_tokens, f.output_tokens);
-        self.regions[r].queued_prompt_tokens -= prompt;
+        self.engines[e].queued_prompt_tokens -= prompt;
         if let Some(node) = self.nodes.get_mut(r) {
-            node.view.finish(slot as u64);
+            node.engines[k].view.finish(slot as u64);
         }
         let mut back = self.client_delay(home);
         if r != home {
@@ -1408,31 +1528,35 @@ impl<'a> Sim<'a> {
         self.push(at, Ev::Deliver(id));
     }
 
-    /// Node `r` gossips its stats and summary to every peer and runs its tuner.
+    /// Node `r` gossips each of its engines' stats and summary to every peer and runs
+    /// its tuner.
     fn tick(&mut self, r: usize, now: f64) {
         let n = self.names.len();
-        self.nodes[r].stats_version += 1;
         // Follow the cluster's size (constant here: every peer stays live).
         let peers = self.cfg.peer_count();
-        let node = &mut self.nodes[r];
-        let sample = node.summary_sample.observe(peers, now as u64);
-        node.shadow.set_summary_sample(sample);
-        let stats = self.local_stats(r);
-        for p in 0..n {
-            if p == r {
-                continue;
+        let sample = self.nodes[r].summary_sample.observe(peers, now as u64);
+        for k in 0..self.cfg.replicas {
+            let engine = &mut self.nodes[r].engines[k];
+            engine.stats_version += 1;
+            engine.shadow.set_summary_sample(sample);
+            let stats = self.local_stats(self.engine_index(r, k));
+            for p in 0..n {
+                if p == r {
+                    continue;
+                }
+                let engine = &mut self.nodes[r].engines[k];
+                let Some(msg) =
+                    engine
+                        .gossip
+                        .poll(&self.node_ids[p], engine.shadow.summary(), &stats)
+                else {
+                    continue;
+                };
+                // The transport took it (one uni-stream per message, as live); a loss
+                // below is repaired by the receiver's snapshot request.
+                engine.gossip.on_sent(&self.node_ids[p], true);
+                self.send_gossip(r, p, msg, now);
             }
-            let node = &mut self.nodes[r];
-            let Some(msg) = node
-                .gossip
-                .poll(&self.node_ids[p], node.shadow.summary(), &stats)
-            else {
-                continue;
-            };
-            // The transport took it (one uni-stream per message, as live); a loss
-            // below is repaired by the receiver's snapshot request.
-            node.gossip.on_sent(&self.node_ids[p], true);
-            self.send_gossip(r, p, msg, now);
         }
         let outputs = match self.nodes[r].tuner.as_mut() {
             Some(t) => t.tick(now as u64),
@@ -1472,20 +1596,28 @@ impl<'a> Sim<'a> {
         let (from, to) = (m.from as usize, m.to as usize);
         match m.payload {
             Payload::Gossip(msg) => {
+                // A summary speaks for one of the sender's engines; a snapshot request
+                // asks for one of the receiver's (any receiver state of the asker
+                // takes it).
+                let k = core_gossip::replica(&msg) as usize;
+                let asks = matches!(msg, GossipMessage::SnapshotRequest { .. });
                 let node = &mut self.nodes[to];
-                let received = node.peers[from].receive(
+                let config = sim_gossip_config();
+                let received = node.peers[from][if asks { 0 } else { k }].receive(
                     &self.node_ids[to],
                     &self.node_ids[from],
                     msg,
                     now as u64,
-                    node.gossip.config(),
+                    &config,
                 );
                 // The simulator only builds well-formed messages between honest nodes.
                 let received = received.expect("simulated gossip is well-formed");
                 // The ledger observes these stats when the next decision builds its
                 // candidates (core `build_candidates`), as on the live node.
                 if received.snapshot_requested {
-                    node.gossip.on_snapshot_request(&self.node_ids[from]);
+                    node.engines[k]
+                        .gossip
+                        .on_snapshot_request(&self.node_ids[from]);
                 }
                 if let Some(reply) = received.reply {
                     self.out.run.counters.snapshot_requests += 1;
@@ -1543,9 +1675,14 @@ impl<'a> Sim<'a> {
 
     fn finish(mut self) -> PolicyRun {
         let c = &mut self.out.run.counters;
-        c.fitted_t_p_ms = self.nodes.iter().map(|n| n.view.fit().t_p_ms()).collect();
-        c.fitted_base_ms = self.nodes.iter().map(|n| n.view.fit().base_ms()).collect();
-        c.view_counters_end = self.nodes.iter().map(|n| n.view.counters()).collect();
+        let views = || {
+            self.nodes
+                .iter()
+                .flat_map(|n| n.engines.iter().map(|e| &e.view))
+        };
+        c.fitted_t_p_ms = views().map(|v| v.fit().t_p_ms()).collect();
+        c.fitted_base_ms = views().map(|v| v.fit().base_ms()).collect();
+        c.view_counters_end = views().map(|v| v.counters()).collect();
         self.out.run
     }
 }

@@ -243,6 +243,58 @@ fn bad_config_names_the_field() {
     cfg.profiles.pop();
     let e = simulate(&cfg, PolicyKind::Gorgo, std::iter::empty(), &mut |_| {}).unwrap_err();
     assert!(e.to_string().contains("profiles"), "{e}");
+    for replicas in [0, 65] {
+        let mut cfg = config();
+        cfg.replicas = replicas;
+        let e = simulate(&cfg, PolicyKind::Gorgo, std::iter::empty(), &mut |_| {}).unwrap_err();
+        assert!(e.to_string().contains("replicas"), "{e}");
+    }
+}
+
+/// Four engines per region: every policy still serves each request exactly once, on
+/// engines that never overflow, with every engine of the cluster used; each node keeps
+/// one view per engine (none drifts), and gossip carries one stream per engine (with
+/// loss, snapshot requests reach the right one: nothing stays unrepaired).
+#[test]
+fn replicas_conserve_and_use_every_engine() {
+    let t = trace(3, 120.0, 60);
+    let mut cfg = config();
+    cfg.replicas = 4;
+    // Four times the engines: four times the load.
+    cfg.time_scale = 0.125;
+    for kind in PolicyKind::ALL {
+        let r = run(&cfg, kind, &t);
+        check_conservation(&cfg, &r, t.len());
+        let c = &r.counters;
+        assert_eq!(c.capacity_tokens.len(), 12, "{kind}");
+        if kind != PolicyKind::LocalOnly {
+            assert!(c.forwarded > 0, "{kind}: some requests leave home");
+        }
+        if matches!(
+            kind,
+            PolicyKind::Gorgo
+                | PolicyKind::LeastRequest
+                | PolicyKind::RoundRobin
+                | PolicyKind::Oracle
+        ) {
+            for (e, used) in c.max_used_tokens.iter().enumerate() {
+                assert!(*used > 0, "{kind}: engine {e} never used");
+            }
+        }
+        if kind != PolicyKind::Oracle {
+            assert_eq!(c.view_counters_end.len(), 12, "{kind}");
+        }
+    }
+    let one = run(&config(), PolicyKind::Gorgo, &t);
+    let four = run(&cfg, PolicyKind::Gorgo, &t);
+    let per_ms = |r: &PolicyRun| r.counters.gossip_messages as f64 / r.counters.end_ms;
+    let ratio = per_ms(&four) / per_ms(&one);
+    assert!((3.5..4.5).contains(&ratio), "gossip messages x{ratio:.2}");
+    cfg.gossip_loss = 0.2;
+    cfg.kv_events = true;
+    let lossy = run(&cfg, PolicyKind::Gorgo, &t);
+    check_conservation(&cfg, &lossy, t.len());
+    assert!(lossy.counters.snapshot_requests > 0);
 }
 
 #[test]
