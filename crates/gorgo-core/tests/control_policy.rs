@@ -480,7 +480,9 @@ fn gorgo_paper_uses_mixed_units() {
     assert_eq!(c.index, Some(1));
 }
 
-fn arb_candidate(i: usize) -> impl Strategy<Value = Candidate> {
+/// Candidate `i` of a list whose first `locals` are the deciding node's engines
+/// (node `n0`, replicas 0..locals) and the rest one engine of a peer each.
+fn arb_candidate(i: usize, locals: usize) -> impl Strategy<Value = Candidate> {
     (
         any::<bool>(),
         prop_oneof![Just(f64::NAN), 0.0..500.0f64],
@@ -493,7 +495,16 @@ fn arb_candidate(i: usize) -> impl Strategy<Value = Candidate> {
     )
         .prop_map(
             move |(healthy, rtt, cached, unfinished, running, waiting, kv, fwd)| {
-                let mut c = cand(&format!("n{i}"), i == 0, rtt);
+                let local = i < locals;
+                let name = if local {
+                    "n0".to_owned()
+                } else {
+                    format!("n{i}")
+                };
+                let mut c = cand(&name, local, rtt);
+                if local {
+                    c.stats.replica = i as u16;
+                }
                 c.healthy = healthy;
                 c.cached_tokens = cached;
                 c.stats.unfinished_prefill_tokens = unfinished;
@@ -508,8 +519,12 @@ fn arb_candidate(i: usize) -> impl Strategy<Value = Candidate> {
         )
 }
 
+/// One to seven candidates, of which one to three are local engines.
 fn arb_candidates() -> impl Strategy<Value = Vec<Candidate>> {
-    (1usize..8).prop_flat_map(|n| (0..n).map(arb_candidate).collect::<Vec<_>>())
+    (1usize..8, 1usize..4).prop_flat_map(|(n, locals)| {
+        let locals = locals.min(n);
+        (0..n).map(|i| arb_candidate(i, locals)).collect::<Vec<_>>()
+    })
 }
 
 proptest! {
@@ -688,11 +703,16 @@ proptest! {
         let w = Weights { w_rtt, w_queue };
         let mut p = build(PolicyKind::Gorgo);
         let refused = refuse_forward(&req, &cands, p.as_mut(), &offer(cost, w), 3).map(|(r, _)| r);
-        match cands.iter().position(|c| c.is_local && c.healthy) {
+        // The target serves on its cheapest local engine.
+        let fewest = fewest_uncached_tokens(prompt, &cands);
+        let cheapest = cands
+            .iter()
+            .filter(|c| c.is_local && c.healthy)
+            .map(|c| cost_terms(prompt, c, w, fewest).total_ms)
+            .min_by(f64::total_cmp);
+        match cheapest {
             None => prop_assert!(refused.is_none()),
-            Some(i) => {
-                let fewest = fewest_uncached_tokens(prompt, &cands);
-                let local = cost_terms(prompt, &cands[i], w, fewest).total_ms;
+            Some(local) => {
                 prop_assert_eq!(refused.is_some(), local > cost * (1.0 + REFUSAL_MARGIN));
                 if let Some(r) = refused {
                     prop_assert!(r.local_cost_ms > r.origin_cost_ms);
@@ -700,4 +720,116 @@ proptest! {
             }
         }
     }
+}
+
+/// A node fronting two engines and a peer fronting two: a request for the node.
+fn two_engines_each() -> Vec<Candidate> {
+    let engine = |node: &str, local: bool, replica: u16, rtt: f64| {
+        let mut c = cand(node, local, rtt);
+        c.stats.replica = replica;
+        c
+    };
+    vec![
+        engine("a", true, 0, 0.0),
+        engine("a", true, 1, 0.0),
+        engine("b", false, 0, 30.0),
+        engine("b", false, 1, 30.0),
+    ]
+}
+
+#[test]
+fn at_max_hops_the_policy_picks_among_the_local_engines_only() {
+    let chain = chain_of(2000);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 2000,
+        session_key: None,
+    };
+    let mut cands = two_engines_each();
+    // Engine 0 is busy, engine 1 idle; the peer's engines hold the whole prompt.
+    cands[0].stats.unfinished_prefill_tokens = 30_000;
+    cands[0].stats.running = 8;
+    cands[2].cached_tokens = 2000;
+    cands[3].cached_tokens = 2000;
+    let mut p = build(PolicyKind::Gorgo);
+    let w = Weights::default();
+    // Free to forward: the peer's cache wins.
+    let d = decide(&req, 0, 1, &cands, p.as_mut(), w, 1).unwrap();
+    assert!(!d.is_local, "{d:?}");
+    // At max hops: served here, on the idle engine, priced by the policy.
+    let d = decide(&req, 1, 1, &cands, p.as_mut(), w, 1).unwrap();
+    assert_eq!(d.reason, DecisionReason::MaxHops);
+    assert_eq!((d.target_index, d.target_replica), (1, 1));
+    assert!(d.candidates[..2].iter().all(|c| c.terms.is_some()));
+    assert!(d.candidates[2..].iter().all(|c| c.terms.is_none()));
+    // A local engine down leaves the other, even the busy one.
+    cands[1].healthy = false;
+    let d = decide(&req, 1, 1, &cands, p.as_mut(), w, 1).unwrap();
+    assert_eq!(d.target_index, 0);
+    // The cheapest local engine is what a forward offers.
+    cands[1].healthy = true;
+    let d = decide(&req, 0, 1, &cands, p.as_mut(), w, 1).unwrap();
+    let idle = d.candidates[1].terms.unwrap().total_ms;
+    assert_eq!(d.local_cost_ms(), Some(idle));
+    assert!(idle < d.candidates[0].terms.unwrap().total_ms);
+}
+
+#[test]
+fn a_forward_is_refused_only_when_every_local_engine_costs_more() {
+    let w = Weights::default();
+    let mut cands = two_engines_each();
+    cands[0].stats.unfinished_prefill_tokens = 30_000;
+    // Engine 1 idle: 2,000 tokens of prefill (188 ms) against an offer of 500 ms.
+    assert_eq!(refusal(PolicyKind::Gorgo, &cands, 500.0, w), None);
+    cands[1].stats.unfinished_prefill_tokens = 30_000;
+    assert!(refusal(PolicyKind::Gorgo, &cands, 500.0, w).is_some());
+}
+
+#[test]
+fn engines_of_one_node_are_candidates_like_any_other() {
+    let chain = chain_of(2000);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 2000,
+        session_key: None,
+    };
+    // Tied local engines: each is drawn, and a tied peer never is.
+    let mut cands = two_engines_each();
+    cands[2].rtt_ms = 0.0;
+    cands[3].rtt_ms = 0.0;
+    let totals: Vec<f64> = cands
+        .iter()
+        .map(|c| cost_terms(2000, c, Weights::default(), 2000).total_ms)
+        .collect();
+    assert!(totals.iter().all(|t| *t == totals[0]), "{totals:?}");
+    let mut picked = [0u32; 4];
+    for rng in 0..64 {
+        picked[choose(PolicyKind::Gorgo, &req, &cands, rng).unwrap()] += 1;
+    }
+    assert!(
+        picked[0] > 0 && picked[1] > 0 && picked[2] + picked[3] == 0,
+        "{picked:?}"
+    );
+    // local-only: the local engine with the fewest requests.
+    let mut cands = two_engines_each();
+    cands[0].stats.running = 3;
+    assert_eq!(choose(PolicyKind::LocalOnly, &req, &cands, 0), Some(1));
+    // round-robin cycles over every engine of every node.
+    let mut p = build(PolicyKind::RoundRobin);
+    let seen: std::collections::HashSet<usize> = (0..8)
+        .filter_map(|r| p.choose(&req, &cands, Weights::default(), r).index)
+        .collect();
+    assert_eq!(seen.len(), 4);
+    // session-affinity spreads sessions over a node's engines too.
+    let engines: std::collections::HashSet<usize> = (0..64u64)
+        .filter_map(|k| {
+            let req = RouteRequest {
+                chain: &chain,
+                prompt_tokens: 2000,
+                session_key: Some(k.wrapping_mul(0x9e37_79b9_7f4a_7c15)),
+            };
+            choose(PolicyKind::SessionAffinity, &req, &cands, 0)
+        })
+        .collect();
+    assert_eq!(engines.len(), 4, "{engines:?}");
 }
