@@ -183,5 +183,101 @@ fn bench(c: &mut Criterion) {
     );
 }
 
-criterion_group!(benches, bench);
+/// The decision of a node fronting four engines in a three-region cluster of four
+/// engines per region (docs/design.md, "Replicas"): 12 candidates, each engine with
+/// its own 100k-block index or summary.
+fn bench_replicas(c: &mut Criterion) {
+    const ENGINES: u16 = 4;
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let prompt = random_bytes(&mut rng, PROMPT_BYTES);
+    let hasher = PromptHasher::default();
+    let chain = hasher.chain(&prompt);
+    let stats = |rng: &mut ChaCha8Rng, replica: u16| QueueStats {
+        version: 1,
+        replica,
+        unfinished_prefill_tokens: rng.random_range(0..20_000),
+        running: rng.random_range(0..64),
+        waiting: rng.random_range(0..8),
+        t_p_ms: 0.0938,
+        base_ms: 150.0,
+        decode_step_ms: 25.0,
+        ..QueueStats::default()
+    };
+    // Local engine k holds the first 16 k blocks of the prompt.
+    let locals: Vec<(ShadowIndex, QueueStats)> = (0..ENGINES)
+        .map(|k| {
+            let index = local_index(&mut rng, &prompt, 16 * k as usize + 1);
+            (index, stats(&mut rng, k))
+        })
+        .collect();
+    let peers: Vec<(NodeId, u16, f64, PeerSummary, QueueStats)> = (0..2)
+        .flat_map(|i| (0..ENGINES).map(move |k| (i, k)))
+        .map(|(i, k)| {
+            let summary = peer_summary(&mut rng, &chain, 8 * (i * ENGINES as usize + k as usize));
+            let stats = stats(&mut rng, k);
+            (
+                NodeId(format!("peer-{i}")),
+                k,
+                40.0 + 60.0 * i as f64,
+                summary,
+                stats,
+            )
+        })
+        .collect();
+    let local_node = NodeId::from("local");
+    let mut policy = build(PolicyKind::Gorgo);
+    let mut ledger = ForwardLedger::new();
+    let mut n = 0u64;
+    c.bench_function(
+        "gorgo_decision_3_regions_x_4_engines_100k_blocks_8k_prompt",
+        |b| {
+            b.iter(|| {
+                n = n.wrapping_add(0x9e37_79b9_7f4a_7c15);
+                let chain = hasher.chain(black_box(&prompt));
+                let prompt_tokens = chain.total_tokens();
+                let local = locals.iter().map(|(index, stats)| LocalState {
+                    node: local_node.clone(),
+                    healthy: true,
+                    cached_tokens: index.longest_match(&chain),
+                    stats: stats.clone(),
+                });
+                let peer_states = peers.iter().map(|(node, _, rtt_ms, _, stats)| PeerState {
+                    node,
+                    alive: true,
+                    rtt_ms: *rtt_ms,
+                    stats: Some(stats),
+                });
+                let candidates = build_candidates(
+                    local,
+                    peer_states,
+                    |id, replica| {
+                        peers
+                            .iter()
+                            .find(|(node, k, ..)| node == id && *k == replica)
+                            .map_or(0, |(_, _, _, s, _)| s.matched_tokens(&chain))
+                    },
+                    &mut ledger,
+                    1_500,
+                );
+                let req = RouteRequest {
+                    chain: &chain,
+                    prompt_tokens,
+                    session_key: None,
+                };
+                decide(
+                    &req,
+                    0,
+                    1,
+                    &candidates,
+                    policy.as_mut(),
+                    Weights::default(),
+                    n,
+                )
+                .map(|d| d.target_index)
+            })
+        },
+    );
+}
+
+criterion_group!(benches, bench, bench_replicas);
 criterion_main!(benches);
