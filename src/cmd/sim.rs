@@ -414,14 +414,11 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         let wall_s = started.elapsed().as_secs_f64();
         let c = &run.counters;
         // Summary gossip sent per node per second of virtual time (frames as the live
-        // cluster writes them; none in oracle mode).
-        let per_node_per_s = |bytes: u64, ms: f64| {
-            bytes as f64 / cfg.network.regions.len() as f64 / (ms / 1000.0).max(1e-9)
-        };
-        let gossip_bps = per_node_per_s(c.gossip_bytes, c.end_ms);
-        // While the trace arrives (the drain after it gossips little but stats).
-        let gossip_bps_arriving =
-            per_node_per_s(c.gossip_bytes_arriving, c.gossip_arriving_until_ms);
+        // cluster writes them; none in oracle mode), over the run and while the trace
+        // arrives.
+        let nodes = cfg.network.regions.len();
+        let gossip_bps = c.gossip_bytes_per_node_per_s(nodes);
+        let gossip_bps_arriving = c.gossip_bytes_per_node_per_s_arriving(nodes);
         eprintln!(
             "[sim {name}] done: {} requests ({} failed) in {:.2} s wall, {:.0} requests/min, virtual {:.1} s, gossip {:.1} KiB/s per node ({:.1} KiB/s while requests arrive)",
             c.requests,

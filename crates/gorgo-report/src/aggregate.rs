@@ -42,6 +42,10 @@ pub struct PolicyResult {
     /// completed request carried an estimate (policies that do not estimate costs).
     #[serde(default)]
     pub prediction: Option<PredictionError>,
+    /// Gossip the nodes sent while requests arrived, bytes per node per second: what a
+    /// simulation counts (docs/simulator.md); live reports leave it out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gossip_bytes_per_node_per_s: Option<f64>,
 }
 
 /// The cost model's prediction error over one policy's completed requests: the chosen
@@ -172,6 +176,7 @@ impl PolicyResult {
                 .filter_map(|(k, (c, p))| Some((k, hit_ratio(c, p)?)))
                 .collect(),
             prediction: PredictionError::from_pairs(&predicted),
+            gossip_bytes_per_node_per_s: None,
         }
     }
 }

@@ -88,6 +88,14 @@ impl Results {
             .find(|(p, _)| p == policy)
             .map(|(_, r)| r)
     }
+
+    /// The aggregate of `policy` to add to (e.g. what only a simulation counts).
+    pub fn policy_mut(&mut self, policy: &str) -> Option<&mut PolicyResult> {
+        self.policies
+            .iter_mut()
+            .find(|(p, _)| p == policy)
+            .map(|(_, r)| r)
+    }
 }
 
 /// A whole report: aggregates, the per-request records behind them and, when the run

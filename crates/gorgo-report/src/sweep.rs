@@ -307,6 +307,18 @@ pub fn render_sweep_markdown(sweep: &Sweep) -> String {
             )
         })
     }));
+    let gossip = sweep
+        .points
+        .iter()
+        .flat_map(|p| &p.policies)
+        .any(|(_, r)| r.gossip_bytes_per_node_per_s.is_some());
+    if gossip {
+        out.push_str("\nGossip per node while requests arrive, KiB/s:\n\n");
+        out.push_str(&per_load_table(sweep, |r| {
+            r.gossip_bytes_per_node_per_s
+                .map_or("-".into(), |b| format!("{:.1}", b / 1024.0))
+        }));
+    }
     let failed: u64 = sweep
         .points
         .iter()

@@ -108,6 +108,28 @@ pub struct SimCounters {
     pub view_counters_end: Vec<gorgo_core::accounting::ViewCounters>,
 }
 
+impl SimCounters {
+    /// Gossip sent per node per second of virtual time over the whole run, bytes, for a
+    /// cluster of `nodes` (the counters sum every node's).
+    pub fn gossip_bytes_per_node_per_s(&self, nodes: usize) -> f64 {
+        per_node_per_s(self.gossip_bytes, nodes, self.end_ms)
+    }
+
+    /// The same while trace rows still arrived (the load the figure is quoted at; after
+    /// the last row the engines drain and little but stats travels).
+    pub fn gossip_bytes_per_node_per_s_arriving(&self, nodes: usize) -> f64 {
+        per_node_per_s(
+            self.gossip_bytes_arriving,
+            nodes,
+            self.gossip_arriving_until_ms,
+        )
+    }
+}
+
+fn per_node_per_s(bytes: u64, nodes: usize, ms: f64) -> f64 {
+    bytes as f64 / nodes.max(1) as f64 / (ms / 1000.0).max(1e-9)
+}
+
 /// One `tuning.jsonl` line: the core's record plus the policy it tuned.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TuningLine {

@@ -127,7 +127,15 @@ pub fn result_from_sketches(run: &PolicyRun) -> PolicyResult {
             spearman: None,
             n: s.prediction_ape.count(),
         }),
+        gossip_bytes_per_node_per_s: gossip(run),
     }
+}
+
+/// The gossip a run's nodes sent while requests arrived (none in oracle mode, where
+/// no node gossips).
+fn gossip(run: &PolicyRun) -> Option<f64> {
+    let c = &run.counters;
+    (c.gossip_messages > 0).then(|| c.gossip_bytes_per_node_per_s_arriving(run.regions.len()))
 }
 
 /// Build the report of `runs`: exact aggregates from the rows when every run kept
@@ -152,6 +160,11 @@ pub fn build_report<C: Serialize + ?Sized>(config: &C, runs: &[PolicyRun]) -> Re
                     .results
                     .policies
                     .push((run.policy.clone(), result_from_sketches(run)));
+            }
+        }
+        for run in runs {
+            if let Some(r) = report.results.policy_mut(&run.policy) {
+                r.gossip_bytes_per_node_per_s = gossip(run);
             }
         }
         report

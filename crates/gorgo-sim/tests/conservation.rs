@@ -479,6 +479,18 @@ fn results_carry_cache_hits_and_prediction_error() {
         .iter()
         .filter(|r| r.policy == "gorgo")
         .all(|r| r.predicted_ttft_ms.is_some()));
+    // The gossip the nodes sent, as `sim.json` has it; none without nodes (oracle).
+    let gossip = g["gossip_bytes_per_node_per_s"].as_f64().unwrap();
+    let expected = runs[0].counters.gossip_bytes_per_node_per_s_arriving(3);
+    assert!(gossip > 0.0 && (gossip - expected).abs() < 1e-9, "{g}");
+    let oracle = run(&cfg, PolicyKind::Oracle, &t);
+    let report_o = build_report(&serde_json::json!({}), std::slice::from_ref(&oracle)).unwrap();
+    assert!(report_o
+        .results
+        .policy("oracle")
+        .unwrap()
+        .gossip_bytes_per_node_per_s
+        .is_none());
 
     // Past the row cap the same fields come from the sketches (no Spearman there).
     let mut capped = cfg.clone();
