@@ -57,6 +57,21 @@ fn peer_summary(rng: &mut ChaCha8Rng, chain: &HashChain, shared_blocks: usize) -
     s
 }
 
+/// Gossiped stats of a busy engine (engine `replica` of its node).
+fn random_stats(rng: &mut ChaCha8Rng, replica: u16) -> QueueStats {
+    QueueStats {
+        version: 1,
+        replica,
+        unfinished_prefill_tokens: rng.random_range(0..20_000),
+        running: rng.random_range(0..64),
+        waiting: rng.random_range(0..8),
+        t_p_ms: 0.0938,
+        base_ms: 150.0,
+        decode_step_ms: 25.0,
+        ..QueueStats::default()
+    }
+}
+
 struct Peer {
     node: NodeId,
     rtt_ms: f64,
@@ -90,16 +105,7 @@ fn bench(c: &mut Criterion) {
             node: NodeId(format!("peer-{i:02}")),
             rtt_ms: 20.0 + 15.0 * i as f64,
             summary: peer_summary(&mut rng, &chain, 4 * i),
-            stats: QueueStats {
-                version: 1,
-                unfinished_prefill_tokens: rng.random_range(0..20_000),
-                running: rng.random_range(0..64),
-                waiting: rng.random_range(0..8),
-                t_p_ms: 0.0938,
-                base_ms: 150.0,
-                decode_step_ms: 25.0,
-                ..QueueStats::default()
-            },
+            stats: random_stats(&mut rng, 0),
         })
         .collect();
     let local_node = NodeId::from("local");
@@ -192,29 +198,18 @@ fn bench_replicas(c: &mut Criterion) {
     let prompt = random_bytes(&mut rng, PROMPT_BYTES);
     let hasher = PromptHasher::default();
     let chain = hasher.chain(&prompt);
-    let stats = |rng: &mut ChaCha8Rng, replica: u16| QueueStats {
-        version: 1,
-        replica,
-        unfinished_prefill_tokens: rng.random_range(0..20_000),
-        running: rng.random_range(0..64),
-        waiting: rng.random_range(0..8),
-        t_p_ms: 0.0938,
-        base_ms: 150.0,
-        decode_step_ms: 25.0,
-        ..QueueStats::default()
-    };
     // Local engine k holds the first 16 k blocks of the prompt.
     let locals: Vec<(ShadowIndex, QueueStats)> = (0..ENGINES)
         .map(|k| {
             let index = local_index(&mut rng, &prompt, 16 * k as usize + 1);
-            (index, stats(&mut rng, k))
+            (index, random_stats(&mut rng, k))
         })
         .collect();
     let peers: Vec<(NodeId, u16, f64, PeerSummary, QueueStats)> = (0..2)
         .flat_map(|i| (0..ENGINES).map(move |k| (i, k)))
         .map(|(i, k)| {
             let summary = peer_summary(&mut rng, &chain, 8 * (i * ENGINES as usize + k as usize));
-            let stats = stats(&mut rng, k);
+            let stats = random_stats(&mut rng, k);
             (
                 NodeId(format!("peer-{i}")),
                 k,

@@ -722,6 +722,15 @@ proptest! {
     }
 }
 
+/// A request for all of `chain`, with no session.
+fn no_session(chain: &HashChain) -> RouteRequest<'_> {
+    RouteRequest {
+        chain,
+        prompt_tokens: chain.total_tokens(),
+        session_key: None,
+    }
+}
+
 /// A node fronting two engines and a peer fronting two: a request for the node.
 fn two_engines_each() -> Vec<Candidate> {
     let engine = |node: &str, local: bool, replica: u16, rtt: f64| {
@@ -740,11 +749,7 @@ fn two_engines_each() -> Vec<Candidate> {
 #[test]
 fn at_max_hops_the_policy_picks_among_the_local_engines_only() {
     let chain = chain_of(2000);
-    let req = RouteRequest {
-        chain: &chain,
-        prompt_tokens: 2000,
-        session_key: None,
-    };
+    let req = no_session(&chain);
     let mut cands = two_engines_each();
     // Engine 0 is busy, engine 1 idle; the peer's engines hold the whole prompt.
     cands[0].stats.unfinished_prefill_tokens = 30_000;
@@ -788,11 +793,7 @@ fn a_forward_is_refused_only_when_every_local_engine_costs_more() {
 #[test]
 fn engines_of_one_node_are_candidates_like_any_other() {
     let chain = chain_of(2000);
-    let req = RouteRequest {
-        chain: &chain,
-        prompt_tokens: 2000,
-        session_key: None,
-    };
+    let req = no_session(&chain);
     // Tied local engines: each is drawn, and a tied peer never is.
     let mut cands = two_engines_each();
     cands[2].rtt_ms = 0.0;
