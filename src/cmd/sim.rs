@@ -251,6 +251,9 @@ pub fn view_header(cfg: &SimConfig, with_oracle: bool) -> String {
             cfg.metrics_interval_ms
         )
     };
+    if cfg.replicas > 1 {
+        line += &format!("; {} engines per region", cfg.replicas);
+    }
     if with_oracle {
         line += "; oracle: exact-state, perfect information";
     }
