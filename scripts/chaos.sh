@@ -183,7 +183,8 @@ run_fault() {  # run_fault KIND TARGET HOLD_S; sets FAILURE (why it could not ru
       restart --kill "engine-$target" \
         || { FAILURE="gorgo restart --kill engine-$target failed (restart.log)"; return; }
       url=$(engine_url "$target")
-      # `gorgo restart` waits for nodes only: the fault lasts until the engine answers.
+      # `gorgo restart` waits until the engine answers `/health`; checked once more here:
+      # the fault lasts until the engine answers.
       for _ in $(seq 1 100); do
         curl -sf -m 1 "$url/health" > /dev/null && break
         sleep 0.1

@@ -174,7 +174,8 @@ pub struct RestartArgs {
     /// drains first).
     #[arg(long)]
     pub kill: bool,
-    /// Give up if a restarted node is not ready after this many seconds.
+    /// Give up if a restarted node is not ready (or a restarted engine emulator does
+    /// not answer `/health`) after this many seconds.
     #[arg(long, default_value_t = 60)]
     pub ready_timeout_s: u64,
 }
@@ -806,7 +807,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
 /// Restarts one process of a cluster started with `gorgo up --detach`: stops it
 /// (gracefully, or `--kill`), starts it again with the same arguments in the same
 /// process group, records the new pid in `pids.json` (so `gorgo down` stops it) and,
-/// for a node, waits until it is ready.
+/// for a node or an engine emulator, waits until it answers (`/readyz`, `/health`).
 pub fn run_restart(args: RestartArgs) -> anyhow::Result<()> {
     let pids_path = args.run_dir.join("pids.json");
     let text = std::fs::read_to_string(&pids_path)
@@ -882,29 +883,58 @@ pub fn run_restart(args: RestartArgs) -> anyhow::Result<()> {
             }
         }
     }
+    if name.starts_with("engine-") {
+        let listen = entry_listen(&pids, &name);
+        if let Some(addr) = listen {
+            let deadline = Instant::now() + Duration::from_secs(args.ready_timeout_s);
+            while http_status(addr, "/health") != Some(200) {
+                if !pid_alive(pid) {
+                    bail!(
+                        "{name} exited while starting; its log:\n{}",
+                        log_tail(&run_dir, &name)
+                    );
+                }
+                if Instant::now() >= deadline {
+                    bail!("{name} not answering after {} s", args.ready_timeout_s);
+                }
+                std::thread::sleep(POLL_EVERY);
+            }
+        }
+    }
     println!("restarted {name} (pid {pid})");
     Ok(())
 }
 
-/// For a node (`node --config F`), wait up to 10 s until its listen addresses can be
-/// bound again. A process whose main thread has exited reads as gone while its other
-/// threads still hold its sockets; starting the new one then would fail with "address
-/// in use".
+/// The `--listen` address `name` was started with (an engine emulator's).
+fn entry_listen(pids: &PidsFile, name: &str) -> Option<SocketAddr> {
+    let args = &pids.processes.iter().find(|p| p.name == name)?.args;
+    let i = args.iter().position(|a| a == "--listen")?;
+    args.get(i + 1)?.parse().ok()
+}
+
+/// Wait up to 10 s until the listen addresses of the process started with `args` can
+/// be bound again: a node's (`node --config F`: HTTP, admin, QUIC) or an engine
+/// emulator's (`engine --listen A`). A process whose main thread has exited reads as
+/// gone while its other threads still hold its sockets; starting the new one then
+/// fails with "address in use" (seen in the chaos soak after an `engine_kill`).
 fn wait_for_ports(args: &[String]) {
-    let Some(path) = args
-        .iter()
-        .position(|a| a == "--config")
-        .and_then(|i| args.get(i + 1))
-    else {
-        return;
+    let value_of = |flag: &str| {
+        args.iter()
+            .position(|a| a == flag)
+            .and_then(|i| args.get(i + 1))
     };
-    let Ok(config) = NodeConfig::load(Path::new(path)) else {
-        return;
-    };
+    let mut tcp: Vec<SocketAddr> = Vec::new();
+    let mut udp: Vec<SocketAddr> = Vec::new();
+    if let Some(config) = value_of("--config").and_then(|p| NodeConfig::load(Path::new(p)).ok()) {
+        tcp.extend([config.listen.http, config.listen.admin]);
+        udp.push(config.listen.quic);
+    }
+    if let Some(addr) = value_of("--listen").and_then(|a| a.parse::<SocketAddr>().ok()) {
+        tcp.push(addr);
+    }
     let free = || {
-        std::net::TcpListener::bind(config.listen.http).is_ok()
-            && std::net::TcpListener::bind(config.listen.admin).is_ok()
-            && std::net::UdpSocket::bind(config.listen.quic).is_ok()
+        tcp.iter().all(|a| std::net::TcpListener::bind(a).is_ok())
+            && udp.iter().all(|a| std::net::UdpSocket::bind(a).is_ok())
     };
     let deadline = Instant::now() + Duration::from_secs(10);
     while !free() && Instant::now() < deadline {
