@@ -868,40 +868,52 @@ pub fn run_restart(args: RestartArgs) -> anyhow::Result<()> {
             .and_then(|r| r.admin_url.as_deref())
             .and_then(|u| u.trim_start_matches("http://").parse::<SocketAddr>().ok());
         if let Some(admin) = admin {
-            let deadline = Instant::now() + Duration::from_secs(args.ready_timeout_s);
-            while http_status(admin, "/readyz") != Some(200) {
-                if !pid_alive(pid) {
-                    bail!(
-                        "{name} exited while starting; its log:\n{}",
-                        log_tail(&run_dir, &name)
-                    );
-                }
-                if Instant::now() >= deadline {
-                    bail!("{name} not ready after {} s", args.ready_timeout_s);
-                }
-                std::thread::sleep(POLL_EVERY);
-            }
+            wait_answering(
+                &run_dir,
+                &name,
+                pid,
+                (admin, "/readyz"),
+                args.ready_timeout_s,
+            )?;
         }
     }
     if name.starts_with("engine-") {
-        let listen = entry_listen(&pids, &name);
-        if let Some(addr) = listen {
-            let deadline = Instant::now() + Duration::from_secs(args.ready_timeout_s);
-            while http_status(addr, "/health") != Some(200) {
-                if !pid_alive(pid) {
-                    bail!(
-                        "{name} exited while starting; its log:\n{}",
-                        log_tail(&run_dir, &name)
-                    );
-                }
-                if Instant::now() >= deadline {
-                    bail!("{name} not answering after {} s", args.ready_timeout_s);
-                }
-                std::thread::sleep(POLL_EVERY);
-            }
+        if let Some(addr) = entry_listen(&pids, &name) {
+            wait_answering(
+                &run_dir,
+                &name,
+                pid,
+                (addr, "/health"),
+                args.ready_timeout_s,
+            )?;
         }
     }
     println!("restarted {name} (pid {pid})");
+    Ok(())
+}
+
+/// Wait until the restarted process `name` (`pid`) answers 200 on `path` at `addr`:
+/// an error naming it, with its log, if it exits first or takes over `timeout_s`.
+fn wait_answering(
+    run_dir: &Path,
+    name: &str,
+    pid: u32,
+    (addr, path): (SocketAddr, &str),
+    timeout_s: u64,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(timeout_s);
+    while http_status(addr, path) != Some(200) {
+        if !pid_alive(pid) {
+            bail!(
+                "{name} exited while starting; its log:\n{}",
+                log_tail(run_dir, name)
+            );
+        }
+        if Instant::now() >= deadline {
+            bail!("{name} not answering {path} after {timeout_s} s");
+        }
+        std::thread::sleep(POLL_EVERY);
+    }
     Ok(())
 }
 

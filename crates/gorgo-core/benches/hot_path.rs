@@ -72,6 +72,25 @@ fn random_stats(rng: &mut ChaCha8Rng, replica: u16) -> QueueStats {
     }
 }
 
+/// The `gorgo` decision a node makes for a client request (hops 0, max hops 1) with
+/// the default weights: the target's index.
+fn decide_target(
+    chain: &HashChain,
+    prompt_tokens: u64,
+    candidates: &[gorgo_core::cost::Candidate],
+    policy: &mut dyn gorgo_core::policy::Policy,
+    rng: u64,
+) -> Option<usize> {
+    let req = RouteRequest {
+        chain,
+        prompt_tokens,
+        session_key: None,
+    };
+    decide(&req, 0, 1, candidates, policy, Weights::default(), rng)
+        .ok()
+        .map(|d| d.target_index)
+}
+
 struct Peer {
     node: NodeId,
     rtt_ms: f64,
@@ -117,7 +136,6 @@ fn bench(c: &mut Criterion) {
         ..QueueStats::default()
     };
     let mut policy = build(PolicyKind::Gorgo);
-    let weights = Weights::default();
     // This node's ledger: a few forwards pending at every peer and a learnt forward
     // bias, so the decision pays for the ledger lookups it makes in production.
     let mut ledger = ForwardLedger::new();
@@ -156,12 +174,7 @@ fn bench(c: &mut Criterion) {
             &mut ledger,
             1_500,
         );
-        let req = RouteRequest {
-            chain: &chain,
-            prompt_tokens,
-            session_key: None,
-        };
-        decide(&req, 0, 1, &candidates, policy.as_mut(), weights, n).map(|d| d.target_index)
+        decide_target(&chain, prompt_tokens, &candidates, policy.as_mut(), n)
     };
     c.bench_function("gorgo_decision_16_peers_100k_blocks_8k_prompt", |b| {
         b.iter(|| {
@@ -174,7 +187,7 @@ fn bench(c: &mut Criterion) {
     let mut samples_us: Vec<f64> = (0..50_000u64)
         .map(|i| {
             let t = std::time::Instant::now();
-            black_box(one_decision(i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).ok());
+            black_box(one_decision(i.wrapping_mul(0x9e37_79b9_7f4a_7c15)));
             t.elapsed().as_secs_f64() * 1e6
         })
         .collect();
@@ -254,21 +267,7 @@ fn bench_replicas(c: &mut Criterion) {
                     &mut ledger,
                     1_500,
                 );
-                let req = RouteRequest {
-                    chain: &chain,
-                    prompt_tokens,
-                    session_key: None,
-                };
-                decide(
-                    &req,
-                    0,
-                    1,
-                    &candidates,
-                    policy.as_mut(),
-                    Weights::default(),
-                    n,
-                )
-                .map(|d| d.target_index)
+                decide_target(&chain, prompt_tokens, &candidates, policy.as_mut(), n)
             })
         },
     );
