@@ -48,6 +48,11 @@ pub struct UpArgs {
     /// Engine emulator profile (a built-in name or a profile file).
     #[arg(long, default_value = "paper-a100-mistral7b")]
     pub engine_profile: String,
+    /// Engine emulators per region (replicas of the model), 1..=16: each node fronts
+    /// all of its region's as `[[engines]]` (docs/design.md, "Replicas"). Emulated
+    /// regions only.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
+    pub replicas: u16,
     /// Use these engines instead of emulators: `region=url,...`.
     #[arg(long, value_delimiter = ',')]
     pub engine_url: Vec<String>,
@@ -134,6 +139,21 @@ fn kv_event_endpoints(engine: std::net::SocketAddr) -> anyhow::Result<(String, S
         format!("tcp://{}:{}", engine.ip(), port(4)?),
         format!("tcp://{}:{}", engine.ip(), port(5)?),
     ))
+}
+
+/// The address of region engine emulator `replica`: replica 0 at the plan's engine
+/// address, replica k on the region's address at 6 ports a replica above the region's
+/// block (base + 10, 16, ...: each with its two KV-event ports, `kv_event_endpoints`).
+fn replica_engine_addr(engine: SocketAddr, replica: u16) -> anyhow::Result<SocketAddr> {
+    if replica == 0 {
+        return Ok(engine);
+    }
+    // The plan's engine port is base + 3; replica k's is base + 10 + 6 (k - 1).
+    let port = engine
+        .port()
+        .checked_add(7 + 6 * (replica - 1))
+        .with_context(|| format!("--replicas: no port for replica {replica} above {engine}"))?;
+    Ok(SocketAddr::new(engine.ip(), port))
 }
 
 /// Arguments of `gorgo down`.
@@ -462,7 +482,7 @@ impl EngineExtras {
 fn node_config(
     plan: &ClusterPlan,
     i: usize,
-    engine: EngineSection,
+    mut engines: Vec<EngineSection>,
     certs: &Path,
     routing: RoutingSection,
     tuning: TuningSection,
@@ -480,7 +500,9 @@ fn node_config(
             admin: r.admin_addr,
             advertise_quic: Some(r.quic_relay_addr),
         },
-        engine,
+        // One engine keeps the `[engine]` form an operator would write.
+        engine: (engines.len() == 1).then(|| engines.remove(0)),
+        engines,
         cluster: ClusterSection {
             seeds: r.peers.iter().map(|p| p.relay_addr).collect(),
             ..ClusterSection::default()
@@ -628,43 +650,55 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             args.seed.to_string(),
         ],
     )?;
+    if args.replicas > 1 && !external.is_empty() {
+        bail!("--replicas: emulated regions only (give each engine with --engine-url)");
+    }
     let mut regions = Vec::new();
     for (i, r) in plan.regions.iter().enumerate() {
-        let (engine_url, kind, extras) = match external.get(&r.name) {
-            Some(url) => (
-                url.clone(),
-                engine_kind,
-                EngineExtras::external(&args, engine_kind),
-            ),
+        let mut engine_sections = Vec::new();
+        let engine_url = match external.get(&r.name) {
+            Some(url) => {
+                let extras = EngineExtras::external(&args, engine_kind);
+                engine_sections.push(extras.engine_section(url, engine_kind));
+                url.clone()
+            }
             None => {
                 let extras = EngineExtras::tokens(&args);
-                let mut engine_args = vec![
-                    "engine".into(),
-                    "--profile".into(),
-                    args.engine_profile.clone(),
-                    "--listen".into(),
-                    r.engine_addr.to_string(),
-                    // The name `gorgo bench` sends by default: nodes route a request
-                    // only to engines that list the model it names.
-                    "--model".into(),
-                    gorgo_workload::DEFAULT_MODEL.into(),
-                ];
-                engine_args.extend(extras.emulator_args());
-                if args.kv_events {
-                    let (publish, replay) = kv_event_endpoints(r.engine_addr)?;
-                    engine_args.extend([
-                        "--kv-events".into(),
-                        publish,
-                        "--kv-events-replay".into(),
-                        replay,
-                    ]);
+                for replica in 0..args.replicas {
+                    let addr = replica_engine_addr(r.engine_addr, replica)?;
+                    let mut engine_args = vec![
+                        "engine".into(),
+                        "--profile".into(),
+                        args.engine_profile.clone(),
+                        "--listen".into(),
+                        addr.to_string(),
+                        // The name `gorgo bench` sends by default: nodes route a
+                        // request only to engines that list the model it names.
+                        "--model".into(),
+                        gorgo_workload::DEFAULT_MODEL.into(),
+                    ];
+                    engine_args.extend(extras.emulator_args());
+                    let mut section =
+                        extras.engine_section(&format!("http://{addr}"), EngineKind::Sglang);
+                    if args.kv_events {
+                        let (publish, replay) = kv_event_endpoints(addr)?;
+                        engine_args.extend([
+                            "--kv-events".into(),
+                            publish.clone(),
+                            "--kv-events-replay".into(),
+                            replay.clone(),
+                        ]);
+                        section.kv_events = Some(publish);
+                        section.kv_events_replay = Some(replay);
+                    }
+                    let name = match replica {
+                        0 => format!("engine-{}", r.name),
+                        k => format!("engine-{}-{k}", r.name),
+                    };
+                    children.spawn(&name, &engine_args)?;
+                    engine_sections.push(section);
                 }
-                children.spawn(&format!("engine-{}", r.name), &engine_args)?;
-                (
-                    format!("http://{}", r.engine_addr),
-                    EngineKind::Sglang,
-                    extras,
-                )
+                format!("http://{}", r.engine_addr)
             }
         };
         let config_path = run_dir.join(format!("node-{}.toml", r.name));
@@ -673,16 +707,10 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             allow_policy_header: args.allow_policy_header,
             ..RoutingSection::default()
         };
-        let mut engine_section = extras.engine_section(&engine_url, kind);
-        if args.kv_events && !external.contains_key(&r.name) {
-            let (publish, replay) = kv_event_endpoints(r.engine_addr)?;
-            engine_section.kv_events = Some(publish);
-            engine_section.kv_events_replay = Some(replay);
-        }
         let config = node_config(
             &plan,
             i,
-            engine_section,
+            engine_sections,
             &certs,
             routing,
             tuning_section(&args, &r.name, policy)?,
@@ -1067,7 +1095,7 @@ mod tests {
         let config = node_config(
             &plan,
             0,
-            extras.engine_section("http://127.0.0.1:18410", EngineKind::Openai),
+            vec![extras.engine_section("http://127.0.0.1:18410", EngineKind::Openai)],
             Path::new("/certs"),
             RoutingSection::default(),
             TuningSection::default(),
@@ -1075,7 +1103,11 @@ mod tests {
         )
         .unwrap();
         let config = written_and_read(&config);
-        let engine = &config.engine;
+        let engine = config.shared_engine();
+        assert!(
+            config.engine.is_some(),
+            "one engine keeps the `[engine]` form"
+        );
         assert_eq!(engine.url, "http://127.0.0.1:18410");
         assert_eq!(engine.kind, EngineKind::Openai);
         assert_eq!(engine.health_path(), "/docs");
@@ -1099,7 +1131,8 @@ mod tests {
         let config = node_config(
             &plan,
             1,
-            EngineExtras::default().engine_section("http://127.0.0.1:18411", EngineKind::Openai),
+            vec![EngineExtras::default()
+                .engine_section("http://127.0.0.1:18411", EngineKind::Openai)],
             Path::new("/certs"),
             RoutingSection::default(),
             TuningSection::default(),
@@ -1107,8 +1140,32 @@ mod tests {
         )
         .unwrap();
         let config = written_and_read(&config);
-        assert_eq!(config.engine.health_path(), "/v1/models");
-        assert_eq!(config.engine.kv_capacity_tokens, None);
+        assert_eq!(config.shared_engine().health_path(), "/v1/models");
+        assert_eq!(config.shared_engine().kv_capacity_tokens, None);
+
+        // Replicas: `[[engines]]`, in order, each checked.
+        let replicas: Vec<EngineSection> = (0..3)
+            .map(|k| {
+                let addr = replica_engine_addr(plan.regions[1].engine_addr, k).unwrap();
+                EngineExtras::default()
+                    .engine_section(&format!("http://{addr}"), EngineKind::Sglang)
+            })
+            .collect();
+        let config = node_config(
+            &plan,
+            1,
+            replicas,
+            Path::new("/certs"),
+            RoutingSection::default(),
+            TuningSection::default(),
+            "test-admin-token",
+        )
+        .unwrap();
+        let config = written_and_read(&config);
+        assert!(config.engine.is_none());
+        let urls: Vec<&str> = config.engines().iter().map(|e| e.url.as_str()).collect();
+        assert_eq!(urls.len(), 3);
+        assert_ne!(urls[1], urls[2]);
 
         // A bad value fails when the config is built, naming the field.
         let mut engine = EngineExtras::default().engine_section("http://x", EngineKind::Sglang);
@@ -1116,7 +1173,7 @@ mod tests {
         let e = node_config(
             &plan,
             0,
-            engine,
+            vec![engine],
             Path::new("/certs"),
             RoutingSection::default(),
             TuningSection::default(),
@@ -1155,7 +1212,7 @@ mod tests {
         let config = node_config(
             &plan(),
             0,
-            EngineSection::new("http://127.0.0.1:1", EngineKind::Sglang),
+            vec![EngineSection::new("http://127.0.0.1:1", EngineKind::Sglang)],
             Path::new("/certs"),
             RoutingSection {
                 policy: PolicyKind::GorgoPaper,

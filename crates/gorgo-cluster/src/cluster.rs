@@ -698,12 +698,16 @@ struct StatsBroadcast {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct StatsKey {
     origin: NodeId,
+    /// Each engine's stats are their own stream (docs/design.md, "Replicas").
+    replica: u16,
     order: (u64, u64),
 }
 
 impl Invalidates for StatsKey {
     fn invalidates(&self, other: &Self) -> bool {
-        self.origin == other.origin && self.order > other.order
+        self.origin == other.origin
+            && self.order > other.order
+            && (self.replica == other.replica || self.order.0 > other.order.0)
     }
 }
 
@@ -740,6 +744,7 @@ impl BroadcastHandler<MemberId> for StatsHandler {
                 .map_err(|e| StatsError(e.to_string()))?;
         let key = StatsKey {
             origin: b.origin.clone(),
+            replica: b.stats.replica,
             order: b.stats.order(),
         };
         let Some(inner) = self.inner.upgrade() else {
@@ -799,20 +804,44 @@ impl ClusterHandle {
         self.inner.peers.alive_ids()
     }
 
-    /// Run `f` on `peer`'s summary while holding its table shard briefly: for routing,
-    /// keep `f` short (a prefix walk), never IO.
+    /// Run `f` on the summary of `peer`'s engine `replica` while holding its table
+    /// shard briefly: for routing, keep `f` short (a prefix walk), never IO.
     pub fn with_peer_summary<R>(
         &self,
         peer: &NodeId,
+        replica: u16,
         f: impl FnOnce(&PeerSummary) -> R,
     ) -> Option<R> {
         let e = self.inner.peers.peers.get(peer)?;
-        e.gossip.summary().map(f)
+        e.engines.get(replica as usize)?.gossip.summary().map(f)
     }
 
-    /// The local summary this cluster gossips.
-    pub fn local_summary(&self) -> &Arc<dyn SummarySource> {
-        &self.inner.gossip.summary
+    /// The local summary this cluster gossips for engine 0 (the one `start` took).
+    pub fn local_summary(&self) -> Arc<dyn SummarySource> {
+        self.inner
+            .gossip
+            .summary(0)
+            .expect("engine 0 is gossiped from the start")
+    }
+
+    /// The summary gossiped for this node's engine `replica`, when it is.
+    pub fn engine_summary(&self, replica: u16) -> Option<Arc<dyn SummarySource>> {
+        self.inner.gossip.summary(replica)
+    }
+
+    /// Gossip `summary` as this node's engine `replica` (a replica added at run time,
+    /// or the engines after the first at start), replacing what that replica
+    /// gossiped: peers get a snapshot of it on the next round. Its stats follow with
+    /// [`broadcast_stats`](Self::broadcast_stats).
+    pub fn set_engine(&self, replica: u16, summary: Arc<dyn SummarySource>) -> Result<()> {
+        if replica >= gorgo_core::types::MAX_REPLICAS {
+            return Err(ClusterError::Config {
+                field: "replica",
+                reason: format!("must be below {}", gorgo_core::types::MAX_REPLICAS),
+            });
+        }
+        self.inner.gossip.set_engine(replica, summary);
+        Ok(())
     }
 
     /// Open a bi-stream to `peer` to forward a request.
@@ -881,12 +910,15 @@ impl ClusterHandle {
     /// summary message. The version is assigned here (monotonic for this run), and so
     /// are this run's incarnation and whether the node is draining.
     pub fn broadcast_stats(&self, mut stats: QueueStats) -> Result<()> {
-        {
-            let mut cur = self.inner.gossip.local_stats.lock();
-            stats.version = stats.version.max(cur.version + 1);
-            stats.incarnation = self.inner.incarnation;
-            stats.draining = self.is_draining();
-            *cur = stats.clone();
+        stats.draining = stats.draining || self.is_draining();
+        if !self.inner.gossip.set_stats(&mut stats) {
+            return Err(ClusterError::Config {
+                field: "replica",
+                reason: format!(
+                    "engine {} is not gossiped (`set_engine` first)",
+                    stats.replica
+                ),
+            });
         }
         // The SWIM copy is capped small ([`MAX_STATS_BROADCAST`]): it leaves the model
         // list to the summary messages, and receivers keep the models they hold.
@@ -966,8 +998,10 @@ impl ClusterHandle {
         self.inner
             .draining
             .store(true, std::sync::atomic::Ordering::Relaxed);
-        let stats = self.inner.gossip.local_stats.lock().clone();
-        self.broadcast_stats(stats)
+        for stats in self.inner.gossip.all_stats() {
+            self.broadcast_stats(stats)?;
+        }
+        Ok(())
     }
 
     /// True once [`drain`](Self::drain) was called.

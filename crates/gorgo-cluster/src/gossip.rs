@@ -145,48 +145,109 @@ impl<S: HoldsSummary> SummarySource for SharedSummary<S> {
     }
 }
 
-/// The gossip side of a running member: the core's sender, the summary it reads and
-/// the stats it attaches.
+/// One engine's side of gossip: the core's sender for its summary stream, the summary
+/// it reads and the stats it attaches (docs/design.md, "Replicas": each engine a
+/// node fronts is gossiped as its own stream, named by its replica).
+struct EngineGossip {
+    sender: GossipSender,
+    summary: Arc<dyn SummarySource>,
+    /// The stats this engine last published (attached to every summary message).
+    stats: QueueStats,
+}
+
+/// The gossip side of a running member: one [`EngineGossip`] per engine it fronts.
 pub(crate) struct GossipDriver {
     me: NodeId,
     config: GossipConfig,
-    sender: Mutex<GossipSender>,
-    pub(crate) summary: Arc<dyn SummarySource>,
-    /// The stats this node last published (attached to every summary message).
-    pub(crate) local_stats: Mutex<QueueStats>,
+    incarnation: u64,
+    /// By replica; replica 0 always there (the summary `start` was given).
+    engines: Mutex<std::collections::BTreeMap<u16, EngineGossip>>,
     wall_clock: WallClock,
     /// Origin of the `now_ms` the state machine runs on.
     started: Instant,
 }
 
 impl GossipDriver {
-    /// Gossip `summary` as run `incarnation` of node `me`.
+    /// Gossip `summary` as engine 0 of run `incarnation` of node `me`.
     pub(crate) fn new(
         me: NodeId,
         incarnation: u64,
         summary: Arc<dyn SummarySource>,
         wall_clock: WallClock,
     ) -> Self {
-        let config = GossipConfig::default();
-        GossipDriver {
-            sender: Mutex::new(GossipSender::new(me.clone(), config.clone())),
+        let d = GossipDriver {
             me,
-            config,
-            summary,
-            // Stamped from the start: a summary sent before the first stats are
-            // published must already say which run it is of (receivers order by it).
-            local_stats: Mutex::new(QueueStats {
-                incarnation,
-                ..QueueStats::default()
-            }),
+            config: GossipConfig::default(),
+            incarnation,
+            engines: Mutex::new(std::collections::BTreeMap::new()),
             wall_clock,
             started: Instant::now(),
+        };
+        d.set_engine(0, summary);
+        d
+    }
+
+    /// Gossip `summary` as engine `replica` (replacing what that replica gossiped:
+    /// every peer gets a snapshot of it on the next round).
+    pub(crate) fn set_engine(&self, replica: u16, summary: Arc<dyn SummarySource>) {
+        let mut engines = self.engines.lock();
+        // Stamped from the start: a summary sent before the first stats are
+        // published must already say which run and which engine it is of.
+        let version = engines.get(&replica).map_or(0, |e| e.stats.version);
+        engines.insert(
+            replica,
+            EngineGossip {
+                sender: GossipSender::new(self.me.clone(), self.config.clone()),
+                summary,
+                stats: QueueStats {
+                    incarnation: self.incarnation,
+                    replica,
+                    version,
+                    ..QueueStats::default()
+                },
+            },
+        );
+    }
+
+    /// The summary engine `replica` gossips.
+    pub(crate) fn summary(&self, replica: u16) -> Option<Arc<dyn SummarySource>> {
+        self.engines.lock().get(&replica).map(|e| e.summary.clone())
+    }
+
+    /// Record `stats` (of engine `stats.replica`) as the engine's latest, their
+    /// version made monotonic per engine for this run; false when the engine is not
+    /// gossiped.
+    pub(crate) fn set_stats(&self, stats: &mut QueueStats) -> bool {
+        let mut engines = self.engines.lock();
+        let Some(e) = engines.get_mut(&stats.replica) else {
+            return false;
+        };
+        stats.version = stats.version.max(e.stats.version + 1);
+        stats.incarnation = self.incarnation;
+        e.stats = stats.clone();
+        true
+    }
+
+    /// Every engine's last stats.
+    pub(crate) fn all_stats(&self) -> Vec<QueueStats> {
+        self.engines
+            .lock()
+            .values()
+            .map(|e| e.stats.clone())
+            .collect()
+    }
+
+    /// A peer (re)joined: it gets a snapshot of every engine on the next round.
+    pub(crate) fn peer_joined(&self, node: &NodeId) {
+        for e in self.engines.lock().values_mut() {
+            e.sender.peer_joined(node);
         }
     }
 
-    /// A peer (re)joined: it gets a snapshot on the next round.
-    pub(crate) fn peer_joined(&self, node: &NodeId) {
-        self.sender.lock().peer_joined(node);
+    fn on_sent(&self, replica: u16, peer: &NodeId, delivered: bool) {
+        if let Some(e) = self.engines.lock().get_mut(&replica) {
+            e.sender.on_sent(peer, delivered);
+        }
     }
 
     fn now_ms(&self) -> u64 {
@@ -220,28 +281,41 @@ fn round(gossip: &Arc<GossipDriver>, transport: &Arc<Transport>) {
                 .record_rtt(&node, conn.rtt().as_secs_f64() * 1000.0);
         }
     }
-    let stats = gossip.local_stats.lock().clone();
-    for peer in transport.peers.alive_ids() {
-        let mut msg = None;
-        gossip
-            .summary
-            .with_summary(&mut |s| msg = gossip.sender.lock().poll(&peer, s, &stats));
-        let Some(msg) = msg else {
-            continue;
-        };
-        let (oldest_ms, is_snapshot) = match &msg {
-            GossipMessage::SummaryDelta { delta, .. } => (
-                gossip.summary.oldest_change_after(delta.from_version),
-                false,
-            ),
-            _ => (0, true),
-        };
-        let frame = frame(oldest_ms, &msg);
-        if frame.len() > MAX_GOSSIP_FRAME {
-            tracing::warn!(bytes = frame.len(), "summary over the gossip cap; not sent");
-            gossip.sender.lock().on_sent(&peer, false);
-            continue;
+    let peers = transport.peers.alive_ids();
+    // What to send, decided under the lock; sent after it.
+    let mut out = Vec::new();
+    {
+        let mut engines = gossip.engines.lock();
+        for (&replica, e) in engines.iter_mut() {
+            for peer in &peers {
+                let mut msg = None;
+                let (sender, stats) = (&mut e.sender, &e.stats);
+                e.summary
+                    .with_summary(&mut |s| msg = sender.poll(peer, s, stats));
+                let Some(msg) = msg else {
+                    continue;
+                };
+                let (oldest_ms, is_snapshot) = match &msg {
+                    GossipMessage::SummaryDelta { delta, .. } => {
+                        (e.summary.oldest_change_after(delta.from_version), false)
+                    }
+                    _ => (0, true),
+                };
+                let frame = frame(oldest_ms, &msg);
+                if frame.len() > MAX_GOSSIP_FRAME {
+                    tracing::warn!(
+                        bytes = frame.len(),
+                        replica,
+                        "summary over the gossip cap; not sent"
+                    );
+                    e.sender.on_sent(peer, false);
+                    continue;
+                }
+                out.push((replica, peer.clone(), frame, is_snapshot));
+            }
         }
+    }
+    for (replica, peer, frame, is_snapshot) in out {
         let (gossip, transport) = (gossip.clone(), transport.clone());
         tokio::spawn(async move {
             let result = transport::send_uni(&transport, &peer, TrafficKind::Summary, &frame).await;
@@ -252,7 +326,7 @@ fn round(gossip: &Arc<GossipDriver>, transport: &Arc<Transport>) {
                     &transport.metrics.deltas_sent
                 });
             }
-            gossip.sender.lock().on_sent(&peer, result.is_ok());
+            gossip.on_sent(replica, &peer, result.is_ok());
         });
     }
 }
@@ -291,19 +365,22 @@ pub(crate) fn handle_frame(
         ClusterMetrics::bump(&metrics.spoofed_received);
         return;
     }
-    // A live node fronts one engine and keeps one summary per peer: a peer's other
-    // engines' streams (the simulator's `--replicas`) are not held yet.
-    if core_gossip::replica(&msg) != 0 {
-        tracing::debug!(peer = %from, "gossip about another engine than replica 0: ignored");
+    let replica = core_gossip::replica(&msg);
+    if replica >= gorgo_core::types::MAX_REPLICAS {
         ClusterMetrics::bump(&metrics.malformed_received);
         return;
     }
+    let incarnation = match &msg {
+        GossipMessage::SummaryDelta { stats, .. }
+        | GossipMessage::SummarySnapshot { stats, .. } => Some(stats.incarnation),
+        GossipMessage::SnapshotRequest { .. } => None,
+    };
     let now = Instant::now();
     let received = {
         let Some(mut guard) = transport.peers.peers.get_mut(from) else {
             return;
         };
-        let e = &mut *guard;
+        let e = guard.engine_mut(replica, incarnation);
         match e
             .gossip
             .receive(&gossip.me, from, msg, gossip.now_ms(), &gossip.config)
@@ -335,7 +412,9 @@ pub(crate) fn handle_frame(
         metrics.record_staleness(wall.saturating_sub(oldest_change_ms));
     }
     if received.snapshot_requested {
-        gossip.sender.lock().on_snapshot_request(from);
+        if let Some(e) = gossip.engines.lock().get_mut(&replica) {
+            e.sender.on_snapshot_request(from);
+        }
     }
     if let Some(reply) = received.reply {
         let f = frame(0, &reply);

@@ -23,7 +23,7 @@ pub use config::{system_clock, ClusterConfig, SwimTimings, WallClock};
 pub use error::{ClusterError, Result};
 pub use gossip::{HoldsSummary, SharedSummary, SummarySource};
 pub use identity::{MemberId, MAX_SWIM_PACKET};
-pub use state::{ClusterMetrics, PeerState, PeerTable, PeerView, RTT_EWMA_ALPHA};
+pub use state::{ClusterMetrics, PeerEngineView, PeerState, PeerTable, PeerView, RTT_EWMA_ALPHA};
 pub use tls::{
     quinn_client_config, write_cluster_certs, write_secret, ClusterCa, IssuedNode, NodeCredentials,
     TlsFiles, CLUSTER_SERVER_NAME,

@@ -59,17 +59,25 @@ pub(crate) struct PeerEntry {
     pub(crate) state: PeerState,
     pub(crate) state_since: Instant,
     pub(crate) rtt_ms: Option<f64>,
-    /// The peer's summary and stats as heard, and its reorder buffer (the core's
-    /// gossip state machine; this table only stores it).
-    pub(crate) gossip: PeerGossip,
-    pub(crate) summary_at: Option<Instant>,
-    pub(crate) summary_bytes: u64,
-    pub(crate) stats_at: Option<Instant>,
+    /// What was heard of each of the peer's engines, by replica (docs/design.md,
+    /// "Replicas"): grows as replicas are heard of, up to [`gorgo_core::types::
+    /// MAX_REPLICAS`].
+    pub(crate) engines: Vec<HeardEngine>,
     pub(crate) bytes_sent: u64,
     pub(crate) bytes_received: u64,
 }
 
-impl PeerEntry {
+/// One engine of a peer as heard: its summary and stats, its reorder buffer (the
+/// core's gossip state machine; this table only stores it), and when each arrived.
+#[derive(Debug, Default)]
+pub(crate) struct HeardEngine {
+    pub(crate) gossip: PeerGossip,
+    pub(crate) summary_at: Option<Instant>,
+    pub(crate) summary_bytes: u64,
+    pub(crate) stats_at: Option<Instant>,
+}
+
+impl HeardEngine {
     /// The gossip state let go of the summary (a newer run of the peer replaced what
     /// was held): its stamps go with it.
     pub(crate) fn forget_summary_stamps_if_gone(&mut self) {
@@ -79,20 +87,73 @@ impl PeerEntry {
         }
     }
 
+    fn forget(&mut self) {
+        self.gossip.forget();
+        self.summary_at = None;
+        self.summary_bytes = 0;
+        self.stats_at = None;
+    }
+}
+
+impl PeerEntry {
+    /// The state of the peer's engine `replica` (created when first heard of; the
+    /// caller has checked `replica` against the limit). A replica heard of from a
+    /// newer run of the peer than the others were makes them forget theirs: that run
+    /// may front fewer engines, and its other engines speak for themselves.
+    pub(crate) fn engine_mut(
+        &mut self,
+        replica: u16,
+        incarnation: Option<u64>,
+    ) -> &mut HeardEngine {
+        let r = replica as usize;
+        if self.engines.len() <= r {
+            self.engines.resize_with(r + 1, HeardEngine::default);
+        }
+        if let Some(inc) = incarnation {
+            for (i, e) in self.engines.iter_mut().enumerate() {
+                if i != r && e.gossip.incarnation().is_some_and(|held| held < inc) {
+                    e.forget();
+                }
+            }
+        }
+        &mut self.engines[r]
+    }
+
+    /// The peer's first engine (replica 0), the one a one-engine node has.
+    pub(crate) fn first(&self) -> Option<&HeardEngine> {
+        self.engines.first()
+    }
+
     fn new(member: MemberId, now: Instant) -> Self {
         PeerEntry {
             member,
             state: PeerState::Down,
             state_since: now,
             rtt_ms: None,
-            gossip: PeerGossip::new(),
-            summary_at: None,
-            summary_bytes: 0,
-            stats_at: None,
+            engines: vec![HeardEngine::default()],
             bytes_sent: 0,
             bytes_received: 0,
         }
     }
+}
+
+/// One engine of a peer, as [`PeerView`] shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct PeerEngineView {
+    /// Which of the peer's engines.
+    pub replica: u16,
+    /// Version of its summary we hold; `None` before the first snapshot.
+    pub summary_version: Option<u64>,
+    /// Fingerprints in that summary.
+    pub summary_len: usize,
+    /// Encoded size of that summary, bytes.
+    pub summary_bytes: u64,
+    /// Time since the summary last changed or was confirmed, ms.
+    pub summary_age_ms: Option<u64>,
+    /// The engine's last queue stats.
+    pub stats: Option<QueueStats>,
+    /// Time since those stats arrived, ms.
+    pub stats_age_ms: Option<u64>,
 }
 
 /// A copy of one peer's state, cheap to hand to the admin API and the router.
@@ -115,7 +176,9 @@ pub struct PeerView {
     pub alive: bool,
     /// EWMA of QUIC path RTT, ms; `None` before the first sample.
     pub rtt_ms: Option<f64>,
-    /// Version of the summary we hold; `None` before the first snapshot.
+    /// Version of the summary of its first engine (replica 0) we hold; `None` before
+    /// the first snapshot. The fields down to `stats_age_ms` are the first engine's,
+    /// which is all a one-engine peer has; `engines` has every engine's.
     pub summary_version: Option<u64>,
     /// Fingerprints in the summary we hold.
     pub summary_len: usize,
@@ -127,6 +190,8 @@ pub struct PeerView {
     pub stats: Option<QueueStats>,
     /// Time since those stats arrived, ms.
     pub stats_age_ms: Option<u64>,
+    /// Every engine of the peer heard of, by replica.
+    pub engines: Vec<PeerEngineView>,
     /// Gossip bytes we sent to this peer (summaries and app messages).
     pub bytes_sent: u64,
     /// Gossip bytes we received from this peer.
@@ -151,21 +216,37 @@ impl PeerTable {
             .iter()
             .map(|e| {
                 let p = e.value();
+                let engines: Vec<PeerEngineView> = p
+                    .engines
+                    .iter()
+                    .enumerate()
+                    .map(|(i, h)| PeerEngineView {
+                        replica: i as u16,
+                        summary_version: h.gossip.summary().map(|s| s.version()),
+                        summary_len: h.gossip.summary().map_or(0, |s| s.len()),
+                        summary_bytes: h.summary_bytes,
+                        summary_age_ms: age_ms(h.summary_at, now),
+                        stats: h.gossip.stats().cloned(),
+                        stats_age_ms: age_ms(h.stats_at, now),
+                    })
+                    .collect();
+                let first = engines.first();
                 PeerView {
                     id: e.key().clone(),
                     region: p.member.region.clone(),
                     addr: p.member.addr,
                     generation: p.member.generation,
-                    incarnation: p.gossip.incarnation(),
+                    incarnation: p.first().and_then(|h| h.gossip.incarnation()),
                     state: p.state,
                     alive: p.state == PeerState::Alive,
                     rtt_ms: p.rtt_ms,
-                    summary_version: p.gossip.summary().map(|s| s.version()),
-                    summary_len: p.gossip.summary().map_or(0, |s| s.len()),
-                    summary_bytes: p.summary_bytes,
-                    summary_age_ms: age_ms(p.summary_at, now),
-                    stats: p.gossip.stats().cloned(),
-                    stats_age_ms: age_ms(p.stats_at, now),
+                    summary_version: first.and_then(|f| f.summary_version),
+                    summary_len: first.map_or(0, |f| f.summary_len),
+                    summary_bytes: first.map_or(0, |f| f.summary_bytes),
+                    summary_age_ms: first.and_then(|f| f.summary_age_ms),
+                    stats: first.and_then(|f| f.stats.clone()),
+                    stats_age_ms: first.and_then(|f| f.stats_age_ms),
+                    engines,
                     bytes_sent: p.bytes_sent,
                     bytes_received: p.bytes_received,
                 }
@@ -222,10 +303,9 @@ impl PeerTable {
             // A new identity (a restart, or a rejoin after being declared down): what
             // we held may be a dead run's. The gossip state keeps the newest run it
             // heard of, so that run's messages still travelling cannot come back.
-            e.gossip.forget();
-            e.summary_at = None;
-            e.summary_bytes = 0;
-            e.stats_at = None;
+            for h in &mut e.engines {
+                h.forget();
+            }
         }
         e.member = member.clone();
         if e.state != PeerState::Alive {
@@ -289,14 +369,16 @@ impl PeerTable {
     /// Keep `stats` if newer than what we hold; true when kept.
     pub(crate) fn offer_stats(&self, node: &NodeId, stats: &QueueStats, now: Instant) -> bool {
         match self.peers.get_mut(node) {
-            Some(mut e) => {
-                let kept = e.gossip.offer_stats(stats);
+            Some(mut e) if stats.replica < gorgo_core::types::MAX_REPLICAS => {
+                let h = e.engine_mut(stats.replica, Some(stats.incarnation));
+                let kept = h.gossip.offer_stats(stats);
                 if kept {
-                    e.stats_at = Some(now);
+                    h.stats_at = Some(now);
                 }
-                e.forget_summary_stamps_if_gone();
+                h.forget_summary_stamps_if_gone();
                 kept
             }
+            Some(_) => false,
             None => false,
         }
     }

@@ -284,3 +284,87 @@ fn a_draining_node_stops_being_a_candidate_at_once_but_stays_a_member() {
     });
     assert!(left.is_none(), "n1 stopped draining or left at {left:?}");
 }
+
+/// A node fronting several engines gossips each as its own stream: peers hold every
+/// engine's summary and stats by replica, a replica's draining stats take only that
+/// engine out, and a replica added later arrives as a snapshot.
+#[test]
+fn each_engine_of_a_node_is_gossiped_as_its_own_replica() {
+    use gorgo_cluster::SharedSummary;
+    use gorgo_core::summary::LocalSummary;
+    let mut sim = sim(29, Duration::from_secs(60));
+    let creds = credentials(&NAMES);
+    let handles = Handles::default();
+    converged_cluster(&mut sim, &NAMES, &creds, 1, &handles);
+    let n1 = NodeId::from("n1");
+    {
+        let h = handles.lock();
+        let extra = SharedSummary::new(LocalSummary::new(), sim_clock());
+        extra.update(|s| {
+            s.record_add(11);
+            s.record_add(12);
+        });
+        h["n1"].set_engine(2, extra).unwrap();
+        for (replica, running) in [(0u16, 1u32), (2, 7)] {
+            h["n1"]
+                .broadcast_stats(QueueStats {
+                    replica,
+                    running,
+                    ..Default::default()
+                })
+                .unwrap();
+        }
+        // An engine that is not gossiped has no stats to publish.
+        assert!(h["n1"]
+            .broadcast_stats(QueueStats {
+                replica: 5,
+                ..Default::default()
+            })
+            .is_err());
+    }
+    let heard = |replica: u16, check: &dyn Fn(&QueueStats) -> bool| {
+        let h = handles.lock();
+        ["n0", "n2"].iter().all(|o| {
+            h[*o].peers().iter().any(|p| {
+                p.id == n1
+                    && p.engines
+                        .get(replica as usize)
+                        .and_then(|e| e.stats.as_ref())
+                        .is_some_and(check)
+            })
+        })
+    };
+    run_until(&mut sim, Duration::from_secs(5), |_| {
+        heard(0, &|s| s.running == 1)
+            && heard(2, &|s| s.running == 7)
+            && handles.lock()["n0"]
+                .with_peer_summary(&n1, 2, |s| s.len())
+                .is_some_and(|n| n == 2)
+    })
+    .expect("both engines' stats and engine 2's summary arrive");
+    {
+        let h = handles.lock();
+        let v = h["n0"].peers().into_iter().find(|p| p.id == n1).unwrap();
+        // Engine 1 was never gossiped: a slot with nothing in it.
+        assert!(v.engines[1].stats.is_none());
+        assert_eq!(
+            v.stats.as_ref().map(|s| s.running),
+            Some(1),
+            "top level is engine 0"
+        );
+        assert_eq!(h["n0"].with_peer_summary(&n1, 0, |s| s.len()), Some(0));
+    }
+    // Engine 2 drains: its stats say so, engine 0's do not.
+    handles.lock()["n1"]
+        .broadcast_stats(QueueStats {
+            replica: 2,
+            draining: true,
+            ..Default::default()
+        })
+        .unwrap();
+    run_until(&mut sim, Duration::from_secs(5), |_| {
+        heard(2, &|s| s.draining)
+    })
+    .expect("engine 2's drain arrives");
+    assert!(heard(0, &|s| !s.draining));
+}

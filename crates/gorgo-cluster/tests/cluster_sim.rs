@@ -147,7 +147,7 @@ fn summaries_synced(handles: &Handles) -> bool {
             .all(|(other, oh)| {
                 let (v, len) = (oh.local_summary().version(), oh.local_summary().len());
                 handle
-                    .with_peer_summary(&NodeId(other.clone()), |p| {
+                    .with_peer_summary(&NodeId(other.clone()), 0, |p| {
                         p.version() == v && p.len() == len
                     })
                     .unwrap_or(false)

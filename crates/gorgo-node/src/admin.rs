@@ -13,6 +13,7 @@ use gorgo_core::es::TuningMode;
 use gorgo_core::Weights;
 use serde::Deserialize;
 use serde_json::json;
+use serde_json::Value;
 
 use crate::api::{error_response, ApiError};
 use crate::NodeState;
@@ -31,6 +32,15 @@ pub fn router(state: Arc<NodeState>) -> axum::Router {
         .route("/admin/weights", get(get_weights).put(put_weights))
         .route("/admin/tuning", get(tuning))
         .route("/admin/prefix_match", axum::routing::post(prefix_match))
+        .route("/admin/engines", get(list_engines).post(add_engine))
+        .route(
+            "/admin/engines/{replica}",
+            axum::routing::delete(remove_engine),
+        )
+        .route(
+            "/admin/engines/{replica}/{action}",
+            axum::routing::post(engine_action),
+        )
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             require_token,
@@ -121,34 +131,23 @@ async fn readyz(State(state): State<Arc<NodeState>>) -> Response {
 }
 
 async fn admin_state(State(state): State<Arc<NodeState>>) -> Response {
-    let fit = state.engine.fit();
+    let now = state.now_ms();
+    let engines: Vec<Value> = state.engines().iter().map(|e| e.view(now)).collect();
+    // The first engine's fields at the top level too: all a one-engine node has.
+    let first = engines.first().cloned().unwrap_or_default();
     let body = json!({
         "node": state.id,
         "region": state.config.node.region,
-        "uptime_ms": state.now_ms(),
-        "engine": {
-            "url": state.config.engine.url,
-            "kind": state.engine.kind().to_string(),
-            "healthy": state.engine.is_healthy(),
-            "breaker": state.engine.breaker(),
-            "max_context_tokens": state.engine.max_context_tokens(),
-            "inflight": state.engine.inflight(),
-            "accounting": state.engine.counters(),
-            "kv_capacity_tokens": state.engine.kv_capacity_tokens(),
-            "scraped": state.engine.scraped(),
-        },
+        "uptime_ms": now,
+        "engine": first,
+        "engines": engines,
         "queue_stats": state.local_stats(),
-        "fit": {
-            "t_p_ms": fit.t_p_ms(),
-            "base_ms": fit.base_ms(),
-            "r_squared": fit.r_squared(),
-            "samples": fit.samples(),
-        },
+        "fit": first["fit"],
         "tokens": state.tokens.view(state.config.routing.block_bytes),
-        "shadow_index_blocks": state.shadow.lock().len(),
-        "shadow_index_tokens": state.shadow.lock().used_tokens(),
-        "prefix_index_source": state.shadow.lock().source(),
-        "kv_events": state.kv_events.as_ref().map(|kv| kv.view(state.now_ms())),
+        "shadow_index_blocks": first["shadow_index_blocks"],
+        "shadow_index_tokens": first["shadow_index_tokens"],
+        "prefix_index_source": first["prefix_index_source"],
+        "kv_events": first["kv_events"],
         "peers": state.peers.peers(),
         "weights": *state.weights.read(),
         "policy": state.config.routing.policy,
@@ -169,6 +168,9 @@ async fn admin_state(State(state): State<Arc<NodeState>>) -> Response {
 #[serde(deny_unknown_fields)]
 struct PrefixMatchBody {
     token_ids: Vec<u32>,
+    /// Which engine's index (default: the first).
+    #[serde(default)]
+    replica: u16,
 }
 
 /// `POST /admin/prefix_match`: how much of a tokenised prompt the node's prefix index
@@ -188,7 +190,10 @@ async fn prefix_match(
         &body.token_ids,
         crate::kv_events::node_block_tokens(&state.config),
     );
-    let cache = state.shadow.lock();
+    let Some(engine) = state.engine(body.replica) else {
+        return error_response(StatusCode::NOT_FOUND, "no such engine");
+    };
+    let cache = engine.shadow.lock();
     let blocks = cache.longest_match_blocks(&chain);
     Json(json!({
         "source": cache.source(),
@@ -196,6 +201,77 @@ async fn prefix_match(
         "tokens": chain.prefix_tokens(blocks),
     }))
     .into_response()
+}
+
+/// `GET /admin/engines`: every engine the node fronts, each as `/admin/state` shows
+/// it (replica, url, status, health, accounting, fit, index).
+async fn list_engines(State(state): State<Arc<NodeState>>) -> Response {
+    let now = state.now_ms();
+    let engines: Vec<Value> = state.engines().iter().map(|e| e.view(now)).collect();
+    Json(engines).into_response()
+}
+
+/// `POST /admin/engines`: add an engine, its body an `[[engines]]` entry as JSON
+/// (`{"url": ..., "kind": ...}` and any other field of it). 201 with the engine as
+/// `GET /admin/engines` shows it; 400 naming the field that is wrong.
+async fn add_engine(
+    State(state): State<Arc<NodeState>>,
+    body: Result<Json<crate::config::EngineSection>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    let Json(engine) = match body {
+        Ok(b) => b,
+        Err(e) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                &format!(
+                    "body must be an `[[engines]]` entry as JSON: {}",
+                    e.body_text()
+                ),
+            )
+        }
+    };
+    match state.add_engine(engine) {
+        Ok(e) => (StatusCode::CREATED, Json(e.view(state.now_ms()))).into_response(),
+        Err(e) => error_response(StatusCode::BAD_REQUEST, &e.to_string()),
+    }
+}
+
+/// `DELETE /admin/engines/{replica}`: drain the engine (no new requests; its stats say
+/// draining, so peers stop counting on it), then drop it once its requests are done.
+/// 202; 404 when no such engine; 409 for the node's last engine.
+async fn remove_engine(
+    State(state): State<Arc<NodeState>>,
+    axum::extract::Path(replica): axum::extract::Path<u16>,
+) -> Response {
+    match state.remove_engine(replica) {
+        Ok(true) => (
+            StatusCode::ACCEPTED,
+            Json(json!({"replica": replica, "status": "removing"})),
+        )
+            .into_response(),
+        Ok(false) => error_response(StatusCode::NOT_FOUND, "no such engine"),
+        Err(e) => error_response(StatusCode::CONFLICT, &e.to_string()),
+    }
+}
+
+/// `POST /admin/engines/{replica}/drain` (no new requests, it stays) and
+/// `.../serve` (back in rotation; not for an engine being removed).
+async fn engine_action(
+    State(state): State<Arc<NodeState>>,
+    axum::extract::Path((replica, action)): axum::extract::Path<(u16, String)>,
+) -> Response {
+    let Some(engine) = state.engine(replica) else {
+        return error_response(StatusCode::NOT_FOUND, "no such engine");
+    };
+    match action.as_str() {
+        "drain" => engine.start_draining(),
+        "serve" if engine.is_removing() => {
+            return error_response(StatusCode::CONFLICT, "the engine is being removed")
+        }
+        "serve" => engine.start_serving(),
+        _ => return error_response(StatusCode::NOT_FOUND, "actions: drain, serve"),
+    }
+    Json(engine.view(state.now_ms())).into_response()
 }
 
 async fn peers(State(state): State<Arc<NodeState>>) -> Response {

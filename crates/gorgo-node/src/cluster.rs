@@ -1,6 +1,7 @@
 //! The QUIC cluster (`gorgo-cluster`) behind the router's [`PeerSource`] trait, and the
 //! one-call startup of a node with it.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
@@ -22,17 +23,42 @@ use crate::tuning::TUNING_APP_KIND;
 use crate::{NodeHandle, NodeListeners, NodeState, ValidatedConfig};
 
 /// The router's view of a running QUIC cluster member.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ClusterPeers {
     handle: ClusterHandle,
-    summary: Arc<SharedSummary<LocalSummary>>,
+    /// The mirror of each engine's summary the cluster gossips, by replica.
+    summaries: Arc<parking_lot::Mutex<BTreeMap<u16, Arc<SharedSummary<LocalSummary>>>>>,
+    wall_clock: gorgo_cluster::WallClock,
+}
+
+impl std::fmt::Debug for ClusterPeers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterPeers")
+            .field("handle", &self.handle)
+            .field("engines", &self.summaries.lock().len())
+            .finish()
+    }
 }
 
 impl ClusterPeers {
-    /// Wrap a started cluster and the summary it gossips (the one passed to
-    /// `gorgo_cluster::start`).
-    pub fn new(handle: ClusterHandle, summary: Arc<SharedSummary<LocalSummary>>) -> Self {
-        ClusterPeers { handle, summary }
+    /// Wrap a started cluster and the summary it gossips for engine 0 (the one passed
+    /// to `gorgo_cluster::start`); `engines` more engines (replicas 1..) get their own
+    /// summaries, stamped by `wall_clock`.
+    pub fn new(
+        handle: ClusterHandle,
+        summary: Arc<SharedSummary<LocalSummary>>,
+        engines: u16,
+        wall_clock: gorgo_cluster::WallClock,
+    ) -> Self {
+        let peers = ClusterPeers {
+            handle,
+            summaries: Arc::new(parking_lot::Mutex::new(BTreeMap::from([(0, summary)]))),
+            wall_clock,
+        };
+        for replica in 1..engines {
+            peers.add_engine(replica);
+        }
+        peers
     }
 }
 
@@ -48,6 +74,7 @@ impl PeerSource for ClusterPeers {
                 // No RTT sample yet: the peer is not a candidate worth paying for.
                 rtt_ms: p.rtt_ms.unwrap_or(f64::INFINITY),
                 stats: p.stats,
+                engines: p.engines.into_iter().filter_map(|e| e.stats).collect(),
                 stats_age_ms: p.stats_age_ms,
                 summary_version: p.summary_version.unwrap_or(0),
                 summary_entries: p.summary_len as u64,
@@ -56,9 +83,9 @@ impl PeerSource for ClusterPeers {
             .collect()
     }
 
-    fn matched_tokens(&self, peer: &NodeId, chain: &HashChain) -> u64 {
+    fn matched_tokens(&self, peer: &NodeId, replica: u16, chain: &HashChain) -> u64 {
         self.handle
-            .with_peer_summary(peer, |s| s.matched_tokens(chain))
+            .with_peer_summary(peer, replica, |s| s.matched_tokens(chain))
             .unwrap_or(0)
     }
 
@@ -103,8 +130,21 @@ impl PeerSource for ClusterPeers {
         }
     }
 
-    fn publish_summary(&self, delta: &SummaryDelta) {
-        self.summary.update(|s| {
+    fn add_engine(&self, replica: u16) {
+        let summary = SharedSummary::new(LocalSummary::new(), self.wall_clock.clone());
+        match self.handle.set_engine(replica, summary.clone()) {
+            Ok(()) => {
+                self.summaries.lock().insert(replica, summary);
+            }
+            Err(e) => tracing::warn!(replica, error = %e, "engine not gossiped"),
+        }
+    }
+
+    fn publish_summary(&self, replica: u16, delta: &SummaryDelta) {
+        let Some(summary) = self.summaries.lock().get(&replica).cloned() else {
+            return;
+        };
+        summary.update(|s| {
             for &fp in &delta.added {
                 s.record_add(fp);
             }
@@ -263,7 +303,14 @@ pub async fn start_with_credentials(
         .await
         .map_err(|e| NodeError::Cluster(e.to_string()))?;
     let incoming = adapt_incoming(&handle)?;
-    let state = NodeState::new(config, Arc::new(ClusterPeers::new(handle.clone(), summary)))?;
+    let engines = config.engines().len() as u16;
+    let peers = ClusterPeers::new(
+        handle.clone(),
+        summary,
+        engines,
+        gorgo_cluster::system_clock(),
+    );
+    let state = NodeState::new(config, Arc::new(peers))?;
     spawn_app_inbox(&handle, state.clone(), shutdown.clone())?;
     crate::start(state, listeners, incoming, shutdown).await
 }

@@ -27,8 +27,15 @@ pub struct NodeConfig {
     pub node: NodeSection,
     /// Where it listens.
     pub listen: ListenSection,
-    /// The engine it serves from.
-    pub engine: EngineSection,
+    /// The engine it serves from (`[engine]`), when it fronts one: the same as a
+    /// `[[engines]]` list of one. Exactly one of the two forms is given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<EngineSection>,
+    /// The engines it serves from (`[[engines]]`): replicas of the same model in this
+    /// region, each a routing candidate of its own (docs/design.md, "Replicas"). Each
+    /// is replica `i` in gossip and in `/admin/decisions`, in the order given.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub engines: Vec<EngineSection>,
     /// Peers and gossip.
     #[serde(default)]
     pub cluster: ClusterSection,
@@ -203,6 +210,12 @@ pub struct EngineSection {
     /// resync.
     #[serde(default = "default_kv_events_max_message_bytes")]
     pub kv_events_max_message_bytes: usize,
+    /// Relative share of this engine among the node's engines, for the load-blind
+    /// policies (round-robin); 0 takes it out of rotation for every policy (new
+    /// requests go elsewhere, what is in flight finishes). The cost-based policies
+    /// need no weight otherwise: each engine's own fit and queue say how fast it is.
+    #[serde(default = "default_engine_weight")]
+    pub weight: f64,
 }
 
 impl EngineSection {
@@ -231,8 +244,13 @@ impl EngineSection {
             kv_events_silence_ms: default_kv_events_silence_ms(),
             kv_events_max_blocks: default_kv_events_max_blocks(),
             kv_events_max_message_bytes: default_kv_events_max_message_bytes(),
+            weight: default_engine_weight(),
         }
     }
+}
+
+fn default_engine_weight() -> f64 {
+    1.0
 }
 
 /// `[cluster]`: peers and gossip.
@@ -863,12 +881,14 @@ impl NodeConfig {
                 *p = dir.join(&*p);
             }
         }
-        for t in [&mut self.engine.tokenizer, &mut self.engine.chat_template]
-            .into_iter()
-            .flatten()
-        {
-            if t.is_relative() {
-                *t = dir.join(&*t);
+        for e in self.engine.iter_mut().chain(self.engines.iter_mut()) {
+            for t in [&mut e.tokenizer, &mut e.chat_template]
+                .into_iter()
+                .flatten()
+            {
+                if t.is_relative() {
+                    *t = dir.join(&*t);
+                }
             }
         }
     }
@@ -890,75 +910,7 @@ impl NodeConfig {
         if self.node.region.trim().is_empty() {
             return bad("node.region", "must not be empty");
         }
-        let url = self.engine.url.as_str();
-        if !(url.starts_with("http://") || url.starts_with("https://")) {
-            return bad("engine.url", "must start with http:// or https://");
-        }
-        if url.parse::<http::Uri>().is_err() {
-            return bad("engine.url", "not a valid URL");
-        }
-        if !self.engine.health_path().starts_with('/') {
-            return bad("engine.health_path", "must start with /");
-        }
-        if self.engine.health_interval_ms == 0 {
-            return bad("engine.health_interval_ms", "must be > 0");
-        }
-        if !(self.engine.t_p_ms.is_finite() && self.engine.t_p_ms >= 0.0) {
-            return bad("engine.t_p_ms", "must be a finite number >= 0");
-        }
-        if !(self.engine.base_ms.is_finite() && self.engine.base_ms >= 0.0) {
-            return bad("engine.base_ms", "must be a finite number >= 0");
-        }
-        if !(self.engine.decode_step_ms.is_finite() && self.engine.decode_step_ms >= 0.0) {
-            return bad("engine.decode_step_ms", "must be a finite number >= 0");
-        }
-        // The files themselves are read (and their errors named) when the node starts:
-        // `NodeState::new`.
-        if self.engine.tokenizer.is_none() {
-            if self.engine.chat_template.is_some() {
-                return bad("engine.chat_template", "needs engine.tokenizer");
-            }
-            if self.engine.chat_add_special_tokens {
-                return bad("engine.chat_add_special_tokens", "needs engine.tokenizer");
-            }
-        }
-        if self.engine.kv_capacity_tokens == Some(0) {
-            return bad("engine.kv_capacity_tokens", "must be > 0");
-        }
-        if let Some(endpoint) = &self.engine.kv_events {
-            if !is_tcp_endpoint(endpoint) {
-                return bad("engine.kv_events", "must be tcp://host:port");
-            }
-            if self.engine.tokenizer.is_none() && !self.routing.block_bytes.is_multiple_of(4) {
-                // Without a tokenizer the node's blocks are bytes, and engine tokens
-                // are matched as 4-byte chunks (docs/kv-events.md).
-                return bad(
-                    "routing.block_bytes",
-                    "must be a multiple of 4 with engine.kv_events and no engine.tokenizer",
-                );
-            }
-        }
-        match &self.engine.kv_events_replay {
-            Some(_) if self.engine.kv_events.is_none() => {
-                return bad("engine.kv_events_replay", "needs engine.kv_events");
-            }
-            Some(endpoint) if !is_tcp_endpoint(endpoint) => {
-                return bad("engine.kv_events_replay", "must be tcp://host:port");
-            }
-            _ => {}
-        }
-        if self.engine.kv_events_silence_ms == 0 {
-            return bad("engine.kv_events_silence_ms", "must be > 0");
-        }
-        if !(1..=KV_EVENTS_MAX_BLOCKS_CEILING).contains(&self.engine.kv_events_max_blocks) {
-            return bad("engine.kv_events_max_blocks", "must be in 1..=16777216");
-        }
-        if !(1..=KV_EVENTS_MAX_MESSAGE_CEILING).contains(&self.engine.kv_events_max_message_bytes) {
-            return bad(
-                "engine.kv_events_max_message_bytes",
-                "must be in 1..=268435456",
-            );
-        }
+        self.check_engines()?;
         if self.cluster.gossip_interval_ms == 0 {
             return bad("cluster.gossip_interval_ms", "must be > 0");
         }
@@ -1024,12 +976,6 @@ impl NodeConfig {
         if !(1024..=16 * 1024 * 1024).contains(&self.limits.max_header_bytes) {
             return bad("limits.max_header_bytes", "must be in 1024..=16777216");
         }
-        if self.engine.breaker_failures == 0 {
-            return bad("engine.breaker_failures", "must be > 0");
-        }
-        if self.engine.max_context_tokens == Some(0) {
-            return bad("engine.max_context_tokens", "must be > 0");
-        }
         if let Some(url) = &self.telemetry.otlp_endpoint {
             if !url.starts_with("http://") {
                 // The node's HTTP client speaks no TLS: a collector runs beside it.
@@ -1053,15 +999,164 @@ impl NodeConfig {
             ("limits.body_timeout_ms", self.limits.body_timeout_ms),
             ("limits.idle_timeout_ms", self.limits.idle_timeout_ms),
             ("limits.drain_timeout_ms", self.limits.drain_timeout_ms),
-            ("engine.health_timeout_ms", self.engine.health_timeout_ms),
-            (
-                "engine.breaker_cooldown_ms",
-                self.engine.breaker_cooldown_ms,
-            ),
         ] {
             if v == 0 {
                 return bad(name, "must be > 0");
             }
+        }
+        Ok(())
+    }
+
+    /// The engines this node serves from, in replica order: `[engine]` as a list of
+    /// one, or `[[engines]]`. Never empty once validated.
+    pub fn engines(&self) -> &[EngineSection] {
+        match &self.engine {
+            Some(e) => std::slice::from_ref(e),
+            None => &self.engines,
+        }
+    }
+
+    /// The settings every engine of the node shares (tokenizer, chat template:
+    /// validation checks they agree): the first engine's.
+    pub fn shared_engine(&self) -> &EngineSection {
+        &self.engines()[0]
+    }
+
+    /// The engine checks, for each engine, errors naming it as the file does
+    /// (`engine.url`, or `engines[2].url`).
+    fn check_engines(&self) -> Result<(), NodeError> {
+        let bad = |field: &str, reason: &str| {
+            Err(NodeError::Config(format!("invalid `{field}`: {reason}")))
+        };
+        match (&self.engine, self.engines.len()) {
+            (Some(_), n) if n > 0 => {
+                return bad("engines", "give `[engine]` or `[[engines]]`, not both")
+            }
+            (None, 0) => {
+                return Err(NodeError::Config(
+                    "missing field `engine` (or `[[engines]]`)".into(),
+                ))
+            }
+            (None, n) if n > gorgo_core::types::MAX_REPLICAS as usize => {
+                return bad("engines", "at most 64 engines per node")
+            }
+            _ => {}
+        }
+        let first = self.shared_engine();
+        for (i, e) in self.engines().iter().enumerate() {
+            let prefix = if self.engine.is_some() {
+                "engine".to_owned()
+            } else {
+                format!("engines[{i}]")
+            };
+            let f = |name: &str| format!("{prefix}.{name}");
+            let url = e.url.as_str();
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return bad(&f("url"), "must start with http:// or https://");
+            }
+            if url.parse::<http::Uri>().is_err() {
+                return bad(&f("url"), "not a valid URL");
+            }
+            if !e.health_path().starts_with('/') {
+                return bad(&f("health_path"), "must start with /");
+            }
+            if e.health_interval_ms == 0 {
+                return bad(&f("health_interval_ms"), "must be > 0");
+            }
+            if !(e.t_p_ms.is_finite() && e.t_p_ms >= 0.0) {
+                return bad(&f("t_p_ms"), "must be a finite number >= 0");
+            }
+            if !(e.base_ms.is_finite() && e.base_ms >= 0.0) {
+                return bad(&f("base_ms"), "must be a finite number >= 0");
+            }
+            if !(e.decode_step_ms.is_finite() && e.decode_step_ms >= 0.0) {
+                return bad(&f("decode_step_ms"), "must be a finite number >= 0");
+            }
+            // The files themselves are read (and their errors named) when the node starts:
+            // `NodeState::new`.
+            if e.tokenizer.is_none() {
+                if e.chat_template.is_some() {
+                    return bad(&f("chat_template"), "needs `tokenizer`");
+                }
+                if e.chat_add_special_tokens {
+                    return bad(&f("chat_add_special_tokens"), "needs `tokenizer`");
+                }
+            }
+            if e.kv_capacity_tokens == Some(0) {
+                return bad(&f("kv_capacity_tokens"), "must be > 0");
+            }
+            if let Some(endpoint) = &e.kv_events {
+                if !is_tcp_endpoint(endpoint) {
+                    return bad(&f("kv_events"), "must be tcp://host:port");
+                }
+                if e.tokenizer.is_none() && !self.routing.block_bytes.is_multiple_of(4) {
+                    // Without a tokenizer the node's blocks are bytes, and engine tokens
+                    // are matched as 4-byte chunks (docs/kv-events.md).
+                    return bad(
+                        "routing.block_bytes",
+                        "must be a multiple of 4 with `kv_events` and no `tokenizer`",
+                    );
+                }
+            }
+            match &e.kv_events_replay {
+                Some(_) if e.kv_events.is_none() => {
+                    return bad(&f("kv_events_replay"), "needs `kv_events`");
+                }
+                Some(endpoint) if !is_tcp_endpoint(endpoint) => {
+                    return bad(&f("kv_events_replay"), "must be tcp://host:port");
+                }
+                _ => {}
+            }
+            if e.kv_events_silence_ms == 0 {
+                return bad(&f("kv_events_silence_ms"), "must be > 0");
+            }
+            if !(1..=KV_EVENTS_MAX_BLOCKS_CEILING).contains(&e.kv_events_max_blocks) {
+                return bad(&f("kv_events_max_blocks"), "must be in 1..=16777216");
+            }
+            if !(1..=KV_EVENTS_MAX_MESSAGE_CEILING).contains(&e.kv_events_max_message_bytes) {
+                return bad(
+                    &f("kv_events_max_message_bytes"),
+                    "must be in 1..=268435456",
+                );
+            }
+            if e.breaker_failures == 0 {
+                return bad(&f("breaker_failures"), "must be > 0");
+            }
+            if e.max_context_tokens == Some(0) {
+                return bad(&f("max_context_tokens"), "must be > 0");
+            }
+            for (name, v) in [
+                ("health_timeout_ms", e.health_timeout_ms),
+                ("breaker_cooldown_ms", e.breaker_cooldown_ms),
+            ] {
+                if v == 0 {
+                    return bad(&f(name), "must be > 0");
+                }
+            }
+            if !(e.weight.is_finite() && e.weight >= 0.0) {
+                return bad(&f("weight"), "must be a finite number >= 0");
+            }
+            if i > 0 {
+                // One hash chain and one token count per request: every engine must
+                // count prompts the same way, or their prefix indexes disagree.
+                if e.tokenizer != first.tokenizer {
+                    return bad(&f("tokenizer"), "must be the same for every engine");
+                }
+                if e.chat_template != first.chat_template {
+                    return bad(&f("chat_template"), "must be the same for every engine");
+                }
+                if e.chat_add_special_tokens != first.chat_add_special_tokens {
+                    return bad(
+                        &f("chat_add_special_tokens"),
+                        "must be the same for every engine",
+                    );
+                }
+            }
+        }
+        let urls: std::collections::HashSet<&str> =
+            self.engines().iter().map(|e| e.url.as_str()).collect();
+        if urls.len() != self.engines().len() {
+            return bad("engines", "two engines have the same `url`");
         }
         Ok(())
     }
@@ -1105,8 +1200,73 @@ token = "secret-token"
         assert_eq!(c.node.id, "a");
         assert_eq!(c.routing.max_hops, 1);
         assert_eq!(c.routing.policy, PolicyKind::Gorgo);
-        assert_eq!(c.engine.kind, EngineKind::Sglang);
+        assert_eq!(c.shared_engine().kind, EngineKind::Sglang);
         assert_eq!(c.tuning.es.mode, TuningMode::Static);
+    }
+
+    /// MINIMAL with `[[engines]]` of `urls` in place of `[engine]`, `extra` lines in
+    /// the second entry.
+    fn with_engines(urls: &[&str], extra: &str) -> String {
+        let list: String = urls
+            .iter()
+            .enumerate()
+            .map(|(i, u)| {
+                let more = if i == 1 { extra } else { "" };
+                format!("[[engines]]\nurl = \"{u}\"\nkind = \"sglang\"\n{more}\n")
+            })
+            .collect();
+        MINIMAL.replace(
+            "[engine]\nurl = \"http://127.0.0.1:30000\"\nkind = \"sglang\"\n",
+            &list,
+        )
+    }
+
+    #[test]
+    fn engines_list_loads_in_replica_order_and_errors_name_the_entry() {
+        let c = NodeConfig::from_toml_str(&with_engines(
+            &["http://127.0.0.1:30000", "http://127.0.0.1:30001"],
+            "weight = 2.0",
+        ))
+        .unwrap();
+        assert!(c.engine.is_none());
+        assert_eq!(c.engines().len(), 2);
+        assert_eq!(c.engines()[1].url, "http://127.0.0.1:30001");
+        assert_eq!(c.engines()[1].weight, 2.0);
+        assert_eq!(c.engines()[0].weight, 1.0);
+        // What `gorgo up` writes reads back the same.
+        let back = NodeConfig::from_toml_str(&c.to_toml_string().unwrap()).unwrap();
+        assert_eq!(back, c);
+        for (extra, field) in [
+            ("health_interval_ms = 0", "engines[1].health_interval_ms"),
+            ("weight = -1.0", "engines[1].weight"),
+            ("kv_capacity_tokens = 0", "engines[1].kv_capacity_tokens"),
+            ("urll = \"x\"", "urll"),
+            ("tokenizer = \"t.json\"", "engines[1].tokenizer"),
+        ] {
+            let text = with_engines(&["http://127.0.0.1:30000", "http://127.0.0.1:30001"], extra);
+            let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+            assert!(e.contains(field), "{extra}: {e}");
+        }
+        let e = NodeConfig::from_toml_str(&with_engines(&["ftp://x", "http://127.0.0.1:1"], ""))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("engines[0].url"), "{e}");
+        let e = NodeConfig::from_toml_str(&with_engines(
+            &["http://127.0.0.1:1", "http://127.0.0.1:1"],
+            "",
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("engines") && e.contains("same `url`"), "{e}");
+        // Both forms, or neither.
+        let both =
+            format!("{MINIMAL}\n[[engines]]\nurl = \"http://127.0.0.1:2\"\nkind = \"sglang\"\n");
+        let e = NodeConfig::from_toml_str(&both).unwrap_err().to_string();
+        assert!(e.contains("not both"), "{e}");
+        let e = NodeConfig::from_toml_str(&with_engines(&[], ""))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("engine"), "{e}");
     }
 
     #[test]

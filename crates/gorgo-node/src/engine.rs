@@ -79,8 +79,13 @@ pub struct EngineAdapter {
 
 impl EngineAdapter {
     /// Build the adapter, its pooled client (TCP_NODELAY, keep-alive) and its view,
-    /// seeded from `[engine]`.
-    pub fn new(engine: &EngineSection, limits: &LimitsSection) -> Result<Self, NodeError> {
+    /// seeded from its `[engine]` (or `[[engines]]` entry); `replica` is which of the
+    /// node's engines it is, named in its queue stats.
+    pub fn new(
+        engine: &EngineSection,
+        replica: u16,
+        limits: &LimitsSection,
+    ) -> Result<Self, NodeError> {
         let client = reqwest::Client::builder()
             .tcp_nodelay(true)
             .connect_timeout(Duration::from_millis(limits.connect_timeout_ms))
@@ -94,8 +99,7 @@ impl EngineAdapter {
             seed_base_ms: engine.base_ms,
             seed_t_p_ms: engine.t_p_ms,
             fit: FitConfig::default(),
-            // The live node fronts one engine (docs/design.md, "Replicas").
-            replica: 0,
+            replica,
         })
         .map_err(|e| NodeError::Config(format!("engine seeds: {e}")))?;
         Ok(EngineAdapter {
@@ -541,7 +545,7 @@ mod tests {
         let section: EngineSection =
             toml::from_str("url = \"http://127.0.0.1:9\"\nkind = \"openai\"").unwrap();
         let engine = Arc::new(
-            EngineAdapter::new(&section, &crate::config::LimitsSection::default()).unwrap(),
+            EngineAdapter::new(&section, 0, &crate::config::LimitsSection::default()).unwrap(),
         );
         let mut ticket = engine.dispatch(1000, 150, 0);
         let stats = engine.queue_stats(0);

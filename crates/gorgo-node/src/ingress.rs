@@ -67,11 +67,12 @@ async fn completions(
 /// `max_model_len`); a model only peers serve gets a plain entry. Each entry adds
 /// `nodes`: the nodes whose engines serve it, from their gossiped stats.
 async fn models(State(state): State<Arc<NodeState>>) -> Response {
-    if state.engine.models().is_empty() && state.engine.is_healthy() {
-        state.engine.learn_models().await;
+    let engine = state.preferred_engine();
+    if engine.adapter.models().is_empty() && engine.adapter.is_healthy() {
+        engine.adapter.learn_models().await;
     }
-    let mut listed: Vec<(Value, Vec<String>)> = state
-        .engine
+    let mut listed: Vec<(Value, Vec<String>)> = engine
+        .adapter
         .model_entries()
         .into_iter()
         .map(|entry| (entry, vec![state.id.0.clone()]))
@@ -93,7 +94,7 @@ async fn models(State(state): State<Arc<NodeState>>) -> Response {
             }
         }
     }
-    if listed.is_empty() && !state.engine.is_healthy() {
+    if listed.is_empty() && !state.any_engine_takes_requests() {
         return error_response(StatusCode::SERVICE_UNAVAILABLE, "engine unavailable");
     }
     let data: Vec<Value> = listed
@@ -114,7 +115,7 @@ async fn models(State(state): State<Arc<NodeState>>) -> Response {
 /// engine healthy or a live peer to forward to), 503 otherwise.
 async fn health(State(state): State<Arc<NodeState>>) -> Response {
     let can_serve = !state.is_draining()
-        && (state.engine.is_healthy() || state.peers.peers().iter().any(|p| p.alive));
+        && (state.any_engine_takes_requests() || state.peers.peers().iter().any(|p| p.alive));
     if can_serve {
         Response::new(Body::empty())
     } else {
@@ -135,7 +136,8 @@ async fn health_generate(State(state): State<Arc<NodeState>>) -> Response {
         serde_json::json!({"model": model, "prompt": "ping", "max_tokens": 1, "stream": false});
     let headers = [("content-type".to_owned(), "application/json".to_owned())];
     let sent = state
-        .engine
+        .preferred_engine()
+        .adapter
         .send_request(
             http::Method::POST,
             "/v1/completions",
@@ -164,10 +166,11 @@ async fn health_generate(State(state): State<Arc<NodeState>>) -> Response {
 
 /// The id of the first model the local engine lists.
 async fn engine_model(state: &NodeState) -> Option<String> {
-    if state.engine.models().is_empty() {
-        state.engine.learn_models().await;
+    let engine = state.preferred_engine();
+    if engine.adapter.models().is_empty() {
+        engine.adapter.learn_models().await;
     }
-    state.engine.models().into_iter().next()
+    engine.adapter.models().into_iter().next()
 }
 
 /// Endpoints the node passes to its local engine unrouted (`/v1/embeddings`,
@@ -202,7 +205,8 @@ async fn local_passthrough(
     };
     let pass = pass_headers(&headers);
     let resp = match state
-        .engine
+        .preferred_engine()
+        .adapter
         .send_request(http::Method::POST, uri.path(), &pass, body)
         .await
     {

@@ -17,8 +17,9 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::config::ValidatedConfig;
+use crate::config::{EngineSection, ValidatedConfig};
 use crate::error::NodeError;
+use crate::local::LocalEngine;
 use crate::NodeState;
 
 /// How often the follower's clock is advanced (replay deadlines, silence, warm-up).
@@ -38,7 +39,7 @@ const CONNECT_RETRY: Duration = Duration::from_secs(1);
 /// the byte blocks at 4 bytes per "token" (an engine that hashes bytes, like the
 /// emulator without a tokenizer, publishes 4-byte chunks as token ids).
 pub fn node_block_tokens(config: &ValidatedConfig) -> usize {
-    match config.engine.tokenizer {
+    match config.shared_engine().tokenizer {
         Some(_) => config.routing.block_tokens,
         None => config.routing.block_bytes / gorgo_core::hash::BYTES_PER_TOKEN,
     }
@@ -77,9 +78,12 @@ pub struct KvEventsView {
 }
 
 impl KvEvents {
-    /// The follower for `engine.kv_events`, when configured.
-    pub fn from_config(config: &ValidatedConfig, now_ms: u64) -> Result<Option<Self>, NodeError> {
-        let engine = &config.engine;
+    /// The follower for `engine`'s `kv_events`, when configured.
+    pub fn from_config(
+        config: &ValidatedConfig,
+        engine: &EngineSection,
+        now_ms: u64,
+    ) -> Result<Option<Self>, NodeError> {
         let Some(endpoint) = engine.kv_events.clone() else {
             return Ok(None);
         };
@@ -138,8 +142,8 @@ impl KvEvents {
 /// Subscribe to the engine's KV events until `shutdown`, feeding the follower and the
 /// node's index. Connection failures are retried (the publisher may start later than
 /// the node, or restart); the follower's view of them is what the metrics show.
-pub async fn run(state: Arc<NodeState>, shutdown: CancellationToken) {
-    let Some(kv) = state.kv_events.as_ref() else {
+pub async fn run(state: Arc<NodeState>, engine: Arc<LocalEngine>, shutdown: CancellationToken) {
+    let Some(kv) = engine.kv_events.as_ref() else {
         return;
     };
     let endpoint = kv.endpoint.clone();
@@ -161,7 +165,7 @@ pub async fn run(state: Arc<NodeState>, shutdown: CancellationToken) {
     let mut replay_task: Option<tokio::task::JoinHandle<()>> = None;
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut actions = apply_follower(&state, kv);
+    let mut actions = apply_follower(&state, &engine, kv);
     loop {
         for FollowerAction::RequestReplay { from_seq } in actions {
             let Some(replay_endpoint) = kv.replay_endpoint.clone() else {
@@ -206,7 +210,7 @@ pub async fn run(state: Arc<NodeState>, shutdown: CancellationToken) {
                 kv.follower.lock().tick(now);
             }
         }
-        actions = apply_follower(&state, kv);
+        actions = apply_follower(&state, &engine, kv);
     }
     if let Some(task) = replay_task {
         task.abort();
@@ -214,7 +218,7 @@ pub async fn run(state: Arc<NodeState>, shutdown: CancellationToken) {
 }
 
 /// Hand the follower's changes to the node's index and gossip; returns its actions.
-fn apply_follower(state: &NodeState, kv: &KvEvents) -> Vec<FollowerAction> {
+fn apply_follower(state: &NodeState, engine: &LocalEngine, kv: &KvEvents) -> Vec<FollowerAction> {
     let (actions, changes, source, counters, fallback_ms, reason) = {
         let mut f = kv.follower.lock();
         let now = state.now_ms();
@@ -230,7 +234,7 @@ fn apply_follower(state: &NodeState, kv: &KvEvents) -> Vec<FollowerAction> {
     let was = state
         .metrics
         .kv_events
-        .observe(&counters, fallback_ms, source);
+        .observe(engine.replica, &counters, fallback_ms, source);
     if counters.resyncs > was.resyncs {
         tracing::warn!(
             reason = reason.unwrap_or("resync"),
@@ -251,7 +255,7 @@ fn apply_follower(state: &NodeState, kv: &KvEvents) -> Vec<FollowerAction> {
     let now = state.now_ms();
     let mut deltas = Vec::new();
     {
-        let mut cache = state.shadow.lock();
+        let mut cache = engine.shadow.lock();
         if cache.source() != source {
             tracing::info!(
                 ?source,
@@ -265,7 +269,7 @@ fn apply_follower(state: &NodeState, kv: &KvEvents) -> Vec<FollowerAction> {
         }
     }
     for delta in deltas {
-        state.peers.publish_summary(&delta);
+        state.peers.publish_summary(engine.replica, &delta);
     }
     actions
 }

@@ -21,6 +21,7 @@ pub mod forward;
 pub mod ingress;
 pub mod kv_events;
 pub mod listen;
+pub mod local;
 pub mod mesh;
 pub mod metrics;
 pub mod peers;
@@ -55,8 +56,14 @@ pub struct NodeState {
     pub config: ValidatedConfig,
     /// This node's id.
     pub id: NodeId,
-    /// The local engine.
-    pub engine: Arc<engine::EngineAdapter>,
+    /// The engines this node fronts (replicas), in replica order; see
+    /// [`NodeState::engines`].
+    engines: RwLock<local::EngineSet>,
+    /// The replica number the next engine added takes (never reused within a run).
+    next_replica: Mutex<u16>,
+    /// The node's shutdown, once started: engines added at run time run their tasks
+    /// under it.
+    shutdown: std::sync::OnceLock<CancellationToken>,
     /// The cluster view.
     pub peers: Arc<dyn PeerSource>,
     /// The weights routing uses now: a mirror of [`NodeState::tuning`]'s, refreshed
@@ -66,11 +73,6 @@ pub struct NodeState {
     pub tuning: tuning::TuningDriver,
     /// Decisions and the forward ledger.
     pub router: route::Router,
-    /// Model of the local engine's prefix cache.
-    pub shadow: Mutex<shadow::LocalCache>,
-    /// The engine's KV events, when `engine.kv_events` is set: the index follows them
-    /// while the stream is healthy.
-    pub kv_events: Option<kv_events::KvEvents>,
     /// The configured policy.
     pub policy: gorgo_core::policy::PolicyKind,
     /// Canonical prompt hashing (block size), the chain of every request without a
@@ -107,8 +109,15 @@ impl NodeState {
         config: ValidatedConfig,
         peers: Arc<dyn PeerSource>,
     ) -> Result<Arc<Self>, NodeError> {
-        let engine = engine::EngineAdapter::new(&config.engine, &config.limits)?;
-        let engine = Arc::new(engine);
+        let engines = config
+            .engines()
+            .iter()
+            .enumerate()
+            .map(|(i, e)| {
+                local::LocalEngine::new(&config, e, i as u16, CancellationToken::new(), 0)
+                    .map(Arc::new)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let policy = config.routing.policy;
         let tokens = tokens::PromptTokens::new(&config)?;
         let hasher = gorgo_core::PromptHasher::new(
@@ -120,7 +129,6 @@ impl NodeState {
         .map_err(|e| NodeError::Config(format!("invalid `routing.block_bytes`: {e}")))?;
         let metrics = metrics::NodeMetrics::new();
         metrics.bytes_per_token.set(tokens.bytes_per_token());
-        let capacity = engine.kv_capacity_tokens();
         let learned = config
             .tuning
             .weights_file
@@ -128,7 +136,6 @@ impl NodeState {
             .map(tuning::read_learned_weights)
             .transpose()?;
         let tuning_cfg = config.tuning.core_config(learned);
-        let kv_events = kv_events::KvEvents::from_config(&config, 0)?;
         let id = NodeId(config.node.id.clone());
         let tuning = tuning::TuningDriver::new(
             id.clone(),
@@ -144,11 +151,9 @@ impl NodeState {
                 config.routing.decision_log,
                 gorgo_core::hash::hash_bytes(config.node.id.as_bytes()),
             ),
-            shadow: Mutex::new(shadow::LocalCache::new(
-                capacity,
-                config.cluster.summary_sample,
-            )),
-            kv_events,
+            next_replica: Mutex::new(engines.len() as u16),
+            engines: RwLock::new(Arc::new(engines)),
+            shutdown: std::sync::OnceLock::new(),
             policy,
             hasher,
             metrics,
@@ -159,7 +164,6 @@ impl NodeState {
             closing: CancellationToken::new(),
             started: Instant::now(),
             next_id: AtomicU64::new(1),
-            engine,
             peers,
             config,
         }))
@@ -184,7 +188,165 @@ impl NodeState {
     /// engine is confirmed healthy. A node whose engine is down could still forward,
     /// but a load balancer does better sending its clients to a node with an engine.
     pub fn is_ready(&self) -> bool {
-        !self.is_draining() && self.engine.is_ready()
+        !self.is_draining()
+            && self
+                .engines()
+                .iter()
+                .any(|e| e.status() == local::EngineStatus::Serving && e.adapter.is_ready())
+    }
+
+    /// The engines this node fronts now, in replica order (a snapshot: an engine
+    /// added or removed meanwhile makes a new set).
+    pub fn engines(&self) -> local::EngineSet {
+        self.engines.read().clone()
+    }
+
+    /// Engine `replica`, while the node fronts it.
+    pub fn engine(&self, replica: u16) -> Option<Arc<local::LocalEngine>> {
+        self.engines()
+            .iter()
+            .find(|e| e.replica == replica)
+            .cloned()
+    }
+
+    /// The engine for what is not routed (model lists, passthrough endpoints, probes):
+    /// the least busy of those taking requests, else the first. The set is never empty
+    /// (a config has at least one engine, and the last one cannot be removed).
+    pub fn preferred_engine(&self) -> Arc<local::LocalEngine> {
+        let engines = self.engines();
+        engines
+            .iter()
+            .filter(|e| e.takes_requests())
+            .min_by_key(|e| e.adapter.inflight())
+            .or_else(|| engines.first())
+            .cloned()
+            .expect("a node always fronts at least one engine")
+    }
+
+    /// Whether any engine takes requests now.
+    pub fn any_engine_takes_requests(&self) -> bool {
+        self.engines().iter().any(|e| e.takes_requests())
+    }
+
+    /// Requests in flight at this node's engines.
+    pub fn engine_inflight(&self) -> u64 {
+        self.engines().iter().map(|e| e.adapter.inflight()).sum()
+    }
+
+    /// Add an engine at run time (`POST /admin/engines`): it takes the next replica
+    /// number, is gossiped as its own stream, and takes requests once its first
+    /// health check passes. Refused before the node started (its tasks need the
+    /// node's runtime) and past [`gorgo_core::types::MAX_REPLICAS`] engines in a run.
+    pub fn add_engine(
+        self: &Arc<Self>,
+        engine: config::EngineSection,
+    ) -> Result<Arc<local::LocalEngine>, NodeError> {
+        let Some(shutdown) = self.shutdown.get() else {
+            return Err(NodeError::Config("the node has not started".into()));
+        };
+        // Checked as the config file's engines are, with the new one among them.
+        let mut check = self.config.clone().into_inner();
+        let mut list = check.engines().to_vec();
+        list.push(engine.clone());
+        check.engine = None;
+        check.engines = list;
+        check.validate()?;
+        let mut next = self.next_replica.lock();
+        if *next >= gorgo_core::types::MAX_REPLICAS {
+            return Err(NodeError::Config(format!(
+                "invalid `engines`: {} engines were added in this run, the limit is {}",
+                *next,
+                gorgo_core::types::MAX_REPLICAS
+            )));
+        }
+        let replica = *next;
+        let added = Arc::new(local::LocalEngine::new(
+            &self.config,
+            &engine,
+            replica,
+            shutdown.child_token(),
+            self.now_ms(),
+        )?);
+        {
+            let mut engines = self.engines.write();
+            if engines.iter().any(|e| e.config.url == engine.url) {
+                return Err(NodeError::Config(format!(
+                    "invalid `url`: the node already fronts {}",
+                    engine.url
+                )));
+            }
+            let mut set = engines.as_ref().clone();
+            set.push(added.clone());
+            *engines = Arc::new(set);
+        }
+        *next += 1;
+        self.peers.add_engine(replica);
+        spawn_engine_tasks(self, &added, &mut None);
+        tracing::info!(replica, url = %engine.url, "engine added");
+        Ok(added)
+    }
+
+    /// Remove engine `replica` (`DELETE /admin/engines/{replica}`): it drains (no new
+    /// requests; peers see it draining) and leaves the set once its requests are done
+    /// ([`NodeState::engines_tick`]). False when no such engine; refused for the last
+    /// engine that is not being removed.
+    pub fn remove_engine(&self, replica: u16) -> Result<bool, NodeError> {
+        let engines = self.engines();
+        let Some(e) = engines.iter().find(|e| e.replica == replica) else {
+            return Ok(false);
+        };
+        let staying = engines.iter().filter(|o| !o.is_removing()).count();
+        if !e.is_removing() && staying <= 1 {
+            return Err(NodeError::Config(
+                "invalid `engines`: the node's last engine cannot be removed".into(),
+            ));
+        }
+        e.start_removing();
+        tracing::info!(replica, url = %e.config.url, "engine removal: draining");
+        Ok(true)
+    }
+
+    /// Once per gossip interval: follow each engine's KV capacity, keep its summary
+    /// sample in step with the cluster, publish its stats, and let go of removed
+    /// engines whose requests are done (their last stats say draining: peers stop
+    /// counting on them; their summary goes with them).
+    pub fn engines_tick(&self) {
+        let live = self.peers.peers().iter().filter(|p| p.alive).count();
+        let now = self.now_ms();
+        let epoch = self.tuning.epoch();
+        let mut gone = Vec::new();
+        for e in self.engines().iter() {
+            let capacity = e.adapter.kv_capacity_tokens();
+            let mut shadow = e.shadow.lock();
+            let deltas = [
+                shadow.set_capacity(capacity),
+                shadow.follow_peers(live, now),
+            ];
+            drop(shadow);
+            for delta in deltas.into_iter().flatten() {
+                self.peers.publish_summary(e.replica, &delta);
+            }
+            self.peers.publish_stats(e.queue_stats(epoch));
+            if e.is_removing() && e.adapter.inflight() == 0 {
+                gone.push(e.replica);
+            }
+        }
+        if !gone.is_empty() {
+            let mut engines = self.engines.write();
+            let kept: Vec<_> = engines
+                .iter()
+                .filter(|e| {
+                    let leaves = gone.contains(&e.replica);
+                    if leaves {
+                        e.stop.cancel();
+                        tracing::info!(replica = e.replica, "engine removed");
+                    }
+                    !leaves
+                })
+                .cloned()
+                .collect();
+            *engines = Arc::new(kept);
+        }
     }
 
     /// A fresh request id.
@@ -192,22 +354,14 @@ impl NodeState {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// This node's queue stats: its view of its engine (with the current fit) and
-    /// the tuning epoch it routes with.
-    pub fn local_stats(&self) -> QueueStats {
-        self.engine.queue_stats(self.tuning.epoch())
-    }
-
-    /// Keep the summary's sample in step with the cluster's size
-    /// (`cluster.summary_sample`): the live peer count goes to the shadow index's
-    /// [`gorgo_core::SampleChooser`], and the summary changes a new rate causes are
-    /// gossiped like any other.
-    pub fn summary_sample_tick(&self) {
-        let live = self.peers.peers().iter().filter(|p| p.alive).count();
-        let delta = self.shadow.lock().follow_peers(live, self.now_ms());
-        if let Some(delta) = delta {
-            self.peers.publish_summary(&delta);
-        }
+    /// The queue stats of each of this node's engines (the view of it, with its
+    /// current fit) and the tuning epoch it routes with.
+    pub fn local_stats(&self) -> Vec<QueueStats> {
+        let epoch = self.tuning.epoch();
+        self.engines()
+            .iter()
+            .map(|e| e.queue_stats(epoch))
+            .collect()
     }
 
     /// One tuning tick: follow the membership view, then lead, take over or report.
@@ -291,12 +445,17 @@ impl NodeState {
         self.metrics
             .peers_alive
             .set(peers.iter().filter(|p| p.alive).count() as i64);
+        let engines = self.engines();
         self.metrics
             .engine_healthy
-            .set(self.engine.is_healthy() as i64);
-        self.metrics
-            .engine_breaker
-            .set(self.engine.breaker().code());
+            .set(engines.iter().filter(|e| e.adapter.is_healthy()).count() as i64);
+        self.metrics.engine_breaker.set(
+            engines
+                .iter()
+                .map(|e| e.adapter.breaker().code())
+                .max()
+                .unwrap_or(0),
+        );
         let g = self.peers.gossip_counters();
         let m = &self.metrics;
         for (gauge, count) in [
@@ -389,7 +548,7 @@ pub async fn drain(state: &Arc<NodeState>, deadline: Duration) -> usize {
     let started = Instant::now();
     let limits = &state.config.limits;
     let local_work = || {
-        state.engine.inflight() as usize
+        state.engine_inflight() as usize
             + (limits.max_forwards - state.forward_permits.available_permits())
     };
     let clients = || limits.max_concurrency - state.permits.available_permits();
@@ -420,6 +579,57 @@ pub async fn drain(state: &Arc<NodeState>, deadline: Duration) -> usize {
         state.closing.cancel();
     }
     0
+}
+
+/// Start engine `e`'s tasks (health checks, scrapes, KV events) until the node's
+/// shutdown or the engine's removal: in the node's task set at start, detached for an
+/// engine added at run time (they end with the engine's `stop`, a child of shutdown).
+fn spawn_engine_tasks(
+    state: &Arc<NodeState>,
+    e: &Arc<local::LocalEngine>,
+    tasks: &mut Option<&mut JoinSet<()>>,
+) {
+    let Some(shutdown) = state.shutdown.get() else {
+        return;
+    };
+    // Stops with the node or with the engine, whichever comes first.
+    let stop = shutdown.child_token();
+    let (engine_stop, both) = (e.stop.clone(), stop.clone());
+    let sd = shutdown.clone();
+    let watcher = async move {
+        tokio::select! {
+            _ = engine_stop.cancelled() => both.cancel(),
+            _ = sd.cancelled() => {}
+        }
+    };
+    let cfg = &e.config;
+    let health_every = Duration::from_millis(cfg.health_interval_ms);
+    let metrics_every =
+        (cfg.metrics_interval_ms > 0).then(|| Duration::from_millis(cfg.metrics_interval_ms));
+    let background = e
+        .adapter
+        .clone()
+        .run_background(health_every, metrics_every, stop.clone());
+    let events = e
+        .kv_events
+        .is_some()
+        .then(|| kv_events::run(state.clone(), e.clone(), stop));
+    match tasks {
+        Some(set) => {
+            set.spawn(watcher);
+            set.spawn(background);
+            if let Some(ev) = events {
+                set.spawn(ev);
+            }
+        }
+        None => {
+            tokio::spawn(watcher);
+            tokio::spawn(background);
+            if let Some(ev) = events {
+                tokio::spawn(ev);
+            }
+        }
+    }
 }
 
 /// Start a node: serve the ingress and the admin API, health-check and scrape the
@@ -463,11 +673,10 @@ pub async fn start(
         shutdown.clone(),
     ));
 
-    let engine = state.engine.clone();
-    let health_every = Duration::from_millis(state.config.engine.health_interval_ms);
-    let metrics_every = (state.config.engine.metrics_interval_ms > 0)
-        .then(|| Duration::from_millis(state.config.engine.metrics_interval_ms));
-    tasks.spawn(engine.run_background(health_every, metrics_every, shutdown.clone()));
+    let _ = state.shutdown.set(shutdown.clone());
+    for e in state.engines().iter() {
+        spawn_engine_tasks(&state, e, &mut Some(&mut tasks));
+    }
 
     let st = state.clone();
     let sd = shutdown.clone();
@@ -479,23 +688,12 @@ pub async fn start(
             tokio::select! {
                 _ = sd.cancelled() => return,
                 _ = tick.tick() => {
-                    // Follow the engine's KV capacity once its metrics report it.
-                    let capacity = st.engine.kv_capacity_tokens();
-                    let delta = st.shadow.lock().set_capacity(capacity);
-                    if let Some(delta) = delta {
-                        st.peers.publish_summary(&delta);
-                    }
-                    st.summary_sample_tick();
-                    st.peers.publish_stats(st.local_stats());
+                    st.engines_tick();
                     st.tuning_tick();
                 }
             }
         }
     });
-
-    if state.kv_events.is_some() {
-        tasks.spawn(kv_events::run(state.clone(), shutdown.clone()));
-    }
 
     let st = state.clone();
     let sd = shutdown.clone();

@@ -128,6 +128,19 @@ impl PeerSource for MeshPeers {
             .filter(|(id, _)| **id != self.me)
             .map(|(id, m)| {
                 let state = m.state.upgrade();
+                // The peer's engines as its own stats say, read directly.
+                let engines: Vec<QueueStats> = state
+                    .as_ref()
+                    .map(|s| {
+                        s.local_stats()
+                            .into_iter()
+                            .map(|st| QueueStats {
+                                draining: st.draining || m.draining,
+                                ..st
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default();
                 PeerView {
                     id: id.clone(),
                     region: state.as_ref().map(|s| s.config.node.region.clone()),
@@ -140,24 +153,23 @@ impl PeerSource for MeshPeers {
                     summary_version: 0,
                     summary_entries: state
                         .as_ref()
-                        .map(|s| s.shadow.lock().len() as u64)
+                        .and_then(|s| s.engines().first().map(|e| e.shadow.lock().len() as u64))
                         .unwrap_or(0),
                     summary_age_ms: state.as_ref().map(|_| 0),
-                    stats: state.map(|s| QueueStats {
-                        draining: m.draining,
-                        ..s.local_stats()
-                    }),
+                    stats: engines.first().cloned(),
+                    engines,
                 }
             })
             .collect()
     }
 
-    fn matched_tokens(&self, peer: &NodeId, chain: &HashChain) -> u64 {
+    fn matched_tokens(&self, peer: &NodeId, replica: u16, chain: &HashChain) -> u64 {
         let members = self.mesh.members.read();
         members
             .get(peer)
             .and_then(|m| m.state.upgrade())
-            .map(|s| s.shadow.lock().longest_match(chain))
+            .and_then(|s| s.engine(replica))
+            .map(|e| e.shadow.lock().longest_match(chain))
             .unwrap_or(0)
     }
 

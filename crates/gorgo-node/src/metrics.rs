@@ -149,7 +149,17 @@ pub struct KvEventMetrics {
     /// Engine blocks ignored (LoRA, other tiers, unknown parents, odd sizes) or
     /// dropped over `engine.kv_events_max_blocks`.
     pub ignored_blocks: Counter,
-    last: parking_lot::Mutex<(gorgo_core::kv_events::KvEventCounters, u64)>,
+    /// Each engine's totals mirrored so far, and its source, by replica.
+    last: parking_lot::Mutex<
+        std::collections::BTreeMap<
+            u16,
+            (
+                gorgo_core::kv_events::KvEventCounters,
+                u64,
+                gorgo_core::IndexSource,
+            ),
+        >,
+    >,
 }
 
 impl KvEventMetrics {
@@ -205,16 +215,24 @@ impl KvEventMetrics {
         }
     }
 
-    /// Mirror the follower's totals (counters only ever move forward); returns the
-    /// totals mirrored before, so the caller can log what moved.
+    /// Mirror the totals of engine `replica`'s follower into the node's (counters
+    /// only ever move forward; the node's are the sum over its engines); returns the
+    /// totals mirrored before, so the caller can log what moved. `source_events` is 1
+    /// while every engine with KV events follows them.
     pub fn observe(
         &self,
+        replica: u16,
         now: &gorgo_core::kv_events::KvEventCounters,
         fallback_ms: u64,
         source: gorgo_core::IndexSource,
     ) -> gorgo_core::kv_events::KvEventCounters {
-        let mut last = self.last.lock();
-        let (was, was_fallback_ms) = *last;
+        let mut all = self.last.lock();
+        let last = all.entry(replica).or_insert((
+            gorgo_core::kv_events::KvEventCounters::default(),
+            0,
+            source,
+        ));
+        let (was, was_fallback_ms, _) = *last;
         let up = |c: &Counter, now: u64, was: u64| {
             c.inc_by(now.saturating_sub(was));
         };
@@ -238,9 +256,11 @@ impl KvEventMetrics {
         );
         self.fallback_seconds
             .inc_by(fallback_ms.saturating_sub(was_fallback_ms) as f64 / 1000.0);
-        self.source_events
-            .set((source == gorgo_core::IndexSource::Events) as i64);
-        *last = (*now, fallback_ms.max(was_fallback_ms));
+        *last = (*now, fallback_ms.max(was_fallback_ms), source);
+        let following = all
+            .values()
+            .all(|(_, _, s)| *s == gorgo_core::IndexSource::Events);
+        self.source_events.set(following as i64);
         was
     }
 }

@@ -94,8 +94,12 @@ pub struct PeerView {
     pub alive: bool,
     /// Smoothed RTT to the peer, ms.
     pub rtt_ms: f64,
-    /// The peer's last queue stats, when any arrived.
+    /// The last queue stats of the peer's first engine (replica 0), when any arrived:
+    /// what a one-engine peer has, and where its model list and drain show.
     pub stats: Option<QueueStats>,
+    /// The last queue stats of each of the peer's engines heard of (docs/design.md,
+    /// "Replicas"), in replica order: every one a routing candidate.
+    pub engines: Vec<QueueStats>,
     /// Age of those stats, ms.
     pub stats_age_ms: Option<u64>,
     /// Version of the peer's prefix summary we hold.
@@ -123,8 +127,9 @@ pub struct GossipCounters {
 pub trait PeerSource: Send + Sync + 'static {
     /// Every known peer (not this node), alive or not.
     fn peers(&self) -> Vec<PeerView>;
-    /// Tokens of `chain`'s prefix the peer's last summary says it caches.
-    fn matched_tokens(&self, peer: &NodeId, chain: &HashChain) -> u64;
+    /// Tokens of `chain`'s prefix the last summary of the peer's engine `replica`
+    /// says it caches.
+    fn matched_tokens(&self, peer: &NodeId, replica: u16, chain: &HashChain) -> u64;
     /// Open a forward stream to `peer`.
     fn open_forward(
         &self,
@@ -150,8 +155,11 @@ pub trait PeerSource: Send + Sync + 'static {
     }
     /// Announce this node's queue stats to peers.
     fn publish_stats(&self, stats: QueueStats);
-    /// Hand changes of this node's prefix summary to gossip.
-    fn publish_summary(&self, _delta: &gorgo_core::summary::SummaryDelta) {}
+    /// Hand changes of the prefix summary of this node's engine `replica` to gossip.
+    fn publish_summary(&self, _replica: u16, _delta: &gorgo_core::summary::SummaryDelta) {}
+    /// This node fronts a new engine `replica` (added at run time): gossip its
+    /// summary and stats as their own stream from now on.
+    fn add_engine(&self, _replica: u16) {}
     /// Gossip traffic so far.
     fn gossip_counters(&self) -> GossipCounters {
         GossipCounters::default()
@@ -171,7 +179,7 @@ impl PeerSource for NoPeers {
     fn peers(&self) -> Vec<PeerView> {
         Vec::new()
     }
-    fn matched_tokens(&self, _peer: &NodeId, _chain: &HashChain) -> u64 {
+    fn matched_tokens(&self, _peer: &NodeId, _replica: u16, _chain: &HashChain) -> u64 {
         0
     }
     fn open_forward(

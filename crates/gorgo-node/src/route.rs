@@ -50,8 +50,8 @@ pub struct DecisionRecord {
 /// The outcome of a decision.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Target {
-    /// Serve on the local engine.
-    Local,
+    /// Serve on this local engine (replica).
+    Local(u16),
     /// Forward to this peer.
     Peer(NodeId),
     /// Nothing can serve.
@@ -153,7 +153,7 @@ impl Router {
                     .and_then(|v| v.as_str().map(str::to_owned))
                     .unwrap_or_default();
                 let target = if d.is_local {
-                    Target::Local
+                    Target::Local(d.target_replica)
                 } else {
                     Target::Peer(d.target.clone())
                 };
@@ -322,7 +322,7 @@ mod tests {
     fn max_hops_serves_locally() {
         let r = Router::new(8, 1);
         let chain = HashChain::default();
-        assert_eq!(r.decide(&input(1, &chain), cands()).0, Target::Local);
+        assert_eq!(r.decide(&input(1, &chain), cands()).0, Target::Local(0));
         let mut c = cands();
         c[0].healthy = false;
         assert_eq!(r.decide(&input(1, &chain), c).0, Target::Nothing);

@@ -34,41 +34,63 @@ fn pass_headers(headers: &reqwest::header::HeaderMap) -> Vec<(String, String)> {
         .collect()
 }
 
+/// What a retry of a request leaves out: the local engines that failed it before its
+/// first byte, or every local engine (the node is too full to serve it itself).
+#[derive(Debug, Clone, Default)]
+struct Excluded {
+    all_local: bool,
+    replicas: Vec<u16>,
+}
+
+impl Excluded {
+    fn local(&self, replica: u16) -> bool {
+        self.all_local || self.replicas.contains(&replica)
+    }
+}
+
 /// The candidates of a decision, built by the core ([`build_candidates`]) from this
-/// node's view of its engine, its shadow index, the peer table and the forward ledger.
-/// With `local_excluded` the local engine is not a candidate (it just failed this
-/// request, or the node is too full to serve it itself). A request that names a model
-/// has only the regions serving it as candidates ([`QueueStats::serves`]).
+/// node's view of each of its engines, their shadow indexes, the peer table (every
+/// engine of every peer) and the forward ledger. An engine in `excluded`, draining or
+/// not healthy is a candidate that cannot serve. A request that names a model has only
+/// the engines serving it as candidates ([`QueueStats::serves`]).
 ///
 /// [`QueueStats::serves`]: gorgo_core::QueueStats::serves
-fn candidates(state: &NodeState, req: &RoutedRequest, local_excluded: bool) -> Vec<Candidate> {
+fn candidates(state: &NodeState, req: &RoutedRequest, excluded: &Excluded) -> Vec<Candidate> {
     let chain = &req.chain;
     let model = req.model.as_deref();
-    let stats = state.local_stats();
-    let local = LocalState {
-        node: state.id.clone(),
-        healthy: !local_excluded
-            && state.engine.is_healthy()
-            && model.is_none_or(|m| stats.serves(m)),
-        cached_tokens: state.shadow.lock().longest_match(chain),
-        stats,
-    };
-    let peers = state.peers.peers();
-    let views = peers
+    let epoch = state.tuning.epoch();
+    let locals: Vec<LocalState> = state
+        .engines()
         .iter()
-        .filter(|p| model.is_none_or(|m| p.stats.as_ref().is_none_or(|s| s.serves(m))))
-        .map(|p| PeerState {
-            node: &p.id,
-            alive: p.alive,
-            rtt_ms: p.rtt_ms,
-            stats: p.stats.as_ref(),
-        });
+        .map(|e| {
+            let stats = e.queue_stats(epoch);
+            LocalState {
+                node: state.id.clone(),
+                healthy: !excluded.local(e.replica)
+                    && e.takes_requests()
+                    && model.is_none_or(|m| stats.serves(m)),
+                cached_tokens: e.shadow.lock().longest_match(chain),
+                stats,
+            }
+        })
+        .collect();
+    let peers = state.peers.peers();
+    let views = peers.iter().flat_map(|p| {
+        p.engines
+            .iter()
+            .filter(move |s| model.is_none_or(|m| s.serves(m)))
+            .map(move |s| PeerState {
+                node: &p.id,
+                alive: p.alive,
+                rtt_ms: p.rtt_ms,
+                stats: Some(s),
+            })
+    });
     let mut ledger = state.router.ledger.lock();
     build_candidates(
-        [local],
+        locals,
         views,
-        // The live node takes gossip from each peer's engine 0 only.
-        |peer, _replica| state.peers.matched_tokens(peer, chain),
+        |peer, replica| state.peers.matched_tokens(peer, replica, chain),
         &mut ledger,
         state.now_ms(),
     )
@@ -81,13 +103,13 @@ fn check_model(state: &NodeState, mut req: RoutedRequest) -> Result<RoutedReques
     let Some(model) = req.model.as_deref() else {
         return Ok(req);
     };
-    let served = state.local_stats().serves(model)
+    let served = state.local_stats().iter().any(|s| s.serves(model))
         || state
             .peers
             .peers()
             .iter()
             .filter(|p| p.alive)
-            .filter_map(|p| p.stats.as_ref())
+            .flat_map(|p| p.engines.iter())
             .any(|s| !s.draining && s.serves(model));
     match state.config.routing.unlisted_model {
         _ if served => Ok(req),
@@ -99,26 +121,43 @@ fn check_model(state: &NodeState, mut req: RoutedRequest) -> Result<RoutedReques
     }
 }
 
-/// Route and serve one request. A prompt longer than the engine's context is refused
-/// here, before routing, so it reaches no engine and no cache model. When the local
+/// Route and serve one request. A prompt longer than the engines' context is refused
+/// here, before routing, so it reaches no engine and no cache model. When a local
 /// engine fails it before the first byte (a breaker that opened, a timeout, a 5xx
-/// head), the request is routed again without the local engine.
+/// head), the request is routed again without that engine: to another local engine
+/// or a peer (at most [`MAX_ATTEMPTS`] tries).
 pub async fn serve(state: &Arc<NodeState>, req: RoutedRequest) -> Result<Upstream, ServeError> {
     let req = check_model(state, req)?;
     check_context(state, &req)?;
-    match route_and_serve(state, &req, false).await {
-        Err(e) if e.may_fall_back() && req.hops < state.config.routing.max_hops => {
-            match route_and_serve(state, &req, true).await {
-                Ok(up) => Ok(up),
-                // Nowhere else to go: the first failure says what went wrong.
-                Err(_) => Err(e),
-            }
-        }
-        served => served,
-    }
+    serve_excluding(state, &req, Excluded::default()).await
 }
 
-/// Serve `req` anywhere but on the local engine: the node is too full to take it
+/// Tries of one request, the first included: each failure before the first byte
+/// leaves out the engine that failed it, and a client waits for at most this many.
+const MAX_ATTEMPTS: usize = 4;
+
+async fn serve_excluding(
+    state: &Arc<NodeState>,
+    req: &RoutedRequest,
+    mut excluded: Excluded,
+) -> Result<Upstream, ServeError> {
+    let mut first_error = None;
+    for _ in 0..MAX_ATTEMPTS {
+        let before = excluded.replicas.len();
+        match route_and_serve(state, req, &mut excluded).await {
+            // Another engine failed it: route again without it.
+            Err(e) if e.may_fall_back() && excluded.replicas.len() > before => {
+                first_error.get_or_insert(e);
+            }
+            // Nowhere else to go: the first failure says what went wrong.
+            Err(e) => return Err(first_error.unwrap_or(e)),
+            served => return served,
+        }
+    }
+    Err(first_error.unwrap_or_else(|| ServeError::Unavailable("no engine could serve".into())))
+}
+
+/// Serve `req` anywhere but on the local engines: the node is too full to take it
 /// itself, and a peer with room is better than a 503.
 pub async fn serve_elsewhere(
     state: &Arc<NodeState>,
@@ -126,13 +165,23 @@ pub async fn serve_elsewhere(
 ) -> Result<Upstream, ServeError> {
     let req = check_model(state, req)?;
     check_context(state, &req)?;
-    route_and_serve(state, &req, true).await
+    let excluded = Excluded {
+        all_local: true,
+        replicas: Vec::new(),
+    };
+    serve_excluding(state, &req, excluded).await
 }
 
-/// Refuse a prompt the engine cannot hold.
+/// Refuse a prompt the engines cannot hold (the smallest context any of them says it
+/// has: replicas serve one model, and a request may land on any of them).
 fn check_context(state: &NodeState, req: &RoutedRequest) -> Result<(), ServeError> {
     let prompt_tokens = req.chain.total_tokens();
-    match state.engine.max_context_tokens() {
+    let max = state
+        .engines()
+        .iter()
+        .filter_map(|e| e.adapter.max_context_tokens())
+        .min();
+    match max {
         Some(max) if prompt_tokens > max => Err(ServeError::ContextLength(format!(
             "this model's maximum context length is {max} tokens; the prompt has \
              {prompt_tokens} tokens ({})",
@@ -143,12 +192,14 @@ fn check_context(state: &NodeState, req: &RoutedRequest) -> Result<(), ServeErro
 }
 
 /// One decision and its dispatch. A forward that fails before its first byte falls
-/// back to the local engine (unless `local_excluded`).
+/// back to the best local engine not `excluded`; a local engine that fails it is added
+/// to `excluded` (the caller routes it again).
 async fn route_and_serve(
     state: &Arc<NodeState>,
     req: &RoutedRequest,
-    local_excluded: bool,
+    excluded: &mut Excluded,
 ) -> Result<Upstream, ServeError> {
+    let local_excluded = excluded.all_local;
     let policy = req.policy.unwrap_or(state.policy);
     let prompt_tokens = req.chain.total_tokens();
     let input = DecisionInput {
@@ -163,7 +214,7 @@ async fn route_and_serve(
         now_ms: state.now_ms(),
     };
     let decided = telemetry::decide_span(&state.id, policy).in_scope(|| {
-        let cands = candidates(state, req, local_excluded);
+        let cands = candidates(state, req, excluded);
         // A peer's forward, checked against what the peer said serving it there costs.
         if let Some(offer) = req
             .offer
@@ -200,22 +251,18 @@ async fn route_and_serve(
     let decided = Instant::now();
     // What serving here costs, sent with a forward so the peer can refuse it; not when
     // this node cannot serve it itself.
+    let best_local = best_local(&record);
     let offer = if local_excluded {
         None
     } else {
-        record
-            .candidates
-            .iter()
-            .find(|c| c.is_local && c.healthy)
-            .and_then(|c| c.terms)
-            .and_then(|t| ForwardOffer::new(t.total_ms, input.weights))
+        best_local.and_then(|(_, total_ms)| ForwardOffer::new(total_ms, input.weights))
     };
     tracing::debug!(request_id = req.request_id, ?target, reason = %record.reason, "decided");
     let served = match target {
         Target::Nothing => Err(ServeError::Unavailable(
             "no healthy engine and no live peer".into(),
         )),
-        Target::Local => serve_local(state, req).await,
+        Target::Local(replica) => serve_local_or_exclude(state, req, replica, excluded).await,
         Target::Peer(peer) => match forward(state, &peer, req, offer).await {
             Ok(up) => {
                 state.metrics.forward(&peer.0, "ok");
@@ -227,24 +274,26 @@ async fn route_and_serve(
                     up,
                 ))
             }
-            Err(NodeError::Refused { refusal, .. }) if !local_excluded => {
+            Err(NodeError::Refused { refusal, .. }) if best_local.is_some() => {
                 tracing::debug!(request_id = req.request_id, %peer, ?refusal, "forward refused; serving locally");
                 state.metrics.forward(&peer.0, "refused");
                 let elapsed_ms = decided.elapsed().as_secs_f64() * 1000.0;
                 state
                     .router
                     .forward_refused(&peer, &record, &refusal, elapsed_ms, state.now_ms());
-                serve_local(state, req).await
+                let (replica, _) = best_local.expect("checked in the guard");
+                serve_local_or_exclude(state, req, replica, excluded).await
             }
             Err(e) => {
                 tracing::warn!(request_id = req.request_id, %peer, error = %e, "forward failed before first byte; serving locally");
                 state.metrics.forward(&peer.0, "fallback");
-                if !local_excluded && state.engine.is_healthy() {
-                    serve_local(state, req).await
-                } else {
-                    Err(ServeError::Unavailable(format!(
+                match best_local {
+                    Some((replica, _)) => {
+                        serve_local_or_exclude(state, req, replica, excluded).await
+                    }
+                    None => Err(ServeError::Unavailable(format!(
                         "forward to {peer} failed and no local engine"
-                    )))
+                    ))),
                 }
             }
         },
@@ -258,6 +307,33 @@ async fn route_and_serve(
         }
         up
     })
+}
+
+/// The local engine a decision priced cheapest among those that could serve (replica,
+/// total cost in ms): where a forward that fails or is refused goes instead, and what
+/// a forward offers the peer as the cost of serving here.
+fn best_local(record: &crate::route::DecisionRecord) -> Option<(u16, f64)> {
+    record
+        .candidates
+        .iter()
+        .filter(|c| c.is_local && c.healthy)
+        .filter_map(|c| Some((c.replica, c.terms?.total_ms)))
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+}
+
+/// Serve on local engine `replica`; a failure before the first byte that another
+/// engine may take adds it to `excluded`.
+async fn serve_local_or_exclude(
+    state: &Arc<NodeState>,
+    req: &RoutedRequest,
+    replica: u16,
+    excluded: &mut Excluded,
+) -> Result<Upstream, ServeError> {
+    let served = serve_local(state, req, replica).await;
+    if served.as_ref().is_err_and(|e| e.may_fall_back()) {
+        excluded.replicas.push(replica);
+    }
+    served
 }
 
 /// Wrap a forwarded response so that its first chunk tells the forward ledger how long
@@ -301,27 +377,32 @@ fn learn_forward_bias(
     up
 }
 
-/// Serve on the local engine. The shadow index learns the prompt only once the engine
-/// has accepted it (a success head): a prompt the engine refuses is not in its cache,
-/// and must not be gossiped as if it were.
+/// Serve on local engine `replica`. Its shadow index learns the prompt only once the
+/// engine has accepted it (a success head): a prompt the engine refuses is not in its
+/// cache, and must not be gossiped as if it were.
 pub async fn serve_local(
     state: &Arc<NodeState>,
     req: &RoutedRequest,
+    replica: u16,
 ) -> Result<Upstream, ServeError> {
+    let Some(engine) = state.engine(replica) else {
+        // Removed since the decision: nothing reached it, so another may take it.
+        return Err(ServeError::Failed(format!("engine {replica} was removed")));
+    };
     let prompt_tokens = req.chain.total_tokens();
-    let cached = state.shadow.lock().longest_match(&req.chain);
+    let cached = engine.shadow.lock().longest_match(&req.chain);
     let uncached = prompt_tokens.saturating_sub(cached);
     // The view records the wait it expects behind work already at the engine; the fit
     // subtracts it at the first byte so `t_p` measures prefill, not queueing.
-    let mut ticket = state
-        .engine
+    let mut ticket = engine
+        .adapter
         .dispatch(prompt_tokens, uncached, state.now_ms());
     let started = Instant::now();
     let engine_span = telemetry::engine_span(&state.id);
     let mut headers = req.headers.clone();
     headers.extend(telemetry::trace_headers(&engine_span));
-    let resp = state
-        .engine
+    let resp = engine
+        .adapter
         .send_streamed(
             http::Method::POST,
             req.endpoint.path(),
@@ -342,16 +423,17 @@ pub async fn serve_local(
         return Err(ServeError::Failed(format!("engine answered {status}")));
     }
     if resp.status().is_success() {
-        if let Some(kv) = &state.kv_events {
+        if let Some(kv) = &engine.kv_events {
             kv.on_dispatch();
         }
-        let delta = state.shadow.lock().insert(&req.chain, state.now_ms());
+        let delta = engine.shadow.lock().insert(&req.chain, state.now_ms());
         if let Some(delta) = delta {
-            state.peers.publish_summary(&delta);
+            state.peers.publish_summary(replica, &delta);
         }
     }
     let headers = pass_headers(resp.headers());
     let st = state.clone();
+    let eng = engine.clone();
     let chain = req.chain.clone();
     let canonical = req.canonical;
     let predicted = cached;
@@ -379,9 +461,9 @@ pub async fn serve_local(
                     let error = predicted.abs_diff(cached) as f64 / prompt_tokens as f64;
                     st.metrics.cache_estimate_error.observe(error.min(1.0));
                 }
-                let delta = st.shadow.lock().correct(&chain, cached, st.now_ms());
+                let delta = eng.shadow.lock().correct(&chain, cached, st.now_ms());
                 if let Some(delta) = delta {
-                    st.peers.publish_summary(&delta);
+                    st.peers.publish_summary(replica, &delta);
                 }
             }
             // Its count of prompt tokens measures ours and teaches the ratio.
@@ -398,15 +480,14 @@ pub async fn serve_local(
             // refuses it: it counts towards the breaker (a client going away drops the
             // stream instead, and counts nothing).
             st.metrics.engine_failures.inc();
-            st.engine.record(RequestOutcome::Failed);
+            eng.adapter.record(RequestOutcome::Failed);
             format!("engine stream failed: {e}")
         })
     });
     // The body ran to its end: the request succeeded, for the breaker too.
-    let st = state.clone();
     let ended = futures::stream::once(async move {
         if !failed.load(std::sync::atomic::Ordering::Relaxed) {
-            st.engine.record(RequestOutcome::Answered);
+            engine.adapter.record(RequestOutcome::Answered);
         }
         // The engine's part ends with its body (or when the relay drops it).
         drop(engine_span);

@@ -273,7 +273,7 @@ pub fn decide_span(node: &NodeId, policy: gorgo_core::policy::PolicyKind) -> Spa
 /// why.
 pub fn record_decision(candidates: usize, local: &NodeId, target: &Target, reason: &str) {
     let chosen = match target {
-        Target::Local => local.0.as_str(),
+        Target::Local(_) => local.0.as_str(),
         Target::Peer(peer) => peer.0.as_str(),
         Target::Nothing => "",
     };

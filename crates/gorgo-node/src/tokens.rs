@@ -73,13 +73,13 @@ impl PromptTokens {
     /// Load the tokenizer (errors name `engine.tokenizer` / `engine.chat_template`) or
     /// seed the ratio from `routing.bytes_per_token`.
     pub fn new(config: &ValidatedConfig) -> Result<Self, NodeError> {
-        let tokenizer = match &config.engine.tokenizer {
+        let tokenizer = match &config.shared_engine().tokenizer {
             None => None,
             Some(path) => Some(
                 EngineTokenizer::load(
                     path,
-                    config.engine.chat_template.as_deref(),
-                    config.engine.chat_add_special_tokens,
+                    config.shared_engine().chat_template.as_deref(),
+                    config.shared_engine().chat_add_special_tokens,
                 )
                 .map_err(|e| match e {
                     TokenizerError::Config { field, reason } => {

@@ -22,7 +22,13 @@ impl Cluster {
         self.engines[i]
             .waiting
             .store(waiting, std::sync::atomic::Ordering::SeqCst);
-        self.nodes[i].state().engine.scrape().await;
+        self.nodes[i]
+            .state()
+            .engine(0)
+            .unwrap()
+            .adapter
+            .scrape()
+            .await;
     }
 }
 
@@ -248,11 +254,11 @@ async fn forward_failing_mid_stream_ends_with_an_error_event() {
 async fn client_disconnect_cancels_the_forwarded_request_at_the_peer() {
     let c = cluster("").await;
     let resp = c.streaming_from_b().await;
-    assert_eq!(c.nodes[1].state().engine.inflight(), 1);
+    assert_eq!(c.nodes[1].state().engine(0).unwrap().adapter.inflight(), 1);
     drop(resp);
     let b = c.nodes[1].state().clone();
     tokio::time::timeout(Duration::from_secs(10), async move {
-        while b.engine.inflight() != 0 {
+        while b.engine_inflight() != 0 {
             tokio::task::yield_now().await;
         }
     })

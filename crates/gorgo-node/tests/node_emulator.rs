@@ -64,11 +64,17 @@ async fn three_nodes_over_emulators() {
     }
     // The node read the emulator's SGLang metrics.
     let state: &Arc<gorgo_node::NodeState> = nodes[0].state();
-    state.engine.scrape().await;
+    state.engine(0).unwrap().adapter.scrape().await;
     assert!(
-        state.engine.scraped().kv_capacity_tokens.is_some(),
+        state
+            .engine(0)
+            .unwrap()
+            .adapter
+            .scraped()
+            .kv_capacity_tokens
+            .is_some(),
         "{:?}",
-        state.engine.scraped()
+        state.engine(0).unwrap().adapter.scraped()
     );
     stop.cancel();
 }

@@ -71,7 +71,8 @@ async fn bad_streams_resync_onto_the_shadow_model_and_recover() {
         + "kv_events_max_message_bytes = 65536\n";
     let node = start_node(config_with_engine("a", &engine.url(), &extra), None).await;
     let state = node.state().clone();
-    let kv = state.kv_events.as_ref().unwrap();
+    let engine0 = state.engine(0).unwrap();
+    let kv = engine0.kv_events.as_ref().unwrap();
 
     // Batches published before the SUB socket joined are lost: the replay from 0 gets
     // them, so the node sees the whole history and follows at once.
@@ -87,7 +88,13 @@ async fn bad_streams_resync_onto_the_shadow_model_and_recover() {
     .await;
     let chain_a = HashChain::from_bytes(&a, 256, 4);
     until("the stored blocks in the index", || {
-        state.shadow.lock().longest_match(&chain_a) == 128
+        state
+            .engine(0)
+            .unwrap()
+            .shadow
+            .lock()
+            .longest_match(&chain_a)
+            == 128
     })
     .await;
 
@@ -137,7 +144,10 @@ async fn bad_streams_resync_onto_the_shadow_model_and_recover() {
     assert!(view.counters.resyncs > resyncs_before, "{view:?}");
     assert_eq!(kv.source(), IndexSource::Shadow);
     // The shadow model carries on from the events' picture.
-    assert_eq!(state.shadow.lock().source(), IndexSource::Shadow);
+    assert_eq!(
+        state.engine(0).unwrap().shadow.lock().source(),
+        IndexSource::Shadow
+    );
     let admin = admin_json(&node, "/admin/state").await;
     assert_eq!(admin["prefix_index_source"], "shadow", "{admin}");
     assert!(admin["kv_events"]["fallback_reason"].is_string(), "{admin}");
@@ -167,11 +177,26 @@ async fn bad_streams_resync_onto_the_shadow_model_and_recover() {
     publisher.publish(vec![ev], 1.0);
     let chain_b = HashChain::from_bytes(&b, 256, 4);
     until("the new publisher's blocks", || {
-        kv.source() == IndexSource::Events && state.shadow.lock().longest_match(&chain_b) == 192
+        kv.source() == IndexSource::Events
+            && state
+                .engine(0)
+                .unwrap()
+                .shadow
+                .lock()
+                .longest_match(&chain_b)
+                == 192
     })
     .await;
     // The old blocks went with the resync and the restart.
-    assert_eq!(state.shadow.lock().longest_match(&chain_a), 0);
+    assert_eq!(
+        state
+            .engine(0)
+            .unwrap()
+            .shadow
+            .lock()
+            .longest_match(&chain_a),
+        0
+    );
     // An eviction in the middle cuts the chain there.
     publisher.publish(
         vec![KvEvent::BlockRemoved {
@@ -181,7 +206,13 @@ async fn bad_streams_resync_onto_the_shadow_model_and_recover() {
         2.0,
     );
     until("the eviction", || {
-        state.shadow.lock().longest_match(&chain_b) == 64
+        state
+            .engine(0)
+            .unwrap()
+            .shadow
+            .lock()
+            .longest_match(&chain_b)
+            == 64
     })
     .await;
 
@@ -241,7 +272,8 @@ async fn the_node_follows_the_emulators_cache() {
     )
     .await;
     let state = node.state().clone();
-    let kv = state.kv_events.as_ref().unwrap();
+    let engine0 = state.engine(0).unwrap();
+    let kv = engine0.kv_events.as_ref().unwrap();
     let c = client();
     let mut engine_cached = Vec::new();
     for round in 0..2 {
@@ -267,7 +299,7 @@ async fn the_node_follows_the_emulators_cache() {
         }
         // Wait for the events of this round before the next.
         until("the emulator's events", || {
-            kv.source() == IndexSource::Events && state.shadow.lock().len() >= 30
+            kv.source() == IndexSource::Events && state.engine(0).unwrap().shadow.lock().len() >= 30
         })
         .await;
     }

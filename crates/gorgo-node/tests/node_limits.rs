@@ -235,7 +235,7 @@ async fn a_prompt_over_the_context_is_refused_before_routing_and_never_cached() 
     assert_eq!((ea.requests(), eb.requests()), (0, 0), "no engine saw it");
     for n in [&a, &b] {
         assert_eq!(
-            n.state().shadow.lock().longest_match(
+            n.state().engine(0).unwrap().shadow.lock().longest_match(
                 &n.state().hasher.chain(
                     &gorgo_core::prompt::canonicalize(
                         gorgo_core::Endpoint::Chat,
@@ -268,7 +268,15 @@ async fn what_the_engine_refuses_is_not_put_in_the_cache_model() {
         .state()
         .hasher
         .chain(&gorgo_core::prompt::canonicalize(gorgo_core::Endpoint::Chat, &body).unwrap());
-    assert_eq!(node.state().shadow.lock().longest_match(&chain), 0);
+    assert_eq!(
+        node.state()
+            .engine(0)
+            .unwrap()
+            .shadow
+            .lock()
+            .longest_match(&chain),
+        0
+    );
     engine.set_mode(NORMAL);
     let resp = client()
         .post(format!("{}/v1/chat/completions", node.base))
@@ -278,7 +286,13 @@ async fn what_the_engine_refuses_is_not_put_in_the_cache_model() {
         .unwrap();
     assert_eq!(resp.status(), 200);
     assert!(
-        node.state().shadow.lock().longest_match(&chain) > 0,
+        node.state()
+            .engine(0)
+            .unwrap()
+            .shadow
+            .lock()
+            .longest_match(&chain)
+            > 0,
         "accepted: cached"
     );
     node.shutdown.cancel();
@@ -296,7 +310,7 @@ async fn requests_waiting_on_a_hung_engine_fall_back_to_a_peer_when_its_breaker_
     // Both engines confirmed healthy, and each node has the other's stats.
     for n in [&a, &b] {
         until("engines confirmed and peers' stats in", || {
-            n.state().engine.is_ready() && has_peer_stats(n)
+            n.state().engine(0).unwrap().adapter.is_ready() && has_peer_stats(n)
         })
         .await;
     }
@@ -315,7 +329,7 @@ async fn requests_waiting_on_a_hung_engine_fall_back_to_a_peer_when_its_breaker_
     .unwrap();
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["x-gorgo-served-by"], "b");
-    assert!(!a.state().engine.is_healthy());
+    assert!(!a.state().engine(0).unwrap().adapter.is_healthy());
     ea.release.notify_waiters();
     a.shutdown.cancel();
     b.shutdown.cancel();
@@ -389,7 +403,7 @@ async fn an_engine_failing_mid_stream_opens_its_breaker() {
     // before the failures, not between them (the next is an hour away).
     let state = node.state().clone();
     tokio::time::timeout(std::time::Duration::from_secs(10), async move {
-        while !state.engine.is_ready() {
+        while !state.engine(0).unwrap().adapter.is_ready() {
             tokio::task::yield_now().await;
         }
     })
@@ -397,7 +411,7 @@ async fn an_engine_failing_mid_stream_opens_its_breaker() {
     .expect("the first health check");
     for i in 0..2 {
         assert!(
-            node.state().engine.is_healthy(),
+            node.state().engine(0).unwrap().adapter.is_healthy(),
             "closed before failure {i}"
         );
         let resp = client()
@@ -419,7 +433,7 @@ async fn an_engine_failing_mid_stream_opens_its_breaker() {
         assert!(text.contains("error"), "the stream says it was cut: {text}");
     }
     assert!(
-        !node.state().engine.is_healthy(),
+        !node.state().engine(0).unwrap().adapter.is_healthy(),
         "two streams cut by the engine open its breaker"
     );
     node.shutdown.cancel();

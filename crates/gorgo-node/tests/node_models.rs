@@ -20,7 +20,7 @@ async fn two_model_cluster(extra: &str) -> (Vec<Arc<StubEngine>>, Vec<TestNode>)
         let engine = StubEngine::start(id).await;
         engine.set_models(&[model, "shared"]);
         let node = start_node(config(id, &engine.url(), extra), Some(&mesh)).await;
-        assert!(node.state().engine.learn_models().await);
+        assert!(node.state().engine(0).unwrap().adapter.learn_models().await);
         engines.push(engine);
         nodes.push(node);
     }
@@ -130,7 +130,15 @@ async fn a_changed_model_list_changes_the_routing() {
     // b's engine loads `delta` (an adapter, say); once b reads its list again, a
     // routes `delta` there.
     engines[1].set_models(&["beta", "delta"]);
-    assert!(nodes[1].state().engine.learn_models().await);
+    assert!(
+        nodes[1]
+            .state()
+            .engine(0)
+            .unwrap()
+            .adapter
+            .learn_models()
+            .await
+    );
     let resp = send(&nodes[0], &body("delta", "hi", false)).await;
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["x-gorgo-served-by"], "b");

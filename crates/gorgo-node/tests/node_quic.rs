@@ -78,7 +78,7 @@ async fn saturated_node_forwards_over_quic() {
         loop {
             let ready = peers.peers().iter().any(|v| {
                 v.id == NodeId::from("b") && v.alive && v.rtt_ms.is_finite() && v.stats.is_some()
-            }) && peers.matched_tokens(&NodeId::from("b"), &chain) > 0;
+            }) && peers.matched_tokens(&NodeId::from("b"), 0, &chain) > 0;
             if ready {
                 break;
             }
@@ -90,7 +90,7 @@ async fn saturated_node_forwards_over_quic() {
     .expect("gossip reached a");
 
     ea.waiting.store(50, std::sync::atomic::Ordering::SeqCst);
-    a.state.engine.scrape().await;
+    a.state.engine(0).unwrap().adapter.scrape().await;
     let resp = client()
         .post(format!("http://{}/v1/chat/completions", a.http_addr))
         .json(&chat_body(&p, true))

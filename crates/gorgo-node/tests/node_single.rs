@@ -267,7 +267,7 @@ async fn no_engine_and_no_peer_is_503() {
         .local_addr()
         .unwrap();
     let node = start_node(config("a", &format!("http://{gone}"), ""), None).await;
-    assert!(!node.state().engine.check_health().await);
+    assert!(!node.state().engine(0).unwrap().adapter.check_health().await);
     let resp = client()
         .post(format!("{}/v1/chat/completions", node.base))
         .json(&chat_body("x", false))
@@ -377,13 +377,13 @@ async fn client_disconnect_releases_the_engine_request() {
         .unwrap();
     let first = resp.chunk().await.unwrap().unwrap();
     assert!(first.starts_with(b"data: "));
-    assert_eq!(node.state().engine.inflight(), 1);
+    assert_eq!(node.state().engine(0).unwrap().adapter.inflight(), 1);
     drop(resp);
     // The node notices the closed client connection and drops the engine stream,
     // which releases the local accounting; wait for that event, not for time.
     let state = node.state().clone();
     tokio::time::timeout(std::time::Duration::from_secs(10), async move {
-        while state.engine.inflight() != 0 {
+        while state.engine(0).unwrap().adapter.inflight() != 0 {
             tokio::task::yield_now().await;
         }
     })
@@ -437,7 +437,7 @@ async fn health_routes_and_local_passthrough_answer_as_engines_do() {
         .local_addr()
         .unwrap();
     let node = start_node(config("b", &format!("http://{gone}"), ""), None).await;
-    assert!(!node.state().engine.check_health().await);
+    assert!(!node.state().engine(0).unwrap().adapter.check_health().await);
     let resp = c.get(format!("{}/health", node.base)).send().await.unwrap();
     assert_eq!(error_of(resp).await.0, 503);
     node.shutdown.cancel();

@@ -103,7 +103,7 @@ async fn a_forwarded_request_is_one_trace_across_both_nodes() {
 
     // a is saturated: the request goes to b, under the client's trace.
     ea.waiting.store(50, std::sync::atomic::Ordering::SeqCst);
-    a.state().engine.scrape().await;
+    a.state().engine(0).unwrap().adapter.scrape().await;
     let resp = client()
         .post(format!("{}/v1/chat/completions", a.base))
         .header("traceparent", format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"))

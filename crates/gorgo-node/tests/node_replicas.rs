@@ -1,0 +1,263 @@
+//! A node fronting several engines (`[[engines]]`, docs/design.md "Replicas"): each a
+//! candidate of its own in one decision with the peers, a dead one routed around
+//! before the first byte, and engines added, drained and removed at run time.
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use gorgo_node::NodeConfig;
+
+/// A node config whose `[[engines]]` are `urls`, `extra` appended.
+fn replicas_config(id: &str, urls: &[String], extra: &str) -> gorgo_node::ValidatedConfig {
+    let engines: String = urls
+        .iter()
+        .map(|u| {
+            format!(
+                "[[engines]]\nurl = \"{u}\"\nkind = \"sglang\"\nmetrics_interval_ms = 0\nhealth_interval_ms = 3600000\n"
+            )
+        })
+        .collect();
+    let text = format!(
+        r#"
+[node]
+id = "{id}"
+region = "{id}"
+[listen]
+http = "127.0.0.1:0"
+quic = "127.0.0.1:0"
+admin = "127.0.0.1:0"
+{engines}
+[tls]
+ca = "ca.pem"
+cert = "cert.pem"
+key = "key.pem"
+[admin]
+token = "{TOKEN}"
+[cluster]
+gossip_interval_ms = 50
+{extra}
+"#
+    );
+    NodeConfig::from_toml_str(&text).unwrap()
+}
+
+async fn engines(n: usize) -> Vec<Arc<StubEngine>> {
+    let mut v = Vec::new();
+    for i in 0..n {
+        v.push(StubEngine::start(&format!("e{i}")).await);
+    }
+    v
+}
+
+async fn chat(node: &TestNode, prompt: &str) -> u16 {
+    client()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&chat_body(prompt, false))
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .as_u16()
+}
+
+fn served(engines: &[Arc<StubEngine>]) -> Vec<u64> {
+    engines.iter().map(|e| e.requests()).collect()
+}
+
+#[tokio::test]
+async fn every_replica_is_a_candidate_and_a_prompt_goes_back_to_its_cache() {
+    let es = engines(3).await;
+    let urls: Vec<String> = es.iter().map(|e| e.url()).collect();
+    let node = start_node(replicas_config("a", &urls, ""), None).await;
+    let long = prompt("a long shared system prompt", 8000);
+    assert_eq!(chat(&node, &long).await, 200);
+    let d = admin_json(&node, "/admin/decisions?limit=1").await;
+    let cands = d[0]["candidates"].as_array().unwrap();
+    let replicas: Vec<u64> = cands
+        .iter()
+        .filter(|c| c["is_local"] == true)
+        .map(|c| c["replica"].as_u64().unwrap())
+        .collect();
+    assert_eq!(replicas, [0, 1, 2], "{d}");
+    let first = served(&es);
+    let home = first
+        .iter()
+        .position(|&n| n == 1)
+        .expect("one engine served it");
+    // The same prompt again: only the engine that holds it has it cached, so it is
+    // the cheapest candidate.
+    for _ in 0..3 {
+        assert_eq!(chat(&node, &long).await, 200);
+    }
+    assert_eq!(served(&es)[home], 4, "{:?}", served(&es));
+    let state = admin_json(&node, "/admin/state").await;
+    assert_eq!(state["engines"].as_array().unwrap().len(), 3, "{state}");
+    assert_eq!(state["queue_stats"][2]["replica"], 2, "{state}");
+    node.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn a_dead_replica_is_routed_around_before_the_first_byte() {
+    let es = engines(2).await;
+    let urls: Vec<String> = es.iter().map(|e| e.url()).collect();
+    let node = start_node(replicas_config("a", &urls, ""), None).await;
+    // Engine 0 dies: connections to it are refused.
+    es[0].shutdown.cancel();
+    for i in 0..8 {
+        let status = chat(&node, &prompt(&format!("request {i}"), 400)).await;
+        assert_eq!(status, 200, "request {i} fell back to the live replica");
+    }
+    assert_eq!(es[1].requests(), 8);
+    // The failures open engine 0's breaker: it stops being a candidate that can serve.
+    let d = admin_json(&node, "/admin/decisions?limit=1").await;
+    let dead = d[0]["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["is_local"] == true && c["replica"] == 0)
+        .cloned()
+        .unwrap();
+    assert_eq!(dead["healthy"], false, "{d}");
+    node.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn replicas_are_added_drained_and_removed_through_the_admin_api() {
+    let es = engines(3).await;
+    let node = start_node(replicas_config("a", &[es[0].url()], ""), None).await;
+    let admin = |method: reqwest::Method, path: &str| {
+        client()
+            .request(method, format!("{}{path}", node.admin))
+            .bearer_auth(TOKEN)
+    };
+    // A bad entry is refused, naming the field.
+    let resp = admin(reqwest::Method::POST, "/admin/engines")
+        .json(&serde_json::json!({"url": "ftp://x", "kind": "sglang"}))
+        .send()
+        .await
+        .unwrap();
+    let (status, body) = error_of(resp).await;
+    assert_eq!(status, 400);
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains("url"),
+        "{body}"
+    );
+    let resp = admin(reqwest::Method::POST, "/admin/engines")
+        .json(&serde_json::json!({"url": es[1].url(), "kind": "sglang", "wieght": 1}))
+        .send()
+        .await
+        .unwrap();
+    let (status, body) = error_of(resp).await;
+    assert_eq!(status, 400);
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("wieght"),
+        "{body}"
+    );
+    // Two engines added: replicas 1 and 2.
+    for (i, e) in es[1..].iter().enumerate() {
+        let resp = admin(reqwest::Method::POST, "/admin/engines")
+            .json(&serde_json::json!({"url": e.url(), "kind": "sglang", "metrics_interval_ms": 0}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 201);
+        let v: serde_json::Value = resp.json().await.unwrap();
+        assert_eq!(v["replica"], i as u64 + 1, "{v}");
+    }
+    // The same engine twice is refused.
+    let resp = admin(reqwest::Method::POST, "/admin/engines")
+        .json(&serde_json::json!({"url": es[1].url(), "kind": "sglang"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let list = admin_json(&node, "/admin/engines").await;
+    assert_eq!(list.as_array().unwrap().len(), 3, "{list}");
+
+    // Engines 0 and 1 drain: every request goes to engine 2.
+    for r in [0, 1] {
+        let resp = admin(reqwest::Method::POST, &format!("/admin/engines/{r}/drain"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+    }
+    let before = served(&es);
+    for i in 0..5 {
+        assert_eq!(chat(&node, &prompt(&format!("drain {i}"), 300)).await, 200);
+    }
+    let after = served(&es);
+    assert_eq!(after[0], before[0]);
+    assert_eq!(after[1], before[1]);
+    assert_eq!(after[2], before[2] + 5);
+    // Engine 0 back in rotation.
+    let resp = admin(reqwest::Method::POST, "/admin/engines/0/serve")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+
+    // Removing engine 1: it drains and leaves the set once idle (the next tick).
+    let resp = admin(reqwest::Method::DELETE, "/admin/engines/1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 202);
+    let state = node.state().clone();
+    until("engine 1 removed", || state.engine(1).is_none()).await;
+    let resp = admin(reqwest::Method::DELETE, "/admin/engines/1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 404);
+    // Engine 2 goes too; engine 0, the last, cannot.
+    let resp = admin(reqwest::Method::DELETE, "/admin/engines/2")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 202);
+    let resp = admin(reqwest::Method::DELETE, "/admin/engines/0")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 409);
+    until("engine 2 removed", || state.engine(2).is_none()).await;
+    assert_eq!(chat(&node, "still served").await, 200);
+    // A new engine takes a new replica number, never a removed one's.
+    let resp = admin(reqwest::Method::POST, "/admin/engines")
+        .json(&serde_json::json!({"url": es[1].url(), "kind": "sglang"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 201);
+    let v: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(v["replica"], 3, "{v}");
+    node.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn peers_see_each_replica_and_decide_over_all_of_them() {
+    let mesh = gorgo_node::mesh::Mesh::new();
+    mesh.set_rtt("a", "b", 20.0);
+    let ea = StubEngine::start("a").await;
+    let eb = engines(2).await;
+    let a = start_node(config("a", &ea.url(), ""), Some(&mesh)).await;
+    let urls: Vec<String> = eb.iter().map(|e| e.url()).collect();
+    let b = start_node(replicas_config("b", &urls, ""), Some(&mesh)).await;
+    assert_eq!(chat(&a, "hello").await, 200);
+    let d = admin_json(&a, "/admin/decisions?limit=1").await;
+    let of_b: Vec<u64> = d[0]["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["node"] == "b")
+        .map(|c| c["replica"].as_u64().unwrap())
+        .collect();
+    assert_eq!(of_b, [0, 1], "{d}");
+    a.shutdown.cancel();
+    b.shutdown.cancel();
+}
