@@ -216,6 +216,9 @@ pub struct CompareArgs {
     /// Engine profile of the emulators.
     #[arg(long, default_value = DEFAULT_ENGINE_PROFILE)]
     pub engine_profile: String,
+    /// Engine emulators per region in every cluster (`gorgo up --replicas`).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
+    pub replicas: u16,
     /// First port of the first cluster; each further cluster gets the next block.
     /// Away from `gorgo up`'s default (7100) so a cluster already running there is
     /// never mistaken for one of ours.
@@ -270,6 +273,11 @@ fn compare_and_report(
         out: out.clone(),
         sequential: args.sequential,
         engine_profile: Some(args.engine_profile.clone()),
+        up_args: if args.replicas > 1 {
+            vec!["--replicas".into(), args.replicas.to_string()]
+        } else {
+            Vec::new()
+        },
         base_port: args.base_port,
         port_stride: args.port_stride,
         up_timeout: Duration::from_secs_f64(args.up_timeout_s),
@@ -282,6 +290,7 @@ fn compare_and_report(
     cfg["policies"] = serde_json::to_value(&policies)?;
     cfg["sequential"] = args.sequential.into();
     cfg["engine_profile"] = args.engine_profile.clone().into();
+    cfg["replicas"] = args.replicas.into();
     let requests = Arc::new(requests);
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
     let runs = runtime.block_on(async {
@@ -351,6 +360,7 @@ pub fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
         out: args.out.clone(),
         sequential: args.sequential,
         engine_profile: args.engine_profile.clone(),
+        replicas: 1,
         base_port: DEFAULT_BASE_PORT,
         port_stride: 100,
         up_timeout_s: 120.0,

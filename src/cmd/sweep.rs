@@ -321,6 +321,7 @@ fn live(
             out: out.clone(),
             sequential: false,
             engine_profile: m.engine_profile.clone(),
+            replicas: m.replicas as u16,
             base_port: args.base_port,
             port_stride: 100,
             up_timeout_s: 120.0,

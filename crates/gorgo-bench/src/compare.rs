@@ -29,6 +29,8 @@ pub struct CompareSpec {
     pub sequential: bool,
     /// Engine profile of the emulators, when not the default.
     pub engine_profile: Option<String>,
+    /// Further arguments of every `gorgo up` (e.g. `--replicas 4`).
+    pub up_args: Vec<String>,
     /// First port of the first cluster; cluster `k` starts at `base_port + k * port_stride`.
     pub base_port: u16,
     /// Ports between the blocks of two clusters.
@@ -104,7 +106,7 @@ pub async fn compare(
             spec.base_port
                 .saturating_add((k as u16).saturating_mul(spec.port_stride))
         }),
-        extra_args: Vec::new(),
+        extra_args: spec.up_args.clone(),
         timeout: spec.up_timeout,
     };
     let mut runs = Vec::new();

@@ -120,6 +120,7 @@ async fn clusters_come_up_and_always_go_down() {
         out: tmp.path().join("cmp"),
         sequential: false,
         engine_profile: None,
+        up_args: Vec::new(),
         base_port: 8000,
         port_stride: 100,
         up_timeout: Duration::from_secs(30),
