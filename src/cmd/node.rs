@@ -44,7 +44,7 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
     if let Some(endpoint) = &config.telemetry.otlp_endpoint {
         tracing::info!(%endpoint, "exporting traces by OTLP/HTTP");
     }
-    let served = serve(&runtime, config);
+    let served = serve(&runtime, config, &args.config);
     if let Some(traces) = traces {
         // The runtime still runs: the last batch can go out.
         if let Err(e) = traces.shutdown() {
@@ -58,6 +58,7 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
 fn serve(
     runtime: &tokio::runtime::Runtime,
     config: gorgo_node::ValidatedConfig,
+    config_path: &std::path::Path,
 ) -> anyhow::Result<()> {
     runtime.block_on(async move {
         let shutdown = gorgo_node::CancellationToken::new();
@@ -65,6 +66,12 @@ fn serve(
             .await
             .context("starting the node")?;
         tracing::info!(http = %node.http_addr, admin = %node.admin_addr, "gorgo node ready");
+        #[cfg(unix)]
+        tokio::spawn(reload_on_hangup(
+            node.state.clone(),
+            config_path.to_owned(),
+            shutdown.clone(),
+        ));
         wait_for_signal().await;
         let deadline = std::time::Duration::from_millis(node.state.config.limits.drain_timeout_ms);
         tracing::info!(deadline_ms = deadline.as_millis() as u64, "draining");
@@ -80,6 +87,44 @@ fn serve(
         let _ = tokio::time::timeout(std::time::Duration::from_secs(10), node.wait()).await;
         Ok(())
     })
+}
+
+/// On SIGHUP, read the config file again and make the node's engines follow its
+/// `[[engines]]` ([`gorgo_node::NodeState::reload_engines`]); a config that does not
+/// load is logged and changes nothing. Only the engine list is reloaded.
+#[cfg(unix)]
+async fn reload_on_hangup(
+    state: std::sync::Arc<gorgo_node::NodeState>,
+    path: PathBuf,
+    shutdown: gorgo_node::CancellationToken,
+) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        tracing::warn!("SIGHUP cannot be caught: no config reload");
+        return;
+    };
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            got = hup.recv() => if got.is_none() { return },
+        }
+        match gorgo_node::NodeConfig::load(&path) {
+            Ok(config) => match state.reload_engines(config.engines()) {
+                Ok((added, removed)) => {
+                    tracing::info!(
+                        ?added,
+                        ?removed,
+                        "reloaded the engines of {}",
+                        path.display()
+                    )
+                }
+                Err(e) => tracing::error!(error = %e, "reloading the engines"),
+            },
+            Err(e) => {
+                tracing::error!(error = %e, "reload: {} does not load; nothing changed", path.display())
+            }
+        }
+    }
 }
 
 async fn wait_for_signal() {

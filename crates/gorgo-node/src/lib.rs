@@ -306,6 +306,43 @@ impl NodeState {
         Ok(true)
     }
 
+    /// Make the engine set follow a config's `[[engines]]` (the node binary's SIGHUP
+    /// reload): entries whose `url` the node does not front are added, engines whose
+    /// `url` the list no longer has are removed (drained first). An entry whose url
+    /// stays keeps its engine as it runs (changed settings of it need a restart, and
+    /// are named in the log). Returns the replicas added and removed; stops at the
+    /// first error, with what was done so far done.
+    pub fn reload_engines(
+        self: &Arc<Self>,
+        wanted: &[config::EngineSection],
+    ) -> Result<(Vec<u16>, Vec<u16>), NodeError> {
+        let current = self.engines();
+        let mut removed = Vec::new();
+        for e in current.iter().filter(|e| !e.is_removing()) {
+            match wanted.iter().find(|w| w.url == e.config.url) {
+                None => {}
+                Some(w) if *w != e.config => {
+                    tracing::warn!(replica = e.replica, url = %e.config.url, "reload: this engine's settings changed; restart the node to apply them");
+                    continue;
+                }
+                Some(_) => continue,
+            }
+            if self.remove_engine(e.replica)? {
+                removed.push(e.replica);
+            }
+        }
+        let mut added = Vec::new();
+        for w in wanted {
+            if !current
+                .iter()
+                .any(|e| e.config.url == w.url && !e.is_removing())
+            {
+                added.push(self.add_engine(w.clone())?.replica);
+            }
+        }
+        Ok((added, removed))
+    }
+
     /// Once per gossip interval: follow each engine's KV capacity, keep its summary
     /// sample in step with the cluster, publish its stats, and let go of removed
     /// engines whose requests are done (their last stats say draining: peers stop

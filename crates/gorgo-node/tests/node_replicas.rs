@@ -261,3 +261,51 @@ async fn peers_see_each_replica_and_decide_over_all_of_them() {
     a.shutdown.cancel();
     b.shutdown.cancel();
 }
+
+#[tokio::test]
+async fn a_hung_replica_times_out_and_its_requests_go_to_another() {
+    let es = engines(2).await;
+    let urls: Vec<String> = es.iter().map(|e| e.url()).collect();
+    let node = start_node(
+        replicas_config("a", &urls, "[limits]\nfirst_byte_timeout_ms = 300\n"),
+        None,
+    )
+    .await;
+    // Engine 0 accepts requests and never answers them (a wedged engine).
+    es[0].set_mode(HANG);
+    for i in 0..6 {
+        let status = chat(&node, &prompt(&format!("hung {i}"), 400)).await;
+        assert_eq!(status, 200, "request {i}");
+    }
+    assert_eq!(
+        es[1].requests(),
+        6,
+        "every request ended on the live replica"
+    );
+    es[0].release.notify_waiters();
+    node.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn a_reloaded_config_adds_and_removes_engines_by_url() {
+    let es = engines(3).await;
+    let node = start_node(replicas_config("a", &[es[0].url(), es[1].url()], ""), None).await;
+    let state = node.state().clone();
+    let wanted = replicas_config("a", &[es[1].url(), es[2].url()], "");
+    let (added, removed) = state.reload_engines(wanted.engines()).unwrap();
+    assert_eq!(added, [2]);
+    assert_eq!(removed, [0]);
+    until("engine 0 removed", || state.engine(0).is_none()).await;
+    let urls: Vec<String> = state
+        .engines()
+        .iter()
+        .map(|e| e.config.url.clone())
+        .collect();
+    assert_eq!(urls, [es[1].url(), es[2].url()]);
+    // The same list again changes nothing.
+    assert_eq!(
+        state.reload_engines(wanted.engines()).unwrap(),
+        (vec![], vec![])
+    );
+    node.shutdown.cancel();
+}
