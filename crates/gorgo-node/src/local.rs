@@ -127,10 +127,12 @@ impl LocalEngine {
     }
 
     /// Its queue stats as gossiped: the view of the engine with the fit, marked
-    /// draining while it drains (peers stop counting on it).
+    /// draining while it takes no new requests (drained, or down: its breaker open),
+    /// so that peers stop counting on it at its next stats, as they do for a node
+    /// that drains.
     pub fn queue_stats(&self, epoch: u64) -> QueueStats {
         let mut s = self.adapter.queue_stats(epoch);
-        s.draining = self.status() == EngineStatus::Draining;
+        s.draining = !self.takes_requests();
         s
     }
 

@@ -119,6 +119,9 @@ async fn a_dead_replica_is_routed_around_before_the_first_byte() {
         .cloned()
         .unwrap();
     assert_eq!(dead["healthy"], false, "{d}");
+    // Its stats say so to peers: they stop counting on it at the next gossip round.
+    let stats = node.state().local_stats();
+    assert!(stats[0].draining && !stats[1].draining, "{stats:?}");
     node.shutdown.cancel();
 }
 
