@@ -312,3 +312,26 @@ async fn a_reloaded_config_adds_and_removes_engines_by_url() {
     );
     node.shutdown.cancel();
 }
+
+#[tokio::test]
+async fn health_checks_take_a_dead_replica_out_without_a_request() {
+    let es = engines(2).await;
+    let urls: Vec<String> = es.iter().map(|e| e.url()).collect();
+    let text = replicas_config("a", &urls, "")
+        .into_inner()
+        .to_toml_string()
+        .unwrap()
+        .replace("health_interval_ms = 3600000", "health_interval_ms = 50");
+    let node = start_node(NodeConfig::from_toml_str(&text).unwrap(), None).await;
+    let state = node.state().clone();
+    until("both engines confirmed", || state.is_ready()).await;
+    es[1].shutdown.cancel();
+    until("engine 1 out", || {
+        !state.engine(1).unwrap().takes_requests()
+    })
+    .await;
+    let stats = state.local_stats();
+    assert!(!stats[0].draining && stats[1].draining, "{stats:?}");
+    assert!(state.is_ready(), "engine 0 still serves");
+    node.shutdown.cancel();
+}
