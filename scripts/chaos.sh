@@ -35,6 +35,8 @@
 #                     to normal, s (default 10)
 #   CHAOS_IP_BASE     gorgo up --ip-base (default 40: away from up's default 10)
 #   CHAOS_BASE_PORT   gorgo up --base-port (default 27100)
+#   CHAOS_REPLICAS    gorgo up --replicas (default 1): engine faults hit each region's
+#                     engine 0 (`engine-<region>`), the region's other engines serve on
 #   GORGO_BIN         use this gorgo binary instead of building target/release/gorgo
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +50,7 @@ OUT=${CHAOS_OUT:-out/chaos}
 IP_BASE=${CHAOS_IP_BASE:-40}
 BASE_PORT=${CHAOS_BASE_PORT:-27100}
 RECOVERY_TARGET_S=${CHAOS_RECOVERY_TARGET_S:-10}
+REPLICAS=${CHAOS_REPLICAS:-1}
 TOPOLOGY=configs/topologies/three-region.toml
 PY=python3
 REPORT=$ROOT/scripts/chaos_report.py
@@ -117,7 +120,7 @@ mapfile -t SCHEDULE < <($PY "$REPORT" schedule --seed "$SEED" --duration-s "$DUR
 # ---------------------------------------------------------------- cluster, watcher, bench
 log "gorgo up --detach (run dir $RUN, 127.0.0.$IP_BASE+, ports from $BASE_PORT)"
 "$GORGO" up --detach --run-dir "$RUN" --topology "$TOPOLOGY" --ip-base "$IP_BASE" \
-  --base-port "$BASE_PORT" --seed "$SEED" > "$OUT/up.log" 2>&1 \
+  --base-port "$BASE_PORT" --seed "$SEED" --replicas "$REPLICAS" > "$OUT/up.log" 2>&1 \
   || { cat "$OUT/up.log" >&2; die "gorgo up failed"; }
 
 $PY "$REPORT" watch --cluster "$RUN/cluster.json" --out "$OUT/admin.jsonl" --interval-s 0.25 &
