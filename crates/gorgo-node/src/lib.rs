@@ -483,6 +483,22 @@ impl NodeState {
             .peers_alive
             .set(peers.iter().filter(|p| p.alive).count() as i64);
         let engines = self.engines();
+        // A removed engine's series go with it.
+        self.metrics.replica_serving.clear();
+        self.metrics.replica_inflight.clear();
+        for e in engines.iter() {
+            let label = metrics::ReplicaLabels {
+                replica: e.replica.to_string(),
+            };
+            self.metrics
+                .replica_serving
+                .get_or_create(&label)
+                .set(e.takes_requests() as i64);
+            self.metrics
+                .replica_inflight
+                .get_or_create(&label)
+                .set(e.adapter.inflight().min(i64::MAX as u64) as i64);
+        }
         self.metrics
             .engine_healthy
             .set(engines.iter().filter(|e| e.adapter.is_healthy()).count() as i64);

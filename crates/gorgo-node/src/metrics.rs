@@ -50,6 +50,14 @@ pub struct PeerLabels {
     pub peer: String,
 }
 
+/// Labels of per-engine gauges: which of the node's engines (docs/design.md,
+/// "Replicas").
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReplicaLabels {
+    /// The engine's replica number.
+    pub replica: String,
+}
+
 /// Labels of tuning decisions.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct VerdictLabels {
@@ -91,8 +99,12 @@ pub struct NodeMetrics {
     pub stats_age: Family<PeerLabels, Gauge<f64, AtomicU64>>,
     /// Requests in flight through the ingress.
     pub inflight: Gauge,
-    /// 1 when the local engine is healthy.
+    /// How many of the node's engines are healthy (1 or 0 for a one-engine node).
     pub engine_healthy: Gauge,
+    /// Per engine: 1 while it takes requests (healthy and not drained).
+    pub replica_serving: Family<ReplicaLabels, Gauge>,
+    /// Per engine: requests dispatched to it and not finished.
+    pub replica_inflight: Family<ReplicaLabels, Gauge>,
     /// Live peers.
     pub peers_alive: Gauge,
     /// The tuning epoch this node routes under.
@@ -362,8 +374,20 @@ impl NodeMetrics {
         let engine_healthy = Gauge::default();
         registry.register(
             "engine_healthy",
-            "1 when the local engine passes health checks",
+            "How many of the node's engines pass health checks",
             engine_healthy.clone(),
+        );
+        let replica_serving = Family::<ReplicaLabels, Gauge>::default();
+        registry.register(
+            "engine_replica_serving",
+            "1 while this engine of the node takes requests (healthy, not drained)",
+            replica_serving.clone(),
+        );
+        let replica_inflight = Family::<ReplicaLabels, Gauge>::default();
+        registry.register(
+            "engine_replica_inflight_requests",
+            "Requests dispatched to this engine of the node and not finished",
+            replica_inflight.clone(),
         );
         let peers_alive = Gauge::default();
         registry.register(
@@ -458,6 +482,8 @@ impl NodeMetrics {
             stats_age,
             inflight,
             engine_healthy,
+            replica_serving,
+            replica_inflight,
             peers_alive,
             tuning_epoch,
             tuning_leader,

@@ -193,6 +193,14 @@ async fn replicas_are_added_drained_and_removed_through_the_admin_api() {
     for i in 0..5 {
         assert_eq!(chat(&node, &prompt(&format!("drain {i}"), 300)).await, 200);
     }
+    let metrics = metrics_text(&node).await;
+    for line in [
+        "gorgo_engine_replica_serving{replica=\"0\"} 0",
+        "gorgo_engine_replica_serving{replica=\"2\"} 1",
+        "gorgo_engine_healthy 3",
+    ] {
+        assert!(metrics.contains(line), "{line} in\n{metrics}");
+    }
     let after = served(&es);
     assert_eq!(after[0], before[0]);
     assert_eq!(after[1], before[1]);
