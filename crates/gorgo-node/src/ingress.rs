@@ -67,7 +67,9 @@ async fn completions(
 /// `max_model_len`); a model only peers serve gets a plain entry. Each entry adds
 /// `nodes`: the nodes whose engines serve it, from their gossiped stats.
 async fn models(State(state): State<Arc<NodeState>>) -> Response {
-    let engine = state.preferred_engine();
+    let Some(engine) = state.preferred_engine() else {
+        return error_response(StatusCode::SERVICE_UNAVAILABLE, "no local engine");
+    };
     if engine.adapter.models().is_empty() && engine.adapter.is_healthy() {
         engine.adapter.learn_models().await;
     }
@@ -135,8 +137,10 @@ async fn health_generate(State(state): State<Arc<NodeState>>) -> Response {
     let body =
         serde_json::json!({"model": model, "prompt": "ping", "max_tokens": 1, "stream": false});
     let headers = [("content-type".to_owned(), "application/json".to_owned())];
-    let sent = state
-        .preferred_engine()
+    let Some(engine) = state.preferred_engine() else {
+        return error_response(StatusCode::SERVICE_UNAVAILABLE, "no local engine");
+    };
+    let sent = engine
         .adapter
         .send_request(
             http::Method::POST,
@@ -166,7 +170,7 @@ async fn health_generate(State(state): State<Arc<NodeState>>) -> Response {
 
 /// The id of the first model the local engine lists.
 async fn engine_model(state: &NodeState) -> Option<String> {
-    let engine = state.preferred_engine();
+    let engine = state.preferred_engine()?;
     if engine.adapter.models().is_empty() {
         engine.adapter.learn_models().await;
     }
@@ -204,8 +208,10 @@ async fn local_passthrough(
         );
     };
     let pass = pass_headers(&headers);
-    let resp = match state
-        .preferred_engine()
+    let Some(engine) = state.preferred_engine() else {
+        return error_response(StatusCode::SERVICE_UNAVAILABLE, "no local engine");
+    };
+    let resp = match engine
         .adapter
         .send_request(http::Method::POST, uri.path(), &pass, body)
         .await

@@ -184,8 +184,8 @@ impl NodeState {
         self.draining.load(Ordering::Relaxed)
     }
 
-    /// Whether this node is ready for traffic (`/readyz`): not draining, and its own
-    /// engine is confirmed healthy. A node whose engine is down could still forward,
+    /// Whether this node is ready for traffic (`/readyz`): not draining, and one of its
+    /// own engines (not drained) is confirmed healthy. A node whose engine is down could still forward,
     /// but a load balancer does better sending its clients to a node with an engine.
     pub fn is_ready(&self) -> bool {
         !self.is_draining()
@@ -210,9 +210,10 @@ impl NodeState {
     }
 
     /// The engine for what is not routed (model lists, passthrough endpoints, probes):
-    /// the least busy of those taking requests, else the first. The set is never empty
-    /// (a config has at least one engine, and the last one cannot be removed).
-    pub fn preferred_engine(&self) -> Arc<local::LocalEngine> {
+    /// the least busy of those taking requests, else the first. `None` only if the set
+    /// were empty, which it never is (a config has at least one engine, and the last
+    /// one cannot be removed); callers answer 503 then.
+    pub fn preferred_engine(&self) -> Option<Arc<local::LocalEngine>> {
         let engines = self.engines();
         engines
             .iter()
@@ -220,7 +221,6 @@ impl NodeState {
             .min_by_key(|e| e.adapter.inflight())
             .or_else(|| engines.first())
             .cloned()
-            .expect("a node always fronts at least one engine")
     }
 
     /// Whether any engine takes requests now.
