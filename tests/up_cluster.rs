@@ -99,6 +99,9 @@ async fn up_serves_every_region_and_down_stops_everything() {
                 "120",
                 // The emulators publish KV events and the nodes follow them.
                 "--kv-events",
+                // Two engines per region: each node fronts both as `[[engines]]`.
+                "--replicas",
+                "2",
             ])
         }
     })
@@ -150,8 +153,8 @@ async fn up_serves_every_region_and_down_stops_everything() {
         );
     }
 
-    // The prefix index of each node whose engine served follows the engine's KV
-    // events once they flow (a node whose requests all went to peers hears none).
+    // The prefix index of the engine that served follows that engine's KV events once
+    // they flow (an engine that served nothing hears none).
     assert!(!served.is_empty());
     for region in regions
         .iter()
@@ -161,14 +164,19 @@ async fn up_serves_every_region_and_down_stops_everything() {
         let deadline = Instant::now() + FORM_TIMEOUT;
         loop {
             let state = admin_get(&http, &url, &token).await;
-            if state["prefix_index_source"] == "events" {
-                assert!(state["kv_events"]["counters"]["batches"].as_u64() > Some(0));
+            let engines = state["engines"].as_array().cloned().unwrap_or_default();
+            assert_eq!(engines.len(), 2, "{url}: {state}");
+            // The engine that served: its stream has brought batches, and its index
+            // follows them.
+            if engines.iter().any(|e| {
+                e["prefix_index_source"] == "events"
+                    && e["kv_events"]["counters"]["batches"].as_u64() > Some(0)
+            }) {
                 break;
             }
             assert!(
                 Instant::now() < deadline,
-                "{url}: the index never followed the events: {}",
-                state["kv_events"]
+                "{url}: no engine's index followed its events: {engines:?}"
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -180,9 +188,16 @@ async fn up_serves_every_region_and_down_stops_everything() {
         let deadline = Instant::now() + FORM_TIMEOUT;
         loop {
             let peers = admin_get(&http, &url, &token).await;
+            // Alive, and both of each peer's engines heard of (their stats gossiped).
             let alive = peers
                 .as_array()
-                .map(|p| p.iter().filter(|p| p["alive"] == true).count())
+                .map(|p| {
+                    p.iter()
+                        .filter(|p| {
+                            p["alive"] == true && p["engines"].as_array().map(Vec::len) == Some(2)
+                        })
+                        .count()
+                })
                 .unwrap_or(0);
             if alive == 2 {
                 break;
