@@ -8,40 +8,6 @@ use std::sync::Arc;
 use common::*;
 use gorgo_node::NodeConfig;
 
-/// A node config whose `[[engines]]` are `urls`, `extra` appended.
-fn replicas_config(id: &str, urls: &[String], extra: &str) -> gorgo_node::ValidatedConfig {
-    let engines: String = urls
-        .iter()
-        .map(|u| {
-            format!(
-                "[[engines]]\nurl = \"{u}\"\nkind = \"sglang\"\nmetrics_interval_ms = 0\nhealth_interval_ms = 3600000\n"
-            )
-        })
-        .collect();
-    let text = format!(
-        r#"
-[node]
-id = "{id}"
-region = "{id}"
-[listen]
-http = "127.0.0.1:0"
-quic = "127.0.0.1:0"
-admin = "127.0.0.1:0"
-{engines}
-[tls]
-ca = "ca.pem"
-cert = "cert.pem"
-key = "key.pem"
-[admin]
-token = "{TOKEN}"
-[cluster]
-gossip_interval_ms = 50
-{extra}
-"#
-    );
-    NodeConfig::from_toml_str(&text).unwrap()
-}
-
 async fn engines(n: usize) -> Vec<Arc<StubEngine>> {
     let mut v = Vec::new();
     for i in 0..n {
@@ -69,7 +35,7 @@ fn served(engines: &[Arc<StubEngine>]) -> Vec<u64> {
 async fn every_replica_is_a_candidate_and_a_prompt_goes_back_to_its_cache() {
     let es = engines(3).await;
     let urls: Vec<String> = es.iter().map(|e| e.url()).collect();
-    let node = start_node(replicas_config("a", &urls, ""), None).await;
+    let node = start_node(config_with_engines("a", &urls, ""), None).await;
     let long = prompt("a long shared system prompt", 8000);
     assert_eq!(chat(&node, &long).await, 200);
     let d = admin_json(&node, "/admin/decisions?limit=1").await;
@@ -101,7 +67,7 @@ async fn every_replica_is_a_candidate_and_a_prompt_goes_back_to_its_cache() {
 async fn a_dead_replica_is_routed_around_before_the_first_byte() {
     let es = engines(2).await;
     let urls: Vec<String> = es.iter().map(|e| e.url()).collect();
-    let node = start_node(replicas_config("a", &urls, ""), None).await;
+    let node = start_node(config_with_engines("a", &urls, ""), None).await;
     // Engine 0 dies: connections to it are refused.
     es[0].shutdown.cancel();
     for i in 0..8 {
@@ -127,67 +93,55 @@ async fn a_dead_replica_is_routed_around_before_the_first_byte() {
 
 #[tokio::test]
 async fn replicas_are_added_drained_and_removed_through_the_admin_api() {
+    use reqwest::Method;
     let es = engines(3).await;
-    let node = start_node(replicas_config("a", &[es[0].url()], ""), None).await;
-    let admin = |method: reqwest::Method, path: &str| {
-        client()
+    let node = start_node(config_with_engines("a", &[es[0].url()], ""), None).await;
+    // One admin call: its status and JSON body.
+    let admin = |method: Method, path: &str, body: Option<serde_json::Value>| {
+        let mut req = client()
             .request(method, format!("{}{path}", node.admin))
-            .bearer_auth(TOKEN)
+            .bearer_auth(TOKEN);
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        async move {
+            let resp = req.send().await.unwrap();
+            let status = resp.status().as_u16();
+            (status, resp.json::<serde_json::Value>().await.unwrap())
+        }
+    };
+    let add = |url: String, more: serde_json::Value| {
+        let mut body = serde_json::json!({"url": url, "kind": "sglang"});
+        body.as_object_mut()
+            .unwrap()
+            .extend(more.as_object().unwrap().clone());
+        admin(Method::POST, "/admin/engines", Some(body))
     };
     // A bad entry is refused, naming the field.
-    let resp = admin(reqwest::Method::POST, "/admin/engines")
-        .json(&serde_json::json!({"url": "ftp://x", "kind": "sglang"}))
-        .send()
-        .await
-        .unwrap();
-    let (status, body) = error_of(resp).await;
-    assert_eq!(status, 400);
-    assert!(
-        body["error"]["message"].as_str().unwrap().contains("url"),
-        "{body}"
-    );
-    let resp = admin(reqwest::Method::POST, "/admin/engines")
-        .json(&serde_json::json!({"url": es[1].url(), "kind": "sglang", "wieght": 1}))
-        .send()
-        .await
-        .unwrap();
-    let (status, body) = error_of(resp).await;
-    assert_eq!(status, 400);
-    assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("wieght"),
-        "{body}"
-    );
+    for (url, more, field) in [
+        ("ftp://x".to_owned(), serde_json::json!({}), "url"),
+        (es[1].url(), serde_json::json!({"wieght": 1}), "wieght"),
+    ] {
+        let (status, body) = add(url, more).await;
+        assert_eq!(status, 400, "{body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(message.contains(field), "{body}");
+    }
     // Two engines added: replicas 1 and 2.
     for (i, e) in es[1..].iter().enumerate() {
-        let resp = admin(reqwest::Method::POST, "/admin/engines")
-            .json(&serde_json::json!({"url": e.url(), "kind": "sglang", "metrics_interval_ms": 0}))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), 201);
-        let v: serde_json::Value = resp.json().await.unwrap();
+        let (status, v) = add(e.url(), serde_json::json!({"metrics_interval_ms": 0})).await;
+        assert_eq!(status, 201, "{v}");
         assert_eq!(v["replica"], i as u64 + 1, "{v}");
     }
     // The same engine twice is refused.
-    let resp = admin(reqwest::Method::POST, "/admin/engines")
-        .json(&serde_json::json!({"url": es[1].url(), "kind": "sglang"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 400);
+    assert_eq!(add(es[1].url(), serde_json::json!({})).await.0, 400);
     let list = admin_json(&node, "/admin/engines").await;
     assert_eq!(list.as_array().unwrap().len(), 3, "{list}");
 
     // Engines 0 and 1 drain: every request goes to engine 2.
     for r in [0, 1] {
-        let resp = admin(reqwest::Method::POST, &format!("/admin/engines/{r}/drain"))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), 200);
+        let path = format!("/admin/engines/{r}/drain");
+        assert_eq!(admin(Method::POST, &path, None).await.0, 200);
     }
     let before = served(&es);
     for i in 0..5 {
@@ -206,46 +160,24 @@ async fn replicas_are_added_drained_and_removed_through_the_admin_api() {
     assert_eq!(after[1], before[1]);
     assert_eq!(after[2], before[2] + 5);
     // Engine 0 back in rotation.
-    let resp = admin(reqwest::Method::POST, "/admin/engines/0/serve")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        admin(Method::POST, "/admin/engines/0/serve", None).await.0,
+        200
+    );
 
     // Removing engine 1: it drains and leaves the set once idle (the next tick).
-    let resp = admin(reqwest::Method::DELETE, "/admin/engines/1")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 202);
     let state = node.state().clone();
+    assert_eq!(admin(Method::DELETE, "/admin/engines/1", None).await.0, 202);
     until("engine 1 removed", || state.engine(1).is_none()).await;
-    let resp = admin(reqwest::Method::DELETE, "/admin/engines/1")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 404);
+    assert_eq!(admin(Method::DELETE, "/admin/engines/1", None).await.0, 404);
     // Engine 2 goes too; engine 0, the last, cannot.
-    let resp = admin(reqwest::Method::DELETE, "/admin/engines/2")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 202);
-    let resp = admin(reqwest::Method::DELETE, "/admin/engines/0")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 409);
+    assert_eq!(admin(Method::DELETE, "/admin/engines/2", None).await.0, 202);
+    assert_eq!(admin(Method::DELETE, "/admin/engines/0", None).await.0, 409);
     until("engine 2 removed", || state.engine(2).is_none()).await;
     assert_eq!(chat(&node, "still served").await, 200);
     // A new engine takes a new replica number, never a removed one's.
-    let resp = admin(reqwest::Method::POST, "/admin/engines")
-        .json(&serde_json::json!({"url": es[1].url(), "kind": "sglang"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 201);
-    let v: serde_json::Value = resp.json().await.unwrap();
+    let (status, v) = add(es[1].url(), serde_json::json!({})).await;
+    assert_eq!(status, 201);
     assert_eq!(v["replica"], 3, "{v}");
     node.shutdown.cancel();
 }
@@ -258,7 +190,7 @@ async fn peers_see_each_replica_and_decide_over_all_of_them() {
     let eb = engines(2).await;
     let a = start_node(config("a", &ea.url(), ""), Some(&mesh)).await;
     let urls: Vec<String> = eb.iter().map(|e| e.url()).collect();
-    let b = start_node(replicas_config("b", &urls, ""), Some(&mesh)).await;
+    let b = start_node(config_with_engines("b", &urls, ""), Some(&mesh)).await;
     assert_eq!(chat(&a, "hello").await, 200);
     let d = admin_json(&a, "/admin/decisions?limit=1").await;
     let of_b: Vec<u64> = d[0]["candidates"]
@@ -278,7 +210,7 @@ async fn a_hung_replica_times_out_and_its_requests_go_to_another() {
     let es = engines(2).await;
     let urls: Vec<String> = es.iter().map(|e| e.url()).collect();
     let node = start_node(
-        replicas_config("a", &urls, "[limits]\nfirst_byte_timeout_ms = 300\n"),
+        config_with_engines("a", &urls, "[limits]\nfirst_byte_timeout_ms = 300\n"),
         None,
     )
     .await;
@@ -300,9 +232,13 @@ async fn a_hung_replica_times_out_and_its_requests_go_to_another() {
 #[tokio::test]
 async fn a_reloaded_config_adds_and_removes_engines_by_url() {
     let es = engines(3).await;
-    let node = start_node(replicas_config("a", &[es[0].url(), es[1].url()], ""), None).await;
+    let node = start_node(
+        config_with_engines("a", &[es[0].url(), es[1].url()], ""),
+        None,
+    )
+    .await;
     let state = node.state().clone();
-    let wanted = replicas_config("a", &[es[1].url(), es[2].url()], "");
+    let wanted = config_with_engines("a", &[es[1].url(), es[2].url()], "");
     let (added, removed) = state.reload_engines(wanted.engines()).unwrap();
     assert_eq!(added, [2]);
     assert_eq!(removed, [0]);
@@ -325,7 +261,7 @@ async fn a_reloaded_config_adds_and_removes_engines_by_url() {
 async fn health_checks_take_a_dead_replica_out_without_a_request() {
     let es = engines(2).await;
     let urls: Vec<String> = es.iter().map(|e| e.url()).collect();
-    let text = replicas_config("a", &urls, "")
+    let text = config_with_engines("a", &urls, "")
         .into_inner()
         .to_toml_string()
         .unwrap()

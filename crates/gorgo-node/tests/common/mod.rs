@@ -330,6 +330,38 @@ pub fn config_with_engine(id: &str, engine_url: &str, engine_extra: &str) -> Val
 }
 
 fn config_full(id: &str, engine_url: &str, engine_extra: &str, extra: &str) -> ValidatedConfig {
+    let health = if engine_extra.contains("health_interval_ms") {
+        ""
+    } else {
+        "health_interval_ms = 3600000\n"
+    };
+    let engine = format!(
+        "[engine]\nurl = \"{engine_url}\"\nkind = \"sglang\"\nmetrics_interval_ms = 0\n{health}{engine_extra}\n"
+    );
+    config_text(id, &engine, extra)
+}
+
+/// A config for a test node fronting the engines at `urls` (`[[engines]]`, replicas
+/// in that order), gossip every 50 ms, `extra` appended.
+#[allow(dead_code)]
+pub fn config_with_engines(id: &str, urls: &[String], extra: &str) -> ValidatedConfig {
+    let engines: String = urls
+        .iter()
+        .map(|u| {
+            format!(
+                "[[engines]]\nurl = \"{u}\"\nkind = \"sglang\"\nmetrics_interval_ms = 0\nhealth_interval_ms = 3600000\n"
+            )
+        })
+        .collect();
+    config_text(
+        id,
+        &engines,
+        &format!("[cluster]\ngossip_interval_ms = 50\n{extra}"),
+    )
+}
+
+/// The config of node `id` with `engines` (its engine tables) and `extra` appended.
+fn config_text(id: &str, engines: &str, extra: &str) -> ValidatedConfig {
     let text = format!(
         r#"
 [node]
@@ -339,11 +371,7 @@ region = "{id}"
 http = "127.0.0.1:0"
 quic = "127.0.0.1:0"
 admin = "127.0.0.1:0"
-[engine]
-url = "{engine_url}"
-kind = "sglang"
-metrics_interval_ms = 0
-{engine_health}{engine_extra}
+{engines}
 [tls]
 ca = "ca.pem"
 cert = "cert.pem"
@@ -351,12 +379,7 @@ key = "key.pem"
 [admin]
 token = "{TOKEN}"
 {extra}
-"#,
-        engine_health = if engine_extra.contains("health_interval_ms") {
-            ""
-        } else {
-            "health_interval_ms = 3600000\n"
-        },
+"#
     );
     NodeConfig::from_toml_str(&text).unwrap()
 }
