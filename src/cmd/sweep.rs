@@ -151,7 +151,15 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
             policies,
         })
         .collect();
-    let sweep = Sweep::new(config, rate, slo, points);
+    let mut sweep = Sweep::new(config, rate, slo, points);
+    // The floor has no queue, so one computation serves every load.
+    sweep.floor = Some(
+        gorgo_sim::floor::latency_floor(
+            &args.model.config()?,
+            rows(&args.trace, args.model.window_s)?,
+        )
+        .context("computing the latency floor")?,
+    );
     sweep
         .write(&args.out)
         .with_context(|| format!("writing the sweep to {}", args.out.display()))?;

@@ -31,7 +31,7 @@ use serde::{Deserialize, Serialize};
 pub use aggregate::{aggregate, hit_ratio, PolicyResult, PredictionError};
 pub use gorgo_core::LatencyStats;
 pub use record::RequestRecord;
-pub use sweep::{goodput_at_slo, Slo, Sweep, SweepPoint};
+pub use sweep::{goodput_at_slo, LatencyFloor, Slo, Sweep, SweepPoint};
 pub use table::{aligned, markdown, render_markdown, render_table};
 
 /// The one error type of `gorgo-report`.

@@ -14,7 +14,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::table::markdown;
-use crate::{plot, PolicyResult, ReportError, Result};
+use crate::{plot, LatencyStats, PolicyResult, ReportError, Result};
 
 /// The latency objectives a sweep point must meet to count towards goodput.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -35,6 +35,25 @@ pub struct SweepPoint {
     /// Aggregates by policy name, in run order.
     #[serde(with = "crate::ordered_map")]
     pub policies: Vec<(String, PolicyResult)>,
+}
+
+/// A workload's latency floor: what no policy can beat (computed by `gorgo-sim`'s
+/// `floor` module: every request alone on the fastest engine, with an unbounded cache
+/// shared by every engine holding every earlier request's prompt, and no network).
+///
+/// It exists so that a ratio to the best baseline can be read against what was
+/// possible at all: where the best baseline is within a few percent of the floor, no
+/// rule can be much better than it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LatencyFloor {
+    /// Requests the floor was computed over.
+    pub requests: u64,
+    /// Floor of TTFT, ms.
+    pub ttft_ms: LatencyStats,
+    /// Floor of end-to-end latency, ms.
+    pub e2e_ms: LatencyStats,
+    /// The highest cache hit ratio any policy can reach (the unbounded shared cache's).
+    pub cache_hit_ratio: Option<f64>,
 }
 
 /// One policy's goodput at the SLO.
@@ -64,6 +83,10 @@ pub struct Sweep {
     pub goodput: Vec<Goodput>,
     /// The baseline with the highest goodput (ties: the first), if any baseline ran.
     pub best_baseline: Option<String>,
+    /// The workload's latency floor (the same at every load: it has no queue), when
+    /// the driver computed it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub floor: Option<LatencyFloor>,
 }
 
 /// True for the policies goodput ratios are taken against: neither a `gorgo` policy
@@ -138,6 +161,7 @@ impl Sweep {
             points,
             goodput: Vec::new(),
             best_baseline: None,
+            floor: None,
         };
         let mut goodput: Vec<Goodput> = sweep
             .policies()
@@ -221,8 +245,13 @@ impl Sweep {
     }
 }
 
-/// One table: a row per policy, a column per offered load, cells from `cell`.
-fn per_load_table(sweep: &Sweep, cell: impl Fn(&PolicyResult) -> String) -> String {
+/// One table: a row per policy, a column per offered load, cells from `cell`, and a
+/// last row `extra` (a label and one cell for every load) when given.
+fn per_load_table(
+    sweep: &Sweep,
+    cell: impl Fn(&PolicyResult) -> String,
+    extra: Option<(&str, String)>,
+) -> String {
     let mut header = vec!["policy".to_string()];
     header.extend(
         sweep
@@ -243,8 +272,64 @@ fn per_load_table(sweep: &Sweep, cell: impl Fn(&PolicyResult) -> String) -> Stri
             }));
             row
         })
+        .chain(extra.map(|(label, cell)| {
+            std::iter::once(label.to_string())
+                .chain(sweep.points.iter().map(|_| cell.clone()))
+                .collect()
+        }))
         .collect();
     markdown(&header, &rows)
+}
+
+/// Label of the floor's row in the per-load tables.
+const FLOOR_ROW: &str = "floor (no policy can beat)";
+
+/// One line per load: the best baseline's p95 TTFT over the floor's, and what a
+/// ratio of 0.85 to the best baseline would need against the floor. Where the best
+/// baseline is within 1 / 0.85 of the floor, that bar is below what any policy can do.
+fn floor_headroom(sweep: &Sweep, floor: &LatencyFloor) -> String {
+    let mut out = format!(
+        "\nHeadroom over the floor (p95 TTFT {:.0} ms over {} requests: each request alone on \
+         the fastest engine, an unbounded cache shared by every engine, no network):\n\n",
+        floor.ttft_ms.p95, floor.requests
+    );
+    let header: Vec<String> = [
+        "load",
+        "best baseline",
+        "its p95 / floor",
+        "0.85x of it / floor",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let rows: Vec<Vec<String>> = sweep
+        .points
+        .iter()
+        .filter_map(|pt| {
+            let (name, best) = pt
+                .policies
+                .iter()
+                .filter(|(p, _)| is_baseline(p))
+                .min_by(|a, b| a.1.ttft_ms.p95.total_cmp(&b.1.ttft_ms.p95))?;
+            let ratio = best.ttft_ms.p95 / floor.ttft_ms.p95;
+            Some(vec![
+                format!("{:.2} req/s (x{})", pt.offered_rps, pt.time_scale),
+                name.clone(),
+                format!("{ratio:.2}"),
+                format!(
+                    "{:.2}{}",
+                    0.85 * ratio,
+                    if 0.85 * ratio < 1.0 {
+                        " (below the floor)"
+                    } else {
+                        ""
+                    }
+                ),
+            ])
+        })
+        .collect();
+    out.push_str(&markdown(&header, &rows));
+    out
 }
 
 /// `sweep.md`: goodput at the SLO, then p95 TTFT, p95 E2E, cache hit ratio and the
@@ -283,30 +368,48 @@ pub fn render_sweep_markdown(sweep: &Sweep) -> String {
         })
         .collect();
     out.push_str(&markdown(&header, &rows));
+    let floor = sweep.floor.as_ref();
+    let ttft = |r: &LatencyStats| format!("{:.0}", r.p95);
+    let e2e = |r: &LatencyStats| format!("{:.2}", r.p95 / 1000.0);
+    let hit = |h: Option<f64>| h.map_or("-".into(), |h| format!("{:.1}%", h * 100.0));
     out.push_str("\np95 TTFT, ms:\n\n");
-    out.push_str(&per_load_table(sweep, |r| format!("{:.0}", r.ttft_ms.p95)));
+    out.push_str(&per_load_table(
+        sweep,
+        |r| ttft(&r.ttft_ms),
+        floor.map(|f| (FLOOR_ROW, ttft(&f.ttft_ms))),
+    ));
+    if let Some(f) = floor {
+        out.push_str(&floor_headroom(sweep, f));
+    }
     out.push_str("\np95 E2E, s:\n\n");
-    out.push_str(&per_load_table(sweep, |r| {
-        format!("{:.2}", r.e2e_ms.p95 / 1000.0)
-    }));
+    out.push_str(&per_load_table(
+        sweep,
+        |r| e2e(&r.e2e_ms),
+        floor.map(|f| (FLOOR_ROW, e2e(&f.e2e_ms))),
+    ));
     out.push_str("\nCache hit ratio (cached prompt tokens / prompt tokens):\n\n");
-    out.push_str(&per_load_table(sweep, |r| {
-        r.cache_hit_ratio
-            .map_or("-".into(), |h| format!("{:.1}%", h * 100.0))
-    }));
+    out.push_str(&per_load_table(
+        sweep,
+        |r| hit(r.cache_hit_ratio),
+        floor.map(|f| ("bound (unbounded shared cache)", hit(f.cache_hit_ratio))),
+    ));
     out.push_str(
         "\nPrediction error of the cost model (median APE / Spearman rho of estimated vs \
          measured TTFT):\n\n",
     );
-    out.push_str(&per_load_table(sweep, |r| {
-        r.prediction.map_or("-".into(), |p| {
-            format!(
-                "{:.0}% / {}",
-                p.mape_median,
-                p.spearman.map_or("-".into(), |s| format!("{s:.2}"))
-            )
-        })
-    }));
+    out.push_str(&per_load_table(
+        sweep,
+        |r| {
+            r.prediction.map_or("-".into(), |p| {
+                format!(
+                    "{:.0}% / {}",
+                    p.mape_median,
+                    p.spearman.map_or("-".into(), |s| format!("{s:.2}"))
+                )
+            })
+        },
+        None,
+    ));
     let gossip = sweep
         .points
         .iter()
@@ -314,10 +417,14 @@ pub fn render_sweep_markdown(sweep: &Sweep) -> String {
         .any(|(_, r)| r.gossip_bytes_per_node_per_s.is_some());
     if gossip {
         out.push_str("\nGossip per node while requests arrive, KiB/s:\n\n");
-        out.push_str(&per_load_table(sweep, |r| {
-            r.gossip_bytes_per_node_per_s
-                .map_or("-".into(), |b| format!("{:.1}", b / 1024.0))
-        }));
+        out.push_str(&per_load_table(
+            sweep,
+            |r| {
+                r.gossip_bytes_per_node_per_s
+                    .map_or("-".into(), |b| format!("{:.1}", b / 1024.0))
+            },
+            None,
+        ));
     }
     let failed: u64 = sweep
         .points
@@ -327,7 +434,7 @@ pub fn render_sweep_markdown(sweep: &Sweep) -> String {
         .sum();
     if failed > 0 {
         out.push_str("\nFailed requests:\n\n");
-        out.push_str(&per_load_table(sweep, |r| r.failed.to_string()));
+        out.push_str(&per_load_table(sweep, |r| r.failed.to_string(), None));
     }
     out
 }
@@ -427,5 +534,61 @@ mod tests {
         );
         let back: Sweep = serde_json::from_str(&serde_json::to_string(&sweep).unwrap()).unwrap();
         assert_eq!(back, sweep);
+    }
+
+    #[test]
+    fn the_floor_is_a_row_and_bars_below_it_are_flagged() {
+        let point = |load: f64, ttft: f64| SweepPoint {
+            time_scale: 1.0 / load,
+            offered_rps: load,
+            policies: vec![
+                ("gorgo".into(), result(ttft)),
+                ("round-robin".into(), result(ttft * 2.0)),
+                ("least-load".into(), result(ttft)),
+            ],
+        };
+        let mut sweep = Sweep::new(
+            serde_json::json!({}),
+            1.0,
+            SLO,
+            vec![point(1.0, 1100.0), point(2.0, 3000.0)],
+        );
+        let floor = LatencyStats {
+            p50: 500.0,
+            p95: 1000.0,
+            p99: 1200.0,
+            mean: 600.0,
+        };
+        sweep.floor = Some(LatencyFloor {
+            requests: 10,
+            ttft_ms: floor,
+            e2e_ms: floor,
+            cache_hit_ratio: Some(0.5),
+        });
+        let md = render_sweep_markdown(&sweep);
+        assert!(
+            md.contains("| floor (no policy can beat) | 1000 | 1000 |"),
+            "{md}"
+        );
+        // least-load, not round-robin, is the best baseline; 0.85 x 1100 is under 1000.
+        assert!(
+            md.contains("| 1.00 req/s (x1) | least-load | 1.10 | 0.94 (below the floor) |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| 2.00 req/s (x0.5) | least-load | 3.00 | 2.55 |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| bound (unbounded shared cache) | 50.0% |"),
+            "{md}"
+        );
+        let back: Sweep = serde_json::from_str(&serde_json::to_string(&sweep).unwrap()).unwrap();
+        assert_eq!(back, sweep);
+        // Sweeps written before the floor existed still load.
+        let mut old = serde_json::to_value(&sweep).unwrap();
+        old.as_object_mut().unwrap().remove("floor");
+        let back: Sweep = serde_json::from_value(old).unwrap();
+        assert_eq!(back.floor, None);
     }
 }

@@ -19,6 +19,7 @@
 #![deny(rust_2018_idioms)]
 
 mod collect;
+pub mod floor;
 mod network;
 pub mod report;
 mod sim;

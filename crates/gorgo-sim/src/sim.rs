@@ -257,6 +257,30 @@ pub struct Progress {
     pub now_ms: f64,
 }
 
+/// The prompt of a trace row as the engines see it: clamped to the context (which
+/// shortens `row`), its chain and its length in tokens. One function for the event
+/// loop and the latency floor, so both price the same prompt.
+pub(crate) fn prompt(cfg: &SimConfig, row: &mut TraceRequest) -> (HashChain, u64) {
+    if let Some(max) = cfg.max_context_tokens {
+        gorgo_workload::clamp_to_context(row, max);
+    }
+    if cfg.live_chains {
+        return live_chain(row);
+    }
+    let mut chain = row.chain();
+    // Blocks listed past the prompt's length (a trace's rounding, or a shortened
+    // prompt) are not part of the prompt.
+    let input = row.input_tokens.max(1);
+    while chain.len() > 1 && chain.prefix_tokens(chain.len() - 1) >= input {
+        chain.hashes.pop();
+        chain.block_tokens.pop();
+    }
+    // Tokens past the chain are computed but never cached; with no block ids the prompt
+    // is all "past the chain".
+    let prompt_tokens = input.max(chain.total_tokens());
+    (chain, prompt_tokens)
+}
+
 /// The chain and prompt tokens the node computes for the body `gorgo bench` sends.
 fn live_chain(row: &TraceRequest) -> (HashChain, u64) {
     let body = gorgo_workload::chat_body(row, gorgo_workload::DEFAULT_MODEL);
@@ -759,25 +783,7 @@ impl<'a> Sim<'a> {
         };
         let home = gorgo_workload::home_region(&row, index, &self.names, self.cfg.region_seed);
         let mut row = row;
-        if let Some(max) = self.cfg.max_context_tokens {
-            gorgo_workload::clamp_to_context(&mut row, max);
-        }
-        let (chain, prompt_tokens) = if self.cfg.live_chains {
-            live_chain(&row)
-        } else {
-            let mut chain = row.chain();
-            // Blocks listed past the prompt's length (a trace's rounding, or a
-            // shortened prompt) are not part of the prompt.
-            let input = row.input_tokens.max(1);
-            while chain.len() > 1 && chain.prefix_tokens(chain.len() - 1) >= input {
-                chain.hashes.pop();
-                chain.block_tokens.pop();
-            }
-            // Tokens past the chain are computed but never cached; with no block ids
-            // the prompt is all "past the chain".
-            let prompt_tokens = input.max(chain.total_tokens());
-            (chain, prompt_tokens)
-        };
+        let (chain, prompt_tokens) = prompt(self.cfg, &mut row);
         let flight = Flight {
             index,
             chain,

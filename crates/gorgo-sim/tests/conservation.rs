@@ -507,3 +507,61 @@ fn results_carry_cache_hits_and_prediction_error() {
             <= 0.02 * exact.prediction.unwrap().mape_median + 1e-9
     );
 }
+
+/// The floor is a lower bound: no request of any policy, at any load, with one engine
+/// or several per region and regions of different speeds, beats its own floor, nor
+/// caches more of its prompt than the unbounded shared cache; so no percentile does.
+#[test]
+fn floor_is_below_every_request_of_every_policy() {
+    use gorgo_core::sketch::summarize;
+    use gorgo_sim::floor::{request_floors, summarize_floors};
+    let t = trace(8, 120.0, 40);
+    for (time_scale, replicas) in [(0.5, 1), (4.0, 2)] {
+        let mut cfg = config();
+        cfg.time_scale = time_scale;
+        cfg.replicas = replicas;
+        // One region slower than the others: the floor takes the fastest engine.
+        cfg.profiles[1].t_p_ms_per_token *= 2.0;
+        let floors = request_floors(&cfg, t.iter().cloned().map(Ok)).unwrap();
+        assert_eq!(floors.len(), t.len());
+        let floor = summarize_floors(&floors);
+        assert!(floor.cache_hit_ratio.unwrap() > 0.3, "{floor:?}");
+        for kind in PolicyKind::ALL {
+            let r = run(&cfg, kind, &t);
+            let rows = r.rows.as_ref().expect("rows kept");
+            let (mut ttft, mut e2e) = (Vec::new(), Vec::new());
+            for row in rows.iter().filter(|r| r.ok) {
+                let f = &floors[row.index as usize];
+                let slack = |v: f64| 0.01 + v * 1e-6;
+                assert!(
+                    row.ttft_ms as f64 >= f.ttft_ms - slack(f.ttft_ms),
+                    "{kind} x{time_scale}: r{} TTFT {} under its floor {}",
+                    row.index,
+                    row.ttft_ms,
+                    f.ttft_ms
+                );
+                assert!(
+                    row.e2e_ms as f64 >= f.e2e_ms - slack(f.e2e_ms),
+                    "{kind} x{time_scale}: r{} E2E {} under its floor {}",
+                    row.index,
+                    row.e2e_ms,
+                    f.e2e_ms
+                );
+                assert!(
+                    row.cached_tokens as u64 <= f.cached_tokens,
+                    "{kind}: r{}",
+                    row.index
+                );
+                ttft.push(row.ttft_ms as f64);
+                e2e.push(row.e2e_ms as f64);
+            }
+            if rows.iter().all(|r| r.ok) {
+                assert!(
+                    summarize(&mut ttft).p95 >= floor.ttft_ms.p95 - 0.01,
+                    "{kind}"
+                );
+                assert!(summarize(&mut e2e).p95 >= floor.e2e_ms.p95 - 0.01, "{kind}");
+            }
+        }
+    }
+}
