@@ -9,9 +9,14 @@ engine, no network; crates/gorgo-sim/src/floor.rs). For the slowest 5% of each
 policy's requests (TTFT at or above its p95) this prints the mean TTFT, the mean floor,
 and the excess split in two:
 
-- cache: the prefill of the prompt tokens the unbounded shared cache would have held
-  and the serving engine did not (t_p of the run's engine profile x the missing
-  tokens): what a better placement of prefixes could have saved at most;
+- placement: the prefill of prompt tokens some engine of the cluster held when the
+  client's node decided and the serving engine did not (t_p of the run's engine
+  profile x the tokens; requests.csv's cached_anywhere_tokens, which only the
+  simulator knows): a choice of engine could have saved it then;
+- not cached anywhere: the prefill of tokens the unbounded shared cache would have held
+  and no engine did when the request arrived (evicted everywhere, or still being
+  computed): only earlier choices (where prefixes were put, what got evicted) or more
+  KV could have saved it;
 - queue + network: the rest: waiting behind other work, sharing the batch, the
   client's link and forwards.
 
@@ -53,8 +58,9 @@ def main(out: Path) -> None:
                 by_policy.setdefault(row["policy"], []).append(row)
     print(f"floor p95 TTFT {floor_p95:.0f} ms (t_p {t_p} ms/token, profile {profile})\n")
     print("| policy | p95 TTFT ms | p95 / floor p95 | tail requests | tail mean TTFT ms | "
-          "tail mean floor ms | excess: cache ms | excess: queue + network ms | tail forwarded |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "tail mean floor ms | excess: placement ms | excess: not cached anywhere ms | "
+          "excess: queue + network ms | tail forwarded |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for policy, rows in by_policy.items():
         ttfts = sorted(float(r["ttft_ms"]) for r in rows)
         p95 = nearest_rank(ttfts, 95)
@@ -62,15 +68,18 @@ def main(out: Path) -> None:
         n = len(tail)
         mean_ttft = sum(float(r["ttft_ms"]) for r in tail) / n
         mean_floor = sum(float(floors[r["request_id"]]["ttft_floor_ms"]) for r in tail) / n
-        cache = sum(
-            t_p * max(0, int(floors[r["request_id"]]["cached_floor_tokens"]) - int(r["cached_tokens"] or 0))
-            for r in tail
-        ) / n
-        rest = mean_ttft - mean_floor - cache
+        placement = nowhere = 0.0
+        for r in tail:
+            cached = int(r["cached_tokens"] or 0)
+            bound = int(floors[r["request_id"]]["cached_floor_tokens"])
+            anywhere = min(bound, max(cached, int(r.get("cached_anywhere_tokens") or 0)))
+            placement += t_p * (anywhere - cached)
+            nowhere += t_p * max(0, bound - anywhere)
+        placement, nowhere = placement / n, nowhere / n
+        rest = mean_ttft - mean_floor - placement - nowhere
         forwarded = sum(1 for r in tail if r["served_by"] != r["region"]) / n
         print(f"| {policy} | {p95:.0f} | {p95 / floor_p95:.2f} | {n} | {mean_ttft:.0f} | "
-              f"{mean_floor:.0f} | {cache:.0f} | {rest:.0f} | {forwarded:.0%} |")
-
+              f"{mean_floor:.0f} | {placement:.0f} | {nowhere:.0f} | {rest:.0f} | {forwarded:.0%} |")
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:

@@ -42,6 +42,8 @@ pub fn to_record(policy: &str, o: &RequestOutcome) -> RequestRecord {
         output_tokens: o.output_tokens,
         cached_tokens: o.measured.cached_tokens,
         predicted_ttft_ms: o.measured.predicted_ttft_ms,
+        // No node knows it live.
+        cached_anywhere_tokens: None,
         start_ms: o.start_ms,
         first_byte_ms: o.measured.first_byte_ms,
         retries: o.measured.connect_retries,

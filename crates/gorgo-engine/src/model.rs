@@ -284,6 +284,12 @@ impl Engine {
         }
     }
 
+    /// Tokens of the longest prefix of `chain` this engine's cache holds now. For
+    /// diagnostics that need the truth no node has (the simulator's `cached_anywhere`).
+    pub fn cached_prefix_tokens(&self, chain: &HashChain) -> u64 {
+        chain.prefix_tokens(self.cache.match_len(&chain.hashes))
+    }
+
     /// The profile this engine runs.
     pub fn profile(&self) -> &Profile {
         &self.profile

@@ -33,6 +33,11 @@ pub struct RequestRecord {
     /// not estimate costs, or when the driver did not get one.
     #[serde(default)]
     pub predicted_ttft_ms: Option<f64>,
+    /// The longest prefix of the prompt any engine of the cluster held when the client's
+    /// node decided: what a perfect placement could have used. Only the simulator knows
+    /// it (`None` live); `scripts/floor_gap.py` splits cache misses with it.
+    #[serde(default)]
+    pub cached_anywhere_tokens: Option<u64>,
     /// Send time, ms from the start of the run.
     pub start_ms: f64,
     /// When a successful (2xx) response head arrived, ms after the send: the stream
@@ -89,6 +94,8 @@ pub(crate) struct CsvRow<'a> {
     error: Option<&'a str>,
     first_byte_ms: Option<f64>,
     retries: u32,
+    // Last, so the columns before it keep their places for older readers.
+    cached_anywhere_tokens: Option<u64>,
 }
 
 impl<'a> From<&'a RequestRecord> for CsvRow<'a> {
@@ -111,6 +118,7 @@ impl<'a> From<&'a RequestRecord> for CsvRow<'a> {
             error: r.error.as_deref(),
             first_byte_ms: r.first_byte_ms,
             retries: r.retries,
+            cached_anywhere_tokens: r.cached_anywhere_tokens,
         }
     }
 }

@@ -16,6 +16,7 @@ fn rec(policy: &str, id: usize, region: &str, served: &str, ttft: f64, e2e: f64)
         output_tokens: 11,
         cached_tokens: Some(512),
         predicted_ttft_ms: None,
+        cached_anywhere_tokens: None,
         start_ms: id as f64 * 100.0,
         first_byte_ms: Some(ttft / 2.0),
         retries: 0,

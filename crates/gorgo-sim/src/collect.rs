@@ -42,6 +42,9 @@ pub struct Row {
     /// The prompt tokens the client's node believed its chosen candidate had cached
     /// (distributed modes).
     pub predicted_cached_tokens: Option<u32>,
+    /// The longest prefix of the prompt any engine held when the client's node decided
+    /// (the truth no node has: splits a miss into placement and eviction).
+    pub cached_anywhere_tokens: u32,
 }
 
 /// Counts that let a caller check the run: conservation of requests, the max-hops

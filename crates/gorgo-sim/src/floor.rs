@@ -15,14 +15,18 @@
 //! [`Profile::decode_step_ms`] at batch 1 per further token), and the prompt is built
 //! by the event loop's own function. Every term only grows in the real run (a batch or
 //! a queue only adds, a finite or a remote cache only misses more, a link only adds
-//! delay), so each simulated request is at least its floor, and so is each percentile
-//! over the same requests (`floor_is_below_every_request_of_every_policy` checks it).
+//! delay), so each simulated request is at least its floor. One interaction is
+//! counted, because bursty traces are made of it: requests arriving at the same
+//! instant share the cluster's prefill capacity ([`burst_floor`]); that bound holds
+//! for a burst's sorted TTFTs rather than for each request. Either way each percentile
+//! over the run is at least the floor's (`floor_is_below_every_request_of_every_policy`
+//! checks both).
 
 use gorgo_core::sketch::summarize;
 use gorgo_engine::Profile;
 use gorgo_report::LatencyFloor;
 use gorgo_workload::{TraceRequest, WorkloadError};
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use crate::sim::{prompt, SimConfig};
 use crate::Result;
@@ -32,6 +36,8 @@ use crate::Result;
 pub struct RequestFloor {
     /// The request's index in the trace (as in [`crate::Row::index`]).
     pub index: u64,
+    /// When it arrived, trace ms: requests with the same arrival are one burst.
+    pub arrival_ms: u64,
     /// Lowest possible time to first token, ms.
     pub ttft_ms: f64,
     /// Lowest possible end-to-end latency, ms.
@@ -47,16 +53,21 @@ pub struct RequestFloor {
 /// blocks of every request that arrived strictly earlier (a request arriving at the
 /// same instant has not computed anything yet). Rows out of time order count as
 /// arriving with the latest row before them, as the event loop sends them.
+///
+/// Requests that arrive at the same instant (a burst) also share the engines: see
+/// [`burst_floor`].
 pub fn request_floors<I>(cfg: &SimConfig, trace: I) -> Result<Vec<RequestFloor>>
 where
     I: IntoIterator<Item = std::result::Result<TraceRequest, WorkloadError>>,
 {
     cfg.validate()?;
+    let capacity = Capacity::of(cfg);
     let mut seen: HashSet<u64> = HashSet::new();
-    // Blocks of the requests arriving at `now`: usable from the next instant on.
-    let mut arriving: Vec<u64> = Vec::new();
+    // The requests arriving at `now` and their uncached blocks: usable by others from
+    // the next instant on.
+    let mut burst = Burst::default();
     let mut now: Option<u64> = None;
-    let mut out = Vec::new();
+    let mut out: Vec<RequestFloor> = Vec::new();
     for (index, row) in trace.into_iter().enumerate() {
         if cfg.max_requests.is_some_and(|m| index as u64 >= m) {
             break;
@@ -64,14 +75,13 @@ where
         let mut row = row?;
         let at = now.map_or(row.timestamp_ms, |t| t.max(row.timestamp_ms));
         if now != Some(at) {
-            seen.extend(arriving.drain(..));
+            burst.close(&capacity, &mut out, &mut seen);
             now = Some(at);
         }
         let (chain, prompt_tokens) = prompt(cfg, &mut row);
         let matched = chain.hashes.iter().take_while(|h| seen.contains(h)).count();
         // A fully cached prompt still computes its last token, as the engine does.
         let cached = chain.prefix_tokens(matched).min(prompt_tokens - 1);
-        arriving.extend_from_slice(&chain.hashes);
         let output = u64::from(row.output_tokens.max(1));
         let (ttft_ms, e2e_ms) = cfg
             .profiles
@@ -80,15 +90,129 @@ where
             .fold((f64::INFINITY, f64::INFINITY), |(t, e), (pt, pe)| {
                 (t.min(pt), e.min(pe))
             });
+        burst.members.push(Member {
+            at: out.len(),
+            blocks: chain.hashes[matched..]
+                .iter()
+                .copied()
+                .zip(chain.block_tokens[matched..].iter().map(|&t| u64::from(t)))
+                .collect(),
+            // Tokens past the chain are computed but never cached: its own.
+            tail_tokens: prompt_tokens.saturating_sub(chain.total_tokens()),
+        });
         out.push(RequestFloor {
             index: index as u64,
+            arrival_ms: at,
             ttft_ms,
             e2e_ms,
             prompt_tokens,
             cached_tokens: cached,
         });
     }
+    burst.close(&capacity, &mut out, &mut seen);
     Ok(out)
+}
+
+/// The requests of one arrival instant, while it is read.
+#[derive(Default)]
+struct Burst {
+    members: Vec<Member>,
+}
+
+/// One request of a [`Burst`].
+struct Member {
+    /// Its place in the output.
+    at: usize,
+    /// Its blocks no earlier request had: (hash, tokens).
+    blocks: Vec<(u64, u64)>,
+    /// Its tokens past its chain.
+    tail_tokens: u64,
+}
+
+impl Burst {
+    /// The burst is complete: raise its floors ([`burst_floor`]) and make its blocks
+    /// cached for every later request.
+    fn close(&mut self, capacity: &Capacity, out: &mut [RequestFloor], seen: &mut HashSet<u64>) {
+        burst_floor(capacity, &self.members, out);
+        for m in self.members.drain(..) {
+            seen.extend(m.blocks.iter().map(|&(h, _)| h));
+        }
+    }
+}
+
+/// What the whole cluster can prefill at best: its engines, and the smallest costs of
+/// any of them (one engine's slowness never lowers the bound).
+struct Capacity {
+    engines: f64,
+    overhead_ms: f64,
+    prefill_base_ms: f64,
+    t_p_ms: f64,
+}
+
+impl Capacity {
+    fn of(cfg: &SimConfig) -> Self {
+        let min = |f: fn(&Profile) -> f64| cfg.profiles.iter().map(f).fold(f64::INFINITY, f64::min);
+        Capacity {
+            engines: (cfg.profiles.len() * cfg.replicas) as f64,
+            overhead_ms: min(|p| p.request_overhead_ms),
+            prefill_base_ms: min(|p| p.prefill_base_ms),
+            t_p_ms: min(|p| p.t_p_ms_per_token),
+        }
+    }
+}
+
+/// Raise the TTFT floors of one burst (requests arriving at the same instant) by
+/// what the engines can do together. The k requests of the burst that get their first
+/// token first need at least their own private tokens prefilled (the uncached tokens
+/// of blocks no other request of the burst has, so no other request can compute them
+/// for it), and no set of k has fewer than the k smallest private counts; at best
+/// every engine of the cluster shares that work. So the k-th first token of the burst
+/// comes no sooner than the request overhead, one prefill iteration and `t_p` x the k
+/// smallest private counts / engines after the burst arrived (a batch shares the
+/// iteration's fixed cost, never the per-token one).
+///
+/// This bounds the burst's order statistics, not one named request (the engines may
+/// serve the longest prompt first): the k-th floor of the burst, ordered by uncached
+/// tokens, becomes the larger of its own and the k-th bound. Both grow with k, so the
+/// sorted floors are exactly the larger of the two sorted bounds, each sorted TTFT of
+/// a burst is at least its sorted floor, and so is every percentile over the run. A
+/// request's own floor stays at least its alone-on-an-engine floor. E2E floors stay
+/// those of a request alone: a burst's order in first tokens says nothing of its order
+/// in last tokens.
+fn burst_floor(capacity: &Capacity, members: &[Member], out: &mut [RequestFloor]) {
+    if members.len() < 2 {
+        return;
+    }
+    let mut holders: HashMap<u64, u32> = HashMap::new();
+    for m in members {
+        for &(h, _) in &m.blocks {
+            *holders.entry(h).or_default() += 1;
+        }
+    }
+    let mut private: Vec<u64> = members
+        .iter()
+        .map(|m| {
+            let own: u64 = m
+                .blocks
+                .iter()
+                .filter(|(h, _)| holders[h] == 1)
+                .map(|&(_, t)| t)
+                .sum();
+            let f = &out[m.at];
+            (own + m.tail_tokens).min(f.prompt_tokens - f.cached_tokens)
+        })
+        .collect();
+    private.sort_unstable();
+    let mut by_uncached: Vec<usize> = members.iter().map(|m| m.at).collect();
+    by_uncached.sort_by_key(|&i| (out[i].prompt_tokens - out[i].cached_tokens, i));
+    let mut work_tokens = 0u64;
+    for (i, own) in by_uncached.into_iter().zip(private) {
+        work_tokens += own;
+        let shared = capacity.overhead_ms
+            + capacity.prefill_base_ms
+            + capacity.t_p_ms * work_tokens as f64 / capacity.engines;
+        out[i].ttft_ms = out[i].ttft_ms.max(shared);
+    }
 }
 
 /// TTFT and E2E of one request alone on an idle engine of `profile` with `cached`

@@ -51,6 +51,7 @@ fn record(policy: &str, regions: &[String], r: &Row) -> RequestRecord {
         output_tokens: r.output_tokens as u64,
         cached_tokens: r.ok.then_some(r.cached_tokens as u64),
         predicted_ttft_ms: r.predicted_ttft_ms.map(f64::from),
+        cached_anywhere_tokens: Some(u64::from(r.cached_anywhere_tokens)),
         start_ms: r.start_ms,
         // The simulator has no response head apart from the first token.
         first_byte_ms: None,

@@ -400,6 +400,9 @@ struct Flight {
     first_byte_due_ms: Option<f64>,
     /// The cached tokens the client's node believed its chosen candidate holds.
     predicted_cached_tokens: Option<u64>,
+    /// The longest prefix of the prompt any engine of the cluster held when the
+    /// client's node decided (the truth, which no node has; a diagnostic).
+    cached_anywhere_tokens: u64,
     /// What the client's node said serving it itself would cost, sent with a forward
     /// (`SimConfig::refuse_forwards`, [`refuse_forward`]).
     offer: Option<ForwardOffer>,
@@ -806,6 +809,7 @@ impl<'a> Sim<'a> {
             offer: None,
             first_byte_due_ms: None,
             predicted_cached_tokens: None,
+            cached_anywhere_tokens: 0,
             first_token_seen: false,
             transit_tokens: 0,
         };
@@ -1059,7 +1063,15 @@ impl<'a> Sim<'a> {
             )
         });
         if hops == 0 {
+            let anywhere = self
+                .engines
+                .iter()
+                .map(|e| e.engine.cached_prefix_tokens(&chain))
+                .max()
+                .unwrap_or(0)
+                .min(prompt_tokens.saturating_sub(1));
             let f = self.flight_mut(slot);
+            f.cached_anywhere_tokens = anywhere;
             f.epoch = epoch;
             f.cell = cell;
             f.predicted_ttft_ms = predicted.map(|v| v as f32);
@@ -1477,6 +1489,7 @@ impl<'a> Sim<'a> {
             cached_tokens: 0,
             predicted_ttft_ms: f.predicted_ttft_ms,
             predicted_cached_tokens: None,
+            cached_anywhere_tokens: f.cached_anywhere_tokens.min(u32::MAX as u64) as u32,
         });
     }
 
@@ -1512,6 +1525,7 @@ impl<'a> Sim<'a> {
             predicted_cached_tokens: f
                 .predicted_cached_tokens
                 .map(|c| c.min(u32::MAX as u64) as u32),
+            cached_anywhere_tokens: f.cached_anywhere_tokens.min(u32::MAX as u64) as u32,
         });
     }
 
