@@ -20,8 +20,11 @@ and the excess split in two:
 - queue + network: the rest: waiting behind other work, sharing the batch, the
   client's link and forwards.
 
-It also gives the share of those requests that were forwarded, and the p95 over the
-floor's p95. Standard library only.
+It also gives the share of those requests that were forwarded, the p95 over the
+floor's p95, and the share of the cluster's KV cache spent on copies of blocks another
+engine also held (sampled every 10 s by the simulator, sim.json's counters): what
+copies crowd out of the cache feeds the "not cached anywhere" term. Standard library
+only.
 """
 import csv
 import json
@@ -40,7 +43,13 @@ def nearest_rank(sorted_values, p):
 
 
 def main(out: Path) -> None:
-    config = json.loads((out / "sim.json").read_text())["config"]
+    sim = json.loads((out / "sim.json").read_text())
+    config = sim["config"]
+    copies = {}
+    for run in sim["runs"]:
+        c = run["counters"]
+        if c.get("kv_cached_tokens_sampled"):
+            copies[run["policy"]] = 1 - c["kv_unique_tokens_sampled"] / c["kv_cached_tokens_sampled"]
     profile = config.get("engine_profile", "paper-a100-mistral7b")
     path = Path(profile)
     if not path.exists():
@@ -59,8 +68,8 @@ def main(out: Path) -> None:
     print(f"floor p95 TTFT {floor_p95:.0f} ms (t_p {t_p} ms/token, profile {profile})\n")
     print("| policy | p95 TTFT ms | p95 / floor p95 | tail requests | tail mean TTFT ms | "
           "tail mean floor ms | excess: placement ms | excess: not cached anywhere ms | "
-          "excess: queue + network ms | tail forwarded |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "excess: queue + network ms | tail forwarded | KV on copies |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for policy, rows in by_policy.items():
         ttfts = sorted(float(r["ttft_ms"]) for r in rows)
         p95 = nearest_rank(ttfts, 95)
@@ -78,8 +87,10 @@ def main(out: Path) -> None:
         placement, nowhere = placement / n, nowhere / n
         rest = mean_ttft - mean_floor - placement - nowhere
         forwarded = sum(1 for r in tail if r["served_by"] != r["region"]) / n
+        copy_cell = f"{copies[policy]:.0%}" if policy in copies else "-"
         print(f"| {policy} | {p95:.0f} | {p95 / floor_p95:.2f} | {n} | {mean_ttft:.0f} | "
-              f"{mean_floor:.0f} | {placement:.0f} | {nowhere:.0f} | {rest:.0f} | {forwarded:.0%} |")
+              f"{mean_floor:.0f} | {placement:.0f} | {nowhere:.0f} | {rest:.0f} | {forwarded:.0%} | "
+              f"{copy_cell} |")
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:

@@ -62,6 +62,11 @@ impl RadixCache {
             .unwrap_or_default()
     }
 
+    /// Every cached block: (chained hash, tokens), in no order.
+    pub fn blocks(&self) -> impl Iterator<Item = (u64, u32)> + '_ {
+        self.nodes.iter().map(|(&h, n)| (h, n.tokens))
+    }
+
     /// Tokens held by cached blocks (referenced or not).
     pub fn cached_tokens(&self) -> u64 {
         self.cached_tokens

@@ -290,6 +290,12 @@ impl Engine {
         chain.prefix_tokens(self.cache.match_len(&chain.hashes))
     }
 
+    /// Every block of this engine's cache: (chained hash, tokens), in no order. For
+    /// diagnostics across engines (how many prefixes the cluster holds twice).
+    pub fn cached_blocks(&self) -> impl Iterator<Item = (u64, u32)> + '_ {
+        self.cache.blocks()
+    }
+
     /// The profile this engine runs.
     pub fn profile(&self) -> &Profile {
         &self.profile

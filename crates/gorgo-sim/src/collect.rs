@@ -97,6 +97,12 @@ pub struct SimCounters {
     pub gossip_lost: u64,
     /// Snapshot requests sent after a version gap.
     pub snapshot_requests: u64,
+    /// KV tokens every engine's prefix cache held, summed over engines and over samples
+    /// taken every [`crate::sim::KV_SAMPLE_MS`] of virtual time.
+    pub kv_cached_tokens_sampled: u64,
+    /// Of those, the tokens of distinct blocks (a block two engines hold counts once):
+    /// `1 - unique / cached` is the share of the cluster's cache spent on copies.
+    pub kv_unique_tokens_sampled: u64,
     /// Trace rows that arrived out of order (sent at the current time instead).
     pub reordered_rows: u64,
     /// Virtual time at the end, ms.

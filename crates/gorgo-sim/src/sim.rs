@@ -129,6 +129,10 @@ pub struct SimConfig {
     pub refuse_forwards: bool,
 }
 
+/// Period of the samples of every engine's cache that count blocks held twice
+/// (`SimCounters::kv_unique_tokens_sampled`), virtual ms.
+pub const KV_SAMPLE_MS: f64 = 10_000.0;
+
 /// Bytes the live cluster puts before each gossip message on its uni-stream (kind
 /// byte and staleness stamp, `gorgo-cluster`'s gossip frame).
 pub const GOSSIP_FRAME_HEADER: usize = 9;
@@ -493,6 +497,8 @@ struct Sim<'a> {
     engine_events: Vec<EngineEvent>,
     trace_done: bool,
     now: f64,
+    /// When the cluster's caches are next sampled for copies ([`KV_SAMPLE_MS`]).
+    next_kv_sample_ms: f64,
 }
 
 /// Run `policy` over `trace` and collect its results. `progress` is called every few
@@ -567,6 +573,7 @@ impl<'a> Sim<'a> {
             engine_events: Vec::new(),
             trace_done: false,
             now: 0.0,
+            next_kv_sample_ms: 0.0,
         };
         if kind == PolicyKind::Oracle {
             sim.oracle = Some(Oracle {
@@ -979,6 +986,23 @@ impl<'a> Sim<'a> {
             })
             .collect();
         (cands, engines)
+    }
+
+    /// Count the tokens every engine's cache holds, and those of distinct blocks: what
+    /// the cluster spends on copies of the same prefix (a diagnostic: the floor's
+    /// eviction term is what copies crowd out).
+    fn sample_kv(&mut self) {
+        let mut unique: std::collections::HashMap<u64, u32> = Default::default();
+        let mut cached = 0u64;
+        for e in &self.engines {
+            for (h, t) in e.engine.cached_blocks() {
+                cached += u64::from(t);
+                unique.insert(h, t);
+            }
+        }
+        let c = &mut self.out.run.counters;
+        c.kv_cached_tokens_sampled += cached;
+        c.kv_unique_tokens_sampled += unique.values().map(|&t| u64::from(t)).sum::<u64>();
     }
 
     /// Decide where a request that is at node `r` is served, and send it there.
@@ -1551,6 +1575,10 @@ impl<'a> Sim<'a> {
     /// Node `r` gossips each of its engines' stats and summary to every peer and runs
     /// its tuner.
     fn tick(&mut self, r: usize, now: f64) {
+        if r == 0 && now >= self.next_kv_sample_ms {
+            self.next_kv_sample_ms = now + KV_SAMPLE_MS;
+            self.sample_kv();
+        }
         let n = self.names.len();
         // Follow the cluster's size (constant here: every peer stays live).
         let peers = self.cfg.peer_count();
