@@ -309,4 +309,18 @@ impl Decision {
             .filter(|v| v.is_finite())
             .min_by(f64::total_cmp)
     }
+
+    /// The estimated TTFT ([`CostTerms::estimated_ttft_ms`]) of the local engine
+    /// [`local_cost_ms`](Self::local_cost_ms) prices cheapest: where a refused or
+    /// failed forward is served, so what the node predicts for it then (plus the time
+    /// the forward took), rather than the peer's estimate that proved wrong.
+    pub fn local_estimated_ttft_ms(&self) -> Option<f64> {
+        self.candidates
+            .iter()
+            .filter(|c| c.is_local && c.healthy)
+            .filter_map(|c| c.terms)
+            .filter(|t| t.total_ms.is_finite())
+            .min_by(|a, b| a.total_ms.total_cmp(&b.total_ms))
+            .and_then(|t| t.estimated_ttft_ms)
+    }
 }

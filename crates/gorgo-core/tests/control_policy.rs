@@ -777,6 +777,17 @@ fn at_max_hops_the_policy_picks_among_the_local_engines_only() {
     let idle = d.candidates[1].terms.unwrap().total_ms;
     assert_eq!(d.local_cost_ms(), Some(idle));
     assert!(idle < d.candidates[0].terms.unwrap().total_ms);
+    // And what the node predicts once it serves it itself: that engine's estimate,
+    // not the chosen peer's.
+    let own = d.candidates[1].terms.unwrap().estimated_ttft_ms;
+    assert_eq!(d.local_estimated_ttft_ms(), own);
+    assert_ne!(
+        own,
+        d.candidates[d.target_index]
+            .terms
+            .unwrap()
+            .estimated_ttft_ms
+    );
 }
 
 #[test]

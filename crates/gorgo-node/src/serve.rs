@@ -246,7 +246,7 @@ async fn route_and_serve(
         state.metrics.terms(&terms);
     }
     let chosen = record.candidates.iter().find(|c| c.chosen);
-    let predicted = chosen.and_then(|c| c.terms?.estimated_ttft_ms);
+    let mut predicted = chosen.and_then(|c| c.terms?.estimated_ttft_ms);
     let chosen_replica = chosen.map_or(0, |c| c.replica);
     let decided = Instant::now();
     // What serving here costs, sent with a forward so the peer can refuse it; not when
@@ -255,7 +255,7 @@ async fn route_and_serve(
     let offer = if local_excluded {
         None
     } else {
-        best_local.and_then(|(_, total_ms)| ForwardOffer::new(total_ms, input.weights))
+        best_local.and_then(|l| ForwardOffer::new(l.total_ms, input.weights))
     };
     tracing::debug!(request_id = req.request_id, ?target, reason = %record.reason, "decided");
     let served = match target {
@@ -281,15 +281,18 @@ async fn route_and_serve(
                 state
                     .router
                     .forward_refused(&peer, &record, &refusal, elapsed_ms, state.now_ms());
-                let (replica, _) = best_local.expect("checked in the guard");
-                serve_local_or_exclude(state, req, replica, excluded).await
+                let local = best_local.expect("checked in the guard");
+                // Served here after all: the prediction is this node's own for serving
+                // it, plus the round trip the refusal took (the simulator does the same).
+                predicted = local.estimated_ttft_ms.map(|p| p + elapsed_ms);
+                serve_local_or_exclude(state, req, local.replica, excluded).await
             }
             Err(e) => {
                 tracing::warn!(request_id = req.request_id, %peer, error = %e, "forward failed before first byte; serving locally");
                 state.metrics.forward(&peer.0, "fallback");
                 match best_local {
-                    Some((replica, _)) => {
-                        serve_local_or_exclude(state, req, replica, excluded).await
+                    Some(local) => {
+                        serve_local_or_exclude(state, req, local.replica, excluded).await
                     }
                     None => Err(ServeError::Unavailable(format!(
                         "forward to {peer} failed and no local engine"
@@ -309,16 +312,32 @@ async fn route_and_serve(
     })
 }
 
-/// The local engine a decision priced cheapest among those that could serve (replica,
-/// total cost in ms): where a forward that fails or is refused goes instead, and what
-/// a forward offers the peer as the cost of serving here.
-fn best_local(record: &crate::route::DecisionRecord) -> Option<(u16, f64)> {
+/// The local engine a decision priced cheapest among those that could serve: where a
+/// forward that fails or is refused goes instead, what a forward offers the peer as
+/// the cost of serving here, and what the node predicts once it serves it itself.
+#[derive(Debug, Clone, Copy)]
+struct BestLocal {
+    replica: u16,
+    /// Its `gorgo` total, ms.
+    total_ms: f64,
+    /// Its estimated TTFT, ms (`gorgo_core::cost::estimated_ttft_ms`).
+    estimated_ttft_ms: Option<f64>,
+}
+
+fn best_local(record: &crate::route::DecisionRecord) -> Option<BestLocal> {
     record
         .candidates
         .iter()
         .filter(|c| c.is_local && c.healthy)
-        .filter_map(|c| Some((c.replica, c.terms?.total_ms)))
-        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .filter_map(|c| {
+            let terms = c.terms?;
+            Some(BestLocal {
+                replica: c.replica,
+                total_ms: terms.total_ms,
+                estimated_ttft_ms: terms.estimated_ttft_ms,
+            })
+        })
+        .min_by(|a, b| a.total_ms.total_cmp(&b.total_ms))
 }
 
 /// Serve on local engine `replica`; a failure before the first byte that another

@@ -339,7 +339,21 @@ async fn refusing_cluster(b_refuses: bool) -> (Cluster, String) {
 #[tokio::test]
 async fn a_forward_the_target_would_serve_later_is_refused_and_served_at_its_origin() {
     let (c, p) = refusing_cluster(true).await;
-    let (status, served, _) = chat(&c.nodes[0], &p).await;
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", c.nodes[0].base))
+        .json(&chat_body(&p, false))
+        .send()
+        .await
+        .unwrap();
+    let header = |name: &str| {
+        resp.headers()
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_owned())
+            .unwrap_or_default()
+    };
+    let (status, served) = (resp.status().as_u16(), header("x-gorgo-served-by"));
+    let predicted: f64 = header("x-gorgo-predicted-ttft-ms").parse().unwrap();
+    let _ = resp.bytes().await.unwrap();
     assert_eq!((status, served.as_str()), (200, "a"));
     assert_eq!(
         c.engines[1].requests(),
@@ -349,6 +363,23 @@ async fn a_forward_the_target_would_serve_later_is_refused_and_served_at_its_ori
     // a decided to forward to b; b's log shows the refusal with its terms.
     let d = admin_json(&c.nodes[0], "/admin/decisions?limit=1").await;
     assert_eq!(d[0]["winner"], "b");
+    // The client is told a's own prediction for serving it (plus the refusal's round
+    // trip), not the forward's, which proved wrong.
+    let estimate = |is_local: bool| {
+        d[0]["candidates"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["is_local"] == is_local && c["node"] == if is_local { "a" } else { "b" })
+            .unwrap()["terms"]["estimated_ttft_ms"]
+            .as_f64()
+            .unwrap()
+    };
+    let (local, forward) = (estimate(true), estimate(false));
+    assert!(
+        predicted >= local && predicted < local + 60_000.0 && (predicted - forward).abs() > 1.0,
+        "predicted {predicted}, a's own estimate {local}, the forward's {forward}"
+    );
     let d = admin_json(&c.nodes[1], "/admin/decisions?limit=1").await;
     assert_eq!(d[0]["reason"], "refused");
     assert!(d[0]["winner"].is_null());

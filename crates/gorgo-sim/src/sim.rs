@@ -400,6 +400,9 @@ struct Flight {
     predicted_ttft_ms: Option<f32>,
     /// When the client's node forwarded it, ms (distributed mode, hops 0 -> 1).
     forwarded_ms: Option<f64>,
+    /// The client's node's estimated TTFT for serving it itself, from the same
+    /// decision, ms after the send: its prediction once a refusal brings it back.
+    local_predicted_ttft_ms: Option<f64>,
     /// When its first byte reaches the forwarding node ([`Ev::FirstByte`]), ms.
     first_byte_due_ms: Option<f64>,
     /// The cached tokens the client's node believed its chosen candidate holds.
@@ -813,6 +816,7 @@ impl<'a> Sim<'a> {
             cached_tokens: 0,
             predicted_ttft_ms: None,
             forwarded_ms: None,
+            local_predicted_ttft_ms: None,
             offer: None,
             first_byte_due_ms: None,
             predicted_cached_tokens: None,
@@ -1074,6 +1078,10 @@ impl<'a> Sim<'a> {
                 .find(|c| c.chosen)
                 .and_then(|c| c.terms?.estimated_ttft_ms)
         });
+        let local_predicted = outcome
+            .as_ref()
+            .ok()
+            .and_then(|d| d.local_estimated_ttft_ms());
         let offer = outcome
             .as_ref()
             .ok()
@@ -1099,6 +1107,7 @@ impl<'a> Sim<'a> {
             f.epoch = epoch;
             f.cell = cell;
             f.predicted_ttft_ms = predicted.map(|v| v as f32);
+            f.local_predicted_ttft_ms = local_predicted;
             f.predicted_cached_tokens = target.as_ref().ok().map(|&(_, c)| c);
         }
         match target {
@@ -1206,7 +1215,13 @@ impl<'a> Sim<'a> {
     /// A refusal reached the forwarding node: it serves the request itself (and, as
     /// the live node's `x-gorgo-hops`, reports it unforwarded).
     fn refused(&mut self, slot: u32, now: f64) {
-        self.flight_mut(slot).hops = 0;
+        let f = self.flight_mut(slot);
+        f.hops = 0;
+        // Served here after all: the prediction is this node's own for serving it,
+        // plus the round trip the refusal took (the node does the same).
+        if let (Some(p), Some(sent)) = (f.local_predicted_ttft_ms, f.forwarded_ms) {
+            f.predicted_ttft_ms = Some((p + (now - sent)) as f32);
+        }
         let f = self.flight(slot);
         let (home, t, priced, sent, tokens) = (
             f.home as usize,
