@@ -311,41 +311,58 @@ fn draw_region_share(report: &Report, svg: &mut String) -> DrawResult {
 
 /// The three plots of a load sweep, `(file name, SVG)`: p95 TTFT, p95 E2E and cache
 /// hit ratio against offered load, one line per policy.
+/// One plot of a sweep: what it shows and how.
+struct SweepPlot {
+    file: &'static str,
+    title: &'static str,
+    y_desc: &'static str,
+    pick: fn(&PolicyResult) -> Option<f64>,
+    log: bool,
+}
+
 pub(crate) fn sweep_plots(sweep: &Sweep) -> Result<Vec<(&'static str, String)>> {
-    type Pick = fn(&PolicyResult) -> Option<f64>;
-    let plots: [(&'static str, &str, &str, Pick, bool); 3] = [
-        (
-            "sweep_ttft_p95.svg",
-            "p95 TTFT vs offered load",
-            "p95 TTFT (log scale)",
-            |r| Some(r.ttft_ms.p95),
-            true,
-        ),
-        (
-            "sweep_e2e_p95.svg",
-            "p95 E2E latency vs offered load",
-            "p95 E2E (log scale)",
-            |r| Some(r.e2e_ms.p95),
-            true,
-        ),
-        (
-            "sweep_cache_hit.svg",
-            "Cache hit ratio vs offered load",
-            "cached / prompt tokens (%)",
-            |r| r.cache_hit_ratio.map(|h| h * 100.0),
-            false,
-        ),
+    let plots = [
+        SweepPlot {
+            file: "sweep_ttft_p95.svg",
+            title: "p95 TTFT vs offered load",
+            y_desc: "p95 TTFT (log scale)",
+            pick: |r| Some(r.ttft_ms.p95),
+            log: true,
+        },
+        SweepPlot {
+            file: "sweep_e2e_p95.svg",
+            title: "p95 E2E latency vs offered load",
+            y_desc: "p95 E2E (log scale)",
+            pick: |r| Some(r.e2e_ms.p95),
+            log: true,
+        },
+        SweepPlot {
+            file: "sweep_cache_hit.svg",
+            title: "Cache hit ratio vs offered load",
+            y_desc: "cached / prompt tokens (%)",
+            pick: |r| r.cache_hit_ratio.map(|h| h * 100.0),
+            log: false,
+        },
     ];
     let mut out = Vec::new();
-    for (file, title, y_desc, pick, log) in plots {
-        let slo = match file {
+    for plot in &plots {
+        let slo = match plot.file {
             "sweep_ttft_p95.svg" => Some(sweep.slo.ttft_p95_ms),
             "sweep_e2e_p95.svg" => sweep.slo.e2e_p95_ms,
             _ => None,
         };
+        // The floor no policy can beat (the cache's: the most any can hit), so a reader
+        // sees how much room the best line leaves.
+        let floor = sweep.floor.as_ref().and_then(|f| match plot.file {
+            "sweep_ttft_p95.svg" => Some(("floor (no policy can beat)", f.ttft_ms.p95)),
+            "sweep_e2e_p95.svg" => Some(("floor (no policy can beat)", f.e2e_ms.p95)),
+            _ => f
+                .cache_hit_ratio
+                .map(|h| ("bound (unbounded shared cache)", h * 100.0)),
+        });
         let mut svg = String::new();
-        draw_sweep(sweep, &mut svg, title, y_desc, pick, log, slo).map_err(plot_error(file))?;
-        out.push((file, svg));
+        draw_sweep(sweep, &mut svg, plot, slo, floor).map_err(plot_error(plot.file))?;
+        out.push((plot.file, svg));
     }
     Ok(out)
 }
@@ -353,12 +370,37 @@ pub(crate) fn sweep_plots(sweep: &Sweep) -> Result<Vec<(&'static str, String)>> 
 fn draw_sweep(
     sweep: &Sweep,
     svg: &mut String,
-    title: &str,
-    y_desc: &str,
-    pick: fn(&PolicyResult) -> Option<f64>,
-    log: bool,
+    plot: &SweepPlot,
     slo: Option<f64>,
+    floor: Option<(&str, f64)>,
 ) -> DrawResult {
+    let SweepPlot {
+        title,
+        y_desc,
+        pick,
+        log,
+        ..
+    } = *plot;
+    let floor = floor.filter(|(_, v)| v.is_finite() && (!log || *v > 0.0));
+    let mut refs: Vec<RefLine> = Vec::new();
+    if let Some(s) = slo {
+        refs.push(RefLine {
+            label: format!("SLO {}", fmt_ms(s)),
+            value: s,
+            color: SLO_GREY,
+            dash: 8,
+            gap: 5,
+        });
+    }
+    if let Some((label, f)) = floor {
+        refs.push(RefLine {
+            label: label.to_owned(),
+            value: f,
+            color: FLOOR_GREY,
+            dash: 2,
+            gap: 4,
+        });
+    }
     let lines: Vec<(String, Vec<(f64, f64)>)> = sweep
         .policies()
         .into_iter()
@@ -386,27 +428,28 @@ fn draw_sweep(
     root.fill(&WHITE)?;
     // The legend gets its own column so it never hides a line.
     let (plot_area, legend) = root.split_horizontally(780);
-    let mut entries: Vec<(String, RGBColor, bool)> = Vec::new();
-    if let Some(s) = slo {
-        entries.push((format!("SLO {}", fmt_ms(s)), RGBColor(120, 120, 120), true));
-    }
-    entries.extend(
-        lines
-            .iter()
-            .enumerate()
-            .map(|(i, (p, _))| (p.clone(), color(i), false)),
-    );
-    for (k, (label, c, dashed)) in entries.iter().enumerate() {
+    // Reference lines first (dashed), then one entry per policy (a line and a marker).
+    let rows = refs.len() + lines.len();
+    for k in 0..rows {
         let y = 60 + 24 * k as i32;
-        if *dashed {
-            legend.draw(&PathElement::new(vec![(10, y), (18, y)], c.stroke_width(3)))?;
-            legend.draw(&PathElement::new(vec![(24, y), (32, y)], c.stroke_width(3)))?;
+        let (label, c) = match refs.get(k) {
+            Some(r) => (r.label.clone(), r.color),
+            None => (lines[k - refs.len()].0.clone(), color(k - refs.len())),
+        };
+        if let Some(r) = refs.get(k) {
+            let (dash, gap) = (r.dash as i32, r.gap as i32);
+            let mut x = 10;
+            while x < 32 {
+                let end = (x + dash).min(32);
+                legend.draw(&PathElement::new(vec![(x, y), (end, y)], c.stroke_width(3)))?;
+                x = end + gap;
+            }
         } else {
             legend.draw(&PathElement::new(vec![(10, y), (32, y)], c.stroke_width(3)))?;
             legend.draw(&Circle::new((21, y), 4, c.filled()))?;
         }
         legend.draw(&Text::new(
-            label.clone(),
+            label,
             (40, y - 8),
             ("sans-serif", 15).into_font(),
         ))?;
@@ -419,7 +462,7 @@ fn draw_sweep(
         .y_label_area_size(65);
     let values = lines.iter().flat_map(|(_, v)| v.iter().map(|p| &p.1));
     if log {
-        let (lo, hi) = log_bounds(values.chain(slo.iter()));
+        let (lo, hi) = log_bounds(values.chain(refs.iter().map(|r| &r.value)));
         // A saturated policy's latencies run to hours; past CLIP_X_SLO times the SLO
         // they are drawn at the top edge so the lines near the SLO stay readable.
         let hi = slo.map_or(hi, |s| hi.min(s * CLIP_X_SLO).max(lo * 2.0));
@@ -448,10 +491,12 @@ fn draw_sweep(
             .y_label_formatter(&|v| fmt_ms(*v))
             .max_light_lines(2)
             .draw()?;
-        draw_lines(&mut chart, &clipped, slo, (x_lo, x_hi))?;
+        draw_lines(&mut chart, &clipped, &refs, (x_lo, x_hi))?;
     } else {
         // Ratios are often a few percent: scale to the data, not to 100%.
-        let top = values.fold(0.0f64, |m, v| m.max(*v));
+        let top = values
+            .chain(refs.iter().map(|r| &r.value))
+            .fold(0.0f64, |m, v| m.max(*v));
         let top = (top * 1.25).clamp(5.0, 100.0);
         let mut chart = builder.build_cartesian_2d(x_lo..x_hi, 0f64..top)?;
         chart
@@ -461,7 +506,7 @@ fn draw_sweep(
             .y_label_formatter(&|v| format!("{v:.0}"))
             .max_light_lines(2)
             .draw()?;
-        draw_lines(&mut chart, &lines, slo, (x_lo, x_hi))?;
+        draw_lines(&mut chart, &lines, &refs, (x_lo, x_hi))?;
     }
     root.present()?;
     Ok(())
@@ -627,10 +672,26 @@ fn draw_tuning(trials: &[TrialLine], policy: Option<&str>, svg: &mut String) -> 
     Ok(())
 }
 
+/// The SLO's dashed line.
+const SLO_GREY: RGBColor = RGBColor(120, 120, 120);
+/// The latency floor's dotted line (a dark grey, since the palette has black).
+const FLOOR_GREY: RGBColor = RGBColor(70, 70, 70);
+
+/// A horizontal reference line (the SLO, the floor) and its legend entry.
+struct RefLine {
+    label: String,
+    value: f64,
+    color: RGBColor,
+    /// Dash and gap lengths, px.
+    dash: u32,
+    gap: u32,
+}
+
+/// The policies' lines over horizontal dashed reference lines.
 fn draw_lines<'a, DB, Y>(
     chart: &mut ChartContext<'a, DB, Cartesian2d<plotters::coord::types::RangedCoordf64, Y>>,
     lines: &[(String, Vec<(f64, f64)>)],
-    slo: Option<f64>,
+    refs: &[RefLine],
     (x_lo, x_hi): (f64, f64),
 ) -> DrawResult
 where
@@ -638,13 +699,12 @@ where
     DB::ErrorType: 'static,
     Y: Ranged<ValueType = f64>,
 {
-    if let Some(s) = slo {
-        let grey = RGBColor(120, 120, 120);
+    for r in refs {
         chart.draw_series(DashedLineSeries::new(
-            vec![(x_lo, s), (x_hi, s)],
-            8,
-            5,
-            grey.stroke_width(2),
+            vec![(x_lo, r.value), (x_hi, r.value)],
+            r.dash,
+            r.gap,
+            r.color.stroke_width(2),
         ))?;
     }
     for (i, (_, pts)) in lines.iter().enumerate() {
