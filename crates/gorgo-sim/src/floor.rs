@@ -17,7 +17,7 @@
 //! a queue only adds, a finite or a remote cache only misses more, a link only adds
 //! delay), so each simulated request is at least its floor. One interaction is
 //! counted, because bursty traces are made of it: requests arriving at the same
-//! instant share the cluster's prefill capacity ([`burst_floor`]); that bound holds
+//! instant share the cluster's prefill capacity (`burst_floor`); that bound holds
 //! for a burst's sorted TTFTs rather than for each request. Either way each percentile
 //! over the run is at least the floor's (`floor_is_below_every_request_of_every_policy`
 //! checks both).
@@ -38,7 +38,8 @@ pub struct RequestFloor {
     pub index: u64,
     /// When it arrived, trace ms: requests with the same arrival are one burst.
     pub arrival_ms: u64,
-    /// Lowest possible time to first token, ms.
+    /// Its TTFT floor, ms: alone on an engine, raised within a burst to the burst's
+    /// bound for its rank (a bound on the burst's sorted TTFTs, see `burst_floor`).
     pub ttft_ms: f64,
     /// Lowest possible end-to-end latency, ms.
     pub e2e_ms: f64,
@@ -55,7 +56,7 @@ pub struct RequestFloor {
 /// arriving with the latest row before them, as the event loop sends them.
 ///
 /// Requests that arrive at the same instant (a burst) also share the engines: see
-/// [`burst_floor`].
+/// `burst_floor`.
 pub fn request_floors<I>(cfg: &SimConfig, trace: I) -> Result<Vec<RequestFloor>>
 where
     I: IntoIterator<Item = std::result::Result<TraceRequest, WorkloadError>>,
