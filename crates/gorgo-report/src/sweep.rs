@@ -4,7 +4,7 @@
 //!
 //! A single load point says little: which policy wins changes with load (the paper's
 //! own results change sign past a time scale of about 3). `gorgo sweep` produces one
-//! [`Results`]-style aggregate per (load, policy); this module turns them into
+//! [`crate::Results`]-style aggregate per (load, policy); this module turns them into
 //! `sweep.json`, `sweep.md` and the per-load plots, whatever driver (simulator or live
 //! clusters) produced them.
 

@@ -98,7 +98,7 @@ pub struct SimCounters {
     /// Snapshot requests sent after a version gap.
     pub snapshot_requests: u64,
     /// KV tokens every engine's prefix cache held, summed over engines and over samples
-    /// taken every [`crate::sim::KV_SAMPLE_MS`] of virtual time.
+    /// taken every 10 s of virtual time (`KV_SAMPLE_MS` in the event loop).
     pub kv_cached_tokens_sampled: u64,
     /// Of those, the tokens of distinct blocks (a block two engines hold counts once):
     /// `1 - unique / cached` is the share of the cluster's cache spent on copies.
