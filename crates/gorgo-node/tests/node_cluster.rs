@@ -32,26 +32,31 @@ impl Cluster {
     }
 }
 
-async fn chat(node: &TestNode, prompt: &str) -> (u16, String, u32) {
+/// A non-streaming chat through `node`: its status and response headers, body read.
+async fn chat_response(node: &TestNode, prompt: &str) -> (u16, reqwest::header::HeaderMap) {
     let resp = client()
         .post(format!("{}/v1/chat/completions", node.base))
         .json(&chat_body(prompt, false))
         .send()
         .await
         .unwrap();
-    let status = resp.status().as_u16();
-    let served = resp
-        .headers()
-        .get("x-gorgo-served-by")
-        .map(|v| v.to_str().unwrap().to_owned())
-        .unwrap_or_default();
-    let hops = resp
-        .headers()
-        .get("x-gorgo-hops")
-        .map(|v| v.to_str().unwrap().parse().unwrap())
-        .unwrap_or(0);
+    let (status, headers) = (resp.status().as_u16(), resp.headers().clone());
     let _ = resp.bytes().await.unwrap();
-    (status, served, hops)
+    (status, headers)
+}
+
+/// A header's value, empty when absent.
+fn header(headers: &reqwest::header::HeaderMap, name: &str) -> String {
+    headers
+        .get(name)
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default()
+}
+
+async fn chat(node: &TestNode, prompt: &str) -> (u16, String, u32) {
+    let (status, headers) = chat_response(node, prompt).await;
+    let hops = header(&headers, "x-gorgo-hops").parse().unwrap_or(0);
+    (status, header(&headers, "x-gorgo-served-by"), hops)
 }
 
 #[tokio::test]
@@ -339,21 +344,11 @@ async fn refusing_cluster(b_refuses: bool) -> (Cluster, String) {
 #[tokio::test]
 async fn a_forward_the_target_would_serve_later_is_refused_and_served_at_its_origin() {
     let (c, p) = refusing_cluster(true).await;
-    let resp = client()
-        .post(format!("{}/v1/chat/completions", c.nodes[0].base))
-        .json(&chat_body(&p, false))
-        .send()
-        .await
+    let (status, headers) = chat_response(&c.nodes[0], &p).await;
+    let served = header(&headers, "x-gorgo-served-by");
+    let predicted: f64 = header(&headers, "x-gorgo-predicted-ttft-ms")
+        .parse()
         .unwrap();
-    let header = |name: &str| {
-        resp.headers()
-            .get(name)
-            .map(|v| v.to_str().unwrap().to_owned())
-            .unwrap_or_default()
-    };
-    let (status, served) = (resp.status().as_u16(), header("x-gorgo-served-by"));
-    let predicted: f64 = header("x-gorgo-predicted-ttft-ms").parse().unwrap();
-    let _ = resp.bytes().await.unwrap();
     assert_eq!((status, served.as_str()), (200, "a"));
     assert_eq!(
         c.engines[1].requests(),
