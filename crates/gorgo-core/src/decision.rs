@@ -296,31 +296,39 @@ pub fn refuse_forward(
     Some((refusal, explain(candidates, Some(&all), None)))
 }
 
+/// The index of the local engine a decision priced cheapest among those that could
+/// serve: where a forward that fails or is refused is served instead, what a forward
+/// offers the peer as the cost of serving here ([`ForwardOffer`]), and whose estimate
+/// the node then reports. One function, so that the node and the simulator send a
+/// refused forward to the same engine.
+pub fn best_local(candidates: &[CandidateExplain]) -> Option<usize> {
+    candidates
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.is_local && c.healthy)
+        .filter_map(|(i, c)| Some((i, c.terms?.total_ms)))
+        .filter(|(_, total)| total.is_finite())
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|(i, _)| i)
+}
+
 impl Decision {
-    /// The cost of serving at the deciding node itself (its cheapest local engine's
+    /// The cost of serving at the deciding node itself (its [`best_local`] engine's
     /// `gorgo` total), when the policy computed one: what a forward offers
     /// ([`ForwardOffer`], [`refuse_forward`]).
     pub fn local_cost_ms(&self) -> Option<f64> {
-        self.candidates
-            .iter()
-            .filter(|c| c.is_local && c.healthy)
-            .filter_map(|c| c.terms)
-            .map(|t| t.total_ms)
-            .filter(|v| v.is_finite())
-            .min_by(f64::total_cmp)
+        self.best_local_terms().map(|t| t.total_ms)
     }
 
-    /// The estimated TTFT ([`CostTerms::estimated_ttft_ms`]) of the local engine
-    /// [`local_cost_ms`](Self::local_cost_ms) prices cheapest: where a refused or
-    /// failed forward is served, so what the node predicts for it then (plus the time
-    /// the forward took), rather than the peer's estimate that proved wrong.
+    /// The estimated TTFT ([`CostTerms::estimated_ttft_ms`]) of the [`best_local`]
+    /// engine: where a refused or failed forward is served, so what the node predicts
+    /// for it then (plus the time the forward took), rather than the peer's estimate
+    /// that proved wrong.
     pub fn local_estimated_ttft_ms(&self) -> Option<f64> {
-        self.candidates
-            .iter()
-            .filter(|c| c.is_local && c.healthy)
-            .filter_map(|c| c.terms)
-            .filter(|t| t.total_ms.is_finite())
-            .min_by(|a, b| a.total_ms.total_cmp(&b.total_ms))
-            .and_then(|t| t.estimated_ttft_ms)
+        self.best_local_terms().and_then(|t| t.estimated_ttft_ms)
+    }
+
+    fn best_local_terms(&self) -> Option<CostTerms> {
+        best_local(&self.candidates).and_then(|i| self.candidates[i].terms)
     }
 }

@@ -312,9 +312,10 @@ async fn route_and_serve(
     })
 }
 
-/// The local engine a decision priced cheapest among those that could serve: where a
-/// forward that fails or is refused goes instead, what a forward offers the peer as
-/// the cost of serving here, and what the node predicts once it serves it itself.
+/// The local engine a decision priced cheapest among those that could serve
+/// (`gorgo_core::decision::best_local`, as the simulator picks it): where a forward
+/// that fails or is refused goes instead, what a forward offers the peer as the cost
+/// of serving here, and what the node predicts once it serves it itself.
 #[derive(Debug, Clone, Copy)]
 struct BestLocal {
     replica: u16,
@@ -325,19 +326,13 @@ struct BestLocal {
 }
 
 fn best_local(record: &crate::route::DecisionRecord) -> Option<BestLocal> {
-    record
-        .candidates
-        .iter()
-        .filter(|c| c.is_local && c.healthy)
-        .filter_map(|c| {
-            let terms = c.terms?;
-            Some(BestLocal {
-                replica: c.replica,
-                total_ms: terms.total_ms,
-                estimated_ttft_ms: terms.estimated_ttft_ms,
-            })
-        })
-        .min_by(|a, b| a.total_ms.total_cmp(&b.total_ms))
+    let c = &record.candidates[gorgo_core::decision::best_local(&record.candidates)?];
+    let terms = c.terms?;
+    Some(BestLocal {
+        replica: c.replica,
+        total_ms: terms.total_ms,
+        estimated_ttft_ms: terms.estimated_ttft_ms,
+    })
 }
 
 /// Serve on local engine `replica`; a failure before the first byte that another

@@ -20,7 +20,7 @@ use gorgo_core::accounting::{
 };
 use gorgo_core::candidates::{build_candidates, LocalState, PeerState};
 use gorgo_core::cost::{Candidate, ForwardLedger};
-use gorgo_core::decision::{decide, refuse_forward, ForwardOffer};
+use gorgo_core::decision::{best_local, decide, refuse_forward, ForwardOffer};
 use gorgo_core::es::{TrialDesign, TuningConfig};
 use gorgo_core::fit::FitConfig;
 use gorgo_core::gossip::{self as core_gossip, GossipConfig, GossipSender, PeerGossip};
@@ -403,6 +403,10 @@ struct Flight {
     /// The client's node's estimated TTFT for serving it itself, from the same
     /// decision, ms after the send: its prediction once a refusal brings it back.
     local_predicted_ttft_ms: Option<f64>,
+    /// The engine of the client's node that decision priced cheapest
+    /// (`gorgo_core::decision::best_local`): where a refused forward is served, as the
+    /// node serves it.
+    local_engine: Option<usize>,
     /// When its first byte reaches the forwarding node ([`Ev::FirstByte`]), ms.
     first_byte_due_ms: Option<f64>,
     /// The cached tokens the client's node believed its chosen candidate holds.
@@ -817,6 +821,7 @@ impl<'a> Sim<'a> {
             predicted_ttft_ms: None,
             forwarded_ms: None,
             local_predicted_ttft_ms: None,
+            local_engine: None,
             offer: None,
             first_byte_due_ms: None,
             predicted_cached_tokens: None,
@@ -1082,6 +1087,11 @@ impl<'a> Sim<'a> {
             .as_ref()
             .ok()
             .and_then(|d| d.local_estimated_ttft_ms());
+        let local_engine = outcome
+            .as_ref()
+            .ok()
+            .and_then(|d| best_local(&d.candidates))
+            .map(|i| cand_engines[i]);
         let offer = outcome
             .as_ref()
             .ok()
@@ -1108,6 +1118,7 @@ impl<'a> Sim<'a> {
             f.cell = cell;
             f.predicted_ttft_ms = predicted.map(|v| v as f32);
             f.local_predicted_ttft_ms = local_predicted;
+            f.local_engine = local_engine;
             f.predicted_cached_tokens = target.as_ref().ok().map(|&(_, c)| c);
         }
         match target {
@@ -1236,42 +1247,13 @@ impl<'a> Sim<'a> {
                 .ledger
                 .cancel_forward(&peer, priced, tokens, sent as u64);
         }
-        let e = self.local_engine(slot, home, now);
+        // Only a forward with an offer can be refused, and an offer is the best local
+        // engine's cost, so the engine is always known.
+        let e = self
+            .flight(slot)
+            .local_engine
+            .unwrap_or(self.engine_index(home, 0));
         self.dispatch(slot, e, now);
-    }
-
-    /// The engine of region `r` that serves a request its node takes whatever the
-    /// policy would say (a refused forward come back): the policy's pick among the
-    /// node's own engines, as the core's `decide` makes it at max hops.
-    fn local_engine(&mut self, slot: u32, r: usize, now: f64) -> usize {
-        if self.cfg.replicas == 1 {
-            return self.engine_index(r, 0);
-        }
-        let chain = std::mem::take(&mut self.flight_mut(slot).chain);
-        let (cands, engines) = self.candidates(r, &chain, now);
-        let f = self.flight(slot);
-        let req = RouteRequest {
-            chain: &chain,
-            prompt_tokens: f.prompt_tokens,
-            session_key: f.session_key,
-        };
-        let weights = self.nodes[r]
-            .tuner
-            .as_ref()
-            .map_or(self.default_weights(), |t| t.weights());
-        let rng = self.rng.next_u64();
-        let max_hops = self.cfg.max_hops;
-        let outcome = decide(
-            &req,
-            max_hops,
-            max_hops,
-            &cands,
-            self.nodes[r].policy.as_mut(),
-            weights,
-            rng,
-        );
-        self.flight_mut(slot).chain = chain;
-        outcome.map_or(self.engine_index(r, 0), |d| engines[d.target_index])
     }
 
     /// Submit a request to engine `e`.
