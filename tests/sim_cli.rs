@@ -128,18 +128,7 @@ fn sim_writes_the_compare_report_with_tuning_and_oracle_gap() {
     }
     let tuning = std::fs::read_to_string(out_dir.join("tuning.jsonl")).unwrap();
     let first: serde_json::Value = serde_json::from_str(tuning.lines().next().unwrap()).unwrap();
-    for k in [
-        "epoch",
-        "leader",
-        "candidate",
-        "incumbent",
-        "score_p95_ttft_ms",
-        "incumbent_p95_ttft_ms",
-        "p95_e2e_ms",
-        "sigma",
-        "accepted",
-        "samples",
-    ] {
+    for k in gorgo_core::tuning::TUNING_JSONL_KEYS {
         assert!(first.get(k).is_some(), "tuning.jsonl lacks {k}: {first}");
     }
 }

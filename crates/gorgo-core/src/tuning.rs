@@ -149,6 +149,22 @@ pub enum TuningMessage {
     Report(EpochReport),
 }
 
+/// The keys every line of `tuning.jsonl` carries (docs/design.md's format; a line may
+/// carry more): one list, so that the node, the simulator and their tests check the
+/// same format.
+pub const TUNING_JSONL_KEYS: [&str; 10] = [
+    "epoch",
+    "leader",
+    "candidate",
+    "incumbent",
+    "score_p95_ttft_ms",
+    "incumbent_p95_ttft_ms",
+    "p95_e2e_ms",
+    "sigma",
+    "accepted",
+    "samples",
+];
+
 /// One decided trial: a line of `tuning.jsonl`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TuningRecord {
@@ -769,18 +785,7 @@ mod tests {
         assert_eq!(t.weights(), rec.candidate);
         assert_eq!(t.current().unwrap().phase, Phase::MeasureIncumbent);
         let line = serde_json::to_value(&rec).unwrap();
-        for k in [
-            "epoch",
-            "leader",
-            "candidate",
-            "incumbent",
-            "score_p95_ttft_ms",
-            "incumbent_p95_ttft_ms",
-            "p95_e2e_ms",
-            "sigma",
-            "accepted",
-            "samples",
-        ] {
+        for k in TUNING_JSONL_KEYS {
             assert!(line.get(k).is_some(), "{k}");
         }
     }

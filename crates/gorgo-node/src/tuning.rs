@@ -629,18 +629,7 @@ mod tests {
         assert_eq!(v.history[0].step, 1);
         assert_eq!(v.history[2].total_samples, 24);
         let j = serde_json::to_value(&v.history[0]).unwrap();
-        for k in [
-            "epoch",
-            "leader",
-            "candidate",
-            "incumbent",
-            "score_p95_ttft_ms",
-            "incumbent_p95_ttft_ms",
-            "p95_e2e_ms",
-            "sigma",
-            "accepted",
-            "samples",
-        ] {
+        for k in gorgo_core::tuning::TUNING_JSONL_KEYS {
             assert!(j.get(k).is_some(), "{k}");
         }
     }

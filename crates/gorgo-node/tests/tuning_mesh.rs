@@ -135,18 +135,7 @@ async fn three_nodes_follow_one_leader_and_epochs_advance() {
     assert_eq!(body["leader"], "a");
     let history = body["history"].as_array().unwrap();
     assert!(history.len() >= 4);
-    for k in [
-        "epoch",
-        "leader",
-        "candidate",
-        "incumbent",
-        "score_p95_ttft_ms",
-        "incumbent_p95_ttft_ms",
-        "p95_e2e_ms",
-        "sigma",
-        "accepted",
-        "samples",
-    ] {
+    for k in gorgo_core::tuning::TUNING_JSONL_KEYS {
         assert!(history[0].get(k).is_some(), "{k} missing: {}", history[0]);
     }
     let paper = &body["es_trace"][0];
