@@ -215,6 +215,11 @@ pub struct TuningConfig {
     /// A node that has heard no proposal waits this long after its first tick before
     /// starting a new line of epochs, so a joining node adopts the running one instead.
     pub startup_grace_ms: u64,
+    /// Fit the start: at the end of a line's first window, move each weight the
+    /// measurements pin down to what makes the cost's TTFT terms predict measured TTFT
+    /// ([`crate::tuning::TermSums::fit`]), before any trial (docs/tuning.md, "The
+    /// start fit").
+    pub fit_start: bool,
 }
 
 impl Default for TuningConfig {
@@ -254,6 +259,7 @@ impl TuningConfig {
             freeze_sigma: 0.05,
             seed: 0x676f_7267_6f65_7321,
             startup_grace_ms: 1000,
+            fit_start: true,
         }
     }
 
@@ -428,6 +434,9 @@ pub enum Verdict {
     E2eGuard,
     /// A measurement was empty or not finite; no outcome recorded.
     InvalidMeasurement,
+    /// Not a trial: the line's start fit moved the incumbent to the fitted weights
+    /// (the record's `candidate`).
+    StartFit,
 }
 
 /// The whole tuner state: it travels with every proposal.
@@ -470,6 +479,10 @@ pub struct EsState {
     /// much the line's E2E has moved from the start weights, each step measured paired.
     #[serde(default)]
     pub e2e_drift: f64,
+    /// The line's start fit has been made (or there was nothing to fit): it is made
+    /// once per line, whoever leads.
+    #[serde(default)]
+    pub start_fitted: bool,
 }
 
 impl EsState {
@@ -491,6 +504,7 @@ impl EsState {
             noise_samples: 0,
             e2e_drift: 0.0,
             pending_trial: None,
+            start_fitted: false,
         }
     }
 

@@ -28,6 +28,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
+use crate::cost::CostTerms;
 use crate::error::CoreError;
 use crate::es::{
     EsState, Measurement, TrialDesign, TuningConfig, TuningMode, Verdict, TAIL_QUANTILE,
@@ -70,6 +71,182 @@ impl CellSketches {
     fn merge(&mut self, other: &CellSketches) {
         self.ttft.merge(&other.ttft);
         self.e2e.merge(&other.e2e);
+    }
+}
+
+/// One request's evidence for the start fit ([`TermSums`]), from the decision that
+/// placed it and its measured TTFT.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TermSample {
+    /// The chosen candidate's RTT, unweighted, ms (0 for the local candidate).
+    pub rtt_ms: f64,
+    /// Its unweighted queue term (`raw_queue_ms`: the queue plus the forward bias), ms.
+    pub queue_ms: f64,
+    /// Measured TTFT minus the rest of the prediction (fixed cost and prefill), ms:
+    /// what the two terms above should add up to.
+    pub residual_ms: f64,
+}
+
+impl TermSample {
+    /// The sample of a request placed on a candidate with `terms` (priced under
+    /// `weights`) whose client-side TTFT was `ttft_ms`. `None` when the decision made
+    /// no TTFT prediction.
+    pub fn new(terms: &CostTerms, weights: Weights, ttft_ms: f64) -> Option<TermSample> {
+        let predicted = terms.estimated_ttft_ms?;
+        let rtt_ms = if terms.rtt_ms == 0.0 {
+            0.0
+        } else if weights.w_rtt > 0.0 {
+            terms.rtt_ms / weights.w_rtt
+        } else {
+            return None;
+        };
+        let queue_ms = terms.raw_queue_ms;
+        let sample = TermSample {
+            rtt_ms,
+            queue_ms,
+            residual_ms: ttft_ms - (predicted - rtt_ms - queue_ms),
+        };
+        sample.is_usable().then_some(sample)
+    }
+
+    fn is_usable(&self) -> bool {
+        [self.rtt_ms, self.queue_ms, self.residual_ms]
+            .iter()
+            .all(|v| v.is_finite() && v.abs() <= MAX_TERM_MS)
+            && self.rtt_ms >= 0.0
+            && self.queue_ms >= 0.0
+    }
+}
+
+/// Terms and residuals beyond this (ms, an hour) are not evidence but garbage.
+const MAX_TERM_MS: f64 = 3.6e6;
+
+/// A fitted weight moves the incumbent only when it is this many standard errors from
+/// it, and its standard error is under [`FIT_MAX_REL_SE`] of it.
+const FIT_Z: f64 = 2.0;
+/// See [`FIT_Z`].
+const FIT_MAX_REL_SE: f64 = 0.25;
+
+/// Sufficient statistics of the least-squares fit `residual ~ a * rtt + b * queue` (no
+/// intercept: the fixed cost is already in the prediction), mergeable across nodes by
+/// addition. `a` and `b` are the weights that make the cost's RTT and queue terms
+/// unbiased predictors of the TTFT they stand for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct TermSums {
+    /// Samples.
+    pub n: u64,
+    /// Sum of rtt^2.
+    pub rr: f64,
+    /// Sum of rtt * queue.
+    pub rq: f64,
+    /// Sum of queue^2.
+    pub qq: f64,
+    /// Sum of rtt * residual.
+    pub ry: f64,
+    /// Sum of queue * residual.
+    pub qy: f64,
+    /// Sum of residual^2.
+    pub yy: f64,
+}
+
+impl TermSums {
+    /// Count one request.
+    pub fn add(&mut self, s: TermSample) {
+        if !s.is_usable() {
+            return;
+        }
+        self.n += 1;
+        self.rr += s.rtt_ms * s.rtt_ms;
+        self.rq += s.rtt_ms * s.queue_ms;
+        self.qq += s.queue_ms * s.queue_ms;
+        self.ry += s.rtt_ms * s.residual_ms;
+        self.qy += s.queue_ms * s.residual_ms;
+        self.yy += s.residual_ms * s.residual_ms;
+    }
+
+    fn merge(&mut self, o: &TermSums) {
+        if !o.is_valid() {
+            return;
+        }
+        self.n = self.n.saturating_add(o.n);
+        self.rr += o.rr;
+        self.rq += o.rq;
+        self.qq += o.qq;
+        self.ry += o.ry;
+        self.qy += o.qy;
+        self.yy += o.yy;
+    }
+
+    /// Finite, and the squares non-negative (a report from the network may carry
+    /// anything).
+    fn is_valid(&self) -> bool {
+        let v = [self.rr, self.rq, self.qq, self.ry, self.qy, self.yy];
+        v.iter().all(|x| x.is_finite()) && self.rr >= 0.0 && self.qq >= 0.0 && self.yy >= 0.0
+    }
+
+    /// The fitted `(w_rtt, w_queue)`, each with its standard error, where the data
+    /// determine it: a weight whose term never varied (no forwards, no queue) is `None`.
+    pub fn fit(&self) -> [Option<(f64, f64)>; 2] {
+        if self.n < 3 || !self.is_valid() {
+            return [None, None];
+        }
+        let n = self.n as f64;
+        let det = self.rr * self.qq - self.rq * self.rq;
+        let both = self.rr > 0.0 && self.qq > 0.0 && det > 1e-9 * self.rr * self.qq;
+        if both {
+            let a = (self.qq * self.ry - self.rq * self.qy) / det;
+            let b = (self.rr * self.qy - self.rq * self.ry) / det;
+            let sse = self.yy - 2.0 * (a * self.ry + b * self.qy)
+                + a * a * self.rr
+                + 2.0 * a * b * self.rq
+                + b * b * self.qq;
+            let var = sse.max(0.0) / (n - 2.0);
+            return [
+                Some((a, (var * self.qq / det).sqrt())),
+                Some((b, (var * self.rr / det).sqrt())),
+            ];
+        }
+        let one = |xx: f64, xy: f64| {
+            (xx > 0.0).then(|| {
+                let w = xy / xx;
+                let var = (self.yy - w * xy).max(0.0) / (n - 1.0);
+                (w, (var / xx).sqrt())
+            })
+        };
+        if self.qq > 0.0 && !(self.rr > 0.0) {
+            [None, one(self.qq, self.qy)]
+        } else if self.rr > 0.0 && !(self.qq > 0.0) {
+            [one(self.rr, self.ry), None]
+        } else {
+            [None, None]
+        }
+    }
+
+    /// `incumbent` with each weight raised to the fitted one where the fit pins it down
+    /// ([`FIT_Z`], [`FIT_MAX_REL_SE`]) above the incumbent, clipped to `cfg`'s bounds;
+    /// `None` when nothing moves.
+    ///
+    /// Raised only, never lowered: a weight under its fitted value prices a term below
+    /// the TTFT it adds to this very request, and what a choice costs the requests
+    /// behind it only adds to that, so no better weight lies below it for the start to
+    /// move to. Above it the trials search (measured: the grid's best fixed weights sit
+    /// at or above the fitted ones, docs/tuning.md, "The start fit").
+    pub fn fitted_start(&self, cfg: &TuningConfig, incumbent: Weights) -> Option<Weights> {
+        let pinned = |fit: Option<(f64, f64)>, current: f64| {
+            fit.filter(|&(w, se)| w > current + FIT_Z * se && se < FIT_MAX_REL_SE * w)
+                .map(|(w, _)| w)
+        };
+        let [rtt, queue] = self.fit();
+        let rtt = pinned(rtt, incumbent.w_rtt);
+        let queue = pinned(queue, incumbent.w_queue);
+        if rtt.is_none() && queue.is_none() {
+            return None;
+        }
+        let w = cfg.clip(Weights {
+            w_rtt: rtt.unwrap_or(incumbent.w_rtt),
+            w_queue: queue.unwrap_or(incumbent.w_queue),
+        });
+        (w != incumbent).then_some(w)
     }
 }
 
@@ -129,6 +306,9 @@ pub struct EpochReport {
     pub cells: Box<[CellSketches; CELLS]>,
     /// Requests measured.
     pub samples: u64,
+    /// The start fit's sums over the same requests.
+    #[serde(default)]
+    pub terms: TermSums,
 }
 
 impl EpochReport {
@@ -250,6 +430,7 @@ pub struct Tuner {
     live: BTreeSet<NodeId>,
     current: Option<Proposal>,
     cells: [CellSketches; CELLS],
+    terms: TermSums,
     unreported: bool,
     lead: Option<Lead>,
     last_decided: Option<u64>,
@@ -268,6 +449,7 @@ impl Tuner {
             live,
             current: None,
             cells: Default::default(),
+            terms: TermSums::default(),
             unreported: false,
             lead: None,
             last_decided: None,
@@ -377,6 +559,18 @@ impl Tuner {
         }
     }
 
+    /// A request admitted under `epoch` finished: its start-fit evidence
+    /// ([`TermSample`]). Counted like [`Tuner::record`]'s latencies (same epoch rule).
+    pub fn record_terms(&mut self, epoch: u64, sample: TermSample) {
+        if self
+            .current
+            .as_ref()
+            .is_some_and(|c| c.epoch == epoch && c.phase != Phase::Frozen)
+        {
+            self.terms.add(sample);
+        }
+    }
+
     /// A request admitted under `epoch` in `cell` finished with these latencies.
     pub fn record(&mut self, epoch: u64, cell: Cell, ttft_ms: f64, e2e_ms: f64) {
         let Some(cur) = &self.current else { return };
@@ -479,6 +673,7 @@ impl Tuner {
             from: self.id.clone(),
             cells: Box::new(self.cells.clone()),
             samples: self.cells.iter().map(|c| c.ttft.count()).sum(),
+            terms: self.terms,
         }
     }
 
@@ -489,6 +684,7 @@ impl Tuner {
             .is_none_or(|c| c.epoch != p.epoch || c.leader != p.leader);
         if new_epoch {
             self.cells = Default::default();
+            self.terms = TermSums::default();
             self.unreported = false;
         }
         self.current = Some(p);
@@ -572,10 +768,33 @@ impl Tuner {
                 c.merge(rc);
             }
         }
+        let mut terms = self.terms;
+        for r in lead.reports.values() {
+            terms.merge(&r.terms);
+        }
         let cur = cur.clone();
         self.last_decided = Some(cur.epoch);
         let mut state = cur.state.clone();
         state.epoch = cur.epoch;
+        if self.cfg.fit_start && !state.start_fitted {
+            state.start_fitted = true;
+            if let Some(fitted) = terms.fitted_start(&self.cfg, state.incumbent) {
+                // The window measured the old start; no trial is decided on it. The
+                // line starts again from the fitted weights, with a fresh trial.
+                let before = (state.incumbent, state.sigma);
+                state.incumbent = fitted;
+                state.pending_incumbent = None;
+                state.pending_trial = None;
+                state.incumbent_score = None;
+                state.last_incumbent_p95_ms = None;
+                let meas = measure(&cells, 0..CELLS);
+                let decided = (Verdict::StartFit, meas, meas);
+                self.write_record(&state, &cur, fitted, before, decided, out);
+                let next = self.trial_proposal(cur.epoch + 1, state);
+                self.start_leading(next, now_ms, out);
+                return;
+            }
+        }
         let next = match (cur.phase, cur.candidate) {
             (Phase::MeasureIncumbent, _) => {
                 let meas = measure(&cells, 0..CELLS);
@@ -653,7 +872,8 @@ impl Tuner {
             p95_e2e_ms: cand.p95_e2e_ms,
             incumbent_p95_e2e_ms: inc.p95_e2e_ms,
             sigma,
-            accepted: verdict == Verdict::Accepted,
+            // A start fit, like an accepted trial, makes its candidate the incumbent.
+            accepted: matches!(verdict, Verdict::Accepted | Verdict::StartFit),
             verdict,
             samples: cand.samples,
             incumbent_samples: inc.samples,

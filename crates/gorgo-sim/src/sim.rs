@@ -19,7 +19,7 @@ use gorgo_core::accounting::{
     EngineView, ViewConfig, DEFAULT_DECODE_STEP_MS, DEFAULT_METRICS_INTERVAL_MS,
 };
 use gorgo_core::candidates::{build_candidates, LocalState, PeerState};
-use gorgo_core::cost::{Candidate, ForwardLedger};
+use gorgo_core::cost::{Candidate, CostTerms, ForwardLedger};
 use gorgo_core::decision::{best_local, decide, refuse_forward, ForwardOffer};
 use gorgo_core::es::{TrialDesign, TuningConfig};
 use gorgo_core::fit::FitConfig;
@@ -27,7 +27,9 @@ use gorgo_core::gossip::{self as core_gossip, GossipConfig, GossipSender, PeerGo
 use gorgo_core::kv_events::{AlignedBlockEvent, KvEventFollower, KvFollowerConfig};
 use gorgo_core::policy::{Policy, PolicyKind, RouteRequest};
 use gorgo_core::summary::{SampleChooser, SampleSetting, SummarySample};
-use gorgo_core::tuning::{Assignment, Cell, EpochReport, Proposal, Tuner, TuningOutput};
+use gorgo_core::tuning::{
+    Assignment, Cell, EpochReport, Proposal, TermSample, Tuner, TuningOutput,
+};
 use gorgo_core::types::MAX_REPLICAS;
 use gorgo_core::wire::GossipMessage;
 use gorgo_core::{hash::hash_bytes, HashChain, NodeId, QueueStats, ShadowIndex, Weights};
@@ -411,6 +413,9 @@ struct Flight {
     first_byte_due_ms: Option<f64>,
     /// The cached tokens the client's node believed its chosen candidate holds.
     predicted_cached_tokens: Option<u64>,
+    /// The client's node's terms for its chosen candidate and the weights it priced
+    /// them with: the tuner's start-fit evidence once the TTFT is known.
+    chosen_terms: Option<(CostTerms, Weights)>,
     /// The longest prefix of the prompt any engine of the cluster held when the
     /// client's node decided (the truth, which no node has; a diagnostic).
     cached_anywhere_tokens: u64,
@@ -822,6 +827,7 @@ impl<'a> Sim<'a> {
             forwarded_ms: None,
             local_predicted_ttft_ms: None,
             local_engine: None,
+            chosen_terms: None,
             offer: None,
             first_byte_due_ms: None,
             predicted_cached_tokens: None,
@@ -1077,12 +1083,12 @@ impl<'a> Sim<'a> {
             ),
         };
         // The client's node's prediction for its choice (a forward keeps the first).
-        let predicted = outcome.as_ref().ok().and_then(|d| {
-            d.candidates
-                .iter()
-                .find(|c| c.chosen)
-                .and_then(|c| c.terms?.estimated_ttft_ms)
-        });
+        let chosen_terms = outcome
+            .as_ref()
+            .ok()
+            .and_then(|d| d.candidates.iter().find(|c| c.chosen))
+            .and_then(|c| c.terms);
+        let predicted = chosen_terms.and_then(|t| t.estimated_ttft_ms);
         let local_predicted = outcome
             .as_ref()
             .ok()
@@ -1120,6 +1126,7 @@ impl<'a> Sim<'a> {
             f.local_predicted_ttft_ms = local_predicted;
             f.local_engine = local_engine;
             f.predicted_cached_tokens = target.as_ref().ok().map(|&(_, c)| c);
+            f.chosen_terms = chosen_terms.map(|t| (t, weights));
         }
         match target {
             Err(_) => {
@@ -1528,6 +1535,12 @@ impl<'a> Sim<'a> {
             .and_then(|n| n.tuner.as_mut())
         {
             t.record(f.epoch, f.cell, f.ttft_ms, e2e);
+            if let Some(sample) = f
+                .chosen_terms
+                .and_then(|(terms, w)| TermSample::new(&terms, w, f.ttft_ms))
+            {
+                t.record_terms(f.epoch, sample);
+            }
         }
         self.out.push(Row {
             index: f.index,
