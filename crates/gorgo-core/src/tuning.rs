@@ -1143,4 +1143,182 @@ mod tests {
         assert_eq!(t.epoch(), cur.epoch);
         assert!(matches!(out.as_slice(), [TuningOutput::Broadcast(p)] if p.phase == Phase::Frozen));
     }
+
+    /// Samples whose residual is `a * rtt + b * queue` plus a deterministic wobble.
+    fn sums(a: f64, b: f64, n: u64, with_forwards: bool) -> TermSums {
+        let mut t = TermSums::default();
+        for i in 0..n {
+            let rtt = if with_forwards && i % 3 == 0 {
+                50.0 + (i % 7) as f64 * 20.0
+            } else {
+                0.0
+            };
+            let queue = (i % 11) as f64 * 100.0;
+            let wobble = ((i * 7919) % 13) as f64 - 6.0;
+            t.add(TermSample {
+                rtt_ms: rtt,
+                queue_ms: queue,
+                residual_ms: a * rtt + b * queue + wobble,
+            });
+        }
+        t
+    }
+
+    #[test]
+    fn the_fit_recovers_the_weights_and_says_what_it_cannot_see() {
+        let [rtt, queue] = sums(2.5, 0.8, 400, true).fit();
+        let (a, se_a) = rtt.expect("forwards vary the RTT term");
+        let (b, se_b) = queue.expect("the queue varies");
+        assert!((a - 2.5).abs() < 0.05 && se_a < 0.05, "{a} {se_a}");
+        assert!((b - 0.8).abs() < 0.01 && se_b < 0.01, "{b} {se_b}");
+        // No forwards: nothing is known about w_rtt.
+        let [rtt, queue] = sums(2.5, 0.8, 400, false).fit();
+        assert!(rtt.is_none());
+        assert!((queue.unwrap().0 - 0.8).abs() < 0.01);
+        // Too few samples, or garbage from the network: no fit, nothing merged.
+        assert_eq!(sums(1.0, 1.0, 2, true).fit(), [None, None]);
+        let mut t = sums(1.0, 1.0, 100, true);
+        let before = t;
+        t.merge(&TermSums {
+            rr: f64::NAN,
+            n: 5,
+            ..TermSums::default()
+        });
+        t.merge(&TermSums {
+            qq: -1.0,
+            n: 5,
+            ..TermSums::default()
+        });
+        assert_eq!(t, before);
+        t.add(TermSample {
+            rtt_ms: f64::INFINITY,
+            queue_ms: 1.0,
+            residual_ms: 1.0,
+        });
+        t.add(TermSample {
+            rtt_ms: 0.0,
+            queue_ms: -5.0,
+            residual_ms: 1.0,
+        });
+        assert_eq!(t, before);
+    }
+
+    #[test]
+    fn the_start_fit_only_raises_a_weight_the_data_pin_down() {
+        let cfg = cfg();
+        let bad = Weights {
+            w_rtt: 2.0,
+            w_queue: 0.05,
+        };
+        // Residual = 2.5 x RTT + 0.8 x queue: w_queue is raised to 0.8, w_rtt too.
+        let w = sums(2.5, 0.8, 400, true).fitted_start(&cfg, bad).unwrap();
+        assert!(
+            (w.w_rtt - 2.5).abs() < 0.05 && (w.w_queue - 0.8).abs() < 0.01,
+            "{w:?}"
+        );
+        // A fit below the incumbent never lowers it.
+        let high = Weights {
+            w_rtt: 4.0,
+            w_queue: 1.0,
+        };
+        assert_eq!(sums(2.5, 0.8, 400, true).fitted_start(&cfg, high), None);
+        // Without forwards w_rtt keeps its start; fits past the bounds are clipped.
+        let w = sums(9.0, 9.0, 400, false).fitted_start(&cfg, bad).unwrap();
+        assert_eq!(
+            w,
+            Weights {
+                w_rtt: 2.0,
+                w_queue: cfg.w_queue.max
+            }
+        );
+    }
+
+    #[test]
+    fn a_line_starts_from_the_fitted_weights_once() {
+        let cfg = TuningConfig {
+            w_queue: crate::es::ParamBounds {
+                start: 0.05,
+                ..cfg().w_queue
+            },
+            ..cfg()
+        };
+        let mut t = Tuner::new("a".into(), cfg).unwrap();
+        let p = broadcasts(&t.tick(0))[0].clone();
+        assert_eq!(p.weights.w_queue, 0.05);
+        // Every request's TTFT is 300 ms of prefill plus its queue term in full.
+        let mut serve_fit = |t: &mut Tuner, keys: std::ops::Range<u64>| {
+            for k in keys {
+                let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()));
+                let queue = (k % 5) as f64 * 200.0;
+                t.record(a.epoch, a.cell, 300.0 + queue, 1000.0);
+                t.record_terms(
+                    a.epoch,
+                    TermSample {
+                        rtt_ms: 0.0,
+                        queue_ms: queue,
+                        residual_ms: queue,
+                    },
+                );
+            }
+        };
+        serve_fit(&mut t, 0..10);
+        let out = t.tick(10);
+        let rec = out
+            .iter()
+            .find_map(|o| match o {
+                TuningOutput::Record(r) => Some(r.clone()),
+                _ => None,
+            })
+            .expect("the start fit is recorded");
+        assert_eq!(rec.verdict, Verdict::StartFit);
+        assert!(rec.accepted);
+        assert_eq!(
+            rec.candidate,
+            Weights {
+                w_rtt: 1.0,
+                w_queue: 1.0
+            }
+        );
+        let next = t.current().unwrap().clone();
+        assert_eq!(next.weights, rec.candidate, "the line goes on from the fit");
+        assert_eq!(next.phase, Phase::Interleaved);
+        assert!(next.state.start_fitted);
+        // The next window is a trial, not another fit.
+        serve_fit(&mut t, 10..20);
+        let out = t.tick(20);
+        assert!(out
+            .iter()
+            .all(|o| !matches!(o, TuningOutput::Record(r) if r.verdict == Verdict::StartFit)));
+    }
+
+    #[test]
+    fn term_samples_come_from_the_decision_terms() {
+        let terms = CostTerms {
+            rtt_ms: 200.0,
+            prefill_ms: 300.0,
+            queue_ms: 50.0,
+            stall_ms: 0.0,
+            total_ms: 550.0,
+            cached_tokens: 0,
+            uncached_tokens: 1000,
+            reprefill_tokens: 0,
+            t_p_ms: 0.3,
+            raw_queue_ms: 100.0,
+            forward_bias_ms: 0.0,
+            tokens_ahead: 0,
+            // RTT 100 + base 20 + prefill 300 + queue 100.
+            estimated_ttft_ms: Some(520.0),
+        };
+        let w = Weights {
+            w_rtt: 2.0,
+            w_queue: 0.5,
+        };
+        let s = TermSample::new(&terms, w, 700.0).unwrap();
+        assert_eq!((s.rtt_ms, s.queue_ms, s.residual_ms), (100.0, 100.0, 380.0));
+        let no_prediction = CostTerms {
+            estimated_ttft_ms: None,
+            ..terms
+        };
+        assert!(TermSample::new(&no_prediction, w, 700.0).is_none());
+    }
 }

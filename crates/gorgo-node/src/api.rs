@@ -11,8 +11,9 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures::Stream;
+use gorgo_core::cost::CostTerms;
 use gorgo_core::policy::PolicyKind;
-use gorgo_core::{Endpoint, HashChain, NodeId};
+use gorgo_core::{Endpoint, HashChain, NodeId, Weights};
 
 /// The client API's headers (defined in the core, shared with the bench client).
 pub use gorgo_core::headers::{
@@ -178,6 +179,10 @@ pub struct Upstream {
     pub hops: u8,
     /// The bytes.
     pub body: BodyStream,
+    /// The deciding node's terms for the candidate it chose and the weights it priced
+    /// them with (set where the decision was made; `None` for a served forward): the
+    /// tuner's start-fit evidence once the client's TTFT is known.
+    pub chosen_terms: Option<(CostTerms, Weights)>,
 }
 
 impl std::fmt::Debug for Upstream {

@@ -159,6 +159,7 @@ pub async fn forward(
         hops: head.hops,
         // The forward's span stays open while its response relays.
         body: chunk_stream(recv, (send, span), gone, peer.clone()),
+        chosen_terms: None,
     })
 }
 

@@ -14,8 +14,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
-use gorgo_core::tuning::Cell;
-use gorgo_core::Endpoint;
+use gorgo_core::cost::CostTerms;
+use gorgo_core::tuning::{Cell, TermSample};
+use gorgo_core::{Endpoint, Weights};
 use http_body_util::BodyExt;
 use serde_json::Value;
 use tokio::sync::OwnedSemaphorePermit;
@@ -499,6 +500,7 @@ fn respond(
         state: state.clone(),
         started,
         measured,
+        chosen_terms: up.chosen_terms,
         ttft_ms: None,
         first_seen: false,
         streaming,
@@ -538,6 +540,8 @@ struct Tracked {
     /// The tuning epoch and cell the request was admitted under (`None`: not
     /// measured).
     measured: Option<(u64, Cell)>,
+    /// The decision's terms for its choice (the tuner's start-fit evidence).
+    chosen_terms: Option<(CostTerms, Weights)>,
     /// Client-side TTFT, once the first content byte went out.
     ttft_ms: Option<f64>,
     first_seen: bool,
@@ -569,6 +573,12 @@ impl Tracked {
                 self.state.metrics.e2e.observe(e2e);
                 if let (Some((epoch, cell)), Some(ttft_ms)) = (self.measured, self.ttft_ms) {
                     self.state.tuning.record(epoch, cell, ttft_ms, e2e * 1000.0);
+                    if let Some(sample) = self
+                        .chosen_terms
+                        .and_then(|(terms, w)| TermSample::new(&terms, w, ttft_ms))
+                    {
+                        self.state.tuning.record_terms(epoch, sample);
+                    }
                 }
             }
         }

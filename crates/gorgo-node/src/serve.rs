@@ -246,6 +246,7 @@ async fn route_and_serve(
         state.metrics.terms(&terms);
     }
     let chosen = record.candidates.iter().find(|c| c.chosen);
+    let chosen_terms = chosen.and_then(|c| c.terms).map(|t| (t, input.weights));
     let mut predicted = chosen.and_then(|c| c.terms?.estimated_ttft_ms);
     let chosen_replica = chosen.map_or(0, |c| c.replica);
     let decided = Instant::now();
@@ -302,6 +303,7 @@ async fn route_and_serve(
         },
     };
     served.map(|mut up| {
+        up.chosen_terms = chosen_terms;
         if let Some(p) = predicted {
             up.headers
                 .retain(|(k, _)| !k.eq_ignore_ascii_case(PREDICTED_TTFT_HEADER));
@@ -514,5 +516,6 @@ pub async fn serve_local(
         served_by: state.config.node.region.clone(),
         hops: req.hops,
         body: Box::pin(body),
+        chosen_terms: None,
     })
 }

@@ -20,7 +20,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use gorgo_core::es::{TuningConfig, TuningMode, SIGMA_DECAY, SUCCESS_WINDOW, TARGET_SUCCESS_RATE};
 use gorgo_core::tuning::{
-    Cell, Phase, Tuner, TuningMessage, TuningOutput, TuningRecord, HISTORY_LEN,
+    Cell, Phase, TermSample, Tuner, TuningMessage, TuningOutput, TuningRecord, HISTORY_LEN,
 };
 use gorgo_core::{NodeId, Weights};
 use parking_lot::Mutex;
@@ -347,6 +347,11 @@ impl TuningDriver {
     /// latencies.
     pub fn record(&self, epoch: u64, cell: Cell, ttft_ms: f64, e2e_ms: f64) {
         self.inner.lock().tuner.record(epoch, cell, ttft_ms, e2e_ms);
+    }
+
+    /// The same request's start-fit evidence (`Tuner::record_terms`).
+    pub fn record_terms(&self, epoch: u64, sample: TermSample) {
+        self.inner.lock().tuner.record_terms(epoch, sample);
     }
 
     /// Periodic work: follow the membership view (`live`: peers believed alive), then
