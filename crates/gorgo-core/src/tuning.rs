@@ -560,15 +560,18 @@ impl Tuner {
     }
 
     /// A request admitted under `epoch` finished: its start-fit evidence
-    /// ([`TermSample`]). Counted like [`Tuner::record`]'s latencies (same epoch rule).
-    pub fn record_terms(&mut self, epoch: u64, sample: TermSample) {
-        if self
-            .current
-            .as_ref()
-            .is_some_and(|c| c.epoch == epoch && c.phase != Phase::Frozen)
-        {
+    /// ([`TermSample`]). Counted like [`Tuner::record`]'s latencies (same epoch rule);
+    /// true when counted.
+    pub fn record_terms(&mut self, epoch: u64, sample: TermSample) -> bool {
+        let counts = sample.is_usable()
+            && self
+                .current
+                .as_ref()
+                .is_some_and(|c| c.epoch == epoch && c.phase != Phase::Frozen);
+        if counts {
             self.terms.add(sample);
         }
+        counts
     }
 
     /// A request admitted under `epoch` in `cell` finished with these latencies.

@@ -447,7 +447,7 @@ fn candidate_that_hurts_e2e_beyond_the_guard_is_rejected() {
 
 #[test]
 fn tuning_messages_survive_the_wire_codec() {
-    use gorgo_core::tuning::{CellSketches, EpochReport, TuningMessage, CELLS};
+    use gorgo_core::tuning::{CellSketches, EpochReport, TermSums, TuningMessage, CELLS};
     use gorgo_core::wire::{decode, encode, MAX_TUNING_MESSAGE};
     let mut bus = Bus::new(3, cfg());
     while bus.records.len() < 2 {
@@ -467,6 +467,15 @@ fn tuning_messages_survive_the_wire_codec() {
         from: "n1".into(),
         cells: Box::new(cells),
         samples: 10_000,
+        terms: TermSums {
+            n: 10_000,
+            rr: 1e9,
+            rq: 2e9,
+            qq: 3e9,
+            ry: 4e9,
+            qy: 5e9,
+            yy: 6e9,
+        },
     };
     for msg in [TuningMessage::Proposal(p), TuningMessage::Report(report)] {
         let bytes = encode(&msg);

@@ -234,6 +234,9 @@ pub struct TuningView {
     pub trials: Option<u64>,
     /// Samples this node measured in the current epoch.
     pub window_requests: usize,
+    /// Requests whose decision terms this node has given the start fit, since it
+    /// started (docs/tuning.md, "The start fit").
+    pub fit_samples: u64,
     /// Trials this node decided, oldest first.
     pub history: Vec<TrialEntry>,
     /// The same trials in the paper's trace format.
@@ -247,6 +250,7 @@ struct Inner {
     live: BTreeSet<NodeId>,
     trace: VecDeque<TrialEntry>,
     total_samples: u64,
+    fit_samples: u64,
     froze_at_epoch: Option<u64>,
     learned_out: Option<std::path::PathBuf>,
 }
@@ -280,6 +284,7 @@ impl TuningDriver {
                 live: BTreeSet::new(),
                 trace: VecDeque::new(),
                 total_samples: 0,
+                fit_samples: 0,
                 froze_at_epoch: None,
                 learned_out: None,
             }),
@@ -351,7 +356,10 @@ impl TuningDriver {
 
     /// The same request's start-fit evidence (`Tuner::record_terms`).
     pub fn record_terms(&self, epoch: u64, sample: TermSample) {
-        self.inner.lock().tuner.record_terms(epoch, sample);
+        let mut inner = self.inner.lock();
+        if inner.tuner.record_terms(epoch, sample) {
+            inner.fit_samples += 1;
+        }
     }
 
     /// Periodic work: follow the membership view (`live`: peers believed alive), then
@@ -428,6 +436,7 @@ impl TuningDriver {
             sigma: cur.map(|p| p.state.sigma),
             trials: cur.map(|p| p.state.trials),
             window_requests: inner.cfg.window,
+            fit_samples: inner.fit_samples,
             history,
             es_trace,
         }
@@ -680,6 +689,7 @@ mod tests {
             from: "b".into(),
             cells: Box::new(cells),
             samples: 10,
+            terms: Default::default(),
         };
         let fx = d.handle(&"c".into(), TuningMessage::Report(report.clone()), 2);
         assert!(fx.sends.is_empty());
@@ -783,6 +793,16 @@ mod tests {
                             from: ids[from as usize].into(),
                             cells: Box::new(cells),
                             samples: u64::from(n),
+                            // Start-fit sums as a hostile peer might send them.
+                            terms: gorgo_core::tuning::TermSums {
+                                n: u64::from(n) * 1000,
+                                rr: f64::from(n) * 1e12,
+                                rq: -f64::from(n) * 1e12,
+                                qq: if n % 2 == 0 { f64::NAN } else { f64::from(n) },
+                                ry: f64::from(n) * 1e300,
+                                qy: -f64::from(n),
+                                yy: 1.0,
+                            },
                         };
                         d.handle(&ids[from as usize].into(), TuningMessage::Report(r), now);
                     }

@@ -123,6 +123,10 @@ async fn three_nodes_follow_one_leader_and_epochs_advance() {
         assert!(w.w_rtt >= bounds.w_rtt.min && w.w_rtt <= bounds.w_rtt.max);
         assert!(w.w_queue >= bounds.w_queue.min && w.w_queue <= bounds.w_queue.max);
     }
+    // Every ingress gave the start fit its requests' decision terms.
+    for n in &c.nodes {
+        assert!(n.state().tuning.view().fit_samples > 0, "{}", n.state().id);
+    }
     // Followers decide nothing.
     for n in &c.nodes[1..] {
         assert!(n.state().tuning.view().history.is_empty());
