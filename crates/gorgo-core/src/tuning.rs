@@ -213,9 +213,9 @@ impl TermSums {
                 (w, (var / xx).sqrt())
             })
         };
-        if self.qq > 0.0 && !(self.rr > 0.0) {
+        if self.qq > 0.0 && self.rr <= 0.0 {
             [None, one(self.qq, self.qy)]
-        } else if self.rr > 0.0 && !(self.qq > 0.0) {
+        } else if self.rr > 0.0 && self.qq <= 0.0 {
             [one(self.rr, self.ry), None]
         } else {
             [None, None]
@@ -1249,7 +1249,7 @@ mod tests {
         let p = broadcasts(&t.tick(0))[0].clone();
         assert_eq!(p.weights.w_queue, 0.05);
         // Every request's TTFT is 300 ms of prefill plus its queue term in full.
-        let mut serve_fit = |t: &mut Tuner, keys: std::ops::Range<u64>| {
+        let serve_fit = |t: &mut Tuner, keys: std::ops::Range<u64>| {
             for k in keys {
                 let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()));
                 let queue = (k % 5) as f64 * 200.0;
