@@ -250,6 +250,21 @@ impl TermSums {
     }
 }
 
+/// What the start fit found, kept by the leader that made it (`/admin/tuning`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct StartFit {
+    /// The epoch whose window it was fitted on.
+    pub epoch: u64,
+    /// Requests in the fit.
+    pub samples: u64,
+    /// Fitted `w_rtt` and its standard error, where the data determine it.
+    pub w_rtt: Option<(f64, f64)>,
+    /// Fitted `w_queue` and its standard error, where the data determine it.
+    pub w_queue: Option<(f64, f64)>,
+    /// The incumbent it moved to, if it moved it.
+    pub moved_to: Option<Weights>,
+}
+
 /// What an epoch measures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -436,6 +451,7 @@ pub struct Tuner {
     last_decided: Option<u64>,
     first_tick_ms: Option<u64>,
     history: VecDeque<TuningRecord>,
+    start_fit: Option<StartFit>,
 }
 
 impl Tuner {
@@ -455,6 +471,7 @@ impl Tuner {
             last_decided: None,
             first_tick_ms: None,
             history: VecDeque::new(),
+            start_fit: None,
         })
     }
 
@@ -660,6 +677,11 @@ impl Tuner {
         &self.cfg
     }
 
+    /// What the start fit found, if this node made it.
+    pub fn start_fit(&self) -> Option<&StartFit> {
+        self.start_fit.as_ref()
+    }
+
     /// Trials this node decided, oldest first (at most [`HISTORY_LEN`]).
     pub fn history(&self) -> impl Iterator<Item = &TuningRecord> {
         self.history.iter()
@@ -781,7 +803,16 @@ impl Tuner {
         state.epoch = cur.epoch;
         if self.cfg.fit_start && !state.start_fitted {
             state.start_fitted = true;
-            if let Some(fitted) = terms.fitted_start(&self.cfg, state.incumbent) {
+            let [w_rtt, w_queue] = terms.fit();
+            let moved_to = terms.fitted_start(&self.cfg, state.incumbent);
+            self.start_fit = Some(StartFit {
+                epoch: cur.epoch,
+                samples: terms.n,
+                w_rtt,
+                w_queue,
+                moved_to,
+            });
+            if let Some(fitted) = moved_to {
                 // The window measured the old start; no trial is decided on it. The
                 // line starts again from the fitted weights, with a fresh trial.
                 let before = (state.incumbent, state.sigma);
@@ -1286,6 +1317,9 @@ mod tests {
         assert_eq!(next.weights, rec.candidate, "the line goes on from the fit");
         assert_eq!(next.phase, Phase::Interleaved);
         assert!(next.state.start_fitted);
+        let fit = t.start_fit().expect("the leader keeps what it fitted");
+        assert_eq!((fit.epoch, fit.samples, fit.w_rtt), (1, 10, None));
+        assert_eq!(fit.moved_to, Some(rec.candidate));
         // The next window is a trial, not another fit.
         serve_fit(&mut t, 10..20);
         let out = t.tick(20);

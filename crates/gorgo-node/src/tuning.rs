@@ -20,7 +20,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use gorgo_core::es::{TuningConfig, TuningMode, SIGMA_DECAY, SUCCESS_WINDOW, TARGET_SUCCESS_RATE};
 use gorgo_core::tuning::{
-    Cell, Phase, TermSample, Tuner, TuningMessage, TuningOutput, TuningRecord, HISTORY_LEN,
+    Cell, Phase, StartFit, TermSample, Tuner, TuningMessage, TuningOutput, TuningRecord,
+    HISTORY_LEN,
 };
 use gorgo_core::{NodeId, Weights};
 use parking_lot::Mutex;
@@ -237,6 +238,8 @@ pub struct TuningView {
     /// Requests whose decision terms this node has given the start fit, since it
     /// started (docs/tuning.md, "The start fit").
     pub fit_samples: u64,
+    /// What the start fit found, when this node made it as leader.
+    pub start_fit: Option<StartFit>,
     /// Trials this node decided, oldest first.
     pub history: Vec<TrialEntry>,
     /// The same trials in the paper's trace format.
@@ -437,6 +440,7 @@ impl TuningDriver {
             trials: cur.map(|p| p.state.trials),
             window_requests: inner.cfg.window,
             fit_samples: inner.fit_samples,
+            start_fit: inner.tuner.start_fit().copied(),
             history,
             es_trace,
         }
