@@ -961,6 +961,14 @@ mod tests {
             .collect()
     }
 
+    /// The first trial record among `out`.
+    fn first_record(out: &[TuningOutput]) -> Option<TuningRecord> {
+        out.iter().find_map(|o| match o {
+            TuningOutput::Record(r) => Some(r.clone()),
+            _ => None,
+        })
+    }
+
     fn sequential() -> TuningConfig {
         TuningConfig {
             trial: TrialDesign::Sequential,
@@ -996,13 +1004,7 @@ mod tests {
         // The candidate's arm is faster in the same window: accepted at its end.
         serve(&mut t, 0..10, |w| if w == cand { 50.0 } else { 100.0 });
         let out = t.tick(10);
-        let rec = out
-            .iter()
-            .find_map(|o| match o {
-                TuningOutput::Record(r) => Some(r.clone()),
-                _ => None,
-            })
-            .expect("a decision after one window");
+        let rec = first_record(&out).expect("a decision after one window");
         assert!(rec.accepted, "{rec:?}");
         assert_eq!((rec.epoch, rec.candidate), (1, cand));
         assert_eq!(rec.samples + rec.incumbent_samples, 10);
@@ -1029,10 +1031,7 @@ mod tests {
             t.record(2, 1, 50.0, 1000.0);
         }
         let out = t.tick(20);
-        let rec = out.iter().find_map(|o| match o {
-            TuningOutput::Record(r) => Some(r.clone()),
-            _ => None,
-        });
+        let rec = first_record(&out);
         let rec = rec.expect("a decision");
         assert!(rec.accepted);
         assert_eq!(rec.epoch, 2);
@@ -1297,13 +1296,7 @@ mod tests {
         };
         serve_fit(&mut t, 0..10);
         let out = t.tick(10);
-        let rec = out
-            .iter()
-            .find_map(|o| match o {
-                TuningOutput::Record(r) => Some(r.clone()),
-                _ => None,
-            })
-            .expect("the start fit is recorded");
+        let rec = first_record(&out).expect("the start fit is recorded");
         assert_eq!(rec.verdict, Verdict::StartFit);
         assert!(rec.accepted);
         assert_eq!(
