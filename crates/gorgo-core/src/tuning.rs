@@ -230,7 +230,8 @@ impl TermSums {
     /// the TTFT it adds to this very request, and what a choice costs the requests
     /// behind it only adds to that, so no better weight lies below it for the start to
     /// move to. Above it the trials search (measured: the grid's best fixed weights sit
-    /// at or above the fitted ones, docs/tuning.md, "The start fit").
+    /// at or above the fitted ones on 19 of 20 weights, docs/tuning.md, "The start
+    /// fit").
     pub fn fitted_start(&self, cfg: &TuningConfig, incumbent: Weights) -> Option<Weights> {
         let pinned = |fit: Option<(f64, f64)>, current: f64| {
             fit.filter(|&(w, se)| w > current + FIT_Z * se && se < FIT_MAX_REL_SE * w)
