@@ -264,9 +264,12 @@ impl TuningConfig {
     }
 
     /// The paper's setup for `gorgo-paper`: `w_rtt` 0.5 in [0.05, 2.0], `w_queue` 0.1
-    /// in [0.05, 0.5], sigma 0.5.
+    /// in [0.05, 0.5], sigma 0.5. No start fit: the paper's score weighs queued tokens,
+    /// not milliseconds, so a fit of its terms to measured TTFT has no unit in common
+    /// with its weights.
     pub fn gorgo_paper() -> Self {
         TuningConfig {
+            fit_start: false,
             w_rtt: ParamBounds {
                 start: 0.5,
                 min: 0.05,
