@@ -25,9 +25,10 @@ run() {
   echo "$trace $win $ts" > "$dir/window.txt"
   "$G" sim --trace "$trace" --window-s "$win" --time-scale "$ts" --max-context-tokens 32768 \
     --policies "$P,oracle" --out "$dir/sim" > "$dir/sim.log" 2>&1
-  "$G" compare --trace "$trace" --window "$win" --time-scale "$ts" --max-context-tokens 32768 \
-    --policies "$P" --base-port 47100 --no-progress --out "$dir/live" > "$dir/live.log" 2>&1
-  if [ "${REPEAT:-0}" = "1" ]; then
+  # A window already replayed live is kept (so REPEAT=1 on a finished OUT adds live2 only).
+  [ -f "$dir/live/results.json" ] || "$G" compare --trace "$trace" --window "$win" --time-scale "$ts" \
+    --max-context-tokens 32768 --policies "$P" --base-port 47100 --no-progress --out "$dir/live" > "$dir/live.log" 2>&1
+  if [ "${REPEAT:-0}" = "1" ] && [ ! -f "$dir/live2/results.json" ]; then
     "$G" compare --trace "$trace" --window "$win" --time-scale "$ts" --max-context-tokens 32768 \
       --policies "$P" --base-port 47100 --no-progress --out "$dir/live2" > "$dir/live2.log" 2>&1
   fi
