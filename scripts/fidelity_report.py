@@ -15,6 +15,7 @@ differs from itself.
 
 import json
 import os
+import statistics
 import sys
 
 TOLERANCE = 0.15
@@ -28,6 +29,20 @@ def load(path):
 
 def cells(r):
     return (r["ttft_ms"]["p50"], r["ttft_ms"]["p95"], r["e2e_ms"]["p95"] / 1000.0)
+
+
+def seed_median(runs):
+    """Per policy, the median over simulation seeds of each metric (same shape as a
+    results entry, for the fields the report reads) and each cell's range."""
+    out, ranges = {}, {}
+    for p in runs[0]:
+        if not all(p in r for r in runs):
+            continue
+        vals = [cells(r[p]) for r in runs]
+        med = [statistics.median(v[k] for v in vals) for k in range(3)]
+        ranges[p] = [(min(v[k] for v in vals), max(v[k] for v in vals)) for k in range(3)]
+        out[p] = {"ttft_ms": {"p50": med[0], "p95": med[1]}, "e2e_ms": {"p95": med[2] * 1000.0}}
+    return out, ranges
 
 
 def ranking(results, policies):
@@ -106,26 +121,51 @@ def main():
         failed = sum(r["failed"] for r in live.values())
         baselines = [p for p in live if not p.startswith("gorgo")]
         best = min(baselines, key=lambda p: live[p]["ttft_ms"]["p95"]) if baselines else None
-        lines, within, total, same, pairs = compare(w, live, sim_only, "live", "sim")
-        print("\n".join(lines))
+        def section(title, other, label, tail=""):
+            """Print one comparison against live; its two summary cells."""
+            if title:
+                print(title + "\n")
+            lines, within, total, same, pairs = compare(w, live, other, "live", label)
+            print("\n".join(lines) + tail)
+            return [f"{within}/{total}", "yes" if same else f"no ({len(pairs)} pairs)"]
+
+        row = [w] + section("", sim_only, "sim")
         if best:
             b = live[best]["ttft_ms"]
             print(f"load: best baseline live ({best}) p95 / p50 = {b['p95'] / b['p50']:.1f}")
         print(f"requests per policy live: {requests}, failed live (all policies): {failed}\n")
-        row = [w, f"{within}/{total}", "yes" if same else f"no ({len(pairs)} pairs)"]
-        live2 = os.path.join(d, "live2", "results.json")
-        if os.path.exists(live2):
-            again = load(live2)
-            print("Live against itself (the same window replayed a second time):\n")
-            lines2, within2, total2, same2, pairs2 = compare(w, live, again, "live", "live again")
-            print("\n".join(lines2) + "\n")
-            row += [f"{within2}/{total2}", "yes" if same2 else f"no ({len(pairs2)} pairs)"]
+        seeds = [os.path.join(d, f"sim-seed{k}", "results.json") for k in range(1, 5)]
+        if all(os.path.exists(x) for x in seeds):
+            runs = [sim_only] + [{p: r for p, r in load(x).items() if p in live} for x in seeds]
+            med, ranges = seed_median(runs)
+            row += section("Against the median of five simulation seeds (0-4):", med, "sim median")
+            inside = sum(
+                lo <= c <= hi
+                for p in med
+                for c, (lo, hi) in zip(cells(live[p]), ranges[p])
+            )
+            print(f"live cells inside the five seeds' range: {inside}/{3 * len(med)}\n")
         else:
             row += ["-", "-"]
+        others = [
+            ("sim-live-chains", "Against `--live-chains` (prompts hashed as the live nodes hash them):", "sim live-chains"),
+            ("live2", "Live against itself (the same window replayed a second time):", "live again"),
+        ]
+        for sub, title, label in others:
+            path = os.path.join(d, sub, "results.json")
+            if os.path.exists(path):
+                other = {p: r for p, r in load(path).items() if p in live}
+                row += section(title, other, label, "\n")
+            else:
+                row += ["-", "-"]
         summary.append(row)
     print("## Summary\n")
-    print("| window | sim cells within 15% of live | same p95 ranking | live again: cells within 15% | same ranking |")
-    print("|---|---:|---|---:|---|")
+    print(
+        "| window | sim (seed 0): cells within 15% of live | same p95 ranking "
+        "| median of 5 seeds: within 15% | same ranking | live-chains: within 15% | same ranking "
+        "| live again: within 15% | same ranking |"
+    )
+    print("|---|---:|---|---:|---|---:|---|---:|---|")
     for row in summary:
         print("| " + " | ".join(row) + " |")
 
