@@ -5,7 +5,7 @@
 # window, time scale and context clamp; then scripts/fidelity_report.py writes
 # OUT/fidelity.md (every cell's difference, the 15% count, the rankings; also against
 # the median of five simulation seeds and against --live-chains).
-# About 40 minutes wall on 2 cores for the six windows; run it on an idle machine (the
+# About 40 minutes wall on 2 cores for the six windows (80 with REPEAT=1); run it on an idle machine (the
 # live clusters time on the real clock).
 # Usage: [WINDOWS="gen5-x2 mc-x4"] [POLICIES=a,b,...] [REPEAT=1] scripts/fidelity.sh [OUT]
 #   REPEAT=1 runs each live window a second time (OUT/<window>/live2), so the report can
@@ -35,12 +35,12 @@ run() {
   done
   [ -f "$dir/sim-live-chains/results.json" ] || "${sim[@]}" --live-chains --out "$dir/sim-live-chains" > /dev/null 2>&1
   # A window already replayed live is kept (so REPEAT=1 on a finished OUT adds live2 only).
-  [ -f "$dir/live/results.json" ] || "$G" compare --trace "$trace" --window "$win" --time-scale "$ts" \
-    --max-context-tokens 32768 --policies "$P" --base-port 47100 --no-progress --out "$dir/live" > "$dir/live.log" 2>&1
-  if [ "${REPEAT:-0}" = "1" ] && [ ! -f "$dir/live2/results.json" ]; then
-    "$G" compare --trace "$trace" --window "$win" --time-scale "$ts" --max-context-tokens 32768 \
-      --policies "$P" --base-port 47100 --no-progress --out "$dir/live2" > "$dir/live2.log" 2>&1
-  fi
+  local runs=(live)
+  [ "${REPEAT:-0}" = "1" ] && runs+=(live2)
+  for r in "${runs[@]}"; do
+    [ -f "$dir/$r/results.json" ] || "$G" compare --trace "$trace" --window "$win" --time-scale "$ts" \
+      --max-context-tokens 32768 --policies "$P" --base-port 47100 --no-progress --out "$dir/$r" > "$dir/$r.log" 2>&1
+  done
   echo "$(date -u +%H:%M:%S) done $name"
 }
 SYN=../shared/data/traces/mooncake_synthetic_trace.jsonl
