@@ -119,7 +119,8 @@ def main():
             print(f"`{os.path.basename(trace)}`, first {win} s, time scale {ts}.\n")
         requests = max(r["requests"] for r in live.values())
         failed = sum(r["failed"] for r in live.values())
-        baselines = [p for p in live if not p.startswith("gorgo")]
+        # Baselines as gorgo-report's `is_baseline` (and scripts/sweep_ratios.py).
+        baselines = [p for p in live if not p.startswith("gorgo") and p != "oracle"]
         best = min(baselines, key=lambda p: live[p]["ttft_ms"]["p95"]) if baselines else None
         def section(title, other, label, tail=""):
             """Print one comparison against live; its two summary cells."""
