@@ -802,6 +802,16 @@ impl Tuner {
         self.last_decided = Some(cur.epoch);
         let mut state = cur.state.clone();
         state.epoch = cur.epoch;
+        if cur.phase == Phase::Interleaved {
+            // Every interleaved window measures the noise, the start fit's too: the
+            // two halves of each arm ran the same weights.
+            for arm in 0..2 {
+                let half = |h: usize| cells[arm * 2 + h].ttft.tail_mean(TAIL_QUANTILE);
+                if let (Some(a), Some(b)) = (half(0), half(1)) {
+                    state.observe_halves(a, b);
+                }
+            }
+        }
         if self.cfg.fit_start && !state.start_fitted {
             state.start_fitted = true;
             let [w_rtt, w_queue] = terms.fit();
@@ -846,12 +856,6 @@ impl Tuner {
                 }
             }
             (Phase::Interleaved, Some(candidate)) => {
-                for arm in 0..2 {
-                    let half = |h: usize| cells[arm * 2 + h].ttft.tail_mean(TAIL_QUANTILE);
-                    if let (Some(a), Some(b)) = (half(0), half(1)) {
-                        state.observe_halves(a, b);
-                    }
-                }
                 let inc = measure(&cells, 0..2);
                 let cand = measure(&cells, 2..CELLS);
                 let before = (state.incumbent, state.sigma);
@@ -1002,22 +1006,38 @@ mod tests {
             assert_eq!(a.weights, want);
         }
         assert!(seen.iter().all(|&n| n > 5), "{seen:?}");
-        // The candidate's arm is faster in the same window: accepted at its end.
+        // The candidate's arm is faster in the same window, but one window's halves are
+        // too few samples of the noise to accept on: the same trial runs again.
         serve(&mut t, 0..10, |w| if w == cand { 50.0 } else { 100.0 });
         let out = t.tick(10);
-        let rec = first_record(&out).expect("a decision after one window");
+        assert!(
+            first_record(&out).is_none(),
+            "no acceptance on unmeasured noise"
+        );
+        let again = t.current().unwrap();
+        assert_eq!((again.epoch, again.candidate), (2, Some(cand)));
+        // The second window measures the noise (none: equal halves): accepted.
+        serve(&mut t, 10..20, |w| if w == cand { 50.0 } else { 100.0 });
+        let out = t.tick(20);
+        let rec = first_record(&out).expect("a decision after two windows");
         assert!(rec.accepted, "{rec:?}");
-        assert_eq!((rec.epoch, rec.candidate), (1, cand));
-        assert_eq!(rec.samples + rec.incumbent_samples, 10);
+        assert_eq!((rec.epoch, rec.candidate), (2, cand));
+        assert_eq!(rec.samples + rec.incumbent_samples, 20);
         let next = t.current().unwrap();
-        assert_eq!((next.epoch, next.phase), (2, Phase::Interleaved));
+        assert_eq!((next.epoch, next.phase), (3, Phase::Interleaved));
         assert_eq!(next.weights, cand, "the winner is the next incumbent");
         assert_ne!(next.candidate, Some(cand));
     }
 
     #[test]
     fn single_node_runs_trial_pairs() {
-        let mut t = Tuner::new("a".into(), sequential()).unwrap();
+        // The adaptive margin off: sequential noise needs four incumbent pairs before
+        // anything is accepted (es.rs, `no_acceptance_on_unmeasured_noise`).
+        let cfg = TuningConfig {
+            noise_z: 0.0,
+            ..sequential()
+        };
+        let mut t = Tuner::new("a".into(), cfg).unwrap();
         let out = t.tick(0);
         assert_eq!(broadcasts(&out)[0].epoch, 1);
         assert!(t.is_leader());
