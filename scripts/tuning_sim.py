@@ -11,8 +11,14 @@ For each workload of scripts/policy-sweeps.sh at two loads:
     compares nearly equal weights; the standard deviation of ln(candidate p95 /
     incumbent p95) over the trials is the noise a decision has to see through.
 
-Usage: scripts/tuning_sim.py OUT [GORGO_BIN]   (about 10 minutes on 2 cores)
+Usage: scripts/tuning_sim.py OUT [GORGO_BIN]   (about 2-10 minutes on 2 cores)
 Writes OUT/tuning_sim.json and OUT/tuning_sim.md.
+
+Environment: SEEDS (default 0,1,2,3,4); TUNING_START (see below); TUNING_SET, space-
+separated `[tuning]` KEY=VALUE pairs for every tuned run (`gorgo sim --tuning-set`,
+e.g. "sigma0=1.0 noise_z=1.64": the previous defaults); GRID_FROM, an earlier OUT whose
+grids to reuse instead of running `gorgo tune-offline` again (the grid runs untuned
+`gorgo`, so it only changes with the routing code); JOBS (default 2).
 """
 
 import json
@@ -26,12 +32,14 @@ from concurrent.futures import ThreadPoolExecutor
 OUT = sys.argv[1] if len(sys.argv) > 1 else "out/tuning-sim"
 G = sys.argv[2] if len(sys.argv) > 2 else "target/release/gorgo"
 SHARED = "../shared/data/traces"
-SEEDS = [0, 1, 2, 3, 4]
+SEEDS = [int(s) for s in os.environ.get("SEEDS", "0,1,2,3,4").split(",")]
 # The deliberately bad start (the issue's); TUNING_START=W_RTT,W_QUEUE runs the same
 # tables from another start (e.g. 1.0,1.0: what a start at the unit weights reaches).
 BAD = os.environ.get("TUNING_START", "2.0,0.05")
 BAD_W = dict(zip(("w_rtt", "w_queue"), map(float, BAD.split(","))))
 JOBS = int(os.environ.get("JOBS", "2"))
+TUNE = ["--tune"] + [a for kv in os.environ.get("TUNING_SET", "").split() for a in ("--tuning-set", kv)]
+GRID_FROM = os.environ.get("GRID_FROM")
 
 # (name, trace, light load, heavy load): time scales from scripts/policy-sweeps.sh,
 # one light and one where queues build (below saturation).
@@ -90,16 +98,19 @@ def final_incumbent(tuning, start):
 def point(name, trace, ts):
     base = f"{OUT}/{name}-x{ts}"
     os.makedirs(base, exist_ok=True)
-    sh([G, "tune-offline", "--trace", trace, "--time-scale", str(ts), "--max-context-tokens",
-        "32768", "--jobs", "1", "--no-progress", "--out", f"{base}/grid"])
-    grid = json.load(open(f"{base}/grid/grid.json"))
+    if GRID_FROM:
+        grid = json.load(open(f"{GRID_FROM}/{name}-x{ts}/grid/grid.json"))
+    else:
+        sh([G, "tune-offline", "--trace", trace, "--time-scale", str(ts), "--max-context-tokens",
+            "32768", "--jobs", "1", "--no-progress", "--out", f"{base}/grid"])
+        grid = json.load(open(f"{base}/grid/grid.json"))
     seeds = []
     for seed in SEEDS:
         d = f"{base}/s{seed}"
         un = sim(trace, ts, seed, f"{d}/untuned")
-        ti = sim(trace, ts, seed, f"{d}/tuned", ["--tune"])
-        tq = sim(trace, ts, seed, f"{d}/tuned-seq", ["--tune", "--trial", "sequential"])
-        tb = sim(trace, ts, seed, f"{d}/tuned-bad", ["--tune", "--weights", BAD])
+        ti = sim(trace, ts, seed, f"{d}/tuned", TUNE)
+        tq = sim(trace, ts, seed, f"{d}/tuned-seq", [*TUNE, "--trial", "sequential"])
+        tb = sim(trace, ts, seed, f"{d}/tuned-bad", [*TUNE, "--weights", BAD])
         w3 = incumbent_at(tb["tuning"], tb["end_ms"] / 3, BAD_W)
         at3 = sim(trace, ts, seed, f"{d}/bad-third",
                   ["--weights", f"{w3['w_rtt']},{w3['w_queue']}"])
@@ -121,8 +132,8 @@ def point(name, trace, ts):
         })
     noise = {}
     for design in ["interleaved", "sequential"]:
-        n = sim(trace, ts, 0, f"{base}/noise-{design}",
-                ["--tune", "--trial", design, "--tuning-sigma", "0.01"])
+        n = sim(trace, ts, SEEDS[0], f"{base}/noise-{design}",
+                [*TUNE, "--trial", design, "--tuning-sigma", "0.01"])
         logs = [math.log(r["score_p95_ttft_ms"] / r["incumbent_p95_ttft_ms"])
                 for r in n["tuning"]
                 if r["score_p95_ttft_ms"] > 0 and r["incumbent_p95_ttft_ms"] > 0]
@@ -147,7 +158,7 @@ def mean(xs):
 
 def render(points):
     out = ["## Tuned against untuned, 5 seeds (mean of per-seed ratios)", "",
-           "| workload | load | untuned p95 TTFT ms | tuned / untuned p95 TTFT | tuned / untuned p95 E2E | sequential: TTFT / E2E | trials (accepted, E2E-guarded) per run | final weights (seed 0) |",
+           "| workload | load | untuned p95 TTFT ms | tuned / untuned p95 TTFT | tuned / untuned p95 E2E | sequential: TTFT / E2E | trials (accepted, E2E-guarded) per run | final weights (first seed) |",
            "|---|---|---:|---:|---:|---:|---:|---|"]
     for p in points:
         s = p["seeds"]
@@ -171,8 +182,8 @@ def render(points):
         within = sum(r <= 1.05 for r in ratios)
         bf = mean([x["bad_fixed"]["p95_ttft"] for x in s])
         whole = mean([x["tuned_bad"]["p95_ttft"] / x["untuned"]["p95_ttft"] for x in s])
-        out.append(f"| {p['workload']} | x{p['time_scale']} | ({b['weights']['w_rtt']}, {b['weights']['w_queue']}): {b['p95_ttft_ms']:,.0f} | {p['grid_default']['p95_ttft_ms']:,.0f} | {bf:,.0f} (mean) | {' / '.join(f'{r:.3f}' for r in ratios)} | {within}/5 | {whole:.3f} |")
-    out += ["", "## Noise of a trial: sd of ln(candidate p95 / incumbent p95) at step size 0.01 (seed 0)", "",
+        out.append(f"| {p['workload']} | x{p['time_scale']} | ({b['weights']['w_rtt']}, {b['weights']['w_queue']}): {b['p95_ttft_ms']:,.0f} | {p['grid_default']['p95_ttft_ms']:,.0f} | {bf:,.0f} (mean) | {' / '.join(f'{r:.3f}' for r in ratios)} | {within}/{len(ratios)} | {whole:.3f} |")
+    out += ["", "## Noise of a trial: sd of ln(candidate p95 / incumbent p95) at step size 0.01 (first seed)", "",
             "| workload | load | interleaved sd (trials) | sequential sd (trials) | interleaved: the tuner's own estimate |",
             "|---|---|---:|---:|---:|"]
     for p in points:
