@@ -572,13 +572,12 @@ impl Tracked {
                 let e2e = self.started.elapsed().as_secs_f64();
                 self.state.metrics.e2e.observe(e2e);
                 if let (Some((epoch, cell)), Some(ttft_ms)) = (self.measured, self.ttft_ms) {
-                    self.state.tuning.record(epoch, cell, ttft_ms, e2e * 1000.0);
-                    if let Some(sample) = self
+                    let terms = self
                         .chosen_terms
-                        .and_then(|(terms, w)| TermSample::new(&terms, w, ttft_ms))
-                    {
-                        self.state.tuning.record_terms(epoch, sample);
-                    }
+                        .and_then(|(terms, w)| TermSample::new(&terms, w, ttft_ms));
+                    self.state
+                        .tuning
+                        .record(epoch, cell, ttft_ms, e2e * 1000.0, terms);
                 }
             }
         }

@@ -352,16 +352,22 @@ impl TuningDriver {
     }
 
     /// A request admitted under `epoch` in `cell` finished with these client-side
-    /// latencies.
-    pub fn record(&self, epoch: u64, cell: Cell, ttft_ms: f64, e2e_ms: f64) {
-        self.inner.lock().tuner.record(epoch, cell, ttft_ms, e2e_ms);
-    }
-
-    /// The same request's start-fit evidence (`Tuner::record_terms`).
-    pub fn record_terms(&self, epoch: u64, sample: TermSample) {
+    /// latencies, with the same request's start-fit evidence (`Tuner::record_terms`), if it has
+    /// any: one lock per finished request.
+    pub fn record(
+        &self,
+        epoch: u64,
+        cell: Cell,
+        ttft_ms: f64,
+        e2e_ms: f64,
+        terms: Option<TermSample>,
+    ) {
         let mut inner = self.inner.lock();
-        if inner.tuner.record_terms(epoch, sample) {
-            inner.fit_samples += 1;
+        inner.tuner.record(epoch, cell, ttft_ms, e2e_ms);
+        if let Some(sample) = terms {
+            if inner.tuner.record_terms(epoch, sample) {
+                inner.fit_samples += 1;
+            }
         }
     }
 
@@ -573,7 +579,7 @@ mod tests {
     fn serve(d: &TuningDriver, keys: std::ops::Range<u64>, ttft: f64) {
         for k in keys {
             let a = d.admit(gorgo_core::hash::hash_bytes(&k.to_le_bytes()));
-            d.record(a.epoch, a.cell, ttft, 500.0);
+            d.record(a.epoch, a.cell, ttft, 500.0, None);
         }
     }
 
@@ -768,7 +774,7 @@ mod tests {
                     }
                     Op::Record(back, cell, t, e) => {
                         let epoch = d.epoch().saturating_sub(u64::from(back));
-                        d.record(epoch, cell, t, e);
+                        d.record(epoch, cell, t, e, None);
                     }
                     Op::Proposal(epoch, leader, a, b, sigma) => {
                         let mut state = gorgo_core::es::EsState::new(&c);
