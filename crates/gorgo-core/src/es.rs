@@ -589,7 +589,7 @@ impl EsState {
         }
         let k = f64::from(ev.valid);
         let mean = ev.sum_log_score / k;
-        let noise_known = cfg.noise_z == 0.0 || self.noise_samples >= MIN_NOISE_SAMPLES;
+        let noise_known = self.noise_known(cfg);
         let z_se = match self.noise_sd() {
             Some(sd) if noise_known => cfg.noise_z * sd / k.sqrt(),
             _ => 0.0,
@@ -674,8 +674,7 @@ impl EsState {
         } else {
             0.0
         };
-        let noise_known = cfg.noise_z == 0.0 || self.noise_samples >= MIN_NOISE_SAMPLES;
-        let better = noise_known && cand.score() < incumbent.score() * (1.0 - margin);
+        let better = self.noise_known(cfg) && cand.score() < incumbent.score() * (1.0 - margin);
         self.judge(
             cfg,
             candidate,
@@ -729,9 +728,9 @@ impl EsState {
             let rate = self.success_rate().unwrap_or(TARGET_SUCCESS_RATE);
             // Successes judged before the noise was known may be luck: no growth until
             // the whole outcome window was judged with the noise margin.
-            let noise_known = cfg.noise_z == 0.0
+            let all_judged_with_noise = cfg.noise_z == 0.0
                 || self.noise_samples >= MIN_NOISE_SAMPLES + SUCCESS_WINDOW as u64;
-            if rate > TARGET_SUCCESS_RATE && noise_known {
+            if rate > TARGET_SUCCESS_RATE && all_judged_with_noise {
                 self.sigma /= SIGMA_DECAY;
             } else if rate < TARGET_SUCCESS_RATE {
                 self.sigma *= SIGMA_DECAY;
@@ -748,12 +747,18 @@ impl EsState {
     /// `min_improvement` and `noise_z` noise standard deviations (once measured).
     pub fn margin(&self, cfg: &TuningConfig) -> f64 {
         let fixed = cfg.min_improvement;
-        if self.noise_samples < MIN_NOISE_SAMPLES || cfg.noise_z == 0.0 {
+        if cfg.noise_z == 0.0 || !self.noise_known(cfg) {
             return fixed;
         }
         // Log-space threshold back to a fraction: p95_c < p95_i * exp(-z * sd).
         let adaptive = 1.0 - (-cfg.noise_z * self.noise_var.max(0.0).sqrt()).exp();
         fixed.max(adaptive)
+    }
+
+    /// Enough noise samples to judge a candidate on ([`MIN_NOISE_SAMPLES`]), or the
+    /// adaptive margin is off (`noise_z` 0). Before that no candidate is accepted.
+    pub fn noise_known(&self, cfg: &TuningConfig) -> bool {
+        cfg.noise_z == 0.0 || self.noise_samples >= MIN_NOISE_SAMPLES
     }
 
     /// The measured noise: standard deviation of the log ratio of p95 TTFT between
