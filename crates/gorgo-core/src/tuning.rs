@@ -269,12 +269,13 @@ impl TermSums {
     }
 }
 
-/// What the start fit found, kept by the leader that made it (`/admin/tuning`).
+/// What the start fit found after the last window this node decided while its line was
+/// unfitted (`/admin/tuning`): the fit it made, or the evidence so far.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct StartFit {
-    /// The epoch whose window it was fitted on.
+    /// The epoch of the last window in the fit.
     pub epoch: u64,
-    /// Requests in the fit.
+    /// Requests in the fit (over all its windows).
     pub samples: u64,
     /// Fitted `w_rtt` and its standard error, where the data determine it.
     pub w_rtt: Option<(f64, f64)>,
@@ -701,7 +702,7 @@ impl Tuner {
         &self.cfg
     }
 
-    /// What the start fit found, if this node made it.
+    /// What the start fit found, if this node led while its line was unfitted.
     pub fn start_fit(&self) -> Option<&StartFit> {
         self.start_fit.as_ref()
     }
