@@ -27,6 +27,8 @@
 #   GORGO_REAL_THREADS   llama.cpp threads per server (default 1)
 #   GORGO_REAL_CACHE_MB  each server's RAM prompt cache, MiB (default 128; 0: one context only)
 #   GORGO_REAL_KV_TOKENS the nodes' assumed engine cache, node tokens (default from the above)
+#   GORGO_REAL_TOKENIZER 1 (default): the nodes count the model's tokens with its tokenizer;
+#                        0: they estimate them from bytes and learn the ratio from the engine
 #   GORGO_BIN            use this gorgo binary instead of building target/release/gorgo
 #   GORGO_REAL_STRICT=1  exit non-zero unless gorgo's p95 TTFT beats round-robin's and least-request's
 set -euo pipefail
@@ -128,6 +130,18 @@ OUT=$(cd "$OUT" && pwd)
 [ -f "$TOOLS/tiny_gguf.py" ] || die "$TOOLS/tiny_gguf.py not found (the shared tools live beside the repo)"
 MODEL=$OUT/tiny.gguf
 "$PY" "$TOOLS/tiny_gguf.py" "$MODEL" --ctx "$N_CTX" --seed 0
+# The nodes count the model's own tokens (docs/node.md, "Tokens"), the units of the
+# calibration's t_p and of KV_NODE_TOKENS. Without the tokenizer a node learns the
+# ratio from the engine's usage.prompt_tokens, but llama-cpp-python 0.3.36 sends no
+# usage in streams and `gorgo bench` streams every request, so the learner never gets a
+# sample, the node counts 4-byte tokens (~3.5 model tokens each), and a t_p seeded per
+# model token is 3.5x too low for it (docs/real-engine.md, run 4).
+TOKENIZER_ARGS=()
+if [ "${GORGO_REAL_TOKENIZER:-1}" = 1 ]; then
+  "$PY" scripts/gguf_tokenizer.py "$MODEL" "$OUT/tokenizer" > /dev/null
+  TOKENIZER_ARGS=(--tokenizer "$OUT/tokenizer/tokenizer.json"
+    --chat-template "$ROOT/configs/templates/llama-cpp-python-chatml.jinja" --chat-add-special-tokens)
+fi
 
 mapfile -t REGIONS < <("$PY" - "$TOPOLOGY" <<'EOF'
 import sys, tomllib
@@ -209,7 +223,8 @@ up() {
   "$GORGO" up --topology "$TOPOLOGY" --policy "$1" --run-dir "$2" --base-port "$BASE_PORT" \
     --engine-url "$ENGINE_URLS" --engine-kind openai --engine-kv-tokens "$KV_NODE_TOKENS" \
     --engine-health-path /docs --engine-t-p-ms "$T_P_MS" --engine-base-ms "$BASE_MS" \
-    --engine-decode-step-ms "$DECODE_MS" --allow-policy-header --detach \
+    --engine-decode-step-ms "$DECODE_MS" ${TOKENIZER_ARGS[@]+"${TOKENIZER_ARGS[@]}"} \
+    --allow-policy-header --detach \
     >"$2.up.log" 2>&1 || { cat "$2.up.log" >&2; die "gorgo up failed for $1"; }
 }
 

@@ -129,10 +129,15 @@ def main():
             ev.append(f"| {p} | {r} | {len(reqs)} | {total:,} | {hit / total if total else 0:.0%} | {restores} | {ms / 1000:,.1f} s |")
             big = [(n, t) for _, n, t in reqs if n >= MIN_TOKENS_FOR_RATE]
             per_llama_token = sum(t for _, t in big) / sum(n for n, _ in big) if big else None
-            ratio = total / served_tokens[r] if served_tokens.get(r) else None
-            engine_per_node_token = per_llama_token * ratio if per_llama_token and ratio else None
             admin = a.out / f"bench-{p}" / f"admin-{r}.json"
             state = json.loads(admin.read_text()) if admin.exists() else {}
+            # A node with the model's tokenizer counts the engine's tokens; one without
+            # counts the trace's (4-byte) tokens unless it learned the ratio.
+            if state.get("tokens", {}).get("counting") == "tokenizer":
+                ratio = 1.0
+            else:
+                ratio = total / served_tokens[r] if served_tokens.get(r) else None
+            engine_per_node_token = per_llama_token * ratio if per_llama_token and ratio else None
             f = state.get("fit", {})
             def num(x, spec):
                 return "-" if x is None else format(x, spec)
