@@ -129,8 +129,8 @@ const FIT_MAX_REL_SE: f64 = 0.25;
 
 /// The start fit waits for evidence at most this many windows: until then a window whose
 /// fit neither moves the incumbent nor pins every varying term leaves the line unfitted
-/// and the next window's requests are added. One window (60-120 requests) left a third
-/// of the bad-start runs of one simulated workload (skew x2, seeds 6, 7 and 9) without a
+/// and the next window's requests are added. One window (60-90 requests) left three of
+/// ten bad-start runs of one simulated workload (skew x2, seeds 6, 7 and 9) without a
 /// fit for the whole run, `w_queue` at its 0.05 start (docs/tuning.md, "A start fit
 /// that waits for its evidence"). A fit that eight windows cannot pin is not there.
 pub const FIT_MAX_WINDOWS: u32 = 8;
@@ -237,7 +237,7 @@ impl TermSums {
         let pinned =
             |fit: Option<(f64, f64)>| fit.is_none_or(|(w, se)| se < FIT_MAX_REL_SE * w.abs());
         let fit = self.fit();
-        self.n >= 3 && fit.iter().any(Option::is_some) && fit.into_iter().all(pinned)
+        fit.iter().any(Option::is_some) && fit.into_iter().all(pinned)
     }
 
     /// `incumbent` with each weight raised to the fitted one where the fit pins it down
