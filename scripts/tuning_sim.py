@@ -6,7 +6,8 @@ For each workload of scripts/policy-sweeps.sh at two loads:
   - 5 seeds of: untuned `gorgo`; tuned from the default weights with interleaved and
     with sequential trials; tuned from deliberately bad weights (w_rtt 2.0,
     w_queue 0.05), whose incumbent after the first third of the run is then run as
-    fixed weights and compared with the grid's best;
+    fixed weights and compared with the grid's best (its p95 on seed 0, and the grid's
+    best weights run fixed on the same seed: the same traffic);
   - the trial designs' noise: tuning with a step size of 0.01, so that every trial
     compares nearly equal weights; the standard deviation of ln(candidate p95 /
     incumbent p95) over the trials is the noise a decision has to see through.
