@@ -144,6 +144,34 @@ mod tests {
         assert!(slice.is_empty());
     }
 
+    /// SWIM's packets are part of the cluster protocol too: a change to [`MemberId`]'s
+    /// encoding (or foca's) needs a new `gorgo_core::wire::PROTOCOL_VERSION`, like a
+    /// change to the core's messages.
+    #[test]
+    fn swim_encoding_is_pinned_to_the_protocol_version() {
+        let h = foca::Header {
+            src: MemberId {
+                node: NodeId::from("a"),
+                region: "eu".into(),
+                addr: "[2001:db8::1]:7000".parse().unwrap(),
+                generation: 5,
+            },
+            src_incarnation: 3,
+            dst: id("b", 2),
+            message: foca::Message::Ping(7),
+        };
+        let mut buf = Vec::new();
+        BincodeCodec.encode_header(&h, &mut buf).unwrap();
+        let digest = gorgo_core::hash::hash_bytes(&buf);
+        // Recorded with the version: a new version re-records it, changed or not.
+        assert_eq!(
+            (4, 0x14a0_99e1_dc80_35d0),
+            (gorgo_core::wire::PROTOCOL_VERSION, digest),
+            "SWIM's encoding changed (digest {digest:#018x}), or the protocol version \
+             did: a changed encoding needs a new PROTOCOL_VERSION; record the pair here"
+        );
+    }
+
     #[test]
     fn newer_generation_wins() {
         use foca::Identity;

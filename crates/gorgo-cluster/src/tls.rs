@@ -24,8 +24,10 @@ use crate::error::{ClusterError, Result};
 /// address before it knows which node answers there.
 pub const CLUSTER_SERVER_NAME: &str = "cluster.gorgo.internal";
 
-/// ALPN of the cluster protocol, so that a stray QUIC client is refused early.
-pub const ALPN: &[u8] = b"gorgo-cluster/3";
+/// ALPN of the cluster protocol, so that a stray QUIC client is refused early and a
+/// node of another protocol version ([`gorgo_core::wire::PROTOCOL_VERSION`]) is
+/// refused at the handshake, before either misreads the other's messages.
+pub const ALPN: &[u8] = b"gorgo-cluster/4";
 
 /// Paths of a node's TLS material on disk, as written by `gorgo certs`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -320,6 +322,14 @@ pub(crate) fn peer_node_id(conn: &quinn::Connection) -> Option<NodeId> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn alpn_names_the_protocol_version() {
+        assert_eq!(
+            ALPN,
+            format!("gorgo-cluster/{}", gorgo_core::wire::PROTOCOL_VERSION).as_bytes()
+        );
+    }
 
     #[cfg(unix)]
     #[test]

@@ -18,6 +18,21 @@ use crate::types::{NodeId, QueueStats};
 /// selects; re-exported here because it is part of [`ForwardRequest`]).
 pub use crate::prompt::Endpoint;
 
+/// Version of the node-to-node protocol: the encoding of every message in this module
+/// and of [`crate::tuning::TuningMessage`].
+///
+/// bincode is not self-describing: a field added to a message (even one marked
+/// `#[serde(default)]`) makes the new encoding unreadable to an older node, and the
+/// older node's messages unreadable to the new one, or worse, readable as something
+/// else. So any change to these types' encoding is a new version. gorgo-cluster names
+/// it in the QUIC ALPN (`gorgo-cluster/<version>`), so that nodes of two versions
+/// refuse each other at the handshake instead of misreading each other's messages.
+/// A test pins the encoding to this number (docs/design.md, "Protocols").
+///
+/// 4: the tuning messages carry the start fit's sums and the noise-aware tuner state
+/// (version 3 added the engines' `replica` to gossip).
+pub const PROTOCOL_VERSION: u32 = 4;
+
 /// Largest gossip message accepted (4 MiB). A snapshot of about 800k fingerprints
 /// (a shadow index of ~50M tokens at 64 tokens per block) fits; gossip travels on its
 /// own QUIC uni-stream per message, so this also caps what one stream may buffer.
@@ -253,6 +268,158 @@ mod tests {
         assert_eq!(
             decode::<GossipMessage>(&encode(&g), MAX_GOSSIP_MESSAGE).unwrap(),
             g
+        );
+    }
+
+    /// One message of every type that crosses the network between nodes, every field
+    /// set to something other than its default (so that a field's encoding is in the
+    /// bytes), built field by field (so that a changed default value, which is no
+    /// change of format, leaves the bytes alone).
+    fn one_of_each_message() -> Vec<Vec<u8>> {
+        use crate::es::{EsState, Measurement, TrialEvidence};
+        use crate::tuning::{
+            CellSketches, EpochReport, Phase, Proposal, TermSums, TuningMessage, CELLS,
+        };
+        let stats = QueueStats {
+            version: 9,
+            unfinished_prefill_tokens: 1200,
+            running: 3,
+            waiting: 2,
+            kv_used_tokens: 5000,
+            kv_capacity_tokens: 420_000,
+            queued_prompt_tokens: 700,
+            t_p_ms: 0.09,
+            base_ms: 40.0,
+            decode_step_ms: 15.5,
+            epoch: 4,
+            incarnation: 1_700_000_000_000,
+            draining: true,
+            models: vec!["m".into()],
+            replica: 2,
+        };
+        let sample = SummarySample::from_bits(2).unwrap();
+        let gossip = [
+            GossipMessage::SummaryDelta {
+                origin: "a".into(),
+                delta: SummaryDelta {
+                    from_version: 1,
+                    to_version: 3,
+                    added: vec![9, 10],
+                    removed: vec![4],
+                    sample,
+                },
+                stats: stats.clone(),
+            },
+            GossipMessage::SummarySnapshot {
+                origin: "a".into(),
+                snapshot: SummarySnapshot {
+                    version: 3,
+                    fingerprints: vec![9, 10, 11],
+                    sample,
+                },
+                stats,
+            },
+            GossipMessage::SnapshotRequest {
+                origin: "b".into(),
+                have_version: 2,
+                replica: 1,
+            },
+        ];
+        let refused = ForwardResponseHead {
+            status: 503,
+            headers: vec![("content-type".into(), "text/event-stream".into())],
+            served_by: "b".into(),
+            hops: 1,
+            refusal: Some(crate::decision::Refusal {
+                local_cost_ms: 900.0,
+                local_estimated_ttft_ms: Some(850.0),
+                origin_cost_ms: 700.0,
+            }),
+        };
+        let w = |w_rtt, w_queue| crate::Weights { w_rtt, w_queue };
+        let measurement = Measurement {
+            p95_ttft_ms: 1500.0,
+            p95_e2e_ms: 9000.0,
+            samples: 64,
+            tail_ttft_ms: Some(1700.0),
+        };
+        let state = EsState {
+            incumbent: w(1.5, 0.75),
+            incumbent_score: Some(1400.0),
+            pending_incumbent: Some(measurement),
+            sigma: 0.5,
+            outcomes: [true, false].into_iter().collect(),
+            epoch: 12,
+            trials: 5,
+            seed: 7,
+            draws: 10,
+            frozen: true,
+            last_incumbent_p95_ms: Some(1450.0),
+            noise_var: 0.04,
+            noise_samples: 3,
+            pending_trial: Some(Box::new(TrialEvidence {
+                windows: 2,
+                valid: 1,
+                sum_log_score: -0.1,
+                sum_log_e2e: 0.02,
+                sum_ln: [1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+                cand_samples: 30,
+                inc_samples: 34,
+            })),
+            e2e_drift: 0.01,
+            start_fitted: true,
+        };
+        let proposal = TuningMessage::Proposal(Proposal {
+            epoch: 13,
+            leader: "a".into(),
+            weights: w(1.5, 0.75),
+            candidate: Some(w(2.0, 0.5)),
+            phase: Phase::Interleaved,
+            state,
+        });
+        let mut cells: Box<[CellSketches; CELLS]> = Box::default();
+        cells[1].ttft.add(512.0);
+        cells[1].e2e.add(4096.0);
+        let report = TuningMessage::Report(EpochReport {
+            epoch: 13,
+            leader: "a".into(),
+            from: "b".into(),
+            cells,
+            samples: 1,
+            terms: TermSums {
+                n: 1,
+                rr: 1.0,
+                rq: 2.0,
+                qq: 3.0,
+                ry: 4.0,
+                qy: 5.0,
+                yy: 6.0,
+            },
+        });
+        let mut all: Vec<Vec<u8>> = gossip.iter().map(encode).collect();
+        all.push(encode(&forward_request()));
+        all.push(encode(&refused));
+        all.push(encode(&proposal));
+        all.push(encode(&report));
+        all
+    }
+
+    /// The digest of [`one_of_each_message`]'s encodings at [`PROTOCOL_VERSION`].
+    const ENCODING_DIGEST: (u32, u64) = (4, 0x8185_8ebc_1c61_6695);
+
+    /// Fails when a wire type's encoding changes: a node built after the change cannot
+    /// talk to one built before, so the change needs a new [`PROTOCOL_VERSION`] (and the
+    /// digest printed here recorded in `ENCODING_DIGEST` with it).
+    #[test]
+    fn the_encoding_is_pinned_to_the_protocol_version() {
+        let digest = crate::hash::hash_bytes(&one_of_each_message().concat());
+        assert_eq!(
+            ENCODING_DIGEST,
+            (PROTOCOL_VERSION, digest),
+            "the node-to-node encoding changed (digest {digest:#018x}): nodes of this \
+             build and of the last one would misread each other. Raise PROTOCOL_VERSION \
+             and record ({}, {digest:#018x}) in ENCODING_DIGEST",
+            PROTOCOL_VERSION + 1
         );
     }
 
