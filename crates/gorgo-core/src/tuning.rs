@@ -252,7 +252,7 @@ impl TermSums {
     /// the tail wants: it sees only the request's own TTFT. So a weight the data show
     /// too low goes to at least face value, even when its fit is below 1 (measured: the
     /// grid's best fixed weights sit at or above the fitted ones on 19 of 20 weights,
-    /// docs/tuning.md, "The start fit"; a fitted `w_queue` of 0.35-0.75 left the bad
+    /// docs/tuning.md, "The start fit"; a fitted `w_queue` of 0.35-0.73 left the bad
     /// start 4-18% above the best weights within the E2E bar, "Face value as the
     /// floor"). Above that the trials search.
     pub fn fitted_start(&self, cfg: &TuningConfig, incumbent: Weights) -> Option<Weights> {
