@@ -368,3 +368,56 @@ fn each_engine_of_a_node_is_gossiped_as_its_own_replica() {
     .expect("engine 2's drain arrives");
     assert!(heard(0, &|s| !s.draining));
 }
+
+/// Published stats go out on a gossip round at once, to a peer that is up to date too
+/// (an empty delta carries them), not on the next tick of the round's own timer: here
+/// that timer fires once a minute, and each publication is still sent within a link
+/// delay (docs/cluster.md, "Stats every round").
+#[test]
+fn published_stats_go_out_on_a_round_at_once() {
+    let mut sim = sim(23, Duration::from_secs(60));
+    let creds = credentials(&NAMES[..2]);
+    let handles = Handles::default();
+    for (i, name) in NAMES[..2].iter().enumerate() {
+        let s = seeded_spec(&NAMES[..2], i, &creds, 1);
+        let handles = handles.clone();
+        sim.host(*name, move || {
+            let s = s.clone();
+            let handles = handles.clone();
+            async move {
+                let (h, _) =
+                    start_node_with(&s, |c| c.gossip_interval = Duration::from_secs(60)).await?;
+                handles.lock().insert(s.name.clone(), h);
+                std::future::pending::<()>().await;
+                Ok(())
+            }
+        });
+    }
+    set_wan_latencies(&mut sim, &NAMES[..2]);
+    run_until(&mut sim, Duration::from_secs(10), |_| {
+        converged(&handles, &NAMES[..2])
+    })
+    .expect("converge");
+    let n0 = handles.lock()["n0"].clone();
+    let sent = || {
+        let m = n0.metrics();
+        m.deltas_sent.load(Ordering::Relaxed) + m.snapshots_sent.load(Ordering::Relaxed)
+    };
+    for running in 1..=3 {
+        let before = sent();
+        n0.broadcast_stats(QueueStats {
+            running,
+            ..Default::default()
+        })
+        .expect("engine 0 is gossiped");
+        run_until(&mut sim, Duration::from_secs(1), |_| sent() > before)
+            .expect("a round follows the publication");
+    }
+    run_until(&mut sim, Duration::from_secs(1), |_| {
+        handles.lock()["n1"]
+            .peers()
+            .iter()
+            .any(|p| p.id.0 == "n0" && p.stats.as_ref().is_some_and(|s| s.running == 3))
+    })
+    .expect("the last stats arrive");
+}

@@ -39,9 +39,11 @@ pub struct GossipConfig {
     pub gap_timeout_ms: u64,
     /// A peer is not asked for a snapshot again sooner than this, ms.
     pub snapshot_request_backoff_ms: u64,
-    /// Send an empty delta to a peer that is up to date. Needed where the queue stats
-    /// travel only on gossip (the simulator); the live cluster also broadcasts stats on
-    /// SWIM and leaves this off.
+    /// Send an empty delta to a peer that is up to date, so that the queue stats it
+    /// carries reach every peer every round: a peer's stats are what the count- and
+    /// queue-based decisions read, and a round without them leaves them a round older.
+    /// On in the live cluster and the simulator alike (docs/cluster.md, "Stats every
+    /// round"); off, only summary changes are sent.
     pub send_unchanged: bool,
 }
 
@@ -51,7 +53,7 @@ impl Default for GossipConfig {
             max_pending_deltas: 8,
             gap_timeout_ms: 1_000,
             snapshot_request_backoff_ms: 1_000,
-            send_unchanged: false,
+            send_unchanged: true,
         }
     }
 }
@@ -584,7 +586,11 @@ mod tests {
 
     #[test]
     fn sender_starts_with_a_snapshot_then_sends_deltas() {
-        let mut s = GossipSender::new("a".into(), GossipConfig::default());
+        let changes_only = GossipConfig {
+            send_unchanged: false,
+            ..Default::default()
+        };
+        let mut s = GossipSender::new("a".into(), changes_only);
         let mut local = LocalSummary::new().starting_at(10);
         local.record_add(1);
         let b = NodeId::from("b");
@@ -617,14 +623,8 @@ mod tests {
             s.poll(&b, &local, &st),
             Some(GossipMessage::SummarySnapshot { .. })
         ));
-        // Where stats travel only on gossip, an up-to-date peer still gets a message.
-        let mut s = GossipSender::new(
-            "a".into(),
-            GossipConfig {
-                send_unchanged: true,
-                ..Default::default()
-            },
-        );
+        // By default an up-to-date peer still gets a message: it carries the stats.
+        let mut s = GossipSender::new("a".into(), GossipConfig::default());
         s.poll(&b, &local, &st);
         s.on_sent(&b, true);
         assert!(matches!(
@@ -636,7 +636,11 @@ mod tests {
 
     #[test]
     fn a_changed_model_list_is_sent_though_the_summary_is_not() {
-        let mut s = GossipSender::new("a".into(), GossipConfig::default());
+        let changes_only = GossipConfig {
+            send_unchanged: false,
+            ..Default::default()
+        };
+        let mut s = GossipSender::new("a".into(), changes_only);
         let local = LocalSummary::new().starting_at(10);
         let b = NodeId::from("b");
         let mut st = QueueStats::default();

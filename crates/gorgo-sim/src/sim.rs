@@ -139,16 +139,6 @@ pub const KV_SAMPLE_MS: f64 = 10_000.0;
 /// byte and staleness stamp, `gorgo-cluster`'s gossip frame).
 pub const GOSSIP_FRAME_HEADER: usize = 9;
 
-/// The core's gossip as the simulator runs it: the live defaults, except that an
-/// up-to-date peer still gets a message every round, because the queue stats travel
-/// only on gossip here (live nodes also broadcast them on SWIM).
-pub fn sim_gossip_config() -> GossipConfig {
-    GossipConfig {
-        send_unchanged: true,
-        ..GossipConfig::default()
-    }
-}
-
 impl SimConfig {
     /// Defaults of docs/design.md around a network, one profile for every region.
     pub fn new(network: Network, profile: Profile) -> Self {
@@ -641,7 +631,7 @@ impl<'a> Sim<'a> {
                                 replica: k as u16,
                             })?,
                             stats_version: 0,
-                            gossip: GossipSender::new(node_ids[i].clone(), sim_gossip_config()),
+                            gossip: GossipSender::new(node_ids[i].clone(), GossipConfig::default()),
                             kv: cfg
                                 .kv_events
                                 .then(|| KvEventFollower::new(KvFollowerConfig::new(1), 0))
@@ -1660,7 +1650,7 @@ impl<'a> Sim<'a> {
                 let k = core_gossip::replica(&msg) as usize;
                 let asks = matches!(msg, GossipMessage::SnapshotRequest { .. });
                 let node = &mut self.nodes[to];
-                let config = sim_gossip_config();
+                let config = GossipConfig::default();
                 let received = node.peers[from][if asks { 0 } else { k }].receive(
                     &self.node_ids[to],
                     &self.node_ids[from],
