@@ -267,11 +267,10 @@ impl GossipDriver {
 /// does once per gossip interval), and one per `interval` without a publication, so
 /// that summaries still flow from a node that publishes none.
 ///
-/// A round right after the publication sends the stats as fresh as the node has them.
-/// On a timer of its own the round would send stats 0-1 interval old, and the foca
-/// broadcast of the same stats rides yet another timer: measured against the
-/// simulator, live peers' stats were about one interval staler than simulated, which
-/// moved where `prefix-cache` sent its requests (docs/cluster.md, "Stats every round").
+/// A round right after the publication sends the stats as fresh as the node has them,
+/// as the simulator does. On a timer of its own the round would send stats 0-1
+/// interval old, and the foca broadcast of the same stats rides yet another timer
+/// (docs/cluster.md, "Stats every round").
 pub(crate) async fn run(
     gossip: Arc<GossipDriver>,
     transport: Arc<Transport>,
