@@ -371,8 +371,8 @@ fn each_engine_of_a_node_is_gossiped_as_its_own_replica() {
 
 /// Published stats go out on a gossip round at once, to a peer that is up to date too
 /// (an empty delta carries them), not on the next tick of the round's own timer: here
-/// that timer fires once a minute, and each publication is still sent within a link
-/// delay (docs/cluster.md, "Stats every round").
+/// that timer fires once a minute, and each publication is still sent within a second
+/// of simulated time (docs/cluster.md, "Stats every round").
 #[test]
 fn published_stats_go_out_on_a_round_at_once() {
     let mut sim = sim(23, Duration::from_secs(60));
