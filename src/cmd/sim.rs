@@ -62,6 +62,11 @@ pub struct SimArgs {
     /// runs report from sketches (1% accuracy) and write no rows.
     #[arg(long, default_value_t = 200_000)]
     max_rows: usize,
+    /// Write `decisions.jsonl`: each policy's first N routing decisions (client
+    /// requests, forwards, refusals), each as the deciding node's `/admin/decisions`
+    /// shows it plus the node's name, to compare with a live run's decision by decision.
+    #[arg(long, default_value_t = 0)]
+    decisions: usize,
     /// Output directory.
     #[arg(long)]
     out: PathBuf,
@@ -357,6 +362,17 @@ pub fn rows(
         }))
 }
 
+/// `decisions.jsonl`: every run's kept decisions, one JSON object a line, in run and
+/// decision order.
+fn write_decisions(path: &std::path::Path, runs: &[gorgo_sim::PolicyRun]) -> anyhow::Result<()> {
+    let mut out = String::new();
+    for line in runs.iter().flat_map(|r| &r.decisions) {
+        out += &serde_json::to_string(line)?;
+        out.push('\n');
+    }
+    std::fs::write(path, out).with_context(|| format!("writing {}", path.display()))
+}
+
 /// `floor.csv`: each request's floor beside requests.csv (`request_id` joins them), so
 /// a policy's excess over what was possible can be taken apart per request
 /// (`scripts/floor_gap.py`).
@@ -384,6 +400,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     cfg.tuning_sigma = args.tuning_sigma;
     cfg.tuning_set = args.tuning_set.clone();
     cfg.max_rows = args.max_rows;
+    cfg.decision_log = args.decisions;
     cfg.validate().context("simulation config")?;
 
     let mut config = json!({
@@ -463,6 +480,9 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     report
         .write(&args.out)
         .with_context(|| format!("writing the report to {}", args.out.display()))?;
+    if args.decisions > 0 {
+        write_decisions(&args.out.join("decisions.jsonl"), &runs)?;
+    }
     let gap = oracle_gap(&report.results);
     let floors = gorgo_sim::floor::request_floors(&cfg, rows(&args.trace, args.model.window_s)?)
         .context("computing the latency floor")?;

@@ -89,6 +89,98 @@ pub struct Decision {
     pub candidates: Vec<CandidateExplain>,
 }
 
+/// One routing decision as an operator reads it: an entry of a node's
+/// `/admin/decisions` and a line of `gorgo sim --decisions N`'s `decisions.jsonl`, one
+/// type so that the two can be compared decision by decision (docs/simulator.md).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DecisionRecord {
+    /// Request id on the deciding node (the simulator: the request's trace index).
+    pub request_id: u64,
+    /// Milliseconds since the node started (the simulator: since the run started).
+    pub at_ms: u64,
+    /// The policy used.
+    pub policy: PolicyKind,
+    /// Hops the request had taken when it arrived.
+    pub hops: u8,
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// The weights used (a refusal: the offer's).
+    pub weights: Weights,
+    /// Every candidate considered, with its rtt/prefill/queue terms.
+    pub candidates: Vec<CandidateExplain>,
+    /// The chosen node, `None` when nothing could serve or the forward was refused.
+    pub winner: Option<NodeId>,
+    /// Why (`policy`, `max-hops`, `policy-fallback`, `refused`, or why nothing could
+    /// serve).
+    pub reason: String,
+}
+
+impl DecisionRecord {
+    /// The record of [`decide`]'s outcome for a request of `prompt_tokens` decided
+    /// with `weights` at `at_ms`.
+    pub fn of_outcome(
+        request_id: u64,
+        at_ms: u64,
+        prompt_tokens: u64,
+        weights: Weights,
+        outcome: Result<Decision, NoCandidate>,
+    ) -> Self {
+        let (policy, hops, candidates, winner, reason) = match outcome {
+            Ok(d) => (
+                d.policy,
+                d.hops,
+                d.candidates,
+                Some(d.target),
+                kebab(d.reason),
+            ),
+            Err(n) => (n.policy, n.hops, n.candidates, None, kebab(n.reason)),
+        };
+        DecisionRecord {
+            request_id,
+            at_ms,
+            policy,
+            hops,
+            prompt_tokens,
+            weights,
+            candidates,
+            winner,
+            reason,
+        }
+    }
+
+    /// The record of a forward refused at `at_ms` ([`refuse_forward`]): no winner,
+    /// reason `refused`, priced with the offer's weights.
+    pub fn of_refusal(
+        request_id: u64,
+        at_ms: u64,
+        policy: PolicyKind,
+        hops: u8,
+        prompt_tokens: u64,
+        offer: &ForwardOffer,
+        candidates: Vec<CandidateExplain>,
+    ) -> Self {
+        DecisionRecord {
+            request_id,
+            at_ms,
+            policy,
+            hops,
+            prompt_tokens,
+            weights: offer.weights,
+            candidates,
+            winner: None,
+            reason: "refused".to_owned(),
+        }
+    }
+}
+
+/// A reason's serde name (`max-hops`, ...).
+fn kebab(reason: impl Serialize) -> String {
+    serde_json::to_value(reason)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
+
 /// Nothing can serve the request: the driver answers 503.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NoCandidate {

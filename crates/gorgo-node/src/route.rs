@@ -6,11 +6,11 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use gorgo_core::cost::{Candidate, ForwardLedger};
-use gorgo_core::decision::{decide, refuse_forward, CandidateExplain, ForwardOffer, Refusal};
+pub use gorgo_core::decision::DecisionRecord;
+use gorgo_core::decision::{decide, refuse_forward, ForwardOffer, Refusal};
 use gorgo_core::policy::{build, Policy, PolicyKind, RouteRequest};
 use gorgo_core::{HashChain, NodeId, Weights};
 use parking_lot::Mutex;
-use serde::Serialize;
 
 /// Parse a policy name as docs/design.md spells it; `oracle` is simulator-only.
 pub fn parse_policy(name: &str) -> Result<PolicyKind, String> {
@@ -22,29 +22,6 @@ pub fn parse_policy(name: &str) -> Result<PolicyKind, String> {
             other => other.to_string(),
         }),
     }
-}
-
-/// One routing decision, as `/admin/decisions` shows it.
-#[derive(Debug, Clone, Serialize)]
-pub struct DecisionRecord {
-    /// Request id on this node.
-    pub request_id: u64,
-    /// Milliseconds since the node started.
-    pub at_ms: u64,
-    /// The policy used.
-    pub policy: PolicyKind,
-    /// Hops the request had taken when it arrived.
-    pub hops: u8,
-    /// Prompt tokens.
-    pub prompt_tokens: u64,
-    /// The weights used.
-    pub weights: Weights,
-    /// Every candidate considered, with its rtt/prefill/queue terms.
-    pub candidates: Vec<CandidateExplain>,
-    /// The chosen node, `None` when nothing could serve.
-    pub winner: Option<NodeId>,
-    /// Why (`policy`, `max-hops`, `policy-fallback`, or why nothing could serve).
-    pub reason: String,
 }
 
 /// The outcome of a decision.
@@ -146,29 +123,20 @@ impl Router {
                 rng,
             )
         });
-        let (target, explain, winner, reason) = match outcome {
-            Ok(d) => {
-                let reason = serde_json::to_value(d.reason)
-                    .ok()
-                    .and_then(|v| v.as_str().map(str::to_owned))
-                    .unwrap_or_default();
-                let target = if d.is_local {
-                    Target::Local(d.target_replica)
-                } else {
-                    Target::Peer(d.target.clone())
-                };
-                (target, d.candidates, Some(d.target), reason)
-            }
-            Err(n) => {
-                let reason = serde_json::to_value(n.reason)
-                    .ok()
-                    .and_then(|v| v.as_str().map(str::to_owned))
-                    .unwrap_or_default();
-                (Target::Nothing, n.candidates, None, reason)
-            }
+        let target = match &outcome {
+            Ok(d) if d.is_local => Target::Local(d.target_replica),
+            Ok(d) => Target::Peer(d.target.clone()),
+            Err(_) => Target::Nothing,
         };
+        let record = DecisionRecord::of_outcome(
+            input.request_id,
+            input.now_ms,
+            input.prompt_tokens,
+            input.weights,
+            outcome,
+        );
         if let Target::Peer(peer) = &target {
-            let chosen = explain.iter().find(|c| c.chosen);
+            let chosen = record.candidates.iter().find(|c| c.chosen);
             let cached = chosen.map_or(0, |c| c.cached_tokens);
             self.ledger.lock().record_forward(
                 peer,
@@ -177,7 +145,6 @@ impl Router {
                 input.now_ms,
             );
         }
-        let record = record(input, explain, winner, reason);
         self.log(record.clone());
         (target, record)
     }
@@ -197,9 +164,15 @@ impl Router {
         let (refusal, explained) = self.with_policy(input.policy, |policy| {
             refuse_forward(&req, candidates, policy, offer, rng)
         })?;
-        let mut refused = record(input, explained, None, "refused".to_owned());
-        refused.weights = offer.weights;
-        self.log(refused);
+        self.log(DecisionRecord::of_refusal(
+            input.request_id,
+            input.now_ms,
+            input.policy,
+            input.hops,
+            input.prompt_tokens,
+            offer,
+            explained,
+        ));
         Some(refusal)
     }
 
@@ -254,26 +227,6 @@ fn route_request<'a>(input: &DecisionInput<'a>) -> RouteRequest<'a> {
         chain: input.chain,
         prompt_tokens: input.prompt_tokens,
         session_key: input.session_key,
-    }
-}
-
-/// The log entry of a decision (or refusal) about `input`.
-fn record(
-    input: &DecisionInput<'_>,
-    candidates: Vec<CandidateExplain>,
-    winner: Option<NodeId>,
-    reason: String,
-) -> DecisionRecord {
-    DecisionRecord {
-        request_id: input.request_id,
-        at_ms: input.now_ms,
-        policy: input.policy,
-        hops: input.hops,
-        prompt_tokens: input.prompt_tokens,
-        weights: input.weights,
-        candidates,
-        winner,
-        reason,
     }
 }
 

@@ -5,6 +5,7 @@
 //! Rows are kept only up to [`crate::SimConfig::max_rows`] so memory is bounded by the
 //! cap, not by trace length; past it the report is built from the sketches.
 
+use gorgo_core::decision::DecisionRecord;
 use gorgo_core::tuning::TuningRecord;
 use gorgo_core::LatencySketch;
 use serde::Serialize;
@@ -192,6 +193,19 @@ pub struct PolicyRun {
     pub counters: SimCounters,
     /// Decided tuning trials, in decision order.
     pub tuning: Vec<TuningLine>,
+    /// The first `SimConfig::decision_log` decisions, in decision order.
+    pub decisions: Vec<DecisionLine>,
+}
+
+/// One line of `decisions.jsonl`: a decision as the deciding node's `/admin/decisions`
+/// would show it, and which node that is.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DecisionLine {
+    /// The deciding node (its region's name).
+    pub node: String,
+    /// The decision.
+    #[serde(flatten)]
+    pub record: DecisionRecord,
 }
 
 /// Accumulates a run's results as requests finish.
@@ -224,6 +238,7 @@ impl Collector {
                     ..Default::default()
                 },
                 tuning: Vec::new(),
+                decisions: Vec::new(),
             },
             max_rows,
         }

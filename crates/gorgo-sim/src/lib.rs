@@ -24,7 +24,7 @@ mod network;
 pub mod report;
 mod sim;
 
-pub use collect::{PolicyRun, Row, SimCounters, Sketches, TuningLine};
+pub use collect::{DecisionLine, PolicyRun, Row, SimCounters, Sketches, TuningLine};
 pub use network::{Network, RegionNet};
 pub use sim::{simulate, Progress, SimConfig};
 

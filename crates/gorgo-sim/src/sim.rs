@@ -20,7 +20,7 @@ use gorgo_core::accounting::{
 };
 use gorgo_core::candidates::{build_candidates, LocalState, PeerState};
 use gorgo_core::cost::{Candidate, CostTerms, ForwardLedger};
-use gorgo_core::decision::{best_local, decide, refuse_forward, ForwardOffer};
+use gorgo_core::decision::{best_local, decide, refuse_forward, DecisionRecord, ForwardOffer};
 use gorgo_core::es::{TrialDesign, TuningConfig};
 use gorgo_core::fit::FitConfig;
 use gorgo_core::gossip::{self as core_gossip, GossipConfig, GossipSender, PeerGossip};
@@ -39,7 +39,7 @@ use gorgo_workload::{TraceRequest, WorkloadError};
 use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::collect::{Collector, PolicyRun, Row, TuningLine};
+use crate::collect::{Collector, DecisionLine, PolicyRun, Row, TuningLine};
 use crate::network::Network;
 use crate::{invalid, Result};
 
@@ -92,6 +92,10 @@ pub struct SimConfig {
     pub region_seed: Option<u64>,
     /// Per-request rows kept per policy; past this only sketches are kept.
     pub max_rows: usize,
+    /// Decisions kept per policy for `decisions.jsonl` (the first this many, client
+    /// requests, forwards and refusals alike, as the nodes' `/admin/decisions` logs
+    /// them); 0 keeps none.
+    pub decision_log: usize,
     /// Stop after this many trace rows (`None`: all).
     pub max_requests: Option<u64>,
     /// Shorten prompts so prompt + output fit this context, as `gorgo bench
@@ -161,6 +165,7 @@ impl SimConfig {
             weights: None,
             region_seed: None,
             max_rows: 200_000,
+            decision_log: 0,
             max_requests: None,
             max_context_tokens: None,
             live_chains: false,
@@ -1094,12 +1099,21 @@ impl<'a> Sim<'a> {
             .filter(|_| hops == 0 && self.cfg.refuse_forwards && self.oracle.is_none())
             .and_then(|d| d.local_cost_ms())
             .and_then(|c| ForwardOffer::new(c, weights));
-        let target = outcome.map(|d| {
-            (
-                cand_engines[d.target_index],
-                cands[d.target_index].cached_tokens,
-            )
-        });
+        let target = outcome
+            .as_ref()
+            .map(|d| {
+                (
+                    cand_engines[d.target_index],
+                    cands[d.target_index].cached_tokens,
+                )
+            })
+            .map_err(|_| ());
+        if self.out.run.decisions.len() < self.cfg.decision_log {
+            let index = self.flight(slot).index;
+            let record =
+                DecisionRecord::of_outcome(index, now as u64, prompt_tokens, weights, outcome);
+            self.log_decision(r, record);
+        }
         if hops == 0 {
             let anywhere = self
                 .engines
@@ -1193,9 +1207,22 @@ impl<'a> Sim<'a> {
         let rng = self.rng.next_u64();
         let refusal = refuse_forward(&req, &cands, self.nodes[t].policy.as_mut(), &offer, rng);
         self.flight_mut(slot).chain = chain;
-        let Some((refusal, _)) = refusal else {
+        let Some((refusal, explained)) = refusal else {
             return false;
         };
+        if self.out.run.decisions.len() < self.cfg.decision_log {
+            let f = self.flight(slot);
+            let record = DecisionRecord::of_refusal(
+                f.index,
+                now as u64,
+                self.kind,
+                f.hops,
+                f.prompt_tokens,
+                &offer,
+                explained,
+            );
+            self.log_decision(t, record);
+        }
         self.out.run.counters.refused_forwards += 1;
         let f = self.flight_mut(slot);
         f.first_byte_due_ms = None;
@@ -1218,6 +1245,14 @@ impl<'a> Sim<'a> {
         }
         self.push(now + back, Ev::Refused(slot));
         true
+    }
+
+    /// Keep one decision of node `r` for `decisions.jsonl`.
+    fn log_decision(&mut self, r: usize, record: DecisionRecord) {
+        self.out.run.decisions.push(DecisionLine {
+            node: self.names[r].clone(),
+            record,
+        });
     }
 
     /// A refusal reached the forwarding node: it serves the request itself (and, as

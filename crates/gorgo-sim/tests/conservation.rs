@@ -599,3 +599,50 @@ fn floor_is_below_every_request_of_every_policy() {
         }
     }
 }
+
+/// `decisions.jsonl`'s records: the first `decision_log` decisions, each naming its
+/// node and request, with every candidate's terms; the forwards' second decisions and
+/// the refusals among them; and keeping them changes nothing of the run.
+#[test]
+fn the_decision_log_keeps_the_first_decisions_and_changes_nothing() {
+    let t = trace(1, 120.0, 40);
+    let mut cfg = config();
+    cfg.time_scale = 0.25;
+    let plain = run(&cfg, PolicyKind::Gorgo, &t);
+    assert!(plain.decisions.is_empty(), "none kept by default");
+    cfg.decision_log = 100_000;
+    let logged = run(&cfg, PolicyKind::Gorgo, &t);
+    assert_eq!(plain.rows, logged.rows, "logging does not change the run");
+    let d = &logged.decisions;
+    let c = &logged.counters;
+    let client = d.iter().filter(|l| l.record.hops == 0).count() as u64;
+    let refused = d.iter().filter(|l| l.record.reason == "refused").count() as u64;
+    // One decision per request at its home node, one per forward at its target (its
+    // check there, or its decision when served).
+    assert_eq!(client, c.requests);
+    assert_eq!(refused, c.refused_forwards);
+    assert!(refused > 0, "this load refuses some forwards");
+    // (`forwarded` counts the completed forwards; a failed one was decided too.)
+    let at_targets = d.len() as u64 - client;
+    assert!(
+        at_targets >= c.forwarded + c.refused_forwards,
+        "{at_targets}"
+    );
+    assert!(
+        at_targets <= c.forwarded + c.refused_forwards + c.failed,
+        "{at_targets}"
+    );
+    for l in d {
+        assert!(!l.record.candidates.is_empty());
+        let winner = l.record.winner.as_ref();
+        assert_eq!(winner.is_some(), l.record.reason != "refused");
+        if let Some(w) = winner {
+            assert!(l.record.candidates.iter().any(|c| c.chosen && &c.node == w));
+        }
+        if l.record.reason == "policy" {
+            assert!(l.record.candidates.iter().all(|c| c.terms.is_some()));
+        }
+    }
+    cfg.decision_log = 10;
+    assert_eq!(run(&cfg, PolicyKind::Gorgo, &t).decisions, d[..10]);
+}
