@@ -151,7 +151,9 @@ def point(name, trace, ts):
     noise = {}
     for design in ["interleaved", "sequential"]:
         n = sim(trace, ts, SEEDS[0], f"{base}/noise-{design}",
-                [*TUNE, "--trial", design, "--tuning-sigma", "0.01"])
+                [*TUNE, "--trial", design, "--tuning-sigma", "0.01",
+                 # Trials even where a line would settle: their noise is what is measured.
+                 "--tuning-set", "settle_margin=1.0"])
         logs = [math.log(r["score_p95_ttft_ms"] / r["incumbent_p95_ttft_ms"])
                 for r in n["tuning"]
                 if r["score_p95_ttft_ms"] > 0 and r["incumbent_p95_ttft_ms"] > 0]

@@ -215,6 +215,15 @@ pub struct TuningConfig {
     pub guard: f64,
     /// `tune-then-freeze` stops when sigma falls below this.
     pub freeze_sigma: f64,
+    /// An interleaved line runs a trial only while one can be decided: once the
+    /// measured noise makes the improvement a trial of `max_trial_windows` windows
+    /// must show ([`EsState::required_improvement`]) larger than this fraction, the
+    /// line is settled and its windows route every request with the incumbent (no
+    /// candidate) until the noise falls below it again. 0.10: around the start fit the
+    /// best fixed weights are within about 10% of p95 TTFT (docs/tuning.md, "A line
+    /// that cannot decide settles"), so a trial that needs more can only pass by luck
+    /// and costs the traffic of its candidate arm. 1.0 or more: never settle.
+    pub settle_margin: f64,
     /// Seed of the mutation stream.
     pub seed: u64,
     /// A node that has heard no proposal waits this long after its first tick before
@@ -262,6 +271,7 @@ impl TuningConfig {
             noise_z: 2.33,
             guard: 0.05,
             freeze_sigma: 0.05,
+            settle_margin: 0.10,
             seed: 0x676f_7267_6f65_7321,
             startup_grace_ms: 1000,
             fit_start: true,
@@ -355,6 +365,12 @@ impl TuningConfig {
         }
         if !(self.freeze_sigma.is_finite() && self.freeze_sigma >= 0.0) {
             return bad("freeze_sigma", "must be non-negative");
+        }
+        if !(self.settle_margin.is_finite() && self.settle_margin > 0.0) {
+            return bad(
+                "settle_margin",
+                "must be a positive fraction (1.0: never settle)",
+            );
         }
         Ok(())
     }
@@ -761,6 +777,29 @@ impl EsState {
         cfg.noise_z == 0.0 || self.noise_samples >= MIN_NOISE_SAMPLES
     }
 
+    /// The improvement of the candidate's score over the incumbent's, as a fraction,
+    /// that an interleaved trial of `max_trial_windows` windows needs to be accepted at
+    /// the measured noise: `1 - exp(ln(1 - min_improvement) - noise_z sd / sqrt(k))`.
+    /// `None` while the noise is not known (or the adaptive margin is off).
+    pub fn required_improvement(&self, cfg: &TuningConfig) -> Option<f64> {
+        if cfg.noise_z == 0.0 || !self.noise_known(cfg) {
+            return None;
+        }
+        let sd = self.noise_sd()?;
+        let k = f64::from(cfg.max_trial_windows.max(1));
+        let threshold = (1.0 - cfg.min_improvement).ln() - cfg.noise_z * sd / k.sqrt();
+        Some(1.0 - threshold.exp())
+    }
+
+    /// True when an interleaved line should run no trial now: the improvement a trial
+    /// would have to show is above `settle_margin` (see there for why).
+    pub fn is_settled(&self, cfg: &TuningConfig) -> bool {
+        cfg.trial == TrialDesign::Interleaved
+            && self
+                .required_improvement(cfg)
+                .is_some_and(|r| r > cfg.settle_margin)
+    }
+
     /// The measured noise: standard deviation of the log ratio of p95 TTFT between
     /// two measurements of equal weights as the trial design compares them (`None`
     /// before any sample).
@@ -828,6 +867,45 @@ mod tests {
         let far = b.reflect(1e6);
         assert!(far >= b.min && far <= b.max);
         assert_eq!(b.reflect(f64::NAN), b.start);
+    }
+
+    #[test]
+    fn the_improvement_a_trial_needs_follows_the_noise() {
+        let cfg = TuningConfig::gorgo();
+        let mut s = EsState::new(&cfg);
+        assert_eq!(s.required_improvement(&cfg), None, "noise not measured yet");
+        assert!(!s.is_settled(&cfg));
+        s.noise_samples = MIN_NOISE_SAMPLES;
+        // sd 0.1 (a 128-request window in the simulator, docs/tuning.md): a two-window
+        // trial at z 2.33 needs 1 - 0.97 exp(-2.33 x 0.1 / sqrt 2) = 17.7%.
+        s.noise_var = 0.01;
+        let need = s.required_improvement(&cfg).unwrap();
+        assert!((need - (1.0 - 0.97 * (-0.233 / 2f64.sqrt()).exp())).abs() < 1e-12);
+        assert!(s.is_settled(&cfg));
+        // sd 0.02: 5.2%, decidable.
+        s.noise_var = 0.0004;
+        assert!(!s.is_settled(&cfg));
+        // Never with the margin off or the settling off.
+        s.noise_var = 0.01;
+        let off = TuningConfig {
+            noise_z: 0.0,
+            ..cfg
+        };
+        assert!(!s.is_settled(&off));
+        let never = TuningConfig {
+            settle_margin: 1.0,
+            ..cfg
+        };
+        assert!(!s.is_settled(&never));
+        let bad = TuningConfig {
+            settle_margin: 0.0,
+            ..cfg
+        };
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("settle_margin"));
     }
 
     #[test]

@@ -587,10 +587,12 @@ impl Tuner {
         match (&self.current, self.cfg.mode) {
             (Some(p), TuningMode::Online | TuningMode::TuneThenFreeze) => {
                 match (p.phase, p.candidate) {
-                    (Phase::Interleaved, Some(c)) if key & 1 == 1 => Assignment {
+                    // A settled line's window has no candidate: both arms run the
+                    // incumbent, and their halves still measure the noise.
+                    (Phase::Interleaved, c) if key & 1 == 1 => Assignment {
                         epoch: p.epoch,
                         cell: 2 + half,
-                        weights: c,
+                        weights: c.unwrap_or(p.weights),
                     },
                     _ => Assignment {
                         epoch: p.epoch,
@@ -778,8 +780,9 @@ impl Tuner {
     }
 
     /// The proposal that starts a trial at `epoch` from `state`: the incumbent and a
-    /// fresh candidate together (interleaved), the incumbent's re-measurement
-    /// (sequential), or the frozen incumbent.
+    /// fresh candidate together (interleaved), the incumbent alone in both arms (a
+    /// settled interleaved line, [`EsState::is_settled`]), the incumbent's
+    /// re-measurement (sequential), or the frozen incumbent.
     fn trial_proposal(&self, epoch: u64, mut state: EsState) -> Proposal {
         let weights = self.cfg.clip(state.incumbent);
         let (phase, candidate) = if state.frozen {
@@ -787,6 +790,9 @@ impl Tuner {
         } else {
             match self.cfg.trial {
                 TrialDesign::Sequential => (Phase::MeasureIncumbent, None),
+                TrialDesign::Interleaved if state.is_settled(&self.cfg) => {
+                    (Phase::Interleaved, None)
+                }
                 TrialDesign::Interleaved => (Phase::Interleaved, Some(state.mutate(&self.cfg))),
             }
         };
@@ -1075,6 +1081,75 @@ mod tests {
         assert_eq!((next.epoch, next.phase), (3, Phase::Interleaved));
         assert_eq!(next.weights, cand, "the winner is the next incumbent");
         assert_ne!(next.candidate, Some(cand));
+    }
+
+    /// One window of `n` requests from `keys` on `t`, each finishing with `ttft(cell)`,
+    /// then the tick that closes it.
+    fn serve_cells(
+        t: &mut Tuner,
+        keys: std::ops::Range<u64>,
+        now_ms: u64,
+        ttft: impl Fn(Cell) -> f64,
+    ) -> Vec<TuningOutput> {
+        for k in keys {
+            let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()));
+            t.record(a.epoch, a.cell, ttft(a.cell), 1000.0);
+        }
+        t.tick(now_ms)
+    }
+
+    #[test]
+    fn a_line_that_cannot_decide_settles_and_trials_again_once_it_can() {
+        let cfg = TuningConfig {
+            fit_start: false,
+            ..cfg()
+        };
+        let mut t = Tuner::new("a".into(), cfg).unwrap();
+        t.tick(0);
+        assert!(t.current().unwrap().candidate.is_some(), "a trial to start");
+        // Halves of the same weights 2x apart: a trial would need far more than
+        // `settle_margin` of improvement. The first trial runs its two windows...
+        let noisy = |c: Cell| if c % 2 == 0 { 100.0 } else { 200.0 };
+        let mut key = 0;
+        for w in 1..=2 {
+            serve_cells(&mut t, key..key + 10, w * 10, noisy);
+            key += 10;
+        }
+        // ...then the line settles: no candidate, both arms run the incumbent, and
+        // its windows keep measuring the noise.
+        let state = &t.current().unwrap().state;
+        let need = state.required_improvement(t.config()).unwrap();
+        assert!(need > t.config().settle_margin, "{need}");
+        let p = t.current().unwrap().clone();
+        assert_eq!((p.phase, p.candidate), (Phase::Interleaved, None));
+        let mut cells = [0; CELLS];
+        for k in 1000..1064u64 {
+            let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()));
+            assert_eq!(a.weights, p.weights);
+            cells[a.cell as usize] += 1;
+        }
+        assert!(cells.iter().all(|&n| n > 5), "{cells:?}");
+        // Quiet windows: the noise estimate falls, and once a trial can be decided
+        // again the line proposes candidates again; settled windows decide nothing.
+        let mut windows = 0;
+        while t.current().unwrap().candidate.is_none() {
+            windows += 1;
+            assert!(windows < 60, "never trials again");
+            let out = serve_cells(&mut t, key..key + 10, 100 + windows * 10, |_| 100.0);
+            key += 10;
+            assert!(
+                first_record(&out).is_none(),
+                "a settled window decides nothing"
+            );
+        }
+        let state = &t.current().unwrap().state;
+        let need = state.required_improvement(t.config()).unwrap();
+        assert!(need <= t.config().settle_margin, "{need}");
+        // Sequential trials never settle (their windows are the incumbent's anyway).
+        let mut seq = state.clone();
+        let seq_cfg = sequential();
+        seq.noise_var = 1.0;
+        assert!(!seq.is_settled(&seq_cfg));
     }
 
     #[test]
