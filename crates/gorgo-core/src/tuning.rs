@@ -1109,7 +1109,7 @@ mod tests {
         assert!(t.current().unwrap().candidate.is_some(), "a trial to start");
         // Halves of the same weights 2x apart: a trial would need far more than
         // `settle_margin` of improvement. The first trial runs its two windows...
-        let noisy = |c: Cell| if c % 2 == 0 { 100.0 } else { 200.0 };
+        let noisy = |c: Cell| if c.is_multiple_of(2) { 100.0 } else { 200.0 };
         let mut key = 0;
         for w in 1..=2 {
             serve_cells(&mut t, key..key + 10, w * 10, noisy);
