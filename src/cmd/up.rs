@@ -45,6 +45,11 @@ pub struct UpArgs {
     /// --policy`); off by default, as in a node's config.
     #[arg(long)]
     pub allow_policy_header: bool,
+    /// Decisions each node keeps for `/admin/decisions` (`routing.decision_log`; the
+    /// node's default when unset): enough for a whole replay lets it be set beside
+    /// `gorgo sim --decisions N`.
+    #[arg(long)]
+    pub decision_log: Option<usize>,
     /// Engine emulator profile (a built-in name or a profile file).
     #[arg(long, default_value = "paper-a100-mistral7b")]
     pub engine_profile: String,
@@ -702,11 +707,14 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             }
         };
         let config_path = run_dir.join(format!("node-{}.toml", r.name));
-        let routing = RoutingSection {
+        let mut routing = RoutingSection {
             policy,
             allow_policy_header: args.allow_policy_header,
             ..RoutingSection::default()
         };
+        if let Some(n) = args.decision_log {
+            routing.decision_log = n;
+        }
         let config = node_config(
             &plan,
             i,

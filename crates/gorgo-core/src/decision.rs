@@ -60,6 +60,17 @@ pub struct CandidateExplain {
     pub rtt_ms: f64,
     /// Prompt tokens believed cached there.
     pub cached_tokens: u64,
+    /// Requests running there, as last reported (the deciding node's own view for a
+    /// local engine, the gossiped stats for a peer's): with `waiting` and
+    /// `inflight_forwards`, the load the count-based policies compare.
+    #[serde(default)]
+    pub running: u32,
+    /// Requests waiting there, as last reported.
+    #[serde(default)]
+    pub waiting: u32,
+    /// This node's forwards to it not yet reflected in its stats.
+    #[serde(default)]
+    pub inflight_forwards: u32,
     /// Cost terms, for the cost-based policies.
     pub terms: Option<CostTerms>,
 }
@@ -210,6 +221,9 @@ fn explain(
             chosen: chosen == Some(i),
             rtt_ms: c.rtt_ms,
             cached_tokens: c.cached_tokens,
+            running: c.stats.running,
+            waiting: c.stats.waiting,
+            inflight_forwards: c.inflight_forwards,
             terms: terms.and_then(|t| t.get(i).copied()),
         })
         .collect()

@@ -643,6 +643,9 @@ fn the_decision_log_keeps_the_first_decisions_and_changes_nothing() {
             assert!(l.record.candidates.iter().all(|c| c.terms.is_some()));
         }
     }
+    // The loads the count-based policies compare are in the record too.
+    let cands = || d.iter().flat_map(|l| &l.record.candidates);
+    assert!(cands().any(|c| c.running > 0) && cands().any(|c| c.inflight_forwards > 0));
     cfg.decision_log = 10;
     assert_eq!(run(&cfg, PolicyKind::Gorgo, &t).decisions, d[..10]);
 }
