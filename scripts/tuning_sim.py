@@ -17,6 +17,10 @@ For each workload of scripts/policy-sweeps.sh at two loads:
 Usage: scripts/tuning_sim.py OUT [GORGO_BIN]   (about 2-10 minutes on 2 cores)
 Writes OUT/tuning_sim.json and OUT/tuning_sim.md.
 
+ONLY_TUNED=1 runs just untuned and tuned on every seed and writes OUT/tuned_only.md
+(mean ± standard error of tuned / untuned): with SEEDS=$(seq -s, 0 59), the 60-seed
+table of docs/tuning.md ("A line that cannot decide settles"), about 3 minutes.
+
 Environment: SEEDS (default 0,1,2,3,4); TUNING_START (see below); TUNING_SET, space-
 separated `[tuning]` KEY=VALUE pairs for every tuned run (`gorgo sim --tuning-set`,
 e.g. "sigma0=1.0 noise_z=1.64": the previous defaults); GRID_FROM, an earlier OUT whose
@@ -168,6 +172,30 @@ def point(name, trace, ts):
             "seeds": seeds, "noise": noise}
 
 
+def point_tuned_only(name, trace, ts):
+    """ONLY_TUNED=1: untuned and tuned (the defaults) on every seed, nothing else."""
+    base = f"{OUT}/{name}-x{ts}"
+    seeds = []
+    for seed in SEEDS:
+        d = f"{base}/s{seed}"
+        seeds.append({"seed": seed, "untuned": strip(sim(trace, ts, seed, f"{d}/untuned")),
+                      "tuned": strip(sim(trace, ts, seed, f"{d}/tuned", TUNE))})
+    return {"workload": name, "time_scale": ts, "seeds": seeds}
+
+
+def render_tuned_only(points):
+    out = [f"## Tuned against untuned, {len(SEEDS)} seeds (mean ± standard error of the per-seed ratios)", "",
+           "| workload | load | tuned / untuned p95 TTFT | tuned / untuned p95 E2E | seeds above 1.0 (TTFT) |",
+           "|---|---|---:|---:|---:|"]
+    for p in points:
+        s = p["seeds"]
+        rt = [x["tuned"]["p95_ttft"] / x["untuned"]["p95_ttft"] for x in s]
+        re = [x["tuned"]["p95_e2e"] / x["untuned"]["p95_e2e"] for x in s]
+        se = statistics.stdev(rt) / math.sqrt(len(rt)) if len(rt) > 1 else float("nan")
+        out.append(f"| {p['workload']} | x{p['time_scale']} | {mean(rt):.4f} ± {se:.4f} | {mean(re):.4f} | {sum(r > 1.0 for r in rt)} of {len(rt)} |")
+    return "\n".join(out) + "\n"
+
+
 def strip(r):
     return {k: r[k] for k in ("p95_ttft", "p50_ttft", "p95_e2e")}
 
@@ -232,6 +260,14 @@ def main():
         sh([G, "trace", "generate", "--seed", "23", "--duration-s", "1800", "--users", "400",
             "--output-tokens", "400", "--region-weights", "3,1,1", "--out", f"{OUT}/skew.jsonl"])
     tasks = [(n, t, ts) for (n, t, a, b) in WORKLOADS for ts in (a, b)]
+    if os.environ.get("ONLY_TUNED"):
+        with ThreadPoolExecutor(JOBS) as ex:
+            points = list(ex.map(lambda x: point_tuned_only(*x), tasks))
+        json.dump(points, open(f"{OUT}/tuned_only.json", "w"), indent=1)
+        md = render_tuned_only(points)
+        open(f"{OUT}/tuned_only.md", "w").write(md)
+        print(md)
+        return
     with ThreadPoolExecutor(JOBS) as ex:
         points = list(ex.map(lambda x: point(*x), tasks))
         for p in points:
