@@ -785,6 +785,11 @@ impl Tuner {
     /// re-measurement (sequential), or the frozen incumbent.
     fn trial_proposal(&self, epoch: u64, mut state: EsState) -> Proposal {
         let weights = self.cfg.clip(state.incumbent);
+        if self.cfg.mode == TuningMode::TuneThenFreeze && state.is_settled(&self.cfg) {
+            // No trial could be decided any more: as converged as trials can tell, so
+            // `tune-then-freeze` stops here (and its node writes the learned weights).
+            state.frozen = true;
+        }
         let (phase, candidate) = if state.frozen {
             (Phase::Frozen, None)
         } else {
@@ -1145,6 +1150,19 @@ mod tests {
         let state = &t.current().unwrap().state;
         let need = state.required_improvement(t.config()).unwrap();
         assert!(need <= t.config().settle_margin, "{need}");
+        // `tune-then-freeze`: the same line freezes where it would settle.
+        let freeze = TuningConfig {
+            mode: TuningMode::TuneThenFreeze,
+            ..*t.config()
+        };
+        let mut f = Tuner::new("a".into(), freeze).unwrap();
+        f.tick(0);
+        let mut fkey = 0;
+        for w in 1..=2 {
+            serve_cells(&mut f, fkey..fkey + 10, w * 10, noisy);
+            fkey += 10;
+        }
+        assert_eq!(f.current().unwrap().phase, Phase::Frozen);
         // Sequential trials never settle (their windows are the incumbent's anyway).
         let mut seq = state.clone();
         let seq_cfg = sequential();
