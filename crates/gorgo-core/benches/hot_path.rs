@@ -166,6 +166,7 @@ fn bench(c: &mut Criterion) {
             alive: true,
             rtt_ms: p.rtt_ms,
             stats: Some(&p.stats),
+            stats_age_ms: 0,
         });
         let candidates = build_candidates(
             [local],
@@ -254,6 +255,7 @@ fn bench_replicas(c: &mut Criterion) {
                     alive: true,
                     rtt_ms: *rtt_ms,
                     stats: Some(stats),
+                    stats_age_ms: 0,
                 });
                 let candidates = build_candidates(
                     local,

@@ -36,6 +36,10 @@ pub struct PeerState<'a> {
     /// The engine's last queue stats (their `replica` says which engine); it is a
     /// candidate only once they arrived.
     pub stats: Option<&'a QueueStats>,
+    /// How long ago those stats arrived at this node, ms. The ledger clears the
+    /// forwards they can reflect by when they arrived, not by when a decision next
+    /// looked at them: a quiet node's next decision can come long after.
+    pub stats_age_ms: u64,
 }
 
 /// Build the candidates of one decision at `now_ms`. `matched_tokens(peer, replica)`
@@ -79,7 +83,12 @@ pub fn build_candidates<'a>(
         let Some(stats) = p.stats.filter(|s| !s.draining) else {
             continue;
         };
-        ledger.observe_stats(p.node, stats, now_ms, p.rtt_ms);
+        ledger.observe_stats(
+            p.node,
+            stats,
+            now_ms.saturating_sub(p.stats_age_ms),
+            p.rtt_ms,
+        );
         let mut c = Candidate {
             node: p.node.clone(),
             is_local: false,
@@ -142,30 +151,35 @@ mod tests {
                 alive: true,
                 rtt_ms: 20.0,
                 stats: Some(&stats),
+                stats_age_ms: 0,
             },
             PeerState {
                 node: &c,
                 alive: false,
                 rtt_ms: 20.0,
                 stats: Some(&stats),
+                stats_age_ms: 0,
             },
             PeerState {
                 node: &d,
                 alive: true,
                 rtt_ms: 20.0,
                 stats: None,
+                stats_age_ms: 0,
             },
             PeerState {
                 node: &a,
                 alive: true,
                 rtt_ms: 0.0,
                 stats: Some(&stats),
+                stats_age_ms: 0,
             },
             PeerState {
                 node: &e,
                 alive: true,
                 rtt_ms: 20.0,
                 stats: Some(&draining),
+                stats_age_ms: 0,
             },
         ];
         let mut ledger = ForwardLedger::new();
@@ -196,6 +210,7 @@ mod tests {
             alive: true,
             rtt_ms: 20.0,
             stats: Some(&stats),
+            stats_age_ms: 0,
         };
         let out = build_candidates([local()], [peer], |_, _| 0, &mut ledger, 100);
         assert_eq!(out[1].inflight_forwards, 1);
@@ -203,5 +218,31 @@ mod tests {
         // The same version again clears nothing more.
         let out = build_candidates([local()], [peer], |_, _| 0, &mut ledger, 1000);
         assert_eq!(out[1].inflight_forward_prompt_tokens, 500);
+    }
+
+    #[test]
+    fn the_ledger_clears_by_when_the_stats_arrived_not_when_a_decision_looked() {
+        let b = NodeId::from("b");
+        let stats = QueueStats {
+            version: 1,
+            ..QueueStats::default()
+        };
+        // Forwards sent at 10 and 95; stats that arrived at 100 (rtt 20) reflect only
+        // the first. The next decision comes at 400: with the stats 300 ms old it still
+        // clears only the first; taking them as arriving at 400 would clear both.
+        for (age, pending) in [(300, 500), (0, 0)] {
+            let mut ledger = ForwardLedger::new();
+            ledger.record_forward(&b, 0, 1000, 10);
+            ledger.record_forward(&b, 0, 500, 95);
+            let peer = PeerState {
+                node: &b,
+                alive: true,
+                rtt_ms: 20.0,
+                stats: Some(&stats),
+                stats_age_ms: age,
+            };
+            let out = build_candidates([local()], [peer], |_, _| 0, &mut ledger, 400);
+            assert_eq!(out[1].inflight_forward_prompt_tokens, pending, "age {age}");
+        }
     }
 }

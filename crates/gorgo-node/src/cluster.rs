@@ -16,8 +16,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::NodeError;
 use crate::peers::{
-    ForwardRecv, ForwardSend, GossipCounters, IncomingForward, IncomingForwards, PeerSource,
-    PeerView,
+    ForwardRecv, ForwardSend, GossipCounters, IncomingForward, IncomingForwards, PeerEngine,
+    PeerSource, PeerView,
 };
 use crate::tuning::TUNING_APP_KIND;
 use crate::{NodeHandle, NodeListeners, NodeState, ValidatedConfig};
@@ -74,7 +74,16 @@ impl PeerSource for ClusterPeers {
                 // No RTT sample yet: the peer is not a candidate worth paying for.
                 rtt_ms: p.rtt_ms.unwrap_or(f64::INFINITY),
                 stats: p.stats,
-                engines: p.engines.into_iter().filter_map(|e| e.stats).collect(),
+                engines: p
+                    .engines
+                    .into_iter()
+                    .filter_map(|e| {
+                        Some(PeerEngine {
+                            stats: e.stats?,
+                            stats_age_ms: e.stats_age_ms.unwrap_or(0),
+                        })
+                    })
+                    .collect(),
                 stats_age_ms: p.stats_age_ms,
                 summary_version: p.summary_version.unwrap_or(0),
                 summary_entries: p.summary_len as u64,

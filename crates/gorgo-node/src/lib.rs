@@ -47,7 +47,7 @@ use tokio::task::JoinSet;
 
 pub use config::{NodeConfig, ValidatedConfig};
 pub use error::NodeError;
-pub use peers::{IncomingForward, IncomingForwards, NoPeers, PeerSource, PeerView};
+pub use peers::{IncomingForward, IncomingForwards, NoPeers, PeerEngine, PeerSource, PeerView};
 pub use tokio_util::sync::CancellationToken;
 
 /// Everything a running node shares between its tasks.

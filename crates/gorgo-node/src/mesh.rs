@@ -15,7 +15,7 @@ use parking_lot::RwLock;
 use tokio::sync::mpsc;
 
 use crate::error::NodeError;
-use crate::peers::{ForwardRecv, ForwardSend, IncomingForward, PeerSource, PeerView};
+use crate::peers::{ForwardRecv, ForwardSend, IncomingForward, PeerEngine, PeerSource, PeerView};
 use crate::NodeState;
 
 /// Buffer of each in-memory forward pipe, bytes.
@@ -128,15 +128,19 @@ impl PeerSource for MeshPeers {
             .filter(|(id, _)| **id != self.me)
             .map(|(id, m)| {
                 let state = m.state.upgrade();
-                // The peer's engines as its own stats say, read directly.
-                let engines: Vec<QueueStats> = state
+                // The peer's engines as its own stats say, read directly (so they
+                // are always fresh: age 0).
+                let engines: Vec<PeerEngine> = state
                     .as_ref()
                     .map(|s| {
                         s.local_stats()
                             .into_iter()
-                            .map(|st| QueueStats {
-                                draining: st.draining || m.draining,
-                                ..st
+                            .map(|st| PeerEngine {
+                                stats: QueueStats {
+                                    draining: st.draining || m.draining,
+                                    ..st
+                                },
+                                stats_age_ms: 0,
                             })
                             .collect()
                     })
@@ -156,7 +160,7 @@ impl PeerSource for MeshPeers {
                         .and_then(|s| s.engines().first().map(|e| e.shadow.lock().len() as u64))
                         .unwrap_or(0),
                     summary_age_ms: state.as_ref().map(|_| 0),
-                    stats: engines.first().cloned(),
+                    stats: engines.first().map(|e| e.stats.clone()),
                     engines,
                 }
             })

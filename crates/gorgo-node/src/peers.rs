@@ -99,7 +99,7 @@ pub struct PeerView {
     pub stats: Option<QueueStats>,
     /// The last queue stats of each of the peer's engines heard of (docs/design.md,
     /// "Replicas"), in replica order: every one a routing candidate.
-    pub engines: Vec<QueueStats>,
+    pub engines: Vec<PeerEngine>,
     /// Age of those stats, ms.
     pub stats_age_ms: Option<u64>,
     /// Version of the peer's prefix summary we hold.
@@ -108,6 +108,17 @@ pub struct PeerView {
     pub summary_entries: u64,
     /// Age of that summary, ms.
     pub summary_age_ms: Option<u64>,
+}
+
+/// One engine of a peer as the router sees it: its last queue stats and when they
+/// arrived (the forward ledger clears by arrival, `gorgo_core::candidates`).
+#[derive(Debug, Clone, Serialize)]
+pub struct PeerEngine {
+    /// The engine's last queue stats.
+    #[serde(flatten)]
+    pub stats: QueueStats,
+    /// How long ago they arrived, ms.
+    pub stats_age_ms: u64,
 }
 
 /// Gossip traffic counters, for `/metrics`.

@@ -78,12 +78,13 @@ fn candidates(state: &NodeState, req: &RoutedRequest, excluded: &Excluded) -> Ve
     let views = peers.iter().flat_map(|p| {
         p.engines
             .iter()
-            .filter(move |s| model.is_none_or(|m| s.serves(m)))
-            .map(move |s| PeerState {
+            .filter(move |e| model.is_none_or(|m| e.stats.serves(m)))
+            .map(move |e| PeerState {
                 node: &p.id,
                 alive: p.alive,
                 rtt_ms: p.rtt_ms,
-                stats: Some(s),
+                stats: Some(&e.stats),
+                stats_age_ms: e.stats_age_ms,
             })
     });
     let mut ledger = state.router.ledger.lock();
@@ -109,7 +110,7 @@ fn check_model(state: &NodeState, mut req: RoutedRequest) -> Result<RoutedReques
             .peers()
             .iter()
             .filter(|p| p.alive)
-            .flat_map(|p| p.engines.iter())
+            .flat_map(|p| p.engines.iter().map(|e| &e.stats))
             .any(|s| !s.draining && s.serves(model));
     match state.config.routing.unlisted_model {
         _ if served => Ok(req),

@@ -441,6 +441,9 @@ struct Node {
     /// Per region, per replica: that peer engine's summary and stats as heard (the
     /// core's receiver state; the own region's entries stay empty).
     peers: Vec<Vec<PeerGossip>>,
+    /// Per region, per replica: when that peer engine's stats last arrived, ms (as the
+    /// live cluster stamps them; the ledger clears forwards by it).
+    stats_at_ms: Vec<Vec<f64>>,
     ledger: ForwardLedger,
     /// Draws the loss of this node's outgoing gossip (`gossip_loss`).
     gossip_loss_rng: ChaCha8Rng,
@@ -649,6 +652,7 @@ impl<'a> Sim<'a> {
                     policy: kind.build(),
                     engines: node_engines,
                     peers: vec![vec![PeerGossip::new(); replicas]; n],
+                    stats_at_ms: vec![vec![0.0; replicas]; n],
                     ledger: ForwardLedger::new(),
                     gossip_loss_rng: ChaCha8Rng::seed_from_u64(
                         cfg.seed ^ hash_bytes(format!("gossip-loss/{i}").as_bytes()),
@@ -962,6 +966,7 @@ impl<'a> Sim<'a> {
         let node_ids = &self.node_ids;
         let node = &mut self.nodes[at_node];
         let gossip_peers = &node.peers;
+        let stats_at = &node.stats_at_ms;
         let peers = (0..n)
             .filter(|&p| p != at_node)
             .flat_map(|p| (0..replicas).map(move |k| (p, k)))
@@ -970,6 +975,7 @@ impl<'a> Sim<'a> {
                 alive: true,
                 rtt_ms: rtts[p],
                 stats: gossip_peers[p][k].stats(),
+                stats_age_ms: (now - stats_at[p][k]).max(0.0) as u64,
             });
         let cands = build_candidates(
             locals,
@@ -1696,7 +1702,11 @@ impl<'a> Sim<'a> {
                 // The simulator only builds well-formed messages between honest nodes.
                 let received = received.expect("simulated gossip is well-formed");
                 // The ledger observes these stats when the next decision builds its
-                // candidates (core `build_candidates`), as on the live node.
+                // candidates (core `build_candidates`), as of their arrival now, as on
+                // the live node.
+                if received.stats_updated {
+                    node.stats_at_ms[from][k] = now;
+                }
                 if received.snapshot_requested {
                     node.engines[k]
                         .gossip
