@@ -97,6 +97,9 @@ pub struct EngineView {
     scraped_at_ms: Option<u64>,
     dispatched: HashMap<u64, Dispatched>,
     unfinished_prefill_tokens: u64,
+    /// How many of `dispatched` are not past their first token: the requests of ours
+    /// the engine's `waiting` gauge can be counting.
+    unprefilled: u64,
     queued_prompt_tokens: u64,
     mean_prompt_tokens: u64,
     stats_version: u64,
@@ -136,6 +139,7 @@ impl EngineView {
             scraped_at_ms: None,
             dispatched: HashMap::new(),
             unfinished_prefill_tokens: 0,
+            unprefilled: 0,
             queued_prompt_tokens: 0,
             mean_prompt_tokens: DEFAULT_MEAN_PROMPT_TOKENS,
             stats_version: 0,
@@ -213,11 +217,17 @@ impl EngineView {
                 .or_else(|| m.kv_usage.map(|u| u * capacity as f64)),
         );
         // The engine's own waiting queue may hold work we did not send (other routers,
-        // direct clients): count it at our mean prompt size, and trust whichever of
-        // that and our accounting is larger.
+        // direct clients). Our accounting already counts our own requests at their real
+        // size, so only the waiting requests it cannot explain (more than ours not yet
+        // prefilled) are counted, at our mean prompt size. Counting the whole queue at
+        // the mean instead, whenever that was larger, swapped an exact figure for a
+        // noisy one under load: with prompts of 10 to 32k tokens an EWMA of the last few
+        // moves by half, and so did every engine's queue estimate (docs/policy.md,
+        // "The queue estimate at saturation").
+        let foreign_waiting = scraped_waiting.saturating_sub(self.unprefilled);
         let unfinished = self
             .unfinished_prefill_tokens
-            .max(scraped_waiting.saturating_mul(self.mean_prompt_tokens));
+            .saturating_add(foreign_waiting.saturating_mul(self.mean_prompt_tokens));
         QueueStats {
             version,
             unfinished_prefill_tokens: unfinished,
@@ -276,6 +286,7 @@ impl EngineView {
         self.unfinished_prefill_tokens = self
             .unfinished_prefill_tokens
             .saturating_add(prefill_tokens);
+        self.unprefilled += 1;
         self.queued_prompt_tokens = self.queued_prompt_tokens.saturating_add(prompt_tokens);
         self.dispatched.insert(
             id,
@@ -307,6 +318,7 @@ impl EngineView {
         self.unfinished_prefill_tokens = self
             .unfinished_prefill_tokens
             .saturating_sub(d.prefill_tokens);
+        self.unprefilled = self.unprefilled.saturating_sub(1);
         if let Some(ttft) = engine_ttft_ms {
             self.fit
                 .observe_after_wait(ttft, 0.0, d.queued_est_ms, d.prefill_tokens);
@@ -323,6 +335,7 @@ impl EngineView {
             self.unfinished_prefill_tokens = self
                 .unfinished_prefill_tokens
                 .saturating_sub(d.prefill_tokens);
+            self.unprefilled = self.unprefilled.saturating_sub(1);
         }
         self.queued_prompt_tokens = self.queued_prompt_tokens.saturating_sub(d.prompt_tokens);
     }
@@ -379,6 +392,59 @@ mod tests {
         assert_eq!(s.epoch, 7);
         assert_eq!(s.decode_step_ms, DEFAULT_DECODE_STEP_MS);
         assert_eq!(v.scraped_at_ms(), Some(5));
+    }
+
+    #[test]
+    fn only_waiting_requests_our_accounting_cannot_explain_count_at_the_mean() {
+        let mut v = view();
+        // Our own requests: a long one and a short one, neither prefilled yet. The mean
+        // prompt the EWMA settles on lies between them.
+        v.dispatch(1, 30_000, 30_000, 0);
+        v.dispatch(2, 100, 100, 0);
+        let ours = 30_100;
+        let scrape = |waiting: f64| EngineMetrics {
+            running: Some(0.0),
+            waiting: Some(waiting),
+            ..EngineMetrics::default()
+        };
+        // The engine shows both waiting: they are ours, counted at their real size,
+        // not at twice the mean.
+        v.scrape(scrape(2.0), 1);
+        assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, ours);
+        // Three more waiting than ours not yet prefilled: work another router sent,
+        // counted at the mean on top of ours.
+        v.scrape(scrape(5.0), 2);
+        let mean = v.mean_prompt_tokens;
+        assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, ours + 3 * mean);
+        // Ours past their first token no longer explain a waiting request.
+        v.first_token(1, None, 3);
+        assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, 100 + 4 * mean);
+        v.finish(2);
+        assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, 5 * mean);
+    }
+
+    #[test]
+    fn short_requests_behind_a_long_one_are_not_counted_at_its_size() {
+        let mut v = view();
+        // A long prompt lifts the mean; then three short ones wait.
+        v.dispatch(1, 30_000, 30_000, 0);
+        v.first_token(1, None, 1);
+        for id in 2..5 {
+            v.dispatch(id, 100, 100, 2);
+        }
+        v.scrape(
+            EngineMetrics {
+                running: Some(1.0),
+                waiting: Some(3.0),
+                ..EngineMetrics::default()
+            },
+            3,
+        );
+        assert!(
+            3 * v.mean_prompt_tokens > 3_000,
+            "the mean still remembers the long one"
+        );
+        assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, 300);
     }
 
     #[test]
