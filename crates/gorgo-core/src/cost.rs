@@ -6,11 +6,12 @@
 //! cost(r) = w_rtt * RTT_ms(self -> r)          0 for the local region
 //!         + t_p(r) * uncached_tokens(r)        prefill of what r has not cached
 //!         + w_queue * queue_ms(r)              waiting behind work already at r
-//!         + t_p(r) * running(r)                the stall: every request decoding at r
-//!           * ( REPREFILL_STALL_WEIGHT         waits while this prompt is prefilled:
-//!               * reprefill_tokens(r)          the part another candidate has cached,
+//!         + t_p(r) * ( REPREFILL_STALL_WEIGHT  the stall: what this prompt's prefill
+//!               * reprefill_tokens(r)          delays: the part another candidate has
+//!               * (running(r) + waiting(r))    cached, for every request decoding or
+//!                                              queued there,
 //!             + SHARED_STALL_WEIGHT            and the part every candidate would
-//!               * shared_tokens )              have to prefill
+//!               * shared_tokens * running(r) ) have to prefill, for those decoding
 //! ```
 //!
 //! The first three terms happen one after another in the serving pipeline, so with
@@ -268,25 +269,31 @@ pub fn admission_wait_ms(c: &Candidate) -> f64 {
     (waiting + 1) as f64 / running * DEFAULT_OUTPUT_TOKENS as f64 * step
 }
 
-/// The delay, ms, that prefilling `uncached_tokens` at `c` inflicts on the requests
-/// running there, weighted by part: [`REPREFILL_STALL_WEIGHT`] for the
-/// `reprefill_tokens` another candidate has cached, [`SHARED_STALL_WEIGHT`] for the rest
-/// (the prefill the request needs wherever it goes).
+/// The delay, ms, that prefilling `uncached_tokens` at `c` inflicts on other requests
+/// there, weighted by part: [`REPREFILL_STALL_WEIGHT`] for the `reprefill_tokens`
+/// another candidate has cached, [`SHARED_STALL_WEIGHT`] for the rest (the prefill the
+/// request needs wherever it goes).
 ///
 /// An engine that has prefill work interleaves it with its decode steps (SGLang's
 /// chunked prefill; the emulator alternates a prefill chunk and a decode step), so
 /// every request decoding at `c` gets its next tokens that much later. Running
 /// requests are the candidate's last reported `running` plus the forwards expected
 /// since ([`Candidate::expected_forwards`]; they will be running by the time this
-/// request is prefilled). The term is 0 at an idle engine, so at light load the rule is
-/// the TTFT minimiser; under load it grows with the batch, and the re-prefill it
+/// request is prefilled). The re-prefill, work the cluster does only because of this
+/// choice, also delays the requests that queue behind it; by Little's law the
+/// candidate's `waiting` is how many arrive during a wait like the one it reports, so
+/// that part is charged to `running + waiting` (docs/policy.md, "The queue estimate at
+/// saturation"). The term is 0 at an idle engine, so at light load the rule is the TTFT
+/// minimiser; under load it grows with the batch and the queue, and the re-prefill it
 /// weighs in full is what makes moving a session off its cache expensive.
 pub fn stall_ms(c: &Candidate, uncached_tokens: u64, reprefill_tokens: u64) -> f64 {
     let running = c.stats.running as f64 + c.expected_forwards().0;
+    let behind = running + c.stats.waiting as f64;
     let reprefill = reprefill_tokens.min(uncached_tokens);
     let shared = uncached_tokens - reprefill;
-    let weighted = REPREFILL_STALL_WEIGHT * reprefill as f64 + SHARED_STALL_WEIGHT * shared as f64;
-    c.t_p_ms() * weighted * running
+    c.t_p_ms()
+        * (REPREFILL_STALL_WEIGHT * reprefill as f64 * behind
+            + SHARED_STALL_WEIGHT * shared as f64 * running)
 }
 
 /// The fewest prompt tokens any healthy candidate would have to prefill for a
@@ -693,6 +700,15 @@ mod tests {
         let want =
             t8r.t_p_ms * 8.0 * (REPREFILL_STALL_WEIGHT * 600.0 + SHARED_STALL_WEIGHT * 400.0);
         assert!((t8r.stall_ms - want).abs() < 1e-9);
+        // Requests waiting there queue behind the re-prefill, not behind the shared part.
+        c.stats.waiting = 4;
+        let t8w = cost_terms(1000, &c, w, 1000);
+        assert!((t8w.stall_ms - t8.stall_ms).abs() < 1e-9);
+        let t8rw = cost_terms(1000, &c, w, 400);
+        let want = t8rw.t_p_ms
+            * (REPREFILL_STALL_WEIGHT * 600.0 * 12.0 + SHARED_STALL_WEIGHT * 400.0 * 8.0);
+        assert!((t8rw.stall_ms - want).abs() < 1e-9);
+        c.stats.waiting = 0;
         // Our own forwards since the stats count as running too.
         c.inflight_forwards = 2;
         let t10 = cost_terms(1000, &c, w, 1000);
@@ -771,12 +787,14 @@ mod tests {
     }
 
     proptest::proptest! {
-        /// More running requests or more uncached tokens never make a candidate cheaper,
-        /// whatever the decision's fewest uncached tokens.
+        /// More running or waiting requests or more uncached tokens never make a
+        /// candidate cheaper, whatever the decision's fewest uncached tokens.
         #[test]
         fn stall_is_monotone(
             running in 0u32..512,
             more_running in 0u32..64,
+            waiting in 0u32..512,
+            more_waiting in 0u32..64,
             prompt in 0u64..40_000,
             cached in 0u64..40_000,
             fewer_cached in 0u64..40_000,
@@ -784,10 +802,14 @@ mod tests {
         ) {
             let mut c = peer(20.0, cached);
             c.stats.running = running;
+            c.stats.waiting = waiting;
             let base = cost_terms(prompt, &c, Weights::default(), fewest);
             let mut busier = c.clone();
             busier.stats.running = running + more_running;
             proptest::prop_assert!(cost_terms(prompt, &busier, Weights::default(), fewest).stall_ms >= base.stall_ms);
+            let mut queued = c.clone();
+            queued.stats.waiting = waiting + more_waiting;
+            proptest::prop_assert!(cost_terms(prompt, &queued, Weights::default(), fewest).stall_ms >= base.stall_ms);
             let mut colder = c.clone();
             colder.cached_tokens = cached.saturating_sub(fewer_cached);
             proptest::prop_assert!(cost_terms(prompt, &colder, Weights::default(), fewest).stall_ms >= base.stall_ms);

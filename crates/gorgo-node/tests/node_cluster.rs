@@ -318,7 +318,9 @@ async fn a_draining_peer_gets_no_new_forwards_but_finishes_what_it_has() {
     assert!(rest.ends_with("data: [DONE]\n\n"), "{rest}");
 }
 
-/// b holds the prefix and is far busier than a, but a believes b fast: its forward
+/// b holds the prefix and is far busier than a (100x the requests waiting: enough that
+/// b's queue outweighs what a's own queue and the re-prefill stall there cost; c is
+/// busier still, so that only a and b are in question), but a believes b fast: its forward
 /// bias for b says its last forwards there were early by a minute (a stale belief, as
 /// after a burst has just reached b). a forwards to b what b, knowing its own queue,
 /// serves later than a would.
@@ -331,8 +333,9 @@ async fn refusing_cluster(b_refuses: bool) -> (Cluster, String) {
     .await;
     let p = b_prompt();
     assert_eq!(chat(&c.nodes[1], &p).await, (200, "b".into(), 0));
-    c.saturate(0, 50).await;
+    c.saturate(0, 5).await;
     c.saturate(1, 500).await;
+    c.saturate(2, 5000).await;
     let a = c.nodes[0].state();
     a.router
         .ledger
