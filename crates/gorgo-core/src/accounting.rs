@@ -113,6 +113,9 @@ pub struct ViewCounters {
     pub inflight: u64,
     /// Expected prefill tokens of those not past their first token.
     pub unfinished_prefill_tokens: u64,
+    /// How many of those are not past their first token: the engine's `waiting`
+    /// beyond this is work another router sent.
+    pub unprefilled: u64,
     /// Raw prompt tokens of those not finished.
     pub queued_prompt_tokens: u64,
 }
@@ -182,6 +185,7 @@ impl EngineView {
         ViewCounters {
             inflight: self.dispatched.len() as u64,
             unfinished_prefill_tokens: self.unfinished_prefill_tokens,
+            unprefilled: self.unprefilled,
             queued_prompt_tokens: self.queued_prompt_tokens,
         }
     }
@@ -505,6 +509,7 @@ mod tests {
             ViewCounters {
                 inflight: 0,
                 unfinished_prefill_tokens: 0,
+                unprefilled: 0,
                 queued_prompt_tokens: 0
             }
         );
@@ -576,6 +581,7 @@ mod tests {
                     c.unfinished_prefill_tokens,
                     open.values().filter(|e| !e.2).map(|e| e.1).sum::<u64>()
                 );
+                prop_assert_eq!(c.unprefilled, open.values().filter(|e| !e.2).count() as u64);
                 let s = v.queue_stats(0);
                 prop_assert!(s.unfinished_prefill_tokens >= c.unfinished_prefill_tokens);
                 prop_assert!(s.t_p_ms.is_finite() && s.base_ms.is_finite());
@@ -586,7 +592,12 @@ mod tests {
             }
             prop_assert_eq!(
                 v.counters(),
-                ViewCounters { inflight: 0, unfinished_prefill_tokens: 0, queued_prompt_tokens: 0 }
+                ViewCounters {
+                    inflight: 0,
+                    unfinished_prefill_tokens: 0,
+                    unprefilled: 0,
+                    queued_prompt_tokens: 0,
+                }
             );
         }
     }
