@@ -48,7 +48,8 @@ pub const KV_NEARLY_FULL: f64 = 0.95;
 /// them cached.
 ///
 /// 1.0 is the exact social cost in the engine model (a prefill of `P` ms delays each
-/// running request by `P`), and this part can carry it: it is work the cluster does
+/// running request, and each request queued behind it, by `P`), and this part can carry
+/// it: it is work the cluster does
 /// only because of the choice (moving a session off its cache prefills the cached
 /// prefix again while the target's batch waits), and it comes from the per-request
 /// match against the prefix summaries, which differs from request to request, so nodes
