@@ -5,6 +5,8 @@
 
 mod cmd;
 
+use std::process::ExitCode;
+
 use clap::{Parser, Subcommand};
 
 /// GORGO: peer-to-peer regional routers for LLM inference.
@@ -50,10 +52,46 @@ enum Command {
     Topology(cmd::topology::TopologyArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> ExitCode {
     // One crypto provider for the whole process: rustls with ring.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let cli = Cli::parse();
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprint!("{}", report(&e));
+            if e.backtrace().status() == std::backtrace::BacktraceStatus::Captured {
+                eprintln!("\nStack backtrace:\n{}", e.backtrace());
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The error and its causes as anyhow's `main` would print them, less each cause the
+/// line above already ends with: the library errors put their source in their own
+/// message (so a log line of one error is complete) and also return it as `source()`,
+/// which anyhow would print a second time.
+fn report(e: &anyhow::Error) -> String {
+    let mut out = format!("Error: {e}\n");
+    let mut shown = e.to_string();
+    let mut causes = Vec::new();
+    for cause in e.chain().skip(1) {
+        let text = cause.to_string();
+        if !shown.ends_with(&text) {
+            causes.push(text.clone());
+        }
+        shown = text;
+    }
+    if !causes.is_empty() {
+        out.push_str("\nCaused by:\n");
+        for c in causes {
+            out.push_str(&format!("    {c}\n"));
+        }
+    }
+    out
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Node(a) => cmd::node::run(a),
         Command::Engine(a) => cmd::engine::run(a),
@@ -70,5 +108,55 @@ fn main() -> anyhow::Result<()> {
         Command::Certs(a) => cmd::certs::run(a),
         Command::Trace(a) => cmd::trace::run(a),
         Command::Topology(a) => cmd::topology::run(a),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::report;
+
+    /// Shaped like the library errors: the source in the message and in `source()`.
+    #[derive(Debug)]
+    struct Read(std::io::Error);
+
+    impl std::fmt::Display for Read {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "reading topology t.toml: {}", self.0)
+        }
+    }
+
+    impl std::error::Error for Read {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn a_cause_the_message_already_ends_with_is_not_printed_again() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+        let e = anyhow::Error::new(Read(io)).context("starting relays");
+        let r = report(&e);
+        assert_eq!(
+            r.lines().filter(|l| l.contains("no such file")).count(),
+            1,
+            "{r}"
+        );
+        assert!(r.starts_with("Error: starting relays\n"), "{r}");
+        assert!(
+            r.contains("    reading topology t.toml: no such file"),
+            "{r}"
+        );
+    }
+
+    #[test]
+    fn causes_that_add_something_are_all_printed() {
+        let e = anyhow::anyhow!("connection refused")
+            .context("engine at 127.0.0.1:1")
+            .context("loading config");
+        let r = report(&e);
+        assert_eq!(
+            r,
+            "Error: loading config\n\nCaused by:\n    engine at 127.0.0.1:1\n    connection refused\n"
+        );
     }
 }
