@@ -72,6 +72,10 @@ pub struct UpArgs {
     /// `/metrics` cannot tell (kind `openai`): bounds each node's model of its engine's cache.
     #[arg(long)]
     pub engine_kv_tokens: Option<u64>,
+    /// How many requests each engine given with `--engine-url` runs at once (1 for
+    /// llama-cpp-python's server): each node's `engine.max_running_requests`.
+    #[arg(long)]
+    pub engine_max_running: Option<u32>,
     /// Seed of each node's fitted prefill cost per uncached token (ms) for the engines
     /// given with `--engine-url`: a calibration of that engine (default: the paper's A100).
     #[arg(long)]
@@ -397,6 +401,7 @@ fn parse_engine_urls(
 struct EngineExtras {
     health_path: Option<String>,
     kv_capacity_tokens: Option<u64>,
+    max_running_requests: Option<u32>,
     /// `/metrics` scraping off (engines with no Prometheus endpoint).
     no_metrics: bool,
     /// Calibrated seeds of the node's prefill fit and decode step, ms.
@@ -415,6 +420,7 @@ impl EngineExtras {
         EngineExtras {
             health_path: args.engine_health_path.clone(),
             kv_capacity_tokens: args.engine_kv_tokens,
+            max_running_requests: args.engine_max_running,
             no_metrics: kind == EngineKind::Openai,
             t_p_ms: args.engine_t_p_ms,
             base_ms: args.engine_base_ms,
@@ -462,6 +468,7 @@ impl EngineExtras {
         let mut engine = EngineSection::new(url, kind);
         engine.health_path = self.health_path.clone();
         engine.kv_capacity_tokens = self.kv_capacity_tokens;
+        engine.max_running_requests = self.max_running_requests;
         if self.no_metrics {
             engine.metrics_interval_ms = 0;
         }
@@ -1082,6 +1089,7 @@ mod tests {
         let extras = EngineExtras {
             health_path: Some("/docs".into()),
             kv_capacity_tokens: Some(5760),
+            max_running_requests: Some(1),
             no_metrics: true,
             t_p_ms: Some(1.43),
             base_ms: Some(0.0),
@@ -1120,6 +1128,7 @@ mod tests {
         assert_eq!(engine.kind, EngineKind::Openai);
         assert_eq!(engine.health_path(), "/docs");
         assert_eq!(engine.kv_capacity_tokens, Some(5760));
+        assert_eq!(engine.max_running_requests, Some(1));
         assert_eq!(engine.metrics_interval_ms, 0);
         assert_eq!(engine.t_p_ms, 1.43);
         assert_eq!(engine.base_ms, 0.0);

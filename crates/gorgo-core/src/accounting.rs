@@ -60,6 +60,9 @@ pub struct ViewConfig {
     pub fit: FitConfig,
     /// Which of the node's engines this view is of ([`QueueStats::replica`]).
     pub replica: u16,
+    /// How many requests the engine runs at once, when the operator says
+    /// ([`QueueStats::max_running`]); `None`: not limited as far as the node knows.
+    pub max_running_requests: Option<u32>,
 }
 
 impl Default for ViewConfig {
@@ -72,6 +75,7 @@ impl Default for ViewConfig {
             seed_t_p_ms: DEFAULT_SEED_T_P_MS,
             fit: FitConfig::default(),
             replica: 0,
+            max_running_requests: None,
         }
     }
 }
@@ -86,6 +90,8 @@ struct Dispatched {
     prefilled: bool,
     /// The view's own queueing estimate at dispatch, ms.
     queued_est_ms: f64,
+    /// When its first token arrived, ms on the driver's clock.
+    first_token_ms: Option<u64>,
 }
 
 /// The node's view of its engine: scrapes plus its own dispatch accounting, and the
@@ -104,7 +110,13 @@ pub struct EngineView {
     mean_prompt_tokens: u64,
     stats_version: u64,
     fit: PrefillFit,
+    /// EWMA (gain [`DECODE_GAIN`]) of how long our requests decoded, first token to
+    /// finish, ms; `None` until one finished.
+    decode_ms: Option<f64>,
 }
+
+/// Gain of the decode-time EWMA: about the last eight requests.
+const DECODE_GAIN: f64 = 1.0 / 8.0;
 
 /// Counters of the view, for `/admin/state` and for tests that check nothing drifts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -129,6 +141,12 @@ impl EngineView {
                 reason: "must be a finite number >= 0".into(),
             });
         }
+        if cfg.max_running_requests == Some(0) {
+            return Err(CoreError::InvalidConfig {
+                field: "max_running_requests".into(),
+                reason: "must be > 0".into(),
+            });
+        }
         if cfg.kv_capacity_tokens == Some(0) {
             return Err(CoreError::InvalidConfig {
                 field: "kv_capacity_tokens".into(),
@@ -147,6 +165,7 @@ impl EngineView {
             mean_prompt_tokens: DEFAULT_MEAN_PROMPT_TOKENS,
             stats_version: 0,
             fit,
+            decode_ms: None,
         })
     }
 
@@ -193,6 +212,16 @@ impl EngineView {
     /// Requests dispatched and not finished.
     pub fn inflight(&self) -> u64 {
         self.dispatched.len() as u64
+    }
+
+    /// The engine's configured concurrency limit (0: none) and the measured decode
+    /// time per request (0: none yet), ms: what [`QueueStats::max_running`] and
+    /// [`QueueStats::decode_ms`] carry, for drivers that build stats of their own.
+    pub fn slot_facts(&self) -> (u32, f64) {
+        (
+            self.cfg.max_running_requests.unwrap_or(0),
+            self.decode_ms.unwrap_or(0.0),
+        )
     }
 
     /// The node's prefill fit.
@@ -251,6 +280,8 @@ impl EngineView {
             // The node adds the models its engine lists (`/v1/models`).
             models: Vec::new(),
             replica: self.cfg.replica,
+            max_running: self.slot_facts().0,
+            decode_ms: self.slot_facts().1,
         }
     }
 
@@ -276,8 +307,7 @@ impl EngineView {
         uncached_tokens: u64,
         now_ms: u64,
     ) -> f64 {
-        let _ = now_ms;
-        self.finish(id);
+        self.finish(id, now_ms);
         let queued_est_ms = self.queued_estimate_ms();
         let prefill_tokens = uncached_tokens.min(prompt_tokens);
         // EWMA (1/8) of the prefill work we dispatch.
@@ -299,6 +329,7 @@ impl EngineView {
                 prefill_tokens,
                 prefilled: false,
                 queued_est_ms,
+                first_token_ms: None,
             },
         );
         queued_est_ms
@@ -310,7 +341,6 @@ impl EngineView {
     /// value the fit observes it less the wait estimated at dispatch. Repeats and
     /// unknown ids are ignored.
     pub fn first_token(&mut self, id: u64, engine_ttft_ms: Option<f64>, now_ms: u64) {
-        let _ = now_ms;
         let Some(d) = self.dispatched.get_mut(&id) else {
             return;
         };
@@ -318,6 +348,7 @@ impl EngineView {
             return;
         }
         d.prefilled = true;
+        d.first_token_ms = Some(now_ms);
         let d = *d;
         self.unfinished_prefill_tokens = self
             .unfinished_prefill_tokens
@@ -329,12 +360,20 @@ impl EngineView {
         }
     }
 
-    /// `id` finished, failed or was cancelled: release what it still holds. Idempotent;
-    /// unknown ids are ignored.
-    pub fn finish(&mut self, id: u64) {
+    /// `id` finished, failed or was cancelled at `now_ms`: release what it still holds.
+    /// A request past its first token also updates the measured decode time
+    /// ([`QueueStats::decode_ms`]). Idempotent; unknown ids are ignored.
+    pub fn finish(&mut self, id: u64, now_ms: u64) {
         let Some(d) = self.dispatched.remove(&id) else {
             return;
         };
+        if let Some(first) = d.first_token_ms {
+            let sample = now_ms.saturating_sub(first) as f64;
+            self.decode_ms = Some(match self.decode_ms {
+                None => sample,
+                Some(m) => m + DECODE_GAIN * (sample - m),
+            });
+        }
         if !d.prefilled {
             self.unfinished_prefill_tokens = self
                 .unfinished_prefill_tokens
@@ -368,7 +407,7 @@ mod tests {
         assert_eq!(v.inflight(), 1);
         v.first_token(1, Some(200.0), 10);
         assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, 0);
-        v.finish(1);
+        v.finish(1, 0);
         let stats = v.queue_stats(0);
         assert_eq!((stats.queued_prompt_tokens, v.inflight()), (0, 0));
         // More uncached than prompt (a stale count) is clamped to the prompt.
@@ -423,8 +462,59 @@ mod tests {
         // Ours past their first token no longer explain a waiting request.
         v.first_token(1, None, 3);
         assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, 100 + 4 * mean);
-        v.finish(2);
+        v.finish(2, 0);
         assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, 5 * mean);
+    }
+
+    #[test]
+    fn a_serial_engine_queue_counts_the_decode_of_the_requests_ahead() {
+        // An engine that runs one request at a time and reports no metrics
+        // (llama-cpp-python's server), 0.5 ms per token of prefill.
+        let mut v = EngineView::new(ViewConfig {
+            max_running_requests: Some(1),
+            seed_base_ms: 0.0,
+            seed_t_p_ms: 0.5,
+            decode_step_ms: 0.0,
+            ..ViewConfig::default()
+        })
+        .unwrap();
+        // Nothing decoded yet: only prefill is counted.
+        v.dispatch(1, 100, 100, 0);
+        v.dispatch(2, 100, 100, 0);
+        assert!((v.queued_estimate_ms() - 100.0).abs() < 1e-9);
+        // Request 1 decodes for 400 ms, request 2 for 600 ms.
+        v.first_token(1, None, 50);
+        v.finish(1, 450);
+        assert_eq!(v.queue_stats(0).decode_ms, 400.0);
+        v.first_token(2, None, 500);
+        v.finish(2, 1100);
+        let d = 400.0 + DECODE_GAIN * 200.0;
+        let s = v.queue_stats(0);
+        assert!((s.decode_ms - d).abs() < 1e-9);
+        assert_eq!(s.max_running, 1);
+        // Three requests of ours ahead, one of them decoding: the rest of its decode,
+        // the other two's prefill and their whole decode.
+        v.dispatch(3, 100, 100, 1200);
+        v.first_token(3, None, 1250);
+        v.dispatch(4, 100, 100, 1300);
+        v.dispatch(5, 100, 100, 1300);
+        assert!((v.queued_estimate_ms() - (100.0 + 2.5 * d)).abs() < 1e-9);
+        // A cancelled request that never got its first token leaves the average alone.
+        v.finish(5, 5000);
+        assert!((v.queue_stats(0).decode_ms - d).abs() < 1e-9);
+        // Without a configured limit the same queue is prefill only.
+        let mut unlimited = view();
+        unlimited.dispatch(1, 100, 100, 0);
+        unlimited.first_token(1, None, 10);
+        unlimited.finish(1, 1000);
+        unlimited.dispatch(2, 100, 100, 1000);
+        unlimited.dispatch(3, 100, 100, 1000);
+        assert_eq!(unlimited.queue_stats(0).max_running, 0);
+        assert!(
+            (unlimited.queued_estimate_ms() - 200.0 * DEFAULT_SEED_T_P_MS).abs() < 1e-9,
+            "{}",
+            unlimited.queued_estimate_ms()
+        );
     }
 
     #[test]
@@ -501,8 +591,8 @@ mod tests {
     fn cancel_before_first_token_releases_everything() {
         let mut v = view();
         v.dispatch(9, 500, 400, 0);
-        v.finish(9);
-        v.finish(9);
+        v.finish(9, 0);
+        v.finish(9, 0);
         v.first_token(9, Some(1.0), 0);
         assert_eq!(
             v.counters(),
@@ -562,7 +652,7 @@ mod tests {
                         }
                     }
                     Op::Finish { id } => {
-                        v.finish(id as u64);
+                        v.finish(id as u64, 0);
                         open.remove(&(id as u64));
                     }
                     Op::Scrape { running, waiting } => v.scrape(
@@ -588,7 +678,7 @@ mod tests {
             }
             let ids: Vec<u64> = open.keys().copied().collect();
             for id in ids {
-                v.finish(id);
+                v.finish(id, 0);
             }
             prop_assert_eq!(
                 v.counters(),

@@ -35,14 +35,6 @@ pub const FALLBACK_T_P_MS: f64 = 0.0938;
 /// interleave with the prefill work ahead (SGLang's `chunked_prefill_size` default).
 pub const PREFILL_CHUNK_TOKENS: u64 = 8192;
 
-/// Output length assumed for requests already running when estimating how soon they
-/// free a slot, tokens (the paper's `max_tokens`; requests report no output length).
-pub const DEFAULT_OUTPUT_TOKENS: u64 = 128;
-
-/// KV occupancy above which a new request is assumed to wait for admission even when
-/// the engine reports nobody waiting (the next admission needs room for a whole prompt).
-pub const KV_NEARLY_FULL: f64 = 0.95;
-
 /// Weight of the re-prefill part of the decode-stall term ([`stall_ms`]): the prompt
 /// tokens a candidate would prefill although another candidate of the same decision has
 /// them cached.
@@ -211,12 +203,13 @@ pub struct CostTerms {
 ///   decode step per prefill chunk ahead (`ceil(tokens_ahead / PREFILL_CHUNK_TOKENS)`)
 ///   plus, on average, half of the step in progress when the request arrives.
 ///
-/// The decode-bound admission wait ([`admission_wait_ms`]) is deliberately *not*
-/// added: measured in the simulator (docs/simulator.md, "Cost model fixes") it made
-/// `gorgo` worse on every workload tried (p95 TTFT +4% to +18%), because waiting
-/// requests' prompts are already in `unfinished_prefill_tokens` and the prefill of
-/// that backlog is what actually gates admission; the pile-up on cache-warm engines it
-/// was meant to stop was caused by the `t_p` fit absorbing queueing (fixed in `fit.rs`).
+/// - **the slot wait** ([`slot_wait_ms`]) where the engine's concurrency limit is
+///   configured: the decode of the requests ahead that hold its slots.
+///
+/// A decode-bound admission wait guessed from a fixed output length, without a
+/// configured limit, was measured and dropped (docs/simulator.md, "Cost model fixes":
+/// p95 TTFT +4% to +18% on every workload tried): at an engine that batches hundreds,
+/// what gates admission is the prefill of the backlog, already counted.
 ///
 /// Returns `(queue_ms, tokens_ahead)`.
 pub fn queue_ms(c: &Candidate) -> (f64, u64) {
@@ -232,42 +225,41 @@ pub fn queue_ms(c: &Candidate) -> (f64, u64) {
     } else {
         0.0
     };
-    (prefill + decode, tokens_ahead)
+    (prefill + decode + slot_wait_ms(c), tokens_ahead)
 }
 
-/// Expected wait for a slot at a decode-bound engine, ms; 0 when it admits at once.
+/// Expected wait for a slot, ms: the decode of the requests ahead that hold the
+/// engine's slots; 0 when its concurrency limit is not configured
+/// ([`QueueStats::max_running`]), no decode time is measured yet, or a slot is free.
 ///
-/// Kept for `/admin/decisions`-style diagnostics and experiments; not part of
-/// [`queue_ms`] (see there for the measurement that says why).
-///
-/// The engine is taken to be admission-bound when requests are waiting (its own
-/// `waiting` plus this node's in-flight forwards, which arrive behind them) or its KV is
-/// at least [`KV_NEARLY_FULL`]. Then this request needs `waiting + 1` running requests to
-/// finish first. A running batch of `running` requests, each decoding about
-/// [`DEFAULT_OUTPUT_TOKENS`] steps, completes `running / DEFAULT_OUTPUT_TOKENS` requests
-/// per step in steady state, so
+/// An engine runs at most `M` requests at once (llama-cpp-python's server runs one). A
+/// request that arrives when `ahead` requests are running or waiting there (its
+/// `running + waiting` plus the forwards expected since, [`Candidate::expected_forwards`])
+/// starts its prefill only after `n = ahead + 1 - M` of them have finished decoding.
+/// With every slot busy they finish about one per `D / M` (`D`: the node's measured
+/// decode time per request, [`QueueStats::decode_ms`]), and the one furthest along is
+/// on average half done, so
 ///
 /// ```text
-/// admission_wait = (waiting + 1) / max(running, 1) * DEFAULT_OUTPUT_TOKENS * decode_step_ms
+/// slot_wait = (n - 1/2) * D / M        when n > 0
 /// ```
 ///
-/// Waiting requests also need their own prefill once admitted; that work is not in
-/// `unfinished_prefill_tokens` and is left out (prompt sizes of waiting requests are not
-/// reported), so this under-estimates for long prompts.
-pub fn admission_wait_ms(c: &Candidate) -> f64 {
-    let step = c.stats.decode_step_ms;
-    if !(step.is_finite() && step > 0.0) {
+/// At a serial engine (`M` = 1) with `k` requests ahead this is the rest of the one
+/// decoding plus the whole decode of the `k - 1` waiting, which the prefill queue does
+/// not count (docs/policy.md, "A serial engine's queue"). The prefill of the waiting
+/// requests is in `unfinished_prefill_tokens` already.
+pub fn slot_wait_ms(c: &Candidate) -> f64 {
+    let slots = c.stats.max_running;
+    let d = c.stats.decode_ms;
+    if slots == 0 || !(d.is_finite() && d > 0.0) {
         return 0.0;
     }
-    let waiting = c.stats.waiting as u64 + c.inflight_forwards as u64;
-    let kv_full = c.stats.kv_capacity_tokens > 0
-        && c.stats.kv_used_tokens as f64 >= KV_NEARLY_FULL * c.stats.kv_capacity_tokens as f64;
-    // Forwards alone do not make an engine admission-bound: only its own report does.
-    if c.stats.waiting == 0 && !kv_full {
+    let ahead = c.stats.running as f64 + c.stats.waiting as f64 + c.expected_forwards().0;
+    let n = ahead + 1.0 - slots as f64;
+    if n <= 0.0 {
         return 0.0;
     }
-    let running = c.stats.running.max(1) as f64;
-    (waiting + 1) as f64 / running * DEFAULT_OUTPUT_TOKENS as f64 * step
+    (n - 0.5) * d / slots as f64
 }
 
 /// The delay, ms, that prefilling `uncached_tokens` at `c` inflicts on other requests
@@ -848,29 +840,35 @@ mod tests {
     }
 
     #[test]
-    fn admission_wait_when_decode_bound() {
+    fn slot_wait_counts_the_decode_of_the_requests_holding_the_slots() {
         let mut c = peer(0.0, 0);
-        c.stats.decode_step_ms = 30.0;
-        c.stats.running = 64;
-        // Nobody waiting and KV not full: admitted at once, forwards or not.
-        c.inflight_forwards = 5;
-        assert_eq!(admission_wait_ms(&c), 0.0);
-        // 63 waiting + 1 forward + this one = 65 slots; 64 running free one per 2 steps.
-        c.stats.waiting = 63;
+        c.stats.decode_ms = 400.0;
+        c.stats.waiting = 3;
+        // No configured limit: no slot wait, however long the queue.
+        assert_eq!(slot_wait_ms(&c), 0.0);
+        // A serial engine with three requests ahead (the scrape shows none running, as
+        // an engine without metrics does): half of the first's decode, then two whole.
+        c.stats.max_running = 1;
+        assert!((slot_wait_ms(&c) - 2.5 * 400.0).abs() < 1e-9);
+        // It is part of the queue estimate.
+        assert!((queue_ms(&c).0 - 2.5 * 400.0).abs() < 1e-9);
+        // A forward expected since the stats holds a slot too.
         c.inflight_forwards = 1;
-        let want = 65.0 / 64.0 * 128.0 * 30.0;
-        assert!((admission_wait_ms(&c) - want).abs() < 1e-9);
-        // Not part of the queue estimate (measured worse; see `queue_ms`).
-        assert!((queue_ms(&c).0 - 0.5 * 30.0).abs() < 1e-9);
-        // KV nearly full with nobody waiting: this request waits for one finish.
+        assert!((slot_wait_ms(&c) - 3.5 * 400.0).abs() < 1e-9);
+        // Four slots, five ahead: two must finish, one per D / 4.
+        c.stats.max_running = 4;
+        c.stats.running = 2;
+        c.stats.waiting = 2;
+        assert!((slot_wait_ms(&c) - 1.5 * 100.0).abs() < 1e-9);
+        // A free slot: no wait.
         c.stats.waiting = 0;
-        c.inflight_forwards = 0;
-        c.stats.kv_capacity_tokens = 1000;
-        c.stats.kv_used_tokens = 960;
-        assert!((admission_wait_ms(&c) - 128.0 / 64.0 * 30.0).abs() < 1e-9);
-        // No decode-step figure: no estimate.
-        c.stats.decode_step_ms = f64::NAN;
-        assert_eq!(admission_wait_ms(&c), 0.0);
+        assert_eq!(slot_wait_ms(&c), 0.0);
+        // No decode measured yet: no estimate.
+        c.stats.waiting = 9;
+        c.stats.decode_ms = 0.0;
+        assert_eq!(slot_wait_ms(&c), 0.0);
+        c.stats.decode_ms = f64::NAN;
+        assert_eq!(slot_wait_ms(&c), 0.0);
     }
 
     fn stats_v(incarnation: u64, version: u64) -> QueueStats {

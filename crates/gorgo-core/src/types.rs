@@ -93,6 +93,16 @@ pub struct QueueStats {
     /// (docs/design.md, "Replicas"). Below [`MAX_REPLICAS`]; 0 for a one-engine node.
     #[serde(default)]
     pub replica: u16,
+    /// How many requests the engine runs at once, from the node's config (llama.cpp's
+    /// `--parallel`, vLLM's `--max-num-seqs`, SGLang's `--max-running-requests`); 0
+    /// when not configured. With it the queue estimate counts the decode of the
+    /// requests ahead that hold the slots ([`crate::cost::slot_wait_ms`]).
+    #[serde(default)]
+    pub max_running: u32,
+    /// How long one of the node's requests decoded at this engine (first token to
+    /// finish), an average over its recent ones, ms; 0 before the first finishes.
+    #[serde(default)]
+    pub decode_ms: f64,
 }
 
 /// Most engines one node fronts: a bound on per-replica state kept for a peer (a

@@ -127,6 +127,14 @@ pub struct EngineSection {
     /// failing that `default_kv_capacity_tokens` is used.
     #[serde(default)]
     pub kv_capacity_tokens: Option<u64>,
+    /// How many requests the engine runs at once (llama.cpp's `--parallel`, 1 for
+    /// llama-cpp-python's server; vLLM's `--max-num-seqs`; SGLang's
+    /// `--max-running-requests`). When set, the queue estimate counts the decode of the
+    /// requests that hold the slots ahead of a new one (docs/policy.md, "A serial
+    /// engine's queue"); absent, the engine is taken to admit whatever its prefill
+    /// queue allows.
+    #[serde(default)]
+    pub max_running_requests: Option<u32>,
     /// Health check path (GET, expects 2xx).
     /// Default: `/health` for SGLang and vLLM, `/v1/models` for a generic OpenAI server.
     #[serde(default)]
@@ -225,6 +233,7 @@ impl EngineSection {
             url: url.into(),
             kind,
             kv_capacity_tokens: None,
+            max_running_requests: None,
             health_path: None,
             health_interval_ms: default_health_interval_ms(),
             metrics_interval_ms: default_metrics_interval_ms(),
@@ -1085,6 +1094,9 @@ impl NodeConfig {
             if e.kv_capacity_tokens == Some(0) {
                 return bad(&f("kv_capacity_tokens"), "must be > 0");
             }
+            if e.max_running_requests == Some(0) {
+                return bad(&f("max_running_requests"), "must be > 0");
+            }
             if let Some(endpoint) = &e.kv_events {
                 if !is_tcp_endpoint(endpoint) {
                     return bad(&f("kv_events"), "must be tcp://host:port");
@@ -1240,6 +1252,7 @@ token = "secret-token"
             ("health_interval_ms = 0", "engines[1].health_interval_ms"),
             ("weight = -1.0", "engines[1].weight"),
             ("kv_capacity_tokens = 0", "engines[1].kv_capacity_tokens"),
+            ("max_running_requests = 0", "engines[1].max_running_requests"),
             ("urll = \"x\"", "urll"),
             ("tokenizer = \"t.json\"", "engines[1].tokenizer"),
         ] {

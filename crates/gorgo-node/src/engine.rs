@@ -100,6 +100,7 @@ impl EngineAdapter {
             seed_t_p_ms: engine.t_p_ms,
             fit: FitConfig::default(),
             replica,
+            max_running_requests: engine.max_running_requests,
         })
         .map_err(|e| NodeError::Config(format!("engine seeds: {e}")))?;
         Ok(EngineAdapter {
@@ -221,16 +222,13 @@ impl EngineAdapter {
         self.view.lock().fit().clone()
     }
 
-    /// Record a dispatch at `now_ms` (see [`EngineView::dispatch`]); the returned
-    /// ticket releases it as the request progresses (first byte: prefill done; drop:
-    /// finished or cancelled).
-    pub fn dispatch(
-        self: &Arc<Self>,
-        prompt_tokens: u64,
-        uncached_tokens: u64,
-        now_ms: u64,
-    ) -> EngineTicket {
+    /// Record a dispatch now (see [`EngineView::dispatch`]); the returned ticket
+    /// releases it as the request progresses (first byte: prefill done; drop: finished
+    /// or cancelled). The view's events are all stamped by this adapter's clock, so the
+    /// decode time it measures (first byte to finish) is on one clock.
+    pub fn dispatch(self: &Arc<Self>, prompt_tokens: u64, uncached_tokens: u64) -> EngineTicket {
         let id = self.next_ticket.fetch_add(1, Ordering::Relaxed);
+        let now_ms = self.now_ms();
         self.view
             .lock()
             .dispatch(id, prompt_tokens, uncached_tokens, now_ms);
@@ -519,10 +517,11 @@ pub struct EngineTicket {
 }
 
 impl EngineTicket {
-    /// The first response byte arrived at `now_ms`: the prompt is prefilled. Pass the
+    /// The first response byte arrived now: the prompt is prefilled. Pass the
     /// measured engine-side TTFT for the fit when the response is a success, `None`
     /// otherwise. Repeats are ignored.
-    pub fn prefilled(&mut self, engine_ttft_ms: Option<f64>, now_ms: u64) {
+    pub fn prefilled(&mut self, engine_ttft_ms: Option<f64>) {
+        let now_ms = self.engine.now_ms();
         self.engine
             .view
             .lock()
@@ -532,7 +531,8 @@ impl EngineTicket {
 
 impl Drop for EngineTicket {
     fn drop(&mut self) {
-        self.engine.view.lock().finish(self.id);
+        let now_ms = self.engine.now_ms();
+        self.engine.view.lock().finish(self.id, now_ms);
     }
 }
 
@@ -547,18 +547,18 @@ mod tests {
         let engine = Arc::new(
             EngineAdapter::new(&section, 0, &crate::config::LimitsSection::default()).unwrap(),
         );
-        let mut ticket = engine.dispatch(1000, 150, 0);
+        let mut ticket = engine.dispatch(1000, 150);
         let stats = engine.queue_stats(0);
         assert_eq!(stats.unfinished_prefill_tokens, 150);
         assert_eq!(stats.queued_prompt_tokens, 1000);
         assert_eq!(engine.inflight(), 1);
-        ticket.prefilled(None, 1);
+        ticket.prefilled(None);
         assert_eq!(engine.queue_stats(0).unfinished_prefill_tokens, 0);
         drop(ticket);
         let stats = engine.queue_stats(0);
         assert_eq!((stats.queued_prompt_tokens, engine.inflight()), (0, 0));
         // Dropped before the first byte (a cancel): everything is released too.
-        drop(engine.dispatch(10, 50, 2));
+        drop(engine.dispatch(10, 50));
         assert_eq!(engine.counters().unfinished_prefill_tokens, 0);
     }
 

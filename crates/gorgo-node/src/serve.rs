@@ -413,7 +413,7 @@ pub async fn serve_local(
     // subtracts it at the first byte so `t_p` measures prefill, not queueing.
     let mut ticket = engine
         .adapter
-        .dispatch(prompt_tokens, uncached, state.now_ms());
+        .dispatch(prompt_tokens, uncached);
     let started = Instant::now();
     let engine_span = telemetry::engine_span(&state.id);
     let mut headers = req.headers.clone();
@@ -467,7 +467,7 @@ pub async fn serve_local(
         if first {
             first = false;
             let ttft_ms = started.elapsed().as_secs_f64() * 1000.0;
-            ticket.prefilled((status < 300).then_some(ttft_ms), st.now_ms());
+            ticket.prefilled((status < 300).then_some(ttft_ms));
         }
         if let (Ok(bytes), false) = (&chunk, corrected && observed) {
             usage.feed(bytes);

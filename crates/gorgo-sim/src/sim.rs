@@ -113,6 +113,12 @@ pub struct SimConfig {
     /// finishes and by its engine's `/metrics` scraped every `metrics_interval_ms`.
     /// Either way the prefill fit is the view's.
     pub exact_state: bool,
+    /// Each node's engine config states the engine's concurrency limit (the profile's
+    /// `max_running_requests`), as an operator who sets `engine.max_running_requests`
+    /// does; then the node's queue estimate counts the decode of the requests holding
+    /// the slots ([`gorgo_core::cost::slot_wait_ms`]). Off by default, as in the
+    /// node's config.
+    pub configure_max_running: bool,
     /// Period of each node's scrape of its engine's `/metrics`, ms (the node's
     /// `engine.metrics_interval_ms`).
     pub metrics_interval_ms: f64,
@@ -170,6 +176,7 @@ impl SimConfig {
             max_context_tokens: None,
             live_chains: false,
             exact_state: false,
+            configure_max_running: false,
             metrics_interval_ms: DEFAULT_METRICS_INTERVAL_MS as f64,
             decode_step_ms: DEFAULT_DECODE_STEP_MS,
             summary_sample: SampleSetting::Auto,
@@ -637,6 +644,9 @@ impl<'a> Sim<'a> {
                                 seed_t_p_ms: p.t_p_ms_per_token,
                                 fit: FitConfig::default(),
                                 replica: k as u16,
+                                max_running_requests: cfg
+                                    .configure_max_running
+                                    .then_some(p.max_running_requests),
                             })?,
                             stats_version: 0,
                             gossip: GossipSender::new(node_ids[i].clone(), GossipConfig::default()),
@@ -891,15 +901,21 @@ impl<'a> Sim<'a> {
             }
         }
         let s = self.engines[e].engine.stats();
-        let (t_p_ms, base_ms, version) = match self.nodes.get(r) {
-            Some(n) => (
-                n.engines[k].view.fit().t_p_ms(),
-                n.engines[k].view.fit().base_ms(),
-                n.engines[k].stats_version,
-            ),
+        let (t_p_ms, base_ms, version, max_running, decode_ms) = match self.nodes.get(r) {
+            Some(n) => {
+                let v = &n.engines[k].view;
+                let (max_running, decode_ms) = v.slot_facts();
+                (
+                    v.fit().t_p_ms(),
+                    v.fit().base_ms(),
+                    n.engines[k].stats_version,
+                    max_running,
+                    decode_ms,
+                )
+            }
             None => {
                 let p = &self.cfg.profiles[r];
-                (p.t_p_ms_per_token, p.idle_ttft_ms(0), 0)
+                (p.t_p_ms_per_token, p.idle_ttft_ms(0), 0, 0, 0.0)
             }
         };
         QueueStats {
@@ -919,6 +935,8 @@ impl<'a> Sim<'a> {
             incarnation: 0,
             draining: false,
             models: Vec::new(),
+            max_running,
+            decode_ms,
         }
     }
 
@@ -1335,7 +1353,7 @@ impl<'a> Sim<'a> {
             Ok(()) => engine.queued_prompt_tokens += prompt_tokens,
             Err(reason) => {
                 if let Some(node) = self.nodes.get_mut(r) {
-                    node.engines[k].view.finish(slot as u64);
+                    node.engines[k].view.finish(slot as u64, nowu);
                 }
                 let msg = format!("engine refused: {reason}");
                 self.fail(slot, now, &msg);
@@ -1512,7 +1530,7 @@ impl<'a> Sim<'a> {
         let (home, prompt, out_tokens) = (f.home as usize, f.prompt_tokens, f.output_tokens);
         self.engines[e].queued_prompt_tokens -= prompt;
         if let Some(node) = self.nodes.get_mut(r) {
-            node.engines[k].view.finish(slot as u64);
+            node.engines[k].view.finish(slot as u64, at as u64);
         }
         let mut back = self.client_delay(home);
         if r != home {
