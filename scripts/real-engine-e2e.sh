@@ -27,6 +27,8 @@
 #   GORGO_REAL_THREADS   llama.cpp threads per server (default 1)
 #   GORGO_REAL_CACHE_MB  each server's RAM prompt cache, MiB (default 128; 0: one context only)
 #   GORGO_REAL_KV_TOKENS the nodes' assumed engine cache, node tokens (default from the above)
+#   GORGO_REAL_MAX_RUNNING the nodes' engine.max_running_requests (default 1: llama-cpp-python's
+#                        server runs one request at a time; 0 leaves it unset)
 #   GORGO_REAL_TOKENIZER 1 (default): the nodes count the model's tokens with its tokenizer;
 #                        0: they estimate them from bytes and learn the ratio from the engine
 #   GORGO_BIN            use this gorgo binary instead of building target/release/gorgo
@@ -42,6 +44,12 @@ SEED=${GORGO_REAL_SEED:-1}
 USERS=${GORGO_REAL_USERS:-24}
 SECONDS_WINDOW=${GORGO_REAL_SECONDS:-210}
 THREADS=${GORGO_REAL_THREADS:-1}
+# llama-cpp-python's server runs one request at a time: the nodes are told, so that
+# their queue estimate counts the decode of every request ahead (docs/policy.md, "A
+# serial engine's queue").
+MAX_RUNNING=${GORGO_REAL_MAX_RUNNING:-1}
+MAX_RUNNING_ARGS=()
+[ "$MAX_RUNNING" -gt 0 ] && MAX_RUNNING_ARGS=(--engine-max-running "$MAX_RUNNING")
 TOPOLOGY=configs/topologies/three-region.toml
 TOOLS=../shared/tools
 LLAMA_PORT0=18410   # llama servers: 18410, 18411, ... (127.0.0.1)
@@ -224,6 +232,7 @@ up() {
     --engine-url "$ENGINE_URLS" --engine-kind openai --engine-kv-tokens "$KV_NODE_TOKENS" \
     --engine-health-path /docs --engine-t-p-ms "$T_P_MS" --engine-base-ms "$BASE_MS" \
     --engine-decode-step-ms "$DECODE_MS" ${TOKENIZER_ARGS[@]+"${TOKENIZER_ARGS[@]}"} \
+    ${MAX_RUNNING_ARGS[@]+"${MAX_RUNNING_ARGS[@]}"} \
     --allow-policy-header --detach \
     >"$2.up.log" 2>&1 || { cat "$2.up.log" >&2; die "gorgo up failed for $1"; }
 }
