@@ -184,6 +184,10 @@ pub struct CostTerms {
     /// ([`ForwardLedger::forward_bias_ms`]), ms.
     #[serde(default)]
     pub forward_bias_ms: f64,
+    /// The part of `raw_queue_ms` that waits for a slot ([`slot_wait_ms`]), ms: 0
+    /// unless the candidate's concurrency limit is configured and its slots are full.
+    #[serde(default)]
+    pub slot_wait_ms: f64,
     /// Prefill tokens estimated ahead of this request.
     pub tokens_ahead: u64,
     /// The model's unweighted TTFT prediction for this candidate, ms
@@ -389,6 +393,7 @@ pub fn cost_terms(
         t_p_ms,
         raw_queue_ms,
         forward_bias_ms,
+        slot_wait_ms: slot_wait_ms(c),
         tokens_ahead,
         estimated_ttft_ms: finite(estimated_ttft_ms(prompt_tokens, c)),
     }
@@ -850,8 +855,15 @@ mod tests {
         // an engine without metrics does): half of the first's decode, then two whole.
         c.stats.max_running = 1;
         assert!((slot_wait_ms(&c) - 2.5 * 400.0).abs() < 1e-9);
-        // It is part of the queue estimate.
+        // It is part of the queue estimate, and shown on its own in the decision.
         assert!((queue_ms(&c).0 - 2.5 * 400.0).abs() < 1e-9);
+        let unit = Weights {
+            w_rtt: 1.0,
+            w_queue: 1.0,
+        };
+        let terms = cost_terms(100, &c, unit, 100);
+        assert!((terms.slot_wait_ms - 2.5 * 400.0).abs() < 1e-9);
+        assert!((terms.raw_queue_ms - 2.5 * 400.0).abs() < 1e-9);
         // A forward expected since the stats holds a slot too.
         c.inflight_forwards = 1;
         assert!((slot_wait_ms(&c) - 3.5 * 400.0).abs() < 1e-9);

@@ -359,6 +359,7 @@ impl Policy for GorgoPaper {
                     t_p_ms: 1.0,
                     raw_queue_ms: queued as f64,
                     forward_bias_ms: 0.0,
+                    slot_wait_ms: 0.0,
                     tokens_ahead: queued,
                     // The paper's score is in tokens; the prediction is the gorgo
                     // model's, so both cost-based policies are checked the same way.

@@ -1570,6 +1570,7 @@ mod tests {
             t_p_ms: 0.3,
             raw_queue_ms: 100.0,
             forward_bias_ms: 0.0,
+            slot_wait_ms: 0.0,
             tokens_ahead: 0,
             // RTT 100 + base 20 + prefill 300 + queue 100.
             estimated_ttft_ms: Some(520.0),
