@@ -1252,7 +1252,10 @@ token = "secret-token"
             ("health_interval_ms = 0", "engines[1].health_interval_ms"),
             ("weight = -1.0", "engines[1].weight"),
             ("kv_capacity_tokens = 0", "engines[1].kv_capacity_tokens"),
-            ("max_running_requests = 0", "engines[1].max_running_requests"),
+            (
+                "max_running_requests = 0",
+                "engines[1].max_running_requests",
+            ),
             ("urll = \"x\"", "urll"),
             ("tokenizer = \"t.json\"", "engines[1].tokenizer"),
         ] {

@@ -411,9 +411,7 @@ pub async fn serve_local(
     let uncached = prompt_tokens.saturating_sub(cached);
     // The view records the wait it expects behind work already at the engine; the fit
     // subtracts it at the first byte so `t_p` measures prefill, not queueing.
-    let mut ticket = engine
-        .adapter
-        .dispatch(prompt_tokens, uncached);
+    let mut ticket = engine.adapter.dispatch(prompt_tokens, uncached);
     let started = Instant::now();
     let engine_span = telemetry::engine_span(&state.id);
     let mut headers = req.headers.clone();
