@@ -219,6 +219,11 @@ pub struct CompareArgs {
     /// Engine emulators per region in every cluster (`gorgo up --replicas`).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
     pub replicas: u16,
+    /// Every node's `engine.max_running_requests` (`gorgo up --engine-max-running`):
+    /// state the emulators' concurrency limit, as `gorgo sim --configure-max-running`
+    /// does from the profile.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub engine_max_running: Option<u32>,
     /// First port of the first cluster; each further cluster gets the next block.
     /// Away from `gorgo up`'s default (7100) so a cluster already running there is
     /// never mistaken for one of ours.
@@ -273,10 +278,15 @@ fn compare_and_report(
         out: out.clone(),
         sequential: args.sequential,
         engine_profile: Some(args.engine_profile.clone()),
-        up_args: if args.replicas > 1 {
-            vec!["--replicas".into(), args.replicas.to_string()]
-        } else {
-            Vec::new()
+        up_args: {
+            let mut up = Vec::new();
+            if args.replicas > 1 {
+                up.extend(["--replicas".to_owned(), args.replicas.to_string()]);
+            }
+            if let Some(n) = args.engine_max_running {
+                up.extend(["--engine-max-running".to_owned(), n.to_string()]);
+            }
+            up
         },
         base_port: args.base_port,
         port_stride: args.port_stride,
@@ -291,6 +301,7 @@ fn compare_and_report(
     cfg["sequential"] = args.sequential.into();
     cfg["engine_profile"] = args.engine_profile.clone().into();
     cfg["replicas"] = args.replicas.into();
+    cfg["engine_max_running"] = args.engine_max_running.into();
     let requests = Arc::new(requests);
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
     let runs = runtime.block_on(async {
@@ -361,6 +372,7 @@ pub fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
         sequential: args.sequential,
         engine_profile: args.engine_profile.clone(),
         replicas: 1,
+        engine_max_running: None,
         base_port: DEFAULT_BASE_PORT,
         port_stride: 100,
         up_timeout_s: 120.0,

@@ -330,6 +330,15 @@ fn live(
             sequential: false,
             engine_profile: m.engine_profile.clone(),
             replicas: m.replicas as u16,
+            // The live nodes are told what the simulated ones were.
+            engine_max_running: if m.configure_max_running {
+                Some(
+                    gorgo_engine::Profile::by_name_or_file(&m.engine_profile)?
+                        .max_running_requests,
+                )
+            } else {
+                None
+            },
             base_port: args.base_port,
             port_stride: 100,
             up_timeout_s: 120.0,

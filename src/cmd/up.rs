@@ -72,8 +72,9 @@ pub struct UpArgs {
     /// `/metrics` cannot tell (kind `openai`): bounds each node's model of its engine's cache.
     #[arg(long)]
     pub engine_kv_tokens: Option<u64>,
-    /// How many requests each engine given with `--engine-url` runs at once (1 for
-    /// llama-cpp-python's server): each node's `engine.max_running_requests`.
+    /// How many requests each engine runs at once (1 for llama-cpp-python's server):
+    /// each node's `engine.max_running_requests`, for `--engine-url` engines and
+    /// emulators alike (an emulator runs at most its profile's `max_running_requests`).
     #[arg(long)]
     pub engine_max_running: Option<u32>,
     /// Seed of each node's fitted prefill cost per uncached token (ms) for the engines
@@ -420,7 +421,6 @@ impl EngineExtras {
         EngineExtras {
             health_path: args.engine_health_path.clone(),
             kv_capacity_tokens: args.engine_kv_tokens,
-            max_running_requests: args.engine_max_running,
             no_metrics: kind == EngineKind::Openai,
             t_p_ms: args.engine_t_p_ms,
             base_ms: args.engine_base_ms,
@@ -429,8 +429,8 @@ impl EngineExtras {
         }
     }
 
-    /// The token-counting extras alone (what an emulator's node gets), paths made
-    /// absolute: the node's config lives in the run directory.
+    /// What an emulator's node gets: the token-counting extras, paths made absolute
+    /// (the node's config lives in the run directory), and the concurrency limit.
     fn tokens(args: &UpArgs) -> Self {
         let absolute = |p: &Option<PathBuf>| {
             p.as_ref()
@@ -440,6 +440,7 @@ impl EngineExtras {
             tokenizer: absolute(&args.tokenizer),
             chat_template: absolute(&args.chat_template),
             chat_add_special_tokens: args.chat_add_special_tokens,
+            max_running_requests: args.engine_max_running,
             ..EngineExtras::default()
         }
     }
