@@ -333,8 +333,7 @@ fn live(
             // The live nodes are told what the simulated ones were.
             engine_max_running: if m.configure_max_running {
                 Some(
-                    gorgo_engine::Profile::by_name_or_file(&m.engine_profile)?
-                        .max_running_requests,
+                    gorgo_engine::Profile::by_name_or_file(&m.engine_profile)?.max_running_requests,
                 )
             } else {
                 None

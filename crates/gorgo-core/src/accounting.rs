@@ -90,7 +90,8 @@ struct Dispatched {
     prefilled: bool,
     /// The view's own queueing estimate at dispatch, ms.
     queued_est_ms: f64,
-    /// When its first token arrived, ms on the driver's clock.
+    /// When its first token arrived, ms on the driver's clock; only for a response
+    /// that succeeded (an error body is no decode).
     first_token_ms: Option<u64>,
 }
 
@@ -348,7 +349,7 @@ impl EngineView {
             return;
         }
         d.prefilled = true;
-        d.first_token_ms = Some(now_ms);
+        d.first_token_ms = engine_ttft_ms.is_some().then_some(now_ms);
         let d = *d;
         self.unfinished_prefill_tokens = self
             .unfinished_prefill_tokens
@@ -482,11 +483,12 @@ mod tests {
         v.dispatch(1, 100, 100, 0);
         v.dispatch(2, 100, 100, 0);
         assert!((v.queued_estimate_ms() - 100.0).abs() < 1e-9);
-        // Request 1 decodes for 400 ms, request 2 for 600 ms.
-        v.first_token(1, None, 50);
+        // Request 1 decodes for 400 ms, request 2 for 600 ms (both successes; their
+        // TTFTs feed the fit, so the prefill part below is read from it).
+        v.first_token(1, Some(50.0), 50);
         v.finish(1, 450);
         assert_eq!(v.queue_stats(0).decode_ms, 400.0);
-        v.first_token(2, None, 500);
+        v.first_token(2, Some(100.0), 500);
         v.finish(2, 1100);
         let d = 400.0 + DECODE_GAIN * 200.0;
         let s = v.queue_stats(0);
@@ -495,23 +497,27 @@ mod tests {
         // Three requests of ours ahead, one of them decoding: the rest of its decode,
         // the other two's prefill and their whole decode.
         v.dispatch(3, 100, 100, 1200);
-        v.first_token(3, None, 1250);
+        v.first_token(3, Some(50.0), 1250);
         v.dispatch(4, 100, 100, 1300);
         v.dispatch(5, 100, 100, 1300);
-        assert!((v.queued_estimate_ms() - (100.0 + 2.5 * d)).abs() < 1e-9);
-        // A cancelled request that never got its first token leaves the average alone.
+        let prefill = 200.0 * v.fit().t_p_ms();
+        assert!((v.queued_estimate_ms() - (prefill + 2.5 * d)).abs() < 1e-9);
+        // A cancelled request that never got its first token leaves the average alone,
+        // and so does an error response (its body is no decode).
         v.finish(5, 5000);
+        v.first_token(4, None, 5000);
+        v.finish(4, 5001);
         assert!((v.queue_stats(0).decode_ms - d).abs() < 1e-9);
         // Without a configured limit the same queue is prefill only.
         let mut unlimited = view();
         unlimited.dispatch(1, 100, 100, 0);
-        unlimited.first_token(1, None, 10);
+        unlimited.first_token(1, Some(200.0), 10);
         unlimited.finish(1, 1000);
         unlimited.dispatch(2, 100, 100, 1000);
         unlimited.dispatch(3, 100, 100, 1000);
         assert_eq!(unlimited.queue_stats(0).max_running, 0);
         assert!(
-            (unlimited.queued_estimate_ms() - 200.0 * DEFAULT_SEED_T_P_MS).abs() < 1e-9,
+            (unlimited.queued_estimate_ms() - 200.0 * unlimited.fit().t_p_ms()).abs() < 1e-9,
             "{}",
             unlimited.queued_estimate_ms()
         );
