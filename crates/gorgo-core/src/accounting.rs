@@ -26,7 +26,7 @@ use crate::cost::{queue_ms, Candidate};
 use crate::engine_metrics::EngineMetrics;
 use crate::error::CoreError;
 use crate::fit::{FitConfig, PrefillFit};
-use crate::types::QueueStats;
+use crate::types::{EngineSlots, QueueStats};
 
 /// KV capacity assumed when neither the config nor the engine's metrics give one.
 pub const DEFAULT_KV_CAPACITY_TOKENS: u64 = 1_000_000;
@@ -61,7 +61,7 @@ pub struct ViewConfig {
     /// Which of the node's engines this view is of ([`QueueStats::replica`]).
     pub replica: u16,
     /// How many requests the engine runs at once, when the operator says
-    /// ([`QueueStats::max_running`]); `None`: not limited as far as the node knows.
+    /// ([`QueueStats::slots`]); `None`: not limited as far as the node knows.
     pub max_running_requests: Option<u32>,
 }
 
@@ -215,14 +215,16 @@ impl EngineView {
         self.dispatched.len() as u64
     }
 
-    /// The engine's configured concurrency limit (0: none) and the measured decode
-    /// time per request (0: none yet), ms: what [`QueueStats::max_running`] and
-    /// [`QueueStats::decode_ms`] carry, for drivers that build stats of their own.
-    pub fn slot_facts(&self) -> (u32, f64) {
-        (
-            self.cfg.max_running_requests.unwrap_or(0),
-            self.decode_ms.unwrap_or(0.0),
-        )
+    /// The engine's slots as [`QueueStats::slots`] carries them (`None` unless its
+    /// concurrency limit is configured; decode time 0 until a request finished), for
+    /// drivers that build stats of their own.
+    pub fn slots(&self) -> Option<EngineSlots> {
+        self.cfg
+            .max_running_requests
+            .map(|max_running| EngineSlots {
+                max_running,
+                decode_ms: self.decode_ms.unwrap_or(0.0),
+            })
     }
 
     /// The node's prefill fit.
@@ -281,8 +283,7 @@ impl EngineView {
             // The node adds the models its engine lists (`/v1/models`).
             models: Vec::new(),
             replica: self.cfg.replica,
-            max_running: self.slot_facts().0,
-            decode_ms: self.slot_facts().1,
+            slots: self.slots(),
         }
     }
 
@@ -487,13 +488,13 @@ mod tests {
         // TTFTs feed the fit, so the prefill part below is read from it).
         v.first_token(1, Some(50.0), 50);
         v.finish(1, 450);
-        assert_eq!(v.queue_stats(0).decode_ms, 400.0);
+        let decode_ms = |v: &mut EngineView| v.queue_stats(0).slots.unwrap().decode_ms;
+        assert_eq!(decode_ms(&mut v), 400.0);
         v.first_token(2, Some(100.0), 500);
         v.finish(2, 1100);
         let d = 400.0 + DECODE_GAIN * 200.0;
-        let s = v.queue_stats(0);
-        assert!((s.decode_ms - d).abs() < 1e-9);
-        assert_eq!(s.max_running, 1);
+        assert!((decode_ms(&mut v) - d).abs() < 1e-9);
+        assert_eq!(v.queue_stats(0).slots.unwrap().max_running, 1);
         // Three requests of ours ahead, one of them decoding: the rest of its decode,
         // the other two's prefill and their whole decode.
         v.dispatch(3, 100, 100, 1200);
@@ -507,7 +508,7 @@ mod tests {
         v.finish(5, 5000);
         v.first_token(4, None, 5000);
         v.finish(4, 5001);
-        assert!((v.queue_stats(0).decode_ms - d).abs() < 1e-9);
+        assert!((decode_ms(&mut v) - d).abs() < 1e-9);
         // Without a configured limit the same queue is prefill only.
         let mut unlimited = view();
         unlimited.dispatch(1, 100, 100, 0);
@@ -515,7 +516,7 @@ mod tests {
         unlimited.finish(1, 1000);
         unlimited.dispatch(2, 100, 100, 1000);
         unlimited.dispatch(3, 100, 100, 1000);
-        assert_eq!(unlimited.queue_stats(0).max_running, 0);
+        assert_eq!(unlimited.queue_stats(0).slots, None);
         assert!(
             (unlimited.queued_estimate_ms() - 200.0 * unlimited.fit().t_p_ms()).abs() < 1e-9,
             "{}",

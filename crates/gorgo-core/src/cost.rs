@@ -25,7 +25,7 @@ use std::collections::{HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-use crate::types::{NodeId, QueueStats, Weights, MAX_REPLICAS};
+use crate::types::{EngineSlots, NodeId, QueueStats, Weights, MAX_REPLICAS};
 
 /// `t_p` used when a candidate reports none (no stats yet, or a nonsensical value): the
 /// paper's A100 + Mistral-7B calibration, 0.0938 ms per prompt token.
@@ -234,14 +234,14 @@ pub fn queue_ms(c: &Candidate) -> (f64, u64) {
 
 /// Expected wait for a slot, ms: the decode of the requests ahead that hold the
 /// engine's slots; 0 when its concurrency limit is not configured
-/// ([`QueueStats::max_running`]), no decode time is measured yet, or a slot is free.
+/// ([`QueueStats::slots`]), no decode time is measured yet, or a slot is free.
 ///
 /// An engine runs at most `M` requests at once (llama-cpp-python's server runs one). A
 /// request that arrives when `ahead` requests are running or waiting there (its
 /// `running + waiting` plus the forwards expected since, [`Candidate::expected_forwards`])
 /// starts its prefill only after `n = ahead + 1 - M` of them have finished decoding.
 /// With every slot busy they finish about one per `D / M` (`D`: the node's measured
-/// decode time per request, [`QueueStats::decode_ms`]), and the one furthest along is
+/// decode time per request, [`EngineSlots::decode_ms`]), and the one furthest along is
 /// on average half done, so
 ///
 /// ```text
@@ -253,8 +253,13 @@ pub fn queue_ms(c: &Candidate) -> (f64, u64) {
 /// not count (docs/policy.md, "A serial engine's queue"). The prefill of the waiting
 /// requests is in `unfinished_prefill_tokens` already.
 pub fn slot_wait_ms(c: &Candidate) -> f64 {
-    let slots = c.stats.max_running;
-    let d = c.stats.decode_ms;
+    let Some(EngineSlots {
+        max_running: slots,
+        decode_ms: d,
+    }) = c.stats.slots
+    else {
+        return 0.0;
+    };
     if slots == 0 || !(d.is_finite() && d > 0.0) {
         return 0.0;
     }
@@ -847,13 +852,18 @@ mod tests {
     #[test]
     fn slot_wait_counts_the_decode_of_the_requests_holding_the_slots() {
         let mut c = peer(0.0, 0);
-        c.stats.decode_ms = 400.0;
         c.stats.waiting = 3;
         // No configured limit: no slot wait, however long the queue.
         assert_eq!(slot_wait_ms(&c), 0.0);
+        let slots = |max_running, decode_ms| {
+            Some(EngineSlots {
+                max_running,
+                decode_ms,
+            })
+        };
         // A serial engine with three requests ahead (the scrape shows none running, as
         // an engine without metrics does): half of the first's decode, then two whole.
-        c.stats.max_running = 1;
+        c.stats.slots = slots(1, 400.0);
         assert!((slot_wait_ms(&c) - 2.5 * 400.0).abs() < 1e-9);
         // It is part of the queue estimate, and shown on its own in the decision.
         assert!((queue_ms(&c).0 - 2.5 * 400.0).abs() < 1e-9);
@@ -868,7 +878,7 @@ mod tests {
         c.inflight_forwards = 1;
         assert!((slot_wait_ms(&c) - 3.5 * 400.0).abs() < 1e-9);
         // Four slots, five ahead: two must finish, one per D / 4.
-        c.stats.max_running = 4;
+        c.stats.slots = slots(4, 400.0);
         c.stats.running = 2;
         c.stats.waiting = 2;
         assert!((slot_wait_ms(&c) - 1.5 * 100.0).abs() < 1e-9);
@@ -877,9 +887,9 @@ mod tests {
         assert_eq!(slot_wait_ms(&c), 0.0);
         // No decode measured yet: no estimate.
         c.stats.waiting = 9;
-        c.stats.decode_ms = 0.0;
+        c.stats.slots = slots(4, 0.0);
         assert_eq!(slot_wait_ms(&c), 0.0);
-        c.stats.decode_ms = f64::NAN;
+        c.stats.slots = slots(4, f64::NAN);
         assert_eq!(slot_wait_ms(&c), 0.0);
     }
 

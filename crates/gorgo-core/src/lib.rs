@@ -45,4 +45,4 @@ pub use summary::{
     SummarySnapshot,
 };
 pub use token_ratio::TokenRatio;
-pub use types::{NodeId, QueueStats, Weights};
+pub use types::{EngineSlots, NodeId, QueueStats, Weights};

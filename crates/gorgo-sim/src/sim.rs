@@ -901,21 +901,19 @@ impl<'a> Sim<'a> {
             }
         }
         let s = self.engines[e].engine.stats();
-        let (t_p_ms, base_ms, version, max_running, decode_ms) = match self.nodes.get(r) {
+        let (t_p_ms, base_ms, version, slots) = match self.nodes.get(r) {
             Some(n) => {
                 let v = &n.engines[k].view;
-                let (max_running, decode_ms) = v.slot_facts();
                 (
                     v.fit().t_p_ms(),
                     v.fit().base_ms(),
                     n.engines[k].stats_version,
-                    max_running,
-                    decode_ms,
+                    v.slots(),
                 )
             }
             None => {
                 let p = &self.cfg.profiles[r];
-                (p.t_p_ms_per_token, p.idle_ttft_ms(0), 0, 0, 0.0)
+                (p.t_p_ms_per_token, p.idle_ttft_ms(0), 0, None)
             }
         };
         QueueStats {
@@ -935,8 +933,7 @@ impl<'a> Sim<'a> {
             incarnation: 0,
             draining: false,
             models: Vec::new(),
-            max_running,
-            decode_ms,
+            slots,
         }
     }
 
