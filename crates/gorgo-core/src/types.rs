@@ -102,7 +102,7 @@ pub struct QueueStats {
 
 /// An engine's concurrency limit and how long a request holds a slot there: what the
 /// slot wait ([`crate::cost::slot_wait_ms`]) needs.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct EngineSlots {
     /// How many requests the engine runs at once, from the node's config (llama.cpp's
     /// `--parallel`, vLLM's `--max-num-seqs`, SGLang's `--max-running-requests`).
