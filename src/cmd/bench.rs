@@ -220,8 +220,8 @@ pub struct CompareArgs {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
     pub replicas: u16,
     /// Every node's `engine.max_running_requests` (`gorgo up --engine-max-running`):
-    /// state the emulators' concurrency limit, as `gorgo sim --configure-max-running`
-    /// does from the profile.
+    /// state the engines' concurrency limit where they do not report it (the emulators
+    /// do: their nodes read it from `/get_server_info`).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub engine_max_running: Option<u32>,
     /// First port of the first cluster; each further cluster gets the next block.

@@ -134,12 +134,13 @@ pub struct SimModelArgs {
     /// `--metrics-interval-ms`), computed by the node's code (gorgo-core `EngineView`).
     #[arg(long)]
     pub exact_state: bool,
-    /// Every node's engine config states the engine's concurrency limit (the
-    /// profile's `max_running_requests`, the node's `engine.max_running_requests`):
-    /// the queue estimate then counts the decode of the requests holding the slots.
-    /// Off by default, as in a node's config.
+    /// The engines do not report their concurrency limit and no node is told it, as
+    /// with vLLM or llama-cpp-python's server. By default every node knows its
+    /// engine's limit (the profile's `max_running_requests`), as a node reads it from
+    /// SGLang's `/get_server_info`, llama.cpp's `/props` or the emulator, and its queue
+    /// estimate counts the decode of the requests holding the slots.
     #[arg(long)]
-    pub configure_max_running: bool,
+    pub unreported_max_running: bool,
     /// Period of each node's `/metrics` scrape, ms (the node's
     /// `engine.metrics_interval_ms`).
     #[arg(long, default_value_t = gorgo_core::accounting::DEFAULT_METRICS_INTERVAL_MS as f64)]
@@ -189,7 +190,7 @@ impl SimModelArgs {
         cfg.max_context_tokens = self.max_context_tokens;
         cfg.live_chains = self.live_chains;
         cfg.exact_state = self.exact_state;
-        cfg.configure_max_running = self.configure_max_running;
+        cfg.unreported_max_running = self.unreported_max_running;
         cfg.metrics_interval_ms = self.metrics_interval_ms;
         cfg.summary_sample = self.summary_sample;
         cfg.kv_events = self.kv_events;
@@ -217,7 +218,7 @@ impl SimModelArgs {
             "max_context_tokens": self.max_context_tokens,
             "live_chains": self.live_chains,
             "view": view_name(self.exact_state),
-            "configure_max_running": self.configure_max_running,
+            "max_running_requests": if self.unreported_max_running { "unreported" } else { "reported" },
             "metrics_interval_ms": self.metrics_interval_ms,
             "decode_step_ms": cfg.decode_step_ms,
             "summary_sample": self.summary_sample.to_string(),

@@ -315,6 +315,9 @@ fn live(
         bail!("--live: no policy to run (`oracle` exists only in simulation)");
     }
     let m = &args.model;
+    if m.unreported_max_running {
+        bail!("--live: emulators report their concurrency limit; drop --unreported-max-running");
+    }
     let mut results = Vec::new();
     for &scale in scales {
         let out = args.out.join(format!("live-x{scale}"));
@@ -330,14 +333,9 @@ fn live(
             sequential: false,
             engine_profile: m.engine_profile.clone(),
             replicas: m.replicas as u16,
-            // The live nodes are told what the simulated ones were.
-            engine_max_running: if m.configure_max_running {
-                Some(
-                    gorgo_engine::Profile::by_name_or_file(&m.engine_profile)?.max_running_requests,
-                )
-            } else {
-                None
-            },
+            // The live nodes read the limit from their emulators, as the simulated
+            // ones are given it.
+            engine_max_running: None,
             base_port: args.base_port,
             port_stride: 100,
             up_timeout_s: 120.0,

@@ -74,7 +74,8 @@ pub struct UpArgs {
     pub engine_kv_tokens: Option<u64>,
     /// How many requests each engine runs at once (1 for llama-cpp-python's server):
     /// each node's `engine.max_running_requests`, for `--engine-url` engines and
-    /// emulators alike (an emulator runs at most its profile's `max_running_requests`).
+    /// emulators alike. Not needed where the engine reports it (SGLang, llama.cpp's
+    /// server, the emulators: their profile's `max_running_requests`).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub engine_max_running: Option<u32>,
     /// Seed of each node's fitted prefill cost per uncached token (ms) for the engines

@@ -61,7 +61,9 @@ pub struct ViewConfig {
     /// Which of the node's engines this view is of ([`QueueStats::replica`]).
     pub replica: u16,
     /// How many requests the engine runs at once, when the operator says
-    /// ([`QueueStats::slots`]); `None`: not limited as far as the node knows.
+    /// ([`QueueStats::slots`]); `None`: what the engine reports
+    /// ([`EngineView::engine_reports_max_running`]), else not limited as far as the
+    /// node knows.
     pub max_running_requests: Option<u32>,
 }
 
@@ -114,10 +116,23 @@ pub struct EngineView {
     /// EWMA (gain [`DECODE_GAIN`]) of how long our requests decoded, first token to
     /// finish, ms; `None` until one finished.
     decode_ms: Option<f64>,
+    /// The concurrency limit the engine itself last reported (SGLang's
+    /// `/get_server_info`, llama.cpp's `/props`); the config's, when set, wins.
+    reported_max_running: Option<u32>,
 }
 
 /// Gain of the decode-time EWMA: about the last eight requests.
 const DECODE_GAIN: f64 = 1.0 / 8.0;
+
+/// Where the concurrency limit a view counts with came from (`/admin/engines`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LimitSource {
+    /// `engine.max_running_requests` in the node's config.
+    Config,
+    /// The engine's own report ([`EngineView::engine_reports_max_running`]).
+    Engine,
+}
 
 /// Counters of the view, for `/admin/state` and for tests that check nothing drifts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -167,7 +182,25 @@ impl EngineView {
             stats_version: 0,
             fit,
             decode_ms: None,
+            reported_max_running: None,
         })
+    }
+
+    /// The engine reported how many requests it runs at once (`None`: it no longer
+    /// says, or never did; 0 is no report). Used unless the config states a limit, so
+    /// an operator need not repeat what an engine that says it already told.
+    pub fn engine_reports_max_running(&mut self, max_running: Option<u32>) {
+        self.reported_max_running = max_running.filter(|&n| n > 0);
+    }
+
+    /// The concurrency limit the view counts with and where it came from: the
+    /// config's, else the engine's own report, else none.
+    pub fn max_running_requests(&self) -> Option<(u32, LimitSource)> {
+        match (self.cfg.max_running_requests, self.reported_max_running) {
+            (Some(n), _) => Some((n, LimitSource::Config)),
+            (None, Some(n)) => Some((n, LimitSource::Engine)),
+            (None, None) => None,
+        }
     }
 
     /// A scrape of the engine's `/metrics` arrived at `now_ms`; it replaces the last.
@@ -216,12 +249,11 @@ impl EngineView {
     }
 
     /// The engine's slots as [`QueueStats::slots`] carries them (`None` unless its
-    /// concurrency limit is configured; decode time 0 until a request finished), for
-    /// drivers that build stats of their own.
+    /// concurrency limit is known, [`EngineView::max_running_requests`]; decode time 0
+    /// until a request finished), for drivers that build stats of their own.
     pub fn slots(&self) -> Option<EngineSlots> {
-        self.cfg
-            .max_running_requests
-            .map(|max_running| EngineSlots {
+        self.max_running_requests()
+            .map(|(max_running, _)| EngineSlots {
                 max_running,
                 decode_ms: self.decode_ms.unwrap_or(0.0),
             })
@@ -521,6 +553,39 @@ mod tests {
             (unlimited.queued_estimate_ms() - 200.0 * unlimited.fit().t_p_ms()).abs() < 1e-9,
             "{}",
             unlimited.queued_estimate_ms()
+        );
+    }
+
+    #[test]
+    fn the_engine_reported_limit_counts_unless_the_config_states_one() {
+        let mut v = view();
+        assert_eq!(
+            (v.max_running_requests(), v.queue_stats(0).slots),
+            (None, None)
+        );
+        v.engine_reports_max_running(Some(4));
+        assert_eq!(v.max_running_requests(), Some((4, LimitSource::Engine)));
+        assert_eq!(v.queue_stats(0).slots.map(|s| s.max_running), Some(4));
+        // 0 is no report, and an engine that stops saying takes its limit back.
+        v.engine_reports_max_running(Some(0));
+        assert_eq!(v.max_running_requests(), None);
+        v.engine_reports_max_running(Some(4));
+        v.engine_reports_max_running(None);
+        assert_eq!(v.queue_stats(0).slots, None);
+        // The operator's limit wins over the engine's.
+        let mut configured = EngineView::new(ViewConfig {
+            max_running_requests: Some(1),
+            ..ViewConfig::default()
+        })
+        .unwrap();
+        configured.engine_reports_max_running(Some(256));
+        assert_eq!(
+            configured.max_running_requests(),
+            Some((1, LimitSource::Config))
+        );
+        assert_eq!(
+            configured.queue_stats(0).slots.map(|s| s.max_running),
+            Some(1)
         );
     }
 

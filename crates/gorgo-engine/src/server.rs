@@ -154,6 +154,7 @@ fn router(state: AppState) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .route("/get_server_info", get(server_info))
         .fallback(not_found)
         .with_state(state)
 }
@@ -323,6 +324,22 @@ async fn models(State(state): State<AppState>) -> Response {
             "root": &*state.model,
             "max_model_len": state.config.profile.context_length,
         }],
+    }))
+    .into_response()
+}
+
+/// `GET /get_server_info`: the profile's limits under SGLang's names, so a node learns
+/// the emulator's concurrency limit the way it learns a real SGLang server's.
+async fn server_info(State(state): State<AppState>) -> Response {
+    let p = &state.config.profile;
+    axum::Json(json!({
+        "model_path": &*state.model,
+        "served_model_name": &*state.model,
+        "max_running_requests": p.max_running_requests,
+        "max_total_num_tokens": p.max_total_tokens,
+        "chunked_prefill_size": p.chunked_prefill_size,
+        "context_length": p.context_length,
+        "version": concat!("gorgo-engine ", env!("CARGO_PKG_VERSION")),
     }))
     .into_response()
 }

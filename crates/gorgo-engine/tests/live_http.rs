@@ -341,6 +341,16 @@ async fn bad_input_gets_openai_errors() {
         .await
         .unwrap();
     assert_eq!(models["data"][0]["id"], "Qwen/Qwen2.5-1.5B-Instruct");
+    // SGLang's server info, where a node reads the concurrency limit.
+    let info: Value = client
+        .get(format!("{}/get_server_info", server.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(info["max_running_requests"], 512);
     let health = client
         .get(format!("{}/health", server.base))
         .send()

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use gorgo_core::accounting::{ViewConfig, ViewCounters};
+use gorgo_core::accounting::{LimitSource, ViewConfig, ViewCounters};
 use gorgo_core::engine_metrics::parse_engine_metrics;
 use gorgo_core::fit::{FitConfig, PrefillFit};
 use gorgo_core::health::{BreakerState, EngineHealth, HealthChange, HealthConfig, RequestOutcome};
@@ -26,8 +26,12 @@ use crate::error::NodeError;
 const MAX_METRICS_BYTES: usize = 4 * 1024 * 1024;
 /// Cap on a `/v1/models` answer read from the engine.
 const MAX_MODELS_BYTES: usize = 1 << 20;
-/// How often a known model list is read again (adapters come and go).
+/// How often a known model list (and the engine's concurrency limit) is read again
+/// (adapters come and go, an engine restarts with other settings).
 const MODELS_REFRESH: Duration = Duration::from_secs(30);
+/// Cap on a server-info answer read from the engine (SGLang's `/get_server_info`
+/// lists every server argument: about 200 KB).
+const MAX_SERVER_INFO_BYTES: usize = 1 << 20;
 
 /// Why a call to the engine failed; the ingress maps it to a status.
 #[derive(Debug)]
@@ -336,24 +340,7 @@ impl EngineAdapter {
     /// `max_context_length`). Failures keep what was known. Returns true when a list
     /// was read.
     pub async fn learn_models(&self) -> bool {
-        let url = format!("{}/v1/models", self.base);
-        let Ok(Ok(resp)) =
-            tokio::time::timeout(self.health_timeout * 5, self.client.get(url).send()).await
-        else {
-            return false;
-        };
-        if !resp.status().is_success()
-            || resp.content_length().unwrap_or(0) > MAX_MODELS_BYTES as u64
-        {
-            return false;
-        }
-        let Ok(Ok(body)) = tokio::time::timeout(self.health_timeout * 5, resp.bytes()).await else {
-            return false;
-        };
-        if body.len() > MAX_MODELS_BYTES {
-            return false;
-        }
-        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body) else {
+        let Fetched::Json(v) = self.get_json("/v1/models", MAX_MODELS_BYTES).await else {
             return false;
         };
         let Some(list) = ModelList::parse(&v) else {
@@ -376,6 +363,64 @@ impl EngineAdapter {
             read_at_ms: Some(now),
         };
         true
+    }
+
+    /// Read how many requests the engine runs at once, where it says: SGLang's
+    /// `/get_server_info` (`max_running_requests`), llama.cpp's `/props`
+    /// (`total_slots`); vLLM states it nowhere a client can read. An answer without it
+    /// (or a 4xx: not that kind of server) withdraws an earlier report; a failed read
+    /// keeps it. The config's `max_running_requests`, when set, wins anyway
+    /// ([`EngineView::max_running_requests`]).
+    pub async fn learn_max_running(&self) {
+        let path = match self.kind {
+            EngineKind::Sglang => "/get_server_info",
+            EngineKind::Openai => "/props",
+            EngineKind::Vllm => return,
+        };
+        let reported = match self.get_json(path, MAX_SERVER_INFO_BYTES).await {
+            Fetched::Json(v) => reported_max_running(self.kind, &v),
+            Fetched::Refused => None,
+            Fetched::Failed => return,
+        };
+        let mut view = self.view.lock();
+        let before = view.max_running_requests();
+        view.engine_reports_max_running(reported);
+        let after = view.max_running_requests();
+        drop(view);
+        if before != after {
+            tracing::info!(engine = %self.base, max_running_requests = ?after.map(|l| l.0), source = ?after.map(|l| l.1), "engine concurrency limit");
+        }
+    }
+
+    /// The concurrency limit the node counts with for this engine, and its source.
+    pub fn max_running_requests(&self) -> Option<(u32, LimitSource)> {
+        self.view.lock().max_running_requests()
+    }
+
+    /// GET `path` from the engine as JSON, at most `cap` bytes, within five health
+    /// timeouts.
+    async fn get_json(&self, path: &str, cap: usize) -> Fetched {
+        let url = format!("{}{}", self.base, path);
+        let wait = self.health_timeout * 5;
+        let Ok(Ok(resp)) = tokio::time::timeout(wait, self.client.get(url).send()).await else {
+            return Fetched::Failed;
+        };
+        if resp.status().is_client_error() {
+            return Fetched::Refused;
+        }
+        if !resp.status().is_success() || resp.content_length().unwrap_or(0) > cap as u64 {
+            return Fetched::Failed;
+        }
+        let Ok(Ok(body)) = tokio::time::timeout(wait, resp.bytes()).await else {
+            return Fetched::Failed;
+        };
+        if body.len() > cap {
+            return Fetched::Failed;
+        }
+        match serde_json::from_slice::<serde_json::Value>(&body) {
+            Ok(v) => Fetched::Json(v),
+            Err(_) => Fetched::Refused,
+        }
     }
 
     /// True when the model list was never read or is older than [`MODELS_REFRESH`].
@@ -435,6 +480,7 @@ impl EngineAdapter {
                         _ = tick.tick() => {
                             if me.check_health().await && me.models_due() {
                                 me.learn_models().await;
+                                me.learn_max_running().await;
                             }
                         }
                     }
@@ -507,6 +553,41 @@ fn context_length_of(models: &serde_json::Value) -> Option<u64> {
         .iter()
         .find_map(|k| first.get(*k).and_then(serde_json::Value::as_u64))
         .filter(|&n| n > 0)
+}
+
+/// What a GET of an engine's JSON endpoint gave.
+#[derive(Debug)]
+enum Fetched {
+    /// A JSON answer.
+    Json(serde_json::Value),
+    /// The engine answered, but not with it (a 4xx, a body that is not JSON): it does
+    /// not have this.
+    Refused,
+    /// No answer, a 5xx, or one over the cap: nothing learnt either way.
+    Failed,
+}
+
+/// The concurrency limit a server-info answer states (0 or absent: none). SGLang puts
+/// its server arguments at the top level (`max_running_requests`, null when left to
+/// the server) and what the scheduler settled on in `internal_states`; llama.cpp's
+/// `/props` has `total_slots`.
+fn reported_max_running(kind: EngineKind, info: &serde_json::Value) -> Option<u32> {
+    let limit = |v: &serde_json::Value, key: &str| {
+        v.get(key)
+            .and_then(serde_json::Value::as_u64)
+            .filter(|&n| n > 0)
+            .map(|n| n.min(u32::MAX as u64) as u32)
+    };
+    match kind {
+        EngineKind::Sglang => limit(info, "max_running_requests").or_else(|| {
+            info.get("internal_states")?
+                .as_array()?
+                .iter()
+                .find_map(|s| limit(s, "max_running_requests"))
+        }),
+        EngineKind::Openai => limit(info, "total_slots"),
+        EngineKind::Vllm => None,
+    }
 }
 
 /// One dispatch in the view, released in steps.
@@ -592,5 +673,39 @@ mod tests {
         assert_eq!(context_length_of(&sglang), Some(8192));
         assert_eq!(context_length_of(&none), None);
         assert_eq!(context_length_of(&serde_json::json!({"data": []})), None);
+    }
+
+    #[test]
+    fn the_concurrency_limit_is_read_where_each_engine_states_it() {
+        use serde_json::json;
+        let sglang = json!({"max_running_requests": 128, "chunked_prefill_size": 8192});
+        // Left to the server: null among the arguments, the scheduler's in its state.
+        let settled = json!({"max_running_requests": null,
+            "internal_states": [{"max_running_requests": 4096, "last_gen_throughput": 0.0}]});
+        let llama_cpp = json!({"total_slots": 1, "default_generation_settings": {}});
+        assert_eq!(reported_max_running(EngineKind::Sglang, &sglang), Some(128));
+        assert_eq!(
+            reported_max_running(EngineKind::Sglang, &settled),
+            Some(4096)
+        );
+        assert_eq!(
+            reported_max_running(EngineKind::Openai, &llama_cpp),
+            Some(1)
+        );
+        for (kind, v) in [
+            (EngineKind::Sglang, json!({"max_running_requests": 0})),
+            (EngineKind::Sglang, json!({"max_running_requests": "128"})),
+            (EngineKind::Sglang, json!({"max_running_requests": -1})),
+            (EngineKind::Openai, json!({"total_slots": null})),
+            (EngineKind::Openai, json!([1, 2])),
+            (EngineKind::Vllm, sglang.clone()),
+        ] {
+            assert_eq!(reported_max_running(kind, &v), None, "{v}");
+        }
+        let huge = json!({"max_running_requests": u64::MAX});
+        assert_eq!(
+            reported_max_running(EngineKind::Sglang, &huge),
+            Some(u32::MAX)
+        );
     }
 }

@@ -151,6 +151,8 @@ impl LocalEngine {
             "healthy": a.is_healthy(),
             "breaker": a.breaker(),
             "max_context_tokens": a.max_context_tokens(),
+            "max_running_requests": a.max_running_requests().map(|l| l.0),
+            "max_running_requests_source": a.max_running_requests().map(|l| l.1),
             "inflight": a.inflight(),
             "accounting": a.counters(),
             "kv_capacity_tokens": a.kv_capacity_tokens(),

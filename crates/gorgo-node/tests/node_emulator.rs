@@ -76,5 +76,29 @@ async fn three_nodes_over_emulators() {
         "{:?}",
         state.engine(0).unwrap().adapter.scraped()
     );
+    // ... and its concurrency limit, from SGLang's `/get_server_info`; the node's
+    // queue stats carry it to peers. The config's limit wins where it states one.
+    let adapter = &state.engine(0).unwrap().adapter;
+    adapter.learn_max_running().await;
+    assert_eq!(
+        adapter.max_running_requests(),
+        Some((512, gorgo_core::accounting::LimitSource::Engine))
+    );
+    assert_eq!(
+        adapter.queue_stats(0).slots.map(|s| s.max_running),
+        Some(512)
+    );
+    let url = emulator(&stop).await;
+    let told = start_node(
+        config_with_engine("d", &url, "max_running_requests = 2\n"),
+        Some(&mesh),
+    )
+    .await;
+    let adapter = &told.state().engine(0).unwrap().adapter;
+    adapter.learn_max_running().await;
+    assert_eq!(
+        adapter.max_running_requests(),
+        Some((2, gorgo_core::accounting::LimitSource::Config))
+    );
     stop.cancel();
 }

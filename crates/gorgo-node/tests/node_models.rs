@@ -148,3 +148,15 @@ async fn a_changed_model_list_changes_the_routing() {
         assert_eq!(resp.headers()["x-gorgo-served-by"], "a");
     }
 }
+
+/// An engine with no server info (a 404, as from vLLM or llama-cpp-python's server)
+/// leaves the node without a concurrency limit: its queue stats carry none.
+#[tokio::test]
+async fn an_engine_without_server_info_reports_no_limit() {
+    let engine = StubEngine::start("a").await;
+    let node = start_node(config("a", &engine.url(), ""), None).await;
+    let adapter = &node.state().engine(0).unwrap().adapter;
+    adapter.learn_max_running().await;
+    assert_eq!(adapter.max_running_requests(), None);
+    assert_eq!(adapter.queue_stats(0).slots, None);
+}

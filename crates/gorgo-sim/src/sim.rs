@@ -113,12 +113,13 @@ pub struct SimConfig {
     /// finishes and by its engine's `/metrics` scraped every `metrics_interval_ms`.
     /// Either way the prefill fit is the view's.
     pub exact_state: bool,
-    /// Each node's engine config states the engine's concurrency limit (the profile's
-    /// `max_running_requests`), as an operator who sets `engine.max_running_requests`
-    /// does; then the node's queue estimate counts the decode of the requests holding
-    /// the slots ([`gorgo_core::cost::slot_wait_ms`]). Off by default, as in the
-    /// node's config.
-    pub configure_max_running: bool,
+    /// The engines do not report their concurrency limit and no node is told it (vLLM,
+    /// llama-cpp-python's server). By default (`false`) each node's view knows its
+    /// engine's limit (the profile's `max_running_requests`), as a node learns it from
+    /// SGLang's `/get_server_info`, llama.cpp's `/props` or the emulator, and its queue
+    /// estimate counts the decode of the requests holding the slots
+    /// ([`gorgo_core::cost::slot_wait_ms`]).
+    pub unreported_max_running: bool,
     /// Period of each node's scrape of its engine's `/metrics`, ms (the node's
     /// `engine.metrics_interval_ms`).
     pub metrics_interval_ms: f64,
@@ -176,7 +177,7 @@ impl SimConfig {
             max_context_tokens: None,
             live_chains: false,
             exact_state: false,
-            configure_max_running: false,
+            unreported_max_running: false,
             metrics_interval_ms: DEFAULT_METRICS_INTERVAL_MS as f64,
             decode_step_ms: DEFAULT_DECODE_STEP_MS,
             summary_sample: SampleSetting::Auto,
@@ -632,22 +633,25 @@ impl<'a> Sim<'a> {
                 let summary_sample = SampleChooser::new(cfg.summary_sample, cfg.peer_count());
                 let node_engines = (0..replicas)
                     .map(|k| {
+                        let mut view = EngineView::new(ViewConfig {
+                            kv_capacity_tokens: None,
+                            decode_step_ms: cfg.decode_step_ms,
+                            seed_base_ms: p.idle_ttft_ms(0),
+                            seed_t_p_ms: p.t_p_ms_per_token,
+                            fit: FitConfig::default(),
+                            replica: k as u16,
+                            max_running_requests: None,
+                        })?;
+                        // What a node reads from its engine's server info at start.
+                        if !cfg.unreported_max_running {
+                            view.engine_reports_max_running(Some(p.max_running_requests));
+                        }
                         Ok(NodeEngine {
                             shadow: ShadowIndex::with_sample(
                                 p.max_total_tokens,
                                 summary_sample.current(),
                             ),
-                            view: EngineView::new(ViewConfig {
-                                kv_capacity_tokens: None,
-                                decode_step_ms: cfg.decode_step_ms,
-                                seed_base_ms: p.idle_ttft_ms(0),
-                                seed_t_p_ms: p.t_p_ms_per_token,
-                                fit: FitConfig::default(),
-                                replica: k as u16,
-                                max_running_requests: cfg
-                                    .configure_max_running
-                                    .then_some(p.max_running_requests),
-                            })?,
+                            view,
                             stats_version: 0,
                             gossip: GossipSender::new(node_ids[i].clone(), GossipConfig::default()),
                             kv: cfg
