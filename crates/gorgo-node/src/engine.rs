@@ -387,8 +387,12 @@ impl EngineAdapter {
         view.engine_reports_max_running(reported);
         let after = view.max_running_requests();
         drop(view);
-        if before != after {
-            tracing::info!(engine = %self.base, max_running_requests = ?after.map(|l| l.0), source = ?after.map(|l| l.1), "engine concurrency limit");
+        match after {
+            _ if before == after => {}
+            Some((n, source)) => {
+                tracing::info!(engine = %self.base, max_running_requests = n, ?source, "engine concurrency limit");
+            }
+            None => tracing::info!(engine = %self.base, "engine concurrency limit unknown"),
         }
     }
 
