@@ -939,28 +939,17 @@ mod tests {
         });
         let serial = 1_000.0 + 4.5 * 400.0;
         assert!((queue_ms(&c).0 - serial).abs() < 1e-9, "{}", queue_ms(&c).0);
-        // Four slots, full, four waiting: the slots free in 4.5 x 400 / 4 = 450 ms,
-        // the prefill ahead takes 1,000: the longer.
+        // Four slots, full, four waiting: the slots free in 4.5 x D / 4, against
+        // 1,000 ms of prefill ahead; the longer counts. Fast decode (450 ms): the
+        // prefill; slow decode (4,500 ms): the slots.
         c.stats.running = 4;
-        c.stats.slots = Some(EngineSlots {
-            max_running: 4,
-            decode_ms: 400.0,
-        });
-        assert!(
-            (queue_ms(&c).0 - 1_000.0).abs() < 1e-9,
-            "{}",
-            queue_ms(&c).0
-        );
-        // Slow decode: the slots are the longer wait.
-        c.stats.slots = Some(EngineSlots {
-            max_running: 4,
-            decode_ms: 4_000.0,
-        });
-        assert!(
-            (queue_ms(&c).0 - 4_500.0).abs() < 1e-9,
-            "{}",
-            queue_ms(&c).0
-        );
+        for (decode_ms, queue) in [(400.0, 1_000.0), (4_000.0, 4_500.0)] {
+            c.stats.slots = Some(EngineSlots {
+                max_running: 4,
+                decode_ms,
+            });
+            assert!((queue_ms(&c).0 - queue).abs() < 1e-9, "{}", queue_ms(&c).0);
+        }
     }
 
     fn stats_v(incarnation: u64, version: u64) -> QueueStats {

@@ -332,24 +332,14 @@ async fn bad_input_gets_openai_errors() {
     assert_eq!(v["choices"][0]["finish_reason"], "length");
     assert_eq!(v["usage"]["prompt_tokens"], 2);
     assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
-    let models: Value = client
-        .get(format!("{}/v1/models", server.base))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let get_json = |path: &str| {
+        let req = client.get(format!("{}{path}", server.base));
+        async move { req.send().await.unwrap().json::<Value>().await.unwrap() }
+    };
+    let models = get_json("/v1/models").await;
     assert_eq!(models["data"][0]["id"], "Qwen/Qwen2.5-1.5B-Instruct");
     // SGLang's server info, where a node reads the concurrency limit.
-    let info: Value = client
-        .get(format!("{}/get_server_info", server.base))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let info = get_json("/get_server_info").await;
     assert_eq!(info["max_running_requests"], 512);
     let health = client
         .get(format!("{}/health", server.base))
