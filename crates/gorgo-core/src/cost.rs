@@ -184,8 +184,10 @@ pub struct CostTerms {
     /// ([`ForwardLedger::forward_bias_ms`]), ms.
     #[serde(default)]
     pub forward_bias_ms: f64,
-    /// The part of `raw_queue_ms` that waits for a slot ([`slot_wait_ms`]), ms: 0
-    /// unless the candidate's concurrency limit is configured and its slots are full.
+    /// The wait for a slot ([`slot_wait_ms`]), ms: 0 unless the candidate's
+    /// concurrency limit is known and its slots are full. `raw_queue_ms` holds it in
+    /// full at a serial engine, and at a batching one only where it is longer than the
+    /// prefill ahead ([`queue_ms`]).
     #[serde(default)]
     pub slot_wait_ms: f64,
     /// Prefill tokens estimated ahead of this request.
@@ -215,8 +217,8 @@ pub struct CostTerms {
 ///   so the decode time that frees its slots already contains the prefill ahead: the
 ///   wait is the longer of the two, not their sum. (Measured at saturation with four
 ///   engines per region, Azure x0.0625: the sum over-predicts the median request by
-///   18%, the longer under-predicts by 23%, prefill alone by 36%; docs/policy.md, "A
-///   serial engine's queue".)
+///   18%, the longer under-predicts by 23%, prefill alone by 36%; docs/policy.md, "The
+///   limit the engine reports".)
 ///
 /// A decode-bound admission wait guessed from a fixed output length, without a
 /// configured limit, was measured and dropped (docs/simulator.md, "Cost model fixes":
