@@ -396,7 +396,7 @@ impl EngineView {
 
     /// `id` finished, failed or was cancelled at `now_ms`: release what it still holds.
     /// A request past its first token also updates the measured decode time
-    /// ([`QueueStats::decode_ms`]). Idempotent; unknown ids are ignored.
+    /// ([`EngineSlots::decode_ms`]). Idempotent; unknown ids are ignored.
     pub fn finish(&mut self, id: u64, now_ms: u64) {
         let Some(d) = self.dispatched.remove(&id) else {
             return;
