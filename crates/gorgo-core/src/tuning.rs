@@ -123,9 +123,10 @@ const MAX_TERM_MS: f64 = 3.6e6;
 
 /// A fitted weight moves the incumbent only when it is this many standard errors from
 /// it, and its standard error is under [`FIT_MAX_REL_SE`] of it.
-const FIT_Z: f64 = 2.0;
-/// See [`FIT_Z`].
-const FIT_MAX_REL_SE: f64 = 0.25;
+pub const FIT_Z: f64 = 2.0;
+/// The largest standard error, relative to the fitted weight, at which the start fit
+/// counts a weight as pinned down (see [`FIT_Z`]).
+pub const FIT_MAX_REL_SE: f64 = 0.25;
 
 /// The start fit waits for evidence at most this many windows: until then a window whose
 /// fit neither moves the incumbent nor pins every varying term leaves the line unfitted
