@@ -412,15 +412,12 @@ impl EngineAdapter {
         if resp.status().is_client_error() {
             return Fetched::Refused;
         }
-        if !resp.status().is_success() || resp.content_length().unwrap_or(0) > cap as u64 {
+        if !resp.status().is_success() {
             return Fetched::Failed;
         }
-        let Ok(Ok(body)) = tokio::time::timeout(wait, resp.bytes()).await else {
+        let Ok(Some(body)) = tokio::time::timeout(wait, read_capped(resp, cap)).await else {
             return Fetched::Failed;
         };
-        if body.len() > cap {
-            return Fetched::Failed;
-        }
         match serde_json::from_slice::<serde_json::Value>(&body) {
             Ok(v) => Fetched::Json(v),
             Err(_) => Fetched::Refused,
@@ -450,16 +447,15 @@ impl EngineAdapter {
         if !resp.status().is_success() {
             return;
         }
-        if resp
-            .content_length()
-            .is_some_and(|l| l as usize > MAX_METRICS_BYTES)
-        {
+        let Ok(Some(body)) =
+            tokio::time::timeout(Duration::from_secs(5), read_capped(resp, MAX_METRICS_BYTES))
+                .await
+        else {
             return;
-        }
-        let Ok(text) = resp.text().await else { return };
-        if text.len() > MAX_METRICS_BYTES {
+        };
+        let Ok(text) = String::from_utf8(body) else {
             return;
-        }
+        };
         let metrics = parse_engine_metrics(&text, self.kind);
         let now_ms = self.now_ms();
         self.view.lock().scrape(metrics, now_ms);
@@ -557,6 +553,23 @@ fn context_length_of(models: &serde_json::Value) -> Option<u64> {
         .iter()
         .find_map(|k| first.get(*k).and_then(serde_json::Value::as_u64))
         .filter(|&n| n > 0)
+}
+
+/// `resp`'s body, or `None` once it passes `cap` bytes (read chunk by chunk, so an
+/// engine that streams more than it announced, or announces nothing, is cut off there)
+/// or breaks.
+async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Option<Vec<u8>> {
+    if resp.content_length().is_some_and(|n| n > cap as u64) {
+        return None;
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await.ok()? {
+        if body.len() + chunk.len() > cap {
+            return None;
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Some(body)
 }
 
 /// What a GET of an engine's JSON endpoint gave.
@@ -677,6 +690,44 @@ mod tests {
         assert_eq!(context_length_of(&sglang), Some(8192));
         assert_eq!(context_length_of(&none), None);
         assert_eq!(context_length_of(&serde_json::json!({"data": []})), None);
+    }
+
+    /// An engine answering with a body that never says its length is cut off at the
+    /// cap, not read to the end; one under the cap is read whole.
+    #[tokio::test]
+    async fn bodies_without_a_length_are_cut_off_at_the_cap() {
+        use axum::body::Body;
+        use futures::stream;
+        let app = axum::Router::new()
+            .route(
+                "/endless",
+                axum::routing::get(|| async {
+                    let chunks = stream::iter(
+                        (0..64).map(|_| Ok::<_, std::io::Error>(Bytes::from(vec![b'x'; 65_536]))),
+                    );
+                    Body::from_stream(chunks)
+                }),
+            )
+            .route(
+                "/small",
+                axum::routing::get(|| async {
+                    Body::from_stream(stream::iter([Ok::<_, std::io::Error>(Bytes::from("{}"))]))
+                }),
+            );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move { axum::serve(listener, app).await });
+        let client = reqwest::Client::new();
+        let get = |path: &str| client.get(format!("http://{addr}{path}")).send();
+        let endless = get("/endless").await.unwrap();
+        assert_eq!(endless.content_length(), None);
+        assert_eq!(read_capped(endless, 1 << 20).await, None);
+        let small = get("/small").await.unwrap();
+        assert_eq!(
+            read_capped(small, 1 << 20).await.as_deref(),
+            Some(&b"{}"[..])
+        );
+        server.abort();
     }
 
     #[test]
