@@ -15,6 +15,11 @@ cargo clippy --workspace --all-targets -- -D warnings
 # instead of skipping them (.ci/run installs Debian's package).
 if [ "${CI:-}" = "true" ]; then
   export GORGO_REQUIRE_PROMETHEUS=1
+  # A fresh CI machine's disk can be small (one run failed with "No space left on
+  # device" at 8 GiB of target/): no incremental cache (a clean clone never reuses it)
+  # and line tables only (backtraces keep file:line) halve what the build writes.
+  export CARGO_INCREMENTAL=0
+  export CARGO_PROFILE_DEV_DEBUG=line-tables-only
 fi
 
 echo "== cargo test --workspace"
@@ -22,7 +27,10 @@ echo "== cargo test --workspace"
 cargo test --workspace --no-fail-fast
 
 echo "== end-to-end: openai Python client and curl through a node"
-cargo build --bin gorgo
+# The binary `cargo test` just built for the integration tests (CARGO_BIN_EXE_gorgo):
+# `cargo build --bin gorgo` would build every dependency a second time, with the
+# features of a build without dev-dependencies, and double what the disk holds.
+cargo test --workspace --no-run
 # The Python clients live in a virtualenv of this checkout's own (.venv, gitignored),
 # made on first use and reused after, so a fresh clone needs nothing installed by hand.
 VENV=${GORGO_TEST_VENV:-.venv}
