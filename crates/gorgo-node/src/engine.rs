@@ -403,6 +403,16 @@ impl EngineAdapter {
 
     /// GET `path` from the engine as JSON, at most `cap` bytes, within five health
     /// timeouts.
+    /// The body of an answer the node reads itself (not one it streams to a client),
+    /// or `None` past `cap` bytes or five health timeouts: an engine that streams
+    /// without end or stalls mid-body costs a bounded buffer and a bounded wait.
+    pub async fn read_answer(&self, resp: reqwest::Response, cap: usize) -> Option<Vec<u8>> {
+        tokio::time::timeout(self.health_timeout * 5, read_capped(resp, cap))
+            .await
+            .ok()
+            .flatten()
+    }
+
     async fn get_json(&self, path: &str, cap: usize) -> Fetched {
         let url = format!("{}{}", self.base, path);
         let wait = self.health_timeout * 5;
@@ -415,7 +425,7 @@ impl EngineAdapter {
         if !resp.status().is_success() {
             return Fetched::Failed;
         }
-        let Ok(Some(body)) = tokio::time::timeout(wait, read_capped(resp, cap)).await else {
+        let Some(body) = self.read_answer(resp, cap).await else {
             return Fetched::Failed;
         };
         match serde_json::from_slice::<serde_json::Value>(&body) {

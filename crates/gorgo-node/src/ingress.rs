@@ -129,6 +129,10 @@ async fn health(State(state): State<Arc<NodeState>>) -> Response {
     }
 }
 
+/// Cap on the answer to `/health_generate`'s one-token completion (a few hundred bytes
+/// from a working engine).
+const HEALTH_GENERATE_MAX_BYTES: usize = 1 << 20;
+
 /// `GET /health_generate` (SGLang's): a one-token generation through the local engine,
 /// so a probe sees an engine that answers `/health` but cannot generate.
 async fn health_generate(State(state): State<Arc<NodeState>>) -> Response {
@@ -151,13 +155,15 @@ async fn health_generate(State(state): State<Arc<NodeState>>) -> Response {
         )
         .await;
     match sent {
-        Ok(resp) if resp.status().is_success() => match resp.bytes().await {
-            Ok(_) => Response::new(Body::empty()),
-            Err(e) => error_response(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &format!("engine failed: {e}"),
-            ),
-        },
+        Ok(resp) if resp.status().is_success() => {
+            match engine.adapter.read_answer(resp, HEALTH_GENERATE_MAX_BYTES).await {
+                Some(_) => Response::new(Body::empty()),
+                None => error_response(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "engine failed: its answer broke off, ran over 1 MiB or past the health deadline",
+                ),
+            }
+        }
         Ok(resp) => error_response(
             StatusCode::SERVICE_UNAVAILABLE,
             &format!("engine answered {}", resp.status().as_u16()),

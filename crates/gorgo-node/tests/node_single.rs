@@ -412,6 +412,23 @@ async fn health_routes_and_local_passthrough_answer_as_engines_do() {
         .unwrap();
     assert_eq!(resp.status(), 200, "a one-token generation went through");
     assert_eq!(engine.requests(), 1);
+    // An answer that runs on past its cap is a failed probe, not a node buffering it.
+    engine.set_mode(ENDLESS_BODY);
+    let resp = c
+        .get(format!("{}/health_generate", node.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 503);
+    let v: serde_json::Value = resp.json().await.unwrap();
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("over 1 MiB"),
+        "{v}"
+    );
+    engine.set_mode(NORMAL);
     let resp = c
         .post(format!("{}/tokenize", node.base))
         .json(&serde_json::json!({"prompt": "one two three"}))

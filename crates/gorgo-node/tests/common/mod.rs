@@ -30,6 +30,9 @@ pub const HANG_ALL: u8 = 4;
 /// Send the first SSE chunk, wait to be released (`release.notify_one()`), then break
 /// the connection (an engine dying mid-stream).
 pub const FAIL_MID_STREAM: u8 = 5;
+/// Answer a non-streamed completion 200 with a body that never says its length and
+/// runs past 1 MiB (an engine gone wrong mid-answer).
+pub const ENDLESS_BODY: u8 = 6;
 
 /// A stub OpenAI-compatible engine whose load and behaviour the test sets.
 pub struct StubEngine {
@@ -150,6 +153,15 @@ async fn complete(
                     r#"{"error":{"message":"prompt too long","type":"invalid_request_error","param":null,"code":null}}"#,
                 ))
                 .unwrap()
+        }
+        ENDLESS_BODY if !stream => {
+            let chunks = futures::stream::iter(
+                (0..64).map(|_| Ok::<_, std::io::Error>(Bytes::from(vec![b' '; 65_536]))),
+            );
+            return Response::builder()
+                .header("content-type", "application/json")
+                .body(Body::from_stream(chunks))
+                .unwrap();
         }
         _ => {}
     }
