@@ -401,8 +401,6 @@ impl EngineAdapter {
         self.view.lock().max_running_requests()
     }
 
-    /// GET `path` from the engine as JSON, at most `cap` bytes, within five health
-    /// timeouts.
     /// The body of an answer the node reads itself (not one it streams to a client),
     /// or `None` past `cap` bytes or five health timeouts: an engine that streams
     /// without end or stalls mid-body costs a bounded buffer and a bounded wait.
@@ -413,6 +411,8 @@ impl EngineAdapter {
             .flatten()
     }
 
+    /// GET `path` from the engine as JSON, at most `cap` bytes, within five health
+    /// timeouts.
     async fn get_json(&self, path: &str, cap: usize) -> Fetched {
         let url = format!("{}{}", self.base, path);
         let wait = self.health_timeout * 5;
