@@ -93,9 +93,10 @@ pub struct QueueStats {
     /// (docs/design.md, "Replicas"). Below [`MAX_REPLICAS`]; 0 for a one-engine node.
     #[serde(default)]
     pub replica: u16,
-    /// The engine's slots, where its concurrency limit is configured: with them the
-    /// queue estimate counts the decode of the requests ahead that hold the slots
-    /// ([`crate::cost::slot_wait_ms`]). `None` (one byte on the wire) otherwise.
+    /// The engine's slots, where its concurrency limit is known (configured, or
+    /// reported by the engine): with them the queue estimate counts the decode of the
+    /// requests ahead that hold the slots ([`crate::cost::slot_wait_ms`]). `None` (one
+    /// byte on the wire) otherwise.
     #[serde(default)]
     pub slots: Option<EngineSlots>,
 }

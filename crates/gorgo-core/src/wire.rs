@@ -29,9 +29,10 @@ pub use crate::prompt::Endpoint;
 /// refuse each other at the handshake instead of misreading each other's messages.
 /// A test pins the encoding to this number (docs/design.md, "Protocols").
 ///
-/// 5: queue stats carry the engine's slots where its concurrency limit is configured
-/// (the limit and the measured decode time per request) (version 4: the tuning messages' start-fit sums and
-/// noise-aware tuner state; version 3: the engines' `replica` in gossip).
+/// 5: queue stats carry the engine's slots where its concurrency limit is known (the
+/// limit and the measured decode time per request) (version 4: the tuning messages'
+/// start-fit sums and noise-aware tuner state; version 3: the engines' `replica` in
+/// gossip).
 pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Largest gossip message accepted (4 MiB). A snapshot of about 800k fingerprints
