@@ -178,3 +178,144 @@ fn the_design_doc_lists_every_crate() {
         );
     }
 }
+
+/// The modules of one crate's `src` that each top-level module names through
+/// `crate::` (in code, not comments; tests excluded): module -> modules it imports.
+/// The crate root (`lib.rs`, `main.rs`) declares every module and is left out.
+type ModuleGraph = BTreeMap<String, BTreeSet<String>>;
+
+/// The `crate::` module names in `code`: `crate::a::X` and the lowercase items of
+/// `crate::{a, b::Y, Z}` (uppercase ones are the root's own items).
+fn crate_paths(code: &str) -> BTreeSet<String> {
+    let ident = |s: &str| -> String {
+        s.trim()
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect()
+    };
+    let mut out = BTreeSet::new();
+    for line in code.lines() {
+        if line.trim_start().starts_with("//") {
+            continue;
+        }
+        let mut rest = line;
+        while let Some(at) = rest.find("crate::") {
+            let before = rest[..at].chars().next_back();
+            rest = &rest[at + "crate::".len()..];
+            if before.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_') {
+                continue;
+            }
+            let items: Vec<String> = match rest.strip_prefix('{') {
+                Some(group) => group
+                    .split('}')
+                    .next()
+                    .unwrap_or("")
+                    .split(',')
+                    .map(ident)
+                    .collect(),
+                None => vec![ident(rest)],
+            };
+            out.extend(
+                items
+                    .into_iter()
+                    .filter(|i| i.starts_with(|c: char| c.is_ascii_lowercase()))
+                    .filter(|i| !matches!(i.as_str(), "self" | "super" | "crate")),
+            );
+        }
+    }
+    out
+}
+
+/// The module graph of the crate whose sources are under `src`.
+fn module_graph(src: &std::path::Path) -> ModuleGraph {
+    fn walk(dir: &std::path::Path, files: &mut Vec<std::path::PathBuf>) {
+        for entry in std::fs::read_dir(dir).expect("read src dir") {
+            let path = entry.expect("dir entry").path();
+            if path.is_dir() {
+                walk(&path, files);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                files.push(path);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    walk(src, &mut files);
+    let mut graph = ModuleGraph::new();
+    for file in files {
+        let rel = file.strip_prefix(src).expect("under src");
+        let first = rel.components().next().expect("a file");
+        let module = first
+            .as_os_str()
+            .to_string_lossy()
+            .trim_end_matches(".rs")
+            .to_owned();
+        if module == "lib" || module == "main" {
+            continue;
+        }
+        let text = std::fs::read_to_string(&file).expect("read source");
+        let code = text.split("#[cfg(test)]").next().unwrap_or("");
+        let uses = graph.entry(module.clone()).or_default();
+        uses.extend(crate_paths(code).into_iter().filter(|m| *m != module));
+    }
+    graph
+}
+
+/// Pairs of modules that import each other.
+fn mutual_imports(graph: &ModuleGraph) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for (a, uses) in graph {
+        for b in uses.iter().filter(|b| a < *b) {
+            if graph.get(b).is_some_and(|back| back.contains(a)) {
+                out.push((a.clone(), b.clone()));
+            }
+        }
+    }
+    out
+}
+
+/// docs/design.md: "Data flows one way through a request path: no two modules import
+/// each other". Checked in every library crate.
+#[test]
+fn no_two_modules_of_a_crate_import_each_other() {
+    let crates = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("crates");
+    let mut broken = Vec::new();
+    for entry in std::fs::read_dir(&crates).expect("crates/") {
+        let src = entry.expect("dir entry").path().join("src");
+        if !src.is_dir() {
+            continue;
+        }
+        for (a, b) in mutual_imports(&module_graph(&src)) {
+            broken.push(format!("{}: {a} <-> {b}", src.display()));
+        }
+    }
+    assert!(
+        broken.is_empty(),
+        "modules importing each other:\n{}",
+        broken.join("\n")
+    );
+}
+
+#[test]
+fn the_module_checker_reads_grouped_paths_and_finds_a_pair() {
+    let paths = crate_paths(
+        "use crate::{telemetry, NodeState};\nuse crate::cost::queue_ms;\n// crate::ignored\nlet x = gorgo_crate::no;",
+    );
+    assert_eq!(paths.into_iter().collect::<Vec<_>>(), ["cost", "telemetry"]);
+    let mut graph = ModuleGraph::new();
+    graph
+        .entry("local".into())
+        .or_default()
+        .insert("kv_events".into());
+    graph
+        .entry("kv_events".into())
+        .or_default()
+        .insert("local".into());
+    graph
+        .entry("serve".into())
+        .or_default()
+        .insert("local".into());
+    assert_eq!(
+        mutual_imports(&graph),
+        [("kv_events".to_owned(), "local".to_owned())]
+    );
+}

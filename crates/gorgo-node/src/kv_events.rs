@@ -19,7 +19,7 @@ use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::config::{EngineSection, ValidatedConfig};
 use crate::error::NodeError;
-use crate::local::LocalEngine;
+use crate::shadow::LocalCache;
 use crate::NodeState;
 
 /// How often the follower's clock is advanced (replay deadlines, silence, warm-up).
@@ -139,13 +139,26 @@ impl KvEvents {
     }
 }
 
+/// The engine whose events a [`run`] follows: its number and its prefix index (the
+/// caller's `LocalEngine` lends them; this module does not know that type, so that the
+/// engine may own its [`KvEvents`] without the two modules importing each other).
+#[derive(Clone, Copy)]
+pub struct FollowedEngine<'a> {
+    /// The engine's replica number (metrics, gossip).
+    pub replica: u16,
+    /// The index the events drive.
+    pub shadow: &'a Mutex<LocalCache>,
+}
+
 /// Subscribe to the engine's KV events until `shutdown`, feeding the follower and the
 /// node's index. Connection failures are retried (the publisher may start later than
 /// the node, or restart); the follower's view of them is what the metrics show.
-pub async fn run(state: Arc<NodeState>, engine: Arc<LocalEngine>, shutdown: CancellationToken) {
-    let Some(kv) = engine.kv_events.as_ref() else {
-        return;
-    };
+pub async fn run(
+    state: Arc<NodeState>,
+    engine: FollowedEngine<'_>,
+    kv: &KvEvents,
+    shutdown: CancellationToken,
+) {
     let endpoint = kv.endpoint.clone();
     let mut sub = loop {
         match connect_sub(&endpoint).await {
@@ -165,7 +178,7 @@ pub async fn run(state: Arc<NodeState>, engine: Arc<LocalEngine>, shutdown: Canc
     let mut replay_task: Option<tokio::task::JoinHandle<()>> = None;
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut actions = apply_follower(&state, &engine, kv);
+    let mut actions = apply_follower(&state, engine, kv);
     loop {
         for FollowerAction::RequestReplay { from_seq } in actions {
             let Some(replay_endpoint) = kv.replay_endpoint.clone() else {
@@ -210,7 +223,7 @@ pub async fn run(state: Arc<NodeState>, engine: Arc<LocalEngine>, shutdown: Canc
                 kv.follower.lock().tick(now);
             }
         }
-        actions = apply_follower(&state, &engine, kv);
+        actions = apply_follower(&state, engine, kv);
     }
     if let Some(task) = replay_task {
         task.abort();
@@ -218,7 +231,11 @@ pub async fn run(state: Arc<NodeState>, engine: Arc<LocalEngine>, shutdown: Canc
 }
 
 /// Hand the follower's changes to the node's index and gossip; returns its actions.
-fn apply_follower(state: &NodeState, engine: &LocalEngine, kv: &KvEvents) -> Vec<FollowerAction> {
+fn apply_follower(
+    state: &NodeState,
+    engine: FollowedEngine<'_>,
+    kv: &KvEvents,
+) -> Vec<FollowerAction> {
     let (actions, changes, source, counters, fallback_ms, reason) = {
         let mut f = kv.follower.lock();
         let now = state.now_ms();

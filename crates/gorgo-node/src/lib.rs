@@ -663,10 +663,18 @@ fn spawn_engine_tasks(
         .adapter
         .clone()
         .run_background(health_every, metrics_every, stop.clone());
-    let events = e
-        .kv_events
-        .is_some()
-        .then(|| kv_events::run(state.clone(), e.clone(), stop));
+    let events = e.kv_events.is_some().then(|| {
+        let (state, e) = (state.clone(), e.clone());
+        async move {
+            if let Some(kv) = e.kv_events.as_ref() {
+                let engine = kv_events::FollowedEngine {
+                    replica: e.replica,
+                    shadow: &e.shadow,
+                };
+                kv_events::run(state, engine, kv, stop).await;
+            }
+        }
+    });
     match tasks {
         Some(set) => {
             set.spawn(watcher);

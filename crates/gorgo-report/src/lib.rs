@@ -148,10 +148,6 @@ impl Report {
     /// `tuning.jsonl` and `tuning.svg` (the trajectory) into `out_dir`
     /// (created if missing).
     pub fn write(&self, out_dir: &Path) -> Result<()> {
-        let io = |path: &Path| {
-            let path = path.display().to_string();
-            move |source| ReportError::Io { path, source }
-        };
         fs::create_dir_all(out_dir).map_err(io(out_dir))?;
 
         let path = out_dir.join("results.json");
@@ -193,6 +189,35 @@ impl Report {
         }
         Ok(())
     }
+}
+
+impl Sweep {
+    /// Write `sweep.json`, `sweep.md`, `sweep_ttft_p95.svg`, `sweep_e2e_p95.svg` and
+    /// `sweep_cache_hit.svg` into `out_dir` (created if missing). (Here rather than in
+    /// `sweep`, as [`Report::write`] is: the plots read the sweep, so the module that
+    /// writes both sits above them.)
+    pub fn write(&self, out_dir: &Path) -> Result<()> {
+        fs::create_dir_all(out_dir).map_err(io(out_dir))?;
+        let path = out_dir.join("sweep.json");
+        let json = serde_json::to_string_pretty(self).map_err(|source| ReportError::Json {
+            what: "sweep",
+            source,
+        })?;
+        fs::write(&path, json + "\n").map_err(io(&path))?;
+        let path = out_dir.join("sweep.md");
+        fs::write(&path, sweep::render_sweep_markdown(self)).map_err(io(&path))?;
+        for (file, svg) in plot::sweep_plots(self)? {
+            let path = out_dir.join(file);
+            fs::write(&path, svg).map_err(io(&path))?;
+        }
+        Ok(())
+    }
+}
+
+/// The error of a failed read or write of `path`, for `map_err`.
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ReportError {
+    let path = path.display().to_string();
+    move |source| ReportError::Io { path, source }
 }
 
 /// A `Vec<(String, V)>` as a JSON object whose keys keep the vector's order (JSON

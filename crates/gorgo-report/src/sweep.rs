@@ -8,13 +8,10 @@
 //! `sweep.json`, `sweep.md` and the per-load plots, whatever driver (simulator or live
 //! clusters) produced them.
 
-use std::fs;
-use std::path::Path;
-
 use serde::{Deserialize, Serialize};
 
 use crate::table::markdown;
-use crate::{plot, LatencyStats, PolicyResult, ReportError, Result};
+use crate::{LatencyStats, PolicyResult};
 
 /// The latency objectives a sweep point must meet to count towards goodput.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -219,29 +216,6 @@ impl Sweep {
                     .map(|(_, r)| (pt.offered_rps, r))
             })
             .collect()
-    }
-
-    /// Write `sweep.json`, `sweep.md`, `sweep_ttft_p95.svg`, `sweep_e2e_p95.svg` and
-    /// `sweep_cache_hit.svg` into `out_dir` (created if missing).
-    pub fn write(&self, out_dir: &Path) -> Result<()> {
-        let io = |path: &Path| {
-            let path = path.display().to_string();
-            move |source| ReportError::Io { path, source }
-        };
-        fs::create_dir_all(out_dir).map_err(io(out_dir))?;
-        let path = out_dir.join("sweep.json");
-        let json = serde_json::to_string_pretty(self).map_err(|source| ReportError::Json {
-            what: "sweep",
-            source,
-        })?;
-        fs::write(&path, json + "\n").map_err(io(&path))?;
-        let path = out_dir.join("sweep.md");
-        fs::write(&path, render_sweep_markdown(self)).map_err(io(&path))?;
-        for (file, svg) in plot::sweep_plots(self)? {
-            let path = out_dir.join(file);
-            fs::write(&path, svg).map_err(io(&path))?;
-        }
-        Ok(())
     }
 }
 
