@@ -2,9 +2,10 @@
 //!
 //! Request: a length-prefixed (u32, big endian) bincode [`ForwardRequest`] holding the
 //! client's body. Response: a length-prefixed [`ForwardResponseHead`], then the
-//! engine's response bytes, raw, until the stream ends. A stream that ends without
-//! finishing cleanly (reset, error) after the head means the serving side failed
-//! mid-response.
+//! engine's response bytes in chunk frames (u32 big-endian length, at most
+//! [`MAX_CHUNK_BYTES`], then the bytes), ended by a 0 length (clean end) or `u32::MAX`
+//! (the serving side failed mid-response). A stream that ends without either marker
+//! (reset, error) after the head is a mid-response failure too.
 //!
 //! Both ends live here: [`forward`] is the client (the origin relays a request to the
 //! peer `serve` chose), [`handle_incoming`] the server (a peer relays one to us).
