@@ -126,7 +126,7 @@ fn check_model(state: &NodeState, mut req: RoutedRequest) -> Result<RoutedReques
 /// here, before routing, so it reaches no engine and no cache model. When a local
 /// engine fails it before the first byte (a breaker that opened, a timeout, a 5xx
 /// head), the request is routed again without that engine: to another local engine
-/// or a peer (at most [`MAX_ATTEMPTS`] tries).
+/// or a peer (at most `MAX_ATTEMPTS` (4) tries).
 pub async fn serve(state: &Arc<NodeState>, req: RoutedRequest) -> Result<Upstream, ServeError> {
     let req = check_model(state, req)?;
     check_context(state, &req)?;

@@ -68,7 +68,7 @@ where
 
 /// The tracer provider that sends spans in batches by OTLP/HTTP (protobuf) to
 /// `otlp_endpoint`, or `None` when none is configured. `runtime` carries the export
-/// requests ([`RuntimeHttpClient`]). Shut it down before the runtime ends, so that
+/// requests (`RuntimeHttpClient`). Shut it down before the runtime ends, so that
 /// the last batch goes out.
 pub fn otlp_provider(
     config: &TelemetrySection,
