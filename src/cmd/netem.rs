@@ -15,7 +15,7 @@ pub struct NetemArgs {
     /// Topology file (configs/topologies/*.toml).
     #[arg(long)]
     pub topology: PathBuf,
-    /// Last octet of region 0's loopback address 127.0.0.<ip-base>.
+    /// Last octet N of region 0's loopback address, 127.0.0.N (region i gets N + i).
     #[arg(long, default_value_t = PlanOptions::default().ip_base)]
     pub ip_base: u8,
     /// First port of each region's block of ports.

@@ -108,7 +108,7 @@ pub struct UpArgs {
     /// First port of each region's block of ports (clusters side by side need distinct ones).
     #[arg(long, default_value_t = PlanOptions::default().base_port)]
     pub base_port: u16,
-    /// Last octet of region 0's loopback address 127.0.0.<ip-base>.
+    /// Last octet N of region 0's loopback address, 127.0.0.N (region i gets N + i).
     #[arg(long, default_value_t = PlanOptions::default().ip_base)]
     pub ip_base: u8,
     /// Seed of the relays' loss and jitter draws.

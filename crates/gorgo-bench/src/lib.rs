@@ -4,7 +4,7 @@
 //! at the client (TTFT at the first content chunk, E2E, ITL, serving region, hops);
 //! `gorgo compare` and `gorgo demo` run one cluster per policy on the same workload.
 //! The pieces are split so each can be tested alone: [`sse`] parses streams without
-//! IO, [`client`] measures one request, [`replay`] schedules a workload.
+//! IO, [`client`] measures one request, [`replay`](mod@replay) schedules a workload.
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
 
