@@ -567,8 +567,9 @@ fn context_length_of(models: &serde_json::Value) -> Option<u64> {
 
 /// `resp`'s body, or `None` once it passes `cap` bytes (read chunk by chunk, so an
 /// engine that streams more than it announced, or announces nothing, is cut off there)
-/// or breaks.
-async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Option<Vec<u8>> {
+/// or breaks. Every answer the node reads whole from a server it calls (its engines,
+/// the OTLP collector) goes through here.
+pub(crate) async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Option<Vec<u8>> {
     if resp.content_length().is_some_and(|n| n > cap as u64) {
         return None;
     }

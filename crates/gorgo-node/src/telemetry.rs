@@ -37,6 +37,7 @@ use tracing_subscriber::Layer;
 
 use crate::api::{HOPS_HEADER, SERVED_BY_HEADER};
 use crate::config::TelemetrySection;
+use crate::engine::read_capped;
 use crate::error::NodeError;
 use crate::route::Target;
 use crate::NodeState;
@@ -110,6 +111,10 @@ pub fn otlp_provider(
 /// any runtime, so each request is handed to the runtime and awaited from there; this
 /// spares the node a second HTTP stack (opentelemetry-otlp's own clients are a newer
 /// reqwest, or a blocking one).
+/// Cap on an OTLP collector's answer to an export (a few bytes: an empty or partial
+/// success message).
+const MAX_COLLECTOR_ANSWER_BYTES: usize = 1 << 20;
+
 #[derive(Debug)]
 struct RuntimeHttpClient {
     client: reqwest::Client,
@@ -129,10 +134,13 @@ impl opentelemetry_http::HttpClient for RuntimeHttpClient {
             let mut answer = http::Response::new(Bytes::new());
             *answer.status_mut() = resp.status();
             *answer.headers_mut() = resp.headers().clone();
-            *answer.body_mut() = resp.bytes().await?;
-            Ok::<_, reqwest::Error>(answer)
+            let body = read_capped(resp, MAX_COLLECTOR_ANSWER_BYTES)
+                .await
+                .ok_or("the collector's answer broke off or ran over 1 MiB")?;
+            *answer.body_mut() = Bytes::from(body);
+            Ok::<_, opentelemetry_http::HttpError>(answer)
         });
-        Ok(sent.await??)
+        sent.await?
     }
 }
 
