@@ -366,10 +366,11 @@ impl EngineAdapter {
     }
 
     /// Read how many requests the engine runs at once, where it says: SGLang's
-    /// `/get_server_info` (`max_running_requests`), llama.cpp's `/props`
-    /// (`total_slots`); vLLM states it nowhere a client can read. An answer without it
-    /// (or a 4xx: not that kind of server) withdraws an earlier report; a failed read
-    /// keeps it. The config's `max_running_requests`, when set, wins anyway
+    /// `/get_server_info` (`effective_max_running_requests_per_dp` summed over its
+    /// ranks, else `max_running_requests`), llama.cpp's `/props` (`total_slots`); vLLM
+    /// states it nowhere a client can read. An answer without it (or a 404, 405 or
+    /// 501: not that kind of server) withdraws an earlier report; a failed or busy read
+    /// (no answer, 5xx, 429, ...) keeps it. The config's `max_running_requests`, when set, wins anyway
     /// ([`EngineView::max_running_requests`]).
     pub async fn learn_max_running(&self) {
         let path = match self.kind {
@@ -419,7 +420,9 @@ impl EngineAdapter {
         let Ok(Ok(resp)) = tokio::time::timeout(wait, self.client.get(url).send()).await else {
             return Fetched::Failed;
         };
-        if resp.status().is_client_error() {
+        // Only "no such endpoint" says the engine does not have it; a busy engine's 429
+        // or 408 (or an auth error) says nothing about what it has.
+        if matches!(resp.status().as_u16(), 404 | 405 | 501) {
             return Fetched::Refused;
         }
         if !resp.status().is_success() {
@@ -463,9 +466,9 @@ impl EngineAdapter {
         else {
             return;
         };
-        let Ok(text) = String::from_utf8(body) else {
-            return;
-        };
+        // Lossy, as reading it as text did before the cap: one bad byte in a label
+        // value must not cost the whole scrape.
+        let text = String::from_utf8_lossy(&body);
         let metrics = parse_engine_metrics(&text, self.kind);
         let now_ms = self.now_ms();
         self.view.lock().scrape(metrics, now_ms);
@@ -588,16 +591,19 @@ pub(crate) async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Opti
 enum Fetched {
     /// A JSON answer.
     Json(serde_json::Value),
-    /// The engine answered, but not with it (a 4xx, a body that is not JSON): it does
-    /// not have this.
+    /// The engine answered, but not with it (404, 405 or 501, or a body that is not
+    /// JSON): it does not have this.
     Refused,
-    /// No answer, a 5xx, or one over the cap: nothing learnt either way.
+    /// No answer, any other error status (a busy 429, a 5xx), or one over the cap:
+    /// nothing learnt either way.
     Failed,
 }
 
 /// The concurrency limit a server-info answer states (0 or absent: none). SGLang puts
 /// its server arguments at the top level (`max_running_requests`, null when left to
-/// the server) and what the scheduler settled on in `internal_states`; llama.cpp's
+/// the server) and what each data-parallel scheduler runs with in `internal_states`
+/// (`effective_max_running_requests_per_dp`; older servers `max_running_requests`),
+/// which wins: the scheduler lowers the argument to what its pools hold; llama.cpp's
 /// `/props` has `total_slots`.
 fn reported_max_running(kind: EngineKind, info: &serde_json::Value) -> Option<u32> {
     let limit = |v: &serde_json::Value, key: &str| {
@@ -607,12 +613,27 @@ fn reported_max_running(kind: EngineKind, info: &serde_json::Value) -> Option<u3
             .map(|n| n.min(u32::MAX as u64) as u32)
     };
     match kind {
-        EngineKind::Sglang => limit(info, "max_running_requests").or_else(|| {
-            info.get("internal_states")?
-                .as_array()?
+        EngineKind::Sglang => {
+            let states = info
+                .get("internal_states")
+                .and_then(serde_json::Value::as_array)
+                .map(Vec::as_slice)
+                .unwrap_or_default();
+            // What the scheduler runs with (the argument lowered to what its pools
+            // hold), one entry per data-parallel rank: the engine runs their sum.
+            let effective: Vec<u32> = states
+                .iter()
+                .filter_map(|s| limit(s, "effective_max_running_requests_per_dp"))
+                .collect();
+            if !effective.is_empty() {
+                return Some(effective.iter().fold(0u32, |a, &n| a.saturating_add(n)));
+            }
+            // Older servers: the scheduler's settled value, then the argument asked for.
+            states
                 .iter()
                 .find_map(|s| limit(s, "max_running_requests"))
-        }),
+                .or_else(|| limit(info, "max_running_requests"))
+        }
         EngineKind::Openai => limit(info, "total_slots"),
         EngineKind::Vllm => None,
     }
@@ -748,8 +769,17 @@ mod tests {
         // Left to the server: null among the arguments, the scheduler's in its state.
         let settled = json!({"max_running_requests": null,
             "internal_states": [{"max_running_requests": 4096, "last_gen_throughput": 0.0}]});
+        // What current SGLang answers: the argument asked for 64, the scheduler runs 52
+        // per rank (its state pool), on two data-parallel ranks.
+        let effective = json!({"max_running_requests": 64, "internal_states": [
+            {"effective_max_running_requests_per_dp": 52, "max_running_requests": 64},
+            {"effective_max_running_requests_per_dp": 52}]});
         let llama_cpp = json!({"total_slots": 1, "default_generation_settings": {}});
         assert_eq!(reported_max_running(EngineKind::Sglang, &sglang), Some(128));
+        assert_eq!(
+            reported_max_running(EngineKind::Sglang, &effective),
+            Some(104)
+        );
         assert_eq!(
             reported_max_running(EngineKind::Sglang, &settled),
             Some(4096)

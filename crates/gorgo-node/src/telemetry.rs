@@ -106,15 +106,15 @@ pub fn otlp_provider(
     ))
 }
 
+/// Cap on an OTLP collector's answer to an export (a few bytes: an empty or partial
+/// success message).
+const MAX_COLLECTOR_ANSWER_BYTES: usize = 1 << 20;
+
 /// The OTLP exporter's HTTP client: the workspace's reqwest client, run on the node's
 /// tokio runtime. The SDK's batch processor exports from a thread of its own, outside
 /// any runtime, so each request is handed to the runtime and awaited from there; this
 /// spares the node a second HTTP stack (opentelemetry-otlp's own clients are a newer
 /// reqwest, or a blocking one).
-/// Cap on an OTLP collector's answer to an export (a few bytes: an empty or partial
-/// success message).
-const MAX_COLLECTOR_ANSWER_BYTES: usize = 1 << 20;
-
 #[derive(Debug)]
 struct RuntimeHttpClient {
     client: reqwest::Client,

@@ -150,7 +150,9 @@ async fn a_changed_model_list_changes_the_routing() {
 }
 
 /// An engine with no server info (a 404, as from vLLM or llama-cpp-python's server)
-/// leaves the node without a concurrency limit: its queue stats carry none.
+/// leaves the node without a concurrency limit: its queue stats carry none. A limit
+/// the engine stated is kept through a failed or busy read (5xx, 429) and withdrawn
+/// only when the engine says it has no such endpoint.
 #[tokio::test]
 async fn an_engine_without_server_info_reports_no_limit() {
     let engine = StubEngine::start("a").await;
@@ -158,5 +160,24 @@ async fn an_engine_without_server_info_reports_no_limit() {
     let adapter = &node.state().engine(0).unwrap().adapter;
     adapter.learn_max_running().await;
     assert_eq!(adapter.max_running_requests(), None);
+    assert_eq!(adapter.queue_stats(0).slots, None);
+    engine.set_server_info(200, serde_json::json!({"max_running_requests": 4}));
+    adapter.learn_max_running().await;
+    assert_eq!(
+        adapter.max_running_requests(),
+        Some((4, gorgo_core::accounting::LimitSource::Engine))
+    );
+    for status in [500, 503, 429, 408] {
+        engine.set_server_info(status, serde_json::Value::Null);
+        adapter.learn_max_running().await;
+        assert_eq!(
+            adapter.max_running_requests().map(|(n, _)| n),
+            Some(4),
+            "a {status} keeps the limit"
+        );
+    }
+    engine.set_server_info(404, serde_json::Value::Null);
+    adapter.learn_max_running().await;
+    assert_eq!(adapter.max_running_requests(), None, "a 404 withdraws it");
     assert_eq!(adapter.queue_stats(0).slots, None);
 }

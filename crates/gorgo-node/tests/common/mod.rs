@@ -48,6 +48,8 @@ pub struct StubEngine {
     pub name: String,
     /// The model ids its `/v1/models` lists (`["m"]`, what the tests' bodies name).
     pub models: std::sync::Mutex<Vec<String>>,
+    /// How SGLang's `/get_server_info` answers: a status and a body (404 by default).
+    pub server_info: std::sync::Mutex<(u16, serde_json::Value)>,
     pub shutdown: CancellationToken,
 }
 
@@ -65,6 +67,7 @@ impl StubEngine {
             release: Notify::new(),
             name: name.to_owned(),
             models: std::sync::Mutex::new(vec!["m".to_owned()]),
+            server_info: std::sync::Mutex::new((404, serde_json::Value::Null)),
             shutdown: shutdown.clone(),
         });
         let app = axum::Router::new()
@@ -85,6 +88,14 @@ impl StubEngine {
                     .map(|id| serde_json::json!({"id": id, "object": "model", "owned_by": e.name}))
                     .collect();
                     axum::Json(serde_json::json!({"object": "list", "data": data}))
+                }),
+            )
+            .route(
+                "/get_server_info",
+                get(|State(e): State<Arc<StubEngine>>| async move {
+                    let (status, body) = e.server_info.lock().unwrap().clone();
+                    let status = axum::http::StatusCode::from_u16(status).unwrap();
+                    (status, axum::Json(body))
                 }),
             )
             .route("/v1/chat/completions", post(complete))
@@ -111,6 +122,11 @@ impl StubEngine {
     /// Serve these models (what `/v1/models` lists from now on).
     pub fn set_models(&self, models: &[&str]) {
         *self.models.lock().unwrap() = models.iter().map(|m| m.to_string()).collect();
+    }
+
+    /// Answer `/get_server_info` with `status` and `body` from now on.
+    pub fn set_server_info(&self, status: u16, body: serde_json::Value) {
+        *self.server_info.lock().unwrap() = (status, body);
     }
 
     pub fn set_mode(&self, mode: u8) {
