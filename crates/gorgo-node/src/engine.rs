@@ -29,6 +29,8 @@ const MAX_MODELS_BYTES: usize = 1 << 20;
 /// How often a known model list (and the engine's concurrency limit) is read again
 /// (adapters come and go, an engine restarts with other settings).
 const MODELS_REFRESH: Duration = Duration::from_secs(30);
+/// How soon a concurrency-limit read that got no answer is tried again.
+const LIMIT_RETRY: Duration = Duration::from_secs(5);
 /// Cap on a server-info answer read from the engine (SGLang's `/get_server_info`
 /// lists every server argument: about 200 KB).
 const MAX_SERVER_INFO_BYTES: usize = 1 << 20;
@@ -72,6 +74,9 @@ pub struct EngineAdapter {
     opened: tokio::sync::watch::Sender<bool>,
     /// The engine's context length, once known (config, or `/v1/models`).
     max_context_tokens: AtomicU64,
+    /// When the concurrency limit was last asked for, and whether the engine answered
+    /// (a failed read is retried sooner than an answered one is refreshed).
+    limit_read: Mutex<Option<(u64, bool)>>,
     /// What the engine's `/v1/models` last listed.
     models: Mutex<EngineModels>,
     first_byte_timeout: Duration,
@@ -120,6 +125,7 @@ impl EngineAdapter {
             opened: tokio::sync::watch::Sender::new(false),
             max_context_tokens: AtomicU64::new(engine.max_context_tokens.unwrap_or(0)),
             models: Mutex::new(EngineModels::default()),
+            limit_read: Mutex::new(None),
             first_byte_timeout: Duration::from_millis(limits.first_byte_timeout_ms),
             view: Mutex::new(view),
             next_ticket: AtomicU64::new(1),
@@ -378,7 +384,10 @@ impl EngineAdapter {
             EngineKind::Openai => "/props",
             EngineKind::Vllm => return,
         };
-        let reported = match self.get_json(path, MAX_SERVER_INFO_BYTES).await {
+        let fetched = self.get_json(path, MAX_SERVER_INFO_BYTES).await;
+        let answered = !matches!(fetched, Fetched::Failed);
+        *self.limit_read.lock() = Some((self.now_ms(), answered));
+        let reported = match fetched {
             Fetched::Json(v) => reported_max_running(self.kind, &v),
             Fetched::Refused => None,
             Fetched::Failed => return,
@@ -416,8 +425,14 @@ impl EngineAdapter {
     /// timeouts.
     async fn get_json(&self, path: &str, cap: usize) -> Fetched {
         let url = format!("{}{}", self.base, path);
-        let wait = self.health_timeout * 5;
-        let Ok(Ok(resp)) = tokio::time::timeout(wait, self.client.get(url).send()).await else {
+        // One deadline for the answer and its body together.
+        tokio::time::timeout(self.health_timeout * 5, self.fetch_json(url, cap))
+            .await
+            .unwrap_or(Fetched::Failed)
+    }
+
+    async fn fetch_json(&self, url: String, cap: usize) -> Fetched {
+        let Ok(resp) = self.client.get(url).send().await else {
             return Fetched::Failed;
         };
         // Only "no such endpoint" says the engine does not have it; a busy engine's 429
@@ -428,12 +443,29 @@ impl EngineAdapter {
         if !resp.status().is_success() {
             return Fetched::Failed;
         }
-        let Some(body) = self.read_answer(resp, cap).await else {
+        let Some(body) = read_capped(resp, cap).await else {
             return Fetched::Failed;
         };
         match serde_json::from_slice::<serde_json::Value>(&body) {
             Ok(v) => Fetched::Json(v),
             Err(_) => Fetched::Refused,
+        }
+    }
+
+    /// True when the concurrency limit was never asked for, was read longer than
+    /// [`MODELS_REFRESH`] ago, or got no answer longer than [`LIMIT_RETRY`] ago.
+    fn limit_due(&self) -> bool {
+        let now = self.now_ms();
+        match *self.limit_read.lock() {
+            None => true,
+            Some((at, answered)) => {
+                let every = if answered {
+                    MODELS_REFRESH
+                } else {
+                    LIMIT_RETRY
+                };
+                now.saturating_sub(at) >= every.as_millis() as u64
+            }
         }
     }
 
@@ -474,7 +506,10 @@ impl EngineAdapter {
         self.view.lock().scrape(metrics, now_ms);
     }
 
-    /// Run health checks and scrapes until `shutdown`.
+    /// Run health checks, scrapes, and the reads of the model list and concurrency
+    /// limit until `shutdown`. The reads run beside the health checks, not in their
+    /// loop: an engine slow to answer them (SGLang's server info waits on its
+    /// scheduler) must not hold back the checks that take it out of routing.
     pub async fn run_background(
         self: Arc<Self>,
         health_interval: Duration,
@@ -491,8 +526,29 @@ impl EngineAdapter {
                     tokio::select! {
                         _ = shutdown.cancelled() => return,
                         _ = tick.tick() => {
-                            if me.check_health().await && me.models_due() {
+                            me.check_health().await;
+                        }
+                    }
+                }
+            }
+        };
+        let learn = {
+            let me = self.clone();
+            let shutdown = shutdown.clone();
+            async move {
+                let mut tick = tokio::time::interval(health_interval);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = tick.tick() => {
+                            if !me.is_healthy() {
+                                continue;
+                            }
+                            if me.models_due() {
                                 me.learn_models().await;
+                            }
+                            if me.limit_due() {
                                 me.learn_max_running().await;
                             }
                         }
@@ -513,7 +569,7 @@ impl EngineAdapter {
                 }
             }
         };
-        tokio::join!(health, scrape);
+        tokio::join!(health, learn, scrape);
     }
 }
 
