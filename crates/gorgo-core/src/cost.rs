@@ -282,14 +282,19 @@ pub fn slot_wait_ms(c: &Candidate) -> f64 {
         return 0.0;
     }
     // An engine that says it runs fewer than its limit is not short of slots: what
-    // holds its queue back is prefill (counted in the queue) or KV. Charging the slot
-    // wait there anyway made the saturated points worse (docs/policy.md, "The limit
-    // the engine reports"). An engine that reports no running count (no metrics: our
-    // requests all count as waiting) is taken at its limit's word.
-    if c.stats.running > 0 && c.stats.running < slots {
-        return 0.0;
-    }
-    let ahead = c.stats.running as f64 + c.stats.waiting as f64 + c.expected_forwards().0;
+    // holds its waiting requests back is prefill (counted in the queue) or KV.
+    // Charging the slot wait for them anyway made the saturated points worse
+    // (docs/policy.md, "The limit the engine reports"). The forwards sent there since
+    // still take its free slots first, and wait for one once those are gone. An
+    // engine that reports no running count (no metrics: our requests all count as
+    // waiting) is taken at its limit's word.
+    let slot_bound = c.stats.running == 0 || c.stats.running >= slots;
+    let waiting = if slot_bound {
+        c.stats.waiting as f64
+    } else {
+        0.0
+    };
+    let ahead = c.stats.running as f64 + waiting + c.expected_forwards().0;
     let n = ahead + 1.0 - slots as f64;
     if n <= 0.0 {
         return 0.0;
@@ -917,6 +922,13 @@ mod tests {
         c.stats.running = 2;
         c.stats.waiting = 9;
         assert_eq!(slot_wait_ms(&c), 0.0);
+        // But forwards sent since take the free slots, and those beyond them wait:
+        // three running of four, five forwards ahead, so four wait for a slot.
+        c.stats.running = 3;
+        c.stats.waiting = 0;
+        c.inflight_forwards = 5;
+        assert!((slot_wait_ms(&c) - 4.5 * 100.0).abs() < 1e-9);
+        c.inflight_forwards = 0;
         // No decode measured yet: no estimate.
         c.stats.running = 4;
         c.stats.slots = slots(4, 0.0);
