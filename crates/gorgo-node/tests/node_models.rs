@@ -181,3 +181,46 @@ async fn an_engine_without_server_info_reports_no_limit() {
     assert_eq!(adapter.max_running_requests(), None, "a 404 withdraws it");
     assert_eq!(adapter.queue_stats(0).slots, None);
 }
+
+/// The reads of the engine's model list and limit run beside its health checks, not
+/// in their loop: an engine whose server info never answers (SGLang's waits on its
+/// scheduler) is still taken out of routing as soon as its health checks fail.
+#[tokio::test]
+async fn a_hanging_server_info_does_not_hold_back_health_checks() {
+    let engine = StubEngine::start("a").await;
+    engine.set_server_info(0, serde_json::Value::Null);
+    let extra = "health_interval_ms = 20\nhealth_timeout_ms = 60000\nbreaker_failures = 2\n";
+    let node = start_node(config_with_engine("a", &engine.url(), extra), None).await;
+    let adapter = node.state().engine(0).unwrap().adapter.clone();
+    let wait = |what: &'static str, done: Box<dyn Fn() -> bool + Send>| async move {
+        tokio::time::timeout(std::time::Duration::from_secs(30), async {
+            while !done() {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("{what}"));
+    };
+    let e = engine.clone();
+    wait(
+        "the node asks for the server info",
+        Box::new(move || {
+            e.server_info_requests
+                .load(std::sync::atomic::Ordering::SeqCst)
+                > 0
+        }),
+    )
+    .await;
+    assert!(adapter.is_healthy());
+    engine
+        .unhealthy
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let a = adapter.clone();
+    wait(
+        "health checks go on while the server info hangs",
+        Box::new(move || !a.is_healthy()),
+    )
+    .await;
+    engine.release.notify_waiters();
+    node.shutdown.cancel();
+}

@@ -48,8 +48,13 @@ pub struct StubEngine {
     pub name: String,
     /// The model ids its `/v1/models` lists (`["m"]`, what the tests' bodies name).
     pub models: std::sync::Mutex<Vec<String>>,
-    /// How SGLang's `/get_server_info` answers: a status and a body (404 by default).
+    /// How SGLang's `/get_server_info` answers: a status and a body (404 by default;
+    /// status 0: never, until `release`).
     pub server_info: std::sync::Mutex<(u16, serde_json::Value)>,
+    /// `/get_server_info` requests received.
+    pub server_info_requests: AtomicU64,
+    /// `/health` answers 503 while set.
+    pub unhealthy: std::sync::atomic::AtomicBool,
     pub shutdown: CancellationToken,
 }
 
@@ -68,6 +73,8 @@ impl StubEngine {
             name: name.to_owned(),
             models: std::sync::Mutex::new(vec!["m".to_owned()]),
             server_info: std::sync::Mutex::new((404, serde_json::Value::Null)),
+            server_info_requests: AtomicU64::new(0),
+            unhealthy: std::sync::atomic::AtomicBool::new(false),
             shutdown: shutdown.clone(),
         });
         let app = axum::Router::new()
@@ -77,7 +84,10 @@ impl StubEngine {
                     if e.mode.load(Ordering::SeqCst) == HANG_ALL {
                         e.release.notified().await;
                     }
-                    "ok"
+                    if e.unhealthy.load(Ordering::SeqCst) {
+                        return (axum::http::StatusCode::SERVICE_UNAVAILABLE, "down");
+                    }
+                    (axum::http::StatusCode::OK, "ok")
                 }),
             )
             .route("/metrics", get(metrics))
@@ -93,7 +103,11 @@ impl StubEngine {
             .route(
                 "/get_server_info",
                 get(|State(e): State<Arc<StubEngine>>| async move {
+                    e.server_info_requests.fetch_add(1, Ordering::SeqCst);
                     let (status, body) = e.server_info.lock().unwrap().clone();
+                    if status == 0 {
+                        e.release.notified().await;
+                    }
                     let status = axum::http::StatusCode::from_u16(status).unwrap();
                     (status, axum::Json(body))
                 }),
