@@ -91,6 +91,10 @@ pub const MAX_APP_MESSAGE: usize = 64 * 1024;
 /// After a failed dial, datagrams to that address are dropped for this long instead of
 /// queueing more dials behind a dead peer.
 const DIAL_BACKOFF: Duration = Duration::from_millis(500);
+/// Longest a one-message stream may take to be sent or read whole (a 4 MiB snapshot
+/// needs about 3.4 s at 10 Mbit/s): a peer that opens a stream and stalls, or stops
+/// granting flow-control credit, costs a bounded task, not one for ever.
+pub(crate) const STREAM_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The single in-flight dial to one address.
 #[derive(Debug, Default)]
@@ -453,8 +457,19 @@ pub(crate) async fn send_uni(
             connect(inner, Some(node), addr).await?
         }
     };
-    let mut send = conn.open_uni().await?;
-    send.write_all(frame).await?;
+    let sent = tokio::time::timeout(STREAM_TIMEOUT, async {
+        let mut send = conn.open_uni().await?;
+        send.write_all(frame).await?;
+        Ok::<_, ClusterError>(send)
+    })
+    .await
+    .map_err(|_| {
+        ClusterError::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("stream to {node} not sent within {STREAM_TIMEOUT:?}"),
+        ))
+    })?;
+    let mut send = sent?;
     // A stream finished after the connection closed reports the close; the data
     // either got there or the receiver will resync with a snapshot.
     let _ = send.finish();
@@ -548,8 +563,12 @@ async fn accept_unis(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connectio
             // Read the kind first so each kind gets its own cap: an app message
             // stream may not buffer a gossip-sized payload.
             let mut kind = [0u8; 1];
-            if recv.read_exact(&mut kind).await.is_err() {
+            if !matches!(
+                tokio::time::timeout(STREAM_TIMEOUT, recv.read_exact(&mut kind)).await,
+                Ok(Ok(()))
+            ) {
                 ClusterMetrics::bump(&inner.metrics.malformed_received);
+                let _ = recv.stop(1u32.into());
                 return;
             }
             let cap = match kind[0] {
@@ -561,11 +580,17 @@ async fn accept_unis(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connectio
                     return;
                 }
             };
-            let rest = match recv.read_to_end(cap - 1).await {
-                Ok(b) => b,
-                Err(e) => {
+            let rest = match tokio::time::timeout(STREAM_TIMEOUT, recv.read_to_end(cap - 1)).await {
+                Ok(Ok(b)) => b,
+                Ok(Err(e)) => {
                     tracing::debug!(%peer, "uni-stream dropped: {e}");
                     ClusterMetrics::bump(&inner.metrics.malformed_received);
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!(%peer, "uni-stream not sent in time");
+                    ClusterMetrics::bump(&inner.metrics.malformed_received);
+                    let _ = recv.stop(1u32.into());
                     return;
                 }
             };

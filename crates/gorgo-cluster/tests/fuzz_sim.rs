@@ -105,11 +105,17 @@ fn random_traffic_changes_nothing() {
                 let _ = send.finish();
             }
         }
+        // A stream that sends its kind and then stalls is stopped once the node's
+        // stream timeout (30 s) passes, rather than holding a task for ever.
+        let mut stalled = conn.open_uni().await?;
+        stalled.write_all(&[2u8]).await?;
+        let stopped = tokio::time::timeout(Duration::from_secs(60), stalled.stopped()).await;
+        assert!(matches!(stopped, Ok(Ok(Some(_)))), "{stopped:?}");
         tokio::time::sleep(Duration::from_secs(1)).await;
         finished.store(true, Ordering::SeqCst);
         Ok(())
     });
-    run_until(&mut sim, Duration::from_secs(120), |_| {
+    run_until(&mut sim, Duration::from_secs(180), |_| {
         done.load(Ordering::SeqCst)
     })
     .expect("fuzzer finishes");

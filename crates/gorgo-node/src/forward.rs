@@ -31,9 +31,7 @@ use crate::peers::{ForwardRecv, ForwardSend, IncomingForward};
 use crate::{telemetry, NodeState};
 use tracing::Instrument as _;
 
-pub use gorgo_core::wire::{
-    ForwardRequest, ForwardResponseHead, MAX_FORWARD_HEAD, MAX_RESPONSE_HEAD,
-};
+pub use gorgo_core::wire::{ForwardRequest, ForwardResponseHead, MAX_RESPONSE_HEAD};
 
 /// Room for a forwarded request's fields besides the body.
 pub const REQUEST_OVERHEAD_BYTES: usize = 1024 * 1024;
@@ -231,12 +229,23 @@ where
         mut recv,
     } = incoming;
     state.metrics.forwards_received.inc();
-    let limit = (state.config.limits.max_body_bytes + REQUEST_OVERHEAD_BYTES)
-        .min(MAX_FORWARD_HEAD.max(state.config.limits.max_body_bytes));
-    let msg: ForwardRequest = match read_frame(&mut recv, limit).await {
-        Ok(m) => m,
-        Err(e) => {
+    // The request holds a client body this node would accept itself, plus its chain
+    // and headers; a peer has as long to send it as a client has to send a body.
+    let limit = state.config.limits.max_body_bytes + REQUEST_OVERHEAD_BYTES;
+    let wait = Duration::from_millis(state.config.limits.body_timeout_ms);
+    let msg: ForwardRequest = match tokio::time::timeout(wait, read_frame(&mut recv, limit)).await {
+        Ok(Ok(m)) => m,
+        Ok(Err(e)) => {
             tracing::warn!(%from, error = %e, "bad forward request");
+            let message = format!("bad forward request: {e}");
+            // 502: the origin serves the request itself (nothing reached its client).
+            let _ = write_error_head(&mut send, &state, 502, 0, &message).await;
+            return;
+        }
+        Err(_) => {
+            tracing::warn!(%from, "forward request not sent in time");
+            let message = "forward request not sent within limits.body_timeout_ms";
+            let _ = write_error_head(&mut send, &state, 502, 0, message).await;
             return;
         }
     };
