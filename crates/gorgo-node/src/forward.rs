@@ -336,6 +336,7 @@ where
         return;
     }
     let mut body = up.body;
+    let write_wait = Duration::from_millis(state.config.limits.body_timeout_ms);
     loop {
         let chunk = tokio::select! {
             chunk = body.next() => match chunk {
@@ -350,14 +351,21 @@ where
         let res = match chunk {
             Ok(bytes) if bytes.is_empty() => continue,
             Ok(bytes) => {
-                let mut ok = Ok(());
-                for piece in bytes.chunks(MAX_CHUNK_BYTES) {
-                    ok = write_chunk(&mut send, piece).await;
-                    if ok.is_err() {
-                        break;
+                // A write waits for the origin's flow-control credit: an origin gone, or
+                // one that stops reading for as long as a client may take to send a
+                // body, ends the relay (and, dropping the body, the engine request).
+                let write = async {
+                    for piece in bytes.chunks(MAX_CHUNK_BYTES) {
+                        write_chunk(&mut send, piece).await?;
                     }
+                    Ok::<_, std::io::Error>(())
+                };
+                tokio::select! {
+                    res = tokio::time::timeout(write_wait, write) => {
+                        res.unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
+                    }
+                    _ = &mut origin_gone => Err(std::io::ErrorKind::BrokenPipe.into()),
                 }
-                ok
             }
             Err(e) => {
                 tracing::warn!(request_id = req.request_id, error = %e, "engine failed mid-stream");

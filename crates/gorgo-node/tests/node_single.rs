@@ -500,3 +500,59 @@ async fn a_forward_that_is_garbage_or_never_sent_gets_a_502_head() {
     assert_eq!(engine.requests(), 0);
     node.shutdown.cancel();
 }
+
+/// A forwarding node that stops reading the response (no flow-control credit) ends
+/// the relay once a write has waited `limits.body_timeout_ms`, instead of holding the
+/// forward slot and the engine request for ever.
+#[tokio::test]
+async fn a_forward_whose_origin_stops_reading_ends() {
+    use futures::StreamExt;
+    use gorgo_node::api::{ServeError, Upstream};
+    use gorgo_node::peers::IncomingForward;
+    let engine = StubEngine::start("e").await;
+    let node = start_node(
+        config("a", &engine.url(), "[limits]\nbody_timeout_ms = 50\n"),
+        None,
+    )
+    .await;
+    let (mut to_node, from_peer) = tokio::io::duplex(1 << 16);
+    // A small pipe the test never reads: the response head fits, the body does not.
+    let (to_peer, _unread) = tokio::io::duplex(4096);
+    let request = gorgo_core::wire::ForwardRequest {
+        request_id: 1,
+        hops: 1,
+        origin: gorgo_core::NodeId::from("b"),
+        endpoint: gorgo_core::Endpoint::Completions,
+        chain: gorgo_core::HashChain::from_bytes(b"hello world", 4, 4),
+        body: br#"{"prompt":"hello world"}"#.to_vec(),
+        headers: vec![("content-type".into(), "application/json".into())],
+        model: None,
+        offer: None,
+    };
+    gorgo_node::forward::write_frame(&mut to_node, &request)
+        .await
+        .unwrap();
+    let incoming = IncomingForward {
+        from: gorgo_core::NodeId::from("b"),
+        send: Box::pin(to_peer),
+        recv: Box::pin(from_peer),
+    };
+    let relay =
+        gorgo_node::forward::handle_incoming(node.state().clone(), incoming, |_, _| async {
+            let body = futures::stream::iter([Ok(bytes::Bytes::from(vec![b'x'; 1 << 20]))])
+                .chain(futures::stream::pending());
+            Ok::<_, ServeError>(Upstream {
+                status: 200,
+                headers: Vec::new(),
+                served_by: "a".into(),
+                hops: 1,
+                body: Box::pin(body),
+                chosen_terms: None,
+            })
+        });
+    tokio::time::timeout(std::time::Duration::from_secs(20), relay)
+        .await
+        .expect("the relay gives up on an origin that does not read");
+    drop(to_node);
+    node.shutdown.cancel();
+}
