@@ -106,7 +106,7 @@ struct Inner {
     app_tx: mpsc::Sender<AppMessage>,
     app_rx: Mutex<Option<mpsc::Receiver<AppMessage>>>,
     started: Instant,
-    events: Mutex<Vec<(Duration, MembershipEvent)>>,
+    events: Mutex<std::collections::VecDeque<(Duration, MembershipEvent)>>,
     membership_tx: tokio::sync::watch::Sender<u64>,
 }
 
@@ -246,7 +246,7 @@ pub async fn start(
         app_tx,
         app_rx: Mutex::new(Some(app_rx)),
         started: Instant::now(),
-        events: Mutex::new(Vec::new()),
+        events: Mutex::new(std::collections::VecDeque::new()),
         membership_tx: tokio::sync::watch::channel(0).0,
         config,
     });
@@ -635,10 +635,20 @@ impl Inbound for Inner {
     }
 }
 
+/// Membership events a node keeps for [`ClusterHandle::membership_log`]: a long-lived
+/// node in a churning cluster (or a member relaying made-up ones) must not grow the log
+/// without end.
+pub const MAX_MEMBERSHIP_EVENTS: usize = 4096;
+
 impl Inner {
     fn log(&self, e: MembershipEvent) {
         tracing::info!(node = %self.node_id, event = ?e, "membership");
-        self.events.lock().push((self.started.elapsed(), e));
+        let mut events = self.events.lock();
+        if events.len() >= MAX_MEMBERSHIP_EVENTS {
+            events.pop_front();
+        }
+        events.push_back((self.started.elapsed(), e));
+        drop(events);
         self.membership_tx.send_modify(|n| *n += 1);
     }
 
@@ -956,9 +966,10 @@ impl ClusterHandle {
         self.inner.membership_tx.subscribe()
     }
 
-    /// Membership changes seen so far, with the time since start.
+    /// Membership changes seen so far (the last [`MAX_MEMBERSHIP_EVENTS`]), with the
+    /// time since start.
     pub fn membership_log(&self) -> Vec<(Duration, MembershipEvent)> {
-        self.inner.events.lock().clone()
+        self.inner.events.lock().iter().cloned().collect()
     }
 
     /// Resolves once `peer` is no longer alive as it is now in this node's membership

@@ -537,11 +537,31 @@ async fn read_datagrams(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connec
             None => return,
         }
     }
-    // Forget the connection if it is still the registered one.
+    // Forget the connection if it is still the registered one, by node and by the
+    // address it was dialed on (with that address's dial slot, unless a dial is under
+    // way): peers that come back on new addresses must not leave closed connections
+    // behind for ever.
     inner
         .conns
         .by_node
         .remove_if(&peer, |_, c| c.stable_id() == conn.stable_id());
+    let addrs: Vec<SocketAddr> = inner
+        .conns
+        .by_addr
+        .iter()
+        .filter(|e| e.value().1.stable_id() == conn.stable_id())
+        .map(|e| *e.key())
+        .collect();
+    for addr in addrs {
+        inner
+            .conns
+            .by_addr
+            .remove_if(&addr, |_, (_, c)| c.stable_id() == conn.stable_id());
+        inner
+            .conns
+            .dials
+            .remove_if(&addr, |_, slot| Arc::strong_count(slot) == 1);
+    }
     inner.conns.vouched.remove(&conn.stable_id());
 }
 
