@@ -430,6 +430,9 @@ async fn completion(
         origin: state.id.clone(),
         offer: None,
     };
+    // The parsed body can be many times the body's size (8 MiB of token ids is about
+    // 128 MiB as a `Value`); nothing below reads it, and serving may take minutes.
+    drop(parsed);
     let policy_name = policy.unwrap_or(state.policy).as_str();
     // A slot for serving here; without one (the node is full) a peer with room may
     // still take the request, holding a forward slot instead. Only with neither is the
@@ -501,8 +504,12 @@ fn respond(
 ) -> Response {
     let status = StatusCode::from_u16(up.status).unwrap_or(StatusCode::BAD_GATEWAY);
     let deadline = Duration::from_millis(state.config.limits.request_timeout_ms);
+    let held = Arc::new(parking_lot::Mutex::new(Some((up.body, slot))));
+    let (watch_tx, watch_rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(drop_at_deadline(Arc::downgrade(&held), deadline, watch_rx));
     let tracked = Tracked {
-        inner: up.body,
+        held,
+        _watch: watch_tx,
         state: state.clone(),
         started,
         measured,
@@ -515,7 +522,6 @@ fn respond(
         policy,
         finished: false,
         deadline: Box::pin(tokio::time::sleep(deadline)),
-        _slot: slot,
     };
     state.metrics.inflight.inc();
     let mut resp = Response::new(Body::from_stream(tracked));
@@ -540,7 +546,11 @@ fn respond(
 /// turns a mid-stream failure into an SSE error event (streams) or an aborted body,
 /// and counts a client that went away as cancelled.
 struct Tracked {
-    inner: BodyStream,
+    /// The upstream body and the request's slot, until the response ends or its
+    /// deadline passes ([`drop_at_deadline`] takes them then).
+    held: Arc<parking_lot::Mutex<Option<(BodyStream, Slot)>>>,
+    /// Dropped with the response: tells the deadline's task to stop waiting.
+    _watch: tokio::sync::oneshot::Sender<()>,
     state: Arc<NodeState>,
     started: Instant,
     /// The tuning epoch and cell the request was admitted under (`None`: not
@@ -558,7 +568,26 @@ struct Tracked {
     policy: &'static str,
     finished: bool,
     deadline: Pin<Box<tokio::time::Sleep>>,
-    _slot: Slot,
+}
+
+/// At `deadline`, drop a response's upstream body (which cancels the engine request
+/// or the forward stream) and its slot, unless the response ended first (`done`
+/// closed). The body's own deadline only fires when the body is polled, and a client
+/// that stops reading stops the polling: without this, it would hold both for as long
+/// as it kept its connection.
+async fn drop_at_deadline(
+    held: std::sync::Weak<parking_lot::Mutex<Option<(BodyStream, Slot)>>>,
+    deadline: Duration,
+    done: tokio::sync::oneshot::Receiver<()>,
+) {
+    tokio::select! {
+        _ = tokio::time::sleep(deadline) => {}
+        _ = done => return,
+    }
+    if let Some(held) = held.upgrade() {
+        let taken = held.lock().take();
+        drop(taken);
+    }
 }
 
 impl Tracked {
@@ -615,7 +644,15 @@ impl Stream for Tracked {
         if self.deadline.as_mut().poll(cx).is_ready() {
             return self.fail("request timed out");
         }
-        match self.inner.as_mut().poll_next(cx) {
+        let polled = self
+            .held
+            .lock()
+            .as_mut()
+            .map(|(inner, _)| inner.as_mut().poll_next(cx));
+        let Some(polled) = polled else {
+            return self.fail("request timed out");
+        };
+        match polled {
             Poll::Pending => Poll::Pending,
             Poll::Ready(None) => {
                 self.finish("ok");
@@ -642,8 +679,8 @@ impl Stream for Tracked {
 
 impl Drop for Tracked {
     fn drop(&mut self) {
-        // Dropped before the end: the client went away. Dropping `inner` cancels the
-        // engine request or the forward stream.
+        // Dropped before the end: the client went away. Dropping `held` (the upstream
+        // body) cancels the engine request or the forward stream.
         self.finish("cancelled");
     }
 }

@@ -556,3 +556,45 @@ async fn a_forward_whose_origin_stops_reading_ends() {
     drop(to_node);
     node.shutdown.cancel();
 }
+
+/// A client that stops reading a streamed answer stops hyper polling its body, so
+/// the body's own deadline never fires; the request's deadline still drops the engine
+/// stream and frees the request's slot.
+#[tokio::test]
+async fn a_client_that_stops_reading_loses_its_engine_stream_at_the_deadline() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let engine = StubEngine::start("e").await;
+    engine.set_mode(FLOOD);
+    let node = start_node(
+        config("a", &engine.url(), "[limits]\nrequest_timeout_ms = 300\n"),
+        None,
+    )
+    .await;
+    let slots = node.state().permits.available_permits();
+    let addr = node.base.trim_start_matches("http://").to_owned();
+    let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let body = r#"{"model":"m","prompt":"hi","stream":true}"#;
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    conn.write_all(request.as_bytes()).await.unwrap();
+    // Read the head and a little of the body, then read nothing more.
+    let mut first = [0u8; 1024];
+    let n = conn.read(&mut first).await.unwrap();
+    assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+    let gone = async {
+        loop {
+            let active = engine.active.load(std::sync::atomic::Ordering::SeqCst);
+            if active == 0 && node.state().permits.available_permits() == slots {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(20), gone)
+        .await
+        .expect("the engine stream is dropped and the slot freed at the deadline");
+    drop(conn);
+    node.shutdown.cancel();
+}

@@ -33,6 +33,9 @@ pub const FAIL_MID_STREAM: u8 = 5;
 /// Answer a non-streamed completion 200 with a body that never says its length and
 /// runs past 1 MiB (an engine gone wrong mid-answer).
 pub const ENDLESS_BODY: u8 = 6;
+/// Stream completions without end (64 KiB SSE comments after the first chunk), counted
+/// in `active` while the stream lives.
+pub const FLOOD: u8 = 7;
 
 /// A stub OpenAI-compatible engine whose load and behaviour the test sets.
 pub struct StubEngine {
@@ -210,6 +213,20 @@ async fn complete(
         };
         let first = chunk("hello");
         let second = chunk(" world");
+        if mode == FLOOD {
+            let active = Active::new(&e.active);
+            let flood = futures::stream::iter(std::iter::once(first).chain(std::iter::repeat(
+                Bytes::from(format!(": {}\n\n", "x".repeat(65_536))),
+            )))
+            .map(move |b| {
+                let _active = &active;
+                Ok::<_, std::io::Error>(b)
+            });
+            return Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(Body::from_stream(flood))
+                .unwrap();
+        }
         let stream = async_stream(first, second, mode, e.clone());
         return Response::builder()
             .header("content-type", "text/event-stream")
