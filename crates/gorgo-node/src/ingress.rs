@@ -336,6 +336,27 @@ async fn completion(
         Ok(b) => b,
         Err(resp) => return resp,
     };
+    // A slot for serving here; without one (the node is full) a peer with room may
+    // still take the request, holding a forward slot instead. Only with neither is the
+    // client told to come back. Taken before parsing and tokenising, so that the slots
+    // bound that work (and its memory: a parsed body is many times its size) too.
+    let slot = match state.permits.clone().try_acquire_owned() {
+        Ok(p) => Some(Slot::Ingress(p)),
+        Err(_) => state
+            .forward_permits
+            .clone()
+            .try_acquire_owned()
+            .ok()
+            .map(Slot::Overflow),
+    };
+    let Some(slot) = slot else {
+        state.metrics.request("unavailable", "");
+        return overloaded_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many requests in flight",
+            limits.retry_after_s,
+        );
+    };
     let parsed: Value = match serde_json::from_slice(&body) {
         Ok(v @ Value::Object(_)) => v,
         Ok(_) => {
@@ -434,26 +455,6 @@ async fn completion(
     // 128 MiB as a `Value`); nothing below reads it, and serving may take minutes.
     drop(parsed);
     let policy_name = policy.unwrap_or(state.policy).as_str();
-    // A slot for serving here; without one (the node is full) a peer with room may
-    // still take the request, holding a forward slot instead. Only with neither is the
-    // client told to come back.
-    let slot = match state.permits.clone().try_acquire_owned() {
-        Ok(p) => Some(Slot::Ingress(p)),
-        Err(_) => state
-            .forward_permits
-            .clone()
-            .try_acquire_owned()
-            .ok()
-            .map(Slot::Overflow),
-    };
-    let Some(slot) = slot else {
-        state.metrics.request("unavailable", "");
-        return overloaded_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "too many requests in flight",
-            limits.retry_after_s,
-        );
-    };
     let served = match slot {
         // Draining: peers take new work while any is alive, so the node empties.
         Slot::Ingress(_) if state.is_draining() => match serve_elsewhere(&state, req.clone()).await
