@@ -516,60 +516,44 @@ impl EngineAdapter {
         metrics_interval: Option<Duration>,
         shutdown: CancellationToken,
     ) {
-        let health = {
-            let me = self.clone();
-            let shutdown = shutdown.clone();
-            async move {
-                let mut tick = tokio::time::interval(health_interval);
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return,
-                        _ = tick.tick() => {
-                            me.check_health().await;
-                        }
-                    }
-                }
-            }
-        };
-        let learn = {
-            let me = self.clone();
-            let shutdown = shutdown.clone();
-            async move {
-                let mut tick = tokio::time::interval(health_interval);
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return,
-                        _ = tick.tick() => {
-                            if !me.is_healthy() {
-                                continue;
-                            }
-                            if me.models_due() {
-                                me.learn_models().await;
-                            }
-                            if me.limit_due() {
-                                me.learn_max_running().await;
-                            }
-                        }
-                    }
-                }
-            }
-        };
-        let scrape = async move {
-            let Some(every) = metrics_interval else {
+        let me = &self;
+        let health = every(health_interval, &shutdown, || async move {
+            me.check_health().await;
+        });
+        let learn = every(health_interval, &shutdown, || async move {
+            if !me.is_healthy() {
                 return;
-            };
-            let mut tick = tokio::time::interval(every);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = tick.tick() => self.scrape().await,
-                }
+            }
+            if me.models_due() {
+                me.learn_models().await;
+            }
+            if me.limit_due() {
+                me.learn_max_running().await;
+            }
+        });
+        let scrape = async {
+            if let Some(interval) = metrics_interval {
+                every(interval, &shutdown, || me.scrape()).await;
             }
         };
         tokio::join!(health, learn, scrape);
+    }
+}
+
+/// Run `step` every `interval` until `shutdown` (a tick missed while a step ran is
+/// not made up).
+async fn every<F, Fut>(interval: Duration, shutdown: &CancellationToken, mut step: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => step().await,
+        }
     }
 }
 
