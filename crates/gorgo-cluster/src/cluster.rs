@@ -676,6 +676,16 @@ impl Inner {
                     );
                 }
             }
+            Claim::Invalid => {
+                ClusterMetrics::bump(&self.metrics.malformed_received);
+                if first {
+                    tracing::warn!(
+                        peer = %claim.node,
+                        claimed_from = %claim.addr,
+                        "a member with an id no node can have; refused"
+                    );
+                }
+            }
             Claim::Conflict { bound } => {
                 ClusterMetrics::bump(&self.metrics.identity_conflicts);
                 if first {

@@ -50,6 +50,10 @@ pub(crate) enum Claim {
     },
     /// The id is this node's own: whoever claims it is never one of its peers.
     Ours,
+    /// Not an id any node can have ([`crate::tls::validate_node_id`]): members are
+    /// heard of second-hand, so a member relaying made-up ones must not grow the
+    /// table.
+    Invalid,
 }
 
 /// One peer's entry in the table.
@@ -272,6 +276,9 @@ impl PeerTable {
     pub(crate) fn claim(&self, me: &NodeId, node: &NodeId, addr: SocketAddr) -> Claim {
         if node == me {
             return Claim::Ours;
+        }
+        if crate::tls::validate_node_id(node).is_err() {
+            return Claim::Invalid;
         }
         match self.bound_addr(node) {
             Some(bound) if bound != addr => Claim::Conflict { bound },
@@ -617,6 +624,12 @@ mod tests {
         let me_elsewhere = member_at("me", 5, "10.0.0.5:7000");
         assert_eq!(t.member_up(&me(), &me_elsewhere, now), Claim::Ours);
         assert!(t.views(now).iter().all(|v| v.id != me()));
+        // Nor an id no node can have (a member relaying made-up ones).
+        for bad in ["", "UPPER", "a b", "-a", &"x".repeat(64)] {
+            let made_up = member_at(bad, 1, "10.0.0.7:7000");
+            assert_eq!(t.member_up(&me(), &made_up, now), Claim::Invalid, "{bad:?}");
+        }
+        assert_eq!(t.alive_ids(), vec![a.clone()]);
     }
 
     #[test]
