@@ -583,6 +583,11 @@ pub struct LimitsSection {
     /// Largest request body accepted from a client or peer, bytes.
     #[serde(default = "default_max_body_bytes")]
     pub max_body_bytes: usize,
+    /// Most bytes of request bodies (clients' and peers' forwards) being read at once;
+    /// a body that would go over is answered 503 before more of it is read. At least
+    /// `max_body_bytes` plus 1 MiB (one largest forwarded request).
+    #[serde(default = "default_max_body_bytes_in_flight")]
+    pub max_body_bytes_in_flight: usize,
     /// Most requests in flight through the ingress at once; more get 503.
     #[serde(default = "default_max_concurrency")]
     pub max_concurrency: usize,
@@ -635,6 +640,7 @@ impl Default for LimitsSection {
     fn default() -> Self {
         LimitsSection {
             max_body_bytes: default_max_body_bytes(),
+            max_body_bytes_in_flight: default_max_body_bytes_in_flight(),
             max_concurrency: default_max_concurrency(),
             connect_timeout_ms: default_connect_timeout_ms(),
             first_byte_timeout_ms: default_first_byte_timeout_ms(),
@@ -693,6 +699,9 @@ fn default_decision_log() -> usize {
 }
 fn default_max_body_bytes() -> usize {
     8 * 1024 * 1024
+}
+fn default_max_body_bytes_in_flight() -> usize {
+    1024 * 1024 * 1024
 }
 fn default_max_concurrency() -> usize {
     4096
@@ -774,6 +783,10 @@ fn is_tcp_endpoint(s: &str) -> bool {
 
 /// Hard ceiling on `max_body_bytes`: nothing from the network is unbounded.
 pub const MAX_BODY_CEILING: usize = 256 * 1024 * 1024;
+
+/// Room for a forwarded request's fields besides the body (chain, headers, offer): a
+/// peer's forward may be this much larger than a client's body.
+pub const FORWARD_OVERHEAD_BYTES: usize = 1024 * 1024;
 
 /// Hard ceiling on `max_hops`: chains of forwards beyond this only add latency.
 pub const MAX_HOPS_CEILING: u8 = 8;
@@ -969,6 +982,14 @@ impl NodeConfig {
         }
         if self.limits.max_body_bytes == 0 || self.limits.max_body_bytes > MAX_BODY_CEILING {
             return bad("limits.max_body_bytes", "must be in 1..=268435456");
+        }
+        if self.limits.max_body_bytes_in_flight
+            < self.limits.max_body_bytes + FORWARD_OVERHEAD_BYTES
+        {
+            return bad(
+                "limits.max_body_bytes_in_flight",
+                "must be at least limits.max_body_bytes + 1048576 (one largest forwarded request)",
+            );
         }
         if self.limits.max_concurrency == 0 {
             return bad("limits.max_concurrency", "must be > 0");
@@ -1311,6 +1332,16 @@ token = "secret-token"
         let text = format!("{MINIMAL}\n[limits]\nmax_body_bytes = 0\n");
         let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
         assert!(e.contains("limits.max_body_bytes"), "{e}");
+        // The budget of bodies being read must hold one largest forwarded request.
+        let text = format!(
+            "{MINIMAL}\n[limits]\nmax_body_bytes = 65536\nmax_body_bytes_in_flight = 1000000\n"
+        );
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        assert!(e.contains("limits.max_body_bytes_in_flight"), "{e}");
+        let text = format!(
+            "{MINIMAL}\n[limits]\nmax_body_bytes = 65536\nmax_body_bytes_in_flight = 1114112\n"
+        );
+        NodeConfig::from_toml_str(&text).unwrap();
         for policy in ["nope", "oracle"] {
             let text = format!("{MINIMAL}\n[routing]\npolicy = \"{policy}\"\n");
             let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();

@@ -15,6 +15,10 @@ pub enum NodeError {
     /// A peer sent bytes that break the forward protocol.
     #[error("forward protocol: {0}")]
     Protocol(String),
+    /// A peer's forward would take the node's budget of request bodies being read
+    /// past `limits.max_body_bytes_in_flight`: refused before it is read.
+    #[error("request bodies being read would exceed limits.max_body_bytes_in_flight")]
+    BodyBudget,
     /// Membership declared the peer a forward went to dead (or saw it restart) before
     /// it answered: nothing reached the client, so the request may be served
     /// elsewhere.

@@ -33,9 +33,6 @@ use tracing::Instrument as _;
 
 pub use gorgo_core::wire::{ForwardRequest, ForwardResponseHead, MAX_RESPONSE_HEAD};
 
-/// Room for a forwarded request's fields besides the body.
-pub const REQUEST_OVERHEAD_BYTES: usize = 1024 * 1024;
-
 /// Write one length-prefixed frame.
 pub async fn write_frame<W: AsyncWrite + Unpin + ?Sized, T: Serialize>(
     w: &mut W,
@@ -56,6 +53,17 @@ pub async fn read_frame<R: AsyncRead + Unpin + ?Sized, T: DeserializeOwned>(
     r: &mut R,
     limit: usize,
 ) -> Result<T, NodeError> {
+    read_leased_frame(r, limit, None).await
+}
+
+/// [`read_frame`], the frame's announced length first taken from `lease` (a request
+/// a peer sends: it counts in the node's budget of bodies being read) before its bytes
+/// are read and buffered.
+async fn read_leased_frame<R: AsyncRead + Unpin + ?Sized, T: DeserializeOwned>(
+    r: &mut R,
+    limit: usize,
+    lease: Option<&mut crate::budget::BodyLease>,
+) -> Result<T, NodeError> {
     let mut len = [0u8; 4];
     r.read_exact(&mut len).await?;
     let len = u32::from_be_bytes(len) as usize;
@@ -63,6 +71,9 @@ pub async fn read_frame<R: AsyncRead + Unpin + ?Sized, T: DeserializeOwned>(
         return Err(NodeError::Protocol(format!(
             "frame of {len} bytes over limit {limit}"
         )));
+    }
+    if let Some(lease) = lease {
+        lease.cover(len).map_err(|_| NodeError::BodyBudget)?;
     }
     let mut buf = vec![0u8; len];
     r.read_exact(&mut buf).await?;
@@ -231,10 +242,18 @@ where
     state.metrics.forwards_received.inc();
     // The request holds a client body this node would accept itself, plus its chain
     // and headers; a peer has as long to send it as a client has to send a body.
-    let limit = state.config.limits.max_body_bytes + REQUEST_OVERHEAD_BYTES;
+    let limit = state.config.limits.max_body_bytes + crate::config::FORWARD_OVERHEAD_BYTES;
     let wait = Duration::from_millis(state.config.limits.body_timeout_ms);
-    let msg: ForwardRequest = match tokio::time::timeout(wait, read_frame(&mut recv, limit)).await {
+    let mut lease = state.body_budget.lease();
+    let read = read_leased_frame(&mut recv, limit, Some(&mut lease));
+    let msg: ForwardRequest = match tokio::time::timeout(wait, read).await {
         Ok(Ok(m)) => m,
+        Ok(Err(NodeError::BodyBudget)) => {
+            // 503: the origin serves the request itself or elsewhere.
+            let message = NodeError::BodyBudget.to_string();
+            let _ = write_error_head(&mut send, &state, 503, 0, &message).await;
+            return;
+        }
         Ok(Err(e)) => {
             tracing::warn!(%from, error = %e, "bad forward request");
             let message = format!("bad forward request: {e}");
@@ -249,6 +268,8 @@ where
             return;
         }
     };
+    // Read: from here the request is held under the forward slots, like a client's.
+    drop(lease);
     let Some(_permit) = state.forward_permits.clone().try_acquire_owned().ok() else {
         let _ = write_error_head(&mut send, &state, 503, msg.hops, "node overloaded").await;
         return;

@@ -257,8 +257,9 @@ fn pass_headers(headers: &HeaderMap) -> Vec<(String, String)> {
         .collect()
 }
 
-/// Read a client's body under `[limits]` (size cap, deadline), or the error answer
-/// (413, 408, 400) with the request counted.
+/// Read a client's body under `[limits]` (size cap, deadline, the node's budget of
+/// bodies being read), or the error answer (413, 408, 503, 400) with the request
+/// counted.
 async fn read_client_body(
     state: &NodeState,
     body: Body,
@@ -267,7 +268,7 @@ async fn read_client_body(
     let limits = &state.config.limits;
     let read = tokio::time::timeout(
         Duration::from_millis(limits.body_timeout_ms),
-        read_body(body, limits.max_body_bytes, headers),
+        read_body(state, body, limits.max_body_bytes, headers),
     );
     let (outcome, status, message) = match read.await {
         Ok(Ok(b)) => return Ok(b),
@@ -284,6 +285,14 @@ async fn read_client_body(
             StatusCode::PAYLOAD_TOO_LARGE,
             format!("request body over {} bytes", limits.max_body_bytes),
         ),
+        Ok(Err(BodyError::OverBudget)) => {
+            state.metrics.request("unavailable", "");
+            return Err(overloaded_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "too many request bodies being read (limits.max_body_bytes_in_flight)",
+                limits.retry_after_s,
+            ));
+        }
         Ok(Err(BodyError::Broken(m))) => (
             "bad_request",
             StatusCode::BAD_REQUEST,
@@ -297,10 +306,19 @@ async fn read_client_body(
 /// Why the body could not be read.
 enum BodyError {
     TooLarge,
+    OverBudget,
     Broken(String),
 }
 
-async fn read_body(body: Body, limit: usize, headers: &HeaderMap) -> Result<Bytes, BodyError> {
+/// Collect `body`, at most `limit` bytes, holding its share of the node's budget of
+/// bodies being read while it arrives: the bytes received, not the length announced
+/// (a client that announces 8 MiB and sends nothing must not take 8 MiB of it).
+async fn read_body(
+    state: &NodeState,
+    mut body: Body,
+    limit: usize,
+    headers: &HeaderMap,
+) -> Result<Bytes, BodyError> {
     if let Some(len) = headers
         .get(http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -310,16 +328,21 @@ async fn read_body(body: Body, limit: usize, headers: &HeaderMap) -> Result<Byte
             return Err(BodyError::TooLarge);
         }
     }
-    match http_body_util::Limited::new(body, limit).collect().await {
-        Ok(c) => Ok(c.to_bytes()),
-        Err(e)
-            if e.downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some() =>
-        {
-            Err(BodyError::TooLarge)
+    let mut lease = state.body_budget.lease();
+    let mut buf = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| BodyError::Broken(e.to_string()))?;
+        let Ok(data) = frame.into_data() else {
+            continue; // trailers
+        };
+        let total = buf.len() + data.len();
+        if total > limit {
+            return Err(BodyError::TooLarge);
         }
-        Err(e) => Err(BodyError::Broken(e.to_string())),
+        lease.cover(total).map_err(|_| BodyError::OverBudget)?;
+        buf.extend_from_slice(&data);
     }
+    Ok(buf.freeze())
 }
 
 async fn completion(

@@ -13,6 +13,7 @@
 
 pub mod admin;
 pub mod api;
+pub mod budget;
 pub mod cluster;
 pub mod config;
 pub mod engine;
@@ -87,6 +88,8 @@ pub struct NodeState {
     pub permits: Arc<Semaphore>,
     /// Cap on forwards served for peers.
     pub forward_permits: Arc<Semaphore>,
+    /// Bytes of request bodies being read at once, clients' and peers' together.
+    pub body_budget: budget::BodyBudget,
     /// Set when the node starts draining (SIGTERM): `/readyz` answers 503 so load
     /// balancers stop sending, while in-flight requests finish.
     draining: AtomicBool,
@@ -143,6 +146,10 @@ impl NodeState {
             learned.unwrap_or(config.routing.weights),
         )?
         .with_learned_weights_out(config.tuning.learned_weights_out.clone());
+        let body_budget = budget::BodyBudget::new(
+            config.limits.max_body_bytes_in_flight,
+            metrics.body_bytes_reading.clone(),
+        );
         Ok(Arc::new(NodeState {
             id,
             weights: Arc::new(RwLock::new(tuning.weights())),
@@ -160,6 +167,7 @@ impl NodeState {
             tokens,
             permits: Arc::new(Semaphore::new(config.limits.max_concurrency)),
             forward_permits: Arc::new(Semaphore::new(config.limits.max_forwards)),
+            body_budget,
             draining: AtomicBool::new(false),
             closing: CancellationToken::new(),
             started: Instant::now(),

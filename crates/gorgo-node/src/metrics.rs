@@ -115,6 +115,8 @@ pub struct NodeMetrics {
     pub tuning_trials: Family<VerdictLabels, Counter>,
     /// Client and admin connections: open, and refused or closed by a limit.
     pub connections: crate::listen::ConnMetrics,
+    /// Bytes of request bodies being read, held from `limits.max_body_bytes_in_flight`.
+    pub body_bytes_reading: Gauge,
     /// State of the engine's circuit breaker: 0 closed, 1 open, 2 half-open.
     pub engine_breaker: Gauge,
     /// Failures of real requests to the engine that count towards its breaker.
@@ -413,6 +415,12 @@ impl NodeMetrics {
             "Tuning trials this node decided as leader, by verdict",
             tuning_trials.clone(),
         );
+        let body_bytes_reading = Gauge::default();
+        registry.register(
+            "request_body_bytes_reading",
+            "Bytes of request bodies (clients' and peers' forwards) being read, held from limits.max_body_bytes_in_flight",
+            body_bytes_reading.clone(),
+        );
         let connections = crate::listen::ConnMetrics::default();
         registry.register(
             "connections_open",
@@ -464,6 +472,7 @@ impl NodeMetrics {
             bytes_per_token,
             prompt_token_error,
             connections,
+            body_bytes_reading,
             engine_breaker,
             engine_failures,
             registry,

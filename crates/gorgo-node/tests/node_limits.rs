@@ -438,3 +438,96 @@ async fn an_engine_failing_mid_stream_opens_its_breaker() {
     );
     node.shutdown.cancel();
 }
+
+/// A client body being read with `sent` of its announced `len` bytes sent.
+async fn partial_body(from: &str, to: SocketAddr, len: usize, sent: usize) -> TcpStream {
+    let mut s = connect_from(from, to).await;
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {len}\r\n\r\n"
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(&vec![b' '; sent]).await.unwrap();
+    s
+}
+
+#[tokio::test]
+async fn bodies_being_read_share_one_byte_budget() {
+    use gorgo_node::api::{ServeError, Upstream};
+    use gorgo_node::peers::IncomingForward;
+    let engine = StubEngine::start("e").await;
+    // The smallest budget a 64 KiB body cap allows: one largest forwarded request.
+    let budget: i64 = 65_536 + 1_048_576;
+    let node = start_node(
+        config(
+            "a",
+            &engine.url(),
+            "[limits]\nmax_body_bytes = 65536\nmax_body_bytes_in_flight = 1114112\n",
+        ),
+        None,
+    )
+    .await;
+    let reading = |n: &TestNode| n.state().metrics.body_bytes_reading.get();
+    // Clients hold what they have sent, not what they announce: seventeen that sent
+    // 64 KiB - 1 of 64 KiB take the whole budget (16 units of 4 KiB each).
+    let mut slow = Vec::new();
+    slow.push(partial_body("127.0.0.2", http_addr(&node), 65_536, 0).await);
+    for _ in 0..17 {
+        slow.push(partial_body("127.0.0.2", http_addr(&node), 65_536, 65_535).await);
+    }
+    let held = async {
+        while reading(&node) < budget {
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), held)
+        .await
+        .expect("the slow bodies take the budget");
+    let resp = client_from("127.0.0.3")
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&chat_body("hi", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 503, "no budget left for another body");
+    assert!(resp.headers().contains_key("retry-after"));
+    let err: serde_json::Value = resp.json().await.unwrap();
+    let message = err["error"]["message"].as_str().unwrap();
+    assert!(message.contains("limits.max_body_bytes_in_flight"), "{err}");
+    // A peer's forward takes its announced length first: none fits now.
+    let (mut to_node, from_peer) = tokio::io::duplex(1 << 16);
+    let (to_peer, mut from_node) = tokio::io::duplex(1 << 16);
+    to_node.write_all(&4096u32.to_be_bytes()).await.unwrap();
+    let incoming = IncomingForward {
+        from: gorgo_core::NodeId::from("b"),
+        send: Box::pin(to_peer),
+        recv: Box::pin(from_peer),
+    };
+    gorgo_node::forward::handle_incoming(node.state().clone(), incoming, |_, _| {
+        std::future::pending::<Result<Upstream, ServeError>>()
+    })
+    .await;
+    let head: gorgo_core::wire::ForwardResponseHead =
+        gorgo_node::forward::read_frame(&mut from_node, 1 << 20)
+            .await
+            .unwrap();
+    assert_eq!(head.status, 503);
+    // Bodies that go away give their share back; then a request is served.
+    drop(slow);
+    let released = async {
+        while reading(&node) > 0 {
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), released)
+        .await
+        .expect("closed bodies give the budget back");
+    let resp = client_from("127.0.0.3")
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&chat_body("hi", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(engine.requests(), 1);
+    node.shutdown.cancel();
+}
