@@ -318,6 +318,9 @@ async fn run_foca(inner: Arc<Inner>, mut foca: ClusterFoca, mut rx: mpsc::Receiv
                 }
             }
             _ = reannounce.tick() => {
+                inner
+                    .peers
+                    .forget_down(Instant::now(), inner.config.swim.remove_down_after);
                 if foca.num_members() == 0 {
                     // Alone: the seeds may be back, and so may members we saw go down
                     // (a node with no seeds has only those to rejoin through).

@@ -339,6 +339,19 @@ impl PeerTable {
         true
     }
 
+    /// Drop the entries of peers down for longer than `after` (the time foca keeps a
+    /// down member: `SwimConfig::remove_down_after`), summaries and all; how many went.
+    /// Without this a table kept every id it ever heard of: a member relaying many
+    /// well-formed ids would grow it for good. A peer that comes back is heard of anew
+    /// (a snapshot starts its gossip).
+    pub(crate) fn forget_down(&self, now: Instant, after: std::time::Duration) -> usize {
+        let before = self.peers.len();
+        self.peers.retain(|_, e| {
+            e.state != PeerState::Down || now.saturating_duration_since(e.state_since) <= after
+        });
+        before - self.peers.len()
+    }
+
     pub(crate) fn is_alive(&self, node: &NodeId) -> bool {
         self.peers
             .get(node)
@@ -566,6 +579,17 @@ mod tests {
         t.member_down(&member("a", 2), now);
         assert!(t.alive_ids().is_empty());
         assert!(!t.views(now)[0].alive);
+        // Down entries stay while foca remembers the member, then go; live ones stay.
+        t.member_up(&me(), &member("b", 1), now);
+        let after = std::time::Duration::from_secs(60);
+        assert_eq!(t.forget_down(now + after, after), 0);
+        assert_eq!(t.views(now).len(), 2);
+        assert_eq!(t.forget_down(now + after * 2, after), 1);
+        let left: Vec<NodeId> = t.views(now).into_iter().map(|v| v.id).collect();
+        assert_eq!(left, vec![NodeId::from("b")]);
+        // Heard of again, it is a peer as before.
+        assert_eq!(t.member_up(&me(), &member("a", 3), now), Claim::Accepted);
+        assert_eq!(t.alive_ids().len(), 2);
     }
 
     #[test]
