@@ -116,6 +116,9 @@ struct SendState {
     /// leave models out).
     models_in_flight: Option<u64>,
     models_acked: Option<u64>,
+    /// The peer asked for a snapshot and none was polled since: the verdict on a
+    /// message in flight when it asked must not turn the next one back into a delta.
+    wants_snapshot: bool,
 }
 
 /// Digest of a model list, to tell whether a peer holds the current one.
@@ -182,7 +185,8 @@ impl GossipSender {
         let version = summary.version();
         let origin = self.me.clone();
         let models = models_digest(&stats.models);
-        let msg = match st.acked.map(|v| (v, summary.delta_since(v))) {
+        let acked = if st.wants_snapshot { None } else { st.acked };
+        let msg = match acked.map(|v| (v, summary.delta_since(v))) {
             Some((v, Some(delta))) => {
                 if v == version && !self.config.send_unchanged && st.models_acked == Some(models) {
                     return None;
@@ -193,11 +197,14 @@ impl GossipSender {
                     stats: stats.clone(),
                 }
             }
-            _ => GossipMessage::SummarySnapshot {
-                origin,
-                snapshot: summary.snapshot(),
-                stats: stats.clone(),
-            },
+            _ => {
+                st.wants_snapshot = false;
+                GossipMessage::SummarySnapshot {
+                    origin,
+                    snapshot: summary.snapshot(),
+                    stats: stats.clone(),
+                }
+            }
         };
         st.in_flight = Some(version);
         st.models_in_flight = Some(models);
@@ -217,10 +224,12 @@ impl GossipSender {
         }
     }
 
-    /// `peer` asked for a snapshot: its next message is one.
+    /// `peer` asked for a snapshot: its next message is one, whatever the verdict on
+    /// a message in flight now.
     pub fn on_snapshot_request(&mut self, peer: &NodeId) {
         if let Some(st) = self.peers.get_mut(peer) {
             st.acked = None;
+            st.wants_snapshot = true;
         }
     }
 }
@@ -479,7 +488,14 @@ impl PeerGossip {
                     self.clear_pending();
                     return Ok(SummaryEvent::Gap);
                 }
-                self.pending.insert(delta.from_version, delta);
+                // Two deltas from one version (an empty one, then a change): keep the
+                // one that reaches further, whichever arrives last.
+                match self.pending.get(&delta.from_version) {
+                    Some(held) if held.to_version >= delta.to_version => {}
+                    _ => {
+                        self.pending.insert(delta.from_version, delta);
+                    }
+                }
                 Ok(SummaryEvent::Buffered)
             }
             // A delta from before what we hold that reaches past it: only a snapshot
@@ -623,6 +639,25 @@ mod tests {
             s.poll(&b, &local, &st),
             Some(GossipMessage::SummarySnapshot { .. })
         ));
+        s.on_sent(&b, true);
+        // A request that comes while a delta is in flight outlives that delta's verdict.
+        local.record_add(3);
+        assert!(matches!(
+            s.poll(&b, &local, &st),
+            Some(GossipMessage::SummaryDelta { .. })
+        ));
+        s.on_snapshot_request(&b);
+        s.on_sent(&b, true);
+        assert!(matches!(
+            s.poll(&b, &local, &st),
+            Some(GossipMessage::SummarySnapshot { .. })
+        ));
+        s.on_sent(&b, true);
+        local.record_add(4);
+        assert!(matches!(
+            s.poll(&b, &local, &st),
+            Some(GossipMessage::SummaryDelta { .. })
+        ));
         // By default an up-to-date peer still gets a message: it carries the stats.
         let mut s = GossipSender::new("a".into(), GossipConfig::default());
         s.poll(&b, &local, &st);
@@ -685,6 +720,20 @@ mod tests {
             "the held deltas followed on"
         );
         assert_eq!(p.summary().unwrap().len(), 3);
+        assert_eq!(p.pending(), 0);
+    }
+
+    #[test]
+    fn a_late_empty_delta_does_not_replace_the_one_that_overtook_it() {
+        // Held 1; the sender sent 1->2, 2->2 (nothing changed) and 2->3: 2->3 and then
+        // 2->2 arrive before 1->2.
+        let mut p = PeerGossip::new();
+        recv(&mut p, snapshot(1), 0);
+        recv(&mut p, delta(2, 3, &[3]), 0);
+        recv(&mut p, delta(2, 2, &[]), 0);
+        let r = recv(&mut p, delta(1, 2, &[2]), 10);
+        assert_eq!(r.summary, SummaryEvent::Applied { empty: false });
+        assert_eq!(p.summary().unwrap().version(), 3, "2->3 was kept");
         assert_eq!(p.pending(), 0);
     }
 
