@@ -199,6 +199,16 @@ pub struct CostTerms {
     pub estimated_ttft_ms: Option<f64>,
 }
 
+impl CostTerms {
+    /// [`CostTerms::estimated_ttft_ms`] without the forward bias in it: what the
+    /// forward ledger compares a forward's measured first byte with
+    /// ([`ForwardLedger::observe_forward_ttft`]). Learning from the biased estimate
+    /// would settle the bias at half the lateness it is there to learn.
+    pub fn unbiased_estimated_ttft_ms(&self) -> Option<f64> {
+        self.estimated_ttft_ms.map(|e| e - self.forward_bias_ms)
+    }
+}
+
 /// Unweighted estimate of the wait before `c`'s engine starts this request's prefill.
 ///
 /// Two parts, both in ms:
@@ -619,26 +629,29 @@ impl ForwardLedger {
     }
 
     /// A forward to `peer`'s engine `replica` got its first byte: the cost model had
-    /// predicted `predicted_ms` for it and it took `measured_ms` from the decision (both
-    /// as this node sees them: RTT included). Updates that engine's forward bias;
-    /// non-finite values are ignored.
+    /// predicted `unbiased_predicted_ms` for it before its forward bias
+    /// ([`CostTerms::unbiased_estimated_ttft_ms`]) and it took `measured_ms` from the
+    /// decision (both as this node sees them: RTT included). The bias is an average of
+    /// `measured - unbiased prediction`: fed the biased prediction instead, it would
+    /// chase its own value and settle at half the lateness. Non-finite values are
+    /// ignored.
     pub fn observe_forward_ttft(
         &mut self,
         peer: &NodeId,
         replica: u16,
-        predicted_ms: f64,
+        unbiased_predicted_ms: f64,
         measured_ms: f64,
         now_ms: u64,
     ) {
-        if !(predicted_ms.is_finite() && measured_ms.is_finite()) {
+        if !(unbiased_predicted_ms.is_finite() && measured_ms.is_finite()) {
             return;
         }
         let Some(entry) = self.entry(peer, replica) else {
             return;
         };
         let bias = entry.bias_at(now_ms);
-        let residual = measured_ms - predicted_ms;
-        entry.bias_ms = (bias + FORWARD_BIAS_GAIN * (residual - bias))
+        let lateness = measured_ms - unbiased_predicted_ms;
+        entry.bias_ms = (bias + FORWARD_BIAS_GAIN * (lateness - bias))
             .clamp(-MAX_FORWARD_BIAS_MS, MAX_FORWARD_BIAS_MS);
         entry.bias_at_ms = now_ms;
     }
@@ -1073,6 +1086,30 @@ mod tests {
         assert_eq!(
             cost_terms(100, &fast, Weights::default(), 100).raw_queue_ms,
             0.0
+        );
+    }
+
+    #[test]
+    fn forward_bias_learns_the_whole_lateness_in_closed_loop() {
+        // The node predicts with the bias it has learnt so far and learns from the
+        // prediction without it: forwards that always land 1 s after the model's
+        // unbiased prediction end up predicted right, not half a second short.
+        let mut l = ForwardLedger::new();
+        let mut c = peer(10.0, 0);
+        for i in 0..64u64 {
+            l.apply(&mut c, i * 10);
+            let t = cost_terms(1000, &c, Weights::default(), 1000);
+            let unbiased = t.unbiased_estimated_ttft_ms().unwrap();
+            let measured = unbiased + 1000.0;
+            l.observe_forward_ttft(&c.node, 0, unbiased, measured, i * 10);
+        }
+        l.apply(&mut c, 640);
+        let t = cost_terms(1000, &c, Weights::default(), 1000);
+        let predicted = t.estimated_ttft_ms.unwrap();
+        let measured = t.unbiased_estimated_ttft_ms().unwrap() + 1000.0;
+        assert!(
+            (measured - predicted).abs() < 10.0,
+            "{predicted} against {measured}"
         );
     }
 

@@ -214,7 +214,7 @@ impl Router {
             record.prompt_tokens.saturating_sub(cached),
             record.at_ms,
         );
-        let predicted = chosen.and_then(|c| c.terms?.estimated_ttft_ms);
+        let predicted = chosen.and_then(|c| c.terms?.unbiased_estimated_ttft_ms());
         if let (Some(predicted), Some(estimate)) = (predicted, refusal.local_estimated_ttft_ms) {
             ledger.observe_forward_ttft(peer, replica, predicted, elapsed_ms + estimate, now_ms);
         }

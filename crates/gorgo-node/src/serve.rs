@@ -249,6 +249,7 @@ async fn route_and_serve(
     let chosen = record.candidates.iter().find(|c| c.chosen);
     let chosen_terms = chosen.and_then(|c| c.terms).map(|t| (t, input.weights));
     let mut predicted = chosen.and_then(|c| c.terms?.estimated_ttft_ms);
+    let unbiased_predicted = chosen.and_then(|c| c.terms?.unbiased_estimated_ttft_ms());
     let chosen_replica = chosen.map_or(0, |c| c.replica);
     let decided = Instant::now();
     // What serving here costs, sent with a forward so the peer can refuse it; not when
@@ -271,7 +272,7 @@ async fn route_and_serve(
                 Ok(learn_forward_bias(
                     state,
                     (peer, chosen_replica),
-                    predicted,
+                    unbiased_predicted,
                     decided,
                     up,
                 ))
@@ -354,16 +355,16 @@ async fn serve_local_or_exclude(
 }
 
 /// Wrap a forwarded response so that its first chunk tells the forward ledger how long
-/// the forward took against the cost model's prediction (`gorgo_core::cost::
-/// ForwardLedger::observe_forward_ttft`): the peer's forward bias.
+/// the forward took against the cost model's prediction before the forward bias
+/// (`gorgo_core::cost::ForwardLedger::observe_forward_ttft`): the peer's forward bias.
 fn learn_forward_bias(
     state: &Arc<NodeState>,
     (peer, replica): (NodeId, u16),
-    predicted_ms: Option<f64>,
+    unbiased_predicted_ms: Option<f64>,
     decided: Instant,
     mut up: Upstream,
 ) -> Upstream {
-    let Some(predicted_ms) = predicted_ms else {
+    let Some(predicted_ms) = unbiased_predicted_ms else {
         return up;
     };
     // Only a stream's first chunk marks its first token; a whole JSON body comes at the
