@@ -1252,7 +1252,10 @@ impl<'a> Sim<'a> {
         let f = self.flight_mut(slot);
         f.first_byte_due_ms = None;
         f.offer = None;
-        let (home, sent, pred) = (f.home as usize, f.forwarded_ms, f.predicted_ttft_ms);
+        let (home, sent) = (f.home as usize, f.forwarded_ms);
+        let pred = f
+            .chosen_terms
+            .and_then(|(t, _)| t.unbiased_estimated_ttft_ms());
         let priced = f.forward_replica;
         let back = self.link_delay(t, home);
         // The refusal carries the target's own estimate: the forwarding node learns
@@ -1263,7 +1266,7 @@ impl<'a> Sim<'a> {
             self.nodes[home].ledger.observe_forward_ttft(
                 &peer,
                 priced,
-                pred as f64,
+                pred,
                 measured,
                 (now + back) as u64,
             );
@@ -1508,15 +1511,17 @@ impl<'a> Sim<'a> {
             return; // the slot was released and reused
         }
         f.first_byte_due_ms = None;
-        let (Some(sent), Some(pred), Some(t)) = (f.forwarded_ms, f.predicted_ttft_ms, f.served)
-        else {
+        let pred = f
+            .chosen_terms
+            .and_then(|(t, _)| t.unbiased_estimated_ttft_ms());
+        let (Some(sent), Some(pred), Some(t)) = (f.forwarded_ms, pred, f.served) else {
             return;
         };
         let (home, priced) = (f.home as usize, f.forward_replica);
         let peer = self.node_ids[t as usize].clone();
         if let Some(node) = self.nodes.get_mut(home) {
             node.ledger
-                .observe_forward_ttft(&peer, priced, pred as f64, now - sent, now as u64);
+                .observe_forward_ttft(&peer, priced, pred, now - sent, now as u64);
         }
     }
 
@@ -1527,11 +1532,24 @@ impl<'a> Sim<'a> {
             return;
         }
         self.out.run.counters.finishes += 1;
-        let f = self.flight(slot);
+        let f = self.flights[slot as usize]
+            .as_ref()
+            .expect("events only name live flights");
         let (home, prompt, out_tokens) = (f.home as usize, f.prompt_tokens, f.output_tokens);
         self.engines[e].queued_prompt_tokens -= prompt;
         if let Some(node) = self.nodes.get_mut(r) {
-            node.engines[k].view.finish(slot as u64, at as u64);
+            let engine = &mut node.engines[k];
+            engine.view.finish(slot as u64, at as u64);
+            // As the live node on the engine's usage (its last chunk): the engine's count
+            // of cached prompt tokens corrects the shadow index (`ShadowIndex::correct`),
+            // unless the index follows the engine's events.
+            if engine
+                .kv
+                .as_ref()
+                .is_none_or(|kv| kv.source() == IndexSource::Shadow)
+            {
+                engine.shadow.correct(&f.chain, f.cached_tokens, at as u64);
+            }
         }
         let mut back = self.client_delay(home);
         if r != home {
