@@ -326,7 +326,34 @@ pub struct Proposal {
     pub state: EsState,
 }
 
+/// Bound on a proposal's epoch and counters: a line advances one epoch per window, so
+/// anything near it comes from a faulty or hostile member, and would overflow the
+/// `+ 1` of the next epoch or trial.
+pub const MAX_PROPOSAL_COUNTER: u64 = 1 << 48;
+
+/// Bound on `|e2e_drift|` a proposal may carry (a factor e in p95 E2E).
+pub const MAX_E2E_DRIFT: f64 = 1.0;
+
+/// Bound on the trial noise variance a proposal may carry (a standard deviation of
+/// 1 in the log ratio: a factor e between two windows of the same weights).
+pub const MAX_NOISE_VAR: f64 = 1.0;
+
 impl Proposal {
+    /// Whether the proposal could come from an honest line: epoch and counters below
+    /// [`MAX_PROPOSAL_COUNTER`], at most [`crate::es::SUCCESS_WINDOW`] outcomes.
+    /// Anything else is ignored (neither adopted nor answered).
+    pub fn is_plausible(&self) -> bool {
+        let s = &self.state;
+        [self.epoch, s.epoch, s.trials, s.draws, s.noise_samples]
+            .iter()
+            .all(|&c| c < MAX_PROPOSAL_COUNTER)
+            && s.outcomes.len() <= crate::es::SUCCESS_WINDOW
+            && s.pending_trial.as_ref().is_none_or(|t| {
+                t.windows.max(t.valid) < u32::MAX / 2
+                    && t.cand_samples.max(t.inc_samples) < MAX_PROPOSAL_COUNTER
+            })
+    }
+
     /// True when `self` should be followed instead of `other`: higher epoch, or the
     /// same epoch from a smaller leader id.
     pub fn supersedes(&self, other: &Proposal) -> bool {
@@ -355,8 +382,14 @@ pub struct EpochReport {
 
 impl EpochReport {
     fn count(&self) -> u64 {
-        self.cells.iter().map(|c| c.ttft.count()).sum()
+        saturating_sum(self.cells.iter().map(|c| c.ttft.count()))
     }
+}
+
+/// Counts from the network add up without overflowing (a report's sketch may claim
+/// any count that fits a `u64`).
+fn saturating_sum(counts: impl Iterator<Item = u64>) -> u64 {
+    counts.fold(0, u64::saturating_add)
 }
 
 /// Everything the protocol puts on the wire.
@@ -522,7 +555,7 @@ impl Tuner {
     /// the other side of a healed partition) with the newer proposal, so lines merge
     /// even if the newer line's leader has stepped down.
     pub fn handle_proposal(&mut self, mut p: Proposal) -> Vec<TuningOutput> {
-        if self.cfg.mode == TuningMode::Static {
+        if self.cfg.mode == TuningMode::Static || !p.is_plausible() {
             return Vec::new();
         }
         if let Some(cur) = &self.current {
@@ -550,6 +583,14 @@ impl Tuner {
         if !p.state.e2e_drift.is_finite() {
             p.state.e2e_drift = 0.0;
         }
+        // Finite but extreme drift or noise would switch the E2E guard off, or settle
+        // the line for good: no honest line comes near these bounds.
+        p.state.e2e_drift = p.state.e2e_drift.clamp(-MAX_E2E_DRIFT, MAX_E2E_DRIFT);
+        if !(p.state.noise_var.is_finite() && p.state.noise_var >= 0.0) {
+            p.state.noise_var = 0.0;
+            p.state.noise_samples = 0;
+        }
+        p.state.noise_var = p.state.noise_var.min(MAX_NOISE_VAR);
         p.state.incumbent = self.cfg.clip(p.state.incumbent);
         if !(p.state.sigma.is_finite() && p.state.sigma > 0.0) {
             p.state.sigma = self.cfg.sigma0;
@@ -821,8 +862,12 @@ impl Tuner {
         if cur.phase == Phase::Frozen || lead.epoch != cur.epoch {
             return;
         }
-        let samples: u64 = self.cells.iter().map(|c| c.ttft.count()).sum::<u64>()
-            + lead.reports.values().map(EpochReport::count).sum::<u64>();
+        let samples = saturating_sum(
+            self.cells
+                .iter()
+                .map(|c| c.ttft.count())
+                .chain(lead.reports.values().map(EpochReport::count)),
+        );
         let full = samples >= self.cfg.window as u64;
         let timed_out =
             on_tick && now_ms.saturating_sub(lead.window_started_ms) >= self.cfg.time_cap_ms;
@@ -1285,6 +1330,42 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn implausible_proposals_are_ignored_and_extreme_state_is_bounded() {
+        let mut t = Tuner::new("b".into(), cfg()).unwrap();
+        let base = Proposal {
+            epoch: 3,
+            leader: "a".into(),
+            weights: Weights::default(),
+            candidate: None,
+            phase: Phase::MeasureCandidate,
+            state: EsState::new(&cfg()),
+        };
+        // An epoch no line reaches (its successor would overflow), more outcomes than
+        // the success window, counters at their ends: neither adopted nor answered.
+        let mut huge = base.clone();
+        huge.epoch = u64::MAX;
+        let mut outcomes = base.clone();
+        outcomes.state.outcomes = std::iter::repeat_n(true, 9).collect();
+        let mut draws = base.clone();
+        draws.state.draws = u64::MAX;
+        for p in [huge, outcomes, draws] {
+            assert!(!p.is_plausible());
+            assert!(t.handle_proposal(p).is_empty());
+            assert!(t.current().is_none());
+        }
+        // Finite but extreme drift and noise are bounded where they would switch the
+        // guard off or settle the line for good.
+        let mut extreme = base;
+        extreme.state.e2e_drift = -1e300;
+        extreme.state.noise_var = f64::INFINITY;
+        assert!(t.handle_proposal(extreme).is_empty());
+        let s = &t.current().unwrap().state;
+        assert_eq!(s.e2e_drift, -MAX_E2E_DRIFT);
+        assert_eq!(s.noise_var, 0.0);
+        assert_eq!(saturating_sum([u64::MAX, 2].into_iter()), u64::MAX);
     }
 
     #[test]
