@@ -339,14 +339,16 @@ pub fn stall_ms(c: &Candidate, uncached_tokens: u64, reprefill_tokens: u64) -> f
             + SHARED_STALL_WEIGHT * shared as f64 * running)
 }
 
-/// The fewest prompt tokens any healthy candidate would have to prefill for a
-/// `prompt_tokens`-token request: the prefill the cluster needs wherever it goes
-/// (the rest of a candidate's uncached tokens is re-prefill, [`stall_ms`]). The prompt
-/// itself when no candidate is healthy.
+/// The fewest prompt tokens any candidate that can be chosen (healthy, and local or at
+/// a measured RTT) would have to prefill for a `prompt_tokens`-token request: the
+/// prefill the cluster needs wherever it goes (the rest of a candidate's uncached
+/// tokens is re-prefill, [`stall_ms`]). The prompt itself when none can. A peer whose
+/// RTT is not measured yet costs infinitely much; its cache must not make every other
+/// candidate's prefill look like re-prefill.
 pub fn fewest_uncached_tokens(prompt_tokens: u64, candidates: &[Candidate]) -> u64 {
     candidates
         .iter()
-        .filter(|c| c.healthy)
+        .filter(|c| c.healthy && (c.is_local || (c.rtt_ms.is_finite() && c.rtt_ms >= 0.0)))
         .map(|c| prompt_tokens - c.cached_tokens.min(prompt_tokens))
         .min()
         .unwrap_or(prompt_tokens)
@@ -781,6 +783,13 @@ mod tests {
         assert_eq!(fewest_uncached_tokens(1000, &[cold, warm.clone()]), 900);
         assert_eq!(fewest_uncached_tokens(1000, &[warm]), 1000);
         assert_eq!(fewest_uncached_tokens(1000, &[]), 1000);
+        // A peer that cannot be chosen yet (no RTT measured) sets no floor either.
+        let unmeasured = peer(f64::INFINITY, 900);
+        let cold = peer(10.0, 100);
+        assert_eq!(fewest_uncached_tokens(1000, &[cold, unmeasured]), 900);
+        let mut local = Candidate::idle("me", true, f64::NAN);
+        local.cached_tokens = 500;
+        assert_eq!(fewest_uncached_tokens(1000, &[local]), 500);
     }
 
     #[test]
