@@ -666,13 +666,20 @@ fn the_target_prices_its_cost_with_the_offers_weights_and_garbage_offers_are_dro
     for cost in [f64::NAN, f64::INFINITY, -1.0] {
         assert_eq!(ForwardOffer::new(cost, w), None, "{cost}");
     }
-    for bad in [0.0, -1.0, f64::NAN] {
+    for bad in [-1.0, f64::NAN, f64::INFINITY] {
         let weights = Weights {
             w_rtt: 1.0,
             w_queue: bad,
         };
         assert_eq!(ForwardOffer::new(500.0, weights), None, "{bad}");
     }
+    // A weight of 0 (the operator ignores a term) still makes an offer: refusals do
+    // not stop silently.
+    let no_rtt = Weights {
+        w_rtt: 0.0,
+        w_queue: 1.0,
+    };
+    assert!(ForwardOffer::new(500.0, no_rtt).is_some());
 }
 
 #[test]

@@ -408,6 +408,8 @@ struct Flight {
     /// The client's node's estimated TTFT for serving it itself, from the same
     /// decision, ms after the send: its prediction once a refusal brings it back.
     local_predicted_ttft_ms: Option<f64>,
+    /// The target's own TTFT estimate carried by its refusal, ms.
+    refusal_estimate_ms: Option<f64>,
     /// The engine of the client's node that decision priced cheapest
     /// (`gorgo_core::decision::best_local`): where a refused forward is served, as the
     /// node serves it.
@@ -839,6 +841,7 @@ impl<'a> Sim<'a> {
             predicted_ttft_ms: None,
             forwarded_ms: None,
             local_predicted_ttft_ms: None,
+            refusal_estimate_ms: None,
             local_engine: None,
             chosen_terms: None,
             offer: None,
@@ -1252,25 +1255,11 @@ impl<'a> Sim<'a> {
         let f = self.flight_mut(slot);
         f.first_byte_due_ms = None;
         f.offer = None;
-        let (home, sent) = (f.home as usize, f.forwarded_ms);
-        let pred = f
-            .chosen_terms
-            .and_then(|(t, _)| t.unbiased_estimated_ttft_ms());
-        let priced = f.forward_replica;
+        // The refusal carries the target's own estimate, which the forwarding node
+        // learns its forward bias from when the refusal reaches it ([`Sim::refused`]).
+        f.refusal_estimate_ms = refusal.local_estimated_ttft_ms;
+        let home = f.home as usize;
         let back = self.link_delay(t, home);
-        // The refusal carries the target's own estimate: the forwarding node learns
-        // its forward bias from it as from a first byte.
-        if let (Some(sent), Some(pred), Some(est)) = (sent, pred, refusal.local_estimated_ttft_ms) {
-            let measured = now + back - sent + est;
-            let peer = self.node_ids[t].clone();
-            self.nodes[home].ledger.observe_forward_ttft(
-                &peer,
-                priced,
-                pred,
-                measured,
-                (now + back) as u64,
-            );
-        }
         self.push(now + back, Ev::Refused(slot));
         true
     }
@@ -1301,11 +1290,19 @@ impl<'a> Sim<'a> {
             f.forwarded_ms,
             f.transit_tokens,
         );
+        let pred = f
+            .chosen_terms
+            .and_then(|(t, _)| t.unbiased_estimated_ttft_ms());
+        let estimate = f.refusal_estimate_ms;
         if let Some(sent) = sent {
             let peer = self.node_ids[t].clone();
-            self.nodes[home]
-                .ledger
-                .cancel_forward(&peer, priced, tokens, sent as u64);
+            let ledger = &mut self.nodes[home].ledger;
+            ledger.cancel_forward(&peer, priced, tokens, sent as u64);
+            // As the live node (`Router::forward_refused`): the forward "took" the
+            // refusal's round trip plus what the target estimated for serving it.
+            if let (Some(pred), Some(est)) = (pred, estimate) {
+                ledger.observe_forward_ttft(&peer, priced, pred, now - sent + est, now as u64);
+            }
         }
         // Only a forward with an offer can be refused, and an offer is the best local
         // engine's cost, so the engine is always known.
