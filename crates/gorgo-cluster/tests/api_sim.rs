@@ -421,3 +421,89 @@ fn published_stats_go_out_on_a_round_at_once() {
     })
     .expect("the last stats arrive");
 }
+
+/// A forwarded request of a long prompt crosses in about one round trip, not the
+/// several of QUIC's slow start: links between nodes carry mostly small gossip, so a
+/// window left at QUIC's default (about 14 KB) never grows, and every large forward
+/// would start from it.
+#[test]
+fn a_large_forward_crosses_in_about_one_round_trip() {
+    const BODY: usize = 512 * 1024;
+    let mut sim = sim(23, Duration::from_secs(60));
+    let creds = credentials(&NAMES);
+    let handles = Handles::default();
+    let took = Arc::new(Mutex::new(None::<Duration>));
+    {
+        let s = spec(0, &creds);
+        let handles = handles.clone();
+        sim.host("n0", move || {
+            let s = s.clone();
+            let handles = handles.clone();
+            async move {
+                let (h, _) = start_node(&s).await?;
+                handles.lock().insert(s.name.clone(), h.clone());
+                let mut forwards = h.incoming_forwards().expect("first take");
+                while let Some(mut f) = forwards.recv().await {
+                    let req = f.recv.read_to_end(BODY).await?;
+                    f.send.write_all(&[(req.len() == BODY) as u8]).await?;
+                    f.send.finish()?;
+                }
+                Ok(())
+            }
+        });
+    }
+    {
+        let s = spec(1, &creds);
+        let handles = handles.clone();
+        let took = took.clone();
+        sim.host("n1", move || {
+            let s = s.clone();
+            let handles = handles.clone();
+            let took = took.clone();
+            async move {
+                let (h, _) = start_node(&s).await?;
+                handles.lock().insert(s.name.clone(), h.clone());
+                let n0 = NodeId::from("n0");
+                while !h.alive_peers().contains(&n0) {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                // A first forward: the connection is up and its RTT measured.
+                let (mut send, mut recv) = h.open_forward(&n0).await?;
+                send.write_all(&vec![7u8; BODY]).await?;
+                send.finish()?;
+                recv.read_to_end(16).await?;
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                let started = tokio::time::Instant::now();
+                let (mut send, mut recv) = h.open_forward(&n0).await?;
+                send.write_all(&vec![7u8; BODY]).await?;
+                send.finish()?;
+                let answer = recv.read_to_end(16).await?;
+                assert_eq!(answer, [1]);
+                *took.lock() = Some(started.elapsed());
+                std::future::pending::<()>().await;
+                Ok(())
+            }
+        });
+    }
+    {
+        let s = spec(2, &creds);
+        let handles = handles.clone();
+        sim.host("n2", move || {
+            let s = s.clone();
+            let handles = handles.clone();
+            async move {
+                let (h, _) = start_node(&s).await?;
+                handles.lock().insert(s.name.clone(), h.clone());
+                std::future::pending::<()>().await;
+                Ok(())
+            }
+        });
+    }
+    set_wan_latencies(&mut sim, &NAMES);
+    run_until(&mut sim, Duration::from_secs(30), |_| took.lock().is_some())
+        .expect("the forwards are answered");
+    let rtt = Duration::from_millis(2 * one_way_ms(0, 1));
+    let took = took.lock().unwrap();
+    eprintln!("{BODY} bytes and a 1-byte answer took {took:?} at RTT {rtt:?}");
+    assert!(took < rtt * 2, "took {took:?} at RTT {rtt:?}");
+}

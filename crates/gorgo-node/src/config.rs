@@ -366,9 +366,11 @@ pub struct RoutingSection {
     /// `oracle` is refused (it exists only in the simulator).
     #[serde(default = "default_policy", deserialize_with = "policy_by_name")]
     pub policy: PolicyKind,
-    /// Starting weights of the cost model.
-    #[serde(default)]
-    pub weights: Weights,
+    /// Starting weights of the cost model; unset, the policy's own
+    /// ([`PolicyKind::default_weights`]: 1/1, the paper's 0.276/0.5 for `gorgo-paper`),
+    /// as the simulator uses them. Read through [`RoutingSection::start_weights`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights: Option<Weights>,
     /// A request that arrives with `hops >= max_hops` is served where it is.
     #[serde(default = "default_max_hops")]
     pub max_hops: u8,
@@ -419,11 +421,18 @@ pub enum UnlistedModel {
     Any,
 }
 
+impl RoutingSection {
+    /// The weights routing starts with: `weights` when set, else the policy's own.
+    pub fn start_weights(&self) -> Weights {
+        self.weights.unwrap_or(self.policy.default_weights())
+    }
+}
+
 impl Default for RoutingSection {
     fn default() -> Self {
         RoutingSection {
             policy: default_policy(),
-            weights: Weights::default(),
+            weights: None,
             max_hops: default_max_hops(),
             block_bytes: default_block_bytes(),
             block_tokens: default_block_tokens(),
@@ -947,8 +956,11 @@ impl NodeConfig {
             );
         }
         for (name, w) in [
-            ("routing.weights.w_rtt", self.routing.weights.w_rtt),
-            ("routing.weights.w_queue", self.routing.weights.w_queue),
+            ("routing.weights.w_rtt", self.routing.start_weights().w_rtt),
+            (
+                "routing.weights.w_queue",
+                self.routing.start_weights().w_queue,
+            ),
         ] {
             if !(w.is_finite() && w >= 0.0) {
                 return bad(name, "must be a finite number >= 0");
@@ -1325,6 +1337,22 @@ token = "secret-token"
         let text = MINIMAL.replace("kind = \"sglang\"", "kind = \"tgi\"");
         let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
         assert!(e.contains("tgi"), "{e}");
+    }
+
+    #[test]
+    fn unset_weights_are_the_policys_own() {
+        let paper = format!("{MINIMAL}\n[routing]\npolicy = \"gorgo-paper\"\n");
+        let c = NodeConfig::from_toml_str(&paper).unwrap();
+        assert_eq!(
+            c.routing.start_weights(),
+            PolicyKind::GorgoPaper.default_weights()
+        );
+        assert_eq!(c.routing.start_weights().w_rtt, 0.276);
+        let c = NodeConfig::from_toml_str(MINIMAL).unwrap();
+        assert_eq!(c.routing.start_weights(), Weights::default());
+        let set = format!("{paper}weights = {{ w_rtt = 2.0, w_queue = 3.0 }}\n");
+        let c = NodeConfig::from_toml_str(&set).unwrap();
+        assert_eq!(c.routing.start_weights().w_queue, 3.0);
     }
 
     #[test]

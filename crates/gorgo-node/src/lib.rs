@@ -143,7 +143,7 @@ impl NodeState {
         let tuning = tuning::TuningDriver::new(
             id.clone(),
             tuning_cfg,
-            learned.unwrap_or(config.routing.weights),
+            learned.unwrap_or(config.routing.start_weights()),
         )?
         .with_learned_weights_out(config.tuning.learned_weights_out.clone());
         let body_budget = budget::BodyBudget::new(
