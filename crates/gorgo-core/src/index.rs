@@ -192,37 +192,63 @@ impl ShadowIndex {
     }
 
     /// The engine reported that this request found `engine_cached_tokens` of `chain`
-    /// in its cache when its prefill ran.
+    /// in its cache when its prefill ran; the index had predicted `predicted_tokens`
+    /// when the request was dispatched at `dispatched_ms`.
     ///
-    /// The engine's word wins. Blocks of the chain within the reported tokens (at least
-    /// their first half: the node's token counts may be estimates) are held
-    /// (added if we had lost them: "if more, we believe the engine"). If the engine
-    /// cached less than we modelled, the first block it missed had been evicted there,
-    /// and with it everything that extended it; so the blocks other requests hung below
-    /// that point are dropped. The chain's own blocks past that point stay: the engine
-    /// has just computed them and caches them now.
-    pub fn correct(&mut self, chain: &HashChain, engine_cached_tokens: u64, now_ms: u64) {
+    /// The engine's word wins, without reordering what the index holds: the count
+    /// arrives with the end of the response (its usage), seconds or minutes after the
+    /// prefill it describes, and the dispatch already touched the chain.
+    ///
+    /// - If the engine cached less than predicted (at least half a block less: the
+    ///   node's token counts may be estimates), the first block it missed had been
+    ///   evicted there, and with it everything that extended it; so the blocks other
+    ///   requests hung below that point are dropped, those not used since the
+    ///   dispatch. Blocks used since were put there by requests that came after this
+    ///   one, whose prefill ran after this one's had recomputed the missed block. The
+    ///   chain's own blocks stay: the engine has just computed them.
+    /// - Blocks of the chain the index no longer holds are added back just behind
+    ///   their parent in the LRU order (the engine holds them: it has just used them).
+    ///
+    /// Measured (docs/simulator.md, "Late corrections"): applied the old way at the
+    /// response's end, dropping below the first block past the cached count even when
+    /// that was the request's own new block and moving the chain to the LRU head, it
+    /// made the index a worse predictor under KV pressure than no correction at all.
+    pub fn correct(
+        &mut self,
+        chain: &HashChain,
+        engine_cached_tokens: u64,
+        predicted_tokens: u64,
+        dispatched_ms: u64,
+        now_ms: u64,
+    ) {
         let n = chain.hashes.len().min(chain.block_tokens.len());
-        // Blocks whose first half lies within the engine's cached tokens. The chain's
-        // token counts are the node's (exact with a tokenizer, learned estimates
-        // without: bytes per token and the template's overhead on the first block),
-        // the engine's are its own; requiring a whole block would read a count one
-        // token high as a miss of the first block and drop every other prefix hung
-        // below it (measured live: a one-token overhead estimate wiped the shadow
-        // index below the shared first block on every cold request).
-        let mut covered = 0u64;
-        let mut k = 0;
-        while k < n && covered + (chain.block_tokens[k] as u64).div_ceil(2) <= engine_cached_tokens
-        {
-            covered += chain.block_tokens[k] as u64;
-            k += 1;
-        }
-        if k < n {
+        // Blocks whose first half lies within a count. The chain's token counts are the
+        // node's (exact with a tokenizer, learned estimates without: bytes per token and
+        // the template's overhead on the first block), the engine's are its own;
+        // requiring a whole block would read a count one token high as a miss of the
+        // first block and drop every other prefix hung below it (measured live: a
+        // one-token overhead estimate wiped the shadow index below the shared first
+        // block on every cold request).
+        let covered = |tokens: u64| {
+            let (mut sum, mut k) = (0u64, 0);
+            while k < n && sum + (chain.block_tokens[k] as u64).div_ceil(2) <= tokens {
+                sum += chain.block_tokens[k] as u64;
+                k += 1;
+            }
+            k
+        };
+        let k = covered(engine_cached_tokens);
+        if k < covered(predicted_tokens) {
             if let Some(&missed) = self.by_hash.get(&chain.hashes[k]) {
-                self.drop_off_chain_descendants(missed, chain, k);
+                self.drop_off_chain_descendants(missed, chain, k, dispatched_ms);
             }
         }
-        self.insert_prefix(chain, n, now_ms);
+        for i in 0..n {
+            if !self.by_hash.contains_key(&chain.hashes[i]) {
+                let parent = i.checked_sub(1).map(|p| chain.hashes[p]);
+                self.insert_block(chain.hashes[i], parent, chain.block_tokens[i], now_ms);
+            }
+        }
         self.evict_to_capacity();
     }
 
@@ -277,7 +303,15 @@ impl ShadowIndex {
 
     /// Remove every descendant of `slot` (block `depth` of `chain`) that is not on
     /// `chain` itself.
-    fn drop_off_chain_descendants(&mut self, mut slot: u32, chain: &HashChain, mut depth: usize) {
+    /// Below `slot` (block `depth` of `chain`), drop every block off the chain last
+    /// used at or before `stale_by`.
+    fn drop_off_chain_descendants(
+        &mut self,
+        mut slot: u32,
+        chain: &HashChain,
+        mut depth: usize,
+        stale_by: u64,
+    ) {
         loop {
             let next_on_chain = chain
                 .hashes
@@ -288,7 +322,7 @@ impl ShadowIndex {
             while child != NIL {
                 let next = self.slots[child as usize].next_sibling;
                 if Some(child) != next_on_chain {
-                    self.remove_subtree(child);
+                    self.drop_stale_subtree(child, stale_by);
                 }
                 child = next;
             }
@@ -298,6 +332,24 @@ impl ShadowIndex {
                     depth += 1;
                 }
                 _ => return,
+            }
+        }
+    }
+
+    /// Drop the blocks of the subtree at `root` last used at or before `stale_by`.
+    /// A parent is touched whenever a child is, so a stale block's subtree is stale
+    /// whole; a fresh one's is searched.
+    fn drop_stale_subtree(&mut self, root: u32, stale_by: u64) {
+        let mut fresh = vec![root];
+        while let Some(slot) = fresh.pop() {
+            if self.slots[slot as usize].last_used_ms <= stale_by {
+                self.remove_subtree(slot);
+                continue;
+            }
+            let mut child = self.slots[slot as usize].first_child;
+            while child != NIL {
+                fresh.push(child);
+                child = self.slots[child as usize].next_sibling;
             }
         }
     }
@@ -552,15 +604,33 @@ mod tests {
         // the engine, so [1,2,4,5] beyond block 1 is gone there.
         let c = chain(&[1, 2, 3, 6]);
         ix.insert(&c, 2);
-        ix.correct(&c, 10, 3);
+        ix.correct(&c, 10, 30, 2, 3);
         assert_eq!(ix.longest_match(&c), 40);
         assert_eq!(ix.longest_match(&chain(&[1, 2, 4, 5])), 20);
         ix.check_invariants().unwrap();
         // More than we modelled: believe the engine.
         let mut fresh = ShadowIndex::new(1_000);
-        fresh.correct(&c, 40, 4);
+        fresh.correct(&c, 40, 0, 4, 4);
         assert_eq!(fresh.longest_match(&c), 40);
         fresh.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_late_correction_keeps_what_later_requests_put_there() {
+        // A request on [1,2,3] is dispatched at 10 and finds only block 1 cached (2 had
+        // been evicted). Before its count arrives with the end of its response (at
+        // 50), a later request on [1,2,4] (at 20) ran after it: the engine holds block
+        // 4. The one on [1,2,5], used last before the dispatch, went with block 2.
+        let mut ix = ShadowIndex::new(1_000);
+        ix.insert(&chain(&[1, 2, 5]), 5);
+        let c = chain(&[1, 2, 3]);
+        ix.insert(&c, 10);
+        ix.insert(&chain(&[1, 2, 4]), 20);
+        ix.correct(&c, 10, 20, 10, 50);
+        assert_eq!(ix.longest_match(&chain(&[1, 2, 4])), 30, "used since: kept");
+        assert_eq!(ix.longest_match(&chain(&[1, 2, 5])), 20, "stale: dropped");
+        assert_eq!(ix.longest_match(&c), 30);
+        ix.check_invariants().unwrap();
     }
 
     #[test]
@@ -574,7 +644,7 @@ mod tests {
         let mut c = chain(&[1, 7]);
         c.block_tokens[0] += 1;
         ix.insert(&c, 1);
-        ix.correct(&c, 10, 2);
+        ix.correct(&c, 10, 11, 1, 2);
         assert_eq!(
             ix.longest_match(&chain(&[1, 2, 3])),
             30,
@@ -670,7 +740,11 @@ mod tests {
             for (t, op) in ops.into_iter().enumerate() {
                 match op {
                     Op::Insert(ids) => ix.insert(&chain(&ids), t as u64),
-                    Op::Correct(ids, tokens) => ix.correct(&chain(&ids), tokens, t as u64),
+                    Op::Correct(ids, tokens) => {
+                        let c = chain(&ids);
+                        let predicted = ix.longest_match(&c);
+                        ix.correct(&c, tokens, predicted, (t as u64).saturating_sub(3), t as u64)
+                    }
                     Op::Capacity(c) => ix.set_capacity(c),
                     Op::Sample(bits) => ix.set_summary_sample(SummarySample::from_bits(bits).unwrap()),
                     Op::Sync => sync(&ix, &mut peer),

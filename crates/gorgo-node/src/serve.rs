@@ -414,6 +414,7 @@ pub async fn serve_local(
     // subtracts it at the first byte so `t_p` measures prefill, not queueing.
     let mut ticket = engine.adapter.dispatch(prompt_tokens, uncached);
     let started = Instant::now();
+    let dispatched_ms = state.now_ms();
     let engine_span = telemetry::engine_span(&state.id);
     let mut headers = req.headers.clone();
     headers.extend(telemetry::trace_headers(&engine_span));
@@ -442,7 +443,7 @@ pub async fn serve_local(
         if let Some(kv) = &engine.kv_events {
             kv.on_dispatch();
         }
-        let delta = engine.shadow.lock().insert(&req.chain, state.now_ms());
+        let delta = engine.shadow.lock().insert(&req.chain, dispatched_ms);
         if let Some(delta) = delta {
             state.peers.publish_summary(replica, &delta);
         }
@@ -477,7 +478,13 @@ pub async fn serve_local(
                     let error = predicted.abs_diff(cached) as f64 / prompt_tokens as f64;
                     st.metrics.cache_estimate_error.observe(error.min(1.0));
                 }
-                let delta = eng.shadow.lock().correct(&chain, cached, st.now_ms());
+                let delta = eng.shadow.lock().correct(
+                    &chain,
+                    cached,
+                    predicted,
+                    dispatched_ms,
+                    st.now_ms(),
+                );
                 if let Some(delta) = delta {
                     st.peers.publish_summary(replica, &delta);
                 }

@@ -83,16 +83,26 @@ impl LocalCache {
         self.take_delta()
     }
 
-    /// Correct the model with the engine's own count of cached prompt tokens (the
-    /// shadow model only: the events are the engine's word already).
+    /// Correct the model with the engine's own count of cached prompt tokens for a
+    /// request dispatched at `dispatched_ms`, for which the model had predicted
+    /// `predicted_tokens` (the shadow model only: the events are the engine's word
+    /// already).
     pub fn correct(
         &mut self,
         chain: &HashChain,
         cached_tokens: u64,
+        predicted_tokens: u64,
+        dispatched_ms: u64,
         now_ms: u64,
     ) -> Option<SummaryDelta> {
         if self.source == IndexSource::Shadow {
-            self.index.correct(chain, cached_tokens, now_ms);
+            self.index.correct(
+                chain,
+                cached_tokens,
+                predicted_tokens,
+                dispatched_ms,
+                now_ms,
+            );
         }
         self.take_delta()
     }

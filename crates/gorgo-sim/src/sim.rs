@@ -410,6 +410,9 @@ struct Flight {
     local_predicted_ttft_ms: Option<f64>,
     /// The target's own TTFT estimate carried by its refusal, ms.
     refusal_estimate_ms: Option<f64>,
+    /// What the serving engine's index predicted cached when it was dispatched there:
+    /// what the engine's own count corrects.
+    dispatch_cached_tokens: u64,
     /// The engine of the client's node that decision priced cheapest
     /// (`gorgo_core::decision::best_local`): where a refused forward is served, as the
     /// node serves it.
@@ -842,6 +845,7 @@ impl<'a> Sim<'a> {
             forwarded_ms: None,
             local_predicted_ttft_ms: None,
             refusal_estimate_ms: None,
+            dispatch_cached_tokens: 0,
             local_engine: None,
             chosen_terms: None,
             offer: None,
@@ -1333,10 +1337,14 @@ impl<'a> Sim<'a> {
         // less the prefix its shadow index believes cached, looked up before inserting;
         // its view records the dispatch before the engine sees it.
         match self.oracle.as_mut() {
-            Some(o) => o.index[e].insert(&f.chain, nowu),
+            Some(o) => {
+                f.dispatch_cached_tokens = o.index[e].longest_match(&f.chain);
+                o.index[e].insert(&f.chain, nowu)
+            }
             None => {
                 let node = &mut self.nodes[r].engines[k];
                 let cached = node.shadow.longest_match(&f.chain).min(prompt_tokens);
+                f.dispatch_cached_tokens = cached;
                 // Following the engine's events, the node models nothing.
                 if node
                     .kv
@@ -1487,7 +1495,13 @@ impl<'a> Sim<'a> {
         match self.oracle.as_mut() {
             Some(o) => {
                 let f = self.flights[slot as usize].as_ref().expect("live");
-                o.index[e].correct(&f.chain, cached, at as u64);
+                o.index[e].correct(
+                    &f.chain,
+                    cached,
+                    f.dispatch_cached_tokens,
+                    f.dispatched_ms as u64,
+                    at as u64,
+                );
             }
             None => {
                 self.nodes[r].engines[k]
@@ -1545,7 +1559,13 @@ impl<'a> Sim<'a> {
                 .as_ref()
                 .is_none_or(|kv| kv.source() == IndexSource::Shadow)
             {
-                engine.shadow.correct(&f.chain, f.cached_tokens, at as u64);
+                engine.shadow.correct(
+                    &f.chain,
+                    f.cached_tokens,
+                    f.dispatch_cached_tokens,
+                    f.dispatched_ms as u64,
+                    at as u64,
+                );
             }
         }
         let mut back = self.client_delay(home);
