@@ -446,6 +446,21 @@ impl EngineExtras {
         }
     }
 
+    /// What an emulator's node gets: [`EngineExtras::tokens`], and its prefill fit
+    /// seeded with the emulated profile's own figures, as `gorgo sim` seeds its nodes
+    /// (docs/simulator.md, "What a node decides on"). The node's defaults are the
+    /// paper's A100 figures, and the fit stays within a factor of 4 of its seed: a
+    /// node in front of a faster profile could never learn it.
+    fn emulated(args: &UpArgs) -> anyhow::Result<Self> {
+        let profile = gorgo_engine::Profile::by_name_or_file(&args.engine_profile)
+            .with_context(|| format!("--engine-profile {}", args.engine_profile))?;
+        Ok(EngineExtras {
+            t_p_ms: Some(profile.t_p_ms_per_token),
+            base_ms: Some(profile.idle_ttft_ms(0)),
+            ..EngineExtras::tokens(args)
+        })
+    }
+
     /// The emulator's arguments that make it count as the nodes do.
     fn emulator_args(&self) -> Vec<String> {
         let mut out = Vec::new();
@@ -677,7 +692,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
                 url.clone()
             }
             None => {
-                let extras = EngineExtras::tokens(&args);
+                let extras = EngineExtras::emulated(&args)?;
                 for replica in 0..args.replicas {
                     let addr = replica_engine_addr(r.engine_addr, replica)?;
                     let mut engine_args = vec![

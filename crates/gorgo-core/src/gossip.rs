@@ -284,6 +284,9 @@ pub struct PeerGossip {
     gap_since_ms: Option<u64>,
     /// When we last asked this peer for a snapshot, ms.
     snapshot_requested_at_ms: Option<u64>,
+    /// The stats version of the summary message whose model list is held: an older
+    /// one that arrives later (its stream overtaken) must not bring back an old list.
+    models_version: u64,
 }
 
 impl PeerGossip {
@@ -318,6 +321,7 @@ impl PeerGossip {
     pub fn forget(&mut self) {
         self.summary = None;
         self.stats = None;
+        self.models_version = 0;
         self.clear_pending();
         self.snapshot_requested_at_ms = None;
     }
@@ -374,21 +378,26 @@ impl PeerGossip {
     }
 
     /// Stats that came with a summary message: the load as [`offer_stats`]
-    /// (newer only), and the model list whatever the load's order. Only summary
-    /// messages carry models, and they arrive in the order sent (one in flight per
-    /// peer), while the SWIM copies of the same stats may have overtaken them.
+    /// (newer only), and the model list unless a later summary message's list is
+    /// held already. Only summary messages carry models; the SWIM copies of the same
+    /// stats may have overtaken them, so the load's order does not decide the list,
+    /// and summary messages themselves can overtake each other (one stream each).
     ///
     /// [`offer_stats`]: Self::offer_stats
     fn offer_summary_stats(&mut self, mut stats: QueueStats) -> bool {
         stats.bound_models();
         let mut updated = self.offer_stats(&stats);
+        let newer_list = stats.version >= self.models_version;
         if let Some(held) = self
             .stats
             .as_mut()
-            .filter(|s| s.incarnation == stats.incarnation && s.models != stats.models)
+            .filter(|s| s.incarnation == stats.incarnation && newer_list)
         {
-            held.models = stats.models;
-            updated = true;
+            self.models_version = stats.version;
+            if held.models != stats.models {
+                held.models = stats.models;
+                updated = true;
+            }
         }
         updated
     }
@@ -825,9 +834,14 @@ mod tests {
         assert!(recv(&mut p, msg, 0).stats_updated);
         assert_eq!(p.stats().unwrap().order(), (2, 5));
         assert_eq!(p.stats().unwrap().models, ["llama"]);
+        // Summary messages overtake each other too: an older one's list, arriving
+        // after a newer one's, does not bring the old list back.
+        assert!(p.offer_summary_stats(with(2, 8, &["llama", "qwen"])));
+        assert!(!p.offer_summary_stats(with(2, 7, &["llama"])));
+        assert_eq!(p.stats().unwrap().models, ["llama", "qwen"]);
         // A peer's list is bounded before it is held.
         let many: Vec<String> = (0..1000).map(|i| format!("m{i}")).collect();
-        let mut huge = with(2, 6, &[]);
+        let mut huge = with(2, 9, &[]);
         huge.models = many;
         huge.models
             .insert(0, "x".repeat(crate::types::MAX_MODEL_ID_BYTES + 1));

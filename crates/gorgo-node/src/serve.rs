@@ -316,6 +316,14 @@ async fn route_and_serve(
     })
 }
 
+/// Whether response `headers` say the body is a server-sent event stream: only then
+/// does its first chunk mark the first token.
+fn is_event_stream(headers: &[(String, String)]) -> bool {
+    headers
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("content-type") && v.contains("text/event-stream"))
+}
+
 /// The local engine a decision priced cheapest among those that could serve
 /// (`gorgo_core::decision::best_local`, as the simulator picks it): where a forward
 /// that fails or is refused goes instead, what a forward offers the peer as the cost
@@ -369,10 +377,7 @@ fn learn_forward_bias(
     };
     // Only a stream's first chunk marks its first token; a whole JSON body comes at the
     // end, which would teach the ledger E2E instead.
-    let streaming = up
-        .headers
-        .iter()
-        .any(|(k, v)| k.eq_ignore_ascii_case("content-type") && v.contains("text/event-stream"));
+    let streaming = is_event_stream(&up.headers);
     if up.status >= 300 || !streaming {
         return up;
     }
@@ -449,6 +454,9 @@ pub async fn serve_local(
         }
     }
     let headers = pass_headers(resp.headers());
+    // Only a stream's first chunk marks the first token; a whole JSON body comes at the
+    // end, and would feed the prefill fit the request's E2E as its TTFT.
+    let streaming = is_event_stream(&headers);
     let st = state.clone();
     let eng = engine.clone();
     let chain = req.chain.clone();
@@ -467,7 +475,7 @@ pub async fn serve_local(
         if first {
             first = false;
             let ttft_ms = started.elapsed().as_secs_f64() * 1000.0;
-            ticket.prefilled((status < 300).then_some(ttft_ms));
+            ticket.prefilled((status < 300 && streaming).then_some(ttft_ms));
         }
         if let (Ok(bytes), false) = (&chunk, corrected && observed) {
             usage.feed(bytes);

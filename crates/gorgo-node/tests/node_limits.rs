@@ -452,8 +452,6 @@ async fn partial_body(from: &str, to: SocketAddr, len: usize, sent: usize) -> Tc
 
 #[tokio::test]
 async fn bodies_being_read_share_one_byte_budget() {
-    use gorgo_node::api::{ServeError, Upstream};
-    use gorgo_node::peers::IncomingForward;
     let engine = StubEngine::start("e").await;
     // The smallest budget a 64 KiB body cap allows: one largest forwarded request.
     let budget: i64 = 65_536 + 1_048_576;
@@ -474,14 +472,10 @@ async fn bodies_being_read_share_one_byte_budget() {
     for _ in 0..17 {
         slow.push(partial_body("127.0.0.2", http_addr(&node), 65_536, 65_535).await);
     }
-    let held = async {
-        while reading(&node) < budget {
-            tokio::task::yield_now().await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(30), held)
-        .await
-        .expect("the slow bodies take the budget");
+    until("the slow bodies take the budget", || {
+        reading(&node) >= budget
+    })
+    .await;
     let resp = client_from("127.0.0.3")
         .post(format!("{}/v1/chat/completions", node.base))
         .json(&chat_body("hi", false))
@@ -494,33 +488,13 @@ async fn bodies_being_read_share_one_byte_budget() {
     let message = err["error"]["message"].as_str().unwrap();
     assert!(message.contains("limits.max_body_bytes_in_flight"), "{err}");
     // A peer's forward takes its announced length first: none fits now.
-    let (mut to_node, from_peer) = tokio::io::duplex(1 << 16);
-    let (to_peer, mut from_node) = tokio::io::duplex(1 << 16);
-    to_node.write_all(&4096u32.to_be_bytes()).await.unwrap();
-    let incoming = IncomingForward {
-        from: gorgo_core::NodeId::from("b"),
-        send: Box::pin(to_peer),
-        recv: Box::pin(from_peer),
-    };
-    gorgo_node::forward::handle_incoming(node.state().clone(), incoming, |_, _| {
-        std::future::pending::<Result<Upstream, ServeError>>()
-    })
-    .await;
-    let head: gorgo_core::wire::ForwardResponseHead =
-        gorgo_node::forward::read_frame(&mut from_node, 1 << 20)
-            .await
-            .unwrap();
-    assert_eq!(head.status, 503);
+    assert_eq!(
+        forward_head_status(&node, &4096u32.to_be_bytes()).await,
+        503
+    );
     // Bodies that go away give their share back; then a request is served.
     drop(slow);
-    let released = async {
-        while reading(&node) > 0 {
-            tokio::task::yield_now().await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(30), released)
-        .await
-        .expect("closed bodies give the budget back");
+    until("closed bodies give the budget back", || reading(&node) == 0).await;
     let resp = client_from("127.0.0.3")
         .post(format!("{}/v1/chat/completions", node.base))
         .json(&chat_body("hi", false))

@@ -465,38 +465,16 @@ async fn health_routes_and_local_passthrough_answer_as_engines_do() {
 /// itself), and never reaches the engine.
 #[tokio::test]
 async fn a_forward_that_is_garbage_or_never_sent_gets_a_502_head() {
-    use gorgo_node::api::{ServeError, Upstream};
-    use gorgo_node::peers::IncomingForward;
-    use tokio::io::AsyncWriteExt;
     let engine = StubEngine::start("e").await;
     let node = start_node(
         config("a", &engine.url(), "[limits]\nbody_timeout_ms = 50\n"),
         None,
     )
     .await;
-    for garbage in [true, false] {
-        let (mut to_node, from_peer) = tokio::io::duplex(1 << 16);
-        let (to_peer, mut from_node) = tokio::io::duplex(1 << 16);
-        if garbage {
-            to_node.write_all(&8u32.to_be_bytes()).await.unwrap();
-            to_node.write_all(b"not bincode").await.unwrap();
-        }
-        let incoming = IncomingForward {
-            from: gorgo_core::NodeId::from("b"),
-            send: Box::pin(to_peer),
-            recv: Box::pin(from_peer),
-        };
-        gorgo_node::forward::handle_incoming(node.state().clone(), incoming, |_, _| {
-            std::future::pending::<Result<Upstream, ServeError>>()
-        })
-        .await;
-        let head: gorgo_core::wire::ForwardResponseHead =
-            gorgo_node::forward::read_frame(&mut from_node, 1 << 20)
-                .await
-                .unwrap();
-        assert_eq!(head.status, 502, "garbage: {garbage}");
-        drop(to_node);
-    }
+    let mut garbage = 8u32.to_be_bytes().to_vec();
+    garbage.extend_from_slice(b"not bincode");
+    assert_eq!(forward_head_status(&node, &garbage).await, 502, "garbage");
+    assert_eq!(forward_head_status(&node, &[]).await, 502, "never sent");
     assert_eq!(engine.requests(), 0);
     node.shutdown.cancel();
 }

@@ -590,3 +590,29 @@ pub async fn until(what: &str, mut cond: impl FnMut() -> bool) {
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
 }
+
+/// The status of the head `node` answers a peer's forward whose stream carries
+/// `first_bytes` and then stays open without more (the peer's end is held until the
+/// head is read). Nothing is served: the serve step never completes.
+#[allow(dead_code)]
+pub async fn forward_head_status(node: &TestNode, first_bytes: &[u8]) -> u16 {
+    use gorgo_node::api::{ServeError, Upstream};
+    let (mut to_node, from_peer) = tokio::io::duplex(1 << 16);
+    let (to_peer, mut from_node) = tokio::io::duplex(1 << 16);
+    to_node.write_all(first_bytes).await.unwrap();
+    let incoming = gorgo_node::peers::IncomingForward {
+        from: gorgo_core::NodeId::from("b"),
+        send: Box::pin(to_peer),
+        recv: Box::pin(from_peer),
+    };
+    gorgo_node::forward::handle_incoming(node.state().clone(), incoming, |_, _| {
+        std::future::pending::<Result<Upstream, ServeError>>()
+    })
+    .await;
+    let head: gorgo_core::wire::ForwardResponseHead =
+        gorgo_node::forward::read_frame(&mut from_node, 1 << 20)
+            .await
+            .unwrap();
+    drop(to_node);
+    head.status
+}
