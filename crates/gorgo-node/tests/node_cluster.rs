@@ -332,7 +332,16 @@ async fn refusing_cluster(b_refuses: bool) -> (Cluster, String) {
     })
     .await;
     let p = b_prompt();
-    assert_eq!(chat(&c.nodes[1], &p).await, (200, "b".into(), 0));
+    // Streamed, so that b's prefill fit takes its first sample from it (a whole JSON
+    // body's first chunk comes at the end and teaches the fit nothing).
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", c.nodes[1].base))
+        .json(&chat_body(&p, true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(header(resp.headers(), "x-gorgo-served-by"), "b");
+    let _ = resp.bytes().await.unwrap();
     c.saturate(0, 5).await;
     c.saturate(1, 500).await;
     c.saturate(2, 5000).await;
