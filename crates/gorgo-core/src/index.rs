@@ -195,31 +195,27 @@ impl ShadowIndex {
     /// in its cache when its prefill ran; the index had predicted `predicted_tokens`
     /// when the request was dispatched at `dispatched_ms`.
     ///
-    /// The engine's word wins, without reordering what the index holds: the count
-    /// arrives with the end of the response (its usage), seconds or minutes after the
-    /// prefill it describes, and the dispatch already touched the chain.
+    /// The count arrives with the end of the response (its usage), seconds or minutes
+    /// after the prefill it describes, and the dispatch already inserted the chain. So
+    /// it only ever removes: if the engine cached less than predicted (at least half a
+    /// block less: the node's token counts may be estimates), the first block it
+    /// missed had been evicted there, and with it everything that extended it; the
+    /// blocks other requests hung below that point are dropped, those not used since
+    /// the dispatch. Blocks used since were put there by requests that came after this
+    /// one, whose prefill ran after this one's had recomputed the missed block. The
+    /// chain's own blocks stay: the engine has just computed them.
     ///
-    /// - If the engine cached less than predicted (at least half a block less: the
-    ///   node's token counts may be estimates), the first block it missed had been
-    ///   evicted there, and with it everything that extended it; so the blocks other
-    ///   requests hung below that point are dropped, those not used since the
-    ///   dispatch. Blocks used since were put there by requests that came after this
-    ///   one, whose prefill ran after this one's had recomputed the missed block. The
-    ///   chain's own blocks stay: the engine has just computed them.
-    /// - Blocks of the chain the index no longer holds are added back just behind
-    ///   their parent in the LRU order (the engine holds them: it has just used them).
-    ///
-    /// Measured (docs/simulator.md, "Late corrections"): applied the old way at the
-    /// response's end, dropping below the first block past the cached count even when
-    /// that was the request's own new block and moving the chain to the LRU head, it
-    /// made the index a worse predictor under KV pressure than no correction at all.
+    /// Nothing is added back and nothing reordered. Measured (docs/simulator.md, "Late
+    /// corrections"): moving the chain to the LRU head, or re-adding the chain's
+    /// blocks the index's LRU had dropped while the request ran, pushed out older
+    /// prefixes of sessions that come back, and under KV pressure made the index a
+    /// worse guide than no correction at all.
     pub fn correct(
         &mut self,
         chain: &HashChain,
         engine_cached_tokens: u64,
         predicted_tokens: u64,
         dispatched_ms: u64,
-        now_ms: u64,
     ) {
         let n = chain.hashes.len().min(chain.block_tokens.len());
         // Blocks whose first half lies within a count. The chain's token counts are the
@@ -243,13 +239,6 @@ impl ShadowIndex {
                 self.drop_off_chain_descendants(missed, chain, k, dispatched_ms);
             }
         }
-        for i in 0..n {
-            if !self.by_hash.contains_key(&chain.hashes[i]) {
-                let parent = i.checked_sub(1).map(|p| chain.hashes[p]);
-                self.insert_block(chain.hashes[i], parent, chain.block_tokens[i], now_ms);
-            }
-        }
-        self.evict_to_capacity();
     }
 
     /// The engine says it holds block `hash` below `parent` (its KV events:
@@ -604,14 +593,15 @@ mod tests {
         // the engine, so [1,2,4,5] beyond block 1 is gone there.
         let c = chain(&[1, 2, 3, 6]);
         ix.insert(&c, 2);
-        ix.correct(&c, 10, 30, 2, 3);
+        ix.correct(&c, 10, 30, 2);
         assert_eq!(ix.longest_match(&c), 40);
         assert_eq!(ix.longest_match(&chain(&[1, 2, 4, 5])), 20);
         ix.check_invariants().unwrap();
-        // More than we modelled: believe the engine.
+        // More than we modelled: a late count adds nothing (the blocks it speaks of
+        // may have gone since; re-adding them pushed out prefixes that come back).
         let mut fresh = ShadowIndex::new(1_000);
-        fresh.correct(&c, 40, 0, 4, 4);
-        assert_eq!(fresh.longest_match(&c), 40);
+        fresh.correct(&c, 40, 0, 4);
+        assert_eq!(fresh.longest_match(&c), 0);
         fresh.check_invariants().unwrap();
     }
 
@@ -626,7 +616,7 @@ mod tests {
         let c = chain(&[1, 2, 3]);
         ix.insert(&c, 10);
         ix.insert(&chain(&[1, 2, 4]), 20);
-        ix.correct(&c, 10, 20, 10, 50);
+        ix.correct(&c, 10, 20, 10);
         assert_eq!(ix.longest_match(&chain(&[1, 2, 4])), 30, "used since: kept");
         assert_eq!(ix.longest_match(&chain(&[1, 2, 5])), 20, "stale: dropped");
         assert_eq!(ix.longest_match(&c), 30);
@@ -644,7 +634,7 @@ mod tests {
         let mut c = chain(&[1, 7]);
         c.block_tokens[0] += 1;
         ix.insert(&c, 1);
-        ix.correct(&c, 10, 11, 1, 2);
+        ix.correct(&c, 10, 11, 1);
         assert_eq!(
             ix.longest_match(&chain(&[1, 2, 3])),
             30,
@@ -743,7 +733,7 @@ mod tests {
                     Op::Correct(ids, tokens) => {
                         let c = chain(&ids);
                         let predicted = ix.longest_match(&c);
-                        ix.correct(&c, tokens, predicted, (t as u64).saturating_sub(3), t as u64)
+                        ix.correct(&c, tokens, predicted, (t as u64).saturating_sub(3))
                     }
                     Op::Capacity(c) => ix.set_capacity(c),
                     Op::Sample(bits) => ix.set_summary_sample(SummarySample::from_bits(bits).unwrap()),

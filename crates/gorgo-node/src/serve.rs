@@ -486,13 +486,10 @@ pub async fn serve_local(
                     let error = predicted.abs_diff(cached) as f64 / prompt_tokens as f64;
                     st.metrics.cache_estimate_error.observe(error.min(1.0));
                 }
-                let delta = eng.shadow.lock().correct(
-                    &chain,
-                    cached,
-                    predicted,
-                    dispatched_ms,
-                    st.now_ms(),
-                );
+                let delta = eng
+                    .shadow
+                    .lock()
+                    .correct(&chain, cached, predicted, dispatched_ms);
                 if let Some(delta) = delta {
                     st.peers.publish_summary(replica, &delta);
                 }

@@ -93,16 +93,10 @@ impl LocalCache {
         cached_tokens: u64,
         predicted_tokens: u64,
         dispatched_ms: u64,
-        now_ms: u64,
     ) -> Option<SummaryDelta> {
         if self.source == IndexSource::Shadow {
-            self.index.correct(
-                chain,
-                cached_tokens,
-                predicted_tokens,
-                dispatched_ms,
-                now_ms,
-            );
+            self.index
+                .correct(chain, cached_tokens, predicted_tokens, dispatched_ms);
         }
         self.take_delta()
     }

@@ -1500,7 +1500,6 @@ impl<'a> Sim<'a> {
                     cached,
                     f.dispatch_cached_tokens,
                     f.dispatched_ms as u64,
-                    at as u64,
                 );
             }
             None => {
@@ -1564,7 +1563,6 @@ impl<'a> Sim<'a> {
                     f.cached_tokens,
                     f.dispatch_cached_tokens,
                     f.dispatched_ms as u64,
-                    at as u64,
                 );
             }
         }
