@@ -290,8 +290,6 @@ impl ShadowIndex {
         }
     }
 
-    /// Remove every descendant of `slot` (block `depth` of `chain`) that is not on
-    /// `chain` itself.
     /// Below `slot` (block `depth` of `chain`), drop every block off the chain last
     /// used at or before `stale_by`.
     fn drop_off_chain_descendants(

@@ -477,6 +477,17 @@ struct NodeEngine {
     kv: Option<KvEventFollower>,
 }
 
+impl NodeEngine {
+    /// Whether the node models the engine's cache itself (dispatches insert, counts
+    /// correct), as the live node's shadow index does unless the engine's KV events
+    /// rule it.
+    fn models_cache(&self) -> bool {
+        self.kv
+            .as_ref()
+            .is_none_or(|kv| kv.source() == IndexSource::Shadow)
+    }
+}
+
 /// The state every engine has whatever the mode.
 struct Replica {
     engine: Engine,
@@ -493,7 +504,8 @@ struct Replica {
 struct Oracle {
     policy: Box<dyn Policy>,
     /// Per engine: its prefix cache as the oracle tracks it (inserted on dispatch,
-    /// corrected with the engine's own cached-token count at first token).
+    /// corrected with the engine's own cached-token count at first token, by the same
+    /// rule as the nodes': a count only removes).
     index: Vec<ShadowIndex>,
     /// Per engine: requests on their way there, and their expected prefill tokens.
     in_transit: Vec<(u32, u64)>,
@@ -1346,11 +1358,7 @@ impl<'a> Sim<'a> {
                 let cached = node.shadow.longest_match(&f.chain).min(prompt_tokens);
                 f.dispatch_cached_tokens = cached;
                 // Following the engine's events, the node models nothing.
-                if node
-                    .kv
-                    .as_ref()
-                    .is_none_or(|kv| kv.source() == IndexSource::Shadow)
-                {
+                if node.models_cache() {
                     node.shadow.insert(&f.chain, nowu);
                 }
                 node.view
@@ -1553,11 +1561,7 @@ impl<'a> Sim<'a> {
             // As the live node on the engine's usage (its last chunk): the engine's count
             // of cached prompt tokens corrects the shadow index (`ShadowIndex::correct`),
             // unless the index follows the engine's events.
-            if engine
-                .kv
-                .as_ref()
-                .is_none_or(|kv| kv.source() == IndexSource::Shadow)
-            {
+            if engine.models_cache() {
                 engine.shadow.correct(
                     &f.chain,
                     f.cached_tokens,
