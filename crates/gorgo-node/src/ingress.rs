@@ -26,7 +26,7 @@ use crate::api::{
     overloaded_response, session_key, BodyStream, RoutedRequest, ServeError, Upstream, HOPS_HEADER,
     PASS_REQUEST_HEADERS, POLICY_HEADER, SERVED_BY_HEADER, SESSION_HEADER,
 };
-use crate::serve::{serve, serve_elsewhere};
+use crate::serve::{is_event_stream, serve, serve_elsewhere};
 use crate::{telemetry, NodeState};
 
 /// The client-facing router.
@@ -527,6 +527,10 @@ fn respond(
     policy: &'static str,
 ) -> Response {
     let status = StatusCode::from_u16(up.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    // A whole JSON body's first byte comes at the end of generation: its "TTFT" is the
+    // request's E2E, which would score the tuner's trials by output length and bias its
+    // start fit by the decode time. Only event streams are measured for tuning.
+    let measured = measured.filter(|_| is_event_stream(&up.headers));
     let deadline = Duration::from_millis(state.config.limits.request_timeout_ms);
     let held = Arc::new(parking_lot::Mutex::new(Some((up.body, slot))));
     let (watch_tx, watch_rx) = tokio::sync::oneshot::channel::<()>();
@@ -578,7 +582,7 @@ struct Tracked {
     state: Arc<NodeState>,
     started: Instant,
     /// The tuning epoch and cell the request was admitted under (`None`: not
-    /// measured).
+    /// measured, which a response that is not an event stream never is).
     measured: Option<(u64, Cell)>,
     /// The decision's terms for its choice (the tuner's start-fit evidence).
     chosen_terms: Option<(CostTerms, Weights)>,

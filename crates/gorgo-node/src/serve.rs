@@ -318,7 +318,7 @@ async fn route_and_serve(
 
 /// Whether response `headers` say the body is a server-sent event stream: only then
 /// does its first chunk mark the first token.
-fn is_event_stream(headers: &[(String, String)]) -> bool {
+pub(crate) fn is_event_stream(headers: &[(String, String)]) -> bool {
     headers
         .iter()
         .any(|(k, v)| k.eq_ignore_ascii_case("content-type") && v.contains("text/event-stream"))

@@ -166,6 +166,44 @@ async fn three_nodes_follow_one_leader_and_epochs_advance() {
     assert!(metrics.contains("gorgo_tuning_epoch"), "{metrics}");
 }
 
+/// A non-streamed response's first byte comes at the end of generation: it must not
+/// reach the tuner as a TTFT (it would score trials by output length), nor the start
+/// fit; a streamed one must.
+#[tokio::test]
+async fn only_streamed_responses_are_measured_for_tuning() {
+    let c = cluster().await;
+    let a = &c.nodes[0];
+    let mut rx = a.state().tuning.subscribe();
+    while a.state().tuning.epoch() == 0 {
+        tokio::time::timeout(Duration::from_secs(10), rx.changed())
+            .await
+            .expect("a first epoch")
+            .unwrap();
+    }
+    let send = |i: usize, stream: bool| {
+        let base = a.base.clone();
+        async move {
+            let resp = client()
+                .post(format!("{base}/v1/chat/completions"))
+                .json(&chat_body(&prompt(&format!("s{i}"), 600), stream))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200);
+            resp.bytes().await.unwrap();
+        }
+    };
+    let before = a.state().tuning.view().fit_samples;
+    for i in 0..8 {
+        send(i, false).await;
+    }
+    assert_eq!(a.state().tuning.view().fit_samples, before);
+    for i in 8..10 {
+        send(i, true).await;
+    }
+    assert!(a.state().tuning.view().fit_samples > before);
+}
+
 #[tokio::test]
 async fn killed_leader_is_replaced_by_the_next_smallest_id() {
     let c = cluster().await;
