@@ -341,7 +341,7 @@ impl EngineView {
         uncached_tokens: u64,
         now_ms: u64,
     ) -> f64 {
-        self.finish(id, now_ms);
+        self.cancel(id);
         let queued_est_ms = self.queued_estimate_ms();
         let prefill_tokens = uncached_tokens.min(prompt_tokens);
         // EWMA (1/8) of the prefill work we dispatch.
@@ -394,14 +394,28 @@ impl EngineView {
         }
     }
 
-    /// `id` finished, failed or was cancelled at `now_ms`: release what it still holds.
-    /// A request past its first token also updates the measured decode time
-    /// ([`EngineSlots::decode_ms`]). Idempotent; unknown ids are ignored.
+    /// `id` ran to its end at `now_ms`: release what it still holds. A request past its
+    /// first token also updates the measured decode time ([`EngineSlots::decode_ms`]).
+    /// Idempotent; unknown ids are ignored.
     pub fn finish(&mut self, id: u64, now_ms: u64) {
+        self.release(id, Some(now_ms));
+    }
+
+    /// `id` failed, was cancelled or timed out: release what it still holds, and learn
+    /// nothing from how long it ran. A client that leaves one token in, or a deadline
+    /// of minutes, says nothing about how long the engine decodes a request; the
+    /// decode time is gossiped and prices a slot-bound engine's queue at every peer.
+    /// Idempotent; unknown ids are ignored.
+    pub fn cancel(&mut self, id: u64) {
+        self.release(id, None);
+    }
+
+    /// Release `id`; with `ended_ms`, the time it ran to its end, for the decode time.
+    fn release(&mut self, id: u64, ended_ms: Option<u64>) {
         let Some(d) = self.dispatched.remove(&id) else {
             return;
         };
-        if let Some(first) = d.first_token_ms {
+        if let (Some(first), Some(now_ms)) = (d.first_token_ms, ended_ms) {
             let sample = now_ms.saturating_sub(first) as f64;
             self.decode_ms = Some(match self.decode_ms {
                 None => sample,
@@ -541,6 +555,15 @@ mod tests {
         v.first_token(4, None, 5000);
         v.finish(4, 5001);
         assert!((decode_ms(&mut v) - d).abs() < 1e-9);
+        // Nor does one past its first token that is cancelled (a client gone one token
+        // in, a deadline of minutes) or dispatched again under its id.
+        v.cancel(3);
+        v.dispatch(6, 100, 100, 5100);
+        v.first_token(6, Some(50.0), 5150);
+        v.dispatch(6, 100, 100, 900_000);
+        v.cancel(6);
+        assert!((decode_ms(&mut v) - d).abs() < 1e-9);
+        assert_eq!(v.inflight(), 0);
         // Without a configured limit the same queue is prefill only.
         let mut unlimited = view();
         unlimited.dispatch(1, 100, 100, 0);

@@ -679,7 +679,9 @@ fn reported_max_running(kind: EngineKind, info: &serde_json::Value) -> Option<u3
     }
 }
 
-/// One dispatch in the view, released in steps.
+/// One dispatch in the view, released in steps. Dropped without
+/// [`EngineTicket::completed`], it counts as cancelled or failed
+/// ([`EngineView::cancel`]).
 #[derive(Debug)]
 pub struct EngineTicket {
     engine: Arc<EngineAdapter>,
@@ -699,10 +701,19 @@ impl EngineTicket {
     }
 }
 
-impl Drop for EngineTicket {
-    fn drop(&mut self) {
+impl EngineTicket {
+    /// The response ran to its end: release it, and let its decode time count
+    /// ([`EngineView::finish`]).
+    pub fn completed(self) {
         let now_ms = self.engine.now_ms();
         self.engine.view.lock().finish(self.id, now_ms);
+        // Drop's cancel then finds nothing left to release.
+    }
+}
+
+impl Drop for EngineTicket {
+    fn drop(&mut self) {
+        self.engine.view.lock().cancel(self.id);
     }
 }
 

@@ -417,7 +417,7 @@ pub async fn serve_local(
     let uncached = prompt_tokens.saturating_sub(cached);
     // The view records the wait it expects behind work already at the engine; the fit
     // subtracts it at the first byte so `t_p` measures prefill, not queueing.
-    let mut ticket = engine.adapter.dispatch(prompt_tokens, uncached);
+    let ticket = engine.adapter.dispatch(prompt_tokens, uncached);
     let started = Instant::now();
     let dispatched_ms = state.now_ms();
     let engine_span = telemetry::engine_span(&state.id);
@@ -468,6 +468,10 @@ pub async fn serve_local(
     let mut usage = crate::usage::UsageScanner::default();
     let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let failed_in_body = failed.clone();
+    // The ticket is released by the body's end (`ended`, a clean end) or by dropping
+    // the stream (a cancel, a failure, the deadline); the first chunk marks its prefill.
+    let ticket = Arc::new(parking_lot::Mutex::new(Some(ticket)));
+    let ticket_in_body = ticket.clone();
     let body = resp.bytes_stream().map(move |chunk| {
         if chunk.is_err() {
             failed_in_body.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -475,7 +479,11 @@ pub async fn serve_local(
         if first {
             first = false;
             let ttft_ms = started.elapsed().as_secs_f64() * 1000.0;
-            ticket.prefilled((status < 300 && streaming).then_some(ttft_ms));
+            // An error in place of the first chunk is no prefill time.
+            let measured = status < 300 && streaming && chunk.is_ok();
+            if let Some(t) = ticket_in_body.lock().as_mut() {
+                t.prefilled(measured.then_some(ttft_ms));
+            }
         }
         if let (Ok(bytes), false) = (&chunk, corrected && observed) {
             usage.feed(bytes);
@@ -514,8 +522,12 @@ pub async fn serve_local(
     });
     // The body ran to its end: the request succeeded, for the breaker too.
     let ended = futures::stream::once(async move {
+        let taken = ticket.lock().take();
         if !failed.load(std::sync::atomic::Ordering::Relaxed) {
             engine.adapter.record(RequestOutcome::Answered);
+            if let Some(t) = taken {
+                t.completed();
+            }
         }
         // The engine's part ends with its body (or when the relay drops it).
         drop(engine_span);
