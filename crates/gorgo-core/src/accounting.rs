@@ -329,18 +329,12 @@ impl EngineView {
         .0
     }
 
-    /// Request `id` was sent to the engine at `now_ms`. `uncached_tokens` is what the
+    /// Request `id` was sent to the engine now. `uncached_tokens` is what the
     /// engine must prefill (the prompt less the prefix the shadow index expects cached,
     /// clamped to the prompt): the queue's work, while the raw `prompt_tokens` is what
-    /// `gorgo-paper` counts. A repeated `id` first finishes the old one, so counters
+    /// `gorgo-paper` counts. A repeated `id` first cancels the old one, so counters
     /// never double count. Returns the queueing estimate recorded for the fit, ms.
-    pub fn dispatch(
-        &mut self,
-        id: u64,
-        prompt_tokens: u64,
-        uncached_tokens: u64,
-        now_ms: u64,
-    ) -> f64 {
+    pub fn dispatch(&mut self, id: u64, prompt_tokens: u64, uncached_tokens: u64) -> f64 {
         self.cancel(id);
         let queued_est_ms = self.queued_estimate_ms();
         let prefill_tokens = uncached_tokens.min(prompt_tokens);
@@ -444,7 +438,7 @@ mod tests {
     #[test]
     fn dispatch_counts_uncached_tokens_as_prefill_work() {
         let mut v = view();
-        v.dispatch(1, 1000, 150, 0);
+        v.dispatch(1, 1000, 150);
         let stats = v.queue_stats(0);
         assert_eq!(stats.unfinished_prefill_tokens, 150);
         assert_eq!(stats.queued_prompt_tokens, 1000);
@@ -459,7 +453,7 @@ mod tests {
         let stats = v.queue_stats(0);
         assert_eq!((stats.queued_prompt_tokens, v.inflight()), (0, 0));
         // More uncached than prompt (a stale count) is clamped to the prompt.
-        v.dispatch(2, 10, 50, 20);
+        v.dispatch(2, 10, 50);
         assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, 10);
     }
 
@@ -490,8 +484,8 @@ mod tests {
         let mut v = view();
         // Our own requests: a long one and a short one, neither prefilled yet. The mean
         // prompt the EWMA settles on lies between them.
-        v.dispatch(1, 30_000, 30_000, 0);
-        v.dispatch(2, 100, 100, 0);
+        v.dispatch(1, 30_000, 30_000);
+        v.dispatch(2, 100, 100);
         let ours = 30_100;
         let scrape = |waiting: f64| EngineMetrics {
             running: Some(0.0),
@@ -527,8 +521,8 @@ mod tests {
         })
         .unwrap();
         // Nothing decoded yet: only prefill is counted.
-        v.dispatch(1, 100, 100, 0);
-        v.dispatch(2, 100, 100, 0);
+        v.dispatch(1, 100, 100);
+        v.dispatch(2, 100, 100);
         assert!((v.queued_estimate_ms() - 100.0).abs() < 1e-9);
         // Request 1 decodes for 400 ms, request 2 for 600 ms (both successes; their
         // TTFTs feed the fit, so the prefill part below is read from it).
@@ -543,10 +537,10 @@ mod tests {
         assert_eq!(v.queue_stats(0).slots.unwrap().max_running, 1);
         // Three requests of ours ahead, one of them decoding: the rest of its decode,
         // the other two's prefill and their whole decode.
-        v.dispatch(3, 100, 100, 1200);
+        v.dispatch(3, 100, 100);
         v.first_token(3, Some(50.0), 1250);
-        v.dispatch(4, 100, 100, 1300);
-        v.dispatch(5, 100, 100, 1300);
+        v.dispatch(4, 100, 100);
+        v.dispatch(5, 100, 100);
         let prefill = 200.0 * v.fit().t_p_ms();
         assert!((v.queued_estimate_ms() - (prefill + 2.5 * d)).abs() < 1e-9);
         // A cancelled request that never got its first token leaves the average alone,
@@ -558,19 +552,19 @@ mod tests {
         // Nor does one past its first token that is cancelled (a client gone one token
         // in, a deadline of minutes) or dispatched again under its id.
         v.cancel(3);
-        v.dispatch(6, 100, 100, 5100);
+        v.dispatch(6, 100, 100);
         v.first_token(6, Some(50.0), 5150);
-        v.dispatch(6, 100, 100, 900_000);
+        v.dispatch(6, 100, 100);
         v.cancel(6);
         assert!((decode_ms(&mut v) - d).abs() < 1e-9);
         assert_eq!(v.inflight(), 0);
         // Without a configured limit the same queue is prefill only.
         let mut unlimited = view();
-        unlimited.dispatch(1, 100, 100, 0);
+        unlimited.dispatch(1, 100, 100);
         unlimited.first_token(1, Some(200.0), 10);
         unlimited.finish(1, 1000);
-        unlimited.dispatch(2, 100, 100, 1000);
-        unlimited.dispatch(3, 100, 100, 1000);
+        unlimited.dispatch(2, 100, 100);
+        unlimited.dispatch(3, 100, 100);
         assert_eq!(unlimited.queue_stats(0).slots, None);
         assert!(
             (unlimited.queued_estimate_ms() - 200.0 * unlimited.fit().t_p_ms()).abs() < 1e-9,
@@ -616,10 +610,10 @@ mod tests {
     fn short_requests_behind_a_long_one_are_not_counted_at_its_size() {
         let mut v = view();
         // A long prompt lifts the mean; then three short ones wait.
-        v.dispatch(1, 30_000, 30_000, 0);
+        v.dispatch(1, 30_000, 30_000);
         v.first_token(1, None, 1);
         for id in 2..5 {
-            v.dispatch(id, 100, 100, 2);
+            v.dispatch(id, 100, 100);
         }
         v.scrape(
             EngineMetrics {
@@ -665,8 +659,8 @@ mod tests {
     fn the_fit_sees_ttft_less_the_wait_estimated_at_dispatch() {
         let mut v = view();
         // Work ahead: one request with 100k uncached tokens, not yet prefilled.
-        v.dispatch(1, 100_000, 100_000, 0);
-        let est = v.dispatch(2, 1000, 1000, 0);
+        v.dispatch(1, 100_000, 100_000);
+        let est = v.dispatch(2, 1000, 1000);
         assert!(est > 1000.0, "100k tokens ahead at ~0.09 ms each: {est}");
         let before = v.fit().samples();
         // An engine-side TTFT that is all queueing is skipped or absorbed, never
@@ -685,7 +679,7 @@ mod tests {
     #[test]
     fn cancel_before_first_token_releases_everything() {
         let mut v = view();
-        v.dispatch(9, 500, 400, 0);
+        v.dispatch(9, 500, 400);
         v.finish(9, 0);
         v.finish(9, 0);
         v.first_token(9, Some(1.0), 0);
@@ -737,7 +731,7 @@ mod tests {
                 match op {
                     Op::Dispatch { id, prompt, uncached } => {
                         let (p, u) = (prompt as u64, uncached as u64);
-                        v.dispatch(id as u64, p, u, now);
+                        v.dispatch(id as u64, p, u);
                         open.insert(id as u64, (p, u.min(p), false));
                     }
                     Op::FirstToken { id, ttft } => {

@@ -238,10 +238,9 @@ impl EngineAdapter {
     /// decode time it measures (first byte to finish) is on one clock.
     pub fn dispatch(self: &Arc<Self>, prompt_tokens: u64, uncached_tokens: u64) -> EngineTicket {
         let id = self.next_ticket.fetch_add(1, Ordering::Relaxed);
-        let now_ms = self.now_ms();
         self.view
             .lock()
-            .dispatch(id, prompt_tokens, uncached_tokens, now_ms);
+            .dispatch(id, prompt_tokens, uncached_tokens);
         EngineTicket {
             engine: self.clone(),
             id,

@@ -1362,7 +1362,7 @@ impl<'a> Sim<'a> {
                     node.shadow.insert(&f.chain, nowu);
                 }
                 node.view
-                    .dispatch(slot as u64, prompt_tokens, prompt_tokens - cached, nowu);
+                    .dispatch(slot as u64, prompt_tokens, prompt_tokens - cached);
             }
         }
         let engine = &mut self.engines[e];
