@@ -15,6 +15,7 @@ use axum::routing::{get, post};
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use gorgo_core::cost::CostTerms;
+use gorgo_core::health::RequestOutcome;
 use gorgo_core::tuning::{Cell, TermSample};
 use gorgo_core::{Endpoint, Weights};
 use http_body_util::BodyExt;
@@ -186,28 +187,33 @@ async fn engine_model(state: &NodeState) -> Option<String> {
 
 /// Endpoints the node passes to its local engine unrouted (`/v1/embeddings`,
 /// `/v1/responses`, SGLang's `/generate`, `/tokenize`, `/detokenize`): the same body
-/// cap and deadline, concurrency slot, breaker, OpenAI error JSON and
-/// `x-gorgo-served-by` as routed requests, and a client that goes away cancels the
-/// engine request (the body stream is dropped). Their prompts are not in a form the
-/// cost model reads (token ids, response items), so they are not routed.
+/// cap, request deadline ([`respond`]), concurrency slot, breaker, metrics, OpenAI
+/// error JSON and `x-gorgo-served-by` as routed requests, and a client that goes away
+/// cancels the engine request (the body stream is dropped). Their prompts are not in a
+/// form the cost model reads (token ids, response items), so they are not routed; the
+/// generating ones are still counted in the engine's accounting (at a prompt size
+/// estimated from the body's bytes), so the node does not gossip a busy engine as idle.
 async fn local_passthrough(
     State(state): State<Arc<NodeState>>,
     uri: http::Uri,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
+    let started = Instant::now();
     let limits = &state.config.limits;
     let body = match read_client_body(&state, body, &headers).await {
         Ok(b) => b,
         Err(resp) => return resp,
     };
     if serde_json::from_slice::<Value>(&body).map_or(true, |v| !v.is_object()) {
+        state.metrics.request("bad_request", "");
         return error_response(
             StatusCode::BAD_REQUEST,
             "request body must be a JSON object",
         );
     }
     let Ok(permit) = state.permits.clone().try_acquire_owned() else {
+        state.metrics.request("unavailable", "");
         return overloaded_response(
             StatusCode::SERVICE_UNAVAILABLE,
             "too many requests in flight",
@@ -215,34 +221,96 @@ async fn local_passthrough(
         );
     };
     let pass = pass_headers(&headers);
-    let Some(engine) = state.preferred_engine() else {
-        return error_response(StatusCode::SERVICE_UNAVAILABLE, "no local engine");
+    let Some(engine) = state.preferred_engine().filter(|e| e.takes_requests()) else {
+        state.metrics.request("unavailable", "");
+        let mut resp = ServeError::Unavailable("no local engine takes requests".into()).response();
+        if let Ok(v) = HeaderValue::from_str(&limits.retry_after_s.to_string()) {
+            resp.headers_mut().insert(http::header::RETRY_AFTER, v);
+        }
+        return resp;
     };
+    // Tokenizing generates nothing; the rest are engine work the node must count.
+    let generates = !matches!(uri.path(), "/tokenize" | "/detokenize");
+    let ticket = generates.then(|| {
+        let tokens = (body.len() as f64 / state.tokens.bytes_per_token()).ceil() as u64;
+        engine.adapter.dispatch(tokens, tokens)
+    });
     let resp = match engine
         .adapter
-        .send_request(http::Method::POST, uri.path(), &pass, body)
+        .send_streamed(http::Method::POST, uri.path(), &pass, body)
         .await
     {
         Ok(r) => r,
-        Err(e) => return ServeError::from(e).response(),
+        Err(e) => {
+            state.metrics.engine_failures.inc();
+            let e = ServeError::from(e);
+            state.metrics.routed_request(e.status().1, UNROUTED, "");
+            return e.response();
+        }
     };
-    let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
-    let ct = resp.headers().get("content-type").cloned();
-    let stream = resp.bytes_stream().map(move |chunk| {
-        let _slot = &permit;
-        chunk.map_err(std::io::Error::other)
+    let status = resp.status().as_u16();
+    let headers: Vec<(String, String)> = resp
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .map(|v| vec![("content-type".to_owned(), v.to_owned())])
+        .unwrap_or_default();
+    let streaming = is_event_stream(&headers);
+    // The ticket and the breaker's verdict ride with the body: its first chunk marks
+    // the prefill, its clean end completes the ticket and counts as an answer, a
+    // failure counts against the engine, a drop (client gone, deadline) cancels.
+    let ticket = Arc::new(parking_lot::Mutex::new(ticket));
+    let ticket_in_body = ticket.clone();
+    let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let failed_in_body = failed.clone();
+    let eng = engine.clone();
+    let st = state.clone();
+    let mut first = true;
+    let chunks = resp.bytes_stream().map(move |chunk| {
+        if first {
+            first = false;
+            if let Some(t) = ticket_in_body.lock().as_mut() {
+                t.prefilled(None);
+            }
+        }
+        chunk.map_err(|e| {
+            failed_in_body.store(true, std::sync::atomic::Ordering::Relaxed);
+            st.metrics.engine_failures.inc();
+            eng.adapter.record(RequestOutcome::Failed);
+            format!("engine stream failed: {e}")
+        })
     });
-    let mut r = Response::new(Body::from_stream(stream));
-    *r.status_mut() = status;
-    if let Some(ct) = ct.and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok()) {
-        r.headers_mut().insert(http::header::CONTENT_TYPE, ct);
-    }
-    if let Ok(v) = HeaderValue::from_str(&state.config.node.region) {
-        r.headers_mut().insert(SERVED_BY_HEADER, v);
-    }
-    r.headers_mut().insert(HOPS_HEADER, HeaderValue::from(0u32));
-    r
+    let ended = futures::stream::once(async move {
+        let taken = ticket.lock().take();
+        if !failed.load(std::sync::atomic::Ordering::Relaxed) {
+            engine.adapter.record(RequestOutcome::Answered);
+            if let Some(t) = taken {
+                t.completed();
+            }
+        }
+    })
+    .filter_map(|()| async { None });
+    let up = Upstream {
+        status,
+        headers,
+        served_by: state.config.node.region.clone(),
+        hops: 0,
+        body: Box::pin(chunks.chain(ended)),
+        chosen_terms: None,
+    };
+    respond(
+        state,
+        up,
+        streaming,
+        started,
+        Slot::Ingress(permit),
+        None,
+        UNROUTED,
+    )
 }
+
+/// The `policy` label of requests the node passes to its engine unrouted.
+const UNROUTED: &str = "unrouted";
 
 /// The client headers that travel to the engine ([`PASS_REQUEST_HEADERS`]).
 fn pass_headers(headers: &HeaderMap) -> Vec<(String, String)> {

@@ -214,3 +214,41 @@ async fn a_client_that_goes_away_cancels_the_engine_request() {
     }
     engine.release.notify_waiters();
 }
+
+/// The native routes run under the request deadline and in the engine's accounting,
+/// like routed requests: a `/generate` stream that stalls after its first event ends
+/// with a timeout error event at the deadline, the engine request is cancelled, and
+/// while it ran the node counted it as in flight at its engine.
+#[tokio::test]
+async fn native_routes_run_under_the_deadline_and_in_the_accounting() {
+    let engine = StubEngine::start("a").await;
+    let extra = "[limits]\nrequest_timeout_ms = 500\n";
+    let node = start_node(config("a", &engine.url(), extra), None).await;
+    engine.set_mode(STREAM_THEN_HANG);
+    let mut resp = post(&node, "/generate", native_body("/generate", true)).await;
+    assert_eq!(resp.status(), 200);
+    let first = resp.chunk().await.unwrap().unwrap();
+    assert!(first.starts_with(b"data: "));
+    let adapter = &node.state().engine(0).unwrap().adapter;
+    assert_eq!(adapter.inflight(), 1);
+    // The rest of the body: the node's timeout event, then the end.
+    let rest = tokio::time::timeout(Duration::from_secs(10), resp.bytes())
+        .await
+        .expect("the deadline ends the stream")
+        .unwrap();
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(rest.contains("request timed out"), "{rest}");
+    until("the engine stream to be dropped", || {
+        engine.active.load(Ordering::SeqCst) == 0
+    })
+    .await;
+    assert_eq!(adapter.inflight(), 0);
+    let metrics = metrics_text(&node).await;
+    assert!(
+        metrics.contains(
+            r#"gorgo_requests_total{outcome="timeout",policy="unrouted",served_by="a"} 1"#
+        ),
+        "{metrics}"
+    );
+    engine.release.notify_waiters();
+}
