@@ -621,6 +621,12 @@ pub struct LimitsSection {
     /// must not hold a connection and its buffer for ever.
     #[serde(default = "default_body_timeout_ms")]
     pub body_timeout_ms: u64,
+    /// Time a client has to take the response bytes the node has for it, ms: a
+    /// connection whose client has stopped reading (its window closed while the node
+    /// has more to send) is closed after this, whatever the request's own deadline;
+    /// hyper has no write timeout, and such a client would hold its connection slot.
+    #[serde(default = "default_write_timeout_ms")]
+    pub write_timeout_ms: u64,
     /// A connection with no request in flight for this long is closed, ms (HTTP/2 has
     /// no header timer between streams).
     #[serde(default = "default_idle_timeout_ms")]
@@ -656,6 +662,7 @@ impl Default for LimitsSection {
             request_timeout_ms: default_request_timeout_ms(),
             max_forwards: default_max_forwards(),
             header_timeout_ms: default_header_timeout_ms(),
+            write_timeout_ms: default_write_timeout_ms(),
             body_timeout_ms: default_body_timeout_ms(),
             idle_timeout_ms: default_idle_timeout_ms(),
             max_connections: default_max_connections(),
@@ -731,6 +738,9 @@ fn default_header_timeout_ms() -> u64 {
     20_000
 }
 fn default_body_timeout_ms() -> u64 {
+    30_000
+}
+fn default_write_timeout_ms() -> u64 {
     30_000
 }
 fn default_idle_timeout_ms() -> u64 {
@@ -1039,6 +1049,7 @@ impl NodeConfig {
             ("limits.request_timeout_ms", self.limits.request_timeout_ms),
             ("limits.header_timeout_ms", self.limits.header_timeout_ms),
             ("limits.body_timeout_ms", self.limits.body_timeout_ms),
+            ("limits.write_timeout_ms", self.limits.write_timeout_ms),
             ("limits.idle_timeout_ms", self.limits.idle_timeout_ms),
             ("limits.drain_timeout_ms", self.limits.drain_timeout_ms),
         ] {
@@ -1360,6 +1371,9 @@ token = "secret-token"
         let text = format!("{MINIMAL}\n[limits]\nmax_body_bytes = 0\n");
         let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
         assert!(e.contains("limits.max_body_bytes"), "{e}");
+        let text = format!("{MINIMAL}\n[limits]\nwrite_timeout_ms = 0\n");
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        assert!(e.contains("limits.write_timeout_ms"), "{e}");
         // The budget of bodies being read must hold one largest forwarded request.
         let text = format!(
             "{MINIMAL}\n[limits]\nmax_body_bytes = 65536\nmax_body_bytes_in_flight = 1000000\n"

@@ -54,6 +54,9 @@ pub struct ConnLimits {
     pub header_timeout: Duration,
     /// A connection with no request in flight for this long is closed.
     pub idle_timeout: Duration,
+    /// A connection whose client has not taken the response bytes waiting for it for
+    /// this long is closed (`limits.write_timeout_ms`).
+    pub write_timeout: Duration,
     /// Connections open at once.
     pub max_connections: usize,
     /// Connections open at once from one IP.
@@ -78,6 +81,7 @@ impl ConnLimits {
         ConnLimits {
             header_timeout: Duration::from_millis(limits.header_timeout_ms),
             idle_timeout: Duration::from_millis(limits.idle_timeout_ms),
+            write_timeout: Duration::from_millis(limits.write_timeout_ms),
             max_connections: limits.max_connections.min(by_fds),
             max_per_ip: limits.max_connections_per_ip,
             max_header_bytes: limits.max_header_bytes,
@@ -92,6 +96,7 @@ impl ConnLimits {
         ConnLimits {
             header_timeout: Duration::from_millis(limits.header_timeout_ms),
             idle_timeout: Duration::from_millis(limits.idle_timeout_ms),
+            write_timeout: Duration::from_millis(limits.write_timeout_ms),
             max_connections: 256,
             max_per_ip: 64,
             max_header_bytes: limits.max_header_bytes,
@@ -258,6 +263,7 @@ fn claim(
     let activity = Arc::new(Activity {
         active: AtomicUsize::new(0),
         last_ms: AtomicU64::new(epoch.elapsed().as_millis() as u64),
+        write_wait_since: AtomicU64::new(0),
         epoch,
     });
     let evict = CancellationToken::new();
@@ -289,13 +295,25 @@ fn claim(
 struct Activity {
     active: AtomicUsize,
     last_ms: AtomicU64,
+    /// Since when (ms after `epoch`, plus one; 0: not now) a response body has handed
+    /// hyper a frame and not been asked for the next: hyper asks again once it has
+    /// buffered the frame, so a long wait here means the client stopped reading.
+    write_wait_since: AtomicU64,
     epoch: Instant,
 }
 
 impl Activity {
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
     fn touch(&self) {
-        self.last_ms
-            .store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
+        self.last_ms.store(self.now_ms(), Ordering::Relaxed);
+    }
+    /// How long the connection's client has left response bytes waiting, if it has.
+    fn write_waiting_for(&self) -> Option<Duration> {
+        let since = self.write_wait_since.load(Ordering::Relaxed);
+        (since > 0 && self.active.load(Ordering::Relaxed) > 0)
+            .then(|| Duration::from_millis(self.now_ms().saturating_sub(since - 1)))
     }
     fn idle_for(&self) -> Option<Duration> {
         if self.active.load(Ordering::Relaxed) > 0 {
@@ -340,7 +358,17 @@ impl HttpBody for TrackedBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
+        // Asked for a frame: hyper has buffered the last one.
+        let activity = &self._in_flight.0;
+        activity.write_wait_since.store(0, Ordering::Relaxed);
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(_))) = &polled {
+            let activity = &self._in_flight.0;
+            activity
+                .write_wait_since
+                .store(activity.now_ms() + 1, Ordering::Relaxed);
+        }
+        polled
     }
     fn is_end_stream(&self) -> bool {
         self.inner.is_end_stream()
@@ -519,7 +547,9 @@ async fn serve_connection(
     let conn = builder.serve_connection(TokioIo::new(tcp), service);
     tokio::pin!(conn);
     let mut closing = false;
-    let mut check = Box::pin(tokio::time::sleep(limits.idle_timeout));
+    let mut check = Box::pin(tokio::time::sleep(
+        limits.idle_timeout.min(limits.write_timeout),
+    ));
     loop {
         tokio::select! {
             r = conn.as_mut() => {
@@ -554,7 +584,19 @@ async fn serve_connection(
                         return;
                     }
                     Some(idle) => check.as_mut().reset(tokio::time::Instant::now() + (limits.idle_timeout - idle)),
-                    None => check.as_mut().reset(tokio::time::Instant::now() + limits.idle_timeout),
+                    None => match activity.write_waiting_for() {
+                        // Its client stopped reading what it asked for: close (the
+                        // response is lost to it anyway), freeing the slot.
+                        Some(waited) if waited >= limits.write_timeout => {
+                            metrics.refuse(port, "write_timeout");
+                            return;
+                        }
+                        waited => check.as_mut().reset(
+                            tokio::time::Instant::now()
+                                + (limits.write_timeout - waited.unwrap_or_default())
+                                    .min(limits.idle_timeout),
+                        ),
+                    },
                 }
             }
         }
@@ -569,6 +611,7 @@ mod tests {
         ConnLimits {
             header_timeout: Duration::from_secs(1),
             idle_timeout: Duration::from_secs(1),
+            write_timeout: Duration::from_secs(1),
             max_connections: max,
             max_per_ip: per_ip,
             max_header_bytes: 1024,

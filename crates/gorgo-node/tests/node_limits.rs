@@ -505,3 +505,51 @@ async fn bodies_being_read_share_one_byte_budget() {
     assert_eq!(engine.requests(), 1);
     node.shutdown.cancel();
 }
+
+/// A client that stops reading a response the node still has bytes for is cut off
+/// after `write_timeout_ms`, long before the request's own deadline: its connection
+/// slot and the engine's stream are freed (hyper has no write timeout of its own).
+#[tokio::test]
+async fn a_client_that_stops_reading_is_cut_off() {
+    let engine = StubEngine::start("e").await;
+    engine.set_mode(FLOOD);
+    let node = start_node(
+        config("a", &engine.url(), "[limits]\nwrite_timeout_ms = 300\n"),
+        None,
+    )
+    .await;
+    let sock = TcpSocket::new_v4().unwrap();
+    sock.set_recv_buffer_size(4096).unwrap();
+    sock.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+    let mut s = sock.connect(http_addr(&node)).await.unwrap();
+    let body = chat_body("x", true).to_string();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(body.as_bytes()).await.unwrap();
+    // Never read: the node's buffers and the socket's fill, then it must give up.
+    let engine_active = engine.active.clone();
+    until("the engine to stream", || {
+        engine_active.load(std::sync::atomic::Ordering::SeqCst) == 1
+    })
+    .await;
+    let mut open = u64::MAX;
+    for _ in 0..2000 {
+        open = open_connections(&node).await;
+        if open == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(open, 0, "the stalled connection is still open");
+    let metrics = metrics_text(&node).await;
+    assert!(metrics.contains(r#"reason="write_timeout""#), "{metrics}");
+    until("the engine stream to be dropped", || {
+        engine_active.load(std::sync::atomic::Ordering::SeqCst) == 0
+    })
+    .await;
+    drop(s);
+    node.shutdown.cancel();
+}
