@@ -71,7 +71,8 @@ async fn proposals_and_reports_travel_over_quic_through_a_dial_override() {
             }
             let resp = client()
                 .post(format!("{base}/v1/chat/completions"))
-                .json(&chat_body(&prompt(&format!("p{i}"), 300), false))
+                // Streamed: only an event stream's first byte is a TTFT to tune on.
+                .json(&chat_body(&prompt(&format!("p{i}"), 300), true))
                 .send()
                 .await
                 .unwrap();
