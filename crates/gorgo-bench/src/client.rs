@@ -1,7 +1,12 @@
 //! One streaming request, measured where the client is.
 //!
-//! TTFT is the time from just before the request is written to the first SSE event
-//! that carries non-empty generated text; E2E runs to the end of the stream. Every
+//! Every time is counted from an origin the caller chooses: the request's scheduled
+//! send time in an open-loop replay, as the simulator counts (see
+//! [`send_streaming`]), so whatever delays the client (task spawn, body building, a
+//! busy runtime, retries) is inside TTFT and E2E, and how late the request actually
+//! went out is recorded apart ([`Measured::sent_ms`]). TTFT runs to the first SSE
+//! event that carries non-empty generated text; E2E to `[DONE]` (the completion's
+//! last byte; a body held open after it is drained briefly, never waited for). Every
 //! failure (connect, status, timeout, error event, truncated stream) becomes an error
 //! string in the measurement, never a panic or an early return of the whole run.
 
@@ -17,18 +22,38 @@ pub use gorgo_core::headers::{
     HOPS_HEADER, POLICY_HEADER, PREDICTED_TTFT_HEADER, SERVED_BY_HEADER, SESSION_HEADER,
 };
 
-/// Cap on the error body we keep from a failed response.
+/// Cap on the error body read from a failed response, bytes: the read stops there
+/// (a large or endless error body is never buffered, nor waited for).
 const MAX_ERROR_BODY: usize = 512;
 
-/// What one request measured.
+/// How long the rest of a body is drained after `[DONE]` (to keep the connection
+/// for reuse) before it is dropped; never counted in E2E.
+const DRAIN_GRACE: Duration = Duration::from_secs(1);
+
+/// How long an idle pooled connection is kept for reuse. It must stay below the
+/// node's `limits.header_timeout_ms` (20 s by default: `default_header_timeout_ms` in
+/// crates/gorgo-node/src/config.rs), after which the node closes an idle HTTP/1
+/// connection: a connection reused just as the node closes it fails and is retried
+/// after a backoff that lands in the request's latency. Half of it leaves room for
+/// the netem relay's link delay, which the node's close travels through.
+pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What one request measured. Every time is in ms after the origin passed to
+/// [`send_streaming`] (the scheduled send time in an open-loop replay).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Measured {
-    /// First content chunk, ms after the send.
+    /// When the request actually went out (just before its first attempt was
+    /// written), ms after the origin: the client's lateness against the schedule.
+    /// `None` when it never did (its body could not be built).
+    pub sent_ms: Option<f64>,
+    /// First content chunk, ms after the origin. Kept when the request failed later
+    /// (a stream cut or timed out after its first token): TTFT is defined by the
+    /// first token, not by completion.
     pub ttft_ms: Option<f64>,
-    /// The 2xx response head, ms after the send: the stream began (a failure after
+    /// The 2xx response head, ms after the origin: the stream began (a failure after
     /// it is a stream cut mid-way, before it a request that never started).
     pub first_byte_ms: Option<f64>,
-    /// End of stream, ms after the send.
+    /// End of stream, ms after the origin; for a failed request, when it failed.
     pub e2e_ms: Option<f64>,
     /// Content chunks seen (the token count when usage is missing).
     pub content_chunks: u64,
@@ -47,7 +72,8 @@ pub struct Measured {
     /// Why the request failed; `None` when it succeeded.
     pub error: Option<String>,
     /// Times the request was sent again because nothing answered it (connection
-    /// refused, or closed by the server as the request went out).
+    /// refused, or closed by the server as the request went out). Each retry waits a
+    /// backoff that counts in TTFT and E2E, so reports count retries per policy.
     pub connect_retries: u32,
 }
 
@@ -65,19 +91,32 @@ pub fn build_client(
         .no_proxy()
         .connect_timeout(connect_timeout)
         .timeout(request_timeout)
-        .pool_idle_timeout(Duration::from_secs(60))
+        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
         .build()
 }
 
 /// Send one streaming request and measure it. `headers` are extra request headers.
+///
+/// Every time in the result counts from `origin`. The replay passes the request's
+/// scheduled send time (the trace timestamp times the time scale, after the start),
+/// which is where the simulator counts from: its TTFT is `first token at the client
+/// - send_ms` and its E2E `completion - send_ms`, `send_ms` being the scheduled time
+/// (crates/gorgo-sim/src/sim.rs `admit` and `complete`; the `Row` of
+/// crates/gorgo-sim/src/collect.rs: "time to first token at the client", "when the
+/// client sent it"). So any delay of the client itself is in the measured latency, as a
+/// real user would see it, and [`Measured::sent_ms`] says how late it went out.
 pub async fn send_streaming(
     client: &reqwest::Client,
     url: &str,
     body: Bytes,
     headers: &[(&'static str, String)],
+    origin: Instant,
 ) -> Measured {
-    let t0 = Instant::now();
-    let mut m = Measured::default();
+    let t0 = origin;
+    let mut m = Measured {
+        sent_ms: Some(ms_since(t0)),
+        ..Measured::default()
+    };
     let mut attempt = 0;
     let resp = loop {
         let mut req = client
@@ -116,35 +155,55 @@ pub async fn send_streaming(
     if status.is_success() {
         m.first_byte_ms = Some(ms_since(t0));
     } else {
-        let text = resp.text().await.unwrap_or_default();
-        let text: String = text.chars().take(MAX_ERROR_BODY).collect();
+        // Only the head of the body: an error is described by its first bytes, and a
+        // huge or endless body must neither fill memory nor hold the request open.
+        let text = read_bounded(resp, MAX_ERROR_BODY)
+            .await
+            .map(|b| utf8_prefix(&b.bytes))
+            .unwrap_or_default();
         m.error = Some(format!("HTTP {}: {}", status.as_u16(), text.trim()));
         m.e2e_ms = Some(ms_since(t0));
         return m;
     }
     let mut parser = SseParser::new();
     let mut events = Vec::new();
-    let mut done = false;
+    // When `[DONE]` arrived: the completion's last byte, where E2E ends (the
+    // simulator's E2E is the completion's last byte at the client too).
+    let mut done_ms: Option<f64> = None;
     let mut stream = resp.bytes_stream();
-    while let Some(next) = stream.next().await {
-        match next {
-            Ok(bytes) => parser.feed(&bytes, &mut events),
-            Err(e) => {
+    loop {
+        if done_ms.is_some() {
+            // The exchange is over: drain what is left for a moment so the connection
+            // can go back to the pool, but a body held open (or cut, or timed out)
+            // after `[DONE]` never fails a request that finished.
+            match tokio::time::timeout(DRAIN_GRACE, stream.next()).await {
+                Ok(Some(Ok(_))) => continue,
+                _ => break,
+            }
+        }
+        match stream.next().await {
+            None => break,
+            Some(Ok(bytes)) => parser.feed(&bytes, &mut events),
+            Some(Err(e)) => {
                 m.error = Some(describe(&e));
                 break;
             }
         }
-        done |= absorb(&mut m, &mut events, t0);
+        if absorb(&mut m, &mut events, t0) {
+            done_ms = Some(ms_since(t0));
+        }
         if m.error.is_some() {
             break;
         }
     }
-    if m.error.is_none() {
+    if m.error.is_none() && done_ms.is_none() {
         parser.finish(&mut events);
-        done |= absorb(&mut m, &mut events, t0);
+        if absorb(&mut m, &mut events, t0) {
+            done_ms = Some(ms_since(t0));
+        }
     }
-    m.e2e_ms = Some(ms_since(t0));
-    if m.error.is_none() && !done {
+    m.e2e_ms = Some(done_ms.unwrap_or_else(|| ms_since(t0)));
+    if m.error.is_none() && done_ms.is_none() {
         m.error = Some("stream ended before [DONE]".into());
     }
     if m.error.is_none() && m.ttft_ms.is_none() {
@@ -187,6 +246,54 @@ fn absorb(m: &mut Measured, events: &mut Vec<SseEvent>, t0: Instant) -> bool {
     done
 }
 
+/// A body read up to a cap.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct BoundedBody {
+    /// The body's first bytes, at most the cap.
+    pub bytes: Vec<u8>,
+    /// The body ended within the cap: `bytes` is all of it. False when the read
+    /// stopped at the cap (the rest, if any, was never read).
+    pub complete: bool,
+}
+
+/// Read `resp`'s body until its end or `cap` bytes, whichever comes first. The read
+/// stops at the cap: nothing past it is pulled from the connection beyond the chunk
+/// that crossed it, and nothing past it is kept. Dropping the response then closes
+/// the connection when the body was cut, which is fine on the error and admin paths
+/// that use this.
+pub(crate) async fn read_bounded(
+    mut resp: reqwest::Response,
+    cap: usize,
+) -> Result<BoundedBody, reqwest::Error> {
+    let mut bytes = Vec::new();
+    while bytes.len() < cap {
+        let Some(chunk) = resp.chunk().await? else {
+            return Ok(BoundedBody {
+                bytes,
+                complete: true,
+            });
+        };
+        let take = chunk.len().min(cap - bytes.len());
+        bytes.extend_from_slice(&chunk[..take]);
+    }
+    Ok(BoundedBody {
+        bytes,
+        complete: false,
+    })
+}
+
+/// `bytes` as text, up to the last complete UTF-8 character (a cap may cut one in
+/// half); invalid sequences before that are replaced.
+fn utf8_prefix(bytes: &[u8]) -> String {
+    let end = match std::str::from_utf8(bytes) {
+        Ok(_) => bytes.len(),
+        // An incomplete character at the very end (no `error_len`): cut before it.
+        Err(e) if e.error_len().is_none() => e.valid_up_to(),
+        Err(_) => bytes.len(),
+    };
+    String::from_utf8_lossy(&bytes[..end]).into_owned()
+}
+
 fn header_str(resp: &reqwest::Response, name: &str) -> Option<String> {
     resp.headers()
         .get(name)
@@ -225,4 +332,63 @@ fn describe(e: &reqwest::Error) -> String {
         source = s.source();
     }
     msg
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    /// A response whose body is `chunk` repeated `chunks` times (`None`: for ever),
+    /// counting the chunks the reader pulled.
+    fn counted(
+        chunk: &'static [u8],
+        chunks: Option<usize>,
+    ) -> (reqwest::Response, Arc<AtomicUsize>) {
+        let pulled = Arc::new(AtomicUsize::new(0));
+        let p = pulled.clone();
+        let stream = futures::stream::iter(std::iter::from_fn(move || {
+            let n = p.fetch_add(1, Ordering::SeqCst);
+            chunks
+                .is_none_or(|c| n < c)
+                .then(|| Ok::<_, std::io::Error>(Bytes::from_static(chunk)))
+        }));
+        let resp = axum::http::Response::builder()
+            .status(500)
+            .body(reqwest::Body::wrap_stream(stream))
+            .unwrap();
+        (reqwest::Response::from(resp), pulled)
+    }
+
+    #[tokio::test]
+    async fn an_endless_body_is_read_up_to_the_cap_only() {
+        let (resp, pulled) = counted(&[b'x'; 100], None);
+        let b = read_bounded(resp, MAX_ERROR_BODY).await.unwrap();
+        assert_eq!(b.bytes.len(), MAX_ERROR_BODY);
+        assert!(!b.complete);
+        // 512 bytes are 6 chunks of 100: nothing was pulled past the one that crossed
+        // the cap (an unbounded read would never have returned).
+        assert_eq!(pulled.load(Ordering::SeqCst), 6);
+    }
+
+    #[tokio::test]
+    async fn a_short_body_is_read_whole() {
+        let (resp, _) = counted(b"0123456789", Some(3));
+        let b = read_bounded(resp, 64).await.unwrap();
+        assert_eq!((b.bytes.len(), b.complete), (30, true));
+        // A body of exactly the cap: not known to be complete (no read past it).
+        let (resp, pulled) = counted(b"0123456789", Some(3));
+        let b = read_bounded(resp, 30).await.unwrap();
+        assert_eq!((b.bytes.len(), b.complete), (30, false));
+        assert_eq!(pulled.load(Ordering::SeqCst), 3);
+    }
+
+    #[test]
+    fn a_cut_character_is_dropped_not_garbled() {
+        let text = "ab\u{e9}".as_bytes(); // 'é' is 2 bytes
+        assert_eq!(utf8_prefix(&text[..3]), "ab");
+        assert_eq!(utf8_prefix(text), "ab\u{e9}");
+        assert_eq!(utf8_prefix(b"a\xffb"), "a\u{fffd}b");
+    }
 }

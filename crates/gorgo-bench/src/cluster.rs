@@ -130,7 +130,8 @@ pub fn parse_region_urls(list: &str) -> Result<Vec<(String, String)>, BenchError
     Ok(pairs)
 }
 
-/// Cap on one admin response read by [`fetch_tuning`].
+/// Cap on one admin response read by [`fetch_tuning`], bytes: a larger one is skipped
+/// once this much of it has been read.
 const MAX_ADMIN_RESPONSE: usize = 16 << 20;
 
 /// Every node's `GET /admin/tuning` view, with the node's region name. Nodes that do
@@ -152,11 +153,19 @@ async fn fetch_tuning_views(info: &ClusterInfo) -> Vec<(String, serde_json::Valu
         if let Some(token) = &info.admin_token {
             req = req.bearer_auth(token);
         }
+        // Read up to one byte past the cap, never the whole of an oversized body: a
+        // view that does not fit is skipped, not buffered and then thrown away.
         let body = match req.send().await {
-            Ok(resp) if resp.status().is_success() => resp.bytes().await.ok(),
+            Ok(resp) if resp.status().is_success() => {
+                crate::client::read_bounded(resp, MAX_ADMIN_RESPONSE + 1)
+                    .await
+                    .ok()
+                    .filter(|b| b.complete)
+                    .map(|b| b.bytes)
+            }
             _ => None,
         };
-        let Some(body) = body.filter(|b| b.len() <= MAX_ADMIN_RESPONSE) else {
+        let Some(body) = body else {
             tracing::debug!(%url, "no tuning view");
             continue;
         };

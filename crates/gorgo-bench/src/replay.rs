@@ -1,6 +1,15 @@
 //! The replay scheduler: open loop at `arrival x time_scale` (with an optional cap on
 //! requests in flight, the wait for a free slot recorded as slip) or closed loop at a
 //! fixed concurrency. Each request goes to its home region's URL.
+//!
+//! Clock origin. In open loop every request's TTFT and E2E count from its *scheduled*
+//! send time, as the simulator's do (`send_ms` in crates/gorgo-sim/src/sim.rs; see
+//! [`client::send_streaming`]): the dispatcher's lateness, the task's spawn, building
+//! the body, waiting for a `max_in_flight` slot and a busy client runtime are all
+//! inside the latency, and the slip (when it actually went out, minus when it was
+//! due) is recorded per request. Closed loop has no schedule: there the origin stays
+//! the send itself (after the body is built) and the slip is 0; such runs, like
+//! capped ones, have no counterpart in the simulator, which has neither.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -40,12 +49,15 @@ pub type BodyBuilder = Arc<dyn Fn(usize) -> Result<Bytes, String> + Send + Sync>
 /// How load is offered.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum LoadMode {
-    /// Send item i at `arrival_ms x time_scale` after the start.
+    /// Send item i at `arrival_ms x time_scale` after the start; its TTFT and E2E
+    /// count from that scheduled time.
     Open {
         /// Multiplies trace timestamps (0.5 = twice as fast).
         time_scale: f64,
     },
     /// `concurrency` clients, each sending its next request when the last finished.
+    /// There is no schedule, so TTFT and E2E count from the send itself (once the body
+    /// is built) and slip is 0; the simulator has no closed loop to compare with.
     Closed {
         /// Number of concurrent clients.
         concurrency: usize,
@@ -57,7 +69,8 @@ pub enum LoadMode {
 pub struct ReplayConfig {
     /// Open or closed loop.
     pub mode: LoadMode,
-    /// Open loop only: at most this many requests in flight (waits count as slip).
+    /// Open loop only: at most this many requests in flight (a wait for a slot counts
+    /// as slip, and in TTFT and E2E, which count from the schedule).
     pub max_in_flight: Option<usize>,
     /// Stop dispatching this long after the start (in-flight requests still finish).
     pub duration: Option<Duration>,
@@ -104,9 +117,14 @@ pub struct RequestOutcome {
     pub region: String,
     /// Session key, when the workload has one.
     pub session: Option<String>,
-    /// When it was sent, ms after the replay start.
+    /// The origin of its times, ms after the replay start: its scheduled send time
+    /// in open loop (what the simulator's `start_ms` is), the send itself in closed
+    /// loop. `start_ms + e2e_ms` is when it ended.
     pub start_ms: f64,
-    /// How late it was sent against its schedule, ms (0 in closed loop).
+    /// How late it actually went out against its schedule, ms: the start of its
+    /// first attempt minus its scheduled time (dispatch, spawn, body building, a slot
+    /// wait, client lag; all of it inside TTFT and E2E too). 0 in closed loop, which
+    /// has no schedule.
     pub slip_ms: f64,
     /// Prompt tokens (server's usage, else the trace's).
     pub input_tokens: u64,
@@ -146,6 +164,10 @@ pub struct ReplayOutput {
     pub started_unix_ms: f64,
     /// The run was stopped by the shutdown signal before it finished.
     pub cancelled: bool,
+    /// Open loop without a cap on requests in flight: the load the simulator models
+    /// (it has neither a closed loop nor a client-side cap), so its results compare
+    /// with `gorgo sim`'s.
+    pub sim_comparable: bool,
 }
 
 impl ReplayOutput {
@@ -174,6 +196,8 @@ struct Shared {
     targets: HashMap<String, (reqwest::Client, String)>,
     policy_header: Option<String>,
     start: Instant,
+    /// Open loop: each item's scheduled send time (`start + arrival x time_scale`).
+    schedule: Vec<Instant>,
     progress: indicatif::ProgressBar,
     failures: AtomicUsize,
 }
@@ -215,13 +239,27 @@ pub async fn replay(
         }
         None => indicatif::ProgressBar::hidden(),
     };
+    let offsets = match config.mode {
+        LoadMode::Open { time_scale } => schedule_offsets(&items, time_scale)?,
+        LoadMode::Closed { .. } => Vec::new(),
+    };
     let started_unix_ms = unix_ms_now();
+    let start = Instant::now();
+    let schedule = offsets
+        .iter()
+        .map(|o| start.checked_add(*o))
+        .collect::<Option<Vec<Instant>>>()
+        .ok_or_else(|| BenchError::InvalidConfig {
+            field: "time_scale",
+            reason: "the scaled trace ends beyond what the clock can represent".into(),
+        })?;
     let shared = Arc::new(Shared {
         items,
         body,
         targets,
         policy_header: config.policy_header.clone(),
-        start: Instant::now(),
+        start,
+        schedule,
         progress,
         failures: AtomicUsize::new(0),
     });
@@ -229,15 +267,15 @@ pub async fn replay(
     let mut shutdown = std::pin::pin!(shutdown);
     let mut cancelled = false;
     match config.mode {
-        LoadMode::Open { time_scale } => {
+        LoadMode::Open { .. } => {
             let sem = Arc::new(Semaphore::new(
-                config.max_in_flight.unwrap_or(Semaphore::MAX_PERMITS),
+                config
+                    .max_in_flight
+                    .unwrap_or(Semaphore::MAX_PERMITS)
+                    .min(Semaphore::MAX_PERMITS),
             ));
             for index in 0..shared.items.len() {
-                let offset = Duration::from_secs_f64(
-                    shared.items[index].arrival_ms as f64 * time_scale / 1000.0,
-                );
-                let scheduled = shared.start + offset;
+                let scheduled = shared.schedule[index];
                 let acquired = tokio::select! {
                     _ = &mut shutdown => None,
                     permit = async {
@@ -249,13 +287,9 @@ pub async fn replay(
                     cancelled = true;
                     break;
                 };
-                let slip_ms = Instant::now()
-                    .saturating_duration_since(scheduled)
-                    .as_secs_f64()
-                    * 1000.0;
                 let shared = shared.clone();
                 tasks.spawn(async move {
-                    let outcome = send_item(&shared, index, slip_ms).await;
+                    let outcome = send_item(&shared, index, Some(scheduled)).await;
                     drop(permit);
                     vec![outcome]
                 });
@@ -263,7 +297,8 @@ pub async fn replay(
         }
         LoadMode::Closed { concurrency } => {
             let next = Arc::new(AtomicUsize::new(0));
-            let deadline = config.duration.map(|d| shared.start + d);
+            // A duration past what the clock can hold is no deadline.
+            let deadline = config.duration.and_then(|d| shared.start.checked_add(d));
             for _ in 0..concurrency {
                 let shared = shared.clone();
                 let next = next.clone();
@@ -277,7 +312,7 @@ pub async fn replay(
                         if index >= shared.items.len() {
                             break;
                         }
-                        out.push(send_item(&shared, index, 0.0).await);
+                        out.push(send_item(&shared, index, None).await);
                     }
                     out
                 });
@@ -314,7 +349,14 @@ pub async fn replay(
         wall: shared.start.elapsed(),
         started_unix_ms,
         cancelled,
+        sim_comparable: matches!(config.mode, LoadMode::Open { .. })
+            && config.max_in_flight.is_none(),
     })
+}
+
+/// `to - from` in ms, 0 when `to` is earlier.
+fn ms_between(from: Instant, to: Instant) -> f64 {
+    to.saturating_duration_since(from).as_secs_f64() * 1000.0
 }
 
 /// The system clock, ms since the Unix epoch (0 on a clock set before 1970).
@@ -322,6 +364,25 @@ fn unix_ms_now() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64() * 1000.0)
+}
+
+/// Each item's send time after the start, `arrival x time_scale`; an error (not a
+/// panic) when one does not fit a `Duration`.
+fn schedule_offsets(items: &[ReplayItem], time_scale: f64) -> Result<Vec<Duration>, BenchError> {
+    items
+        .iter()
+        .map(|it| {
+            Duration::try_from_secs_f64(it.arrival_ms as f64 * time_scale / 1000.0).map_err(|e| {
+                BenchError::InvalidConfig {
+                    field: "time_scale",
+                    reason: format!(
+                        "request `{}` at {} ms x {time_scale}: {e}",
+                        it.request_id, it.arrival_ms
+                    ),
+                }
+            })
+        })
+        .collect()
 }
 
 fn validate(config: &ReplayConfig) -> Result<(), BenchError> {
@@ -349,12 +410,17 @@ fn validate(config: &ReplayConfig) -> Result<(), BenchError> {
     Ok(())
 }
 
-async fn send_item(shared: &Shared, index: usize, slip_ms: f64) -> RequestOutcome {
+/// Build item `index`'s body and send it. `scheduled` is its due time in open loop,
+/// the origin of every time it measures (the simulator's); `None` in closed loop,
+/// where the origin is the send itself, once the body is built.
+async fn send_item(shared: &Shared, index: usize, scheduled: Option<Instant>) -> RequestOutcome {
     let item = &shared.items[index];
-    let start_ms = shared.start.elapsed().as_secs_f64() * 1000.0;
-    let measured = match (shared.body)(index) {
+    let body = (shared.body)(index);
+    let origin = scheduled.unwrap_or_else(Instant::now);
+    let measured = match body {
         Err(e) => Measured {
             error: Some(format!("building the request body: {e}")),
+            e2e_ms: Some(ms_between(origin, Instant::now())),
             ..Measured::default()
         },
         Ok(body) => {
@@ -367,8 +433,14 @@ async fn send_item(shared: &Shared, index: usize, slip_ms: f64) -> RequestOutcom
             if let Some(s) = &item.session {
                 headers.push((SESSION_HEADER, s.clone()));
             }
-            client::send_streaming(client, url, body, &headers).await
+            client::send_streaming(client, url, body, &headers, origin).await
         }
+    };
+    let start_ms = ms_between(shared.start, origin);
+    let slip_ms = match scheduled {
+        // Never sent (no body): as late as it got when it gave up.
+        Some(_) => measured.sent_ms.or(measured.e2e_ms).unwrap_or(0.0),
+        None => 0.0,
     };
     if measured.error.is_some() {
         let failed = shared.failures.fetch_add(1, Ordering::Relaxed) + 1;

@@ -162,6 +162,17 @@ async fn bad_config_and_unknown_region_fail_up_front() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("concurrency"));
+    // A time scale that puts a request beyond any clock: an error, not a panic.
+    let config = ReplayConfig {
+        mode: LoadMode::Open { time_scale: 1e300 },
+        ..ReplayConfig::default()
+    };
+    let items = vec![item(1, "us", 1)];
+    let b = bodies(&items);
+    let err = replay(&cluster, items, b, &config, std::future::pending())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("time_scale"), "{err}");
 }
 
 #[tokio::test]
@@ -192,5 +203,149 @@ async fn shutdown_stops_the_replay() {
     let out = run.await.unwrap();
     assert!(out.cancelled);
     assert!(out.outcomes.len() <= 1);
+    a.stop().await;
+}
+
+#[tokio::test]
+async fn a_stream_stalled_after_its_first_token_keeps_its_ttft() {
+    let a = Server::start().await;
+    let cluster = ClusterInfo::from_list(&format!("us={}", a.url)).unwrap();
+    // 20 requests, 4 of which get a first token and then stall until the timeout.
+    let items: Vec<_> = (0..20)
+        .map(|i| item(i, "us", if i % 5 == 0 { 998 } else { 3 }))
+        .collect();
+    let config = ReplayConfig {
+        request_timeout: std::time::Duration::from_secs(1),
+        ..open_now()
+    };
+    let out = run(&cluster, items, config).await;
+    assert_eq!(out.failed(), 4);
+    for o in out.outcomes.iter().filter(|o| !o.ok()) {
+        let err = o.measured.error.as_deref().unwrap_or_default();
+        assert!(err.starts_with("timeout"), "{err}");
+        assert!(o.measured.ttft_ms.is_some());
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let run = gorgo_bench::PolicyRun {
+        policy: "p".into(),
+        regions: vec!["us".into()],
+        output: out,
+        tuning: Vec::new(),
+    };
+    gorgo_bench::report::write_report(dir.path(), serde_json::json!({}), &[run]).unwrap();
+    let results: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("results.json")).unwrap())
+            .unwrap();
+    let cfg = &results["config"];
+    // Every request measured its TTFT: nothing censored there. 4 of 20 did not
+    // complete: E2E p95 and p99 are censored (p50 is not), at least the timeout.
+    assert_eq!(cfg["censored"]["p"]["ttft_ms"]["measured"], 20);
+    assert_eq!(
+        cfg["censored"]["p"]["ttft_ms"]["censored"],
+        serde_json::json!([])
+    );
+    assert_eq!(
+        cfg["censored"]["p"]["e2e_ms"]["censored"],
+        serde_json::json!(["p95", "p99"])
+    );
+    let e2e_p95 = results["policies"]["p"]["e2e_ms"]["p95"].as_f64().unwrap();
+    assert!(e2e_p95 >= 1000.0, "{e2e_p95}");
+    assert_eq!(cfg["failures"]["p"]["timeouts"], 4);
+    assert_eq!(cfg["failures"]["p"]["failed_share"], 0.2);
+    assert_eq!(cfg["sim_comparable"], true);
+}
+
+#[tokio::test]
+async fn an_endless_error_body_is_read_up_to_the_cap() {
+    let a = Server::start().await;
+    let cluster = ClusterInfo::from_list(&format!("us={}", a.url)).unwrap();
+    let config = ReplayConfig {
+        // What an unbounded read would end with instead.
+        request_timeout: std::time::Duration::from_secs(30),
+        ..open_now()
+    };
+    let out = run(&cluster, vec![item(0, "us", 997)], config).await;
+    let err = out.outcomes[0].measured.error.clone().unwrap_or_default();
+    assert!(
+        err.starts_with("HTTP 500: xxx"),
+        "{}",
+        &err[..err.len().min(80)]
+    );
+    assert!(err.len() <= "HTTP 500: ".len() + 512, "{}", err.len());
+}
+
+#[tokio::test]
+async fn a_body_held_open_after_done_still_completes() {
+    let a = Server::start().await;
+    let cluster = ClusterInfo::from_list(&format!("us={}", a.url)).unwrap();
+    let config = ReplayConfig {
+        // Past the drain's grace: reading to the end of the body would time out.
+        request_timeout: std::time::Duration::from_secs(3),
+        ..open_now()
+    };
+    let out = run(&cluster, vec![item(0, "us", 996)], config).await;
+    let o = &out.outcomes[0];
+    assert!(o.ok(), "{:?}", o.measured.error);
+    assert!(o.measured.e2e_ms.unwrap() >= o.measured.ttft_ms.unwrap());
+}
+
+#[tokio::test]
+async fn latency_counts_from_the_scheduled_time() {
+    // A single-threaded runtime and a body builder that takes 20 ms: five requests
+    // due at once go out one body after the other, each later than the last.
+    let a = Server::start().await;
+    let cluster = ClusterInfo::from_list(&format!("us={}", a.url)).unwrap();
+    let items: Vec<_> = (0..5).map(|i| item(i, "us", 2)).collect();
+    let inner = bodies(&items);
+    let slow: BodyBuilder = Arc::new(move |i| {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        inner(i)
+    });
+    let out = replay(&cluster, items, slow, &open_now(), std::future::pending())
+        .await
+        .unwrap();
+    assert_eq!(out.failed(), 0);
+    let mut slips: Vec<f64> = out.outcomes.iter().map(|o| o.slip_ms).collect();
+    slips.sort_by(f64::total_cmp);
+    for (k, slip) in slips.iter().enumerate() {
+        // The k-th to go out waited for k + 1 bodies (thread::sleep sleeps at least
+        // its time; 0.5 ms for the clocks' rounding).
+        assert!(*slip >= 20.0 * (k + 1) as f64 - 0.5, "{slips:?}");
+    }
+    for o in &out.outcomes {
+        // Due at the start (time scale 0): the origin of its times.
+        assert_eq!(o.start_ms, 0.0);
+        let (t, e) = (o.measured.ttft_ms.unwrap(), o.measured.e2e_ms.unwrap());
+        // The lateness is inside TTFT and E2E, as in the simulator.
+        assert!(
+            o.slip_ms <= t && t <= e,
+            "slip {} ttft {t} e2e {e}",
+            o.slip_ms
+        );
+        assert_eq!(Some(o.slip_ms), o.measured.sent_ms);
+    }
+    a.stop().await;
+}
+
+#[tokio::test]
+async fn the_client_measures_from_the_origin_it_is_given() {
+    let a = Server::start().await;
+    let client = gorgo_bench::client::build_client(
+        std::time::Duration::from_secs(5),
+        std::time::Duration::from_secs(30),
+    )
+    .unwrap();
+    let origin = std::time::Instant::now()
+        .checked_sub(std::time::Duration::from_millis(50))
+        .unwrap();
+    let body = Bytes::from(r#"{"max_tokens":2}"#);
+    let url = format!("{}/v1/chat/completions", a.url);
+    let m = gorgo_bench::client::send_streaming(&client, &url, body, &[], origin).await;
+    assert_eq!(m.error, None);
+    let sent = m.sent_ms.unwrap();
+    assert!(sent >= 50.0, "{sent}");
+    assert!(sent <= m.first_byte_ms.unwrap());
+    assert!(m.first_byte_ms.unwrap() <= m.ttft_ms.unwrap());
+    assert!(m.ttft_ms.unwrap() <= m.e2e_ms.unwrap());
     a.stop().await;
 }

@@ -45,17 +45,28 @@ fn nearest_rank(q: f64, n: u64) -> u64 {
 
 /// The latency aggregates written to `results.json` (`ttft_ms`, `e2e_ms`, `itl_ms`).
 ///
-/// Field names are part of the report format: `p50`, `p95`, `p99`, `mean`.
+/// Field names are part of the report format: `p50`, `p95`, `p99`, `mean`. A value
+/// that could not be measured (a live policy whose requests all failed) is written as
+/// `null` (JSON has no NaN) and read back as NaN.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct LatencyStats {
     /// Nearest-rank median.
+    #[serde(deserialize_with = "nan_if_null")]
     pub p50: f64,
     /// Nearest-rank 95th percentile.
+    #[serde(deserialize_with = "nan_if_null")]
     pub p95: f64,
     /// Nearest-rank 99th percentile.
+    #[serde(deserialize_with = "nan_if_null")]
     pub p99: f64,
     /// Arithmetic mean.
+    #[serde(deserialize_with = "nan_if_null")]
     pub mean: f64,
+}
+
+/// A number, or NaN for `null` (what serde_json writes for a NaN).
+fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 /// Summarise `values` (sorted in place, NaNs last) with [`percentile`].
@@ -515,5 +526,20 @@ mod tests {
                 prop_assert_eq!(sa.quantile(q), su.quantile(q));
             }
         }
+    }
+
+    #[test]
+    fn unmeasured_stats_round_trip_as_null_and_nan() {
+        let s = LatencyStats {
+            p50: 1.0,
+            p95: f64::NAN,
+            p99: f64::NAN,
+            mean: f64::NAN,
+        };
+        let text = serde_json::to_string(&s).unwrap();
+        assert_eq!(text, r#"{"p50":1.0,"p95":null,"p99":null,"mean":null}"#);
+        let back: LatencyStats = serde_json::from_str(&text).unwrap();
+        assert_eq!(back.p50, 1.0);
+        assert!(back.p95.is_nan() && back.p99.is_nan() && back.mean.is_nan());
     }
 }

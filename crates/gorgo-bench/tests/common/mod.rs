@@ -6,9 +6,30 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use bytes::Bytes;
+use futures::StreamExt;
+
+/// One SSE event's frame.
+fn frame(s: &str) -> Result<Bytes, std::io::Error> {
+    Ok(Bytes::from(s.to_owned()))
+}
+
+/// A streaming 200 response of `frames`.
+fn stream_response(
+    frames: impl futures::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
+) -> Response {
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .body(Body::from_stream(frames))
+        .unwrap()
+}
+
+const FIRST_TOKEN: &str =
+    "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"t\"}}]}\n\n";
 
 /// A chat endpoint in OpenAI's streaming shape. `max_tokens` picks the behaviour:
-/// 0 -> HTTP 400, 999 -> stream cut before `[DONE]`, else that many content chunks.
+/// 0 -> HTTP 400, 999 -> stream cut before `[DONE]`, 998 -> a first token, then a
+/// stall for ever, 997 -> HTTP 500 with an endless body, 996 -> a complete stream
+/// whose body is then held open for ever, else that many content chunks.
 async fn chat(headers: HeaderMap, body: Bytes) -> Response {
     let v: serde_json::Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
@@ -21,6 +42,24 @@ async fn chat(headers: HeaderMap, body: Bytes) -> Response {
             r#"{"error":{"message":"max_tokens must be positive"}}"#,
         )
             .into_response();
+    }
+    match n {
+        998 => {
+            let head = futures::stream::iter([frame(FIRST_TOKEN)]);
+            return stream_response(head.chain(futures::stream::pending()));
+        }
+        997 => {
+            let endless = futures::stream::repeat_with(|| frame(&"x".repeat(4096)));
+            return Response::builder()
+                .status(StatusCode::INTERNAL_SERVER_ERROR)
+                .body(Body::from_stream(endless))
+                .unwrap();
+        }
+        996 => {
+            let done = futures::stream::iter([frame(FIRST_TOKEN), frame("data: [DONE]\n\n")]);
+            return stream_response(done.chain(futures::stream::pending()));
+        }
+        _ => {}
     }
     let served_by = v["served_by"].as_str().unwrap_or("here").to_owned();
     let session = headers
