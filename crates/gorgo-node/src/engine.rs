@@ -314,7 +314,9 @@ impl EngineAdapter {
         match tokio::time::timeout(self.first_byte_timeout, fut).await {
             Err(_) => Err(EngineFailure::Timeout),
             Ok(Err(e)) if e.is_timeout() => Err(EngineFailure::Timeout),
-            Ok(Err(e)) => Err(EngineFailure::Failed(e.to_string())),
+            // Without its URL: the message reaches clients (and peers' clients), who
+            // must not learn the engine's address or any credentials in it.
+            Ok(Err(e)) => Err(EngineFailure::Failed(e.without_url().to_string())),
             Ok(Ok(resp)) => Ok(resp),
         }
     }

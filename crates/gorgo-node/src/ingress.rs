@@ -277,7 +277,7 @@ async fn local_passthrough(
             failed_in_body.store(true, std::sync::atomic::Ordering::Relaxed);
             st.metrics.engine_failures.inc();
             eng.adapter.record(RequestOutcome::Failed);
-            format!("engine stream failed: {e}")
+            format!("engine stream failed: {}", e.without_url())
         })
     });
     let ended = futures::stream::once(async move {

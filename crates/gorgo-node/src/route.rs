@@ -205,19 +205,33 @@ impl Router {
         now_ms: u64,
     ) {
         let chosen = record.candidates.iter().find(|c| c.chosen);
-        let cached = chosen.map_or(0, |c| c.cached_tokens);
         let replica = chosen.map_or(0, |c| c.replica);
         let mut ledger = self.ledger.lock();
-        ledger.cancel_forward(
-            peer,
-            replica,
-            record.prompt_tokens.saturating_sub(cached),
-            record.at_ms,
-        );
+        Self::cancel_in(&mut ledger, peer, record);
         let predicted = chosen.and_then(|c| c.terms?.unbiased_estimated_ttft_ms());
         if let (Some(predicted), Some(estimate)) = (predicted, refusal.local_estimated_ttft_ms) {
             ledger.observe_forward_ttft(peer, replica, predicted, elapsed_ms + estimate, now_ms);
         }
+    }
+
+    /// A forward to `peer` failed before its first byte (the peer went away, answered
+    /// an error head, timed out): it never became work there, so it leaves the
+    /// ledger at once instead of counting in the peer's queue until its next stats
+    /// (which a peer that stopped answering may never send).
+    pub fn forward_failed(&self, peer: &NodeId, record: &DecisionRecord) {
+        Self::cancel_in(&mut self.ledger.lock(), peer, record);
+    }
+
+    /// Take the forward `record` chose off `peer`'s ledger entry.
+    fn cancel_in(ledger: &mut ForwardLedger, peer: &NodeId, record: &DecisionRecord) {
+        let chosen = record.candidates.iter().find(|c| c.chosen);
+        let cached = chosen.map_or(0, |c| c.cached_tokens);
+        ledger.cancel_forward(
+            peer,
+            chosen.map_or(0, |c| c.replica),
+            record.prompt_tokens.saturating_sub(cached),
+            record.at_ms,
+        );
     }
 }
 

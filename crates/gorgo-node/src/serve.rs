@@ -293,6 +293,7 @@ async fn route_and_serve(
             Err(e) => {
                 tracing::warn!(request_id = req.request_id, %peer, error = %e, "forward failed before first byte; serving locally");
                 state.metrics.forward(&peer.0, "fallback");
+                state.router.forward_failed(&peer, &record);
                 match best_local {
                     Some(local) => {
                         serve_local_or_exclude(state, req, local.replica, excluded).await
@@ -517,7 +518,7 @@ pub async fn serve_local(
             // stream instead, and counts nothing).
             st.metrics.engine_failures.inc();
             eng.adapter.record(RequestOutcome::Failed);
-            format!("engine stream failed: {e}")
+            format!("engine stream failed: {}", e.without_url())
         })
     });
     // The body ran to its end: the request succeeded, for the breaker too.
