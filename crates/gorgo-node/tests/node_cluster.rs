@@ -244,7 +244,12 @@ async fn forward_failing_before_first_byte_falls_back_locally() {
     assert_eq!(served, "a", "served locally after the forward failed");
     // The failed forward never became work at b: it is off a's ledger at once (b,
     // dead, sends no stats that would clear it).
-    let ledger = c.nodes[0].state().router.ledger.lock().pending(&"b".into(), 0);
+    let ledger = c.nodes[0]
+        .state()
+        .router
+        .ledger
+        .lock()
+        .pending(&"b".into(), 0);
     assert_eq!(ledger, (0, 0));
     c.engines[1].release.notify_waiters();
 }

@@ -237,7 +237,10 @@ async fn engine_failure_is_502_and_timeout_is_504() {
     let (status, body) = error_of(resp).await;
     assert_eq!(status, 502);
     // Clients never learn the engine's address (or credentials in its URL).
-    assert!(!body.to_string().contains(&broken.port().to_string()), "{body}");
+    assert!(
+        !body.to_string().contains(&broken.port().to_string()),
+        "{body}"
+    );
     node.shutdown.cancel();
 
     let engine = StubEngine::start("e").await;
