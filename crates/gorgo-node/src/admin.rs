@@ -292,8 +292,17 @@ async fn decisions(
         Ok(Query(q)) => q.limit.unwrap_or(50),
         Err(e) => return ApiError(StatusCode::BAD_REQUEST, e.body_text()).into_response(),
     };
+    if limit > MAX_DECISIONS_PER_PAGE {
+        let message = format!("limit: at most {MAX_DECISIONS_PER_PAGE}");
+        return ApiError(StatusCode::BAD_REQUEST, message).into_response();
+    }
     Json(state.router.recent(limit)).into_response()
 }
+
+/// Most decisions one `/admin/decisions` answers: they are copied under the lock
+/// every routing decision takes, each with all its candidates, so a dashboard asking
+/// for the whole log (up to 100,000) would stall routing and send hundreds of MB.
+const MAX_DECISIONS_PER_PAGE: usize = 1000;
 
 async fn get_weights(State(state): State<Arc<NodeState>>) -> Response {
     Json(weights_body(&state)).into_response()

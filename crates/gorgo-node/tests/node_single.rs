@@ -331,6 +331,16 @@ async fn admin_api_requires_the_token_and_reports_decisions() {
         d[0]["candidates"][0]["terms"]["prefill_ms"].is_number(),
         "{d}"
     );
+    // A page is capped: the log is copied under the routing lock.
+    let resp = c
+        .get(format!("{}/admin/decisions?limit=1000000", node.admin))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    let (status, body) = error_of(resp).await;
+    assert_eq!(status, 400);
+    assert!(body.to_string().contains("limit"), "{body}");
 
     let resp = c
         .put(format!("{}/admin/weights", node.admin))
