@@ -255,7 +255,6 @@ async fn local_passthrough(
         .and_then(|v| v.to_str().ok())
         .map(|v| vec![("content-type".to_owned(), v.to_owned())])
         .unwrap_or_default();
-    let streaming = is_event_stream(&headers);
     // The ticket and the breaker's verdict ride with the body: its first chunk marks
     // the prefill, its clean end completes the ticket and counts as an answer, a
     // failure counts against the engine, a drop (client gone, deadline) cancels.
@@ -298,15 +297,7 @@ async fn local_passthrough(
         body: Box::pin(chunks.chain(ended)),
         chosen_terms: None,
     };
-    respond(
-        state,
-        up,
-        streaming,
-        started,
-        Slot::Ingress(permit),
-        None,
-        UNROUTED,
-    )
+    respond(state, up, started, Slot::Ingress(permit), None, UNROUTED)
 }
 
 /// The `policy` label of requests the node passes to its engine unrouted.
@@ -473,10 +464,6 @@ async fn completion(
             return error_response(StatusCode::BAD_REQUEST, &e.to_string());
         }
     };
-    let streaming = parsed
-        .get("stream")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
     let canonical = gorgo_core::prompt::CanonicalSize::of(endpoint, &prompt);
     let chain = match crate::tokens::request_chain(&state, endpoint, &body, prompt).await {
         Ok(c) => c,
@@ -560,7 +547,7 @@ async fn completion(
         Ok(up) => {
             tracing::debug!(request_id, served_by = %up.served_by, hops = up.hops, status = up.status, "serving");
             let measured = tuned.then_some((admission.epoch, admission.cell));
-            respond(state, up, streaming, started, slot, measured, policy_name)
+            respond(state, up, started, slot, measured, policy_name)
         }
         Err(e) => {
             let (status, outcome) = e.status();
@@ -588,7 +575,6 @@ enum Slot {
 fn respond(
     state: Arc<NodeState>,
     up: Upstream,
-    streaming: bool,
     started: Instant,
     slot: Slot,
     measured: Option<(u64, Cell)>,
@@ -598,7 +584,8 @@ fn respond(
     // A whole JSON body's first byte comes at the end of generation: its "TTFT" is the
     // request's E2E, which would score the tuner's trials by output length and bias its
     // start fit by the decode time. Only event streams are measured for tuning.
-    let measured = measured.filter(|_| is_event_stream(&up.headers));
+    let event_stream = is_event_stream(&up.headers);
+    let measured = measured.filter(|_| event_stream);
     let deadline = Duration::from_millis(state.config.limits.request_timeout_ms);
     let held = Arc::new(parking_lot::Mutex::new(Some((up.body, slot))));
     let (watch_tx, watch_rx) = tokio::sync::oneshot::channel::<()>();
@@ -612,7 +599,7 @@ fn respond(
         chosen_terms: up.chosen_terms,
         ttft_ms: None,
         first_seen: false,
-        streaming,
+        events: event_stream.then(EventFramer::default),
         ok_status: status.is_success(),
         served_by: up.served_by.clone(),
         policy,
@@ -657,7 +644,10 @@ struct Tracked {
     /// Client-side TTFT, once the first content byte went out.
     ttft_ms: Option<f64>,
     first_seen: bool,
-    streaming: bool,
+    /// For an event stream (by its content type, whatever the request asked): what
+    /// goes out is cut at event boundaries, so a failure can end it with a whole
+    /// error event. Any other body is aborted on failure.
+    events: Option<EventFramer>,
     ok_status: bool,
     served_by: String,
     /// The routing policy that placed the request.
@@ -714,18 +704,30 @@ impl Tracked {
         }
     }
 
-    fn fail(&mut self, message: &str) -> Poll<Option<Result<Bytes, std::io::Error>>> {
-        let outcome = if message.contains("timed out") {
-            "timeout"
+    /// End the response on a failure: the deadline (`timed_out`, 504 `timeout`) or the
+    /// upstream breaking (502 `engine_failed`). An event stream ends with an error
+    /// event in place of the partial event it held back; any other body is aborted.
+    fn fail(
+        &mut self,
+        timed_out: bool,
+        message: &str,
+    ) -> Poll<Option<Result<Bytes, std::io::Error>>> {
+        let (outcome, status) = if timed_out {
+            ("timeout", 504)
         } else {
-            "stream_error"
+            ("stream_error", 502)
         };
         self.finish(outcome);
-        if self.streaming {
-            let event = format!("data: {}\n\n", error_json(502, message));
-            Poll::Ready(Some(Ok(Bytes::from(event))))
-        } else {
-            Poll::Ready(Some(Err(std::io::Error::other(message.to_owned()))))
+        match &mut self.events {
+            Some(framer) => {
+                // Only when the held-back part outgrew its cap did part of an event go
+                // out: a blank line ends it, so the error is an event of its own.
+                let lead = if framer.mid_event() { "\n\n" } else { "" };
+                framer.discard();
+                let event = format!("{lead}data: {}\n\n", error_json(status, message));
+                Poll::Ready(Some(Ok(Bytes::from(event))))
+            }
+            None => Poll::Ready(Some(Err(std::io::Error::other(message.to_owned())))),
         }
     }
 }
@@ -738,23 +740,40 @@ impl Stream for Tracked {
             return Poll::Ready(None);
         }
         if self.deadline.as_mut().poll(cx).is_ready() {
-            return self.fail("request timed out");
+            return self.fail(true, "request timed out");
         }
-        let polled = self
-            .held
-            .lock()
-            .as_mut()
-            .map(|(inner, _)| inner.as_mut().poll_next(cx));
-        let Some(polled) = polled else {
-            return self.fail("request timed out");
-        };
-        match polled {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(None) => {
-                self.finish("ok");
-                Poll::Ready(None)
+        loop {
+            let polled = self
+                .held
+                .lock()
+                .as_mut()
+                .map(|(inner, _)| inner.as_mut().poll_next(cx));
+            let Some(polled) = polled else {
+                return self.fail(true, "request timed out");
+            };
+            let bytes = match polled {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(None) => {
+                    // A stream that ends inside an event: what was held goes out as
+                    // the engine sent it.
+                    let rest = self.events.as_mut().map(EventFramer::flush);
+                    self.finish("ok");
+                    return Poll::Ready(rest.filter(|r| !r.is_empty()).map(Ok));
+                }
+                Poll::Ready(Some(Ok(bytes))) => match &mut self.events {
+                    Some(framer) => framer.push(bytes),
+                    None => bytes,
+                },
+                Poll::Ready(Some(Err(m))) => {
+                    tracing::warn!(error = %m, "upstream failed mid-response");
+                    return self.fail(false, &m);
+                }
+            };
+            // All of it held back (no event ended in it): wait for more.
+            if bytes.is_empty() && self.events.is_some() {
+                continue;
             }
-            Poll::Ready(Some(Ok(bytes))) => {
+            {
                 if !self.first_seen && !bytes.is_empty() {
                     self.first_seen = true;
                     let ttft = self.started.elapsed().as_secs_f64();
@@ -763,14 +782,75 @@ impl Stream for Tracked {
                         self.ttft_ms = Some(ttft * 1000.0);
                     }
                 }
-                Poll::Ready(Some(Ok(bytes)))
-            }
-            Poll::Ready(Some(Err(m))) => {
-                tracing::warn!(error = %m, "upstream failed mid-response");
-                self.fail(&m)
+                return Poll::Ready(Some(Ok(bytes)));
             }
         }
     }
+}
+
+/// Most bytes of an unfinished event held back from the client ([`EventFramer`]);
+/// beyond it they go out as they are (an engine whose events never end, or end in a
+/// way this does not read, is relayed, not buffered without bound).
+const MAX_HELD_EVENT_BYTES: usize = 64 * 1024;
+
+/// Cuts a relayed event stream at event boundaries (a blank line: `\n\n`, `\r\r` or
+/// `\r\n\r\n`) and holds back the unfinished event after the last one. Chunks are
+/// network reads and peer frames, not events; if the upstream breaks mid-event, the
+/// client gets the error as an event of its own instead of glued onto half an event
+/// (which an SSE parser reads as one malformed `data:` line, losing the error).
+#[derive(Debug, Default)]
+struct EventFramer {
+    held: bytes::BytesMut,
+    /// The bytes sent so far end inside an event (held bytes overflowed).
+    mid_event: bool,
+}
+
+impl EventFramer {
+    /// What of `chunk` (after what was held) can go out now: everything up to the last
+    /// event boundary. Empty when no event ended in it.
+    fn push(&mut self, chunk: Bytes) -> Bytes {
+        if self.held.is_empty() && last_event_end(&chunk) == Some(chunk.len()) {
+            // The usual case: the chunk is whole events. No copy.
+            self.mid_event = false;
+            return chunk;
+        }
+        self.held.extend_from_slice(&chunk);
+        match last_event_end(&self.held) {
+            Some(end) => {
+                self.mid_event = false;
+                self.held.split_to(end).freeze()
+            }
+            None if self.held.len() > MAX_HELD_EVENT_BYTES => {
+                self.mid_event = true;
+                self.held.split().freeze()
+            }
+            None => Bytes::new(),
+        }
+    }
+
+    /// What is held, at the end of the stream.
+    fn flush(&mut self) -> Bytes {
+        self.held.split().freeze()
+    }
+
+    /// Drop the unfinished event (the stream failed).
+    fn discard(&mut self) {
+        self.held.clear();
+    }
+
+    /// Whether what went out ends inside an event.
+    fn mid_event(&self) -> bool {
+        self.mid_event
+    }
+}
+
+/// The end (exclusive) of the last event boundary in `b`, if any.
+fn last_event_end(b: &[u8]) -> Option<usize> {
+    (1..b.len()).rev().find_map(|i| match (b[i - 1], b[i]) {
+        (b'\n', b'\n') | (b'\r', b'\r') => Some(i + 1),
+        (b'\r', b'\n') if i >= 3 && b[i - 3] == b'\r' && b[i - 2] == b'\n' => Some(i + 1),
+        _ => None,
+    })
 }
 
 impl Drop for Tracked {
@@ -778,5 +858,42 @@ impl Drop for Tracked {
         // Dropped before the end: the client went away. Dropping `held` (the upstream
         // body) cancels the engine request or the forward stream.
         self.finish("cancelled");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_boundaries_of_every_line_ending() {
+        assert_eq!(last_event_end(b"data: a\n\ndata: b"), Some(9));
+        assert_eq!(last_event_end(b"data: a\r\n\r\n"), Some(11));
+        assert_eq!(last_event_end(b"data: a\r\rdata"), Some(9));
+        assert_eq!(last_event_end(b"data: a\ndata: b\n"), None);
+        assert_eq!(last_event_end(b""), None);
+    }
+
+    #[test]
+    fn the_framer_sends_whole_events_and_holds_the_rest() {
+        let mut f = EventFramer::default();
+        // Whole events pass as they are.
+        assert_eq!(f.push(Bytes::from_static(b"data: 1\n\n")), "data: 1\n\n");
+        // Half an event is held until it ends, then goes out whole.
+        assert_eq!(f.push(Bytes::from_static(b"data: 2")), "");
+        assert_eq!(f.push(Bytes::from_static(b"\n\ndata: 3")), "data: 2\n\n");
+        assert!(!f.mid_event());
+        // At the end of the stream the rest goes out as it came; on a failure it is
+        // dropped.
+        assert_eq!(f.flush(), "data: 3");
+        f.push(Bytes::from_static(b"data: 4"));
+        f.discard();
+        assert_eq!(f.flush(), "");
+        // An event that never ends is not held without bound.
+        let big = Bytes::from(vec![b'x'; MAX_HELD_EVENT_BYTES + 1]);
+        assert_eq!(f.push(big).len(), MAX_HELD_EVENT_BYTES + 1);
+        assert!(f.mid_event());
+        assert_eq!(f.push(Bytes::from_static(b"\n\n")), "\n\n");
+        assert!(!f.mid_event());
     }
 }

@@ -592,3 +592,35 @@ async fn a_client_that_stops_reading_loses_its_engine_stream_at_the_deadline() {
     drop(conn);
     node.shutdown.cancel();
 }
+
+/// An engine that breaks inside an event: the client's stream ends with the error as
+/// an event of its own (the half event is never sent), which an SSE parser reads.
+#[tokio::test]
+async fn an_engine_breaking_inside_an_event_ends_with_a_whole_error_event() {
+    let engine = StubEngine::start("e").await;
+    engine.set_mode(FAIL_MID_EVENT);
+    let node = start_node(config("a", &engine.url(), ""), None).await;
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&chat_body("x", true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut resp = resp;
+    let mut text = String::from_utf8(resp.chunk().await.unwrap().unwrap().to_vec()).unwrap();
+    engine.release.notify_one();
+    while let Some(chunk) = resp.chunk().await.unwrap() {
+        text.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+    let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
+    assert_eq!(events.len(), 2, "{text}");
+    for e in &events {
+        let data = e.strip_prefix("data: ").expect("one data line per event");
+        let v: serde_json::Value = serde_json::from_str(data).expect("each event parses");
+        assert!(v.is_object(), "{e}");
+    }
+    let err: serde_json::Value = serde_json::from_str(&events[1]["data: ".len()..]).unwrap();
+    assert_eq!(err["error"]["code"], "engine_failed", "{err}");
+    node.shutdown.cancel();
+}

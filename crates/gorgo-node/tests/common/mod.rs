@@ -36,6 +36,9 @@ pub const ENDLESS_BODY: u8 = 6;
 /// Stream completions without end (64 KiB SSE comments after the first chunk), counted
 /// in `active` while the stream lives.
 pub const FLOOD: u8 = 7;
+/// Send the first SSE chunk, wait to be released, then send half of the next event
+/// and break the connection (an engine dying inside an event).
+pub const FAIL_MID_EVENT: u8 = 8;
 
 /// A stub OpenAI-compatible engine whose load and behaviour the test sets.
 pub struct StubEngine {
@@ -259,6 +262,11 @@ fn async_stream(
         async move {
             match step {
                 0 => Some((Ok(first), 1)),
+                1 if mode == FAIL_MID_EVENT => {
+                    e.release.notified().await;
+                    Some((Ok(Bytes::from_static(b"data: {\"id\":\"x\",\"cho")), 4))
+                }
+                4 => Some((Err(std::io::Error::other("engine died")), 3)),
                 1 if mode == FAIL_MID_STREAM => {
                     e.release.notified().await;
                     Some((Err(std::io::Error::other("engine died")), 3))
