@@ -533,16 +533,27 @@ async fn completion(
     // 128 MiB as a `Value`); nothing below reads it, and serving may take minutes.
     drop(parsed);
     let policy_name = policy.unwrap_or(state.policy).as_str();
-    let served = match slot {
-        // Draining: peers take new work while any is alive, so the node empties.
-        Slot::Ingress(_) if state.is_draining() => match serve_elsewhere(&state, req.clone()).await
-        {
-            Err(e) if e.may_fall_back() => serve(&state, req).await,
-            served => served,
-        },
-        Slot::Ingress(_) => serve(&state, req).await,
-        Slot::Overflow(_) => serve_elsewhere(&state, req).await,
+    let serving = async {
+        match slot {
+            // Draining: peers take new work while any is alive, so the node empties.
+            Slot::Ingress(_) if state.is_draining() => {
+                match serve_elsewhere(&state, req.clone()).await {
+                    Err(e) if e.may_fall_back() => serve(&state, req).await,
+                    served => served,
+                }
+            }
+            Slot::Ingress(_) => serve(&state, req).await,
+            Slot::Overflow(_) => serve_elsewhere(&state, req).await,
+        }
     };
+    // `request_timeout_ms` bounds the whole request, the tries before its head too
+    // (each may wait a first-byte timeout); `respond` gets what is left of it.
+    let served = tokio::time::timeout_at(
+        (started + Duration::from_millis(limits.request_timeout_ms)).into(),
+        serving,
+    )
+    .await
+    .unwrap_or_else(|_| Err(ServeError::Timeout("request timed out".into())));
     match served {
         Ok(up) => {
             tracing::debug!(request_id, served_by = %up.served_by, hops = up.hops, status = up.status, "serving");
@@ -586,7 +597,9 @@ fn respond(
     // start fit by the decode time. Only event streams are measured for tuning.
     let event_stream = is_event_stream(&up.headers);
     let measured = measured.filter(|_| event_stream);
-    let deadline = Duration::from_millis(state.config.limits.request_timeout_ms);
+    // What is left of the whole request's deadline, which started with it.
+    let deadline = Duration::from_millis(state.config.limits.request_timeout_ms)
+        .saturating_sub(started.elapsed());
     let held = Arc::new(parking_lot::Mutex::new(Some((up.body, slot))));
     let (watch_tx, watch_rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(drop_at_deadline(Arc::downgrade(&held), deadline, watch_rx));

@@ -35,16 +35,24 @@ fn pass_headers(headers: &reqwest::header::HeaderMap) -> Vec<(String, String)> {
 }
 
 /// What a retry of a request leaves out: the local engines that failed it before its
-/// first byte, or every local engine (the node is too full to serve it itself).
+/// first byte, or every local engine (the node is too full to serve it itself), and the
+/// peers whose forward failed before its first byte (routing again would mostly pick
+/// the same peer, which has not been declared dead yet).
 #[derive(Debug, Clone, Default)]
 struct Excluded {
     all_local: bool,
     replicas: Vec<u16>,
+    peers: Vec<NodeId>,
 }
 
 impl Excluded {
     fn local(&self, replica: u16) -> bool {
         self.all_local || self.replicas.contains(&replica)
+    }
+
+    /// How much was left out: a retry is worth it only when this grew.
+    fn len(&self) -> usize {
+        self.replicas.len() + self.peers.len()
     }
 }
 
@@ -81,7 +89,9 @@ fn candidates(state: &NodeState, req: &RoutedRequest, excluded: &Excluded) -> Ve
             .filter(move |e| model.is_none_or(|m| e.stats.serves(m)))
             .map(move |e| PeerState {
                 node: &p.id,
-                alive: p.alive,
+                // A peer that failed this request before its first byte is out of its
+                // retries, as a dead one would be.
+                alive: p.alive && !excluded.peers.contains(&p.id),
                 rtt_ms: p.rtt_ms,
                 stats: Some(&e.stats),
                 stats_age_ms: e.stats_age_ms,
@@ -144,10 +154,10 @@ async fn serve_excluding(
 ) -> Result<Upstream, ServeError> {
     let mut first_error = None;
     for _ in 0..MAX_ATTEMPTS {
-        let before = excluded.replicas.len();
+        let before = excluded.len();
         match route_and_serve(state, req, &mut excluded).await {
-            // Another engine failed it: route again without it.
-            Err(e) if e.may_fall_back() && excluded.replicas.len() > before => {
+            // An engine or a peer failed it: route again without it.
+            Err(e) if e.may_fall_back() && excluded.len() > before => {
                 first_error.get_or_insert(e);
             }
             // Nowhere else to go: the first failure says what went wrong.
@@ -168,7 +178,7 @@ pub async fn serve_elsewhere(
     check_context(state, &req)?;
     let excluded = Excluded {
         all_local: true,
-        replicas: Vec::new(),
+        ..Excluded::default()
     };
     serve_excluding(state, &req, excluded).await
 }
@@ -294,13 +304,14 @@ async fn route_and_serve(
                 tracing::warn!(request_id = req.request_id, %peer, error = %e, "forward failed before first byte; serving locally");
                 state.metrics.forward(&peer.0, "fallback");
                 state.router.forward_failed(&peer, &record);
+                let failed = format!("forward to {peer} failed and no local engine");
+                excluded.peers.push(peer);
                 match best_local {
                     Some(local) => {
                         serve_local_or_exclude(state, req, local.replica, excluded).await
                     }
-                    None => Err(ServeError::Unavailable(format!(
-                        "forward to {peer} failed and no local engine"
-                    ))),
+                    // Routed again without that peer (the caller's retry).
+                    None => Err(ServeError::Unavailable(failed)),
                 }
             }
         },

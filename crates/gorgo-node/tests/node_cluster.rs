@@ -428,3 +428,22 @@ async fn a_node_with_refusals_off_serves_every_forward() {
     let (c, p) = refusing_cluster(false).await;
     assert_eq!(chat(&c.nodes[0], &p).await, (200, "b".into(), 1));
 }
+
+/// A forward that fails before its first byte leaves that peer out of the request's
+/// next try: a, draining, sends its request to b (which holds the prefix), whose
+/// engine does not answer in time; a tries c next (before, it routed to b again or gave
+/// up on the peers and served the request itself).
+#[tokio::test]
+async fn a_peer_that_failed_a_request_is_left_out_of_its_next_try() {
+    let c = cluster("[limits]\nfirst_byte_timeout_ms = 300\n").await;
+    let p = b_prompt();
+    chat(&c.nodes[1], &p).await;
+    c.engines[1].set_mode(HANG);
+    c.nodes[0].state().start_draining();
+    let before = c.engines[1].requests();
+    let (status, served, _) = or_hang("the request", chat(&c.nodes[0], &p)).await;
+    assert_eq!(status, 200);
+    assert_eq!(served, "c");
+    assert_eq!(c.engines[1].requests(), before + 1, "b was tried once");
+    c.engines[1].release.notify_waiters();
+}

@@ -279,3 +279,32 @@ async fn health_checks_take_a_dead_replica_out_without_a_request() {
     assert!(state.is_ready(), "engine 0 still serves");
     node.shutdown.cancel();
 }
+
+/// `request_timeout_ms` bounds the whole request, its tries before the head too: with
+/// two hanging engines each try waits a first-byte timeout, and two of them outlast
+/// the request's deadline, which answers (504, "request timed out") instead of the
+/// engines' own timeouts one after the other.
+#[tokio::test]
+async fn the_request_deadline_covers_the_tries_before_the_head() {
+    let es = engines(2).await;
+    for e in &es {
+        e.set_mode(HANG);
+    }
+    let urls: Vec<String> = es.iter().map(|e| e.url()).collect();
+    let extra = "[limits]\nrequest_timeout_ms = 1000\nfirst_byte_timeout_ms = 800\n";
+    let node = start_node(config_with_engines("a", &urls, extra), None).await;
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&chat_body("x", false))
+        .send()
+        .await
+        .unwrap();
+    let (status, body) = error_of(resp).await;
+    assert_eq!(status, 504);
+    assert_eq!(body["error"]["message"], "request timed out", "{body}");
+    assert_eq!(served(&es), vec![1, 1], "both engines were tried");
+    for e in &es {
+        e.release.notify_waiters();
+    }
+    node.shutdown.cancel();
+}
