@@ -124,6 +124,25 @@ pub struct DecisionRecord {
     /// Why (`policy`, `max-hops`, `policy-fallback`, `refused`, or why nothing could
     /// serve).
     pub reason: String,
+    /// What became of a forward this decision chose, when it did not go as decided:
+    /// `forward-refused` (the peer refused it) or `forward-failed` (it failed before
+    /// its first byte); the request was then served locally or decided again. Absent
+    /// otherwise: the record alone would name a winner that never served.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forward_outcome: Option<String>,
+    /// For a peer's forward decided (or refused) here: the node it came from and its
+    /// request id there, which joins the two nodes' `/admin/decisions`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<ForwardOrigin>,
+}
+
+/// Where a forward came from ([`DecisionRecord::origin`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForwardOrigin {
+    /// The node the client called.
+    pub node: NodeId,
+    /// The request's id on that node (its `/admin/decisions` `request_id`).
+    pub request_id: u64,
 }
 
 impl DecisionRecord {
@@ -156,6 +175,8 @@ impl DecisionRecord {
             candidates,
             winner,
             reason,
+            forward_outcome: None,
+            origin: None,
         }
     }
 
@@ -180,6 +201,8 @@ impl DecisionRecord {
             candidates,
             winner: None,
             reason: "refused".to_owned(),
+            forward_outcome: None,
+            origin: None,
         }
     }
 }

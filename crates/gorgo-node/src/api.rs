@@ -139,6 +139,9 @@ pub struct RoutedRequest {
     pub model: Option<String>,
     /// The node the client talks to.
     pub origin: NodeId,
+    /// For a peer's forward: the request's id at its origin (the decision log joins
+    /// the two nodes' records by it); `None` for this node's own clients.
+    pub origin_request_id: Option<u64>,
     /// The cost weights to route with: the tuning epoch's, fixed at admission so the
     /// request is routed with the weights of the epoch it is attributed to.
     pub weights: gorgo_core::Weights,

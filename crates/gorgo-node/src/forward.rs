@@ -303,6 +303,7 @@ where
         hops: msg.hops,
         policy,
         origin: msg.origin,
+        origin_request_id: Some(msg.request_id),
         model: msg.model,
         weights: state.tuning.weights(),
         offer: msg

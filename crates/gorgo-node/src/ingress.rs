@@ -527,6 +527,7 @@ async fn completion(
             .and_then(Value::as_str)
             .map(str::to_owned),
         origin: state.id.clone(),
+        origin_request_id: None,
         offer: None,
     };
     // The parsed body can be many times the body's size (8 MiB of token ids is about

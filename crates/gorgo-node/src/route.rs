@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use gorgo_core::cost::{Candidate, ForwardLedger};
 pub use gorgo_core::decision::DecisionRecord;
-use gorgo_core::decision::{decide, refuse_forward, ForwardOffer, Refusal};
+use gorgo_core::decision::{decide, refuse_forward, ForwardOffer, ForwardOrigin, Refusal};
 use gorgo_core::policy::{build, Policy, PolicyKind, RouteRequest};
 use gorgo_core::{HashChain, NodeId, Weights};
 use parking_lot::Mutex;
@@ -56,6 +56,8 @@ pub struct DecisionInput<'a> {
     pub weights: Weights,
     /// Milliseconds since the node started.
     pub now_ms: u64,
+    /// For a peer's forward: where it came from (kept in the decision's record).
+    pub origin: Option<ForwardOrigin>,
 }
 
 /// The router's own state: policy instances, decision log, forward ledger.
@@ -128,13 +130,14 @@ impl Router {
             Ok(d) => Target::Peer(d.target.clone()),
             Err(_) => Target::Nothing,
         };
-        let record = DecisionRecord::of_outcome(
+        let mut record = DecisionRecord::of_outcome(
             input.request_id,
             input.now_ms,
             input.prompt_tokens,
             input.weights,
             outcome,
         );
+        record.origin = input.origin.clone();
         if let Target::Peer(peer) = &target {
             let chosen = record.candidates.iter().find(|c| c.chosen);
             let cached = chosen.map_or(0, |c| c.cached_tokens);
@@ -164,7 +167,7 @@ impl Router {
         let (refusal, explained) = self.with_policy(input.policy, |policy| {
             refuse_forward(&req, candidates, policy, offer, rng)
         })?;
-        self.log(DecisionRecord::of_refusal(
+        let mut record = DecisionRecord::of_refusal(
             input.request_id,
             input.now_ms,
             input.policy,
@@ -172,7 +175,9 @@ impl Router {
             input.prompt_tokens,
             offer,
             explained,
-        ));
+        );
+        record.origin = input.origin.clone();
+        self.log(record);
         Some(refusal)
     }
 
@@ -192,6 +197,20 @@ impl Router {
         log.push_back(record);
     }
 
+    /// The forward that decision `request_id`'s record (made at `at_ms`) chose did not
+    /// go as decided ([`DecisionRecord::forward_outcome`]): say so in the log, where
+    /// the record is still kept (it is one of the most recent).
+    fn note_forward_outcome(&self, request_id: u64, at_ms: u64, outcome: &str) {
+        let mut log = self.log.lock();
+        if let Some(r) = log
+            .iter_mut()
+            .rev()
+            .find(|r| r.request_id == request_id && r.at_ms == at_ms)
+        {
+            r.forward_outcome = Some(outcome.to_owned());
+        }
+    }
+
     /// `peer` refused a forward decided by `record`: it no longer counts as pending
     /// there, and the peer's forward bias learns from the refusal as from a first
     /// byte, with the peer's own estimate in place of the TTFT (`elapsed_ms` since the
@@ -206,6 +225,7 @@ impl Router {
     ) {
         let chosen = record.candidates.iter().find(|c| c.chosen);
         let replica = chosen.map_or(0, |c| c.replica);
+        self.note_forward_outcome(record.request_id, record.at_ms, "forward-refused");
         let mut ledger = self.ledger.lock();
         Self::cancel_in(&mut ledger, peer, record);
         let predicted = chosen.and_then(|c| c.terms?.unbiased_estimated_ttft_ms());
@@ -219,6 +239,7 @@ impl Router {
     /// ledger at once instead of counting in the peer's queue until its next stats
     /// (which a peer that stopped answering may never send).
     pub fn forward_failed(&self, peer: &NodeId, record: &DecisionRecord) {
+        self.note_forward_outcome(record.request_id, record.at_ms, "forward-failed");
         Self::cancel_in(&mut self.ledger.lock(), peer, record);
     }
 
@@ -259,6 +280,7 @@ mod tests {
             session_key: None,
             weights: Weights::default(),
             now_ms: 0,
+            origin: None,
         }
     }
 

@@ -8,7 +8,7 @@ use std::time::Instant;
 use futures::StreamExt;
 use gorgo_core::candidates::{build_candidates, LocalState, PeerState};
 use gorgo_core::cost::Candidate;
-use gorgo_core::decision::ForwardOffer;
+use gorgo_core::decision::{ForwardOffer, ForwardOrigin};
 use gorgo_core::health::RequestOutcome;
 use gorgo_core::NodeId;
 
@@ -223,6 +223,10 @@ async fn route_and_serve(
         session_key: req.session_key,
         weights: req.weights,
         now_ms: state.now_ms(),
+        origin: req.origin_request_id.map(|request_id| ForwardOrigin {
+            node: req.origin.clone(),
+            request_id,
+        }),
     };
     let decided = telemetry::decide_span(&state.id, policy).in_scope(|| {
         let cands = candidates(state, req, excluded);

@@ -251,6 +251,10 @@ async fn forward_failing_before_first_byte_falls_back_locally() {
         .lock()
         .pending(&"b".into(), 0);
     assert_eq!(ledger, (0, 0));
+    // a's decision log says the forward it chose failed.
+    let d = admin_json(&c.nodes[0], "/admin/decisions?limit=1").await;
+    assert_eq!(d[0]["winner"], "b");
+    assert_eq!(d[0]["forward_outcome"], "forward-failed", "{d}");
     c.engines[1].release.notify_waiters();
 }
 
@@ -379,6 +383,9 @@ async fn a_forward_the_target_would_serve_later_is_refused_and_served_at_its_ori
     // a decided to forward to b; b's log shows the refusal with its terms.
     let d = admin_json(&c.nodes[0], "/admin/decisions?limit=1").await;
     assert_eq!(d[0]["winner"], "b");
+    // ... and what became of it: the record does not claim b served it.
+    assert_eq!(d[0]["forward_outcome"], "forward-refused", "{d}");
+    let a_request = d[0]["request_id"].clone();
     // The client is told a's own prediction for serving it (plus the refusal's round
     // trip), not the forward's, which proved wrong.
     let estimate = |is_local: bool| {
@@ -399,6 +406,9 @@ async fn a_forward_the_target_would_serve_later_is_refused_and_served_at_its_ori
     let d = admin_json(&c.nodes[1], "/admin/decisions?limit=1").await;
     assert_eq!(d[0]["reason"], "refused");
     assert!(d[0]["winner"].is_null());
+    // b's record names the forward's origin and its request there.
+    assert_eq!(d[0]["origin"]["node"], "a", "{d}");
+    assert_eq!(d[0]["origin"]["request_id"], a_request, "{d}");
     let local = d[0]["candidates"]
         .as_array()
         .unwrap()
