@@ -135,16 +135,39 @@ async fn health(State(state): State<Arc<NodeState>>) -> Response {
 const HEALTH_GENERATE_MAX_BYTES: usize = 1 << 20;
 
 /// `GET /health_generate` (SGLang's): a one-token generation through the local engine,
-/// so a probe sees an engine that answers `/health` but cannot generate.
+/// so a probe sees an engine that answers `/health` but cannot generate. Probes run
+/// one at a time, and one that arrives while another runs takes its answer: the route
+/// needs no token, and each probe is real engine work outside the node's accounting.
 async fn health_generate(State(state): State<Arc<NodeState>>) -> Response {
-    let model = engine_model(&state)
+    let (mut last, waited) = match state.health_probe.try_lock() {
+        Ok(guard) => (guard, false),
+        Err(_) => (state.health_probe.lock().await, true),
+    };
+    let outcome = match (waited, last.as_ref()) {
+        (true, Some(outcome)) => outcome.clone(),
+        _ => {
+            let outcome = probe_generation(&state).await;
+            *last = Some(outcome.clone());
+            outcome
+        }
+    };
+    drop(last);
+    match outcome {
+        Ok(()) => Response::new(Body::empty()),
+        Err(m) => error_response(StatusCode::SERVICE_UNAVAILABLE, &m),
+    }
+}
+
+/// One `/health_generate` probe: `Err` says why the engine could not generate.
+async fn probe_generation(state: &NodeState) -> Result<(), String> {
+    let model = engine_model(state)
         .await
         .unwrap_or_else(|| "default".to_owned());
     let body =
         serde_json::json!({"model": model, "prompt": "ping", "max_tokens": 1, "stream": false});
     let headers = [("content-type".to_owned(), "application/json".to_owned())];
     let Some(engine) = state.preferred_engine() else {
-        return error_response(StatusCode::SERVICE_UNAVAILABLE, "no local engine");
+        return Err("no local engine".into());
     };
     let sent = engine
         .adapter
@@ -158,21 +181,15 @@ async fn health_generate(State(state): State<Arc<NodeState>>) -> Response {
     match sent {
         Ok(resp) if resp.status().is_success() => {
             match engine.adapter.read_answer(resp, HEALTH_GENERATE_MAX_BYTES).await {
-                Some(_) => Response::new(Body::empty()),
-                None => error_response(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "engine failed: its answer broke off, ran over 1 MiB or past the health deadline",
+                Some(_) => Ok(()),
+                None => Err(
+                    "engine failed: its answer broke off, ran over 1 MiB or past the health deadline"
+                        .into(),
                 ),
             }
         }
-        Ok(resp) => error_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            &format!("engine answered {}", resp.status().as_u16()),
-        ),
-        Err(e) => error_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            &ServeError::from(e).message(),
-        ),
+        Ok(resp) => Err(format!("engine answered {}", resp.status().as_u16())),
+        Err(e) => Err(ServeError::from(e).message()),
     }
 }
 

@@ -90,6 +90,11 @@ pub struct NodeState {
     pub forward_permits: Arc<Semaphore>,
     /// Bytes of request bodies being read at once, clients' and peers' together.
     pub body_budget: budget::BodyBudget,
+    /// The last `/health_generate` probe's outcome (`Err`: why it failed), held while
+    /// a probe runs: probes run one at a time, and those that arrive during one share
+    /// its answer, so unauthenticated callers cannot turn the route into unbounded
+    /// engine work.
+    pub(crate) health_probe: tokio::sync::Mutex<Option<Result<(), String>>>,
     /// Set when the node starts draining (SIGTERM): `/readyz` answers 503 so load
     /// balancers stop sending, while in-flight requests finish.
     draining: AtomicBool,
@@ -168,6 +173,7 @@ impl NodeState {
             permits: Arc::new(Semaphore::new(config.limits.max_concurrency)),
             forward_permits: Arc::new(Semaphore::new(config.limits.max_forwards)),
             body_budget,
+            health_probe: tokio::sync::Mutex::new(None),
             draining: AtomicBool::new(false),
             closing: CancellationToken::new(),
             started: Instant::now(),

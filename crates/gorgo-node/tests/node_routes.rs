@@ -252,3 +252,50 @@ async fn native_routes_run_under_the_deadline_and_in_the_accounting() {
     );
     engine.release.notify_waiters();
 }
+
+/// `/health_generate` needs no token and is real engine work: probes that arrive while
+/// one runs take its answer instead of each sending a generation.
+#[tokio::test]
+async fn concurrent_health_generate_probes_share_one_generation() {
+    let (engines, nodes) = cluster().await;
+    let engine = engines[0].clone();
+    engine.set_mode(HANG);
+    let before = engine.requests();
+    let url = format!("{}/health_generate", nodes[0].base);
+    let probes: Vec<_> = (0..20)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move { client().get(url).send().await.unwrap().status() })
+        })
+        .collect();
+    until("the first probe to reach the engine", || {
+        engine.requests() > before
+    })
+    .await;
+    // Every probe's connection is open before the held one is let go.
+    let mut open = 0;
+    for _ in 0..2000 {
+        let text = metrics_text(&nodes[0]).await;
+        open = text
+            .lines()
+            .find(|l| l.starts_with("gorgo_connections_open{port=\"client\"}"))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .unwrap_or(0);
+        if open >= 20 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(open >= 20, "{open} connections");
+    engine.set_mode(NORMAL);
+    engine.release.notify_waiters();
+    for p in probes {
+        assert_eq!(p.await.unwrap(), 200);
+    }
+    // One generation (a straggler that arrived after it ended may send a second).
+    assert!(
+        engine.requests() - before <= 2,
+        "{} generations",
+        engine.requests() - before
+    );
+}
