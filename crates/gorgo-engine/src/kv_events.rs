@@ -114,6 +114,11 @@ impl KvPublisher {
         })
     }
 
+    /// Tokens per published block (what [`encode_changes`] needs to cut token ids).
+    pub fn block_tokens(&self) -> usize {
+        self.block_tokens
+    }
+
     /// Publish one batch of the engine's cache changes (nothing when empty);
     /// `tokens_of` gives a live request's token ids.
     pub fn publish_changes(
@@ -122,41 +127,7 @@ impl KvPublisher {
         tokens_of: &HashMap<u64, Arc<[u32]>>,
         ts: f64,
     ) {
-        let mut events = Vec::new();
-        for change in changes {
-            match *change {
-                CacheChange::Stored {
-                    hash,
-                    parent,
-                    tokens,
-                    request,
-                    block,
-                } => {
-                    if tokens as usize != self.block_tokens {
-                        continue;
-                    }
-                    let start = block * self.block_tokens;
-                    let Some(ids) = tokens_of
-                        .get(&request)
-                        .and_then(|ids| ids.get(start..start + self.block_tokens))
-                    else {
-                        continue;
-                    };
-                    events.push(KvEvent::BlockStored {
-                        block_hashes: vec![hash],
-                        parent,
-                        token_ids: ids.to_vec(),
-                        block_size: self.block_tokens as u32,
-                        lora_id: None,
-                        medium: Some(gorgo_core::kv_wire::MEDIUM_GPU.to_owned()),
-                    });
-                }
-                CacheChange::Removed { hash } => events.push(KvEvent::BlockRemoved {
-                    block_hashes: vec![hash],
-                    medium: Some(gorgo_core::kv_wire::MEDIUM_GPU.to_owned()),
-                }),
-            }
-        }
+        let events = encode_changes(changes, tokens_of, self.block_tokens);
         if !events.is_empty() {
             self.publish(events, ts);
         }
@@ -181,6 +152,53 @@ impl KvPublisher {
         // A full queue drops the live copy only: the replay ring has it.
         let _ = self.live.try_send((seq, payload));
     }
+}
+
+/// The KV events of the engine's cache changes, with blocks of `block_tokens` tokens:
+/// separate from publishing so the engine's driver can encode a step's changes while
+/// the token ids of the requests that made them are still at hand. A stored block is
+/// left out when it is partial or when `tokens_of` lacks its request's token ids.
+pub fn encode_changes(
+    changes: &[CacheChange],
+    tokens_of: &HashMap<u64, Arc<[u32]>>,
+    block_tokens: usize,
+) -> Vec<KvEvent> {
+    let mut events = Vec::new();
+    for change in changes {
+        match *change {
+            CacheChange::Stored {
+                hash,
+                parent,
+                tokens,
+                request,
+                block,
+            } => {
+                if tokens as usize != block_tokens {
+                    continue;
+                }
+                let Some(ids) = block.checked_mul(block_tokens).and_then(|start| {
+                    tokens_of
+                        .get(&request)
+                        .and_then(|ids| ids.get(start..start.checked_add(block_tokens)?))
+                }) else {
+                    continue;
+                };
+                events.push(KvEvent::BlockStored {
+                    block_hashes: vec![hash],
+                    parent,
+                    token_ids: ids.to_vec(),
+                    block_size: block_tokens as u32,
+                    lora_id: None,
+                    medium: Some(gorgo_core::kv_wire::MEDIUM_GPU.to_owned()),
+                });
+            }
+            CacheChange::Removed { hash } => events.push(KvEvent::BlockRemoved {
+                block_hashes: vec![hash],
+                medium: Some(gorgo_core::kv_wire::MEDIUM_GPU.to_owned()),
+            }),
+        }
+    }
+    events
 }
 
 /// Answer replay requests `[identity, "", start seq]` with every buffered batch from

@@ -100,8 +100,10 @@ impl MetricsSnapshot {
         }
     }
 
-    /// Render in Prometheus text format with SGLang's names and labels.
+    /// Render in Prometheus text format with SGLang's names and labels (the model name
+    /// escaped as a label value, so any name keeps the page parseable).
     pub fn render(&self, model: &str) -> String {
+        let model = &*escape_label_value(model);
         let mut out = String::with_capacity(4096);
         let s = &self.stats;
         for (name, help, v) in [
@@ -217,6 +219,24 @@ impl EngineStats {
     }
 }
 
+/// `value` as the Prometheus text format wants a label value between its quotes:
+/// backslash, double quote and line feed escaped.
+fn escape_label_value(value: &str) -> std::borrow::Cow<'_, str> {
+    if !value.contains(['\\', '"', '\n']) {
+        return value.into();
+    }
+    let mut out = String::with_capacity(value.len() + 8);
+    for c in value.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out.into()
+}
+
 /// SGLang's `token_usage` gauge: used over capacity (0 with no capacity).
 fn token_usage(s: &EngineStats) -> f64 {
     if s.capacity == 0 {
@@ -259,5 +279,37 @@ mod tests {
             },
             direct
         );
+    }
+
+    #[test]
+    fn any_model_name_keeps_the_page_parseable() {
+        let mut snap = MetricsSnapshot::new();
+        snap.stats = EngineStats {
+            running: 3,
+            waiting: 5,
+            used_tokens: 1234,
+            capacity: 4096,
+            cache_hit_rate: 0.25,
+            ..EngineStats::default()
+        };
+        snap.ttft.observe(0.5);
+        let name = "org/we\"ird\\name\nline2";
+        let page = snap.render(name);
+        let parsed = parse_engine_metrics(&page, EngineKind::Sglang);
+        assert_eq!(
+            EngineMetrics {
+                ttft_seconds_sum: None,
+                ttft_count: None,
+                ..parsed
+            },
+            snap.stats.scrape(),
+            "{page}"
+        );
+        assert_eq!(parsed.ttft_count, Some(1.0), "{page}");
+        // Every line is a comment or one whole sample carrying the escaped name.
+        let escaped = "model_name=\"org/we\\\"ird\\\\name\\nline2\"";
+        for line in page.lines().filter(|l| !l.starts_with('#')) {
+            assert!(line.contains(escaped), "{line}");
+        }
     }
 }

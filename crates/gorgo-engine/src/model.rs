@@ -1,6 +1,7 @@
 //! The sans-IO engine model: an SGLang-like scheduler over a radix prefix cache.
 //!
-//! One [`Engine`] is one inference server. Requests go in with [`Engine::submit`];
+//! One [`Engine`] is one inference server. Requests go in with [`Engine::submit`]
+//! (or [`Engine::submit_at`], which queues by an earlier arrival stamp);
 //! the driver calls [`Engine::step`] at (or after) [`Engine::next_event_time`] and gets
 //! the events that happened up to then. Time is an argument (`f64` milliseconds on any
 //! clock), so the emulator runs this on the real clock and the simulator on virtual time.
@@ -30,7 +31,8 @@ pub struct EngineRequest {
     pub prompt_tokens: u64,
     /// Output tokens to generate (the first one comes out of the prefill).
     pub max_output_tokens: u32,
-    /// When the request reached the engine, ms.
+    /// When the request reached the engine, ms: the waiting queue's FCFS order.
+    /// [`Engine::submit`] and [`Engine::submit_at`] set it from their arguments.
     pub arrival_ms: f64,
 }
 
@@ -219,6 +221,9 @@ pub struct Engine {
     inflight: Option<Iteration>,
     last_was_prefill: bool,
     idle_since_ms: f64,
+    /// When the latest iteration started (the latest admission decision), ms: the
+    /// model's clock never goes back before it.
+    decided_ms: f64,
     private_tokens: u64,
     events: Vec<EngineEvent>,
     max_waiting: Option<usize>,
@@ -244,6 +249,7 @@ impl Engine {
             inflight: None,
             last_was_prefill: false,
             idle_since_ms: f64::NEG_INFINITY,
+            decided_ms: f64::NEG_INFINITY,
             private_tokens: 0,
             events: Vec::new(),
             max_waiting: None,
@@ -314,8 +320,33 @@ impl Engine {
 
     /// Queue a request that arrives at `now_ms`. Refusals are returned and also
     /// emitted as [`EngineEvent::Rejected`].
-    pub fn submit(&mut self, mut req: EngineRequest, now_ms: f64) -> Result<(), RejectReason> {
+    pub fn submit(&mut self, req: EngineRequest, now_ms: f64) -> Result<(), RejectReason> {
+        self.submit_at(req, now_ms, now_ms)
+    }
+
+    /// Queue a request that arrived at `arrival_ms` but is handed over only at
+    /// `now_ms`: a driver that stamps a request when it arrives and submits it after
+    /// reading and hashing its body (the emulator) queues it by that stamp, so a burst
+    /// keeps its arrival order whatever each request's handling cost.
+    ///
+    /// The waiting queue is FCFS by arrival stamp (equal stamps in submission order),
+    /// and the request becomes schedulable `request_overhead_ms` after its stamp. The
+    /// model never revisits a decision: a request whose schedulable time falls before
+    /// the start of the latest iteration counts as schedulable at that start (it joins
+    /// the next admission, not one already made). A stamp that is not finite counts as
+    /// `now_ms`. `req.arrival_ms` is overwritten with the stamp used.
+    pub fn submit_at(
+        &mut self,
+        mut req: EngineRequest,
+        arrival_ms: f64,
+        now_ms: f64,
+    ) -> Result<(), RejectReason> {
         self.advance(now_ms);
+        req.arrival_ms = if arrival_ms.is_finite() {
+            arrival_ms
+        } else {
+            now_ms
+        };
         req.prompt_tokens = req.prompt_tokens.max(1);
         req.max_output_tokens = req.max_output_tokens.max(1);
         // A chain may list more tokens than the prompt has (trace block ids pad the
@@ -361,8 +392,12 @@ impl Engine {
             return Err(reason);
         }
         self.waiting_prompt_tokens += req.prompt_tokens;
-        let ready_ms = now_ms + self.profile.request_overhead_ms;
-        self.waiting.push_back(Waiting { req, ready_ms });
+        let ready_ms = (req.arrival_ms + self.profile.request_overhead_ms).max(self.decided_ms);
+        // FCFS by stamp: after every request stamped no later (the queue stays sorted).
+        let at = self
+            .waiting
+            .partition_point(|w| w.req.arrival_ms <= req.arrival_ms);
+        self.waiting.insert(at, Waiting { req, ready_ms });
         self.advance(now_ms);
         Ok(())
     }
@@ -396,7 +431,7 @@ impl Engine {
             None => self
                 .waiting
                 .front()
-                .map(|w| w.ready_ms.max(self.idle_since_ms)),
+                .map(|w| w.ready_ms.max(self.idle_since_ms).max(self.decided_ms)),
         }
     }
 
@@ -468,7 +503,7 @@ impl Engine {
                     let Some(head) = self.waiting.front() else {
                         return;
                     };
-                    let start = head.ready_ms.max(self.idle_since_ms);
+                    let start = head.ready_ms.max(self.idle_since_ms).max(self.decided_ms);
                     if start > now_ms {
                         return;
                     }
@@ -485,6 +520,12 @@ impl Engine {
 
     /// Admit what fits, then start a prefill batch or a decode step at `t`.
     fn start_iteration(&mut self, t: f64) {
+        debug_assert!(
+            t >= self.decided_ms,
+            "iteration at {t} before {}",
+            self.decided_ms
+        );
+        self.decided_ms = self.decided_ms.max(t);
         self.admit(t);
         let has_prefill = self.running.iter().any(Running::prefilling);
         let has_decode = self.running.iter().any(Running::decoding);
@@ -674,5 +715,140 @@ impl Engine {
             self.cache.release(h);
         }
         self.private_tokens -= r.reserved;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Round costs: prefill 10 ms + 0.01 ms/token, decode 5 ms; one request at a time.
+    fn profile(overhead_ms: f64, max_running: u32) -> Profile {
+        let mut p = Profile::by_name("h200-mistral7b").expect("built-in profile");
+        p.request_overhead_ms = overhead_ms;
+        p.prefill_base_ms = 10.0;
+        p.t_p_ms_per_token = 0.01;
+        p.decode_base_ms = 5.0;
+        p.per_seq_ms = 0.0;
+        p.per_ctx_token_ms = 0.0;
+        p.max_running_requests = max_running;
+        p
+    }
+
+    fn request(id: u64, tokens: usize) -> EngineRequest {
+        let bytes: Vec<u8> = (0..tokens * 4)
+            .map(|i| (i as u64 * 31 + id) as u8)
+            .collect();
+        let chain = HashChain::from_bytes(&bytes, 64, 4);
+        EngineRequest {
+            id,
+            prompt_tokens: chain.total_tokens(),
+            chain,
+            max_output_tokens: 2,
+            arrival_ms: f64::NAN,
+        }
+    }
+
+    fn drain(engine: &mut Engine) -> Vec<EngineEvent> {
+        let mut events = Vec::new();
+        while let Some(t) = engine.next_event_time() {
+            engine.step_into(t, &mut events);
+        }
+        events
+    }
+
+    /// (id, at_ms) of every first token, in event order.
+    fn first_tokens(events: &[EngineEvent]) -> Vec<(u64, f64)> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                EngineEvent::FirstToken { id, at_ms, .. } => Some((*id, *at_ms)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn submissions_out_of_order_are_admitted_by_arrival_stamp() {
+        // One slot: the first admitted runs alone until done, so the order shows.
+        let mut engine = Engine::new(profile(20.0, 1));
+        // The large request (id 1) arrived first but its submit comes last, as when
+        // its handler spent longer reading and hashing the body.
+        engine.submit_at(request(2, 50), 1.0, 3.0).unwrap();
+        engine.submit_at(request(1, 3000), 0.0, 4.0).unwrap();
+        let firsts = first_tokens(&drain(&mut engine));
+        assert_eq!(firsts.iter().map(|f| f.0).collect::<Vec<_>>(), [1, 2]);
+        // Schedulable at stamp + overhead, not at submission + overhead.
+        let expected = 0.0 + 20.0 + 10.0 + 0.01 * 3000.0;
+        assert!((firsts[0].1 - expected).abs() < 1e-9, "{firsts:?}");
+    }
+
+    #[test]
+    fn equal_stamps_keep_submission_order() {
+        let mut engine = Engine::new(profile(20.0, 1));
+        engine.submit_at(request(1, 50), 5.0, 6.0).unwrap();
+        engine.submit_at(request(2, 50), 5.0, 7.0).unwrap();
+        engine.submit_at(request(3, 50), 4.0, 8.0).unwrap();
+        let firsts = first_tokens(&drain(&mut engine));
+        assert_eq!(firsts.iter().map(|f| f.0).collect::<Vec<_>>(), [3, 1, 2]);
+    }
+
+    #[test]
+    fn a_stamp_before_the_latest_decision_joins_the_next_admission() {
+        // No overhead: a request stamped before the iteration in flight started
+        // cannot join it after the fact; it waits for the next start.
+        let mut engine = Engine::new(profile(0.0, 8));
+        engine.submit_at(request(1, 1000), 10.0, 10.5).unwrap();
+        // Request 1's prefill started at 10 and ends at 30.
+        assert_eq!(engine.next_event_time(), Some(30.0));
+        engine.submit_at(request(2, 1000), 5.0, 11.0).unwrap();
+        let events = drain(&mut engine);
+        let firsts = first_tokens(&events);
+        assert_eq!(firsts[0], (1, 30.0));
+        assert_eq!(firsts[1].0, 2);
+        assert!(firsts[1].1 > 30.0, "{firsts:?}");
+        // Time never goes back: events come in time order.
+        let times: Vec<f64> = events
+            .iter()
+            .filter_map(|e| match e {
+                EngineEvent::FirstToken { at_ms, .. }
+                | EngineEvent::DecodeStep { at_ms, .. }
+                | EngineEvent::Finished { at_ms, .. } => Some(*at_ms),
+                EngineEvent::Rejected { .. } => None,
+            })
+            .collect();
+        assert!(times.windows(2).all(|w| w[0] <= w[1]), "{times:?}");
+    }
+
+    #[test]
+    fn an_old_stamp_on_an_idle_engine_never_starts_before_its_last_iteration() {
+        let mut engine = Engine::new(profile(0.0, 8));
+        engine.submit(request(1, 1000), 0.0).unwrap();
+        let first = drain(&mut engine);
+        let Some(EngineEvent::Finished { at_ms: done, .. }) = first.last().cloned() else {
+            panic!("request 1 finishes: {first:?}");
+        };
+        // Stamped before request 1 even finished, handed over much later.
+        let now = done + 100.0;
+        engine
+            .submit_at(request(2, 1000), done - 10.0, now)
+            .unwrap();
+        // Its whole life fits before `now`: the events wait for the next step.
+        assert_eq!(engine.next_event_time(), None);
+        let firsts = first_tokens(&engine.step(now));
+        // It starts when the engine went idle, never earlier.
+        assert_eq!(firsts, [(2, done + 10.0 + 0.01 * 1000.0)]);
+    }
+
+    #[test]
+    fn a_non_finite_stamp_counts_as_now() {
+        let mut engine = Engine::new(profile(20.0, 1));
+        engine.submit_at(request(1, 50), f64::NAN, 100.0).unwrap();
+        engine
+            .submit_at(request(2, 50), f64::INFINITY, 100.0)
+            .unwrap();
+        let firsts = first_tokens(&drain(&mut engine));
+        assert_eq!(firsts.iter().map(|f| f.0).collect::<Vec<_>>(), [1, 2]);
+        assert!((firsts[0].1 - (100.0 + 20.0 + 10.0 + 0.5)).abs() < 1e-9);
     }
 }

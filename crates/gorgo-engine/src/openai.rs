@@ -127,6 +127,18 @@ pub fn parse(
         },
         Endpoint::Completions => positive_int(&value, "max_tokens")?,
     };
+    // One choice per request: refuse what asks for more rather than answer with the
+    // wrong shape and load.
+    for field in ["n", "best_of"] {
+        if let Some(n) = positive_int(&value, field)? {
+            if n != 1 {
+                return Err(BadRequest::new(
+                    format!("`{field}` must be 1: the emulator returns one choice, got {n}"),
+                    Some(field),
+                ));
+            }
+        }
+    }
     let trace_output = positive_int(&value, "gorgo_output_tokens")?;
     let max_tokens = asked.unwrap_or(default_max_tokens.max(1));
     let output_tokens = match (trace_output, asked) {
@@ -353,6 +365,23 @@ mod tests {
         assert_eq!(e.param, Some("max_tokens"));
         let e = parse(Endpoint::Completions, br#"{"max_tokens":3}"#, 1).unwrap_err();
         assert_eq!(e.param, Some("prompt"));
+    }
+
+    #[test]
+    fn more_than_one_choice_is_refused() {
+        let chat = |extra: &str| {
+            let body = format!(r#"{{"messages":[{{"role":"user","content":"x"}}]{extra}}}"#);
+            parse(Endpoint::Chat, body.as_bytes(), 1)
+        };
+        let e = chat(r#","n":2"#).unwrap_err();
+        assert_eq!(e.param, Some("n"));
+        assert!(e.message.contains("`n`"), "{}", e.message);
+        assert_eq!(chat(r#","n":0"#).unwrap_err().param, Some("n"));
+        assert_eq!(chat(r#","n":"2""#).unwrap_err().param, Some("n"));
+        assert!(chat(r#","n":1"#).is_ok());
+        assert!(chat(r#","n":null"#).is_ok());
+        let e = parse(Endpoint::Completions, br#"{"prompt":"x","best_of":2}"#, 1).unwrap_err();
+        assert_eq!(e.param, Some("best_of"));
     }
 
     #[test]

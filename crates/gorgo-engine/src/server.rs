@@ -2,8 +2,10 @@
 //!
 //! One tokio task owns the `Engine` and drives it on the real clock: it sleeps until
 //! the engine's next event or a new command, steps the engine, and pushes each token to
-//! the request's channel. HTTP handlers only parse, submit and stream. A response body
-//! that is dropped (client gone) aborts its request, freeing its slot and KV reference.
+//! the request's channel. HTTP handlers only stamp the arrival, parse, submit and
+//! stream; the engine queues by the arrival stamp. A handler or response body that is
+//! dropped once the request was submitted (client gone) aborts its request, freeing its
+//! slot and KV reference.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -19,6 +21,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::serve::ListenerExt;
 use axum::Router;
+use gorgo_core::kv_wire::KvEvent;
 use gorgo_core::prompt::Endpoint;
 use gorgo_core::HashChain;
 use serde_json::{json, Value};
@@ -83,6 +86,10 @@ enum Progress {
 enum Command {
     Submit {
         req: EngineRequest,
+        /// When the handler started (the request head had arrived): the engine queues
+        /// by it, not by when the driver gets the command after the body was read,
+        /// parsed and hashed (that takes longer for larger prompts).
+        received: Instant,
         /// The prompt's token ids, for the KV events (only when they are published).
         token_ids: Option<Arc<[u32]>>,
         progress: mpsc::UnboundedSender<Progress>,
@@ -127,6 +134,12 @@ pub async fn serve_with_kv_events(
     let mut engine = Engine::new(config.profile.clone());
     engine.set_max_waiting(Some(config.max_queue));
     engine.set_record_cache_changes(kv_events.is_some());
+    // The model's time 0, fixed before any handler can stamp a request.
+    let driver = Driver::new(
+        engine,
+        Instant::now(),
+        kv_events.as_ref().map(|p| p.block_tokens()),
+    );
     let state = AppState {
         kv_events: kv_events.is_some(),
         commands,
@@ -134,7 +147,7 @@ pub async fn serve_with_kv_events(
         config: Arc::new(config),
         next_id: Arc::new(AtomicU64::new(1)),
     };
-    let driver = tokio::spawn(drive(engine, rx, kv_events));
+    let driver = tokio::spawn(drive(driver, rx, kv_events));
     let app = router(state);
     let listener = listener.tap_io(|tcp| {
         // Tokens go out one small SSE chunk at a time: never wait for Nagle.
@@ -155,83 +168,148 @@ fn router(state: AppState) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/get_server_info", get(server_info))
+        // After the routes: it applies to the routes registered so far.
+        .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
         .with_state(state)
 }
 
-/// The engine task: owns the model, runs it on the real clock.
-async fn drive(
-    mut engine: Engine,
-    mut rx: mpsc::UnboundedReceiver<Command>,
-    mut kv_events: Option<crate::kv_events::KvPublisher>,
-) {
-    let start = Instant::now();
-    // Token ids of the live requests, for the KV events (bounded by the queue and the
-    // running slots: entries leave with their request).
-    let mut token_ids: HashMap<u64, Arc<[u32]>> = HashMap::new();
-    let now_ms = |start: Instant| start.elapsed().as_secs_f64() * 1000.0;
-    let mut streams: HashMap<u64, (mpsc::UnboundedSender<Progress>, f64)> = HashMap::new();
-    let mut snapshot = MetricsSnapshot::new();
-    let mut events = Vec::new();
-    loop {
-        let wake = engine
-            .next_event_time()
-            .map(|t| start + Duration::from_secs_f64(t.max(0.0) / 1000.0));
-        tokio::select! {
-            cmd = rx.recv() => {
-                let Some(cmd) = cmd else { return };
-                let now = now_ms(start);
-                match cmd {
-                    Command::Submit { mut req, token_ids: ids, progress, reply } => {
-                        req.arrival_ms = now;
-                        let id = req.id;
-                        let result = engine.submit(req, now);
-                        if result.is_ok() {
-                            streams.insert(id, (progress, now));
-                            if let Some(ids) = ids {
-                                token_ids.insert(id, ids);
-                            }
-                        }
-                        let _ = reply.send(result);
-                    }
-                    Command::Abort { id } => {
-                        if streams.remove(&id).is_some() {
-                            engine.abort(id, now);
-                        }
-                        token_ids.remove(&id);
-                    }
-                    Command::Metrics { reply } => {
-                        engine.step_into(now, &mut events);
-                        snapshot.stats = engine.stats();
-                        let _ = reply.send(snapshot.clone());
+/// One live request as the driver knows it.
+struct Live {
+    progress: mpsc::UnboundedSender<Progress>,
+    /// Its arrival stamp, model ms (TTFT and E2E are measured from it).
+    arrival_ms: f64,
+}
+
+/// The engine task's state and logic, without the sockets and the real clock: what it
+/// does on each command and after each wakeup, synchronous so that tests can run it
+/// at chosen instants.
+struct Driver {
+    engine: Engine,
+    /// The model's time 0.
+    start: Instant,
+    /// Token ids of the live requests, for the KV events (bounded by the queue and the
+    /// running slots: entries leave with their request).
+    token_ids: HashMap<u64, Arc<[u32]>>,
+    /// Requests aborted since the last step. Their token ids stay until that step has
+    /// encoded its cache changes: the abort itself can complete a prefill iteration
+    /// that stored the request's blocks.
+    aborted: Vec<u64>,
+    streams: HashMap<u64, Live>,
+    snapshot: MetricsSnapshot,
+    events: Vec<EngineEvent>,
+    /// Tokens per KV-event block; `None`: no KV events.
+    kv_block_tokens: Option<usize>,
+}
+
+impl Driver {
+    fn new(engine: Engine, start: Instant, kv_block_tokens: Option<usize>) -> Self {
+        Driver {
+            engine,
+            start,
+            token_ids: HashMap::new(),
+            aborted: Vec::new(),
+            streams: HashMap::new(),
+            snapshot: MetricsSnapshot::new(),
+            events: Vec::new(),
+            kv_block_tokens,
+        }
+    }
+
+    /// Model time of `t`, ms (0 for instants before the start).
+    fn ms(&self, t: Instant) -> f64 {
+        t.saturating_duration_since(self.start).as_secs_f64() * 1000.0
+    }
+
+    /// When the engine next needs a step; `None`: nothing to do (or too far away to
+    /// represent, which is as good as never). One microsecond late on purpose: the
+    /// round trip through `Duration` may truncate, and a step at a model time a hair
+    /// before the event would do nothing and wake again at once (a busy loop).
+    fn wake(&self) -> Option<Instant> {
+        let t = self.engine.next_event_time()?;
+        let after = Duration::try_from_secs_f64(t.max(0.0) / 1000.0).ok()?;
+        self.start
+            .checked_add(after)?
+            .checked_add(Duration::from_micros(1))
+    }
+
+    /// Apply one command at `now`.
+    fn handle(&mut self, cmd: Command, now: Instant) {
+        let now_ms = self.ms(now);
+        match cmd {
+            Command::Submit {
+                req,
+                received,
+                token_ids: ids,
+                progress,
+                reply,
+            } => {
+                let id = req.id;
+                let arrival_ms = self.ms(received).min(now_ms);
+                let result = self.engine.submit_at(req, arrival_ms, now_ms);
+                if result.is_ok() {
+                    self.streams.insert(
+                        id,
+                        Live {
+                            progress,
+                            arrival_ms,
+                        },
+                    );
+                    if let Some(ids) = ids {
+                        self.token_ids.insert(id, ids);
                     }
                 }
+                let _ = reply.send(result);
             }
-            _ = sleep_until(wake) => {}
-        }
-        engine.step_into(now_ms(start), &mut events);
-        if let Some(publisher) = &mut kv_events {
-            let changes = engine.take_cache_changes();
-            if !changes.is_empty() {
-                publisher.publish_changes(&changes, &token_ids, now_ms(start) / 1000.0);
+            Command::Abort { id } => {
+                if self.streams.remove(&id).is_some() {
+                    self.engine.abort(id, now_ms);
+                }
+                if self.token_ids.contains_key(&id) {
+                    self.aborted.push(id);
+                }
+            }
+            Command::Metrics { reply } => {
+                self.engine.step_into(now_ms, &mut self.events);
+                self.snapshot.stats = self.engine.stats();
+                let _ = reply.send(self.snapshot.clone());
             }
         }
-        for event in events.drain(..) {
+    }
+
+    /// Run the engine up to `now`, tell each request's stream what happened to it, and
+    /// return the KV events of the cache changes since the last step (empty without
+    /// KV events).
+    fn step(&mut self, now: Instant) -> Vec<KvEvent> {
+        self.engine.step_into(self.ms(now), &mut self.events);
+        let kv = match self.kv_block_tokens {
+            Some(block_tokens) => {
+                let changes = self.engine.take_cache_changes();
+                crate::kv_events::encode_changes(&changes, &self.token_ids, block_tokens)
+            }
+            None => Vec::new(),
+        };
+        for id in self.aborted.drain(..) {
+            self.token_ids.remove(&id);
+        }
+        for event in self.events.drain(..) {
             match event {
                 EngineEvent::FirstToken {
                     id,
                     at_ms,
                     cached_tokens,
                 } => {
-                    if let Some((tx, arrival)) = streams.get(&id) {
-                        snapshot.ttft.observe((at_ms - arrival) / 1000.0);
-                        let _ = tx.send(Progress::First { cached_tokens });
+                    if let Some(live) = self.streams.get(&id) {
+                        self.snapshot
+                            .ttft
+                            .observe((at_ms - live.arrival_ms) / 1000.0);
+                        let _ = live.progress.send(Progress::First { cached_tokens });
                     }
                 }
                 EngineEvent::DecodeStep { ids, .. } => {
                     for id in ids {
-                        if let Some((tx, _)) = streams.get(&id) {
-                            let _ = tx.send(Progress::Token);
+                        if let Some(live) = self.streams.get(&id) {
+                            let _ = live.progress.send(Progress::Token);
                         }
                     }
                 }
@@ -240,17 +318,43 @@ async fn drive(
                     at_ms,
                     output_tokens,
                 } => {
-                    token_ids.remove(&id);
-                    if let Some((tx, arrival)) = streams.remove(&id) {
-                        snapshot.e2e.observe((at_ms - arrival) / 1000.0);
-                        snapshot.requests_total += 1;
-                        let _ = tx.send(Progress::Done { output_tokens });
+                    self.token_ids.remove(&id);
+                    if let Some(live) = self.streams.remove(&id) {
+                        self.snapshot
+                            .e2e
+                            .observe((at_ms - live.arrival_ms) / 1000.0);
+                        self.snapshot.requests_total += 1;
+                        let _ = live.progress.send(Progress::Done { output_tokens });
                     }
                 }
                 EngineEvent::Rejected { id, .. } => {
-                    token_ids.remove(&id);
+                    self.token_ids.remove(&id);
                 }
             }
+        }
+        kv
+    }
+}
+
+/// The engine task: owns the model, runs it on the real clock.
+async fn drive(
+    mut driver: Driver,
+    mut rx: mpsc::UnboundedReceiver<Command>,
+    mut kv_events: Option<crate::kv_events::KvPublisher>,
+) {
+    loop {
+        let wake = driver.wake();
+        tokio::select! {
+            cmd = rx.recv() => {
+                let Some(cmd) = cmd else { return };
+                driver.handle(cmd, Instant::now());
+            }
+            _ = sleep_until(wake) => {}
+        }
+        let now = Instant::now();
+        let kv = driver.step(now);
+        if let (Some(publisher), false) = (&mut kv_events, kv.is_empty()) {
+            publisher.publish(kv, driver.ms(now) / 1000.0);
         }
     }
 }
@@ -309,8 +413,35 @@ async fn not_found(req: Request) -> Response {
     )
 }
 
-async fn health() -> StatusCode {
-    StatusCode::OK
+/// `GET /health`: 200 while the engine's driver task runs, 503 once it has stopped
+/// (it panicked or returned), so a node's health probe takes a dead emulator out of
+/// rotation instead of routing requests that can only fail.
+async fn health(State(state): State<AppState>) -> Response {
+    if state.commands.is_closed() {
+        return error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the engine has stopped",
+            "server_error",
+            None,
+            Some("unavailable"),
+        );
+    }
+    StatusCode::OK.into_response()
+}
+
+/// A known route with the wrong method: OpenAI's error JSON rather than an empty 405.
+async fn method_not_allowed(req: Request) -> Response {
+    error_response(
+        StatusCode::METHOD_NOT_ALLOWED,
+        &format!(
+            "method {} not allowed on {}",
+            req.method(),
+            req.uri().path()
+        ),
+        "invalid_request_error",
+        None,
+        Some("method_not_allowed"),
+    )
 }
 
 async fn models(State(state): State<AppState>) -> Response {
@@ -386,6 +517,9 @@ impl Drop for AbortOnDrop {
 }
 
 async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response {
+    // First: the request head has arrived; reading and hashing the body take longer
+    // for larger prompts and must not change the queue order.
+    let received = Instant::now();
     let limit = state.config.max_body_bytes;
     let body = match axum::body::to_bytes(req.into_body(), limit).await {
         Ok(b) => b,
@@ -457,6 +591,7 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
     let (progress, mut progress_rx) = mpsc::unbounded_channel();
     let (reply, reply_rx) = oneshot::channel();
     let submitted = state.commands.send(Command::Submit {
+        received,
         token_ids,
         req: EngineRequest {
             id,
@@ -480,33 +615,36 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
     if submitted.is_err() {
         return unavailable();
     }
-    match reply_rx.await {
-        Ok(Ok(())) => {}
-        Ok(Err(RejectReason::QueueFull { limit })) => {
-            return error_response(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &format!("engine overloaded: {limit} requests already waiting"),
-                "server_error",
-                None,
-                Some("overloaded"),
-            )
-        }
-        Ok(Err(reason)) => {
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                &reason.to_string(),
-                "invalid_request_error",
-                None,
-                Some("context_length_exceeded"),
-            )
-        }
-        Err(_) => return unavailable(),
-    }
-    let guard = AbortOnDrop {
+    // Armed from here: a client that leaves while the driver has not answered yet
+    // still aborts its request (the channel is FIFO, so the abort comes after the
+    // submission, and aborting a refused request changes nothing).
+    let mut guard = AbortOnDrop {
         id,
         commands: state.commands.clone(),
         armed: true,
     };
+    let refused = match reply_rx.await {
+        Ok(Ok(())) => None,
+        Ok(Err(RejectReason::QueueFull { limit })) => Some(error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &format!("engine overloaded: {limit} requests already waiting"),
+            "server_error",
+            None,
+            Some("overloaded"),
+        )),
+        Ok(Err(reason)) => Some(error_response(
+            StatusCode::BAD_REQUEST,
+            &reason.to_string(),
+            "invalid_request_error",
+            None,
+            Some("context_length_exceeded"),
+        )),
+        Err(_) => Some(unavailable()),
+    };
+    if let Some(response) = refused {
+        guard.armed = false;
+        return response;
+    }
     let model = parsed
         .model
         .clone()
@@ -518,7 +656,6 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
         "stop"
     };
     if !parsed.stream {
-        let mut guard = guard;
         let mut cached = 0;
         let mut produced = 0;
         while let Some(p) = progress_rx.recv().await {
@@ -624,5 +761,178 @@ impl SseStream {
             }
         }
         Some(Bytes::from(out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::FutureExt;
+
+    fn at(start: Instant, ms: f64) -> Instant {
+        start + Duration::from_secs_f64(ms / 1000.0)
+    }
+
+    /// `tokens` tokens of prompt bytes unique to `seed`.
+    fn prompt(seed: u8, tokens: usize) -> Vec<u8> {
+        (0..tokens * 4)
+            .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+            .collect()
+    }
+
+    /// Hand `driver` a submission of `bytes` stamped at `received`, at `now`; returns
+    /// the request's progress channel.
+    fn submit(
+        driver: &mut Driver,
+        id: u64,
+        bytes: &[u8],
+        received: Instant,
+        now: Instant,
+    ) -> mpsc::UnboundedReceiver<Progress> {
+        let chain = HashChain::from_bytes(bytes, 64, gorgo_core::hash::BYTES_PER_TOKEN);
+        let (progress, progress_rx) = mpsc::unbounded_channel();
+        let (reply, mut reply_rx) = oneshot::channel();
+        driver.handle(
+            Command::Submit {
+                req: EngineRequest {
+                    id,
+                    prompt_tokens: chain.total_tokens(),
+                    chain,
+                    max_output_tokens: 8,
+                    arrival_ms: 0.0,
+                },
+                received,
+                token_ids: Some(byte_chunk_ids(bytes)),
+                progress,
+                reply,
+            },
+            now,
+        );
+        assert_eq!(reply_rx.try_recv().expect("driver replied"), Ok(()));
+        progress_rx
+    }
+
+    #[test]
+    fn an_abort_that_completes_a_prefill_keeps_its_stored_blocks_events() {
+        let mut profile = Profile::by_name("h200-mistral7b").expect("built-in profile");
+        profile.request_overhead_ms = 0.0;
+        let mut engine = Engine::new(profile);
+        engine.set_record_cache_changes(true);
+        let start = Instant::now();
+        let mut driver = Driver::new(engine, start, Some(16));
+        // 64 tokens: four full 16-token blocks.
+        let bytes = prompt(7, 64);
+        let _progress = submit(&mut driver, 1, &bytes, start, start);
+        assert!(driver.step(start).is_empty(), "prefill still running");
+        let prefill_end = driver.wake().expect("prefill in flight");
+        // The driver is late: the abort itself completes the prefill, which caches
+        // the request's blocks; no step ran in between.
+        let late = prefill_end + Duration::from_millis(1);
+        driver.handle(Command::Abort { id: 1 }, late);
+        let kv = driver.step(late);
+        let ids = byte_chunk_ids(&bytes);
+        let stored: Vec<&[u32]> = kv
+            .iter()
+            .filter_map(|e| match e {
+                KvEvent::BlockStored { token_ids, .. } => Some(token_ids.as_slice()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(stored, ids.chunks(16).collect::<Vec<_>>(), "{kv:?}");
+        // The blocks stay cached after the abort, as the events say.
+        assert_eq!(driver.engine.cached_blocks().count(), 4);
+        // And the request's token ids are gone once published.
+        assert!(driver.token_ids.is_empty() && driver.aborted.is_empty());
+    }
+
+    #[test]
+    fn the_driver_queues_by_the_handler_stamp() {
+        let mut profile = Profile::by_name("h200-mistral7b").expect("built-in profile");
+        profile.request_overhead_ms = 50.0;
+        profile.max_running_requests = 1;
+        let start = Instant::now();
+        let mut driver = Driver::new(Engine::new(profile), start, None);
+        // The large request's handler started first but hashed longer.
+        let mut small = submit(
+            &mut driver,
+            2,
+            &prompt(2, 50),
+            at(start, 2.0),
+            at(start, 3.0),
+        );
+        let mut large = submit(
+            &mut driver,
+            1,
+            &prompt(1, 3000),
+            at(start, 1.0),
+            at(start, 9.0),
+        );
+        let mut firsts = Vec::new();
+        let mut steps = 0;
+        while let Some(wake) = driver.wake() {
+            steps += 1;
+            assert!(steps < 1000, "stepping at each wake makes progress");
+            driver.step(wake);
+            for (id, rx) in [(1, &mut large), (2, &mut small)] {
+                while let Ok(p) = rx.try_recv() {
+                    if matches!(p, Progress::First { .. }) {
+                        firsts.push(id);
+                    }
+                }
+            }
+        }
+        assert_eq!(firsts, [1, 2]);
+    }
+
+    fn app_state(commands: mpsc::UnboundedSender<Command>) -> AppState {
+        let profile = Profile::by_name("h200-mistral7b").expect("built-in profile");
+        AppState {
+            commands,
+            config: Arc::new(EmulatorConfig::new(profile)),
+            model: "m".into(),
+            next_id: Arc::new(AtomicU64::new(1)),
+            kv_events: false,
+        }
+    }
+
+    #[tokio::test]
+    async fn health_is_503_once_the_driver_is_gone() {
+        let (commands, rx) = mpsc::unbounded_channel();
+        let state = app_state(commands);
+        assert_eq!(health(State(state.clone())).await.status(), StatusCode::OK);
+        // What a driver task that panicked or returned leaves behind.
+        drop(rx);
+        let resp = health(State(state)).await;
+        assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let body = axum::body::to_bytes(resp.into_body(), 1 << 16)
+            .await
+            .expect("body");
+        let v: Value = serde_json::from_slice(&body).expect("JSON body");
+        assert_eq!(v["error"]["code"], "unavailable", "{v}");
+        assert_eq!(v["error"]["type"], "server_error", "{v}");
+    }
+
+    #[test]
+    fn a_client_gone_before_the_driver_answers_aborts_its_request() {
+        let (commands, mut rx) = mpsc::unbounded_channel();
+        let state = app_state(commands);
+        let body = json!({"messages": [{"role": "user", "content": "hello there"}]});
+        let req = Request::builder()
+            .method("POST")
+            .uri("/v1/chat/completions")
+            .body(Body::from(body.to_string()))
+            .expect("request");
+        // One poll runs the handler up to waiting for the driver's reply; then the
+        // connection goes away and the handler future is dropped.
+        assert!(complete(state, Endpoint::Chat, req)
+            .now_or_never()
+            .is_none());
+        let Ok(Command::Submit { req, .. }) = rx.try_recv() else {
+            panic!("the handler submits first");
+        };
+        let Ok(Command::Abort { id }) = rx.try_recv() else {
+            panic!("then aborts");
+        };
+        assert_eq!(id, req.id);
     }
 }

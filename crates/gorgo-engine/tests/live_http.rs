@@ -307,6 +307,20 @@ async fn bad_input_gets_openai_errors() {
             Some("prompt"),
             None,
         ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "n": 2}).to_string(),
+            400,
+            Some("n"),
+            None,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "best_of": 3}).to_string(),
+            400,
+            Some("best_of"),
+            None,
+        ),
         ("/v1/nothing", "{}".to_owned(), 404, None, Some("not_found")),
     ];
     for (path, body, status, param, code) in cases {
@@ -318,6 +332,16 @@ async fn bad_input_gets_openai_errors() {
         assert_eq!(err["param"].as_str(), param, "{v}");
         assert_eq!(err["code"].as_str(), code, "{v}");
     }
+    // A known route with the wrong method: 405 with OpenAI's error JSON.
+    let resp = client
+        .get(format!("{}/v1/chat/completions", server.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 405);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "method_not_allowed", "{v}");
+    assert!(v["error"]["message"].is_string(), "{v}");
     // Non-streaming completion and the small endpoints.
     let resp = post(
         "/v1/completions",
