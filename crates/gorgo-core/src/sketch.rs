@@ -64,6 +64,19 @@ pub struct LatencyStats {
     pub mean: f64,
 }
 
+impl LatencyStats {
+    /// Nothing measured: every field NaN (`null` in JSON). Comparisons with NaN are
+    /// false, so it meets no SLO, and `total_cmp` ranks it after every measured value.
+    pub fn unmeasured() -> Self {
+        LatencyStats {
+            p50: f64::NAN,
+            p95: f64::NAN,
+            p99: f64::NAN,
+            mean: f64::NAN,
+        }
+    }
+}
+
 /// A number, or NaN for `null` (what serde_json writes for a NaN).
 fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
     Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
@@ -72,7 +85,8 @@ fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> 
 /// Summarise `values` (sorted in place, NaNs last) with [`percentile`].
 ///
 /// NaN values are dropped from the statistics. An empty input (or all NaN) gives all
-/// zeros, so reports of a policy that completed nothing still have the fields.
+/// NaN ([`LatencyStats::unmeasured`]): a policy that completed nothing has no latency,
+/// and a 0 ms would rank it best and count it within any SLO.
 pub fn summarize(values: &mut [f64]) -> LatencyStats {
     values.sort_by(|a, b| a.total_cmp(b));
     // total_cmp sorts positive NaN last and negative NaN first; keep the finite middle.
@@ -86,7 +100,7 @@ pub fn summarize(values: &mut [f64]) -> LatencyStats {
         .map_or(start, |i| i + 1);
     let finite = &values[start..end.max(start)];
     if finite.is_empty() {
-        return LatencyStats::default();
+        return LatencyStats::unmeasured();
     }
     let mean = finite.iter().sum::<f64>() / finite.len() as f64;
     LatencyStats {
@@ -420,7 +434,9 @@ mod tests {
         assert_eq!(s.p50, 2.0);
         assert_eq!(s.p99, 4.0);
         assert_eq!(s.mean, 2.5);
-        assert_eq!(summarize(&mut []), LatencyStats::default());
+        let empty = summarize(&mut []);
+        assert!(empty.p50.is_nan() && empty.p95.is_nan() && empty.p99.is_nan());
+        assert!(empty.mean.is_nan());
         let json = serde_json::to_value(s).unwrap();
         assert!(json.get("p50").is_some() && json.get("mean").is_some());
     }

@@ -464,6 +464,10 @@ mod tests {
 
     fn result(ttft_p95: f64) -> PolicyResult {
         let mut r = PolicyResult::from_records(std::iter::empty());
+        // Measured values (nothing measured is NaN, which never equals itself).
+        r.ttft_ms = LatencyStats::default();
+        r.e2e_ms = LatencyStats::default();
+        r.itl_ms = LatencyStats::default();
         r.ttft_ms.p95 = ttft_p95;
         r
     }

@@ -2,6 +2,15 @@
 
 use crate::Report;
 
+/// `v / per` with `decimals` places; `-` for a value nothing measured (NaN).
+fn num(v: f64, per: f64, decimals: usize) -> String {
+    if v.is_nan() {
+        "-".into()
+    } else {
+        format!("{:.*}", decimals, v / per)
+    }
+}
+
 /// Header and rows of the table: one row per policy.
 fn cells(report: &Report) -> (Vec<String>, Vec<Vec<String>>) {
     let mut regions: Vec<&str> = report
@@ -27,7 +36,7 @@ fn cells(report: &Report) -> (Vec<String>, Vec<Vec<String>>) {
         "ITL p50 ms",
         "forwarded",
         "cache hit",
-        "pred MAPE",
+        "pred median APE",
         "pred rho",
     ]
     .iter()
@@ -45,13 +54,13 @@ fn cells(report: &Report) -> (Vec<String>, Vec<Vec<String>>) {
                 r.requests.to_string(),
                 r.failed.to_string(),
                 format!("{:.2}", r.throughput_rps),
-                format!("{:.0}", r.ttft_ms.p50),
-                format!("{:.0}", r.ttft_ms.p95),
-                format!("{:.0}", r.ttft_ms.p99),
-                format!("{:.2}", r.e2e_ms.p50 / 1000.0),
-                format!("{:.2}", r.e2e_ms.p95 / 1000.0),
-                format!("{:.2}", r.e2e_ms.p99 / 1000.0),
-                format!("{:.1}", r.itl_ms.p50),
+                num(r.ttft_ms.p50, 1.0, 0),
+                num(r.ttft_ms.p95, 1.0, 0),
+                num(r.ttft_ms.p99, 1.0, 0),
+                num(r.e2e_ms.p50, 1000.0, 2),
+                num(r.e2e_ms.p95, 1000.0, 2),
+                num(r.e2e_ms.p99, 1000.0, 2),
+                num(r.itl_ms.p50, 1.0, 1),
                 format!("{:.1}%", r.forwarded_share * 100.0),
                 r.cache_hit_ratio
                     .map_or("-".into(), |h| format!("{:.1}%", h * 100.0)),

@@ -61,13 +61,15 @@ fn record(policy: &str, regions: &[String], r: &Row) -> RequestRecord {
     }
 }
 
+/// A sketch's statistics; NaN where it holds nothing (no completed request), as
+/// [`gorgo_core::summarize`] gives.
 fn stats(s: &LatencySketch) -> LatencyStats {
-    let q = |p| s.quantile(p).unwrap_or(0.0);
+    let q = |p| s.quantile(p).unwrap_or(f64::NAN);
     LatencyStats {
         p50: q(0.50),
         p95: q(0.95),
         p99: q(0.99),
-        mean: s.mean().unwrap_or(0.0),
+        mean: s.mean().unwrap_or(f64::NAN),
     }
 }
 
