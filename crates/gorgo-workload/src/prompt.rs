@@ -66,9 +66,11 @@ pub fn block_text(id_bytes: &[u8], tokens: u32) -> String {
 /// request's remaining tokens, `input_tokens * BYTES_PER_TOKEN` bytes in all.
 ///
 /// Tokens beyond the listed blocks (or all of them, for traces without block ids) get
-/// text seeded from the request itself, so they are shared with no other request.
+/// text seeded from the request itself, so they are shared with no other request. A
+/// prompt is at most [`crate::read::MAX_INPUT_TOKENS`] tokens (what a trace row may
+/// have; a request built otherwise is cut there rather than exhaust memory).
 pub fn synthesize_prompt(req: &TraceRequest) -> String {
-    let total = req.input_tokens as usize * BYTES_PER_TOKEN;
+    let total = req.input_tokens.min(crate::read::MAX_INPUT_TOKENS) as usize * BYTES_PER_TOKEN;
     let block_bytes = req.tokens_per_block.max(1) as usize * BYTES_PER_TOKEN;
     let mut out = String::with_capacity(total);
     for i in 0..req.blocks.len() {

@@ -348,17 +348,37 @@ struct JsonRow {
     request: Option<ChatRequestLimits>,
 }
 
+/// Largest prompt a trace row may have, tokens: far above any engine's context (the
+/// largest are 10M), and small enough that synthesising its text (4 bytes a token)
+/// cannot exhaust memory.
+pub const MAX_INPUT_TOKENS: u64 = 16 << 20;
+
+/// Largest timestamp a trace row may have, ms (about 285 years): beyond it the value
+/// cannot be a trace's, and would saturate to nonsense arrival times.
+const MAX_TIMESTAMP_MS: f64 = 9.0e12;
+
+/// An input length within [`MAX_INPUT_TOKENS`].
+fn check_input_length(tokens: u64) -> std::result::Result<(), String> {
+    if tokens > MAX_INPUT_TOKENS {
+        return Err(format!(
+            "input_length {tokens} is over the {MAX_INPUT_TOKENS} tokens a trace row may have"
+        ));
+    }
+    Ok(())
+}
+
 fn parse_json_row(
     text: &str,
     format: TraceFormat,
 ) -> std::result::Result<(TraceRequest, u64), String> {
     let row: JsonRow = serde_json::from_str(text).map_err(|e| e.to_string())?;
-    if !row.timestamp.is_finite() || row.timestamp < 0.0 {
+    if !row.timestamp.is_finite() || !(0.0..=MAX_TIMESTAMP_MS).contains(&row.timestamp) {
         return Err(format!(
-            "timestamp {} is not a non-negative number of ms",
+            "timestamp {} is not a number of ms in [0, {MAX_TIMESTAMP_MS}]",
             row.timestamp
         ));
     }
+    check_input_length(row.input_length)?;
     let output = row
         .output_length
         .or_else(|| {
@@ -376,8 +396,10 @@ fn parse_json_row(
         _ => MOONCAKE_TOKENS_PER_BLOCK,
     };
     let tokens_per_block = row.block_tokens.unwrap_or(default_block);
-    if tokens_per_block == 0 {
-        return Err("block_tokens must be positive".to_owned());
+    if tokens_per_block == 0 || tokens_per_block > MAX_INPUT_TOKENS as u32 {
+        return Err(format!(
+            "block_tokens {tokens_per_block} is not in [1, {MAX_INPUT_TOKENS}]"
+        ));
     }
     let req = TraceRequest {
         timestamp_ms: 0,
@@ -421,6 +443,7 @@ fn parse_azure_row(
     let input = field(ctx, "ContextTokens")?
         .parse::<u64>()
         .map_err(|e| format!("ContextTokens: {e}"))?;
+    check_input_length(input).map_err(|e| format!("ContextTokens: {e}"))?;
     let output = field(gen, "GeneratedTokens")?
         .parse::<u32>()
         .map_err(|e| format!("GeneratedTokens: {e}"))?;
@@ -440,7 +463,14 @@ pub fn parse_datetime_ms(s: &str) -> std::result::Result<u64, String> {
     let (hms, frac) = time.split_once('.').unwrap_or((time, ""));
     let mut t = hms.splitn(3, ':');
     let (hh, mm, ss) = (num(t.next())?, num(t.next())?, num(t.next())?);
-    if !(1..=12).contains(&m) || !(1..=31).contains(&day) || hh > 23 || mm > 59 || ss > 60 {
+    // Years outside 1970-9999 are no trace's (and far ones would overflow the sums).
+    if !(1970..=9999).contains(&y)
+        || !(1..=12).contains(&m)
+        || !(1..=31).contains(&day)
+        || hh > 23
+        || mm > 59
+        || ss > 60
+    {
         return Err(bad());
     }
     if !frac.chars().all(|c| c.is_ascii_digit()) {
@@ -461,6 +491,21 @@ pub fn parse_datetime_ms(s: &str) -> std::result::Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn out_of_range_values_are_errors_naming_the_field() {
+        let row = |r: &str| parse_json_row(r, TraceFormat::Mooncake).map(|_| ());
+        let e = row(r#"{"timestamp":0,"input_length":1000000000000,"output_length":1}"#);
+        assert!(e.unwrap_err().contains("input_length"));
+        let e = row(r#"{"timestamp":1e300,"input_length":10,"output_length":1}"#);
+        assert!(e.unwrap_err().contains("timestamp"));
+        let e =
+            row(r#"{"timestamp":0,"input_length":10,"output_length":1,"block_tokens":4294967295}"#);
+        assert!(e.unwrap_err().contains("block_tokens"));
+        assert!(row(r#"{"timestamp":5,"input_length":10,"output_length":1}"#).is_ok());
+        assert!(parse_datetime_ms("300000000-01-01 00:00:00").is_err());
+        assert!(parse_datetime_ms("9999-12-31 23:59:59").is_ok());
+    }
 
     #[test]
     fn datetimes_parse_to_epoch_ms() {
