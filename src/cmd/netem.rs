@@ -80,14 +80,31 @@ pub fn run(args: NetemArgs) -> anyhow::Result<()> {
         }
         println!("control API: http://{control_addr} (POST /partition?a=X&b=Y, POST /heal?a=X&b=Y, GET /links)");
         println!("relays running; Ctrl-C to stop");
-        tokio::select! {
-            r = wait_for_shutdown_signal() => r?,
-            r = control => r.context("control API failed")?,
-        }
+        // A relay that stopped on its own (its socket failed) would leave its link
+        // silently dead: the run stops with an error instead.
+        let stopped = tokio::select! {
+            r = wait_for_shutdown_signal() => { r?; false }
+            r = control => { r.context("control API failed")?; false }
+            _ = a_relay_stops(&cluster) => true,
+        };
         tracing::info!("stopping relays");
         cluster.shutdown().await;
+        if stopped {
+            anyhow::bail!("a relay stopped on its own (its socket failed): the links it emulated were down");
+        }
         Ok(())
     })
+}
+
+/// Resolves once any relay of `cluster` has stopped on its own.
+async fn a_relay_stops(cluster: &NetemCluster) {
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        if cluster.any_stopped() {
+            return;
+        }
+    }
 }
 
 /// Resolves on Ctrl-C or SIGTERM (what `gorgo down` sends).

@@ -21,6 +21,8 @@ use crate::link::{DuplexLink, LinkParams, LinkShaper, Mode, Verdict};
 use crate::relay::{now, wake_at, RelayHandle, RelayStats};
 use crate::NetemError;
 
+/// Pause after a failed accept (out of descriptors: it would fail again at once).
+const ACCEPT_RETRY: std::time::Duration = std::time::Duration::from_millis(20);
 /// Limits of a TCP relay.
 #[derive(Clone, Debug)]
 pub struct TcpRelayOptions {
@@ -117,8 +119,13 @@ async fn accept_loop(
             Ok(a) => a,
             Err(e) => {
                 // Per-connection failures (reset before accept, fd limits) are
-                // not fatal for the listener.
+                // not fatal for the listener. Out of descriptors, accept fails again
+                // at once until one is freed: a short pause, not a busy loop.
                 tracing::debug!(error = %e, "tcp relay accept failed");
+                tokio::select! {
+                    _ = cancel.cancelled() => break,
+                    _ = tokio::time::sleep(ACCEPT_RETRY) => {}
+                }
                 continue;
             }
         };
