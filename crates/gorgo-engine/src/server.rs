@@ -720,35 +720,56 @@ impl SseStream {
         out.extend_from_slice(b"\n\n");
     }
 
-    /// The next bytes to write, or `None` at the end of the stream.
+    /// The next bytes to write, or `None` at the end of the stream: every event the
+    /// engine has produced for this request by now (up to [`MAX_EVENTS_PER_WRITE`]),
+    /// each its own SSE event, in one write. A stream that fell behind the model
+    /// catches up with one write, not one per token (which, on a busy machine, made
+    /// the lag grow with the work it caused).
     async fn next_chunk(&mut self) -> Option<Bytes> {
         if self.done {
             return None;
         }
         let mut out = Vec::new();
-        match self.rx.recv().await {
+        let first = self.rx.recv().await;
+        self.render(first, &mut out);
+        for _ in 1..MAX_EVENTS_PER_WRITE {
+            if self.done {
+                break;
+            }
+            match self.rx.try_recv() {
+                Ok(p) => self.render(Some(p), &mut out),
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => self.render(None, &mut out),
+            }
+        }
+        Some(Bytes::from(out))
+    }
+
+    /// Append the SSE event(s) for `progress` (`None`: the engine went away).
+    fn render(&mut self, progress: Option<Progress>, out: &mut Vec<u8>) {
+        match progress {
             Some(Progress::First { cached_tokens }) => {
                 self.cached = cached_tokens;
                 let v = self.meta.chunk(openai::token_text(0), true, None);
                 self.produced = 1;
-                Self::data(&mut out, &v);
+                Self::data(out, &v);
             }
             Some(Progress::Token) => {
                 let v = self
                     .meta
                     .chunk(openai::token_text(self.produced), false, None);
                 self.produced += 1;
-                Self::data(&mut out, &v);
+                Self::data(out, &v);
             }
             Some(Progress::Done { output_tokens }) => {
                 self.guard.armed = false;
                 self.done = true;
                 self.produced = output_tokens;
                 let v = self.meta.chunk("", false, Some(self.finish_reason));
-                Self::data(&mut out, &v);
+                Self::data(out, &v);
                 if self.meta.include_usage {
                     let usage = openai::usage(self.prompt_tokens, output_tokens, self.cached);
-                    Self::data(&mut out, &self.meta.usage_chunk(usage));
+                    Self::data(out, &self.meta.usage_chunk(usage));
                 }
                 out.extend_from_slice(b"data: [DONE]\n\n");
             }
@@ -757,17 +778,55 @@ impl SseStream {
                 self.done = true;
                 let v =
                     openai::error_body("engine stopped", "server_error", None, Some("unavailable"));
-                Self::data(&mut out, &v);
+                Self::data(out, &v);
             }
         }
-        Some(Bytes::from(out))
     }
 }
+
+/// Most SSE events one write of a stream carries ([`SseStream::next_chunk`]).
+const MAX_EVENTS_PER_WRITE: usize = 256;
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use futures::FutureExt;
+
+    /// Events the engine produced while the stream was not polled go out in one write,
+    /// each its own SSE event, in order, ending the stream when the request is done.
+    #[test]
+    fn a_stream_behind_the_model_catches_up_in_one_write() {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (commands, _commands_rx) = mpsc::unbounded_channel();
+        let mut s = SseStream {
+            rx,
+            guard: AbortOnDrop {
+                id: 1,
+                commands,
+                armed: true,
+            },
+            meta: openai::ResponseMeta::new(Endpoint::Chat, 1, "m".into(), false),
+            produced: 0,
+            cached: 0,
+            prompt_tokens: 10,
+            finish_reason: "length",
+            done: false,
+        };
+        tx.send(Progress::First { cached_tokens: 0 }).unwrap();
+        let first = s.next_chunk().now_or_never().flatten().unwrap();
+        assert_eq!(first.windows(6).filter(|w| w == b"data: ").count(), 1);
+        for _ in 0..3 {
+            tx.send(Progress::Token).unwrap();
+        }
+        tx.send(Progress::Done { output_tokens: 4 }).unwrap();
+        let rest = s.next_chunk().now_or_never().flatten().unwrap();
+        let text = std::str::from_utf8(&rest).unwrap();
+        // Three tokens, the finish chunk, [DONE].
+        assert_eq!(text.matches("data: ").count(), 5, "{text}");
+        assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+        assert!(!s.guard.armed);
+        assert!(s.next_chunk().now_or_never().flatten().is_none());
+    }
 
     fn at(start: Instant, ms: f64) -> Instant {
         start + Duration::from_secs_f64(ms / 1000.0)
