@@ -482,6 +482,14 @@ async fn completion(
         }
     };
     let canonical = gorgo_core::prompt::CanonicalSize::of(endpoint, &prompt);
+    let model = parsed
+        .get("model")
+        .and_then(Value::as_str)
+        .map(str::to_owned);
+    // The parsed body can be many times the body's size (8 MiB of token ids is about
+    // 128 MiB as a `Value`); nothing below reads it, and counting the prompt's tokens
+    // may wait for the tokenizer's thread pool.
+    drop(parsed);
     let chain = match crate::tokens::request_chain(&state, endpoint, &body, prompt).await {
         Ok(c) => c,
         Err(e) => {
@@ -539,17 +547,11 @@ async fn completion(
         policy,
         session_key,
         session_id,
-        model: parsed
-            .get("model")
-            .and_then(Value::as_str)
-            .map(str::to_owned),
+        model,
         origin: state.id.clone(),
         origin_request_id: None,
         offer: None,
     };
-    // The parsed body can be many times the body's size (8 MiB of token ids is about
-    // 128 MiB as a `Value`); nothing below reads it, and serving may take minutes.
-    drop(parsed);
     let policy_name = policy.unwrap_or(state.policy).as_str();
     let serving = async {
         match slot {
