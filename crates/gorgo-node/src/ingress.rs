@@ -13,9 +13,8 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
-use futures::{Stream, StreamExt};
+use futures::Stream;
 use gorgo_core::cost::CostTerms;
-use gorgo_core::health::RequestOutcome;
 use gorgo_core::tuning::{Cell, TermSample};
 use gorgo_core::{Endpoint, Weights};
 use http_body_util::BodyExt;
@@ -27,7 +26,8 @@ use crate::api::{
     overloaded_response, session_key, BodyStream, RoutedRequest, ServeError, Upstream, HOPS_HEADER,
     PASS_REQUEST_HEADERS, POLICY_HEADER, SERVED_BY_HEADER, SESSION_HEADER,
 };
-use crate::serve::{is_event_stream, serve, serve_elsewhere};
+use crate::engine::EngineTicket;
+use crate::serve::{is_event_stream, relay_engine_body, serve, serve_elsewhere};
 use crate::{telemetry, NodeState};
 
 /// The client-facing router.
@@ -272,46 +272,20 @@ async fn local_passthrough(
         .and_then(|v| v.to_str().ok())
         .map(|v| vec![("content-type".to_owned(), v.to_owned())])
         .unwrap_or_default();
-    // The ticket and the breaker's verdict ride with the body: its first chunk marks
-    // the prefill, its clean end completes the ticket and counts as an answer, a
-    // failure counts against the engine, a drop (client gone, deadline) cancels.
-    let ticket = Arc::new(parking_lot::Mutex::new(ticket));
-    let ticket_in_body = ticket.clone();
-    let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let failed_in_body = failed.clone();
-    let eng = engine.clone();
-    let st = state.clone();
-    let mut first = true;
-    let chunks = resp.bytes_stream().map(move |chunk| {
-        if first {
-            first = false;
-            if let Some(t) = ticket_in_body.lock().as_mut() {
-                t.prefilled(None);
-            }
+    // The ticket and the breaker's verdict ride with the body (its first chunk marks
+    // the prefill; no fit sample: these prompts' sizes are estimates).
+    let on_chunk = |_: &reqwest::Result<Bytes>, ticket: Option<&mut EngineTicket>| {
+        if let Some(t) = ticket {
+            t.prefilled(None);
         }
-        chunk.map_err(|e| {
-            failed_in_body.store(true, std::sync::atomic::Ordering::Relaxed);
-            st.metrics.engine_failures.inc();
-            eng.adapter.record(RequestOutcome::Failed);
-            format!("engine stream failed: {}", e.without_url())
-        })
-    });
-    let ended = futures::stream::once(async move {
-        let taken = ticket.lock().take();
-        if !failed.load(std::sync::atomic::Ordering::Relaxed) {
-            engine.adapter.record(RequestOutcome::Answered);
-            if let Some(t) = taken {
-                t.completed();
-            }
-        }
-    })
-    .filter_map(|()| async { None });
+    };
+    let body = relay_engine_body(&state, engine, resp, ticket, on_chunk, ());
     let up = Upstream {
         status,
         headers,
         served_by: state.config.node.region.clone(),
         hops: 0,
-        body: Box::pin(chunks.chain(ended)),
+        body,
         chosen_terms: None,
     };
     respond(state, up, started, Slot::Ingress(permit), None, UNROUTED)

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use bytes::Bytes;
 use futures::StreamExt;
 use gorgo_core::candidates::{build_candidates, LocalState, PeerState};
 use gorgo_core::cost::Candidate;
@@ -13,9 +14,10 @@ use gorgo_core::health::RequestOutcome;
 use gorgo_core::NodeId;
 
 use crate::api::{
-    RoutedRequest, ServeError, Upstream, PASS_RESPONSE_HEADERS, PREDICTED_TTFT_HEADER,
+    BodyStream, RoutedRequest, ServeError, Upstream, PASS_RESPONSE_HEADERS, PREDICTED_TTFT_HEADER,
 };
 use crate::config::UnlistedModel;
+use crate::engine::EngineTicket;
 use crate::error::NodeError;
 use crate::forward::forward;
 use crate::route::{DecisionInput, Target};
@@ -332,6 +334,56 @@ async fn route_and_serve(
     })
 }
 
+/// An engine's response body as the node relays it, under the request's `ticket` in
+/// the engine's accounting: `on_chunk` sees each chunk first (with the ticket, to mark
+/// the prefill); a chunk that fails counts against the engine's breaker; the body's
+/// clean end completes the ticket and counts as an answer; dropping the stream (the
+/// client gone, the deadline) cancels the ticket. `keep` lives until the end (a span).
+pub(crate) fn relay_engine_body<F, K>(
+    state: &Arc<NodeState>,
+    engine: Arc<crate::local::LocalEngine>,
+    resp: reqwest::Response,
+    ticket: Option<EngineTicket>,
+    mut on_chunk: F,
+    keep: K,
+) -> BodyStream
+where
+    F: FnMut(&reqwest::Result<Bytes>, Option<&mut EngineTicket>) + Send + 'static,
+    K: Send + 'static,
+{
+    let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let failed_in_body = failed.clone();
+    let ticket = Arc::new(parking_lot::Mutex::new(ticket));
+    let ticket_in_body = ticket.clone();
+    let st = state.clone();
+    let eng = engine.clone();
+    let body = resp.bytes_stream().map(move |chunk| {
+        on_chunk(&chunk, ticket_in_body.lock().as_mut());
+        chunk.map_err(|e| {
+            // An engine that dies mid-stream failed this request as surely as one that
+            // refuses it: it counts towards the breaker (a client going away drops the
+            // stream instead, and counts nothing).
+            failed_in_body.store(true, std::sync::atomic::Ordering::Relaxed);
+            st.metrics.engine_failures.inc();
+            eng.adapter.record(RequestOutcome::Failed);
+            format!("engine stream failed: {}", e.without_url())
+        })
+    });
+    // The body ran to its end: the request succeeded, for the breaker too.
+    let ended = futures::stream::once(async move {
+        let taken = ticket.lock().take();
+        if !failed.load(std::sync::atomic::Ordering::Relaxed) {
+            engine.adapter.record(RequestOutcome::Answered);
+            if let Some(t) = taken {
+                t.completed();
+            }
+        }
+        drop(keep);
+    })
+    .filter_map(|()| async { None });
+    Box::pin(body.chain(ended))
+}
+
 /// Whether response `headers` say the body is a server-sent event stream: only then
 /// does its first chunk mark the first token.
 pub(crate) fn is_event_stream(headers: &[(String, String)]) -> bool {
@@ -482,26 +534,17 @@ pub async fn serve_local(
     let mut corrected = false;
     let mut observed = false;
     let mut usage = crate::usage::UsageScanner::default();
-    let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let failed_in_body = failed.clone();
-    // The ticket is released by the body's end (`ended`, a clean end) or by dropping
-    // the stream (a cancel, a failure, the deadline); the first chunk marks its prefill.
-    let ticket = Arc::new(parking_lot::Mutex::new(Some(ticket)));
-    let ticket_in_body = ticket.clone();
-    let body = resp.bytes_stream().map(move |chunk| {
-        if chunk.is_err() {
-            failed_in_body.store(true, std::sync::atomic::Ordering::Relaxed);
-        }
+    let on_chunk = move |chunk: &reqwest::Result<Bytes>, ticket: Option<&mut EngineTicket>| {
         if first {
             first = false;
             let ttft_ms = started.elapsed().as_secs_f64() * 1000.0;
             // An error in place of the first chunk is no prefill time.
             let measured = status < 300 && streaming && chunk.is_ok();
-            if let Some(t) = ticket_in_body.lock().as_mut() {
+            if let Some(t) = ticket {
                 t.prefilled(measured.then_some(ttft_ms));
             }
         }
-        if let (Ok(bytes), false) = (&chunk, corrected && observed) {
+        if let (Ok(bytes), false) = (chunk, corrected && observed) {
             usage.feed(bytes);
             // The engine's own count of cached prompt tokens corrects the shadow index.
             if let (Some(cached), false) = (usage.cached_tokens(), corrected) {
@@ -527,35 +570,15 @@ pub async fn serve_local(
                 }
             }
         }
-        chunk.map_err(|e| {
-            // An engine that dies mid-stream failed this request as surely as one that
-            // refuses it: it counts towards the breaker (a client going away drops the
-            // stream instead, and counts nothing).
-            st.metrics.engine_failures.inc();
-            eng.adapter.record(RequestOutcome::Failed);
-            format!("engine stream failed: {}", e.without_url())
-        })
-    });
-    // The body ran to its end: the request succeeded, for the breaker too.
-    let ended = futures::stream::once(async move {
-        let taken = ticket.lock().take();
-        if !failed.load(std::sync::atomic::Ordering::Relaxed) {
-            engine.adapter.record(RequestOutcome::Answered);
-            if let Some(t) = taken {
-                t.completed();
-            }
-        }
-        // The engine's part ends with its body (or when the relay drops it).
-        drop(engine_span);
-    })
-    .filter_map(|()| async { None });
-    let body = body.chain(ended);
+    };
+    // The engine's part ends with its body (or when the relay drops it).
+    let body = relay_engine_body(state, engine, resp, Some(ticket), on_chunk, engine_span);
     Ok(Upstream {
         status,
         headers,
         served_by: state.config.node.region.clone(),
         hops: req.hops,
-        body: Box::pin(body),
+        body,
         chosen_terms: None,
     })
 }
