@@ -258,8 +258,8 @@ mod tests {
     use gorgo_core::engine_metrics::parse_engine_metrics;
     use gorgo_core::EngineKind;
 
-    #[test]
-    fn scrape_equals_parsing_the_rendered_page() {
+    /// A snapshot of an engine with some load.
+    fn loaded() -> MetricsSnapshot {
         let mut snap = MetricsSnapshot::new();
         snap.stats = EngineStats {
             running: 3,
@@ -269,6 +269,12 @@ mod tests {
             cache_hit_rate: 0.25,
             ..EngineStats::default()
         };
+        snap
+    }
+
+    #[test]
+    fn scrape_equals_parsing_the_rendered_page() {
+        let snap = loaded();
         let parsed = parse_engine_metrics(&snap.render("m"), EngineKind::Sglang);
         let direct = snap.stats.scrape();
         assert_eq!(
@@ -283,15 +289,7 @@ mod tests {
 
     #[test]
     fn any_model_name_keeps_the_page_parseable() {
-        let mut snap = MetricsSnapshot::new();
-        snap.stats = EngineStats {
-            running: 3,
-            waiting: 5,
-            used_tokens: 1234,
-            capacity: 4096,
-            cache_hit_rate: 0.25,
-            ..EngineStats::default()
-        };
+        let mut snap = loaded();
         snap.ttft.observe(0.5);
         let name = "org/we\"ird\\name\nline2";
         let page = snap.render(name);

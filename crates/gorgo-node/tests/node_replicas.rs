@@ -293,13 +293,7 @@ async fn the_request_deadline_covers_the_tries_before_the_head() {
     let urls: Vec<String> = es.iter().map(|e| e.url()).collect();
     let extra = "[limits]\nrequest_timeout_ms = 1000\nfirst_byte_timeout_ms = 800\n";
     let node = start_node(config_with_engines("a", &urls, extra), None).await;
-    let resp = client()
-        .post(format!("{}/v1/chat/completions", node.base))
-        .json(&chat_body("x", false))
-        .send()
-        .await
-        .unwrap();
-    let (status, body) = error_of(resp).await;
+    let (status, body) = error_of(post_chat(&node, "x", false).await).await;
     assert_eq!(status, 504);
     assert_eq!(body["error"]["message"], "request timed out", "{body}");
     assert_eq!(served(&es), vec![1, 1], "both engines were tried");

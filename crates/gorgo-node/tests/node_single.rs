@@ -228,13 +228,7 @@ async fn chunked_body_over_the_cap_is_413() {
 async fn engine_failure_is_502_and_timeout_is_504() {
     let broken = broken_engine().await;
     let node = start_node(config("a", &format!("http://{broken}"), ""), None).await;
-    let resp = client()
-        .post(format!("{}/v1/chat/completions", node.base))
-        .json(&chat_body("x", false))
-        .send()
-        .await
-        .unwrap();
-    let (status, body) = error_of(resp).await;
+    let (status, body) = error_of(post_chat(&node, "x", false).await).await;
     assert_eq!(status, 502);
     // Clients never learn the engine's address (or credentials in its URL).
     assert!(

@@ -563,6 +563,17 @@ pub fn client() -> reqwest::Client {
 
 /// The status and body of an error answer, checked to be OpenAI's error shape.
 #[allow(dead_code)]
+/// POST a chat completion of `prompt` to `node` (streamed or not) and return its
+/// response, whatever the status.
+pub async fn post_chat(node: &TestNode, prompt: &str, stream: bool) -> reqwest::Response {
+    client()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&chat_body(prompt, stream))
+        .send()
+        .await
+        .unwrap()
+}
+
 pub async fn error_of(resp: reqwest::Response) -> (u16, serde_json::Value) {
     let status = resp.status().as_u16();
     let body: serde_json::Value = resp.json().await.expect("OpenAI error JSON");
