@@ -331,6 +331,10 @@ struct InFlight(Arc<Activity>);
 
 impl InFlight {
     fn begin(a: &Arc<Activity>) -> Self {
+        // A new request has no bytes waiting for its client yet (the last response on
+        // this connection may have left its mark: its body was not asked past its
+        // last frame), however long its head takes.
+        a.write_wait_since.store(0, Ordering::Relaxed);
         a.active.fetch_add(1, Ordering::Relaxed);
         a.touch();
         InFlight(a.clone())
@@ -340,6 +344,7 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.touch();
+        self.0.write_wait_since.store(0, Ordering::Relaxed);
         self.0.active.fetch_sub(1, Ordering::Relaxed);
     }
 }

@@ -553,3 +553,51 @@ async fn a_client_that_stops_reading_is_cut_off() {
     drop(s);
     node.shutdown.cancel();
 }
+
+/// The write timeout is about bytes the client does not take, not about a response that
+/// takes long to start: on a kept-alive connection whose last response ended (a whole
+/// error body, not asked past its last frame), a request whose engine takes longer than the write
+/// timeout to answer is served, not cut off.
+#[tokio::test]
+async fn a_slow_head_on_a_kept_alive_connection_is_not_a_write_stall() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(
+        config("a", &engine.url(), "[limits]\nwrite_timeout_ms = 100\n"),
+        None,
+    )
+    .await;
+    let c = client_from("127.0.0.3");
+    let send = || {
+        c.post(format!("{}/v1/chat/completions", node.base))
+            .json(&chat_body("x", false))
+            .send()
+    };
+    // An error answer first: a whole body, which hyper does not ask past its frame.
+    let bad = c
+        .post(format!("{}/v1/chat/completions", node.base))
+        .header("content-type", "application/json")
+        .body("{")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bad.status(), 400);
+    bad.bytes().await.unwrap();
+    engine.set_mode(HANG);
+    let before = engine.requests();
+    let pending = send();
+    let held = async {
+        until("the engine to hold the request", || {
+            engine.requests() > before
+        })
+        .await;
+        // Several write-timeout checks pass while the engine holds it (not a
+        // synchronisation: the time a stall would need to be noticed).
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        engine.release.notify_waiters();
+    };
+    let (resp, ()) = tokio::join!(pending, held);
+    assert_eq!(resp.unwrap().status(), 200);
+    let metrics = metrics_text(&node).await;
+    assert!(!metrics.contains(r#"reason="write_timeout""#), "{metrics}");
+    node.shutdown.cancel();
+}
