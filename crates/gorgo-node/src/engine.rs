@@ -77,6 +77,9 @@ pub struct EngineAdapter {
     /// When the concurrency limit was last asked for, and whether the engine answered
     /// (a failed read is retried sooner than an answered one is refreshed).
     limit_read: Mutex<Option<(u64, bool)>>,
+    /// When a request last asked for the model list while it was unknown, ms (0:
+    /// never): see [`EngineAdapter::learn_models_if_unknown`].
+    models_asked_ms: AtomicU64,
     /// What the engine's `/v1/models` last listed.
     models: Mutex<EngineModels>,
     first_byte_timeout: Duration,
@@ -126,6 +129,7 @@ impl EngineAdapter {
             max_context_tokens: AtomicU64::new(engine.max_context_tokens.unwrap_or(0)),
             models: Mutex::new(EngineModels::default()),
             limit_read: Mutex::new(None),
+            models_asked_ms: AtomicU64::new(0),
             first_byte_timeout: Duration::from_millis(limits.first_byte_timeout_ms),
             view: Mutex::new(view),
             next_ticket: AtomicU64::new(1),
@@ -339,6 +343,27 @@ impl EngineAdapter {
     /// it.
     pub fn is_ready(&self) -> bool {
         self.health.lock().confirmed() && self.is_healthy()
+    }
+
+    /// [`EngineAdapter::learn_models`] for a client's request while no list is known:
+    /// at most one such read per [`LIMIT_RETRY`] whatever the number of requests (an
+    /// engine whose list does not parse would otherwise get one read per `/v1/models`
+    /// call, from callers who need no token); the periodic task keeps trying anyway.
+    pub async fn learn_models_if_unknown(&self) {
+        if !self.models().is_empty() {
+            return;
+        }
+        let now = self.now_ms().max(1);
+        let asked = self.models_asked_ms.load(Ordering::Relaxed);
+        let due = asked == 0 || now.saturating_sub(asked) >= LIMIT_RETRY.as_millis() as u64;
+        if due
+            && self
+                .models_asked_ms
+                .compare_exchange(asked, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            self.learn_models().await;
+        }
     }
 
     /// Read the engine's `/v1/models`: the models it serves (gossiped, so requests

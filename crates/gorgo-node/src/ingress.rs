@@ -72,8 +72,8 @@ async fn models(State(state): State<Arc<NodeState>>) -> Response {
     let Some(engine) = state.preferred_engine() else {
         return error_response(StatusCode::SERVICE_UNAVAILABLE, "no local engine");
     };
-    if engine.adapter.models().is_empty() && engine.adapter.is_healthy() {
-        engine.adapter.learn_models().await;
+    if engine.adapter.is_healthy() {
+        engine.adapter.learn_models_if_unknown().await;
     }
     let mut listed: Vec<(Value, Vec<String>)> = engine
         .adapter
@@ -196,9 +196,7 @@ async fn probe_generation(state: &NodeState) -> Result<(), String> {
 /// The id of the first model the local engine lists.
 async fn engine_model(state: &NodeState) -> Option<String> {
     let engine = state.preferred_engine()?;
-    if engine.adapter.models().is_empty() {
-        engine.adapter.learn_models().await;
-    }
+    engine.adapter.learn_models_if_unknown().await;
     engine.adapter.models().into_iter().next()
 }
 

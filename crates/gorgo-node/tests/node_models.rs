@@ -224,3 +224,29 @@ async fn a_hanging_server_info_does_not_hold_back_health_checks() {
     engine.release.notify_waiters();
     node.shutdown.cancel();
 }
+
+/// `/v1/models` needs no token: while the engine lists no model, clients' calls read
+/// its list at most once per retry interval, not once each.
+#[tokio::test]
+async fn an_engine_listing_no_model_is_not_asked_once_per_client_call() {
+    let engine = StubEngine::start("e").await;
+    engine.set_models(&[]);
+    let node = start_node(config("a", &engine.url(), ""), None).await;
+    let before = engine
+        .models_requests
+        .load(std::sync::atomic::Ordering::SeqCst);
+    for _ in 0..20 {
+        let resp = client()
+            .get(format!("{}/v1/models", node.base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+    }
+    let asked = engine
+        .models_requests
+        .load(std::sync::atomic::Ordering::SeqCst)
+        - before;
+    assert!(asked <= 2, "{asked} reads of the engine's list");
+    node.shutdown.cancel();
+}

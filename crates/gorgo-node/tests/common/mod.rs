@@ -59,6 +59,8 @@ pub struct StubEngine {
     pub server_info: std::sync::Mutex<(u16, serde_json::Value)>,
     /// `/get_server_info` requests received.
     pub server_info_requests: AtomicU64,
+    /// `/v1/models` requests received.
+    pub models_requests: AtomicU64,
     /// `/health` answers 503 while set.
     pub unhealthy: std::sync::atomic::AtomicBool,
     pub shutdown: CancellationToken,
@@ -80,6 +82,7 @@ impl StubEngine {
             models: std::sync::Mutex::new(vec!["m".to_owned()]),
             server_info: std::sync::Mutex::new((404, serde_json::Value::Null)),
             server_info_requests: AtomicU64::new(0),
+            models_requests: AtomicU64::new(0),
             unhealthy: std::sync::atomic::AtomicBool::new(false),
             shutdown: shutdown.clone(),
         });
@@ -100,6 +103,7 @@ impl StubEngine {
             .route(
                 "/v1/models",
                 get(|State(e): State<Arc<StubEngine>>| async move {
+                    e.models_requests.fetch_add(1, Ordering::SeqCst);
                     let data: Vec<_> = e.models.lock().unwrap().iter()
                     .map(|id| serde_json::json!({"id": id, "object": "model", "owned_by": e.name}))
                     .collect();
