@@ -89,13 +89,7 @@ async fn unlisted_models_can_be_let_through_for_engines_that_take_any_name() {
 async fn v1_models_lists_the_clusters_models_and_where_each_is_served() {
     let (_engines, nodes) = two_model_cluster("").await;
     for node in &nodes {
-        let resp = client()
-            .get(format!("{}/v1/models", node.base))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), 200);
-        let v: serde_json::Value = resp.json().await.unwrap();
+        let v = get_models(node).await;
         assert_eq!(v["object"], "list");
         let mut listed: Vec<(String, Vec<String>)> = v["data"]
             .as_array()
@@ -236,12 +230,7 @@ async fn an_engine_listing_no_model_is_not_asked_once_per_client_call() {
         .models_requests
         .load(std::sync::atomic::Ordering::SeqCst);
     for _ in 0..20 {
-        let resp = client()
-            .get(format!("{}/v1/models", node.base))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), 200);
+        get_models(&node).await;
     }
     let asked = engine
         .models_requests
@@ -249,4 +238,15 @@ async fn an_engine_listing_no_model_is_not_asked_once_per_client_call() {
         - before;
     assert!(asked <= 2, "{asked} reads of the engine's list");
     node.shutdown.cancel();
+}
+
+/// `GET /v1/models` at `node`: answered 200, its JSON.
+async fn get_models(node: &TestNode) -> serde_json::Value {
+    let resp = client()
+        .get(format!("{}/v1/models", node.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    resp.json().await.unwrap()
 }
