@@ -27,6 +27,9 @@ pub enum DecisionReason {
     /// The policy picked an unhealthy or unknown candidate; the local one (else the
     /// first healthy one) was used instead.
     PolicyFallback,
+    /// `gorgo` picked the session's home over a cheaper candidate its queue estimate
+    /// could not tell apart from it ([`crate::policy::SessionHomes`]).
+    SessionHome,
 }
 
 /// Why nothing can serve.
@@ -318,7 +321,12 @@ pub fn decide(
     let terms = choice.terms.as_deref();
     match choice.index {
         Some(i) if candidates.get(i).is_some_and(|c| c.healthy) => {
-            Ok(decision(i, DecisionReason::Policy, terms))
+            let reason = if choice.session_home {
+                DecisionReason::SessionHome
+            } else {
+                DecisionReason::Policy
+            };
+            Ok(decision(i, reason, terms))
         }
         Some(_) => {
             let fallback = local.or_else(|| candidates.iter().position(|c| c.healthy));

@@ -6,6 +6,8 @@
 //!
 //! Ties are broken the same way everywhere: the local candidate if it is among the
 //! best (serving locally costs no forward), else one of the best chosen by `rng_u64`.
+//! `gorgo` widens its ties by the queue estimate's own error, and breaks those by the
+//! session's home ([`SessionHomes`]).
 
 use std::fmt;
 use std::str::FromStr;
@@ -35,11 +37,20 @@ pub struct Choice {
     pub index: Option<usize>,
     /// Each candidate's cost terms, in candidate order, for the cost-based policies.
     pub terms: Option<Vec<CostTerms>>,
+    /// `gorgo` picked the session's home over a cheaper candidate that the queue
+    /// estimate could not tell apart from it ([`SessionHomes`]); the decision says so
+    /// (`reason` `session-home`).
+    #[serde(default)]
+    pub session_home: bool,
 }
 
 impl Choice {
     fn pick(index: Option<usize>) -> Self {
-        Choice { index, terms: None }
+        Choice {
+            index,
+            terms: None,
+            session_home: false,
+        }
     }
 }
 
@@ -187,12 +198,8 @@ impl FromStr for PolicyKind {
 pub fn build(kind: PolicyKind) -> Box<dyn Policy> {
     match kind {
         PolicyKind::Gorgo => Box::new(Gorgo::default()),
-        PolicyKind::Oracle => Box::new(Gorgo {
-            kind: PolicyKind::Oracle,
-        }),
-        PolicyKind::GorgoTtft => Box::new(Gorgo {
-            kind: PolicyKind::GorgoTtft,
-        }),
+        PolicyKind::Oracle => Box::new(Gorgo::new(PolicyKind::Oracle)),
+        PolicyKind::GorgoTtft => Box::new(Gorgo::new(PolicyKind::GorgoTtft)),
         PolicyKind::GorgoPaper => Box::new(GorgoPaper),
         PolicyKind::LeastLoad => Box::new(LeastLoad),
         PolicyKind::LeastRequest => Box::new(LeastRequest),
@@ -259,20 +266,105 @@ fn matched(req: &RouteRequest<'_>, c: &Candidate) -> u64 {
     c.cached_tokens.min(req.prompt_tokens)
 }
 
+/// How much of the best candidate's queue estimate `gorgo` treats as a tie: the cost
+/// model's own relative noise ([`crate::fit::DEFAULT_NOISE_CV`], the forward refusals'
+/// margin too). Under load a queue estimate is off by about this much (docs/policy.md,
+/// "Session homes"), so candidates whose totals differ by less are not told apart by
+/// it.
+pub const SESSION_HOME_WINDOW: f64 = crate::fit::DEFAULT_NOISE_CV;
+
+/// Slots of [`SessionHomes`]' table of session keys: enough to hold every key that
+/// carries a share of one engine among a cluster's engines many times over.
+const SESSION_KEY_SLOTS: usize = 4096;
+
+/// Decisions between two halvings of [`SessionHomes`]' counts: the table measures
+/// the recent traffic, not the whole run's.
+const SESSION_KEY_HALF_LIFE: u32 = 4096;
+
+/// Where `gorgo` sends a request when its cost model cannot tell the cheapest
+/// candidates apart: the session's home, by rendezvous hashing of its session key
+/// (`x-session-id`, else the first block hash), as `session-affinity` does.
+///
+/// Why: under load the queue term dominates every candidate's cost and is itself off
+/// by a quarter or so ([`SESSION_HOME_WINDOW`]); picking the cheapest by that noise
+/// scatters a session's turns, and a returning turn whose prefix the view has
+/// forgotten (the prefix index models what the engine holds, which at saturation is
+/// little) then lands where nothing of it is left, re-prefilling what its home still
+/// holds. The home is the same on every node without a message, so nodes deciding the
+/// same burst agree too. It never costs a visible cache hit (only candidates caching at
+/// least as much as the cheapest qualify) and never more than the window.
+///
+/// A key that carries more than one engine's share of the recent decisions is no
+/// session: it is a prefix that every request shares (a system prompt as the first
+/// block, as on the Mooncake conversation trace, or no block at all), and pinning it
+/// would send everything to one engine. Such keys are counted (a heavy-hitter table:
+/// a slot keeps its key while its count is above zero, a colliding key wears it down)
+/// and routed by cost alone.
+#[derive(Debug, Clone)]
+pub struct SessionHomes {
+    slots: Vec<(u64, u32)>,
+    decisions: u32,
+}
+
+impl Default for SessionHomes {
+    fn default() -> Self {
+        SessionHomes {
+            slots: vec![(0, 0); SESSION_KEY_SLOTS],
+            decisions: 0,
+        }
+    }
+}
+
+impl SessionHomes {
+    /// Count one decision for `key`; true when the key is a session's (it carries at
+    /// most `1 / engines` of the recent decisions).
+    pub fn observe(&mut self, key: u64, engines: usize) -> bool {
+        let slot =
+            &mut self.slots[(hash_bytes(&key.to_le_bytes()) % SESSION_KEY_SLOTS as u64) as usize];
+        if slot.0 == key {
+            slot.1 = slot.1.saturating_add(1);
+        } else if slot.1 == 0 {
+            *slot = (key, 1);
+        } else {
+            slot.1 -= 1;
+        }
+        let count = if slot.0 == key { slot.1 } else { 0 };
+        self.decisions += 1;
+        if self.decisions >= SESSION_KEY_HALF_LIFE {
+            self.decisions /= 2;
+            for s in &mut self.slots {
+                s.1 /= 2;
+            }
+        }
+        (count as f64) * (engines.max(1) as f64) <= self.decisions as f64
+    }
+}
+
 /// `gorgo`: minimise, in milliseconds, the estimated TTFT plus the stall the request's
 /// prefill inflicts on the batch running there,
 /// `w_rtt * RTT + t_p * uncached + w_queue * queue_ms + stall_ms` (docs/design.md and
-/// docs/policy.md; see [`crate::cost`]). Also serves as `oracle` when the simulator
-/// feeds it exact state, and as `gorgo-ttft` (the same without the stall term).
+/// docs/policy.md; see [`crate::cost`]); among candidates within
+/// [`SESSION_HOME_WINDOW`] of the best's queue of the minimum, caching no less than
+/// it, the session's home ([`SessionHomes`]). Also serves as `oracle` when the
+/// simulator feeds it exact state, and as `gorgo-ttft` (the same without the stall
+/// term).
 #[derive(Debug, Clone)]
 pub struct Gorgo {
     kind: PolicyKind,
+    homes: SessionHomes,
 }
 
 impl Default for Gorgo {
     fn default() -> Self {
+        Gorgo::new(PolicyKind::Gorgo)
+    }
+}
+
+impl Gorgo {
+    fn new(kind: PolicyKind) -> Self {
         Gorgo {
-            kind: PolicyKind::Gorgo,
+            kind,
+            homes: SessionHomes::default(),
         }
     }
 }
@@ -302,10 +394,33 @@ impl Policy for Gorgo {
                 t
             })
             .collect();
-        let index = pick_min(candidates, rng_u64, |i, _| [terms[i].total_ms]);
+        let cheapest = pick_min(candidates, rng_u64, |i, _| [terms[i].total_ms]);
+        let key = session_key(req);
+        let engines = candidates.iter().filter(|c| c.healthy).count();
+        let is_session = self.homes.observe(key, engines);
+        // No queue, no window: exact ties keep their rule (stay local).
+        let window = |b: usize| SESSION_HOME_WINDOW * terms[b].raw_queue_ms;
+        let home = cheapest
+            .filter(|&b| is_session && window(b) > 0.0)
+            .and_then(|b| {
+                let best = &terms[b];
+                let limit = best.total_ms + window(b);
+                candidates
+                    .iter()
+                    .enumerate()
+                    .filter(|&(i, c)| {
+                        c.healthy
+                            && terms[i].cached_tokens >= best.cached_tokens
+                            && terms[i].total_ms <= limit
+                    })
+                    .max_by_key(|&(_, c)| rendezvous(key, c))
+                    .map(|(i, _)| i)
+            });
+        let session_home = home.is_some() && home != cheapest;
         Choice {
-            index,
+            index: home.or(cheapest),
             terms: Some(terms),
+            session_home,
         }
     }
 }
@@ -374,6 +489,7 @@ impl Policy for GorgoPaper {
         Choice {
             index,
             terms: Some(terms),
+            session_home: false,
         }
     }
 }

@@ -852,3 +852,221 @@ fn engines_of_one_node_are_candidates_like_any_other() {
         .collect();
     assert_eq!(engines.len(), 4, "{engines:?}");
 }
+
+/// Three engines whose queues the cost model prices within a few percent of each
+/// other (a loaded cluster: seconds of prefill ahead everywhere).
+fn three_loaded_engines() -> Vec<Candidate> {
+    ["a", "b", "c"]
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let mut c = cand(name, i == 0, 0.0);
+            c.stats.replica = i as u16;
+            c.stats.unfinished_prefill_tokens = 100_000 + 2_000 * i as u64;
+            c
+        })
+        .collect()
+}
+
+/// A gorgo policy that has seen `warm` decisions of distinct one-off keys, so that a
+/// key decided next is a session's, not the whole traffic's.
+fn warmed_gorgo(cands: &[Candidate], warm: u64) -> Box<dyn gorgo_core::policy::Policy> {
+    let mut p = build(PolicyKind::Gorgo);
+    let chain = chain_of(1000);
+    for k in 0..warm {
+        let req = RouteRequest {
+            chain: &chain,
+            prompt_tokens: 1000,
+            session_key: Some(1_000_000 + k),
+        };
+        p.choose(&req, cands, Weights::default(), 0);
+    }
+    p
+}
+
+fn session_home_of(req: &RouteRequest<'_>, cands: &[Candidate]) -> Option<usize> {
+    choose(PolicyKind::SessionAffinity, req, cands, 0)
+}
+
+#[test]
+fn candidates_the_queue_estimate_cannot_tell_apart_go_to_the_sessions_home() {
+    let cands = three_loaded_engines();
+    let chain = chain_of(1000);
+    let mut p = warmed_gorgo(&cands, 64);
+    let mut homes_not_cheapest = 0;
+    for key in 0..60u64 {
+        let req = RouteRequest {
+            chain: &chain,
+            prompt_tokens: 1000,
+            session_key: Some(key),
+        };
+        let choice = p.choose(&req, &cands, Weights::default(), 0);
+        // The queues differ by 2% and 4%, inside the window: always the home.
+        assert_eq!(choice.index, session_home_of(&req, &cands), "key {key}");
+        assert_eq!(choice.session_home, choice.index != Some(0), "key {key}");
+        homes_not_cheapest += usize::from(choice.session_home);
+        let mut fresh = warmed_gorgo(&cands, 64);
+        let d = decide(&req, 0, 1, &cands, fresh.as_mut(), Weights::default(), 0).unwrap();
+        let want = if choice.session_home {
+            DecisionReason::SessionHome
+        } else {
+            DecisionReason::Policy
+        };
+        assert_eq!(d.reason, want);
+    }
+    // Rendezvous spreads sessions over the three engines.
+    assert!(
+        (20..=60).contains(&homes_not_cheapest),
+        "{homes_not_cheapest}"
+    );
+}
+
+#[test]
+fn a_cheaper_candidate_beyond_the_queue_error_or_an_idle_cluster_is_decided_by_cost() {
+    let chain = chain_of(1000);
+    let key_homed_off_the_cheapest = |cands: &[Candidate]| {
+        (0..100u64)
+            .find(|&k| {
+                let req = RouteRequest {
+                    chain: &chain,
+                    prompt_tokens: 1000,
+                    session_key: Some(k),
+                };
+                session_home_of(&req, cands) != Some(0)
+            })
+            .expect("a key homed elsewhere")
+    };
+    // Beyond the window: the others' queues are 40% longer than the cheapest's.
+    let mut cands = three_loaded_engines();
+    cands[1].stats.unfinished_prefill_tokens = 140_000;
+    cands[2].stats.unfinished_prefill_tokens = 140_000;
+    let key = key_homed_off_the_cheapest(&cands);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 1000,
+        session_key: Some(key),
+    };
+    let mut p = warmed_gorgo(&cands, 64);
+    let choice = p.choose(&req, &cands, Weights::default(), 0);
+    assert_eq!((choice.index, choice.session_home), (Some(0), false));
+    // Idle: no queue, no window; the local engine (a tie) serves.
+    let idle: Vec<Candidate> = three_loaded_engines()
+        .into_iter()
+        .map(|mut c| {
+            c.stats.unfinished_prefill_tokens = 0;
+            c
+        })
+        .collect();
+    let key = key_homed_off_the_cheapest(&idle);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 1000,
+        session_key: Some(key),
+    };
+    let mut p = warmed_gorgo(&idle, 64);
+    let choice = p.choose(&req, &idle, Weights::default(), 0);
+    assert_eq!((choice.index, choice.session_home), (Some(0), false));
+}
+
+#[test]
+fn the_sessions_home_never_costs_a_visible_cache_hit() {
+    let chain = chain_of(1000);
+    let mut cands = three_loaded_engines();
+    // The cheapest caches 200 tokens (saving 19 ms, well inside the window); the home
+    // caches nothing.
+    cands[0].cached_tokens = 200;
+    let key = (0..100u64)
+        .find(|&k| {
+            let req = RouteRequest {
+                chain: &chain,
+                prompt_tokens: 1000,
+                session_key: Some(k),
+            };
+            session_home_of(&req, &cands) != Some(0)
+        })
+        .unwrap();
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 1000,
+        session_key: Some(key),
+    };
+    let mut p = warmed_gorgo(&cands, 64);
+    assert_eq!(p.choose(&req, &cands, Weights::default(), 0).index, Some(0));
+}
+
+#[test]
+fn a_key_that_most_requests_share_is_no_session() {
+    // Every other request carries key 7 (a system prompt every conversation starts
+    // with, no session id): it would pin half the traffic to one engine. Its home is
+    // not the cheapest, yet after a warm-up it is decided by cost alone, while the
+    // one-off keys between are still homed.
+    let cands = three_loaded_engines();
+    let chain = chain_of(1000);
+    let shared = (0..1000u64)
+        .find(|&k| {
+            let req = RouteRequest {
+                chain: &chain,
+                prompt_tokens: 1000,
+                session_key: Some(k),
+            };
+            session_home_of(&req, &cands) != Some(0)
+        })
+        .unwrap();
+    let mut p = build(PolicyKind::Gorgo);
+    let mut shared_homed = 0;
+    let mut others_homed = 0;
+    for i in 0..10_000u64 {
+        let key = if i % 2 == 0 { shared } else { 1_000_000 + i };
+        let req = RouteRequest {
+            chain: &chain,
+            prompt_tokens: 1000,
+            session_key: Some(key),
+        };
+        let choice = p.choose(&req, &cands, Weights::default(), 0);
+        if i >= 100 {
+            if key == shared {
+                shared_homed += usize::from(choice.session_home);
+            } else {
+                others_homed += usize::from(choice.session_home);
+            }
+        }
+    }
+    assert_eq!(shared_homed, 0);
+    assert!(others_homed > 2_000, "{others_homed}");
+}
+
+proptest! {
+    /// Whatever the candidates: `gorgo`'s pick costs at most the window more than the
+    /// cheapest, caches no less than it, and is healthy.
+    #[test]
+    fn the_sessions_home_stays_within_the_queue_error_of_the_cheapest(
+        cands in arb_candidates(),
+        keys in proptest::collection::vec(0u64..50, 1..40),
+        prompt in 1u64..20_000,
+    ) {
+        let chain = chain_of(prompt.min(2000));
+        let mut p = build(PolicyKind::Gorgo);
+        let fewest = fewest_uncached_tokens(prompt, &cands);
+        let terms: Vec<_> = cands
+            .iter()
+            .map(|c| cost_terms(prompt, c, Weights::default(), fewest))
+            .collect();
+        let cheapest = (0..cands.len())
+            .filter(|&i| cands[i].healthy)
+            .min_by(|&a, &b| terms[a].total_ms.total_cmp(&terms[b].total_ms));
+        for key in keys {
+            let req = RouteRequest { chain: &chain, prompt_tokens: prompt, session_key: Some(key) };
+            let choice = p.choose(&req, &cands, Weights::default(), key);
+            let Some(best) = cheapest else {
+                prop_assert_eq!(choice.index, None);
+                continue;
+            };
+            let i = choice.index.expect("a pick");
+            prop_assert!(cands[i].healthy);
+            let b = &terms[best];
+            let window = gorgo_core::policy::SESSION_HOME_WINDOW * b.raw_queue_ms.max(0.0);
+            prop_assert!(terms[i].total_ms <= b.total_ms + window + 1e-9);
+            prop_assert!(terms[i].cached_tokens >= b.cached_tokens || terms[i].total_ms == b.total_ms);
+        }
+    }
+}
