@@ -888,6 +888,22 @@ fn session_home_of(req: &RouteRequest<'_>, cands: &[Candidate]) -> Option<usize>
     choose(PolicyKind::SessionAffinity, req, cands, 0)
 }
 
+/// A 1,000-token request of session `key`.
+fn of_session(chain: &HashChain, key: u64) -> RouteRequest<'_> {
+    RouteRequest {
+        chain,
+        prompt_tokens: 1000,
+        session_key: Some(key),
+    }
+}
+
+/// A session key whose home is not candidate 0 (the cheapest in these cases).
+fn key_homed_elsewhere(chain: &HashChain, cands: &[Candidate]) -> u64 {
+    (0..1000u64)
+        .find(|&k| session_home_of(&of_session(chain, k), cands) != Some(0))
+        .expect("a key homed elsewhere")
+}
+
 #[test]
 fn candidates_the_queue_estimate_cannot_tell_apart_go_to_the_sessions_home() {
     let cands = three_loaded_engines();
@@ -895,11 +911,7 @@ fn candidates_the_queue_estimate_cannot_tell_apart_go_to_the_sessions_home() {
     let mut p = warmed_gorgo(&cands, 64);
     let mut homes_not_cheapest = 0;
     for key in 0..60u64 {
-        let req = RouteRequest {
-            chain: &chain,
-            prompt_tokens: 1000,
-            session_key: Some(key),
-        };
+        let req = of_session(&chain, key);
         let choice = p.choose(&req, &cands, Weights::default(), 0);
         // The queues differ by 2% and 4%, inside the window: always the home.
         assert_eq!(choice.index, session_home_of(&req, &cands), "key {key}");
@@ -924,28 +936,12 @@ fn candidates_the_queue_estimate_cannot_tell_apart_go_to_the_sessions_home() {
 #[test]
 fn a_cheaper_candidate_beyond_the_queue_error_or_an_idle_cluster_is_decided_by_cost() {
     let chain = chain_of(1000);
-    let key_homed_off_the_cheapest = |cands: &[Candidate]| {
-        (0..100u64)
-            .find(|&k| {
-                let req = RouteRequest {
-                    chain: &chain,
-                    prompt_tokens: 1000,
-                    session_key: Some(k),
-                };
-                session_home_of(&req, cands) != Some(0)
-            })
-            .expect("a key homed elsewhere")
-    };
     // Beyond the window: the others' queues are 40% longer than the cheapest's.
     let mut cands = three_loaded_engines();
     cands[1].stats.unfinished_prefill_tokens = 140_000;
     cands[2].stats.unfinished_prefill_tokens = 140_000;
-    let key = key_homed_off_the_cheapest(&cands);
-    let req = RouteRequest {
-        chain: &chain,
-        prompt_tokens: 1000,
-        session_key: Some(key),
-    };
+    let key = key_homed_elsewhere(&chain, &cands);
+    let req = of_session(&chain, key);
     let mut p = warmed_gorgo(&cands, 64);
     let choice = p.choose(&req, &cands, Weights::default(), 0);
     assert_eq!((choice.index, choice.session_home), (Some(0), false));
@@ -957,12 +953,8 @@ fn a_cheaper_candidate_beyond_the_queue_error_or_an_idle_cluster_is_decided_by_c
             c
         })
         .collect();
-    let key = key_homed_off_the_cheapest(&idle);
-    let req = RouteRequest {
-        chain: &chain,
-        prompt_tokens: 1000,
-        session_key: Some(key),
-    };
+    let key = key_homed_elsewhere(&chain, &idle);
+    let req = of_session(&chain, key);
     let mut p = warmed_gorgo(&idle, 64);
     let choice = p.choose(&req, &idle, Weights::default(), 0);
     assert_eq!((choice.index, choice.session_home), (Some(0), false));
@@ -975,21 +967,8 @@ fn the_sessions_home_never_costs_a_visible_cache_hit() {
     // The cheapest caches 200 tokens (saving 19 ms, well inside the window); the home
     // caches nothing.
     cands[0].cached_tokens = 200;
-    let key = (0..100u64)
-        .find(|&k| {
-            let req = RouteRequest {
-                chain: &chain,
-                prompt_tokens: 1000,
-                session_key: Some(k),
-            };
-            session_home_of(&req, &cands) != Some(0)
-        })
-        .unwrap();
-    let req = RouteRequest {
-        chain: &chain,
-        prompt_tokens: 1000,
-        session_key: Some(key),
-    };
+    let key = key_homed_elsewhere(&chain, &cands);
+    let req = of_session(&chain, key);
     let mut p = warmed_gorgo(&cands, 64);
     assert_eq!(p.choose(&req, &cands, Weights::default(), 0).index, Some(0));
 }
@@ -1002,26 +981,13 @@ fn a_key_that_most_requests_share_is_no_session() {
     // one-off keys between are still homed.
     let cands = three_loaded_engines();
     let chain = chain_of(1000);
-    let shared = (0..1000u64)
-        .find(|&k| {
-            let req = RouteRequest {
-                chain: &chain,
-                prompt_tokens: 1000,
-                session_key: Some(k),
-            };
-            session_home_of(&req, &cands) != Some(0)
-        })
-        .unwrap();
+    let shared = key_homed_elsewhere(&chain, &cands);
     let mut p = build(PolicyKind::Gorgo);
     let mut shared_homed = 0;
     let mut others_homed = 0;
     for i in 0..10_000u64 {
         let key = if i % 2 == 0 { shared } else { 1_000_000 + i };
-        let req = RouteRequest {
-            chain: &chain,
-            prompt_tokens: 1000,
-            session_key: Some(key),
-        };
+        let req = of_session(&chain, key);
         let choice = p.choose(&req, &cands, Weights::default(), 0);
         if i >= 100 {
             if key == shared {
