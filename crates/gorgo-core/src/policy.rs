@@ -343,11 +343,11 @@ impl SessionHomes {
 /// `gorgo`: minimise, in milliseconds, the estimated TTFT plus the stall the request's
 /// prefill inflicts on the batch running there,
 /// `w_rtt * RTT + t_p * uncached + w_queue * queue_ms + stall_ms` (docs/design.md and
-/// docs/policy.md; see [`crate::cost`]); among candidates within
-/// [`SESSION_HOME_WINDOW`] of the best's queue of the minimum, caching no less than
-/// it, the session's home ([`SessionHomes`]). Also serves as `oracle` when the
-/// simulator feeds it exact state, and as `gorgo-ttft` (the same without the stall
-/// term).
+/// docs/policy.md; see [`crate::cost`]). Among the candidates whose total exceeds the
+/// cheapest's by at most [`SESSION_HOME_WINDOW`] times the cheapest's queue estimate,
+/// caching no less than it, the session's home ([`SessionHomes`]). Also serves as
+/// `oracle` when the simulator feeds it exact state, and as `gorgo-ttft` (the same
+/// without the stall term).
 #[derive(Debug, Clone)]
 pub struct Gorgo {
     kind: PolicyKind,
