@@ -73,6 +73,8 @@ enum FocaInput {
     },
     Timer(Timer<MemberId>),
     Broadcast(Vec<u8>),
+    /// This node dialed the peer for streams: announce to it on the new connection.
+    AnnounceTo(NodeId),
     Leave(oneshot::Sender<()>),
 }
 
@@ -229,6 +231,7 @@ pub async fn start(
             metrics.clone(),
             shutdown.clone(),
             weak.clone(),
+            config.swim.probe_period,
         )),
         gossip: Arc::new(GossipDriver::new(
             config.node_id.clone(),
@@ -300,6 +303,7 @@ async fn run_foca(inner: Arc<Inner>, mut foca: ClusterFoca, mut rx: mpsc::Receiv
                             tracing::debug!("foca timer: {e}");
                         }
                     }
+                    FocaInput::AnnounceTo(node) => announce_to_member(&mut foca, &mut rt, &node),
                     FocaInput::Broadcast(b) => {
                         if let Err(e) = foca.add_broadcast(&b) {
                             tracing::debug!("foca broadcast: {e}");
@@ -392,6 +396,27 @@ fn announce_to_known(
     for id in known {
         if let Err(e) = foca.announce(id, &mut *rt) {
             tracing::debug!("announce: {e}");
+        }
+    }
+}
+
+/// A SWIM packet to `node` now (an announce: the one message foca sends to a member
+/// of our choosing), on the connection this node just dialed it on for streams: the
+/// peer holds what arrives on an inbound connection until a SWIM packet on it claims
+/// the sender's address (docs/cluster.md, "Identity"). Nothing when foca does not hold
+/// the node as active.
+fn announce_to_member(
+    foca: &mut ClusterFoca,
+    rt: &mut AccumulatingRuntime<MemberId>,
+    node: &NodeId,
+) {
+    let member = foca
+        .iter_membership_state()
+        .find(|m| m.id().node == *node && m.state() != foca::State::Down)
+        .map(|m| m.id().clone());
+    if let Some(member) = member {
+        if let Err(e) = foca.announce(member, &mut *rt) {
+            tracing::debug!(peer = %node, "announce: {e}");
         }
     }
 }
@@ -622,6 +647,16 @@ impl Inbound for Inner {
     fn app(&self, msg: AppMessage) {
         if self.app_tx.try_send(msg).is_err() {
             tracing::debug!("app inbox full or closed; message dropped");
+        }
+    }
+
+    fn dialed(&self, peer: &NodeId) {
+        if self
+            .foca_tx
+            .try_send(FocaInput::AnnounceTo(peer.clone()))
+            .is_err()
+        {
+            tracing::debug!(%peer, "swim inbox full; announce on the new connection skipped");
         }
     }
 
@@ -882,7 +917,13 @@ impl ClusterHandle {
                     .get(peer)
                     .map(|e| e.member.addr)
                     .ok_or_else(|| ClusterError::UnknownPeer(peer.clone()))?;
-                transport::connect(&self.inner.transport, Some(peer), addr).await?
+                transport::connect(
+                    &self.inner.transport,
+                    Some(peer),
+                    addr,
+                    transport::DialFor::Streams,
+                )
+                .await?
             }
         };
         Ok(conn.open_bi().await?)

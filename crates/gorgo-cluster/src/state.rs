@@ -464,7 +464,10 @@ pub struct ClusterMetrics {
     /// (this node keeps its id and goes on).
     pub own_id_claimed: AtomicU64,
     /// Streams (gossip, app messages, forwards) refused because they came on a
-    /// connection no accepted claim vouches for while the node id is bound elsewhere.
+    /// connection no accepted claim vouches for while the node id is bound elsewhere,
+    /// or on an inbound connection that made no SWIM claim within the wait for one
+    /// (four SWIM probe periods: a process with a stolen certificate that never sends
+    /// SWIM, docs/cluster.md "Identity").
     pub unbound_streams_dropped: AtomicU64,
     staleness_ms: Mutex<VecDeque<u64>>,
 }

@@ -16,6 +16,7 @@ use bytes::Bytes;
 use dashmap::DashMap;
 use gorgo_core::NodeId;
 use parking_lot::Mutex;
+use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -60,6 +61,11 @@ pub(crate) trait Inbound: Send + Sync + 'static {
     fn app(&self, msg: AppMessage);
     /// A forwarding bi-stream.
     fn forward(&self, fwd: IncomingForward);
+    /// This node dialed `peer` to send it streams (gossip, an app message, a
+    /// forward): send it a SWIM packet on the new connection at once, so that the
+    /// peer vouches the connection ([`Transport::bind_inbound`] on its side) before
+    /// the streams on it wait out [`Transport::vouch_wait`] there.
+    fn dialed(&self, peer: &NodeId);
 }
 
 /// The node's QUIC endpoint, its connections, and the byte counting of what crosses
@@ -75,6 +81,9 @@ pub(crate) struct Transport {
     pub(crate) metrics: Arc<ClusterMetrics>,
     shutdown: CancellationToken,
     inbound: Weak<dyn Inbound>,
+    /// How long a stream on an inbound connection that has made no SWIM claim yet
+    /// waits for one ([`VOUCH_WAIT_PROBE_PERIODS`] SWIM probe periods).
+    vouch_wait: Duration,
 }
 
 /// First byte of a uni-stream carrying summary gossip.
@@ -95,6 +104,23 @@ const DIAL_BACKOFF: Duration = Duration::from_millis(500);
 /// needs about 3.4 s at 10 Mbit/s): a peer that opens a stream and stalls, or stops
 /// granting flow-control credit, costs a bounded task, not one for ever.
 pub(crate) const STREAM_TIMEOUT: Duration = Duration::from_secs(30);
+/// How many SWIM probe periods (`SwimTimings::probe_period`, 800 ms by default) a
+/// stream on an inbound connection that has made no SWIM claim yet waits for the
+/// connection's first claim before it is dropped: 4, so 3.2 s by default.
+///
+/// Why wait at all: a certificate proves a node id, not which process holds it, so
+/// what a connection's streams say is taken as the id's only once a SWIM packet on the
+/// connection claims the address the id is bound to. A process with a stolen
+/// certificate that never sends SWIM would otherwise push gossip (an incarnation far
+/// ahead, poisoning peers' view of the id) and forwards as the id. Why this long: an
+/// honest peer that dials for a stream announces itself on the new connection at once
+/// ([`Inbound::dialed`]; a dial for SWIM carries its packet anyway), so the claim
+/// normally arrives about when the stream does; if that datagram is lost, the peer's
+/// next SWIM packet here comes with foca's periodic gossip (every 200 ms, to two
+/// members), a probe or the ack of one of ours, within a few probe periods. Four
+/// periods leave room for that; a stream held longer would only be staler, and an
+/// impostor's streams are held no longer than this before they are dropped.
+pub(crate) const VOUCH_WAIT_PROBE_PERIODS: u32 = 4;
 
 /// The single in-flight dial to one address.
 #[derive(Debug, Default)]
@@ -118,23 +144,56 @@ enum Vouched {
     Refused,
 }
 
+/// What is known of one open connection's process, and the newest generation it is
+/// known to speak for (dialed, or claimed by an accepted SWIM packet on it).
+#[derive(Debug)]
+struct Vouch {
+    /// `None` for an inbound connection that has made no SWIM claim yet. A watch, so
+    /// that the streams that arrived on the connection before its first claim wait
+    /// for it ([`Transport::wait_vouched`]) rather than poll.
+    state: watch::Sender<Option<Vouched>>,
+    generation: u64,
+}
+
+impl Vouch {
+    fn new(state: Option<Vouched>, generation: u64) -> Self {
+        Vouch {
+            state: watch::Sender::new(state),
+            generation,
+        }
+    }
+
+    fn state(&self) -> Option<Vouched> {
+        *self.state.borrow()
+    }
+
+    /// Set the state, waking the streams waiting on it when it changed.
+    fn set(&self, state: Vouched) {
+        self.state.send_if_modified(|s| {
+            let changed = *s != Some(state);
+            *s = Some(state);
+            changed
+        });
+    }
+}
+
 /// Connections by peer id (from its certificate) and, for dials, by address.
 ///
 /// A certificate proves a node id but not which process holds it: two processes with
 /// the same certificate each connect as that id. So an inbound connection becomes the
 /// one this node sends to the peer on only once a SWIM packet on it claims an address
-/// the peer table accepts, and one whose claim was refused carries nothing up but its
-/// (checked) SWIM packets (docs/cluster.md, "Identity").
+/// the peer table accepts, its streams are taken as the peer's only then (they wait
+/// for that claim, bounded), and one whose claim was refused carries nothing up but
+/// its (checked) SWIM packets (docs/cluster.md, "Identity").
 #[derive(Debug, Default)]
 pub(crate) struct Connections {
     /// The connection this node sends to each peer on.
     by_node: DashMap<NodeId, quinn::Connection>,
     by_addr: DashMap<SocketAddr, (NodeId, quinn::Connection)>,
     dials: DashMap<SocketAddr, Arc<DialSlot>>,
-    /// What is known of each open connection's process, by `stable_id`, and the
-    /// newest generation it is known to speak for (dialed, or claimed by an accepted
-    /// SWIM packet on it).
-    vouched: DashMap<usize, (Vouched, u64)>,
+    /// What is known of each open connection's process, by `stable_id`: an entry
+    /// from the moment it is served until it closes (none: closed and forgotten).
+    vouched: DashMap<usize, Vouch>,
 }
 
 fn usable(c: &quinn::Connection) -> bool {
@@ -234,6 +293,7 @@ impl Transport {
         metrics: Arc<ClusterMetrics>,
         shutdown: CancellationToken,
         inbound: Weak<dyn Inbound>,
+        probe_period: Duration,
     ) -> Self {
         Transport {
             node_id,
@@ -244,6 +304,7 @@ impl Transport {
             metrics,
             shutdown,
             inbound,
+            vouch_wait: probe_period.saturating_mul(VOUCH_WAIT_PROBE_PERIODS),
         }
     }
 
@@ -262,7 +323,10 @@ impl Transport {
     /// becomes the one this node sends to it on unless a usable one is there already.
     /// The newest generation `conn` is known to speak for (0: none yet).
     fn generation_of(&self, conn: &quinn::Connection) -> u64 {
-        self.conns.vouched.get(&conn.stable_id()).map_or(0, |v| v.1)
+        self.conns
+            .vouched
+            .get(&conn.stable_id())
+            .map_or(0, |v| v.generation)
     }
 
     /// A SWIM packet on `conn` claims `claim.node` from `claim.addr` under
@@ -274,15 +338,15 @@ impl Transport {
     pub(crate) fn bind_inbound(&self, conn: &quinn::Connection, claim: &MemberId) {
         let id = conn.stable_id();
         {
-            let mut v = self
-                .conns
-                .vouched
-                .entry(id)
-                .or_insert((Vouched::At(claim.addr), 0));
-            if v.0 != Vouched::Dialed {
-                v.0 = Vouched::At(claim.addr);
+            // No entry: the connection closed (and was forgotten) while the packet
+            // waited for the SWIM task; there is nothing to bind.
+            let Some(mut v) = self.conns.vouched.get_mut(&id) else {
+                return;
+            };
+            if v.state() != Some(Vouched::Dialed) {
+                v.set(Vouched::At(claim.addr));
             }
-            v.1 = v.1.max(claim.generation);
+            v.generation = v.generation.max(claim.generation);
         }
         let current = self.conns.by_node.get(&claim.node).map(|c| c.clone());
         let replace = current.is_none_or(|c| {
@@ -302,36 +366,81 @@ impl Transport {
     pub(crate) fn refuse(&self, peer: &NodeId, conn: &quinn::Connection) {
         let id = conn.stable_id();
         {
-            let mut v = self
-                .conns
-                .vouched
-                .entry(id)
-                .or_insert((Vouched::Refused, 0));
-            if v.0 == Vouched::Dialed {
+            let Some(v) = self.conns.vouched.get(&id) else {
+                // Closed and forgotten meanwhile.
+                return;
+            };
+            if v.state() == Some(Vouched::Dialed) {
                 // This node chose the address; the claim was refused as a whole (SWIM
                 // drops it), the connection stays what it is.
                 return;
             }
-            v.0 = Vouched::Refused;
+            v.set(Vouched::Refused);
         }
         self.conns
             .by_node
             .remove_if(peer, |_, c| c.stable_id() == id);
     }
 
-    /// Whether a stream on `conn` speaks for `peer`: not on a connection whose claim
-    /// was refused, nor on one accepted for another address than the one the id is
-    /// bound to now. A connection that has not made a claim yet does: a peer may open
-    /// a gossip stream on a fresh connection before its first SWIM packet on it, and a
-    /// second process with the id learns no members (its SWIM is refused), so it has
-    /// no streams to send.
-    fn may_speak_for(&self, peer: &NodeId, conn: &quinn::Connection) -> bool {
-        match self.conns.vouched.get(&conn.stable_id()).map(|v| v.0) {
-            Some(Vouched::Refused) => false,
-            Some(Vouched::At(addr)) => self.peers.bound_addr(peer).is_none_or(|b| b == addr),
-            Some(Vouched::Dialed) | None => true,
-        }
+    /// Whether a stream on `conn` speaks for `peer`, when that is known yet: it does
+    /// on a connection this node dialed (it chose the address) and on one whose SWIM
+    /// claim was accepted for the address the id is bound to now; it does not on one
+    /// whose claim was refused, nor on one accepted for another address, nor on a
+    /// closed one. `None` for an inbound connection that has made no claim yet: a
+    /// peer may open a stream on a fresh connection before its first SWIM packet on
+    /// it, so the stream waits for the claim ([`Transport::wait_vouched`]).
+    fn may_speak_for(&self, peer: &NodeId, conn: &quinn::Connection) -> Option<bool> {
+        let state = match self.conns.vouched.get(&conn.stable_id()) {
+            Some(v) => v.state()?,
+            None => return Some(false),
+        };
+        Some(match state {
+            Vouched::Refused => false,
+            Vouched::At(addr) => self.peers.bound_addr(peer).is_none_or(|b| b == addr),
+            Vouched::Dialed => true,
+        })
     }
+
+    /// Wait until inbound `conn` has made a SWIM claim, at most
+    /// [`vouch_wait`](Self::vouch_wait), and say whether a stream on it then speaks
+    /// for `peer` ([`may_speak_for`](Self::may_speak_for)). False on timeout, when the
+    /// connection closes first, and on shutdown (which ends the wait at once).
+    ///
+    /// Called in the stream's own task, never in the accept loops, so that other
+    /// streams and connections keep flowing. How many streams wait on one connection
+    /// at a time is bounded by QUIC itself: a waiting stream is open (it is neither
+    /// read to its end nor stopped, and a bi-stream's halves are held), and the peer
+    /// may have at most `max_concurrent_uni_streams` (64) and
+    /// `max_concurrent_bidi_streams` (1,024) open per connection
+    /// ([`transport_config`]) until this node frees some: at most 1,088 waiting
+    /// tasks per connection, each for at most `vouch_wait`.
+    async fn wait_vouched(&self, peer: &NodeId, conn: &quinn::Connection) -> bool {
+        let mut state = match self.conns.vouched.get(&conn.stable_id()) {
+            Some(v) => v.state.subscribe(),
+            None => return false,
+        };
+        let claimed = tokio::select! {
+            biased;
+            _ = self.shutdown.cancelled() => false,
+            // Err inside: the entry was dropped, the connection closed.
+            r = tokio::time::timeout(self.vouch_wait, state.wait_for(Option::is_some)) => {
+                matches!(r, Ok(Ok(_)))
+            }
+        };
+        claimed && self.may_speak_for(peer, conn) == Some(true)
+    }
+}
+
+/// What a dial is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DialFor {
+    /// A SWIM packet, sent on the connection right after: the peer vouches the
+    /// connection with it.
+    Swim,
+    /// Streams (gossip, app messages, forwards): a fresh connection is announced on
+    /// at once ([`Inbound::dialed`]), so that the peer does not hold them for the
+    /// connection's first SWIM packet any longer than needed.
+    Streams,
 }
 
 /// Get a connection to `addr` (the node there being `node` when known), dialing if
@@ -340,6 +449,7 @@ pub(crate) async fn connect(
     inner: &Arc<Transport>,
     node: Option<&NodeId>,
     addr: SocketAddr,
+    purpose: DialFor,
 ) -> Result<quinn::Connection> {
     let addr = dial_addr(inner, addr);
     if let Some(c) = inner.conns.lookup(node, addr) {
@@ -387,17 +497,22 @@ pub(crate) async fn connect(
             .by_addr
             .insert(addr, (peer.clone(), conn.clone()));
         let generation = inner.peers.alive_generation(&peer).unwrap_or(0);
-        inner
-            .conns
-            .vouched
-            .insert(conn.stable_id(), (Vouched::Dialed, generation));
+        inner.conns.vouched.insert(
+            conn.stable_id(),
+            Vouch::new(Some(Vouched::Dialed), generation),
+        );
         // quinn has an RTT estimate from the handshake already: a known peer gets it
         // now rather than at the next gossip round.
         inner
             .peers
             .seed_rtt(&peer, conn.rtt().as_secs_f64() * 1000.0);
         inner.conns.by_node.insert(peer.clone(), conn.clone());
-        serve(inner, peer, conn.clone());
+        serve(inner, peer.clone(), conn.clone());
+        if purpose == DialFor::Streams {
+            if let Some(inbound) = inner.inbound.upgrade() {
+                inbound.dialed(&peer);
+            }
+        }
         Ok(conn)
     }
     .await;
@@ -433,7 +548,7 @@ pub(crate) fn send_swim(inner: &Arc<Transport>, dst: MemberId, packet: Bytes) {
     let inner = inner.clone();
     tokio::spawn(async move {
         let node = (!dst.node.0.is_empty()).then_some(&dst.node);
-        match connect(&inner, node, dst.addr).await {
+        match connect(&inner, node, dst.addr, DialFor::Swim).await {
             Ok(c) => send_datagram(&inner, &c, node, datagram),
             Err(e) => tracing::debug!(peer = %dst.node, addr = %dst.addr, "swim send dropped: {e}"),
         }
@@ -469,7 +584,7 @@ pub(crate) async fn send_uni(
                 .get(node)
                 .map(|e| e.member.addr)
                 .ok_or_else(|| ClusterError::UnknownPeer(node.clone()))?;
-            connect(inner, Some(node), addr).await?
+            connect(inner, Some(node), addr, DialFor::Streams).await?
         }
     };
     let sent = tokio::time::timeout(STREAM_TIMEOUT, async {
@@ -515,9 +630,16 @@ pub(crate) async fn accept_loop(inner: Arc<Transport>) {
                 }
             };
             match peer_node_id(&conn) {
-                // Not yet the connection to `peer`: its SWIM packets must first claim
-                // an address the peer table accepts (`Transport::bind_inbound`).
-                Some(peer) if peer != inner.node_id => serve(&inner, peer, conn),
+                // Not yet the connection to `peer`, nor one its streams may speak on:
+                // its SWIM packets must first claim an address the peer table
+                // accepts (`Transport::bind_inbound`).
+                Some(peer) if peer != inner.node_id => {
+                    inner
+                        .conns
+                        .vouched
+                        .insert(conn.stable_id(), Vouch::new(None, 0));
+                    serve(&inner, peer, conn)
+                }
                 _ => {
                     ClusterMetrics::bump(&inner.metrics.handshakes_failed);
                     conn.close(1u32.into(), b"no node id");
@@ -587,14 +709,22 @@ async fn accept_unis(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connectio
             _ = inner.shutdown.cancelled() => return,
             r = conn.accept_uni() => match r { Ok(r) => r, Err(_) => return },
         };
-        if !inner.may_speak_for(&peer, &conn) {
+        let speaks = inner.may_speak_for(&peer, &conn);
+        if speaks == Some(false) {
             ClusterMetrics::bump(&inner.metrics.unbound_streams_dropped);
             let _ = recv.stop(1u32.into());
             continue;
         }
         let inner = inner.clone();
         let peer = peer.clone();
+        let conn = conn.clone();
         tokio::spawn(async move {
+            // Made no claim yet: wait for one here, not in the accept loop.
+            if speaks.is_none() && !inner.wait_vouched(&peer, &conn).await {
+                drop_unvouched(&inner);
+                let _ = recv.stop(1u32.into());
+                return;
+            }
             // Read the kind first so each kind gets its own cap: an app message
             // stream may not buffer a gossip-sized payload.
             let mut kind = [0u8; 1];
@@ -664,19 +794,42 @@ async fn accept_bis(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connection
             _ = inner.shutdown.cancelled() => return,
             r = conn.accept_bi() => match r { Ok(r) => r, Err(_) => return },
         };
-        if !inner.may_speak_for(&peer, &conn) {
-            // Dropping the streams resets them: the origin serves elsewhere.
-            ClusterMetrics::bump(&inner.metrics.unbound_streams_dropped);
-            continue;
-        }
         let fwd = IncomingForward {
             from: peer.clone(),
             send,
             recv,
         };
-        match inner.inbound.upgrade() {
-            Some(inbound) => inbound.forward(fwd),
-            None => return,
+        match inner.may_speak_for(&peer, &conn) {
+            Some(true) => match inner.inbound.upgrade() {
+                Some(inbound) => inbound.forward(fwd),
+                None => return,
+            },
+            // Dropping the streams resets them: the origin serves elsewhere.
+            Some(false) => ClusterMetrics::bump(&inner.metrics.unbound_streams_dropped),
+            // Made no claim yet: wait for one in a task of its own, so that the loop
+            // goes on accepting.
+            None => {
+                let inner = inner.clone();
+                let (peer, conn) = (peer.clone(), conn.clone());
+                tokio::spawn(async move {
+                    if !inner.wait_vouched(&peer, &conn).await {
+                        drop_unvouched(&inner);
+                        return;
+                    }
+                    if let Some(inbound) = inner.inbound.upgrade() {
+                        inbound.forward(fwd);
+                    }
+                });
+            }
         }
+    }
+}
+
+/// A stream that waited for its connection's first SWIM claim in vain (none in time,
+/// or a refused one) is dropped like any stream refused at once, and counted; one cut
+/// short by shutdown is just dropped.
+fn drop_unvouched(inner: &Transport) {
+    if !inner.shutdown.is_cancelled() {
+        ClusterMetrics::bump(&inner.metrics.unbound_streams_dropped);
     }
 }

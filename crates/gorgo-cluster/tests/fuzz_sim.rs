@@ -78,6 +78,32 @@ fn random_traffic_changes_nothing() {
         let conn = endpoint
             .connect(target, gorgo_cluster::CLUSTER_SERVER_NAME)?
             .await?;
+        // A SWIM packet claiming its own id and address first, addressed to nobody
+        // here (so foca takes nothing from it): the node takes a connection's streams
+        // only once it has made such a claim, and the garbage must reach the decoders.
+        let header = foca::Header {
+            src: gorgo_cluster::MemberId {
+                node: gorgo_core::NodeId::from("fuzz"),
+                region: "fuzz".to_owned(),
+                addr: SocketAddr::new(turmoil::lookup("fuzz"), 9001),
+                generation: 1,
+            },
+            src_incarnation: 0,
+            dst: gorgo_cluster::MemberId {
+                node: gorgo_core::NodeId::from("nobody"),
+                region: String::new(),
+                addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 1),
+                generation: 0,
+            },
+            message: foca::Message::Gossip,
+        };
+        let mut claim = vec![1u8];
+        foca::Codec::encode_header(
+            &mut gorgo_cluster::identity::BincodeCodec,
+            &header,
+            &mut claim,
+        )?;
+        conn.send_datagram(claim.into())?;
         for i in 0..3000u32 {
             let len = rng.random_range(1..1000);
             let mut d: Vec<u8> = (0..len).map(|_| rng.random()).collect();

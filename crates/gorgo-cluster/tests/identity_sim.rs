@@ -259,3 +259,211 @@ fn genuine_n1_kept(
         genuine_n1_violation(handles, n1_addr)
     );
 }
+
+/// A connection to `target` from a raw QUIC endpoint on the current host (its own
+/// address, as behind a relay), with `creds`' certificate: a process holding that
+/// node's certificate, whatever it does with it.
+async fn raw_connection(
+    host: &str,
+    creds: &gorgo_cluster::NodeCredentials,
+    target: &str,
+) -> Result<(quinn::Endpoint, quinn::Connection), Box<dyn std::error::Error>> {
+    let socket = TurmoilUdp::bind(host, 9001).await?;
+    let mut endpoint = quinn::Endpoint::new_with_abstract_socket(
+        quinn::EndpointConfig::default(),
+        None,
+        socket,
+        Arc::new(quinn::TokioRuntime),
+    )?;
+    endpoint.set_default_client_config(gorgo_cluster::quinn_client_config(creds)?);
+    let conn = endpoint
+        .connect(
+            SocketAddr::new(turmoil::lookup(target), PORT),
+            gorgo_cluster::CLUSTER_SERVER_NAME,
+        )?
+        .await?;
+    Ok((endpoint, conn))
+}
+
+/// A summary snapshot of `origin` carrying `stats`, framed as on a gossip uni-stream
+/// (`[1][oldest change ms][message]`).
+fn gossip_frame(origin: &str, stats: QueueStats) -> Vec<u8> {
+    let msg = gorgo_core::wire::GossipMessage::SummarySnapshot {
+        origin: NodeId::from(origin),
+        snapshot: gorgo_core::summary::SummarySnapshot {
+            version: 1 << 40,
+            fingerprints: vec![7, 8, 9],
+            ..Default::default()
+        },
+        stats,
+    };
+    let mut f = vec![1u8];
+    f.extend_from_slice(&0u64.to_le_bytes());
+    f.extend_from_slice(&gorgo_core::wire::encode(&msg));
+    f
+}
+
+/// A SWIM datagram (`[1][foca packet]`) from `src` to `dst` with nothing to say: a
+/// gossip message without updates.
+fn swim_datagram(src: gorgo_cluster::MemberId, dst: gorgo_cluster::MemberId) -> bytes::Bytes {
+    let header = foca::Header {
+        src,
+        src_incarnation: 0,
+        dst,
+        message: foca::Message::Gossip,
+    };
+    let mut d = vec![1u8];
+    foca::Codec::encode_header(&mut gorgo_cluster::identity::BincodeCodec, &header, &mut d)
+        .expect("encode");
+    d.into()
+}
+
+fn unbound_dropped(handles: &Handles, node: &str) -> u64 {
+    handles.lock()[node]
+        .metrics()
+        .unbound_streams_dropped
+        .load(Ordering::Relaxed)
+}
+
+/// A process holding n1's (stolen) certificate that connects to n0 and never sends
+/// SWIM gets nothing in: its gossip (n1 at an incarnation far ahead, which would make
+/// n0 drop everything the genuine n1 says from then on) and its forward are dropped
+/// once n0 has waited in vain for the connection's first SWIM claim, and counted.
+#[test]
+fn a_stolen_certificate_without_swim_pushes_no_gossip_and_no_forward() {
+    let mut sim = sim(71, Duration::from_secs(120));
+    let creds = credentials(&NAMES);
+    let handles = Handles::default();
+    converged_cluster(&mut sim, &NAMES, &creds, 0, &handles);
+    let genuine = run_until(&mut sim, Duration::from_secs(5), |_| {
+        view_of(&handles, "n0", "n1").is_some_and(|v| v.incarnation.is_some())
+    });
+    assert!(genuine.is_some(), "n0 holds n1's run: {}", dump(&handles));
+    let n1_run = handles.lock()["n1"].incarnation();
+    let mut forwards = handles.lock()["n0"]
+        .incoming_forwards()
+        .expect("forward inbox");
+    let dropped_before = unbound_dropped(&handles, "n0");
+
+    let stolen = creds["n1"].clone();
+    let sent = Arc::new(AtomicU32::new(0));
+    let sent_by_thief = sent.clone();
+    sim.client("thief", async move {
+        let (_endpoint, conn) = raw_connection("thief", &stolen, "n0").await?;
+        let mut uni = conn.open_uni().await?;
+        uni.write_all(&gossip_frame(
+            "n1",
+            QueueStats {
+                incarnation: u64::MAX / 2,
+                version: 1 << 40,
+                running: 99,
+                ..Default::default()
+            },
+        ))
+        .await?;
+        uni.finish()?;
+        let (mut send, _recv) = conn.open_bi().await?;
+        send.write_all(b"a forward as n1").await?;
+        sent_by_thief.store(1, Ordering::SeqCst);
+        // Hold the connection open; never a SWIM packet.
+        std::future::pending::<()>().await;
+        Ok(())
+    });
+    run_until(&mut sim, Duration::from_secs(5), |_| {
+        sent.load(Ordering::SeqCst) == 1
+    })
+    .expect("the thief sends its streams");
+    let dropped = run_until(&mut sim, Duration::from_secs(10), |_| {
+        unbound_dropped(&handles, "n0") >= dropped_before + 2
+    });
+    assert!(
+        dropped.is_some(),
+        "n0 dropped {} of the thief's 2 streams: {}",
+        unbound_dropped(&handles, "n0") - dropped_before,
+        dump(&handles)
+    );
+    // And then nothing of them was taken, and n0 still hears the genuine n1.
+    run_for(&mut sim, Duration::from_secs(2));
+    let v = view_of(&handles, "n0", "n1").expect("n0 knows n1");
+    assert_eq!(v.incarnation, Some(n1_run), "n0's view of n1: {v:?}");
+    assert!(
+        v.stats.as_ref().is_none_or(|s| s.running != 99),
+        "n0 holds the thief's stats: {v:?}"
+    );
+    assert!(v.alive, "n0's view of n1: {v:?}");
+    assert!(
+        forwards.try_recv().is_err(),
+        "n0 took a forward from the thief"
+    );
+}
+
+/// An honest connection (n1's certificate and address claim, from another socket
+/// address, as through a relay) whose gossip stream arrives before its first SWIM
+/// packet: n0 holds the stream, and applies it once a SWIM packet on the connection
+/// claims n1's bound address, well before the wait would have run out.
+#[test]
+fn a_stream_before_the_first_swim_packet_is_applied_once_swim_vouches() {
+    let mut sim = sim(73, Duration::from_secs(120));
+    let creds = credentials(&NAMES);
+    let handles = Handles::default();
+    converged_cluster(&mut sim, &NAMES, &creds, 0, &handles);
+    let genuine = run_until(&mut sim, Duration::from_secs(5), |_| {
+        view_of(&handles, "n0", "n1").is_some_and(|v| v.incarnation.is_some())
+    });
+    assert!(genuine.is_some(), "n0 holds n1's run: {}", dump(&handles));
+    let (n0_id, n1_id, n1_run) = {
+        let h = handles.lock();
+        (
+            h["n0"].identity(),
+            h["n1"].identity(),
+            h["n1"].incarnation(),
+        )
+    };
+    let dropped_before = unbound_dropped(&handles, "n0");
+
+    let sent = Arc::new(AtomicU32::new(0));
+    let go = Arc::new(tokio::sync::Notify::new());
+    let (sent_by_peer, go_peer) = (sent.clone(), go.clone());
+    let n1_creds = creds["n1"].clone();
+    sim.client("relay", async move {
+        let (_endpoint, conn) = raw_connection("relay", &n1_creds, "n0").await?;
+        let mut uni = conn.open_uni().await?;
+        uni.write_all(&gossip_frame(
+            "n1",
+            QueueStats {
+                incarnation: n1_run,
+                version: 1 << 40,
+                running: 42,
+                ..Default::default()
+            },
+        ))
+        .await?;
+        uni.finish()?;
+        sent_by_peer.store(1, Ordering::SeqCst);
+        go_peer.notified().await;
+        conn.send_datagram(swim_datagram(n1_id, n0_id))?;
+        std::future::pending::<()>().await;
+        Ok(())
+    });
+    let holds_42 = |handles: &Handles| {
+        view_of(handles, "n0", "n1")
+            .and_then(|v| v.stats)
+            .is_some_and(|s| s.running == 42)
+    };
+    let sent_at = run_until(&mut sim, Duration::from_secs(5), |_| {
+        sent.load(Ordering::SeqCst) == 1
+    })
+    .expect("the stream is sent");
+    // Held while the connection has made no claim (a second here; the wait is 3.2 s).
+    let early = run_until(&mut sim, Duration::from_secs(1), |_| holds_42(&handles));
+    assert!(
+        early.is_none(),
+        "n0 applied a stream from a connection that made no SWIM claim yet"
+    );
+    go.notify_one();
+    let applied = run_until(&mut sim, Duration::from_secs(1), |_| holds_42(&handles))
+        .unwrap_or_else(|| panic!("n0 never applied the stream: {}", dump(&handles)));
+    let waited = applied - sent_at;
+    assert!(waited < Duration::from_millis(1_200), "waited {waited:?}");
+    assert_eq!(unbound_dropped(&handles, "n0"), dropped_before);
+}
