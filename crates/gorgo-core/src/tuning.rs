@@ -14,10 +14,12 @@
 //!   incumbent re-measured ([`Phase::MeasureIncumbent`]), then the candidate
 //!   ([`Phase::MeasureCandidate`]). One [`TuningRecord`] is written per decided
 //!   candidate epoch (the `tuning.jsonl` line).
-//! - Every node records client-side TTFT and E2E of requests admitted under the current
-//!   epoch into mergeable sketches, one per [`Cell`] (arm and half), and sends them (cumulatively) to the leader each
-//!   tick; the leader closes the window when the cluster-wide count reaches `window`,
-//!   or after `time_cap_ms` with at least `min_samples` (else it extends the window).
+//! - Every node records client-side TTFT and E2E of requests admitted under the
+//!   proposal it follows, matched by `(epoch, leader)` ([`EpochKey`]), into mergeable
+//!   sketches, one per [`Cell`] (arm and half), and sends them (cumulatively) to the
+//!   leader each tick; the leader closes the window when the cluster-wide count
+//!   reaches `window`, or after `time_cap_ms` with at least `min_samples` (else it
+//!   extends the window).
 //!
 //! Inputs: [`Tuner::set_membership`], [`Tuner::handle_proposal`],
 //! [`Tuner::handle_report`], [`Tuner::record`], [`Tuner::tick`]; outputs: the returned
@@ -47,11 +49,50 @@ pub const CELLS: usize = 4;
 /// every window also measures two halves with the same weights (the noise).
 pub type Cell = u8;
 
+/// The proposal a request was admitted under: its epoch *and* its leader.
+///
+/// Two partitions can both run an epoch `e`, with different leaders and different
+/// weights; after they heal, a node switches from `(e, B)` to `(e, A)` while requests
+/// admitted under `(e, B)` are still in flight. Matching a finished request by the
+/// epoch number alone would count them in `(e, A)`'s cells although they were routed
+/// with `B`'s weights. Only [`Tuner::admit`] makes a key that can match (the default
+/// key matches no proposal), so a caller passes back what it was given, whole.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct EpochKey {
+    epoch: u64,
+    /// `None` before any proposal (and in static mode): such a key is never counted.
+    leader: Option<NodeId>,
+}
+
+impl EpochKey {
+    fn of(p: &Proposal) -> EpochKey {
+        EpochKey {
+            epoch: p.epoch,
+            leader: Some(p.leader.clone()),
+        }
+    }
+
+    /// The epoch number (0 before any proposal).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The epoch's leader (`None` before any proposal).
+    pub fn leader(&self) -> Option<&NodeId> {
+        self.leader.as_ref()
+    }
+
+    fn is(&self, p: &Proposal) -> bool {
+        self.epoch == p.epoch && self.leader.as_ref() == Some(&p.leader)
+    }
+}
+
 /// What a new request is routed and measured under.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Assignment {
-    /// The epoch to pass back to [`Tuner::record`].
-    pub epoch: u64,
+    /// The proposal it is admitted under, to pass back to [`Tuner::record`] and
+    /// [`Tuner::record_terms`].
+    pub epoch: EpochKey,
     /// The cell to pass back to [`Tuner::record`].
     pub cell: Cell,
     /// The weights to route with.
@@ -632,48 +673,42 @@ impl Tuner {
                     // A settled line's window has no candidate: both arms run the
                     // incumbent, and their halves still measure the noise.
                     (Phase::Interleaved, c) if key & 1 == 1 => Assignment {
-                        epoch: p.epoch,
+                        epoch: EpochKey::of(p),
                         cell: 2 + half,
                         weights: c.unwrap_or(p.weights),
                     },
                     _ => Assignment {
-                        epoch: p.epoch,
+                        epoch: EpochKey::of(p),
                         cell: half,
                         weights: p.weights,
                     },
                 }
             }
             _ => Assignment {
-                epoch: self.epoch(),
+                epoch: self.current.as_ref().map(EpochKey::of).unwrap_or_default(),
                 cell: half,
                 weights: self.cfg.start_weights(),
             },
         }
     }
 
-    /// A request admitted under `epoch` finished: its start-fit evidence
-    /// ([`TermSample`]). Counted like [`Tuner::record`]'s latencies (same epoch rule);
-    /// true when counted.
-    pub fn record_terms(&mut self, epoch: u64, sample: TermSample) -> bool {
-        let counts = sample.is_usable()
-            && self
-                .current
-                .as_ref()
-                .is_some_and(|c| c.epoch == epoch && c.phase != Phase::Frozen);
+    /// A request admitted under `epoch` (its [`Assignment::epoch`]) finished: its
+    /// start-fit evidence ([`TermSample`]). Counted like [`Tuner::record`]'s latencies
+    /// (same rule); true when counted.
+    pub fn record_terms(&mut self, epoch: &EpochKey, sample: TermSample) -> bool {
+        let counts = sample.is_usable() && self.measures(epoch);
         if counts {
             self.terms.add(sample);
         }
         counts
     }
 
-    /// A request admitted under `epoch` in `cell` finished with these latencies.
-    pub fn record(&mut self, epoch: u64, cell: Cell, ttft_ms: f64, e2e_ms: f64) {
-        let Some(cur) = &self.current else { return };
-        if cur.epoch != epoch
-            || cur.phase == Phase::Frozen
-            || !ttft_ms.is_finite()
-            || !e2e_ms.is_finite()
-        {
+    /// A request admitted under `epoch` (its [`Assignment::epoch`]) in `cell` finished
+    /// with these latencies. Counted only while this node still follows the very
+    /// proposal it was admitted under, same epoch and same leader, and that proposal
+    /// measures (not frozen): the request was routed with that proposal's weights.
+    pub fn record(&mut self, epoch: &EpochKey, cell: Cell, ttft_ms: f64, e2e_ms: f64) {
+        if !self.measures(epoch) || !ttft_ms.is_finite() || !e2e_ms.is_finite() {
             return;
         }
         let c = &mut self.cells[(cell as usize).min(CELLS - 1)];
@@ -726,8 +761,8 @@ impl Tuner {
         }
     }
 
-    /// The epoch requests are admitted under now (0 before any proposal); pass it back
-    /// to [`Tuner::record`].
+    /// The epoch requests are admitted under now (0 before any proposal). Finished
+    /// requests are matched by their [`Assignment::epoch`], not by this number.
     pub fn epoch(&self) -> u64 {
         self.current.as_ref().map_or(0, |p| p.epoch)
     }
@@ -760,6 +795,13 @@ impl Tuner {
     /// Trials this node decided, oldest first (at most [`HISTORY_LEN`]).
     pub fn history(&self) -> impl Iterator<Item = &TuningRecord> {
         self.history.iter()
+    }
+
+    /// True when a request admitted under `epoch` is measured now.
+    fn measures(&self, epoch: &EpochKey) -> bool {
+        self.current
+            .as_ref()
+            .is_some_and(|c| epoch.is(c) && c.phase != Phase::Frozen)
     }
 
     fn is_smallest_live(&self) -> bool {
@@ -1090,7 +1132,7 @@ mod tests {
     fn serve(t: &mut Tuner, keys: std::ops::Range<u64>, ttft: impl Fn(Weights) -> f64) {
         for k in keys {
             let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()));
-            t.record(a.epoch, a.cell, ttft(a.weights), 1000.0);
+            t.record(&a.epoch, a.cell, ttft(a.weights), 1000.0);
         }
     }
 
@@ -1144,7 +1186,7 @@ mod tests {
     ) -> Vec<TuningOutput> {
         for k in keys {
             let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()));
-            t.record(a.epoch, a.cell, ttft(a.cell), 1000.0);
+            t.record(&a.epoch, a.cell, ttft(a.cell), 1000.0);
         }
         t.tick(now_ms)
     }
@@ -1228,15 +1270,17 @@ mod tests {
         let out = t.tick(0);
         assert_eq!(broadcasts(&out)[0].epoch, 1);
         assert!(t.is_leader());
+        let epoch = t.admit(0).epoch;
         for i in 0..10 {
-            t.record(1, 0, 100.0 + i as f64, 1000.0);
+            t.record(&epoch, 0, 100.0 + i as f64, 1000.0);
         }
         let out = t.tick(10);
         let p = broadcasts(&out)[0];
         assert_eq!((p.epoch, p.phase), (2, Phase::MeasureCandidate));
         assert_eq!(t.weights(), p.weights);
+        let epoch = t.admit(0).epoch;
         for _ in 0..10 {
-            t.record(2, 1, 50.0, 1000.0);
+            t.record(&epoch, 1, 50.0, 1000.0);
         }
         let out = t.tick(20);
         let rec = first_record(&out);
@@ -1255,12 +1299,13 @@ mod tests {
     fn time_cap_extends_until_min_samples() {
         let mut t = Tuner::new("a".into(), cfg()).unwrap();
         t.tick(0);
-        t.record(1, 0, 100.0, 1000.0);
+        let epoch = t.admit(0).epoch;
+        t.record(&epoch, 0, 100.0, 1000.0);
         // Cap passed with 1 < 4 samples: extended, still epoch 1.
         t.tick(1500);
         assert_eq!(t.epoch(), 1);
         for _ in 0..3 {
-            t.record(1, 3, 100.0, 1000.0);
+            t.record(&epoch, 3, 100.0, 1000.0);
         }
         t.tick(2000);
         assert_eq!(t.epoch(), 1, "window restarted at 1500");
@@ -1413,8 +1458,13 @@ mod tests {
         assert!(cur.state.frozen);
         assert_eq!(t.weights(), cur.state.incumbent);
         // Nothing more is measured or decided; the leader keeps announcing the result.
-        for _ in 0..20 {
-            t.record(cur.epoch, 0, 1.0, 1.0);
+        for k in 0..20 {
+            let a = t.admit(k);
+            assert_eq!(
+                (a.epoch.epoch(), a.epoch.leader()),
+                (cur.epoch, Some(&cur.leader))
+            );
+            t.record(&a.epoch, a.cell, 1.0, 1.0);
         }
         let out = t.tick(100);
         assert_eq!(t.epoch(), cur.epoch);
@@ -1539,9 +1589,9 @@ mod tests {
             let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()));
             let queue = (k % 5) as f64 * 200.0;
             let residual_ms = residual(k, queue);
-            t.record(a.epoch, a.cell, 300.0 + residual_ms, 1000.0);
+            t.record(&a.epoch, a.cell, 300.0 + residual_ms, 1000.0);
             t.record_terms(
-                a.epoch,
+                &a.epoch,
                 TermSample {
                     rtt_ms: 0.0,
                     queue_ms: queue,
@@ -1622,9 +1672,9 @@ mod tests {
             let keys = w * 10..w * 10 + 10;
             for k in keys {
                 let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()));
-                t.record(a.epoch, a.cell, 300.0, 1000.0);
+                t.record(&a.epoch, a.cell, 300.0, 1000.0);
                 t.record_terms(
-                    a.epoch,
+                    &a.epoch,
                     TermSample {
                         rtt_ms: 0.0,
                         queue_ms: 0.0,

@@ -5,7 +5,9 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use gorgo_core::es::{TrialDesign, TuningConfig, Verdict};
 use gorgo_core::hash::hash_bytes;
-use gorgo_core::tuning::{Phase, Proposal, Tuner, TuningOutput, TuningRecord};
+use gorgo_core::tuning::{
+    EpochReport, Phase, Proposal, TermSample, Tuner, TuningOutput, TuningRecord,
+};
 use gorgo_core::{NodeId, Weights};
 
 /// One gossip round of virtual time.
@@ -76,7 +78,7 @@ impl Bus {
                 let t = self.nodes.get_mut(&id).unwrap();
                 let a = t.admit(key);
                 let (ttft, e2e) = latency(a.weights, u);
-                t.record(a.epoch, a.cell, ttft * f, e2e * f);
+                t.record(&a.epoch, a.cell, ttft * f, e2e * f);
             }
         }
     }
@@ -407,6 +409,85 @@ fn partition_makes_two_leaders_and_healing_resumes_one_line() {
     }
 }
 
+/// The epoch-1 proposal a lone `leader` starts its line with, as on its side of a
+/// partition: two sides both run an epoch 1, with different leaders.
+fn lone_line(leader: &str) -> Proposal {
+    let mut t = Tuner::new(leader.into(), cfg()).unwrap();
+    assert!(t.tick(0).is_empty(), "the startup grace");
+    let out = t.tick(cfg().startup_grace_ms);
+    match out.as_slice() {
+        [TuningOutput::Broadcast(p)] => p.clone(),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The report a follower sends at its next tick, if it has one.
+fn report_of(out: &[TuningOutput]) -> Option<(NodeId, EpochReport)> {
+    out.iter().find_map(|o| match o {
+        TuningOutput::SendReport { to, report } => Some((to.clone(), report.clone())),
+        _ => None,
+    })
+}
+
+/// A request's latencies count in the proposal it was admitted under, epoch *and*
+/// leader: after a healed partition moves a node from `(1, n1)` to `(1, n0)`, the
+/// requests admitted under `(1, n1)` (routed with n1's weights) that finish later are
+/// not counted in `(1, n0)`'s cells, while those admitted and finished under
+/// `(1, n0)` are.
+#[test]
+fn requests_admitted_under_another_leaders_epoch_are_not_counted() {
+    let (a, b) = (lone_line("n0"), lone_line("n1"));
+    assert_eq!((a.epoch, b.epoch), (1, 1));
+    assert!(a.supersedes(&b), "ties go to the smaller leader id");
+
+    let mut node = Tuner::new("n2".into(), cfg()).unwrap();
+    node.set_membership(["n0", "n1", "n2"].map(NodeId::from));
+    assert!(node.handle_proposal(b.clone()).is_empty());
+    let stale: Vec<_> = (0..20u64)
+        .map(|k| node.admit(hash_bytes(&k.to_le_bytes())))
+        .collect();
+    assert!(stale
+        .iter()
+        .all(|s| (s.epoch.epoch(), s.epoch.leader()) == (1, Some(&b.leader))));
+
+    // The partition heals: the node now follows n0's epoch 1.
+    assert!(node.handle_proposal(a.clone()).is_empty());
+    assert_eq!(node.current().unwrap().leader, a.leader);
+    assert_eq!(node.epoch(), 1, "the same epoch number");
+
+    // Admitted and finished under (1, n0): counted.
+    let sample = TermSample {
+        rtt_ms: 10.0,
+        queue_ms: 20.0,
+        residual_ms: 30.0,
+    };
+    for k in 100..112u64 {
+        let fresh = node.admit(hash_bytes(&k.to_le_bytes()));
+        node.record(&fresh.epoch, fresh.cell, 300.0, 2000.0);
+        assert!(node.record_terms(&fresh.epoch, sample));
+    }
+    // Half the requests admitted under (1, n1) finish now: not counted.
+    let (early, late) = stale.split_at(10);
+    for s in early {
+        node.record(&s.epoch, s.cell, 300.0, 2000.0);
+        assert!(!node.record_terms(&s.epoch, sample));
+    }
+
+    let (to, report) = report_of(&node.tick(4 * ROUND_MS)).expect("a report");
+    assert_eq!(to, a.leader);
+    assert_eq!((report.epoch, &report.leader), (1, &a.leader));
+    assert_eq!(report.samples, 12);
+    let counted: u64 = report.cells.iter().map(|c| c.ttft.count()).sum();
+    assert_eq!(counted, 12);
+    assert_eq!(report.terms.n, 12);
+
+    // The rest finish: still nothing new to report.
+    for s in late {
+        node.record(&s.epoch, s.cell, 300.0, 2000.0);
+    }
+    assert!(report_of(&node.tick(5 * ROUND_MS)).is_none());
+}
+
 #[test]
 fn candidate_that_hurts_e2e_beyond_the_guard_is_rejected() {
     let start = cfg().start_weights();
@@ -447,7 +528,7 @@ fn candidate_that_hurts_e2e_beyond_the_guard_is_rejected() {
 
 #[test]
 fn tuning_messages_survive_the_wire_codec() {
-    use gorgo_core::tuning::{CellSketches, EpochReport, TermSums, TuningMessage, CELLS};
+    use gorgo_core::tuning::{CellSketches, TermSums, TuningMessage, CELLS};
     use gorgo_core::wire::{decode, encode, MAX_TUNING_MESSAGE};
     let mut bus = Bus::new(3, cfg());
     while bus.records.len() < 2 {

@@ -15,7 +15,7 @@ use axum::routing::{get, post};
 use bytes::Bytes;
 use futures::Stream;
 use gorgo_core::cost::CostTerms;
-use gorgo_core::tuning::{Cell, TermSample};
+use gorgo_core::tuning::{Cell, EpochKey, TermSample};
 use gorgo_core::{Endpoint, Weights};
 use http_body_util::BodyExt;
 use serde_json::Value;
@@ -580,7 +580,7 @@ fn respond(
     up: Upstream,
     started: Instant,
     slot: Slot,
-    measured: Option<(u64, Cell)>,
+    measured: Option<(EpochKey, Cell)>,
     policy: &'static str,
 ) -> Response {
     let status = StatusCode::from_u16(up.status).unwrap_or(StatusCode::BAD_GATEWAY);
@@ -643,7 +643,7 @@ struct Tracked {
     started: Instant,
     /// The tuning epoch and cell the request was admitted under (`None`: not
     /// measured, which a response that is not an event stream never is).
-    measured: Option<(u64, Cell)>,
+    measured: Option<(EpochKey, Cell)>,
     /// The decision's terms for its choice (the tuner's start-fit evidence).
     chosen_terms: Option<(CostTerms, Weights)>,
     /// Client-side TTFT, once the first content byte went out.
@@ -697,13 +697,13 @@ impl Tracked {
             if outcome == "ok" {
                 let e2e = self.started.elapsed().as_secs_f64();
                 self.state.metrics.e2e.observe(e2e);
-                if let (Some((epoch, cell)), Some(ttft_ms)) = (self.measured, self.ttft_ms) {
+                if let (Some((epoch, cell)), Some(ttft_ms)) = (self.measured.take(), self.ttft_ms) {
                     let terms = self
                         .chosen_terms
                         .and_then(|(terms, w)| TermSample::new(&terms, w, ttft_ms));
                     self.state
                         .tuning
-                        .record(epoch, cell, ttft_ms, e2e * 1000.0, terms);
+                        .record(&epoch, cell, ttft_ms, e2e * 1000.0, terms);
                 }
             }
         }

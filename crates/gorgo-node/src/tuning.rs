@@ -20,7 +20,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use gorgo_core::es::{TuningConfig, TuningMode, SIGMA_DECAY, SUCCESS_WINDOW, TARGET_SUCCESS_RATE};
 use gorgo_core::tuning::{
-    Cell, Phase, StartFit, TermSample, Tuner, TuningMessage, TuningOutput, TuningRecord,
+    Cell, EpochKey, Phase, StartFit, TermSample, Tuner, TuningMessage, TuningOutput, TuningRecord,
     HISTORY_LEN,
 };
 use gorgo_core::{NodeId, Weights};
@@ -351,12 +351,13 @@ impl TuningDriver {
         self.epoch_tx.subscribe()
     }
 
-    /// A request admitted under `epoch` in `cell` finished with these client-side
-    /// latencies, with the same request's start-fit evidence (`Tuner::record_terms`), if it has
-    /// any: one lock per finished request.
+    /// A request admitted under `epoch` (its [`Admission::epoch`]: epoch and leader)
+    /// in `cell` finished with these client-side latencies, with the same request's
+    /// start-fit evidence (`Tuner::record_terms`), if it has any: one lock per finished
+    /// request.
     pub fn record(
         &self,
-        epoch: u64,
+        epoch: &EpochKey,
         cell: Cell,
         ttft_ms: f64,
         e2e_ms: f64,
@@ -579,7 +580,7 @@ mod tests {
     fn serve(d: &TuningDriver, keys: std::ops::Range<u64>, ttft: f64) {
         for k in keys {
             let a = d.admit(gorgo_core::hash::hash_bytes(&k.to_le_bytes()));
-            d.record(a.epoch, a.cell, ttft, 500.0, None);
+            d.record(&a.epoch, a.cell, ttft, 500.0, None);
         }
     }
 
@@ -765,6 +766,8 @@ mod tests {
             let d = TuningDriver::new("b".into(), c, Weights::default()).unwrap();
             let mut now = 0u64;
             let mut last_epoch = 0;
+            // What requests were admitted under after each op, newest last.
+            let mut admitted: Vec<EpochKey> = Vec::new();
             for o in ops {
                 match o {
                     Op::Tick(mask, dt) => {
@@ -773,8 +776,8 @@ mod tests {
                         d.tick(live, now);
                     }
                     Op::Record(back, cell, t, e) => {
-                        let epoch = d.epoch().saturating_sub(u64::from(back));
-                        d.record(epoch, cell, t, e, None);
+                        let epoch = admitted.iter().rev().nth(usize::from(back)).cloned().unwrap_or_default();
+                        d.record(&epoch, cell, t, e, None);
                     }
                     Op::Proposal(epoch, leader, a, b, sigma) => {
                         let mut state = gorgo_core::es::EsState::new(&c);
@@ -824,6 +827,7 @@ mod tests {
                 }
                 proptest::prop_assert!(d.epoch() >= last_epoch);
                 last_epoch = d.epoch();
+                admitted.push(d.admit(0).epoch);
                 let _ = d.view();
             }
         }

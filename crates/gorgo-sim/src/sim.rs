@@ -28,7 +28,7 @@ use gorgo_core::kv_events::{AlignedBlockEvent, KvEventFollower, KvFollowerConfig
 use gorgo_core::policy::{Policy, PolicyKind, RouteRequest};
 use gorgo_core::summary::{SampleChooser, SampleSetting, SummarySample};
 use gorgo_core::tuning::{
-    Assignment, Cell, EpochReport, Proposal, TermSample, Tuner, TuningOutput,
+    Assignment, Cell, EpochKey, EpochReport, Proposal, TermSample, Tuner, TuningOutput,
 };
 use gorgo_core::types::MAX_REPLICAS;
 use gorgo_core::wire::GossipMessage;
@@ -392,7 +392,7 @@ struct Flight {
     hops: u8,
     send_ms: f64,
     dispatched_ms: f64,
-    epoch: u64,
+    epoch: EpochKey,
     /// The tuning cell it is measured in (its arm of an interleaved trial, and half).
     cell: Cell,
     ttft_ms: f64,
@@ -849,7 +849,7 @@ impl<'a> Sim<'a> {
             hops: 0,
             send_ms: send,
             dispatched_ms: send,
-            epoch: 0,
+            epoch: EpochKey::default(),
             cell: 0,
             ttft_ms: f64::NAN,
             cached_tokens: 0,
@@ -1084,7 +1084,7 @@ impl<'a> Sim<'a> {
                     t.admit(key)
                 } else {
                     Assignment {
-                        epoch: t.epoch(),
+                        epoch: EpochKey::default(),
                         cell: 0,
                         weights: t.weights(),
                     }
@@ -1092,8 +1092,10 @@ impl<'a> Sim<'a> {
             }),
             _ => None,
         };
-        let weights = admission.map_or(self.default_weights(), |a| a.weights);
-        let (epoch, cell) = admission.map_or((0, 0), |a| (a.epoch, a.cell));
+        let weights = admission
+            .as_ref()
+            .map_or(self.default_weights(), |a| a.weights);
+        let (epoch, cell) = admission.map_or((EpochKey::default(), 0), |a| (a.epoch, a.cell));
         let rng = self.rng.next_u64();
         let req = RouteRequest {
             chain: &chain,
@@ -1621,12 +1623,12 @@ impl<'a> Sim<'a> {
             .get_mut(f.home as usize)
             .and_then(|n| n.tuner.as_mut())
         {
-            t.record(f.epoch, f.cell, f.ttft_ms, e2e);
+            t.record(&f.epoch, f.cell, f.ttft_ms, e2e);
             if let Some(sample) = f
                 .chosen_terms
                 .and_then(|(terms, w)| TermSample::new(&terms, w, f.ttft_ms))
             {
-                t.record_terms(f.epoch, sample);
+                t.record_terms(&f.epoch, sample);
             }
         }
         self.out.push(Row {
