@@ -2,7 +2,7 @@
 //! error body, the request and response types of the request path, and the one mapping
 //! from a serving failure to an HTTP status. The ingress (clients), the forward
 //! protocol (peers) and `serve` (the decision) all speak these; this module imports
-//! none of them.
+//! none of them (only `stream_usage`, itself a leaf, for what a request carries).
 
 use std::pin::Pin;
 
@@ -14,6 +14,8 @@ use futures::Stream;
 use gorgo_core::cost::CostTerms;
 use gorgo_core::policy::PolicyKind;
 use gorgo_core::{Endpoint, HashChain, NodeId, Weights};
+
+use crate::stream_usage::StreamUsage;
 
 /// The client API's headers (defined in the core, shared with the bench client).
 pub use gorgo_core::headers::{
@@ -117,8 +119,13 @@ pub struct RoutedRequest {
     pub request_id: u64,
     /// Chat or completions.
     pub endpoint: Endpoint,
-    /// The client's body, unchanged.
+    /// The client's body, unchanged (a forward carries it so; the serving node derives
+    /// what it sends its engine from it: [`StreamUsage::engine_body`]).
     pub body: Bytes,
+    /// What the client asked of a streamed response's usage, read from `body`: the
+    /// serving node asks its engine for usage either way and strips what the client
+    /// did not ask for (`crate::stream_usage`).
+    pub stream_usage: StreamUsage,
     /// Headers passed to the engine.
     pub headers: Vec<(String, String)>,
     /// The prompt's chain.

@@ -28,6 +28,7 @@ use crate::api::{
 };
 use crate::error::NodeError;
 use crate::peers::{ForwardRecv, ForwardSend, IncomingForward};
+use crate::stream_usage::StreamUsage;
 use crate::{telemetry, NodeState};
 use tracing::Instrument as _;
 
@@ -287,10 +288,14 @@ where
     let span = telemetry::forwarded_span(&state.id, &from, msg.hops, &msg.headers);
     let policy = header(POLICY_HEADER).and_then(|p| crate::route::parse_policy(&p).ok());
     let session_id = header(SESSION_HEADER);
+    // The client's wish about usage travels in its body, unchanged by the origin: read
+    // here, where the request may be served (the only parse of it on this node).
+    let stream_usage = StreamUsage::of_body(msg.endpoint, &msg.body);
     let req = RoutedRequest {
         request_id: state.next_request_id(),
         endpoint: msg.endpoint,
         body: Bytes::from(msg.body),
+        stream_usage,
         headers: msg
             .headers
             .into_iter()

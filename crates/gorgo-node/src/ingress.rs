@@ -28,6 +28,8 @@ use crate::api::{
 };
 use crate::engine::EngineTicket;
 use crate::serve::{is_event_stream, relay_engine_body, serve, serve_elsewhere};
+use crate::sse::EventFramer;
+use crate::stream_usage::StreamUsage;
 use crate::{telemetry, NodeState};
 
 /// The client-facing router.
@@ -458,6 +460,7 @@ async fn completion(
         .get("model")
         .and_then(Value::as_str)
         .map(str::to_owned);
+    let stream_usage = StreamUsage::of_request(endpoint, &parsed);
     // The parsed body can be many times the body's size (8 MiB of token ids is about
     // 128 MiB as a `Value`); nothing below reads it, and counting the prompt's tokens
     // may wait for the tokenizer's thread pool.
@@ -512,6 +515,7 @@ async fn completion(
         request_id,
         endpoint,
         body,
+        stream_usage,
         headers: pass,
         chain,
         canonical: Some(canonical),
@@ -793,112 +797,10 @@ impl Stream for Tracked {
     }
 }
 
-/// Most bytes of an unfinished event held back from the client ([`EventFramer`]);
-/// beyond it they go out as they are (an engine whose events never end, or end in a
-/// way this does not read, is relayed, not buffered without bound).
-const MAX_HELD_EVENT_BYTES: usize = 64 * 1024;
-
-/// Cuts a relayed event stream at event boundaries (a blank line: `\n\n`, `\r\r` or
-/// `\r\n\r\n`) and holds back the unfinished event after the last one. Chunks are
-/// network reads and peer frames, not events; if the upstream breaks mid-event, the
-/// client gets the error as an event of its own instead of glued onto half an event
-/// (which an SSE parser reads as one malformed `data:` line, losing the error).
-#[derive(Debug, Default)]
-struct EventFramer {
-    held: bytes::BytesMut,
-    /// The bytes sent so far end inside an event (held bytes overflowed).
-    mid_event: bool,
-}
-
-impl EventFramer {
-    /// What of `chunk` (after what was held) can go out now: everything up to the last
-    /// event boundary. Empty when no event ended in it.
-    fn push(&mut self, chunk: Bytes) -> Bytes {
-        if self.held.is_empty() && last_event_end(&chunk) == Some(chunk.len()) {
-            // The usual case: the chunk is whole events. No copy.
-            self.mid_event = false;
-            return chunk;
-        }
-        self.held.extend_from_slice(&chunk);
-        match last_event_end(&self.held) {
-            Some(end) => {
-                self.mid_event = false;
-                self.held.split_to(end).freeze()
-            }
-            None if self.held.len() > MAX_HELD_EVENT_BYTES => {
-                self.mid_event = true;
-                self.held.split().freeze()
-            }
-            None => Bytes::new(),
-        }
-    }
-
-    /// What is held, at the end of the stream.
-    fn flush(&mut self) -> Bytes {
-        self.held.split().freeze()
-    }
-
-    /// Drop the unfinished event (the stream failed).
-    fn discard(&mut self) {
-        self.held.clear();
-    }
-
-    /// Whether what went out ends inside an event.
-    fn mid_event(&self) -> bool {
-        self.mid_event
-    }
-}
-
-/// The end (exclusive) of the last event boundary in `b`, if any.
-fn last_event_end(b: &[u8]) -> Option<usize> {
-    (1..b.len()).rev().find_map(|i| match (b[i - 1], b[i]) {
-        (b'\n', b'\n') | (b'\r', b'\r') => Some(i + 1),
-        (b'\r', b'\n') if i >= 3 && b[i - 3] == b'\r' && b[i - 2] == b'\n' => Some(i + 1),
-        _ => None,
-    })
-}
-
 impl Drop for Tracked {
     fn drop(&mut self) {
         // Dropped before the end: the client went away. Dropping `held` (the upstream
         // body) cancels the engine request or the forward stream.
         self.finish("cancelled");
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn event_boundaries_of_every_line_ending() {
-        assert_eq!(last_event_end(b"data: a\n\ndata: b"), Some(9));
-        assert_eq!(last_event_end(b"data: a\r\n\r\n"), Some(11));
-        assert_eq!(last_event_end(b"data: a\r\rdata"), Some(9));
-        assert_eq!(last_event_end(b"data: a\ndata: b\n"), None);
-        assert_eq!(last_event_end(b""), None);
-    }
-
-    #[test]
-    fn the_framer_sends_whole_events_and_holds_the_rest() {
-        let mut f = EventFramer::default();
-        // Whole events pass as they are.
-        assert_eq!(f.push(Bytes::from_static(b"data: 1\n\n")), "data: 1\n\n");
-        // Half an event is held until it ends, then goes out whole.
-        assert_eq!(f.push(Bytes::from_static(b"data: 2")), "");
-        assert_eq!(f.push(Bytes::from_static(b"\n\ndata: 3")), "data: 2\n\n");
-        assert!(!f.mid_event());
-        // At the end of the stream the rest goes out as it came; on a failure it is
-        // dropped.
-        assert_eq!(f.flush(), "data: 3");
-        f.push(Bytes::from_static(b"data: 4"));
-        f.discard();
-        assert_eq!(f.flush(), "");
-        // An event that never ends is not held without bound.
-        let big = Bytes::from(vec![b'x'; MAX_HELD_EVENT_BYTES + 1]);
-        assert_eq!(f.push(big).len(), MAX_HELD_EVENT_BYTES + 1);
-        assert!(f.mid_event());
-        assert_eq!(f.push(Bytes::from_static(b"\n\n")), "\n\n");
-        assert!(!f.mid_event());
     }
 }

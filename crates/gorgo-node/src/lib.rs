@@ -29,6 +29,8 @@ pub mod peers;
 pub mod route;
 pub mod serve;
 pub mod shadow;
+pub mod sse;
+pub mod stream_usage;
 pub mod telemetry;
 pub mod tokens;
 pub mod tuning;

@@ -21,6 +21,7 @@ use crate::engine::EngineTicket;
 use crate::error::NodeError;
 use crate::forward::forward;
 use crate::route::{DecisionInput, Target};
+use crate::stream_usage::UsageStripped;
 use crate::{telemetry, NodeState};
 use tracing::Instrument as _;
 
@@ -491,14 +492,12 @@ pub async fn serve_local(
     let engine_span = telemetry::engine_span(&state.id);
     let mut headers = req.headers.clone();
     headers.extend(telemetry::trace_headers(&engine_span));
+    // Usage on every stream, for the index correction and the token count below; the
+    // client's own wish decides what it gets back.
+    let sent = req.stream_usage.engine_body(&req.body);
     let resp = engine
         .adapter
-        .send_streamed(
-            http::Method::POST,
-            req.endpoint.path(),
-            &headers,
-            req.body.clone(),
-        )
+        .send_streamed(http::Method::POST, req.endpoint.path(), &headers, sent.body)
         .instrument(engine_span.clone())
         .await
         .map_err(|e| {
@@ -573,6 +572,13 @@ pub async fn serve_local(
     };
     // The engine's part ends with its body (or when the relay drops it).
     let body = relay_engine_body(state, engine, resp, Some(ticket), on_chunk, engine_span);
+    // The usage event the client did not ask for goes no further than the scanner
+    // (`on_chunk` sees each chunk before this filter does).
+    let body: BodyStream = if sent.strip_usage_event && streaming && status < 300 {
+        Box::pin(UsageStripped::new(body))
+    } else {
+        body
+    };
     Ok(Upstream {
         status,
         headers,

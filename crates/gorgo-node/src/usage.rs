@@ -2,11 +2,13 @@
 //!
 //! The engine's own counts correct what the node estimated: `cached_tokens` corrects
 //! the shadow index, `prompt_tokens` teaches the bytes-per-token ratio and measures the
-//! node's count. The body is relayed unchanged; [`UsageScanner`] only looks at each
-//! chunk for the two keys, without parsing the JSON (the usage object comes at the end
-//! of a non-streamed body, and in the last chunk of a stream with
-//! `stream_options.include_usage`), keeping only a short tail of the previous chunk so
-//! that a key split across chunks is still found. What it holds is bounded by that tail.
+//! node's count. [`UsageScanner`] looks at each chunk as it is relayed (before a usage
+//! chunk the client did not ask for is dropped) for the two keys, without parsing the
+//! JSON (the usage object comes at the end of a non-streamed body, and in the last
+//! chunk of a stream with `stream_options.include_usage`, which the serving node asks
+//! for on every stream: `crate::stream_usage`), keeping only a short tail of the
+//! previous chunk so that a key split across chunks is still found. What it holds is
+//! bounded by that tail.
 //! A key inside generated text cannot match: JSON escapes its quotes.
 
 /// Longest key plus the longest number we read: what a split across two chunks can cut.
