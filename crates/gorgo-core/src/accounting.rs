@@ -109,6 +109,11 @@ pub struct EngineView {
     /// How many of `dispatched` are not past their first token: the requests of ours
     /// the engine's `waiting` gauge can be counting.
     unprefilled: u64,
+    /// `unprefilled` when the last scrape arrived: of the engine's `waiting` in that
+    /// scrape, at most these were ours. Our requests prefilled since leave
+    /// `unprefilled` but stay in the scrape's count until the next one; compared with
+    /// the current count they would read as someone else's work.
+    unprefilled_at_scrape: u64,
     queued_prompt_tokens: u64,
     mean_prompt_tokens: u64,
     stats_version: u64,
@@ -177,6 +182,7 @@ impl EngineView {
             dispatched: HashMap::new(),
             unfinished_prefill_tokens: 0,
             unprefilled: 0,
+            unprefilled_at_scrape: 0,
             queued_prompt_tokens: 0,
             mean_prompt_tokens: DEFAULT_MEAN_PROMPT_TOKENS,
             stats_version: 0,
@@ -207,6 +213,7 @@ impl EngineView {
     pub fn scrape(&mut self, metrics: EngineMetrics, now_ms: u64) {
         self.scraped = metrics;
         self.scraped_at_ms = Some(now_ms);
+        self.unprefilled_at_scrape = self.unprefilled;
     }
 
     /// The last scrape (default when none arrived yet).
@@ -291,8 +298,10 @@ impl EngineView {
         // the mean instead, whenever that was larger, swapped an exact figure for a
         // noisy one under load: with prompts of 10 to 32k tokens an EWMA of the last few
         // moves by half, and so did every engine's queue estimate (docs/policy.md,
-        // "The queue estimate at saturation").
-        let foreign_waiting = scraped_waiting.saturating_sub(self.unprefilled);
+        // "The queue estimate at saturation"). Ours are counted as of the scrape: those
+        // prefilled since are still in its `waiting`, and read as foreign work against
+        // today's count (up to a scrape interval of phantom queue after every burst).
+        let foreign_waiting = scraped_waiting.saturating_sub(self.unprefilled_at_scrape);
         let unfinished = self
             .unfinished_prefill_tokens
             .saturating_add(foreign_waiting.saturating_mul(self.mean_prompt_tokens));
@@ -501,11 +510,40 @@ mod tests {
         v.scrape(scrape(5.0), 2);
         let mean = v.mean_prompt_tokens;
         assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, ours + 3 * mean);
-        // Ours past their first token no longer explain a waiting request.
+        // Ours prefilled or finished since the scrape were in its `waiting`: the
+        // scrape still shows three of someone else's, not four or five.
         v.first_token(1, None, 3);
-        assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, 100 + 4 * mean);
+        assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, 100 + 3 * mean);
         v.finish(2, 0);
-        assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, 5 * mean);
+        assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, 3 * mean);
+        // The next scrape counts against what is ours then: none.
+        v.scrape(scrape(4.0), 4);
+        assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, 4 * mean);
+    }
+
+    #[test]
+    fn ours_prefilled_since_the_scrape_are_not_read_as_foreign_work() {
+        let mut v = view();
+        for id in 0..8 {
+            v.dispatch(id, 1_000, 1_000);
+        }
+        // A burst of ours, all waiting at the engine when it was scraped.
+        v.scrape(
+            EngineMetrics {
+                running: Some(0.0),
+                waiting: Some(8.0),
+                ..EngineMetrics::default()
+            },
+            1,
+        );
+        assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, 8_000);
+        // The engine prefills them before the next scrape: nothing is left to wait
+        // behind, though the last scrape still says 8 waiting.
+        for id in 0..8 {
+            v.first_token(id, Some(100.0), 2);
+        }
+        let s = v.queue_stats(0);
+        assert_eq!(s.unfinished_prefill_tokens, 0);
     }
 
     #[test]
