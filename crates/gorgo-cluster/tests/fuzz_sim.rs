@@ -67,17 +67,7 @@ fn random_traffic_changes_nothing() {
         }
         // An authenticated peer (cert from the cluster CA) that speaks garbage:
         // 3,000 datagrams, 2,000 uni-streams, 1,000 bi-streams.
-        let socket = TurmoilUdp::bind("fuzz", 9001).await?;
-        let mut endpoint = quinn::Endpoint::new_with_abstract_socket(
-            quinn::EndpointConfig::default(),
-            None,
-            socket,
-            Arc::new(quinn::TokioRuntime),
-        )?;
-        endpoint.set_default_client_config(gorgo_cluster::quinn_client_config(&fuzz_creds)?);
-        let conn = endpoint
-            .connect(target, gorgo_cluster::CLUSTER_SERVER_NAME)?
-            .await?;
+        let (_endpoint, conn) = raw_connection("fuzz", &fuzz_creds, target).await?;
         // A SWIM packet claiming its own id and address first, addressed to nobody
         // here (so foca takes nothing from it): the node takes a connection's streams
         // only once it has made such a claim, and the garbage must reach the decoders.

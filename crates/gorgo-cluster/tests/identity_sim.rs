@@ -260,31 +260,6 @@ fn genuine_n1_kept(
     );
 }
 
-/// A connection to `target` from a raw QUIC endpoint on the current host (its own
-/// address, as behind a relay), with `creds`' certificate: a process holding that
-/// node's certificate, whatever it does with it.
-async fn raw_connection(
-    host: &str,
-    creds: &gorgo_cluster::NodeCredentials,
-    target: &str,
-) -> Result<(quinn::Endpoint, quinn::Connection), Box<dyn std::error::Error>> {
-    let socket = TurmoilUdp::bind(host, 9001).await?;
-    let mut endpoint = quinn::Endpoint::new_with_abstract_socket(
-        quinn::EndpointConfig::default(),
-        None,
-        socket,
-        Arc::new(quinn::TokioRuntime),
-    )?;
-    endpoint.set_default_client_config(gorgo_cluster::quinn_client_config(creds)?);
-    let conn = endpoint
-        .connect(
-            SocketAddr::new(turmoil::lookup(target), PORT),
-            gorgo_cluster::CLUSTER_SERVER_NAME,
-        )?
-        .await?;
-    Ok((endpoint, conn))
-}
-
 /// A summary snapshot of `origin` carrying `stats`, framed as on a gossip uni-stream
 /// (`[1][oldest change ms][message]`).
 fn gossip_frame(origin: &str, stats: QueueStats) -> Vec<u8> {
@@ -325,13 +300,16 @@ fn unbound_dropped(handles: &Handles, node: &str) -> u64 {
         .load(Ordering::Relaxed)
 }
 
-/// A process holding n1's (stolen) certificate that connects to n0 and never sends
-/// SWIM gets nothing in: its gossip (n1 at an incarnation far ahead, which would make
-/// n0 drop everything the genuine n1 says from then on) and its forward are dropped
-/// once n0 has waited in vain for the connection's first SWIM claim, and counted.
-#[test]
-fn a_stolen_certificate_without_swim_pushes_no_gossip_and_no_forward() {
-    let mut sim = sim(71, Duration::from_secs(120));
+/// A converged cluster of [`NAMES`] on turmoil (seed `seed`) in which n0 already holds
+/// n1's run (its incarnation): the start of the identity tests that then act as n1.
+fn n0_holding_n1s_run(
+    seed: u64,
+) -> (
+    turmoil::Sim<'static>,
+    std::collections::BTreeMap<String, gorgo_cluster::NodeCredentials>,
+    Handles,
+) {
+    let mut sim = sim(seed, Duration::from_secs(120));
     let creds = credentials(&NAMES);
     let handles = Handles::default();
     converged_cluster(&mut sim, &NAMES, &creds, 0, &handles);
@@ -339,6 +317,16 @@ fn a_stolen_certificate_without_swim_pushes_no_gossip_and_no_forward() {
         view_of(&handles, "n0", "n1").is_some_and(|v| v.incarnation.is_some())
     });
     assert!(genuine.is_some(), "n0 holds n1's run: {}", dump(&handles));
+    (sim, creds, handles)
+}
+
+/// A process holding n1's (stolen) certificate that connects to n0 and never sends
+/// SWIM gets nothing in: its gossip (n1 at an incarnation far ahead, which would make
+/// n0 drop everything the genuine n1 says from then on) and its forward are dropped
+/// once n0 has waited in vain for the connection's first SWIM claim, and counted.
+#[test]
+fn a_stolen_certificate_without_swim_pushes_no_gossip_and_no_forward() {
+    let (mut sim, creds, handles) = n0_holding_n1s_run(71);
     let n1_run = handles.lock()["n1"].incarnation();
     let mut forwards = handles.lock()["n0"]
         .incoming_forwards()
@@ -349,7 +337,12 @@ fn a_stolen_certificate_without_swim_pushes_no_gossip_and_no_forward() {
     let sent = Arc::new(AtomicU32::new(0));
     let sent_by_thief = sent.clone();
     sim.client("thief", async move {
-        let (_endpoint, conn) = raw_connection("thief", &stolen, "n0").await?;
+        let (_endpoint, conn) = raw_connection(
+            "thief",
+            &stolen,
+            SocketAddr::new(turmoil::lookup("n0"), PORT),
+        )
+        .await?;
         let mut uni = conn.open_uni().await?;
         uni.write_all(&gossip_frame(
             "n1",
@@ -403,14 +396,7 @@ fn a_stolen_certificate_without_swim_pushes_no_gossip_and_no_forward() {
 /// claims n1's bound address, well before the wait would have run out.
 #[test]
 fn a_stream_before_the_first_swim_packet_is_applied_once_swim_vouches() {
-    let mut sim = sim(73, Duration::from_secs(120));
-    let creds = credentials(&NAMES);
-    let handles = Handles::default();
-    converged_cluster(&mut sim, &NAMES, &creds, 0, &handles);
-    let genuine = run_until(&mut sim, Duration::from_secs(5), |_| {
-        view_of(&handles, "n0", "n1").is_some_and(|v| v.incarnation.is_some())
-    });
-    assert!(genuine.is_some(), "n0 holds n1's run: {}", dump(&handles));
+    let (mut sim, creds, handles) = n0_holding_n1s_run(73);
     let (n0_id, n1_id, n1_run) = {
         let h = handles.lock();
         (
@@ -426,7 +412,12 @@ fn a_stream_before_the_first_swim_packet_is_applied_once_swim_vouches() {
     let (sent_by_peer, go_peer) = (sent.clone(), go.clone());
     let n1_creds = creds["n1"].clone();
     sim.client("relay", async move {
-        let (_endpoint, conn) = raw_connection("relay", &n1_creds, "n0").await?;
+        let (_endpoint, conn) = raw_connection(
+            "relay",
+            &n1_creds,
+            SocketAddr::new(turmoil::lookup("n0"), PORT),
+        )
+        .await?;
         let mut uni = conn.open_uni().await?;
         uni.write_all(&gossip_frame(
             "n1",

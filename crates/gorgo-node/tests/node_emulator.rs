@@ -5,22 +5,8 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use gorgo_engine::profile::Profile;
-use gorgo_engine::server::EmulatorConfig;
 use gorgo_node::mesh::Mesh;
-use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-
-async fn emulator(shutdown: &CancellationToken) -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let cfg = EmulatorConfig::new(Profile::by_name("h200-dense-1.5b").unwrap());
-    let sd = shutdown.clone();
-    tokio::spawn(async move {
-        gorgo_engine::server::serve(listener, cfg, async move { sd.cancelled().await }).await
-    });
-    format!("http://{addr}")
-}
 
 #[tokio::test]
 async fn three_nodes_over_emulators() {

@@ -6,24 +6,10 @@
 mod common;
 
 use common::*;
-use gorgo_engine::profile::Profile;
-use gorgo_engine::server::EmulatorConfig;
 use gorgo_node::mesh::Mesh;
-use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 const MODEL: &str = "Qwen/Qwen2.5-1.5B-Instruct";
-
-async fn emulator(shutdown: &CancellationToken) -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let cfg = EmulatorConfig::new(Profile::by_name("h200-dense-1.5b").unwrap());
-    let sd = shutdown.clone();
-    tokio::spawn(async move {
-        gorgo_engine::server::serve(listener, cfg, async move { sd.cancelled().await }).await
-    });
-    format!("http://{addr}")
-}
 
 /// A streamed request body for `endpoint` (`chat` or `completions`), with
 /// `stream_options` when given.

@@ -379,3 +379,25 @@ pub fn set_wan_latencies(sim: &mut turmoil::Sim<'_>, names: &[&str]) {
         }
     }
 }
+
+/// A connection to `target` from a raw QUIC endpoint on `host` (port 9001: its own
+/// address, as behind a relay), with `creds`' certificate: a process holding that
+/// node's certificate, whatever it then does with it (the identity and fuzz tests).
+pub async fn raw_connection(
+    host: &str,
+    creds: &NodeCredentials,
+    target: std::net::SocketAddr,
+) -> Result<(quinn::Endpoint, quinn::Connection), Box<dyn std::error::Error>> {
+    let socket = TurmoilUdp::bind(host, 9001).await?;
+    let mut endpoint = quinn::Endpoint::new_with_abstract_socket(
+        quinn::EndpointConfig::default(),
+        None,
+        socket,
+        Arc::new(quinn::TokioRuntime),
+    )?;
+    endpoint.set_default_client_config(gorgo_cluster::quinn_client_config(creds)?);
+    let conn = endpoint
+        .connect(target, gorgo_cluster::CLUSTER_SERVER_NAME)?
+        .await?;
+    Ok((endpoint, conn))
+}

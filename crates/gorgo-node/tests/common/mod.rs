@@ -389,6 +389,22 @@ pub async fn broken_engine() -> std::net::SocketAddr {
 
 pub const TOKEN: &str = "test-admin-token";
 
+/// The engine emulator (`h200-dense-1.5b`) on 127.0.0.1, port 0, until `shutdown`: a
+/// real OpenAI-compatible engine (SGLang's metrics, `stream_options.include_usage`)
+/// for tests the stub engine cannot stand in for. Returns its base URL.
+pub async fn emulator(shutdown: &CancellationToken) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let cfg = gorgo_engine::server::EmulatorConfig::new(
+        gorgo_engine::profile::Profile::by_name("h200-dense-1.5b").unwrap(),
+    );
+    let sd = shutdown.clone();
+    tokio::spawn(async move {
+        gorgo_engine::server::serve(listener, cfg, async move { sd.cancelled().await }).await
+    });
+    format!("http://{addr}")
+}
+
 /// A config for a test node; sockets are bound separately on port 0.
 pub fn config(id: &str, engine_url: &str, extra: &str) -> ValidatedConfig {
     config_full(id, engine_url, "", extra)
