@@ -74,7 +74,7 @@ enum FocaInput {
     Timer(Timer<MemberId>),
     Broadcast(Vec<u8>),
     /// This node dialed the peer for streams: announce to it on the new connection.
-    AnnounceTo(NodeId),
+    AnnounceTo(NodeId, quinn::Connection),
     Leave(oneshot::Sender<()>),
 }
 
@@ -303,7 +303,9 @@ async fn run_foca(inner: Arc<Inner>, mut foca: ClusterFoca, mut rx: mpsc::Receiv
                             tracing::debug!("foca timer: {e}");
                         }
                     }
-                    FocaInput::AnnounceTo(node) => announce_to_member(&mut foca, &mut rt, &node),
+                    FocaInput::AnnounceTo(node, conn) => {
+                        announce_to_member(&inner, &mut foca, &mut rt, &node, &conn)
+                    }
                     FocaInput::Broadcast(b) => {
                         if let Err(e) = foca.add_broadcast(&b) {
                             tracing::debug!("foca broadcast: {e}");
@@ -401,24 +403,54 @@ fn announce_to_known(
 }
 
 /// A SWIM packet to `node` now (an announce: the one message foca sends to a member
-/// of our choosing), on the connection this node just dialed it on for streams: the
-/// peer holds what arrives on an inbound connection until a SWIM packet on it claims
-/// the sender's address (docs/cluster.md, "Identity"). Nothing when foca does not hold
-/// the node as active.
+/// of our choosing), on `conn`, the connection this node just dialed it on for
+/// streams: the peer holds what arrives on an inbound connection until a SWIM packet
+/// on that connection claims the sender's address (docs/cluster.md, "Identity"). Sent
+/// on `conn` itself, not on whichever connection the peer table names for the node by
+/// the time this runs (a claim of the peer's on another connection may have replaced
+/// it). Nothing when foca does not hold the node as active.
 fn announce_to_member(
+    inner: &Arc<Inner>,
     foca: &mut ClusterFoca,
     rt: &mut AccumulatingRuntime<MemberId>,
     node: &NodeId,
+    conn: &quinn::Connection,
 ) {
     let member = foca
         .iter_membership_state()
         .find(|m| m.id().node == *node && m.state() != foca::State::Down)
         .map(|m| m.id().clone());
-    if let Some(member) = member {
-        if let Err(e) = foca.announce(member, &mut *rt) {
-            tracing::debug!(peer = %node, "announce: {e}");
+    let Some(member) = member else { return };
+    if let Err(e) = foca.announce(member.clone(), &mut *rt) {
+        tracing::debug!(peer = %node, "announce: {e}");
+        return;
+    }
+    // The run loop drains after every input, so what is queued now is the announce's
+    // own packet; anything else goes out the usual way.
+    while let Some((dst, bytes)) = rt.to_send() {
+        if !may_send_swim(inner, foca, &dst, &bytes) {
+            continue;
+        }
+        if dst == member {
+            transport::send_swim_on(&inner.transport, conn, &dst, bytes);
+        } else {
+            transport::send_swim(&inner.transport, dst, bytes);
         }
     }
+}
+
+/// Whether a SWIM packet foca wants sent to `dst` goes out: not a spurious
+/// turn-undead, and not to a claim the peer table refused.
+fn may_send_swim(inner: &Arc<Inner>, foca: &ClusterFoca, dst: &MemberId, bytes: &[u8]) -> bool {
+    if is_spurious_turn_undead(foca, dst, bytes) {
+        ClusterMetrics::bump(&inner.metrics.spurious_turn_undead_dropped);
+        return false;
+    }
+    // foca may hold a refused claim it heard of second-hand (this node, or a live
+    // peer's id at another address): nothing goes to it, and the connection to the
+    // genuine node is not used to reach it. Seeds (no node id yet) always go.
+    dst.node.0.is_empty()
+        || inner.peers.claim(&inner.node_id, &dst.node, dst.addr) == Claim::Accepted
 }
 
 fn announce_to_seeds(
@@ -482,19 +514,9 @@ fn drain(
 ) -> SelfState {
     let mut self_state = SelfState::Fine;
     while let Some((dst, bytes)) = rt.to_send() {
-        if is_spurious_turn_undead(foca, &dst, &bytes) {
-            ClusterMetrics::bump(&inner.metrics.spurious_turn_undead_dropped);
-            continue;
+        if may_send_swim(inner, foca, &dst, &bytes) {
+            transport::send_swim(&inner.transport, dst, bytes);
         }
-        // foca may hold a refused claim it heard of second-hand (this node, or a live
-        // peer's id at another address): nothing goes to it, and the connection to the
-        // genuine node is not used to reach it. Seeds (no node id yet) always go.
-        if !dst.node.0.is_empty()
-            && inner.peers.claim(&inner.node_id, &dst.node, dst.addr) != Claim::Accepted
-        {
-            continue;
-        }
-        transport::send_swim(&inner.transport, dst, bytes);
     }
     while let Some((after, timer)) = rt.to_schedule() {
         let tx = inner.foca_tx.clone();
@@ -650,10 +672,10 @@ impl Inbound for Inner {
         }
     }
 
-    fn dialed(&self, peer: &NodeId) {
+    fn dialed(&self, peer: &NodeId, conn: &quinn::Connection) {
         if self
             .foca_tx
-            .try_send(FocaInput::AnnounceTo(peer.clone()))
+            .try_send(FocaInput::AnnounceTo(peer.clone(), conn.clone()))
             .is_err()
         {
             tracing::debug!(%peer, "swim inbox full; announce on the new connection skipped");

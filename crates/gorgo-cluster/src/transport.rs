@@ -65,7 +65,7 @@ pub(crate) trait Inbound: Send + Sync + 'static {
     /// forward): send it a SWIM packet on the new connection at once, so that the
     /// peer vouches the connection ([`Transport::bind_inbound`] on its side) before
     /// the streams on it wait out [`Transport::vouch_wait`] there.
-    fn dialed(&self, peer: &NodeId);
+    fn dialed(&self, peer: &NodeId, conn: &quinn::Connection);
 }
 
 /// The node's QUIC endpoint, its connections, and the byte counting of what crosses
@@ -153,13 +153,32 @@ struct Vouch {
     /// for it ([`Transport::wait_vouched`]) rather than poll.
     state: watch::Sender<Option<Vouched>>,
     generation: u64,
+    /// Streams of the connection allowed to wait for its claim at once
+    /// ([`MAX_STREAMS_AWAITING_VOUCH`]).
+    waiting: Arc<tokio::sync::Semaphore>,
 }
+
+/// Streams of one connection that may wait for its first SWIM claim at once; more are
+/// dropped at once (counted as unbound). QUIC would let a peer hold 1,088 streams open
+/// on a connection, each buffering up to its stream window while it waits: an
+/// unvouched connection (possibly a stolen certificate's) must not pin that much.
+/// An honest peer's claim arrives with its first streams (it announces on dial), so a
+/// few wait at most.
+const MAX_STREAMS_AWAITING_VOUCH: usize = 32;
+
+/// Bytes a connection may have received and not yet read, over all its streams
+/// (QUIC's connection-level flow control; quinn's default is unlimited). A peer's
+/// forwards are read as they arrive, so this only binds streams held unread, e.g.
+/// while they wait for the connection's claim: 64 MiB, several of the largest
+/// forward bodies at once.
+const CONNECTION_RECEIVE_WINDOW_BYTES: u32 = 64 << 20;
 
 impl Vouch {
     fn new(state: Option<Vouched>, generation: u64) -> Self {
         Vouch {
             state: watch::Sender::new(state),
             generation,
+            waiting: Arc::new(tokio::sync::Semaphore::new(MAX_STREAMS_AWAITING_VOUCH)),
         }
     }
 
@@ -277,6 +296,7 @@ pub(crate) fn transport_config(idle: Duration, keep_alive: Duration) -> quinn::T
     t.keep_alive_interval(Some(keep_alive));
     t.max_concurrent_uni_streams(64u32.into());
     t.max_concurrent_bidi_streams(1024u32.into());
+    t.receive_window(CONNECTION_RECEIVE_WINDOW_BYTES.into());
     t.datagram_receive_buffer_size(Some(256 * 1024));
     t.datagram_send_buffer_size(256 * 1024);
     t
@@ -407,17 +427,17 @@ impl Transport {
     /// connection closes first, and on shutdown (which ends the wait at once).
     ///
     /// Called in the stream's own task, never in the accept loops, so that other
-    /// streams and connections keep flowing. How many streams wait on one connection
-    /// at a time is bounded by QUIC itself: a waiting stream is open (it is neither
-    /// read to its end nor stopped, and a bi-stream's halves are held), and the peer
-    /// may have at most `max_concurrent_uni_streams` (64) and
-    /// `max_concurrent_bidi_streams` (1,024) open per connection
-    /// ([`transport_config`]) until this node frees some: at most 1,088 waiting
-    /// tasks per connection, each for at most `vouch_wait`.
+    /// streams and connections keep flowing. At most [`MAX_STREAMS_AWAITING_VOUCH`]
+    /// streams of one connection wait at a time (false at once for more), each for at
+    /// most `vouch_wait`, and what they may buffer meanwhile is bounded by the
+    /// connection's receive window ([`CONNECTION_RECEIVE_WINDOW_BYTES`]).
     async fn wait_vouched(&self, peer: &NodeId, conn: &quinn::Connection) -> bool {
-        let mut state = match self.conns.vouched.get(&conn.stable_id()) {
-            Some(v) => v.state.subscribe(),
+        let (mut state, waiting) = match self.conns.vouched.get(&conn.stable_id()) {
+            Some(v) => (v.state.subscribe(), v.waiting.clone()),
             None => return false,
+        };
+        let Ok(_permit) = waiting.try_acquire_owned() else {
+            return false;
         };
         let claimed = tokio::select! {
             biased;
@@ -510,7 +530,7 @@ pub(crate) async fn connect(
         serve(inner, peer.clone(), conn.clone());
         if purpose == DialFor::Streams {
             if let Some(inbound) = inner.inbound.upgrade() {
-                inbound.dialed(&peer);
+                inbound.dialed(&peer, &conn);
             }
         }
         Ok(conn)
@@ -536,10 +556,7 @@ fn dial_addr(inner: &Transport, advertised: SocketAddr) -> SocketAddr {
 
 /// Send one SWIM packet to `dst`, dialing in the background if there is no connection.
 pub(crate) fn send_swim(inner: &Arc<Transport>, dst: MemberId, packet: Bytes) {
-    let mut datagram = Vec::with_capacity(packet.len() + 1);
-    datagram.push(DATAGRAM_SWIM);
-    datagram.extend_from_slice(&packet);
-    let datagram = Bytes::from(datagram);
+    let datagram = swim_datagram(&packet);
     let node = (!dst.node.0.is_empty()).then_some(&dst.node);
     if let Some(c) = inner.conns.lookup(node, dial_addr(inner, dst.addr)) {
         send_datagram(inner, &c, node, datagram);
@@ -553,6 +570,26 @@ pub(crate) fn send_swim(inner: &Arc<Transport>, dst: MemberId, packet: Bytes) {
             Err(e) => tracing::debug!(peer = %dst.node, addr = %dst.addr, "swim send dropped: {e}"),
         }
     });
+}
+
+/// Send a SWIM packet to `dst` on `conn`, the connection this node just dialed it on
+/// for streams: the packet that vouches that very connection at the peer
+/// ([`Inbound::dialed`]), whichever connection the peer table names for `dst` by now.
+pub(crate) fn send_swim_on(
+    inner: &Transport,
+    conn: &quinn::Connection,
+    dst: &MemberId,
+    packet: Bytes,
+) {
+    send_datagram(inner, conn, Some(&dst.node), swim_datagram(&packet));
+}
+
+/// A SWIM packet framed as a datagram of the cluster's protocol.
+fn swim_datagram(packet: &[u8]) -> Bytes {
+    let mut datagram = Vec::with_capacity(packet.len() + 1);
+    datagram.push(DATAGRAM_SWIM);
+    datagram.extend_from_slice(packet);
+    Bytes::from(datagram)
 }
 
 fn send_datagram(inner: &Transport, c: &quinn::Connection, node: Option<&NodeId>, datagram: Bytes) {

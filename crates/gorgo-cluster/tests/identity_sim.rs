@@ -390,6 +390,52 @@ fn a_stolen_certificate_without_swim_pushes_no_gossip_and_no_forward() {
     );
 }
 
+/// A connection that never claims an id may not hold more than a few streams waiting
+/// for its claim: beyond 32, its streams are dropped at once rather than buffered for
+/// the whole wait (a stolen certificate could otherwise pin 1,088 streams' windows per
+/// connection).
+#[test]
+fn an_unvouched_connection_holds_at_most_32_streams_waiting() {
+    let (mut sim, creds, handles) = n0_holding_n1s_run(79);
+    let dropped_before = unbound_dropped(&handles, "n0");
+    let stolen = creds["n1"].clone();
+    let opened = Arc::new(AtomicU32::new(0));
+    let opened_by_thief = opened.clone();
+    sim.client("thief", async move {
+        let (_endpoint, conn) = raw_connection(
+            "thief",
+            &stolen,
+            SocketAddr::new(turmoil::lookup("n0"), PORT),
+        )
+        .await?;
+        let mut held = Vec::new();
+        for _ in 0..40 {
+            let mut uni = conn.open_uni().await?;
+            // The kind byte and part of a frame: the stream stays open, unread.
+            uni.write_all(&[1u8, 0, 0]).await?;
+            held.push(uni);
+            opened_by_thief.fetch_add(1, Ordering::SeqCst);
+        }
+        std::future::pending::<()>().await;
+        Ok(())
+    });
+    run_until(&mut sim, Duration::from_secs(5), |_| {
+        opened.load(Ordering::SeqCst) == 40
+    })
+    .expect("the thief opens its streams");
+    // Well within the wait (3.2 s): the 8 beyond the cap are already dropped.
+    let dropped = run_until(&mut sim, Duration::from_millis(1_000), |_| {
+        unbound_dropped(&handles, "n0") >= dropped_before + 8
+    });
+    assert!(
+        dropped.is_some(),
+        "n0 dropped {} of the thief's 40 streams within a second: {}",
+        unbound_dropped(&handles, "n0") - dropped_before,
+        dump(&handles)
+    );
+    assert_eq!(unbound_dropped(&handles, "n0"), dropped_before + 8);
+}
+
 /// An honest connection (n1's certificate and address claim, from another socket
 /// address, as through a relay) whose gossip stream arrives before its first SWIM
 /// packet: n0 holds the stream, and applies it once a SWIM packet on the connection
