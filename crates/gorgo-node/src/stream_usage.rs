@@ -67,6 +67,17 @@ fn takes_stream_options(endpoint: Endpoint) -> bool {
     }
 }
 
+/// Whether the client's `stream_options` already speak of usage in a way the node must
+/// not second-guess: `include_usage` true, or any value but `false`/`null` (vLLM's lax
+/// parsing reads `"true"` or `1` as asking), or `continuous_usage_stats` (vLLM's usage
+/// on every chunk). Such a body goes to the engine as it is and its response is
+/// relayed whole.
+fn client_set_usage(options: &Value) -> bool {
+    let include = options.get("include_usage");
+    !matches!(include, None | Some(Value::Null) | Some(Value::Bool(false)))
+        || options.get("continuous_usage_stats").is_some()
+}
+
 /// The two members of a body this module reads, borrowed from the body's bytes (a
 /// scan that skips the rest without building it).
 #[derive(Deserialize)]
@@ -119,9 +130,7 @@ impl StreamUsage {
             return StreamUsage::NotStreamed;
         }
         match options {
-            Some(o) if o.get("include_usage") == Some(&Value::Bool(true)) => {
-                StreamUsage::ClientAsked
-            }
+            Some(o) if client_set_usage(o) => StreamUsage::ClientAsked,
             o => StreamUsage::ClientDidNotAsk {
                 has_stream_options: o.is_some(),
             },
@@ -436,6 +445,37 @@ mod tests {
     }
 
     #[test]
+    fn usage_options_the_engine_may_read_as_asking_are_left_to_the_client() {
+        for options in [
+            serde_json::json!({"include_usage": "true"}),
+            serde_json::json!({"include_usage": 1}),
+            serde_json::json!({"include_usage": false, "continuous_usage_stats": true}),
+        ] {
+            let body = serde_json::json!({"stream": true, "stream_options": options});
+            assert_eq!(
+                StreamUsage::of_request(Endpoint::Chat, &body),
+                StreamUsage::ClientAsked,
+                "{body}"
+            );
+            let bytes = Bytes::from(body.to_string());
+            assert_eq!(
+                StreamUsage::of_body(Endpoint::Chat, &bytes),
+                StreamUsage::ClientAsked
+            );
+            let sent = StreamUsage::ClientAsked.engine_body(&bytes);
+            assert!(!sent.strip_usage_event);
+            assert_eq!(sent.body, bytes);
+        }
+        let body = serde_json::json!({"stream": true, "stream_options": {"include_usage": false}});
+        assert_eq!(
+            StreamUsage::of_request(Endpoint::Chat, &body),
+            StreamUsage::ClientDidNotAsk {
+                has_stream_options: true
+            }
+        );
+    }
+
+    #[test]
     fn what_the_client_asked_is_read_from_its_body() {
         use StreamUsage::*;
         let cases: &[(&str, StreamUsage)] = &[
@@ -508,12 +548,11 @@ mod tests {
         assert_eq!(v["messages"], serde_json::json!([]));
         assert!(strip);
         // Other stream_options keys are kept; null is replaced.
-        let (v, strip) = sent(
-            r#"{"stream":true,"stream_options":{"include_usage":false,"continuous_usage_stats":true},"n":1}"#,
-        );
+        let (v, strip) =
+            sent(r#"{"stream":true,"stream_options":{"include_usage":false,"x_other":7},"n":1}"#);
         assert_eq!(
             v["stream_options"],
-            serde_json::json!({"include_usage": true, "continuous_usage_stats": true})
+            serde_json::json!({"include_usage": true, "x_other": 7})
         );
         assert_eq!(v["n"], 1);
         assert!(strip);
