@@ -163,6 +163,13 @@ pub struct SimModelArgs {
     /// docs/policy.md, "Refusal at the target").
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub refuse_forwards: bool,
+    /// Late binding, a candidate mechanism the live node does not have yet (0: off):
+    /// each node holds a request it decided for its own engine while that engine has
+    /// more than this many prefill tokens dispatched, and decides it again when an
+    /// engine has room or once per gossip interval (docs/policy.md, "Late binding";
+    /// 16384 is two chunks of SGLang's chunked prefill).
+    #[arg(long, default_value_t = 0)]
+    pub hold_tokens: u64,
 }
 
 impl SimModelArgs {
@@ -196,6 +203,7 @@ impl SimModelArgs {
         cfg.kv_events = self.kv_events;
         cfg.kv_events_delay_ms = self.kv_events_delay_ms;
         cfg.refuse_forwards = self.refuse_forwards;
+        cfg.hold_tokens = self.hold_tokens;
         cfg.validate().context("simulation config")?;
         Ok(cfg)
     }
@@ -227,6 +235,7 @@ impl SimModelArgs {
             "kv_events": self.kv_events,
             "kv_events_delay_ms": self.kv_events_delay_ms,
             "refuse_forwards": self.refuse_forwards,
+            "hold_tokens": self.hold_tokens,
         })
     }
 }
@@ -267,6 +276,12 @@ pub fn view_header(cfg: &SimConfig, with_oracle: bool) -> String {
     };
     if cfg.replicas > 1 {
         line += &format!("; {} engines per region", cfg.replicas);
+    }
+    if cfg.hold_tokens > 0 {
+        line += &format!(
+            "; late binding above {} tokens (not in the live node)",
+            cfg.hold_tokens
+        );
     }
     if with_oracle {
         line += "; oracle: exact-state, perfect information";

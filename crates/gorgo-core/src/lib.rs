@@ -20,6 +20,7 @@ pub mod gossip;
 pub mod hash;
 pub mod headers;
 pub mod health;
+pub mod hold;
 pub mod index;
 pub mod kv_events;
 pub mod kv_wire;

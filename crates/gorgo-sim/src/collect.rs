@@ -98,6 +98,9 @@ pub struct SimCounters {
     pub gossip_lost: u64,
     /// Snapshot requests sent after a version gap.
     pub snapshot_requests: u64,
+    /// Times a node held a request back from its engine (`SimConfig::hold_tokens`),
+    /// a request held again after a new decision counted again.
+    pub holds: u64,
     /// KV tokens every engine's prefix cache held, summed over engines and over samples
     /// taken every 10 s of virtual time (`KV_SAMPLE_MS` in the event loop).
     pub kv_cached_tokens_sampled: u64,

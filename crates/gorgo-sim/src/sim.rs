@@ -24,6 +24,7 @@ use gorgo_core::decision::{best_local, decide, refuse_forward, DecisionRecord, F
 use gorgo_core::es::{TrialDesign, TuningConfig};
 use gorgo_core::fit::FitConfig;
 use gorgo_core::gossip::{self as core_gossip, GossipConfig, GossipSender, PeerGossip};
+use gorgo_core::hold::{Held, HoldConfig, HoldQueue};
 use gorgo_core::kv_events::{AlignedBlockEvent, KvEventFollower, KvFollowerConfig};
 use gorgo_core::policy::{Policy, PolicyKind, RouteRequest};
 use gorgo_core::summary::{SampleChooser, SampleSetting, SummarySample};
@@ -123,6 +124,12 @@ pub struct SimConfig {
     /// Period of each node's scrape of its engine's `/metrics`, ms (the node's
     /// `engine.metrics_interval_ms`).
     pub metrics_interval_ms: f64,
+    /// Late binding (a candidate mechanism the live node does not have yet; 0, the
+    /// default: off): each node holds a request it decided for its own engine while
+    /// that engine has more than this many prefill tokens dispatched, and decides it
+    /// again when an engine has room or once per gossip interval
+    /// ([`gorgo_core::hold`]; docs/policy.md, "Late binding").
+    pub hold_tokens: u64,
     /// The decode-step cost each node reports in its stats, ms (the node's
     /// `engine.decode_step_ms` seed; engines do not report it).
     pub decode_step_ms: f64,
@@ -179,6 +186,7 @@ impl SimConfig {
             exact_state: false,
             unreported_max_running: false,
             metrics_interval_ms: DEFAULT_METRICS_INTERVAL_MS as f64,
+            hold_tokens: 0,
             decode_step_ms: DEFAULT_DECODE_STEP_MS,
             summary_sample: SampleSetting::Auto,
             kv_events: false,
@@ -326,6 +334,8 @@ enum Ev {
     KvEvents(u16),
     /// The target's refusal of a forward reached the node that forwarded it.
     Refused(u32),
+    /// A node looks at the requests it holds ([`SimConfig::hold_tokens`]).
+    HoldTick(u8),
 }
 
 struct Scheduled {
@@ -391,6 +401,8 @@ struct Flight {
     forward_replica: u16,
     hops: u8,
     send_ms: f64,
+    /// When it reached its home node, ms (its first decision there).
+    arrived_ms: f64,
     dispatched_ms: f64,
     epoch: EpochKey,
     /// The tuning cell it is measured in (its arm of an interleaved trial, and half).
@@ -463,7 +475,20 @@ struct Node {
     tuner: Option<Tuner>,
     /// The rate of the summaries the shadows publish (`SimConfig::summary_sample`).
     summary_sample: SampleChooser,
+    /// The requests it holds back from its engines (`SimConfig::hold_tokens`).
+    hold: Option<HoldQueue>,
+    /// A [`Ev::HoldTick`] is scheduled.
+    hold_tick_pending: bool,
+    /// It is deciding its held requests again ([`HoldQueue::drain`]).
+    in_hold_pass: bool,
 }
+
+/// How often a node with held requests looks at them, ms: well inside a prefill batch,
+/// so that an engine with room gets its next request before it runs dry.
+const HOLD_TICK_MS: f64 = 50.0;
+
+/// Most requests a node holds at once ([`gorgo_core::hold::HoldConfig::max_held`]).
+const MAX_HELD: usize = 1 << 16;
 
 /// What a node knows and sends about one of its engines.
 struct NodeEngine {
@@ -648,6 +673,16 @@ impl<'a> Sim<'a> {
                     None
                 };
                 let summary_sample = SampleChooser::new(cfg.summary_sample, cfg.peer_count());
+                let hold = if cfg.hold_tokens > 0 {
+                    let redecide = cfg.gossip_interval_ms.max(1.0) as u64;
+                    Some(HoldQueue::new(HoldConfig::new(
+                        cfg.hold_tokens,
+                        redecide,
+                        MAX_HELD,
+                    )?))
+                } else {
+                    None
+                };
                 let node_engines = (0..replicas)
                     .map(|k| {
                         let mut view = EngineView::new(ViewConfig {
@@ -690,6 +725,9 @@ impl<'a> Sim<'a> {
                     ),
                     tuner,
                     summary_sample,
+                    hold,
+                    hold_tick_pending: false,
+                    in_hold_pass: false,
                 });
             }
             // Nodes do not tick in lockstep, nor scrape their engines together: each
@@ -802,6 +840,7 @@ impl<'a> Sim<'a> {
                 Ev::Deliver(m) => self.deliver(m, at),
                 Ev::Complete(slot) => self.complete(slot, at),
                 Ev::KvEvents(e) => self.kv_events(e as usize, at),
+                Ev::HoldTick(r) => self.hold_pass(r as usize, at),
             }
             let finished = self.out.run.counters.completed + self.out.run.counters.failed;
             if finished >= reported + 4096 {
@@ -848,6 +887,7 @@ impl<'a> Sim<'a> {
             forward_replica: 0,
             hops: 0,
             send_ms: send,
+            arrived_ms: send,
             dispatched_ms: send,
             epoch: EpochKey::default(),
             cell: 0,
@@ -881,6 +921,7 @@ impl<'a> Sim<'a> {
         let c = &mut self.out.run.counters;
         c.max_in_flight = c.max_in_flight.max(self.live);
         let at = send + self.client_delay(home);
+        self.flight_mut(slot).arrived_ms = at;
         self.push(at, Ev::Arrival(slot));
     }
 
@@ -918,9 +959,12 @@ impl<'a> Sim<'a> {
             .get(r)
             .and_then(|n| n.tuner.as_ref())
             .map_or(0, |t| t.epoch());
+        let held = self.held_share(r, k);
         if !self.cfg.exact_state {
             if let Some(n) = self.nodes.get_mut(r) {
-                return n.engines[k].view.queue_stats(epoch);
+                let mut stats = n.engines[k].view.queue_stats(epoch);
+                stats.unfinished_prefill_tokens += held;
+                return stats;
             }
         }
         let s = self.engines[e].engine.stats();
@@ -942,7 +986,7 @@ impl<'a> Sim<'a> {
         QueueStats {
             version,
             replica: k as u16,
-            unfinished_prefill_tokens: s.unfinished_prefill_tokens,
+            unfinished_prefill_tokens: s.unfinished_prefill_tokens + held,
             running: s.running.min(u32::MAX as usize) as u32,
             waiting: s.waiting.min(u32::MAX as usize) as u32,
             kv_used_tokens: s.used_tokens,
@@ -958,6 +1002,16 @@ impl<'a> Sim<'a> {
             models: Vec::new(),
             slots,
         }
+    }
+
+    /// Engine `k` of region `r`'s share of the prefill its node holds back: held work
+    /// goes to whichever engine has room first, so each counts an equal part of it.
+    fn held_share(&self, r: usize, k: usize) -> u64 {
+        let Some(q) = self.nodes.get(r).and_then(|n| n.hold.as_ref()) else {
+            return 0;
+        };
+        let n = self.cfg.replicas.max(1) as u64;
+        q.tokens() / n + u64::from((k as u64) < q.tokens() % n)
     }
 
     /// Candidates as node `at_node` sees them (the core's [`build_candidates`], as the
@@ -1063,6 +1117,67 @@ impl<'a> Sim<'a> {
     fn route(&mut self, slot: u32, now: f64) {
         let r = self.flight(slot).home as usize;
         self.route_at(slot, r, now);
+    }
+
+    /// Hold a request decided for engine `k` of node `r` instead of dispatching it, if
+    /// the node holds requests and that engine is busy or others wait already
+    /// ([`HoldQueue::should_hold`]). True when held.
+    fn hold(&mut self, slot: u32, r: usize, k: usize, uncached_tokens: u64, now: f64) -> bool {
+        if self.oracle.is_some() {
+            return false;
+        }
+        let send_ms = self.flight(slot).send_ms as u64;
+        let node = &mut self.nodes[r];
+        let unfinished = node.engines[k].view.counters().unfinished_prefill_tokens;
+        let in_pass = node.in_hold_pass;
+        let Some(q) = node.hold.as_mut() else {
+            return false;
+        };
+        if !q.should_hold(unfinished, in_pass) {
+            return false;
+        }
+        q.hold(Held {
+            id: slot as u64,
+            send_ms,
+            uncached_tokens,
+            decided_ms: now as u64,
+        });
+        if !node.hold_tick_pending {
+            node.hold_tick_pending = true;
+            self.push(now + HOLD_TICK_MS, Ev::HoldTick(r as u8));
+        }
+        self.out.run.counters.holds += 1;
+        true
+    }
+
+    /// Node `r` looks at the requests it holds, oldest first: each one due
+    /// ([`HoldQueue::is_due`]) is decided again, with the older ones still held
+    /// counted ahead of it; the others keep their place.
+    fn hold_pass(&mut self, r: usize, now: f64) {
+        let Some(list) = self.nodes[r].hold.as_mut().map(HoldQueue::drain) else {
+            return;
+        };
+        self.nodes[r].hold_tick_pending = false;
+        self.nodes[r].in_hold_pass = true;
+        for h in list {
+            let node = &self.nodes[r];
+            let q = node.hold.as_ref().expect("checked above");
+            let free = node
+                .engines
+                .iter()
+                .any(|e| !q.engine_busy(e.view.counters().unfinished_prefill_tokens));
+            if q.is_due(&h, now as u64, free) {
+                self.route_at(h.id as u32, r, now);
+            } else if let Some(q) = self.nodes[r].hold.as_mut() {
+                q.hold(h);
+            }
+        }
+        let node = &mut self.nodes[r];
+        node.in_hold_pass = false;
+        if node.hold.as_ref().is_some_and(|q| !q.is_empty()) && !node.hold_tick_pending {
+            node.hold_tick_pending = true;
+            self.push(now + HOLD_TICK_MS, Ev::HoldTick(r as u8));
+        }
     }
 
     fn route_at(&mut self, slot: u32, r: usize, now: f64) {
@@ -1172,7 +1287,10 @@ impl<'a> Sim<'a> {
             f.cached_anywhere_tokens = anywhere;
             f.epoch = epoch;
             f.cell = cell;
-            f.predicted_ttft_ms = predicted.map(|v| v as f32);
+            // A request decided again after a hold ([`SimConfig::hold_tokens`]) has
+            // waited at the node since it arrived.
+            let held_ms = (now - f.arrived_ms).max(0.0);
+            f.predicted_ttft_ms = predicted.map(|v| (v + held_ms) as f32);
             f.local_predicted_ttft_ms = local_predicted;
             f.local_engine = local_engine;
             f.predicted_cached_tokens = target.as_ref().ok().map(|&(_, c)| c);
@@ -1183,8 +1301,17 @@ impl<'a> Sim<'a> {
                 self.flight_mut(slot).chain = chain;
                 self.fail(slot, now, "no candidate can serve");
             }
-            Ok((e, _)) if self.engine_of(e).0 == r => {
+            Ok((e, believed_cached)) if self.engine_of(e).0 == r => {
                 self.flight_mut(slot).chain = chain;
+                if self.hold(
+                    slot,
+                    r,
+                    self.engine_of(e).1,
+                    prompt_tokens - believed_cached.min(prompt_tokens),
+                    now,
+                ) {
+                    return;
+                }
                 self.dispatch(slot, e, now);
             }
             Ok((e, believed_cached)) => {

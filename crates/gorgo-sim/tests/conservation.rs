@@ -649,3 +649,28 @@ fn the_decision_log_keeps_the_first_decisions_and_changes_nothing() {
     cfg.decision_log = 10;
     assert_eq!(run(&cfg, PolicyKind::Gorgo, &t).decisions, d[..10]);
 }
+
+/// Late binding (`hold_tokens`): under load nodes hold requests back and decide them
+/// again, and every request is still served exactly once, with one engine or four,
+/// the same way on every run; the oracle and a config without it hold nothing.
+#[test]
+fn late_binding_holds_under_load_and_conserves() {
+    let t = trace(21, 90.0, 60);
+    let mut cfg = config();
+    cfg.time_scale = 0.25;
+    let plain = run(&cfg, PolicyKind::Gorgo, &t);
+    assert_eq!(plain.counters.holds, 0);
+    cfg.hold_tokens = 2048;
+    for replicas in [1, 4] {
+        cfg.replicas = replicas;
+        let r = run(&cfg, PolicyKind::Gorgo, &t);
+        check_conservation(&cfg, &r, t.len());
+        assert!(r.counters.holds > 0, "replicas {replicas}: nothing held");
+        let again = run(&cfg, PolicyKind::Gorgo, &t);
+        assert_eq!(again.counters.holds, r.counters.holds);
+        assert_eq!(again.counters.end_ms, r.counters.end_ms);
+        let oracle = run(&cfg, PolicyKind::Oracle, &t);
+        check_conservation(&cfg, &oracle, t.len());
+        assert_eq!(oracle.counters.holds, 0);
+    }
+}
