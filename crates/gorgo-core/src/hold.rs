@@ -160,11 +160,6 @@ impl HoldQueue {
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
-
-    /// The config.
-    pub fn config(&self) -> &HoldConfig {
-        &self.cfg
-    }
 }
 
 #[cfg(test)]
