@@ -9,9 +9,10 @@
 //! Each scheduler iteration is either a prefill batch (up to `chunked_prefill_size` new
 //! prompt tokens, FCFS over admitted requests, long prompts chunked) or one decode step
 //! for every request past its prefill; when both kinds of work exist they alternate.
-//! Admission is FCFS and bounded by `max_running_requests` and by KV capacity: a request
-//! reserves its uncached prompt plus its whole output budget, evicting unreferenced
-//! cached blocks LRU-first if it must.
+//! Admission is FCFS into the next prefill batch (as SGLang's `PrefillAdder`: no more
+//! than `chunked_prefill_size` new tokens ahead) and bounded by `max_running_requests`
+//! and by KV capacity: a request reserves its uncached prompt plus its whole output
+//! budget, evicting unreferenced cached blocks LRU-first if it must.
 
 use std::collections::VecDeque;
 
@@ -567,10 +568,25 @@ impl Engine {
         });
     }
 
-    /// FCFS admission of ready waiting requests while slots and KV allow.
+    /// FCFS admission of ready waiting requests into the next prefill batch, while
+    /// slots and KV allow.
+    ///
+    /// As in SGLang's `PrefillAdder`, a request leaves the waiting queue (and reserves
+    /// KV) only when the next prefill batch has room for its first tokens: the batch
+    /// takes at most `chunked_prefill_size` new tokens, and the last request admitted
+    /// may be chunked over later batches. Admitting further ahead would hold KV for
+    /// prompts whose prefill has not begun, evicting cached prefixes at saturation.
     fn admit(&mut self, t: f64) {
         let capacity = self.profile.max_total_tokens;
-        while self.running.len() < self.profile.max_running_requests as usize {
+        let mut batch_tokens: u64 = self
+            .running
+            .iter()
+            .filter(|r| r.prefilling())
+            .map(|r| r.req.prompt_tokens - r.computed)
+            .sum();
+        while self.running.len() < self.profile.max_running_requests as usize
+            && batch_tokens < self.profile.chunked_prefill_size
+        {
             let Some(head) = self.waiting.front() else {
                 return;
             };
@@ -611,6 +627,7 @@ impl Engine {
                 self.record_evictions();
             }
             self.private_tokens += need;
+            batch_tokens += req.prompt_tokens - cached;
             self.waiting_prompt_tokens -= req.prompt_tokens;
             self.prompt_tokens_total += req.prompt_tokens;
             self.cached_prompt_tokens_total += cached;

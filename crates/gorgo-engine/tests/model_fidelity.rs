@@ -218,6 +218,56 @@ fn under_a_burst_ttft_grows_with_queue_position() {
     assert!(first[19] > 5.0 * first[0], "{first:?}");
 }
 
+/// A burst waits in the queue and reserves KV only as it enters a prefill batch (as
+/// SGLang's `PrefillAdder` does). So the burst's later requests find the prefix its
+/// first ones computed, and an older cached prefix is not evicted to hold KV for
+/// prompts whose prefill has not begun.
+#[test]
+fn a_queued_burst_reserves_kv_only_for_the_next_prefill_batch() {
+    let mut profile = small_profile(40_000);
+    profile.chunked_prefill_size = 8192;
+    // The whole burst is queued before the first of it is schedulable.
+    profile.request_overhead_ms = 5.0;
+    let mut engine = Engine::new(profile);
+    // A 6,000-token prefix, cached and unreferenced.
+    let old = prompt(1, 6000);
+    let (_, _, t) = run_alone(&mut engine, request(1, &old, 1, 0.0));
+    // Ten prompts at once, a shared 4,000-token prefix and 1,000 tokens of their own:
+    // 50,000 tokens uncached, more than the KV holds.
+    let shared = prompt(2, 4000);
+    for i in 0..10u64 {
+        let mut bytes = shared.clone();
+        bytes.extend_from_slice(&prompt(10 + i, 1000));
+        engine
+            .submit(request(10 + i, &bytes, 1, t + 1.0), t + 1.0)
+            .unwrap();
+    }
+    let mut events = Vec::new();
+    while let Some(now) = engine.next_event_time() {
+        engine.step_into(now, &mut events);
+    }
+    // The first batch computes the shared prefix once (8,192 new tokens: two prompts,
+    // the second chunked); the eight admitted after it find it cached. Admitting all
+    // that fits at once would compute it six times and evict the older prefix.
+    let hits = events
+        .iter()
+        .filter(|e| matches!(e, EngineEvent::FirstToken { cached_tokens, .. } if *cached_tokens >= 4000))
+        .count();
+    assert_eq!(hits, 8, "of 10 found the shared prefix");
+    // The older prefix survived the burst: a follow-up finds it cached.
+    let end = events
+        .iter()
+        .filter_map(|e| match e {
+            EngineEvent::Finished { at_ms, .. } => Some(*at_ms),
+            _ => None,
+        })
+        .fold(t, f64::max);
+    let mut longer = old.clone();
+    longer.extend_from_slice(&prompt(3, 500));
+    let (_, cached, _) = run_alone(&mut engine, request(2, &longer, 1, end + 1.0));
+    assert_eq!(cached, 6000);
+}
+
 #[test]
 fn abort_frees_the_slot_and_the_kv_reference() {
     let mut p = small_profile(1000);
