@@ -7,6 +7,9 @@ cd "$(dirname "$0")/.."
 OUT=${1:-out/policy}
 G=${GORGO:-target/release/gorgo}
 # Extra flags for every sweep (e.g. "--refuse-forwards false"), from the environment.
+# Without --region-seed the Mooncake traces' users go to regions as `gorgo bench` sends
+# them, not as --region-seed 0 does: runs compared across builds pass both flags,
+# SWEEP_FLAGS="--seed S --region-seed S".
 X=${SWEEP_FLAGS:-}
 [ -x "$G" ] || cargo build --release -q
 mkdir -p "$OUT"
