@@ -10,6 +10,10 @@ use serde::Deserialize;
 /// the client buffer without bound.
 pub const MAX_LINE_BYTES: usize = 4 << 20;
 
+/// Cap on one event's data (its `data:` lines joined): a server that sends data lines
+/// and never the blank line that ends the event must not either.
+pub const MAX_EVENT_BYTES: usize = 4 << 20;
+
 /// What one `data:` event carried that matters to the benchmark.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct ChunkInfo {
@@ -42,6 +46,10 @@ pub struct SseParser {
     line: Vec<u8>,
     data: String,
     overflowed: bool,
+    /// The event being read went over [`MAX_EVENT_BYTES`]: its data is dropped.
+    event_overflowed: bool,
+    /// The last byte ended a line with `\r`: a `\n` right after it belongs to it.
+    after_cr: bool,
 }
 
 #[derive(Deserialize)]
@@ -92,10 +100,14 @@ impl SseParser {
         Self::default()
     }
 
-    /// Feed bytes; complete events are appended to `out`.
+    /// Feed bytes; complete events are appended to `out`. Lines end with `\r\n`, `\n`
+    /// or `\r`, as the SSE format allows.
     pub fn feed(&mut self, bytes: &[u8], out: &mut Vec<SseEvent>) {
         for &b in bytes {
-            if b == b'\n' {
+            let after_cr = std::mem::replace(&mut self.after_cr, b == b'\r');
+            if b == b'\n' && after_cr {
+                // The second half of a `\r\n`: the line ended at the `\r`.
+            } else if b == b'\n' || b == b'\r' {
                 let line = std::mem::take(&mut self.line);
                 self.on_line(&line, out);
             } else if self.line.len() < MAX_LINE_BYTES {
@@ -119,13 +131,23 @@ impl SseParser {
     }
 
     fn on_line(&mut self, line: &[u8], out: &mut Vec<SseEvent>) {
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
         if line.is_empty() {
             self.dispatch(out);
             return;
         }
         if let Some(rest) = line.strip_prefix(b"data:") {
             let rest = rest.strip_prefix(b" ").unwrap_or(rest);
+            if self.event_overflowed {
+                return;
+            }
+            if self.data.len() + 1 + rest.len() > MAX_EVENT_BYTES {
+                self.event_overflowed = true;
+                self.data.clear();
+                out.push(SseEvent::Malformed(format!(
+                    "SSE event over {MAX_EVENT_BYTES} bytes"
+                )));
+                return;
+            }
             if !self.data.is_empty() {
                 self.data.push('\n');
             }
@@ -135,6 +157,7 @@ impl SseParser {
     }
 
     fn dispatch(&mut self, out: &mut Vec<SseEvent>) {
+        self.event_overflowed = false;
         if self.data.is_empty() {
             return;
         }
@@ -230,6 +253,34 @@ data: [DONE]\n\n";
         assert!(matches!(&ev[0], SseEvent::Chunk(c) if c.has_content));
         assert!(matches!(&ev[1], SseEvent::Chunk(c) if c.error.as_deref() == Some("boom")));
         assert!(matches!(&ev[2], SseEvent::Malformed(_)));
+    }
+
+    #[test]
+    fn lines_may_end_with_a_lone_carriage_return() {
+        let stream = b"data: {\"choices\":[{\"text\":\"x\"}]}\r\rdata: [DONE]\r\r";
+        for split in 0..stream.len() {
+            let ev = parse_all(&[&stream[..split], &stream[split..]]);
+            assert_eq!(ev.len(), 2, "split at {split}: {ev:?}");
+            assert!(matches!(&ev[0], SseEvent::Chunk(c) if c.has_content));
+            assert_eq!(ev[1], SseEvent::Done);
+        }
+    }
+
+    #[test]
+    fn an_event_that_never_ends_is_dropped_at_the_cap() {
+        let line = format!("data: {}\n", "x".repeat(1 << 20));
+        let mut p = SseParser::new();
+        let mut out = Vec::new();
+        for _ in 0..(2 * MAX_EVENT_BYTES / line.len()) {
+            p.feed(line.as_bytes(), &mut out);
+        }
+        assert!(p.data.len() <= MAX_EVENT_BYTES, "{}", p.data.len());
+        assert_eq!(out.len(), 1, "one error, not one per line");
+        assert!(matches!(&out[0], SseEvent::Malformed(m) if m.contains("event over")));
+        // The blank line ends the oversized event; the next one parses.
+        p.feed(b"\ndata: [DONE]\n\n", &mut out);
+        assert_eq!(out.last(), Some(&SseEvent::Done));
+        assert_eq!(out.len(), 2);
     }
 
     #[test]
