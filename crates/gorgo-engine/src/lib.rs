@@ -21,5 +21,5 @@ pub mod server;
 pub use cache::RadixCache;
 pub use error::EngineError;
 pub use model::{CacheChange, Engine, EngineEvent, EngineRequest, EngineStats, RejectReason};
-pub use profile::Profile;
+pub use profile::{Profile, Schedule};
 pub use server::{serve, serve_with_kv_events, EmulatorConfig};

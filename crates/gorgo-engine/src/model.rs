@@ -8,7 +8,8 @@
 //!
 //! Each scheduler iteration is either a prefill batch (up to `chunked_prefill_size` new
 //! prompt tokens, FCFS over admitted requests, long prompts chunked) or one decode step
-//! for every request past its prefill; when both kinds of work exist they alternate.
+//! for every request past its prefill; when both kinds of work exist they alternate
+//! (or prefill goes first: the profile's [`Schedule`]).
 //! Admission is FCFS into the next prefill batch (as SGLang's `PrefillAdder`: no more
 //! than `chunked_prefill_size` new tokens ahead) and bounded by `max_running_requests`
 //! and by KV capacity: a request reserves its uncached prompt plus its whole output
@@ -19,7 +20,7 @@ use std::collections::VecDeque;
 use gorgo_core::HashChain;
 
 use crate::cache::RadixCache;
-use crate::Profile;
+use crate::{Profile, Schedule};
 
 /// One request as the engine sees it.
 #[derive(Debug, Clone, PartialEq)]
@@ -530,7 +531,11 @@ impl Engine {
         self.admit(t);
         let has_prefill = self.running.iter().any(Running::prefilling);
         let has_decode = self.running.iter().any(Running::decoding);
-        let kind = if has_prefill && (!has_decode || !self.last_was_prefill) {
+        let prefill_turn = match self.profile.schedule {
+            Schedule::Alternate => !self.last_was_prefill,
+            Schedule::PrefillFirst => true,
+        };
+        let kind = if has_prefill && (!has_decode || prefill_turn) {
             IterationKind::Prefill
         } else if has_decode {
             IterationKind::Decode
@@ -867,5 +872,43 @@ mod tests {
         let firsts = first_tokens(&drain(&mut engine));
         assert_eq!(firsts.iter().map(|f| f.0).collect::<Vec<_>>(), [1, 2]);
         assert!((firsts[0].1 - (100.0 + 20.0 + 10.0 + 0.5)).abs() < 1e-9);
+    }
+
+    /// When request 1 first decodes and request 2 gets its first token, under `schedule`:
+    /// request 1 (50 tokens) finishes its prefill in the first batch, request 2 (1,000
+    /// tokens) needs ten chunks of 100 after it.
+    fn first_decode_and_long_prefill(schedule: Schedule) -> (f64, f64) {
+        let mut p = profile(0.0, 8);
+        p.chunked_prefill_size = 100;
+        p.schedule = schedule;
+        let mut engine = Engine::new(p);
+        let mut short = request(1, 50);
+        short.max_output_tokens = 20;
+        engine.submit(short, 0.0).unwrap();
+        engine.submit(request(2, 1000), 0.0).unwrap();
+        let events = drain(&mut engine);
+        let decode = events.iter().find_map(|e| match e {
+            EngineEvent::DecodeStep { ids, at_ms } if ids.contains(&1) => Some(*at_ms),
+            _ => None,
+        });
+        let long_first = first_tokens(&events)
+            .into_iter()
+            .find(|f| f.0 == 2)
+            .map(|f| f.1);
+        (
+            decode.expect("request 1 decodes"),
+            long_first.expect("request 2 starts"),
+        )
+    }
+
+    #[test]
+    fn prefill_first_holds_decode_until_no_prefill_is_pending() {
+        let (decode, long_first) = first_decode_and_long_prefill(Schedule::Alternate);
+        assert!(decode < long_first, "alternate: {decode} >= {long_first}");
+        let (decode, long_first) = first_decode_and_long_prefill(Schedule::PrefillFirst);
+        assert!(
+            decode > long_first,
+            "prefill-first: {decode} <= {long_first}"
+        );
     }
 }

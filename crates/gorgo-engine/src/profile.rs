@@ -73,6 +73,26 @@ pub struct Profile {
     pub max_running_requests: u32,
     /// Longest prompt + output a request may ask for.
     pub context_length: u64,
+    /// Which iteration runs when both prefill and decode work are pending.
+    #[serde(default)]
+    pub schedule: Schedule,
+}
+
+/// What a scheduler runs when it could run either a prefill batch or a decode step.
+///
+/// The choice decides how long running requests wait while prompts keep arriving,
+/// so it shapes E2E under load: serving stacks differ here, and a profile says which
+/// one it stands for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Schedule {
+    /// A prefill batch and a decode step take turns (decode steps between the chunks
+    /// of a long prefill, as with vLLM's chunked prefill or SGLang's mixed chunks).
+    #[default]
+    Alternate,
+    /// A prefill batch whenever one can be formed; decode only when no waiting request
+    /// can be admitted (SGLang's default scheduler, without `--enable-mixed-chunk`).
+    PrefillFirst,
 }
 
 impl Profile {
