@@ -260,6 +260,23 @@ mod tests {
     }
 
     #[test]
+    fn schedule_defaults_to_alternate_and_a_bad_one_is_named() {
+        let text = include_str!("../../../configs/engines/h200-mistral7b.toml");
+        assert_eq!(
+            Profile::from_toml_str(text, "x").unwrap().schedule,
+            Schedule::Alternate
+        );
+        let first = format!("{text}\nschedule = \"prefill-first\"\n");
+        assert_eq!(
+            Profile::from_toml_str(&first, "x").unwrap().schedule,
+            Schedule::PrefillFirst
+        );
+        let bad = format!("{text}\nschedule = \"fifo\"\n");
+        let e = Profile::from_toml_str(&bad, "x").unwrap_err().to_string();
+        assert!(e.contains("schedule") && e.contains("prefill-first"), "{e}");
+    }
+
+    #[test]
     fn bad_value_is_named() {
         let text = include_str!("../../../configs/engines/h200-mistral7b.toml")
             .replace("max_running_requests = ", "max_running_requests = 0 #");
