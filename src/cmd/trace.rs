@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use gorgo_workload::generate::zipf_weights;
 use gorgo_workload::{
-    open_trace, slice_window, GeneratorConfig, JsonlWriter, StatsAccumulator, TraceFormat,
-    TraceReader,
+    open_trace, slice_window, spread_ties, GeneratorConfig, JsonlWriter, StatsAccumulator,
+    TraceFormat, TraceReader,
 };
 
 /// Arguments of this subcommand.
@@ -58,6 +58,14 @@ struct ConvertArgs {
     /// Keep this many seconds from the window start (default: to the end).
     #[arg(long)]
     duration: Option<f64>,
+    /// Spread the requests that share a timestamp uniformly over the interval to the next
+    /// timestamp, keeping their order (for traces recorded on a coarse clock, such as the
+    /// Mooncake conversation trace's 3-second grid). Applied before the window.
+    #[arg(long)]
+    spread_ties: bool,
+    /// Seed of the spread's draws (with `--spread-ties`).
+    #[arg(long, default_value_t = 0, requires = "spread_ties")]
+    seed: u64,
 }
 
 #[derive(clap::Args, Debug)]
@@ -161,9 +169,24 @@ fn convert(a: ConvertArgs) -> anyhow::Result<()> {
     let reader = open(&a.input, a.format)?;
     let mut out = JsonlWriter::new(create(&a.out)?);
     let mut n = 0u64;
-    for r in slice_window(reader, start, duration) {
-        out.write(&r.with_context(|| a.input.display().to_string())?)?;
-        n += 1;
+    if a.spread_ties {
+        let mut all = reader
+            .collect::<Result<Vec<_>, _>>()
+            .with_context(|| a.input.display().to_string())?;
+        let moved = spread_ties(&mut all, a.seed);
+        eprintln!(
+            "spread {moved} of {} requests sharing a timestamp",
+            all.len()
+        );
+        for r in slice_window(all.into_iter().map(Ok), start, duration) {
+            out.write(&r?)?;
+            n += 1;
+        }
+    } else {
+        for r in slice_window(reader, start, duration) {
+            out.write(&r.with_context(|| a.input.display().to_string())?)?;
+            n += 1;
+        }
     }
     out.finish()?;
     eprintln!("wrote {n} requests to {}", a.out.display());

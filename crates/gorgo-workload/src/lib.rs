@@ -13,6 +13,7 @@ pub mod prompt;
 pub mod read;
 pub mod record;
 pub mod stats;
+pub mod ties;
 pub mod window;
 pub mod write;
 
@@ -26,6 +27,7 @@ pub use prompt::{block_text, chat_body, synthesize_prompt};
 pub use read::{detect_format, open_trace, TraceFormat, TraceReader};
 pub use record::{BlockIds, TraceRequest};
 pub use stats::{LengthSummary, StatsAccumulator, TraceStats};
+pub use ties::spread_ties;
 pub use window::slice_window;
 pub use write::{write_jsonl, JsonlWriter};
 
