@@ -18,11 +18,11 @@
 //! it from its engine model on virtual time. Both call exactly this code, so the
 //! simulator knows what a deployed node knows.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use serde::Serialize;
 
-use crate::cost::{queue_ms, Candidate};
+use crate::cost::{queue_ms, Candidate, PREFILL_CHUNK_TOKENS};
 use crate::engine_metrics::EngineMetrics;
 use crate::error::CoreError;
 use crate::fit::{FitConfig, PrefillFit};
@@ -95,6 +95,10 @@ struct Dispatched {
     /// When its first token arrived, ms on the driver's clock; only for a response
     /// that succeeded (an error body is no decode).
     first_token_ms: Option<u64>,
+    /// When it was dispatched, ms on the driver's clock.
+    dispatched_ms: u64,
+    /// Its place in [`EngineView::prefill_order`] (a repeated id is a new request).
+    seq: u64,
 }
 
 /// The node's view of its engine: scrapes plus its own dispatch accounting, and the
@@ -124,6 +128,15 @@ pub struct EngineView {
     /// The concurrency limit the engine itself last reported (SGLang's
     /// `/get_server_info`, llama.cpp's `/props`); the config's, when set, wins.
     reported_max_running: Option<u32>,
+    /// Our requests in dispatch order as `(id, seq)`, for the one the engine is
+    /// prefilling ([`EngineView::head_progress_tokens`]). Entries leave from the front
+    /// once prefilled or released, so the deque holds at most the dispatched requests
+    /// and those behind an older one still waiting.
+    prefill_order: VecDeque<(u64, u64)>,
+    next_seq: u64,
+    /// When the last of our prefills ended (a first token), ms: an engine that
+    /// prefills FCFS starts the next one then.
+    last_prefill_end_ms: Option<u64>,
 }
 
 /// Gain of the decode-time EWMA: about the last eight requests.
@@ -189,6 +202,9 @@ impl EngineView {
             fit,
             decode_ms: None,
             reported_max_running: None,
+            prefill_order: VecDeque::new(),
+            next_seq: 0,
+            last_prefill_end_ms: None,
         })
     }
 
@@ -271,14 +287,68 @@ impl EngineView {
         &self.fit
     }
 
-    /// The queue stats this node gossips and decides on, with a fresh version:
-    /// scraped engine state made fresher by the node's own accounting.
-    pub fn queue_stats(&mut self, epoch: u64) -> QueueStats {
+    /// The queue stats this node gossips and decides on at `now_ms`, with a fresh
+    /// version: scraped engine state made fresher by the node's own accounting.
+    pub fn queue_stats(&mut self, epoch: u64, now_ms: u64) -> QueueStats {
         self.stats_version += 1;
-        self.stats_at(self.stats_version, epoch)
+        self.stats_at(self.stats_version, epoch, now_ms)
     }
 
-    fn stats_at(&self, version: u64, epoch: u64) -> QueueStats {
+    /// Prefill tokens the engine has presumably computed by `now_ms` of the request it
+    /// is prefilling: the oldest of ours not past its first token (engines prefill in
+    /// arrival order), from when it could start (its dispatch plus the fit's fixed
+    /// cost, or the end of the prefill before it, whichever is later) at the fit's
+    /// cost per token, with one decode step per chunk interleaved. At most all but one
+    /// of its tokens: only its first token says it is done. 0 while the engine holds
+    /// waiting work that is not ours (it may be ahead of ours).
+    ///
+    /// Without this, the request being prefilled counts in full until its first
+    /// token, and a long prompt that is almost done reads as a whole prompt of queue:
+    /// on the Mooncake synthetic trace (prompts of 15k tokens on average, two 8k
+    /// chunks) that overstated the node's own queue by up to a chunk, and made `gorgo`
+    /// 8% slower at p95 than with the engine's exact count (docs/policy.md, "The
+    /// prefill in progress").
+    fn head_progress_tokens(&self, now_ms: u64, foreign_waiting: u64, running: u64) -> u64 {
+        let slot_bound = self
+            .max_running_requests()
+            .is_some_and(|(limit, _)| running >= u64::from(limit));
+        if foreign_waiting > 0 || slot_bound {
+            return 0;
+        }
+        let Some(head) = self.prefill_order.iter().find_map(|(id, seq)| {
+            self.dispatched
+                .get(id)
+                .filter(|d| d.seq == *seq && !d.prefilled)
+        }) else {
+            return 0;
+        };
+        let start = (head.dispatched_ms as f64 + self.fit.base_ms())
+            .max(self.last_prefill_end_ms.map_or(0.0, |t| t as f64));
+        let elapsed = now_ms as f64 - start;
+        let ms_per_token =
+            self.fit.t_p_ms() + self.cfg.decode_step_ms / PREFILL_CHUNK_TOKENS as f64;
+        if !(elapsed > 0.0 && ms_per_token.is_finite() && ms_per_token > 0.0) {
+            return 0;
+        }
+        ((elapsed / ms_per_token) as u64).min(head.prefill_tokens.saturating_sub(1))
+    }
+
+    /// Drop the front of [`EngineView::prefill_order`] while it is no longer waiting
+    /// for its first token.
+    fn prune_prefill_order(&mut self) {
+        while let Some((id, seq)) = self.prefill_order.front() {
+            if self
+                .dispatched
+                .get(id)
+                .is_some_and(|d| d.seq == *seq && !d.prefilled)
+            {
+                break;
+            }
+            self.prefill_order.pop_front();
+        }
+    }
+
+    fn stats_at(&self, version: u64, epoch: u64, now_ms: u64) -> QueueStats {
         let m = &self.scraped;
         let gauge = |v: Option<f64>| v.filter(|x| x.is_finite()).unwrap_or(0.0).max(0.0) as u64;
         let inflight = self.inflight();
@@ -304,6 +374,7 @@ impl EngineView {
         let foreign_waiting = scraped_waiting.saturating_sub(self.unprefilled_at_scrape);
         let unfinished = self
             .unfinished_prefill_tokens
+            .saturating_sub(self.head_progress_tokens(now_ms, foreign_waiting, running))
             .saturating_add(foreign_waiting.saturating_mul(self.mean_prompt_tokens));
         QueueStats {
             version,
@@ -328,24 +399,30 @@ impl EngineView {
         }
     }
 
-    /// The wait a request dispatched now is expected to see behind work already at the
-    /// engine, ms (the unweighted [`queue_ms`] of this view's stats).
-    pub fn queued_estimate_ms(&self) -> f64 {
+    /// The wait a request dispatched at `now_ms` is expected to see behind work
+    /// already at the engine, ms (the unweighted [`queue_ms`] of this view's stats).
+    pub fn queued_estimate_ms(&self, now_ms: u64) -> f64 {
         queue_ms(&Candidate {
-            stats: self.stats_at(self.stats_version, 0),
+            stats: self.stats_at(self.stats_version, 0, now_ms),
             ..Candidate::idle("local", true, 0.0)
         })
         .0
     }
 
-    /// Request `id` was sent to the engine now. `uncached_tokens` is what the
+    /// Request `id` was sent to the engine at `now_ms`. `uncached_tokens` is what the
     /// engine must prefill (the prompt less the prefix the shadow index expects cached,
     /// clamped to the prompt): the queue's work, while the raw `prompt_tokens` is what
     /// `gorgo-paper` counts. A repeated `id` first cancels the old one, so counters
     /// never double count. Returns the queueing estimate recorded for the fit, ms.
-    pub fn dispatch(&mut self, id: u64, prompt_tokens: u64, uncached_tokens: u64) -> f64 {
+    pub fn dispatch(
+        &mut self,
+        id: u64,
+        prompt_tokens: u64,
+        uncached_tokens: u64,
+        now_ms: u64,
+    ) -> f64 {
         self.cancel(id);
-        let queued_est_ms = self.queued_estimate_ms();
+        let queued_est_ms = self.queued_estimate_ms(now_ms);
         let prefill_tokens = uncached_tokens.min(prompt_tokens);
         // EWMA (1/8) of the prefill work we dispatch.
         self.mean_prompt_tokens = (self
@@ -367,8 +444,12 @@ impl EngineView {
                 prefilled: false,
                 queued_est_ms,
                 first_token_ms: None,
+                dispatched_ms: now_ms,
+                seq: self.next_seq,
             },
         );
+        self.prefill_order.push_back((id, self.next_seq));
+        self.next_seq += 1;
         queued_est_ms
     }
 
@@ -387,6 +468,10 @@ impl EngineView {
         d.prefilled = true;
         d.first_token_ms = engine_ttft_ms.is_some().then_some(now_ms);
         let d = *d;
+        if engine_ttft_ms.is_some() {
+            self.last_prefill_end_ms = Some(now_ms);
+        }
+        self.prune_prefill_order();
         self.unfinished_prefill_tokens = self
             .unfinished_prefill_tokens
             .saturating_sub(d.prefill_tokens);
@@ -432,6 +517,7 @@ impl EngineView {
             self.unprefilled = self.unprefilled.saturating_sub(1);
         }
         self.queued_prompt_tokens = self.queued_prompt_tokens.saturating_sub(d.prompt_tokens);
+        self.prune_prefill_order();
     }
 }
 
@@ -447,8 +533,8 @@ mod tests {
     #[test]
     fn dispatch_counts_uncached_tokens_as_prefill_work() {
         let mut v = view();
-        v.dispatch(1, 1000, 150);
-        let stats = v.queue_stats(0);
+        v.dispatch(1, 1000, 150, 0);
+        let stats = v.queue_stats(0, 0);
         assert_eq!(stats.unfinished_prefill_tokens, 150);
         assert_eq!(stats.queued_prompt_tokens, 1000);
         assert_eq!(
@@ -457,13 +543,13 @@ mod tests {
         );
         assert_eq!(v.inflight(), 1);
         v.first_token(1, Some(200.0), 10);
-        assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, 0);
+        assert_eq!(v.queue_stats(0, 0).unfinished_prefill_tokens, 0);
         v.finish(1, 0);
-        let stats = v.queue_stats(0);
+        let stats = v.queue_stats(0, 0);
         assert_eq!((stats.queued_prompt_tokens, v.inflight()), (0, 0));
         // More uncached than prompt (a stale count) is clamped to the prompt.
-        v.dispatch(2, 10, 50);
-        assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, 10);
+        v.dispatch(2, 10, 50, 0);
+        assert_eq!(v.queue_stats(0, 0).unfinished_prefill_tokens, 10);
     }
 
     #[test]
@@ -479,7 +565,7 @@ mod tests {
             },
             5,
         );
-        let s = v.queue_stats(7);
+        let s = v.queue_stats(7, 0);
         assert_eq!(s.unfinished_prefill_tokens, 3 * DEFAULT_MEAN_PROMPT_TOKENS);
         assert_eq!((s.running, s.waiting), (2, 3));
         assert_eq!((s.kv_used_tokens, s.kv_capacity_tokens), (500, 1000));
@@ -493,8 +579,8 @@ mod tests {
         let mut v = view();
         // Our own requests: a long one and a short one, neither prefilled yet. The mean
         // prompt the EWMA settles on lies between them.
-        v.dispatch(1, 30_000, 30_000);
-        v.dispatch(2, 100, 100);
+        v.dispatch(1, 30_000, 30_000, 0);
+        v.dispatch(2, 100, 100, 0);
         let ours = 30_100;
         let scrape = |waiting: f64| EngineMetrics {
             running: Some(0.0),
@@ -504,28 +590,96 @@ mod tests {
         // The engine shows both waiting: they are ours, counted at their real size,
         // not at twice the mean.
         v.scrape(scrape(2.0), 1);
-        assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, ours);
+        assert_eq!(v.queue_stats(0, 0).unfinished_prefill_tokens, ours);
         // Three more waiting than ours not yet prefilled: work another router sent,
         // counted at the mean on top of ours.
         v.scrape(scrape(5.0), 2);
         let mean = v.mean_prompt_tokens;
-        assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, ours + 3 * mean);
+        assert_eq!(
+            v.queue_stats(0, 0).unfinished_prefill_tokens,
+            ours + 3 * mean
+        );
         // Ours prefilled or finished since the scrape were in its `waiting`: the
         // scrape still shows three of someone else's, not four or five.
         v.first_token(1, None, 3);
-        assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, 100 + 3 * mean);
+        assert_eq!(
+            v.queue_stats(0, 0).unfinished_prefill_tokens,
+            100 + 3 * mean
+        );
         v.finish(2, 0);
-        assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, 3 * mean);
+        assert_eq!(v.queue_stats(0, 0).unfinished_prefill_tokens, 3 * mean);
         // The next scrape counts against what is ours then: none.
         v.scrape(scrape(4.0), 4);
-        assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, 4 * mean);
+        assert_eq!(v.queue_stats(0, 0).unfinished_prefill_tokens, 4 * mean);
+    }
+
+    #[test]
+    fn the_prefill_in_progress_counts_what_is_left_of_it() {
+        let mut v = view();
+        let (base, t_p) = (v.fit().base_ms(), v.fit().t_p_ms());
+        let per_token = t_p + v.cfg.decode_step_ms / PREFILL_CHUNK_TOKENS as f64;
+        v.dispatch(1, 16_000, 16_000, 1_000);
+        v.dispatch(2, 4_000, 4_000, 1_000);
+        let unfinished =
+            |v: &mut EngineView, now: u64| v.queue_stats(0, now).unfinished_prefill_tokens;
+        // Before the engine can have started, both count in full.
+        assert_eq!(unfinished(&mut v, 1_000), 20_000);
+        assert_eq!(unfinished(&mut v, 1_000 + base as u64), 20_000);
+        // 750 ms into the first one's prefill: that much of it is done.
+        let at = 1_000 + base as u64 + 750;
+        let done = ((at as f64 - 1_000.0 - base) / per_token) as u64;
+        assert!(done > 7_000, "{done}");
+        assert_eq!(unfinished(&mut v, at), 20_000 - done);
+        // Long after it should have ended, all but one of its tokens: only its first
+        // token says it is done; the second has not started.
+        assert_eq!(unfinished(&mut v, 60_000), 4_001);
+        // Its first token: the second one starts then.
+        v.first_token(1, Some(1_700.0), 3_000);
+        assert_eq!(unfinished(&mut v, 3_000), 4_000);
+        // (The first token also taught the fit: its cost per token now.)
+        let per_token = v.fit().t_p_ms() + v.cfg.decode_step_ms / PREFILL_CHUNK_TOKENS as f64;
+        let later = 3_000 + 200;
+        assert_eq!(
+            unfinished(&mut v, later),
+            4_000 - (200.0 / per_token) as u64
+        );
+        // Waiting work at the engine that is not ours may be ahead of ours: nothing is
+        // taken as done (it counts at our mean prompt on top).
+        v.scrape(
+            EngineMetrics {
+                running: Some(1.0),
+                waiting: Some(3.0),
+                ..EngineMetrics::default()
+            },
+            later,
+        );
+        assert!(unfinished(&mut v, later) > 4_000);
+    }
+
+    #[test]
+    fn a_slot_bound_engine_has_not_started_our_next_prefill() {
+        let mut v = EngineView::new(ViewConfig {
+            max_running_requests: Some(2),
+            ..ViewConfig::default()
+        })
+        .unwrap();
+        v.dispatch(1, 8_000, 8_000, 0);
+        v.scrape(
+            EngineMetrics {
+                running: Some(2.0),
+                waiting: Some(1.0),
+                ..EngineMetrics::default()
+            },
+            1,
+        );
+        assert_eq!(v.queue_stats(0, 5_000).unfinished_prefill_tokens, 8_000);
     }
 
     #[test]
     fn ours_prefilled_since_the_scrape_are_not_read_as_foreign_work() {
         let mut v = view();
         for id in 0..8 {
-            v.dispatch(id, 1_000, 1_000);
+            v.dispatch(id, 1_000, 1_000, 0);
         }
         // A burst of ours, all waiting at the engine when it was scraped.
         v.scrape(
@@ -536,13 +690,13 @@ mod tests {
             },
             1,
         );
-        assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, 8_000);
+        assert_eq!(v.queue_stats(0, 0).unfinished_prefill_tokens, 8_000);
         // The engine prefills them before the next scrape: nothing is left to wait
         // behind, though the last scrape still says 8 waiting.
         for id in 0..8 {
             v.first_token(id, Some(100.0), 2);
         }
-        let s = v.queue_stats(0);
+        let s = v.queue_stats(0, 0);
         assert_eq!(s.unfinished_prefill_tokens, 0);
     }
 
@@ -559,28 +713,28 @@ mod tests {
         })
         .unwrap();
         // Nothing decoded yet: only prefill is counted.
-        v.dispatch(1, 100, 100);
-        v.dispatch(2, 100, 100);
-        assert!((v.queued_estimate_ms() - 100.0).abs() < 1e-9);
+        v.dispatch(1, 100, 100, 0);
+        v.dispatch(2, 100, 100, 0);
+        assert!((v.queued_estimate_ms(0) - 100.0).abs() < 1e-9);
         // Request 1 decodes for 400 ms, request 2 for 600 ms (both successes; their
         // TTFTs feed the fit, so the prefill part below is read from it).
         v.first_token(1, Some(50.0), 50);
         v.finish(1, 450);
-        let decode_ms = |v: &mut EngineView| v.queue_stats(0).slots.unwrap().decode_ms;
+        let decode_ms = |v: &mut EngineView| v.queue_stats(0, 0).slots.unwrap().decode_ms;
         assert_eq!(decode_ms(&mut v), 400.0);
         v.first_token(2, Some(100.0), 500);
         v.finish(2, 1100);
         let d = 400.0 + DECODE_GAIN * 200.0;
         assert!((decode_ms(&mut v) - d).abs() < 1e-9);
-        assert_eq!(v.queue_stats(0).slots.unwrap().max_running, 1);
+        assert_eq!(v.queue_stats(0, 0).slots.unwrap().max_running, 1);
         // Three requests of ours ahead, one of them decoding: the rest of its decode,
         // the other two's prefill and their whole decode.
-        v.dispatch(3, 100, 100);
+        v.dispatch(3, 100, 100, 0);
         v.first_token(3, Some(50.0), 1250);
-        v.dispatch(4, 100, 100);
-        v.dispatch(5, 100, 100);
+        v.dispatch(4, 100, 100, 0);
+        v.dispatch(5, 100, 100, 0);
         let prefill = 200.0 * v.fit().t_p_ms();
-        assert!((v.queued_estimate_ms() - (prefill + 2.5 * d)).abs() < 1e-9);
+        assert!((v.queued_estimate_ms(0) - (prefill + 2.5 * d)).abs() < 1e-9);
         // A cancelled request that never got its first token leaves the average alone,
         // and so does an error response (its body is no decode).
         v.finish(5, 5000);
@@ -590,24 +744,24 @@ mod tests {
         // Nor does one past its first token that is cancelled (a client gone one token
         // in, a deadline of minutes) or dispatched again under its id.
         v.cancel(3);
-        v.dispatch(6, 100, 100);
+        v.dispatch(6, 100, 100, 0);
         v.first_token(6, Some(50.0), 5150);
-        v.dispatch(6, 100, 100);
+        v.dispatch(6, 100, 100, 0);
         v.cancel(6);
         assert!((decode_ms(&mut v) - d).abs() < 1e-9);
         assert_eq!(v.inflight(), 0);
         // Without a configured limit the same queue is prefill only.
         let mut unlimited = view();
-        unlimited.dispatch(1, 100, 100);
+        unlimited.dispatch(1, 100, 100, 0);
         unlimited.first_token(1, Some(200.0), 10);
         unlimited.finish(1, 1000);
-        unlimited.dispatch(2, 100, 100);
-        unlimited.dispatch(3, 100, 100);
-        assert_eq!(unlimited.queue_stats(0).slots, None);
+        unlimited.dispatch(2, 100, 100, 0);
+        unlimited.dispatch(3, 100, 100, 0);
+        assert_eq!(unlimited.queue_stats(0, 0).slots, None);
         assert!(
-            (unlimited.queued_estimate_ms() - 200.0 * unlimited.fit().t_p_ms()).abs() < 1e-9,
+            (unlimited.queued_estimate_ms(0) - 200.0 * unlimited.fit().t_p_ms()).abs() < 1e-9,
             "{}",
-            unlimited.queued_estimate_ms()
+            unlimited.queued_estimate_ms(0)
         );
     }
 
@@ -615,18 +769,18 @@ mod tests {
     fn the_engine_reported_limit_counts_unless_the_config_states_one() {
         let mut v = view();
         assert_eq!(
-            (v.max_running_requests(), v.queue_stats(0).slots),
+            (v.max_running_requests(), v.queue_stats(0, 0).slots),
             (None, None)
         );
         v.engine_reports_max_running(Some(4));
         assert_eq!(v.max_running_requests(), Some((4, LimitSource::Engine)));
-        assert_eq!(v.queue_stats(0).slots.map(|s| s.max_running), Some(4));
+        assert_eq!(v.queue_stats(0, 0).slots.map(|s| s.max_running), Some(4));
         // 0 is no report, and an engine that stops saying takes its limit back.
         v.engine_reports_max_running(Some(0));
         assert_eq!(v.max_running_requests(), None);
         v.engine_reports_max_running(Some(4));
         v.engine_reports_max_running(None);
-        assert_eq!(v.queue_stats(0).slots, None);
+        assert_eq!(v.queue_stats(0, 0).slots, None);
         // The operator's limit wins over the engine's.
         let mut configured = EngineView::new(ViewConfig {
             max_running_requests: Some(1),
@@ -639,7 +793,7 @@ mod tests {
             Some((1, LimitSource::Config))
         );
         assert_eq!(
-            configured.queue_stats(0).slots.map(|s| s.max_running),
+            configured.queue_stats(0, 0).slots.map(|s| s.max_running),
             Some(1)
         );
     }
@@ -648,10 +802,10 @@ mod tests {
     fn short_requests_behind_a_long_one_are_not_counted_at_its_size() {
         let mut v = view();
         // A long prompt lifts the mean; then three short ones wait.
-        v.dispatch(1, 30_000, 30_000);
+        v.dispatch(1, 30_000, 30_000, 0);
         v.first_token(1, None, 1);
         for id in 2..5 {
-            v.dispatch(id, 100, 100);
+            v.dispatch(id, 100, 100, 0);
         }
         v.scrape(
             EngineMetrics {
@@ -665,7 +819,7 @@ mod tests {
             3 * v.mean_prompt_tokens > 3_000,
             "the mean still remembers the long one"
         );
-        assert_eq!(v.queue_stats(0).unfinished_prefill_tokens, 300);
+        assert_eq!(v.queue_stats(0, 0).unfinished_prefill_tokens, 300);
     }
 
     #[test]
@@ -682,8 +836,8 @@ mod tests {
             },
             0,
         );
-        let a = v.queue_stats(0);
-        let b = v.queue_stats(0);
+        let a = v.queue_stats(0, 0);
+        let b = v.queue_stats(0, 0);
         assert!(b.version > a.version);
         assert_eq!(a.kv_capacity_tokens, 77);
         assert!(EngineView::new(ViewConfig {
@@ -697,8 +851,8 @@ mod tests {
     fn the_fit_sees_ttft_less_the_wait_estimated_at_dispatch() {
         let mut v = view();
         // Work ahead: one request with 100k uncached tokens, not yet prefilled.
-        v.dispatch(1, 100_000, 100_000);
-        let est = v.dispatch(2, 1000, 1000);
+        v.dispatch(1, 100_000, 100_000, 0);
+        let est = v.dispatch(2, 1000, 1000, 0);
         assert!(est > 1000.0, "100k tokens ahead at ~0.09 ms each: {est}");
         let before = v.fit().samples();
         // An engine-side TTFT that is all queueing is skipped or absorbed, never
@@ -717,7 +871,7 @@ mod tests {
     #[test]
     fn cancel_before_first_token_releases_everything() {
         let mut v = view();
-        v.dispatch(9, 500, 400);
+        v.dispatch(9, 500, 400, 0);
         v.finish(9, 0);
         v.finish(9, 0);
         v.first_token(9, Some(1.0), 0);
@@ -765,11 +919,12 @@ mod tests {
             let mut v = view();
             let mut open: HashMap<u64, (u64, u64, bool)> = HashMap::new();
             for (t, op) in ops.into_iter().enumerate() {
-                let now = t as u64;
+                // 300 ms apart: long enough for the prefill in progress to count.
+                let now = t as u64 * 300;
                 match op {
                     Op::Dispatch { id, prompt, uncached } => {
                         let (p, u) = (prompt as u64, uncached as u64);
-                        v.dispatch(id as u64, p, u);
+                        v.dispatch(id as u64, p, u, now);
                         open.insert(id as u64, (p, u.min(p), false));
                     }
                     Op::FirstToken { id, ttft } => {
@@ -799,8 +954,10 @@ mod tests {
                     open.values().filter(|e| !e.2).map(|e| e.1).sum::<u64>()
                 );
                 prop_assert_eq!(c.unprefilled, open.values().filter(|e| !e.2).count() as u64);
-                let s = v.queue_stats(0);
-                prop_assert!(s.unfinished_prefill_tokens >= c.unfinished_prefill_tokens);
+                // At most one request's prefill (the one in progress) is taken as done.
+                let s = v.queue_stats(0, now);
+                let largest = open.values().filter(|e| !e.2).map(|e| e.1).max().unwrap_or(0);
+                prop_assert!(s.unfinished_prefill_tokens + largest >= c.unfinished_prefill_tokens);
                 prop_assert!(s.t_p_ms.is_finite() && s.base_ms.is_finite());
             }
             let ids: Vec<u64> = open.keys().copied().collect();
@@ -816,6 +973,7 @@ mod tests {
                     queued_prompt_tokens: 0,
                 }
             );
+            prop_assert!(v.prefill_order.is_empty());
         }
     }
 }

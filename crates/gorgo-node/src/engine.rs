@@ -212,10 +212,11 @@ impl EngineAdapter {
         self.view.lock().counters()
     }
 
-    /// The local queue signal (see [`EngineView::queue_stats`]), with the models the
-    /// engine serves.
+    /// The local queue signal now (see [`EngineView::queue_stats`]), with the models
+    /// the engine serves.
     pub fn queue_stats(&self, epoch: u64) -> QueueStats {
-        let mut stats = self.view.lock().queue_stats(epoch);
+        let now_ms = self.now_ms();
+        let mut stats = self.view.lock().queue_stats(epoch, now_ms);
         stats.models = self.models.lock().ids.clone();
         stats
     }
@@ -242,9 +243,10 @@ impl EngineAdapter {
     /// decode time it measures (first byte to finish) is on one clock.
     pub fn dispatch(self: &Arc<Self>, prompt_tokens: u64, uncached_tokens: u64) -> EngineTicket {
         let id = self.next_ticket.fetch_add(1, Ordering::Relaxed);
+        let now_ms = self.now_ms();
         self.view
             .lock()
-            .dispatch(id, prompt_tokens, uncached_tokens);
+            .dispatch(id, prompt_tokens, uncached_tokens, now_ms);
         EngineTicket {
             engine: self.clone(),
             id,

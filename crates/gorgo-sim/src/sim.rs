@@ -962,7 +962,7 @@ impl<'a> Sim<'a> {
         let held = self.held_share(r, k);
         if !self.cfg.exact_state {
             if let Some(n) = self.nodes.get_mut(r) {
-                let mut stats = n.engines[k].view.queue_stats(epoch);
+                let mut stats = n.engines[k].view.queue_stats(epoch, self.now as u64);
                 stats.unfinished_prefill_tokens += held;
                 return stats;
             }
@@ -1491,7 +1491,7 @@ impl<'a> Sim<'a> {
                     node.shadow.insert(&f.chain, nowu);
                 }
                 node.view
-                    .dispatch(slot as u64, prompt_tokens, prompt_tokens - cached);
+                    .dispatch(slot as u64, prompt_tokens, prompt_tokens - cached, nowu);
             }
         }
         let engine = &mut self.engines[e];
