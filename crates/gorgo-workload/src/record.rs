@@ -81,6 +81,26 @@ pub struct TraceRequest {
     pub system_prompt_hash: Option<String>,
 }
 
+#[cfg(test)]
+impl TraceRequest {
+    /// A one-token request at `timestamp_ms` with no prefix, for tests of what is
+    /// done to a trace's timing.
+    pub(crate) fn at_ms(timestamp_ms: u64) -> Self {
+        TraceRequest {
+            timestamp_ms,
+            input_tokens: 1,
+            output_tokens: 1,
+            blocks: BlockIds::None,
+            tokens_per_block: 256,
+            user: None,
+            session: None,
+            home_region: None,
+            request_id: None,
+            system_prompt_hash: None,
+        }
+    }
+}
+
 impl TraceRequest {
     /// The request's prompt as a hash chain, built from the block ids so that it equals
     /// what every other consumer (node, simulator) derives for the same ids.

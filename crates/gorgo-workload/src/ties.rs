@@ -66,22 +66,10 @@ pub fn spread_ties(requests: &mut [TraceRequest], seed: u64) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::record::BlockIds;
     use proptest::prelude::*;
 
     fn at(t: u64) -> TraceRequest {
-        TraceRequest {
-            timestamp_ms: t,
-            input_tokens: 1,
-            output_tokens: 1,
-            blocks: BlockIds::None,
-            tokens_per_block: 256,
-            user: None,
-            session: None,
-            home_region: None,
-            request_id: None,
-            system_prompt_hash: None,
-        }
+        TraceRequest::at_ms(t)
     }
 
     fn stamps(rs: &[TraceRequest]) -> Vec<u64> {

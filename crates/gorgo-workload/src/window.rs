@@ -32,21 +32,9 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::record::BlockIds;
 
     fn at(t: u64) -> Result<TraceRequest> {
-        Ok(TraceRequest {
-            timestamp_ms: t,
-            input_tokens: 1,
-            output_tokens: 1,
-            blocks: BlockIds::None,
-            tokens_per_block: 256,
-            user: None,
-            session: None,
-            home_region: None,
-            request_id: None,
-            system_prompt_hash: None,
-        })
+        Ok(TraceRequest::at_ms(t))
     }
 
     #[test]
