@@ -300,7 +300,8 @@ impl EngineView {
     /// cost, or the end of the prefill before it, whichever is later) at the fit's
     /// cost per token, with one decode step per chunk interleaved. At most all but one
     /// of its tokens: only its first token says it is done. 0 while the engine holds
-    /// waiting work that is not ours (it may be ahead of ours).
+    /// waiting work that is not ours (it may be ahead of ours), or while its slots are
+    /// full (the request waits for a slot, not for prefill).
     ///
     /// Without this, the request being prefilled counts in full until its first
     /// token, and a long prompt that is almost done reads as a whole prompt of queue:
