@@ -864,9 +864,10 @@ impl Tuner {
     }
 
     /// The proposal that starts a trial at `epoch` from `state`: the incumbent and a
-    /// fresh candidate together (interleaved), the incumbent alone in both arms (a
-    /// settled interleaved line, [`EsState::is_settled`]), the incumbent's
-    /// re-measurement (sequential), or the frozen incumbent.
+    /// fresh candidate together (interleaved), the incumbent alone in both arms (an
+    /// interleaved line whose noise is not measured yet, [`EsState::noise_known`], or
+    /// that has settled, [`EsState::is_settled`]), the incumbent's re-measurement
+    /// (sequential), or the frozen incumbent.
     fn trial_proposal(&self, epoch: u64, mut state: EsState) -> Proposal {
         let weights = self.cfg.clip(state.incumbent);
         if self.cfg.mode == TuningMode::TuneThenFreeze && state.is_settled(&self.cfg) {
@@ -879,7 +880,12 @@ impl Tuner {
         } else {
             match self.cfg.trial {
                 TrialDesign::Sequential => (Phase::MeasureIncumbent, None),
-                TrialDesign::Interleaved if state.is_settled(&self.cfg) => {
+                // Settled, or the noise not yet measured: a trial then can only pass
+                // by luck, and its candidate arm costs traffic; both arms run the
+                // incumbent and their halves measure the noise.
+                TrialDesign::Interleaved
+                    if state.is_settled(&self.cfg) || !state.noise_known(&self.cfg) =>
+                {
                     (Phase::Interleaved, None)
                 }
                 TrialDesign::Interleaved => (Phase::Interleaved, Some(state.mutate(&self.cfg))),
@@ -1142,36 +1148,44 @@ mod tests {
         let out = t.tick(0);
         let p = broadcasts(&out)[0].clone();
         assert_eq!((p.epoch, p.phase), (1, Phase::Interleaved));
-        let cand = p.candidate.expect("a candidate arm");
+        // No trial before the noise is measured: both arms run the incumbent, and their
+        // halves measure the noise. One window gives too few samples of it.
+        assert_eq!(p.candidate, None, "no trial on unmeasured noise");
+        for w in 0..2u64 {
+            for k in w * 100..w * 100 + 64 {
+                let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()));
+                assert_eq!(a.weights, p.weights);
+            }
+            serve(&mut t, w * 10..w * 10 + 10, |_| 100.0);
+            let out = t.tick(w * 10 + 10);
+            assert!(
+                first_record(&out).is_none(),
+                "a noise window decides nothing"
+            );
+        }
+        let p = t.current().unwrap().clone();
+        assert_eq!(p.epoch, 3);
+        let cand = p.candidate.expect("a trial once the noise is known");
         assert_eq!(t.weights(), p.weights, "weights() is the incumbent's arm");
         // Both arms are routed, each with its own weights, in every cell.
         let mut seen = [0; CELLS];
-        for k in 0..64u64 {
+        for k in 1000..1064u64 {
             let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()));
             seen[a.cell as usize] += 1;
             let want = if a.cell >= 2 { cand } else { p.weights };
             assert_eq!(a.weights, want);
         }
         assert!(seen.iter().all(|&n| n > 5), "{seen:?}");
-        // The candidate's arm is faster in the same window, but one window's halves are
-        // too few samples of the noise to accept on: the same trial runs again.
-        serve(&mut t, 0..10, |w| if w == cand { 50.0 } else { 100.0 });
-        let out = t.tick(10);
-        assert!(
-            first_record(&out).is_none(),
-            "no acceptance on unmeasured noise"
-        );
-        let again = t.current().unwrap();
-        assert_eq!((again.epoch, again.candidate), (2, Some(cand)));
-        // The second window measures the noise (none: equal halves): accepted.
-        serve(&mut t, 10..20, |w| if w == cand { 50.0 } else { 100.0 });
-        let out = t.tick(20);
-        let rec = first_record(&out).expect("a decision after two windows");
+        // The candidate's arm is faster in the same window, beyond the measured noise
+        // (none: equal halves): accepted after one window.
+        serve(&mut t, 20..30, |w| if w == cand { 50.0 } else { 100.0 });
+        let out = t.tick(30);
+        let rec = first_record(&out).expect("a decision on the measured noise");
         assert!(rec.accepted, "{rec:?}");
-        assert_eq!((rec.epoch, rec.candidate), (2, cand));
-        assert_eq!(rec.samples + rec.incumbent_samples, 20);
+        assert_eq!((rec.epoch, rec.candidate), (3, cand));
+        assert_eq!(rec.samples + rec.incumbent_samples, 10);
         let next = t.current().unwrap();
-        assert_eq!((next.epoch, next.phase), (3, Phase::Interleaved));
+        assert_eq!((next.epoch, next.phase), (4, Phase::Interleaved));
         assert_eq!(next.weights, cand, "the winner is the next incumbent");
         assert_ne!(next.candidate, Some(cand));
     }
@@ -1199,9 +1213,12 @@ mod tests {
         };
         let mut t = Tuner::new("a".into(), cfg).unwrap();
         t.tick(0);
-        assert!(t.current().unwrap().candidate.is_some(), "a trial to start");
+        assert!(
+            t.current().unwrap().candidate.is_none(),
+            "the noise is measured first"
+        );
         // Halves of the same weights 2x apart: a trial would need far more than
-        // `settle_margin` of improvement. The first trial runs its two windows...
+        // `settle_margin` of improvement. The line measures the noise for two windows...
         let noisy = |c: Cell| if c.is_multiple_of(2) { 100.0 } else { 200.0 };
         let mut key = 0;
         for w in 1..=2 {
@@ -1449,7 +1466,8 @@ mod tests {
         };
         let mut t = Tuner::new("a".into(), c).unwrap();
         t.tick(0);
-        for epoch in 1..=2u64 {
+        // Two windows measure the noise, the third decides a trial.
+        for epoch in 1..=3u64 {
             serve(&mut t, epoch * 100..epoch * 100 + 10, |_| 100.0);
             t.tick(epoch * 10);
         }
