@@ -642,8 +642,9 @@ mod tests {
         }
         let v = d.view();
         assert_eq!(v.epoch, 7);
-        // Interleaved: every epoch is a trial of both arms.
-        assert_eq!(v.history.len(), 6);
+        // Interleaved: the first two epochs measure the noise, every later one is a
+        // trial of both arms.
+        assert_eq!(v.history.len(), 4);
         assert!(v.is_leader);
         let line = &v.es_trace[0];
         assert_eq!(line["kind"], "tune");
