@@ -29,9 +29,11 @@ trap - EXIT
 "$G" tune-offline --trace "$T" --window-s "$WIN" --time-scale "$TS" \
   --max-context-tokens 32768 --no-progress --out "$OUT/grid" > "$OUT/grid.log" 2>&1
 python3 - "$OUT" "$G" "$T" "$WIN" "$TS" <<'EOF'
-import json, math, subprocess, sys
+import json, math, os, subprocess, sys
 out, g, trace, win, ts = sys.argv[1:]
-lines = [json.loads(l) for l in open(f"{out}/live/tuning.jsonl") if l.strip()]
+# No tuning.jsonl: the line decided nothing (no start-fit move, no trial: it settled).
+path = f"{out}/live/tuning.jsonl"
+lines = [json.loads(l) for l in open(path) if l.strip()] if os.path.exists(path) else []
 lines.sort(key=lambda r: r["epoch"])
 inc = lines[0]["incumbent"] if lines else {"w_rtt": 1.0, "w_queue": 1.0}
 for r in lines:
