@@ -54,6 +54,19 @@ use crate::error::CoreError;
 use crate::policy::PolicyKind;
 use crate::types::Weights;
 
+/// Why an interleaved line runs no trial in a window: both arms run the incumbent, and
+/// their halves measure the noise ([`EsState::trial_hold`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TrialHold {
+    /// Fewer than [`MIN_NOISE_SAMPLES`] noise samples: whether a trial could be decided
+    /// is not known yet, and a candidate would cost its arm's traffic for nothing.
+    MeasuringNoise,
+    /// At the measured noise a trial would need more than `settle_margin` of
+    /// improvement ([`EsState::is_settled`]).
+    Settled,
+}
+
 /// Outcomes the 1/5 rule looks at.
 pub const SUCCESS_WINDOW: usize = 8;
 /// Rechenberg's step-size factor.
@@ -789,6 +802,21 @@ impl EsState {
         let k = f64::from(cfg.max_trial_windows.max(1));
         let threshold = (1.0 - cfg.min_improvement).ln() - cfg.noise_z * sd / k.sqrt();
         Some(1.0 - threshold.exp())
+    }
+
+    /// Why an interleaved line runs no trial now, or `None` when it runs one (and for a
+    /// sequential line, which always does): the noise is not measured yet, or the line
+    /// has settled. The tuner's proposals and `/admin/tuning` both read it here.
+    pub fn trial_hold(&self, cfg: &TuningConfig) -> Option<TrialHold> {
+        if cfg.trial != TrialDesign::Interleaved {
+            None
+        } else if !self.noise_known(cfg) {
+            Some(TrialHold::MeasuringNoise)
+        } else if self.is_settled(cfg) {
+            Some(TrialHold::Settled)
+        } else {
+            None
+        }
     }
 
     /// True when an interleaved line should run no trial now: the improvement a trial

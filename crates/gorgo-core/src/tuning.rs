@@ -865,9 +865,9 @@ impl Tuner {
 
     /// The proposal that starts a trial at `epoch` from `state`: the incumbent and a
     /// fresh candidate together (interleaved), the incumbent alone in both arms (an
-    /// interleaved line whose noise is not measured yet, [`EsState::noise_known`], or
-    /// that has settled, [`EsState::is_settled`]), the incumbent's re-measurement
-    /// (sequential), or the frozen incumbent.
+    /// interleaved line whose noise is not measured yet or that has settled,
+    /// [`EsState::trial_hold`]), the incumbent's re-measurement (sequential), or the
+    /// frozen incumbent.
     fn trial_proposal(&self, epoch: u64, mut state: EsState) -> Proposal {
         let weights = self.cfg.clip(state.incumbent);
         if self.cfg.mode == TuningMode::TuneThenFreeze && state.is_settled(&self.cfg) {
@@ -880,12 +880,10 @@ impl Tuner {
         } else {
             match self.cfg.trial {
                 TrialDesign::Sequential => (Phase::MeasureIncumbent, None),
-                // Settled, or the noise not yet measured: a trial then can only pass
+                // The noise not yet measured, or settled: a trial then can only pass
                 // by luck, and its candidate arm costs traffic; both arms run the
                 // incumbent and their halves measure the noise.
-                TrialDesign::Interleaved
-                    if state.is_settled(&self.cfg) || !state.noise_known(&self.cfg) =>
-                {
+                TrialDesign::Interleaved if state.trial_hold(&self.cfg).is_some() => {
                     (Phase::Interleaved, None)
                 }
                 TrialDesign::Interleaved => (Phase::Interleaved, Some(state.mutate(&self.cfg))),
@@ -1217,6 +1215,10 @@ mod tests {
             t.current().unwrap().candidate.is_none(),
             "the noise is measured first"
         );
+        assert_eq!(
+            t.current().unwrap().state.trial_hold(t.config()),
+            Some(crate::es::TrialHold::MeasuringNoise)
+        );
         // Halves of the same weights 2x apart: a trial would need far more than
         // `settle_margin` of improvement. The line measures the noise for two windows...
         let noisy = |c: Cell| if c.is_multiple_of(2) { 100.0 } else { 200.0 };
@@ -1230,6 +1232,10 @@ mod tests {
         let state = &t.current().unwrap().state;
         let need = state.required_improvement(t.config()).unwrap();
         assert!(need > t.config().settle_margin, "{need}");
+        assert_eq!(
+            state.trial_hold(t.config()),
+            Some(crate::es::TrialHold::Settled)
+        );
         let p = t.current().unwrap().clone();
         assert_eq!((p.phase, p.candidate), (Phase::Interleaved, None));
         let mut cells = [0; CELLS];
@@ -1255,6 +1261,7 @@ mod tests {
         let state = &t.current().unwrap().state;
         let need = state.required_improvement(t.config()).unwrap();
         assert!(need <= t.config().settle_margin, "{need}");
+        assert_eq!(state.trial_hold(t.config()), None);
         // `tune-then-freeze`: the same line freezes where it would settle.
         let freeze = TuningConfig {
             mode: TuningMode::TuneThenFreeze,
@@ -1273,6 +1280,11 @@ mod tests {
         let seq_cfg = sequential();
         seq.noise_var = 1.0;
         assert!(!seq.is_settled(&seq_cfg));
+        assert_eq!(
+            seq.trial_hold(&seq_cfg),
+            None,
+            "a sequential line always trials"
+        );
     }
 
     #[test]

@@ -18,7 +18,9 @@ use std::collections::{BTreeSet, VecDeque};
 use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use gorgo_core::es::{TuningConfig, TuningMode, SIGMA_DECAY, SUCCESS_WINDOW, TARGET_SUCCESS_RATE};
+use gorgo_core::es::{
+    TrialHold, TuningConfig, TuningMode, SIGMA_DECAY, SUCCESS_WINDOW, TARGET_SUCCESS_RATE,
+};
 use gorgo_core::tuning::{
     Cell, EpochKey, Phase, StartFit, TermSample, Tuner, TuningMessage, TuningOutput, TuningRecord,
     HISTORY_LEN,
@@ -233,6 +235,15 @@ pub struct TuningView {
     pub sigma: Option<f64>,
     /// Trials decided along the line.
     pub trials: Option<u64>,
+    /// Why this interleaved window runs no candidate (`measuring-noise`, `settled`);
+    /// absent while a trial runs.
+    pub trial_hold: Option<TrialHold>,
+    /// The line's measured noise: sd of the log ratio of the two halves' tail TTFT
+    /// under the same weights (absent before any sample).
+    pub noise_sd: Option<f64>,
+    /// The improvement a trial must show to be accepted at that noise (a fraction of
+    /// the incumbent's score; absent while the noise is not measured).
+    pub required_improvement: Option<f64>,
     /// Samples this node measured in the current epoch.
     pub window_requests: usize,
     /// Requests whose decision terms this node has given the start fit, since it
@@ -445,6 +456,11 @@ impl TuningDriver {
             incumbent: cur.map(|p| p.state.incumbent),
             sigma: cur.map(|p| p.state.sigma),
             trials: cur.map(|p| p.state.trials),
+            trial_hold: cur
+                .filter(|p| p.phase == Phase::Interleaved && p.candidate.is_none())
+                .and_then(|p| p.state.trial_hold(&inner.cfg)),
+            noise_sd: cur.and_then(|p| p.state.noise_sd()),
+            required_improvement: cur.and_then(|p| p.state.required_improvement(&inner.cfg)),
             window_requests: inner.cfg.window,
             fit_samples: inner.fit_samples,
             start_fit: inner.tuner.start_fit().copied(),
@@ -636,9 +652,26 @@ mod tests {
             matches!(fx.sends.as_slice(), [TuningSend::All(TuningMessage::Proposal(p))] if p.epoch == 1)
         );
         assert!(rx.has_changed().unwrap());
+        let v = d.view();
+        assert_eq!(
+            (
+                v.candidate,
+                v.trial_hold,
+                v.noise_sd,
+                v.required_improvement
+            ),
+            (None, Some(TrialHold::MeasuringNoise), None, None)
+        );
         for round in 0..6u64 {
             serve(&d, round * 8..round * 8 + 8, 100.0 - round as f64);
             d.tick([], 10 * (round + 1));
+            if round == 1 {
+                // Two windows measured the noise: a trial runs, and the view says what
+                // it must show.
+                let v = d.view();
+                assert!(v.candidate.is_some() && v.trial_hold.is_none(), "{v:?}");
+                assert!(v.noise_sd.is_some() && v.required_improvement.is_some());
+            }
         }
         let v = d.view();
         assert_eq!(v.epoch, 7);
