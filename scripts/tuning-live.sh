@@ -24,6 +24,22 @@ trap '"$G" down --run-dir "$OUT/run" > /dev/null 2>&1 || true' EXIT
 "$G" bench --trace "$T" --cluster "$OUT/run" --window "$WIN" --time-scale "$TS" \
   --max-context-tokens 32768 --label gorgo-online --no-progress --out "$OUT/live" \
   > "$OUT/live.log" 2>&1
+# Every node's /admin/tuning at the end: the line's noise and why it ran no trial
+# (`trial_hold`), which tuning.jsonl does not hold when nothing was decided.
+python3 - "$OUT/run/cluster.json" > "$OUT/tuning-views.json" <<'VIEWS'
+import json, sys, urllib.request
+c = json.load(open(sys.argv[1]))
+views = {}
+for r in c["regions"]:
+    req = urllib.request.Request(r["admin_url"] + "/admin/tuning",
+                                 headers={"authorization": "Bearer " + c["admin_token"]})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        v = json.load(resp)
+    views[r["name"]] = {k: v.get(k) for k in ("epoch", "leader", "phase", "weights", "candidate",
+                                              "trial_hold", "noise_sd", "required_improvement",
+                                              "start_fit")}
+json.dump(views, sys.stdout, indent=1)
+VIEWS
 "$G" down --run-dir "$OUT/run" > /dev/null 2>&1 || true
 trap - EXIT
 "$G" tune-offline --trace "$T" --window-s "$WIN" --time-scale "$TS" \
@@ -41,7 +57,11 @@ for r in lines:
 third = len(lines) * 2 // 3
 late = [r for r in lines[third:] if r["accepted"]]
 noise = [r.get("noise_sd") for r in lines if r.get("noise_sd")]
-sd = noise[-1] if noise else None
+# The leader's view at the end has the latest noise estimate (a trial record's is older,
+# and a line that decided nothing has no record).
+views = json.load(open(f"{out}/tuning-views.json"))
+lead = next((views[v["leader"]] for v in views.values() if v.get("leader") in views), {})
+sd = lead.get("noise_sd") or (noise[-1] if noise else None)
 late_gain = [math.log(r["score_tail_ttft_ms"] / r["incumbent_tail_ttft_ms"])
              for r in late if r.get("score_tail_ttft_ms") and r.get("incumbent_tail_ttft_ms")]
 subprocess.run([g, "sim", "--trace", trace, "--window-s", win, "--time-scale", ts,
@@ -59,6 +79,8 @@ summary = {
     "accepted_in_last_third": len(late),
     "late_accepted_log_gains": late_gain,
     "noise_sd": sd,
+    "trial_hold_at_end": lead.get("trial_hold"),
+    "required_improvement_at_end": lead.get("required_improvement"),
     "final_weights": inc,
     "final_weights_sim_p95_ttft_ms": final["ttft_ms"]["p95"],
     "final_weights_sim_p95_e2e_ms": final["e2e_ms"]["p95"],
