@@ -71,6 +71,23 @@ async fn drive_until(c: &Cluster, nodes: &[usize], watch: usize, epoch: u64) {
     );
 }
 
+/// Send requests round-robin to `nodes` until node `watch` has decided `trials`
+/// trials (its history): how many windows the noise and the start fit take before the
+/// first trial depends on how the requests fell into them.
+async fn drive_until_trials(c: &Cluster, nodes: &[usize], watch: usize, trials: usize) {
+    let state = c.nodes[watch].state();
+    for i in 0..2000 {
+        if state.tuning.view().history.len() >= trials {
+            return;
+        }
+        chat_ok(&c.nodes[nodes[i % nodes.len()]], i).await;
+    }
+    panic!(
+        "{} trials after 2000 requests, wanted {trials}",
+        state.tuning.view().history.len()
+    );
+}
+
 /// (epoch, leader, weights) of every listed node.
 fn views(c: &Cluster, nodes: &[usize]) -> Vec<(u64, Option<NodeId>, Weights)> {
     nodes
@@ -100,6 +117,7 @@ async fn assert_agree(c: &Cluster, nodes: &[usize]) -> (u64, Option<NodeId>, Wei
 async fn three_nodes_follow_one_leader_and_epochs_advance() {
     let c = cluster().await;
     drive_until(&c, &[0, 1, 2], 0, 9).await;
+    drive_until_trials(&c, &[0, 1, 2], 0, 4).await;
     let (epoch, leader, weights) = assert_agree(&c, &[0, 1, 2]).await;
     assert!(epoch >= 9);
     assert_eq!(leader, Some(NodeId::from("a")));
