@@ -32,6 +32,7 @@ pub mod token_ratio;
 pub mod tuning;
 pub mod types;
 pub mod wire;
+pub mod zmtp;
 
 pub use accounting::{EngineView, ViewConfig};
 pub use engine_metrics::{EngineKind, EngineMetrics};

@@ -5,8 +5,11 @@
 //! The task owns the sockets and the clock; the follower decides. Replays run on their
 //! own DEALER socket, one per request, and hand their messages back through a bounded
 //! channel; their wait is capped by the follower's replay timeout. Nothing a publisher
-//! sends panics the node: the follower counts it and resyncs.
+//! sends panics the node: the follower counts it and resyncs, and both sockets
+//! connect through [`crate::kv_guard`]'s relay, which cuts a connection at a frame
+//! header over the limits before the `zeromq` decoder reserves memory for it.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,6 +22,7 @@ use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::config::{EngineSection, ValidatedConfig};
 use crate::error::NodeError;
+use crate::kv_guard::{self, RejectCounters};
 use crate::shadow::LocalCache;
 use crate::NodeState;
 
@@ -52,6 +56,10 @@ pub struct KvEvents {
     endpoint: String,
     replay_endpoint: Option<String>,
     replay_timeout: Duration,
+    /// The frame limits of the relay in front of both sockets.
+    frame_limits: gorgo_core::zmtp::FrameLimits,
+    /// Connections the relay cut at a frame it refused.
+    refused_frames: Arc<AtomicU64>,
 }
 
 /// What `/admin/state` shows under `kv_events`.
@@ -75,6 +83,10 @@ pub struct KvEventsView {
     pub node_blocks: usize,
     /// The stream's counters.
     pub counters: gorgo_core::kv_events::KvEventCounters,
+    /// Connections to the publisher cut by the relay at a frame the decoder must not
+    /// read: a header over the limits (a message over `kv_events_max_message_bytes`
+    /// plus 64 KiB, or over 8 frames) or a command whose lengths overrun it.
+    pub refused_frames: u64,
 }
 
 impl KvEvents {
@@ -109,6 +121,10 @@ impl KvEvents {
             follower: Mutex::new(follower),
             endpoint,
             replay_endpoint: engine.kv_events_replay.clone(),
+            frame_limits: gorgo_core::zmtp::FrameLimits::for_kv_events(
+                follower_config.max_payload_bytes,
+            ),
+            refused_frames: Arc::default(),
         }))
     }
 
@@ -135,6 +151,7 @@ impl KvEvents {
             engine_blocks: f.engine_blocks(),
             node_blocks: f.node_blocks(),
             counters: *f.counters(),
+            refused_frames: self.refused_frames.load(Ordering::Relaxed),
         }
     }
 }
@@ -159,12 +176,37 @@ pub async fn run(
     kv: &KvEvents,
     shutdown: CancellationToken,
 ) {
-    let endpoint = kv.endpoint.clone();
+    let rejects = RejectCounters {
+        engine: kv.refused_frames.clone(),
+        node: state.metrics.kv_events.refused_frames.clone(),
+    };
+    let guarded = |upstream: String| {
+        let (rejects, shutdown) = (rejects.clone(), shutdown.clone());
+        async move {
+            match kv_guard::start(&upstream, kv.frame_limits, rejects, shutdown).await {
+                Ok(g) => Some(g.endpoint),
+                Err(e) => {
+                    tracing::error!(upstream, error = %e, "kv events: cannot start the frame relay; events not followed");
+                    None
+                }
+            }
+        }
+    };
+    let Some(endpoint) = guarded(kv.endpoint.clone()).await else {
+        return;
+    };
+    let replay_endpoint = match kv.replay_endpoint.clone() {
+        Some(upstream) => match guarded(upstream).await {
+            Some(local) => Some(local),
+            None => return,
+        },
+        None => None,
+    };
     let mut sub = loop {
         match connect_sub(&endpoint).await {
             Ok(sub) => break sub,
             Err(e) => {
-                tracing::warn!(endpoint, error = %e, "kv events: cannot subscribe yet");
+                tracing::warn!(endpoint = kv.endpoint, error = %e, "kv events: cannot subscribe yet");
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
                     _ = tokio::time::sleep(CONNECT_RETRY) => {}
@@ -172,7 +214,7 @@ pub async fn run(
             }
         }
     };
-    tracing::info!(endpoint, "kv events: subscribed");
+    tracing::info!(endpoint = kv.endpoint, "kv events: subscribed");
     kv.follower.lock().on_subscribed(state.now_ms());
     let (replay_tx, mut replay_rx) = mpsc::channel::<Vec<bytes::Bytes>>(REPLAY_CHANNEL);
     let mut replay_task: Option<tokio::task::JoinHandle<()>> = None;
@@ -181,7 +223,7 @@ pub async fn run(
     let mut actions = apply_follower(&state, engine, kv);
     loop {
         for FollowerAction::RequestReplay { from_seq } in actions {
-            let Some(replay_endpoint) = kv.replay_endpoint.clone() else {
+            let Some(replay_endpoint) = replay_endpoint.clone() else {
                 continue;
             };
             if let Some(old) = replay_task.take() {

@@ -21,6 +21,7 @@ pub mod error;
 pub mod forward;
 pub mod ingress;
 pub mod kv_events;
+pub mod kv_guard;
 pub mod listen;
 pub mod local;
 pub mod mesh;

@@ -163,6 +163,9 @@ pub struct KvEventMetrics {
     /// Engine blocks ignored (LoRA, other tiers, unknown parents, odd sizes) or
     /// dropped over `engine.kv_events_max_blocks`.
     pub ignored_blocks: Counter,
+    /// Connections to a publisher cut at a frame the decoder must not read (counted by
+    /// the relay, `kv_guard`, not the follower).
+    pub refused_frames: Counter,
     /// Each engine's totals mirrored so far, and its source, by replica.
     last: parking_lot::Mutex<
         std::collections::BTreeMap<
@@ -223,6 +226,11 @@ impl KvEventMetrics {
                 "ignored_blocks",
                 "Engine blocks the index cannot use or track (LoRA, other tiers, unknown parent, over the cap)",
                 &self.ignored_blocks,
+            ),
+            (
+                "refused_frames",
+                "Connections to a KV event publisher cut at a frame over the size limits or a malformed command",
+                &self.refused_frames,
             ),
         ] {
             r.register(name, help, c.clone());

@@ -329,3 +329,85 @@ async fn the_node_follows_the_emulators_cache() {
     stop.cancel();
     node.shutdown.cancel();
 }
+
+/// A ZMTP 3.0 NULL greeting, as a server.
+fn zmtp_greeting() -> [u8; 64] {
+    let mut g = [0u8; 64];
+    g[0] = 0xff;
+    g[9] = 0x7f;
+    g[10] = 3;
+    g[12..16].copy_from_slice(b"NULL");
+    g[32] = 1;
+    g
+}
+
+/// A short command frame with `body`.
+fn zmtp_command(body: &[u8]) -> Vec<u8> {
+    let mut f = vec![0x04, body.len() as u8];
+    f.extend_from_slice(body);
+    f
+}
+
+/// A publisher that sends what the `zeromq` decoder must never read: on its first
+/// connection a valid handshake and then a frame header announcing a terabyte (the
+/// decoder would reserve it and abort the process), on its second a READY whose
+/// property length runs past the frame (the decoder would slice past its end and
+/// panic). The node's relay cuts both connections; the node keeps serving.
+#[tokio::test]
+async fn frames_the_decoder_must_not_read_are_cut_before_it() {
+    let engine = StubEngine::start("a").await;
+    let hostile = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("tcp://{}", hostile.local_addr().unwrap());
+    let connections = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = connections.clone();
+    let publisher = tokio::spawn(async move {
+        use tokio::io::AsyncWriteExt;
+        let mut held = Vec::new();
+        loop {
+            let (mut s, _) = hostile.accept().await.unwrap();
+            let n = seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let mut out = zmtp_greeting().to_vec();
+            if n == 0 {
+                out.extend(zmtp_command(b"\x05READY\x0bSocket-Type\x00\x00\x00\x03PUB"));
+                out.push(0x03); // MORE | LONG
+                out.extend_from_slice(&(1u64 << 40).to_be_bytes());
+            } else if n == 1 {
+                out.extend(zmtp_command(b"\x05READY\x0bSocket-Type\x00\x00\xff\xffPUB"));
+            }
+            let _ = s.write_all(&out).await;
+            held.push(s);
+        }
+    });
+    let node = start_node(
+        config_with_engine("a", &engine.url(), &kv_config(&endpoint, None)),
+        None,
+    )
+    .await;
+    let state = node.state().clone();
+    let engine0 = state.engine(0).unwrap();
+    let kv = engine0.kv_events.as_ref().unwrap();
+    until("both hostile connections cut", || {
+        kv.view(state.now_ms()).refused_frames >= 2
+    })
+    .await;
+    // The subscriber came back for more: the task that owns it is alive.
+    until("a third connection", || {
+        connections.load(std::sync::atomic::Ordering::SeqCst) >= 3
+    })
+    .await;
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&chat_body("still serving", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let metrics = metrics_text(&node).await;
+    assert!(
+        metrics.contains("gorgo_kv_event_refused_frames_total 2"),
+        "{metrics}"
+    );
+    assert_eq!(kv.source(), IndexSource::Shadow);
+    publisher.abort();
+    node.shutdown.cancel();
+}
