@@ -126,6 +126,9 @@ pub struct TermSample {
     /// Measured TTFT minus the rest of the prediction (fixed cost and prefill), ms:
     /// what the two terms above should add up to.
     pub residual_ms: f64,
+    /// Its prefill term, ms: the service time a queue's wait is measured against in
+    /// [`TermSums::queue_cost_factor`].
+    pub prefill_ms: f64,
 }
 
 impl TermSample {
@@ -146,16 +149,23 @@ impl TermSample {
             rtt_ms,
             queue_ms,
             residual_ms: ttft_ms - (predicted - rtt_ms - queue_ms),
+            prefill_ms: terms.prefill_ms,
         };
         sample.is_usable().then_some(sample)
     }
 
     fn is_usable(&self) -> bool {
-        [self.rtt_ms, self.queue_ms, self.residual_ms]
-            .iter()
-            .all(|v| v.is_finite() && v.abs() <= MAX_TERM_MS)
+        [
+            self.rtt_ms,
+            self.queue_ms,
+            self.residual_ms,
+            self.prefill_ms,
+        ]
+        .iter()
+        .all(|v| v.is_finite() && v.abs() <= MAX_TERM_MS)
             && self.rtt_ms >= 0.0
             && self.queue_ms >= 0.0
+            && self.prefill_ms >= 0.0
     }
 }
 
@@ -197,6 +207,10 @@ pub struct TermSums {
     pub qy: f64,
     /// Sum of residual^2.
     pub yy: f64,
+    /// Sum of queue (the mean wait W of [`TermSums::queue_cost_factor`]).
+    pub q: f64,
+    /// Sum of prefill (the mean service time S).
+    pub p: f64,
 }
 
 impl TermSums {
@@ -212,6 +226,8 @@ impl TermSums {
         self.ry += s.rtt_ms * s.residual_ms;
         self.qy += s.queue_ms * s.residual_ms;
         self.yy += s.residual_ms * s.residual_ms;
+        self.q += s.queue_ms;
+        self.p += s.prefill_ms;
     }
 
     fn merge(&mut self, o: &TermSums) {
@@ -225,13 +241,20 @@ impl TermSums {
         self.ry += o.ry;
         self.qy += o.qy;
         self.yy += o.yy;
+        self.q += o.q;
+        self.p += o.p;
     }
 
-    /// Finite, and the squares non-negative (a report from the network may carry
-    /// anything).
+    /// Finite, and the squares and the sums of non-negative terms non-negative (a
+    /// report from the network may carry anything).
     fn is_valid(&self) -> bool {
-        let v = [self.rr, self.rq, self.qq, self.ry, self.qy, self.yy];
-        v.iter().all(|x| x.is_finite()) && self.rr >= 0.0 && self.qq >= 0.0 && self.yy >= 0.0
+        let v = [
+            self.rr, self.rq, self.qq, self.ry, self.qy, self.yy, self.q, self.p,
+        ];
+        v.iter().all(|x| x.is_finite())
+            && [self.rr, self.qq, self.yy, self.q, self.p]
+                .iter()
+                .all(|&x| x >= 0.0)
     }
 
     /// The fitted `(w_rtt, w_queue)`, each with its standard error, where the data
@@ -282,8 +305,24 @@ impl TermSums {
         fit.iter().any(Option::is_some) && fit.into_iter().all(pinned)
     }
 
+    /// What joining a queue costs everyone, as a multiple of the queue's wait: `2 +
+    /// W / S`, with `W` and `S` the mean queue and prefill terms of these requests.
+    /// In an M/M/1 queue the marginal cost of one more arrival, summed over every
+    /// request, is `T / (1 - rho) = (S + W)(1 + W / S) = S + (2 + W / S) W` (the
+    /// requests that arrive behind it wait for it too, and those behind them). The
+    /// request's own share is `S + W`; the rest is what it costs the others. 2 when
+    /// no prefill was seen.
+    pub fn queue_cost_factor(&self) -> f64 {
+        if self.p > 0.0 {
+            2.0 + self.q / self.p
+        } else {
+            2.0
+        }
+    }
+
     /// `incumbent` with each weight the fit pins down ([`FIT_Z`], [`FIT_MAX_REL_SE`])
-    /// above it raised to the fitted one, and at least to its face value (1.0, the
+    /// above it raised: `w_rtt` to its fit, `w_queue` to its fit times
+    /// [`TermSums::queue_cost_factor`], each at least at its face value (1.0, the
     /// weight at which a term counts the milliseconds it computes), clipped to `cfg`'s
     /// bounds; `None` when nothing moves.
     ///
@@ -296,7 +335,11 @@ impl TermSums {
     /// grid's best fixed weights sit at or above the fitted ones on 19 of 20 weights,
     /// docs/tuning.md, "The start fit"; a fitted `w_queue` of 0.35-0.73 left the bad
     /// start 4-18% above the best weights within the E2E bar, "Face value as the
-    /// floor"). Above that the trials search.
+    /// floor"). What the request costs the others is a network delay for no one, but a
+    /// queue's wait for everyone behind it, so the queue weight the data show too low
+    /// goes to the whole cost of joining the queue, not the request's own share: its
+    /// fit times [`TermSums::queue_cost_factor`] (docs/tuning.md, "The cost of joining
+    /// a queue"). Above that the trials search.
     pub fn fitted_start(&self, cfg: &TuningConfig, incumbent: Weights) -> Option<Weights> {
         let face = Weights::default();
         let pinned = |fit: Option<(f64, f64)>, current: f64, face: f64| {
@@ -305,7 +348,8 @@ impl TermSums {
         };
         let [rtt, queue] = self.fit();
         let rtt = pinned(rtt, incumbent.w_rtt, face.w_rtt);
-        let queue = pinned(queue, incumbent.w_queue, face.w_queue);
+        let queue =
+            pinned(queue, incumbent.w_queue, face.w_queue).map(|w| w * self.queue_cost_factor());
         if rtt.is_none() && queue.is_none() {
             return None;
         }
@@ -329,6 +373,9 @@ pub struct StartFit {
     pub w_rtt: Option<(f64, f64)>,
     /// Fitted `w_queue` and its standard error, where the data determine it.
     pub w_queue: Option<(f64, f64)>,
+    /// [`TermSums::queue_cost_factor`] of the same requests: what a raised `w_queue`
+    /// is multiplied by.
+    pub queue_cost_factor: f64,
     /// The incumbent it moved to, if it moved it.
     pub moved_to: Option<Weights>,
 }
@@ -972,6 +1019,7 @@ impl Tuner {
                 samples: terms.n,
                 w_rtt,
                 w_queue,
+                queue_cost_factor: terms.queue_cost_factor(),
                 moved_to,
             });
             if let Some(fitted) = moved_to {
@@ -1501,7 +1549,8 @@ mod tests {
         assert!(matches!(out.as_slice(), [TuningOutput::Broadcast(p)] if p.phase == Phase::Frozen));
     }
 
-    /// Samples whose residual is `a * rtt + b * queue` plus a deterministic wobble.
+    /// Samples whose residual is `a * rtt + b * queue` plus a deterministic wobble;
+    /// each one's prefill equals its queue, so `queue_cost_factor` is 3.
     fn sums(a: f64, b: f64, n: u64, with_forwards: bool) -> TermSums {
         let mut t = TermSums::default();
         for i in 0..n {
@@ -1516,6 +1565,7 @@ mod tests {
                 rtt_ms: rtt,
                 queue_ms: queue,
                 residual_ms: a * rtt + b * queue + wobble,
+                prefill_ms: queue,
             });
         }
         t
@@ -1551,11 +1601,24 @@ mod tests {
             rtt_ms: f64::INFINITY,
             queue_ms: 1.0,
             residual_ms: 1.0,
+            prefill_ms: 1.0,
         });
         t.add(TermSample {
             rtt_ms: 0.0,
             queue_ms: -5.0,
             residual_ms: 1.0,
+            prefill_ms: 1.0,
+        });
+        t.add(TermSample {
+            rtt_ms: 0.0,
+            queue_ms: 5.0,
+            residual_ms: 1.0,
+            prefill_ms: f64::NAN,
+        });
+        t.merge(&TermSums {
+            p: -1.0,
+            n: 5,
+            ..TermSums::default()
         });
         assert_eq!(t, before);
     }
@@ -1567,16 +1630,23 @@ mod tests {
             w_rtt: 2.0,
             w_queue: 0.05,
         };
-        // Residual = 2.5 x RTT + 1.6 x queue: both weights are raised to their fits.
-        let w = sums(2.5, 1.6, 400, true).fitted_start(&cfg, bad).unwrap();
+        // Each request's prefill equals its queue: joining a queue costs everyone
+        // 2 + W / S = 3 times its wait.
+        assert!((sums(2.5, 1.2, 400, true).queue_cost_factor() - 3.0).abs() < 1e-9);
+        // Residual = 2.5 x RTT + 1.2 x queue: both weights are raised, w_rtt to its
+        // fit, w_queue to its fit times the cost of joining the queue.
+        let w = sums(2.5, 1.2, 400, true).fitted_start(&cfg, bad).unwrap();
         assert!(
-            (w.w_rtt - 2.5).abs() < 0.05 && (w.w_queue - 1.6).abs() < 0.01,
+            (w.w_rtt - 2.5).abs() < 0.05 && (w.w_queue - 3.6).abs() < 0.03,
             "{w:?}"
         );
         // Residual = 2.5 x RTT + 0.8 x queue: w_queue is pinned above 0.05 but below
-        // face value; it goes to 1.0, the floor of what the tail wants.
+        // face value; it goes to 1.0 (the floor of the request's own share) times 3.
         let w = sums(2.5, 0.8, 400, true).fitted_start(&cfg, bad).unwrap();
-        assert!((w.w_rtt - 2.5).abs() < 0.05 && w.w_queue == 1.0, "{w:?}");
+        assert!(
+            (w.w_rtt - 2.5).abs() < 0.05 && (w.w_queue - 3.0).abs() < 1e-9,
+            "{w:?}"
+        );
         // From below face value a weight moves only when the data pin it above where
         // it is: a fit of 0.04 +- little under a start of 0.05 moves nothing.
         assert_eq!(sums(2.0, 0.04, 400, false).fitted_start(&cfg, bad), None);
@@ -1626,6 +1696,7 @@ mod tests {
                     rtt_ms: 0.0,
                     queue_ms: queue,
                     residual_ms,
+                    prefill_ms: 300.0,
                 },
             );
         }
@@ -1647,12 +1718,13 @@ mod tests {
         let rec = first_record(&out).expect("the start fit is recorded");
         assert_eq!(rec.verdict, Verdict::StartFit);
         assert!(rec.accepted);
-        assert_eq!(
-            rec.candidate,
-            Weights {
-                w_rtt: 1.0,
-                w_queue: 1.0
-            }
+        // The fit (1.0) times the cost of joining the queue: 2 + a mean queue of 400 ms
+        // over a prefill of 300.
+        assert_eq!(rec.candidate.w_rtt, 1.0);
+        assert!(
+            (rec.candidate.w_queue - (2.0 + 400.0 / 300.0)).abs() < 1e-9,
+            "{:?}",
+            rec.candidate
         );
         let next = t.current().unwrap().clone();
         assert_eq!(next.weights, rec.candidate, "the line goes on from the fit");
@@ -1660,6 +1732,7 @@ mod tests {
         assert!(next.state.start_fitted);
         let fit = t.start_fit().expect("the leader keeps what it fitted");
         assert_eq!((fit.epoch, fit.samples, fit.w_rtt), (1, 10, None));
+        assert!((fit.queue_cost_factor - (2.0 + 400.0 / 300.0)).abs() < 1e-9);
         assert_eq!(fit.moved_to, Some(rec.candidate));
         // The next window is a trial, not another fit.
         serve_fit(&mut t, 10..20);
@@ -1682,14 +1755,18 @@ mod tests {
         assert!(!t.current().unwrap().state.start_fitted);
         let fit = t.start_fit().expect("the leader shows the fit so far");
         assert_eq!((fit.samples, fit.moved_to), (10, None));
-        // Window 2 adds ten clean requests: over both windows w_queue is pinned at 1.0.
+        // Window 2 adds ten clean requests: over both windows w_queue is pinned at 1.0,
+        // and raised to that times the cost of joining the queue (2 + 400 / 300).
         serve_terms(&mut t, 10..20, |_, q| q);
         let out = t.tick(20);
         assert_eq!(start_fit_records(&out), 1);
         let fit = t.start_fit().unwrap();
         assert_eq!(fit.samples, 20, "the fit is over both windows");
         let moved = fit.moved_to.expect("w_queue is raised");
-        assert!((moved.w_queue - 1.0).abs() < 1e-9, "{moved:?}");
+        assert!(
+            (moved.w_queue - (2.0 + 400.0 / 300.0)).abs() < 1e-9,
+            "{moved:?}"
+        );
         assert!(t.current().unwrap().state.start_fitted);
     }
 
@@ -1709,6 +1786,7 @@ mod tests {
                         rtt_ms: 0.0,
                         queue_ms: 0.0,
                         residual_ms: 5.0,
+                        prefill_ms: 300.0,
                     },
                 );
             }

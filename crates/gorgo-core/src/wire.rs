@@ -29,11 +29,11 @@ pub use crate::prompt::Endpoint;
 /// refuse each other at the handshake instead of misreading each other's messages.
 /// A test pins the encoding to this number (docs/design.md, "Protocols").
 ///
-/// 5: queue stats carry the engine's slots where its concurrency limit is known (the
-/// limit and the measured decode time per request) (version 4: the tuning messages'
-/// start-fit sums and noise-aware tuner state; version 3: the engines' `replica` in
-/// gossip).
-pub const PROTOCOL_VERSION: u32 = 5;
+/// 6: the tuning reports' start-fit sums carry the queue and prefill terms' sums (the
+/// cost of joining a queue) (version 5: queue stats carry the engine's slots where its
+/// concurrency limit is known; version 4: the tuning messages' start-fit sums and
+/// noise-aware tuner state; version 3: the engines' `replica` in gossip).
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// Largest gossip message accepted (4 MiB). A snapshot of about 800k fingerprints
 /// (a shadow index of ~50M tokens at 64 tokens per block) fits; gossip travels on its
@@ -388,6 +388,8 @@ mod tests {
                 ry: 4.0,
                 qy: 5.0,
                 yy: 6.0,
+                q: 7.0,
+                p: 8.0,
             },
         });
         Messages {
@@ -400,7 +402,7 @@ mod tests {
 
     /// The digest of [`one_of_each_message`]'s encodings, in order, at
     /// [`PROTOCOL_VERSION`].
-    const ENCODING_DIGEST: (u32, u64) = (5, 0x740c_0f00_c7d3_1577);
+    const ENCODING_DIGEST: (u32, u64) = (6, 0x7632_9eb5_b329_ce0d);
 
     /// Fails when a wire type's encoding changes: a node built after the change cannot
     /// talk to one built before, so the change needs a new [`PROTOCOL_VERSION`] (and the

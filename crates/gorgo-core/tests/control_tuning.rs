@@ -460,6 +460,7 @@ fn requests_admitted_under_another_leaders_epoch_are_not_counted() {
         rtt_ms: 10.0,
         queue_ms: 20.0,
         residual_ms: 30.0,
+        prefill_ms: 40.0,
     };
     for k in 100..112u64 {
         let fresh = node.admit(hash_bytes(&k.to_le_bytes()));
@@ -556,6 +557,8 @@ fn tuning_messages_survive_the_wire_codec() {
             ry: 4e9,
             qy: 5e9,
             yy: 6e9,
+            q: 7e9,
+            p: 8e9,
         },
     };
     for msg in [TuningMessage::Proposal(p), TuningMessage::Report(report)] {

@@ -849,6 +849,8 @@ mod tests {
                                 ry: f64::from(n) * 1e300,
                                 qy: -f64::from(n),
                                 yy: 1.0,
+                                q: f64::from(n),
+                                p: if n % 3 == 0 { -1.0 } else { f64::INFINITY },
                             },
                         };
                         d.handle(&ids[from as usize].into(), TuningMessage::Report(r), now);
