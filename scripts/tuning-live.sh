@@ -5,7 +5,8 @@
 # minutes of replay by default). Then, in the simulator on the same window: the grid of
 # fixed weights (`gorgo tune-offline`), and the final live weights run as fixed weights,
 # against the grid's best. About 40 minutes wall on 2 cores; keep the machine idle.
-# Usage: scripts/tuning-live.sh [OUT]   (env: WIN=1800 TS=2 BASE_PORT=27100)
+# Usage: scripts/tuning-live.sh [OUT]   (env: WIN=1800 TS=2 BASE_PORT=27100, and
+# START=W_RTT,W_QUEUE to start the line from other weights, e.g. the bad start 2.0,0.05)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-out/tuning-live}
@@ -19,7 +20,7 @@ T="$OUT/gen5.jsonl"
 [ -f "$T" ] || "$G" trace generate --seed 5 --duration-s 1800 --out "$T" > /dev/null
 "$G" down --run-dir "$OUT/run" > /dev/null 2>&1 || true
 "$G" up --topology configs/topologies/three-region.toml --policy gorgo --tuning online \
-  --run-dir "$OUT/run" --base-port "$PORT" --detach
+  ${START:+--tuning-start "$START"} --run-dir "$OUT/run" --base-port "$PORT" --detach
 trap '"$G" down --run-dir "$OUT/run" > /dev/null 2>&1 || true' EXIT
 "$G" bench --trace "$T" --cluster "$OUT/run" --window "$WIN" --time-scale "$TS" \
   --max-context-tokens 32768 --label gorgo-online --no-progress --out "$OUT/live" \
@@ -44,14 +45,14 @@ VIEWS
 trap - EXIT
 "$G" tune-offline --trace "$T" --window-s "$WIN" --time-scale "$TS" \
   --max-context-tokens 32768 --no-progress --out "$OUT/grid" > "$OUT/grid.log" 2>&1
-python3 - "$OUT" "$G" "$T" "$WIN" "$TS" <<'EOF'
+python3 - "$OUT" "$G" "$T" "$WIN" "$TS" "${START:-1.0,1.0}" <<'EOF'
 import json, math, os, subprocess, sys
-out, g, trace, win, ts = sys.argv[1:]
+out, g, trace, win, ts, start = sys.argv[1:]
 # No tuning.jsonl: the line decided nothing (no start-fit move, no trial: it settled).
 path = f"{out}/live/tuning.jsonl"
 lines = [json.loads(l) for l in open(path) if l.strip()] if os.path.exists(path) else []
 lines.sort(key=lambda r: r["epoch"])
-inc = lines[0]["incumbent"] if lines else {"w_rtt": 1.0, "w_queue": 1.0}
+inc = lines[0]["incumbent"] if lines else dict(zip(("w_rtt", "w_queue"), map(float, start.split(","))))
 for r in lines:
     inc = r["candidate"] if r["accepted"] else r["incumbent"]
 third = len(lines) * 2 // 3
@@ -73,6 +74,7 @@ grid = json.load(open(f"{out}/grid/grid.json"))
 live = json.load(open(f"{out}/live/results.json"))["policies"]
 live = next(iter(live.values())) if isinstance(live, dict) else live[0][1]
 summary = {
+    "start": start,
     "trials": len(lines),
     "accepted": sum(r["accepted"] for r in lines),
     "verdicts": {v: sum(r["verdict"] == v for r in lines) for v in sorted({r["verdict"] for r in lines})},

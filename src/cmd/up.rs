@@ -127,6 +127,10 @@ pub struct UpArgs {
     /// window).
     #[arg(long)]
     pub tuning_min_samples: Option<u32>,
+    /// Weights `W_RTT,W_QUEUE` every node routes with and tuning starts from (default:
+    /// the policy's own): e.g. `2.0,0.05`, the bad start of docs/tuning.md.
+    #[arg(long, value_parser = crate::cmd::sim::parse_weights)]
+    pub tuning_start: Option<gorgo_core::Weights>,
     /// Give up if the nodes are not all ready after this many seconds.
     #[arg(long, default_value_t = 60)]
     pub ready_timeout_s: u64,
@@ -576,6 +580,10 @@ fn tuning_section(
     if let Some(ms) = args.tuning_window_ms {
         tuning.es.time_cap_ms = ms;
     }
+    if let Some(w) = args.tuning_start {
+        tuning.es.w_rtt.start = w.w_rtt;
+        tuning.es.w_queue.start = w.w_queue;
+    }
     if tuning.es.mode == TuningMode::TuneThenFreeze {
         // Relative: resolved against the config's directory, the run directory.
         tuning.learned_weights_out = Some(format!("learned-weights-{region}.json").into());
@@ -739,6 +747,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         if let Some(n) = args.decision_log {
             routing.decision_log = n;
         }
+        routing.weights = args.tuning_start;
         let config = node_config(
             &plan,
             i,
