@@ -55,8 +55,9 @@ lines.sort(key=lambda r: r["epoch"])
 inc = lines[0]["incumbent"] if lines else dict(zip(("w_rtt", "w_queue"), map(float, start.split(","))))
 for r in lines:
     inc = r["candidate"] if r["accepted"] else r["incumbent"]
-third = len(lines) * 2 // 3
-late = [r for r in lines[third:] if r["accepted"]]
+# The start fit's move is not a trial: "the last third" counts trials only.
+trials = [r for r in lines if r["verdict"] != "start-fit"]
+late = [r for r in trials[len(trials) * 2 // 3:] if r["accepted"]]
 noise = [r.get("noise_sd") for r in lines if r.get("noise_sd")]
 # The leader's view at the end has the latest noise estimate (a trial record's is older,
 # and a line that decided nothing has no record).
@@ -75,8 +76,8 @@ live = json.load(open(f"{out}/live/results.json"))["policies"]
 live = next(iter(live.values())) if isinstance(live, dict) else live[0][1]
 summary = {
     "start": start,
-    "trials": len(lines),
-    "accepted": sum(r["accepted"] for r in lines),
+    "trials": len(trials),
+    "accepted": sum(r["accepted"] for r in trials),
     "verdicts": {v: sum(r["verdict"] == v for r in lines) for v in sorted({r["verdict"] for r in lines})},
     "accepted_in_last_third": len(late),
     "late_accepted_log_gains": late_gain,
