@@ -60,6 +60,28 @@ fn down_without_a_cluster_is_a_no_op_and_bad_topologies_are_named() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("regions[0].client_delay_ms"), "{err}");
+
+    // A start outside the tuning bounds names the flag and the weight, before anything
+    // is started.
+    let out = gorgo(&[
+        "up",
+        "--topology",
+        &root()
+            .join("configs/topologies/three-region.toml")
+            .display()
+            .to_string(),
+        "--tuning-start",
+        "9,0.5",
+        "--run-dir",
+        &dir.path().display().to_string(),
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--tuning-start 9,0.5") && err.contains("w_rtt"),
+        "{err}"
+    );
+    assert!(!dir.path().join("pids.json").exists());
 }
 
 /// GET an admin route with the cluster's token, as JSON.

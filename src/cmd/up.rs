@@ -583,6 +583,10 @@ fn tuning_section(
     if let Some(w) = args.tuning_start {
         tuning.es.w_rtt.start = w.w_rtt;
         tuning.es.w_queue.start = w.w_queue;
+        tuning
+            .es
+            .validate()
+            .map_err(|e| anyhow::anyhow!("--tuning-start {},{}: {e}", w.w_rtt, w.w_queue))?;
     }
     if tuning.es.mode == TuningMode::TuneThenFreeze {
         // Relative: resolved against the config's directory, the run directory.
@@ -628,6 +632,8 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     let external = parse_engine_urls(&args.engine_url, &topology)?;
     let policy = gorgo_node::route::parse_policy(&args.policy)
         .map_err(|e| anyhow::anyhow!("--policy: {e}"))?;
+    // The `--tuning*` flags, checked before anything is started.
+    tuning_section(&args, "check", policy)?;
     let engine_kind: EngineKind = args.engine_kind.parse().context("--engine-kind")?;
     for (flag, value, zero_ok) in [
         ("--engine-t-p-ms", args.engine_t_p_ms, false),
