@@ -30,6 +30,9 @@ const MAX_CONNECTIONS: usize = 8;
 /// How long the connect to the engine may take.
 const UPSTREAM_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The pause after a failed accept.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
 /// Bytes read from the engine at a time.
 const READ_CHUNK: usize = 64 << 10;
 
@@ -77,8 +80,16 @@ pub async fn start(
                 _ = shutdown.cancelled() => return,
                 a = listener.accept() => a,
             };
-            let Ok((downstream, _)) = accepted else {
-                continue;
+            let downstream = match accepted {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    // Out of descriptors, most likely: do not spin on it.
+                    tracing::warn!(upstream = %target, error = %e, "kv events relay: accept failed");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(ACCEPT_BACKOFF) => continue,
+                    }
+                }
             };
             let Ok(permit) = slots.clone().try_acquire_owned() else {
                 tracing::warn!(upstream = %target, "kv events relay: too many connections, one refused");
