@@ -341,15 +341,19 @@ pub fn decide(
 }
 
 /// What a forwarding node offers the target as its alternative: its own cost of
-/// serving the request, and the weights it priced it with, so that the target prices
-/// its own cost on the same scale (under online tuning a request's weights are its
-/// trial arm's, which need not be the target's incumbent).
+/// serving the request, and the weights and policy it priced it with, so that the
+/// target prices its own cost on the same scale (under online tuning a request's
+/// weights are its trial arm's, which need not be the target's incumbent; and two
+/// nodes may run different policies, as during a change of `routing.policy`).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct ForwardOffer {
-    /// The `gorgo` total of the forwarding node's local candidate, ms.
+    /// The total of the forwarding node's local candidate, ms.
     pub cost_ms: f64,
     /// The weights of that decision.
     pub weights: Weights,
+    /// The policy of that decision: a target deciding with another one does not
+    /// compare (`gorgo`'s total holds a stall term that `gorgo-ttft`'s does not).
+    pub policy: PolicyKind,
 }
 
 impl ForwardOffer {
@@ -357,10 +361,14 @@ impl ForwardOffer {
     /// and finite, non-negative weights, as `routing.weights` allows them (a peer's
     /// garbage is ignored, not refused on; a weight of 0, an operator's choice to
     /// ignore a term, is a figure like any other).
-    pub fn new(cost_ms: f64, weights: Weights) -> Option<Self> {
+    pub fn new(cost_ms: f64, weights: Weights, policy: PolicyKind) -> Option<Self> {
         let ok = |v: f64| v.is_finite() && v >= 0.0;
         (cost_ms.is_finite() && cost_ms >= 0.0 && ok(weights.w_rtt) && ok(weights.w_queue))
-            .then_some(ForwardOffer { cost_ms, weights })
+            .then_some(ForwardOffer {
+                cost_ms,
+                weights,
+                policy,
+            })
     }
 }
 
@@ -399,7 +407,8 @@ pub const REFUSAL_MARGIN: f64 = crate::fit::DEFAULT_NOISE_CV;
 /// serves a refused request itself.
 ///
 /// `None` (serve here) for policies without a millisecond cost (only `gorgo` and
-/// `gorgo-ttft` refuse), a non-finite offer, or no healthy local candidate (the
+/// `gorgo-ttft` refuse), an offer priced by another policy than `policy`'s, a
+/// non-finite offer, or no healthy local candidate (the
 /// decision reports that). A refusal comes with every candidate as the check saw it
 /// (none chosen), for `/admin/decisions`.
 pub fn refuse_forward(
@@ -411,6 +420,7 @@ pub fn refuse_forward(
 ) -> Option<(Refusal, Vec<CandidateExplain>)> {
     let origin_cost_ms = offer.cost_ms;
     if !matches!(policy.kind(), PolicyKind::Gorgo | PolicyKind::GorgoTtft)
+        || policy.kind() != offer.policy
         || !origin_cost_ms.is_finite()
     {
         return None;

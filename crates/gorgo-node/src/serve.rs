@@ -275,7 +275,7 @@ async fn route_and_serve(
     let offer = if local_excluded {
         None
     } else {
-        best_local.and_then(|l| ForwardOffer::new(l.total_ms, input.weights))
+        best_local.and_then(|l| ForwardOffer::new(l.total_ms, input.weights, policy))
     };
     tracing::debug!(request_id = req.request_id, ?target, reason = %record.reason, "decided");
     let served = match target {

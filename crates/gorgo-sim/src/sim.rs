@@ -1259,7 +1259,7 @@ impl<'a> Sim<'a> {
             .ok()
             .filter(|_| hops == 0 && self.cfg.refuse_forwards && self.oracle.is_none())
             .and_then(|d| d.local_cost_ms())
-            .and_then(|c| ForwardOffer::new(c, weights));
+            .and_then(|c| ForwardOffer::new(c, weights, self.kind));
         let target = outcome
             .as_ref()
             .map(|d| {
