@@ -25,7 +25,9 @@ Environment: SEEDS (default 0,1,2,3,4); TUNING_START (see below); TUNING_SET, sp
 separated `[tuning]` KEY=VALUE pairs for every tuned run (`gorgo sim --tuning-set`,
 e.g. "sigma0=1.0 noise_z=1.64": the previous defaults); GRID_FROM, an earlier OUT whose
 grids to reuse instead of running `gorgo tune-offline` again (the grid runs untuned
-`gorgo`, so it only changes with the routing code); JOBS (default 2).
+`gorgo`, so it only changes with the routing code); JOBS (default 2); FRESH=1, the
+three workloads of scripts/fresh-sweeps.sh (configs/workloads/*.toml, not seen by the
+tuner's constants) at x2 and x1 instead: the same tables as a held-out check.
 """
 
 import json
@@ -57,6 +59,9 @@ WORKLOADS = [
     ("skew", f"{OUT}/skew.jsonl", 2.0, 1.0),
     ("azure", f"{SHARED}/AzureLLMInferenceTrace_conv_2023.csv", 1.0, 0.5),
 ]
+FRESH = ["agentic", "documents", "shared-apps"]
+if os.environ.get("FRESH"):
+    WORKLOADS = [(w, f"{OUT}/{w}.jsonl", 2.0, 1.0) for w in FRESH]
 COMMON = ["--policies", "gorgo", "--max-context-tokens", "32768"]
 
 
@@ -254,6 +259,10 @@ def render(points):
 
 def main():
     os.makedirs(OUT, exist_ok=True)
+    for w in FRESH if os.environ.get("FRESH") else []:
+        if not os.path.exists(f"{OUT}/{w}.jsonl"):
+            sh([G, "trace", "generate", "--config", f"configs/workloads/{w}.toml", "--out",
+                f"{OUT}/{w}.jsonl"])
     if not os.path.exists(f"{OUT}/gen5.jsonl"):
         sh([G, "trace", "generate", "--seed", "5", "--duration-s", "1800", "--out", f"{OUT}/gen5.jsonl"])
     if not os.path.exists(f"{OUT}/skew.jsonl"):
