@@ -6,7 +6,8 @@
 # fixed weights (`gorgo tune-offline`), and the final live weights run as fixed weights,
 # against the grid's best. About 40 minutes wall on 2 cores; keep the machine idle.
 # Usage: scripts/tuning-live.sh [OUT]   (env: WIN=1800 TS=2 BASE_PORT=27100, and
-# START=W_RTT,W_QUEUE to start the line from other weights, e.g. the bad start 2.0,0.05)
+# START=W_RTT,W_QUEUE to start the line from other weights, e.g. the bad start 2.0,0.05,
+# and TRIAL=switchback|sequential for another trial design)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-out/tuning-live}
@@ -20,7 +21,7 @@ T="$OUT/gen5.jsonl"
 [ -f "$T" ] || "$G" trace generate --seed 5 --duration-s 1800 --out "$T" > /dev/null
 "$G" down --run-dir "$OUT/run" > /dev/null 2>&1 || true
 "$G" up --topology configs/topologies/three-region.toml --policy gorgo --tuning online \
-  ${START:+--tuning-start "$START"} --run-dir "$OUT/run" --base-port "$PORT" --detach
+  ${START:+--tuning-start "$START"} ${TRIAL:+--tuning-trial "$TRIAL"} --run-dir "$OUT/run" --base-port "$PORT" --detach
 trap '"$G" down --run-dir "$OUT/run" > /dev/null 2>&1 || true' EXIT
 "$G" bench --trace "$T" --cluster "$OUT/run" --window "$WIN" --time-scale "$TS" \
   --max-context-tokens 32768 --label gorgo-online --no-progress --out "$OUT/live" \
@@ -37,6 +38,7 @@ for r in c["regions"]:
     with urllib.request.urlopen(req, timeout=10) as resp:
         v = json.load(resp)
     views[r["name"]] = {k: v.get(k) for k in ("epoch", "leader", "phase", "weights", "candidate",
+                                              "switchback_block_ms",
                                               "trial_hold", "noise_sd", "required_improvement",
                                               "start_fit")}
 json.dump(views, sys.stdout, indent=1)

@@ -165,7 +165,7 @@ def point(name, trace, ts):
                  "--tuning-set", "settle_margin=1.0"])
         logs = [math.log(r["score_p95_ttft_ms"] / r["incumbent_p95_ttft_ms"])
                 for r in n["tuning"]
-                if r["score_p95_ttft_ms"] > 0 and r["incumbent_p95_ttft_ms"] > 0]
+                if (r["score_p95_ttft_ms"] or 0) > 0 and (r["incumbent_p95_ttft_ms"] or 0) > 0]
         noise[design] = {
             "trials": len(logs),
             "sd": statistics.pstdev(logs) if len(logs) > 1 else None,

@@ -42,7 +42,8 @@ pub struct SimArgs {
     #[arg(long)]
     tuning_window: Option<usize>,
     /// Tuning trial design: `interleaved` (candidate and incumbent in one window, by
-    /// a hash of each request) or `sequential` (adjacent windows).
+    /// a hash of each request), `switchback` (in one window, by blocks of time) or
+    /// `sequential` (adjacent windows).
     #[arg(long, default_value = "interleaved", value_parser = parse_trial)]
     trial: TrialDesign,
     /// Fixed weights `W_RTT,W_QUEUE` for the policies that use weights (with
@@ -332,12 +333,13 @@ fn parse_key_value(s: &str) -> Result<(String, serde_json::Value), String> {
     Ok((k.trim().to_owned(), v))
 }
 
-/// `interleaved` or `sequential`.
-fn parse_trial(s: &str) -> Result<TrialDesign, String> {
+/// `interleaved`, `switchback` or `sequential`.
+pub fn parse_trial(s: &str) -> Result<TrialDesign, String> {
     match s {
         "interleaved" => Ok(TrialDesign::Interleaved),
+        "switchback" => Ok(TrialDesign::Switchback),
         "sequential" => Ok(TrialDesign::Sequential),
-        _ => Err(format!("`{s}`: want interleaved or sequential")),
+        _ => Err(format!("`{s}`: want interleaved, switchback or sequential")),
     }
 }
 

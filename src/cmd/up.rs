@@ -131,6 +131,10 @@ pub struct UpArgs {
     /// the policy's own): e.g. `2.0,0.05`, the bad start of docs/tuning.md.
     #[arg(long, value_parser = crate::cmd::sim::parse_weights)]
     pub tuning_start: Option<gorgo_core::Weights>,
+    /// Tuning trial design: `interleaved` (the default), `switchback` or `sequential`
+    /// (docs/tuning.md).
+    #[arg(long, value_parser = crate::cmd::sim::parse_trial)]
+    pub tuning_trial: Option<gorgo_core::es::TrialDesign>,
     /// Give up if the nodes are not all ready after this many seconds.
     #[arg(long, default_value_t = 60)]
     pub ready_timeout_s: u64,
@@ -576,6 +580,9 @@ fn tuning_section(
         (Some(m), _) => tuning.es.min_samples = m as usize,
         (None, Some(w)) if w < 32 => tuning.es.min_samples = w.div_ceil(2) as usize,
         _ => {}
+    }
+    if let Some(trial) = args.tuning_trial {
+        tuning.es.trial = trial;
     }
     if let Some(ms) = args.tuning_window_ms {
         tuning.es.time_cap_ms = ms;

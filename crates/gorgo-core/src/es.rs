@@ -158,6 +158,21 @@ pub enum TrialDesign {
     /// The incumbent re-measured in one window, the candidate in the next (the paper's
     /// design; kept to measure what interleaving buys).
     Sequential,
+    /// Both in one window, in alternating blocks of time (`switchback_block_ms`):
+    /// every node routes every request of a block with the same weight set, so a
+    /// candidate's effect on the queues everyone shares is inside its own arm. An
+    /// interleaved trial cannot see that effect: a weight set that piles work on warm
+    /// engines makes the other arm's requests wait, and a queue-avoiding arm makes
+    /// room that the other arm takes (docs/tuning.md, "Switchback trials").
+    Switchback,
+}
+
+impl TrialDesign {
+    /// Both arms are measured in the same window (interleaved or switchback), so the
+    /// comparison is paired and the window's halves measure the noise.
+    pub fn is_paired(self) -> bool {
+        matches!(self, TrialDesign::Interleaved | TrialDesign::Switchback)
+    }
 }
 
 /// The distribution of a mutation step (in log space, scaled by sigma).
@@ -190,6 +205,10 @@ pub struct TuningConfig {
     pub trial: TrialDesign,
     /// `gaussian` or `cauchy` mutation steps.
     pub mutation: Mutation,
+    /// Switchback: the length of one block of time routed with one arm, ms. Longer
+    /// than the queues' memory (a queue a block builds still slows the next block's
+    /// requests) and several per window.
+    pub switchback_block_ms: u64,
     /// Interleaved: windows one trial may take before its candidate counts as not
     /// better (it is decided sooner once clearly better or clearly not).
     pub max_trial_windows: u32,
@@ -262,6 +281,7 @@ impl TuningConfig {
         TuningConfig {
             mode: TuningMode::Online,
             trial: TrialDesign::Interleaved,
+            switchback_block_ms: 10_000,
             mutation: Mutation::Gaussian,
             max_trial_windows: 2,
             window: 128,
@@ -354,6 +374,9 @@ impl TuningConfig {
         }
         if self.min_samples == 0 || self.min_samples > self.window {
             return bad("min_samples", "must be in [1, window_requests]");
+        }
+        if self.switchback_block_ms == 0 {
+            return bad("switchback_block_ms", "must be positive");
         }
         if self.time_cap_ms == 0 {
             return bad("window_max_ms", "must be positive");
@@ -808,7 +831,7 @@ impl EsState {
     /// sequential line, which always does): the noise is not measured yet, or the line
     /// has settled. The tuner's proposals and `/admin/tuning` both read it here.
     pub fn trial_hold(&self, cfg: &TuningConfig) -> Option<TrialHold> {
-        if cfg.trial != TrialDesign::Interleaved {
+        if !cfg.trial.is_paired() {
             None
         } else if !self.noise_known(cfg) {
             Some(TrialHold::MeasuringNoise)
@@ -822,7 +845,7 @@ impl EsState {
     /// True when an interleaved line should run no trial now: the improvement a trial
     /// would have to show is above `settle_margin` (see there for why).
     pub fn is_settled(&self, cfg: &TuningConfig) -> bool {
-        cfg.trial == TrialDesign::Interleaved
+        cfg.trial.is_paired()
             && self
                 .required_improvement(cfg)
                 .is_some_and(|r| r > cfg.settle_margin)

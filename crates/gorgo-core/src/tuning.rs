@@ -49,6 +49,10 @@ pub const CELLS: usize = 4;
 /// every window also measures two halves with the same weights (the noise).
 pub type Cell = u8;
 
+/// The cell of a request routed in a trial but measured in none: one admitted in the
+/// first half of a switchback block, while the queues still hold the other arm's work.
+pub const UNMEASURED: Cell = u8::MAX;
+
 /// The proposal a request was admitted under: its epoch *and* its leader.
 ///
 /// Two partitions can both run an epoch `e`, with different leaders and different
@@ -412,12 +416,22 @@ pub struct Proposal {
     pub phase: Phase,
     /// The whole tuner state, so any node can take over.
     pub state: EsState,
+    /// An interleaved epoch of a switchback line: the length of its blocks of time, ms
+    /// (every node routes a block with one arm); `None`: the arm is the request key's.
+    /// The leader's design, so every follower assigns arms alike whatever its own
+    /// configuration says.
+    #[serde(default)]
+    pub switchback_block_ms: Option<u64>,
 }
 
 /// Bound on a proposal's epoch and counters: a line advances one epoch per window, so
 /// anything near it comes from a faulty or hostile member, and would overflow the
 /// `+ 1` of the next epoch or trial.
 pub const MAX_PROPOSAL_COUNTER: u64 = 1 << 48;
+
+/// Bound on a proposal's switchback block length, ms (an hour: longer blocks would
+/// leave a window with one arm).
+pub const MAX_SWITCHBACK_BLOCK_MS: u64 = 3_600_000;
 
 /// Bound on `|e2e_drift|` a proposal may carry (a factor e in p95 E2E).
 pub const MAX_E2E_DRIFT: f64 = 1.0;
@@ -436,6 +450,9 @@ impl Proposal {
             .iter()
             .all(|&c| c < MAX_PROPOSAL_COUNTER)
             && s.outcomes.len() <= crate::es::SUCCESS_WINDOW
+            && self
+                .switchback_block_ms
+                .is_none_or(|b| (1..=MAX_SWITCHBACK_BLOCK_MS).contains(&b))
             && s.pending_trial.as_ref().is_none_or(|t| {
                 t.windows.max(t.valid) < u32::MAX / 2
                     && t.cand_samples.max(t.inc_samples) < MAX_PROPOSAL_COUNTER
@@ -712,8 +729,11 @@ impl Tuner {
     /// A new request: the epoch, cell and weights it is routed and measured under.
     /// `key` is a hash of the request's id (any well-mixed 64 bits; its low bit picks
     /// the arm of an interleaved trial, the next one the half).
-    pub fn admit(&self, key: u64) -> Assignment {
-        let half = ((key >> 1) & 1) as Cell;
+    pub fn admit(&self, key: u64, now_ms: u64) -> Assignment {
+        let (arm, half, measured) = self.arm_and_half(key, now_ms);
+        let key = arm | (key & !1);
+        let half = half as Cell;
+        let measured_in = |cell: Cell| if measured { cell } else { UNMEASURED };
         match (&self.current, self.cfg.mode) {
             (Some(p), TuningMode::Online | TuningMode::TuneThenFreeze) => {
                 match (p.phase, p.candidate) {
@@ -721,12 +741,12 @@ impl Tuner {
                     // incumbent, and their halves still measure the noise.
                     (Phase::Interleaved, c) if key & 1 == 1 => Assignment {
                         epoch: EpochKey::of(p),
-                        cell: 2 + half,
+                        cell: measured_in(2 + half),
                         weights: c.unwrap_or(p.weights),
                     },
                     _ => Assignment {
                         epoch: EpochKey::of(p),
-                        cell: half,
+                        cell: measured_in(half),
                         weights: p.weights,
                     },
                 }
@@ -758,10 +778,41 @@ impl Tuner {
         if !self.measures(epoch) || !ttft_ms.is_finite() || !e2e_ms.is_finite() {
             return;
         }
-        let c = &mut self.cells[(cell as usize).min(CELLS - 1)];
+        let Some(c) = self.cells.get_mut(cell as usize) else {
+            // UNMEASURED, or no cell at all.
+            return;
+        };
         c.ttft.add(ttft_ms);
         c.e2e.add(e2e_ms);
         self.unreported = true;
+    }
+
+    /// The arm (low bit) and half of a request with `key` admitted at `now_ms`: by the
+    /// key's two low bits in an interleaved trial; in a switchback trial (the
+    /// proposal's [`Proposal::switchback_block_ms`]), by its block of time. Blocks come in pairs, one of each arm in an order drawn per pair (a
+    /// hash of the pair and the epoch: every node draws the same), and the halves are
+    /// the even and odd pairs, so the noise the halves measure is the noise of
+    /// comparing blocks, not requests. The third value is false for a request in the
+    /// first half of its block: routed with the block's arm, measured in no cell, as
+    /// the queues then still hold the last block's work (the carryover that would
+    /// otherwise mix the arms).
+    fn arm_and_half(&self, key: u64, now_ms: u64) -> (u64, u64, bool) {
+        let Some((block_ms, epoch)) = self
+            .current
+            .as_ref()
+            .and_then(|p| Some((p.switchback_block_ms?, p.epoch)))
+        else {
+            return (key & 1, (key >> 1) & 1, true);
+        };
+        let block_ms = block_ms.max(1);
+        let block = now_ms / block_ms;
+        let pair = block / 2;
+        let mut seed = [0u8; 16];
+        seed[..8].copy_from_slice(&pair.to_le_bytes());
+        seed[8..].copy_from_slice(&epoch.to_le_bytes());
+        let first = crate::hash::hash_bytes(&seed) & 1;
+        let settled = now_ms % block_ms >= block_ms / 2;
+        ((block & 1) ^ first, pair & 1, settled)
     }
 
     /// Periodic work (call every gossip interval): lead, take over, or report.
@@ -930,10 +981,14 @@ impl Tuner {
                 // The noise not yet measured, or settled: a trial then can only pass
                 // by luck, and its candidate arm costs traffic; both arms run the
                 // incumbent and their halves measure the noise.
-                TrialDesign::Interleaved if state.trial_hold(&self.cfg).is_some() => {
+                TrialDesign::Interleaved | TrialDesign::Switchback
+                    if state.trial_hold(&self.cfg).is_some() =>
+                {
                     (Phase::Interleaved, None)
                 }
-                TrialDesign::Interleaved => (Phase::Interleaved, Some(state.mutate(&self.cfg))),
+                TrialDesign::Interleaved | TrialDesign::Switchback => {
+                    (Phase::Interleaved, Some(state.mutate(&self.cfg)))
+                }
             }
         };
         Proposal {
@@ -943,7 +998,15 @@ impl Tuner {
             candidate,
             phase,
             state,
+            switchback_block_ms: self.switchback_block_ms(phase),
         }
+    }
+
+    /// The block length a proposal of `phase` carries: a switchback line's interleaved
+    /// epochs have one.
+    fn switchback_block_ms(&self, phase: Phase) -> Option<u64> {
+        (phase == Phase::Interleaved && self.cfg.trial == TrialDesign::Switchback)
+            .then_some(self.cfg.switchback_block_ms)
     }
 
     /// Close the window if it is full (or timed out with enough samples), decide, and
@@ -961,7 +1024,12 @@ impl Tuner {
                 .map(|c| c.ttft.count())
                 .chain(lead.reports.values().map(EpochReport::count)),
         );
-        let full = samples >= self.cfg.window as u64;
+        // A switchback window also spans two pairs of blocks, so that each arm has
+        // blocks in both halves.
+        let spans_blocks = cur
+            .switchback_block_ms
+            .is_none_or(|b| now_ms.saturating_sub(lead.window_started_ms) >= 4 * b);
+        let full = samples >= self.cfg.window as u64 && spans_blocks;
         let timed_out =
             on_tick && now_ms.saturating_sub(lead.window_started_ms) >= self.cfg.time_cap_ms;
         let closes = full || (timed_out && samples >= self.cfg.min_samples as u64);
@@ -1052,6 +1120,7 @@ impl Tuner {
                     candidate: None,
                     phase: Phase::MeasureCandidate,
                     state,
+                    switchback_block_ms: None,
                 }
             }
             (Phase::Interleaved, Some(candidate)) => {
@@ -1071,6 +1140,7 @@ impl Tuner {
                         candidate: Some(candidate),
                         phase: Phase::Interleaved,
                         state,
+                        switchback_block_ms: cur.switchback_block_ms,
                     },
                 }
             }
@@ -1183,7 +1253,7 @@ mod tests {
     /// `n` requests admitted now on `t`, each finishing with `ttft(weights)`.
     fn serve(t: &mut Tuner, keys: std::ops::Range<u64>, ttft: impl Fn(Weights) -> f64) {
         for k in keys {
-            let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()));
+            let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()), 0);
             t.record(&a.epoch, a.cell, ttft(a.weights), 1000.0);
         }
     }
@@ -1199,7 +1269,7 @@ mod tests {
         assert_eq!(p.candidate, None, "no trial on unmeasured noise");
         for w in 0..2u64 {
             for k in w * 100..w * 100 + 64 {
-                let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()));
+                let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()), 0);
                 assert_eq!(a.weights, p.weights);
             }
             serve(&mut t, w * 10..w * 10 + 10, |_| 100.0);
@@ -1216,7 +1286,7 @@ mod tests {
         // Both arms are routed, each with its own weights, in every cell.
         let mut seen = [0; CELLS];
         for k in 1000..1064u64 {
-            let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()));
+            let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()), 0);
             seen[a.cell as usize] += 1;
             let want = if a.cell >= 2 { cand } else { p.weights };
             assert_eq!(a.weights, want);
@@ -1245,7 +1315,7 @@ mod tests {
         ttft: impl Fn(Cell) -> f64,
     ) -> Vec<TuningOutput> {
         for k in keys {
-            let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()));
+            let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()), 0);
             t.record(&a.epoch, a.cell, ttft(a.cell), 1000.0);
         }
         t.tick(now_ms)
@@ -1288,7 +1358,7 @@ mod tests {
         assert_eq!((p.phase, p.candidate), (Phase::Interleaved, None));
         let mut cells = [0; CELLS];
         for k in 1000..1064u64 {
-            let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()));
+            let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()), 0);
             assert_eq!(a.weights, p.weights);
             cells[a.cell as usize] += 1;
         }
@@ -1347,7 +1417,7 @@ mod tests {
         let out = t.tick(0);
         assert_eq!(broadcasts(&out)[0].epoch, 1);
         assert!(t.is_leader());
-        let epoch = t.admit(0).epoch;
+        let epoch = t.admit(0, 0).epoch;
         for i in 0..10 {
             t.record(&epoch, 0, 100.0 + i as f64, 1000.0);
         }
@@ -1355,7 +1425,7 @@ mod tests {
         let p = broadcasts(&out)[0];
         assert_eq!((p.epoch, p.phase), (2, Phase::MeasureCandidate));
         assert_eq!(t.weights(), p.weights);
-        let epoch = t.admit(0).epoch;
+        let epoch = t.admit(0, 0).epoch;
         for _ in 0..10 {
             t.record(&epoch, 1, 50.0, 1000.0);
         }
@@ -1372,11 +1442,98 @@ mod tests {
         }
     }
 
+    /// The first trial a single-node line of `design` decides, one request per ms, each
+    /// finishing at once with a TTFT of 100 ms times `own` for the candidate's arm (1.0
+    /// for the incumbent's) times `1 + spill` x the share of the last 50 requests routed
+    /// with the candidate: a candidate that helps its own requests by making a queue
+    /// everyone shares longer.
+    fn first_trial_under_spill(design: TrialDesign, own: f64, spill: f64) -> TuningRecord {
+        let cfg = TuningConfig {
+            trial: design,
+            switchback_block_ms: 100,
+            fit_start: false,
+            ..cfg()
+        };
+        let mut t = Tuner::new("a".into(), cfg).unwrap();
+        let mut recent = std::collections::VecDeque::new();
+        for now in 0..20_000u64 {
+            if now % 10 == 0 {
+                if let Some(rec) = first_record(&t.tick(now)) {
+                    return rec;
+                }
+            }
+            let a = t.admit(crate::hash::hash_bytes(&now.to_le_bytes()), now);
+            let candidate = Some(a.weights) == t.current().unwrap().candidate;
+            recent.push_back(candidate);
+            if recent.len() > 50 {
+                recent.pop_front();
+            }
+            let share = recent.iter().filter(|&&c| c).count() as f64 / recent.len() as f64;
+            let own = if candidate { own } else { 1.0 };
+            t.record(
+                &a.epoch,
+                a.cell,
+                100.0 * own * (1.0 + spill * share),
+                1000.0,
+            );
+        }
+        panic!("no trial decided");
+    }
+
+    #[test]
+    fn a_switchback_trial_sees_what_a_candidate_costs_the_others() {
+        // 10% faster for its own requests, and a queue that makes everyone 50% slower
+        // when all traffic runs it: worse for the cluster.
+        let interleaved = first_trial_under_spill(TrialDesign::Interleaved, 0.9, 0.5);
+        assert!(
+            interleaved.accepted,
+            "interleaving is fooled: {interleaved:?}"
+        );
+        let switchback = first_trial_under_spill(TrialDesign::Switchback, 0.9, 0.5);
+        assert_eq!(switchback.verdict, Verdict::NotBetter, "{switchback:?}");
+        assert!(
+            switchback.score_p95_ttft_ms > switchback.incumbent_p95_ttft_ms * 1.2,
+            "the whole cost is seen: {switchback:?}"
+        );
+        // Without the spill both designs accept the faster candidate.
+        let switchback = first_trial_under_spill(TrialDesign::Switchback, 0.9, 0.0);
+        assert!(switchback.accepted, "{switchback:?}");
+    }
+
+    #[test]
+    fn switchback_blocks_alternate_in_pairs_and_agree_across_nodes() {
+        let cfg = TuningConfig {
+            trial: TrialDesign::Switchback,
+            switchback_block_ms: 100,
+            ..cfg()
+        };
+        let mut a = Tuner::new("a".into(), cfg).unwrap();
+        let mut b = Tuner::new("b".into(), cfg).unwrap();
+        b.handle_proposal(broadcasts(&a.tick(0))[0].clone());
+        for block in 0..40u64 {
+            // Every request of a block, whatever its key, on every node: one arm.
+            let at = |t: &Tuner, k: u64| t.arm_and_half(k, block * 100 + k % 100);
+            let (first, half, _) = at(&a, 0);
+            assert!((0..64).all(|k| at(&a, k).0 == first && at(&b, k).0 == first));
+            if block % 2 == 1 {
+                let (prev, _, _) = a.arm_and_half(0, (block - 1) * 100);
+                assert_ne!(first, prev, "one of each per pair");
+            }
+            // The halves are the even and odd pairs.
+            assert_eq!(half, (block / 2) & 1);
+            // Only the second half of a block is measured.
+            assert!((0..64).all(|k| at(&a, k).2 == (k % 100 >= 50)));
+            let cell = |ms| a.admit(0, block * 100 + ms).cell;
+            assert_eq!(cell(49), UNMEASURED);
+            assert_eq!(cell(50), (first * 2 + half) as Cell);
+        }
+    }
+
     #[test]
     fn time_cap_extends_until_min_samples() {
         let mut t = Tuner::new("a".into(), cfg()).unwrap();
         t.tick(0);
-        let epoch = t.admit(0).epoch;
+        let epoch = t.admit(0, 0).epoch;
         t.record(&epoch, 0, 100.0, 1000.0);
         // Cap passed with 1 < 4 samples: extended, still epoch 1.
         t.tick(1500);
@@ -1408,6 +1565,7 @@ mod tests {
             candidate: None,
             phase: Phase::MeasureCandidate,
             state: EsState::new(&c),
+            switchback_block_ms: None,
         };
         assert!(t.handle_proposal(p).is_empty());
         assert!(t.current().is_none());
@@ -1429,6 +1587,7 @@ mod tests {
             candidate: None,
             phase: Phase::MeasureCandidate,
             state,
+            switchback_block_ms: None,
         };
         assert!(t.handle_proposal(p.clone()).is_empty());
         assert_eq!(
@@ -1464,6 +1623,7 @@ mod tests {
             candidate: None,
             phase: Phase::MeasureCandidate,
             state: EsState::new(&cfg()),
+            switchback_block_ms: None,
         };
         // An epoch no line reaches (its successor would overflow), more outcomes than
         // the success window, counters at their ends: neither adopted nor answered.
@@ -1508,6 +1668,7 @@ mod tests {
             candidate: Some(cfg().start_weights()),
             phase: Phase::Interleaved,
             state,
+            switchback_block_ms: None,
         };
         assert!(t.handle_proposal(p).is_empty());
         let cur = t.current().unwrap();
@@ -1537,7 +1698,7 @@ mod tests {
         assert_eq!(t.weights(), cur.state.incumbent);
         // Nothing more is measured or decided; the leader keeps announcing the result.
         for k in 0..20 {
-            let a = t.admit(k);
+            let a = t.admit(k, 0);
             assert_eq!(
                 (a.epoch.epoch(), a.epoch.leader()),
                 (cur.epoch, Some(&cur.leader))
@@ -1686,7 +1847,7 @@ mod tests {
     /// its prefill (300 ms) with a queue term of `queue` ms (0-800 by key).
     fn serve_terms(t: &mut Tuner, keys: std::ops::Range<u64>, residual: impl Fn(u64, f64) -> f64) {
         for k in keys {
-            let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()));
+            let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()), 0);
             let queue = (k % 5) as f64 * 200.0;
             let residual_ms = residual(k, queue);
             t.record(&a.epoch, a.cell, 300.0 + residual_ms, 1000.0);
@@ -1778,7 +1939,7 @@ mod tests {
             assert!(!t.current().unwrap().state.start_fitted, "window {w}");
             let keys = w * 10..w * 10 + 10;
             for k in keys {
-                let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()));
+                let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()), 0);
                 t.record(&a.epoch, a.cell, 300.0, 1000.0);
                 t.record_terms(
                     &a.epoch,

@@ -34,7 +34,7 @@ pub use crate::prompt::Endpoint;
 /// (version 5: queue stats carry the engine's slots where its
 /// concurrency limit is known; version 4: the tuning messages' start-fit sums and
 /// noise-aware tuner state; version 3: the engines' `replica` in gossip).
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// Largest gossip message accepted (4 MiB). A snapshot of about 800k fingerprints
 /// (a shadow index of ~50M tokens at 64 tokens per block) fits; gossip travels on its
@@ -372,6 +372,7 @@ mod tests {
             candidate: Some(w(2.0, 0.5)),
             phase: Phase::Interleaved,
             state,
+            switchback_block_ms: Some(10_000),
         });
         let mut cells: Box<[CellSketches; CELLS]> = Box::default();
         cells[1].ttft.add(512.0);
@@ -404,7 +405,7 @@ mod tests {
 
     /// The digest of [`one_of_each_message`]'s encodings, in order, at
     /// [`PROTOCOL_VERSION`].
-    const ENCODING_DIGEST: (u32, u64) = (6, 0x537b_7d27_5416_a365);
+    const ENCODING_DIGEST: (u32, u64) = (7, 0x0854_7747_b739_11ea);
 
     /// Fails when a wire type's encoding changes: a node built after the change cannot
     /// talk to one built before, so the change needs a new [`PROTOCOL_VERSION`] (and the

@@ -76,7 +76,7 @@ impl Bus {
                 self.requests += 1;
                 let key = hash_bytes(&self.requests.to_le_bytes());
                 let t = self.nodes.get_mut(&id).unwrap();
-                let a = t.admit(key);
+                let a = t.admit(key, self.now);
                 let (ttft, e2e) = latency(a.weights, u);
                 t.record(&a.epoch, a.cell, ttft * f, e2e * f);
             }
@@ -175,6 +175,17 @@ fn sequential() -> TuningConfig {
     }
 }
 
+/// Switchback trials in blocks of two rounds (every request of a round is admitted at
+/// the round's `now`): the first round of each block is its burn-in, the second is
+/// measured.
+fn switchback() -> TuningConfig {
+    TuningConfig {
+        trial: TrialDesign::Switchback,
+        switchback_block_ms: 2 * ROUND_MS,
+        ..cfg()
+    }
+}
+
 /// A synthetic cluster: p95 TTFT is best near w_rtt = 1.6, w_queue = 0.6.
 fn latency(w: Weights, u: f64) -> (f64, f64) {
     let ttft =
@@ -225,17 +236,24 @@ fn steady_state(n: usize, cfg: TuningConfig) {
     match cfg.trial {
         // Both arms in every epoch, about half the requests each; a trial takes one
         // to `max_trial_windows` epochs.
-        TrialDesign::Interleaved => {
+        TrialDesign::Interleaved | TrialDesign::Switchback => {
             let most = u64::from(cfg.max_trial_windows);
             assert!(bus
                 .records
                 .windows(2)
                 .all(|w| (1..=most).contains(&(w[1].epoch - w[0].epoch))));
+            // A switchback window's arms are whole blocks: one more block of one arm
+            // where the window is not whole pairs.
+            let slack = if cfg.trial == TrialDesign::Switchback {
+                2
+            } else {
+                3
+            };
             assert!(bus
                 .records
                 .iter()
                 .all(|r| r.samples.abs_diff(r.incumbent_samples)
-                    < (r.samples + r.incumbent_samples) / 3));
+                    <= (r.samples + r.incumbent_samples) / slack));
         }
         // Candidate epochs alternate with incumbent re-measurements.
         TrialDesign::Sequential => {
@@ -250,6 +268,7 @@ fn steady_state(n: usize, cfg: TuningConfig) {
 fn three_nodes_follow_one_leader() {
     steady_state(3, cfg());
     steady_state(3, sequential());
+    steady_state(3, switchback());
 }
 
 #[test]
@@ -261,9 +280,10 @@ fn five_nodes_follow_one_leader() {
 /// Load rising 8% a window, and every candidate 15% better than the start weights: a
 /// sequential trial measures the candidate one window after the incumbent, so it sees
 /// 0.85 x 1.08 = 0.92, and the drift it measures between incumbent windows inflates its
-/// noise margin past that; it never accepts. Interleaved arms see the same load.
+/// noise margin past that; it never accepts. Interleaved arms see the same load, and
+/// switchback arms nearly so.
 #[test]
-fn drifting_load_fools_sequential_trials_but_not_interleaved_ones() {
+fn drifting_load_fools_sequential_trials_but_not_paired_ones() {
     let start = cfg().start_weights();
     let better = move |w: Weights, u: f64| {
         let f = if w == start { 1.0 } else { 0.85 };
@@ -272,18 +292,27 @@ fn drifting_load_fools_sequential_trials_but_not_interleaved_ones() {
     let window_ms = 4 * ROUND_MS;
     let rising = move |now: u64| 1.08f64.powf(now as f64 / window_ms as f64);
     let mut accepted = Vec::new();
-    for cfg in [sequential(), cfg()] {
+    for cfg in [sequential(), cfg(), switchback()] {
         let mut bus = Bus::new(3, cfg);
         // 3 nodes x 11 requests a round: a 128-request window every 4 rounds.
-        while bus.records.len() < 12 {
+        for _ in 0..2_000 {
+            if bus.records.len() >= 12 {
+                break;
+            }
             bus.traffic_drifting(11, rising, better);
             bus.round();
         }
+        assert!(bus.records.len() >= 12, "{:?}: too few trials", cfg.trial);
         let n = bus.records[..12].iter().filter(|r| r.accepted).count();
         accepted.push((cfg.trial, n, bus.records[..12].to_vec()));
     }
     let (_, seq, seq_records) = &accepted[0];
     let (_, inter, inter_records) = &accepted[1];
+    let (_, sb, sb_records) = &accepted[2];
+    assert!(
+        *sb >= 1 && sb_records[0].accepted,
+        "switchback: {sb_records:#?}"
+    );
     assert_eq!(*seq, 0, "sequential accepted: {seq_records:#?}");
     assert!(
         *inter >= 1 && inter_records[0].accepted,
@@ -293,12 +322,16 @@ fn drifting_load_fools_sequential_trials_but_not_interleaved_ones() {
     let ratio = |r: &TuningRecord| r.score_p95_ttft_ms / r.incumbent_p95_ttft_ms;
     assert!(ratio(&seq_records[0]) > 0.88, "{}", ratio(&seq_records[0]));
     assert!((ratio(&inter_records[0]) - 0.85).abs() < 0.03);
+    // Switchback blocks alternate within the window, so most of the drift cancels
+    // too (the order within each pair is drawn, so some is left).
+    assert!((ratio(&sb_records[0]) - 0.85).abs() < 0.05);
 }
 
 #[test]
 fn leader_loss_mid_epoch_continues_the_line() {
     leader_loss(cfg());
     leader_loss(sequential());
+    leader_loss(switchback());
 }
 
 fn leader_loss(cfg: TuningConfig) {
@@ -329,7 +362,7 @@ fn leader_loss(cfg: TuningConfig) {
     expect.pending_trial = None;
     match cfg.trial {
         TrialDesign::Sequential => assert_eq!(next.phase, Phase::MeasureIncumbent),
-        TrialDesign::Interleaved => {
+        TrialDesign::Interleaved | TrialDesign::Switchback => {
             assert_eq!(next.phase, Phase::Interleaved);
             expect.draws += 1;
         }
@@ -444,7 +477,7 @@ fn requests_admitted_under_another_leaders_epoch_are_not_counted() {
     node.set_membership(["n0", "n1", "n2"].map(NodeId::from));
     assert!(node.handle_proposal(b.clone()).is_empty());
     let stale: Vec<_> = (0..20u64)
-        .map(|k| node.admit(hash_bytes(&k.to_le_bytes())))
+        .map(|k| node.admit(hash_bytes(&k.to_le_bytes()), 0))
         .collect();
     assert!(stale
         .iter()
@@ -463,7 +496,7 @@ fn requests_admitted_under_another_leaders_epoch_are_not_counted() {
         prefill_ms: 40.0,
     };
     for k in 100..112u64 {
-        let fresh = node.admit(hash_bytes(&k.to_le_bytes()));
+        let fresh = node.admit(hash_bytes(&k.to_le_bytes()), 0);
         node.record(&fresh.epoch, fresh.cell, 300.0, 2000.0);
         assert!(node.record_terms(&fresh.epoch, sample));
     }

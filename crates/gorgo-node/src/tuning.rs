@@ -229,6 +229,8 @@ pub struct TuningView {
     pub weights: Weights,
     /// The candidate's arm of an interleaved trial.
     pub candidate: Option<Weights>,
+    /// A switchback epoch's block length, ms (absent when arms go by request).
+    pub switchback_block_ms: Option<u64>,
     /// Best weights along the line.
     pub incumbent: Option<Weights>,
     /// Current step size.
@@ -315,9 +317,16 @@ impl TuningDriver {
 
     /// The epoch, cell and weights to route a new client request with. `key` is a
     /// well-mixed hash of the request's id: in an interleaved trial it picks the arm.
+    ///
+    /// A switchback trial's blocks are read off the wall clock: every node's clock,
+    /// within its NTP error, so every node routes a block with the same arm.
     pub fn admit(&self, key: u64) -> Admission {
+        let unix_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_millis() as u64;
         let inner = self.inner.lock();
-        let a = inner.tuner.admit(key);
+        let a = inner.tuner.admit(key, unix_ms);
         match inner.cfg.mode {
             TuningMode::Static => Admission {
                 weights: inner.static_weights,
@@ -453,6 +462,7 @@ impl TuningDriver {
             candidate: cur
                 .filter(|_| inner.cfg.mode != TuningMode::Static)
                 .and_then(|p| p.candidate),
+            switchback_block_ms: cur.and_then(|p| p.switchback_block_ms),
             incumbent: cur.map(|p| p.state.incumbent),
             sigma: cur.map(|p| p.state.sigma),
             trials: cur.map(|p| p.state.trials),
@@ -824,6 +834,8 @@ mod tests {
                             candidate: Some(Weights { w_rtt: sigma, w_queue: a }),
                             phase: if sigma > 1.0 { Phase::Interleaved } else { Phase::MeasureCandidate },
                             state,
+                            // 0 and hour-long blocks included: implausible, ignored.
+                            switchback_block_ms: (sigma > 2.0).then_some(u64::from(epoch) * 1_000_000),
                         };
                         d.handle(&ids[leader as usize].into(), TuningMessage::Proposal(p), now);
                     }

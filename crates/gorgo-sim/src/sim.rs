@@ -1196,7 +1196,7 @@ impl<'a> Sim<'a> {
         let admission = match (&self.oracle, self.nodes.get(r)) {
             (None, Some(n)) => n.tuner.as_ref().map(|t| {
                 if hops == 0 {
-                    t.admit(key)
+                    t.admit(key, now as u64)
                 } else {
                     Assignment {
                         epoch: EpochKey::default(),
