@@ -82,6 +82,27 @@ fn down_without_a_cluster_is_a_no_op_and_bad_topologies_are_named() {
         "{err}"
     );
     assert!(!dir.path().join("pids.json").exists());
+
+    // A trial design that does not exist names the flag and the designs.
+    let out = gorgo(&[
+        "up",
+        "--topology",
+        &root()
+            .join("configs/topologies/three-region.toml")
+            .display()
+            .to_string(),
+        "--tuning-trial",
+        "alternate",
+        "--run-dir",
+        &dir.path().display().to_string(),
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--tuning-trial") && err.contains("switchback"),
+        "{err}"
+    );
+    assert!(!dir.path().join("pids.json").exists());
 }
 
 /// GET an admin route with the cluster's token, as JSON.

@@ -1633,7 +1633,13 @@ mod tests {
         outcomes.state.outcomes = std::iter::repeat_n(true, 9).collect();
         let mut draws = base.clone();
         draws.state.draws = u64::MAX;
-        for p in [huge, outcomes, draws] {
+        // Switchback blocks of nothing (every request its own block) or of more than
+        // an hour (a window of one arm).
+        let mut no_block = base.clone();
+        no_block.switchback_block_ms = Some(0);
+        let mut long_block = base.clone();
+        long_block.switchback_block_ms = Some(MAX_SWITCHBACK_BLOCK_MS + 1);
+        for p in [huge, outcomes, draws, no_block, long_block] {
             assert!(!p.is_plausible());
             assert!(t.handle_proposal(p).is_empty());
             assert!(t.current().is_none());
