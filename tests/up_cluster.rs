@@ -61,48 +61,33 @@ fn down_without_a_cluster_is_a_no_op_and_bad_topologies_are_named() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("regions[0].client_delay_ms"), "{err}");
 
-    // A start outside the tuning bounds names the flag and the weight, before anything
-    // is started.
-    let out = gorgo(&[
-        "up",
-        "--topology",
-        &root()
-            .join("configs/topologies/three-region.toml")
-            .display()
-            .to_string(),
-        "--tuning-start",
-        "9,0.5",
-        "--run-dir",
-        &dir.path().display().to_string(),
-    ]);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    // A start outside the tuning bounds names the flag and the weight, and a trial
+    // design that does not exist names the flag and the designs, before anything is
+    // started.
+    let err = up_refused(dir.path(), &["--tuning-start", "9,0.5"]);
     assert!(
         err.contains("--tuning-start 9,0.5") && err.contains("w_rtt"),
         "{err}"
     );
-    assert!(!dir.path().join("pids.json").exists());
-
-    // A trial design that does not exist names the flag and the designs.
-    let out = gorgo(&[
-        "up",
-        "--topology",
-        &root()
-            .join("configs/topologies/three-region.toml")
-            .display()
-            .to_string(),
-        "--tuning-trial",
-        "alternate",
-        "--run-dir",
-        &dir.path().display().to_string(),
-    ]);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = up_refused(dir.path(), &["--tuning-trial", "alternate"]);
     assert!(
         err.contains("--tuning-trial") && err.contains("switchback"),
         "{err}"
     );
-    assert!(!dir.path().join("pids.json").exists());
+}
+
+/// `gorgo up` of the three-region topology with `flags`, which must fail before
+/// anything starts: its stderr.
+fn up_refused(run_dir: &Path, flags: &[&str]) -> String {
+    let topology = root().join("configs/topologies/three-region.toml");
+    let run = run_dir.display().to_string();
+    let mut args = vec!["up", "--topology", topology.to_str().unwrap()];
+    args.extend_from_slice(flags);
+    args.extend(["--run-dir", &run]);
+    let out = gorgo(&args);
+    assert!(!out.status.success());
+    assert!(!run_dir.join("pids.json").exists());
+    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 /// GET an admin route with the cluster's token, as JSON.
