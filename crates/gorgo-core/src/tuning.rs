@@ -728,7 +728,9 @@ impl Tuner {
 
     /// A new request: the epoch, cell and weights it is routed and measured under.
     /// `key` is a hash of the request's id (any well-mixed 64 bits; its low bit picks
-    /// the arm of an interleaved trial, the next one the half).
+    /// the arm of an interleaved trial, the next one the half); `now_ms` is the clock
+    /// every node shares (the wall clock live), whose blocks pick the arm and half of
+    /// a switchback trial instead.
     pub fn admit(&self, key: u64, now_ms: u64) -> Assignment {
         let (arm, half, measured) = self.arm_and_half(key, now_ms);
         let key = arm | (key & !1);
@@ -789,10 +791,11 @@ impl Tuner {
 
     /// The arm (low bit) and half of a request with `key` admitted at `now_ms`: by the
     /// key's two low bits in an interleaved trial; in a switchback trial (the
-    /// proposal's [`Proposal::switchback_block_ms`]), by its block of time. Blocks come in pairs, one of each arm in an order drawn per pair (a
-    /// hash of the pair and the epoch: every node draws the same), and the halves are
-    /// the even and odd pairs, so the noise the halves measure is the noise of
-    /// comparing blocks, not requests. The third value is false for a request in the
+    /// proposal's [`Proposal::switchback_block_ms`]), by its block of time. Blocks
+    /// come in pairs, one of each arm in an order drawn per pair (a hash of the pair
+    /// and the epoch: every node draws the same), and the halves are the even and odd
+    /// pairs, so the noise the halves measure is the noise of comparing blocks, not
+    /// requests. The third value is false for a request in the
     /// first half of its block: routed with the block's arm, measured in no cell, as
     /// the queues then still hold the last block's work (the carryover that would
     /// otherwise mix the arms).
