@@ -94,10 +94,12 @@ impl EpochKey {
 /// What a new request is routed and measured under.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Assignment {
-    /// The proposal it is admitted under, to pass back to [`Tuner::record`] and
+    /// The proposal it is admitted under, to pass back to
+    /// [`Tuner::record_first_token`], [`Tuner::record_finish`] and
     /// [`Tuner::record_terms`].
     pub epoch: EpochKey,
-    /// The cell to pass back to [`Tuner::record`].
+    /// The cell to pass back to [`Tuner::record_first_token`] and
+    /// [`Tuner::record_finish`].
     pub cell: Cell,
     /// The weights to route with.
     pub weights: Weights,
@@ -761,9 +763,9 @@ impl Tuner {
         }
     }
 
-    /// A request admitted under `epoch` (its [`Assignment::epoch`]) finished: its
-    /// start-fit evidence ([`TermSample`]). Counted like [`Tuner::record`]'s latencies
-    /// (same rule); true when counted.
+    /// A request admitted under `epoch` (its [`Assignment::epoch`]) had its first
+    /// token: its start-fit evidence ([`TermSample`]). Counted like
+    /// [`Tuner::record_first_token`]'s TTFT (same rule); true when counted.
     pub fn record_terms(&mut self, epoch: &EpochKey, sample: TermSample) -> bool {
         let counts = sample.is_usable() && self.measures(epoch);
         if counts {
@@ -772,12 +774,17 @@ impl Tuner {
         counts
     }
 
-    /// A request admitted under `epoch` (its [`Assignment::epoch`]) in `cell` finished
-    /// with these latencies. Counted only while this node still follows the very
-    /// proposal it was admitted under, same epoch and same leader, and that proposal
-    /// measures (not frozen): the request was routed with that proposal's weights.
-    pub fn record(&mut self, epoch: &EpochKey, cell: Cell, ttft_ms: f64, e2e_ms: f64) {
-        if !self.measures(epoch) || !ttft_ms.is_finite() || !e2e_ms.is_finite() {
+    /// A request admitted under `epoch` (its [`Assignment::epoch`]) in `cell` had its
+    /// first token after `ttft_ms`. Counted only while this node still follows the
+    /// very proposal it was admitted under, same epoch and same leader, and that
+    /// proposal measures (not frozen): the request was routed with that proposal's
+    /// weights. Recorded at the first token, not at the end, so that a window counts
+    /// every request whose TTFT it saw: at the end, the requests still decoding when
+    /// the window closes were lost (4-28% of them at the sweep points, the ones with
+    /// the longest E2E), and the arm whose requests decode longer lost more of its
+    /// tail (docs/tuning.md, "TTFT at the first token").
+    pub fn record_first_token(&mut self, epoch: &EpochKey, cell: Cell, ttft_ms: f64) {
+        if !self.measures(epoch) || !ttft_ms.is_finite() {
             return;
         }
         let Some(c) = self.cells.get_mut(cell as usize) else {
@@ -785,8 +792,27 @@ impl Tuner {
             return;
         };
         c.ttft.add(ttft_ms);
-        c.e2e.add(e2e_ms);
         self.unreported = true;
+    }
+
+    /// The same request finished after `e2e_ms`: counted for the E2E guard under the
+    /// same rule as [`Tuner::record_first_token`] (so a request still decoding when its
+    /// window closes counts for TTFT only).
+    pub fn record_finish(&mut self, epoch: &EpochKey, cell: Cell, e2e_ms: f64) {
+        if !self.measures(epoch) || !e2e_ms.is_finite() {
+            return;
+        }
+        if let Some(c) = self.cells.get_mut(cell as usize) {
+            c.e2e.add(e2e_ms);
+            self.unreported = true;
+        }
+    }
+
+    /// [`Tuner::record_first_token`] and [`Tuner::record_finish`] at once, for a
+    /// request whose first token and end are observed together.
+    pub fn record(&mut self, epoch: &EpochKey, cell: Cell, ttft_ms: f64, e2e_ms: f64) {
+        self.record_first_token(epoch, cell, ttft_ms);
+        self.record_finish(epoch, cell, e2e_ms);
     }
 
     /// The arm (low bit) and half of a request with `key` admitted at `now_ms`: by the
@@ -1443,6 +1469,101 @@ mod tests {
         for k in TUNING_JSONL_KEYS {
             assert!(line.get(k).is_some(), "{k}");
         }
+    }
+
+    /// A window counts a request at its first token: one still decoding when the window
+    /// closes is in its TTFT, and its end, reported after the close, is dropped.
+    #[test]
+    fn a_window_counts_requests_still_decoding_at_its_close() {
+        let cfg = TuningConfig {
+            noise_z: 0.0,
+            fit_start: false,
+            ..sequential()
+        };
+        let mut t = Tuner::new("a".into(), cfg).unwrap();
+        t.tick(0);
+        let first = t.admit(0, 0).epoch;
+        for i in 0..10 {
+            t.record_first_token(&first, 0, 100.0 + i as f64);
+            if i % 2 == 0 {
+                t.record_finish(&first, 0, 1000.0);
+            }
+        }
+        // Ten first tokens fill the window although only five requests ended.
+        let p = broadcasts(&t.tick(10))[0].clone();
+        assert_eq!((p.epoch, p.phase), (2, Phase::MeasureCandidate));
+        for _ in 0..5 {
+            t.record_finish(&first, 0, 1e6);
+        }
+        let second = t.admit(0, 0).epoch;
+        for _ in 0..10 {
+            t.record(&second, 1, 50.0, 1000.0);
+        }
+        let rec = first_record(&t.tick(20)).expect("a decision");
+        assert_eq!((rec.samples, rec.incumbent_samples), (10, 10));
+        assert!((rec.incumbent_p95_ttft_ms - 109.0).abs() < 3.0);
+        // The late ends (1e6 ms) counted for neither window.
+        assert!(rec.p95_e2e_ms < 1100.0 && rec.incumbent_p95_e2e_ms < 1100.0);
+        assert!(rec.accepted);
+    }
+
+    /// The first trial of an interleaved line where one request in ten of the
+    /// candidate's arm is slow twice over (TTFT 300 ms, then 5 s of decode) and one in
+    /// ten of the incumbent's has a TTFT of 150 ms, one request every 20 ms. Recorded
+    /// at the end, the candidate's slow requests were still decoding when each window
+    /// closed, so its measured tail was that of its fast ones (100 ms against 150) and
+    /// it was accepted. Recorded at the first token, its tail is seen.
+    #[test]
+    fn an_arm_whose_slow_requests_decode_long_is_judged_by_them() {
+        use std::cmp::Reverse;
+        use std::collections::BinaryHeap;
+        let cfg = TuningConfig {
+            window: 50,
+            noise_z: 0.0,
+            fit_start: false,
+            ..cfg()
+        };
+        let mut t = Tuner::new("a".into(), cfg).unwrap();
+        // (at, sequence, first token?, request)
+        let mut due: BinaryHeap<Reverse<(u64, usize, bool, usize)>> = BinaryHeap::new();
+        let mut admitted: Vec<(EpochKey, Cell, f64)> = Vec::new();
+        for now in (0..200_000u64).step_by(10) {
+            while let Some(Reverse((at, _, first, i))) = due.peek().copied() {
+                if at > now {
+                    break;
+                }
+                due.pop();
+                let (epoch, cell, ttft): &(EpochKey, Cell, f64) = &admitted[i];
+                if first {
+                    t.record_first_token(epoch, *cell, *ttft);
+                } else {
+                    t.record_finish(epoch, *cell, 10.0 + *ttft);
+                }
+            }
+            if let Some(rec) = first_record(&t.tick(now)) {
+                assert_eq!(rec.verdict, Verdict::NotBetter, "{rec:?}");
+                assert!(rec.score_p95_ttft_ms > 250.0, "{rec:?}");
+                return;
+            }
+            if now % 20 != 0 {
+                continue;
+            }
+            let key = crate::hash::hash_bytes(&now.to_le_bytes());
+            let a = t.admit(key, now);
+            let candidate = Some(a.weights) == t.current().unwrap().candidate;
+            let slow = (key >> 8).is_multiple_of(10);
+            let (ttft, decode) = match (candidate, slow) {
+                (true, true) => (300.0, 5000),
+                (false, true) => (150.0, 0),
+                _ => (100.0, 0),
+            };
+            let i = admitted.len();
+            admitted.push((a.epoch, a.cell, ttft));
+            let first_at = now + ttft as u64;
+            due.push(Reverse((first_at, 2 * i, true, i)));
+            due.push(Reverse((first_at + decode, 2 * i + 1, false, i)));
+        }
+        panic!("no trial decided");
     }
 
     /// The first trial a single-node line of `design` decides, one request per ms, each

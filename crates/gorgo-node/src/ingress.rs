@@ -701,13 +701,8 @@ impl Tracked {
             if outcome == "ok" {
                 let e2e = self.started.elapsed().as_secs_f64();
                 self.state.metrics.e2e.observe(e2e);
-                if let (Some((epoch, cell)), Some(ttft_ms)) = (self.measured.take(), self.ttft_ms) {
-                    let terms = self
-                        .chosen_terms
-                        .and_then(|(terms, w)| TermSample::new(&terms, w, ttft_ms));
-                    self.state
-                        .tuning
-                        .record(&epoch, cell, ttft_ms, e2e * 1000.0, terms);
+                if let (Some((epoch, cell)), Some(_)) = (self.measured.take(), self.ttft_ms) {
+                    self.state.tuning.record_finish(&epoch, cell, e2e * 1000.0);
                 }
             }
         }
@@ -788,7 +783,16 @@ impl Stream for Tracked {
                     let ttft = self.started.elapsed().as_secs_f64();
                     if self.ok_status {
                         self.state.metrics.ttft.observe(ttft);
-                        self.ttft_ms = Some(ttft * 1000.0);
+                        let ttft_ms = ttft * 1000.0;
+                        self.ttft_ms = Some(ttft_ms);
+                        if let Some((epoch, cell)) = &self.measured {
+                            let terms = self
+                                .chosen_terms
+                                .and_then(|(terms, w)| TermSample::new(&terms, w, ttft_ms));
+                            self.state
+                                .tuning
+                                .record_first_token(epoch, *cell, ttft_ms, terms);
+                        }
                     }
                 }
                 return Poll::Ready(Some(Ok(bytes)));

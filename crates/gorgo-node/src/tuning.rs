@@ -372,24 +372,29 @@ impl TuningDriver {
     }
 
     /// A request admitted under `epoch` (its [`Admission::epoch`]: epoch and leader)
-    /// in `cell` finished with these client-side latencies, with the same request's
-    /// start-fit evidence (`Tuner::record_terms`), if it has any: one lock per finished
-    /// request.
-    pub fn record(
+    /// in `cell` sent its first byte to the client after `ttft_ms`, with the same
+    /// request's start-fit evidence (`Tuner::record_terms`), if it has any: one lock
+    /// per first byte. Recorded then, not at the end, so that a request still decoding
+    /// when the window closes counts for its TTFT (`Tuner::record_first_token`).
+    pub fn record_first_token(
         &self,
         epoch: &EpochKey,
         cell: Cell,
         ttft_ms: f64,
-        e2e_ms: f64,
         terms: Option<TermSample>,
     ) {
         let mut inner = self.inner.lock();
-        inner.tuner.record(epoch, cell, ttft_ms, e2e_ms);
+        inner.tuner.record_first_token(epoch, cell, ttft_ms);
         if let Some(sample) = terms {
             if inner.tuner.record_terms(epoch, sample) {
                 inner.fit_samples += 1;
             }
         }
+    }
+
+    /// The same request finished after `e2e_ms` (the E2E guard's evidence).
+    pub fn record_finish(&self, epoch: &EpochKey, cell: Cell, e2e_ms: f64) {
+        self.inner.lock().tuner.record_finish(epoch, cell, e2e_ms);
     }
 
     /// Periodic work: follow the membership view (`live`: peers believed alive), then
@@ -606,7 +611,8 @@ mod tests {
     fn serve(d: &TuningDriver, keys: std::ops::Range<u64>, ttft: f64) {
         for k in keys {
             let a = d.admit(gorgo_core::hash::hash_bytes(&k.to_le_bytes()));
-            d.record(&a.epoch, a.cell, ttft, 500.0, None);
+            d.record_first_token(&a.epoch, a.cell, ttft, None);
+            d.record_finish(&a.epoch, a.cell, 500.0);
         }
     }
 
@@ -821,7 +827,8 @@ mod tests {
                     }
                     Op::Record(back, cell, t, e) => {
                         let epoch = admitted.iter().rev().nth(usize::from(back)).cloned().unwrap_or_default();
-                        d.record(&epoch, cell, t, e, None);
+                        d.record_first_token(&epoch, cell, t, None);
+                        d.record_finish(&epoch, cell, e);
                     }
                     Op::Proposal(epoch, leader, a, b, sigma) => {
                         let mut state = gorgo_core::es::EsState::new(&c);

@@ -1619,7 +1619,9 @@ impl<'a> Sim<'a> {
         let home = self.flight(slot).home as usize;
         let link = self.link_delay(r, home);
         let back = link + self.client_delay(home);
-        if r != home && self.oracle.is_none() && self.flight(slot).forwarded_ms.is_some() {
+        let relayed =
+            r != home && self.oracle.is_none() && self.flight(slot).forwarded_ms.is_some();
+        if relayed {
             // The forwarding node learns its forward's TTFT when the byte reaches it.
             self.push(at + link, Ev::FirstByte(slot));
             self.flight_mut(slot).first_byte_due_ms = Some(at + link);
@@ -1645,6 +1647,9 @@ impl<'a> Sim<'a> {
                     .first_token(slot as u64, Some(engine_ttft), at as u64)
             }
         }
+        if !relayed {
+            self.record_first_token(slot);
+        }
     }
 
     /// A forward's first byte reached its home node: the node's forward ledger learns
@@ -1658,6 +1663,10 @@ impl<'a> Sim<'a> {
             return; // the slot was released and reused
         }
         f.first_byte_due_ms = None;
+        self.record_first_token(slot);
+        let Some(f) = self.flights.get_mut(slot as usize).and_then(|f| f.as_mut()) else {
+            return;
+        };
         let pred = f
             .chosen_terms
             .and_then(|(t, _)| t.unbiased_estimated_ttft_ms());
@@ -1669,6 +1678,29 @@ impl<'a> Sim<'a> {
         if let Some(node) = self.nodes.get_mut(home) {
             node.ledger
                 .observe_forward_ttft(&peer, priced, pred, now - sent, now as u64);
+        }
+    }
+
+    /// The home node sees a request's first byte (the client's TTFT is known there):
+    /// its tuner records the TTFT and the decision's start-fit evidence, as the live
+    /// node does when the first byte goes out.
+    fn record_first_token(&mut self, slot: u32) {
+        let Some(f) = self.flights.get(slot as usize).and_then(|f| f.as_ref()) else {
+            return;
+        };
+        let Some(t) = self
+            .nodes
+            .get_mut(f.home as usize)
+            .and_then(|n| n.tuner.as_mut())
+        else {
+            return;
+        };
+        t.record_first_token(&f.epoch, f.cell, f.ttft_ms);
+        if let Some(sample) = f
+            .chosen_terms
+            .and_then(|(terms, w)| TermSample::new(&terms, w, f.ttft_ms))
+        {
+            t.record_terms(&f.epoch, sample);
         }
     }
 
@@ -1750,13 +1782,7 @@ impl<'a> Sim<'a> {
             .get_mut(f.home as usize)
             .and_then(|n| n.tuner.as_mut())
         {
-            t.record(&f.epoch, f.cell, f.ttft_ms, e2e);
-            if let Some(sample) = f
-                .chosen_terms
-                .and_then(|(terms, w)| TermSample::new(&terms, w, f.ttft_ms))
-            {
-                t.record_terms(&f.epoch, sample);
-            }
+            t.record_finish(&f.epoch, f.cell, e2e);
         }
         self.out.push(Row {
             index: f.index,
