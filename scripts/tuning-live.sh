@@ -7,7 +7,8 @@
 # against the grid's best. About 40 minutes wall on 2 cores; keep the machine idle.
 # Usage: scripts/tuning-live.sh [OUT]   (env: WIN=1800 TS=2 BASE_PORT=27100, and
 # START=W_RTT,W_QUEUE to start the line from other weights, e.g. the bad start 2.0,0.05,
-# and TRIAL=switchback|sequential for another trial design)
+# TRIAL=switchback|sequential for another trial design, and WINDOW=REQUESTS and
+# WINDOW_MS=MS for another trial window, e.g. WINDOW=256 WINDOW_MS=120000)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-out/tuning-live}
@@ -21,7 +22,8 @@ T="$OUT/gen5.jsonl"
 [ -f "$T" ] || "$G" trace generate --seed 5 --duration-s 1800 --out "$T" > /dev/null
 "$G" down --run-dir "$OUT/run" > /dev/null 2>&1 || true
 "$G" up --topology configs/topologies/three-region.toml --policy gorgo --tuning online \
-  ${START:+--tuning-start "$START"} ${TRIAL:+--tuning-trial "$TRIAL"} --run-dir "$OUT/run" --base-port "$PORT" --detach
+  ${START:+--tuning-start "$START"} ${TRIAL:+--tuning-trial "$TRIAL"} \
+  ${WINDOW:+--tuning-window "$WINDOW"} ${WINDOW_MS:+--tuning-window-ms "$WINDOW_MS"} --run-dir "$OUT/run" --base-port "$PORT" --detach
 trap '"$G" down --run-dir "$OUT/run" > /dev/null 2>&1 || true' EXIT
 "$G" bench --trace "$T" --cluster "$OUT/run" --window "$WIN" --time-scale "$TS" \
   --max-context-tokens 32768 --label gorgo-online --no-progress --out "$OUT/live" \
