@@ -7,7 +7,7 @@
 //! sketches: it is small, serde-serialisable for the wire and mergeable without loss
 //! beyond its 1% relative error.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
@@ -344,6 +344,56 @@ impl LatencySketch {
         Some(self.max)
     }
 
+    /// The quantile `q` of durations of which `self` holds the ones that ended and
+    /// `censored` the time so far of the ones still running (right-censored: each is
+    /// known only to last at least that long), by the Kaplan-Meier estimate of the
+    /// survival function over the buckets (at a bucket, ends count before the
+    /// censored). Counting a running one as if it had ended would bias the quantile
+    /// low, and leaving it out lower still, as the ones still running are the long
+    /// ones; Kaplan-Meier is unbiased when the censoring is independent of the
+    /// duration, as a window's close is of a request's length.
+    ///
+    /// Equal to [`LatencySketch::quantile`] when nothing is censored. When the
+    /// estimate never falls to `1 - q` (too many of the longest still running), the
+    /// largest time seen, a lower bound. `None` when both are empty or `q` is outside
+    /// `[0, 1]`.
+    pub fn censored_quantile(&self, censored: &LatencySketch, q: f64) -> Option<f64> {
+        if censored.count == 0 || !(0.0..=1.0).contains(&q) {
+            return self.quantile(q);
+        }
+        // Tolerance for the product of ratios against 1 - q.
+        const EPS: f64 = 1e-12;
+        let last_seen = self.max.max(censored.max);
+        let mut at_risk = self.count.saturating_add(censored.count) as f64;
+        let mut survival = 1.0;
+        let mut step = |ended: u64, running: u64| -> bool {
+            if ended > 0 && at_risk > 0.0 {
+                survival *= 1.0 - ended as f64 / at_risk;
+            }
+            at_risk -= ended.saturating_add(running) as f64;
+            ended > 0 && survival <= 1.0 - q + EPS
+        };
+        if step(self.zero_count, censored.zero_count) {
+            return Some(0.0);
+        }
+        let keys: BTreeSet<i32> = self
+            .buckets
+            .keys()
+            .chain(censored.buckets.keys())
+            .copied()
+            .collect();
+        let g = gamma();
+        for k in keys {
+            let ended = self.buckets.get(&k).copied().unwrap_or(0);
+            let running = censored.buckets.get(&k).copied().unwrap_or(0);
+            if step(ended, running) {
+                let mid = 2.0 * g.powi(k) / (g + 1.0);
+                return Some(mid.clamp(self.min, self.max));
+            }
+        }
+        Some(last_seen)
+    }
+
     /// Mean of the samples at or above the nearest-rank quantile `q` (the tail mean,
     /// or CVaR: `tail_mean(0.8)` is the mean of the slowest 20%), from bucket
     /// midpoints (each within 1%). `None` when empty or `q` is outside `[0, 1]`.
@@ -388,6 +438,37 @@ impl LatencySketch {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn censored_quantile_is_kaplan_meier() {
+        let sketch = |vs: &[f64]| {
+            let mut s = LatencySketch::new();
+            vs.iter().for_each(|&v| s.add(v));
+            s
+        };
+        let ended = sketch(&[10.0, 20.0, 30.0, 40.0]);
+        let running = sketch(&[25.0, 35.0]);
+        // Survival 5/6 after 10, 4/6 after 20; 25 leaves the risk set; 4/6 x 2/3 =
+        // 0.44 after 30: the median is 30. Counted as ended the running ones would
+        // give 25, left out 20.
+        let median = ended.censored_quantile(&running, 0.5).unwrap();
+        assert!((median - 30.0).abs() < 0.3, "{median}");
+        assert!((ended.censored_quantile(&running, 0.2).unwrap() - 20.0).abs() < 0.2);
+        // Survival never reaches 0.05 before the last end (0 after 40, the one at
+        // risk then ended): p95 is 40.
+        assert!((ended.censored_quantile(&running, 0.95).unwrap() - 40.0).abs() < 0.4);
+        // Most of the tail still running: the longest time seen, a lower bound.
+        let long = sketch(&[500.0, 600.0]);
+        assert_eq!(sketch(&[10.0]).censored_quantile(&long, 0.95), Some(600.0));
+        assert_eq!(
+            LatencySketch::new().censored_quantile(&long, 0.5),
+            Some(600.0)
+        );
+        // Nothing censored: the plain quantile; nothing at all: none.
+        let none = LatencySketch::new();
+        assert_eq!(ended.censored_quantile(&none, 0.95), ended.quantile(0.95));
+        assert_eq!(none.censored_quantile(&none, 0.5), None);
+    }
 
     #[test]
     fn tail_mean_is_the_mean_of_the_slowest() {
@@ -522,6 +603,30 @@ mod tests {
             let exact = percentile(&sorted, q * 100.0).unwrap();
             let approx = s.quantile(q).unwrap();
             prop_assert!(within(approx, exact), "q={q} exact={exact} approx={approx}");
+        }
+
+        /// Running ones all longer than every ended one are as if they had ended
+        /// last: the Kaplan-Meier quantile is the union's, where that falls among
+        /// the ended ones, and the longest time seen where it does not.
+        #[test]
+        fn censored_quantile_with_censoring_after_every_end(
+            ended in prop::collection::vec(1.0f64..1000.0, 1..200),
+            running in prop::collection::vec(2000.0f64..5000.0, 1..50),
+            q in 0.0f64..=1.0,
+        ) {
+            let mut e = LatencySketch::new();
+            let mut c = LatencySketch::new();
+            let mut union = LatencySketch::new();
+            for &v in &ended { e.add(v); union.add(v); }
+            for &v in &running { c.add(v); union.add(v); }
+            let km = e.censored_quantile(&c, q).unwrap();
+            let u = union.quantile(q).unwrap();
+            if u < 1500.0 {
+                // The same bucket (each answer is clamped to its own sketch's extremes).
+                prop_assert!(within(km, u), "km={km} union={u}");
+            } else {
+                prop_assert_eq!(km, c.max);
+            }
         }
 
         #[test]

@@ -110,16 +110,39 @@ pub struct Assignment {
 pub struct CellSketches {
     /// Client-side TTFT, ms.
     pub ttft: LatencySketch,
-    /// E2E latency, ms.
+    /// E2E latency of the requests that finished, ms.
     pub e2e: LatencySketch,
+    /// Time so far of the requests that had their first token and had not finished
+    /// when the sketches were taken, ms: lower bounds on their E2E. Without them the
+    /// E2E guard judged an arm by the requests that ended before the window closed,
+    /// and missed most of the slow ones it exists for (docs/tuning.md, "The E2E guard
+    /// sees the requests still running").
+    pub e2e_open: LatencySketch,
 }
 
 impl CellSketches {
     fn merge(&mut self, other: &CellSketches) {
         self.ttft.merge(&other.ttft);
         self.e2e.merge(&other.e2e);
+        self.e2e_open.merge(&other.e2e_open);
     }
 }
+
+/// A request whose first token a [`Tuner`] counted and whose end it awaits: what
+/// [`Tuner::record_first_token`] returns, to hand back to [`Tuner::record_finish`]
+/// when the request ends well, or to [`Tuner::abandon`] when it does not. Until then
+/// its time so far is in every report, as a lower bound on its E2E.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpenRequest {
+    epoch: EpochKey,
+    cell: Cell,
+    id: u64,
+}
+
+/// Open requests a node tracks at most (one epoch's: the registry is emptied at each
+/// new epoch). Beyond it a request still counts for TTFT and, if it ends in time, for
+/// E2E, but not as a lower bound while it runs.
+pub const MAX_OPEN_REQUESTS: usize = 1 << 16;
 
 /// One request's evidence for the start fit ([`TermSums`]), from the decision that
 /// placed it and its measured TTFT.
@@ -612,6 +635,10 @@ pub struct Tuner {
     live: BTreeSet<NodeId>,
     current: Option<Proposal>,
     cells: [CellSketches; CELLS],
+    /// The requests of the followed epoch that had their first token and have not
+    /// ended, by id: their cell and when they started (ms, the `now_ms` clock).
+    open: BTreeMap<u64, (Cell, f64)>,
+    next_open_id: u64,
     terms: TermSums,
     unreported: bool,
     lead: Option<Lead>,
@@ -636,6 +663,8 @@ impl Tuner {
             live,
             current: None,
             cells: Default::default(),
+            open: BTreeMap::new(),
+            next_open_id: 0,
             terms: TermSums::default(),
             unreported: false,
             lead: None,
@@ -783,27 +812,57 @@ impl Tuner {
     /// the window closes were lost (4-28% of them at the sweep points, the ones with
     /// the longest E2E), and the arm whose requests decode longer lost more of its
     /// tail (docs/tuning.md, "TTFT at the first token").
-    pub fn record_first_token(&mut self, epoch: &EpochKey, cell: Cell, ttft_ms: f64) {
+    ///
+    /// `now_ms` is the clock [`Tuner::tick`] is given. The request is open until it is
+    /// handed back to [`Tuner::record_finish`] or [`Tuner::abandon`]: meanwhile its
+    /// time so far goes into this node's reports as a lower bound on its E2E, so that
+    /// a window's E2E guard sees the requests still decoding at its close. `None` when
+    /// the TTFT did not count.
+    #[must_use = "hand the request back to record_finish or abandon when it ends"]
+    pub fn record_first_token(
+        &mut self,
+        epoch: &EpochKey,
+        cell: Cell,
+        ttft_ms: f64,
+        now_ms: u64,
+    ) -> Option<OpenRequest> {
         if !self.measures(epoch) || !ttft_ms.is_finite() {
-            return;
+            return None;
         }
-        let Some(c) = self.cells.get_mut(cell as usize) else {
-            // UNMEASURED, or no cell at all.
-            return;
-        };
+        // UNMEASURED, or no cell at all: not counted.
+        let c = self.cells.get_mut(cell as usize)?;
         c.ttft.add(ttft_ms);
         self.unreported = true;
+        let id = self.next_open_id;
+        self.next_open_id += 1;
+        if self.open.len() < MAX_OPEN_REQUESTS {
+            self.open.insert(id, (cell, now_ms as f64 - ttft_ms));
+        }
+        Some(OpenRequest {
+            epoch: epoch.clone(),
+            cell,
+            id,
+        })
     }
 
-    /// The same request finished after `e2e_ms`: counted for the E2E guard under the
-    /// same rule as [`Tuner::record_first_token`] (so a request still decoding when its
-    /// window closes counts for TTFT only).
-    pub fn record_finish(&mut self, epoch: &EpochKey, cell: Cell, e2e_ms: f64) {
-        if !self.measures(epoch) || !e2e_ms.is_finite() {
+    /// The request `open` finished after `e2e_ms`: counted for the E2E guard under the
+    /// same rule as [`Tuner::record_first_token`] (so one that ends after its window
+    /// closed counted there only by its time so far).
+    pub fn record_finish(&mut self, open: OpenRequest, e2e_ms: f64) {
+        self.open.remove(&open.id);
+        if !self.measures(&open.epoch) || !e2e_ms.is_finite() {
             return;
         }
-        if let Some(c) = self.cells.get_mut(cell as usize) {
+        if let Some(c) = self.cells.get_mut(open.cell as usize) {
             c.e2e.add(e2e_ms);
+            self.unreported = true;
+        }
+    }
+
+    /// The request `open` ended without an E2E to count (it failed, or its client went
+    /// away): it stops being a lower bound.
+    pub fn abandon(&mut self, open: OpenRequest) {
+        if self.open.remove(&open.id).is_some() {
             self.unreported = true;
         }
     }
@@ -811,8 +870,9 @@ impl Tuner {
     /// [`Tuner::record_first_token`] and [`Tuner::record_finish`] at once, for a
     /// request whose first token and end are observed together.
     pub fn record(&mut self, epoch: &EpochKey, cell: Cell, ttft_ms: f64, e2e_ms: f64) {
-        self.record_first_token(epoch, cell, ttft_ms);
-        self.record_finish(epoch, cell, e2e_ms);
+        if let Some(open) = self.record_first_token(epoch, cell, ttft_ms, 0) {
+            self.record_finish(open, e2e_ms);
+        }
     }
 
     /// The arm (low bit) and half of a request with `key` admitted at `now_ms`: by the
@@ -869,10 +929,12 @@ impl Tuner {
                 self.start_leading(p, now_ms, &mut out);
             }
         } else if let Some(cur) = &self.current {
-            if self.unreported && cur.phase != Phase::Frozen && cur.leader != self.id {
+            // Open requests' time so far grows: report it every tick while there are any.
+            let news = self.unreported || !self.open.is_empty();
+            if news && cur.phase != Phase::Frozen && cur.leader != self.id {
                 out.push(TuningOutput::SendReport {
                     to: cur.leader.clone(),
-                    report: self.report(cur),
+                    report: self.report(cur, now_ms),
                 });
                 self.unreported = false;
             }
@@ -935,12 +997,12 @@ impl Tuner {
         self.live.first() == Some(&self.id)
     }
 
-    fn report(&self, cur: &Proposal) -> EpochReport {
+    fn report(&self, cur: &Proposal, now_ms: u64) -> EpochReport {
         EpochReport {
             epoch: cur.epoch,
             leader: cur.leader.clone(),
             from: self.id.clone(),
-            cells: Box::new(self.cells.clone()),
+            cells: Box::new(with_open(&self.cells, &self.open, now_ms)),
             samples: self.cells.iter().map(|c| c.ttft.count()).sum(),
             terms: self.terms,
         }
@@ -953,6 +1015,7 @@ impl Tuner {
             .is_none_or(|c| c.epoch != p.epoch || c.leader != p.leader);
         if new_epoch {
             self.cells = Default::default();
+            self.open.clear();
             self.terms = TermSums::default();
             self.unreported = false;
         }
@@ -1072,7 +1135,7 @@ impl Tuner {
         if self.last_decided.is_some_and(|d| d >= cur.epoch) {
             return;
         }
-        let mut cells = self.cells.clone();
+        let mut cells = with_open(&self.cells, &self.open, now_ms);
         for r in lead.reports.values() {
             for (c, rc) in cells.iter_mut().zip(r.cells.iter()) {
                 c.merge(rc);
@@ -1227,6 +1290,21 @@ impl Tuner {
     }
 }
 
+/// `cells` with the `open` requests' time so far at `now_ms` (see [`Tuner`]'s `open`).
+fn with_open(
+    cells: &[CellSketches; CELLS],
+    open: &BTreeMap<u64, (Cell, f64)>,
+    now_ms: u64,
+) -> [CellSketches; CELLS] {
+    let mut cells = cells.clone();
+    for &(cell, started_ms) in open.values() {
+        if let Some(c) = cells.get_mut(cell as usize) {
+            c.e2e_open.add((now_ms as f64 - started_ms).max(0.0));
+        }
+    }
+    cells
+}
+
 /// p95 TTFT and E2E, and the tail mean, over `range` of the cells.
 fn measure(cells: &[CellSketches; CELLS], range: std::ops::Range<usize>) -> Measurement {
     let mut all = CellSketches::default();
@@ -1235,7 +1313,11 @@ fn measure(cells: &[CellSketches; CELLS], range: std::ops::Range<usize>) -> Meas
     }
     Measurement {
         p95_ttft_ms: all.ttft.quantile(0.95).unwrap_or(f64::NAN),
-        p95_e2e_ms: all.e2e.quantile(0.95).unwrap_or(f64::NAN),
+        // The requests still running are right-censored at their time so far.
+        p95_e2e_ms: all
+            .e2e
+            .censored_quantile(&all.e2e_open, 0.95)
+            .unwrap_or(f64::NAN),
         samples: all.ttft.count(),
         tail_ttft_ms: all.ttft.tail_mean(TAIL_QUANTILE),
     }
@@ -1483,17 +1565,21 @@ mod tests {
         let mut t = Tuner::new("a".into(), cfg).unwrap();
         t.tick(0);
         let first = t.admit(0, 0).epoch;
+        let mut running = Vec::new();
         for i in 0..10 {
-            t.record_first_token(&first, 0, 100.0 + i as f64);
+            let open = t.record_first_token(&first, 0, 100.0 + i as f64, 0);
+            let open = open.expect("counted");
             if i % 2 == 0 {
-                t.record_finish(&first, 0, 1000.0);
+                t.record_finish(open, 1000.0);
+            } else {
+                running.push(open);
             }
         }
         // Ten first tokens fill the window although only five requests ended.
         let p = broadcasts(&t.tick(10))[0].clone();
         assert_eq!((p.epoch, p.phase), (2, Phase::MeasureCandidate));
-        for _ in 0..5 {
-            t.record_finish(&first, 0, 1e6);
+        for open in running {
+            t.record_finish(open, 1e6);
         }
         let second = t.admit(0, 0).epoch;
         for _ in 0..10 {
@@ -1515,50 +1601,87 @@ mod tests {
     /// it was accepted. Recorded at the first token, its tail is seen.
     #[test]
     fn an_arm_whose_slow_requests_decode_long_is_judged_by_them() {
-        use std::cmp::Reverse;
-        use std::collections::BinaryHeap;
         let cfg = TuningConfig {
             window: 50,
             noise_z: 0.0,
             fit_start: false,
             ..cfg()
         };
+        let rec = first_trial_of(cfg, 20, |candidate, slow| match (candidate, slow) {
+            (true, true) => (300.0, 5000),
+            (false, true) => (150.0, 0),
+            _ => (100.0, 0),
+        });
+        assert_ne!(rec.verdict, Verdict::Accepted, "{rec:?}");
+        assert!(rec.score_p95_ttft_ms > 250.0, "{rec:?}");
+    }
+
+    /// A candidate whose TTFT is better (80 ms against 100) but one of whose requests
+    /// in ten then decodes for 100 s, against 1 s for all others, one request every
+    /// 200 ms: a window of 50 first tokens lasts 10 s, so none of those long requests
+    /// has ended when it closes. Judged by the requests that ended, the two arms'
+    /// p95 E2E were the same and the candidate was accepted (checked by leaving the
+    /// open requests out of `measure`: it fails); with the ones still running
+    /// right-censored at their time so far, the guard sees them.
+    #[test]
+    fn the_e2e_guard_sees_the_requests_still_running() {
+        let cfg = TuningConfig {
+            window: 50,
+            noise_z: 0.0,
+            fit_start: false,
+            time_cap_ms: 60_000,
+            ..cfg()
+        };
+        let rec = first_trial_of(cfg, 200, |candidate, slow| match (candidate, slow) {
+            (true, true) => (80.0, 100_000),
+            (true, false) => (80.0, 1000),
+            _ => (100.0, 1000),
+        });
+        assert_eq!(rec.verdict, Verdict::E2eGuard, "{rec:?}");
+        assert!(rec.score_p95_ttft_ms < 90.0, "{rec:?}");
+        assert!(rec.p95_e2e_ms > 2.0 * rec.incumbent_p95_e2e_ms, "{rec:?}");
+    }
+
+    /// The first trial a single-node line decides, one request every `every_ms`, each
+    /// with the TTFT and decode time (ms) `profile(routed with the candidate, slow)`
+    /// gives it (one request in ten is slow, by its key); TTFT recorded at the first
+    /// token, E2E (TTFT plus decode) at the end, as the node does.
+    fn first_trial_of(
+        cfg: TuningConfig,
+        every_ms: u64,
+        profile: impl Fn(bool, bool) -> (f64, u64),
+    ) -> TuningRecord {
+        use std::cmp::Reverse;
+        use std::collections::BinaryHeap;
         let mut t = Tuner::new("a".into(), cfg).unwrap();
         // (at, sequence, first token?, request)
         let mut due: BinaryHeap<Reverse<(u64, usize, bool, usize)>> = BinaryHeap::new();
-        let mut admitted: Vec<(EpochKey, Cell, f64)> = Vec::new();
-        for now in (0..200_000u64).step_by(10) {
+        let mut admitted: Vec<(EpochKey, Cell, f64, u64, Option<OpenRequest>)> = Vec::new();
+        for now in (0..2_000_000u64).step_by(10) {
             while let Some(Reverse((at, _, first, i))) = due.peek().copied() {
                 if at > now {
                     break;
                 }
                 due.pop();
-                let (epoch, cell, ttft): &(EpochKey, Cell, f64) = &admitted[i];
+                let (epoch, cell, ttft, decode, open) = &mut admitted[i];
                 if first {
-                    t.record_first_token(epoch, *cell, *ttft);
-                } else {
-                    t.record_finish(epoch, *cell, 10.0 + *ttft);
+                    *open = t.record_first_token(epoch, *cell, *ttft, now);
+                } else if let Some(open) = open.take() {
+                    t.record_finish(open, *ttft + *decode as f64);
                 }
             }
             if let Some(rec) = first_record(&t.tick(now)) {
-                assert_eq!(rec.verdict, Verdict::NotBetter, "{rec:?}");
-                assert!(rec.score_p95_ttft_ms > 250.0, "{rec:?}");
-                return;
+                return rec;
             }
-            if now % 20 != 0 {
+            if now % every_ms != 0 {
                 continue;
             }
             let key = crate::hash::hash_bytes(&now.to_le_bytes());
             let a = t.admit(key, now);
             let candidate = Some(a.weights) == t.current().unwrap().candidate;
-            let slow = (key >> 8).is_multiple_of(10);
-            let (ttft, decode) = match (candidate, slow) {
-                (true, true) => (300.0, 5000),
-                (false, true) => (150.0, 0),
-                _ => (100.0, 0),
-            };
+            let (ttft, decode) = profile(candidate, (key >> 8).is_multiple_of(10));
             let i = admitted.len();
-            admitted.push((a.epoch, a.cell, ttft));
+            admitted.push((a.epoch, a.cell, ttft, decode, None));
             let first_at = now + ttft as u64;
             due.push(Reverse((first_at, 2 * i, true, i)));
             due.push(Reverse((first_at + decode, 2 * i + 1, false, i)));
@@ -1694,6 +1817,44 @@ mod tests {
         assert!(t.handle_proposal(p).is_empty());
         assert!(t.current().is_none());
         assert_eq!(t.weights(), c.start_weights());
+    }
+
+    /// A follower reports its open requests' time so far every tick, growing, until
+    /// they end; one that failed stops counting.
+    #[test]
+    fn a_follower_reports_its_running_requests_until_they_end() {
+        let mut a = Tuner::new("a".into(), cfg()).unwrap();
+        let mut b = Tuner::new("b".into(), cfg()).unwrap();
+        b.set_membership(["a".into()]);
+        let p = broadcasts(&a.tick(0))[0].clone();
+        b.handle_proposal(p);
+        let report = |out: Vec<TuningOutput>| {
+            out.into_iter().find_map(|o| match o {
+                TuningOutput::SendReport { report, .. } => Some(report),
+                _ => None,
+            })
+        };
+        let adm = b.admit(0, 0);
+        let ended = b
+            .record_first_token(&adm.epoch, adm.cell, 100.0, 1000)
+            .unwrap();
+        let failed = b
+            .record_first_token(&adm.epoch, adm.cell, 200.0, 1000)
+            .unwrap();
+        let open = |r: &EpochReport| r.cells[adm.cell as usize].e2e_open.clone();
+        let r = report(b.tick(5000)).expect("a report");
+        assert_eq!(open(&r).count(), 2);
+        assert!((open(&r).quantile(1.0).unwrap() - 4200.0).abs() < 42.0);
+        // Nothing new recorded, but the open requests are older: reported again.
+        let r = report(b.tick(9000)).expect("a report");
+        assert!((open(&r).quantile(1.0).unwrap() - 8200.0).abs() < 82.0);
+        b.record_finish(ended, 8100.0);
+        b.abandon(failed);
+        let r = report(b.tick(10_000)).expect("a report");
+        assert!(open(&r).is_empty());
+        assert_eq!(r.cells[adm.cell as usize].e2e.count(), 1);
+        // Nothing open and nothing new: no report.
+        assert!(report(b.tick(11_000)).is_none());
     }
 
     #[test]

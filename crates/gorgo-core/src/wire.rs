@@ -29,12 +29,14 @@ pub use crate::prompt::Endpoint;
 /// refuse each other at the handshake instead of misreading each other's messages.
 /// A test pins the encoding to this number (docs/design.md, "Protocols").
 ///
-/// 6: the tuning reports' start-fit sums carry the queue and prefill terms' sums (the
-/// cost of joining a queue), and a forward's offer names the policy that priced it
-/// (version 5: queue stats carry the engine's slots where its
+/// 8: each cell of a tuning report carries the open requests' time so far (lower
+/// bounds on their E2E, for the E2E guard) (version 7: a tuning proposal's switchback
+/// block length; version 6: the tuning reports' start-fit sums carry the queue and
+/// prefill terms' sums (the cost of joining a queue), and a forward's offer names the
+/// policy that priced it; version 5: queue stats carry the engine's slots where its
 /// concurrency limit is known; version 4: the tuning messages' start-fit sums and
 /// noise-aware tuner state; version 3: the engines' `replica` in gossip).
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// Largest gossip message accepted (4 MiB). A snapshot of about 800k fingerprints
 /// (a shadow index of ~50M tokens at 64 tokens per block) fits; gossip travels on its
@@ -377,6 +379,7 @@ mod tests {
         let mut cells: Box<[CellSketches; CELLS]> = Box::default();
         cells[1].ttft.add(512.0);
         cells[1].e2e.add(4096.0);
+        cells[1].e2e_open.add(8192.0);
         let report = TuningMessage::Report(EpochReport {
             epoch: 13,
             leader: "a".into(),
@@ -405,7 +408,7 @@ mod tests {
 
     /// The digest of [`one_of_each_message`]'s encodings, in order, at
     /// [`PROTOCOL_VERSION`].
-    const ENCODING_DIGEST: (u32, u64) = (7, 0x0854_7747_b739_11ea);
+    const ENCODING_DIGEST: (u32, u64) = (8, 0x694a_ef8f_bfc3_ba6e);
 
     /// Fails when a wire type's encoding changes: a node built after the change cannot
     /// talk to one built before, so the change needs a new [`PROTOCOL_VERSION`] (and the

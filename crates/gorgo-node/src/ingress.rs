@@ -15,7 +15,7 @@ use axum::routing::{get, post};
 use bytes::Bytes;
 use futures::Stream;
 use gorgo_core::cost::CostTerms;
-use gorgo_core::tuning::{Cell, EpochKey, TermSample};
+use gorgo_core::tuning::{Cell, EpochKey, OpenRequest, TermSample};
 use gorgo_core::{Endpoint, Weights};
 use http_body_util::BodyExt;
 use serde_json::Value;
@@ -605,8 +605,8 @@ fn respond(
         state: state.clone(),
         started,
         measured,
+        open: None,
         chosen_terms: up.chosen_terms,
-        ttft_ms: None,
         first_seen: false,
         events: event_stream.then(EventFramer::default),
         ok_status: status.is_success(),
@@ -648,10 +648,11 @@ struct Tracked {
     /// The tuning epoch and cell the request was admitted under (`None`: not
     /// measured, which a response that is not an event stream never is).
     measured: Option<(EpochKey, Cell)>,
+    /// The tuner's handle on the request once its first token counted: handed back at
+    /// the end (its E2E, or abandoned), and until then a lower bound in the reports.
+    open: Option<OpenRequest>,
     /// The decision's terms for its choice (the tuner's start-fit evidence).
     chosen_terms: Option<(CostTerms, Weights)>,
-    /// Client-side TTFT, once the first content byte went out.
-    ttft_ms: Option<f64>,
     first_seen: bool,
     /// For an event stream (by its content type, whatever the request asked): what
     /// goes out is cut at event boundaries, so a failure can end it with a whole
@@ -701,9 +702,13 @@ impl Tracked {
             if outcome == "ok" {
                 let e2e = self.started.elapsed().as_secs_f64();
                 self.state.metrics.e2e.observe(e2e);
-                if let (Some((epoch, cell)), Some(_)) = (self.measured.take(), self.ttft_ms) {
-                    self.state.tuning.record_finish(&epoch, cell, e2e * 1000.0);
+                if let Some(open) = self.open.take() {
+                    self.state.tuning.record_finish(open, e2e * 1000.0);
                 }
+            }
+            if let Some(open) = self.open.take() {
+                // Failed or cancelled after its first token: no E2E to count.
+                self.state.tuning.abandon(open);
             }
         }
     }
@@ -784,14 +789,15 @@ impl Stream for Tracked {
                     if self.ok_status {
                         self.state.metrics.ttft.observe(ttft);
                         let ttft_ms = ttft * 1000.0;
-                        self.ttft_ms = Some(ttft_ms);
                         if let Some((epoch, cell)) = &self.measured {
                             let terms = self
                                 .chosen_terms
                                 .and_then(|(terms, w)| TermSample::new(&terms, w, ttft_ms));
-                            self.state
+                            let now_ms = self.state.now_ms();
+                            self.open = self
+                                .state
                                 .tuning
-                                .record_first_token(epoch, *cell, ttft_ms, terms);
+                                .record_first_token(epoch, *cell, ttft_ms, now_ms, terms);
                         }
                     }
                 }

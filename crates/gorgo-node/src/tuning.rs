@@ -22,8 +22,8 @@ use gorgo_core::es::{
     TrialHold, TuningConfig, TuningMode, SIGMA_DECAY, SUCCESS_WINDOW, TARGET_SUCCESS_RATE,
 };
 use gorgo_core::tuning::{
-    Cell, EpochKey, Phase, StartFit, TermSample, Tuner, TuningMessage, TuningOutput, TuningRecord,
-    HISTORY_LEN,
+    Cell, EpochKey, OpenRequest, Phase, StartFit, TermSample, Tuner, TuningMessage, TuningOutput,
+    TuningRecord, HISTORY_LEN,
 };
 use gorgo_core::{NodeId, Weights};
 use parking_lot::Mutex;
@@ -376,25 +376,36 @@ impl TuningDriver {
     /// request's start-fit evidence (`Tuner::record_terms`), if it has any: one lock
     /// per first byte. Recorded then, not at the end, so that a request still decoding
     /// when the window closes counts for its TTFT (`Tuner::record_first_token`).
+    /// `now_ms` is the clock of [`TuningDriver::tick`]. The handle, when the TTFT
+    /// counted, goes back to [`TuningDriver::record_finish`] or
+    /// [`TuningDriver::abandon`] when the response ends; until then the request's time
+    /// so far is a lower bound on its E2E in the reports.
     pub fn record_first_token(
         &self,
         epoch: &EpochKey,
         cell: Cell,
         ttft_ms: f64,
+        now_ms: u64,
         terms: Option<TermSample>,
-    ) {
+    ) -> Option<OpenRequest> {
         let mut inner = self.inner.lock();
-        inner.tuner.record_first_token(epoch, cell, ttft_ms);
+        let open = inner.tuner.record_first_token(epoch, cell, ttft_ms, now_ms);
         if let Some(sample) = terms {
             if inner.tuner.record_terms(epoch, sample) {
                 inner.fit_samples += 1;
             }
         }
+        open
     }
 
     /// The same request finished after `e2e_ms` (the E2E guard's evidence).
-    pub fn record_finish(&self, epoch: &EpochKey, cell: Cell, e2e_ms: f64) {
-        self.inner.lock().tuner.record_finish(epoch, cell, e2e_ms);
+    pub fn record_finish(&self, open: OpenRequest, e2e_ms: f64) {
+        self.inner.lock().tuner.record_finish(open, e2e_ms);
+    }
+
+    /// The same request ended without an E2E to count (failed, or its client left).
+    pub fn abandon(&self, open: OpenRequest) {
+        self.inner.lock().tuner.abandon(open);
     }
 
     /// Periodic work: follow the membership view (`live`: peers believed alive), then
@@ -611,8 +622,9 @@ mod tests {
     fn serve(d: &TuningDriver, keys: std::ops::Range<u64>, ttft: f64) {
         for k in keys {
             let a = d.admit(gorgo_core::hash::hash_bytes(&k.to_le_bytes()));
-            d.record_first_token(&a.epoch, a.cell, ttft, None);
-            d.record_finish(&a.epoch, a.cell, 500.0);
+            if let Some(open) = d.record_first_token(&a.epoch, a.cell, ttft, 0, None) {
+                d.record_finish(open, 500.0);
+            }
         }
     }
 
@@ -827,8 +839,9 @@ mod tests {
                     }
                     Op::Record(back, cell, t, e) => {
                         let epoch = admitted.iter().rev().nth(usize::from(back)).cloned().unwrap_or_default();
-                        d.record_first_token(&epoch, cell, t, None);
-                        d.record_finish(&epoch, cell, e);
+                        if let Some(open) = d.record_first_token(&epoch, cell, t, now, None) {
+                            d.record_finish(open, e);
+                        }
                     }
                     Op::Proposal(epoch, leader, a, b, sigma) => {
                         let mut state = gorgo_core::es::EsState::new(&c);

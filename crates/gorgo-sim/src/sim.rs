@@ -29,7 +29,7 @@ use gorgo_core::kv_events::{AlignedBlockEvent, KvEventFollower, KvFollowerConfig
 use gorgo_core::policy::{Policy, PolicyKind, RouteRequest};
 use gorgo_core::summary::{SampleChooser, SampleSetting, SummarySample};
 use gorgo_core::tuning::{
-    Assignment, Cell, EpochKey, EpochReport, Proposal, TermSample, Tuner, TuningOutput,
+    Assignment, Cell, EpochKey, EpochReport, OpenRequest, Proposal, TermSample, Tuner, TuningOutput,
 };
 use gorgo_core::types::MAX_REPLICAS;
 use gorgo_core::wire::GossipMessage;
@@ -407,6 +407,9 @@ struct Flight {
     epoch: EpochKey,
     /// The tuning cell it is measured in (its arm of an interleaved trial, and half).
     cell: Cell,
+    /// The home tuner's handle once the TTFT counted (`Tuner::record_first_token`),
+    /// handed back at the end.
+    open: Option<OpenRequest>,
     ttft_ms: f64,
     cached_tokens: u64,
     first_token_seen: bool,
@@ -891,6 +894,7 @@ impl<'a> Sim<'a> {
             dispatched_ms: send,
             epoch: EpochKey::default(),
             cell: 0,
+            open: None,
             ttft_ms: f64::NAN,
             cached_tokens: 0,
             predicted_ttft_ms: None,
@@ -1648,7 +1652,7 @@ impl<'a> Sim<'a> {
             }
         }
         if !relayed {
-            self.record_first_token(slot);
+            self.record_first_token(slot, at);
         }
     }
 
@@ -1663,7 +1667,7 @@ impl<'a> Sim<'a> {
             return; // the slot was released and reused
         }
         f.first_byte_due_ms = None;
-        self.record_first_token(slot);
+        self.record_first_token(slot, now);
         let Some(f) = self.flights.get_mut(slot as usize).and_then(|f| f.as_mut()) else {
             return;
         };
@@ -1684,8 +1688,8 @@ impl<'a> Sim<'a> {
     /// The home node sees a request's first byte (the client's TTFT is known there):
     /// its tuner records the TTFT and the decision's start-fit evidence, as the live
     /// node does when the first byte goes out.
-    fn record_first_token(&mut self, slot: u32) {
-        let Some(f) = self.flights.get(slot as usize).and_then(|f| f.as_ref()) else {
+    fn record_first_token(&mut self, slot: u32, now: f64) {
+        let Some(f) = self.flights.get_mut(slot as usize).and_then(|f| f.as_mut()) else {
             return;
         };
         let Some(t) = self
@@ -1695,7 +1699,7 @@ impl<'a> Sim<'a> {
         else {
             return;
         };
-        t.record_first_token(&f.epoch, f.cell, f.ttft_ms);
+        f.open = t.record_first_token(&f.epoch, f.cell, f.ttft_ms, now as u64);
         if let Some(sample) = f
             .chosen_terms
             .and_then(|(terms, w)| TermSample::new(&terms, w, f.ttft_ms))
@@ -1749,7 +1753,15 @@ impl<'a> Sim<'a> {
     }
 
     fn fail(&mut self, slot: u32, now: f64, why: &str) {
-        let f = self.release(slot);
+        let mut f = self.release(slot);
+        if let (Some(open), Some(t)) = (
+            f.open.take(),
+            self.nodes
+                .get_mut(f.home as usize)
+                .and_then(|n| n.tuner.as_mut()),
+        ) {
+            t.abandon(open);
+        }
         self.out.push(Row {
             index: f.index,
             home: f.home,
@@ -1775,14 +1787,15 @@ impl<'a> Sim<'a> {
     }
 
     fn complete(&mut self, slot: u32, now: f64) {
-        let f = self.release(slot);
+        let mut f = self.release(slot);
         let e2e = now - f.send_ms;
-        if let Some(t) = self
-            .nodes
-            .get_mut(f.home as usize)
-            .and_then(|n| n.tuner.as_mut())
-        {
-            t.record_finish(&f.epoch, f.cell, e2e);
+        if let (Some(open), Some(t)) = (
+            f.open.take(),
+            self.nodes
+                .get_mut(f.home as usize)
+                .and_then(|n| n.tuner.as_mut()),
+        ) {
+            t.record_finish(open, e2e);
         }
         self.out.push(Row {
             index: f.index,
