@@ -1601,13 +1601,7 @@ mod tests {
     /// it was accepted. Recorded at the first token, its tail is seen.
     #[test]
     fn an_arm_whose_slow_requests_decode_long_is_judged_by_them() {
-        let cfg = TuningConfig {
-            window: 50,
-            noise_z: 0.0,
-            fit_start: false,
-            ..cfg()
-        };
-        let rec = first_trial_of(cfg, 20, |candidate, slow| match (candidate, slow) {
+        let rec = first_trial_of(20, |candidate, slow| match (candidate, slow) {
             (true, true) => (300.0, 5000),
             (false, true) => (150.0, 0),
             _ => (100.0, 0),
@@ -1625,14 +1619,7 @@ mod tests {
     /// right-censored at their time so far, the guard sees them.
     #[test]
     fn the_e2e_guard_sees_the_requests_still_running() {
-        let cfg = TuningConfig {
-            window: 50,
-            noise_z: 0.0,
-            fit_start: false,
-            time_cap_ms: 60_000,
-            ..cfg()
-        };
-        let rec = first_trial_of(cfg, 200, |candidate, slow| match (candidate, slow) {
+        let rec = first_trial_of(200, |candidate, slow| match (candidate, slow) {
             (true, true) => (80.0, 100_000),
             (true, false) => (80.0, 1000),
             _ => (100.0, 1000),
@@ -1645,14 +1632,18 @@ mod tests {
     /// The first trial a single-node line decides, one request every `every_ms`, each
     /// with the TTFT and decode time (ms) `profile(routed with the candidate, slow)`
     /// gives it (one request in ten is slow, by its key); TTFT recorded at the first
-    /// token, E2E (TTFT plus decode) at the end, as the node does.
-    fn first_trial_of(
-        cfg: TuningConfig,
-        every_ms: u64,
-        profile: impl Fn(bool, bool) -> (f64, u64),
-    ) -> TuningRecord {
+    /// token, E2E (TTFT plus decode) at the end, as the node does. Windows of 50 first
+    /// tokens (time cap 60 s), no noise margin, no start fit: the first trial decides.
+    fn first_trial_of(every_ms: u64, profile: impl Fn(bool, bool) -> (f64, u64)) -> TuningRecord {
         use std::cmp::Reverse;
         use std::collections::BinaryHeap;
+        let cfg = TuningConfig {
+            window: 50,
+            noise_z: 0.0,
+            fit_start: false,
+            time_cap_ms: 60_000,
+            ..cfg()
+        };
         let mut t = Tuner::new("a".into(), cfg).unwrap();
         // (at, sequence, first token?, request)
         let mut due: BinaryHeap<Reverse<(u64, usize, bool, usize)>> = BinaryHeap::new();
