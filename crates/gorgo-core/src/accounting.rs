@@ -18,7 +18,7 @@
 //! it from its engine model on virtual time. Both call exactly this code, so the
 //! simulator knows what a deployed node knows.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use serde::Serialize;
 
@@ -99,6 +99,9 @@ struct Dispatched {
     dispatched_ms: u64,
     /// Its place in [`EngineView::prefill_order`] (a repeated id is a new request).
     seq: u64,
+    /// For a request whose first token the driver cannot see
+    /// ([`EngineView::dispatch_unobserved`]): when its prefill is expected to end, ms.
+    expected_prefill_end_ms: Option<u64>,
 }
 
 /// The node's view of its engine: scrapes plus its own dispatch accounting, and the
@@ -137,6 +140,9 @@ pub struct EngineView {
     /// When the last of our prefills ended (a first token), ms: an engine that
     /// prefills FCFS starts the next one then.
     last_prefill_end_ms: Option<u64>,
+    /// The requests of [`EngineView::dispatch_unobserved`] not yet past their prefill,
+    /// by `(expected prefill end, seq)`, for [`EngineView::settle_unobserved`].
+    unobserved: BTreeMap<(u64, u64), u64>,
 }
 
 /// Gain of the decode-time EWMA: about the last eight requests.
@@ -205,6 +211,7 @@ impl EngineView {
             prefill_order: VecDeque::new(),
             next_seq: 0,
             last_prefill_end_ms: None,
+            unobserved: BTreeMap::new(),
         })
     }
 
@@ -227,6 +234,7 @@ impl EngineView {
 
     /// A scrape of the engine's `/metrics` arrived at `now_ms`; it replaces the last.
     pub fn scrape(&mut self, metrics: EngineMetrics, now_ms: u64) {
+        self.settle_unobserved(now_ms);
         self.scraped = metrics;
         self.scraped_at_ms = Some(now_ms);
         self.unprefilled_at_scrape = self.unprefilled;
@@ -290,6 +298,7 @@ impl EngineView {
     /// The queue stats this node gossips and decides on at `now_ms`, with a fresh
     /// version: scraped engine state made fresher by the node's own accounting.
     pub fn queue_stats(&mut self, epoch: u64, now_ms: u64) -> QueueStats {
+        self.settle_unobserved(now_ms);
         self.stats_version += 1;
         self.stats_at(self.stats_version, epoch, now_ms)
     }
@@ -423,6 +432,7 @@ impl EngineView {
         now_ms: u64,
     ) -> f64 {
         self.cancel(id);
+        self.settle_unobserved(now_ms);
         let queued_est_ms = self.queued_estimate_ms(now_ms);
         let prefill_tokens = uncached_tokens.min(prompt_tokens);
         // EWMA (1/8) of the prefill work we dispatch.
@@ -447,11 +457,59 @@ impl EngineView {
                 first_token_ms: None,
                 dispatched_ms: now_ms,
                 seq: self.next_seq,
+                expected_prefill_end_ms: None,
             },
         );
         self.prefill_order.push_back((id, self.next_seq));
         self.next_seq += 1;
         queued_est_ms
+    }
+
+    /// [`EngineView::dispatch`] for a request whose first token the driver will not
+    /// see: a response that is not streamed (`stream: false`, the OpenAI default)
+    /// arrives whole when the request has finished decoding. Counted until its first
+    /// token as a streamed one is, its whole prompt would read as queue for its whole
+    /// E2E, at this node and at every peer its stats reach (and would hide the work
+    /// other routers queue there, [`QueueStats::unfinished_prefill_tokens`]). So it
+    /// counts as prefill work until the prefill is expected to end: the wait estimated
+    /// now plus the fit's prediction of its prefill. If the engine is slower, the
+    /// next scrape's `waiting` shows the rest as work the node cannot explain.
+    pub fn dispatch_unobserved(
+        &mut self,
+        id: u64,
+        prompt_tokens: u64,
+        uncached_tokens: u64,
+        now_ms: u64,
+    ) -> f64 {
+        let queued_est_ms = self.dispatch(id, prompt_tokens, uncached_tokens, now_ms);
+        if let Some(d) = self.dispatched.get_mut(&id) {
+            let prefill_ms = queued_est_ms + self.fit.predict_ms(d.prefill_tokens);
+            let end = now_ms.saturating_add(prefill_ms.max(0.0).ceil() as u64);
+            d.expected_prefill_end_ms = Some(end);
+            self.unobserved.insert((end, d.seq), id);
+        }
+        queued_est_ms
+    }
+
+    /// Take every request of [`EngineView::dispatch_unobserved`] whose prefill is
+    /// expected to have ended by `now_ms` as past its first token (none of them feeds
+    /// the fit). Its expected end counts as the end of a prefill for the one behind
+    /// it ([`EngineView::head_progress_tokens`]).
+    fn settle_unobserved(&mut self, now_ms: u64) {
+        while let Some((&(end, seq), &id)) = self.unobserved.first_key_value() {
+            if end > now_ms {
+                break;
+            }
+            self.unobserved.pop_first();
+            if self
+                .dispatched
+                .get(&id)
+                .is_some_and(|d| d.seq == seq && !d.prefilled)
+            {
+                self.prefill_done(id, None, end);
+                self.last_prefill_end_ms = self.last_prefill_end_ms.max(Some(end));
+            }
+        }
     }
 
     /// The first token (first response byte) of `id` arrived: its prefill is done.
@@ -460,6 +518,12 @@ impl EngineView {
     /// value the fit observes it less the wait estimated at dispatch. Repeats and
     /// unknown ids are ignored.
     pub fn first_token(&mut self, id: u64, engine_ttft_ms: Option<f64>, now_ms: u64) {
+        self.prefill_done(id, engine_ttft_ms, now_ms);
+    }
+
+    /// [`EngineView::first_token`], also for a prefill taken as done
+    /// ([`EngineView::settle_unobserved`]).
+    fn prefill_done(&mut self, id: u64, engine_ttft_ms: Option<f64>, now_ms: u64) {
         let Some(d) = self.dispatched.get_mut(&id) else {
             return;
         };
@@ -469,6 +533,9 @@ impl EngineView {
         d.prefilled = true;
         d.first_token_ms = engine_ttft_ms.is_some().then_some(now_ms);
         let d = *d;
+        if let Some(end) = d.expected_prefill_end_ms {
+            self.unobserved.remove(&(end, d.seq));
+        }
         if engine_ttft_ms.is_some() {
             self.last_prefill_end_ms = Some(now_ms);
         }
@@ -504,6 +571,9 @@ impl EngineView {
         let Some(d) = self.dispatched.remove(&id) else {
             return;
         };
+        if let Some(end) = d.expected_prefill_end_ms {
+            self.unobserved.remove(&(end, d.seq));
+        }
         if let (Some(first), Some(now_ms)) = (d.first_token_ms, ended_ms) {
             let sample = now_ms.saturating_sub(first) as f64;
             self.decode_ms = Some(match self.decode_ms {
@@ -887,23 +957,82 @@ mod tests {
         );
     }
 
+    /// A response that is not streamed arrives whole at the end. Counted until then,
+    /// its prompt would be queue for its whole E2E (seconds of it, at every peer); it
+    /// counts until its prefill is expected to end, and the one behind it then starts.
+    #[test]
+    fn an_unobserved_first_token_is_taken_at_its_expected_prefill_end() {
+        let mut v = EngineView::new(ViewConfig {
+            seed_base_ms: 100.0,
+            seed_t_p_ms: 1.0,
+            decode_step_ms: 0.0,
+            ..ViewConfig::default()
+        })
+        .unwrap();
+        // Expected to end at 0 + 0 (no queue) + 100 + 1,000 ms.
+        let queued = v.dispatch_unobserved(1, 1000, 1000, 0);
+        assert_eq!(queued, 0.0);
+        // A streamed one behind it, at 500 ms.
+        v.dispatch(2, 400, 400, 500);
+        assert_eq!(v.queue_stats(0, 1099).unfinished_prefill_tokens, 1400 - 999);
+        assert_eq!(v.counters().unprefilled, 2);
+        // Its prefill is taken as done at 1,100: only the streamed one is left, and
+        // its own prefill starts then, not at its dispatch plus the fixed cost.
+        let s = v.queue_stats(0, 1100);
+        assert_eq!(
+            (s.unfinished_prefill_tokens, v.counters().unprefilled),
+            (400, 1)
+        );
+        assert_eq!(v.queue_stats(0, 1300).unfinished_prefill_tokens, 200);
+        // The whole body at the end changes nothing, and feeds no fit.
+        v.first_token(1, None, 30_000);
+        assert_eq!(v.counters().unprefilled, 1);
+        v.finish(1, 30_000);
+        v.finish(2, 30_000);
+        assert_eq!(v.counters().inflight, 0);
+        assert!(v.unobserved.is_empty());
+        // Finished or cancelled before its expected end: nothing is left behind.
+        v.dispatch_unobserved(3, 500, 500, 40_000);
+        v.cancel(3);
+        assert!(v.unobserved.is_empty());
+        assert_eq!(v.counters().unfinished_prefill_tokens, 0);
+    }
+
     #[derive(Debug, Clone)]
     enum Op {
-        Dispatch { id: u8, prompt: u32, uncached: u32 },
-        FirstToken { id: u8, ttft: Option<u16> },
-        Finish { id: u8 },
-        Scrape { running: u8, waiting: u8 },
+        Dispatch {
+            id: u8,
+            prompt: u32,
+            uncached: u32,
+            observed: bool,
+        },
+        FirstToken {
+            id: u8,
+            ttft: Option<u16>,
+        },
+        Finish {
+            id: u8,
+        },
+        Scrape {
+            running: u8,
+            waiting: u8,
+        },
     }
 
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
-            (0u8..16, 0u32..200_000, 0u32..300_000).prop_map(|(id, prompt, uncached)| {
-                Op::Dispatch {
+            (
+                0u8..16,
+                0u32..200_000,
+                0u32..300_000,
+                proptest::bool::weighted(0.8)
+            )
+                .prop_map(|(id, prompt, uncached, observed)| Op::Dispatch {
                     id,
                     prompt,
                     uncached,
-                }
-            }),
+                    observed,
+                }),
             (0u8..20, proptest::option::of(0u16..60_000))
                 .prop_map(|(id, ttft)| Op::FirstToken { id, ttft }),
             (0u8..20).prop_map(|id| Op::Finish { id }),
@@ -912,21 +1041,28 @@ mod tests {
     }
 
     proptest! {
-        /// Any sequence of dispatches, first tokens, finishes and cancels (a finish
-        /// before the first token) leaves counters that match the requests still open,
-        /// and finishing everything returns them to zero: no drift, no underflow.
+        /// Any sequence of dispatches (streamed or not), first tokens, finishes and
+        /// cancels (a finish before the first token) leaves counters that match the
+        /// requests still open, and finishing everything returns them to zero: no
+        /// drift, no underflow. A request whose first token is not observed may be
+        /// taken as prefilled before it: the counters lie between the two readings.
         #[test]
         fn counters_return_to_zero(ops in proptest::collection::vec(op(), 0..200)) {
             let mut v = view();
-            let mut open: HashMap<u64, (u64, u64, bool)> = HashMap::new();
+            // (prompt, prefill, past its first token, first token observed)
+            let mut open: HashMap<u64, (u64, u64, bool, bool)> = HashMap::new();
             for (t, op) in ops.into_iter().enumerate() {
                 // 300 ms apart: long enough for the prefill in progress to count.
                 let now = t as u64 * 300;
                 match op {
-                    Op::Dispatch { id, prompt, uncached } => {
+                    Op::Dispatch { id, prompt, uncached, observed } => {
                         let (p, u) = (prompt as u64, uncached as u64);
-                        v.dispatch(id as u64, p, u, now);
-                        open.insert(id as u64, (p, u.min(p), false));
+                        if observed {
+                            v.dispatch(id as u64, p, u, now);
+                        } else {
+                            v.dispatch_unobserved(id as u64, p, u, now);
+                        }
+                        open.insert(id as u64, (p, u.min(p), false, observed));
                     }
                     Op::FirstToken { id, ttft } => {
                         v.first_token(id as u64, ttft.map(f64::from), now);
@@ -950,14 +1086,18 @@ mod tests {
                 let c = v.counters();
                 prop_assert_eq!(c.inflight, open.len() as u64);
                 prop_assert_eq!(c.queued_prompt_tokens, open.values().map(|e| e.0).sum::<u64>());
-                prop_assert_eq!(
-                    c.unfinished_prefill_tokens,
-                    open.values().filter(|e| !e.2).map(|e| e.1).sum::<u64>()
-                );
-                prop_assert_eq!(c.unprefilled, open.values().filter(|e| !e.2).count() as u64);
+                let waiting = || open.values().filter(|e| !e.2);
+                let surely = || waiting().filter(|e| e.3);
+                prop_assert!(c.unfinished_prefill_tokens <= waiting().map(|e| e.1).sum::<u64>());
+                prop_assert!(c.unfinished_prefill_tokens >= surely().map(|e| e.1).sum::<u64>());
+                prop_assert!(c.unprefilled <= waiting().count() as u64);
+                prop_assert!(c.unprefilled >= surely().count() as u64);
+                prop_assert!(v.unobserved.len() <= waiting().filter(|e| !e.3).count());
                 // At most one request's prefill (the one in progress) is taken as done.
+                // (Read after the stats, which take the unobserved ones due as done.)
                 let s = v.queue_stats(0, now);
                 let largest = open.values().filter(|e| !e.2).map(|e| e.1).max().unwrap_or(0);
+                let c = v.counters();
                 prop_assert!(s.unfinished_prefill_tokens + largest >= c.unfinished_prefill_tokens);
                 prop_assert!(s.t_p_ms.is_finite() && s.base_ms.is_finite());
             }
@@ -975,6 +1115,7 @@ mod tests {
                 }
             );
             prop_assert!(v.prefill_order.is_empty());
+            prop_assert!(v.unobserved.is_empty());
         }
     }
 }

@@ -238,15 +238,26 @@ impl EngineAdapter {
     }
 
     /// Record a dispatch now (see [`EngineView::dispatch`]); the returned ticket
-    /// releases it as the request progresses (first byte: prefill done; drop: finished
+    /// releases it as the request progresses (first byte: prefill done, or its
+    /// expected end when the response is not streamed, [`FirstToken`]; drop: finished
     /// or cancelled). The view's events are all stamped by this adapter's clock, so the
     /// decode time it measures (first byte to finish) is on one clock.
-    pub fn dispatch(self: &Arc<Self>, prompt_tokens: u64, uncached_tokens: u64) -> EngineTicket {
+    pub fn dispatch(
+        self: &Arc<Self>,
+        prompt_tokens: u64,
+        uncached_tokens: u64,
+        first_token: FirstToken,
+    ) -> EngineTicket {
         let id = self.next_ticket.fetch_add(1, Ordering::Relaxed);
         let now_ms = self.now_ms();
-        self.view
-            .lock()
-            .dispatch(id, prompt_tokens, uncached_tokens, now_ms);
+        let mut view = self.view.lock();
+        match first_token {
+            FirstToken::Streamed => view.dispatch(id, prompt_tokens, uncached_tokens, now_ms),
+            FirstToken::AtTheEnd => {
+                view.dispatch_unobserved(id, prompt_tokens, uncached_tokens, now_ms)
+            }
+        };
+        drop(view);
         EngineTicket {
             engine: self.clone(),
             id,
@@ -707,6 +718,19 @@ fn reported_max_running(kind: EngineKind, info: &serde_json::Value) -> Option<u3
     }
 }
 
+/// Whether the node will see a dispatched request's first token
+/// ([`EngineAdapter::dispatch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FirstToken {
+    /// A streamed response: its first chunk comes with the first token (and an
+    /// embedding's whole body comes when its prompt is prefilled).
+    Streamed,
+    /// A response that is not streamed (`stream: false`, the OpenAI default) comes
+    /// whole once the request has finished decoding: the view takes its prefill as
+    /// done when it is expected to end ([`EngineView::dispatch_unobserved`]).
+    AtTheEnd,
+}
+
 /// One dispatch in the view, released in steps. Dropped without
 /// [`EngineTicket::completed`], it counts as cancelled or failed
 /// ([`EngineView::cancel`]).
@@ -756,7 +780,7 @@ mod tests {
         let engine = Arc::new(
             EngineAdapter::new(&section, 0, &crate::config::LimitsSection::default()).unwrap(),
         );
-        let mut ticket = engine.dispatch(1000, 150);
+        let mut ticket = engine.dispatch(1000, 150, FirstToken::Streamed);
         let stats = engine.queue_stats(0);
         assert_eq!(stats.unfinished_prefill_tokens, 150);
         assert_eq!(stats.queued_prompt_tokens, 1000);
@@ -767,7 +791,7 @@ mod tests {
         let stats = engine.queue_stats(0);
         assert_eq!((stats.queued_prompt_tokens, engine.inflight()), (0, 0));
         // Dropped before the first byte (a cancel): everything is released too.
-        drop(engine.dispatch(10, 50));
+        drop(engine.dispatch(10, 50, FirstToken::Streamed));
         assert_eq!(engine.counters().unfinished_prefill_tokens, 0);
     }
 

@@ -26,7 +26,7 @@ use crate::api::{
     overloaded_response, session_key, BodyStream, RoutedRequest, ServeError, Upstream, HOPS_HEADER,
     PASS_REQUEST_HEADERS, POLICY_HEADER, SERVED_BY_HEADER, SESSION_HEADER,
 };
-use crate::engine::EngineTicket;
+use crate::engine::{EngineTicket, FirstToken};
 use crate::serve::{is_event_stream, relay_engine_body, serve, serve_elsewhere};
 use crate::sse::EventFramer;
 use crate::stream_usage::StreamUsage;
@@ -222,13 +222,21 @@ async fn local_passthrough(
         Ok(b) => b,
         Err(resp) => return resp,
     };
-    if serde_json::from_slice::<Value>(&body).map_or(true, |v| !v.is_object()) {
+    let Ok(Value::Object(fields)) = serde_json::from_slice::<Value>(&body) else {
         state.metrics.request("bad_request", "");
         return error_response(
             StatusCode::BAD_REQUEST,
             "request body must be a JSON object",
         );
-    }
+    };
+    // An embedding's body comes when its prompt is prefilled; a generation's, unless
+    // streamed, only once it has finished decoding.
+    let first_token =
+        if uri.path() == "/v1/embeddings" || fields.get("stream") == Some(&Value::Bool(true)) {
+            FirstToken::Streamed
+        } else {
+            FirstToken::AtTheEnd
+        };
     let Ok(permit) = state.permits.clone().try_acquire_owned() else {
         state.metrics.request("unavailable", "");
         return overloaded_response(
@@ -250,7 +258,7 @@ async fn local_passthrough(
     let generates = !matches!(uri.path(), "/tokenize" | "/detokenize");
     let ticket = generates.then(|| {
         let tokens = (body.len() as f64 / state.tokens.bytes_per_token()).ceil() as u64;
-        engine.adapter.dispatch(tokens, tokens)
+        engine.adapter.dispatch(tokens, tokens, first_token)
     });
     let resp = match engine
         .adapter

@@ -17,7 +17,7 @@ use crate::api::{
     BodyStream, RoutedRequest, ServeError, Upstream, PASS_RESPONSE_HEADERS, PREDICTED_TTFT_HEADER,
 };
 use crate::config::UnlistedModel;
-use crate::engine::EngineTicket;
+use crate::engine::{EngineTicket, FirstToken};
 use crate::error::NodeError;
 use crate::forward::forward;
 use crate::route::{DecisionInput, Target};
@@ -486,7 +486,14 @@ pub async fn serve_local(
     let uncached = prompt_tokens.saturating_sub(cached);
     // The view records the wait it expects behind work already at the engine; the fit
     // subtracts it at the first byte so `t_p` measures prefill, not queueing.
-    let ticket = engine.adapter.dispatch(prompt_tokens, uncached);
+    let first_token = if req.stream_usage.is_streamed() {
+        FirstToken::Streamed
+    } else {
+        FirstToken::AtTheEnd
+    };
+    let ticket = engine
+        .adapter
+        .dispatch(prompt_tokens, uncached, first_token);
     let started = Instant::now();
     let dispatched_ms = state.now_ms();
     let engine_span = telemetry::engine_span(&state.id);

@@ -105,6 +105,12 @@ fn read_members(body: &[u8]) -> Option<StreamMembers<'_>> {
 }
 
 impl StreamUsage {
+    /// Whether the response is a stream: only then does the node see the first
+    /// token when it comes.
+    pub fn is_streamed(self) -> bool {
+        self != StreamUsage::NotStreamed
+    }
+
     /// What the client asked, from the body the ingress already parsed (no second
     /// parse on the client's node).
     pub fn of_request(endpoint: Endpoint, body: &Value) -> Self {

@@ -403,6 +403,41 @@ async fn client_disconnect_releases_the_engine_request() {
     node.shutdown.cancel();
 }
 
+/// A response that is not streamed comes whole once the request has finished
+/// decoding. Its prompt must not read as queue all that time (at this node and at
+/// every peer its stats reach): the view takes its prefill as done when it is
+/// expected to end, while the request still runs.
+#[tokio::test]
+async fn a_request_that_is_not_streamed_leaves_the_queue_at_its_expected_prefill_end() {
+    let engine = StubEngine::start("e").await;
+    engine.set_mode(HANG);
+    let node = start_node(config("a", &engine.url(), ""), None).await;
+    let url = format!("{}/v1/chat/completions", node.base);
+    let request = tokio::spawn(async move {
+        client()
+            .post(url)
+            .json(&chat_body(&prompt("a", 4000), false))
+            .send()
+            .await
+    });
+    let adapter = node.state().engine(0).unwrap().adapter.clone();
+    until("the request is dispatched", || adapter.inflight() == 1).await;
+    assert!(adapter.queue_stats(0).unfinished_prefill_tokens > 0);
+    // The engine holds the request (it is still decoding, as far as anyone can
+    // tell), and its prefill is no longer anyone's queue.
+    until("its prefill leaves the queue", || {
+        adapter.queue_stats(0).unfinished_prefill_tokens == 0
+    })
+    .await;
+    assert_eq!(adapter.inflight(), 1);
+    engine.release.notify_waiters();
+    let resp = request.await.unwrap().unwrap();
+    assert_eq!(resp.status(), 200);
+    resp.bytes().await.unwrap();
+    until("the request finishes", || adapter.inflight() == 0).await;
+    node.shutdown.cancel();
+}
+
 #[tokio::test]
 async fn health_routes_and_local_passthrough_answer_as_engines_do() {
     let engine = StubEngine::start("e").await;
