@@ -762,9 +762,10 @@ impl Inner {
     }
 }
 
-/// A queue-stats broadcast: small, ordered per origin by [`QueueStats::order`]. It
-/// travels through third nodes, so it names the address its origin advertises: a
-/// receiver drops it when the id is bound alive elsewhere (an impostor's).
+/// A queue-stats broadcast: small, ordered per origin by [`QueueStats::order`]. A
+/// receiver takes it only from its origin and does not relay it (`StatsHandler`); it
+/// names the address its origin advertises, and is dropped when the id is bound
+/// alive elsewhere (an impostor's).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct StatsBroadcast {
     origin: NodeId,
@@ -830,9 +831,19 @@ impl BroadcastHandler<MemberId> for StatsHandler {
         let Some(inner) = self.inner.upgrade() else {
             return Ok(None);
         };
-        if sender.is_none() {
+        let Some(sender) = sender else {
             // Our own, added through `broadcast_stats`.
             return Ok(Some(key));
+        };
+        if sender.node != b.origin {
+            // Forged: the packet's sender is authenticated (its TLS peer, `handle_data`),
+            // the origin it names is not. A copy from anyone but its origin could speak
+            // for any node (draining, a run that never ends, a queue that pulls
+            // traffic), so copies are neither kept nor relayed (below): each node's
+            // stats reach its peers on its own packets, and ride on every summary
+            // message of its own stream.
+            ClusterMetrics::bump(&inner.metrics.spoofed_received);
+            return Ok(None);
         }
         if b.origin == inner.node_id {
             // Ours from a previous run, or another process's with our id: not a peer.
@@ -844,10 +855,8 @@ impl BroadcastHandler<MemberId> for StatsHandler {
             return Ok(None);
         }
         let now = Instant::now();
-        Ok(inner
-            .peers
-            .offer_stats(&b.origin, &b.stats, now)
-            .then_some(key))
+        inner.peers.offer_stats(&b.origin, &b.stats, now);
+        Ok(None)
     }
 }
 

@@ -504,3 +504,90 @@ fn a_stream_before_the_first_swim_packet_is_applied_once_swim_vouches() {
     assert!(waited < Duration::from_millis(1_200), "waited {waited:?}");
     assert_eq!(unbound_dropped(&handles, "n0"), dropped_before);
 }
+
+/// A queue-stats broadcast as the cluster encodes it (`cluster.rs`), for a forger.
+#[derive(serde::Serialize)]
+struct StatsBroadcast {
+    origin: NodeId,
+    addr: SocketAddr,
+    stats: QueueStats,
+}
+
+/// A member (n2, its own certificate, its own bound address) that sends n0 a SWIM
+/// packet carrying a stats broadcast in n1's name (a run that never ends, draining,
+/// a queue of its choosing) is not believed: the packet's sender is authenticated,
+/// the origin it names is not, so only an origin's own broadcast counts. Before, n0
+/// took it, spread it, and from then on dropped everything the genuine n1 said as an
+/// older run's, even after a restart.
+#[test]
+fn a_member_cannot_broadcast_stats_in_another_nodes_name() {
+    let (mut sim, creds, handles) = n0_holding_n1s_run(83);
+    let (n0_id, n1_id, n2_id, n1_run) = {
+        let h = handles.lock();
+        (
+            h["n0"].identity(),
+            h["n1"].identity(),
+            h["n2"].identity(),
+            h["n1"].incarnation(),
+        )
+    };
+    let spoofed_before = handles.lock()["n0"]
+        .metrics()
+        .spoofed_received
+        .load(Ordering::Relaxed);
+    let forged = StatsBroadcast {
+        origin: NodeId::from("n1"),
+        addr: n1_id.addr,
+        stats: QueueStats {
+            incarnation: u64::MAX,
+            version: 1,
+            draining: true,
+            running: 77,
+            ..Default::default()
+        },
+    };
+    let item = bincode::serde::encode_to_vec(&forged, bincode::config::standard()).unwrap();
+    let mut packet = swim_datagram(n2_id, n0_id).to_vec();
+    packet.extend_from_slice(&0u16.to_be_bytes()); // no membership updates
+    packet.extend_from_slice(&(item.len() as u16).to_be_bytes());
+    packet.extend_from_slice(&item);
+    let sent = Arc::new(AtomicU32::new(0));
+    let sent_by_forger = sent.clone();
+    let n2_creds = creds["n2"].clone();
+    sim.client("forger", async move {
+        let (_endpoint, conn) = raw_connection(
+            "forger",
+            &n2_creds,
+            SocketAddr::new(turmoil::lookup("n0"), PORT),
+        )
+        .await?;
+        conn.send_datagram(packet.into())?;
+        sent_by_forger.store(1, Ordering::SeqCst);
+        std::future::pending::<()>().await;
+        Ok(())
+    });
+    let spoofed = run_until(&mut sim, Duration::from_secs(5), |_| {
+        handles.lock()["n0"]
+            .metrics()
+            .spoofed_received
+            .load(Ordering::Relaxed)
+            > spoofed_before
+    });
+    assert!(
+        spoofed.is_some(),
+        "n0 never refused the forged broadcast (sent: {}): {}",
+        sent.load(Ordering::SeqCst),
+        dump(&handles)
+    );
+    // Nothing of it was taken, by n0 or (spread) by n2, and n1 is still heard.
+    run_for(&mut sim, Duration::from_secs(2));
+    for viewer in ["n0", "n2"] {
+        let v = view_of(&handles, viewer, "n1").expect("n1 known");
+        assert_eq!(v.incarnation, Some(n1_run), "{viewer}'s view of n1: {v:?}");
+        assert!(v.alive, "{viewer}'s view of n1: {v:?}");
+        assert!(
+            v.stats.as_ref().is_none_or(|s| !s.draining && s.running != 77),
+            "{viewer} holds the forged stats: {v:?}"
+        );
+    }
+}
