@@ -586,7 +586,9 @@ fn a_member_cannot_broadcast_stats_in_another_nodes_name() {
         assert_eq!(v.incarnation, Some(n1_run), "{viewer}'s view of n1: {v:?}");
         assert!(v.alive, "{viewer}'s view of n1: {v:?}");
         assert!(
-            v.stats.as_ref().is_none_or(|s| !s.draining && s.running != 77),
+            v.stats
+                .as_ref()
+                .is_none_or(|s| !s.draining && s.running != 77),
             "{viewer} holds the forged stats: {v:?}"
         );
     }
