@@ -382,9 +382,15 @@ impl EngineView {
         // prefilled since are still in its `waiting`, and read as foreign work against
         // today's count (up to a scrape interval of phantom queue after every burst).
         let foreign_waiting = scraped_waiting.saturating_sub(self.unprefilled_at_scrape);
+        // Whether the slots are full: by the engine's count, or, from an engine that
+        // reports none (an `openai` one: llama.cpp's single slot), by ours past their
+        // first token.
+        let decoding = m
+            .running
+            .map_or(inflight.saturating_sub(self.unprefilled), |_| running);
         let unfinished = self
             .unfinished_prefill_tokens
-            .saturating_sub(self.head_progress_tokens(now_ms, foreign_waiting, running))
+            .saturating_sub(self.head_progress_tokens(now_ms, foreign_waiting, decoding))
             .saturating_add(foreign_waiting.saturating_mul(self.mean_prompt_tokens));
         QueueStats {
             version,
@@ -955,6 +961,28 @@ mod tests {
                 queued_prompt_tokens: 0
             }
         );
+    }
+
+    /// At an engine that reports no running count but whose limit is known (a serial
+    /// llama.cpp server), a request waiting for the one slot is waiting, not being
+    /// prefilled: its prefill is not taken as in progress while ours hold the slot.
+    #[test]
+    fn a_full_slot_counts_without_the_engines_running_count() {
+        let mut v = EngineView::new(ViewConfig {
+            max_running_requests: Some(1),
+            seed_t_p_ms: 0.5,
+            seed_base_ms: 0.0,
+            decode_step_ms: 0.0,
+            ..ViewConfig::default()
+        })
+        .unwrap();
+        v.dispatch(1, 100, 100, 0);
+        v.first_token(1, Some(50.0), 50);
+        v.dispatch(2, 2000, 2000, 60);
+        assert_eq!(v.queue_stats(0, 5_060).unfinished_prefill_tokens, 2000);
+        // Once the slot is free, its prefill is in progress.
+        v.finish(1, 5_100);
+        assert!(v.queue_stats(0, 5_600).unfinished_prefill_tokens < 2000);
     }
 
     /// A response that is not streamed arrives whole at the end. Counted until then,
