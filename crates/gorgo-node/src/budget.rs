@@ -14,15 +14,14 @@ use std::sync::Arc;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-/// Granularity of the budget: permits are units of this many bytes (a semaphore
-/// acquires at most `u32::MAX` permits at once).
-const UNIT_BYTES: usize = 4096;
-
 /// The node-wide budget (one per node, shared by the client ingress and the forwards
 /// peers send).
 #[derive(Debug)]
 pub struct BodyBudget {
-    units: Arc<Semaphore>,
+    /// One permit per byte: a body holds what it has sent, not a rounded share (in
+    /// 4 KiB units, 1-byte bodies held 4,096 times their bytes, and one client's h2c
+    /// streams took a GiB budget for about 256 KB sent).
+    bytes: Arc<Semaphore>,
     /// Bytes held by bodies being read, as `gorgo_request_body_bytes_reading`.
     held: Gauge,
 }
@@ -32,10 +31,10 @@ pub struct BodyBudget {
 pub struct BudgetExhausted;
 
 impl BodyBudget {
-    /// A budget of `bytes` (rounded up to whole units), reported through `held`.
+    /// A budget of `bytes`, reported through `held`.
     pub fn new(bytes: usize, held: Gauge) -> Self {
         BodyBudget {
-            units: Arc::new(Semaphore::new(bytes.div_ceil(UNIT_BYTES))),
+            bytes: Arc::new(Semaphore::new(bytes.min(Semaphore::MAX_PERMITS))),
             held,
         }
     }
@@ -43,7 +42,7 @@ impl BodyBudget {
     /// A lease holding nothing yet, for one body.
     pub fn lease(&self) -> BodyLease {
         BodyLease {
-            units: self.units.clone(),
+            bytes: self.bytes.clone(),
             held: self.held.clone(),
             permit: None,
         }
@@ -53,7 +52,7 @@ impl BodyBudget {
 /// What one body being read holds of the budget; given back when dropped.
 #[derive(Debug)]
 pub struct BodyLease {
-    units: Arc<Semaphore>,
+    bytes: Arc<Semaphore>,
     held: Gauge,
     permit: Option<OwnedSemaphorePermit>,
 }
@@ -63,17 +62,18 @@ impl BodyLease {
     /// or announced, that many.
     pub fn cover(&mut self, bytes: usize) -> Result<(), BudgetExhausted> {
         let have = self.permit.as_ref().map_or(0, |p| p.num_permits());
-        let want = bytes.div_ceil(UNIT_BYTES);
-        if want <= have {
+        if bytes <= have {
             return Ok(());
         }
-        let more = u32::try_from(want - have).map_err(|_| BudgetExhausted)?;
+        // A semaphore acquires at most `u32::MAX` permits at once: 4 GiB, beyond any
+        // body cap.
+        let more = u32::try_from(bytes - have).map_err(|_| BudgetExhausted)?;
         let extra = self
-            .units
+            .bytes
             .clone()
             .try_acquire_many_owned(more)
             .map_err(|_| BudgetExhausted)?;
-        self.held.inc_by(((want - have) * UNIT_BYTES) as i64);
+        self.held.inc_by((bytes - have) as i64);
         match &mut self.permit {
             Some(p) => p.merge(extra),
             None => self.permit = Some(extra),
@@ -85,7 +85,7 @@ impl BodyLease {
 impl Drop for BodyLease {
     fn drop(&mut self) {
         if let Some(p) = &self.permit {
-            self.held.dec_by((p.num_permits() * UNIT_BYTES) as i64);
+            self.held.dec_by(p.num_permits() as i64);
         }
     }
 }
@@ -94,12 +94,31 @@ impl Drop for BodyLease {
 mod tests {
     use super::*;
 
+    const UNIT_BYTES: usize = 4096;
+
+    /// A body holds the bytes it has sent: a byte each for bodies that sent one.
+    #[test]
+    fn a_byte_sent_holds_a_byte() {
+        let budget = BodyBudget::new(UNIT_BYTES, Gauge::default());
+        let leases: Vec<BodyLease> = (0..UNIT_BYTES)
+            .map(|_| {
+                let mut l = budget.lease();
+                l.cover(1).unwrap();
+                l
+            })
+            .collect();
+        assert_eq!(budget.lease().cover(1), Err(BudgetExhausted));
+        drop(leases);
+        budget.lease().cover(UNIT_BYTES).unwrap();
+    }
+
     #[test]
     fn bodies_share_the_budget_and_give_it_back() {
         let gauge = Gauge::default();
         let budget = BodyBudget::new(10 * UNIT_BYTES, gauge.clone());
         let mut a = budget.lease();
         a.cover(1).unwrap();
+        assert_eq!(gauge.get(), 1);
         a.cover(6 * UNIT_BYTES).unwrap();
         a.cover(3 * UNIT_BYTES).unwrap(); // never shrinks
         assert_eq!(gauge.get(), (6 * UNIT_BYTES) as i64);

@@ -465,10 +465,11 @@ async fn bodies_being_read_share_one_byte_budget() {
     )
     .await;
     let reading = |n: &TestNode| n.state().metrics.body_bytes_reading.get();
-    // Clients hold what they have sent, not what they announce: seventeen that sent
-    // 64 KiB - 1 of 64 KiB take the whole budget (16 units of 4 KiB each).
+    // Clients hold what they have sent, to the byte, not what they announce:
+    // seventeen that sent 64 KiB - 1 of 64 KiB and one that sent 17 bytes take the
+    // whole budget.
     let mut slow = Vec::new();
-    slow.push(partial_body("127.0.0.2", http_addr(&node), 65_536, 0).await);
+    slow.push(partial_body("127.0.0.2", http_addr(&node), 65_536, 17).await);
     for _ in 0..17 {
         slow.push(partial_body("127.0.0.2", http_addr(&node), 65_536, 65_535).await);
     }
