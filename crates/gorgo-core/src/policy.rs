@@ -344,8 +344,8 @@ impl SessionHomes {
 /// prefill inflicts on the batch running there,
 /// `w_rtt * RTT + t_p * uncached + w_queue * queue_ms + stall_ms` (docs/design.md and
 /// docs/policy.md; see [`crate::cost`]). Among the candidates whose total exceeds the
-/// cheapest's by at most [`SESSION_HOME_WINDOW`] times the cheapest's queue estimate,
-/// caching no less than it, the session's home ([`SessionHomes`]). Also serves as
+/// cheapest's by at most [`SESSION_HOME_WINDOW`] times the cheapest's (weighted) queue
+/// term, caching no less than it, the session's home ([`SessionHomes`]). Also serves as
 /// `oracle` when the simulator feeds it exact state, and as `gorgo-ttft` (the same
 /// without the stall term).
 #[derive(Debug, Clone)]
@@ -398,8 +398,11 @@ impl Policy for Gorgo {
         let key = session_key(req);
         let engines = candidates.iter().filter(|c| c.healthy).count();
         let is_session = self.homes.observe(key, engines);
-        // No queue, no window: exact ties keep their rule (stay local).
-        let window = |b: usize| SESSION_HOME_WINDOW * terms[b].raw_queue_ms;
+        // No queue, no window: exact ties keep their rule (stay local). The window is
+        // the weighted queue term, in the total's units: with `w_queue` below 1 the raw
+        // estimate could let a home cost more than the refusal margin over the
+        // cheapest, and the target would refuse what it was sent on the same stats.
+        let window = |b: usize| SESSION_HOME_WINDOW * terms[b].queue_ms;
         let home = cheapest
             .filter(|&b| is_session && window(b) > 0.0)
             .and_then(|b| {

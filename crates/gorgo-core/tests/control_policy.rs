@@ -1030,27 +1030,32 @@ fn a_key_that_most_requests_share_is_no_session() {
 }
 
 proptest! {
-    /// Whatever the candidates: `gorgo`'s pick costs at most the window more than the
-    /// cheapest, caches no less than it, and is healthy.
+    /// Whatever the candidates and weights: `gorgo`'s pick costs at most the window
+    /// more than the cheapest, caches no less than it, and is healthy; so it never
+    /// costs more than the refusal margin over the cheapest, and a target does not
+    /// refuse a session's home on the stats it was chosen by.
     #[test]
     fn the_sessions_home_stays_within_the_queue_error_of_the_cheapest(
         cands in arb_candidates(),
         keys in proptest::collection::vec(0u64..50, 1..40),
         prompt in 1u64..20_000,
+        w_rtt in 0.05f64..4.0,
+        w_queue in 0.05f64..4.0,
     ) {
         let chain = chain_of(prompt.min(2000));
         let mut p = build(PolicyKind::Gorgo);
+        let weights = Weights { w_rtt, w_queue };
         let fewest = fewest_uncached_tokens(prompt, &cands);
         let terms: Vec<_> = cands
             .iter()
-            .map(|c| cost_terms(prompt, c, Weights::default(), fewest))
+            .map(|c| cost_terms(prompt, c, weights, fewest))
             .collect();
         let cheapest = (0..cands.len())
             .filter(|&i| cands[i].healthy)
             .min_by(|&a, &b| terms[a].total_ms.total_cmp(&terms[b].total_ms));
         for key in keys {
             let req = RouteRequest { chain: &chain, prompt_tokens: prompt, session_key: Some(key) };
-            let choice = p.choose(&req, &cands, Weights::default(), key);
+            let choice = p.choose(&req, &cands, weights, key);
             let Some(best) = cheapest else {
                 prop_assert_eq!(choice.index, None);
                 continue;
@@ -1058,8 +1063,12 @@ proptest! {
             let i = choice.index.expect("a pick");
             prop_assert!(cands[i].healthy);
             let b = &terms[best];
-            let window = gorgo_core::policy::SESSION_HOME_WINDOW * b.raw_queue_ms.max(0.0);
+            let window = gorgo_core::policy::SESSION_HOME_WINDOW * b.queue_ms.max(0.0);
             prop_assert!(terms[i].total_ms <= b.total_ms + window + 1e-9);
+            prop_assert!(
+                terms[i].total_ms
+                    <= b.total_ms * (1.0 + gorgo_core::decision::REFUSAL_MARGIN) + 1e-9
+            );
             prop_assert!(terms[i].cached_tokens >= b.cached_tokens || terms[i].total_ms == b.total_ms);
         }
     }
