@@ -1060,9 +1060,14 @@ impl Tuner {
     /// frozen incumbent.
     fn trial_proposal(&self, epoch: u64, mut state: EsState) -> Proposal {
         let weights = self.cfg.clip(state.incumbent);
-        if self.cfg.mode == TuningMode::TuneThenFreeze && state.is_settled(&self.cfg) {
+        if self.cfg.mode == TuningMode::TuneThenFreeze
+            && (state.start_fitted || !self.cfg.fit_start)
+            && state.is_settled(&self.cfg)
+        {
             // No trial could be decided any more: as converged as trials can tell, so
             // `tune-then-freeze` stops here (and its node writes the learned weights).
+            // Not before the start fit is done: a settled line goes on fitting for up
+            // to `FIT_MAX_WINDOWS`, and freezing first would write the unfitted start.
             state.frozen = true;
         }
         let (phase, candidate) = if state.frozen {
@@ -2211,6 +2216,68 @@ mod tests {
             "{moved:?}"
         );
         assert!(t.current().unwrap().state.start_fitted);
+    }
+
+    /// A `tune-then-freeze` line that settles before its start fit has pinned anything
+    /// goes on fitting, and freezes at the fitted weights, not at the start.
+    #[test]
+    fn tune_then_freeze_freezes_only_once_the_start_fit_is_done() {
+        let cfg = TuningConfig {
+            mode: TuningMode::TuneThenFreeze,
+            w_queue: crate::es::ParamBounds {
+                start: 0.05,
+                ..cfg().w_queue
+            },
+            ..cfg()
+        };
+        let mut t = Tuner::new("a".into(), cfg).unwrap();
+        t.tick(0);
+        // Halves 2x apart (the line settles once it has measured that), and a queue
+        // term right on average with +-600 ms around it (nothing pinned) or exact.
+        let serve = |t: &mut Tuner, keys: std::ops::Range<u64>, noisy_fit: bool| {
+            for k in keys {
+                let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()), 0);
+                let queue = (k % 5) as f64 * 200.0;
+                let residual_ms = match (noisy_fit, k % 2) {
+                    (true, 0) => queue + 600.0,
+                    (true, _) => queue - 600.0,
+                    (false, _) => queue,
+                };
+                let ttft = if a.cell.is_multiple_of(2) {
+                    100.0
+                } else {
+                    200.0
+                };
+                t.record(&a.epoch, a.cell, ttft, 1000.0);
+                t.record_terms(
+                    &a.epoch,
+                    TermSample {
+                        rtt_ms: 0.0,
+                        queue_ms: queue,
+                        residual_ms,
+                        prefill_ms: 300.0,
+                    },
+                );
+            }
+        };
+        for w in 1..=2u64 {
+            serve(&mut t, (w - 1) * 10..w * 10, true);
+            assert_eq!(start_fit_records(&t.tick(w * 10)), 0, "window {w}");
+        }
+        let p = t.current().unwrap();
+        assert!(p.state.is_settled(t.config()));
+        assert!(!p.state.start_fitted);
+        assert_ne!(p.phase, Phase::Frozen, "frozen before the start fit");
+        let mut w = 2u64;
+        while !t.current().unwrap().state.start_fitted {
+            w += 1;
+            assert!(w <= u64::from(FIT_MAX_WINDOWS), "never fitted");
+            serve(&mut t, (w - 1) * 10..w * 10, false);
+            t.tick(w * 10);
+        }
+        let p = t.current().unwrap();
+        assert_eq!(p.phase, Phase::Frozen);
+        assert!(p.weights.w_queue > 1.0, "{:?}", p.weights);
     }
 
     #[test]
