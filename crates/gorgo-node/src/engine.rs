@@ -179,11 +179,22 @@ impl EngineAdapter {
         self.changed(change);
     }
 
-    /// A future that resolves once the breaker is open (at once if it is now).
+    /// A future that resolves once the breaker opens from now on. Not at once when it
+    /// is open now: a request is sent only when the breaker admitted it, and the one
+    /// it admits while it still reads open is its half-open probe, which must reach
+    /// the engine (resolving at once failed every probe unsent, and re-opened the
+    /// breaker).
     pub fn opened(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
         let mut rx = self.opened.subscribe();
+        rx.borrow_and_update();
         async move {
-            let _ = rx.wait_for(|open| *open).await;
+            while rx.changed().await.is_ok() {
+                if *rx.borrow_and_update() {
+                    return;
+                }
+            }
+            // The adapter is gone: it will not open any more.
+            std::future::pending::<()>().await;
         }
     }
 

@@ -438,6 +438,84 @@ async fn a_request_that_is_not_streamed_leaves_the_queue_at_its_expected_prefill
     node.shutdown.cancel();
 }
 
+/// Once the breaker's cooldown has passed, the next request is its half-open probe:
+/// it reaches the engine, and its answer closes the breaker (it used to fail unsent,
+/// as if the breaker had just opened, and re-open it: with no peer, a 502 from a
+/// healthy engine).
+#[tokio::test]
+async fn a_half_open_breaker_sends_its_probe() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(
+        config_with_engine(
+            "a",
+            &engine.url(),
+            "breaker_failures = 1\nbreaker_cooldown_ms = 50\n",
+        ),
+        None,
+    )
+    .await;
+    let adapter = node.state().engine(0).unwrap().adapter.clone();
+    // After the first health check (the next is an hour away).
+    until("the engine is confirmed", || adapter.is_ready()).await;
+    adapter.record(gorgo_core::health::RequestOutcome::Failed);
+    assert!(matches!(
+        adapter.breaker(),
+        gorgo_core::health::BreakerState::Open { .. }
+    ));
+    until("the cooldown passes", || {
+        matches!(
+            adapter.breaker(),
+            gorgo_core::health::BreakerState::HalfOpen { probing: false }
+        )
+    })
+    .await;
+    let resp = post_chat(&node, "hi", false).await;
+    assert_eq!(resp.status(), 200);
+    resp.bytes().await.unwrap();
+    assert_eq!(engine.requests(), 1);
+    until("the probe's answer closes the breaker", || {
+        adapter.breaker() == gorgo_core::health::BreakerState::Closed
+    })
+    .await;
+    node.shutdown.cancel();
+}
+
+/// An engine that fails the endpoints the node passes through unrouted opens its
+/// breaker as one that fails routed requests does: the end of a 5xx body is no answer
+/// (it used to count as one, resetting the failures the head had just counted).
+#[tokio::test]
+async fn passthrough_server_errors_open_the_breaker() {
+    let engine = StubEngine::start("e").await;
+    engine.set_mode(SERVER_ERROR);
+    let node = start_node(
+        config_with_engine("a", &engine.url(), "breaker_failures = 2\n"),
+        None,
+    )
+    .await;
+    let adapter = node.state().engine(0).unwrap().adapter.clone();
+    until("the engine is confirmed", || adapter.is_ready()).await;
+    for _ in 0..2 {
+        let resp = client()
+            .post(format!("{}/v1/embeddings", node.base))
+            .json(&serde_json::json!({"model": "m", "input": "hi"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 500);
+        resp.bytes().await.unwrap();
+    }
+    until("the relayed bodies end", || adapter.inflight() == 0).await;
+    assert!(
+        matches!(
+            adapter.breaker(),
+            gorgo_core::health::BreakerState::Open { .. }
+        ),
+        "{:?}",
+        adapter.breaker()
+    );
+    node.shutdown.cancel();
+}
+
 #[tokio::test]
 async fn health_routes_and_local_passthrough_answer_as_engines_do() {
     let engine = StubEngine::start("e").await;

@@ -39,6 +39,8 @@ pub const FLOOD: u8 = 7;
 /// Send the first SSE chunk, wait to be released, then send half of the next event
 /// and break the connection (an engine dying inside an event).
 pub const FAIL_MID_EVENT: u8 = 8;
+/// Answer the native routes 500 with an OpenAI error body (an engine failing them).
+pub const SERVER_ERROR: u8 = 9;
 
 /// A stub OpenAI-compatible engine whose load and behaviour the test sets.
 pub struct StubEngine {
@@ -312,6 +314,15 @@ async fn native(State(e): State<Arc<StubEngine>>, uri: axum::http::Uri, body: By
     let mode = e.mode.load(Ordering::SeqCst);
     if mode == HANG {
         e.release.notified().await;
+    }
+    if mode == SERVER_ERROR {
+        return Response::builder()
+            .status(500)
+            .header("content-type", "application/json")
+            .body(Body::from(
+                r#"{"error":{"message":"internal","type":"internal_server_error","param":null,"code":null}}"#,
+            ))
+            .unwrap();
     }
     let path = uri.path().to_owned();
     if v.get("stream").and_then(|s| s.as_bool()).unwrap_or(false) {
