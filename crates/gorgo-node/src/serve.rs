@@ -352,6 +352,9 @@ where
     F: FnMut(&reqwest::Result<Bytes>, Option<&mut EngineTicket>) + Send + 'static,
     K: Send + 'static,
 {
+    // A 5xx head already counted as a failure (`send_streamed`); the end of its error
+    // body is no answer (it would close the breaker it may just have opened).
+    let server_error = resp.status().is_server_error();
     let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let failed_in_body = failed.clone();
     let ticket = Arc::new(parking_lot::Mutex::new(ticket));
@@ -374,7 +377,9 @@ where
     let ended = futures::stream::once(async move {
         let taken = ticket.lock().take();
         if !failed.load(std::sync::atomic::Ordering::Relaxed) {
-            engine.adapter.record(RequestOutcome::Answered);
+            if !server_error {
+                engine.adapter.record(RequestOutcome::Answered);
+            }
             if let Some(t) = taken {
                 t.completed();
             }
