@@ -490,8 +490,9 @@ fn handle_data(
         }
     };
     // And the id must not be held alive at another address: a second process with
-    // the same certificate stays out of SWIM altogether (docs/cluster.md, "Identity").
-    match inner.peers.claim(&inner.node_id, from, src.addr) {
+    // the same certificate stays out of SWIM altogether; nor may the address be held
+    // alive by another id, which foca would replace (docs/cluster.md, "Identity").
+    match inner.peers.sender_claim(&inner.node_id, from, src.addr) {
         Claim::Accepted => inner.transport.bind_inbound(conn, &src),
         refused => {
             inner.transport.refuse(from, conn);
@@ -529,23 +530,31 @@ fn drain(
         let now = Instant::now();
         match n {
             OwnedNotification::MemberUp(m) => member_up(inner, &m, now),
-            OwnedNotification::MemberDown(m) => {
-                if inner.peers.member_down(&m, now) {
-                    inner.log(MembershipEvent::Down(m.node.clone(), m.generation));
-                    // Another process may have claimed the id meanwhile (a node
-                    // restarted elsewhere before its old self was declared down): foca
-                    // holds it alive, and will not say so again.
-                    let next = foca
-                        .iter_membership_state()
-                        .find(|c| {
-                            c.id().node == m.node
-                                && c.id().addr != m.addr
-                                && c.state() != foca::State::Down
-                        })
-                        .map(|c| c.id().clone());
-                    if let Some(next) = next {
-                        member_up(inner, &next, now);
-                    }
+            OwnedNotification::MemberDown(m) => member_down(inner, foca, &m, now),
+            // foca keys members by address (`Identity::Addr`): a member with another
+            // node id and a higher generation at a known address replaces the member
+            // there, and foca says only `Rename` (plus `MemberUp` / `MemberDown` for the
+            // new one when liveness changed). The old node is gone from foca's view,
+            // never probed again: it is down here too, and the new one is up if foca
+            // holds it active. (`member_up` is idempotent: a `MemberUp(new)` that
+            // follows changes nothing.) A new node at a dead node's address (a
+            // re-provisioned host, a reused pod IP) takes its place this way when
+            // heard of second-hand; first-hand, `handle_data` refuses the claim while
+            // the old node is alive here (`PeerTable::sender_claim`).
+            //
+            // Why not `Addr = (NodeId, SocketAddr)`, so that different ids never
+            // conflict: seeds are announced to with a placeholder identity that has no
+            // node id (`MemberId::seed`), and foca takes an announce only when its
+            // `dst.addr()` equals its own `addr()`; keyed by id, no join through a seed
+            // would work, and foca's handling of updates about another identity at
+            // this node's own address would change with it.
+            OwnedNotification::Rename(old, new) if old.node != new.node => {
+                member_down(inner, foca, &old, now);
+                let active = foca
+                    .iter_membership_state()
+                    .any(|c| *c.id() == new && c.state() != foca::State::Down);
+                if active {
+                    member_up(inner, &new, now);
                 }
             }
             OwnedNotification::Rename(_, new) => {
@@ -578,8 +587,12 @@ fn drain(
 }
 
 /// foca says `member` is up: it becomes a routing candidate unless its claim to the
-/// node id is refused.
+/// node id is refused. Nothing when the table holds it alive already (a rename to
+/// another id brings it up, and foca may say so too).
 fn member_up(inner: &Arc<Inner>, member: &MemberId, now: Instant) {
+    if inner.peers.holds_alive(member) {
+        return;
+    }
     match inner.peers.member_up(&inner.node_id, member, now) {
         Claim::Accepted => {
             seed_rtt(inner, &member.node);
@@ -587,6 +600,32 @@ fn member_up(inner: &Arc<Inner>, member: &MemberId, now: Instant) {
             inner.gossip.peer_joined(&member.node);
         }
         refused => inner.refused(member, refused),
+    }
+}
+
+/// foca says `member` is down (or replaced it with another id at its address): it is
+/// no routing candidate any more, unless the table holds another claim to the id.
+fn member_down(inner: &Arc<Inner>, foca: &ClusterFoca, member: &MemberId, now: Instant) {
+    if !inner.peers.member_down(member, now) {
+        return;
+    }
+    inner.log(MembershipEvent::Down(
+        member.node.clone(),
+        member.generation,
+    ));
+    // Another process may have claimed the id meanwhile (a node restarted elsewhere
+    // before its old self was declared down): foca holds it alive, and will not say so
+    // again.
+    let next = foca
+        .iter_membership_state()
+        .find(|c| {
+            c.id().node == member.node
+                && c.id().addr != member.addr
+                && c.state() != foca::State::Down
+        })
+        .map(|c| c.id().clone());
+    if let Some(next) = next {
+        member_up(inner, &next, now);
     }
 }
 
@@ -755,6 +794,18 @@ impl Inner {
                         region = %claim.region,
                         alive_at = %bound,
                         "node id claimed from a second address while alive at its first; refused"
+                    );
+                }
+            }
+            Claim::AddressTaken { holder } => {
+                ClusterMetrics::bump(&self.metrics.identity_conflicts);
+                if first {
+                    tracing::warn!(
+                        peer = %claim.node,
+                        claimed_from = %claim.addr,
+                        region = %claim.region,
+                        alive_there = %holder,
+                        "address claimed under another node id while the node there is alive; refused until it is declared down"
                     );
                 }
             }

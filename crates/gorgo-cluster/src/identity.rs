@@ -37,6 +37,12 @@ impl MemberId {
 }
 
 impl foca::Identity for MemberId {
+    /// foca keys members by this alone: a member with another node id and a higher
+    /// generation at a known address replaces the one there (`Rename`, which
+    /// `cluster.rs` takes as the old node going down and the new one coming up).
+    /// Not `(NodeId, SocketAddr)`: seeds are announced to with a placeholder identity
+    /// that has no node id (`MemberId::seed`), and foca takes an announce only when
+    /// its destination's `addr()` equals its own.
     type Addr = SocketAddr;
 
     fn renew(&self) -> Option<Self> {

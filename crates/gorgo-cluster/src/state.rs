@@ -38,7 +38,7 @@ pub enum PeerState {
 /// second process with the same certificate (a misconfigured deploy, a copied key)
 /// must not take a live node's place in routing, nor take it down with it when it
 /// dies (docs/cluster.md, "Identity").
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Claim {
     /// Nobody else holds the id alive (a new node, a node restarted at its address,
     /// or one restarted elsewhere after its old self was declared down).
@@ -47,6 +47,13 @@ pub(crate) enum Claim {
     Conflict {
         /// Where the live holder of the id is.
         bound: SocketAddr,
+    },
+    /// A SWIM packet's sender claims an address a live member with another id holds
+    /// ([`PeerTable::sender_claim`]): refused, the member keeps the address until
+    /// membership declares it down.
+    AddressTaken {
+        /// The live member at the address.
+        holder: NodeId,
     },
     /// The id is this node's own: whoever claims it is never one of its peers.
     Ours,
@@ -286,6 +293,45 @@ impl PeerTable {
         }
     }
 
+    /// What this node (`me`) makes of a SWIM packet whose (TLS-authenticated) sender
+    /// claims `node` from `addr`: [`claim`](Self::claim), and besides, the address must
+    /// not be held by a live peer with another id ([`Claim::AddressTaken`]).
+    ///
+    /// Why: foca keys members by address (`Identity::Addr`), and a sender with a
+    /// higher generation at a known address replaces the member there (`Rename`),
+    /// whatever its id. Unchecked, any certificate holder could take a live node out
+    /// of membership with one packet (its id, the node's address, a huge
+    /// generation), and the node could not win its address back by renewing. A
+    /// genuine newcomer at a dead node's address (a re-provisioned host, a reused pod
+    /// IP) waits for failure detection to declare the old node down (about 3 s), then
+    /// re-announces and is accepted. Only first-hand claims are checked here: what
+    /// foca hears of second-hand is not authenticated in SWIM (a member may as well
+    /// say a node is down), and the rename it causes is handled in `cluster.rs`.
+    pub(crate) fn sender_claim(&self, me: &NodeId, node: &NodeId, addr: SocketAddr) -> Claim {
+        let claim = self.claim(me, node, addr);
+        // The live holder of its own address needs no scan: the table holds one live
+        // member per address (a rename takes the old one down before the new comes up).
+        if claim != Claim::Accepted || self.bound_addr(node) == Some(addr) {
+            return claim;
+        }
+        let holder = self
+            .peers
+            .iter()
+            .find(|e| e.state == PeerState::Alive && e.member.addr == addr && e.key() != node)
+            .map(|e| e.key().clone());
+        match holder {
+            Some(holder) => Claim::AddressTaken { holder },
+            None => claim,
+        }
+    }
+
+    /// Whether the table holds exactly `member` (id, address, generation) alive.
+    pub(crate) fn holds_alive(&self, member: &MemberId) -> bool {
+        self.peers
+            .get(&member.node)
+            .is_some_and(|e| e.state == PeerState::Alive && e.member == *member)
+    }
+
     /// The address `node` is bound to while it is alive.
     pub(crate) fn bound_addr(&self, node: &NodeId) -> Option<SocketAddr> {
         self.peers
@@ -457,8 +503,10 @@ pub struct ClusterMetrics {
     /// its suspicion in time (dropped: see `docs/cluster.md`).
     pub spurious_turn_undead_dropped: AtomicU64,
     /// Claims of a peer's node id from another address than the live member holding
-    /// it (SWIM packets, membership updates, stats broadcasts), refused: an impostor,
-    /// or a node restarted elsewhere before its old self was declared down.
+    /// it (SWIM packets, membership updates, stats broadcasts), and SWIM packets whose
+    /// sender claims an address a live member with another id holds, refused: an
+    /// impostor, a node restarted elsewhere before its old self was declared down, or
+    /// a new node at a dead node's address before that one was declared down.
     pub identity_conflicts: AtomicU64,
     /// Membership updates that claim this node's own id for another process, refused
     /// (this node keeps its id and goes on).
@@ -657,6 +705,34 @@ mod tests {
             assert_eq!(t.member_up(&me(), &made_up, now), Claim::Invalid, "{bad:?}");
         }
         assert_eq!(t.alive_ids(), vec![a.clone()]);
+    }
+
+    #[test]
+    fn a_live_members_address_is_not_claimed_under_another_id() {
+        let t = PeerTable::default();
+        let now = Instant::now();
+        let a = member_at("a", 1, "10.0.0.1:7000");
+        assert_eq!(t.member_up(&me(), &a, now), Claim::Accepted);
+        // The holder itself, and its restart at the address, are accepted.
+        assert_eq!(t.sender_claim(&me(), &a.node, a.addr), Claim::Accepted);
+        // Another id at its address is refused while it is alive ...
+        let b = member_at("b", 9, "10.0.0.1:7000");
+        let taken = Claim::AddressTaken {
+            holder: a.node.clone(),
+        };
+        assert_eq!(t.sender_claim(&me(), &b.node, b.addr), taken);
+        // ... as a sender only: the rules for the id itself are unchanged.
+        assert_eq!(t.claim(&me(), &b.node, b.addr), Claim::Accepted);
+        // Anywhere else it is accepted, and so it is at the address once the holder is
+        // declared down (a new node on a dead node's host).
+        let elsewhere: SocketAddr = "10.0.0.2:7000".parse().unwrap();
+        assert_eq!(t.sender_claim(&me(), &b.node, elsewhere), Claim::Accepted);
+        assert!(t.member_down(&a, now));
+        assert_eq!(t.sender_claim(&me(), &b.node, b.addr), Claim::Accepted);
+        assert!(!t.holds_alive(&a));
+        assert_eq!(t.member_up(&me(), &b, now), Claim::Accepted);
+        assert!(t.holds_alive(&b));
+        assert!(!t.holds_alive(&member_at("b", 10, "10.0.0.1:7000")));
     }
 
     #[test]

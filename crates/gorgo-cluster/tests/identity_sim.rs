@@ -1,6 +1,7 @@
 //! Who a node is, on turmoil: a node restarted under the same config replaces what its
-//! peers held of its previous run at once, and a second process with the same node id
-//! (the same certificate, another address) never pushes the genuine node out.
+//! peers held of its previous run at once, a second process with the same node id
+//! (the same certificate, another address) never pushes the genuine node out, and a
+//! node with another id at a node's address takes its place only once it is dead.
 
 mod common;
 
@@ -592,4 +593,264 @@ fn a_member_cannot_broadcast_stats_in_another_nodes_name() {
             "{viewer} holds the forged stats: {v:?}"
         );
     }
+}
+
+/// A cluster of [`NAMES`] on turmoil (seed `seed`) whose host n1 runs n1 first and,
+/// once restarted (`sim.bounce("n1")`), another node, n4, with its own certificate
+/// at the same host and port: a re-provisioned host, or a reused pod IP. n4's handle
+/// appears in the handles as "n4".
+fn n1s_host_restarts_as_n4(
+    seed: u64,
+) -> (
+    turmoil::Sim<'static>,
+    std::collections::BTreeMap<String, gorgo_cluster::NodeCredentials>,
+    Handles,
+) {
+    let mut sim = sim(seed, Duration::from_secs(120));
+    let creds = credentials(&["n0", "n1", "n2", "n4"]);
+    let handles = Handles::default();
+    for i in [0, 2] {
+        add_node(&mut sim, seeded_spec(&NAMES, i, &creds, 0), handles.clone());
+    }
+    let runs = Arc::new(AtomicU32::new(0));
+    {
+        let n1 = seeded_spec(&NAMES, 1, &creds, 0);
+        let mut n4 = n1.clone();
+        n4.region = "region-4".to_owned();
+        n4.credentials = creds["n4"].clone();
+        let handles = handles.clone();
+        sim.host("n1", move || {
+            let (n1, n4) = (n1.clone(), n4.clone());
+            let handles = handles.clone();
+            let run = runs.fetch_add(1, Ordering::SeqCst);
+            async move {
+                let h = if run == 0 {
+                    start_node(&n1).await?.0
+                } else {
+                    start_node_with(&n4, |c| c.node_id = NodeId::from("n4"))
+                        .await?
+                        .0
+                };
+                handles.lock().insert(h.identity().node.0.clone(), h);
+                std::future::pending::<()>().await;
+                Ok(())
+            }
+        });
+    }
+    set_wan_latencies(&mut sim, &NAMES);
+    converge(&mut sim, &handles, &NAMES);
+    (sim, creds, handles)
+}
+
+/// Whether n4 has taken n1's place: n0 and n2 list n4 alive at n1's address, and n1
+/// not alive; n4 sees both. `None` when all holds, else what does not.
+fn n4_in_n1s_place(handles: &Handles, n1_addr: SocketAddr) -> Option<String> {
+    if !handles.lock().contains_key("n4") {
+        return Some("n4 has not started".to_owned());
+    }
+    for viewer in ["n0", "n2"] {
+        if let Some(v) = view_of(handles, viewer, "n1").filter(|v| v.alive) {
+            return Some(format!("{viewer} holds n1 alive: {v:?}"));
+        }
+        match view_of(handles, viewer, "n4") {
+            Some(v) if v.alive && v.addr == n1_addr => {}
+            v => return Some(format!("{viewer} holds n4 as {v:?}")),
+        }
+    }
+    let seen = handles.lock()["n4"].alive_peers();
+    if !["n0", "n2"]
+        .iter()
+        .all(|n| seen.contains(&NodeId::from(*n)))
+    {
+        return Some(format!("n4 sees {seen:?} alive"));
+    }
+    None
+}
+
+/// n1 dies (kill -9) and, before failure detection could declare it down, a node with
+/// another id (n4) starts at n1's host and port. foca keys members by address, so it
+/// replaces n1 with n4 and says only `Rename(n1, n4)`: before, that left n1 alive in
+/// the peer table for good (never probed again, so never declared down, still a
+/// routing candidate) and n4 never came up.
+#[test]
+fn a_new_node_at_a_crashed_nodes_address_takes_its_place() {
+    let (mut sim, _creds, handles) = n1s_host_restarts_as_n4(89);
+    let n1_addr = handles.lock()["n1"].identity().addr;
+    // Drop the test's handle first: it owns the old endpoint and so its socket's port.
+    handles.lock().remove("n1");
+    let crashed_at = sim.elapsed();
+    sim.crash("n1");
+    run_for(&mut sim, Duration::from_millis(300));
+    sim.bounce("n1");
+    let replaced = run_until(&mut sim, Duration::from_secs(15), |_| {
+        n4_in_n1s_place(&handles, n1_addr).is_none()
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "{:?}\n{}",
+            n4_in_n1s_place(&handles, n1_addr),
+            dump(&handles)
+        )
+    });
+    eprintln!(
+        "n4 in n1's place everywhere {:?} after n1 crashed",
+        replaced - crashed_at
+    );
+    // And n1 never comes back.
+    let broken = run_until(&mut sim, Duration::from_secs(10), |_| {
+        n4_in_n1s_place(&handles, n1_addr).is_some()
+    });
+    assert!(
+        broken.is_none(),
+        "at {broken:?}: {:?}",
+        n4_in_n1s_place(&handles, n1_addr)
+    );
+}
+
+/// The same replacement heard of second-hand: n0 still holds n1 alive when a member
+/// (n2, through its own certificate) tells it that n4 is alive at n1's address.
+/// foca replaces n1 with n4 at once, saying only `Rename(n1, n4)`: n0 takes n1 down
+/// and n4 up then, well before it could have declared n1 down itself (a suspicion
+/// alone lasts 1.6 s).
+#[test]
+fn a_new_node_at_a_crashed_nodes_address_heard_of_second_hand_takes_its_place_at_once() {
+    let (mut sim, creds, handles) = n1s_host_restarts_as_n4(97);
+    let (n0_id, n1_id, n2_id) = {
+        let h = handles.lock();
+        (h["n0"].identity(), h["n1"].identity(), h["n2"].identity())
+    };
+    handles.lock().remove("n1");
+    sim.bounce("n1");
+    run_until(&mut sim, Duration::from_secs(1), |_| {
+        handles.lock().contains_key("n4")
+    })
+    .expect("n4 starts");
+    let n4_id = handles.lock()["n4"].identity();
+    assert_eq!(n4_id.addr, n1_id.addr);
+    let mut packet = swim_datagram(n2_id, n0_id).to_vec();
+    packet.extend_from_slice(&1u16.to_be_bytes()); // one membership update
+    foca::Codec::encode_member(
+        &mut gorgo_cluster::identity::BincodeCodec,
+        &foca::Member::alive(n4_id),
+        &mut packet,
+    )
+    .expect("encode");
+    let sent = Arc::new(AtomicU32::new(0));
+    let sent_by_n2 = sent.clone();
+    let n2_creds = creds["n2"].clone();
+    sim.client("relay", async move {
+        let (_endpoint, conn) = raw_connection(
+            "relay",
+            &n2_creds,
+            SocketAddr::new(turmoil::lookup("n0"), PORT),
+        )
+        .await?;
+        conn.send_datagram(packet.into())?;
+        sent_by_n2.store(1, Ordering::SeqCst);
+        std::future::pending::<()>().await;
+        Ok(())
+    });
+    let sent_at = run_until(&mut sim, Duration::from_secs(1), |_| {
+        sent.load(Ordering::SeqCst) == 1
+    })
+    .expect("the update is sent");
+    assert!(
+        view_of(&handles, "n0", "n1").is_some_and(|v| v.alive),
+        "n0 still holds n1 alive when it hears of n4: {}",
+        dump(&handles)
+    );
+    let n0_replaced = |handles: &Handles| {
+        view_of(handles, "n0", "n1").is_some_and(|v| !v.alive)
+            && view_of(handles, "n0", "n4").is_some_and(|v| v.alive && v.addr == n1_id.addr)
+    };
+    let replaced = run_until(&mut sim, Duration::from_secs(1), |_| n0_replaced(&handles))
+        .unwrap_or_else(|| {
+            panic!(
+                "n0 did not replace n1 with n4 within 1 s of hearing of it (sent at {sent_at:?}): {}",
+                dump(&handles)
+            )
+        });
+    eprintln!(
+        "n0 replaced n1 with n4 {:?} after the update was sent",
+        replaced - sent_at
+    );
+    // n4 is genuine: it stays, and everyone ends up seeing it in n1's place.
+    let everywhere = run_until(&mut sim, Duration::from_secs(15), |_| {
+        n4_in_n1s_place(&handles, n1_id.addr).is_none()
+    });
+    assert!(
+        everywhere.is_some(),
+        "{:?}",
+        n4_in_n1s_place(&handles, n1_id.addr)
+    );
+}
+
+/// A holder of a cluster certificate (n9, not a member) claims a live member's
+/// address (n1's) under its own id and a generation that wins any address conflict,
+/// in a SWIM packet of its own. The claim is refused before foca sees it: otherwise
+/// foca would replace n1 with n9 (one packet would take a live node out of
+/// membership) and, before, left n1 a member nobody probes, never declared down.
+#[test]
+fn a_claim_of_a_live_nodes_address_under_another_id_is_refused() {
+    let mut sim = sim(101, Duration::from_secs(120));
+    let creds = credentials(&["n0", "n1", "n2", "n9"]);
+    let handles = Handles::default();
+    converged_cluster(&mut sim, &NAMES, &creds, 0, &handles);
+    let (n0_id, n1_id) = {
+        let h = handles.lock();
+        (h["n0"].identity(), h["n1"].identity())
+    };
+    let conflicts = |handles: &Handles| {
+        handles.lock()["n0"]
+            .metrics()
+            .identity_conflicts
+            .load(Ordering::Relaxed)
+    };
+    let conflicts_before = conflicts(&handles);
+    let claim = gorgo_cluster::MemberId {
+        node: NodeId::from("n9"),
+        region: "region-9".to_owned(),
+        addr: n1_id.addr,
+        generation: u64::MAX / 2,
+    };
+    let sent = Arc::new(AtomicU32::new(0));
+    let sent_by_thief = sent.clone();
+    let n9_creds = creds["n9"].clone();
+    sim.client("thief", async move {
+        let (_endpoint, conn) = raw_connection(
+            "thief",
+            &n9_creds,
+            SocketAddr::new(turmoil::lookup("n0"), PORT),
+        )
+        .await?;
+        conn.send_datagram(swim_datagram(claim, n0_id))?;
+        sent_by_thief.store(1, Ordering::SeqCst);
+        std::future::pending::<()>().await;
+        Ok(())
+    });
+    run_until(&mut sim, Duration::from_secs(1), |_| {
+        sent.load(Ordering::SeqCst) == 1
+    })
+    .expect("the claim is sent");
+    // n1 stays, at its address; n9 is no member.
+    let broken = run_until(&mut sim, Duration::from_secs(3), |_| {
+        !view_of(&handles, "n0", "n1").is_some_and(|v| v.alive && v.addr == n1_id.addr)
+            || view_of(&handles, "n0", "n9").is_some_and(|v| v.alive)
+    });
+    assert!(broken.is_none(), "at {broken:?}: {}", dump(&handles));
+    // And n0 still watches n1: once it dies, it is declared down.
+    handles.lock().remove("n1");
+    sim.crash("n1");
+    let down = run_until(&mut sim, Duration::from_secs(10), |_| {
+        view_of(&handles, "n0", "n1").is_some_and(|v| !v.alive)
+    });
+    assert!(
+        down.is_some(),
+        "n0 never declared the crashed n1 down: {}",
+        dump(&handles)
+    );
+    assert!(
+        conflicts(&handles) > conflicts_before,
+        "n0 counted no refused claim"
+    );
 }
