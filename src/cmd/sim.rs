@@ -171,6 +171,11 @@ pub struct SimModelArgs {
     /// 16384 is two chunks of SGLang's chunked prefill).
     #[arg(long, default_value_t = 0)]
     pub hold_tokens: u64,
+    /// Share of requests whose client does not stream (`stream: false`), drawn by a
+    /// hash of the request and the seed: their nodes see their first token only with
+    /// the whole response, at the end, as a live node does.
+    #[arg(long, default_value_t = 0.0)]
+    pub non_streamed_share: f64,
 }
 
 impl SimModelArgs {
@@ -205,6 +210,7 @@ impl SimModelArgs {
         cfg.kv_events_delay_ms = self.kv_events_delay_ms;
         cfg.refuse_forwards = self.refuse_forwards;
         cfg.hold_tokens = self.hold_tokens;
+        cfg.non_streamed_share = self.non_streamed_share;
         cfg.validate().context("simulation config")?;
         Ok(cfg)
     }
@@ -237,6 +243,7 @@ impl SimModelArgs {
             "kv_events_delay_ms": self.kv_events_delay_ms,
             "refuse_forwards": self.refuse_forwards,
             "hold_tokens": self.hold_tokens,
+            "non_streamed_share": self.non_streamed_share,
         })
     }
 }
@@ -282,6 +289,12 @@ pub fn view_header(cfg: &SimConfig, with_oracle: bool) -> String {
         line += &format!(
             "; late binding above {} tokens (not in the live node)",
             cfg.hold_tokens
+        );
+    }
+    if cfg.non_streamed_share > 0.0 {
+        line += &format!(
+            "; {:.0}% of clients not streaming",
+            cfg.non_streamed_share * 100.0
         );
     }
     if with_oracle {

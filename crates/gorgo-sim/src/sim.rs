@@ -147,6 +147,12 @@ pub struct SimConfig {
     /// ones they would serve at a higher cost ([`refuse_forward`]; the node's
     /// `routing.refuse_forwards`).
     pub refuse_forwards: bool,
+    /// Share of requests whose client does not stream (`stream: false`, the OpenAI
+    /// default), drawn by a hash of the request's index and the seed. Their nodes see
+    /// no first token, only the end (`EngineView::dispatch_unobserved`), learn no
+    /// forward lateness and record no TTFT for tuning, as the live node; their TTFT in
+    /// the report is still when the first token would have reached the client.
+    pub non_streamed_share: f64,
 }
 
 /// Period of the samples of every engine's cache that count blocks held twice
@@ -192,6 +198,7 @@ impl SimConfig {
             kv_events: false,
             kv_events_delay_ms: 2.0,
             refuse_forwards: true,
+            non_streamed_share: 0.0,
         }
     }
 
@@ -256,6 +263,9 @@ impl SimConfig {
         }
         if !(self.kv_events_delay_ms.is_finite() && self.kv_events_delay_ms >= 0.0) {
             return Err(invalid("kv_events_delay_ms", "must be >= 0"));
+        }
+        if !(0.0..=1.0).contains(&self.non_streamed_share) {
+            return Err(invalid("non_streamed_share", "must be in [0, 1]"));
         }
         Ok(())
     }
@@ -413,6 +423,9 @@ struct Flight {
     ttft_ms: f64,
     cached_tokens: u64,
     first_token_seen: bool,
+    /// Whether its client streams ([`SimConfig::non_streamed_share`]): only then does
+    /// a node see its first token.
+    streamed: bool,
     /// Expected prefill tokens counted in the oracle's in-transit figure.
     transit_tokens: u64,
     /// The TTFT the client's node's decision predicted for its chosen candidate, ms
@@ -878,6 +891,10 @@ impl<'a> Sim<'a> {
         let home = gorgo_workload::home_region(&row, index, &self.names, self.cfg.region_seed);
         let mut row = row;
         let (chain, prompt_tokens) = prompt(self.cfg, &mut row);
+        let draw = gorgo_core::hash::hash_bytes(
+            &[index.to_le_bytes(), self.cfg.seed.to_le_bytes()].concat(),
+        );
+        let streamed = (draw as f64 / u64::MAX as f64) >= self.cfg.non_streamed_share;
         let flight = Flight {
             index,
             chain,
@@ -909,6 +926,7 @@ impl<'a> Sim<'a> {
             predicted_cached_tokens: None,
             cached_anywhere_tokens: 0,
             first_token_seen: false,
+            streamed,
             transit_tokens: 0,
         };
         let slot = match self.free.pop() {
@@ -1494,8 +1512,14 @@ impl<'a> Sim<'a> {
                 if node.models_cache() {
                     node.shadow.insert(&f.chain, nowu);
                 }
-                node.view
-                    .dispatch(slot as u64, prompt_tokens, prompt_tokens - cached, nowu);
+                let uncached = prompt_tokens - cached;
+                if f.streamed {
+                    node.view
+                        .dispatch(slot as u64, prompt_tokens, uncached, nowu);
+                } else {
+                    node.view
+                        .dispatch_unobserved(slot as u64, prompt_tokens, uncached, nowu);
+                }
             }
         }
         let engine = &mut self.engines[e];
@@ -1623,8 +1647,12 @@ impl<'a> Sim<'a> {
         let home = self.flight(slot).home as usize;
         let link = self.link_delay(r, home);
         let back = link + self.client_delay(home);
-        let relayed =
-            r != home && self.oracle.is_none() && self.flight(slot).forwarded_ms.is_some();
+        // A response that is not streamed shows its nodes nothing until its end.
+        let streamed = self.flight(slot).streamed;
+        let relayed = streamed
+            && r != home
+            && self.oracle.is_none()
+            && self.flight(slot).forwarded_ms.is_some();
         if relayed {
             // The forwarding node learns its forward's TTFT when the byte reaches it.
             self.push(at + link, Ev::FirstByte(slot));
@@ -1645,13 +1673,14 @@ impl<'a> Sim<'a> {
                     f.dispatched_ms as u64,
                 );
             }
-            None => {
+            None if streamed => {
                 self.nodes[r].engines[k]
                     .view
                     .first_token(slot as u64, Some(engine_ttft), at as u64)
             }
+            None => {}
         }
-        if !relayed {
+        if streamed && !relayed {
             self.record_first_token(slot, at);
         }
     }

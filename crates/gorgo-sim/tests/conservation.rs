@@ -117,6 +117,23 @@ fn every_policy_conserves_requests() {
     }
 }
 
+/// Clients that do not stream: their nodes see the first token only with the whole
+/// response; every request is still served once, and no view drifts (the view takes
+/// their prefill as done at its expected end, `EngineView::dispatch_unobserved`).
+#[test]
+fn clients_that_do_not_stream_are_conserved() {
+    let t = trace(1, 120.0, 40);
+    let mut cfg = config();
+    cfg.time_scale = 0.5;
+    for share in [0.5, 1.0] {
+        cfg.non_streamed_share = share;
+        for kind in [PolicyKind::Gorgo, PolicyKind::LeastLoad, PolicyKind::Oracle] {
+            let r = run(&cfg, kind, &t);
+            check_conservation(&cfg, &r, t.len());
+        }
+    }
+}
+
 #[test]
 fn refused_forwards_are_served_at_home_exactly_once() {
     let t = trace(1, 120.0, 40);
@@ -243,6 +260,10 @@ fn bad_config_names_the_field() {
     cfg.profiles.pop();
     let e = simulate(&cfg, PolicyKind::Gorgo, std::iter::empty(), &mut |_| {}).unwrap_err();
     assert!(e.to_string().contains("profiles"), "{e}");
+    let mut cfg = config();
+    cfg.non_streamed_share = 1.5;
+    let e = simulate(&cfg, PolicyKind::Gorgo, std::iter::empty(), &mut |_| {}).unwrap_err();
+    assert!(e.to_string().contains("non_streamed_share"), "{e}");
     for replicas in [0, 65] {
         let mut cfg = config();
         cfg.replicas = replicas;
