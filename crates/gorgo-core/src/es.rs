@@ -504,7 +504,9 @@ pub enum Verdict {
 pub struct EsState {
     /// Best weights so far.
     pub incumbent: Weights,
-    /// The incumbent's last p95 TTFT, ms.
+    /// The incumbent's last score, ms: the mean TTFT beyond the [`TAIL_QUANTILE`]
+    /// quantile (its slowest 20%), as the trials compare it; a sequential line's
+    /// re-measurement stores its p95.
     pub incumbent_score: Option<f64>,
     /// The incumbent's measurement in the window adjacent to the pending candidate.
     pub pending_incumbent: Option<Measurement>,

@@ -130,7 +130,7 @@ pub struct TrialEntry {
     pub total_samples: u64,
     /// Best weights after the decision.
     pub best: Weights,
-    /// Their p95 TTFT, ms.
+    /// Their p95 TTFT in this trial, ms (`None` when the record measured none).
     pub best_p95_ttft_ms: Option<f64>,
     /// Step size after the decision (the 1/5 rule applied).
     pub sigma_after: f64,
@@ -532,7 +532,15 @@ impl TuningDriver {
                         step: state.as_ref().map_or(0, |s| s.trials),
                         total_samples: inner.total_samples,
                         best: state.as_ref().map_or(r.incumbent, |s| s.incumbent),
-                        best_p95_ttft_ms: state.as_ref().and_then(|s| s.incumbent_score),
+                        // The p95 of whichever arm is the incumbent now, as measured
+                        // in this trial (the state's score is the tail mean the trials
+                        // compare, not a p95).
+                        best_p95_ttft_ms: Some(if r.accepted {
+                            r.score_p95_ttft_ms
+                        } else {
+                            r.incumbent_p95_ttft_ms
+                        })
+                        .filter(|p| p.is_finite() && *p > 0.0),
                         sigma_after: state.as_ref().map_or(r.sigma, |s| s.sigma),
                         success_rate: state.as_ref().and_then(|s| s.success_rate()),
                         recent_outcomes: state
@@ -713,6 +721,17 @@ mod tests {
         assert!(line["score"].as_f64().unwrap() < 0.0);
         assert!(line["candidate"]["rtt_weight"].is_number());
         assert!(line["proposal"]["queue_weight"].is_number());
+        // The best score is a p95 as the score is (the incumbent's, as measured in
+        // the same trial), not the tail mean the trials compare.
+        for (e, line) in v.history.iter().zip(&v.es_trace) {
+            let r = &e.record;
+            let p95 = if r.accepted {
+                r.score_p95_ttft_ms
+            } else {
+                r.incumbent_p95_ttft_ms
+            };
+            assert_eq!(line["best_score"].as_f64(), Some(-p95 / 1000.0), "{line}");
+        }
         assert_eq!(v.history[0].step, 1);
         assert_eq!(v.history[2].total_samples, 24);
         let j = serde_json::to_value(&v.history[0]).unwrap();
