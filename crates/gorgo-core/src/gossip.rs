@@ -452,6 +452,19 @@ impl PeerGossip {
             GossipMessage::SnapshotRequest { .. } => out.snapshot_requested = true,
             GossipMessage::SummarySnapshot {
                 snapshot, stats, ..
+            } if self
+                .summary
+                .as_ref()
+                .is_some_and(|s| snapshot.version < s.version()) =>
+            {
+                // An older snapshot of the run held than what is applied: two were in
+                // flight (a rejoin while a send was out) and arrived out of order.
+                // Versions only grow within a run; applying it would take the summary
+                // back until a gap asked for another.
+                out.stats_updated = self.offer_summary_stats(stats);
+            }
+            GossipMessage::SummarySnapshot {
+                snapshot, stats, ..
             } => {
                 let summary = self.summary.get_or_insert_with(PeerSummary::new);
                 summary.apply_snapshot(snapshot);
@@ -894,6 +907,19 @@ mod tests {
             stats.version = version;
         }
         msg
+    }
+
+    #[test]
+    fn an_older_snapshot_of_the_same_run_is_not_applied() {
+        let mut p = PeerGossip::new();
+        recv(&mut p, snapshot_of(20, &[1]), 0);
+        let r = recv(&mut p, snapshot_of(10, &[2]), 0);
+        assert_eq!(r.summary, SummaryEvent::None);
+        let s = p.summary().expect("held");
+        assert_eq!((s.version(), s.len()), (20, 1));
+        // A newer one is.
+        recv(&mut p, snapshot_of(30, &[2, 3]), 0);
+        assert_eq!(p.summary().unwrap().version(), 30);
     }
 
     fn snapshot_of(version: u64, fingerprints: &[u32]) -> GossipMessage {
