@@ -245,6 +245,11 @@ pub struct KvEventFollower {
     changes: Vec<NodeBlockChange>,
     actions: Vec<FollowerAction>,
     counters: KvEventCounters,
+    /// While the batches a failed replay held are fed again: a gap among them resyncs
+    /// instead of asking for another replay. Asking again held the rest once more, so
+    /// a backlog of gapped batches was re-fed once per entry it freed: quadratic work,
+    /// and a stack frame each, under the lock the request path takes.
+    refeeding: bool,
 }
 
 impl KvEventFollower {
@@ -266,6 +271,7 @@ impl KvEventFollower {
             changes: Vec::new(),
             actions: Vec::new(),
             counters: KvEventCounters::default(),
+            refeeding: false,
         })
     }
 
@@ -488,7 +494,11 @@ impl KvEventFollower {
             Stream::Fresh { full_replay } => {
                 if seq == 0 {
                     self.history_complete = true;
-                } else if *full_replay && self.config.replay && seq <= self.config.max_replay_gap {
+                } else if *full_replay
+                    && self.config.replay
+                    && !self.refeeding
+                    && seq <= self.config.max_replay_gap
+                {
                     return self.start_replay(0, seq, payload, now_ms);
                 } else {
                     self.history_complete = false;
@@ -504,7 +514,10 @@ impl KvEventFollower {
                     self.apply(payload, now_ms);
                 } else if seq > next {
                     self.counters.gaps += 1;
-                    if self.config.replay && seq - next <= self.config.max_replay_gap {
+                    if self.config.replay
+                        && !self.refeeding
+                        && seq - next <= self.config.max_replay_gap
+                    {
                         self.start_replay(next, seq, payload, now_ms);
                     } else {
                         self.resync(now_ms, "gap without replay");
@@ -607,9 +620,11 @@ impl KvEventFollower {
                 _ => BTreeMap::new(),
             };
         self.resync(now_ms, reason);
+        self.refeeding = true;
         for (seq, payload) in pending {
             self.on_batch(seq, &payload, now_ms);
         }
+        self.refeeding = false;
     }
 
     /// Forget every block and fall back to the shadow model; the next batch starts a

@@ -515,6 +515,30 @@ fn the_replay_backlog_is_bounded() {
     assert_eq!(f.counters().batches, 1 + 198);
 }
 
+/// A flood of batches with a gap before each (a publisher gone wrong, or hostile)
+/// while a replay is out: when the backlog overflows, the batches it held are fed
+/// again once, resyncing at their gaps, not asking for a replay at each (which held
+/// the rest again and re-fed them once per entry freed: quadratic work under the lock
+/// the request path takes, and a stack frame per entry).
+#[test]
+fn a_backlog_of_gapped_batches_is_fed_again_once() {
+    let cfg = KvFollowerConfig {
+        max_pending_bytes: 64 * 100,
+        ..config(4)
+    };
+    let mut f = KvEventFollower::new(cfg, 0).unwrap();
+    let (s, p) = message(0, vec![]);
+    deliver(&mut f, s, &p, 0);
+    for i in 0..1000u64 {
+        let (s, p) = message(3 + 2 * i, vec![]);
+        deliver(&mut f, s, &p, 1);
+    }
+    let c = f.counters();
+    // One replay per backlog's worth of batches, not one per batch.
+    assert!(c.replays <= 20, "{c:?}");
+    assert!(c.replay_failures >= 1, "{c:?}");
+}
+
 proptest! {
     /// Whatever arrives on either socket, in any framing, the follower neither
     /// panics nor holds more than its caps, and a good batch after it is applied.
