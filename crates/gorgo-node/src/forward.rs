@@ -150,9 +150,10 @@ pub async fn forward(
             refusal,
         });
     }
-    if head.status == 502 || head.status == 503 {
-        // The peer could not serve after all (its engine failed or it is overloaded):
-        // nothing reached the client yet, so the caller may still serve locally.
+    if matches!(head.status, 502..=504) {
+        // The peer could not serve after all (its engine failed, timed out or it is
+        // overloaded): nothing reached the client yet, so the caller may still serve
+        // locally.
         return Err(NodeError::Cluster(format!(
             "peer {peer} answered {}",
             head.status

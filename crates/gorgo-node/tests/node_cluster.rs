@@ -258,6 +258,32 @@ async fn forward_failing_before_first_byte_falls_back_locally() {
     c.engines[1].release.notify_waiters();
 }
 
+/// A peer whose engine times out before its first byte answers the forward 504
+/// before anything reached the client: the forwarding node serves the request
+/// itself, as for a 502 or a 503 (it used to relay the 504 to the client).
+#[tokio::test]
+async fn a_forward_the_peer_times_out_falls_back_locally() {
+    let c = mesh_cluster(
+        &IDS,
+        &[("a", "b", 150.0), ("a", "c", 200.0), ("b", "c", 250.0)],
+        |id| {
+            if id == "b" {
+                "[limits]\nfirst_byte_timeout_ms = 300\n".to_owned()
+            } else {
+                String::new()
+            }
+        },
+    )
+    .await;
+    let p = c.prefix_at_b(HANG).await;
+    let (status, served, _) = or_hang("the forwarded request", chat(&c.nodes[0], &p)).await;
+    assert_eq!((status, served.as_str()), (200, "a"));
+    let d = admin_json(&c.nodes[0], "/admin/decisions?limit=1").await;
+    assert_eq!(d[0]["winner"], "b");
+    assert_eq!(d[0]["forward_outcome"], "forward-failed", "{d}");
+    c.engines[1].release.notify_waiters();
+}
+
 #[tokio::test]
 async fn forward_failing_mid_stream_ends_with_an_error_event() {
     let c = cluster("").await;
