@@ -23,8 +23,8 @@ use serde::Serialize;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::api::{
-    error_json, session_key, BodyStream, RoutedRequest, ServeError, Upstream, PASS_REQUEST_HEADERS,
-    PASS_RESPONSE_HEADERS, POLICY_HEADER, SESSION_HEADER,
+    error_json, error_json_detailed, session_key, BodyStream, RoutedRequest, ServeError, Upstream,
+    PASS_REQUEST_HEADERS, PASS_RESPONSE_HEADERS, POLICY_HEADER, SESSION_HEADER,
 };
 use crate::error::NodeError;
 use crate::peers::{ForwardRecv, ForwardSend, IncomingForward};
@@ -253,31 +253,45 @@ where
         Ok(Err(NodeError::BodyBudget)) => {
             // 503: the origin serves the request itself or elsewhere.
             let message = NodeError::BodyBudget.to_string();
-            let _ = write_error_head(&mut send, &state, 503, 0, &message).await;
+            let _ = write_error_head(&mut send, &state, 503, 0, &error_json(503, &message)).await;
             return;
         }
         Ok(Err(e)) => {
             tracing::warn!(%from, error = %e, "bad forward request");
             let message = format!("bad forward request: {e}");
             // 502: the origin serves the request itself (nothing reached its client).
-            let _ = write_error_head(&mut send, &state, 502, 0, &message).await;
+            let _ = write_error_head(&mut send, &state, 502, 0, &error_json(502, &message)).await;
             return;
         }
         Err(_) => {
             tracing::warn!(%from, "forward request not sent in time");
             let message = "forward request not sent within limits.body_timeout_ms";
-            let _ = write_error_head(&mut send, &state, 502, 0, message).await;
+            let _ = write_error_head(&mut send, &state, 502, 0, &error_json(502, message)).await;
             return;
         }
     };
     // Read: from here the request is held under the forward slots, like a client's.
     drop(lease);
     let Some(_permit) = state.forward_permits.clone().try_acquire_owned().ok() else {
-        let _ = write_error_head(&mut send, &state, 503, msg.hops, "node overloaded").await;
+        let _ = write_error_head(
+            &mut send,
+            &state,
+            503,
+            msg.hops,
+            &error_json(503, "node overloaded"),
+        )
+        .await;
         return;
     };
     if msg.chain.hashes.len() != msg.chain.block_tokens.len() {
-        let _ = write_error_head(&mut send, &state, 400, msg.hops, "malformed forward").await;
+        let _ = write_error_head(
+            &mut send,
+            &state,
+            400,
+            msg.hops,
+            &error_json(400, "malformed forward"),
+        )
+        .await;
         return;
     }
     let header = |name: &str| {
@@ -349,7 +363,10 @@ where
         }
         Err(e) => {
             let status = e.status().0.as_u16();
-            let _ = write_error_head(&mut send, &state, status, req.hops, &e.message()).await;
+            // The client's error as the origin would have written it: its OpenAI code
+            // and param too (`context_length_exceeded` on `messages`, which SDKs act on).
+            let body = error_json_detailed(status, &e.message(), e.code(), e.param());
+            let _ = write_error_head(&mut send, &state, status, req.hops, &body).await;
             return;
         }
     };
@@ -423,7 +440,7 @@ async fn write_error_head(
     state: &NodeState,
     status: u16,
     hops: u8,
-    message: &str,
+    body: &str,
 ) -> Result<(), NodeError> {
     let head = ForwardResponseHead {
         status,
@@ -433,7 +450,6 @@ async fn write_error_head(
         refusal: None,
     };
     write_frame(send, &head).await?;
-    let body = error_json(status, message);
     write_chunk(send, body.as_bytes()).await?;
     send.write_all(&END_OK.to_be_bytes()).await?;
     send.shutdown().await?;

@@ -516,6 +516,58 @@ async fn passthrough_server_errors_open_the_breaker() {
     node.shutdown.cancel();
 }
 
+/// A forward the node cannot serve is answered with the error its origin's client
+/// would have had from it directly: OpenAI code and param included
+/// (`context_length_exceeded` on `messages`, which SDKs act on), not a bare message.
+#[tokio::test]
+async fn a_forward_refused_as_too_long_keeps_its_openai_code() {
+    use gorgo_node::api::{ServeError, Upstream};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let engine = StubEngine::start("e").await;
+    let node = start_node(config("a", &engine.url(), ""), None).await;
+    let request = gorgo_core::wire::ForwardRequest {
+        request_id: 7,
+        hops: 1,
+        origin: gorgo_core::NodeId::from("b"),
+        endpoint: gorgo_core::Endpoint::Completions,
+        chain: gorgo_core::HashChain::from_bytes(b"hello world", 4, 4),
+        body: br#"{"prompt":"hello world"}"#.to_vec(),
+        headers: vec![("content-type".into(), "application/json".into())],
+        model: None,
+        offer: None,
+    };
+    let mut frame = Vec::new();
+    gorgo_node::forward::write_frame(&mut frame, &request)
+        .await
+        .unwrap();
+    let (mut to_node, from_peer) = tokio::io::duplex(1 << 16);
+    let (to_peer, mut from_node) = tokio::io::duplex(1 << 16);
+    to_node.write_all(&frame).await.unwrap();
+    let incoming = gorgo_node::peers::IncomingForward {
+        from: gorgo_core::NodeId::from("b"),
+        send: Box::pin(to_peer),
+        recv: Box::pin(from_peer),
+    };
+    gorgo_node::forward::handle_incoming(node.state().clone(), incoming, |_, _| async {
+        Err::<Upstream, _>(ServeError::ContextLength("prompt too long".into()))
+    })
+    .await;
+    let head: gorgo_core::wire::ForwardResponseHead =
+        gorgo_node::forward::read_frame(&mut from_node, 1 << 20)
+            .await
+            .unwrap();
+    assert_eq!(head.status, 400);
+    let mut len = [0u8; 4];
+    from_node.read_exact(&mut len).await.unwrap();
+    let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
+    from_node.read_exact(&mut body).await.unwrap();
+    let err: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(err["error"]["code"], "context_length_exceeded", "{err}");
+    assert_eq!(err["error"]["param"], "messages", "{err}");
+    drop(to_node);
+    node.shutdown.cancel();
+}
+
 #[tokio::test]
 async fn health_routes_and_local_passthrough_answer_as_engines_do() {
     let engine = StubEngine::start("e").await;
