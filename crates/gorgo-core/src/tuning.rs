@@ -676,6 +676,17 @@ impl Tuner {
         })
     }
 
+    /// Switch mode in place (`PUT /admin/weights`), keeping everything else: the line
+    /// followed, the requests still open and their handles, the measurements of the
+    /// window, the lead. A tuner built anew lost them mid-epoch (the running requests
+    /// stopped counting for the E2E guard, and old handles could close new requests),
+    /// and a leader switched back from `static` started a new line at epoch 1. While
+    /// `static`, proposals are ignored and nothing is led; back in a tuning mode the
+    /// node follows the next newer proposal, or leads on from where it stood.
+    pub fn set_mode(&mut self, mode: TuningMode) {
+        self.cfg.mode = mode;
+    }
+
     /// The local membership view changed: `live` are the members believed alive (this
     /// node is always included).
     pub fn set_membership<I: IntoIterator<Item = NodeId>>(&mut self, live: I) {
