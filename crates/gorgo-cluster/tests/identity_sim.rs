@@ -294,6 +294,27 @@ fn swim_datagram(src: gorgo_cluster::MemberId, dst: gorgo_cluster::MemberId) -> 
     d.into()
 }
 
+/// A process on `host` holding `creds` that connects to n0, sends it one `datagram`
+/// and keeps the connection open; the flag turns 1 once it is sent.
+fn one_datagram_to_n0(
+    sim: &mut turmoil::Sim<'static>,
+    host: &'static str,
+    creds: gorgo_cluster::NodeCredentials,
+    datagram: bytes::Bytes,
+) -> Arc<AtomicU32> {
+    let sent = Arc::new(AtomicU32::new(0));
+    let flag = sent.clone();
+    sim.client(host, async move {
+        let (_endpoint, conn) =
+            raw_connection(host, &creds, SocketAddr::new(turmoil::lookup("n0"), PORT)).await?;
+        conn.send_datagram(datagram)?;
+        flag.store(1, Ordering::SeqCst);
+        std::future::pending::<()>().await;
+        Ok(())
+    });
+    sent
+}
+
 fn unbound_dropped(handles: &Handles, node: &str) -> u64 {
     handles.lock()[node]
         .metrics()
@@ -552,21 +573,7 @@ fn a_member_cannot_broadcast_stats_in_another_nodes_name() {
     packet.extend_from_slice(&0u16.to_be_bytes()); // no membership updates
     packet.extend_from_slice(&(item.len() as u16).to_be_bytes());
     packet.extend_from_slice(&item);
-    let sent = Arc::new(AtomicU32::new(0));
-    let sent_by_forger = sent.clone();
-    let n2_creds = creds["n2"].clone();
-    sim.client("forger", async move {
-        let (_endpoint, conn) = raw_connection(
-            "forger",
-            &n2_creds,
-            SocketAddr::new(turmoil::lookup("n0"), PORT),
-        )
-        .await?;
-        conn.send_datagram(packet.into())?;
-        sent_by_forger.store(1, Ordering::SeqCst);
-        std::future::pending::<()>().await;
-        Ok(())
-    });
+    let sent = one_datagram_to_n0(&mut sim, "forger", creds["n2"].clone(), packet.into());
     let spoofed = run_until(&mut sim, Duration::from_secs(5), |_| {
         handles.lock()["n0"]
             .metrics()
@@ -735,21 +742,7 @@ fn a_new_node_at_a_crashed_nodes_address_heard_of_second_hand_takes_its_place_at
         &mut packet,
     )
     .expect("encode");
-    let sent = Arc::new(AtomicU32::new(0));
-    let sent_by_n2 = sent.clone();
-    let n2_creds = creds["n2"].clone();
-    sim.client("relay", async move {
-        let (_endpoint, conn) = raw_connection(
-            "relay",
-            &n2_creds,
-            SocketAddr::new(turmoil::lookup("n0"), PORT),
-        )
-        .await?;
-        conn.send_datagram(packet.into())?;
-        sent_by_n2.store(1, Ordering::SeqCst);
-        std::future::pending::<()>().await;
-        Ok(())
-    });
+    let sent = one_datagram_to_n0(&mut sim, "relay", creds["n2"].clone(), packet.into());
     let sent_at = run_until(&mut sim, Duration::from_secs(1), |_| {
         sent.load(Ordering::SeqCst) == 1
     })
@@ -813,21 +806,12 @@ fn a_claim_of_a_live_nodes_address_under_another_id_is_refused() {
         addr: n1_id.addr,
         generation: u64::MAX / 2,
     };
-    let sent = Arc::new(AtomicU32::new(0));
-    let sent_by_thief = sent.clone();
-    let n9_creds = creds["n9"].clone();
-    sim.client("thief", async move {
-        let (_endpoint, conn) = raw_connection(
-            "thief",
-            &n9_creds,
-            SocketAddr::new(turmoil::lookup("n0"), PORT),
-        )
-        .await?;
-        conn.send_datagram(swim_datagram(claim, n0_id))?;
-        sent_by_thief.store(1, Ordering::SeqCst);
-        std::future::pending::<()>().await;
-        Ok(())
-    });
+    let sent = one_datagram_to_n0(
+        &mut sim,
+        "thief",
+        creds["n9"].clone(),
+        swim_datagram(claim, n0_id),
+    );
     run_until(&mut sim, Duration::from_secs(1), |_| {
         sent.load(Ordering::SeqCst) == 1
     })
