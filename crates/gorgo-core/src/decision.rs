@@ -414,9 +414,8 @@ pub const REFUSAL_MARGIN: f64 = crate::fit::DEFAULT_NOISE_CV;
 pub fn refuse_forward(
     req: &RouteRequest<'_>,
     candidates: &[Candidate],
-    policy: &mut dyn Policy,
+    policy: &dyn Policy,
     offer: &ForwardOffer,
-    rng_u64: u64,
 ) -> Option<(Refusal, Vec<CandidateExplain>)> {
     let origin_cost_ms = offer.cost_ms;
     if !matches!(policy.kind(), PolicyKind::Gorgo | PolicyKind::GorgoTtft)
@@ -425,8 +424,9 @@ pub fn refuse_forward(
     {
         return None;
     }
-    let choice = policy.choose(req, candidates, offer.weights, rng_u64);
-    let all = choice.terms?;
+    // Priced, not decided: the decision (here, or among this node's engines at
+    // max hops) is counted where it is made.
+    let all = policy.terms(req, candidates, offer.weights)?;
     // The target serves on its cheapest engine.
     let terms = candidates
         .iter()

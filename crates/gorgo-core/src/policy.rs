@@ -68,6 +68,21 @@ pub trait Policy: Send {
         weights: Weights,
         rng_u64: u64,
     ) -> Choice;
+
+    /// Every candidate's cost terms for `req`, when the policy prices in
+    /// milliseconds (`None` otherwise), without deciding anything: a check that only
+    /// prices (a forward's target weighing a refusal, [`crate::decision::refuse_forward`])
+    /// must not count as a decision where the policy keeps state of its decisions
+    /// ([`SessionHomes`]: a forward counted there and again by the target's own choice
+    /// among its engines weighed twice).
+    fn terms(
+        &self,
+        _req: &RouteRequest<'_>,
+        _candidates: &[Candidate],
+        _weights: Weights,
+    ) -> Option<Vec<CostTerms>> {
+        None
+    }
 }
 
 /// The names of every policy, as used in configs, CLI flags and the `x-gorgo-policy`
@@ -367,23 +382,17 @@ impl Gorgo {
             homes: SessionHomes::default(),
         }
     }
-}
 
-impl Policy for Gorgo {
-    fn kind(&self) -> PolicyKind {
-        self.kind
-    }
-
-    fn choose(
-        &mut self,
+    /// Every candidate's terms (`gorgo-ttft`: without the stall).
+    fn priced(
+        &self,
         req: &RouteRequest<'_>,
         candidates: &[Candidate],
         weights: Weights,
-        rng_u64: u64,
-    ) -> Choice {
+    ) -> Vec<CostTerms> {
         let greedy = self.kind == PolicyKind::GorgoTtft;
         let fewest = fewest_uncached_tokens(req.prompt_tokens, candidates);
-        let terms: Vec<CostTerms> = candidates
+        candidates
             .iter()
             .map(|c| {
                 let mut t = cost_terms(req.prompt_tokens, c, weights, fewest);
@@ -393,7 +402,32 @@ impl Policy for Gorgo {
                 }
                 t
             })
-            .collect();
+            .collect()
+    }
+}
+
+impl Policy for Gorgo {
+    fn kind(&self) -> PolicyKind {
+        self.kind
+    }
+
+    fn terms(
+        &self,
+        req: &RouteRequest<'_>,
+        candidates: &[Candidate],
+        weights: Weights,
+    ) -> Option<Vec<CostTerms>> {
+        Some(self.priced(req, candidates, weights))
+    }
+
+    fn choose(
+        &mut self,
+        req: &RouteRequest<'_>,
+        candidates: &[Candidate],
+        weights: Weights,
+        rng_u64: u64,
+    ) -> Choice {
+        let terms = self.priced(req, candidates, weights);
         let cheapest = pick_min(candidates, rng_u64, |i, _| [terms[i].total_ms]);
         let key = session_key(req);
         let engines = candidates.iter().filter(|c| c.healthy).count();

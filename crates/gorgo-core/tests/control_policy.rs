@@ -605,8 +605,8 @@ fn refusal(
         prompt_tokens: 2000,
         session_key: None,
     };
-    let mut p = build(kind);
-    refuse_forward(&req, cands, p.as_mut(), &offer(cost_ms, weights, kind), 1)
+    let p = build(kind);
+    refuse_forward(&req, cands, p.as_ref(), &offer(cost_ms, weights, kind))
 }
 
 #[test]
@@ -660,14 +660,11 @@ fn only_the_millisecond_policies_refuse_and_never_without_a_usable_offer() {
         prompt_tokens: 2000,
         session_key: None,
     };
-    let mut p = build(PolicyKind::Gorgo);
+    let p = build(PolicyKind::Gorgo);
     let ttft_offer = offer(1.0, w, PolicyKind::GorgoTtft);
-    assert_eq!(
-        refuse_forward(&req, &busy, p.as_mut(), &ttft_offer, 1),
-        None
-    );
+    assert_eq!(refuse_forward(&req, &busy, p.as_ref(), &ttft_offer), None);
     let same = offer(1.0, w, PolicyKind::Gorgo);
-    assert!(refuse_forward(&req, &busy, p.as_mut(), &same, 1).is_some());
+    assert!(refuse_forward(&req, &busy, p.as_ref(), &same).is_some());
 }
 
 #[test]
@@ -736,8 +733,8 @@ proptest! {
         let chain = chain_of(prompt.min(2000));
         let req = RouteRequest { chain: &chain, prompt_tokens: prompt, session_key: None };
         let w = Weights { w_rtt, w_queue };
-        let mut p = build(PolicyKind::Gorgo);
-        let refused = refuse_forward(&req, &cands, p.as_mut(), &offer(cost, w, PolicyKind::Gorgo), 3).map(|(r, _)| r);
+        let p = build(PolicyKind::Gorgo);
+        let refused = refuse_forward(&req, &cands, p.as_ref(), &offer(cost, w, PolicyKind::Gorgo)).map(|(r, _)| r);
         // The target serves on its cheapest local engine.
         let fewest = fewest_uncached_tokens(prompt, &cands);
         let cheapest = cands
@@ -999,6 +996,31 @@ fn the_sessions_home_never_costs_a_visible_cache_hit() {
     let req = of_session(&chain, key);
     let mut p = warmed_gorgo(&cands, 64);
     assert_eq!(p.choose(&req, &cands, Weights::default(), 0).index, Some(0));
+}
+
+/// A forward's target prices the forward to weigh a refusal: that is no decision, and
+/// does not count as one in the session table. (Counted, a session whose turns a node
+/// kept being forwarded read as a prefix everyone shares and lost its home.)
+#[test]
+fn weighing_a_refusal_is_not_a_decision_for_the_session_table() {
+    let cands = three_loaded_engines();
+    let chain = chain_of(1000);
+    let key = key_homed_elsewhere(&chain, &cands);
+    let req = of_session(&chain, key);
+    let mut p = warmed_gorgo(&cands, 64);
+    for _ in 0..1000 {
+        // An offer far above: never refused, only priced.
+        let refused = refuse_forward(
+            &req,
+            &cands,
+            p.as_ref(),
+            &offer(1e9, Weights::default(), PolicyKind::Gorgo),
+        );
+        assert!(refused.is_none());
+    }
+    let choice = p.choose(&req, &cands, Weights::default(), 0);
+    assert!(choice.session_home, "{choice:?}");
+    assert_eq!(choice.index, session_home_of(&req, &cands));
 }
 
 #[test]

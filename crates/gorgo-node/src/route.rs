@@ -163,9 +163,8 @@ impl Router {
         offer: &ForwardOffer,
     ) -> Option<Refusal> {
         let req = route_request(input);
-        let rng = self.next_random();
         let (refusal, explained) = self.with_policy(input.policy, |policy| {
-            refuse_forward(&req, candidates, policy, offer, rng)
+            refuse_forward(&req, candidates, policy, offer)
         })?;
         let mut record = DecisionRecord::of_refusal(
             input.request_id,

@@ -1399,8 +1399,7 @@ impl<'a> Sim<'a> {
             prompt_tokens: f.prompt_tokens,
             session_key: f.session_key,
         };
-        let rng = self.rng.next_u64();
-        let refusal = refuse_forward(&req, &cands, self.nodes[t].policy.as_mut(), &offer, rng);
+        let refusal = refuse_forward(&req, &cands, self.nodes[t].policy.as_ref(), &offer);
         self.flight_mut(slot).chain = chain;
         let Some((refusal, explained)) = refusal else {
             return false;
