@@ -105,6 +105,40 @@ pub enum EngineBlockHash<'a> {
     Bytes(&'a [u8]),
 }
 
+/// Most events one batch may carry. An event of two bytes on the wire (`[""]`, an
+/// unknown one) decodes to about a hundred, so the payload cap alone let one 8 MiB
+/// batch take about 0.5-0.8 GB while it decoded; 65,536 events hold at most a few MiB,
+/// far beyond what an engine batches (a handful to a few hundred).
+pub const MAX_EVENTS_PER_BATCH: usize = 1 << 16;
+
+/// A batch's event list, refused past [`MAX_EVENTS_PER_BATCH`] while it decodes.
+struct CappedEvents(Vec<WireEvent>);
+
+impl<'de> Deserialize<'de> for CappedEvents {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = CappedEvents;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a list of KV events")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<CappedEvents, A::Error> {
+                let mut events = Vec::new();
+                while let Some(e) = seq.next_element::<WireEvent>()? {
+                    if events.len() == MAX_EVENTS_PER_BATCH {
+                        return Err(de::Error::custom(format!(
+                            "more than {MAX_EVENTS_PER_BATCH} events"
+                        )));
+                    }
+                    events.push(e);
+                }
+                Ok(CappedEvents(events))
+            }
+        }
+        d.deserialize_seq(V)
+    }
+}
+
 /// Decode a batch payload of at most `max_bytes`.
 pub fn decode_batch(payload: &[u8], max_bytes: usize) -> Result<KvEventBatch, CoreError> {
     if payload.len() > max_bytes {
@@ -207,9 +241,10 @@ impl<'de> Deserialize<'de> for WireBatch {
                     .next_element::<Number>()?
                     .ok_or_else(|| de::Error::missing_field("ts"))?
                     .0;
-                let events: Vec<WireEvent> = seq
-                    .next_element()?
-                    .ok_or_else(|| de::Error::missing_field("events"))?;
+                let events = seq
+                    .next_element::<CappedEvents>()?
+                    .ok_or_else(|| de::Error::missing_field("events"))?
+                    .0;
                 let rank: Option<OptInt> = seq.next_element()?;
                 while seq.next_element::<IgnoredAny>()?.is_some() {}
                 Ok(WireBatch(KvEventBatch {
@@ -223,7 +258,7 @@ impl<'de> Deserialize<'de> for WireBatch {
                 while let Some(key) = map.next_key::<FieldName>()? {
                     match key.0.as_str() {
                         "ts" => ts = Some(map.next_value::<Number>()?.0),
-                        "events" => events = Some(map.next_value::<Vec<WireEvent>>()?),
+                        "events" => events = Some(map.next_value::<CappedEvents>()?.0),
                         "data_parallel_rank" => rank = map.next_value::<OptInt>()?.0,
                         _ => {
                             map.next_value::<IgnoredAny>()?;
@@ -598,6 +633,33 @@ mod tests {
                 KvEvent::Unknown,
             ]
         );
+    }
+
+    /// A batch of tiny unknown events past the cap is refused while it decodes, not
+    /// after it has taken a hundred times its size.
+    #[test]
+    fn a_batch_of_too_many_events_is_refused() {
+        let at_cap = rmp_serde::to_vec(&(0.0f64, vec![("",); MAX_EVENTS_PER_BATCH])).unwrap();
+        assert_eq!(
+            decode_batch(&at_cap, 8 << 20).unwrap().events.len(),
+            MAX_EVENTS_PER_BATCH
+        );
+        let over = rmp_serde::to_vec(&(0.0f64, vec![("",); MAX_EVENTS_PER_BATCH + 1])).unwrap();
+        let e = decode_batch(&over, 8 << 20).unwrap_err().to_string();
+        assert!(e.contains("more than 65536 events"), "{e}");
+        // The map form too.
+        #[derive(Serialize)]
+        struct Named {
+            ts: f64,
+            events: Vec<(&'static str,)>,
+        }
+        let named = rmp_serde::to_vec_named(&Named {
+            ts: 0.0,
+            events: vec![("",); MAX_EVENTS_PER_BATCH + 1],
+        })
+        .unwrap();
+        let e = decode_batch(&named, 8 << 20).unwrap_err().to_string();
+        assert!(e.contains("more than 65536 events"), "{e}");
     }
 
     #[test]
