@@ -306,6 +306,7 @@ fn round(gossip: &Arc<GossipDriver>, transport: &Arc<Transport>) {
     {
         let mut engines = gossip.engines.lock();
         for (&replica, e) in engines.iter_mut() {
+            e.sender.retain_peers(|p| peers.contains(p));
             for peer in &peers {
                 let mut msg = None;
                 let (sender, stats) = (&mut e.sender, &e.stats);

@@ -159,6 +159,14 @@ impl GossipSender {
         self.peers.remove(peer);
     }
 
+    /// Forget what was sent to peers `alive` no longer holds: each is a snapshot next
+    /// if it comes back, as after [`peer_joined`](Self::peer_joined). Without it the
+    /// map kept an entry for every id ever polled (members relayed once, peers gone
+    /// for good).
+    pub fn retain_peers(&mut self, alive: impl Fn(&NodeId) -> bool) {
+        self.peers.retain(|peer, _| alive(peer));
+    }
+
     /// The version `peer` is known to hold, if any.
     pub fn acked(&self, peer: &NodeId) -> Option<u64> {
         self.peers.get(peer).and_then(|s| s.acked)
@@ -907,6 +915,26 @@ mod tests {
             stats.version = version;
         }
         msg
+    }
+
+    #[test]
+    fn the_sender_forgets_peers_that_are_gone() {
+        let mut s = GossipSender::new("a".into(), GossipConfig::default());
+        let local = LocalSummary::new().starting_at(10);
+        let st = QueueStats::default();
+        for p in ["b", "c"] {
+            let peer = NodeId::from(p);
+            assert!(s.poll(&peer, &local, &st).is_some());
+            s.on_sent(&peer, true);
+        }
+        s.retain_peers(|p| p.0 == "b");
+        assert_eq!(s.peers.len(), 1);
+        assert_eq!(s.acked(&"b".into()), Some(10));
+        // Back: it holds nothing of ours as far as we know, so a snapshot.
+        assert!(matches!(
+            s.poll(&"c".into(), &local, &st),
+            Some(GossipMessage::SummarySnapshot { .. })
+        ));
     }
 
     #[test]
