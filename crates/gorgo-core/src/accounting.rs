@@ -777,18 +777,22 @@ mod tests {
         assert_eq!(s.unfinished_prefill_tokens, 0);
     }
 
-    #[test]
-    fn a_serial_engine_queue_counts_the_decode_of_the_requests_ahead() {
-        // An engine that runs one request at a time and reports no metrics
-        // (llama-cpp-python's server), 0.5 ms per token of prefill.
-        let mut v = EngineView::new(ViewConfig {
+    /// An engine that runs one request at a time and reports no metrics
+    /// (llama-cpp-python's server), 0.5 ms per token of prefill, no fixed cost.
+    fn serial_view() -> EngineView {
+        EngineView::new(ViewConfig {
             max_running_requests: Some(1),
             seed_base_ms: 0.0,
             seed_t_p_ms: 0.5,
             decode_step_ms: 0.0,
             ..ViewConfig::default()
         })
-        .unwrap();
+        .unwrap()
+    }
+
+    #[test]
+    fn a_serial_engine_queue_counts_the_decode_of_the_requests_ahead() {
+        let mut v = serial_view();
         // Nothing decoded yet: only prefill is counted.
         v.dispatch(1, 100, 100, 0);
         v.dispatch(2, 100, 100, 0);
@@ -968,14 +972,7 @@ mod tests {
     /// prefilled: its prefill is not taken as in progress while ours hold the slot.
     #[test]
     fn a_full_slot_counts_without_the_engines_running_count() {
-        let mut v = EngineView::new(ViewConfig {
-            max_running_requests: Some(1),
-            seed_t_p_ms: 0.5,
-            seed_base_ms: 0.0,
-            decode_step_ms: 0.0,
-            ..ViewConfig::default()
-        })
-        .unwrap();
+        let mut v = serial_view();
         v.dispatch(1, 100, 100, 0);
         v.first_token(1, Some(50.0), 50);
         v.dispatch(2, 2000, 2000, 60);

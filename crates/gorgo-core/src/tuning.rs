@@ -2144,11 +2144,22 @@ mod tests {
     /// Serve `keys` locally; `residual(k, queue)` is the TTFT request `k` waited beyond
     /// its prefill (300 ms) with a queue term of `queue` ms (0-800 by key).
     fn serve_terms(t: &mut Tuner, keys: std::ops::Range<u64>, residual: impl Fn(u64, f64) -> f64) {
+        serve_terms_measured(t, keys, residual, |_, r| 300.0 + r);
+    }
+
+    /// [`serve_terms`] with the TTFT each arm's halves measure given apart:
+    /// `ttft(cell, residual)`.
+    fn serve_terms_measured(
+        t: &mut Tuner,
+        keys: std::ops::Range<u64>,
+        residual: impl Fn(u64, f64) -> f64,
+        ttft: impl Fn(Cell, f64) -> f64,
+    ) {
         for k in keys {
             let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()), 0);
             let queue = (k % 5) as f64 * 200.0;
             let residual_ms = residual(k, queue);
-            t.record(&a.epoch, a.cell, 300.0 + residual_ms, 1000.0);
+            t.record(&a.epoch, a.cell, ttft(a.cell, residual_ms), 1000.0);
             t.record_terms(
                 &a.epoch,
                 TermSample {
@@ -2246,30 +2257,13 @@ mod tests {
         // Halves 2x apart (the line settles once it has measured that), and a queue
         // term right on average with +-600 ms around it (nothing pinned) or exact.
         let serve = |t: &mut Tuner, keys: std::ops::Range<u64>, noisy_fit: bool| {
-            for k in keys {
-                let a = t.admit(crate::hash::hash_bytes(&k.to_le_bytes()), 0);
-                let queue = (k % 5) as f64 * 200.0;
-                let residual_ms = match (noisy_fit, k % 2) {
-                    (true, 0) => queue + 600.0,
-                    (true, _) => queue - 600.0,
-                    (false, _) => queue,
-                };
-                let ttft = if a.cell.is_multiple_of(2) {
-                    100.0
-                } else {
-                    200.0
-                };
-                t.record(&a.epoch, a.cell, ttft, 1000.0);
-                t.record_terms(
-                    &a.epoch,
-                    TermSample {
-                        rtt_ms: 0.0,
-                        queue_ms: queue,
-                        residual_ms,
-                        prefill_ms: 300.0,
-                    },
-                );
-            }
+            let residual = |k: u64, queue: f64| match (noisy_fit, k % 2) {
+                (true, 0) => queue + 600.0,
+                (true, _) => queue - 600.0,
+                (false, _) => queue,
+            };
+            let halves = |cell: Cell, _| if cell.is_multiple_of(2) { 100.0 } else { 200.0 };
+            serve_terms_measured(t, keys, residual, halves);
         };
         for w in 1..=2u64 {
             serve(&mut t, (w - 1) * 10..w * 10, true);
