@@ -791,10 +791,20 @@ impl EsState {
             }
             self.sigma = self.sigma.clamp(cfg.sigma_min, cfg.sigma_max);
         }
-        if cfg.mode == TuningMode::TuneThenFreeze && self.sigma < cfg.freeze_sigma {
+        if self.should_freeze(cfg) {
             self.frozen = true;
         }
         verdict
+    }
+
+    /// True when a `tune-then-freeze` line should stop now: its step size fell below
+    /// `freeze_sigma`, or no trial could be decided any more (settled), and the start
+    /// fit is done. Not before the fit: it goes on for up to its windows whatever the
+    /// trials do, and freezing first would write the unfitted start as learned.
+    pub fn should_freeze(&self, cfg: &TuningConfig) -> bool {
+        cfg.mode == TuningMode::TuneThenFreeze
+            && (self.start_fitted || !cfg.fit_start)
+            && (self.sigma < cfg.freeze_sigma || self.is_settled(cfg))
     }
 
     /// Fraction of the incumbent's p95 a candidate must beat it by now: the larger of
@@ -1062,6 +1072,7 @@ mod tests {
         let cfg = TuningConfig {
             mode: TuningMode::TuneThenFreeze,
             trial: TrialDesign::Sequential,
+            fit_start: false,
             ..TuningConfig::gorgo()
         };
         let mut s = EsState::new(&cfg);
@@ -1080,6 +1091,25 @@ mod tests {
             s.conclude(&cfg, w, m(200.0, 1.0), m(100.0, 1.0));
         }
         assert_eq!(s.sigma, cfg.sigma_min);
+        assert!(s.frozen);
+    }
+
+    /// A step size below `freeze_sigma` freezes a `tune-then-freeze` line only once
+    /// its start fit is done: freezing first would write the unfitted start.
+    #[test]
+    fn a_line_freezes_only_once_its_start_fit_is_done() {
+        let cfg = TuningConfig {
+            mode: TuningMode::TuneThenFreeze,
+            trial: TrialDesign::Sequential,
+            sigma0: 0.04,
+            ..TuningConfig::gorgo()
+        };
+        let mut s = EsState::new(&cfg);
+        let w = cfg.start_weights();
+        s.conclude(&cfg, w, m(200.0, 1.0), m(100.0, 1.0));
+        assert!(!s.frozen, "frozen before the start fit");
+        s.start_fitted = true;
+        s.conclude(&cfg, w, m(200.0, 1.0), m(100.0, 1.0));
         assert!(s.frozen);
     }
 

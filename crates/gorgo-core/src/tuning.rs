@@ -1071,14 +1071,9 @@ impl Tuner {
     /// frozen incumbent.
     fn trial_proposal(&self, epoch: u64, mut state: EsState) -> Proposal {
         let weights = self.cfg.clip(state.incumbent);
-        if self.cfg.mode == TuningMode::TuneThenFreeze
-            && (state.start_fitted || !self.cfg.fit_start)
-            && state.is_settled(&self.cfg)
-        {
-            // No trial could be decided any more: as converged as trials can tell, so
-            // `tune-then-freeze` stops here (and its node writes the learned weights).
-            // Not before the start fit is done: a settled line goes on fitting for up
-            // to `FIT_MAX_WINDOWS`, and freezing first would write the unfitted start.
+        if state.should_freeze(&self.cfg) {
+            // As converged as trials can tell, so `tune-then-freeze` stops here (and
+            // its node writes the learned weights).
             state.frozen = true;
         }
         let (phase, candidate) = if state.frozen {
@@ -1981,6 +1976,8 @@ mod tests {
             sigma0: 0.04,
             // One window per trial: a neutral candidate is decided at once.
             max_trial_windows: 1,
+            // No start fit to wait for (`should_freeze`).
+            fit_start: false,
             ..cfg()
         };
         let mut t = Tuner::new("a".into(), c).unwrap();

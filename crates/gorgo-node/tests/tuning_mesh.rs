@@ -355,15 +355,18 @@ async fn tune_then_freeze_stops_and_writes_the_learned_weights() {
     })
     .await;
     // Interleaved: the first windows measure the noise (a 6-request window can leave
-    // a half without samples, so how many it takes varies), and the first decided
-    // trial freezes the line.
+    // a half without samples, so how many it takes varies), and the first trial
+    // decided once the start fit is done (it may move the start, a record of its own,
+    // or give up after its windows) freezes the line.
     let mut epoch = 1;
     while c.nodes[2].state().tuning.view().phase != Some(Phase::Frozen) {
         epoch += 1;
-        assert!(epoch < 20, "not frozen by epoch {epoch}");
+        assert!(epoch < 30, "not frozen by epoch {epoch}");
         drive_until(&c, &[0, 1, 2], 2, epoch).await;
     }
     let (epoch, _, weights) = assert_agree(&c, &[0, 1, 2]).await;
+    let decided = c.nodes[0].state().tuning.view().history.len();
+    assert!(decided >= 1, "frozen with nothing decided");
     for n in &c.nodes {
         let v = n.state().tuning.view();
         assert_eq!(v.phase, Some(Phase::Frozen));
@@ -376,5 +379,5 @@ async fn tune_then_freeze_stops_and_writes_the_learned_weights() {
         chat_ok(&c.nodes[i % 3], i).await;
     }
     assert_eq!(c.nodes[0].state().tuning.epoch(), epoch);
-    assert_eq!(c.nodes[0].state().tuning.view().history.len(), 1);
+    assert_eq!(c.nodes[0].state().tuning.view().history.len(), decided);
 }
