@@ -629,6 +629,21 @@ mod tests {
         }
     }
 
+    /// A learned-weights file reads back the very weights written: a node started
+    /// from it routes exactly as the line that froze did (serde_json's default float
+    /// parser is off by an ulp on some values, e.g. this one).
+    #[test]
+    fn learned_weights_round_trip_exactly() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.json");
+        let w = Weights {
+            w_rtt: 0.9421398653953702,
+            w_queue: 0.9900567990041419,
+        };
+        write_learned_weights(&path, w).unwrap();
+        assert_eq!(read_learned_weights(&path).unwrap(), w);
+    }
+
     #[test]
     fn rfc3339_dates() {
         assert_eq!(rfc3339(0, 0), "1970-01-01T00:00:00.000000Z");
