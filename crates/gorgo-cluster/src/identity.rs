@@ -171,7 +171,7 @@ mod tests {
         let digest = gorgo_core::hash::hash_bytes(&buf);
         // Recorded with the version: a new version re-records it, changed or not.
         assert_eq!(
-            (8, 0x14a0_99e1_dc80_35d0),
+            (9, 0x14a0_99e1_dc80_35d0),
             (gorgo_core::wire::PROTOCOL_VERSION, digest),
             "SWIM's encoding changed (digest {digest:#018x}), or the protocol version \
              did: a changed encoding needs a new PROTOCOL_VERSION; record the pair here"

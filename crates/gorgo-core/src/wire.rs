@@ -29,14 +29,19 @@ pub use crate::prompt::Endpoint;
 /// refuse each other at the handshake instead of misreading each other's messages.
 /// A test pins the encoding to this number (docs/design.md, "Protocols").
 ///
-/// 8: each cell of a tuning report carries the open requests' time so far (lower
-/// bounds on their E2E, for the E2E guard) (version 7: a tuning proposal's switchback
+/// 9: a forward names every node it has left (`via`), none of which may serve it
+/// (version 8: each cell of a tuning report carries the open requests' time so far,
+/// lower bounds on their E2E for the E2E guard; version 7: a tuning proposal's switchback
 /// block length; version 6: the tuning reports' start-fit sums carry the queue and
 /// prefill terms' sums (the cost of joining a queue), and a forward's offer names the
 /// policy that priced it; version 5: queue stats carry the engine's slots where its
 /// concurrency limit is known; version 4: the tuning messages' start-fit sums and
-/// noise-aware tuner state; version 3: the engines' `replica` in gossip).
-pub const PROTOCOL_VERSION: u32 = 8;
+/// noise-aware tuner state; version 3: the engines' `replica` in gossip)).
+pub const PROTOCOL_VERSION: u32 = 9;
+
+/// The most forwards one request may take (the ceiling of `routing.max_hops`): a
+/// forward that says it left more nodes than this is malformed.
+pub const MAX_HOPS: u8 = 8;
 
 /// Largest gossip message accepted (4 MiB). A snapshot of about 800k fingerprints
 /// (a shadow index of ~50M tokens at 64 tokens per block) fits; gossip travels on its
@@ -165,6 +170,10 @@ pub struct ForwardRequest {
     pub hops: u8,
     /// The node the client sent the request to.
     pub origin: NodeId,
+    /// Every node the request has left, the origin first and the sender last (at most
+    /// [`MAX_HOPS`]): none of them is a candidate where it arrives, so with a
+    /// `max_hops` above 1 a forward never goes back to a node it has left.
+    pub via: Vec<NodeId>,
     /// The endpoint the client called.
     pub endpoint: Endpoint,
     /// The prompt's hash chain, so the receiver need not re-hash.
@@ -209,6 +218,7 @@ mod tests {
             request_id: 42,
             hops: 1,
             origin: NodeId::from("us-ashburn"),
+            via: vec![NodeId::from("us-ashburn")],
             endpoint: Endpoint::Chat,
             chain: HashChain::from_bytes(b"hello world, this is a prompt", 8, 4),
             body: br#"{"messages":[]}"#.to_vec(),
@@ -408,7 +418,7 @@ mod tests {
 
     /// The digest of [`one_of_each_message`]'s encodings, in order, at
     /// [`PROTOCOL_VERSION`].
-    const ENCODING_DIGEST: (u32, u64) = (8, 0x694a_ef8f_bfc3_ba6e);
+    const ENCODING_DIGEST: (u32, u64) = (9, 0x089f_c5db_fae0_22ff);
 
     /// Fails when a wire type's encoding changes: a node built after the change cannot
     /// talk to one built before, so the change needs a new [`PROTOCOL_VERSION`] (and the

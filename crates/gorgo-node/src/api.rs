@@ -136,6 +136,9 @@ pub struct RoutedRequest {
     pub canonical: Option<gorgo_core::prompt::CanonicalSize>,
     /// Hops taken so far.
     pub hops: u8,
+    /// The nodes this request has left, the origin first (a forward's `via`): none of
+    /// them is a candidate here, so it never goes back.
+    pub via: Vec<NodeId>,
     /// Policy override (`x-gorgo-policy`).
     pub policy: Option<PolicyKind>,
     /// Hash of `x-session-id`, when sent.

@@ -807,9 +807,6 @@ pub const MAX_BODY_CEILING: usize = 256 * 1024 * 1024;
 /// peer's forward may be this much larger than a client's body.
 pub const FORWARD_OVERHEAD_BYTES: usize = 1024 * 1024;
 
-/// Hard ceiling on `max_hops`: chains of forwards beyond this only add latency.
-pub const MAX_HOPS_CEILING: u8 = 8;
-
 /// The default KV capacity in tokens when neither config nor engine metrics say.
 pub const DEFAULT_KV_CAPACITY_TOKENS: u64 = gorgo_core::accounting::DEFAULT_KV_CAPACITY_TOKENS;
 
@@ -976,7 +973,8 @@ impl NodeConfig {
                 return bad(name, "must be a finite number >= 0");
             }
         }
-        if self.routing.max_hops > MAX_HOPS_CEILING {
+        // Chains of forwards beyond this only add latency (and the wire refuses them).
+        if self.routing.max_hops > gorgo_core::wire::MAX_HOPS {
             return bad("routing.max_hops", "must be at most 8");
         }
         if self.routing.block_bytes == 0 {

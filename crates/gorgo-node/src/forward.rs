@@ -126,6 +126,7 @@ pub async fn forward(
             request_id: req.request_id,
             hops: req.hops.saturating_add(1),
             origin: req.origin.clone(),
+            via: req.via.iter().chain([&state.id]).cloned().collect(),
             endpoint: req.endpoint,
             chain: req.chain.clone(),
             body: req.body.to_vec(),
@@ -283,6 +284,14 @@ where
         .await;
         return;
     };
+    // A path longer than any guard allows, or one through this node: a peer that sent
+    // it back. 502: its origin serves the request itself (its client did nothing
+    // wrong).
+    if msg.via.len() > usize::from(gorgo_core::wire::MAX_HOPS) || msg.via.contains(&state.id) {
+        let message = "forward came back to a node it had left, or took too many hops";
+        let _ = write_error_head(&mut send, &state, 502, msg.hops, &error_json(502, message)).await;
+        return;
+    }
     if msg.chain.hashes.len() != msg.chain.block_tokens.len() {
         let _ = write_error_head(
             &mut send,
@@ -321,6 +330,7 @@ where
         chain: msg.chain,
         canonical: None,
         hops: msg.hops,
+        via: msg.via,
         policy,
         origin: msg.origin,
         origin_request_id: Some(msg.request_id),
@@ -466,6 +476,7 @@ mod tests {
             request_id: 7,
             hops: 1,
             origin: NodeId::from("a"),
+            via: vec![NodeId::from("a")],
             endpoint: gorgo_core::Endpoint::Completions,
             chain: HashChain::from_bytes(b"hello world", 4, 4),
             body: br#"{"prompt":"hello world"}"#.to_vec(),

@@ -528,6 +528,7 @@ async fn completion(
         chain,
         canonical: Some(canonical),
         hops: 0,
+        via: Vec::new(),
         policy,
         session_key,
         session_id,

@@ -40,7 +40,8 @@ fn pass_headers(headers: &reqwest::header::HeaderMap) -> Vec<(String, String)> {
 /// What a retry of a request leaves out: the local engines that failed it before its
 /// first byte, or every local engine (the node is too full to serve it itself), and the
 /// peers whose forward failed before its first byte (routing again would mostly pick
-/// the same peer, which has not been declared dead yet).
+/// the same peer, which has not been declared dead yet), and the nodes the request has
+/// left (`RoutedRequest::via`).
 #[derive(Debug, Clone, Default)]
 struct Excluded {
     all_local: bool,
@@ -49,6 +50,16 @@ struct Excluded {
 }
 
 impl Excluded {
+    /// Nothing failed yet; the nodes `req` has left are out from the start (a forward
+    /// never goes back to one).
+    fn leaving_out_path(req: &RoutedRequest, all_local: bool) -> Self {
+        Excluded {
+            all_local,
+            replicas: Vec::new(),
+            peers: req.via.clone(),
+        }
+    }
+
     fn local(&self, replica: u16) -> bool {
         self.all_local || self.replicas.contains(&replica)
     }
@@ -143,7 +154,8 @@ fn check_model(state: &NodeState, mut req: RoutedRequest) -> Result<RoutedReques
 pub async fn serve(state: &Arc<NodeState>, req: RoutedRequest) -> Result<Upstream, ServeError> {
     let req = check_model(state, req)?;
     check_context(state, &req)?;
-    serve_excluding(state, &req, Excluded::default()).await
+    let excluded = Excluded::leaving_out_path(&req, false);
+    serve_excluding(state, &req, excluded).await
 }
 
 /// Tries of one request, the first included: each failure before the first byte
@@ -179,10 +191,7 @@ pub async fn serve_elsewhere(
 ) -> Result<Upstream, ServeError> {
     let req = check_model(state, req)?;
     check_context(state, &req)?;
-    let excluded = Excluded {
-        all_local: true,
-        ..Excluded::default()
-    };
+    let excluded = Excluded::leaving_out_path(&req, true);
     serve_excluding(state, &req, excluded).await
 }
 

@@ -529,6 +529,7 @@ async fn a_forward_refused_as_too_long_keeps_its_openai_code() {
         request_id: 7,
         hops: 1,
         origin: gorgo_core::NodeId::from("b"),
+        via: vec![gorgo_core::NodeId::from("b")],
         endpoint: gorgo_core::Endpoint::Completions,
         chain: gorgo_core::HashChain::from_bytes(b"hello world", 4, 4),
         body: br#"{"prompt":"hello world"}"#.to_vec(),
@@ -650,6 +651,31 @@ async fn a_forward_that_is_garbage_or_never_sent_gets_a_502_head() {
     garbage.extend_from_slice(b"not bincode");
     assert_eq!(forward_head_status(&node, &garbage).await, 502, "garbage");
     assert_eq!(forward_head_status(&node, &[]).await, 502, "never sent");
+    // A forward that left this node before (it came back), or more nodes than any
+    // `max_hops` allows: the peer that sent it erred, its origin serves it.
+    let node_id = |s: &str| gorgo_core::NodeId::from(s);
+    for via in [
+        vec![node_id("b"), node_id("a")],
+        (0..9).map(|i| node_id(&format!("n{i}"))).collect(),
+    ] {
+        let request = gorgo_core::wire::ForwardRequest {
+            request_id: 1,
+            hops: via.len() as u8,
+            origin: node_id("b"),
+            via,
+            endpoint: gorgo_core::Endpoint::Completions,
+            chain: gorgo_core::HashChain::from_bytes(b"hello world", 4, 4),
+            body: br#"{"prompt":"hello world"}"#.to_vec(),
+            headers: Vec::new(),
+            model: None,
+            offer: None,
+        };
+        let mut frame = Vec::new();
+        gorgo_node::forward::write_frame(&mut frame, &request)
+            .await
+            .unwrap();
+        assert_eq!(forward_head_status(&node, &frame).await, 502, "came back");
+    }
     assert_eq!(engine.requests(), 0);
     node.shutdown.cancel();
 }
@@ -675,6 +701,7 @@ async fn a_forward_whose_origin_stops_reading_ends() {
         request_id: 1,
         hops: 1,
         origin: gorgo_core::NodeId::from("b"),
+        via: vec![gorgo_core::NodeId::from("b")],
         endpoint: gorgo_core::Endpoint::Completions,
         chain: gorgo_core::HashChain::from_bytes(b"hello world", 4, 4),
         body: br#"{"prompt":"hello world"}"#.to_vec(),

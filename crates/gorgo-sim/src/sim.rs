@@ -410,6 +410,9 @@ struct Flight {
     /// forward-ledger key for this forward.
     forward_replica: u16,
     hops: u8,
+    /// The regions it has left, as a forward's `via` (kept only where the next node
+    /// may forward again, `max_hops` above 1): none of them is a candidate there.
+    via: Vec<u8>,
     send_ms: f64,
     /// When it reached its home node, ms (its first decision there).
     arrived_ms: f64,
@@ -906,6 +909,7 @@ impl<'a> Sim<'a> {
             replica: 0,
             forward_replica: 0,
             hops: 0,
+            via: Vec::new(),
             send_ms: send,
             arrived_ms: send,
             dispatched_ms: send,
@@ -1044,6 +1048,7 @@ impl<'a> Sim<'a> {
         &mut self,
         at_node: usize,
         chain: &HashChain,
+        via: &[u8],
         now: f64,
     ) -> (Vec<Candidate>, Vec<usize>) {
         let n = self.names.len();
@@ -1086,7 +1091,8 @@ impl<'a> Sim<'a> {
             .flat_map(|p| (0..replicas).map(move |k| (p, k)))
             .map(|(p, k)| PeerState {
                 node: &node_ids[p],
-                alive: true,
+                // As the node's `Excluded`: a forward never goes back.
+                alive: !via.contains(&(p as u8)),
                 rtt_ms: rtts[p],
                 stats: gossip_peers[p][k].stats(),
                 stats_age_ms: (now - stats_at[p][k]).max(0.0) as u64,
@@ -1209,7 +1215,9 @@ impl<'a> Sim<'a> {
         let session = f.session_key;
         // Take the chain out while deciding (borrows), then put it back.
         let chain = std::mem::take(&mut self.flight_mut(slot).chain);
-        let (cands, cand_engines) = self.candidates(r, &chain, now);
+        let via = std::mem::take(&mut self.flight_mut(slot).via);
+        let (cands, cand_engines) = self.candidates(r, &chain, &via, now);
+        self.flight_mut(slot).via = via;
         // A client request is routed on its arm of the trial (a hash of its index
         // picks it, as a node hashes its request id); a forwarded one with the
         // receiving node's incumbent, as a node does.
@@ -1360,6 +1368,9 @@ impl<'a> Sim<'a> {
                 f.chain = chain;
                 f.transit_tokens = uncached;
                 f.hops += 1;
+                if f.hops < max_hops {
+                    f.via.push(r as u8);
+                }
                 f.served = Some(t as u8);
                 f.replica = k as u16;
                 let at = now + self.link_delay(r, t);
@@ -1392,7 +1403,9 @@ impl<'a> Sim<'a> {
             return false;
         };
         let chain = std::mem::take(&mut self.flight_mut(slot).chain);
-        let (cands, _) = self.candidates(t, &chain, now);
+        let via = std::mem::take(&mut self.flight_mut(slot).via);
+        let (cands, _) = self.candidates(t, &chain, &via, now);
+        self.flight_mut(slot).via = via;
         let f = self.flight(slot);
         let req = RouteRequest {
             chain: &chain,
@@ -1443,6 +1456,7 @@ impl<'a> Sim<'a> {
     fn refused(&mut self, slot: u32, now: f64) {
         let f = self.flight_mut(slot);
         f.hops = 0;
+        f.via.clear();
         // Served here after all: the prediction is this node's own for serving it,
         // plus the round trip the refusal took (the node does the same).
         if let (Some(p), Some(sent)) = (f.local_predicted_ttft_ms, f.forwarded_ms) {

@@ -186,7 +186,17 @@ fn max_hops_two_still_bounded() {
     cfg.max_hops = 2;
     let r = run(&cfg, PolicyKind::Random, &t);
     check_conservation(&cfg, &r, t.len());
-    assert!(r.counters.max_hops_seen >= 1);
+    assert_eq!(r.counters.max_hops_seen, 2);
+    // A forward never goes back to a node it has left (`via`): two hops end at a third
+    // region, never at home.
+    let rows = r.rows.as_ref().unwrap();
+    let bounced = rows
+        .iter()
+        .filter(|r| r.hops == 2 && r.served == Some(r.home))
+        .count();
+    assert_eq!(bounced, 0, "of {} two-hop requests", {
+        rows.iter().filter(|r| r.hops == 2).count()
+    });
 }
 
 #[test]
