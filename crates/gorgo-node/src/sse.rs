@@ -34,8 +34,12 @@ impl EventFramer {
             self.mid_event = false;
             return chunk;
         }
+        // What was held has no event end in it: only an end in the new bytes counts,
+        // and one may start up to 3 bytes back (`\r\n\r\n`). Scanning just that keeps
+        // an event sent a byte at a time linear, not quadratic, in its length.
+        let from = self.held.len().saturating_sub(3);
         self.held.extend_from_slice(&chunk);
-        match last_event_end(&self.held) {
+        match last_event_end(&self.held[from..]).map(|end| from + end) {
             Some(end) => {
                 self.mid_event = false;
                 self.held.split_to(end).freeze()
@@ -146,6 +150,55 @@ mod tests {
         assert!(f.mid_event());
         assert_eq!(f.push(Bytes::from_static(b"\n\n")), "\n\n");
         assert!(!f.mid_event());
+    }
+
+    /// The framer as it was: every push rescans all it holds (quadratic in an event's
+    /// length when its bytes come one at a time).
+    #[derive(Default)]
+    struct RescanningFramer {
+        held: Vec<u8>,
+    }
+
+    impl RescanningFramer {
+        fn push(&mut self, chunk: &[u8]) -> Vec<u8> {
+            self.held.extend_from_slice(chunk);
+            match last_event_end(&self.held) {
+                Some(end) => self.held.drain(..end).collect(),
+                None if self.held.len() > MAX_HELD_EVENT_BYTES => std::mem::take(&mut self.held),
+                None => Vec::new(),
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// However the stream is cut into chunks, the framer sends what one that
+        /// rescans all it holds sends, chunk by chunk: scanning only the new bytes
+        /// (and the 3 before them) finds the same event ends.
+        #[test]
+        fn any_chunking_sends_the_stream_at_event_ends(
+            parts in proptest::collection::vec(
+                proptest::sample::select(vec![
+                    &b"data: x"[..], b"\n", b"\r", b"\r\n", b"\n\n", b"\r\n\r\n", b"y",
+                ]),
+                0..60,
+            ),
+            cuts in proptest::collection::vec(1usize..8, 1..20),
+        ) {
+            let stream: Vec<u8> = parts.concat();
+            let mut f = EventFramer::default();
+            let mut reference = RescanningFramer::default();
+            let (mut out, mut at, mut i) = (Vec::new(), 0, 0);
+            while at < stream.len() {
+                let end = (at + cuts[i % cuts.len()]).min(stream.len());
+                let sent = f.push(Bytes::copy_from_slice(&stream[at..end]));
+                proptest::prop_assert_eq!(&sent[..], &reference.push(&stream[at..end])[..]);
+                out.extend_from_slice(&sent);
+                at = end;
+                i += 1;
+            }
+            out.extend_from_slice(&f.flush());
+            proptest::prop_assert_eq!(out, stream);
+        }
     }
 
     #[test]
