@@ -27,6 +27,7 @@ use crate::api::{
     PASS_REQUEST_HEADERS, POLICY_HEADER, SERVED_BY_HEADER, SESSION_HEADER,
 };
 use crate::engine::{EngineTicket, FirstToken};
+use crate::error::NodeError;
 use crate::serve::{is_event_stream, relay_engine_body, serve, serve_elsewhere};
 use crate::sse::EventFramer;
 use crate::stream_usage::StreamUsage;
@@ -222,6 +223,16 @@ async fn local_passthrough(
         Ok(b) => b,
         Err(resp) => return resp,
     };
+    // The slot first, as routed requests take it: parsing a body takes many times its
+    // size, and only the requests in flight may hold that.
+    let Ok(permit) = state.permits.clone().try_acquire_owned() else {
+        state.metrics.request("unavailable", "");
+        return overloaded_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many requests in flight",
+            limits.retry_after_s,
+        );
+    };
     let Ok(Value::Object(fields)) = serde_json::from_slice::<Value>(&body) else {
         state.metrics.request("bad_request", "");
         return error_response(
@@ -237,14 +248,7 @@ async fn local_passthrough(
         } else {
             FirstToken::AtTheEnd
         };
-    let Ok(permit) = state.permits.clone().try_acquire_owned() else {
-        state.metrics.request("unavailable", "");
-        return overloaded_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "too many requests in flight",
-            limits.retry_after_s,
-        );
-    };
+    drop(fields);
     let pass = pass_headers(&headers);
     let Some(engine) = state.preferred_engine().filter(|e| e.takes_requests()) else {
         state.metrics.request("unavailable", "");
@@ -475,9 +479,13 @@ async fn completion(
     drop(parsed);
     let chain = match crate::tokens::request_chain(&state, endpoint, &body, prompt).await {
         Ok(c) => c,
-        Err(e) => {
+        Err(e @ NodeError::Tokenize(_)) => {
             state.metrics.request("bad_request", "");
             return error_response(StatusCode::BAD_REQUEST, &e.to_string());
+        }
+        Err(e) => {
+            state.metrics.request("internal_error", "");
+            return error_response(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string());
         }
     };
     let policy = if state.config.routing.allow_policy_header {

@@ -152,6 +152,27 @@ async fn native_routes_refuse_bad_input_in_openai_shape() {
         0,
         "no bad request reached the engine"
     );
+    // With every slot taken a body is not even parsed (that takes many times its size,
+    // which only requests in flight may hold): a 503, whatever the body.
+    let permits = &nodes[0].state().permits;
+    let held = permits
+        .clone()
+        .acquire_many_owned(permits.available_permits() as u32)
+        .await
+        .unwrap();
+    let resp = client()
+        .post(format!("{}/v1/embeddings", nodes[0].base))
+        .header("content-type", "application/json")
+        .body("not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        error_of(resp).await.0,
+        503,
+        "parsed before a slot was taken"
+    );
+    drop(held);
     // /health_generate when the engine cannot generate.
     engines[0].set_mode(REJECT);
     let resp = client()
