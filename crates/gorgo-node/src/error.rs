@@ -36,4 +36,12 @@ pub enum NodeError {
     /// The trace exporter could not be built from `[telemetry]`.
     #[error("telemetry: {0}")]
     Telemetry(String),
+    /// A request's prompt could not be tokenised: the body's fault (a template that
+    /// cannot render it; a 400).
+    #[error(transparent)]
+    Tokenize(#[from] gorgo_tokenizer::TokenizerError),
+    /// A task of the node failed on its own (a tokenizer that panicked): the node's
+    /// fault, not the request's (a 500).
+    #[error("internal: {0}")]
+    Internal(String),
 }

@@ -18,7 +18,7 @@ use std::sync::atomic::AtomicU64;
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
     /// `ok`, `bad_request`, `too_large`, `engine_failed`, `unavailable`, `timeout`,
-    /// `stream_error`, `cancelled`.
+    /// `stream_error`, `cancelled`, `internal_error`.
     pub outcome: String,
     /// The routing policy that placed it (`gorgo`, `round-robin`, ...; empty when the
     /// request was refused before it was routed).

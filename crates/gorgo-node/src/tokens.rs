@@ -206,21 +206,25 @@ impl PromptTokens {
 /// The chain of a request at the ingress: `canonical` is its canonical prompt
 /// (`gorgo_core::prompt::canonicalize`, which also validated it). Long bodies are
 /// tokenised on a blocking thread. A body the template cannot render is the client's
-/// error (`TokenizerError::Request`, a 400).
+/// error ([`NodeError::Tokenize`], a 400); a tokenizer that panicked is the node's
+/// ([`NodeError::Internal`], a 500).
 pub async fn request_chain(
     state: &Arc<NodeState>,
     endpoint: Endpoint,
     body: &Bytes,
     canonical: Vec<u8>,
-) -> Result<HashChain, TokenizerError> {
+) -> Result<HashChain, NodeError> {
     if !state.tokens.exact() || body.len() <= INLINE_TOKENIZE_BYTES {
-        return state
+        return Ok(state
             .tokens
-            .chain(&state.hasher, endpoint, body, &canonical);
+            .chain(&state.hasher, endpoint, body, &canonical)?);
     }
     let st = state.clone();
     let body = body.clone();
-    tokio::task::spawn_blocking(move || st.tokens.chain(&st.hasher, endpoint, &body, &canonical))
-        .await
-        .map_err(|e| TokenizerError::Request(format!("tokenizing failed: {e}")))?
+    let chain = tokio::task::spawn_blocking(move || {
+        st.tokens.chain(&st.hasher, endpoint, &body, &canonical)
+    })
+    .await
+    .map_err(|e| NodeError::Internal(format!("tokenizing failed: {e}")))?;
+    Ok(chain?)
 }
