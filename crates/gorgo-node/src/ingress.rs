@@ -172,28 +172,39 @@ async fn probe_generation(state: &NodeState) -> Result<(), String> {
     let Some(engine) = state.preferred_engine() else {
         return Err("no local engine".into());
     };
-    let sent = engine
-        .adapter
-        .send_request(
-            http::Method::POST,
-            "/v1/completions",
-            &headers,
-            Bytes::from(body.to_string()),
-        )
-        .await;
-    match sent {
-        Ok(resp) if resp.status().is_success() => {
-            match engine.adapter.read_answer(resp, HEALTH_GENERATE_MAX_BYTES).await {
-                Some(_) => Ok(()),
-                None => Err(
-                    "engine failed: its answer broke off, ran over 1 MiB or past the health deadline"
-                        .into(),
-                ),
+    let deadline = engine.adapter.generation_probe_deadline();
+    let probe = async {
+        let sent = engine
+            .adapter
+            .send_request(
+                http::Method::POST,
+                "/v1/completions",
+                &headers,
+                Bytes::from(body.to_string()),
+            )
+            .await;
+        match sent {
+            Ok(resp) if resp.status().is_success() => {
+                match engine.adapter.read_answer(resp, HEALTH_GENERATE_MAX_BYTES).await {
+                    Some(_) => Ok(()),
+                    None => Err(
+                        "engine failed: its answer broke off, ran over 1 MiB or past the health deadline"
+                            .into(),
+                    ),
+                }
             }
+            Ok(resp) => Err(format!("engine answered {}", resp.status().as_u16())),
+            Err(e) => Err(ServeError::from(e).message()),
         }
-        Ok(resp) => Err(format!("engine answered {}", resp.status().as_u16())),
-        Err(e) => Err(ServeError::from(e).message()),
-    }
+    };
+    tokio::time::timeout(deadline, probe)
+        .await
+        .unwrap_or_else(|_| {
+            Err(format!(
+                "engine failed: no one-token answer within {} ms (20 engine.health_timeout_ms)",
+                deadline.as_millis()
+            ))
+        })
 }
 
 /// The id of the first model the local engine lists.

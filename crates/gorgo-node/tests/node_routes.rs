@@ -320,3 +320,38 @@ async fn concurrent_health_generate_probes_share_one_generation() {
         engine.requests() - before
     );
 }
+
+/// A generation that hangs fails `/health_generate` within twenty health timeouts,
+/// not at the first-byte timeout (120 s) while every other probe waits behind it.
+#[tokio::test]
+async fn a_hung_generation_fails_health_generate_at_its_deadline() {
+    let engine = StubEngine::start("a").await;
+    let node = start_node(
+        config_with_engine(
+            "a",
+            &engine.url(),
+            "health_timeout_ms = 20
+",
+        ),
+        None,
+    )
+    .await;
+    engine.set_mode(HANG);
+    let resp = tokio::time::timeout(
+        Duration::from_secs(60),
+        client()
+            .get(format!("{}/health_generate", node.base))
+            .send(),
+    )
+    .await
+    .expect("the probe ends at its deadline")
+    .unwrap();
+    let (status, err) = error_of(resp).await;
+    assert_eq!(status, 503);
+    assert!(
+        err["error"]["message"].as_str().unwrap().contains("400 ms"),
+        "{err}"
+    );
+    engine.release.notify_waiters();
+    node.shutdown.cancel();
+}
