@@ -68,6 +68,25 @@ pub enum RequestOutcome {
     Failed,
 }
 
+/// What the breaker says to a request about to go to the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    /// Not now: the breaker is open, or its half-open probe is taken.
+    Refused,
+    /// Send it; it counts like any request.
+    Admitted,
+    /// Send it: it is the half-open probe, and no other request goes until its outcome
+    /// is in, or it is given up ([`EngineHealth::abandon_probe`]).
+    Probe,
+}
+
+impl Admission {
+    /// Whether the request may go.
+    pub fn may_send(self) -> bool {
+        self != Admission::Refused
+    }
+}
+
 /// A change of routability the driver acts on (e.g. cancel requests waiting for a
 /// head when the breaker opens).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,22 +146,37 @@ impl EngineHealth {
         self.confirmed
     }
 
-    /// A request is about to go to the engine: `true` if it may (in half-open it takes
+    /// A request is about to go to the engine: whether it may (in half-open it takes
     /// the probe slot).
-    pub fn admit(&mut self, now_ms: u64) -> bool {
+    pub fn admit(&mut self, now_ms: u64) -> Admission {
         match self.state(now_ms) {
-            BreakerState::Closed => true,
+            BreakerState::Closed => Admission::Admitted,
             BreakerState::HalfOpen { probing: false } => {
                 self.state = BreakerState::HalfOpen { probing: true };
-                true
+                Admission::Probe
             }
-            _ => false,
+            _ => Admission::Refused,
+        }
+    }
+
+    /// The probe was given up before its outcome (its client went away): the slot is
+    /// free for the next request, instead of the engine going unused until the next
+    /// health check.
+    pub fn abandon_probe(&mut self) {
+        if self.state == (BreakerState::HalfOpen { probing: true }) {
+            self.state = BreakerState::HalfOpen { probing: false };
         }
     }
 
     /// The outcome of a real request.
     pub fn on_request(&mut self, outcome: RequestOutcome, now_ms: u64) -> Option<HealthChange> {
         match outcome {
+            // An answer during the cooldown comes from a request sent before the
+            // breaker opened: older news than what opened it, so it does not close it
+            // (the cooldown holds, and then one probe decides).
+            RequestOutcome::Answered if matches!(self.state(now_ms), BreakerState::Open { .. }) => {
+                None
+            }
             RequestOutcome::Answered => self.succeed(),
             RequestOutcome::Failed => {
                 self.consecutive_failures = self.consecutive_failures.saturating_add(1);
@@ -208,7 +242,7 @@ mod tests {
             Some(HealthChange::Opened)
         );
         assert!(!h.routable(10));
-        assert!(!h.admit(500));
+        assert!(!h.admit(500).may_send());
     }
 
     #[test]
@@ -229,19 +263,52 @@ mod tests {
         assert_eq!(h.state(999), BreakerState::Open { until_ms: 1_000 });
         assert_eq!(h.state(1_000), BreakerState::HalfOpen { probing: false });
         assert!(h.routable(1_000));
-        assert!(h.admit(1_000));
-        assert!(!h.admit(1_001), "one probe at a time");
+        assert_eq!(h.admit(1_000), Admission::Probe);
+        assert_eq!(h.admit(1_001), Admission::Refused, "one probe at a time");
         assert!(!h.routable(1_001));
         // The probe fails: open again for a full cooldown.
         assert_eq!(h.on_request(RequestOutcome::Failed, 1_200), None);
         assert_eq!(h.state(1_300), BreakerState::Open { until_ms: 2_200 });
         // The next probe succeeds: closed.
-        assert!(h.admit(2_200));
+        assert_eq!(h.admit(2_200), Admission::Probe);
         assert_eq!(
             h.on_request(RequestOutcome::Answered, 2_300),
             Some(HealthChange::Closed)
         );
         assert!(h.routable(2_300));
+        assert_eq!(h.admit(2_300), Admission::Admitted);
+    }
+
+    /// A request sent before the breaker opened that is answered during the cooldown
+    /// does not close it: "open" holds for the cooldown, whatever was in flight.
+    #[test]
+    fn a_late_answer_does_not_cut_the_cooldown_short() {
+        let mut h = breaker();
+        assert_eq!(h.on_check(false, 0), Some(HealthChange::Opened));
+        assert_eq!(h.on_request(RequestOutcome::Answered, 10), None);
+        assert!(!h.routable(10));
+        assert_eq!(h.state(10), BreakerState::Open { until_ms: 1_000 });
+        // After the cooldown an answer is news again.
+        assert_eq!(
+            h.on_request(RequestOutcome::Answered, 1_000),
+            Some(HealthChange::Closed)
+        );
+    }
+
+    /// A probe given up before its outcome frees the slot for the next request.
+    #[test]
+    fn an_abandoned_probe_frees_its_slot() {
+        let mut h = breaker();
+        h.on_check(false, 0);
+        assert_eq!(h.admit(1_000), Admission::Probe);
+        assert!(!h.routable(1_000));
+        h.abandon_probe();
+        assert!(h.routable(1_000));
+        assert_eq!(h.admit(1_001), Admission::Probe);
+        // Giving up is only for the probe: a closed breaker stays closed.
+        h.on_request(RequestOutcome::Answered, 1_100);
+        h.abandon_probe();
+        assert_eq!(h.state(1_100), BreakerState::Closed);
     }
 
     proptest! {
@@ -249,7 +316,7 @@ mod tests {
         /// cooldown never does, and `Opened`/`Closed` changes alternate.
         #[test]
         fn changes_alternate_and_open_never_admits(
-            events in proptest::collection::vec((0u8..3, 0u64..3_000), 1..200)
+            events in proptest::collection::vec((0u8..5, 0u64..3_000), 1..200)
         ) {
             let mut h = breaker();
             let mut now = 0u64;
@@ -259,7 +326,15 @@ mod tests {
                 let change = match kind {
                     0 => h.on_request(RequestOutcome::Failed, now),
                     1 => h.on_request(RequestOutcome::Answered, now),
-                    _ => h.on_check(dt % 2 == 0, now),
+                    2 => h.on_check(dt % 2 == 0, now),
+                    3 => {
+                        h.admit(now);
+                        None
+                    }
+                    _ => {
+                        h.abandon_probe();
+                        None
+                    }
                 };
                 if let Some(c) = change {
                     prop_assert_ne!(Some(c), last);
@@ -269,7 +344,7 @@ mod tests {
                     BreakerState::Open { until_ms } => {
                         prop_assert!(until_ms > now);
                         let mut probe = h.clone();
-                        prop_assert!(!probe.admit(now));
+                        prop_assert_eq!(probe.admit(now), Admission::Refused);
                     }
                     BreakerState::Closed => prop_assert!(h.routable(now)),
                     BreakerState::HalfOpen { .. } => {}

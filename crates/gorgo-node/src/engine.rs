@@ -13,7 +13,9 @@ use bytes::Bytes;
 use gorgo_core::accounting::{LimitSource, ViewConfig, ViewCounters};
 use gorgo_core::engine_metrics::parse_engine_metrics;
 use gorgo_core::fit::{FitConfig, PrefillFit};
-use gorgo_core::health::{BreakerState, EngineHealth, HealthChange, HealthConfig, RequestOutcome};
+use gorgo_core::health::{
+    Admission, BreakerState, EngineHealth, HealthChange, HealthConfig, RequestOutcome,
+};
 use gorgo_core::types::{MAX_MODELS, MAX_MODEL_ID_BYTES};
 use gorgo_core::{EngineMetrics, EngineView, QueueStats};
 use parking_lot::Mutex;
@@ -305,18 +307,30 @@ impl EngineAdapter {
         body: Bytes,
     ) -> Result<reqwest::Response, EngineFailure> {
         let now = self.now_ms();
-        if !self.health.lock().admit(now) {
+        let admission = self.health.lock().admit(now);
+        if !admission.may_send() {
             return Err(EngineFailure::Failed(
                 "engine circuit breaker is open".into(),
             ));
         }
+        // The half-open probe holds the only slot until its outcome is in: given up
+        // (this future dropped: its client went away) it frees the slot, or the engine
+        // would get nothing until the next health check.
+        let mut probe = ProbeSlot {
+            adapter: self,
+            held: admission == Admission::Probe,
+        };
         let opened = self.opened();
         let result = tokio::select! {
             r = self.send(method, path, headers, body) => r,
             _ = opened => Err(EngineFailure::Failed("engine circuit breaker opened".into())),
         };
+        probe.held = false;
         match &result {
             Ok(resp) if resp.status().is_server_error() => self.record(RequestOutcome::Failed),
+            // A probe's answer is its head: it closes the breaker now, not when a long
+            // body ends (or never, if its client leaves first).
+            Ok(_) if admission == Admission::Probe => self.record(RequestOutcome::Answered),
             Ok(_) => {}
             Err(_) => self.record(RequestOutcome::Failed),
         }
@@ -748,6 +762,21 @@ pub enum FirstToken {
     /// whole once the request has finished decoding: the view takes its prefill as
     /// done when it is expected to end ([`EngineView::dispatch_unobserved`]).
     AtTheEnd,
+}
+
+/// The breaker's half-open probe slot while its request waits for a head: dropped
+/// still `held` (the request was given up), it frees the slot.
+struct ProbeSlot<'a> {
+    adapter: &'a EngineAdapter,
+    held: bool,
+}
+
+impl Drop for ProbeSlot<'_> {
+    fn drop(&mut self) {
+        if self.held {
+            self.adapter.health.lock().abandon_probe();
+        }
+    }
 }
 
 /// One dispatch in the view, released in steps. Dropped without

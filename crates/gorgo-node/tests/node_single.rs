@@ -480,6 +480,52 @@ async fn a_half_open_breaker_sends_its_probe() {
     node.shutdown.cancel();
 }
 
+/// A half-open probe whose request is given up before its head (its client went away)
+/// frees the probe slot: the next request may probe at once (it used to wait for the
+/// next health check, an hour away here).
+#[tokio::test]
+async fn an_abandoned_probe_frees_the_breakers_slot() {
+    use gorgo_core::health::BreakerState;
+    let engine = StubEngine::start("e").await;
+    let node = start_node(
+        config_with_engine(
+            "a",
+            &engine.url(),
+            "breaker_failures = 1\nbreaker_cooldown_ms = 50\n",
+        ),
+        None,
+    )
+    .await;
+    let adapter = node.state().engine(0).unwrap().adapter.clone();
+    until("the engine is confirmed", || adapter.is_ready()).await;
+    adapter.record(gorgo_core::health::RequestOutcome::Failed);
+    until("the cooldown passes", || {
+        adapter.breaker() == BreakerState::HalfOpen { probing: false }
+    })
+    .await;
+    engine.set_mode(HANG);
+    let probe = {
+        let adapter = adapter.clone();
+        tokio::spawn(async move {
+            adapter
+                .send_streamed(
+                    http::Method::POST,
+                    "/v1/completions",
+                    &[],
+                    bytes::Bytes::from_static(b"{}"),
+                )
+                .await
+        })
+    };
+    until("the probe reaches the engine", || engine.requests() == 1).await;
+    assert_eq!(adapter.breaker(), BreakerState::HalfOpen { probing: true });
+    probe.abort();
+    assert!(probe.await.unwrap_err().is_cancelled());
+    assert_eq!(adapter.breaker(), BreakerState::HalfOpen { probing: false });
+    engine.release.notify_waiters();
+    node.shutdown.cancel();
+}
+
 /// An engine that fails the endpoints the node passes through unrouted opens its
 /// breaker as one that fails routed requests does: the end of a 5xx body is no answer
 /// (it used to count as one, resetting the failures the head had just counted).
