@@ -987,6 +987,13 @@ impl Tuner {
         &self.cfg
     }
 
+    /// Requests whose first token counted and whose end is not in yet: their time so
+    /// far is a lower bound on their E2E in this node's reports (the E2E guard's
+    /// censored evidence), so a request that never ends must be abandoned.
+    pub fn open_requests(&self) -> usize {
+        self.open.len()
+    }
+
     /// What the start fit found, if this node led while its line was unfitted.
     pub fn start_fit(&self) -> Option<&StartFit> {
         self.start_fit.as_ref()

@@ -624,16 +624,23 @@ fn respond(
     // What is left of the whole request's deadline, which started with it.
     let deadline = Duration::from_millis(state.config.limits.request_timeout_ms)
         .saturating_sub(started.elapsed());
-    let held = Arc::new(parking_lot::Mutex::new(Some((up.body, slot))));
+    let held = Arc::new(parking_lot::Mutex::new(Held {
+        upstream: Some((up.body, slot)),
+        open: None,
+    }));
     let (watch_tx, watch_rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(drop_at_deadline(Arc::downgrade(&held), deadline, watch_rx));
+    tokio::spawn(drop_at_deadline(
+        Arc::downgrade(&held),
+        state.clone(),
+        deadline,
+        watch_rx,
+    ));
     let tracked = Tracked {
         held,
         _watch: watch_tx,
         state: state.clone(),
         started,
         measured,
-        open: None,
         chosen_terms: up.chosen_terms,
         first_seen: false,
         events: event_stream.then(EventFramer::default),
@@ -662,13 +669,24 @@ fn respond(
     resp
 }
 
+/// What a response in flight holds that its deadline takes from it
+/// ([`drop_at_deadline`]) whether or not its client is reading.
+struct Held {
+    /// The upstream body and the request's slot, until the response ends or its
+    /// deadline passes.
+    upstream: Option<(BodyStream, Slot)>,
+    /// The tuner's handle on the request once its first token counted: handed back at
+    /// the end (its E2E, or abandoned), and until then a lower bound in the reports.
+    /// Past the deadline nothing more of it is measured: abandoned there, or a client
+    /// that stopped reading would report its time so far growing without end.
+    open: Option<OpenRequest>,
+}
+
 /// The response body relay: passes chunks through unchanged, measures TTFT and E2E,
 /// turns a mid-stream failure into an SSE error event (streams) or an aborted body,
 /// and counts a client that went away as cancelled.
 struct Tracked {
-    /// The upstream body and the request's slot, until the response ends or its
-    /// deadline passes ([`drop_at_deadline`] takes them then).
-    held: Arc<parking_lot::Mutex<Option<(BodyStream, Slot)>>>,
+    held: Arc<parking_lot::Mutex<Held>>,
     /// Dropped with the response: tells the deadline's task to stop waiting.
     _watch: tokio::sync::oneshot::Sender<()>,
     state: Arc<NodeState>,
@@ -676,9 +694,6 @@ struct Tracked {
     /// The tuning epoch and cell the request was admitted under (`None`: not
     /// measured, which a response that is not an event stream never is).
     measured: Option<(EpochKey, Cell)>,
-    /// The tuner's handle on the request once its first token counted: handed back at
-    /// the end (its E2E, or abandoned), and until then a lower bound in the reports.
-    open: Option<OpenRequest>,
     /// The decision's terms for its choice (the tuner's start-fit evidence).
     chosen_terms: Option<(CostTerms, Weights)>,
     first_seen: bool,
@@ -700,7 +715,8 @@ struct Tracked {
 /// that stops reading stops the polling: without this, it would hold both for as long
 /// as it kept its connection.
 async fn drop_at_deadline(
-    held: std::sync::Weak<parking_lot::Mutex<Option<(BodyStream, Slot)>>>,
+    held: std::sync::Weak<parking_lot::Mutex<Held>>,
+    state: Arc<NodeState>,
     deadline: Duration,
     done: tokio::sync::oneshot::Receiver<()>,
 ) {
@@ -709,8 +725,14 @@ async fn drop_at_deadline(
         _ = done => return,
     }
     if let Some(held) = held.upgrade() {
-        let taken = held.lock().take();
-        drop(taken);
+        let (upstream, open) = {
+            let mut h = held.lock();
+            (h.upstream.take(), h.open.take())
+        };
+        drop(upstream);
+        if let Some(open) = open {
+            state.tuning.abandon(open);
+        }
     }
 }
 
@@ -727,14 +749,15 @@ impl Tracked {
             self.state
                 .metrics
                 .routed_request(outcome, self.policy, &self.served_by);
+            let mut open = self.held.lock().open.take();
             if outcome == "ok" {
                 let e2e = self.started.elapsed().as_secs_f64();
                 self.state.metrics.e2e.observe(e2e);
-                if let Some(open) = self.open.take() {
+                if let Some(open) = open.take() {
                     self.state.tuning.record_finish(open, e2e * 1000.0);
                 }
             }
-            if let Some(open) = self.open.take() {
+            if let Some(open) = open {
                 // Failed or cancelled after its first token: no E2E to count.
                 self.state.tuning.abandon(open);
             }
@@ -783,6 +806,7 @@ impl Stream for Tracked {
             let polled = self
                 .held
                 .lock()
+                .upstream
                 .as_mut()
                 .map(|(inner, _)| inner.as_mut().poll_next(cx));
             let Some(polled) = polled else {
@@ -822,10 +846,11 @@ impl Stream for Tracked {
                                 .chosen_terms
                                 .and_then(|(terms, w)| TermSample::new(&terms, w, ttft_ms));
                             let now_ms = self.state.now_ms();
-                            self.open = self
+                            let open = self
                                 .state
                                 .tuning
                                 .record_first_token(epoch, *cell, ttft_ms, now_ms, terms);
+                            self.held.lock().open = open;
                         }
                     }
                 }

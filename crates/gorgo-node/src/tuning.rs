@@ -246,8 +246,11 @@ pub struct TuningView {
     /// The improvement a trial must show to be accepted at that noise (a fraction of
     /// the incumbent's score; absent while the noise is not measured).
     pub required_improvement: Option<f64>,
-    /// Samples this node measured in the current epoch.
+    /// The window's size: samples, cluster-wide, that close it (`window_requests`).
     pub window_requests: usize,
+    /// Requests this node measures that have had their first token and not their end:
+    /// lower bounds on their E2E in its reports.
+    pub open_requests: usize,
     /// Requests whose decision terms this node has given the start fit, since it
     /// started (docs/tuning.md, "The start fit").
     pub fit_samples: u64,
@@ -481,6 +484,7 @@ impl TuningDriver {
             noise_sd: cur.and_then(|p| p.state.noise_sd()),
             required_improvement: cur.and_then(|p| p.state.required_improvement(&inner.cfg)),
             window_requests: inner.cfg.window,
+            open_requests: inner.tuner.open_requests(),
             fit_samples: inner.fit_samples,
             start_fit: inner.tuner.start_fit().copied(),
             history,

@@ -602,3 +602,53 @@ async fn a_slow_head_on_a_kept_alive_connection_is_not_a_write_stall() {
     assert!(!metrics.contains(r#"reason="write_timeout""#), "{metrics}");
     node.shutdown.cancel();
 }
+
+/// An HTTP/2 client that stops reading (its stream window full) stops the node polling
+/// the response body, so only the deadline's own task ends it: that task must also
+/// take the request out of the tuner's open requests, or its time so far would be
+/// reported as a lower bound on its E2E, growing, for as long as the client stays.
+#[tokio::test]
+async fn a_stalled_http2_response_leaves_the_tuners_open_requests_at_its_deadline() {
+    let engine = StubEngine::start("e").await;
+    engine.set_mode(FLOOD);
+    let node = start_node(
+        config(
+            "a",
+            &engine.url(),
+            "[limits]\nrequest_timeout_ms = 300\n[tuning]\nmode = \"online\"\nstartup_grace_ms = 0\n",
+        ),
+        None,
+    )
+    .await;
+    until("the node leads its tuning line", || {
+        node.state().tuning.epoch() > 0
+    })
+    .await;
+    let slots = node.state().permits.available_permits();
+    let tcp = TcpStream::connect(http_addr(&node)).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .initial_stream_window_size(65_535)
+            .initial_connection_window_size(65_535)
+            .handshake(hyper_util::rt::TokioIo::new(tcp))
+            .await
+            .expect("an HTTP/2 handshake");
+    tokio::spawn(conn);
+    let body = r#"{"model":"m","prompt":"hi","stream":true}"#;
+    let req = http::Request::post(format!("http://{}/v1/completions", http_addr(&node)))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .unwrap();
+    let resp = sender.send_request(req).await.expect("an HTTP/2 response");
+    assert_eq!(resp.status(), 200);
+    // Never read: the window fills and the node stops polling the body.
+    let open = || node.state().tuning.view().open_requests;
+    until("its first token counts for tuning", || open() == 1).await;
+    until("the slot is freed at the deadline", || {
+        node.state().permits.available_permits() == slots
+    })
+    .await;
+    assert_eq!(open(), 0, "still open past its deadline");
+    drop(resp);
+    node.shutdown.cancel();
+}

@@ -792,9 +792,17 @@ async fn a_client_that_stops_reading_loses_its_engine_stream_at_the_deadline() {
     let engine = StubEngine::start("e").await;
     engine.set_mode(FLOOD);
     let node = start_node(
-        config("a", &engine.url(), "[limits]\nrequest_timeout_ms = 300\n"),
+        config(
+            "a",
+            &engine.url(),
+            "[limits]\nrequest_timeout_ms = 300\n[tuning]\nmode = \"online\"\nstartup_grace_ms = 0\n",
+        ),
         None,
     )
+    .await;
+    until("the node leads its tuning line", || {
+        node.state().tuning.epoch() > 0
+    })
     .await;
     let slots = node.state().permits.available_permits();
     let addr = node.base.trim_start_matches("http://").to_owned();
@@ -809,6 +817,8 @@ async fn a_client_that_stops_reading_loses_its_engine_stream_at_the_deadline() {
     let mut first = [0u8; 1024];
     let n = conn.read(&mut first).await.unwrap();
     assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+    let open = || node.state().tuning.view().open_requests;
+    until("its first token counts for tuning", || open() == 1).await;
     let gone = async {
         loop {
             let active = engine.active.load(std::sync::atomic::Ordering::SeqCst);
@@ -821,6 +831,8 @@ async fn a_client_that_stops_reading_loses_its_engine_stream_at_the_deadline() {
     tokio::time::timeout(std::time::Duration::from_secs(20), gone)
         .await
         .expect("the engine stream is dropped and the slot freed at the deadline");
+    // Nor is its time so far reported as a lower bound on its E2E for ever after.
+    assert_eq!(open(), 0, "still open past its deadline");
     drop(conn);
     node.shutdown.cancel();
 }
