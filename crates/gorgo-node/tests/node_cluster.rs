@@ -490,53 +490,26 @@ async fn a_peer_that_failed_a_request_is_left_out_of_its_next_try() {
 /// request bounced, two RTTs for nothing).
 #[tokio::test]
 async fn a_forward_never_goes_back_to_a_node_it_has_left() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncReadExt;
     let c = cluster("[routing]\nmax_hops = 2\nrefuse_forwards = false\n").await;
     c.saturate(1, 100).await;
     c.saturate(2, 100).await;
-    let body = chat_body(&prompt("bounce", 8000), false);
-    let bytes = serde_json::to_vec(&body).unwrap();
-    let request = gorgo_core::wire::ForwardRequest {
-        request_id: 7,
-        hops: 1,
-        origin: gorgo_core::NodeId::from("a"),
-        via: vec![gorgo_core::NodeId::from("a")],
-        endpoint: gorgo_core::Endpoint::Chat,
-        chain: gorgo_core::HashChain::from_bytes(&bytes, 256, 4),
-        body: bytes,
-        headers: vec![("content-type".into(), "application/json".into())],
-        model: None,
-        offer: None,
-    };
-    let mut frame = Vec::new();
-    gorgo_node::forward::write_frame(&mut frame, &request)
-        .await
-        .unwrap();
-    let (mut to_node, from_peer) = tokio::io::duplex(1 << 16);
-    let (to_peer, mut from_node) = tokio::io::duplex(1 << 16);
-    to_node.write_all(&frame).await.unwrap();
-    let incoming = gorgo_node::peers::IncomingForward {
-        from: gorgo_core::NodeId::from("a"),
-        send: Box::pin(to_peer),
-        recv: Box::pin(from_peer),
-    };
-    let served = tokio::spawn(gorgo_node::forward::handle_incoming(
-        c.nodes[1].state().clone(),
-        incoming,
+    let body = serde_json::to_vec(&chat_body(&prompt("bounce", 8000), false)).unwrap();
+    let request = forward_request("a", gorgo_core::Endpoint::Chat, body);
+    let mut ex = forward_exchange(
+        c.nodes[1].state(),
+        &forward_frame(&request).await,
         |state, req| async move { gorgo_node::serve::serve(&state, req).await },
-    ));
-    let head: gorgo_core::wire::ForwardResponseHead =
-        gorgo_node::forward::read_frame(&mut from_node, 1 << 20)
-            .await
-            .unwrap();
-    assert_eq!(head.status, 200);
-    assert_eq!(head.served_by.0, "b");
+    )
+    .await;
+    assert_eq!(ex.head.status, 200);
+    assert_eq!(ex.head.served_by.0, "b");
     // The decision at b shows a as a candidate that could not serve.
     let d = admin_json(&c.nodes[1], "/admin/decisions?limit=1").await;
     assert_eq!(d[0]["winner"], "b", "{d}");
     // Read the body to its end so that b's serving task finishes.
     let mut rest = Vec::new();
-    from_node.read_to_end(&mut rest).await.unwrap();
-    drop(to_node);
-    served.await.unwrap();
+    ex.from_node.read_to_end(&mut rest).await.unwrap();
+    drop(ex.to_node);
+    ex.served.await.unwrap();
 }

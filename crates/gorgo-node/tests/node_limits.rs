@@ -609,21 +609,7 @@ async fn a_slow_head_on_a_kept_alive_connection_is_not_a_write_stall() {
 /// reported as a lower bound on its E2E, growing, for as long as the client stays.
 #[tokio::test]
 async fn a_stalled_http2_response_leaves_the_tuners_open_requests_at_its_deadline() {
-    let engine = StubEngine::start("e").await;
-    engine.set_mode(FLOOD);
-    let node = start_node(
-        config(
-            "a",
-            &engine.url(),
-            "[limits]\nrequest_timeout_ms = 300\n[tuning]\nmode = \"online\"\nstartup_grace_ms = 0\n",
-        ),
-        None,
-    )
-    .await;
-    until("the node leads its tuning line", || {
-        node.state().tuning.epoch() > 0
-    })
-    .await;
+    let (_engine, node) = flooding_tuned_node().await;
     let slots = node.state().permits.available_permits();
     let tcp = TcpStream::connect(http_addr(&node)).await.unwrap();
     let (mut sender, conn) =

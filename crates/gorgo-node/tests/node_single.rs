@@ -444,31 +444,7 @@ async fn a_request_that_is_not_streamed_leaves_the_queue_at_its_expected_prefill
 /// healthy engine).
 #[tokio::test]
 async fn a_half_open_breaker_sends_its_probe() {
-    let engine = StubEngine::start("e").await;
-    let node = start_node(
-        config_with_engine(
-            "a",
-            &engine.url(),
-            "breaker_failures = 1\nbreaker_cooldown_ms = 50\n",
-        ),
-        None,
-    )
-    .await;
-    let adapter = node.state().engine(0).unwrap().adapter.clone();
-    // After the first health check (the next is an hour away).
-    until("the engine is confirmed", || adapter.is_ready()).await;
-    adapter.record(gorgo_core::health::RequestOutcome::Failed);
-    assert!(matches!(
-        adapter.breaker(),
-        gorgo_core::health::BreakerState::Open { .. }
-    ));
-    until("the cooldown passes", || {
-        matches!(
-            adapter.breaker(),
-            gorgo_core::health::BreakerState::HalfOpen { probing: false }
-        )
-    })
-    .await;
+    let (engine, node, adapter) = half_open_node().await;
     let resp = post_chat(&node, "hi", false).await;
     assert_eq!(resp.status(), 200);
     resp.bytes().await.unwrap();
@@ -486,23 +462,7 @@ async fn a_half_open_breaker_sends_its_probe() {
 #[tokio::test]
 async fn an_abandoned_probe_frees_the_breakers_slot() {
     use gorgo_core::health::BreakerState;
-    let engine = StubEngine::start("e").await;
-    let node = start_node(
-        config_with_engine(
-            "a",
-            &engine.url(),
-            "breaker_failures = 1\nbreaker_cooldown_ms = 50\n",
-        ),
-        None,
-    )
-    .await;
-    let adapter = node.state().engine(0).unwrap().adapter.clone();
-    until("the engine is confirmed", || adapter.is_ready()).await;
-    adapter.record(gorgo_core::health::RequestOutcome::Failed);
-    until("the cooldown passes", || {
-        adapter.breaker() == BreakerState::HalfOpen { probing: false }
-    })
-    .await;
+    let (engine, node, adapter) = half_open_node().await;
     engine.set_mode(HANG);
     let probe = {
         let adapter = adapter.clone();
@@ -568,50 +528,27 @@ async fn passthrough_server_errors_open_the_breaker() {
 #[tokio::test]
 async fn a_forward_refused_as_too_long_keeps_its_openai_code() {
     use gorgo_node::api::{ServeError, Upstream};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncReadExt;
     let engine = StubEngine::start("e").await;
     let node = start_node(config("a", &engine.url(), ""), None).await;
-    let request = gorgo_core::wire::ForwardRequest {
-        request_id: 7,
-        hops: 1,
-        origin: gorgo_core::NodeId::from("b"),
-        via: vec![gorgo_core::NodeId::from("b")],
-        endpoint: gorgo_core::Endpoint::Completions,
-        chain: gorgo_core::HashChain::from_bytes(b"hello world", 4, 4),
-        body: br#"{"prompt":"hello world"}"#.to_vec(),
-        headers: vec![("content-type".into(), "application/json".into())],
-        model: None,
-        offer: None,
-    };
-    let mut frame = Vec::new();
-    gorgo_node::forward::write_frame(&mut frame, &request)
-        .await
-        .unwrap();
-    let (mut to_node, from_peer) = tokio::io::duplex(1 << 16);
-    let (to_peer, mut from_node) = tokio::io::duplex(1 << 16);
-    to_node.write_all(&frame).await.unwrap();
-    let incoming = gorgo_node::peers::IncomingForward {
-        from: gorgo_core::NodeId::from("b"),
-        send: Box::pin(to_peer),
-        recv: Box::pin(from_peer),
-    };
-    gorgo_node::forward::handle_incoming(node.state().clone(), incoming, |_, _| async {
+    let request = forward_request(
+        "b",
+        gorgo_core::Endpoint::Completions,
+        br#"{"prompt":"hello world"}"#.to_vec(),
+    );
+    let mut ex = forward_exchange(node.state(), &forward_frame(&request).await, |_, _| async {
         Err::<Upstream, _>(ServeError::ContextLength("prompt too long".into()))
     })
     .await;
-    let head: gorgo_core::wire::ForwardResponseHead =
-        gorgo_node::forward::read_frame(&mut from_node, 1 << 20)
-            .await
-            .unwrap();
-    assert_eq!(head.status, 400);
+    assert_eq!(ex.head.status, 400);
     let mut len = [0u8; 4];
-    from_node.read_exact(&mut len).await.unwrap();
+    ex.from_node.read_exact(&mut len).await.unwrap();
     let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
-    from_node.read_exact(&mut body).await.unwrap();
+    ex.from_node.read_exact(&mut body).await.unwrap();
     let err: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(err["error"]["code"], "context_length_exceeded", "{err}");
     assert_eq!(err["error"]["param"], "messages", "{err}");
-    drop(to_node);
+    drop(ex.to_node);
     node.shutdown.cancel();
 }
 
@@ -705,21 +642,15 @@ async fn a_forward_that_is_garbage_or_never_sent_gets_a_502_head() {
         (0..9).map(|i| node_id(&format!("n{i}"))).collect(),
     ] {
         let request = gorgo_core::wire::ForwardRequest {
-            request_id: 1,
             hops: via.len() as u8,
-            origin: node_id("b"),
             via,
-            endpoint: gorgo_core::Endpoint::Completions,
-            chain: gorgo_core::HashChain::from_bytes(b"hello world", 4, 4),
-            body: br#"{"prompt":"hello world"}"#.to_vec(),
-            headers: Vec::new(),
-            model: None,
-            offer: None,
+            ..forward_request(
+                "b",
+                gorgo_core::Endpoint::Completions,
+                br#"{"prompt":"hello world"}"#.to_vec(),
+            )
         };
-        let mut frame = Vec::new();
-        gorgo_node::forward::write_frame(&mut frame, &request)
-            .await
-            .unwrap();
+        let frame = forward_frame(&request).await;
         assert_eq!(forward_head_status(&node, &frame).await, 502, "came back");
     }
     assert_eq!(engine.requests(), 0);
@@ -743,18 +674,11 @@ async fn a_forward_whose_origin_stops_reading_ends() {
     let (mut to_node, from_peer) = tokio::io::duplex(1 << 16);
     // A small pipe the test never reads: the response head fits, the body does not.
     let (to_peer, _unread) = tokio::io::duplex(4096);
-    let request = gorgo_core::wire::ForwardRequest {
-        request_id: 1,
-        hops: 1,
-        origin: gorgo_core::NodeId::from("b"),
-        via: vec![gorgo_core::NodeId::from("b")],
-        endpoint: gorgo_core::Endpoint::Completions,
-        chain: gorgo_core::HashChain::from_bytes(b"hello world", 4, 4),
-        body: br#"{"prompt":"hello world"}"#.to_vec(),
-        headers: vec![("content-type".into(), "application/json".into())],
-        model: None,
-        offer: None,
-    };
+    let request = forward_request(
+        "b",
+        gorgo_core::Endpoint::Completions,
+        br#"{"prompt":"hello world"}"#.to_vec(),
+    );
     gorgo_node::forward::write_frame(&mut to_node, &request)
         .await
         .unwrap();
@@ -789,21 +713,7 @@ async fn a_forward_whose_origin_stops_reading_ends() {
 #[tokio::test]
 async fn a_client_that_stops_reading_loses_its_engine_stream_at_the_deadline() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let engine = StubEngine::start("e").await;
-    engine.set_mode(FLOOD);
-    let node = start_node(
-        config(
-            "a",
-            &engine.url(),
-            "[limits]\nrequest_timeout_ms = 300\n[tuning]\nmode = \"online\"\nstartup_grace_ms = 0\n",
-        ),
-        None,
-    )
-    .await;
-    until("the node leads its tuning line", || {
-        node.state().tuning.epoch() > 0
-    })
-    .await;
+    let (engine, node) = flooding_tuned_node().await;
     let slots = node.state().permits.available_permits();
     let addr = node.base.trim_start_matches("http://").to_owned();
     let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap();

@@ -647,6 +647,72 @@ pub async fn until(what: &str, mut cond: impl FnMut() -> bool) {
 #[allow(dead_code)]
 pub async fn forward_head_status(node: &TestNode, first_bytes: &[u8]) -> u16 {
     use gorgo_node::api::{ServeError, Upstream};
+    let ex = forward_exchange(node.state(), first_bytes, |_, _| {
+        std::future::pending::<Result<Upstream, ServeError>>()
+    })
+    .await;
+    ex.served.abort();
+    ex.head.status
+}
+
+/// A one-hop forward from node `from` (its `via`) of `body` to `endpoint`.
+#[allow(dead_code)]
+pub fn forward_request(
+    from: &str,
+    endpoint: gorgo_core::Endpoint,
+    body: Vec<u8>,
+) -> gorgo_core::wire::ForwardRequest {
+    gorgo_core::wire::ForwardRequest {
+        request_id: 7,
+        hops: 1,
+        origin: gorgo_core::NodeId::from(from),
+        via: vec![gorgo_core::NodeId::from(from)],
+        endpoint,
+        chain: gorgo_core::HashChain::from_bytes(&body, 256, 4),
+        body,
+        headers: vec![("content-type".into(), "application/json".into())],
+        model: None,
+        offer: None,
+    }
+}
+
+/// The frame a peer opens a forward stream with.
+#[allow(dead_code)]
+pub async fn forward_frame(request: &gorgo_core::wire::ForwardRequest) -> Vec<u8> {
+    let mut frame = Vec::new();
+    gorgo_node::forward::write_frame(&mut frame, request)
+        .await
+        .unwrap();
+    frame
+}
+
+/// A peer's forward stream to a node's forward server, once its head is in.
+#[allow(dead_code)]
+pub struct ForwardExchange {
+    /// The response head.
+    pub head: gorgo_core::wire::ForwardResponseHead,
+    /// What follows the head (chunk frames).
+    pub from_node: tokio::io::DuplexStream,
+    /// The peer's sending half, held open (closing it cancels the forward).
+    pub to_node: tokio::io::DuplexStream,
+    /// The server's task.
+    pub served: tokio::task::JoinHandle<()>,
+}
+
+/// Open a forward stream from peer "b" to `state`'s forward server, send
+/// `first_bytes` on it, serve with `serve`, and read the head.
+#[allow(dead_code)]
+pub async fn forward_exchange<F, Fut>(
+    state: &Arc<NodeState>,
+    first_bytes: &[u8],
+    serve: F,
+) -> ForwardExchange
+where
+    F: FnOnce(Arc<NodeState>, gorgo_node::api::RoutedRequest) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<gorgo_node::api::Upstream, gorgo_node::api::ServeError>>
+        + Send
+        + 'static,
+{
     let (mut to_node, from_peer) = tokio::io::duplex(1 << 16);
     let (to_peer, mut from_node) = tokio::io::duplex(1 << 16);
     to_node.write_all(first_bytes).await.unwrap();
@@ -655,14 +721,71 @@ pub async fn forward_head_status(node: &TestNode, first_bytes: &[u8]) -> u16 {
         send: Box::pin(to_peer),
         recv: Box::pin(from_peer),
     };
-    gorgo_node::forward::handle_incoming(node.state().clone(), incoming, |_, _| {
-        std::future::pending::<Result<Upstream, ServeError>>()
+    let served = tokio::spawn(gorgo_node::forward::handle_incoming(
+        state.clone(),
+        incoming,
+        serve,
+    ));
+    let head = gorgo_node::forward::read_frame(&mut from_node, 1 << 20)
+        .await
+        .unwrap();
+    ForwardExchange {
+        head,
+        from_node,
+        to_node,
+        served,
+    }
+}
+
+/// A node in front of a stub engine that floods its answers, with a 300 ms request
+/// deadline and online tuning it leads: for clients that stop reading.
+#[allow(dead_code)]
+pub async fn flooding_tuned_node() -> (Arc<StubEngine>, TestNode) {
+    let engine = StubEngine::start("e").await;
+    engine.set_mode(FLOOD);
+    let node = start_node(
+        config(
+            "a",
+            &engine.url(),
+            "[limits]\nrequest_timeout_ms = 300\n[tuning]\nmode = \"online\"\nstartup_grace_ms = 0\n",
+        ),
+        None,
+    )
+    .await;
+    until("the node leads its tuning line", || {
+        node.state().tuning.epoch() > 0
     })
     .await;
-    let head: gorgo_core::wire::ForwardResponseHead =
-        gorgo_node::forward::read_frame(&mut from_node, 1 << 20)
-            .await
-            .unwrap();
-    drop(to_node);
-    head.status
+    (engine, node)
+}
+
+/// A node whose engine's breaker (one failure opens it, 50 ms cooldown) was opened by
+/// a failure and has cooled down to half-open: its next request is the probe.
+#[allow(dead_code)]
+pub async fn half_open_node() -> (
+    Arc<StubEngine>,
+    TestNode,
+    Arc<gorgo_node::engine::EngineAdapter>,
+) {
+    use gorgo_core::health::{BreakerState, RequestOutcome};
+    let engine = StubEngine::start("e").await;
+    let node = start_node(
+        config_with_engine(
+            "a",
+            &engine.url(),
+            "breaker_failures = 1\nbreaker_cooldown_ms = 50\n",
+        ),
+        None,
+    )
+    .await;
+    let adapter = node.state().engine(0).unwrap().adapter.clone();
+    // After the first health check (the next is an hour away).
+    until("the engine is confirmed", || adapter.is_ready()).await;
+    adapter.record(RequestOutcome::Failed);
+    assert!(matches!(adapter.breaker(), BreakerState::Open { .. }));
+    until("the cooldown passes", || {
+        adapter.breaker() == BreakerState::HalfOpen { probing: false }
+    })
+    .await;
+    (engine, node, adapter)
 }
