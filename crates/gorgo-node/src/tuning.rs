@@ -795,6 +795,7 @@ mod tests {
             cells: Box::new(cells),
             samples: 10,
             terms: Default::default(),
+            at_ms: 2,
         };
         let fx = d.handle(&"c".into(), TuningMessage::Report(report.clone()), 2);
         assert!(fx.sends.is_empty());
@@ -916,6 +917,7 @@ mod tests {
                                 q: f64::from(n),
                                 p: if n % 3 == 0 { -1.0 } else { f64::INFINITY },
                             },
+                            at_ms: now,
                         };
                         d.handle(&ids[from as usize].into(), TuningMessage::Report(r), now);
                     }
