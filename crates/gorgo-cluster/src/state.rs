@@ -9,7 +9,8 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use dashmap::DashMap;
-use gorgo_core::gossip::PeerGossip;
+use gorgo_core::gossip::{GossipConfig, PeerGossip};
+use gorgo_core::wire::GossipMessage;
 use gorgo_core::{NodeId, QueueStats};
 use parking_lot::Mutex;
 use serde::Serialize;
@@ -161,6 +162,9 @@ pub struct PeerEngineView {
     pub summary_bytes: u64,
     /// Time since the summary last changed or was confirmed, ms.
     pub summary_age_ms: Option<u64>,
+    /// Deltas of its summary held in the reorder buffer, waiting for the one they
+    /// follow: 0 but for a moment, unless deltas were lost or the peer misbehaves.
+    pub pending_deltas: usize,
     /// The engine's last queue stats.
     pub stats: Option<QueueStats>,
     /// Time since those stats arrived, ms.
@@ -237,6 +241,7 @@ impl PeerTable {
                         summary_len: h.gossip.summary().map_or(0, |s| s.len()),
                         summary_bytes: h.summary_bytes,
                         summary_age_ms: age_ms(h.summary_at, now),
+                        pending_deltas: h.gossip.pending(),
                         stats: h.gossip.stats().cloned(),
                         stats_age_ms: age_ms(h.stats_at, now),
                     })
@@ -264,6 +269,30 @@ impl PeerTable {
             })
             .collect();
         out.sort_by(|a, b| a.id.cmp(&b.id));
+        out
+    }
+
+    /// Time out the reorder buffer of every engine of every peer held
+    /// ([`PeerGossip::tick`]), on behalf of node `me`: the snapshot requests to send,
+    /// each to an alive peer. A down peer's buffers go too (its entry stays until
+    /// [`forget_down`](Self::forget_down)), but it is asked for nothing.
+    pub(crate) fn tick_gossip(
+        &self,
+        me: &NodeId,
+        now_ms: u64,
+        config: &GossipConfig,
+    ) -> Vec<(NodeId, GossipMessage)> {
+        let mut out = Vec::new();
+        for mut e in self.peers.iter_mut() {
+            let (node, entry) = e.pair_mut();
+            let alive = entry.state == PeerState::Alive;
+            for (r, h) in entry.engines.iter_mut().enumerate() {
+                let request = h.gossip.tick(me, r as u16, now_ms, config);
+                if let Some(request) = request.filter(|_| alive) {
+                    out.push((node.clone(), request));
+                }
+            }
+        }
         out
     }
 

@@ -318,6 +318,32 @@ impl PeerGossip {
         self.pending.len()
     }
 
+    /// Let go of held deltas whose gap has stayed open for
+    /// [`GossipConfig::gap_timeout_ms`], for engine `replica` of the peer, on behalf
+    /// of node `me`; returns the snapshot request to send the peer (rate-limited, as
+    /// [`receive`](Self::receive) gives one for a gap). The driver calls it every
+    /// round for every `PeerGossip` it holds.
+    ///
+    /// Why: `receive` only looks at the gap's age when the next delta arrives. A peer
+    /// that sends a snapshot, then deltas past a gap, then nothing more (gone quiet,
+    /// or doing it on purpose) would otherwise pin them for as long as it stays a
+    /// member.
+    pub fn tick(
+        &mut self,
+        me: &NodeId,
+        replica: u16,
+        now_ms: u64,
+        config: &GossipConfig,
+    ) -> Option<GossipMessage> {
+        let since = self.gap_since_ms?;
+        if self.pending.is_empty() || now_ms.saturating_sub(since) < config.gap_timeout_ms {
+            return None;
+        }
+        // The verdict a delta arriving now would get: a real loss.
+        self.clear_pending();
+        self.snapshot_request(me, replica, now_ms, config)
+    }
+
     /// The newest incarnation of the peer heard from, if any.
     pub fn incarnation(&self) -> Option<u64> {
         self.incarnation
@@ -816,6 +842,49 @@ mod tests {
             p.summary().unwrap().version(),
             5 + cfg.max_pending_deltas as u64
         );
+        assert_eq!(p.pending(), 0);
+    }
+
+    #[test]
+    fn a_gap_after_which_the_peer_goes_quiet_is_let_go_on_a_tick() {
+        let cfg = GossipConfig::default();
+        let (me, replica) = (NodeId::from("a"), 5);
+        let mut p = PeerGossip::new();
+        recv(&mut p, snapshot(1), 0);
+        for v in 3..6 {
+            assert_eq!(
+                recv(&mut p, delta(v, v + 1, &[v as u32]), 10).summary,
+                SummaryEvent::Buffered
+            );
+        }
+        // Within the timeout a tick keeps them: the missing delta may still come.
+        assert!(p
+            .tick(&me, replica, 10 + cfg.gap_timeout_ms - 1, &cfg)
+            .is_none());
+        assert_eq!(p.pending(), 3);
+        // Then no traffic at all: one tick lets them go and asks for a snapshot.
+        let req = p.tick(&me, replica, 10 + cfg.gap_timeout_ms, &cfg);
+        assert_eq!(p.pending(), 0);
+        assert_eq!(
+            req,
+            Some(GossipMessage::SnapshotRequest {
+                origin: me.clone(),
+                have_version: 1,
+                replica,
+            })
+        );
+        assert_eq!(p.summary().unwrap().version(), 1, "the summary stays");
+        // Nothing held: the next tick asks for nothing.
+        assert!(p.tick(&me, replica, 20_000, &cfg).is_none());
+        // A gap that narrowed restarts the wait: 2->3 fills part of it at 300.
+        let mut p = PeerGossip::new();
+        recv(&mut p, snapshot(1), 0);
+        recv(&mut p, delta(2, 3, &[]), 0);
+        recv(&mut p, delta(4, 5, &[]), 0);
+        recv(&mut p, delta(1, 2, &[]), 300);
+        assert!(p.tick(&me, replica, cfg.gap_timeout_ms, &cfg).is_none());
+        assert_eq!(p.pending(), 1);
+        p.tick(&me, replica, 300 + cfg.gap_timeout_ms, &cfg);
         assert_eq!(p.pending(), 0);
     }
 
