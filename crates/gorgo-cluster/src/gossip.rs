@@ -405,15 +405,15 @@ pub(crate) fn handle_frame(
         | GossipMessage::SummarySnapshot { stats, .. } => Some(stats.incarnation),
         GossipMessage::SnapshotRequest { .. } => None,
     };
-    let now = Instant::now();
-    let received = {
+    let (now, now_ms) = (Instant::now(), gossip.now_ms());
+    let (received, over_cap) = {
         let Some(mut guard) = transport.peers.peers.get_mut(from) else {
             return;
         };
         let e = guard.engine_mut(replica, incarnation);
-        match e
+        let received = match e
             .gossip
-            .receive(&gossip.me, from, msg, gossip.now_ms(), &gossip.config)
+            .receive(&gossip.me, from, msg, now_ms, &gossip.config)
         {
             Ok(r) => {
                 match r.summary {
@@ -435,7 +435,9 @@ pub(crate) fn handle_frame(
                 ClusterMetrics::bump(&metrics.malformed_received);
                 return;
             }
-        }
+        };
+        let over_cap = guard.limit_pending(replica, &gossip.me, now_ms, &gossip.config);
+        (received, over_cap)
     };
     if received.summary == (SummaryEvent::Applied { empty: false }) && oldest_change_ms > 0 {
         let wall = (gossip.wall_clock)();
@@ -446,7 +448,7 @@ pub(crate) fn handle_frame(
             e.sender.on_snapshot_request(from);
         }
     }
-    if let Some(reply) = received.reply {
+    if let Some(reply) = received.reply.or(over_cap) {
         send_snapshot_request(transport, from.clone(), &reply);
     }
 }

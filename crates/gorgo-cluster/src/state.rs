@@ -131,6 +131,32 @@ impl PeerEntry {
         &mut self.engines[r]
     }
 
+    /// Keep the reorder buffers of the peer's engines within
+    /// [`GossipConfig::max_peer_pending_bytes`] together, after engine `replica` took
+    /// a message ([`PeerGossip::limit_pending`]), on behalf of node `me`: the snapshot
+    /// request to send the peer, if its buffer went. Why here: the cap is per peer, and
+    /// this entry is what holds all of a peer's engines.
+    pub(crate) fn limit_pending(
+        &mut self,
+        replica: u16,
+        me: &NodeId,
+        now_ms: u64,
+        config: &GossipConfig,
+    ) -> Option<GossipMessage> {
+        let r = replica as usize;
+        let others = self
+            .engines
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != r)
+            .map(|(_, h)| h.gossip.pending_bytes())
+            .sum();
+        self.engines
+            .get_mut(r)?
+            .gossip
+            .limit_pending(others, me, replica, now_ms, config)
+    }
+
     /// The peer's first engine (replica 0), the one a one-engine node has.
     pub(crate) fn first(&self) -> Option<&HeardEngine> {
         self.engines.first()
@@ -624,6 +650,97 @@ mod tests {
 
     fn me() -> NodeId {
         NodeId::from("me")
+    }
+
+    /// A summary message about engine `replica` of peer "a" (run 1).
+    fn summary_msg(replica: u16, delta: Option<(u64, usize)>) -> GossipMessage {
+        use gorgo_core::summary::{SummaryDelta, SummarySnapshot};
+        let stats = QueueStats {
+            incarnation: 1,
+            version: 1,
+            replica,
+            ..Default::default()
+        };
+        let origin = NodeId::from("a");
+        match delta {
+            None => GossipMessage::SummarySnapshot {
+                origin,
+                snapshot: SummarySnapshot {
+                    version: 1,
+                    ..Default::default()
+                },
+                stats,
+            },
+            Some((from, fingerprints)) => GossipMessage::SummaryDelta {
+                origin,
+                delta: SummaryDelta {
+                    from_version: from,
+                    to_version: from + 1,
+                    added: vec![7; fingerprints],
+                    ..Default::default()
+                },
+                stats,
+            },
+        }
+    }
+
+    #[test]
+    fn a_peers_reorder_buffers_are_capped_across_its_engines() {
+        let t = PeerTable::default();
+        let now = Instant::now();
+        let a = NodeId::from("a");
+        t.member_up(&me(), &member("a", 1), now);
+        let mut e = t.peers.get_mut(&a).unwrap();
+        // What the driver does with a message (`gossip::handle_frame`).
+        fn take(
+            e: &mut PeerEntry,
+            replica: u16,
+            msg: GossipMessage,
+            config: &GossipConfig,
+        ) -> Option<GossipMessage> {
+            let h = e.engine_mut(replica, Some(1));
+            h.gossip
+                .receive(&me(), &"a".into(), msg, 0, config)
+                .unwrap();
+            e.limit_pending(replica, &me(), 0, config)
+        }
+        // Room for two deltas of 1,000 fingerprints, whichever engines hold them.
+        let one = {
+            let mut p = PeerGossip::new();
+            let cfg = GossipConfig::default();
+            p.receive(&me(), &a, summary_msg(0, None), 0, &cfg).unwrap();
+            p.receive(&me(), &a, summary_msg(0, Some((3, 1_000))), 0, &cfg)
+                .unwrap();
+            p.pending_bytes()
+        };
+        let cfg = GossipConfig {
+            max_peer_pending_bytes: 2 * one,
+            ..Default::default()
+        };
+        for r in 0..3 {
+            assert!(take(&mut e, r, summary_msg(r, None), &cfg).is_none());
+        }
+        assert!(take(&mut e, 0, summary_msg(0, Some((3, 1_000))), &cfg).is_none());
+        assert!(take(&mut e, 1, summary_msg(1, Some((3, 1_000))), &cfg).is_none());
+        // The third, on another engine, takes the peer over: that engine's buffer goes
+        // and it is asked for a snapshot; the others keep theirs.
+        let request = take(&mut e, 2, summary_msg(2, Some((3, 1_000))), &cfg);
+        assert!(
+            matches!(
+                request,
+                Some(GossipMessage::SnapshotRequest { replica: 2, .. })
+            ),
+            "{request:?}"
+        );
+        let held: Vec<usize> = e.engines.iter().map(|h| h.gossip.pending()).collect();
+        assert_eq!(held, [1, 1, 0]);
+        // Engine 0's gap fills: its room is free again, and a delta past a gap on
+        // engine 2 waits.
+        assert!(take(&mut e, 0, summary_msg(0, Some((1, 0))), &cfg).is_none());
+        assert!(take(&mut e, 0, summary_msg(0, Some((2, 0))), &cfg).is_none());
+        assert_eq!(e.engines[0].gossip.summary().unwrap().version(), 4);
+        assert!(take(&mut e, 2, summary_msg(2, Some((3, 1_000))), &cfg).is_none());
+        assert_eq!(e.engines[2].gossip.pending(), 1);
     }
 
     #[test]
