@@ -402,8 +402,18 @@ pub(crate) fn handle_frame(
     }
     let incarnation = match &msg {
         GossipMessage::SummaryDelta { stats, .. }
-        | GossipMessage::SummarySnapshot { stats, .. } => Some(stats.incarnation),
-        GossipMessage::SnapshotRequest { .. } => None,
+        | GossipMessage::SummarySnapshot { stats, .. } => stats.incarnation,
+        GossipMessage::SnapshotRequest { .. } => {
+            // It names one of this node's engines, not one of the peer's, so it makes
+            // no state in the peer's row: before, a request for engine 63 added 64
+            // empty engines to it. Taken from a peer in the table only, as all gossip.
+            if transport.peers.peers.contains_key(from) {
+                if let Some(e) = gossip.engines.lock().get_mut(&replica) {
+                    e.sender.on_snapshot_request(from);
+                }
+            }
+            return;
+        }
     };
     let (now, now_ms) = (Instant::now(), gossip.now_ms());
     let (received, over_cap) = {
@@ -442,11 +452,6 @@ pub(crate) fn handle_frame(
     if received.summary == (SummaryEvent::Applied { empty: false }) && oldest_change_ms > 0 {
         let wall = (gossip.wall_clock)();
         metrics.record_staleness(wall.saturating_sub(oldest_change_ms));
-    }
-    if received.snapshot_requested {
-        if let Some(e) = gossip.engines.lock().get_mut(&replica) {
-            e.sender.on_snapshot_request(from);
-        }
     }
     if let Some(reply) = received.reply.or(over_cap) {
         send_snapshot_request(transport, from.clone(), &reply);

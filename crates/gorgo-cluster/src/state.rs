@@ -108,24 +108,23 @@ impl HeardEngine {
 }
 
 impl PeerEntry {
-    /// The state of the peer's engine `replica` (created when first heard of; the
-    /// caller has checked `replica` against the limit). A replica heard of from a
-    /// newer run of the peer than the others were makes them forget theirs: that run
-    /// may front fewer engines, and its other engines speak for themselves.
-    pub(crate) fn engine_mut(
-        &mut self,
-        replica: u16,
-        incarnation: Option<u64>,
-    ) -> &mut HeardEngine {
+    /// The state of the peer's engine `replica`, which a summary message or stats of
+    /// run `incarnation` of the peer speak for (created when first heard of; the caller
+    /// has checked `replica` against the limit). A replica heard of from a newer run of
+    /// the peer than the others were makes them forget theirs: that run may front
+    /// fewer engines, and its other engines speak for themselves.
+    pub(crate) fn engine_mut(&mut self, replica: u16, incarnation: u64) -> &mut HeardEngine {
         let r = replica as usize;
         if self.engines.len() <= r {
             self.engines.resize_with(r + 1, HeardEngine::default);
         }
-        if let Some(inc) = incarnation {
-            for (i, e) in self.engines.iter_mut().enumerate() {
-                if i != r && e.gossip.incarnation().is_some_and(|held| held < inc) {
-                    e.forget();
-                }
+        for (i, e) in self.engines.iter_mut().enumerate() {
+            if i != r
+                && e.gossip
+                    .incarnation()
+                    .is_some_and(|held| held < incarnation)
+            {
+                e.forget();
             }
         }
         &mut self.engines[r]
@@ -491,7 +490,7 @@ impl PeerTable {
     pub(crate) fn offer_stats(&self, node: &NodeId, stats: &QueueStats, now: Instant) -> bool {
         match self.peers.get_mut(node) {
             Some(mut e) if stats.replica < gorgo_core::types::MAX_REPLICAS => {
-                let h = e.engine_mut(stats.replica, Some(stats.incarnation));
+                let h = e.engine_mut(stats.replica, stats.incarnation);
                 let kept = h.gossip.offer_stats(stats);
                 if kept {
                     h.stats_at = Some(now);
@@ -698,7 +697,7 @@ mod tests {
             msg: GossipMessage,
             config: &GossipConfig,
         ) -> Option<GossipMessage> {
-            let h = e.engine_mut(replica, Some(1));
+            let h = e.engine_mut(replica, 1);
             h.gossip
                 .receive(&me(), &"a".into(), msg, 0, config)
                 .unwrap();

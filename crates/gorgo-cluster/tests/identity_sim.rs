@@ -956,3 +956,64 @@ fn a_gap_a_peer_leaves_open_is_let_go_though_it_sends_nothing_more() {
     let e = n1_engine_at_n0(&handles, 5).expect("the engine stays");
     assert_eq!(e.summary_version, Some(100), "the summary stays: {e:?}");
 }
+
+/// A snapshot request names one of the receiver's engines, not one of the asker's: a
+/// member (n1, through a relay as above) that asks n0 for its engine 40 gets the
+/// snapshot, and n0's row for n1 keeps the one engine n1 gossips. Before, n0 made an
+/// entry for each of n1's engines 0 to 40, though n1 never spoke for any but 0.
+#[test]
+fn a_snapshot_request_makes_no_engine_of_the_asker() {
+    let (mut sim, creds, handles) = n0_holding_n1s_run(89);
+    let (n0_id, n1_id) = {
+        let h = handles.lock();
+        (h["n0"].identity(), h["n1"].identity())
+    };
+    let engine = gorgo_cluster::SharedSummary::new(
+        gorgo_core::summary::LocalSummary::new().starting_at(7),
+        sim_clock(),
+    );
+    handles.lock()["n0"]
+        .set_engine(40, engine)
+        .expect("engine 40");
+    let n0_engine_40_at = |handles: &Handles, viewer: &str| {
+        view_of(handles, viewer, "n0")
+            .and_then(|v| v.engines.get(40).cloned())
+            .is_some_and(|e| e.summary_version == Some(7))
+    };
+    // Both peers hold its first snapshot: n0 counted both sends before they arrived.
+    run_until(&mut sim, Duration::from_secs(5), |_| {
+        n0_engine_40_at(&handles, "n1") && n0_engine_40_at(&handles, "n2")
+    })
+    .unwrap_or_else(|| panic!("n0's engine 40 never reached its peers: {}", dump(&handles)));
+    let snapshots = |handles: &Handles| {
+        handles.lock()["n0"]
+            .metrics()
+            .snapshots_sent
+            .load(Ordering::Relaxed)
+    };
+    let before = snapshots(&handles);
+    let n1_creds = creds["n1"].clone();
+    sim.client("relay", async move {
+        let (_endpoint, conn) = raw_connection(
+            "relay",
+            &n1_creds,
+            SocketAddr::new(turmoil::lookup("n0"), PORT),
+        )
+        .await?;
+        conn.send_datagram(swim_datagram(n1_id, n0_id))?;
+        let request = GossipMessage::SnapshotRequest {
+            origin: NodeId::from("n1"),
+            have_version: 0,
+            replica: 40,
+        };
+        send_uni(&conn, &framed(&request)).await?;
+        std::future::pending::<()>().await;
+        Ok(())
+    });
+    run_until(&mut sim, Duration::from_secs(3), |_| {
+        snapshots(&handles) > before
+    })
+    .unwrap_or_else(|| panic!("n0 never answered the request: {}", dump(&handles)));
+    let v = view_of(&handles, "n0", "n1").expect("n0 knows n1");
+    assert_eq!(v.engines.len(), 1, "n0's row for n1: {v:?}");
+}
