@@ -651,8 +651,14 @@ mod tests {
         NodeId::from("me")
     }
 
-    /// A summary message about engine `replica` of peer "a" (run 1).
+    /// A summary message of peer "a" about its engine `replica` (run 1).
     fn summary_msg(replica: u16, delta: Option<(u64, usize)>) -> GossipMessage {
+        summary_msg_of("a", replica, delta)
+    }
+
+    /// A summary message of peer `peer` about its engine `replica` (run 1): a snapshot
+    /// at version 1, or a delta `(from version, fingerprints added)` to the next.
+    fn summary_msg_of(peer: &str, replica: u16, delta: Option<(u64, usize)>) -> GossipMessage {
         use gorgo_core::summary::{SummaryDelta, SummarySnapshot};
         let stats = QueueStats {
             incarnation: 1,
@@ -660,7 +666,7 @@ mod tests {
             replica,
             ..Default::default()
         };
-        let origin = NodeId::from("a");
+        let origin = NodeId::from(peer);
         match delta {
             None => GossipMessage::SummarySnapshot {
                 origin,
@@ -740,6 +746,48 @@ mod tests {
         assert_eq!(e.engines[0].gossip.summary().unwrap().version(), 4);
         assert!(take(&mut e, 2, summary_msg(2, Some((3, 1_000))), &cfg).is_none());
         assert_eq!(e.engines[2].gossip.pending(), 1);
+    }
+
+    #[test]
+    fn a_tick_lets_go_of_every_peers_timed_out_gaps_and_asks_only_the_alive() {
+        let t = PeerTable::default();
+        let now = Instant::now();
+        let cfg = GossipConfig::default();
+        for (peer, replicas) in [("a", vec![0, 2]), ("b", vec![1])] {
+            t.member_up(
+                &me(),
+                &member_at(peer, 1, &format!("10.0.0.{}:1", replicas[0] + 1)),
+                now,
+            );
+            let mut e = t.peers.get_mut(&NodeId::from(peer)).unwrap();
+            for r in replicas {
+                let h = e.engine_mut(r, 1);
+                let from = NodeId::from(peer);
+                for msg in [None, Some((3, 1))] {
+                    let msg = summary_msg_of(peer, r, msg);
+                    h.gossip.receive(&me(), &from, msg, 0, &cfg).unwrap();
+                }
+                assert_eq!(h.gossip.pending(), 1);
+            }
+        }
+        t.member_down(&member_at("b", 1, "10.0.0.2:1"), now);
+        assert!(t
+            .tick_gossip(&me(), cfg.gap_timeout_ms - 1, &cfg)
+            .is_empty());
+        let mut asked: Vec<(String, u16)> = t
+            .tick_gossip(&me(), cfg.gap_timeout_ms, &cfg)
+            .into_iter()
+            .map(|(peer, req)| (peer.0, gorgo_core::gossip::replica(&req)))
+            .collect();
+        asked.sort();
+        assert_eq!(asked, [("a".to_owned(), 0), ("a".to_owned(), 2)]);
+        for e in t.peers.iter() {
+            assert!(
+                e.engines.iter().all(|h| h.gossip.pending() == 0),
+                "{}",
+                e.key()
+            );
+        }
     }
 
     #[test]

@@ -2,6 +2,8 @@
 //! peers held of its previous run at once, a second process with the same node id
 //! (the same certificate, another address) never pushes the genuine node out, and a
 //! node with another id at a node's address takes its place only once it is dead.
+//! Also what a member, its own certificate in hand, can leave in a node's peer table:
+//! a summary gap it never fills, a snapshot request naming an engine.
 
 mod common;
 
