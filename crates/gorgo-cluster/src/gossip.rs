@@ -3,7 +3,9 @@
 //! [`GossipSender`] says it needs (a delta of this node's prefix summary since the
 //! version it holds, or a snapshot), on its own QUIC uni-stream, with the current queue
 //! stats; what arrives goes to the peer's [`gorgo_core::gossip::PeerGossip`] in the
-//! peer table, and a snapshot request it asks for is sent back.
+//! peer table, and a snapshot request it asks for is sent back. Every round also times
+//! out the reorder buffers held ([`gorgo_core::gossip::PeerGossip::tick`]), so a gap is
+//! let go though the peer sends nothing more.
 //!
 //! Frame on the stream: `[STREAM_GOSSIP][oldest_change_ms: u64 LE][wire::GossipMessage]`.
 //! `oldest_change_ms` is when (origin's wall clock) the oldest change in the delta was
@@ -300,6 +302,14 @@ fn round(gossip: &Arc<GossipDriver>, transport: &Arc<Transport>) {
                 .record_rtt(&node, conn.rtt().as_secs_f64() * 1000.0);
         }
     }
+    // Reorder buffers whose gap outlived the timeout go now, not when the peer next
+    // sends a delta: one that never does would pin them (up to 64 engines each).
+    let requests = transport
+        .peers
+        .tick_gossip(&gossip.me, gossip.now_ms(), &gossip.config);
+    for (peer, request) in requests {
+        send_snapshot_request(transport, peer, &request);
+    }
     let peers = transport.peers.alive_ids();
     // What to send, decided under the lock; sent after it.
     let mut out = Vec::new();
@@ -392,18 +402,28 @@ pub(crate) fn handle_frame(
     }
     let incarnation = match &msg {
         GossipMessage::SummaryDelta { stats, .. }
-        | GossipMessage::SummarySnapshot { stats, .. } => Some(stats.incarnation),
-        GossipMessage::SnapshotRequest { .. } => None,
+        | GossipMessage::SummarySnapshot { stats, .. } => stats.incarnation,
+        GossipMessage::SnapshotRequest { .. } => {
+            // It names one of this node's engines, not one of the peer's, so it makes
+            // no state in the peer's row: before, a request for engine 63 added 64
+            // empty engines to it. Taken from a peer in the table only, as all gossip.
+            if transport.peers.peers.contains_key(from) {
+                if let Some(e) = gossip.engines.lock().get_mut(&replica) {
+                    e.sender.on_snapshot_request(from);
+                }
+            }
+            return;
+        }
     };
-    let now = Instant::now();
-    let received = {
+    let (now, now_ms) = (Instant::now(), gossip.now_ms());
+    let (received, over_cap) = {
         let Some(mut guard) = transport.peers.peers.get_mut(from) else {
             return;
         };
         let e = guard.engine_mut(replica, incarnation);
-        match e
+        let received = match e
             .gossip
-            .receive(&gossip.me, from, msg, gossip.now_ms(), &gossip.config)
+            .receive(&gossip.me, from, msg, now_ms, &gossip.config)
         {
             Ok(r) => {
                 match r.summary {
@@ -425,27 +445,29 @@ pub(crate) fn handle_frame(
                 ClusterMetrics::bump(&metrics.malformed_received);
                 return;
             }
-        }
+        };
+        let over_cap = guard.limit_pending(replica, &gossip.me, now_ms, &gossip.config);
+        (received, over_cap)
     };
     if received.summary == (SummaryEvent::Applied { empty: false }) && oldest_change_ms > 0 {
         let wall = (gossip.wall_clock)();
         metrics.record_staleness(wall.saturating_sub(oldest_change_ms));
     }
-    if received.snapshot_requested {
-        if let Some(e) = gossip.engines.lock().get_mut(&replica) {
-            e.sender.on_snapshot_request(from);
+    if let Some(reply) = received.reply.or(over_cap) {
+        send_snapshot_request(transport, from.clone(), &reply);
+    }
+}
+
+/// Send `peer` a snapshot request the gossip state machine asked for, counted.
+fn send_snapshot_request(transport: &Arc<Transport>, peer: NodeId, request: &GossipMessage) {
+    let f = frame(0, request);
+    ClusterMetrics::bump(&transport.metrics.snapshot_requests_sent);
+    let transport = transport.clone();
+    tokio::spawn(async move {
+        if let Err(e) = transport::send_uni(&transport, &peer, TrafficKind::Summary, &f).await {
+            tracing::debug!(peer = %peer, "snapshot request: {e}");
         }
-    }
-    if let Some(reply) = received.reply {
-        let f = frame(0, &reply);
-        ClusterMetrics::bump(&metrics.snapshot_requests_sent);
-        let (transport, from) = (transport.clone(), from.clone());
-        tokio::spawn(async move {
-            if let Err(e) = transport::send_uni(&transport, &from, TrafficKind::Summary, &f).await {
-                tracing::debug!(peer = %from, "snapshot request: {e}");
-            }
-        });
-    }
+    });
 }
 
 #[cfg(test)]

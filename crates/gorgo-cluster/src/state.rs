@@ -9,7 +9,8 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use dashmap::DashMap;
-use gorgo_core::gossip::PeerGossip;
+use gorgo_core::gossip::{GossipConfig, PeerGossip};
+use gorgo_core::wire::GossipMessage;
 use gorgo_core::{NodeId, QueueStats};
 use parking_lot::Mutex;
 use serde::Serialize;
@@ -107,27 +108,52 @@ impl HeardEngine {
 }
 
 impl PeerEntry {
-    /// The state of the peer's engine `replica` (created when first heard of; the
-    /// caller has checked `replica` against the limit). A replica heard of from a
-    /// newer run of the peer than the others were makes them forget theirs: that run
-    /// may front fewer engines, and its other engines speak for themselves.
-    pub(crate) fn engine_mut(
-        &mut self,
-        replica: u16,
-        incarnation: Option<u64>,
-    ) -> &mut HeardEngine {
+    /// The state of the peer's engine `replica`, which a summary message or stats of
+    /// run `incarnation` of the peer speak for (created when first heard of; the caller
+    /// has checked `replica` against the limit). A replica heard of from a newer run of
+    /// the peer than the others were makes them forget theirs: that run may front
+    /// fewer engines, and its other engines speak for themselves.
+    pub(crate) fn engine_mut(&mut self, replica: u16, incarnation: u64) -> &mut HeardEngine {
         let r = replica as usize;
         if self.engines.len() <= r {
             self.engines.resize_with(r + 1, HeardEngine::default);
         }
-        if let Some(inc) = incarnation {
-            for (i, e) in self.engines.iter_mut().enumerate() {
-                if i != r && e.gossip.incarnation().is_some_and(|held| held < inc) {
-                    e.forget();
-                }
+        for (i, e) in self.engines.iter_mut().enumerate() {
+            if i != r
+                && e.gossip
+                    .incarnation()
+                    .is_some_and(|held| held < incarnation)
+            {
+                e.forget();
             }
         }
         &mut self.engines[r]
+    }
+
+    /// Keep the reorder buffers of the peer's engines within
+    /// [`GossipConfig::max_peer_pending_bytes`] together, after engine `replica` took
+    /// a message ([`PeerGossip::limit_pending`]), on behalf of node `me`: the snapshot
+    /// request to send the peer, if its buffer went. Why here: the cap is per peer, and
+    /// this entry is what holds all of a peer's engines.
+    pub(crate) fn limit_pending(
+        &mut self,
+        replica: u16,
+        me: &NodeId,
+        now_ms: u64,
+        config: &GossipConfig,
+    ) -> Option<GossipMessage> {
+        let r = replica as usize;
+        let others = self
+            .engines
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != r)
+            .map(|(_, h)| h.gossip.pending_bytes())
+            .sum();
+        self.engines
+            .get_mut(r)?
+            .gossip
+            .limit_pending(others, me, replica, now_ms, config)
     }
 
     /// The peer's first engine (replica 0), the one a one-engine node has.
@@ -161,6 +187,9 @@ pub struct PeerEngineView {
     pub summary_bytes: u64,
     /// Time since the summary last changed or was confirmed, ms.
     pub summary_age_ms: Option<u64>,
+    /// Deltas of its summary held in the reorder buffer, waiting for the one they
+    /// follow: 0 but for a moment, unless deltas were lost or the peer misbehaves.
+    pub pending_deltas: usize,
     /// The engine's last queue stats.
     pub stats: Option<QueueStats>,
     /// Time since those stats arrived, ms.
@@ -237,6 +266,7 @@ impl PeerTable {
                         summary_len: h.gossip.summary().map_or(0, |s| s.len()),
                         summary_bytes: h.summary_bytes,
                         summary_age_ms: age_ms(h.summary_at, now),
+                        pending_deltas: h.gossip.pending(),
                         stats: h.gossip.stats().cloned(),
                         stats_age_ms: age_ms(h.stats_at, now),
                     })
@@ -264,6 +294,30 @@ impl PeerTable {
             })
             .collect();
         out.sort_by(|a, b| a.id.cmp(&b.id));
+        out
+    }
+
+    /// Time out the reorder buffer of every engine of every peer held
+    /// ([`PeerGossip::tick`]), on behalf of node `me`: the snapshot requests to send,
+    /// each to an alive peer. A down peer's buffers go too (its entry stays until
+    /// [`forget_down`](Self::forget_down)), but it is asked for nothing.
+    pub(crate) fn tick_gossip(
+        &self,
+        me: &NodeId,
+        now_ms: u64,
+        config: &GossipConfig,
+    ) -> Vec<(NodeId, GossipMessage)> {
+        let mut out = Vec::new();
+        for mut e in self.peers.iter_mut() {
+            let (node, entry) = e.pair_mut();
+            let alive = entry.state == PeerState::Alive;
+            for (r, h) in entry.engines.iter_mut().enumerate() {
+                let request = h.gossip.tick(me, r as u16, now_ms, config);
+                if let Some(request) = request.filter(|_| alive) {
+                    out.push((node.clone(), request));
+                }
+            }
+        }
         out
     }
 
@@ -436,7 +490,7 @@ impl PeerTable {
     pub(crate) fn offer_stats(&self, node: &NodeId, stats: &QueueStats, now: Instant) -> bool {
         match self.peers.get_mut(node) {
             Some(mut e) if stats.replica < gorgo_core::types::MAX_REPLICAS => {
-                let h = e.engine_mut(stats.replica, Some(stats.incarnation));
+                let h = e.engine_mut(stats.replica, stats.incarnation);
                 let kept = h.gossip.offer_stats(stats);
                 if kept {
                     h.stats_at = Some(now);
@@ -595,6 +649,145 @@ mod tests {
 
     fn me() -> NodeId {
         NodeId::from("me")
+    }
+
+    /// A summary message of peer "a" about its engine `replica` (run 1).
+    fn summary_msg(replica: u16, delta: Option<(u64, usize)>) -> GossipMessage {
+        summary_msg_of("a", replica, delta)
+    }
+
+    /// A summary message of peer `peer` about its engine `replica` (run 1): a snapshot
+    /// at version 1, or a delta `(from version, fingerprints added)` to the next.
+    fn summary_msg_of(peer: &str, replica: u16, delta: Option<(u64, usize)>) -> GossipMessage {
+        use gorgo_core::summary::{SummaryDelta, SummarySnapshot};
+        let stats = QueueStats {
+            incarnation: 1,
+            version: 1,
+            replica,
+            ..Default::default()
+        };
+        let origin = NodeId::from(peer);
+        match delta {
+            None => GossipMessage::SummarySnapshot {
+                origin,
+                snapshot: SummarySnapshot {
+                    version: 1,
+                    ..Default::default()
+                },
+                stats,
+            },
+            Some((from, fingerprints)) => GossipMessage::SummaryDelta {
+                origin,
+                delta: SummaryDelta {
+                    from_version: from,
+                    to_version: from + 1,
+                    added: vec![7; fingerprints],
+                    ..Default::default()
+                },
+                stats,
+            },
+        }
+    }
+
+    #[test]
+    fn a_peers_reorder_buffers_are_capped_across_its_engines() {
+        let t = PeerTable::default();
+        let now = Instant::now();
+        let a = NodeId::from("a");
+        t.member_up(&me(), &member("a", 1), now);
+        let mut e = t.peers.get_mut(&a).unwrap();
+        // What the driver does with a message (`gossip::handle_frame`).
+        fn take(
+            e: &mut PeerEntry,
+            replica: u16,
+            msg: GossipMessage,
+            config: &GossipConfig,
+        ) -> Option<GossipMessage> {
+            let h = e.engine_mut(replica, 1);
+            h.gossip
+                .receive(&me(), &"a".into(), msg, 0, config)
+                .unwrap();
+            e.limit_pending(replica, &me(), 0, config)
+        }
+        // Room for two deltas of 1,000 fingerprints, whichever engines hold them.
+        let one = {
+            let mut p = PeerGossip::new();
+            let cfg = GossipConfig::default();
+            p.receive(&me(), &a, summary_msg(0, None), 0, &cfg).unwrap();
+            p.receive(&me(), &a, summary_msg(0, Some((3, 1_000))), 0, &cfg)
+                .unwrap();
+            p.pending_bytes()
+        };
+        let cfg = GossipConfig {
+            max_peer_pending_bytes: 2 * one,
+            ..Default::default()
+        };
+        for r in 0..3 {
+            assert!(take(&mut e, r, summary_msg(r, None), &cfg).is_none());
+        }
+        assert!(take(&mut e, 0, summary_msg(0, Some((3, 1_000))), &cfg).is_none());
+        assert!(take(&mut e, 1, summary_msg(1, Some((3, 1_000))), &cfg).is_none());
+        // The third, on another engine, takes the peer over: that engine's buffer goes
+        // and it is asked for a snapshot; the others keep theirs.
+        let request = take(&mut e, 2, summary_msg(2, Some((3, 1_000))), &cfg);
+        assert!(
+            matches!(
+                request,
+                Some(GossipMessage::SnapshotRequest { replica: 2, .. })
+            ),
+            "{request:?}"
+        );
+        let held: Vec<usize> = e.engines.iter().map(|h| h.gossip.pending()).collect();
+        assert_eq!(held, [1, 1, 0]);
+        // Engine 0's gap fills: its room is free again, and a delta past a gap on
+        // engine 2 waits.
+        assert!(take(&mut e, 0, summary_msg(0, Some((1, 0))), &cfg).is_none());
+        assert!(take(&mut e, 0, summary_msg(0, Some((2, 0))), &cfg).is_none());
+        assert_eq!(e.engines[0].gossip.summary().unwrap().version(), 4);
+        assert!(take(&mut e, 2, summary_msg(2, Some((3, 1_000))), &cfg).is_none());
+        assert_eq!(e.engines[2].gossip.pending(), 1);
+    }
+
+    #[test]
+    fn a_tick_lets_go_of_every_peers_timed_out_gaps_and_asks_only_the_alive() {
+        let t = PeerTable::default();
+        let now = Instant::now();
+        let cfg = GossipConfig::default();
+        for (peer, replicas) in [("a", vec![0, 2]), ("b", vec![1])] {
+            t.member_up(
+                &me(),
+                &member_at(peer, 1, &format!("10.0.0.{}:1", replicas[0] + 1)),
+                now,
+            );
+            let mut e = t.peers.get_mut(&NodeId::from(peer)).unwrap();
+            for r in replicas {
+                let h = e.engine_mut(r, 1);
+                let from = NodeId::from(peer);
+                for msg in [None, Some((3, 1))] {
+                    let msg = summary_msg_of(peer, r, msg);
+                    h.gossip.receive(&me(), &from, msg, 0, &cfg).unwrap();
+                }
+                assert_eq!(h.gossip.pending(), 1);
+            }
+        }
+        t.member_down(&member_at("b", 1, "10.0.0.2:1"), now);
+        assert!(t
+            .tick_gossip(&me(), cfg.gap_timeout_ms - 1, &cfg)
+            .is_empty());
+        let mut asked: Vec<(String, u16)> = t
+            .tick_gossip(&me(), cfg.gap_timeout_ms, &cfg)
+            .into_iter()
+            .map(|(peer, req)| (peer.0, gorgo_core::gossip::replica(&req)))
+            .collect();
+        asked.sort();
+        assert_eq!(asked, [("a".to_owned(), 0), ("a".to_owned(), 2)]);
+        for e in t.peers.iter() {
+            assert!(
+                e.engines.iter().all(|h| h.gossip.pending() == 0),
+                "{}",
+                e.key()
+            );
+        }
     }
 
     #[test]

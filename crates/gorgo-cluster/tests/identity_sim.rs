@@ -2,6 +2,8 @@
 //! peers held of its previous run at once, a second process with the same node id
 //! (the same certificate, another address) never pushes the genuine node out, and a
 //! node with another id at a node's address takes its place only once it is dead.
+//! Also what a member, its own certificate in hand, can leave in a node's peer table:
+//! a summary gap it never fills, a snapshot request naming an engine.
 
 mod common;
 
@@ -11,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
+use gorgo_core::wire::GossipMessage;
 use gorgo_core::{NodeId, QueueStats};
 
 const NAMES: [&str; 3] = ["n0", "n1", "n2"];
@@ -264,7 +267,7 @@ fn genuine_n1_kept(
 /// A summary snapshot of `origin` carrying `stats`, framed as on a gossip uni-stream
 /// (`[1][oldest change ms][message]`).
 fn gossip_frame(origin: &str, stats: QueueStats) -> Vec<u8> {
-    let msg = gorgo_core::wire::GossipMessage::SummarySnapshot {
+    framed(&GossipMessage::SummarySnapshot {
         origin: NodeId::from(origin),
         snapshot: gorgo_core::summary::SummarySnapshot {
             version: 1 << 40,
@@ -272,10 +275,14 @@ fn gossip_frame(origin: &str, stats: QueueStats) -> Vec<u8> {
             ..Default::default()
         },
         stats,
-    };
+    })
+}
+
+/// `msg` framed as on a gossip uni-stream (`[1][oldest change ms][message]`).
+fn framed(msg: &GossipMessage) -> Vec<u8> {
     let mut f = vec![1u8];
     f.extend_from_slice(&0u64.to_le_bytes());
-    f.extend_from_slice(&gorgo_core::wire::encode(&msg));
+    f.extend_from_slice(&gorgo_core::wire::encode(msg));
     f
 }
 
@@ -837,4 +844,178 @@ fn a_claim_of_a_live_nodes_address_under_another_id_is_refused() {
         conflicts(&handles) > conflicts_before,
         "n0 counted no refused claim"
     );
+}
+
+/// `frame` on a uni-stream of its own, finished.
+async fn send_uni(
+    conn: &quinn::Connection,
+    frame: &[u8],
+) -> Result<(), Box<dyn std::error::Error>> {
+    let mut uni = conn.open_uni().await?;
+    uni.write_all(frame).await?;
+    uni.finish()?;
+    Ok(())
+}
+
+/// n0's view of n1's engine `replica`, if it holds one.
+fn n1_engine_at_n0(handles: &Handles, replica: usize) -> Option<gorgo_cluster::PeerEngineView> {
+    view_of(handles, "n0", "n1").and_then(|v| v.engines.get(replica).cloned())
+}
+
+/// A member (n1's certificate, claiming its bound address, as through a relay) sends
+/// a snapshot of one of its engines, then a delta past a gap, then nothing more: n0
+/// lets the held delta go at the first gossip round after the gap timeout (1 s) and
+/// asks for a snapshot. Before, the gap's age was looked at only when the next delta
+/// came, so a member that sent none pinned what it had sent (up to 8 deltas of up to
+/// 4 MiB on each of 64 engines) for as long as it stayed alive.
+#[test]
+fn a_gap_a_peer_leaves_open_is_let_go_though_it_sends_nothing_more() {
+    let (mut sim, creds, handles) = n0_holding_n1s_run(83);
+    let (n0_id, n1_id, n1_run) = {
+        let h = handles.lock();
+        (
+            h["n0"].identity(),
+            h["n1"].identity(),
+            h["n1"].incarnation(),
+        )
+    };
+    // An engine the genuine n1 does not front, so that its own gossip fills no gap.
+    let replica = 5u16;
+    let stats = QueueStats {
+        incarnation: n1_run,
+        version: 1,
+        replica,
+        ..Default::default()
+    };
+    let snapshot = GossipMessage::SummarySnapshot {
+        origin: NodeId::from("n1"),
+        snapshot: gorgo_core::summary::SummarySnapshot {
+            version: 100,
+            fingerprints: vec![7],
+            ..Default::default()
+        },
+        stats: stats.clone(),
+    };
+    let gapped = GossipMessage::SummaryDelta {
+        origin: NodeId::from("n1"),
+        delta: gorgo_core::summary::SummaryDelta {
+            from_version: 101,
+            to_version: 102,
+            added: vec![8],
+            ..Default::default()
+        },
+        stats: QueueStats {
+            version: 2,
+            ..stats
+        },
+    };
+    let go = Arc::new(tokio::sync::Notify::new());
+    let go_peer = go.clone();
+    let n1_creds = creds["n1"].clone();
+    sim.client("relay", async move {
+        let (_endpoint, conn) = raw_connection(
+            "relay",
+            &n1_creds,
+            SocketAddr::new(turmoil::lookup("n0"), PORT),
+        )
+        .await?;
+        conn.send_datagram(swim_datagram(n1_id, n0_id))?;
+        send_uni(&conn, &framed(&snapshot)).await?;
+        // The delta only once the snapshot is applied: before it, it is no gap.
+        go_peer.notified().await;
+        send_uni(&conn, &framed(&gapped)).await?;
+        std::future::pending::<()>().await;
+        Ok(())
+    });
+    run_until(&mut sim, Duration::from_secs(5), |_| {
+        n1_engine_at_n0(&handles, 5).is_some_and(|e| e.summary_version == Some(100))
+    })
+    .unwrap_or_else(|| panic!("n0 never applied the snapshot: {}", dump(&handles)));
+    go.notify_one();
+    let held_at = run_until(&mut sim, Duration::from_secs(1), |_| {
+        n1_engine_at_n0(&handles, 5).is_some_and(|e| e.pending_deltas == 1)
+    })
+    .unwrap_or_else(|| panic!("n0 never held the delta: {}", dump(&handles)));
+    let requests_before = handles.lock()["n0"]
+        .metrics()
+        .snapshot_requests_sent
+        .load(Ordering::Relaxed);
+    let let_go = run_until(&mut sim, Duration::from_secs(3), |_| {
+        n1_engine_at_n0(&handles, 5).is_some_and(|e| e.pending_deltas == 0)
+    })
+    .unwrap_or_else(|| panic!("n0 still holds the delta 3 s on: {}", dump(&handles)));
+    // The timeout, then at most one round (250 ms).
+    let waited = let_go - held_at;
+    assert!(
+        waited >= Duration::from_millis(990) && waited <= Duration::from_millis(1_300),
+        "let go after {waited:?}"
+    );
+    let requests_after = handles.lock()["n0"]
+        .metrics()
+        .snapshot_requests_sent
+        .load(Ordering::Relaxed);
+    assert_eq!(requests_after, requests_before + 1, "a snapshot request");
+    let e = n1_engine_at_n0(&handles, 5).expect("the engine stays");
+    assert_eq!(e.summary_version, Some(100), "the summary stays: {e:?}");
+}
+
+/// A snapshot request names one of the receiver's engines, not one of the asker's: a
+/// member (n1, through a relay as above) that asks n0 for its engine 40 gets the
+/// snapshot, and n0's row for n1 keeps the one engine n1 gossips. Before, n0 made an
+/// entry for each of n1's engines 0 to 40, though n1 never spoke for any but 0.
+#[test]
+fn a_snapshot_request_makes_no_engine_of_the_asker() {
+    let (mut sim, creds, handles) = n0_holding_n1s_run(89);
+    let (n0_id, n1_id) = {
+        let h = handles.lock();
+        (h["n0"].identity(), h["n1"].identity())
+    };
+    let engine = gorgo_cluster::SharedSummary::new(
+        gorgo_core::summary::LocalSummary::new().starting_at(7),
+        sim_clock(),
+    );
+    handles.lock()["n0"]
+        .set_engine(40, engine)
+        .expect("engine 40");
+    let n0_engine_40_at = |handles: &Handles, viewer: &str| {
+        view_of(handles, viewer, "n0")
+            .and_then(|v| v.engines.get(40).cloned())
+            .is_some_and(|e| e.summary_version == Some(7))
+    };
+    // Both peers hold its first snapshot: n0 counted both sends before they arrived.
+    run_until(&mut sim, Duration::from_secs(5), |_| {
+        n0_engine_40_at(&handles, "n1") && n0_engine_40_at(&handles, "n2")
+    })
+    .unwrap_or_else(|| panic!("n0's engine 40 never reached its peers: {}", dump(&handles)));
+    let snapshots = |handles: &Handles| {
+        handles.lock()["n0"]
+            .metrics()
+            .snapshots_sent
+            .load(Ordering::Relaxed)
+    };
+    let before = snapshots(&handles);
+    let n1_creds = creds["n1"].clone();
+    sim.client("relay", async move {
+        let (_endpoint, conn) = raw_connection(
+            "relay",
+            &n1_creds,
+            SocketAddr::new(turmoil::lookup("n0"), PORT),
+        )
+        .await?;
+        conn.send_datagram(swim_datagram(n1_id, n0_id))?;
+        let request = GossipMessage::SnapshotRequest {
+            origin: NodeId::from("n1"),
+            have_version: 0,
+            replica: 40,
+        };
+        send_uni(&conn, &framed(&request)).await?;
+        std::future::pending::<()>().await;
+        Ok(())
+    });
+    run_until(&mut sim, Duration::from_secs(3), |_| {
+        snapshots(&handles) > before
+    })
+    .unwrap_or_else(|| panic!("n0 never answered the request: {}", dump(&handles)));
+    let v = view_of(&handles, "n0", "n1").expect("n0 knows n1");
+    assert_eq!(v.engines.len(), 1, "n0's row for n1: {v:?}");
 }

@@ -32,8 +32,16 @@ use crate::wire::GossipMessage;
 /// Knobs of the gossip state machine (defaults: what the live cluster runs).
 #[derive(Debug, Clone, PartialEq)]
 pub struct GossipConfig {
-    /// Deltas held per peer while waiting for the one they follow.
+    /// Deltas held per peer engine while waiting for the one they follow.
     pub max_pending_deltas: usize,
+    /// Bytes the reorder buffers of all of one peer's engines may hold together
+    /// ([`PeerGossip::pending_bytes`]); the driver keeps them within it with
+    /// [`PeerGossip::limit_pending`]. Why, besides `max_pending_deltas`: that bounds
+    /// the count per engine, not the size, and a delta may be as large as a gossip
+    /// message (4 MiB on the wire, up to four times that decoded) on each of up to
+    /// [`MAX_REPLICAS`] engines: 8 deltas on 64 engines could pin gigabytes. Any
+    /// value is valid; 0 holds nothing (every gap asks for a snapshot at once).
+    pub max_peer_pending_bytes: usize,
     /// A version gap that has not filled after this long is a real loss: ask for a
     /// snapshot, ms.
     pub gap_timeout_ms: u64,
@@ -51,6 +59,10 @@ impl Default for GossipConfig {
     fn default() -> Self {
         GossipConfig {
             max_pending_deltas: 8,
+            // Room for a few of the largest deltas a message can carry. Honest deltas
+            // are a round's changes (kilobytes), so only a peer sending huge deltas
+            // past a gap meets it, and it is then asked for a snapshot.
+            max_peer_pending_bytes: 16 << 20,
             gap_timeout_ms: 1_000,
             snapshot_request_backoff_ms: 1_000,
             send_unchanged: true,
@@ -318,6 +330,66 @@ impl PeerGossip {
         self.pending.len()
     }
 
+    /// Bytes the reorder buffer holds, as [`GossipConfig::max_peer_pending_bytes`]
+    /// counts them: each held delta's fingerprints at 4 bytes, plus its fixed size
+    /// (what it pins in memory, not its size on the wire).
+    pub fn pending_bytes(&self) -> usize {
+        self.pending.values().map(held_bytes).sum()
+    }
+
+    /// Keep the reorder buffers of all of the peer's engines within
+    /// [`GossipConfig::max_peer_pending_bytes`] together, after this one (engine
+    /// `replica`) took a message, on behalf of node `me`: the peer's other engines
+    /// hold `others_pending_bytes`. When this buffer takes the total over, its held
+    /// deltas go, as for a gap that overflows [`GossipConfig::max_pending_deltas`];
+    /// returns the snapshot request to send the peer (rate-limited).
+    ///
+    /// Why the engine that took the message: the total was within the cap before it,
+    /// so letting this buffer go brings it back within, whichever engines the peer
+    /// spreads its deltas over. Why the caller sums: a `PeerGossip` is one engine, and
+    /// only the driver holds a peer's engines together.
+    pub fn limit_pending(
+        &mut self,
+        others_pending_bytes: usize,
+        me: &NodeId,
+        replica: u16,
+        now_ms: u64,
+        config: &GossipConfig,
+    ) -> Option<GossipMessage> {
+        let mine = self.pending_bytes();
+        if mine == 0 || others_pending_bytes.saturating_add(mine) <= config.max_peer_pending_bytes {
+            return None;
+        }
+        self.clear_pending();
+        self.snapshot_request(me, replica, now_ms, config)
+    }
+
+    /// Let go of held deltas whose gap has stayed open for
+    /// [`GossipConfig::gap_timeout_ms`], for engine `replica` of the peer, on behalf
+    /// of node `me`; returns the snapshot request to send the peer (rate-limited, as
+    /// [`receive`](Self::receive) gives one for a gap). The driver calls it every
+    /// round for every `PeerGossip` it holds.
+    ///
+    /// Why: `receive` only looks at the gap's age when the next delta arrives. A peer
+    /// that sends a snapshot, then deltas past a gap, then nothing more (gone quiet,
+    /// or doing it on purpose) would otherwise pin them for as long as it stays a
+    /// member.
+    pub fn tick(
+        &mut self,
+        me: &NodeId,
+        replica: u16,
+        now_ms: u64,
+        config: &GossipConfig,
+    ) -> Option<GossipMessage> {
+        let since = self.gap_since_ms?;
+        if self.pending.is_empty() || now_ms.saturating_sub(since) < config.gap_timeout_ms {
+            return None;
+        }
+        // The verdict a delta arriving now would get: a real loss.
+        self.clear_pending();
+        self.snapshot_request(me, replica, now_ms, config)
+    }
+
     /// The newest incarnation of the peer heard from, if any.
     pub fn incarnation(&self) -> Option<u64> {
         self.incarnation
@@ -564,6 +636,14 @@ impl PeerGossip {
         self.pending.clear();
         self.gap_since_ms = None;
     }
+}
+
+/// What a held delta pins in memory, for [`GossipConfig::max_peer_pending_bytes`]:
+/// decoded fingerprints are 4 bytes each, whatever their varint size on the wire (the
+/// codec does not ask them to be distinct, so 4 MiB of 1-byte ones decode to 16 MiB).
+fn held_bytes(d: &SummaryDelta) -> usize {
+    std::mem::size_of::<SummaryDelta>()
+        + std::mem::size_of::<u32>() * (d.added.len() + d.removed.len())
 }
 
 /// Apply held deltas that now follow on; forget the ones already covered.
@@ -817,6 +897,118 @@ mod tests {
             5 + cfg.max_pending_deltas as u64
         );
         assert_eq!(p.pending(), 0);
+    }
+
+    #[test]
+    fn a_gap_after_which_the_peer_goes_quiet_is_let_go_on_a_tick() {
+        let cfg = GossipConfig::default();
+        let (me, replica) = (NodeId::from("a"), 5);
+        let mut p = PeerGossip::new();
+        recv(&mut p, snapshot(1), 0);
+        for v in 3..6 {
+            assert_eq!(
+                recv(&mut p, delta(v, v + 1, &[v as u32]), 10).summary,
+                SummaryEvent::Buffered
+            );
+        }
+        // Within the timeout a tick keeps them: the missing delta may still come.
+        assert!(p
+            .tick(&me, replica, 10 + cfg.gap_timeout_ms - 1, &cfg)
+            .is_none());
+        assert_eq!(p.pending(), 3);
+        // Then no traffic at all: one tick lets them go and asks for a snapshot.
+        let req = p.tick(&me, replica, 10 + cfg.gap_timeout_ms, &cfg);
+        assert_eq!(p.pending(), 0);
+        assert_eq!(
+            req,
+            Some(GossipMessage::SnapshotRequest {
+                origin: me.clone(),
+                have_version: 1,
+                replica,
+            })
+        );
+        assert_eq!(p.summary().unwrap().version(), 1, "the summary stays");
+        // Nothing held: the next tick asks for nothing.
+        assert!(p.tick(&me, replica, 20_000, &cfg).is_none());
+        // A gap that narrowed restarts the wait: 2->3 fills part of it at 300.
+        let mut p = PeerGossip::new();
+        recv(&mut p, snapshot(1), 0);
+        recv(&mut p, delta(2, 3, &[]), 0);
+        recv(&mut p, delta(4, 5, &[]), 0);
+        recv(&mut p, delta(1, 2, &[]), 300);
+        assert!(p.tick(&me, replica, cfg.gap_timeout_ms, &cfg).is_none());
+        assert_eq!(p.pending(), 1);
+        p.tick(&me, replica, 300 + cfg.gap_timeout_ms, &cfg);
+        assert_eq!(p.pending(), 0);
+    }
+
+    #[test]
+    fn a_peers_engines_hold_at_most_the_byte_cap_in_their_reorder_buffers_together() {
+        let me = NodeId::from("a");
+        let big = |from: u64| delta(from, from + 1, &[7; 1_000]);
+        let one = {
+            let mut p = PeerGossip::new();
+            recv(&mut p, snapshot(1), 0);
+            recv(&mut p, big(3), 0);
+            p.pending_bytes()
+        };
+        assert!(one > 4_000, "a held fingerprint counts 4 bytes: {one}");
+        // Room for three such deltas across the peer's engines; each engine alone
+        // would hold 8 of them.
+        let cfg = GossipConfig {
+            max_peer_pending_bytes: 3 * one,
+            ..Default::default()
+        };
+        let mut engines = vec![PeerGossip::new(); 4];
+        let total = |e: &[PeerGossip]| e.iter().map(PeerGossip::pending_bytes).sum::<usize>();
+        let mut requests = Vec::new();
+        for e in &mut engines {
+            e.receive(&me, &"b".into(), snapshot(1), 0, &cfg).unwrap();
+        }
+        // Two deltas past a gap on each engine, one engine after another.
+        for (round, now) in [(0u64, 10u64), (1, 20)] {
+            for r in 0..engines.len() {
+                let got = engines[r]
+                    .receive(&me, &"b".into(), big(3 + round), now, &cfg)
+                    .unwrap();
+                assert_eq!(got.summary, SummaryEvent::Buffered);
+                let others = total(&engines) - engines[r].pending_bytes();
+                if let Some(req) = engines[r].limit_pending(others, &me, r as u16, now, &cfg) {
+                    requests.push(req);
+                }
+                assert!(
+                    total(&engines) <= cfg.max_peer_pending_bytes,
+                    "round {round}, engine {r}: {} held",
+                    total(&engines)
+                );
+            }
+            if round == 0 {
+                // Within the cap nothing goes: the first three wait for their gap.
+                let held: Vec<usize> = engines.iter().map(PeerGossip::pending).collect();
+                assert_eq!(held, [1, 1, 1, 0]);
+            }
+        }
+        // Each engine let go asks for a snapshot of itself.
+        assert!(!requests.is_empty());
+        for req in &requests {
+            assert!(matches!(
+                req,
+                GossipMessage::SnapshotRequest {
+                    have_version: 1,
+                    ..
+                }
+            ));
+        }
+        assert_eq!(
+            requests[0],
+            GossipMessage::SnapshotRequest {
+                origin: me.clone(),
+                have_version: 1,
+                replica: 3,
+            }
+        );
+        // The summaries stay; a snapshot repairs them as after any gap.
+        assert!(engines.iter().all(|e| e.summary().unwrap().version() == 1));
     }
 
     #[test]
