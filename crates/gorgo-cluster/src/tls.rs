@@ -27,7 +27,7 @@ pub const CLUSTER_SERVER_NAME: &str = "cluster.gorgo.internal";
 /// ALPN of the cluster protocol, so that a stray QUIC client is refused early and a
 /// node of another protocol version ([`gorgo_core::wire::PROTOCOL_VERSION`]) is
 /// refused at the handshake, before either misreads the other's messages.
-pub const ALPN: &[u8] = b"gorgo-cluster/8";
+pub const ALPN: &[u8] = b"gorgo-cluster/9";
 
 /// Paths of a node's TLS material on disk, as written by `gorgo certs`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
