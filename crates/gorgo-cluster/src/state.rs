@@ -142,18 +142,14 @@ impl PeerEntry {
         now_ms: u64,
         config: &GossipConfig,
     ) -> Option<GossipMessage> {
-        let r = replica as usize;
-        let others = self
-            .engines
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| *i != r)
-            .map(|(_, h)| h.gossip.pending_bytes())
-            .sum();
-        self.engines
-            .get_mut(r)?
-            .gossip
-            .limit_pending(others, me, replica, now_ms, config)
+        gorgo_core::gossip::limit_peer_pending(
+            &mut self.engines,
+            |h| &mut h.gossip,
+            replica,
+            me,
+            now_ms,
+            config,
+        )
     }
 
     /// The peer's first engine (replica 0), the one a one-engine node has.

@@ -70,6 +70,30 @@ impl Default for GossipConfig {
     }
 }
 
+/// Keep the reorder buffers of all of one peer's engines within
+/// [`GossipConfig::max_peer_pending_bytes`] together, after engine `replica` took a
+/// message ([`PeerGossip::limit_pending`]), on behalf of node `me`: the snapshot
+/// request to send the peer, if that engine's buffer went. `engines` are the peer's
+/// engines as the driver holds them, `gossip` reaches each one's [`PeerGossip`]. The
+/// one place the cap is summed, for the cluster and the simulator alike.
+pub fn limit_peer_pending<T>(
+    engines: &mut [T],
+    gossip: fn(&mut T) -> &mut PeerGossip,
+    replica: u16,
+    me: &NodeId,
+    now_ms: u64,
+    config: &GossipConfig,
+) -> Option<GossipMessage> {
+    let r = usize::from(replica);
+    let others = engines
+        .iter_mut()
+        .enumerate()
+        .filter(|(i, _)| *i != r)
+        .map(|(_, e)| gossip(e).pending_bytes())
+        .sum();
+    gossip(engines.get_mut(r)?).limit_pending(others, me, replica, now_ms, config)
+}
+
 /// The node whose summary a gossip message is about (or who asks for a snapshot).
 pub fn origin(msg: &GossipMessage) -> &NodeId {
     match msg {

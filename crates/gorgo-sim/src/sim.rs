@@ -1887,6 +1887,20 @@ impl<'a> Sim<'a> {
             self.sample_kv();
         }
         let n = self.names.len();
+        // As the cluster's round: reorder buffers whose gap outlived its timeout go,
+        // and the peer is asked for a snapshot (every peer is alive here).
+        let config = GossipConfig::default();
+        for p in (0..n).filter(|&p| p != r) {
+            for k in 0..self.nodes[r].peers[p].len() {
+                let me = &self.node_ids[r];
+                if let Some(request) =
+                    self.nodes[r].peers[p][k].tick(me, k as u16, now as u64, &config)
+                {
+                    self.out.run.counters.snapshot_requests += 1;
+                    self.send_gossip(r, p, request, now);
+                }
+            }
+        }
         // Follow the cluster's size (constant here: every peer stays live).
         let peers = self.cfg.peer_count();
         let sample = self.nodes[r].summary_sample.observe(peers, now as u64);
@@ -1978,7 +1992,21 @@ impl<'a> Sim<'a> {
                         .gossip
                         .on_snapshot_request(&self.node_ids[from]);
                 }
-                if let Some(reply) = received.reply {
+                // The peer's reorder buffers, all its engines together, within their
+                // cap, as the cluster keeps them.
+                let over_cap = (!asks)
+                    .then(|| {
+                        core_gossip::limit_peer_pending(
+                            &mut node.peers[from],
+                            |g| g,
+                            k as u16,
+                            &self.node_ids[to],
+                            now as u64,
+                            &config,
+                        )
+                    })
+                    .flatten();
+                for reply in received.reply.into_iter().chain(over_cap) {
                     self.out.run.counters.snapshot_requests += 1;
                     self.send_gossip(to, from, reply, now);
                 }
