@@ -1694,7 +1694,7 @@ impl<'a> Sim<'a> {
             None => {}
         }
         if streamed && !relayed {
-            self.record_first_token(slot, at);
+            self.record_first_token(slot);
         }
     }
 
@@ -1709,7 +1709,7 @@ impl<'a> Sim<'a> {
             return; // the slot was released and reused
         }
         f.first_byte_due_ms = None;
-        self.record_first_token(slot, now);
+        self.record_first_token(slot);
         let Some(f) = self.flights.get_mut(slot as usize).and_then(|f| f.as_mut()) else {
             return;
         };
@@ -1730,10 +1730,16 @@ impl<'a> Sim<'a> {
     /// The home node sees a request's first byte (the client's TTFT is known there):
     /// its tuner records the TTFT and the decision's start-fit evidence, as the live
     /// node does when the first byte goes out.
-    fn record_first_token(&mut self, slot: u32, now: f64) {
+    fn record_first_token(&mut self, slot: u32) {
         let Some(f) = self.flights.get_mut(slot as usize).and_then(|f| f.as_mut()) else {
             return;
         };
+        // When the client sees it, on the clock its TTFT is measured on (the TTFT
+        // includes the client's delay): the tuner takes the request's start as this
+        // less the TTFT, its send, as the node does (at the node's clock, not the
+        // engine's first token, which overstated a running request's time so far by
+        // one client delay).
+        let now = f.send_ms + f.ttft_ms;
         let Some(t) = self
             .nodes
             .get_mut(f.home as usize)
