@@ -26,6 +26,7 @@
 //! [`TuningOutput`]s, [`Tuner::admit`] (a request's weights and cell) and
 //! [`Tuner::weights`].
 
+use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
@@ -66,6 +67,8 @@ pub struct EpochKey {
     epoch: u64,
     /// `None` before any proposal (and in static mode): such a key is never counted.
     leader: Option<NodeId>,
+    /// The leader's incarnation ([`Proposal::incarnation`]).
+    incarnation: u64,
 }
 
 impl EpochKey {
@@ -73,6 +76,7 @@ impl EpochKey {
         EpochKey {
             epoch: p.epoch,
             leader: Some(p.leader.clone()),
+            incarnation: p.incarnation,
         }
     }
 
@@ -87,7 +91,9 @@ impl EpochKey {
     }
 
     fn is(&self, p: &Proposal) -> bool {
-        self.epoch == p.epoch && self.leader.as_ref() == Some(&p.leader)
+        self.epoch == p.epoch
+            && self.leader.as_ref() == Some(&p.leader)
+            && self.incarnation == p.incarnation
     }
 }
 
@@ -431,6 +437,14 @@ pub struct Proposal {
     pub epoch: u64,
     /// The node that leads this epoch.
     pub leader: NodeId,
+    /// Which run of the leader's tuner issued it ([`Tuner::with_incarnation`]; the
+    /// node's start time). A leader that restarts between deciding an epoch and
+    /// announcing the next takes its line over again from a peer's older copy, and
+    /// would issue a second, different proposal under the epoch and leader some peers
+    /// already hold: neither would supersede the other, and requests routed with two
+    /// weight sets would be judged as one. Of two such proposals the later run's
+    /// wins, and only its own reports count.
+    pub incarnation: u64,
     /// Weights to route with during the epoch (in an interleaved trial: the
     /// incumbent's arm).
     pub weights: Weights,
@@ -487,7 +501,8 @@ impl Proposal {
     /// True when `self` should be followed instead of `other`: higher epoch, or the
     /// same epoch from a smaller leader id.
     pub fn supersedes(&self, other: &Proposal) -> bool {
-        self.epoch > other.epoch || (self.epoch == other.epoch && self.leader < other.leader)
+        (self.epoch, Reverse(&self.leader), self.incarnation)
+            > (other.epoch, Reverse(&other.leader), other.incarnation)
     }
 }
 
@@ -499,6 +514,8 @@ pub struct EpochReport {
     pub epoch: u64,
     /// The leader of that epoch (two partitions may both have an epoch `e`).
     pub leader: NodeId,
+    /// That epoch's leader's incarnation ([`Proposal::incarnation`]).
+    pub incarnation: u64,
     /// The reporting node.
     pub from: NodeId,
     /// Client-side TTFT and E2E of requests admitted under the epoch, by [`Cell`].
@@ -641,6 +658,8 @@ struct Lead {
 #[derive(Debug, Clone)]
 pub struct Tuner {
     id: NodeId,
+    /// This run's incarnation ([`Proposal::incarnation`]; 0 unless set).
+    incarnation: u64,
     cfg: TuningConfig,
     live: BTreeSet<NodeId>,
     current: Option<Proposal>,
@@ -669,6 +688,7 @@ impl Tuner {
         let live = BTreeSet::from([id.clone()]);
         Ok(Tuner {
             id,
+            incarnation: 0,
             cfg,
             live,
             current: None,
@@ -684,6 +704,15 @@ impl Tuner {
             start_fit: None,
             fit_evidence: (TermSums::default(), 0),
         })
+    }
+
+    /// This tuner with incarnation `incarnation`: larger for a later run of the same
+    /// node (its start time, ms), so that a proposal it issues wins over one an earlier
+    /// run issued under the same epoch ([`Proposal::incarnation`]). Drivers whose
+    /// nodes never restart (the simulator) leave it at 0.
+    pub fn with_incarnation(mut self, incarnation: u64) -> Self {
+        self.incarnation = incarnation;
+        self
     }
 
     /// Switch mode in place (`PUT /admin/weights`), keeping everything else: the line
@@ -763,7 +792,11 @@ impl Tuner {
         let Some(lead) = self.lead.as_mut() else {
             return Vec::new();
         };
-        if r.epoch != lead.epoch || r.leader != self.id || r.from == self.id {
+        if r.epoch != lead.epoch
+            || r.leader != self.id
+            || r.incarnation != self.incarnation
+            || r.from == self.id
+        {
             return Vec::new();
         }
         let newer = lead.reports.get(&r.from).is_none_or(|old| r.replaces(old));
@@ -1026,6 +1059,7 @@ impl Tuner {
         EpochReport {
             epoch: cur.epoch,
             leader: cur.leader.clone(),
+            incarnation: cur.incarnation,
             from: self.id.clone(),
             cells: Box::new(with_open(&self.cells, &self.open, now_ms)),
             samples: self.cells.iter().map(|c| c.ttft.count()).sum(),
@@ -1112,6 +1146,7 @@ impl Tuner {
         Proposal {
             epoch,
             leader: self.id.clone(),
+            incarnation: self.incarnation,
             weights,
             candidate,
             phase,
@@ -1234,6 +1269,7 @@ impl Tuner {
                 Proposal {
                     epoch: cur.epoch + 1,
                     leader: self.id.clone(),
+                    incarnation: self.incarnation,
                     weights,
                     candidate: None,
                     phase: Phase::MeasureCandidate,
@@ -1254,6 +1290,7 @@ impl Tuner {
                     None => Proposal {
                         epoch: cur.epoch + 1,
                         leader: self.id.clone(),
+                        incarnation: self.incarnation,
                         weights: cur.weights,
                         candidate: Some(candidate),
                         phase: Phase::Interleaved,
@@ -1363,6 +1400,58 @@ mod tests {
         }
     }
 
+    /// A leader that restarts between deciding an epoch and announcing the next takes
+    /// its line over from a peer's older copy and issues the next epoch again, with
+    /// another candidate: the later run's proposal wins at the peer that holds the
+    /// earlier run's, and that peer's reports under the earlier one do not count.
+    /// (Before, neither proposal superseded the other: the peer routed with the old
+    /// candidate and its reports were judged as the new one's.)
+    #[test]
+    fn a_restarted_leaders_proposal_wins_over_its_earlier_runs_at_the_same_epoch() {
+        let members = || ["a".into(), "x".into(), "y".into()];
+        let mut a = Tuner::new("a".into(), cfg()).unwrap().with_incarnation(1);
+        a.set_membership(members());
+        let first = broadcasts(&a.tick(0))[0].clone();
+        // The earlier run decided epoch 1; only x heard its epoch 2.
+        let mut x = Tuner::new("x".into(), cfg()).unwrap();
+        x.set_membership(members());
+        x.handle_proposal(first.clone());
+        let old = Proposal {
+            epoch: 2,
+            candidate: Some(Weights {
+                w_rtt: 3.0,
+                w_queue: 3.0,
+            }),
+            ..first.clone()
+        };
+        x.handle_proposal(old.clone());
+        assert_eq!(x.epoch(), 2);
+        // x measures a request under it.
+        let adm = x.admit(1, 0);
+        x.record(&adm.epoch, adm.cell, 100.0, 500.0);
+        // The new run hears y's copy of epoch 1 first and takes the line over.
+        let mut a = Tuner::new("a".into(), cfg()).unwrap().with_incarnation(2);
+        a.set_membership(members());
+        a.handle_proposal(first);
+        let new = broadcasts(&a.tick(10))[0].clone();
+        assert_eq!((new.epoch, new.incarnation), (2, 2));
+        // x takes the new run's proposal; the new run answers the old one with its own.
+        x.handle_proposal(new.clone());
+        assert_eq!(x.current(), Some(&new));
+        assert!(matches!(
+            a.handle_proposal(old.clone()).as_slice(),
+            [TuningOutput::SendProposal { proposal, .. }] if *proposal == new
+        ));
+        // x's measurement under the old one is no evidence for the new one.
+        let report = EpochReport {
+            cells: Box::new(x.cells.clone()),
+            samples: 1,
+            ..x.report(&old, 20)
+        };
+        a.handle_report(report, 20);
+        assert!(a.lead.as_ref().unwrap().reports.is_empty());
+    }
+
     /// Reports travel as separate messages and can overtake each other: of two with
     /// the same requests counted, the leader keeps the one built later (before, the
     /// one that arrived later: a stale report, its running requests' time so far
@@ -1380,6 +1469,7 @@ mod tests {
             EpochReport {
                 epoch: p.epoch,
                 leader: "a".into(),
+                incarnation: 0,
                 from: "b".into(),
                 cells,
                 samples: 1,
@@ -1860,6 +1950,7 @@ mod tests {
         let p = Proposal {
             epoch: 9,
             leader: "0".into(),
+            incarnation: 0,
             weights: Weights {
                 w_rtt: 3.0,
                 w_queue: 3.0,
@@ -1920,6 +2011,7 @@ mod tests {
         let p = Proposal {
             epoch: 3,
             leader: "a".into(),
+            incarnation: 0,
             weights: Weights {
                 w_rtt: f64::NAN,
                 w_queue: 1e9,
@@ -1942,6 +2034,7 @@ mod tests {
         let stale = Proposal {
             epoch: 2,
             leader: "c".into(),
+            incarnation: 0,
             ..p
         };
         match t.handle_proposal(stale).as_slice() {
@@ -1959,6 +2052,7 @@ mod tests {
         let base = Proposal {
             epoch: 3,
             leader: "a".into(),
+            incarnation: 0,
             weights: Weights::default(),
             candidate: None,
             phase: Phase::MeasureCandidate,
@@ -2010,6 +2104,7 @@ mod tests {
         let p = Proposal {
             epoch: 3,
             leader: "a".into(),
+            incarnation: 0,
             weights: cfg().start_weights(),
             candidate: Some(cfg().start_weights()),
             phase: Phase::Interleaved,

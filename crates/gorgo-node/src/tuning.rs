@@ -292,8 +292,15 @@ impl std::fmt::Debug for TuningDriver {
 impl TuningDriver {
     /// A driver for node `id`. `static_weights` are routed with in `static` mode.
     pub fn new(id: NodeId, cfg: TuningConfig, static_weights: Weights) -> Result<Self, NodeError> {
+        // This run's start, µs: a later run of the node has a larger one, so what it
+        // proposes wins over what an earlier run proposed under the same epoch.
+        let incarnation = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_micros() as u64;
         let tuner = Tuner::new(id.clone(), cfg)
-            .map_err(|e| NodeError::Config(format!("invalid `tuning`: {e}")))?;
+            .map_err(|e| NodeError::Config(format!("invalid `tuning`: {e}")))?
+            .with_incarnation(incarnation);
         Ok(TuningDriver {
             id,
             inner: Mutex::new(Inner {
@@ -791,6 +798,7 @@ mod tests {
         let report = gorgo_core::tuning::EpochReport {
             epoch: p.epoch,
             leader: p.leader.clone(),
+            incarnation: p.incarnation,
             from: "b".into(),
             cells: Box::new(cells),
             samples: 10,
@@ -883,6 +891,7 @@ mod tests {
                         let p = gorgo_core::tuning::Proposal {
                             epoch: u64::from(epoch),
                             leader: ids[leader as usize].into(),
+                            incarnation: 0,
                             weights: Weights { w_rtt: a, w_queue: b },
                             candidate: Some(Weights { w_rtt: sigma, w_queue: a }),
                             phase: if sigma > 1.0 { Phase::Interleaved } else { Phase::MeasureCandidate },
@@ -902,6 +911,7 @@ mod tests {
                         let r = gorgo_core::tuning::EpochReport {
                             epoch: u64::from(epoch),
                             leader: ids[leader as usize].into(),
+                            incarnation: 0,
                             from: ids[from as usize].into(),
                             cells: Box::new(cells),
                             samples: u64::from(n),
