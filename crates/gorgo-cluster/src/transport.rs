@@ -129,6 +129,16 @@ pub(crate) struct DialSlot {
     failed_at: Mutex<Option<Instant>>,
 }
 
+impl DialSlot {
+    /// Whether the last dial through this slot failed less than [`DIAL_BACKOFF`] ago:
+    /// sends to the address are dropped meanwhile, so the slot must be kept.
+    fn backing_off(&self) -> bool {
+        self.failed_at
+            .lock()
+            .is_some_and(|t| t.elapsed() < DIAL_BACKOFF)
+    }
+}
+
 /// What this node knows of the process behind a connection, beyond the node id its
 /// certificate names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -254,6 +264,32 @@ impl Connections {
             }
         }
         total
+    }
+
+    /// Drop the dial slots that hold nothing any more: no dial in flight or waiting
+    /// (nobody but the map holds the slot) and no failed dial's backoff running. The
+    /// number dropped.
+    ///
+    /// Why: a slot is made for every address dialed, and nothing else removes one
+    /// whose dial failed (there is no connection whose close could) nor one left
+    /// behind by a race with a close; a long-lived node under churn (peers
+    /// rescheduled to new addresses, a member announcing many addresses, dead seeds)
+    /// would keep one for every address it ever dialed. Dropping an idle slot loses
+    /// nothing: a slot past its backoff and held by no caller is what a fresh one is.
+    /// A caller takes its slot (a clone) under the map's shard lock, the same lock
+    /// `retain` holds, so a slot a dial holds or waits on is never dropped, and
+    /// concurrent callers for one address still share it.
+    pub(crate) fn prune_dials(&self) -> usize {
+        let before = self.dials.len();
+        self.dials
+            .retain(|_, slot| Arc::strong_count(slot) > 1 || slot.backing_off());
+        before.saturating_sub(self.dials.len())
+    }
+
+    /// Addresses that hold a dial slot now (a dial in flight, a failed dial's
+    /// backoff, or an idle slot the next [`prune_dials`](Self::prune_dials) drops).
+    pub(crate) fn dial_slots(&self) -> usize {
+        self.dials.len()
     }
 
     /// Forget every connection (shutdown).
@@ -480,11 +516,7 @@ pub(crate) async fn connect(
     if let Some(c) = inner.conns.lookup(node, addr) {
         return Ok(c);
     }
-    if slot
-        .failed_at
-        .lock()
-        .is_some_and(|t| t.elapsed() < DIAL_BACKOFF)
-    {
+    if slot.backing_off() {
         return Err(ClusterError::Connection(quinn::ConnectionError::TimedOut));
     }
     let server_name = node.map_or(CLUSTER_SERVER_NAME, |n| n.0.as_str());
@@ -712,9 +744,9 @@ async fn read_datagrams(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connec
         }
     }
     // Forget the connection if it is still the registered one, by node and by the
-    // address it was dialed on (with that address's dial slot, unless a dial is under
-    // way): peers that come back on new addresses must not leave closed connections
-    // behind for ever.
+    // address it was dialed on: peers that come back on new addresses must not leave
+    // closed connections behind for ever. (The address's dial slot goes with the
+    // next `Connections::prune_dials`, as every idle one does.)
     inner
         .conns
         .by_node
@@ -731,10 +763,6 @@ async fn read_datagrams(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connec
             .conns
             .by_addr
             .remove_if(&addr, |_, (_, c)| c.stable_id() == conn.stable_id());
-        inner
-            .conns
-            .dials
-            .remove_if(&addr, |_, slot| Arc::strong_count(slot) == 1);
     }
     inner.conns.vouched.remove(&conn.stable_id());
 }
@@ -868,5 +896,46 @@ async fn accept_bis(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connection
 fn drop_unvouched(inner: &Transport) {
     if !inner.shutdown.is_cancelled() {
         ClusterMetrics::bump(&inner.metrics.unbound_streams_dropped);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(port: u16) -> SocketAddr {
+        SocketAddr::from(([10, 0, 0, 1], port))
+    }
+
+    /// Pruning drops only slots that hold nothing: a slot a caller holds (a dial in
+    /// flight, or waiting for one) stays, so callers for one address still share a
+    /// single dial, and a failed dial's slot stays until its backoff is over, so sends
+    /// to a dead address are still dropped meanwhile.
+    #[tokio::test(start_paused = true)]
+    async fn prune_drops_idle_dial_slots_only() {
+        let conns = Connections::default();
+        // A dial that succeeded, held by nobody now.
+        conns.dials.insert(addr(1), Arc::default());
+        // A dial that failed just now.
+        let failed = Arc::new(DialSlot::default());
+        *failed.failed_at.lock() = Some(Instant::now());
+        conns.dials.insert(addr(2), failed);
+        // A dial under way (as `connect` takes its slot).
+        let held = conns.dials.entry(addr(3)).or_default().clone();
+
+        assert_eq!(conns.prune_dials(), 1);
+        assert!(!conns.dials.contains_key(&addr(1)));
+        assert!(conns.dials.get(&addr(2)).is_some_and(|s| s.backing_off()));
+        // A second caller for the held address gets the slot the first holds.
+        let second = conns.dials.entry(addr(3)).or_default().clone();
+        assert!(Arc::ptr_eq(&held, &second));
+        drop(second);
+
+        tokio::time::advance(DIAL_BACKOFF).await;
+        assert_eq!(conns.prune_dials(), 1, "the backoff is over");
+        assert_eq!(conns.dial_slots(), 1, "the held slot stays");
+        drop(held);
+        assert_eq!(conns.prune_dials(), 1);
+        assert_eq!(conns.dial_slots(), 0);
     }
 }
