@@ -176,6 +176,31 @@ struct Vouch {
 /// few wait at most.
 const MAX_STREAMS_AWAITING_VOUCH: usize = 32;
 
+/// Inbound connections one certificate's node id may hold open here at once; when a
+/// new one would be one more, the oldest of the others that does not speak for the id
+/// (no SWIM claim yet, or a refused one), else the oldest of the others, is closed and
+/// counted (`ClusterMetrics::excess_connections_closed`). The connection this node
+/// sends to the id on is never the one closed.
+///
+/// Why a cap: every inbound connection is served, with up to 64 uni-streams each
+/// reading up to 4 MiB, 32 streams waiting for its claim and a 64 MiB receive window,
+/// so one certificate holder opening connections without end could pin memory without
+/// end. Why 4: an honest peer holds one connection here that it dialed (two when the
+/// address this node is dialed at as a seed is not the one it advertises, or behind a
+/// relay), plus, after it restarts, its previous runs' connections until their idle
+/// timeout (5 s) closes them. Why close an old one rather than refuse the new one: a
+/// peer that restarts comes back on a new connection while its dead run's are still
+/// open here; refusing would shut it out until they time out, and a holder of a
+/// stolen certificate keeping four connections alive would shut it out for good.
+/// Closing the old ones that speak for nobody first keeps a peer's vouched
+/// connections against a flood of unvouched ones (a holder that can make accepted
+/// claims can already take the id's place, docs/cluster.md "Identity").
+const MAX_INBOUND_CONNECTIONS_PER_NODE: usize = 4;
+
+// At most one of a node's connections is the one this node sends on: with two or
+// more allowed, there is always another one to close.
+const _: () = assert!(MAX_INBOUND_CONNECTIONS_PER_NODE >= 2);
+
 /// Bytes a connection may have received and not yet read, over all its streams
 /// (QUIC's connection-level flow control; quinn's default is unlimited). A peer's
 /// forwards are read as they arrive, so this only binds streams held unread, e.g.
@@ -223,6 +248,9 @@ pub(crate) struct Connections {
     /// What is known of each open connection's process, by `stable_id`: an entry
     /// from the moment it is served until it closes (none: closed and forgotten).
     vouched: DashMap<usize, Vouch>,
+    /// The inbound connections served for each certificate's node id, oldest first:
+    /// at most [`MAX_INBOUND_CONNECTIONS_PER_NODE`] open at once.
+    inbound: DashMap<NodeId, Vec<quinn::Connection>>,
 }
 
 fn usable(c: &quinn::Connection) -> bool {
@@ -298,6 +326,16 @@ impl Connections {
         self.by_addr.clear();
         self.dials.clear();
         self.vouched.clear();
+        self.inbound.clear();
+    }
+
+    /// Forget `conn` among `peer`'s inbound connections (it closed), and the peer's
+    /// entry with the last one.
+    fn forget_inbound(&self, peer: &NodeId, conn: &quinn::Connection) {
+        if let Some(mut open) = self.inbound.get_mut(peer) {
+            open.retain(|c| c.stable_id() != conn.stable_id());
+        }
+        self.inbound.remove_if(peer, |_, open| open.is_empty());
     }
 
     pub(crate) fn all(&self) -> Vec<(NodeId, quinn::Connection)> {
@@ -455,6 +493,34 @@ impl Transport {
             Vouched::At(addr) => self.peers.bound_addr(peer).is_none_or(|b| b == addr),
             Vouched::Dialed => true,
         })
+    }
+
+    /// Count `conn`, a new inbound connection of `peer`'s, against the id's cap
+    /// ([`MAX_INBOUND_CONNECTIONS_PER_NODE`]): when it would be one too many, another
+    /// of the id's connections is given up for it, and returned for closing.
+    fn admit_inbound(&self, peer: &NodeId, conn: &quinn::Connection) -> Option<quinn::Connection> {
+        // `by_node` is read before `inbound`'s entry is locked; under that lock only
+        // `vouched` and the peer table are read (`may_speak_for`), and nothing locks
+        // `inbound` while it holds either, so the maps' locks cannot deadlock.
+        let sending = self.conns.by_node.get(peer).map(|c| c.stable_id());
+        let mut open = self.conns.inbound.entry(peer.clone()).or_default();
+        // A closed one not forgotten yet (its datagram task ends soon) is not held.
+        open.retain(usable);
+        let mut evicted = None;
+        if open.len() >= MAX_INBOUND_CONNECTIONS_PER_NODE {
+            let others = || {
+                open.iter()
+                    .enumerate()
+                    .filter(|(_, c)| Some(c.stable_id()) != sending)
+            };
+            let victim = others()
+                .find(|(_, c)| self.may_speak_for(peer, c) != Some(true))
+                .or_else(|| others().next())
+                .map(|(i, _)| i);
+            evicted = victim.map(|i| open.remove(i));
+        }
+        open.push(conn.clone());
+        evicted
     }
 
     /// Wait until inbound `conn` has made a SWIM claim, at most
@@ -707,6 +773,11 @@ pub(crate) async fn accept_loop(inner: Arc<Transport>) {
                         .conns
                         .vouched
                         .insert(conn.stable_id(), Vouch::new(None, 0));
+                    if let Some(old) = inner.admit_inbound(&peer, &conn) {
+                        ClusterMetrics::bump(&inner.metrics.excess_connections_closed);
+                        tracing::debug!(%peer, "too many connections from one node id; an older one closed");
+                        old.close(1u32.into(), b"too many connections");
+                    }
                     serve(&inner, peer, conn)
                 }
                 _ => {
@@ -765,6 +836,7 @@ async fn read_datagrams(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connec
             .remove_if(&addr, |_, (_, c)| c.stable_id() == conn.stable_id());
     }
     inner.conns.vouched.remove(&conn.stable_id());
+    inner.conns.forget_inbound(&peer, &conn);
 }
 
 async fn accept_unis(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connection) {
