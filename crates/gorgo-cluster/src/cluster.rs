@@ -327,6 +327,10 @@ async fn run_foca(inner: Arc<Inner>, mut foca: ClusterFoca, mut rx: mpsc::Receiv
                 inner
                     .peers
                     .forget_down(Instant::now(), inner.config.swim.remove_down_after);
+                // Dial state of addresses no longer being dialed (failed dials past
+                // their backoff among them) goes too, or every address ever dialed
+                // would keep an entry.
+                inner.transport.conns.prune_dials();
                 if foca.num_members() == 0 {
                     // Alone: the seeds may be back, and so may members we saw go down
                     // (a node with no seeds has only those to rejoin through).
@@ -1094,6 +1098,14 @@ impl ClusterHandle {
     /// closed connection's bytes drop out: use for rates over stable windows).
     pub fn udp_bytes_sent(&self) -> u64 {
         self.inner.transport.conns.udp_bytes_sent()
+    }
+
+    /// Addresses this node holds dial state for: dials in flight, failed dials in
+    /// their 500 ms backoff, and idle entries until the next `announce_period` tick
+    /// drops them. Exposed so that operators and tests can see that the transport
+    /// keeps state for what it is dialing now, not for every address it ever dialed.
+    pub fn dial_slots(&self) -> usize {
+        self.inner.transport.conns.dial_slots()
     }
 
     /// A receiver that changes on every membership change (the value counts them): wait

@@ -567,6 +567,11 @@ pub struct ClusterMetrics {
     /// (four SWIM probe periods: a process with a stolen certificate that never sends
     /// SWIM, docs/cluster.md "Identity").
     pub unbound_streams_dropped: AtomicU64,
+    /// Inbound connections closed because their certificate's node id held more open
+    /// here at once than the cap (4, `transport::MAX_INBOUND_CONNECTIONS_PER_NODE`):
+    /// the oldest that spoke for nobody, else the oldest but the one this node sends
+    /// on, went (docs/cluster.md, "Transport").
+    pub excess_connections_closed: AtomicU64,
     staleness_ms: Mutex<VecDeque<u64>>,
 }
 

@@ -129,6 +129,16 @@ pub(crate) struct DialSlot {
     failed_at: Mutex<Option<Instant>>,
 }
 
+impl DialSlot {
+    /// Whether the last dial through this slot failed less than [`DIAL_BACKOFF`] ago:
+    /// sends to the address are dropped meanwhile, so the slot must be kept.
+    fn backing_off(&self) -> bool {
+        self.failed_at
+            .lock()
+            .is_some_and(|t| t.elapsed() < DIAL_BACKOFF)
+    }
+}
+
 /// What this node knows of the process behind a connection, beyond the node id its
 /// certificate names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,6 +175,31 @@ struct Vouch {
 /// An honest peer's claim arrives with its first streams (it announces on dial), so a
 /// few wait at most.
 const MAX_STREAMS_AWAITING_VOUCH: usize = 32;
+
+/// Inbound connections one certificate's node id may hold open here at once; when a
+/// new one would be one more, the oldest of the others that does not speak for the id
+/// (no SWIM claim yet, or a refused one), else the oldest of the others, is closed and
+/// counted (`ClusterMetrics::excess_connections_closed`). The connection this node
+/// sends to the id on is never the one closed.
+///
+/// Why a cap: every inbound connection is served, with up to 64 uni-streams each
+/// reading up to 4 MiB, 32 streams waiting for its claim and a 64 MiB receive window,
+/// so one certificate holder opening connections without end could pin memory without
+/// end. Why 4: an honest peer holds one connection here that it dialed (two when the
+/// address this node is dialed at as a seed is not the one it advertises, or behind a
+/// relay), plus, after it restarts, its previous runs' connections until their idle
+/// timeout (5 s) closes them. Why close an old one rather than refuse the new one: a
+/// peer that restarts comes back on a new connection while its dead run's are still
+/// open here; refusing would shut it out until they time out, and a holder of a
+/// stolen certificate keeping four connections alive would shut it out for good.
+/// Closing the old ones that speak for nobody first keeps a peer's vouched
+/// connections against a flood of unvouched ones (a holder that can make accepted
+/// claims can already take the id's place, docs/cluster.md "Identity").
+const MAX_INBOUND_CONNECTIONS_PER_NODE: usize = 4;
+
+// At most one of a node's connections is the one this node sends on: with two or
+// more allowed, there is always another one to close.
+const _: () = assert!(MAX_INBOUND_CONNECTIONS_PER_NODE >= 2);
 
 /// Bytes a connection may have received and not yet read, over all its streams
 /// (QUIC's connection-level flow control; quinn's default is unlimited). A peer's
@@ -213,6 +248,9 @@ pub(crate) struct Connections {
     /// What is known of each open connection's process, by `stable_id`: an entry
     /// from the moment it is served until it closes (none: closed and forgotten).
     vouched: DashMap<usize, Vouch>,
+    /// The inbound connections served for each certificate's node id, oldest first:
+    /// at most [`MAX_INBOUND_CONNECTIONS_PER_NODE`] open at once.
+    inbound: DashMap<NodeId, Vec<quinn::Connection>>,
 }
 
 fn usable(c: &quinn::Connection) -> bool {
@@ -256,12 +294,48 @@ impl Connections {
         total
     }
 
+    /// Drop the dial slots that hold nothing any more: no dial in flight or waiting
+    /// (nobody but the map holds the slot) and no failed dial's backoff running. The
+    /// number dropped.
+    ///
+    /// Why: a slot is made for every address dialed, and nothing else removes one
+    /// whose dial failed (there is no connection whose close could) nor one left
+    /// behind by a race with a close; a long-lived node under churn (peers
+    /// rescheduled to new addresses, a member announcing many addresses, dead seeds)
+    /// would keep one for every address it ever dialed. Dropping an idle slot loses
+    /// nothing: a slot past its backoff and held by no caller is what a fresh one is.
+    /// A caller takes its slot (a clone) under the map's shard lock, the same lock
+    /// `retain` holds, so a slot a dial holds or waits on is never dropped, and
+    /// concurrent callers for one address still share it.
+    pub(crate) fn prune_dials(&self) -> usize {
+        let before = self.dials.len();
+        self.dials
+            .retain(|_, slot| Arc::strong_count(slot) > 1 || slot.backing_off());
+        before.saturating_sub(self.dials.len())
+    }
+
+    /// Addresses that hold a dial slot now (a dial in flight, a failed dial's
+    /// backoff, or an idle slot the next [`prune_dials`](Self::prune_dials) drops).
+    pub(crate) fn dial_slots(&self) -> usize {
+        self.dials.len()
+    }
+
     /// Forget every connection (shutdown).
     pub(crate) fn clear(&self) {
         self.by_node.clear();
         self.by_addr.clear();
         self.dials.clear();
         self.vouched.clear();
+        self.inbound.clear();
+    }
+
+    /// Forget `conn` among `peer`'s inbound connections (it closed), and the peer's
+    /// entry with the last one.
+    fn forget_inbound(&self, peer: &NodeId, conn: &quinn::Connection) {
+        if let Some(mut open) = self.inbound.get_mut(peer) {
+            open.retain(|c| c.stable_id() != conn.stable_id());
+        }
+        self.inbound.remove_if(peer, |_, open| open.is_empty());
     }
 
     pub(crate) fn all(&self) -> Vec<(NodeId, quinn::Connection)> {
@@ -421,6 +495,34 @@ impl Transport {
         })
     }
 
+    /// Count `conn`, a new inbound connection of `peer`'s, against the id's cap
+    /// ([`MAX_INBOUND_CONNECTIONS_PER_NODE`]): when it would be one too many, another
+    /// of the id's connections is given up for it, and returned for closing.
+    fn admit_inbound(&self, peer: &NodeId, conn: &quinn::Connection) -> Option<quinn::Connection> {
+        // `by_node` is read before `inbound`'s entry is locked; under that lock only
+        // `vouched` and the peer table are read (`may_speak_for`), and nothing locks
+        // `inbound` while it holds either, so the maps' locks cannot deadlock.
+        let sending = self.conns.by_node.get(peer).map(|c| c.stable_id());
+        let mut open = self.conns.inbound.entry(peer.clone()).or_default();
+        // A closed one not forgotten yet (its datagram task ends soon) is not held.
+        open.retain(usable);
+        let mut evicted = None;
+        if open.len() >= MAX_INBOUND_CONNECTIONS_PER_NODE {
+            let others = || {
+                open.iter()
+                    .enumerate()
+                    .filter(|(_, c)| Some(c.stable_id()) != sending)
+            };
+            let victim = others()
+                .find(|(_, c)| self.may_speak_for(peer, c) != Some(true))
+                .or_else(|| others().next())
+                .map(|(i, _)| i);
+            evicted = victim.map(|i| open.remove(i));
+        }
+        open.push(conn.clone());
+        evicted
+    }
+
     /// Wait until inbound `conn` has made a SWIM claim, at most
     /// [`vouch_wait`](Self::vouch_wait), and say whether a stream on it then speaks
     /// for `peer` ([`may_speak_for`](Self::may_speak_for)). False on timeout, when the
@@ -480,11 +582,7 @@ pub(crate) async fn connect(
     if let Some(c) = inner.conns.lookup(node, addr) {
         return Ok(c);
     }
-    if slot
-        .failed_at
-        .lock()
-        .is_some_and(|t| t.elapsed() < DIAL_BACKOFF)
-    {
+    if slot.backing_off() {
         return Err(ClusterError::Connection(quinn::ConnectionError::TimedOut));
     }
     let server_name = node.map_or(CLUSTER_SERVER_NAME, |n| n.0.as_str());
@@ -675,6 +773,11 @@ pub(crate) async fn accept_loop(inner: Arc<Transport>) {
                         .conns
                         .vouched
                         .insert(conn.stable_id(), Vouch::new(None, 0));
+                    if let Some(old) = inner.admit_inbound(&peer, &conn) {
+                        ClusterMetrics::bump(&inner.metrics.excess_connections_closed);
+                        tracing::debug!(%peer, "too many connections from one node id; an older one closed");
+                        old.close(1u32.into(), b"too many connections");
+                    }
                     serve(&inner, peer, conn)
                 }
                 _ => {
@@ -712,9 +815,9 @@ async fn read_datagrams(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connec
         }
     }
     // Forget the connection if it is still the registered one, by node and by the
-    // address it was dialed on (with that address's dial slot, unless a dial is under
-    // way): peers that come back on new addresses must not leave closed connections
-    // behind for ever.
+    // address it was dialed on: peers that come back on new addresses must not leave
+    // closed connections behind for ever. (The address's dial slot goes with the
+    // next `Connections::prune_dials`, as every idle one does.)
     inner
         .conns
         .by_node
@@ -731,12 +834,9 @@ async fn read_datagrams(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connec
             .conns
             .by_addr
             .remove_if(&addr, |_, (_, c)| c.stable_id() == conn.stable_id());
-        inner
-            .conns
-            .dials
-            .remove_if(&addr, |_, slot| Arc::strong_count(slot) == 1);
     }
     inner.conns.vouched.remove(&conn.stable_id());
+    inner.conns.forget_inbound(&peer, &conn);
 }
 
 async fn accept_unis(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connection) {
@@ -868,5 +968,46 @@ async fn accept_bis(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connection
 fn drop_unvouched(inner: &Transport) {
     if !inner.shutdown.is_cancelled() {
         ClusterMetrics::bump(&inner.metrics.unbound_streams_dropped);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(port: u16) -> SocketAddr {
+        SocketAddr::from(([10, 0, 0, 1], port))
+    }
+
+    /// Pruning drops only slots that hold nothing: a slot a caller holds (a dial in
+    /// flight, or waiting for one) stays, so callers for one address still share a
+    /// single dial, and a failed dial's slot stays until its backoff is over, so sends
+    /// to a dead address are still dropped meanwhile.
+    #[tokio::test(start_paused = true)]
+    async fn prune_drops_idle_dial_slots_only() {
+        let conns = Connections::default();
+        // A dial that succeeded, held by nobody now.
+        conns.dials.insert(addr(1), Arc::default());
+        // A dial that failed just now.
+        let failed = Arc::new(DialSlot::default());
+        *failed.failed_at.lock() = Some(Instant::now());
+        conns.dials.insert(addr(2), failed);
+        // A dial under way (as `connect` takes its slot).
+        let held = conns.dials.entry(addr(3)).or_default().clone();
+
+        assert_eq!(conns.prune_dials(), 1);
+        assert!(!conns.dials.contains_key(&addr(1)));
+        assert!(conns.dials.get(&addr(2)).is_some_and(|s| s.backing_off()));
+        // A second caller for the held address gets the slot the first holds.
+        let second = conns.dials.entry(addr(3)).or_default().clone();
+        assert!(Arc::ptr_eq(&held, &second));
+        drop(second);
+
+        tokio::time::advance(DIAL_BACKOFF).await;
+        assert_eq!(conns.prune_dials(), 1, "the backoff is over");
+        assert_eq!(conns.dial_slots(), 1, "the held slot stays");
+        drop(held);
+        assert_eq!(conns.prune_dials(), 1);
+        assert_eq!(conns.dial_slots(), 0);
     }
 }

@@ -301,3 +301,53 @@ fn restarted_node_rejoins_with_a_new_generation_and_resyncs() {
     })
     .expect("summaries resync with the restarted node");
 }
+
+/// A node whose seeds include 40 addresses nothing answers at (a seed list that
+/// outlived its hosts, pods rescheduled to new IPs) dials each of them at start; once
+/// those dials have failed (the 5 s idle timeout) and their 500 ms backoff is over, the
+/// node keeps no dial state for any of them, nor for the seed that answered. Before,
+/// a dial slot stayed for every address the node had ever dialed.
+#[test]
+fn dial_state_of_addresses_no_longer_dialed_is_dropped() {
+    let mut sim = sim(37, Duration::from_secs(60));
+    let names = ["n0", "n1"];
+    let creds = credentials(&names);
+    let handles = Handles::default();
+    add_node(&mut sim, seeded_spec(&names, 0, &creds, 1), handles.clone());
+    {
+        let spec = seeded_spec(&names, 1, &creds, 1);
+        let handles = handles.clone();
+        sim.host("n1", move || {
+            let spec = spec.clone();
+            let handles = handles.clone();
+            async move {
+                let (h, _) = start_node_with(&spec, |c| {
+                    // Ports on n0's host where nothing listens: datagrams to them
+                    // are dropped, so each dial waits out the handshake's timeout.
+                    let dead = turmoil::lookup("n0");
+                    c.seeds
+                        .extend((1..=40).map(|i| std::net::SocketAddr::new(dead, PORT + i)));
+                })
+                .await?;
+                handles.lock().insert(spec.name.clone(), h);
+                std::future::pending::<()>().await;
+                Ok(())
+            }
+        });
+    }
+    set_wan_latencies(&mut sim, &names);
+    let slots = |handles: &Handles| handles.lock().get("n1").map_or(0, |h| h.dial_slots());
+    run_until(&mut sim, Duration::from_secs(2), |_| slots(&handles) >= 40)
+        .expect("n1 dials its 40 dead seeds");
+    converge(&mut sim, &handles, &names);
+    let dropped = run_until(&mut sim, Duration::from_secs(15), |_| slots(&handles) == 0);
+    assert!(
+        dropped.is_some(),
+        "n1 still holds {} dial slots",
+        slots(&handles)
+    );
+    eprintln!("dial state dropped at {dropped:?}");
+    // And the membership it made through the live seed is as it was.
+    run_for(&mut sim, Duration::from_secs(2));
+    assert!(converged(&handles, &names));
+}

@@ -1019,3 +1019,92 @@ fn a_snapshot_request_makes_no_engine_of_the_asker() {
     let v = view_of(&handles, "n0", "n1").expect("n0 knows n1");
     assert_eq!(v.engines.len(), 1, "n0's row for n1: {v:?}");
 }
+
+/// Why n0 closed a connection, when it did.
+fn closed_by_n0(conn: &quinn::Connection) -> Option<String> {
+    match conn.close_reason()? {
+        quinn::ConnectionError::ApplicationClosed(c) => {
+            Some(String::from_utf8_lossy(&c.reason).into_owned())
+        }
+        other => Some(other.to_string()),
+    }
+}
+
+/// One certificate (n1's, held by a second process that never sends SWIM) opens ten
+/// connections to n0: n0 holds at most four of the id's inbound connections open at
+/// once, closing the oldest of the thief's for each new one (the genuine n1's, which
+/// n0 sends on, is never the one closed), and counts each. Then the genuine n1
+/// restarts while the thief still holds its connections: its new connection gets in
+/// (one of the thief's goes instead), and n0 holds the new run as fast as after any
+/// restart. Before, n0 served every connection a certificate opened, each able to pin
+/// 64 MiB of receive window and 64 streams of up to 4 MiB.
+#[test]
+fn one_certificate_holds_at_most_four_connections_and_a_restart_still_gets_in() {
+    let (mut sim, creds, handles) = n0_holding_n1s_run(103);
+    let excess = |handles: &Handles| {
+        handles.lock()["n0"]
+            .metrics()
+            .excess_connections_closed
+            .load(Ordering::Relaxed)
+    };
+    let excess_before = excess(&handles);
+    let conns: Arc<parking_lot::Mutex<Vec<quinn::Connection>>> = Arc::default();
+    let held = conns.clone();
+    let stolen = creds["n1"].clone();
+    sim.client("thief", async move {
+        let n0 = SocketAddr::new(turmoil::lookup("n0"), PORT);
+        let (endpoint, first) = raw_connection("thief", &stolen, n0).await?;
+        held.lock().push(first);
+        for _ in 1..10 {
+            let conn = endpoint
+                .connect(n0, gorgo_cluster::CLUSTER_SERVER_NAME)?
+                .await?;
+            held.lock().push(conn);
+        }
+        std::future::pending::<()>().await;
+        Ok(())
+    });
+    let thief = |conns: &parking_lot::Mutex<Vec<quinn::Connection>>| {
+        let conns = conns.lock();
+        let closed: Vec<String> = conns.iter().filter_map(closed_by_n0).collect();
+        (conns.len(), closed)
+    };
+    run_until(&mut sim, Duration::from_secs(5), |_| thief(&conns).0 == 10)
+        .expect("the thief opens ten connections");
+    // The closes reach the thief a one-way delay after each eviction.
+    run_for(&mut sim, Duration::from_millis(100));
+    let (opened, closed) = thief(&conns);
+    assert!(
+        opened - closed.len() <= 4,
+        "the thief holds {} connections open at n0",
+        opened - closed.len()
+    );
+    assert!(
+        closed.iter().all(|r| r == "too many connections"),
+        "{closed:?}"
+    );
+    // Each close counted, and each one was the thief's: none of the genuine n1's.
+    assert_eq!(excess(&handles) - excess_before, closed.len() as u64);
+    assert!(view_of(&handles, "n0", "n1").is_some_and(|v| v.alive));
+
+    // The genuine n1 restarts; its new connection must get in at once.
+    handles.lock().remove("n1");
+    let restarted_at = sim.elapsed();
+    sim.bounce("n1");
+    let new_run = |handles: &Handles| {
+        let Some(run) = handles.lock().get("n1").map(|h| h.incarnation()) else {
+            return false;
+        };
+        view_of(handles, "n0", "n1").is_some_and(|v| v.alive && v.incarnation == Some(run))
+    };
+    let held_at = run_until(&mut sim, Duration::from_secs(10), |_| new_run(&handles))
+        .unwrap_or_else(|| panic!("n0 never held n1's new run: {}", dump(&handles)));
+    let took = held_at - restarted_at;
+    eprintln!("n0 held n1's new run {took:?} after the restart");
+    // As in `a_restarted_node_replaces_its_previous_run_at_once`: within a few gossip
+    // rounds, not after n1's dead run's connection times out here (5 s) and n0 dials
+    // the new run itself.
+    assert!(took < Duration::from_secs(3), "took {took:?}");
+    let (_, closed) = thief(&conns);
+    assert_eq!(excess(&handles) - excess_before, closed.len() as u64);
+}
