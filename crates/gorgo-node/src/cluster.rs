@@ -203,6 +203,13 @@ impl PeerSource for ClusterPeers {
             bytes_received: m.total_bytes_received(),
             identity_conflicts: load(&m.identity_conflicts),
             own_id_claimed: load(&m.own_id_claimed),
+            refused: crate::peers::Refused {
+                malformed: load(&m.malformed_received),
+                spoofed: load(&m.spoofed_received),
+                handshake: load(&m.handshakes_failed),
+                unbound_stream: load(&m.unbound_streams_dropped),
+                excess_connection: load(&m.excess_connections_closed),
+            },
         }
     }
 }

@@ -536,6 +536,20 @@ impl NodeState {
         ] {
             gauge.set(count.min(i64::MAX as u64) as i64);
         }
+        let r = g.refused;
+        for (what, count) in [
+            ("malformed", r.malformed),
+            ("spoofed", r.spoofed),
+            ("handshake", r.handshake),
+            ("unbound_stream", r.unbound_stream),
+            ("excess_connection", r.excess_connection),
+        ] {
+            m.cluster_refused
+                .get_or_create(&metrics::RefusedLabels {
+                    what: what.to_owned(),
+                })
+                .set(count.min(i64::MAX as u64) as i64);
+        }
         for p in peers {
             let label = metrics::PeerLabels {
                 peer: p.id.0.clone(),

@@ -50,6 +50,17 @@ pub struct PeerLabels {
     pub peer: String,
 }
 
+/// Labels of what the cluster transport refused or dropped from the network.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusedLabels {
+    /// `malformed` (messages that did not decode or were over their cap), `spoofed`
+    /// (SWIM packets whose sender is not their connection's certificate),
+    /// `handshake` (connections refused at the handshake), `unbound_stream` (streams
+    /// on a connection no accepted claim vouches for), `excess_connection` (inbound
+    /// connections closed over the per-certificate cap).
+    pub what: String,
+}
+
 /// Labels of per-engine gauges: which of the node's engines (docs/design.md,
 /// "Replicas").
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -93,6 +104,10 @@ pub struct NodeMetrics {
     pub cluster_identity_conflicts: Gauge,
     /// Claims of this node's own id by another process, refused.
     pub cluster_own_id_claimed: Gauge,
+    /// What the cluster transport refused or dropped, by kind (garbage on the gossip
+    /// port, a wrong certificate, a certificate holder opening too many connections):
+    /// counts since the node started.
+    pub cluster_refused: Family<RefusedLabels, Gauge>,
     /// Age of each peer's gossiped prefix summary, seconds (staleness).
     pub prefixes_age: Family<PeerLabels, Gauge<f64, AtomicU64>>,
     /// Age of each peer's queue stats, seconds.
@@ -362,6 +377,12 @@ impl NodeMetrics {
             "Claims of this node's own id by another process, refused",
             cluster_own_id_claimed.clone(),
         );
+        let cluster_refused = Family::<RefusedLabels, Gauge>::default();
+        registry.register(
+            "cluster_refused",
+            "What the cluster transport refused or dropped from the network, by kind",
+            cluster_refused.clone(),
+        );
         // Not `..._summary_...`: promtool reads that as the name of a summary metric.
         let prefixes_age = Family::<PeerLabels, Gauge<f64, AtomicU64>>::default();
         registry.register(
@@ -494,6 +515,7 @@ impl NodeMetrics {
             gossip_bytes_sent,
             gossip_bytes_received,
             cluster_identity_conflicts,
+            cluster_refused,
             cluster_own_id_claimed,
             prefixes_age,
             stats_age,

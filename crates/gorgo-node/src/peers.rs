@@ -132,6 +132,23 @@ pub struct GossipCounters {
     pub identity_conflicts: u64,
     /// Claims of this node's own id by another process, refused.
     pub own_id_claimed: u64,
+    /// What the transport refused or dropped, by kind (`metrics::RefusedLabels`).
+    pub refused: Refused,
+}
+
+/// What the cluster transport refused or dropped from the network, for `/metrics`.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Refused {
+    /// Messages that did not decode or were over their cap.
+    pub malformed: u64,
+    /// SWIM packets whose claimed sender did not match the TLS peer.
+    pub spoofed: u64,
+    /// Inbound connections refused at the handshake.
+    pub handshake: u64,
+    /// Streams on a connection no accepted claim vouches for.
+    pub unbound_stream: u64,
+    /// Inbound connections closed over the per-certificate cap.
+    pub excess_connection: u64,
 }
 
 /// The cluster as the router needs it.

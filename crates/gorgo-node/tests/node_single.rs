@@ -365,6 +365,17 @@ async fn admin_api_requires_the_token_and_reports_decisions() {
     let metrics = metrics_text(&node).await;
     assert!(metrics.contains("gorgo_requests_total"), "{metrics}");
     assert!(metrics.contains("gorgo_ttft_seconds"), "{metrics}");
+    // What the cluster transport refused, by kind, there before anything was.
+    for what in [
+        "malformed",
+        "spoofed",
+        "handshake",
+        "unbound_stream",
+        "excess_connection",
+    ] {
+        let line = format!("gorgo_cluster_refused{{what=\"{what}\"}} 0");
+        assert!(metrics.contains(&line), "{line} in {metrics}");
+    }
     let resp = c
         .get(format!("{}/healthz", node.admin))
         .send()
