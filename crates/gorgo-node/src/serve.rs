@@ -50,13 +50,20 @@ struct Excluded {
 }
 
 impl Excluded {
-    /// Nothing failed yet; the nodes `req` has left are out from the start (a forward
-    /// never goes back to one).
-    fn leaving_out_path(req: &RoutedRequest, all_local: bool) -> Self {
+    /// Nothing failed yet; the nodes `req` has left are out from the start when it may
+    /// still be forwarded (a forward never goes back to one). At `max_hops` it is
+    /// served here whatever the peers cost, and they stay candidates: the refusal
+    /// check and the decision log price it as the simulator does (which keeps a path
+    /// only where the next node may forward again).
+    fn leaving_out_path(req: &RoutedRequest, all_local: bool, max_hops: u8) -> Self {
         Excluded {
             all_local,
             replicas: Vec::new(),
-            peers: req.via.clone(),
+            peers: if req.hops < max_hops {
+                req.via.clone()
+            } else {
+                Vec::new()
+            },
         }
     }
 
@@ -154,7 +161,7 @@ fn check_model(state: &NodeState, mut req: RoutedRequest) -> Result<RoutedReques
 pub async fn serve(state: &Arc<NodeState>, req: RoutedRequest) -> Result<Upstream, ServeError> {
     let req = check_model(state, req)?;
     check_context(state, &req)?;
-    let excluded = Excluded::leaving_out_path(&req, false);
+    let excluded = Excluded::leaving_out_path(&req, false, state.config.routing.max_hops);
     serve_excluding(state, &req, excluded).await
 }
 
@@ -191,7 +198,7 @@ pub async fn serve_elsewhere(
 ) -> Result<Upstream, ServeError> {
     let req = check_model(state, req)?;
     check_context(state, &req)?;
-    let excluded = Excluded::leaving_out_path(&req, true);
+    let excluded = Excluded::leaving_out_path(&req, true, state.config.routing.max_hops);
     serve_excluding(state, &req, excluded).await
 }
 

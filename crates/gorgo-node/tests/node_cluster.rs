@@ -85,9 +85,12 @@ async fn saturated_node_forwards_to_the_peer_holding_the_prefix() {
     let d = admin_json(&c.nodes[0], "/admin/decisions?limit=1").await;
     assert_eq!(d[0]["winner"], "b");
     assert_eq!(d[0]["candidates"].as_array().unwrap().len(), 3);
-    // At b the forwarded request arrived with hops = max_hops and was served there.
+    // At b the forwarded request arrived with hops = max_hops and was served there;
+    // every node is still priced (a, which it left, too: it could not go back anyway,
+    // and the simulator prices it so).
     let d = admin_json(&c.nodes[1], "/admin/decisions?limit=1").await;
     assert_eq!(d[0]["reason"], "max-hops");
+    assert_eq!(d[0]["candidates"].as_array().unwrap().len(), 3, "{d}");
 
     // Streaming through the forward stays SSE, chunk by chunk.
     let resp = client()
