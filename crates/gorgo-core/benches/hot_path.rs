@@ -164,6 +164,7 @@ fn bench(c: &mut Criterion) {
         let peer_states = peers.iter().map(|p| PeerState {
             node: &p.node,
             alive: true,
+            eligible: true,
             rtt_ms: p.rtt_ms,
             stats: Some(&p.stats),
             stats_age_ms: 0,
@@ -253,6 +254,7 @@ fn bench_replicas(c: &mut Criterion) {
                 let peer_states = peers.iter().map(|(node, _, rtt_ms, _, stats)| PeerState {
                     node,
                     alive: true,
+                    eligible: true,
                     rtt_ms: *rtt_ms,
                     stats: Some(stats),
                     stats_age_ms: 0,

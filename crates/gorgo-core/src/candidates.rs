@@ -2,7 +2,8 @@
 //!
 //! The local engines first (one per replica the node fronts: each its health, the
 //! match in its shadow index, its own [`crate::accounting::EngineView`] stats), then
-//! every engine of every live peer whose queue stats have arrived (their last stats,
+//! every engine of every live peer whose queue stats have arrived and that may take
+//! the request ([`PeerState::eligible`]) (their last stats,
 //! the match in their last summary, the measured RTT to the peer), with this node's
 //! [`ForwardLedger`] brought up to date with those stats and its pending forwards
 //! added. The live node and the simulator both call [`build_candidates`]; neither
@@ -29,8 +30,14 @@ pub struct LocalState {
 pub struct PeerState<'a> {
     /// The peer.
     pub node: &'a NodeId,
-    /// Whether membership says it is alive.
+    /// Whether membership says it is alive: alive, it decides on the same stale stats
+    /// of the other peers as this node ([`Candidate::deciders`]) whether or not this
+    /// request may go there.
     pub alive: bool,
+    /// Whether this request may go there: it serves the request's model, it has not
+    /// failed this request, and the request has not left it. An alive peer that may
+    /// not take the request is no candidate, but still one of the deciders.
+    pub eligible: bool,
     /// Measured RTT to it, ms.
     pub rtt_ms: f64,
     /// The engine's last queue stats (their `replica` says which engine); it is a
@@ -74,8 +81,10 @@ pub fn build_candidates<'a>(
         .collect();
     let n_local = out.len();
     let me = out.first().map(|c| c.node.clone());
-    // Peer nodes among the candidates (their engines come one after another).
+    // Live peer nodes whose stats have come (their engines come one after another):
+    // the nodes that decide on each peer's stats, this one included.
     let mut peer_nodes = 0u32;
+    let mut last_peer: Option<&NodeId> = None;
     for p in peers {
         if !p.alive || me.as_ref() == Some(p.node) {
             continue;
@@ -83,6 +92,13 @@ pub fn build_candidates<'a>(
         let Some(stats) = p.stats.filter(|s| !s.draining) else {
             continue;
         };
+        if last_peer != Some(p.node) {
+            peer_nodes += 1;
+            last_peer = Some(p.node);
+        }
+        if !p.eligible {
+            continue;
+        }
         ledger.observe_stats(
             p.node,
             stats,
@@ -102,9 +118,6 @@ pub fn build_candidates<'a>(
             deciders: 1,
         };
         ledger.apply(&mut c, now_ms);
-        if out.len() == n_local || out[out.len() - 1].node != c.node {
-            peer_nodes += 1;
-        }
         out.push(c);
     }
     // Every node but the peer itself decides on the same stale stats of that peer.
@@ -149,6 +162,7 @@ mod tests {
             PeerState {
                 node: &b,
                 alive: true,
+                eligible: true,
                 rtt_ms: 20.0,
                 stats: Some(&stats),
                 stats_age_ms: 0,
@@ -156,6 +170,7 @@ mod tests {
             PeerState {
                 node: &c,
                 alive: false,
+                eligible: true,
                 rtt_ms: 20.0,
                 stats: Some(&stats),
                 stats_age_ms: 0,
@@ -163,6 +178,7 @@ mod tests {
             PeerState {
                 node: &d,
                 alive: true,
+                eligible: true,
                 rtt_ms: 20.0,
                 stats: None,
                 stats_age_ms: 0,
@@ -170,6 +186,7 @@ mod tests {
             PeerState {
                 node: &a,
                 alive: true,
+                eligible: true,
                 rtt_ms: 0.0,
                 stats: Some(&stats),
                 stats_age_ms: 0,
@@ -177,6 +194,7 @@ mod tests {
             PeerState {
                 node: &e,
                 alive: true,
+                eligible: true,
                 rtt_ms: 20.0,
                 stats: Some(&draining),
                 stats_age_ms: 0,
@@ -194,6 +212,29 @@ mod tests {
         );
     }
 
+    /// A live peer this request may not go to (another model, or it failed this
+    /// request) is no candidate but still decides on the others' stats: every live
+    /// node but the peer, as `Candidate::deciders` says (it was 2 here, the candidates).
+    #[test]
+    fn a_live_peer_that_may_not_take_the_request_still_decides() {
+        let (b, c, d) = (NodeId::from("b"), NodeId::from("c"), NodeId::from("d"));
+        let stats = QueueStats::default();
+        let peer = |node, eligible| PeerState {
+            node,
+            alive: true,
+            eligible,
+            rtt_ms: 20.0,
+            stats: Some(&stats),
+            stats_age_ms: 0,
+        };
+        let peers = [peer(&b, true), peer(&c, false), peer(&d, true)];
+        let mut ledger = ForwardLedger::new();
+        let out = build_candidates([local()], peers, |_, _| 0, &mut ledger, 100);
+        let nodes: Vec<&str> = out.iter().map(|c| c.node.0.as_str()).collect();
+        assert_eq!(nodes, ["a", "b", "d"]);
+        assert_eq!((out[1].deciders, out[2].deciders), (3, 3));
+    }
+
     #[test]
     fn the_ledger_is_observed_then_applied() {
         let b = NodeId::from("b");
@@ -208,6 +249,7 @@ mod tests {
         let peer = PeerState {
             node: &b,
             alive: true,
+            eligible: true,
             rtt_ms: 20.0,
             stats: Some(&stats),
             stats_age_ms: 0,
@@ -237,6 +279,7 @@ mod tests {
             let peer = PeerState {
                 node: &b,
                 alive: true,
+                eligible: true,
                 rtt_ms: 20.0,
                 stats: Some(&stats),
                 stats_age_ms: age,

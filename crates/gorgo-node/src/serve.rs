@@ -105,18 +105,17 @@ fn candidates(state: &NodeState, req: &RoutedRequest, excluded: &Excluded) -> Ve
         .collect();
     let peers = state.peers.peers();
     let views = peers.iter().flat_map(|p| {
-        p.engines
-            .iter()
-            .filter(move |e| model.is_none_or(|m| e.stats.serves(m)))
-            .map(move |e| PeerState {
-                node: &p.id,
-                // A peer that failed this request before its first byte is out of its
-                // retries, as a dead one would be.
-                alive: p.alive && !excluded.peers.contains(&p.id),
-                rtt_ms: p.rtt_ms,
-                stats: Some(&e.stats),
-                stats_age_ms: e.stats_age_ms,
-            })
+        p.engines.iter().map(move |e| PeerState {
+            node: &p.id,
+            alive: p.alive,
+            // Only an engine serving the request's model; not a peer that failed this
+            // request before its first byte (out of its retries, as a dead one would
+            // be) nor one the request has left. Those still decide on the others.
+            eligible: model.is_none_or(|m| e.stats.serves(m)) && !excluded.peers.contains(&p.id),
+            rtt_ms: p.rtt_ms,
+            stats: Some(&e.stats),
+            stats_age_ms: e.stats_age_ms,
+        })
     });
     let mut ledger = state.router.ledger.lock();
     build_candidates(

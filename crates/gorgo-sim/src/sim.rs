@@ -1091,8 +1091,9 @@ impl<'a> Sim<'a> {
             .flat_map(|p| (0..replicas).map(move |k| (p, k)))
             .map(|(p, k)| PeerState {
                 node: &node_ids[p],
+                alive: true,
                 // As the node's `Excluded`: a forward never goes back.
-                alive: !via.contains(&(p as u8)),
+                eligible: !via.contains(&(p as u8)),
                 rtt_ms: rtts[p],
                 stats: gossip_peers[p][k].stats(),
                 stats_age_ms: (now - stats_at[p][k]).max(0.0) as u64,
