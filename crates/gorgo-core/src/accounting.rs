@@ -104,6 +104,14 @@ struct Dispatched {
     expected_prefill_end_ms: Option<u64>,
 }
 
+/// What the view counted when a scrape was asked for ([`EngineView::scrape_started`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScrapeMark {
+    /// Our requests not yet past their first token: those the engine's `waiting` can
+    /// be counting.
+    unprefilled: u64,
+}
+
 /// The node's view of its engine: scrapes plus its own dispatch accounting, and the
 /// prefill fit. A plain state machine; see the module docs.
 #[derive(Debug, Clone)]
@@ -116,8 +124,8 @@ pub struct EngineView {
     /// How many of `dispatched` are not past their first token: the requests of ours
     /// the engine's `waiting` gauge can be counting.
     unprefilled: u64,
-    /// `unprefilled` when the last scrape arrived: of the engine's `waiting` in that
-    /// scrape, at most these were ours. Our requests prefilled since leave
+    /// `unprefilled` when the last scrape was asked for: of the engine's `waiting` in
+    /// that scrape, at most these were ours. Our requests prefilled since leave
     /// `unprefilled` but stay in the scrape's count until the next one; compared with
     /// the current count they would read as someone else's work.
     unprefilled_at_scrape: u64,
@@ -232,12 +240,24 @@ impl EngineView {
         }
     }
 
-    /// A scrape of the engine's `/metrics` arrived at `now_ms`; it replaces the last.
-    pub fn scrape(&mut self, metrics: EngineMetrics, now_ms: u64) {
+    /// A scrape of the engine's `/metrics` is asked for now: what the view counted
+    /// then, for [`EngineView::scrape`] when the answer arrives. Why: the engine's
+    /// gauges are taken when it answers, not when the answer has come back (a round
+    /// trip, a body to read), and our requests prefilled meanwhile are still in its
+    /// `waiting`; counted against the view at arrival they read as someone else's work
+    /// until the next scrape.
+    pub fn scrape_started(&self) -> ScrapeMark {
+        ScrapeMark {
+            unprefilled: self.unprefilled,
+        }
+    }
+
+    /// The scrape asked for at `mark` arrived at `now_ms`; it replaces the last.
+    pub fn scrape(&mut self, metrics: EngineMetrics, mark: ScrapeMark, now_ms: u64) {
         self.settle_unobserved(now_ms);
         self.scraped = metrics;
         self.scraped_at_ms = Some(now_ms);
-        self.unprefilled_at_scrape = self.unprefilled;
+        self.unprefilled_at_scrape = mark.unprefilled;
     }
 
     /// The last scrape (default when none arrived yet).
@@ -378,9 +398,10 @@ impl EngineView {
         // the mean instead, whenever that was larger, swapped an exact figure for a
         // noisy one under load: with prompts of 10 to 32k tokens an EWMA of the last few
         // moves by half, and so did every engine's queue estimate (docs/policy.md,
-        // "The queue estimate at saturation"). Ours are counted as of the scrape: those
-        // prefilled since are still in its `waiting`, and read as foreign work against
-        // today's count (up to a scrape interval of phantom queue after every burst).
+        // "The queue estimate at saturation"). Ours are counted as of when the scrape
+        // was asked for: those prefilled since are still in its `waiting`, and read as
+        // foreign work against today's count (up to a scrape interval of phantom queue
+        // after every burst; [`EngineView::scrape_started`]).
         let foreign_waiting = scraped_waiting.saturating_sub(self.unprefilled_at_scrape);
         // Whether the slots are full: by the engine's count, or, from an engine that
         // reports none (an `openai` one: llama.cpp's single slot), by ours past their
@@ -629,6 +650,29 @@ mod tests {
         assert_eq!(v.queue_stats(0, 0).unfinished_prefill_tokens, 10);
     }
 
+    /// Our requests prefilled while a scrape is on its way back are still in its
+    /// `waiting` (the engine took its gauges when asked): counted as of when it was
+    /// asked, they are ours, not 8 mean prompts of someone else's work until the next
+    /// scrape (as they were counted against the view at arrival).
+    #[test]
+    fn our_requests_prefilled_while_a_scrape_is_in_flight_are_not_foreign_work() {
+        let mut v = view();
+        for id in 0..8 {
+            v.dispatch(id, 2000, 2000, 0);
+        }
+        let mark = v.scrape_started();
+        for id in 0..8 {
+            v.first_token(id, Some(100.0), 5);
+        }
+        let waiting = EngineMetrics {
+            running: Some(0.0),
+            waiting: Some(8.0),
+            ..EngineMetrics::default()
+        };
+        v.scrape(waiting, mark, 10);
+        assert_eq!(v.queue_stats(0, 10).unfinished_prefill_tokens, 0);
+    }
+
     #[test]
     fn scraped_waiting_counts_at_the_mean_prompt() {
         let mut v = view();
@@ -640,6 +684,7 @@ mod tests {
                 kv_capacity_tokens: Some(1000.0),
                 ..EngineMetrics::default()
             },
+            v.scrape_started(),
             5,
         );
         let s = v.queue_stats(7, 0);
@@ -666,11 +711,11 @@ mod tests {
         };
         // The engine shows both waiting: they are ours, counted at their real size,
         // not at twice the mean.
-        v.scrape(scrape(2.0), 1);
+        v.scrape(scrape(2.0), v.scrape_started(), 1);
         assert_eq!(v.queue_stats(0, 0).unfinished_prefill_tokens, ours);
         // Three more waiting than ours not yet prefilled: work another router sent,
         // counted at the mean on top of ours.
-        v.scrape(scrape(5.0), 2);
+        v.scrape(scrape(5.0), v.scrape_started(), 2);
         let mean = v.mean_prompt_tokens;
         assert_eq!(
             v.queue_stats(0, 0).unfinished_prefill_tokens,
@@ -686,7 +731,7 @@ mod tests {
         v.finish(2, 0);
         assert_eq!(v.queue_stats(0, 0).unfinished_prefill_tokens, 3 * mean);
         // The next scrape counts against what is ours then: none.
-        v.scrape(scrape(4.0), 4);
+        v.scrape(scrape(4.0), v.scrape_started(), 4);
         assert_eq!(v.queue_stats(0, 0).unfinished_prefill_tokens, 4 * mean);
     }
 
@@ -728,6 +773,7 @@ mod tests {
                 waiting: Some(3.0),
                 ..EngineMetrics::default()
             },
+            v.scrape_started(),
             later,
         );
         assert!(unfinished(&mut v, later) > 4_000);
@@ -747,6 +793,7 @@ mod tests {
                 waiting: Some(1.0),
                 ..EngineMetrics::default()
             },
+            v.scrape_started(),
             1,
         );
         assert_eq!(v.queue_stats(0, 5_000).unfinished_prefill_tokens, 8_000);
@@ -765,6 +812,7 @@ mod tests {
                 waiting: Some(8.0),
                 ..EngineMetrics::default()
             },
+            v.scrape_started(),
             1,
         );
         assert_eq!(v.queue_stats(0, 0).unfinished_prefill_tokens, 8_000);
@@ -894,6 +942,7 @@ mod tests {
                 waiting: Some(3.0),
                 ..EngineMetrics::default()
             },
+            v.scrape_started(),
             3,
         );
         assert!(
@@ -915,6 +964,7 @@ mod tests {
                 kv_capacity_tokens: Some(1e6),
                 ..EngineMetrics::default()
             },
+            v.scrape_started(),
             0,
         );
         let a = v.queue_stats(0, 0);
@@ -1104,7 +1154,7 @@ mod tests {
                             running: Some(running as f64),
                             waiting: Some(waiting as f64),
                             ..EngineMetrics::default()
-                        },
+                        }, v.scrape_started(),
                         now,
                     ),
                 }

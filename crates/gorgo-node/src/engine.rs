@@ -556,6 +556,8 @@ impl EngineAdapter {
             return;
         }
         let url = format!("{}/metrics", self.base);
+        // What the view counts as the engine takes its gauges (see `scrape_started`).
+        let mark = self.view.lock().scrape_started();
         let Ok(Ok(resp)) =
             tokio::time::timeout(Duration::from_secs(5), self.client.get(url).send()).await
         else {
@@ -575,7 +577,7 @@ impl EngineAdapter {
         let text = String::from_utf8_lossy(&body);
         let metrics = parse_engine_metrics(&text, self.kind);
         let now_ms = self.now_ms();
-        self.view.lock().scrape(metrics, now_ms);
+        self.view.lock().scrape(metrics, mark, now_ms);
     }
 
     /// Run health checks, scrapes, and the reads of the model list and concurrency

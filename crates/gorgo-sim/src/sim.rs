@@ -969,7 +969,9 @@ impl<'a> Sim<'a> {
         let (r, k) = self.engine_of(e);
         let metrics = self.engines[e].engine.stats().scrape();
         if let Some(node) = self.nodes.get_mut(r) {
-            node.engines[k].view.scrape(metrics, now as u64);
+            // Taken and back at once: the simulated scrape has no flight.
+            let view = &mut node.engines[k].view;
+            view.scrape(metrics, view.scrape_started(), now as u64);
         }
         if !(self.trace_done && self.live == 0) {
             self.push(now + self.cfg.metrics_interval_ms, Ev::Scrape(e as u16));
