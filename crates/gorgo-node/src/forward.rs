@@ -273,34 +273,14 @@ where
     };
     // Read: from here the request is held under the forward slots, like a client's.
     drop(lease);
-    let Some(_permit) = state.forward_permits.clone().try_acquire_owned().ok() else {
-        let _ = write_error_head(
-            &mut send,
-            &state,
-            503,
-            msg.hops,
-            &error_json(503, "node overloaded"),
-        )
-        .await;
-        return;
+    let permit = state.forward_permits.clone().try_acquire_owned().ok();
+    let refused = match &permit {
+        None => Some((503, "node overloaded")),
+        Some(_) => unservable(&msg, &state.id),
     };
-    // A path longer than any guard allows, or one through this node: a peer that sent
-    // it back. 502: its origin serves the request itself (its client did nothing
-    // wrong).
-    if msg.via.len() > usize::from(gorgo_core::wire::MAX_HOPS) || msg.via.contains(&state.id) {
-        let message = "forward came back to a node it had left, or took too many hops";
-        let _ = write_error_head(&mut send, &state, 502, msg.hops, &error_json(502, message)).await;
-        return;
-    }
-    if msg.chain.hashes.len() != msg.chain.block_tokens.len() {
-        let _ = write_error_head(
-            &mut send,
-            &state,
-            400,
-            msg.hops,
-            &error_json(400, "malformed forward"),
-        )
-        .await;
+    if let Some((status, message)) = refused {
+        let body = error_json(status, message);
+        let _ = write_error_head(&mut send, &state, status, msg.hops, &body).await;
         return;
     }
     let header = |name: &str| {
@@ -464,6 +444,24 @@ async fn write_error_head(
     send.write_all(&END_OK.to_be_bytes()).await?;
     send.shutdown().await?;
     Ok(())
+}
+
+/// Why a forward that was read whole cannot be served here, as the status and message
+/// of its error head; `None` when it can.
+fn unservable(msg: &ForwardRequest, me: &NodeId) -> Option<(u16, &'static str)> {
+    if msg.via.len() > usize::from(gorgo_core::wire::MAX_HOPS) || msg.via.contains(me) {
+        // A path longer than any guard allows, or one through this node: a peer that
+        // sent it back. 502: its origin serves the request itself (its client did
+        // nothing wrong).
+        Some((
+            502,
+            "forward came back to a node it had left, or took too many hops",
+        ))
+    } else if msg.chain.hashes.len() != msg.chain.block_tokens.len() {
+        Some((400, "malformed forward"))
+    } else {
+        None
+    }
 }
 
 #[cfg(test)]
