@@ -198,9 +198,15 @@ impl PeerSource for ClusterPeers {
     fn gossip_counters(&self) -> GossipCounters {
         let m = self.handle.metrics();
         let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        // Each kind loaded once, the totals summed from them: the split adds up.
+        let traffic = crate::peers::Traffic {
+            swim: (load(&m.swim_bytes_sent), load(&m.swim_bytes_received)),
+            summary: (load(&m.summary_bytes_sent), load(&m.summary_bytes_received)),
+            app: (load(&m.app_bytes_sent), load(&m.app_bytes_received)),
+        };
         GossipCounters {
-            bytes_sent: m.total_bytes_sent(),
-            bytes_received: m.total_bytes_received(),
+            bytes_sent: traffic.swim.0 + traffic.summary.0 + traffic.app.0,
+            bytes_received: traffic.swim.1 + traffic.summary.1 + traffic.app.1,
             identity_conflicts: load(&m.identity_conflicts),
             own_id_claimed: load(&m.own_id_claimed),
             refused: crate::peers::Refused {
@@ -210,6 +216,13 @@ impl PeerSource for ClusterPeers {
                 unbound_stream: load(&m.unbound_streams_dropped),
                 excess_connection: load(&m.excess_connections_closed),
             },
+            traffic,
+            messages_sent: crate::peers::GossipSent {
+                deltas: load(&m.deltas_sent),
+                snapshots: load(&m.snapshots_sent),
+                snapshot_requests: load(&m.snapshot_requests_sent),
+            },
+            spurious_turn_undead_dropped: load(&m.spurious_turn_undead_dropped),
         }
     }
 }

@@ -487,7 +487,7 @@ impl NodeState {
         *self.weights.write() = self.tuning.weights();
         self.metrics
             .tuning_epoch
-            .set(self.tuning.epoch().min(i64::MAX as u64) as i64);
+            .set(metrics::gauge_value(self.tuning.epoch()));
         self.metrics
             .tuning_leader
             .set(self.tuning.is_leader() as i64);
@@ -514,7 +514,7 @@ impl NodeState {
             self.metrics
                 .replica_inflight
                 .get_or_create(&label)
-                .set(e.adapter.inflight().min(i64::MAX as u64) as i64);
+                .set(metrics::gauge_value(e.adapter.inflight()));
         }
         self.metrics
             .engine_healthy
@@ -533,8 +533,12 @@ impl NodeState {
             (&m.gossip_bytes_received, g.bytes_received),
             (&m.cluster_identity_conflicts, g.identity_conflicts),
             (&m.cluster_own_id_claimed, g.own_id_claimed),
+            (
+                &m.cluster_spurious_turn_undead_dropped,
+                g.spurious_turn_undead_dropped,
+            ),
         ] {
-            gauge.set(count.min(i64::MAX as u64) as i64);
+            gauge.set(metrics::gauge_value(count));
         }
         let r = g.refused;
         for (what, count) in [
@@ -548,7 +552,32 @@ impl NodeState {
                 .get_or_create(&metrics::RefusedLabels {
                     what: what.to_owned(),
                 })
-                .set(count.min(i64::MAX as u64) as i64);
+                .set(metrics::gauge_value(count));
+        }
+        let t = g.traffic;
+        for (traffic, (sent, received)) in
+            [("swim", t.swim), ("summary", t.summary), ("app", t.app)]
+        {
+            for (direction, count) in [("sent", sent), ("received", received)] {
+                m.cluster_bytes
+                    .get_or_create(&metrics::TrafficLabels {
+                        traffic: traffic.to_owned(),
+                        direction: direction.to_owned(),
+                    })
+                    .set(metrics::gauge_value(count));
+            }
+        }
+        let s = g.messages_sent;
+        for (kind, count) in [
+            ("delta", s.deltas),
+            ("snapshot", s.snapshots),
+            ("snapshot_request", s.snapshot_requests),
+        ] {
+            m.gossip_messages_sent
+                .get_or_create(&metrics::GossipSentLabels {
+                    kind: kind.to_owned(),
+                })
+                .set(metrics::gauge_value(count));
         }
         for p in peers {
             let label = metrics::PeerLabels {

@@ -61,6 +61,29 @@ pub struct RefusedLabels {
     pub what: String,
 }
 
+/// A count as a gauge's value: prometheus-client's gauges are `i64`, and a count
+/// past `i64::MAX` reads as the largest, not as a negative number.
+pub fn gauge_value(count: u64) -> i64 {
+    i64::try_from(count).unwrap_or(i64::MAX)
+}
+
+/// Labels of cluster bytes by traffic kind.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TrafficLabels {
+    /// `swim` (membership), `summary` (prefix summaries and queue stats), `app`
+    /// (tuning messages).
+    pub traffic: String,
+    /// `sent` or `received`.
+    pub direction: String,
+}
+
+/// Labels of summary gossip messages sent.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GossipSentLabels {
+    /// `delta`, `snapshot`, `snapshot_request`.
+    pub kind: String,
+}
+
 /// Labels of per-engine gauges: which of the node's engines (docs/design.md,
 /// "Replicas").
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -108,6 +131,13 @@ pub struct NodeMetrics {
     /// port, a wrong certificate, a certificate holder opening too many connections):
     /// counts since the node started.
     pub cluster_refused: Family<RefusedLabels, Gauge>,
+    /// Cluster payload bytes since the node started, by traffic kind and direction
+    /// (the split of `gossip_bytes_sent` and `gossip_bytes_received`).
+    pub cluster_bytes: Family<TrafficLabels, Gauge>,
+    /// Summary gossip messages sent since the node started, by kind.
+    pub gossip_messages_sent: Family<GossipSentLabels, Gauge>,
+    /// "You were declared down" notices dropped for members that refuted in time.
+    pub cluster_spurious_turn_undead_dropped: Gauge,
     /// Age of each peer's gossiped prefix summary, seconds (staleness).
     pub prefixes_age: Family<PeerLabels, Gauge<f64, AtomicU64>>,
     /// Age of each peer's queue stats, seconds.
@@ -383,6 +413,24 @@ impl NodeMetrics {
             "What the cluster transport refused or dropped from the network, by kind",
             cluster_refused.clone(),
         );
+        let cluster_bytes = Family::<TrafficLabels, Gauge>::default();
+        registry.register(
+            "cluster_bytes",
+            "Cluster payload bytes since the node started, by traffic kind and direction",
+            cluster_bytes.clone(),
+        );
+        let gossip_messages_sent = Family::<GossipSentLabels, Gauge>::default();
+        registry.register(
+            "gossip_messages_sent",
+            "Summary gossip messages sent since the node started, by kind",
+            gossip_messages_sent.clone(),
+        );
+        let cluster_spurious_turn_undead_dropped = Gauge::default();
+        registry.register(
+            "cluster_spurious_turn_undead_dropped",
+            "Declared-down notices dropped for members that refuted their suspicion in time",
+            cluster_spurious_turn_undead_dropped.clone(),
+        );
         // Not `..._summary_...`: promtool reads that as the name of a summary metric.
         let prefixes_age = Family::<PeerLabels, Gauge<f64, AtomicU64>>::default();
         registry.register(
@@ -516,6 +564,9 @@ impl NodeMetrics {
             gossip_bytes_received,
             cluster_identity_conflicts,
             cluster_refused,
+            cluster_bytes,
+            gossip_messages_sent,
+            cluster_spurious_turn_undead_dropped,
             cluster_own_id_claimed,
             prefixes_age,
             stats_age,

@@ -134,6 +134,38 @@ pub struct GossipCounters {
     pub own_id_claimed: u64,
     /// What the transport refused or dropped, by kind (`metrics::RefusedLabels`).
     pub refused: Refused,
+    /// Bytes by traffic kind and direction (`metrics::TrafficLabels`): the totals
+    /// above split, so that an operator can tell membership chatter from summaries
+    /// from tuning messages (issue #20's gossip budget is the summaries').
+    pub traffic: Traffic,
+    /// Summary gossip messages sent, by kind (`metrics::GossipSentLabels`).
+    pub messages_sent: GossipSent,
+    /// "You were declared down" notices dropped because the member refuted its
+    /// suspicion in time (docs/cluster.md): nonzero only while members flap.
+    pub spurious_turn_undead_dropped: u64,
+}
+
+/// Cluster bytes by traffic kind, for `/metrics` (payload bytes handed to QUIC).
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Traffic {
+    /// SWIM membership bytes sent / received.
+    pub swim: (u64, u64),
+    /// Summary and stats gossip bytes sent / received.
+    pub summary: (u64, u64),
+    /// Application (tuning) message bytes sent / received.
+    pub app: (u64, u64),
+}
+
+/// Summary gossip messages sent, by kind, for `/metrics`.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct GossipSent {
+    /// Deltas (a round's summary changes, or none, with the queue stats).
+    pub deltas: u64,
+    /// Full snapshots (a peer joined, or asked after a gap).
+    pub snapshots: u64,
+    /// Snapshot requests this node sent after a version gap: a steady rise means
+    /// summary gossip is being lost or reordered past the reorder buffer.
+    pub snapshot_requests: u64,
 }
 
 /// What the cluster transport refused or dropped from the network, for `/metrics`.

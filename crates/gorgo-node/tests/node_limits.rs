@@ -90,11 +90,7 @@ async fn slow_bodies_do_not_take_the_slots_of_ready_requests() {
 /// The node's `gorgo_connections_open{port="client"}`.
 async fn open_connections(node: &TestNode) -> u64 {
     let text = metrics_text(node).await;
-    text.lines()
-        .find(|l| l.starts_with("gorgo_connections_open{port=\"client\"}"))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
+    metric_value(&text, "gorgo_connections_open{port=\"client\"}").map_or(0, |v| v as u64)
 }
 
 #[tokio::test]

@@ -112,6 +112,45 @@ async fn saturated_node_forwards_over_quic() {
             .lock()
             .forward_bias_ms(&NodeId::from("b"), 0, a.state.now_ms());
     assert!(bias != 0.0 && bias.is_finite(), "bias {bias}");
+
+    // `/metrics` splits the cluster's traffic by kind: b's summary reached a, so b
+    // sent summary gossip (its first message to a new peer a snapshot) and SWIM.
+    let text = client()
+        .get(format!("http://{}/metrics", b.admin_addr))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for series in [
+        r#"gorgo_cluster_bytes{traffic="swim",direction="sent"}"#,
+        r#"gorgo_cluster_bytes{traffic="summary",direction="sent"}"#,
+        r#"gorgo_cluster_bytes{traffic="summary",direction="received"}"#,
+        r#"gorgo_gossip_messages_sent{kind="snapshot"}"#,
+    ] {
+        let v = metric_value(&text, series);
+        assert!(v.is_some_and(|v| v > 0.0), "{series}: {v:?} in {text}");
+    }
+    let total: f64 = ["swim", "summary", "app"]
+        .iter()
+        .map(|t| {
+            metric_value(
+                &text,
+                &format!(r#"gorgo_cluster_bytes{{traffic="{t}",direction="sent"}}"#),
+            )
+            .unwrap()
+        })
+        .sum();
+    // The split adds up to the total (read in the same refresh).
+    assert_eq!(metric_value(&text, "gorgo_gossip_bytes_sent"), Some(total));
+    for series in [
+        r#"gorgo_gossip_messages_sent{kind="delta"}"#,
+        r#"gorgo_gossip_messages_sent{kind="snapshot_request"}"#,
+        "gorgo_cluster_spurious_turn_undead_dropped",
+    ] {
+        assert!(metric_value(&text, series).is_some(), "{series} in {text}");
+    }
     a_stop.cancel();
     b_stop.cancel();
 }

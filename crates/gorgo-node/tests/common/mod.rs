@@ -574,6 +574,14 @@ pub async fn metrics_text(node: &TestNode) -> String {
         .unwrap()
 }
 
+/// The value of one series (`name{labels}`, exactly as exposed) in a `/metrics` text,
+/// `None` when it is not there.
+pub fn metric_value(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+}
+
 /// A prompt of about `bytes` bytes, distinct per `seed`.
 pub fn prompt(seed: &str, bytes: usize) -> String {
     let mut s = String::new();
