@@ -4,10 +4,11 @@
 //! Run: `cargo bench -p gorgo-core --bench hot_path -- --warm-up-time 1 --measurement-time 3`
 //! (figures in docs/benchmarks.md).
 
-use criterion::{black_box, criterion_group, criterion_main, Criterion};
+use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion};
 use gorgo_core::candidates::{build_candidates, LocalState, PeerState};
 use gorgo_core::cost::ForwardLedger;
 use gorgo_core::decision::decide;
+use gorgo_core::kv_events::{AlignedBlockEvent, KvEventFollower, KvFollowerConfig};
 use gorgo_core::policy::{build, PolicyKind, RouteRequest};
 use gorgo_core::prompt::PromptHasher;
 use gorgo_core::summary::{PeerSummary, SummarySample, SummarySnapshot};
@@ -277,5 +278,49 @@ fn bench_replicas(c: &mut Criterion) {
     );
 }
 
-criterion_group!(benches, bench, bench_replicas);
+/// Blocks stored below one parent in [`bench_kv_siblings`].
+const SIBLINGS: u64 = 20_000;
+
+/// The engine's KV events, where many sequences share one prefix: a system prompt's
+/// last block with `SIBLINGS` distinct continuations (SGLang's 1-token blocks make
+/// such fan-outs common), all evicted one by one. The follower runs under the lock
+/// the request path takes, so its cost per event must not grow with the fan-out.
+fn bench_kv_siblings(c: &mut Criterion) {
+    let stored: Vec<AlignedBlockEvent> = std::iter::once(AlignedBlockEvent::Stored {
+        hash: 1,
+        parent: None,
+        tokens: 64,
+    })
+    .chain((0..SIBLINGS).map(|i| AlignedBlockEvent::Stored {
+        hash: 1_000 + i,
+        parent: Some(1),
+        tokens: 64,
+    }))
+    .collect();
+    let removed: Vec<AlignedBlockEvent> = (0..SIBLINGS)
+        .map(|i| AlignedBlockEvent::Removed { hash: 1_000 + i })
+        .collect();
+    let mut group = c.benchmark_group("kv_events");
+    group.sample_size(10);
+    group.bench_function("evict_20k_siblings_one_by_one", |b| {
+        b.iter_batched(
+            || {
+                let mut f = KvEventFollower::new(KvFollowerConfig::new(64), 0).unwrap();
+                f.apply_aligned(&stored, 0);
+                f
+            },
+            |mut f| {
+                for event in &removed {
+                    f.apply_aligned(std::slice::from_ref(event), 1);
+                }
+                assert_eq!(f.engine_blocks(), 1);
+                f
+            },
+            BatchSize::LargeInput,
+        )
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench, bench_replicas, bench_kv_siblings);
 criterion_main!(benches);

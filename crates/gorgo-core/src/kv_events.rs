@@ -30,7 +30,7 @@
 //! is ignored). `BlockRemoved` drops the engine block and everything stored below it
 //! (the engine matches no further), with the node blocks no other engine block keeps.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use serde::Serialize;
 
@@ -737,7 +737,12 @@ struct EngineBlock {
     chain_end: Option<u64>,
     /// The node blocks whose last token is in this block.
     completes: Vec<u64>,
-    children: Vec<u64>,
+    /// The blocks stored below it. A set, not a list: one prefix may have many
+    /// continuations (a system prompt's last block, SGLang's 1-token blocks), and
+    /// evicting each must not scan its siblings (a list made that quadratic, under
+    /// the lock the request path takes; `kv_events/evict_20k_siblings_one_by_one` in
+    /// benches/hot_path.rs).
+    children: HashSet<u64, FingerprintBuildHasher>,
 }
 
 /// One node block: held while `refs` engine blocks complete it.
@@ -859,11 +864,11 @@ impl BlockTracker {
                     tokens: tokens.into(),
                     chain_end,
                     completes,
-                    children: Vec::new(),
+                    children: HashSet::default(),
                 },
             );
             if let Some(p) = prev.and_then(|p| self.engine.get_mut(&p)) {
-                p.children.push(h);
+                p.children.insert(h);
             }
             prev = Some(h);
         }
@@ -898,11 +903,11 @@ impl BlockTracker {
                 tokens: Box::new([]),
                 chain_end: Some(hash),
                 completes: vec![hash],
-                children: Vec::new(),
+                children: HashSet::default(),
             },
         );
         if let Some(p) = parent.and_then(|p| self.engine.get_mut(&p)) {
-            p.children.push(hash);
+            p.children.insert(hash);
         }
     }
 
@@ -938,7 +943,7 @@ impl BlockTracker {
             return;
         };
         if let Some(p) = parent.and_then(|p| self.engine.get_mut(&p)) {
-            p.children.retain(|&c| c != hash);
+            p.children.remove(&hash);
         }
         let mut stack = vec![hash];
         while let Some(h) = stack.pop() {
