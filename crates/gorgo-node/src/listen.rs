@@ -263,7 +263,7 @@ fn claim(
     let activity = Arc::new(Activity {
         active: AtomicUsize::new(0),
         last_ms: AtomicU64::new(epoch.elapsed().as_millis() as u64),
-        write_wait_since: AtomicU64::new(0),
+        outgoing: Mutex::new(Vec::new()),
         epoch,
     });
     let evict = CancellationToken::new();
@@ -295,11 +295,39 @@ fn claim(
 struct Activity {
     active: AtomicUsize,
     last_ms: AtomicU64,
-    /// Since when (ms after `epoch`, plus one; 0: not now) a response body has handed
-    /// hyper a frame and not been asked for the next: hyper asks again once it has
-    /// buffered the frame, so a long wait here means the client stopped reading.
-    write_wait_since: AtomicU64,
+    /// The responses on their way out (one at a time on HTTP/1, up to the stream cap
+    /// on HTTP/2), each with its own wait for the client: one HTTP/2 stream whose
+    /// client stopped reading must be seen while the others still flow.
+    outgoing: Mutex<Vec<std::sync::Weak<Outgoing>>>,
     epoch: Instant,
+}
+
+/// One response body on its way out.
+#[derive(Debug)]
+struct Outgoing {
+    /// Since when (ms after the connection's `epoch`, plus one; 0: not now) the body
+    /// has handed hyper a frame and not been asked for the next: hyper asks again once
+    /// it has buffered the frame, so a long wait here means the client stopped
+    /// reading this response (on HTTP/2: its stream's window is full).
+    wait_since: AtomicU64,
+    /// The body, until the watchdog takes it away from a stalled stream: dropping it
+    /// ends the engine's stream and frees its slots; hyper's next poll gets an error
+    /// and resets the stream.
+    body: Mutex<Option<Body>>,
+}
+
+/// What the watchdog found about the responses of one connection.
+#[derive(Debug, PartialEq)]
+enum WriteStall {
+    /// No response has waited for its client as long as the write timeout; the
+    /// longest wait, if one is waiting.
+    None(Option<Duration>),
+    /// Every request in flight is a response stalled past the timeout: close the
+    /// connection (HTTP/1, or an HTTP/2 client that stopped reading altogether).
+    Connection,
+    /// Some HTTP/2 streams stalled past the timeout while others are still served:
+    /// their bodies were cut (how many), the connection goes on.
+    Streams(usize),
 }
 
 impl Activity {
@@ -309,11 +337,50 @@ impl Activity {
     fn touch(&self) {
         self.last_ms.store(self.now_ms(), Ordering::Relaxed);
     }
-    /// How long the connection's client has left response bytes waiting, if it has.
-    fn write_waiting_for(&self) -> Option<Duration> {
-        let since = self.write_wait_since.load(Ordering::Relaxed);
-        (since > 0 && self.active.load(Ordering::Relaxed) > 0)
-            .then(|| Duration::from_millis(self.now_ms().saturating_sub(since - 1)))
+    /// A response about to go out: tracked until its body is dropped.
+    fn outgoing(&self, body: Body) -> Arc<Outgoing> {
+        let out = Arc::new(Outgoing {
+            wait_since: AtomicU64::new(0),
+            body: Mutex::new(Some(body)),
+        });
+        let mut list = self.outgoing.lock();
+        list.retain(|o| o.strong_count() > 0);
+        list.push(Arc::downgrade(&out));
+        out
+    }
+
+    /// Check the responses' waits for their clients against `timeout`, cutting the
+    /// bodies of stalled HTTP/2 streams while others are served.
+    fn write_stall(&self, timeout: Duration) -> WriteStall {
+        let now = self.now_ms();
+        let mut list = self.outgoing.lock();
+        list.retain(|o| o.strong_count() > 0);
+        let waits: Vec<(Arc<Outgoing>, Duration)> = list
+            .iter()
+            .filter_map(|o| o.upgrade())
+            .filter_map(|o| {
+                let since = o.wait_since.load(Ordering::Relaxed);
+                (since > 0).then(|| (o, Duration::from_millis(now.saturating_sub(since - 1))))
+            })
+            .collect();
+        drop(list);
+        let stalled: Vec<&Arc<Outgoing>> = waits
+            .iter()
+            .filter(|(_, w)| *w >= timeout)
+            .map(|(o, _)| o)
+            .collect();
+        if stalled.is_empty() {
+            return WriteStall::None(waits.iter().map(|(_, w)| *w).max());
+        }
+        if stalled.len() >= self.active.load(Ordering::Relaxed) {
+            return WriteStall::Connection;
+        }
+        for o in &stalled {
+            o.wait_since.store(0, Ordering::Relaxed);
+            let body = o.body.lock().take();
+            drop(body);
+        }
+        WriteStall::Streams(stalled.len())
     }
     fn idle_for(&self) -> Option<Duration> {
         if self.active.load(Ordering::Relaxed) > 0 {
@@ -331,10 +398,6 @@ struct InFlight(Arc<Activity>);
 
 impl InFlight {
     fn begin(a: &Arc<Activity>) -> Self {
-        // A new request has no bytes waiting for its client yet (the last response on
-        // this connection may have left its mark: its body was not asked past its
-        // last frame), however long its head takes.
-        a.write_wait_since.store(0, Ordering::Relaxed);
         a.active.fetch_add(1, Ordering::Relaxed);
         a.touch();
         InFlight(a.clone())
@@ -344,14 +407,14 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.touch();
-        self.0.write_wait_since.store(0, Ordering::Relaxed);
         self.0.active.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
 /// A response body that keeps its request counted as in flight until it ends.
 struct TrackedBody {
-    inner: Body,
+    out: Arc<Outgoing>,
+    // Dropped after `out`'s body: the request ends when its body does.
     _in_flight: InFlight,
 }
 
@@ -360,26 +423,39 @@ impl HttpBody for TrackedBody {
     type Error = axum::Error;
 
     fn poll_frame(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
         // Asked for a frame: hyper has buffered the last one.
-        let activity = &self._in_flight.0;
-        activity.write_wait_since.store(0, Ordering::Relaxed);
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        let out = &self.out;
+        out.wait_since.store(0, Ordering::Relaxed);
+        let mut body = out.body.lock();
+        let Some(inner) = body.as_mut() else {
+            return Poll::Ready(Some(Err(axum::Error::new(
+                "the client stopped reading this response",
+            ))));
+        };
+        let polled = Pin::new(inner).poll_frame(cx);
         if let Poll::Ready(Some(Ok(_))) = &polled {
-            let activity = &self._in_flight.0;
-            activity
-                .write_wait_since
-                .store(activity.now_ms() + 1, Ordering::Relaxed);
+            out.wait_since
+                .store(self._in_flight.0.now_ms() + 1, Ordering::Relaxed);
         }
         polled
     }
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        // A cut body is not at its end: hyper polls it and gets the error.
+        self.out
+            .body
+            .lock()
+            .as_ref()
+            .is_some_and(|b| b.is_end_stream())
     }
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        self.out
+            .body
+            .lock()
+            .as_ref()
+            .map_or_else(SizeHint::default, |b| b.size_hint())
     }
 }
 
@@ -524,10 +600,11 @@ async fn serve_connection(
                 }
             };
             let (parts, body) = resp.into_parts();
+            let out = in_flight.0.outgoing(body);
             Ok::<_, Infallible>(Response::from_parts(
                 parts,
                 TrackedBody {
-                    inner: body,
+                    out,
                     _in_flight: in_flight,
                 },
             ))
@@ -589,14 +666,21 @@ async fn serve_connection(
                         return;
                     }
                     Some(idle) => check.as_mut().reset(tokio::time::Instant::now() + (limits.idle_timeout - idle)),
-                    None => match activity.write_waiting_for() {
+                    None => match activity.write_stall(limits.write_timeout) {
                         // Its client stopped reading what it asked for: close (the
                         // response is lost to it anyway), freeing the slot.
-                        Some(waited) if waited >= limits.write_timeout => {
+                        WriteStall::Connection => {
                             metrics.refuse(port, "write_timeout");
                             return;
                         }
-                        waited => check.as_mut().reset(
+                        // Some of its HTTP/2 streams: those were cut, the rest go on.
+                        WriteStall::Streams(n) => {
+                            for _ in 0..n {
+                                metrics.refuse(port, "write_timeout_stream");
+                            }
+                            check.as_mut().reset(tokio::time::Instant::now());
+                        }
+                        WriteStall::None(waited) => check.as_mut().reset(
                             tokio::time::Instant::now()
                                 + (limits.write_timeout - waited.unwrap_or_default())
                                     .min(limits.idle_timeout),

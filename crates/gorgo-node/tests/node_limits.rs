@@ -634,3 +634,77 @@ async fn a_stalled_http2_response_leaves_the_tuners_open_requests_at_its_deadlin
     drop(resp);
     node.shutdown.cancel();
 }
+
+/// On HTTP/2 one stream whose client stopped reading is cut after `write_timeout_ms`
+/// while the connection's other streams go on: the stalled one's engine stream is
+/// dropped, the other is still served. (The wait was tracked per connection, so the
+/// flowing stream's frames hid the stalled one until its deadline.)
+#[tokio::test]
+async fn a_stalled_http2_stream_is_cut_while_the_others_flow() {
+    let engine = StubEngine::start("e").await;
+    engine.set_mode(FLOOD);
+    let node = start_node(
+        config("a", &engine.url(), "[limits]\nwrite_timeout_ms = 300\n"),
+        None,
+    )
+    .await;
+    let tcp = TcpStream::connect(http_addr(&node)).await.unwrap();
+    // Each stream may hold 64 KiB unread; the connection room for many more, so the
+    // stalled stream does not hold up the other.
+    let (mut sender, conn) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .initial_stream_window_size(65_535)
+            .initial_connection_window_size(64 << 20)
+            .handshake(hyper_util::rt::TokioIo::new(tcp))
+            .await
+            .expect("an HTTP/2 handshake");
+    tokio::spawn(conn);
+    let request = || {
+        let body = r#"{"model":"m","prompt":"hi","stream":true}"#;
+        http::Request::post(format!("http://{}/v1/completions", http_addr(&node)))
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+            .unwrap()
+    };
+    let stalled = sender.send_request(request()).await.unwrap();
+    assert_eq!(stalled.status(), 200);
+    let flowing = sender.send_request(request()).await.unwrap();
+    assert_eq!(flowing.status(), 200);
+    // Read the flowing stream for as long as the test runs; count what arrives.
+    let read = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let reader = {
+        let read = read.clone();
+        tokio::spawn(async move {
+            use http_body_util::BodyExt;
+            let mut body = flowing.into_body();
+            while let Some(Ok(frame)) = body.frame().await {
+                if let Some(data) = frame.data_ref() {
+                    read.fetch_add(data.len() as u64, std::sync::atomic::Ordering::SeqCst);
+                }
+            }
+        })
+    };
+    let active = engine.active.clone();
+    let engines = || active.load(std::sync::atomic::Ordering::SeqCst);
+    until("both engine streams to run", || engines() == 2).await;
+    until("the stalled stream's engine stream to be dropped", || {
+        engines() == 1
+    })
+    .await;
+    // The other stream is still served on the same connection.
+    let before = read.load(std::sync::atomic::Ordering::SeqCst);
+    until("the flowing stream to go on", || {
+        read.load(std::sync::atomic::Ordering::SeqCst) > before + (1 << 20)
+    })
+    .await;
+    assert!(!reader.is_finished());
+    let metrics = metrics_text(&node).await;
+    assert!(
+        metrics.contains(r#"reason="write_timeout_stream""#),
+        "{metrics}"
+    );
+    assert!(!metrics.contains(r#"reason="write_timeout""#), "{metrics}");
+    drop(stalled);
+    reader.abort();
+    node.shutdown.cancel();
+}
