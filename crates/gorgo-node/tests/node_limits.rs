@@ -87,6 +87,33 @@ async fn slow_bodies_do_not_take_the_slots_of_ready_requests() {
     node.shutdown.cancel();
 }
 
+/// An HTTP/2 (prior knowledge) client connection to `node` whose streams may each hold
+/// 64 KiB unread and all together `connection_window` bytes.
+async fn h2_client(
+    node: &TestNode,
+    connection_window: u32,
+) -> hyper::client::conn::http2::SendRequest<http_body_util::Full<bytes::Bytes>> {
+    let tcp = TcpStream::connect(http_addr(node)).await.unwrap();
+    let (sender, conn) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .initial_stream_window_size(65_535)
+            .initial_connection_window_size(connection_window)
+            .handshake(hyper_util::rt::TokioIo::new(tcp))
+            .await
+            .expect("an HTTP/2 handshake");
+    tokio::spawn(conn);
+    sender
+}
+
+/// A streamed completion request for [`h2_client`].
+fn streamed_completion(node: &TestNode) -> http::Request<http_body_util::Full<bytes::Bytes>> {
+    let body = r#"{"model":"m","prompt":"hi","stream":true}"#;
+    http::Request::post(format!("http://{}/v1/completions", http_addr(node)))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .unwrap()
+}
+
 /// The node's `gorgo_connections_open{port="client"}`.
 async fn open_connections(node: &TestNode) -> u64 {
     let text = metrics_text(node).await;
@@ -607,21 +634,11 @@ async fn a_slow_head_on_a_kept_alive_connection_is_not_a_write_stall() {
 async fn a_stalled_http2_response_leaves_the_tuners_open_requests_at_its_deadline() {
     let (_engine, node) = flooding_tuned_node().await;
     let slots = node.state().permits.available_permits();
-    let tcp = TcpStream::connect(http_addr(&node)).await.unwrap();
-    let (mut sender, conn) =
-        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-            .initial_stream_window_size(65_535)
-            .initial_connection_window_size(65_535)
-            .handshake(hyper_util::rt::TokioIo::new(tcp))
-            .await
-            .expect("an HTTP/2 handshake");
-    tokio::spawn(conn);
-    let body = r#"{"model":"m","prompt":"hi","stream":true}"#;
-    let req = http::Request::post(format!("http://{}/v1/completions", http_addr(&node)))
-        .header("content-type", "application/json")
-        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
-        .unwrap();
-    let resp = sender.send_request(req).await.expect("an HTTP/2 response");
+    let mut sender = h2_client(&node, 65_535).await;
+    let resp = sender
+        .send_request(streamed_completion(&node))
+        .await
+        .expect("an HTTP/2 response");
     assert_eq!(resp.status(), 200);
     // Never read: the window fills and the node stops polling the body.
     let open = || node.state().tuning.view().open_requests;
@@ -648,27 +665,18 @@ async fn a_stalled_http2_stream_is_cut_while_the_others_flow() {
         None,
     )
     .await;
-    let tcp = TcpStream::connect(http_addr(&node)).await.unwrap();
     // Each stream may hold 64 KiB unread; the connection room for many more, so the
     // stalled stream does not hold up the other.
-    let (mut sender, conn) =
-        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-            .initial_stream_window_size(65_535)
-            .initial_connection_window_size(64 << 20)
-            .handshake(hyper_util::rt::TokioIo::new(tcp))
-            .await
-            .expect("an HTTP/2 handshake");
-    tokio::spawn(conn);
-    let request = || {
-        let body = r#"{"model":"m","prompt":"hi","stream":true}"#;
-        http::Request::post(format!("http://{}/v1/completions", http_addr(&node)))
-            .header("content-type", "application/json")
-            .body(http_body_util::Full::new(bytes::Bytes::from(body)))
-            .unwrap()
-    };
-    let stalled = sender.send_request(request()).await.unwrap();
+    let mut sender = h2_client(&node, 64 << 20).await;
+    let stalled = sender
+        .send_request(streamed_completion(&node))
+        .await
+        .unwrap();
     assert_eq!(stalled.status(), 200);
-    let flowing = sender.send_request(request()).await.unwrap();
+    let flowing = sender
+        .send_request(streamed_completion(&node))
+        .await
+        .unwrap();
     assert_eq!(flowing.status(), 200);
     // Read the flowing stream for as long as the test runs; count what arrives.
     let read = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));

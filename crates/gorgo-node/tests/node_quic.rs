@@ -115,14 +115,7 @@ async fn saturated_node_forwards_over_quic() {
 
     // `/metrics` splits the cluster's traffic by kind: b's summary reached a, so b
     // sent summary gossip (its first message to a new peer a snapshot) and SWIM.
-    let text = client()
-        .get(format!("http://{}/metrics", b.admin_addr))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = metrics_at(&format!("http://{}", b.admin_addr)).await;
     for series in [
         r#"gorgo_cluster_bytes{traffic="swim",direction="sent"}"#,
         r#"gorgo_cluster_bytes{traffic="summary",direction="sent"}"#,

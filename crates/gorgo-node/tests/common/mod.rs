@@ -564,8 +564,13 @@ pub async fn mesh_cluster(
 
 /// A node's `/metrics` as a plain HTTP client gets it (Prometheus text 0.0.4).
 pub async fn metrics_text(node: &TestNode) -> String {
+    metrics_at(&node.admin).await
+}
+
+/// `/metrics` of the admin API at `admin` (`http://host:port`).
+pub async fn metrics_at(admin: &str) -> String {
     client()
-        .get(format!("{}/metrics", node.admin))
+        .get(format!("{admin}/metrics"))
         .send()
         .await
         .unwrap()
