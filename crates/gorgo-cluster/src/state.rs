@@ -682,7 +682,7 @@ mod tests {
                 delta: SummaryDelta {
                     from_version: from,
                     to_version: from + 1,
-                    added: vec![7; fingerprints],
+                    added: (0..fingerprints as u32).collect(),
                     ..Default::default()
                 },
                 stats,

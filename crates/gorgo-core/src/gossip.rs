@@ -509,7 +509,8 @@ impl PeerGossip {
     /// Handle `msg`, which the transport says came from `from`, on behalf of node `me`.
     ///
     /// Errors: [`CoreError::Malformed`] when the message speaks for another node than
-    /// its sender, or its delta goes backwards; nothing is changed then.
+    /// its sender, or its delta goes backwards or names a fingerprint twice
+    /// ([`SummaryDelta::check`]); nothing is changed then.
     pub fn receive(
         &mut self,
         me: &NodeId,
@@ -536,15 +537,13 @@ impl PeerGossip {
             snapshot_requested: false,
             reply: None,
         };
+        // Refused before anything changes, a newer incarnation's forgetting included.
         let incarnation = match &msg {
-            GossipMessage::SummaryDelta { delta, .. } if delta.to_version < delta.from_version => {
-                return Err(CoreError::Malformed(format!(
-                    "summary delta goes backwards: {} -> {}",
-                    delta.from_version, delta.to_version
-                )));
+            GossipMessage::SummaryDelta { delta, stats, .. } => {
+                delta.check()?;
+                Some(stats.incarnation)
             }
-            GossipMessage::SummarySnapshot { stats, .. }
-            | GossipMessage::SummaryDelta { stats, .. } => Some(stats.incarnation),
+            GossipMessage::SummarySnapshot { stats, .. } => Some(stats.incarnation),
             GossipMessage::SnapshotRequest { .. } => None,
         };
         if incarnation.is_some_and(|i| !self.admit(i)) {
@@ -663,8 +662,8 @@ impl PeerGossip {
 }
 
 /// What a held delta pins in memory, for [`GossipConfig::max_peer_pending_bytes`]:
-/// decoded fingerprints are 4 bytes each, whatever their varint size on the wire (the
-/// codec does not ask them to be distinct, so 4 MiB of 1-byte ones decode to 16 MiB).
+/// decoded fingerprints are 4 bytes each, whatever their varint size on the wire (1 to
+/// 5 bytes).
 fn held_bytes(d: &SummaryDelta) -> usize {
     std::mem::size_of::<SummaryDelta>()
         + std::mem::size_of::<u32>() * (d.added.len() + d.removed.len())
@@ -969,7 +968,7 @@ mod tests {
     #[test]
     fn a_peers_engines_hold_at_most_the_byte_cap_in_their_reorder_buffers_together() {
         let me = NodeId::from("a");
-        let big = |from: u64| delta(from, from + 1, &[7; 1_000]);
+        let big = |from: u64| delta(from, from + 1, &(0..1_000).collect::<Vec<u32>>());
         let one = {
             let mut p = PeerGossip::new();
             recv(&mut p, snapshot(1), 0);
@@ -1033,6 +1032,49 @@ mod tests {
         );
         // The summaries stay; a snapshot repairs them as after any gap.
         assert!(engines.iter().all(|e| e.summary().unwrap().version() == 1));
+    }
+
+    /// A delta from `from` to `to` that adds `added` and removes `removed`.
+    fn change(from: u64, to: u64, added: &[u32], removed: &[u32]) -> GossipMessage {
+        let mut msg = delta(from, to, added);
+        if let GossipMessage::SummaryDelta { delta, .. } = &mut msg {
+            delta.removed = removed.to_vec();
+        }
+        msg
+    }
+
+    #[test]
+    fn a_delta_that_names_a_fingerprint_twice_is_refused_and_changes_nothing() {
+        let mut p = PeerGossip::new();
+        recv(&mut p, snapshot_of(1, &[1, 2]), 0);
+        let cfg = GossipConfig::default();
+        let (me, b) = (NodeId::from("a"), NodeId::from("b"));
+        for (added, removed) in [
+            (&[3, 3][..], &[][..]),
+            (&[], &[1, 1]),
+            (&[3], &[3]),
+            (&[1, 5], &[1, 2]),
+            (&[5, 3, 5], &[]),
+            (&[4, 3], &[2, 3]),
+        ] {
+            // Applying now or held past a gap, and of a newer run (which, taken, would
+            // replace what is held): refused either way.
+            for from in [1, 4] {
+                let msg = of_run(1, 2, change(from, from + 2, added, removed));
+                let err = p.receive(&me, &b, msg, 0, &cfg);
+                assert!(
+                    matches!(&err, Err(CoreError::Malformed(m)) if m.contains("twice")),
+                    "{added:?} {removed:?}: {err:?}"
+                );
+            }
+            let s = p.summary().unwrap();
+            assert_eq!((s.version(), s.len(), p.pending()), (1, 2, 0));
+            assert!(p.stats().is_none());
+        }
+        // Distinct, in any order, applies.
+        recv(&mut p, change(1, 4, &[4, 3], &[2]), 0);
+        let s = p.summary().unwrap();
+        assert_eq!((s.version(), s.len()), (4, 3));
     }
 
     #[test]
