@@ -210,10 +210,11 @@ impl SummaryDelta {
     /// ([`LocalSummary::delta_since`]): [`CoreError::Malformed`] when it goes
     /// backwards or names a fingerprint twice (in one list, or in both).
     ///
-    /// Why: an honest sender nets its changes, so what such a delta changes can be
-    /// counted from its lists, each fingerprint once; and a fingerprint both added
-    /// and removed does not say whether the sender holds it. O(n) without allocating
-    /// for sorted lists (what senders send); a scratch set otherwise.
+    /// Why: a receiver counts what a delta would hold before applying it
+    /// ([`PeerSummary::len_after`], against [`crate::gossip::GossipConfig`]'s cap),
+    /// which takes each fingerprint once; and a fingerprint both added and removed
+    /// does not say whether the sender holds it. O(n) without allocating for sorted
+    /// lists (what senders send); a scratch set otherwise.
     pub fn check(&self) -> Result<(), CoreError> {
         if self.to_version < self.from_version {
             return Err(CoreError::Malformed(format!(
@@ -509,6 +510,15 @@ impl PeerSummary {
                 from: d.from_version,
             })
         }
+    }
+
+    /// Fingerprints held once `d`, a delta from the version held, is applied: what a
+    /// cap on them checks before applying it. Exact for a delta that passes
+    /// [`SummaryDelta::check`] (each fingerprint named once); O(n) lookups.
+    pub fn len_after(&self, d: &SummaryDelta) -> usize {
+        let gone = d.removed.iter().filter(|fp| self.set.contains(fp)).count();
+        let new = d.added.iter().filter(|fp| !self.set.contains(fp)).count();
+        self.set.len() - gone + new
     }
 
     /// Replace everything with a snapshot (whatever its version: a snapshot is the
