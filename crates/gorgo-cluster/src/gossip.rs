@@ -420,11 +420,10 @@ pub(crate) fn handle_frame(
         let Some(mut guard) = transport.peers.peers.get_mut(from) else {
             return;
         };
-        let e = guard.engine_mut(replica, incarnation);
-        let received = match e
-            .gossip
-            .receive(&gossip.me, from, msg, now_ms, &gossip.config)
-        {
+        // Within the cap on what the peer's summaries hold, all its engines together.
+        let received = guard.receive(incarnation, &gossip.me, from, msg, now_ms, &gossip.config);
+        let e = &mut guard.engines[usize::from(replica)];
+        let received = match received {
             Ok(r) => {
                 match r.summary {
                     SummaryEvent::Snapshot => {

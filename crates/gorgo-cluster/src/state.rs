@@ -9,9 +9,9 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use dashmap::DashMap;
-use gorgo_core::gossip::{GossipConfig, PeerGossip};
+use gorgo_core::gossip::{GossipConfig, PeerGossip, Received};
 use gorgo_core::wire::GossipMessage;
-use gorgo_core::{NodeId, QueueStats};
+use gorgo_core::{CoreError, NodeId, QueueStats};
 use parking_lot::Mutex;
 use serde::Serialize;
 use tokio::time::Instant;
@@ -128,6 +128,34 @@ impl PeerEntry {
             }
         }
         &mut self.engines[r]
+    }
+
+    /// Hand `msg`, a summary message of the peer's run `incarnation` (which the
+    /// transport says came from `from`), to the state of the engine it is about
+    /// ([`engine_mut`](Self::engine_mut)), within
+    /// [`GossipConfig::max_peer_fingerprints`] for all of the peer's engines together
+    /// ([`gorgo_core::gossip::receive_from_peer`]), on behalf of node `me`. Why here:
+    /// the cap is per peer, and this entry is what holds all of a peer's engines. The
+    /// caller has checked the message's replica against the limit.
+    pub(crate) fn receive(
+        &mut self,
+        incarnation: u64,
+        me: &NodeId,
+        from: &NodeId,
+        msg: GossipMessage,
+        now_ms: u64,
+        config: &GossipConfig,
+    ) -> Result<Received, CoreError> {
+        self.engine_mut(gorgo_core::gossip::replica(&msg), incarnation);
+        gorgo_core::gossip::receive_from_peer(
+            &mut self.engines,
+            |h| &mut h.gossip,
+            me,
+            from,
+            msg,
+            now_ms,
+            config,
+        )
     }
 
     /// Keep the reorder buffers of the peer's engines within
@@ -682,7 +710,7 @@ mod tests {
                 delta: SummaryDelta {
                     from_version: from,
                     to_version: from + 1,
-                    added: vec![7; fingerprints],
+                    added: (0..fingerprints as u32).collect(),
                     ..Default::default()
                 },
                 stats,
@@ -704,18 +732,16 @@ mod tests {
             msg: GossipMessage,
             config: &GossipConfig,
         ) -> Option<GossipMessage> {
-            let h = e.engine_mut(replica, 1);
-            h.gossip
-                .receive(&me(), &"a".into(), msg, 0, config)
-                .unwrap();
+            e.receive(1, &me(), &"a".into(), msg, 0, config).unwrap();
             e.limit_pending(replica, &me(), 0, config)
         }
         // Room for two deltas of 1,000 fingerprints, whichever engines hold them.
         let one = {
             let mut p = PeerGossip::new();
             let cfg = GossipConfig::default();
-            p.receive(&me(), &a, summary_msg(0, None), 0, &cfg).unwrap();
-            p.receive(&me(), &a, summary_msg(0, Some((3, 1_000))), 0, &cfg)
+            p.receive(0, &me(), &a, summary_msg(0, None), 0, &cfg)
+                .unwrap();
+            p.receive(0, &me(), &a, summary_msg(0, Some((3, 1_000))), 0, &cfg)
                 .unwrap();
             p.pending_bytes()
         };
@@ -750,6 +776,41 @@ mod tests {
     }
 
     #[test]
+    fn a_peers_summaries_are_capped_across_its_engines() {
+        let t = PeerTable::default();
+        let a = NodeId::from("a");
+        t.member_up(&me(), &member("a", 1), Instant::now());
+        let mut e = t.peers.get_mut(&a).unwrap();
+        // Room for 10 fingerprints, whichever engines hold them.
+        let cfg = GossipConfig {
+            max_peer_fingerprints: 10,
+            ..Default::default()
+        };
+        for r in 0..2 {
+            e.receive(1, &me(), &a, summary_msg(r, None), 0, &cfg)
+                .unwrap();
+        }
+        e.receive(1, &me(), &a, summary_msg(0, Some((1, 6))), 0, &cfg)
+            .unwrap();
+        // Six more on engine 1 would hold 12: refused (the driver counts it
+        // malformed), engine 1 unchanged.
+        let refused = e.receive(1, &me(), &a, summary_msg(1, Some((1, 6))), 0, &cfg);
+        assert!(
+            matches!(&refused, Err(CoreError::Malformed(m)) if m.contains("12")),
+            "{refused:?}"
+        );
+        let held = |e: &PeerEntry, r: usize| {
+            let s = e.engines[r].gossip.summary().unwrap();
+            (s.version(), s.len())
+        };
+        assert_eq!((held(&e, 0), held(&e, 1)), ((2, 6), (1, 0)));
+        // Four fit.
+        e.receive(1, &me(), &a, summary_msg(1, Some((1, 4))), 0, &cfg)
+            .unwrap();
+        assert_eq!(held(&e, 1), (2, 4));
+    }
+
+    #[test]
     fn a_tick_lets_go_of_every_peers_timed_out_gaps_and_asks_only_the_alive() {
         let t = PeerTable::default();
         let now = Instant::now();
@@ -762,13 +823,12 @@ mod tests {
             );
             let mut e = t.peers.get_mut(&NodeId::from(peer)).unwrap();
             for r in replicas {
-                let h = e.engine_mut(r, 1);
                 let from = NodeId::from(peer);
                 for msg in [None, Some((3, 1))] {
                     let msg = summary_msg_of(peer, r, msg);
-                    h.gossip.receive(&me(), &from, msg, 0, &cfg).unwrap();
+                    e.receive(1, &me(), &from, msg, 0, &cfg).unwrap();
                 }
-                assert_eq!(h.gossip.pending(), 1);
+                assert_eq!(e.engines[r as usize].gossip.pending(), 1);
             }
         }
         t.member_down(&member_at("b", 1, "10.0.0.2:1"), now);

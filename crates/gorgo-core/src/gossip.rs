@@ -42,6 +42,16 @@ pub struct GossipConfig {
     /// [`MAX_REPLICAS`] engines: 8 deltas on 64 engines could pin gigabytes. Any
     /// value is valid; 0 holds nothing (every gap asks for a snapshot at once).
     pub max_peer_pending_bytes: usize,
+    /// Fingerprints the summaries of all of one peer's engines may hold together
+    /// ([`PeerGossip::fingerprints`]); the driver hands every message to
+    /// [`receive_from_peer`], which sums them. A summary message that would take the
+    /// peer over is refused ([`CoreError::Malformed`]) and changes nothing; a held
+    /// delta that would is let go with the rest of its engine's reorder buffer, and a
+    /// snapshot is asked for. Why: one message is capped
+    /// ([`crate::wire::MAX_GOSSIP_MESSAGE`]) but deltas add up, and without it a peer
+    /// could grow what is held of it without bound, on each of [`MAX_REPLICAS`]
+    /// engines.
+    pub max_peer_fingerprints: usize,
     /// A version gap that has not filled after this long is a real loss: ask for a
     /// snapshot, ms.
     pub gap_timeout_ms: u64,
@@ -63,6 +73,12 @@ impl Default for GossipConfig {
             // are a round's changes (kilobytes), so only a peer sending huge deltas
             // past a gap meets it, and it is then asked for a snapshot.
             max_peer_pending_bytes: 16 << 20,
+            // An honest summary holds at most its engine's KV blocks, fewer once
+            // sampled: a large engine holds well under 1M blocks, the hot-path
+            // benchmark's summaries 100k, and a snapshot carries at most about 800k
+            // (`MAX_GOSSIP_MESSAGE`). 4M (24 to 48 MiB of hash sets) is room for
+            // several of the largest engines on one peer.
+            max_peer_fingerprints: 4 << 20,
             gap_timeout_ms: 1_000,
             snapshot_request_backoff_ms: 1_000,
             send_unchanged: true,
@@ -92,6 +108,44 @@ pub fn limit_peer_pending<T>(
         .map(|(_, e)| gossip(e).pending_bytes())
         .sum();
     gossip(engines.get_mut(r)?).limit_pending(others, me, replica, now_ms, config)
+}
+
+/// Hand `msg`, which the transport says came from peer `from`, to the [`PeerGossip`]
+/// of the peer's engine it is about ([`replica`]), on behalf of node `me`, within
+/// [`GossipConfig::max_peer_fingerprints`] for all of the peer's engines together
+/// ([`PeerGossip::receive`]). `engines` are the peer's engines as the driver holds
+/// them, the one named among them; `gossip` reaches each one's [`PeerGossip`]. A
+/// snapshot request names one of this node's engines, not one of the peer's, and
+/// changes nothing held of the peer: the peer's first engine takes it. The one place
+/// the cap is summed, for the cluster and the simulator alike.
+///
+/// Errors: as [`PeerGossip::receive`], or [`CoreError::Malformed`] when `engines` does
+/// not reach the engine named; nothing is changed then.
+pub fn receive_from_peer<T>(
+    engines: &mut [T],
+    gossip: fn(&mut T) -> &mut PeerGossip,
+    me: &NodeId,
+    from: &NodeId,
+    msg: GossipMessage,
+    now_ms: u64,
+    config: &GossipConfig,
+) -> Result<Received, CoreError> {
+    let r = match msg {
+        GossipMessage::SnapshotRequest { .. } => 0,
+        _ => usize::from(replica(&msg)),
+    };
+    let others = engines
+        .iter_mut()
+        .enumerate()
+        .filter(|(i, _)| *i != r)
+        .map(|(_, e)| gossip(e).fingerprints())
+        .sum();
+    let Some(engine) = engines.get_mut(r) else {
+        return Err(CoreError::Malformed(format!(
+            "gossip about engine {r} of {from}, which is not held"
+        )));
+    };
+    gossip(engine).receive(others, me, from, msg, now_ms, config)
 }
 
 /// The node whose summary a gossip message is about (or who asks for a snapshot).
@@ -344,6 +398,12 @@ impl PeerGossip {
         self.summary.as_ref()
     }
 
+    /// Fingerprints the summary holds (0 before the first snapshot), as
+    /// [`GossipConfig::max_peer_fingerprints`] counts them.
+    pub fn fingerprints(&self) -> usize {
+        self.summary.as_ref().map_or(0, PeerSummary::len)
+    }
+
     /// The peer's last queue stats.
     pub fn stats(&self) -> Option<&QueueStats> {
         self.stats.as_ref()
@@ -506,12 +566,17 @@ impl PeerGossip {
         updated
     }
 
-    /// Handle `msg`, which the transport says came from `from`, on behalf of node `me`.
+    /// Handle `msg`, which the transport says came from `from`, on behalf of node `me`,
+    /// while the peer's other engines hold `others_fingerprints` (drivers call
+    /// [`receive_from_peer`], which sums them).
     ///
     /// Errors: [`CoreError::Malformed`] when the message speaks for another node than
-    /// its sender, or its delta goes backwards; nothing is changed then.
+    /// its sender, its delta goes backwards or names a fingerprint twice
+    /// ([`SummaryDelta::check`]), or it would take the peer over
+    /// [`GossipConfig::max_peer_fingerprints`]; nothing is changed then.
     pub fn receive(
         &mut self,
+        others_fingerprints: usize,
         me: &NodeId,
         from: &NodeId,
         msg: GossipMessage,
@@ -536,15 +601,21 @@ impl PeerGossip {
             snapshot_requested: false,
             reply: None,
         };
+        // Refused before anything changes, a newer incarnation's forgetting included.
         let incarnation = match &msg {
-            GossipMessage::SummaryDelta { delta, .. } if delta.to_version < delta.from_version => {
-                return Err(CoreError::Malformed(format!(
-                    "summary delta goes backwards: {} -> {}",
-                    delta.from_version, delta.to_version
-                )));
+            GossipMessage::SummaryDelta { delta, stats, .. } => {
+                delta.check()?;
+                Some(stats.incarnation)
             }
-            GossipMessage::SummarySnapshot { stats, .. }
-            | GossipMessage::SummaryDelta { stats, .. } => Some(stats.incarnation),
+            GossipMessage::SummarySnapshot {
+                snapshot, stats, ..
+            } => {
+                let held = others_fingerprints.saturating_add(snapshot.fingerprints.len());
+                if held > config.max_peer_fingerprints {
+                    return Err(over_cap("snapshot", held, others_fingerprints, config));
+                }
+                Some(stats.incarnation)
+            }
             GossipMessage::SnapshotRequest { .. } => None,
         };
         if incarnation.is_some_and(|i| !self.admit(i)) {
@@ -552,6 +623,8 @@ impl PeerGossip {
             // belong to the run held (a restarted peer counts from the start again).
             return Ok(out);
         }
+        // Held deltas were let go because one would take the peer over its cap.
+        let mut let_go = false;
         match msg {
             GossipMessage::SnapshotRequest { .. } => out.snapshot_requested = true,
             GossipMessage::SummarySnapshot {
@@ -573,38 +646,57 @@ impl PeerGossip {
                 let summary = self.summary.get_or_insert_with(PeerSummary::new);
                 summary.apply_snapshot(snapshot);
                 // Deltas that overtook the snapshot follow on from it.
-                if drain(&mut self.pending, &mut self.gap_since_ms, summary, now_ms).is_err() {
-                    self.clear_pending();
-                }
+                let_go = !drain(
+                    &mut self.pending,
+                    &mut self.gap_since_ms,
+                    summary,
+                    others_fingerprints,
+                    config,
+                    now_ms,
+                );
                 out.summary = SummaryEvent::Snapshot;
                 out.stats_updated = self.offer_summary_stats(stats);
             }
             GossipMessage::SummaryDelta { delta, stats, .. } => {
-                out.summary = self.receive_delta(delta, now_ms, config)?;
+                (out.summary, let_go) =
+                    self.receive_delta(delta, others_fingerprints, now_ms, config)?;
                 out.stats_updated = self.offer_summary_stats(stats);
             }
         }
-        if out.summary == SummaryEvent::Gap {
+        if out.summary == SummaryEvent::Gap || let_go {
             out.reply = self.snapshot_request(me, replica, now_ms, config);
         }
         Ok(out)
     }
 
+    /// A delta of the run held, the peer's other engines holding `others` fingerprints:
+    /// what it did, and whether held deltas were let go for the cap ([`drain`]).
     fn receive_delta(
         &mut self,
         delta: SummaryDelta,
+        others: usize,
         now_ms: u64,
         config: &GossipConfig,
-    ) -> Result<SummaryEvent, CoreError> {
+    ) -> Result<(SummaryEvent, bool), CoreError> {
         let Some(summary) = self.summary.as_mut() else {
             // Nothing to apply it to: only a snapshot helps.
-            return Ok(SummaryEvent::Gap);
+            return Ok((SummaryEvent::Gap, false));
         };
+        if delta.from_version == summary.version() {
+            check_room(summary, &delta, others, config)?;
+        }
         let empty = delta.is_empty();
         match summary.apply_delta(&delta) {
             Ok(()) => {
-                drain(&mut self.pending, &mut self.gap_since_ms, summary, now_ms)?;
-                Ok(SummaryEvent::Applied { empty })
+                let whole = drain(
+                    &mut self.pending,
+                    &mut self.gap_since_ms,
+                    summary,
+                    others,
+                    config,
+                    now_ms,
+                );
+                Ok((SummaryEvent::Applied { empty }, !whole))
             }
             Err(CoreError::SummaryGap { have, from }) if from > have => {
                 let since = *self.gap_since_ms.get_or_insert(now_ms);
@@ -612,7 +704,7 @@ impl PeerGossip {
                     && !self.pending.contains_key(&delta.from_version);
                 if full || now_ms.saturating_sub(since) >= config.gap_timeout_ms {
                     self.clear_pending();
-                    return Ok(SummaryEvent::Gap);
+                    return Ok((SummaryEvent::Gap, false));
                 }
                 // Two deltas from one version (an empty one, then a change): keep the
                 // one that reaches further, whichever arrives last.
@@ -622,13 +714,13 @@ impl PeerGossip {
                         self.pending.insert(delta.from_version, delta);
                     }
                 }
-                Ok(SummaryEvent::Buffered)
+                Ok((SummaryEvent::Buffered, false))
             }
             // A delta from before what we hold that reaches past it: only a snapshot
             // can repair that.
             Err(CoreError::SummaryGap { .. }) => {
                 self.clear_pending();
-                Ok(SummaryEvent::Gap)
+                Ok((SummaryEvent::Gap, false))
             }
             Err(e) => Err(e),
         }
@@ -663,36 +755,80 @@ impl PeerGossip {
 }
 
 /// What a held delta pins in memory, for [`GossipConfig::max_peer_pending_bytes`]:
-/// decoded fingerprints are 4 bytes each, whatever their varint size on the wire (the
-/// codec does not ask them to be distinct, so 4 MiB of 1-byte ones decode to 16 MiB).
+/// decoded fingerprints are 4 bytes each, whatever their varint size on the wire (1 to
+/// 5 bytes).
 fn held_bytes(d: &SummaryDelta) -> usize {
     std::mem::size_of::<SummaryDelta>()
         + std::mem::size_of::<u32>() * (d.added.len() + d.removed.len())
 }
 
-/// Apply held deltas that now follow on; forget the ones already covered.
+/// Whether `summary` may take `d`, a delta from the version it holds, while the peer's
+/// other engines hold `others` fingerprints: [`GossipConfig::max_peer_fingerprints`].
+/// Looks the delta up only when its additions alone could take the peer over (never,
+/// for honest peers: their summaries are far below the cap).
+fn check_room(
+    summary: &PeerSummary,
+    d: &SummaryDelta,
+    others: usize,
+    config: &GossipConfig,
+) -> Result<(), CoreError> {
+    let at_most = others
+        .saturating_add(summary.len())
+        .saturating_add(d.added.len());
+    if at_most <= config.max_peer_fingerprints {
+        return Ok(());
+    }
+    let held = others.saturating_add(summary.len_after(d));
+    if held <= config.max_peer_fingerprints {
+        return Ok(());
+    }
+    Err(over_cap("delta", held, others, config))
+}
+
+/// The refusal of a summary `what` that would take the peer's engines to `held`
+/// fingerprints together, `others` of them on its other engines.
+fn over_cap(what: &str, held: usize, others: usize, config: &GossipConfig) -> CoreError {
+    CoreError::Malformed(format!(
+        "summary {what} would hold {held} fingerprints of the peer ({others} on its other \
+         engines), over the cap of {}",
+        config.max_peer_fingerprints
+    ))
+}
+
+/// Apply held deltas that now follow on; forget the ones already covered. False when
+/// one that follows on would take the peer over
+/// [`GossipConfig::max_peer_fingerprints`] (its other engines hold `others`): the
+/// held deltas are let go then, and only a snapshot brings the summary up to date.
 fn drain(
     pending: &mut BTreeMap<u64, SummaryDelta>,
     gap_since_ms: &mut Option<u64>,
     summary: &mut PeerSummary,
+    others: usize,
+    config: &GossipConfig,
     now_ms: u64,
-) -> Result<(), CoreError> {
+) -> bool {
     let mut progressed = false;
-    loop {
+    let whole = loop {
         let held = summary.version();
         pending.retain(|_, d| d.to_version > held);
         let Some(next) = pending.remove(&held) else {
-            break;
+            break true;
         };
-        summary.apply_delta(&next)?;
+        // Held deltas passed `SummaryDelta::check` on arrival, so they apply.
+        if check_room(summary, &next, others, config).is_err()
+            || summary.apply_delta(&next).is_err()
+        {
+            pending.clear();
+            break false;
+        }
         progressed = true;
-    }
+    };
     if pending.is_empty() {
         *gap_since_ms = None;
     } else if progressed {
         *gap_since_ms = Some(now_ms);
     }
-    Ok(())
+    whole
 }
 
 #[cfg(test)]
@@ -730,8 +866,15 @@ mod tests {
     }
 
     fn recv(p: &mut PeerGossip, msg: GossipMessage, now: u64) -> Received {
-        p.receive(&"a".into(), &"b".into(), msg, now, &GossipConfig::default())
-            .unwrap()
+        p.receive(
+            0,
+            &"a".into(),
+            &"b".into(),
+            msg,
+            now,
+            &GossipConfig::default(),
+        )
+        .unwrap()
     }
 
     #[test]
@@ -969,7 +1112,7 @@ mod tests {
     #[test]
     fn a_peers_engines_hold_at_most_the_byte_cap_in_their_reorder_buffers_together() {
         let me = NodeId::from("a");
-        let big = |from: u64| delta(from, from + 1, &[7; 1_000]);
+        let big = |from: u64| delta(from, from + 1, &(0..1_000).collect::<Vec<u32>>());
         let one = {
             let mut p = PeerGossip::new();
             recv(&mut p, snapshot(1), 0);
@@ -987,13 +1130,14 @@ mod tests {
         let total = |e: &[PeerGossip]| e.iter().map(PeerGossip::pending_bytes).sum::<usize>();
         let mut requests = Vec::new();
         for e in &mut engines {
-            e.receive(&me, &"b".into(), snapshot(1), 0, &cfg).unwrap();
+            e.receive(0, &me, &"b".into(), snapshot(1), 0, &cfg)
+                .unwrap();
         }
         // Two deltas past a gap on each engine, one engine after another.
         for (round, now) in [(0u64, 10u64), (1, 20)] {
             for r in 0..engines.len() {
                 let got = engines[r]
-                    .receive(&me, &"b".into(), big(3 + round), now, &cfg)
+                    .receive(0, &me, &"b".into(), big(3 + round), now, &cfg)
                     .unwrap();
                 assert_eq!(got.summary, SummaryEvent::Buffered);
                 let others = total(&engines) - engines[r].pending_bytes();
@@ -1033,6 +1177,172 @@ mod tests {
         );
         // The summaries stay; a snapshot repairs them as after any gap.
         assert!(engines.iter().all(|e| e.summary().unwrap().version() == 1));
+    }
+
+    /// `msg` about engine `replica` of its origin.
+    fn on(replica: u16, mut msg: GossipMessage) -> GossipMessage {
+        if let GossipMessage::SummaryDelta { stats, .. }
+        | GossipMessage::SummarySnapshot { stats, .. } = &mut msg
+        {
+            stats.replica = replica;
+        }
+        msg
+    }
+
+    /// A delta from `from` to `to` that adds `added` and removes `removed`.
+    fn change(from: u64, to: u64, added: &[u32], removed: &[u32]) -> GossipMessage {
+        let mut msg = delta(from, to, added);
+        if let GossipMessage::SummaryDelta { delta, .. } = &mut msg {
+            delta.removed = removed.to_vec();
+        }
+        msg
+    }
+
+    #[test]
+    fn a_peers_engines_hold_at_most_the_fingerprint_cap_together() {
+        let (me, b) = (NodeId::from("a"), NodeId::from("b"));
+        let cfg = GossipConfig {
+            max_peer_fingerprints: 10,
+            ..Default::default()
+        };
+        let mut engines = vec![PeerGossip::new(); 3];
+        let take = |engines: &mut [PeerGossip], r: u16, msg: GossipMessage| {
+            receive_from_peer(engines, |g| g, &me, &b, on(r, msg), 0, &cfg)
+        };
+        let held = |e: &PeerGossip| {
+            let s = e.summary().unwrap();
+            (s.version(), s.len())
+        };
+        take(&mut engines, 0, snapshot_of(1, &[1, 2, 3, 4])).unwrap();
+        take(&mut engines, 1, snapshot_of(1, &[1, 2, 3, 4])).unwrap();
+        // A snapshot that would hold 11 together: refused, nothing held of it.
+        let refused = take(&mut engines, 2, of_run(1, 3, snapshot_of(1, &[1, 2, 3])));
+        assert_eq!(
+            refused.unwrap_err(),
+            CoreError::Malformed(
+                "summary snapshot would hold 11 fingerprints of the peer (8 on its other \
+                 engines), over the cap of 10"
+                    .into()
+            )
+        );
+        assert!(engines[2].summary().is_none() && engines[2].stats().is_none());
+        assert_eq!(engines[2].incarnation(), None, "not even its run is taken");
+        take(&mut engines, 2, snapshot_of(1, &[1, 2])).unwrap();
+        assert_eq!(
+            engines.iter().map(PeerGossip::fingerprints).sum::<usize>(),
+            10
+        );
+        // A delta that would add one: refused, with its stats; the summary unchanged.
+        let refused = take(&mut engines, 0, of_run(0, 5, delta(1, 2, &[5])));
+        assert!(
+            matches!(&refused, Err(CoreError::Malformed(m)) if m.contains("would hold 11")),
+            "{refused:?}"
+        );
+        assert_eq!(held(&engines[0]), (1, 4));
+        assert!(engines[0].stats().is_none());
+        // One that adds as many as it removes fits, and so does one that removes.
+        take(&mut engines, 0, change(1, 3, &[5, 6], &[1, 2])).unwrap();
+        assert_eq!(held(&engines[0]), (3, 4));
+        take(&mut engines, 1, change(1, 2, &[], &[4])).unwrap();
+        assert_eq!(held(&engines[1]), (2, 3));
+        // A held delta that would take the peer over when its gap fills is let go with
+        // the rest of its buffer, and a snapshot is asked for: the delta that filled
+        // the gap stays applied.
+        let r = take(&mut engines, 2, delta(2, 4, &[7, 8])).unwrap();
+        assert_eq!(r.summary, SummaryEvent::Buffered);
+        take(&mut engines, 2, delta(4, 5, &[9])).unwrap();
+        let r = take(&mut engines, 2, delta(1, 2, &[])).unwrap();
+        assert_eq!(r.summary, SummaryEvent::Applied { empty: true });
+        assert!(
+            matches!(
+                r.reply,
+                Some(GossipMessage::SnapshotRequest {
+                    have_version: 2,
+                    replica: 2,
+                    ..
+                })
+            ),
+            "{:?}",
+            r.reply
+        );
+        assert_eq!((held(&engines[2]), engines[2].pending()), ((2, 2), 0));
+        assert_eq!(
+            engines.iter().map(PeerGossip::fingerprints).sum::<usize>(),
+            9
+        );
+    }
+
+    #[test]
+    fn a_peer_over_the_cap_is_asked_for_a_snapshot_at_most_once_a_backoff() {
+        let (me, b) = (NodeId::from("a"), NodeId::from("b"));
+        let cfg = GossipConfig {
+            max_peer_fingerprints: 3,
+            ..Default::default()
+        };
+        let mut p = PeerGossip::new();
+        p.receive(0, &me, &b, snapshot_of(1, &[1, 2, 3]), 0, &cfg)
+            .unwrap();
+        // The peer grows past the cap and keeps sending a delta a round: each one
+        // after the refused one is past a gap, and each snapshot it is asked for is
+        // over the cap too.
+        assert!(p.receive(0, &me, &b, delta(1, 2, &[4]), 0, &cfg).is_err());
+        let (mut requests, mut refused) = (0, 0);
+        let rounds = 40u64;
+        for v in 2..2 + rounds {
+            let now = v * 250;
+            let r = p
+                .receive(0, &me, &b, delta(v, v + 1, &[]), now, &cfg)
+                .unwrap();
+            assert!(matches!(
+                r.summary,
+                SummaryEvent::Buffered | SummaryEvent::Gap
+            ));
+            if r.reply.is_some() {
+                requests += 1;
+                let answer = snapshot_of(v + 1, &[1, 2, 3, 4]);
+                refused += usize::from(p.receive(0, &me, &b, answer, now, &cfg).is_err());
+            }
+        }
+        let most = rounds * 250 / cfg.snapshot_request_backoff_ms + 1;
+        assert!((1..=most).contains(&requests), "{requests} requests");
+        assert_eq!(refused, requests as usize);
+        let s = p.summary().unwrap();
+        assert_eq!((s.version(), s.len()), (1, 3), "what was held stays");
+        assert!(p.pending() <= cfg.max_pending_deltas);
+    }
+
+    #[test]
+    fn a_delta_that_names_a_fingerprint_twice_is_refused_and_changes_nothing() {
+        let mut p = PeerGossip::new();
+        recv(&mut p, snapshot_of(1, &[1, 2]), 0);
+        let cfg = GossipConfig::default();
+        let (me, b) = (NodeId::from("a"), NodeId::from("b"));
+        for (added, removed) in [
+            (&[3, 3][..], &[][..]),
+            (&[], &[1, 1]),
+            (&[3], &[3]),
+            (&[1, 5], &[1, 2]),
+            (&[5, 3, 5], &[]),
+            (&[4, 3], &[2, 3]),
+        ] {
+            // Applying now or held past a gap, and of a newer run (which, taken, would
+            // replace what is held): refused either way.
+            for from in [1, 4] {
+                let msg = of_run(1, 2, change(from, from + 2, added, removed));
+                let err = p.receive(0, &me, &b, msg, 0, &cfg);
+                assert!(
+                    matches!(&err, Err(CoreError::Malformed(m)) if m.contains("twice")),
+                    "{added:?} {removed:?}: {err:?}"
+                );
+            }
+            let s = p.summary().unwrap();
+            assert_eq!((s.version(), s.len(), p.pending()), (1, 2, 0));
+            assert!(p.stats().is_none());
+        }
+        // Distinct, in any order, applies.
+        recv(&mut p, change(1, 4, &[4, 3], &[2]), 0);
+        let s = p.summary().unwrap();
+        assert_eq!((s.version(), s.len()), (4, 3));
     }
 
     #[test]
@@ -1101,6 +1411,7 @@ mod tests {
         assert!(!p.offer_stats(&s(1)));
         assert!(p.offer_stats(&s(3)));
         let err = p.receive(
+            0,
             &"a".into(),
             &"c".into(),
             snapshot(1),
@@ -1113,6 +1424,7 @@ mod tests {
         recv(&mut p, snapshot(5), 0);
         assert!(p
             .receive(
+                0,
                 &"a".into(),
                 &"b".into(),
                 backwards,
@@ -1311,10 +1623,10 @@ mod tests {
             let mut held: Option<GossipMessage> = None;
             let mut stats = QueueStats::default();
             let deliver = |m: GossipMessage, now: u64, view: &mut PeerGossip, sender: &mut GossipSender| {
-                let r = view.receive(&b, &a, m, now, &cfg).unwrap();
+                let r = view.receive(0, &b, &a, m, now, &cfg).unwrap();
                 // The reply (snapshot request) may itself be lost: some are dropped.
                 if let Some(req) = r.reply.filter(|_| now.is_multiple_of(2)) {
-                    let r2 = PeerGossip::new().receive(&a, &b, req, now, &cfg).unwrap();
+                    let r2 = PeerGossip::new().receive(0, &a, &b, req, now, &cfg).unwrap();
                     if r2.snapshot_requested {
                         sender.on_snapshot_request(&b);
                     }
@@ -1356,7 +1668,7 @@ mod tests {
                 stats.version += 1;
                 if let Some(m) = sender.poll(&b, &local, &stats) {
                     sender.on_sent(&b, true);
-                    let r = view.receive(&b, &a, m, now, &cfg).unwrap();
+                    let r = view.receive(0, &b, &a, m, now, &cfg).unwrap();
                     if r.reply.is_some() {
                         sender.on_snapshot_request(&b);
                     }
@@ -1379,8 +1691,8 @@ mod tests {
             if let Ok(m) = wire::decode::<GossipMessage>(&bytes, MAX_GOSSIP_MESSAGE) {
                 let from = origin(&m).clone();
                 let mut p = PeerGossip::new();
-                let _ = p.receive(&"me".into(), &from, m.clone(), 0, &GossipConfig::default());
-                let _ = p.receive(&"me".into(), &from, m, 5_000, &GossipConfig::default());
+                let _ = p.receive(0, &"me".into(), &from, m.clone(), 0, &GossipConfig::default());
+                let _ = p.receive(0, &"me".into(), &from, m, 5_000, &GossipConfig::default());
             }
         }
     }

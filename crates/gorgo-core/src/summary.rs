@@ -205,6 +205,55 @@ impl SummaryDelta {
     pub fn is_empty(&self) -> bool {
         self.added.is_empty() && self.removed.is_empty()
     }
+
+    /// Errors unless this is a delta an honest sender builds
+    /// ([`LocalSummary::delta_since`]): [`CoreError::Malformed`] when it goes
+    /// backwards or names a fingerprint twice (in one list, or in both).
+    ///
+    /// Why: a receiver counts what a delta would hold before applying it
+    /// ([`PeerSummary::len_after`], against [`crate::gossip::GossipConfig`]'s cap),
+    /// which takes each fingerprint once; and a fingerprint both added and removed
+    /// does not say whether the sender holds it. O(n) without allocating for sorted
+    /// lists (what senders send); a scratch set otherwise.
+    pub fn check(&self) -> Result<(), CoreError> {
+        if self.to_version < self.from_version {
+            return Err(CoreError::Malformed(format!(
+                "summary delta goes backwards: {} -> {}",
+                self.from_version, self.to_version
+            )));
+        }
+        let increasing = |v: &[u32]| v.windows(2).all(|w| w[0] < w[1]);
+        let twice = if increasing(&self.added) && increasing(&self.removed) {
+            // Each list distinct: walk them together for one in both.
+            let (mut i, mut j) = (0, 0);
+            loop {
+                match (self.added.get(i), self.removed.get(j)) {
+                    (Some(a), Some(r)) => match a.cmp(r) {
+                        std::cmp::Ordering::Less => i += 1,
+                        std::cmp::Ordering::Greater => j += 1,
+                        std::cmp::Ordering::Equal => break Some(*a),
+                    },
+                    _ => break None,
+                }
+            }
+        } else {
+            let mut seen = FingerprintSet::with_capacity_and_hasher(
+                self.added.len() + self.removed.len(),
+                Default::default(),
+            );
+            self.added
+                .iter()
+                .chain(&self.removed)
+                .copied()
+                .find(|&fp| !seen.insert(fp))
+        };
+        match twice {
+            Some(fp) => Err(CoreError::Malformed(format!(
+                "summary delta names fingerprint {fp} twice"
+            ))),
+            None => Ok(()),
+        }
+    }
 }
 
 /// The whole fingerprint set at `version`.
@@ -461,6 +510,15 @@ impl PeerSummary {
                 from: d.from_version,
             })
         }
+    }
+
+    /// Fingerprints held once `d`, a delta from the version held, is applied: what a
+    /// cap on them checks before applying it. Exact for a delta that passes
+    /// [`SummaryDelta::check`] (each fingerprint named once); O(n) lookups.
+    pub fn len_after(&self, d: &SummaryDelta) -> usize {
+        let gone = d.removed.iter().filter(|fp| self.set.contains(fp)).count();
+        let new = d.added.iter().filter(|fp| !self.set.contains(fp)).count();
+        self.set.len() - gone + new
     }
 
     /// Replace everything with a snapshot (whatever its version: a snapshot is the

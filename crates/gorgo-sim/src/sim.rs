@@ -1981,7 +1981,11 @@ impl<'a> Sim<'a> {
                 let asks = matches!(msg, GossipMessage::SnapshotRequest { .. });
                 let node = &mut self.nodes[to];
                 let config = GossipConfig::default();
-                let received = node.peers[from][if asks { 0 } else { k }].receive(
+                // The peer's summaries, all its engines together, within their cap,
+                // as the cluster keeps them.
+                let received = core_gossip::receive_from_peer(
+                    &mut node.peers[from],
+                    |g| g,
                     &self.node_ids[to],
                     &self.node_ids[from],
                     msg,
