@@ -110,6 +110,9 @@ pub struct ScrapeMark {
     /// Our requests not yet past their first token: those the engine's `waiting` can
     /// be counting.
     unprefilled: u64,
+    /// Our dispatches so far (`EngineView::next_seq`): those after the mark can be in
+    /// the engine's `waiting` too, if they reached it before it took its gauges.
+    dispatches: u64,
 }
 
 /// The node's view of its engine: scrapes plus its own dispatch accounting, and the
@@ -124,10 +127,12 @@ pub struct EngineView {
     /// How many of `dispatched` are not past their first token: the requests of ours
     /// the engine's `waiting` gauge can be counting.
     unprefilled: u64,
-    /// `unprefilled` when the last scrape was asked for: of the engine's `waiting` in
-    /// that scrape, at most these were ours. Our requests prefilled since leave
-    /// `unprefilled` but stay in the scrape's count until the next one; compared with
-    /// the current count they would read as someone else's work.
+    /// Of the engine's `waiting` in the last scrape, at most these were ours:
+    /// `unprefilled` when the scrape was asked for, plus what we dispatched while it
+    /// was on its way (the engine took its gauges somewhere in between). Our requests
+    /// prefilled since the ask leave `unprefilled` but stay in the scrape's count
+    /// until the next one, and those dispatched in flight may be in it: compared with
+    /// the current count, either would read as someone else's work.
     unprefilled_at_scrape: u64,
     queued_prompt_tokens: u64,
     mean_prompt_tokens: u64,
@@ -249,6 +254,7 @@ impl EngineView {
     pub fn scrape_started(&self) -> ScrapeMark {
         ScrapeMark {
             unprefilled: self.unprefilled,
+            dispatches: self.next_seq,
         }
     }
 
@@ -257,7 +263,8 @@ impl EngineView {
         self.settle_unobserved(now_ms);
         self.scraped = metrics;
         self.scraped_at_ms = Some(now_ms);
-        self.unprefilled_at_scrape = mark.unprefilled;
+        let in_flight = self.next_seq.saturating_sub(mark.dispatches);
+        self.unprefilled_at_scrape = mark.unprefilled.saturating_add(in_flight);
     }
 
     /// The last scrape (default when none arrived yet).
@@ -671,6 +678,30 @@ mod tests {
         };
         v.scrape(waiting, mark, 10);
         assert_eq!(v.queue_stats(0, 10).unfinished_prefill_tokens, 0);
+    }
+
+    /// The mirror case: our requests dispatched while a scrape is on its way may be in
+    /// its `waiting` (the engine took its gauges after they reached it); they are
+    /// counted at their real size already, not again as mean prompts of someone
+    /// else's work.
+    #[test]
+    fn our_requests_dispatched_while_a_scrape_is_in_flight_are_not_foreign_work() {
+        let waiting = EngineMetrics {
+            running: Some(0.0),
+            waiting: Some(8.0),
+            ..EngineMetrics::default()
+        };
+        let (mut early, mut late) = (view(), view());
+        let mark = early.scrape_started();
+        for id in 0..8 {
+            early.dispatch(id, 2000, 2000, 0);
+            late.dispatch(id, 2000, 2000, 0);
+        }
+        early.scrape(waiting.clone(), mark, 10);
+        late.scrape(waiting, late.scrape_started(), 10);
+        let work = |v: &mut EngineView| v.queue_stats(0, 10).unfinished_prefill_tokens;
+        assert_eq!(work(&mut early), 8 * 2000);
+        assert_eq!(work(&mut late), 8 * 2000);
     }
 
     #[test]
