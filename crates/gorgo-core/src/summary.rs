@@ -207,14 +207,15 @@ impl SummaryDelta {
     }
 
     /// Errors unless this is a delta an honest sender builds
-    /// ([`LocalSummary::delta_since`]): [`CoreError::Malformed`] when it goes
-    /// backwards or names a fingerprint twice (in one list, or in both).
+    /// ([`LocalSummary::delta_since`]: each list strictly increasing, no fingerprint
+    /// in both): [`CoreError::Malformed`] when it goes backwards, a list is out of
+    /// order or repeats a fingerprint, or one is both added and removed.
     ///
     /// Why: a receiver counts what a delta would hold before applying it
     /// ([`PeerSummary::len_after`], against [`crate::gossip::GossipConfig`]'s cap),
-    /// which takes each fingerprint once; and a fingerprint both added and removed
-    /// does not say whether the sender holds it. O(n) without allocating for sorted
-    /// lists (what senders send); a scratch set otherwise.
+    /// which takes each fingerprint once; a fingerprint both added and removed does
+    /// not say whether the sender holds it; and asking for sorted lists makes the
+    /// check one pass without allocating, under the lock the gossip receiver holds.
     pub fn check(&self) -> Result<(), CoreError> {
         if self.to_version < self.from_version {
             return Err(CoreError::Malformed(format!(
@@ -222,37 +223,28 @@ impl SummaryDelta {
                 self.from_version, self.to_version
             )));
         }
-        let increasing = |v: &[u32]| v.windows(2).all(|w| w[0] < w[1]);
-        let twice = if increasing(&self.added) && increasing(&self.removed) {
-            // Each list distinct: walk them together for one in both.
-            let (mut i, mut j) = (0, 0);
-            loop {
-                match (self.added.get(i), self.removed.get(j)) {
-                    (Some(a), Some(r)) => match a.cmp(r) {
-                        std::cmp::Ordering::Less => i += 1,
-                        std::cmp::Ordering::Greater => j += 1,
-                        std::cmp::Ordering::Equal => break Some(*a),
-                    },
-                    _ => break None,
+        for (name, list) in [("added", &self.added), ("removed", &self.removed)] {
+            if let Some(w) = list.windows(2).find(|w| w[0] >= w[1]) {
+                return Err(CoreError::Malformed(format!(
+                    "summary delta's {name} list is not strictly increasing at {} then {}",
+                    w[0], w[1]
+                )));
+            }
+        }
+        // Both lists strictly increasing: walk them together for one in both.
+        let (mut i, mut j) = (0, 0);
+        while let (Some(a), Some(r)) = (self.added.get(i), self.removed.get(j)) {
+            match a.cmp(r) {
+                std::cmp::Ordering::Less => i += 1,
+                std::cmp::Ordering::Greater => j += 1,
+                std::cmp::Ordering::Equal => {
+                    return Err(CoreError::Malformed(format!(
+                        "summary delta names fingerprint {a} twice"
+                    )))
                 }
             }
-        } else {
-            let mut seen = FingerprintSet::with_capacity_and_hasher(
-                self.added.len() + self.removed.len(),
-                Default::default(),
-            );
-            self.added
-                .iter()
-                .chain(&self.removed)
-                .copied()
-                .find(|&fp| !seen.insert(fp))
-        };
-        match twice {
-            Some(fp) => Err(CoreError::Malformed(format!(
-                "summary delta names fingerprint {fp} twice"
-            ))),
-            None => Ok(()),
         }
+        Ok(())
     }
 }
 
@@ -499,6 +491,11 @@ impl PeerSummary {
                 self.set.remove(fp);
             }
             self.set.extend(d.added.iter().copied());
+            // Removals keep the table's allocation; give it back once it is mostly
+            // empty (the same reason as in `apply_snapshot`).
+            if self.set.capacity() > 4 * self.set.len().max(1024) {
+                self.set.shrink_to(2 * self.set.len());
+            }
             self.version = d.to_version;
             self.sample = d.sample;
             Ok(())
@@ -524,8 +521,11 @@ impl PeerSummary {
     /// Replace everything with a snapshot (whatever its version: a snapshot is the
     /// sender's word on its whole state, e.g. after it restarted).
     pub fn apply_snapshot(&mut self, s: SummarySnapshot) {
-        self.set.clear();
-        self.set.extend(s.fingerprints);
+        // A new set, not the old one cleared: a cleared table keeps its allocation,
+        // and the cap on what a peer's summaries hold counts fingerprints, so a peer
+        // filling a summary and then sending an empty snapshot would pin the largest
+        // table it ever had on each of its engines.
+        self.set = s.fingerprints.into_iter().collect();
         self.version = s.version;
         self.sample = s.sample;
     }
@@ -887,6 +887,42 @@ mod tests {
         })
         .unwrap();
         assert_eq!(p.sample(), every);
+    }
+
+    /// What a peer's summary allocates follows what it holds: a peer that fills one
+    /// and then empties it (by snapshot or by delta) leaves no large table behind,
+    /// since the cap on a peer's summaries counts fingerprints, not allocations.
+    #[test]
+    fn an_emptied_peer_summary_gives_its_table_back() {
+        let big: Vec<u32> = (0..200_000).collect();
+        let mut p = PeerSummary::new();
+        p.apply_snapshot(SummarySnapshot {
+            version: 1,
+            fingerprints: big.clone(),
+            sample: SummarySample::EVERY_BLOCK,
+        });
+        assert!(p.set.capacity() >= 200_000);
+        p.apply_snapshot(SummarySnapshot {
+            version: 2,
+            fingerprints: Vec::new(),
+            sample: SummarySample::EVERY_BLOCK,
+        });
+        assert!(p.set.capacity() < 4096, "{}", p.set.capacity());
+        p.apply_snapshot(SummarySnapshot {
+            version: 3,
+            fingerprints: big.clone(),
+            sample: SummarySample::EVERY_BLOCK,
+        });
+        p.apply_delta(&SummaryDelta {
+            from_version: 3,
+            to_version: 4,
+            sample: SummarySample::EVERY_BLOCK,
+            removed: big,
+            ..Default::default()
+        })
+        .unwrap();
+        assert!(p.is_empty());
+        assert!(p.set.capacity() < 4096, "{}", p.set.capacity());
     }
 
     #[test]
