@@ -310,10 +310,16 @@ struct Outgoing {
     /// it has buffered the frame, so a long wait here means the client stopped
     /// reading this response (on HTTP/2: its stream's window is full).
     wait_since: AtomicU64,
-    /// The body, until the watchdog takes it away from a stalled stream: dropping it
-    /// ends the engine's stream and frees its slots; hyper's next poll gets an error
-    /// and resets the stream.
-    body: Mutex<Option<Body>>,
+    /// The connection's clock.
+    epoch: Instant,
+    /// The body and its request's place in flight, until the watchdog takes them
+    /// from a stalled stream: dropping the body ends the engine's stream and frees its
+    /// slots, and the request no longer counts as in flight, though hyper holds the
+    /// stream until its client reads or resets it (hyper's h2 send loop waits for
+    /// window before it polls the body again, and would then get an error and reset
+    /// it). So a connection left with only cut streams goes idle and is closed by the
+    /// idle timeout.
+    live: Mutex<Option<(Body, InFlight)>>,
 }
 
 /// What the watchdog found about the responses of one connection.
@@ -338,10 +344,11 @@ impl Activity {
         self.last_ms.store(self.now_ms(), Ordering::Relaxed);
     }
     /// A response about to go out: tracked until its body is dropped.
-    fn outgoing(&self, body: Body) -> Arc<Outgoing> {
+    fn outgoing(&self, body: Body, in_flight: InFlight) -> Arc<Outgoing> {
         let out = Arc::new(Outgoing {
             wait_since: AtomicU64::new(0),
-            body: Mutex::new(Some(body)),
+            epoch: self.epoch,
+            live: Mutex::new(Some((body, in_flight))),
         });
         let mut list = self.outgoing.lock();
         list.retain(|o| o.strong_count() > 0);
@@ -377,8 +384,8 @@ impl Activity {
         }
         for o in &stalled {
             o.wait_since.store(0, Ordering::Relaxed);
-            let body = o.body.lock().take();
-            drop(body);
+            let live = o.live.lock().take();
+            drop(live);
         }
         WriteStall::Streams(stalled.len())
     }
@@ -394,6 +401,7 @@ impl Activity {
 }
 
 /// Marks a request in flight on its connection until its response body ends.
+#[derive(Debug)]
 struct InFlight(Arc<Activity>);
 
 impl InFlight {
@@ -414,8 +422,6 @@ impl Drop for InFlight {
 /// A response body that keeps its request counted as in flight until it ends.
 struct TrackedBody {
     out: Arc<Outgoing>,
-    // Dropped after `out`'s body: the request ends when its body does.
-    _in_flight: InFlight,
 }
 
 impl HttpBody for TrackedBody {
@@ -429,33 +435,33 @@ impl HttpBody for TrackedBody {
         // Asked for a frame: hyper has buffered the last one.
         let out = &self.out;
         out.wait_since.store(0, Ordering::Relaxed);
-        let mut body = out.body.lock();
-        let Some(inner) = body.as_mut() else {
+        let mut live = out.live.lock();
+        let Some((inner, _)) = live.as_mut() else {
             return Poll::Ready(Some(Err(axum::Error::new(
                 "the client stopped reading this response",
             ))));
         };
         let polled = Pin::new(inner).poll_frame(cx);
         if let Poll::Ready(Some(Ok(_))) = &polled {
-            out.wait_since
-                .store(self._in_flight.0.now_ms() + 1, Ordering::Relaxed);
+            let now_ms = out.epoch.elapsed().as_millis() as u64;
+            out.wait_since.store(now_ms + 1, Ordering::Relaxed);
         }
         polled
     }
     fn is_end_stream(&self) -> bool {
         // A cut body is not at its end: hyper polls it and gets the error.
         self.out
-            .body
+            .live
             .lock()
             .as_ref()
-            .is_some_and(|b| b.is_end_stream())
+            .is_some_and(|(b, _)| b.is_end_stream())
     }
     fn size_hint(&self) -> SizeHint {
         self.out
-            .body
+            .live
             .lock()
             .as_ref()
-            .map_or_else(SizeHint::default, |b| b.size_hint())
+            .map_or_else(SizeHint::default, |(b, _)| b.size_hint())
     }
 }
 
@@ -600,14 +606,9 @@ async fn serve_connection(
                 }
             };
             let (parts, body) = resp.into_parts();
-            let out = in_flight.0.outgoing(body);
-            Ok::<_, Infallible>(Response::from_parts(
-                parts,
-                TrackedBody {
-                    out,
-                    _in_flight: in_flight,
-                },
-            ))
+            let activity = in_flight.0.clone();
+            let out = activity.outgoing(body, in_flight);
+            Ok::<_, Infallible>(Response::from_parts(parts, TrackedBody { out }))
         }
     });
     let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());

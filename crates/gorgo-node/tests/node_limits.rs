@@ -655,13 +655,19 @@ async fn a_stalled_http2_response_leaves_the_tuners_open_requests_at_its_deadlin
 /// On HTTP/2 one stream whose client stopped reading is cut after `write_timeout_ms`
 /// while the connection's other streams go on: the stalled one's engine stream is
 /// dropped, the other is still served. (The wait was tracked per connection, so the
-/// flowing stream's frames hid the stalled one until its deadline.)
+/// flowing stream's frames hid the stalled one until its deadline.) Once the others
+/// end, the cut stream no longer counts as in flight: the connection goes idle and is
+/// closed, though its client still holds the stream.
 #[tokio::test]
 async fn a_stalled_http2_stream_is_cut_while_the_others_flow() {
     let engine = StubEngine::start("e").await;
     engine.set_mode(FLOOD);
     let node = start_node(
-        config("a", &engine.url(), "[limits]\nwrite_timeout_ms = 300\n"),
+        config(
+            "a",
+            &engine.url(),
+            "[limits]\nwrite_timeout_ms = 300\nidle_timeout_ms = 500\n",
+        ),
         None,
     )
     .await;
@@ -712,7 +718,24 @@ async fn a_stalled_http2_stream_is_cut_while_the_others_flow() {
         "{metrics}"
     );
     assert!(!metrics.contains(r#"reason="write_timeout""#), "{metrics}");
-    drop(stalled);
+    // The flowing stream ends (its client resets it); the stalled one is still held.
     reader.abort();
+    until("the flowing stream's engine stream to be dropped", || {
+        engines() == 0
+    })
+    .await;
+    for _ in 0..2000 {
+        if sender.is_closed() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        sender.is_closed(),
+        "a connection of cut streams is never idle"
+    );
+    let metrics = metrics_text(&node).await;
+    assert!(metrics.contains(r#"reason="idle""#), "{metrics}");
+    drop(stalled);
     node.shutdown.cancel();
 }
