@@ -215,9 +215,15 @@ pub async fn request_chain(
     canonical: Vec<u8>,
 ) -> Result<HashChain, NodeError> {
     if !state.tokens.exact() || body.len() <= INLINE_TOKENIZE_BYTES {
-        return Ok(state
-            .tokens
-            .chain(&state.hasher, endpoint, body, &canonical)?);
+        // Inline, a panic would unwind the connection's task: the client would see a
+        // reset, not the 500 a long body gets from the blocking thread.
+        return std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            state
+                .tokens
+                .chain(&state.hasher, endpoint, body, &canonical)
+        }))
+        .map_err(|_| NodeError::Internal("tokenizing failed: the tokenizer panicked".into()))?
+        .map_err(NodeError::from);
     }
     let st = state.clone();
     let body = body.clone();
