@@ -142,15 +142,18 @@ const HEALTH_GENERATE_MAX_BYTES: usize = 1 << 20;
 /// one at a time, and one that arrives while another runs takes its answer: the route
 /// needs no token, and each probe is real engine work outside the node's accounting.
 async fn health_generate(State(state): State<Arc<NodeState>>) -> Response {
+    let arrived = Instant::now();
     let (mut last, waited) = match state.health_probe.try_lock() {
         Ok(guard) => (guard, false),
         Err(_) => (state.health_probe.lock().await, true),
     };
+    // Only an answer that ended while this probe waited is shared: the probe it waited
+    // on may have been dropped (its client left), leaving an older answer behind.
     let outcome = match (waited, last.as_ref()) {
-        (true, Some(outcome)) => outcome.clone(),
+        (true, Some((ended, outcome))) if *ended >= arrived => outcome.clone(),
         _ => {
             let outcome = probe_generation(&state).await;
-            *last = Some(outcome.clone());
+            *last = Some((Instant::now(), outcome.clone()));
             outcome
         }
     };
@@ -161,19 +164,21 @@ async fn health_generate(State(state): State<Arc<NodeState>>) -> Response {
     }
 }
 
-/// One `/health_generate` probe: `Err` says why the engine could not generate.
+/// One `/health_generate` probe: `Err` says why the engine could not generate. The
+/// whole of it, learning the engine's model included, ends within the engine's
+/// generation-probe deadline.
 async fn probe_generation(state: &NodeState) -> Result<(), String> {
-    let model = engine_model(state)
-        .await
-        .unwrap_or_else(|| "default".to_owned());
-    let body =
-        serde_json::json!({"model": model, "prompt": "ping", "max_tokens": 1, "stream": false});
-    let headers = [("content-type".to_owned(), "application/json".to_owned())];
     let Some(engine) = state.preferred_engine() else {
         return Err("no local engine".into());
     };
     let deadline = engine.adapter.generation_probe_deadline();
     let probe = async {
+        let model = engine_model(state)
+            .await
+            .unwrap_or_else(|| "default".to_owned());
+        let body =
+            serde_json::json!({"model": model, "prompt": "ping", "max_tokens": 1, "stream": false});
+        let headers = [("content-type".to_owned(), "application/json".to_owned())];
         let sent = engine
             .adapter
             .send_request(

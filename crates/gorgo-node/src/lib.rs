@@ -93,11 +93,11 @@ pub struct NodeState {
     pub forward_permits: Arc<Semaphore>,
     /// Bytes of request bodies being read at once, clients' and peers' together.
     pub body_budget: budget::BodyBudget,
-    /// The last `/health_generate` probe's outcome (`Err`: why it failed), held while
-    /// a probe runs: probes run one at a time, and those that arrive during one share
-    /// its answer, so unauthenticated callers cannot turn the route into unbounded
-    /// engine work.
-    pub(crate) health_probe: tokio::sync::Mutex<Option<Result<(), String>>>,
+    /// The last `/health_generate` probe's outcome (`Err`: why it failed) and when it
+    /// ended, held while a probe runs: probes run one at a time, and those that arrive
+    /// during one share its answer, so unauthenticated callers cannot turn the route
+    /// into unbounded engine work.
+    pub(crate) health_probe: tokio::sync::Mutex<Option<(Instant, Result<(), String>)>>,
     /// Set when the node starts draining (SIGTERM): `/readyz` answers 503 so load
     /// balancers stop sending, while in-flight requests finish.
     draining: AtomicBool,

@@ -296,12 +296,11 @@ async fn concurrent_health_generate_probes_share_one_generation() {
     // Every probe's connection is open before the held one is let go.
     let mut open = 0;
     for _ in 0..2000 {
-        let text = metrics_text(&nodes[0]).await;
-        open = text
-            .lines()
-            .find(|l| l.starts_with("gorgo_connections_open{port=\"client\"}"))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-            .unwrap_or(0);
+        open = metric_value(
+            &metrics_text(&nodes[0]).await,
+            r#"gorgo_connections_open{port="client"}"#,
+        )
+        .unwrap_or(0.0) as u64;
         if open >= 20 {
             break;
         }
@@ -352,6 +351,54 @@ async fn a_hung_generation_fails_health_generate_at_its_deadline() {
         err["error"]["message"].as_str().unwrap().contains("400 ms"),
         "{err}"
     );
+    engine.release.notify_waiters();
+    node.shutdown.cancel();
+}
+
+/// A probe that waited on another takes its answer only if that one ended: when the
+/// probe it waited on is dropped (its client left), it runs its own instead of
+/// answering with an older outcome (here a success, from before the engine hung).
+#[tokio::test]
+async fn a_probe_whose_leader_left_does_not_answer_with_an_old_outcome() {
+    let engine = StubEngine::start("a").await;
+    let node = start_node(
+        config_with_engine("a", &engine.url(), "health_timeout_ms = 20\n"),
+        None,
+    )
+    .await;
+    let url = format!("{}/health_generate", node.base);
+    assert_eq!(client().get(&url).send().await.unwrap().status(), 200);
+    engine.set_mode(HANG);
+    let before = engine.requests();
+    let leader = tokio::spawn({
+        let url = url.clone();
+        async move { client().get(url).send().await.map(|r| r.status()) }
+    });
+    until("the leading probe to reach the engine", || {
+        engine.requests() > before
+    })
+    .await;
+    let waiter = tokio::spawn({
+        let url = url.clone();
+        async move { client().get(url).send().await.unwrap().status() }
+    });
+    // Both probes' connections open (the waiter's on the probe lock), then the
+    // leader's client leaves.
+    let mut open = 0.0;
+    for _ in 0..2000 {
+        open = metric_value(
+            &metrics_text(&node).await,
+            r#"gorgo_connections_open{port="client"}"#,
+        )
+        .unwrap_or(0.0);
+        if open >= 2.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(open >= 2.0, "{open} connections");
+    leader.abort();
+    assert_eq!(waiter.await.unwrap(), 503, "the engine hangs now");
     engine.release.notify_waiters();
     node.shutdown.cancel();
 }
