@@ -666,7 +666,13 @@ async fn serve_connection(
                         metrics.refuse(port, "idle");
                         return;
                     }
-                    Some(idle) => check.as_mut().reset(tokio::time::Instant::now() + (limits.idle_timeout - idle)),
+                    // Checked again by the idle deadline, or sooner: a request that
+                    // starts meanwhile may stall, and that must be seen within the
+                    // write timeout.
+                    Some(idle) => check.as_mut().reset(
+                        tokio::time::Instant::now()
+                            + (limits.idle_timeout - idle).min(limits.write_timeout),
+                    ),
                     None => match activity.write_stall(limits.write_timeout) {
                         // Its client stopped reading what it asked for: close (the
                         // response is lost to it anyway), freeing the slot.

@@ -87,6 +87,26 @@ async fn slow_bodies_do_not_take_the_slots_of_ready_requests() {
     node.shutdown.cancel();
 }
 
+/// A raw HTTP/1 connection to `node` from 127.0.0.2 with a 4 KiB receive buffer, so a
+/// response it does not read fills the socket soon.
+async fn small_window_connection(node: &TestNode) -> TcpStream {
+    let sock = TcpSocket::new_v4().unwrap();
+    sock.set_recv_buffer_size(4096).unwrap();
+    sock.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+    sock.connect(http_addr(node)).await.unwrap()
+}
+
+/// Send a streamed chat completion on `s` (and read nothing).
+async fn send_streamed_chat(s: &mut TcpStream) {
+    let body = chat_body("x", true).to_string();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(body.as_bytes()).await.unwrap();
+}
+
 /// An HTTP/2 (prior knowledge) client connection to `node` whose streams may each hold
 /// 64 KiB unread and all together `connection_window` bytes.
 async fn h2_client(
@@ -542,17 +562,8 @@ async fn a_client_that_stops_reading_is_cut_off() {
         None,
     )
     .await;
-    let sock = TcpSocket::new_v4().unwrap();
-    sock.set_recv_buffer_size(4096).unwrap();
-    sock.bind("127.0.0.2:0".parse().unwrap()).unwrap();
-    let mut s = sock.connect(http_addr(&node)).await.unwrap();
-    let body = chat_body("x", true).to_string();
-    let head = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).await.unwrap();
-    s.write_all(body.as_bytes()).await.unwrap();
+    let mut s = small_window_connection(&node).await;
+    send_streamed_chat(&mut s).await;
     // Never read: the node's buffers and the socket's fill, then it must give up.
     let engine_active = engine.active.clone();
     until("the engine to stream", || {
@@ -574,6 +585,37 @@ async fn a_client_that_stops_reading_is_cut_off() {
         engine_active.load(std::sync::atomic::Ordering::SeqCst) == 0
     })
     .await;
+    drop(s);
+    node.shutdown.cancel();
+}
+
+/// A connection that sat idle before its request stalls is checked within the write
+/// timeout too, not at the idle deadline (60 s by default) the idle watchdog had
+/// armed for.
+#[tokio::test]
+async fn a_stall_after_an_idle_spell_is_seen_within_the_write_timeout() {
+    let engine = StubEngine::start("e").await;
+    engine.set_mode(FLOOD);
+    let node = start_node(
+        config("a", &engine.url(), "[limits]\nwrite_timeout_ms = 300\n"),
+        None,
+    )
+    .await;
+    let mut s = small_window_connection(&node).await;
+    // Idle past the first watchdog check (the scenario, not a synchronisation).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    send_streamed_chat(&mut s).await;
+    let engine_active = engine.active.clone();
+    until("the engine to stream", || {
+        engine_active.load(std::sync::atomic::Ordering::SeqCst) == 1
+    })
+    .await;
+    until("the stalled stream to be dropped", || {
+        engine_active.load(std::sync::atomic::Ordering::SeqCst) == 0
+    })
+    .await;
+    let metrics = metrics_text(&node).await;
+    assert!(metrics.contains(r#"reason="write_timeout""#), "{metrics}");
     drop(s);
     node.shutdown.cancel();
 }
