@@ -95,6 +95,11 @@ pub enum HealthChange {
     Opened,
     /// The engine is routable again.
     Closed,
+    /// The breaker opened again from half-open while its probe was out (the probe
+    /// failed, or a health check did): it was not routable before either, but a probe
+    /// still waiting for its head decides nothing any more, and its request should
+    /// fail over now rather than wait (the driver wakes it as on `Opened`).
+    Reopened,
 }
 
 /// The breaker.
@@ -105,6 +110,9 @@ pub struct EngineHealth {
     consecutive_failures: u32,
     /// A health check has passed at least once (readiness needs evidence).
     confirmed: bool,
+    /// Probes admitted so far: which one holds the slot ([`EngineHealth::probe`]), so
+    /// that giving up an old one does not free a newer one's.
+    probes: u64,
 }
 
 impl EngineHealth {
@@ -119,6 +127,7 @@ impl EngineHealth {
             state: BreakerState::Closed,
             consecutive_failures: 0,
             confirmed: false,
+            probes: 0,
         }
     }
 
@@ -153,17 +162,26 @@ impl EngineHealth {
             BreakerState::Closed => Admission::Admitted,
             BreakerState::HalfOpen { probing: false } => {
                 self.state = BreakerState::HalfOpen { probing: true };
+                self.probes += 1;
                 Admission::Probe
             }
             _ => Admission::Refused,
         }
     }
 
-    /// The probe was given up before its outcome (its client went away): the slot is
-    /// free for the next request, instead of the engine going unused until the next
-    /// health check.
-    pub fn abandon_probe(&mut self) {
-        if self.state == (BreakerState::HalfOpen { probing: true }) {
+    /// The probe [`EngineHealth::admit`] admitted last (after [`Admission::Probe`]:
+    /// the one holding the slot), for [`EngineHealth::abandon_probe`].
+    pub fn probe(&self) -> u64 {
+        self.probes
+    }
+
+    /// Probe `probe` ([`EngineHealth::probe`]) was given up before its outcome (its
+    /// client went away): the slot is free for the next request, instead of the engine
+    /// going unused until the next health check. Only if it still holds the slot: a
+    /// probe given up after the breaker opened again and admitted another must not
+    /// free that one's, or two would be out at once.
+    pub fn abandon_probe(&mut self, probe: u64) {
+        if probe == self.probes && self.state == (BreakerState::HalfOpen { probing: true }) {
             self.state = BreakerState::HalfOpen { probing: false };
         }
     }
@@ -208,11 +226,15 @@ impl EngineHealth {
     }
 
     fn open(&mut self, now_ms: u64) -> Option<HealthChange> {
-        let was_closed = matches!(self.state, BreakerState::Closed);
+        let before = self.state;
         self.state = BreakerState::Open {
             until_ms: now_ms.saturating_add(self.config.cooldown_ms),
         };
-        was_closed.then_some(HealthChange::Opened)
+        match before {
+            BreakerState::Closed => Some(HealthChange::Opened),
+            BreakerState::HalfOpen { probing: true } => Some(HealthChange::Reopened),
+            _ => None,
+        }
     }
 }
 
@@ -267,7 +289,10 @@ mod tests {
         assert_eq!(h.admit(1_001), Admission::Refused, "one probe at a time");
         assert!(!h.routable(1_001));
         // The probe fails: open again for a full cooldown.
-        assert_eq!(h.on_request(RequestOutcome::Failed, 1_200), None);
+        assert_eq!(
+            h.on_request(RequestOutcome::Failed, 1_200),
+            Some(HealthChange::Reopened)
+        );
         assert_eq!(h.state(1_300), BreakerState::Open { until_ms: 2_200 });
         // The next probe succeeds: closed.
         assert_eq!(h.admit(2_200), Admission::Probe);
@@ -302,13 +327,31 @@ mod tests {
         h.on_check(false, 0);
         assert_eq!(h.admit(1_000), Admission::Probe);
         assert!(!h.routable(1_000));
-        h.abandon_probe();
+        h.abandon_probe(h.probe());
         assert!(h.routable(1_000));
         assert_eq!(h.admit(1_001), Admission::Probe);
         // Giving up is only for the probe: a closed breaker stays closed.
         h.on_request(RequestOutcome::Answered, 1_100);
-        h.abandon_probe();
+        h.abandon_probe(h.probe());
         assert_eq!(h.state(1_100), BreakerState::Closed);
+    }
+
+    /// A failed health check while the probe is out opens the breaker again and says
+    /// so (its request fails over instead of waiting for a head); after the cooldown
+    /// the next probe holds the slot, and the first one given up late does not free it.
+    #[test]
+    fn a_probe_outlived_by_a_reopen_neither_waits_nor_frees_the_next_ones_slot() {
+        let mut h = breaker();
+        h.on_check(false, 0);
+        assert_eq!(h.admit(1_000), Admission::Probe);
+        let first = h.probe();
+        assert_eq!(h.on_check(false, 1_100), Some(HealthChange::Reopened));
+        assert_eq!(h.state(1_200), BreakerState::Open { until_ms: 2_100 });
+        assert_eq!(h.admit(2_100), Admission::Probe);
+        h.abandon_probe(first);
+        assert_eq!(h.admit(2_101), Admission::Refused, "one probe at a time");
+        h.abandon_probe(h.probe());
+        assert_eq!(h.admit(2_102), Admission::Probe);
     }
 
     proptest! {
@@ -332,11 +375,11 @@ mod tests {
                         None
                     }
                     _ => {
-                        h.abandon_probe();
+                        h.abandon_probe(h.probe());
                         None
                     }
                 };
-                if let Some(c) = change {
+                if let Some(c) = change.filter(|c| *c != HealthChange::Reopened) {
                     prop_assert_ne!(Some(c), last);
                     last = Some(c);
                 }

@@ -170,6 +170,10 @@ impl EngineAdapter {
                 tracing::info!(engine = %self.base, "engine breaker closed");
                 self.opened.send_replace(false);
             }
+            // Still open: wake the probe that was out (its outcome decides nothing).
+            Some(HealthChange::Reopened) => {
+                self.opened.send_replace(true);
+            }
             None => {}
         }
     }
@@ -307,7 +311,11 @@ impl EngineAdapter {
         body: Bytes,
     ) -> Result<reqwest::Response, EngineFailure> {
         let now = self.now_ms();
-        let admission = self.health.lock().admit(now);
+        let (admission, probe_id) = {
+            let mut health = self.health.lock();
+            let admission = health.admit(now);
+            (admission, health.probe())
+        };
         if !admission.may_send() {
             return Err(EngineFailure::Failed(
                 "engine circuit breaker is open".into(),
@@ -319,6 +327,7 @@ impl EngineAdapter {
         let mut probe = ProbeSlot {
             adapter: self,
             held: admission == Admission::Probe,
+            id: probe_id,
         };
         let opened = self.opened();
         let result = tokio::select! {
@@ -771,12 +780,14 @@ pub enum FirstToken {
 struct ProbeSlot<'a> {
     adapter: &'a EngineAdapter,
     held: bool,
+    /// Which probe ([`gorgo_core::health::EngineHealth::probe`]).
+    id: u64,
 }
 
 impl Drop for ProbeSlot<'_> {
     fn drop(&mut self) {
         if self.held {
-            self.adapter.health.lock().abandon_probe();
+            self.adapter.health.lock().abandon_probe(self.id);
         }
     }
 }

@@ -467,6 +467,48 @@ async fn a_half_open_breaker_sends_its_probe() {
     node.shutdown.cancel();
 }
 
+/// A request sent straight to the engine, as the half-open breaker's probe.
+fn spawn_probe(
+    adapter: &std::sync::Arc<gorgo_node::engine::EngineAdapter>,
+) -> tokio::task::JoinHandle<Result<reqwest::Response, gorgo_node::engine::EngineFailure>> {
+    let adapter = adapter.clone();
+    tokio::spawn(async move {
+        adapter
+            .send_streamed(
+                http::Method::POST,
+                "/v1/completions",
+                &[],
+                bytes::Bytes::from_static(b"{}"),
+            )
+            .await
+    })
+}
+
+/// A health check that fails while the half-open probe waits for its head opens the
+/// breaker again, and the probe fails over at once (its outcome decides nothing any
+/// more) instead of waiting out the first-byte timeout (120 s).
+#[tokio::test]
+async fn a_reopened_breaker_wakes_its_probe() {
+    use gorgo_core::health::BreakerState;
+    let (engine, node, adapter) = half_open_node().await;
+    engine.set_mode(HANG);
+    let probe = spawn_probe(&adapter);
+    until("the probe reaches the engine", || engine.requests() == 1).await;
+    assert_eq!(adapter.breaker(), BreakerState::HalfOpen { probing: true });
+    engine
+        .unhealthy
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    assert!(!adapter.check_health().await);
+    let failed = tokio::time::timeout(std::time::Duration::from_secs(20), probe)
+        .await
+        .expect("the probe fails over long before the first-byte timeout")
+        .unwrap();
+    assert!(failed.is_err());
+    assert!(matches!(adapter.breaker(), BreakerState::Open { .. }));
+    engine.release.notify_waiters();
+    node.shutdown.cancel();
+}
+
 /// A half-open probe whose request is given up before its head (its client went away)
 /// frees the probe slot: the next request may probe at once (it used to wait for the
 /// next health check, an hour away here).
@@ -475,19 +517,7 @@ async fn an_abandoned_probe_frees_the_breakers_slot() {
     use gorgo_core::health::BreakerState;
     let (engine, node, adapter) = half_open_node().await;
     engine.set_mode(HANG);
-    let probe = {
-        let adapter = adapter.clone();
-        tokio::spawn(async move {
-            adapter
-                .send_streamed(
-                    http::Method::POST,
-                    "/v1/completions",
-                    &[],
-                    bytes::Bytes::from_static(b"{}"),
-                )
-                .await
-        })
-    };
+    let probe = spawn_probe(&adapter);
     until("the probe reaches the engine", || engine.requests() == 1).await;
     assert_eq!(adapter.breaker(), BreakerState::HalfOpen { probing: true });
     probe.abort();
