@@ -30,6 +30,13 @@ use crate::types::{EngineSlots, QueueStats};
 
 /// KV capacity assumed when neither the config nor the engine's metrics give one.
 pub const DEFAULT_KV_CAPACITY_TOKENS: u64 = 1_000_000;
+
+/// The largest KV capacity the view takes, tokens (from the config or the engine's
+/// report): the shadow prefix index evicts only past it, so a bogus report (or a
+/// typo) of 1e12 would let every prompt ever seen stay in memory. 2^32 tokens is
+/// beyond the KV cache of any engine built today (a node of eight 141 GB GPUs with a
+/// small model holds a few tens of millions).
+pub const MAX_KV_CAPACITY_TOKENS: u64 = 1 << 32;
 /// Default period of the node's `/metrics` scrape (`engine.metrics_interval_ms`), ms.
 pub const DEFAULT_METRICS_INTERVAL_MS: u64 = 250;
 /// Default decode-step cost the node reports (`engine.decode_step_ms`), ms: engines
@@ -285,7 +292,7 @@ impl EngineView {
                 self.scraped
                     .kv_capacity_tokens
                     .filter(|c| c.is_finite() && *c >= 1.0)
-                    .map(|c| c as u64)
+                    .map(|c| c.min(MAX_KV_CAPACITY_TOKENS as f64) as u64)
             })
             .filter(|&c| c > 0)
             .unwrap_or(DEFAULT_KV_CAPACITY_TOKENS)
@@ -702,6 +709,21 @@ mod tests {
         let work = |v: &mut EngineView| v.queue_stats(0, 10).unfinished_prefill_tokens;
         assert_eq!(work(&mut early), 8 * 2000);
         assert_eq!(work(&mut late), 8 * 2000);
+    }
+
+    /// An engine's report of its KV capacity is taken up to
+    /// [`MAX_KV_CAPACITY_TOKENS`]: the shadow index evicts only past it.
+    #[test]
+    fn a_bogus_kv_capacity_report_is_capped() {
+        let mut v = view();
+        let report = |c: f64| EngineMetrics {
+            kv_capacity_tokens: Some(c),
+            ..EngineMetrics::default()
+        };
+        v.scrape(report(1e300), v.scrape_started(), 1);
+        assert_eq!(v.kv_capacity_tokens(), MAX_KV_CAPACITY_TOKENS);
+        v.scrape(report(5e5), v.scrape_started(), 2);
+        assert_eq!(v.kv_capacity_tokens(), 500_000);
     }
 
     #[test]

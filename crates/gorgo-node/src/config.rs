@@ -218,10 +218,10 @@ pub struct EngineSection {
     /// resync.
     #[serde(default = "default_kv_events_max_message_bytes")]
     pub kv_events_max_message_bytes: usize,
-    /// Relative share of this engine among the node's engines, for the load-blind
-    /// policies (round-robin); 0 takes it out of rotation for every policy (new
-    /// requests go elsewhere, what is in flight finishes). The cost-based policies
-    /// need no weight otherwise: each engine's own fit and queue say how fast it is.
+    /// 0 starts this engine drained, out of rotation for every policy until
+    /// `POST /admin/engines/{r}/serve`; any value above 0 starts it serving, and all
+    /// such values are alike: no policy weighs engines by it (the cost-based ones read
+    /// each engine's own fit and queue, the load-blind ones treat engines equally).
     #[serde(default = "default_engine_weight")]
     pub weight: f64,
 }
@@ -803,6 +803,11 @@ fn is_tcp_endpoint(s: &str) -> bool {
 /// Hard ceiling on `max_body_bytes`: nothing from the network is unbounded.
 pub const MAX_BODY_CEILING: usize = 256 * 1024 * 1024;
 
+/// The most `limits.max_concurrency` and `limits.max_forwards` may be: each is a
+/// semaphore's permits, and tokio panics past its own cap (`usize::MAX >> 3`), which
+/// TOML's integers reach.
+pub const MAX_PERMITS_SETTING: usize = 1 << 24;
+
 /// Room for a forwarded request's fields besides the body (chain, headers, offer): a
 /// peer's forward may be this much larger than a client's body.
 pub const FORWARD_OVERHEAD_BYTES: usize = 1024 * 1024;
@@ -986,6 +991,24 @@ impl NodeConfig {
         if self.routing.block_tokens == 0 {
             return bad("routing.block_tokens", "must be > 0");
         }
+        // The engine's KV events are re-chained into blocks of this size, which the
+        // follower takes up to 4096 tokens (`gorgo_core::kv_events`): checked here, so
+        // `--check` says so, not the node after it joined the cluster.
+        if self.engines().iter().any(|e| e.kv_events.is_some()) {
+            let (field, tokens) = match self.shared_engine().tokenizer {
+                Some(_) => ("routing.block_tokens", self.routing.block_tokens),
+                None => (
+                    "routing.block_bytes",
+                    self.routing.block_bytes / gorgo_core::hash::BYTES_PER_TOKEN,
+                ),
+            };
+            if !(1..=4096).contains(&tokens) {
+                return bad(
+                    field,
+                    "must make blocks of 1..=4096 tokens with `kv_events` (block_bytes: 4 bytes a token)",
+                );
+            }
+        }
         if self.routing.decision_log == 0 || self.routing.decision_log > 100_000 {
             return bad("routing.decision_log", "must be in 1..=100000");
         }
@@ -1000,6 +1023,19 @@ impl NodeConfig {
         if self.admin.token.len() < 8 {
             return bad("admin.token", "must be at least 8 characters");
         }
+        // Two TCP listeners cannot share an address (port 0 asks for any free one).
+        // The QUIC port is UDP and may share the number.
+        if self.listen.http == self.listen.admin && self.listen.http.port() != 0 {
+            return bad("listen.admin", "must differ from listen.http");
+        }
+        // What an `Authorization` header can carry as it was written: HTTP trims the
+        // spaces around a value, and the admin API reads it as visible ASCII.
+        if !self.admin.token.bytes().all(|b| b.is_ascii_graphic()) {
+            return bad(
+                "admin.token",
+                "must be visible ASCII characters only (no spaces, no other scripts)",
+            );
+        }
         if self.limits.max_body_bytes == 0 || self.limits.max_body_bytes > MAX_BODY_CEILING {
             return bad("limits.max_body_bytes", "must be in 1..=268435456");
         }
@@ -1011,11 +1047,13 @@ impl NodeConfig {
                 "must be at least limits.max_body_bytes + 1048576 (one largest forwarded request)",
             );
         }
-        if self.limits.max_concurrency == 0 {
-            return bad("limits.max_concurrency", "must be > 0");
+        // Each is a semaphore's permits, which tokio caps (a larger count panics at
+        // start); far past what any engine or link serves at once.
+        if !(1..=MAX_PERMITS_SETTING).contains(&self.limits.max_concurrency) {
+            return bad("limits.max_concurrency", "must be in 1..=16777216");
         }
-        if self.limits.max_forwards == 0 {
-            return bad("limits.max_forwards", "must be > 0");
+        if !(1..=MAX_PERMITS_SETTING).contains(&self.limits.max_forwards) {
+            return bad("limits.max_forwards", "must be in 1..=16777216");
         }
         if self.limits.max_connections == 0 {
             return bad("limits.max_connections", "must be > 0");
@@ -1133,8 +1171,10 @@ impl NodeConfig {
                     return bad(&f("chat_add_special_tokens"), "needs `tokenizer`");
                 }
             }
-            if e.kv_capacity_tokens == Some(0) {
-                return bad(&f("kv_capacity_tokens"), "must be > 0");
+            if e.kv_capacity_tokens
+                .is_some_and(|c| c == 0 || c > gorgo_core::accounting::MAX_KV_CAPACITY_TOKENS)
+            {
+                return bad(&f("kv_capacity_tokens"), "must be in 1..=4294967296");
             }
             if e.max_running_requests == Some(0) {
                 return bad(&f("max_running_requests"), "must be > 0");
@@ -1325,6 +1365,60 @@ token = "secret-token"
             .unwrap_err()
             .to_string();
         assert!(e.contains("engine"), "{e}");
+    }
+
+    /// Values that parse but would break the node later (a panic at start, a token no
+    /// request can carry, an index without bound, a second listener on one address,
+    /// KV-event blocks the follower refuses) are refused up front, naming the field.
+    #[test]
+    fn values_the_node_could_not_run_with_are_refused_naming_the_field() {
+        let engine = "[engine]\nurl = \"http://127.0.0.1:30000\"\nkind = \"sglang\"\n";
+        let cases = [
+            (
+                MINIMAL.replace("token = \"secret-token\"", "token = \"contraseña-secreta\""),
+                "admin.token",
+            ),
+            (
+                MINIMAL.replace("token = \"secret-token\"", "token = \" secret-token\""),
+                "admin.token",
+            ),
+            (
+                format!("{MINIMAL}\n[limits]\nmax_concurrency = 9223372036854775807\n"),
+                "limits.max_concurrency",
+            ),
+            (
+                format!("{MINIMAL}\n[limits]\nmax_forwards = 9223372036854775807\n"),
+                "limits.max_forwards",
+            ),
+            (
+                MINIMAL.replace(
+                    engine,
+                    &format!("{engine}kv_capacity_tokens = 1000000000000000\n"),
+                ),
+                "engine.kv_capacity_tokens",
+            ),
+            (
+                MINIMAL.replace("admin = \"127.0.0.1:8100\"", "admin = \"127.0.0.1:8000\""),
+                "listen.admin",
+            ),
+            (
+                format!(
+                    "{}\n[routing]\nblock_bytes = 65536\n",
+                    MINIMAL.replace(
+                        engine,
+                        &format!("{engine}kv_events = \"tcp://127.0.0.1:5557\"\n")
+                    )
+                ),
+                "routing.block_bytes",
+            ),
+        ];
+        for (text, field) in cases {
+            let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+            assert!(e.contains(&format!("`{field}`")), "{field}: {e}");
+        }
+        // The largest accepted values load.
+        let ok = format!("{MINIMAL}\n[limits]\nmax_concurrency = 16777216\n");
+        NodeConfig::from_toml_str(&ok).unwrap();
     }
 
     #[test]
