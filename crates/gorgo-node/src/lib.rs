@@ -63,7 +63,8 @@ pub struct NodeState {
     /// The engines this node fronts (replicas), in replica order; see
     /// [`NodeState::engines`].
     engines: RwLock<local::EngineSet>,
-    /// The replica number the next engine added takes (never reused within a run).
+    /// The replica number the next engine added takes (never reused within a run);
+    /// its lock also makes each change of the engine set (add, remove) one at a time.
     next_replica: Mutex<u16>,
     /// The node's shutdown, once started: engines added at run time run their tasks
     /// under it.
@@ -261,14 +262,18 @@ impl NodeState {
         let Some(shutdown) = self.shutdown.get() else {
             return Err(NodeError::Config("the node has not started".into()));
         };
-        // Checked as the config file's engines are, with the new one among them.
+        // One change of the engine set at a time (add, remove, reload).
+        let mut next = self.next_replica.lock();
+        // Checked as the config file's engines are, with the new one among the
+        // engines the node fronts now (not the file's at start: an engine of the file
+        // removed since may come back).
         let mut check = self.config.clone().into_inner();
-        let mut list = check.engines().to_vec();
+        let mut list: Vec<config::EngineSection> =
+            self.engines().iter().map(|e| e.config.clone()).collect();
         list.push(engine.clone());
         check.engine = None;
         check.engines = list;
         check.validate()?;
-        let mut next = self.next_replica.lock();
         if *next >= gorgo_core::types::MAX_REPLICAS {
             return Err(NodeError::Config(format!(
                 "invalid `engines`: {} engines were added in this run, the limit is {}",
@@ -308,6 +313,9 @@ impl NodeState {
     /// ([`NodeState::engines_tick`]). False when no such engine; refused for the last
     /// engine that is not being removed.
     pub fn remove_engine(&self, replica: u16) -> Result<bool, NodeError> {
+        // One change of the engine set at a time: two removals counting the engines
+        // that stay at once could each leave the other as the last, and remove both.
+        let _changing = self.next_replica.lock();
         let engines = self.engines();
         let Some(e) = engines.iter().find(|e| e.replica == replica) else {
             return Ok(false);
@@ -328,12 +336,23 @@ impl NodeState {
     /// `url` the list no longer has are removed (drained first). An entry whose url
     /// stays keeps its engine as it runs (changed settings of it need a restart, and
     /// are named in the log). Returns the replicas added and removed; stops at the
-    /// first error, with what was done so far done.
+    /// first error, with what was done so far done. Additions come first: removing
+    /// first would refuse to remove the last of the old engines (a node always keeps
+    /// one), so a list that replaces every engine would stop halfway.
     pub fn reload_engines(
         self: &Arc<Self>,
         wanted: &[config::EngineSection],
     ) -> Result<(Vec<u16>, Vec<u16>), NodeError> {
         let current = self.engines();
+        let mut added = Vec::new();
+        for w in wanted {
+            if !current
+                .iter()
+                .any(|e| e.config.url == w.url && !e.is_removing())
+            {
+                added.push(self.add_engine(w.clone())?.replica);
+            }
+        }
         let mut removed = Vec::new();
         for e in current.iter().filter(|e| !e.is_removing()) {
             match wanted.iter().find(|w| w.url == e.config.url) {
@@ -346,15 +365,6 @@ impl NodeState {
             }
             if self.remove_engine(e.replica)? {
                 removed.push(e.replica);
-            }
-        }
-        let mut added = Vec::new();
-        for w in wanted {
-            if !current
-                .iter()
-                .any(|e| e.config.url == w.url && !e.is_removing())
-            {
-                added.push(self.add_engine(w.clone())?.replica);
             }
         }
         Ok((added, removed))

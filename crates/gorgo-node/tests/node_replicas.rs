@@ -257,6 +257,32 @@ async fn a_reloaded_config_adds_and_removes_engines_by_url() {
     node.shutdown.cancel();
 }
 
+/// A reload that replaces every engine adds the new ones before it drains the old
+/// (removing first stopped at the last old engine, which a node always keeps, and
+/// left the node on it alone); an engine of the startup file that was removed may be
+/// added back (the check used the startup file's list, which still had it).
+#[tokio::test]
+async fn a_reload_replaces_every_engine_and_a_removed_one_comes_back() {
+    let es = engines(3).await;
+    let node = start_node(config_with_engines("a", &[es[0].url()], ""), None).await;
+    let state = node.state().clone();
+    let wanted = config_with_engines("a", &[es[1].url(), es[2].url()], "");
+    let (added, removed) = state.reload_engines(wanted.engines()).unwrap();
+    assert_eq!((added, removed), (vec![1, 2], vec![0]));
+    until("engine 0 removed", || state.engine(0).is_none()).await;
+    // Back to the startup file's engine alone.
+    let first = config_with_engines("a", &[es[0].url()], "");
+    let (added, removed) = state.reload_engines(first.engines()).unwrap();
+    assert_eq!((added, removed), (vec![3], vec![1, 2]));
+    until("engines 1 and 2 removed", || state.engines().len() == 1).await;
+    assert_eq!(state.engines()[0].config.url, es[0].url());
+    assert_eq!(
+        chat(&node, "served by the engine that came back").await,
+        200
+    );
+    node.shutdown.cancel();
+}
+
 #[tokio::test]
 async fn health_checks_take_a_dead_replica_out_without_a_request() {
     let es = engines(2).await;
