@@ -173,6 +173,38 @@ struct PrefixMatchBody {
     replica: u16,
 }
 
+/// An admin call's JSON body, or the answer to a bad one in OpenAI's shape: 413 for a
+/// body over the admin API's limit, else 400 saying what the body must be and what
+/// was wrong with it (axum's own rejections are plain text, and a wrong field is a
+/// 422 there).
+fn admin_body<T>(
+    body: Result<Json<T>, axum::extract::rejection::JsonRejection>,
+    expected: &str,
+) -> Result<T, Response> {
+    body.map(|Json(b)| b).map_err(|e| {
+        let status = match e.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
+            _ => StatusCode::BAD_REQUEST,
+        };
+        error_response(status, &format!("{expected}: {}", e.body_text()))
+    })
+}
+
+/// The engine named in an admin path, or a 400 in OpenAI's shape.
+fn admin_replica<T>(
+    path: Result<axum::extract::Path<T>, axum::extract::rejection::PathRejection>,
+) -> Result<T, Response> {
+    path.map(|axum::extract::Path(p)| p).map_err(|e| {
+        error_response(
+            StatusCode::BAD_REQUEST,
+            &format!(
+                "the path must name an engine by its replica number (0 to 65535): {}",
+                e.body_text()
+            ),
+        )
+    })
+}
+
 /// `POST /admin/prefix_match`: how much of a tokenised prompt the node's prefix index
 /// holds, in the node's blocks over token ids (what the KV events feed: checks and
 /// debugging; the body limit caps the prompt).
@@ -180,11 +212,9 @@ async fn prefix_match(
     State(state): State<Arc<NodeState>>,
     body: Result<Json<PrefixMatchBody>, axum::extract::rejection::JsonRejection>,
 ) -> Response {
-    let Ok(Json(body)) = body else {
-        return error_response(
-            StatusCode::BAD_REQUEST,
-            "body must be {\"token_ids\": [integers]}",
-        );
+    let body = match admin_body(body, "body must be {\"token_ids\": [integers]}") {
+        Ok(b) => b,
+        Err(resp) => return resp,
     };
     let chain = gorgo_core::HashChain::from_token_ids(
         &body.token_ids,
@@ -218,17 +248,9 @@ async fn add_engine(
     State(state): State<Arc<NodeState>>,
     body: Result<Json<crate::config::EngineSection>, axum::extract::rejection::JsonRejection>,
 ) -> Response {
-    let Json(engine) = match body {
+    let engine = match admin_body(body, "body must be an `[[engines]]` entry as JSON") {
         Ok(b) => b,
-        Err(e) => {
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                &format!(
-                    "body must be an `[[engines]]` entry as JSON: {}",
-                    e.body_text()
-                ),
-            )
-        }
+        Err(resp) => return resp,
     };
     match state.add_engine(engine) {
         Ok(e) => (StatusCode::CREATED, Json(e.view(state.now_ms()))).into_response(),
@@ -241,8 +263,12 @@ async fn add_engine(
 /// 202; 404 when no such engine; 409 for the node's last engine.
 async fn remove_engine(
     State(state): State<Arc<NodeState>>,
-    axum::extract::Path(replica): axum::extract::Path<u16>,
+    path: Result<axum::extract::Path<u16>, axum::extract::rejection::PathRejection>,
 ) -> Response {
+    let replica = match admin_replica(path) {
+        Ok(r) => r,
+        Err(resp) => return resp,
+    };
     match state.remove_engine(replica) {
         Ok(true) => (
             StatusCode::ACCEPTED,
@@ -258,8 +284,12 @@ async fn remove_engine(
 /// `.../serve` (back in rotation; not for an engine being removed).
 async fn engine_action(
     State(state): State<Arc<NodeState>>,
-    axum::extract::Path((replica, action)): axum::extract::Path<(u16, String)>,
+    path: Result<axum::extract::Path<(u16, String)>, axum::extract::rejection::PathRejection>,
 ) -> Response {
+    let (replica, action) = match admin_replica(path) {
+        Ok(p) => p,
+        Err(resp) => return resp,
+    };
     let Some(engine) = state.engine(replica) else {
         return error_response(StatusCode::NOT_FOUND, "no such engine");
     };
@@ -337,9 +367,9 @@ async fn put_weights(
     State(state): State<Arc<NodeState>>,
     body: Result<Json<WeightsBody>, axum::extract::rejection::JsonRejection>,
 ) -> Response {
-    let body = match body {
-        Ok(Json(w)) => w,
-        Err(e) => return ApiError(StatusCode::BAD_REQUEST, e.body_text()).into_response(),
+    let body = match admin_body(body, "body must be {\"w_rtt\", \"w_queue\", \"mode\"}") {
+        Ok(w) => w,
+        Err(resp) => return resp,
     };
     for (name, v) in [("w_rtt", body.w_rtt), ("w_queue", body.w_queue)] {
         if let Some(v) = v {

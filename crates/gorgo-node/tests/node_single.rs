@@ -819,3 +819,38 @@ async fn an_engine_breaking_inside_an_event_ends_with_a_whole_error_event() {
     assert_eq!(err["error"]["code"], "engine_failed", "{err}");
     node.shutdown.cancel();
 }
+
+/// A bad admin path or an admin body over its limit gets an OpenAI error body (400,
+/// and 413 for the size), as every other refusal does, not axum's plain text.
+#[tokio::test]
+async fn bad_admin_paths_and_bodies_get_openai_errors() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(config("a", &engine.url(), ""), None).await;
+    let c = client();
+    for (method, path) in [
+        (reqwest::Method::DELETE, "/admin/engines/abc"),
+        (reqwest::Method::DELETE, "/admin/engines/70000"),
+        (reqwest::Method::POST, "/admin/engines/x/drain"),
+    ] {
+        let resp = c
+            .request(method, format!("{}{path}", node.admin))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap();
+        let (status, body) = error_of(resp).await;
+        assert_eq!(status, 400, "{path}: {body}");
+        assert!(body["error"]["message"].is_string(), "{path}: {body}");
+    }
+    let ids: Vec<u32> = (0..40_000).collect();
+    let resp = c
+        .post(format!("{}/admin/prefix_match", node.admin))
+        .bearer_auth(TOKEN)
+        .json(&serde_json::json!({ "token_ids": ids }))
+        .send()
+        .await
+        .unwrap();
+    let (status, body) = error_of(resp).await;
+    assert_eq!(status, 413, "{body}");
+    node.shutdown.cancel();
+}
