@@ -180,24 +180,24 @@ struct PrefixMatchBody {
 fn admin_body<T>(
     body: Result<Json<T>, axum::extract::rejection::JsonRejection>,
     expected: &str,
-) -> Result<T, Response> {
+) -> Result<T, ApiError> {
     body.map(|Json(b)| b).map_err(|e| {
         let status = match e.status() {
             StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
             _ => StatusCode::BAD_REQUEST,
         };
-        error_response(status, &format!("{expected}: {}", e.body_text()))
+        ApiError(status, format!("{expected}: {}", e.body_text()))
     })
 }
 
 /// The engine named in an admin path, or a 400 in OpenAI's shape.
 fn admin_replica<T>(
     path: Result<axum::extract::Path<T>, axum::extract::rejection::PathRejection>,
-) -> Result<T, Response> {
+) -> Result<T, ApiError> {
     path.map(|axum::extract::Path(p)| p).map_err(|e| {
-        error_response(
+        ApiError(
             StatusCode::BAD_REQUEST,
-            &format!(
+            format!(
                 "the path must name an engine by its replica number (0 to 65535): {}",
                 e.body_text()
             ),
@@ -214,7 +214,7 @@ async fn prefix_match(
 ) -> Response {
     let body = match admin_body(body, "body must be {\"token_ids\": [integers]}") {
         Ok(b) => b,
-        Err(resp) => return resp,
+        Err(e) => return e.into_response(),
     };
     let chain = gorgo_core::HashChain::from_token_ids(
         &body.token_ids,
@@ -250,7 +250,7 @@ async fn add_engine(
 ) -> Response {
     let engine = match admin_body(body, "body must be an `[[engines]]` entry as JSON") {
         Ok(b) => b,
-        Err(resp) => return resp,
+        Err(e) => return e.into_response(),
     };
     match state.add_engine(engine) {
         Ok(e) => (StatusCode::CREATED, Json(e.view(state.now_ms()))).into_response(),
@@ -267,7 +267,7 @@ async fn remove_engine(
 ) -> Response {
     let replica = match admin_replica(path) {
         Ok(r) => r,
-        Err(resp) => return resp,
+        Err(e) => return e.into_response(),
     };
     match state.remove_engine(replica) {
         Ok(true) => (
@@ -288,7 +288,7 @@ async fn engine_action(
 ) -> Response {
     let (replica, action) = match admin_replica(path) {
         Ok(p) => p,
-        Err(resp) => return resp,
+        Err(e) => return e.into_response(),
     };
     let Some(engine) = state.engine(replica) else {
         return error_response(StatusCode::NOT_FOUND, "no such engine");
@@ -369,7 +369,7 @@ async fn put_weights(
 ) -> Response {
     let body = match admin_body(body, "body must be {\"w_rtt\", \"w_queue\", \"mode\"}") {
         Ok(w) => w,
-        Err(resp) => return resp,
+        Err(e) => return e.into_response(),
     };
     for (name, v) in [("w_rtt", body.w_rtt), ("w_queue", body.w_queue)] {
         if let Some(v) = v {
