@@ -9,6 +9,7 @@ use gorgo_core::candidates::{build_candidates, LocalState, PeerState};
 use gorgo_core::cost::ForwardLedger;
 use gorgo_core::decision::decide;
 use gorgo_core::kv_events::{AlignedBlockEvent, KvEventFollower, KvFollowerConfig};
+use gorgo_core::kv_wire::{encode_batch, encode_seq, KvEvent, KvEventBatch};
 use gorgo_core::policy::{build, PolicyKind, RouteRequest};
 use gorgo_core::prompt::PromptHasher;
 use gorgo_core::summary::{PeerSummary, SummarySample, SummarySnapshot};
@@ -314,6 +315,58 @@ fn bench_kv_siblings(c: &mut Criterion) {
                     f.apply_aligned(std::slice::from_ref(event), 1);
                 }
                 assert_eq!(f.engine_blocks(), 1);
+                f
+            },
+            BatchSize::LargeInput,
+        )
+    });
+    // A batch that names a block the follower holds 200,000 times (one-token blocks,
+    // as SGLang's, under a 63-token chain): each repeat is one more copy, and must not
+    // walk the chain's parents again.
+    const REPEATS: usize = 200_000;
+    let batch = |seq: i64, event: KvEvent| {
+        let payload = encode_batch(&KvEventBatch {
+            ts: 0.0,
+            events: vec![event],
+            data_parallel_rank: None,
+        });
+        (encode_seq(seq), payload)
+    };
+    let chain: Vec<u64> = (1..=63).collect();
+    let (seq0, first) = batch(
+        0,
+        KvEvent::BlockStored {
+            block_hashes: chain.clone(),
+            parent: None,
+            token_ids: (0..63).collect(),
+            block_size: 1,
+            lora_id: None,
+            medium: None,
+        },
+    );
+    let (seq1, repeated) = batch(
+        1,
+        KvEvent::BlockStored {
+            block_hashes: vec![63; REPEATS],
+            parent: Some(62),
+            token_ids: vec![62; REPEATS],
+            block_size: 1,
+            lora_id: None,
+            medium: None,
+        },
+    );
+    group.bench_function("restore_a_known_block_200k_times", |b| {
+        b.iter_batched(
+            || {
+                let mut config = KvFollowerConfig::new(64);
+                config.max_payload_bytes = 16 << 20;
+                let mut f = KvEventFollower::new(config, 0).unwrap();
+                f.on_message(&[b"kv", &seq0, &first], 0);
+                f
+            },
+            |mut f| {
+                f.on_message(&[b"kv", &seq1, &repeated], 1);
+                assert_eq!(f.engine_blocks(), 63);
                 f
             },
             BatchSize::LargeInput,

@@ -598,27 +598,44 @@ impl KvEventFollower {
             self.history_complete = false;
             self.continuous_since_ms = Some(now_ms);
             self.stream = Stream::Fresh { full_replay: false };
+        } else if pending.keys().next().is_some_and(|&first| first > next) {
+            // The replay ended short of the batches held: what lies between is not
+            // there to get (the replay socket holds less, or is another engine's).
+            // Asking again would get the same, at once and for ever.
+            return self.abandon_replay(pending, now_ms, "replay incomplete");
         } else {
             self.stream = Stream::Live { next };
         }
         self.update_source(now_ms);
         for (seq, payload) in pending {
-            if let Stream::Live { next } = self.stream {
-                if seq < next {
-                    continue; // the replay had it already
-                }
+            // Only what the replay could have brought is a repeat: a seq below the
+            // one asked for is the publisher starting again (it restarted meanwhile).
+            if (from..next).contains(&seq) {
+                continue; // the replay had it already
             }
             self.on_batch(seq, &payload, now_ms);
         }
     }
 
     fn replay_failed(&mut self, now_ms: u64, reason: &'static str) {
-        self.counters.replay_failures += 1;
         let pending =
             match std::mem::replace(&mut self.stream, Stream::Fresh { full_replay: false }) {
                 Stream::Replaying { pending, .. } => pending,
                 _ => BTreeMap::new(),
             };
+        self.abandon_replay(pending, now_ms, reason);
+    }
+
+    /// A replay that failed or came back short: counted, every block forgotten (the
+    /// shadow model meanwhile), and the batches held fed again as a new stream whose
+    /// start was not seen (a gap among them resyncs instead of asking again).
+    fn abandon_replay(
+        &mut self,
+        pending: BTreeMap<u64, Vec<u8>>,
+        now_ms: u64,
+        reason: &'static str,
+    ) {
+        self.counters.replay_failures += 1;
         self.resync(now_ms, reason);
         self.refeeding = true;
         for (seq, payload) in pending {
@@ -743,6 +760,11 @@ struct EngineBlock {
     /// the lock the request path takes; `kv_events/evict_20k_siblings_one_by_one` in
     /// benches/hot_path.rs).
     children: HashSet<u64, FingerprintBuildHasher>,
+    /// How many times the engine stored it and has not removed it since: vLLM keeps
+    /// duplicate physical blocks of one hash (two requests with the same new prefix
+    /// in one step), storing and evicting each, so the first eviction must not take a
+    /// prefix the engine still holds out of the index.
+    copies: u32,
 }
 
 /// One node block: held while `refs` engine blocks complete it.
@@ -824,15 +846,20 @@ impl BlockTracker {
             },
         };
         let mut prev = parent;
-        let mut partial = self.tail_tokens(prev, (end % b as u64) as usize);
+        // The tokens of the node block in progress, looked up only when a new block
+        // needs them: a batch that restores known blocks (or names one many times)
+        // must not walk their parents once each.
+        let mut partial: Option<Vec<u32>> = None;
         let mut bytes = Vec::with_capacity(b * 4);
         for (i, &h) in hashes.iter().enumerate() {
-            if let Some(existing) = self.engine.get(&h) {
-                // Stored already (another request got there first): follow it.
+            if let Some(existing) = self.engine.get_mut(&h) {
+                // Stored already (another request got there first, or a duplicate
+                // physical block): one more copy; follow it.
+                existing.copies = existing.copies.saturating_add(1);
                 end = existing.end;
                 chain_end = existing.chain_end;
                 prev = Some(h);
-                partial = self.tail_tokens(prev, (end % b as u64) as usize);
+                partial = None;
                 continue;
             }
             if self.engine.len() >= self.max_engine_blocks {
@@ -840,12 +867,14 @@ impl BlockTracker {
                 return;
             }
             let tokens = &token_ids[i * block_size..(i + 1) * block_size];
+            let partial =
+                partial.get_or_insert_with(|| self.tail_tokens(prev, (end % b as u64) as usize));
             let mut completes = Vec::new();
             for &t in tokens {
                 partial.push(t);
                 if partial.len() == b {
                     bytes.clear();
-                    for id in &partial {
+                    for id in partial.iter() {
                         bytes.extend_from_slice(&id.to_le_bytes());
                     }
                     let node = chain_step(chain_end.unwrap_or(CHAIN_SEED), &bytes);
@@ -865,6 +894,7 @@ impl BlockTracker {
                     chain_end,
                     completes,
                     children: HashSet::default(),
+                    copies: 1,
                 },
             );
             if let Some(p) = prev.and_then(|p| self.engine.get_mut(&p)) {
@@ -883,7 +913,8 @@ impl BlockTracker {
         out: &mut Vec<NodeBlockChange>,
         counters: &mut KvEventCounters,
     ) {
-        if self.engine.contains_key(&hash) {
+        if let Some(existing) = self.engine.get_mut(&hash) {
+            existing.copies = existing.copies.saturating_add(1);
             return;
         }
         if parent.is_some_and(|p| !self.engine.contains_key(&p)) {
@@ -904,6 +935,7 @@ impl BlockTracker {
                 chain_end: Some(hash),
                 completes: vec![hash],
                 children: HashSet::default(),
+                copies: 1,
             },
         );
         if let Some(p) = parent.and_then(|p| self.engine.get_mut(&p)) {
@@ -937,11 +969,17 @@ impl BlockTracker {
         node.refs += 1;
     }
 
-    /// Drop engine block `hash` and everything stored below it.
+    /// Drop one copy of engine block `hash`; with the last, the block and everything
+    /// stored below it.
     fn remove(&mut self, hash: u64, out: &mut Vec<NodeBlockChange>) {
-        let Some(parent) = self.engine.get(&hash).map(|b| b.parent) else {
+        let Some(block) = self.engine.get_mut(&hash) else {
             return;
         };
+        if block.copies > 1 {
+            block.copies -= 1;
+            return;
+        }
+        let parent = block.parent;
         if let Some(p) = parent.and_then(|p| self.engine.get_mut(&p)) {
             p.children.remove(&hash);
         }

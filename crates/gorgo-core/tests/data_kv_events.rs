@@ -620,3 +620,58 @@ fn subscribing_asks_for_the_buffered_history() {
     f.on_subscribed(0);
     assert!(f.take_actions().is_empty());
 }
+
+/// A replay that ends short of the batches held (the replay socket holds less, or
+/// belongs to another engine) is a failed replay: counted, a resync, and no second
+/// request for the same missing batches (which came back at once, for ever).
+#[test]
+fn a_short_replay_is_a_failure_not_a_loop() {
+    let mut f = KvEventFollower::new(config(4), 0).unwrap();
+    let mut engine = RefEngine::new(2);
+    let batches: Vec<_> = (0..3u32)
+        .map(|i| message(u64::from(i), vec![engine.store(&[i, i, i, i]).unwrap()]))
+        .collect();
+    deliver(&mut f, batches[0].0, &batches[0].1, 0);
+    deliver(&mut f, batches[2].0, &batches[2].1, 1);
+    assert_eq!(
+        f.take_actions(),
+        vec![FollowerAction::RequestReplay { from_seq: 1 }]
+    );
+    // The replay socket has nothing from seq 1 on: just the end marker.
+    f.on_replay_message(&[b"", &encode_seq(-1), b""], 2);
+    assert_eq!(
+        f.take_actions(),
+        vec![],
+        "asked again for what is not there"
+    );
+    assert_eq!(f.counters().replay_failures, 1);
+    assert_eq!(f.counters().replays, 1);
+    assert_eq!(f.fallback_reason(), Some("replay incomplete"));
+    // The batch held was fed again as a new stream's start.
+    assert_eq!(held_node_blocks(&f, &[2, 2, 2, 2], 4), 1);
+}
+
+/// vLLM keeps duplicate physical blocks of one hash (two requests with the same new
+/// prefix in one step) and stores and evicts each: the prefix stays in the index
+/// until its last copy goes.
+#[test]
+fn a_block_stored_twice_stays_until_both_copies_are_removed() {
+    let mut f = KvEventFollower::new(KvFollowerConfig::new(64), 0).unwrap();
+    let prompt: Vec<u32> = (0..128).collect();
+    let (hashes, ev) = stored(&prompt, 16, None);
+    let (s, p) = message(0, vec![ev.clone(), ev]);
+    deliver(&mut f, s, &p, 0);
+    assert_eq!(held_node_blocks(&f, &prompt, 64), 2);
+    let remove_first = || KvEvent::BlockRemoved {
+        block_hashes: vec![hashes[0]],
+        medium: None,
+    };
+    let (s, p) = message(1, vec![remove_first()]);
+    deliver(&mut f, s, &p, 1);
+    assert_eq!(held_node_blocks(&f, &prompt, 64), 2, "one copy is left");
+    assert_eq!(f.engine_blocks(), 8);
+    let (s, p) = message(2, vec![remove_first()]);
+    deliver(&mut f, s, &p, 2);
+    assert_eq!(held_node_blocks(&f, &prompt, 64), 0);
+    assert_eq!(f.engine_blocks(), 0);
+}
