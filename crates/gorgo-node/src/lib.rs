@@ -403,6 +403,7 @@ impl NodeState {
                     let leaves = gone.contains(&e.replica);
                     if leaves {
                         e.stop.cancel();
+                        self.metrics.kv_events.forget(e.replica);
                         tracing::info!(replica = e.replica, "engine removed");
                     }
                     !leaves

@@ -282,6 +282,18 @@ impl KvEventMetrics {
         }
     }
 
+    /// Engine `replica` left the node: its last source no longer counts towards
+    /// `source_events` (a removed engine that had fallen back to the shadow model held
+    /// the gauge at 0 for good). The counters keep what it added.
+    pub fn forget(&self, replica: u16) {
+        let mut all = self.last.lock();
+        all.remove(&replica);
+        let following = all
+            .values()
+            .all(|(_, _, s)| *s == gorgo_core::IndexSource::Events);
+        self.source_events.set(following as i64);
+    }
+
     /// Mirror the totals of engine `replica`'s follower into the node's (counters
     /// only ever move forward; the node's are the sum over its engines); returns the
     /// totals mirrored before, so the caller can log what moved. `source_events` is 1
@@ -676,6 +688,23 @@ fn openmetrics_to_prometheus_text(open: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `source_events` says whether every engine with KV events follows them: an
+    /// engine that left no longer counts, whatever its last source was.
+    #[test]
+    fn a_removed_engine_no_longer_holds_the_kv_source_gauge() {
+        use gorgo_core::kv_events::KvEventCounters;
+        use gorgo_core::IndexSource;
+        let m = KvEventMetrics::default();
+        let none = KvEventCounters::default();
+        m.observe(1, &none, 0, IndexSource::Shadow);
+        m.observe(0, &none, 0, IndexSource::Events);
+        assert_eq!(m.source_events.get(), 0);
+        m.forget(1);
+        assert_eq!(m.source_events.get(), 1);
+        m.observe(0, &none, 0, IndexSource::Events);
+        assert_eq!(m.source_events.get(), 1);
+    }
 
     #[test]
     fn prometheus_text_names_counter_families_by_their_samples() {
