@@ -30,7 +30,10 @@ use crate::NodeState;
 const TICK: Duration = Duration::from_millis(200);
 
 /// Replay messages waiting for the follower at most; the replay task waits beyond.
-const REPLAY_CHANNEL: usize = 256;
+/// Each may be a batch of `kv_events_max_message_bytes` (8 MiB by default), so 8 of
+/// them hold about what the live backlog may (64 MiB); 256 let a fast replay queue
+/// two gigabytes ahead of a follower still applying them.
+const REPLAY_CHANNEL: usize = 8;
 
 /// How long a connect to the publisher may take (the socket retries within it)
 /// before it is started again.
@@ -216,7 +219,9 @@ pub async fn run(
     };
     tracing::info!(endpoint = kv.endpoint, "kv events: subscribed");
     kv.follower.lock().on_subscribed(state.now_ms());
-    let (replay_tx, mut replay_rx) = mpsc::channel::<Vec<bytes::Bytes>>(REPLAY_CHANNEL);
+    // A channel per replay: what an aborted replay left queued goes with it (its end
+    // marker would otherwise end the next replay early).
+    let (_, mut replay_rx) = mpsc::channel::<Vec<bytes::Bytes>>(REPLAY_CHANNEL);
     let mut replay_task: Option<tokio::task::JoinHandle<()>> = None;
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -229,12 +234,14 @@ pub async fn run(
             if let Some(old) = replay_task.take() {
                 old.abort();
             }
+            let (replay_tx, rx) = mpsc::channel(REPLAY_CHANNEL);
+            replay_rx = rx;
             tracing::info!(from_seq, "kv events: asking for a replay");
             replay_task = Some(tokio::spawn(replay(
                 replay_endpoint,
                 from_seq,
                 kv.replay_timeout,
-                replay_tx.clone(),
+                replay_tx,
             )));
         }
         tokio::select! {
