@@ -555,13 +555,7 @@ async fn bodies_being_read_share_one_byte_budget() {
 /// slot and the engine's stream are freed (hyper has no write timeout of its own).
 #[tokio::test]
 async fn a_client_that_stops_reading_is_cut_off() {
-    let engine = StubEngine::start("e").await;
-    engine.set_mode(FLOOD);
-    let node = start_node(
-        config("a", &engine.url(), "[limits]\nwrite_timeout_ms = 300\n"),
-        None,
-    )
-    .await;
+    let (engine, node) = flooding_node("[limits]\nwrite_timeout_ms = 300\n").await;
     let mut s = small_window_connection(&node).await;
     send_streamed_chat(&mut s).await;
     // Never read: the node's buffers and the socket's fill, then it must give up.
@@ -594,13 +588,7 @@ async fn a_client_that_stops_reading_is_cut_off() {
 /// armed for.
 #[tokio::test]
 async fn a_stall_after_an_idle_spell_is_seen_within_the_write_timeout() {
-    let engine = StubEngine::start("e").await;
-    engine.set_mode(FLOOD);
-    let node = start_node(
-        config("a", &engine.url(), "[limits]\nwrite_timeout_ms = 300\n"),
-        None,
-    )
-    .await;
+    let (engine, node) = flooding_node("[limits]\nwrite_timeout_ms = 300\n").await;
     let mut s = small_window_connection(&node).await;
     // Idle past the first watchdog check (the scenario, not a synchronisation).
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -702,17 +690,8 @@ async fn a_stalled_http2_response_leaves_the_tuners_open_requests_at_its_deadlin
 /// closed, though its client still holds the stream.
 #[tokio::test]
 async fn a_stalled_http2_stream_is_cut_while_the_others_flow() {
-    let engine = StubEngine::start("e").await;
-    engine.set_mode(FLOOD);
-    let node = start_node(
-        config(
-            "a",
-            &engine.url(),
-            "[limits]\nwrite_timeout_ms = 300\nidle_timeout_ms = 500\n",
-        ),
-        None,
-    )
-    .await;
+    let (engine, node) =
+        flooding_node("[limits]\nwrite_timeout_ms = 300\nidle_timeout_ms = 500\n").await;
     // Each stream may hold 64 KiB unread; the connection room for many more, so the
     // stalled stream does not hold up the other.
     let mut sender = h2_client(&node, 64 << 20).await;

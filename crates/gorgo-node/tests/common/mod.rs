@@ -750,19 +750,21 @@ where
     }
 }
 
-/// A node in front of a stub engine that floods its answers, with a 300 ms request
-/// deadline and online tuning it leads: for clients that stop reading.
+/// A node in front of a stub engine that floods its answers (`FLOOD`), configured by
+/// `extra` (TOML sections): for clients that stop reading.
 #[allow(dead_code)]
-pub async fn flooding_tuned_node() -> (Arc<StubEngine>, TestNode) {
+pub async fn flooding_node(extra: &str) -> (Arc<StubEngine>, TestNode) {
     let engine = StubEngine::start("e").await;
     engine.set_mode(FLOOD);
-    let node = start_node(
-        config(
-            "a",
-            &engine.url(),
-            "[limits]\nrequest_timeout_ms = 300\n[tuning]\nmode = \"online\"\nstartup_grace_ms = 0\n",
-        ),
-        None,
+    let node = start_node(config("a", &engine.url(), extra), None).await;
+    (engine, node)
+}
+
+/// [`flooding_node`] with a 300 ms request deadline and online tuning it leads.
+#[allow(dead_code)]
+pub async fn flooding_tuned_node() -> (Arc<StubEngine>, TestNode) {
+    let (engine, node) = flooding_node(
+        "[limits]\nrequest_timeout_ms = 300\n[tuning]\nmode = \"online\"\nstartup_grace_ms = 0\n",
     )
     .await;
     until("the node leads its tuning line", || {
