@@ -101,13 +101,24 @@ pub fn limit_peer_pending<T>(
     config: &GossipConfig,
 ) -> Option<GossipMessage> {
     let r = usize::from(replica);
-    let others = engines
+    let others = sum_of_others(engines, gossip, r, PeerGossip::pending_bytes);
+    gossip(engines.get_mut(r)?).limit_pending(others, me, replica, now_ms, config)
+}
+
+/// `what` summed over every engine of a peer but engine `r`: what the others hold
+/// against a cap on all of them together.
+fn sum_of_others<T>(
+    engines: &mut [T],
+    gossip: fn(&mut T) -> &mut PeerGossip,
+    r: usize,
+    what: fn(&PeerGossip) -> usize,
+) -> usize {
+    engines
         .iter_mut()
         .enumerate()
         .filter(|(i, _)| *i != r)
-        .map(|(_, e)| gossip(e).pending_bytes())
-        .sum();
-    gossip(engines.get_mut(r)?).limit_pending(others, me, replica, now_ms, config)
+        .map(|(_, e)| what(gossip(e)))
+        .sum()
 }
 
 /// Hand `msg`, which the transport says came from peer `from`, to the [`PeerGossip`]
@@ -134,12 +145,7 @@ pub fn receive_from_peer<T>(
         GossipMessage::SnapshotRequest { .. } => 0,
         _ => usize::from(replica(&msg)),
     };
-    let others = engines
-        .iter_mut()
-        .enumerate()
-        .filter(|(i, _)| *i != r)
-        .map(|(_, e)| gossip(e).fingerprints())
-        .sum();
+    let others = sum_of_others(engines, gossip, r, PeerGossip::fingerprints);
     let Some(engine) = engines.get_mut(r) else {
         return Err(CoreError::Malformed(format!(
             "gossip about engine {r} of {from}, which is not held"
