@@ -620,11 +620,17 @@ pub struct NodeListeners {
 }
 
 impl NodeListeners {
-    /// Bind the addresses in the config.
+    /// Bind the addresses in the config; an error names the field and the address
+    /// (a port in use is a config problem the operator must find).
     pub async fn bind(config: &NodeConfig) -> Result<Self, NodeError> {
+        let bind = |field: &'static str, addr: SocketAddr| async move {
+            TcpListener::bind(addr).await.map_err(|e| {
+                NodeError::Config(format!("invalid `{field}`: cannot listen on {addr}: {e}"))
+            })
+        };
         Ok(NodeListeners {
-            http: TcpListener::bind(config.listen.http).await?,
-            admin: TcpListener::bind(config.listen.admin).await?,
+            http: bind("listen.http", config.listen.http).await?,
+            admin: bind("listen.admin", config.listen.admin).await?,
         })
     }
 }

@@ -854,3 +854,21 @@ async fn bad_admin_paths_and_bodies_get_openai_errors() {
     assert_eq!(status, 413, "{body}");
     node.shutdown.cancel();
 }
+
+/// A listen address that is taken stops the node with an error naming the field and
+/// the address, not a bare "address in use".
+#[tokio::test]
+async fn a_taken_listen_address_is_named() {
+    let taken = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = taken.local_addr().unwrap();
+    let mut cfg = config("a", "http://127.0.0.1:1", "").into_inner();
+    cfg.listen.admin = addr;
+    let e = gorgo_node::NodeListeners::bind(&cfg)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`listen.admin`") && e.contains(&addr.to_string()),
+        "{e}"
+    );
+}
