@@ -205,20 +205,11 @@ pub async fn run(
         },
         None => None,
     };
-    let mut sub = loop {
-        match connect_sub(&endpoint).await {
-            Ok(sub) => break sub,
-            Err(e) => {
-                tracing::warn!(endpoint = kv.endpoint, error = %e, "kv events: cannot subscribe yet");
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(CONNECT_RETRY) => {}
-                }
-            }
-        }
+    let Some(mut sub) = subscribe(&endpoint, &kv.endpoint, &shutdown).await else {
+        return;
     };
-    tracing::info!(endpoint = kv.endpoint, "kv events: subscribed");
     kv.follower.lock().on_subscribed(state.now_ms());
+    let mut silences = kv.follower.lock().counters().silences;
     // A channel per replay: what an aborted replay left queued goes with it (its end
     // marker would otherwise end the next replay early).
     let (_, mut replay_rx) = mpsc::channel::<Vec<bytes::Bytes>>(REPLAY_CHANNEL);
@@ -273,9 +264,52 @@ pub async fn run(
             }
         }
         actions = apply_follower(&state, engine, kv);
+        // A silent stream while requests were served: the connection may be dead
+        // without a word (a NAT or load balancer dropped the flow, the engine's host
+        // went away), which TCP and ZeroMQ would not notice while nothing is sent.
+        // Subscribe again on a new connection.
+        let now_silences = kv.follower.lock().counters().silences;
+        if now_silences > silences {
+            silences = now_silences;
+            tracing::warn!(
+                endpoint = kv.endpoint,
+                "kv events: the stream went silent; subscribing again"
+            );
+            drop(sub);
+            let Some(again) = subscribe(&endpoint, &kv.endpoint, &shutdown).await else {
+                break;
+            };
+            sub = again;
+            kv.follower.lock().on_subscribed(state.now_ms());
+            actions.extend(apply_follower(&state, engine, kv));
+        }
     }
     if let Some(task) = replay_task {
         task.abort();
+    }
+}
+
+/// A SUB socket on `endpoint` (the relay before `upstream`, named in the logs),
+/// retried until it connects; `None` at `shutdown`.
+async fn subscribe(
+    endpoint: &str,
+    upstream: &str,
+    shutdown: &CancellationToken,
+) -> Option<zeromq::SubSocket> {
+    loop {
+        match connect_sub(endpoint).await {
+            Ok(sub) => {
+                tracing::info!(endpoint = upstream, "kv events: subscribed");
+                return Some(sub);
+            }
+            Err(e) => {
+                tracing::warn!(endpoint = upstream, error = %e, "kv events: cannot subscribe yet");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return None,
+                    _ = tokio::time::sleep(CONNECT_RETRY) => {}
+                }
+            }
+        }
     }
 }
 

@@ -411,3 +411,106 @@ async fn frames_the_decoder_must_not_read_are_cut_before_it() {
     publisher.abort();
     node.shutdown.cancel();
 }
+
+/// A TCP relay to `target` that counts the connections it accepted and, once `cut` is
+/// set, stops passing bytes on the connections it had (keeping them open: a flow a
+/// NAT dropped without a word), while new ones pass.
+async fn black_holing_relay(
+    target: String,
+    cut: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) -> String {
+    use std::sync::atomic::Ordering;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let target = target.trim_start_matches("tcp://").to_owned();
+    tokio::spawn(async move {
+        while let Ok((down, _)) = listener.accept().await {
+            let n = accepted.fetch_add(1, Ordering::SeqCst);
+            let Ok(up) = tokio::net::TcpStream::connect(&target).await else {
+                continue;
+            };
+            let cut = cut.clone();
+            let passes = move || cut.load(Ordering::SeqCst) <= n;
+            let (mut dr, mut dw) = down.into_split();
+            let (mut ur, mut uw) = up.into_split();
+            let p = passes.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 << 10];
+                while let Ok(k) = dr.read(&mut buf).await {
+                    if k == 0 || (p() && uw.write_all(&buf[..k]).await.is_err()) {
+                        break;
+                    }
+                }
+            });
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 << 10];
+                while let Ok(k) = ur.read(&mut buf).await {
+                    if k == 0 || (passes() && dw.write_all(&buf[..k]).await.is_err()) {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    format!("tcp://{addr}")
+}
+
+/// A connection to the publisher that dies without a word (no FIN, no RST: a dropped
+/// NAT flow) is noticed as a silence while requests are served, and the node
+/// subscribes again on a new connection and follows the events again (before, the
+/// dead connection stayed, and the index stayed on the shadow model for good).
+#[tokio::test]
+async fn a_silently_dead_connection_is_replaced_after_a_silence() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let engine = StubEngine::start("a").await;
+    let mut publisher = KvPublisher::bind("tcp://127.0.0.1:0", None, 16)
+        .await
+        .unwrap();
+    let (cut, accepted) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let relayed =
+        black_holing_relay(publisher.endpoint.clone(), cut.clone(), accepted.clone()).await;
+    let node = start_node(
+        config_with_engine("a", &engine.url(), &kv_config(&relayed, None)),
+        None,
+    )
+    .await;
+    let state = node.state().clone();
+    let engine0 = state.engine(0).unwrap();
+    let kv = engine0.kv_events.as_ref().unwrap();
+    until("the node to hear the publisher", || {
+        publisher.publish(vec![], 0.0);
+        kv.view(0).counters.batches > 0
+    })
+    .await;
+    // Every connection so far goes dark.
+    cut.store(accepted.load(Ordering::SeqCst), Ordering::SeqCst);
+    let before = accepted.load(Ordering::SeqCst);
+    let c = client();
+    for i in 0..20 {
+        let resp = c
+            .post(format!("{}/v1/chat/completions", node.base))
+            .json(&chat_body(&prompt(&format!("dark {i}"), 300), false))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+    }
+    until("the silence to be noticed", || {
+        kv.view(0).counters.silences == 1
+    })
+    .await;
+    until("a new connection to the publisher", || {
+        accepted.load(Ordering::SeqCst) > before
+    })
+    .await;
+    let heard = kv.view(0).counters.batches;
+    until("batches over the new connection", || {
+        publisher.publish(vec![], 1.0);
+        kv.view(0).counters.batches > heard
+    })
+    .await;
+    node.shutdown.cancel();
+}
