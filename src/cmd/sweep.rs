@@ -301,6 +301,31 @@ pub fn policy_result(run: &PolicyRun) -> anyhow::Result<PolicyResult> {
 
 /// Every load on live clusters: one `gorgo compare` per time scale, its report kept
 /// under `live-x<scale>/`.
+/// A live report's censored percentiles (`config.censored`, docs/bench.md: more than
+/// 5% of a policy's requests failed before measuring the metric) hold a lower bound,
+/// each failed request at the time it failed: a policy that refuses fast would read
+/// faster than one that serves slowly. In a sweep they are +inf (shown as `inf`): a
+/// p95 that could not be measured misses every SLO, and goodput counts it so.
+fn unknown_where_censored(r: &mut Results) {
+    let censored = r.config.get("censored").cloned().unwrap_or_default();
+    for (policy, result) in r.policies.iter_mut() {
+        for (metric, stats) in [
+            ("ttft_ms", &mut result.ttft_ms),
+            ("e2e_ms", &mut result.e2e_ms),
+        ] {
+            let marks = censored[policy.as_str()][metric]["censored"].as_array();
+            for name in marks.into_iter().flatten().filter_map(|v| v.as_str()) {
+                match name {
+                    "p50" => stats.p50 = f64::INFINITY,
+                    "p95" => stats.p95 = f64::INFINITY,
+                    "p99" => stats.p99 = f64::INFINITY,
+                    _ => {}
+                }
+            }
+        }
+    }
+}
+
 fn live(
     args: &SweepArgs,
     policies: &[PolicyKind],
@@ -357,8 +382,9 @@ fn live(
         let path = out.join("results.json");
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("reading {}", path.display()))?;
-        let r: Results =
+        let mut r: Results =
             serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        unknown_where_censored(&mut r);
         results.push(r.policies);
     }
     let config = json!({
@@ -399,5 +425,35 @@ mod tests {
         assert!(parse(&["--rates", "1", "--time-scales", "2"]).is_err());
         let a = parse(&["--rates", "0"]).unwrap();
         assert!(time_scales(&a, 4.0).is_err());
+    }
+
+    /// A live point whose p95 TTFT is censored (more than 5% failed before a first
+    /// token, their lower bounds the times they failed) misses the SLO: a policy that
+    /// refuses fast does not read faster than one that serves slowly.
+    #[test]
+    fn a_censored_live_p95_misses_every_slo() {
+        let text = r#"{
+            "config": {"censored": {"fast-refusals": {"ttft_ms": {"censored": ["p95", "p99"]}}}},
+            "policies": {
+                "fast-refusals": {"requests": 100, "failed": 6, "duration_s": 1.0,
+                    "throughput_rps": 1.0,
+                    "ttft_ms": {"p50": 1000.0, "p95": 1000.0, "p99": 1000.0, "mean": 1000.0},
+                    "e2e_ms": {"p50": 1.0, "p95": 1.0, "p99": 1.0, "mean": 1.0},
+                    "itl_ms": {"p50": 1.0, "p95": 1.0, "p99": 1.0, "mean": 1.0},
+                    "region_share": {}, "forwarded_share": 0.0}
+            }
+        }"#;
+        let mut r: Results = serde_json::from_str(text).unwrap();
+        unknown_where_censored(&mut r);
+        let ttft = r.policies[0].1.ttft_ms;
+        assert_eq!((ttft.p50, ttft.p95), (1000.0, f64::INFINITY));
+        let slo = Slo {
+            ttft_p95_ms: 2000.0,
+            e2e_p95_ms: None,
+        };
+        assert_eq!(
+            gorgo_report::goodput_at_slo(&[(1.0, ttft.p95, 1.0)], slo),
+            0.0
+        );
     }
 }
