@@ -200,10 +200,16 @@ struct Shared {
     schedule: Vec<Instant>,
     progress: indicatif::ProgressBar,
     failures: AtomicUsize,
+    /// Cancelled when the replay is stopped: requests in flight end at once as failed
+    /// ("cancelled"), at the time they had taken, and closed-loop workers send no
+    /// more, so what every request measured is kept (aborting the tasks lost them:
+    /// a closed-loop worker's whole list, and an open-loop request's place in the
+    /// statistics, the longest ones of the run).
+    stop: tokio_util::sync::CancellationToken,
 }
 
-/// Replay `items` against `cluster`. Stops early (returning what finished) when
-/// `shutdown` completes. Fails only on a bad configuration or an item whose region
+/// Replay `items` against `cluster`. Stops early (returning what finished, and the
+/// requests in flight as cancelled failures) when `shutdown` completes. Fails only on a bad configuration or an item whose region
 /// the cluster lacks; request failures are recorded in the outcomes.
 pub async fn replay(
     cluster: &ClusterInfo,
@@ -262,6 +268,7 @@ pub async fn replay(
         schedule,
         progress,
         failures: AtomicUsize::new(0),
+        stop: tokio_util::sync::CancellationToken::new(),
     });
     let mut tasks: JoinSet<Vec<RequestOutcome>> = JoinSet::new();
     let mut shutdown = std::pin::pin!(shutdown);
@@ -305,7 +312,9 @@ pub async fn replay(
                 tasks.spawn(async move {
                     let mut out = Vec::new();
                     loop {
-                        if deadline.is_some_and(|d| Instant::now() >= d) {
+                        if deadline.is_some_and(|d| Instant::now() >= d)
+                            || shared.stop.is_cancelled()
+                        {
                             break;
                         }
                         let index = next.fetch_add(1, Ordering::Relaxed);
@@ -335,7 +344,8 @@ pub async fn replay(
         }
     }
     if cancelled {
-        tasks.abort_all();
+        // Every task ends at once (its request records itself as cancelled).
+        shared.stop.cancel();
         while let Some(joined) = tasks.join_next().await {
             if let Ok(batch) = joined {
                 outcomes.extend(batch);
@@ -433,7 +443,14 @@ async fn send_item(shared: &Shared, index: usize, scheduled: Option<Instant>) ->
             if let Some(s) = &item.session {
                 headers.push((SESSION_HEADER, s.clone()));
             }
-            client::send_streaming(client, url, body, &headers, origin).await
+            tokio::select! {
+                m = client::send_streaming(client, url, body, &headers, origin) => m,
+                _ = shared.stop.cancelled() => Measured {
+                    error: Some("cancelled: the replay was stopped".into()),
+                    e2e_ms: Some(ms_between(origin, Instant::now())),
+                    ..Measured::default()
+                },
+            }
         }
     };
     let start_ms = ms_between(shared.start, origin);

@@ -349,3 +349,48 @@ async fn the_client_measures_from_the_origin_it_is_given() {
     assert!(m.ttft_ms.unwrap() <= m.e2e_ms.unwrap());
     a.stop().await;
 }
+
+/// A replay stopped while requests are in flight keeps what every request measured:
+/// the ones done (a closed-loop worker's whole list was lost when its task was
+/// aborted) and the ones in flight, as failed ("cancelled") at the time they had taken.
+#[tokio::test]
+async fn a_stopped_replay_keeps_what_finished_and_what_was_in_flight() {
+    let a = Server::start().await;
+    let cluster = ClusterInfo::from_list(&format!("us={}", a.url)).unwrap();
+    // Four that complete, then two that stall after a first token, then more.
+    let items: Vec<_> = (0..10)
+        .map(|i| item(i, "us", if i == 4 || i == 5 { 998 } else { 2 }))
+        .collect();
+    let inner = bodies(&items);
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let tx = std::sync::Mutex::new(Some(tx));
+    // The stop comes once the second stalling request is being sent: both workers
+    // are then held by a stall.
+    let b: BodyBuilder = Arc::new(move |i| {
+        if i == 5 {
+            if let Some(tx) = tx.lock().unwrap().take() {
+                let _ = tx.send(());
+            }
+        }
+        inner(i)
+    });
+    let config = ReplayConfig {
+        mode: LoadMode::Closed { concurrency: 2 },
+        ..ReplayConfig::default()
+    };
+    let out = replay(&cluster, items, b, &config, async {
+        let _ = rx.await;
+    })
+    .await
+    .unwrap();
+    assert!(out.cancelled);
+    let indices: Vec<usize> = out.outcomes.iter().map(|o| o.index).collect();
+    assert_eq!(indices, [0, 1, 2, 3, 4, 5]);
+    assert_eq!(out.failed(), 2);
+    for o in out.outcomes.iter().filter(|o| !o.ok()) {
+        let err = o.measured.error.as_deref().unwrap_or_default();
+        assert!(err.starts_with("cancelled"), "{err}");
+        assert!(o.measured.e2e_ms.is_some_and(|v| v >= 0.0));
+    }
+    a.stop().await;
+}
