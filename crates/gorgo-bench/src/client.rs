@@ -171,12 +171,18 @@ pub async fn send_streaming(
     // simulator's E2E is the completion's last byte at the client too).
     let mut done_ms: Option<f64> = None;
     let mut stream = resp.bytes_stream();
+    // Until when what follows `[DONE]` is drained: `DRAIN_GRACE` in all, not per chunk
+    // (a body that keeps sending after it would hold the request, and in closed loop
+    // its worker's slot, until the request timeout).
+    let mut drain_until: Option<tokio::time::Instant> = None;
     loop {
         if done_ms.is_some() {
             // The exchange is over: drain what is left for a moment so the connection
             // can go back to the pool, but a body held open (or cut, or timed out)
             // after `[DONE]` never fails a request that finished.
-            match tokio::time::timeout(DRAIN_GRACE, stream.next()).await {
+            let until =
+                *drain_until.get_or_insert_with(|| tokio::time::Instant::now() + DRAIN_GRACE);
+            match tokio::time::timeout_at(until, stream.next()).await {
                 Ok(Some(Ok(_))) => continue,
                 _ => break,
             }

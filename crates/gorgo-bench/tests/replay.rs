@@ -274,6 +274,30 @@ async fn an_endless_error_body_is_read_up_to_the_cap() {
     assert!(err.len() <= "HTTP 500: ".len() + 512, "{}", err.len());
 }
 
+/// A body that keeps sending after `[DONE]` (keep-alive comments) is drained for the
+/// grace in all, not per chunk: the request ends, and its closed-loop worker takes the
+/// next, instead of both waiting out the request timeout.
+#[tokio::test]
+async fn a_body_that_keeps_talking_after_done_is_let_go() {
+    let a = Server::start().await;
+    let cluster = ClusterInfo::from_list(&format!("us={}", a.url)).unwrap();
+    let config = ReplayConfig {
+        mode: LoadMode::Closed { concurrency: 1 },
+        request_timeout: std::time::Duration::from_secs(600),
+        ..ReplayConfig::default()
+    };
+    let items = vec![item(0, "us", 995), item(1, "us", 2)];
+    let out = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        run(&cluster, items, config),
+    )
+    .await
+    .expect("the replay ends long before the request timeout");
+    assert_eq!(out.outcomes.len(), 2);
+    assert_eq!(out.failed(), 0);
+    a.stop().await;
+}
+
 #[tokio::test]
 async fn a_body_held_open_after_done_still_completes() {
     let a = Server::start().await;

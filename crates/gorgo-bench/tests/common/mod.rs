@@ -29,7 +29,8 @@ const FIRST_TOKEN: &str =
 /// A chat endpoint in OpenAI's streaming shape. `max_tokens` picks the behaviour:
 /// 0 -> HTTP 400, 999 -> stream cut before `[DONE]`, 998 -> a first token, then a
 /// stall for ever, 997 -> HTTP 500 with an endless body, 996 -> a complete stream
-/// whose body is then held open for ever, else that many content chunks.
+/// whose body is then held open for ever, 995 -> a complete stream followed by an SSE
+/// comment every 100 ms for ever, else that many content chunks.
 async fn chat(headers: HeaderMap, body: Bytes) -> Response {
     let v: serde_json::Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
@@ -54,6 +55,14 @@ async fn chat(headers: HeaderMap, body: Bytes) -> Response {
                 .status(StatusCode::INTERNAL_SERVER_ERROR)
                 .body(Body::from_stream(endless))
                 .unwrap();
+        }
+        995 => {
+            let done = futures::stream::iter([frame(FIRST_TOKEN), frame("data: [DONE]\n\n")]);
+            let keep_alive = futures::stream::unfold((), |()| async {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                Some((frame(": ka\n\n"), ()))
+            });
+            return stream_response(done.chain(keep_alive));
         }
         996 => {
             let done = futures::stream::iter([frame(FIRST_TOKEN), frame("data: [DONE]\n\n")]);
