@@ -74,6 +74,17 @@ fn down_without_a_cluster_is_a_no_op_and_bad_topologies_are_named() {
         err.contains("--tuning-trial") && err.contains("switchback"),
         "{err}"
     );
+    // Something already listening on one of the cluster's addresses (a cluster left
+    // behind would answer the new one's readiness checks): refused, naming it.
+    let taken = std::net::TcpListener::bind("127.0.0.77:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    // The netem control API is at base + 6 of region 0's address.
+    let base = (port - 6).to_string();
+    let err = up_refused(dir.path(), &["--ip-base", "77", "--base-port", &base]);
+    assert!(
+        err.contains(&format!("127.0.0.77:{port}")) && err.contains("is taken"),
+        "{err}"
+    );
 }
 
 /// `gorgo up` of the three-region topology with `flags`, which must fail before

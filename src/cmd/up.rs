@@ -669,6 +669,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         }
     }
     let _ = std::fs::remove_file(run_dir.join("cluster.json"));
+    taken_addresses_refused(&plan)?;
 
     let token = random_token()?;
     let certs = run_dir.join("certs");
@@ -1079,6 +1080,40 @@ pub fn run_down(args: DownArgs) -> anyhow::Result<()> {
             killed.len(),
             killed.join(", ")
         );
+    }
+    Ok(())
+}
+
+/// Refuse to start where something already listens on one of the plan's TCP
+/// addresses: a cluster left behind on the same ports (a `compare` killed without its
+/// teardown) would answer `/readyz` for the new one, whose processes fail to bind, and
+/// the run would measure the old cluster.
+fn taken_addresses_refused(plan: &ClusterPlan) -> anyhow::Result<()> {
+    let addresses = plan
+        .regions
+        .iter()
+        .flat_map(|r| {
+            [
+                ("client relay", r.client_addr),
+                ("node", r.node_http_addr),
+                ("node admin", r.admin_addr),
+                ("engine", r.engine_addr),
+            ]
+            .map(|(what, addr)| (r.name.as_str(), what, addr))
+        })
+        .chain(std::iter::once((
+            "cluster",
+            "netem control",
+            plan.control_addr,
+        )));
+    for (region, what, addr) in addresses {
+        if std::net::TcpListener::bind(addr).is_err() {
+            bail!(
+                "{addr} ({region}'s {what}) is taken: another cluster or process listens \
+                 there; stop it (`gorgo down --run-dir ...` for a cluster left behind) or \
+                 pick another --base-port / --ip-base"
+            );
+        }
     }
     Ok(())
 }
