@@ -295,10 +295,12 @@ async fn engine_action(
     };
     match action.as_str() {
         "drain" => engine.start_draining(),
-        "serve" if engine.is_removing() => {
+        // Refused in the same step that would put it back: a removal racing with
+        // this call either happened first (refused) or comes after (it wins).
+        "serve" if !engine.start_serving() => {
             return error_response(StatusCode::CONFLICT, "the engine is being removed")
         }
-        "serve" => engine.start_serving(),
+        "serve" => {}
         _ => return error_response(StatusCode::NOT_FOUND, "actions: drain, serve"),
     }
     Json(engine.view(state.now_ms())).into_response()

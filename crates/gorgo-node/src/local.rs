@@ -48,10 +48,15 @@ pub struct LocalEngine {
     /// Cancelled when the engine leaves the node: its health checks, scrapes and
     /// event stream stop.
     pub stop: CancellationToken,
+    /// [`EngineStatus`] as a number, or [`REMOVING`]: one atomic, so that putting an
+    /// engine back in rotation cannot undo a removal that raced with it (a check of a
+    /// separate flag, then a store, left an engine serving and removing at once).
     status: AtomicU8,
-    /// Removal asked for: dropped from the set once drained.
-    removing: std::sync::atomic::AtomicBool,
 }
+
+/// [`LocalEngine::status`]'s value once removal was asked for: draining, and dropped
+/// from the set once idle.
+const REMOVING: u8 = u8::MAX;
 
 impl std::fmt::Debug for LocalEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -86,7 +91,6 @@ impl LocalEngine {
             adapter,
             stop,
             status: AtomicU8::new(status as u8),
-            removing: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -100,25 +104,37 @@ impl LocalEngine {
 
     /// Take no new requests (what is in flight finishes).
     pub fn start_draining(&self) {
-        self.status
-            .store(EngineStatus::Draining as u8, Ordering::Relaxed);
+        // A removal stays a removal.
+        let _ = self.status.compare_exchange(
+            EngineStatus::Serving as u8,
+            EngineStatus::Draining as u8,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
     }
 
-    /// Back in rotation after [`start_draining`](Self::start_draining).
-    pub fn start_serving(&self) {
-        self.status
-            .store(EngineStatus::Serving as u8, Ordering::Relaxed);
+    /// Back in rotation after [`start_draining`](Self::start_draining); false (and
+    /// nothing done) for an engine being removed.
+    pub fn start_serving(&self) -> bool {
+        match self.status.compare_exchange(
+            EngineStatus::Draining as u8,
+            EngineStatus::Serving as u8,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => true,
+            Err(now) => now == EngineStatus::Serving as u8,
+        }
     }
 
     /// Drain, then leave the node once idle.
     pub fn start_removing(&self) {
-        self.start_draining();
-        self.removing.store(true, Ordering::Relaxed);
+        self.status.store(REMOVING, Ordering::Release);
     }
 
     /// Whether removal was asked for.
     pub fn is_removing(&self) -> bool {
-        self.removing.load(Ordering::Relaxed)
+        self.status.load(Ordering::Acquire) == REMOVING
     }
 
     /// Whether the engine takes new requests now: serving and healthy.
