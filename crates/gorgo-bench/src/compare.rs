@@ -61,6 +61,11 @@ pub struct PolicyRun {
     pub tuning: Vec<serde_json::Value>,
 }
 
+/// The fewest ports between two clusters' blocks: a block is 7 ports (the node, its
+/// admin API, the engine, the client and QUIC relays, the QUIC endpoint, and region
+/// 0's netem control API; docs/netem.md).
+const MIN_PORT_STRIDE: u16 = 7;
+
 /// Run the comparison. Stops (tearing everything down) when `cancel` fires, returning
 /// the policies that finished.
 pub async fn compare(
@@ -88,6 +93,22 @@ pub async fn compare(
             });
         }
     }
+    // Each cluster's block of ports on a region's address runs from its base to
+    // base + 6 (the netem control API on region 0's): blocks closer than 7 overlap,
+    // and the last block must fit below 65,536.
+    let last_base = u32::from(spec.base_port)
+        + u32::from(spec.port_stride) * (spec.policies.len().saturating_sub(1) as u32);
+    if (spec.policies.len() > 1 && spec.port_stride < MIN_PORT_STRIDE) || last_base + 6 > 65_535 {
+        return Err(BenchError::InvalidConfig {
+            field: "port_stride",
+            reason: format!(
+                "clusters' port blocks (7 ports each from --base-port {}, --port-stride {} apart, {} clusters) overlap or run past 65535",
+                spec.base_port,
+                spec.port_stride,
+                spec.policies.len()
+            ),
+        });
+    }
     let mut sequential = spec.sequential;
     let has_base_port = supports_flag(&spec.exe, "up", "--base-port").await;
     if !sequential && !has_base_port && spec.policies.len() > 1 {
@@ -102,10 +123,7 @@ pub async fn compare(
         policy: policy.to_owned(),
         engine_profile: spec.engine_profile.clone(),
         run_dir: spec.out.join(policy).join("run"),
-        base_port: has_base_port.then(|| {
-            spec.base_port
-                .saturating_add((k as u16).saturating_mul(spec.port_stride))
-        }),
+        base_port: has_base_port.then(|| spec.base_port + (k as u16) * spec.port_stride),
         extra_args: spec.up_args.clone(),
         timeout: spec.up_timeout,
     };

@@ -209,6 +209,19 @@ async fn clusters_come_up_and_always_go_down() {
             .unwrap_err();
         assert!(err.to_string().contains("policies"), "{err}");
     }
+    // Port blocks that overlap (closer than 7) or run past 65535 are refused before
+    // anything starts (a stride of 0 put every cluster on one block).
+    for (base_port, port_stride) in [(8000, 0), (8000, 6), (65_500, 100)] {
+        let spec = CompareSpec {
+            base_port,
+            port_stride,
+            ..spec.clone()
+        };
+        let err = compare(&spec, Arc::new(requests(1)), CancellationToken::new())
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("port_stride"), "{err}");
+    }
 
     // A comparison whose second cluster fails: the first one still goes down.
     std::fs::remove_file(tmp.path().join("calls.log")).unwrap();
