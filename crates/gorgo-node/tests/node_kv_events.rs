@@ -26,6 +26,25 @@ fn kv_config(pub_ep: &str, replay_ep: Option<&str>) -> String {
     extra
 }
 
+/// Serve 20 requests through `node` while its engine publishes nothing (more than the
+/// 16 dispatches a silence needs), until the follower counts the silence.
+async fn serve_until_silent(node: &TestNode, kv: &gorgo_node::kv_events::KvEvents, tag: &str) {
+    let c = client();
+    for i in 0..20 {
+        let resp = c
+            .post(format!("{}/v1/chat/completions", node.base))
+            .json(&chat_body(&prompt(&format!("{tag} {i}"), 300), false))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+    }
+    until("the silence to be noticed", || {
+        kv.view(0).counters.silences == 1
+    })
+    .await;
+}
+
 /// 4-byte chunks of `bytes` as token ids: how a byte-hashing engine publishes.
 fn chunk_ids(bytes: &[u8]) -> Vec<u32> {
     bytes
@@ -217,20 +236,7 @@ async fn bad_streams_resync_onto_the_shadow_model_and_recover() {
     .await;
 
     // Silence while requests are served: a resync onto the shadow model.
-    let c = client();
-    for i in 0..20 {
-        let resp = c
-            .post(format!("{}/v1/chat/completions", node.base))
-            .json(&chat_body(&prompt(&format!("silence {i}"), 300), false))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), 200);
-    }
-    until("the silence to be noticed", || {
-        kv.view(0).counters.silences == 1
-    })
-    .await;
+    serve_until_silent(&node, kv, "silence").await;
     assert_eq!(kv.source(), IndexSource::Shadow);
     let metrics = metrics_text(&node).await;
     for name in [
@@ -488,20 +494,7 @@ async fn a_silently_dead_connection_is_replaced_after_a_silence() {
     // Every connection so far goes dark.
     cut.store(accepted.load(Ordering::SeqCst), Ordering::SeqCst);
     let before = accepted.load(Ordering::SeqCst);
-    let c = client();
-    for i in 0..20 {
-        let resp = c
-            .post(format!("{}/v1/chat/completions", node.base))
-            .json(&chat_body(&prompt(&format!("dark {i}"), 300), false))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), 200);
-    }
-    until("the silence to be noticed", || {
-        kv.view(0).counters.silences == 1
-    })
-    .await;
+    serve_until_silent(&node, kv, "dark").await;
     until("a new connection to the publisher", || {
         accepted.load(Ordering::SeqCst) > before
     })
