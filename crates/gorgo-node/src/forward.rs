@@ -252,12 +252,16 @@ where
     let msg: ForwardRequest = match tokio::time::timeout(wait, read).await {
         Ok(Ok(m)) => m,
         Ok(Err(NodeError::BodyBudget)) => {
+            drop(lease);
             // 503: the origin serves the request itself or elsewhere.
             let message = NodeError::BodyBudget.to_string();
             let _ = write_error_head(&mut send, &state, 503, 0, &error_json(503, &message)).await;
             return;
         }
         Ok(Err(e)) => {
+            // What the announced length took of the budget goes back before the error
+            // head waits on the origin.
+            drop(lease);
             tracing::warn!(%from, error = %e, "bad forward request");
             let message = format!("bad forward request: {e}");
             // 502: the origin serves the request itself (nothing reached its client).
@@ -265,6 +269,7 @@ where
             return;
         }
         Err(_) => {
+            drop(lease);
             tracing::warn!(%from, "forward request not sent in time");
             let message = "forward request not sent within limits.body_timeout_ms";
             let _ = write_error_head(&mut send, &state, 502, 0, &error_json(502, message)).await;
@@ -345,10 +350,12 @@ where
                 hops: req.hops,
                 refusal: Some(refusal),
             };
-            if write_frame(&mut send, &head).await.is_ok() {
-                let _ = send.write_all(&END_OK.to_be_bytes()).await;
-                let _ = send.shutdown().await;
-            }
+            let write = async {
+                write_frame(&mut send, &head).await?;
+                end_stream(&mut send, END_OK).await?;
+                Ok::<_, NodeError>(())
+            };
+            let _ = bounded(&state, write).await;
             return;
         }
         Err(e) => {
@@ -367,11 +374,14 @@ where
         hops: up.hops,
         refusal: None,
     };
-    if write_frame(&mut send, &head).await.is_err() {
-        return;
-    }
     let mut body = up.body;
-    let write_wait = Duration::from_millis(state.config.limits.body_timeout_ms);
+    tokio::select! {
+        res = bounded(&state, write_frame(&mut send, &head)) => if res.is_err() {
+            return;
+        },
+        // Dropping the body cancels the engine request.
+        _ = &mut origin_gone => return,
+    }
     loop {
         let chunk = tokio::select! {
             chunk = body.next() => match chunk {
@@ -396,16 +406,13 @@ where
                     Ok::<_, std::io::Error>(())
                 };
                 tokio::select! {
-                    res = tokio::time::timeout(write_wait, write) => {
-                        res.unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
-                    }
-                    _ = &mut origin_gone => Err(std::io::ErrorKind::BrokenPipe.into()),
+                    res = bounded(&state, write) => res,
+                    _ = &mut origin_gone => Err(NodeError::Io(std::io::ErrorKind::BrokenPipe.into())),
                 }
             }
             Err(e) => {
                 tracing::warn!(request_id = req.request_id, error = %e, "engine failed mid-stream");
-                let _ = send.write_all(&END_ERR.to_be_bytes()).await;
-                let _ = send.shutdown().await;
+                let _ = bounded(&state, end_stream(&mut send, END_ERR)).await;
                 return;
             }
         };
@@ -415,8 +422,29 @@ where
             return;
         }
     }
-    let _ = send.write_all(&END_OK.to_be_bytes()).await;
-    let _ = send.shutdown().await;
+    let _ = bounded(&state, end_stream(&mut send, END_OK)).await;
+}
+
+/// A write to the origin, which waits for the flow-control credit only the origin
+/// grants: bounded by `limits.body_timeout_ms` (as long as a client may take to send a
+/// body), so an origin that stops reading cannot hold this node's forward slot, engine
+/// request or body budget for ever.
+async fn bounded<F, E>(state: &NodeState, write: F) -> Result<(), NodeError>
+where
+    F: Future<Output = Result<(), E>>,
+    NodeError: From<E>,
+{
+    let wait = Duration::from_millis(state.config.limits.body_timeout_ms);
+    match tokio::time::timeout(wait, write).await {
+        Ok(res) => res.map_err(NodeError::from),
+        Err(_) => Err(NodeError::Io(std::io::ErrorKind::TimedOut.into())),
+    }
+}
+
+/// The end marker (`END_OK` or `END_ERR`) and the stream's close.
+async fn end_stream(send: &mut ForwardSend, marker: u32) -> std::io::Result<()> {
+    send.write_all(&marker.to_be_bytes()).await?;
+    send.shutdown().await
 }
 
 async fn write_chunk(send: &mut ForwardSend, bytes: &[u8]) -> std::io::Result<()> {
@@ -439,11 +467,13 @@ async fn write_error_head(
         hops,
         refusal: None,
     };
-    write_frame(send, &head).await?;
-    write_chunk(send, body.as_bytes()).await?;
-    send.write_all(&END_OK.to_be_bytes()).await?;
-    send.shutdown().await?;
-    Ok(())
+    bounded(state, async {
+        write_frame(send, &head).await?;
+        write_chunk(send, body.as_bytes()).await?;
+        end_stream(send, END_OK).await?;
+        Ok::<_, NodeError>(())
+    })
+    .await
 }
 
 /// Why a forward that was read whole cannot be served here, as the status and message

@@ -748,6 +748,66 @@ async fn a_forward_whose_origin_stops_reading_ends() {
     node.shutdown.cancel();
 }
 
+/// A peer's stream that grants no flow-control credit: every write to it waits.
+struct NoCredit;
+
+impl tokio::io::AsyncWrite for NoCredit {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+        _: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::task::Poll::Pending
+    }
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Pending
+    }
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Pending
+    }
+}
+
+/// A peer that announces a large forward, sends no more of it and never reads the
+/// answer: the error head waits on it at most `limits.body_timeout_ms`, and the body
+/// budget the announced length took goes back (it is shared with the client ingress,
+/// which a few such streams would otherwise turn away with 503s).
+#[tokio::test]
+async fn a_forward_that_never_reads_its_error_gives_everything_back() {
+    use gorgo_node::peers::IncomingForward;
+    use tokio::io::AsyncWriteExt;
+    let engine = StubEngine::start("e").await;
+    let node = start_node(
+        config("a", &engine.url(), "[limits]\nbody_timeout_ms = 50\n"),
+        None,
+    )
+    .await;
+    let (mut to_node, from_peer) = tokio::io::duplex(1 << 16);
+    to_node
+        .write_all(&(1u32 << 20).to_be_bytes())
+        .await
+        .unwrap();
+    let incoming = IncomingForward {
+        from: gorgo_core::NodeId::from("b"),
+        send: Box::pin(NoCredit),
+        recv: Box::pin(from_peer),
+    };
+    let served = gorgo_node::forward::handle_incoming(node.state().clone(), incoming, |_, _| {
+        std::future::pending::<Result<gorgo_node::api::Upstream, gorgo_node::api::ServeError>>()
+    });
+    tokio::time::timeout(std::time::Duration::from_secs(20), served)
+        .await
+        .expect("the error head gives up on a peer that grants no credit");
+    assert_eq!(node.state().metrics.body_bytes_reading.get(), 0);
+    drop(to_node);
+    node.shutdown.cancel();
+}
+
 /// A client that stops reading a streamed answer stops hyper polling its body, so
 /// the body's own deadline never fires; the request's deadline still drops the engine
 /// stream and frees the request's slot.
