@@ -1,4 +1,5 @@
-//! `gorgo certs`: generate a cluster CA and one certificate per node.
+//! `gorgo certs`: one certificate per node, under the cluster CA in `--out` (a new one
+//! where there is none).
 
 use std::path::PathBuf;
 
@@ -8,7 +9,8 @@ use gorgo_core::NodeId;
 /// Arguments of this subcommand.
 #[derive(clap::Args, Debug)]
 pub struct CertsArgs {
-    /// Directory to write `ca.pem`, `ca.key`, `<node>.pem` and `<node>.key` into.
+    /// Directory to write `<node>.pem` and `<node>.key` into, under its `ca.pem` and
+    /// `ca.key` (written first where neither is there).
     #[arg(long)]
     pub out: PathBuf,
     /// Node ids, comma separated (each becomes the TLS name of its certificate).
@@ -23,9 +25,15 @@ pub fn run(args: CertsArgs) -> anyhow::Result<()> {
         .iter()
         .map(|n| NodeId(n.trim().to_owned()))
         .collect();
+    let existing = args.out.join("ca.key").exists();
     let written = gorgo_cluster::write_cluster_certs(&args.out, &nodes)
         .with_context(|| format!("writing certificates to {}", args.out.display()))?;
-    println!("CA: {}", args.out.join("ca.pem").display());
+    let ca = args.out.join("ca.pem");
+    if existing {
+        println!("CA: {} (already there: issued under it)", ca.display());
+    } else {
+        println!("CA: {} (new)", ca.display());
+    }
     for (node, files) in written {
         println!(
             "{node}: cert {} key {}",

@@ -149,6 +149,7 @@ pub async fn start(
     shutdown: CancellationToken,
 ) -> Result<ClusterHandle> {
     validate_node_id(&config.node_id)?;
+    config.credentials.check_identity(&config.node_id)?;
     if config.gossip_interval.is_zero() {
         return Err(ClusterError::Config {
             field: "gossip_interval",

@@ -25,8 +25,8 @@ pub use gossip::{HoldsSummary, SharedSummary, SummarySource};
 pub use identity::{MemberId, MAX_SWIM_PACKET};
 pub use state::{ClusterMetrics, PeerEngineView, PeerState, PeerTable, PeerView, RTT_EWMA_ALPHA};
 pub use tls::{
-    quinn_client_config, write_cluster_certs, write_secret, ClusterCa, IssuedNode, NodeCredentials,
-    TlsFiles, CLUSTER_SERVER_NAME,
+    quinn_client_config, validate_node_id, write_cluster_certs, write_secret, ClusterCa,
+    IssuedNode, NodeCredentials, TlsFiles, CLUSTER_SERVER_NAME,
 };
 pub use tokio_util::sync::CancellationToken;
 pub use transport::{MAX_APP_MESSAGE, MAX_GOSSIP_FRAME};

@@ -87,6 +87,60 @@ impl NodeCredentials {
             key,
         })
     }
+
+    /// Check that this certificate is one the cluster's peers accept as `node`'s:
+    /// signed by the CA, valid now, for both ends of a connection, and naming `node`.
+    /// A node started with another node's certificate, or one from another CA, would
+    /// otherwise sit alone, its packets dropped as another node's or its handshakes
+    /// failing, with nothing above debug level to say why.
+    pub fn check_identity(&self, node: &NodeId) -> Result<()> {
+        use rustls::client::danger::ServerCertVerifier as _;
+        let (leaf, intermediates) = self
+            .cert_chain
+            .split_first()
+            .ok_or_else(|| ClusterError::Tls("cert: no certificate".into()))?;
+        let now = rustls::pki_types::UnixTime::now();
+        let refused = |e: rustls::Error| {
+            ClusterError::Tls(format!("cert: not one the cluster's ca vouches for: {e}"))
+        };
+        rustls::server::WebPkiClientVerifier::builder_with_provider(roots(self)?, provider())
+            .build()
+            .map_err(|e| ClusterError::Tls(format!("client verifier: {e}")))?
+            .verify_client_cert(leaf, intermediates, now)
+            .map_err(refused)?;
+        let name = rustls::pki_types::ServerName::try_from(node.0.clone()).map_err(|e| {
+            ClusterError::Config {
+                field: "node_id",
+                reason: format!("{node}: {e}"),
+            }
+        })?;
+        let verified =
+            rustls::client::WebPkiServerVerifier::builder_with_provider(roots(self)?, provider())
+                .build()
+                .map_err(|e| ClusterError::Tls(format!("server verifier: {e}")))?
+                .verify_server_cert(leaf, intermediates, &name, &[], now);
+        match verified {
+            Ok(_) => Ok(()),
+            Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::NotValidForName
+                | rustls::CertificateError::NotValidForNameContext { .. },
+            )) => {
+                let names: Vec<String> = webpki::EndEntityCert::try_from(leaf)
+                    .map(|ee| {
+                        ee.valid_dns_names()
+                            .filter(|n| *n != CLUSTER_SERVER_NAME)
+                            .map(str::to_owned)
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                Err(ClusterError::Config {
+                    field: "node_id",
+                    reason: format!("{node}: the certificate is for {}", names.join(", ")),
+                })
+            }
+            Err(e) => Err(refused(e)),
+        }
+    }
 }
 
 /// Refuse node ids that cannot be a DNS name in a certificate (they are TLS server names).
@@ -110,9 +164,9 @@ pub fn validate_node_id(id: &NodeId) -> Result<()> {
 
 /// A cluster certificate authority: signs node certificates.
 pub struct ClusterCa {
-    params: CertificateParams,
-    key: KeyPair,
-    cert: rcgen::Certificate,
+    issuer: Issuer<'static, KeyPair>,
+    cert: CertificateDer<'static>,
+    cert_pem: String,
 }
 
 impl std::fmt::Debug for ClusterCa {
@@ -147,22 +201,53 @@ impl ClusterCa {
         ];
         let key = KeyPair::generate()?;
         let cert = params.self_signed(&key)?;
-        Ok(ClusterCa { params, key, cert })
+        Ok(ClusterCa {
+            cert: cert.der().clone(),
+            cert_pem: cert.pem(),
+            issuer: Issuer::new(params, key),
+        })
+    }
+
+    /// The CA `gorgo certs` wrote before (its certificate and key, PEM), to issue more
+    /// node certificates under it: a node added later must chain to the CA the running
+    /// nodes trust. Refused when the key does not sign for the certificate.
+    pub fn from_pem(cert_pem: &str, key_pem: &str) -> Result<Self> {
+        let key =
+            KeyPair::from_pem(key_pem).map_err(|e| ClusterError::Tls(format!("ca key: {e}")))?;
+        let cert = CertificateDer::from_pem_slice(cert_pem.as_bytes())
+            .map_err(|e| ClusterError::Tls(format!("ca certificate: {e}")))?;
+        let issuer = Issuer::from_ca_cert_der(&cert, key)
+            .map_err(|e| ClusterError::Tls(format!("ca certificate: {e}")))?;
+        let ca = ClusterCa {
+            issuer,
+            cert,
+            cert_pem: cert_pem.to_owned(),
+        };
+        // A certificate it signs must verify against it, or the two files do not belong
+        // together (every node issued here would be refused by its peers).
+        let probe = NodeId("ca-key-check".into());
+        ca.issue(&probe)?
+            .credentials
+            .check_identity(&probe)
+            .map_err(|_| {
+                ClusterError::Tls("ca key does not belong to the ca certificate".into())
+            })?;
+        Ok(ca)
     }
 
     /// The CA certificate, DER.
     pub fn cert_der(&self) -> CertificateDer<'static> {
-        self.cert.der().clone()
+        self.cert.clone()
     }
 
     /// The CA certificate, PEM.
     pub fn cert_pem(&self) -> String {
-        self.cert.pem()
+        self.cert_pem.clone()
     }
 
     /// The CA private key, PEM (keep it off the nodes).
     pub fn key_pem(&self) -> String {
-        self.key.serialize_pem()
+        self.issuer.key().serialize_pem()
     }
 
     /// Issue a certificate for `node`, valid as TLS server and client.
@@ -179,8 +264,7 @@ impl ClusterCa {
         ];
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         let key = KeyPair::generate()?;
-        let issuer = Issuer::from_params(&self.params, &self.key);
-        let cert = params.signed_by(&key, &issuer)?;
+        let cert = params.signed_by(&key, &self.issuer)?;
         let credentials = NodeCredentials {
             ca: self.cert_der(),
             cert_chain: vec![cert.der().clone()],
@@ -194,8 +278,10 @@ impl ClusterCa {
     }
 }
 
-/// Write a CA and one certificate per node under `out`: `ca.pem`, `ca.key`,
-/// `<node>.pem`, `<node>.key`. Returns the [`TlsFiles`] of each node, in order.
+/// Write one certificate per node under `out` (`<node>.pem`, `<node>.key`), signed by
+/// the CA in `out` (`ca.pem`, `ca.key`): the one already there, so that nodes added
+/// later join the cluster the earlier ones trust, or a new one where there is none.
+/// Returns the [`TlsFiles`] of each node, in order.
 pub fn write_cluster_certs(out: &Path, nodes: &[NodeId]) -> Result<Vec<(NodeId, TlsFiles)>> {
     if nodes.is_empty() {
         return Err(ClusterError::Config {
@@ -207,10 +293,37 @@ pub fn write_cluster_certs(out: &Path, nodes: &[NodeId]) -> Result<Vec<(NodeId, 
         validate_node_id(n)?;
     }
     std::fs::create_dir_all(out)?;
-    let ca = ClusterCa::generate("gorgo cluster CA")?;
     let ca_path = out.join("ca.pem");
-    std::fs::write(&ca_path, ca.cert_pem())?;
-    write_secret(&out.join("ca.key"), ca.key_pem())?;
+    let key_path = out.join("ca.key");
+    let ca = match (ca_path.exists(), key_path.exists()) {
+        (false, false) => {
+            let ca = ClusterCa::generate("gorgo cluster CA")?;
+            std::fs::write(&ca_path, ca.cert_pem())?;
+            write_secret(&key_path, ca.key_pem())?;
+            ca
+        }
+        (true, true) => {
+            let read = |p: &Path| {
+                std::fs::read_to_string(p)
+                    .map_err(|e| ClusterError::Tls(format!("reading {}: {e}", p.display())))
+            };
+            ClusterCa::from_pem(&read(&ca_path)?, &read(&key_path)?).map_err(|e| {
+                ClusterError::Tls(format!(
+                    "{} and {}: {e}",
+                    ca_path.display(),
+                    key_path.display()
+                ))
+            })?
+        }
+        (true, false) | (false, true) => {
+            // Neither half can be made again: a new CA would leave every node issued
+            // under the old one trusting a CA that signs nothing new.
+            return Err(ClusterError::Tls(format!(
+                "{} holds one of ca.pem and ca.key without the other; restore it, or remove it to start a new CA",
+                out.display()
+            )));
+        }
+    };
     let mut written = Vec::with_capacity(nodes.len());
     for n in nodes {
         let issued = ca.issue(n)?;
@@ -373,5 +486,70 @@ mod tests {
             client_crypto(&creds).unwrap();
         }
         assert!(write_cluster_certs(dir.path(), &[NodeId::from("Bad Name")]).is_err());
+    }
+
+    /// Adding a node later (`gorgo certs --out certs --nodes d` into the directory of
+    /// a running cluster) issues it under the CA the others trust, and leaves that CA
+    /// as it was: a new one would cut every node off its peers at its next restart.
+    #[test]
+    fn a_node_added_later_is_issued_under_the_clusters_ca() {
+        let dir = tempfile::tempdir().unwrap();
+        write_cluster_certs(dir.path(), &[NodeId::from("a")]).unwrap();
+        let ca_pem = std::fs::read(dir.path().join("ca.pem")).unwrap();
+        let ca_key = std::fs::read(dir.path().join("ca.key")).unwrap();
+        let added = write_cluster_certs(dir.path(), &[NodeId::from("d")]).unwrap();
+        assert_eq!(std::fs::read(dir.path().join("ca.pem")).unwrap(), ca_pem);
+        assert_eq!(std::fs::read(dir.path().join("ca.key")).unwrap(), ca_key);
+        let first = TlsFiles {
+            ca: dir.path().join("ca.pem"),
+            cert: dir.path().join("a.pem"),
+            key: dir.path().join("a.key"),
+        };
+        let a = NodeCredentials::load(&first).unwrap();
+        let d = NodeCredentials::load(&added[0].1).unwrap();
+        // Each checks against the CA the other loaded.
+        let d_under_a = NodeCredentials {
+            ca: a.ca.clone(),
+            ..d
+        };
+        d_under_a.check_identity(&NodeId::from("d")).unwrap();
+    }
+
+    /// Half a CA (its key lost, or a certificate copied without it) cannot be made
+    /// whole again; a key that belongs to another CA signs nothing the nodes accept.
+    #[test]
+    fn half_a_ca_or_a_foreign_key_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        write_cluster_certs(dir.path(), &[NodeId::from("a")]).unwrap();
+        let key = dir.path().join("ca.key");
+        let saved = std::fs::read(&key).unwrap();
+        std::fs::remove_file(&key).unwrap();
+        let err = write_cluster_certs(dir.path(), &[NodeId::from("b")]).unwrap_err();
+        assert!(err.to_string().contains("without the other"), "{err}");
+        let other = ClusterCa::generate("another").unwrap();
+        write_secret(&key, other.key_pem()).unwrap();
+        let err = write_cluster_certs(dir.path(), &[NodeId::from("b")]).unwrap_err();
+        assert!(err.to_string().contains("does not belong"), "{err}");
+        write_secret(&key, saved).unwrap();
+        write_cluster_certs(dir.path(), &[NodeId::from("b")]).unwrap();
+    }
+
+    /// A node that starts with another node's certificate, or with one from another
+    /// CA, is told so at start, naming `node_id`, instead of sitting alone.
+    #[test]
+    fn a_certificate_for_another_node_or_ca_is_refused_at_start() {
+        let ca = ClusterCa::generate("ca").unwrap();
+        let a = ca.issue(&NodeId::from("a")).unwrap().credentials;
+        a.check_identity(&NodeId::from("a")).unwrap();
+        let err = a.check_identity(&NodeId::from("b")).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("node_id") && text.contains("for a"), "{text}");
+        let other = ClusterCa::generate("other").unwrap();
+        let foreign = NodeCredentials {
+            ca: other.cert_der(),
+            ..a
+        };
+        let err = foreign.check_identity(&NodeId::from("a")).unwrap_err();
+        assert!(err.to_string().contains("vouches"), "{err}");
     }
 }
