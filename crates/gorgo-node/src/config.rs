@@ -947,8 +947,23 @@ impl NodeConfig {
         let bad = |field: &str, reason: &str| {
             Err(NodeError::Config(format!("invalid `{field}`: {reason}")))
         };
-        if self.node.id.trim().is_empty() {
-            return bad("node.id", "must not be empty");
+        // The id is the TLS name of the node's certificate: refused here, so `--check`
+        // says so, not the cluster when the node starts.
+        if let Err(e) = gorgo_cluster::validate_node_id(&gorgo_core::NodeId(self.node.id.clone())) {
+            let reason = match e {
+                gorgo_cluster::ClusterError::Config { reason, .. } => reason,
+                other => other.to_string(),
+            };
+            return bad("node.id", &reason);
+        }
+        let advertised = self.advertised_quic();
+        if advertised.ip().is_unspecified() {
+            // Every node would advertise the same address peers cannot dial, and each
+            // peer would take the first such claim and refuse the rest as taken.
+            let reason = format!(
+                "{advertised} (from listen.quic) is not an address peers can dial; set the one they dial"
+            );
+            return bad("listen.advertise_quic", &reason);
         }
         if self.node.region.trim().is_empty() {
             return bad("node.region", "must not be empty");
@@ -1481,6 +1496,27 @@ token = "secret-token"
             let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
             assert!(e.contains("routing.policy") && e.contains(policy), "{e}");
         }
+    }
+
+    /// A node id that cannot be a certificate's name, and a QUIC address no peer can
+    /// dial, are refused when the config is read (`gorgo node --check`), naming the
+    /// key, instead of at cluster start or, for the address, never.
+    #[test]
+    fn an_id_no_certificate_can_carry_or_an_address_no_peer_can_dial_is_refused() {
+        let text = MINIMAL.replace("id = \"a\"", "id = \"US_East\"");
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        assert!(e.contains("`node.id`") && e.contains("US_East"), "{e}");
+        let text = MINIMAL.replace("127.0.0.1:9000", "0.0.0.0:9000");
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        assert!(
+            e.contains("listen.advertise_quic") && e.contains("0.0.0.0:9000"),
+            "{e}"
+        );
+        let text = text.replace(
+            "admin = \"127.0.0.1:8100\"",
+            "admin = \"127.0.0.1:8100\"\nadvertise_quic = \"10.0.0.7:9000\"",
+        );
+        NodeConfig::from_toml_str(&text).unwrap();
     }
 
     #[test]
