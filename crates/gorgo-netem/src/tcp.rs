@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Semaphore};
@@ -209,6 +209,19 @@ struct Chunk {
     data: Option<Bytes>,
 }
 
+/// Reads what `reader` has (up to `buf.len()` bytes) and returns a copy of
+/// it sized to what was read; `None` at the end of the stream. A copy, not a
+/// view of `buf`: a queued chunk is charged its length against the byte
+/// budget, so it must not pin a whole `chunk_size` allocation (16-byte writes
+/// would otherwise hold 64 KiB each).
+async fn read_chunk(
+    reader: &mut (impl AsyncRead + Unpin),
+    buf: &mut [u8],
+) -> std::io::Result<Option<Bytes>> {
+    let n = reader.read(buf).await?;
+    Ok((n > 0).then(|| Bytes::copy_from_slice(&buf[..n])))
+}
+
 /// One direction of a connection: a reader that stamps each chunk with its
 /// delivery time and a writer that writes it then. Any error cancels the
 /// whole connection (both directions).
@@ -227,17 +240,19 @@ async fn pipe(
     let mut shaper = LinkShaper::new(params.clone(), Mode::Stream, seed);
 
     let read_side = async {
+        // One buffer for every read: each chunk queued is a copy of just the
+        // bytes read (see `read_chunk`).
+        let mut buf = vec![0u8; options.chunk_size];
         loop {
-            let mut buf = BytesMut::with_capacity(options.chunk_size);
-            let n = reader.read_buf(&mut buf).await?;
-            if n == 0 {
+            let Some(data) = read_chunk(&mut reader, &mut buf).await? else {
                 let due = match shaper.admit(now(), 0) {
                     Verdict::Deliver(due) => due,
                     _ => now(),
                 };
                 let _ = tx.send(Chunk { due, data: None });
                 return Ok::<(), std::io::Error>(());
-            }
+            };
+            let n = data.len();
             stats.add(&stats.packets_in, 1);
             stats.add(&stats.bytes_in, n as u64);
             // Backpressure: wait for the writer to free budget.
@@ -253,7 +268,7 @@ async fn pipe(
             if tx
                 .send(Chunk {
                     due,
-                    data: Some(buf.freeze()),
+                    data: Some(data),
                 })
                 .is_err()
             {
@@ -287,4 +302,23 @@ async fn pipe(
         cancel.cancel();
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A 16-byte read into a 64 KiB buffer queues a chunk that owns 16 bytes:
+    /// the memory held matches the credit charged.
+    #[tokio::test]
+    async fn a_chunk_holds_only_the_bytes_read() {
+        let mut buf = vec![0u8; TcpRelayOptions::default().chunk_size];
+        let mut reader = &b"sixteen bytes..."[..];
+        let chunk = read_chunk(&mut reader, &mut buf).await.unwrap().unwrap();
+        assert_eq!(&chunk[..], b"sixteen bytes...");
+        // A unique `Bytes` becomes a `Vec` over its own allocation, so the
+        // capacity is the size of the allocation the chunk pins.
+        assert_eq!(Vec::from(chunk).capacity(), 16);
+        assert!(read_chunk(&mut reader, &mut buf).await.unwrap().is_none());
+    }
 }
