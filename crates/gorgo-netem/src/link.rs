@@ -118,13 +118,18 @@ impl LinkShaper {
         &self.params
     }
 
-    /// Bytes admitted and not yet [`released`](Self::release).
+    /// In [`Mode::Datagram`], bytes admitted and not yet
+    /// [`released`](Self::release): what the queue budget limits. Always 0 in
+    /// [`Mode::Stream`], which never drops for a full queue: the TCP relay
+    /// bounds its queue with credit of its own and never releases here, so a
+    /// count would only grow.
     pub fn queued_bytes(&self) -> usize {
         self.queued_bytes
     }
 
-    /// Decides the fate of `len` bytes arriving at `now`. A `Deliver` verdict
-    /// counts the bytes as queued until [`release`](Self::release).
+    /// Decides the fate of `len` bytes arriving at `now`. In
+    /// [`Mode::Datagram`] a `Deliver` verdict counts the bytes as queued until
+    /// [`release`](Self::release).
     pub fn admit(&mut self, now: Instant, len: usize) -> Verdict {
         if self.mode == Mode::Datagram {
             if self.params.loss > 0.0 && self.rng.random::<f64>() < self.params.loss {
@@ -160,7 +165,10 @@ impl LinkShaper {
             }
         }
         self.last_delivery = Some(self.last_delivery.map_or(at, |l| l.max(at)));
-        self.queued_bytes += len;
+        if self.mode == Mode::Datagram {
+            // Within the budget checked above, so it cannot overflow.
+            self.queued_bytes += len;
+        }
         Verdict::Deliver(at)
     }
 
@@ -230,6 +238,18 @@ mod tests {
         assert_eq!(s.admit(now, 1000), Verdict::Overflow);
         s.release(1000);
         assert!(matches!(s.admit(now, 1000), Verdict::Deliver(_)));
+    }
+
+    /// A stream shaper counts nothing as queued, however much it admits: the
+    /// TCP relay never releases, so a count would only grow (and overflow).
+    #[test]
+    fn stream_mode_keeps_no_queue_count() {
+        let now = Instant::now();
+        let mut s = LinkShaper::new(LinkParams::delay_only(Duration::ZERO), Mode::Stream, 1);
+        for _ in 0..3 {
+            assert!(matches!(s.admit(now, usize::MAX / 2), Verdict::Deliver(_)));
+        }
+        assert_eq!(s.queued_bytes(), 0);
     }
 
     proptest! {
