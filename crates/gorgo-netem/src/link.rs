@@ -10,8 +10,9 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::relay::LinkGate;
 
-/// Default byte budget of one relay direction's queue (bytes admitted and not
-/// yet delivered): 16 MiB holds 130 ms of a 1 Gbit/s link.
+/// Default byte budget of one queue (bytes admitted and not yet delivered; see
+/// [`LinkParams::queue_limit_bytes`] for which queues have one): 16 MiB holds
+/// 130 ms of a 1 Gbit/s link.
 pub const DEFAULT_QUEUE_LIMIT_BYTES: usize = 16 * 1024 * 1024;
 
 /// What the queue budget charges each datagram beyond its payload: about
@@ -32,8 +33,17 @@ pub struct LinkParams {
     pub loss: f64,
     /// Serialisation rate in bits per second; `None` is unlimited.
     pub rate_bps: Option<u64>,
-    /// Datagrams that would push the queued bytes over this budget are dropped;
-    /// each is charged its length plus [`DATAGRAM_OVERHEAD_BYTES`].
+    /// Byte budget of each queue on this link direction: a datagram that would
+    /// push its queue over it is dropped (each is charged its length plus
+    /// [`DATAGRAM_OVERHEAD_BYTES`]); a TCP relay stops reading instead.
+    ///
+    /// Budgets are per flow, not per relay. A TCP relay gives each connection
+    /// direction its own (at least one `chunk_size`): a budget its connections
+    /// shared would let one stalled reader stall them all, which per-flow TCP
+    /// windows do not. A UDP relay has one towards its target per link (per
+    /// source-IP route, shared by that link's sessions) and one back per
+    /// session. So a relay can queue up to: TCP, `max_connections x 2 x` this;
+    /// UDP, `(links + max_sessions) x` this.
     pub queue_limit_bytes: usize,
 }
 

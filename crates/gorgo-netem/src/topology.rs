@@ -82,7 +82,9 @@ pub struct Topology {
     pub loss: f64,
     /// Serialisation rate of each inter-region link direction, if limited.
     pub rate_mbps: Option<f64>,
-    /// Byte budget of each relay direction's queue; over it datagrams drop.
+    /// Byte budget of each queue of every link: one per TCP connection
+    /// direction, per UDP link towards its target and per UDP session back
+    /// ([`LinkParams::queue_limit_bytes`]); over it datagrams drop.
     pub queue_limit_bytes: usize,
 }
 
