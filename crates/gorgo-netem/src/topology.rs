@@ -30,6 +30,8 @@ const MAX_DELAY_MS: f64 = 60_000.0;
 pub const MAX_REGIONS: usize = 64;
 /// Longest region name: names become namespace and file names.
 const MAX_NAME_LEN: usize = 40;
+/// What the tc scripts append to a region's name for its clients' namespace.
+const CLIENT_SUFFIX: &str = "-client";
 
 /// One region of a topology.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -147,6 +149,16 @@ impl Topology {
                 return Err(NetemError::invalid(
                     field,
                     format!("`{name}` is reserved: it names a region's clients in link names"),
+                ));
+            }
+            // The tc scripts put region x's clients in namespace
+            // `gorgo-x-client`: a region named `x-client` would collide with it.
+            if name.ends_with(CLIENT_SUFFIX) {
+                return Err(NetemError::invalid(
+                    field,
+                    format!(
+                        "`{name}`: a name ending in `{CLIENT_SUFFIX}` is reserved for a region's clients"
+                    ),
                 ));
             }
             if index.insert(name.clone(), i).is_some() {
@@ -367,6 +379,23 @@ mod tests {
             err(&reserved)
         );
         assert!(err("regions = []").contains("regions"));
+    }
+
+    /// `x-client` is region x's client namespace in the tc scripts, so no
+    /// region may take that name.
+    #[test]
+    fn a_region_name_cannot_be_a_client_namespace() {
+        let text = r#"
+            [[regions]]
+            name = "a"
+            client_delay_ms = 1
+            [[regions]]
+            name = "a-client"
+            client_delay_ms = 1
+            [one_way_ms]
+            a = { a-client = 5 }
+        "#;
+        assert!(err(text).contains("regions[1].name"), "{}", err(text));
     }
 
     fn repo_topology(name: &str) -> Topology {
