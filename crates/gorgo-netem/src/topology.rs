@@ -25,7 +25,7 @@ use crate::link::{LinkParams, DEFAULT_QUEUE_LIMIT_BYTES};
 use crate::NetemError;
 
 /// Largest delay, jitter or client delay accepted, in ms: anything above is a typo.
-const MAX_DELAY_MS: f64 = 60_000.0;
+pub(crate) const MAX_DELAY_MS: f64 = 60_000.0;
 /// Most regions a topology may list (the loopback plan gives each one an address).
 pub const MAX_REGIONS: usize = 64;
 /// Longest region name: names become namespace and file names.
@@ -90,7 +90,9 @@ pub struct Topology {
     pub queue_limit_bytes: usize,
 }
 
-fn check_range(field: &str, value: f64, lo: f64, hi: f64) -> Result<(), NetemError> {
+/// Whether `value` is a finite number in `[lo, hi]`; the error names `field`.
+/// Shared with the sphere generator, so it makes only what this loader reads.
+pub(crate) fn check_range(field: &str, value: f64, lo: f64, hi: f64) -> Result<(), NetemError> {
     if !value.is_finite() || value < lo || value > hi {
         return Err(NetemError::invalid(
             field,
