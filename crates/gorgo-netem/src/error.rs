@@ -33,6 +33,14 @@ pub enum NetemError {
     /// The cluster plan does not fit in the address or port space.
     #[error("cluster plan: {0}")]
     Plan(String),
+    /// Relay options the relay cannot work with (a chunk size of zero, say).
+    #[error("relay option `{field}`: {reason}")]
+    Options {
+        /// The offending option.
+        field: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A relay socket could not be bound.
     #[error("binding {addr}: {source}")]
     Bind {

@@ -24,7 +24,10 @@ mod udp;
 
 pub use control::{serve_control, LinkChange, LinkStatus, LinkTable, CLIENTS, MAX_URI_BYTES};
 pub use error::NetemError;
-pub use link::{DuplexLink, LinkParams, LinkShaper, Mode, Verdict, DEFAULT_QUEUE_LIMIT_BYTES};
+pub use link::{
+    DuplexLink, LinkParams, LinkShaper, Mode, Verdict, DATAGRAM_OVERHEAD_BYTES,
+    DEFAULT_QUEUE_LIMIT_BYTES,
+};
 pub use plan::{
     plan_cluster, ClusterPlan, ClusterRelay, NetemCluster, PeerRoute, PlanOptions, RegionPlan,
 };

@@ -10,9 +10,16 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::relay::LinkGate;
 
-/// Default byte budget of one relay direction's queue (bytes admitted and not
-/// yet delivered): 16 MiB holds 130 ms of a 1 Gbit/s link.
+/// Default byte budget of one queue (bytes admitted and not yet delivered; see
+/// [`LinkParams::queue_limit_bytes`] for which queues have one): 16 MiB holds
+/// 130 ms of a 1 Gbit/s link.
 pub const DEFAULT_QUEUE_LIMIT_BYTES: usize = 16 * 1024 * 1024;
+
+/// What the queue budget charges each datagram beyond its payload: about
+/// what queuing it costs in memory (its delay-queue entry, 120 bytes on
+/// 64-bit, and the payload allocation's header). Without it an empty datagram
+/// would cost nothing against the budget, and any number of them would queue.
+pub const DATAGRAM_OVERHEAD_BYTES: usize = 128;
 
 /// Properties of one direction of an emulated link.
 #[derive(Clone, Debug, PartialEq)]
@@ -26,7 +33,17 @@ pub struct LinkParams {
     pub loss: f64,
     /// Serialisation rate in bits per second; `None` is unlimited.
     pub rate_bps: Option<u64>,
-    /// Datagrams that would push the queued bytes over this budget are dropped.
+    /// Byte budget of each queue on this link direction: a datagram that would
+    /// push its queue over it is dropped (each is charged its length plus
+    /// [`DATAGRAM_OVERHEAD_BYTES`]); a TCP relay stops reading instead.
+    ///
+    /// Budgets are per flow, not per relay. A TCP relay gives each connection
+    /// direction its own (at least one `chunk_size`): a budget its connections
+    /// shared would let one stalled reader stall them all, which per-flow TCP
+    /// windows do not. A UDP relay has one towards its target per link (per
+    /// source-IP route, shared by that link's sessions) and one back per
+    /// session. So a relay can queue up to: TCP, `max_connections x 2 x` this;
+    /// UDP, `(links + max_sessions) x` this.
     pub queue_limit_bytes: usize,
 }
 
@@ -118,19 +135,25 @@ impl LinkShaper {
         &self.params
     }
 
-    /// Bytes admitted and not yet [`released`](Self::release).
+    /// In [`Mode::Datagram`], bytes charged for datagrams admitted and not yet
+    /// [`released`](Self::release) (each its length plus
+    /// [`DATAGRAM_OVERHEAD_BYTES`]): what the queue budget limits. Always 0 in
+    /// [`Mode::Stream`], which never drops for a full queue: the TCP relay
+    /// bounds its queue with credit of its own and never releases here, so a
+    /// count would only grow.
     pub fn queued_bytes(&self) -> usize {
         self.queued_bytes
     }
 
-    /// Decides the fate of `len` bytes arriving at `now`. A `Deliver` verdict
-    /// counts the bytes as queued until [`release`](Self::release).
+    /// Decides the fate of `len` bytes arriving at `now`. In
+    /// [`Mode::Datagram`] a `Deliver` verdict counts the bytes as queued until
+    /// [`release`](Self::release).
     pub fn admit(&mut self, now: Instant, len: usize) -> Verdict {
         if self.mode == Mode::Datagram {
             if self.params.loss > 0.0 && self.rng.random::<f64>() < self.params.loss {
                 return Verdict::Lost;
             }
-            if self.queued_bytes.saturating_add(len) > self.params.queue_limit_bytes {
+            if self.queued_bytes.saturating_add(charge(len)) > self.params.queue_limit_bytes {
                 return Verdict::Overflow;
             }
         }
@@ -160,14 +183,23 @@ impl LinkShaper {
             }
         }
         self.last_delivery = Some(self.last_delivery.map_or(at, |l| l.max(at)));
-        self.queued_bytes += len;
+        if self.mode == Mode::Datagram {
+            // Within the budget checked above, so it cannot overflow.
+            self.queued_bytes += charge(len);
+        }
         Verdict::Deliver(at)
     }
 
-    /// Gives back the budget of `len` delivered (or abandoned) bytes.
+    /// Gives back the budget of a delivered (or abandoned) datagram of `len`
+    /// bytes: what [`admit`](Self::admit) charged for it.
     pub fn release(&mut self, len: usize) {
-        self.queued_bytes = self.queued_bytes.saturating_sub(len);
+        self.queued_bytes = self.queued_bytes.saturating_sub(charge(len));
     }
+}
+
+/// What a datagram of `len` bytes takes from its queue's budget.
+fn charge(len: usize) -> usize {
+    len.saturating_add(DATAGRAM_OVERHEAD_BYTES)
 }
 
 #[cfg(test)]
@@ -230,6 +262,39 @@ mod tests {
         assert_eq!(s.admit(now, 1000), Verdict::Overflow);
         s.release(1000);
         assert!(matches!(s.admit(now, 1000), Verdict::Deliver(_)));
+    }
+
+    /// Empty datagrams are charged too (their queue entries take memory), so a
+    /// 1 KiB budget under a long delay holds a handful, not all 10,000.
+    #[test]
+    fn empty_datagrams_fill_the_budget() {
+        let now = Instant::now();
+        let params = LinkParams {
+            queue_limit_bytes: 1024,
+            ..LinkParams::delay_only(Duration::from_secs(20))
+        };
+        let mut s = LinkShaper::new(params, Mode::Datagram, 1);
+        let admitted = (0..10_000)
+            .filter(|_| matches!(s.admit(now, 0), Verdict::Deliver(_)))
+            .count();
+        assert_eq!(admitted, 1024 / DATAGRAM_OVERHEAD_BYTES);
+        for _ in 0..admitted {
+            s.release(0);
+        }
+        assert_eq!(s.queued_bytes(), 0, "release gives back what admit charged");
+        assert!(matches!(s.admit(now, 0), Verdict::Deliver(_)));
+    }
+
+    /// A stream shaper counts nothing as queued, however much it admits: the
+    /// TCP relay never releases, so a count would only grow (and overflow).
+    #[test]
+    fn stream_mode_keeps_no_queue_count() {
+        let now = Instant::now();
+        let mut s = LinkShaper::new(LinkParams::delay_only(Duration::ZERO), Mode::Stream, 1);
+        for _ in 0..3 {
+            assert!(matches!(s.admit(now, usize::MAX / 2), Verdict::Deliver(_)));
+        }
+        assert_eq!(s.queued_bytes(), 0);
     }
 
     proptest! {

@@ -119,9 +119,12 @@ pub fn plan_cluster(topology: &Topology, options: &PlanOptions) -> Result<Cluste
     }
     if options.base_port == 0 || usize::from(options.base_port) + usize::from(CONTROL_PORT) > 65_535
     {
+        // Every region uses the same ports on its own address, so only the
+        // block's top, the control port, limits base_port; not the region count.
         return Err(NetemError::Plan(format!(
-            "base_port {} leaves no room for {n} regions",
-            options.base_port
+            "base_port {}: must be in [1, {}], as base_port + {CONTROL_PORT} (the control port) must not go above 65535",
+            options.base_port,
+            u16::MAX - CONTROL_PORT
         )));
     }
     let ip = |i: usize| IpAddr::V4(Ipv4Addr::new(127, 0, 0, options.ip_base + i as u8));
@@ -288,5 +291,35 @@ mod tests {
             base_port: 7100,
         };
         assert!(plan_cluster(&t, &bad).is_err());
+    }
+
+    /// The port check says what limits base_port: its block's top port.
+    #[test]
+    fn a_base_port_too_high_is_refused_saying_why() {
+        let t = Topology::from_toml(
+            r#"
+            [[regions]]
+            name = "a"
+            client_delay_ms = 2
+        "#,
+        )
+        .unwrap();
+        let at = |base_port| {
+            plan_cluster(
+                &t,
+                &PlanOptions {
+                    ip_base: 10,
+                    base_port,
+                },
+            )
+        };
+        let last = at(65_529).unwrap();
+        assert_eq!(last.control_addr.port(), 65_535);
+        let err = at(65_530).unwrap_err().to_string();
+        assert!(
+            err.contains("[1, 65529]") && err.contains("base_port + 6"),
+            "{err}"
+        );
+        assert!(at(0).is_err());
     }
 }

@@ -10,7 +10,7 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::topology::{Region, Topology, MAX_REGIONS};
+use crate::topology::{check_range, Region, Topology, MAX_DELAY_MS, MAX_REGIONS};
 use crate::{NetemError, DEFAULT_QUEUE_LIMIT_BYTES};
 
 /// Mean Earth radius, km.
@@ -27,7 +27,8 @@ pub struct SphereSpec {
     pub regions: usize,
     /// Seed of the region positions.
     pub seed: u64,
-    /// One-way client-to-node delay of every region, ms.
+    /// One-way client-to-node delay of every region, ms, in [0, 60000] (as
+    /// the topology loader accepts).
     pub client_delay_ms: f64,
 }
 
@@ -49,9 +50,8 @@ pub fn generate(spec: &SphereSpec) -> Result<(Topology, Vec<Placed>), NetemError
             format!("must be in [2, {MAX_REGIONS}], got {}", spec.regions),
         ));
     }
-    if !(spec.client_delay_ms.is_finite() && spec.client_delay_ms >= 0.0) {
-        return Err(NetemError::invalid("client_delay_ms", "must be >= 0"));
-    }
+    // The loader's own range: what is generated must load back.
+    check_range("client_delay_ms", spec.client_delay_ms, 0.0, MAX_DELAY_MS)?;
     let mut rng = ChaCha8Rng::seed_from_u64(spec.seed);
     let placed: Vec<Placed> = (0..spec.regions)
         .map(|_| {
@@ -193,5 +193,20 @@ mod tests {
             client_delay_ms: 1.0
         })
         .is_err());
+    }
+
+    /// A client delay the topology loader would refuse is refused here too.
+    #[test]
+    fn client_delay_out_of_the_loaders_range_is_refused() {
+        for client_delay_ms in [1e6, -1.0, f64::NAN] {
+            let err = generate(&SphereSpec {
+                regions: 2,
+                seed: 0,
+                client_delay_ms,
+            })
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains("client_delay_ms"), "{err}");
+        }
     }
 }

@@ -10,10 +10,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -28,7 +28,8 @@ const ACCEPT_RETRY: std::time::Duration = std::time::Duration::from_millis(20);
 pub struct TcpRelayOptions {
     /// Most concurrent connections; further ones are closed at once.
     pub max_connections: usize,
-    /// Largest chunk read at once (one delay decision per chunk).
+    /// Largest chunk read at once (one delay decision per chunk), in
+    /// `[1, u32::MAX]`: a chunk takes its length in credit at once.
     pub chunk_size: usize,
 }
 
@@ -65,6 +66,14 @@ impl TcpRelay {
         seed: u64,
         options: TcpRelayOptions,
     ) -> Result<RelayHandle, NetemError> {
+        // Zero would read nothing, which looks like the end of the stream;
+        // credit is taken in u32 units (`Semaphore::acquire_many`).
+        if options.chunk_size == 0 || u32::try_from(options.chunk_size).is_err() {
+            return Err(NetemError::Options {
+                field: "chunk_size".into(),
+                reason: format!("must be in [1, {}], got {}", u32::MAX, options.chunk_size),
+            });
+        }
         let listener = TcpListener::bind(listen)
             .await
             .map_err(|source| NetemError::Bind {
@@ -108,7 +117,11 @@ async fn accept_loop(
     cancel: CancellationToken,
     tracker: TaskTracker,
 ) {
-    let slots = Arc::new(Semaphore::new(options.max_connections));
+    // `Semaphore::new` panics above MAX_PERMITS (2^61); no host holds that
+    // many connections, so a larger limit means the same as MAX_PERMITS.
+    let slots = Arc::new(Semaphore::new(
+        options.max_connections.min(Semaphore::MAX_PERMITS),
+    ));
     let mut opened: u64 = 0;
     loop {
         let accepted = tokio::select! {
@@ -141,11 +154,12 @@ async fn accept_loop(
         };
         opened += 1;
         stats.add(&stats.flows_opened, 1);
-        stats.add(&stats.flows_active, 1);
+        let active = ActiveConnection::new(stats.clone(), slot);
         let conn_seed = seed ^ opened.wrapping_mul(0x9E37_79B9_7F4A_7C15);
         let conn = cancel.child_token();
         let (link, options, stats) = (link.clone(), options.clone(), stats.clone());
         tracker.spawn(async move {
+            let _active = active;
             tokio::select! {
                 r = relay_connection(client, target, &link, conn_seed, &options, &stats, &conn) => {
                     if let Err(e) = r {
@@ -158,9 +172,28 @@ async fn accept_loop(
                     conn.cancel();
                 }
             }
-            stats.sub(&stats.flows_active, 1);
-            drop(slot);
         });
+    }
+}
+
+/// A connection's slot, counted in `flows_active` while held. Ending the
+/// count in `Drop` means a task that panics or is aborted still gives both
+/// back, so `flows_active` cannot stick above the connections really open.
+struct ActiveConnection {
+    stats: Arc<RelayStats>,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl ActiveConnection {
+    fn new(stats: Arc<RelayStats>, slot: OwnedSemaphorePermit) -> Self {
+        stats.add(&stats.flows_active, 1);
+        ActiveConnection { stats, _slot: slot }
+    }
+}
+
+impl Drop for ActiveConnection {
+    fn drop(&mut self) {
+        self.stats.sub(&self.stats.flows_active, 1);
     }
 }
 
@@ -209,6 +242,19 @@ struct Chunk {
     data: Option<Bytes>,
 }
 
+/// Reads what `reader` has (up to `buf.len()` bytes) and returns a copy of
+/// it sized to what was read; `None` at the end of the stream. A copy, not a
+/// view of `buf`: a queued chunk is charged its length against the byte
+/// budget, so it must not pin a whole `chunk_size` allocation (16-byte writes
+/// would otherwise hold 64 KiB each).
+async fn read_chunk(
+    reader: &mut (impl AsyncRead + Unpin),
+    buf: &mut [u8],
+) -> std::io::Result<Option<Bytes>> {
+    let n = reader.read(buf).await?;
+    Ok((n > 0).then(|| Bytes::copy_from_slice(&buf[..n])))
+}
+
 /// One direction of a connection: a reader that stamps each chunk with its
 /// delivery time and a writer that writes it then. Any error cancels the
 /// whole connection (both directions).
@@ -221,26 +267,36 @@ async fn pipe(
     stats: &RelayStats,
     cancel: &CancellationToken,
 ) -> std::io::Result<()> {
-    let budget = params.queue_limit_bytes.max(options.chunk_size);
+    // At least one chunk, or a full-size read could never get its credit. At
+    // most MAX_PERMITS (2^61 bytes), above which `Semaphore::new` panics: a
+    // larger budget (usize::MAX as "unlimited") is no tighter than that.
+    let budget = params
+        .queue_limit_bytes
+        .max(options.chunk_size)
+        .min(Semaphore::MAX_PERMITS);
     let credit = Semaphore::new(budget);
     let (tx, mut rx) = mpsc::unbounded_channel::<Chunk>();
     let mut shaper = LinkShaper::new(params.clone(), Mode::Stream, seed);
 
     let read_side = async {
+        // One buffer for every read: each chunk queued is a copy of just the
+        // bytes read (see `read_chunk`).
+        let mut buf = vec![0u8; options.chunk_size];
         loop {
-            let mut buf = BytesMut::with_capacity(options.chunk_size);
-            let n = reader.read_buf(&mut buf).await?;
-            if n == 0 {
+            let Some(data) = read_chunk(&mut reader, &mut buf).await? else {
                 let due = match shaper.admit(now(), 0) {
                     Verdict::Deliver(due) => due,
                     _ => now(),
                 };
                 let _ = tx.send(Chunk { due, data: None });
                 return Ok::<(), std::io::Error>(());
-            }
+            };
+            let n = data.len();
             stats.add(&stats.packets_in, 1);
             stats.add(&stats.bytes_in, n as u64);
-            // Backpressure: wait for the writer to free budget.
+            // Backpressure: wait for the writer to free budget. `n` fits in a
+            // u32 and in the budget: n <= chunk_size <= u32::MAX (checked in
+            // `start_with`) < MAX_PERMITS.
             let permits = credit
                 .acquire_many(n as u32)
                 .await
@@ -253,7 +309,7 @@ async fn pipe(
             if tx
                 .send(Chunk {
                     due,
-                    data: Some(buf.freeze()),
+                    data: Some(data),
                 })
                 .is_err()
             {
@@ -287,4 +343,38 @@ async fn pipe(
         cancel.cancel();
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A 16-byte read into a 64 KiB buffer queues a chunk that owns 16 bytes:
+    /// the memory held matches the credit charged.
+    #[tokio::test]
+    async fn a_chunk_holds_only_the_bytes_read() {
+        let mut buf = vec![0u8; TcpRelayOptions::default().chunk_size];
+        let mut reader = &b"sixteen bytes..."[..];
+        let chunk = read_chunk(&mut reader, &mut buf).await.unwrap().unwrap();
+        assert_eq!(&chunk[..], b"sixteen bytes...");
+        // A unique `Bytes` becomes a `Vec` over its own allocation, so the
+        // capacity is the size of the allocation the chunk pins.
+        assert_eq!(Vec::from(chunk).capacity(), 16);
+        assert!(read_chunk(&mut reader, &mut buf).await.unwrap().is_none());
+    }
+
+    /// A connection task that panics still ends its count in `flows_active`.
+    #[tokio::test]
+    async fn a_panicking_connection_task_is_no_longer_counted_active() {
+        let stats = Arc::new(RelayStats::default());
+        let slot = Arc::new(Semaphore::new(1)).try_acquire_owned().unwrap();
+        let active = ActiveConnection::new(stats.clone(), slot);
+        assert_eq!(stats.snapshot().flows_active, 1);
+        let task = tokio::spawn(async move {
+            let _active = active;
+            panic!("connection task fails");
+        });
+        assert!(task.await.unwrap_err().is_panic());
+        assert_eq!(stats.snapshot().flows_active, 0);
+    }
 }

@@ -25,11 +25,13 @@ use crate::link::{LinkParams, DEFAULT_QUEUE_LIMIT_BYTES};
 use crate::NetemError;
 
 /// Largest delay, jitter or client delay accepted, in ms: anything above is a typo.
-const MAX_DELAY_MS: f64 = 60_000.0;
+pub(crate) const MAX_DELAY_MS: f64 = 60_000.0;
 /// Most regions a topology may list (the loopback plan gives each one an address).
 pub const MAX_REGIONS: usize = 64;
 /// Longest region name: names become namespace and file names.
 const MAX_NAME_LEN: usize = 40;
+/// What the tc scripts append to a region's name for its clients' namespace.
+const CLIENT_SUFFIX: &str = "-client";
 
 /// One region of a topology.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -82,11 +84,15 @@ pub struct Topology {
     pub loss: f64,
     /// Serialisation rate of each inter-region link direction, if limited.
     pub rate_mbps: Option<f64>,
-    /// Byte budget of each relay direction's queue; over it datagrams drop.
+    /// Byte budget of each queue of every link: one per TCP connection
+    /// direction, per UDP link towards its target and per UDP session back
+    /// ([`LinkParams::queue_limit_bytes`]); over it datagrams drop.
     pub queue_limit_bytes: usize,
 }
 
-fn check_range(field: &str, value: f64, lo: f64, hi: f64) -> Result<(), NetemError> {
+/// Whether `value` is a finite number in `[lo, hi]`; the error names `field`.
+/// Shared with the sphere generator, so it makes only what this loader reads.
+pub(crate) fn check_range(field: &str, value: f64, lo: f64, hi: f64) -> Result<(), NetemError> {
     if !value.is_finite() || value < lo || value > hi {
         return Err(NetemError::invalid(
             field,
@@ -145,6 +151,16 @@ impl Topology {
                 return Err(NetemError::invalid(
                     field,
                     format!("`{name}` is reserved: it names a region's clients in link names"),
+                ));
+            }
+            // The tc scripts put region x's clients in namespace
+            // `gorgo-x-client`: a region named `x-client` would collide with it.
+            if name.ends_with(CLIENT_SUFFIX) {
+                return Err(NetemError::invalid(
+                    field,
+                    format!(
+                        "`{name}`: a name ending in `{CLIENT_SUFFIX}` is reserved for a region's clients"
+                    ),
                 ));
             }
             if index.insert(name.clone(), i).is_some() {
@@ -365,6 +381,23 @@ mod tests {
             err(&reserved)
         );
         assert!(err("regions = []").contains("regions"));
+    }
+
+    /// `x-client` is region x's client namespace in the tc scripts, so no
+    /// region may take that name.
+    #[test]
+    fn a_region_name_cannot_be_a_client_namespace() {
+        let text = r#"
+            [[regions]]
+            name = "a"
+            client_delay_ms = 1
+            [[regions]]
+            name = "a-client"
+            client_delay_ms = 1
+            [one_way_ms]
+            a = { a-client = 5 }
+        "#;
+        assert!(err(text).contains("regions[1].name"), "{}", err(text));
     }
 
     fn repo_topology(name: &str) -> Topology {

@@ -523,3 +523,18 @@ impl Reverse {
         self.stats.sub(&self.stats.flows_active, 1);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The per-datagram charge covers at least the queue entry it stands for.
+    #[test]
+    fn the_datagram_overhead_covers_a_queue_entry() {
+        let entry = std::mem::size_of::<Pending>();
+        assert!(
+            entry <= crate::DATAGRAM_OVERHEAD_BYTES,
+            "a queued datagram's entry takes {entry} bytes"
+        );
+    }
+}

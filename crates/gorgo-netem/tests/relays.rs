@@ -383,6 +383,55 @@ async fn tcp_stream_is_intact_under_backpressure_and_half_close_propagates() {
     .expect("test timed out");
 }
 
+/// `usize::MAX` as "unlimited" (queue budget and connection limit) relays
+/// like any other limit, and the connection stops counting as active once it
+/// closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_relay_with_unlimited_limits_relays_and_counts_the_close() {
+    tokio::time::timeout(TEST_TIMEOUT, async {
+        let (echo, echo_task) = tcp_echo().await;
+        let link = LinkParams {
+            queue_limit_bytes: usize::MAX,
+            ..LinkParams::delay_only(Duration::from_millis(1))
+        };
+        let options = TcpRelayOptions {
+            max_connections: usize::MAX,
+            ..TcpRelayOptions::default()
+        };
+        let relay =
+            TcpRelay::start_with(localhost(), echo, DuplexLink::symmetric(link), 1, options)
+                .await
+                .unwrap();
+        let mut conn = TcpStream::connect(relay.local_addr()).await.unwrap();
+        echo_once(&mut conn, b"x").await;
+        drop(conn);
+        relay
+            .stats()
+            .wait_until(|c| c.flows_opened == 1 && c.flows_active == 0)
+            .await;
+        relay.shutdown().await;
+        echo_task.abort();
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// A chunk size the relay cannot work with is refused at start, naming it.
+#[tokio::test]
+async fn tcp_relay_refuses_a_chunk_size_it_cannot_use() {
+    for chunk_size in [0, u32::MAX as usize + 1] {
+        let options = TcpRelayOptions {
+            chunk_size,
+            ..TcpRelayOptions::default()
+        };
+        let err = TcpRelay::start_with(localhost(), localhost(), delay(1), 1, options)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("chunk_size"), "{err}");
+    }
+}
+
 /// Shutdown ends every task even with a connection open and data in flight.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_stops_relays_with_open_flows() {
