@@ -577,6 +577,12 @@ pub struct ClusterMetrics {
     pub spoofed_received: AtomicU64,
     /// Inbound connections refused (handshake failure, unknown identity).
     pub handshakes_failed: AtomicU64,
+    /// Handshakes, dialed or accepted, that failed because the other side speaks
+    /// another cluster protocol version (no ALPN in common): a node of another release.
+    pub handshakes_other_protocol: AtomicU64,
+    /// Handshakes, dialed or accepted, that failed because one side's certificate is
+    /// not from the CA the other trusts: a node of another cluster, or a CA replaced.
+    pub handshakes_foreign_certificate: AtomicU64,
     /// "You were declared down" notices foca wanted to send to a member that refuted
     /// its suspicion in time (dropped: see `docs/cluster.md`).
     pub spurious_turn_undead_dropped: AtomicU64,

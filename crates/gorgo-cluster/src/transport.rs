@@ -7,7 +7,7 @@
 //! (`state`), and hands what arrives to an [`Inbound`] the cluster implements, so it
 //! imports nothing from the modules above it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -84,6 +84,66 @@ pub(crate) struct Transport {
     /// How long a stream on an inbound connection that has made no SWIM claim yet
     /// waits for one ([`VOUCH_WAIT_PROBE_PERIODS`] SWIM probe periods).
     vouch_wait: Duration,
+    /// The addresses already warned about, with why (at most
+    /// [`MAX_REFUSAL_WARNINGS`]): a warning per address and cause, not per dial.
+    warned: Mutex<HashSet<(SocketAddr, HandshakeRefusal)>>,
+}
+
+/// Most addresses a node warns about once each for a handshake refused with a
+/// cause the operator must act on; beyond them only the counters and debug logs say.
+const MAX_REFUSAL_WARNINGS: usize = 256;
+
+/// A handshake refused for a cause the TLS alert names and an operator must act on:
+/// without it, a node of another release, or one issued under another cluster's CA,
+/// looks like an unreachable peer (it never joins, and nothing above debug level says
+/// why).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum HandshakeRefusal {
+    /// No ALPN in common: the peer speaks another cluster protocol version.
+    OtherProtocol,
+    /// The peer's certificate, or ours at the peer, is not signed by the CA the other
+    /// side trusts.
+    ForeignCertificate,
+}
+
+impl HandshakeRefusal {
+    /// The cause of a failed handshake, where its TLS alert says (a CRYPTO_ERROR
+    /// carries the alert, RFC 9001 section 4.8), whichever side raised it.
+    pub(crate) fn of(e: &quinn::ConnectionError) -> Option<Self> {
+        // TLS alerts: unknown_ca (48); decrypt_error (51), which is what a certificate
+        // signed by another CA of the same name gets (every `gorgo certs` CA is "gorgo
+        // cluster CA": the issuer is found by name, its signature does not verify);
+        // no_application_protocol (120).
+        const UNKNOWN_CA: u8 = 48;
+        const DECRYPT_ERROR: u8 = 51;
+        const NO_APPLICATION_PROTOCOL: u8 = 120;
+        let code = match e {
+            quinn::ConnectionError::TransportError(t) => t.code,
+            quinn::ConnectionError::ConnectionClosed(c) => c.error_code,
+            _ => return None,
+        };
+        if code == quinn::TransportErrorCode::crypto(NO_APPLICATION_PROTOCOL) {
+            Some(HandshakeRefusal::OtherProtocol)
+        } else if code == quinn::TransportErrorCode::crypto(UNKNOWN_CA)
+            || code == quinn::TransportErrorCode::crypto(DECRYPT_ERROR)
+        {
+            Some(HandshakeRefusal::ForeignCertificate)
+        } else {
+            None
+        }
+    }
+
+    fn describe(self) -> String {
+        match self {
+            HandshakeRefusal::OtherProtocol => format!(
+                "it speaks another cluster protocol version (this node speaks {})",
+                String::from_utf8_lossy(crate::tls::ALPN)
+            ),
+            HandshakeRefusal::ForeignCertificate => {
+                "its certificate and this node's are not from the same cluster CA".to_owned()
+            }
+        }
+    }
 }
 
 /// First byte of a uni-stream carrying summary gossip.
@@ -399,6 +459,27 @@ impl Transport {
             shutdown,
             inbound,
             vouch_wait: probe_period.saturating_mul(VOUCH_WAIT_PROBE_PERIODS),
+            warned: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// Count a handshake with `addr` that failed with `e`, and warn, once per address
+    /// and cause, where the cause is one an operator must act on.
+    fn handshake_failed(&self, addr: SocketAddr, e: &quinn::ConnectionError, dialed: bool) {
+        let Some(refusal) = HandshakeRefusal::of(e) else {
+            return;
+        };
+        ClusterMetrics::bump(match refusal {
+            HandshakeRefusal::OtherProtocol => &self.metrics.handshakes_other_protocol,
+            HandshakeRefusal::ForeignCertificate => &self.metrics.handshakes_foreign_certificate,
+        });
+        let first = {
+            let mut warned = self.warned.lock();
+            warned.len() < MAX_REFUSAL_WARNINGS && warned.insert((addr, refusal))
+        };
+        if first {
+            let side = if dialed { "dialing" } else { "accepting" };
+            tracing::warn!(%addr, "handshake {side} {addr} refused: {}", refusal.describe());
         }
     }
 
@@ -412,9 +493,6 @@ impl Transport {
         self.endpoint.lock().take()
     }
 
-    /// A SWIM packet on inbound `conn` claims `peer` from advertised address `addr`,
-    /// and the peer table accepted the claim: the connection may speak for `peer`, and
-    /// becomes the one this node sends to it on unless a usable one is there already.
     /// The newest generation `conn` is known to speak for (0: none yet).
     fn generation_of(&self, conn: &quinn::Connection) -> u64 {
         self.conns
@@ -587,7 +665,11 @@ pub(crate) async fn connect(
     }
     let server_name = node.map_or(CLUSTER_SERVER_NAME, |n| n.0.as_str());
     let result = async {
-        let conn = inner.endpoint()?.connect(addr, server_name)?.await?;
+        let conn = inner
+            .endpoint()?
+            .connect(addr, server_name)?
+            .await
+            .inspect_err(|e| inner.handshake_failed(addr, e, true))?;
         let Some(peer) = peer_node_id(&conn) else {
             conn.close(1u32.into(), b"no node id");
             return Err(ClusterError::Tls(
@@ -756,10 +838,12 @@ pub(crate) async fn accept_loop(inner: Arc<Transport>) {
         };
         let inner = inner.clone();
         tokio::spawn(async move {
+            let from = incoming.remote_address();
             let conn = match incoming.await {
                 Ok(c) => c,
                 Err(e) => {
                     ClusterMetrics::bump(&inner.metrics.handshakes_failed);
+                    inner.handshake_failed(from, &e, false);
                     tracing::debug!("inbound handshake failed: {e}");
                     return;
                 }

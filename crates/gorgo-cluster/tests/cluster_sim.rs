@@ -213,6 +213,15 @@ fn foreign_certificate_never_joins() {
         .handshakes_failed
         .load(std::sync::atomic::Ordering::Relaxed);
     assert!(refused > 0, "n0 refused no handshake");
+    // Both sides know why: the cause an operator must act on, counted (and warned of
+    // once per address), not only a failed handshake.
+    for n in ["n0", "rogue"] {
+        let foreign = h[n]
+            .metrics()
+            .handshakes_foreign_certificate
+            .load(std::sync::atomic::Ordering::Relaxed);
+        assert!(foreign > 0, "{n} did not tell a foreign certificate");
+    }
 }
 
 #[test]

@@ -146,3 +146,46 @@ async fn shutdown_releases_the_port_even_with_handle_clones_alive() {
     drop(a);
     drop(clone);
 }
+
+/// A node of another release (another cluster protocol version, so no ALPN in
+/// common) is refused at the handshake, and the node counts why: the cause an
+/// operator must act on, not only a failed handshake.
+#[tokio::test]
+async fn a_dial_speaking_another_protocol_version_is_told_apart() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let ca = gorgo_cluster::ClusterCa::generate("loopback CA").unwrap();
+    let (a, _a_stop) = node("a", &ca, vec![]).await;
+    let creds = ca.issue(&NodeId::from("b")).unwrap().credentials;
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(creds.ca.clone()).unwrap();
+    let mut tls = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_client_auth_cert(creds.cert_chain.clone(), creds.key.clone_key())
+        .unwrap();
+    tls.alpn_protocols = vec![b"gorgo-cluster/1".to_vec()];
+    let quic = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+    let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    endpoint.set_default_client_config(quinn::ClientConfig::new(std::sync::Arc::new(quic)));
+    let dialed = tokio::time::timeout(
+        Duration::from_secs(20),
+        endpoint
+            .connect(a.local_addr().unwrap(), gorgo_cluster::CLUSTER_SERVER_NAME)
+            .unwrap(),
+    )
+    .await
+    .expect("the handshake ends");
+    assert!(dialed.is_err(), "a node of another protocol version got in");
+    let counted = || {
+        a.metrics()
+            .handshakes_other_protocol
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    // The node's side of the handshake ends in its own task.
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while counted() == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the refusal is counted as another protocol version");
+}

@@ -213,6 +213,8 @@ impl PeerSource for ClusterPeers {
                 malformed: load(&m.malformed_received),
                 spoofed: load(&m.spoofed_received),
                 handshake: load(&m.handshakes_failed),
+                other_protocol: load(&m.handshakes_other_protocol),
+                foreign_certificate: load(&m.handshakes_foreign_certificate),
                 unbound_stream: load(&m.unbound_streams_dropped),
                 excess_connection: load(&m.excess_connections_closed),
             },

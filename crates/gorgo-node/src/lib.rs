@@ -556,6 +556,8 @@ impl NodeState {
             ("malformed", r.malformed),
             ("spoofed", r.spoofed),
             ("handshake", r.handshake),
+            ("other_protocol", r.other_protocol),
+            ("foreign_certificate", r.foreign_certificate),
             ("unbound_stream", r.unbound_stream),
             ("excess_connection", r.excess_connection),
         ] {

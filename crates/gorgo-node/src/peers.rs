@@ -177,6 +177,10 @@ pub struct Refused {
     pub spoofed: u64,
     /// Inbound connections refused at the handshake.
     pub handshake: u64,
+    /// Handshakes (either way) failed for another cluster protocol version.
+    pub other_protocol: u64,
+    /// Handshakes (either way) failed for a certificate from another CA.
+    pub foreign_certificate: u64,
     /// Streams on a connection no accepted claim vouches for.
     pub unbound_stream: u64,
     /// Inbound connections closed over the per-certificate cap.
