@@ -34,6 +34,15 @@ pub enum ClusterError {
     /// Writing to a QUIC stream failed.
     #[error("stream write: {0}")]
     Write(#[from] quinn::WriteError),
+    /// A dial to this address failed moments ago (the transport backs off for 500 ms):
+    /// not dialed again yet, with why the last one failed.
+    #[error("{addr}: not dialed again yet; the last dial failed: {last}")]
+    Backoff {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// Why the last dial failed.
+        last: String,
+    },
     /// The peer presented a certificate for another node than the one dialed.
     #[error("peer identity mismatch: expected {expected}, got {got}")]
     PeerMismatch {

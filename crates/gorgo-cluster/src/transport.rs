@@ -186,16 +186,29 @@ pub(crate) const VOUCH_WAIT_PROBE_PERIODS: u32 = 4;
 #[derive(Debug, Default)]
 pub(crate) struct DialSlot {
     lock: tokio::sync::Mutex<()>,
-    failed_at: Mutex<Option<Instant>>,
+    /// When the last dial through this slot failed, and why.
+    failed: Mutex<Option<(Instant, String)>>,
 }
 
 impl DialSlot {
     /// Whether the last dial through this slot failed less than [`DIAL_BACKOFF`] ago:
     /// sends to the address are dropped meanwhile, so the slot must be kept.
     fn backing_off(&self) -> bool {
-        self.failed_at
+        self.failed
             .lock()
-            .is_some_and(|t| t.elapsed() < DIAL_BACKOFF)
+            .as_ref()
+            .is_some_and(|(t, _)| t.elapsed() < DIAL_BACKOFF)
+    }
+
+    /// Why the last dial failed, while it is backing off: what a caller refused
+    /// meanwhile is told (not "timed out", which no dial did).
+    fn refused_while_backing_off(&self, addr: SocketAddr) -> Option<ClusterError> {
+        let failed = self.failed.lock();
+        let (at, why) = failed.as_ref()?;
+        (at.elapsed() < DIAL_BACKOFF).then(|| ClusterError::Backoff {
+            addr,
+            last: why.clone(),
+        })
     }
 }
 
@@ -660,8 +673,8 @@ pub(crate) async fn connect(
     if let Some(c) = inner.conns.lookup(node, addr) {
         return Ok(c);
     }
-    if slot.backing_off() {
-        return Err(ClusterError::Connection(quinn::ConnectionError::TimedOut));
+    if let Some(refused) = slot.refused_while_backing_off(addr) {
+        return Err(refused);
     }
     let server_name = node.map_or(CLUSTER_SERVER_NAME, |n| n.0.as_str());
     let result = async {
@@ -716,11 +729,10 @@ pub(crate) async fn connect(
         Ok(conn)
     }
     .await;
-    *slot.failed_at.lock() = if result.is_err() {
-        Some(Instant::now())
-    } else {
-        None
-    };
+    *slot.failed.lock() = result
+        .as_ref()
+        .err()
+        .map(|e| (Instant::now(), e.to_string()));
     result
 }
 
@@ -1074,7 +1086,7 @@ mod tests {
         conns.dials.insert(addr(1), Arc::default());
         // A dial that failed just now.
         let failed = Arc::new(DialSlot::default());
-        *failed.failed_at.lock() = Some(Instant::now());
+        *failed.failed.lock() = Some((Instant::now(), "refused".into()));
         conns.dials.insert(addr(2), failed);
         // A dial under way (as `connect` takes its slot).
         let held = conns.dials.entry(addr(3)).or_default().clone();
@@ -1093,5 +1105,25 @@ mod tests {
         drop(held);
         assert_eq!(conns.prune_dials(), 1);
         assert_eq!(conns.dial_slots(), 0);
+    }
+
+    /// A caller turned away while a failed dial backs off is told why that dial
+    /// failed (a wrong node at the address, a TLS error), not that it timed out.
+    #[tokio::test(start_paused = true)]
+    async fn a_dial_refused_during_the_backoff_says_why_the_last_failed() {
+        let slot = DialSlot::default();
+        assert!(slot.refused_while_backing_off(addr(1)).is_none());
+        let why = ClusterError::PeerMismatch {
+            expected: NodeId::from("b"),
+            got: "c".into(),
+        };
+        *slot.failed.lock() = Some((Instant::now(), why.to_string()));
+        let told = slot.refused_while_backing_off(addr(1)).unwrap().to_string();
+        assert!(
+            told.contains("expected b, got c") && told.contains("10.0.0.1:1"),
+            "{told}"
+        );
+        tokio::time::advance(DIAL_BACKOFF).await;
+        assert!(slot.refused_while_backing_off(addr(1)).is_none());
     }
 }
