@@ -216,9 +216,11 @@ impl DialSlot {
 /// certificate names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Vouched {
-    /// This node dialed it, at an address it chose (a seed, or where the peer table
-    /// binds the node).
-    Dialed,
+    /// This node dialed it, at this advertised address (a seed, or where membership
+    /// put the node). It speaks for its node while the peer table binds the node there
+    /// or nowhere: a process holding the node's certificate at a seed address is not
+    /// the node while the node is alive elsewhere.
+    Dialed(SocketAddr),
     /// It came in, and its SWIM packets claim the node from this advertised address,
     /// a claim the peer table accepted.
     At(SocketAddr),
@@ -528,7 +530,7 @@ impl Transport {
             let Some(mut v) = self.conns.vouched.get_mut(&id) else {
                 return;
             };
-            if v.state() != Some(Vouched::Dialed) {
+            if !matches!(v.state(), Some(Vouched::Dialed(_))) {
                 v.set(Vouched::At(claim.addr));
             }
             v.generation = v.generation.max(claim.generation);
@@ -555,12 +557,16 @@ impl Transport {
                 // Closed and forgotten meanwhile.
                 return;
             };
-            if v.state() == Some(Vouched::Dialed) {
+            if let Some(Vouched::Dialed(dialed)) = v.state() {
                 // This node chose the address; the claim was refused as a whole (SWIM
-                // drops it), the connection stays what it is.
-                return;
+                // drops it), the connection stays what it is, but it is not the one
+                // to send to `peer` on while the id is bound elsewhere.
+                if self.peers.bound_addr(peer).is_none_or(|b| b == dialed) {
+                    return;
+                }
+            } else {
+                v.set(Vouched::Refused);
             }
-            v.set(Vouched::Refused);
         }
         self.conns
             .by_node
@@ -581,8 +587,9 @@ impl Transport {
         };
         Some(match state {
             Vouched::Refused => false,
-            Vouched::At(addr) => self.peers.bound_addr(peer).is_none_or(|b| b == addr),
-            Vouched::Dialed => true,
+            Vouched::At(addr) | Vouched::Dialed(addr) => {
+                self.peers.bound_addr(peer).is_none_or(|b| b == addr)
+            }
         })
     }
 
@@ -664,6 +671,7 @@ pub(crate) async fn connect(
     addr: SocketAddr,
     purpose: DialFor,
 ) -> Result<quinn::Connection> {
+    let advertised = addr;
     let addr = dial_addr(inner, addr);
     if let Some(c) = inner.conns.lookup(node, addr) {
         return Ok(c);
@@ -712,14 +720,24 @@ pub(crate) async fn connect(
         let generation = inner.peers.alive_generation(&peer).unwrap_or(0);
         inner.conns.vouched.insert(
             conn.stable_id(),
-            Vouch::new(Some(Vouched::Dialed), generation),
+            Vouch::new(Some(Vouched::Dialed(advertised)), generation),
         );
-        // quinn has an RTT estimate from the handshake already: a known peer gets it
-        // now rather than at the next gossip round.
-        inner
+        // The connection to send to `peer` on, unless the id is alive at another
+        // address: then whoever answers here (a seed address an impostor with the
+        // certificate holds, or the node's previous run) is not the live node, and
+        // taking its place would send the node's SWIM, gossip and forwards there.
+        if inner
             .peers
-            .seed_rtt(&peer, conn.rtt().as_secs_f64() * 1000.0);
-        inner.conns.by_node.insert(peer.clone(), conn.clone());
+            .bound_addr(&peer)
+            .is_none_or(|b| b == advertised)
+        {
+            // quinn has an RTT estimate from the handshake already: a known peer gets
+            // it now rather than at the next gossip round.
+            inner
+                .peers
+                .seed_rtt(&peer, conn.rtt().as_secs_f64() * 1000.0);
+            inner.conns.by_node.insert(peer.clone(), conn.clone());
+        }
         serve(inner, peer.clone(), conn.clone());
         if purpose == DialFor::Streams {
             if let Some(inbound) = inner.inbound.upgrade() {

@@ -1108,3 +1108,74 @@ fn one_certificate_holds_at_most_four_connections_and_a_restart_still_gets_in() 
     let (_, closed) = thief(&conns);
     assert_eq!(excess(&handles) - excess_before, closed.len() as u64);
 }
+
+/// A seed address where a process holding a live node's certificate answers (a stolen
+/// certificate, or the node's previous run left on a former seed host), dialed once
+/// this node knows the node alive elsewhere: that connection does not become the one
+/// this node sends to the node on, so the node's messages still reach the node, and
+/// none reach the impostor.
+#[test]
+fn a_seed_answered_with_a_live_nodes_certificate_does_not_take_its_place() {
+    let mut sim = sim(71, Duration::from_secs(120));
+    let creds = credentials(&NAMES);
+    let handles = Handles::default();
+    for i in 1..NAMES.len() {
+        add_node(&mut sim, seeded_spec(&NAMES, i, &creds, 0), handles.clone());
+    }
+    // n1's certificate at a seed address of n0's, one second away: its handshake ends
+    // well after n0 has learnt from n2 where n1 is alive.
+    let impostor = Handles::default();
+    {
+        let mut s = seeded_spec(&NAMES, 1, &creds, 0);
+        s.name = "imp".to_owned();
+        s.region = "elsewhere".to_owned();
+        s.seeds = Vec::new();
+        let impostor = impostor.clone();
+        sim.host("imp", move || {
+            let s = s.clone();
+            let impostor = impostor.clone();
+            async move {
+                let (h, _) = start_node_with(&s, |c| c.node_id = NodeId::from("n1")).await?;
+                impostor.lock().insert("imp".to_owned(), h);
+                std::future::pending::<()>().await;
+                Ok(())
+            }
+        });
+    }
+    // n0 joins once n1 and n2 have, through n2 and the impostor's address, and sends
+    // n1 an application message every second.
+    {
+        let mut s = seeded_spec(&NAMES, 0, &creds, 0);
+        s.seeds = vec!["n2".to_owned(), "imp".to_owned()];
+        let handles = handles.clone();
+        sim.host("n0", move || {
+            let s = s.clone();
+            let handles = handles.clone();
+            async move {
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                let (h, _) = start_node(&s).await?;
+                handles.lock().insert("n0".to_owned(), h.clone());
+                let n1 = NodeId::from("n1");
+                let mut tick = tokio::time::interval(Duration::from_secs(1));
+                loop {
+                    tick.tick().await;
+                    let _ = h.send_to(&n1, 7, b"to n1").await;
+                }
+            }
+        });
+    }
+    set_wan_latencies(&mut sim, &NAMES);
+    sim.set_link_latency("n0", "imp", Duration::from_secs(1));
+    run_until(&mut sim, Duration::from_secs(10), |_| {
+        handles.lock().contains_key("n0") && impostor.lock().contains_key("imp")
+    })
+    .expect("everyone started");
+    let genuine = handles.lock()["n1"].app_inbox().expect("n1's inbox");
+    let stolen = impostor.lock()["imp"].app_inbox().expect("imp's inbox");
+    run_for(&mut sim, Duration::from_secs(30));
+    let count = |mut rx: tokio::sync::mpsc::Receiver<gorgo_cluster::AppMessage>| {
+        std::iter::from_fn(|| rx.try_recv().ok()).count()
+    };
+    assert_eq!(count(stolen), 0, "n1's messages went to the impostor");
+    assert!(count(genuine) >= 20, "n1 did not get n0's messages");
+}
