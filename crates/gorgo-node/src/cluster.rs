@@ -29,6 +29,72 @@ pub struct ClusterPeers {
     /// The mirror of each engine's summary the cluster gossips, by replica.
     summaries: Arc<parking_lot::Mutex<BTreeMap<u16, Arc<SharedSummary<LocalSummary>>>>>,
     wall_clock: gorgo_cluster::WallClock,
+    /// Tuning messages on their way, newest only, per peer.
+    tuning_out: Arc<NewestPerPeer>,
+}
+
+/// One sender task per peer holding only the newest message for it: a tuning message
+/// supersedes the one before it to the same peer (a proposal the older proposal, a
+/// report, cumulative, the older report), and a send can wait up to the stream
+/// timeout on a peer that is alive to SWIM but takes no streams. A task per message
+/// would pile up one every tick per such peer, each holding its message, and outlive
+/// the node's shutdown.
+#[derive(Default)]
+pub struct NewestPerPeer {
+    slots: parking_lot::Mutex<
+        std::collections::HashMap<NodeId, tokio::sync::watch::Sender<bytes::Bytes>>,
+    >,
+}
+
+impl NewestPerPeer {
+    /// Hand `message` to `to`'s task, replacing what it has not sent yet; the first
+    /// message to a peer starts its task, which runs `send` on each newest message in
+    /// turn until `stop` resolves or the slot is dropped ([`NewestPerPeer::retain`]).
+    pub fn send<S, F>(&self, to: &NodeId, message: bytes::Bytes, send: S, stop: F)
+    where
+        S: Fn(NodeId, bytes::Bytes) -> BoxFuture<'static, ()> + Send + 'static,
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let mut slots = self.slots.lock();
+        if let Some(slot) = slots.get(to) {
+            if slot.send(message.clone()).is_ok() {
+                return;
+            }
+        }
+        let (slot, mut newest) = tokio::sync::watch::channel(message);
+        newest.mark_changed();
+        slots.insert(to.clone(), slot);
+        let to = to.clone();
+        tokio::spawn(async move {
+            tokio::pin!(stop);
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = &mut stop => return,
+                    changed = newest.changed() => if changed.is_err() {
+                        return;
+                    },
+                }
+                let message = newest.borrow_and_update().clone();
+                tokio::select! {
+                    biased;
+                    _ = &mut stop => return,
+                    _ = send(to.clone(), message) => {}
+                }
+            }
+        });
+    }
+
+    /// Drop the slots (ending their tasks once their send is done) of peers `keep`
+    /// refuses: peers no longer alive.
+    pub fn retain(&self, keep: impl Fn(&NodeId) -> bool) {
+        self.slots.lock().retain(|id, _| keep(id));
+    }
+
+    /// Peers with a sender task.
+    pub fn peers(&self) -> usize {
+        self.slots.lock().len()
+    }
 }
 
 impl std::fmt::Debug for ClusterPeers {
@@ -54,11 +120,31 @@ impl ClusterPeers {
             handle,
             summaries: Arc::new(parking_lot::Mutex::new(BTreeMap::from([(0, summary)]))),
             wall_clock,
+            tuning_out: Arc::default(),
         };
         for replica in 1..engines {
             peers.add_engine(replica);
         }
         peers
+    }
+}
+
+impl ClusterPeers {
+    /// A tuning message to `to` on its peer's sender task (newest only), which ends
+    /// when the cluster closes.
+    fn send_newest(&self, to: &NodeId, message: bytes::Bytes) {
+        let handle = self.handle.clone();
+        let send = move |to: NodeId, bytes: bytes::Bytes| -> BoxFuture<'static, ()> {
+            let handle = handle.clone();
+            Box::pin(async move {
+                if let Err(e) = handle.send_to(&to, TUNING_APP_KIND, &bytes).await {
+                    tracing::debug!(peer = %to, error = %e, "tuning message not sent");
+                }
+            })
+        };
+        let closed = self.handle.clone();
+        self.tuning_out
+            .send(to, message, send, async move { closed.closed().await });
     }
 }
 
@@ -169,13 +255,7 @@ impl PeerSource for ClusterPeers {
         let Some(bytes) = tuning_bytes(msg) else {
             return;
         };
-        let handle = self.handle.clone();
-        let to = to.clone();
-        tokio::spawn(async move {
-            if let Err(e) = handle.send_to(&to, TUNING_APP_KIND, &bytes).await {
-                tracing::debug!(peer = %to, error = %e, "tuning message not sent");
-            }
-        });
+        self.send_newest(to, bytes::Bytes::from(bytes));
     }
 
     fn broadcast_tuning(&self, msg: &TuningMessage) {
@@ -183,15 +263,12 @@ impl PeerSource for ClusterPeers {
             return;
         };
         let bytes = bytes::Bytes::from(bytes);
-        // One task per peer, so an unreachable peer does not hold up the others.
-        for to in self.handle.alive_peers() {
-            let handle = self.handle.clone();
-            let bytes = bytes.clone();
-            tokio::spawn(async move {
-                if let Err(e) = handle.send_to(&to, TUNING_APP_KIND, &bytes).await {
-                    tracing::debug!(peer = %to, error = %e, "tuning message not sent");
-                }
-            });
+        // A task per peer, so an unreachable peer does not hold up the others; the
+        // tasks of peers gone go with them.
+        let alive = self.handle.alive_peers();
+        self.tuning_out.retain(|id| alive.contains(id));
+        for to in &alive {
+            self.send_newest(to, bytes.clone());
         }
     }
 
@@ -359,4 +436,82 @@ pub fn adapt_incoming(handle: &ClusterHandle) -> Result<IncomingForwards, NodeEr
             recv: Box::pin(f.recv),
         }
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer that takes no message (alive to SWIM, refusing streams) holds one
+    /// sender task however many ticks send to it, and gets the newest message once
+    /// it takes one; the task ends when its peer is let go, or at shutdown.
+    #[tokio::test]
+    async fn a_peer_that_takes_nothing_holds_one_task_and_the_newest_message() {
+        let out = NewestPerPeer::default();
+        let taken = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let send = {
+            let (taken, gate) = (taken.clone(), gate.clone());
+            move |_: NodeId, m: bytes::Bytes| -> BoxFuture<'static, ()> {
+                let (taken, gate) = (taken.clone(), gate.clone());
+                Box::pin(async move {
+                    gate.acquire().await.unwrap().forget();
+                    taken.lock().push(m);
+                })
+            }
+        };
+        let stop = CancellationToken::new();
+        let metrics = tokio::runtime::Handle::current().metrics();
+        let before = metrics.num_alive_tasks();
+        let b = NodeId::from("b");
+        for i in 0..100 {
+            let stop = stop.clone();
+            out.send(
+                &b,
+                bytes::Bytes::from(format!("{i}")),
+                send.clone(),
+                async move { stop.cancelled().await },
+            );
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(
+            metrics.num_alive_tasks(),
+            before + 1,
+            "one task for the peer"
+        );
+        // The first message was taken into the send the peer blocks; then the newest.
+        gate.add_permits(2);
+        tokio::time::timeout(std::time::Duration::from_secs(20), async {
+            while taken.lock().len() < 2 {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("both sends end");
+        assert_eq!(
+            *taken.lock(),
+            [bytes::Bytes::from("0"), bytes::Bytes::from("99")]
+        );
+        let settled = || async {
+            let tasks = tokio::runtime::Handle::current().metrics();
+            tokio::time::timeout(std::time::Duration::from_secs(20), async {
+                while tasks.num_alive_tasks() > before {
+                    tokio::task::yield_now().await;
+                }
+            })
+            .await
+            .expect("the sender task ends");
+        };
+        out.retain(|_| false);
+        assert_eq!(out.peers(), 0);
+        settled().await;
+        // At shutdown too, mid-send.
+        let stop2 = stop.clone();
+        out.send(&b, bytes::Bytes::from("x"), send, async move {
+            stop2.cancelled().await
+        });
+        tokio::task::yield_now().await;
+        stop.cancel();
+        settled().await;
+    }
 }
