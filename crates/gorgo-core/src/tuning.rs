@@ -717,13 +717,21 @@ impl Tuner {
 
     /// Switch mode in place (`PUT /admin/weights`), keeping everything else: the line
     /// followed, the requests still open and their handles, the measurements of the
-    /// window, the lead. A tuner built anew lost them mid-epoch (the running requests
-    /// stopped counting for the E2E guard, and old handles could close new requests),
-    /// and a leader switched back from `static` started a new line at epoch 1. While
-    /// `static`, proposals are ignored and nothing is led; back in a tuning mode the
-    /// node follows the next newer proposal, or leads on from where it stood.
+    /// window. A tuner built anew lost them mid-epoch (the running requests stopped
+    /// counting for the E2E guard, and old handles could close new requests), and a
+    /// leader switched back from `static` started a new line at epoch 1. While
+    /// `static`, proposals and reports are ignored, nothing is measured and nothing is
+    /// led: a leader switched to `static` stops leading, since its own requests are
+    /// routed with the static weights and no longer measure the line's. Back in a
+    /// tuning mode the node follows the next newer proposal, or, still the smallest
+    /// live id, takes its line over at the next epoch.
     pub fn set_mode(&mut self, mode: TuningMode) {
         self.cfg.mode = mode;
+        if mode == TuningMode::Static {
+            // The epoch it led was measured partly under static weights, and the
+            // reports for it would still close it: it is never decided.
+            self.stop_leading();
+        }
     }
 
     /// The local membership view changed: `live` are the members believed alive (this
@@ -789,6 +797,10 @@ impl Tuner {
     /// A report arrived. Only the leader of the report's epoch uses it; the window may
     /// close as a result.
     pub fn handle_report(&mut self, r: EpochReport, now_ms: u64) -> Vec<TuningOutput> {
+        // A static node leads nothing (`set_mode`); the check keeps it so.
+        if self.cfg.mode == TuningMode::Static {
+            return Vec::new();
+        }
         let Some(lead) = self.lead.as_mut() else {
             return Vec::new();
         };
@@ -835,8 +847,10 @@ impl Tuner {
                     },
                 }
             }
+            // Static, or before any proposal: routed with the start weights, so
+            // counted in no epoch's cells (the default key matches no proposal).
             _ => Assignment {
-                epoch: self.current.as_ref().map(EpochKey::of).unwrap_or_default(),
+                epoch: EpochKey::default(),
                 cell: half,
                 weights: self.cfg.start_weights(),
             },
@@ -1044,11 +1058,14 @@ impl Tuner {
         self.history.iter()
     }
 
-    /// True when a request admitted under `epoch` is measured now.
+    /// True when a request admitted under `epoch` is measured now: never in `static`
+    /// mode, whose node neither reports nor leads.
     fn measures(&self, epoch: &EpochKey) -> bool {
-        self.current
-            .as_ref()
-            .is_some_and(|c| epoch.is(c) && c.phase != Phase::Frozen)
+        self.cfg.mode != TuningMode::Static
+            && self
+                .current
+                .as_ref()
+                .is_some_and(|c| epoch.is(c) && c.phase != Phase::Frozen)
     }
 
     fn is_smallest_live(&self) -> bool {
@@ -1963,6 +1980,54 @@ mod tests {
         assert!(t.handle_proposal(p).is_empty());
         assert!(t.current().is_none());
         assert_eq!(t.weights(), c.start_weights());
+    }
+
+    /// A leader switched to `static` stops leading and measures nothing: its requests
+    /// are routed with the static weights, so counting them in the incumbent's arm, or
+    /// closing the window on its peers' reports, judged the line by weights it did
+    /// not route with. Back online it takes its line over at the next epoch.
+    #[test]
+    fn a_leader_switched_to_static_stops_leading_and_counts_nothing() {
+        let mut a = Tuner::new("a".into(), cfg()).unwrap();
+        a.set_membership(["a".into(), "b".into()]);
+        let p = broadcasts(&a.tick(0))[0].clone();
+        let online = a.admit(0, 0);
+        a.set_mode(TuningMode::Static);
+        assert!(!a.is_leader());
+        let adm = a.admit(0, 0);
+        assert_eq!(adm.weights, cfg().start_weights());
+        assert_eq!(adm.epoch, EpochKey::default());
+        assert!(a
+            .record_first_token(&adm.epoch, adm.cell, 100.0, 0)
+            .is_none());
+        // Nor a request admitted before the switch that has its first token after.
+        assert!(a
+            .record_first_token(&online.epoch, online.cell, 100.0, 0)
+            .is_none());
+        // Twice the window from b, for the epoch a led: nothing is decided.
+        let mut cells: Box<[CellSketches; CELLS]> = Box::default();
+        for i in 0..20 {
+            cells[i % CELLS].ttft.add(100.0);
+            cells[i % CELLS].e2e.add(1000.0);
+        }
+        let report = EpochReport {
+            epoch: p.epoch,
+            leader: "a".into(),
+            incarnation: 0,
+            from: "b".into(),
+            cells,
+            samples: 20,
+            terms: TermSums::default(),
+            at_ms: 5,
+        };
+        assert!(a.handle_report(report, 5).is_empty());
+        assert_eq!(a.current(), Some(&p));
+        assert!(a.tick(6).is_empty());
+        // Back online, the line goes on at the next epoch.
+        a.set_mode(TuningMode::Online);
+        let next = broadcasts(&a.tick(10))[0].clone();
+        assert_eq!((next.epoch, next.leader.0.as_str()), (p.epoch + 1, "a"));
+        assert!(a.is_leader());
     }
 
     /// A follower reports its open requests' time so far every tick, growing, until
