@@ -1086,10 +1086,11 @@ impl Tuner {
     }
 
     fn adopt(&mut self, p: Proposal) {
-        let new_epoch = self
-            .current
-            .as_ref()
-            .is_none_or(|c| c.epoch != p.epoch || c.leader != p.leader);
+        // The whole key, incarnation included: a restarted leader's proposal at the
+        // epoch its earlier run held routes with other weights, so what was measured
+        // under the earlier one is no evidence for it.
+        let key = EpochKey::of(&p);
+        let new_epoch = self.current.as_ref().is_none_or(|c| !key.is(c));
         if new_epoch {
             self.cells = Default::default();
             self.open.clear();
@@ -1467,6 +1468,42 @@ mod tests {
         };
         a.handle_report(report, 20);
         assert!(a.lead.as_ref().unwrap().reports.is_empty());
+    }
+
+    /// A restarted leader's proposal at the epoch its earlier run held (same epoch and
+    /// leader, a later incarnation) starts a follower's measurements afresh: what it
+    /// measured was routed with the earlier run's weights. (Before, the cells, open
+    /// requests and start-fit sums were kept, and the next report gave them to the
+    /// new run.)
+    #[test]
+    fn a_restarted_leaders_proposal_at_the_same_epoch_starts_the_measurements_afresh() {
+        let mut a = Tuner::new("a".into(), cfg()).unwrap().with_incarnation(1);
+        let old = broadcasts(&a.tick(0))[0].clone();
+        let mut x = Tuner::new("x".into(), cfg()).unwrap();
+        x.set_membership(["a".into(), "x".into()]);
+        x.handle_proposal(old.clone());
+        // One request finished, one still running, with start-fit evidence.
+        let adm = x.admit(1, 0);
+        x.record(&adm.epoch, adm.cell, 100.0, 500.0);
+        let _running = x.record_first_token(&adm.epoch, adm.cell, 100.0, 0);
+        let sample = TermSample {
+            rtt_ms: 10.0,
+            queue_ms: 20.0,
+            residual_ms: 30.0,
+            prefill_ms: 40.0,
+        };
+        assert!(x.record_terms(&adm.epoch, sample));
+        assert_eq!((x.report(&old, 10).count(), x.open_requests()), (2, 1));
+        let new = Proposal {
+            incarnation: 2,
+            ..old
+        };
+        x.handle_proposal(new.clone());
+        assert_eq!(x.current(), Some(&new));
+        let r = x.report(&new, 20);
+        assert_eq!((r.count(), r.samples, r.terms.n), (0, 0, 0));
+        assert!(r.cells.iter().all(|c| c.e2e_open.is_empty()));
+        assert_eq!(x.open_requests(), 0);
     }
 
     /// Reports travel as separate messages and can overtake each other: of two with
