@@ -1625,6 +1625,10 @@ token = "secret-token"
             ("min_improvement = 1.5", "tuning.min_improvement"),
             ("noise_z = -1.0", "tuning.noise_z"),
             (
+                "switchback_block_ms = 3600001",
+                "tuning.switchback_block_ms",
+            ),
+            (
                 "w_rtt = { start = 5.0, min = 0.05, max = 2.0 }",
                 "tuning.w_rtt",
             ),
