@@ -786,9 +786,12 @@ impl Tuner {
         }
         p.state.noise_var = p.state.noise_var.min(MAX_NOISE_VAR);
         p.state.incumbent = self.cfg.clip(p.state.incumbent);
+        // A step size outside the bounds, whoever sent it, would mutate by nothing (or
+        // by anything), and a tiny one would freeze a `tune-then-freeze` line at once.
         if !(p.state.sigma.is_finite() && p.state.sigma > 0.0) {
             p.state.sigma = self.cfg.sigma0;
         }
+        p.state.sigma = p.state.sigma.clamp(self.cfg.sigma_min, self.cfg.sigma_max);
         self.adopt(p);
         self.stop_leading();
         Vec::new()
@@ -2145,6 +2148,30 @@ mod tests {
                 assert_eq!(proposal.epoch, 3);
             }
             other => panic!("{other:?}"),
+        }
+    }
+
+    /// A proposal's step size is bounded to this node's `[sigma_min, sigma_max]`, as
+    /// its weights are clipped (before, only a non-finite or non-positive one was
+    /// replaced).
+    #[test]
+    fn a_proposals_step_size_is_bounded() {
+        for (sigma, epoch, want) in [(1e-9, 3, cfg().sigma_min), (1e9, 4, cfg().sigma_max)] {
+            let mut t = Tuner::new("b".into(), cfg()).unwrap();
+            let mut state = EsState::new(&cfg());
+            state.sigma = sigma;
+            let p = Proposal {
+                epoch,
+                leader: "a".into(),
+                incarnation: 0,
+                weights: cfg().start_weights(),
+                candidate: None,
+                phase: Phase::MeasureCandidate,
+                state,
+                switchback_block_ms: None,
+            };
+            assert!(t.handle_proposal(p).is_empty());
+            assert_eq!(t.current().unwrap().state.sigma, want, "{sigma}");
         }
     }
 
