@@ -19,7 +19,7 @@ use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use gorgo_core::es::{
-    TrialHold, TuningConfig, TuningMode, SIGMA_DECAY, SUCCESS_WINDOW, TARGET_SUCCESS_RATE,
+    TrialHold, TuningConfig, TuningMode, Verdict, SIGMA_DECAY, SUCCESS_WINDOW, TARGET_SUCCESS_RATE,
 };
 use gorgo_core::tuning::{
     Cell, EpochKey, OpenRequest, Phase, StartFit, TermSample, Tuner, TuningMessage, TuningOutput,
@@ -124,9 +124,14 @@ pub struct TrialEntry {
     pub wall_ts: String,
     /// Node uptime at the decision, s.
     pub monotonic_s: f64,
-    /// Trials decided along the line so far (this one included).
+    /// The record's running index, as the paper's trace numbers its lines: one past
+    /// this node's previous record, and at least the trials decided along the line
+    /// (this one included), so that a new leader's steps count on from the line's
+    /// trials. A start fit or an invalid measurement is a record but not a trial: by
+    /// the line's trial count alone it repeated the step before it.
     pub step: u64,
-    /// Candidate-window samples summed over this node's decisions so far.
+    /// Requests measured in the windows of this node's decisions so far, both arms (a
+    /// start fit's one window once).
     pub total_samples: u64,
     /// Best weights after the decision.
     pub best: Weights,
@@ -528,12 +533,20 @@ impl TuningDriver {
                         .push(TuningSend::To(to, TuningMessage::Report(report)));
                 }
                 TuningOutput::Record(r) => {
-                    inner.total_samples += r.samples + r.incumbent_samples;
+                    // A start fit's record gives its one window as both arms'
+                    // measurement: counted once.
+                    inner.total_samples += if r.verdict == Verdict::StartFit {
+                        r.samples
+                    } else {
+                        r.samples + r.incumbent_samples
+                    };
                     let state = inner.tuner.current().map(|p| p.state.clone());
+                    let trials = state.as_ref().map_or(0, |s| s.trials);
+                    let step = inner.trace.back().map_or(0, |e| e.step) + 1;
                     let entry = TrialEntry {
                         wall_ts: rfc3339_now(),
                         monotonic_s: now_ms as f64 / 1000.0,
-                        step: state.as_ref().map_or(0, |s| s.trials),
+                        step: step.max(trials),
                         total_samples: inner.total_samples,
                         best: state.as_ref().map_or(r.incumbent, |s| s.incumbent),
                         // The p95 of whichever arm is the incumbent now, as measured
@@ -756,6 +769,63 @@ mod tests {
         let j = serde_json::to_value(&v.history[0]).unwrap();
         for k in gorgo_core::tuning::TUNING_JSONL_KEYS {
             assert!(j.get(k).is_some(), "{k}");
+        }
+    }
+
+    /// A start fit's window counts once in `total_samples` (its record gives the
+    /// window as both arms' measurement), and `step` runs on over records that are not
+    /// trials (by the line's trial count, a start fit after a trial repeated its step).
+    #[test]
+    fn a_start_fit_window_counts_once_and_steps_run_on() {
+        let c = TuningConfig {
+            w_queue: gorgo_core::es::ParamBounds {
+                start: 0.05,
+                ..cfg().w_queue
+            },
+            ..cfg()
+        };
+        let d = TuningDriver::new("a".into(), c, Weights::default()).unwrap();
+        d.tick([], 0);
+        // Two windows measure the noise, the third decides a trial; none has start-fit
+        // evidence.
+        for w in 1..=3u64 {
+            serve(&d, w * 100..w * 100 + 16, 100.0);
+            d.tick([], w);
+        }
+        // A window whose every TTFT is its queue term in full: the fit moves w_queue.
+        for k in 400..416u64 {
+            let a = d.admit(gorgo_core::hash::hash_bytes(&k.to_le_bytes()));
+            let queue_ms = (k % 5) as f64 * 200.0;
+            let terms = TermSample {
+                rtt_ms: 0.0,
+                queue_ms,
+                residual_ms: queue_ms,
+                prefill_ms: 300.0,
+            };
+            if let Some(open) =
+                d.record_first_token(&a.epoch, a.cell, 300.0 + queue_ms, 0, Some(terms))
+            {
+                d.record_finish(open, 500.0);
+            }
+        }
+        d.tick([], 4);
+        let v = d.view();
+        let verdicts: Vec<Verdict> = v.history.iter().map(|e| e.record.verdict).collect();
+        assert_eq!(verdicts.last(), Some(&Verdict::StartFit), "{verdicts:?}");
+        assert!(verdicts.len() >= 2, "{verdicts:?}");
+        let mut total = 0;
+        for e in &v.history {
+            let r = &e.record;
+            total += if r.verdict == Verdict::StartFit {
+                assert_eq!(r.samples, 16);
+                r.samples
+            } else {
+                r.samples + r.incumbent_samples
+            };
+            assert_eq!(e.total_samples, total, "{verdicts:?}");
+        }
+        for pair in v.history.windows(2) {
+            assert!(pair[0].step < pair[1].step, "{verdicts:?}");
         }
     }
 
