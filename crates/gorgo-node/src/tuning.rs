@@ -15,7 +15,10 @@
 //! [`crate::NodeState::on_tuning_message`]): the driver returns [`TuningSend`]s.
 
 use std::collections::{BTreeSet, VecDeque};
-use std::path::Path;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use gorgo_core::es::{
@@ -105,11 +108,120 @@ pub fn read_learned_weights(path: &Path) -> Result<Weights, NodeError> {
     })
 }
 
-/// Write a learned-weights file (pretty JSON, the paper's format).
+/// Write a learned-weights file (pretty JSON, the paper's format), atomically: into a
+/// temporary file beside it, then renamed over it, so that a reader (a node started
+/// from it) never finds it half written, and a failed write leaves the old one whole.
 pub fn write_learned_weights(path: &Path, w: Weights) -> Result<(), NodeError> {
+    // Two writes in one process (two in-process nodes) never share a temporary file.
+    static NEXT: AtomicU64 = AtomicU64::new(0);
     let text = serde_json::to_string_pretty(&LearnedWeights::from(w))
         .map_err(|e| NodeError::Config(e.to_string()))?;
-    std::fs::write(path, text + "\n").map_err(NodeError::from)
+    let name = path.file_name().ok_or_else(|| {
+        NodeError::Config(format!(
+            "tuning.learned_weights_out {}: not a file",
+            path.display()
+        ))
+    })?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    tmp_name.push(format!(
+        ".{}.{}.tmp",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    let tmp = path.with_file_name(tmp_name);
+    let written = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(text.as_bytes())?;
+        f.write_all(b"\n")?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written.map_err(NodeError::from)
+}
+
+/// Where the learned weights go once tuning freezes, and whether they are there yet:
+/// shared with the write in flight ([`LearnedWrite`]), which runs away from the
+/// driver's lock, so that file work never holds up admission.
+#[derive(Debug)]
+struct LearnedOut {
+    path: PathBuf,
+    state: Mutex<LearnedState>,
+    written: watch::Sender<Option<Weights>>,
+}
+
+#[derive(Debug, Default)]
+struct LearnedState {
+    /// Weights frozen on and not yet written.
+    pending: Option<Weights>,
+    /// A [`LearnedWrite`] is out: one write at a time.
+    in_flight: bool,
+    /// Failed writes in a row (the first is a warning, the rest quieter).
+    failures: u32,
+}
+
+impl LearnedOut {
+    /// The write to do now, if the frozen weights are not written and no write is out.
+    fn next_write(self: &Arc<Self>) -> Option<LearnedWrite> {
+        let mut s = self.state.lock();
+        let weights = s.pending.filter(|_| !s.in_flight)?;
+        s.in_flight = true;
+        Some(LearnedWrite {
+            out: Arc::clone(self),
+            weights,
+        })
+    }
+}
+
+/// The learned-weights file to write ([`Effects::learned_write`]): handed out by every
+/// step of the driver once tuning has frozen, one at a time, until a write succeeds.
+/// It holds no lock; [`LearnedWrite::write`] does the blocking file work, so the
+/// caller runs it where blocking is allowed.
+#[derive(Debug)]
+pub struct LearnedWrite {
+    out: Arc<LearnedOut>,
+    weights: Weights,
+}
+
+impl LearnedWrite {
+    /// Write the file (atomically, [`write_learned_weights`]) and log the outcome. A
+    /// failed write is handed out again at a later step of the driver.
+    pub fn write(self) -> Result<(), NodeError> {
+        let path = &self.out.path;
+        let result = write_learned_weights(path, self.weights);
+        let mut s = self.out.state.lock();
+        match &result {
+            Ok(()) => {
+                if s.pending == Some(self.weights) {
+                    s.pending = None;
+                }
+                if s.failures > 0 {
+                    tracing::info!(path = %path.display(), "learned weights written after all");
+                }
+                s.failures = 0;
+                self.out.written.send_replace(Some(self.weights));
+            }
+            Err(e) => {
+                s.failures += 1;
+                if s.failures == 1 {
+                    tracing::warn!(path = %path.display(), error = %e, "cannot write learned weights; retrying each tick");
+                } else {
+                    tracing::debug!(path = %path.display(), error = %e, "cannot write learned weights");
+                }
+            }
+        }
+        result
+    }
+}
+
+impl Drop for LearnedWrite {
+    /// Written or not (a write dropped unrun, e.g. at shutdown): the next may go out.
+    fn drop(&mut self) {
+        self.out.state.lock().in_flight = false;
+    }
 }
 
 /// One trial this node decided, with the tuner state right after the decision: a line
@@ -210,9 +322,11 @@ pub struct Effects {
     pub sends: Vec<TuningSend>,
     /// Trials decided in this step.
     pub decided: Vec<TuningRecord>,
-    /// Tuning just froze on these weights (`tune-then-freeze`; already written to the
-    /// learned-weights file when one is configured).
+    /// Tuning just froze on these weights (`tune-then-freeze`).
     pub frozen: Option<Weights>,
+    /// The learned-weights file to write, when one is configured and tuning has
+    /// frozen: in every step's effects, one at a time, until written.
+    pub learned_write: Option<LearnedWrite>,
 }
 
 /// `GET /admin/tuning`.
@@ -276,7 +390,7 @@ struct Inner {
     total_samples: u64,
     fit_samples: u64,
     froze_at_epoch: Option<u64>,
-    learned_out: Option<std::path::PathBuf>,
+    learned_out: Option<Arc<LearnedOut>>,
 }
 
 /// One node's tuning: the core tuner plus what the node needs around it.
@@ -323,11 +437,28 @@ impl TuningDriver {
         })
     }
 
-    /// Write the weights to `path` when `tune-then-freeze` freezes (under the driver's
-    /// lock, so whoever sees the frozen phase finds the file).
-    pub fn with_learned_weights_out(self, path: Option<std::path::PathBuf>) -> Self {
-        self.inner.lock().learned_out = path;
+    /// Write the weights to `path` when `tune-then-freeze` freezes: the driver hands
+    /// the write out in its effects ([`Effects::learned_write`]) until it succeeds, and
+    /// [`TuningDriver::learned_weights_written`] says when it has.
+    pub fn with_learned_weights_out(self, path: Option<PathBuf>) -> Self {
+        self.inner.lock().learned_out = path.map(|path| {
+            Arc::new(LearnedOut {
+                path,
+                state: Mutex::new(LearnedState::default()),
+                written: watch::channel(None).0,
+            })
+        });
         self
+    }
+
+    /// The weights last written to the learned-weights file (`None` until one is):
+    /// the phase shows frozen before the file is there, so whoever needs the file
+    /// waits on this. Closed when no file is configured.
+    pub fn learned_weights_written(&self) -> watch::Receiver<Option<Weights>> {
+        match &self.inner.lock().learned_out {
+            Some(out) => out.written.subscribe(),
+            None => watch::channel(None).1,
+        }
     }
 
     /// The epoch, cell and weights to route a new client request with. `key` is a
@@ -462,7 +593,6 @@ impl TuningDriver {
         inner.tuner.set_mode(mode);
         inner.cfg.mode = mode;
         inner.static_weights = weights.unwrap_or(current_weights);
-        inner.froze_at_epoch = None;
         let epoch = inner.tuner.epoch();
         drop(inner);
         self.epoch_tx.send_replace(epoch);
@@ -578,17 +708,19 @@ impl TuningDriver {
                 }
             }
         }
+        // Once per line: a mode switch keeps the line, frozen or not, and with it
+        // whether its freeze was reported.
         if let Some(p) = inner.tuner.current() {
             if p.phase == Phase::Frozen && inner.froze_at_epoch.is_none() {
                 inner.froze_at_epoch = Some(p.epoch);
                 fx.frozen = Some(p.weights);
-                if let Some(path) = &inner.learned_out {
-                    if let Err(e) = write_learned_weights(path, p.weights) {
-                        tracing::warn!(path = %path.display(), error = %e, "cannot write learned weights");
-                    }
+                if let Some(out) = &inner.learned_out {
+                    out.state.lock().pending = Some(p.weights);
                 }
             }
         }
+        // Not here, under the lock every admission takes: the caller writes.
+        fx.learned_write = inner.learned_out.as_ref().and_then(LearnedOut::next_write);
         self.epoch_tx.send_if_modified(|e| {
             let now = inner.tuner.epoch();
             let changed = *e != now;
@@ -902,6 +1034,53 @@ mod tests {
         }
         assert_eq!(frozen, vec![c.start_weights()]);
         assert_eq!(d.view().phase, Some(Phase::Frozen));
+    }
+
+    /// The learned-weights file is written where the driver's effects are carried
+    /// out, not under its lock; a write that failed is handed out again until one
+    /// succeeds (before, it only warned, and the file never came), and a mode switch
+    /// neither reports the freeze again nor rewrites the file (before, it did both).
+    #[test]
+    fn a_failed_learned_weights_write_is_retried_until_written() {
+        let c = TuningConfig {
+            mode: TuningMode::TuneThenFreeze,
+            sigma0: 0.04,
+            ..cfg()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("later").join("w.json");
+        let d = TuningDriver::new("a".into(), c, Weights::default())
+            .unwrap()
+            .with_learned_weights_out(Some(path.clone()));
+        let written = d.learned_weights_written();
+        d.tick([], 0);
+        let mut t = 0;
+        let (frozen, write) = loop {
+            t += 1;
+            assert!(t < 10, "never froze");
+            serve(&d, t * 8..t * 8 + 8, 100.0);
+            let fx = d.tick([], t);
+            if let Some(write) = fx.learned_write {
+                break (fx.frozen.expect("written as it freezes"), write);
+            }
+        };
+        // One write at a time: none while this one is out.
+        assert!(d.tick([], 100).learned_write.is_none());
+        // Its directory is not there yet.
+        assert!(write.write().is_err());
+        assert!(written.borrow().is_none());
+        std::fs::create_dir(path.parent().unwrap()).unwrap();
+        let again = d.tick([], 101).learned_write.expect("the write comes back");
+        again.write().unwrap();
+        assert_eq!(read_learned_weights(&path).unwrap(), frozen);
+        assert_eq!(*written.borrow(), Some(frozen));
+        assert!(d.tick([], 102).learned_write.is_none());
+        // The line stays frozen across a mode switch: nothing reported or written again.
+        d.set_mode(TuningMode::Static, None).unwrap();
+        d.set_mode(TuningMode::TuneThenFreeze, None).unwrap();
+        let fx = d.tick([], 103);
+        assert_eq!(d.view().phase, Some(Phase::Frozen));
+        assert!(fx.frozen.is_none() && fx.learned_write.is_none(), "{fx:?}");
     }
 
     #[derive(Debug, Clone)]
