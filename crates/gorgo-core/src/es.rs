@@ -375,8 +375,13 @@ impl TuningConfig {
         if self.min_samples == 0 || self.min_samples > self.window {
             return bad("min_samples", "must be in [1, window_requests]");
         }
-        if self.switchback_block_ms == 0 {
-            return bad("switchback_block_ms", "must be positive");
+        // Followers ignore a proposal with longer blocks (`Proposal::is_plausible`):
+        // a line configured beyond it would never be followed.
+        if !(1..=crate::tuning::MAX_SWITCHBACK_BLOCK_MS).contains(&self.switchback_block_ms) {
+            return bad(
+                "switchback_block_ms",
+                "must be in 1..=3600000 (at most an hour)",
+            );
         }
         if self.time_cap_ms == 0 {
             return bad("window_max_ms", "must be positive");
@@ -1136,6 +1141,18 @@ mod tests {
         let cfg: TuningConfig = serde_json::from_str(r#"{"window_requests": 0}"#).unwrap();
         match cfg.validate() {
             Err(CoreError::InvalidConfig { field, .. }) => assert_eq!(field, "window_requests"),
+            other => panic!("{other:?}"),
+        }
+        // Blocks longer than followers accept (`Proposal::is_plausible`) are refused
+        // here, not dropped by every follower.
+        let mut cfg = TuningConfig::gorgo();
+        cfg.switchback_block_ms = crate::tuning::MAX_SWITCHBACK_BLOCK_MS;
+        assert!(cfg.validate().is_ok());
+        cfg.switchback_block_ms += 1;
+        match cfg.validate() {
+            Err(CoreError::InvalidConfig { field, .. }) => {
+                assert_eq!(field, "switchback_block_ms")
+            }
             other => panic!("{other:?}"),
         }
     }

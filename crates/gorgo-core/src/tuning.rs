@@ -717,13 +717,21 @@ impl Tuner {
 
     /// Switch mode in place (`PUT /admin/weights`), keeping everything else: the line
     /// followed, the requests still open and their handles, the measurements of the
-    /// window, the lead. A tuner built anew lost them mid-epoch (the running requests
-    /// stopped counting for the E2E guard, and old handles could close new requests),
-    /// and a leader switched back from `static` started a new line at epoch 1. While
-    /// `static`, proposals are ignored and nothing is led; back in a tuning mode the
-    /// node follows the next newer proposal, or leads on from where it stood.
+    /// window. A tuner built anew lost them mid-epoch (the running requests stopped
+    /// counting for the E2E guard, and old handles could close new requests), and a
+    /// leader switched back from `static` started a new line at epoch 1. While
+    /// `static`, proposals and reports are ignored, nothing is measured and nothing is
+    /// led: a leader switched to `static` stops leading, since its own requests are
+    /// routed with the static weights and no longer measure the line's. Back in a
+    /// tuning mode the node follows the next newer proposal, or, still the smallest
+    /// live id, takes its line over at the next epoch.
     pub fn set_mode(&mut self, mode: TuningMode) {
         self.cfg.mode = mode;
+        if mode == TuningMode::Static {
+            // The epoch it led was measured partly under static weights, and the
+            // reports for it would still close it: it is never decided.
+            self.stop_leading();
+        }
     }
 
     /// The local membership view changed: `live` are the members believed alive (this
@@ -778,9 +786,12 @@ impl Tuner {
         }
         p.state.noise_var = p.state.noise_var.min(MAX_NOISE_VAR);
         p.state.incumbent = self.cfg.clip(p.state.incumbent);
+        // A step size outside the bounds, whoever sent it, would mutate by nothing (or
+        // by anything), and a tiny one would freeze a `tune-then-freeze` line at once.
         if !(p.state.sigma.is_finite() && p.state.sigma > 0.0) {
             p.state.sigma = self.cfg.sigma0;
         }
+        p.state.sigma = p.state.sigma.clamp(self.cfg.sigma_min, self.cfg.sigma_max);
         self.adopt(p);
         self.stop_leading();
         Vec::new()
@@ -789,6 +800,10 @@ impl Tuner {
     /// A report arrived. Only the leader of the report's epoch uses it; the window may
     /// close as a result.
     pub fn handle_report(&mut self, r: EpochReport, now_ms: u64) -> Vec<TuningOutput> {
+        // A static node leads nothing (`set_mode`); the check keeps it so.
+        if self.cfg.mode == TuningMode::Static {
+            return Vec::new();
+        }
         let Some(lead) = self.lead.as_mut() else {
             return Vec::new();
         };
@@ -835,8 +850,10 @@ impl Tuner {
                     },
                 }
             }
+            // Static, or before any proposal: routed with the start weights, so
+            // counted in no epoch's cells (the default key matches no proposal).
             _ => Assignment {
-                epoch: self.current.as_ref().map(EpochKey::of).unwrap_or_default(),
+                epoch: EpochKey::default(),
                 cell: half,
                 weights: self.cfg.start_weights(),
             },
@@ -1044,11 +1061,14 @@ impl Tuner {
         self.history.iter()
     }
 
-    /// True when a request admitted under `epoch` is measured now.
+    /// True when a request admitted under `epoch` is measured now: never in `static`
+    /// mode, whose node neither reports nor leads.
     fn measures(&self, epoch: &EpochKey) -> bool {
-        self.current
-            .as_ref()
-            .is_some_and(|c| epoch.is(c) && c.phase != Phase::Frozen)
+        self.cfg.mode != TuningMode::Static
+            && self
+                .current
+                .as_ref()
+                .is_some_and(|c| epoch.is(c) && c.phase != Phase::Frozen)
     }
 
     fn is_smallest_live(&self) -> bool {
@@ -1069,10 +1089,11 @@ impl Tuner {
     }
 
     fn adopt(&mut self, p: Proposal) {
-        let new_epoch = self
-            .current
-            .as_ref()
-            .is_none_or(|c| c.epoch != p.epoch || c.leader != p.leader);
+        // The whole key, incarnation included: a restarted leader's proposal at the
+        // epoch its earlier run held routes with other weights, so what was measured
+        // under the earlier one is no evidence for it.
+        let key = EpochKey::of(&p);
+        let new_epoch = self.current.as_ref().is_none_or(|c| !key.is(c));
         if new_epoch {
             self.cells = Default::default();
             self.open.clear();
@@ -1450,6 +1471,42 @@ mod tests {
         };
         a.handle_report(report, 20);
         assert!(a.lead.as_ref().unwrap().reports.is_empty());
+    }
+
+    /// A restarted leader's proposal at the epoch its earlier run held (same epoch and
+    /// leader, a later incarnation) starts a follower's measurements afresh: what it
+    /// measured was routed with the earlier run's weights. (Before, the cells, open
+    /// requests and start-fit sums were kept, and the next report gave them to the
+    /// new run.)
+    #[test]
+    fn a_restarted_leaders_proposal_at_the_same_epoch_starts_the_measurements_afresh() {
+        let mut a = Tuner::new("a".into(), cfg()).unwrap().with_incarnation(1);
+        let old = broadcasts(&a.tick(0))[0].clone();
+        let mut x = Tuner::new("x".into(), cfg()).unwrap();
+        x.set_membership(["a".into(), "x".into()]);
+        x.handle_proposal(old.clone());
+        // One request finished, one still running, with start-fit evidence.
+        let adm = x.admit(1, 0);
+        x.record(&adm.epoch, adm.cell, 100.0, 500.0);
+        let _running = x.record_first_token(&adm.epoch, adm.cell, 100.0, 0);
+        let sample = TermSample {
+            rtt_ms: 10.0,
+            queue_ms: 20.0,
+            residual_ms: 30.0,
+            prefill_ms: 40.0,
+        };
+        assert!(x.record_terms(&adm.epoch, sample));
+        assert_eq!((x.report(&old, 10).count(), x.open_requests()), (2, 1));
+        let new = Proposal {
+            incarnation: 2,
+            ..old
+        };
+        x.handle_proposal(new.clone());
+        assert_eq!(x.current(), Some(&new));
+        let r = x.report(&new, 20);
+        assert_eq!((r.count(), r.samples, r.terms.n), (0, 0, 0));
+        assert!(r.cells.iter().all(|c| c.e2e_open.is_empty()));
+        assert_eq!(x.open_requests(), 0);
     }
 
     /// Reports travel as separate messages and can overtake each other: of two with
@@ -1965,6 +2022,54 @@ mod tests {
         assert_eq!(t.weights(), c.start_weights());
     }
 
+    /// A leader switched to `static` stops leading and measures nothing: its requests
+    /// are routed with the static weights, so counting them in the incumbent's arm, or
+    /// closing the window on its peers' reports, judged the line by weights it did
+    /// not route with. Back online it takes its line over at the next epoch.
+    #[test]
+    fn a_leader_switched_to_static_stops_leading_and_counts_nothing() {
+        let mut a = Tuner::new("a".into(), cfg()).unwrap();
+        a.set_membership(["a".into(), "b".into()]);
+        let p = broadcasts(&a.tick(0))[0].clone();
+        let online = a.admit(0, 0);
+        a.set_mode(TuningMode::Static);
+        assert!(!a.is_leader());
+        let adm = a.admit(0, 0);
+        assert_eq!(adm.weights, cfg().start_weights());
+        assert_eq!(adm.epoch, EpochKey::default());
+        assert!(a
+            .record_first_token(&adm.epoch, adm.cell, 100.0, 0)
+            .is_none());
+        // Nor a request admitted before the switch that has its first token after.
+        assert!(a
+            .record_first_token(&online.epoch, online.cell, 100.0, 0)
+            .is_none());
+        // Twice the window from b, for the epoch a led: nothing is decided.
+        let mut cells: Box<[CellSketches; CELLS]> = Box::default();
+        for i in 0..20 {
+            cells[i % CELLS].ttft.add(100.0);
+            cells[i % CELLS].e2e.add(1000.0);
+        }
+        let report = EpochReport {
+            epoch: p.epoch,
+            leader: "a".into(),
+            incarnation: 0,
+            from: "b".into(),
+            cells,
+            samples: 20,
+            terms: TermSums::default(),
+            at_ms: 5,
+        };
+        assert!(a.handle_report(report, 5).is_empty());
+        assert_eq!(a.current(), Some(&p));
+        assert!(a.tick(6).is_empty());
+        // Back online, the line goes on at the next epoch.
+        a.set_mode(TuningMode::Online);
+        let next = broadcasts(&a.tick(10))[0].clone();
+        assert_eq!((next.epoch, next.leader.0.as_str()), (p.epoch + 1, "a"));
+        assert!(a.is_leader());
+    }
+
     /// A follower reports its open requests' time so far every tick, growing, until
     /// they end; one that failed stops counting.
     #[test]
@@ -2043,6 +2148,30 @@ mod tests {
                 assert_eq!(proposal.epoch, 3);
             }
             other => panic!("{other:?}"),
+        }
+    }
+
+    /// A proposal's step size is bounded to this node's `[sigma_min, sigma_max]`, as
+    /// its weights are clipped (before, only a non-finite or non-positive one was
+    /// replaced).
+    #[test]
+    fn a_proposals_step_size_is_bounded() {
+        for (sigma, epoch, want) in [(1e-9, 3, cfg().sigma_min), (1e9, 4, cfg().sigma_max)] {
+            let mut t = Tuner::new("b".into(), cfg()).unwrap();
+            let mut state = EsState::new(&cfg());
+            state.sigma = sigma;
+            let p = Proposal {
+                epoch,
+                leader: "a".into(),
+                incarnation: 0,
+                weights: cfg().start_weights(),
+                candidate: None,
+                phase: Phase::MeasureCandidate,
+                state,
+                switchback_block_ms: None,
+            };
+            assert!(t.handle_proposal(p).is_empty());
+            assert_eq!(t.current().unwrap().state.sigma, want, "{sigma}");
         }
     }
 

@@ -1035,6 +1035,20 @@ impl NodeConfig {
             }
             other => NodeError::Config(format!("invalid `tuning`: {other}")),
         })?;
+        // The file is written when tuning freezes, maybe hours in: a directory that is
+        // not there is said now, not then.
+        if let Some(out) = &self.tuning.learned_weights_out {
+            let dir = out
+                .parent()
+                .filter(|d| !d.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
+            if !dir.is_dir() {
+                return bad(
+                    "tuning.learned_weights_out",
+                    &format!("{}: its directory does not exist", out.display()),
+                );
+            }
+        }
         if self.admin.token.len() < 8 {
             return bad("admin.token", "must be at least 8 characters");
         }
@@ -1661,6 +1675,10 @@ token = "secret-token"
             ("min_improvement = 1.5", "tuning.min_improvement"),
             ("noise_z = -1.0", "tuning.noise_z"),
             (
+                "switchback_block_ms = 3600001",
+                "tuning.switchback_block_ms",
+            ),
+            (
                 "w_rtt = { start = 5.0, min = 0.05, max = 2.0 }",
                 "tuning.w_rtt",
             ),
@@ -1671,6 +1689,25 @@ token = "secret-token"
             let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
             assert!(e.contains(field), "{extra}: {e}");
         }
+    }
+
+    /// The learned-weights file is written when tuning freezes, maybe hours in: a
+    /// directory that is not there is refused when the config is checked.
+    #[test]
+    fn a_learned_weights_file_in_a_missing_directory_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = |path: &Path| {
+            format!(
+                "{MINIMAL}\n[tuning]\nlearned_weights_out = \"{}\"\n",
+                path.display()
+            )
+        };
+        let missing = dir.path().join("missing").join("w.json");
+        let e = NodeConfig::from_toml_str(&text(&missing))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("tuning.learned_weights_out"), "{e}");
+        NodeConfig::from_toml_str(&text(&dir.path().join("w.json"))).unwrap();
     }
 
     #[test]

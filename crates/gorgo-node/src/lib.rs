@@ -495,6 +495,18 @@ impl NodeState {
                 "tuning converged and froze"
             );
         }
+        if let Some(write) = fx.learned_write {
+            // File work blocks: off the async workers where there are some. A failed
+            // write logs itself and comes back in a later step's effects.
+            match tokio::runtime::Handle::try_current() {
+                Ok(rt) => {
+                    rt.spawn_blocking(move || write.write());
+                }
+                Err(_) => {
+                    let _ = write.write();
+                }
+            }
+        }
         *self.weights.write() = self.tuning.weights();
         self.metrics
             .tuning_epoch

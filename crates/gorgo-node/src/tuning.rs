@@ -15,11 +15,14 @@
 //! [`crate::NodeState::on_tuning_message`]): the driver returns [`TuningSend`]s.
 
 use std::collections::{BTreeSet, VecDeque};
-use std::path::Path;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use gorgo_core::es::{
-    TrialHold, TuningConfig, TuningMode, SIGMA_DECAY, SUCCESS_WINDOW, TARGET_SUCCESS_RATE,
+    TrialHold, TuningConfig, TuningMode, Verdict, SIGMA_DECAY, SUCCESS_WINDOW, TARGET_SUCCESS_RATE,
 };
 use gorgo_core::tuning::{
     Cell, EpochKey, OpenRequest, Phase, StartFit, TermSample, Tuner, TuningMessage, TuningOutput,
@@ -105,11 +108,120 @@ pub fn read_learned_weights(path: &Path) -> Result<Weights, NodeError> {
     })
 }
 
-/// Write a learned-weights file (pretty JSON, the paper's format).
+/// Write a learned-weights file (pretty JSON, the paper's format), atomically: into a
+/// temporary file beside it, then renamed over it, so that a reader (a node started
+/// from it) never finds it half written, and a failed write leaves the old one whole.
 pub fn write_learned_weights(path: &Path, w: Weights) -> Result<(), NodeError> {
+    // Two writes in one process (two in-process nodes) never share a temporary file.
+    static NEXT: AtomicU64 = AtomicU64::new(0);
     let text = serde_json::to_string_pretty(&LearnedWeights::from(w))
         .map_err(|e| NodeError::Config(e.to_string()))?;
-    std::fs::write(path, text + "\n").map_err(NodeError::from)
+    let name = path.file_name().ok_or_else(|| {
+        NodeError::Config(format!(
+            "tuning.learned_weights_out {}: not a file",
+            path.display()
+        ))
+    })?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    tmp_name.push(format!(
+        ".{}.{}.tmp",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    let tmp = path.with_file_name(tmp_name);
+    let written = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(text.as_bytes())?;
+        f.write_all(b"\n")?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written.map_err(NodeError::from)
+}
+
+/// Where the learned weights go once tuning freezes, and whether they are there yet:
+/// shared with the write in flight ([`LearnedWrite`]), which runs away from the
+/// driver's lock, so that file work never holds up admission.
+#[derive(Debug)]
+struct LearnedOut {
+    path: PathBuf,
+    state: Mutex<LearnedState>,
+    written: watch::Sender<Option<Weights>>,
+}
+
+#[derive(Debug, Default)]
+struct LearnedState {
+    /// Weights frozen on and not yet written.
+    pending: Option<Weights>,
+    /// A [`LearnedWrite`] is out: one write at a time.
+    in_flight: bool,
+    /// Failed writes in a row (the first is a warning, the rest quieter).
+    failures: u32,
+}
+
+impl LearnedOut {
+    /// The write to do now, if the frozen weights are not written and no write is out.
+    fn next_write(self: &Arc<Self>) -> Option<LearnedWrite> {
+        let mut s = self.state.lock();
+        let weights = s.pending.filter(|_| !s.in_flight)?;
+        s.in_flight = true;
+        Some(LearnedWrite {
+            out: Arc::clone(self),
+            weights,
+        })
+    }
+}
+
+/// The learned-weights file to write ([`Effects::learned_write`]): handed out by every
+/// step of the driver once tuning has frozen, one at a time, until a write succeeds.
+/// It holds no lock; [`LearnedWrite::write`] does the blocking file work, so the
+/// caller runs it where blocking is allowed.
+#[derive(Debug)]
+pub struct LearnedWrite {
+    out: Arc<LearnedOut>,
+    weights: Weights,
+}
+
+impl LearnedWrite {
+    /// Write the file (atomically, [`write_learned_weights`]) and log the outcome. A
+    /// failed write is handed out again at a later step of the driver.
+    pub fn write(self) -> Result<(), NodeError> {
+        let path = &self.out.path;
+        let result = write_learned_weights(path, self.weights);
+        let mut s = self.out.state.lock();
+        match &result {
+            Ok(()) => {
+                if s.pending == Some(self.weights) {
+                    s.pending = None;
+                }
+                if s.failures > 0 {
+                    tracing::info!(path = %path.display(), "learned weights written after all");
+                }
+                s.failures = 0;
+                self.out.written.send_replace(Some(self.weights));
+            }
+            Err(e) => {
+                s.failures += 1;
+                if s.failures == 1 {
+                    tracing::warn!(path = %path.display(), error = %e, "cannot write learned weights; retrying each tick");
+                } else {
+                    tracing::debug!(path = %path.display(), error = %e, "cannot write learned weights");
+                }
+            }
+        }
+        result
+    }
+}
+
+impl Drop for LearnedWrite {
+    /// Written or not (a write dropped unrun, e.g. at shutdown): the next may go out.
+    fn drop(&mut self) {
+        self.out.state.lock().in_flight = false;
+    }
 }
 
 /// One trial this node decided, with the tuner state right after the decision: a line
@@ -124,9 +236,14 @@ pub struct TrialEntry {
     pub wall_ts: String,
     /// Node uptime at the decision, s.
     pub monotonic_s: f64,
-    /// Trials decided along the line so far (this one included).
+    /// The record's running index, as the paper's trace numbers its lines: one past
+    /// this node's previous record, and at least the trials decided along the line
+    /// (this one included), so that a new leader's steps count on from the line's
+    /// trials. A start fit or an invalid measurement is a record but not a trial: by
+    /// the line's trial count alone it repeated the step before it.
     pub step: u64,
-    /// Candidate-window samples summed over this node's decisions so far.
+    /// Requests measured in the windows of this node's decisions so far, both arms (a
+    /// start fit's one window once).
     pub total_samples: u64,
     /// Best weights after the decision.
     pub best: Weights,
@@ -205,9 +322,11 @@ pub struct Effects {
     pub sends: Vec<TuningSend>,
     /// Trials decided in this step.
     pub decided: Vec<TuningRecord>,
-    /// Tuning just froze on these weights (`tune-then-freeze`; already written to the
-    /// learned-weights file when one is configured).
+    /// Tuning just froze on these weights (`tune-then-freeze`).
     pub frozen: Option<Weights>,
+    /// The learned-weights file to write, when one is configured and tuning has
+    /// frozen: in every step's effects, one at a time, until written.
+    pub learned_write: Option<LearnedWrite>,
 }
 
 /// `GET /admin/tuning`.
@@ -271,7 +390,7 @@ struct Inner {
     total_samples: u64,
     fit_samples: u64,
     froze_at_epoch: Option<u64>,
-    learned_out: Option<std::path::PathBuf>,
+    learned_out: Option<Arc<LearnedOut>>,
 }
 
 /// One node's tuning: the core tuner plus what the node needs around it.
@@ -318,11 +437,28 @@ impl TuningDriver {
         })
     }
 
-    /// Write the weights to `path` when `tune-then-freeze` freezes (under the driver's
-    /// lock, so whoever sees the frozen phase finds the file).
-    pub fn with_learned_weights_out(self, path: Option<std::path::PathBuf>) -> Self {
-        self.inner.lock().learned_out = path;
+    /// Write the weights to `path` when `tune-then-freeze` freezes: the driver hands
+    /// the write out in its effects ([`Effects::learned_write`]) until it succeeds, and
+    /// [`TuningDriver::learned_weights_written`] says when it has.
+    pub fn with_learned_weights_out(self, path: Option<PathBuf>) -> Self {
+        self.inner.lock().learned_out = path.map(|path| {
+            Arc::new(LearnedOut {
+                path,
+                state: Mutex::new(LearnedState::default()),
+                written: watch::channel(None).0,
+            })
+        });
         self
+    }
+
+    /// The weights last written to the learned-weights file (`None` until one is):
+    /// the phase shows frozen before the file is there, so whoever needs the file
+    /// waits on this. Closed when no file is configured.
+    pub fn learned_weights_written(&self) -> watch::Receiver<Option<Weights>> {
+        match &self.inner.lock().learned_out {
+            Some(out) => out.written.subscribe(),
+            None => watch::channel(None).1,
+        }
     }
 
     /// The epoch, cell and weights to route a new client request with. `key` is a
@@ -457,7 +593,6 @@ impl TuningDriver {
         inner.tuner.set_mode(mode);
         inner.cfg.mode = mode;
         inner.static_weights = weights.unwrap_or(current_weights);
-        inner.froze_at_epoch = None;
         let epoch = inner.tuner.epoch();
         drop(inner);
         self.epoch_tx.send_replace(epoch);
@@ -528,12 +663,20 @@ impl TuningDriver {
                         .push(TuningSend::To(to, TuningMessage::Report(report)));
                 }
                 TuningOutput::Record(r) => {
-                    inner.total_samples += r.samples + r.incumbent_samples;
+                    // A start fit's record gives its one window as both arms'
+                    // measurement: counted once.
+                    inner.total_samples += if r.verdict == Verdict::StartFit {
+                        r.samples
+                    } else {
+                        r.samples + r.incumbent_samples
+                    };
                     let state = inner.tuner.current().map(|p| p.state.clone());
+                    let trials = state.as_ref().map_or(0, |s| s.trials);
+                    let step = inner.trace.back().map_or(0, |e| e.step) + 1;
                     let entry = TrialEntry {
                         wall_ts: rfc3339_now(),
                         monotonic_s: now_ms as f64 / 1000.0,
-                        step: state.as_ref().map_or(0, |s| s.trials),
+                        step: step.max(trials),
                         total_samples: inner.total_samples,
                         best: state.as_ref().map_or(r.incumbent, |s| s.incumbent),
                         // The p95 of whichever arm is the incumbent now, as measured
@@ -565,17 +708,19 @@ impl TuningDriver {
                 }
             }
         }
+        // Once per line: a mode switch keeps the line, frozen or not, and with it
+        // whether its freeze was reported.
         if let Some(p) = inner.tuner.current() {
             if p.phase == Phase::Frozen && inner.froze_at_epoch.is_none() {
                 inner.froze_at_epoch = Some(p.epoch);
                 fx.frozen = Some(p.weights);
-                if let Some(path) = &inner.learned_out {
-                    if let Err(e) = write_learned_weights(path, p.weights) {
-                        tracing::warn!(path = %path.display(), error = %e, "cannot write learned weights");
-                    }
+                if let Some(out) = &inner.learned_out {
+                    out.state.lock().pending = Some(p.weights);
                 }
             }
         }
+        // Not here, under the lock every admission takes: the caller writes.
+        fx.learned_write = inner.learned_out.as_ref().and_then(LearnedOut::next_write);
         self.epoch_tx.send_if_modified(|e| {
             let now = inner.tuner.epoch();
             let changed = *e != now;
@@ -759,6 +904,63 @@ mod tests {
         }
     }
 
+    /// A start fit's window counts once in `total_samples` (its record gives the
+    /// window as both arms' measurement), and `step` runs on over records that are not
+    /// trials (by the line's trial count, a start fit after a trial repeated its step).
+    #[test]
+    fn a_start_fit_window_counts_once_and_steps_run_on() {
+        let c = TuningConfig {
+            w_queue: gorgo_core::es::ParamBounds {
+                start: 0.05,
+                ..cfg().w_queue
+            },
+            ..cfg()
+        };
+        let d = TuningDriver::new("a".into(), c, Weights::default()).unwrap();
+        d.tick([], 0);
+        // Two windows measure the noise, the third decides a trial; none has start-fit
+        // evidence.
+        for w in 1..=3u64 {
+            serve(&d, w * 100..w * 100 + 16, 100.0);
+            d.tick([], w);
+        }
+        // A window whose every TTFT is its queue term in full: the fit moves w_queue.
+        for k in 400..416u64 {
+            let a = d.admit(gorgo_core::hash::hash_bytes(&k.to_le_bytes()));
+            let queue_ms = (k % 5) as f64 * 200.0;
+            let terms = TermSample {
+                rtt_ms: 0.0,
+                queue_ms,
+                residual_ms: queue_ms,
+                prefill_ms: 300.0,
+            };
+            if let Some(open) =
+                d.record_first_token(&a.epoch, a.cell, 300.0 + queue_ms, 0, Some(terms))
+            {
+                d.record_finish(open, 500.0);
+            }
+        }
+        d.tick([], 4);
+        let v = d.view();
+        let verdicts: Vec<Verdict> = v.history.iter().map(|e| e.record.verdict).collect();
+        assert_eq!(verdicts.last(), Some(&Verdict::StartFit), "{verdicts:?}");
+        assert!(verdicts.len() >= 2, "{verdicts:?}");
+        let mut total = 0;
+        for e in &v.history {
+            let r = &e.record;
+            total += if r.verdict == Verdict::StartFit {
+                assert_eq!(r.samples, 16);
+                r.samples
+            } else {
+                r.samples + r.incumbent_samples
+            };
+            assert_eq!(e.total_samples, total, "{verdicts:?}");
+        }
+        for pair in v.history.windows(2) {
+            assert!(pair[0].step < pair[1].step, "{verdicts:?}");
+        }
+    }
+
     #[test]
     fn static_mode_and_switching_back_keep_the_line() {
         let d = TuningDriver::new("a".into(), cfg(), Weights::default()).unwrap();
@@ -775,11 +977,12 @@ mod tests {
         assert_eq!(d.admit(2).weights, fixed);
         assert!(d.tick([], 2).sends.is_empty());
         d.set_mode(TuningMode::Online, None).unwrap();
-        // Static mode follows no line; back online the leader leads on from where it
-        // stood (it used to start a new line at epoch 1).
+        // Static mode follows no line and leads nothing; back online the leader takes
+        // its line over at the next epoch (it used to start a new line at epoch 1).
+        assert!(!d.is_leader());
         let fx = d.tick([], 3);
         assert_eq!(fx.sends.len(), 1);
-        assert!(d.epoch() >= 2, "{}", d.epoch());
+        assert_eq!(d.epoch(), 3);
     }
 
     #[test]
@@ -831,6 +1034,53 @@ mod tests {
         }
         assert_eq!(frozen, vec![c.start_weights()]);
         assert_eq!(d.view().phase, Some(Phase::Frozen));
+    }
+
+    /// The learned-weights file is written where the driver's effects are carried
+    /// out, not under its lock; a write that failed is handed out again until one
+    /// succeeds (before, it only warned, and the file never came), and a mode switch
+    /// neither reports the freeze again nor rewrites the file (before, it did both).
+    #[test]
+    fn a_failed_learned_weights_write_is_retried_until_written() {
+        let c = TuningConfig {
+            mode: TuningMode::TuneThenFreeze,
+            sigma0: 0.04,
+            ..cfg()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("later").join("w.json");
+        let d = TuningDriver::new("a".into(), c, Weights::default())
+            .unwrap()
+            .with_learned_weights_out(Some(path.clone()));
+        let written = d.learned_weights_written();
+        d.tick([], 0);
+        let mut t = 0;
+        let (frozen, write) = loop {
+            t += 1;
+            assert!(t < 10, "never froze");
+            serve(&d, t * 8..t * 8 + 8, 100.0);
+            let fx = d.tick([], t);
+            if let Some(write) = fx.learned_write {
+                break (fx.frozen.expect("written as it freezes"), write);
+            }
+        };
+        // One write at a time: none while this one is out.
+        assert!(d.tick([], 100).learned_write.is_none());
+        // Its directory is not there yet.
+        assert!(write.write().is_err());
+        assert!(written.borrow().is_none());
+        std::fs::create_dir(path.parent().unwrap()).unwrap();
+        let again = d.tick([], 101).learned_write.expect("the write comes back");
+        again.write().unwrap();
+        assert_eq!(read_learned_weights(&path).unwrap(), frozen);
+        assert_eq!(*written.borrow(), Some(frozen));
+        assert!(d.tick([], 102).learned_write.is_none());
+        // The line stays frozen across a mode switch: nothing reported or written again.
+        d.set_mode(TuningMode::Static, None).unwrap();
+        d.set_mode(TuningMode::TuneThenFreeze, None).unwrap();
+        let fx = d.tick([], 103);
+        assert_eq!(d.view().phase, Some(Phase::Frozen));
+        assert!(fx.frozen.is_none() && fx.learned_write.is_none(), "{fx:?}");
     }
 
     #[derive(Debug, Clone)]

@@ -370,6 +370,12 @@ async fn tune_then_freeze_stops_and_writes_the_learned_weights() {
     for n in &c.nodes {
         let v = n.state().tuning.view();
         assert_eq!(v.phase, Some(Phase::Frozen));
+        // The file is written off the driver's lock, after the phase shows frozen.
+        let mut written = n.state().tuning.learned_weights_written();
+        tokio::time::timeout(Duration::from_secs(10), written.wait_for(Option::is_some))
+            .await
+            .expect("the learned weights written")
+            .unwrap();
         let file = dir.path().join(format!("{}.json", n.state().id));
         let learned = gorgo_node::tuning::read_learned_weights(&file).unwrap();
         assert_eq!(learned, weights);
