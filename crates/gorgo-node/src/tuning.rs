@@ -5,7 +5,7 @@
 //! - admission: the `(epoch, weights)` pair a client request is routed and attributed
 //!   under, read under one lock so the two always match;
 //! - the mode switch of `PUT /admin/weights` (`online`, `static`, `tune-then-freeze`),
-//!   which rebuilds the tuner without losing the line of proposals it follows;
+//!   which switches the tuner in place, keeping the line of proposals it follows;
 //! - the trajectory shown by `GET /admin/tuning`: every trial this node decided, with
 //!   the tuner state after the decision, in docs/design.md's `tuning.jsonl` shape and in
 //!   the paper's `es_tune_trace` shape;
