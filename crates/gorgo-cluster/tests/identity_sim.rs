@@ -185,30 +185,15 @@ fn an_impostor_with_the_same_id_never_pushes_the_genuine_node_out() {
 
     // A second process with n1's certificate and id, another region name and its own
     // address, 1 ms from everyone, joining through n0 and n2.
-    let impostor = Handles::default();
-    {
-        let mut s = seeded_spec(&NAMES, 1, &creds, 0);
-        s.name = "imp".to_owned();
-        s.region = "elsewhere".to_owned();
-        s.seeds = vec!["n0".to_owned(), "n2".to_owned()];
-        let impostor = impostor.clone();
-        sim.host("imp", move || {
-            let s = s.clone();
-            let impostor = impostor.clone();
-            async move {
-                let (h, _) = start_node_with(&s, |c| c.node_id = NodeId::from("n1")).await?;
-                impostor.lock().insert("imp".to_owned(), h.clone());
-                let mut tick = tokio::time::interval(Duration::from_millis(100));
-                loop {
-                    tick.tick().await;
-                    h.broadcast_stats(QueueStats {
-                        running: 99,
-                        ..Default::default()
-                    })?;
-                }
-            }
-        });
-    }
+    let impostor = n1_impostor(
+        &mut sim,
+        &creds,
+        &["n0", "n2"],
+        Some(QueueStats {
+            running: 99,
+            ..Default::default()
+        }),
+    );
     genuine_n1_kept(
         &mut sim,
         &handles,
@@ -243,6 +228,40 @@ fn an_impostor_with_the_same_id_never_pushes_the_genuine_node_out() {
         Duration::from_secs(20),
         "after the impostor died",
     );
+}
+
+/// A second process with n1's certificate and id, on host "imp" (region "elsewhere",
+/// its own address), joining through `seeds`, broadcasting `stats` every 100 ms as
+/// n1's when given; its handle appears under "imp" once started.
+fn n1_impostor(
+    sim: &mut turmoil::Sim<'_>,
+    creds: &std::collections::BTreeMap<String, gorgo_cluster::NodeCredentials>,
+    seeds: &[&str],
+    stats: Option<QueueStats>,
+) -> Handles {
+    let impostor = Handles::default();
+    let mut s = seeded_spec(&NAMES, 1, creds, 0);
+    s.name = "imp".to_owned();
+    s.region = "elsewhere".to_owned();
+    s.seeds = seeds.iter().map(|n| (*n).to_owned()).collect();
+    let started = impostor.clone();
+    sim.host("imp", move || {
+        let (s, started, stats) = (s.clone(), started.clone(), stats.clone());
+        async move {
+            let (h, _) = start_node_with(&s, |c| c.node_id = NodeId::from("n1")).await?;
+            started.lock().insert("imp".to_owned(), h.clone());
+            let Some(stats) = stats else {
+                std::future::pending::<()>().await;
+                return Ok(());
+            };
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            loop {
+                tick.tick().await;
+                h.broadcast_stats(stats.clone())?;
+            }
+        }
+    });
+    impostor
 }
 
 /// Run `for_` of simulated time, failing the test the first moment the genuine n1 is
@@ -1124,24 +1143,7 @@ fn a_seed_answered_with_a_live_nodes_certificate_does_not_take_its_place() {
     }
     // n1's certificate at a seed address of n0's, one second away: its handshake ends
     // well after n0 has learnt from n2 where n1 is alive.
-    let impostor = Handles::default();
-    {
-        let mut s = seeded_spec(&NAMES, 1, &creds, 0);
-        s.name = "imp".to_owned();
-        s.region = "elsewhere".to_owned();
-        s.seeds = Vec::new();
-        let impostor = impostor.clone();
-        sim.host("imp", move || {
-            let s = s.clone();
-            let impostor = impostor.clone();
-            async move {
-                let (h, _) = start_node_with(&s, |c| c.node_id = NodeId::from("n1")).await?;
-                impostor.lock().insert("imp".to_owned(), h);
-                std::future::pending::<()>().await;
-                Ok(())
-            }
-        });
-    }
+    let impostor = n1_impostor(&mut sim, &creds, &[], None);
     // n0 joins once n1 and n2 have, through n2 and the impostor's address, and sends
     // n1 an application message every second.
     {

@@ -665,12 +665,7 @@ async fn health_routes_and_local_passthrough_answer_as_engines_do() {
 /// itself), and never reaches the engine.
 #[tokio::test]
 async fn a_forward_that_is_garbage_or_never_sent_gets_a_502_head() {
-    let engine = StubEngine::start("e").await;
-    let node = start_node(
-        config("a", &engine.url(), "[limits]\nbody_timeout_ms = 50\n"),
-        None,
-    )
-    .await;
+    let (engine, node) = impatient_node().await;
     let mut garbage = 8u32.to_be_bytes().to_vec();
     garbage.extend_from_slice(b"not bincode");
     assert_eq!(forward_head_status(&node, &garbage).await, 502, "garbage");
@@ -698,6 +693,18 @@ async fn a_forward_that_is_garbage_or_never_sent_gets_a_502_head() {
     node.shutdown.cancel();
 }
 
+/// A node whose waits on a peer's or client's bytes end after 50 ms
+/// (`limits.body_timeout_ms`), for tests of peers that stop sending or reading.
+async fn impatient_node() -> (std::sync::Arc<StubEngine>, TestNode) {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(
+        config("a", &engine.url(), "[limits]\nbody_timeout_ms = 50\n"),
+        None,
+    )
+    .await;
+    (engine, node)
+}
+
 /// A forwarding node that stops reading the response (no flow-control credit) ends
 /// the relay once a write has waited `limits.body_timeout_ms`, instead of holding the
 /// forward slot and the engine request for ever.
@@ -706,12 +713,7 @@ async fn a_forward_whose_origin_stops_reading_ends() {
     use futures::StreamExt;
     use gorgo_node::api::{ServeError, Upstream};
     use gorgo_node::peers::IncomingForward;
-    let engine = StubEngine::start("e").await;
-    let node = start_node(
-        config("a", &engine.url(), "[limits]\nbody_timeout_ms = 50\n"),
-        None,
-    )
-    .await;
+    let (_engine, node) = impatient_node().await;
     let (mut to_node, from_peer) = tokio::io::duplex(1 << 16);
     // A small pipe the test never reads: the response head fits, the body does not.
     let (to_peer, _unread) = tokio::io::duplex(4096);
@@ -781,12 +783,7 @@ impl tokio::io::AsyncWrite for NoCredit {
 async fn a_forward_that_never_reads_its_error_gives_everything_back() {
     use gorgo_node::peers::IncomingForward;
     use tokio::io::AsyncWriteExt;
-    let engine = StubEngine::start("e").await;
-    let node = start_node(
-        config("a", &engine.url(), "[limits]\nbody_timeout_ms = 50\n"),
-        None,
-    )
-    .await;
+    let (_engine, node) = impatient_node().await;
     let (mut to_node, from_peer) = tokio::io::duplex(1 << 16);
     to_node
         .write_all(&(1u32 << 20).to_be_bytes())
