@@ -410,6 +410,37 @@ fn shortened_prompts_sharing_prefixes_never_overflow() {
     }
 }
 
+/// One-token answers with client jitter: the first and the last byte of a stream get
+/// their own delay draws, yet the last never arrives before the first (E2E >= TTFT,
+/// which `check_conservation` asserts), served at home or forwarded over jittery links
+/// (where the forwarding node must also see the first byte before the stream ends:
+/// no unexpected event).
+#[test]
+fn the_last_byte_never_overtakes_the_first() {
+    let mut t = trace(1, 120.0, 40);
+    t.truncate(200);
+    for r in &mut t {
+        r.output_tokens = 1;
+    }
+    let mut cfg = config();
+    cfg.network = Network::uniform(1, 0.0, 2.0);
+    cfg.network.regions[0].client_jitter_ms = 5.0;
+    cfg.profiles.truncate(1);
+    let r = run(&cfg, PolicyKind::Gorgo, &t);
+    check_conservation(&cfg, &r, t.len());
+
+    let mut cfg = config();
+    cfg.network.jitter_ms = 30.0;
+    for region in &mut cfg.network.regions {
+        region.client_jitter_ms = 5.0;
+    }
+    for kind in [PolicyKind::Random, PolicyKind::Gorgo] {
+        let r = run(&cfg, kind, &t);
+        check_conservation(&cfg, &r, t.len());
+        assert!(r.counters.forwarded > 0, "{kind}");
+    }
+}
+
 #[test]
 fn live_chains_and_exact_state_conserve_too() {
     let t = trace(9, 60.0, 30);
