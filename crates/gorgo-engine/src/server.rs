@@ -41,7 +41,9 @@ pub struct EmulatorConfig {
     pub model_name: Option<String>,
     /// Prefix-cache block size over prompt bytes (64 bytes = 16 tokens, SGLang-like pages).
     pub block_bytes: usize,
-    /// Requests allowed to wait for admission; beyond it new requests get 503.
+    /// Requests allowed to wait for admission; beyond it new requests get 503. Every
+    /// request waits there before admission, so 0 refuses them all (`gorgo engine`
+    /// refuses `--max-queue 0`).
     pub max_queue: usize,
     /// Largest request body accepted, bytes (413 beyond).
     pub max_body_bytes: usize,
