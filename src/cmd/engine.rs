@@ -20,7 +20,13 @@ pub struct EngineArgs {
     #[arg(long, default_value_t = 64)]
     pub block_bytes: usize,
     /// Requests allowed to wait for admission; beyond it the emulator answers 503.
-    #[arg(long, default_value_t = 1024)]
+    /// At least 1: every request waits in the queue before admission, even on an
+    /// idle engine, so 0 would refuse them all.
+    #[arg(
+        long,
+        default_value_t = 1024,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..)
+    )]
     pub max_queue: usize,
     /// Output tokens when a request sets neither `max_tokens` nor `gorgo_output_tokens`.
     #[arg(long, default_value_t = 128)]
@@ -109,4 +115,28 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
         gorgo_engine::serve_with_kv_events(listener, config, kv_events, shutdown).await?;
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: EngineArgs,
+    }
+
+    fn parse(argv: &[&str]) -> Result<EngineArgs, clap::Error> {
+        Cli::try_parse_from(std::iter::once("engine").chain(argv.iter().copied())).map(|c| c.args)
+    }
+
+    #[test]
+    fn a_queue_limit_of_zero_is_refused_naming_the_flag() {
+        let e = parse(&["--max-queue", "0"]).expect_err("0 is refused");
+        assert!(e.to_string().contains("--max-queue"), "{e}");
+        assert_eq!(parse(&["--max-queue", "1"]).unwrap().max_queue, 1);
+        assert_eq!(parse(&[]).unwrap().max_queue, 1024);
+    }
 }

@@ -27,6 +27,18 @@ struct Node {
     stamp: u64,
 }
 
+/// How much of a prompt the cache holds ([`RadixCache::match_prefix`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixMatch {
+    /// Leading blocks found: the ones a request references while it runs.
+    pub blocks: usize,
+    /// Prompt tokens they serve.
+    pub tokens: u64,
+    /// Tokens of the last matched block that its cached node lacks (it was cached by a
+    /// shorter prompt): the request computes them and grows the node.
+    pub short: u32,
+}
+
 /// Prefix cache over chain blocks with LRU eviction of unreferenced leaves.
 #[derive(Debug, Default, Clone)]
 pub struct RadixCache {
@@ -97,12 +109,33 @@ impl RadixCache {
         self.nodes.get(&hash).map_or(0, |n| n.refs)
     }
 
-    /// How many leading blocks of `hashes` are cached.
-    pub fn match_len(&self, hashes: &[u64]) -> usize {
-        hashes
-            .iter()
-            .take_while(|h| self.nodes.contains_key(h))
-            .count()
+    /// Tokens block `hash` holds (0 when absent).
+    pub fn tokens(&self, hash: u64) -> u32 {
+        self.nodes.get(&hash).map_or(0, |n| n.tokens)
+    }
+
+    /// The cached prefix of a prompt whose blocks are `hashes` holding `block_tokens`.
+    ///
+    /// A hash names a prefix, not its length: a prompt cut short (a trace's block id on
+    /// a shortened last block) caches fewer tokens under a hash than a longer prompt
+    /// puts there. What is reused is the tokens both hold, as a real radix cache reuses
+    /// a common token prefix: of a matched block, the fewer of the node's and the
+    /// prompt's tokens. Where the two differ, the prompts' tokens diverge within the
+    /// block, so matching stops after it.
+    pub fn match_prefix(&self, hashes: &[u64], block_tokens: &[u32]) -> PrefixMatch {
+        let mut m = PrefixMatch::default();
+        for (h, &want) in hashes.iter().zip(block_tokens) {
+            let Some(node) = self.nodes.get(h) else {
+                break;
+            };
+            m.blocks += 1;
+            m.tokens += want.min(node.tokens) as u64;
+            if node.tokens != want {
+                m.short = want.saturating_sub(node.tokens);
+                break;
+            }
+        }
+        m
     }
 
     /// Take a reference on a cached block (a request starts using it).
@@ -147,9 +180,11 @@ impl RadixCache {
     ///
     /// The parent must be cached (and referenced by the caller) unless this is a first
     /// block. If the block is already cached (another request computed it meanwhile) this
-    /// only takes a reference; returns whether new tokens were added to the cache.
+    /// takes a reference and [grows](Self::grow) it to `tokens`; returns whether the
+    /// block is new to the cache.
     pub fn insert(&mut self, hash: u64, parent: Option<u64>, tokens: u32) -> bool {
         if self.acquire(hash) {
+            self.grow(hash, tokens);
             return false;
         }
         if let Some(p) = parent {
@@ -173,6 +208,23 @@ impl RadixCache {
         );
         self.cached_tokens += tokens as u64;
         true
+    }
+
+    /// Make cached block `hash` hold at least `tokens` tokens: a request computed the
+    /// whole of a block that a shorter prompt cached only part of. Without it the
+    /// request's computed tokens would leave its reservation without entering the
+    /// cache, and KV in use would go uncounted. Returns the tokens added.
+    pub fn grow(&mut self, hash: u64, tokens: u32) -> u64 {
+        let Some(node) = self.nodes.get_mut(&hash) else {
+            return 0;
+        };
+        let added = tokens.saturating_sub(node.tokens) as u64;
+        node.tokens += added as u32;
+        self.cached_tokens += added;
+        if node.refs == 0 {
+            self.unreferenced_tokens += added;
+        }
+        added
     }
 
     /// Evict least recently used unreferenced leaves until at least `tokens` tokens

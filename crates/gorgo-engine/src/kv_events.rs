@@ -157,7 +157,9 @@ impl KvPublisher {
 /// The KV events of the engine's cache changes, with blocks of `block_tokens` tokens:
 /// separate from publishing so the engine's driver can encode a step's changes while
 /// the token ids of the requests that made them are still at hand. A stored block is
-/// left out when it is partial or when `tokens_of` lacks its request's token ids.
+/// left out when it is partial or when `tokens_of` lacks its request's token ids (or
+/// some of them: a byte prompt's last block whose bytes end short of a 4-byte id counts
+/// as full but has no ids that hash back to it).
 pub fn encode_changes(
     changes: &[CacheChange],
     tokens_of: &HashMap<u64, Arc<[u32]>>,

@@ -155,8 +155,11 @@ struct Running {
     computed: u64,
     /// Leading chain blocks this request references in the cache.
     held_blocks: usize,
-    /// Tokens of those blocks.
+    /// Tokens of those blocks, as far as the cache holds them.
     held_tokens: u64,
+    /// Tokens of the last held block its cached node lacks (a shorter prompt cached
+    /// it): computed by this request, they grow the node once its prefill has them.
+    short_tail: u64,
     /// KV tokens reserved outside the cache (uncached prompt not yet cached + output).
     reserved: u64,
     /// Tokens of this request in the prefill batch now running.
@@ -295,7 +298,9 @@ impl Engine {
     /// Tokens of the longest prefix of `chain` this engine's cache holds now. For
     /// diagnostics that need the truth no node has (the simulator's `cached_anywhere`).
     pub fn cached_prefix_tokens(&self, chain: &HashChain) -> u64 {
-        chain.prefix_tokens(self.cache.match_len(&chain.hashes))
+        self.cache
+            .match_prefix(&chain.hashes, &chain.block_tokens)
+            .tokens
     }
 
     /// Every block of this engine's cache: (chained hash, tokens), in no order. For
@@ -599,22 +604,23 @@ impl Engine {
                 return;
             }
             let req = &head.req;
-            let matched = self.cache.match_len(&req.chain.hashes);
-            let matched_tokens = req.chain.prefix_tokens(matched);
+            let m = self
+                .cache
+                .match_prefix(&req.chain.hashes, &req.chain.block_tokens);
+            let (matched, matched_tokens) = (m.blocks, m.tokens);
             // A fully cached prompt still computes its last token (as SGLang does).
             let cached = matched_tokens.min(req.prompt_tokens - 1);
             let need = req.prompt_tokens - cached + req.max_output_tokens as u64;
+            // What referencing the matched blocks takes out of the evictable total:
+            // the cached nodes' tokens, whatever the request's own block sizes.
             let unreferenced_matched: u64 = req.chain.hashes[..matched]
                 .iter()
-                .zip(&req.chain.block_tokens)
-                .filter(|(h, _)| self.cache.refs(**h) == 0)
-                .map(|(_, t)| *t as u64)
+                .filter(|h| self.cache.refs(**h) == 0)
+                .map(|h| self.cache.tokens(*h) as u64)
                 .sum();
             let used = self.cache.cached_tokens() + self.private_tokens;
             let free = capacity.saturating_sub(used);
-            // Saturating: the request's own block sizes can differ from the cached
-            // blocks' (a chain cut to a shorter prompt ends in a partial block, and
-            // repeated hashes count twice), so the sum can exceed the evictable total.
+            // Saturating: a hash repeated within a chain counts twice above.
             let reclaimable = self
                 .cache
                 .evictable_tokens()
@@ -641,6 +647,7 @@ impl Engine {
                 computed: cached,
                 held_blocks: matched,
                 held_tokens: matched_tokens,
+                short_tail: m.short as u64,
                 reserved: need,
                 chunk: 0,
                 generated: 0,
@@ -658,9 +665,24 @@ impl Engine {
                 for r in self.running.iter_mut().filter(|r| r.chunk > 0) {
                     r.computed += r.chunk;
                     r.chunk = 0;
-                    // Cache every block now fully computed.
                     let chain = &r.req.chain;
-                    while r.held_blocks < chain.len() {
+                    // A held block cached short by a shorter prompt: once computed in
+                    // full here, the node grows to it and the reservation gives the
+                    // tokens to the cache. (Another request may have grown it first;
+                    // then the cache gains less than the reservation gives back, as
+                    // when a block is computed twice.) No KV event tells it: vLLM's
+                    // events have no such change, and a byte-hashed block never grows
+                    // (its hash covers its bytes).
+                    if r.short_tail > 0 && r.held_tokens + r.short_tail <= r.computed {
+                        let b = r.held_blocks - 1;
+                        self.cache.grow(chain.hashes[b], chain.block_tokens[b]);
+                        r.held_tokens += r.short_tail;
+                        r.reserved -= r.short_tail;
+                        self.private_tokens -= r.short_tail;
+                        r.short_tail = 0;
+                    }
+                    // Cache every block now fully computed, below a whole parent.
+                    while r.short_tail == 0 && r.held_blocks < chain.len() {
                         let tokens = chain.block_tokens[r.held_blocks] as u64;
                         if r.held_tokens + tokens > r.computed {
                             break;

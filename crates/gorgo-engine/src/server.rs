@@ -41,7 +41,9 @@ pub struct EmulatorConfig {
     pub model_name: Option<String>,
     /// Prefix-cache block size over prompt bytes (64 bytes = 16 tokens, SGLang-like pages).
     pub block_bytes: usize,
-    /// Requests allowed to wait for admission; beyond it new requests get 503.
+    /// Requests allowed to wait for admission; beyond it new requests get 503. Every
+    /// request waits there before admission, so 0 refuses them all (`gorgo engine`
+    /// refuses `--max-queue 0`).
     pub max_queue: usize,
     /// Largest request body accepted, bytes (413 beyond).
     pub max_body_bytes: usize,
@@ -359,16 +361,15 @@ async fn drive(
     }
 }
 
-/// A byte prompt as little-endian `u32` "token ids" of 4 bytes each (the last chunk
-/// zero-padded; it only ever falls in a partial block, which is not published).
+/// A byte prompt as little-endian `u32` "token ids" of 4 bytes each. Trailing bytes
+/// short of 4 get no id: the block holding them counts them as a token (the chain
+/// rounds up) but has fewer ids than tokens, so it is not published. A padded id would
+/// publish it with ids that do not hash back to the block's hash, which covers the
+/// bytes as they are.
 fn byte_chunk_ids(bytes: &[u8]) -> Arc<[u32]> {
     bytes
-        .chunks(4)
-        .map(|c| {
-            let mut b = [0u8; 4];
-            b[..c.len()].copy_from_slice(c);
-            u32::from_le_bytes(b)
-        })
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().expect("chunks of 4 bytes")))
         .collect()
 }
 
@@ -902,6 +903,48 @@ mod tests {
         assert_eq!(driver.engine.cached_blocks().count(), 4);
         // And the request's token ids are gone once published.
         assert!(driver.token_ids.is_empty() && driver.aborted.is_empty());
+    }
+
+    /// A node hashes a published block's token ids with the function that hashes a
+    /// tokenised prompt: every published block must hash back to the engine's own
+    /// hash. A prompt whose bytes end short of a 4-byte id has a last block that is
+    /// counted full (its tokens round up) but cannot be published as it is.
+    #[test]
+    fn published_blocks_hash_back_from_their_token_ids() {
+        for len in [61, 62, 63, 254] {
+            let mut profile = Profile::by_name("h200-mistral7b").expect("built-in profile");
+            profile.request_overhead_ms = 0.0;
+            let mut engine = Engine::new(profile);
+            engine.set_record_cache_changes(true);
+            let start = Instant::now();
+            let mut driver = Driver::new(engine, start, Some(16));
+            let bytes = &prompt(3, 64)[..len];
+            let _progress = submit(&mut driver, 1, bytes, start, start);
+            let mut kv = Vec::new();
+            while let Some(wake) = driver.wake() {
+                kv.extend(driver.step(wake));
+            }
+            let (mut hashes, mut ids) = (Vec::new(), Vec::new());
+            for e in &kv {
+                if let KvEvent::BlockStored {
+                    block_hashes,
+                    parent,
+                    token_ids,
+                    ..
+                } = e
+                {
+                    assert_eq!(parent.as_ref(), hashes.last(), "{len} bytes: in order");
+                    hashes.extend(block_hashes);
+                    ids.extend(token_ids);
+                }
+            }
+            assert_eq!(
+                HashChain::from_token_ids(&ids, 16).hashes,
+                hashes,
+                "{len} bytes"
+            );
+            assert_eq!(hashes.len(), len / 64, "{len} bytes: whole blocks only");
+        }
     }
 
     #[test]

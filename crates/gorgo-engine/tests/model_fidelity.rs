@@ -337,6 +337,103 @@ fn chains_longer_than_the_prompt_are_cut_to_it() {
     assert!(engine.stats().cached_tokens <= 600);
 }
 
+/// A trace-style request: block ids `ids` of `block` tokens (a prompt of `tokens`, so
+/// its last block may be shorter than its id's full block), as the simulator builds.
+fn trace_request(id: u64, ids: &[u64], block: u32, tokens: u64, out: u32) -> EngineRequest {
+    EngineRequest {
+        id,
+        chain: HashChain::from_int_block_ids(ids, block, tokens),
+        prompt_tokens: tokens,
+        max_output_tokens: out,
+        arrival_ms: 0.0,
+    }
+}
+
+/// A prompt cut short keeps its last block's id on fewer tokens: a longer prompt with
+/// the same ids reuses only the tokens cached, and a shorter one matching a longer
+/// prompt's block takes out of the evictable total what the cached block holds.
+#[test]
+fn a_block_cached_short_serves_only_the_tokens_it_holds() {
+    let mut engine = Engine::new(small_profile(2000));
+    // A: blocks 1, 2 with 512 + 88 tokens (a prompt clamped to 600).
+    let (_, cached, end) = run_alone(&mut engine, trace_request(1, &[1, 2], 512, 600, 5));
+    assert_eq!(cached, 0);
+    // B: blocks 1, 2, 3 with 512 + 512 + 476: only A's 600 tokens are reusable.
+    let mut b = trace_request(2, &[1, 2, 3], 512, 1500, 5);
+    b.arrival_ms = end + 1.0;
+    let (_, cached, end) = run_alone(&mut engine, b);
+    assert_eq!(cached, 600, "B reuses what A computed, no more");
+    // B computed block 2 in full: the cache holds its whole prompt now.
+    let s = engine.stats();
+    assert_eq!(
+        (s.cached_tokens, s.evictable_tokens, s.used_tokens),
+        (1500, 1500, 0)
+    );
+    let mut again = trace_request(3, &[1, 2, 3], 512, 1500, 5);
+    again.arrival_ms = end + 1.0;
+    let (_, cached, _) = run_alone(&mut engine, again);
+    assert_eq!(cached, 1499);
+
+    // The other order: B first, then A's 88 tokens of block 2 match B's 512.
+    let mut engine = Engine::new(small_profile(2000));
+    let (_, _, end) = run_alone(&mut engine, trace_request(1, &[1, 2, 3], 512, 1500, 5));
+    let mut a = trace_request(2, &[1, 2], 512, 600, 5);
+    a.arrival_ms = end + 1.0;
+    let (_, cached, _) = run_alone(&mut engine, a);
+    assert_eq!(cached, 599);
+    let s = engine.stats();
+    assert_eq!((s.cached_tokens, s.used_tokens), (1500, 0));
+}
+
+/// Submit `reqs` (sorted by arrival) to `engine` and run it dry, checking after every
+/// step that KV in use plus the evictable cache stays within `capacity`; at the end
+/// every request finished with the output it asked for and nothing stays held.
+fn run_within_capacity(
+    engine: &mut Engine,
+    reqs: Vec<EngineRequest>,
+    capacity: u64,
+) -> Result<(), TestCaseError> {
+    let mut want = std::collections::HashMap::new();
+    let mut got = std::collections::HashMap::new();
+    let mut events = Vec::new();
+    for r in reqs {
+        let at = r.arrival_ms;
+        while let Some(t) = engine.next_event_time() {
+            if t > at {
+                break;
+            }
+            engine.step_into(t, &mut events);
+            let s = engine.stats();
+            prop_assert!(s.used_tokens + s.evictable_tokens <= capacity);
+        }
+        want.insert(r.id, r.max_output_tokens);
+        engine.submit(r, at).unwrap();
+        let s = engine.stats();
+        prop_assert!(s.used_tokens + s.evictable_tokens <= capacity);
+    }
+    while let Some(t) = engine.next_event_time() {
+        engine.step_into(t, &mut events);
+        let s = engine.stats();
+        prop_assert!(s.used_tokens + s.evictable_tokens <= capacity);
+    }
+    for e in events {
+        if let EngineEvent::Finished {
+            id, output_tokens, ..
+        } = e
+        {
+            got.insert(id, output_tokens);
+        }
+    }
+    prop_assert_eq!(want, got);
+    let s = engine.stats();
+    prop_assert_eq!(s.used_tokens, 0);
+    prop_assert_eq!(s.evictable_tokens, s.cached_tokens);
+    let blocks: u64 = engine.cached_blocks().map(|(_, t)| t as u64).sum();
+    prop_assert_eq!(blocks, s.cached_tokens);
+    prop_assert_eq!(s.running + s.waiting, 0);
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
     /// Any workload: KV use never exceeds capacity, every request finishes with the
@@ -354,35 +451,41 @@ proptest! {
         let mut engine = Engine::new(p);
         let mut reqs = reqs;
         reqs.sort_by(|a, b| a.3.total_cmp(&b.3));
-        let mut want = std::collections::HashMap::new();
-        let mut got = std::collections::HashMap::new();
-        let mut events = Vec::new();
-        for (i, (family, tokens, out, at)) in reqs.into_iter().enumerate() {
-            while let Some(t) = engine.next_event_time() {
-                if t > at { break; }
-                engine.step_into(t, &mut events);
-            }
-            // Prompts of a family share prefixes of different lengths.
-            let r = request(i as u64, &prompt(family, tokens), out, at);
-            engine.submit(r, at).unwrap();
-            want.insert(i as u64, out);
-            let s = engine.stats();
-            prop_assert!(s.used_tokens + s.evictable_tokens <= capacity);
-        }
-        while let Some(t) = engine.next_event_time() {
-            engine.step_into(t, &mut events);
-            let s = engine.stats();
-            prop_assert!(s.used_tokens + s.evictable_tokens <= capacity);
-        }
-        for e in events {
-            if let EngineEvent::Finished { id, output_tokens, .. } = e {
-                got.insert(id, output_tokens);
-            }
-        }
-        prop_assert_eq!(want, got);
-        let s = engine.stats();
-        prop_assert_eq!(s.used_tokens, 0);
-        prop_assert_eq!(s.evictable_tokens, s.cached_tokens);
-        prop_assert_eq!(s.running + s.waiting, 0);
+        // Prompts of a family share prefixes of different lengths.
+        let reqs = reqs
+            .into_iter()
+            .enumerate()
+            .map(|(i, (family, tokens, out, at))| request(i as u64, &prompt(family, tokens), out, at))
+            .collect();
+        run_within_capacity(&mut engine, reqs, capacity)?;
+    }
+
+    /// The same with trace-style chains: prompts of a family share block ids and have
+    /// random lengths, so a block id is cached short by one prompt and in full by
+    /// another (as a prompt shortened to the context keeps its ids).
+    #[test]
+    fn prompts_sharing_block_ids_at_any_length_stay_within_capacity(
+        reqs in proptest::collection::vec((0u64..3, 1u64..400, 1u32..40, 0.0f64..500.0), 1..40),
+        capacity in 500u64..1500,
+        chunk in 16u64..512,
+        max_running in 1u32..8,
+    ) {
+        let mut p = small_profile(capacity);
+        p.chunked_prefill_size = chunk;
+        p.max_running_requests = max_running;
+        let mut engine = Engine::new(p);
+        let mut reqs = reqs;
+        reqs.sort_by(|a, b| a.3.total_cmp(&b.3));
+        let reqs = reqs
+            .into_iter()
+            .enumerate()
+            .map(|(i, (family, tokens, out, at))| {
+                let ids: Vec<u64> = (0..tokens.div_ceil(64)).map(|b| family * 1000 + b).collect();
+                let mut r = trace_request(i as u64, &ids, 64, tokens, out);
+                r.arrival_ms = at;
+                r
+            })
+            .collect();
+        run_within_capacity(&mut engine, reqs, capacity)?;
     }
 }

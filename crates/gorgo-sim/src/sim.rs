@@ -450,6 +450,9 @@ struct Flight {
     local_engine: Option<usize>,
     /// When its first byte reaches the forwarding node ([`Ev::FirstByte`]), ms.
     first_byte_due_ms: Option<f64>,
+    /// When its first byte reaches the client, ms: one stream's bytes arrive in order,
+    /// so its last byte ([`Ev::Complete`]) arrives no earlier, whatever the jitter.
+    first_byte_at_client_ms: f64,
     /// The cached tokens the client's node believed its chosen candidate holds.
     predicted_cached_tokens: Option<u64>,
     /// The client's node's terms for its chosen candidate and the weights it priced
@@ -927,6 +930,7 @@ impl<'a> Sim<'a> {
             chosen_terms: None,
             offer: None,
             first_byte_due_ms: None,
+            first_byte_at_client_ms: f64::NEG_INFINITY,
             predicted_cached_tokens: None,
             cached_anywhere_tokens: 0,
             first_token_seen: false,
@@ -1678,6 +1682,7 @@ impl<'a> Sim<'a> {
         f.first_token_seen = true;
         f.cached_tokens = cached;
         f.ttft_ms = at + back - f.send_ms;
+        f.first_byte_at_client_ms = at + back;
         let engine_ttft = at - f.dispatched_ms;
         match self.oracle.as_mut() {
             Some(o) => {
@@ -1786,6 +1791,7 @@ impl<'a> Sim<'a> {
                 );
             }
         }
+        let first_at_client = f.first_byte_at_client_ms;
         let mut back = self.client_delay(home);
         if r != home {
             back += self.link_delay(r, home);
@@ -1793,7 +1799,11 @@ impl<'a> Sim<'a> {
                 back += out_tokens as f64 * SSE_BYTES_PER_TOKEN * 8.0 / (rate * 1000.0);
             }
         }
-        self.push(at + back, Ev::Complete(slot));
+        // The last byte follows the first on the same stream: its own delay draws
+        // cannot overtake it. (The forwarding node's first byte, `Ev::FirstByte`, is
+        // due no later than the client's and was scheduled first, so it is handled
+        // before this completion even at the same instant.)
+        self.push((at + back).max(first_at_client), Ev::Complete(slot));
     }
 
     fn release(&mut self, slot: u32) -> Flight {
@@ -1839,6 +1849,11 @@ impl<'a> Sim<'a> {
 
     fn complete(&mut self, slot: u32, now: f64) {
         let mut f = self.release(slot);
+        if f.first_byte_due_ms.is_some() {
+            // The forwarding node would never see the first byte (its tuner and
+            // forward ledger would miss the request): the stream's order was broken.
+            self.out.run.counters.unexpected_events += 1;
+        }
         let e2e = now - f.send_ms;
         if let (Some(open), Some(t)) = (
             f.open.take(),

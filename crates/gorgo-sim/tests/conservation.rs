@@ -378,6 +378,69 @@ fn max_context_shortens_instead_of_failing() {
     );
 }
 
+/// A prompt shortened to the context keeps its block ids, so its last block is cached
+/// short under an id that a longer turn of the same conversation holds in full. The
+/// engines reuse only the tokens a block holds, so no engine's KV ever overflows.
+#[test]
+fn shortened_prompts_sharing_prefixes_never_overflow() {
+    let mut t = trace(2, 120.0, 60);
+    // Three prompt families: every row's blocks are a prefix of its family's ids.
+    for (i, r) in t.iter_mut().enumerate() {
+        let family = i as u64 % 3 * 1_000_000;
+        let blocks = r.input_tokens.div_ceil(u64::from(r.tokens_per_block));
+        r.blocks = gorgo_workload::BlockIds::Int((family..family + blocks).collect());
+    }
+    let mut cfg = config();
+    cfg.max_context_tokens = Some(1199);
+    for p in &mut cfg.profiles {
+        p.max_total_tokens = 2000;
+    }
+    let limit = |out: u32| gorgo_workload::context_prompt_limit(out, 1199);
+    let shortened = t.iter().filter(|r| r.input_tokens > limit(r.output_tokens));
+    assert!(shortened.count() > 100, "the context shortens many prompts");
+    for kind in [PolicyKind::Gorgo, PolicyKind::LeastLoad, PolicyKind::Oracle] {
+        let r = run(&cfg, kind, &t);
+        check_conservation(&cfg, &r, t.len());
+        assert_eq!(r.counters.failed, 0, "{kind}");
+        let rows = r.rows.as_ref().unwrap();
+        assert!(
+            rows.iter().any(|r| r.cached_tokens > 0),
+            "{kind}: prefixes shared"
+        );
+    }
+}
+
+/// One-token answers with client jitter: the first and the last byte of a stream get
+/// their own delay draws, yet the last never arrives before the first (E2E >= TTFT,
+/// which `check_conservation` asserts), served at home or forwarded over jittery links
+/// (where the forwarding node must also see the first byte before the stream ends:
+/// no unexpected event).
+#[test]
+fn the_last_byte_never_overtakes_the_first() {
+    let mut t = trace(1, 120.0, 40);
+    t.truncate(200);
+    for r in &mut t {
+        r.output_tokens = 1;
+    }
+    let mut cfg = config();
+    cfg.network = Network::uniform(1, 0.0, 2.0);
+    cfg.network.regions[0].client_jitter_ms = 5.0;
+    cfg.profiles.truncate(1);
+    let r = run(&cfg, PolicyKind::Gorgo, &t);
+    check_conservation(&cfg, &r, t.len());
+
+    let mut cfg = config();
+    cfg.network.jitter_ms = 30.0;
+    for region in &mut cfg.network.regions {
+        region.client_jitter_ms = 5.0;
+    }
+    for kind in [PolicyKind::Random, PolicyKind::Gorgo] {
+        let r = run(&cfg, kind, &t);
+        check_conservation(&cfg, &r, t.len());
+        assert!(r.counters.forwarded > 0, "{kind}");
+    }
+}
+
 #[test]
 fn live_chains_and_exact_state_conserve_too() {
     let t = trace(9, 60.0, 30);
