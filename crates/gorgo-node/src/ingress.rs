@@ -855,7 +855,22 @@ impl Stream for Tracked {
                                 .state
                                 .tuning
                                 .record_first_token(epoch, *cell, ttft_ms, now_ms, terms);
-                            self.held.lock().open = open;
+                            // The deadline may have taken the upstream since the poll
+                            // above: then nothing will hand the request back, so it is
+                            // abandoned here rather than reported open for the rest of
+                            // the epoch.
+                            let late = {
+                                let mut h = self.held.lock();
+                                if h.upstream.is_some() {
+                                    h.open = open;
+                                    None
+                                } else {
+                                    open
+                                }
+                            };
+                            if let Some(open) = late {
+                                self.state.tuning.abandon(open);
+                            }
                         }
                     }
                 }
