@@ -67,6 +67,10 @@ pub enum TrialHold {
     Settled,
 }
 
+/// Longest switchback block, ms (an hour: longer blocks would leave a window with one
+/// arm). Followers drop a proposal above it, so the config refuses it too.
+pub const MAX_SWITCHBACK_BLOCK_MS: u64 = 3_600_000;
+
 /// Outcomes the 1/5 rule looks at.
 pub const SUCCESS_WINDOW: usize = 8;
 /// Rechenberg's step-size factor.
@@ -377,7 +381,7 @@ impl TuningConfig {
         }
         // Followers ignore a proposal with longer blocks (`Proposal::is_plausible`):
         // a line configured beyond it would never be followed.
-        if !(1..=crate::tuning::MAX_SWITCHBACK_BLOCK_MS).contains(&self.switchback_block_ms) {
+        if !(1..=MAX_SWITCHBACK_BLOCK_MS).contains(&self.switchback_block_ms) {
             return bad(
                 "switchback_block_ms",
                 "must be in 1..=3600000 (at most an hour)",
@@ -1146,7 +1150,7 @@ mod tests {
         // Blocks longer than followers accept (`Proposal::is_plausible`) are refused
         // here, not dropped by every follower.
         let mut cfg = TuningConfig::gorgo();
-        cfg.switchback_block_ms = crate::tuning::MAX_SWITCHBACK_BLOCK_MS;
+        cfg.switchback_block_ms = MAX_SWITCHBACK_BLOCK_MS;
         assert!(cfg.validate().is_ok());
         cfg.switchback_block_ms += 1;
         match cfg.validate() {

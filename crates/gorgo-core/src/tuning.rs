@@ -468,9 +468,9 @@ pub struct Proposal {
 /// `+ 1` of the next epoch or trial.
 pub const MAX_PROPOSAL_COUNTER: u64 = 1 << 48;
 
-/// Bound on a proposal's switchback block length, ms (an hour: longer blocks would
-/// leave a window with one arm).
-pub const MAX_SWITCHBACK_BLOCK_MS: u64 = 3_600_000;
+/// Bound on a proposal's switchback block length, ms: the configuration's own bound,
+/// so that a line the config allows is one followers take.
+pub use crate::es::MAX_SWITCHBACK_BLOCK_MS;
 
 /// Bound on `|e2e_drift|` a proposal may carry (a factor e in p95 E2E).
 pub const MAX_E2E_DRIFT: f64 = 1.0;
