@@ -872,14 +872,20 @@ mod tests {
         progress_rx
     }
 
-    #[test]
-    fn an_abort_that_completes_a_prefill_keeps_its_stored_blocks_events() {
+    /// A driver over the built-in profile without request overhead that records the
+    /// cache's changes and publishes them as KV events in 16-token blocks.
+    fn publishing_driver(start: Instant) -> Driver {
         let mut profile = Profile::by_name("h200-mistral7b").expect("built-in profile");
         profile.request_overhead_ms = 0.0;
         let mut engine = Engine::new(profile);
         engine.set_record_cache_changes(true);
+        Driver::new(engine, start, Some(16))
+    }
+
+    #[test]
+    fn an_abort_that_completes_a_prefill_keeps_its_stored_blocks_events() {
         let start = Instant::now();
-        let mut driver = Driver::new(engine, start, Some(16));
+        let mut driver = publishing_driver(start);
         // 64 tokens: four full 16-token blocks.
         let bytes = prompt(7, 64);
         let _progress = submit(&mut driver, 1, &bytes, start, start);
@@ -912,12 +918,8 @@ mod tests {
     #[test]
     fn published_blocks_hash_back_from_their_token_ids() {
         for len in [61, 62, 63, 254] {
-            let mut profile = Profile::by_name("h200-mistral7b").expect("built-in profile");
-            profile.request_overhead_ms = 0.0;
-            let mut engine = Engine::new(profile);
-            engine.set_record_cache_changes(true);
             let start = Instant::now();
-            let mut driver = Driver::new(engine, start, Some(16));
+            let mut driver = publishing_driver(start);
             let bytes = &prompt(3, 64)[..len];
             let _progress = submit(&mut driver, 1, bytes, start, start);
             let mut kv = Vec::new();

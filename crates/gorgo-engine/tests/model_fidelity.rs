@@ -127,6 +127,14 @@ fn small_profile(capacity: u64) -> Profile {
     p
 }
 
+/// [`small_profile`] with a prefill chunk and a running-request limit of its own.
+fn batching_profile(capacity: u64, chunk: u64, max_running: u32) -> Profile {
+    let mut p = small_profile(capacity);
+    p.chunked_prefill_size = chunk;
+    p.max_running_requests = max_running;
+    p
+}
+
 #[test]
 fn eviction_happens_at_capacity_and_only_to_unreferenced_blocks() {
     let mut engine = Engine::new(small_profile(1000));
@@ -445,10 +453,7 @@ proptest! {
         chunk in 64u64..2048,
         max_running in 1u32..8,
     ) {
-        let mut p = small_profile(capacity);
-        p.chunked_prefill_size = chunk;
-        p.max_running_requests = max_running;
-        let mut engine = Engine::new(p);
+        let mut engine = Engine::new(batching_profile(capacity, chunk, max_running));
         let mut reqs = reqs;
         reqs.sort_by(|a, b| a.3.total_cmp(&b.3));
         // Prompts of a family share prefixes of different lengths.
@@ -470,10 +475,7 @@ proptest! {
         chunk in 16u64..512,
         max_running in 1u32..8,
     ) {
-        let mut p = small_profile(capacity);
-        p.chunked_prefill_size = chunk;
-        p.max_running_requests = max_running;
-        let mut engine = Engine::new(p);
+        let mut engine = Engine::new(batching_profile(capacity, chunk, max_running));
         let mut reqs = reqs;
         reqs.sort_by(|a, b| a.3.total_cmp(&b.3));
         let reqs = reqs
