@@ -16,6 +16,14 @@ pub struct CertsArgs {
     /// Node ids, comma separated (each becomes the TLS name of its certificate).
     #[arg(long, value_delimiter = ',', required = true)]
     pub nodes: Vec<String>,
+    /// Days each node certificate is valid (1 to 36500): re-issue a node under the
+    /// same CA (`--nodes <id>` into the same `--out`) and restart it before then.
+    #[arg(
+        long,
+        default_value_t = gorgo_cluster::NODE_CERT_DAYS,
+        value_parser = clap::value_parser!(u32).range(1..=i64::from(gorgo_cluster::MAX_NODE_CERT_DAYS))
+    )]
+    pub days: u32,
 }
 
 /// Write the CA and node certificates, then list what was written.
@@ -26,7 +34,7 @@ pub fn run(args: CertsArgs) -> anyhow::Result<()> {
         .map(|n| NodeId(n.trim().to_owned()))
         .collect();
     let existing = args.out.join("ca.key").exists();
-    let written = gorgo_cluster::write_cluster_certs(&args.out, &nodes)
+    let written = gorgo_cluster::write_cluster_certs(&args.out, &nodes, args.days)
         .with_context(|| format!("writing certificates to {}", args.out.display()))?;
     let ca = args.out.join("ca.pem");
     if existing {

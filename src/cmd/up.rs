@@ -678,7 +678,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         .iter()
         .map(|r| NodeId(r.name.clone()))
         .collect();
-    gorgo_cluster::write_cluster_certs(&certs, &ids)
+    gorgo_cluster::write_cluster_certs(&certs, &ids, gorgo_cluster::NODE_CERT_DAYS)
         .with_context(|| format!("writing certificates to {}", certs.display()))?;
 
     let mut children = Children {

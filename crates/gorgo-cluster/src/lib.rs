@@ -26,7 +26,7 @@ pub use identity::{MemberId, MAX_SWIM_PACKET};
 pub use state::{ClusterMetrics, PeerEngineView, PeerState, PeerTable, PeerView, RTT_EWMA_ALPHA};
 pub use tls::{
     quinn_client_config, validate_node_id, write_cluster_certs, write_secret, ClusterCa,
-    IssuedNode, NodeCredentials, TlsFiles, CLUSTER_SERVER_NAME,
+    IssuedNode, NodeCredentials, TlsFiles, CLUSTER_SERVER_NAME, MAX_NODE_CERT_DAYS, NODE_CERT_DAYS,
 };
 pub use tokio_util::sync::CancellationToken;
 pub use transport::{MAX_APP_MESSAGE, MAX_GOSSIP_FRAME};

@@ -29,6 +29,15 @@ pub const CLUSTER_SERVER_NAME: &str = "cluster.gorgo.internal";
 /// refused at the handshake, before either misreads the other's messages.
 pub const ALPN: &[u8] = b"gorgo-cluster/9";
 
+/// How long a node certificate is valid by default, in days (`gorgo certs --days`): a
+/// leaked node key is good for this long at most, and a node is re-issued under the
+/// same CA (`gorgo certs --out <dir> --nodes <id>`) and restarted before then.
+pub const NODE_CERT_DAYS: u32 = 365;
+
+/// Most days a node certificate may be valid (a hundred years: anything above is a
+/// typo).
+pub const MAX_NODE_CERT_DAYS: u32 = 36_500;
+
 /// Paths of a node's TLS material on disk, as written by `gorgo certs`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -94,12 +103,17 @@ impl NodeCredentials {
     /// otherwise sit alone, its packets dropped as another node's or its handshakes
     /// failing, with nothing above debug level to say why.
     pub fn check_identity(&self, node: &NodeId) -> Result<()> {
+        self.check_identity_at(node, rustls::pki_types::UnixTime::now())
+    }
+
+    /// [`NodeCredentials::check_identity`] as of `now` (an expired certificate is
+    /// refused, saying so).
+    pub fn check_identity_at(&self, node: &NodeId, now: rustls::pki_types::UnixTime) -> Result<()> {
         use rustls::client::danger::ServerCertVerifier as _;
         let (leaf, intermediates) = self
             .cert_chain
             .split_first()
             .ok_or_else(|| ClusterError::Tls("cert: no certificate".into()))?;
-        let now = rustls::pki_types::UnixTime::now();
         let refused = |e: rustls::Error| {
             ClusterError::Tls(format!("cert: not one the cluster's ca vouches for: {e}"))
         };
@@ -250,11 +264,27 @@ impl ClusterCa {
         self.issuer.key().serialize_pem()
     }
 
-    /// Issue a certificate for `node`, valid as TLS server and client.
+    /// Issue a certificate for `node`, valid as TLS server and client for
+    /// [`NODE_CERT_DAYS`].
     pub fn issue(&self, node: &NodeId) -> Result<IssuedNode> {
+        self.issue_for_days(node, NODE_CERT_DAYS)
+    }
+
+    /// Issue a certificate for `node`, valid as TLS server and client from an hour ago
+    /// (peers' clocks may lag) for `days` days.
+    pub fn issue_for_days(&self, node: &NodeId, days: u32) -> Result<IssuedNode> {
         validate_node_id(node)?;
+        if !(1..=MAX_NODE_CERT_DAYS).contains(&days) {
+            return Err(ClusterError::Config {
+                field: "days",
+                reason: format!("{days}: must be in [1, {MAX_NODE_CERT_DAYS}]"),
+            });
+        }
         let mut params =
             CertificateParams::new(vec![node.0.clone(), CLUSTER_SERVER_NAME.to_owned()])?;
+        let now = time::OffsetDateTime::now_utc();
+        params.not_before = now - time::Duration::hours(1);
+        params.not_after = now + time::Duration::days(i64::from(days));
         params
             .distinguished_name
             .push(DnType::CommonName, node.0.as_str());
@@ -281,8 +311,13 @@ impl ClusterCa {
 /// Write one certificate per node under `out` (`<node>.pem`, `<node>.key`), signed by
 /// the CA in `out` (`ca.pem`, `ca.key`): the one already there, so that nodes added
 /// later join the cluster the earlier ones trust, or a new one where there is none.
-/// Returns the [`TlsFiles`] of each node, in order.
-pub fn write_cluster_certs(out: &Path, nodes: &[NodeId]) -> Result<Vec<(NodeId, TlsFiles)>> {
+/// Each certificate is valid for `days` days. Returns the [`TlsFiles`] of each node,
+/// in order.
+pub fn write_cluster_certs(
+    out: &Path,
+    nodes: &[NodeId],
+    days: u32,
+) -> Result<Vec<(NodeId, TlsFiles)>> {
     if nodes.is_empty() {
         return Err(ClusterError::Config {
             field: "nodes",
@@ -326,7 +361,7 @@ pub fn write_cluster_certs(out: &Path, nodes: &[NodeId]) -> Result<Vec<(NodeId, 
     };
     let mut written = Vec::with_capacity(nodes.len());
     for n in nodes {
-        let issued = ca.issue(n)?;
+        let issued = ca.issue_for_days(n, days)?;
         let cert = out.join(format!("{n}.pem"));
         let key = out.join(format!("{n}.key"));
         std::fs::write(&cert, &issued.cert_pem)?;
@@ -477,7 +512,7 @@ mod tests {
     fn written_certs_load_back() {
         let dir = tempfile::tempdir().unwrap();
         let nodes = vec![NodeId::from("a"), NodeId::from("b")];
-        let files = write_cluster_certs(dir.path(), &nodes).unwrap();
+        let files = write_cluster_certs(dir.path(), &nodes, NODE_CERT_DAYS).unwrap();
         assert_eq!(files.len(), 2);
         for (_, f) in &files {
             let creds = NodeCredentials::load(f).unwrap();
@@ -485,7 +520,9 @@ mod tests {
             server_crypto(&creds).unwrap();
             client_crypto(&creds).unwrap();
         }
-        assert!(write_cluster_certs(dir.path(), &[NodeId::from("Bad Name")]).is_err());
+        assert!(
+            write_cluster_certs(dir.path(), &[NodeId::from("Bad Name")], NODE_CERT_DAYS).is_err()
+        );
     }
 
     /// Adding a node later (`gorgo certs --out certs --nodes d` into the directory of
@@ -494,10 +531,10 @@ mod tests {
     #[test]
     fn a_node_added_later_is_issued_under_the_clusters_ca() {
         let dir = tempfile::tempdir().unwrap();
-        write_cluster_certs(dir.path(), &[NodeId::from("a")]).unwrap();
+        write_cluster_certs(dir.path(), &[NodeId::from("a")], NODE_CERT_DAYS).unwrap();
         let ca_pem = std::fs::read(dir.path().join("ca.pem")).unwrap();
         let ca_key = std::fs::read(dir.path().join("ca.key")).unwrap();
-        let added = write_cluster_certs(dir.path(), &[NodeId::from("d")]).unwrap();
+        let added = write_cluster_certs(dir.path(), &[NodeId::from("d")], NODE_CERT_DAYS).unwrap();
         assert_eq!(std::fs::read(dir.path().join("ca.pem")).unwrap(), ca_pem);
         assert_eq!(std::fs::read(dir.path().join("ca.key")).unwrap(), ca_key);
         let first = TlsFiles {
@@ -520,18 +557,51 @@ mod tests {
     #[test]
     fn half_a_ca_or_a_foreign_key_is_refused() {
         let dir = tempfile::tempdir().unwrap();
-        write_cluster_certs(dir.path(), &[NodeId::from("a")]).unwrap();
+        write_cluster_certs(dir.path(), &[NodeId::from("a")], NODE_CERT_DAYS).unwrap();
         let key = dir.path().join("ca.key");
         let saved = std::fs::read(&key).unwrap();
         std::fs::remove_file(&key).unwrap();
-        let err = write_cluster_certs(dir.path(), &[NodeId::from("b")]).unwrap_err();
+        let err =
+            write_cluster_certs(dir.path(), &[NodeId::from("b")], NODE_CERT_DAYS).unwrap_err();
         assert!(err.to_string().contains("without the other"), "{err}");
         let other = ClusterCa::generate("another").unwrap();
         write_secret(&key, other.key_pem()).unwrap();
-        let err = write_cluster_certs(dir.path(), &[NodeId::from("b")]).unwrap_err();
+        let err =
+            write_cluster_certs(dir.path(), &[NodeId::from("b")], NODE_CERT_DAYS).unwrap_err();
         assert!(err.to_string().contains("does not belong"), "{err}");
         write_secret(&key, saved).unwrap();
-        write_cluster_certs(dir.path(), &[NodeId::from("b")]).unwrap();
+        write_cluster_certs(dir.path(), &[NodeId::from("b")], NODE_CERT_DAYS).unwrap();
+    }
+
+    /// A node certificate expires after the days it was issued for (a leaked key is
+    /// not good for ever), and a node whose certificate has expired is told so at
+    /// start; zero days, or more than a hundred years, is refused.
+    #[test]
+    fn a_node_certificate_expires_after_its_days() {
+        let ca = ClusterCa::generate("ca").unwrap();
+        let a = ca
+            .issue_for_days(&NodeId::from("a"), 2)
+            .unwrap()
+            .credentials;
+        let day = std::time::Duration::from_secs(86_400);
+        let at = |d: std::time::Duration| {
+            rustls::pki_types::UnixTime::since_unix_epoch(
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    + d,
+            )
+        };
+        a.check_identity_at(&NodeId::from("a"), at(day)).unwrap();
+        let err = a
+            .check_identity_at(&NodeId::from("a"), at(3 * day))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("xpired"), "{err}");
+        for days in [0, MAX_NODE_CERT_DAYS + 1] {
+            let err = ca.issue_for_days(&NodeId::from("a"), days).unwrap_err();
+            assert!(err.to_string().contains("`days`"), "{err}");
+        }
     }
 
     /// A node that starts with another node's certificate, or with one from another
