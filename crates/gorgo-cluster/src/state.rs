@@ -583,6 +583,9 @@ pub struct ClusterMetrics {
     /// Handshakes, dialed or accepted, that failed because one side's certificate is
     /// not from the CA the other trusts: a node of another cluster, or a CA replaced.
     pub handshakes_foreign_certificate: AtomicU64,
+    /// Handshakes, dialed or accepted, that failed because one side's certificate has
+    /// expired: a node to re-issue (`gorgo certs --days`) and restart.
+    pub handshakes_expired_certificate: AtomicU64,
     /// "You were declared down" notices foca wanted to send to a member that refuted
     /// its suspicion in time (dropped: see `docs/cluster.md`).
     pub spurious_turn_undead_dropped: AtomicU64,

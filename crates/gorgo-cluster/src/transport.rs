@@ -104,6 +104,8 @@ pub(crate) enum HandshakeRefusal {
     /// The peer's certificate, or ours at the peer, is not signed by the CA the other
     /// side trusts.
     ForeignCertificate,
+    /// The peer's certificate, or ours at the peer, has expired (`gorgo certs --days`).
+    ExpiredCertificate,
 }
 
 impl HandshakeRefusal {
@@ -113,7 +115,8 @@ impl HandshakeRefusal {
         // TLS alerts: unknown_ca (48); decrypt_error (51), which is what a certificate
         // signed by another CA of the same name gets (every `gorgo certs` CA is "gorgo
         // cluster CA": the issuer is found by name, its signature does not verify);
-        // no_application_protocol (120).
+        // certificate_expired (45); no_application_protocol (120).
+        const CERTIFICATE_EXPIRED: u8 = 45;
         const UNKNOWN_CA: u8 = 48;
         const DECRYPT_ERROR: u8 = 51;
         const NO_APPLICATION_PROTOCOL: u8 = 120;
@@ -128,6 +131,8 @@ impl HandshakeRefusal {
             || code == quinn::TransportErrorCode::crypto(DECRYPT_ERROR)
         {
             Some(HandshakeRefusal::ForeignCertificate)
+        } else if code == quinn::TransportErrorCode::crypto(CERTIFICATE_EXPIRED) {
+            Some(HandshakeRefusal::ExpiredCertificate)
         } else {
             None
         }
@@ -142,6 +147,10 @@ impl HandshakeRefusal {
             HandshakeRefusal::ForeignCertificate => {
                 "its certificate and this node's are not from the same cluster CA".to_owned()
             }
+            HandshakeRefusal::ExpiredCertificate => "its certificate or this node's has \
+                expired; re-issue it under the cluster CA (`gorgo certs --out <dir> --nodes \
+                <id>`) and restart that node"
+                .to_owned(),
         }
     }
 }
@@ -487,6 +496,7 @@ impl Transport {
         ClusterMetrics::bump(match refusal {
             HandshakeRefusal::OtherProtocol => &self.metrics.handshakes_other_protocol,
             HandshakeRefusal::ForeignCertificate => &self.metrics.handshakes_foreign_certificate,
+            HandshakeRefusal::ExpiredCertificate => &self.metrics.handshakes_expired_certificate,
         });
         let first = {
             let mut warned = self.warned.lock();
@@ -1123,6 +1133,38 @@ mod tests {
         drop(held);
         assert_eq!(conns.prune_dials(), 1);
         assert_eq!(conns.dial_slots(), 0);
+    }
+
+    /// A handshake's TLS alert tells the causes an operator must act on apart, from
+    /// either side (the alert this side raised, or the one the peer closed with).
+    #[test]
+    fn handshake_refusals_are_told_apart_by_their_alert() {
+        let closed = |alert: u8| {
+            quinn::ConnectionError::ConnectionClosed(quinn::ConnectionClose {
+                error_code: quinn::TransportErrorCode::crypto(alert),
+                frame_type: None,
+                reason: bytes::Bytes::new(),
+            })
+        };
+        assert_eq!(
+            HandshakeRefusal::of(&closed(120)),
+            Some(HandshakeRefusal::OtherProtocol)
+        );
+        for alert in [48, 51] {
+            assert_eq!(
+                HandshakeRefusal::of(&closed(alert)),
+                Some(HandshakeRefusal::ForeignCertificate)
+            );
+        }
+        assert_eq!(
+            HandshakeRefusal::of(&closed(45)),
+            Some(HandshakeRefusal::ExpiredCertificate)
+        );
+        assert_eq!(HandshakeRefusal::of(&closed(40)), None);
+        assert_eq!(
+            HandshakeRefusal::of(&quinn::ConnectionError::TimedOut),
+            None
+        );
     }
 
     /// A caller turned away while a failed dial backs off is told why that dial

@@ -292,6 +292,7 @@ impl PeerSource for ClusterPeers {
                 handshake: load(&m.handshakes_failed),
                 other_protocol: load(&m.handshakes_other_protocol),
                 foreign_certificate: load(&m.handshakes_foreign_certificate),
+                expired_certificate: load(&m.handshakes_expired_certificate),
                 unbound_stream: load(&m.unbound_streams_dropped),
                 excess_connection: load(&m.excess_connections_closed),
             },

@@ -570,6 +570,7 @@ impl NodeState {
             ("handshake", r.handshake),
             ("other_protocol", r.other_protocol),
             ("foreign_certificate", r.foreign_certificate),
+            ("expired_certificate", r.expired_certificate),
             ("unbound_stream", r.unbound_stream),
             ("excess_connection", r.excess_connection),
         ] {

@@ -55,10 +55,11 @@ pub struct PeerLabels {
 pub struct RefusedLabels {
     /// `malformed` (messages that did not decode or were over their cap), `spoofed`
     /// (SWIM packets whose sender is not their connection's certificate),
-    /// `handshake` (connections refused at the handshake), `other_protocol` and
-    /// `foreign_certificate` (handshakes, dialed or accepted, that failed because the
-    /// other node speaks another cluster protocol version, or holds a certificate from
-    /// another CA), `unbound_stream` (streams
+    /// `handshake` (connections refused at the handshake), `other_protocol`,
+    /// `foreign_certificate` and `expired_certificate` (handshakes, dialed or accepted,
+    /// that failed because the other node speaks another cluster protocol version, or
+    /// one side's certificate is from another CA, or has expired), `unbound_stream`
+    /// (streams
     /// on a connection no accepted claim vouches for), `excess_connection` (inbound
     /// connections closed over the per-certificate cap).
     pub what: String,

@@ -181,6 +181,8 @@ pub struct Refused {
     pub other_protocol: u64,
     /// Handshakes (either way) failed for a certificate from another CA.
     pub foreign_certificate: u64,
+    /// Handshakes (either way) failed for an expired certificate.
+    pub expired_certificate: u64,
     /// Streams on a connection no accepted claim vouches for.
     pub unbound_stream: u64,
     /// Inbound connections closed over the per-certificate cap.
