@@ -295,17 +295,35 @@ pub(crate) fn prompt(cfg: &SimConfig, row: &mut TraceRequest) -> (HashChain, u64
         return live_chain(row);
     }
     let mut chain = row.chain();
-    // Blocks listed past the prompt's length (a trace's rounding, or a shortened
-    // prompt) are not part of the prompt.
     let input = row.input_tokens.max(1);
-    while chain.len() > 1 && chain.prefix_tokens(chain.len() - 1) >= input {
-        chain.hashes.pop();
-        chain.block_tokens.pop();
-    }
+    trim_to_prompt(&mut chain, input);
     // Tokens past the chain are computed but never cached; with no block ids the prompt
     // is all "past the chain".
     let prompt_tokens = input.max(chain.total_tokens());
     (chain, prompt_tokens)
+}
+
+/// Drop the blocks listed past a prompt of `input` tokens (a trace's rounding, or a
+/// shortened prompt): keep the fewest blocks, at least one, that reach `input`, or all
+/// of them. One pass: a row may list far more ids than its length needs (a trace's
+/// bad row), and popping one block at a time while re-summing the rest took time
+/// quadratic in them (a million ids on a 1-token row: hours).
+fn trim_to_prompt(chain: &mut HashChain, input: u64) {
+    let mut keep = 1;
+    let mut reached = 0u64;
+    for (i, &tokens) in chain.block_tokens.iter().enumerate() {
+        // The last block stays whatever it holds.
+        if i + 1 >= chain.block_tokens.len() {
+            break;
+        }
+        reached += u64::from(tokens);
+        if reached >= input {
+            break;
+        }
+        keep = i + 2;
+    }
+    chain.hashes.truncate(keep);
+    chain.block_tokens.truncate(keep);
 }
 
 /// The chain and prompt tokens the node computes for the body `gorgo bench` sends.
@@ -2099,5 +2117,42 @@ impl<'a> Sim<'a> {
         c.fitted_base_ms = views().map(|v| v.fit().base_ms()).collect();
         c.view_counters_end = views().map(|v| v.counters()).collect();
         self.out.run
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The one-pass trim keeps what dropping the last block while the others
+        /// still reach the prompt kept (the loop it replaced).
+        #[test]
+        fn trimming_in_one_pass_keeps_what_popping_kept(
+            tokens in proptest::collection::vec(0u32..600, 0..40),
+            input in 1u64..20_000,
+        ) {
+            let ids: Vec<[u8; 8]> = (0..tokens.len() as u64).map(u64::to_be_bytes).collect();
+            let mut chain = HashChain::from_block_ids(&ids, 512, 512 * ids.len() as u64);
+            chain.block_tokens = tokens;
+            let mut popped = chain.clone();
+            while popped.len() > 1 && popped.prefix_tokens(popped.len() - 1) >= input {
+                popped.hashes.pop();
+                popped.block_tokens.pop();
+            }
+            trim_to_prompt(&mut chain, input);
+            prop_assert_eq!(chain, popped);
+        }
+    }
+
+    /// A row listing a million block ids for a one-token prompt keeps one block.
+    #[test]
+    fn a_row_with_far_more_ids_than_tokens_keeps_one_block() {
+        let ids: Vec<[u8; 8]> = (0..1_000_000u64).map(u64::to_be_bytes).collect();
+        let mut chain = HashChain::from_block_ids(&ids, 1, 1_000_000);
+        chain.block_tokens.iter_mut().for_each(|t| *t = 1);
+        trim_to_prompt(&mut chain, 1);
+        assert_eq!(chain.len(), 1);
     }
 }
