@@ -114,13 +114,14 @@ fn unshared_seed(req: &TraceRequest) -> u64 {
 
 /// An OpenAI chat-completions body for the request: the synthesised prompt as the one
 /// (hence last) user message, streaming with usage, `max_tokens` = the trace's output
-/// length. Keeping the content the last part of the rendering is what makes byte-prefix
+/// length, at least 1 (engines refuse 0, and the simulator serves such a row one
+/// token: a live replay must send what it simulates). Keeping the content the last part of the rendering is what makes byte-prefix
 /// equality of prompts prefix equality of the node's canonical rendering.
 pub fn chat_body(req: &TraceRequest, model: &str) -> Value {
     json!({
         "model": model,
         "messages": [{"role": "user", "content": synthesize_prompt(req)}],
-        "max_tokens": req.output_tokens,
+        "max_tokens": req.output_tokens.max(1),
         "stream": true,
         "stream_options": {"include_usage": true},
     })
@@ -166,6 +167,10 @@ mod tests {
         assert_eq!(body["stream"], true);
         assert_eq!(body["stream_options"]["include_usage"], true);
         assert_eq!(body["messages"][0]["content"].as_str().unwrap().len(), 40);
+        // A row of no output asks for one token, as the simulator serves it.
+        let mut none = req(vec![7], 10);
+        none.output_tokens = 0;
+        assert_eq!(chat_body(&none, "m")["max_tokens"], 1);
     }
 
     proptest::proptest! {
