@@ -170,10 +170,39 @@ impl GeneratorConfig {
                 "followup_message_median_tokens",
                 self.followup_message_median_tokens,
             ),
+            (
+                "answer_context_median_tokens",
+                self.answer_context_median_tokens,
+            ),
         ];
         for (field, v) in positive {
             if !(v.is_finite() && v > 0.0) {
                 return bad(field, "must be a positive number");
+            }
+        }
+        // A trace row holds at most `read::MAX_INPUT_TOKENS` of input: a generator
+        // whose medians or cap go past it would write rows its own reader refuses.
+        let limit = crate::read::MAX_INPUT_TOKENS;
+        for (field, v) in [
+            (
+                "system_prompt_median_tokens",
+                self.system_prompt_median_tokens,
+            ),
+            (
+                "first_message_median_tokens",
+                self.first_message_median_tokens,
+            ),
+            (
+                "followup_message_median_tokens",
+                self.followup_message_median_tokens,
+            ),
+            (
+                "answer_context_median_tokens",
+                self.answer_context_median_tokens,
+            ),
+        ] {
+            if v > limit as f64 {
+                return bad(field, &format!("at most {limit} tokens"));
             }
         }
         let sigmas = [
@@ -242,8 +271,11 @@ impl GeneratorConfig {
         if self.tokens_per_block == 0 {
             return bad("tokens_per_block", "must be positive");
         }
-        if self.max_input_tokens == 0 {
-            return bad("max_input_tokens", "must be positive");
+        if self.max_input_tokens == 0 || self.max_input_tokens > limit {
+            return bad("max_input_tokens", &format!("must be in [1, {limit}]"));
+        }
+        if u64::from(self.tokens_per_block) > limit {
+            return bad("tokens_per_block", &format!("at most {limit}"));
         }
         Ok(())
     }
@@ -429,7 +461,11 @@ pub fn generate(config: &GeneratorConfig) -> Result<Vec<TraceRequest>> {
                     id: fresh(),
                     tokens: msg,
                 });
-                let input: u64 = segments.iter().map(|s| s.tokens).sum();
+                // Saturating: a segment's sampled length is a float cast, which a
+                // long lognormal tail takes to u64::MAX.
+                let input: u64 = segments
+                    .iter()
+                    .fold(0u64, |sum, s| sum.saturating_add(s.tokens));
                 if t_s >= c.duration_s || input > c.max_input_tokens {
                     break;
                 }
@@ -553,6 +589,45 @@ mod tests {
         let short = block_ids(&a, 300, 256);
         assert_eq!(short[0], ia[0]);
         assert_ne!(short[1], ia[1]);
+    }
+
+    /// A generator config that would write rows its own reader refuses (an input over
+    /// the trace limit), or sample from a median of zero, is refused naming the field.
+    #[test]
+    fn configs_past_what_a_trace_row_holds_are_refused() {
+        for (cfg, field) in [
+            (
+                GeneratorConfig {
+                    answer_context_median_tokens: 0.0,
+                    ..Default::default()
+                },
+                "answer_context_median_tokens",
+            ),
+            (
+                GeneratorConfig {
+                    max_input_tokens: 50_000_000,
+                    ..Default::default()
+                },
+                "max_input_tokens",
+            ),
+            (
+                GeneratorConfig {
+                    system_prompt_median_tokens: 1e30,
+                    ..Default::default()
+                },
+                "system_prompt_median_tokens",
+            ),
+            (
+                GeneratorConfig {
+                    tokens_per_block: u32::MAX,
+                    ..Default::default()
+                },
+                "tokens_per_block",
+            ),
+        ] {
+            let e = cfg.validate().unwrap_err().to_string();
+            assert!(e.contains(field), "{field}: {e}");
+        }
     }
 
     #[test]
