@@ -466,7 +466,7 @@ pub fn parse_datetime_ms(s: &str) -> std::result::Result<u64, String> {
     // Years outside 1970-9999 are no trace's (and far ones would overflow the sums).
     if !(1970..=9999).contains(&y)
         || !(1..=12).contains(&m)
-        || !(1..=31).contains(&day)
+        || !(1..=gorgo_core::calendar::days_in_month(y, m)).contains(&day)
         || hh > 23
         || mm > 59
         || ss > 60
@@ -505,6 +505,10 @@ mod tests {
         assert!(row(r#"{"timestamp":5,"input_length":10,"output_length":1}"#).is_ok());
         assert!(parse_datetime_ms("300000000-01-01 00:00:00").is_err());
         assert!(parse_datetime_ms("9999-12-31 23:59:59").is_ok());
+        // A day the month does not have is an error, not a day of the next month.
+        assert!(parse_datetime_ms("2023-02-30 12:00:00").is_err());
+        assert!(parse_datetime_ms("2023-04-31 00:00:00").is_err());
+        assert!(parse_datetime_ms("2024-02-29 00:00:00").is_ok());
     }
 
     #[test]
