@@ -153,11 +153,9 @@ impl GeneratorConfig {
                 reason: reason.to_owned(),
             })
         };
-        let positive = [
-            ("duration_s", self.duration_s),
-            ("requests_per_user", self.requests_per_user),
-            ("multi_turn_mean_turns", self.multi_turn_mean_turns),
-            ("think_time_median_s", self.think_time_median_s),
+        // Token medians: positive, and at most what a trace row holds of input
+        // (`read::MAX_INPUT_TOKENS`), or the generator writes rows its own reader refuses.
+        let token_medians = [
             (
                 "system_prompt_median_tokens",
                 self.system_prompt_median_tokens,
@@ -175,32 +173,19 @@ impl GeneratorConfig {
                 self.answer_context_median_tokens,
             ),
         ];
-        for (field, v) in positive {
+        let positive = [
+            ("duration_s", self.duration_s),
+            ("requests_per_user", self.requests_per_user),
+            ("multi_turn_mean_turns", self.multi_turn_mean_turns),
+            ("think_time_median_s", self.think_time_median_s),
+        ];
+        for (field, v) in positive.into_iter().chain(token_medians) {
             if !(v.is_finite() && v > 0.0) {
                 return bad(field, "must be a positive number");
             }
         }
-        // A trace row holds at most `read::MAX_INPUT_TOKENS` of input: a generator
-        // whose medians or cap go past it would write rows its own reader refuses.
         let limit = crate::read::MAX_INPUT_TOKENS;
-        for (field, v) in [
-            (
-                "system_prompt_median_tokens",
-                self.system_prompt_median_tokens,
-            ),
-            (
-                "first_message_median_tokens",
-                self.first_message_median_tokens,
-            ),
-            (
-                "followup_message_median_tokens",
-                self.followup_message_median_tokens,
-            ),
-            (
-                "answer_context_median_tokens",
-                self.answer_context_median_tokens,
-            ),
-        ] {
+        for (field, v) in token_medians {
             if v > limit as f64 {
                 return bad(field, &format!("at most {limit} tokens"));
             }
