@@ -367,11 +367,41 @@ fn check_input_length(tokens: u64) -> std::result::Result<(), String> {
     Ok(())
 }
 
+/// A JSON row, an error naming the field it is about and the column, not serde's own
+/// "at line 1 column N" (the row is always line 1 of its own text; the caller adds the
+/// file's line).
+fn parse_row_json<T: serde::de::DeserializeOwned>(text: &str) -> std::result::Result<T, String> {
+    let mut de = serde_json::Deserializer::from_str(text);
+    let row = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        describe_json_error(Some(path).filter(|p| p != "."), &e.into_inner())
+    })?;
+    de.end().map_err(|e| describe_json_error(None, &e))?;
+    Ok(row)
+}
+
+/// serde_json's message without its "at line 1 column N", the column first and the
+/// field (when known) named.
+fn describe_json_error(field: Option<String>, e: &serde_json::Error) -> String {
+    let full = e.to_string();
+    let position = format!(" at line {} column {}", e.line(), e.column());
+    let what = full.strip_suffix(&position).unwrap_or(&full);
+    let column = if e.column() > 0 {
+        format!("column {}: ", e.column())
+    } else {
+        String::new()
+    };
+    match field {
+        Some(f) => format!("{column}`{f}`: {what}"),
+        None => format!("{column}{what}"),
+    }
+}
+
 fn parse_json_row(
     text: &str,
     format: TraceFormat,
 ) -> std::result::Result<(TraceRequest, u64), String> {
-    let row: JsonRow = serde_json::from_str(text).map_err(|e| e.to_string())?;
+    let row: JsonRow = parse_row_json(text)?;
     if !row.timestamp.is_finite() || !(0.0..=MAX_TIMESTAMP_MS).contains(&row.timestamp) {
         return Err(format!(
             "timestamp {} is not a number of ms in [0, {MAX_TIMESTAMP_MS}]",
@@ -503,6 +533,19 @@ mod tests {
             row(r#"{"timestamp":0,"input_length":10,"output_length":1,"block_tokens":4294967295}"#);
         assert!(e.unwrap_err().contains("block_tokens"));
         assert!(row(r#"{"timestamp":5,"input_length":10,"output_length":1}"#).is_ok());
+        // A wrong type names its field and the column, not serde's "line 1" (the
+        // caller prefixes the file's line).
+        let e = row(r#"{"timestamp":0,"input_length":"ten","output_length":1}"#).unwrap_err();
+        assert!(e.contains("`input_length`") && e.contains("column"), "{e}");
+        assert!(!e.contains("line 1"), "{e}");
+        let e = row(r#"{"timestamp":0,"input_length":10,"output_length":1,"hash_ids":[1,"a"]}"#)
+            .unwrap_err();
+        assert!(e.contains("`hash_ids`"), "{e}");
+        let e = row(r#"{"timestamp":0,"input_length":10,"output_length":1} x"#).unwrap_err();
+        assert!(
+            e.contains("trailing characters") && !e.contains("line 1"),
+            "{e}"
+        );
         assert!(parse_datetime_ms("300000000-01-01 00:00:00").is_err());
         assert!(parse_datetime_ms("9999-12-31 23:59:59").is_ok());
         // A day the month does not have is an error, not a day of the next month.
