@@ -22,6 +22,10 @@ pub use gorgo_core::headers::{
     HOPS_HEADER, POLICY_HEADER, PREDICTED_TTFT_HEADER, SERVED_BY_HEADER, SESSION_HEADER,
 };
 
+/// What an error event's message is prefixed with in [`Measured::error`]: the report
+/// tells the node's timeout events by it.
+pub(crate) const ERROR_EVENT: &str = "error event: ";
+
 /// Cap on the error body read from a failed response, bytes: the read stops there
 /// (a large or endless error body is never buffered, nor waited for).
 const MAX_ERROR_BODY: usize = 512;
@@ -244,7 +248,7 @@ fn absorb(m: &mut Measured, events: &mut Vec<SseEvent>, t0: Instant) -> bool {
                     m.cached_tokens = c.cached_tokens;
                 }
                 if let Some(e) = c.error {
-                    m.error.get_or_insert(format!("error event: {e}"));
+                    m.error.get_or_insert(format!("{ERROR_EVENT}{e}"));
                 }
             }
         }
