@@ -571,7 +571,7 @@ mod tests {
             // Not timeouts: an engine failure, another error event, a cancelled request.
             r#"HTTP 502: {"error":{"message":"engine failed","type":"server_error","param":null,"code":"engine_failed"}}"#,
             "error event: upstream closed",
-            "cancelled: the replay was stopped",
+            "cancelled: stopped before it completed",
         ];
         let outcomes: Vec<RequestOutcome> = errors
             .iter()
