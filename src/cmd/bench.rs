@@ -183,6 +183,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         gorgo_bench::cluster::write_jsonl(&path, &es_trace)
             .with_context(|| format!("writing {}", path.display()))?;
     }
+    let interrupted = output.cancelled;
     let runs = vec![PolicyRun {
         policy: label,
         regions: cluster.region_names(),
@@ -192,7 +193,8 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     cfg["command"] = "bench".into();
     cfg["trace"] = args.trace.display().to_string().into();
     cfg["cluster"] = serde_json::to_value(&cluster)?;
-    finish(&args.out, cfg, &runs)
+    let table = gorgo_bench::report::write_report(&args.out, cfg, &runs)?;
+    finish(&args.out, &table, &runs, interrupted)
 }
 
 /// Arguments of `gorgo compare`.
@@ -304,11 +306,15 @@ fn compare_and_report(
     cfg["engine_max_running"] = args.engine_max_running.into();
     let requests = Arc::new(requests);
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
-    let runs = runtime.block_on(async {
+    let comparison = runtime.block_on(async {
         let cancel = cancel_on_ctrl_c();
         gorgo_bench::compare(&spec, requests, cancel).await
     })?;
-    finish(&out, cfg, &runs)
+    if comparison.runs.is_empty() {
+        anyhow::bail!("interrupted before any policy finished: no report");
+    }
+    let table = gorgo_bench::report::write_comparison_report(&out, cfg, &comparison)?;
+    finish(&out, &table, &comparison.runs, comparison.interrupted())
 }
 
 /// Arguments of `gorgo demo` (all optional: the demo needs none).
@@ -448,13 +454,14 @@ fn cancel_on_ctrl_c() -> CancellationToken {
     cancel
 }
 
-/// Write the report and print the table.
-fn finish(out: &Path, cfg: serde_json::Value, runs: &[PolicyRun]) -> anyhow::Result<()> {
-    let table = gorgo_bench::report::write_report(out, cfg, runs)?;
+/// Print the table of the report written to `out`; an error (a non-zero exit) when
+/// the run was `interrupted`: the report covers only what finished (its
+/// `config.cancelled` names what was cut short).
+fn finish(out: &Path, table: &str, runs: &[PolicyRun], interrupted: bool) -> anyhow::Result<()> {
     println!("{table}");
     let failed: usize = runs.iter().map(|r| r.output.failed()).sum();
     println!("report: {}", out.display());
-    if runs.iter().any(|r| r.output.cancelled) {
+    if interrupted {
         anyhow::bail!("interrupted: the report covers what finished");
     }
     if failed > 0 {

@@ -61,18 +61,40 @@ pub struct PolicyRun {
     pub tuning: Vec<serde_json::Value>,
 }
 
+/// What a comparison produced. An interrupt is not an error: the policies that
+/// finished are kept, and what the interrupt cut short is said.
+#[derive(Debug, Clone)]
+pub struct Comparison {
+    /// The policies that ran, in order: complete, or stopped during their replay
+    /// (`output.cancelled`, what they measured until then kept).
+    pub runs: Vec<PolicyRun>,
+    /// The policies an interrupt kept from running (their cluster never came up, or
+    /// was still coming up), in order; empty unless interrupted.
+    pub not_run: Vec<String>,
+}
+
+impl Comparison {
+    /// An interrupt cut the comparison short (a replay stopped, or a policy never
+    /// ran): its report covers what finished, and must say so.
+    pub fn interrupted(&self) -> bool {
+        !self.not_run.is_empty() || self.runs.iter().any(|r| r.output.cancelled)
+    }
+}
+
 /// The fewest ports between two clusters' blocks: a block is 7 ports (the node, its
 /// admin API, the engine, the client and QUIC relays, the QUIC endpoint, and region
 /// 0's netem control API; docs/netem.md).
 const MIN_PORT_STRIDE: u16 = 7;
 
 /// Run the comparison. Stops (tearing everything down) when `cancel` fires, returning
-/// the policies that finished.
+/// the policies that finished, the one whose replay it stopped, and those it kept from
+/// running ([`Comparison::interrupted`]); only a failure (a cluster that does not come
+/// up or go down, a bad spec) is an error.
 pub async fn compare(
     spec: &CompareSpec,
     requests: Arc<Vec<TraceRequest>>,
     cancel: CancellationToken,
-) -> Result<Vec<PolicyRun>, BenchError> {
+) -> Result<Comparison, BenchError> {
     if spec.policies.is_empty() {
         return Err(BenchError::InvalidConfig {
             field: "policies",
@@ -130,19 +152,32 @@ pub async fn compare(
     let mut runs = Vec::new();
     if sequential {
         for (k, policy) in spec.policies.iter().enumerate() {
-            let cluster = start(&up_options(k, policy), &cancel).await?;
+            // An interrupt after a replay returned (while its tuning was read or its
+            // cluster went down) lets that run stand and runs no more.
+            let Some(cluster) = start(&up_options(k, policy), &cancel).await? else {
+                return Ok(Comparison {
+                    runs,
+                    not_run: spec.policies[k..].to_vec(),
+                });
+            };
             let run = run_policy(spec, policy, &cluster, requests.clone(), &cancel).await?;
             cluster.down()?;
             runs.push(run);
-            if cancel.is_cancelled() {
-                break;
-            }
         }
     } else {
         let mut clusters = Vec::new();
         for (k, policy) in spec.policies.iter().enumerate() {
-            // A failure here drops the clusters already up, which tears them down.
-            clusters.push(start(&up_options(k, policy), &cancel).await?);
+            // A failure or an interrupt here drops the clusters already up, which tears
+            // them down; no replay has run.
+            match start(&up_options(k, policy), &cancel).await? {
+                Some(cluster) => clusters.push(cluster),
+                None => {
+                    return Ok(Comparison {
+                        runs,
+                        not_run: spec.policies.clone(),
+                    })
+                }
+            }
         }
         let replays = spec
             .policies
@@ -163,14 +198,25 @@ pub async fn compare(
             return Err(e);
         }
     }
-    Ok(runs)
+    Ok(Comparison {
+        runs,
+        not_run: Vec::new(),
+    })
 }
 
-async fn start(opts: &UpOptions, cancel: &CancellationToken) -> Result<RunningCluster, BenchError> {
-    tracing::info!(policy = %opts.policy, run_dir = %opts.run_dir.display(), "starting cluster");
+/// Bring one cluster up; `None` when `cancel` fires first (or had fired: no cluster is
+/// started after an interrupt), the partial cluster then torn down.
+async fn start(
+    opts: &UpOptions,
+    cancel: &CancellationToken,
+) -> Result<Option<RunningCluster>, BenchError> {
     tokio::select! {
-        r = RunningCluster::up(opts) => r,
-        _ = cancel.cancelled() => Err(BenchError::Cluster { action: "up", reason: "cancelled".into() }),
+        biased;
+        _ = cancel.cancelled() => Ok(None),
+        r = async {
+            tracing::info!(policy = %opts.policy, run_dir = %opts.run_dir.display(), "starting cluster");
+            RunningCluster::up(opts).await
+        } => r.map(Some),
     }
 }
 

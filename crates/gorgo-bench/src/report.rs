@@ -16,7 +16,7 @@ use gorgo_core::{percentile, LatencyStats};
 use gorgo_report::{render_table, Report, RequestRecord};
 use serde::Serialize;
 
-use crate::compare::PolicyRun;
+use crate::compare::{Comparison, PolicyRun};
 use crate::replay::RequestOutcome;
 use crate::BenchError;
 
@@ -263,8 +263,30 @@ fn failure_summary(outcomes: &[RequestOutcome]) -> serde_json::Value {
 /// a last column `slip_ms`.
 pub fn write_report(
     out: &Path,
+    config: serde_json::Value,
+    runs: &[PolicyRun],
+) -> Result<String, BenchError> {
+    write_runs(out, config, runs, &[])
+}
+
+/// [`write_report`] of a comparison: its runs, and in `config.cancelled`, after the
+/// policies whose replay was interrupted, those the interrupt kept from running (in
+/// `config.policies` if the caller lists them there, absent from `policies`), so an
+/// interrupted comparison's report never reads as complete.
+pub fn write_comparison_report(
+    out: &Path,
+    config: serde_json::Value,
+    comparison: &Comparison,
+) -> Result<String, BenchError> {
+    write_runs(out, config, &comparison.runs, &comparison.not_run)
+}
+
+/// [`write_report`], `not_run` (policies that never ran) added to `"cancelled"`.
+fn write_runs(
+    out: &Path,
     mut config: serde_json::Value,
     runs: &[PolicyRun],
+    not_run: &[String],
 ) -> Result<String, BenchError> {
     let mut slip = serde_json::Map::new();
     let mut started = serde_json::Map::new();
@@ -294,6 +316,7 @@ pub fn write_report(
         }
         records.extend(outcomes.iter().map(|o| to_record(&run.policy, o)));
     }
+    cancelled.extend(not_run.iter().cloned());
     if let Some(obj) = config.as_object_mut() {
         obj.insert("slip_ms".into(), serde_json::Value::Object(slip));
         obj.insert("failures".into(), serde_json::Value::Object(failures));

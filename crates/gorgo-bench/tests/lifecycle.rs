@@ -4,74 +4,15 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::stub::{calls, fake_gorgo, requests};
 use common::Server;
 use gorgo_bench::{
     compare, BenchError, CancellationToken, CompareSpec, LoadMode, ReplayConfig, RunningCluster,
     UpOptions,
 };
-use gorgo_workload::{BlockIds, TraceRequest};
-
-fn fake_gorgo(dir: &Path, url: &str) -> PathBuf {
-    let log = dir.join("calls.log");
-    let script = format!(
-        r#"#!/bin/sh
-cmd="$1"; shift
-if [ "$1" = "--help" ]; then echo "      --base-port <PORT>"; exit 0; fi
-dir=""; port="-"; policy=""
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --run-dir) dir="$2"; shift ;;
-    --base-port) port="$2"; shift ;;
-    --policy) policy="$2"; shift ;;
-  esac
-  shift
-done
-case "$cmd" in
-  up)
-    echo "up $policy $port" >> "{log}"
-    if [ "$policy" = "broken" ]; then echo "engine failed to start" >&2; exit 3; fi
-    printf '{{"admin_token":"t","regions":[{{"name":"us","client_url":"{url}","admin_url":"{url}"}},{{"name":"eu","client_url":"{url}/"}}]}}' > "$dir/cluster.json" ;;
-  down) echo "down $dir" >> "{log}" ;;
-esac
-"#,
-        log = log.display()
-    );
-    let path = dir.join("gorgo");
-    std::fs::write(&path, script).unwrap();
-    let mut perm = std::fs::metadata(&path).unwrap().permissions();
-    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
-    std::fs::set_permissions(&path, perm).unwrap();
-    path
-}
-
-fn calls(dir: &Path) -> Vec<String> {
-    std::fs::read_to_string(dir.join("calls.log"))
-        .unwrap_or_default()
-        .lines()
-        .map(str::to_owned)
-        .collect()
-}
-
-fn requests(n: usize) -> Vec<TraceRequest> {
-    (0..n)
-        .map(|i| TraceRequest {
-            timestamp_ms: i as u64 * 10,
-            input_tokens: 64,
-            output_tokens: 3,
-            blocks: BlockIds::Int(vec![1, i as u64 + 2]),
-            tokens_per_block: 32,
-            user: Some(format!("u{}", i % 3)),
-            session: None,
-            home_region: None,
-            request_id: None,
-            system_prompt_hash: None,
-        })
-        .collect()
-}
 
 // One test function: every step spawns the script, and running them serially avoids
 // the fork-while-writing race (ETXTBSY) between test threads.
@@ -132,9 +73,11 @@ async fn clusters_come_up_and_always_go_down() {
         ignore_eos: true,
         progress: None,
     };
-    let runs = compare(&spec, Arc::new(requests(8)), CancellationToken::new())
+    let cmp = compare(&spec, Arc::new(requests(8)), CancellationToken::new())
         .await
         .unwrap();
+    assert!(!cmp.interrupted() && cmp.not_run.is_empty());
+    let runs = cmp.runs;
     assert_eq!(runs.len(), 2);
     for run in &runs {
         assert_eq!(run.output.outcomes.len(), 8);
@@ -184,7 +127,8 @@ async fn clusters_come_up_and_always_go_down() {
     };
     let runs = compare(&sequential, Arc::new(requests(3)), CancellationToken::new())
         .await
-        .unwrap();
+        .unwrap()
+        .runs;
     assert_eq!(
         runs.iter().map(|r| r.output.outcomes.len()).sum::<usize>(),
         6

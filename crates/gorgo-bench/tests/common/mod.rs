@@ -1,5 +1,8 @@
-//! A tiny OpenAI-style SSE server for the tests, bound to 127.0.0.1:0.
+//! Test helpers: a tiny OpenAI-style SSE server bound to 127.0.0.1:0, and ([`stub`]) a
+//! stand-in `gorgo` binary.
 #![allow(dead_code)]
+
+pub mod stub;
 
 use axum::body::Body;
 use axum::http::{HeaderMap, StatusCode};
