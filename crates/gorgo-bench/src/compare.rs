@@ -35,6 +35,11 @@ pub struct CompareSpec {
     pub base_port: u16,
     /// Ports between the blocks of two clusters.
     pub port_stride: u16,
+    /// Ports one cluster takes from its base port on a region's address, as `gorgo up`
+    /// lays them out with `up_args` (7 for one engine a region, more with
+    /// `--replicas`: the binary's `cmd::up::cluster_port_span`, the one place that
+    /// knows the layout): clusters' blocks closer than this overlap.
+    pub cluster_ports: u32,
     /// Give up on one `gorgo up` after this long.
     pub up_timeout: Duration,
     /// How the workload is offered (the same for every policy).
@@ -45,6 +50,57 @@ pub struct CompareSpec {
     pub ignore_eos: bool,
     /// Progress bars, one per policy; nothing is drawn when `None`.
     pub progress: Option<indicatif::MultiProgress>,
+}
+
+impl CompareSpec {
+    /// Refuse a spec that cannot run, before anything starts: no policy, a policy
+    /// listed twice or not a name, clusters' port blocks that overlap or run past the
+    /// last port.
+    pub fn validate(&self) -> Result<(), BenchError> {
+        if self.policies.is_empty() {
+            return Err(BenchError::InvalidConfig {
+                field: "policies",
+                reason: "no policy given".into(),
+            });
+        }
+        for (i, p) in self.policies.iter().enumerate() {
+            if self.policies[..i].contains(p) {
+                return Err(BenchError::InvalidConfig {
+                    field: "policies",
+                    reason: format!(
+                        "`{p}` listed twice (each policy gets one cluster and run dir)"
+                    ),
+                });
+            }
+            if p.is_empty() || p.contains(['/', '\\']) || p == "." || p == ".." {
+                return Err(BenchError::InvalidConfig {
+                    field: "policies",
+                    reason: format!("`{p}` is not a policy name"),
+                });
+            }
+        }
+        // Each cluster's block of ports on a region's address runs from its base over
+        // `cluster_ports` ports: blocks closer than that overlap, and the last block
+        // must end at 65,535 at most.
+        let last_base = u64::from(self.base_port)
+            + u64::from(self.port_stride) * (self.policies.len().saturating_sub(1) as u64);
+        let overlap = self.policies.len() > 1 && u32::from(self.port_stride) < self.cluster_ports;
+        if overlap || last_base + u64::from(self.cluster_ports) > 65_536 {
+            let reason = format!(
+                "clusters' port blocks ({} ports each from --base-port {}, --port-stride {} \
+                 apart, {} clusters) overlap or run past 65535",
+                self.cluster_ports,
+                self.base_port,
+                self.port_stride,
+                self.policies.len()
+            );
+            return Err(BenchError::InvalidConfig {
+                field: "port_stride",
+                reason,
+            });
+        }
+        Ok(())
+    }
 }
 
 /// One policy's measured replay.
@@ -81,11 +137,6 @@ impl Comparison {
     }
 }
 
-/// The fewest ports between two clusters' blocks: a block is 7 ports (the node, its
-/// admin API, the engine, the client and QUIC relays, the QUIC endpoint, and region
-/// 0's netem control API; docs/netem.md).
-const MIN_PORT_STRIDE: u16 = 7;
-
 /// Run the comparison. Stops (tearing everything down) when `cancel` fires, returning
 /// the policies that finished, the one whose replay it stopped, and those it kept from
 /// running ([`Comparison::interrupted`]); only a failure (a cluster that does not come
@@ -95,42 +146,7 @@ pub async fn compare(
     requests: Arc<Vec<TraceRequest>>,
     cancel: CancellationToken,
 ) -> Result<Comparison, BenchError> {
-    if spec.policies.is_empty() {
-        return Err(BenchError::InvalidConfig {
-            field: "policies",
-            reason: "no policy given".into(),
-        });
-    }
-    for (i, p) in spec.policies.iter().enumerate() {
-        if spec.policies[..i].contains(p) {
-            return Err(BenchError::InvalidConfig {
-                field: "policies",
-                reason: format!("`{p}` listed twice (each policy gets one cluster and run dir)"),
-            });
-        }
-        if p.is_empty() || p.contains(['/', '\\']) || p == "." || p == ".." {
-            return Err(BenchError::InvalidConfig {
-                field: "policies",
-                reason: format!("`{p}` is not a policy name"),
-            });
-        }
-    }
-    // Each cluster's block of ports on a region's address runs from its base to
-    // base + 6 (the netem control API on region 0's): blocks closer than 7 overlap,
-    // and the last block must fit below 65,536.
-    let last_base = u32::from(spec.base_port)
-        + u32::from(spec.port_stride) * (spec.policies.len().saturating_sub(1) as u32);
-    if (spec.policies.len() > 1 && spec.port_stride < MIN_PORT_STRIDE) || last_base + 6 > 65_535 {
-        return Err(BenchError::InvalidConfig {
-            field: "port_stride",
-            reason: format!(
-                "clusters' port blocks (7 ports each from --base-port {}, --port-stride {} apart, {} clusters) overlap or run past 65535",
-                spec.base_port,
-                spec.port_stride,
-                spec.policies.len()
-            ),
-        });
-    }
+    spec.validate()?;
     let mut sequential = spec.sequential;
     let has_base_port = supports_flag(&spec.exe, "up", "--base-port").await;
     if !sequential && !has_base_port && spec.policies.len() > 1 {

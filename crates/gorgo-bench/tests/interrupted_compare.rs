@@ -23,6 +23,7 @@ fn spec(exe: &Path, out: &Path, policies: &[&str], sequential: bool) -> CompareS
         up_args: Vec::new(),
         base_port: 8000,
         port_stride: 100,
+        cluster_ports: 7,
         up_timeout: Duration::from_secs(600),
         replay: ReplayConfig {
             mode: LoadMode::Open { time_scale: 0.0 },

@@ -64,6 +64,7 @@ async fn clusters_come_up_and_always_go_down() {
         up_args: Vec::new(),
         base_port: 8000,
         port_stride: 100,
+        cluster_ports: 7,
         up_timeout: Duration::from_secs(30),
         replay: ReplayConfig {
             mode: LoadMode::Open { time_scale: 0.0 },
@@ -153,12 +154,20 @@ async fn clusters_come_up_and_always_go_down() {
             .unwrap_err();
         assert!(err.to_string().contains("policies"), "{err}");
     }
-    // Port blocks that overlap (closer than 7) or run past 65535 are refused before
-    // anything starts (a stride of 0 put every cluster on one block).
-    for (base_port, port_stride) in [(8000, 0), (8000, 6), (65_500, 100)] {
+    // Port blocks that overlap (closer than a block) or run past 65535 are refused
+    // before anything starts (a stride of 0 put every cluster on one block; a block
+    // of 11 ports, two engines a region, overlaps at a stride of 7).
+    for (base_port, port_stride, cluster_ports) in [
+        (8000, 0, 7),
+        (8000, 6, 7),
+        (8000, 7, 11),
+        (65_500, 100, 7),
+        (65_430, 100, 7),
+    ] {
         let spec = CompareSpec {
             base_port,
             port_stride,
+            cluster_ports,
             ..spec.clone()
         };
         let err = compare(&spec, Arc::new(requests(1)), CancellationToken::new())
