@@ -183,6 +183,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         gorgo_bench::cluster::write_jsonl(&path, &es_trace)
             .with_context(|| format!("writing {}", path.display()))?;
     }
+    let interrupted = output.cancelled;
     let runs = vec![PolicyRun {
         policy: label,
         regions: cluster.region_names(),
@@ -192,7 +193,8 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     cfg["command"] = "bench".into();
     cfg["trace"] = args.trace.display().to_string().into();
     cfg["cluster"] = serde_json::to_value(&cluster)?;
-    finish(&args.out, cfg, &runs)
+    let table = gorgo_bench::report::write_report(&args.out, cfg, &runs)?;
+    finish(&args.out, &table, &runs, interrupted)
 }
 
 /// Arguments of `gorgo compare`.
@@ -255,13 +257,6 @@ fn compare_and_report(
     requests: Vec<TraceRequest>,
     mut cfg: serde_json::Value,
 ) -> anyhow::Result<()> {
-    let policies: Vec<String> = args
-        .policies
-        .split(',')
-        .map(str::trim)
-        .filter(|p| !p.is_empty())
-        .map(str::to_owned)
-        .collect();
     if !args.topology.is_file() {
         anyhow::bail!("--topology {}: no such file", args.topology.display());
     }
@@ -271,44 +266,71 @@ fn compare_and_report(
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     let out = args.out.canonicalize()?;
-    let spec = CompareSpec {
-        exe: std::env::current_exe().context("locating the gorgo binary")?,
-        topology: args.topology.canonicalize()?,
-        policies: policies.clone(),
-        out: out.clone(),
-        sequential: args.sequential,
-        engine_profile: Some(args.engine_profile.clone()),
-        up_args: {
-            let mut up = Vec::new();
-            if args.replicas > 1 {
-                up.extend(["--replicas".to_owned(), args.replicas.to_string()]);
-            }
-            if let Some(n) = args.engine_max_running {
-                up.extend(["--engine-max-running".to_owned(), n.to_string()]);
-            }
-            up
-        },
-        base_port: args.base_port,
-        port_stride: args.port_stride,
-        up_timeout: Duration::from_secs_f64(args.up_timeout_s),
-        replay: args.load.replay_config()?,
-        model: args.load.model.clone(),
-        ignore_eos: !args.load.no_ignore_eos,
-        progress: (!args.load.no_progress).then(indicatif::MultiProgress::new),
-    };
+    let spec = compare_spec(
+        args,
+        std::env::current_exe().context("locating the gorgo binary")?,
+        args.topology.canonicalize()?,
+        out.clone(),
+    )?;
     cfg["topology"] = args.topology.display().to_string().into();
-    cfg["policies"] = serde_json::to_value(&policies)?;
+    cfg["policies"] = serde_json::to_value(&spec.policies)?;
     cfg["sequential"] = args.sequential.into();
     cfg["engine_profile"] = args.engine_profile.clone().into();
     cfg["replicas"] = args.replicas.into();
     cfg["engine_max_running"] = args.engine_max_running.into();
     let requests = Arc::new(requests);
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
-    let runs = runtime.block_on(async {
+    let comparison = runtime.block_on(async {
         let cancel = cancel_on_ctrl_c();
         gorgo_bench::compare(&spec, requests, cancel).await
     })?;
-    finish(&out, cfg, &runs)
+    if comparison.runs.is_empty() {
+        anyhow::bail!("interrupted before any policy finished: no report");
+    }
+    let table = gorgo_bench::report::write_comparison_report(&out, cfg, &comparison)?;
+    finish(&out, &table, &comparison.runs, comparison.interrupted())
+}
+
+/// What `compare` runs, from its arguments: `exe` provides `up` and `down`, `topology`
+/// and `out` as the clusters are to see them.
+fn compare_spec(
+    args: &CompareArgs,
+    exe: PathBuf,
+    topology: PathBuf,
+    out: PathBuf,
+) -> anyhow::Result<CompareSpec> {
+    let policies = args
+        .policies
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(str::to_owned)
+        .collect();
+    let mut up_args = Vec::new();
+    if args.replicas > 1 {
+        up_args.extend(["--replicas".to_owned(), args.replicas.to_string()]);
+    }
+    if let Some(n) = args.engine_max_running {
+        up_args.extend(["--engine-max-running".to_owned(), n.to_string()]);
+    }
+    Ok(CompareSpec {
+        exe,
+        topology,
+        policies,
+        out,
+        sequential: args.sequential,
+        engine_profile: Some(args.engine_profile.clone()),
+        up_args,
+        base_port: args.base_port,
+        port_stride: args.port_stride,
+        // As `up_args` lay the cluster out (no --kv-events among them).
+        cluster_ports: super::up::cluster_port_span(args.replicas, false),
+        up_timeout: Duration::from_secs_f64(args.up_timeout_s),
+        replay: args.load.replay_config()?,
+        model: args.load.model.clone(),
+        ignore_eos: !args.load.no_ignore_eos,
+        progress: (!args.load.no_progress).then(indicatif::MultiProgress::new),
+    })
 }
 
 /// Arguments of `gorgo demo` (all optional: the demo needs none).
@@ -448,13 +470,14 @@ fn cancel_on_ctrl_c() -> CancellationToken {
     cancel
 }
 
-/// Write the report and print the table.
-fn finish(out: &Path, cfg: serde_json::Value, runs: &[PolicyRun]) -> anyhow::Result<()> {
-    let table = gorgo_bench::report::write_report(out, cfg, runs)?;
+/// Print the table of the report written to `out`; an error (a non-zero exit) when
+/// the run was `interrupted`: the report covers only what finished (its
+/// `config.cancelled` names what was cut short).
+fn finish(out: &Path, table: &str, runs: &[PolicyRun], interrupted: bool) -> anyhow::Result<()> {
     println!("{table}");
     let failed: usize = runs.iter().map(|r| r.output.failed()).sum();
     println!("report: {}", out.display());
-    if runs.iter().any(|r| r.output.cancelled) {
+    if interrupted {
         anyhow::bail!("interrupted: the report covers what finished");
     }
     if failed > 0 {
@@ -492,6 +515,50 @@ mod tests {
         assert_eq!(d.policies.split(',').count(), 6);
         assert_eq!(d.engine_profile, DEFAULT_ENGINE_PROFILE);
         assert!(DEMO_TOPOLOGY.contains("us-ashburn"));
+    }
+
+    /// Each cluster's block grows with `--replicas` (replica k's engine at base + 10 +
+    /// 6 (k - 1)): a stride that fits one engine a region overlaps the next cluster's
+    /// block with two, and is refused before anything starts.
+    #[test]
+    fn the_port_stride_check_counts_the_replicas() {
+        #[derive(Parser)]
+        struct Compare {
+            #[command(flatten)]
+            args: CompareArgs,
+        }
+        let spec = |argv: &[&str]| {
+            let base = [
+                "compare",
+                "--trace",
+                "t.jsonl",
+                "--out",
+                "o",
+                "--no-progress",
+                "--policies",
+                "p1,p2",
+            ];
+            let args = Compare::try_parse_from(base.iter().chain(argv))
+                .unwrap()
+                .args;
+            compare_spec(&args, "gorgo".into(), "t.toml".into(), "o".into()).unwrap()
+        };
+        assert!(spec(&["--port-stride", "7"]).validate().is_ok());
+        let two = spec(&["--replicas", "2", "--port-stride", "7"]);
+        assert_eq!(two.up_args, ["--replicas", "2"]);
+        let err = two.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("port_stride") && err.contains("11 ports"),
+            "{err}"
+        );
+        assert!(spec(&["--replicas", "2", "--port-stride", "11"])
+            .validate()
+            .is_ok());
+        // The most replicas fit the default stride.
+        assert!(spec(&["--replicas", "16"]).validate().is_ok());
+        // With KV events, each engine's two ports lie above it too.
+        assert_eq!(super::super::up::cluster_port_span(1, true), 9);
+        assert_eq!(super::super::up::cluster_port_span(2, true), 16);
     }
 
     #[test]

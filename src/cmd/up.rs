@@ -145,6 +145,9 @@ pub struct UpArgs {
     pub kv_events: bool,
 }
 
+/// Ports of an emulator's KV-event publisher and replay endpoints above its own port.
+const KV_EVENT_PORTS: [u16; 2] = [4, 5];
+
 /// The KV-event publisher and replay endpoints of the emulator at `engine`: the
 /// region's address, the two ports after its block's (base + 7, base + 8).
 fn kv_event_endpoints(engine: std::net::SocketAddr) -> anyhow::Result<(String, String)> {
@@ -154,25 +157,49 @@ fn kv_event_endpoints(engine: std::net::SocketAddr) -> anyhow::Result<(String, S
             .checked_add(offset)
             .with_context(|| format!("--kv-events: no port {offset} above {engine}"))
     };
+    let [publish, replay] = KV_EVENT_PORTS;
     Ok((
-        format!("tcp://{}:{}", engine.ip(), port(4)?),
-        format!("tcp://{}:{}", engine.ip(), port(5)?),
+        format!("tcp://{}:{}", engine.ip(), port(publish)?),
+        format!("tcp://{}:{}", engine.ip(), port(replay)?),
     ))
+}
+
+/// How far above the plan's engine port (base + 3) engine emulator `replica` listens:
+/// 0 for replica 0, base + 10 + 6 (k - 1) for replica k (6 ports a replica, room for
+/// its two KV-event ports).
+fn replica_port_offset(replica: u16) -> u32 {
+    match replica {
+        0 => 0,
+        k => 7 + 6 * (u32::from(k) - 1),
+    }
 }
 
 /// The address of region engine emulator `replica`: replica 0 at the plan's engine
 /// address, replica k on the region's address at 6 ports a replica above the region's
 /// block (base + 10, 16, ...: each with its two KV-event ports, `kv_event_endpoints`).
 fn replica_engine_addr(engine: SocketAddr, replica: u16) -> anyhow::Result<SocketAddr> {
-    if replica == 0 {
-        return Ok(engine);
-    }
-    // The plan's engine port is base + 3; replica k's is base + 10 + 6 (k - 1).
-    let port = engine
-        .port()
-        .checked_add(7 + 6 * (replica - 1))
+    let port = u16::try_from(u32::from(engine.port()) + replica_port_offset(replica))
+        .ok()
         .with_context(|| format!("--replicas: no port for replica {replica} above {engine}"))?;
     Ok(SocketAddr::new(engine.ip(), port))
+}
+
+/// How many ports from its `--base-port` one cluster takes on each region's address,
+/// with `replicas` engines a region and KV events or not: what clusters side by side
+/// (`gorgo compare --port-stride`) must keep apart. The plan's block runs from base to
+/// netem's control API at base + 6, its engine at base + 3
+/// (crates/gorgo-netem/src/plan.rs); the replicas' engines and KV-event ports lie
+/// above it.
+pub fn cluster_port_span(replicas: u16, kv_events: bool) -> u32 {
+    const PLAN_BLOCK: u32 = 7;
+    const PLAN_ENGINE: u32 = 3;
+    let last_engine = PLAN_ENGINE + replica_port_offset(replicas.saturating_sub(1));
+    let top = if kv_events {
+        last_engine + u32::from(KV_EVENT_PORTS[1])
+    } else {
+        last_engine
+    };
+    PLAN_BLOCK.max(top + 1)
 }
 
 /// Arguments of `gorgo down`.

@@ -10,10 +10,12 @@
 //! failure (connect, status, timeout, error event, truncated stream) becomes an error
 //! string in the measurement, never a panic or an early return of the whole run.
 
+use std::future::Future;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
 
 use crate::sse::{SseEvent, SseParser};
 
@@ -21,6 +23,10 @@ use crate::sse::{SseEvent, SseParser};
 pub use gorgo_core::headers::{
     HOPS_HEADER, POLICY_HEADER, PREDICTED_TTFT_HEADER, SERVED_BY_HEADER, SESSION_HEADER,
 };
+
+/// What an error event's message is prefixed with in [`Measured::error`]: the report
+/// tells the node's timeout events by it.
+pub(crate) const ERROR_EVENT: &str = "error event: ";
 
 /// Cap on the error body read from a failed response, bytes: the read stops there
 /// (a large or endless error body is never buffered, nor waited for).
@@ -95,6 +101,12 @@ pub fn build_client(
         .build()
 }
 
+/// [`Measured::error`] of a request stopped in flight (the replay was stopped).
+pub const CANCELLED: &str = "cancelled: stopped before it completed";
+
+/// [`Measured::error`] of a request stopped before it went out: due, never sent.
+pub const CANCELLED_UNSENT: &str = "cancelled: stopped before it was sent";
+
 /// Send one streaming request and measure it. `headers` are extra request headers.
 ///
 /// Every time in the result counts from `origin`. The replay passes the request's
@@ -105,18 +117,67 @@ pub fn build_client(
 /// crates/gorgo-sim/src/collect.rs: "time to first token at the client", "when the
 /// client sent it"). So any delay of the client itself is in the measured latency, as a
 /// real user would see it, and [`Measured::sent_ms`] says how late it went out.
+///
+/// When `stop` fires first, the request ends at once and keeps what it had measured
+/// (its send time, response head, first token, serving region, retries): it fails as
+/// [`CANCELLED`] with its E2E so far, a lower bound (censored in the report), or as
+/// [`CANCELLED_UNSENT`] without a send time when `stop` had fired before it went out.
+/// A request that had already ended (a stream whose `[DONE]` came, then drained) stays
+/// as it ended.
 pub async fn send_streaming(
     client: &reqwest::Client,
     url: &str,
     body: Bytes,
     headers: &[(&'static str, String)],
     origin: Instant,
+    stop: &CancellationToken,
 ) -> Measured {
-    let t0 = origin;
-    let mut m = Measured {
-        sent_ms: Some(ms_since(t0)),
-        ..Measured::default()
-    };
+    let mut m = Measured::default();
+    if unless_stopped(stop, exchange(&mut m, client, url, body, headers, origin)).await {
+        end_stopped(&mut m, origin);
+    }
+    m
+}
+
+/// Drive `work` to its end unless `stop` fires first (true then). A stop already
+/// fired wins before `work` is first polled: a request is never sent after it.
+async fn unless_stopped(stop: &CancellationToken, work: impl Future<Output = ()>) -> bool {
+    tokio::select! {
+        biased;
+        _ = stop.cancelled() => true,
+        _ = work => false,
+    }
+}
+
+/// Record a stop in `m`, which holds what the request measured until then: a request
+/// still going fails as cancelled at this time; one that had ended (its E2E set) stays
+/// as it was.
+fn end_stopped(m: &mut Measured, t0: Instant) {
+    if m.e2e_ms.is_none() {
+        m.error = Some(
+            if m.sent_ms.is_some() {
+                CANCELLED
+            } else {
+                CANCELLED_UNSENT
+            }
+            .into(),
+        );
+        m.e2e_ms = Some(ms_since(t0));
+    }
+}
+
+/// The whole exchange of [`send_streaming`], measured into `m` as it goes (so that a
+/// stop keeps what was measured): sends, retries what nothing answered, then reads
+/// the response. `m.e2e_ms` is set once the exchange is over (completed or failed).
+async fn exchange(
+    m: &mut Measured,
+    client: &reqwest::Client,
+    url: &str,
+    body: Bytes,
+    headers: &[(&'static str, String)],
+    t0: Instant,
+) {
+    m.sent_ms = Some(ms_since(t0));
     let mut attempt = 0;
     let resp = loop {
         let mut req = client
@@ -142,10 +203,17 @@ pub async fn send_streaming(
                 // When it failed, as for every other failure: lines it up with what
                 // happened meanwhile (a node killed while the request was on its way).
                 m.e2e_ms = Some(ms_since(t0));
-                return m;
+                return;
             }
         }
     };
+    read_response(m, resp, t0).await;
+}
+
+/// Measure a response into `m`: its head, then its event stream up to `[DONE]` (or
+/// the failure), then a short drain. Sets `m.e2e_ms` as soon as the exchange is over,
+/// before the drain.
+async fn read_response(m: &mut Measured, resp: reqwest::Response, t0: Instant) {
     m.served_by = header_str(&resp, SERVED_BY_HEADER);
     m.hops = header_str(&resp, HOPS_HEADER).and_then(|h| h.trim().parse().ok());
     m.predicted_ttft_ms = header_str(&resp, PREDICTED_TTFT_HEADER)
@@ -163,59 +231,56 @@ pub async fn send_streaming(
             .unwrap_or_default();
         m.error = Some(format!("HTTP {}: {}", status.as_u16(), text.trim()));
         m.e2e_ms = Some(ms_since(t0));
-        return m;
+        return;
     }
     let mut parser = SseParser::new();
     let mut events = Vec::new();
-    // When `[DONE]` arrived: the completion's last byte, where E2E ends (the
-    // simulator's E2E is the completion's last byte at the client too).
-    let mut done_ms: Option<f64> = None;
     let mut stream = resp.bytes_stream();
-    // Until when what follows `[DONE]` is drained: `DRAIN_GRACE` in all, not per chunk
-    // (a body that keeps sending after it would hold the request, and in closed loop
-    // its worker's slot, until the request timeout).
-    let mut drain_until: Option<tokio::time::Instant> = None;
+    let mut ended = false;
     loop {
-        if done_ms.is_some() {
-            // The exchange is over: drain what is left for a moment so the connection
-            // can go back to the pool, but a body held open (or cut, or timed out)
-            // after `[DONE]` never fails a request that finished.
-            let until =
-                *drain_until.get_or_insert_with(|| tokio::time::Instant::now() + DRAIN_GRACE);
-            match tokio::time::timeout_at(until, stream.next()).await {
-                Ok(Some(Ok(_))) => continue,
-                _ => break,
-            }
-        }
         match stream.next().await {
-            None => break,
+            None => {
+                ended = true;
+                break;
+            }
             Some(Ok(bytes)) => parser.feed(&bytes, &mut events),
             Some(Err(e)) => {
                 m.error = Some(describe(&e));
                 break;
             }
         }
-        if absorb(&mut m, &mut events, t0) {
-            done_ms = Some(ms_since(t0));
+        // `[DONE]`: the completion's last byte, where E2E ends (the simulator's E2E
+        // is the completion's last byte at the client too).
+        if absorb(m, &mut events, t0) {
+            m.e2e_ms = Some(ms_since(t0));
+            break;
         }
         if m.error.is_some() {
             break;
         }
     }
-    if m.error.is_none() && done_ms.is_none() {
+    if m.error.is_none() && m.e2e_ms.is_none() {
         parser.finish(&mut events);
-        if absorb(&mut m, &mut events, t0) {
-            done_ms = Some(ms_since(t0));
+        if absorb(m, &mut events, t0) {
+            m.e2e_ms = Some(ms_since(t0));
         }
     }
-    m.e2e_ms = Some(done_ms.unwrap_or_else(|| ms_since(t0)));
-    if m.error.is_none() && done_ms.is_none() {
-        m.error = Some("stream ended before [DONE]".into());
+    if m.e2e_ms.is_none() {
+        m.e2e_ms = Some(ms_since(t0));
+        m.error
+            .get_or_insert_with(|| "stream ended before [DONE]".into());
+    } else if m.error.is_none() && !ended {
+        // The exchange is over: drain what is left for a moment so the connection can
+        // go back to the pool, but a body held open (or cut, or timed out) after
+        // `[DONE]` never fails a request that finished. `DRAIN_GRACE` in all, not per
+        // chunk: a body that keeps sending after it would hold the request, and in
+        // closed loop its worker's slot, until the request timeout.
+        let until = tokio::time::Instant::now() + DRAIN_GRACE;
+        while let Ok(Some(Ok(_))) = tokio::time::timeout_at(until, stream.next()).await {}
     }
     if m.error.is_none() && m.ttft_ms.is_none() {
         m.error = Some("stream carried no content".into());
     }
-    m
 }
 
 /// Fold parsed events into the measurement; true once `[DONE]` was seen.
@@ -244,7 +309,7 @@ fn absorb(m: &mut Measured, events: &mut Vec<SseEvent>, t0: Instant) -> bool {
                     m.cached_tokens = c.cached_tokens;
                 }
                 if let Some(e) = c.error {
-                    m.error.get_or_insert(format!("error event: {e}"));
+                    m.error.get_or_insert(format!("{ERROR_EVENT}{e}"));
                 }
             }
         }
@@ -388,6 +453,99 @@ mod tests {
         let b = read_bounded(resp, 30).await.unwrap();
         assert_eq!((b.bytes.len(), b.complete), (30, false));
         assert_eq!(pulled.load(Ordering::SeqCst), 3);
+    }
+
+    const FIRST_TOKEN: &[u8] =
+        b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"t\"}}]}\n\n";
+
+    /// A 200 event stream from node `eu` of `frames`, then a stall whose first poll
+    /// fires `stop`: the reader asks for more only once it has taken in every frame, so
+    /// the stop comes after what they carried was measured, never before.
+    fn frames_then_stop(frames: &[&'static [u8]], stop: CancellationToken) -> reqwest::Response {
+        let head = futures::stream::iter(
+            frames
+                .iter()
+                .map(|f| Ok::<_, std::io::Error>(Bytes::from_static(f)))
+                .collect::<Vec<_>>(),
+        );
+        let stall = futures::stream::poll_fn(move |_| {
+            stop.cancel();
+            std::task::Poll::Pending
+        });
+        let resp = axum::http::Response::builder()
+            .status(200)
+            .header(SERVED_BY_HEADER, "eu")
+            .header(HOPS_HEADER, "1")
+            .body(reqwest::Body::wrap_stream(head.chain(stall)))
+            .unwrap();
+        reqwest::Response::from(resp)
+    }
+
+    /// What `send_streaming` does with a response, from its head on.
+    async fn read_until_stopped(
+        m: &mut Measured,
+        resp: reqwest::Response,
+        stop: &CancellationToken,
+    ) {
+        let t0 = Instant::now();
+        if unless_stopped(stop, read_response(m, resp, t0)).await {
+            end_stopped(m, t0);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_stop_in_flight_keeps_what_the_request_measured() {
+        let stop = CancellationToken::new();
+        let resp = frames_then_stop(&[FIRST_TOKEN], stop.clone());
+        // What the send measured before the response came.
+        let mut m = Measured {
+            sent_ms: Some(0.0),
+            connect_retries: 1,
+            ..Measured::default()
+        };
+        read_until_stopped(&mut m, resp, &stop).await;
+        assert_eq!(m.error.as_deref(), Some(CANCELLED));
+        let (fb, ttft, e2e) = (
+            m.first_byte_ms.unwrap(),
+            m.ttft_ms.unwrap(),
+            m.e2e_ms.unwrap(),
+        );
+        assert!(fb <= ttft && ttft <= e2e, "{m:?}");
+        assert_eq!(m.served_by.as_deref(), Some("eu"));
+        assert_eq!((m.hops, m.content_chunks), (Some(1), 1));
+        assert_eq!((m.sent_ms, m.connect_retries), (Some(0.0), 1));
+    }
+
+    #[tokio::test]
+    async fn a_stop_after_done_leaves_a_completed_request_completed() {
+        let stop = CancellationToken::new();
+        // The stop comes while the body is drained after `[DONE]`.
+        let resp = frames_then_stop(&[FIRST_TOKEN, b"data: [DONE]\n\n"], stop.clone());
+        let mut m = Measured::default();
+        read_until_stopped(&mut m, resp, &stop).await;
+        assert!(stop.is_cancelled());
+        assert_eq!(m.error, None);
+        assert!(m.e2e_ms.unwrap() >= m.ttft_ms.unwrap());
+    }
+
+    #[tokio::test]
+    async fn a_request_is_never_sent_after_the_stop() {
+        let stop = CancellationToken::new();
+        stop.cancel();
+        let client = build_client(Duration::from_secs(5), Duration::from_secs(5)).unwrap();
+        let origin = Instant::now();
+        let m = send_streaming(
+            &client,
+            "http://127.0.0.1:9/x",
+            Bytes::new(),
+            &[],
+            origin,
+            &stop,
+        )
+        .await;
+        assert_eq!(m.error.as_deref(), Some(CANCELLED_UNSENT));
+        assert_eq!((m.sent_ms, m.connect_retries), (None, 0));
+        assert!(m.e2e_ms.is_some());
     }
 
     #[test]

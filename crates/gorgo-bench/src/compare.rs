@@ -35,6 +35,11 @@ pub struct CompareSpec {
     pub base_port: u16,
     /// Ports between the blocks of two clusters.
     pub port_stride: u16,
+    /// Ports one cluster takes from its base port on a region's address, as `gorgo up`
+    /// lays them out with `up_args` (7 for one engine a region, more with
+    /// `--replicas`: the binary's `cmd::up::cluster_port_span`, the one place that
+    /// knows the layout): clusters' blocks closer than this overlap.
+    pub cluster_ports: u32,
     /// Give up on one `gorgo up` after this long.
     pub up_timeout: Duration,
     /// How the workload is offered (the same for every policy).
@@ -45,6 +50,57 @@ pub struct CompareSpec {
     pub ignore_eos: bool,
     /// Progress bars, one per policy; nothing is drawn when `None`.
     pub progress: Option<indicatif::MultiProgress>,
+}
+
+impl CompareSpec {
+    /// Refuse a spec that cannot run, before anything starts: no policy, a policy
+    /// listed twice or not a name, clusters' port blocks that overlap or run past the
+    /// last port.
+    pub fn validate(&self) -> Result<(), BenchError> {
+        if self.policies.is_empty() {
+            return Err(BenchError::InvalidConfig {
+                field: "policies",
+                reason: "no policy given".into(),
+            });
+        }
+        for (i, p) in self.policies.iter().enumerate() {
+            if self.policies[..i].contains(p) {
+                return Err(BenchError::InvalidConfig {
+                    field: "policies",
+                    reason: format!(
+                        "`{p}` listed twice (each policy gets one cluster and run dir)"
+                    ),
+                });
+            }
+            if p.is_empty() || p.contains(['/', '\\']) || p == "." || p == ".." {
+                return Err(BenchError::InvalidConfig {
+                    field: "policies",
+                    reason: format!("`{p}` is not a policy name"),
+                });
+            }
+        }
+        // Each cluster's block of ports on a region's address runs from its base over
+        // `cluster_ports` ports: blocks closer than that overlap, and the last block
+        // must end at 65,535 at most.
+        let last_base = u64::from(self.base_port)
+            + u64::from(self.port_stride) * (self.policies.len().saturating_sub(1) as u64);
+        let overlap = self.policies.len() > 1 && u32::from(self.port_stride) < self.cluster_ports;
+        if overlap || last_base + u64::from(self.cluster_ports) > 65_536 {
+            let reason = format!(
+                "clusters' port blocks ({} ports each from --base-port {}, --port-stride {} \
+                 apart, {} clusters) overlap or run past 65535",
+                self.cluster_ports,
+                self.base_port,
+                self.port_stride,
+                self.policies.len()
+            );
+            return Err(BenchError::InvalidConfig {
+                field: "port_stride",
+                reason,
+            });
+        }
+        Ok(())
+    }
 }
 
 /// One policy's measured replay.
@@ -61,54 +117,36 @@ pub struct PolicyRun {
     pub tuning: Vec<serde_json::Value>,
 }
 
-/// The fewest ports between two clusters' blocks: a block is 7 ports (the node, its
-/// admin API, the engine, the client and QUIC relays, the QUIC endpoint, and region
-/// 0's netem control API; docs/netem.md).
-const MIN_PORT_STRIDE: u16 = 7;
+/// What a comparison produced. An interrupt is not an error: the policies that
+/// finished are kept, and what the interrupt cut short is said.
+#[derive(Debug, Clone)]
+pub struct Comparison {
+    /// The policies that ran, in order: complete, or stopped during their replay
+    /// (`output.cancelled`, what they measured until then kept).
+    pub runs: Vec<PolicyRun>,
+    /// The policies an interrupt kept from running (their cluster never came up, or
+    /// was still coming up), in order; empty unless interrupted.
+    pub not_run: Vec<String>,
+}
+
+impl Comparison {
+    /// An interrupt cut the comparison short (a replay stopped, or a policy never
+    /// ran): its report covers what finished, and must say so.
+    pub fn interrupted(&self) -> bool {
+        !self.not_run.is_empty() || self.runs.iter().any(|r| r.output.cancelled)
+    }
+}
 
 /// Run the comparison. Stops (tearing everything down) when `cancel` fires, returning
-/// the policies that finished.
+/// the policies that finished, the one whose replay it stopped, and those it kept from
+/// running ([`Comparison::interrupted`]); only a failure (a cluster that does not come
+/// up or go down, a bad spec) is an error.
 pub async fn compare(
     spec: &CompareSpec,
     requests: Arc<Vec<TraceRequest>>,
     cancel: CancellationToken,
-) -> Result<Vec<PolicyRun>, BenchError> {
-    if spec.policies.is_empty() {
-        return Err(BenchError::InvalidConfig {
-            field: "policies",
-            reason: "no policy given".into(),
-        });
-    }
-    for (i, p) in spec.policies.iter().enumerate() {
-        if spec.policies[..i].contains(p) {
-            return Err(BenchError::InvalidConfig {
-                field: "policies",
-                reason: format!("`{p}` listed twice (each policy gets one cluster and run dir)"),
-            });
-        }
-        if p.is_empty() || p.contains(['/', '\\']) || p == "." || p == ".." {
-            return Err(BenchError::InvalidConfig {
-                field: "policies",
-                reason: format!("`{p}` is not a policy name"),
-            });
-        }
-    }
-    // Each cluster's block of ports on a region's address runs from its base to
-    // base + 6 (the netem control API on region 0's): blocks closer than 7 overlap,
-    // and the last block must fit below 65,536.
-    let last_base = u32::from(spec.base_port)
-        + u32::from(spec.port_stride) * (spec.policies.len().saturating_sub(1) as u32);
-    if (spec.policies.len() > 1 && spec.port_stride < MIN_PORT_STRIDE) || last_base + 6 > 65_535 {
-        return Err(BenchError::InvalidConfig {
-            field: "port_stride",
-            reason: format!(
-                "clusters' port blocks (7 ports each from --base-port {}, --port-stride {} apart, {} clusters) overlap or run past 65535",
-                spec.base_port,
-                spec.port_stride,
-                spec.policies.len()
-            ),
-        });
-    }
+) -> Result<Comparison, BenchError> {
+    spec.validate()?;
     let mut sequential = spec.sequential;
     let has_base_port = supports_flag(&spec.exe, "up", "--base-port").await;
     if !sequential && !has_base_port && spec.policies.len() > 1 {
@@ -130,19 +168,32 @@ pub async fn compare(
     let mut runs = Vec::new();
     if sequential {
         for (k, policy) in spec.policies.iter().enumerate() {
-            let cluster = start(&up_options(k, policy), &cancel).await?;
+            // An interrupt after a replay returned (while its tuning was read or its
+            // cluster went down) lets that run stand and runs no more.
+            let Some(cluster) = start(&up_options(k, policy), &cancel).await? else {
+                return Ok(Comparison {
+                    runs,
+                    not_run: spec.policies[k..].to_vec(),
+                });
+            };
             let run = run_policy(spec, policy, &cluster, requests.clone(), &cancel).await?;
             cluster.down()?;
             runs.push(run);
-            if cancel.is_cancelled() {
-                break;
-            }
         }
     } else {
         let mut clusters = Vec::new();
         for (k, policy) in spec.policies.iter().enumerate() {
-            // A failure here drops the clusters already up, which tears them down.
-            clusters.push(start(&up_options(k, policy), &cancel).await?);
+            // A failure or an interrupt here drops the clusters already up, which tears
+            // them down; no replay has run.
+            match start(&up_options(k, policy), &cancel).await? {
+                Some(cluster) => clusters.push(cluster),
+                None => {
+                    return Ok(Comparison {
+                        runs,
+                        not_run: spec.policies.clone(),
+                    })
+                }
+            }
         }
         let replays = spec
             .policies
@@ -163,14 +214,25 @@ pub async fn compare(
             return Err(e);
         }
     }
-    Ok(runs)
+    Ok(Comparison {
+        runs,
+        not_run: Vec::new(),
+    })
 }
 
-async fn start(opts: &UpOptions, cancel: &CancellationToken) -> Result<RunningCluster, BenchError> {
-    tracing::info!(policy = %opts.policy, run_dir = %opts.run_dir.display(), "starting cluster");
+/// Bring one cluster up; `None` when `cancel` fires first (or had fired: no cluster is
+/// started after an interrupt), the partial cluster then torn down.
+async fn start(
+    opts: &UpOptions,
+    cancel: &CancellationToken,
+) -> Result<Option<RunningCluster>, BenchError> {
     tokio::select! {
-        r = RunningCluster::up(opts) => r,
-        _ = cancel.cancelled() => Err(BenchError::Cluster { action: "up", reason: "cancelled".into() }),
+        biased;
+        _ = cancel.cancelled() => Ok(None),
+        r = async {
+            tracing::info!(policy = %opts.policy, run_dir = %opts.run_dir.display(), "starting cluster");
+            RunningCluster::up(opts).await
+        } => r.map(Some),
     }
 }
 

@@ -180,14 +180,141 @@ fn stop(exe: &Path, run_dir: &Path) -> Result<(), BenchError> {
     }
 }
 
-/// The last lines of a log, for error messages.
+/// Lines of a log's end an error shows when the log holds no `Error:` line.
+const TAIL_LINES: usize = 8;
+
+/// Lines from a log's last `Error:` line an error shows at most (the error and its
+/// causes).
+const ERROR_LINES: usize = 16;
+
+/// The end of a log, for error messages: from its last `Error:` line (the error
+/// `gorgo` exits with, and its causes) when it has one, else its last lines; never
+/// backtrace frames, which with `RUST_BACKTRACE` set fill the end of the log and
+/// would hide the error.
 fn log_tail(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    let tail = lines[lines.len().saturating_sub(8)..].join("\n");
+    let lines = without_backtraces(&text);
+    let mut tail = match lines.iter().rposition(|l| l.starts_with("Error:")) {
+        Some(i) => &lines[i..lines.len().min(i + ERROR_LINES)],
+        None => &lines[lines.len().saturating_sub(TAIL_LINES)..],
+    };
+    while let [rest @ .., last] = tail {
+        if !last.trim().is_empty() {
+            break;
+        }
+        tail = rest;
+    }
+    let tail = tail.join("\n");
     if tail.is_empty() {
         format!("(empty log {})", path.display())
     } else {
         format!("{tail}\n(log: {})", path.display())
+    }
+}
+
+/// The lines of `text` outside backtraces: a `stack backtrace:` header (a panic's, or
+/// `Stack backtrace:` after the binary's error), the frames under it and the note
+/// that ends a panic's are left out.
+fn without_backtraces(text: &str) -> Vec<&str> {
+    let mut lines = Vec::new();
+    let mut in_trace = false;
+    for line in text.lines() {
+        let t = line.trim_start();
+        if t.eq_ignore_ascii_case("stack backtrace:") {
+            in_trace = true;
+            continue;
+        }
+        if in_trace {
+            if is_frame(t) {
+                continue;
+            }
+            in_trace = false;
+            if t.starts_with("note: Some details are omitted") {
+                continue;
+            }
+        }
+        lines.push(line);
+    }
+    lines
+}
+
+/// A backtrace frame line, indentation removed: `12: symbol` or `at file:line:col`.
+fn is_frame(line: &str) -> bool {
+    line.starts_with("at ")
+        || line
+            .split_once(": ")
+            .is_some_and(|(n, _)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The log of a `gorgo up` that failed with `RUST_BACKTRACE` set, as the binary's
+    /// `main` prints it: its error and cause, then a backtrace longer than the tail.
+    const FAILED_UP: &str = "\
+2025-01-01T00:00:00Z  INFO gorgo::cmd::up: starting netem
+Error: 127.0.0.10:47810 (us-ashburn's engine) is taken: pick another --base-port / --ip-base
+
+Caused by:
+    Address already in use (os error 98)
+
+Stack backtrace:
+   0: anyhow::error::<impl anyhow::Error>::msg
+             at /cargo/anyhow-1.0.98/src/backtrace.rs:27:14
+   1: gorgo::cmd::up::run_up
+             at ./src/cmd/up.rs:640:9
+   2: gorgo::main
+             at ./src/main.rs:58:11
+   3: std::rt::lang_start::{{closure}}
+             at /rustc/59807616e1fa2540724bfbac14d7976d7e4a3860/library/std/src/rt.rs:171:5
+   4: main
+   5: __libc_start_main
+";
+
+    fn tail_of(text: &str) -> String {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("up.log");
+        std::fs::write(&path, text).unwrap();
+        log_tail(&path)
+    }
+
+    #[test]
+    fn the_tail_shows_the_error_not_the_backtrace() {
+        let tail = tail_of(FAILED_UP);
+        assert!(
+            tail.starts_with("Error: 127.0.0.10:47810 (us-ashburn's engine) is taken"),
+            "{tail}"
+        );
+        assert!(tail.contains("\n    Address already in use"), "{tail}");
+        assert!(
+            !tail.contains("rt.rs") && !tail.contains("backtrace"),
+            "{tail}"
+        );
+        assert!(!tail.contains("INFO"), "{tail}");
+    }
+
+    #[test]
+    fn without_an_error_line_the_tail_is_the_last_lines_less_frames() {
+        let panicked = "\
+line 1
+thread 'main' panicked at src/cmd/up.rs:12:5:
+no engine
+stack backtrace:
+   0: rust_begin_unwind
+             at /rustc/x/library/std/src/panicking.rs:652:5
+   1: gorgo::main
+note: Some details are omitted, run with `RUST_BACKTRACE=full` for a verbose backtrace.
+";
+        let tail = tail_of(panicked);
+        assert!(tail.starts_with("line 1\nthread 'main' panicked"), "{tail}");
+        assert!(tail.contains("no engine\n(log: "), "{tail}");
+        let many: String = (0..20).map(|i| format!("line {i}\n")).collect();
+        let tail = tail_of(&many);
+        assert!(
+            tail.starts_with("line 12\n") && tail.contains("line 19\n"),
+            "{tail}"
+        );
+        assert!(tail_of("").starts_with("(empty log "));
     }
 }

@@ -123,8 +123,9 @@ pub struct RequestOutcome {
     pub start_ms: f64,
     /// How late it actually went out against its schedule, ms: the start of its
     /// first attempt minus its scheduled time (dispatch, spawn, body building, a slot
-    /// wait, client lag; all of it inside TTFT and E2E too). 0 in closed loop, which
-    /// has no schedule.
+    /// wait, client lag; all of it inside TTFT and E2E too); for one that never went
+    /// out (no body, or the replay stopped first), how late it was when it gave up.
+    /// Never its time in flight. 0 in closed loop, which has no schedule.
     pub slip_ms: f64,
     /// Prompt tokens (server's usage, else the trace's).
     pub input_tokens: u64,
@@ -154,7 +155,8 @@ impl RequestOutcome {
 /// What a replay produced.
 #[derive(Debug, Clone)]
 pub struct ReplayOutput {
-    /// One outcome per request sent, in workload order.
+    /// One outcome per request sent, in workload order; a stopped open-loop run also
+    /// has one per request that was due but never went out (failed, no `sent_ms`).
     pub outcomes: Vec<RequestOutcome>,
     /// Wall time from the start to the last request's end.
     pub wall: Duration,
@@ -201,16 +203,20 @@ struct Shared {
     progress: indicatif::ProgressBar,
     failures: AtomicUsize,
     /// Cancelled when the replay is stopped: requests in flight end at once as failed
-    /// ("cancelled"), at the time they had taken, and closed-loop workers send no
-    /// more, so what every request measured is kept (aborting the tasks lost them:
-    /// a closed-loop worker's whole list, and an open-loop request's place in the
-    /// statistics, the longest ones of the run).
+    /// ("cancelled"), at the time they had taken, keeping what they had measured (a
+    /// first token, the serving region), and closed-loop workers send no more, so what
+    /// every request measured is kept (aborting the tasks lost them: a closed-loop
+    /// worker's whole list, and an open-loop request's place in the statistics, the
+    /// longest ones of the run).
     stop: tokio_util::sync::CancellationToken,
 }
 
-/// Replay `items` against `cluster`. Stops early (returning what finished, and the
-/// requests in flight as cancelled failures) when `shutdown` completes. Fails only on a bad configuration or an item whose region
-/// the cluster lacks; request failures are recorded in the outcomes.
+/// Replay `items` against `cluster`. Stops early when `shutdown` completes, returning
+/// what finished, the requests in flight as cancelled failures (with what they had
+/// measured: [`client::send_streaming`]) and, in open loop, the requests already due
+/// but not yet sent as cancelled failures that never went out. Fails only on a bad
+/// configuration or an item whose region the cluster lacks; request failures are
+/// recorded in the outcomes.
 pub async fn replay(
     cluster: &ClusterInfo,
     mut items: Vec<ReplayItem>,
@@ -273,6 +279,7 @@ pub async fn replay(
     let mut tasks: JoinSet<Vec<RequestOutcome>> = JoinSet::new();
     let mut shutdown = std::pin::pin!(shutdown);
     let mut cancelled = false;
+    let mut outcomes = Vec::new();
     match config.mode {
         LoadMode::Open { .. } => {
             let sem = Arc::new(Semaphore::new(
@@ -292,6 +299,14 @@ pub async fn replay(
                 };
                 let Some(permit) = acquired else {
                     cancelled = true;
+                    // Those already due are recorded as never sent; the rest were
+                    // never due in this run.
+                    let now = Instant::now();
+                    outcomes.extend(
+                        (index..shared.items.len())
+                            .filter(|&i| shared.schedule[i] <= now)
+                            .map(|i| unsent(&shared, i, now)),
+                    );
                     break;
                 };
                 let shared = shared.clone();
@@ -328,7 +343,6 @@ pub async fn replay(
             }
         }
     }
-    let mut outcomes = Vec::new();
     if !cancelled {
         loop {
             tokio::select! {
@@ -443,21 +457,44 @@ async fn send_item(shared: &Shared, index: usize, scheduled: Option<Instant>) ->
             if let Some(s) = &item.session {
                 headers.push((SESSION_HEADER, s.clone()));
             }
-            tokio::select! {
-                m = client::send_streaming(client, url, body, &headers, origin) => m,
-                _ = shared.stop.cancelled() => Measured {
-                    error: Some("cancelled: the replay was stopped".into()),
-                    e2e_ms: Some(ms_between(origin, Instant::now())),
-                    ..Measured::default()
-                },
-            }
+            client::send_streaming(client, url, body, &headers, origin, &shared.stop).await
         }
     };
+    record(shared, index, origin, scheduled.is_some(), measured)
+}
+
+/// Open loop: item `index`, due at its scheduled time but never sent because the
+/// replay was stopped at `now` (the dispatcher waiting for a `max_in_flight` slot, or
+/// behind its schedule): a failure at its due time, as late as it got, so the most
+/// delayed requests of a stopped run are not left out of it.
+fn unsent(shared: &Shared, index: usize, now: Instant) -> RequestOutcome {
+    let origin = shared.schedule[index];
+    let measured = Measured {
+        error: Some(client::CANCELLED_UNSENT.into()),
+        e2e_ms: Some(ms_between(origin, now)),
+        ..Measured::default()
+    };
+    record(shared, index, origin, true, measured)
+}
+
+/// Item `index`'s outcome from what it measured, counted in the progress bar.
+/// `origin` is the origin of its times; `scheduled` tells an open-loop request (whose
+/// slip is measured) from a closed-loop one.
+fn record(
+    shared: &Shared,
+    index: usize,
+    origin: Instant,
+    scheduled: bool,
+    measured: Measured,
+) -> RequestOutcome {
+    let item = &shared.items[index];
     let start_ms = ms_between(shared.start, origin);
-    let slip_ms = match scheduled {
-        // Never sent (no body): as late as it got when it gave up.
-        Some(_) => measured.sent_ms.or(measured.e2e_ms).unwrap_or(0.0),
-        None => 0.0,
+    // The send slip, never the time in flight (a request stopped in flight keeps its
+    // send time); one never sent was as late as it got when it gave up.
+    let slip_ms = if scheduled {
+        measured.sent_ms.or(measured.e2e_ms).unwrap_or(0.0)
+    } else {
+        0.0
     };
     if measured.error.is_some() {
         let failed = shared.failures.fetch_add(1, Ordering::Relaxed) + 1;

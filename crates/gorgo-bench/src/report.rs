@@ -16,7 +16,7 @@ use gorgo_core::{percentile, LatencyStats};
 use gorgo_report::{render_table, Report, RequestRecord};
 use serde::Serialize;
 
-use crate::compare::PolicyRun;
+use crate::compare::{Comparison, PolicyRun};
 use crate::replay::RequestOutcome;
 use crate::BenchError;
 
@@ -201,20 +201,32 @@ fn slip_summary(values: &[f64]) -> serde_json::Value {
     })
 }
 
+/// The message of the error event a node ends a stream with when its
+/// `limits.request_timeout_ms` runs out after the response began
+/// (crates/gorgo-node/src/ingress.rs, `Tracked::poll_next`).
+const NODE_TIMEOUT_EVENT: &str = "request timed out";
+
+/// Whether a request failed by a timeout: the client's own (`--timeout-s`: reqwest's
+/// error, described as `timeout: ...`), or the node's, which a client running past
+/// the node's `request_timeout_ms` (600 s by default) only ever sees: a 504 before the
+/// response began (`ServeError::Timeout`, crates/gorgo-node/src/api.rs, the engine's
+/// first-byte timeout included), or the error event that ends a stream mid-way.
+fn is_timeout(error: &str) -> bool {
+    error.starts_with("timeout")
+        || error.starts_with("HTTP 504")
+        || error.strip_prefix(crate::client::ERROR_EVENT) == Some(NODE_TIMEOUT_EVENT)
+}
+
 /// Per-policy failure counts for `config.failures`: how many requests failed, their
-/// share, how many of them timed out, and the retries (each one waited a backoff
-/// that is inside its request's latency).
+/// share, how many of them timed out (the client's timeouts and the node's: see
+/// [`is_timeout`]), and the retries (each one waited a backoff that is inside its
+/// request's latency).
 fn failure_summary(outcomes: &[RequestOutcome]) -> serde_json::Value {
     let requests = outcomes.len();
     let failed = outcomes.iter().filter(|o| !o.ok()).count();
     let timeouts = outcomes
         .iter()
-        .filter(|o| {
-            o.measured
-                .error
-                .as_deref()
-                .is_some_and(|e| e.starts_with("timeout"))
-        })
+        .filter(|o| o.measured.error.as_deref().is_some_and(is_timeout))
         .count();
     let retries: u64 = outcomes
         .iter()
@@ -251,8 +263,30 @@ fn failure_summary(outcomes: &[RequestOutcome]) -> serde_json::Value {
 /// a last column `slip_ms`.
 pub fn write_report(
     out: &Path,
+    config: serde_json::Value,
+    runs: &[PolicyRun],
+) -> Result<String, BenchError> {
+    write_runs(out, config, runs, &[])
+}
+
+/// [`write_report`] of a comparison: its runs, and in `config.cancelled`, after the
+/// policies whose replay was interrupted, those the interrupt kept from running (in
+/// `config.policies` if the caller lists them there, absent from `policies`), so an
+/// interrupted comparison's report never reads as complete.
+pub fn write_comparison_report(
+    out: &Path,
+    config: serde_json::Value,
+    comparison: &Comparison,
+) -> Result<String, BenchError> {
+    write_runs(out, config, &comparison.runs, &comparison.not_run)
+}
+
+/// [`write_report`], `not_run` (policies that never ran) added to `"cancelled"`.
+fn write_runs(
+    out: &Path,
     mut config: serde_json::Value,
     runs: &[PolicyRun],
+    not_run: &[String],
 ) -> Result<String, BenchError> {
     let mut slip = serde_json::Map::new();
     let mut started = serde_json::Map::new();
@@ -282,6 +316,7 @@ pub fn write_report(
         }
         records.extend(outcomes.iter().map(|o| to_record(&run.policy, o)));
     }
+    cancelled.extend(not_run.iter().cloned());
     if let Some(obj) = config.as_object_mut() {
         obj.insert("slip_ms".into(), serde_json::Value::Object(slip));
         obj.insert("failures".into(), serde_json::Value::Object(failures));
@@ -544,6 +579,30 @@ mod tests {
         assert_eq!(Observation::ttft(&cut), Observation::AtLeast(300.0));
         let ok = outcome(None, None, None);
         assert_eq!(Observation::e2e(&ok), Observation::Measured(30.0));
+    }
+
+    /// A node's timeouts count as timeouts too: past its `request_timeout_ms` it answers
+    /// 504 before the stream began, or ends the stream with the error event
+    /// "request timed out" (the exact bodies and events a node sends).
+    #[test]
+    fn the_nodes_timeouts_are_counted_with_the_clients() {
+        let errors = [
+            "timeout: error sending request",
+            r#"HTTP 504: {"error":{"message":"request timed out","type":"server_error","param":null,"code":"timeout"}}"#,
+            r#"HTTP 504: {"error":{"message":"engine did not answer in time","type":"server_error","param":null,"code":"timeout"}}"#,
+            "error event: request timed out",
+            // Not timeouts: an engine failure, another error event, a cancelled request.
+            r#"HTTP 502: {"error":{"message":"engine failed","type":"server_error","param":null,"code":"engine_failed"}}"#,
+            "error event: upstream closed",
+            "cancelled: stopped before it completed",
+        ];
+        let outcomes: Vec<RequestOutcome> = errors
+            .iter()
+            .map(|e| outcome(None, None, Some(e)))
+            .collect();
+        let f = failure_summary(&outcomes);
+        assert_eq!(f["failed"], 7);
+        assert_eq!(f["timeouts"], 4, "{f}");
     }
 
     #[test]

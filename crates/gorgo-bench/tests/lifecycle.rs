@@ -4,74 +4,15 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::stub::{calls, fake_gorgo, requests};
 use common::Server;
 use gorgo_bench::{
     compare, BenchError, CancellationToken, CompareSpec, LoadMode, ReplayConfig, RunningCluster,
     UpOptions,
 };
-use gorgo_workload::{BlockIds, TraceRequest};
-
-fn fake_gorgo(dir: &Path, url: &str) -> PathBuf {
-    let log = dir.join("calls.log");
-    let script = format!(
-        r#"#!/bin/sh
-cmd="$1"; shift
-if [ "$1" = "--help" ]; then echo "      --base-port <PORT>"; exit 0; fi
-dir=""; port="-"; policy=""
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --run-dir) dir="$2"; shift ;;
-    --base-port) port="$2"; shift ;;
-    --policy) policy="$2"; shift ;;
-  esac
-  shift
-done
-case "$cmd" in
-  up)
-    echo "up $policy $port" >> "{log}"
-    if [ "$policy" = "broken" ]; then echo "engine failed to start" >&2; exit 3; fi
-    printf '{{"admin_token":"t","regions":[{{"name":"us","client_url":"{url}","admin_url":"{url}"}},{{"name":"eu","client_url":"{url}/"}}]}}' > "$dir/cluster.json" ;;
-  down) echo "down $dir" >> "{log}" ;;
-esac
-"#,
-        log = log.display()
-    );
-    let path = dir.join("gorgo");
-    std::fs::write(&path, script).unwrap();
-    let mut perm = std::fs::metadata(&path).unwrap().permissions();
-    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
-    std::fs::set_permissions(&path, perm).unwrap();
-    path
-}
-
-fn calls(dir: &Path) -> Vec<String> {
-    std::fs::read_to_string(dir.join("calls.log"))
-        .unwrap_or_default()
-        .lines()
-        .map(str::to_owned)
-        .collect()
-}
-
-fn requests(n: usize) -> Vec<TraceRequest> {
-    (0..n)
-        .map(|i| TraceRequest {
-            timestamp_ms: i as u64 * 10,
-            input_tokens: 64,
-            output_tokens: 3,
-            blocks: BlockIds::Int(vec![1, i as u64 + 2]),
-            tokens_per_block: 32,
-            user: Some(format!("u{}", i % 3)),
-            session: None,
-            home_region: None,
-            request_id: None,
-            system_prompt_hash: None,
-        })
-        .collect()
-}
 
 // One test function: every step spawns the script, and running them serially avoids
 // the fork-while-writing race (ETXTBSY) between test threads.
@@ -123,6 +64,7 @@ async fn clusters_come_up_and_always_go_down() {
         up_args: Vec::new(),
         base_port: 8000,
         port_stride: 100,
+        cluster_ports: 7,
         up_timeout: Duration::from_secs(30),
         replay: ReplayConfig {
             mode: LoadMode::Open { time_scale: 0.0 },
@@ -132,9 +74,11 @@ async fn clusters_come_up_and_always_go_down() {
         ignore_eos: true,
         progress: None,
     };
-    let runs = compare(&spec, Arc::new(requests(8)), CancellationToken::new())
+    let cmp = compare(&spec, Arc::new(requests(8)), CancellationToken::new())
         .await
         .unwrap();
+    assert!(!cmp.interrupted() && cmp.not_run.is_empty());
+    let runs = cmp.runs;
     assert_eq!(runs.len(), 2);
     for run in &runs {
         assert_eq!(run.output.outcomes.len(), 8);
@@ -184,7 +128,8 @@ async fn clusters_come_up_and_always_go_down() {
     };
     let runs = compare(&sequential, Arc::new(requests(3)), CancellationToken::new())
         .await
-        .unwrap();
+        .unwrap()
+        .runs;
     assert_eq!(
         runs.iter().map(|r| r.output.outcomes.len()).sum::<usize>(),
         6
@@ -209,12 +154,20 @@ async fn clusters_come_up_and_always_go_down() {
             .unwrap_err();
         assert!(err.to_string().contains("policies"), "{err}");
     }
-    // Port blocks that overlap (closer than 7) or run past 65535 are refused before
-    // anything starts (a stride of 0 put every cluster on one block).
-    for (base_port, port_stride) in [(8000, 0), (8000, 6), (65_500, 100)] {
+    // Port blocks that overlap (closer than a block) or run past 65535 are refused
+    // before anything starts (a stride of 0 put every cluster on one block; a block
+    // of 11 ports, two engines a region, overlaps at a stride of 7).
+    for (base_port, port_stride, cluster_ports) in [
+        (8000, 0, 7),
+        (8000, 6, 7),
+        (8000, 7, 11),
+        (65_500, 100, 7),
+        (65_430, 100, 7),
+    ] {
         let spec = CompareSpec {
             base_port,
             port_stride,
+            cluster_ports,
             ..spec.clone()
         };
         let err = compare(&spec, Arc::new(requests(1)), CancellationToken::new())

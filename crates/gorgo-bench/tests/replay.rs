@@ -364,7 +364,8 @@ async fn the_client_measures_from_the_origin_it_is_given() {
         .unwrap();
     let body = Bytes::from(r#"{"max_tokens":2}"#);
     let url = format!("{}/v1/chat/completions", a.url);
-    let m = gorgo_bench::client::send_streaming(&client, &url, body, &[], origin).await;
+    let stop = gorgo_bench::CancellationToken::new();
+    let m = gorgo_bench::client::send_streaming(&client, &url, body, &[], origin, &stop).await;
     assert_eq!(m.error, None);
     let sent = m.sent_ms.unwrap();
     assert!(sent >= 50.0, "{sent}");
@@ -416,5 +417,71 @@ async fn a_stopped_replay_keeps_what_finished_and_what_was_in_flight() {
         assert!(err.starts_with("cancelled"), "{err}");
         assert!(o.measured.e2e_ms.is_some_and(|v| v >= 0.0));
     }
+    a.stop().await;
+}
+
+/// An open-loop request stopped in flight keeps its send slip: how late it went out,
+/// not how long it had been in flight when the stop came.
+#[tokio::test]
+async fn a_request_stopped_in_flight_keeps_its_send_slip() {
+    let a = Server::start().await;
+    let cluster = ClusterInfo::from_list(&format!("us={}", a.url)).unwrap();
+    // A first token, then a stall: in flight until the stop, which comes once the
+    // server has the request.
+    let items = vec![item(0, "us", 998)];
+    let b = bodies(&items);
+    let out = replay(&cluster, items, b, &open_now(), a.received_at_least(1))
+        .await
+        .unwrap();
+    assert!(out.cancelled);
+    let o = &out.outcomes[0];
+    let err = o.measured.error.as_deref().unwrap_or_default();
+    assert!(err.starts_with("cancelled"), "{err}");
+    assert_eq!(o.measured.sent_ms, Some(o.slip_ms), "{o:?}");
+    assert!(o.slip_ms <= o.measured.e2e_ms.unwrap());
+    assert_eq!(o.start_ms, 0.0);
+    a.stop().await;
+}
+
+/// A capped open loop stopped while requests wait for a slot records those already
+/// due as never sent, at their due time, instead of dropping them: they are the most
+/// delayed requests of the run. Those not yet due are not part of it.
+#[tokio::test]
+async fn a_stopped_capped_open_loop_records_the_requests_it_never_sent() {
+    let a = Server::start().await;
+    let cluster = ClusterInfo::from_list(&format!("us={}", a.url)).unwrap();
+    // Three due at the start, one an hour later; one slot, held by the first (a
+    // stall) until the stop, which comes once the server has it.
+    let items: Vec<_> = (0..4)
+        .map(|i| ReplayItem {
+            arrival_ms: if i == 3 { 3_600_000 } else { 0 },
+            ..item(i, "us", if i == 0 { 998 } else { 2 })
+        })
+        .collect();
+    let b = bodies(&items);
+    let config = ReplayConfig {
+        mode: LoadMode::Open { time_scale: 1.0 },
+        max_in_flight: Some(1),
+        ..ReplayConfig::default()
+    };
+    let out = replay(&cluster, items, b, &config, a.received_at_least(1))
+        .await
+        .unwrap();
+    assert!(out.cancelled);
+    let indices: Vec<usize> = out.outcomes.iter().map(|o| o.index).collect();
+    assert_eq!(indices, [0, 1, 2]);
+    assert_eq!(out.failed(), 3);
+    assert!(out.outcomes[0].measured.sent_ms.is_some());
+    for o in &out.outcomes[1..] {
+        let err = o.measured.error.as_deref().unwrap_or_default();
+        assert!(err.starts_with("cancelled"), "{err}");
+        assert_eq!(o.measured.sent_ms, None);
+        assert_eq!(o.measured.ttft_ms, None);
+        assert_eq!(o.start_ms, 0.0);
+        // As late as it got: until the stop.
+        assert_eq!(Some(o.slip_ms), o.measured.e2e_ms);
+    }
+    // One request was sent in all.
+    assert_eq!(*a.received.borrow(), 1);
     a.stop().await;
 }

@@ -1,5 +1,8 @@
-//! A tiny OpenAI-style SSE server for the tests, bound to 127.0.0.1:0.
+//! Test helpers: a tiny OpenAI-style SSE server bound to 127.0.0.1:0, and ([`stub`]) a
+//! stand-in `gorgo` binary.
 #![allow(dead_code)]
+
+pub mod stub;
 
 use axum::body::Body;
 use axum::http::{HeaderMap, StatusCode};
@@ -31,7 +34,12 @@ const FIRST_TOKEN: &str =
 /// stall for ever, 997 -> HTTP 500 with an endless body, 996 -> a complete stream
 /// whose body is then held open for ever, 995 -> a complete stream followed by an SSE
 /// comment every 100 ms for ever, else that many content chunks.
-async fn chat(headers: HeaderMap, body: Bytes) -> Response {
+async fn chat(
+    axum::extract::State(received): axum::extract::State<Received>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    received.send_modify(|n| *n += 1);
     let v: serde_json::Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
         Err(_) => return (StatusCode::BAD_REQUEST, "bad json").into_response(),
@@ -116,8 +124,14 @@ async fn tuning(headers: HeaderMap) -> Response {
     .into_response()
 }
 
+/// How many chat requests the server has received so far.
+type Received = std::sync::Arc<tokio::sync::watch::Sender<usize>>;
+
 pub struct Server {
     pub url: String,
+    /// How many chat requests reached the handler: a test waits on it to act once a
+    /// request is known to be in flight.
+    pub received: tokio::sync::watch::Receiver<usize>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -126,9 +140,11 @@ impl Server {
     pub async fn start() -> Server {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
+        let (counter, received) = tokio::sync::watch::channel(0);
         let app = axum::Router::new()
             .route("/v1/chat/completions", post(chat))
-            .route("/admin/tuning", axum::routing::get(tuning));
+            .route("/admin/tuning", axum::routing::get(tuning))
+            .with_state(std::sync::Arc::new(counter));
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             axum::serve(listener, app)
@@ -140,8 +156,20 @@ impl Server {
         });
         Server {
             url,
+            received,
             stop: Some(tx),
             task,
+        }
+    }
+
+    /// Completes once `n` chat requests have reached the handler (for ever if they
+    /// never do).
+    pub fn received_at_least(&self, n: usize) -> impl std::future::Future<Output = ()> {
+        let mut received = self.received.clone();
+        async move {
+            if received.wait_for(|r| *r >= n).await.is_err() {
+                std::future::pending::<()>().await;
+            }
         }
     }
 
