@@ -124,6 +124,12 @@ impl EngineTokenizer {
         let mut tok: tokenizers::Tokenizer = text
             .parse()
             .map_err(|e| bad_tokenizer(format!("not a tokenizer.json: {e}")))?;
+        // HF's `__call__` turns both off on every call unless asked (`no_truncation`,
+        // `no_padding`), so an engine never truncates or pads a prompt with what the
+        // file sets: kept, they would cap or inflate every count.
+        tok.with_truncation(None)
+            .map_err(|e| bad_tokenizer(format!("cannot clear its truncation: {e}")))?;
+        tok.with_padding(None);
         let config_path = tokenizer.with_file_name("tokenizer_config.json");
         let config = if config_path.is_file() {
             read_tokenizer_config(&config_path).map_err(|reason| TokenizerError::Config {

@@ -245,3 +245,30 @@ fn strftime_fields() {
     );
     assert!(strftime("%Q", t).is_err());
 }
+
+#[test]
+fn truncation_and_padding_in_the_file_are_cleared() {
+    // HF's `__call__` clears both on every call, so an engine never truncates or pads a
+    // prompt there; a count that did would pass any long prompt through the context
+    // check.
+    let dir = tempfile::tempdir().unwrap();
+    let mut file: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(FIXTURE_TOKENIZER).unwrap()).unwrap();
+    file["truncation"] =
+        json!({"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0});
+    file["padding"] = json!({"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": null, "pad_id": 0, "pad_type_id": 0, "pad_token": "<unk>"});
+    let path = dir.path().join("tokenizer.json");
+    std::fs::write(&path, file.to_string()).unwrap();
+    let t = EngineTokenizer::load(&path, None, false).unwrap();
+    let long = "the quick brown fox jumps over the lazy dog and the cat";
+    assert_eq!(
+        t.encode(long, false).unwrap(),
+        fixture().encode(long, false).unwrap()
+    );
+    assert!(t.encode(long, false).unwrap().len() > 8);
+    assert_eq!(
+        t.encode("a", true).unwrap().len(),
+        2,
+        "BOS and one piece, no padding"
+    );
+}
