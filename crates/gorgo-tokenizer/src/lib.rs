@@ -62,6 +62,33 @@ pub enum TokenizerError {
     Request(String),
 }
 
+/// Largest tokenizer, template or `tokenizer_config.json` file read, bytes: the
+/// largest real `tokenizer.json` files are about 35 MB.
+pub const MAX_TOKENIZER_FILE_BYTES: u64 = 64 << 20;
+
+/// The text of the file at `path`, refused when it holds more than `cap` bytes.
+///
+/// Why: the files a node or the emulator reads at startup are named by an operator, and
+/// a wrong path (`/dev/zero`, a device) would grow memory without end; its
+/// `metadata().len()` says 0, so only a read through `take(cap + 1)` stops it. Public so
+/// that the node reads its other operator-named files (`tuning.weights_file`) the same
+/// way. The error says what is wrong, not which file: callers name it.
+pub fn read_file_capped(path: &Path, cap: u64) -> std::io::Result<String> {
+    use std::io::Read as _;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(cap.saturating_add(1))
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > cap {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("larger than {cap} bytes"),
+        ));
+    }
+    String::from_utf8(bytes)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.utf8_error()))
+}
+
 /// The model's tokenizer and chat template, loaded once at startup.
 pub struct EngineTokenizer {
     tokenizer: tokenizers::Tokenizer,
@@ -110,7 +137,7 @@ impl EngineTokenizer {
     /// No template at all is not an error here (a completions-only engine needs none);
     /// chat requests then fail with [`TokenizerError::Request`]. The template is test-
     /// rendered on a one-message conversation, so one that calls something missing
-    /// fails at startup.
+    /// fails at startup. Each file is read with a cap ([`MAX_TOKENIZER_FILE_BYTES`]).
     pub fn load(
         tokenizer: &Path,
         chat_template: Option<&Path>,
@@ -120,7 +147,8 @@ impl EngineTokenizer {
             field: "tokenizer",
             reason: format!("{}: {reason}", tokenizer.display()),
         };
-        let text = std::fs::read_to_string(tokenizer).map_err(|e| bad_tokenizer(e.to_string()))?;
+        let text = read_file_capped(tokenizer, MAX_TOKENIZER_FILE_BYTES)
+            .map_err(|e| bad_tokenizer(e.to_string()))?;
         let mut tok: tokenizers::Tokenizer = text
             .parse()
             .map_err(|e| bad_tokenizer(format!("not a tokenizer.json: {e}")))?;
@@ -264,7 +292,7 @@ fn read_template_file(path: &Path) -> Result<String, TokenizerError> {
         field: "chat_template",
         reason: format!("{}: {reason}", path.display()),
     };
-    let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    let text = read_file_capped(path, MAX_TOKENIZER_FILE_BYTES).map_err(|e| bad(e.to_string()))?;
     if path.extension().is_some_and(|e| e == "json") {
         // `chat_template.json`, as newer HF repositories ship it.
         let v: serde_json::Value =
@@ -293,7 +321,7 @@ fn template_of(v: Option<&serde_json::Value>) -> Option<String> {
 }
 
 fn read_tokenizer_config(path: &Path) -> Result<TokenizerConfig, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+    let text = read_file_capped(path, MAX_TOKENIZER_FILE_BYTES).map_err(|e| e.to_string())?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("not JSON: {e}"))?;
     // A special token is a string, or an AddedToken object with its `content`.
     let token = |key: &str| match v.get(key)? {

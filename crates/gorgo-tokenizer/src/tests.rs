@@ -272,3 +272,41 @@ fn truncation_and_padding_in_the_file_are_cleared() {
         "BOS and one piece, no padding"
     );
 }
+
+#[test]
+fn endless_files_are_refused_naming_the_file() {
+    // `/dev/zero` has no length to check beforehand: only a capped read stops it.
+    let zero = Path::new("/dev/zero");
+    if !zero.exists() {
+        return;
+    }
+    let started = std::time::Instant::now();
+    match EngineTokenizer::load(zero, None, false) {
+        Err(TokenizerError::Config { field, reason }) => {
+            assert_eq!(field, "tokenizer");
+            assert!(
+                reason.contains("/dev/zero") && reason.contains("larger than"),
+                "{reason}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    match EngineTokenizer::load(Path::new(FIXTURE_TOKENIZER), Some(zero), false) {
+        Err(TokenizerError::Config { field, reason }) => {
+            assert_eq!(field, "chat_template");
+            assert!(
+                reason.contains("/dev/zero") && reason.contains("larger than"),
+                "{reason}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(started.elapsed() < std::time::Duration::from_secs(20));
+    // The cap itself: one byte over is refused, at the cap is read.
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("f");
+    std::fs::write(&f, "abcd").unwrap();
+    assert_eq!(read_file_capped(&f, 4).unwrap(), "abcd");
+    let e = read_file_capped(&f, 3).unwrap_err();
+    assert!(e.to_string().contains("larger than 3 bytes"), "{e}");
+}
