@@ -247,45 +247,91 @@ fn render_part(part: &Value, out: &mut Vec<u8>) -> Result<(), &'static str> {
 }
 
 fn render_completions(body: &Value, out: &mut Vec<u8>) -> Result<(), CoreError> {
-    let obj = body
-        .as_object()
-        .ok_or_else(|| invalid("body must be a JSON object"))?;
-    let prompt = obj
-        .get("prompt")
-        .ok_or_else(|| invalid("missing `prompt`"))?;
-    const WRONG: &str = "`prompt` must be a string, an array of strings, an array of token ids or an array of token-id arrays";
-    match prompt {
-        Value::String(s) => out.extend_from_slice(s.as_bytes()),
-        Value::Array(items) if items.iter().all(Value::is_string) => {
-            for s in items.iter().filter_map(Value::as_str) {
+    match CompletionsPrompt::of_body(body)? {
+        CompletionsPrompt::Text(s) => out.extend_from_slice(s.as_bytes()),
+        CompletionsPrompt::TextBatch(prompts) => {
+            for s in prompts {
                 out.extend_from_slice(s.as_bytes());
                 out.push(b'\n');
             }
         }
-        Value::Array(items) if items.iter().all(Value::is_number) => render_token_ids(items, out)?,
-        Value::Array(items) if items.iter().all(Value::is_array) => {
-            for ids in items.iter().filter_map(Value::as_array) {
-                if !ids.iter().all(Value::is_number) {
-                    return Err(invalid(WRONG));
-                }
-                render_token_ids(ids, out)?;
+        CompletionsPrompt::TokenIds(ids) => render_token_ids(&ids, out),
+        CompletionsPrompt::TokenIdBatch(prompts) => {
+            for ids in prompts {
+                render_token_ids(&ids, out);
             }
         }
-        _ => return Err(invalid(WRONG)),
     }
     Ok(())
 }
 
-fn render_token_ids(ids: &[Value], out: &mut Vec<u8>) -> Result<(), CoreError> {
+fn render_token_ids(ids: &[u32], out: &mut Vec<u8>) {
     out.reserve(ids.len() * 4);
     for id in ids {
-        let id = id
-            .as_u64()
-            .and_then(|v| u32::try_from(v).ok())
-            .ok_or_else(|| invalid("token ids must be integers in [0, 2^32)"))?;
         out.extend_from_slice(&id.to_le_bytes());
     }
-    Ok(())
+}
+
+/// A completions request's `prompt`, in the four forms the OpenAI API takes (vLLM and
+/// SGLang take the same).
+///
+/// Why one type: the canonical rendering here and the tokenizer crate's count (which
+/// cannot be reached without passing here first on a node, but is the emulator's only
+/// reading) read the same field, and must accept the same bodies with the same errors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CompletionsPrompt<'a> {
+    /// A string: one prompt.
+    Text(&'a str),
+    /// An array of strings: a batch, each string a prompt of its own.
+    TextBatch(Vec<&'a str>),
+    /// An array of token ids: one prompt.
+    TokenIds(Vec<u32>),
+    /// An array of token-id arrays: a batch, each array a prompt of its own.
+    TokenIdBatch(Vec<Vec<u32>>),
+}
+
+impl<'a> CompletionsPrompt<'a> {
+    /// The `prompt` of a completions request body (a JSON object).
+    pub fn of_body(body: &'a Value) -> Result<Self, CoreError> {
+        let obj = body
+            .as_object()
+            .ok_or_else(|| invalid("body must be a JSON object"))?;
+        let prompt = obj
+            .get("prompt")
+            .ok_or_else(|| invalid("missing `prompt`"))?;
+        const WRONG: &str = "`prompt` must be a string, an array of strings, an array of token ids or an array of token-id arrays";
+        match prompt {
+            Value::String(s) => Ok(CompletionsPrompt::Text(s)),
+            Value::Array(items) if items.iter().all(Value::is_string) => Ok(
+                CompletionsPrompt::TextBatch(items.iter().filter_map(Value::as_str).collect()),
+            ),
+            Value::Array(items) if items.iter().all(Value::is_number) => {
+                Ok(CompletionsPrompt::TokenIds(token_ids(items)?))
+            }
+            Value::Array(items) if items.iter().all(Value::is_array) => items
+                .iter()
+                .filter_map(Value::as_array)
+                .map(|ids| {
+                    if !ids.iter().all(Value::is_number) {
+                        return Err(invalid(WRONG));
+                    }
+                    token_ids(ids)
+                })
+                .collect::<Result<_, _>>()
+                .map(CompletionsPrompt::TokenIdBatch),
+            _ => Err(invalid(WRONG)),
+        }
+    }
+}
+
+fn token_ids(ids: &[Value]) -> Result<Vec<u32>, CoreError> {
+    ids.iter()
+        .map(|id| {
+            id.as_u64()
+                .and_then(|v| u32::try_from(v).ok())
+                .ok_or_else(|| invalid("token ids must be integers in [0, 2^32)"))
+        })
+        .collect()
 }
 
 /// Turns canonical prompt bytes into a [`HashChain`]: fixed-size blocks, chained

@@ -27,6 +27,7 @@
 
 use std::path::{Path, PathBuf};
 
+use gorgo_core::prompt::CompletionsPrompt;
 use gorgo_core::Endpoint;
 use minijinja::value::{Kwargs, Serde, Value};
 use minijinja::{Environment, ErrorKind};
@@ -234,46 +235,30 @@ impl EngineTokenizer {
             Endpoint::Completions => {
                 let body: serde_json::Value = serde_json::from_slice(body)
                     .map_err(|e| TokenizerError::Request(format!("body is not JSON: {e}")))?;
-                self.completion_ids(body.get("prompt").unwrap_or(&serde_json::Value::Null))
+                self.completion_ids(&body)
             }
         }
     }
 
-    fn completion_ids(&self, prompt: &serde_json::Value) -> Result<Vec<u32>, TokenizerError> {
-        use serde_json::Value as J;
-        let wrong = || {
-            TokenizerError::Request(
-                "`prompt` must be a string, an array of strings, an array of token ids or an array of token-id arrays".into(),
-            )
-        };
-        let ids_of = |items: &[J]| -> Result<Vec<u32>, TokenizerError> {
-            items
-                .iter()
-                .map(|v| {
-                    v.as_u64()
-                        .and_then(|n| u32::try_from(n).ok())
-                        .ok_or_else(wrong)
-                })
-                .collect()
-        };
+    /// A completions body's ids: its `prompt` read as the canonical path reads it
+    /// ([`CompletionsPrompt`]), each string tokenised with special tokens added, token
+    /// ids as they are, a batch's prompts one after the other.
+    fn completion_ids(&self, body: &serde_json::Value) -> Result<Vec<u32>, TokenizerError> {
+        let prompt = CompletionsPrompt::of_body(body).map_err(|e| match e {
+            gorgo_core::CoreError::InvalidRequest(m) => TokenizerError::Request(m),
+            other => TokenizerError::Request(other.to_string()),
+        })?;
         match prompt {
-            J::String(s) => self.encode(s, true),
-            J::Array(items) if items.iter().all(J::is_string) => {
+            CompletionsPrompt::Text(s) => self.encode(s, true),
+            CompletionsPrompt::TextBatch(prompts) => {
                 let mut ids = Vec::new();
-                for s in items.iter().filter_map(J::as_str) {
+                for s in prompts {
                     ids.extend(self.encode(s, true)?);
                 }
                 Ok(ids)
             }
-            J::Array(items) if items.iter().all(J::is_number) => ids_of(items),
-            J::Array(items) if items.iter().all(J::is_array) => {
-                let mut ids = Vec::new();
-                for inner in items.iter().filter_map(J::as_array) {
-                    ids.extend(ids_of(inner)?);
-                }
-                Ok(ids)
-            }
-            _ => Err(wrong()),
+            CompletionsPrompt::TokenIds(ids) => Ok(ids),
+            CompletionsPrompt::TokenIdBatch(prompts) => Ok(prompts.concat()),
         }
     }
 

@@ -310,3 +310,29 @@ fn endless_files_are_refused_naming_the_file() {
     let e = read_file_capped(&f, 3).unwrap_err();
     assert!(e.to_string().contains("larger than 3 bytes"), "{e}");
 }
+
+#[test]
+fn completions_prompts_are_refused_as_the_canonical_path_refuses_them() {
+    // One reading of `prompt` (gorgo_core's): the same bodies refused, the same words.
+    let t = fixture();
+    for body in [
+        json!({}),
+        json!([1]),
+        json!({"prompt": 5}),
+        json!({"prompt": null}),
+        json!({"prompt": [-1]}),
+        json!({"prompt": [4_294_967_296u64]}),
+        json!({"prompt": ["a", 1]}),
+        json!({"prompt": [[1], ["a"]]}),
+        json!({"prompt": [[1.5]]}),
+    ] {
+        let canonical = match gorgo_core::prompt::canonicalize(Endpoint::Completions, &body) {
+            Err(gorgo_core::CoreError::InvalidRequest(m)) => m,
+            other => panic!("{body}: {other:?}"),
+        };
+        match t.prompt_ids(Endpoint::Completions, &serde_json::to_vec(&body).unwrap()) {
+            Err(TokenizerError::Request(m)) => assert_eq!(m, canonical, "{body}"),
+            other => panic!("{body}: {other:?}"),
+        }
+    }
+}
