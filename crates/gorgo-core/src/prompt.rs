@@ -228,6 +228,19 @@ fn render_chat(body: &Value, out: &mut Vec<u8>) -> Result<(), CoreError> {
 }
 
 fn render_part(part: &Value, out: &mut Vec<u8>) -> Result<(), &'static str> {
+    out.extend_from_slice(content_part_text(part)?.as_bytes());
+    Ok(())
+}
+
+/// The text a chat message's content part stands for: a `text` part's text, any other
+/// part `<|{type}:{hash}|>` (hash of the part's JSON, 16 hex digits) so that two
+/// different images never look alike. `Err` says what is wrong with the part, for a
+/// message that names where it is.
+///
+/// Public so that the tokenizer crate, which joins a message's parts into one string
+/// as vLLM does before the template, reads a part exactly as the canonical rendering
+/// does.
+pub fn content_part_text(part: &Value) -> Result<std::borrow::Cow<'_, str>, &'static str> {
     let obj = part.as_object().ok_or("must be an object")?;
     let kind = obj
         .get("type")
@@ -238,12 +251,11 @@ fn render_part(part: &Value, out: &mut Vec<u8>) -> Result<(), &'static str> {
             .get("text")
             .and_then(Value::as_str)
             .ok_or("needs a string `text`")?;
-        out.extend_from_slice(text.as_bytes());
+        Ok(text.into())
     } else {
         let digest = crate::hash::hash_bytes(part.to_string().as_bytes());
-        out.extend_from_slice(format!("<|{kind}:{digest:016x}|>").as_bytes());
+        Ok(format!("<|{kind}:{digest:016x}|>").into())
     }
-    Ok(())
 }
 
 fn render_completions(body: &Value, out: &mut Vec<u8>) -> Result<(), CoreError> {

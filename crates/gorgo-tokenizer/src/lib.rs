@@ -8,12 +8,13 @@
 //!
 //! - `chat/completions`: the template is rendered (Jinja, as HF's `apply_chat_template`
 //!   renders it: `trim_blocks`, `lstrip_blocks`, loop controls, Python string methods,
-//!   HF's `tojson`, `raise_exception`, `strftime_now`) with `messages`,
-//!   `add_generation_prompt = true`, `tools` (none when absent or empty), `bos_token`,
-//!   `eos_token` and the request's `chat_template_kwargs`; the text is tokenised with
-//!   special tokens parsed, and the tokenizer's own added tokens (BOS) only when
-//!   `chat_add_special_tokens` says so (vLLM and SGLang: no, the template writes
-//!   `bos_token` itself; llama-cpp-python's built-in chat formats: yes).
+//!   HF's `tojson`, `raise_exception`, `strftime_now`) with `messages` as vLLM
+//!   normalises them (content parts joined with "\n" into one string, `null` content
+//!   as ""), `add_generation_prompt = true`, `tools` (none when absent or empty),
+//!   `bos_token`, `eos_token` and the request's `chat_template_kwargs`; the text is
+//!   tokenised with special tokens parsed, and the tokenizer's own added tokens (BOS)
+//!   only when `chat_add_special_tokens` says so (vLLM and SGLang: no, the template
+//!   writes `bos_token` itself; llama-cpp-python's built-in chat formats: yes).
 //! - `completions`: a string prompt is tokenised with special tokens added (all three
 //!   engines do); an array of strings is a batch, counted as the sum; token ids are
 //!   taken as they are.
@@ -29,7 +30,7 @@ use std::path::{Path, PathBuf};
 
 use gorgo_core::prompt::CompletionsPrompt;
 use gorgo_core::Endpoint;
-use minijinja::value::{Kwargs, Serde, Value};
+use minijinja::value::{Kwargs, Serde, Value, ValueKind};
 use minijinja::{Environment, ErrorKind};
 use serde::Serialize;
 
@@ -426,6 +427,7 @@ impl ChatTemplate {
         let field = |name: &str| body.get_attr(name).ok().filter(|v| !v.is_undefined());
         let messages = field("messages")
             .ok_or_else(|| TokenizerError::Request("missing `messages`".into()))?;
+        let messages = engine_messages(&messages)?;
         let tools = field("tools")
             .filter(|t| t.len().is_some_and(|n| n > 0))
             .unwrap_or(Value::from(()));
@@ -439,7 +441,7 @@ impl ChatTemplate {
         // vLLM and SGLang pass `chat_template_kwargs` (e.g. `enable_thinking`) to the
         // template; the fixed arguments win over them.
         let ctx = match field("chat_template_kwargs") {
-            Some(extra) if extra.kind() == minijinja::value::ValueKind::Map => {
+            Some(extra) if extra.kind() == ValueKind::Map => {
                 minijinja::context! { ..base, ..extra }
             }
             _ => base,
@@ -452,6 +454,77 @@ impl ChatTemplate {
             TokenizerError::Request(format!("the chat template cannot render this request: {e}"))
         })
     }
+}
+
+/// `messages` as vLLM hands them to the template (its "string" content format, the one
+/// templates that write `message.content` as a string need): a message's content parts
+/// joined with "\n" into one string, each part read as the canonical path reads it
+/// ([`gorgo_core::prompt::content_part_text`]: a non-text part is a placeholder that
+/// tells two images apart), and `null` or missing content as "". Anything that is not a
+/// list of objects is left for the template to refuse.
+fn engine_messages(messages: &Value) -> Result<Value, TokenizerError> {
+    if messages.kind() != ValueKind::Seq {
+        return Ok(messages.clone());
+    }
+    let mut out = Vec::with_capacity(messages.len().unwrap_or(0));
+    for (i, message) in iter_of(messages)?.enumerate() {
+        out.push(engine_message(i, message)?);
+    }
+    Ok(Value::from(out))
+}
+
+/// One message of [`engine_messages`], its keys in the client's order.
+fn engine_message(i: usize, message: Value) -> Result<Value, TokenizerError> {
+    if message.kind() != ValueKind::Map {
+        return Ok(message);
+    }
+    let mut pairs = Vec::with_capacity(message.len().unwrap_or(0) + 1);
+    let mut has_content = false;
+    for key in iter_of(&message)? {
+        let value = message
+            .get_item(&key)
+            .map_err(|e| TokenizerError::Request(e.to_string()))?;
+        let value = match key.as_str() {
+            Some("content") => {
+                has_content = true;
+                engine_content(i, &value)?
+            }
+            _ => value,
+        };
+        pairs.push((key, value));
+    }
+    if !has_content {
+        pairs.push((Value::from("content"), Value::from("")));
+    }
+    Ok(Value::from_pairs(pairs))
+}
+
+/// A message's content as [`engine_messages`] says.
+fn engine_content(i: usize, content: &Value) -> Result<Value, TokenizerError> {
+    if content.is_none() || content.is_undefined() {
+        return Ok(Value::from(""));
+    }
+    if content.kind() != ValueKind::Seq {
+        return Ok(content.clone());
+    }
+    let mut texts = Vec::with_capacity(content.len().unwrap_or(0));
+    for (j, part) in iter_of(content)?.enumerate() {
+        let bad = |e: &str| TokenizerError::Request(format!("`messages[{i}].content[{j}]` {e}"));
+        let part = serde_json::to_value(&part).map_err(|e| bad(&e.to_string()))?;
+        texts.push(
+            gorgo_core::prompt::content_part_text(&part)
+                .map_err(bad)?
+                .into_owned(),
+        );
+    }
+    Ok(Value::from(texts.join("\n")))
+}
+
+/// The items of a sequence, or the keys of a map.
+fn iter_of(value: &Value) -> Result<minijinja::value::ValueIter, TokenizerError> {
+    value
+        .try_iter()
+        .map_err(|e| TokenizerError::Request(e.to_string()))
 }
 
 fn raise_exception(message: String) -> Result<Value, minijinja::Error> {

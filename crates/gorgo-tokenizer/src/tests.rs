@@ -128,8 +128,10 @@ fn bad_requests_are_request_errors() {
     let t = fixture();
     for body in [
         chat(json!([{"role": "wizard", "content": "x"}])),
-        // `+` of a string and a list: the template cannot render array content.
-        chat(json!([{"role": "user", "content": [{"type": "text", "text": "x"}]}])),
+        // (Array content is no longer here: it is joined into a string before the
+        // template, as vLLM does, so it renders: `content_is_normalised_as_vllm_does`.)
+        // A content part the canonical path refuses too.
+        chat(json!([{"role": "user", "content": [{"type": "text"}]}])),
         b"{not json".to_vec(),
         b"{}".to_vec(),
     ] {
@@ -335,4 +337,54 @@ fn completions_prompts_are_refused_as_the_canonical_path_refuses_them() {
             other => panic!("{body}: {other:?}"),
         }
     }
+}
+
+#[test]
+fn content_is_normalised_as_vllm_does() {
+    let t = fixture();
+    // Text parts joined with "\n" into one string (vLLM's "string" content format).
+    let parts = chat(json!([{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"},
+    ]}]));
+    let joined = chat(json!([{"role": "user", "content": "a\nb"}]));
+    assert_eq!(
+        t.render_chat(&parts).unwrap(),
+        t.render_chat(&joined).unwrap()
+    );
+    // `null` (and missing) content is "".
+    for empty in [
+        json!({"role": "assistant", "content": null}),
+        json!({"role": "assistant"}),
+    ] {
+        let body = chat(json!([
+            {"role": "user", "content": "hi"}, empty, {"role": "user", "content": "x"},
+        ]));
+        let text = t.render_chat(&body).unwrap();
+        assert!(
+            text.contains("<|im_start|>assistant\n<|im_end|>\n<|im_start|>user\nx"),
+            "{text}"
+        );
+    }
+    // A part that is not text becomes the canonical path's placeholder, so two images
+    // are two prompts.
+    let image = |url: &str| {
+        json!({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what?"},
+        ]}]})
+    };
+    let canonical = gorgo_core::prompt::canonicalize(Endpoint::Chat, &image("a.png")).unwrap();
+    let placeholder = std::str::from_utf8(&canonical)
+        .unwrap()
+        .strip_prefix("<|user|>\n")
+        .and_then(|s| s.strip_suffix("what?\n"))
+        .unwrap()
+        .to_owned();
+    assert!(placeholder.starts_with("<|image_url:"), "{placeholder}");
+    let render = |body: &serde_json::Value| t.render_chat(&serde_json::to_vec(body).unwrap());
+    let a = render(&image("a.png")).unwrap();
+    assert!(
+        a.contains(&format!("user\n{placeholder}\nwhat?<|im_end|>")),
+        "{a}"
+    );
+    assert_ne!(a, render(&image("b.png")).unwrap());
 }
