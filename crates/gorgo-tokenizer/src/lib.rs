@@ -10,7 +10,8 @@
 //!   renders it: `trim_blocks`, `lstrip_blocks`, loop controls, Python string methods,
 //!   HF's `tojson`, `raise_exception`, `strftime_now`) with `messages` as vLLM
 //!   normalises them (content parts joined with "\n" into one string, `null` content
-//!   as ""), `add_generation_prompt = true`, `tools` (none when absent or empty),
+//!   as "", a tool call's `arguments` string parsed into the JSON object it holds),
+//!   `add_generation_prompt = true`, `tools` (none when absent or empty),
 //!   `bos_token`, `eos_token` and the request's `chat_template_kwargs`; the text is
 //!   tokenised with special tokens parsed, and the tokenizer's own added tokens (BOS)
 //!   only when `chat_add_special_tokens` says so (vLLM and SGLang: no, the template
@@ -460,7 +461,8 @@ impl ChatTemplate {
 /// templates that write `message.content` as a string need): a message's content parts
 /// joined with "\n" into one string, each part read as the canonical path reads it
 /// ([`gorgo_core::prompt::content_part_text`]: a non-text part is a placeholder that
-/// tells two images apart), and `null` or missing content as "". Anything that is not a
+/// tells two images apart), `null` or missing content as "", and an assistant's
+/// tool-call arguments as objects ([`parsed_tool_arguments`]). Anything that is not a
 /// list of objects is left for the template to refuse.
 fn engine_messages(messages: &Value) -> Result<Value, TokenizerError> {
     if messages.kind() != ValueKind::Seq {
@@ -478,6 +480,9 @@ fn engine_message(i: usize, message: Value) -> Result<Value, TokenizerError> {
     if message.kind() != ValueKind::Map {
         return Ok(message);
     }
+    let assistant = message
+        .get_attr("role")
+        .is_ok_and(|r| r.as_str() == Some("assistant"));
     let mut pairs = Vec::with_capacity(message.len().unwrap_or(0) + 1);
     let mut has_content = false;
     for key in iter_of(&message)? {
@@ -489,6 +494,7 @@ fn engine_message(i: usize, message: Value) -> Result<Value, TokenizerError> {
                 has_content = true;
                 engine_content(i, &value)?
             }
+            Some("tool_calls") if assistant => parsed_tool_arguments(&value),
             _ => value,
         };
         pairs.push((key, value));
@@ -518,6 +524,53 @@ fn engine_content(i: usize, content: &Value) -> Result<Value, TokenizerError> {
         );
     }
     Ok(Value::from(texts.join("\n")))
+}
+
+/// An assistant's `tool_calls` with each call's `function.arguments` given as a JSON
+/// string (OpenAI's form) parsed into the object it holds, as vLLM does before the
+/// template (templates print them with `tojson` and expect an object); its keys keep
+/// the string's order, as Python's `json.loads` keeps them. Arguments that are not a
+/// string holding a JSON object stay as they are.
+fn parsed_tool_arguments(calls: &Value) -> Value {
+    if calls.kind() != ValueKind::Seq {
+        return calls.clone();
+    }
+    let Ok(items) = calls.try_iter() else {
+        return calls.clone();
+    };
+    let parsed = |call: Value| -> Option<Value> {
+        let function = call.get_attr("function").ok()?;
+        let arguments = function.get_attr("arguments").ok()?;
+        let object: Value = serde_json::from_str(arguments.as_str()?).ok()?;
+        if object.kind() != ValueKind::Map {
+            return None;
+        }
+        let function = with_item(&function, "arguments", object)?;
+        with_item(&call, "function", function)
+    };
+    items
+        .map(|call| parsed(call.clone()).unwrap_or(call))
+        .collect()
+}
+
+/// `map` with `key`'s value replaced, the keys in their order (`None`: not a map).
+fn with_item(map: &Value, key: &str, value: Value) -> Option<Value> {
+    if map.kind() != ValueKind::Map {
+        return None;
+    }
+    let pairs: Vec<(Value, Value)> = map
+        .try_iter()
+        .ok()?
+        .map(|k| {
+            let v = if k.as_str() == Some(key) {
+                value.clone()
+            } else {
+                map.get_item(&k).unwrap_or_default()
+            };
+            (k, v)
+        })
+        .collect();
+    Some(Value::from_pairs(pairs))
 }
 
 /// The items of a sequence, or the keys of a map.

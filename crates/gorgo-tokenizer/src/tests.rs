@@ -93,6 +93,30 @@ fn tools_print_as_hf_tojson_in_client_order() {
     ]));
     let text = t.render_chat(&body).unwrap();
     assert!(text.contains("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n"), "{text}");
+    // `arguments` as OpenAI sends them, a JSON string: parsed into the object first, as
+    // vLLM does, its keys in the string's order. A string that is no JSON object stays.
+    let with_arguments = |arguments: &str| {
+        let call = serde_json::to_string(arguments).unwrap();
+        format!(
+            r#"{{"messages": [{{"role": "user", "content": "weather?"}},
+            {{"role": "assistant", "content": null, "tool_calls": [{{"id": "1", "type": "function", "function": {{"name": "get_weather", "arguments": {call}}}}}]}}]}}"#
+        )
+    };
+    let text = t
+        .render_chat(with_arguments(r#"{"city": "Paris", "at": "noon"}"#).as_bytes())
+        .unwrap();
+    assert!(
+        text.contains(r#""arguments": {"city": "Paris", "at": "noon"}}"#),
+        "{text}"
+    );
+    for kept in ["not json", "[1, 2]"] {
+        let text = t.render_chat(with_arguments(kept).as_bytes()).unwrap();
+        let printed = serde_json::to_string(kept).unwrap();
+        assert!(
+            text.contains(&format!(r#""arguments": {printed}}}"#)),
+            "{text}"
+        );
+    }
 }
 
 #[test]
