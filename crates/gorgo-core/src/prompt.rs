@@ -336,6 +336,22 @@ impl<'a> CompletionsPrompt<'a> {
     }
 }
 
+impl CompletionsPrompt<'_> {
+    /// For a batch, the canonical bytes of its longest prompt (a string's bytes, 4 per
+    /// token id); `None` for one prompt, whose size is its whole canonical rendering.
+    /// Engines check a batch against the context prompt by prompt (vLLM does), so a
+    /// node without a tokenizer estimates that check's count from this.
+    pub fn longest_batch_prompt_bytes(&self) -> Option<u64> {
+        match self {
+            CompletionsPrompt::Text(_) | CompletionsPrompt::TokenIds(_) => None,
+            CompletionsPrompt::TextBatch(prompts) => prompts.iter().map(|s| s.len() as u64).max(),
+            CompletionsPrompt::TokenIdBatch(prompts) => {
+                prompts.iter().map(|ids| 4 * ids.len() as u64).max()
+            }
+        }
+    }
+}
+
 fn token_ids(ids: &[Value]) -> Result<Vec<u32>, CoreError> {
     ids.iter()
         .map(|id| {
@@ -517,6 +533,20 @@ mod tests {
         assert_eq!(h_tokens(&t), 2);
         let tt = canonicalize(Endpoint::Completions, &json!({"prompt": [[1], [2, 3]]})).unwrap();
         assert_eq!(tt.len(), 12);
+    }
+
+    #[test]
+    fn a_batch_knows_its_longest_prompt() {
+        let longest = |prompt: Value| {
+            let body = json!({ "prompt": prompt });
+            CompletionsPrompt::of_body(&body)
+                .unwrap()
+                .longest_batch_prompt_bytes()
+        };
+        assert_eq!(longest(json!("abc")), None);
+        assert_eq!(longest(json!([1, 2, 3])), None);
+        assert_eq!(longest(json!(["ab", "abcd", "a"])), Some(4));
+        assert_eq!(longest(json!([[1], [2, 3]])), Some(8));
     }
 
     fn h_tokens(bytes: &[u8]) -> u64 {

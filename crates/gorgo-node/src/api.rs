@@ -103,6 +103,14 @@ fn json_error_response(status: StatusCode, body: String) -> Response {
     resp
 }
 
+/// On a peer's forward only, set by the node that sends it: the tokens of the
+/// request's longest prompt as the origin counted them. A forward carries the chain of
+/// the whole prompt, and a completions batch is checked against the context prompt by
+/// prompt (as vLLM checks it), which the chain alone cannot tell; a header rather than
+/// a field of the forward message, so that nodes of the last build, which neither send
+/// nor read it, still talk to this one (the peer then checks the whole chain).
+pub const LONGEST_PROMPT_HEADER: &str = "x-gorgo-longest-prompt-tokens";
+
 /// Response headers from the engine that travel to the client.
 pub const PASS_RESPONSE_HEADERS: &[&str] = &["content-type", "cache-control", "x-request-id"];
 /// Client headers that travel to the engine.
@@ -130,6 +138,11 @@ pub struct RoutedRequest {
     pub headers: Vec<(String, String)>,
     /// The prompt's chain.
     pub chain: HashChain,
+    /// Tokens of the request's longest prompt, what the context check compares: the
+    /// chain's total but for a completions batch, which the engine checks prompt by
+    /// prompt ([`crate::tokens::CountedPrompt`]). A forward brings the origin's count
+    /// ([`LONGEST_PROMPT_HEADER`]).
+    pub longest_prompt_tokens: u64,
     /// The canonical prompt's size and shape, when this node rendered it (not for a
     /// peer's forward): with the engine's `usage.prompt_tokens`, what the node's token
     /// estimate learns from.

@@ -202,9 +202,10 @@ pub async fn serve_elsewhere(
 }
 
 /// Refuse a prompt the engines cannot hold (the smallest context any of them says it
-/// has: replicas serve one model, and a request may land on any of them).
+/// has: replicas serve one model, and a request may land on any of them). A completions
+/// batch is checked prompt by prompt, as vLLM checks it: its longest prompt.
 fn check_context(state: &NodeState, req: &RoutedRequest) -> Result<(), ServeError> {
-    let prompt_tokens = req.chain.total_tokens();
+    let prompt_tokens = req.longest_prompt_tokens;
     let max = state
         .engines()
         .iter()

@@ -17,8 +17,9 @@
 //!   only when `chat_add_special_tokens` says so (vLLM and SGLang: no, the template
 //!   writes `bos_token` itself; llama-cpp-python's built-in chat formats: yes).
 //! - `completions`: a string prompt is tokenised with special tokens added (all three
-//!   engines do); an array of strings is a batch, counted as the sum; token ids are
-//!   taken as they are.
+//!   engines do); an array of strings is a batch, counted as the sum (the longest
+//!   prompt is given beside it: engines check a batch against the context prompt by
+//!   prompt); token ids are taken as they are.
 //!
 //! It lives in its own crate because two programs need the very same counting: the
 //! node (routing, context check, hash chain over token ids) and the engine emulator
@@ -90,6 +91,28 @@ pub fn read_file_capped(path: &Path, cap: u64) -> std::io::Result<String> {
     }
     String::from_utf8(bytes)
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.utf8_error()))
+}
+
+/// A request's prompt token ids ([`EngineTokenizer::tokenize_prompt`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromptIds {
+    /// Every prompt's ids, a completions batch's one after the other: what the hash
+    /// chain is built from, and what the engine's `usage.prompt_tokens` counts.
+    pub ids: Vec<u32>,
+    /// Tokens of the longest prompt: all of `ids` but for a batch. The engine checks a
+    /// batch against its context prompt by prompt (vLLM does), so this, not the
+    /// total, is what the context check compares.
+    pub longest_prompt_tokens: usize,
+}
+
+impl PromptIds {
+    /// The ids of one prompt.
+    fn one(ids: Vec<u32>) -> Self {
+        PromptIds {
+            longest_prompt_tokens: ids.len(),
+            ids,
+        }
+    }
 }
 
 /// The model's tokenizer and chat template, loaded once at startup.
@@ -227,12 +250,24 @@ impl EngineTokenizer {
         template.render(&body)
     }
 
-    /// The prompt's token ids as the engine counts them (see the crate docs).
+    /// The prompt's token ids as the engine counts them (see the crate docs); a
+    /// batch's prompts one after the other.
     pub fn prompt_ids(&self, endpoint: Endpoint, body: &[u8]) -> Result<Vec<u32>, TokenizerError> {
+        Ok(self.tokenize_prompt(endpoint, body)?.ids)
+    }
+
+    /// The prompt's token ids as [`EngineTokenizer::prompt_ids`] gives them, with the
+    /// size of its longest prompt, which the context check needs.
+    pub fn tokenize_prompt(
+        &self,
+        endpoint: Endpoint,
+        body: &[u8],
+    ) -> Result<PromptIds, TokenizerError> {
         match endpoint {
             Endpoint::Chat => {
                 let text = self.render_chat(body)?;
-                self.encode(&text, self.chat_add_special_tokens)
+                let ids = self.encode(&text, self.chat_add_special_tokens)?;
+                Ok(PromptIds::one(ids))
             }
             Endpoint::Completions => {
                 let body: serde_json::Value = serde_json::from_slice(body)
@@ -245,22 +280,24 @@ impl EngineTokenizer {
     /// A completions body's ids: its `prompt` read as the canonical path reads it
     /// ([`CompletionsPrompt`]), each string tokenised with special tokens added, token
     /// ids as they are, a batch's prompts one after the other.
-    fn completion_ids(&self, body: &serde_json::Value) -> Result<Vec<u32>, TokenizerError> {
+    fn completion_ids(&self, body: &serde_json::Value) -> Result<PromptIds, TokenizerError> {
         let prompt = CompletionsPrompt::of_body(body).map_err(|e| match e {
             gorgo_core::CoreError::InvalidRequest(m) => TokenizerError::Request(m),
             other => TokenizerError::Request(other.to_string()),
         })?;
+        let batch = |prompts: Vec<Vec<u32>>| PromptIds {
+            longest_prompt_tokens: prompts.iter().map(Vec::len).max().unwrap_or(0),
+            ids: prompts.concat(),
+        };
         match prompt {
-            CompletionsPrompt::Text(s) => self.encode(s, true),
-            CompletionsPrompt::TextBatch(prompts) => {
-                let mut ids = Vec::new();
-                for s in prompts {
-                    ids.extend(self.encode(s, true)?);
-                }
-                Ok(ids)
-            }
-            CompletionsPrompt::TokenIds(ids) => Ok(ids),
-            CompletionsPrompt::TokenIdBatch(prompts) => Ok(prompts.concat()),
+            CompletionsPrompt::Text(s) => Ok(PromptIds::one(self.encode(s, true)?)),
+            CompletionsPrompt::TextBatch(prompts) => prompts
+                .into_iter()
+                .map(|s| self.encode(s, true))
+                .collect::<Result<_, _>>()
+                .map(batch),
+            CompletionsPrompt::TokenIds(ids) => Ok(PromptIds::one(ids)),
+            CompletionsPrompt::TokenIdBatch(prompts) => Ok(batch(prompts)),
         }
     }
 

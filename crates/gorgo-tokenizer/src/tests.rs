@@ -131,6 +131,29 @@ fn completions_forms() {
         .prompt_ids(Endpoint::Completions, &body(json!(["the cat", "the cat"])))
         .unwrap();
     assert_eq!(two.len(), 2 * one.len(), "a batch counts each prompt");
+    // Beside the total, the longest prompt: what the context check compares.
+    let long = t
+        .prompt_ids(
+            Endpoint::Completions,
+            &body(json!("the cat sat on the mat")),
+        )
+        .unwrap();
+    let batch = t
+        .tokenize_prompt(
+            Endpoint::Completions,
+            &body(json!(["the cat", "the cat sat on the mat"])),
+        )
+        .unwrap();
+    assert_eq!(batch.ids, [one.clone(), long.clone()].concat());
+    assert_eq!(batch.longest_prompt_tokens, long.len());
+    let single = t
+        .tokenize_prompt(Endpoint::Completions, &body(json!("the cat")))
+        .unwrap();
+    assert_eq!(single.longest_prompt_tokens, one.len());
+    let ids = t
+        .tokenize_prompt(Endpoint::Completions, &body(json!([[5], [6, 7]])))
+        .unwrap();
+    assert_eq!(ids.longest_prompt_tokens, 2);
     let raw = t
         .prompt_ids(Endpoint::Completions, &body(json!([5, 6, 7])))
         .unwrap();
