@@ -183,7 +183,13 @@ pub enum ServeError {
     /// Timed out before the first byte (504).
     Timeout(String),
     /// The prompt does not fit the engine's context (400 `context_length_exceeded`).
-    ContextLength(String),
+    ContextLength {
+        /// The endpoint called, which names the field at fault: `messages` on chat,
+        /// `prompt` on completions.
+        endpoint: Endpoint,
+        /// What does not fit.
+        message: String,
+    },
     /// No region of the cluster serves the model the request names (404
     /// `model_not_found`, as OpenAI answers); holds the model.
     ModelNotFound(String),
@@ -229,7 +235,7 @@ impl ServeError {
             ServeError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             ServeError::Failed(_) => (StatusCode::BAD_GATEWAY, "engine_failed"),
             ServeError::Timeout(_) => (StatusCode::GATEWAY_TIMEOUT, "timeout"),
-            ServeError::ContextLength(_) => (StatusCode::BAD_REQUEST, "bad_request"),
+            ServeError::ContextLength { .. } => (StatusCode::BAD_REQUEST, "bad_request"),
             ServeError::ModelNotFound(_) => (StatusCode::NOT_FOUND, "model_not_found"),
             ServeError::Refused(_) => (StatusCode::SERVICE_UNAVAILABLE, "refused"),
         }
@@ -241,7 +247,7 @@ impl ServeError {
             ServeError::Unavailable(m)
             | ServeError::Failed(m)
             | ServeError::Timeout(m)
-            | ServeError::ContextLength(m) => m.clone(),
+            | ServeError::ContextLength { message: m, .. } => m.clone(),
             ServeError::ModelNotFound(model) => format!(
                 "The model `{model}` does not exist or is not served by any region of this cluster."
             ),
@@ -255,7 +261,7 @@ impl ServeError {
     /// The OpenAI error code of the body, where the status alone does not say it.
     pub fn code(&self) -> Option<&'static str> {
         match self {
-            ServeError::ContextLength(_) => Some("context_length_exceeded"),
+            ServeError::ContextLength { .. } => Some("context_length_exceeded"),
             ServeError::ModelNotFound(_) => Some("model_not_found"),
             _ => None,
         }
@@ -264,7 +270,14 @@ impl ServeError {
     /// The request field the error is about.
     pub fn param(&self) -> Option<&'static str> {
         match self {
-            ServeError::ContextLength(_) => Some("messages"),
+            ServeError::ContextLength {
+                endpoint: Endpoint::Chat,
+                ..
+            } => Some("messages"),
+            ServeError::ContextLength {
+                endpoint: Endpoint::Completions,
+                ..
+            } => Some("prompt"),
             ServeError::ModelNotFound(_) => Some("model"),
             _ => None,
         }

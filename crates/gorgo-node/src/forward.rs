@@ -373,7 +373,8 @@ where
         Err(e) => {
             let status = e.status().0.as_u16();
             // The client's error as the origin would have written it: its OpenAI code
-            // and param too (`context_length_exceeded` on `messages`, which SDKs act on).
+            // and param too (`context_length_exceeded` on `messages` or `prompt`, which
+            // SDKs act on).
             let body = error_json_detailed(status, &e.message(), e.code(), e.param());
             let _ = write_error_head(&mut send, &state, status, req.hops, &body).await;
             return;

@@ -212,11 +212,14 @@ fn check_context(state: &NodeState, req: &RoutedRequest) -> Result<(), ServeErro
         .filter_map(|e| e.adapter.max_context_tokens())
         .min();
     match max {
-        Some(max) if prompt_tokens > max => Err(ServeError::ContextLength(format!(
-            "this model's maximum context length is {max} tokens; the prompt has \
-             {prompt_tokens} tokens ({})",
-            state.tokens.how_counted()
-        ))),
+        Some(max) if prompt_tokens > max => Err(ServeError::ContextLength {
+            endpoint: req.endpoint,
+            message: format!(
+                "this model's maximum context length is {max} tokens; the prompt has \
+                 {prompt_tokens} tokens ({})",
+                state.tokens.how_counted()
+            ),
+        }),
         _ => Ok(()),
     }
 }

@@ -196,6 +196,7 @@ async fn context_check_uses_the_exact_count() {
     let (status, err) = error_of(resp).await;
     assert_eq!(status, 400);
     assert_eq!(err["error"]["code"], "context_length_exceeded", "{err}");
+    assert_eq!(err["error"]["param"], "messages", "{err}");
     let message = err["error"]["message"].as_str().unwrap();
     assert!(
         message.contains(&format!("has {exact} tokens")) && message.contains("tokenizer"),
@@ -309,6 +310,8 @@ async fn a_completions_batch_is_checked_prompt_by_prompt() {
                 answer["error"]["code"], "context_length_exceeded",
                 "{answer}"
             );
+            // The field at fault on /v1/completions, as OpenAI and the engines name it.
+            assert_eq!(answer["error"]["param"], "prompt", "{answer}");
         }
         node.shutdown.cancel();
     }
