@@ -524,8 +524,10 @@ pub async fn serve_local(
     let mut headers = req.headers.clone();
     headers.extend(telemetry::trace_headers(&engine_span));
     // Usage on every stream, for the index correction and the token count below; the
-    // client's own wish decides what it gets back.
-    let sent = req.stream_usage.engine_body(&req.body);
+    // client's own wish (as this engine's kind reads it) decides what it gets back.
+    let sent = req
+        .stream_usage
+        .engine_body(engine.adapter.kind(), &req.body);
     let resp = engine
         .adapter
         .send_streamed(http::Method::POST, req.endpoint.path(), &headers, sent.body)
