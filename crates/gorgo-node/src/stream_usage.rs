@@ -1,5 +1,8 @@
 //! Usage on streamed requests: the node asks its engine for it every time, and the
-//! client gets it only when it asked.
+//! client gets the usage chunk only when it asked. (What else changes for a client
+//! that did not ask: OpenAI-style engines, the emulator among them, then add
+//! `"usage": null` to every content chunk, which reaches the client; vLLM omits unset
+//! fields.)
 //!
 //! The engine's `usage` corrects the node's prefix index (`cached_tokens`) and teaches
 //! its token count (`prompt_tokens`) ([`crate::usage`]). A streamed chat or
