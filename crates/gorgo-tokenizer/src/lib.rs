@@ -9,8 +9,9 @@
 //! - `chat/completions`: the template is rendered (Jinja, as HF's `apply_chat_template`
 //!   renders it: `trim_blocks`, `lstrip_blocks`, loop controls, Python string methods,
 //!   HF's `tojson`, `raise_exception`, `strftime_now`) with `messages` as vLLM
-//!   normalises them (content parts joined with "\n" into one string, `null` content
-//!   as "", a tool call's `arguments` string parsed into the JSON object it holds),
+//!   normalises them (content parts joined with "\n" into one string unless the
+//!   template loops over them, `null` content as "", a tool call's `arguments` string
+//!   parsed into the JSON object it holds),
 //!   `add_generation_prompt = true`, `tools` (none when absent or empty),
 //!   `bos_token`, `eos_token` and the request's `chat_template_kwargs`; the text is
 //!   tokenised with special tokens parsed, and the tokenizer's own added tokens (BOS)
@@ -138,6 +139,9 @@ struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// The template loops over content parts ([`loops_over_content`]): a message's
+    /// content array is left as it is, not joined into a string.
+    takes_content_parts: bool,
 }
 
 /// Name of the one template in a [`ChatTemplate`]'s environment.
@@ -445,12 +449,14 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
+        let takes_content_parts = loops_over_content(&source);
         env.add_template_owned(TEMPLATE, source)
             .map_err(|e| format!("template does not compile: {e:#}"))?;
         let template = ChatTemplate {
             env,
             bos_token,
             eos_token,
+            takes_content_parts,
         };
         let probe = Value::from(Serde(serde_json::json!({
             "messages": [{"role": "user", "content": "hello"}]
@@ -465,7 +471,7 @@ impl ChatTemplate {
         let field = |name: &str| body.get_attr(name).ok().filter(|v| !v.is_undefined());
         let messages = field("messages")
             .ok_or_else(|| TokenizerError::Request("missing `messages`".into()))?;
-        let messages = engine_messages(&messages)?;
+        let messages = engine_messages(&messages, self.takes_content_parts)?;
         let tools = field("tools")
             .filter(|t| t.len().is_some_and(|n| n > 0))
             .unwrap_or(Value::from(()));
@@ -496,24 +502,29 @@ impl ChatTemplate {
 
 /// `messages` as vLLM hands them to the template (its "string" content format, the one
 /// templates that write `message.content` as a string need): a message's content parts
-/// joined with "\n" into one string, each part read as the canonical path reads it
+/// joined with "\n" into one string (unless `takes_content_parts`: the template loops
+/// over them, and gets them as sent), each part read as the canonical path reads it
 /// ([`gorgo_core::prompt::content_part_text`]: a non-text part is a placeholder that
 /// tells two images apart), `null` or missing content as "", and an assistant's
 /// tool-call arguments as objects ([`parsed_tool_arguments`]). Anything that is not a
 /// list of objects is left for the template to refuse.
-fn engine_messages(messages: &Value) -> Result<Value, TokenizerError> {
+fn engine_messages(messages: &Value, takes_content_parts: bool) -> Result<Value, TokenizerError> {
     if messages.kind() != ValueKind::Seq {
         return Ok(messages.clone());
     }
     let mut out = Vec::with_capacity(messages.len().unwrap_or(0));
     for (i, message) in iter_of(messages)?.enumerate() {
-        out.push(engine_message(i, message)?);
+        out.push(engine_message(i, message, takes_content_parts)?);
     }
     Ok(Value::from(out))
 }
 
 /// One message of [`engine_messages`], its keys in the client's order.
-fn engine_message(i: usize, message: Value) -> Result<Value, TokenizerError> {
+fn engine_message(
+    i: usize,
+    message: Value,
+    takes_content_parts: bool,
+) -> Result<Value, TokenizerError> {
     if message.kind() != ValueKind::Map {
         return Ok(message);
     }
@@ -529,7 +540,11 @@ fn engine_message(i: usize, message: Value) -> Result<Value, TokenizerError> {
         let value = match key.as_str() {
             Some("content") => {
                 has_content = true;
-                engine_content(i, &value)?
+                match takes_content_parts {
+                    false => engine_content(i, &value)?,
+                    true if value.is_none() => Value::from(""),
+                    true => value,
+                }
             }
             Some("tool_calls") if assistant => parsed_tool_arguments(&value),
             _ => value,
@@ -608,6 +623,38 @@ fn with_item(map: &Value, key: &str, value: Value) -> Option<Value> {
         })
         .collect();
     Some(Value::from_pairs(pairs))
+}
+
+/// Whether a template loops over a message's content parts (`{% for part in
+/// message['content'] %}`, `message.content`, `m["content"]`): vLLM then hands it the
+/// OpenAI list as the client sent it (its "openai" content format) instead of the
+/// joined string, which such a template would iterate character by character. vLLM
+/// looks for that loop in the template's syntax tree; this looks at each `{% for %}`
+/// statement of its source: the iterable, up to a filter, a condition or the end,
+/// ends in `content`.
+fn loops_over_content(source: &str) -> bool {
+    source.split("{%").skip(1).any(|block| {
+        let statement = block.split("%}").next().unwrap_or("");
+        let statement = statement.trim_start_matches(['-', '+']).trim_start();
+        let Some(rest) = statement
+            .strip_prefix("for")
+            .filter(|r| r.starts_with(char::is_whitespace))
+        else {
+            return false;
+        };
+        let Some((_, iterable)) = rest.split_once(" in ") else {
+            return false;
+        };
+        let iterable = iterable
+            .trim_start()
+            .split(|c: char| c.is_whitespace() || c == '|')
+            .next()
+            .unwrap_or("")
+            .trim_end_matches(['-', '+']);
+        [".content", "['content']", "[\"content\"]"]
+            .iter()
+            .any(|end| iterable.ends_with(end))
+    })
 }
 
 /// The items of a sequence, or the keys of a map.

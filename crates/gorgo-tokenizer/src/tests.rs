@@ -435,3 +435,44 @@ fn content_is_normalised_as_vllm_does() {
     );
     assert_ne!(a, render(&image("b.png")).unwrap());
 }
+
+#[test]
+fn a_template_that_loops_over_content_parts_gets_them() {
+    // vLLM hands a template that iterates a message's content (vision models' templates:
+    // `{% for part in message['content'] %}`) the OpenAI list, not the joined string
+    // (its "openai" content format): iterating a string would print nothing.
+    let dir = tempfile::tempdir().unwrap();
+    let tpl = dir.path().join("parts.jinja");
+    std::fs::write(
+        &tpl,
+        "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}\
+         {% else %}{%- for part in m['content'] -%}{% if part['type'] == 'text' %}\
+         [{{ part['text'] }}]{% endif %}{% endfor %}{% endif %};{% endfor %}",
+    )
+    .unwrap();
+    let t = EngineTokenizer::load(Path::new(FIXTURE_TOKENIZER), Some(&tpl), false).unwrap();
+    let body = chat(json!([
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "user", "content": "c"},
+    ]));
+    assert_eq!(t.render_chat(&body).unwrap(), "[a][b];c;");
+    for (source, loops) in [
+        ("{% for c in message.content %}{% endfor %}", true),
+        (
+            "{%- for c in m[\"content\"] if c.type == 'text' -%}{% endfor %}",
+            true,
+        ),
+        (
+            "{% for c in message['content'] | selectattr('type') %}{% endfor %}",
+            true,
+        ),
+        (
+            "{% for line in message.content.split('\\n') %}{% endfor %}",
+            false,
+        ),
+        ("{% for m in messages %}{{ m.content }}{% endfor %}", false),
+        ("{{ 'for x in message.content' }}", false),
+    ] {
+        assert_eq!(loops_over_content(source), loops, "{source}");
+    }
+}
