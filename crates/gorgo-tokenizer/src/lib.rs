@@ -11,12 +11,12 @@
 //!   HF's `tojson`, `raise_exception`, `strftime_now`) with `messages` as vLLM
 //!   normalises them (content parts joined with "\n" into one string unless the
 //!   template loops over them, `null` content as "", a tool call's `arguments` string
-//!   parsed into the JSON object it holds),
-//!   `add_generation_prompt = true`, `tools` (none when absent or empty),
-//!   `bos_token`, `eos_token` and the request's `chat_template_kwargs`; the text is
-//!   tokenised with special tokens parsed, and the tokenizer's own added tokens (BOS)
-//!   only when `chat_add_special_tokens` says so (vLLM and SGLang: no, the template
-//!   writes `bos_token` itself; llama-cpp-python's built-in chat formats: yes).
+//!   parsed into the JSON object it holds), `add_generation_prompt = true`, `tools`
+//!   (none when absent or empty), `bos_token`, `eos_token` and the request's
+//!   `chat_template_kwargs`; the text is tokenised with special tokens parsed, and the
+//!   tokenizer's own added tokens (BOS) only when `chat_add_special_tokens` says so
+//!   (vLLM and SGLang: no, the template writes `bos_token` itself; llama-cpp-python's
+//!   built-in chat formats: yes).
 //! - `completions`: a string prompt is tokenised with special tokens added (all three
 //!   engines do); an array of strings is a batch, counted as the sum (the longest
 //!   prompt is given beside it: engines check a batch against the context prompt by
