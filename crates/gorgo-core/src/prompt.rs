@@ -228,6 +228,19 @@ fn render_chat(body: &Value, out: &mut Vec<u8>) -> Result<(), CoreError> {
 }
 
 fn render_part(part: &Value, out: &mut Vec<u8>) -> Result<(), &'static str> {
+    out.extend_from_slice(content_part_text(part)?.as_bytes());
+    Ok(())
+}
+
+/// The text a chat message's content part stands for: a `text` part's text, any other
+/// part `<|{type}:{hash}|>` (hash of the part's JSON, 16 hex digits) so that two
+/// different images never look alike. `Err` says what is wrong with the part, for a
+/// message that names where it is.
+///
+/// Public so that the tokenizer crate, which joins a message's parts into one string
+/// as vLLM does before the template, reads a part exactly as the canonical rendering
+/// does.
+pub fn content_part_text(part: &Value) -> Result<std::borrow::Cow<'_, str>, &'static str> {
     let obj = part.as_object().ok_or("must be an object")?;
     let kind = obj
         .get("type")
@@ -238,54 +251,115 @@ fn render_part(part: &Value, out: &mut Vec<u8>) -> Result<(), &'static str> {
             .get("text")
             .and_then(Value::as_str)
             .ok_or("needs a string `text`")?;
-        out.extend_from_slice(text.as_bytes());
+        Ok(text.into())
     } else {
         let digest = crate::hash::hash_bytes(part.to_string().as_bytes());
-        out.extend_from_slice(format!("<|{kind}:{digest:016x}|>").as_bytes());
+        Ok(format!("<|{kind}:{digest:016x}|>").into())
     }
-    Ok(())
 }
 
 fn render_completions(body: &Value, out: &mut Vec<u8>) -> Result<(), CoreError> {
-    let obj = body
-        .as_object()
-        .ok_or_else(|| invalid("body must be a JSON object"))?;
-    let prompt = obj
-        .get("prompt")
-        .ok_or_else(|| invalid("missing `prompt`"))?;
-    const WRONG: &str = "`prompt` must be a string, an array of strings, an array of token ids or an array of token-id arrays";
-    match prompt {
-        Value::String(s) => out.extend_from_slice(s.as_bytes()),
-        Value::Array(items) if items.iter().all(Value::is_string) => {
-            for s in items.iter().filter_map(Value::as_str) {
+    match CompletionsPrompt::of_body(body)? {
+        CompletionsPrompt::Text(s) => out.extend_from_slice(s.as_bytes()),
+        CompletionsPrompt::TextBatch(prompts) => {
+            for s in prompts {
                 out.extend_from_slice(s.as_bytes());
                 out.push(b'\n');
             }
         }
-        Value::Array(items) if items.iter().all(Value::is_number) => render_token_ids(items, out)?,
-        Value::Array(items) if items.iter().all(Value::is_array) => {
-            for ids in items.iter().filter_map(Value::as_array) {
-                if !ids.iter().all(Value::is_number) {
-                    return Err(invalid(WRONG));
-                }
-                render_token_ids(ids, out)?;
+        CompletionsPrompt::TokenIds(ids) => render_token_ids(&ids, out),
+        CompletionsPrompt::TokenIdBatch(prompts) => {
+            for ids in prompts {
+                render_token_ids(&ids, out);
             }
         }
-        _ => return Err(invalid(WRONG)),
     }
     Ok(())
 }
 
-fn render_token_ids(ids: &[Value], out: &mut Vec<u8>) -> Result<(), CoreError> {
+fn render_token_ids(ids: &[u32], out: &mut Vec<u8>) {
     out.reserve(ids.len() * 4);
     for id in ids {
-        let id = id
-            .as_u64()
-            .and_then(|v| u32::try_from(v).ok())
-            .ok_or_else(|| invalid("token ids must be integers in [0, 2^32)"))?;
         out.extend_from_slice(&id.to_le_bytes());
     }
-    Ok(())
+}
+
+/// A completions request's `prompt`, in the four forms the OpenAI API takes (vLLM and
+/// SGLang take the same).
+///
+/// Why one type: the canonical rendering here and the tokenizer crate's count (which
+/// cannot be reached without passing here first on a node, but is the emulator's only
+/// reading) read the same field, and must accept the same bodies with the same errors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CompletionsPrompt<'a> {
+    /// A string: one prompt.
+    Text(&'a str),
+    /// An array of strings: a batch, each string a prompt of its own.
+    TextBatch(Vec<&'a str>),
+    /// An array of token ids: one prompt.
+    TokenIds(Vec<u32>),
+    /// An array of token-id arrays: a batch, each array a prompt of its own.
+    TokenIdBatch(Vec<Vec<u32>>),
+}
+
+impl<'a> CompletionsPrompt<'a> {
+    /// The `prompt` of a completions request body (a JSON object).
+    pub fn of_body(body: &'a Value) -> Result<Self, CoreError> {
+        let obj = body
+            .as_object()
+            .ok_or_else(|| invalid("body must be a JSON object"))?;
+        let prompt = obj
+            .get("prompt")
+            .ok_or_else(|| invalid("missing `prompt`"))?;
+        const WRONG: &str = "`prompt` must be a string, an array of strings, an array of token ids or an array of token-id arrays";
+        match prompt {
+            Value::String(s) => Ok(CompletionsPrompt::Text(s)),
+            Value::Array(items) if items.iter().all(Value::is_string) => Ok(
+                CompletionsPrompt::TextBatch(items.iter().filter_map(Value::as_str).collect()),
+            ),
+            Value::Array(items) if items.iter().all(Value::is_number) => {
+                Ok(CompletionsPrompt::TokenIds(token_ids(items)?))
+            }
+            Value::Array(items) if items.iter().all(Value::is_array) => items
+                .iter()
+                .filter_map(Value::as_array)
+                .map(|ids| {
+                    if !ids.iter().all(Value::is_number) {
+                        return Err(invalid(WRONG));
+                    }
+                    token_ids(ids)
+                })
+                .collect::<Result<_, _>>()
+                .map(CompletionsPrompt::TokenIdBatch),
+            _ => Err(invalid(WRONG)),
+        }
+    }
+}
+
+impl CompletionsPrompt<'_> {
+    /// For a batch, the canonical bytes of its longest prompt (a string's bytes, 4 per
+    /// token id); `None` for one prompt, whose size is its whole canonical rendering.
+    /// Engines check a batch against the context prompt by prompt (vLLM does), so a
+    /// node without a tokenizer estimates that check's count from this.
+    pub fn longest_batch_prompt_bytes(&self) -> Option<u64> {
+        match self {
+            CompletionsPrompt::Text(_) | CompletionsPrompt::TokenIds(_) => None,
+            CompletionsPrompt::TextBatch(prompts) => prompts.iter().map(|s| s.len() as u64).max(),
+            CompletionsPrompt::TokenIdBatch(prompts) => {
+                prompts.iter().map(|ids| 4 * ids.len() as u64).max()
+            }
+        }
+    }
+}
+
+fn token_ids(ids: &[Value]) -> Result<Vec<u32>, CoreError> {
+    ids.iter()
+        .map(|id| {
+            id.as_u64()
+                .and_then(|v| u32::try_from(v).ok())
+                .ok_or_else(|| invalid("token ids must be integers in [0, 2^32)"))
+        })
+        .collect()
 }
 
 /// Turns canonical prompt bytes into a [`HashChain`]: fixed-size blocks, chained
@@ -459,6 +533,20 @@ mod tests {
         assert_eq!(h_tokens(&t), 2);
         let tt = canonicalize(Endpoint::Completions, &json!({"prompt": [[1], [2, 3]]})).unwrap();
         assert_eq!(tt.len(), 12);
+    }
+
+    #[test]
+    fn a_batch_knows_its_longest_prompt() {
+        let longest = |prompt: Value| {
+            let body = json!({ "prompt": prompt });
+            CompletionsPrompt::of_body(&body)
+                .unwrap()
+                .longest_batch_prompt_bytes()
+        };
+        assert_eq!(longest(json!("abc")), None);
+        assert_eq!(longest(json!([1, 2, 3])), None);
+        assert_eq!(longest(json!(["ab", "abcd", "a"])), Some(4));
+        assert_eq!(longest(json!([[1], [2, 3]])), Some(8));
     }
 
     fn h_tokens(bytes: &[u8]) -> u64 {

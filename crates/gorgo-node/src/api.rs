@@ -103,6 +103,14 @@ fn json_error_response(status: StatusCode, body: String) -> Response {
     resp
 }
 
+/// On a peer's forward only, set by the node that sends it: the tokens of the
+/// request's longest prompt as the origin counted them. A forward carries the chain of
+/// the whole prompt, and a completions batch is checked against the context prompt by
+/// prompt (as vLLM checks it), which the chain alone cannot tell; a header rather than
+/// a field of the forward message, so that nodes of the last build, which neither send
+/// nor read it, still talk to this one (the peer then checks the whole chain).
+pub const LONGEST_PROMPT_HEADER: &str = "x-gorgo-longest-prompt-tokens";
+
 /// Response headers from the engine that travel to the client.
 pub const PASS_RESPONSE_HEADERS: &[&str] = &["content-type", "cache-control", "x-request-id"];
 /// Client headers that travel to the engine.
@@ -130,6 +138,11 @@ pub struct RoutedRequest {
     pub headers: Vec<(String, String)>,
     /// The prompt's chain.
     pub chain: HashChain,
+    /// Tokens of the request's longest prompt, what the context check compares: the
+    /// chain's total but for a completions batch, which the engine checks prompt by
+    /// prompt ([`crate::tokens::CountedPrompt`]). A forward brings the origin's count
+    /// ([`LONGEST_PROMPT_HEADER`]).
+    pub longest_prompt_tokens: u64,
     /// The canonical prompt's size and shape, when this node rendered it (not for a
     /// peer's forward): with the engine's `usage.prompt_tokens`, what the node's token
     /// estimate learns from.
@@ -170,7 +183,13 @@ pub enum ServeError {
     /// Timed out before the first byte (504).
     Timeout(String),
     /// The prompt does not fit the engine's context (400 `context_length_exceeded`).
-    ContextLength(String),
+    ContextLength {
+        /// The endpoint called, which names the field at fault: `messages` on chat,
+        /// `prompt` on completions.
+        endpoint: Endpoint,
+        /// What does not fit.
+        message: String,
+    },
     /// No region of the cluster serves the model the request names (404
     /// `model_not_found`, as OpenAI answers); holds the model.
     ModelNotFound(String),
@@ -216,7 +235,7 @@ impl ServeError {
             ServeError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             ServeError::Failed(_) => (StatusCode::BAD_GATEWAY, "engine_failed"),
             ServeError::Timeout(_) => (StatusCode::GATEWAY_TIMEOUT, "timeout"),
-            ServeError::ContextLength(_) => (StatusCode::BAD_REQUEST, "bad_request"),
+            ServeError::ContextLength { .. } => (StatusCode::BAD_REQUEST, "bad_request"),
             ServeError::ModelNotFound(_) => (StatusCode::NOT_FOUND, "model_not_found"),
             ServeError::Refused(_) => (StatusCode::SERVICE_UNAVAILABLE, "refused"),
         }
@@ -228,7 +247,7 @@ impl ServeError {
             ServeError::Unavailable(m)
             | ServeError::Failed(m)
             | ServeError::Timeout(m)
-            | ServeError::ContextLength(m) => m.clone(),
+            | ServeError::ContextLength { message: m, .. } => m.clone(),
             ServeError::ModelNotFound(model) => format!(
                 "The model `{model}` does not exist or is not served by any region of this cluster."
             ),
@@ -242,7 +261,7 @@ impl ServeError {
     /// The OpenAI error code of the body, where the status alone does not say it.
     pub fn code(&self) -> Option<&'static str> {
         match self {
-            ServeError::ContextLength(_) => Some("context_length_exceeded"),
+            ServeError::ContextLength { .. } => Some("context_length_exceeded"),
             ServeError::ModelNotFound(_) => Some("model_not_found"),
             _ => None,
         }
@@ -251,7 +270,14 @@ impl ServeError {
     /// The request field the error is about.
     pub fn param(&self) -> Option<&'static str> {
         match self {
-            ServeError::ContextLength(_) => Some("messages"),
+            ServeError::ContextLength {
+                endpoint: Endpoint::Chat,
+                ..
+            } => Some("messages"),
+            ServeError::ContextLength {
+                endpoint: Endpoint::Completions,
+                ..
+            } => Some("prompt"),
             ServeError::ModelNotFound(_) => Some("model"),
             _ => None,
         }

@@ -24,7 +24,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::api::{
     error_json, error_json_detailed, session_key, BodyStream, RoutedRequest, ServeError, Upstream,
-    PASS_REQUEST_HEADERS, PASS_RESPONSE_HEADERS, POLICY_HEADER, SESSION_HEADER,
+    LONGEST_PROMPT_HEADER, PASS_REQUEST_HEADERS, PASS_RESPONSE_HEADERS, POLICY_HEADER,
+    SESSION_HEADER,
 };
 use crate::error::NodeError;
 use crate::peers::{ForwardRecv, ForwardSend, IncomingForward};
@@ -120,6 +121,10 @@ pub async fn forward(
         if let Some(s) = &req.session_id {
             headers.push((SESSION_HEADER.to_owned(), s.clone()));
         }
+        headers.push((
+            LONGEST_PROMPT_HEADER.to_owned(),
+            req.longest_prompt_tokens.to_string(),
+        ));
         // The peer's spans join this trace as children of this forward.
         headers.extend(telemetry::trace_headers(&span));
         let msg = ForwardRequest {
@@ -300,6 +305,12 @@ where
     // The client's wish about usage travels in its body, unchanged by the origin: read
     // here, where the request may be served (the only parse of it on this node).
     let stream_usage = StreamUsage::of_body(msg.endpoint, &msg.body);
+    // The origin's count of the longest prompt, never more than the whole chain; from
+    // an origin that does not send it, the whole chain, as that origin checked it.
+    let total = msg.chain.total_tokens();
+    let longest_prompt_tokens = header(LONGEST_PROMPT_HEADER)
+        .and_then(|n| n.parse::<u64>().ok())
+        .map_or(total, |n| n.min(total));
     let req = RoutedRequest {
         request_id: state.next_request_id(),
         endpoint: msg.endpoint,
@@ -312,6 +323,7 @@ where
             .collect(),
         session_key: session_id.as_deref().map(session_key),
         session_id,
+        longest_prompt_tokens,
         chain: msg.chain,
         canonical: None,
         hops: msg.hops,
@@ -361,7 +373,8 @@ where
         Err(e) => {
             let status = e.status().0.as_u16();
             // The client's error as the origin would have written it: its OpenAI code
-            // and param too (`context_length_exceeded` on `messages`, which SDKs act on).
+            // and param too (`context_length_exceeded` on `messages` or `prompt`, which
+            // SDKs act on).
             let body = error_json_detailed(status, &e.message(), e.code(), e.param());
             let _ = write_error_head(&mut send, &state, status, req.hops, &body).await;
             return;

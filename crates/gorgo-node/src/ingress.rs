@@ -489,11 +489,21 @@ async fn completion(
         .and_then(Value::as_str)
         .map(str::to_owned);
     let stream_usage = StreamUsage::of_request(endpoint, &parsed);
+    // A completions batch is checked against the context prompt by prompt: without a
+    // tokenizer, from its longest prompt's size.
+    let batch_longest_bytes = match endpoint {
+        Endpoint::Chat => None,
+        Endpoint::Completions => gorgo_core::prompt::CompletionsPrompt::of_body(&parsed)
+            .ok()
+            .and_then(|p| p.longest_batch_prompt_bytes()),
+    };
     // The parsed body can be many times the body's size (8 MiB of token ids is about
     // 128 MiB as a `Value`); nothing below reads it, and counting the prompt's tokens
     // may wait for the tokenizer's thread pool.
     drop(parsed);
-    let chain = match crate::tokens::request_chain(&state, endpoint, &body, prompt).await {
+    let counted =
+        crate::tokens::request_chain(&state, endpoint, &body, prompt, batch_longest_bytes);
+    let counted = match counted.await {
         Ok(c) => c,
         Err(e @ NodeError::Tokenize(_)) => {
             state.metrics.request("bad_request", "");
@@ -549,7 +559,8 @@ async fn completion(
         body,
         stream_usage,
         headers: pass,
-        chain,
+        chain: counted.chain,
+        longest_prompt_tokens: counted.longest_prompt_tokens,
         canonical: Some(canonical),
         hops: 0,
         via: Vec::new(),

@@ -202,20 +202,24 @@ pub async fn serve_elsewhere(
 }
 
 /// Refuse a prompt the engines cannot hold (the smallest context any of them says it
-/// has: replicas serve one model, and a request may land on any of them).
+/// has: replicas serve one model, and a request may land on any of them). A completions
+/// batch is checked prompt by prompt, as vLLM checks it: its longest prompt.
 fn check_context(state: &NodeState, req: &RoutedRequest) -> Result<(), ServeError> {
-    let prompt_tokens = req.chain.total_tokens();
+    let prompt_tokens = req.longest_prompt_tokens;
     let max = state
         .engines()
         .iter()
         .filter_map(|e| e.adapter.max_context_tokens())
         .min();
     match max {
-        Some(max) if prompt_tokens > max => Err(ServeError::ContextLength(format!(
-            "this model's maximum context length is {max} tokens; the prompt has \
-             {prompt_tokens} tokens ({})",
-            state.tokens.how_counted()
-        ))),
+        Some(max) if prompt_tokens > max => Err(ServeError::ContextLength {
+            endpoint: req.endpoint,
+            message: format!(
+                "this model's maximum context length is {max} tokens; the prompt has \
+                 {prompt_tokens} tokens ({})",
+                state.tokens.how_counted()
+            ),
+        }),
         _ => Ok(()),
     }
 }
@@ -520,8 +524,10 @@ pub async fn serve_local(
     let mut headers = req.headers.clone();
     headers.extend(telemetry::trace_headers(&engine_span));
     // Usage on every stream, for the index correction and the token count below; the
-    // client's own wish decides what it gets back.
-    let sent = req.stream_usage.engine_body(&req.body);
+    // client's own wish (as this engine's kind reads it) decides what it gets back.
+    let sent = req
+        .stream_usage
+        .engine_body(engine.adapter.kind(), &req.body);
     let resp = engine
         .adapter
         .send_streamed(http::Method::POST, req.endpoint.path(), &headers, sent.body)

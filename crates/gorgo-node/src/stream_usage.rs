@@ -1,5 +1,8 @@
 //! Usage on streamed requests: the node asks its engine for it every time, and the
-//! client gets it only when it asked.
+//! client gets the usage chunk only when it asked. (What else changes for a client
+//! that did not ask: OpenAI-style engines, the emulator among them, then add
+//! `"usage": null` to every content chunk, which reaches the client; vLLM omits unset
+//! fields.)
 //!
 //! The engine's `usage` corrects the node's prefix index (`cached_tokens`) and teaches
 //! its token count (`prompt_tokens`) ([`crate::usage`]). A streamed chat or
@@ -14,14 +17,16 @@
 //!
 //! The client's wish is read from the client's own body, which is what a forward
 //! carries unchanged: the node that serves the request (the forward's target) asks its
-//! engine and strips; the origin relays the target's bytes as they come.
+//! engine and strips; the origin relays the target's bytes as they come. A
+//! `stream_options` that does not say (`{}`) means what the serving engine's kind
+//! defaults to ([`StreamUsage::for_engine`]): yes for vLLM, no for the others.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
 use futures::Stream;
-use gorgo_core::Endpoint;
+use gorgo_core::{Endpoint, EngineKind};
 use serde::{Deserialize, Deserializer};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
@@ -45,6 +50,11 @@ pub enum StreamUsage {
         /// The body has a `stream_options` member (its other keys are kept).
         has_stream_options: bool,
     },
+    /// Streamed, with `stream_options` an object that does not set `include_usage`:
+    /// engines read that differently (vLLM's `StreamOptions.include_usage` defaults to
+    /// true, OpenAI's and SGLang's to false), so what the client asked is known only
+    /// once the engine is ([`StreamUsage::for_engine`]).
+    EngineDefault,
 }
 
 /// The body a serving node sends its engine, and what to do with the response.
@@ -76,6 +86,14 @@ fn client_set_usage(options: &Value) -> bool {
     let include = options.get("include_usage");
     !matches!(include, None | Some(Value::Null) | Some(Value::Bool(false)))
         || options.get("continuous_usage_stats").is_some()
+}
+
+/// Whether the client's `stream_options` leave usage to the engine's default: an
+/// object without `include_usage` (`null` is a no said outright, as vLLM reads it).
+fn leaves_usage_to_engine(options: &Value) -> bool {
+    options
+        .as_object()
+        .is_some_and(|o| !o.contains_key("include_usage"))
 }
 
 /// The two members of a body this module reads, borrowed from the body's bytes (a
@@ -137,21 +155,39 @@ impl StreamUsage {
         }
         match options {
             Some(o) if client_set_usage(o) => StreamUsage::ClientAsked,
+            Some(o) if leaves_usage_to_engine(o) => StreamUsage::EngineDefault,
             o => StreamUsage::ClientDidNotAsk {
                 has_stream_options: o.is_some(),
             },
         }
     }
 
-    /// The body to send the engine for a client's `body`. A body the node cannot
-    /// change (not an object, `stream_options` neither an object nor `null`, a member
-    /// twice) goes as it is, and nothing is stripped from its response.
-    pub fn engine_body(self, body: &Bytes) -> EngineRequestBody {
-        let asked = match self {
+    /// What the client asked of an engine of `kind`: [`StreamUsage::EngineDefault`]
+    /// becomes what that engine reads it as (vLLM: asked; the others, as OpenAI: not);
+    /// the rest is what it was.
+    pub fn for_engine(self, kind: EngineKind) -> Self {
+        match (self, kind) {
+            (StreamUsage::EngineDefault, EngineKind::Vllm) => StreamUsage::ClientAsked,
+            (StreamUsage::EngineDefault, EngineKind::Sglang | EngineKind::Openai) => {
+                StreamUsage::ClientDidNotAsk {
+                    has_stream_options: true,
+                }
+            }
+            (other, _) => other,
+        }
+    }
+
+    /// The body to send an engine of `kind` for a client's `body`. A body the node
+    /// cannot change (not an object, `stream_options` neither an object nor `null`, a
+    /// member twice) goes as it is, and nothing is stripped from its response.
+    pub fn engine_body(self, kind: EngineKind, body: &Bytes) -> EngineRequestBody {
+        let asked = match self.for_engine(kind) {
             StreamUsage::ClientDidNotAsk { has_stream_options } => {
                 with_include_usage(body, has_stream_options)
             }
-            StreamUsage::NotStreamed | StreamUsage::ClientAsked => None,
+            StreamUsage::NotStreamed | StreamUsage::ClientAsked | StreamUsage::EngineDefault => {
+                None
+            }
         };
         match asked {
             Some(body) => EngineRequestBody {
@@ -468,7 +504,7 @@ mod tests {
                 StreamUsage::of_body(Endpoint::Chat, &bytes),
                 StreamUsage::ClientAsked
             );
-            let sent = StreamUsage::ClientAsked.engine_body(&bytes);
+            let sent = StreamUsage::ClientAsked.engine_body(EngineKind::Sglang, &bytes);
             assert!(!sent.strip_usage_event);
             assert_eq!(sent.body, bytes);
         }
@@ -533,11 +569,61 @@ mod tests {
         }
     }
 
+    #[test]
+    fn stream_options_without_include_usage_mean_what_the_engine_defaults_to() {
+        // vLLM's `StreamOptions.include_usage` defaults to true: `{}` asks for usage
+        // there. OpenAI's default, and SGLang's, is false.
+        for options in [serde_json::json!({}), serde_json::json!({"x_other": 1})] {
+            let body = serde_json::json!({"stream": true, "stream_options": options});
+            let bytes = Bytes::from(body.to_string());
+            for usage in [
+                StreamUsage::of_request(Endpoint::Chat, &body),
+                StreamUsage::of_body(Endpoint::Chat, &bytes),
+            ] {
+                assert_eq!(
+                    usage.for_engine(EngineKind::Vllm),
+                    StreamUsage::ClientAsked,
+                    "{body}"
+                );
+                let sent = usage.engine_body(EngineKind::Vllm, &bytes);
+                assert_eq!((&sent.body, sent.strip_usage_event), (&bytes, false));
+                for kind in [EngineKind::Sglang, EngineKind::Openai] {
+                    assert_eq!(
+                        usage.for_engine(kind),
+                        StreamUsage::ClientDidNotAsk {
+                            has_stream_options: true
+                        },
+                        "{body} {kind:?}"
+                    );
+                    let sent = usage.engine_body(kind, &bytes);
+                    let v: Value = serde_json::from_slice(&sent.body).unwrap();
+                    assert_eq!(v["stream_options"]["include_usage"], true);
+                    assert!(sent.strip_usage_event);
+                }
+            }
+        }
+        // Said outright, `null` or `false` is no for every engine.
+        for options in [
+            serde_json::json!({"include_usage": null}),
+            serde_json::json!({"include_usage": false}),
+            Value::Null,
+        ] {
+            let body = serde_json::json!({"stream": true, "stream_options": options});
+            assert_eq!(
+                StreamUsage::of_request(Endpoint::Chat, &body).for_engine(EngineKind::Vllm),
+                StreamUsage::ClientDidNotAsk {
+                    has_stream_options: true
+                },
+                "{body}"
+            );
+        }
+    }
+
     /// The body sent to the engine for `body`, parsed, and whether its usage event is
     /// stripped.
     fn sent(body: &str) -> (Value, bool) {
         let usage = StreamUsage::of_body(Endpoint::Chat, body.as_bytes());
-        let sent = usage.engine_body(&Bytes::copy_from_slice(body.as_bytes()));
+        let sent = usage.engine_body(EngineKind::Sglang, &Bytes::copy_from_slice(body.as_bytes()));
         (
             serde_json::from_slice(&sent.body).unwrap(),
             sent.strip_usage_event,
@@ -573,7 +659,7 @@ mod tests {
             r#"{"stream":false}"#,
         ] {
             let usage = StreamUsage::of_body(Endpoint::Chat, body.as_bytes());
-            let sent = usage.engine_body(&Bytes::from(body));
+            let sent = usage.engine_body(EngineKind::Sglang, &Bytes::from(body));
             assert_eq!(sent.body, body);
             assert!(!sent.strip_usage_event);
         }
@@ -582,7 +668,7 @@ mod tests {
         let sent = StreamUsage::ClientDidNotAsk {
             has_stream_options: true,
         }
-        .engine_body(&body);
+        .engine_body(EngineKind::Sglang, &body);
         assert_eq!((sent.body, sent.strip_usage_event), (body, false));
     }
 

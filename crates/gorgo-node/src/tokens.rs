@@ -113,30 +113,43 @@ impl PromptTokens {
 
     /// The chain of a request whose canonical prompt is `canonical`: over token ids with
     /// a tokenizer, over the canonical bytes (hashed by `byte_chains`) without, counted
-    /// with the estimate learned for the prompt's shape.
-    fn chain(
+    /// with the estimate learned for the prompt's shape. `batch_longest_bytes`: for a
+    /// completions batch, its longest prompt's canonical bytes
+    /// ([`gorgo_core::prompt::CompletionsPrompt::longest_batch_prompt_bytes`]).
+    fn count(
         &self,
         byte_chains: &gorgo_core::PromptHasher,
         endpoint: Endpoint,
         body: &[u8],
         canonical: &[u8],
-    ) -> Result<HashChain, TokenizerError> {
+        batch_longest_bytes: Option<u64>,
+    ) -> Result<CountedPrompt, TokenizerError> {
         if let Some(t) = &self.tokenizer {
-            return Ok(HashChain::from_token_ids(
-                &t.prompt_ids(endpoint, body)?,
-                self.block_tokens,
-            ));
+            let prompt = t.tokenize_prompt(endpoint, body)?;
+            return Ok(CountedPrompt {
+                chain: HashChain::from_token_ids(&prompt.ids, self.block_tokens),
+                longest_prompt_tokens: prompt.longest_prompt_tokens as u64,
+            });
         }
         let shape = PromptShape::of(endpoint, canonical);
-        let (rate, overhead) = {
+        let (rate, overhead, longest) = {
             let ratio = self.ratios[shape.index()].read();
-            (ratio.per_byte(), ratio.overhead_tokens())
+            (
+                ratio.per_byte(),
+                ratio.overhead_tokens(),
+                batch_longest_bytes.map(|bytes| ratio.tokens(bytes)),
+            )
         };
         let mut chain = byte_chains.chain_counted(canonical, &rate);
         if let Some(first) = chain.block_tokens.first_mut() {
             *first = first.saturating_add(overhead.min(u32::MAX as u64) as u32);
         }
-        Ok(chain)
+        let total = chain.total_tokens();
+        Ok(CountedPrompt {
+            chain,
+            // One prompt of a batch is never more than all of them.
+            longest_prompt_tokens: longest.map_or(total, |n| n.min(total)),
+        })
     }
 
     /// Learn from the engine's `usage.prompt_tokens` for a request this node counted
@@ -203,34 +216,55 @@ impl PromptTokens {
     }
 }
 
+/// A request's prompt as the node counts it ([`request_chain`]).
+#[derive(Debug, Clone)]
+pub struct CountedPrompt {
+    /// The chain of the whole prompt, a completions batch's prompts one after the
+    /// other: what the prefix index matches and the cost model prices (the engine
+    /// prefills all of it, and its `usage.prompt_tokens` counts all of it).
+    pub chain: HashChain,
+    /// Tokens of the longest prompt: the chain's total but for a batch. The engine
+    /// checks a batch against its context prompt by prompt (vLLM does), so this is what
+    /// the context check compares.
+    pub longest_prompt_tokens: u64,
+}
+
 /// The chain of a request at the ingress: `canonical` is its canonical prompt
-/// (`gorgo_core::prompt::canonicalize`, which also validated it). Long bodies are
-/// tokenised on a blocking thread. A body the template cannot render is the client's
-/// error ([`NodeError::Tokenize`], a 400); a tokenizer that panicked is the node's
-/// ([`NodeError::Internal`], a 500).
+/// (`gorgo_core::prompt::canonicalize`, which also validated it), `batch_longest_bytes`
+/// the size of a completions batch's longest prompt
+/// ([`gorgo_core::prompt::CompletionsPrompt::longest_batch_prompt_bytes`]). Long bodies
+/// are tokenised on a blocking thread. A body the template cannot render is the
+/// client's error ([`NodeError::Tokenize`], a 400); a tokenizer that panicked is the
+/// node's ([`NodeError::Internal`], a 500).
 pub async fn request_chain(
     state: &Arc<NodeState>,
     endpoint: Endpoint,
     body: &Bytes,
     canonical: Vec<u8>,
-) -> Result<HashChain, NodeError> {
+    batch_longest_bytes: Option<u64>,
+) -> Result<CountedPrompt, NodeError> {
     if !state.tokens.exact() || body.len() <= INLINE_TOKENIZE_BYTES {
         // Inline, a panic would unwind the connection's task: the client would see a
         // reset, not the 500 a long body gets from the blocking thread.
         return std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            state
-                .tokens
-                .chain(&state.hasher, endpoint, body, &canonical)
+            state.tokens.count(
+                &state.hasher,
+                endpoint,
+                body,
+                &canonical,
+                batch_longest_bytes,
+            )
         }))
         .map_err(|_| NodeError::Internal("tokenizing failed: the tokenizer panicked".into()))?
         .map_err(NodeError::from);
     }
     let st = state.clone();
     let body = body.clone();
-    let chain = tokio::task::spawn_blocking(move || {
-        st.tokens.chain(&st.hasher, endpoint, &body, &canonical)
+    let counted = tokio::task::spawn_blocking(move || {
+        st.tokens
+            .count(&st.hasher, endpoint, &body, &canonical, batch_longest_bytes)
     })
     .await
     .map_err(|e| NodeError::Internal(format!("tokenizing failed: {e}")))?;
-    Ok(chain?)
+    Ok(counted?)
 }

@@ -78,11 +78,9 @@ impl From<Weights> for LearnedWeights {
 /// Read a learned-weights file. Errors name the file and the field.
 pub fn read_learned_weights(path: &Path) -> Result<Weights, NodeError> {
     let bad = |m: String| NodeError::Config(format!("tuning.weights_file {}: {m}", path.display()));
-    let meta = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?;
-    if meta.len() > MAX_WEIGHTS_FILE {
-        return Err(bad(format!("larger than {MAX_WEIGHTS_FILE} bytes")));
-    }
-    let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    // Capped while reading: a length checked beforehand says 0 for `/dev/zero`.
+    let text = gorgo_tokenizer::read_file_capped(path, MAX_WEIGHTS_FILE)
+        .map_err(|e| bad(e.to_string()))?;
     let lw: LearnedWeights = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
     for (name, v) in [
         ("rtt_weight", lw.rtt_weight),
@@ -841,6 +839,11 @@ mod tests {
             .to_string()
             .contains("rtt_weight"));
         assert!(read_learned_weights(&dir.path().join("none.json")).is_err());
+        // Its length says 0: only a capped read stops it.
+        if Path::new("/dev/zero").exists() {
+            let e = read_learned_weights(Path::new("/dev/zero")).unwrap_err();
+            assert!(e.to_string().contains("larger than"), "{e}");
+        }
     }
 
     #[test]

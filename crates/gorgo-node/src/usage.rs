@@ -11,10 +11,13 @@
 //! bounded by that tail.
 //! A key inside generated text cannot match: JSON escapes its quotes.
 
-/// Longest key plus the longest number we read: what a split across two chunks can cut.
+/// Longest key plus the longest number we read: what a split across two chunks can cut
+/// (16 bytes of key, [`MAX_DIGITS`] digits and the byte that ends them, with room for
+/// a few spaces).
 const CARRY: usize = 48;
-/// Digits in the largest number we accept (`u64`).
-const MAX_DIGITS: usize = 19;
+/// Digits in the largest number we accept: `u64::MAX` has 20; a 20-digit number above
+/// it fails to parse, and is no count.
+const MAX_DIGITS: usize = 20;
 
 /// Finds `usage.prompt_tokens` and `prompt_tokens_details.cached_tokens` in a stream
 /// of response chunks (see the module docs).
@@ -107,6 +110,20 @@ mod tests {
             scan(&[br#"{"content":"\"prompt_tokens\": 5","usage":{"prompt_tokens": 7}}"#]),
             (Some(7), None)
         );
+    }
+
+    #[test]
+    fn every_u64_is_read_and_no_more() {
+        // u64::MAX has 20 digits; one more is no u64.
+        let body = br#"{"usage":{"prompt_tokens":18446744073709551615,"prompt_tokens_details":{"cached_tokens":18446744073709551616}}}"#;
+        assert_eq!(scan(&[body]), (Some(u64::MAX), None));
+        // Split anywhere, the carry still holds the key and all 20 digits.
+        for cut in 1..body.len() {
+            let (a, b) = body.split_at(cut);
+            assert_eq!(scan(&[a, b]), (Some(u64::MAX), None), "cut at {cut}");
+        }
+        let chunks: Vec<&[u8]> = body.chunks(1).collect();
+        assert_eq!(scan(&chunks), (Some(u64::MAX), None));
     }
 
     #[test]

@@ -565,7 +565,8 @@ async fn passthrough_server_errors_open_the_breaker() {
 
 /// A forward the node cannot serve is answered with the error its origin's client
 /// would have had from it directly: OpenAI code and param included
-/// (`context_length_exceeded` on `messages`, which SDKs act on), not a bare message.
+/// (`context_length_exceeded` on `prompt` for a completions request, on `messages` for
+/// chat, which SDKs act on), not a bare message.
 #[tokio::test]
 async fn a_forward_refused_as_too_long_keeps_its_openai_code() {
     use gorgo_node::api::{ServeError, Upstream};
@@ -578,7 +579,10 @@ async fn a_forward_refused_as_too_long_keeps_its_openai_code() {
         br#"{"prompt":"hello world"}"#.to_vec(),
     );
     let mut ex = forward_exchange(node.state(), &forward_frame(&request).await, |_, _| async {
-        Err::<Upstream, _>(ServeError::ContextLength("prompt too long".into()))
+        Err::<Upstream, _>(ServeError::ContextLength {
+            endpoint: gorgo_core::Endpoint::Completions,
+            message: "prompt too long".into(),
+        })
     })
     .await;
     assert_eq!(ex.head.status, 400);
@@ -588,7 +592,9 @@ async fn a_forward_refused_as_too_long_keeps_its_openai_code() {
     ex.from_node.read_exact(&mut body).await.unwrap();
     let err: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(err["error"]["code"], "context_length_exceeded", "{err}");
-    assert_eq!(err["error"]["param"], "messages", "{err}");
+    // A completions request's field is `prompt` (this test said `messages` while the
+    // node named that field whatever the endpoint).
+    assert_eq!(err["error"]["param"], "prompt", "{err}");
     drop(ex.to_node);
     node.shutdown.cancel();
 }

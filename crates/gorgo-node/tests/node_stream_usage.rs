@@ -182,3 +182,39 @@ async fn through_a_forward_the_serving_node_decides_by_the_clients_body() {
     );
     stop.cancel();
 }
+
+/// vLLM reads `stream_options: {}` as asking for usage (its `include_usage` defaults to
+/// true), so a node in front of a vLLM engine sends such a body as it is and relays the
+/// usage the engine sends; in front of any other kind the node asks for usage itself
+/// (OpenAI's default is false). The emulator answers with OpenAI's default, so what
+/// tells the two apart here is the node's own request: asked for usage, the emulator
+/// adds `"usage": null` to every content chunk and the node reads the usage chunk.
+#[tokio::test]
+async fn empty_stream_options_mean_what_the_engine_kind_defaults_to() {
+    let stop = CancellationToken::new();
+    for kind in [
+        gorgo_node::config::EngineKind::Vllm,
+        gorgo_node::config::EngineKind::Sglang,
+    ] {
+        let mut config = config("a", &emulator(&stop).await, "").into_inner();
+        config.engine.as_mut().unwrap().kind = kind;
+        let node = start_node(config.validate().unwrap(), None).await;
+        let options = serde_json::json!({});
+        let (text, _) = stream(&node, "chat", streamed_body("chat", "empty", Some(options))).await;
+        let node_asked = kind != gorgo_node::config::EngineKind::Vllm;
+        assert!(usage_chunks(&text).is_empty(), "{kind:?}: {text}");
+        assert!(
+            chunks(&text)
+                .iter()
+                .all(|c| c.as_object().unwrap().contains_key("usage") == node_asked),
+            "{kind:?}: {text}"
+        );
+        assert_eq!(
+            usage_observed(&node, "gorgo_prompt_token_error_ratio").await,
+            u64::from(node_asked),
+            "{kind:?}"
+        );
+        node.shutdown.cancel();
+    }
+    stop.cancel();
+}

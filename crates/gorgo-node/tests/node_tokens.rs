@@ -196,6 +196,7 @@ async fn context_check_uses_the_exact_count() {
     let (status, err) = error_of(resp).await;
     assert_eq!(status, 400);
     assert_eq!(err["error"]["code"], "context_length_exceeded", "{err}");
+    assert_eq!(err["error"]["param"], "messages", "{err}");
     let message = err["error"]["message"].as_str().unwrap();
     assert!(
         message.contains(&format!("has {exact} tokens")) && message.contains("tokenizer"),
@@ -260,4 +261,96 @@ fn bad_tokenizer_files_are_config_errors_naming_the_field() {
         let e = gorgo_node::NodeState::new(config, Arc::new(gorgo_node::NoPeers)).unwrap_err();
         assert!(e.to_string().contains(field), "{e}");
     }
+}
+
+/// POST a completions body with `prompt` to `node`: the status and the JSON answer.
+async fn complete(node: &TestNode, prompt: serde_json::Value) -> (u16, serde_json::Value) {
+    let resp = client()
+        .post(format!("{}/v1/completions", node.base))
+        .json(&serde_json::json!({"prompt": prompt, "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.json().await.unwrap())
+}
+
+/// vLLM checks each prompt of a completions batch against the context on its own: a
+/// batch of prompts that each fit is served, though together they are longer.
+#[tokio::test]
+async fn a_completions_batch_is_checked_prompt_by_prompt() {
+    let stop = CancellationToken::new();
+    let p = "the cat sat on the mat. ".repeat(10);
+    let pp = p.repeat(2);
+    // Exact counts: the fixture tokenizer's count of one prompt (BOS included).
+    let n = fixture_tokenizer()
+        .prompt_ids(
+            gorgo_core::Endpoint::Completions,
+            serde_json::json!({"prompt": p}).to_string().as_bytes(),
+        )
+        .unwrap()
+        .len() as u64;
+    let exact = (counting_emulator(&stop).await, tokenizer_keys(), n + n / 2);
+    // Without a tokenizer: the estimate at its seed, 4 bytes per token, against an
+    // engine that counts the same way (so what it learns does not move it).
+    let estimated = (
+        emulator(&stop).await,
+        String::new(),
+        p.len() as u64 / 4 * 3 / 2,
+    );
+    for (url, keys, max) in [exact, estimated] {
+        let keys = format!("{keys}max_context_tokens = {max}\n");
+        let node = start_node(config_with_engine("a", &url, &keys), None).await;
+        let (status, answer) = complete(&node, serde_json::json!([p, p])).await;
+        assert_eq!(status, 200, "{keys}: {answer}");
+        for too_long in [serde_json::json!(pp), serde_json::json!([p, pp])] {
+            let (status, answer) = complete(&node, too_long).await;
+            assert_eq!(status, 400, "{keys}: {answer}");
+            assert_eq!(
+                answer["error"]["code"], "context_length_exceeded",
+                "{answer}"
+            );
+            // The field at fault on /v1/completions, as OpenAI and the engines name it.
+            assert_eq!(answer["error"]["param"], "prompt", "{answer}");
+        }
+        node.shutdown.cancel();
+    }
+    stop.cancel();
+}
+
+/// A forward carries the chain of the whole batch; the origin's count of its longest
+/// prompt travels beside it, so the peer checks it as the origin did. Without it (an
+/// origin built before) the peer checks the whole chain, as before.
+#[tokio::test]
+async fn a_forwarded_batch_is_checked_with_the_origins_longest_prompt() {
+    let stop = CancellationToken::new();
+    let url = emulator(&stop).await;
+    let node = start_node(
+        config_with_engine("a", &url, "max_context_tokens = 100\n"),
+        None,
+    )
+    .await;
+    let p = "x".repeat(240);
+    let body = serde_json::json!({"prompt": [p, p], "max_tokens": 1}).to_string();
+    for (longest, status) in [(Some("70"), 200), (Some("101"), 400), (None, 400)] {
+        let mut request =
+            forward_request("b", gorgo_core::Endpoint::Completions, body.clone().into());
+        // 4 bytes per token: the chain says about 125 tokens.
+        assert!(request.chain.total_tokens() > 100);
+        if let Some(n) = longest {
+            request
+                .headers
+                .push((gorgo_node::api::LONGEST_PROMPT_HEADER.into(), n.into()));
+        }
+        let ex = forward_exchange(
+            node.state(),
+            &forward_frame(&request).await,
+            |st, req| async move { gorgo_node::serve::serve(&st, req).await },
+        )
+        .await;
+        assert_eq!(ex.head.status, status, "{longest:?}");
+        drop(ex.to_node);
+    }
+    node.shutdown.cancel();
+    stop.cancel();
 }

@@ -8,15 +8,19 @@
 //!
 //! - `chat/completions`: the template is rendered (Jinja, as HF's `apply_chat_template`
 //!   renders it: `trim_blocks`, `lstrip_blocks`, loop controls, Python string methods,
-//!   HF's `tojson`, `raise_exception`, `strftime_now`) with `messages`,
-//!   `add_generation_prompt = true`, `tools` (none when absent or empty), `bos_token`,
-//!   `eos_token` and the request's `chat_template_kwargs`; the text is tokenised with
-//!   special tokens parsed, and the tokenizer's own added tokens (BOS) only when
-//!   `chat_add_special_tokens` says so (vLLM and SGLang: no, the template writes
-//!   `bos_token` itself; llama-cpp-python's built-in chat formats: yes).
+//!   HF's `tojson`, `raise_exception`, `strftime_now`) with `messages` as vLLM
+//!   normalises them (content parts joined with "\n" into one string unless the
+//!   template loops over them, `null` content as "", a tool call's `arguments` string
+//!   parsed into the JSON object it holds), `add_generation_prompt = true`, `tools`
+//!   (none when absent or empty), `bos_token`, `eos_token` and the request's
+//!   `chat_template_kwargs`; the text is tokenised with special tokens parsed, and the
+//!   tokenizer's own added tokens (BOS) only when `chat_add_special_tokens` says so
+//!   (vLLM and SGLang: no, the template writes `bos_token` itself; llama-cpp-python's
+//!   built-in chat formats: yes).
 //! - `completions`: a string prompt is tokenised with special tokens added (all three
-//!   engines do); an array of strings is a batch, counted as the sum; token ids are
-//!   taken as they are.
+//!   engines do); an array of strings is a batch, counted as the sum (the longest
+//!   prompt is given beside it: engines check a batch against the context prompt by
+//!   prompt); token ids are taken as they are.
 //!
 //! It lives in its own crate because two programs need the very same counting: the
 //! node (routing, context check, hash chain over token ids) and the engine emulator
@@ -27,8 +31,9 @@
 
 use std::path::{Path, PathBuf};
 
+use gorgo_core::prompt::CompletionsPrompt;
 use gorgo_core::Endpoint;
-use minijinja::value::{Kwargs, Serde, Value};
+use minijinja::value::{Kwargs, Serde, Value, ValueKind};
 use minijinja::{Environment, ErrorKind};
 use serde::Serialize;
 
@@ -62,6 +67,55 @@ pub enum TokenizerError {
     Request(String),
 }
 
+/// Largest tokenizer, template or `tokenizer_config.json` file read, bytes: the
+/// largest real `tokenizer.json` files are about 35 MB.
+pub const MAX_TOKENIZER_FILE_BYTES: u64 = 64 << 20;
+
+/// The text of the file at `path`, refused when it holds more than `cap` bytes.
+///
+/// Why: the files a node or the emulator reads at startup are named by an operator, and
+/// a wrong path (`/dev/zero`, a device) would grow memory without end; its
+/// `metadata().len()` says 0, so only a read through `take(cap + 1)` stops it. Public so
+/// that the node reads its other operator-named files (`tuning.weights_file`) the same
+/// way. The error says what is wrong, not which file: callers name it.
+pub fn read_file_capped(path: &Path, cap: u64) -> std::io::Result<String> {
+    use std::io::Read as _;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(cap.saturating_add(1))
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > cap {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("larger than {cap} bytes"),
+        ));
+    }
+    String::from_utf8(bytes)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.utf8_error()))
+}
+
+/// A request's prompt token ids ([`EngineTokenizer::tokenize_prompt`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromptIds {
+    /// Every prompt's ids, a completions batch's one after the other: what the hash
+    /// chain is built from, and what the engine's `usage.prompt_tokens` counts.
+    pub ids: Vec<u32>,
+    /// Tokens of the longest prompt: all of `ids` but for a batch. The engine checks a
+    /// batch against its context prompt by prompt (vLLM does), so this, not the
+    /// total, is what the context check compares.
+    pub longest_prompt_tokens: usize,
+}
+
+impl PromptIds {
+    /// The ids of one prompt.
+    fn one(ids: Vec<u32>) -> Self {
+        PromptIds {
+            longest_prompt_tokens: ids.len(),
+            ids,
+        }
+    }
+}
+
 /// The model's tokenizer and chat template, loaded once at startup.
 pub struct EngineTokenizer {
     tokenizer: tokenizers::Tokenizer,
@@ -85,6 +139,9 @@ struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// The template loops over content parts ([`loops_over_content`]): a message's
+    /// content array is left as it is, not joined into a string.
+    takes_content_parts: bool,
 }
 
 /// Name of the one template in a [`ChatTemplate`]'s environment.
@@ -110,7 +167,7 @@ impl EngineTokenizer {
     /// No template at all is not an error here (a completions-only engine needs none);
     /// chat requests then fail with [`TokenizerError::Request`]. The template is test-
     /// rendered on a one-message conversation, so one that calls something missing
-    /// fails at startup.
+    /// fails at startup. Each file is read with a cap ([`MAX_TOKENIZER_FILE_BYTES`]).
     pub fn load(
         tokenizer: &Path,
         chat_template: Option<&Path>,
@@ -120,10 +177,17 @@ impl EngineTokenizer {
             field: "tokenizer",
             reason: format!("{}: {reason}", tokenizer.display()),
         };
-        let text = std::fs::read_to_string(tokenizer).map_err(|e| bad_tokenizer(e.to_string()))?;
+        let text = read_file_capped(tokenizer, MAX_TOKENIZER_FILE_BYTES)
+            .map_err(|e| bad_tokenizer(e.to_string()))?;
         let mut tok: tokenizers::Tokenizer = text
             .parse()
             .map_err(|e| bad_tokenizer(format!("not a tokenizer.json: {e}")))?;
+        // HF's `__call__` turns both off on every call unless asked (`no_truncation`,
+        // `no_padding`), so an engine never truncates or pads a prompt with what the
+        // file sets: kept, they would cap or inflate every count.
+        tok.with_truncation(None)
+            .map_err(|e| bad_tokenizer(format!("cannot clear its truncation: {e}")))?;
+        tok.with_padding(None);
         let config_path = tokenizer.with_file_name("tokenizer_config.json");
         let config = if config_path.is_file() {
             read_tokenizer_config(&config_path).map_err(|reason| TokenizerError::Config {
@@ -190,56 +254,54 @@ impl EngineTokenizer {
         template.render(&body)
     }
 
-    /// The prompt's token ids as the engine counts them (see the crate docs).
+    /// The prompt's token ids as the engine counts them (see the crate docs); a
+    /// batch's prompts one after the other.
     pub fn prompt_ids(&self, endpoint: Endpoint, body: &[u8]) -> Result<Vec<u32>, TokenizerError> {
+        Ok(self.tokenize_prompt(endpoint, body)?.ids)
+    }
+
+    /// The prompt's token ids as [`EngineTokenizer::prompt_ids`] gives them, with the
+    /// size of its longest prompt, which the context check needs.
+    pub fn tokenize_prompt(
+        &self,
+        endpoint: Endpoint,
+        body: &[u8],
+    ) -> Result<PromptIds, TokenizerError> {
         match endpoint {
             Endpoint::Chat => {
                 let text = self.render_chat(body)?;
-                self.encode(&text, self.chat_add_special_tokens)
+                let ids = self.encode(&text, self.chat_add_special_tokens)?;
+                Ok(PromptIds::one(ids))
             }
             Endpoint::Completions => {
                 let body: serde_json::Value = serde_json::from_slice(body)
                     .map_err(|e| TokenizerError::Request(format!("body is not JSON: {e}")))?;
-                self.completion_ids(body.get("prompt").unwrap_or(&serde_json::Value::Null))
+                self.completion_ids(&body)
             }
         }
     }
 
-    fn completion_ids(&self, prompt: &serde_json::Value) -> Result<Vec<u32>, TokenizerError> {
-        use serde_json::Value as J;
-        let wrong = || {
-            TokenizerError::Request(
-                "`prompt` must be a string, an array of strings, an array of token ids or an array of token-id arrays".into(),
-            )
-        };
-        let ids_of = |items: &[J]| -> Result<Vec<u32>, TokenizerError> {
-            items
-                .iter()
-                .map(|v| {
-                    v.as_u64()
-                        .and_then(|n| u32::try_from(n).ok())
-                        .ok_or_else(wrong)
-                })
-                .collect()
+    /// A completions body's ids: its `prompt` read as the canonical path reads it
+    /// ([`CompletionsPrompt`]), each string tokenised with special tokens added, token
+    /// ids as they are, a batch's prompts one after the other.
+    fn completion_ids(&self, body: &serde_json::Value) -> Result<PromptIds, TokenizerError> {
+        let prompt = CompletionsPrompt::of_body(body).map_err(|e| match e {
+            gorgo_core::CoreError::InvalidRequest(m) => TokenizerError::Request(m),
+            other => TokenizerError::Request(other.to_string()),
+        })?;
+        let batch = |prompts: Vec<Vec<u32>>| PromptIds {
+            longest_prompt_tokens: prompts.iter().map(Vec::len).max().unwrap_or(0),
+            ids: prompts.concat(),
         };
         match prompt {
-            J::String(s) => self.encode(s, true),
-            J::Array(items) if items.iter().all(J::is_string) => {
-                let mut ids = Vec::new();
-                for s in items.iter().filter_map(J::as_str) {
-                    ids.extend(self.encode(s, true)?);
-                }
-                Ok(ids)
-            }
-            J::Array(items) if items.iter().all(J::is_number) => ids_of(items),
-            J::Array(items) if items.iter().all(J::is_array) => {
-                let mut ids = Vec::new();
-                for inner in items.iter().filter_map(J::as_array) {
-                    ids.extend(ids_of(inner)?);
-                }
-                Ok(ids)
-            }
-            _ => Err(wrong()),
+            CompletionsPrompt::Text(s) => Ok(PromptIds::one(self.encode(s, true)?)),
+            CompletionsPrompt::TextBatch(prompts) => prompts
+                .into_iter()
+                .map(|s| self.encode(s, true))
+                .collect::<Result<_, _>>()
+                .map(batch),
+            CompletionsPrompt::TokenIds(ids) => Ok(PromptIds::one(ids)),
+            CompletionsPrompt::TokenIdBatch(prompts) => Ok(batch(prompts)),
         }
     }
 
@@ -258,7 +320,7 @@ fn read_template_file(path: &Path) -> Result<String, TokenizerError> {
         field: "chat_template",
         reason: format!("{}: {reason}", path.display()),
     };
-    let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    let text = read_file_capped(path, MAX_TOKENIZER_FILE_BYTES).map_err(|e| bad(e.to_string()))?;
     if path.extension().is_some_and(|e| e == "json") {
         // `chat_template.json`, as newer HF repositories ship it.
         let v: serde_json::Value =
@@ -287,7 +349,7 @@ fn template_of(v: Option<&serde_json::Value>) -> Option<String> {
 }
 
 fn read_tokenizer_config(path: &Path) -> Result<TokenizerConfig, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+    let text = read_file_capped(path, MAX_TOKENIZER_FILE_BYTES).map_err(|e| e.to_string())?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("not JSON: {e}"))?;
     // A special token is a string, or an AddedToken object with its `content`.
     let token = |key: &str| match v.get(key)? {
@@ -387,12 +449,14 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
+        let takes_content_parts = loops_over_content(&source);
         env.add_template_owned(TEMPLATE, source)
             .map_err(|e| format!("template does not compile: {e:#}"))?;
         let template = ChatTemplate {
             env,
             bos_token,
             eos_token,
+            takes_content_parts,
         };
         let probe = Value::from(Serde(serde_json::json!({
             "messages": [{"role": "user", "content": "hello"}]
@@ -407,6 +471,7 @@ impl ChatTemplate {
         let field = |name: &str| body.get_attr(name).ok().filter(|v| !v.is_undefined());
         let messages = field("messages")
             .ok_or_else(|| TokenizerError::Request("missing `messages`".into()))?;
+        let messages = engine_messages(&messages, self.takes_content_parts)?;
         let tools = field("tools")
             .filter(|t| t.len().is_some_and(|n| n > 0))
             .unwrap_or(Value::from(()));
@@ -420,7 +485,7 @@ impl ChatTemplate {
         // vLLM and SGLang pass `chat_template_kwargs` (e.g. `enable_thinking`) to the
         // template; the fixed arguments win over them.
         let ctx = match field("chat_template_kwargs") {
-            Some(extra) if extra.kind() == minijinja::value::ValueKind::Map => {
+            Some(extra) if extra.kind() == ValueKind::Map => {
                 minijinja::context! { ..base, ..extra }
             }
             _ => base,
@@ -433,6 +498,170 @@ impl ChatTemplate {
             TokenizerError::Request(format!("the chat template cannot render this request: {e}"))
         })
     }
+}
+
+/// `messages` as vLLM hands them to the template (its "string" content format, the one
+/// templates that write `message.content` as a string need): a message's content parts
+/// joined with "\n" into one string (unless `takes_content_parts`: the template loops
+/// over them, and gets them as sent), each part read as the canonical path reads it
+/// ([`gorgo_core::prompt::content_part_text`]: a non-text part is a placeholder that
+/// tells two images apart), `null` or missing content as "", and an assistant's
+/// tool-call arguments as objects ([`parsed_tool_arguments`]). Anything that is not a
+/// list of objects is left for the template to refuse.
+fn engine_messages(messages: &Value, takes_content_parts: bool) -> Result<Value, TokenizerError> {
+    if messages.kind() != ValueKind::Seq {
+        return Ok(messages.clone());
+    }
+    let mut out = Vec::with_capacity(messages.len().unwrap_or(0));
+    for (i, message) in iter_of(messages)?.enumerate() {
+        out.push(engine_message(i, message, takes_content_parts)?);
+    }
+    Ok(Value::from(out))
+}
+
+/// One message of [`engine_messages`], its keys in the client's order.
+fn engine_message(
+    i: usize,
+    message: Value,
+    takes_content_parts: bool,
+) -> Result<Value, TokenizerError> {
+    if message.kind() != ValueKind::Map {
+        return Ok(message);
+    }
+    let assistant = message
+        .get_attr("role")
+        .is_ok_and(|r| r.as_str() == Some("assistant"));
+    let mut pairs = Vec::with_capacity(message.len().unwrap_or(0) + 1);
+    let mut has_content = false;
+    for key in iter_of(&message)? {
+        let value = message
+            .get_item(&key)
+            .map_err(|e| TokenizerError::Request(e.to_string()))?;
+        let value = match key.as_str() {
+            Some("content") => {
+                has_content = true;
+                match takes_content_parts {
+                    false => engine_content(i, &value)?,
+                    true if value.is_none() => Value::from(""),
+                    true => value,
+                }
+            }
+            Some("tool_calls") if assistant => parsed_tool_arguments(&value),
+            _ => value,
+        };
+        pairs.push((key, value));
+    }
+    if !has_content {
+        pairs.push((Value::from("content"), Value::from("")));
+    }
+    Ok(Value::from_pairs(pairs))
+}
+
+/// A message's content as [`engine_messages`] says.
+fn engine_content(i: usize, content: &Value) -> Result<Value, TokenizerError> {
+    if content.is_none() || content.is_undefined() {
+        return Ok(Value::from(""));
+    }
+    if content.kind() != ValueKind::Seq {
+        return Ok(content.clone());
+    }
+    let mut texts = Vec::with_capacity(content.len().unwrap_or(0));
+    for (j, part) in iter_of(content)?.enumerate() {
+        let bad = |e: &str| TokenizerError::Request(format!("`messages[{i}].content[{j}]` {e}"));
+        let part = serde_json::to_value(&part).map_err(|e| bad(&e.to_string()))?;
+        texts.push(
+            gorgo_core::prompt::content_part_text(&part)
+                .map_err(bad)?
+                .into_owned(),
+        );
+    }
+    Ok(Value::from(texts.join("\n")))
+}
+
+/// An assistant's `tool_calls` with each call's `function.arguments` given as a JSON
+/// string (OpenAI's form) parsed into the object it holds, as vLLM does before the
+/// template (templates print them with `tojson` and expect an object); its keys keep
+/// the string's order, as Python's `json.loads` keeps them. Arguments that are not a
+/// string holding a JSON object stay as they are.
+fn parsed_tool_arguments(calls: &Value) -> Value {
+    if calls.kind() != ValueKind::Seq {
+        return calls.clone();
+    }
+    let Ok(items) = calls.try_iter() else {
+        return calls.clone();
+    };
+    let parsed = |call: Value| -> Option<Value> {
+        let function = call.get_attr("function").ok()?;
+        let arguments = function.get_attr("arguments").ok()?;
+        let object: Value = serde_json::from_str(arguments.as_str()?).ok()?;
+        if object.kind() != ValueKind::Map {
+            return None;
+        }
+        let function = with_item(&function, "arguments", object)?;
+        with_item(&call, "function", function)
+    };
+    items
+        .map(|call| parsed(call.clone()).unwrap_or(call))
+        .collect()
+}
+
+/// `map` with `key`'s value replaced, the keys in their order (`None`: not a map).
+fn with_item(map: &Value, key: &str, value: Value) -> Option<Value> {
+    if map.kind() != ValueKind::Map {
+        return None;
+    }
+    let pairs: Vec<(Value, Value)> = map
+        .try_iter()
+        .ok()?
+        .map(|k| {
+            let v = if k.as_str() == Some(key) {
+                value.clone()
+            } else {
+                map.get_item(&k).unwrap_or_default()
+            };
+            (k, v)
+        })
+        .collect();
+    Some(Value::from_pairs(pairs))
+}
+
+/// Whether a template loops over a message's content parts (`{% for part in
+/// message['content'] %}`, `message.content`, `m["content"]`): vLLM then hands it the
+/// OpenAI list as the client sent it (its "openai" content format) instead of the
+/// joined string, which such a template would iterate character by character. vLLM
+/// looks for that loop in the template's syntax tree; this looks at each `{% for %}`
+/// statement of its source: the iterable, up to a filter, a condition or the end,
+/// ends in `content`.
+fn loops_over_content(source: &str) -> bool {
+    source.split("{%").skip(1).any(|block| {
+        let statement = block.split("%}").next().unwrap_or("");
+        let statement = statement.trim_start_matches(['-', '+']).trim_start();
+        let Some(rest) = statement
+            .strip_prefix("for")
+            .filter(|r| r.starts_with(char::is_whitespace))
+        else {
+            return false;
+        };
+        let Some((_, iterable)) = rest.split_once(" in ") else {
+            return false;
+        };
+        let iterable = iterable
+            .trim_start()
+            .split(|c: char| c.is_whitespace() || c == '|')
+            .next()
+            .unwrap_or("")
+            .trim_end_matches(['-', '+']);
+        [".content", "['content']", "[\"content\"]"]
+            .iter()
+            .any(|end| iterable.ends_with(end))
+    })
+}
+
+/// The items of a sequence, or the keys of a map.
+fn iter_of(value: &Value) -> Result<minijinja::value::ValueIter, TokenizerError> {
+    value
+        .try_iter()
+        .map_err(|e| TokenizerError::Request(e.to_string()))
 }
 
 fn raise_exception(message: String) -> Result<Value, minijinja::Error> {

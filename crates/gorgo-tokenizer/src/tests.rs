@@ -93,6 +93,30 @@ fn tools_print_as_hf_tojson_in_client_order() {
     ]));
     let text = t.render_chat(&body).unwrap();
     assert!(text.contains("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n"), "{text}");
+    // `arguments` as OpenAI sends them, a JSON string: parsed into the object first, as
+    // vLLM does, its keys in the string's order. A string that is no JSON object stays.
+    let with_arguments = |arguments: &str| {
+        let call = serde_json::to_string(arguments).unwrap();
+        format!(
+            r#"{{"messages": [{{"role": "user", "content": "weather?"}},
+            {{"role": "assistant", "content": null, "tool_calls": [{{"id": "1", "type": "function", "function": {{"name": "get_weather", "arguments": {call}}}}}]}}]}}"#
+        )
+    };
+    let text = t
+        .render_chat(with_arguments(r#"{"city": "Paris", "at": "noon"}"#).as_bytes())
+        .unwrap();
+    assert!(
+        text.contains(r#""arguments": {"city": "Paris", "at": "noon"}}"#),
+        "{text}"
+    );
+    for kept in ["not json", "[1, 2]"] {
+        let text = t.render_chat(with_arguments(kept).as_bytes()).unwrap();
+        let printed = serde_json::to_string(kept).unwrap();
+        assert!(
+            text.contains(&format!(r#""arguments": {printed}}}"#)),
+            "{text}"
+        );
+    }
 }
 
 #[test]
@@ -107,6 +131,29 @@ fn completions_forms() {
         .prompt_ids(Endpoint::Completions, &body(json!(["the cat", "the cat"])))
         .unwrap();
     assert_eq!(two.len(), 2 * one.len(), "a batch counts each prompt");
+    // Beside the total, the longest prompt: what the context check compares.
+    let long = t
+        .prompt_ids(
+            Endpoint::Completions,
+            &body(json!("the cat sat on the mat")),
+        )
+        .unwrap();
+    let batch = t
+        .tokenize_prompt(
+            Endpoint::Completions,
+            &body(json!(["the cat", "the cat sat on the mat"])),
+        )
+        .unwrap();
+    assert_eq!(batch.ids, [one.clone(), long.clone()].concat());
+    assert_eq!(batch.longest_prompt_tokens, long.len());
+    let single = t
+        .tokenize_prompt(Endpoint::Completions, &body(json!("the cat")))
+        .unwrap();
+    assert_eq!(single.longest_prompt_tokens, one.len());
+    let ids = t
+        .tokenize_prompt(Endpoint::Completions, &body(json!([[5], [6, 7]])))
+        .unwrap();
+    assert_eq!(ids.longest_prompt_tokens, 2);
     let raw = t
         .prompt_ids(Endpoint::Completions, &body(json!([5, 6, 7])))
         .unwrap();
@@ -128,8 +175,10 @@ fn bad_requests_are_request_errors() {
     let t = fixture();
     for body in [
         chat(json!([{"role": "wizard", "content": "x"}])),
-        // `+` of a string and a list: the template cannot render array content.
-        chat(json!([{"role": "user", "content": [{"type": "text", "text": "x"}]}])),
+        // (Array content is no longer here: it is joined into a string before the
+        // template, as vLLM does, so it renders: `content_is_normalised_as_vllm_does`.)
+        // A content part the canonical path refuses too.
+        chat(json!([{"role": "user", "content": [{"type": "text"}]}])),
         b"{not json".to_vec(),
         b"{}".to_vec(),
     ] {
@@ -244,4 +293,186 @@ fn strftime_fields() {
         "29 Feb 2024, Thursday 13:05:09 060 24 02 February Thu %"
     );
     assert!(strftime("%Q", t).is_err());
+}
+
+#[test]
+fn truncation_and_padding_in_the_file_are_cleared() {
+    // HF's `__call__` clears both on every call, so an engine never truncates or pads a
+    // prompt there; a count that did would pass any long prompt through the context
+    // check.
+    let dir = tempfile::tempdir().unwrap();
+    let mut file: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(FIXTURE_TOKENIZER).unwrap()).unwrap();
+    file["truncation"] =
+        json!({"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0});
+    file["padding"] = json!({"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": null, "pad_id": 0, "pad_type_id": 0, "pad_token": "<unk>"});
+    let path = dir.path().join("tokenizer.json");
+    std::fs::write(&path, file.to_string()).unwrap();
+    let t = EngineTokenizer::load(&path, None, false).unwrap();
+    let long = "the quick brown fox jumps over the lazy dog and the cat";
+    assert_eq!(
+        t.encode(long, false).unwrap(),
+        fixture().encode(long, false).unwrap()
+    );
+    assert!(t.encode(long, false).unwrap().len() > 8);
+    assert_eq!(
+        t.encode("a", true).unwrap().len(),
+        2,
+        "BOS and one piece, no padding"
+    );
+}
+
+#[test]
+fn endless_files_are_refused_naming_the_file() {
+    // `/dev/zero` has no length to check beforehand: only a capped read stops it.
+    let zero = Path::new("/dev/zero");
+    if !zero.exists() {
+        return;
+    }
+    let started = std::time::Instant::now();
+    match EngineTokenizer::load(zero, None, false) {
+        Err(TokenizerError::Config { field, reason }) => {
+            assert_eq!(field, "tokenizer");
+            assert!(
+                reason.contains("/dev/zero") && reason.contains("larger than"),
+                "{reason}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    match EngineTokenizer::load(Path::new(FIXTURE_TOKENIZER), Some(zero), false) {
+        Err(TokenizerError::Config { field, reason }) => {
+            assert_eq!(field, "chat_template");
+            assert!(
+                reason.contains("/dev/zero") && reason.contains("larger than"),
+                "{reason}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(started.elapsed() < std::time::Duration::from_secs(20));
+    // The cap itself: one byte over is refused, at the cap is read.
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("f");
+    std::fs::write(&f, "abcd").unwrap();
+    assert_eq!(read_file_capped(&f, 4).unwrap(), "abcd");
+    let e = read_file_capped(&f, 3).unwrap_err();
+    assert!(e.to_string().contains("larger than 3 bytes"), "{e}");
+}
+
+#[test]
+fn completions_prompts_are_refused_as_the_canonical_path_refuses_them() {
+    // One reading of `prompt` (gorgo_core's): the same bodies refused, the same words.
+    let t = fixture();
+    for body in [
+        json!({}),
+        json!([1]),
+        json!({"prompt": 5}),
+        json!({"prompt": null}),
+        json!({"prompt": [-1]}),
+        json!({"prompt": [4_294_967_296u64]}),
+        json!({"prompt": ["a", 1]}),
+        json!({"prompt": [[1], ["a"]]}),
+        json!({"prompt": [[1.5]]}),
+    ] {
+        let canonical = match gorgo_core::prompt::canonicalize(Endpoint::Completions, &body) {
+            Err(gorgo_core::CoreError::InvalidRequest(m)) => m,
+            other => panic!("{body}: {other:?}"),
+        };
+        match t.prompt_ids(Endpoint::Completions, &serde_json::to_vec(&body).unwrap()) {
+            Err(TokenizerError::Request(m)) => assert_eq!(m, canonical, "{body}"),
+            other => panic!("{body}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn content_is_normalised_as_vllm_does() {
+    let t = fixture();
+    // Text parts joined with "\n" into one string (vLLM's "string" content format).
+    let parts = chat(json!([{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"},
+    ]}]));
+    let joined = chat(json!([{"role": "user", "content": "a\nb"}]));
+    assert_eq!(
+        t.render_chat(&parts).unwrap(),
+        t.render_chat(&joined).unwrap()
+    );
+    // `null` (and missing) content is "".
+    for empty in [
+        json!({"role": "assistant", "content": null}),
+        json!({"role": "assistant"}),
+    ] {
+        let body = chat(json!([
+            {"role": "user", "content": "hi"}, empty, {"role": "user", "content": "x"},
+        ]));
+        let text = t.render_chat(&body).unwrap();
+        assert!(
+            text.contains("<|im_start|>assistant\n<|im_end|>\n<|im_start|>user\nx"),
+            "{text}"
+        );
+    }
+    // A part that is not text becomes the canonical path's placeholder, so two images
+    // are two prompts.
+    let image = |url: &str| {
+        json!({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what?"},
+        ]}]})
+    };
+    let canonical = gorgo_core::prompt::canonicalize(Endpoint::Chat, &image("a.png")).unwrap();
+    let placeholder = std::str::from_utf8(&canonical)
+        .unwrap()
+        .strip_prefix("<|user|>\n")
+        .and_then(|s| s.strip_suffix("what?\n"))
+        .unwrap()
+        .to_owned();
+    assert!(placeholder.starts_with("<|image_url:"), "{placeholder}");
+    let render = |body: &serde_json::Value| t.render_chat(&serde_json::to_vec(body).unwrap());
+    let a = render(&image("a.png")).unwrap();
+    assert!(
+        a.contains(&format!("user\n{placeholder}\nwhat?<|im_end|>")),
+        "{a}"
+    );
+    assert_ne!(a, render(&image("b.png")).unwrap());
+}
+
+#[test]
+fn a_template_that_loops_over_content_parts_gets_them() {
+    // vLLM hands a template that iterates a message's content (vision models' templates:
+    // `{% for part in message['content'] %}`) the OpenAI list, not the joined string
+    // (its "openai" content format): iterating a string would print nothing.
+    let dir = tempfile::tempdir().unwrap();
+    let tpl = dir.path().join("parts.jinja");
+    std::fs::write(
+        &tpl,
+        "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}\
+         {% else %}{%- for part in m['content'] -%}{% if part['type'] == 'text' %}\
+         [{{ part['text'] }}]{% endif %}{% endfor %}{% endif %};{% endfor %}",
+    )
+    .unwrap();
+    let t = EngineTokenizer::load(Path::new(FIXTURE_TOKENIZER), Some(&tpl), false).unwrap();
+    let body = chat(json!([
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "user", "content": "c"},
+    ]));
+    assert_eq!(t.render_chat(&body).unwrap(), "[a][b];c;");
+    for (source, loops) in [
+        ("{% for c in message.content %}{% endfor %}", true),
+        (
+            "{%- for c in m[\"content\"] if c.type == 'text' -%}{% endfor %}",
+            true,
+        ),
+        (
+            "{% for c in message['content'] | selectattr('type') %}{% endfor %}",
+            true,
+        ),
+        (
+            "{% for line in message.content.split('\\n') %}{% endfor %}",
+            false,
+        ),
+        ("{% for m in messages %}{{ m.content }}{% endfor %}", false),
+        ("{{ 'for x in message.content' }}", false),
+    ] {
+        assert_eq!(loops_over_content(source), loops, "{source}");
+    }
 }
