@@ -32,7 +32,10 @@ pub use aggregate::{aggregate, hit_ratio, PolicyResult, PredictionError};
 pub use atomic::{stage, write_atomic, Staged};
 pub use gorgo_core::LatencyStats;
 pub use record::RequestRecord;
-pub use sweep::{goodput_at_slo, LatencyFloor, Slo, Sweep, SweepPoint};
+pub use sweep::{
+    goodput_at_slo, goodput_with_bound, slo_p95, Bound, Goodput, LatencyFloor, Slo, Sweep,
+    SweepPoint,
+};
 pub use table::{aligned, markdown, render_markdown, render_table};
 
 /// The one error type of `gorgo-report`.
