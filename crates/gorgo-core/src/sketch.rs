@@ -30,8 +30,10 @@ pub fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
     Some(sorted[rank - 1])
 }
 
-/// The 1-based nearest rank of quantile `q` in `[0, 1]` among `n >= 1` samples.
-fn nearest_rank(q: f64, n: u64) -> u64 {
+/// The 1-based nearest rank of quantile `q` in `[0, 1]` among `n >= 1` samples: the
+/// rank [`percentile`] reads, public so that code reasoning about which sample a stored
+/// percentile is (a report's goodput, counting failed requests) uses the same one.
+pub fn nearest_rank(q: f64, n: u64) -> u64 {
     // `q * n` can land a hair above an integer through rounding (0.95 * 100 is
     // 95.00000000000001); trim that before `ceil` so the rank is the textbook one.
     let x = q * n as f64;

@@ -371,26 +371,14 @@ impl Engine {
             .count();
         req.chain.hashes.truncate(keep);
         req.chain.block_tokens.truncate(keep);
-        let requested = req.prompt_tokens + req.max_output_tokens as u64;
-        let refusal = if requested > self.profile.context_length {
-            Some(RejectReason::ContextLength {
-                requested,
-                limit: self.profile.context_length,
-            })
-        } else if requested >= self.profile.max_total_tokens {
-            // `>=`: a fully cached prompt recomputes one token, which needs one more.
-            Some(RejectReason::OverCapacity {
-                requested,
-                capacity: self.profile.max_total_tokens,
-            })
-        } else {
-            match self.max_waiting {
-                Some(limit) if self.waiting.len() >= limit => {
-                    Some(RejectReason::QueueFull { limit })
-                }
-                _ => None,
-            }
+        let queue_full = match self.max_waiting {
+            Some(limit) if self.waiting.len() >= limit => Some(RejectReason::QueueFull { limit }),
+            _ => None,
         };
+        let refusal = self
+            .profile
+            .refusal(req.prompt_tokens, u64::from(req.max_output_tokens))
+            .or(queue_full);
         if let Some(reason) = refusal {
             self.events.push(EngineEvent::Rejected {
                 id: req.id,

@@ -8,7 +8,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::EngineError;
+use crate::{EngineError, RejectReason};
 
 /// The built-in profiles: `(name, TOML text)`, embedded at compile time.
 const BUILT_IN: &[(&str, &str)] = &[
@@ -190,6 +190,29 @@ impl Profile {
             return Err("field `name` must not be empty".into());
         }
         Ok(())
+    }
+
+    /// Why an engine of this profile refuses a request of `prompt_tokens` and
+    /// `output_tokens` whatever its state (`None`: it can serve it): over the context
+    /// length, or more than the KV cache could ever hold. One check for the engine's
+    /// admission and for what the simulator's latency floor counts, so the floor covers
+    /// exactly the requests an engine can serve.
+    pub fn refusal(&self, prompt_tokens: u64, output_tokens: u64) -> Option<RejectReason> {
+        let requested = prompt_tokens + output_tokens;
+        if requested > self.context_length {
+            Some(RejectReason::ContextLength {
+                requested,
+                limit: self.context_length,
+            })
+        } else if requested >= self.max_total_tokens {
+            // `>=`: a fully cached prompt recomputes one token, which needs one more.
+            Some(RejectReason::OverCapacity {
+                requested,
+                capacity: self.max_total_tokens,
+            })
+        } else {
+            None
+        }
     }
 
     /// Engine-side TTFT of a lone request with `uncached` new tokens on an idle engine.

@@ -15,9 +15,7 @@
 //! [`crate::NodeState::on_tuning_message`]): the driver returns [`TuningSend`]s.
 
 use std::collections::{BTreeSet, VecDeque};
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -106,39 +104,20 @@ pub fn read_learned_weights(path: &Path) -> Result<Weights, NodeError> {
     })
 }
 
-/// Write a learned-weights file (pretty JSON, the paper's format), atomically: into a
-/// temporary file beside it, then renamed over it, so that a reader (a node started
-/// from it) never finds it half written, and a failed write leaves the old one whole.
+/// Write a learned-weights file (pretty JSON, the paper's format), atomically
+/// ([`gorgo_report::write_atomic`]: into a temporary file beside it, then renamed over
+/// it), so that a reader (a node started from it) never finds it half written, and a
+/// failed write leaves the old one whole.
 pub fn write_learned_weights(path: &Path, w: Weights) -> Result<(), NodeError> {
-    // Two writes in one process (two in-process nodes) never share a temporary file.
-    static NEXT: AtomicU64 = AtomicU64::new(0);
     let text = serde_json::to_string_pretty(&LearnedWeights::from(w))
         .map_err(|e| NodeError::Config(e.to_string()))?;
-    let name = path.file_name().ok_or_else(|| {
-        NodeError::Config(format!(
+    if path.file_name().is_none() {
+        return Err(NodeError::Config(format!(
             "tuning.learned_weights_out {}: not a file",
             path.display()
-        ))
-    })?;
-    let mut tmp_name = std::ffi::OsString::from(".");
-    tmp_name.push(name);
-    tmp_name.push(format!(
-        ".{}.{}.tmp",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    ));
-    let tmp = path.with_file_name(tmp_name);
-    let written = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(text.as_bytes())?;
-        f.write_all(b"\n")?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+        )));
     }
-    written.map_err(NodeError::from)
+    gorgo_report::write_atomic(path, (text + "\n").as_bytes()).map_err(NodeError::from)
 }
 
 /// Where the learned weights go once tuning freezes, and whether they are there yet:

@@ -9,8 +9,14 @@ use crate::record::RequestRecord;
 
 /// One policy's aggregate: what `results.json` holds under `policies.<name>`.
 ///
-/// Latencies, region shares and the forwarded share are over completed requests;
-/// `requests` counts every request, `failed` those that did not complete.
+/// As [`PolicyResult::from_records`] computes it (the simulator's reports), latencies,
+/// region shares and the forwarded share are over completed requests; `requests`
+/// counts every request, `failed` those that did not complete. A live report
+/// (`gorgo bench`, `compare`) replaces `ttft_ms` and `e2e_ms` with percentiles over
+/// *every* request sent, a failed one ranked at what it measured or at the time it
+/// failed, and names in `config.censored` the percentiles that fall among failures
+/// (docs/bench.md, "Failures and censoring"). Either way a consumer that holds them to
+/// an SLO must count the failures ([`crate::slo_p95`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PolicyResult {
     /// Requests sent.

@@ -17,21 +17,25 @@
 #![deny(rust_2018_idioms)]
 
 mod aggregate;
+mod atomic;
 mod plot;
 mod record;
 pub mod sweep;
 mod table;
 
 use std::fs;
-use std::io::Write;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
 pub use aggregate::{aggregate, hit_ratio, PolicyResult, PredictionError};
+pub use atomic::{stage, write_atomic, Staged};
 pub use gorgo_core::LatencyStats;
 pub use record::RequestRecord;
-pub use sweep::{goodput_at_slo, LatencyFloor, Slo, Sweep, SweepPoint};
+pub use sweep::{
+    goodput_at_slo, goodput_with_bound, slo_p95, Bound, Goodput, LatencyFloor, Slo, Sweep,
+    SweepPoint,
+};
 pub use table::{aligned, markdown, render_markdown, render_table};
 
 /// The one error type of `gorgo-report`.
@@ -147,71 +151,93 @@ impl Report {
     /// CDFs side by side), `region_share.svg` (stacked per policy) and, with tuning records,
     /// `tuning.jsonl` and `tuning.svg` (the trajectory) into `out_dir`
     /// (created if missing).
+    ///
+    /// Every file is rendered first and replaced atomically ([`write_atomic`]'s temporary
+    /// file and rename), `results.json` last: a plot that fails to draw or a file that
+    /// cannot be written leaves the previous `results.json`, and no file half written.
+    /// A `tuning.jsonl` or `tuning.svg` this report does not produce (a rerun without
+    /// tuning in the same directory) is removed, so it is not read as this run's.
     pub fn write(&self, out_dir: &Path) -> Result<()> {
-        fs::create_dir_all(out_dir).map_err(io(out_dir))?;
-
-        let path = out_dir.join("results.json");
         let json =
             serde_json::to_string_pretty(&self.results).map_err(|source| ReportError::Json {
                 what: "results",
                 source,
             })?;
-        fs::write(&path, json + "\n").map_err(io(&path))?;
-
-        let path = out_dir.join("table.md");
-        fs::write(&path, render_markdown(self)).map_err(io(&path))?;
-
-        let path = out_dir.join("requests.csv");
-        let file = fs::File::create(&path).map_err(io(&path))?;
-        let mut csv = csv::Writer::from_writer(std::io::BufWriter::new(file));
-        for r in &self.records {
-            csv.serialize(record::CsvRow::from(r))?;
+        let mut files: Vec<(&str, Vec<u8>)> = vec![
+            ("table.md", render_markdown(self).into_bytes()),
+            ("requests.csv", record::csv(&self.records)?),
+            ("ttft_cdf.svg", plot::ttft_cdf(self)?.into_bytes()),
+            ("region_share.svg", plot::region_share(self)?.into_bytes()),
+        ];
+        let mut stale = Vec::new();
+        match plot::tuning_trajectory(&self.tuning)? {
+            Some(svg) => files.push(("tuning.svg", svg.into_bytes())),
+            None => stale.push("tuning.svg"),
         }
-        csv.flush().map_err(io(&path))?;
-
-        let path = out_dir.join("ttft_cdf.svg");
-        fs::write(&path, plot::ttft_cdf(self)?).map_err(io(&path))?;
-        let path = out_dir.join("region_share.svg");
-        fs::write(&path, plot::region_share(self)?).map_err(io(&path))?;
-
-        if let Some(svg) = plot::tuning_trajectory(&self.tuning)? {
-            let path = out_dir.join("tuning.svg");
-            fs::write(&path, svg).map_err(io(&path))?;
-        }
-        if !self.tuning.is_empty() {
-            let path = out_dir.join("tuning.jsonl");
-            let mut out = std::io::BufWriter::new(fs::File::create(&path).map_err(io(&path))?);
+        if self.tuning.is_empty() {
+            stale.push("tuning.jsonl");
+        } else {
+            let mut lines = Vec::new();
             for line in &self.tuning {
-                out.write_all(line.as_bytes()).map_err(io(&path))?;
-                out.write_all(b"\n").map_err(io(&path))?;
+                lines.extend_from_slice(line.as_bytes());
+                lines.push(b'\n');
             }
-            out.flush().map_err(io(&path))?;
+            files.push(("tuning.jsonl", lines));
         }
-        Ok(())
+        replace_files(out_dir, files, &stale, ("results.json", json + "\n"))
     }
 }
 
 impl Sweep {
     /// Write `sweep.json`, `sweep.md`, `sweep_ttft_p95.svg`, `sweep_e2e_p95.svg` and
-    /// `sweep_cache_hit.svg` into `out_dir` (created if missing). (Here rather than in
+    /// `sweep_cache_hit.svg` into `out_dir` (created if missing), each replaced
+    /// atomically and `sweep.json` last, as [`Report::write`] does. (Here rather than in
     /// `sweep`, as [`Report::write`] is: the plots read the sweep, so the module that
     /// writes both sits above them.)
     pub fn write(&self, out_dir: &Path) -> Result<()> {
-        fs::create_dir_all(out_dir).map_err(io(out_dir))?;
-        let path = out_dir.join("sweep.json");
         let json = serde_json::to_string_pretty(self).map_err(|source| ReportError::Json {
             what: "sweep",
             source,
         })?;
-        fs::write(&path, json + "\n").map_err(io(&path))?;
-        let path = out_dir.join("sweep.md");
-        fs::write(&path, sweep::render_sweep_markdown(self)).map_err(io(&path))?;
+        let mut files: Vec<(&str, Vec<u8>)> =
+            vec![("sweep.md", sweep::render_sweep_markdown(self).into_bytes())];
         for (file, svg) in plot::sweep_plots(self)? {
-            let path = out_dir.join(file);
-            fs::write(&path, svg).map_err(io(&path))?;
+            files.push((file, svg.into_bytes()));
         }
-        Ok(())
+        replace_files(out_dir, files, &[], ("sweep.json", json + "\n"))
     }
+}
+
+/// Replace `files` in `out_dir` (created if missing), remove `stale` ones, then replace
+/// `last`, the file readers take as the run's (results.json, sweep.json). Every file is
+/// staged before any is replaced, so an error while writing changes nothing; one while
+/// renaming (a directory in the way) stops before `last`, which keeps its old content.
+fn replace_files(
+    out_dir: &Path,
+    files: Vec<(&str, Vec<u8>)>,
+    stale: &[&str],
+    last: (&str, String),
+) -> Result<()> {
+    fs::create_dir_all(out_dir).map_err(io(out_dir))?;
+    let stage = |(name, bytes): (&str, &[u8])| {
+        let path = out_dir.join(name);
+        atomic::stage(&path, bytes).map_err(io(&path))
+    };
+    let staged = files
+        .iter()
+        .map(|(name, bytes)| stage((name, bytes)))
+        .collect::<Result<Vec<_>>>()?;
+    let last = stage((last.0, last.1.as_bytes()))?;
+    for file in staged {
+        let path = file.path().to_path_buf();
+        file.commit().map_err(io(&path))?;
+    }
+    for name in stale {
+        let path = out_dir.join(name);
+        atomic::remove_stale(&path).map_err(io(&path))?;
+    }
+    let path = last.path().to_path_buf();
+    last.commit().map_err(io(&path))
 }
 
 /// The error of a failed read or write of `path`, for `map_err`.

@@ -27,6 +27,8 @@ fn plot_error(file: &'static str) -> impl Fn(Box<dyn Error>) -> ReportError {
     }
 }
 
+/// The `i`-th series colour. No two indices share one: a plot with more series than
+/// the palette (a 32-region topology's bands) must still tell them apart.
 fn color(i: usize) -> RGBColor {
     // A qualitative palette: Okabe-Ito's eight (readable in print and for colour-blind
     // readers), then four of Paul Tol's, so the dozen policies of `--policies all`
@@ -45,7 +47,24 @@ fn color(i: usize) -> RGBColor {
         RGBColor(153, 153, 51),
         RGBColor(102, 51, 153),
     ];
-    COLORS[i % COLORS.len()]
+    if let Some(c) = COLORS.get(i) {
+        return *c;
+    }
+    // Past the palette: hues stepped by the golden ratio of a turn (each new one falls
+    // in the widest gap left) at three lightnesses in turn, so neighbours differ in both.
+    let k = i - COLORS.len();
+    let hue = (k as f64 * 0.618_033_988_749_895).fract();
+    let lightness = [0.35, 0.5, 0.65][k % 3];
+    let (r, g, b) = HSLColor(hue, 0.75, lightness).rgb();
+    RGBColor(r, g, b)
+}
+
+/// Width of `text` in a sans-serif font of `px` pixels, estimated (the SVG is laid out
+/// here, not by the viewer): plotters writes a font of `px` as `font-size` px / 1.24,
+/// and 0.6 em a character is above the average of Latin text, so half of `px` a
+/// character keeps labels placed by it from overlapping.
+fn text_width(text: &str, px: u32) -> i32 {
+    (text.chars().count() as f64 * f64::from(px) * 0.5).ceil() as i32
 }
 
 /// Tick positions on a log axis from `lo` to `hi`: 1, 2 and 5 times each power of ten
@@ -104,34 +123,54 @@ fn log_bounds<'a>(values: impl Iterator<Item = &'a f64>) -> (f64, f64) {
     }
 }
 
-/// `ttft_cdf.svg`: the empirical CDFs of TTFT (left) and E2E latency (right) of
-/// completed requests, one line per policy, log x axes.
+/// `ttft_cdf.svg`: the empirical CDFs of TTFT (left) and E2E latency (right), one line
+/// per policy, log x axes. The y axis is the share of *all* the policy's requests: a
+/// failed request has no latency and never arrives, so a policy with failures tops
+/// out below 1 (its table p95 may be censored while its completed requests look fast).
 pub(crate) fn ttft_cdf(report: &Report) -> Result<String> {
     let mut svg = String::new();
     draw_latency_cdfs(report, &mut svg).map_err(plot_error("ttft_cdf.svg"))?;
     Ok(svg)
 }
 
+/// One CDF line: the policy, its completed requests' latencies (sorted, finite) and
+/// how many requests it sent in all (the denominator of the y axis).
+type CdfSeries<'a> = (&'a str, Vec<f64>, usize);
+
+/// Every policy's [`CdfSeries`] of the latency `pick` reads.
+fn cdf_series(report: &Report, pick: fn(&crate::RequestRecord) -> f64) -> Vec<CdfSeries<'_>> {
+    report
+        .results
+        .policies
+        .iter()
+        .map(|(policy, _)| {
+            let records = || report.records.iter().filter(|r| &r.policy == policy);
+            let mut v: Vec<f64> = records()
+                .filter(|r| r.ok)
+                .map(pick)
+                .filter(|v| v.is_finite())
+                .map(|v| v.max(0.1))
+                .collect();
+            v.sort_by(f64::total_cmp);
+            (policy.as_str(), v, records().count())
+        })
+        .collect()
+}
+
+/// The points of one CDF line: the k-th smallest latency at `k / total` (`total`
+/// counts failed requests, so the line ends at the completed share), at most
+/// [`MAX_POINTS`] of them, the last always kept.
+fn cdf_points(sorted: &[f64], total: usize) -> Vec<(f64, f64)> {
+    let n = sorted.len();
+    let step = n.div_ceil(MAX_POINTS).max(1);
+    (0..n)
+        .filter(|k| k % step == 0 || *k == n - 1)
+        .map(|k| (sorted[k], (k + 1) as f64 / total.max(n) as f64))
+        .collect()
+}
+
 fn draw_latency_cdfs(report: &Report, svg: &mut String) -> DrawResult {
-    let series = |pick: fn(&crate::RequestRecord) -> f64| -> Vec<(&str, Vec<f64>)> {
-        report
-            .results
-            .policies
-            .iter()
-            .map(|(policy, _)| {
-                let mut v: Vec<f64> = report
-                    .records
-                    .iter()
-                    .filter(|r| r.ok && &r.policy == policy)
-                    .map(pick)
-                    .filter(|v| v.is_finite())
-                    .map(|v| v.max(0.1))
-                    .collect();
-                v.sort_by(f64::total_cmp);
-                (policy.as_str(), v)
-            })
-            .collect()
-    };
+    let series = |pick| cdf_series(report, pick);
     let root = SVGBackend::with_string(svg, (1400, 560)).into_drawing_area();
     root.fill(&WHITE)?;
     let (left, right) = root.split_horizontally(700);
@@ -155,12 +194,12 @@ fn draw_cdf<DB: DrawingBackend>(
     area: &DrawingArea<DB, plotters::coord::Shift>,
     title: &str,
     x_desc: &str,
-    series: &[(&str, Vec<f64>)],
+    series: &[CdfSeries<'_>],
 ) -> DrawResult
 where
     DB::ErrorType: 'static,
 {
-    let (lo, hi) = log_bounds(series.iter().flat_map(|(_, v)| v.iter()));
+    let (lo, hi) = log_bounds(series.iter().flat_map(|(_, v, _)| v.iter()));
     let mut chart = ChartBuilder::on(area)
         .caption(title, ("sans-serif", 22))
         .margin(15)
@@ -173,30 +212,42 @@ where
     chart
         .configure_mesh()
         .x_desc(x_desc)
-        .y_desc("fraction of requests")
+        .y_desc("share of all requests (failed ones never arrive)")
         .x_label_formatter(&|v| fmt_ms(*v))
         .draw()?;
-    for (i, (policy, v)) in series.iter().enumerate() {
+    let empty = series.iter().all(|(_, v, _)| v.is_empty());
+    if empty {
+        // A run past `--max-rows` keeps sketches, not requests: say so, not a blank.
+        area.draw(&Text::new(
+            "no per-request latencies in this report (none completed, or the run kept \
+             no rows): see table.md",
+            (80, 250),
+            ("sans-serif", 15).into_font(),
+        ))?;
+    }
+    for (i, (policy, v, total)) in series.iter().enumerate() {
         if v.is_empty() {
             continue;
         }
-        let n = v.len();
-        let step = n.div_ceil(MAX_POINTS).max(1);
-        let points = (0..n)
-            .filter(|k| k % step == 0 || *k == n - 1)
-            .map(|k| (v[k], (k + 1) as f64 / n as f64));
+        let points = cdf_points(v, *total);
         let c = color(i);
+        if let [only] = points[..] {
+            // One request is one point, which a line does not show.
+            chart.draw_series(std::iter::once(Circle::new(only, 4, c.filled())))?;
+        }
         chart
             .draw_series(LineSeries::new(points, c.stroke_width(2)))?
             .label(*policy)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
+    if !empty {
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()?;
+    }
     Ok(())
 }
 
@@ -227,24 +278,26 @@ fn draw_region_share(report: &Report, svg: &mut String) -> DrawResult {
     let policies = &report.results.policies;
 
     let panels = policies.len().max(1);
-    let root = SVGBackend::with_string(svg, (900, 90 + 200 * panels as u32)).into_drawing_area();
+    let (places, legend_h) = flow_legend(&regions, SHARE_WIDTH);
+    let height = 54 + legend_h as u32 + 200 * panels as u32;
+    let root = SVGBackend::with_string(svg, (SHARE_WIDTH as u32, height)).into_drawing_area();
     root.fill(&WHITE)?;
     let root = root.titled(
         "Share of completed requests per serving region over time (stacked)",
         ("sans-serif", 22),
     )?;
-    // One legend for every panel, in stacking order (bottom band first).
-    let (legend, root) = root.split_vertically(36);
-    for (k, region) in regions.iter().enumerate() {
-        let x = 60 + 190 * k as i32;
+    // One legend for every panel, in stacking order (bottom band first), wrapped into
+    // as many rows as the regions need.
+    let (legend, root) = root.split_vertically(legend_h);
+    for (k, (region, &(x, y))) in regions.iter().zip(&places).enumerate() {
         legend.draw(&Rectangle::new(
-            [(x, 8), (x + 18, 24)],
+            [(x, y), (x + LEGEND_SWATCH, y + 16)],
             color(k).mix(0.85).filled(),
         ))?;
         legend.draw(&Text::new(
             region.to_string(),
-            (x + 24, 9),
-            ("sans-serif", 15).into_font(),
+            (x + LEGEND_SWATCH + 6, y + 1),
+            ("sans-serif", LEGEND_FONT).into_font(),
         ))?;
     }
     let areas = root.split_evenly((panels, 1));
@@ -309,8 +362,36 @@ fn draw_region_share(report: &Report, svg: &mut String) -> DrawResult {
     Ok(())
 }
 
-/// The three plots of a load sweep, `(file name, SVG)`: p95 TTFT, p95 E2E and cache
-/// hit ratio against offered load, one line per policy.
+/// Width of a sweep plot's chart, px (its legend column comes after).
+const SWEEP_PLOT_WIDTH: i32 = 780;
+/// Width of the region-share plot, px.
+const SHARE_WIDTH: i32 = 900;
+/// Legend label font size, px.
+const LEGEND_FONT: u32 = 15;
+/// Width of a legend's colour swatch, px.
+const LEGEND_SWATCH: i32 = 18;
+
+/// Where each entry of a legend of `labels` goes on a canvas `width` wide: left to
+/// right, a new row before an entry would pass the right margin. Returns each entry's
+/// top-left corner (its swatch; the label follows it) and the legend's height. An
+/// entry wider than a row gets a row to itself.
+fn flow_legend(labels: &[&str], width: i32) -> (Vec<(i32, i32)>, i32) {
+    const MARGIN: i32 = 20;
+    const ROW: i32 = 24;
+    let (mut x, mut y) = (MARGIN, 8);
+    let mut places = Vec::with_capacity(labels.len());
+    for label in labels {
+        let w = LEGEND_SWATCH + 6 + text_width(label, LEGEND_FONT);
+        if x > MARGIN && x + w > width - MARGIN {
+            x = MARGIN;
+            y += ROW;
+        }
+        places.push((x, y));
+        x += w + 24;
+    }
+    (places, y + ROW + 4)
+}
+
 /// One plot of a sweep: what it shows and how.
 struct SweepPlot {
     file: &'static str,
@@ -320,6 +401,8 @@ struct SweepPlot {
     log: bool,
 }
 
+/// The three plots of a load sweep, `(file name, SVG)`: p95 TTFT, p95 E2E and cache
+/// hit ratio against offered load, one line per policy.
 pub(crate) fn sweep_plots(sweep: &Sweep) -> Result<Vec<(&'static str, String)>> {
     let plots = [
         SweepPlot {
@@ -401,6 +484,9 @@ fn draw_sweep(
             gap: 4,
         });
     }
+    // +inf is censored (above every measured value, e.g. a live p95 with too many
+    // failures): on a latency plot it stays, drawn at the top edge with its own marker,
+    // as the worst points must not look like missing ones. NaN (nothing measured) goes.
     let lines: Vec<(String, Vec<(f64, f64)>)> = sweep
         .policies()
         .into_iter()
@@ -408,12 +494,19 @@ fn draw_sweep(
             let pts = sweep
                 .curve(&p)
                 .into_iter()
-                .filter_map(|(x, r)| pick(r).filter(|v| v.is_finite()).map(|v| (x, v)))
+                .filter_map(|(x, r)| {
+                    pick(r)
+                        .filter(|v| v.is_finite() || (log && *v == f64::INFINITY))
+                        .map(|v| (x, v))
+                })
                 .map(|(x, v)| (x, if log { v.max(0.1) } else { v }))
                 .collect();
             (p, pts)
         })
         .collect();
+    let any_censored = lines
+        .iter()
+        .any(|(_, pts)| pts.iter().any(|p| p.1 == f64::INFINITY));
     let xs = sweep.points.iter().map(|p| p.offered_rps);
     let (x_lo, x_hi) = xs.fold((f64::INFINITY, 0.0f64), |(a, b), x| (a.min(x), b.max(x)));
     let (x_lo, x_hi) = if x_lo.is_finite() && x_hi > x_lo {
@@ -424,12 +517,34 @@ fn draw_sweep(
     } else {
         (0.0, 1.0)
     };
-    let root = SVGBackend::with_string(svg, (1000, 560)).into_drawing_area();
+    // The legend gets its own column so it never hides a line, as wide as its longest
+    // label needs.
+    let censored_label = "censored: above the top edge";
+    let longest = refs
+        .iter()
+        .map(|r| r.label.as_str())
+        .chain(lines.iter().map(|(p, _)| p.as_str()))
+        .chain(any_censored.then_some(censored_label))
+        .map(|l| text_width(l, LEGEND_FONT))
+        .max()
+        .unwrap_or(0);
+    let legend_w = (40 + longest + 10).max(220);
+    let root = SVGBackend::with_string(svg, (SWEEP_PLOT_WIDTH as u32 + legend_w as u32, 560))
+        .into_drawing_area();
     root.fill(&WHITE)?;
-    // The legend gets its own column so it never hides a line.
-    let (plot_area, legend) = root.split_horizontally(780);
-    // Reference lines first (dashed), then one entry per policy (a line and a marker).
+    let (plot_area, legend) = root.split_horizontally(SWEEP_PLOT_WIDTH);
+    // Reference lines first (dashed), then one entry per policy (a line and a marker),
+    // then the censored marker when a point is censored.
     let rows = refs.len() + lines.len();
+    if any_censored {
+        let y = 60 + 24 * rows as i32;
+        legend.draw(&TriangleMarker::new((21, y), 6, BLACK.filled()))?;
+        legend.draw(&Text::new(
+            censored_label,
+            (40, y - 8),
+            ("sans-serif", LEGEND_FONT).into_font(),
+        ))?;
+    }
     for k in 0..rows {
         let y = 60 + 24 * k as i32;
         let (label, c) = match refs.get(k) {
@@ -451,7 +566,7 @@ fn draw_sweep(
         legend.draw(&Text::new(
             label,
             (40, y - 8),
-            ("sans-serif", 15).into_font(),
+            ("sans-serif", LEGEND_FONT).into_font(),
         ))?;
     }
     let mut builder = ChartBuilder::on(&plot_area);
@@ -466,12 +581,15 @@ fn draw_sweep(
         // A saturated policy's latencies run to hours; past CLIP_X_SLO times the SLO
         // they are drawn at the top edge so the lines near the SLO stay readable.
         let hi = slo.map_or(hi, |s| hi.min(s * CLIP_X_SLO).max(lo * 2.0));
-        let clipped: Vec<(String, Vec<(f64, f64)>)> = lines
+        // Censored points (+inf) land on the top edge too, marked as such.
+        let clipped: Vec<PlotLine> = lines
             .iter()
             .map(|(p, pts)| {
                 (
                     p.clone(),
-                    pts.iter().map(|&(x, y)| (x, y.min(hi))).collect(),
+                    pts.iter()
+                        .map(|&(x, y)| (x, y.min(hi), y == f64::INFINITY))
+                        .collect(),
                 )
             })
             .collect();
@@ -506,6 +624,10 @@ fn draw_sweep(
             .y_label_formatter(&|v| format!("{v:.0}"))
             .max_light_lines(2)
             .draw()?;
+        let lines: Vec<PlotLine> = lines
+            .into_iter()
+            .map(|(p, pts)| (p, pts.into_iter().map(|(x, y)| (x, y, false)).collect()))
+            .collect();
         draw_lines(&mut chart, &lines, &refs, (x_lo, x_hi))?;
     }
     root.present()?;
@@ -687,10 +809,14 @@ struct RefLine {
     gap: u32,
 }
 
-/// The policies' lines over horizontal dashed reference lines.
+/// One policy's line on a sweep plot: its name and `(load, value, censored)` points.
+type PlotLine = (String, Vec<(f64, f64, bool)>);
+
+/// The policies' lines over horizontal dashed reference lines: a circle on each
+/// point, an upward triangle on a censored one (the `bool`, drawn at the top edge).
 fn draw_lines<'a, DB, Y>(
     chart: &mut ChartContext<'a, DB, Cartesian2d<plotters::coord::types::RangedCoordf64, Y>>,
-    lines: &[(String, Vec<(f64, f64)>)],
+    lines: &[PlotLine],
     refs: &[RefLine],
     (x_lo, x_hi): (f64, f64),
 ) -> DrawResult
@@ -709,8 +835,20 @@ where
     }
     for (i, (_, pts)) in lines.iter().enumerate() {
         let c = color(i);
-        chart.draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?;
-        chart.draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled())))?;
+        chart.draw_series(LineSeries::new(
+            pts.iter().map(|&(x, y, _)| (x, y)),
+            c.stroke_width(2),
+        ))?;
+        chart.draw_series(
+            pts.iter()
+                .filter(|p| !p.2)
+                .map(|&(x, y, _)| Circle::new((x, y), 4, c.filled())),
+        )?;
+        chart.draw_series(
+            pts.iter()
+                .filter(|p| p.2)
+                .map(|&(x, y, _)| TriangleMarker::new((x, y), 7, c.filled())),
+        )?;
     }
     Ok(())
 }
@@ -730,5 +868,187 @@ mod tests {
         assert_eq!(fmt_ms(200.0), "200 ms");
         assert_eq!(fmt_ms(2000.0), "2 s");
         assert_eq!(fmt_ms(1500.0), "1.5 s");
+    }
+
+    fn rec(policy: &str, served: &str, start_ms: f64, ok: bool) -> crate::RequestRecord {
+        crate::RequestRecord {
+            policy: policy.into(),
+            request_id: format!("r{start_ms}"),
+            region: served.into(),
+            served_by: ok.then(|| served.into()),
+            hops: 0,
+            ttft_ms: 100.0 + start_ms,
+            e2e_ms: 1000.0 + start_ms,
+            itl_ms: None,
+            input_tokens: 100,
+            output_tokens: 10,
+            cached_tokens: None,
+            predicted_ttft_ms: None,
+            cached_anywhere_tokens: None,
+            start_ms,
+            first_byte_ms: None,
+            retries: 0,
+            ok,
+            error: None,
+        }
+    }
+
+    /// The `<name .../>` (or `<name ...>text`) tags of an SVG, as written.
+    fn tags<'a>(svg: &'a str, name: &str) -> Vec<&'a str> {
+        let open = format!("<{name} ");
+        svg.match_indices(&open)
+            .map(|(i, _)| {
+                let rest = &svg[i..];
+                let end = rest.find("</").or_else(|| rest.find("/>")).unwrap();
+                &rest[..end]
+            })
+            .collect()
+    }
+
+    /// The value of attribute `name` of a tag from [`tags`].
+    fn attr<'a>(tag: &'a str, name: &str) -> &'a str {
+        let key = format!(" {name}=\"");
+        let start = tag.find(&key).unwrap_or_else(|| panic!("{name} in {tag}")) + key.len();
+        &tag[start..start + tag[start..].find('"').unwrap()]
+    }
+
+    fn num_attr(tag: &str, name: &str) -> f64 {
+        attr(tag, name).parse().unwrap()
+    }
+
+    fn hex(c: RGBColor) -> String {
+        format!("#{:02X}{:02X}{:02X}", c.0, c.1, c.2)
+    }
+
+    /// Past four regions the old legend ran off the canvas and stacked entries at its
+    /// edge, and past twelve the bands reused colours: every region's entry is now on
+    /// the canvas in a place of its own, with a colour of its own.
+    #[test]
+    fn region_legend_fits_and_its_colours_differ() {
+        for n in [8usize, 32] {
+            let regions: Vec<String> = (0..n).map(|i| format!("region-{i:02}")).collect();
+            let records = regions
+                .iter()
+                .enumerate()
+                .map(|(i, r)| rec("gorgo", r, i as f64 * 100.0, true))
+                .collect();
+            let report = Report::from_records(&(), records).unwrap();
+            let svg = region_share(&report).unwrap();
+            let labels: Vec<(i32, i32, &str)> = tags(&svg, "text")
+                .into_iter()
+                .filter_map(|t| {
+                    let text = t[t.find('>')? + 1..].trim();
+                    text.starts_with("region-")
+                        .then(|| (num_attr(t, "x") as i32, num_attr(t, "y") as i32, text))
+                })
+                .collect();
+            assert_eq!(labels.len(), n, "{n} regions");
+            let mut places: Vec<(i32, i32)> = labels.iter().map(|l| (l.0, l.1)).collect();
+            places.sort_unstable();
+            places.dedup();
+            assert_eq!(places.len(), n, "{n} regions: entries overlap");
+            for (x, _, text) in &labels {
+                assert!(
+                    x + text_width(text, LEGEND_FONT) <= SHARE_WIDTH,
+                    "{n} regions: {text} at {x} runs past the canvas"
+                );
+            }
+            // The swatches: one per region, no two alike.
+            let mut fills: Vec<&str> = tags(&svg, "rect")
+                .into_iter()
+                .filter(|t| attr(t, "width") == LEGEND_SWATCH.to_string())
+                .map(|t| attr(t, "fill"))
+                .collect();
+            assert_eq!(fills.len(), n, "{n} regions");
+            fills.sort_unstable();
+            fills.dedup();
+            assert_eq!(fills.len(), n, "{n} regions: colours repeat");
+        }
+        let mut colors: Vec<String> = (0..64).map(|i| hex(color(i))).collect();
+        colors.sort_unstable();
+        colors.dedup();
+        assert_eq!(colors.len(), 64);
+    }
+
+    /// A censored live p95 (+inf) is drawn on the top edge with a triangle, not dropped
+    /// as if it were missing: least-load gets a circle at its first load and a
+    /// triangle, above it, at its second.
+    #[test]
+    fn censored_points_sit_on_the_top_edge_with_their_own_marker() {
+        use crate::sweep::{Slo, SweepPoint};
+        let result = |p95: f64| {
+            let mut r = crate::PolicyResult::from_records(std::iter::empty());
+            r.ttft_ms = crate::LatencyStats {
+                p50: 100.0,
+                p95,
+                p99: p95,
+                mean: 100.0,
+            };
+            r
+        };
+        let point = |load: f64, ll: f64| SweepPoint {
+            time_scale: 1.0 / load,
+            offered_rps: load,
+            policies: vec![
+                ("gorgo".into(), result(500.0 * load)),
+                ("least-load".into(), result(ll)),
+            ],
+        };
+        let sweep = Sweep::new(
+            serde_json::json!({}),
+            1.0,
+            Slo {
+                ttft_p95_ms: 2000.0,
+                e2e_p95_ms: None,
+            },
+            vec![point(1.0, 600.0), point(2.0, f64::INFINITY)],
+        );
+        let plots = sweep_plots(&sweep).unwrap();
+        let svg = &plots
+            .iter()
+            .find(|p| p.0 == "sweep_ttft_p95.svg")
+            .unwrap()
+            .1;
+        let fill = hex(color(1));
+        let circles: Vec<f64> = tags(svg, "circle")
+            .into_iter()
+            .filter(|t| attr(t, "fill") == fill && num_attr(t, "cx") < SWEEP_PLOT_WIDTH as f64)
+            .map(|t| num_attr(t, "cy"))
+            .collect();
+        let triangles: Vec<f64> = tags(svg, "polygon")
+            .into_iter()
+            .filter(|t| attr(t, "fill") == fill)
+            .map(|t| {
+                attr(t, "points")
+                    .split(' ')
+                    .filter_map(|p| p.split_once(',')?.1.parse::<f64>().ok())
+                    .fold(f64::INFINITY, f64::min)
+            })
+            .collect();
+        assert_eq!(circles.len(), 1, "{svg}");
+        assert_eq!(triangles.len(), 1, "{svg}");
+        assert!(triangles[0] < circles[0], "{triangles:?} {circles:?}");
+        assert!(svg.contains("censored: above the top edge"));
+    }
+
+    /// The CDF's y is the share of every request sent: with half the requests failed
+    /// the line ends at 0.5, not 1.
+    #[test]
+    fn the_cdf_is_a_share_of_every_request() {
+        let records = (0..10)
+            .map(|i| rec("gorgo", "us", i as f64 * 10.0, i % 2 == 0))
+            .collect();
+        let report = Report::from_records(&(), records).unwrap();
+        let series = cdf_series(&report, |r| r.ttft_ms);
+        let (_, v, total) = &series[0];
+        assert_eq!((v.len(), *total), (5, 10));
+        let points = cdf_points(v, *total);
+        assert_eq!(points.last().unwrap().1, 0.5);
+        assert_eq!(points[0].1, 0.1);
+        // A report without rows says so on the plot.
+        let empty = Report::from_records(&(), Vec::new()).unwrap();
+        assert!(ttft_cdf(&empty)
+            .unwrap()
+            .contains("no per-request latencies"));
     }
 }

@@ -74,6 +74,45 @@ impl RequestRecord {
     }
 }
 
+/// `requests.csv`'s bytes: the header, then one row per record. The header is there
+/// even without records (a simulation that kept no rows, `--max-rows`), so a reader
+/// finds the columns rather than an empty file.
+pub(crate) fn csv(records: &[RequestRecord]) -> Result<Vec<u8>, csv::Error> {
+    let mut out = csv::Writer::from_writer(Vec::new());
+    for r in records {
+        out.serialize(CsvRow::from(r))?;
+    }
+    if records.is_empty() {
+        // serde writes the header with the first row: write one for a blank record and
+        // keep its header line, so the columns stay those of `CsvRow`.
+        let blank = RequestRecord {
+            policy: String::new(),
+            request_id: String::new(),
+            region: String::new(),
+            served_by: None,
+            hops: 0,
+            ttft_ms: 0.0,
+            e2e_ms: 0.0,
+            itl_ms: None,
+            input_tokens: 0,
+            output_tokens: 0,
+            cached_tokens: None,
+            predicted_ttft_ms: None,
+            cached_anywhere_tokens: None,
+            start_ms: 0.0,
+            first_byte_ms: None,
+            retries: 0,
+            ok: false,
+            error: None,
+        };
+        out.serialize(CsvRow::from(&blank))?;
+        let bytes = out.into_inner().map_err(|e| e.into_error())?;
+        let header = bytes.iter().position(|&b| b == b'\n').map_or(0, |i| i + 1);
+        return Ok(bytes[..header].to_vec());
+    }
+    Ok(out.into_inner().map_err(|e| e.into_error())?)
+}
+
 /// A `requests.csv` row: the record with ITL filled in where it can be derived.
 #[derive(Serialize)]
 pub(crate) struct CsvRow<'a> {

@@ -2,8 +2,9 @@
 
 use crate::Report;
 
-/// `v / per` with `decimals` places; `-` for a value nothing measured (NaN).
-fn num(v: f64, per: f64, decimals: usize) -> String {
+/// `v / per` with `decimals` places; `-` for a value nothing measured (NaN). The one
+/// missing-value format of the report's tables (`table.md`, `sweep.md`).
+pub(crate) fn num(v: f64, per: f64, decimals: usize) -> String {
     if v.is_nan() {
         "-".into()
     } else {

@@ -244,3 +244,85 @@ fn no_tuning_records_no_tuning_file() {
     report.write(dir.path()).unwrap();
     assert!(!dir.path().join("tuning.jsonl").exists());
 }
+
+/// Two decided trials of a tuning run, as `tuning.jsonl` has them (enough to draw
+/// `tuning.svg`).
+fn trials() -> Vec<serde_json::Value> {
+    (1..=2)
+        .map(|epoch| {
+            serde_json::json!({
+                "policy": "gorgo", "epoch": epoch,
+                "candidate": {"w_rtt": 1.2, "w_queue": 0.8},
+                "incumbent": {"w_rtt": 1.0, "w_queue": 1.0},
+                "score_p95_ttft_ms": 900.0, "incumbent_p95_ttft_ms": 1000.0,
+                "accepted": epoch == 1,
+            })
+        })
+        .collect()
+}
+
+/// A rerun without tuning into the directory of a tuned run: the old run's
+/// `tuning.jsonl` and `tuning.svg` would sit beside the new `results.json` as if they
+/// were its own.
+#[test]
+fn a_rerun_without_tuning_removes_the_old_tuning_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let tuned = Report::from_records(&(), records())
+        .unwrap()
+        .with_tuning(&trials())
+        .unwrap();
+    tuned.write(dir.path()).unwrap();
+    assert!(dir.path().join("tuning.jsonl").exists());
+    assert!(dir.path().join("tuning.svg").exists());
+    Report::from_records(&(), records())
+        .unwrap()
+        .write(dir.path())
+        .unwrap();
+    assert!(!dir.path().join("tuning.jsonl").exists());
+    assert!(!dir.path().join("tuning.svg").exists());
+}
+
+/// A file that cannot be replaced (a directory in its place) fails the write, and the
+/// previous `results.json` stays whole and unchanged; no temporary file is left.
+#[test]
+fn a_failed_write_keeps_the_previous_results() {
+    let dir = tempfile::tempdir().unwrap();
+    Report::from_records(&serde_json::json!({"run": 1}), records())
+        .unwrap()
+        .write(dir.path())
+        .unwrap();
+    let before = std::fs::read(dir.path().join("results.json")).unwrap();
+    std::fs::remove_file(dir.path().join("ttft_cdf.svg")).unwrap();
+    std::fs::create_dir(dir.path().join("ttft_cdf.svg")).unwrap();
+    let second = Report::from_records(&serde_json::json!({"run": 2}), records()).unwrap();
+    assert!(second.write(dir.path()).is_err());
+    assert_eq!(
+        std::fs::read(dir.path().join("results.json")).unwrap(),
+        before
+    );
+    let temporaries: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp"))
+        .collect();
+    assert!(temporaries.is_empty(), "{temporaries:?}");
+}
+
+/// A run that kept no rows still writes `requests.csv` with its header, so a reader
+/// finds the columns rather than an empty file.
+#[test]
+fn an_empty_report_writes_the_csv_header() {
+    let dir = tempfile::tempdir().unwrap();
+    Report::from_records(&(), Vec::new())
+        .unwrap()
+        .write(dir.path())
+        .unwrap();
+    let csv = std::fs::read_to_string(dir.path().join("requests.csv")).unwrap();
+    assert!(csv.starts_with("policy,request_id,"), "{csv:?}");
+    assert_eq!(csv.lines().count(), 1);
+    // The same header as a report with rows.
+    let full = Report::from_records(&(), records()).unwrap();
+    full.write(dir.path()).unwrap();
+    let with_rows = std::fs::read_to_string(dir.path().join("requests.csv")).unwrap();
+    assert_eq!(with_rows.lines().next(), csv.lines().next());
+}

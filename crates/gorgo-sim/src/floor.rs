@@ -21,6 +21,12 @@
 //! for a burst's sorted TTFTs rather than for each request. Either way each percentile
 //! over the run is at least the floor's (`floor_is_below_every_request_of_every_policy`
 //! checks both).
+//!
+//! A request no engine of the topology admits (over every context length or KV
+//! capacity, [`Profile::refusal`]) fails in every policy, and the policies' percentiles
+//! count completed requests only: the floor's aggregates leave it out too, or a trace
+//! with refused prompts would put the floor above every policy. It caches nothing
+//! either, as no engine ever computes it.
 
 use gorgo_core::sketch::summarize;
 use gorgo_engine::Profile;
@@ -47,6 +53,11 @@ pub struct RequestFloor {
     pub prompt_tokens: u64,
     /// Prompt tokens an unbounded shared cache would hold.
     pub cached_tokens: u64,
+    /// False when no engine of the topology admits the request ([`Profile::refusal`]):
+    /// every policy fails it, so [`summarize_floors`] leaves it out, as the policies'
+    /// percentiles do. Its floor is then priced on the fastest engine regardless, for
+    /// the record.
+    pub servable: bool,
 }
 
 /// Every request's floor, in trace order. Reads the trace as the simulator does
@@ -84,23 +95,17 @@ where
         // A fully cached prompt still computes its last token, as the engine does.
         let cached = chain.prefix_tokens(matched).min(prompt_tokens - 1);
         let output = u64::from(row.output_tokens.max(1));
+        // Only the engines that admit it can serve it; none: it fails everywhere.
+        let admits = |p: &&Profile| p.refusal(prompt_tokens, output).is_none();
+        let servable = cfg.profiles.iter().any(|p| admits(&p));
         let (ttft_ms, e2e_ms) = cfg
             .profiles
             .iter()
+            .filter(|p| !servable || admits(p))
             .map(|p| request_floor(p, prompt_tokens, cached, output))
             .fold((f64::INFINITY, f64::INFINITY), |(t, e), (pt, pe)| {
                 (t.min(pt), e.min(pe))
             });
-        burst.members.push(Member {
-            at: out.len(),
-            blocks: chain.hashes[matched..]
-                .iter()
-                .copied()
-                .zip(chain.block_tokens[matched..].iter().map(|&t| u64::from(t)))
-                .collect(),
-            // Tokens past the chain are computed but never cached: its own.
-            tail_tokens: prompt_tokens.saturating_sub(chain.total_tokens()),
-        });
         out.push(RequestFloor {
             index: index as u64,
             arrival_ms: at,
@@ -108,6 +113,21 @@ where
             e2e_ms,
             prompt_tokens,
             cached_tokens: cached,
+            servable,
+        });
+        if !servable {
+            // Refused everywhere: it takes no prefill capacity and caches nothing.
+            continue;
+        }
+        burst.members.push(Member {
+            at: out.len() - 1,
+            blocks: chain.hashes[matched..]
+                .iter()
+                .copied()
+                .zip(chain.block_tokens[matched..].iter().map(|&t| u64::from(t)))
+                .collect(),
+            // Tokens past the chain are computed but never cached: its own.
+            tail_tokens: prompt_tokens.saturating_sub(chain.total_tokens()),
         });
     }
     burst.close(&capacity, &mut out, &mut seen);
@@ -230,15 +250,17 @@ fn request_floor(profile: &Profile, prompt: u64, cached: u64, output: u64) -> (f
     (ttft, ttft + decode)
 }
 
-/// The floor's aggregates over `floors`: what `gorgo sim` writes to `sim.json` and
-/// `gorgo sweep` beside every load.
+/// The floor's aggregates over the servable requests of `floors` (the ones the
+/// policies' percentiles and cache hit ratios can count): what `gorgo sim` writes to
+/// `sim.json` and `gorgo sweep` beside every load.
 pub fn summarize_floors(floors: &[RequestFloor]) -> LatencyFloor {
-    let mut ttft: Vec<f64> = floors.iter().map(|f| f.ttft_ms).collect();
-    let mut e2e: Vec<f64> = floors.iter().map(|f| f.e2e_ms).collect();
-    let prompt: u64 = floors.iter().map(|f| f.prompt_tokens).sum();
-    let cached: u64 = floors.iter().map(|f| f.cached_tokens).sum();
+    let servable: Vec<&RequestFloor> = floors.iter().filter(|f| f.servable).collect();
+    let mut ttft: Vec<f64> = servable.iter().map(|f| f.ttft_ms).collect();
+    let mut e2e: Vec<f64> = servable.iter().map(|f| f.e2e_ms).collect();
+    let prompt: u64 = servable.iter().map(|f| f.prompt_tokens).sum();
+    let cached: u64 = servable.iter().map(|f| f.cached_tokens).sum();
     LatencyFloor {
-        requests: floors.len() as u64,
+        requests: servable.len() as u64,
         ttft_ms: summarize(&mut ttft),
         e2e_ms: summarize(&mut e2e),
         cache_hit_ratio: (prompt > 0).then(|| cached as f64 / prompt as f64),
@@ -267,5 +289,47 @@ mod tests {
         assert_eq!(ttft, p.idle_ttft_ms(600));
         let decode = p.decode_step_ms(1, 1001) + p.decode_step_ms(1, 1002);
         assert!((e2e - ttft - decode).abs() < 1e-9, "{e2e} {ttft} {decode}");
+    }
+
+    fn row(timestamp_ms: u64, input_tokens: u64, blocks: Vec<u64>) -> TraceRequest {
+        TraceRequest {
+            timestamp_ms,
+            input_tokens,
+            output_tokens: 1,
+            blocks: gorgo_workload::BlockIds::Int(blocks),
+            tokens_per_block: 512,
+            user: None,
+            session: None,
+            home_region: None,
+            request_id: None,
+            system_prompt_hash: None,
+        }
+    }
+
+    /// A prompt over every engine's context length fails in every policy, and the
+    /// policies' p95 counts completed requests only: the floor leaves it out too, or
+    /// its ~19 s prefill becomes a "floor" every policy beats. Its prompt tokens stay
+    /// out of the cache bound's denominator for the same reason.
+    #[test]
+    fn requests_no_engine_admits_are_left_out() {
+        let p = Profile::by_name("paper-a100-mistral7b").unwrap();
+        let cfg = SimConfig::new(crate::Network::uniform(2, 40.0, 3.0), p.clone());
+        let trace = [
+            row(0, 1024, vec![1, 2]),
+            row(1000, 200_000, vec![]),
+            // The first prompt again: all cached but its last token.
+            row(2000, 1024, vec![1, 2]),
+        ];
+        let floors = request_floors(&cfg, trace.iter().cloned().map(Ok)).unwrap();
+        assert_eq!(floors.len(), 3, "floor.csv keeps every row");
+        let servable: Vec<bool> = floors.iter().map(|f| f.servable).collect();
+        assert_eq!(servable, [true, false, true]);
+        let floor = latency_floor(&cfg, trace.iter().cloned().map(Ok)).unwrap();
+        assert_eq!(floor.requests, 2);
+        // Nearest-rank p95 of two: the slower, the uncached first prompt.
+        let alone = request_floor(&p, 1024, 0, 1).0;
+        assert_eq!(floor.ttft_ms.p95, alone);
+        assert_eq!(floor.e2e_ms.p95, alone);
+        assert_eq!(floor.cache_hit_ratio, Some(1023.0 / 2048.0));
     }
 }
