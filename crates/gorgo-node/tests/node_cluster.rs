@@ -516,3 +516,45 @@ async fn a_forward_never_goes_back_to_a_node_it_has_left() {
     drop(ex.to_node);
     ex.served.await.unwrap();
 }
+
+/// A forward that fails falls back to the local engine only while that engine takes
+/// new requests: drained while the forward was out (as an operator drains it), it
+/// gets nothing, and the request is decided again without it (here nothing is left:
+/// 503). It used to reach the drained engine through the fallback the decision fixed.
+#[tokio::test]
+async fn a_failed_forward_does_not_fall_back_to_an_engine_drained_meanwhile() {
+    let c = mesh_cluster(&["a", "b"], &[("a", "b", 150.0)], |_| {
+        NO_TIMEOUTS.to_owned()
+    })
+    .await;
+    let p = c.prefix_at_b(HANG).await;
+    let node_a = c.nodes[0].base.clone();
+    let body = chat_body(&p, false);
+    let pending = tokio::spawn(async move {
+        let resp = client()
+            .post(format!("{node_a}/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        resp.status().as_u16()
+    });
+    wait_for_requests(&c.engines[1], 2).await;
+    let before = c.engines[0].requests();
+    let drained = client()
+        .post(format!("{}/admin/engines/0/drain", c.nodes[0].admin))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(drained.status(), 200);
+    c.mesh.kill("b");
+    let status = or_hang("the forward to dead b", pending).await.unwrap();
+    assert_eq!(status, 503);
+    assert_eq!(
+        c.engines[0].requests(),
+        before,
+        "the drained engine got the request"
+    );
+    c.engines[1].release.notify_waiters();
+}
