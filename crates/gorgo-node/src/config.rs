@@ -1291,7 +1291,7 @@ impl NodeConfig {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     pub(crate) const MINIMAL: &str = r#"

@@ -516,28 +516,38 @@ impl NodeState {
             .set(self.tuning.is_leader() as i64);
     }
 
-    /// Update the gauges that are read at scrape time.
+    /// Update the gauges that are read at scrape time. The per-engine and per-peer
+    /// families are cleared and refilled, so a removed engine's series and a
+    /// forgotten peer's go with them; what they are refilled with is read first, and
+    /// the rebuild runs under [`metrics::NodeMetrics::refilling`], so a scrape
+    /// encoding at the same moment sees the families whole.
     pub fn refresh_gauges(&self) {
         let peers = self.peers.peers();
+        let engines = self.engines();
+        let replicas: Vec<(metrics::ReplicaLabels, bool, u64)> = engines
+            .iter()
+            .map(|e| {
+                let label = metrics::ReplicaLabels {
+                    replica: e.replica.to_string(),
+                };
+                (label, e.takes_requests(), e.adapter.inflight())
+            })
+            .collect();
+        let refilling = self.metrics.refilling();
         self.metrics
             .peers_alive
             .set(peers.iter().filter(|p| p.alive).count() as i64);
-        let engines = self.engines();
-        // A removed engine's series go with it.
         self.metrics.replica_serving.clear();
         self.metrics.replica_inflight.clear();
-        for e in engines.iter() {
-            let label = metrics::ReplicaLabels {
-                replica: e.replica.to_string(),
-            };
+        for (label, serving, inflight) in &replicas {
             self.metrics
                 .replica_serving
-                .get_or_create(&label)
-                .set(e.takes_requests() as i64);
+                .get_or_create(label)
+                .set(*serving as i64);
             self.metrics
                 .replica_inflight
-                .get_or_create(&label)
-                .set(metrics::gauge_value(e.adapter.inflight()));
+                .get_or_create(label)
+                .set(metrics::gauge_value(*inflight));
         }
         self.metrics
             .engine_healthy
@@ -605,6 +615,9 @@ impl NodeState {
                 })
                 .set(metrics::gauge_value(count));
         }
+        // A peer the cluster has forgotten (down for a while) goes with its series.
+        self.metrics.prefixes_age.clear();
+        self.metrics.stats_age.clear();
         for p in peers {
             let label = metrics::PeerLabels {
                 peer: p.id.0.clone(),
@@ -622,6 +635,7 @@ impl NodeState {
                     .set(age_ms as f64 / 1000.0);
             }
         }
+        drop(refilling);
     }
 }
 
@@ -879,4 +893,118 @@ pub async fn start(
         state,
         tasks,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A cluster view the test scripts: its peers and its gossip totals.
+    #[derive(Debug, Default)]
+    struct ScriptedPeers {
+        peers: Mutex<Vec<PeerView>>,
+        gossip: Mutex<peers::GossipCounters>,
+    }
+
+    impl PeerSource for ScriptedPeers {
+        fn peers(&self) -> Vec<PeerView> {
+            self.peers.lock().clone()
+        }
+        fn matched_tokens(&self, _: &NodeId, _: u16, _: &gorgo_core::HashChain) -> u64 {
+            0
+        }
+        fn open_forward(
+            &self,
+            peer: &NodeId,
+        ) -> futures::future::BoxFuture<
+            'static,
+            Result<(peers::ForwardSend, peers::ForwardRecv), NodeError>,
+        > {
+            let peer = peer.clone();
+            Box::pin(async move { Err(NodeError::Cluster(format!("no stream to {peer}"))) })
+        }
+        fn peer_gone(&self, _: &NodeId) -> futures::future::BoxFuture<'static, ()> {
+            Box::pin(std::future::pending())
+        }
+        fn publish_stats(&self, _: QueueStats) {}
+        fn gossip_counters(&self) -> peers::GossipCounters {
+            *self.gossip.lock()
+        }
+    }
+
+    /// A live peer whose stats are 1.5 s old and prefix summary 2.5 s.
+    fn peer(id: &str) -> PeerView {
+        PeerView {
+            id: NodeId::from(id),
+            region: Some(id.to_owned()),
+            alive: true,
+            rtt_ms: 1.0,
+            stats: None,
+            engines: Vec::new(),
+            stats_age_ms: Some(1500),
+            summary_version: 1,
+            summary_entries: 0,
+            summary_age_ms: Some(2500),
+        }
+    }
+
+    /// A node (not started) over `peers`.
+    fn node(peers: Arc<ScriptedPeers>) -> Arc<NodeState> {
+        let config = NodeConfig::from_toml_str(config::tests::MINIMAL).unwrap();
+        NodeState::new(config, peers).unwrap()
+    }
+
+    /// A peer the cluster forgot (down past `forget_down`) leaves the per-peer age
+    /// gauges: its series used to stay at its last value, looking fresh, and the label
+    /// set grew with every peer ever seen.
+    #[test]
+    fn a_forgotten_peer_leaves_the_age_gauges() {
+        let peers = Arc::new(ScriptedPeers::default());
+        *peers.peers.lock() = vec![peer("b"), peer("c")];
+        let state = node(peers.clone());
+        state.refresh_gauges();
+        let text = state.metrics.encode();
+        assert!(
+            text.contains(r#"gorgo_peer_stats_age_seconds{peer="b"} 1.5"#),
+            "{text}"
+        );
+        *peers.peers.lock() = vec![peer("c")];
+        state.refresh_gauges();
+        let text = state.metrics.encode();
+        assert!(!text.contains(r#"peer="b""#), "{text}");
+        assert!(
+            text.contains(r#"gorgo_peer_prefixes_age_seconds{peer="c"} 2.5"#),
+            "{text}"
+        );
+    }
+
+    /// A scrape encoding while another refreshes the gauges sees the families that
+    /// are cleared and refilled whole (it used to be able to encode between the clear
+    /// and the refill and miss their series). A race: each round may catch it, none
+    /// can fail when the rebuild and the encoding exclude each other.
+    #[test]
+    fn a_scrape_during_a_refresh_sees_every_series() {
+        let peers = Arc::new(ScriptedPeers::default());
+        *peers.peers.lock() = vec![peer("b")];
+        let state = node(peers);
+        state.refresh_gauges();
+        std::thread::scope(|s| {
+            let refresher = s.spawn(|| {
+                for _ in 0..2000 {
+                    state.refresh_gauges();
+                }
+            });
+            while !refresher.is_finished() {
+                let text = state.metrics.encode();
+                for series in [
+                    r#"gorgo_engine_replica_serving{replica="0"}"#,
+                    r#"gorgo_engine_replica_inflight_requests{replica="0"}"#,
+                    r#"gorgo_peer_stats_age_seconds{peer="b"}"#,
+                    r#"gorgo_peer_prefixes_age_seconds{peer="b"}"#,
+                ] {
+                    assert!(text.contains(series), "{series} missing:\n{text}");
+                }
+            }
+        });
+    }
 }

@@ -107,6 +107,11 @@ pub struct VerdictLabels {
 #[derive(Debug)]
 pub struct NodeMetrics {
     registry: Registry,
+    /// Held while the families rebuilt at each scrape are cleared and refilled
+    /// ([`crate::NodeState::refresh_gauges`]) and while the registry is encoded: a
+    /// second scrape at the same moment (an HA pair of Prometheus servers) would
+    /// otherwise encode between the clear and the refill, and miss those series.
+    refill: parking_lot::Mutex<()>,
     /// Requests by outcome, routing policy and serving region.
     pub requests: Family<RequestLabels, Counter>,
     /// Time to first content byte at the client, seconds.
@@ -560,6 +565,7 @@ impl NodeMetrics {
         let kv_events = KvEventMetrics::default();
         kv_events.register(&mut registry);
         NodeMetrics {
+            refill: parking_lot::Mutex::new(()),
             cache_estimate_error,
             kv_events,
             bytes_per_token,
@@ -642,8 +648,16 @@ impl NodeMetrics {
         }
     }
 
+    /// Hold off [`encode`](Self::encode) while the families that are cleared and
+    /// refilled at each scrape are rebuilt (release it once they are whole again).
+    pub fn refilling(&self) -> parking_lot::MutexGuard<'_, ()> {
+        self.refill.lock()
+    }
+
     /// Render the OpenMetrics text format (what Prometheus asks for).
     pub fn encode(&self) -> String {
+        // Never between a clear and its refill.
+        let _whole = self.refill.lock();
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
