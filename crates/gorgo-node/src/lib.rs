@@ -523,6 +523,7 @@ impl NodeState {
     /// encoding at the same moment sees the families whole.
     pub fn refresh_gauges(&self) {
         let peers = self.peers.peers();
+        let gossip = self.peers.gossip_counters();
         let engines = self.engines();
         let replicas: Vec<(metrics::ReplicaLabels, bool, u64)> = engines
             .iter()
@@ -559,62 +560,7 @@ impl NodeState {
                 .max()
                 .unwrap_or(0),
         );
-        let g = self.peers.gossip_counters();
-        let m = &self.metrics;
-        for (gauge, count) in [
-            (&m.gossip_bytes_sent, g.bytes_sent),
-            (&m.gossip_bytes_received, g.bytes_received),
-            (&m.cluster_identity_conflicts, g.identity_conflicts),
-            (&m.cluster_own_id_claimed, g.own_id_claimed),
-            (
-                &m.cluster_spurious_turn_undead_dropped,
-                g.spurious_turn_undead_dropped,
-            ),
-        ] {
-            gauge.set(metrics::gauge_value(count));
-        }
-        let r = g.refused;
-        for (what, count) in [
-            ("malformed", r.malformed),
-            ("spoofed", r.spoofed),
-            ("handshake", r.handshake),
-            ("other_protocol", r.other_protocol),
-            ("foreign_certificate", r.foreign_certificate),
-            ("expired_certificate", r.expired_certificate),
-            ("unbound_stream", r.unbound_stream),
-            ("excess_connection", r.excess_connection),
-        ] {
-            m.cluster_refused
-                .get_or_create(&metrics::RefusedLabels {
-                    what: what.to_owned(),
-                })
-                .set(metrics::gauge_value(count));
-        }
-        let t = g.traffic;
-        for (traffic, (sent, received)) in
-            [("swim", t.swim), ("summary", t.summary), ("app", t.app)]
-        {
-            for (direction, count) in [("sent", sent), ("received", received)] {
-                m.cluster_bytes
-                    .get_or_create(&metrics::TrafficLabels {
-                        traffic: traffic.to_owned(),
-                        direction: direction.to_owned(),
-                    })
-                    .set(metrics::gauge_value(count));
-            }
-        }
-        let s = g.messages_sent;
-        for (kind, count) in [
-            ("delta", s.deltas),
-            ("snapshot", s.snapshots),
-            ("snapshot_request", s.snapshot_requests),
-        ] {
-            m.gossip_messages_sent
-                .get_or_create(&metrics::GossipSentLabels {
-                    kind: kind.to_owned(),
-                })
-                .set(metrics::gauge_value(count));
-        }
+        self.metrics.observe_gossip(&gossip);
         // A peer the cluster has forgotten (down for a while) goes with its series.
         self.metrics.prefixes_age.clear();
         self.metrics.stats_age.clear();
@@ -974,6 +920,59 @@ mod tests {
         assert!(!text.contains(r#"peer="b""#), "{text}");
         assert!(
             text.contains(r#"gorgo_peer_prefixes_age_seconds{peer="c"} 2.5"#),
+            "{text}"
+        );
+    }
+
+    /// The cluster's running totals are exported as counters (`_total`, the unit
+    /// before it), each following its total: scraped twice with nothing new, a
+    /// counter does not count the total again. They were gauges without `_total`.
+    #[test]
+    fn cluster_totals_are_counters_that_follow_their_totals() {
+        let peers = Arc::new(ScriptedPeers::default());
+        let state = node(peers.clone());
+        let set = |n: u64| {
+            let mut g = peers.gossip.lock();
+            g.bytes_sent = 10 * n;
+            g.bytes_received = 20 * n;
+            g.identity_conflicts = n;
+            g.own_id_claimed = n;
+            g.spurious_turn_undead_dropped = n;
+            g.refused.spoofed = n;
+            g.traffic.swim = (n, 2 * n);
+            g.messages_sent.deltas = n;
+        };
+        for n in [1, 3, 3] {
+            set(n);
+            state.refresh_gauges();
+        }
+        let text = state.metrics.encode_prometheus_text();
+        for (family, series, value) in [
+            ("gorgo_gossip_sent_bytes_total", "", 30),
+            ("gorgo_gossip_received_bytes_total", "", 60),
+            ("gorgo_cluster_identity_conflicts_total", "", 3),
+            ("gorgo_cluster_own_id_claimed_total", "", 3),
+            ("gorgo_cluster_spurious_turn_undead_dropped_total", "", 3),
+            ("gorgo_cluster_refused_total", r#"{what="spoofed"}"#, 3),
+            ("gorgo_cluster_refused_total", r#"{what="malformed"}"#, 0),
+            (
+                "gorgo_cluster_bytes_total",
+                r#"{traffic="swim",direction="received"}"#,
+                6,
+            ),
+            ("gorgo_gossip_messages_sent_total", r#"{kind="delta"}"#, 3),
+        ] {
+            assert!(
+                text.contains(&format!("# TYPE {family} counter\n")),
+                "{family}: {text}"
+            );
+            assert!(
+                text.contains(&format!("\n{family}{series} {value}\n")),
+                "{family}{series}: {text}"
+            );
+        }
+        assert!(
+            text.contains("# TYPE gorgo_request_body_reading_bytes gauge\n"),
             "{text}"
         );
     }

@@ -373,7 +373,7 @@ async fn admin_api_requires_the_token_and_reports_decisions() {
         "unbound_stream",
         "excess_connection",
     ] {
-        let line = format!("gorgo_cluster_refused{{what=\"{what}\"}} 0");
+        let line = format!("gorgo_cluster_refused_total{{what=\"{what}\"}} 0");
         assert!(metrics.contains(&line), "{line} in {metrics}");
     }
     let resp = c
