@@ -186,8 +186,13 @@ pub struct Upstream {
     pub status: u16,
     /// Headers to pass on.
     pub headers: Vec<(String, String)>,
-    /// The region that served.
+    /// The region that served, as it said (a peer's forward head): the
+    /// `x-gorgo-served-by` header, and the head of a forward served here.
     pub served_by: String,
+    /// The region the request metric's `served_by` label names: this node's, or for a
+    /// forward one membership knows ([`crate::forward::forward`]). Never a string only
+    /// the wire vouches for: a peer could make a new series per response.
+    pub served_by_label: String,
     /// Hops taken.
     pub hops: u8,
     /// The bytes.

@@ -620,6 +620,7 @@ pub async fn serve_local(
         status,
         headers,
         served_by: state.config.node.region.clone(),
+        served_by_label: state.config.node.region.clone(),
         hops: req.hops,
         body,
         chosen_terms: None,

@@ -558,3 +558,101 @@ async fn a_failed_forward_does_not_fall_back_to_an_engine_drained_meanwhile() {
     );
     c.engines[1].release.notify_waiters();
 }
+
+/// The mesh as a node sees it, except that each forward's response head comes back
+/// claiming a new region served it (as a buggy or hostile member's could, or any
+/// node's on a multi-hop path).
+struct ClaimingPeers {
+    inner: std::sync::Arc<gorgo_node::mesh::MeshPeers>,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl gorgo_node::PeerSource for ClaimingPeers {
+    fn peers(&self) -> Vec<gorgo_node::PeerView> {
+        self.inner.peers()
+    }
+    fn matched_tokens(
+        &self,
+        peer: &gorgo_core::NodeId,
+        replica: u16,
+        chain: &gorgo_core::HashChain,
+    ) -> u64 {
+        self.inner.matched_tokens(peer, replica, chain)
+    }
+    fn open_forward(
+        &self,
+        peer: &gorgo_core::NodeId,
+    ) -> futures::future::BoxFuture<
+        'static,
+        Result<
+            (
+                gorgo_node::peers::ForwardSend,
+                gorgo_node::peers::ForwardRecv,
+            ),
+            gorgo_node::NodeError,
+        >,
+    > {
+        use gorgo_core::wire::ForwardResponseHead;
+        let opened = self.inner.open_forward(peer);
+        let n = self.next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Box::pin(async move {
+            let (send, mut recv) = opened.await?;
+            let (mut to_node, relayed) = tokio::io::duplex(1 << 16);
+            tokio::spawn(async move {
+                let Ok(mut head) =
+                    gorgo_node::forward::read_frame::<_, ForwardResponseHead>(&mut recv, 1 << 20)
+                        .await
+                else {
+                    return;
+                };
+                head.served_by = gorgo_core::NodeId(format!("r{n}"));
+                if gorgo_node::forward::write_frame(&mut to_node, &head)
+                    .await
+                    .is_ok()
+                {
+                    let _ = tokio::io::copy(&mut recv, &mut to_node).await;
+                }
+            });
+            Ok((send, Box::pin(relayed) as gorgo_node::peers::ForwardRecv))
+        })
+    }
+    fn peer_gone(&self, peer: &gorgo_core::NodeId) -> futures::future::BoxFuture<'static, ()> {
+        self.inner.peer_gone(peer)
+    }
+    fn publish_stats(&self, stats: gorgo_core::QueueStats) {
+        self.inner.publish_stats(stats)
+    }
+}
+
+/// What a peer's head says served a forward goes to the client's header, but the
+/// `served_by` label of `gorgo_requests_total` names only a region membership knows:
+/// a peer claiming a new region per response used to make a new series for each.
+#[tokio::test]
+async fn the_served_by_label_names_only_regions_membership_knows() {
+    let mesh = gorgo_node::mesh::Mesh::new();
+    mesh.set_rtt("a", "b", 150.0);
+    let (engine_a, engine_b) = (StubEngine::start("a").await, StubEngine::start("b").await);
+    let b = start_node(config("b", &engine_b.url(), ""), Some(&mesh)).await;
+    let peers = std::sync::Arc::new(ClaimingPeers {
+        inner: mesh.peer_source("a"),
+        next: std::sync::atomic::AtomicU64::new(0),
+    });
+    let a = start_node_seeing(config("a", &engine_a.url(), ""), &mesh, peers).await;
+    // b holds the prompt and a is saturated: a forwards it to b.
+    let p = b_prompt();
+    assert_eq!(chat(&b, &p).await, (200, "b".into(), 0));
+    engine_a
+        .waiting
+        .store(50, std::sync::atomic::Ordering::SeqCst);
+    a.state().engine(0).unwrap().adapter.scrape().await;
+    for i in 0..20 {
+        assert_eq!(chat(&a, &p).await, (200, format!("r{i}"), 1));
+    }
+    let text = metrics_text(&a).await;
+    let labels: std::collections::BTreeSet<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("gorgo_requests_total{"))
+        .filter_map(|l| l.split("served_by=\"").nth(1)?.split('"').next())
+        .collect();
+    assert_eq!(labels, ["b"].into(), "{text}");
+}

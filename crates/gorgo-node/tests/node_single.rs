@@ -738,6 +738,7 @@ async fn a_forward_whose_origin_stops_reading_ends() {
                 status: 200,
                 headers: Vec::new(),
                 served_by: "a".into(),
+                served_by_label: "a".into(),
                 hops: 1,
                 body: Box::pin(body),
                 chosen_terms: None,
