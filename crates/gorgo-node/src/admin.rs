@@ -254,7 +254,18 @@ async fn add_engine(
     };
     match state.add_engine(engine) {
         Ok(e) => (StatusCode::CREATED, Json(e.view(state.now_ms()))).into_response(),
-        Err(e) => error_response(StatusCode::BAD_REQUEST, &e.to_string()),
+        Err(e) => refused_change(e),
+    }
+}
+
+/// The answer to an engine change the node refused: 409 for a conflict with its state
+/// now, else 400 naming the request's field; the message without the `config:` the
+/// node's own log lines put before a config error.
+fn refused_change(e: crate::NodeError) -> Response {
+    match e {
+        crate::NodeError::Conflict(m) => error_response(StatusCode::CONFLICT, &m),
+        crate::NodeError::Config(m) => error_response(StatusCode::BAD_REQUEST, &m),
+        other => error_response(StatusCode::BAD_REQUEST, &other.to_string()),
     }
 }
 
@@ -276,7 +287,7 @@ async fn remove_engine(
         )
             .into_response(),
         Ok(false) => error_response(StatusCode::NOT_FOUND, "no such engine"),
-        Err(e) => error_response(StatusCode::CONFLICT, &e.to_string()),
+        Err(e) => refused_change(e),
     }
 }
 

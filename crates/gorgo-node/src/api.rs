@@ -42,6 +42,7 @@ pub fn error_json_detailed(
         404 => ("invalid_request_error", "not_found"),
         405 => ("invalid_request_error", "method_not_allowed"),
         408 => ("invalid_request_error", "request_timeout"),
+        409 => ("invalid_request_error", "conflict"),
         413 => ("invalid_request_error", "request_too_large"),
         429 => ("rate_limit_error", "rate_limit_exceeded"),
         431 => ("invalid_request_error", "request_header_too_large"),

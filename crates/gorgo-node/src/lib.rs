@@ -273,7 +273,7 @@ impl NodeState {
         list.push(engine.clone());
         check.engine = None;
         check.engines = list;
-        check.validate()?;
+        check.validate_added_engine()?;
         if *next >= gorgo_core::types::MAX_REPLICAS {
             return Err(NodeError::Config(format!(
                 "invalid `engines`: {} engines were added in this run, the limit is {}",
@@ -291,7 +291,11 @@ impl NodeState {
         )?);
         {
             let mut engines = self.engines.write();
-            if engines.iter().any(|e| e.config.url == engine.url) {
+            let url = config::normalize_engine_url(&engine.url);
+            if engines
+                .iter()
+                .any(|e| config::normalize_engine_url(&e.config.url) == url)
+            {
                 return Err(NodeError::Config(format!(
                     "invalid `url`: the node already fronts {}",
                     engine.url
@@ -322,8 +326,8 @@ impl NodeState {
         };
         let staying = engines.iter().filter(|o| !o.is_removing()).count();
         if !e.is_removing() && staying <= 1 {
-            return Err(NodeError::Config(
-                "invalid `engines`: the node's last engine cannot be removed".into(),
+            return Err(NodeError::Conflict(
+                "the node's last engine cannot be removed".into(),
             ));
         }
         e.start_removing();
@@ -344,18 +348,21 @@ impl NodeState {
         wanted: &[config::EngineSection],
     ) -> Result<(Vec<u16>, Vec<u16>), NodeError> {
         let current = self.engines();
+        // By engine, however its URL is spelled here or there.
+        let same =
+            |a: &str, b: &str| config::normalize_engine_url(a) == config::normalize_engine_url(b);
         let mut added = Vec::new();
         for w in wanted {
             if !current
                 .iter()
-                .any(|e| e.config.url == w.url && !e.is_removing())
+                .any(|e| same(&e.config.url, &w.url) && !e.is_removing())
             {
                 added.push(self.add_engine(w.clone())?.replica);
             }
         }
         let mut removed = Vec::new();
         for e in current.iter().filter(|e| !e.is_removing()) {
-            match wanted.iter().find(|w| w.url == e.config.url) {
+            match wanted.iter().find(|w| same(&w.url, &e.config.url)) {
                 None => {}
                 Some(w) if *w != e.config => {
                     tracing::warn!(replica = e.replica, url = %e.config.url, "reload: this engine's settings changed; restart the node to apply them");
