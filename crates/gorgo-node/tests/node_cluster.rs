@@ -91,6 +91,15 @@ async fn saturated_node_forwards_to_the_peer_holding_the_prefix() {
     let d = admin_json(&c.nodes[1], "/admin/decisions?limit=1").await;
     assert_eq!(d[0]["reason"], "max-hops");
     assert_eq!(d[0]["candidates"].as_array().unwrap().len(), 3, "{d}");
+    // What serving it there cost is shown (b's one engine, priced as a choice among
+    // its engines would be; the peers it could not go to are not priced).
+    let local = d[0]["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["is_local"] == true)
+        .unwrap();
+    assert!(local["terms"]["total_ms"].as_f64().is_some(), "{d}");
 
     // Streaming through the forward stays SSE, chunk by chunk.
     let resp = client()
