@@ -41,6 +41,11 @@ pub fn router(state: Arc<NodeState>) -> axum::Router {
             "/admin/engines/{replica}/{action}",
             axum::routing::post(engine_action),
         )
+        // Inside the token check: a caller without the token is answered at once.
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            read_body_in_time,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             require_token,
@@ -82,6 +87,40 @@ async fn require_token(State(state): State<Arc<NodeState>>, req: Request, next: 
             StatusCode::UNAUTHORIZED,
             "missing or wrong admin bearer token",
         )
+    }
+}
+
+/// Read an admin call's body whole within `limits.body_timeout_ms` (408 after, as on
+/// the client port) and at most [`MAX_ADMIN_BODY`] bytes of it (413), before the
+/// handler sees it: a body sent slowly would otherwise hold an admin connection, busy
+/// and so never evicted, for as long as its sender liked.
+async fn read_body_in_time(
+    State(state): State<Arc<NodeState>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    use http_body_util::BodyExt;
+    let limits = &state.config.limits;
+    let (parts, body) = req.into_parts();
+    let read = http_body_util::Limited::new(body, MAX_ADMIN_BODY).collect();
+    let wait = std::time::Duration::from_millis(limits.body_timeout_ms);
+    match tokio::time::timeout(wait, read).await {
+        Ok(Ok(collected)) => {
+            let body = axum::body::Body::from(collected.to_bytes());
+            next.run(Request::from_parts(parts, body)).await
+        }
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => error_response(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            &format!("request body over {MAX_ADMIN_BODY} bytes"),
+        ),
+        Ok(Err(e)) => error_response(StatusCode::BAD_REQUEST, &format!("cannot read body: {e}")),
+        Err(_) => error_response(
+            StatusCode::REQUEST_TIMEOUT,
+            &format!(
+                "request body not received within {} ms",
+                limits.body_timeout_ms
+            ),
+        ),
     }
 }
 

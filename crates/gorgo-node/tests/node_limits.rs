@@ -181,6 +181,67 @@ async fn idle_and_silent_connections_are_closed() {
     node.shutdown.cancel();
 }
 
+/// An HTTP/2 (h2c) client that sends the preface and half a request head (a HEADERS
+/// frame without END_HEADERS, and no CONTINUATION) is closed after
+/// `header_timeout_ms`, as an HTTP/1 client with half a head is: hyper's header
+/// timeout is HTTP/1's alone, and only the idle check (an hour here) closed it.
+#[tokio::test]
+async fn a_half_sent_http2_head_is_closed_at_the_header_timeout() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(
+        config(
+            "a",
+            &engine.url(),
+            "[limits]\nheader_timeout_ms = 200\nidle_timeout_ms = 3600000\n",
+        ),
+        None,
+    )
+    .await;
+    let mut s = connect_from("127.0.0.2", http_addr(&node)).await;
+    s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .await
+        .unwrap();
+    // SETTINGS, empty: length 0, type 4, no flags, stream 0.
+    s.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await.unwrap();
+    // HEADERS on stream 1 with one byte of header block (`:method: GET`), flags
+    // END_STREAM only: the head goes on in a CONTINUATION that never comes.
+    s.write_all(&[0, 0, 1, 1, 0x1, 0, 0, 0, 1, 0x82])
+        .await
+        .unwrap();
+    read_to_close(&mut s, Duration::from_secs(20)).await;
+    let metrics = metrics_text(&node).await;
+    assert!(
+        metrics.contains(
+            "gorgo_connections_refused_total{port=\"client\",reason=\"header_timeout\"} 1"
+        ),
+        "{metrics}"
+    );
+    node.shutdown.cancel();
+}
+
+/// A token holder's body that never arrives on the admin port gets a 408 after
+/// `body_timeout_ms`, as on the client port: it had no deadline, and held an admin
+/// connection (busy, so never evicted) for as long as the sender liked.
+#[tokio::test]
+async fn an_admin_body_that_never_arrives_gets_408() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(
+        config("a", &engine.url(), "[limits]\nbody_timeout_ms = 200\n"),
+        None,
+    )
+    .await;
+    let mut s = connect_from("127.0.0.2", node.handle.admin_addr).await;
+    let head = format!(
+        "PUT /admin/weights HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {TOKEN}\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{{"
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    let out = read_to_close(&mut s, Duration::from_secs(10)).await;
+    let text = String::from_utf8_lossy(&out);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("\"request_timeout\""), "{text}");
+    node.shutdown.cancel();
+}
+
 #[tokio::test]
 async fn one_address_cannot_take_every_connection() {
     let engine = StubEngine::start("e").await;
