@@ -675,7 +675,11 @@ async fn serve_connection(
                 closing = true;
                 conn.as_mut().graceful_shutdown();
             }
-            _ = check.as_mut(), if !closing => {
+            // On while the connection closes too (a drain, an eviction racing a new
+            // request): a graceful close waits for the responses in flight, and a
+            // client that stopped reading one would hold it, and its slot, until
+            // the drain's deadline.
+            _ = check.as_mut() => {
                 match activity.idle_for() {
                     // Nothing in flight: close outright (a graceful close would wait
                     // for a half-sent head).

@@ -494,6 +494,46 @@ async fn a_draining_node_finishes_what_it_has_and_sends_new_work_to_peers() {
     b.shutdown.cancel();
 }
 
+/// A client that stops reading a response relayed from a peer is still cut at
+/// `write_timeout_ms` once the node drains and its connections are closing: the write
+/// watchdog used to stop at the close, so the request kept its ingress slot and the
+/// drain waited out its deadline and ended unclean (here a's own engine is out of
+/// rotation, so the drain's first phase, local work, passes at once).
+#[tokio::test]
+async fn a_drain_still_cuts_a_client_that_stopped_reading() {
+    let mesh = Mesh::new();
+    mesh.set_rtt("a", "b", 5.0);
+    let ea = StubEngine::start("a").await;
+    let eb = StubEngine::start("b").await;
+    eb.set_mode(FLOOD);
+    let a = start_node(
+        config("a", &ea.url(), "[limits]\nwrite_timeout_ms = 2000\n"),
+        Some(&mesh),
+    )
+    .await;
+    let b = start_node(config("b", &eb.url(), ""), Some(&mesh)).await;
+    until("a has b's stats", || has_peer_stats(&a)).await;
+    a.state().engine(0).unwrap().start_draining();
+    let mut s = small_window_connection(&a).await;
+    send_streamed_chat(&mut s).await;
+    let flowing = eb.active.clone();
+    until("b's engine streams to a", || {
+        flowing.load(std::sync::atomic::Ordering::SeqCst) == 1
+    })
+    .await;
+    assert_eq!(a.state().engine_inflight(), 0, "nothing at a's own engine");
+    let left = gorgo_node::drain(a.state(), Duration::from_secs(20)).await;
+    assert_eq!(
+        left, 0,
+        "the stalled client held its slot to the drain's end"
+    );
+    let metrics = metrics_text(&a).await;
+    assert!(metrics.contains(r#"reason="write_timeout""#), "{metrics}");
+    drop(s);
+    a.shutdown.cancel();
+    b.shutdown.cancel();
+}
+
 #[tokio::test]
 async fn an_engine_failing_mid_stream_opens_its_breaker() {
     let engine = StubEngine::start("e").await;
