@@ -73,12 +73,19 @@ fn token_matches(given: &[u8], expected: &[u8]) -> bool {
         == 0
 }
 
+/// The token of an `Authorization: Bearer <token>` value: the scheme's name matched
+/// without regard to case, as HTTP's auth schemes are (RFC 9110), the token as given.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then_some(token)
+}
+
 async fn require_token(State(state): State<Arc<NodeState>>, req: Request, next: Next) -> Response {
     let given = req
         .headers()
         .get(http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(bearer_token)
         .unwrap_or("");
     if token_matches(given.as_bytes(), state.config.admin.token.as_bytes()) {
         next.run(req).await

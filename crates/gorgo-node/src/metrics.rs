@@ -17,7 +17,8 @@ use std::sync::atomic::AtomicU64;
 /// Labels of request counts.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
-    /// `ok`, `bad_request`, `too_large`, `engine_failed`, `unavailable`, `timeout`,
+    /// `ok`, `engine_error` (the engine answered with an error status), `bad_request`,
+    /// `too_large`, `engine_failed`, `unavailable`, `timeout`, `model_not_found`,
     /// `stream_error`, `cancelled`, `internal_error`.
     pub outcome: String,
     /// The routing policy that placed it (`gorgo`, `round-robin`, ...; empty when the
@@ -32,14 +33,15 @@ pub struct RequestLabels {
 pub struct ForwardLabels {
     /// The peer.
     pub peer: String,
-    /// `ok`, `fallback` (failed before the first byte), `failed`.
+    /// `ok`, `fallback` (failed before the first byte), `refused` (the peer would have
+    /// served it later than this node: served here).
     pub result: String,
 }
 
 /// Labels of cost terms.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TermLabels {
-    /// `rtt`, `prefill`, `queue`, `total`.
+    /// `rtt`, `prefill`, `queue`, `stall`, `total`.
     pub term: String,
 }
 

@@ -312,6 +312,21 @@ async fn admin_api_requires_the_token_and_reports_decisions() {
             .await
             .unwrap();
         assert_eq!(resp.status(), 200, "{path}");
+        // The scheme's name is case-insensitive (RFC 9110); the token is not.
+        for (header, status) in [
+            (format!("bearer {TOKEN}"), 200),
+            (format!("BEARER {TOKEN}"), 200),
+            (format!("Bearer {}", TOKEN.to_uppercase()), 401),
+            (format!("Basic {TOKEN}"), 401),
+        ] {
+            let resp = c
+                .get(format!("{}{path}", node.admin))
+                .header("authorization", &header)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), status, "{path} with {header}");
+        }
     }
     c.post(format!("{}/v1/chat/completions", node.base))
         .json(&chat_body("x", false))
