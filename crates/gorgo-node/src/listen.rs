@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -262,7 +262,7 @@ fn claim(
     s.next_id += 1;
     let activity = Arc::new(Activity {
         active: AtomicUsize::new(0),
-        headed: std::sync::atomic::AtomicBool::new(false),
+        headed: AtomicBool::new(false),
         last_ms: AtomicU64::new(epoch.elapsed().as_millis() as u64),
         outgoing: Mutex::new(Vec::new()),
         epoch,
@@ -296,7 +296,7 @@ fn claim(
 struct Activity {
     active: AtomicUsize,
     /// Set once a request head has arrived whole (the service was called).
-    headed: std::sync::atomic::AtomicBool,
+    headed: AtomicBool,
     last_ms: AtomicU64,
     /// The responses on their way out (one at a time on HTTP/1, up to the stream cap
     /// on HTTP/2), each with its own wait for the client: one HTTP/2 stream whose

@@ -628,7 +628,7 @@ impl NodeMetrics {
     /// (a counter holds the last total mirrored, nothing else moves it). Called under
     /// [`refilling`](Self::refilling), so two scrapes at once do not both add the
     /// same growth.
-    pub fn observe_gossip(&self, g: &crate::peers::GossipCounters) {
+    pub(crate) fn observe_gossip(&self, g: &crate::peers::GossipCounters) {
         let mirror = |c: &Counter, total: u64| c.inc_by(total.saturating_sub(c.get()));
         mirror(&self.gossip_sent_bytes, g.bytes_sent);
         mirror(&self.gossip_received_bytes, g.bytes_received);
