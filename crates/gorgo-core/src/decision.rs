@@ -293,29 +293,38 @@ pub fn decide(
                 None,
             ));
         };
-        // Several local engines: the policy picks among them alone.
+        // Several local engines: the policy picks among them alone. The local engines
+        // are priced among themselves either way (one engine too: nothing to choose,
+        // but the record shows what serving here costs); the peers, which the request
+        // cannot go to, are not.
         let locals: Vec<usize> = (0..candidates.len())
             .filter(|&i| candidates[i].is_local && candidates[i].healthy)
             .collect();
-        if locals.len() == 1 {
-            return Ok(decision(first, DecisionReason::MaxHops, None));
-        }
         let subset: Vec<Candidate> = locals.iter().map(|&i| candidates[i].clone()).collect();
-        let choice = policy.choose(req, &subset, weights, rng_u64);
-        let index = choice
-            .index
-            .and_then(|i| locals.get(i).copied())
-            .unwrap_or(first);
+        let (index, terms) = if locals.len() == 1 {
+            (first, policy.terms(req, &subset, weights))
+        } else {
+            let choice = policy.choose(req, &subset, weights, rng_u64);
+            let index = choice
+                .index
+                .and_then(|i| locals.get(i).copied())
+                .unwrap_or(first);
+            (index, choice.terms)
+        };
         let mut d = decision(index, DecisionReason::MaxHops, None);
-        if let Some(terms) = choice.terms {
-            for (&i, t) in locals.iter().zip(terms) {
-                d.candidates[i].terms = Some(t);
-            }
+        for (&i, t) in locals.iter().zip(terms.into_iter().flatten()) {
+            d.candidates[i].terms = Some(t);
         }
         return Ok(d);
     }
     if !candidates.iter().any(|c| c.healthy) {
-        return Err(no_candidate(NoCandidateReason::NoneHealthy, None));
+        // Priced all the same (under the policies that price): what each would have
+        // cost shows why none was missed.
+        let terms = policy.terms(req, candidates, weights);
+        return Err(no_candidate(
+            NoCandidateReason::NoneHealthy,
+            terms.as_deref(),
+        ));
     }
     let choice = policy.choose(req, candidates, weights, rng_u64);
     let terms = choice.terms.as_deref();

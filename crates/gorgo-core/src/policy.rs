@@ -69,10 +69,13 @@ pub trait Policy: Send {
         rng_u64: u64,
     ) -> Choice;
 
-    /// Every candidate's cost terms for `req`, when the policy prices in
-    /// milliseconds (`None` otherwise), without deciding anything: a check that only
-    /// prices (a forward's target weighing a refusal, [`crate::decision::refuse_forward`])
-    /// must not count as a decision where the policy keeps state of its decisions
+    /// Every candidate's cost terms for `req`, when the policy prices candidates
+    /// (`gorgo` and `gorgo-ttft` in milliseconds, `gorgo-paper` its mixed-unit score's
+    /// parts; `None` for the others), without deciding anything: what a decision
+    /// record shows where the policy made no choice (one engine at max hops, nothing
+    /// healthy). A check that only prices (a forward's target weighing a refusal,
+    /// [`crate::decision::refuse_forward`]) must not count as a decision where the
+    /// policy keeps state of its decisions
     /// ([`SessionHomes`]: a forward counted there and again by the target's own choice
     /// among its engines weighed twice).
     fn terms(
@@ -470,19 +473,15 @@ impl Policy for Gorgo {
 #[derive(Debug, Clone, Default)]
 pub struct GorgoPaper;
 
-impl Policy for GorgoPaper {
-    fn kind(&self) -> PolicyKind {
-        PolicyKind::GorgoPaper
-    }
-
-    fn choose(
-        &mut self,
+impl GorgoPaper {
+    /// Each candidate's score, its parts as terms.
+    fn scored(
+        &self,
         req: &RouteRequest<'_>,
         candidates: &[Candidate],
         weights: Weights,
-        rng_u64: u64,
-    ) -> Choice {
-        let terms: Vec<CostTerms> = candidates
+    ) -> Vec<CostTerms> {
+        candidates
             .iter()
             .map(|c| {
                 let cached_tokens = matched(req, c);
@@ -521,7 +520,32 @@ impl Policy for GorgoPaper {
                     )),
                 }
             })
-            .collect();
+            .collect()
+    }
+}
+
+impl Policy for GorgoPaper {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::GorgoPaper
+    }
+
+    fn terms(
+        &self,
+        req: &RouteRequest<'_>,
+        candidates: &[Candidate],
+        weights: Weights,
+    ) -> Option<Vec<CostTerms>> {
+        Some(self.scored(req, candidates, weights))
+    }
+
+    fn choose(
+        &mut self,
+        req: &RouteRequest<'_>,
+        candidates: &[Candidate],
+        weights: Weights,
+        rng_u64: u64,
+    ) -> Choice {
+        let terms = self.scored(req, candidates, weights);
         let index = pick_min(candidates, rng_u64, |i, _| [terms[i].total_ms]);
         Choice {
             index,

@@ -822,6 +822,58 @@ fn at_max_hops_the_policy_picks_among_the_local_engines_only() {
     );
 }
 
+/// At max hops a node with one engine has nothing to choose, but its decision still
+/// prices that engine, as one with several prices them among themselves: every
+/// forward a peer serves used to be logged without terms (and an operator could not
+/// see what serving it here cost). The peers, which it cannot go to, stay unpriced.
+#[test]
+fn at_max_hops_a_single_local_engine_is_priced() {
+    let chain = chain_of(2000);
+    let req = no_session(&chain);
+    let mut cands = two_engines_each();
+    cands[1].healthy = false;
+    let w = Weights::default();
+    for kind in [
+        PolicyKind::Gorgo,
+        PolicyKind::GorgoTtft,
+        PolicyKind::GorgoPaper,
+    ] {
+        let mut p = build(kind);
+        let d = decide(&req, 1, 1, &cands, p.as_mut(), w, 1).unwrap();
+        assert_eq!((d.reason, d.target_index), (DecisionReason::MaxHops, 0));
+        let terms = d.candidates[0].terms.expect("the local engine is priced");
+        assert!(
+            terms.total_ms.is_finite() && terms.total_ms > 0.0,
+            "{kind}: {terms:?}"
+        );
+        assert_eq!(d.local_cost_ms(), Some(terms.total_ms));
+        assert!(
+            d.candidates[1..].iter().all(|c| c.terms.is_none()),
+            "{kind}"
+        );
+    }
+    // A policy that does not price candidates has no terms to show.
+    let mut p = build(PolicyKind::RoundRobin);
+    let d = decide(&req, 1, 1, &cands, p.as_mut(), w, 1).unwrap();
+    assert!(d.candidates.iter().all(|c| c.terms.is_none()));
+}
+
+/// A decision with no healthy candidate still shows what each would have cost, under
+/// the policies that price them.
+#[test]
+fn none_healthy_decisions_keep_their_terms() {
+    let chain = chain_of(2000);
+    let req = no_session(&chain);
+    let mut cands = two_engines_each();
+    for c in &mut cands {
+        c.healthy = false;
+    }
+    let mut p = build(PolicyKind::Gorgo);
+    let err = decide(&req, 0, 1, &cands, p.as_mut(), Weights::default(), 1).unwrap_err();
+    assert_eq!(err.reason, NoCandidateReason::NoneHealthy);
+    assert!(err.candidates.iter().all(|c| c.terms.is_some()), "{err:?}");
+}
+
 #[test]
 fn a_forward_is_refused_only_when_every_local_engine_costs_more() {
     let w = Weights::default();

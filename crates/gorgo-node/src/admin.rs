@@ -41,6 +41,11 @@ pub fn router(state: Arc<NodeState>) -> axum::Router {
             "/admin/engines/{replica}/{action}",
             axum::routing::post(engine_action),
         )
+        // Inside the token check: a caller without the token is answered at once.
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            read_body_in_time,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             require_token,
@@ -68,12 +73,19 @@ fn token_matches(given: &[u8], expected: &[u8]) -> bool {
         == 0
 }
 
+/// The token of an `Authorization: Bearer <token>` value: the scheme's name matched
+/// without regard to case, as HTTP's auth schemes are (RFC 9110), the token as given.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then_some(token)
+}
+
 async fn require_token(State(state): State<Arc<NodeState>>, req: Request, next: Next) -> Response {
     let given = req
         .headers()
         .get(http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(bearer_token)
         .unwrap_or("");
     if token_matches(given.as_bytes(), state.config.admin.token.as_bytes()) {
         next.run(req).await
@@ -82,6 +94,40 @@ async fn require_token(State(state): State<Arc<NodeState>>, req: Request, next: 
             StatusCode::UNAUTHORIZED,
             "missing or wrong admin bearer token",
         )
+    }
+}
+
+/// Read an admin call's body whole within `limits.body_timeout_ms` (408 after, as on
+/// the client port) and at most [`MAX_ADMIN_BODY`] bytes of it (413), before the
+/// handler sees it: a body sent slowly would otherwise hold an admin connection, busy
+/// and so never evicted, for as long as its sender liked.
+async fn read_body_in_time(
+    State(state): State<Arc<NodeState>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    use http_body_util::BodyExt;
+    let limits = &state.config.limits;
+    let (parts, body) = req.into_parts();
+    let read = http_body_util::Limited::new(body, MAX_ADMIN_BODY).collect();
+    let wait = std::time::Duration::from_millis(limits.body_timeout_ms);
+    match tokio::time::timeout(wait, read).await {
+        Ok(Ok(collected)) => {
+            let body = axum::body::Body::from(collected.to_bytes());
+            next.run(Request::from_parts(parts, body)).await
+        }
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => error_response(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            &format!("request body over {MAX_ADMIN_BODY} bytes"),
+        ),
+        Ok(Err(e)) => error_response(StatusCode::BAD_REQUEST, &format!("cannot read body: {e}")),
+        Err(_) => error_response(
+            StatusCode::REQUEST_TIMEOUT,
+            &format!(
+                "request body not received within {} ms",
+                limits.body_timeout_ms
+            ),
+        ),
     }
 }
 
@@ -254,7 +300,18 @@ async fn add_engine(
     };
     match state.add_engine(engine) {
         Ok(e) => (StatusCode::CREATED, Json(e.view(state.now_ms()))).into_response(),
-        Err(e) => error_response(StatusCode::BAD_REQUEST, &e.to_string()),
+        Err(e) => refused_change(e),
+    }
+}
+
+/// The answer to an engine change the node refused: 409 for a conflict with its state
+/// now, else 400 naming the request's field; the message without the `config:` the
+/// node's own log lines put before a config error.
+fn refused_change(e: crate::NodeError) -> Response {
+    match e {
+        crate::NodeError::Conflict(m) => error_response(StatusCode::CONFLICT, &m),
+        crate::NodeError::Config(m) => error_response(StatusCode::BAD_REQUEST, &m),
+        other => error_response(StatusCode::BAD_REQUEST, &other.to_string()),
     }
 }
 
@@ -276,7 +333,7 @@ async fn remove_engine(
         )
             .into_response(),
         Ok(false) => error_response(StatusCode::NOT_FOUND, "no such engine"),
-        Err(e) => error_response(StatusCode::CONFLICT, &e.to_string()),
+        Err(e) => refused_change(e),
     }
 }
 

@@ -42,6 +42,7 @@ pub fn error_json_detailed(
         404 => ("invalid_request_error", "not_found"),
         405 => ("invalid_request_error", "method_not_allowed"),
         408 => ("invalid_request_error", "request_timeout"),
+        409 => ("invalid_request_error", "conflict"),
         413 => ("invalid_request_error", "request_too_large"),
         429 => ("rate_limit_error", "rate_limit_exceeded"),
         431 => ("invalid_request_error", "request_header_too_large"),
@@ -205,8 +206,13 @@ pub struct Upstream {
     pub status: u16,
     /// Headers to pass on.
     pub headers: Vec<(String, String)>,
-    /// The region that served.
+    /// The region that served, as it said (a peer's forward head): the
+    /// `x-gorgo-served-by` header, and the head of a forward served here.
     pub served_by: String,
+    /// The region the request metric's `served_by` label names: this node's, or for a
+    /// forward one membership knows ([`crate::forward::forward`]). Never a string only
+    /// the wire vouches for: a peer could make a new series per response.
+    pub served_by_label: String,
     /// Hops taken.
     pub hops: u8,
     /// The bytes.

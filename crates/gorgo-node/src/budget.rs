@@ -22,7 +22,7 @@ pub struct BodyBudget {
     /// 4 KiB units, 1-byte bodies held 4,096 times their bytes, and one client's h2c
     /// streams took a GiB budget for about 256 KB sent).
     bytes: Arc<Semaphore>,
-    /// Bytes held by bodies being read, as `gorgo_request_body_bytes_reading`.
+    /// Bytes held by bodies being read, as `gorgo_request_body_reading_bytes`.
     held: Gauge,
 }
 

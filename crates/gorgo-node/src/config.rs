@@ -115,6 +115,53 @@ pub struct ListenSection {
 /// core, beside the parser that reads them).
 pub use gorgo_core::EngineKind;
 
+/// How validation names an engine's fields in its errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum EngineFieldNames {
+    /// As the config file has them: `engine.url`, `engines[2].url`.
+    File,
+    /// The last engine is one `POST /admin/engines` adds: its fields bare, as the
+    /// request's body names them (`url`); the others as in the file.
+    LastAdded,
+}
+
+/// An engine URL in the one form every spelling of the same engine shares: scheme and
+/// host in lower case, the scheme's default port left out, no trailing `/`. Duplicate
+/// engines are found on it (config validation, `POST /admin/engines`, a reload) and the
+/// engine adapter sends to it: one engine added twice would be two candidates with two
+/// gossip streams, each counting half of its requests. A URL that does not parse comes
+/// back only trimmed (validation refuses it).
+pub fn normalize_engine_url(url: &str) -> String {
+    let trimmed = url.trim_end_matches('/');
+    let Ok(uri) = trimmed.parse::<http::Uri>() else {
+        return trimmed.to_owned();
+    };
+    let (Some(scheme), Some(authority)) = (uri.scheme_str(), uri.authority()) else {
+        return trimmed.to_owned();
+    };
+    let scheme = scheme.to_ascii_lowercase();
+    // User info (credentials the engine's client sends) stays as written.
+    let userinfo = authority
+        .as_str()
+        .rsplit_once('@')
+        .map_or(String::new(), |(u, _)| format!("{u}@"));
+    let host = authority.host().to_ascii_lowercase();
+    let default_port = match scheme.as_str() {
+        "http" => Some(80),
+        "https" => Some(443),
+        _ => None,
+    };
+    let port = authority
+        .port_u16()
+        .filter(|&p| Some(p) != default_port)
+        .map_or(String::new(), |p| format!(":{p}"));
+    let path = uri
+        .path_and_query()
+        .map_or("", |p| p.as_str())
+        .trim_end_matches('/');
+    format!("{scheme}://{userinfo}{host}{port}{path}")
+}
+
 /// `[engine]`: the local inference engine.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -939,11 +986,20 @@ impl NodeConfig {
     /// Range checks serde cannot express, once: the checked config or an error naming
     /// the field.
     pub fn validate(self) -> Result<ValidatedConfig, NodeError> {
-        self.check()?;
+        self.check(EngineFieldNames::File)?;
         Ok(ValidatedConfig(self))
     }
 
-    fn check(&self) -> Result<(), NodeError> {
+    /// [`validate`](Self::validate) for the config of a node with an engine added at
+    /// run time (`POST /admin/engines`) as its last `[[engines]]` entry: errors about
+    /// that engine name its field as the request's body does (`url`, not
+    /// `engines[3].url` of a list the caller never wrote).
+    pub fn validate_added_engine(self) -> Result<ValidatedConfig, NodeError> {
+        self.check(EngineFieldNames::LastAdded)?;
+        Ok(ValidatedConfig(self))
+    }
+
+    fn check(&self, names: EngineFieldNames) -> Result<(), NodeError> {
         let bad = |field: &str, reason: &str| {
             Err(NodeError::Config(format!("invalid `{field}`: {reason}")))
         };
@@ -968,7 +1024,7 @@ impl NodeConfig {
         if self.node.region.trim().is_empty() {
             return bad("node.region", "must not be empty");
         }
-        self.check_engines()?;
+        self.check_engines(names)?;
         if self.cluster.gossip_interval_ms == 0 {
             return bad("cluster.gossip_interval_ms", "must be > 0");
         }
@@ -1140,9 +1196,10 @@ impl NodeConfig {
         &self.engines()[0]
     }
 
-    /// The engine checks, for each engine, errors naming it as the file does
-    /// (`engine.url`, or `engines[2].url`).
-    fn check_engines(&self) -> Result<(), NodeError> {
+    /// The engine checks, for each engine, errors naming it as `names` says: as the
+    /// file does (`engine.url`, or `engines[2].url`), or the engine being added by its
+    /// bare field (`url`).
+    fn check_engines(&self, names: EngineFieldNames) -> Result<(), NodeError> {
         let bad = |field: &str, reason: &str| {
             Err(NodeError::Config(format!("invalid `{field}`: {reason}")))
         };
@@ -1161,15 +1218,21 @@ impl NodeConfig {
             _ => {}
         }
         let first = self.shared_engine();
+        let last = self.engines().len() - 1;
         for (i, e) in self.engines().iter().enumerate() {
-            let prefix = if self.engine.is_some() {
-                "engine".to_owned()
-            } else {
-                format!("engines[{i}]")
+            let f = |name: &str| match names {
+                EngineFieldNames::LastAdded if i == last => name.to_owned(),
+                _ if self.engine.is_some() => format!("engine.{name}"),
+                _ => format!("engines[{i}].{name}"),
             };
-            let f = |name: &str| format!("{prefix}.{name}");
             let url = e.url.as_str();
-            if !(url.starts_with("http://") || url.starts_with("https://")) {
+            // Schemes are case-insensitive (RFC 3986); the adapter sends to the
+            // normalised URL.
+            let scheme_is = |s: &str| {
+                url.get(..s.len())
+                    .is_some_and(|p| p.eq_ignore_ascii_case(s))
+            };
+            if !(scheme_is("http://") || scheme_is("https://")) {
                 return bad(&f("url"), "must start with http:// or https://");
             }
             if url.parse::<http::Uri>().is_err() {
@@ -1276,10 +1339,17 @@ impl NodeConfig {
                 }
             }
         }
-        let urls: std::collections::HashSet<&str> =
-            self.engines().iter().map(|e| e.url.as_str()).collect();
-        if urls.len() != self.engines().len() {
-            return bad("engines", "two engines have the same `url`");
+        // One engine spelled two ways is one engine.
+        let mut urls = std::collections::HashSet::new();
+        for e in self.engines() {
+            if !urls.insert(normalize_engine_url(&e.url)) {
+                return match names {
+                    EngineFieldNames::LastAdded => {
+                        bad("url", &format!("the node already fronts {}", e.url))
+                    }
+                    EngineFieldNames::File => bad("engines", "two engines have the same `url`"),
+                };
+            }
         }
         Ok(())
     }
@@ -1291,7 +1361,7 @@ impl NodeConfig {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     pub(crate) const MINIMAL: &str = r#"
@@ -1316,6 +1386,46 @@ key = "a.key"
 [admin]
 token = "secret-token"
 "#;
+
+    /// Every spelling of one engine normalises to one URL; other engines stay apart.
+    #[test]
+    fn engine_urls_normalise_to_one_spelling() {
+        for (url, want) in [
+            ("http://127.0.0.1:30000", "http://127.0.0.1:30000"),
+            ("http://127.0.0.1:30000/", "http://127.0.0.1:30000"),
+            (
+                "HTTP://Engine.Example:30000//",
+                "http://engine.example:30000",
+            ),
+            ("http://engine:80/", "http://engine"),
+            ("https://engine:443", "https://engine"),
+            ("https://engine:80", "https://engine:80"),
+            ("http://[::1]:8000/", "http://[::1]:8000"),
+            (
+                "http://User:Pw@Engine:8000/v1/",
+                "http://User:Pw@engine:8000/v1",
+            ),
+            ("http://engine/Prefix/", "http://engine/Prefix"),
+        ] {
+            assert_eq!(normalize_engine_url(url), want, "{url}");
+        }
+    }
+
+    /// The duplicate check of the file compares normalised URLs.
+    #[test]
+    fn one_engine_spelled_two_ways_in_the_file_is_refused() {
+        for (a, b) in [
+            ("http://127.0.0.1:1", "http://127.0.0.1:1/"),
+            ("http://localhost:1", "HTTP://LOCALHOST:1"),
+            ("https://engine", "https://Engine:443/"),
+            ("http://127.0.0.1", "http://127.0.0.1:80"),
+        ] {
+            let e = NodeConfig::from_toml_str(&with_engines(&[a, b], ""))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("engines") && e.contains("same `url`"), "{e}");
+        }
+    }
 
     #[test]
     fn minimal_config_loads_with_defaults() {

@@ -119,7 +119,7 @@ impl EngineAdapter {
         .map_err(|e| NodeError::Config(format!("engine seeds: {e}")))?;
         Ok(EngineAdapter {
             client,
-            base: engine.url.trim_end_matches('/').to_owned(),
+            base: crate::config::normalize_engine_url(&engine.url),
             kind: engine.kind,
             health_path: engine.health_path().to_owned(),
             health_timeout: Duration::from_millis(engine.health_timeout_ms),

@@ -6,6 +6,10 @@ pub enum NodeError {
     /// The configuration is invalid; the message names the field.
     #[error("config: {0}")]
     Config(String),
+    /// A change asked of the running node conflicts with its state (removing its
+    /// last engine): the admin API's 409, not a config error.
+    #[error("{0}")]
+    Conflict(String),
     /// A socket could not be bound or served.
     #[error("io: {0}")]
     Io(#[from] std::io::Error),

@@ -170,16 +170,42 @@ pub async fn forward(
         .into_iter()
         .filter(|(k, _)| PASS_RESPONSE_HEADERS.contains(&k.to_ascii_lowercase().as_str()))
         .collect();
+    let served_by_label = region_label(state, peer, &head.served_by.0);
     Ok(Upstream {
         status: head.status,
         headers,
         served_by: head.served_by.0,
+        served_by_label,
         hops: head.hops,
         // The forward's span stays open while its response relays.
         body: chunk_stream(recv, (send, span), gone, peer.clone()),
         chosen_terms: None,
     })
 }
+
+/// The `served_by` label of the request metric for a response `peer` relayed that
+/// says `claimed` served it: `claimed` when membership knows it as a region (this
+/// node's or a live or recent peer's: with `max_hops` above 1 a forward may be served
+/// further on), else the region membership gives for `peer`, else
+/// [`UNKNOWN_REGION`]. The label set stays within the regions membership knows,
+/// whatever a peer writes in its head.
+fn region_label(state: &NodeState, peer: &NodeId, claimed: &str) -> String {
+    let peers = state.peers.peers();
+    let known = claimed == state.config.node.region
+        || peers.iter().any(|p| p.region.as_deref() == Some(claimed));
+    if known {
+        return claimed.to_owned();
+    }
+    peers
+        .iter()
+        .find(|p| p.id == *peer)
+        .and_then(|p| p.region.clone())
+        .unwrap_or_else(|| UNKNOWN_REGION.to_owned())
+}
+
+/// The `served_by` label of a forward answered by a peer membership no longer knows
+/// the region of, and that claimed one it does not know either.
+pub const UNKNOWN_REGION: &str = "unknown";
 
 /// Turn a peer's chunk frames into a body stream that ends with an error once `gone`
 /// (the peer's death in membership) resolves. `keep` (the send half) lives as long as

@@ -273,7 +273,7 @@ impl NodeState {
         list.push(engine.clone());
         check.engine = None;
         check.engines = list;
-        check.validate()?;
+        check.validate_added_engine()?;
         if *next >= gorgo_core::types::MAX_REPLICAS {
             return Err(NodeError::Config(format!(
                 "invalid `engines`: {} engines were added in this run, the limit is {}",
@@ -291,7 +291,11 @@ impl NodeState {
         )?);
         {
             let mut engines = self.engines.write();
-            if engines.iter().any(|e| e.config.url == engine.url) {
+            let url = config::normalize_engine_url(&engine.url);
+            if engines
+                .iter()
+                .any(|e| config::normalize_engine_url(&e.config.url) == url)
+            {
                 return Err(NodeError::Config(format!(
                     "invalid `url`: the node already fronts {}",
                     engine.url
@@ -322,8 +326,8 @@ impl NodeState {
         };
         let staying = engines.iter().filter(|o| !o.is_removing()).count();
         if !e.is_removing() && staying <= 1 {
-            return Err(NodeError::Config(
-                "invalid `engines`: the node's last engine cannot be removed".into(),
+            return Err(NodeError::Conflict(
+                "the node's last engine cannot be removed".into(),
             ));
         }
         e.start_removing();
@@ -344,18 +348,21 @@ impl NodeState {
         wanted: &[config::EngineSection],
     ) -> Result<(Vec<u16>, Vec<u16>), NodeError> {
         let current = self.engines();
+        // By engine, however its URL is spelled here or there.
+        let same =
+            |a: &str, b: &str| config::normalize_engine_url(a) == config::normalize_engine_url(b);
         let mut added = Vec::new();
         for w in wanted {
             if !current
                 .iter()
-                .any(|e| e.config.url == w.url && !e.is_removing())
+                .any(|e| same(&e.config.url, &w.url) && !e.is_removing())
             {
                 added.push(self.add_engine(w.clone())?.replica);
             }
         }
         let mut removed = Vec::new();
         for e in current.iter().filter(|e| !e.is_removing()) {
-            match wanted.iter().find(|w| w.url == e.config.url) {
+            match wanted.iter().find(|w| same(&w.url, &e.config.url)) {
                 None => {}
                 Some(w) if *w != e.config => {
                     tracing::warn!(replica = e.replica, url = %e.config.url, "reload: this engine's settings changed; restart the node to apply them");
@@ -516,28 +523,39 @@ impl NodeState {
             .set(self.tuning.is_leader() as i64);
     }
 
-    /// Update the gauges that are read at scrape time.
+    /// Update the gauges that are read at scrape time. The per-engine and per-peer
+    /// families are cleared and refilled, so a removed engine's series and a
+    /// forgotten peer's go with them; what they are refilled with is read first, and
+    /// the rebuild runs under [`metrics::NodeMetrics::refilling`], so a scrape
+    /// encoding at the same moment sees the families whole.
     pub fn refresh_gauges(&self) {
         let peers = self.peers.peers();
+        let gossip = self.peers.gossip_counters();
+        let engines = self.engines();
+        let replicas: Vec<(metrics::ReplicaLabels, bool, u64)> = engines
+            .iter()
+            .map(|e| {
+                let label = metrics::ReplicaLabels {
+                    replica: e.replica.to_string(),
+                };
+                (label, e.takes_requests(), e.adapter.inflight())
+            })
+            .collect();
+        let refilling = self.metrics.refilling();
         self.metrics
             .peers_alive
             .set(peers.iter().filter(|p| p.alive).count() as i64);
-        let engines = self.engines();
-        // A removed engine's series go with it.
         self.metrics.replica_serving.clear();
         self.metrics.replica_inflight.clear();
-        for e in engines.iter() {
-            let label = metrics::ReplicaLabels {
-                replica: e.replica.to_string(),
-            };
+        for (label, serving, inflight) in &replicas {
             self.metrics
                 .replica_serving
-                .get_or_create(&label)
-                .set(e.takes_requests() as i64);
+                .get_or_create(label)
+                .set(*serving as i64);
             self.metrics
                 .replica_inflight
-                .get_or_create(&label)
-                .set(metrics::gauge_value(e.adapter.inflight()));
+                .get_or_create(label)
+                .set(metrics::gauge_value(*inflight));
         }
         self.metrics
             .engine_healthy
@@ -549,62 +567,10 @@ impl NodeState {
                 .max()
                 .unwrap_or(0),
         );
-        let g = self.peers.gossip_counters();
-        let m = &self.metrics;
-        for (gauge, count) in [
-            (&m.gossip_bytes_sent, g.bytes_sent),
-            (&m.gossip_bytes_received, g.bytes_received),
-            (&m.cluster_identity_conflicts, g.identity_conflicts),
-            (&m.cluster_own_id_claimed, g.own_id_claimed),
-            (
-                &m.cluster_spurious_turn_undead_dropped,
-                g.spurious_turn_undead_dropped,
-            ),
-        ] {
-            gauge.set(metrics::gauge_value(count));
-        }
-        let r = g.refused;
-        for (what, count) in [
-            ("malformed", r.malformed),
-            ("spoofed", r.spoofed),
-            ("handshake", r.handshake),
-            ("other_protocol", r.other_protocol),
-            ("foreign_certificate", r.foreign_certificate),
-            ("expired_certificate", r.expired_certificate),
-            ("unbound_stream", r.unbound_stream),
-            ("excess_connection", r.excess_connection),
-        ] {
-            m.cluster_refused
-                .get_or_create(&metrics::RefusedLabels {
-                    what: what.to_owned(),
-                })
-                .set(metrics::gauge_value(count));
-        }
-        let t = g.traffic;
-        for (traffic, (sent, received)) in
-            [("swim", t.swim), ("summary", t.summary), ("app", t.app)]
-        {
-            for (direction, count) in [("sent", sent), ("received", received)] {
-                m.cluster_bytes
-                    .get_or_create(&metrics::TrafficLabels {
-                        traffic: traffic.to_owned(),
-                        direction: direction.to_owned(),
-                    })
-                    .set(metrics::gauge_value(count));
-            }
-        }
-        let s = g.messages_sent;
-        for (kind, count) in [
-            ("delta", s.deltas),
-            ("snapshot", s.snapshots),
-            ("snapshot_request", s.snapshot_requests),
-        ] {
-            m.gossip_messages_sent
-                .get_or_create(&metrics::GossipSentLabels {
-                    kind: kind.to_owned(),
-                })
-                .set(metrics::gauge_value(count));
-        }
+        self.metrics.observe_gossip(&gossip);
+        // A peer the cluster has forgotten (down for a while) goes with its series.
+        self.metrics.prefixes_age.clear();
+        self.metrics.stats_age.clear();
         for p in peers {
             let label = metrics::PeerLabels {
                 peer: p.id.0.clone(),
@@ -622,6 +588,7 @@ impl NodeState {
                     .set(age_ms as f64 / 1000.0);
             }
         }
+        drop(refilling);
     }
 }
 
@@ -879,4 +846,171 @@ pub async fn start(
         state,
         tasks,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A cluster view the test scripts: its peers and its gossip totals.
+    #[derive(Debug, Default)]
+    struct ScriptedPeers {
+        peers: Mutex<Vec<PeerView>>,
+        gossip: Mutex<peers::GossipCounters>,
+    }
+
+    impl PeerSource for ScriptedPeers {
+        fn peers(&self) -> Vec<PeerView> {
+            self.peers.lock().clone()
+        }
+        fn matched_tokens(&self, _: &NodeId, _: u16, _: &gorgo_core::HashChain) -> u64 {
+            0
+        }
+        fn open_forward(
+            &self,
+            peer: &NodeId,
+        ) -> futures::future::BoxFuture<
+            'static,
+            Result<(peers::ForwardSend, peers::ForwardRecv), NodeError>,
+        > {
+            let peer = peer.clone();
+            Box::pin(async move { Err(NodeError::Cluster(format!("no stream to {peer}"))) })
+        }
+        fn peer_gone(&self, _: &NodeId) -> futures::future::BoxFuture<'static, ()> {
+            Box::pin(std::future::pending())
+        }
+        fn publish_stats(&self, _: QueueStats) {}
+        fn gossip_counters(&self) -> peers::GossipCounters {
+            *self.gossip.lock()
+        }
+    }
+
+    /// A live peer whose stats are 1.5 s old and prefix summary 2.5 s.
+    fn peer(id: &str) -> PeerView {
+        PeerView {
+            id: NodeId::from(id),
+            region: Some(id.to_owned()),
+            alive: true,
+            rtt_ms: 1.0,
+            stats: None,
+            engines: Vec::new(),
+            stats_age_ms: Some(1500),
+            summary_version: 1,
+            summary_entries: 0,
+            summary_age_ms: Some(2500),
+        }
+    }
+
+    /// A node (not started) over `peers`.
+    fn node(peers: Arc<ScriptedPeers>) -> Arc<NodeState> {
+        let config = NodeConfig::from_toml_str(config::tests::MINIMAL).unwrap();
+        NodeState::new(config, peers).unwrap()
+    }
+
+    /// A peer the cluster forgot (down past `forget_down`) leaves the per-peer age
+    /// gauges: its series used to stay at its last value, looking fresh, and the label
+    /// set grew with every peer ever seen.
+    #[test]
+    fn a_forgotten_peer_leaves_the_age_gauges() {
+        let peers = Arc::new(ScriptedPeers::default());
+        *peers.peers.lock() = vec![peer("b"), peer("c")];
+        let state = node(peers.clone());
+        state.refresh_gauges();
+        let text = state.metrics.encode();
+        assert!(
+            text.contains(r#"gorgo_peer_stats_age_seconds{peer="b"} 1.5"#),
+            "{text}"
+        );
+        *peers.peers.lock() = vec![peer("c")];
+        state.refresh_gauges();
+        let text = state.metrics.encode();
+        assert!(!text.contains(r#"peer="b""#), "{text}");
+        assert!(
+            text.contains(r#"gorgo_peer_prefixes_age_seconds{peer="c"} 2.5"#),
+            "{text}"
+        );
+    }
+
+    /// The cluster's running totals are exported as counters (`_total`, the unit
+    /// before it), each following its total: scraped twice with nothing new, a
+    /// counter does not count the total again. They were gauges without `_total`.
+    #[test]
+    fn cluster_totals_are_counters_that_follow_their_totals() {
+        let peers = Arc::new(ScriptedPeers::default());
+        let state = node(peers.clone());
+        let set = |n: u64| {
+            let mut g = peers.gossip.lock();
+            g.bytes_sent = 10 * n;
+            g.bytes_received = 20 * n;
+            g.identity_conflicts = n;
+            g.own_id_claimed = n;
+            g.spurious_turn_undead_dropped = n;
+            g.refused.spoofed = n;
+            g.traffic.swim = (n, 2 * n);
+            g.messages_sent.deltas = n;
+        };
+        for n in [1, 3, 3] {
+            set(n);
+            state.refresh_gauges();
+        }
+        let text = state.metrics.encode_prometheus_text();
+        for (family, series, value) in [
+            ("gorgo_gossip_sent_bytes_total", "", 30),
+            ("gorgo_gossip_received_bytes_total", "", 60),
+            ("gorgo_cluster_identity_conflicts_total", "", 3),
+            ("gorgo_cluster_own_id_claimed_total", "", 3),
+            ("gorgo_cluster_spurious_turn_undead_dropped_total", "", 3),
+            ("gorgo_cluster_refused_total", r#"{what="spoofed"}"#, 3),
+            ("gorgo_cluster_refused_total", r#"{what="malformed"}"#, 0),
+            (
+                "gorgo_cluster_bytes_total",
+                r#"{traffic="swim",direction="received"}"#,
+                6,
+            ),
+            ("gorgo_gossip_messages_sent_total", r#"{kind="delta"}"#, 3),
+        ] {
+            assert!(
+                text.contains(&format!("# TYPE {family} counter\n")),
+                "{family}: {text}"
+            );
+            assert!(
+                text.contains(&format!("\n{family}{series} {value}\n")),
+                "{family}{series}: {text}"
+            );
+        }
+        assert!(
+            text.contains("# TYPE gorgo_request_body_reading_bytes gauge\n"),
+            "{text}"
+        );
+    }
+
+    /// A scrape encoding while another refreshes the gauges sees the families that
+    /// are cleared and refilled whole (it used to be able to encode between the clear
+    /// and the refill and miss their series). A race: each round may catch it, none
+    /// can fail when the rebuild and the encoding exclude each other.
+    #[test]
+    fn a_scrape_during_a_refresh_sees_every_series() {
+        let peers = Arc::new(ScriptedPeers::default());
+        *peers.peers.lock() = vec![peer("b")];
+        let state = node(peers);
+        state.refresh_gauges();
+        std::thread::scope(|s| {
+            let refresher = s.spawn(|| {
+                for _ in 0..2000 {
+                    state.refresh_gauges();
+                }
+            });
+            while !refresher.is_finished() {
+                let text = state.metrics.encode();
+                for series in [
+                    r#"gorgo_engine_replica_serving{replica="0"}"#,
+                    r#"gorgo_engine_replica_inflight_requests{replica="0"}"#,
+                    r#"gorgo_peer_stats_age_seconds{peer="b"}"#,
+                    r#"gorgo_peer_prefixes_age_seconds{peer="b"}"#,
+                ] {
+                    assert!(text.contains(series), "{series} missing:\n{text}");
+                }
+            }
+        });
+    }
 }

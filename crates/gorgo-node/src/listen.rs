@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -262,6 +262,7 @@ fn claim(
     s.next_id += 1;
     let activity = Arc::new(Activity {
         active: AtomicUsize::new(0),
+        headed: AtomicBool::new(false),
         last_ms: AtomicU64::new(epoch.elapsed().as_millis() as u64),
         outgoing: Mutex::new(Vec::new()),
         epoch,
@@ -294,6 +295,8 @@ fn claim(
 #[derive(Debug)]
 struct Activity {
     active: AtomicUsize,
+    /// Set once a request head has arrived whole (the service was called).
+    headed: AtomicBool,
     last_ms: AtomicU64,
     /// The responses on their way out (one at a time on HTTP/1, up to the stream cap
     /// on HTTP/2), each with its own wait for the client: one HTTP/2 stream whose
@@ -406,6 +409,7 @@ struct InFlight(Arc<Activity>);
 
 impl InFlight {
     fn begin(a: &Arc<Activity>) -> Self {
+        a.headed.store(true, Ordering::Relaxed);
         a.active.fetch_add(1, Ordering::Relaxed);
         a.touch();
         InFlight(a.clone())
@@ -633,6 +637,12 @@ async fn serve_connection(
     let mut check = Box::pin(tokio::time::sleep(
         limits.idle_timeout.min(limits.write_timeout),
     ));
+    // The first request head's deadline. Hyper enforces `header_timeout` for HTTP/1
+    // (`header_read_timeout`), not for HTTP/2, whose half-sent HEADERS frame would
+    // otherwise hold the connection until the idle check; this covers both (for
+    // HTTP/1 it fires with hyper's own).
+    let mut first_head = Box::pin(tokio::time::sleep(limits.header_timeout));
+    let mut headed = false;
     loop {
         tokio::select! {
             r = conn.as_mut() => {
@@ -644,6 +654,13 @@ async fn serve_connection(
                     tracing::debug!(port, %addr, error = %m, "connection ended");
                 }
                 return;
+            }
+            _ = first_head.as_mut(), if !headed => {
+                headed = true;
+                if !activity.headed.load(Ordering::Relaxed) {
+                    metrics.refuse(port, "header_timeout");
+                    return;
+                }
             }
             _ = closing_token.cancelled(), if !closing => {
                 closing = true;
@@ -658,7 +675,11 @@ async fn serve_connection(
                 closing = true;
                 conn.as_mut().graceful_shutdown();
             }
-            _ = check.as_mut(), if !closing => {
+            // On while the connection closes too (a drain, an eviction racing a new
+            // request): a graceful close waits for the responses in flight, and a
+            // client that stopped reading one would hold it, and its slot, until
+            // the drain's deadline.
+            _ = check.as_mut() => {
                 match activity.idle_for() {
                     // Nothing in flight: close outright (a graceful close would wait
                     // for a half-sent head).

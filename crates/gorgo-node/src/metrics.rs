@@ -17,7 +17,8 @@ use std::sync::atomic::AtomicU64;
 /// Labels of request counts.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
-    /// `ok`, `bad_request`, `too_large`, `engine_failed`, `unavailable`, `timeout`,
+    /// `ok`, `engine_error` (the engine answered with an error status), `bad_request`,
+    /// `too_large`, `engine_failed`, `unavailable`, `timeout`, `model_not_found`,
     /// `stream_error`, `cancelled`, `internal_error`.
     pub outcome: String,
     /// The routing policy that placed it (`gorgo`, `round-robin`, ...; empty when the
@@ -32,14 +33,15 @@ pub struct RequestLabels {
 pub struct ForwardLabels {
     /// The peer.
     pub peer: String,
-    /// `ok`, `fallback` (failed before the first byte), `failed`.
+    /// `ok`, `fallback` (failed before the first byte), `refused` (the peer would have
+    /// served it later than this node: served here).
     pub result: String,
 }
 
 /// Labels of cost terms.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TermLabels {
-    /// `rtt`, `prefill`, `queue`, `total`.
+    /// `rtt`, `prefill`, `queue`, `stall`, `total`.
     pub term: String,
 }
 
@@ -107,6 +109,11 @@ pub struct VerdictLabels {
 #[derive(Debug)]
 pub struct NodeMetrics {
     registry: Registry,
+    /// Held while the families rebuilt at each scrape are cleared and refilled
+    /// ([`crate::NodeState::refresh_gauges`]) and while the registry is encoded: a
+    /// second scrape at the same moment (an HA pair of Prometheus servers) would
+    /// otherwise encode between the clear and the refill, and miss those series.
+    refill: parking_lot::Mutex<()>,
     /// Requests by outcome, routing policy and serving region.
     pub requests: Family<RequestLabels, Counter>,
     /// Time to first content byte at the client, seconds.
@@ -121,27 +128,27 @@ pub struct NodeMetrics {
     pub forwards_refused: Counter,
     /// Cost terms of the chosen candidate, seconds.
     pub cost_terms: Family<TermLabels, Histogram>,
-    /// Gossip bytes sent.
-    pub gossip_bytes_sent: Gauge,
+    /// Gossip bytes sent (the cluster's running total, mirrored at each scrape:
+    /// [`NodeMetrics::observe_gossip`]).
+    pub gossip_sent_bytes: Counter,
     /// Gossip bytes received.
-    pub gossip_bytes_received: Gauge,
+    pub gossip_received_bytes: Counter,
     /// Claims of a peer's node id from a second address, refused (an impostor with
     /// its certificate, or a node restarted elsewhere before its old self was
     /// declared down): nonzero means two processes run with one certificate.
-    pub cluster_identity_conflicts: Gauge,
+    pub cluster_identity_conflicts: Counter,
     /// Claims of this node's own id by another process, refused.
-    pub cluster_own_id_claimed: Gauge,
+    pub cluster_own_id_claimed: Counter,
     /// What the cluster transport refused or dropped, by kind (garbage on the gossip
-    /// port, a wrong certificate, a certificate holder opening too many connections):
-    /// counts since the node started.
-    pub cluster_refused: Family<RefusedLabels, Gauge>,
-    /// Cluster payload bytes since the node started, by traffic kind and direction
-    /// (the split of `gossip_bytes_sent` and `gossip_bytes_received`).
-    pub cluster_bytes: Family<TrafficLabels, Gauge>,
-    /// Summary gossip messages sent since the node started, by kind.
-    pub gossip_messages_sent: Family<GossipSentLabels, Gauge>,
+    /// port, a wrong certificate, a certificate holder opening too many connections).
+    pub cluster_refused: Family<RefusedLabels, Counter>,
+    /// Cluster payload bytes, by traffic kind and direction (the split of
+    /// `gossip_sent_bytes` and `gossip_received_bytes`).
+    pub cluster_bytes: Family<TrafficLabels, Counter>,
+    /// Summary gossip messages sent, by kind.
+    pub gossip_messages_sent: Family<GossipSentLabels, Counter>,
     /// "You were declared down" notices dropped for members that refuted in time.
-    pub cluster_spurious_turn_undead_dropped: Gauge,
+    pub cluster_spurious_turn_undead_dropped: Counter,
     /// Age of each peer's gossiped prefix summary, seconds (staleness).
     pub prefixes_age: Family<PeerLabels, Gauge<f64, AtomicU64>>,
     /// Age of each peer's queue stats, seconds.
@@ -399,49 +406,51 @@ impl NodeMetrics {
             "Cost terms of the chosen candidate, as the cost model estimated them",
             cost_terms.clone(),
         );
-        let gossip_bytes_sent = Gauge::default();
+        // Counters (`_total` on their samples), mirrored from the cluster's running
+        // totals at each scrape; the unit ends the name.
+        let gossip_sent_bytes = Counter::default();
         registry.register(
-            "gossip_bytes_sent",
+            "gossip_sent_bytes",
             "Gossip bytes sent",
-            gossip_bytes_sent.clone(),
+            gossip_sent_bytes.clone(),
         );
-        let gossip_bytes_received = Gauge::default();
+        let gossip_received_bytes = Counter::default();
         registry.register(
-            "gossip_bytes_received",
+            "gossip_received_bytes",
             "Gossip bytes received",
-            gossip_bytes_received.clone(),
+            gossip_received_bytes.clone(),
         );
-        let cluster_identity_conflicts = Gauge::default();
+        let cluster_identity_conflicts = Counter::default();
         registry.register(
             "cluster_identity_conflicts",
             "Claims of a peer's node id from a second address, refused",
             cluster_identity_conflicts.clone(),
         );
-        let cluster_own_id_claimed = Gauge::default();
+        let cluster_own_id_claimed = Counter::default();
         registry.register(
             "cluster_own_id_claimed",
             "Claims of this node's own id by another process, refused",
             cluster_own_id_claimed.clone(),
         );
-        let cluster_refused = Family::<RefusedLabels, Gauge>::default();
+        let cluster_refused = Family::<RefusedLabels, Counter>::default();
         registry.register(
             "cluster_refused",
             "What the cluster transport refused or dropped from the network, by kind",
             cluster_refused.clone(),
         );
-        let cluster_bytes = Family::<TrafficLabels, Gauge>::default();
+        let cluster_bytes = Family::<TrafficLabels, Counter>::default();
         registry.register(
             "cluster_bytes",
-            "Cluster payload bytes since the node started, by traffic kind and direction",
+            "Cluster payload bytes, by traffic kind and direction",
             cluster_bytes.clone(),
         );
-        let gossip_messages_sent = Family::<GossipSentLabels, Gauge>::default();
+        let gossip_messages_sent = Family::<GossipSentLabels, Counter>::default();
         registry.register(
             "gossip_messages_sent",
-            "Summary gossip messages sent since the node started, by kind",
+            "Summary gossip messages sent, by kind",
             gossip_messages_sent.clone(),
         );
-        let cluster_spurious_turn_undead_dropped = Gauge::default();
+        let cluster_spurious_turn_undead_dropped = Counter::default();
         registry.register(
             "cluster_spurious_turn_undead_dropped",
             "Declared-down notices dropped for members that refuted their suspicion in time",
@@ -510,7 +519,7 @@ impl NodeMetrics {
         );
         let body_bytes_reading = Gauge::default();
         registry.register(
-            "request_body_bytes_reading",
+            "request_body_reading_bytes",
             "Bytes of request bodies (clients' and peers' forwards) being read, held from limits.max_body_bytes_in_flight",
             body_bytes_reading.clone(),
         );
@@ -560,6 +569,7 @@ impl NodeMetrics {
         let kv_events = KvEventMetrics::default();
         kv_events.register(&mut registry);
         NodeMetrics {
+            refill: parking_lot::Mutex::new(()),
             cache_estimate_error,
             kv_events,
             bytes_per_token,
@@ -576,8 +586,8 @@ impl NodeMetrics {
             forwards_received,
             forwards_refused,
             cost_terms,
-            gossip_bytes_sent,
-            gossip_bytes_received,
+            gossip_sent_bytes,
+            gossip_received_bytes,
             cluster_identity_conflicts,
             cluster_refused,
             cluster_bytes,
@@ -613,6 +623,62 @@ impl NodeMetrics {
             .inc();
     }
 
+    /// Mirror the cluster's running totals (`g`, counts since the node started) into
+    /// their counters: each moves up by what its total grew since the last scrape
+    /// (a counter holds the last total mirrored, nothing else moves it). Called under
+    /// [`refilling`](Self::refilling), so two scrapes at once do not both add the
+    /// same growth.
+    pub(crate) fn observe_gossip(&self, g: &crate::peers::GossipCounters) {
+        let mirror = |c: &Counter, total: u64| c.inc_by(total.saturating_sub(c.get()));
+        mirror(&self.gossip_sent_bytes, g.bytes_sent);
+        mirror(&self.gossip_received_bytes, g.bytes_received);
+        mirror(&self.cluster_identity_conflicts, g.identity_conflicts);
+        mirror(&self.cluster_own_id_claimed, g.own_id_claimed);
+        mirror(
+            &self.cluster_spurious_turn_undead_dropped,
+            g.spurious_turn_undead_dropped,
+        );
+        let r = g.refused;
+        for (what, total) in [
+            ("malformed", r.malformed),
+            ("spoofed", r.spoofed),
+            ("handshake", r.handshake),
+            ("other_protocol", r.other_protocol),
+            ("foreign_certificate", r.foreign_certificate),
+            ("expired_certificate", r.expired_certificate),
+            ("unbound_stream", r.unbound_stream),
+            ("excess_connection", r.excess_connection),
+        ] {
+            let labels = RefusedLabels {
+                what: what.to_owned(),
+            };
+            mirror(&self.cluster_refused.get_or_create(&labels), total);
+        }
+        let t = g.traffic;
+        for (traffic, (sent, received)) in
+            [("swim", t.swim), ("summary", t.summary), ("app", t.app)]
+        {
+            for (direction, total) in [("sent", sent), ("received", received)] {
+                let labels = TrafficLabels {
+                    traffic: traffic.to_owned(),
+                    direction: direction.to_owned(),
+                };
+                mirror(&self.cluster_bytes.get_or_create(&labels), total);
+            }
+        }
+        let s = g.messages_sent;
+        for (kind, total) in [
+            ("delta", s.deltas),
+            ("snapshot", s.snapshots),
+            ("snapshot_request", s.snapshot_requests),
+        ] {
+            let labels = GossipSentLabels {
+                kind: kind.to_owned(),
+            };
+            mirror(&self.gossip_messages_sent.get_or_create(&labels), total);
+        }
+    }
+
     /// Count one forward.
     pub fn forward(&self, peer: &str, result: &str) {
         self.forwards
@@ -642,8 +708,16 @@ impl NodeMetrics {
         }
     }
 
+    /// Hold off [`encode`](Self::encode) while the families that are cleared and
+    /// refilled at each scrape are rebuilt (release it once they are whole again).
+    pub fn refilling(&self) -> parking_lot::MutexGuard<'_, ()> {
+        self.refill.lock()
+    }
+
     /// Render the OpenMetrics text format (what Prometheus asks for).
     pub fn encode(&self) -> String {
+        // Never between a clear and its refill.
+        let _whole = self.refill.lock();
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);

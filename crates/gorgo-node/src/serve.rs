@@ -495,7 +495,10 @@ fn learn_forward_bias(
 
 /// Serve on local engine `replica`. Its shadow index learns the prompt only once the
 /// engine has accepted it (a success head): a prompt the engine refuses is not in its
-/// cache, and must not be gossiped as if it were.
+/// cache, and must not be gossiped as if it were. An engine drained or being removed
+/// since the decision (a forward's fallback was fixed when the forward was decided,
+/// up to a first-byte timeout earlier) is refused: the caller leaves it out and
+/// decides again.
 pub async fn serve_local(
     state: &Arc<NodeState>,
     req: &RoutedRequest,
@@ -505,6 +508,13 @@ pub async fn serve_local(
         // Removed since the decision: nothing reached it, so another may take it.
         return Err(ServeError::Failed(format!("engine {replica} was removed")));
     };
+    if engine.status() != crate::local::EngineStatus::Serving {
+        // Its breaker is the adapter's to check (`send_streamed`); a drain is the
+        // operator's word that it takes nothing new, whenever the decision was made.
+        return Err(ServeError::Unavailable(format!(
+            "engine {replica} takes no new requests (draining)"
+        )));
+    }
     let prompt_tokens = req.chain.total_tokens();
     let cached = engine.shadow.lock().longest_match(&req.chain);
     let uncached = prompt_tokens.saturating_sub(cached);
@@ -616,6 +626,7 @@ pub async fn serve_local(
         status,
         headers,
         served_by: state.config.node.region.clone(),
+        served_by_label: state.config.node.region.clone(),
         hops: req.hops,
         body,
         chosen_terms: None,

@@ -91,6 +91,15 @@ async fn saturated_node_forwards_to_the_peer_holding_the_prefix() {
     let d = admin_json(&c.nodes[1], "/admin/decisions?limit=1").await;
     assert_eq!(d[0]["reason"], "max-hops");
     assert_eq!(d[0]["candidates"].as_array().unwrap().len(), 3, "{d}");
+    // What serving it there cost is shown (b's one engine, priced as a choice among
+    // its engines would be; the peers it could not go to are not priced).
+    let local = d[0]["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["is_local"] == true)
+        .unwrap();
+    assert!(local["terms"]["total_ms"].as_f64().is_some(), "{d}");
 
     // Streaming through the forward stays SSE, chunk by chunk.
     let resp = client()
@@ -515,4 +524,144 @@ async fn a_forward_never_goes_back_to_a_node_it_has_left() {
     ex.from_node.read_to_end(&mut rest).await.unwrap();
     drop(ex.to_node);
     ex.served.await.unwrap();
+}
+
+/// A forward that fails falls back to the local engine only while that engine takes
+/// new requests: drained while the forward was out (as an operator drains it), it
+/// gets nothing, and the request is decided again without it (here nothing is left:
+/// 503). It used to reach the drained engine through the fallback the decision fixed.
+#[tokio::test]
+async fn a_failed_forward_does_not_fall_back_to_an_engine_drained_meanwhile() {
+    let c = mesh_cluster(&["a", "b"], &[("a", "b", 150.0)], |_| {
+        NO_TIMEOUTS.to_owned()
+    })
+    .await;
+    let p = c.prefix_at_b(HANG).await;
+    let node_a = c.nodes[0].base.clone();
+    let body = chat_body(&p, false);
+    let pending = tokio::spawn(async move {
+        let resp = client()
+            .post(format!("{node_a}/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        resp.status().as_u16()
+    });
+    wait_for_requests(&c.engines[1], 2).await;
+    let before = c.engines[0].requests();
+    let drained = client()
+        .post(format!("{}/admin/engines/0/drain", c.nodes[0].admin))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(drained.status(), 200);
+    c.mesh.kill("b");
+    let status = or_hang("the forward to dead b", pending).await.unwrap();
+    assert_eq!(status, 503);
+    assert_eq!(
+        c.engines[0].requests(),
+        before,
+        "the drained engine got the request"
+    );
+    c.engines[1].release.notify_waiters();
+}
+
+/// The mesh as a node sees it, except that each forward's response head comes back
+/// claiming a new region served it (as a buggy or hostile member's could, or any
+/// node's on a multi-hop path).
+struct ClaimingPeers {
+    inner: std::sync::Arc<gorgo_node::mesh::MeshPeers>,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl gorgo_node::PeerSource for ClaimingPeers {
+    fn peers(&self) -> Vec<gorgo_node::PeerView> {
+        self.inner.peers()
+    }
+    fn matched_tokens(
+        &self,
+        peer: &gorgo_core::NodeId,
+        replica: u16,
+        chain: &gorgo_core::HashChain,
+    ) -> u64 {
+        self.inner.matched_tokens(peer, replica, chain)
+    }
+    fn open_forward(
+        &self,
+        peer: &gorgo_core::NodeId,
+    ) -> futures::future::BoxFuture<
+        'static,
+        Result<
+            (
+                gorgo_node::peers::ForwardSend,
+                gorgo_node::peers::ForwardRecv,
+            ),
+            gorgo_node::NodeError,
+        >,
+    > {
+        use gorgo_core::wire::ForwardResponseHead;
+        let opened = self.inner.open_forward(peer);
+        let n = self.next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Box::pin(async move {
+            let (send, mut recv) = opened.await?;
+            let (mut to_node, relayed) = tokio::io::duplex(1 << 16);
+            tokio::spawn(async move {
+                let Ok(mut head) =
+                    gorgo_node::forward::read_frame::<_, ForwardResponseHead>(&mut recv, 1 << 20)
+                        .await
+                else {
+                    return;
+                };
+                head.served_by = gorgo_core::NodeId(format!("r{n}"));
+                if gorgo_node::forward::write_frame(&mut to_node, &head)
+                    .await
+                    .is_ok()
+                {
+                    let _ = tokio::io::copy(&mut recv, &mut to_node).await;
+                }
+            });
+            Ok((send, Box::pin(relayed) as gorgo_node::peers::ForwardRecv))
+        })
+    }
+    fn peer_gone(&self, peer: &gorgo_core::NodeId) -> futures::future::BoxFuture<'static, ()> {
+        self.inner.peer_gone(peer)
+    }
+    fn publish_stats(&self, stats: gorgo_core::QueueStats) {
+        self.inner.publish_stats(stats)
+    }
+}
+
+/// What a peer's head says served a forward goes to the client's header, but the
+/// `served_by` label of `gorgo_requests_total` names only a region membership knows:
+/// a peer claiming a new region per response used to make a new series for each.
+#[tokio::test]
+async fn the_served_by_label_names_only_regions_membership_knows() {
+    let mesh = gorgo_node::mesh::Mesh::new();
+    mesh.set_rtt("a", "b", 150.0);
+    let (engine_a, engine_b) = (StubEngine::start("a").await, StubEngine::start("b").await);
+    let b = start_node(config("b", &engine_b.url(), ""), Some(&mesh)).await;
+    let peers = std::sync::Arc::new(ClaimingPeers {
+        inner: mesh.peer_source("a"),
+        next: std::sync::atomic::AtomicU64::new(0),
+    });
+    let a = start_node_seeing(config("a", &engine_a.url(), ""), &mesh, peers).await;
+    // b holds the prompt and a is saturated: a forwards it to b.
+    let p = b_prompt();
+    assert_eq!(chat(&b, &p).await, (200, "b".into(), 0));
+    engine_a
+        .waiting
+        .store(50, std::sync::atomic::Ordering::SeqCst);
+    a.state().engine(0).unwrap().adapter.scrape().await;
+    for i in 0..20 {
+        assert_eq!(chat(&a, &p).await, (200, format!("r{i}"), 1));
+    }
+    let text = metrics_text(&a).await;
+    let labels: std::collections::BTreeSet<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("gorgo_requests_total{"))
+        .filter_map(|l| l.split("served_by=\"").nth(1)?.split('"').next())
+        .collect();
+    assert_eq!(labels, ["b"].into(), "{text}");
 }

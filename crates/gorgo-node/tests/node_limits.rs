@@ -181,6 +181,67 @@ async fn idle_and_silent_connections_are_closed() {
     node.shutdown.cancel();
 }
 
+/// An HTTP/2 (h2c) client that sends the preface and half a request head (a HEADERS
+/// frame without END_HEADERS, and no CONTINUATION) is closed after
+/// `header_timeout_ms`, as an HTTP/1 client with half a head is: hyper's header
+/// timeout is HTTP/1's alone, and only the idle check (an hour here) closed it.
+#[tokio::test]
+async fn a_half_sent_http2_head_is_closed_at_the_header_timeout() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(
+        config(
+            "a",
+            &engine.url(),
+            "[limits]\nheader_timeout_ms = 200\nidle_timeout_ms = 3600000\n",
+        ),
+        None,
+    )
+    .await;
+    let mut s = connect_from("127.0.0.2", http_addr(&node)).await;
+    s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .await
+        .unwrap();
+    // SETTINGS, empty: length 0, type 4, no flags, stream 0.
+    s.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await.unwrap();
+    // HEADERS on stream 1 with one byte of header block (`:method: GET`), flags
+    // END_STREAM only: the head goes on in a CONTINUATION that never comes.
+    s.write_all(&[0, 0, 1, 1, 0x1, 0, 0, 0, 1, 0x82])
+        .await
+        .unwrap();
+    read_to_close(&mut s, Duration::from_secs(20)).await;
+    let metrics = metrics_text(&node).await;
+    assert!(
+        metrics.contains(
+            "gorgo_connections_refused_total{port=\"client\",reason=\"header_timeout\"} 1"
+        ),
+        "{metrics}"
+    );
+    node.shutdown.cancel();
+}
+
+/// A token holder's body that never arrives on the admin port gets a 408 after
+/// `body_timeout_ms`, as on the client port: it had no deadline, and held an admin
+/// connection (busy, so never evicted) for as long as the sender liked.
+#[tokio::test]
+async fn an_admin_body_that_never_arrives_gets_408() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(
+        config("a", &engine.url(), "[limits]\nbody_timeout_ms = 200\n"),
+        None,
+    )
+    .await;
+    let mut s = connect_from("127.0.0.2", node.handle.admin_addr).await;
+    let head = format!(
+        "PUT /admin/weights HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {TOKEN}\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{{"
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    let out = read_to_close(&mut s, Duration::from_secs(10)).await;
+    let text = String::from_utf8_lossy(&out);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("\"request_timeout\""), "{text}");
+    node.shutdown.cancel();
+}
+
 #[tokio::test]
 async fn one_address_cannot_take_every_connection() {
     let engine = StubEngine::start("e").await;
@@ -429,6 +490,46 @@ async fn a_draining_node_finishes_what_it_has_and_sends_new_work_to_peers() {
     ea.release.notify_waiters();
     assert_eq!(held.await.unwrap(), 200);
     assert_eq!(drain.await.unwrap(), 0, "nothing left in flight");
+    a.shutdown.cancel();
+    b.shutdown.cancel();
+}
+
+/// A client that stops reading a response relayed from a peer is still cut at
+/// `write_timeout_ms` once the node drains and its connections are closing: the write
+/// watchdog used to stop at the close, so the request kept its ingress slot and the
+/// drain waited out its deadline and ended unclean (here a's own engine is out of
+/// rotation, so the drain's first phase, local work, passes at once).
+#[tokio::test]
+async fn a_drain_still_cuts_a_client_that_stopped_reading() {
+    let mesh = Mesh::new();
+    mesh.set_rtt("a", "b", 5.0);
+    let ea = StubEngine::start("a").await;
+    let eb = StubEngine::start("b").await;
+    eb.set_mode(FLOOD);
+    let a = start_node(
+        config("a", &ea.url(), "[limits]\nwrite_timeout_ms = 2000\n"),
+        Some(&mesh),
+    )
+    .await;
+    let b = start_node(config("b", &eb.url(), ""), Some(&mesh)).await;
+    until("a has b's stats", || has_peer_stats(&a)).await;
+    a.state().engine(0).unwrap().start_draining();
+    let mut s = small_window_connection(&a).await;
+    send_streamed_chat(&mut s).await;
+    let flowing = eb.active.clone();
+    until("b's engine streams to a", || {
+        flowing.load(std::sync::atomic::Ordering::SeqCst) == 1
+    })
+    .await;
+    assert_eq!(a.state().engine_inflight(), 0, "nothing at a's own engine");
+    let left = gorgo_node::drain(a.state(), Duration::from_secs(20)).await;
+    assert_eq!(
+        left, 0,
+        "the stalled client held its slot to the drain's end"
+    );
+    let metrics = metrics_text(&a).await;
+    assert!(metrics.contains(r#"reason="write_timeout""#), "{metrics}");
+    drop(s);
     a.shutdown.cancel();
     b.shutdown.cancel();
 }

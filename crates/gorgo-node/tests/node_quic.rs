@@ -117,10 +117,10 @@ async fn saturated_node_forwards_over_quic() {
     // sent summary gossip (its first message to a new peer a snapshot) and SWIM.
     let text = metrics_at(&format!("http://{}", b.admin_addr)).await;
     for series in [
-        r#"gorgo_cluster_bytes{traffic="swim",direction="sent"}"#,
-        r#"gorgo_cluster_bytes{traffic="summary",direction="sent"}"#,
-        r#"gorgo_cluster_bytes{traffic="summary",direction="received"}"#,
-        r#"gorgo_gossip_messages_sent{kind="snapshot"}"#,
+        r#"gorgo_cluster_bytes_total{traffic="swim",direction="sent"}"#,
+        r#"gorgo_cluster_bytes_total{traffic="summary",direction="sent"}"#,
+        r#"gorgo_cluster_bytes_total{traffic="summary",direction="received"}"#,
+        r#"gorgo_gossip_messages_sent_total{kind="snapshot"}"#,
     ] {
         let v = metric_value(&text, series);
         assert!(v.is_some_and(|v| v > 0.0), "{series}: {v:?} in {text}");
@@ -130,17 +130,20 @@ async fn saturated_node_forwards_over_quic() {
         .map(|t| {
             metric_value(
                 &text,
-                &format!(r#"gorgo_cluster_bytes{{traffic="{t}",direction="sent"}}"#),
+                &format!(r#"gorgo_cluster_bytes_total{{traffic="{t}",direction="sent"}}"#),
             )
             .unwrap()
         })
         .sum();
     // The split adds up to the total (read in the same refresh).
-    assert_eq!(metric_value(&text, "gorgo_gossip_bytes_sent"), Some(total));
+    assert_eq!(
+        metric_value(&text, "gorgo_gossip_sent_bytes_total"),
+        Some(total)
+    );
     for series in [
-        r#"gorgo_gossip_messages_sent{kind="delta"}"#,
-        r#"gorgo_gossip_messages_sent{kind="snapshot_request"}"#,
-        "gorgo_cluster_spurious_turn_undead_dropped",
+        r#"gorgo_gossip_messages_sent_total{kind="delta"}"#,
+        r#"gorgo_gossip_messages_sent_total{kind="snapshot_request"}"#,
+        "gorgo_cluster_spurious_turn_undead_dropped_total",
     ] {
         assert!(metric_value(&text, series).is_some(), "{series} in {text}");
     }

@@ -328,3 +328,59 @@ async fn the_request_deadline_covers_the_tries_before_the_head() {
     }
     node.shutdown.cancel();
 }
+
+/// One engine spelled another way (a trailing `/`, the scheme or the host in capitals)
+/// is the engine the node already fronts: `POST /admin/engines` refuses it (it used to
+/// become a second replica, one engine counted as two candidates with two gossip
+/// streams, each seeing half its requests). The admin API's errors name the request's
+/// own field (`url`, not `engines[1].url` of the merged list, nor "config: ..."), and
+/// a conflict with the node's state is a 409 `invalid_request_error`.
+#[tokio::test]
+async fn an_engine_spelled_another_way_is_refused_as_the_same_engine() {
+    let es = engines(1).await;
+    let node = start_node(config_with_engines("a", &[es[0].url()], ""), None).await;
+    let call = |method: reqwest::Method, path: &str, body: Option<serde_json::Value>| {
+        let mut req = client()
+            .request(method, format!("{}{path}", node.admin))
+            .bearer_auth(TOKEN);
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        async move { error_of(req.send().await.unwrap()).await }
+    };
+    let url = es[0].url();
+    for spelled in [
+        format!("{url}/"),
+        url.replace("http://", "HTTP://"),
+        url.clone(),
+    ] {
+        let body = serde_json::json!({"url": spelled, "kind": "sglang"});
+        let (status, e) = call(reqwest::Method::POST, "/admin/engines", Some(body)).await;
+        assert_eq!(status, 400, "{spelled}: {e}");
+        let message = e["error"]["message"].as_str().unwrap();
+        assert!(
+            message.starts_with("invalid `url`: the node already fronts"),
+            "{spelled}: {e}"
+        );
+        assert_eq!(e["error"]["type"], "invalid_request_error", "{e}");
+    }
+    let body = serde_json::json!({"url": "ftp://x", "kind": "sglang"});
+    let (status, e) = call(reqwest::Method::POST, "/admin/engines", Some(body)).await;
+    assert_eq!(status, 400, "{e}");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("invalid `url`: must start with http://"),
+        "{e}"
+    );
+    assert_eq!(node.state().engines().len(), 1);
+    // The last engine cannot go: a conflict, in the request error's shape.
+    let (status, e) = call(reqwest::Method::DELETE, "/admin/engines/0", None).await;
+    assert_eq!(status, 409, "{e}");
+    assert_eq!(e["error"]["type"], "invalid_request_error", "{e}");
+    assert_eq!(e["error"]["code"], "conflict", "{e}");
+    let message = e["error"]["message"].as_str().unwrap();
+    assert!(!message.starts_with("config:"), "{e}");
+    node.shutdown.cancel();
+}

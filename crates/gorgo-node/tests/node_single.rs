@@ -312,6 +312,21 @@ async fn admin_api_requires_the_token_and_reports_decisions() {
             .await
             .unwrap();
         assert_eq!(resp.status(), 200, "{path}");
+        // The scheme's name is case-insensitive (RFC 9110); the token is not.
+        for (header, status) in [
+            (format!("bearer {TOKEN}"), 200),
+            (format!("BEARER {TOKEN}"), 200),
+            (format!("Bearer {}", TOKEN.to_uppercase()), 401),
+            (format!("Basic {TOKEN}"), 401),
+        ] {
+            let resp = c
+                .get(format!("{}{path}", node.admin))
+                .header("authorization", &header)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), status, "{path} with {header}");
+        }
     }
     c.post(format!("{}/v1/chat/completions", node.base))
         .json(&chat_body("x", false))
@@ -373,7 +388,7 @@ async fn admin_api_requires_the_token_and_reports_decisions() {
         "unbound_stream",
         "excess_connection",
     ] {
-        let line = format!("gorgo_cluster_refused{{what=\"{what}\"}} 0");
+        let line = format!("gorgo_cluster_refused_total{{what=\"{what}\"}} 0");
         assert!(metrics.contains(&line), "{line} in {metrics}");
     }
     let resp = c
@@ -744,6 +759,7 @@ async fn a_forward_whose_origin_stops_reading_ends() {
                 status: 200,
                 headers: Vec::new(),
                 served_by: "a".into(),
+                served_by_label: "a".into(),
                 hops: 1,
                 body: Box::pin(body),
                 chosen_terms: None,

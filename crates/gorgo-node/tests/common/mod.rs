@@ -498,23 +498,40 @@ impl TestNode {
 
 /// Start a node on the mesh (or alone when `mesh` is `None`).
 pub async fn start_node(config: ValidatedConfig, mesh: Option<&Arc<Mesh>>) -> TestNode {
-    let shutdown = CancellationToken::new();
-    let listeners = NodeListeners {
-        http: TcpListener::bind("127.0.0.1:0").await.unwrap(),
-        admin: TcpListener::bind("127.0.0.1:0").await.unwrap(),
-    };
-    let (state, incoming) = match mesh {
+    match mesh {
         Some(mesh) => {
             let peers = mesh.peer_source(&config.node.id);
-            let state = NodeState::new(config, peers).unwrap();
-            let rx = mesh.join(&state);
-            (state, rx)
+            start_node_seeing(config, mesh, peers).await
         }
         None => {
             let state = NodeState::new(config, Arc::new(gorgo_node::NoPeers)).unwrap();
             let (_tx, rx) = tokio::sync::mpsc::channel(1);
-            (state, rx)
+            start_state(state, rx).await
         }
+    }
+}
+
+/// Start a node on the mesh that sees the cluster through `peers` (the mesh's view of
+/// it, wrapped by the test to change what peers say).
+pub async fn start_node_seeing(
+    config: ValidatedConfig,
+    mesh: &Arc<Mesh>,
+    peers: Arc<dyn gorgo_node::PeerSource>,
+) -> TestNode {
+    let state = NodeState::new(config, peers).unwrap();
+    let rx = mesh.join(&state);
+    start_state(state, rx).await
+}
+
+/// Start `state`'s node on port 0, serving the forwards `incoming` carries.
+async fn start_state(
+    state: Arc<NodeState>,
+    incoming: tokio::sync::mpsc::Receiver<gorgo_node::IncomingForward>,
+) -> TestNode {
+    let shutdown = CancellationToken::new();
+    let listeners = NodeListeners {
+        http: TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        admin: TcpListener::bind("127.0.0.1:0").await.unwrap(),
     };
     let handle = gorgo_node::start(state, listeners, incoming, shutdown.clone())
         .await
