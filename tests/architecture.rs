@@ -14,15 +14,21 @@ use serde_json::Value;
 /// as `docs/design.md` states it. The root package `gorgo` (the CLI) may use any.
 const ALLOWED: &[(&str, &[&str])] = &[
     ("gorgo-core", &[]),
+    ("gorgo-files", &[]),
     ("gorgo-workload", &["gorgo-core"]),
-    ("gorgo-report", &["gorgo-core"]),
-    ("gorgo-tokenizer", &["gorgo-core"]),
+    ("gorgo-report", &["gorgo-core", "gorgo-files"]),
+    ("gorgo-tokenizer", &["gorgo-core", "gorgo-files"]),
     ("gorgo-engine", &["gorgo-core", "gorgo-tokenizer"]),
     ("gorgo-netem", &[]),
     ("gorgo-cluster", &["gorgo-core"]),
     (
         "gorgo-node",
-        &["gorgo-core", "gorgo-cluster", "gorgo-tokenizer"],
+        &[
+            "gorgo-core",
+            "gorgo-cluster",
+            "gorgo-tokenizer",
+            "gorgo-files",
+        ],
     ),
     (
         "gorgo-bench",

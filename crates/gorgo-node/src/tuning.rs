@@ -77,8 +77,7 @@ impl From<Weights> for LearnedWeights {
 pub fn read_learned_weights(path: &Path) -> Result<Weights, NodeError> {
     let bad = |m: String| NodeError::Config(format!("tuning.weights_file {}: {m}", path.display()));
     // Capped while reading: a length checked beforehand says 0 for `/dev/zero`.
-    let text = gorgo_tokenizer::read_file_capped(path, MAX_WEIGHTS_FILE)
-        .map_err(|e| bad(e.to_string()))?;
+    let text = gorgo_files::read_capped(path, MAX_WEIGHTS_FILE).map_err(|e| bad(e.to_string()))?;
     let lw: LearnedWeights = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
     for (name, v) in [
         ("rtt_weight", lw.rtt_weight),
@@ -105,7 +104,7 @@ pub fn read_learned_weights(path: &Path) -> Result<Weights, NodeError> {
 }
 
 /// Write a learned-weights file (pretty JSON, the paper's format), atomically
-/// ([`gorgo_report::write_atomic`]: into a temporary file beside it, then renamed over
+/// ([`gorgo_files::write_atomic`]: into a temporary file beside it, then renamed over
 /// it), so that a reader (a node started from it) never finds it half written, and a
 /// failed write leaves the old one whole.
 pub fn write_learned_weights(path: &Path, w: Weights) -> Result<(), NodeError> {
@@ -117,7 +116,7 @@ pub fn write_learned_weights(path: &Path, w: Weights) -> Result<(), NodeError> {
             path.display()
         )));
     }
-    gorgo_report::write_atomic(path, (text + "\n").as_bytes()).map_err(NodeError::from)
+    gorgo_files::write_atomic(path, (text + "\n").as_bytes()).map_err(NodeError::from)
 }
 
 /// Where the learned weights go once tuning freezes, and whether they are there yet:

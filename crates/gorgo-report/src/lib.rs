@@ -17,7 +17,6 @@
 #![deny(rust_2018_idioms)]
 
 mod aggregate;
-mod atomic;
 mod plot;
 mod record;
 pub mod sweep;
@@ -29,7 +28,6 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 pub use aggregate::{aggregate, hit_ratio, PolicyResult, PredictionError};
-pub use atomic::{stage, write_atomic, Staged};
 pub use gorgo_core::LatencyStats;
 pub use record::RequestRecord;
 pub use sweep::{
@@ -152,7 +150,7 @@ impl Report {
     /// `tuning.jsonl` and `tuning.svg` (the trajectory) into `out_dir`
     /// (created if missing).
     ///
-    /// Every file is rendered first and replaced atomically ([`write_atomic`]'s temporary
+    /// Every file is rendered first and replaced atomically ([`gorgo_files::write_atomic`]'s temporary
     /// file and rename), `results.json` last: a plot that fails to draw or a file that
     /// cannot be written leaves the previous `results.json`, and no file half written.
     /// A `tuning.jsonl` or `tuning.svg` this report does not produce (a rerun without
@@ -221,7 +219,7 @@ fn replace_files(
     fs::create_dir_all(out_dir).map_err(io(out_dir))?;
     let stage = |(name, bytes): (&str, &[u8])| {
         let path = out_dir.join(name);
-        atomic::stage(&path, bytes).map_err(io(&path))
+        gorgo_files::stage(&path, bytes).map_err(io(&path))
     };
     let staged = files
         .iter()
@@ -234,7 +232,7 @@ fn replace_files(
     }
     for name in stale {
         let path = out_dir.join(name);
-        atomic::remove_stale(&path).map_err(io(&path))?;
+        gorgo_files::remove_stale(&path).map_err(io(&path))?;
     }
     let path = last.path().to_path_buf();
     last.commit().map_err(io(&path))

@@ -71,29 +71,6 @@ pub enum TokenizerError {
 /// largest real `tokenizer.json` files are about 35 MB.
 pub const MAX_TOKENIZER_FILE_BYTES: u64 = 64 << 20;
 
-/// The text of the file at `path`, refused when it holds more than `cap` bytes.
-///
-/// Why: the files a node or the emulator reads at startup are named by an operator, and
-/// a wrong path (`/dev/zero`, a device) would grow memory without end; its
-/// `metadata().len()` says 0, so only a read through `take(cap + 1)` stops it. Public so
-/// that the node reads its other operator-named files (`tuning.weights_file`) the same
-/// way. The error says what is wrong, not which file: callers name it.
-pub fn read_file_capped(path: &Path, cap: u64) -> std::io::Result<String> {
-    use std::io::Read as _;
-    let mut bytes = Vec::new();
-    std::fs::File::open(path)?
-        .take(cap.saturating_add(1))
-        .read_to_end(&mut bytes)?;
-    if bytes.len() as u64 > cap {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("larger than {cap} bytes"),
-        ));
-    }
-    String::from_utf8(bytes)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.utf8_error()))
-}
-
 /// A request's prompt token ids ([`EngineTokenizer::tokenize_prompt`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PromptIds {
@@ -177,7 +154,7 @@ impl EngineTokenizer {
             field: "tokenizer",
             reason: format!("{}: {reason}", tokenizer.display()),
         };
-        let text = read_file_capped(tokenizer, MAX_TOKENIZER_FILE_BYTES)
+        let text = gorgo_files::read_capped(tokenizer, MAX_TOKENIZER_FILE_BYTES)
             .map_err(|e| bad_tokenizer(e.to_string()))?;
         let mut tok: tokenizers::Tokenizer = text
             .parse()
@@ -320,7 +297,8 @@ fn read_template_file(path: &Path) -> Result<String, TokenizerError> {
         field: "chat_template",
         reason: format!("{}: {reason}", path.display()),
     };
-    let text = read_file_capped(path, MAX_TOKENIZER_FILE_BYTES).map_err(|e| bad(e.to_string()))?;
+    let text =
+        gorgo_files::read_capped(path, MAX_TOKENIZER_FILE_BYTES).map_err(|e| bad(e.to_string()))?;
     if path.extension().is_some_and(|e| e == "json") {
         // `chat_template.json`, as newer HF repositories ship it.
         let v: serde_json::Value =
@@ -349,7 +327,8 @@ fn template_of(v: Option<&serde_json::Value>) -> Option<String> {
 }
 
 fn read_tokenizer_config(path: &Path) -> Result<TokenizerConfig, String> {
-    let text = read_file_capped(path, MAX_TOKENIZER_FILE_BYTES).map_err(|e| e.to_string())?;
+    let text =
+        gorgo_files::read_capped(path, MAX_TOKENIZER_FILE_BYTES).map_err(|e| e.to_string())?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("not JSON: {e}"))?;
     // A special token is a string, or an AddedToken object with its `content`.
     let token = |key: &str| match v.get(key)? {

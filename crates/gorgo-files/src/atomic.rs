@@ -84,7 +84,7 @@ pub fn write_atomic(path: &Path, contents: &[u8]) -> io::Result<()> {
 
 /// Remove `path` if it exists: a file an earlier run wrote that this one does not
 /// produce, which would otherwise sit beside the new files as if it belonged to them.
-pub(crate) fn remove_stale(path: &Path) -> io::Result<()> {
+pub fn remove_stale(path: &Path) -> io::Result<()> {
     match std::fs::remove_file(path) {
         Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
         _ => Ok(()),
