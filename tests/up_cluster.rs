@@ -87,6 +87,64 @@ fn down_without_a_cluster_is_a_no_op_and_bad_topologies_are_named() {
     );
 }
 
+/// A node or region named `ca` would get certificate files named like the cluster
+/// CA's and overwrite them (the nodes then fail their handshakes with `UnknownIssuer`):
+/// `gorgo certs` and `gorgo up` refuse it, naming it, and keep the CA whole.
+#[test]
+fn a_node_or_region_named_ca_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    let certs_arg = certs.display().to_string();
+    let out = gorgo(&["certs", "--out", &certs_arg, "--nodes", "us"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ca = std::fs::read(certs.join("ca.pem")).unwrap();
+    let ca_key = std::fs::read(certs.join("ca.key")).unwrap();
+    for nodes in ["ca,eu", "eu,eu"] {
+        let out = gorgo(&["certs", "--out", &certs_arg, "--nodes", nodes]);
+        assert!(!out.status.success(), "{nodes}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        let id = nodes.split(',').next().unwrap();
+        assert!(err.contains(&format!("`{id}`")), "{nodes}: {err}");
+    }
+    assert_eq!(std::fs::read(certs.join("ca.pem")).unwrap(), ca);
+    assert_eq!(std::fs::read(certs.join("ca.key")).unwrap(), ca_key);
+    assert!(!certs.join("eu.pem").exists());
+
+    // A topology with a region `ca`: refused before anything starts.
+    let topology = dir.path().join("ca.toml");
+    std::fs::write(
+        &topology,
+        "[[regions]]\nname = \"ca\"\nclient_delay_ms = 1.0\n\n\
+         [[regions]]\nname = \"us\"\nclient_delay_ms = 1.0\n\n\
+         [one_way_ms]\nca = { us = 1.0 }\n",
+    )
+    .unwrap();
+    let run_dir = dir.path().join("run");
+    let run = run_dir.display().to_string();
+    let out = gorgo(&[
+        "up",
+        "--topology",
+        &topology.display().to_string(),
+        "--run-dir",
+        &run,
+        "--ip-base",
+        "78",
+        "--base-port",
+        "47900",
+        "--ready-timeout-s",
+        "20",
+    ]);
+    let _down = Down(&run_dir);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("`ca`"), "{err}");
+    assert!(!run_dir.join("pids.json").exists(), "nothing started");
+}
+
 /// `gorgo up` of the three-region topology with `flags`, which must fail before
 /// anything starts: its stderr.
 fn up_refused(run_dir: &Path, flags: &[&str]) -> String {
