@@ -187,3 +187,53 @@ fn sim_rejects_bad_input_with_the_flag_named() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--trace"));
 }
+/// `gorgo trace convert F --out F` (or through another path to F: `./F`, a link to it)
+/// reads F to its end before replacing it: every row is converted, none lost to a
+/// truncation under the reader. F is larger than the reader's 1 MiB buffer.
+#[test]
+fn trace_convert_onto_its_own_input_keeps_every_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("mooncake.jsonl");
+    let rows = 12_000;
+    let text: String = (0..rows)
+        .map(|i| {
+            let ids: Vec<String> = (0..16).map(|k| (i * 16 + k).to_string()).collect();
+            format!(
+                "{{\"timestamp\": {}, \"input_length\": 8000, \"output_length\": 20, \"hash_ids\": [{}]}}\n",
+                i * 10,
+                ids.join(", ")
+            )
+        })
+        .collect();
+    assert!(text.len() > 2 << 20);
+    std::fs::write(&trace, &text).unwrap();
+    let link = dir.path().join("link.jsonl");
+    std::os::unix::fs::symlink(&trace, &link).unwrap();
+    let same_file = [
+        trace.clone(),
+        dir.path().join(".").join("mooncake.jsonl"),
+        link.clone(),
+    ];
+    for out in &same_file {
+        let status = gorgo()
+            .args(["trace", "convert"])
+            .arg(&trace)
+            .arg("--out")
+            .arg(out)
+            .output()
+            .unwrap();
+        assert!(
+            status.status.success(),
+            "{}: {}",
+            out.display(),
+            String::from_utf8_lossy(&status.stderr)
+        );
+        let converted = std::fs::read_to_string(&trace).unwrap();
+        assert_eq!(converted.lines().count(), rows, "{}", out.display());
+        assert!(converted.contains("\"block_tokens\""), "{}", out.display());
+    }
+    assert!(std::fs::symlink_metadata(&link)
+        .unwrap()
+        .file_type()
+        .is_symlink());
+}
