@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use gorgo_bench::workload::{body_builder, clamp_context, load_trace, rebase, replay_items};
+use gorgo_bench::workload::{body_builder, clamp_context, rebase, replay_items};
 use gorgo_bench::{
     indicatif, CancellationToken, ClusterInfo, CompareSpec, LoadMode, PolicyRun, ReplayConfig,
 };
@@ -411,9 +411,13 @@ pub fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
     compare_and_report(&compare, requests, cfg)
 }
 
-/// Read the workload, cut to `--window` and `--max-requests`.
+/// Read the workload, cut to `--window` and `--max-requests` as `gorgo sim` cuts it
+/// (`gorgo_workload::select_requests`).
 fn read_workload(path: &Path, load: &LoadArgs) -> anyhow::Result<Vec<TraceRequest>> {
-    let requests = load_trace(path, load.window, load.max_requests)?;
+    let requests =
+        gorgo_workload::select_requests(path, load.window, load.max_requests.map(|n| n as u64))
+            .and_then(|rows| rows.collect::<Result<Vec<_>, _>>())
+            .with_context(|| format!("--trace {}", path.display()))?;
     if requests.is_empty() {
         anyhow::bail!("{}: no requests in the selected window", path.display());
     }
