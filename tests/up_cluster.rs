@@ -470,6 +470,46 @@ async fn up_serves_every_region_and_down_stops_everything() {
         }
     }
 
+    // `gorgo bench --policy P` against nodes that ignore the policy header (this
+    // cluster was started without --allow-policy-header) is refused before anything is
+    // sent: its results would be their own policy's under P's name.
+    let trace = dir.path().join("two.jsonl");
+    std::fs::write(
+        &trace,
+        "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 4, \"hash_ids\": [1, 2]}\n\
+         {\"timestamp\": 10, \"input_length\": 600, \"output_length\": 4, \"hash_ids\": [1, 3]}\n",
+    )
+    .unwrap();
+    let bench_out = dir.path().join("bench");
+    let out = tokio::task::spawn_blocking({
+        let (run, trace, bench_out) = (run.clone(), trace.clone(), bench_out.clone());
+        move || {
+            gorgo(&[
+                "bench",
+                "--trace",
+                trace.to_str().unwrap(),
+                "--cluster",
+                &run,
+                "--policy",
+                "round-robin",
+                "--no-progress",
+                "--out",
+                bench_out.to_str().unwrap(),
+            ])
+        }
+    })
+    .await
+    .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--policy round-robin")
+            && err.contains("`gorgo`")
+            && err.contains("--allow-policy-header"),
+        "{err}"
+    );
+    assert!(!bench_out.join("results.json").exists());
+
     // `gorgo down` stops the nodes first and lets them drain: a stream in flight when
     // it starts finishes whole, on an engine and relays that are still up.
     let region = &regions[0];
