@@ -19,6 +19,14 @@ mkdir -p "$OUT"
 [ -f "$OUT/gen5.jsonl" ] || "$G" trace generate --seed 5 --duration-s 1800 --out "$OUT/gen5.jsonl" > /dev/null
 WINDOWS=${WINDOWS:-gen5-x2 gen5-x1.5 mc-x4 mc-x2 syn-x4 syn-x2}
 P=${POLICIES:-gorgo,least-load,least-request,prefix-cache,session-affinity,simple-session-affinity}
+# Whether the run in directory $1 is done: its results.json parses and was not cut
+# short. An interrupted `gorgo compare` (Ctrl-C, SIGTERM) still writes results.json,
+# with config.cancelled naming the policies it did not finish: that run is done again.
+finished() {
+  python3 -c 'import json, sys
+config = json.load(open(sys.argv[1])).get("config") or {}
+sys.exit(1 if config.get("cancelled") else 0)' "$1/results.json" 2>/dev/null
+}
 run() {
   local name=$1 trace=$2 win=$3 ts=$4 dir="$OUT/$1"
   case " $WINDOWS " in *" $name "*) ;; *) return ;; esac
@@ -31,14 +39,15 @@ run() {
   # --live-chains hashes prompts as the live nodes do (it decides simple-session-affinity's
   # user-to-region map). Each takes under a second.
   for s in 1 2 3 4; do
-    [ -f "$dir/sim-seed$s/results.json" ] || "${sim[@]}" --seed $s --out "$dir/sim-seed$s" > /dev/null 2>&1
+    finished "$dir/sim-seed$s" || "${sim[@]}" --seed $s --out "$dir/sim-seed$s" > /dev/null 2>&1
   done
-  [ -f "$dir/sim-live-chains/results.json" ] || "${sim[@]}" --live-chains --out "$dir/sim-live-chains" > /dev/null 2>&1
-  # A window already replayed live is kept (so REPEAT=1 on a finished OUT adds live2 only).
+  finished "$dir/sim-live-chains" || "${sim[@]}" --live-chains --out "$dir/sim-live-chains" > /dev/null 2>&1
+  # A window already replayed live is kept (so REPEAT=1 on a finished OUT adds live2
+  # only); one whose replay was interrupted is replayed again.
   local runs=(live)
   [ "${REPEAT:-0}" = "1" ] && runs+=(live2)
   for r in "${runs[@]}"; do
-    [ -f "$dir/$r/results.json" ] || "$G" compare --trace "$trace" --window "$win" --time-scale "$ts" \
+    finished "$dir/$r" || "$G" compare --trace "$trace" --window "$win" --time-scale "$ts" \
       --max-context-tokens 32768 --policies "$P" --base-port 47100 --no-progress --out "$dir/$r" > "$dir/$r.log" 2>&1
   done
   echo "$(date -u +%H:%M:%S) done $name"

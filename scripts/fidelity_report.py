@@ -17,6 +17,10 @@ the metric than the percentile leaves above it (for a p95: more than 5%; a timeo
 the slowest kind of request): `gorgo compare` lists those in `config.censored`, and its
 value is only a lower bound. Censored cells (and cells without a value: every request
 failed) are shown as such and never scored, nor ranked.
+
+A live run that was interrupted (`config.cancelled` in its results.json: Ctrl-C or
+SIGTERM to `gorgo compare`; its report covers only what finished) is flagged in its
+window's section and in the summary: scripts/fidelity.sh replays it again when rerun.
 """
 
 import json
@@ -53,6 +57,17 @@ def load_full(path):
 
 def load(path):
     return load_full(path)[0]
+
+
+def interrupted(config, label):
+    """A bold line naming the policies whose replay was cut short, or None."""
+    cancelled = config.get("cancelled") or []
+    if not cancelled:
+        return None
+    return (
+        f"**the {label} run was interrupted (cancelled: {', '.join(cancelled)}): its cells "
+        "cover only the requests that finished; rerun scripts/fidelity.sh to replay it**"
+    )
 
 
 def cells(r):
@@ -170,6 +185,9 @@ def main():
         sim = load(os.path.join(d, "sim", "results.json"))
         sim_only = {p: r for p, r in sim.items() if p in live}
         print(f"## {w}\n")
+        cut = interrupted(live_cfg, "live")
+        if cut:
+            print(cut + "\n")
         spec = os.path.join(d, "window.txt")
         if os.path.exists(spec):
             trace, win, ts = open(spec).read().split()
@@ -193,7 +211,7 @@ def main():
             print("\n".join(lines) + tail)
             return [score, "yes" if same else f"no ({len(pairs)} pairs)"]
 
-        row = [w] + section("", sim_only, "sim")
+        row = [w + (" (live interrupted)" if cut else "")] + section("", sim_only, "sim")
         if best:
             b = live[best]["ttft_ms"]
             print(f"load: best baseline live ({best}) p95 / p50 = {b['p95'] / b['p50']:.1f}")
@@ -230,7 +248,11 @@ def main():
         for sub, title, label in others:
             path = os.path.join(d, sub, "results.json")
             if os.path.exists(path):
-                pols, cens, _ = load_full(path)
+                pols, cens, cfg = load_full(path)
+                cut = interrupted(cfg, label)
+                if cut:
+                    print(cut + "\n")
+                    row[0] += f" ({label} interrupted)"
                 other = {p: r for p, r in pols.items() if p in live}
                 row += section(title, other, label, "\n", cens)
             else:

@@ -70,17 +70,22 @@ if [ -z "$TARGET" ] && [ ! -x "$GORGO" ]; then
   echo "== cargo build --release"
   cargo build --release --quiet --bin gorgo
 fi
-cleanup() { [ -z "$TARGET" ] && "$GORGO" down --run-dir "$RUN" >/dev/null 2>&1 || true; }
+# This script's own cluster (none when GORGO_GUIDELLM_TARGET names a node): stopped
+# however the script ends, from before it is started.
+OWN_CLUSTER=0
+if [ -z "$TARGET" ]; then OWN_CLUSTER=1; fi
+cleanup() {
+  if [ "$OWN_CLUSTER" = "1" ]; then "$GORGO" down --run-dir "$RUN" >/dev/null 2>&1 || true; fi
+}
 trap cleanup EXIT
 up() {
   "$GORGO" down --run-dir "$RUN" >/dev/null 2>&1 || true
   "$GORGO" up --run-dir "$RUN" --base-port "$BASE_PORT" --ip-base "$IP_BASE" --detach >"$OUT/up-$1.log" 2>&1
 }
 
-if [ -z "$TARGET" ]; then
+if [ "$OWN_CLUSTER" = "1" ]; then
   up guidellm
   TARGET=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['regions'][0]['client_url'])" "$RUN/cluster.json")
-  OWN_CLUSTER=1
 fi
 echo "== guidellm replay through $TARGET"
 # Mooncake timestamps are milliseconds; GuideLLM's replay reads seconds.
@@ -93,7 +98,7 @@ echo "== guidellm replay through $TARGET"
   --disable-progress 2>&1 | tee "$OUT/guidellm.log" | grep -E "backend validated|^\|" || true
 [ -f "$OUT/guidellm.json" ] || { echo "guidellm wrote no result; see $OUT/guidellm.log" >&2; exit 1; }
 
-if [ "${OWN_CLUSTER:-0}" = "1" ]; then
+if [ "$OWN_CLUSTER" = "1" ]; then
   "$GORGO" down --run-dir "$RUN" >/dev/null 2>&1 || true
   echo "== gorgo bench, same trace window, fresh cluster (all regions' clients)"
   up bench

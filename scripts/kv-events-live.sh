@@ -10,10 +10,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-out/kv-live}
 BIN=${GORGO_BIN:-target/release/gorgo}
+RUN=""
+# However the script ends (an error, Ctrl-C), the cluster of the source being run is
+# stopped.
+stop() {
+  if [ -n "$RUN" ]; then "$BIN" down --run-dir "$RUN/run" >/dev/null 2>&1 || true; fi
+}
+trap stop EXIT
 for source in shadow events; do
   flag=""
   [ "$source" = events ] && flag=--kv-events
   RUN=$OUT/$source
+  # A cluster an interrupted earlier run left behind is stopped before its pids.json
+  # goes with the run dir (`gorgo up` would then find its addresses taken).
+  "$BIN" down --run-dir "$RUN/run" >/dev/null 2>&1 || true
   rm -rf "$RUN"
   mkdir -p "$RUN"
   "$BIN" up --run-dir "$RUN/run" --detach --ip-base 180 --base-port 48600 $flag >"$RUN/up.log" 2>&1

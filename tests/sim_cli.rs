@@ -151,12 +151,19 @@ fn sim_rejects_bad_input_with_the_flag_named() {
     let out = run(&["--policies", "gorgo,nope"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--policies"));
-    let out = run(&["--time-scale", "0"]);
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("time_scale"));
-    let out = run(&["--metrics-interval-ms", "0"]);
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("metrics_interval_ms"));
+    // Errors name the flag, not the config field it sets; zero requests is an error,
+    // not an empty report.
+    for (flag, value) in [
+        ("--time-scale", "0"),
+        ("--metrics-interval-ms", "0"),
+        ("--replicas", "0"),
+        ("--max-requests", "0"),
+    ] {
+        let out = run(&[flag, value]);
+        assert!(!out.status.success(), "{flag} {value}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(flag), "{flag} {value}: {err}");
+    }
     // The old flag is gone: the node's view is the default.
     let out = run(&["--live-node-stats"]);
     assert!(!out.status.success());
@@ -186,4 +193,96 @@ fn sim_rejects_bad_input_with_the_flag_named() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--trace"));
+}
+
+/// `gorgo sweep --live` checks every simulator flag before its first live run (it
+/// simulates the latency floor at the end): a bad one fails at once, before any cluster
+/// is started (no `live-x*` directory); and a `--replicas` too large for a live
+/// cluster is an error naming it, not a value wrapped to 16 bits.
+#[test]
+fn a_live_sweep_checks_its_flags_before_any_live_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = generate(dir.path());
+    let out_dir = dir.path().join("sweep");
+    for (flag, value) in [
+        ("--engine-profile", "no-such-profile"),
+        ("--replicas", "70000"),
+        ("--replicas", "0"),
+    ] {
+        let out = gorgo()
+            .args(["sweep", "--live", "--topology", &topology()])
+            .args(["--time-scales", "0.02", "--policies", "round-robin"])
+            .args(["--base-port", "47960", "--no-progress"])
+            .args([flag, value])
+            .arg("--trace")
+            .arg(&trace)
+            .arg("--out")
+            .arg(&out_dir)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{flag} {value}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(flag) && err.contains(value),
+            "{flag} {value}: {err}"
+        );
+        let live_dirs: Vec<_> = std::fs::read_dir(&out_dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        assert!(live_dirs.is_empty(), "{flag} {value}: {live_dirs:?}");
+    }
+}
+
+/// `gorgo trace convert F --out F` (or through another path to F: `./F`, a link to it)
+/// reads F to its end before replacing it: every row is converted, none lost to a
+/// truncation under the reader. F is larger than the reader's 1 MiB buffer.
+#[test]
+fn trace_convert_onto_its_own_input_keeps_every_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("mooncake.jsonl");
+    let rows = 12_000;
+    let text: String = (0..rows)
+        .map(|i| {
+            let ids: Vec<String> = (0..16).map(|k| (i * 16 + k).to_string()).collect();
+            format!(
+                "{{\"timestamp\": {}, \"input_length\": 8000, \"output_length\": 20, \"hash_ids\": [{}]}}\n",
+                i * 10,
+                ids.join(", ")
+            )
+        })
+        .collect();
+    assert!(text.len() > 2 << 20);
+    std::fs::write(&trace, &text).unwrap();
+    let link = dir.path().join("link.jsonl");
+    std::os::unix::fs::symlink(&trace, &link).unwrap();
+    let same_file = [
+        trace.clone(),
+        dir.path().join(".").join("mooncake.jsonl"),
+        link.clone(),
+    ];
+    for out in &same_file {
+        let status = gorgo()
+            .args(["trace", "convert"])
+            .arg(&trace)
+            .arg("--out")
+            .arg(out)
+            .output()
+            .unwrap();
+        assert!(
+            status.status.success(),
+            "{}: {}",
+            out.display(),
+            String::from_utf8_lossy(&status.stderr)
+        );
+        let converted = std::fs::read_to_string(&trace).unwrap();
+        assert_eq!(converted.lines().count(), rows, "{}", out.display());
+        assert!(converted.contains("\"block_tokens\""), "{}", out.display());
+    }
+    assert!(std::fs::symlink_metadata(&link)
+        .unwrap()
+        .file_type()
+        .is_symlink());
 }

@@ -74,6 +74,15 @@ fn down_without_a_cluster_is_a_no_op_and_bad_topologies_are_named() {
         err.contains("--tuning-trial") && err.contains("switchback"),
         "{err}"
     );
+    // A zero window names the flag, not the config field it becomes.
+    let err = up_refused(dir.path(), &["--tuning-window", "0"]);
+    assert!(err.contains("--tuning-window"), "{err}");
+    // A timeout past what a deadline can hold is a flag error, not an overflow panic.
+    let err = up_refused(dir.path(), &["--ready-timeout-s", &u64::MAX.to_string()]);
+    assert!(
+        err.contains("--ready-timeout-s") && !err.contains("panicked"),
+        "{err}"
+    );
     // Something already listening on one of the cluster's addresses (a cluster left
     // behind would answer the new one's readiness checks): refused, naming it.
     let taken = std::net::TcpListener::bind("127.0.0.77:0").unwrap();
@@ -85,6 +94,218 @@ fn down_without_a_cluster_is_a_no_op_and_bad_topologies_are_named() {
         err.contains(&format!("127.0.0.77:{port}")) && err.contains("is taken"),
         "{err}"
     );
+}
+
+/// A node or region named `ca` would get certificate files named like the cluster
+/// CA's and overwrite them (the nodes then fail their handshakes with `UnknownIssuer`):
+/// `gorgo certs` and `gorgo up` refuse it, naming it, and keep the CA whole.
+#[test]
+fn a_node_or_region_named_ca_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    let certs_arg = certs.display().to_string();
+    let out = gorgo(&["certs", "--out", &certs_arg, "--nodes", "us"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ca = std::fs::read(certs.join("ca.pem")).unwrap();
+    let ca_key = std::fs::read(certs.join("ca.key")).unwrap();
+    for nodes in ["ca,eu", "eu,eu"] {
+        let out = gorgo(&["certs", "--out", &certs_arg, "--nodes", nodes]);
+        assert!(!out.status.success(), "{nodes}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        let id = nodes.split(',').next().unwrap();
+        assert!(err.contains(&format!("`{id}`")), "{nodes}: {err}");
+    }
+    assert_eq!(std::fs::read(certs.join("ca.pem")).unwrap(), ca);
+    assert_eq!(std::fs::read(certs.join("ca.key")).unwrap(), ca_key);
+    assert!(!certs.join("eu.pem").exists());
+
+    // A topology with a region `ca`: refused before anything starts.
+    let topology = dir.path().join("ca.toml");
+    std::fs::write(
+        &topology,
+        "[[regions]]\nname = \"ca\"\nclient_delay_ms = 1.0\n\n\
+         [[regions]]\nname = \"us\"\nclient_delay_ms = 1.0\n\n\
+         [one_way_ms]\nca = { us = 1.0 }\n",
+    )
+    .unwrap();
+    let run_dir = dir.path().join("run");
+    let run = run_dir.display().to_string();
+    let out = gorgo(&[
+        "up",
+        "--topology",
+        &topology.display().to_string(),
+        "--run-dir",
+        &run,
+        "--ip-base",
+        "78",
+        "--base-port",
+        "47900",
+        "--ready-timeout-s",
+        "20",
+    ]);
+    let _down = Down(&run_dir);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("`ca`"), "{err}");
+    assert!(!run_dir.join("pids.json").exists(), "nothing started");
+}
+
+/// A process of this test, in a process group of its own (as a cluster's first child
+/// is), killed however the test ends.
+struct Bystander(std::process::Child);
+
+impl Bystander {
+    fn start() -> Self {
+        use std::os::unix::process::CommandExt;
+        Bystander(
+            Command::new("sleep")
+                .arg("300")
+                .process_group(0)
+                .spawn()
+                .unwrap(),
+        )
+    }
+}
+
+impl Drop for Bystander {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A stale `pids.json` (a reboot, a `gorgo up` that was SIGKILLed) names pids that
+/// other processes may have by now: `gorgo down` leaves such a process alone, naming
+/// it, and `gorgo up` does not take it for a cluster already running.
+#[test]
+fn a_stale_pids_file_never_signals_another_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("stale");
+    let run = run_dir.display().to_string();
+    std::fs::create_dir_all(&run_dir).unwrap();
+    let mut other = Bystander::start();
+    let pid = other.0.id();
+    let pids = serde_json::json!({
+        "pgid": pid,
+        "processes": [
+            {"name": "netem", "pid": pid, "args": ["netem", "--topology", "t.toml"]},
+            {"name": "node-a", "pid": pid, "args": ["node", "--config", "node-a.toml"]},
+        ],
+    });
+    std::fs::write(run_dir.join("pids.json"), pids.to_string()).unwrap();
+
+    // Not "already running": `gorgo up` goes on, to the next check (an address taken
+    // here, so that it stops before starting anything).
+    let taken = std::net::TcpListener::bind("127.0.0.79:0").unwrap();
+    let base = (taken.local_addr().unwrap().port() - 6).to_string();
+    let topology = root().join("configs/topologies/three-region.toml");
+    let out = gorgo(&[
+        "up",
+        "--topology",
+        topology.to_str().unwrap(),
+        "--run-dir",
+        &run,
+        "--ip-base",
+        "79",
+        "--base-port",
+        &base,
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("is taken") && !err.contains("already running"),
+        "{err}"
+    );
+
+    let out = gorgo(&["down", "--run-dir", &run]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("pid {pid}")) && err.contains("left alone"),
+        "{err}"
+    );
+    assert!(
+        other.0.try_wait().unwrap().is_none(),
+        "gorgo down signalled a process that was not the one recorded"
+    );
+    assert!(!run_dir.join("pids.json").exists());
+}
+
+/// Ctrl-C (SIGINT) while `gorgo up` waits for its nodes to be ready stops every child
+/// it has started (they are in a process group of their own: the terminal's Ctrl-C
+/// reaches `gorgo up` alone).
+#[test]
+fn an_interrupted_up_stops_every_child_it_started() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let run = run_dir.display().to_string();
+    let _down = Down(&run_dir);
+    // One region's engine never answers, so its node is never ready: the signal comes
+    // while `gorgo up` is still starting, however fast the machine.
+    let mut up = Command::new(GORGO)
+        .args([
+            "up",
+            "--topology",
+            "configs/topologies/lan.toml",
+            "--run-dir",
+            &run,
+            "--ip-base",
+            "173",
+            "--base-port",
+            "47560",
+            "--ready-timeout-s",
+            "600",
+            "--engine-url",
+            "us-ashburn=http://127.0.0.1:9",
+        ])
+        .current_dir(root())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Every child started: netem, two emulators and three nodes.
+    let deadline = Instant::now() + FORM_TIMEOUT;
+    let pids = loop {
+        let pids = std::fs::read(run_dir.join("pids.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+        if let Some(p) = pids.filter(|p| p["processes"].as_array().map(Vec::len) == Some(6)) {
+            break p;
+        }
+        assert!(up.try_wait().unwrap().is_none(), "gorgo up ended early");
+        assert!(
+            Instant::now() < deadline,
+            "gorgo up never started its children"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(!run_dir.join("cluster.json").exists(), "still starting");
+    let status = Command::new("kill")
+        .args(["-INT", &up.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = up.wait_with_output().unwrap();
+    assert!(!out.status.success(), "an interrupted start is a failure");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("interrupted"), "{err}");
+    for p in pids["processes"].as_array().unwrap() {
+        let pid = p["pid"].as_u64().unwrap();
+        assert!(
+            !pid_alive(pid),
+            "{} (pid {pid}) outlived the interrupted gorgo up",
+            p["name"]
+        );
+    }
+    assert!(!run_dir.join("pids.json").exists());
 }
 
 /// `gorgo up` of the three-region topology with `flags`, which must fail before
@@ -249,9 +470,74 @@ async fn up_serves_every_region_and_down_stops_everything() {
         }
     }
 
-    let out = tokio::task::spawn_blocking(move || gorgo(&["down", "--run-dir", &run]))
-        .await
-        .unwrap();
+    // `gorgo bench --policy P` against nodes that ignore the policy header (this
+    // cluster was started without --allow-policy-header) is refused before anything is
+    // sent: its results would be their own policy's under P's name.
+    let trace = dir.path().join("two.jsonl");
+    std::fs::write(
+        &trace,
+        "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 4, \"hash_ids\": [1, 2]}\n\
+         {\"timestamp\": 10, \"input_length\": 600, \"output_length\": 4, \"hash_ids\": [1, 3]}\n",
+    )
+    .unwrap();
+    let bench_out = dir.path().join("bench");
+    let out = tokio::task::spawn_blocking({
+        let (run, trace, bench_out) = (run.clone(), trace.clone(), bench_out.clone());
+        move || {
+            gorgo(&[
+                "bench",
+                "--trace",
+                trace.to_str().unwrap(),
+                "--cluster",
+                &run,
+                "--policy",
+                "round-robin",
+                "--no-progress",
+                "--out",
+                bench_out.to_str().unwrap(),
+            ])
+        }
+    })
+    .await
+    .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--policy round-robin")
+            && err.contains("`gorgo`")
+            && err.contains("--allow-policy-header"),
+        "{err}"
+    );
+    assert!(!bench_out.join("results.json").exists());
+
+    // `gorgo down` stops the nodes first and lets them drain: a stream in flight when
+    // it starts finishes whole, on an engine and relays that are still up.
+    let region = &regions[0];
+    let url = format!(
+        "{}/v1/chat/completions",
+        region["client_url"].as_str().unwrap()
+    );
+    let body = serde_json::json!({
+        "model": "gorgo-emulated",
+        "messages": [{"role": "user", "content": "a long answer, please"}],
+        // About 5 s of decode on the emulator: down starts well before the end.
+        "max_tokens": 500,
+        "ignore_eos": true,
+        "stream": true,
+    });
+    let mut response = http.post(&url).json(&body).send().await.unwrap();
+    assert_eq!(response.status(), 200, "{url}");
+    let mut text = String::from_utf8(response.chunk().await.unwrap().unwrap().to_vec()).unwrap();
+    let down = tokio::task::spawn_blocking(move || gorgo(&["down", "--run-dir", &run]));
+    loop {
+        match response.chunk().await {
+            Ok(Some(chunk)) => text.push_str(&String::from_utf8_lossy(&chunk)),
+            Ok(None) => break,
+            Err(e) => panic!("the stream was cut by gorgo down: {e}; so far: {text}"),
+        }
+    }
+    assert!(text.contains("[DONE]"), "{text}");
+    let out = down.await.unwrap();
     assert!(
         out.status.success(),
         "{}",

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use gorgo_bench::workload::{body_builder, clamp_context, load_trace, rebase, replay_items};
+use gorgo_bench::workload::{body_builder, clamp_context, rebase, replay_items};
 use gorgo_bench::{
     indicatif, CancellationToken, ClusterInfo, CompareSpec, LoadMode, PolicyRun, ReplayConfig,
 };
@@ -77,15 +77,39 @@ pub struct LoadArgs {
     pub no_progress: bool,
 }
 
+/// `s` seconds of flag `--<flag>`: positive, and short enough for a `Duration` (a
+/// flag error, not a panic, for `1e300`).
+fn flag_secs(flag: &str, s: f64) -> anyhow::Result<Duration> {
+    if !(s.is_finite() && s > 0.0) {
+        anyhow::bail!("--{flag} must be a positive number of seconds, got {s}");
+    }
+    Duration::try_from_secs_f64(s).map_err(|e| anyhow::anyhow!("--{flag} {s}: {e}"))
+}
+
 impl LoadArgs {
-    fn replay_config(&self) -> anyhow::Result<ReplayConfig> {
-        let secs = |field: &str, s: f64| {
-            if s.is_finite() && s > 0.0 {
-                Ok(Duration::from_secs_f64(s))
-            } else {
-                anyhow::bail!("--{field} must be a positive number of seconds, got {s}")
+    /// The workload flags that are checked before anything is read or started.
+    fn check(&self) -> anyhow::Result<()> {
+        if !(self.time_scale.is_finite() && self.time_scale >= 0.0) {
+            anyhow::bail!(
+                "--time-scale must be a finite number >= 0, got {}",
+                self.time_scale
+            );
+        }
+        if let Some(w) = self.window {
+            if !(w.is_finite() && w > 0.0) {
+                anyhow::bail!("--window must be a positive number of seconds, got {w}");
             }
-        };
+        }
+        if self.max_requests == Some(0) {
+            anyhow::bail!("--max-requests must be at least 1");
+        }
+        if self.max_context_tokens == Some(0) {
+            anyhow::bail!("--max-context-tokens must be at least 1");
+        }
+        self.replay_config().map(drop)
+    }
+
+    fn replay_config(&self) -> anyhow::Result<ReplayConfig> {
         let mode = match self.mode {
             Mode::Open => LoadMode::Open {
                 time_scale: self.time_scale,
@@ -100,9 +124,12 @@ impl LoadArgs {
                 Mode::Open => self.concurrency,
                 Mode::Closed => None,
             },
-            duration: self.duration.map(|d| secs("duration", d)).transpose()?,
+            duration: self
+                .duration
+                .map(|d| flag_secs("duration", d))
+                .transpose()?,
             max_requests: self.max_requests,
-            request_timeout: secs("timeout-s", self.timeout_s)?,
+            request_timeout: flag_secs("timeout-s", self.timeout_s)?,
             ..ReplayConfig::default()
         })
     }
@@ -150,7 +177,12 @@ pub struct BenchArgs {
 /// `gorgo bench`: replay a trace against a running cluster and report.
 pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     super::init_tracing();
+    args.load.check()?;
     let cluster = ClusterInfo::parse_spec(&args.cluster)?;
+    let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
+    if let Some(policy) = &args.policy {
+        runtime.block_on(check_policy_honoured(&cluster, policy))?;
+    }
     let mut requests = read_workload(&args.trace, &args.load)?;
     let mut cfg = args.load.describe();
     prepare(&mut requests, &args.load, &mut cfg);
@@ -166,7 +198,6 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         args.load.model.clone(),
         !args.load.no_ignore_eos,
     );
-    let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
     let output = runtime.block_on(async {
         let cancel = cancel_on_ctrl_c();
         gorgo_bench::replay(&cluster, items, bodies, &config, cancel.cancelled()).await
@@ -195,6 +226,65 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     cfg["cluster"] = serde_json::to_value(&cluster)?;
     let table = gorgo_bench::report::write_report(&args.out, cfg, &runs)?;
     finish(&args.out, &table, &runs, interrupted)
+}
+
+/// `--policy P` labels the run `P`, so every node must route with `P`: by honouring
+/// the `x-gorgo-policy` header (`routing.allow_policy_header`, as `/admin/state`
+/// reports it) or by running `P` itself. A node that would ignore the header and route
+/// with its own policy is an error, naming it, before anything is sent: its results
+/// would be another policy's under `P`'s name. A region without an admin URL (a
+/// cluster given as `region=url,...`) cannot be checked; it is named on stderr.
+async fn check_policy_honoured(cluster: &ClusterInfo, policy: &str) -> anyhow::Result<()> {
+    let wanted =
+        gorgo_node::route::parse_policy(policy).map_err(|e| anyhow::anyhow!("--policy: {e}"))?;
+    let fix = "start the cluster with `gorgo up --allow-policy-header` (or set \
+               `routing.allow_policy_header = true` in the node configs), or drop --policy";
+    let mut unchecked = Vec::new();
+    let admin = |name: &str| {
+        cluster
+            .regions
+            .iter()
+            .find(|r| r.name == name)
+            .and_then(|r| r.admin_url.clone())
+    };
+    for (region, state) in gorgo_bench::cluster::fetch_states(cluster).await {
+        let Some(state) = state else {
+            match admin(&region) {
+                None => unchecked.push(region),
+                Some(url) => anyhow::bail!(
+                    "--policy {policy}: the node of region {region} did not answer \
+                     {url}/admin/state, so whether it honours x-gorgo-policy is unknown"
+                ),
+            }
+            continue;
+        };
+        if state["allow_policy_header"] == true {
+            continue;
+        }
+        let runs =
+            serde_json::from_value::<gorgo_core::policy::PolicyKind>(state["policy"].clone()).ok();
+        if runs == Some(wanted) {
+            continue;
+        }
+        let runs = runs.map_or_else(|| "an unknown policy".to_owned(), |k| format!("`{k}`"));
+        let why = if state.get("allow_policy_header").is_some() {
+            "its routing.allow_policy_header is off"
+        } else {
+            "it does not report routing.allow_policy_header (an older node)"
+        };
+        anyhow::bail!(
+            "--policy {policy}: the node of region {region} routes with {runs} and would \
+             ignore x-gorgo-policy ({why}), so the run would be mislabelled; {fix}"
+        );
+    }
+    if !unchecked.is_empty() {
+        eprintln!(
+            "warning: --policy {policy}: no admin URL for {}: not checked that those nodes \
+             honour x-gorgo-policy",
+            unchecked.join(", ")
+        );
+    }
+    Ok(())
 }
 
 /// Arguments of `gorgo compare`.
@@ -244,6 +334,7 @@ pub struct CompareArgs {
 /// `gorgo compare`: every policy on the same workload, one cluster each.
 pub fn run_compare(args: CompareArgs) -> anyhow::Result<()> {
     super::init_tracing();
+    args.load.check()?;
     let mut requests = read_workload(&args.trace, &args.load)?;
     let mut cfg = args.load.describe();
     prepare(&mut requests, &args.load, &mut cfg);
@@ -259,9 +350,6 @@ fn compare_and_report(
 ) -> anyhow::Result<()> {
     if !args.topology.is_file() {
         anyhow::bail!("--topology {}: no such file", args.topology.display());
-    }
-    if !(args.up_timeout_s.is_finite() && args.up_timeout_s > 0.0) {
-        anyhow::bail!("--up-timeout-s must be positive");
     }
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
@@ -325,7 +413,7 @@ fn compare_spec(
         port_stride: args.port_stride,
         // As `up_args` lay the cluster out (no --kv-events among them).
         cluster_ports: super::up::cluster_port_span(args.replicas, false),
-        up_timeout: Duration::from_secs_f64(args.up_timeout_s),
+        up_timeout: flag_secs("up-timeout-s", args.up_timeout_s)?,
         replay: args.load.replay_config()?,
         model: args.load.model.clone(),
         ignore_eos: !args.load.no_ignore_eos,
@@ -342,8 +430,9 @@ pub struct DemoArgs {
     /// Seed of the generated workload.
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
-    /// Users of the generated workload (12: about 180 requests, 2 req/s per cluster,
-    /// which loads `paper-a100-mistral7b` emulators without overloading them).
+    /// Users of the generated workload (12 with seed 7: 149 requests over 90 s of
+    /// replay, 1.7 req/s per cluster, which loads `paper-a100-mistral7b` emulators
+    /// without overloading them).
     #[arg(long, default_value_t = 12)]
     pub users: u32,
     /// Seconds of generated trace (each user's ART-Chat-like 30-minute activity).
@@ -425,17 +514,28 @@ pub fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
         .with_env_filter(filter)
         .with_target(false)
         .try_init();
-    eprintln!(
-        "starting {} clusters (logs under {}), then replaying on all at once...",
-        compare.policies.split(',').count(),
-        args.out.display()
-    );
+    let clusters = compare.policies.split(',').count();
+    if args.sequential {
+        eprintln!(
+            "starting {clusters} clusters one after the other (logs under {}), replaying on each...",
+            args.out.display()
+        );
+    } else {
+        eprintln!(
+            "starting {clusters} clusters (logs under {}), then replaying on all at once...",
+            args.out.display()
+        );
+    }
     compare_and_report(&compare, requests, cfg)
 }
 
-/// Read the workload, cut to `--window` and `--max-requests`.
+/// Read the workload, cut to `--window` and `--max-requests` as `gorgo sim` cuts it
+/// (`gorgo_workload::select_requests`).
 fn read_workload(path: &Path, load: &LoadArgs) -> anyhow::Result<Vec<TraceRequest>> {
-    let requests = load_trace(path, load.window, load.max_requests)?;
+    let requests =
+        gorgo_workload::select_requests(path, load.window, load.max_requests.map(|n| n as u64))
+            .and_then(|rows| rows.collect::<Result<Vec<_>, _>>())
+            .with_context(|| format!("--trace {}", path.display()))?;
     if requests.is_empty() {
         anyhow::bail!("{}: no requests in the selected window", path.display());
     }
@@ -582,9 +682,36 @@ mod tests {
         for (bad, field) in [
             ("--timeout-s=0", "timeout-s"),
             ("--duration=-1", "duration"),
+            // Past what a `Duration` holds: a flag error, not a panic.
+            ("--timeout-s=1e300", "timeout-s"),
+            ("--duration=1e300", "duration"),
         ] {
             let err = load(&[bad]).replay_config().unwrap_err().to_string();
             assert!(err.contains(field), "{err}");
         }
+        assert!(flag_secs("up-timeout-s", 1e300)
+            .unwrap_err()
+            .to_string()
+            .contains("--up-timeout-s"));
+    }
+
+    /// Workload flags that would select nothing sensible are refused, naming the
+    /// flag, before the trace is read.
+    #[test]
+    fn odd_workload_flags_are_refused_naming_them() {
+        for (bad, flag) in [
+            ("--window=NaN", "--window"),
+            ("--window=0", "--window"),
+            ("--max-context-tokens=0", "--max-context-tokens"),
+            ("--max-requests=0", "--max-requests"),
+            ("--time-scale=NaN", "--time-scale"),
+            ("--timeout-s=1e300", "--timeout-s"),
+        ] {
+            let err = load(&[bad]).check().unwrap_err().to_string();
+            assert!(err.contains(flag), "{bad}: {err}");
+        }
+        load(&["--window=30", "--max-context-tokens=32768"])
+            .check()
+            .unwrap();
     }
 }

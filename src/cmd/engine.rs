@@ -28,8 +28,9 @@ pub struct EngineArgs {
         value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..)
     )]
     pub max_queue: usize,
-    /// Output tokens when a request sets neither `max_tokens` nor `gorgo_output_tokens`.
-    #[arg(long, default_value_t = 128)]
+    /// Output tokens when a request sets neither `max_tokens` nor `gorgo_output_tokens`
+    /// (at least 1).
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
     pub default_max_tokens: u32,
     /// Count prompt tokens (`usage.prompt_tokens`, context, cache) with this HF
     /// `tokenizer.json` and its chat template, as a real engine does, instead of
@@ -66,7 +67,7 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
     config.model_name = args.model;
     config.block_bytes = args.block_bytes;
     config.max_queue = args.max_queue;
-    config.default_max_tokens = args.default_max_tokens.max(1);
+    config.default_max_tokens = args.default_max_tokens;
     if let Some(path) = &args.tokenizer {
         let tokenizer = gorgo_tokenizer::EngineTokenizer::load(
             path,
@@ -138,5 +139,8 @@ mod tests {
         assert!(e.to_string().contains("--max-queue"), "{e}");
         assert_eq!(parse(&["--max-queue", "1"]).unwrap().max_queue, 1);
         assert_eq!(parse(&[]).unwrap().max_queue, 1024);
+        // Zero output tokens is refused too, rather than quietly made 1.
+        let e = parse(&["--default-max-tokens", "0"]).expect_err("0 is refused");
+        assert!(e.to_string().contains("--default-max-tokens"), "{e}");
     }
 }

@@ -15,8 +15,8 @@ use gorgo_core::Weights;
 use gorgo_engine::Profile;
 use gorgo_netem::Topology;
 use gorgo_sim::report::{build_report, oracle_gap};
-use gorgo_sim::{simulate, Network, PolicyRun, Progress, RegionNet, SimConfig};
-use gorgo_workload::{open_trace, TraceRequest, WorkloadError};
+use gorgo_sim::{simulate, Network, PolicyRun, Progress, RegionNet, SimConfig, SimError};
+use gorgo_workload::{TraceRequest, WorkloadError};
 use serde_json::json;
 
 /// Every policy, then the oracle: what `--policies all` runs.
@@ -191,6 +191,12 @@ impl SimModelArgs {
                 bail!("--window-s must be > 0");
             }
         }
+        if self.max_requests == Some(0) {
+            bail!("--max-requests must be at least 1");
+        }
+        if self.max_context_tokens == Some(0) {
+            bail!("--max-context-tokens must be at least 1");
+        }
         let mut cfg = SimConfig::new(network(&topology), profile);
         cfg.replicas = self.replicas;
         cfg.gossip_interval_ms = self.gossip_interval_ms;
@@ -211,7 +217,7 @@ impl SimModelArgs {
         cfg.refuse_forwards = self.refuse_forwards;
         cfg.hold_tokens = self.hold_tokens;
         cfg.non_streamed_share = self.non_streamed_share;
-        cfg.validate().context("simulation config")?;
+        validate(&cfg)?;
         Ok(cfg)
     }
 
@@ -245,6 +251,37 @@ impl SimModelArgs {
             "hold_tokens": self.hold_tokens,
             "non_streamed_share": self.non_streamed_share,
         })
+    }
+}
+
+/// `cfg.validate()`, its error naming the flag that sets the field where one does
+/// (`--replicas 0`, not `replicas`).
+pub fn validate(cfg: &SimConfig) -> anyhow::Result<()> {
+    match cfg.validate() {
+        Ok(()) => Ok(()),
+        Err(SimError::InvalidConfig { field, reason }) => {
+            let flag = match field.as_str() {
+                "gossip_extra_delay_ms" => Some("gossip-delay-ms"),
+                "engine_profile" => Some("engine-profile"),
+                "tuning_set" => Some("tuning-set"),
+                f @ ("replicas"
+                | "gossip_interval_ms"
+                | "gossip_loss"
+                | "time_scale"
+                | "metrics_interval_ms"
+                | "tuning_sigma"
+                | "weights"
+                | "tuning_window"
+                | "kv_events_delay_ms"
+                | "non_streamed_share") => Some(f),
+                _ => None,
+            };
+            match flag {
+                Some(f) => bail!("--{} {reason}", f.replace('_', "-")),
+                None => bail!("simulation config: invalid {field}: {reason}"),
+            }
+        }
+        Err(e) => Err(e).context("simulation config"),
     }
 }
 
@@ -376,29 +413,15 @@ pub fn parse_policies(list: &str) -> anyhow::Result<Vec<PolicyKind>> {
     Ok(out)
 }
 
-/// The trace's rows with a timestamp before `window_s` seconds, as `gorgo bench
-/// --window` selects them (trace time, before rebasing and `--time-scale`).
+/// The trace's requests `--window-s` and `--max-requests` select, the selection
+/// `gorgo bench --window --max-requests` replays (`gorgo_workload::select_requests`:
+/// trace time, before rebasing and `--time-scale`; in arrival order).
 pub fn rows(
     path: &Path,
-    window_s: Option<f64>,
+    model: &SimModelArgs,
 ) -> anyhow::Result<impl Iterator<Item = Result<TraceRequest, WorkloadError>>> {
-    let reader = open_trace(path).with_context(|| format!("--trace {}", path.display()))?;
-    let limit_ms = window_s.map(|w| w * 1000.0);
-    // Traces are (nearly) sorted: keep reading past a late row, like the bench does,
-    // but stop once rows are well past the window.
-    let mut past = 0u32;
-    Ok(reader
-        .take_while(move |row| match (row, limit_ms) {
-            (Ok(r), Some(limit)) if r.timestamp_ms as f64 >= limit => {
-                past += 1;
-                past < 1024
-            }
-            _ => true,
-        })
-        .filter(move |row| match (row, limit_ms) {
-            (Ok(r), Some(limit)) => (r.timestamp_ms as f64) < limit,
-            _ => true,
-        }))
+    gorgo_workload::select_requests(path, model.window_s, model.max_requests)
+        .with_context(|| format!("--trace {}", path.display()))
 }
 
 /// `decisions.jsonl`: every run's kept decisions, one JSON object a line, in run and
@@ -440,7 +463,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     cfg.tuning_set = args.tuning_set.clone();
     cfg.max_rows = args.max_rows;
     cfg.decision_log = args.decisions;
-    cfg.validate().context("simulation config")?;
+    validate(&cfg)?;
 
     let mut config = json!({
         "mode": "sim",
@@ -478,13 +501,8 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
                 );
             }
         };
-        let run = simulate(
-            &cfg,
-            *kind,
-            rows(&args.trace, args.model.window_s)?,
-            &mut progress,
-        )
-        .with_context(|| format!("simulating {name}"))?;
+        let run = simulate(&cfg, *kind, rows(&args.trace, &args.model)?, &mut progress)
+            .with_context(|| format!("simulating {name}"))?;
         let wall_s = started.elapsed().as_secs_f64();
         let c = &run.counters;
         // Summary gossip sent per node per second of virtual time (frames as the live
@@ -523,7 +541,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         write_decisions(&args.out.join("decisions.jsonl"), &runs)?;
     }
     let gap = oracle_gap(&report.results);
-    let floors = gorgo_sim::floor::request_floors(&cfg, rows(&args.trace, args.model.window_s)?)
+    let floors = gorgo_sim::floor::request_floors(&cfg, rows(&args.trace, &args.model)?)
         .context("computing the latency floor")?;
     let floor = gorgo_sim::floor::summarize_floors(&floors);
     write_floors(&args.out.join("floor.csv"), &floors)?;

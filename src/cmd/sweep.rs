@@ -66,11 +66,8 @@ pub struct SweepArgs {
 /// Requests in the selected part of the trace and its mean arrival rate, requests/s.
 pub fn trace_rate(path: &Path, model: &SimModelArgs) -> anyhow::Result<(u64, f64)> {
     let (mut n, mut first, mut last) = (0u64, u64::MAX, 0u64);
-    for row in rows(path, model.window_s)? {
+    for row in rows(path, model)? {
         let row = row.with_context(|| format!("--trace {}", path.display()))?;
-        if model.max_requests.is_some_and(|m| n >= m) {
-            break;
-        }
         n += 1;
         first = first.min(row.timestamp_ms);
         last = last.max(row.timestamp_ms);
@@ -126,6 +123,12 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
         bail!("--e2e-slo-ms must be positive");
     }
     let policies = parse_policies(&args.policies)?;
+    // Every simulator flag, checked before any run: a live sweep also simulates (the
+    // latency floor), and would otherwise find a bad flag after all its live runs.
+    if args.live {
+        live_replicas(&args.model)?;
+    }
+    let model = args.model.config()?;
     let (requests, rate) = trace_rate(&args.trace, &args.model)?;
     let scales = time_scales(&args, rate)?;
     let slo = Slo {
@@ -154,11 +157,8 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     let mut sweep = Sweep::new(config, rate, slo, points);
     // The floor has no queue, so one computation serves every load.
     sweep.floor = Some(
-        gorgo_sim::floor::latency_floor(
-            &args.model.config()?,
-            rows(&args.trace, args.model.window_s)?,
-        )
-        .context("computing the latency floor")?,
+        gorgo_sim::floor::latency_floor(&model, rows(&args.trace, &args.model)?)
+            .context("computing the latency floor")?,
     );
     sweep
         .write(&args.out)
@@ -196,7 +196,7 @@ fn simulated(
     let runs = simulate_jobs(
         &jobs,
         &args.trace,
-        args.model.window_s,
+        &args.model,
         args.jobs,
         requests,
         !args.no_progress,
@@ -226,13 +226,13 @@ pub struct SimJob {
     pub kind: PolicyKind,
 }
 
-/// Run `jobs` on the trace (`window_s` selects its rows), `threads` at a time, under
-/// one progress bar over all simulated requests (`requests` per job); runs come back in
-/// job order. Shared by `gorgo sweep` and `gorgo tune-offline`.
+/// Run `jobs` on the trace (the rows `model` selects: [`rows`]), `threads` at a time,
+/// under one progress bar over all simulated requests (`requests` per job); runs come
+/// back in job order. Shared by `gorgo sweep` and `gorgo tune-offline`.
 pub fn simulate_jobs(
     jobs: &[SimJob],
     trace: &Path,
-    window_s: Option<f64>,
+    model: &SimModelArgs,
     threads: usize,
     requests: u64,
     progress: bool,
@@ -264,7 +264,7 @@ pub fn simulate_jobs(
                     bar.inc(p.finished.saturating_sub(seen));
                     seen = seen.max(p.finished);
                 };
-                let result = rows(trace, window_s).and_then(|rows| {
+                let result = rows(trace, model).and_then(|rows| {
                     simulate(&job.cfg, job.kind, rows, &mut progress).with_context(|| {
                         format!("simulating {} at x{}", job.kind, job.cfg.time_scale)
                     })
@@ -326,6 +326,21 @@ fn unknown_where_censored(r: &mut Results) {
     }
 }
 
+/// `--replicas` of a live sweep: what `gorgo up --replicas` takes (1 to 16), checked
+/// where the simulator's `usize` becomes the clusters' `u16` (70000 must not wrap to
+/// 4464).
+fn live_replicas(model: &SimModelArgs) -> anyhow::Result<u16> {
+    u16::try_from(model.replicas)
+        .ok()
+        .filter(|r| (1..=16).contains(r))
+        .with_context(|| {
+            format!(
+                "--replicas {}: a live sweep runs 1 to 16 engines per region (`gorgo up --replicas`)",
+                model.replicas
+            )
+        })
+}
+
 fn live(
     args: &SweepArgs,
     policies: &[PolicyKind],
@@ -357,7 +372,7 @@ fn live(
             out: out.clone(),
             sequential: false,
             engine_profile: m.engine_profile.clone(),
-            replicas: m.replicas as u16,
+            replicas: live_replicas(m)?,
             // The live nodes read the limit from their emulators, as the simulated
             // ones are given it.
             engine_max_running: None,

@@ -5,6 +5,8 @@ use std::io::{BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
+
+use gorgo_files::AtomicFile;
 use gorgo_workload::generate::zipf_weights;
 use gorgo_workload::{
     open_trace, slice_window, spread_ties, GeneratorConfig, JsonlWriter, StatsAccumulator,
@@ -46,7 +48,8 @@ struct StatsArgs {
 struct ConvertArgs {
     /// Input trace file.
     input: PathBuf,
-    /// Output JSONL file (`-` for stdout).
+    /// Output JSONL file (`-` for stdout); written whole or not at all, so it may be
+    /// the input itself.
     #[arg(long)]
     out: PathBuf,
     /// Input format: mooncake, art, azure, gorgo (default: detect).
@@ -131,12 +134,49 @@ fn open(path: &Path, format: Option<TraceFormat>) -> anyhow::Result<TraceReader<
     Ok(reader)
 }
 
-fn create(path: &Path) -> anyhow::Result<Box<dyn Write>> {
-    if path.as_os_str() == "-" {
-        return Ok(Box::new(BufWriter::new(std::io::stdout().lock())));
+/// Where a converted or generated trace goes: stdout, or a file written whole or not
+/// at all ([`AtomicFile`]: the input of `convert F --out F` is read to its end before
+/// it is replaced, never truncated under the reader).
+enum Output {
+    Stdout(BufWriter<std::io::StdoutLock<'static>>),
+    File(AtomicFile, PathBuf),
+}
+
+impl Output {
+    fn create(path: &Path) -> anyhow::Result<Self> {
+        if path.as_os_str() == "-" {
+            return Ok(Output::Stdout(BufWriter::new(std::io::stdout().lock())));
+        }
+        let file =
+            AtomicFile::create(path).with_context(|| format!("create {}", path.display()))?;
+        Ok(Output::File(file, path.to_path_buf()))
     }
-    let file = File::create(path).with_context(|| format!("create {}", path.display()))?;
-    Ok(Box::new(BufWriter::new(file)))
+
+    /// Flush, and put a file output in place.
+    fn commit(self) -> anyhow::Result<()> {
+        match self {
+            Output::Stdout(mut out) => out.flush().context("writing to stdout"),
+            Output::File(file, path) => file
+                .commit()
+                .with_context(|| format!("writing {}", path.display())),
+        }
+    }
+}
+
+impl Write for Output {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Output::Stdout(out) => out.write(buf),
+            Output::File(file, _) => file.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Output::Stdout(out) => out.flush(),
+            Output::File(file, _) => file.flush(),
+        }
+    }
 }
 
 fn stats(a: StatsArgs) -> anyhow::Result<()> {
@@ -167,7 +207,7 @@ fn convert(a: ConvertArgs) -> anyhow::Result<()> {
         .map(|d| seconds_to_ms("duration", d))
         .transpose()?;
     let reader = open(&a.input, a.format)?;
-    let mut out = JsonlWriter::new(create(&a.out)?);
+    let mut out = JsonlWriter::new(Output::create(&a.out)?);
     let mut n = 0u64;
     if a.spread_ties {
         let mut all = reader
@@ -188,7 +228,7 @@ fn convert(a: ConvertArgs) -> anyhow::Result<()> {
             n += 1;
         }
     }
-    out.finish()?;
+    out.finish()?.commit()?;
     eprintln!("wrote {n} requests to {}", a.out.display());
     Ok(())
 }
@@ -239,7 +279,9 @@ fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         cfg.output_tokens = v;
     }
     let requests = gorgo_workload::generate(&cfg)?;
-    let n = gorgo_workload::write_jsonl(create(&a.out)?, &requests)?;
+    let mut out = Output::create(&a.out)?;
+    let n = gorgo_workload::write_jsonl(&mut out, &requests)?;
+    out.commit()?;
     eprintln!("wrote {n} requests to {}", a.out.display());
     if a.stats {
         print!(

@@ -89,7 +89,7 @@ pub fn run(args: TuneOfflineArgs) -> anyhow::Result<()> {
     }
     let mut base = args.model.config()?;
     base.time_scale = args.time_scale;
-    base.validate().context("simulation config")?;
+    super::sim::validate(&base)?;
     let default = args.policy.default_weights();
     let mut grid: Vec<Weights> = args
         .rtt_grid
@@ -119,7 +119,7 @@ pub fn run(args: TuneOfflineArgs) -> anyhow::Result<()> {
     let runs = simulate_jobs(
         &jobs,
         &args.trace,
-        args.model.window_s,
+        &args.model,
         args.jobs,
         requests,
         !args.no_progress,

@@ -3,10 +3,13 @@
 //! topology), and per region a `gorgo engine` emulator and a `gorgo node`,
 //! all on the loopback plan of `gorgo_netem::plan_cluster`.
 //!
-//! All children share one process group whose id, with every pid, is written
-//! to `<run-dir>/pids.json`; stopping is SIGTERM to the group, then SIGKILL to
-//! whatever is left after a grace period. `<run-dir>/cluster.json` tells
-//! clients (and `gorgo bench`) where each region is.
+//! All children share one process group whose id, with every pid and the
+//! arguments it was started with, is written to `<run-dir>/pids.json`. Stopping
+//! goes in order (`stop_in_order`): the nodes first (SIGTERM: each drains, and its
+//! requests in flight finish on engines and relays that are still up), then the
+//! engines and the relays, each step SIGKILLing what is left after its grace.
+//! `gorgo down` signals only a pid whose command line is still the one recorded.
+//! `<run-dir>/cluster.json` tells clients (and `gorgo bench`) where each region is.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -27,8 +30,16 @@ use gorgo_node::config::{
 use gorgo_node::{NodeConfig, ValidatedConfig};
 use serde::{Deserialize, Serialize};
 
-/// How long stopping waits for SIGTERM to work before SIGKILL.
+/// How long stopping waits for SIGTERM to stop the engines and relays before SIGKILL
+/// (and a node, on `gorgo restart`, four times this).
 const STOP_GRACE: Duration = Duration::from_secs(10);
+/// How long past its drain deadline (`limits.drain_timeout_ms`, 30 s unless its config
+/// says otherwise) a stopped node may take to exit before SIGKILL: after draining,
+/// `gorgo node` waits up to 5 s to leave the cluster and 10 s for its tasks.
+const NODE_EXIT_MARGIN: Duration = Duration::from_secs(15);
+/// The longest wait for the nodes to stop, whatever their drain deadline: with
+/// `STOP_GRACE` after it, `gorgo down` takes at most 70 s.
+const NODE_STOP_MAX: Duration = Duration::from_secs(60);
 /// How often readiness and child liveness are polled while starting.
 const POLL_EVERY: Duration = Duration::from_millis(200);
 
@@ -218,13 +229,71 @@ struct PidsFile {
     processes: Vec<PidEntry>,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+/// One process of `pids.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct PidEntry {
     name: String,
     pid: u32,
-    /// The arguments it was started with (`gorgo restart` starts it again with them).
+    /// The arguments it was started with (`gorgo restart` starts it again with them,
+    /// and they tell whether the pid is still that process: [`PidEntry::is_running`]).
     #[serde(default)]
     args: Vec<String>,
+}
+
+impl PidEntry {
+    /// Whether the process recorded here still runs: its pid is alive and its command
+    /// line is `gorgo` with the recorded arguments. A stale `pids.json` (after a
+    /// reboot, or a `gorgo up` that was SIGKILLed) can name pids that other processes
+    /// have by now: those must be neither signalled nor taken for a running cluster.
+    /// An entry without arguments (an older `gorgo up`) cannot be checked: not running.
+    fn is_running(&self) -> bool {
+        if self.args.is_empty() || !pid_alive(self.pid) {
+            return false;
+        }
+        let Ok(cmdline) = std::fs::read(format!("/proc/{}/cmdline", self.pid)) else {
+            return false;
+        };
+        // NUL-separated, with a trailing NUL: the program, then its arguments.
+        let mut words = cmdline.split(|&b| b == 0);
+        if cmdline.last() == Some(&0) {
+            words.next_back();
+        }
+        words.next();
+        words.eq(self.args.iter().map(String::as_bytes))
+    }
+
+    /// Whether the process of this entry was started as a node (`node-<region>`).
+    fn is_node(&self) -> bool {
+        self.name.starts_with("node-")
+    }
+}
+
+impl PidsFile {
+    /// The entries whose process still runs ([`PidEntry::is_running`]); each other
+    /// entry whose pid is alive is named on stderr: that process is left alone.
+    fn running(&self, path: &Path) -> Vec<PidEntry> {
+        let (running, other): (Vec<&PidEntry>, Vec<&PidEntry>) =
+            self.processes.iter().partition(|p| p.is_running());
+        for p in other.iter().filter(|p| pid_alive(p.pid)) {
+            eprintln!(
+                "warning: {}: pid {} ({}) is not the process recorded there any more \
+                 (its command line differs): left alone",
+                path.display(),
+                p.pid,
+                p.name
+            );
+        }
+        running.into_iter().cloned().collect()
+    }
+
+    /// The process group to signal, only while one of `running` is still in it: a
+    /// group id outlives no member, so it cannot be another's group then.
+    fn group_of(&self, running: &[PidEntry]) -> Option<u32> {
+        running
+            .iter()
+            .any(|p| process_group(p.pid) == Some(self.pgid))
+            .then_some(self.pgid)
+    }
 }
 
 /// Arguments of `gorgo restart`.
@@ -316,9 +385,7 @@ impl Children {
                 })
                 .collect(),
         };
-        let path = self.run_dir.join("pids.json");
-        std::fs::write(&path, serde_json::to_vec_pretty(&pids)?)
-            .with_context(|| format!("writing {}", path.display()))
+        write_pids(&self.run_dir.join("pids.json"), &pids)
     }
 
     /// The first child that has exited, with its status.
@@ -331,29 +398,25 @@ impl Children {
             })
     }
 
-    /// SIGTERM the group, wait for every child, SIGKILL stragglers.
+    /// Stop every child in order ([`stop_in_order`]) and reap them.
     fn stop(&mut self) {
-        if let Some(pgid) = self.pgid {
-            signal_group(pgid, "TERM");
+        // Only children not reaped yet: a reaped child's pid may be another's already.
+        let running: Vec<PidEntry> = self
+            .children
+            .iter_mut()
+            .filter_map(|(name, c, args)| {
+                matches!(c.try_wait(), Ok(None)).then(|| PidEntry {
+                    name: name.clone(),
+                    pid: c.id(),
+                    args: args.clone(),
+                })
+            })
+            .collect();
+        for name in stop_in_order(&running, self.pgid) {
+            eprintln!("{name} did not stop on SIGTERM; killed it");
         }
-        let deadline = Instant::now() + STOP_GRACE;
-        for (name, child, _) in &mut self.children {
-            loop {
-                match child.try_wait() {
-                    Ok(Some(_)) | Err(_) => break,
-                    Ok(None) if Instant::now() >= deadline => {
-                        eprintln!("{name} did not stop on SIGTERM; killing it");
-                        let _ = child.kill();
-                        let _ = child.wait();
-                        break;
-                    }
-                    Ok(None) => std::thread::sleep(Duration::from_millis(50)),
-                }
-            }
-        }
-        if let Some(pgid) = self.pgid {
-            // Anything the children left in the group.
-            signal_group(pgid, "KILL");
+        for (_, child, _) in &mut self.children {
+            let _ = child.wait();
         }
         let _ = std::fs::remove_file(self.run_dir.join("pids.json"));
         self.armed = false;
@@ -366,6 +429,68 @@ impl Drop for Children {
             self.stop();
         }
     }
+}
+
+/// Write `pids.json` whole or not at all: `gorgo down` and the next `gorgo up` read it.
+fn write_pids(path: &Path, pids: &PidsFile) -> anyhow::Result<()> {
+    gorgo_files::write_atomic(path, &serde_json::to_vec_pretty(pids)?)
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// Stop `procs` in order, so that no request in flight is cut: every node first
+/// (SIGTERM: it drains, and its requests in flight finish on the engines and relays,
+/// still up), waiting up to the longest drain deadline of their configs plus
+/// [`NODE_EXIT_MARGIN`], at most [`NODE_STOP_MAX`], then SIGKILL; then the engines
+/// and relays (SIGTERM, [`STOP_GRACE`], SIGKILL); last, SIGKILL to the group `pgid`
+/// for anything the children left in it. Returns the names that needed SIGKILL.
+fn stop_in_order(procs: &[PidEntry], pgid: Option<u32>) -> Vec<String> {
+    let (nodes, rest): (Vec<&PidEntry>, Vec<&PidEntry>) = procs.iter().partition(|p| p.is_node());
+    let node_wait = nodes
+        .iter()
+        .map(|p| node_drain_deadline(&p.args) + NODE_EXIT_MARGIN)
+        .max()
+        .unwrap_or_default()
+        .min(NODE_STOP_MAX);
+    let mut killed = stop_all(&nodes, node_wait);
+    killed.extend(stop_all(&rest, STOP_GRACE));
+    if let Some(pgid) = pgid {
+        signal_group(pgid, "KILL");
+    }
+    killed
+}
+
+/// The drain deadline of the node started with `args` (`node --config F`): its
+/// config's `limits.drain_timeout_ms`, or the default where the config cannot be read.
+fn node_drain_deadline(args: &[String]) -> Duration {
+    let config = args
+        .iter()
+        .position(|a| a == "--config")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|p| NodeConfig::load(Path::new(p)).ok());
+    let ms = config.map_or_else(
+        || LimitsSection::default().drain_timeout_ms,
+        |c| c.limits.drain_timeout_ms,
+    );
+    Duration::from_millis(ms)
+}
+
+/// SIGTERM every one of `procs`, wait up to `grace` for them all to exit, SIGKILL the
+/// rest: their names.
+fn stop_all(procs: &[&PidEntry], grace: Duration) -> Vec<String> {
+    for p in procs {
+        signal_pid(p.pid, "TERM");
+    }
+    // `grace` is bounded by the constants above: no overflow.
+    let deadline = Instant::now() + grace;
+    while procs.iter().any(|p| pid_alive(p.pid)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut killed = Vec::new();
+    for p in procs.iter().filter(|p| pid_alive(p.pid)) {
+        signal_pid(p.pid, "KILL");
+        killed.push(p.name.clone());
+    }
+    killed
 }
 
 /// Sends a signal to a process group with the system `kill` (this crate has
@@ -390,6 +515,14 @@ fn signal_pid(pid: u32, signal: &str) {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status();
+}
+
+/// The process group of a live process (`/proc/<pid>/stat`'s fifth field).
+fn process_group(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the parenthesised command name: state, ppid, pgrp.
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().nth(2)?.parse().ok()
 }
 
 /// Whether a process is alive (a zombie counts as gone).
@@ -622,6 +755,21 @@ fn tuning_section(
             .validate()
             .map_err(|e| anyhow::anyhow!("--tuning-start {},{}: {e}", w.w_rtt, w.w_queue))?;
     }
+    // Every value checked here, naming the flag, before anything starts (the node
+    // config's check would name the config's field, after the relays have started).
+    tuning.es.validate().map_err(|e| {
+        let flag = match &e {
+            gorgo_core::CoreError::InvalidConfig { field, .. } => match field.as_str() {
+                "window_requests" => "--tuning-window",
+                "min_samples" => "--tuning-min-samples",
+                "window_max_ms" => "--tuning-window-ms",
+                "w_rtt" | "w_queue" => "--tuning-start",
+                _ => "--tuning*",
+            },
+            _ => "--tuning*",
+        };
+        anyhow::anyhow!("{flag}: {e}")
+    })?;
     if tuning.es.mode == TuningMode::TuneThenFreeze {
         // Relative: resolved against the config's directory, the run directory.
         tuning.learned_weights_out = Some(format!("learned-weights-{region}.json").into());
@@ -653,6 +801,82 @@ fn log_tail(run_dir: &Path, name: &str) -> String {
     lines[lines.len().saturating_sub(15)..].join("\n")
 }
 
+/// Ctrl-C or SIGTERM to `gorgo up`, caught from before its first child starts to the
+/// end: the children are in a process group of their own (a terminal's Ctrl-C reaches
+/// `gorgo up` alone), so a signal that killed `gorgo up` while it starts them would
+/// leave every one running.
+struct Interrupt {
+    /// Sent once, on the first signal.
+    signalled: std::sync::mpsc::Receiver<()>,
+    /// Whether that signal was taken already.
+    seen: std::cell::Cell<bool>,
+    /// Runs the signal handlers' task on a thread of its own.
+    _runtime: tokio::runtime::Runtime,
+}
+
+impl Interrupt {
+    /// Install the handlers: from here on the signals no longer kill the process.
+    fn install() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{signal, SignalKind};
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .context("starting the tokio runtime")?;
+        // Installed here, before returning: not when the task first runs.
+        let (mut int, mut term) = {
+            let _in = runtime.enter();
+            (
+                signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
+                signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
+            )
+        };
+        let (tx, signalled) = std::sync::mpsc::channel();
+        runtime.spawn(async move {
+            tokio::select! {
+                _ = int.recv() => {}
+                _ = term.recv() => {}
+            }
+            let _ = tx.send(());
+        });
+        Ok(Interrupt {
+            signalled,
+            seen: std::cell::Cell::new(false),
+            _runtime: runtime,
+        })
+    }
+
+    /// Wait up to `timeout` for a signal (none: just look); whether one has come.
+    fn wait(&self, timeout: Duration) -> bool {
+        if !self.seen.get() {
+            let got = match self.signalled.recv_timeout(timeout) {
+                Ok(()) => true,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => false,
+                // The task ended without sending: its handler failed; treat as a stop.
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => true,
+            };
+            self.seen.set(got);
+        }
+        self.seen.get()
+    }
+
+    /// An error if a signal has come (the caller's `Children` then stop on drop).
+    fn check(&self, starting: &str) -> anyhow::Result<()> {
+        if self.wait(Duration::ZERO) {
+            bail!("interrupted while starting {starting}: stopping what was started");
+        }
+        Ok(())
+    }
+}
+
+/// The instant `secs` seconds from now, for flag `flag`: a flag error, not an
+/// overflow panic, where it is too far to represent.
+fn deadline_in(flag: &str, secs: u64) -> anyhow::Result<Instant> {
+    Instant::now()
+        .checked_add(Duration::from_secs(secs))
+        .with_context(|| format!("{flag} {secs}: too large"))
+}
+
 /// Starts the cluster; see the module docs.
 pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     let topology = Topology::from_file(&args.topology)?;
@@ -668,6 +892,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("--policy: {e}"))?;
     // The `--tuning*` flags, checked before anything is started.
     tuning_section(&args, "check", policy)?;
+    deadline_in("--ready-timeout-s", args.ready_timeout_s)?;
     let engine_kind: EngineKind = args.engine_kind.parse().context("--engine-kind")?;
     for (flag, value, zero_ok) in [
         ("--engine-t-p-ms", args.engine_t_p_ms, false),
@@ -683,10 +908,20 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
 
     std::fs::create_dir_all(args.run_dir.join("logs"))
         .with_context(|| format!("creating {}", args.run_dir.display()))?;
-    let run_dir = std::fs::canonicalize(&args.run_dir)?;
-    if let Ok(text) = std::fs::read_to_string(run_dir.join("pids.json")) {
-        if let Ok(pids) = serde_json::from_str::<PidsFile>(&text) {
-            if pids.processes.iter().any(|p| pid_alive(p.pid)) {
+    let run_dir = std::fs::canonicalize(&args.run_dir)
+        .with_context(|| format!("resolving --run-dir {}", args.run_dir.display()))?;
+    let pids_path = run_dir.join("pids.json");
+    match std::fs::read_to_string(&pids_path) {
+        Ok(text) => {
+            // Written whole or not at all (`write_pids`): one that does not parse was
+            // not written by `gorgo up`, and may still stand for a running cluster.
+            let pids: PidsFile = serde_json::from_str(&text).with_context(|| {
+                format!(
+                    "parsing {}; remove it if no cluster runs from there",
+                    pids_path.display()
+                )
+            })?;
+            if !pids.running(&pids_path).is_empty() {
                 bail!(
                     "a cluster is already running from {}; run `gorgo down --run-dir {}` first",
                     run_dir.display(),
@@ -694,6 +929,8 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
                 );
             }
         }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("reading {}", pids_path.display())),
     }
     let _ = std::fs::remove_file(run_dir.join("cluster.json"));
     taken_addresses_refused(&plan)?;
@@ -708,6 +945,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     gorgo_cluster::write_cluster_certs(&certs, &ids, gorgo_cluster::NODE_CERT_DAYS)
         .with_context(|| format!("writing certificates to {}", certs.display()))?;
 
+    let interrupt = Interrupt::install()?;
     let mut children = Children {
         run_dir: run_dir.clone(),
         pgid: None,
@@ -773,6 +1011,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
                         0 => format!("engine-{}", r.name),
                         k => format!("engine-{}-{k}", r.name),
                     };
+                    interrupt.check(&name)?;
                     children.spawn(&name, &engine_args)?;
                     engine_sections.push(section);
                 }
@@ -800,6 +1039,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         )?;
         let text = format!("# Generated by `gorgo up`.\n{}", config.to_toml_string()?);
         write_secret(&config_path, text.as_bytes())?;
+        interrupt.check(&format!("node-{}", r.name))?;
         children.spawn(
             &format!("node-{}", r.name),
             &[
@@ -817,8 +1057,9 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         });
     }
 
-    // Ready: every node answers /readyz with 200, and no child has died.
-    let deadline = Instant::now() + Duration::from_secs(args.ready_timeout_s);
+    // Ready: every node answers /readyz with 200, and no child has died; a signal
+    // stops the wait (and, as `children` drops, every child).
+    let deadline = deadline_in("--ready-timeout-s", args.ready_timeout_s)?;
     let mut waiting: Vec<&str> = plan.regions.iter().map(|r| r.name.as_str()).collect();
     while !waiting.is_empty() {
         if let Some((name, status)) = children.exited() {
@@ -843,7 +1084,12 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
                 run_dir.join("logs").display()
             );
         }
-        std::thread::sleep(POLL_EVERY);
+        if interrupt.wait(POLL_EVERY) {
+            bail!(
+                "interrupted while waiting for {} to be ready: stopping the cluster",
+                waiting.join(", ")
+            );
+        }
     }
 
     let cluster = ClusterInfo {
@@ -884,25 +1130,14 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!("running; Ctrl-C to stop");
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("starting the tokio runtime")?;
-    let died = runtime.block_on(async {
-        let mut poll = tokio::time::interval(Duration::from_millis(500));
-        let signal = super::netem::wait_for_shutdown_signal();
-        tokio::pin!(signal);
-        loop {
-            tokio::select! {
-                r = &mut signal => { r?; return Ok::<_, anyhow::Error>(None); }
-                _ = poll.tick() => {
-                    if let Some(exited) = children.exited() {
-                        return Ok(Some(exited));
-                    }
-                }
-            }
+    let died = loop {
+        if interrupt.wait(Duration::from_millis(500)) {
+            break None;
         }
-    })?;
+        if let Some(exited) = children.exited() {
+            break Some(exited);
+        }
+    };
     eprintln!("stopping the cluster");
     children.stop();
     if let Some((name, status)) = died {
@@ -919,6 +1154,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
 /// process group, records the new pid in `pids.json` (so `gorgo down` stops it) and,
 /// for a node or an engine emulator, waits until it answers (`/readyz`, `/health`).
 pub fn run_restart(args: RestartArgs) -> anyhow::Result<()> {
+    deadline_in("--ready-timeout-s", args.ready_timeout_s)?;
     let pids_path = args.run_dir.join("pids.json");
     let text = std::fs::read_to_string(&pids_path)
         .with_context(|| format!("reading {} (is a cluster running?)", pids_path.display()))?;
@@ -941,7 +1177,7 @@ pub fn run_restart(args: RestartArgs) -> anyhow::Result<()> {
         );
     }
     let name = entry.name.clone();
-    if pid_alive(entry.pid) {
+    if entry.is_running() {
         signal_pid(entry.pid, if args.kill { "KILL" } else { "TERM" });
         // A node drains before it exits: allow its drain deadline and then some.
         let deadline = Instant::now() + STOP_GRACE * 4;
@@ -955,8 +1191,14 @@ pub fn run_restart(args: RestartArgs) -> anyhow::Result<()> {
                 std::thread::sleep(Duration::from_millis(20));
             }
         }
+    } else if pid_alive(entry.pid) {
+        eprintln!(
+            "warning: pid {} is not {name} any more (its command line differs): left alone",
+            entry.pid
+        );
     }
-    let run_dir = std::fs::canonicalize(&args.run_dir)?;
+    let run_dir = std::fs::canonicalize(&args.run_dir)
+        .with_context(|| format!("resolving --run-dir {}", args.run_dir.display()))?;
     wait_for_ports(&entry.args);
     // Join the cluster's group if it still exists; otherwise a group of its own (its
     // pid is recorded either way, and `gorgo down` signals pids too).
@@ -964,7 +1206,7 @@ pub fn run_restart(args: RestartArgs) -> anyhow::Result<()> {
         .or_else(|_| spawn_child(&run_dir, &name, &entry.args, None, true))?;
     entry.pid = child.id();
     let pid = entry.pid;
-    write_secret(&pids_path, &serde_json::to_vec_pretty(&pids)?)?;
+    write_pids(&pids_path, &pids)?;
     if let Some(region) = name.strip_prefix("node-") {
         let cluster: ClusterInfo = serde_json::from_str(
             &std::fs::read_to_string(run_dir.join("cluster.json"))
@@ -1011,7 +1253,7 @@ fn wait_answering(
     (addr, path): (SocketAddr, &str),
     timeout_s: u64,
 ) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(timeout_s);
+    let deadline = deadline_in("--ready-timeout-s", timeout_s)?;
     while http_status(addr, path) != Some(200) {
         if !pid_alive(pid) {
             bail!(
@@ -1064,7 +1306,9 @@ fn wait_for_ports(args: &[String]) {
     }
 }
 
-/// Stops a cluster started with `gorgo up --detach`.
+/// Stops a cluster started with `gorgo up --detach`, in order ([`stop_in_order`]):
+/// the processes of `pids.json` that are still the ones recorded there; a pid that is
+/// another process by now is named and left alone.
 pub fn run_down(args: DownArgs) -> anyhow::Result<()> {
     let pids_path = args.run_dir.join("pids.json");
     let text = match std::fs::read_to_string(&pids_path) {
@@ -1077,33 +1321,22 @@ pub fn run_down(args: DownArgs) -> anyhow::Result<()> {
     };
     let pids: PidsFile =
         serde_json::from_str(&text).with_context(|| format!("parsing {}", pids_path.display()))?;
-    signal_group(pids.pgid, "TERM");
-    for p in &pids.processes {
-        // Children that left the group still get asked.
-        if pid_alive(p.pid) {
-            signal_pid(p.pid, "TERM");
-        }
-    }
-    let deadline = Instant::now() + STOP_GRACE;
-    while pids.processes.iter().any(|p| pid_alive(p.pid)) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let mut killed = Vec::new();
-    for p in &pids.processes {
-        if pid_alive(p.pid) {
-            signal_pid(p.pid, "KILL");
-            killed.push(p.name.as_str());
-        }
-    }
-    signal_group(pids.pgid, "KILL");
+    let running = pids.running(&pids_path);
+    let killed = stop_in_order(&running, pids.group_of(&running));
     std::fs::remove_file(&pids_path)
         .with_context(|| format!("removing {}", pids_path.display()))?;
+    let left = pids.processes.len() - running.len();
+    let gone = if left > 0 {
+        format!("; {left} of its {} were gone", pids.processes.len())
+    } else {
+        String::new()
+    };
     if killed.is_empty() {
-        println!("stopped {} processes", pids.processes.len());
+        println!("stopped {} processes{gone}", running.len());
     } else {
         println!(
-            "stopped {} processes ({} needed SIGKILL: {})",
-            pids.processes.len(),
+            "stopped {} processes ({} needed SIGKILL: {}){gone}",
+            running.len(),
             killed.len(),
             killed.join(", ")
         );

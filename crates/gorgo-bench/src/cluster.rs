@@ -130,25 +130,50 @@ pub fn parse_region_urls(list: &str) -> Result<Vec<(String, String)>, BenchError
     Ok(pairs)
 }
 
-/// Cap on one admin response read by [`fetch_tuning`], bytes: a larger one is skipped
-/// once this much of it has been read.
+/// Cap on one admin response read by [`fetch_tuning`] and [`fetch_states`], bytes: a
+/// larger one is skipped once this much of it has been read.
 const MAX_ADMIN_RESPONSE: usize = 16 << 20;
 
 /// Every node's `GET /admin/tuning` view, with the node's region name. Nodes that do
 /// not answer are skipped: tuning records are a bonus to the report, not a condition.
 async fn fetch_tuning_views(info: &ClusterInfo) -> Vec<(String, serde_json::Value)> {
+    fetch_admin_views(info, "/admin/tuning")
+        .await
+        .into_iter()
+        .filter_map(|(region, view)| view.map(|v| (region, v)))
+        .collect()
+}
+
+/// Every node's `GET /admin/state` (docs/node.md), by region, in cluster order: `None`
+/// for a region without an admin URL or whose node did not answer. `gorgo bench
+/// --policy` reads `allow_policy_header` and `policy` from it.
+pub async fn fetch_states(info: &ClusterInfo) -> Vec<(String, Option<serde_json::Value>)> {
+    fetch_admin_views(info, "/admin/state").await
+}
+
+/// Every node's JSON answer to `GET <admin>/<route>` with the cluster's admin token,
+/// by region: `None` where there is no admin URL, no answer, or no JSON.
+async fn fetch_admin_views(
+    info: &ClusterInfo,
+    route: &str,
+) -> Vec<(String, Option<serde_json::Value>)> {
     let Ok(client) = crate::client::build_client(
         std::time::Duration::from_secs(5),
         std::time::Duration::from_secs(10),
     ) else {
-        return Vec::new();
+        return info
+            .regions
+            .iter()
+            .map(|r| (r.name.clone(), None))
+            .collect();
     };
     let mut views = Vec::new();
     for region in &info.regions {
         let Some(admin) = &region.admin_url else {
+            views.push((region.name.clone(), None));
             continue;
         };
-        let url = format!("{}/admin/tuning", admin.trim_end_matches('/'));
+        let url = format!("{}{route}", admin.trim_end_matches('/'));
         let mut req = client.get(&url);
         if let Some(token) = &info.admin_token {
             req = req.bearer_auth(token);
@@ -165,13 +190,10 @@ async fn fetch_tuning_views(info: &ClusterInfo) -> Vec<(String, serde_json::Valu
             }
             _ => None,
         };
-        let Some(body) = body else {
-            tracing::debug!(%url, "no tuning view");
-            continue;
-        };
-        let Ok(view) = serde_json::from_slice::<serde_json::Value>(&body) else {
-            continue;
-        };
+        let view = body.and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+        if view.is_none() {
+            tracing::debug!(%url, "no admin view");
+        }
         views.push((region.name.clone(), view));
     }
     views

@@ -1,43 +1,13 @@
-//! From trace records to replay items: window slicing, home-region assignment and the
-//! lazy request-body builder.
+//! From trace records to replay items: rebasing, the context clamp, home-region
+//! assignment and the lazy request-body builder. Which requests a run replays is
+//! `gorgo_workload::select_requests`, shared with the simulator.
 
-use std::path::Path;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use gorgo_workload::TraceRequest;
 
 use crate::replay::{BodyBuilder, ReplayItem};
-use crate::BenchError;
-
-/// Read the requests of `path` with `timestamp < window_s` (all when `None`), at most
-/// `max_requests` of them, sorted by arrival. A malformed line stops with its number.
-pub fn load_trace(
-    path: &Path,
-    window_s: Option<f64>,
-    max_requests: Option<usize>,
-) -> Result<Vec<TraceRequest>, BenchError> {
-    let trace_err = |e: gorgo_workload::WorkloadError| BenchError::Trace {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    };
-    let reader = gorgo_workload::open_trace(path).map_err(trace_err)?;
-    let limit_ms = window_s.map(|w| w * 1000.0);
-    let mut out = Vec::new();
-    for row in reader {
-        let req = row.map_err(trace_err)?;
-        if limit_ms.is_some_and(|l| req.timestamp_ms as f64 >= l) {
-            // Traces are (nearly) sorted; keep reading in case a few rows are not.
-            continue;
-        }
-        out.push(req);
-    }
-    out.sort_by_key(|r| r.timestamp_ms);
-    if let Some(n) = max_requests {
-        out.truncate(n);
-    }
-    Ok(out)
-}
 
 /// Rebase timestamps so the first request arrives at 0 (a window cut from the middle
 /// of a trace would otherwise start with idle time).

@@ -38,6 +38,10 @@ pub const NODE_CERT_DAYS: u32 = 365;
 /// typo).
 pub const MAX_NODE_CERT_DAYS: u32 = 36_500;
 
+/// The name of the CA's files in a certificate directory (`ca.pem`, `ca.key`), beside
+/// each node's `<id>.pem` and `<id>.key`: no node may have it as its id.
+const CA_FILE_STEM: &str = "ca";
+
 /// Paths of a node's TLS material on disk, as written by `gorgo certs`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -313,6 +317,11 @@ impl ClusterCa {
 /// later join the cluster the earlier ones trust, or a new one where there is none.
 /// Each certificate is valid for `days` days. Returns the [`TlsFiles`] of each node,
 /// in order.
+///
+/// A node named `ca` is refused, naming it: its `ca.pem` and `ca.key` would
+/// overwrite the CA's own (every node then fails its handshakes with `UnknownIssuer`,
+/// and the CA key is lost). So is a node listed twice (its second certificate would
+/// replace the first).
 pub fn write_cluster_certs(
     out: &Path,
     nodes: &[NodeId],
@@ -324,12 +333,27 @@ pub fn write_cluster_certs(
             reason: "empty".into(),
         });
     }
-    for n in nodes {
+    for (i, n) in nodes.iter().enumerate() {
         validate_node_id(n)?;
+        if n.0 == CA_FILE_STEM {
+            return Err(ClusterError::Config {
+                field: "nodes",
+                reason: format!(
+                    "node id `{n}`: its certificate would overwrite the cluster CA's \
+                     ({CA_FILE_STEM}.pem, {CA_FILE_STEM}.key); pick another id"
+                ),
+            });
+        }
+        if nodes[..i].contains(n) {
+            return Err(ClusterError::Config {
+                field: "nodes",
+                reason: format!("node id `{n}` is listed twice"),
+            });
+        }
     }
     std::fs::create_dir_all(out)?;
-    let ca_path = out.join("ca.pem");
-    let key_path = out.join("ca.key");
+    let ca_path = out.join(format!("{CA_FILE_STEM}.pem"));
+    let key_path = out.join(format!("{CA_FILE_STEM}.key"));
     let ca = match (ca_path.exists(), key_path.exists()) {
         (false, false) => {
             let ca = ClusterCa::generate("gorgo cluster CA")?;
@@ -523,6 +547,34 @@ mod tests {
         assert!(
             write_cluster_certs(dir.path(), &[NodeId::from("Bad Name")], NODE_CERT_DAYS).is_err()
         );
+    }
+
+    /// A node named `ca` would write its certificate and key over the CA's, and a node
+    /// listed twice would be issued twice: both refused, naming the id, before anything
+    /// is written.
+    #[test]
+    fn a_node_named_like_the_ca_or_listed_twice_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = write_cluster_certs(
+            dir.path(),
+            &[NodeId::from("ca"), NodeId::from("us")],
+            NODE_CERT_DAYS,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("`ca`") && err.contains("CA"), "{err}");
+        assert!(!dir.path().join("ca.pem").exists(), "nothing written");
+        let err = write_cluster_certs(
+            dir.path(),
+            &[NodeId::from("us"), NodeId::from("eu"), NodeId::from("us")],
+            NODE_CERT_DAYS,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("`us`") && err.contains("twice"), "{err}");
+        assert!(!dir.path().join("us.pem").exists(), "nothing written");
+        // `ca` inside a longer id is any other id.
+        write_cluster_certs(dir.path(), &[NodeId::from("ca-central")], NODE_CERT_DAYS).unwrap();
     }
 
     /// Adding a node later (`gorgo certs --out certs --nodes d` into the directory of

@@ -5,75 +5,122 @@
 //! learned-weights file all go through it.
 
 use std::ffi::OsString;
-use std::io::{self, Write};
+use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// A file written to a temporary path beside its destination and not yet in place:
-/// [`Staged::commit`] renames it over the destination. Dropped uncommitted (an error
-/// staging or committing another file of the same report), it removes its temporary
-/// file, so the destination keeps its old content and no stray file is left.
+/// A file being written to a temporary path beside its destination: written through
+/// [`Write`] (a large output streams, it is not held in memory), then
+/// [`AtomicFile::commit`] renames it over the destination. Dropped uncommitted (an
+/// error on the way, or another file of the same report failing), it removes its
+/// temporary file, so the destination keeps its old content and no stray file is left.
+/// An output that is also the input (`gorgo trace convert F --out F`) is thus read
+/// whole before it is replaced. Where the destination is a symbolic link, the file it
+/// points to is replaced, not the link.
 #[derive(Debug)]
-#[must_use = "a staged file is removed unless committed"]
-pub struct Staged {
+#[must_use = "an atomic file is removed unless committed"]
+pub struct AtomicFile {
     tmp: PathBuf,
     path: PathBuf,
+    /// Open until [`AtomicFile::finish`].
+    file: Option<BufWriter<std::fs::File>>,
     committed: bool,
 }
 
-/// Write `contents` to a temporary file beside `path` (flushed to disk) without
-/// touching `path`: the first half of [`write_atomic`], for writers of several files
-/// that stage them all before replacing any.
-pub fn stage(path: &Path, contents: &[u8]) -> io::Result<Staged> {
-    // Two writes in one process (two in-process nodes, two reports) never share a
-    // temporary file; the process id keeps concurrent processes apart.
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let name = path.file_name().ok_or_else(|| {
-        io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("{}: not a file name", path.display()),
-        )
-    })?;
-    // A dot file, so a listing or a glob of the directory does not pick it up.
-    let mut tmp_name = OsString::from(".");
-    tmp_name.push(name);
-    tmp_name.push(format!(
-        ".{}.{}.tmp",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    ));
-    let staged = Staged {
-        tmp: path.with_file_name(tmp_name),
-        path: path.to_path_buf(),
-        committed: false,
-    };
-    let mut f = std::fs::File::create(&staged.tmp)?;
-    f.write_all(contents)?;
-    f.sync_all()?;
-    Ok(staged)
-}
+impl AtomicFile {
+    /// Start writing `path` (its directory must exist).
+    pub fn create(path: &Path) -> io::Result<Self> {
+        // Two writes in one process (two in-process nodes, two reports) never share a
+        // temporary file; the process id keeps concurrent processes apart.
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        // Through a link to the file it names: renaming over the link would replace
+        // the link and leave its target as it was.
+        let path = match std::fs::canonicalize(path) {
+            Ok(p) => p,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => path.to_path_buf(),
+            Err(e) => return Err(e),
+        };
+        let name = path.file_name().ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{}: not a file name", path.display()),
+            )
+        })?;
+        // A dot file, so a listing or a glob of the directory does not pick it up.
+        let mut tmp_name = OsString::from(".");
+        tmp_name.push(name);
+        tmp_name.push(format!(
+            ".{}.{}.tmp",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let tmp = path.with_file_name(tmp_name);
+        let file = std::fs::File::create(&tmp)?;
+        Ok(AtomicFile {
+            tmp,
+            path,
+            file: Some(BufWriter::new(file)),
+            committed: false,
+        })
+    }
 
-impl Staged {
     /// The destination this file replaces.
     pub fn path(&self) -> &Path {
         &self.path
     }
 
-    /// Rename the temporary file over the destination.
+    /// Flush the temporary file to disk and close it (once; a no-op after).
+    fn finish(&mut self) -> io::Result<()> {
+        if let Some(mut file) = self.file.take() {
+            file.flush()?;
+            file.get_ref().sync_all()?;
+        }
+        Ok(())
+    }
+
+    /// Put the file in place of the old one.
     pub fn commit(mut self) -> io::Result<()> {
+        self.finish()?;
         std::fs::rename(&self.tmp, &self.path)?;
         self.committed = true;
         Ok(())
     }
+
+    fn open(&mut self) -> io::Result<&mut BufWriter<std::fs::File>> {
+        self.file
+            .as_mut()
+            .ok_or_else(|| io::Error::other("written after it was finished"))
+    }
 }
 
-impl Drop for Staged {
+impl Write for AtomicFile {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.open()?.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.open()?.flush()
+    }
+}
+
+impl Drop for AtomicFile {
     fn drop(&mut self) {
         if !self.committed {
             // Best effort: the write already failed, and that error is the one to report.
+            drop(self.file.take());
             let _ = std::fs::remove_file(&self.tmp);
         }
     }
+}
+
+/// Write `contents` to a temporary file beside `path` (flushed to disk) without
+/// touching `path`: the first half of [`write_atomic`], for writers of several files
+/// that stage them all before replacing any.
+pub fn stage(path: &Path, contents: &[u8]) -> io::Result<AtomicFile> {
+    let mut file = AtomicFile::create(path)?;
+    file.write_all(contents)?;
+    file.finish()?;
+    Ok(file)
 }
 
 /// Replace `path` with `contents` atomically: a reader sees the old file or the new
@@ -114,5 +161,40 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names.len(), 2, "{names:?}");
+    }
+
+    /// A reader that opened the old file reads it whole after the write (a truncating
+    /// write would have emptied it under the reader); the new content is in place, no
+    /// temporary file is left, and a write through a link replaces its target.
+    #[test]
+    fn an_atomic_write_replaces_the_file_and_never_truncates_it() {
+        use std::io::Read as _;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pids.json");
+        std::fs::write(&path, "old and whole").unwrap();
+        let mut reader = std::fs::File::open(&path).unwrap();
+        write_atomic(&path, b"new").unwrap();
+        let mut old = String::new();
+        reader.read_to_string(&mut old).unwrap();
+        assert_eq!(old, "old and whole");
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "new");
+        let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(names.len(), 1, "{names:?}");
+
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&path, &link).unwrap();
+        write_atomic(&link, b"through the link").unwrap();
+        assert!(std::fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "through the link");
+
+        // Dropped without a commit: the old file stays, and nothing is left beside it.
+        let mut f = AtomicFile::create(&path).unwrap();
+        std::io::Write::write_all(&mut f, b"half").unwrap();
+        drop(f);
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "through the link");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
     }
 }

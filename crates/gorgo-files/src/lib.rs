@@ -7,5 +7,5 @@
 mod atomic;
 mod read;
 
-pub use atomic::{remove_stale, stage, write_atomic, Staged};
+pub use atomic::{remove_stale, stage, write_atomic, AtomicFile};
 pub use read::read_capped;

@@ -197,6 +197,9 @@ async fn admin_state(State(state): State<Arc<NodeState>>) -> Response {
         "peers": state.peers.peers(),
         "weights": *state.weights.read(),
         "policy": state.config.routing.policy,
+        // Whether a client's `x-gorgo-policy` is honoured: `gorgo bench --policy`
+        // checks it rather than label a run with a policy the node ignored.
+        "allow_policy_header": state.config.routing.allow_policy_header,
         "max_hops": state.config.routing.max_hops,
         "tuning": {
             "mode": state.tuning.mode(),

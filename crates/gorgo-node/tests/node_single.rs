@@ -180,6 +180,11 @@ async fn the_policy_header_is_honoured_only_when_the_config_allows_it() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 200, "ignored by default");
+    // `/admin/state` says so (`gorgo bench --policy` reads it).
+    assert_eq!(
+        admin_json(&node, "/admin/state").await["allow_policy_header"],
+        false
+    );
     node.shutdown.cancel();
 
     let node = start_node(
@@ -199,6 +204,10 @@ async fn the_policy_header_is_honoured_only_when_the_config_allows_it() {
         .await
         .unwrap();
     assert_eq!(error_of(resp).await.0, 400, "unknown policy header");
+    assert_eq!(
+        admin_json(&node, "/admin/state").await["allow_policy_header"],
+        true
+    );
     node.shutdown.cancel();
 }
 

@@ -224,6 +224,16 @@ impl GeneratorConfig {
         if self.regions.is_empty() {
             return bad("regions", "needs at least one region");
         }
+        // A region twice would be two regions of one name to the replay and the
+        // simulator, which key everything by name.
+        if let Some((i, _)) = self
+            .regions
+            .iter()
+            .enumerate()
+            .find(|(i, r)| self.regions[..*i].contains(r))
+        {
+            return bad("regions", &format!("`{}` is listed twice", self.regions[i]));
+        }
         if self.region_weights.len() != self.regions.len()
             || self
                 .region_weights
@@ -577,7 +587,8 @@ mod tests {
     }
 
     /// A generator config that would write rows its own reader refuses (an input over
-    /// the trace limit), or sample from a median of zero, is refused naming the field.
+    /// the trace limit), sample from a median of zero, or name a region twice, is
+    /// refused naming the field.
     #[test]
     fn configs_past_what_a_trace_row_holds_are_refused() {
         for (cfg, field) in [
@@ -608,6 +619,15 @@ mod tests {
                     ..Default::default()
                 },
                 "tokens_per_block",
+            ),
+            (
+                GeneratorConfig {
+                    regions: vec!["a".into(), "b".into(), "a".into()],
+                    region_weights: vec![1.0; 3],
+                    region_utc_offsets_h: vec![0.0; 3],
+                    ..Default::default()
+                },
+                "`a` is listed twice",
             ),
         ] {
             let e = cfg.validate().unwrap_err().to_string();

@@ -28,7 +28,7 @@ pub use read::{detect_format, open_trace, TraceFormat, TraceReader};
 pub use record::{BlockIds, TraceRequest};
 pub use stats::{LengthSummary, StatsAccumulator, TraceStats};
 pub use ties::spread_ties;
-pub use window::slice_window;
+pub use window::{select_requests, slice_window};
 pub use write::{write_jsonl, JsonlWriter};
 
 /// Convenience alias for this crate's results.
