@@ -59,7 +59,10 @@ def main(out: Path) -> None:
     with open(out / "floor.csv", newline="") as f:
         for row in csv.DictReader(f):
             floors[row["request_id"]] = row
-    floor_p95 = nearest_rank(sorted(float(r["ttft_floor_ms"]) for r in floors.values()), 95)
+    # The floor of what an engine can serve, as the policies' p95 counts (the column
+    # is absent in floor.csv files written before it existed: every row then counts).
+    floor_p95 = nearest_rank(sorted(float(r["ttft_floor_ms"]) for r in floors.values()
+                                    if r.get("servable", "true") == "true"), 95)
     by_policy = {}
     with open(out / "requests.csv", newline="") as f:
         for row in csv.DictReader(f):

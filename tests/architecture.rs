@@ -32,7 +32,12 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ),
     (
         "gorgo-bench",
-        &["gorgo-core", "gorgo-workload", "gorgo-report"],
+        &[
+            "gorgo-core",
+            "gorgo-workload",
+            "gorgo-report",
+            "gorgo-files",
+        ],
     ),
     (
         "gorgo-sim",

@@ -432,22 +432,25 @@ fn write_decisions(path: &std::path::Path, runs: &[gorgo_sim::PolicyRun]) -> any
         out += &serde_json::to_string(line)?;
         out.push('\n');
     }
-    std::fs::write(path, out).with_context(|| format!("writing {}", path.display()))
+    gorgo_files::write_atomic(path, out.as_bytes())
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 /// `floor.csv`: each request's floor beside requests.csv (`request_id` joins them), so
 /// a policy's excess over what was possible can be taken apart per request
 /// (`scripts/floor_gap.py`).
 fn write_floors(path: &Path, floors: &[gorgo_sim::floor::RequestFloor]) -> anyhow::Result<()> {
-    let mut text =
-        String::from("request_id,ttft_floor_ms,e2e_floor_ms,prompt_tokens,cached_floor_tokens\n");
+    let mut text = String::from(
+        "request_id,ttft_floor_ms,e2e_floor_ms,prompt_tokens,cached_floor_tokens,servable\n",
+    );
     for f in floors {
         text.push_str(&format!(
-            "r{},{:.3},{:.3},{},{}\n",
-            f.index, f.ttft_ms, f.e2e_ms, f.prompt_tokens, f.cached_tokens
+            "r{},{:.3},{:.3},{},{},{}\n",
+            f.index, f.ttft_ms, f.e2e_ms, f.prompt_tokens, f.cached_tokens, f.servable
         ));
     }
-    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+    gorgo_files::write_atomic(path, text.as_bytes())
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 /// Run the simulation for every policy and write the report.

@@ -248,7 +248,7 @@ pub fn write_jsonl(path: &Path, lines: &[serde_json::Value]) -> std::io::Result<
         text += &l.to_string();
         text.push('\n');
     }
-    std::fs::write(path, text)
+    gorgo_files::write_atomic(path, text.as_bytes())
 }
 
 #[cfg(test)]

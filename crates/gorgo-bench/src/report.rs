@@ -354,7 +354,7 @@ fn write_runs(
         path: path.clone(),
         reason,
     })?;
-    std::fs::write(&path, csv).map_err(|source| BenchError::Io {
+    gorgo_files::write_atomic(&path, csv.as_bytes()).map_err(|source| BenchError::Io {
         path: path.clone(),
         source,
     })?;
@@ -367,7 +367,8 @@ fn write_runs(
         })?;
         table.push('\n');
         table.push_str(&note);
-        std::fs::write(&path, table).map_err(|source| BenchError::Io { path, source })?;
+        gorgo_files::write_atomic(&path, table.as_bytes())
+            .map_err(|source| BenchError::Io { path, source })?;
     }
     Ok(render_table(&report) + &note)
 }
