@@ -477,16 +477,19 @@ fn node_drain_deadline(args: &[String]) -> Duration {
 /// SIGTERM every one of `procs`, wait up to `grace` for them all to exit, SIGKILL the
 /// rest: their names.
 fn stop_all(procs: &[&PidEntry], grace: Duration) -> Vec<String> {
-    for p in procs {
+    for p in procs.iter().filter(|p| p.is_running()) {
         signal_pid(p.pid, "TERM");
     }
     // `grace` is bounded by the constants above: no overflow.
     let deadline = Instant::now() + grace;
-    while procs.iter().any(|p| pid_alive(p.pid)) && Instant::now() < deadline {
+    // Alive *and still the recorded process*: a pid that exited and was reused while
+    // another node drained (up to a minute) belongs to someone else, and is not waited
+    // for or killed.
+    while procs.iter().any(|p| p.is_running()) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(50));
     }
     let mut killed = Vec::new();
-    for p in procs.iter().filter(|p| pid_alive(p.pid)) {
+    for p in procs.iter().filter(|p| p.is_running()) {
         signal_pid(p.pid, "KILL");
         killed.push(p.name.clone());
     }
@@ -1381,6 +1384,32 @@ fn taken_addresses_refused(plan: &ClusterPlan) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A pid that is no longer the recorded process (reused by another) is neither
+    /// signalled nor waited for, at the start or at the deadline; the recorded one is
+    /// stopped.
+    #[test]
+    fn stop_all_signals_only_the_recorded_processes() {
+        let mut other = Command::new("sleep").arg("30").spawn().unwrap();
+        let stranger = PidEntry {
+            name: "node-a".into(),
+            pid: other.id(),
+            args: vec!["node".into(), "--config".into(), "a.toml".into()],
+        };
+        assert!(stop_all(&[&stranger], Duration::from_millis(200)).is_empty());
+        assert!(
+            matches!(other.try_wait(), Ok(None)),
+            "another process was signalled"
+        );
+        let mine = PidEntry {
+            name: "sleep".into(),
+            pid: other.id(),
+            args: vec!["30".into()],
+        };
+        assert!(mine.is_running());
+        stop_all(&[&mine], Duration::from_secs(30));
+        assert!(other.wait().is_ok());
+    }
 
     #[test]
     fn engine_urls_are_parsed_once_and_checked_against_the_topology() {

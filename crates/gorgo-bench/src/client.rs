@@ -269,7 +269,13 @@ async fn read_response(m: &mut Measured, resp: reqwest::Response, t0: Instant) {
         m.e2e_ms = Some(ms_since(t0));
         m.error
             .get_or_insert_with(|| "stream ended before [DONE]".into());
-    } else if m.error.is_none() && !ended {
+    }
+    // Before the drain: a stop while draining drops this future, and a stream that
+    // carried nothing must not then read as a request that completed.
+    if m.error.is_none() && m.ttft_ms.is_none() {
+        m.error = Some("stream carried no content".into());
+    }
+    if m.error.is_none() && !ended {
         // The exchange is over: drain what is left for a moment so the connection can
         // go back to the pool, but a body held open (or cut, or timed out) after
         // `[DONE]` never fails a request that finished. `DRAIN_GRACE` in all, not per
@@ -277,9 +283,6 @@ async fn read_response(m: &mut Measured, resp: reqwest::Response, t0: Instant) {
         // closed loop its worker's slot, until the request timeout.
         let until = tokio::time::Instant::now() + DRAIN_GRACE;
         while let Ok(Some(Ok(_))) = tokio::time::timeout_at(until, stream.next()).await {}
-    }
-    if m.error.is_none() && m.ttft_ms.is_none() {
-        m.error = Some("stream carried no content".into());
     }
 }
 
@@ -526,6 +529,13 @@ mod tests {
         assert!(stop.is_cancelled());
         assert_eq!(m.error, None);
         assert!(m.e2e_ms.unwrap() >= m.ttft_ms.unwrap());
+
+        // The same with nothing before `[DONE]`: not a completed request.
+        let stop = CancellationToken::new();
+        let resp = frames_then_stop(&[b"data: [DONE]\n\n"], stop.clone());
+        let mut m = Measured::default();
+        read_until_stopped(&mut m, resp, &stop).await;
+        assert_eq!(m.error.as_deref(), Some("stream carried no content"));
     }
 
     #[tokio::test]

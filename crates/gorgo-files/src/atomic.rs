@@ -25,21 +25,34 @@ pub struct AtomicFile {
     /// Open until [`AtomicFile::finish`].
     file: Option<BufWriter<std::fs::File>>,
     committed: bool,
+    /// Written straight into a destination that is not a regular file (`tmp` is the
+    /// destination): nothing to rename or remove.
+    in_place: bool,
 }
 
 impl AtomicFile {
-    /// Start writing `path` (its directory must exist).
+    /// Start writing `path` (its directory must exist). A destination that exists and
+    /// is not a regular file (`/dev/null`, `/dev/stdout` on a pipe, a FIFO) is written
+    /// in place: renaming over it would replace the device or pipe with a file, and
+    /// such a destination has no old content to keep whole.
     pub fn create(path: &Path) -> io::Result<Self> {
         // Two writes in one process (two in-process nodes, two reports) never share a
         // temporary file; the process id keeps concurrent processes apart.
         static NEXT: AtomicU64 = AtomicU64::new(0);
         // Through a link to the file it names: renaming over the link would replace
-        // the link and leave its target as it was.
-        let path = match std::fs::canonicalize(path) {
-            Ok(p) => p,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => path.to_path_buf(),
-            Err(e) => return Err(e),
-        };
+        // the link and leave its target as it was (a dangling link too: its target is
+        // created).
+        let path = resolve_links(path)?;
+        if std::fs::metadata(&path).is_ok_and(|m| !m.is_file()) {
+            let file = std::fs::OpenOptions::new().write(true).open(&path)?;
+            return Ok(AtomicFile {
+                tmp: path.clone(),
+                path,
+                file: Some(BufWriter::new(file)),
+                committed: false,
+                in_place: true,
+            });
+        }
         let name = path.file_name().ok_or_else(|| {
             io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -61,6 +74,7 @@ impl AtomicFile {
             path,
             file: Some(BufWriter::new(file)),
             committed: false,
+            in_place: false,
         })
     }
 
@@ -73,7 +87,10 @@ impl AtomicFile {
     fn finish(&mut self) -> io::Result<()> {
         if let Some(mut file) = self.file.take() {
             file.flush()?;
-            file.get_ref().sync_all()?;
+            if !self.in_place {
+                // A pipe or a device has nothing to sync (and some refuse it).
+                file.get_ref().sync_all()?;
+            }
         }
         Ok(())
     }
@@ -81,7 +98,9 @@ impl AtomicFile {
     /// Put the file in place of the old one.
     pub fn commit(mut self) -> io::Result<()> {
         self.finish()?;
-        std::fs::rename(&self.tmp, &self.path)?;
+        if !self.in_place {
+            std::fs::rename(&self.tmp, &self.path)?;
+        }
         self.committed = true;
         Ok(())
     }
@@ -105,12 +124,42 @@ impl Write for AtomicFile {
 
 impl Drop for AtomicFile {
     fn drop(&mut self) {
-        if !self.committed {
+        if !self.committed && !self.in_place {
             // Best effort: the write already failed, and that error is the one to report.
             drop(self.file.take());
             let _ = std::fs::remove_file(&self.tmp);
         }
     }
+}
+
+/// `path` with every symbolic link followed, a dangling last link to the path it
+/// names: what a write through the link must replace.
+fn resolve_links(path: &Path) -> io::Result<PathBuf> {
+    let mut path = path.to_path_buf();
+    // A bound on link chains, as the kernel's (40), so a loop is an error.
+    for _ in 0..40 {
+        match std::fs::canonicalize(&path) {
+            Ok(p) => return Ok(p),
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            Err(e) => match std::fs::read_link(&path) {
+                // A dangling link: follow it to the file it names, relative to its own
+                // directory.
+                Ok(target) => {
+                    path = match path.parent() {
+                        Some(dir) if target.is_relative() => dir.join(target),
+                        _ => target,
+                    };
+                }
+                // Not a link: a file not made yet.
+                Err(_) if std::fs::symlink_metadata(&path).is_err() => return Ok(path),
+                Err(_) => return Err(e),
+            },
+        }
+    }
+    Err(io::Error::other(format!(
+        "{}: too many levels of symbolic links",
+        path.display()
+    )))
 }
 
 /// Write `contents` to a temporary file beside `path` (flushed to disk) without
@@ -196,5 +245,42 @@ mod tests {
         drop(f);
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "through the link");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
+    }
+
+    /// A destination that is not a regular file is written in place, not replaced by
+    /// one (a FIFO's reader gets the bytes, `/dev/null` stays a device), and a dangling
+    /// link is followed to the file it names.
+    #[cfg(unix)]
+    #[test]
+    fn pipes_devices_and_dangling_links_are_written_through() {
+        use std::os::unix::fs::FileTypeExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        write_atomic(Path::new("/dev/null"), b"gone").unwrap();
+        assert!(std::fs::metadata("/dev/null")
+            .unwrap()
+            .file_type()
+            .is_char_device());
+
+        let fifo = dir.path().join("out.fifo");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        if made.is_ok_and(|s| s.success()) {
+            let path = fifo.clone();
+            let reader = std::thread::spawn(move || std::fs::read(path).unwrap());
+            write_atomic(&fifo, b"through the pipe").unwrap();
+            assert_eq!(reader.join().unwrap(), b"through the pipe");
+            assert!(std::fs::metadata(&fifo).unwrap().file_type().is_fifo());
+        }
+
+        let link = dir.path().join("dangling");
+        std::os::unix::fs::symlink("missing.json", &link).unwrap();
+        write_atomic(&link, b"made").unwrap();
+        assert!(std::fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        assert_eq!(
+            std::fs::read(dir.path().join("missing.json")).unwrap(),
+            b"made"
+        );
     }
 }

@@ -364,7 +364,13 @@ impl NodeState {
         for e in current.iter().filter(|e| !e.is_removing()) {
             match wanted.iter().find(|w| same(&w.url, &e.config.url)) {
                 None => {}
-                Some(w) if *w != e.config => {
+                // Settings other than the URL's spelling.
+                Some(w)
+                    if (config::EngineSection {
+                        url: e.config.url.clone(),
+                        ..w.clone()
+                    }) != e.config =>
+                {
                     tracing::warn!(replica = e.replica, url = %e.config.url, "reload: this engine's settings changed; restart the node to apply them");
                     continue;
                 }

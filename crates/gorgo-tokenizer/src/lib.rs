@@ -610,7 +610,7 @@ fn with_item(map: &Value, key: &str, value: Value) -> Option<Value> {
 /// joined string, which such a template would iterate character by character. vLLM
 /// looks for that loop in the template's syntax tree; this looks at each `{% for %}`
 /// statement of its source: the iterable, up to a filter, a condition or the end,
-/// ends in `content`.
+/// reads a `content` member (sliced, parenthesised or through `.get` too).
 fn loops_over_content(source: &str) -> bool {
     source.split("{%").skip(1).any(|block| {
         let statement = block.split("%}").next().unwrap_or("");
@@ -630,9 +630,26 @@ fn loops_over_content(source: &str) -> bool {
             .next()
             .unwrap_or("")
             .trim_end_matches(['-', '+']);
-        [".content", "['content']", "[\"content\"]"]
-            .iter()
-            .any(|end| iterable.ends_with(end))
+        // The member itself, sliced, parenthesised or through `.get` loops over the
+        // parts (`message['content'][1:]`, `(message.content)`,
+        // `message.get('content')`); one its value is only the start of
+        // (`message.content.split('\n')`, a string method) does not.
+        [
+            ".content",
+            "['content']",
+            "[\"content\"]",
+            ".get('content'",
+            ".get(\"content\"",
+        ]
+        .iter()
+        .any(|access| {
+            iterable.match_indices(access).any(|(at, _)| {
+                matches!(
+                    iterable[at + access.len()..].chars().next(),
+                    None | Some('[' | ')' | ',')
+                )
+            })
+        })
     })
 }
 

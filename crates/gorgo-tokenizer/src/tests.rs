@@ -462,6 +462,13 @@ fn a_template_that_loops_over_content_parts_gets_them() {
             false,
         ),
         ("{% for m in messages %}{{ m.content }}{% endfor %}", false),
+        ("{% for c in message['content'][1:] %}{% endfor %}", true),
+        ("{% for c in (message.content) %}{% endfor %}", true),
+        (
+            "{% for c in message.get('content', []) %}{% endfor %}",
+            true,
+        ),
+        ("{% for c in message.contents %}{% endfor %}", false),
         ("{{ 'for x in message.content' }}", false),
     ] {
         assert_eq!(loops_over_content(source), loops, "{source}");

@@ -28,6 +28,18 @@ pub fn select_requests(
     let limit_ms = window_s.map(|w| w * 1000.0);
     let selected = move |r: &TraceRequest| limit_ms.is_none_or(|l| (r.timestamp_ms as f64) < l);
     let max = max_requests.map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX));
+    let in_memory = |rows: Box<dyn Iterator<Item = Result<TraceRequest>>>| {
+        let mut rows = rows
+            .filter(|row| row.as_ref().map_or(true, selected))
+            .collect::<Result<Vec<_>>>()?;
+        rows.sort_by_key(|r| r.timestamp_ms);
+        rows.truncate(max);
+        Ok::<_, crate::WorkloadError>(Box::new(rows.into_iter().map(Ok)) as Box<_>)
+    };
+    // A pipe or other stream (`--trace <(zcat t.gz)`) can be read only once: into memory.
+    if !std::fs::metadata(path)?.is_file() {
+        return in_memory(Box::new(crate::open_trace(path)?));
+    }
     // First pass: are the selected rows in time order, and which row is the last one?
     let mut last: Option<u64> = None;
     let mut last_row = 0usize;
@@ -50,12 +62,7 @@ pub fn select_requests(
                 .take(max),
         ));
     }
-    let mut rows = reader
-        .filter(|row| row.as_ref().map_or(true, selected))
-        .collect::<Result<Vec<_>>>()?;
-    rows.sort_by_key(|r| r.timestamp_ms);
-    rows.truncate(max);
-    Ok(Box::new(rows.into_iter().map(Ok)))
+    in_memory(Box::new(reader))
 }
 
 /// Keep the requests arriving in `[start_ms, start_ms + duration_ms)` (no end when
@@ -139,6 +146,24 @@ mod tests {
             .map(|r| r.unwrap().input_tokens)
             .collect();
         assert_eq!(inputs, [101, 103, 100, 102]);
+    }
+
+    /// A trace read from a pipe (`--trace <(zcat t.gz)`) can be read once only: its
+    /// selection is the same as the file's.
+    #[cfg(unix)]
+    #[test]
+    fn a_trace_from_a_pipe_is_selected_as_its_file_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = trace(dir.path(), &[0, 500, 1000, 4000]);
+        let fifo = dir.path().join("pipe.jsonl");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        if !made.is_ok_and(|s| s.success()) {
+            return;
+        }
+        let (from, to) = (file.clone(), fifo.clone());
+        let writer = std::thread::spawn(move || std::fs::copy(from, to).unwrap());
+        assert_eq!(selection(&fifo, Some(2.0), None), [0, 500, 1000]);
+        writer.join().unwrap();
     }
 
     /// A malformed row stops the selection with its line number, before anything is
