@@ -16,6 +16,8 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -362,12 +364,16 @@ struct Children {
     pgid: Option<u32>,
     children: Vec<(String, Child, Vec<String>)>,
     armed: bool,
+    /// Where the children's process group is published for [`Interrupt`]'s second
+    /// signal (0 until the first child is started).
+    group: Arc<AtomicU32>,
 }
 
 impl Children {
     fn spawn(&mut self, name: &str, args: &[String]) -> anyhow::Result<()> {
         let child = spawn_child(&self.run_dir, name, args, self.pgid, false)?;
-        self.pgid.get_or_insert(child.id());
+        let pgid = *self.pgid.get_or_insert(child.id());
+        self.group.store(pgid, Ordering::Relaxed);
         self.children.push((name.to_owned(), child, args.to_vec()));
         self.write_pids()
     }
@@ -811,6 +817,8 @@ fn log_tail(run_dir: &Path, name: &str) -> String {
 struct Interrupt {
     /// Sent once, on the first signal.
     signalled: std::sync::mpsc::Receiver<()>,
+    /// The children's process group, which a second signal kills at once.
+    group: Arc<AtomicU32>,
     /// Whether that signal was taken already.
     seen: std::cell::Cell<bool>,
     /// Runs the signal handlers' task on a thread of its own.
@@ -835,15 +843,28 @@ impl Interrupt {
             )
         };
         let (tx, signalled) = std::sync::mpsc::channel();
+        let group = Arc::new(AtomicU32::new(0));
+        let children = group.clone();
         runtime.spawn(async move {
-            tokio::select! {
-                _ = int.recv() => {}
-                _ = term.recv() => {}
+            for nth in 0.. {
+                tokio::select! {
+                    _ = int.recv() => {}
+                    _ = term.recv() => {}
+                }
+                if nth == 0 {
+                    let _ = tx.send(());
+                    continue;
+                }
+                // A second signal while the first stop waits out the nodes' drains
+                // (up to a minute): the operator wants out now.
+                signal_group(children.load(Ordering::Relaxed), "KILL");
+                eprintln!("second signal: every child killed without waiting for drains");
+                std::process::exit(130);
             }
-            let _ = tx.send(());
         });
         Ok(Interrupt {
             signalled,
+            group,
             seen: std::cell::Cell::new(false),
             _runtime: runtime,
         })
@@ -954,6 +975,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         pgid: None,
         children: Vec::new(),
         armed: true,
+        group: interrupt.group.clone(),
     };
     children.spawn(
         "netem",
