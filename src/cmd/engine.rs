@@ -16,8 +16,10 @@ pub struct EngineArgs {
     /// Model name to report (default: the profile's model).
     #[arg(long)]
     pub model: Option<String>,
-    /// Prefix-cache block size over prompt bytes (64 bytes = 16 tokens).
-    #[arg(long, default_value_t = 64)]
+    /// Prefix-cache block size over prompt bytes (64 bytes = 16 tokens): a positive
+    /// multiple of 4, so that a block holds whole 4-byte tokens (the chain rounds a
+    /// partial token up, and 6-byte blocks would count a 24-byte prompt as 8 tokens).
+    #[arg(long, default_value_t = 64, value_parser = parse_block_bytes)]
     pub block_bytes: usize,
     /// Requests allowed to wait for admission; beyond it the emulator answers 503.
     /// At least 1: every request waits in the queue before admission, even on an
@@ -58,11 +60,6 @@ pub struct EngineArgs {
 pub fn run(args: EngineArgs) -> anyhow::Result<()> {
     super::init_tracing();
     let profile = Profile::by_name_or_file(&args.profile)?;
-    anyhow::ensure!(args.block_bytes > 0, "--block-bytes must be > 0");
-    anyhow::ensure!(
-        args.kv_events.is_none() || args.block_bytes.is_multiple_of(4),
-        "--block-bytes must be a multiple of 4 with --kv-events (blocks of whole tokens)"
-    );
     let mut config = EmulatorConfig::new(profile);
     config.model_name = args.model;
     config.block_bytes = args.block_bytes;
@@ -118,6 +115,19 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
     })
 }
 
+/// `--block-bytes`: refused unless a positive multiple of 4 (clap's error then names
+/// the flag), whatever other flags are given.
+fn parse_block_bytes(s: &str) -> Result<usize, String> {
+    let n: usize = s.parse().map_err(|e| format!("{e}"))?;
+    if n == 0 || !n.is_multiple_of(gorgo_core::hash::BYTES_PER_TOKEN) {
+        return Err(format!(
+            "must be a positive multiple of {} (blocks of whole tokens), got {n}",
+            gorgo_core::hash::BYTES_PER_TOKEN
+        ));
+    }
+    Ok(n)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -142,5 +152,17 @@ mod tests {
         // Zero output tokens is refused too, rather than quietly made 1.
         let e = parse(&["--default-max-tokens", "0"]).expect_err("0 is refused");
         assert!(e.to_string().contains("--default-max-tokens"), "{e}");
+    }
+
+    /// Blocks of partial tokens would round each block's count up: refused with or
+    /// without `--kv-events`.
+    #[test]
+    fn block_bytes_must_be_a_positive_multiple_of_4() {
+        for bad in ["6", "0", "x"] {
+            let e = parse(&["--block-bytes", bad]).expect_err(bad);
+            assert!(e.to_string().contains("--block-bytes"), "{bad}: {e}");
+        }
+        assert_eq!(parse(&["--block-bytes", "8"]).unwrap().block_bytes, 8);
+        assert_eq!(parse(&[]).unwrap().block_bytes, 64);
     }
 }
