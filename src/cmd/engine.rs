@@ -54,9 +54,15 @@ pub struct EngineArgs {
     /// here, e.g. `tcp://127.0.0.1:5558`.
     #[arg(long, requires = "kv_events")]
     pub kv_events_replay: Option<String>,
+    /// On Ctrl-C or SIGTERM, how long the requests in flight may take to finish
+    /// before the connections left are cut and the emulator exits, ms (a node's
+    /// default `limits.drain_timeout_ms`). A second signal stops at once.
+    #[arg(long, default_value_t = 30_000)]
+    pub drain_timeout_ms: u64,
 }
 
-/// Serve until Ctrl-C.
+/// Serve until Ctrl-C or SIGTERM (what `gorgo down` sends), then drain (see
+/// `--drain-timeout-ms`).
 pub fn run(args: EngineArgs) -> anyhow::Result<()> {
     super::init_tracing();
     let profile = Profile::by_name_or_file(&args.profile)?;
@@ -65,6 +71,7 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
     config.block_bytes = args.block_bytes;
     config.max_queue = args.max_queue;
     config.default_max_tokens = args.default_max_tokens;
+    config.drain_timeout = std::time::Duration::from_millis(args.drain_timeout_ms);
     if let Some(path) = &args.tokenizer {
         let tokenizer = gorgo_tokenizer::EngineTokenizer::load(
             path,
@@ -80,7 +87,7 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
         config.tokenizer = Some(std::sync::Arc::new(tokenizer));
     }
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
-    runtime.block_on(async move {
+    let served = runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await
             .with_context(|| format!("binding {}", args.listen))?;
@@ -89,8 +96,17 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
             profile = %config.profile.name,
             "engine emulator listening"
         );
-        let shutdown = async {
-            let _ = tokio::signal::ctrl_c().await;
+        let (first_signal, first_signal_rx) = tokio::sync::oneshot::channel::<()>();
+        let shutdown = async move {
+            signalled().await;
+            tracing::info!("draining");
+            let _ = first_signal.send(());
+        };
+        let second_signal = async move {
+            match first_signal_rx.await {
+                Ok(()) => signalled().await,
+                Err(_) => std::future::pending().await,
+            }
         };
         let kv_events = match &args.kv_events {
             None => None,
@@ -110,9 +126,25 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
                 Some(publisher)
             }
         };
-        gorgo_engine::serve_with_kv_events(listener, config, kv_events, shutdown).await?;
-        Ok(())
-    })
+        tokio::select! {
+            served = gorgo_engine::serve_with_kv_events(listener, config, kv_events, shutdown) => served?,
+            () = second_signal => tracing::warn!("second signal: stopping now"),
+        }
+        Ok::<_, anyhow::Error>(())
+    });
+    // Connections still open past the drain deadline (a client that stopped reading)
+    // are cut here: their tasks are dropped with the runtime.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    served
+}
+
+/// Resolves on Ctrl-C or SIGTERM. Where the handlers cannot be installed it never
+/// resolves: stopping at once would be worse than serving until killed.
+async fn signalled() {
+    if let Err(e) = super::netem::wait_for_shutdown_signal().await {
+        tracing::warn!(error = %e, "cannot wait for signals: serving until killed");
+        std::future::pending::<()>().await;
+    }
 }
 
 /// `--block-bytes`: refused unless a positive multiple of 4 (clap's error then names
