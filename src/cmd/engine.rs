@@ -16,8 +16,10 @@ pub struct EngineArgs {
     /// Model name to report (default: the profile's model).
     #[arg(long)]
     pub model: Option<String>,
-    /// Prefix-cache block size over prompt bytes (64 bytes = 16 tokens).
-    #[arg(long, default_value_t = 64)]
+    /// Prefix-cache block size over prompt bytes (64 bytes = 16 tokens): a positive
+    /// multiple of 4, so that a block holds whole 4-byte tokens (the chain rounds a
+    /// partial token up, and 6-byte blocks would count a 24-byte prompt as 8 tokens).
+    #[arg(long, default_value_t = 64, value_parser = parse_block_bytes)]
     pub block_bytes: usize,
     /// Requests allowed to wait for admission; beyond it the emulator answers 503.
     /// At least 1: every request waits in the queue before admission, even on an
@@ -52,22 +54,24 @@ pub struct EngineArgs {
     /// here, e.g. `tcp://127.0.0.1:5558`.
     #[arg(long, requires = "kv_events")]
     pub kv_events_replay: Option<String>,
+    /// On Ctrl-C or SIGTERM, how long the requests in flight may take to finish
+    /// before the connections left are cut and the emulator exits, ms (a node's
+    /// default `limits.drain_timeout_ms`). A second signal stops at once.
+    #[arg(long, default_value_t = 30_000)]
+    pub drain_timeout_ms: u64,
 }
 
-/// Serve until Ctrl-C.
+/// Serve until Ctrl-C or SIGTERM (what `gorgo down` sends), then drain (see
+/// `--drain-timeout-ms`).
 pub fn run(args: EngineArgs) -> anyhow::Result<()> {
     super::init_tracing();
     let profile = Profile::by_name_or_file(&args.profile)?;
-    anyhow::ensure!(args.block_bytes > 0, "--block-bytes must be > 0");
-    anyhow::ensure!(
-        args.kv_events.is_none() || args.block_bytes.is_multiple_of(4),
-        "--block-bytes must be a multiple of 4 with --kv-events (blocks of whole tokens)"
-    );
     let mut config = EmulatorConfig::new(profile);
     config.model_name = args.model;
     config.block_bytes = args.block_bytes;
     config.max_queue = args.max_queue;
     config.default_max_tokens = args.default_max_tokens;
+    config.drain_timeout = std::time::Duration::from_millis(args.drain_timeout_ms);
     if let Some(path) = &args.tokenizer {
         let tokenizer = gorgo_tokenizer::EngineTokenizer::load(
             path,
@@ -83,7 +87,7 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
         config.tokenizer = Some(std::sync::Arc::new(tokenizer));
     }
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
-    runtime.block_on(async move {
+    let served = runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await
             .with_context(|| format!("binding {}", args.listen))?;
@@ -92,8 +96,17 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
             profile = %config.profile.name,
             "engine emulator listening"
         );
-        let shutdown = async {
-            let _ = tokio::signal::ctrl_c().await;
+        let (first_signal, first_signal_rx) = tokio::sync::oneshot::channel::<()>();
+        let shutdown = async move {
+            signalled().await;
+            tracing::info!("draining");
+            let _ = first_signal.send(());
+        };
+        let second_signal = async move {
+            match first_signal_rx.await {
+                Ok(()) => signalled().await,
+                Err(_) => std::future::pending().await,
+            }
         };
         let kv_events = match &args.kv_events {
             None => None,
@@ -113,9 +126,38 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
                 Some(publisher)
             }
         };
-        gorgo_engine::serve_with_kv_events(listener, config, kv_events, shutdown).await?;
-        Ok(())
-    })
+        tokio::select! {
+            served = gorgo_engine::serve_with_kv_events(listener, config, kv_events, shutdown) => served?,
+            () = second_signal => tracing::warn!("second signal: stopping now"),
+        }
+        Ok::<_, anyhow::Error>(())
+    });
+    // Connections still open past the drain deadline (a client that stopped reading)
+    // are cut here: their tasks are dropped with the runtime.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    served
+}
+
+/// Resolves on Ctrl-C or SIGTERM. Where the handlers cannot be installed it never
+/// resolves: stopping at once would be worse than serving until killed.
+async fn signalled() {
+    if let Err(e) = super::netem::wait_for_shutdown_signal().await {
+        tracing::warn!(error = %e, "cannot wait for signals: serving until killed");
+        std::future::pending::<()>().await;
+    }
+}
+
+/// `--block-bytes`: refused unless a positive multiple of 4 (clap's error then names
+/// the flag), whatever other flags are given.
+fn parse_block_bytes(s: &str) -> Result<usize, String> {
+    let n: usize = s.parse().map_err(|e| format!("{e}"))?;
+    if n == 0 || !n.is_multiple_of(gorgo_core::hash::BYTES_PER_TOKEN) {
+        return Err(format!(
+            "must be a positive multiple of {} (blocks of whole tokens), got {n}",
+            gorgo_core::hash::BYTES_PER_TOKEN
+        ));
+    }
+    Ok(n)
 }
 
 #[cfg(test)]
@@ -142,5 +184,17 @@ mod tests {
         // Zero output tokens is refused too, rather than quietly made 1.
         let e = parse(&["--default-max-tokens", "0"]).expect_err("0 is refused");
         assert!(e.to_string().contains("--default-max-tokens"), "{e}");
+    }
+
+    /// Blocks of partial tokens would round each block's count up: refused with or
+    /// without `--kv-events`.
+    #[test]
+    fn block_bytes_must_be_a_positive_multiple_of_4() {
+        for bad in ["6", "0", "x"] {
+            let e = parse(&["--block-bytes", bad]).expect_err(bad);
+            assert!(e.to_string().contains("--block-bytes"), "{bad}: {e}");
+        }
+        assert_eq!(parse(&["--block-bytes", "8"]).unwrap().block_bytes, 8);
+        assert_eq!(parse(&[]).unwrap().block_bytes, 64);
     }
 }

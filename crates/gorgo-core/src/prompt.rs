@@ -337,6 +337,41 @@ impl<'a> CompletionsPrompt<'a> {
 }
 
 impl CompletionsPrompt<'_> {
+    /// How many prompts: 1 for a single prompt, the batch's length for a batch (0 for
+    /// an empty one).
+    pub fn len(&self) -> usize {
+        match self {
+            CompletionsPrompt::Text(_) | CompletionsPrompt::TokenIds(_) => 1,
+            CompletionsPrompt::TextBatch(prompts) => prompts.len(),
+            CompletionsPrompt::TokenIdBatch(prompts) => prompts.len(),
+        }
+    }
+
+    /// Whether this is a batch of no prompts (which engines refuse).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Each prompt's canonical bytes, as a request of that prompt alone renders them
+    /// (a string's bytes, 4 per token id). An engine serves a batch as one sequence
+    /// per prompt (vLLM and SGLang do), so the emulator prefills, caches and checks
+    /// each prompt on its own.
+    pub fn each_canonical(&self) -> Vec<Vec<u8>> {
+        let ids = |ids: &[u32]| {
+            let mut out = Vec::new();
+            render_token_ids(ids, &mut out);
+            out
+        };
+        match self {
+            CompletionsPrompt::Text(s) => vec![s.as_bytes().to_vec()],
+            CompletionsPrompt::TextBatch(prompts) => {
+                prompts.iter().map(|s| s.as_bytes().to_vec()).collect()
+            }
+            CompletionsPrompt::TokenIds(one) => vec![ids(one)],
+            CompletionsPrompt::TokenIdBatch(prompts) => prompts.iter().map(|p| ids(p)).collect(),
+        }
+    }
+
     /// For a batch, the canonical bytes of its longest prompt (a string's bytes, 4 per
     /// token id); `None` for one prompt, whose size is its whole canonical rendering.
     /// Engines check a batch against the context prompt by prompt (vLLM does), so a
@@ -547,6 +582,30 @@ mod tests {
         assert_eq!(longest(json!([1, 2, 3])), None);
         assert_eq!(longest(json!(["ab", "abcd", "a"])), Some(4));
         assert_eq!(longest(json!([[1], [2, 3]])), Some(8));
+    }
+
+    /// Each prompt of a batch renders as it would alone.
+    #[test]
+    fn a_batch_renders_prompt_by_prompt() {
+        let each = |prompt: Value| {
+            let body = json!({ "prompt": prompt });
+            let p = CompletionsPrompt::of_body(&body).unwrap();
+            assert_eq!(p.len(), p.each_canonical().len());
+            p.each_canonical()
+        };
+        let alone = |prompt: Value| {
+            canonicalize(Endpoint::Completions, &json!({ "prompt": prompt })).unwrap()
+        };
+        assert_eq!(each(json!("abc")), [alone(json!("abc"))]);
+        assert_eq!(
+            each(json!(["ab", "c"])),
+            [alone(json!("ab")), alone(json!("c"))]
+        );
+        assert_eq!(
+            each(json!([[1], [2, 3]])),
+            [alone(json!([1])), alone(json!([2, 3]))]
+        );
+        assert!(each(json!([])).is_empty());
     }
 
     fn h_tokens(bytes: &[u8]) -> u64 {

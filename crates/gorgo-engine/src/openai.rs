@@ -7,7 +7,7 @@
 
 use serde_json::{json, Value};
 
-use gorgo_core::prompt::{canonicalize, Endpoint};
+use gorgo_core::prompt::{canonicalize, CompletionsPrompt, Endpoint};
 
 /// A request validation failure, rendered as OpenAI's error JSON with status 400.
 #[derive(Debug, Clone, PartialEq)]
@@ -35,8 +35,9 @@ impl BadRequest {
 pub struct ParsedRequest {
     /// Which endpoint it came to.
     pub endpoint: Endpoint,
-    /// Canonical prompt bytes (tokens = bytes / 4, rounded up).
-    pub prompt: Vec<u8>,
+    /// Each prompt's canonical bytes (tokens = bytes / 4, rounded up): one, but one
+    /// per prompt for a completions batch, each served as a sequence of its own.
+    pub prompts: Vec<Vec<u8>>,
     /// Output tokens to produce.
     pub output_tokens: u32,
     /// `max_tokens` as asked (or the default): "length" if output reaches it.
@@ -66,7 +67,8 @@ fn positive_int(body: &Value, field: &'static str) -> Result<Option<u32>, BadReq
     }
 }
 
-/// Parse and validate a request body for `endpoint`.
+/// Parse and validate a request body for `endpoint`; a completions batch holds at
+/// most `max_prompts` prompts.
 ///
 /// Output length: `gorgo_output_tokens` (an extension, to replay a trace's
 /// `output_length`; capped by `max_tokens` when both are given) else `max_tokens`
@@ -76,6 +78,7 @@ pub fn parse(
     endpoint: Endpoint,
     body: &[u8],
     default_max_tokens: u32,
+    max_prompts: usize,
 ) -> Result<ParsedRequest, BadRequest> {
     let value: Value = serde_json::from_slice(body).map_err(|e| {
         BadRequest::new(
@@ -127,13 +130,15 @@ pub fn parse(
         },
         Endpoint::Completions => positive_int(&value, "max_tokens")?,
     };
-    // One choice per request: refuse what asks for more rather than answer with the
+    // One choice per prompt: refuse what asks for more rather than answer with the
     // wrong shape and load.
     for field in ["n", "best_of"] {
         if let Some(n) = positive_int(&value, field)? {
             if n != 1 {
                 return Err(BadRequest::new(
-                    format!("`{field}` must be 1: the emulator returns one choice, got {n}"),
+                    format!(
+                        "`{field}` must be 1: the emulator returns one choice per prompt, got {n}"
+                    ),
                     Some(field),
                 ));
             }
@@ -166,15 +171,33 @@ pub fn parse(
         .get("model")
         .and_then(Value::as_str)
         .map(str::to_owned);
-    let param = match endpoint {
-        Endpoint::Chat => "messages",
-        Endpoint::Completions => "prompt",
+    let prompts = match endpoint {
+        Endpoint::Chat => vec![canonicalize(endpoint, &value)
+            .map_err(|e| BadRequest::new(e.to_string(), Some("messages")))?],
+        Endpoint::Completions => {
+            let prompt = CompletionsPrompt::of_body(&value)
+                .map_err(|e| BadRequest::new(e.to_string(), Some("prompt")))?;
+            if prompt.is_empty() {
+                return Err(BadRequest::new(
+                    "`prompt` must not be an empty array",
+                    Some("prompt"),
+                ));
+            }
+            if prompt.len() > max_prompts {
+                return Err(BadRequest::new(
+                    format!(
+                        "`prompt` holds {} prompts; the emulator takes at most {max_prompts} in one batch",
+                        prompt.len()
+                    ),
+                    Some("prompt"),
+                ));
+            }
+            prompt.each_canonical()
+        }
     };
-    let prompt =
-        canonicalize(endpoint, &value).map_err(|e| BadRequest::new(e.to_string(), Some(param)))?;
     Ok(ParsedRequest {
         endpoint,
-        prompt,
+        prompts,
         output_tokens,
         max_tokens,
         stream,
@@ -249,8 +272,15 @@ impl ResponseMeta {
         }
     }
 
-    /// One SSE chunk carrying token text (`first` adds the assistant role on chat).
-    pub fn chunk(&self, text: &str, first: bool, finish_reason: Option<&str>) -> Value {
+    /// One SSE chunk carrying token text of choice `index` (`first` adds the
+    /// assistant role on chat).
+    pub fn chunk(
+        &self,
+        index: usize,
+        text: &str,
+        first: bool,
+        finish_reason: Option<&str>,
+    ) -> Value {
         let choice = match self.endpoint {
             Endpoint::Chat => {
                 let delta = match (first, finish_reason) {
@@ -258,10 +288,10 @@ impl ResponseMeta {
                     (true, None) => json!({"role": "assistant", "content": text}),
                     (false, None) => json!({"content": text}),
                 };
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason})
+                json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": finish_reason})
             }
             Endpoint::Completions => {
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason})
+                json!({"index": index, "text": text, "logprobs": null, "finish_reason": finish_reason})
             }
         };
         let mut v = json!({
@@ -289,25 +319,29 @@ impl ResponseMeta {
         })
     }
 
-    /// A whole non-streaming response.
-    pub fn full(&self, text: &str, finish_reason: &str, usage: Value) -> Value {
-        let choice = match self.endpoint {
-            Endpoint::Chat => json!({
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": null,
-                "finish_reason": finish_reason,
-            }),
-            Endpoint::Completions => json!({
-                "index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason,
-            }),
-        };
+    /// A whole non-streaming response: one choice per text, indexed in order.
+    pub fn full(&self, texts: &[String], finish_reason: &str, usage: Value) -> Value {
+        let choices: Vec<Value> = texts
+            .iter()
+            .enumerate()
+            .map(|(index, text)| match self.endpoint {
+                Endpoint::Chat => json!({
+                    "index": index,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": null,
+                    "finish_reason": finish_reason,
+                }),
+                Endpoint::Completions => json!({
+                    "index": index, "text": text, "logprobs": null, "finish_reason": finish_reason,
+                }),
+            })
+            .collect();
         json!({
             "id": self.id,
             "object": self.object(false),
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": choices,
             "usage": usage,
         })
     }
@@ -328,6 +362,7 @@ mod tests {
             Endpoint::Chat,
             br#"{"messages":[{"role":"user","content":"hi"}]}"#,
             128,
+            8,
         )
         .unwrap();
         assert_eq!((p.output_tokens, p.max_tokens, p.stream), (128, 128, false));
@@ -335,6 +370,7 @@ mod tests {
             Endpoint::Chat,
             br#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":10,"gorgo_output_tokens":4,"stream":true,"stream_options":{"include_usage":true}}"#,
             128,
+            8,
         )
         .unwrap();
         assert_eq!(
@@ -345,6 +381,7 @@ mod tests {
             Endpoint::Completions,
             br#"{"prompt":"abcd","gorgo_output_tokens":300}"#,
             16,
+            8,
         )
         .unwrap();
         assert_eq!((p.output_tokens, p.max_tokens), (300, 300));
@@ -352,18 +389,19 @@ mod tests {
 
     #[test]
     fn bad_input_names_the_param() {
-        let e = parse(Endpoint::Chat, b"{not json", 1).unwrap_err();
+        let e = parse(Endpoint::Chat, b"{not json", 1, 8).unwrap_err();
         assert_eq!(e.param, None);
-        let e = parse(Endpoint::Chat, br#"{"model":"m"}"#, 1).unwrap_err();
+        let e = parse(Endpoint::Chat, br#"{"model":"m"}"#, 1, 8).unwrap_err();
         assert_eq!(e.param, Some("messages"));
         let e = parse(
             Endpoint::Chat,
             br#"{"messages":[{"role":"user","content":"x"}],"max_tokens":-1}"#,
             1,
+            8,
         )
         .unwrap_err();
         assert_eq!(e.param, Some("max_tokens"));
-        let e = parse(Endpoint::Completions, br#"{"max_tokens":3}"#, 1).unwrap_err();
+        let e = parse(Endpoint::Completions, br#"{"max_tokens":3}"#, 1, 8).unwrap_err();
         assert_eq!(e.param, Some("prompt"));
     }
 
@@ -371,7 +409,7 @@ mod tests {
     fn more_than_one_choice_is_refused() {
         let chat = |extra: &str| {
             let body = format!(r#"{{"messages":[{{"role":"user","content":"x"}}]{extra}}}"#);
-            parse(Endpoint::Chat, body.as_bytes(), 1)
+            parse(Endpoint::Chat, body.as_bytes(), 1, 8)
         };
         let e = chat(r#","n":2"#).unwrap_err();
         assert_eq!(e.param, Some("n"));
@@ -380,8 +418,28 @@ mod tests {
         assert_eq!(chat(r#","n":"2""#).unwrap_err().param, Some("n"));
         assert!(chat(r#","n":1"#).is_ok());
         assert!(chat(r#","n":null"#).is_ok());
-        let e = parse(Endpoint::Completions, br#"{"prompt":"x","best_of":2}"#, 1).unwrap_err();
+        let e = parse(
+            Endpoint::Completions,
+            br#"{"prompt":"x","best_of":2}"#,
+            1,
+            8,
+        )
+        .unwrap_err();
         assert_eq!(e.param, Some("best_of"));
+    }
+
+    /// A completions batch is one prompt per element, each rendered as it would be
+    /// alone; an empty batch and one over the limit are refused naming `prompt`.
+    #[test]
+    fn a_batch_is_prompt_by_prompt_within_its_limit() {
+        let p = parse(Endpoint::Completions, br#"{"prompt":["ab","cd"]}"#, 1, 2).unwrap();
+        assert_eq!(p.prompts, [b"ab".to_vec(), b"cd".to_vec()]);
+        let p = parse(Endpoint::Completions, br#"{"prompt":[[1],[2]]}"#, 1, 2).unwrap();
+        assert_eq!(p.prompts.len(), 2);
+        for body in [&br#"{"prompt":["a","b","c"]}"#[..], br#"{"prompt":[]}"#] {
+            let e = parse(Endpoint::Completions, body, 1, 2).unwrap_err();
+            assert_eq!(e.param, Some("prompt"), "{}", e.message);
+        }
     }
 
     #[test]

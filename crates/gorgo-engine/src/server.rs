@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 use std::convert::Infallible;
-use std::future::Future;
+use std::future::{Future, IntoFuture};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -53,11 +53,16 @@ pub struct EmulatorConfig {
     /// engine does, instead of canonical bytes / 4: `usage.prompt_tokens`, the context
     /// check and the prefix cache (blocks of `block_bytes / 4` token ids) follow it.
     pub tokenizer: Option<Arc<gorgo_tokenizer::EngineTokenizer>>,
+    /// How long a shutdown waits for the requests in flight to finish before it cuts
+    /// the connections left: a client that stopped reading a stream must not keep
+    /// the emulator up forever.
+    pub drain_timeout: Duration,
 }
 
 impl EmulatorConfig {
     /// Defaults around `profile`: 64-byte blocks, queue limit 1024, 16 MiB bodies,
-    /// 128 output tokens by default (the paper's `max_tokens`).
+    /// 128 output tokens by default (the paper's `max_tokens`), a 30 s drain (a node's
+    /// default drain deadline).
     pub fn new(profile: Profile) -> Self {
         EmulatorConfig {
             profile,
@@ -67,7 +72,15 @@ impl EmulatorConfig {
             max_body_bytes: 16 << 20,
             default_max_tokens: 128,
             tokenizer: None,
+            drain_timeout: Duration::from_secs(30),
         }
+    }
+
+    /// Most prompts one completions batch may hold: each waits in the queue as a
+    /// request of its own, so a batch larger than the queue could never be admitted,
+    /// and beyond [`MAX_BATCH_PROMPTS`] one body would hold the engine alone.
+    fn max_batch_prompts(&self) -> usize {
+        self.max_queue.min(MAX_BATCH_PROMPTS)
     }
 
     fn model(&self) -> String {
@@ -77,6 +90,9 @@ impl EmulatorConfig {
     }
 }
 
+/// Most prompts in one completions batch, whatever the queue allows.
+pub const MAX_BATCH_PROMPTS: usize = 1024;
+
 /// What the driver tells one request's HTTP stream.
 #[derive(Debug)]
 enum Progress {
@@ -85,16 +101,28 @@ enum Progress {
     Done { output_tokens: u32 },
 }
 
+/// One sequence of a submission: a request's prompt, or one prompt of a completions
+/// batch (each its own engine request, as vLLM and SGLang serve a batch).
+struct Sequence {
+    req: EngineRequest,
+    /// The prompt's token ids, for the KV events (only when they are published).
+    token_ids: Option<Arc<[u32]>>,
+}
+
+/// What one request's stream hears: which choice (the prompt's index in its batch)
+/// and what happened to it.
+type ChoiceProgress = (usize, Progress);
+
 enum Command {
+    /// A request's sequences, admitted all or none (a batch that is half queued
+    /// could only be half answered).
     Submit {
-        req: EngineRequest,
-        /// When the handler started (the request head had arrived): the engine queues
-        /// by it, not by when the driver gets the command after the body was read,
-        /// parsed and hashed (that takes longer for larger prompts).
+        seqs: Vec<Sequence>,
+        /// When the handler had read the body: the engine queues by it, not by when
+        /// the driver gets the command after the body was parsed and hashed (that
+        /// takes longer for larger prompts).
         received: Instant,
-        /// The prompt's token ids, for the KV events (only when they are published).
-        token_ids: Option<Arc<[u32]>>,
-        progress: mpsc::UnboundedSender<Progress>,
+        progress: mpsc::UnboundedSender<ChoiceProgress>,
         reply: oneshot::Sender<Result<(), RejectReason>>,
     },
     Abort {
@@ -115,7 +143,9 @@ struct AppState {
     kv_events: bool,
 }
 
-/// Serve the emulator on `listener` until `shutdown` resolves (then drain connections).
+/// Serve the emulator on `listener` until `shutdown` resolves, then drain: no new
+/// connections, the requests in flight finish, for at most
+/// [`EmulatorConfig::drain_timeout`]; past it the connections left are cut.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     config: EmulatorConfig,
@@ -133,6 +163,7 @@ pub async fn serve_with_kv_events(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), EngineError> {
     let (commands, rx) = mpsc::unbounded_channel();
+    let drain_timeout = config.drain_timeout;
     let mut engine = Engine::new(config.profile.clone());
     engine.set_max_waiting(Some(config.max_queue));
     engine.set_record_cache_changes(kv_events.is_some());
@@ -155,11 +186,34 @@ pub async fn serve_with_kv_events(
         // Tokens go out one small SSE chunk at a time: never wait for Nagle.
         let _ = tcp.set_nodelay(true);
     });
-    let result = axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await;
+    let (stopping, stopped) = oneshot::channel::<()>();
+    let server = axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            shutdown.await;
+            let _ = stopping.send(());
+        })
+        .into_future();
+    let deadline = async move {
+        match stopped.await {
+            Ok(()) => tokio::time::sleep(drain_timeout).await,
+            // The server ended by itself: its own result decides.
+            Err(_) => std::future::pending().await,
+        }
+    };
+    let result = tokio::select! {
+        result = server => result.map_err(EngineError::Serve),
+        () = deadline => {
+            tracing::warn!(
+                deadline_s = drain_timeout.as_secs_f64(),
+                "drain deadline passed: cutting the connections left"
+            );
+            Ok(())
+        }
+    };
+    // Without the driver, every stream still open ends at once (an error event); the
+    // connection tasks go with the runtime.
     driver.abort();
-    result.map_err(EngineError::Serve)
+    result
 }
 
 fn router(state: AppState) -> Router {
@@ -178,7 +232,9 @@ fn router(state: AppState) -> Router {
 
 /// One live request as the driver knows it.
 struct Live {
-    progress: mpsc::UnboundedSender<Progress>,
+    progress: mpsc::UnboundedSender<ChoiceProgress>,
+    /// Its index among its request's choices.
+    choice: usize,
     /// Its arrival stamp, model ms (TTFT and E2E are measured from it).
     arrival_ms: f64,
 }
@@ -235,47 +291,71 @@ impl Driver {
             .checked_add(Duration::from_micros(1))
     }
 
-    /// Apply one command at `now`.
-    fn handle(&mut self, cmd: Command, now: Instant) {
+    /// Apply one command at `now`; returns the KV events of a step it had to take
+    /// (empty unless it stepped, and without KV events).
+    fn handle(&mut self, cmd: Command, now: Instant) -> Vec<KvEvent> {
         let now_ms = self.ms(now);
         match cmd {
             Command::Submit {
-                req,
+                seqs,
                 received,
-                token_ids: ids,
                 progress,
                 reply,
             } => {
-                let id = req.id;
                 let arrival_ms = self.ms(received).min(now_ms);
-                let result = self.engine.submit_at(req, arrival_ms, now_ms);
-                if result.is_ok() {
+                let mut result = Ok(());
+                let mut admitted = Vec::with_capacity(seqs.len());
+                for (choice, Sequence { req, token_ids }) in seqs.into_iter().enumerate() {
+                    let id = req.id;
+                    result = self.engine.submit_at(req, arrival_ms, now_ms);
+                    if result.is_err() {
+                        break;
+                    }
+                    admitted.push(id);
                     self.streams.insert(
                         id,
                         Live {
-                            progress,
+                            progress: progress.clone(),
+                            choice,
                             arrival_ms,
                         },
                     );
-                    if let Some(ids) = ids {
+                    if let Some(ids) = token_ids {
                         self.token_ids.insert(id, ids);
                     }
                 }
+                if result.is_err() {
+                    // All or none: the sequences queued before the refused one leave.
+                    for id in admitted {
+                        self.abort(id, now_ms);
+                    }
+                }
                 let _ = reply.send(result);
+                Vec::new()
             }
             Command::Abort { id } => {
-                if self.streams.remove(&id).is_some() {
-                    self.engine.abort(id, now_ms);
-                }
-                if self.token_ids.contains_key(&id) {
-                    self.aborted.push(id);
-                }
+                self.abort(id, now_ms);
+                Vec::new()
             }
             Command::Metrics { reply } => {
-                self.engine.step_into(now_ms, &mut self.events);
+                // A full step, not only the engine's: the requests this advance
+                // finished must be in the counters and histograms of the same scrape
+                // as the gauges they left.
+                let kv = self.step(now);
                 self.snapshot.stats = self.engine.stats();
                 let _ = reply.send(self.snapshot.clone());
+                kv
             }
+        }
+    }
+
+    /// Abort request `id` (if still live) at model time `now_ms`.
+    fn abort(&mut self, id: u64, now_ms: f64) {
+        if self.streams.remove(&id).is_some() {
+            self.engine.abort(id, now_ms);
+        }
+        if self.token_ids.contains_key(&id) {
+            self.aborted.push(id);
         }
     }
 
@@ -305,13 +385,15 @@ impl Driver {
                         self.snapshot
                             .ttft
                             .observe((at_ms - live.arrival_ms) / 1000.0);
-                        let _ = live.progress.send(Progress::First { cached_tokens });
+                        let _ = live
+                            .progress
+                            .send((live.choice, Progress::First { cached_tokens }));
                     }
                 }
                 EngineEvent::DecodeStep { ids, .. } => {
                     for id in ids {
                         if let Some(live) = self.streams.get(&id) {
-                            let _ = live.progress.send(Progress::Token);
+                            let _ = live.progress.send((live.choice, Progress::Token));
                         }
                     }
                 }
@@ -326,7 +408,9 @@ impl Driver {
                             .e2e
                             .observe((at_ms - live.arrival_ms) / 1000.0);
                         self.snapshot.requests_total += 1;
-                        let _ = live.progress.send(Progress::Done { output_tokens });
+                        let _ = live
+                            .progress
+                            .send((live.choice, Progress::Done { output_tokens }));
                     }
                 }
                 EngineEvent::Rejected { id, .. } => {
@@ -346,15 +430,16 @@ async fn drive(
 ) {
     loop {
         let wake = driver.wake();
+        let mut kv = Vec::new();
         tokio::select! {
             cmd = rx.recv() => {
                 let Some(cmd) = cmd else { return };
-                driver.handle(cmd, Instant::now());
+                kv = driver.handle(cmd, Instant::now());
             }
             _ = sleep_until(wake) => {}
         }
         let now = Instant::now();
-        let kv = driver.step(now);
+        kv.extend(driver.step(now));
         if let (Some(publisher), false) = (&mut kv_events, kv.is_empty()) {
             publisher.publish(kv, driver.ms(now) / 1000.0);
         }
@@ -502,9 +587,10 @@ async fn completions(State(state): State<AppState>, req: Request) -> Response {
     complete(state, Endpoint::Completions, req).await
 }
 
-/// Sends `Abort` for its request when dropped armed: the client went away.
+/// Sends `Abort` for its request's sequences when dropped armed: the client went
+/// away. (Aborting a sequence that has finished changes nothing.)
 struct AbortOnDrop {
-    id: u64,
+    ids: std::ops::Range<u64>,
     commands: mpsc::UnboundedSender<Command>,
     armed: bool,
 }
@@ -512,19 +598,43 @@ struct AbortOnDrop {
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         if self.armed {
-            let _ = self.commands.send(Command::Abort { id: self.id });
+            for id in self.ids.clone() {
+                let _ = self.commands.send(Command::Abort { id });
+            }
         }
     }
 }
 
+/// Why a request body could not be read: the two get different statuses.
+enum BodyError {
+    /// Over the configured limit: 413.
+    TooLarge,
+    /// The body itself is broken (a malformed chunked encoding, a connection cut
+    /// mid-body): the client's fault, 400.
+    Read(axum::Error),
+}
+
+/// Read a request body of at most `limit` bytes. Not `axum::body::to_bytes`: its one
+/// error type does not say whether the limit or the read failed.
+async fn read_body(body: Body, limit: usize) -> Result<Bytes, BodyError> {
+    use futures::StreamExt;
+    let mut stream = body.into_data_stream();
+    let mut out = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(BodyError::Read)?;
+        if out.len() + chunk.len() > limit {
+            return Err(BodyError::TooLarge);
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(Bytes::from(out))
+}
+
 async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response {
-    // First: the request head has arrived; reading and hashing the body take longer
-    // for larger prompts and must not change the queue order.
-    let received = Instant::now();
     let limit = state.config.max_body_bytes;
-    let body = match axum::body::to_bytes(req.into_body(), limit).await {
+    let body = match read_body(req.into_body(), limit).await {
         Ok(b) => b,
-        Err(_) => {
+        Err(BodyError::TooLarge) => {
             return error_response(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 &format!("request body over {limit} bytes"),
@@ -533,74 +643,118 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
                 Some("request_too_large"),
             )
         }
+        Err(BodyError::Read(e)) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                &format!("cannot read the request body: {e}"),
+                "invalid_request_error",
+                None,
+                None,
+            )
+        }
     };
-    let parsed = match openai::parse(endpoint, &body, state.config.default_max_tokens) {
+    // The request has arrived once its body has: a slow upload must not hold a place
+    // in the queue it was not ready for, nor count its upload in TTFT. Stamped before
+    // parsing and hashing, which take longer for larger prompts and must not change
+    // the queue order (docs/engine-profiles.md, "Arrival").
+    let received = Instant::now();
+    let parsed = match openai::parse(
+        endpoint,
+        &body,
+        state.config.default_max_tokens,
+        state.config.max_batch_prompts(),
+    ) {
         Ok(p) => p,
         Err(e) => return bad_request(e),
     };
-    let (chain, token_ids) = match &state.config.tokenizer {
-        None => (
-            HashChain::from_bytes(
-                &parsed.prompt,
-                state.config.block_bytes,
-                gorgo_core::hash::BYTES_PER_TOKEN,
-            ),
-            // The KV events' "token ids" of a byte-hashed prompt: its 4-byte chunks,
-            // which hash to the same chain (docs/kv-events.md).
-            state.kv_events.then(|| byte_chunk_ids(&parsed.prompt)),
-        ),
-        Some(tokenizer) => match tokenizer.prompt_ids(endpoint, &body) {
-            Ok(ids) => (
-                HashChain::from_token_ids(
-                    &ids,
-                    state.config.block_bytes / gorgo_core::hash::BYTES_PER_TOKEN,
-                ),
-                state.kv_events.then(|| Arc::from(ids.as_slice())),
-            ),
+    let param = match endpoint {
+        Endpoint::Chat => "messages",
+        Endpoint::Completions => "prompt",
+    };
+    // Each prompt's chain and KV-event token ids.
+    let prompts: Vec<(HashChain, Option<Arc<[u32]>>)> = match &state.config.tokenizer {
+        None => parsed
+            .prompts
+            .iter()
+            .map(|prompt| {
+                (
+                    HashChain::from_bytes(
+                        prompt,
+                        state.config.block_bytes,
+                        gorgo_core::hash::BYTES_PER_TOKEN,
+                    ),
+                    // The KV events' "token ids" of a byte-hashed prompt: its 4-byte
+                    // chunks, which hash to the same chain (docs/kv-events.md).
+                    state.kv_events.then(|| byte_chunk_ids(prompt)),
+                )
+            })
+            .collect(),
+        Some(tokenizer) => match tokenizer.each_prompt_ids(endpoint, &body) {
+            Ok(each) => each
+                .into_iter()
+                .map(|ids| {
+                    (
+                        HashChain::from_token_ids(
+                            &ids,
+                            state.config.block_bytes / gorgo_core::hash::BYTES_PER_TOKEN,
+                        ),
+                        state.kv_events.then(|| Arc::from(ids)),
+                    )
+                })
+                .collect(),
             Err(e) => {
                 return bad_request(BadRequest {
                     message: e.to_string(),
-                    param: Some(match endpoint {
-                        Endpoint::Chat => "messages",
-                        Endpoint::Completions => "prompt",
-                    }),
+                    param: Some(param),
                     code: None,
                 })
             }
         },
     };
-    let prompt_tokens = chain.total_tokens().max(1);
     let profile = &state.config.profile;
-    let requested = prompt_tokens + parsed.output_tokens as u64;
-    if requested > profile.context_length {
-        let param = match endpoint {
-            Endpoint::Chat => "messages",
-            Endpoint::Completions => "prompt",
-        };
-        return error_response(
-            StatusCode::BAD_REQUEST,
-            &format!(
-                "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the prompt, {} for the completion). Please reduce the length of the prompt or completion.",
-                profile.context_length, requested, prompt_tokens, parsed.output_tokens
-            ),
-            "invalid_request_error",
-            Some(param),
-            Some("context_length_exceeded"),
-        );
+    // Each prompt against the context on its own, as vLLM checks a batch.
+    for (chain, _) in &prompts {
+        let prompt_tokens = chain.total_tokens().max(1);
+        let requested = prompt_tokens + parsed.output_tokens as u64;
+        if requested > profile.context_length {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                &format!(
+                    "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the prompt, {} for the completion). Please reduce the length of the prompt or completion.",
+                    profile.context_length, requested, prompt_tokens, parsed.output_tokens
+                ),
+                "invalid_request_error",
+                Some(param),
+                Some("context_length_exceeded"),
+            );
+        }
     }
-    let id = state.next_id.fetch_add(1, Ordering::Relaxed);
+    let choices = prompts.len();
+    let first_id = state.next_id.fetch_add(choices as u64, Ordering::Relaxed);
+    let ids = first_id..first_id + choices as u64;
+    let prompt_tokens: u64 = prompts
+        .iter()
+        .map(|(chain, _)| chain.total_tokens().max(1))
+        .sum();
+    let seqs = ids
+        .clone()
+        .zip(prompts)
+        .map(|(id, (chain, token_ids))| Sequence {
+            req: EngineRequest {
+                id,
+                prompt_tokens: chain.total_tokens().max(1),
+                chain,
+                max_output_tokens: parsed.output_tokens,
+                arrival_ms: 0.0,
+            },
+            token_ids,
+        })
+        .collect();
     let (progress, mut progress_rx) = mpsc::unbounded_channel();
     let (reply, reply_rx) = oneshot::channel();
     let submitted = state.commands.send(Command::Submit {
+        seqs,
         received,
-        token_ids,
-        req: EngineRequest {
-            id,
-            chain,
-            prompt_tokens,
-            max_output_tokens: parsed.output_tokens,
-            arrival_ms: 0.0,
-        },
         progress,
         reply,
     });
@@ -620,7 +774,7 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
     // still aborts its request (the channel is FIFO, so the abort comes after the
     // submission, and aborting a refused request changes nothing).
     let mut guard = AbortOnDrop {
-        id,
+        ids,
         commands: state.commands.clone(),
         armed: true,
     };
@@ -650,43 +804,36 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
         .model
         .clone()
         .unwrap_or_else(|| state.model.to_string());
-    let meta = ResponseMeta::new(endpoint, id, model, parsed.include_usage);
+    let meta = ResponseMeta::new(endpoint, first_id, model, parsed.include_usage);
     let finish_reason = if parsed.output_tokens >= parsed.max_tokens {
         "length"
     } else {
         "stop"
     };
+    let mut choices = Choices::new(choices, prompt_tokens);
     if !parsed.stream {
-        let mut cached = 0;
-        let mut produced = 0;
-        while let Some(p) = progress_rx.recv().await {
-            match p {
-                Progress::First { cached_tokens } => cached = cached_tokens,
-                Progress::Token => {}
-                Progress::Done { output_tokens } => {
-                    produced = output_tokens;
-                    guard.armed = false;
-                    break;
-                }
+        while let Some((choice, p)) = progress_rx.recv().await {
+            if choices.record(choice, &p) {
+                guard.armed = false;
+                break;
             }
         }
         if guard.armed {
             return unavailable();
         }
-        let body = meta.full(
-            &openai::filler_text(produced),
-            finish_reason,
-            openai::usage(prompt_tokens, produced, cached),
-        );
+        let texts: Vec<String> = choices
+            .produced
+            .iter()
+            .map(|&n| openai::filler_text(n))
+            .collect();
+        let body = meta.full(&texts, finish_reason, choices.usage());
         return axum::Json(body).into_response();
     }
     let stream = SseStream {
         rx: progress_rx,
         guard,
         meta,
-        produced: 0,
-        cached: 0,
-        prompt_tokens,
+        choices,
         finish_reason,
         done: false,
     };
@@ -702,14 +849,57 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
         .expect("static response parts")
 }
 
+/// What a request's choices have produced so far: one per prompt of a batch.
+struct Choices {
+    /// Tokens produced, per choice.
+    produced: Vec<u32>,
+    /// Choices not finished yet.
+    left: usize,
+    /// Prompt tokens found cached, summed over the choices.
+    cached: u64,
+    /// Prompt tokens, summed over the choices.
+    prompt_tokens: u64,
+}
+
+impl Choices {
+    fn new(n: usize, prompt_tokens: u64) -> Self {
+        Choices {
+            produced: vec![0; n],
+            left: n,
+            cached: 0,
+            prompt_tokens,
+        }
+    }
+
+    /// Count `progress` of `choice`; true once every choice is done.
+    fn record(&mut self, choice: usize, progress: &Progress) -> bool {
+        match *progress {
+            Progress::First { cached_tokens } => {
+                self.cached += cached_tokens;
+                self.produced[choice] = 1;
+            }
+            Progress::Token => self.produced[choice] += 1,
+            Progress::Done { output_tokens } => {
+                self.produced[choice] = output_tokens;
+                self.left -= 1;
+            }
+        }
+        self.left == 0
+    }
+
+    /// `usage`, summed over the choices as vLLM sums a batch's.
+    fn usage(&self) -> Value {
+        let completion: u32 = self.produced.iter().sum();
+        openai::usage(self.prompt_tokens, completion, self.cached)
+    }
+}
+
 /// State of one SSE response: turns engine progress into `data:` chunks.
 struct SseStream {
-    rx: mpsc::UnboundedReceiver<Progress>,
+    rx: mpsc::UnboundedReceiver<ChoiceProgress>,
     guard: AbortOnDrop,
     meta: ResponseMeta,
-    produced: u32,
-    cached: u64,
-    prompt_tokens: u64,
+    choices: Choices,
     finish_reason: &'static str,
     done: bool,
 }
@@ -747,40 +937,30 @@ impl SseStream {
     }
 
     /// Append the SSE event(s) for `progress` (`None`: the engine went away).
-    fn render(&mut self, progress: Option<Progress>, out: &mut Vec<u8>) {
-        match progress {
-            Some(Progress::First { cached_tokens }) => {
-                self.cached = cached_tokens;
-                let v = self.meta.chunk(openai::token_text(0), true, None);
-                self.produced = 1;
-                Self::data(out, &v);
+    fn render(&mut self, progress: Option<ChoiceProgress>, out: &mut Vec<u8>) {
+        let Some((choice, progress)) = progress else {
+            // The engine went away mid-stream: end with an error event.
+            self.done = true;
+            let v = openai::error_body("engine stopped", "server_error", None, Some("unavailable"));
+            Self::data(out, &v);
+            return;
+        };
+        // The token this event carries, counted before it is recorded.
+        let k = self.choices.produced[choice];
+        let all_done = self.choices.record(choice, &progress);
+        let v = match progress {
+            Progress::First { .. } => self.meta.chunk(choice, openai::token_text(0), true, None),
+            Progress::Token => self.meta.chunk(choice, openai::token_text(k), false, None),
+            Progress::Done { .. } => self.meta.chunk(choice, "", false, Some(self.finish_reason)),
+        };
+        Self::data(out, &v);
+        if all_done {
+            self.guard.armed = false;
+            self.done = true;
+            if self.meta.include_usage {
+                Self::data(out, &self.meta.usage_chunk(self.choices.usage()));
             }
-            Some(Progress::Token) => {
-                let v = self
-                    .meta
-                    .chunk(openai::token_text(self.produced), false, None);
-                self.produced += 1;
-                Self::data(out, &v);
-            }
-            Some(Progress::Done { output_tokens }) => {
-                self.guard.armed = false;
-                self.done = true;
-                self.produced = output_tokens;
-                let v = self.meta.chunk("", false, Some(self.finish_reason));
-                Self::data(out, &v);
-                if self.meta.include_usage {
-                    let usage = openai::usage(self.prompt_tokens, output_tokens, self.cached);
-                    Self::data(out, &self.meta.usage_chunk(usage));
-                }
-                out.extend_from_slice(b"data: [DONE]\n\n");
-            }
-            None => {
-                // The engine went away mid-stream: end with an error event.
-                self.done = true;
-                let v =
-                    openai::error_body("engine stopped", "server_error", None, Some("unavailable"));
-                Self::data(out, &v);
-            }
+            out.extend_from_slice(b"data: [DONE]\n\n");
         }
     }
 }
@@ -802,24 +982,22 @@ mod tests {
         let mut s = SseStream {
             rx,
             guard: AbortOnDrop {
-                id: 1,
+                ids: 1..2,
                 commands,
                 armed: true,
             },
             meta: openai::ResponseMeta::new(Endpoint::Chat, 1, "m".into(), false),
-            produced: 0,
-            cached: 0,
-            prompt_tokens: 10,
+            choices: Choices::new(1, 10),
             finish_reason: "length",
             done: false,
         };
-        tx.send(Progress::First { cached_tokens: 0 }).unwrap();
+        tx.send((0, Progress::First { cached_tokens: 0 })).unwrap();
         let first = s.next_chunk().now_or_never().flatten().unwrap();
         assert_eq!(first.windows(6).filter(|w| w == b"data: ").count(), 1);
         for _ in 0..3 {
-            tx.send(Progress::Token).unwrap();
+            tx.send((0, Progress::Token)).unwrap();
         }
-        tx.send(Progress::Done { output_tokens: 4 }).unwrap();
+        tx.send((0, Progress::Done { output_tokens: 4 })).unwrap();
         let rest = s.next_chunk().now_or_never().flatten().unwrap();
         let text = std::str::from_utf8(&rest).unwrap();
         // Three tokens, the finish chunk, [DONE].
@@ -848,21 +1026,23 @@ mod tests {
         bytes: &[u8],
         received: Instant,
         now: Instant,
-    ) -> mpsc::UnboundedReceiver<Progress> {
+    ) -> mpsc::UnboundedReceiver<ChoiceProgress> {
         let chain = HashChain::from_bytes(bytes, 64, gorgo_core::hash::BYTES_PER_TOKEN);
         let (progress, progress_rx) = mpsc::unbounded_channel();
         let (reply, mut reply_rx) = oneshot::channel();
         driver.handle(
             Command::Submit {
-                req: EngineRequest {
-                    id,
-                    prompt_tokens: chain.total_tokens(),
-                    chain,
-                    max_output_tokens: 8,
-                    arrival_ms: 0.0,
-                },
+                seqs: vec![Sequence {
+                    req: EngineRequest {
+                        id,
+                        prompt_tokens: chain.total_tokens(),
+                        chain,
+                        max_output_tokens: 8,
+                        arrival_ms: 0.0,
+                    },
+                    token_ids: Some(byte_chunk_ids(bytes)),
+                }],
                 received,
-                token_ids: Some(byte_chunk_ids(bytes)),
                 progress,
                 reply,
             },
@@ -979,13 +1159,67 @@ mod tests {
             driver.step(wake);
             for (id, rx) in [(1, &mut large), (2, &mut small)] {
                 while let Ok(p) = rx.try_recv() {
-                    if matches!(p, Progress::First { .. }) {
+                    if matches!(p, (_, Progress::First { .. })) {
                         firsts.push(id);
                     }
                 }
             }
         }
         assert_eq!(firsts, [1, 2]);
+    }
+
+    /// The requests that the scrape's own advance finished are counted in that scrape:
+    /// no step runs between the submission and the scrape.
+    #[test]
+    fn a_scrape_counts_the_requests_its_advance_finished() {
+        let start = Instant::now();
+        let mut driver = publishing_driver(start);
+        let _progress = submit(&mut driver, 1, &prompt(5, 64), start, start);
+        let (reply, mut reply_rx) = oneshot::channel();
+        let kv = driver.handle(Command::Metrics { reply }, at(start, 10_000.0));
+        let snap = reply_rx.try_recv().expect("scrape answered");
+        assert_eq!(snap.stats.finished_total, 1);
+        assert_eq!(snap.requests_total, snap.stats.finished_total);
+        // The cache changes of that advance come back to be published.
+        assert!(!kv.is_empty());
+    }
+
+    /// A request whose body trickles in is stamped when its body is in, not at its
+    /// headers: it does not hold a place in the queue it was not ready for.
+    #[test]
+    fn a_request_is_stamped_once_its_body_is_in() {
+        let (commands, mut rx) = mpsc::unbounded_channel();
+        let state = app_state(commands);
+        let (body_tx, body_rx) = futures::channel::mpsc::unbounded::<Result<Bytes, Infallible>>();
+        let req = Request::builder()
+            .method("POST")
+            .uri("/v1/completions")
+            .body(Body::from_stream(body_rx))
+            .expect("request");
+        let mut handler = Box::pin(complete(state, Endpoint::Completions, req));
+        assert!(
+            (&mut handler).now_or_never().is_none(),
+            "waits for the body"
+        );
+        let headers_in = Instant::now();
+        // The monotonic clock moves on before the body comes (no sleep: a spin of
+        // nanoseconds on a clock that cannot go back).
+        let mut body_in = Instant::now();
+        while body_in <= headers_in {
+            body_in = Instant::now();
+        }
+        body_tx
+            .unbounded_send(Ok(Bytes::from_static(br#"{"prompt":"hello"}"#)))
+            .expect("body channel");
+        drop(body_tx);
+        assert!(
+            (&mut handler).now_or_never().is_none(),
+            "waits for the driver"
+        );
+        let Ok(Command::Submit { received, .. }) = rx.try_recv() else {
+            panic!("the handler submits");
+        };
+        assert!(received >= body_in, "stamped before its body was in");
     }
 
     fn app_state(commands: mpsc::UnboundedSender<Command>) -> AppState {
@@ -1031,12 +1265,12 @@ mod tests {
         assert!(complete(state, Endpoint::Chat, req)
             .now_or_never()
             .is_none());
-        let Ok(Command::Submit { req, .. }) = rx.try_recv() else {
+        let Ok(Command::Submit { seqs, .. }) = rx.try_recv() else {
             panic!("the handler submits first");
         };
         let Ok(Command::Abort { id }) = rx.try_recv() else {
             panic!("then aborts");
         };
-        assert_eq!(id, req.id);
+        assert_eq!(id, seqs[0].req.id);
     }
 }

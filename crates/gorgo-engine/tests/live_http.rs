@@ -35,8 +35,15 @@ impl Server {
     }
 
     async fn shutdown(mut self) {
-        let _ = self.stop.take().unwrap().send(());
+        self.shutdown_begin();
         self.task.await.unwrap();
+    }
+
+    /// Tell the server to stop (it drains), without waiting for it.
+    fn shutdown_begin(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
     }
 }
 
@@ -259,6 +266,35 @@ async fn a100_profile_ttft_slope_cache_hits_and_metrics() {
     server.shutdown().await;
 }
 
+/// A body that fails to read for another reason than its size is the client's
+/// fault (400), not one over the limit (413).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_body_is_400_not_413() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let profile = Profile::by_name("h200-dense-1.5b").unwrap();
+    let server = Server::start(EmulatorConfig::new(profile)).await;
+    let addr = server.base.trim_start_matches("http://").to_owned();
+    let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    // `ZZ` is no chunk size.
+    tcp.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+          Transfer-Encoding: chunked\r\n\r\nZZ\r\n",
+    )
+    .await
+    .unwrap();
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = tcp.read(&mut buf).await.unwrap();
+        assert!(n > 0, "connection closed before a response: {head:?}");
+        head.extend_from_slice(&buf[..n]);
+    }
+    let head = String::from_utf8_lossy(&head);
+    assert!(head.starts_with("HTTP/1.1 400"), "{head}");
+    drop(tcp);
+    server.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_openai_errors() {
     let profile = Profile::by_name("h200-dense-1.5b").unwrap();
@@ -424,5 +460,157 @@ async fn overload_is_503_and_a_disconnect_frees_the_slot() {
         .await
         .unwrap();
     assert!(scrape.contains("sglang:num_running_reqs{") && scrape.contains("} 0.0\n"));
+    server.shutdown().await;
+}
+
+/// Read `resp`'s body until `pred` holds on what came so far (or the body ends).
+async fn read_until(resp: &mut reqwest::Response, mut pred: impl FnMut(&str) -> bool) -> String {
+    let mut body = String::new();
+    while !pred(&body) {
+        match resp.chunk().await.unwrap() {
+            Some(c) => body.push_str(std::str::from_utf8(&c).unwrap()),
+            None => break,
+        }
+    }
+    body
+}
+
+/// A shutdown drains: a stream in flight when it comes finishes with `[DONE]`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_lets_the_streams_in_flight_finish() {
+    let mut profile = Profile::by_name("h200-dense-1.5b").unwrap();
+    // Slow enough that the shutdown lands mid-stream.
+    profile.decode_base_ms = 50.0;
+    let mut server = Server::start(EmulatorConfig::new(profile)).await;
+    let client = reqwest::Client::new();
+    let body = json!({"prompt": "hello", "max_tokens": 10, "stream": true});
+    let mut resp = client
+        .post(format!("{}/v1/completions", server.base))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let first = read_until(&mut resp, |b| b.contains("data: ")).await;
+    server.shutdown_begin();
+    let rest = read_until(&mut resp, |b| b.contains("[DONE]")).await;
+    let (events, done) = sse_events(&(first + &rest));
+    assert!(done, "{events:?}");
+    assert_eq!(
+        events.len(),
+        11,
+        "ten tokens and the finish chunk: {events:?}"
+    );
+    server.task.await.unwrap();
+}
+
+/// The drain has a deadline: a stream that would outlast it by far (a client that
+/// stopped reading, or a very long output) is cut, and `serve` returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_ends_at_its_deadline() {
+    let mut profile = Profile::by_name("h200-dense-1.5b").unwrap();
+    // 1000 tokens of 10 s each: hours, far beyond any test's patience.
+    profile.decode_base_ms = 10_000.0;
+    let mut config = EmulatorConfig::new(profile);
+    config.drain_timeout = std::time::Duration::from_millis(100);
+    let mut server = Server::start(config).await;
+    let client = reqwest::Client::new();
+    let body = json!({"prompt": "hello", "max_tokens": 1000, "stream": true});
+    let mut resp = client
+        .post(format!("{}/v1/completions", server.base))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    read_until(&mut resp, |b| b.contains("data: ")).await;
+    server.shutdown_begin();
+    // Not a speed bound: only a guard against hanging for hours without the deadline.
+    tokio::time::timeout(std::time::Duration::from_secs(120), server.task)
+        .await
+        .expect("serve returned after its drain deadline")
+        .unwrap();
+    drop(resp);
+}
+
+/// A completions batch is served as vLLM serves it: one sequence per prompt, each
+/// checked against the context on its own, one choice each, usage summed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completions_batch_is_one_sequence_per_prompt() {
+    let mut profile = Profile::by_name("h200-mistral7b").unwrap();
+    assert_eq!(profile.context_length, 32768);
+    // Not a timing test: prefill quickly.
+    profile.t_p_ms_per_token = 0.0001;
+    let mut config = EmulatorConfig::new(profile);
+    config.max_queue = 3;
+    let server = Server::start(config).await;
+    let client = reqwest::Client::new();
+    let post = |body: Value| {
+        client
+            .post(format!("{}/v1/completions", server.base))
+            .json(&body)
+            .send()
+    };
+    // Together 36 000 tokens, over the context; each 12 000, within it.
+    let prompts: Vec<String> = (0..3).map(|i| text(100 + i, 12_000)).collect();
+    let resp = post(json!({"prompt": prompts, "max_tokens": 4}))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let v: Value = resp.json().await.unwrap();
+    let choices = v["choices"].as_array().unwrap();
+    let indexes: Vec<u64> = choices
+        .iter()
+        .map(|c| c["index"].as_u64().unwrap())
+        .collect();
+    assert_eq!(indexes, [0, 1, 2], "{v}");
+    for c in choices {
+        assert_eq!(c["text"], "Lorem ipsum dolo", "{v}");
+        assert_eq!(c["finish_reason"], "length", "{v}");
+    }
+    assert_eq!(v["usage"]["prompt_tokens"], 36_000, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 12, "{v}");
+
+    // Streaming, token ids: each chunk names its choice, each choice finishes, and
+    // the usage chunk sums them.
+    let body = json!({
+        "prompt": [[1, 2, 3], [4, 5]],
+        "max_tokens": 3,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let text_body = post(body).await.unwrap().text().await.unwrap();
+    let (events, done) = sse_events(&text_body);
+    assert!(done, "{text_body}");
+    let mut tokens = [0; 2];
+    let mut finished = [0; 2];
+    for e in &events {
+        for c in e["choices"].as_array().unwrap() {
+            let i = c["index"].as_u64().unwrap() as usize;
+            if c["finish_reason"].is_null() {
+                tokens[i] += 1;
+            } else {
+                finished[i] += 1;
+            }
+        }
+    }
+    assert_eq!((tokens, finished), ([3, 3], [1, 1]), "{text_body}");
+    let usage = usage_of(&events);
+    assert_eq!(usage["prompt_tokens"], 5, "{usage}");
+    assert_eq!(usage["completion_tokens"], 6, "{usage}");
+
+    // A batch of more prompts than the queue could ever hold, or of none: 400.
+    for prompt in [json!(["a", "b", "c", "d"]), json!([])] {
+        let resp = post(json!({"prompt": prompt})).await.unwrap();
+        assert_eq!(resp.status(), 400);
+        let v: Value = resp.json().await.unwrap();
+        assert_eq!(v["error"]["param"], "prompt", "{v}");
+    }
+    // One prompt of a batch over the context is refused, naming it.
+    let long = vec![text(7, 10), text(8, 33_000)];
+    let resp = post(json!({"prompt": long, "max_tokens": 4}))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
     server.shutdown().await;
 }

@@ -83,16 +83,6 @@ pub struct PromptIds {
     pub longest_prompt_tokens: usize,
 }
 
-impl PromptIds {
-    /// The ids of one prompt.
-    fn one(ids: Vec<u32>) -> Self {
-        PromptIds {
-            longest_prompt_tokens: ids.len(),
-            ids,
-        }
-    }
-}
-
 /// The model's tokenizer and chat template, loaded once at startup.
 pub struct EngineTokenizer {
     tokenizer: tokenizers::Tokenizer,
@@ -244,11 +234,25 @@ impl EngineTokenizer {
         endpoint: Endpoint,
         body: &[u8],
     ) -> Result<PromptIds, TokenizerError> {
+        let prompts = self.each_prompt_ids(endpoint, body)?;
+        Ok(PromptIds {
+            longest_prompt_tokens: prompts.iter().map(Vec::len).max().unwrap_or(0),
+            ids: prompts.concat(),
+        })
+    }
+
+    /// Each prompt's token ids on its own: one prompt for chat and for a single
+    /// completions prompt, one per prompt of a completions batch, which an engine
+    /// serves as a sequence of its own (the emulator does, as vLLM and SGLang do).
+    pub fn each_prompt_ids(
+        &self,
+        endpoint: Endpoint,
+        body: &[u8],
+    ) -> Result<Vec<Vec<u32>>, TokenizerError> {
         match endpoint {
             Endpoint::Chat => {
                 let text = self.render_chat(body)?;
-                let ids = self.encode(&text, self.chat_add_special_tokens)?;
-                Ok(PromptIds::one(ids))
+                Ok(vec![self.encode(&text, self.chat_add_special_tokens)?])
             }
             Endpoint::Completions => {
                 let body: serde_json::Value = serde_json::from_slice(body)
@@ -258,27 +262,21 @@ impl EngineTokenizer {
         }
     }
 
-    /// A completions body's ids: its `prompt` read as the canonical path reads it
-    /// ([`CompletionsPrompt`]), each string tokenised with special tokens added, token
-    /// ids as they are, a batch's prompts one after the other.
-    fn completion_ids(&self, body: &serde_json::Value) -> Result<PromptIds, TokenizerError> {
+    /// A completions body's prompts' ids: its `prompt` read as the canonical path reads
+    /// it ([`CompletionsPrompt`]), each string tokenised with special tokens added,
+    /// token ids as they are.
+    fn completion_ids(&self, body: &serde_json::Value) -> Result<Vec<Vec<u32>>, TokenizerError> {
         let prompt = CompletionsPrompt::of_body(body).map_err(|e| match e {
             gorgo_core::CoreError::InvalidRequest(m) => TokenizerError::Request(m),
             other => TokenizerError::Request(other.to_string()),
         })?;
-        let batch = |prompts: Vec<Vec<u32>>| PromptIds {
-            longest_prompt_tokens: prompts.iter().map(Vec::len).max().unwrap_or(0),
-            ids: prompts.concat(),
-        };
         match prompt {
-            CompletionsPrompt::Text(s) => Ok(PromptIds::one(self.encode(s, true)?)),
-            CompletionsPrompt::TextBatch(prompts) => prompts
-                .into_iter()
-                .map(|s| self.encode(s, true))
-                .collect::<Result<_, _>>()
-                .map(batch),
-            CompletionsPrompt::TokenIds(ids) => Ok(PromptIds::one(ids)),
-            CompletionsPrompt::TokenIdBatch(prompts) => Ok(batch(prompts)),
+            CompletionsPrompt::Text(s) => Ok(vec![self.encode(s, true)?]),
+            CompletionsPrompt::TextBatch(prompts) => {
+                prompts.into_iter().map(|s| self.encode(s, true)).collect()
+            }
+            CompletionsPrompt::TokenIds(ids) => Ok(vec![ids]),
+            CompletionsPrompt::TokenIdBatch(prompts) => Ok(prompts),
         }
     }
 
