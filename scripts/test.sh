@@ -5,6 +5,29 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The machine's own tools the tests drive, installed here when missing and the machine
+# can (Debian's apt-get, as root or with password-less sudo), so that this one command
+# is all a fresh machine needs: curl (a real client of the end-to-end test), Prometheus
+# and promtool (the metrics tests scrape a cluster with a real Prometheus and lint
+# /metrics: crates/gorgo-node/tests/node_prometheus.rs; skipped without them outside
+# CI), python3 with venv (the Python clients below).
+apt_install() {  # apt_install PACKAGE...: quietly, or say what to install by hand
+  local sudo=""
+  [ "$(id -u)" = 0 ] || { sudo -n true 2>/dev/null && sudo="sudo -n"; } || true
+  if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = 0 ] || [ -n "$sudo" ]; }; then
+    $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+      $sudo apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+  else
+    echo "missing: $* (install them: apt-get install $*)" >&2
+    return 1
+  fi
+}
+command -v curl >/dev/null 2>&1 || apt_install curl
+python3 -c 'import venv, ensurepip' 2>/dev/null || apt_install python3-venv
+command -v promtool >/dev/null 2>&1 || apt_install prometheus \
+  || [ "${CI:-}" != "true" ]  # outside CI the Prometheus tests skip without it
+rustup component add rustfmt clippy >/dev/null 2>&1 || true
+
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 
@@ -41,7 +64,6 @@ if ! "$VENV/bin/python" -c 'import openai, msgspec, zmq' 2>/dev/null; then
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
     "openai>=1.40" "msgspec>=0.18" "pyzmq>=25"
 fi
-command -v curl >/dev/null 2>&1 || { echo "curl missing: apt-get install curl" >&2; exit 1; }
 "$VENV/bin/python" tests/e2e_openai.py target/debug/gorgo
 
 echo "== end-to-end: a vLLM-format KV-event publisher (msgspec + pyzmq) drives a node"

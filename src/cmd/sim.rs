@@ -556,14 +556,17 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         "exact_percentiles": runs.iter().all(|r| r.rows.is_some()),
     });
     let path = args.out.join("sim.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&summary)? + "\n")
-        .with_context(|| format!("writing {}", path.display()))?;
+    gorgo_files::write_atomic(
+        &path,
+        (serde_json::to_string_pretty(&summary)? + "\n").as_bytes(),
+    )
+    .with_context(|| format!("writing {}", path.display()))?;
 
     let header = view_header(&cfg, policies.contains(&PolicyKind::Oracle));
     let table = args.out.join("table.md");
     let text =
         std::fs::read_to_string(&table).with_context(|| format!("reading {}", table.display()))?;
-    std::fs::write(&table, format!("{header}\n\n{text}"))
+    gorgo_files::write_atomic(&table, format!("{header}\n\n{text}").as_bytes())
         .with_context(|| format!("writing {}", table.display()))?;
     let mut stdout = std::io::stdout().lock();
     write!(
