@@ -1413,6 +1413,15 @@ mod tests {
     #[test]
     fn stop_all_signals_only_the_recorded_processes() {
         let mut other = Command::new("sleep").arg("30").spawn().unwrap();
+        // Just after its exec a process's cmdline reads empty for a moment: wait for
+        // the kernel to fill it (bounded; a condition, not a fixed sleep), so that the
+        // stranger below differs from it by its arguments, not by an empty read.
+        let filled = Instant::now() + Duration::from_secs(10);
+        while std::fs::read(format!("/proc/{}/cmdline", other.id())).is_ok_and(|c| c.is_empty())
+            && Instant::now() < filled
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         let stranger = PidEntry {
             name: "node-a".into(),
             pid: other.id(),
