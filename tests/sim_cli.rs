@@ -185,6 +185,24 @@ fn sim_rejects_bad_input_with_the_flag_named() {
     assert_eq!(sim["config"]["view"], "exact-state");
     let table = std::fs::read_to_string(dir.path().join("o/table.md")).unwrap();
     assert!(table.starts_with("Simulated, view: exact-state"), "{table}");
+    // So is the causal oracle, a bound rather than the oracle.
+    let out = run(&[
+        "--causal-oracle",
+        "--policies",
+        "gorgo,oracle",
+        "--max-requests",
+        "50",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let sim: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("o/sim.json")).unwrap()).unwrap();
+    assert_eq!(sim["config"]["oracle_view"], "exact-state, causal forwards");
+    let table = std::fs::read_to_string(dir.path().join("o/table.md")).unwrap();
+    assert!(table.contains("(--causal-oracle)"), "{table}");
     let out = gorgo()
         .args(["sim", "--trace", "/nonexistent/trace.jsonl", "--out"])
         .arg(dir.path().join("o"))

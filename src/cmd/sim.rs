@@ -135,6 +135,12 @@ pub struct SimModelArgs {
     /// `--metrics-interval-ms`), computed by the node's code (gorgo-core `EngineView`).
     #[arg(long)]
     pub exact_state: bool,
+    /// A bound for distributed routers: the oracle knows another region's forward in
+    /// transit only once news of it could have reached the deciding region (the
+    /// topology's one-way delay), not at once; engine state stays exact
+    /// (docs/policy.md, "What the oracle knows that no node can").
+    #[arg(long)]
+    pub causal_oracle: bool,
     /// The engines do not report their concurrency limit and no node is told it, as
     /// with vLLM or llama-cpp-python's server. By default every node knows its
     /// engine's limit (the profile's `max_running_requests`), as a node reads it from
@@ -209,6 +215,7 @@ impl SimModelArgs {
         cfg.max_context_tokens = self.max_context_tokens;
         cfg.live_chains = self.live_chains;
         cfg.exact_state = self.exact_state;
+        cfg.causal_oracle = self.causal_oracle;
         cfg.unreported_max_running = self.unreported_max_running;
         cfg.metrics_interval_ms = self.metrics_interval_ms;
         cfg.summary_sample = self.summary_sample;
@@ -244,7 +251,7 @@ impl SimModelArgs {
             "decode_step_ms": cfg.decode_step_ms,
             "summary_sample": self.summary_sample.to_string(),
             "summary_sample_rate": cfg.summary_sample_rate().rate(),
-            "oracle_view": "exact-state",
+            "oracle_view": oracle_view_name(self.causal_oracle),
             "kv_events": self.kv_events,
             "kv_events_delay_ms": self.kv_events_delay_ms,
             "refuse_forwards": self.refuse_forwards,
@@ -309,6 +316,15 @@ pub fn view_name(exact_state: bool) -> &'static str {
     }
 }
 
+/// What the oracle knows, as `sim.json` names it.
+pub fn oracle_view_name(causal: bool) -> &'static str {
+    if causal {
+        "exact-state, causal forwards"
+    } else {
+        "exact-state"
+    }
+}
+
 /// The line above the table saying what the nodes knew.
 pub fn view_header(cfg: &SimConfig, with_oracle: bool) -> String {
     let mut line = if cfg.exact_state {
@@ -335,7 +351,11 @@ pub fn view_header(cfg: &SimConfig, with_oracle: bool) -> String {
         );
     }
     if with_oracle {
-        line += "; oracle: exact-state, perfect information";
+        line += if cfg.causal_oracle {
+            "; oracle: exact-state, forwards known only once news of them could arrive (--causal-oracle)"
+        } else {
+            "; oracle: exact-state, perfect information"
+        };
     }
     line
 }

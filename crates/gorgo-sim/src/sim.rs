@@ -114,6 +114,15 @@ pub struct SimConfig {
     /// finishes and by its engine's `/metrics` scraped every `metrics_interval_ms`.
     /// Either way the prefill fit is the view's.
     pub exact_state: bool,
+    /// A bound for distributed routers, not a realisable policy: the oracle counts a
+    /// forward that another region decided as in transit to its target only once
+    /// news of it could have reached the deciding region (the topology's one-way
+    /// delay from the forwarding region), as if every node broadcast each forward the
+    /// moment it decided it; its own forwards at once. Engine state stays exact. By
+    /// default (`false`) the oracle knows every forward in transit at once, which no
+    /// set of nodes apart from each other can know (docs/policy.md, "What the oracle
+    /// knows that no node can").
+    pub causal_oracle: bool,
     /// The engines do not report their concurrency limit and no node is told it (vLLM,
     /// llama-cpp-python's server). By default (`false`) each node's view knows its
     /// engine's limit (the profile's `max_running_requests`), as a node learns it from
@@ -190,6 +199,7 @@ impl SimConfig {
             max_context_tokens: None,
             live_chains: false,
             exact_state: false,
+            causal_oracle: false,
             unreported_max_running: false,
             metrics_interval_ms: DEFAULT_METRICS_INTERVAL_MS as f64,
             hold_tokens: 0,
@@ -574,6 +584,38 @@ struct Oracle {
     index: Vec<ShadowIndex>,
     /// Per engine: requests on their way there, and their expected prefill tokens.
     in_transit: Vec<(u32, u64)>,
+    /// With [`SimConfig::causal_oracle`]: every forward in transit, to count at each
+    /// deciding region only those it could know of.
+    forwards: Vec<OracleForward>,
+}
+
+/// The forwards in transit to `engine` that region `at` can know of at `now`: its own
+/// at once, another region's once news of it could have come (the one-way delay from
+/// where it was decided). Their count and expected prefill tokens.
+fn known_in_transit(
+    forwards: &[OracleForward],
+    engine: usize,
+    at: usize,
+    now: f64,
+    one_way_ms: &[Vec<f64>],
+) -> (u32, u64) {
+    forwards
+        .iter()
+        .filter(|f| {
+            f.engine == engine && (f.from == at || now >= f.decided_ms + one_way_ms[f.from][at])
+        })
+        .fold((0, 0), |(n, t), f| (n + 1, t + f.uncached))
+}
+
+/// A forward in transit, as the causal oracle sees it.
+struct OracleForward {
+    slot: u32,
+    /// Where it was decided, and when (virtual ms).
+    from: usize,
+    decided_ms: f64,
+    /// The engine it goes to, and its expected prefill tokens there.
+    engine: usize,
+    uncached: u64,
 }
 
 struct Sim<'a> {
@@ -683,6 +725,7 @@ impl<'a> Sim<'a> {
                     .map(|p| ShadowIndex::new(p.max_total_tokens))
                     .collect(),
                 in_transit: vec![(0, 0); engine_profiles.len()],
+                forwards: Vec::new(),
             });
         } else {
             let tune = cfg.tune && kind.uses_weights();
@@ -1089,8 +1132,13 @@ impl<'a> Sim<'a> {
                 c.stats = self.local_stats(e);
                 let o = self.oracle.as_ref().expect("checked above");
                 c.cached_tokens = o.index[e].longest_match(chain);
-                c.inflight_forwards = o.in_transit[e].0;
-                c.inflight_forward_prompt_tokens = o.in_transit[e].1;
+                let (count, tokens) = if self.cfg.causal_oracle {
+                    known_in_transit(&o.forwards, e, at_node, now, &self.cfg.network.one_way_ms)
+                } else {
+                    o.in_transit[e]
+                };
+                c.inflight_forwards = count;
+                c.inflight_forward_prompt_tokens = tokens;
                 cands.push(c);
             }
             return (cands, (0..self.engines.len()).collect());
@@ -1376,6 +1424,15 @@ impl<'a> Sim<'a> {
                     Some(o) => {
                         o.in_transit[e].0 += 1;
                         o.in_transit[e].1 += uncached;
+                        if self.cfg.causal_oracle {
+                            o.forwards.push(OracleForward {
+                                slot,
+                                from: r,
+                                decided_ms: now,
+                                engine: e,
+                                uncached,
+                            });
+                        }
                     }
                     None => {
                         let peer = self.node_ids[t].clone();
@@ -1413,6 +1470,7 @@ impl<'a> Sim<'a> {
             // The oracle serves on the engine it decided; nothing is in transit any more.
             o.in_transit[e].0 = o.in_transit[e].0.saturating_sub(1);
             o.in_transit[e].1 = o.in_transit[e].1.saturating_sub(uncached);
+            o.forwards.retain(|f| f.slot != slot);
             self.dispatch(slot, e, now);
         } else if !self.refuse(slot, t, now) {
             self.route_at(slot, t, now);
@@ -2144,6 +2202,52 @@ mod tests {
             trim_to_prompt(&mut chain, input);
             prop_assert_eq!(chain, popped);
         }
+    }
+
+    /// The causal oracle counts its own forward at once and another region's only
+    /// once the one-way delay from there has passed, and only those to the engine
+    /// asked about.
+    #[test]
+    fn forwards_are_known_once_news_of_them_could_arrive() {
+        let one_way = vec![
+            vec![0.0, 40.0, 90.0],
+            vec![40.0, 0.0, 60.0],
+            vec![90.0, 60.0, 0.0],
+        ];
+        let fwd = |slot, from, engine| OracleForward {
+            slot,
+            from,
+            decided_ms: 100.0,
+            engine,
+            uncached: 1000 + u64::from(slot),
+        };
+        // From region 0 to engine 2, from region 1 to engine 2, from 1 to engine 0.
+        let forwards = [fwd(1, 0, 2), fwd(2, 1, 2), fwd(3, 1, 0)];
+        assert_eq!(
+            known_in_transit(&forwards, 2, 0, 100.0, &one_way),
+            (1, 1001)
+        );
+        assert_eq!(
+            known_in_transit(&forwards, 2, 0, 139.9, &one_way),
+            (1, 1001)
+        );
+        assert_eq!(
+            known_in_transit(&forwards, 2, 0, 140.0, &one_way),
+            (2, 2003)
+        );
+        assert_eq!(
+            known_in_transit(&forwards, 2, 1, 100.0, &one_way),
+            (1, 1002)
+        );
+        assert_eq!(
+            known_in_transit(&forwards, 2, 1, 140.0, &one_way),
+            (2, 2003)
+        );
+        assert_eq!(known_in_transit(&forwards, 0, 2, 159.0, &one_way), (0, 0));
+        assert_eq!(
+            known_in_transit(&forwards, 0, 2, 160.0, &one_way),
+            (1, 1003)
+        );
     }
 
     /// A row listing a million block ids for a one-token prompt keeps one block.
