@@ -376,7 +376,20 @@ fn compare_and_report(
         anyhow::bail!("interrupted before any policy finished: no report");
     }
     let table = gorgo_bench::report::write_comparison_report(&out, cfg, &comparison)?;
-    finish(&out, &table, &comparison.runs, comparison.interrupted())
+    finish(&out, &table, &comparison.runs, comparison.interrupted())?;
+    if !comparison.failed.is_empty() {
+        let failures: Vec<String> = comparison
+            .failed
+            .iter()
+            .map(|f| format!("{}: {}", f.policy, f.error))
+            .collect();
+        anyhow::bail!(
+            "{}; the report covers the {} policies that finished",
+            failures.join("; "),
+            comparison.runs.len()
+        );
+    }
+    Ok(())
 }
 
 /// What `compare` runs, from its arguments: `exe` provides `up` and `down`, `topology`

@@ -117,30 +117,48 @@ pub struct PolicyRun {
     pub tuning: Vec<serde_json::Value>,
 }
 
+/// A policy whose cluster or replay failed after another policy had finished.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyFailure {
+    /// The policy.
+    pub policy: String,
+    /// What failed, as the error says it.
+    pub error: String,
+}
+
 /// What a comparison produced. An interrupt is not an error: the policies that
-/// finished are kept, and what the interrupt cut short is said.
+/// finished are kept, and what the interrupt cut short is said. Nor is a failure once
+/// some policy has finished: its run is kept, and the failure said
+/// ([`Comparison::failed`]); the caller reports what finished, then the failure.
 #[derive(Debug, Clone)]
 pub struct Comparison {
     /// The policies that ran, in order: complete, or stopped during their replay
     /// (`output.cancelled`, what they measured until then kept).
     pub runs: Vec<PolicyRun>,
     /// The policies an interrupt kept from running (their cluster never came up, or
-    /// was still coming up), in order; empty unless interrupted.
+    /// was still coming up) or a failure stopped (they come after it, in sequence),
+    /// in order.
     pub not_run: Vec<String>,
+    /// The policies whose cluster or replay failed, in order; empty unless one did.
+    pub failed: Vec<PolicyFailure>,
 }
 
 impl Comparison {
     /// An interrupt cut the comparison short (a replay stopped, or a policy never
-    /// ran): its report covers what finished, and must say so.
+    /// ran for it, not for a failure): its report covers what finished, and must say
+    /// so.
     pub fn interrupted(&self) -> bool {
-        !self.not_run.is_empty() || self.runs.iter().any(|r| r.output.cancelled)
+        (!self.not_run.is_empty() && self.failed.is_empty())
+            || self.runs.iter().any(|r| r.output.cancelled)
     }
 }
 
 /// Run the comparison. Stops (tearing everything down) when `cancel` fires, returning
 /// the policies that finished, the one whose replay it stopped, and those it kept from
-/// running ([`Comparison::interrupted`]); only a failure (a cluster that does not come
-/// up or go down, a bad spec) is an error.
+/// running ([`Comparison::interrupted`]). A failure (a cluster that does not come up or
+/// go down, a replay that fails) stops the sequence: it is an error when no policy has
+/// finished yet (or the spec is bad), else it is returned in [`Comparison::failed`]
+/// beside the runs that finished, which an error would have lost.
 pub async fn compare(
     spec: &CompareSpec,
     requests: Arc<Vec<TraceRequest>>,
@@ -170,15 +188,35 @@ pub async fn compare(
         for (k, policy) in spec.policies.iter().enumerate() {
             // An interrupt after a replay returned (while its tuning was read or its
             // cluster went down) lets that run stand and runs no more.
-            let Some(cluster) = start(&up_options(k, policy), &cancel).await? else {
+            let started = match start(&up_options(k, policy), &cancel).await {
+                Ok(started) => started,
+                Err(e) => {
+                    let rest = spec.policies[k + 1..].to_vec();
+                    return keep_finished(runs, rest, vec![(policy.clone(), e)]);
+                }
+            };
+            let Some(cluster) = started else {
                 return Ok(Comparison {
                     runs,
                     not_run: spec.policies[k..].to_vec(),
+                    failed: Vec::new(),
                 });
             };
-            let run = run_policy(spec, policy, &cluster, requests.clone(), &cancel).await?;
-            cluster.down()?;
-            runs.push(run);
+            let run = run_policy(spec, policy, &cluster, requests.clone(), &cancel).await;
+            let down = cluster.down();
+            // A cluster that did not go down may hold the ports the next one needs: its
+            // run stands (it finished), and the sequence stops.
+            let failure = match run {
+                Ok(run) => {
+                    runs.push(run);
+                    down.err()
+                }
+                Err(e) => Some(e),
+            };
+            if let Some(e) = failure {
+                let rest = spec.policies[k + 1..].to_vec();
+                return keep_finished(runs, rest, vec![(policy.clone(), e)]);
+            }
         }
     } else {
         let mut clusters = Vec::new();
@@ -191,6 +229,7 @@ pub async fn compare(
                     return Ok(Comparison {
                         runs,
                         not_run: spec.policies.clone(),
+                        failed: Vec::new(),
                     })
                 }
             }
@@ -207,16 +246,51 @@ pub async fn compare(
                 first_err.get_or_insert(e);
             }
         }
-        for r in results {
-            runs.push(r?);
+        let mut failures = Vec::new();
+        for (policy, r) in spec.policies.iter().zip(results) {
+            match r {
+                Ok(run) => runs.push(run),
+                Err(e) => failures.push((policy.clone(), e)),
+            }
         }
         if let Some(e) = first_err {
-            return Err(e);
+            failures.push(("(teardown)".to_owned(), e));
+        }
+        if !failures.is_empty() {
+            return keep_finished(runs, Vec::new(), failures);
         }
     }
     Ok(Comparison {
         runs,
         not_run: Vec::new(),
+        failed: Vec::new(),
+    })
+}
+
+/// The comparison after `failures` (at least one): the first failure's error when no
+/// policy finished, else the runs that did with the failures said.
+fn keep_finished(
+    runs: Vec<PolicyRun>,
+    not_run: Vec<String>,
+    failures: Vec<(String, BenchError)>,
+) -> Result<Comparison, BenchError> {
+    if runs.is_empty() {
+        let (_, first) = failures.into_iter().next().expect("called with a failure");
+        return Err(first);
+    }
+    for (policy, e) in &failures {
+        tracing::error!(%policy, error = %e, "policy failed; keeping the policies that finished");
+    }
+    Ok(Comparison {
+        runs,
+        not_run,
+        failed: failures
+            .into_iter()
+            .map(|(policy, e)| PolicyFailure {
+                policy,
+                error: e.to_string(),
+            })
+            .collect(),
     })
 }
 

@@ -19,7 +19,7 @@ pub mod sse;
 pub mod workload;
 
 pub use cluster::{parse_region_urls, ClusterInfo, RegionEndpoint};
-pub use compare::{compare, CompareSpec, Comparison, PolicyRun};
+pub use compare::{compare, CompareSpec, Comparison, PolicyFailure, PolicyRun};
 pub use error::BenchError;
 pub use lifecycle::{RunningCluster, UpOptions};
 pub use replay::{

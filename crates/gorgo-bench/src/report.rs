@@ -16,7 +16,7 @@ use gorgo_core::{percentile, LatencyStats};
 use gorgo_report::{render_table, Report, RequestRecord};
 use serde::Serialize;
 
-use crate::compare::{Comparison, PolicyRun};
+use crate::compare::{Comparison, PolicyFailure, PolicyRun};
 use crate::replay::RequestOutcome;
 use crate::BenchError;
 
@@ -266,27 +266,36 @@ pub fn write_report(
     config: serde_json::Value,
     runs: &[PolicyRun],
 ) -> Result<String, BenchError> {
-    write_runs(out, config, runs, &[])
+    write_runs(out, config, runs, &[], &[])
 }
 
 /// [`write_report`] of a comparison: its runs, and in `config.cancelled`, after the
-/// policies whose replay was interrupted, those the interrupt kept from running (in
-/// `config.policies` if the caller lists them there, absent from `policies`), so an
-/// interrupted comparison's report never reads as complete.
+/// policies whose replay was interrupted, those the interrupt (or a failure before
+/// them) kept from running (in `config.policies` if the caller lists them there,
+/// absent from `policies`), and in `config.failed` the policies that failed with their
+/// errors (`[{"policy", "error"}]`), so a comparison cut short never reads as complete.
 pub fn write_comparison_report(
     out: &Path,
     config: serde_json::Value,
     comparison: &Comparison,
 ) -> Result<String, BenchError> {
-    write_runs(out, config, &comparison.runs, &comparison.not_run)
+    write_runs(
+        out,
+        config,
+        &comparison.runs,
+        &comparison.not_run,
+        &comparison.failed,
+    )
 }
 
-/// [`write_report`], `not_run` (policies that never ran) added to `"cancelled"`.
+/// [`write_report`], `not_run` (policies that never ran) added to `"cancelled"` and
+/// `failed` written as `"failed"`.
 fn write_runs(
     out: &Path,
     mut config: serde_json::Value,
     runs: &[PolicyRun],
     not_run: &[String],
+    failed: &[PolicyFailure],
 ) -> Result<String, BenchError> {
     let mut slip = serde_json::Map::new();
     let mut started = serde_json::Map::new();
@@ -328,6 +337,13 @@ fn write_runs(
         );
         if !cancelled.is_empty() {
             obj.insert("cancelled".into(), cancelled.into());
+        }
+        if !failed.is_empty() {
+            let failed = failed
+                .iter()
+                .map(|f| serde_json::json!({"policy": f.policy, "error": f.error}))
+                .collect::<Vec<_>>();
+            obj.insert("failed".into(), failed.into());
         }
     }
     let tuning: Vec<&serde_json::Value> = runs.iter().flat_map(|r| &r.tuning).collect();

@@ -193,5 +193,40 @@ async fn clusters_come_up_and_always_go_down() {
         "{log:?}"
     );
 
+    // In sequence, a cluster that fails after a policy finished: the finished run is
+    // kept and the failure named, and the sequence stops there (p2 never comes up).
+    std::fs::remove_file(tmp.path().join("calls.log")).unwrap();
+    let spec = CompareSpec {
+        policies: vec!["p1".into(), "broken".into(), "p2".into()],
+        sequential: true,
+        out: tmp.path().join("seq-broken"),
+        ..spec
+    };
+    let cmp = compare(&spec, Arc::new(requests(2)), CancellationToken::new())
+        .await
+        .expect("a failure after a finished policy keeps it");
+    assert_eq!(cmp.runs.len(), 1);
+    assert_eq!(cmp.runs[0].policy, "p1");
+    assert_eq!(cmp.runs[0].output.outcomes.len(), 2);
+    assert_eq!(cmp.failed.len(), 1);
+    assert_eq!(cmp.failed[0].policy, "broken");
+    assert!(
+        cmp.failed[0].error.contains("engine failed"),
+        "{:?}",
+        cmp.failed
+    );
+    assert_eq!(cmp.not_run, ["p2"]);
+    assert!(!cmp.interrupted());
+    let log = calls(tmp.path());
+    assert!(!log.iter().any(|l| l.starts_with("up p2")), "{log:?}");
+    // Its report says which policy failed and which never ran.
+    let report = tmp.path().join("seq-broken-report");
+    gorgo_bench::report::write_comparison_report(&report, serde_json::json!({}), &cmp).unwrap();
+    let results: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(report.join("results.json")).unwrap()).unwrap();
+    assert_eq!(results["config"]["failed"][0]["policy"], "broken");
+    assert_eq!(results["config"]["cancelled"], serde_json::json!(["p2"]));
+    assert_eq!(results["policies"]["p1"]["requests"], 2);
+
     server.stop().await;
 }
