@@ -150,8 +150,10 @@ pub struct SimConfig {
     /// Share of requests whose client does not stream (`stream: false`, the OpenAI
     /// default), drawn by a hash of the request's index and the seed. Their nodes see
     /// no first token, only the end (`EngineView::dispatch_unobserved`), learn no
-    /// forward lateness and record no TTFT for tuning, as the live node; their TTFT in
-    /// the report is still when the first token would have reached the client.
+    /// forward lateness and record no TTFT for tuning, as the live node; the serving
+    /// node's prefix index (and so its peers' summaries) learns their prompt only with
+    /// the whole response, when the live node gets the engine's response head. Their
+    /// TTFT in the report is still when the first token would have reached the client.
     pub non_streamed_share: f64,
 }
 
@@ -1546,8 +1548,12 @@ impl<'a> Sim<'a> {
                 let node = &mut self.nodes[r].engines[k];
                 let cached = node.shadow.longest_match(&f.chain).min(prompt_tokens);
                 f.dispatch_cached_tokens = cached;
+                // The index learns the prompt with the engine's response head (a success
+                // head: the engine accepted it), as the live node's does: at once for a
+                // stream, with the whole response for a client that does not stream
+                // (the engine sends that head with the body, at the end: `finished`).
                 // Following the engine's events, the node models nothing.
-                if node.models_cache() {
+                if node.models_cache() && f.streamed {
                     node.shadow.insert(&f.chain, nowu);
                 }
                 let uncached = prompt_tokens - cached;
@@ -1799,8 +1805,13 @@ impl<'a> Sim<'a> {
             engine.view.finish(slot as u64, at as u64);
             // As the live node on the engine's usage (its last chunk): the engine's count
             // of cached prompt tokens corrects the shadow index (`ShadowIndex::correct`),
-            // unless the index follows the engine's events.
+            // unless the index follows the engine's events. A response that is not
+            // streamed brings its head only now, with its body: the index learns the
+            // prompt first (stamped at the dispatch, as the live node stamps it).
             if engine.models_cache() {
+                if !f.streamed {
+                    engine.shadow.insert(&f.chain, f.dispatched_ms as u64);
+                }
                 engine.shadow.correct(
                     &f.chain,
                     f.cached_tokens,
