@@ -468,6 +468,9 @@ struct Flight {
     /// (`gorgo_core::decision::best_local`): where a refused forward is served, as the
     /// node serves it.
     local_engine: Option<usize>,
+    /// The prompt tokens the client's node believed that engine holds: its predicted
+    /// cached tokens once a refusal brings the request back.
+    local_cached_tokens: Option<u64>,
     /// When its first byte reaches the forwarding node ([`Ev::FirstByte`]), ms.
     first_byte_due_ms: Option<f64>,
     /// When its first byte reaches the client, ms: one stream's bytes arrive in order,
@@ -947,6 +950,7 @@ impl<'a> Sim<'a> {
             refusal_estimate_ms: None,
             dispatch_cached_tokens: 0,
             local_engine: None,
+            local_cached_tokens: None,
             chosen_terms: None,
             offer: None,
             first_byte_due_ms: None,
@@ -1306,11 +1310,11 @@ impl<'a> Sim<'a> {
             .as_ref()
             .ok()
             .and_then(|d| d.local_estimated_ttft_ms());
-        let local_engine = outcome
+        let local = outcome
             .as_ref()
             .ok()
-            .and_then(|d| best_local(&d.candidates))
-            .map(|i| cand_engines[i]);
+            .and_then(|d| best_local(&d.candidates).map(|i| (i, d.candidates[i].cached_tokens)));
+        let local_engine = local.map(|(i, _)| cand_engines[i]);
         let offer = outcome
             .as_ref()
             .ok()
@@ -1350,6 +1354,7 @@ impl<'a> Sim<'a> {
             f.predicted_ttft_ms = predicted.map(|v| (v + held_ms) as f32);
             f.local_predicted_ttft_ms = local_predicted;
             f.local_engine = local_engine;
+            f.local_cached_tokens = local.map(|(_, c)| c);
             f.predicted_cached_tokens = target.as_ref().ok().map(|&(_, c)| c);
             f.chosen_terms = chosen_terms.map(|t| (t, weights));
         }
@@ -1489,6 +1494,7 @@ impl<'a> Sim<'a> {
         if let (Some(p), Some(sent)) = (f.local_predicted_ttft_ms, f.forwarded_ms) {
             f.predicted_ttft_ms = Some((p + (now - sent)) as f32);
         }
+        f.predicted_cached_tokens = f.local_cached_tokens;
         let f = self.flight(slot);
         let (home, t, priced, sent, tokens) = (
             f.home as usize,

@@ -72,3 +72,67 @@ fn a_non_streamed_prompt_is_learned_with_its_response() {
         assert_eq!(believed(&r, 2), 4096, "share {share}");
     }
 }
+
+/// The generated multi-turn trace of `tests/conservation.rs`, on three regions of small
+/// engines at four times its rate: loaded enough that targets refuse forwards.
+fn loaded() -> (SimConfig, Vec<TraceRequest>) {
+    let t = gorgo_workload::generate(&gorgo_workload::GeneratorConfig {
+        seed: 1,
+        duration_s: 120.0,
+        users: 40,
+        requests_per_user: 300.0,
+        think_time_median_s: 5.0,
+        ..gorgo_workload::GeneratorConfig::default()
+    })
+    .unwrap();
+    let mut p = profile();
+    p.max_total_tokens = 60_000;
+    p.max_running_requests = 16;
+    let mut network = Network::uniform(3, 40.0, 3.0);
+    network.jitter_ms = 5.0;
+    let mut cfg = SimConfig::new(network, p);
+    cfg.time_scale = 0.25;
+    cfg.seed = 7;
+    cfg.decision_log = 1_000_000;
+    (cfg, t)
+}
+
+/// A refused forward is served on the client's node's best local engine (as the live
+/// node serves it): its row's predicted cached tokens are what that node believed that
+/// engine holds, not what it believed of the peer that refused, so `sim.json`'s
+/// `cache_estimate_error` pairs the engine's count with the estimate of the engine
+/// that served it.
+#[test]
+fn a_refused_forward_predicts_the_cache_of_the_engine_that_serves_it() {
+    let (cfg, t) = loaded();
+    let r = run(&cfg, PolicyKind::Gorgo, &t);
+    let rows = r.rows.as_ref().unwrap();
+    let refused: std::collections::HashSet<u64> = r
+        .decisions
+        .iter()
+        .filter(|d| d.record.reason == "refused")
+        .map(|d| d.record.request_id)
+        .collect();
+    assert!(refused.len() > 3, "{} refusals", refused.len());
+    let mut differ = 0;
+    for d in r.decisions.iter().filter(|d| d.record.hops == 0) {
+        let rec = &d.record;
+        if !refused.contains(&rec.request_id) {
+            continue;
+        }
+        let local = &rec.candidates[gorgo_core::decision::best_local(&rec.candidates).unwrap()];
+        let chosen = rec.candidates.iter().find(|c| c.chosen).unwrap();
+        differ += usize::from(chosen.cached_tokens != local.cached_tokens);
+        let row = rows.iter().find(|x| x.index == rec.request_id).unwrap();
+        assert_eq!(row.hops, 0, "r{}", rec.request_id);
+        assert_eq!(
+            row.predicted_cached_tokens.map(u64::from),
+            Some(local.cached_tokens),
+            "r{}: the refusing peer's estimate was {}",
+            rec.request_id,
+            chosen.cached_tokens
+        );
+    }
+    // Refusals where the two estimates differ, which the check above tells apart.
+    assert!(differ > 0);
+}
