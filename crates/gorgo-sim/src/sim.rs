@@ -21,7 +21,9 @@ use gorgo_core::accounting::{
 };
 use gorgo_core::candidates::{build_candidates, LocalState, PeerState};
 use gorgo_core::cost::{Candidate, CostTerms, ForwardLedger};
-use gorgo_core::decision::{best_local, decide, refuse_forward, DecisionRecord, ForwardOffer};
+use gorgo_core::decision::{
+    best_local, decide, refuse_forward, DecisionRecord, ForwardOffer, ForwardOrigin,
+};
 use gorgo_core::es::{TrialDesign, TuningConfig};
 use gorgo_core::fit::FitConfig;
 use gorgo_core::gossip::{self as core_gossip, GossipConfig, GossipSender, PeerGossip};
@@ -504,6 +506,9 @@ struct Hop {
     /// What `from` said serving it itself would cost, sent with the forward
     /// (`SimConfig::refuse_forwards`, [`refuse_forward`]).
     offer: Option<ForwardOffer>,
+    /// `from`'s decision to forward it in `decisions.jsonl`, when kept: a refusal
+    /// marks it, as the live node marks its `/admin/decisions` record.
+    decision: Option<usize>,
     /// When the first byte reaches `from` ([`Ev::FirstByte`]), ms.
     first_byte_due_ms: Option<f64>,
 }
@@ -1342,12 +1347,13 @@ impl<'a> Sim<'a> {
                 )
             })
             .map_err(|_| ());
-        if self.out.run.decisions.len() < self.cfg.decision_log {
+        let logged = (self.out.run.decisions.len() < self.cfg.decision_log).then(|| {
             let index = self.flight(slot).index;
-            let record =
+            let mut record =
                 DecisionRecord::of_outcome(index, now as u64, prompt_tokens, weights, outcome);
-            self.log_decision(r, record);
-        }
+            record.origin = self.origin(slot);
+            self.log_decision(r, record)
+        });
         if hops == 0 {
             let anywhere = self
                 .engines
@@ -1413,6 +1419,7 @@ impl<'a> Sim<'a> {
                     local_predicted_ttft_ms: local_predicted,
                     local_cached_tokens: local.map(|(_, c)| c),
                     offer,
+                    decision: logged,
                     first_byte_due_ms: None,
                 });
                 f.chain = chain;
@@ -1482,7 +1489,7 @@ impl<'a> Sim<'a> {
         };
         if self.out.run.decisions.len() < self.cfg.decision_log {
             let f = self.flight(slot);
-            let record = DecisionRecord::of_refusal(
+            let mut record = DecisionRecord::of_refusal(
                 f.index,
                 now as u64,
                 self.kind,
@@ -1491,6 +1498,7 @@ impl<'a> Sim<'a> {
                 &offer,
                 explained,
             );
+            record.origin = self.origin(slot);
             self.log_decision(t, record);
         }
         self.out.run.counters.refused_forwards += 1;
@@ -1504,12 +1512,25 @@ impl<'a> Sim<'a> {
         true
     }
 
-    /// Keep one decision of node `r` for `decisions.jsonl`.
-    fn log_decision(&mut self, r: usize, record: DecisionRecord) {
+    /// Keep one decision of node `r` for `decisions.jsonl`; returns its place there.
+    fn log_decision(&mut self, r: usize, record: DecisionRecord) -> usize {
         self.out.run.decisions.push(DecisionLine {
             node: self.names[r].clone(),
             record,
         });
+        self.out.run.decisions.len() - 1
+    }
+
+    /// Where a forwarded request came from, for its decisions' records at the nodes
+    /// it was forwarded to (the live node's `DecisionRecord::origin`, from the
+    /// forward's origin and request id): its home node and its id there, which is its
+    /// trace index at every simulated node. `None` at its home node.
+    fn origin(&self, slot: u32) -> Option<ForwardOrigin> {
+        let f = self.flight(slot);
+        (f.hops > 0).then(|| ForwardOrigin {
+            node: self.node_ids[f.home as usize].clone(),
+            request_id: f.index,
+        })
     }
 
     /// A refusal reached the node that forwarded the request: it serves the request
@@ -1531,6 +1552,11 @@ impl<'a> Sim<'a> {
         }
         let (from, sent) = (hop.from as usize, hop.decided_ms);
         let estimate = f.refusal_estimate_ms;
+        // As the live node's `Router::forward_refused`: the record of the decision that
+        // chose the peer says the forward did not go as decided.
+        if let Some(i) = hop.decision {
+            self.out.run.decisions[i].record.forward_outcome = Some("forward-refused".into());
+        }
         let peer = self.node_ids[hop.to as usize].clone();
         let ledger = &mut self.nodes[from].ledger;
         ledger.cancel_forward(&peer, hop.replica, hop.uncached_tokens, sent as u64);

@@ -718,7 +718,10 @@ fn floor_is_below_every_request_of_every_policy() {
 
 /// `decisions.jsonl`'s records: the first `decision_log` decisions, each naming its
 /// node and request, with every candidate's terms; the forwards' second decisions and
-/// the refusals among them; and keeping them changes nothing of the run.
+/// the refusals among them, each naming where the forward came from (`origin`: the
+/// home node and the request's id there), and each refused forward's decision at home
+/// marked `forward-refused`, as the live node's `/admin/decisions` has them; and
+/// keeping them changes nothing of the run.
 #[test]
 fn the_decision_log_keeps_the_first_decisions_and_changes_nothing() {
     let t = trace(1, 120.0, 40);
@@ -758,6 +761,30 @@ fn the_decision_log_keeps_the_first_decisions_and_changes_nothing() {
         if l.record.reason == "policy" {
             assert!(l.record.candidates.iter().all(|c| c.terms.is_some()));
         }
+    }
+    // Forwards and refusals pair with the decision that sent them, as live.
+    let rows = logged.rows.as_ref().unwrap();
+    let home = |id: u64| {
+        let row = rows.iter().find(|r| r.index == id).unwrap();
+        gorgo_core::NodeId(format!("r{}", row.home))
+    };
+    for l in d {
+        let r = &l.record;
+        let origin = (r.hops > 0).then(|| gorgo_core::decision::ForwardOrigin {
+            node: home(r.request_id),
+            request_id: r.request_id,
+        });
+        assert_eq!(r.origin, origin, "r{} at {}", r.request_id, l.node);
+        let refused_here = r.hops == 0
+            && d.iter()
+                .any(|x| x.record.request_id == r.request_id && x.record.reason == "refused");
+        assert_eq!(
+            r.forward_outcome.as_deref(),
+            refused_here.then_some("forward-refused"),
+            "r{} at {}",
+            r.request_id,
+            l.node
+        );
     }
     // The loads the count-based policies compare are in the record too.
     let cands = || d.iter().flat_map(|l| &l.record.candidates);

@@ -236,6 +236,17 @@ fn a_refusal_at_the_last_hop_goes_back_to_the_node_that_forwarded_it() {
                 .find(|f| f.record.request_id == id && f.record.hops == 1)
                 .unwrap();
             let row = rows.iter().find(|x| x.index == id).unwrap();
+            // Each record names where the request came from, and the forwarding
+            // node's says its forward was refused (`/admin/decisions`, live).
+            let home = gorgo_core::NodeId(format!("r{}", row.home));
+            for rec in [&d.record, &forwarder.record] {
+                let origin = rec.origin.as_ref().unwrap();
+                assert_eq!((&origin.node, origin.request_id), (&home, id));
+            }
+            assert_eq!(
+                forwarder.record.forward_outcome.as_deref(),
+                Some("forward-refused")
+            );
             assert_eq!(row.hops, 1, "{kind} r{id}");
             assert_eq!(
                 row.served.map(|s| format!("r{s}")).as_deref(),
