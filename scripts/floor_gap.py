@@ -82,8 +82,11 @@ def main(out: Path) -> None:
         mean_floor = sum(float(floors[r["request_id"]]["ttft_floor_ms"]) for r in tail) / n
         placement = nowhere = 0.0
         for r in tail:
-            cached = int(r["cached_tokens"] or 0)
             bound = int(floors[r["request_id"]]["cached_floor_tokens"])
+            # Past what the floor prices as cached (earlier arrivals' blocks) a request
+            # may find blocks a burst-mate computed while it waited: its floor prefills
+            # those, and the wait is queueing.
+            cached = min(bound, int(r["cached_tokens"] or 0))
             anywhere = min(bound, max(cached, int(r.get("cached_anywhere_tokens") or 0)))
             placement += t_p * (anywhere - cached)
             nowhere += t_p * max(0, bound - anywhere)

@@ -461,12 +461,18 @@ fn write_decisions(path: &std::path::Path, runs: &[gorgo_sim::PolicyRun]) -> any
 /// (`scripts/floor_gap.py`).
 fn write_floors(path: &Path, floors: &[gorgo_sim::floor::RequestFloor]) -> anyhow::Result<()> {
     let mut text = String::from(
-        "request_id,ttft_floor_ms,e2e_floor_ms,prompt_tokens,cached_floor_tokens,servable\n",
+        "request_id,ttft_floor_ms,e2e_floor_ms,prompt_tokens,cached_floor_tokens,servable,cache_bound_tokens\n",
     );
     for f in floors {
         text.push_str(&format!(
-            "r{},{:.3},{:.3},{},{},{}\n",
-            f.index, f.ttft_ms, f.e2e_ms, f.prompt_tokens, f.cached_tokens, f.servable
+            "r{},{:.3},{:.3},{},{},{},{}\n",
+            f.index,
+            f.ttft_ms,
+            f.e2e_ms,
+            f.prompt_tokens,
+            f.cached_tokens,
+            f.servable,
+            f.cache_bound_tokens
         ));
     }
     gorgo_files::write_atomic(path, text.as_bytes())

@@ -22,6 +22,16 @@
 //! over the run is at least the floor's (`floor_is_below_every_request_of_every_policy`
 //! checks both).
 //!
+//! The cache bound is not the cache the TTFT floor prices. The TTFT floor prices the
+//! blocks of earlier arrivals as cached; but an engine caches each block as soon as a
+//! prefill chunk computes it, and admits a waiting request only when a prefill batch has
+//! room, so a request may also find blocks that a request arriving at the same instant
+//! computed first (its TTFT floor still holds: that prefill ran after their common
+//! arrival). Each request's cache bound (`cache_bound_tokens`) therefore counts the
+//! blocks of every request that arrived at or before it; the run's bound
+//! ([`summarize_floors`]) counts a block first computed within a burst for every request
+//! of the burst that holds it but one, since one of them computes it.
+//!
 //! A request no engine of the topology admits (over every context length or KV
 //! capacity, [`Profile::refusal`]) fails in every policy, and the policies' percentiles
 //! count completed requests only: the floor's aggregates leave it out too, or a trace
@@ -51,8 +61,22 @@ pub struct RequestFloor {
     pub e2e_ms: f64,
     /// Prompt tokens.
     pub prompt_tokens: u64,
-    /// Prompt tokens an unbounded shared cache would hold.
+    /// Prompt tokens an unbounded shared cache holds when it arrives (blocks of every
+    /// request that arrived strictly earlier; all of the prompt but its last token at
+    /// most): what its TTFT floor prices as cached, the rest it prefills.
     pub cached_tokens: u64,
+    /// The most prompt tokens its engine can report cached: `cached_tokens`' blocks and
+    /// those of the requests arriving at the same instant (an engine may admit a
+    /// burst-mate first and reuse the blocks it computed), all but its last token at
+    /// most. What `floor_is_below_every_request_of_every_policy` holds every request to.
+    pub cache_bound_tokens: u64,
+    /// Its part of the run's cache bound ([`summarize_floors`]): `cached_tokens`, plus
+    /// the tokens of its blocks that an earlier request of its burst (in trace order)
+    /// also holds. A block first computed within a burst is computed by at least one of
+    /// the requests holding it, so the parts sum to a bound on the cached tokens of the
+    /// burst, where the requests' own bounds would count such a block for each of them.
+    /// Not a bound for this request alone.
+    pub cache_share_tokens: u64,
     /// False when no engine of the topology admits the request ([`Profile::refusal`]):
     /// every policy fails it, so [`summarize_floors`] leaves it out, as the policies'
     /// percentiles do. Its floor is then priced on the fastest engine regardless, for
@@ -61,10 +85,12 @@ pub struct RequestFloor {
 }
 
 /// Every request's floor, in trace order. Reads the trace as the simulator does
-/// (`max_requests`, `max_context_tokens`, `live_chains` apply); a request may use the
-/// blocks of every request that arrived strictly earlier (a request arriving at the
-/// same instant has not computed anything yet). Rows out of time order count as
-/// arriving with the latest row before them, as the event loop sends them.
+/// (`max_requests`, `max_context_tokens`, `live_chains` apply); a request's TTFT floor
+/// uses the blocks of every request that arrived strictly earlier (one arriving at the
+/// same instant has computed nothing yet when it arrives), its cache bound those of the
+/// requests arriving at the same instant too ([`RequestFloor::cache_bound_tokens`]).
+/// Rows out of time order count as arriving with the latest row before them, as the
+/// event loop sends them.
 ///
 /// Requests that arrive at the same instant (a burst) also share the engines: see
 /// `burst_floor`.
@@ -113,6 +139,9 @@ where
             e2e_ms,
             prompt_tokens,
             cached_tokens: cached,
+            // Raised when its burst closes, by the blocks of its burst-mates.
+            cache_bound_tokens: cached,
+            cache_share_tokens: cached,
             servable,
         });
         if !servable {
@@ -151,10 +180,11 @@ struct Member {
 }
 
 impl Burst {
-    /// The burst is complete: raise its floors ([`burst_floor`]) and make its blocks
-    /// cached for every later request.
+    /// The burst is complete: raise its floors ([`burst_floor`]) and cache bounds
+    /// ([`burst_cache_bounds`]), and make its blocks cached for every later request.
     fn close(&mut self, capacity: &Capacity, out: &mut [RequestFloor], seen: &mut HashSet<u64>) {
         burst_floor(capacity, &self.members, out);
+        burst_cache_bounds(&self.members, out);
         for m in self.members.drain(..) {
             seen.extend(m.blocks.iter().map(|&(h, _)| h));
         }
@@ -236,6 +266,47 @@ fn burst_floor(capacity: &Capacity, members: &[Member], out: &mut [RequestFloor]
     }
 }
 
+/// Raise the cache bounds of one burst by the blocks its requests share. A request's
+/// engine may have computed, before admitting it, a block that a burst-mate holds (the
+/// mate admitted first: the engine caches a block as soon as a prefill chunk computes
+/// it), so its own bound counts the leading blocks some burst-mate also holds. Across
+/// the burst one of the requests holding a block computes it: its part of the run's
+/// bound counts the blocks an earlier request of the burst holds (trace order; any
+/// order gives the same sum).
+fn burst_cache_bounds(members: &[Member], out: &mut [RequestFloor]) {
+    if members.len() < 2 {
+        return;
+    }
+    // Per block first computed in this burst: how many of its requests hold it.
+    let mut holders: HashMap<u64, u32> = HashMap::new();
+    for m in members {
+        for &(h, _) in &m.blocks {
+            *holders.entry(h).or_default() += 1;
+        }
+    }
+    let mut before: HashSet<u64> = HashSet::new();
+    for m in members {
+        let f = &mut out[m.at];
+        // The blocks past those of earlier arrivals, while a burst-mate holds them:
+        // one chain, so a block shared means its whole prefix is.
+        let shared: u64 = m
+            .blocks
+            .iter()
+            .take_while(|(h, _)| holders[h] > 1)
+            .map(|&(_, t)| t)
+            .sum();
+        f.cache_bound_tokens = (f.cached_tokens + shared).min(f.prompt_tokens - 1);
+        let after_earlier: u64 = m
+            .blocks
+            .iter()
+            .filter(|(h, _)| before.contains(h))
+            .map(|&(_, t)| t)
+            .sum();
+        f.cache_share_tokens = f.cached_tokens + after_earlier;
+        before.extend(m.blocks.iter().map(|&(h, _)| h));
+    }
+}
+
 /// TTFT and E2E of one request alone on an idle engine of `profile` with `cached`
 /// of its `prompt` tokens already cached: the engine model's iteration costs, one
 /// prefill chunk after another, then one decode step at batch 1 per further token
@@ -258,7 +329,7 @@ pub fn summarize_floors(floors: &[RequestFloor]) -> LatencyFloor {
     let mut ttft: Vec<f64> = servable.iter().map(|f| f.ttft_ms).collect();
     let mut e2e: Vec<f64> = servable.iter().map(|f| f.e2e_ms).collect();
     let prompt: u64 = servable.iter().map(|f| f.prompt_tokens).sum();
-    let cached: u64 = servable.iter().map(|f| f.cached_tokens).sum();
+    let cached: u64 = servable.iter().map(|f| f.cache_share_tokens).sum();
     LatencyFloor {
         requests: servable.len() as u64,
         ttft_ms: summarize(&mut ttft),
@@ -331,5 +402,30 @@ mod tests {
         assert_eq!(floor.ttft_ms.p95, alone);
         assert_eq!(floor.e2e_ms.p95, alone);
         assert_eq!(floor.cache_hit_ratio, Some(1023.0 / 2048.0));
+    }
+
+    /// Two identical prompts at the same instant: either may find what the other
+    /// computed (its engine admits it once the other's prefill ran), so each request's
+    /// bound is all of its prompt but the last token; across the two, one computes the
+    /// blocks, so the run's bound counts them once. Their TTFT floors price nothing
+    /// cached, as before; a later request finds both blocks cached either way.
+    #[test]
+    fn a_burst_mate_s_blocks_bound_each_request_and_count_once() {
+        let p = Profile::by_name("paper-a100-mistral7b").unwrap();
+        let cfg = SimConfig::new(crate::Network::uniform(1, 0.0, 3.0), p.clone());
+        let trace = [
+            row(0, 1024, vec![1, 2]),
+            row(0, 1024, vec![1, 2]),
+            row(1000, 1536, vec![1, 2, 3]),
+        ];
+        let floors = request_floors(&cfg, trace.iter().cloned().map(Ok)).unwrap();
+        let field = |f: fn(&RequestFloor) -> u64| floors.iter().map(f).collect::<Vec<_>>();
+        assert_eq!(field(|f| f.cached_tokens), [0, 0, 1024]);
+        assert_eq!(field(|f| f.cache_bound_tokens), [1023, 1023, 1024]);
+        assert_eq!(field(|f| f.cache_share_tokens), [0, 1024, 1024]);
+        let alone = request_floor(&p, 1024, 0, 1).0;
+        assert!(floors[0].ttft_ms >= alone && floors[1].ttft_ms >= alone);
+        let floor = summarize_floors(&floors);
+        assert_eq!(floor.cache_hit_ratio, Some(2048.0 / 3584.0));
     }
 }

@@ -6,8 +6,9 @@
 //! a node's gossip tick, a gossip or tuning message reaching its peer, and a request's
 //! last byte reaching the client. First tokens need no event of their own: the engine
 //! reports when they happen and the client sees them a fixed delay later; only a
-//! forwarded request's first byte reaching the node that forwarded it is an event
-//! (`FirstByte`), because that node learns its forward bias from it then.
+//! forwarded request's first byte reaching each node that forwarded it is an event
+//! (`FirstByte`), because that node learns its forward bias from it then. A response
+//! goes back the way its request came, through every node that forwarded it.
 //!
 //! The trace is streamed: a row is read only when virtual time reaches its send time,
 //! so memory follows the requests in flight and the engines' caches, not trace length.
@@ -20,7 +21,9 @@ use gorgo_core::accounting::{
 };
 use gorgo_core::candidates::{build_candidates, LocalState, PeerState};
 use gorgo_core::cost::{Candidate, CostTerms, ForwardLedger};
-use gorgo_core::decision::{best_local, decide, refuse_forward, DecisionRecord, ForwardOffer};
+use gorgo_core::decision::{
+    best_local, decide, refuse_forward, DecisionRecord, ForwardOffer, ForwardOrigin,
+};
 use gorgo_core::es::{TrialDesign, TuningConfig};
 use gorgo_core::fit::FitConfig;
 use gorgo_core::gossip::{self as core_gossip, GossipConfig, GossipSender, PeerGossip};
@@ -159,8 +162,10 @@ pub struct SimConfig {
     /// Share of requests whose client does not stream (`stream: false`, the OpenAI
     /// default), drawn by a hash of the request's index and the seed. Their nodes see
     /// no first token, only the end (`EngineView::dispatch_unobserved`), learn no
-    /// forward lateness and record no TTFT for tuning, as the live node; their TTFT in
-    /// the report is still when the first token would have reached the client.
+    /// forward lateness and record no TTFT for tuning, as the live node; the serving
+    /// node's prefix index (and so its peers' summaries) learns their prompt only with
+    /// the whole response, when the live node gets the engine's response head. Their
+    /// TTFT in the report is still when the first token would have reached the client.
     pub non_streamed_share: f64,
 }
 
@@ -366,8 +371,9 @@ enum Ev {
     Complete(u32),
     /// A node scrapes one of its engines' `/metrics` (region-major engine index).
     Scrape(u16),
-    /// The first byte of a forwarded request reached the node that forwarded it.
-    FirstByte(u32),
+    /// The first byte of a forwarded request reached a node that forwarded it: the
+    /// one of its `path` at this index.
+    FirstByte(u32, u8),
     /// An engine's KV events reach its node (`kv_events`; region-major engine index).
     KvEvents(u16),
     /// The target's refusal of a forward reached the node that forwarded it.
@@ -434,13 +440,10 @@ struct Flight {
     /// Which engine of `served` serves it (for a forward on its way: the one the
     /// deciding node priced, until the target picks its own).
     replica: u16,
-    /// The engine of the forward's target that the client's node priced: its
-    /// forward-ledger key for this forward.
-    forward_replica: u16,
     hops: u8,
-    /// The regions it has left, as a forward's `via` (kept only where the next node
-    /// may forward again, `max_hops` above 1): none of them is a candidate there.
-    via: Vec<u8>,
+    /// Its forwards so far, from its home node on: the way its response comes back,
+    /// and the nodes it has left (a forward's `via`).
+    path: Vec<Hop>,
     send_ms: f64,
     /// When it reached its home node, ms (its first decision there).
     arrived_ms: f64,
@@ -457,27 +460,14 @@ struct Flight {
     /// Whether its client streams ([`SimConfig::non_streamed_share`]): only then does
     /// a node see its first token.
     streamed: bool,
-    /// Expected prefill tokens counted in the oracle's in-transit figure.
-    transit_tokens: u64,
     /// The TTFT the client's node's decision predicted for its chosen candidate, ms
     /// (cost-based policies only).
     predicted_ttft_ms: Option<f32>,
-    /// When the client's node forwarded it, ms (distributed mode, hops 0 -> 1).
-    forwarded_ms: Option<f64>,
-    /// The client's node's estimated TTFT for serving it itself, from the same
-    /// decision, ms after the send: its prediction once a refusal brings it back.
-    local_predicted_ttft_ms: Option<f64>,
     /// The target's own TTFT estimate carried by its refusal, ms.
     refusal_estimate_ms: Option<f64>,
     /// What the serving engine's index predicted cached when it was dispatched there:
     /// what the engine's own count corrects.
     dispatch_cached_tokens: u64,
-    /// The engine of the client's node that decision priced cheapest
-    /// (`gorgo_core::decision::best_local`): where a refused forward is served, as the
-    /// node serves it.
-    local_engine: Option<usize>,
-    /// When its first byte reaches the forwarding node ([`Ev::FirstByte`]), ms.
-    first_byte_due_ms: Option<f64>,
     /// When its first byte reaches the client, ms: one stream's bytes arrive in order,
     /// so its last byte ([`Ev::Complete`]) arrives no earlier, whatever the jitter.
     first_byte_at_client_ms: f64,
@@ -489,9 +479,48 @@ struct Flight {
     /// The longest prefix of the prompt any engine of the cluster held when the
     /// client's node decided (the truth, which no node has; a diagnostic).
     cached_anywhere_tokens: u64,
-    /// What the client's node said serving it itself would cost, sent with a forward
+}
+
+/// One forward of a request, as the node that made it keeps it. Live, a forward's
+/// response relays back through the node that sent it (its `forward` reads the peer's
+/// stream and passes it on), which learns its forward bias for that peer from the
+/// first byte (`learn_forward_bias`) and keys its forward ledger by that peer; a
+/// refusal goes back to it, and it serves the request itself (`route_and_serve`).
+#[derive(Debug, Clone, Copy)]
+struct Hop {
+    /// The region whose node forwarded it.
+    from: u8,
+    /// The region it was forwarded to.
+    to: u8,
+    /// The engine of `to` that `from` priced: its forward-ledger key for this forward
+    /// (the oracle: the engine it is sent to).
+    replica: u16,
+    /// The prefill tokens `from` expected there (its ledger entry; the oracle's
+    /// in-transit figure).
+    uncached_tokens: u64,
+    /// When `from` decided it, ms.
+    decided_ms: f64,
+    /// `from`'s TTFT estimate for `to` before its forward bias, ms (what that bias
+    /// learns against; cost-based policies only).
+    unbiased_predicted_ttft_ms: Option<f64>,
+    /// The engine of `from` its decision priced cheapest
+    /// (`gorgo_core::decision::best_local`): where a refused forward is served, as the
+    /// node serves it.
+    local_engine: Option<usize>,
+    /// `from`'s estimated TTFT for serving it itself, from the same decision, ms after
+    /// the decision: the client's node's prediction once a refusal brings it back.
+    local_predicted_ttft_ms: Option<f64>,
+    /// The prompt tokens `from` believed that engine holds: the client's node's
+    /// predicted cached tokens once a refusal brings it back.
+    local_cached_tokens: Option<u64>,
+    /// What `from` said serving it itself would cost, sent with the forward
     /// (`SimConfig::refuse_forwards`, [`refuse_forward`]).
     offer: Option<ForwardOffer>,
+    /// `from`'s decision to forward it in `decisions.jsonl`, when kept: a refusal
+    /// marks it, as the live node marks its `/admin/decisions` record.
+    decision: Option<usize>,
+    /// When the first byte reaches `from` ([`Ev::FirstByte`]), ms.
+    first_byte_due_ms: Option<f64>,
 }
 
 enum Payload {
@@ -918,7 +947,7 @@ impl<'a> Sim<'a> {
                 Ev::EngineWake(e) => self.engine_wake(e as usize, at),
                 Ev::Tick(r) => self.tick(r as usize, at),
                 Ev::Scrape(e) => self.scrape(e as usize, at),
-                Ev::FirstByte(slot) => self.first_byte(slot, at),
+                Ev::FirstByte(slot, hop) => self.first_byte(slot, hop as usize, at),
                 Ev::Refused(slot) => self.refused(slot, at),
                 Ev::Deliver(m) => self.deliver(m, at),
                 Ev::Complete(slot) => self.complete(slot, at),
@@ -971,9 +1000,8 @@ impl<'a> Sim<'a> {
             home: home as u8,
             served: None,
             replica: 0,
-            forward_replica: 0,
             hops: 0,
-            via: Vec::new(),
+            path: Vec::new(),
             send_ms: send,
             arrived_ms: send,
             dispatched_ms: send,
@@ -983,20 +1011,14 @@ impl<'a> Sim<'a> {
             ttft_ms: f64::NAN,
             cached_tokens: 0,
             predicted_ttft_ms: None,
-            forwarded_ms: None,
-            local_predicted_ttft_ms: None,
             refusal_estimate_ms: None,
             dispatch_cached_tokens: 0,
-            local_engine: None,
             chosen_terms: None,
-            offer: None,
-            first_byte_due_ms: None,
             first_byte_at_client_ms: f64::NEG_INFINITY,
             predicted_cached_tokens: None,
             cached_anywhere_tokens: 0,
             first_token_seen: false,
             streamed,
-            transit_tokens: 0,
         };
         let slot = match self.free.pop() {
             Some(s) => {
@@ -1288,9 +1310,8 @@ impl<'a> Sim<'a> {
         let session = f.session_key;
         // Take the chain out while deciding (borrows), then put it back.
         let chain = std::mem::take(&mut self.flight_mut(slot).chain);
-        let via = std::mem::take(&mut self.flight_mut(slot).via);
+        let via = self.leaving_out(slot);
         let (cands, cand_engines) = self.candidates(r, &chain, &via, now);
-        self.flight_mut(slot).via = via;
         // A client request is routed on its arm of the trial (a hash of its index
         // picks it, as a node hashes its request id); a forwarded one with the
         // receiving node's incumbent, as a node does.
@@ -1352,15 +1373,17 @@ impl<'a> Sim<'a> {
             .as_ref()
             .ok()
             .and_then(|d| d.local_estimated_ttft_ms());
-        let local_engine = outcome
+        let local = outcome
             .as_ref()
             .ok()
-            .and_then(|d| best_local(&d.candidates))
-            .map(|i| cand_engines[i]);
+            .and_then(|d| best_local(&d.candidates).map(|i| (i, d.candidates[i].cached_tokens)));
+        let local_engine = local.map(|(i, _)| cand_engines[i]);
+        // Sent with any forward, as the live node sends it: the target checks it at
+        // max hops ([`Sim::refuse`]).
         let offer = outcome
             .as_ref()
             .ok()
-            .filter(|_| hops == 0 && self.cfg.refuse_forwards && self.oracle.is_none())
+            .filter(|_| self.cfg.refuse_forwards && self.oracle.is_none())
             .and_then(|d| d.local_cost_ms())
             .and_then(|c| ForwardOffer::new(c, weights, self.kind));
         let target = outcome
@@ -1372,12 +1395,13 @@ impl<'a> Sim<'a> {
                 )
             })
             .map_err(|_| ());
-        if self.out.run.decisions.len() < self.cfg.decision_log {
+        let logged = (self.out.run.decisions.len() < self.cfg.decision_log).then(|| {
             let index = self.flight(slot).index;
-            let record =
+            let mut record =
                 DecisionRecord::of_outcome(index, now as u64, prompt_tokens, weights, outcome);
-            self.log_decision(r, record);
-        }
+            record.origin = self.origin(slot);
+            self.log_decision(r, record)
+        });
         if hops == 0 {
             let anywhere = self
                 .engines
@@ -1394,8 +1418,6 @@ impl<'a> Sim<'a> {
             // waited at the node since it arrived.
             let held_ms = (now - f.arrived_ms).max(0.0);
             f.predicted_ttft_ms = predicted.map(|v| (v + held_ms) as f32);
-            f.local_predicted_ttft_ms = local_predicted;
-            f.local_engine = local_engine;
             f.predicted_cached_tokens = target.as_ref().ok().map(|&(_, c)| c);
             f.chosen_terms = chosen_terms.map(|t| (t, weights));
         }
@@ -1442,17 +1464,23 @@ impl<'a> Sim<'a> {
                     }
                 }
                 let f = self.flight_mut(slot);
-                if hops == 0 {
-                    f.forwarded_ms = Some(now);
-                    f.offer = offer;
-                    f.forward_replica = k as u16;
-                }
+                f.path.push(Hop {
+                    from: r as u8,
+                    to: t as u8,
+                    replica: k as u16,
+                    uncached_tokens: uncached,
+                    decided_ms: now,
+                    unbiased_predicted_ttft_ms: chosen_terms
+                        .and_then(|c| c.unbiased_estimated_ttft_ms()),
+                    local_engine,
+                    local_predicted_ttft_ms: local_predicted,
+                    local_cached_tokens: local.map(|(_, c)| c),
+                    offer,
+                    decision: logged,
+                    first_byte_due_ms: None,
+                });
                 f.chain = chain;
-                f.transit_tokens = uncached;
                 f.hops += 1;
-                if f.hops < max_hops {
-                    f.via.push(r as u8);
-                }
                 f.served = Some(t as u8);
                 f.replica = k as u16;
                 let at = now + self.link_delay(r, t);
@@ -1464,7 +1492,8 @@ impl<'a> Sim<'a> {
     fn forward_arrival(&mut self, slot: u32, now: f64) {
         let f = self.flight(slot);
         let t = f.served.expect("set when forwarded") as usize;
-        let (replica, uncached) = (f.replica as usize, f.transit_tokens);
+        let uncached = f.path.last().map_or(0, |h| h.uncached_tokens);
+        let replica = f.replica as usize;
         let e = self.engine_index(t, replica);
         if let Some(o) = self.oracle.as_mut() {
             // The oracle serves on the engine it decided; nothing is in transit any more.
@@ -1477,18 +1506,34 @@ impl<'a> Sim<'a> {
         }
     }
 
-    /// As a live node's forward server does before serving a forward: refuse it when
-    /// serving it here costs more than the forwarding node's alternative
-    /// ([`refuse_forward`]); the refusal travels back ([`Ev::Refused`]). True when
-    /// refused.
+    /// The regions a request at `slot` may not go to from where it is now: those it has
+    /// left while it may still be forwarded, none at `max_hops` (the peers then stay
+    /// candidates, priced for the refusal check and the decision log), as the live
+    /// node's `Excluded::leaving_out_path`.
+    fn leaving_out(&self, slot: u32) -> Vec<u8> {
+        let f = self.flight(slot);
+        if f.hops < self.cfg.max_hops {
+            f.path.iter().map(|h| h.from).collect()
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// As a live node's forward server does before serving a forward at `max_hops`
+    /// (one it may not forward again): refuse it when serving it here costs more than
+    /// the alternative of the node that forwarded it ([`refuse_forward`]); the refusal
+    /// travels back to that node ([`Ev::Refused`]). True when refused.
     fn refuse(&mut self, slot: u32, t: usize, now: f64) -> bool {
-        let Some(offer) = self.flight(slot).offer else {
+        let f = self.flight(slot);
+        if f.hops < self.cfg.max_hops {
+            return false;
+        }
+        let Some(offer) = f.path.last().and_then(|h| h.offer) else {
             return false;
         };
         let chain = std::mem::take(&mut self.flight_mut(slot).chain);
-        let via = std::mem::take(&mut self.flight_mut(slot).via);
+        let via = self.leaving_out(slot);
         let (cands, _) = self.candidates(t, &chain, &via, now);
-        self.flight_mut(slot).via = via;
         let f = self.flight(slot);
         let req = RouteRequest {
             chain: &chain,
@@ -1502,7 +1547,7 @@ impl<'a> Sim<'a> {
         };
         if self.out.run.decisions.len() < self.cfg.decision_log {
             let f = self.flight(slot);
-            let record = DecisionRecord::of_refusal(
+            let mut record = DecisionRecord::of_refusal(
                 f.index,
                 now as u64,
                 self.kind,
@@ -1511,68 +1556,76 @@ impl<'a> Sim<'a> {
                 &offer,
                 explained,
             );
+            record.origin = self.origin(slot);
             self.log_decision(t, record);
         }
         self.out.run.counters.refused_forwards += 1;
         let f = self.flight_mut(slot);
-        f.first_byte_due_ms = None;
-        f.offer = None;
         // The refusal carries the target's own estimate, which the forwarding node
         // learns its forward bias from when the refusal reaches it ([`Sim::refused`]).
         f.refusal_estimate_ms = refusal.local_estimated_ttft_ms;
-        let home = f.home as usize;
-        let back = self.link_delay(t, home);
+        let from = f.path.last().expect("an offer came with a forward").from as usize;
+        let back = self.link_delay(t, from);
         self.push(now + back, Ev::Refused(slot));
         true
     }
 
-    /// Keep one decision of node `r` for `decisions.jsonl`.
-    fn log_decision(&mut self, r: usize, record: DecisionRecord) {
+    /// Keep one decision of node `r` for `decisions.jsonl`; returns its place there.
+    fn log_decision(&mut self, r: usize, record: DecisionRecord) -> usize {
         self.out.run.decisions.push(DecisionLine {
             node: self.names[r].clone(),
             record,
         });
+        self.out.run.decisions.len() - 1
     }
 
-    /// A refusal reached the forwarding node: it serves the request itself (and, as
-    /// the live node's `x-gorgo-hops`, reports it unforwarded).
+    /// Where a forwarded request came from, for its decisions' records at the nodes
+    /// it was forwarded to (the live node's `DecisionRecord::origin`, from the
+    /// forward's origin and request id): its home node and its id there, which is its
+    /// trace index at every simulated node. `None` at its home node.
+    fn origin(&self, slot: u32) -> Option<ForwardOrigin> {
+        let f = self.flight(slot);
+        (f.hops > 0).then(|| ForwardOrigin {
+            node: self.node_ids[f.home as usize].clone(),
+            request_id: f.index,
+        })
+    }
+
+    /// A refusal reached the node that forwarded the request: it serves the request
+    /// itself and reports the hops that took it there (as the live node's
+    /// `x-gorgo-hops`: the client's node reports it unforwarded), and its own ledger
+    /// drops the forward it recorded for that peer and learns from the refusal.
     fn refused(&mut self, slot: u32, now: f64) {
         let f = self.flight_mut(slot);
-        f.hops = 0;
-        f.via.clear();
-        // Served here after all: the prediction is this node's own for serving it,
-        // plus the round trip the refusal took (the node does the same).
-        if let (Some(p), Some(sent)) = (f.local_predicted_ttft_ms, f.forwarded_ms) {
-            f.predicted_ttft_ms = Some((p + (now - sent)) as f32);
-        }
-        let f = self.flight(slot);
-        let (home, t, priced, sent, tokens) = (
-            f.home as usize,
-            f.served.expect("set when forwarded") as usize,
-            f.forward_replica,
-            f.forwarded_ms,
-            f.transit_tokens,
-        );
-        let pred = f
-            .chosen_terms
-            .and_then(|(t, _)| t.unbiased_estimated_ttft_ms());
-        let estimate = f.refusal_estimate_ms;
-        if let Some(sent) = sent {
-            let peer = self.node_ids[t].clone();
-            let ledger = &mut self.nodes[home].ledger;
-            ledger.cancel_forward(&peer, priced, tokens, sent as u64);
-            // As the live node (`Router::forward_refused`): the forward "took" the
-            // refusal's round trip plus what the target estimated for serving it.
-            if let (Some(pred), Some(est)) = (pred, estimate) {
-                ledger.observe_forward_ttft(&peer, priced, pred, now - sent + est, now as u64);
+        let hop = f.path.pop().expect("only a forward is refused");
+        // Served by the node that forwarded it, with the hops that took it there.
+        f.hops = f.path.len() as u8;
+        if f.path.is_empty() {
+            // Served here after all: the prediction is this node's own for serving it,
+            // plus the round trip the refusal took (the node does the same).
+            if let Some(p) = hop.local_predicted_ttft_ms {
+                f.predicted_ttft_ms = Some((p + (now - hop.decided_ms)) as f32);
             }
+            f.predicted_cached_tokens = hop.local_cached_tokens;
+        }
+        let (from, sent) = (hop.from as usize, hop.decided_ms);
+        let estimate = f.refusal_estimate_ms;
+        // As the live node's `Router::forward_refused`: the record of the decision that
+        // chose the peer says the forward did not go as decided.
+        if let Some(i) = hop.decision {
+            self.out.run.decisions[i].record.forward_outcome = Some("forward-refused".into());
+        }
+        let peer = self.node_ids[hop.to as usize].clone();
+        let ledger = &mut self.nodes[from].ledger;
+        ledger.cancel_forward(&peer, hop.replica, hop.uncached_tokens, sent as u64);
+        // As the live node (`Router::forward_refused`): the forward "took" the
+        // refusal's round trip plus what the target estimated for serving it.
+        if let (Some(pred), Some(est)) = (hop.unbiased_predicted_ttft_ms, estimate) {
+            ledger.observe_forward_ttft(&peer, hop.replica, pred, now - sent + est, now as u64);
         }
         // Only a forward with an offer can be refused, and an offer is the best local
         // engine's cost, so the engine is always known.
-        let e = self
-            .flight(slot)
-            .local_engine
-            .unwrap_or(self.engine_index(home, 0));
+        let e = hop.local_engine.unwrap_or(self.engine_index(from, 0));
         self.dispatch(slot, e, now);
     }
 
@@ -1604,8 +1657,12 @@ impl<'a> Sim<'a> {
                 let node = &mut self.nodes[r].engines[k];
                 let cached = node.shadow.longest_match(&f.chain).min(prompt_tokens);
                 f.dispatch_cached_tokens = cached;
+                // The index learns the prompt with the engine's response head (a success
+                // head: the engine accepted it), as the live node's does: at once for a
+                // stream, with the whole response for a client that does not stream
+                // (the engine sends that head with the body, at the end: `finished`).
                 // Following the engine's events, the node models nothing.
-                if node.models_cache() {
+                if node.models_cache() && f.streamed {
                     node.shadow.insert(&f.chain, nowu);
                 }
                 let uncached = prompt_tokens - cached;
@@ -1741,19 +1798,23 @@ impl<'a> Sim<'a> {
         }
         self.out.run.counters.first_tokens += 1;
         let home = self.flight(slot).home as usize;
-        let link = self.link_delay(r, home);
-        let back = link + self.client_delay(home);
         // A response that is not streamed shows its nodes nothing until its end.
         let streamed = self.flight(slot).streamed;
-        let relayed = streamed
-            && r != home
-            && self.oracle.is_none()
-            && self.flight(slot).forwarded_ms.is_some();
-        if relayed {
-            // The forwarding node learns its forward's TTFT when the byte reaches it.
-            self.push(at + link, Ev::FirstByte(slot));
-            self.flight_mut(slot).first_byte_due_ms = Some(at + link);
+        let observed = streamed && self.oracle.is_none();
+        // The first byte goes back the way the request came, each node that forwarded
+        // it relaying it to the one before; each learns its forward's TTFT when the
+        // byte reaches it.
+        let mut link = 0.0;
+        for h in (0..self.flight(slot).path.len()).rev() {
+            let hop = self.flight(slot).path[h];
+            link += self.link_delay(hop.to as usize, hop.from as usize);
+            if observed {
+                self.push(at + link, Ev::FirstByte(slot, h as u8));
+                self.flight_mut(slot).path[h].first_byte_due_ms = Some(at + link);
+            }
         }
+        let relayed = observed && !self.flight(slot).path.is_empty();
+        let back = link + self.client_delay(home);
         let f = self.flight_mut(slot);
         f.first_token_seen = true;
         f.cached_tokens = cached;
@@ -1782,32 +1843,33 @@ impl<'a> Sim<'a> {
         }
     }
 
-    /// A forward's first byte reached its home node: the node's forward ledger learns
-    /// how late it was against the prediction (as the live node does when the first
-    /// chunk of a forwarded stream arrives).
-    fn first_byte(&mut self, slot: u32, now: f64) {
+    /// A forward's first byte reached the node that made hop `h` of its path: that
+    /// node's forward ledger learns how late it was against its prediction for the
+    /// peer it forwarded to (as the live node does when the first chunk of a forwarded
+    /// stream arrives); at the client's node (hop 0) its tuner records the TTFT too.
+    fn first_byte(&mut self, slot: u32, h: usize, now: f64) {
         let Some(f) = self.flights.get_mut(slot as usize).and_then(|f| f.as_mut()) else {
             return;
         };
-        if f.first_byte_due_ms != Some(now) {
+        let Some(hop) = f.path.get_mut(h) else {
+            return; // the slot was released and reused
+        };
+        if hop.first_byte_due_ms != Some(now) {
             return; // the slot was released and reused
         }
-        f.first_byte_due_ms = None;
-        self.record_first_token(slot);
-        let Some(f) = self.flights.get_mut(slot as usize).and_then(|f| f.as_mut()) else {
+        hop.first_byte_due_ms = None;
+        let hop = *hop;
+        if h == 0 {
+            self.record_first_token(slot);
+        }
+        let Some(pred) = hop.unbiased_predicted_ttft_ms else {
             return;
         };
-        let pred = f
-            .chosen_terms
-            .and_then(|(t, _)| t.unbiased_estimated_ttft_ms());
-        let (Some(sent), Some(pred), Some(t)) = (f.forwarded_ms, pred, f.served) else {
-            return;
-        };
-        let (home, priced) = (f.home as usize, f.forward_replica);
-        let peer = self.node_ids[t as usize].clone();
-        if let Some(node) = self.nodes.get_mut(home) {
+        let (from, sent) = (hop.from as usize, hop.decided_ms);
+        let peer = self.node_ids[hop.to as usize].clone();
+        if let Some(node) = self.nodes.get_mut(from) {
             node.ledger
-                .observe_forward_ttft(&peer, priced, pred, now - sent, now as u64);
+                .observe_forward_ttft(&peer, hop.replica, pred, now - sent, now as u64);
         }
     }
 
@@ -1857,8 +1919,13 @@ impl<'a> Sim<'a> {
             engine.view.finish(slot as u64, at as u64);
             // As the live node on the engine's usage (its last chunk): the engine's count
             // of cached prompt tokens corrects the shadow index (`ShadowIndex::correct`),
-            // unless the index follows the engine's events.
+            // unless the index follows the engine's events. A response that is not
+            // streamed brings its head only now, with its body: the index learns the
+            // prompt first (stamped at the dispatch, as the live node stamps it).
             if engine.models_cache() {
+                if !f.streamed {
+                    engine.shadow.insert(&f.chain, f.dispatched_ms as u64);
+                }
                 engine.shadow.correct(
                     &f.chain,
                     f.cached_tokens,
@@ -1868,16 +1935,22 @@ impl<'a> Sim<'a> {
             }
         }
         let first_at_client = f.first_byte_at_client_ms;
+        let hops_back = f.path.len();
         let mut back = self.client_delay(home);
-        if r != home {
-            back += self.link_delay(r, home);
+        // Back the way the request came, as the first byte; the relays pass the stream
+        // on as it comes, so the transfer at the links' rate counts once.
+        for h in (0..hops_back).rev() {
+            let hop = self.flight(slot).path[h];
+            back += self.link_delay(hop.to as usize, hop.from as usize);
+        }
+        if hops_back > 0 {
             if let Some(rate) = self.cfg.network.rate_mbps {
                 back += out_tokens as f64 * SSE_BYTES_PER_TOKEN * 8.0 / (rate * 1000.0);
             }
         }
         // The last byte follows the first on the same stream: its own delay draws
-        // cannot overtake it. (The forwarding node's first byte, `Ev::FirstByte`, is
-        // due no later than the client's and was scheduled first, so it is handled
+        // cannot overtake it. (The forwarding nodes' first bytes, `Ev::FirstByte`, are
+        // due no later than the client's and were scheduled first, so they are handled
         // before this completion even at the same instant.)
         self.push((at + back).max(first_at_client), Ev::Complete(slot));
     }
@@ -1925,7 +1998,7 @@ impl<'a> Sim<'a> {
 
     fn complete(&mut self, slot: u32, now: f64) {
         let mut f = self.release(slot);
-        if f.first_byte_due_ms.is_some() {
+        if f.path.iter().any(|h| h.first_byte_due_ms.is_some()) {
             // The forwarding node would never see the first byte (its tuner and
             // forward ledger would miss the request): the stream's order was broken.
             self.out.run.counters.unexpected_events += 1;
