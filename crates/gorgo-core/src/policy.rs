@@ -573,11 +573,14 @@ impl Policy for LeastLoad {
         _w: Weights,
         rng_u64: u64,
     ) -> Choice {
+        // Saturating: a peer's gossiped KV gauge is not range-checked, and an engine's
+        // report of 1.8e19 or more reads as `u64::MAX` in a node's own view; a plain sum
+        // panicked in debug builds and wrapped to nearly 0 in release, making the
+        // broken engine the least loaded.
         Choice::pick(pick_min(candidates, rng_u64, |_, c| {
-            [
-                (c.inflight_requests() + c.stats.kv_used_tokens + c.inflight_forward_prompt_tokens)
-                    as f64,
-            ]
+            [c.inflight_requests()
+                .saturating_add(c.stats.kv_used_tokens)
+                .saturating_add(c.inflight_forward_prompt_tokens) as f64]
         }))
     }
 }

@@ -243,6 +243,27 @@ fn least_load_and_least_request() {
     assert_eq!(choose(PolicyKind::LeastRequest, &req, &cands, 1), Some(0));
 }
 
+/// A saturated KV gauge (a peer's gossip is not range-checked; an engine's report of
+/// 1.8e19 or more reads as `u64::MAX`) makes its engine the most loaded, not a panic in
+/// the request's task (debug) or a sum wrapped to nearly 0 (release).
+#[test]
+fn least_load_saturates_on_a_huge_kv_gauge() {
+    let chain = chain_of(100);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 100,
+        session_key: None,
+    };
+    let mut local = cand("a", true, 0.0);
+    local.stats.running = 1;
+    local.stats.kv_used_tokens = 1000;
+    let mut peer = cand("b", false, 10.0);
+    peer.stats.running = 2;
+    peer.stats.kv_used_tokens = u64::MAX;
+    peer.inflight_forward_prompt_tokens = 7;
+    assert_eq!(target(PolicyKind::LeastLoad, &req, &[local, peer]), "a");
+}
+
 #[test]
 fn prefix_cache_rule() {
     let chain = chain_of(4000);
