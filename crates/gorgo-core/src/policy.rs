@@ -231,8 +231,25 @@ pub fn build(kind: PolicyKind) -> Box<dyn Policy> {
     }
 }
 
-/// Index of the healthy candidate with the smallest key, compared lexicographically.
-/// Ties: the local candidate if tied, else the `rng_u64`-th of the tied ones.
+/// A score as the policies rank it, smallest first: a finite score as it is, any other
+/// (NaN, either infinity) as `+inf`, so that a candidate a policy cannot price is never
+/// preferred over one it can.
+///
+/// Why: a weight of 0 (`routing.weights.w_queue = 0` is allowed) times a term that
+/// prices to infinity (a peer's gossiped `t_p_ms` finite but absurd, 1e306) is NaN, and
+/// on x86-64 that NaN has its sign bit set: `f64::total_cmp` alone puts it before every
+/// number, so the one candidate that cannot be priced was the cheapest.
+pub(crate) fn rank(score: f64) -> f64 {
+    if score.is_finite() {
+        score
+    } else {
+        f64::INFINITY
+    }
+}
+
+/// Index of the healthy candidate with the smallest key, compared lexicographically
+/// element by element as [`rank`]ed (a NaN or infinite element never beats a finite
+/// one). Ties: the local candidate if tied, else the `rng_u64`-th of the tied ones.
 fn pick_min<const N: usize>(
     candidates: &[Candidate],
     rng_u64: u64,
@@ -241,7 +258,7 @@ fn pick_min<const N: usize>(
     let cmp = |a: &[f64; N], b: &[f64; N]| {
         a.iter()
             .zip(b)
-            .map(|(x, y)| x.total_cmp(y))
+            .map(|(x, y)| rank(*x).total_cmp(&rank(*y)))
             .find(|o| o.is_ne())
             .unwrap_or(std::cmp::Ordering::Equal)
     };

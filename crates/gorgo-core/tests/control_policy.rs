@@ -501,6 +501,44 @@ fn gorgo_paper_uses_mixed_units() {
     assert_eq!(c.index, Some(1));
 }
 
+/// With `w_queue = 0` (an operator's choice to ignore the term), a peer whose queue
+/// prices to infinity (a gossiped `t_p_ms` of 1e306) has a NaN total; it is never
+/// preferred over a candidate with a finite one (`f64::total_cmp` put x86-64's
+/// negative NaN before every number, and the peer won).
+#[test]
+fn a_total_that_cannot_be_priced_never_wins() {
+    let chain = HashChain::default();
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 100,
+        session_key: None,
+    };
+    let mut local = Candidate::idle("a", true, 0.0);
+    local.stats.t_p_ms = 0.1;
+    local.stats.unfinished_prefill_tokens = 1_000_000;
+    let mut peer = Candidate::idle("b", false, 10.0);
+    peer.stats.t_p_ms = 1e306;
+    peer.stats.unfinished_prefill_tokens = 1000;
+    peer.cached_tokens = 100;
+    let w = Weights {
+        w_rtt: 1.0,
+        w_queue: 0.0,
+    };
+    assert!(cost_terms(100, &peer, w, 0).total_ms.is_nan());
+    let cands = [local, peer];
+    for kind in [PolicyKind::Gorgo, PolicyKind::GorgoTtft, PolicyKind::Oracle] {
+        for rng in 0..4 {
+            let mut p = build(kind);
+            let d = decide(&req, 0, 1, &cands, p.as_mut(), w, rng).unwrap();
+            assert_eq!(d.target.0, "a", "{kind}");
+        }
+    }
+    // The peer alone is still chosen (it is healthy; the total is only unknown).
+    let mut p = build(PolicyKind::Gorgo);
+    let d = decide(&req, 0, 1, &cands[1..], p.as_mut(), w, 0).unwrap();
+    assert_eq!(d.target.0, "b");
+}
+
 /// Candidate `i` of a list whose first `locals` are the deciding node's engines
 /// (node `n0`, replicas 0..locals) and the rest one engine of a peer each.
 fn arb_candidate(i: usize, locals: usize) -> impl Strategy<Value = Candidate> {
@@ -593,6 +631,118 @@ proptest! {
     }
 }
 
+/// A figure as a broken or hostile peer might gossip it.
+fn garbage_f64() -> impl Strategy<Value = f64> {
+    prop_oneof![
+        Just(f64::NAN),
+        Just(f64::INFINITY),
+        Just(-1.0),
+        Just(1e306),
+        Just(f64::MAX),
+        0.0..1.0f64,
+    ]
+}
+
+fn garbage_u64() -> impl Strategy<Value = u64> {
+    prop_oneof![Just(u64::MAX), any::<u64>(), 0u64..50_000]
+}
+
+fn garbage_u32() -> impl Strategy<Value = u32> {
+    prop_oneof![Just(u32::MAX), 0u32..100]
+}
+
+/// Candidate `i` (local for `i == 0`) with any gauges and figures at all.
+fn arb_garbage_candidate(i: usize) -> impl Strategy<Value = Candidate> {
+    (
+        (
+            any::<bool>(),
+            prop_oneof![Just(f64::NAN), Just(f64::INFINITY), 0.0..500.0f64],
+            garbage_u64(),
+            garbage_u64(),
+            garbage_u64(),
+            garbage_u64(),
+        ),
+        (
+            garbage_u32(),
+            garbage_u32(),
+            garbage_u32(),
+            garbage_u64(),
+            garbage_u32(),
+        ),
+        (
+            garbage_f64(),
+            garbage_f64(),
+            garbage_f64(),
+            garbage_f64(),
+            garbage_f64(),
+            prop::option::of(garbage_u32()),
+        ),
+    )
+        .prop_map(
+            move |(
+                (healthy, rtt, cached, unfinished, kv, queued),
+                (running, waiting, fwd, fwd_tokens, deciders),
+                (t_p, base, step, decode, bias, slots),
+            )| {
+                let mut c = Candidate::idle(format!("n{i}").as_str(), i == 0, rtt);
+                c.healthy = healthy;
+                c.cached_tokens = cached;
+                c.stats.unfinished_prefill_tokens = unfinished;
+                c.stats.kv_used_tokens = kv;
+                c.stats.queued_prompt_tokens = queued;
+                c.stats.running = running;
+                c.stats.waiting = waiting;
+                c.inflight_forwards = fwd;
+                c.inflight_forward_prompt_tokens = fwd_tokens;
+                c.deciders = deciders;
+                c.stats.t_p_ms = t_p;
+                c.stats.base_ms = base;
+                c.stats.decode_step_ms = step;
+                c.forward_bias_ms = bias;
+                c.stats.slots = slots.map(|max_running| gorgo_core::EngineSlots {
+                    max_running,
+                    decode_ms: decode,
+                });
+                c
+            },
+        )
+}
+
+proptest! {
+    /// Whatever the candidates' gauges and figures (a peer's gossip is not trusted:
+    /// gauges at their maximum, a `t_p` of 1e306, NaN) and whatever the weights (0
+    /// included), no policy panics or picks an unhealthy candidate, and a cost-based
+    /// one never prefers a candidate it cannot price (a NaN or infinite total) over one
+    /// it can.
+    #[test]
+    fn garbage_gauges_neither_panic_nor_win(
+        cands in (1usize..6).prop_flat_map(|n| (0..n).map(arb_garbage_candidate).collect::<Vec<_>>()),
+        prompt in prop_oneof![Just(u64::MAX), 1u64..20_000],
+        policy in 0usize..PolicyKind::ALL.len(),
+        rng in any::<u64>(),
+        w_rtt in prop_oneof![Just(0.0), 0.05..4.0f64],
+        w_queue in prop_oneof![Just(0.0), 0.05..4.0f64],
+    ) {
+        let kind = PolicyKind::ALL[policy];
+        let chain = chain_of(prompt.min(2000));
+        let req = RouteRequest { chain: &chain, prompt_tokens: prompt, session_key: None };
+        let mut p = build(kind);
+        let w = Weights { w_rtt, w_queue };
+        let Ok(d) = decide(&req, 0, 1, &cands, p.as_mut(), w, rng) else {
+            return Ok(());
+        };
+        prop_assert!(cands[d.target_index].healthy);
+        let total = |i: usize| d.candidates[i].terms.map(|t| t.total_ms);
+        let priceable = (0..cands.len()).any(|i| {
+            cands[i].healthy && total(i).is_some_and(f64::is_finite)
+        });
+        if priceable && d.reason != DecisionReason::PolicyFallback {
+            let chosen = total(d.target_index).unwrap();
+            prop_assert!(chosen.is_finite(), "{kind} chose a total of {chosen}: {d:?}");
+        }
+    }
+}
+
 /// An offer as a forwarding node makes it; any cost, even one `ForwardOffer::new` would
 /// refuse to build, to test the check itself.
 fn offer(cost_ms: f64, weights: Weights, policy: PolicyKind) -> ForwardOffer {
@@ -628,6 +778,31 @@ fn refusal(
     };
     let p = build(kind);
     refuse_forward(&req, cands, p.as_ref(), &offer(cost_ms, weights, kind))
+}
+
+/// A target with two engines, one it cannot price (a NaN total: `w_queue = 0` times a
+/// queue that prices to infinity), serves on the one it can: that engine's cost is what
+/// it compares with the offer. (`f64::total_cmp` took x86-64's negative NaN for the
+/// cheapest, and every forward was refused.)
+#[test]
+fn a_target_prices_itself_by_an_engine_it_can_price() {
+    let w = Weights {
+        w_rtt: 1.0,
+        w_queue: 0.0,
+    };
+    let mut broken = cand("b-target", true, 0.0);
+    broken.stats.t_p_ms = 1e306;
+    broken.stats.unfinished_prefill_tokens = 1000;
+    broken.cached_tokens = 2000;
+    let mut idle = cand("b-target", true, 0.0);
+    idle.stats.replica = 1;
+    let cands = [broken, idle, cand("a-origin", false, 80.0)];
+    let fewest = fewest_uncached_tokens(2000, &cands);
+    assert!(cost_terms(2000, &cands[0], w, fewest).total_ms.is_nan());
+    // The idle engine: 2,000 tokens of prefill, 188 ms, under the origin's 500.
+    assert_eq!(refusal(PolicyKind::Gorgo, &cands, 500.0, w), None);
+    // Nothing it can price: the offer's finite cost is the cheaper.
+    assert!(refusal(PolicyKind::Gorgo, &cands[..1], 500.0, w).is_some());
 }
 
 #[test]
