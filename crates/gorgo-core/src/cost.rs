@@ -181,7 +181,9 @@ pub struct CostTerms {
     /// Unweighted queueing estimate, ms: [`queue_ms`] plus the forward bias.
     pub raw_queue_ms: f64,
     /// The part of `raw_queue_ms` that is the candidate's forward bias
-    /// ([`ForwardLedger::forward_bias_ms`]), ms.
+    /// ([`ForwardLedger::forward_bias_ms`]), ms: the bias `estimated_ttft_ms` holds.
+    /// (`gorgo-paper`'s `raw_queue_ms` is its score's queued tokens, which hold no
+    /// bias; its `estimated_ttft_ms` is the `gorgo` model's, which does.)
     #[serde(default)]
     pub forward_bias_ms: f64,
     /// The wait for a slot ([`slot_wait_ms`]), ms: 0 unless the candidate's
@@ -391,7 +393,7 @@ pub fn estimated_ttft_ms(prompt_tokens: u64, c: &Candidate) -> f64 {
 
 /// [`queue_ms`] plus the candidate's forward bias (the wait this node's forwards there
 /// met beyond what its stats showed), never below 0.
-fn biased_queue_ms(c: &Candidate) -> f64 {
+pub(crate) fn biased_queue_ms(c: &Candidate) -> f64 {
     let bias = if c.is_local || !c.forward_bias_ms.is_finite() {
         0.0
     } else {

@@ -486,7 +486,8 @@ impl Policy for Gorgo {
 /// queued_prompt_tokens` (mixed units: ms and tokens). Queued tokens are the raw prompt
 /// tokens dispatched and not finished, plus this node's own forwards since the stats.
 /// The returned terms carry the score's parts (`prefill_ms` holds uncached tokens,
-/// `queue_ms` weighted queued tokens).
+/// `queue_ms` weighted queued tokens), and the `gorgo` model's TTFT prediction with the
+/// forward bias it holds (`forward_bias_ms`), as `gorgo`'s terms do.
 #[derive(Debug, Clone, Default)]
 pub struct GorgoPaper;
 
@@ -526,7 +527,11 @@ impl GorgoPaper {
                     reprefill_tokens: 0,
                     t_p_ms: 1.0,
                     raw_queue_ms: queued as f64,
-                    forward_bias_ms: 0.0,
+                    // The bias the prediction below holds (the score holds none): what
+                    // `unbiased_estimated_ttft_ms` takes out before the forward ledger
+                    // learns from it. Left at 0, the ledger learnt from the biased
+                    // prediction, and the bias settled at half the lateness.
+                    forward_bias_ms: crate::cost::biased_queue_ms(c) - crate::cost::queue_ms(c).0,
                     slot_wait_ms: 0.0,
                     tokens_ahead: queued,
                     // The paper's score is in tokens; the prediction is the gorgo

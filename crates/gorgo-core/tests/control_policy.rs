@@ -501,6 +501,78 @@ fn gorgo_paper_uses_mixed_units() {
     assert_eq!(c.index, Some(1));
 }
 
+/// `gorgo-paper` predicts with the `gorgo` model, forward bias included, as `gorgo`
+/// does; its unbiased prediction, what the forward ledger learns from, holds no bias
+/// (it held it: the ledger then chased its own value).
+#[test]
+fn gorgo_papers_unbiased_prediction_holds_no_forward_bias() {
+    let chain = chain_of(1000);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 1000,
+        session_key: None,
+    };
+    let mut c = Candidate::idle("b", false, 10.0);
+    c.stats.t_p_ms = 0.1;
+    c.stats.unfinished_prefill_tokens = 1000;
+    let w = PolicyKind::GorgoPaper.default_weights();
+    let p = build(PolicyKind::GorgoPaper);
+    let unbiased = p.terms(&req, std::slice::from_ref(&c), w).unwrap()[0];
+    c.forward_bias_ms = 1000.0;
+    let biased = p.terms(&req, std::slice::from_ref(&c), w).unwrap()[0];
+    assert_eq!(biased.estimated_ttft_ms, Some(1210.0));
+    assert_eq!(biased.forward_bias_ms, 1000.0);
+    assert_eq!(
+        biased.unbiased_estimated_ttft_ms(),
+        unbiased.unbiased_estimated_ttft_ms()
+    );
+    assert_eq!(unbiased.unbiased_estimated_ttft_ms(), Some(210.0));
+    // A negative bias never takes the queue below 0 (as in `gorgo`'s terms).
+    c.forward_bias_ms = -1e6;
+    let fast = p.terms(&req, std::slice::from_ref(&c), w).unwrap()[0];
+    assert_eq!(fast.estimated_ttft_ms, Some(110.0));
+    assert_eq!(fast.unbiased_estimated_ttft_ms(), Some(210.0));
+    // The score itself never held the bias.
+    assert_eq!(biased.total_ms, unbiased.total_ms);
+}
+
+/// In closed loop (predicting with the bias learnt so far, learning from the
+/// prediction without it), `gorgo-paper`'s forwards that always land 1 s late teach
+/// the whole second, as `gorgo`'s do (it settled at half).
+#[test]
+fn gorgo_papers_forward_bias_learns_the_whole_lateness() {
+    let chain = chain_of(1000);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 1000,
+        session_key: None,
+    };
+    let p = build(PolicyKind::GorgoPaper);
+    let w = PolicyKind::GorgoPaper.default_weights();
+    let mut ledger = ForwardLedger::new();
+    let mut c = Candidate::idle("b", false, 10.0);
+    c.stats.t_p_ms = 0.1;
+    for i in 0..200u64 {
+        ledger.apply(&mut c, i * 10);
+        let t = p.terms(&req, std::slice::from_ref(&c), w).unwrap()[0];
+        let truth = cost_terms(
+            1000,
+            &Candidate {
+                forward_bias_ms: 0.0,
+                ..c.clone()
+            },
+            Weights::default(),
+            1000,
+        )
+        .estimated_ttft_ms
+        .unwrap();
+        let unbiased = t.unbiased_estimated_ttft_ms().unwrap();
+        ledger.observe_forward_ttft(&c.node, 0, unbiased, truth + 1000.0, i * 10);
+    }
+    let bias = ledger.forward_bias_ms(&"b".into(), 0, 2000);
+    assert!((bias - 1000.0).abs() < 50.0, "{bias}");
+}
+
 /// With `w_queue = 0` (an operator's choice to ignore the term), a peer whose queue
 /// prices to infinity (a gossiped `t_p_ms` of 1e306) has a NaN total; it is never
 /// preferred over a candidate with a finite one (`f64::total_cmp` put x86-64's
