@@ -357,8 +357,10 @@ async fn route_and_serve(
 /// An engine's response body as the node relays it, under the request's `ticket` in
 /// the engine's accounting: `on_chunk` sees each chunk first (with the ticket, to mark
 /// the prefill); a chunk that fails counts against the engine's breaker; the body's
-/// clean end completes the ticket and counts as an answer; dropping the stream (the
-/// client gone, the deadline) cancels the ticket. `keep` lives until the end (a span).
+/// clean end counts as an answer and, for a success status, completes the ticket (an
+/// error body is no decode: it is cancelled, as the view asks); dropping the stream
+/// (the client gone, the deadline) cancels the ticket. `keep` lives until the end (a
+/// span).
 pub(crate) fn relay_engine_body<F, K>(
     state: &Arc<NodeState>,
     engine: Arc<crate::local::LocalEngine>,
@@ -374,6 +376,10 @@ where
     // A 5xx head already counted as a failure (`send_streamed`); the end of its error
     // body is no answer (it would close the breaker it may just have opened).
     let server_error = resp.status().is_server_error();
+    // Only a success decoded anything: an error body's end must not teach the view a
+    // decode time (a response that is not streamed would teach its expected prefill
+    // end to its error's arrival, about nothing; `EngineView::finish`).
+    let success = resp.status().is_success();
     let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let failed_in_body = failed.clone();
     let ticket = Arc::new(parking_lot::Mutex::new(ticket));
@@ -399,7 +405,8 @@ where
             if !server_error {
                 engine.adapter.record(RequestOutcome::Answered);
             }
-            if let Some(t) = taken {
+            // Dropped otherwise: cancelled, released without a decode time.
+            if let Some(t) = taken.filter(|_| success) {
                 t.completed();
             }
         }

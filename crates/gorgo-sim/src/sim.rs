@@ -1564,8 +1564,10 @@ impl<'a> Sim<'a> {
         match engine.engine.submit(req, now) {
             Ok(()) => engine.queued_prompt_tokens += prompt_tokens,
             Err(reason) => {
+                // A failure, as the node's ticket of an error answer: released, no
+                // decode time learnt.
                 if let Some(node) = self.nodes.get_mut(r) {
-                    node.engines[k].view.finish(slot as u64, nowu);
+                    node.engines[k].view.cancel(slot as u64);
                 }
                 let msg = format!("engine refused: {reason}");
                 self.fail(slot, now, &msg);
