@@ -209,6 +209,34 @@ impl CostTerms {
     pub fn unbiased_estimated_ttft_ms(&self) -> Option<f64> {
         self.estimated_ttft_ms.map(|e| e - self.forward_bias_ms)
     }
+
+    /// These terms, a local engine's from a decision that chose a forward, as the
+    /// request met them when the forward was refused or failed before its first byte
+    /// and the engine served it `elapsed_ms` after the decision: the time lost stands
+    /// as the RTT term (`weights.w_rtt` times it, as a peer's RTT is weighted, so that
+    /// [`crate::tuning::TermSample::new`] reads it back unweighted) and adds to the
+    /// estimated TTFT (what the node then predicts for the client). `None` for an
+    /// elapsed time that is not a finite number >= 0.
+    ///
+    /// Why: the start fit (`tuning::TermSums`) regresses the measured TTFT on the
+    /// chosen candidate's RTT and queue terms. Fed the peer's terms for a request the
+    /// local engine served, it matched the local wait with the peer's queue estimate,
+    /// and a forward is refused precisely when that estimate was too low: evidence
+    /// biased towards higher weights. Both drivers call this, so the node and the
+    /// simulator feed the fit the same sample. With `w_rtt = 0` the RTT term is 0 and
+    /// the time lost is taken out of the sample's residual instead.
+    pub fn served_locally_after(&self, elapsed_ms: f64, weights: Weights) -> Option<CostTerms> {
+        if !(elapsed_ms.is_finite() && elapsed_ms >= 0.0) {
+            return None;
+        }
+        let rtt_ms = self.rtt_ms + weights.w_rtt * elapsed_ms;
+        Some(CostTerms {
+            rtt_ms,
+            total_ms: self.total_ms - self.rtt_ms + rtt_ms,
+            estimated_ttft_ms: self.estimated_ttft_ms.map(|e| e + elapsed_ms),
+            ..*self
+        })
+    }
 }
 
 /// Unweighted estimate of the wait before `c`'s engine starts this request's prefill.
@@ -699,6 +727,54 @@ mod tests {
         c.cached_tokens = cached;
         c.stats.t_p_ms = 0.094;
         c
+    }
+
+    /// A forward refused or failed and served by the local engine 300 ms after the
+    /// decision: the start fit's sample is the local engine's, with the 300 ms as its
+    /// RTT, not the peer's RTT and queue set against the local engine's wait.
+    #[test]
+    fn a_refused_forward_served_here_is_sampled_with_the_local_terms() {
+        use crate::tuning::TermSample;
+        let w = Weights {
+            w_rtt: 0.5,
+            w_queue: 2.0,
+        };
+        let mut local = Candidate::idle("a", true, 0.0);
+        local.stats.t_p_ms = 0.1;
+        local.stats.base_ms = 100.0;
+        local.stats.unfinished_prefill_tokens = 20_000; // 2,000 ms of queue
+        let mut peer = peer(80.0, 0);
+        peer.stats.t_p_ms = 0.1;
+        peer.stats.unfinished_prefill_tokens = 500; // 50 ms
+        let (lt, pt) = (
+            cost_terms(1000, &local, w, 1000),
+            cost_terms(1000, &peer, w, 1000),
+        );
+        let met = lt.served_locally_after(300.0, w).unwrap();
+        assert_eq!(met.rtt_ms, 150.0);
+        assert_eq!(met.total_ms, lt.total_ms + 150.0);
+        assert_eq!(met.estimated_ttft_ms, Some(100.0 + 100.0 + 2_000.0 + 300.0));
+        assert_eq!(
+            (met.queue_ms, met.raw_queue_ms),
+            (lt.queue_ms, lt.raw_queue_ms)
+        );
+        // The client saw 2,500 ms: 300 lost, 2,000 queued, 200 of base and prefill.
+        let s = TermSample::new(&met, w, 2_500.0).unwrap();
+        assert_eq!((s.rtt_ms, s.queue_ms), (300.0, 2_000.0));
+        assert!((s.residual_ms - 2_300.0).abs() < 1e-9, "{s:?}");
+        // The peer's terms said 80 ms and 50 ms of queue came to 2,300 or so.
+        let wrong = TermSample::new(&pt, w, 2_500.0).unwrap();
+        assert_eq!((wrong.rtt_ms, wrong.queue_ms), (80.0, 50.0));
+        // With w_rtt = 0 the time lost is out of the residual instead.
+        let unweighted = Weights { w_rtt: 0.0, ..w };
+        let met = lt.served_locally_after(300.0, unweighted).unwrap();
+        let s = TermSample::new(&met, unweighted, 2_500.0).unwrap();
+        assert_eq!(s.rtt_ms, 0.0);
+        assert!((s.residual_ms - 2_000.0).abs() < 1e-9, "{s:?}");
+        // A time that is no time gives no terms.
+        for bad in [f64::NAN, f64::INFINITY, -1.0] {
+            assert!(lt.served_locally_after(bad, w).is_none());
+        }
     }
 
     #[test]

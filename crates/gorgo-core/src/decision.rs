@@ -488,7 +488,10 @@ impl Decision {
         self.best_local_terms().and_then(|t| t.estimated_ttft_ms)
     }
 
-    fn best_local_terms(&self) -> Option<CostTerms> {
+    /// The terms of the [`best_local`] engine, when the policy priced it: what a
+    /// refused or failed forward meets once it is served there
+    /// ([`CostTerms::served_locally_after`]).
+    pub fn best_local_terms(&self) -> Option<CostTerms> {
         best_local(&self.candidates).and_then(|i| self.candidates[i].terms)
     }
 }

@@ -454,9 +454,10 @@ struct Flight {
     predicted_ttft_ms: Option<f32>,
     /// When the client's node forwarded it, ms (distributed mode, hops 0 -> 1).
     forwarded_ms: Option<f64>,
-    /// The client's node's estimated TTFT for serving it itself, from the same
-    /// decision, ms after the send: its prediction once a refusal brings it back.
-    local_predicted_ttft_ms: Option<f64>,
+    /// The client's node's terms for serving it itself (its best local engine's,
+    /// `Decision::best_local_terms`), from the same decision: what a refusal brings it
+    /// back to ([`Sim::refused`]: the prediction and the start fit's evidence then).
+    local_terms: Option<CostTerms>,
     /// The target's own TTFT estimate carried by its refusal, ms.
     refusal_estimate_ms: Option<f64>,
     /// What the serving engine's index predicted cached when it was dispatched there:
@@ -941,7 +942,7 @@ impl<'a> Sim<'a> {
             cached_tokens: 0,
             predicted_ttft_ms: None,
             forwarded_ms: None,
-            local_predicted_ttft_ms: None,
+            local_terms: None,
             refusal_estimate_ms: None,
             dispatch_cached_tokens: 0,
             local_engine: None,
@@ -1300,10 +1301,7 @@ impl<'a> Sim<'a> {
             .and_then(|d| d.candidates.iter().find(|c| c.chosen))
             .and_then(|c| c.terms);
         let predicted = chosen_terms.and_then(|t| t.estimated_ttft_ms);
-        let local_predicted = outcome
-            .as_ref()
-            .ok()
-            .and_then(|d| d.local_estimated_ttft_ms());
+        let local_terms = outcome.as_ref().ok().and_then(|d| d.best_local_terms());
         let local_engine = outcome
             .as_ref()
             .ok()
@@ -1346,7 +1344,7 @@ impl<'a> Sim<'a> {
             // waited at the node since it arrived.
             let held_ms = (now - f.arrived_ms).max(0.0);
             f.predicted_ttft_ms = predicted.map(|v| (v + held_ms) as f32);
-            f.local_predicted_ttft_ms = local_predicted;
+            f.local_terms = local_terms;
             f.local_engine = local_engine;
             f.predicted_cached_tokens = target.as_ref().ok().map(|&(_, c)| c);
             f.chosen_terms = chosen_terms.map(|t| (t, weights));
@@ -1482,10 +1480,24 @@ impl<'a> Sim<'a> {
         let f = self.flight_mut(slot);
         f.hops = 0;
         f.via.clear();
-        // Served here after all: the prediction is this node's own for serving it,
-        // plus the round trip the refusal took (the node does the same).
-        if let (Some(p), Some(sent)) = (f.local_predicted_ttft_ms, f.forwarded_ms) {
-            f.predicted_ttft_ms = Some((p + (now - sent)) as f32);
+        // What the forward was priced at, for its peer's forward bias below.
+        let pred = f
+            .chosen_terms
+            .and_then(|(t, _)| t.unbiased_estimated_ttft_ms());
+        // Served here after all: what the request meets is this node's own engine,
+        // after the round trip the refusal took. That is the prediction (its own
+        // estimate plus the round trip) and the start fit's evidence (the local terms
+        // with the round trip as their RTT, not the peer's terms that proved wrong),
+        // as the node does (`CostTerms::served_locally_after`).
+        if let Some(sent) = f.forwarded_ms {
+            let met = f.chosen_terms.and_then(|(_, w)| {
+                let t = f.local_terms?.served_locally_after(now - sent, w)?;
+                Some((t, w))
+            });
+            if let Some(p) = met.and_then(|(t, _)| t.estimated_ttft_ms) {
+                f.predicted_ttft_ms = Some(p as f32);
+            }
+            f.chosen_terms = met;
         }
         let f = self.flight(slot);
         let (home, t, priced, sent, tokens) = (
@@ -1495,9 +1507,6 @@ impl<'a> Sim<'a> {
             f.forwarded_ms,
             f.transit_tokens,
         );
-        let pred = f
-            .chosen_terms
-            .and_then(|(t, _)| t.unbiased_estimated_ttft_ms());
         let estimate = f.refusal_estimate_ms;
         if let Some(sent) = sent {
             let peer = self.node_ids[t].clone();
@@ -2146,6 +2155,67 @@ mod tests {
             trim_to_prompt(&mut chain, input);
             prop_assert_eq!(chain, popped);
         }
+    }
+
+    /// A forward its target refused is served by the home node's own engine: the
+    /// start fit's evidence is that engine's terms with the refusal's round trip as
+    /// their RTT, as the node's (`CostTerms::served_locally_after`); it was the peer's
+    /// RTT and queue estimate, set against the local engine's wait.
+    #[test]
+    fn a_refused_forward_is_sampled_with_the_local_engines_terms() {
+        let profile = Profile::by_name("paper-a100-mistral7b").unwrap();
+        let cfg = SimConfig::new(Network::uniform(2, 40.0, 3.0), profile);
+        let mut sim = Sim::new(&cfg, PolicyKind::Gorgo).unwrap();
+        let row = TraceRequest {
+            input_tokens: 1000,
+            output_tokens: 10,
+            tokens_per_block: 256,
+            blocks: gorgo_workload::BlockIds::None,
+            user: None,
+            session: None,
+            home_region: Some(sim.names[0].clone()),
+            request_id: None,
+            system_prompt_hash: None,
+            timestamp_ms: 0,
+        };
+        sim.admit(0, 0.0, row);
+        let w = Weights {
+            w_rtt: 0.5,
+            w_queue: 1.0,
+        };
+        let mut local = Candidate::idle("r0", true, 0.0);
+        local.stats.t_p_ms = 0.1;
+        local.stats.unfinished_prefill_tokens = 20_000;
+        let mut peer = Candidate::idle("r1", false, 80.0);
+        peer.stats.t_p_ms = 0.1;
+        peer.stats.unfinished_prefill_tokens = 500;
+        let local = gorgo_core::cost::cost_terms(1000, &local, w, 1000);
+        let peer = gorgo_core::cost::cost_terms(1000, &peer, w, 1000);
+        // Node 0 forwarded it to region 1 at 100 ms; the refusal is back at 400.
+        let f = sim.flight_mut(0);
+        assert_eq!(f.home, 0);
+        f.chosen_terms = Some((peer, w));
+        f.local_terms = Some(local);
+        f.local_engine = Some(0);
+        f.forwarded_ms = Some(100.0);
+        f.served = Some(1);
+        f.hops = 1;
+        f.transit_tokens = 1000;
+        sim.refused(0, 400.0);
+        let f = sim.flight(0);
+        let (terms, weights) = f.chosen_terms.expect("the local engine's terms");
+        assert_eq!(weights, w);
+        assert_eq!(terms.rtt_ms, 0.5 * 300.0);
+        assert_eq!(terms.raw_queue_ms, local.raw_queue_ms);
+        let predicted = local.estimated_ttft_ms.unwrap() + 300.0;
+        assert_eq!(terms.estimated_ttft_ms, Some(predicted));
+        assert_eq!(f.predicted_ttft_ms, Some(predicted as f32));
+        assert_eq!((f.served, f.hops), (Some(0), 0));
+        let sample = TermSample::new(&terms, w, 2_600.0).unwrap();
+        assert_eq!(
+            (sample.rtt_ms, sample.queue_ms),
+            (300.0, local.raw_queue_ms)
+        );
     }
 
     /// A row listing a million block ids for a one-token prompt keeps one block.
