@@ -84,6 +84,11 @@ pub struct Candidate {
     /// Prefill tokens those forwards add ahead of a new request (the driver records the
     /// uncached estimate at decision time; raw prompt tokens are a safe over-estimate).
     pub inflight_forward_prompt_tokens: u64,
+    /// Raw prompt tokens of those forwards, cached part included: what `gorgo-paper`'s
+    /// queued tokens count ([`QueueStats::queued_prompt_tokens`] is raw prompt tokens
+    /// too; adding the forwards' prefill tokens to it mixed two counts).
+    #[serde(default)]
+    pub inflight_forward_raw_prompt_tokens: u64,
     /// How much later than predicted this node's recent forwards to the candidate got
     /// their first byte, ms ([`ForwardLedger::forward_bias_ms`]); 0 for the local one.
     #[serde(default)]
@@ -113,6 +118,7 @@ impl Candidate {
             stats: QueueStats::default(),
             inflight_forwards: 0,
             inflight_forward_prompt_tokens: 0,
+            inflight_forward_raw_prompt_tokens: 0,
             forward_bias_ms: 0.0,
             deciders: 1,
         }
@@ -500,15 +506,25 @@ pub const MAX_FORWARD_BIAS_MS: f64 = 60_000.0;
 struct PeerLedger {
     /// Highest stats [`QueueStats::order`] seen from the peer, if any.
     stats_order: Option<(u64, u64)>,
-    /// `(sent_at_ms, prefill_tokens)` of forwards not yet reflected in its stats.
-    forwards: VecDeque<(u64, u64)>,
+    /// `(sent_at_ms, prefill_tokens, prompt_tokens)` of forwards not yet reflected in
+    /// its stats.
+    forwards: VecDeque<(u64, u64, u64)>,
     prefill_tokens: u64,
+    prompt_tokens: u64,
     /// Forward bias as of `bias_at_ms`, ms.
     bias_ms: f64,
     bias_at_ms: u64,
 }
 
 impl PeerLedger {
+    /// Take the forward at `i` off the ledger.
+    fn remove(&mut self, i: usize) {
+        if let Some((_, prefill, prompt)) = self.forwards.remove(i) {
+            self.prefill_tokens -= prefill;
+            self.prompt_tokens -= prompt;
+        }
+    }
+
     fn bias_at(&self, now_ms: u64) -> f64 {
         let age = now_ms.saturating_sub(self.bias_at_ms) as f64;
         self.bias_ms * 0.5f64.powf(age / FORWARD_BIAS_HALF_LIFE_MS)
@@ -567,25 +583,27 @@ impl ForwardLedger {
         self.peers.get(peer)?.get(replica as usize)
     }
 
-    /// Note a forward of a request with `prefill_tokens` expected prefill to `peer`'s
-    /// engine `replica`.
+    /// Note a forward to `peer`'s engine `replica` of a request of `prompt_tokens` raw
+    /// prompt tokens, `prefill_tokens` of them expected to need prefill there.
     pub fn record_forward(
         &mut self,
         peer: &NodeId,
         replica: u16,
         prefill_tokens: u64,
+        prompt_tokens: u64,
         now_ms: u64,
     ) {
         let Some(entry) = self.entry(peer, replica) else {
             return;
         };
         if entry.forwards.len() >= MAX_LEDGER_ENTRIES_PER_PEER {
-            if let Some((_, t)) = entry.forwards.pop_front() {
-                entry.prefill_tokens -= t;
-            }
+            entry.remove(0);
         }
-        entry.forwards.push_back((now_ms, prefill_tokens));
+        entry
+            .forwards
+            .push_back((now_ms, prefill_tokens, prompt_tokens));
         entry.prefill_tokens += prefill_tokens;
+        entry.prompt_tokens += prompt_tokens;
     }
 
     /// New stats from `peer` (of its engine `stats.replica`) arrived at `now_ms`: if
@@ -614,25 +632,26 @@ impl ForwardLedger {
             0
         };
         let cutoff = now_ms.saturating_sub(rtt);
-        while let Some(&(sent, tokens)) = entry.forwards.front() {
-            if sent > cutoff {
-                break;
-            }
-            entry.forwards.pop_front();
-            entry.prefill_tokens -= tokens;
+        while entry
+            .forwards
+            .front()
+            .is_some_and(|&(sent, ..)| sent <= cutoff)
+        {
+            entry.remove(0);
         }
         true
     }
 
-    /// A forward recorded at `sent_ms` with `prefill_tokens` for `peer`'s engine
-    /// `replica` never ran there (the peer refused it,
-    /// [`crate::decision::refuse_forward`]): it no longer counts as pending. Nothing
-    /// happens if the peer's stats already cleared it.
+    /// A forward recorded at `sent_ms` with `prefill_tokens` and `prompt_tokens` for
+    /// `peer`'s engine `replica` ([`ForwardLedger::record_forward`]) never ran there
+    /// (the peer refused it, [`crate::decision::refuse_forward`]): it no longer counts
+    /// as pending. Nothing happens if the peer's stats already cleared it.
     pub fn cancel_forward(
         &mut self,
         peer: &NodeId,
         replica: u16,
         prefill_tokens: u64,
+        prompt_tokens: u64,
         sent_ms: u64,
     ) {
         let Some(entry) = self
@@ -645,10 +664,9 @@ impl ForwardLedger {
         if let Some(i) = entry
             .forwards
             .iter()
-            .position(|&(at, t)| at == sent_ms && t == prefill_tokens)
+            .position(|&f| f == (sent_ms, prefill_tokens, prompt_tokens))
         {
-            entry.forwards.remove(i);
-            entry.prefill_tokens -= prefill_tokens;
+            entry.remove(i);
         }
     }
 
@@ -700,11 +718,13 @@ impl ForwardLedger {
         let Some(e) = self.get(&candidate.node, candidate.stats.replica) else {
             candidate.inflight_forwards = 0;
             candidate.inflight_forward_prompt_tokens = 0;
+            candidate.inflight_forward_raw_prompt_tokens = 0;
             candidate.forward_bias_ms = 0.0;
             return;
         };
         candidate.inflight_forwards = e.forwards.len() as u32;
         candidate.inflight_forward_prompt_tokens = e.prefill_tokens;
+        candidate.inflight_forward_raw_prompt_tokens = e.prompt_tokens;
         candidate.forward_bias_ms = if e.bias_ms == 0.0 {
             0.0
         } else {
@@ -1079,8 +1099,8 @@ mod tests {
         let p = NodeId::from("b");
         let mut l = ForwardLedger::new();
         l.observe_stats(&p, &stats_v(0, 5), 0, 0.0);
-        l.record_forward(&p, 0, 100, 1000);
-        l.record_forward(&p, 0, 50, 1100);
+        l.record_forward(&p, 0, 100, 100, 1000);
+        l.record_forward(&p, 0, 50, 50, 1100);
         assert_eq!(l.pending(&p, 0), (2, 150));
         assert!(!l.observe_stats(&p, &stats_v(0, 5), 2000, 0.0));
         assert_eq!(l.pending(&p, 0), (2, 150));
@@ -1090,7 +1110,7 @@ mod tests {
         assert!(l.observe_stats(&p, &stats_v(0, 7), 1300, 80.0));
         assert_eq!(l.pending(&p, 0), (0, 0));
         let mut c = Candidate::idle("b", false, 1.0);
-        l.record_forward(&p, 0, 7, 1400);
+        l.record_forward(&p, 0, 7, 7, 1400);
         l.apply(&mut c, 0);
         assert_eq!(
             (c.inflight_forwards, c.inflight_forward_prompt_tokens),
@@ -1108,11 +1128,11 @@ mod tests {
         let p = NodeId::from("b");
         let mut l = ForwardLedger::new();
         assert!(l.observe_stats(&p, &stats_v(100, 2_272), 0, 0.0));
-        l.record_forward(&p, 0, 500, 1000);
+        l.record_forward(&p, 0, 500, 500, 1000);
         assert!(l.observe_stats(&p, &stats_v(200, 1), 2000, 0.0));
         assert_eq!(l.pending(&p, 0), (0, 0));
         // A late copy from the dead run changes nothing.
-        l.record_forward(&p, 0, 500, 2100);
+        l.record_forward(&p, 0, 500, 500, 2100);
         assert!(!l.observe_stats(&p, &stats_v(100, 2_273), 3000, 0.0));
         assert_eq!(l.pending(&p, 0), (1, 500));
     }
@@ -1205,7 +1225,7 @@ mod tests {
         let p = NodeId::from("b");
         let mut l = ForwardLedger::new();
         for i in 0..(MAX_LEDGER_ENTRIES_PER_PEER as u64 + 10) {
-            l.record_forward(&p, 0, 1, i);
+            l.record_forward(&p, 0, 1, 1, i);
         }
         assert_eq!(
             l.pending(&p, 0),
@@ -1220,8 +1240,8 @@ mod tests {
     fn ledger_keeps_each_engine_of_a_peer_apart() {
         let p = NodeId::from("b");
         let mut l = ForwardLedger::new();
-        l.record_forward(&p, 0, 100, 1000);
-        l.record_forward(&p, 2, 40, 1000);
+        l.record_forward(&p, 0, 100, 100, 1000);
+        l.record_forward(&p, 2, 40, 40, 1000);
         assert_eq!(
             (l.pending(&p, 0), l.pending(&p, 1), l.pending(&p, 2)),
             ((1, 100), (0, 0), (1, 40))
@@ -1241,9 +1261,9 @@ mod tests {
         l.apply(&mut c, 2000);
         assert_eq!(c.inflight_forwards, 0);
         // Engines past the bound keep nothing.
-        l.record_forward(&p, MAX_REPLICAS, 5, 3000);
+        l.record_forward(&p, MAX_REPLICAS, 5, 5, 3000);
         assert_eq!(l.pending(&p, MAX_REPLICAS), (0, 0));
-        l.cancel_forward(&p, 0, 100, 1000);
+        l.cancel_forward(&p, 0, 100, 100, 1000);
         assert_eq!(l.pending(&p, 0), (0, 0));
     }
 }

@@ -484,7 +484,8 @@ impl Policy for Gorgo {
 
 /// `gorgo-paper`: the paper's score, `w_rtt * RTT_ms + uncached_tokens + w_queue *
 /// queued_prompt_tokens` (mixed units: ms and tokens). Queued tokens are the raw prompt
-/// tokens dispatched and not finished, plus this node's own forwards since the stats.
+/// tokens dispatched and not finished, plus the raw prompt tokens of this node's own
+/// forwards since the stats ([`Candidate::inflight_forward_raw_prompt_tokens`]).
 /// The returned terms carry the score's parts (`prefill_ms` holds uncached tokens,
 /// `queue_ms` weighted queued tokens), and the `gorgo` model's TTFT prediction with the
 /// forward bias it holds (`forward_bias_ms`), as `gorgo`'s terms do.
@@ -511,10 +512,12 @@ impl GorgoPaper {
                 } else {
                     f64::INFINITY
                 };
+                // Raw prompt tokens, as the stats count them (the forwards' prefill
+                // tokens, what `gorgo` counts, would mix two counts).
                 let queued = c
                     .stats
                     .queued_prompt_tokens
-                    .saturating_add(c.inflight_forward_prompt_tokens);
+                    .saturating_add(c.inflight_forward_raw_prompt_tokens);
                 let queue = weights.w_queue * queued as f64;
                 CostTerms {
                     rtt_ms: rtt,

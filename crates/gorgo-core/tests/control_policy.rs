@@ -9,7 +9,7 @@ use gorgo_core::decision::{
 };
 use gorgo_core::hash::HashChain;
 use gorgo_core::policy::{build, PolicyKind, RouteRequest};
-use gorgo_core::{CoreError, Weights};
+use gorgo_core::{CoreError, NodeId, Weights};
 use proptest::prelude::*;
 
 const T_P: f64 = 0.094;
@@ -501,6 +501,54 @@ fn gorgo_paper_uses_mixed_units() {
     assert_eq!(c.index, Some(1));
 }
 
+/// `gorgo-paper` counts its own forwards since a peer's stats in that peer's queued
+/// tokens at their raw prompt tokens, as the stats count the requests dispatched
+/// there; it counted their prefill tokens (the uncached part, what `gorgo` counts), so
+/// a forward to a peer caching most of its prompt hardly counted. `gorgo` still counts
+/// their prefill.
+#[test]
+fn gorgo_paper_counts_its_forwards_at_their_raw_prompt_tokens() {
+    let chain = chain_of(1000);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 1000,
+        session_key: None,
+    };
+    let peer = NodeId::from("b");
+    let mut ledger = ForwardLedger::new();
+    // Two forwards of 4,000-token prompts, 3,500 of each cached at the peer.
+    ledger.record_forward(&peer, 0, 500, 4000, 10);
+    ledger.record_forward(&peer, 0, 500, 4000, 20);
+    let mut c = cand("b", false, 90.0);
+    c.stats.queued_prompt_tokens = 2000;
+    ledger.apply(&mut c, 30);
+    assert_eq!(
+        (
+            c.inflight_forward_prompt_tokens,
+            c.inflight_forward_raw_prompt_tokens
+        ),
+        (1000, 8000)
+    );
+    let w = PolicyKind::GorgoPaper.default_weights();
+    let t = build(PolicyKind::GorgoPaper)
+        .terms(&req, std::slice::from_ref(&c), w)
+        .unwrap()[0];
+    assert_eq!(t.tokens_ahead, 10_000);
+    assert!((t.queue_ms - 0.5 * 10_000.0).abs() < 1e-9, "{t:?}");
+    let g = cost_terms(1000, &c, Weights::default(), 1000);
+    assert_eq!(g.tokens_ahead, 1000);
+    // A refused forward leaves both counts.
+    ledger.cancel_forward(&peer, 0, 500, 4000, 10);
+    ledger.apply(&mut c, 30);
+    assert_eq!(
+        (
+            c.inflight_forward_prompt_tokens,
+            c.inflight_forward_raw_prompt_tokens
+        ),
+        (500, 4000)
+    );
+}
+
 /// `gorgo-paper` predicts with the `gorgo` model, forward bias included, as `gorgo`
 /// does; its unbiased prediction, what the forward ledger learns from, holds no bias
 /// (it held it: the ledger then chased its own value).
@@ -979,13 +1027,13 @@ fn the_target_prices_its_cost_with_the_offers_weights_and_garbage_offers_are_dro
 fn a_refused_forward_no_longer_counts_as_pending() {
     let mut ledger = ForwardLedger::new();
     let peer = "b".into();
-    ledger.record_forward(&peer, 0, 1000, 10);
-    ledger.record_forward(&peer, 0, 500, 20);
-    ledger.cancel_forward(&peer, 0, 1000, 10);
+    ledger.record_forward(&peer, 0, 1000, 1000, 10);
+    ledger.record_forward(&peer, 0, 500, 500, 20);
+    ledger.cancel_forward(&peer, 0, 1000, 1000, 10);
     assert_eq!(ledger.pending(&peer, 0), (1, 500));
     // Unknown forwards and peers change nothing.
-    ledger.cancel_forward(&peer, 0, 1000, 10);
-    ledger.cancel_forward(&"c".into(), 0, 500, 20);
+    ledger.cancel_forward(&peer, 0, 1000, 1000, 10);
+    ledger.cancel_forward(&"c".into(), 0, 500, 500, 20);
     assert_eq!(ledger.pending(&peer, 0), (1, 500));
 }
 

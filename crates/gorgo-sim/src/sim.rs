@@ -1377,9 +1377,13 @@ impl<'a> Sim<'a> {
                     }
                     None => {
                         let peer = self.node_ids[t].clone();
-                        self.nodes[r]
-                            .ledger
-                            .record_forward(&peer, k as u16, uncached, now as u64);
+                        self.nodes[r].ledger.record_forward(
+                            &peer,
+                            k as u16,
+                            uncached,
+                            prompt_tokens,
+                            now as u64,
+                        );
                     }
                 }
                 let f = self.flight_mut(slot);
@@ -1500,18 +1504,19 @@ impl<'a> Sim<'a> {
             f.chosen_terms = met;
         }
         let f = self.flight(slot);
-        let (home, t, priced, sent, tokens) = (
+        let (home, t, priced, sent, tokens, prompt) = (
             f.home as usize,
             f.served.expect("set when forwarded") as usize,
             f.forward_replica,
             f.forwarded_ms,
             f.transit_tokens,
+            f.prompt_tokens,
         );
         let estimate = f.refusal_estimate_ms;
         if let Some(sent) = sent {
             let peer = self.node_ids[t].clone();
             let ledger = &mut self.nodes[home].ledger;
-            ledger.cancel_forward(&peer, priced, tokens, sent as u64);
+            ledger.cancel_forward(&peer, priced, tokens, prompt, sent as u64);
             // As the live node (`Router::forward_refused`): the forward "took" the
             // refusal's round trip plus what the target estimated for serving it.
             if let (Some(pred), Some(est)) = (pred, estimate) {
