@@ -610,7 +610,9 @@ impl ForwardLedger {
     /// they are newer (by [`QueueStats::order`]: a restarted peer's first stats are
     /// newer than its dead run's last) than the last seen, clear the forwards they
     /// already reflect (those sent before `now_ms - rtt_ms`). Pass `rtt_ms = 0` to
-    /// clear every forward. Returns true when they were new.
+    /// clear every forward. The first stats of a new run (a restarted peer) also
+    /// clear the forward bias: what the dead run's forwards met says nothing of a
+    /// fresh process. Returns true when they were new.
     pub fn observe_stats(
         &mut self,
         peer: &NodeId,
@@ -624,6 +626,9 @@ impl ForwardLedger {
         let order = stats.order();
         if entry.stats_order.is_some_and(|seen| order <= seen) {
             return false;
+        }
+        if entry.stats_order.is_some_and(|(run, _)| run < order.0) {
+            entry.bias_ms = 0.0;
         }
         entry.stats_order = Some(order);
         let rtt = if rtt_ms.is_finite() && rtt_ms > 0.0 {
@@ -735,6 +740,15 @@ impl ForwardLedger {
     /// Drop everything about a peer that left the cluster.
     pub fn forget(&mut self, peer: &NodeId) {
         self.peers.remove(peer);
+    }
+
+    /// Keep only the peers `known` says the cluster still knows, and
+    /// [`ForwardLedger::forget`] the others: what a driver calls as its cluster's
+    /// membership changes. Without it the ledger kept, for every peer id it ever
+    /// heard of, its pending forwards (up to [`MAX_LEDGER_ENTRIES_PER_PEER`] per
+    /// engine) and its forward bias.
+    pub fn retain_peers(&mut self, mut known: impl FnMut(&NodeId) -> bool) {
+        self.peers.retain(|peer, _| known(peer));
     }
 }
 
@@ -1135,6 +1149,31 @@ mod tests {
         l.record_forward(&p, 0, 500, 500, 2100);
         assert!(!l.observe_stats(&p, &stats_v(100, 2_273), 3000, 0.0));
         assert_eq!(l.pending(&p, 0), (1, 500));
+    }
+
+    /// A peer the cluster has forgotten leaves the ledger (`forget` had no caller: the
+    /// ledger kept every peer id it ever heard of, pending forwards and bias), and a
+    /// restarted one starts with no forward bias (the dead run's lateness is no
+    /// evidence about a fresh process); new stats of the same run keep it.
+    #[test]
+    fn a_forgotten_peer_leaves_the_ledger_and_a_restarted_one_its_bias() {
+        let (b, c) = (NodeId::from("b"), NodeId::from("c"));
+        let mut l = ForwardLedger::new();
+        for p in [&b, &c] {
+            assert!(l.observe_stats(p, &stats_v(1, 1), 0, 0.0));
+            l.record_forward(p, 0, 100, 100, 10);
+            l.observe_forward_ttft(p, 0, 100.0, 1100.0, 10);
+        }
+        l.retain_peers(|p| *p == c);
+        assert_eq!(l.pending(&b, 0), (0, 0));
+        assert_eq!(l.forward_bias_ms(&b, 0, 10), 0.0);
+        assert_eq!(l.pending(&c, 0), (1, 100));
+        let bias = l.forward_bias_ms(&c, 0, 10);
+        assert!(bias > 0.0);
+        assert!(l.observe_stats(&c, &stats_v(1, 2), 5, 0.0));
+        assert_eq!(l.forward_bias_ms(&c, 0, 10), bias);
+        assert!(l.observe_stats(&c, &stats_v(2, 1), 20, 0.0));
+        assert_eq!(l.forward_bias_ms(&c, 0, 20), 0.0);
     }
 
     #[test]
