@@ -143,7 +143,7 @@ fn bench(c: &mut Criterion) {
     let mut ledger = ForwardLedger::new();
     for (i, p) in peers.iter().enumerate() {
         for k in 0..(i % 4) as u64 {
-            ledger.record_forward(&p.node, 0, 2_000, 1_000 + k);
+            ledger.record_forward(&p.node, 0, 2_000, 2_000, 1_000 + k);
         }
         ledger.observe_forward_ttft(&p.node, 0, 800.0, 900.0 + 10.0 * i as f64, 1_000);
     }

@@ -99,8 +99,10 @@ struct Dispatched {
     prefilled: bool,
     /// The view's own queueing estimate at dispatch, ms.
     queued_est_ms: f64,
-    /// When its first token arrived, ms on the driver's clock; only for a response
-    /// that succeeded (an error body is no decode).
+    /// When it started decoding, ms on the driver's clock, for its decode time: when
+    /// its first token arrived, for a response that succeeded (an error body is no
+    /// decode); for one whose first token the driver cannot see, when its prefill was
+    /// expected to end ([`EngineView::dispatch_unobserved`]).
     first_token_ms: Option<u64>,
     /// When it was dispatched, ms on the driver's clock.
     dispatched_ms: u64,
@@ -514,7 +516,9 @@ impl EngineView {
     /// other routers queue there, [`QueueStats::unfinished_prefill_tokens`]). So it
     /// counts as prefill work until the prefill is expected to end: the wait estimated
     /// now plus the fit's prediction of its prefill. If the engine is slower, the
-    /// next scrape's `waiting` shows the rest as work the node cannot explain.
+    /// next scrape's `waiting` shows the rest as work the node cannot explain. Its
+    /// decode time, when it finishes, counts from that expected end
+    /// ([`EngineView::finish`]).
     pub fn dispatch_unobserved(
         &mut self,
         id: u64,
@@ -572,7 +576,23 @@ impl EngineView {
             return;
         }
         d.prefilled = true;
-        d.first_token_ms = engine_ttft_ms.is_some().then_some(now_ms);
+        // A request whose first token the driver cannot see (a response that is not
+        // streamed comes whole at the end) is taken to decode from when its prefill
+        // was expected to end: the wait estimated at dispatch plus the fit's prediction
+        // of its prefill, the same point that took it out of the queue. Its decode time
+        // is then its finish less that point. Without it, a node whose clients do not
+        // stream (the OpenAI default) never measured a decode time, and the slot wait
+        // (`cost::slot_wait_ms`) stayed 0 at exactly the serial engines it is for. The
+        // estimate errs with the wait estimated at dispatch; it corrects itself, since
+        // that wait is priced with the decode time learnt (a decode time too short
+        // makes the expected end too early and the next samples longer, and the other
+        // way round). One that finishes before its expected end decoded for about
+        // nothing, and counts as 0.
+        d.first_token_ms = match (engine_ttft_ms, d.expected_prefill_end_ms) {
+            (Some(_), _) => Some(now_ms),
+            (None, Some(end)) => Some(end),
+            (None, None) => None,
+        };
         let d = *d;
         if let Some(end) = d.expected_prefill_end_ms {
             self.unobserved.remove(&(end, d.seq));
@@ -591,15 +611,18 @@ impl EngineView {
         }
     }
 
-    /// `id` ran to its end at `now_ms`: release what it still holds. A request past its
-    /// first token also updates the measured decode time ([`EngineSlots::decode_ms`]).
+    /// `id` ran to its end at `now_ms` with a response that succeeded: release what it
+    /// still holds. A request past its first token also updates the measured decode
+    /// time ([`EngineSlots::decode_ms`]; one whose first token the driver could not see
+    /// from its expected prefill end, [`EngineView::dispatch_unobserved`]). A response
+    /// that is an error is no decode: release it with [`EngineView::cancel`].
     /// Idempotent; unknown ids are ignored.
     pub fn finish(&mut self, id: u64, now_ms: u64) {
         self.release(id, Some(now_ms));
     }
 
-    /// `id` failed, was cancelled or timed out: release what it still holds, and learn
-    /// nothing from how long it ran. A client that leaves one token in, or a deadline
+    /// `id` failed (its response an error, or none), was cancelled or timed out:
+    /// release what it still holds, and learn nothing from how long it ran. A client that leaves one token in, or a deadline
     /// of minutes, says nothing about how long the engine decodes a request; the
     /// decode time is gossiped and prices a slot-bound engine's queue at every peer.
     /// Idempotent; unknown ids are ignored.
@@ -616,6 +639,7 @@ impl EngineView {
             self.unobserved.remove(&(end, d.seq));
         }
         if let (Some(first), Some(now_ms)) = (d.first_token_ms, ended_ms) {
+            // 0 for a request that ended before its prefill was expected to.
             let sample = now_ms.saturating_sub(first) as f64;
             self.decode_ms = Some(match self.decode_ms {
                 None => sample,
@@ -1083,6 +1107,47 @@ mod tests {
         // Once the slot is free, its prefill is in progress.
         v.finish(1, 5_100);
         assert!(v.queue_stats(0, 5_600).unfinished_prefill_tokens < 2000);
+    }
+
+    /// A request whose first token the node cannot see (a response that is not
+    /// streamed) decodes from when its prefill was expected to end: its decode time is
+    /// its finish less that point. Clients that do not stream used to leave the decode
+    /// time at 0, and with it the slot wait: three requests queued at a serial engine
+    /// whose requests decode for 5 s read as 150 ms of prefill, not 12.5 s.
+    #[test]
+    fn a_request_that_is_not_streamed_measures_its_decode_from_its_expected_prefill_end() {
+        let mut v = serial_view();
+        let mut t = 0u64;
+        for id in 0..10u64 {
+            // Nothing ahead, 100 tokens at 0.5 ms: expected to end 50 ms in.
+            v.dispatch_unobserved(id, 100, 100, t);
+            if id % 2 == 0 {
+                // Taken as prefilled at its expected end; the whole body at the end.
+                let _ = v.queue_stats(0, t + 60);
+            }
+            v.first_token(id, None, t + 5_050);
+            v.finish(id, t + 5_050);
+            t += 6_000;
+        }
+        let slots = v.slots().unwrap();
+        assert_eq!((slots.max_running, slots.decode_ms), (1, 5_000.0));
+        for id in 100..103u64 {
+            v.dispatch_unobserved(id, 100, 100, t);
+        }
+        // The prefill of the three and two and a half decodes.
+        let queued = v.queued_estimate_ms(t);
+        assert!((queued - (150.0 + 2.5 * 5_000.0)).abs() < 1e-9, "{queued}");
+        // An error response is no decode: the driver cancels it, whenever it ends.
+        v.first_token(100, None, t + 9_000);
+        v.cancel(100);
+        assert_eq!(v.slots().unwrap().decode_ms, 5_000.0);
+        // One that ends before its prefill was expected to decoded for about nothing.
+        v.first_token(101, None, t + 10);
+        v.finish(101, t + 10);
+        let d = 5_000.0 * (1.0 - DECODE_GAIN);
+        assert!((v.slots().unwrap().decode_ms - d).abs() < 1e-9);
+        v.cancel(102);
+        assert_eq!(v.counters().inflight, 0);
     }
 
     /// A response that is not streamed arrives whole at the end. Counted until then,

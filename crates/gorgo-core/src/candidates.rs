@@ -75,6 +75,7 @@ pub fn build_candidates<'a>(
             stats: l.stats,
             inflight_forwards: 0,
             inflight_forward_prompt_tokens: 0,
+            inflight_forward_raw_prompt_tokens: 0,
             forward_bias_ms: 0.0,
             deciders: 1,
         })
@@ -114,6 +115,7 @@ pub fn build_candidates<'a>(
             stats: stats.clone(),
             inflight_forwards: 0,
             inflight_forward_prompt_tokens: 0,
+            inflight_forward_raw_prompt_tokens: 0,
             forward_bias_ms: 0.0,
             deciders: 1,
         };
@@ -240,8 +242,8 @@ mod tests {
         let b = NodeId::from("b");
         let mut ledger = ForwardLedger::new();
         // Sent at 10 and 95; stats v1 arriving at 100 with rtt 20 reflect only the first.
-        ledger.record_forward(&b, 0, 1000, 10);
-        ledger.record_forward(&b, 0, 500, 95);
+        ledger.record_forward(&b, 0, 1000, 1000, 10);
+        ledger.record_forward(&b, 0, 500, 500, 95);
         let stats = QueueStats {
             version: 1,
             ..QueueStats::default()
@@ -274,8 +276,8 @@ mod tests {
         // clears only the first; taking them as arriving at 400 would clear both.
         for (age, pending) in [(300, 500), (0, 0)] {
             let mut ledger = ForwardLedger::new();
-            ledger.record_forward(&b, 0, 1000, 10);
-            ledger.record_forward(&b, 0, 500, 95);
+            ledger.record_forward(&b, 0, 1000, 1000, 10);
+            ledger.record_forward(&b, 0, 500, 500, 95);
             let peer = PeerState {
                 node: &b,
                 alive: true,

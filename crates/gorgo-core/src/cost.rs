@@ -84,6 +84,11 @@ pub struct Candidate {
     /// Prefill tokens those forwards add ahead of a new request (the driver records the
     /// uncached estimate at decision time; raw prompt tokens are a safe over-estimate).
     pub inflight_forward_prompt_tokens: u64,
+    /// Raw prompt tokens of those forwards, cached part included: what `gorgo-paper`'s
+    /// queued tokens count ([`QueueStats::queued_prompt_tokens`] is raw prompt tokens
+    /// too; adding the forwards' prefill tokens to it mixed two counts).
+    #[serde(default)]
+    pub inflight_forward_raw_prompt_tokens: u64,
     /// How much later than predicted this node's recent forwards to the candidate got
     /// their first byte, ms ([`ForwardLedger::forward_bias_ms`]); 0 for the local one.
     #[serde(default)]
@@ -113,6 +118,7 @@ impl Candidate {
             stats: QueueStats::default(),
             inflight_forwards: 0,
             inflight_forward_prompt_tokens: 0,
+            inflight_forward_raw_prompt_tokens: 0,
             forward_bias_ms: 0.0,
             deciders: 1,
         }
@@ -181,7 +187,9 @@ pub struct CostTerms {
     /// Unweighted queueing estimate, ms: [`queue_ms`] plus the forward bias.
     pub raw_queue_ms: f64,
     /// The part of `raw_queue_ms` that is the candidate's forward bias
-    /// ([`ForwardLedger::forward_bias_ms`]), ms.
+    /// ([`ForwardLedger::forward_bias_ms`]), ms: the bias `estimated_ttft_ms` holds.
+    /// (`gorgo-paper`'s `raw_queue_ms` is its score's queued tokens, which hold no
+    /// bias; its `estimated_ttft_ms` is the `gorgo` model's, which does.)
     #[serde(default)]
     pub forward_bias_ms: f64,
     /// The wait for a slot ([`slot_wait_ms`]), ms: 0 unless the candidate's
@@ -206,6 +214,34 @@ impl CostTerms {
     /// would settle the bias at half the lateness it is there to learn.
     pub fn unbiased_estimated_ttft_ms(&self) -> Option<f64> {
         self.estimated_ttft_ms.map(|e| e - self.forward_bias_ms)
+    }
+
+    /// These terms, a local engine's from a decision that chose a forward, as the
+    /// request met them when the forward was refused or failed before its first byte
+    /// and the engine served it `elapsed_ms` after the decision: the time lost stands
+    /// as the RTT term (`weights.w_rtt` times it, as a peer's RTT is weighted, so that
+    /// [`crate::tuning::TermSample::new`] reads it back unweighted) and adds to the
+    /// estimated TTFT (what the node then predicts for the client). `None` for an
+    /// elapsed time that is not a finite number >= 0.
+    ///
+    /// Why: the start fit (`tuning::TermSums`) regresses the measured TTFT on the
+    /// chosen candidate's RTT and queue terms. Fed the peer's terms for a request the
+    /// local engine served, it matched the local wait with the peer's queue estimate,
+    /// and a forward is refused precisely when that estimate was too low: evidence
+    /// biased towards higher weights. Both drivers call this, so the node and the
+    /// simulator feed the fit the same sample. With `w_rtt = 0` the RTT term is 0 and
+    /// the time lost is taken out of the sample's residual instead.
+    pub fn served_locally_after(&self, elapsed_ms: f64, weights: Weights) -> Option<CostTerms> {
+        if !(elapsed_ms.is_finite() && elapsed_ms >= 0.0) {
+            return None;
+        }
+        let rtt_ms = self.rtt_ms + weights.w_rtt * elapsed_ms;
+        Some(CostTerms {
+            rtt_ms,
+            total_ms: self.total_ms - self.rtt_ms + rtt_ms,
+            estimated_ttft_ms: self.estimated_ttft_ms.map(|e| e + elapsed_ms),
+            ..*self
+        })
     }
 }
 
@@ -391,7 +427,7 @@ pub fn estimated_ttft_ms(prompt_tokens: u64, c: &Candidate) -> f64 {
 
 /// [`queue_ms`] plus the candidate's forward bias (the wait this node's forwards there
 /// met beyond what its stats showed), never below 0.
-fn biased_queue_ms(c: &Candidate) -> f64 {
+pub(crate) fn biased_queue_ms(c: &Candidate) -> f64 {
     let bias = if c.is_local || !c.forward_bias_ms.is_finite() {
         0.0
     } else {
@@ -470,15 +506,25 @@ pub const MAX_FORWARD_BIAS_MS: f64 = 60_000.0;
 struct PeerLedger {
     /// Highest stats [`QueueStats::order`] seen from the peer, if any.
     stats_order: Option<(u64, u64)>,
-    /// `(sent_at_ms, prefill_tokens)` of forwards not yet reflected in its stats.
-    forwards: VecDeque<(u64, u64)>,
+    /// `(sent_at_ms, prefill_tokens, prompt_tokens)` of forwards not yet reflected in
+    /// its stats.
+    forwards: VecDeque<(u64, u64, u64)>,
     prefill_tokens: u64,
+    prompt_tokens: u64,
     /// Forward bias as of `bias_at_ms`, ms.
     bias_ms: f64,
     bias_at_ms: u64,
 }
 
 impl PeerLedger {
+    /// Take the forward at `i` off the ledger.
+    fn remove(&mut self, i: usize) {
+        if let Some((_, prefill, prompt)) = self.forwards.remove(i) {
+            self.prefill_tokens -= prefill;
+            self.prompt_tokens -= prompt;
+        }
+    }
+
     fn bias_at(&self, now_ms: u64) -> f64 {
         let age = now_ms.saturating_sub(self.bias_at_ms) as f64;
         self.bias_ms * 0.5f64.powf(age / FORWARD_BIAS_HALF_LIFE_MS)
@@ -537,32 +583,36 @@ impl ForwardLedger {
         self.peers.get(peer)?.get(replica as usize)
     }
 
-    /// Note a forward of a request with `prefill_tokens` expected prefill to `peer`'s
-    /// engine `replica`.
+    /// Note a forward to `peer`'s engine `replica` of a request of `prompt_tokens` raw
+    /// prompt tokens, `prefill_tokens` of them expected to need prefill there.
     pub fn record_forward(
         &mut self,
         peer: &NodeId,
         replica: u16,
         prefill_tokens: u64,
+        prompt_tokens: u64,
         now_ms: u64,
     ) {
         let Some(entry) = self.entry(peer, replica) else {
             return;
         };
         if entry.forwards.len() >= MAX_LEDGER_ENTRIES_PER_PEER {
-            if let Some((_, t)) = entry.forwards.pop_front() {
-                entry.prefill_tokens -= t;
-            }
+            entry.remove(0);
         }
-        entry.forwards.push_back((now_ms, prefill_tokens));
+        entry
+            .forwards
+            .push_back((now_ms, prefill_tokens, prompt_tokens));
         entry.prefill_tokens += prefill_tokens;
+        entry.prompt_tokens += prompt_tokens;
     }
 
     /// New stats from `peer` (of its engine `stats.replica`) arrived at `now_ms`: if
     /// they are newer (by [`QueueStats::order`]: a restarted peer's first stats are
     /// newer than its dead run's last) than the last seen, clear the forwards they
     /// already reflect (those sent before `now_ms - rtt_ms`). Pass `rtt_ms = 0` to
-    /// clear every forward. Returns true when they were new.
+    /// clear every forward. The first stats of a new run (a restarted peer) also
+    /// clear the forward bias: what the dead run's forwards met says nothing of a
+    /// fresh process. Returns true when they were new.
     pub fn observe_stats(
         &mut self,
         peer: &NodeId,
@@ -577,6 +627,9 @@ impl ForwardLedger {
         if entry.stats_order.is_some_and(|seen| order <= seen) {
             return false;
         }
+        if entry.stats_order.is_some_and(|(run, _)| run < order.0) {
+            entry.bias_ms = 0.0;
+        }
         entry.stats_order = Some(order);
         let rtt = if rtt_ms.is_finite() && rtt_ms > 0.0 {
             rtt_ms as u64
@@ -584,25 +637,26 @@ impl ForwardLedger {
             0
         };
         let cutoff = now_ms.saturating_sub(rtt);
-        while let Some(&(sent, tokens)) = entry.forwards.front() {
-            if sent > cutoff {
-                break;
-            }
-            entry.forwards.pop_front();
-            entry.prefill_tokens -= tokens;
+        while entry
+            .forwards
+            .front()
+            .is_some_and(|&(sent, ..)| sent <= cutoff)
+        {
+            entry.remove(0);
         }
         true
     }
 
-    /// A forward recorded at `sent_ms` with `prefill_tokens` for `peer`'s engine
-    /// `replica` never ran there (the peer refused it,
-    /// [`crate::decision::refuse_forward`]): it no longer counts as pending. Nothing
-    /// happens if the peer's stats already cleared it.
+    /// A forward recorded at `sent_ms` with `prefill_tokens` and `prompt_tokens` for
+    /// `peer`'s engine `replica` ([`ForwardLedger::record_forward`]) never ran there
+    /// (the peer refused it, [`crate::decision::refuse_forward`]): it no longer counts
+    /// as pending. Nothing happens if the peer's stats already cleared it.
     pub fn cancel_forward(
         &mut self,
         peer: &NodeId,
         replica: u16,
         prefill_tokens: u64,
+        prompt_tokens: u64,
         sent_ms: u64,
     ) {
         let Some(entry) = self
@@ -615,10 +669,9 @@ impl ForwardLedger {
         if let Some(i) = entry
             .forwards
             .iter()
-            .position(|&(at, t)| at == sent_ms && t == prefill_tokens)
+            .position(|&f| f == (sent_ms, prefill_tokens, prompt_tokens))
         {
-            entry.forwards.remove(i);
-            entry.prefill_tokens -= prefill_tokens;
+            entry.remove(i);
         }
     }
 
@@ -670,11 +723,13 @@ impl ForwardLedger {
         let Some(e) = self.get(&candidate.node, candidate.stats.replica) else {
             candidate.inflight_forwards = 0;
             candidate.inflight_forward_prompt_tokens = 0;
+            candidate.inflight_forward_raw_prompt_tokens = 0;
             candidate.forward_bias_ms = 0.0;
             return;
         };
         candidate.inflight_forwards = e.forwards.len() as u32;
         candidate.inflight_forward_prompt_tokens = e.prefill_tokens;
+        candidate.inflight_forward_raw_prompt_tokens = e.prompt_tokens;
         candidate.forward_bias_ms = if e.bias_ms == 0.0 {
             0.0
         } else {
@@ -685,6 +740,15 @@ impl ForwardLedger {
     /// Drop everything about a peer that left the cluster.
     pub fn forget(&mut self, peer: &NodeId) {
         self.peers.remove(peer);
+    }
+
+    /// Keep only the peers `known` says the cluster still knows, and
+    /// [`ForwardLedger::forget`] the others: what a driver calls as its cluster's
+    /// membership changes. Without it the ledger kept, for every peer id it ever
+    /// heard of, its pending forwards (up to [`MAX_LEDGER_ENTRIES_PER_PEER`] per
+    /// engine) and its forward bias.
+    pub fn retain_peers(&mut self, mut known: impl FnMut(&NodeId) -> bool) {
+        self.peers.retain(|peer, _| known(peer));
     }
 }
 
@@ -697,6 +761,54 @@ mod tests {
         c.cached_tokens = cached;
         c.stats.t_p_ms = 0.094;
         c
+    }
+
+    /// A forward refused or failed and served by the local engine 300 ms after the
+    /// decision: the start fit's sample is the local engine's, with the 300 ms as its
+    /// RTT, not the peer's RTT and queue set against the local engine's wait.
+    #[test]
+    fn a_refused_forward_served_here_is_sampled_with_the_local_terms() {
+        use crate::tuning::TermSample;
+        let w = Weights {
+            w_rtt: 0.5,
+            w_queue: 2.0,
+        };
+        let mut local = Candidate::idle("a", true, 0.0);
+        local.stats.t_p_ms = 0.1;
+        local.stats.base_ms = 100.0;
+        local.stats.unfinished_prefill_tokens = 20_000; // 2,000 ms of queue
+        let mut peer = peer(80.0, 0);
+        peer.stats.t_p_ms = 0.1;
+        peer.stats.unfinished_prefill_tokens = 500; // 50 ms
+        let (lt, pt) = (
+            cost_terms(1000, &local, w, 1000),
+            cost_terms(1000, &peer, w, 1000),
+        );
+        let met = lt.served_locally_after(300.0, w).unwrap();
+        assert_eq!(met.rtt_ms, 150.0);
+        assert_eq!(met.total_ms, lt.total_ms + 150.0);
+        assert_eq!(met.estimated_ttft_ms, Some(100.0 + 100.0 + 2_000.0 + 300.0));
+        assert_eq!(
+            (met.queue_ms, met.raw_queue_ms),
+            (lt.queue_ms, lt.raw_queue_ms)
+        );
+        // The client saw 2,500 ms: 300 lost, 2,000 queued, 200 of base and prefill.
+        let s = TermSample::new(&met, w, 2_500.0).unwrap();
+        assert_eq!((s.rtt_ms, s.queue_ms), (300.0, 2_000.0));
+        assert!((s.residual_ms - 2_300.0).abs() < 1e-9, "{s:?}");
+        // The peer's terms said 80 ms and 50 ms of queue came to 2,300 or so.
+        let wrong = TermSample::new(&pt, w, 2_500.0).unwrap();
+        assert_eq!((wrong.rtt_ms, wrong.queue_ms), (80.0, 50.0));
+        // With w_rtt = 0 the time lost is out of the residual instead.
+        let unweighted = Weights { w_rtt: 0.0, ..w };
+        let met = lt.served_locally_after(300.0, unweighted).unwrap();
+        let s = TermSample::new(&met, unweighted, 2_500.0).unwrap();
+        assert_eq!(s.rtt_ms, 0.0);
+        assert!((s.residual_ms - 2_000.0).abs() < 1e-9, "{s:?}");
+        // A time that is no time gives no terms.
+        for bad in [f64::NAN, f64::INFINITY, -1.0] {
+            assert!(lt.served_locally_after(bad, w).is_none());
+        }
     }
 
     #[test]
@@ -1001,8 +1113,8 @@ mod tests {
         let p = NodeId::from("b");
         let mut l = ForwardLedger::new();
         l.observe_stats(&p, &stats_v(0, 5), 0, 0.0);
-        l.record_forward(&p, 0, 100, 1000);
-        l.record_forward(&p, 0, 50, 1100);
+        l.record_forward(&p, 0, 100, 100, 1000);
+        l.record_forward(&p, 0, 50, 50, 1100);
         assert_eq!(l.pending(&p, 0), (2, 150));
         assert!(!l.observe_stats(&p, &stats_v(0, 5), 2000, 0.0));
         assert_eq!(l.pending(&p, 0), (2, 150));
@@ -1012,7 +1124,7 @@ mod tests {
         assert!(l.observe_stats(&p, &stats_v(0, 7), 1300, 80.0));
         assert_eq!(l.pending(&p, 0), (0, 0));
         let mut c = Candidate::idle("b", false, 1.0);
-        l.record_forward(&p, 0, 7, 1400);
+        l.record_forward(&p, 0, 7, 7, 1400);
         l.apply(&mut c, 0);
         assert_eq!(
             (c.inflight_forwards, c.inflight_forward_prompt_tokens),
@@ -1030,13 +1142,38 @@ mod tests {
         let p = NodeId::from("b");
         let mut l = ForwardLedger::new();
         assert!(l.observe_stats(&p, &stats_v(100, 2_272), 0, 0.0));
-        l.record_forward(&p, 0, 500, 1000);
+        l.record_forward(&p, 0, 500, 500, 1000);
         assert!(l.observe_stats(&p, &stats_v(200, 1), 2000, 0.0));
         assert_eq!(l.pending(&p, 0), (0, 0));
         // A late copy from the dead run changes nothing.
-        l.record_forward(&p, 0, 500, 2100);
+        l.record_forward(&p, 0, 500, 500, 2100);
         assert!(!l.observe_stats(&p, &stats_v(100, 2_273), 3000, 0.0));
         assert_eq!(l.pending(&p, 0), (1, 500));
+    }
+
+    /// A peer the cluster has forgotten leaves the ledger (`forget` had no caller: the
+    /// ledger kept every peer id it ever heard of, pending forwards and bias), and a
+    /// restarted one starts with no forward bias (the dead run's lateness is no
+    /// evidence about a fresh process); new stats of the same run keep it.
+    #[test]
+    fn a_forgotten_peer_leaves_the_ledger_and_a_restarted_one_its_bias() {
+        let (b, c) = (NodeId::from("b"), NodeId::from("c"));
+        let mut l = ForwardLedger::new();
+        for p in [&b, &c] {
+            assert!(l.observe_stats(p, &stats_v(1, 1), 0, 0.0));
+            l.record_forward(p, 0, 100, 100, 10);
+            l.observe_forward_ttft(p, 0, 100.0, 1100.0, 10);
+        }
+        l.retain_peers(|p| *p == c);
+        assert_eq!(l.pending(&b, 0), (0, 0));
+        assert_eq!(l.forward_bias_ms(&b, 0, 10), 0.0);
+        assert_eq!(l.pending(&c, 0), (1, 100));
+        let bias = l.forward_bias_ms(&c, 0, 10);
+        assert!(bias > 0.0);
+        assert!(l.observe_stats(&c, &stats_v(1, 2), 5, 0.0));
+        assert_eq!(l.forward_bias_ms(&c, 0, 10), bias);
+        assert!(l.observe_stats(&c, &stats_v(2, 1), 20, 0.0));
+        assert_eq!(l.forward_bias_ms(&c, 0, 20), 0.0);
     }
 
     #[test]
@@ -1127,7 +1264,7 @@ mod tests {
         let p = NodeId::from("b");
         let mut l = ForwardLedger::new();
         for i in 0..(MAX_LEDGER_ENTRIES_PER_PEER as u64 + 10) {
-            l.record_forward(&p, 0, 1, i);
+            l.record_forward(&p, 0, 1, 1, i);
         }
         assert_eq!(
             l.pending(&p, 0),
@@ -1142,8 +1279,8 @@ mod tests {
     fn ledger_keeps_each_engine_of_a_peer_apart() {
         let p = NodeId::from("b");
         let mut l = ForwardLedger::new();
-        l.record_forward(&p, 0, 100, 1000);
-        l.record_forward(&p, 2, 40, 1000);
+        l.record_forward(&p, 0, 100, 100, 1000);
+        l.record_forward(&p, 2, 40, 40, 1000);
         assert_eq!(
             (l.pending(&p, 0), l.pending(&p, 1), l.pending(&p, 2)),
             ((1, 100), (0, 0), (1, 40))
@@ -1163,9 +1300,9 @@ mod tests {
         l.apply(&mut c, 2000);
         assert_eq!(c.inflight_forwards, 0);
         // Engines past the bound keep nothing.
-        l.record_forward(&p, MAX_REPLICAS, 5, 3000);
+        l.record_forward(&p, MAX_REPLICAS, 5, 5, 3000);
         assert_eq!(l.pending(&p, MAX_REPLICAS), (0, 0));
-        l.cancel_forward(&p, 0, 100, 1000);
+        l.cancel_forward(&p, 0, 100, 100, 1000);
         assert_eq!(l.pending(&p, 0), (0, 0));
     }
 }

@@ -12,7 +12,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::cost::{Candidate, CostTerms};
-use crate::policy::{Policy, PolicyKind, RouteRequest};
+use crate::policy::{rank, Policy, PolicyKind, RouteRequest};
 use crate::types::{NodeId, Weights};
 
 /// Why the target was chosen.
@@ -436,13 +436,15 @@ pub fn refuse_forward(
     // Priced, not decided: the decision (here, or among this node's engines at
     // max hops) is counted where it is made.
     let all = policy.terms(req, candidates, offer.weights)?;
-    // The target serves on its cheapest engine.
+    // The target serves on its cheapest engine (one it cannot price, a NaN or infinite
+    // total, is never the cheapest over one it can; `policy::rank`). If it can price
+    // none, the offer's finite cost wins: refused.
     let terms = candidates
         .iter()
         .zip(&all)
         .filter(|(c, _)| c.is_local && c.healthy)
         .map(|(_, t)| *t)
-        .min_by(|a, b| a.total_ms.total_cmp(&b.total_ms))?;
+        .min_by(|a, b| rank(a.total_ms).total_cmp(&rank(b.total_ms)))?;
     if terms.total_ms <= origin_cost_ms * (1.0 + REFUSAL_MARGIN) {
         return None;
     }
@@ -486,7 +488,10 @@ impl Decision {
         self.best_local_terms().and_then(|t| t.estimated_ttft_ms)
     }
 
-    fn best_local_terms(&self) -> Option<CostTerms> {
+    /// The terms of the [`best_local`] engine, when the policy priced it: what a
+    /// refused or failed forward meets once it is served there
+    /// ([`CostTerms::served_locally_after`]).
+    pub fn best_local_terms(&self) -> Option<CostTerms> {
         best_local(&self.candidates).and_then(|i| self.candidates[i].terms)
     }
 }

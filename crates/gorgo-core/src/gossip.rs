@@ -520,7 +520,9 @@ impl PeerGossip {
     /// arrive outside summary gossip (SWIM broadcasts).
     ///
     /// SWIM broadcasts are capped small and leave the model list out: newer stats
-    /// without models keep the models held for the same incarnation.
+    /// without models keep the models held for the same incarnation. What is kept has
+    /// its model list bounded ([`QueueStats::bound_models`]) and its cost figures made
+    /// sane ([`QueueStats::bound_figures`]).
     pub fn offer_stats(&mut self, stats: &QueueStats) -> bool {
         if stats.replica >= MAX_REPLICAS
             || !self.admit(stats.incarnation)
@@ -534,6 +536,9 @@ impl PeerGossip {
         }
         let mut kept = stats.clone();
         kept.bound_models();
+        // The one place a peer's stats are taken in (summary messages come through
+        // here too): what is held is sane.
+        kept.bound_figures();
         if kept.models.is_empty() {
             if let Some(held) = self
                 .stats
@@ -842,6 +847,7 @@ mod tests {
     use super::*;
     use crate::summary::SummarySample;
     use crate::summary::SummarySnapshot;
+    use crate::types::EngineSlots;
     use crate::wire::{self, MAX_GOSSIP_MESSAGE};
     use proptest::prelude::*;
 
@@ -1703,6 +1709,58 @@ mod tests {
                 let mut p = PeerGossip::new();
                 let _ = p.receive(0, &"me".into(), &from, m.clone(), 0, &GossipConfig::default());
                 let _ = p.receive(0, &"me".into(), &from, m, 5_000, &GossipConfig::default());
+            }
+        }
+
+        /// Whatever cost figures a peer sends, by SWIM broadcast or with a summary,
+        /// what is held is finite and >= 0, and a sane figure is held as sent.
+        #[test]
+        fn held_cost_figures_are_sane(
+            figures in prop::array::uniform4(prop_oneof![
+                Just(f64::NAN),
+                Just(f64::INFINITY),
+                Just(f64::NEG_INFINITY),
+                -1e9..0.0f64,
+                0.0..1e9f64,
+            ]),
+            with_summary in any::<bool>(),
+        ) {
+            let [t_p_ms, base_ms, decode_step_ms, decode_ms] = figures;
+            let stats = QueueStats {
+                version: 1,
+                t_p_ms,
+                base_ms,
+                decode_step_ms,
+                slots: Some(EngineSlots { max_running: 1, decode_ms }),
+                ..QueueStats::default()
+            };
+            let mut p = PeerGossip::new();
+            if with_summary {
+                let msg = GossipMessage::SummarySnapshot {
+                    origin: "b".into(),
+                    snapshot: SummarySnapshot {
+                        version: 1,
+                        fingerprints: vec![],
+                        sample: SummarySample::EVERY_BLOCK,
+                    },
+                    stats,
+                };
+                prop_assert!(recv(&mut p, msg, 0).stats_updated);
+            } else {
+                prop_assert!(p.offer_stats(&stats));
+            }
+            let held = p.stats().unwrap();
+            let decode = held.slots.unwrap().decode_ms;
+            for (held, sent) in [
+                (held.t_p_ms, t_p_ms),
+                (held.base_ms, base_ms),
+                (held.decode_step_ms, decode_step_ms),
+                (decode, decode_ms),
+            ] {
+                prop_assert!(held.is_finite() && held >= 0.0, "{} held for {}", held, sent);
+                if sent.is_finite() && sent >= 0.0 {
+                    prop_assert_eq!(held, sent);
+                }
             }
         }
     }

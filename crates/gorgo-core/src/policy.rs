@@ -231,8 +231,25 @@ pub fn build(kind: PolicyKind) -> Box<dyn Policy> {
     }
 }
 
-/// Index of the healthy candidate with the smallest key, compared lexicographically.
-/// Ties: the local candidate if tied, else the `rng_u64`-th of the tied ones.
+/// A score as the policies rank it, smallest first: a finite score as it is, any other
+/// (NaN, either infinity) as `+inf`, so that a candidate a policy cannot price is never
+/// preferred over one it can.
+///
+/// Why: a weight of 0 (`routing.weights.w_queue = 0` is allowed) times a term that
+/// prices to infinity (a peer's gossiped `t_p_ms` finite but absurd, 1e306) is NaN, and
+/// on x86-64 that NaN has its sign bit set: `f64::total_cmp` alone puts it before every
+/// number, so the one candidate that cannot be priced was the cheapest.
+pub(crate) fn rank(score: f64) -> f64 {
+    if score.is_finite() {
+        score
+    } else {
+        f64::INFINITY
+    }
+}
+
+/// Index of the healthy candidate with the smallest key, compared lexicographically
+/// element by element as [`rank`]ed (a NaN or infinite element never beats a finite
+/// one). Ties: the local candidate if tied, else the `rng_u64`-th of the tied ones.
 fn pick_min<const N: usize>(
     candidates: &[Candidate],
     rng_u64: u64,
@@ -241,7 +258,7 @@ fn pick_min<const N: usize>(
     let cmp = |a: &[f64; N], b: &[f64; N]| {
         a.iter()
             .zip(b)
-            .map(|(x, y)| x.total_cmp(y))
+            .map(|(x, y)| rank(*x).total_cmp(&rank(*y)))
             .find(|o| o.is_ne())
             .unwrap_or(std::cmp::Ordering::Equal)
     };
@@ -467,9 +484,11 @@ impl Policy for Gorgo {
 
 /// `gorgo-paper`: the paper's score, `w_rtt * RTT_ms + uncached_tokens + w_queue *
 /// queued_prompt_tokens` (mixed units: ms and tokens). Queued tokens are the raw prompt
-/// tokens dispatched and not finished, plus this node's own forwards since the stats.
+/// tokens dispatched and not finished, plus the raw prompt tokens of this node's own
+/// forwards since the stats ([`Candidate::inflight_forward_raw_prompt_tokens`]).
 /// The returned terms carry the score's parts (`prefill_ms` holds uncached tokens,
-/// `queue_ms` weighted queued tokens).
+/// `queue_ms` weighted queued tokens), and the `gorgo` model's TTFT prediction with the
+/// forward bias it holds (`forward_bias_ms`), as `gorgo`'s terms do.
 #[derive(Debug, Clone, Default)]
 pub struct GorgoPaper;
 
@@ -493,10 +512,12 @@ impl GorgoPaper {
                 } else {
                     f64::INFINITY
                 };
+                // Raw prompt tokens, as the stats count them (the forwards' prefill
+                // tokens, what `gorgo` counts, would mix two counts).
                 let queued = c
                     .stats
                     .queued_prompt_tokens
-                    .saturating_add(c.inflight_forward_prompt_tokens);
+                    .saturating_add(c.inflight_forward_raw_prompt_tokens);
                 let queue = weights.w_queue * queued as f64;
                 CostTerms {
                     rtt_ms: rtt,
@@ -509,7 +530,11 @@ impl GorgoPaper {
                     reprefill_tokens: 0,
                     t_p_ms: 1.0,
                     raw_queue_ms: queued as f64,
-                    forward_bias_ms: 0.0,
+                    // The bias the prediction below holds (the score holds none): what
+                    // `unbiased_estimated_ttft_ms` takes out before the forward ledger
+                    // learns from it. Left at 0, the ledger learnt from the biased
+                    // prediction, and the bias settled at half the lateness.
+                    forward_bias_ms: crate::cost::biased_queue_ms(c) - crate::cost::queue_ms(c).0,
                     slot_wait_ms: 0.0,
                     tokens_ahead: queued,
                     // The paper's score is in tokens; the prediction is the gorgo
@@ -573,11 +598,14 @@ impl Policy for LeastLoad {
         _w: Weights,
         rng_u64: u64,
     ) -> Choice {
+        // Saturating: a peer's gossiped KV gauge is not range-checked, and an engine's
+        // report of 1.8e19 or more reads as `u64::MAX` in a node's own view; a plain sum
+        // panicked in debug builds and wrapped to nearly 0 in release, making the
+        // broken engine the least loaded.
         Choice::pick(pick_min(candidates, rng_u64, |_, c| {
-            [
-                (c.inflight_requests() + c.stats.kv_used_tokens + c.inflight_forward_prompt_tokens)
-                    as f64,
-            ]
+            [c.inflight_requests()
+                .saturating_add(c.stats.kv_used_tokens)
+                .saturating_add(c.inflight_forward_prompt_tokens) as f64]
         }))
     }
 }

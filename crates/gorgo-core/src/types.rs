@@ -131,6 +131,27 @@ impl QueueStats {
         self.models.is_empty() || self.models.iter().any(|m| m == model)
     }
 
+    /// Replace each figure a receiver prices a peer by (`t_p_ms`, `base_ms`,
+    /// `decode_step_ms`, the slots' `decode_ms`) that is not a finite number >= 0 by 0,
+    /// which every reader takes as "not reported" (the fallback `t_p`, no fixed cost, no
+    /// decode steps, no slot wait): what a receiver does to stats from the network
+    /// before holding them. Why: the cost model guards each use, but a figure held as
+    /// NaN or negative is one guard away from every decision, in every driver that
+    /// reads it (the decision log and the admin API show what is held, too).
+    pub fn bound_figures(&mut self) {
+        let sane = |v: &mut f64| {
+            if !(v.is_finite() && *v >= 0.0) {
+                *v = 0.0;
+            }
+        };
+        sane(&mut self.t_p_ms);
+        sane(&mut self.base_ms);
+        sane(&mut self.decode_step_ms);
+        if let Some(s) = self.slots.as_mut() {
+            sane(&mut s.decode_ms);
+        }
+    }
+
     /// Keep at most [`MAX_MODELS`] model ids of at most [`MAX_MODEL_ID_BYTES`]: what a
     /// receiver does to stats from the network before holding them.
     pub fn bound_models(&mut self) {

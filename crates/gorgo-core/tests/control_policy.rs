@@ -9,7 +9,7 @@ use gorgo_core::decision::{
 };
 use gorgo_core::hash::HashChain;
 use gorgo_core::policy::{build, PolicyKind, RouteRequest};
-use gorgo_core::{CoreError, Weights};
+use gorgo_core::{CoreError, NodeId, Weights};
 use proptest::prelude::*;
 
 const T_P: f64 = 0.094;
@@ -241,6 +241,27 @@ fn least_load_and_least_request() {
     let mut cands = cands;
     cands[1].inflight_forwards = 5;
     assert_eq!(choose(PolicyKind::LeastRequest, &req, &cands, 1), Some(0));
+}
+
+/// A saturated KV gauge (a peer's gossip is not range-checked; an engine's report of
+/// 1.8e19 or more reads as `u64::MAX`) makes its engine the most loaded, not a panic in
+/// the request's task (debug) or a sum wrapped to nearly 0 (release).
+#[test]
+fn least_load_saturates_on_a_huge_kv_gauge() {
+    let chain = chain_of(100);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 100,
+        session_key: None,
+    };
+    let mut local = cand("a", true, 0.0);
+    local.stats.running = 1;
+    local.stats.kv_used_tokens = 1000;
+    let mut peer = cand("b", false, 10.0);
+    peer.stats.running = 2;
+    peer.stats.kv_used_tokens = u64::MAX;
+    peer.inflight_forward_prompt_tokens = 7;
+    assert_eq!(target(PolicyKind::LeastLoad, &req, &[local, peer]), "a");
 }
 
 #[test]
@@ -480,6 +501,164 @@ fn gorgo_paper_uses_mixed_units() {
     assert_eq!(c.index, Some(1));
 }
 
+/// `gorgo-paper` counts its own forwards since a peer's stats in that peer's queued
+/// tokens at their raw prompt tokens, as the stats count the requests dispatched
+/// there; it counted their prefill tokens (the uncached part, what `gorgo` counts), so
+/// a forward to a peer caching most of its prompt hardly counted. `gorgo` still counts
+/// their prefill.
+#[test]
+fn gorgo_paper_counts_its_forwards_at_their_raw_prompt_tokens() {
+    let chain = chain_of(1000);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 1000,
+        session_key: None,
+    };
+    let peer = NodeId::from("b");
+    let mut ledger = ForwardLedger::new();
+    // Two forwards of 4,000-token prompts, 3,500 of each cached at the peer.
+    ledger.record_forward(&peer, 0, 500, 4000, 10);
+    ledger.record_forward(&peer, 0, 500, 4000, 20);
+    let mut c = cand("b", false, 90.0);
+    c.stats.queued_prompt_tokens = 2000;
+    ledger.apply(&mut c, 30);
+    assert_eq!(
+        (
+            c.inflight_forward_prompt_tokens,
+            c.inflight_forward_raw_prompt_tokens
+        ),
+        (1000, 8000)
+    );
+    let w = PolicyKind::GorgoPaper.default_weights();
+    let t = build(PolicyKind::GorgoPaper)
+        .terms(&req, std::slice::from_ref(&c), w)
+        .unwrap()[0];
+    assert_eq!(t.tokens_ahead, 10_000);
+    assert!((t.queue_ms - 0.5 * 10_000.0).abs() < 1e-9, "{t:?}");
+    let g = cost_terms(1000, &c, Weights::default(), 1000);
+    assert_eq!(g.tokens_ahead, 1000);
+    // A refused forward leaves both counts.
+    ledger.cancel_forward(&peer, 0, 500, 4000, 10);
+    ledger.apply(&mut c, 30);
+    assert_eq!(
+        (
+            c.inflight_forward_prompt_tokens,
+            c.inflight_forward_raw_prompt_tokens
+        ),
+        (500, 4000)
+    );
+}
+
+/// `gorgo-paper` predicts with the `gorgo` model, forward bias included, as `gorgo`
+/// does; its unbiased prediction, what the forward ledger learns from, holds no bias
+/// (it held it: the ledger then chased its own value).
+#[test]
+fn gorgo_papers_unbiased_prediction_holds_no_forward_bias() {
+    let chain = chain_of(1000);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 1000,
+        session_key: None,
+    };
+    let mut c = Candidate::idle("b", false, 10.0);
+    c.stats.t_p_ms = 0.1;
+    c.stats.unfinished_prefill_tokens = 1000;
+    let w = PolicyKind::GorgoPaper.default_weights();
+    let p = build(PolicyKind::GorgoPaper);
+    let unbiased = p.terms(&req, std::slice::from_ref(&c), w).unwrap()[0];
+    c.forward_bias_ms = 1000.0;
+    let biased = p.terms(&req, std::slice::from_ref(&c), w).unwrap()[0];
+    assert_eq!(biased.estimated_ttft_ms, Some(1210.0));
+    assert_eq!(biased.forward_bias_ms, 1000.0);
+    assert_eq!(
+        biased.unbiased_estimated_ttft_ms(),
+        unbiased.unbiased_estimated_ttft_ms()
+    );
+    assert_eq!(unbiased.unbiased_estimated_ttft_ms(), Some(210.0));
+    // A negative bias never takes the queue below 0 (as in `gorgo`'s terms).
+    c.forward_bias_ms = -1e6;
+    let fast = p.terms(&req, std::slice::from_ref(&c), w).unwrap()[0];
+    assert_eq!(fast.estimated_ttft_ms, Some(110.0));
+    assert_eq!(fast.unbiased_estimated_ttft_ms(), Some(210.0));
+    // The score itself never held the bias.
+    assert_eq!(biased.total_ms, unbiased.total_ms);
+}
+
+/// In closed loop (predicting with the bias learnt so far, learning from the
+/// prediction without it), `gorgo-paper`'s forwards that always land 1 s late teach
+/// the whole second, as `gorgo`'s do (it settled at half).
+#[test]
+fn gorgo_papers_forward_bias_learns_the_whole_lateness() {
+    let chain = chain_of(1000);
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 1000,
+        session_key: None,
+    };
+    let p = build(PolicyKind::GorgoPaper);
+    let w = PolicyKind::GorgoPaper.default_weights();
+    let mut ledger = ForwardLedger::new();
+    let mut c = Candidate::idle("b", false, 10.0);
+    c.stats.t_p_ms = 0.1;
+    for i in 0..200u64 {
+        ledger.apply(&mut c, i * 10);
+        let t = p.terms(&req, std::slice::from_ref(&c), w).unwrap()[0];
+        let truth = cost_terms(
+            1000,
+            &Candidate {
+                forward_bias_ms: 0.0,
+                ..c.clone()
+            },
+            Weights::default(),
+            1000,
+        )
+        .estimated_ttft_ms
+        .unwrap();
+        let unbiased = t.unbiased_estimated_ttft_ms().unwrap();
+        ledger.observe_forward_ttft(&c.node, 0, unbiased, truth + 1000.0, i * 10);
+    }
+    let bias = ledger.forward_bias_ms(&"b".into(), 0, 2000);
+    assert!((bias - 1000.0).abs() < 50.0, "{bias}");
+}
+
+/// With `w_queue = 0` (an operator's choice to ignore the term), a peer whose queue
+/// prices to infinity (a gossiped `t_p_ms` of 1e306) has a NaN total; it is never
+/// preferred over a candidate with a finite one (`f64::total_cmp` put x86-64's
+/// negative NaN before every number, and the peer won).
+#[test]
+fn a_total_that_cannot_be_priced_never_wins() {
+    let chain = HashChain::default();
+    let req = RouteRequest {
+        chain: &chain,
+        prompt_tokens: 100,
+        session_key: None,
+    };
+    let mut local = Candidate::idle("a", true, 0.0);
+    local.stats.t_p_ms = 0.1;
+    local.stats.unfinished_prefill_tokens = 1_000_000;
+    let mut peer = Candidate::idle("b", false, 10.0);
+    peer.stats.t_p_ms = 1e306;
+    peer.stats.unfinished_prefill_tokens = 1000;
+    peer.cached_tokens = 100;
+    let w = Weights {
+        w_rtt: 1.0,
+        w_queue: 0.0,
+    };
+    assert!(cost_terms(100, &peer, w, 0).total_ms.is_nan());
+    let cands = [local, peer];
+    for kind in [PolicyKind::Gorgo, PolicyKind::GorgoTtft, PolicyKind::Oracle] {
+        for rng in 0..4 {
+            let mut p = build(kind);
+            let d = decide(&req, 0, 1, &cands, p.as_mut(), w, rng).unwrap();
+            assert_eq!(d.target.0, "a", "{kind}");
+        }
+    }
+    // The peer alone is still chosen (it is healthy; the total is only unknown).
+    let mut p = build(PolicyKind::Gorgo);
+    let d = decide(&req, 0, 1, &cands[1..], p.as_mut(), w, 0).unwrap();
+    assert_eq!(d.target.0, "b");
+}
+
 /// Candidate `i` of a list whose first `locals` are the deciding node's engines
 /// (node `n0`, replicas 0..locals) and the rest one engine of a peer each.
 fn arb_candidate(i: usize, locals: usize) -> impl Strategy<Value = Candidate> {
@@ -572,6 +751,118 @@ proptest! {
     }
 }
 
+/// A figure as a broken or hostile peer might gossip it.
+fn garbage_f64() -> impl Strategy<Value = f64> {
+    prop_oneof![
+        Just(f64::NAN),
+        Just(f64::INFINITY),
+        Just(-1.0),
+        Just(1e306),
+        Just(f64::MAX),
+        0.0..1.0f64,
+    ]
+}
+
+fn garbage_u64() -> impl Strategy<Value = u64> {
+    prop_oneof![Just(u64::MAX), any::<u64>(), 0u64..50_000]
+}
+
+fn garbage_u32() -> impl Strategy<Value = u32> {
+    prop_oneof![Just(u32::MAX), 0u32..100]
+}
+
+/// Candidate `i` (local for `i == 0`) with any gauges and figures at all.
+fn arb_garbage_candidate(i: usize) -> impl Strategy<Value = Candidate> {
+    (
+        (
+            any::<bool>(),
+            prop_oneof![Just(f64::NAN), Just(f64::INFINITY), 0.0..500.0f64],
+            garbage_u64(),
+            garbage_u64(),
+            garbage_u64(),
+            garbage_u64(),
+        ),
+        (
+            garbage_u32(),
+            garbage_u32(),
+            garbage_u32(),
+            garbage_u64(),
+            garbage_u32(),
+        ),
+        (
+            garbage_f64(),
+            garbage_f64(),
+            garbage_f64(),
+            garbage_f64(),
+            garbage_f64(),
+            prop::option::of(garbage_u32()),
+        ),
+    )
+        .prop_map(
+            move |(
+                (healthy, rtt, cached, unfinished, kv, queued),
+                (running, waiting, fwd, fwd_tokens, deciders),
+                (t_p, base, step, decode, bias, slots),
+            )| {
+                let mut c = Candidate::idle(format!("n{i}").as_str(), i == 0, rtt);
+                c.healthy = healthy;
+                c.cached_tokens = cached;
+                c.stats.unfinished_prefill_tokens = unfinished;
+                c.stats.kv_used_tokens = kv;
+                c.stats.queued_prompt_tokens = queued;
+                c.stats.running = running;
+                c.stats.waiting = waiting;
+                c.inflight_forwards = fwd;
+                c.inflight_forward_prompt_tokens = fwd_tokens;
+                c.deciders = deciders;
+                c.stats.t_p_ms = t_p;
+                c.stats.base_ms = base;
+                c.stats.decode_step_ms = step;
+                c.forward_bias_ms = bias;
+                c.stats.slots = slots.map(|max_running| gorgo_core::EngineSlots {
+                    max_running,
+                    decode_ms: decode,
+                });
+                c
+            },
+        )
+}
+
+proptest! {
+    /// Whatever the candidates' gauges and figures (a peer's gossip is not trusted:
+    /// gauges at their maximum, a `t_p` of 1e306, NaN) and whatever the weights (0
+    /// included), no policy panics or picks an unhealthy candidate, and a cost-based
+    /// one never prefers a candidate it cannot price (a NaN or infinite total) over one
+    /// it can.
+    #[test]
+    fn garbage_gauges_neither_panic_nor_win(
+        cands in (1usize..6).prop_flat_map(|n| (0..n).map(arb_garbage_candidate).collect::<Vec<_>>()),
+        prompt in prop_oneof![Just(u64::MAX), 1u64..20_000],
+        policy in 0usize..PolicyKind::ALL.len(),
+        rng in any::<u64>(),
+        w_rtt in prop_oneof![Just(0.0), 0.05..4.0f64],
+        w_queue in prop_oneof![Just(0.0), 0.05..4.0f64],
+    ) {
+        let kind = PolicyKind::ALL[policy];
+        let chain = chain_of(prompt.min(2000));
+        let req = RouteRequest { chain: &chain, prompt_tokens: prompt, session_key: None };
+        let mut p = build(kind);
+        let w = Weights { w_rtt, w_queue };
+        let Ok(d) = decide(&req, 0, 1, &cands, p.as_mut(), w, rng) else {
+            return Ok(());
+        };
+        prop_assert!(cands[d.target_index].healthy);
+        let total = |i: usize| d.candidates[i].terms.map(|t| t.total_ms);
+        let priceable = (0..cands.len()).any(|i| {
+            cands[i].healthy && total(i).is_some_and(f64::is_finite)
+        });
+        if priceable && d.reason != DecisionReason::PolicyFallback {
+            let chosen = total(d.target_index).unwrap();
+            prop_assert!(chosen.is_finite(), "{kind} chose a total of {chosen}: {d:?}");
+        }
+    }
+}
+
 /// An offer as a forwarding node makes it; any cost, even one `ForwardOffer::new` would
 /// refuse to build, to test the check itself.
 fn offer(cost_ms: f64, weights: Weights, policy: PolicyKind) -> ForwardOffer {
@@ -607,6 +898,31 @@ fn refusal(
     };
     let p = build(kind);
     refuse_forward(&req, cands, p.as_ref(), &offer(cost_ms, weights, kind))
+}
+
+/// A target with two engines, one it cannot price (a NaN total: `w_queue = 0` times a
+/// queue that prices to infinity), serves on the one it can: that engine's cost is what
+/// it compares with the offer. (`f64::total_cmp` took x86-64's negative NaN for the
+/// cheapest, and every forward was refused.)
+#[test]
+fn a_target_prices_itself_by_an_engine_it_can_price() {
+    let w = Weights {
+        w_rtt: 1.0,
+        w_queue: 0.0,
+    };
+    let mut broken = cand("b-target", true, 0.0);
+    broken.stats.t_p_ms = 1e306;
+    broken.stats.unfinished_prefill_tokens = 1000;
+    broken.cached_tokens = 2000;
+    let mut idle = cand("b-target", true, 0.0);
+    idle.stats.replica = 1;
+    let cands = [broken, idle, cand("a-origin", false, 80.0)];
+    let fewest = fewest_uncached_tokens(2000, &cands);
+    assert!(cost_terms(2000, &cands[0], w, fewest).total_ms.is_nan());
+    // The idle engine: 2,000 tokens of prefill, 188 ms, under the origin's 500.
+    assert_eq!(refusal(PolicyKind::Gorgo, &cands, 500.0, w), None);
+    // Nothing it can price: the offer's finite cost is the cheaper.
+    assert!(refusal(PolicyKind::Gorgo, &cands[..1], 500.0, w).is_some());
 }
 
 #[test]
@@ -711,13 +1027,13 @@ fn the_target_prices_its_cost_with_the_offers_weights_and_garbage_offers_are_dro
 fn a_refused_forward_no_longer_counts_as_pending() {
     let mut ledger = ForwardLedger::new();
     let peer = "b".into();
-    ledger.record_forward(&peer, 0, 1000, 10);
-    ledger.record_forward(&peer, 0, 500, 20);
-    ledger.cancel_forward(&peer, 0, 1000, 10);
+    ledger.record_forward(&peer, 0, 1000, 1000, 10);
+    ledger.record_forward(&peer, 0, 500, 500, 20);
+    ledger.cancel_forward(&peer, 0, 1000, 1000, 10);
     assert_eq!(ledger.pending(&peer, 0), (1, 500));
     // Unknown forwards and peers change nothing.
-    ledger.cancel_forward(&peer, 0, 1000, 10);
-    ledger.cancel_forward(&"c".into(), 0, 500, 20);
+    ledger.cancel_forward(&peer, 0, 1000, 1000, 10);
+    ledger.cancel_forward(&"c".into(), 0, 500, 500, 20);
     assert_eq!(ledger.pending(&peer, 0), (1, 500));
 }
 

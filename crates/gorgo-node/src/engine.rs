@@ -815,8 +815,9 @@ impl EngineTicket {
 }
 
 impl EngineTicket {
-    /// The response ran to its end: release it, and let its decode time count
-    /// ([`EngineView::finish`]).
+    /// The response ran to its end with a success status: release it, and let its
+    /// decode time count ([`EngineView::finish`]). An error response is dropped
+    /// instead (cancelled): its body is no decode.
     pub fn completed(self) {
         let now_ms = self.engine.now_ms();
         self.engine.view.lock().finish(self.id, now_ms);

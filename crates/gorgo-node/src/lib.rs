@@ -454,6 +454,19 @@ impl NodeState {
         self.apply_tuning(fx);
     }
 
+    /// Let the forward ledger forget the peers the cluster has forgotten (down past
+    /// its `remove_down_after`), so that it does not keep every peer id it ever heard
+    /// of, with their pending forwards and forward bias
+    /// (`gorgo_core::cost::ForwardLedger::retain_peers`). Runs every gossip interval.
+    pub fn forget_departed_peers(&self) {
+        let known: std::collections::HashSet<NodeId> =
+            self.peers.peers().into_iter().map(|p| p.id).collect();
+        self.router
+            .ledger
+            .lock()
+            .retain_peers(|p| known.contains(p));
+    }
+
     /// A tuning message from peer `from`.
     pub fn on_tuning_message(&self, from: &NodeId, msg: gorgo_core::tuning::TuningMessage) {
         let fx = self.tuning.handle(from, msg, self.now_ms());
@@ -816,6 +829,7 @@ pub async fn start(
                 _ = tick.tick() => {
                     st.engines_tick();
                     st.tuning_tick();
+                    st.forget_departed_peers();
                 }
             }
         }
@@ -935,6 +949,30 @@ mod tests {
             text.contains(r#"gorgo_peer_prefixes_age_seconds{peer="c"} 2.5"#),
             "{text}"
         );
+    }
+
+    /// A peer the cluster forgot leaves the forward ledger: its pending forwards and
+    /// forward bias used to stay for good, for every peer id ever heard of.
+    #[test]
+    fn a_forgotten_peer_leaves_the_forward_ledger() {
+        let peers = Arc::new(ScriptedPeers::default());
+        *peers.peers.lock() = vec![peer("b"), peer("c")];
+        let state = node(peers.clone());
+        let (b, c) = (NodeId::from("b"), NodeId::from("c"));
+        for p in [&b, &c] {
+            let mut ledger = state.router.ledger.lock();
+            ledger.record_forward(p, 0, 100, 100, 10);
+            ledger.observe_forward_ttft(p, 0, 100.0, 1100.0, 10);
+        }
+        state.forget_departed_peers();
+        assert_eq!(state.router.ledger.lock().pending(&b, 0), (1, 100));
+        *peers.peers.lock() = vec![peer("c")];
+        state.forget_departed_peers();
+        let ledger = state.router.ledger.lock();
+        assert_eq!(ledger.pending(&b, 0), (0, 0));
+        assert_eq!(ledger.forward_bias_ms(&b, 0, 10), 0.0);
+        assert_eq!(ledger.pending(&c, 0), (1, 100));
+        assert!(ledger.forward_bias_ms(&c, 0, 10) > 0.0);
     }
 
     /// The cluster's running totals are exported as counters (`_total`, the unit

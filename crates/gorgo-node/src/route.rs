@@ -145,6 +145,7 @@ impl Router {
                 peer,
                 chosen.map_or(0, |c| c.replica),
                 input.prompt_tokens.saturating_sub(cached),
+                input.prompt_tokens,
                 input.now_ms,
             );
         }
@@ -250,6 +251,7 @@ impl Router {
             peer,
             chosen.map_or(0, |c| c.replica),
             record.prompt_tokens.saturating_sub(cached),
+            record.prompt_tokens,
             record.at_ms,
         );
     }

@@ -8,7 +8,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use futures::StreamExt;
 use gorgo_core::candidates::{build_candidates, LocalState, PeerState};
-use gorgo_core::cost::Candidate;
+use gorgo_core::cost::{Candidate, CostTerms};
 use gorgo_core::decision::{ForwardOffer, ForwardOrigin};
 use gorgo_core::health::RequestOutcome;
 use gorgo_core::NodeId;
@@ -283,8 +283,11 @@ async fn route_and_serve(
         state.metrics.terms(&terms);
     }
     let chosen = record.candidates.iter().find(|c| c.chosen);
-    let chosen_terms = chosen.and_then(|c| c.terms).map(|t| (t, input.weights));
-    let mut predicted = chosen.and_then(|c| c.terms?.estimated_ttft_ms);
+    // The terms of where the request is served, as it meets them: the chosen
+    // candidate's, unless a forward comes back (then the local engine's after the time
+    // lost). The prediction the client is told and the start fit's evidence both come
+    // from them.
+    let mut met = chosen.and_then(|c| c.terms);
     let unbiased_predicted = chosen.and_then(|c| c.terms?.unbiased_estimated_ttft_ms());
     let chosen_replica = chosen.map_or(0, |c| c.replica);
     let decided = Instant::now();
@@ -294,7 +297,7 @@ async fn route_and_serve(
     let offer = if local_excluded {
         None
     } else {
-        best_local.and_then(|l| ForwardOffer::new(l.total_ms, input.weights, policy))
+        best_local.and_then(|l| ForwardOffer::new(l.terms.total_ms, input.weights, policy))
     };
     tracing::debug!(request_id = req.request_id, ?target, reason = %record.reason, "decided");
     let served = match target {
@@ -321,9 +324,9 @@ async fn route_and_serve(
                     .router
                     .forward_refused(&peer, &record, &refusal, elapsed_ms, state.now_ms());
                 let local = best_local.expect("checked in the guard");
-                // Served here after all: the prediction is this node's own for serving
-                // it, plus the round trip the refusal took (the simulator does the same).
-                predicted = local.estimated_ttft_ms.map(|p| p + elapsed_ms);
+                // Served here after all: the request meets this node's own engine, after
+                // the round trip the refusal took (the simulator does the same).
+                met = local.terms.served_locally_after(elapsed_ms, input.weights);
                 serve_local_or_exclude(state, req, local.replica, excluded).await
             }
             Err(e) => {
@@ -334,6 +337,10 @@ async fn route_and_serve(
                 excluded.peers.push(peer);
                 match best_local {
                     Some(local) => {
+                        // As for a refusal: the local engine, after the time the forward
+                        // took to fail.
+                        let elapsed_ms = decided.elapsed().as_secs_f64() * 1000.0;
+                        met = local.terms.served_locally_after(elapsed_ms, input.weights);
                         serve_local_or_exclude(state, req, local.replica, excluded).await
                     }
                     // Routed again without that peer (the caller's retry).
@@ -343,8 +350,8 @@ async fn route_and_serve(
         },
     };
     served.map(|mut up| {
-        up.chosen_terms = chosen_terms;
-        if let Some(p) = predicted {
+        up.chosen_terms = met.map(|t| (t, input.weights));
+        if let Some(p) = met.and_then(|t| t.estimated_ttft_ms) {
             up.headers
                 .retain(|(k, _)| !k.eq_ignore_ascii_case(PREDICTED_TTFT_HEADER));
             up.headers
@@ -357,8 +364,10 @@ async fn route_and_serve(
 /// An engine's response body as the node relays it, under the request's `ticket` in
 /// the engine's accounting: `on_chunk` sees each chunk first (with the ticket, to mark
 /// the prefill); a chunk that fails counts against the engine's breaker; the body's
-/// clean end completes the ticket and counts as an answer; dropping the stream (the
-/// client gone, the deadline) cancels the ticket. `keep` lives until the end (a span).
+/// clean end counts as an answer and, for a success status, completes the ticket (an
+/// error body is no decode: it is cancelled, as the view asks); dropping the stream
+/// (the client gone, the deadline) cancels the ticket. `keep` lives until the end (a
+/// span).
 pub(crate) fn relay_engine_body<F, K>(
     state: &Arc<NodeState>,
     engine: Arc<crate::local::LocalEngine>,
@@ -374,6 +383,10 @@ where
     // A 5xx head already counted as a failure (`send_streamed`); the end of its error
     // body is no answer (it would close the breaker it may just have opened).
     let server_error = resp.status().is_server_error();
+    // Only a success decoded anything: an error body's end must not teach the view a
+    // decode time (a response that is not streamed would teach its expected prefill
+    // end to its error's arrival, about nothing; `EngineView::finish`).
+    let success = resp.status().is_success();
     let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let failed_in_body = failed.clone();
     let ticket = Arc::new(parking_lot::Mutex::new(ticket));
@@ -399,7 +412,8 @@ where
             if !server_error {
                 engine.adapter.record(RequestOutcome::Answered);
             }
-            if let Some(t) = taken {
+            // Dropped otherwise: cancelled, released without a decode time.
+            if let Some(t) = taken.filter(|_| success) {
                 t.completed();
             }
         }
@@ -420,23 +434,21 @@ pub(crate) fn is_event_stream(headers: &[(String, String)]) -> bool {
 /// The local engine a decision priced cheapest among those that could serve
 /// (`gorgo_core::decision::best_local`, as the simulator picks it): where a forward
 /// that fails or is refused goes instead, what a forward offers the peer as the cost
-/// of serving here, and what the node predicts once it serves it itself.
+/// of serving here (its total), and what the request meets once this node serves it
+/// itself (`CostTerms::served_locally_after`: the prediction and the start fit's
+/// evidence).
 #[derive(Debug, Clone, Copy)]
 struct BestLocal {
     replica: u16,
-    /// Its `gorgo` total, ms.
-    total_ms: f64,
-    /// Its estimated TTFT, ms (`gorgo_core::cost::estimated_ttft_ms`).
-    estimated_ttft_ms: Option<f64>,
+    /// Its terms in the decision.
+    terms: CostTerms,
 }
 
 fn best_local(record: &crate::route::DecisionRecord) -> Option<BestLocal> {
     let c = &record.candidates[gorgo_core::decision::best_local(&record.candidates)?];
-    let terms = c.terms?;
     Some(BestLocal {
         replica: c.replica,
-        total_ms: terms.total_ms,
-        estimated_ttft_ms: terms.estimated_ttft_ms,
+        terms: c.terms?,
     })
 }
 

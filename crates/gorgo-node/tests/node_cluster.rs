@@ -288,11 +288,34 @@ async fn a_forward_the_peer_times_out_falls_back_locally() {
     )
     .await;
     let p = c.prefix_at_b(HANG).await;
-    let (status, served, _) = or_hang("the forwarded request", chat(&c.nodes[0], &p)).await;
+    let (status, headers) = or_hang("the forwarded request", chat_response(&c.nodes[0], &p)).await;
+    let served = header(&headers, "x-gorgo-served-by");
     assert_eq!((status, served.as_str()), (200, "a"));
     let d = admin_json(&c.nodes[0], "/admin/decisions?limit=1").await;
     assert_eq!(d[0]["winner"], "b");
     assert_eq!(d[0]["forward_outcome"], "forward-failed", "{d}");
+    // What the request met is a's own engine after the 300 ms b's engine took to time
+    // out (and a round trip): the prediction the client is told, which comes from the
+    // same terms as the start fit's evidence (`CostTerms::served_locally_after`), is
+    // a's estimate plus that time, not the forward's, which proved wrong.
+    let predicted: f64 = header(&headers, "x-gorgo-predicted-ttft-ms")
+        .parse()
+        .unwrap();
+    let estimate = |is_local: bool| {
+        d[0]["candidates"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["is_local"] == is_local && c["node"] == if is_local { "a" } else { "b" })
+            .unwrap()["terms"]["estimated_ttft_ms"]
+            .as_f64()
+            .unwrap()
+    };
+    let (local, forward) = (estimate(true), estimate(false));
+    assert!(
+        predicted >= local + 300.0 && predicted < local + 60_000.0,
+        "predicted {predicted}, a's own estimate {local}, the forward's {forward}"
+    );
     c.engines[1].release.notify_waiters();
 }
 

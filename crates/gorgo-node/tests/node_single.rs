@@ -473,6 +473,60 @@ async fn a_request_that_is_not_streamed_leaves_the_queue_at_its_expected_prefill
     node.shutdown.cancel();
 }
 
+/// A request that is not streamed teaches the node its engine's decode time, from
+/// when its prefill was expected to end to its end: at a serial engine that prices the
+/// slot wait (it stayed 0 for clients that do not stream). An error answer teaches
+/// nothing (its end came about at once, and would pull the decode time to 0).
+#[tokio::test]
+async fn a_request_that_is_not_streamed_teaches_the_decode_time_and_an_error_does_not() {
+    let engine = StubEngine::start("e").await;
+    engine.set_mode(HANG);
+    let node = start_node(
+        config_with_engine("a", &engine.url(), "max_running_requests = 1\n"),
+        None,
+    )
+    .await;
+    let adapter = node.state().engine(0).unwrap().adapter.clone();
+    let decode_ms = || adapter.queue_stats(0).slots.unwrap().decode_ms;
+    assert_eq!(decode_ms(), 0.0);
+    let url = format!("{}/v1/chat/completions", node.base);
+    let send = |p: String| {
+        let url = url.clone();
+        tokio::spawn(async move {
+            client()
+                .post(url)
+                .json(&chat_body(&p, false))
+                .send()
+                .await
+                .unwrap()
+        })
+    };
+    let request = send(prompt("a", 4000));
+    until("the request is at the engine", || engine.requests() == 1).await;
+    until("its prefill leaves the queue", || {
+        adapter.queue_stats(0).unfinished_prefill_tokens == 0
+    })
+    .await;
+    // Decoding, as far as the node can tell, for a while yet.
+    let at = node.state().now_ms();
+    until("time passes", || node.state().now_ms() >= at + 20).await;
+    engine.release.notify_waiters();
+    let resp = request.await.unwrap();
+    assert_eq!(resp.status(), 200);
+    resp.bytes().await.unwrap();
+    until("the request finishes", || adapter.inflight() == 0).await;
+    let learnt = decode_ms();
+    assert!(learnt >= 20.0, "{learnt}");
+    // An error answer, long before its prefill was expected to end.
+    engine.set_mode(REJECT);
+    let resp = send(prompt("b", 4000)).await.unwrap();
+    assert_eq!(resp.status(), 400);
+    resp.bytes().await.unwrap();
+    until("the error is released", || adapter.inflight() == 0).await;
+    assert_eq!(decode_ms(), learnt);
+    node.shutdown.cancel();
+}
+
 /// Once the breaker's cooldown has passed, the next request is its half-open probe:
 /// it reaches the engine, and its answer closes the breaker (it used to fail unsent,
 /// as if the breaker had just opened, and re-open it: with no peer, a 502 from a

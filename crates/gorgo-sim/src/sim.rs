@@ -507,9 +507,10 @@ struct Hop {
     /// (`gorgo_core::decision::best_local`): where a refused forward is served, as the
     /// node serves it.
     local_engine: Option<usize>,
-    /// `from`'s estimated TTFT for serving it itself, from the same decision, ms after
-    /// the decision: the client's node's prediction once a refusal brings it back.
-    local_predicted_ttft_ms: Option<f64>,
+    /// `from`'s terms for serving it itself (its best local engine's,
+    /// `Decision::best_local_terms`), from the same decision: what a refusal brings it
+    /// back to ([`Sim::refused`]: the prediction and the start fit's evidence then).
+    local_terms: Option<CostTerms>,
     /// The prompt tokens `from` believed that engine holds: the client's node's
     /// predicted cached tokens once a refusal brings it back.
     local_cached_tokens: Option<u64>,
@@ -1369,10 +1370,7 @@ impl<'a> Sim<'a> {
             .and_then(|d| d.candidates.iter().find(|c| c.chosen))
             .and_then(|c| c.terms);
         let predicted = chosen_terms.and_then(|t| t.estimated_ttft_ms);
-        let local_predicted = outcome
-            .as_ref()
-            .ok()
-            .and_then(|d| d.local_estimated_ttft_ms());
+        let local_terms = outcome.as_ref().ok().and_then(|d| d.best_local_terms());
         let local = outcome
             .as_ref()
             .ok()
@@ -1458,9 +1456,13 @@ impl<'a> Sim<'a> {
                     }
                     None => {
                         let peer = self.node_ids[t].clone();
-                        self.nodes[r]
-                            .ledger
-                            .record_forward(&peer, k as u16, uncached, now as u64);
+                        self.nodes[r].ledger.record_forward(
+                            &peer,
+                            k as u16,
+                            uncached,
+                            prompt_tokens,
+                            now as u64,
+                        );
                     }
                 }
                 let f = self.flight_mut(slot);
@@ -1473,7 +1475,7 @@ impl<'a> Sim<'a> {
                     unbiased_predicted_ttft_ms: chosen_terms
                         .and_then(|c| c.unbiased_estimated_ttft_ms()),
                     local_engine,
-                    local_predicted_ttft_ms: local_predicted,
+                    local_terms,
                     local_cached_tokens: local.map(|(_, c)| c),
                     offer,
                     decision: logged,
@@ -1601,15 +1603,25 @@ impl<'a> Sim<'a> {
         // Served by the node that forwarded it, with the hops that took it there.
         f.hops = f.path.len() as u8;
         if f.path.is_empty() {
-            // Served here after all: the prediction is this node's own for serving it,
-            // plus the round trip the refusal took (the node does the same).
-            if let Some(p) = hop.local_predicted_ttft_ms {
-                f.predicted_ttft_ms = Some((p + (now - hop.decided_ms)) as f32);
+            // Served here after all: what the request meets is this node's own engine,
+            // after the round trip the refusal took. That is the prediction (its own
+            // estimate plus the round trip) and the start fit's evidence (the local
+            // terms with the round trip as their RTT, not the peer's terms that proved
+            // wrong), as the node does (`CostTerms::served_locally_after`).
+            let met = f.chosen_terms.and_then(|(_, w)| {
+                let t = hop
+                    .local_terms?
+                    .served_locally_after(now - hop.decided_ms, w)?;
+                Some((t, w))
+            });
+            if let Some(p) = met.and_then(|(t, _)| t.estimated_ttft_ms) {
+                f.predicted_ttft_ms = Some(p as f32);
             }
+            f.chosen_terms = met;
             f.predicted_cached_tokens = hop.local_cached_tokens;
         }
         let (from, sent) = (hop.from as usize, hop.decided_ms);
-        let estimate = f.refusal_estimate_ms;
+        let (estimate, prompt) = (f.refusal_estimate_ms, f.prompt_tokens);
         // As the live node's `Router::forward_refused`: the record of the decision that
         // chose the peer says the forward did not go as decided.
         if let Some(i) = hop.decision {
@@ -1617,7 +1629,7 @@ impl<'a> Sim<'a> {
         }
         let peer = self.node_ids[hop.to as usize].clone();
         let ledger = &mut self.nodes[from].ledger;
-        ledger.cancel_forward(&peer, hop.replica, hop.uncached_tokens, sent as u64);
+        ledger.cancel_forward(&peer, hop.replica, hop.uncached_tokens, prompt, sent as u64);
         // As the live node (`Router::forward_refused`): the forward "took" the
         // refusal's round trip plus what the target estimated for serving it.
         if let (Some(pred), Some(est)) = (hop.unbiased_predicted_ttft_ms, estimate) {
@@ -1679,8 +1691,10 @@ impl<'a> Sim<'a> {
         match engine.engine.submit(req, now) {
             Ok(()) => engine.queued_prompt_tokens += prompt_tokens,
             Err(reason) => {
+                // A failure, as the node's ticket of an error answer: released, no
+                // decode time learnt.
                 if let Some(node) = self.nodes.get_mut(r) {
-                    node.engines[k].view.finish(slot as u64, nowu);
+                    node.engines[k].view.cancel(slot as u64);
                 }
                 let msg = format!("engine refused: {reason}");
                 self.fail(slot, now, &msg);
@@ -2320,6 +2334,77 @@ mod tests {
         assert_eq!(
             known_in_transit(&forwards, 0, 2, 160.0, &one_way),
             (1, 1003)
+        );
+    }
+
+    /// A forward its target refused is served by the home node's own engine: the
+    /// start fit's evidence is that engine's terms with the refusal's round trip as
+    /// their RTT, as the node's (`CostTerms::served_locally_after`); it was the peer's
+    /// RTT and queue estimate, set against the local engine's wait.
+    #[test]
+    fn a_refused_forward_is_sampled_with_the_local_engines_terms() {
+        let profile = Profile::by_name("paper-a100-mistral7b").unwrap();
+        let cfg = SimConfig::new(Network::uniform(2, 40.0, 3.0), profile);
+        let mut sim = Sim::new(&cfg, PolicyKind::Gorgo).unwrap();
+        let row = TraceRequest {
+            input_tokens: 1000,
+            output_tokens: 10,
+            tokens_per_block: 256,
+            blocks: gorgo_workload::BlockIds::None,
+            user: None,
+            session: None,
+            home_region: Some(sim.names[0].clone()),
+            request_id: None,
+            system_prompt_hash: None,
+            timestamp_ms: 0,
+        };
+        sim.admit(0, 0.0, row);
+        let w = Weights {
+            w_rtt: 0.5,
+            w_queue: 1.0,
+        };
+        let mut local = Candidate::idle("r0", true, 0.0);
+        local.stats.t_p_ms = 0.1;
+        local.stats.unfinished_prefill_tokens = 20_000;
+        let mut peer = Candidate::idle("r1", false, 80.0);
+        peer.stats.t_p_ms = 0.1;
+        peer.stats.unfinished_prefill_tokens = 500;
+        let local = gorgo_core::cost::cost_terms(1000, &local, w, 1000);
+        let peer = gorgo_core::cost::cost_terms(1000, &peer, w, 1000);
+        // Node 0 forwarded it to region 1 at 100 ms; the refusal is back at 400.
+        let f = sim.flight_mut(0);
+        assert_eq!(f.home, 0);
+        f.chosen_terms = Some((peer, w));
+        f.path.push(Hop {
+            from: 0,
+            to: 1,
+            replica: 0,
+            uncached_tokens: 1000,
+            decided_ms: 100.0,
+            unbiased_predicted_ttft_ms: peer.unbiased_estimated_ttft_ms(),
+            local_engine: Some(0),
+            local_terms: Some(local),
+            local_cached_tokens: Some(0),
+            offer: None,
+            decision: None,
+            first_byte_due_ms: None,
+        });
+        f.served = Some(1);
+        f.hops = 1;
+        sim.refused(0, 400.0);
+        let f = sim.flight(0);
+        let (terms, weights) = f.chosen_terms.expect("the local engine's terms");
+        assert_eq!(weights, w);
+        assert_eq!(terms.rtt_ms, 0.5 * 300.0);
+        assert_eq!(terms.raw_queue_ms, local.raw_queue_ms);
+        let predicted = local.estimated_ttft_ms.unwrap() + 300.0;
+        assert_eq!(terms.estimated_ttft_ms, Some(predicted));
+        assert_eq!(f.predicted_ttft_ms, Some(predicted as f32));
+        assert_eq!((f.served, f.hops), (Some(0), 0));
+        let sample = TermSample::new(&terms, w, 2_600.0).unwrap();
+        assert_eq!(
+            (sample.rtt_ms, sample.queue_ms),
+            (300.0, local.raw_queue_ms)
         );
     }
 
