@@ -165,7 +165,8 @@ pub enum GossipMessage {
 /// The head of a forwarded request, first on a forwarding QUIC stream.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ForwardRequest {
-    /// Identifies the request in both nodes' logs and decisions.
+    /// The request's id at its origin (the node its client called): every node it
+    /// passes through names it by this one in its logs and decisions.
     pub request_id: u64,
     /// Forwards so far, including this one; the max-hops guard reads it.
     pub hops: u8,

@@ -128,7 +128,10 @@ pub async fn forward(
         // The peer's spans join this trace as children of this forward.
         headers.extend(telemetry::trace_headers(&span));
         let msg = ForwardRequest {
-            request_id: req.request_id,
+            // The id at the origin, as the origin's name travels: a node in between
+            // passes on the one it received, so every node's record names the request
+            // by the same number.
+            request_id: req.origin_request_id.unwrap_or(req.request_id),
             hops: req.hops.saturating_add(1),
             origin: req.origin.clone(),
             via: req.via.iter().chain([&state.id]).cloned().collect(),

@@ -549,6 +549,36 @@ async fn a_forward_never_goes_back_to_a_node_it_has_left() {
     ex.served.await.unwrap();
 }
 
+/// At the second hop the serving node's decision names the request by its id at the
+/// origin (the node its client called), as at the first: the node in between passes
+/// the origin's id on. It sent its own id, so the record paired the origin's name with
+/// a number the origin never used.
+#[tokio::test]
+async fn a_second_hop_names_the_request_by_its_id_at_the_origin() {
+    use tokio::io::AsyncReadExt;
+    let c = cluster("[routing]\nmax_hops = 2\nrefuse_forwards = false\n").await;
+    c.saturate(1, 100).await;
+    let body = serde_json::to_vec(&chat_body(&prompt("two hops", 8000), false)).unwrap();
+    let mut request = forward_request("a", gorgo_core::Endpoint::Chat, body);
+    request.request_id = 1_000_000;
+    let mut ex = forward_exchange(
+        c.nodes[1].state(),
+        &forward_frame(&request).await,
+        |state, req| async move { gorgo_node::serve::serve(&state, req).await },
+    )
+    .await;
+    assert_eq!(ex.head.status, 200);
+    assert_eq!(ex.head.served_by.0, "c");
+    let d = admin_json(&c.nodes[2], "/admin/decisions?limit=1").await;
+    assert_eq!(d[0]["hops"], 2, "{d}");
+    assert_eq!(d[0]["origin"]["node"], "a", "{d}");
+    assert_eq!(d[0]["origin"]["request_id"], 1_000_000, "{d}");
+    let mut rest = Vec::new();
+    ex.from_node.read_to_end(&mut rest).await.unwrap();
+    drop(ex.to_node);
+    ex.served.await.unwrap();
+}
+
 /// A forward that fails falls back to the local engine only while that engine takes
 /// new requests: drained while the forward was out (as an operator drains it), it
 /// gets nothing, and the request is decided again without it (here nothing is left:
