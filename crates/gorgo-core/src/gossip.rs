@@ -12,14 +12,14 @@
 //!   snapshot choice, and resets on join and on a peer's snapshot request.
 //! - [`PeerGossip`], one per peer in the driver's peer table: that peer's summary as
 //!   heard, its last queue stats (kept only when newer), and the reorder buffer for
-//!   deltas that overtook the one they follow. A gap that does not fill in time (or a
-//!   delta before any snapshot) yields a [`GossipMessage::SnapshotRequest`] to send
-//!   back, rate-limited per peer; while a snapshot asked for is on its way, deltas are
-//!   held for it and no other is asked for, for a wait sized on the snapshot
-//!   ([`PeerGossip`], "Snapshots on their way"). Everything held is of one incarnation
-//!   of the peer (the run of its process, [`QueueStats::incarnation`] on every
-//!   message): a newer one replaces it at once, an older one (a dead run's messages
-//!   still travelling) is dropped.
+//!   deltas that overtook the one they follow. A gap that does not fill in time yields
+//!   a [`GossipMessage::SnapshotRequest`] to send back, rate-limited per peer; while a
+//!   snapshot is on its way (asked for, or the first of a run, which every sender
+//!   starts a peer with), deltas are held for it and no other is asked for, for a wait
+//!   sized on the snapshot ([`PeerGossip`], "Snapshots on their way"). Everything held
+//!   is of one incarnation of the peer (the run of its process,
+//!   [`QueueStats::incarnation`] on every message): a newer one replaces it at once, an
+//!   older one (a dead run's messages still travelling) is dropped.
 //!
 //! Messages are the wire types of [`crate::wire`]; times are `now_ms` on the driver's
 //! clock.
@@ -410,7 +410,10 @@ pub struct Received {
 /// changes.
 ///
 /// **Snapshots on their way.** A snapshot is waited for once this engine has asked
-/// for one. While it is on its way:
+/// for one, and when a delta of a run arrives before the run's first snapshot (every
+/// sender starts a peer's stream with a snapshot, which the delta overtook: before,
+/// that delta was dropped and a second full snapshot asked for, 25 extra of 56 in the
+/// 8-node load test). While it is on its way:
 /// - no other is asked for: each request makes the sender send one more full
 ///   snapshot, and restarts the chain of deltas it sends from that snapshot's version;
 /// - deltas past a gap are held for it however long the gap stays open, and however
@@ -450,6 +453,12 @@ pub struct PeerGossip {
     snapshot_took_ms: u64,
     /// Fingerprints of the last snapshot applied: the expected size of the next one.
     snapshot_len: usize,
+    /// The run held was first heard of on this engine (a new run, or the first heard)
+    /// and none of its snapshots has landed: its sender starts our stream with one
+    /// ([`GossipSender::poll`]), so a delta before it overtook it, and it is waited
+    /// for rather than asked for again. False after [`forget`](Self::forget): a rejoin
+    /// of the same run does not restart the stream, only a snapshot request does.
+    first_snapshot_due: bool,
     /// The stats version of the summary message whose model list is held: an older
     /// one that arrives later (its stream overtaken) must not bring back an old list.
     models_version: u64,
@@ -592,6 +601,7 @@ impl PeerGossip {
         self.clear_pending();
         self.snapshot_requested_at_ms = None;
         self.snapshot_wait = None;
+        self.first_snapshot_due = false;
     }
 
     /// Whether a snapshot is on its way at `now_ms` and still waited for.
@@ -674,6 +684,7 @@ impl PeerGossip {
                     self.forget();
                 }
                 self.incarnation = Some(incarnation);
+                self.first_snapshot_due = true;
                 true
             }
         }
@@ -822,6 +833,7 @@ impl PeerGossip {
                 snapshot, stats, ..
             } => {
                 self.snapshot_len = snapshot.fingerprints.len();
+                self.first_snapshot_due = false;
                 let summary = self.summary.get_or_insert_with(PeerSummary::new);
                 summary.apply_snapshot(snapshot);
                 // Deltas that overtook the snapshot follow on from it.
@@ -863,10 +875,18 @@ impl PeerGossip {
         now_ms: u64,
         config: &GossipConfig,
     ) -> Result<(SummaryEvent, bool), CoreError> {
-        let waiting = self.waiting(now_ms);
+        let mut waiting = self.waiting(now_ms);
+        if self.summary.is_none() && self.first_snapshot_due && !waiting {
+            // The run's first snapshot, which its sender started our stream with, is
+            // on its way: this delta overtook it. Asking for one would only make the
+            // sender send a second.
+            self.first_snapshot_due = false;
+            self.begin_wait(now_ms, now_ms, 0, config);
+            waiting = true;
+        }
         let Some(summary) = self.summary.as_mut() else {
             if waiting {
-                // The snapshot asked for will give it a version to follow on from.
+                // The snapshot on its way will give it a version to follow on from.
                 self.hold(delta, now_ms);
                 return Ok((SummaryEvent::Buffered, false));
             }
@@ -1212,6 +1232,37 @@ mod tests {
         assert_eq!(p.pending(), 0);
     }
 
+    /// A run's sender starts its stream to us with a snapshot, and the deltas after it
+    /// overtake it (review finding 2): they wait for it, and nothing is asked for.
+    /// Before, the first was dropped with a snapshot request, so the sender sent a
+    /// second full snapshot (25 extra of 56 in the 8-node load test), and the deltas
+    /// between the two were lost.
+    #[test]
+    fn deltas_before_the_first_snapshot_wait_for_it_and_ask_for_none() {
+        let cfg = GossipConfig::default();
+        let mut p = PeerGossip::new();
+        let r = recv(&mut p, delta(10, 11, &[2]), 0);
+        assert_eq!((r.summary, r.reply), (SummaryEvent::Buffered, None));
+        let r = recv(&mut p, delta(11, 12, &[3]), 250);
+        assert_eq!((r.summary, r.reply), (SummaryEvent::Buffered, None));
+        // Ticks past the gap timeout while it is on its way ask for nothing either.
+        assert!(p.tick(&"a".into(), 0, 2_000, &cfg).is_none());
+        let r = recv(&mut p, snapshot_of(10, &[1]), 2_100);
+        assert_eq!((r.summary, r.reply), (SummaryEvent::Snapshot, None));
+        let s = p.summary().unwrap();
+        assert_eq!((s.version(), s.len(), p.pending()), (12, 3, 0));
+        // It never lands (lost with its connection): once the wait runs out, the
+        // deltas go and a snapshot is asked for.
+        let mut p = PeerGossip::new();
+        recv(&mut p, delta(10, 11, &[2]), 0);
+        let wait = cfg.snapshot_wait_ms;
+        assert!(p.tick(&"a".into(), 0, wait - 1, &cfg).is_none());
+        assert_eq!(p.pending(), 1);
+        let req = p.tick(&"a".into(), 0, wait, &cfg);
+        assert!(matches!(req, Some(GossipMessage::SnapshotRequest { .. })));
+        assert_eq!(p.pending(), 0);
+    }
+
     #[test]
     fn a_late_empty_delta_does_not_replace_the_one_that_overtook_it() {
         // Held 1; the sender sent 1->2, 2->2 (nothing changed) and 2->3: 2->3 and then
@@ -1230,7 +1281,10 @@ mod tests {
     fn a_gap_that_persists_or_overflows_asks_for_a_snapshot() {
         let cfg = GossipConfig::default();
         let mut p = PeerGossip::new();
-        // A delta before any snapshot.
+        // A delta before any snapshot of a run heard before (a rejoin of the same
+        // run, which does not restart its stream with a snapshot): asked for at once.
+        recv(&mut p, delta(0, 0, &[]), 0);
+        p.forget();
         let r = recv(&mut p, delta(0, 1, &[]), 0);
         assert_eq!(r.summary, SummaryEvent::Gap);
         assert!(matches!(
@@ -1735,13 +1789,15 @@ mod tests {
             ..QueueStats::default()
         }));
         assert_eq!(p.stats().unwrap().order(), (2, 1));
-        // A newer run's delta before its snapshot: what was held goes, a snapshot is
-        // asked for.
+        // A newer run's delta before its snapshot: what was held goes, and the
+        // delta waits for the run's first snapshot, which overtook it.
         let r = recv(&mut p, of_run(3, 1, delta(1000, 1001, &[7])), 2_000);
-        assert_eq!(r.summary, SummaryEvent::Gap);
-        assert!(r.reply.is_some());
+        assert_eq!(r.summary, SummaryEvent::Buffered);
+        assert!(r.reply.is_none());
         assert!(p.summary().is_none());
         assert_eq!(p.stats().unwrap().order(), (3, 1));
+        recv(&mut p, of_run(3, 2, snapshot_of(1000, &[6])), 2_100);
+        assert_eq!(p.summary().unwrap().version(), 1001);
     }
 
     #[test]
