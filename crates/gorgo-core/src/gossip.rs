@@ -9,7 +9,9 @@
 //! Two halves:
 //! - [`GossipSender`], one per node: per peer, the summary version in flight and the
 //!   version the peer is known to hold (acknowledged by the transport), the delta or
-//!   snapshot choice, and resets on join and on a peer's snapshot request.
+//!   snapshot choice, and resets on join and on a peer's snapshot request. Each
+//!   message polled carries a [`SendId`] that its verdict must name, so that a verdict
+//!   on a message from before a reset is not taken for the message after it.
 //! - [`PeerGossip`], one per peer in the driver's peer table: that peer's summary as
 //!   heard, its last queue stats (kept only when newer), and the reorder buffer for
 //!   deltas that overtook the one they follow. A gap that does not fill in time yields
@@ -231,18 +233,46 @@ pub fn encoded_len(msg: &GossipMessage) -> usize {
     }
 }
 
+/// Names one message [`GossipSender::poll`] gave, for the transport's verdict on it
+/// ([`GossipSender::on_sent`]). Why: the driver sends each message on a task of its
+/// own and reports the verdict when the task ends, which may be after
+/// [`GossipSender::peer_joined`] or [`GossipSender::retain_peers`] reset the peer and
+/// a new message was polled for it. Unnamed, that verdict was taken for the new
+/// message: a snapshot still being written was marked delivered (so the next round
+/// sent a delta from it, two messages in flight, and the delta overtook it), and its
+/// own verdict then found nothing in flight and forced one more snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SendId(u64);
+
+/// A message to send a peer, from [`GossipSender::poll`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outgoing {
+    /// What the transport's verdict on it names ([`GossipSender::on_sent`]).
+    pub id: SendId,
+    /// The message.
+    pub message: GossipMessage,
+}
+
+/// The message to a peer that waits for the transport's verdict.
+#[derive(Debug, Clone, Copy)]
+struct InFlight {
+    id: SendId,
+    /// The version the peer holds once it lands.
+    version: u64,
+    /// Digest of the model list it carries.
+    models: u64,
+}
+
 /// Sender-side state for one peer.
 #[derive(Debug, Clone, Default)]
 struct SendState {
-    /// The version the peer holds once the message in flight lands.
-    in_flight: Option<u64>,
+    /// The message in flight, if any (at most one per peer).
+    in_flight: Option<InFlight>,
     /// The version the peer is known to hold (the transport took our last message);
     /// `None`: it needs a snapshot.
     acked: Option<u64>,
-    /// Digest of the model list in the message in flight, and of the one the peer
-    /// holds: a changed list is sent even when the summary is not (SWIM broadcasts
-    /// leave models out).
-    models_in_flight: Option<u64>,
+    /// Digest of the model list the peer holds: a changed list is sent even when the
+    /// summary is not (SWIM broadcasts leave models out).
     models_acked: Option<u64>,
     /// The peer asked for a snapshot and none was polled since: the verdict on a
     /// message in flight when it asked must not turn the next one back into a delta.
@@ -260,6 +290,8 @@ pub struct GossipSender {
     me: NodeId,
     config: GossipConfig,
     peers: HashMap<NodeId, SendState>,
+    /// The next [`SendId`]: ids are never reused, resets included.
+    next_id: u64,
 }
 
 impl GossipSender {
@@ -269,6 +301,7 @@ impl GossipSender {
             me,
             config,
             peers: HashMap::new(),
+            next_id: 0,
         }
     }
 
@@ -300,17 +333,23 @@ impl GossipSender {
         self.peers.get(peer).and_then(|s| s.acked)
     }
 
+    /// The message to `peer` that waits for the transport's verdict, if any.
+    pub fn in_flight(&self, peer: &NodeId) -> Option<SendId> {
+        self.peers.get(peer).and_then(|s| s.in_flight).map(|f| f.id)
+    }
+
     /// The message to send `peer` now, with our `summary` and `stats`: a delta since
     /// the version it holds, or a snapshot when it holds nothing or the change log no
     /// longer reaches back that far. `None` while a message to it is in flight, or
     /// when it is up to date (unless [`GossipConfig::send_unchanged`]). The driver
-    /// reports the transport's verdict with [`on_sent`](Self::on_sent).
+    /// reports the transport's verdict on it, by its id, with
+    /// [`on_sent`](Self::on_sent).
     pub fn poll(
         &mut self,
         peer: &NodeId,
         summary: &LocalSummary,
         stats: &QueueStats,
-    ) -> Option<GossipMessage> {
+    ) -> Option<Outgoing> {
         if *peer == self.me {
             return None;
         }
@@ -342,22 +381,32 @@ impl GossipSender {
                 }
             }
         };
-        st.in_flight = Some(version);
-        st.models_in_flight = Some(models);
-        Some(msg)
+        let id = SendId(self.next_id);
+        self.next_id += 1;
+        st.in_flight = Some(InFlight {
+            id,
+            version,
+            models,
+        });
+        Some(Outgoing { id, message: msg })
     }
 
-    /// The transport's verdict on the message [`poll`](Self::poll) last gave for
+    /// The transport's verdict on message `id`, which [`poll`](Self::poll) gave for
     /// `peer`: `delivered` when it took it (the peer holds that version unless the
     /// message is lost after all, which the peer repairs with a snapshot request);
-    /// otherwise the next message is a snapshot.
-    pub fn on_sent(&mut self, peer: &NodeId, delivered: bool) {
-        if let Some(st) = self.peers.get_mut(peer) {
-            let v = st.in_flight.take();
-            let models = st.models_in_flight.take();
-            st.acked = if delivered { v } else { None };
-            st.models_acked = if delivered { models } else { None };
-        }
+    /// otherwise the next message is a snapshot. A verdict on any other message than
+    /// the one in flight (one polled before the peer was reset, [`SendId`]) is
+    /// ignored.
+    pub fn on_sent(&mut self, peer: &NodeId, id: SendId, delivered: bool) {
+        let Some(st) = self.peers.get_mut(peer) else {
+            return;
+        };
+        let Some(sent) = st.in_flight.filter(|f| f.id == id) else {
+            return;
+        };
+        st.in_flight = None;
+        st.acked = delivered.then_some(sent.version);
+        st.models_acked = delivered.then_some(sent.models);
     }
 
     /// `peer` asked for a snapshot: its next message is one, whatever the verdict on
@@ -1097,6 +1146,22 @@ mod tests {
         }
     }
 
+    /// What `s` sends `peer` now ([`GossipSender::poll`]), the message only.
+    fn poll(
+        s: &mut GossipSender,
+        peer: &NodeId,
+        local: &LocalSummary,
+        stats: &QueueStats,
+    ) -> Option<GossipMessage> {
+        s.poll(peer, local, stats).map(|o| o.message)
+    }
+
+    /// The transport's verdict on the message to `peer` in flight.
+    fn sent(s: &mut GossipSender, peer: &NodeId, delivered: bool) {
+        let id = s.in_flight(peer).expect("a message in flight");
+        s.on_sent(peer, id, delivered);
+    }
+
     fn recv(p: &mut PeerGossip, msg: GossipMessage, now: u64) -> Received {
         p.receive(
             0,
@@ -1121,15 +1186,15 @@ mod tests {
         let b = NodeId::from("b");
         let st = QueueStats::default();
         assert!(matches!(
-            s.poll(&b, &local, &st),
+            poll(&mut s, &b, &local, &st),
             Some(GossipMessage::SummarySnapshot { .. })
         ));
-        assert!(s.poll(&b, &local, &st).is_none(), "one in flight");
-        s.on_sent(&b, true);
+        assert!(poll(&mut s, &b, &local, &st).is_none(), "one in flight");
+        sent(&mut s, &b, true);
         assert_eq!(s.acked(&b), Some(11));
-        assert!(s.poll(&b, &local, &st).is_none(), "up to date");
+        assert!(poll(&mut s, &b, &local, &st).is_none(), "up to date");
         local.record_add(2);
-        match s.poll(&b, &local, &st) {
+        match poll(&mut s, &b, &local, &st) {
             Some(GossipMessage::SummaryDelta { delta, .. }) => {
                 assert_eq!((delta.from_version, delta.to_version), (11, 12));
                 assert_eq!(delta.added, vec![2]);
@@ -1137,45 +1202,95 @@ mod tests {
             other => panic!("expected a delta, got {other:?}"),
         }
         // A failed send: snapshot next.
-        s.on_sent(&b, false);
+        sent(&mut s, &b, false);
         assert!(matches!(
-            s.poll(&b, &local, &st),
+            poll(&mut s, &b, &local, &st),
             Some(GossipMessage::SummarySnapshot { .. })
         ));
-        s.on_sent(&b, true);
+        sent(&mut s, &b, true);
         s.on_snapshot_request(&b);
         assert!(matches!(
-            s.poll(&b, &local, &st),
+            poll(&mut s, &b, &local, &st),
             Some(GossipMessage::SummarySnapshot { .. })
         ));
-        s.on_sent(&b, true);
+        sent(&mut s, &b, true);
         // A request that comes while a delta is in flight outlives that delta's verdict.
         local.record_add(3);
         assert!(matches!(
-            s.poll(&b, &local, &st),
+            poll(&mut s, &b, &local, &st),
             Some(GossipMessage::SummaryDelta { .. })
         ));
         s.on_snapshot_request(&b);
-        s.on_sent(&b, true);
+        sent(&mut s, &b, true);
         assert!(matches!(
-            s.poll(&b, &local, &st),
+            poll(&mut s, &b, &local, &st),
             Some(GossipMessage::SummarySnapshot { .. })
         ));
-        s.on_sent(&b, true);
+        sent(&mut s, &b, true);
         local.record_add(4);
         assert!(matches!(
-            s.poll(&b, &local, &st),
+            poll(&mut s, &b, &local, &st),
             Some(GossipMessage::SummaryDelta { .. })
         ));
         // By default an up-to-date peer still gets a message: it carries the stats.
         let mut s = GossipSender::new("a".into(), GossipConfig::default());
-        s.poll(&b, &local, &st);
-        s.on_sent(&b, true);
+        poll(&mut s, &b, &local, &st);
+        sent(&mut s, &b, true);
         assert!(matches!(
-            s.poll(&b, &local, &st),
+            poll(&mut s, &b, &local, &st),
             Some(GossipMessage::SummaryDelta { delta, .. }) if delta.is_empty()
         ));
-        assert!(s.poll(&"a".into(), &local, &st).is_none(), "not to itself");
+        assert!(
+            poll(&mut s, &"a".into(), &local, &st).is_none(),
+            "not to itself"
+        );
+    }
+
+    /// A verdict on a message polled before the peer was reset (it rejoined, or was
+    /// briefly not alive) lands after the snapshot polled since (review finding 5):
+    /// it is not taken for that snapshot's. Before, it was: the snapshot, still being
+    /// written, counted as delivered, so the next round sent a delta from it (two in
+    /// flight, the delta overtaking the snapshot at a peer that just reset), and the
+    /// snapshot's own verdict then found nothing in flight and forced one more.
+    #[test]
+    fn a_verdict_from_before_a_reset_is_not_taken_for_the_message_after_it() {
+        let b = NodeId::from("b");
+        let st = QueueStats::default();
+        for reset in [
+            (|s: &mut GossipSender, b: &NodeId| s.peer_joined(b)) as fn(&mut GossipSender, &NodeId),
+            |s, _| s.retain_peers(|_| false),
+        ] {
+            let mut s = GossipSender::new("a".into(), GossipConfig::default());
+            let mut local = LocalSummary::new().starting_at(10);
+            assert!(poll(&mut s, &b, &local, &st).is_some());
+            sent(&mut s, &b, true);
+            // A delta goes out; its task has not finished.
+            local.record_add(1);
+            let old = s.poll(&b, &local, &st).expect("a delta");
+            assert!(matches!(old.message, GossipMessage::SummaryDelta { .. }));
+            reset(&mut s, &b);
+            local.record_add(2);
+            let snapshot = s.poll(&b, &local, &st).expect("a snapshot");
+            assert!(matches!(
+                snapshot.message,
+                GossipMessage::SummarySnapshot { .. }
+            ));
+            // The old task ends now: nothing changes, the snapshot is still in flight.
+            s.on_sent(&b, old.id, true);
+            local.record_add(3);
+            assert!(poll(&mut s, &b, &local, &st).is_none(), "one in flight");
+            assert_eq!(s.in_flight(&b), Some(snapshot.id));
+            // A failed old send does not reset the new snapshot either.
+            s.on_sent(&b, old.id, false);
+            assert_eq!(s.in_flight(&b), Some(snapshot.id));
+            // The snapshot's own verdict: the peer holds its version, a delta follows.
+            s.on_sent(&b, snapshot.id, true);
+            assert_eq!(s.acked(&b), Some(12));
+            assert!(matches!(
+                poll(&mut s, &b, &local, &st),
+                Some(GossipMessage::SummaryDelta { delta, .. }) if delta.from_version == 12
+            ));
+        }
     }
 
     #[test]
@@ -1188,12 +1303,12 @@ mod tests {
         let local = LocalSummary::new().starting_at(10);
         let b = NodeId::from("b");
         let mut st = QueueStats::default();
-        s.poll(&b, &local, &st);
-        s.on_sent(&b, true);
-        assert!(s.poll(&b, &local, &st).is_none(), "up to date");
+        poll(&mut s, &b, &local, &st);
+        sent(&mut s, &b, true);
+        assert!(poll(&mut s, &b, &local, &st).is_none(), "up to date");
         // The engine's list was read: an empty delta carries it.
         st.models = vec!["llama".into()];
-        match s.poll(&b, &local, &st) {
+        match poll(&mut s, &b, &local, &st) {
             Some(GossipMessage::SummaryDelta { delta, stats, .. }) => {
                 assert!(delta.is_empty());
                 assert_eq!(stats.models, ["llama"]);
@@ -1201,10 +1316,13 @@ mod tests {
             other => panic!("expected a delta, got {other:?}"),
         }
         // Lost on the way: sent again.
-        s.on_sent(&b, false);
-        assert!(s.poll(&b, &local, &st).is_some());
-        s.on_sent(&b, true);
-        assert!(s.poll(&b, &local, &st).is_none(), "the peer holds the list");
+        sent(&mut s, &b, false);
+        assert!(poll(&mut s, &b, &local, &st).is_some());
+        sent(&mut s, &b, true);
+        assert!(
+            poll(&mut s, &b, &local, &st).is_none(),
+            "the peer holds the list"
+        );
     }
 
     #[test]
@@ -1724,15 +1842,15 @@ mod tests {
         let st = QueueStats::default();
         for p in ["b", "c"] {
             let peer = NodeId::from(p);
-            assert!(s.poll(&peer, &local, &st).is_some());
-            s.on_sent(&peer, true);
+            assert!(poll(&mut s, &peer, &local, &st).is_some());
+            sent(&mut s, &peer, true);
         }
         s.retain_peers(|p| p.0 == "b");
         assert_eq!(s.peers.len(), 1);
         assert_eq!(s.acked(&"b".into()), Some(10));
         // Back: it holds nothing of ours as far as we know, so a snapshot.
         assert!(matches!(
-            s.poll(&"c".into(), &local, &st),
+            poll(&mut s, &"c".into(), &local, &st),
             Some(GossipMessage::SummarySnapshot { .. })
         ));
     }
@@ -1923,8 +2041,8 @@ mod tests {
                                 }
                             }
                         }
-                        let Some(m) = sender.poll(&b, &local, &stats) else { continue };
-                        sender.on_sent(&b, true);
+                        let Some(m) = poll(&mut sender, &b, &local, &stats) else { continue };
+                        sent(&mut sender, &b, true);
                         match f {
                             Fate::Deliver => {
                                 deliver(m, now, &mut view, &mut sender);
@@ -1956,8 +2074,8 @@ mod tests {
                 if view.tick(&b, 0, now, &cfg).is_some() {
                     sender.on_snapshot_request(&b);
                 }
-                if let Some(m) = sender.poll(&b, &local, &stats) {
-                    sender.on_sent(&b, true);
+                if let Some(m) = poll(&mut sender, &b, &local, &stats) {
+                    sent(&mut sender, &b, true);
                     let r = view.receive(0, &b, &a, m, now, &cfg).unwrap();
                     if r.reply.is_some() {
                         sender.on_snapshot_request(&b);

@@ -114,8 +114,9 @@ fn run_with(link: &Link, secs: u64, cfg: GossipConfig) -> Outcome {
             local.record_remove(next_fp - 9_000);
             next_fp += 1;
             stats.version += 1;
-            if let Some(m) = sender.poll(&b, &local, &stats) {
-                sender.on_sent(&b, true);
+            if let Some(sent) = sender.poll(&b, &local, &stats) {
+                sender.on_sent(&b, sent.id, true);
+                let m = sent.message;
                 if matches!(m, GossipMessage::SummarySnapshot { .. }) {
                     let n = out.snapshots;
                     if std::env::var("TRACE").is_ok() {

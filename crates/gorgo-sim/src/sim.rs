@@ -2101,7 +2101,7 @@ impl<'a> Sim<'a> {
                     continue;
                 }
                 let engine = &mut self.nodes[r].engines[k];
-                let Some(msg) =
+                let Some(out) =
                     engine
                         .gossip
                         .poll(&self.node_ids[p], engine.shadow.summary(), &stats)
@@ -2110,8 +2110,8 @@ impl<'a> Sim<'a> {
                 };
                 // The transport took it (one uni-stream per message, as live); a loss
                 // below is repaired by the receiver's snapshot request.
-                engine.gossip.on_sent(&self.node_ids[p], true);
-                self.send_gossip(r, p, msg, now);
+                engine.gossip.on_sent(&self.node_ids[p], out.id, true);
+                self.send_gossip(r, p, out.message, now);
             }
         }
         let outputs = match self.nodes[r].tuner.as_mut() {
