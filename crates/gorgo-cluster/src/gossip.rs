@@ -413,28 +413,25 @@ pub(crate) fn handle_frame(
         ClusterMetrics::bump(&metrics.malformed_received);
         return;
     }
-    let incarnation = match &msg {
-        GossipMessage::SummaryDelta { stats, .. }
-        | GossipMessage::SummarySnapshot { stats, .. } => stats.incarnation,
-        GossipMessage::SnapshotRequest { .. } => {
-            // It names one of this node's engines, not one of the peer's, so it makes
-            // no state in the peer's row: before, a request for engine 63 added 64
-            // empty engines to it. Taken from a peer in the table only, as all gossip.
-            if transport.peers.peers.contains_key(from) {
-                if let Some(e) = gossip.engines.lock().get_mut(&replica) {
-                    e.sender.on_snapshot_request(from);
-                }
+    if let GossipMessage::SnapshotRequest { .. } = &msg {
+        // It names one of this node's engines, not one of the peer's, so it makes no
+        // state in the peer's row: before, a request for engine 63 added 64 empty
+        // engines to it. Taken from a peer in the table only, as all gossip.
+        if transport.peers.peers.contains_key(from) {
+            if let Some(e) = gossip.engines.lock().get_mut(&replica) {
+                e.sender.on_snapshot_request(from);
             }
-            return;
         }
-    };
+        return;
+    }
     let (now, now_ms) = (Instant::now(), gossip.now_ms());
     let (received, over_cap) = {
         let Some(mut guard) = transport.peers.peers.get_mut(from) else {
             return;
         };
-        // Within the cap on what the peer's summaries hold, all its engines together.
-        let received = guard.receive(incarnation, &gossip.me, from, msg, now_ms, &gossip.config);
+        // Within the cap on what the peer's summaries hold, all its engines together,
+        // and of the run heard of the peer.
+        let received = guard.receive(&gossip.me, from, msg, now_ms, &gossip.config);
         let e = &mut guard.engines[usize::from(replica)];
         let received = match received {
             Ok(r) => {
@@ -449,7 +446,6 @@ pub(crate) fn handle_frame(
                 if r.stats_updated {
                     e.stats_at = Some(now);
                 }
-                e.forget_summary_stamps_if_gone();
                 r
             }
             Err(err) => {

@@ -6,22 +6,24 @@
 //! simulated router knows of its peers is what a live one would know. Both drive this
 //! code; neither has gossip logic of its own.
 //!
-//! Two halves:
+//! Three parts:
 //! - [`GossipSender`], one per node: per peer, the summary version in flight and the
 //!   version the peer is known to hold (acknowledged by the transport), the delta or
 //!   snapshot choice, and resets on join and on a peer's snapshot request. Each
 //!   message polled carries a [`SendId`] that its verdict must name, so that a verdict
 //!   on a message from before a reset is not taken for the message after it.
-//! - [`PeerGossip`], one per peer in the driver's peer table: that peer's summary as
-//!   heard, its last queue stats (kept only when newer), and the reorder buffer for
-//!   deltas that overtook the one they follow. A gap that does not fill in time yields
-//!   a [`GossipMessage::SnapshotRequest`] to send back, rate-limited per peer; while a
-//!   snapshot is on its way (asked for, or the first of a run, which every sender
-//!   starts a peer with), deltas are held for it and no other is asked for, for a wait
-//!   sized on the snapshot ([`PeerGossip`], "Snapshots on their way"). Everything held
-//!   is of one incarnation of the peer (the run of its process,
-//!   [`QueueStats::incarnation`] on every message): a newer one replaces it at once, an
-//!   older one (a dead run's messages still travelling) is dropped.
+//! - [`PeerGossip`], one per peer engine in the driver's peer table: that engine's
+//!   summary as heard, its last queue stats (kept only when newer), and the reorder
+//!   buffer for deltas that overtook the one they follow. A gap that does not fill in
+//!   time yields a [`GossipMessage::SnapshotRequest`] to send back, rate-limited per
+//!   peer engine; while a snapshot is on its way (asked for, or the first of a run,
+//!   which every sender starts a peer with), deltas are held for it and no other is
+//!   asked for, for a wait sized on the snapshot ([`PeerGossip`], "Snapshots on their
+//!   way").
+//! - [`PeerRun`], one per peer: which run of the peer's process (its incarnation,
+//!   [`QueueStats::incarnation`] on every message) all of its engines' state is of. A
+//!   newer run replaces everything held at once, an older one (a dead run's messages
+//!   still travelling) is dropped, for every engine alike.
 //!
 //! Messages are the wire types of [`crate::wire`]; times are `now_ms` on the driver's
 //! clock.
@@ -158,17 +160,21 @@ fn sum_of_others<T>(
 /// Hand `msg`, which the transport says came from peer `from`, to the [`PeerGossip`]
 /// of the peer's engine it is about ([`replica`]), on behalf of node `me`, within
 /// [`GossipConfig::max_peer_fingerprints`] for all of the peer's engines together
-/// ([`PeerGossip::receive`]). `engines` are the peer's engines as the driver holds
-/// them, the one named among them; `gossip` reaches each one's [`PeerGossip`]. A
-/// snapshot request names one of this node's engines, not one of the peer's, and
-/// changes nothing held of the peer: the peer's first engine takes it. The one place
-/// the cap is summed, for the cluster and the simulator alike.
+/// ([`PeerGossip::receive`]), and only when it is of the run `run` hears
+/// ([`PeerRun`]; a newer run first resets every engine held of another). `engines`
+/// are the peer's engines as the driver holds them, the one named among them;
+/// `gossip` reaches each one's [`PeerGossip`]. A snapshot request names one of this
+/// node's engines, not one of the peer's, and changes nothing held of the peer: the
+/// peer's first engine takes it. The one place the cap is summed and the run decided,
+/// for the cluster and the simulator alike.
 ///
 /// Errors: as [`PeerGossip::receive`], or [`CoreError::Malformed`] when `engines` does
 /// not reach the engine named; nothing is changed then.
+#[allow(clippy::too_many_arguments)]
 pub fn receive_from_peer<T>(
     engines: &mut [T],
     gossip: fn(&mut T) -> &mut PeerGossip,
+    run: &mut PeerRun,
     me: &NodeId,
     from: &NodeId,
     msg: GossipMessage,
@@ -179,13 +185,132 @@ pub fn receive_from_peer<T>(
         GossipMessage::SnapshotRequest { .. } => 0,
         _ => usize::from(replica(&msg)),
     };
-    let others = sum_of_others(engines, gossip, r, PeerGossip::fingerprints);
-    let Some(engine) = engines.get_mut(r) else {
+    if r >= engines.len() {
         return Err(CoreError::Malformed(format!(
             "gossip about engine {r} of {from}, which is not held"
         )));
-    };
-    gossip(engine).receive(others, me, from, msg, now_ms, config)
+    }
+    let incarnation = message_run(&msg);
+    // What the peer's other engines hold once the message is taken: those of another
+    // run than its own are reset then.
+    let others: usize = engines
+        .iter_mut()
+        .enumerate()
+        .filter(|(i, _)| *i != r)
+        .map(|(_, e)| gossip(e))
+        .filter(|g| incarnation.is_none() || g.incarnation == incarnation)
+        .map(|g| g.fingerprints())
+        .sum();
+    gossip(&mut engines[r]).check(others, from, &msg, config)?;
+    if let Some(i) = incarnation {
+        match run.admit(i) {
+            // A dead run's summary message, still travelling.
+            RunVerdict::Refused => return Ok(Received::nothing()),
+            RunVerdict::New => reset_other_runs(engines, gossip, i),
+            RunVerdict::Held => {}
+        }
+    }
+    gossip(&mut engines[r]).take(others, me, msg, now_ms, config)
+}
+
+/// Offer `stats` of engine `stats.replica` of a peer (a SWIM broadcast's copy: stats
+/// outside summary gossip) to that engine's [`PeerGossip::offer_stats`], when they are
+/// of the run `run` hears ([`PeerRun`]; a newer run first resets every engine held of
+/// another). `engines` must reach the engine named. True when kept. Why not
+/// [`PeerGossip::offer_stats`] alone: which run is heard is decided for all of the
+/// peer's engines together.
+pub fn offer_peer_stats<T>(
+    engines: &mut [T],
+    gossip: fn(&mut T) -> &mut PeerGossip,
+    run: &mut PeerRun,
+    stats: &QueueStats,
+) -> bool {
+    let r = usize::from(stats.replica);
+    if stats.replica >= MAX_REPLICAS || r >= engines.len() {
+        return false;
+    }
+    match run.admit(stats.incarnation) {
+        RunVerdict::Refused => return false,
+        RunVerdict::New => reset_other_runs(engines, gossip, stats.incarnation),
+        RunVerdict::Held => {}
+    }
+    gossip(&mut engines[r]).offer_stats(stats)
+}
+
+/// The run a summary message is of (its stats' incarnation); `None` for a snapshot
+/// request, which is of no run of the sender's.
+fn message_run(msg: &GossipMessage) -> Option<u64> {
+    match msg {
+        GossipMessage::SummaryDelta { stats, .. }
+        | GossipMessage::SummarySnapshot { stats, .. } => Some(stats.incarnation),
+        GossipMessage::SnapshotRequest { .. } => None,
+    }
+}
+
+/// Reset every engine that holds state of another run than `incarnation`
+/// ([`PeerGossip::reset_run`]).
+fn reset_other_runs<T>(engines: &mut [T], gossip: fn(&mut T) -> &mut PeerGossip, incarnation: u64) {
+    for e in engines.iter_mut() {
+        let g = gossip(e);
+        if g.incarnation.is_some_and(|held| held != incarnation) {
+            g.reset_run();
+        }
+    }
+}
+
+/// What [`PeerRun`] makes of a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RunVerdict {
+    /// Not the run heard: its messages are dropped.
+    Refused,
+    /// The run heard.
+    Held,
+    /// It becomes the run heard: what the engines hold of any other goes.
+    New,
+}
+
+/// Which run of a peer's process (its incarnation, [`QueueStats::incarnation`]) this
+/// node hears, for all of the peer's engines together. One per peer, beside its
+/// engines' [`PeerGossip`]s; drivers hand it to [`receive_from_peer`] and
+/// [`offer_peer_stats`].
+///
+/// The rule: the newest run heard is the one heard, and messages of an older run (a
+/// dead run's, still travelling) are dropped, on every engine alike; a newer run's
+/// first message resets every engine held of the old one (it may front fewer
+/// engines).
+///
+/// Why per peer, not per engine: the newest run was kept per engine, so a restarted
+/// peer's message about engine 0 reset engine 1 but left engine 1 taking any run not
+/// older than its own dead one: a late message of the dead run about engine 1 (or an
+/// engine never held) brought it back, a routing candidate with the dead run's stats
+/// that the new run never replaces.
+#[derive(Debug, Clone, Default)]
+pub struct PeerRun {
+    /// The run heard; `None` before any message.
+    held: Option<u64>,
+}
+
+impl PeerRun {
+    /// Nothing heard yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The run heard, if any.
+    pub fn incarnation(&self) -> Option<u64> {
+        self.held
+    }
+
+    fn admit(&mut self, incarnation: u64) -> RunVerdict {
+        match self.held {
+            Some(held) if incarnation == held => RunVerdict::Held,
+            Some(held) if incarnation < held => RunVerdict::Refused,
+            _ => {
+                self.held = Some(incarnation);
+                RunVerdict::New
+            }
+        }
+    }
 }
 
 /// The node whose summary a gossip message is about (or who asks for a snapshot).
@@ -453,6 +578,18 @@ pub struct Received {
     pub reply: Option<GossipMessage>,
 }
 
+impl Received {
+    /// Nothing done (a dead run's message).
+    fn nothing() -> Self {
+        Received {
+            summary: SummaryEvent::None,
+            stats_updated: false,
+            snapshot_requested: false,
+            reply: None,
+        }
+    }
+}
+
 /// The receiver half for one peer: its summary and stats as heard, and the reorder
 /// buffer, all of one incarnation of the peer. The driver keeps one per peer in its
 /// peer table and calls [`PeerGossip::forget`] when the peer's membership identity
@@ -640,6 +777,15 @@ impl PeerGossip {
         self.incarnation
     }
 
+    /// The peer's run heard ([`PeerRun`]) became another than the one this engine
+    /// holds state of: let it go, and the run with it, so that the first message this
+    /// engine gets of the new run adopts it ([`admit`](Self::admit)), and a delta
+    /// before its first snapshot waits for that snapshot.
+    fn reset_run(&mut self) {
+        self.forget();
+        self.incarnation = None;
+    }
+
     /// The peer's membership identity changed (a restart or a rejoin): what is held
     /// may be a dead run's, so let it go. The newest incarnation heard from stays: a
     /// dead run's messages still travelling must not fill the table again.
@@ -819,42 +965,57 @@ impl PeerGossip {
         now_ms: u64,
         config: &GossipConfig,
     ) -> Result<Received, CoreError> {
-        if origin(&msg) != from {
+        self.check(others_fingerprints, from, &msg, config)?;
+        self.take(others_fingerprints, me, msg, now_ms, config)
+    }
+
+    /// Refuse `msg` (from `from`, the peer's other engines holding `others`
+    /// fingerprints) before anything changes, a newer run's reset included: see
+    /// [`receive`](Self::receive) for what is refused.
+    fn check(
+        &self,
+        others: usize,
+        from: &NodeId,
+        msg: &GossipMessage,
+        config: &GossipConfig,
+    ) -> Result<(), CoreError> {
+        if origin(msg) != from {
             return Err(CoreError::Malformed(format!(
                 "gossip from {from} claims to come from {}",
-                origin(&msg)
+                origin(msg)
             )));
         }
-        let replica = replica(&msg);
+        let replica = replica(msg);
         if replica >= MAX_REPLICAS {
             return Err(CoreError::Malformed(format!(
                 "gossip names replica {replica}, the limit is {MAX_REPLICAS}"
             )));
         }
-        let mut out = Received {
-            summary: SummaryEvent::None,
-            stats_updated: false,
-            snapshot_requested: false,
-            reply: None,
-        };
-        // Refused before anything changes, a newer incarnation's forgetting included.
-        let incarnation = match &msg {
-            GossipMessage::SummaryDelta { delta, stats, .. } => {
-                delta.check()?;
-                Some(stats.incarnation)
-            }
-            GossipMessage::SummarySnapshot {
-                snapshot, stats, ..
-            } => {
-                let held = others_fingerprints.saturating_add(snapshot.fingerprints.len());
+        match msg {
+            GossipMessage::SummaryDelta { delta, .. } => delta.check(),
+            GossipMessage::SummarySnapshot { snapshot, .. } => {
+                let held = others.saturating_add(snapshot.fingerprints.len());
                 if held > config.max_peer_fingerprints {
-                    return Err(over_cap("snapshot", held, others_fingerprints, config));
+                    return Err(over_cap("snapshot", held, others, config));
                 }
-                Some(stats.incarnation)
+                Ok(())
             }
-            GossipMessage::SnapshotRequest { .. } => None,
-        };
-        if incarnation.is_some_and(|i| !self.admit(i)) {
+            GossipMessage::SnapshotRequest { .. } => Ok(()),
+        }
+    }
+
+    /// Handle `msg`, which passed [`check`](Self::check), on behalf of node `me`.
+    fn take(
+        &mut self,
+        others_fingerprints: usize,
+        me: &NodeId,
+        msg: GossipMessage,
+        now_ms: u64,
+        config: &GossipConfig,
+    ) -> Result<Received, CoreError> {
+        let replica = replica(&msg);
+        let mut out = Received::nothing();
+        if message_run(&msg).is_some_and(|i| !self.admit(i)) {
             // A dead run's summary message, still travelling: its versions do not
             // belong to the run held (a restarted peer counts from the start again).
             return Ok(out);
@@ -1590,8 +1751,9 @@ mod tests {
             ..Default::default()
         };
         let mut engines = vec![PeerGossip::new(); 3];
-        let take = |engines: &mut [PeerGossip], r: u16, msg: GossipMessage| {
-            receive_from_peer(engines, |g| g, &me, &b, on(r, msg), 0, &cfg)
+        let mut run = PeerRun::new();
+        let mut take = |engines: &mut [PeerGossip], r: u16, msg: GossipMessage| {
+            receive_from_peer(engines, |g| g, &mut run, &me, &b, on(r, msg), 0, &cfg)
         };
         let held = |e: &PeerGossip| {
             let s = e.summary().unwrap();
@@ -1600,7 +1762,7 @@ mod tests {
         take(&mut engines, 0, snapshot_of(1, &[1, 2, 3, 4])).unwrap();
         take(&mut engines, 1, snapshot_of(1, &[1, 2, 3, 4])).unwrap();
         // A snapshot that would hold 11 together: refused, nothing held of it.
-        let refused = take(&mut engines, 2, of_run(1, 3, snapshot_of(1, &[1, 2, 3])));
+        let refused = take(&mut engines, 2, of_run(0, 3, snapshot_of(1, &[1, 2, 3])));
         assert_eq!(
             refused.unwrap_err(),
             CoreError::Malformed(
@@ -1610,7 +1772,21 @@ mod tests {
             )
         );
         assert!(engines[2].summary().is_none() && engines[2].stats().is_none());
+        // Of a newer run, it is counted without the old run's engines (taken, they
+        // would be reset), and refused when over the cap alone: nothing changes, not
+        // even the run heard.
+        let eleven: Vec<u32> = (1..=11).collect();
+        let refused = take(&mut engines, 2, of_run(1, 3, snapshot_of(1, &eleven)));
+        assert!(
+            matches!(&refused, Err(CoreError::Malformed(m))
+                if m.contains("would hold 11") && m.contains("(0 on its other")),
+            "{refused:?}"
+        );
         assert_eq!(engines[2].incarnation(), None, "not even its run is taken");
+        assert_eq!(
+            (engines[0].incarnation(), engines[0].fingerprints()),
+            (Some(0), 4)
+        );
         take(&mut engines, 2, snapshot_of(1, &[1, 2])).unwrap();
         assert_eq!(
             engines.iter().map(PeerGossip::fingerprints).sum::<usize>(),
@@ -1933,6 +2109,65 @@ mod tests {
         assert!(!p.offer_stats(&run(4, 99)), "an older run stays out");
         assert!(p.offer_stats(&run(5, 1)), "the same run starts over");
         assert!(p.offer_stats(&run(6, 1)));
+    }
+
+    /// Stats of engine `replica` of run `incarnation`, version `version`.
+    fn stats_of(incarnation: u64, version: u64, replica: u16) -> QueueStats {
+        QueueStats {
+            incarnation,
+            version,
+            replica,
+            ..QueueStats::default()
+        }
+    }
+
+    /// A restarted peer (run 200) fronts one engine where its dead run (100) fronted
+    /// two (review finding 4): the dead run's messages still travelling, about engine
+    /// 1 or about an engine never held, stay out. Before, the newest run was kept per
+    /// engine: engine 1, reset by run 200's message about engine 0, took run 100's
+    /// late stats again, and an engine never held took them too, routing candidates
+    /// with a dead run's stats that the live run never replaces.
+    #[test]
+    fn a_dead_runs_late_messages_about_any_engine_stay_out() {
+        let (me, b) = (NodeId::from("a"), NodeId::from("b"));
+        let cfg = GossipConfig::default();
+        let mut engines = vec![PeerGossip::new(); 4];
+        let mut run = PeerRun::new();
+        let recv = |engines: &mut [PeerGossip], run: &mut PeerRun, msg| {
+            receive_from_peer(engines, |g| g, run, &me, &b, msg, 0, &cfg).unwrap()
+        };
+        let offer = |engines: &mut [PeerGossip], run: &mut PeerRun, s: QueueStats| {
+            offer_peer_stats(engines, |g| g, run, &s)
+        };
+        assert!(offer(&mut engines, &mut run, stats_of(100, 50, 0)));
+        assert!(offer(&mut engines, &mut run, stats_of(100, 50, 1)));
+        let r = recv(
+            &mut engines,
+            &mut run,
+            of_run(100, 51, on(1, snapshot_of(7, &[1]))),
+        );
+        assert_eq!(r.summary, SummaryEvent::Snapshot);
+        // Run 200's first message, about engine 0: every engine of run 100 goes.
+        assert!(offer(&mut engines, &mut run, stats_of(200, 1, 0)));
+        assert_eq!(run.incarnation(), Some(200));
+        assert!(engines[1].stats().is_none() && engines[1].summary().is_none());
+        // Run 100's late messages, about engine 1 and about engine 3 (never held).
+        assert!(!offer(&mut engines, &mut run, stats_of(100, 52, 1)));
+        assert!(!offer(&mut engines, &mut run, stats_of(100, 52, 3)));
+        let r = recv(
+            &mut engines,
+            &mut run,
+            of_run(100, 53, on(1, snapshot_of(8, &[2]))),
+        );
+        assert_eq!(r, Received::nothing());
+        let held: Vec<_> = engines
+            .iter()
+            .map(|e| e.stats().map(|s| s.order()))
+            .collect();
+        assert_eq!(held, [Some((200, 1)), None, None, None]);
+        assert!(engines.iter().skip(1).all(|e| e.summary().is_none()));
+        // Run 200 speaking for engine 1 is heard.
+        assert!(offer(&mut engines, &mut run, stats_of(200, 2, 1)));
     }
 
     #[test]
