@@ -427,17 +427,21 @@ impl PeerTable {
         if claim != Claim::Accepted {
             return claim;
         }
-        let mut e = self
-            .peers
-            .entry(member.node.clone())
-            .or_insert_with(|| PeerEntry::new(member.clone(), now));
-        if e.member.generation != member.generation {
+        let mut fresh = false;
+        let mut e = self.peers.entry(member.node.clone()).or_insert_with(|| {
+            fresh = true;
+            PeerEntry::new(member.clone(), now)
+        });
+        if fresh || e.member.generation != member.generation {
             // A new identity (a restart, or a rejoin after being declared down): what
-            // we held may be a dead run's. The run heard stays (`PeerRun`), so that a
-            // dead run's messages still travelling cannot come back.
+            // we held may be a dead run's. The run heard stays, so that a dead run's
+            // messages still travelling cannot come back; the first stats broadcast
+            // of this identity vouches for its run, whatever its incarnation
+            // (`vouch_run`).
             for h in &mut e.engines {
                 h.forget();
             }
+            e.run.membership_changed();
         }
         e.member = member.clone();
         if e.state != PeerState::Alive {
@@ -533,6 +537,26 @@ impl PeerTable {
             Some(_) => false,
             None => false,
         }
+    }
+
+    /// A stats broadcast of run `incarnation` came on a SWIM packet of `sender`: when
+    /// that is the identity the table holds alive for the node, and the first such
+    /// since membership accepted it, the run is vouched for
+    /// ([`core_gossip::vouch_peer_run`]): heard from now on, though its incarnation is
+    /// older than a dead run's (a restart on a clock that reads earlier). True when
+    /// the run heard changed.
+    pub(crate) fn vouch_run(&self, sender: &MemberId, incarnation: u64) -> bool {
+        let Some(mut e) = self.peers.get_mut(&sender.node) else {
+            return false;
+        };
+        if e.state != PeerState::Alive || e.member != *sender {
+            return false;
+        }
+        let e = &mut *e;
+        let changed =
+            core_gossip::vouch_peer_run(&mut e.engines, |h| &mut h.gossip, &mut e.run, incarnation);
+        e.forget_stamps_if_gone();
+        changed
     }
 
     pub(crate) fn add_bytes(&self, node: &NodeId, sent: u64, received: u64) {
@@ -973,6 +997,47 @@ mod tests {
         assert_eq!(held[..2], [Some((200, 1)), None]);
         assert!(held[2..].iter().all(Option::is_none), "{held:?}");
         assert_eq!(v.incarnation, Some(200));
+    }
+
+    /// Review finding 3: a node restarted elsewhere on a clock 5 s behind its previous
+    /// start (its incarnation and default generation are lower than its dead run's).
+    /// Membership accepts the new identity; its first stats broadcast vouches for its
+    /// run, which is heard from then on, and the dead run's late stats stay out.
+    /// Before, every stats copy and summary message of the live run was dropped as an
+    /// older run's, for as long as it ran: never a routing candidate.
+    #[test]
+    fn a_restart_whose_clock_is_behind_is_heard_once_membership_vouches_for_it() {
+        let t = PeerTable::default();
+        let now = Instant::now();
+        let a = NodeId::from("a");
+        let run = |incarnation, version| QueueStats {
+            incarnation,
+            version,
+            ..Default::default()
+        };
+        let first = member("a", 1_000_000);
+        t.member_up(&me(), &first, now);
+        assert!(t.vouch_run(&first, 1_000_000), "the first run heard");
+        assert!(t.offer_stats(&a, &run(1_000_000, 5), now));
+        let later = now + std::time::Duration::from_secs(5);
+        assert!(t.member_down(&first, later));
+        let restarted = member_at("a", 995_000, "10.0.0.2:1");
+        assert_eq!(t.member_up(&me(), &restarted, later), Claim::Accepted);
+        // Not vouched for yet: an older run for all the table knows.
+        assert!(!t.offer_stats(&a, &run(995_000, 1), later));
+        // A broadcast of the dead identity vouches for nothing.
+        assert!(!t.vouch_run(&first, 1_000_000));
+        // The new identity's first broadcast does (the stats handler vouches, then
+        // offers the same stats).
+        assert!(t.vouch_run(&restarted, 995_000));
+        assert!(t.offer_stats(&a, &run(995_000, 2), later));
+        let v = &t.views(later)[0];
+        assert!(v.alive);
+        assert_eq!(v.incarnation, Some(995_000));
+        assert_eq!(v.stats.as_ref().map(|s| s.order()), Some((995_000, 2)));
+        // The dead run's late stats stay out though newer.
+        assert!(!t.offer_stats(&a, &run(1_000_000, 6), later));
+        assert!(t.offer_stats(&a, &run(995_000, 3), later));
     }
 
     #[test]

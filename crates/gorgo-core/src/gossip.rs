@@ -23,7 +23,8 @@
 //! - [`PeerRun`], one per peer: which run of the peer's process (its incarnation,
 //!   [`QueueStats::incarnation`] on every message) all of its engines' state is of. A
 //!   newer run replaces everything held at once, an older one (a dead run's messages
-//!   still travelling) is dropped, for every engine alike.
+//!   still travelling) is dropped, for every engine alike; membership can vouch for a
+//!   run with an older incarnation (a restart on a clock that reads earlier).
 //!
 //! Messages are the wire types of [`crate::wire`]; times are `now_ms` on the driver's
 //! clock.
@@ -206,7 +207,7 @@ pub fn receive_from_peer<T>(
         match run.admit(i) {
             // A dead run's summary message, still travelling.
             RunVerdict::Refused => return Ok(Received::nothing()),
-            RunVerdict::New => reset_other_runs(engines, gossip, i),
+            RunVerdict::New => reset_other_runs(engines, gossip, i, true),
             RunVerdict::Held => {}
         }
     }
@@ -231,10 +232,34 @@ pub fn offer_peer_stats<T>(
     }
     match run.admit(stats.incarnation) {
         RunVerdict::Refused => return false,
-        RunVerdict::New => reset_other_runs(engines, gossip, stats.incarnation),
+        RunVerdict::New => reset_other_runs(engines, gossip, stats.incarnation, true),
         RunVerdict::Held => {}
     }
     gossip(&mut engines[r]).offer_stats(stats)
+}
+
+/// Membership vouches that run `incarnation` is the peer's live process (a stats
+/// broadcast carried by a SWIM packet of the peer's current identity, the first since
+/// membership accepted it: [`PeerRun::membership_changed`]). It becomes the run heard
+/// whatever its incarnation, and the engines held of another run are reset. True when
+/// that changed the run heard. See [`PeerRun`] for why.
+pub fn vouch_peer_run<T>(
+    engines: &mut [T],
+    gossip: fn(&mut T) -> &mut PeerGossip,
+    run: &mut PeerRun,
+    incarnation: u64,
+) -> bool {
+    let before = run.incarnation();
+    match run.vouch(incarnation) {
+        RunVerdict::Held | RunVerdict::Refused => false,
+        RunVerdict::New => {
+            // An older run's messages were dropped until now, its first snapshot
+            // perhaps among them: its engines ask for one at their first delta.
+            let refused_until_now = before.is_some_and(|held| held > incarnation);
+            reset_other_runs(engines, gossip, incarnation, !refused_until_now);
+            true
+        }
+    }
 }
 
 /// The run a summary message is of (its stats' incarnation); `None` for a snapshot
@@ -248,15 +273,23 @@ fn message_run(msg: &GossipMessage) -> Option<u64> {
 }
 
 /// Reset every engine that holds state of another run than `incarnation`
-/// ([`PeerGossip::reset_run`]).
-fn reset_other_runs<T>(engines: &mut [T], gossip: fn(&mut T) -> &mut PeerGossip, incarnation: u64) {
+/// ([`PeerGossip::reset_run`]); `first_heard`: none of the run's messages was dropped.
+fn reset_other_runs<T>(
+    engines: &mut [T],
+    gossip: fn(&mut T) -> &mut PeerGossip,
+    incarnation: u64,
+    first_heard: bool,
+) {
     for e in engines.iter_mut() {
         let g = gossip(e);
         if g.incarnation.is_some_and(|held| held != incarnation) {
-            g.reset_run();
+            g.reset_run(incarnation, first_heard);
         }
     }
 }
+
+/// How many runs newer than the one heard a [`PeerRun`] remembers as dead.
+const DEAD_RUNS: usize = 4;
 
 /// What [`PeerRun`] makes of a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -271,23 +304,37 @@ enum RunVerdict {
 
 /// Which run of a peer's process (its incarnation, [`QueueStats::incarnation`]) this
 /// node hears, for all of the peer's engines together. One per peer, beside its
-/// engines' [`PeerGossip`]s; drivers hand it to [`receive_from_peer`] and
-/// [`offer_peer_stats`].
+/// engines' [`PeerGossip`]s; drivers hand it to [`receive_from_peer`],
+/// [`offer_peer_stats`] and [`vouch_peer_run`].
 ///
 /// The rule: the newest run heard is the one heard, and messages of an older run (a
 /// dead run's, still travelling) are dropped, on every engine alike; a newer run's
 /// first message resets every engine held of the old one (it may front fewer
-/// engines).
+/// engines). Membership may also vouch for a run: the first stats broadcast carried
+/// by a SWIM packet of the identity membership last accepted for the peer (a new
+/// generation: a restart, or a rejoin of the same run). The run it names becomes the
+/// one heard though its incarnation is older, and the run it replaces is remembered
+/// as dead, so that its messages still travelling stay out though newer.
 ///
 /// Why per peer, not per engine: the newest run was kept per engine, so a restarted
 /// peer's message about engine 0 reset engine 1 but left engine 1 taking any run not
 /// older than its own dead one: a late message of the dead run about engine 1 (or an
 /// engine never held) brought it back, a routing candidate with the dead run's stats
-/// that the new run never replaces.
+/// that the new run never replaces. Why the vouch: an incarnation is the wall clock
+/// at the process's start, and a restart on a clock that reads earlier than the
+/// previous start (a host whose clock was stepped back, a restart elsewhere on a
+/// clock behind by more than the old run's uptime) was dropped as an older run by
+/// every peer, for as long as it ran, though membership had accepted it.
 #[derive(Debug, Clone, Default)]
 pub struct PeerRun {
     /// The run heard; `None` before any message.
     held: Option<u64>,
+    /// Runs newer than `held` known dead (at most [`DEAD_RUNS`]): a run replaced by
+    /// an older one membership vouched for.
+    dead: Vec<u64>,
+    /// Membership accepted a new identity for the peer and no stats broadcast of it
+    /// has vouched for a run yet.
+    vouch_open: bool,
 }
 
 impl PeerRun {
@@ -301,14 +348,43 @@ impl PeerRun {
         self.held
     }
 
+    /// Membership accepted a new identity (generation) for the peer: the next run it
+    /// vouches for ([`vouch_peer_run`]) becomes the run heard.
+    pub fn membership_changed(&mut self) {
+        self.vouch_open = true;
+    }
+
     fn admit(&mut self, incarnation: u64) -> RunVerdict {
+        if self.dead.contains(&incarnation) {
+            return RunVerdict::Refused;
+        }
         match self.held {
             Some(held) if incarnation == held => RunVerdict::Held,
             Some(held) if incarnation < held => RunVerdict::Refused,
             _ => {
                 self.held = Some(incarnation);
+                self.dead.retain(|&d| d > incarnation);
                 RunVerdict::New
             }
+        }
+    }
+
+    fn vouch(&mut self, incarnation: u64) -> RunVerdict {
+        if !std::mem::take(&mut self.vouch_open) {
+            return RunVerdict::Refused;
+        }
+        self.dead.retain(|&d| d != incarnation);
+        match self.held {
+            Some(held) if held == incarnation => RunVerdict::Held,
+            Some(held) if held > incarnation => {
+                if self.dead.len() == DEAD_RUNS {
+                    self.dead.remove(0);
+                }
+                self.dead.push(held);
+                self.held = Some(incarnation);
+                RunVerdict::New
+            }
+            _ => self.admit(incarnation),
         }
     }
 }
@@ -777,13 +853,15 @@ impl PeerGossip {
         self.incarnation
     }
 
-    /// The peer's run heard ([`PeerRun`]) became another than the one this engine
-    /// holds state of: let it go, and the run with it, so that the first message this
-    /// engine gets of the new run adopts it ([`admit`](Self::admit)), and a delta
-    /// before its first snapshot waits for that snapshot.
-    fn reset_run(&mut self) {
+    /// The peer's run heard ([`PeerRun`]) became `run`, and this engine holds state
+    /// of another: let it go. `first_heard`: none of `run`'s messages was dropped, so
+    /// the first this engine gets adopts it ([`admit`](Self::admit)) and a delta
+    /// before its first snapshot waits for that snapshot; otherwise the engine is of
+    /// `run` at once and asks for a snapshot at its first delta (that snapshot may
+    /// have been dropped).
+    fn reset_run(&mut self, run: u64, first_heard: bool) {
         self.forget();
-        self.incarnation = None;
+        self.incarnation = (!first_heard).then_some(run);
     }
 
     /// The peer's membership identity changed (a restart or a rejoin): what is held
@@ -2168,6 +2246,76 @@ mod tests {
         assert!(engines.iter().skip(1).all(|e| e.summary().is_none()));
         // Run 200 speaking for engine 1 is heard.
         assert!(offer(&mut engines, &mut run, stats_of(200, 2, 1)));
+    }
+
+    /// A peer restarted on a clock that reads earlier than its previous start (review
+    /// finding 3): its incarnation is older than the dead run's. Membership accepted
+    /// the new identity, and the first stats broadcast of it vouches for the run: it
+    /// is heard from then on, and the dead run's messages stay out though newer.
+    /// Before, every message of the live run was dropped as an older run's, for as
+    /// long as it ran.
+    #[test]
+    fn a_run_membership_vouches_for_is_heard_though_its_clock_is_behind() {
+        let (me, b) = (NodeId::from("a"), NodeId::from("b"));
+        let cfg = GossipConfig::default();
+        let mut engines = vec![PeerGossip::new(); 2];
+        let mut run = PeerRun::new();
+        let recv = |engines: &mut [PeerGossip], run: &mut PeerRun, msg| {
+            receive_from_peer(engines, |g| g, run, &me, &b, msg, 0, &cfg).unwrap()
+        };
+        let offer = |engines: &mut [PeerGossip], run: &mut PeerRun, s: QueueStats| {
+            offer_peer_stats(engines, |g| g, run, &s)
+        };
+        let (old, new) = (1_000_000, 995_000);
+        run.membership_changed();
+        assert!(
+            vouch_peer_run(&mut engines, |g| g, &mut run, old),
+            "the first"
+        );
+        assert!(offer(&mut engines, &mut run, stats_of(old, 5, 0)));
+        recv(
+            &mut engines,
+            &mut run,
+            of_run(old, 6, snapshot_of(40, &[1, 2])),
+        );
+        // Restarted: before membership vouches, the new run is an older one.
+        run.membership_changed();
+        let r = recv(&mut engines, &mut run, of_run(new, 1, snapshot_of(3, &[9])));
+        assert_eq!(r, Received::nothing());
+        assert!(!offer(&mut engines, &mut run, stats_of(new, 2, 0)));
+        // Vouched for: heard, and what was held of the dead run goes.
+        assert!(vouch_peer_run(&mut engines, |g| g, &mut run, new));
+        assert_eq!(run.incarnation(), Some(new));
+        assert!(engines[0].stats().is_none() && engines[0].summary().is_none());
+        assert!(offer(&mut engines, &mut run, stats_of(new, 3, 0)));
+        // Its first snapshot was dropped before: its first delta asks for one.
+        let r = recv(&mut engines, &mut run, of_run(new, 4, delta(3, 4, &[8])));
+        assert_eq!(r.summary, SummaryEvent::Gap);
+        assert!(r.reply.is_some());
+        recv(
+            &mut engines,
+            &mut run,
+            of_run(new, 5, snapshot_of(4, &[8, 9])),
+        );
+        assert_eq!(engines[0].summary().unwrap().version(), 4);
+        // The dead run's late messages stay out, though newer, on every engine.
+        assert!(!offer(&mut engines, &mut run, stats_of(old, 7, 0)));
+        assert!(!offer(&mut engines, &mut run, stats_of(old, 7, 1)));
+        let r = recv(&mut engines, &mut run, of_run(old, 8, delta(40, 41, &[3])));
+        assert_eq!(r, Received::nothing());
+        assert_eq!(engines[0].stats().unwrap().order(), (new, 5));
+        // One vouch per accepted identity: a late broadcast of the dead run, after
+        // the vouch, changes nothing.
+        assert!(!vouch_peer_run(&mut engines, |g| g, &mut run, old));
+        assert_eq!(run.incarnation(), Some(new));
+        // A rejoin of the same run (a new generation, same process) changes nothing.
+        run.membership_changed();
+        assert!(!vouch_peer_run(&mut engines, |g| g, &mut run, new));
+        assert_eq!(engines[0].summary().unwrap().version(), 4);
+        // A later restart, on a clock ahead again, replaces it at once as ever.
+        assert!(offer(&mut engines, &mut run, stats_of(2_000_000, 1, 0)));
+        assert_eq!(run.incarnation(), Some(2_000_000));
+        assert!(!offer(&mut engines, &mut run, stats_of(old, 9, 0)));
     }
 
     #[test]
