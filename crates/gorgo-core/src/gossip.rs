@@ -681,7 +681,7 @@ impl Received {
 /// - deltas past a gap are held for it however long the gap stays open, and however
 ///   many they are ([`GossipConfig::max_pending_deltas`] does not apply; the byte cap,
 ///   [`GossipConfig::max_peer_pending_bytes`], does): when it lands, those that follow
-///   its version apply ([`drain`]).
+///   its version apply.
 ///
 /// Why: the transport reports a snapshot sent once it is buffered, and the deltas
 /// that follow it (one per round, each small, on a stream of its own) overtake it by
