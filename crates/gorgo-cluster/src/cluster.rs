@@ -911,6 +911,10 @@ impl BroadcastHandler<MemberId> for StatsHandler {
             return Ok(None);
         }
         let now = Instant::now();
+        // The first broadcast of the identity membership accepted vouches for its
+        // run, whatever its incarnation (docs/cluster.md, "Incarnations"): foca
+        // handed it from an active member, and `sender` is that member's identity.
+        inner.peers.vouch_run(sender, b.stats.incarnation);
         inner.peers.offer_stats(&b.origin, &b.stats, now);
         Ok(None)
     }

@@ -16,7 +16,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gorgo_core::gossip::{self as core_gossip, GossipConfig, GossipSender, SummaryEvent};
+use gorgo_core::gossip::{self as core_gossip, GossipConfig, GossipSender, SendId, SummaryEvent};
 use gorgo_core::summary::LocalSummary;
 use gorgo_core::wire::{self, GossipMessage, MAX_GOSSIP_MESSAGE};
 use gorgo_core::ShadowIndex;
@@ -202,10 +202,21 @@ impl GossipDriver {
         // Stamped from the start: a summary sent before the first stats are
         // published must already say which run and which engine it is of.
         let version = engines.get(&replica).map_or(0, |e| e.stats.version);
+        // The replica's sender forgets every peer (each gets a snapshot next) but
+        // stays: a new one would count its sends' ids from 0 again, and a verdict of
+        // a send still in flight for the old summary could name a new send's id.
+        let sender = match engines.remove(&replica) {
+            Some(old) => {
+                let mut sender = old.sender;
+                sender.retain_peers(|_| false);
+                sender
+            }
+            None => GossipSender::new(self.me.clone(), self.config.clone()),
+        };
         engines.insert(
             replica,
             EngineGossip {
-                sender: GossipSender::new(self.me.clone(), self.config.clone()),
+                sender,
                 summary,
                 stats: QueueStats {
                     incarnation: self.incarnation,
@@ -254,9 +265,9 @@ impl GossipDriver {
         }
     }
 
-    fn on_sent(&self, replica: u16, peer: &NodeId, delivered: bool) {
+    fn on_sent(&self, replica: u16, peer: &NodeId, id: SendId, delivered: bool) {
         if let Some(e) = self.engines.lock().get_mut(&replica) {
-            e.sender.on_sent(peer, delivered);
+            e.sender.on_sent(peer, id, delivered);
         }
     }
 
@@ -318,11 +329,11 @@ fn round(gossip: &Arc<GossipDriver>, transport: &Arc<Transport>) {
         for (&replica, e) in engines.iter_mut() {
             e.sender.retain_peers(|p| peers.contains(p));
             for peer in &peers {
-                let mut msg = None;
+                let mut polled = None;
                 let (sender, stats) = (&mut e.sender, &e.stats);
                 e.summary
-                    .with_summary(&mut |s| msg = sender.poll(peer, s, stats));
-                let Some(msg) = msg else {
+                    .with_summary(&mut |s| polled = sender.poll(peer, s, stats));
+                let Some(core_gossip::Outgoing { id, message: msg }) = polled else {
                     continue;
                 };
                 let (oldest_ms, is_snapshot) = match &msg {
@@ -338,14 +349,14 @@ fn round(gossip: &Arc<GossipDriver>, transport: &Arc<Transport>) {
                         replica,
                         "summary over the gossip cap; not sent"
                     );
-                    e.sender.on_sent(peer, false);
+                    e.sender.on_sent(peer, id, false);
                     continue;
                 }
-                out.push((replica, peer.clone(), frame, is_snapshot));
+                out.push((replica, peer.clone(), id, frame, is_snapshot));
             }
         }
     }
-    for (replica, peer, frame, is_snapshot) in out {
+    for (replica, peer, id, frame, is_snapshot) in out {
         let (gossip, transport) = (gossip.clone(), transport.clone());
         tokio::spawn(async move {
             let result = transport::send_uni(&transport, &peer, TrafficKind::Summary, &frame).await;
@@ -356,7 +367,9 @@ fn round(gossip: &Arc<GossipDriver>, transport: &Arc<Transport>) {
                     &transport.metrics.deltas_sent
                 });
             }
-            gossip.on_sent(replica, &peer, result.is_ok());
+            // By the send's id: the peer may have been reset and sent another message
+            // since this one was polled.
+            gossip.on_sent(replica, &peer, id, result.is_ok());
         });
     }
 }
@@ -400,28 +413,25 @@ pub(crate) fn handle_frame(
         ClusterMetrics::bump(&metrics.malformed_received);
         return;
     }
-    let incarnation = match &msg {
-        GossipMessage::SummaryDelta { stats, .. }
-        | GossipMessage::SummarySnapshot { stats, .. } => stats.incarnation,
-        GossipMessage::SnapshotRequest { .. } => {
-            // It names one of this node's engines, not one of the peer's, so it makes
-            // no state in the peer's row: before, a request for engine 63 added 64
-            // empty engines to it. Taken from a peer in the table only, as all gossip.
-            if transport.peers.peers.contains_key(from) {
-                if let Some(e) = gossip.engines.lock().get_mut(&replica) {
-                    e.sender.on_snapshot_request(from);
-                }
+    if let GossipMessage::SnapshotRequest { .. } = &msg {
+        // It names one of this node's engines, not one of the peer's, so it makes no
+        // state in the peer's row: before, a request for engine 63 added 64 empty
+        // engines to it. Taken from a peer in the table only, as all gossip.
+        if transport.peers.peers.contains_key(from) {
+            if let Some(e) = gossip.engines.lock().get_mut(&replica) {
+                e.sender.on_snapshot_request(from);
             }
-            return;
         }
-    };
+        return;
+    }
     let (now, now_ms) = (Instant::now(), gossip.now_ms());
     let (received, over_cap) = {
         let Some(mut guard) = transport.peers.peers.get_mut(from) else {
             return;
         };
-        // Within the cap on what the peer's summaries hold, all its engines together.
-        let received = guard.receive(incarnation, &gossip.me, from, msg, now_ms, &gossip.config);
+        // Within the cap on what the peer's summaries hold, all its engines together,
+        // and of the run heard of the peer.
+        let received = guard.receive(&gossip.me, from, msg, now_ms, &gossip.config);
         let e = &mut guard.engines[usize::from(replica)];
         let received = match received {
             Ok(r) => {
@@ -436,7 +446,6 @@ pub(crate) fn handle_frame(
                 if r.stats_updated {
                     e.stats_at = Some(now);
                 }
-                e.forget_summary_stamps_if_gone();
                 r
             }
             Err(err) => {

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use dashmap::DashMap;
-use gorgo_core::gossip::{GossipConfig, PeerGossip, Received};
+use gorgo_core::gossip::{self as core_gossip, GossipConfig, PeerGossip, PeerRun, Received};
 use gorgo_core::wire::GossipMessage;
 use gorgo_core::{CoreError, NodeId, QueueStats};
 use parking_lot::Mutex;
@@ -75,6 +75,9 @@ pub(crate) struct PeerEntry {
     /// "Replicas"): grows as replicas are heard of, up to [`gorgo_core::types::
     /// MAX_REPLICAS`].
     pub(crate) engines: Vec<HeardEngine>,
+    /// Which run of the peer's process all of its engines' state is of
+    /// (docs/cluster.md, "Incarnations").
+    pub(crate) run: PeerRun,
     pub(crate) bytes_sent: u64,
     pub(crate) bytes_received: u64,
 }
@@ -90,12 +93,15 @@ pub(crate) struct HeardEngine {
 }
 
 impl HeardEngine {
-    /// The gossip state let go of the summary (a newer run of the peer replaced what
-    /// was held): its stamps go with it.
-    pub(crate) fn forget_summary_stamps_if_gone(&mut self) {
+    /// The gossip state let go of the summary or the stats (another run of the peer
+    /// replaced what was held): their stamps go with them.
+    pub(crate) fn forget_stamps_if_gone(&mut self) {
         if self.gossip.summary().is_none() {
             self.summary_at = None;
             self.summary_bytes = 0;
+        }
+        if self.gossip.stats().is_none() {
+            self.stats_at = None;
         }
     }
 
@@ -108,54 +114,53 @@ impl HeardEngine {
 }
 
 impl PeerEntry {
-    /// The state of the peer's engine `replica`, which a summary message or stats of
-    /// run `incarnation` of the peer speak for (created when first heard of; the caller
-    /// has checked `replica` against the limit). A replica heard of from a newer run of
-    /// the peer than the others were makes them forget theirs: that run may front
-    /// fewer engines, and its other engines speak for themselves.
-    pub(crate) fn engine_mut(&mut self, replica: u16, incarnation: u64) -> &mut HeardEngine {
+    /// Make room for the peer's engine `replica`, which a summary message or stats
+    /// speak for (created when first heard of; the caller has checked `replica`
+    /// against the limit). Which run's word is taken is the peer's [`PeerRun`]'s to
+    /// say, for all of its engines together.
+    fn make_room(&mut self, replica: u16) {
         let r = replica as usize;
         if self.engines.len() <= r {
             self.engines.resize_with(r + 1, HeardEngine::default);
         }
-        for (i, e) in self.engines.iter_mut().enumerate() {
-            if i != r
-                && e.gossip
-                    .incarnation()
-                    .is_some_and(|held| held < incarnation)
-            {
-                e.forget();
-            }
-        }
-        &mut self.engines[r]
     }
 
-    /// Hand `msg`, a summary message of the peer's run `incarnation` (which the
-    /// transport says came from `from`), to the state of the engine it is about
-    /// ([`engine_mut`](Self::engine_mut)), within
-    /// [`GossipConfig::max_peer_fingerprints`] for all of the peer's engines together
+    /// Another run of the peer may have replaced what its engines held: their stamps
+    /// go with what went.
+    fn forget_stamps_if_gone(&mut self) {
+        for e in &mut self.engines {
+            e.forget_stamps_if_gone();
+        }
+    }
+
+    /// Hand `msg`, a summary message (which the transport says came from `from`), to
+    /// the state of the engine it is about, within
+    /// [`GossipConfig::max_peer_fingerprints`] for all of the peer's engines together,
+    /// when it is of the run the peer's [`PeerRun`] hears
     /// ([`gorgo_core::gossip::receive_from_peer`]), on behalf of node `me`. Why here:
-    /// the cap is per peer, and this entry is what holds all of a peer's engines. The
-    /// caller has checked the message's replica against the limit.
+    /// the cap and the run are per peer, and this entry is what holds all of a peer's
+    /// engines. The caller has checked the message's replica against the limit.
     pub(crate) fn receive(
         &mut self,
-        incarnation: u64,
         me: &NodeId,
         from: &NodeId,
         msg: GossipMessage,
         now_ms: u64,
         config: &GossipConfig,
     ) -> Result<Received, CoreError> {
-        self.engine_mut(gorgo_core::gossip::replica(&msg), incarnation);
-        gorgo_core::gossip::receive_from_peer(
+        self.make_room(core_gossip::replica(&msg));
+        let received = core_gossip::receive_from_peer(
             &mut self.engines,
             |h| &mut h.gossip,
+            &mut self.run,
             me,
             from,
             msg,
             now_ms,
             config,
-        )
+        );
+        self.forget_stamps_if_gone();
+        received
     }
 
     /// Keep the reorder buffers of the peer's engines within
@@ -180,11 +185,6 @@ impl PeerEntry {
         )
     }
 
-    /// The peer's first engine (replica 0), the one a one-engine node has.
-    pub(crate) fn first(&self) -> Option<&HeardEngine> {
-        self.engines.first()
-    }
-
     fn new(member: MemberId, now: Instant) -> Self {
         PeerEntry {
             member,
@@ -192,6 +192,7 @@ impl PeerEntry {
             state_since: now,
             rtt_ms: None,
             engines: vec![HeardEngine::default()],
+            run: PeerRun::new(),
             bytes_sent: 0,
             bytes_received: 0,
         }
@@ -301,7 +302,7 @@ impl PeerTable {
                     region: p.member.region.clone(),
                     addr: p.member.addr,
                     generation: p.member.generation,
-                    incarnation: p.first().and_then(|h| h.gossip.incarnation()),
+                    incarnation: p.run.incarnation(),
                     state: p.state,
                     alive: p.state == PeerState::Alive,
                     rtt_ms: p.rtt_ms,
@@ -426,17 +427,21 @@ impl PeerTable {
         if claim != Claim::Accepted {
             return claim;
         }
-        let mut e = self
-            .peers
-            .entry(member.node.clone())
-            .or_insert_with(|| PeerEntry::new(member.clone(), now));
-        if e.member.generation != member.generation {
+        let mut fresh = false;
+        let mut e = self.peers.entry(member.node.clone()).or_insert_with(|| {
+            fresh = true;
+            PeerEntry::new(member.clone(), now)
+        });
+        if fresh || e.member.generation != member.generation {
             // A new identity (a restart, or a rejoin after being declared down): what
-            // we held may be a dead run's. The gossip state keeps the newest run it
-            // heard of, so that run's messages still travelling cannot come back.
+            // we held may be a dead run's. The run heard stays, so that a dead run's
+            // messages still travelling cannot come back; the first stats broadcast
+            // of this identity vouches for its run, whatever its incarnation
+            // (`vouch_run`).
             for h in &mut e.engines {
                 h.forget();
             }
+            e.run.membership_changed();
         }
         e.member = member.clone();
         if e.state != PeerState::Alive {
@@ -510,21 +515,48 @@ impl PeerTable {
         }
     }
 
-    /// Keep `stats` if newer than what we hold; true when kept.
+    /// Keep `stats` if newer than what we hold, and of the run heard
+    /// ([`core_gossip::offer_peer_stats`]); true when kept.
     pub(crate) fn offer_stats(&self, node: &NodeId, stats: &QueueStats, now: Instant) -> bool {
         match self.peers.get_mut(node) {
             Some(mut e) if stats.replica < gorgo_core::types::MAX_REPLICAS => {
-                let h = e.engine_mut(stats.replica, stats.incarnation);
-                let kept = h.gossip.offer_stats(stats);
+                let e = &mut *e;
+                e.make_room(stats.replica);
+                let kept = core_gossip::offer_peer_stats(
+                    &mut e.engines,
+                    |h| &mut h.gossip,
+                    &mut e.run,
+                    stats,
+                );
                 if kept {
-                    h.stats_at = Some(now);
+                    e.engines[usize::from(stats.replica)].stats_at = Some(now);
                 }
-                h.forget_summary_stamps_if_gone();
+                e.forget_stamps_if_gone();
                 kept
             }
             Some(_) => false,
             None => false,
         }
+    }
+
+    /// A stats broadcast of run `incarnation` came on a SWIM packet of `sender`: when
+    /// that is the identity the table holds alive for the node, and the first such
+    /// since membership accepted it, the run is vouched for
+    /// ([`core_gossip::vouch_peer_run`]): heard from now on, though its incarnation is
+    /// older than a dead run's (a restart on a clock that reads earlier). True when
+    /// the run heard changed.
+    pub(crate) fn vouch_run(&self, sender: &MemberId, incarnation: u64) -> bool {
+        let Some(mut e) = self.peers.get_mut(&sender.node) else {
+            return false;
+        };
+        if e.state != PeerState::Alive || e.member != *sender {
+            return false;
+        }
+        let e = &mut *e;
+        let changed =
+            core_gossip::vouch_peer_run(&mut e.engines, |h| &mut h.gossip, &mut e.run, incarnation);
+        e.forget_stamps_if_gone();
+        changed
     }
 
     pub(crate) fn add_bytes(&self, node: &NodeId, sent: u64, received: u64) {
@@ -741,7 +773,7 @@ mod tests {
             msg: GossipMessage,
             config: &GossipConfig,
         ) -> Option<GossipMessage> {
-            e.receive(1, &me(), &"a".into(), msg, 0, config).unwrap();
+            e.receive(&me(), &"a".into(), msg, 0, config).unwrap();
             e.limit_pending(replica, &me(), 0, config)
         }
         // Room for two deltas of 1,000 fingerprints, whichever engines hold them.
@@ -796,14 +828,13 @@ mod tests {
             ..Default::default()
         };
         for r in 0..2 {
-            e.receive(1, &me(), &a, summary_msg(r, None), 0, &cfg)
-                .unwrap();
+            e.receive(&me(), &a, summary_msg(r, None), 0, &cfg).unwrap();
         }
-        e.receive(1, &me(), &a, summary_msg(0, Some((1, 6))), 0, &cfg)
+        e.receive(&me(), &a, summary_msg(0, Some((1, 6))), 0, &cfg)
             .unwrap();
         // Six more on engine 1 would hold 12: refused (the driver counts it
         // malformed), engine 1 unchanged.
-        let refused = e.receive(1, &me(), &a, summary_msg(1, Some((1, 6))), 0, &cfg);
+        let refused = e.receive(&me(), &a, summary_msg(1, Some((1, 6))), 0, &cfg);
         assert!(
             matches!(&refused, Err(CoreError::Malformed(m)) if m.contains("12")),
             "{refused:?}"
@@ -814,7 +845,7 @@ mod tests {
         };
         assert_eq!((held(&e, 0), held(&e, 1)), ((2, 6), (1, 0)));
         // Four fit.
-        e.receive(1, &me(), &a, summary_msg(1, Some((1, 4))), 0, &cfg)
+        e.receive(&me(), &a, summary_msg(1, Some((1, 4))), 0, &cfg)
             .unwrap();
         assert_eq!(held(&e, 1), (2, 4));
     }
@@ -835,7 +866,7 @@ mod tests {
                 let from = NodeId::from(peer);
                 for msg in [None, Some((3, 1))] {
                     let msg = summary_msg_of(peer, r, msg);
-                    e.receive(1, &me(), &from, msg, 0, &cfg).unwrap();
+                    e.receive(&me(), &from, msg, 0, &cfg).unwrap();
                 }
                 assert_eq!(e.engines[r as usize].gossip.pending(), 1);
             }
@@ -928,6 +959,85 @@ mod tests {
         let v = &t.views(now)[0];
         assert_eq!(v.stats.as_ref().map(|s| s.running), Some(0));
         assert_eq!(v.incarnation, Some(200));
+    }
+
+    /// Review finding 4: a restarted peer's dead run fronted engines 0 and 1, the
+    /// new run fronts engine 0. The dead run's late stats for engine 1, or for an
+    /// engine the table never held, stay out: the run heard is the peer's, not each
+    /// engine's. Before, both came back (routing candidates with a dead run's stats
+    /// that the new run never replaces).
+    #[test]
+    fn a_dead_runs_stats_for_another_engine_stay_out() {
+        let t = PeerTable::default();
+        let now = Instant::now();
+        let a = NodeId::from("a");
+        let run = |incarnation, version, replica| QueueStats {
+            incarnation,
+            version,
+            replica,
+            ..Default::default()
+        };
+        t.member_up(&me(), &member("a", 100), now);
+        assert!(t.offer_stats(&a, &run(100, 50, 0), now));
+        assert!(t.offer_stats(&a, &run(100, 50, 1), now));
+        // Restarted with one engine: its engine 0 speaks first; engine 1 is let go.
+        t.member_up(&me(), &member("a", 200), now);
+        assert!(t.offer_stats(&a, &run(200, 1, 0), now));
+        let engine1 = &t.views(now)[0].engines[1];
+        assert!(engine1.stats.is_none() && engine1.stats_age_ms.is_none());
+        // The dead run's stats, late, for engine 1 and for an engine never held.
+        assert!(!t.offer_stats(&a, &run(100, 51, 1), now));
+        assert!(!t.offer_stats(&a, &run(100, 51, 3), now));
+        let v = &t.views(now)[0];
+        let held: Vec<_> = v
+            .engines
+            .iter()
+            .map(|e| e.stats.as_ref().map(|s| s.order()))
+            .collect();
+        assert_eq!(held[..2], [Some((200, 1)), None]);
+        assert!(held[2..].iter().all(Option::is_none), "{held:?}");
+        assert_eq!(v.incarnation, Some(200));
+    }
+
+    /// Review finding 3: a node restarted elsewhere on a clock 5 s behind its previous
+    /// start (its incarnation and default generation are lower than its dead run's).
+    /// Membership accepts the new identity; its first stats broadcast vouches for its
+    /// run, which is heard from then on, and the dead run's late stats stay out.
+    /// Before, every stats copy and summary message of the live run was dropped as an
+    /// older run's, for as long as it ran: never a routing candidate.
+    #[test]
+    fn a_restart_whose_clock_is_behind_is_heard_once_membership_vouches_for_it() {
+        let t = PeerTable::default();
+        let now = Instant::now();
+        let a = NodeId::from("a");
+        let run = |incarnation, version| QueueStats {
+            incarnation,
+            version,
+            ..Default::default()
+        };
+        let first = member("a", 1_000_000);
+        t.member_up(&me(), &first, now);
+        assert!(t.vouch_run(&first, 1_000_000), "the first run heard");
+        assert!(t.offer_stats(&a, &run(1_000_000, 5), now));
+        let later = now + std::time::Duration::from_secs(5);
+        assert!(t.member_down(&first, later));
+        let restarted = member_at("a", 995_000, "10.0.0.2:1");
+        assert_eq!(t.member_up(&me(), &restarted, later), Claim::Accepted);
+        // Not vouched for yet: an older run for all the table knows.
+        assert!(!t.offer_stats(&a, &run(995_000, 1), later));
+        // A broadcast of the dead identity vouches for nothing.
+        assert!(!t.vouch_run(&first, 1_000_000));
+        // The new identity's first broadcast does (the stats handler vouches, then
+        // offers the same stats).
+        assert!(t.vouch_run(&restarted, 995_000));
+        assert!(t.offer_stats(&a, &run(995_000, 2), later));
+        let v = &t.views(later)[0];
+        assert!(v.alive);
+        assert_eq!(v.incarnation, Some(995_000));
+        assert_eq!(v.stats.as_ref().map(|s| s.order()), Some((995_000, 2)));
+        // The dead run's late stats stay out though newer.
+        assert!(!t.offer_stats(&a, &run(1_000_000, 6), later));
+        assert!(t.offer_stats(&a, &run(995_000, 3), later));
     }
 
     #[test]

@@ -142,6 +142,101 @@ fn a_restarted_node_replaces_its_previous_run_at_once() {
     );
 }
 
+/// n1 crashes, is declared down, and starts again on another host whose clock reads
+/// a minute earlier than its first run's start (review finding 3): its incarnation,
+/// and its generation, are older than the dead run's. Membership accepts the new
+/// identity (another address, the old one down), and its first stats broadcast
+/// vouches for its run: its peers hold its stats and summary, and keep them. Before,
+/// every stats copy and summary message of the live run was dropped as a dead run's,
+/// for as long as it ran: alive, but never a routing candidate.
+#[test]
+fn a_node_restarted_elsewhere_on_a_clock_behind_is_heard() {
+    let mut sim = sim(71, Duration::from_secs(120));
+    let creds = credentials(&NAMES);
+    let handles = Handles::default();
+    for i in [0, 2] {
+        add_node(&mut sim, seeded_spec(&NAMES, i, &creds, 0), handles.clone());
+    }
+    // n1 on host `host`, its clock `behind_ms` behind, publishing `running` every
+    // 100 ms, with a summary of `n` fingerprints from `base`.
+    let run_n1 = |sim: &mut turmoil::Sim<'_>, host: &str, behind_ms: u64, running, base, n| {
+        let mut s = seeded_spec(&NAMES, 1, &creds, 0);
+        s.name = host.to_owned();
+        s.seeds = vec!["n0".to_owned(), "n2".to_owned()];
+        let handles = handles.clone();
+        sim.host(host, move || {
+            let (s, handles) = (s.clone(), handles.clone());
+            async move {
+                let clock = sim_clock();
+                let behind: gorgo_cluster::WallClock =
+                    Arc::new(move || clock().saturating_sub(behind_ms));
+                let (h, summary) = start_node_with(&s, |c| {
+                    c.node_id = NodeId::from("n1");
+                    c.generation = Some(behind());
+                    c.wall_clock = behind;
+                })
+                .await?;
+                handles.lock().insert("n1".to_owned(), h.clone());
+                summary.update(|sm| {
+                    for fp in base..base + n {
+                        sm.record_add(fp);
+                    }
+                });
+                let mut tick = tokio::time::interval(Duration::from_millis(100));
+                loop {
+                    tick.tick().await;
+                    h.broadcast_stats(QueueStats {
+                        running,
+                        ..Default::default()
+                    })?;
+                }
+            }
+        });
+    };
+    run_n1(&mut sim, "n1", 0, 4, 1, 50);
+    set_wan_latencies(&mut sim, &NAMES);
+    converge(&mut sim, &handles, &NAMES);
+    run_until(&mut sim, Duration::from_secs(10), |_| {
+        holds_current_run(&handles, 4)
+    })
+    .unwrap_or_else(|| panic!("the first run is heard: {}", dump(&handles)));
+    let first_run = handles.lock()["n1"].incarnation();
+
+    handles.lock().remove("n1");
+    sim.crash("n1");
+    run_until(&mut sim, Duration::from_secs(20), |_| {
+        ["n0", "n2"]
+            .iter()
+            .all(|v| view_of(&handles, v, "n1").is_some_and(|p| !p.alive))
+    })
+    .unwrap_or_else(|| panic!("n1 is declared down: {}", dump(&handles)));
+    // Its connections to its peers close (QUIC idle timeout, 5 s) before it comes
+    // back: until then its peers would still send to it on them, as they prefer a
+    // connection of a newer generation (docs/cluster.md, "Limits and known gaps").
+    run_for(&mut sim, Duration::from_secs(6));
+    let restarted_at = sim.elapsed();
+    run_n1(&mut sim, "n1b", 60_000, 0, 1_000, 7);
+    let heard = run_until(&mut sim, Duration::from_secs(15), |_| {
+        holds_current_run(&handles, 0)
+    })
+    .unwrap_or_else(|| panic!("the restarted run is never heard: {}", dump(&handles)));
+    let second_run = handles.lock()["n1"].incarnation();
+    assert!(second_run < first_run, "{second_run} vs {first_run}");
+    eprintln!(
+        "restarted run (clock a minute behind) heard everywhere {:?} after it started",
+        heard - restarted_at
+    );
+    // And kept.
+    let lost = run_until(&mut sim, Duration::from_secs(10), |_| {
+        !holds_current_run(&handles, 0)
+    });
+    assert!(
+        lost.is_none(),
+        "the restarted run's state went at {lost:?}: {}",
+        dump(&handles)
+    );
+}
+
 /// One peer's view of `id`, as `viewer` holds it.
 fn view_of(handles: &Handles, viewer: &str, id: &str) -> Option<gorgo_cluster::PeerView> {
     handles.lock()[viewer]

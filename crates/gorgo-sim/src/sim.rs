@@ -26,7 +26,7 @@ use gorgo_core::decision::{
 };
 use gorgo_core::es::{TrialDesign, TuningConfig};
 use gorgo_core::fit::FitConfig;
-use gorgo_core::gossip::{self as core_gossip, GossipConfig, GossipSender, PeerGossip};
+use gorgo_core::gossip::{self as core_gossip, GossipConfig, GossipSender, PeerGossip, PeerRun};
 use gorgo_core::hold::{Held, HoldConfig, HoldQueue};
 use gorgo_core::kv_events::{AlignedBlockEvent, KvEventFollower, KvFollowerConfig};
 use gorgo_core::policy::{Policy, PolicyKind, RouteRequest};
@@ -546,6 +546,9 @@ struct Node {
     /// Per region, per replica: that peer engine's summary and stats as heard (the
     /// core's receiver state; the own region's entries stay empty).
     peers: Vec<Vec<PeerGossip>>,
+    /// Per region: which run of that node all of its engines' state is of (one run
+    /// per node here: nodes never restart).
+    peer_runs: Vec<PeerRun>,
     /// Per region, per replica: when that peer engine's stats last arrived, ms (as the
     /// live cluster stamps them; the ledger clears forwards by it).
     stats_at_ms: Vec<Vec<f64>>,
@@ -831,6 +834,7 @@ impl<'a> Sim<'a> {
                     policy: kind.build(),
                     engines: node_engines,
                     peers: vec![vec![PeerGossip::new(); replicas]; n],
+                    peer_runs: vec![PeerRun::new(); n],
                     stats_at_ms: vec![vec![0.0; replicas]; n],
                     ledger: ForwardLedger::new(),
                     gossip_loss_rng: ChaCha8Rng::seed_from_u64(
@@ -2101,7 +2105,7 @@ impl<'a> Sim<'a> {
                     continue;
                 }
                 let engine = &mut self.nodes[r].engines[k];
-                let Some(msg) =
+                let Some(out) =
                     engine
                         .gossip
                         .poll(&self.node_ids[p], engine.shadow.summary(), &stats)
@@ -2110,8 +2114,8 @@ impl<'a> Sim<'a> {
                 };
                 // The transport took it (one uni-stream per message, as live); a loss
                 // below is repaired by the receiver's snapshot request.
-                engine.gossip.on_sent(&self.node_ids[p], true);
-                self.send_gossip(r, p, msg, now);
+                engine.gossip.on_sent(&self.node_ids[p], out.id, true);
+                self.send_gossip(r, p, out.message, now);
             }
         }
         let outputs = match self.nodes[r].tuner.as_mut() {
@@ -2164,6 +2168,7 @@ impl<'a> Sim<'a> {
                 let received = core_gossip::receive_from_peer(
                     &mut node.peers[from],
                     |g| g,
+                    &mut node.peer_runs[from],
                     &self.node_ids[to],
                     &self.node_ids[from],
                     msg,
