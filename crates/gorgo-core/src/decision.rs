@@ -288,10 +288,19 @@ pub fn decide(
 
     if hops >= max_hops {
         let Some(first) = local else {
-            return Err(no_candidate(
-                NoCandidateReason::LocalUnhealthyAtMaxHops,
-                None,
-            ));
+            // Nothing here takes requests and the peers cannot be chosen. The local
+            // engines are priced among themselves all the same, as at none-healthy:
+            // the record shows what serving here would have cost.
+            let locals: Vec<usize> = (0..candidates.len())
+                .filter(|&i| candidates[i].is_local)
+                .collect();
+            let subset: Vec<Candidate> = locals.iter().map(|&i| candidates[i].clone()).collect();
+            let terms = policy.terms(req, &subset, weights);
+            let mut err = no_candidate(NoCandidateReason::LocalUnhealthyAtMaxHops, None);
+            for (&i, t) in locals.iter().zip(terms.into_iter().flatten()) {
+                err.candidates[i].terms = Some(t);
+            }
+            return Err(err);
         };
         // Several local engines: the policy picks among them alone. The local engines
         // are priced among themselves either way (one engine too: nothing to choose,

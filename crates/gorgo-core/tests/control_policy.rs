@@ -166,6 +166,10 @@ fn unhealthy_never_chosen_and_nothing_healthy_is_no_candidate() {
     )
     .unwrap_err();
     assert_eq!(err.reason, NoCandidateReason::LocalUnhealthyAtMaxHops);
+    // Its record prices the local engine (what serving here would have cost), not the
+    // peer, which the request could not go to.
+    assert!(err.candidates[0].terms.is_some_and(|t| t.total_ms > 0.0));
+    assert!(err.candidates[1].terms.is_none());
     let mut p = build(PolicyKind::LocalOnly);
     let err = decide(
         &req,
