@@ -607,12 +607,18 @@ impl ForwardLedger {
     }
 
     /// New stats from `peer` (of its engine `stats.replica`) arrived at `now_ms`: if
-    /// they are newer (by [`QueueStats::order`]: a restarted peer's first stats are
-    /// newer than its dead run's last) than the last seen, clear the forwards they
-    /// already reflect (those sent before `now_ms - rtt_ms`). Pass `rtt_ms = 0` to
-    /// clear every forward. The first stats of a new run (a restarted peer) also
-    /// clear the forward bias: what the dead run's forwards met says nothing of a
-    /// fresh process. Returns true when they were new.
+    /// they are newer than the last seen (a later version of the same run, or another
+    /// run: a restarted peer), clear the forwards they already reflect (those sent
+    /// before `now_ms - rtt_ms`). Pass `rtt_ms = 0` to clear every forward. The first
+    /// stats of another run also clear the forward bias: what the dead run's forwards
+    /// met says nothing of a fresh process. Returns true when they were new.
+    ///
+    /// Another run is taken as it comes, whatever its incarnation: these are the stats
+    /// the peer's gossip holds ([`crate::gossip::PeerRun`] decides which run is heard,
+    /// and a dead run's late copies never get there), and a restart on a clock that
+    /// reads earlier has a lower incarnation once membership vouches for it. Ordered by
+    /// incarnation here, its stats were never new: its forwards were never cleared and
+    /// it was priced out.
     pub fn observe_stats(
         &mut self,
         peer: &NodeId,
@@ -624,11 +630,10 @@ impl ForwardLedger {
             return false;
         };
         let order = stats.order();
-        if entry.stats_order.is_some_and(|seen| order <= seen) {
-            return false;
-        }
-        if entry.stats_order.is_some_and(|(run, _)| run < order.0) {
-            entry.bias_ms = 0.0;
+        match entry.stats_order {
+            Some((run, version)) if run == order.0 && order.1 <= version => return false,
+            Some((run, _)) if run != order.0 => entry.bias_ms = 0.0,
+            _ => {}
         }
         entry.stats_order = Some(order);
         let rtt = if rtt_ms.is_finite() && rtt_ms > 0.0 {
@@ -1145,10 +1150,18 @@ mod tests {
         l.record_forward(&p, 0, 500, 500, 1000);
         assert!(l.observe_stats(&p, &stats_v(200, 1), 2000, 0.0));
         assert_eq!(l.pending(&p, 0), (0, 0));
-        // A late copy from the dead run changes nothing.
+        // An older copy of the run it follows changes nothing.
         l.record_forward(&p, 0, 500, 500, 2100);
-        assert!(!l.observe_stats(&p, &stats_v(100, 2_273), 3000, 0.0));
+        assert!(!l.observe_stats(&p, &stats_v(200, 1), 3000, 0.0));
         assert_eq!(l.pending(&p, 0), (1, 500));
+        // A restart on a clock that reads earlier (a lower incarnation, which the
+        // peer's gossip hears once membership vouches for it) is a new run here too:
+        // its first stats clear what the dead run never reflected, and the bias.
+        l.observe_forward_ttft(&p, 0, 100.0, 1100.0, 3000);
+        assert!(l.forward_bias_ms(&p, 0, 3000) > 0.0);
+        assert!(l.observe_stats(&p, &stats_v(150, 1), 4000, 0.0));
+        assert_eq!(l.pending(&p, 0), (0, 0));
+        assert_eq!(l.forward_bias_ms(&p, 0, 4000), 0.0);
     }
 
     /// A peer the cluster has forgotten leaves the ledger (`forget` had no caller: the
