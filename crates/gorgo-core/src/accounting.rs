@@ -22,7 +22,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use serde::Serialize;
 
-use crate::cost::{queue_ms, Candidate, PREFILL_CHUNK_TOKENS};
+use crate::cost::{queue_wait, Candidate, QueueWait, PREFILL_CHUNK_TOKENS};
 use crate::engine_metrics::EngineMetrics;
 use crate::error::CoreError;
 use crate::fit::{FitConfig, PrefillFit};
@@ -111,6 +111,13 @@ struct Dispatched {
     /// For a request whose first token the driver cannot see
     /// ([`EngineView::dispatch_unobserved`]): when its prefill is expected to end, ms.
     expected_prefill_end_ms: Option<u64>,
+    /// Of `queued_est_ms`, the decode of the requests ahead ([`QueueWait::slot_wait_ms`]),
+    /// and how many decode times that is: the part of an expected prefill end that the
+    /// decode time learnt at dispatch priced.
+    slot_wait_ms: f64,
+    slot_wait_decodes: f64,
+    /// Whether `first_token_ms` is the expected prefill end, not a first token seen.
+    decodes_from_expected_end: bool,
 }
 
 /// What the view counted when a scrape was asked for ([`EngineView::scrape_started`]).
@@ -453,13 +460,17 @@ impl EngineView {
     }
 
     /// The wait a request dispatched at `now_ms` is expected to see behind work
-    /// already at the engine, ms (the unweighted [`queue_ms`] of this view's stats).
+    /// already at the engine, ms (the unweighted [`crate::cost::queue_ms`] of this view's stats).
     pub fn queued_estimate_ms(&self, now_ms: u64) -> f64 {
-        queue_ms(&Candidate {
+        self.queue_wait(now_ms).ms
+    }
+
+    /// [`EngineView::queued_estimate_ms`] in its parts.
+    fn queue_wait(&self, now_ms: u64) -> QueueWait {
+        queue_wait(&Candidate {
             stats: self.stats_at(self.stats_version, 0, now_ms),
             ..Candidate::idle("local", true, 0.0)
         })
-        .0
     }
 
     /// Request `id` was sent to the engine at `now_ms`. `uncached_tokens` is what the
@@ -476,7 +487,12 @@ impl EngineView {
     ) -> f64 {
         self.cancel(id);
         self.settle_unobserved(now_ms);
-        let queued_est_ms = self.queued_estimate_ms(now_ms);
+        let wait = self.queue_wait(now_ms);
+        let queued_est_ms = wait.ms;
+        let slot_wait_decodes = match self.decode_ms {
+            Some(d) if d > 0.0 && wait.slot_wait_ms > 0.0 => wait.slot_wait_ms / d,
+            _ => 0.0,
+        };
         let prefill_tokens = uncached_tokens.min(prompt_tokens);
         // EWMA (1/8) of the prefill work we dispatch.
         self.mean_prompt_tokens = (self
@@ -501,6 +517,9 @@ impl EngineView {
                 dispatched_ms: now_ms,
                 seq: self.next_seq,
                 expected_prefill_end_ms: None,
+                slot_wait_ms: wait.slot_wait_ms,
+                slot_wait_decodes,
+                decodes_from_expected_end: false,
             },
         );
         self.prefill_order.push_back((id, self.next_seq));
@@ -583,16 +602,16 @@ impl EngineView {
         // is then its finish less that point. Without it, a node whose clients do not
         // stream (the OpenAI default) never measured a decode time, and the slot wait
         // (`cost::slot_wait_ms`) stayed 0 at exactly the serial engines it is for. The
-        // estimate errs with the wait estimated at dispatch; it corrects itself, since
-        // that wait is priced with the decode time learnt (a decode time too short
-        // makes the expected end too early and the next samples longer, and the other
-        // way round). One that finishes before its expected end decoded for about
+        // estimate errs with the wait estimated at dispatch, whose slot wait is priced
+        // with the decode time learnt then; [`EngineView::release`] takes that part out
+        // of the sample. One that finishes before its expected end decoded for about
         // nothing, and counts as 0.
         d.first_token_ms = match (engine_ttft_ms, d.expected_prefill_end_ms) {
             (Some(_), _) => Some(now_ms),
             (None, Some(end)) => Some(end),
             (None, None) => None,
         };
+        d.decodes_from_expected_end = engine_ttft_ms.is_none() && d.first_token_ms.is_some();
         let d = *d;
         if let Some(end) = d.expected_prefill_end_ms {
             self.unobserved.remove(&(end, d.seq));
@@ -640,7 +659,16 @@ impl EngineView {
         }
         if let (Some(first), Some(now_ms)) = (d.first_token_ms, ended_ms) {
             // 0 for a request that ended before its prefill was expected to.
-            let sample = now_ms.saturating_sub(first) as f64;
+            let mut sample = now_ms.saturating_sub(first) as f64;
+            if d.decodes_from_expected_end {
+                // Measured from an expected prefill end, which priced `k` decodes ahead
+                // (`slot_wait_decodes`) with the decode time learnt then: if each of
+                // them took `D`, the sample is `D + k (D - D_then)`, and an error of
+                // the estimate returns `k + 1` times over. At eight in flight on a
+                // serial engine that swung it between 2 and 15 s around a true 5 s.
+                // Solved for `D`, the sample says (sample + k D_then) / (k + 1).
+                sample = (sample + d.slot_wait_ms) / (1.0 + d.slot_wait_decodes);
+            }
             self.decode_ms = Some(match self.decode_ms {
                 None => sample,
                 Some(m) => m + DECODE_GAIN * (sample - m),
@@ -1138,16 +1166,68 @@ mod tests {
         let queued = v.queued_estimate_ms(t);
         assert!((queued - (150.0 + 2.5 * 5_000.0)).abs() < 1e-9, "{queued}");
         // An error response is no decode: the driver cancels it, whenever it ends.
-        v.first_token(100, None, t + 9_000);
-        v.cancel(100);
+        v.first_token(101, None, t + 9_000);
+        v.cancel(101);
         assert_eq!(v.slots().unwrap().decode_ms, 5_000.0);
-        // One that ends before its prefill was expected to decoded for about nothing.
-        v.first_token(101, None, t + 10);
-        v.finish(101, t + 10);
+        // One that ends before its prefill was expected to decoded for about nothing
+        // (the first: no decode was priced ahead of it).
+        v.first_token(100, None, t + 10);
+        v.finish(100, t + 10);
         let d = 5_000.0 * (1.0 - DECODE_GAIN);
         assert!((v.slots().unwrap().decode_ms - d).abs() < 1e-9);
         v.cancel(102);
         assert_eq!(v.counters().inflight, 0);
+    }
+
+    /// The decode time learnt from responses that are not streamed is measured from an
+    /// expected prefill end that includes the slot wait, priced with the decode time
+    /// learnt at dispatch: with `k` decodes priced ahead, an error of the estimate comes
+    /// back `k + 1` times over in the next sample. Taken as the sample says, eight
+    /// requests in flight at a serial engine swung the estimate between about 2 and
+    /// 15 s around a true 5 s; taking out what the priced wait got wrong keeps it near.
+    #[test]
+    fn unstreamed_decode_time_holds_with_many_requests_ahead_at_a_serial_engine() {
+        const DECODE: u64 = 5_000;
+        const IN_FLIGHT: u64 = 8;
+        for start_ms in [500u64, 5_000, 20_000] {
+            let mut v = serial_view();
+            // Learn a wrong decode time first: one request alone.
+            v.dispatch_unobserved(u64::MAX, 100, 100, 0);
+            v.first_token(u64::MAX, None, 50 + start_ms);
+            v.finish(u64::MAX, 50 + start_ms);
+            let mut t = 100 + start_ms;
+            // A serial engine, FCFS: each request prefills (50 ms) and decodes after
+            // the one before it. The client keeps eight in flight.
+            let mut engine_free = t;
+            let mut finishes = std::collections::VecDeque::new();
+            let mut next_id = 0u64;
+            let mut seen = Vec::new();
+            for _ in 0..IN_FLIGHT {
+                v.dispatch_unobserved(next_id, 100, 100, t);
+                engine_free += 50 + DECODE;
+                finishes.push_back((next_id, engine_free));
+                next_id += 1;
+            }
+            while next_id < 400 {
+                let (id, end) = finishes.pop_front().unwrap();
+                t = end;
+                v.first_token(id, None, t);
+                v.finish(id, t);
+                seen.push(v.slots().unwrap().decode_ms);
+                v.dispatch_unobserved(next_id, 100, 100, t);
+                engine_free = engine_free.max(t) + 50 + DECODE;
+                finishes.push_back((next_id, engine_free));
+                next_id += 1;
+            }
+            let late = &seen[seen.len() / 2..];
+            let (lo, hi) = late
+                .iter()
+                .fold((f64::MAX, f64::MIN), |(lo, hi), &d| (lo.min(d), hi.max(d)));
+            assert!(
+                lo >= 0.75 * DECODE as f64 && hi <= 1.25 * DECODE as f64,
+                "from {start_ms} ms: decode time learnt {lo:.0}..{hi:.0} ms, truth {DECODE}"
+            );
+        }
     }
 
     /// A response that is not streamed arrives whole at the end. Counted until then,

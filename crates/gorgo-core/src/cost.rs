@@ -273,6 +273,27 @@ impl CostTerms {
 ///
 /// Returns `(queue_ms, tokens_ahead)`.
 pub fn queue_ms(c: &Candidate) -> (f64, u64) {
+    let w = queue_wait(c);
+    (w.ms, w.tokens_ahead)
+}
+
+/// [`queue_ms`] with the part of it that is decode of the requests ahead: what
+/// learns a decode time from a wait it priced needs to know how much of the wait was
+/// the decode time ([`crate::accounting::EngineView::finish`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct QueueWait {
+    /// The whole wait, ms ([`queue_ms`]).
+    pub ms: f64,
+    /// Prefill tokens ahead ([`queue_ms`]).
+    pub tokens_ahead: u64,
+    /// Of `ms`, the slot wait ([`slot_wait_ms`]) where it counts: always at a serial
+    /// engine, where it adds to the prefill ahead; at one that batches, only where it
+    /// is the larger of the two.
+    pub slot_wait_ms: f64,
+}
+
+/// [`queue_ms`] in its parts ([`QueueWait`]).
+pub fn queue_wait(c: &Candidate) -> QueueWait {
     let tokens_ahead = c
         .stats
         .unfinished_prefill_tokens
@@ -287,12 +308,18 @@ pub fn queue_ms(c: &Candidate) -> (f64, u64) {
     };
     let slot_wait = slot_wait_ms(c);
     let batches = c.stats.slots.is_some_and(|s| s.max_running > 1);
-    let ahead = if batches {
-        prefill.max(slot_wait)
+    let (ahead, slot_wait_ms) = if !batches {
+        (prefill + slot_wait, slot_wait)
+    } else if slot_wait > prefill {
+        (slot_wait, slot_wait)
     } else {
-        prefill + slot_wait
+        (prefill, 0.0)
     };
-    (ahead + decode, tokens_ahead)
+    QueueWait {
+        ms: ahead + decode,
+        tokens_ahead,
+        slot_wait_ms,
+    }
 }
 
 /// Expected wait for a slot, ms: the decode of the requests ahead that hold the

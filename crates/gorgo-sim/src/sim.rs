@@ -1932,8 +1932,16 @@ impl<'a> Sim<'a> {
             .expect("events only name live flights");
         let (home, prompt, out_tokens) = (f.home as usize, f.prompt_tokens, f.output_tokens);
         self.engines[e].queued_prompt_tokens -= prompt;
+        let views_learn = self.oracle.is_none();
         if let Some(node) = self.nodes.get_mut(r) {
             let engine = &mut node.engines[k];
+            // A response that is not streamed comes whole now: its first byte is the
+            // end, which the live node takes as its first token (`first_token` with no
+            // prefill time), so one that ends before its prefill was expected to
+            // counts a decode of 0, not none.
+            if !f.streamed && views_learn {
+                engine.view.first_token(slot as u64, None, at as u64);
+            }
             engine.view.finish(slot as u64, at as u64);
             // As the live node on the engine's usage (its last chunk): the engine's count
             // of cached prompt tokens corrects the shadow index (`ShadowIndex::correct`),

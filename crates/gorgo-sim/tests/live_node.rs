@@ -257,3 +257,49 @@ fn a_refusal_at_the_last_hop_goes_back_to_the_node_that_forwarded_it() {
     }
     assert!(refusals > 0);
 }
+
+/// At a serial engine whose clients do not stream, the node learns each request's
+/// decode time from when its prefill was expected to end, as the live node does (the
+/// body's first byte, at the end, is taken as its first token). With several requests
+/// queued the expected end prices their decodes with the decode time learnt: taken as
+/// measured, an error of that estimate came back several times over. The decode time
+/// the simulated node prices its queue with stays near the engine's.
+#[test]
+fn an_unstreamed_serial_engine_decode_time_is_learnt_near_the_truth() {
+    let mut p = profile();
+    p.max_running_requests = 1;
+    let mut cfg = SimConfig::new(Network::uniform(1, 0.0, 3.0), p);
+    cfg.decision_log = 1_000_000;
+    cfg.non_streamed_share = 1.0;
+    // A request every 1.1 s, each about 6 s of decode: a queue that grows to dozens.
+    let t: Vec<TraceRequest> = (0..120u64)
+        .map(|i| row(i * 1_100, 512, vec![10_000 + i], 300, "r0"))
+        .collect();
+    let r = run(&cfg, PolicyKind::Gorgo, &t);
+    let rows = r.rows.as_ref().unwrap();
+    let mut truth: Vec<f64> = rows
+        .iter()
+        .map(|x| f64::from(x.e2e_ms) - f64::from(x.ttft_ms))
+        .collect();
+    truth.sort_by(f64::total_cmp);
+    let true_decode = truth[truth.len() / 2];
+    // The slot wait prices `n - 1/2` decodes for `n` requests ahead (one slot).
+    let learnt: Vec<f64> = r
+        .decisions
+        .iter()
+        .filter(|d| d.record.request_id >= 60)
+        .filter_map(|d| {
+            let c = &d.record.candidates[0];
+            let ahead = f64::from(c.running) + f64::from(c.waiting);
+            let slot_wait = c.terms.as_ref()?.slot_wait_ms;
+            (ahead >= 1.0).then(|| slot_wait / (ahead - 0.5))
+        })
+        .collect();
+    assert!(learnt.len() > 30, "{} decisions with a queue", learnt.len());
+    for d in &learnt {
+        assert!(
+            (d / true_decode - 1.0).abs() <= 0.25,
+            "learnt {d:.0} ms against the engine's {true_decode:.0} ms"
+        );
+    }
+}
