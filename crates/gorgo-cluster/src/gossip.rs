@@ -427,6 +427,7 @@ pub(crate) fn handle_frame(
     let (now, now_ms) = (Instant::now(), gossip.now_ms());
     let (received, over_cap) = {
         let Some(mut guard) = transport.peers.peers.get_mut(from) else {
+            transport.peers.dropped_before_entry(from);
             return;
         };
         // Within the cap on what the peer's summaries hold, all its engines together,

@@ -267,7 +267,15 @@ pub struct PeerView {
 #[derive(Debug, Default)]
 pub struct PeerTable {
     pub(crate) peers: DashMap<NodeId, PeerEntry>,
+    /// Peers whose summary messages were dropped because the table did not hold them
+    /// yet ([`PeerTable::dropped_before_entry`]), at most
+    /// [`MAX_DROPPED_BEFORE_ENTRY`].
+    dropped_before_entry: DashMap<NodeId, ()>,
 }
+
+/// Most peers [`PeerTable::dropped_before_entry`] remembers; past it, the memory is
+/// cleared (a peer forgotten waits for its first snapshot some seconds longer).
+const MAX_DROPPED_BEFORE_ENTRY: usize = 1024;
 
 fn age_ms(at: Option<Instant>, now: Instant) -> Option<u64> {
     at.map(|t| now.saturating_duration_since(t).as_millis() as u64)
@@ -419,6 +427,19 @@ impl PeerTable {
             .map(|e| e.member.addr)
     }
 
+    /// A summary message from `node` was dropped: the table does not hold it yet.
+    /// Membership is not symmetric, and a peer that knows us starts our stream with a
+    /// snapshot, which may arrive before we know the peer. When the entry is made,
+    /// the peer's engines ask for a snapshot at their first delta instead of waiting
+    /// seconds for the dropped one ([`PeerRun::messages_dropped`]). Any authenticated
+    /// node can make this table remember it, so it is capped.
+    pub(crate) fn dropped_before_entry(&self, node: &NodeId) {
+        if self.dropped_before_entry.len() >= MAX_DROPPED_BEFORE_ENTRY {
+            self.dropped_before_entry.clear();
+        }
+        self.dropped_before_entry.insert(node.clone(), ());
+    }
+
     /// `member` is up, as this node (`me`) sees it: it becomes (or stays) a routing
     /// candidate unless the claim is refused ([`Claim`]), which the table leaves as it
     /// was.
@@ -442,6 +463,9 @@ impl PeerTable {
                 h.forget();
             }
             e.run.membership_changed();
+        }
+        if fresh && self.dropped_before_entry.remove(&member.node).is_some() {
+            e.run.messages_dropped();
         }
         e.member = member.clone();
         if e.state != PeerState::Alive {
@@ -756,6 +780,27 @@ mod tests {
                 },
                 stats,
             },
+        }
+    }
+
+    /// A peer's first snapshot dropped because the table did not hold it yet: once
+    /// membership brings the peer in, its first delta asks for a snapshot at once.
+    /// Without the drop, the delta waits for the snapshot presumed on its way.
+    #[test]
+    fn a_snapshot_dropped_before_the_peer_was_held_is_asked_for_at_the_first_delta() {
+        let config = GossipConfig::default();
+        for (dropped, asks) in [(false, false), (true, true)] {
+            let t = PeerTable::default();
+            let a = NodeId::from("a");
+            if dropped {
+                t.dropped_before_entry(&a);
+            }
+            t.member_up(&me(), &member("a", 1), Instant::now());
+            let mut e = t.peers.get_mut(&a).unwrap();
+            let got = e
+                .receive(&me(), &a, summary_msg(0, Some((1, 2))), 0, &config)
+                .unwrap();
+            assert_eq!(got.reply.is_some(), asks, "dropped {dropped}");
         }
     }
 

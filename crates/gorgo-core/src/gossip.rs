@@ -207,7 +207,10 @@ pub fn receive_from_peer<T>(
         match run.admit(i) {
             // A dead run's summary message, still travelling.
             RunVerdict::Refused => return Ok(Received::nothing()),
-            RunVerdict::New => reset_other_runs(engines, gossip, i, true),
+            RunVerdict::New => {
+                let first_heard = run.first_heard();
+                reset_other_runs(engines, gossip, i, first_heard)
+            }
             RunVerdict::Held => {}
         }
     }
@@ -232,7 +235,10 @@ pub fn offer_peer_stats<T>(
     }
     match run.admit(stats.incarnation) {
         RunVerdict::Refused => return false,
-        RunVerdict::New => reset_other_runs(engines, gossip, stats.incarnation, true),
+        RunVerdict::New => {
+            let first_heard = run.first_heard();
+            reset_other_runs(engines, gossip, stats.incarnation, first_heard)
+        }
         RunVerdict::Held => {}
     }
     gossip(&mut engines[r]).offer_stats(stats)
@@ -256,7 +262,8 @@ pub fn vouch_peer_run<T>(
             // An older run's messages were dropped until now, its first snapshot
             // perhaps among them: its engines ask for one at their first delta.
             let refused_until_now = before.is_some_and(|held| held > incarnation);
-            reset_other_runs(engines, gossip, incarnation, !refused_until_now);
+            let first_heard = run.first_heard() && !refused_until_now;
+            reset_other_runs(engines, gossip, incarnation, first_heard);
             true
         }
     }
@@ -282,7 +289,13 @@ fn reset_other_runs<T>(
 ) {
     for e in engines.iter_mut() {
         let g = gossip(e);
-        if g.incarnation.is_some_and(|held| held != incarnation) {
+        // An engine that has heard nothing adopts the run with its first message,
+        // unless messages of the run were dropped: then it is of the run at once, and
+        // asks for a snapshot at its first delta.
+        let other = g
+            .incarnation
+            .map_or(!first_heard, |held| held != incarnation);
+        if other {
             g.reset_run(incarnation, first_heard);
         }
     }
@@ -335,6 +348,9 @@ pub struct PeerRun {
     /// Membership accepted a new identity for the peer and no stats broadcast of it
     /// has vouched for a run yet.
     vouch_open: bool,
+    /// Messages of the peer were dropped before the driver held state for it
+    /// ([`PeerRun::messages_dropped`]), not yet taken into account by a new run.
+    dropped: bool,
 }
 
 impl PeerRun {
@@ -352,6 +368,22 @@ impl PeerRun {
     /// vouches for ([`vouch_peer_run`]) becomes the run heard.
     pub fn membership_changed(&mut self) {
         self.vouch_open = true;
+    }
+
+    /// The driver dropped messages of the peer before it held state for it (a
+    /// summary message from a peer its table did not hold yet: membership is not
+    /// symmetric, and the peer may start our stream before we know it). Its first
+    /// snapshot may have been among them, so the run heard next is taken as one whose
+    /// messages were dropped: its engines ask for a snapshot at their first delta
+    /// instead of waiting seconds for one presumed on its way.
+    pub fn messages_dropped(&mut self) {
+        self.dropped = true;
+    }
+
+    /// Whether the run about to become the one heard was heard from its first message
+    /// on; consumes [`PeerRun::messages_dropped`].
+    fn first_heard(&mut self) -> bool {
+        !std::mem::take(&mut self.dropped)
     }
 
     fn admit(&mut self, incarnation: u64) -> RunVerdict {
@@ -1619,6 +1651,45 @@ mod tests {
         let req = p.tick(&"a".into(), 0, wait, &cfg);
         assert!(matches!(req, Some(GossipMessage::SnapshotRequest { .. })));
         assert_eq!(p.pending(), 0);
+    }
+
+    /// A peer may start our stream (its first snapshot) before our table holds it:
+    /// the driver drops that snapshot, and says so ([`PeerRun::messages_dropped`]).
+    /// The first delta then asks for a snapshot at once, on every engine alike,
+    /// instead of waiting seconds for one presumed on its way; heard from the start,
+    /// it waits, as before.
+    #[test]
+    fn a_first_snapshot_dropped_by_the_driver_is_asked_for_at_the_first_delta() {
+        let (me, b) = (NodeId::from("a"), NodeId::from("b"));
+        let cfg = GossipConfig::default();
+        for (dropped, asks) in [(false, false), (true, true)] {
+            let mut engines = vec![PeerGossip::new(); 2];
+            let mut run = PeerRun::new();
+            if dropped {
+                run.messages_dropped();
+            }
+            for r in 0..2u16 {
+                let got = receive_from_peer(
+                    &mut engines,
+                    |g| g,
+                    &mut run,
+                    &me,
+                    &b,
+                    on(r, delta(10, 11, &[2])),
+                    0,
+                    &cfg,
+                )
+                .unwrap();
+                assert_eq!(
+                    matches!(got.reply, Some(GossipMessage::SnapshotRequest { .. })),
+                    asks,
+                    "dropped {dropped}, engine {r}"
+                );
+                assert_eq!(engines[usize::from(r)].pending(), usize::from(!asks));
+            }
+            // Taken into account once: a later new run is heard from its start.
+            assert!(run.first_heard());
+        }
     }
 
     #[test]
