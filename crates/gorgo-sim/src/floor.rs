@@ -30,7 +30,10 @@
 //! arrival). Each request's cache bound (`cache_bound_tokens`) therefore counts the
 //! blocks of every request that arrived at or before it; the run's bound
 //! ([`summarize_floors`]) counts a block first computed within a burst for every request
-//! of the burst that holds it but one, since one of them computes it.
+//! of the burst that holds it but one, since one of them computes it. The run's bound
+//! holds in any order of service; a request's own does not hold for a forward, which
+//! reaches its engine after requests that arrived later may have computed its blocks
+//! there (those then found fewer than their own bound).
 //!
 //! A request no engine of the topology admits (over every context length or KV
 //! capacity, [`Profile::refusal`]) fails in every policy, and the policies' percentiles
@@ -68,7 +71,12 @@ pub struct RequestFloor {
     /// The most prompt tokens its engine can report cached: `cached_tokens`' blocks and
     /// those of the requests arriving at the same instant (an engine may admit a
     /// burst-mate first and reuse the blocks it computed), all but its last token at
-    /// most. What `floor_is_below_every_request_of_every_policy` holds every request to.
+    /// most. What `floor_is_below_every_request_of_every_policy` holds every request
+    /// of its trace to. Not a bound for every request of every run: a forward reaches
+    /// its engine a link's delay after it arrived, and may find there the blocks of a
+    /// request that arrived after it and reached the engine first. That request
+    /// computed them itself, so the run's bound ([`summarize_floors`]), which counts
+    /// each block's first computation once whoever makes it, still holds.
     pub cache_bound_tokens: u64,
     /// Its part of the run's cache bound ([`summarize_floors`]): `cached_tokens`, plus
     /// the tokens of its blocks that an earlier request of its burst (in trace order)
