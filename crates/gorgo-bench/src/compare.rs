@@ -206,16 +206,18 @@ pub async fn compare(
             let down = cluster.down();
             // A cluster that did not go down may hold the ports the next one needs: its
             // run stands (it finished), and the sequence stops.
-            let failure = match run {
-                Ok(run) => {
-                    runs.push(run);
-                    down.err()
-                }
-                Err(e) => Some(e),
-            };
-            if let Some(e) = failure {
+            let mut failures = Vec::new();
+            match run {
+                Ok(run) => runs.push(run),
+                Err(e) => failures.push((policy.clone(), e)),
+            }
+            // A failed run whose cluster also failed to go down: both are said.
+            if let Err(e) = down {
+                failures.push(("(teardown)".to_owned(), e));
+            }
+            if !failures.is_empty() {
                 let rest = spec.policies[k + 1..].to_vec();
-                return keep_finished(runs, rest, vec![(policy.clone(), e)]);
+                return keep_finished(runs, rest, failures);
             }
         }
     } else {
@@ -268,14 +270,18 @@ pub async fn compare(
 }
 
 /// The comparison after `failures` (at least one): the first failure's error when no
-/// policy finished, else the runs that did with the failures said.
+/// policy finished (the others logged), else the runs that did with the failures said.
 fn keep_finished(
     runs: Vec<PolicyRun>,
     not_run: Vec<String>,
     failures: Vec<(String, BenchError)>,
 ) -> Result<Comparison, BenchError> {
     if runs.is_empty() {
-        let (_, first) = failures.into_iter().next().expect("called with a failure");
+        let mut failures = failures.into_iter();
+        let (_, first) = failures.next().expect("called with a failure");
+        for (policy, e) in failures {
+            tracing::error!(%policy, error = %e, "also failed");
+        }
         return Err(first);
     }
     for (policy, e) in &failures {
