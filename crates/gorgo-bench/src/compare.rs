@@ -206,15 +206,8 @@ pub async fn compare(
             let down = cluster.down();
             // A cluster that did not go down may hold the ports the next one needs: its
             // run stands (it finished), and the sequence stops.
-            let mut failures = Vec::new();
-            match run {
-                Ok(run) => runs.push(run),
-                Err(e) => failures.push((policy.clone(), e)),
-            }
             // A failed run whose cluster also failed to go down: both are said.
-            if let Err(e) = down {
-                failures.push(("(teardown)".to_owned(), e));
-            }
+            let failures = outcomes(&mut runs, [(policy, run)], down.err());
             if !failures.is_empty() {
                 let rest = spec.policies[k + 1..].to_vec();
                 return keep_finished(runs, rest, failures);
@@ -248,16 +241,7 @@ pub async fn compare(
                 first_err.get_or_insert(e);
             }
         }
-        let mut failures = Vec::new();
-        for (policy, r) in spec.policies.iter().zip(results) {
-            match r {
-                Ok(run) => runs.push(run),
-                Err(e) => failures.push((policy.clone(), e)),
-            }
-        }
-        if let Some(e) = first_err {
-            failures.push(("(teardown)".to_owned(), e));
-        }
+        let failures = outcomes(&mut runs, spec.policies.iter().zip(results), first_err);
         if !failures.is_empty() {
             return keep_finished(runs, Vec::new(), failures);
         }
@@ -267,6 +251,26 @@ pub async fn compare(
         not_run: Vec::new(),
         failed: Vec::new(),
     })
+}
+
+/// Keep each policy's finished run in `runs`; return the failures, each policy's and
+/// the teardown's (named "(teardown)"), in that order.
+fn outcomes<'a>(
+    runs: &mut Vec<PolicyRun>,
+    results: impl IntoIterator<Item = (&'a String, Result<PolicyRun, BenchError>)>,
+    teardown: Option<BenchError>,
+) -> Vec<(String, BenchError)> {
+    let mut failures = Vec::new();
+    for (policy, r) in results {
+        match r {
+            Ok(run) => runs.push(run),
+            Err(e) => failures.push((policy.clone(), e)),
+        }
+    }
+    if let Some(e) = teardown {
+        failures.push(("(teardown)".to_owned(), e));
+    }
+    failures
 }
 
 /// The comparison after `failures` (at least one): the first failure's error when no
