@@ -604,8 +604,8 @@ impl EngineView {
         // (`cost::slot_wait_ms`) stayed 0 at exactly the serial engines it is for. The
         // estimate errs with the wait estimated at dispatch, whose slot wait is priced
         // with the decode time learnt then; [`EngineView::release`] takes that part out
-        // of the sample. One that finishes before its expected end decoded for about
-        // nothing, and counts as 0.
+        // of the sample. One that finishes before its expected end, with no decode
+        // priced ahead of it, decoded for about nothing, and counts as 0.
         d.first_token_ms = match (engine_ttft_ms, d.expected_prefill_end_ms) {
             (Some(_), _) => Some(now_ms),
             (None, Some(end)) => Some(end),
@@ -658,17 +658,20 @@ impl EngineView {
             self.unobserved.remove(&(end, d.seq));
         }
         if let (Some(first), Some(now_ms)) = (d.first_token_ms, ended_ms) {
-            // 0 for a request that ended before its prefill was expected to.
-            let mut sample = now_ms.saturating_sub(first) as f64;
-            if d.decodes_from_expected_end {
+            let sample = if d.decodes_from_expected_end {
                 // Measured from an expected prefill end, which priced `k` decodes ahead
                 // (`slot_wait_decodes`) with the decode time learnt then: if each of
-                // them took `D`, the sample is `D + k (D - D_then)`, and an error of
-                // the estimate returns `k + 1` times over. At eight in flight on a
-                // serial engine that swung it between 2 and 15 s around a true 5 s.
-                // Solved for `D`, the sample says (sample + k D_then) / (k + 1).
-                sample = (sample + d.slot_wait_ms) / (1.0 + d.slot_wait_decodes);
-            }
+                // them took `D`, the time from that end is `D + k (D - D_then)`, and an
+                // error of the estimate returns `k + 1` times over. At eight in flight
+                // on a serial engine that swung it between 2 and 15 s around a true
+                // 5 s. Solved for `D`: (gap + k D_then) / (k + 1), with the gap signed
+                // (a request that ends before its expected end says the decodes ahead
+                // were shorter than priced), and 0 at least.
+                let gap = now_ms as f64 - first as f64;
+                ((gap + d.slot_wait_ms) / (1.0 + d.slot_wait_decodes)).max(0.0)
+            } else {
+                now_ms.saturating_sub(first) as f64
+            };
             self.decode_ms = Some(match self.decode_ms {
                 None => sample,
                 Some(m) => m + DECODE_GAIN * (sample - m),
@@ -1175,7 +1178,12 @@ mod tests {
         v.finish(100, t + 10);
         let d = 5_000.0 * (1.0 - DECODE_GAIN);
         assert!((v.slots().unwrap().decode_ms - d).abs() < 1e-9);
-        v.cancel(102);
+        // So does one with decodes priced ahead of it (1.5 of 5 s) that ends long
+        // before its expected end: those decodes were shorter than priced.
+        v.first_token(102, None, t + 10);
+        v.finish(102, t + 10);
+        let d = d * (1.0 - DECODE_GAIN);
+        assert!((v.slots().unwrap().decode_ms - d).abs() < 1e-9);
         assert_eq!(v.counters().inflight, 0);
     }
 

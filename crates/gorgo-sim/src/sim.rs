@@ -1938,7 +1938,7 @@ impl<'a> Sim<'a> {
             // A response that is not streamed comes whole now: its first byte is the
             // end, which the live node takes as its first token (`first_token` with no
             // prefill time), so one that ends before its prefill was expected to
-            // counts a decode of 0, not none.
+            // teaches a decode time too (`EngineView::finish`), not none.
             if !f.streamed && views_learn {
                 engine.view.first_token(slot as u64, None, at as u64);
             }
