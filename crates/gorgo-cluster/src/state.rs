@@ -438,6 +438,13 @@ impl PeerTable {
             self.dropped_before_entry.clear();
         }
         self.dropped_before_entry.insert(node.clone(), ());
+        // Membership may have made the entry since the caller looked: then it did not
+        // see the mark, and it is taken here (whichever side removes it acts on it).
+        if let Some(mut e) = self.peers.get_mut(node) {
+            if self.dropped_before_entry.remove(node).is_some() && e.run.incarnation().is_none() {
+                e.run.messages_dropped();
+            }
+        }
     }
 
     /// `member` is up, as this node (`me`) sees it: it becomes (or stays) a routing
@@ -789,18 +796,28 @@ mod tests {
     #[test]
     fn a_snapshot_dropped_before_the_peer_was_held_is_asked_for_at_the_first_delta() {
         let config = GossipConfig::default();
-        for (dropped, asks) in [(false, false), (true, true)] {
+        // Whether the drop is marked, and whether the mark lands after membership made
+        // the entry (the driver looked before, the mark comes after).
+        for (dropped, late, asks) in [
+            (false, false, false),
+            (true, false, true),
+            (true, true, true),
+        ] {
             let t = PeerTable::default();
             let a = NodeId::from("a");
-            if dropped {
+            if dropped && !late {
                 t.dropped_before_entry(&a);
             }
             t.member_up(&me(), &member("a", 1), Instant::now());
+            if dropped && late {
+                t.dropped_before_entry(&a);
+            }
+            assert!(t.dropped_before_entry.is_empty());
             let mut e = t.peers.get_mut(&a).unwrap();
             let got = e
                 .receive(&me(), &a, summary_msg(0, Some((1, 2))), 0, &config)
                 .unwrap();
-            assert_eq!(got.reply.is_some(), asks, "dropped {dropped}");
+            assert_eq!(got.reply.is_some(), asks, "dropped {dropped}, late {late}");
         }
     }
 

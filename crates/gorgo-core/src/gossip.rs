@@ -208,10 +208,10 @@ pub fn receive_from_peer<T>(
             // A dead run's summary message, still travelling.
             RunVerdict::Refused => return Ok(Received::nothing()),
             RunVerdict::New => {
-                let first_heard = run.first_heard();
+                let first_heard = run.first_heard(false);
                 reset_other_runs(engines, gossip, i, first_heard)
             }
-            RunVerdict::Held => {}
+            RunVerdict::Held => adopt_if_unheard(gossip(&mut engines[r]), run),
         }
     }
     gossip(&mut engines[r]).take(others, me, msg, now_ms, config)
@@ -236,10 +236,10 @@ pub fn offer_peer_stats<T>(
     match run.admit(stats.incarnation) {
         RunVerdict::Refused => return false,
         RunVerdict::New => {
-            let first_heard = run.first_heard();
+            let first_heard = run.first_heard(false);
             reset_other_runs(engines, gossip, stats.incarnation, first_heard)
         }
-        RunVerdict::Held => {}
+        RunVerdict::Held => adopt_if_unheard(gossip(&mut engines[r]), run),
     }
     gossip(&mut engines[r]).offer_stats(stats)
 }
@@ -262,7 +262,7 @@ pub fn vouch_peer_run<T>(
             // An older run's messages were dropped until now, its first snapshot
             // perhaps among them: its engines ask for one at their first delta.
             let refused_until_now = before.is_some_and(|held| held > incarnation);
-            let first_heard = run.first_heard() && !refused_until_now;
+            let first_heard = run.first_heard(refused_until_now);
             reset_other_runs(engines, gossip, incarnation, first_heard);
             true
         }
@@ -298,6 +298,18 @@ fn reset_other_runs<T>(
         if other {
             g.reset_run(incarnation, first_heard);
         }
+    }
+}
+
+/// An engine of the peer that has heard nothing yet, taking a message of the run
+/// `run` holds: when that run was not heard from its start, the engine is of the run
+/// at once, as those held when the run began were made ([`reset_other_runs`]), and asks
+/// for a snapshot at its first delta. Why: the driver makes a peer's engines as their
+/// messages arrive, so one made after the run began missed that reset, and would wait
+/// seconds for a first snapshot that was dropped.
+fn adopt_if_unheard(g: &mut PeerGossip, run: &PeerRun) {
+    if let (true, None, Some(held)) = (run.heard_after_drops, g.incarnation, run.held) {
+        g.reset_run(held, false);
     }
 }
 
@@ -351,6 +363,11 @@ pub struct PeerRun {
     /// Messages of the peer were dropped before the driver held state for it
     /// ([`PeerRun::messages_dropped`]), not yet taken into account by a new run.
     dropped: bool,
+    /// The run held was not heard from its first message on (messages dropped before
+    /// the driver held the peer, or refused until membership vouched for it): an engine
+    /// of the peer that has heard nothing yet, made after the run became the one held,
+    /// is of the run at once too ([`adopt_if_unheard`]).
+    heard_after_drops: bool,
 }
 
 impl PeerRun {
@@ -381,9 +398,12 @@ impl PeerRun {
     }
 
     /// Whether the run about to become the one heard was heard from its first message
-    /// on; consumes [`PeerRun::messages_dropped`].
-    fn first_heard(&mut self) -> bool {
-        !std::mem::take(&mut self.dropped)
+    /// on: not when messages were dropped ([`PeerRun::messages_dropped`], consumed
+    /// here) or the run's were refused until now.
+    fn first_heard(&mut self, refused_until_now: bool) -> bool {
+        let first_heard = !std::mem::take(&mut self.dropped) && !refused_until_now;
+        self.heard_after_drops = !first_heard;
+        first_heard
     }
 
     fn admit(&mut self, incarnation: u64) -> RunVerdict {
@@ -1663,12 +1683,17 @@ mod tests {
         let (me, b) = (NodeId::from("a"), NodeId::from("b"));
         let cfg = GossipConfig::default();
         for (dropped, asks) in [(false, false), (true, true)] {
-            let mut engines = vec![PeerGossip::new(); 2];
+            // The driver holds one engine of the peer at first and makes the next
+            // when a message names it (as `PeerEntry::make_room` does).
+            let mut engines = vec![PeerGossip::new()];
             let mut run = PeerRun::new();
             if dropped {
                 run.messages_dropped();
             }
-            for r in 0..2u16 {
+            for r in 0..3u16 {
+                if usize::from(r) == engines.len() {
+                    engines.push(PeerGossip::new());
+                }
                 let got = receive_from_peer(
                     &mut engines,
                     |g| g,
@@ -1688,7 +1713,7 @@ mod tests {
                 assert_eq!(engines[usize::from(r)].pending(), usize::from(!asks));
             }
             // Taken into account once: a later new run is heard from its start.
-            assert!(run.first_heard());
+            assert!(!run.dropped);
         }
     }
 
