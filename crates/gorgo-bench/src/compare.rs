@@ -207,7 +207,7 @@ pub async fn compare(
             // A cluster that did not go down may hold the ports the next one needs: its
             // run stands (it finished), and the sequence stops.
             // A failed run whose cluster also failed to go down: both are said.
-            let failures = outcomes(&mut runs, [(policy, run)], down.err());
+            let failures = outcomes(&mut runs, [(policy, run, down)]);
             if !failures.is_empty() {
                 let rest = spec.policies[k + 1..].to_vec();
                 return keep_finished(runs, rest, failures);
@@ -235,13 +235,9 @@ pub async fn compare(
             .zip(&clusters)
             .map(|(policy, cluster)| run_policy(spec, policy, cluster, requests.clone(), &cancel));
         let results = futures::future::join_all(replays).await;
-        let mut first_err = None;
-        for cluster in clusters {
-            if let Err(e) = cluster.down() {
-                first_err.get_or_insert(e);
-            }
-        }
-        let failures = outcomes(&mut runs, spec.policies.iter().zip(results), first_err);
+        let downs = clusters.into_iter().map(RunningCluster::down);
+        let ended = spec.policies.iter().zip(results).zip(downs);
+        let failures = outcomes(&mut runs, ended.map(|((p, run), down)| (p, run, down)));
         if !failures.is_empty() {
             return keep_finished(runs, Vec::new(), failures);
         }
@@ -253,22 +249,28 @@ pub async fn compare(
     })
 }
 
-/// Keep each policy's finished run in `runs`; return the failures, each policy's and
-/// the teardown's (named "(teardown)"), in that order.
+/// Keep each policy's finished run in `runs`; return the failures: a policy's run
+/// under its name, its cluster's teardown as "<policy> (teardown)" (a run that finished
+/// stands though its cluster failed to go down).
 fn outcomes<'a>(
     runs: &mut Vec<PolicyRun>,
-    results: impl IntoIterator<Item = (&'a String, Result<PolicyRun, BenchError>)>,
-    teardown: Option<BenchError>,
+    ended: impl IntoIterator<
+        Item = (
+            &'a String,
+            Result<PolicyRun, BenchError>,
+            Result<(), BenchError>,
+        ),
+    >,
 ) -> Vec<(String, BenchError)> {
     let mut failures = Vec::new();
-    for (policy, r) in results {
-        match r {
+    for (policy, run, down) in ended {
+        match run {
             Ok(run) => runs.push(run),
             Err(e) => failures.push((policy.clone(), e)),
         }
-    }
-    if let Some(e) = teardown {
-        failures.push(("(teardown)".to_owned(), e));
+        if let Err(e) = down {
+            failures.push((format!("{policy} (teardown)"), e));
+        }
     }
     failures
 }
