@@ -120,6 +120,19 @@ struct Dispatched {
     decodes_from_expected_end: bool,
 }
 
+/// How a request's first token was seen ([`EngineView::first_token`],
+/// [`EngineView::first_token_unmeasured`]).
+#[derive(Debug, Clone, Copy)]
+enum FirstTokenSeen {
+    /// With the engine-side TTFT the fit learns from.
+    Measured(f64),
+    /// In a success, with no prefill time the fit can use.
+    Unmeasured,
+    /// No first token: an error's head, or a prefill taken as done at its expected
+    /// end ([`EngineView::settle_unobserved`]).
+    NoPrefillTime,
+}
+
 /// What the view counted when a scrape was asked for ([`EngineView::scrape_started`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ScrapeMark {
@@ -174,6 +187,11 @@ pub struct EngineView {
     unobserved: BTreeMap<(u64, u64), u64>,
 }
 
+/// How long failing scrapes keep the last good one's gauges in the view, ms
+/// ([`EngineView::scrape_failed`]): many scrape intervals of a slow or briefly
+/// failing exporter.
+pub const STALE_SCRAPE_MS: u64 = 10_000;
+
 /// Gain of the decode-time EWMA: about the last eight requests.
 const DECODE_GAIN: f64 = 1.0 / 8.0;
 
@@ -194,8 +212,9 @@ pub struct ViewCounters {
     pub inflight: u64,
     /// Expected prefill tokens of those not past their first token.
     pub unfinished_prefill_tokens: u64,
-    /// How many of those are not past their first token: the engine's `waiting`
-    /// beyond this is work another router sent.
+    /// How many of those are not past their first token (the engine's `waiting`
+    /// beyond what this was when the last scrape was asked for, and the dispatches
+    /// since, is work another router sent).
     pub unprefilled: u64,
     /// Raw prompt tokens of those not finished.
     pub queued_prompt_tokens: u64,
@@ -271,6 +290,22 @@ impl EngineView {
         ScrapeMark {
             unprefilled: self.unprefilled,
             dispatches: self.next_seq,
+        }
+    }
+
+    /// A scrape asked for with `mark` failed at `now_ms` (no answer, an error status,
+    /// a body over the cap). The last good scrape's gauges stay for up to
+    /// [`STALE_SCRAPE_MS`]; past that the view forgets them and counts with its own
+    /// accounting alone, as for an engine with no metrics. Why: an engine whose
+    /// `/metrics` stops answering while it serves (a hung exporter) left its last
+    /// `waiting` gossiped for good, as work the node could not explain, and a full
+    /// `running` that hid the prefill in progress.
+    pub fn scrape_failed(&mut self, mark: ScrapeMark, now_ms: u64) {
+        if self
+            .scraped_at_ms
+            .is_some_and(|at| now_ms.saturating_sub(at) >= STALE_SCRAPE_MS)
+        {
+            self.scrape(EngineMetrics::default(), mark, now_ms);
         }
     }
 
@@ -460,7 +495,9 @@ impl EngineView {
     }
 
     /// The wait a request dispatched at `now_ms` is expected to see behind work
-    /// already at the engine, ms (the unweighted [`crate::cost::queue_ms`] of this view's stats).
+    /// already at the engine, ms (the unweighted [`crate::cost::queue_ms`] of this view's
+    /// stats, as of the last settling of requests not streamed: [`EngineView::dispatch`]
+    /// and [`EngineView::queue_stats`] settle first).
     pub fn queued_estimate_ms(&self, now_ms: u64) -> f64 {
         self.queue_wait(now_ms).ms
     }
@@ -570,7 +607,7 @@ impl EngineView {
                 .get(&id)
                 .is_some_and(|d| d.seq == seq && !d.prefilled)
             {
-                self.prefill_done(id, None, end);
+                self.prefill_done(id, FirstTokenSeen::NoPrefillTime, end);
                 self.last_prefill_end_ms = self.last_prefill_end_ms.max(Some(end));
             }
         }
@@ -582,12 +619,29 @@ impl EngineView {
     /// value the fit observes it less the wait estimated at dispatch. Repeats and
     /// unknown ids are ignored.
     pub fn first_token(&mut self, id: u64, engine_ttft_ms: Option<f64>, now_ms: u64) {
-        self.prefill_done(id, engine_ttft_ms, now_ms);
+        let seen = match engine_ttft_ms {
+            Some(ttft) => FirstTokenSeen::Measured(ttft),
+            None => FirstTokenSeen::NoPrefillTime,
+        };
+        self.prefill_done(id, seen, now_ms);
+    }
+
+    /// The first token of `id` arrived in a response that succeeded, with no prefill
+    /// time the fit can use (the node's unrouted paths: their prompt sizes are
+    /// estimates): its prefill is done, the next one starts now, and it decodes from
+    /// now. A response that is not streamed ([`EngineView::dispatch_unobserved`]) still
+    /// decodes from its expected prefill end. Repeats and unknown ids are ignored.
+    ///
+    /// Why not [`EngineView::first_token`] with `None`: that is an error's head, no
+    /// prefill and no decode; a success taken so never taught a decode time, and the
+    /// prefill behind it was counted from its dispatch, not from its end.
+    pub fn first_token_unmeasured(&mut self, id: u64, now_ms: u64) {
+        self.prefill_done(id, FirstTokenSeen::Unmeasured, now_ms);
     }
 
     /// [`EngineView::first_token`], also for a prefill taken as done
     /// ([`EngineView::settle_unobserved`]).
-    fn prefill_done(&mut self, id: u64, engine_ttft_ms: Option<f64>, now_ms: u64) {
+    fn prefill_done(&mut self, id: u64, seen: FirstTokenSeen, now_ms: u64) {
         let Some(d) = self.dispatched.get_mut(&id) else {
             return;
         };
@@ -606,25 +660,29 @@ impl EngineView {
         // with the decode time learnt then; [`EngineView::release`] takes that part out
         // of the sample. One that finishes before its expected end, with no decode
         // priced ahead of it, decoded for about nothing, and counts as 0.
-        d.first_token_ms = match (engine_ttft_ms, d.expected_prefill_end_ms) {
-            (Some(_), _) => Some(now_ms),
-            (None, Some(end)) => Some(end),
-            (None, None) => None,
+        let (first, from_expected_end) = match (seen, d.expected_prefill_end_ms) {
+            (FirstTokenSeen::Measured(_), _) => (Some(now_ms), false),
+            (_, Some(end)) => (Some(end), true),
+            (FirstTokenSeen::Unmeasured, None) => (Some(now_ms), false),
+            (FirstTokenSeen::NoPrefillTime, None) => (None, false),
         };
-        d.decodes_from_expected_end = engine_ttft_ms.is_none() && d.first_token_ms.is_some();
+        d.first_token_ms = first;
+        d.decodes_from_expected_end = from_expected_end;
         let d = *d;
         if let Some(end) = d.expected_prefill_end_ms {
             self.unobserved.remove(&(end, d.seq));
         }
-        if engine_ttft_ms.is_some() {
-            self.last_prefill_end_ms = Some(now_ms);
+        if first.is_some() && !from_expected_end {
+            // The max: drivers stamp events before they take the view, so two may
+            // arrive out of order by a millisecond or so.
+            self.last_prefill_end_ms = self.last_prefill_end_ms.max(Some(now_ms));
         }
         self.prune_prefill_order();
         self.unfinished_prefill_tokens = self
             .unfinished_prefill_tokens
             .saturating_sub(d.prefill_tokens);
         self.unprefilled = self.unprefilled.saturating_sub(1);
-        if let Some(ttft) = engine_ttft_ms {
+        if let FirstTokenSeen::Measured(ttft) = seen {
             self.fit
                 .observe_after_wait(ttft, 0.0, d.queued_est_ms, d.prefill_tokens);
         }
@@ -1187,6 +1245,50 @@ mod tests {
         assert_eq!(v.counters().inflight, 0);
     }
 
+    /// A `/metrics` that stops answering keeps its last gauges for a while, then the
+    /// view counts with its own accounting alone: a stale `waiting` is not gossiped as
+    /// someone else's work for good.
+    #[test]
+    fn failing_scrapes_let_the_last_gauges_go_after_a_while() {
+        let mut v = view();
+        let mark = v.scrape_started();
+        let metrics = EngineMetrics {
+            running: Some(4.0),
+            waiting: Some(20.0),
+            ..EngineMetrics::default()
+        };
+        v.scrape(metrics, mark, 0);
+        assert_eq!(v.queue_stats(0, 0).waiting, 20);
+        let mark = v.scrape_started();
+        v.scrape_failed(mark, STALE_SCRAPE_MS - 1);
+        assert_eq!(v.queue_stats(0, STALE_SCRAPE_MS - 1).waiting, 20);
+        let mark = v.scrape_started();
+        v.scrape_failed(mark, STALE_SCRAPE_MS);
+        let stats = v.queue_stats(0, STALE_SCRAPE_MS);
+        assert_eq!((stats.waiting, stats.running), (0, 0));
+        assert_eq!(stats.unfinished_prefill_tokens, 0);
+    }
+
+    /// A success whose first token comes with no prefill time the fit can use (the
+    /// node's unrouted paths) is past its prefill and decodes from then; the fit learns
+    /// nothing. An error's head (`first_token` with `None`) teaches no decode time.
+    #[test]
+    fn an_unmeasured_first_token_teaches_the_decode_time_and_not_the_fit() {
+        let mut v = serial_view();
+        let fit = v.fit().clone();
+        v.dispatch(1, 100, 100, 0);
+        v.first_token_unmeasured(1, 800);
+        assert_eq!(v.counters().unprefilled, 0);
+        v.finish(1, 5_800);
+        assert_eq!(v.slots().unwrap().decode_ms, 5_000.0);
+        assert_eq!(v.fit().t_p_ms(), fit.t_p_ms());
+        assert_eq!(v.fit().base_ms(), fit.base_ms());
+        v.dispatch(2, 100, 100, 6_000);
+        v.first_token(2, None, 6_100);
+        v.finish(2, 6_200);
+        assert_eq!(v.slots().unwrap().decode_ms, 5_000.0);
+    }
+
     /// The decode time learnt from responses that are not streamed is measured from an
     /// expected prefill end that includes the slot wait, priced with the decode time
     /// learnt at dispatch: with `k` decodes priced ahead, an error of the estimate comes
@@ -1352,7 +1454,7 @@ mod tests {
                         }
                     }
                     Op::Finish { id } => {
-                        v.finish(id as u64, 0);
+                        v.finish(id as u64, now);
                         open.remove(&(id as u64));
                     }
                     Op::Scrape { running, waiting } => v.scrape(
@@ -1381,6 +1483,10 @@ mod tests {
                 let c = v.counters();
                 prop_assert!(s.unfinished_prefill_tokens + largest >= c.unfinished_prefill_tokens);
                 prop_assert!(s.t_p_ms.is_finite() && s.base_ms.is_finite());
+                // Every decode sample is a time at least 0, so is what they teach.
+                let decode = v.decode_ms.unwrap_or(0.0);
+                prop_assert!(decode.is_finite() && decode >= 0.0, "decode {}", decode);
+                prop_assert!(decode <= now as f64, "decode {} at {}", decode, now);
             }
             let ids: Vec<u64> = open.keys().copied().collect();
             for id in ids {

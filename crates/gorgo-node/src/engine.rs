@@ -559,34 +559,44 @@ impl EngineAdapter {
             .is_none_or(|t| now.saturating_sub(t) >= MODELS_REFRESH.as_millis() as u64)
     }
 
-    /// One scrape of `/metrics`; failures keep the previous values.
+    /// One scrape of `/metrics`; a failure keeps the previous values for a while
+    /// ([`EngineView::scrape_failed`]).
     pub async fn scrape(&self) {
         if self.kind == EngineKind::Openai {
             return;
         }
-        let url = format!("{}/metrics", self.base);
         // What the view counts as the engine takes its gauges (see `scrape_started`).
         let mark = self.view.lock().scrape_started();
+        let metrics = self.read_metrics().await;
+        let now_ms = self.now_ms();
+        let mut view = self.view.lock();
+        match metrics {
+            Some(metrics) => view.scrape(metrics, mark, now_ms),
+            None => view.scrape_failed(mark, now_ms),
+        }
+    }
+
+    /// The engine's `/metrics`, parsed; `None` when it could not be read.
+    async fn read_metrics(&self) -> Option<EngineMetrics> {
+        let url = format!("{}/metrics", self.base);
         let Ok(Ok(resp)) =
             tokio::time::timeout(Duration::from_secs(5), self.client.get(url).send()).await
         else {
-            return;
+            return None;
         };
         if !resp.status().is_success() {
-            return;
+            return None;
         }
         let Ok(Some(body)) =
             tokio::time::timeout(Duration::from_secs(5), read_capped(resp, MAX_METRICS_BYTES))
                 .await
         else {
-            return;
+            return None;
         };
         // Lossy, as reading it as text did before the cap: one bad byte in a label
         // value must not cost the whole scrape.
         let text = String::from_utf8_lossy(&body);
-        let metrics = parse_engine_metrics(&text, self.kind);
-        let now_ms = self.now_ms();
-        self.view.lock().scrape(metrics, mark, now_ms);
+        Some(parse_engine_metrics(&text, self.kind))
     }
 
     /// Run health checks, scrapes, and the reads of the model list and concurrency
@@ -815,6 +825,16 @@ impl EngineTicket {
 }
 
 impl EngineTicket {
+    /// The first response byte of a success arrived now, with no prefill time the fit
+    /// can use ([`EngineView::first_token_unmeasured`]). Repeats are ignored.
+    pub fn prefilled_unmeasured(&mut self) {
+        let now_ms = self.engine.now_ms();
+        self.engine
+            .view
+            .lock()
+            .first_token_unmeasured(self.id, now_ms);
+    }
+
     /// The response ran to its end with a success status: release it, and let its
     /// decode time count ([`EngineView::finish`]). An error response is dropped
     /// instead (cancelled): its body is no decode.

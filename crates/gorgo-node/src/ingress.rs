@@ -301,10 +301,16 @@ async fn local_passthrough(
         .map(|v| vec![("content-type".to_owned(), v.to_owned())])
         .unwrap_or_default();
     // The ticket and the breaker's verdict ride with the body (its first chunk marks
-    // the prefill; no fit sample: these prompts' sizes are estimates).
-    let on_chunk = |_: &reqwest::Result<Bytes>, ticket: Option<&mut EngineTicket>| {
+    // the prefill, and a success's its decode's start; no fit sample: these prompts'
+    // sizes are estimates).
+    let ok = status < 300;
+    let on_chunk = move |chunk: &reqwest::Result<Bytes>, ticket: Option<&mut EngineTicket>| {
         if let Some(t) = ticket {
-            t.prefilled(None);
+            if ok && chunk.is_ok() {
+                t.prefilled_unmeasured();
+            } else {
+                t.prefilled(None);
+            }
         }
     };
     let body = relay_engine_body(&state, engine, resp, ticket, on_chunk, ());
