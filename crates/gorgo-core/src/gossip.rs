@@ -718,10 +718,11 @@ impl Received {
     }
 }
 
-/// The receiver half for one peer: its summary and stats as heard, and the reorder
-/// buffer, all of one incarnation of the peer. The driver keeps one per peer in its
-/// peer table and calls [`PeerGossip::forget`] when the peer's membership identity
-/// changes.
+/// The receiver half for one engine of a peer: its summary and stats as heard, and
+/// the reorder buffer, all of one run of the peer. The driver keeps one per peer engine
+/// in its peer table, hands it messages through [`receive_from_peer`] (which decides
+/// the run, [`PeerRun`], for all of the peer's engines), and calls
+/// [`PeerGossip::forget`] when the peer's membership identity changes.
 ///
 /// **Snapshots on their way.** A snapshot is waited for once this engine has asked
 /// for one, and when a delta of a run arrives before the run's first snapshot (every
@@ -750,7 +751,9 @@ impl Received {
 /// one is asked for again.
 #[derive(Debug, Clone, Default)]
 pub struct PeerGossip {
-    /// The newest incarnation of the peer heard from; `None` before any message.
+    /// The run of the peer this engine holds state of: the newest heard, or an older
+    /// one membership vouched for ([`PeerRun`]); `None` before any message, and after
+    /// a reset for a run that adopts it with its first message.
     incarnation: Option<u64>,
     summary: Option<PeerSummary>,
     stats: Option<QueueStats>,
@@ -900,7 +903,7 @@ impl PeerGossip {
         self.snapshot_request(me, replica, now_ms, config)
     }
 
-    /// The newest incarnation of the peer heard from, if any.
+    /// The run of the peer this engine holds state of, if any (see the field).
     pub fn incarnation(&self) -> Option<u64> {
         self.incarnation
     }
