@@ -34,6 +34,11 @@ cargo fmt --all -- --check
 echo "== cargo clippy --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
 
+# Every public item carries a doc comment saying why it exists; a link in one that no
+# longer resolves (an item renamed or made private) is caught here.
+echo "== cargo doc --no-deps, warnings denied"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
+
 # In CI the Prometheus tests must run: a missing `prometheus` or `promtool` fails them
 # instead of skipping them (.ci/run installs Debian's package).
 if [ "${CI:-}" = "true" ]; then

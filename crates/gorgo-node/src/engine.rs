@@ -393,7 +393,7 @@ impl EngineAdapter {
     }
 
     /// [`EngineAdapter::learn_models`] for a client's request while no list is known:
-    /// at most one such read per [`LIMIT_RETRY`] whatever the number of requests (an
+    /// at most one such read per `LIMIT_RETRY` whatever the number of requests (an
     /// engine whose list does not parse would otherwise get one read per `/v1/models`
     /// call, from callers who need no token); the periodic task keeps trying anyway.
     pub async fn learn_models_if_unknown(&self) {

@@ -129,7 +129,7 @@ pub struct NodeMetrics {
     /// Cost terms of the chosen candidate, seconds.
     pub cost_terms: Family<TermLabels, Histogram>,
     /// Gossip bytes sent (the cluster's running total, mirrored at each scrape:
-    /// [`NodeMetrics::observe_gossip`]).
+    /// `NodeMetrics::observe_gossip`).
     pub gossip_sent_bytes: Counter,
     /// Gossip bytes received.
     pub gossip_received_bytes: Counter,

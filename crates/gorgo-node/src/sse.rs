@@ -5,7 +5,7 @@
 //! (`ingress`), which ends a broken stream with an error event of its own rather than
 //! glued onto half an event, and the serving node's relay, which drops the usage-only
 //! event a client did not ask for (`crate::stream_usage`). Both cut the stream with the
-//! one [`EventFramer`] here.
+//! one `EventFramer` here.
 
 use bytes::{Bytes, BytesMut};
 

@@ -239,7 +239,7 @@ fn with_include_usage(body: &[u8], has_stream_options: bool) -> Option<Bytes> {
 }
 
 /// Drops usage-only events from an engine's event stream as it passes: whole events
-/// are cut by the relay's [`EventFramer`] (each goes out as soon as the blank line
+/// are cut by the relay's `EventFramer` (each goes out as soon as the blank line
 /// that ends it arrives), an event over the framer's cap passes unread, and an event
 /// is dropped only when its data is a JSON object with `choices` an empty array and
 /// `usage` an object. Usage carried on a content event (non-empty `choices`), as some
