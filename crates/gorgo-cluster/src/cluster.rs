@@ -981,7 +981,10 @@ impl ClusterHandle {
     /// Gossip `summary` as this node's engine `replica` (a replica added at run time,
     /// or the engines after the first at start), replacing what that replica
     /// gossiped: peers get a snapshot of it on the next round. Its stats follow with
-    /// [`broadcast_stats`](Self::broadcast_stats).
+    /// [`broadcast_stats`](Self::broadcast_stats). Versions only grow within a run:
+    /// a peer keeps what it holds of the replica against a snapshot of a lower
+    /// version, so a summary that replaces another must continue its versions (the
+    /// node never replaces one: it does not reuse replica numbers).
     pub fn set_engine(&self, replica: u16, summary: Arc<dyn SummarySource>) -> Result<()> {
         if replica >= gorgo_core::types::MAX_REPLICAS {
             return Err(ClusterError::Config {

@@ -196,7 +196,8 @@ impl GossipDriver {
     }
 
     /// Gossip `summary` as engine `replica` (replacing what that replica gossiped:
-    /// every peer gets a snapshot of it on the next round).
+    /// every peer gets a snapshot of it on the next round, and takes it only if its
+    /// version is above the one it holds: see [`crate::ClusterHandle::set_engine`]).
     pub(crate) fn set_engine(&self, replica: u16, summary: Arc<dyn SummarySource>) {
         let mut engines = self.engines.lock();
         // Stamped from the start: a summary sent before the first stats are

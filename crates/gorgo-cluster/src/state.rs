@@ -465,9 +465,12 @@ impl PeerTable {
             // we held may be a dead run's. The run heard stays, so that a dead run's
             // messages still travelling cannot come back; the first stats broadcast
             // of this identity vouches for its run, whatever its incarnation
-            // (`vouch_run`).
-            for h in &mut e.engines {
-                h.forget();
+            // (`vouch_run`). Unless a newer run's messages came first: then what is
+            // held is already that run's (the old run's went when it arrived).
+            if !e.run.new_run_since_membership() {
+                for h in &mut e.engines {
+                    h.forget();
+                }
             }
             e.run.membership_changed();
         }
@@ -788,6 +791,50 @@ mod tests {
                 stats,
             },
         }
+    }
+
+    /// A restarted peer's snapshot that arrives before membership brings its new
+    /// identity is kept when the identity comes: it is already the new run's. A rejoin
+    /// of the run membership has vouched for lets go of what is held, as before.
+    #[test]
+    fn a_new_runs_state_heard_before_its_identity_is_kept() {
+        let config = GossipConfig::default();
+        let t = PeerTable::default();
+        let a = NodeId::from("a");
+        let of_run = |incarnation: u64| {
+            let mut msg = summary_msg(0, None);
+            if let GossipMessage::SummarySnapshot { stats, .. } = &mut msg {
+                stats.incarnation = incarnation;
+            }
+            msg
+        };
+        let held = |t: &PeerTable| {
+            t.peers.get(&a).unwrap().engines[0]
+                .gossip
+                .summary()
+                .is_some()
+        };
+        t.member_up(&me(), &member("a", 1), Instant::now());
+        t.peers
+            .get_mut(&a)
+            .unwrap()
+            .receive(&me(), &a, of_run(1), 0, &config)
+            .unwrap();
+        // Membership vouches for the run held (the run heard does not change).
+        assert!(!t.vouch_run(&member("a", 1), 1));
+        // The restart: run 2's snapshot first, then its identity.
+        t.peers
+            .get_mut(&a)
+            .unwrap()
+            .receive(&me(), &a, of_run(2), 0, &config)
+            .unwrap();
+        assert!(held(&t));
+        t.member_up(&me(), &member("a", 2), Instant::now());
+        assert!(held(&t), "run 2's summary was let go");
+        // Membership vouches for run 2; a later rejoin of it lets go, as before.
+        assert!(!t.vouch_run(&member("a", 2), 2));
+        t.member_up(&me(), &member("a", 3), Instant::now());
+        assert!(!held(&t));
     }
 
     /// A peer's first snapshot dropped because the table did not hold it yet: once

@@ -368,6 +368,9 @@ pub struct PeerRun {
     /// of the peer that has heard nothing yet, made after the run became the one held,
     /// is of the run at once too ([`adopt_if_unheard`]).
     heard_after_drops: bool,
+    /// A run became the one heard since membership last accepted a new identity or
+    /// vouched for a run ([`PeerRun::new_run_since_membership`]).
+    new_since_membership: bool,
 }
 
 impl PeerRun {
@@ -385,6 +388,17 @@ impl PeerRun {
     /// vouches for ([`vouch_peer_run`]) becomes the run heard.
     pub fn membership_changed(&mut self) {
         self.vouch_open = true;
+        self.new_since_membership = false;
+    }
+
+    /// Whether a run became the one heard (newer than any before) since membership
+    /// last accepted a new identity for the peer or vouched for a run. Why: a
+    /// restarted peer's messages can reach this node before membership brings its new
+    /// identity, and what its engines then hold is already the new run's; a driver
+    /// that let go of everything held when the identity changed threw that away, and
+    /// asked for every engine's snapshot again.
+    pub fn new_run_since_membership(&self) -> bool {
+        self.new_since_membership
     }
 
     /// The driver dropped messages of the peer before it held state for it (a
@@ -416,6 +430,7 @@ impl PeerRun {
             _ => {
                 self.held = Some(incarnation);
                 self.dead.retain(|&d| d > incarnation);
+                self.new_since_membership = true;
                 RunVerdict::New
             }
         }
@@ -426,6 +441,13 @@ impl PeerRun {
             return RunVerdict::Refused;
         }
         self.dead.retain(|&d| d != incarnation);
+        let verdict = self.vouched(incarnation);
+        self.new_since_membership = false;
+        verdict
+    }
+
+    /// [`PeerRun::vouch`] once membership's word is taken.
+    fn vouched(&mut self, incarnation: u64) -> RunVerdict {
         match self.held {
             Some(held) if held == incarnation => RunVerdict::Held,
             Some(held) if held > incarnation => {
