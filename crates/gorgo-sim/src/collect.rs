@@ -96,6 +96,10 @@ pub struct SimCounters {
     pub gossip_arriving_until_ms: f64,
     /// Gossip messages lost (`gossip_loss`).
     pub gossip_lost: u64,
+    /// Gossip messages the receiver refused, as the live cluster refuses them (a
+    /// snapshot that would take a peer's engines together over
+    /// `max_peer_fingerprints`): counted, and the run goes on.
+    pub gossip_refused: u64,
     /// Snapshot requests sent after a version gap.
     pub snapshot_requests: u64,
     /// Times a node held a request back from its engine (`SimConfig::hold_tokens`),

@@ -2183,8 +2183,15 @@ impl<'a> Sim<'a> {
                     now as u64,
                     &config,
                 );
-                // The simulator only builds well-formed messages between honest nodes.
-                let received = received.expect("simulated gossip is well-formed");
+                // Honest nodes' messages, but a cluster of many large engines can still
+                // take a peer over the fingerprint cap: refused, as live.
+                let received = match received {
+                    Ok(received) => received,
+                    Err(_) => {
+                        self.out.run.counters.gossip_refused += 1;
+                        return;
+                    }
+                };
                 // The ledger observes these stats when the next decision builds its
                 // candidates (core `build_candidates`), as of their arrival now, as on
                 // the live node.
