@@ -342,6 +342,15 @@ impl EngineView {
             .unwrap_or(DEFAULT_KV_CAPACITY_TOKENS)
     }
 
+    /// The accounting counters at `now_ms`, with the requests not streamed whose
+    /// prefill is expected to have ended by then taken as prefilled (as
+    /// [`EngineView::queue_stats`] takes them). [`EngineView::counters`] gives them as
+    /// of the last such settling.
+    pub fn counters_at(&mut self, now_ms: u64) -> ViewCounters {
+        self.settle_unobserved(now_ms);
+        self.counters()
+    }
+
     /// The accounting counters now.
     pub fn counters(&self) -> ViewCounters {
         ViewCounters {
@@ -1243,6 +1252,20 @@ mod tests {
         let d = d * (1.0 - DECODE_GAIN);
         assert!((v.slots().unwrap().decode_ms - d).abs() < 1e-9);
         assert_eq!(v.counters().inflight, 0);
+    }
+
+    /// A reader of the counters at a time (the simulator's hold queue) sees a request
+    /// not streamed as prefilled once its prefill is expected to have ended, as the
+    /// stats do; the plain counters keep it until something settles the view.
+    #[test]
+    fn counters_at_a_time_settle_the_unobserved_requests() {
+        let mut v = serial_view();
+        // 100 tokens at 0.5 ms, nothing ahead: expected to end 50 ms in.
+        v.dispatch_unobserved(1, 100, 100, 0);
+        assert_eq!(v.counters().unfinished_prefill_tokens, 100);
+        assert_eq!(v.counters_at(49).unfinished_prefill_tokens, 100);
+        assert_eq!(v.counters_at(50).unfinished_prefill_tokens, 0);
+        assert_eq!(v.counters().unprefilled, 0);
     }
 
     /// A `/metrics` that stops answering keeps its last gauges for a while, then the

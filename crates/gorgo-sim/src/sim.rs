@@ -1256,7 +1256,10 @@ impl<'a> Sim<'a> {
         }
         let send_ms = self.flight(slot).send_ms as u64;
         let node = &mut self.nodes[r];
-        let unfinished = node.engines[k].view.counters().unfinished_prefill_tokens;
+        let unfinished = node.engines[k]
+            .view
+            .counters_at(now as u64)
+            .unfinished_prefill_tokens;
         let in_pass = node.in_hold_pass;
         let Some(q) = node.hold.as_mut() else {
             return false;
@@ -1288,12 +1291,12 @@ impl<'a> Sim<'a> {
         self.nodes[r].hold_tick_pending = false;
         self.nodes[r].in_hold_pass = true;
         for h in list {
-            let node = &self.nodes[r];
+            let node = &mut self.nodes[r];
             let q = node.hold.as_ref().expect("checked above");
             let free = node
                 .engines
-                .iter()
-                .any(|e| !q.engine_busy(e.view.counters().unfinished_prefill_tokens));
+                .iter_mut()
+                .any(|e| !q.engine_busy(e.view.counters_at(now as u64).unfinished_prefill_tokens));
             if q.is_due(&h, now as u64, free) {
                 self.route_at(h.id as u32, r, now);
             } else if let Some(q) = self.nodes[r].hold.as_mut() {
