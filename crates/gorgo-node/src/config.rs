@@ -698,6 +698,23 @@ pub struct LimitsSection {
     pub retry_after_s: u64,
 }
 
+impl LimitsSection {
+    /// How long to wait for a response head from an engine or a peer: the first-byte
+    /// timeout for a streamed response, whose head comes with its first token; the
+    /// request timeout for one that is not streamed, whose head SGLang and vLLM send
+    /// only once the whole answer is generated. Why: bounded by the first-byte timeout
+    /// (120 s), a long answer that was not streamed timed out while it was generated,
+    /// counted against the engine's breaker, and was generated again elsewhere.
+    pub fn head_timeout(&self, streamed: bool) -> std::time::Duration {
+        let first_byte = std::time::Duration::from_millis(self.first_byte_timeout_ms);
+        if streamed {
+            first_byte
+        } else {
+            std::time::Duration::from_millis(self.request_timeout_ms).max(first_byte)
+        }
+    }
+}
+
 impl Default for LimitsSection {
     fn default() -> Self {
         LimitsSection {
@@ -1388,6 +1405,26 @@ token = "secret-token"
 "#;
 
     /// Every spelling of one engine normalises to one URL; other engines stay apart.
+    /// A response that is not streamed sends its head only when the whole answer is
+    /// generated: its head waits for the request timeout, a streamed one's for the
+    /// first-byte timeout (never less, whatever the request timeout says).
+    #[test]
+    fn a_head_that_comes_with_the_whole_answer_waits_for_the_request_timeout() {
+        let limits = LimitsSection {
+            first_byte_timeout_ms: 300,
+            request_timeout_ms: 60_000,
+            ..LimitsSection::default()
+        };
+        let ms = |d: std::time::Duration| d.as_millis();
+        assert_eq!(ms(limits.head_timeout(true)), 300);
+        assert_eq!(ms(limits.head_timeout(false)), 60_000);
+        let short = LimitsSection {
+            request_timeout_ms: 100,
+            ..limits
+        };
+        assert_eq!(ms(short.head_timeout(false)), 300);
+    }
+
     #[test]
     fn engine_urls_normalise_to_one_spelling() {
         for (url, want) in [

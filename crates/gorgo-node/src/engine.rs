@@ -84,7 +84,8 @@ pub struct EngineAdapter {
     models_asked_ms: AtomicU64,
     /// What the engine's `/v1/models` last listed.
     models: Mutex<EngineModels>,
-    first_byte_timeout: Duration,
+    /// [`LimitsSection::head_timeout`] of a streamed response and of one that is not.
+    head_timeouts: (Duration, Duration),
     view: Mutex<EngineView>,
     /// Ids of dispatches in the view, unique per adapter.
     next_ticket: AtomicU64,
@@ -132,7 +133,7 @@ impl EngineAdapter {
             models: Mutex::new(EngineModels::default()),
             limit_read: Mutex::new(None),
             models_asked_ms: AtomicU64::new(0),
-            first_byte_timeout: Duration::from_millis(limits.first_byte_timeout_ms),
+            head_timeouts: (limits.head_timeout(true), limits.head_timeout(false)),
             view: Mutex::new(view),
             next_ticket: AtomicU64::new(1),
             started: Instant::now(),
@@ -292,7 +293,9 @@ impl EngineAdapter {
         headers: &[(String, String)],
         body: Bytes,
     ) -> Result<reqwest::Response, EngineFailure> {
-        let result = self.send_streamed(method, path, headers, body).await;
+        let result = self
+            .send_streamed(method, path, headers, body, self.head_timeouts.0)
+            .await;
         if matches!(&result, Ok(resp) if !resp.status().is_server_error()) {
             self.record(RequestOutcome::Answered);
         }
@@ -309,6 +312,7 @@ impl EngineAdapter {
         path: &str,
         headers: &[(String, String)],
         body: Bytes,
+        head_timeout: Duration,
     ) -> Result<reqwest::Response, EngineFailure> {
         let now = self.now_ms();
         let (admission, probe_id) = {
@@ -331,7 +335,7 @@ impl EngineAdapter {
         };
         let opened = self.opened();
         let result = tokio::select! {
-            r = self.send(method, path, headers, body) => r,
+            r = self.send(method, path, headers, body, head_timeout) => r,
             _ = opened => Err(EngineFailure::Failed("engine circuit breaker opened".into())),
         };
         probe.held = false;
@@ -346,14 +350,25 @@ impl EngineAdapter {
         result
     }
 
-    /// Send a request to the engine and wait for its response head (bounded by the
-    /// first-byte timeout). The body streams from the returned response.
+    /// How long to wait for the engine's response head
+    /// ([`LimitsSection::head_timeout`]).
+    pub fn head_timeout(&self, first_token: FirstToken) -> Duration {
+        match first_token {
+            FirstToken::Streamed => self.head_timeouts.0,
+            FirstToken::AtTheEnd => self.head_timeouts.1,
+        }
+    }
+
+    /// Send a request to the engine and wait for its response head, at most
+    /// `head_timeout` ([`EngineAdapter::head_timeout`]). The body streams from the
+    /// returned response.
     pub async fn send(
         &self,
         method: http::Method,
         path: &str,
         headers: &[(String, String)],
         body: Bytes,
+        head_timeout: Duration,
     ) -> Result<reqwest::Response, EngineFailure> {
         let mut req = self
             .client
@@ -362,7 +377,7 @@ impl EngineAdapter {
             req = req.header(k.as_str(), v.as_str());
         }
         let fut = req.body(body).send();
-        match tokio::time::timeout(self.first_byte_timeout, fut).await {
+        match tokio::time::timeout(head_timeout, fut).await {
             Err(_) => Err(EngineFailure::Timeout),
             Ok(Err(e)) if e.is_timeout() => Err(EngineFailure::Timeout),
             // Without its URL: the message reaches clients (and peers' clients), who
@@ -854,6 +869,25 @@ impl Drop for EngineTicket {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_response_not_streamed_waits_for_its_head_as_long_as_the_request() {
+        let section: EngineSection =
+            toml::from_str("url = \"http://127.0.0.1:9\"\nkind = \"sglang\"").unwrap();
+        let limits = crate::config::LimitsSection::default();
+        let engine = EngineAdapter::new(&section, 0, &limits).unwrap();
+        assert_eq!(
+            engine.head_timeout(FirstToken::Streamed),
+            limits.head_timeout(true)
+        );
+        assert_eq!(
+            engine.head_timeout(FirstToken::AtTheEnd),
+            limits.head_timeout(false)
+        );
+        assert!(
+            engine.head_timeout(FirstToken::AtTheEnd) > engine.head_timeout(FirstToken::Streamed)
+        );
+    }
 
     #[test]
     fn tickets_drive_the_view() {

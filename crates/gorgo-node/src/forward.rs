@@ -108,7 +108,12 @@ pub async fn forward(
     req: &RoutedRequest,
     offer: Option<gorgo_core::decision::ForwardOffer>,
 ) -> Result<Upstream, NodeError> {
-    let timeout = Duration::from_millis(state.config.limits.first_byte_timeout_ms);
+    // The peer's head comes with its engine's: at the first token, or with the whole
+    // answer when it is not streamed.
+    let timeout = state
+        .config
+        .limits
+        .head_timeout(req.stream_usage.is_streamed());
     // Taken before opening: a death while the stream opens counts too.
     let mut gone = state.peers.peer_gone(peer);
     let span = telemetry::forward_span(&state.id, peer, req.hops.saturating_add(1));

@@ -552,7 +552,13 @@ pub async fn serve_local(
         .engine_body(engine.adapter.kind(), &req.body);
     let resp = engine
         .adapter
-        .send_streamed(http::Method::POST, req.endpoint.path(), &headers, sent.body)
+        .send_streamed(
+            http::Method::POST,
+            req.endpoint.path(),
+            &headers,
+            sent.body,
+            engine.adapter.head_timeout(first_token),
+        )
         .instrument(engine_span.clone())
         .await
         .map_err(|e| {

@@ -641,11 +641,15 @@ impl TuningDriver {
                 TuningOutput::Record(r) => {
                     // A start fit's record gives its one window as both arms'
                     // measurement: counted once.
-                    inner.total_samples += if r.verdict == Verdict::StartFit {
-                        r.samples
-                    } else {
-                        r.samples + r.incumbent_samples
-                    };
+                    // Saturating: the counts come from peers' reports.
+                    inner.total_samples =
+                        inner
+                            .total_samples
+                            .saturating_add(if r.verdict == Verdict::StartFit {
+                                r.samples
+                            } else {
+                                r.samples.saturating_add(r.incumbent_samples)
+                            });
                     let state = inner.tuner.current().map(|p| p.state.clone());
                     let trials = state.as_ref().map_or(0, |s| s.trials);
                     let step = inner.trace.back().map_or(0, |e| e.step) + 1;

@@ -34,9 +34,18 @@ impl Cluster {
 
 /// A non-streaming chat through `node`: its status and response headers, body read.
 async fn chat_response(node: &TestNode, prompt: &str) -> (u16, reqwest::header::HeaderMap) {
+    chat_response_as(node, prompt, false).await
+}
+
+/// [`chat_response`], streamed or not.
+async fn chat_response_as(
+    node: &TestNode,
+    prompt: &str,
+    stream: bool,
+) -> (u16, reqwest::header::HeaderMap) {
     let resp = client()
         .post(format!("{}/v1/chat/completions", node.base))
-        .json(&chat_body(prompt, false))
+        .json(&chat_body(prompt, stream))
         .send()
         .await
         .unwrap();
@@ -54,7 +63,14 @@ fn header(headers: &reqwest::header::HeaderMap, name: &str) -> String {
 }
 
 async fn chat(node: &TestNode, prompt: &str) -> (u16, String, u32) {
-    let (status, headers) = chat_response(node, prompt).await;
+    chat_as(node, prompt, false).await
+}
+
+/// [`chat`], streamed or not: a streamed request's head comes with its first token, so
+/// it is what the first-byte timeout bounds (one that is not streamed waits up to the
+/// request timeout: `LimitsSection::head_timeout`).
+async fn chat_as(node: &TestNode, prompt: &str, stream: bool) -> (u16, String, u32) {
+    let (status, headers) = chat_response_as(node, prompt, stream).await;
     let hops = header(&headers, "x-gorgo-hops").parse().unwrap_or(0);
     (status, header(&headers, "x-gorgo-served-by"), hops)
 }
@@ -288,7 +304,11 @@ async fn a_forward_the_peer_times_out_falls_back_locally() {
     )
     .await;
     let p = c.prefix_at_b(HANG).await;
-    let (status, headers) = or_hang("the forwarded request", chat_response(&c.nodes[0], &p)).await;
+    let (status, headers) = or_hang(
+        "the forwarded request",
+        chat_response_as(&c.nodes[0], &p, true),
+    )
+    .await;
     let served = header(&headers, "x-gorgo-served-by");
     assert_eq!((status, served.as_str()), (200, "a"));
     let d = admin_json(&c.nodes[0], "/admin/decisions?limit=1").await;
@@ -512,7 +532,7 @@ async fn a_peer_that_failed_a_request_is_left_out_of_its_next_try() {
     c.engines[1].set_mode(HANG);
     c.nodes[0].state().start_draining();
     let before = c.engines[1].requests();
-    let (status, served, _) = or_hang("the request", chat(&c.nodes[0], &p)).await;
+    let (status, served, _) = or_hang("the request", chat_as(&c.nodes[0], &p, true)).await;
     assert_eq!(status, 200);
     assert_eq!(served, "c");
     assert_eq!(c.engines[1].requests(), before + 1, "b was tried once");

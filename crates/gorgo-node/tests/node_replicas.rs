@@ -17,9 +17,16 @@ async fn engines(n: usize) -> Vec<Arc<StubEngine>> {
 }
 
 async fn chat(node: &TestNode, prompt: &str) -> u16 {
+    chat_as(node, prompt, false).await
+}
+
+/// [`chat`], streamed or not: a streamed request's head comes with its first token, so
+/// it is what the first-byte timeout bounds (one that is not streamed waits up to the
+/// request timeout: `LimitsSection::head_timeout`).
+async fn chat_as(node: &TestNode, prompt: &str, stream: bool) -> u16 {
     client()
         .post(format!("{}/v1/chat/completions", node.base))
-        .json(&chat_body(prompt, false))
+        .json(&chat_body(prompt, stream))
         .send()
         .await
         .unwrap()
@@ -217,7 +224,7 @@ async fn a_hung_replica_times_out_and_its_requests_go_to_another() {
     // Engine 0 accepts requests and never answers them (a wedged engine).
     es[0].set_mode(HANG);
     for i in 0..6 {
-        let status = chat(&node, &prompt(&format!("hung {i}"), 400)).await;
+        let status = chat_as(&node, &prompt(&format!("hung {i}"), 400), true).await;
         assert_eq!(status, 200, "request {i}");
     }
     assert_eq!(
@@ -319,7 +326,8 @@ async fn the_request_deadline_covers_the_tries_before_the_head() {
     let urls: Vec<String> = es.iter().map(|e| e.url()).collect();
     let extra = "[limits]\nrequest_timeout_ms = 1000\nfirst_byte_timeout_ms = 800\n";
     let node = start_node(config_with_engines("a", &urls, extra), None).await;
-    let (status, body) = error_of(post_chat(&node, "x", false).await).await;
+    // Streamed: each try's head is bounded by the first-byte timeout.
+    let (status, body) = error_of(post_chat(&node, "x", true).await).await;
     assert_eq!(status, 504);
     assert_eq!(body["error"]["message"], "request timed out", "{body}");
     assert_eq!(served(&es), vec![1, 1], "both engines were tried");

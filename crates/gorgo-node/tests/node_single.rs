@@ -257,9 +257,11 @@ async fn engine_failure_is_502_and_timeout_is_504() {
         None,
     )
     .await;
+    // Streamed: its head is due with its first token, within the first-byte timeout
+    // (one that is not streamed waits up to the request timeout).
     let resp = client()
         .post(format!("{}/v1/chat/completions", node.base))
-        .json(&chat_body("x", false))
+        .json(&chat_body("x", true))
         .send()
         .await
         .unwrap();
@@ -551,12 +553,14 @@ fn spawn_probe(
 ) -> tokio::task::JoinHandle<Result<reqwest::Response, gorgo_node::engine::EngineFailure>> {
     let adapter = adapter.clone();
     tokio::spawn(async move {
+        let head_timeout = adapter.head_timeout(gorgo_node::engine::FirstToken::Streamed);
         adapter
             .send_streamed(
                 http::Method::POST,
                 "/v1/completions",
                 &[],
                 bytes::Bytes::from_static(b"{}"),
+                head_timeout,
             )
             .await
     })
