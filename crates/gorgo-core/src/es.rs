@@ -390,6 +390,17 @@ impl TuningConfig {
         if self.time_cap_ms == 0 {
             return bad("window_max_ms", "must be positive");
         }
+        // A switchback window must be able to span four blocks (each arm in both
+        // halves); one closed by its time cap sooner had unbalanced arms, or one arm
+        // with no requests at all.
+        if self.trial == TrialDesign::Switchback
+            && self.time_cap_ms < self.switchback_block_ms.saturating_mul(4)
+        {
+            return bad(
+                "window_max_ms",
+                "must be at least 4 x switchback_block_ms with trial = \"switchback\"",
+            );
+        }
         if !(self.sigma_min.is_finite() && self.sigma_min > 0.0) {
             return bad("sigma_min", "must be positive");
         }
@@ -638,8 +649,9 @@ impl EsState {
             for (acc, v) in ev.sum_ln.iter_mut().zip(lns) {
                 *acc += v.max(1e-3).ln();
             }
-            ev.cand_samples += cand.samples;
-            ev.inc_samples += incumbent.samples;
+            // Saturating: the counts come from peers' reports.
+            ev.cand_samples = ev.cand_samples.saturating_add(cand.samples);
+            ev.inc_samples = ev.inc_samples.saturating_add(incumbent.samples);
         }
         let ev = (**ev).clone();
         let last = ev.windows >= cfg.max_trial_windows;
@@ -902,6 +914,27 @@ mod tests {
         }
     }
 
+    /// A trial's sample counts come from peers' reports, which can claim any count:
+    /// summed over windows they saturate, never overflow (a debug build panicked).
+    #[test]
+    fn a_trials_sample_counts_saturate() {
+        let cfg = TuningConfig::gorgo();
+        let mut s = EsState::new(&cfg);
+        let cand = Weights {
+            w_rtt: 1.5,
+            w_queue: 1.0,
+        };
+        let huge = Measurement {
+            samples: u64::MAX,
+            ..m(100.0, 1000.0)
+        };
+        // Nothing measured of the noise yet: the same evidence is never decided early.
+        let decided =
+            (0..cfg.max_trial_windows).find_map(|_| s.observe_window(&cfg, cand, huge, huge));
+        let (_, c, i) = decided.expect("decided by the last window");
+        assert_eq!((c.samples, i.samples), (u64::MAX, u64::MAX));
+    }
+
     #[test]
     fn mutation_is_deterministic_log_space_and_clipped() {
         let cfg = TuningConfig::gorgo_paper();
@@ -1157,6 +1190,18 @@ mod tests {
             Err(CoreError::InvalidConfig { field, .. }) => {
                 assert_eq!(field, "switchback_block_ms")
             }
+            other => panic!("{other:?}"),
+        }
+        // A switchback window must be able to span four blocks before its time cap.
+        let mut cfg = TuningConfig {
+            trial: TrialDesign::Switchback,
+            ..TuningConfig::gorgo()
+        };
+        cfg.switchback_block_ms = cfg.time_cap_ms / 4;
+        assert!(cfg.validate().is_ok());
+        cfg.switchback_block_ms += 1;
+        match cfg.validate() {
+            Err(CoreError::InvalidConfig { field, .. }) => assert_eq!(field, "window_max_ms"),
             other => panic!("{other:?}"),
         }
     }
