@@ -698,6 +698,23 @@ pub struct LimitsSection {
     pub retry_after_s: u64,
 }
 
+/// Longest a configured timeout or interval may be, ms: a week. Why: `Instant +
+/// Duration` and `Duration * n` overflow (a panic per request) for values near
+/// `u64::MAX`, a natural way to write "no limit"; none of these waits is meant to
+/// last longer.
+pub const MAX_TIMEOUT_MS: u64 = 7 * 24 * 3_600_000;
+
+/// A configured timeout or interval `v` (ms) of field `field`: in
+/// `1..=MAX_TIMEOUT_MS`.
+fn check_timeout(field: &str, v: u64) -> Result<(), NodeError> {
+    if (1..=MAX_TIMEOUT_MS).contains(&v) {
+        return Ok(());
+    }
+    Err(NodeError::Config(format!(
+        "invalid `{field}`: must be in 1..={MAX_TIMEOUT_MS} (a week)"
+    )))
+}
+
 impl LimitsSection {
     /// How long to wait for a response head from an engine or a peer: the first-byte
     /// timeout for a streamed response, whose head comes with its first token; the
@@ -1191,9 +1208,7 @@ impl NodeConfig {
             ("limits.idle_timeout_ms", self.limits.idle_timeout_ms),
             ("limits.drain_timeout_ms", self.limits.drain_timeout_ms),
         ] {
-            if v == 0 {
-                return bad(name, "must be > 0");
-            }
+            check_timeout(name, v)?;
         }
         Ok(())
     }
@@ -1258,8 +1273,10 @@ impl NodeConfig {
             if !e.health_path().starts_with('/') {
                 return bad(&f("health_path"), "must start with /");
             }
-            if e.health_interval_ms == 0 {
-                return bad(&f("health_interval_ms"), "must be > 0");
+            check_timeout(&f("health_interval_ms"), e.health_interval_ms)?;
+            // 0 turns the scrape off.
+            if e.metrics_interval_ms > 0 {
+                check_timeout(&f("metrics_interval_ms"), e.metrics_interval_ms)?;
             }
             if !(e.t_p_ms.is_finite() && e.t_p_ms >= 0.0) {
                 return bad(&f("t_p_ms"), "must be a finite number >= 0");
@@ -1332,9 +1349,7 @@ impl NodeConfig {
                 ("health_timeout_ms", e.health_timeout_ms),
                 ("breaker_cooldown_ms", e.breaker_cooldown_ms),
             ] {
-                if v == 0 {
-                    return bad(&f(name), "must be > 0");
-                }
+                check_timeout(&f(name), v)?;
             }
             if !(e.weight.is_finite() && e.weight >= 0.0) {
                 return bad(&f("weight"), "must be a finite number >= 0");
@@ -1474,6 +1489,17 @@ token = "secret-token"
         assert_eq!(c.tuning.es.mode, TuningMode::Static);
     }
 
+    /// A timeout written as "no limit" (the largest TOML integer) is refused, naming the
+    /// field: taken, `Instant + Duration` overflowed, a panic per request.
+    #[test]
+    fn a_timeout_beyond_a_week_is_refused() {
+        let text = format!("{MINIMAL}\n[limits]\nrequest_timeout_ms = 9223372036854775807\n");
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        assert!(e.contains("limits.request_timeout_ms"), "{e}");
+        let text = format!("{MINIMAL}\n[limits]\nrequest_timeout_ms = {MAX_TIMEOUT_MS}\n");
+        assert!(NodeConfig::from_toml_str(&text).is_ok());
+    }
+
     /// MINIMAL with `[[engines]]` of `urls` in place of `[engine]`, `extra` lines in
     /// the second entry.
     fn with_engines(urls: &[&str], extra: &str) -> String {
@@ -1508,6 +1534,12 @@ token = "secret-token"
         assert_eq!(back, c);
         for (extra, field) in [
             ("health_interval_ms = 0", "engines[1].health_interval_ms"),
+            // "No limit" written as the largest number: refused, not a panic per
+            // request when a deadline overflows.
+            (
+                "health_timeout_ms = 9223372036854775807",
+                "engines[1].health_timeout_ms",
+            ),
             ("weight = -1.0", "engines[1].weight"),
             ("kv_capacity_tokens = 0", "engines[1].kv_capacity_tokens"),
             (
