@@ -71,6 +71,10 @@ pub enum TrialHold {
 /// arm). Followers drop a proposal above it, so the config refuses it too.
 pub const MAX_SWITCHBACK_BLOCK_MS: u64 = 3_600_000;
 
+/// Longest leader lease, ms ([`TuningConfig::leader_lease_ms`]): a dead leader's line
+/// waits this long at most after its last proposal before another node continues it.
+pub const MAX_LEADER_LEASE_MS: u64 = 60_000;
+
 /// Outcomes the 1/5 rule looks at.
 pub const SUCCESS_WINDOW: usize = 8;
 /// Rechenberg's step-size factor.
@@ -265,6 +269,14 @@ pub struct TuningConfig {
     /// A node that has heard no proposal waits this long after its first tick before
     /// starting a new line of epochs, so a joining node adopts the running one instead.
     pub startup_grace_ms: u64,
+    /// A leader this node heard from itself (a proposal it sent) within this long keeps
+    /// its line, even where this node's membership view calls it dead: membership can
+    /// be asymmetric (one node's probes fail while the leader's messages still arrive),
+    /// and a node that took such a line over would be taken over back at the leader's
+    /// next tick, one epoch a tick, with no window ever closing. Shorter than the time
+    /// membership takes to call a dead node down (3.2 s by default, gorgo-cluster's
+    /// `SwimTimings`), so a real failover waits no longer.
+    pub leader_lease_ms: u64,
     /// Fit the start: at the end of a line's first window, move each weight the
     /// measurements pin down to what makes the cost's TTFT terms predict measured TTFT
     /// ([`crate::tuning::TermSums::fit`]), before any trial (docs/tuning.md, "The
@@ -311,6 +323,7 @@ impl TuningConfig {
             settle_margin: 0.10,
             seed: 0x676f_7267_6f65_7321,
             startup_grace_ms: 1000,
+            leader_lease_ms: 2000,
             fit_start: true,
         }
     }
@@ -389,6 +402,9 @@ impl TuningConfig {
         }
         if self.time_cap_ms == 0 {
             return bad("window_max_ms", "must be positive");
+        }
+        if self.leader_lease_ms > MAX_LEADER_LEASE_MS {
+            return bad("leader_lease_ms", "must be at most 60000 (a minute)");
         }
         // A switchback window must be able to span four blocks (each arm in both
         // halves); one closed by its time cap sooner had unbalanced arms, or one arm

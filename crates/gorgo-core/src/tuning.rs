@@ -3,7 +3,9 @@
 //!
 //! - Leader: the smallest node id in the local membership view. No election: a node
 //!   leads when it is the smallest live id it knows of; it steps down when it sees a
-//!   smaller live id or a proposal that supersedes its own.
+//!   smaller live id or a proposal that supersedes its own. A leader it heard from
+//!   itself within `leader_lease_ms` keeps its line even where the view calls it dead
+//!   (views can be asymmetric).
 //! - Every proposal carries `(epoch, leader)` and the whole tuner state. Nodes follow
 //!   the highest epoch they have seen, ties to the smaller leader id. A node that
 //!   becomes leader continues from the last proposal it follows, at its epoch + 1, so
@@ -671,6 +673,10 @@ pub struct Tuner {
     terms: TermSums,
     unreported: bool,
     lead: Option<Lead>,
+    /// The last node heard proposing from itself (sender and leader the same), and
+    /// when (ms): while that is the followed line's leader and within
+    /// `leader_lease_ms`, its line is not taken over ([`TuningConfig::leader_lease_ms`]).
+    leader_heard: Option<(NodeId, u64)>,
     last_decided: Option<u64>,
     first_tick_ms: Option<u64>,
     history: VecDeque<TuningRecord>,
@@ -698,6 +704,7 @@ impl Tuner {
             terms: TermSums::default(),
             unreported: false,
             lead: None,
+            leader_heard: None,
             last_decided: None,
             first_tick_ms: None,
             history: VecDeque::new(),
@@ -744,11 +751,18 @@ impl Tuner {
         }
     }
 
-    /// A proposal arrived. Adopts it when it supersedes the one followed; when the one
-    /// followed supersedes it, answers its sender (the leader of a stale line, e.g. on
-    /// the other side of a healed partition) with the newer proposal, so lines merge
-    /// even if the newer line's leader has stepped down.
-    pub fn handle_proposal(&mut self, mut p: Proposal) -> Vec<TuningOutput> {
+    /// A proposal arrived from peer `from` (authenticated by the transport) at
+    /// `now_ms`. Adopts it when it supersedes the one followed; when the one followed
+    /// supersedes it, answers its sender (the leader of a stale line, e.g. on the other
+    /// side of a healed partition) with the newer proposal, so lines merge even if the
+    /// newer line's leader has stepped down. A leader's own proposal, the one followed
+    /// or a newer one, renews its lease; one relayed by another node does not.
+    pub fn handle_proposal(
+        &mut self,
+        from: &NodeId,
+        mut p: Proposal,
+        now_ms: u64,
+    ) -> Vec<TuningOutput> {
         if self.cfg.mode == TuningMode::Static || !p.is_plausible() {
             return Vec::new();
         }
@@ -760,8 +774,15 @@ impl Tuner {
                 }];
             }
             if !p.supersedes(cur) {
+                // The followed proposal again (a leader re-announces it every tick).
+                if EpochKey::of(&p).is(cur) && &p.leader == from {
+                    self.leader_heard = Some((p.leader, now_ms));
+                }
                 return Vec::new();
             }
+        }
+        if &p.leader == from {
+            self.leader_heard = Some((p.leader.clone(), now_ms));
         }
         // Never route with out-of-bounds or non-finite weights, whoever sent them.
         p.weights = self.cfg.clip(p.weights);
@@ -979,7 +1000,7 @@ impl Tuner {
             return out;
         }
         let first = *self.first_tick_ms.get_or_insert(now_ms);
-        if self.is_smallest_live() {
+        if self.is_smallest_live() && !self.leased_elsewhere(now_ms) {
             let leading = matches!((&self.lead, &self.current), (Some(l), Some(c)) if l.epoch == c.epoch && c.leader == self.id);
             if leading {
                 self.maybe_close(now_ms, true, &mut out);
@@ -1073,6 +1094,20 @@ impl Tuner {
 
     fn is_smallest_live(&self) -> bool {
         self.live.first() == Some(&self.id)
+    }
+
+    /// True while the followed line's leader, which this node's view calls dead (a
+    /// live one is a larger id, whose line the smallest live id takes over), was
+    /// heard from itself within `leader_lease_ms`: it is alive, whatever the view says.
+    fn leased_elsewhere(&self, now_ms: u64) -> bool {
+        let Some(cur) = &self.current else {
+            return false;
+        };
+        cur.leader != self.id
+            && !self.live.contains(&cur.leader)
+            && self.leader_heard.as_ref().is_some_and(|(id, at)| {
+                id == &cur.leader && now_ms.saturating_sub(*at) < self.cfg.leader_lease_ms
+            })
     }
 
     fn report(&self, cur: &Proposal, now_ms: u64) -> EpochReport {
@@ -1436,7 +1471,7 @@ mod tests {
         // The earlier run decided epoch 1; only x heard its epoch 2.
         let mut x = Tuner::new("x".into(), cfg()).unwrap();
         x.set_membership(members());
-        x.handle_proposal(first.clone());
+        x.handle_proposal(&"relay".into(), first.clone(), 0);
         let old = Proposal {
             epoch: 2,
             candidate: Some(Weights {
@@ -1445,7 +1480,7 @@ mod tests {
             }),
             ..first.clone()
         };
-        x.handle_proposal(old.clone());
+        x.handle_proposal(&"relay".into(), old.clone(), 0);
         assert_eq!(x.epoch(), 2);
         // x measures a request under it.
         let adm = x.admit(1, 0);
@@ -1453,14 +1488,14 @@ mod tests {
         // The new run hears y's copy of epoch 1 first and takes the line over.
         let mut a = Tuner::new("a".into(), cfg()).unwrap().with_incarnation(2);
         a.set_membership(members());
-        a.handle_proposal(first);
+        a.handle_proposal(&"relay".into(), first, 0);
         let new = broadcasts(&a.tick(10))[0].clone();
         assert_eq!((new.epoch, new.incarnation), (2, 2));
         // x takes the new run's proposal; the new run answers the old one with its own.
-        x.handle_proposal(new.clone());
+        x.handle_proposal(&"relay".into(), new.clone(), 0);
         assert_eq!(x.current(), Some(&new));
         assert!(matches!(
-            a.handle_proposal(old.clone()).as_slice(),
+            a.handle_proposal(&"relay".into(), old.clone(), 0).as_slice(),
             [TuningOutput::SendProposal { proposal, .. }] if *proposal == new
         ));
         // x's measurement under the old one is no evidence for the new one.
@@ -1484,7 +1519,7 @@ mod tests {
         let old = broadcasts(&a.tick(0))[0].clone();
         let mut x = Tuner::new("x".into(), cfg()).unwrap();
         x.set_membership(["a".into(), "x".into()]);
-        x.handle_proposal(old.clone());
+        x.handle_proposal(&"relay".into(), old.clone(), 0);
         // One request finished, one still running, with start-fit evidence.
         let adm = x.admit(1, 0);
         x.record(&adm.epoch, adm.cell, 100.0, 500.0);
@@ -1501,7 +1536,7 @@ mod tests {
             incarnation: 2,
             ..old
         };
-        x.handle_proposal(new.clone());
+        x.handle_proposal(&"relay".into(), new.clone(), 0);
         assert_eq!(x.current(), Some(&new));
         let r = x.report(&new, 20);
         assert_eq!((r.count(), r.samples, r.terms.n), (0, 0, 0));
@@ -1949,6 +1984,42 @@ mod tests {
         assert!(switchback.accepted, "{switchback:?}");
     }
 
+    /// A leader renews its lease only with proposals it sends itself: a node whose view
+    /// holds the leader dead follows it while it hears from it, and takes the line over
+    /// once `leader_lease_ms` passes without; a proposal relayed by another node is no
+    /// sign of the leader's life.
+    #[test]
+    fn only_a_leaders_own_proposals_renew_its_lease() {
+        let lease = cfg().leader_lease_ms;
+        let mut a = Tuner::new("a".into(), cfg()).unwrap();
+        let p = broadcasts(&a.tick(0))[0].clone();
+        let leader_of =
+            |out: &[TuningOutput]| broadcasts(out).first().map(|p| (p.epoch, p.leader.clone()));
+        // Heard from a itself: followed (b only reports) until the lease runs out.
+        let mut b = Tuner::new("b".into(), cfg()).unwrap();
+        b.handle_proposal(&"a".into(), p.clone(), 0);
+        assert_eq!(leader_of(&b.tick(lease - 1)), None);
+        assert!(!b.is_leader());
+        // Another copy from a renews it.
+        b.handle_proposal(&"a".into(), p.clone(), lease - 1);
+        assert_eq!(leader_of(&b.tick(2 * lease - 2)), None);
+        assert_eq!(
+            leader_of(&b.tick(2 * lease - 1)),
+            Some((p.epoch + 1, "b".into()))
+        );
+        // Relayed by c: taken over at the first tick.
+        let mut b = Tuner::new("b".into(), cfg()).unwrap();
+        b.handle_proposal(&"c".into(), p.clone(), 0);
+        assert_eq!(leader_of(&b.tick(1)), Some((p.epoch + 1, "b".into())));
+        // A leader the view holds alive is a larger id, never leased: taken over at once.
+        let mut b = Tuner::new("b".into(), cfg()).unwrap();
+        let mut z = Tuner::new("z".into(), cfg()).unwrap();
+        let pz = broadcasts(&z.tick(0))[0].clone();
+        b.set_membership(["z".into()]);
+        b.handle_proposal(&"z".into(), pz.clone(), 0);
+        assert_eq!(leader_of(&b.tick(1)), Some((pz.epoch + 1, "b".into())));
+    }
+
     #[test]
     fn switchback_blocks_alternate_in_pairs_and_agree_across_nodes() {
         let cfg = TuningConfig {
@@ -1958,7 +2029,7 @@ mod tests {
         };
         let mut a = Tuner::new("a".into(), cfg).unwrap();
         let mut b = Tuner::new("b".into(), cfg).unwrap();
-        b.handle_proposal(broadcasts(&a.tick(0))[0].clone());
+        b.handle_proposal(&"relay".into(), broadcasts(&a.tick(0))[0].clone(), 0);
         for block in 0..40u64 {
             // Every request of a block, whatever its key, on every node: one arm.
             let at = |t: &Tuner, k: u64| t.arm_and_half(k, block * 100 + k % 100);
@@ -2017,7 +2088,7 @@ mod tests {
             state: EsState::new(&c),
             switchback_block_ms: None,
         };
-        assert!(t.handle_proposal(p).is_empty());
+        assert!(t.handle_proposal(&"relay".into(), p, 0).is_empty());
         assert!(t.current().is_none());
         assert_eq!(t.weights(), c.start_weights());
     }
@@ -2078,7 +2149,7 @@ mod tests {
         let mut b = Tuner::new("b".into(), cfg()).unwrap();
         b.set_membership(["a".into()]);
         let p = broadcasts(&a.tick(0))[0].clone();
-        b.handle_proposal(p);
+        b.handle_proposal(&"relay".into(), p, 0);
         let report = |out: Vec<TuningOutput>| {
             out.into_iter().find_map(|o| match o {
                 TuningOutput::SendReport { report, .. } => Some(report),
@@ -2126,7 +2197,7 @@ mod tests {
             state,
             switchback_block_ms: None,
         };
-        assert!(t.handle_proposal(p.clone()).is_empty());
+        assert!(t.handle_proposal(&"relay".into(), p.clone(), 0).is_empty());
         assert_eq!(
             t.weights(),
             Weights {
@@ -2142,7 +2213,7 @@ mod tests {
             incarnation: 0,
             ..p
         };
-        match t.handle_proposal(stale).as_slice() {
+        match t.handle_proposal(&"relay".into(), stale, 0).as_slice() {
             [TuningOutput::SendProposal { to, proposal }] => {
                 assert_eq!(to, &NodeId::from("c"));
                 assert_eq!(proposal.epoch, 3);
@@ -2170,7 +2241,7 @@ mod tests {
                 state,
                 switchback_block_ms: None,
             };
-            assert!(t.handle_proposal(p).is_empty());
+            assert!(t.handle_proposal(&"relay".into(), p, 0).is_empty());
             assert_eq!(t.current().unwrap().state.sigma, want, "{sigma}");
         }
     }
@@ -2204,7 +2275,7 @@ mod tests {
         long_block.switchback_block_ms = Some(MAX_SWITCHBACK_BLOCK_MS + 1);
         for p in [huge, outcomes, draws, no_block, long_block] {
             assert!(!p.is_plausible());
-            assert!(t.handle_proposal(p).is_empty());
+            assert!(t.handle_proposal(&"relay".into(), p, 0).is_empty());
             assert!(t.current().is_none());
         }
         // Finite but extreme drift and noise are bounded where they would switch the
@@ -2212,7 +2283,7 @@ mod tests {
         let mut extreme = base;
         extreme.state.e2e_drift = -1e300;
         extreme.state.noise_var = f64::INFINITY;
-        assert!(t.handle_proposal(extreme).is_empty());
+        assert!(t.handle_proposal(&"relay".into(), extreme, 0).is_empty());
         let s = &t.current().unwrap().state;
         assert_eq!(s.e2e_drift, -MAX_E2E_DRIFT);
         assert_eq!(s.noise_var, 0.0);
@@ -2240,7 +2311,7 @@ mod tests {
             state,
             switchback_block_ms: None,
         };
-        assert!(t.handle_proposal(p).is_empty());
+        assert!(t.handle_proposal(&"relay".into(), p, 0).is_empty());
         let cur = t.current().unwrap();
         assert_eq!(cur.state.pending_trial, None);
         assert_eq!(cur.state.e2e_drift, 0.0);

@@ -19,6 +19,9 @@ struct Bus {
     nodes: BTreeMap<NodeId, Tuner>,
     alive: BTreeSet<NodeId>,
     group: BTreeMap<NodeId, u8>,
+    /// `(a, b)`: `a`'s membership view holds `b` dead though their messages flow (an
+    /// asymmetric view: `a`'s probes of `b` fail).
+    blind: BTreeSet<(NodeId, NodeId)>,
     now: u64,
     records: Vec<TuningRecord>,
     rng: u64,
@@ -36,6 +39,7 @@ impl Bus {
             nodes,
             alive: ids.iter().cloned().collect(),
             group: ids.iter().map(|id| (id.clone(), 0)).collect(),
+            blind: BTreeSet::new(),
             now: 0,
             records: Vec::new(),
             rng: 0x1234_5678,
@@ -89,7 +93,9 @@ impl Bus {
         for id in &alive {
             let view: Vec<NodeId> = alive
                 .iter()
-                .filter(|o| self.reachable(id, o))
+                .filter(|o| {
+                    self.reachable(id, o) && !self.blind.contains(&(id.clone(), (*o).clone()))
+                })
                 .cloned()
                 .collect();
             self.nodes.get_mut(id).unwrap().set_membership(view);
@@ -108,12 +114,17 @@ impl Bus {
                 queue.push_back((id.clone(), o));
             }
         }
+        let now = self.now;
         while let Some((from, out)) = queue.pop_front() {
             match out {
                 TuningOutput::Broadcast(p) => {
                     for id in &alive {
                         if id != &from && self.reachable(&from, id) {
-                            for o in self.nodes.get_mut(id).unwrap().handle_proposal(p.clone()) {
+                            for o in self.nodes.get_mut(id).unwrap().handle_proposal(
+                                &from,
+                                p.clone(),
+                                now,
+                            ) {
                                 queue.push_back((id.clone(), o));
                             }
                         }
@@ -121,14 +132,18 @@ impl Bus {
                 }
                 TuningOutput::SendProposal { to, proposal } => {
                     if self.reachable(&from, &to) {
-                        for o in self.nodes.get_mut(&to).unwrap().handle_proposal(proposal) {
+                        for o in self
+                            .nodes
+                            .get_mut(&to)
+                            .unwrap()
+                            .handle_proposal(&from, proposal, now)
+                        {
                             queue.push_back((to.clone(), o));
                         }
                     }
                 }
                 TuningOutput::SendReport { to, report } => {
                     if self.reachable(&from, &to) {
-                        let now = self.now;
                         for o in self.nodes.get_mut(&to).unwrap().handle_report(report, now) {
                             queue.push_back((to.clone(), o));
                         }
@@ -347,8 +362,19 @@ fn leader_loss(cfg: TuningConfig) {
     assert_eq!(last.leader, NodeId::from("n0"));
     bus.alive.remove(&NodeId::from("n0"));
     let before = bus.records.len();
-    bus.traffic(4, latency);
-    bus.round();
+    // n1 continues the line once n0's lease has run out: the first round at least
+    // `leader_lease_ms` after the round n0 last proposed in (a real membership view
+    // takes longer than that to call it down).
+    let rounds = cfg.leader_lease_ms.div_ceil(ROUND_MS);
+    for round in 1..=rounds {
+        bus.traffic(4, latency);
+        bus.round();
+        assert_eq!(
+            bus.nodes[&NodeId::from("n1")].is_leader(),
+            round == rounds,
+            "round {round} of {rounds}"
+        );
+    }
     let n1 = &bus.nodes[&NodeId::from("n1")];
     let next = n1.current().unwrap();
     assert!(n1.is_leader());
@@ -380,6 +406,27 @@ fn leader_loss(cfg: TuningConfig) {
     assert!(after
         .iter()
         .all(|r| r.leader == NodeId::from("n1") && r.epoch > last.epoch));
+    assert_unique_epochs(&bus.records);
+}
+
+/// n1's view holds n0 dead while every message still flows (its probes of n0 fail).
+/// n0, alive and smallest in its own view, leads; n1 hears its proposals every round
+/// and follows. Without the lease n1 took the line over at once, n0 took it back at
+/// its next tick, one epoch a round, and no window ever closed.
+#[test]
+fn an_asymmetric_view_keeps_one_leader() {
+    let mut bus = Bus::new(3, cfg());
+    bus.blind.insert((NodeId::from("n1"), NodeId::from("n0")));
+    for round in 0..300 {
+        bus.traffic(8, latency);
+        bus.round();
+        if round > 2 {
+            bus.assert_agreement(0);
+            assert_eq!(bus.views(0)[0].1, NodeId::from("n0"), "round {round}");
+        }
+    }
+    assert!(bus.records.len() >= 20, "{} records", bus.records.len());
+    assert!(bus.records.iter().all(|r| r.leader == NodeId::from("n0")));
     assert_unique_epochs(&bus.records);
 }
 
@@ -475,7 +522,7 @@ fn requests_admitted_under_another_leaders_epoch_are_not_counted() {
 
     let mut node = Tuner::new("n2".into(), cfg()).unwrap();
     node.set_membership(["n0", "n1", "n2"].map(NodeId::from));
-    assert!(node.handle_proposal(b.clone()).is_empty());
+    assert!(node.handle_proposal(&"n1".into(), b.clone(), 0).is_empty());
     let stale: Vec<_> = (0..20u64)
         .map(|k| node.admit(hash_bytes(&k.to_le_bytes()), 0))
         .collect();
@@ -484,7 +531,7 @@ fn requests_admitted_under_another_leaders_epoch_are_not_counted() {
         .all(|s| (s.epoch.epoch(), s.epoch.leader()) == (1, Some(&b.leader))));
 
     // The partition heals: the node now follows n0's epoch 1.
-    assert!(node.handle_proposal(a.clone()).is_empty());
+    assert!(node.handle_proposal(&"n0".into(), a.clone(), 0).is_empty());
     assert_eq!(node.current().unwrap().leader, a.leader);
     assert_eq!(node.epoch(), 1, "the same epoch number");
 

@@ -546,7 +546,7 @@ impl TuningDriver {
     pub fn handle(&self, from: &NodeId, msg: TuningMessage, now_ms: u64) -> Effects {
         let mut inner = self.inner.lock();
         let outs = match msg {
-            TuningMessage::Proposal(p) => inner.tuner.handle_proposal(p),
+            TuningMessage::Proposal(p) => inner.tuner.handle_proposal(from, p, now_ms),
             TuningMessage::Report(r) => {
                 if &r.from != from {
                     tracing::debug!(%from, claimed = %r.from, "tuning report with a spoofed sender dropped");

@@ -28,6 +28,9 @@ max_trial_windows = 1
 min_samples = 2
 window_max_ms = 600000
 startup_grace_ms = 0
+# The mesh calls a killed node dead at once (SWIM takes 3.2 s): a lease scaled to the
+# 20 ms ticks, so that b takes the line over within the requests `drive_until` sends.
+leader_lease_ms = 100
 # Windows of 6 requests are far too noisy to decide a trial on, so a line would settle
 # (no candidate); these tests are about the trials' protocol, so it never does
 # (settling is gorgo-core's `a_line_that_cannot_decide_settles_...`).
@@ -232,7 +235,7 @@ async fn killed_leader_is_replaced_by_the_next_smallest_id() {
     let last = c.nodes[0].state().tuning.view();
     let a_decided: BTreeSet<u64> = last.history.iter().map(|e| e.record.epoch).collect();
     c.mesh.kill("a");
-    // b takes over within a tick of seeing a gone, from a's last proposal.
+    // b takes over once a's lease has run out, from a's last proposal.
     drive_until(&c, &[1, 2], 1, last.epoch + 5).await;
     let (_, leader, _) = assert_agree(&c, &[1, 2]).await;
     assert_eq!(leader, Some(NodeId::from("b")));

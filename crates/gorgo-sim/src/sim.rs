@@ -2227,7 +2227,7 @@ impl<'a> Sim<'a> {
             }
             Payload::Proposal(p) => {
                 let outputs = match self.nodes[to].tuner.as_mut() {
-                    Some(t) => t.handle_proposal(p),
+                    Some(t) => t.handle_proposal(&self.node_ids[from], p, now as u64),
                     None => Vec::new(),
                 };
                 self.tuning_outputs(to, outputs, now);
