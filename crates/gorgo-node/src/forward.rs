@@ -23,7 +23,7 @@ use serde::Serialize;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::api::{
-    error_json, error_json_detailed, session_key, BodyStream, RoutedRequest, ServeError, Upstream,
+    error_json, session_key, BodyStream, RoutedRequest, ServeError, Upstream,
     LONGEST_PROMPT_HEADER, PASS_REQUEST_HEADERS, PASS_RESPONSE_HEADERS, POLICY_HEADER,
     SESSION_HEADER,
 };
@@ -404,12 +404,25 @@ where
             let _ = bounded(&state, write).await;
             return;
         }
+        Err(e @ (ServeError::ContextLength { .. } | ServeError::ModelNotFound(_))) => {
+            // What this region cannot hold, its origin can: it checked the prompt
+            // against its own engines' context before routing, and forwarded for a model
+            // it was told this region serves. 502: the origin serves it itself or routes
+            // it again without this node (a 400 or 404 passed on to its client refused a
+            // request the cluster could serve).
+            let message = format!(
+                "region {} cannot serve this forward: {}",
+                state.config.node.region,
+                e.message()
+            );
+            let _ = write_error_head(&mut send, &state, 502, req.hops, &error_json(502, &message))
+                .await;
+            return;
+        }
+        // 502, 503 or 504: the origin serves it itself or routes it again.
         Err(e) => {
             let status = e.status().0.as_u16();
-            // The client's error as the origin would have written it: its OpenAI code
-            // and param too (`context_length_exceeded` on `messages` or `prompt`, which
-            // SDKs act on).
-            let body = error_json_detailed(status, &e.message(), e.code(), e.param());
+            let body = error_json(status, &e.message());
             let _ = write_error_head(&mut send, &state, status, req.hops, &body).await;
             return;
         }

@@ -6,6 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use gorgo_node::mesh::Mesh;
 
 const IDS: [&str; 3] = ["a", "b", "c"];
 
@@ -128,6 +129,51 @@ async fn saturated_node_forwards_to_the_peer_holding_the_prefix() {
     assert_eq!(resp.headers()["content-type"], "text/event-stream");
     let text = resp.text().await.unwrap();
     assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+}
+
+/// A peer whose engines hold a shorter context than the origin's refuses a forwarded
+/// prompt it cannot hold with a 502, and the origin, which checked the prompt against
+/// its own engines, serves it itself. Before, the peer's 400
+/// `context_length_exceeded` reached the client for a prompt the origin's engine could
+/// serve.
+#[tokio::test]
+async fn a_prompt_too_long_for_the_peer_is_served_at_its_origin() {
+    let mesh = Mesh::new();
+    mesh.set_rtt("a", "b", 150.0);
+    let engines = [StubEngine::start("a").await, StubEngine::start("b").await];
+    let a = start_node(config("a", &engines[0].url(), ""), Some(&mesh)).await;
+    let b = start_node(
+        config_with_engine("b", &engines[1].url(), "max_context_tokens = 100\n"),
+        Some(&mesh),
+    )
+    .await;
+    until("a holds b's stats", || {
+        a.state()
+            .peers
+            .peers()
+            .iter()
+            .any(|p| p.id == "b".into() && !p.engines.is_empty())
+    })
+    .await;
+    // a is saturated, so it forwards to b, whose context is 100 tokens.
+    engines[0]
+        .waiting
+        .store(50, std::sync::atomic::Ordering::SeqCst);
+    a.state().engine(0).unwrap().adapter.scrape().await;
+    let (status, served, hops) = chat(&a, &prompt("a long prompt", 4000)).await;
+    assert_eq!((status, served.as_str(), hops), (200, "a", 0));
+    assert_eq!(engines[1].requests(), 0, "b's engine never saw it");
+    let d = admin_json(&a, "/admin/decisions?limit=1").await;
+    assert_eq!(d[0]["winner"], "b", "{d}");
+    assert_eq!(d[0]["forward_outcome"], "forward-failed", "{d}");
+    // Said to a client of b's own, it is the client's error.
+    let resp = post_chat(&b, &prompt("a long prompt", 4000), false).await;
+    let (status, err) = error_of(resp).await;
+    assert_eq!(status, 400);
+    assert_eq!(err["error"]["code"], "context_length_exceeded", "{err}");
+    for n in [&a, &b] {
+        n.shutdown.cancel();
+    }
 }
 
 #[tokio::test]

@@ -320,7 +320,9 @@ async fn a_completions_batch_is_checked_prompt_by_prompt() {
 
 /// A forward carries the chain of the whole batch; the origin's count of its longest
 /// prompt travels beside it, so the peer checks it as the origin did. Without it (an
-/// origin built before) the peer checks the whole chain, as before.
+/// origin built before) the peer checks the whole chain, as before. A prompt the peer
+/// cannot hold is a 502 to the origin, which checked it against its own engines and
+/// serves it itself.
 #[tokio::test]
 async fn a_forwarded_batch_is_checked_with_the_origins_longest_prompt() {
     let stop = CancellationToken::new();
@@ -332,7 +334,7 @@ async fn a_forwarded_batch_is_checked_with_the_origins_longest_prompt() {
     .await;
     let p = "x".repeat(240);
     let body = serde_json::json!({"prompt": [p, p], "max_tokens": 1}).to_string();
-    for (longest, status) in [(Some("70"), 200), (Some("101"), 400), (None, 400)] {
+    for (longest, status) in [(Some("70"), 200), (Some("101"), 502), (None, 502)] {
         let mut request =
             forward_request("b", gorgo_core::Endpoint::Completions, body.clone().into());
         // 4 bytes per token: the chain says about 125 tokens.
