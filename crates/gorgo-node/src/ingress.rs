@@ -28,7 +28,7 @@ use crate::api::{
 };
 use crate::engine::{EngineTicket, FirstToken};
 use crate::error::NodeError;
-use crate::serve::{is_event_stream, relay_engine_body, serve, serve_elsewhere};
+use crate::serve::{is_event_stream, relay_engine_body, serve, serve_draining, serve_elsewhere};
 use crate::sse::EventFramer;
 use crate::stream_usage::StreamUsage;
 use crate::{telemetry, NodeState};
@@ -589,12 +589,7 @@ async fn completion(
     let serving = async {
         match slot {
             // Draining: peers take new work while any is alive, so the node empties.
-            Slot::Ingress(_) if state.is_draining() => {
-                match serve_elsewhere(&state, req.clone()).await {
-                    Err(e) if e.may_fall_back() => serve(&state, req).await,
-                    served => served,
-                }
-            }
+            Slot::Ingress(_) if state.is_draining() => serve_draining(&state, req).await,
             Slot::Ingress(_) => serve(&state, req).await,
             Slot::Overflow(_) => serve_elsewhere(&state, req).await,
         }

@@ -160,8 +160,8 @@ fn check_model(state: &NodeState, mut req: RoutedRequest) -> Result<RoutedReques
 pub async fn serve(state: &Arc<NodeState>, req: RoutedRequest) -> Result<Upstream, ServeError> {
     let req = check_model(state, req)?;
     check_context(state, &req)?;
-    let excluded = Excluded::leaving_out_path(&req, false, state.config.routing.max_hops);
-    serve_excluding(state, &req, excluded).await
+    let mut excluded = Excluded::leaving_out_path(&req, false, state.config.routing.max_hops);
+    serve_excluding(state, &req, &mut excluded).await
 }
 
 /// Tries of one request, the first included: each failure before the first byte
@@ -171,12 +171,12 @@ const MAX_ATTEMPTS: usize = 4;
 async fn serve_excluding(
     state: &Arc<NodeState>,
     req: &RoutedRequest,
-    mut excluded: Excluded,
+    excluded: &mut Excluded,
 ) -> Result<Upstream, ServeError> {
     let mut first_error = None;
     for _ in 0..MAX_ATTEMPTS {
         let before = excluded.len();
-        match route_and_serve(state, req, &mut excluded).await {
+        match route_and_serve(state, req, excluded).await {
             // An engine or a peer failed it: route again without it.
             Err(e) if e.may_fall_back() && excluded.len() > before => {
                 first_error.get_or_insert(e);
@@ -197,8 +197,27 @@ pub async fn serve_elsewhere(
 ) -> Result<Upstream, ServeError> {
     let req = check_model(state, req)?;
     check_context(state, &req)?;
-    let excluded = Excluded::leaving_out_path(&req, true, state.config.routing.max_hops);
-    serve_excluding(state, &req, excluded).await
+    let mut excluded = Excluded::leaving_out_path(&req, true, state.config.routing.max_hops);
+    serve_excluding(state, &req, &mut excluded).await
+}
+
+/// Serve `req` while this node drains: at a peer while one can take it, so the node
+/// empties; here when none can, without the peers that failed it (tried again, each
+/// could cost another wait for a head that does not come).
+pub async fn serve_draining(
+    state: &Arc<NodeState>,
+    req: RoutedRequest,
+) -> Result<Upstream, ServeError> {
+    let req = check_model(state, req)?;
+    check_context(state, &req)?;
+    let mut excluded = Excluded::leaving_out_path(&req, true, state.config.routing.max_hops);
+    match serve_excluding(state, &req, &mut excluded).await {
+        Err(e) if e.may_fall_back() => {
+            excluded.all_local = false;
+            serve_excluding(state, &req, &mut excluded).await
+        }
+        served => served,
+    }
 }
 
 /// Refuse a prompt the engines cannot hold (the smallest context any of them says it

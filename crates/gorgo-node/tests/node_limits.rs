@@ -494,6 +494,43 @@ async fn a_draining_node_finishes_what_it_has_and_sends_new_work_to_peers() {
     b.shutdown.cancel();
 }
 
+/// A draining node whose peer fails the request before its first byte serves it
+/// itself, and does not try that peer again: the peer's engine sees it once. Before,
+/// the local fallback routed it afresh, and a peer that looked cheaper got it again.
+#[tokio::test]
+async fn a_draining_node_does_not_retry_the_peer_that_failed_it() {
+    let mesh = Mesh::new();
+    mesh.set_rtt("a", "b", 5.0);
+    let ea = StubEngine::start("a").await;
+    let eb = StubEngine::start("b").await;
+    let a = start_node(config("a", &ea.url(), ""), Some(&mesh)).await;
+    let b = start_node(
+        config("b", &eb.url(), "[limits]\nfirst_byte_timeout_ms = 200\n"),
+        Some(&mesh),
+    )
+    .await;
+    until("a has b's stats", || has_peer_stats(&a)).await;
+    // a's engine looks busy, so b is the cheaper place for it; b's engine hangs, and b
+    // answers the forward 504 at its first-byte timeout.
+    ea.waiting.store(50, std::sync::atomic::Ordering::SeqCst);
+    a.state().engine(0).unwrap().adapter.scrape().await;
+    eb.set_mode(HANG);
+    a.state().start_draining();
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", a.base))
+        .json(&chat_body(&prompt("drained", 200), true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-gorgo-served-by"], "a");
+    assert_eq!(eb.requests(), 1, "b was tried once");
+    assert_eq!(ea.requests(), 1);
+    eb.release.notify_waiters();
+    a.shutdown.cancel();
+    b.shutdown.cancel();
+}
+
 /// A client that stops reading a response relayed from a peer is still cut at
 /// `write_timeout_ms` once the node drains and its connections are closing: the write
 /// watchdog used to stop at the close, so the request kept its ingress slot and the
