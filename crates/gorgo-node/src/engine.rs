@@ -499,9 +499,6 @@ impl EngineAdapter {
         self.view.lock().max_running_requests()
     }
 
-    /// The body of an answer the node reads itself (not one it streams to a client),
-    /// or `None` past `cap` bytes or five health timeouts: an engine that streams
-    /// without end or stalls mid-body costs a bounded buffer and a bounded wait.
     /// How long a `/health_generate` probe may take, head and answer together: twenty
     /// health timeouts (20 s by default, SGLang's own deadline for that route). A
     /// generation that hangs fails the probe then, not at the first-byte timeout,
@@ -510,6 +507,9 @@ impl EngineAdapter {
         self.health_timeout * 20
     }
 
+    /// The body of an answer the node reads itself (not one it streams to a client),
+    /// or `None` past `cap` bytes or five health timeouts: an engine that streams
+    /// without end or stalls mid-body costs a bounded buffer and a bounded wait.
     pub async fn read_answer(&self, resp: reqwest::Response, cap: usize) -> Option<Vec<u8>> {
         tokio::time::timeout(self.health_timeout * 5, read_capped(resp, cap))
             .await
