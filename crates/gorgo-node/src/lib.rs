@@ -264,6 +264,21 @@ impl NodeState {
         };
         // One change of the engine set at a time (add, remove, reload).
         let mut next = self.next_replica.lock();
+        // An engine on its way out is the node's state, not a mistake in the body: it
+        // can come back once it has left.
+        let url = config::normalize_engine_url(&engine.url);
+        if let Some(e) = self
+            .engines()
+            .iter()
+            .find(|e| e.is_removing() && config::normalize_engine_url(&e.config.url) == url)
+        {
+            return Err(NodeError::Conflict(format!(
+                "engine {} at {} is being removed ({} requests in flight); add it again once it has left",
+                e.replica,
+                engine.url,
+                e.adapter.inflight()
+            )));
+        }
         // Checked as the config file's engines are, with the new one among the
         // engines the node fronts now (not the file's at start: an engine of the file
         // removed since may come back).
@@ -291,7 +306,6 @@ impl NodeState {
         )?);
         {
             let mut engines = self.engines.write();
-            let url = config::normalize_engine_url(&engine.url);
             if engines
                 .iter()
                 .any(|e| config::normalize_engine_url(&e.config.url) == url)
@@ -315,7 +329,8 @@ impl NodeState {
     /// Remove engine `replica` (`DELETE /admin/engines/{replica}`): it drains (no new
     /// requests; peers see it draining) and leaves the set once its requests are done
     /// ([`NodeState::engines_tick`]). False when no such engine; refused for the last
-    /// engine that is not being removed.
+    /// engine in rotation (not being removed, not drained): a node left with drained
+    /// engines only serves nothing itself, and nothing would say why.
     pub fn remove_engine(&self, replica: u16) -> Result<bool, NodeError> {
         // One change of the engine set at a time: two removals counting the engines
         // that stay at once could each leave the other as the last, and remove both.
@@ -324,11 +339,27 @@ impl NodeState {
         let Some(e) = engines.iter().find(|e| e.replica == replica) else {
             return Ok(false);
         };
-        let staying = engines.iter().filter(|o| !o.is_removing()).count();
-        if !e.is_removing() && staying <= 1 {
-            return Err(NodeError::Conflict(
-                "the node's last engine cannot be removed".into(),
-            ));
+        if e.is_removing() {
+            return Ok(true);
+        }
+        let staying = engines
+            .iter()
+            .filter(|o| o.replica != replica && o.status() == local::EngineStatus::Serving)
+            .count();
+        if staying == 0 {
+            let drained: Vec<String> = engines
+                .iter()
+                .filter(|o| o.replica != replica && !o.is_removing())
+                .map(|o| o.replica.to_string())
+                .collect();
+            return Err(NodeError::Conflict(if drained.is_empty() {
+                "the node's last engine cannot be removed".into()
+            } else {
+                format!(
+                    "the node's last engine in rotation cannot be removed (drained: {}; put one back with POST /admin/engines/R/serve first)",
+                    drained.join(", ")
+                )
+            }));
         }
         e.start_removing();
         tracing::info!(replica, url = %e.config.url, "engine removal: draining");
@@ -353,11 +384,14 @@ impl NodeState {
             |a: &str, b: &str| config::normalize_engine_url(a) == config::normalize_engine_url(b);
         let mut added = Vec::new();
         for w in wanted {
-            if !current
-                .iter()
-                .any(|e| same(&e.config.url, &w.url) && !e.is_removing())
-            {
-                added.push(self.add_engine(w.clone())?.replica);
+            match current.iter().find(|e| same(&e.config.url, &w.url)) {
+                None => added.push(self.add_engine(w.clone())?.replica),
+                // Still draining out (removed through the admin API): it cannot come
+                // back before it has left. The rest of the list is applied.
+                Some(e) if e.is_removing() => {
+                    tracing::warn!(replica = e.replica, url = %w.url, "reload: this engine is still being removed; reload again once it has left to add it back");
+                }
+                Some(_) => {}
             }
         }
         let mut removed = Vec::new();
@@ -403,8 +437,15 @@ impl NodeState {
             for delta in deltas.into_iter().flatten() {
                 self.peers.publish_summary(e.replica, &delta);
             }
-            self.peers.publish_stats(e.queue_stats(epoch));
-            if e.is_removing() && e.adapter.inflight() == 0 {
+            // Read once, before the stats: an engine that leaves at this tick must
+            // have said draining in the stats it published last (peers keep them,
+            // and would price a replica that is gone as idle). Read after them, a
+            // removal landing in between let it leave with stats that said serving.
+            let removing = e.is_removing();
+            let mut stats = e.queue_stats(epoch);
+            stats.draining |= removing;
+            self.peers.publish_stats(stats);
+            if removing && e.adapter.inflight() == 0 {
                 gone.push(e.replica);
             }
         }

@@ -189,6 +189,92 @@ async fn replicas_are_added_drained_and_removed_through_the_admin_api() {
     node.shutdown.cancel();
 }
 
+/// Changes of the engine set that the node's state blocks are refused with a 409 that
+/// says what blocks them, and a reload applies what it can:
+/// - removing the last engine in rotation while the others are drained (before: 202,
+///   and the node then served nothing itself, with nothing saying why);
+/// - adding back an engine still draining out (before: 400 "already fronts");
+/// - a reload whose file still lists such an engine adds the file's new ones (before:
+///   it stopped at that engine with "already fronts" and added nothing).
+#[tokio::test]
+async fn engine_set_changes_the_state_blocks_say_why_and_a_reload_applies_the_rest() {
+    use reqwest::Method;
+    let es = engines(3).await;
+    let urls: Vec<String> = es.iter().map(|e| e.url()).collect();
+    let node = start_node(config_with_engines("a", &urls[..2], ""), None).await;
+    let admin = |method: Method, path: &str, body: Option<serde_json::Value>| {
+        let mut req = client()
+            .request(method, format!("{}{path}", node.admin))
+            .bearer_auth(TOKEN);
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        async move {
+            let resp = req.send().await.unwrap();
+            let status = resp.status().as_u16();
+            (status, resp.json::<serde_json::Value>().await.unwrap())
+        }
+    };
+    // Engine 1 drained: engine 0 is the last in rotation.
+    assert_eq!(
+        admin(Method::POST, "/admin/engines/1/drain", None).await.0,
+        200
+    );
+    let (status, body) = admin(Method::DELETE, "/admin/engines/0", None).await;
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("drained: 1"),
+        "{body}"
+    );
+    // Engine 1 back, engine 0 drained: a streamed request held at engine 1.
+    assert_eq!(
+        admin(Method::POST, "/admin/engines/1/serve", None).await.0,
+        200
+    );
+    assert_eq!(
+        admin(Method::POST, "/admin/engines/0/drain", None).await.0,
+        200
+    );
+    es[1].set_mode(STREAM_THEN_HANG);
+    let held = client()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&chat_body("held", true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(held.status(), 200);
+    assert_eq!(
+        admin(Method::POST, "/admin/engines/0/serve", None).await.0,
+        200
+    );
+    // Engine 1 is removed while its request runs: it stays until the request ends.
+    assert_eq!(admin(Method::DELETE, "/admin/engines/1", None).await.0, 202);
+    let body = serde_json::json!({"url": urls[1], "kind": "sglang"});
+    let (status, err) = admin(Method::POST, "/admin/engines", Some(body)).await;
+    assert_eq!(status, 409, "{err}");
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("being removed"),
+        "{err}"
+    );
+    // The file still lists engine 1 and adds a third: the third is added.
+    let file = config_with_engines("a", &urls, "");
+    let (added, removed) = node.state().reload_engines(file.engines()).unwrap();
+    assert_eq!((added, removed), (vec![2], vec![]));
+    assert!(node.state().engine(1).is_some(), "still draining out");
+    // The held request ends; engine 1 leaves.
+    es[1].release.notify_waiters();
+    let _ = held.bytes().await;
+    let state = node.state().clone();
+    until("engine 1 removed", || state.engine(1).is_none()).await;
+    node.shutdown.cancel();
+}
+
 #[tokio::test]
 async fn peers_see_each_replica_and_decide_over_all_of_them() {
     let mesh = gorgo_node::mesh::Mesh::new();
