@@ -252,8 +252,8 @@ impl NodeState {
     }
 
     /// Add an engine at run time (`POST /admin/engines`): it takes the next replica
-    /// number, is gossiped as its own stream, and takes requests once its first
-    /// health check passes. Refused before the node started (its tasks need the
+    /// number, is gossiped as its own stream (draining until then), and takes
+    /// requests once its first health check passes. Refused before the node started (its tasks need the
     /// node's runtime) and past [`gorgo_core::types::MAX_REPLICAS`] engines in a run.
     pub fn add_engine(
         self: &Arc<Self>,
@@ -297,13 +297,16 @@ impl NodeState {
             )));
         }
         let replica = *next;
-        let added = Arc::new(local::LocalEngine::new(
-            &self.config,
-            &engine,
-            replica,
-            shutdown.child_token(),
-            self.now_ms(),
-        )?);
+        let added = Arc::new(
+            local::LocalEngine::new(
+                &self.config,
+                &engine,
+                replica,
+                shutdown.child_token(),
+                self.now_ms(),
+            )?
+            .awaiting_first_check(),
+        );
         {
             let mut engines = self.engines.write();
             if engines

@@ -52,6 +52,11 @@ pub struct LocalEngine {
     /// engine back in rotation cannot undo a removal that raced with it (a check of a
     /// separate flag, then a store, left an engine serving and removing at once).
     status: AtomicU8,
+    /// Added at run time: it takes requests only once a health check has passed. An
+    /// engine of the config at start is routable at once (the node has no other),
+    /// but one added to a running node was idle and unqueued, the cheapest candidate
+    /// of all, and drew requests to an address nothing had checked yet.
+    awaits_first_check: bool,
 }
 
 /// [`LocalEngine::status`]'s value once removal was asked for: draining, and dropped
@@ -91,7 +96,15 @@ impl LocalEngine {
             adapter,
             stop,
             status: AtomicU8::new(status as u8),
+            awaits_first_check: false,
         })
+    }
+
+    /// This engine, added to a running node: it takes requests only once a health
+    /// check has passed.
+    pub fn awaiting_first_check(mut self) -> Self {
+        self.awaits_first_check = true;
+        self
     }
 
     /// Where the engine is in its life.
@@ -137,9 +150,15 @@ impl LocalEngine {
         self.status.load(Ordering::Acquire) == REMOVING
     }
 
-    /// Whether the engine takes new requests now: serving and healthy.
+    /// Whether the engine takes new requests now: serving and healthy (and, added at
+    /// run time, confirmed by a health check).
     pub fn takes_requests(&self) -> bool {
-        self.status() == EngineStatus::Serving && self.adapter.is_healthy()
+        self.status() == EngineStatus::Serving
+            && if self.awaits_first_check {
+                self.adapter.is_ready()
+            } else {
+                self.adapter.is_healthy()
+            }
     }
 
     /// Its queue stats as gossiped: the view of the engine with the fit, marked

@@ -140,6 +140,14 @@ async fn replicas_are_added_drained_and_removed_through_the_admin_api() {
         assert_eq!(status, 201, "{v}");
         assert_eq!(v["replica"], i as u64 + 1, "{v}");
     }
+    // They take requests once their first health check has passed.
+    let state = node.state().clone();
+    until("engines 1 and 2 checked", || {
+        [1, 2]
+            .iter()
+            .all(|&r| state.engine(r).unwrap().takes_requests())
+    })
+    .await;
     // The same engine twice is refused.
     assert_eq!(add(es[1].url(), serde_json::json!({})).await.0, 400);
     let list = admin_json(&node, "/admin/engines").await;
@@ -173,7 +181,6 @@ async fn replicas_are_added_drained_and_removed_through_the_admin_api() {
     );
 
     // Removing engine 1: it drains and leaves the set once idle (the next tick).
-    let state = node.state().clone();
     assert_eq!(admin(Method::DELETE, "/admin/engines/1", None).await.0, 202);
     until("engine 1 removed", || state.engine(1).is_none()).await;
     assert_eq!(admin(Method::DELETE, "/admin/engines/1", None).await.0, 404);
@@ -186,6 +193,43 @@ async fn replicas_are_added_drained_and_removed_through_the_admin_api() {
     let (status, v) = add(es[1].url(), serde_json::json!({})).await;
     assert_eq!(status, 201);
     assert_eq!(v["replica"], 3, "{v}");
+    node.shutdown.cancel();
+}
+
+/// An engine added to a running node takes no request, and is gossiped draining, until
+/// a health check has passed: idle and unqueued, it was the cheapest candidate of all
+/// and drew requests to an address nothing had checked (here one that answers
+/// nothing, health checks included).
+#[tokio::test]
+async fn an_engine_added_at_run_time_waits_for_its_first_health_check() {
+    let es = engines(2).await;
+    let node = start_node(config_with_engines("a", &[es[0].url()], ""), None).await;
+    es[1].set_mode(HANG_ALL);
+    let resp = client()
+        .post(format!("{}/admin/engines", node.admin))
+        .bearer_auth(TOKEN)
+        .json(
+            &serde_json::json!({"url": es[1].url(), "kind": "sglang", "health_timeout_ms": 60000}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 201);
+    let state = node.state().clone();
+    assert!(!state.engine(1).unwrap().takes_requests());
+    assert!(state.local_stats()[1].draining);
+    for i in 0..4 {
+        assert_eq!(chat(&node, &prompt(&format!("new {i}"), 300)).await, 200);
+    }
+    assert_eq!(es[1].requests(), 0);
+    // It answers: its next check passes, and it takes requests.
+    es[1].set_mode(NORMAL);
+    es[1].release.notify_waiters();
+    until("engine 1 checked", || {
+        state.engine(1).unwrap().takes_requests()
+    })
+    .await;
+    assert!(!state.local_stats()[1].draining);
     node.shutdown.cancel();
 }
 
