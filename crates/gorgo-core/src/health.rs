@@ -57,6 +57,17 @@ impl BreakerState {
             BreakerState::HalfOpen { .. } => 2,
         }
     }
+
+    /// How bad it is, for the worst of several engines: open (no request at all) over
+    /// half-open (a probe may pass) over closed. Not [`BreakerState::code`]'s order,
+    /// whose maximum called an open engine beside a half-open one half-open.
+    pub fn severity(&self) -> u8 {
+        match self {
+            BreakerState::Closed => 0,
+            BreakerState::HalfOpen { .. } => 1,
+            BreakerState::Open { .. } => 2,
+        }
+    }
 }
 
 /// What happened to a real request, as the breaker counts it.

@@ -331,10 +331,15 @@ fn apply_follower(
             f.fallback_reason(),
         )
     };
-    let was = state
+    // The engine left the node while this batch was on its way: nothing of it counts,
+    // and its index is gossiped no more.
+    let Some(was) = state
         .metrics
         .kv_events
-        .observe(engine.replica, &counters, fallback_ms, source);
+        .observe(engine.replica, &counters, fallback_ms, source)
+    else {
+        return Vec::new();
+    };
     if counters.resyncs > was.resyncs {
         tracing::warn!(
             reason = reason.unwrap_or("resync"),

@@ -623,13 +623,9 @@ impl NodeState {
         self.metrics
             .engine_healthy
             .set(engines.iter().filter(|e| e.adapter.is_healthy()).count() as i64);
-        self.metrics.engine_breaker.set(
-            engines
-                .iter()
-                .map(|e| e.adapter.breaker().code())
-                .max()
-                .unwrap_or(0),
-        );
+        self.metrics
+            .engine_breaker
+            .set(worst_breaker(engines.iter().map(|e| e.adapter.breaker())));
         self.metrics.observe_gossip(&gossip);
         // A peer the cluster has forgotten (down for a while) goes with its series.
         self.metrics.prefixes_age.clear();
@@ -912,9 +908,28 @@ pub async fn start(
     })
 }
 
+/// The breaker gauge of a node with several engines: the worst engine's state
+/// ([`gorgo_core::health::BreakerState::severity`]), as its code; 0 with none.
+fn worst_breaker(states: impl Iterator<Item = gorgo_core::health::BreakerState>) -> i64 {
+    states.max_by_key(|s| s.severity()).map_or(0, |s| s.code())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The node's breaker gauge is the worst engine's state: one open engine beside a
+    /// half-open one is open (1), not half-open (2, the larger code).
+    #[test]
+    fn the_breaker_gauge_is_the_worst_engines() {
+        use gorgo_core::health::BreakerState::{Closed, HalfOpen, Open};
+        let open = Open { until_ms: 5 };
+        let half = HalfOpen { probing: false };
+        assert_eq!(worst_breaker([half, open, Closed].into_iter()), 1);
+        assert_eq!(worst_breaker([Closed, half].into_iter()), 2);
+        assert_eq!(worst_breaker([Closed, Closed].into_iter()), 0);
+        assert_eq!(worst_breaker(std::iter::empty()), 0);
+    }
 
     /// A cluster view the test scripts: its peers and its gossip totals.
     #[derive(Debug, Default)]

@@ -233,6 +233,10 @@ pub struct KvEventMetrics {
             ),
         >,
     >,
+    /// Replicas that left the node. Replica numbers are never reused within a run, so
+    /// a report of one of them is its event task's last, racing its removal: mirrored,
+    /// it would add the engine's whole totals again and count its source once more.
+    forgotten: parking_lot::Mutex<std::collections::BTreeSet<u16>>,
 }
 
 impl KvEventMetrics {
@@ -298,25 +302,45 @@ impl KvEventMetrics {
     /// the gauge at 0 for good). The counters keep what it added.
     pub fn forget(&self, replica: u16) {
         let mut all = self.last.lock();
+        self.forgotten.lock().insert(replica);
         all.remove(&replica);
-        let following = all
-            .values()
-            .all(|(_, _, s)| *s == gorgo_core::IndexSource::Events);
-        self.source_events.set(following as i64);
+        self.source_events.set(Self::following(&all) as i64);
+    }
+
+    /// Whether the node's index follows engine events: some engine has them, and every
+    /// engine that has them follows them (with none, `all` over nothing was true).
+    fn following(
+        all: &std::collections::BTreeMap<
+            u16,
+            (
+                gorgo_core::kv_events::KvEventCounters,
+                u64,
+                gorgo_core::IndexSource,
+            ),
+        >,
+    ) -> bool {
+        !all.is_empty()
+            && all
+                .values()
+                .all(|(_, _, s)| *s == gorgo_core::IndexSource::Events)
     }
 
     /// Mirror the totals of engine `replica`'s follower into the node's (counters
     /// only ever move forward; the node's are the sum over its engines); returns the
-    /// totals mirrored before, so the caller can log what moved. `source_events` is 1
-    /// while every engine with KV events follows them.
+    /// totals mirrored before, so the caller can log what moved; `None` for an engine
+    /// that has left the node ([`KvEventMetrics::forget`]), whose reports count no
+    /// more. `source_events` is 1 while every engine with KV events follows them.
     pub fn observe(
         &self,
         replica: u16,
         now: &gorgo_core::kv_events::KvEventCounters,
         fallback_ms: u64,
         source: gorgo_core::IndexSource,
-    ) -> gorgo_core::kv_events::KvEventCounters {
+    ) -> Option<gorgo_core::kv_events::KvEventCounters> {
         let mut all = self.last.lock();
+        if self.forgotten.lock().contains(&replica) {
+            return None;
+        }
         let last = all.entry(replica).or_insert((
             gorgo_core::kv_events::KvEventCounters::default(),
             0,
@@ -347,11 +371,8 @@ impl KvEventMetrics {
         self.fallback_seconds
             .inc_by(fallback_ms.saturating_sub(was_fallback_ms) as f64 / 1000.0);
         *last = (*now, fallback_ms.max(was_fallback_ms), source);
-        let following = all
-            .values()
-            .all(|(_, _, s)| *s == gorgo_core::IndexSource::Events);
-        self.source_events.set(following as i64);
-        was
+        self.source_events.set(Self::following(&all) as i64);
+        Some(was)
     }
 }
 
@@ -782,6 +803,32 @@ mod tests {
         assert_eq!(m.source_events.get(), 1);
         m.observe(0, &none, 0, IndexSource::Events);
         assert_eq!(m.source_events.get(), 1);
+        // The last engine with events leaves: nothing follows events any more.
+        m.forget(0);
+        assert_eq!(m.source_events.get(), 0);
+    }
+
+    /// An engine without KV events leaving a node that has none leaves the gauge at 0
+    /// (`all` over no engine was true: it said 1); a report of an engine's event task
+    /// that lands after the engine left counts nothing (mirrored against nothing, it
+    /// added the engine's whole totals again, and its source counted once more).
+    #[test]
+    fn a_node_without_kv_events_and_an_engine_gone_count_nothing() {
+        use gorgo_core::kv_events::KvEventCounters;
+        use gorgo_core::IndexSource;
+        let m = KvEventMetrics::default();
+        m.forget(3);
+        assert_eq!(m.source_events.get(), 0);
+        let five = KvEventCounters {
+            batches: 5,
+            ..KvEventCounters::default()
+        };
+        assert!(m.observe(1, &five, 0, IndexSource::Events).is_some());
+        assert_eq!(m.batches.get(), 5);
+        m.forget(1);
+        assert!(m.observe(1, &five, 0, IndexSource::Shadow).is_none());
+        assert_eq!(m.batches.get(), 5);
+        assert_eq!(m.source_events.get(), 0);
     }
 
     #[test]
