@@ -180,6 +180,12 @@ impl PolicyKind {
         )
     }
 
+    /// True for the policies whose decision terms are milliseconds: all but
+    /// `gorgo-paper`, whose prefill and queue terms count tokens.
+    pub fn terms_in_ms(self) -> bool {
+        self != PolicyKind::GorgoPaper
+    }
+
     /// A fresh instance of this policy.
     pub fn build(self) -> Box<dyn Policy> {
         build(self)

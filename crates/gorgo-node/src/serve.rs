@@ -293,11 +293,13 @@ async fn route_and_serve(
             return Err(ServeError::Refused(refusal));
         }
     };
+    // The histogram is in seconds: `gorgo-paper`'s terms count tokens.
     if let Some(terms) = record
         .candidates
         .iter()
         .find(|c| c.chosen)
         .and_then(|c| c.terms)
+        .filter(|_| policy.terms_in_ms())
     {
         state.metrics.terms(&terms);
     }

@@ -3,6 +3,28 @@ mod common;
 
 use common::*;
 
+/// `cost_term_seconds` holds milliseconds over a thousand: `gorgo`'s terms are
+/// recorded, `gorgo-paper`'s, which count tokens, are not (a 4,000-token prompt showed
+/// as 4 s of prefill).
+#[tokio::test]
+async fn only_millisecond_terms_reach_the_cost_term_histogram() {
+    let engine = StubEngine::start("e").await;
+    let series = "gorgo_cost_term_seconds_count{term=\"prefill\"}";
+    for (policy, counted) in [("gorgo", 1.0), ("gorgo-paper", 0.0)] {
+        let extra = format!("[routing]\npolicy = \"{policy}\"\n");
+        let node = start_node(config("a", &engine.url(), &extra), None).await;
+        let resp = post_chat(&node, &prompt("terms", 16_000), false).await;
+        assert_eq!(resp.status(), 200);
+        let text = metrics_text(&node).await;
+        assert_eq!(
+            metric_value(&text, series).unwrap_or(0.0),
+            counted,
+            "{policy}"
+        );
+        node.shutdown.cancel();
+    }
+}
+
 #[tokio::test]
 async fn non_streaming_chat_passes_through_with_headers() {
     let engine = StubEngine::start("e").await;
