@@ -37,6 +37,22 @@ impl Default for Weights {
     }
 }
 
+/// Largest weight a person may set (`routing.weights`, `PUT /admin/weights`): far
+/// beyond any the tuner's bounds reach, and one rule for both, so that weights the
+/// config took can be put back through the admin API.
+pub const MAX_WEIGHT: f64 = 100.0;
+
+impl Weights {
+    /// The first weight (`"w_rtt"` or `"w_queue"`) that is not a finite number in
+    /// `[0, MAX_WEIGHT]`, if any.
+    pub fn out_of_range(&self) -> Option<&'static str> {
+        [("w_rtt", self.w_rtt), ("w_queue", self.w_queue)]
+            .into_iter()
+            .find(|(_, w)| !(w.is_finite() && (0.0..=MAX_WEIGHT).contains(w)))
+            .map(|(name, _)| name)
+    }
+}
+
 /// Most model ids a node's stats carry (vLLM lists every LoRA adapter as a model): a
 /// bound on what one peer's stats can make every other node hold and scan.
 pub const MAX_MODELS: usize = 64;

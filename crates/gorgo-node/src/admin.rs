@@ -20,8 +20,6 @@ use crate::NodeState;
 
 /// Largest PUT body on the admin API.
 const MAX_ADMIN_BODY: usize = 64 * 1024;
-/// Upper bound accepted for a weight set by hand.
-const MAX_WEIGHT: f64 = 100.0;
 
 /// The admin router.
 pub fn router(state: Arc<NodeState>) -> axum::Router {
@@ -433,16 +431,17 @@ async fn put_weights(
         Ok(w) => w,
         Err(e) => return e.into_response(),
     };
-    for (name, v) in [("w_rtt", body.w_rtt), ("w_queue", body.w_queue)] {
-        if let Some(v) = v {
-            if !(v.is_finite() && (0.0..=MAX_WEIGHT).contains(&v)) {
-                return ApiError(
-                    StatusCode::BAD_REQUEST,
-                    format!("`{name}` must be in [0, {MAX_WEIGHT}]"),
-                )
-                .into_response();
-            }
-        }
+    // One rule with the config's, so that weights it took can be put back.
+    let given = Weights {
+        w_rtt: body.w_rtt.unwrap_or(0.0),
+        w_queue: body.w_queue.unwrap_or(0.0),
+    };
+    if let Some(name) = given.out_of_range() {
+        return ApiError(
+            StatusCode::BAD_REQUEST,
+            format!("`{name}` must be in [0, {}]", gorgo_core::types::MAX_WEIGHT),
+        )
+        .into_response();
     }
     let weights = match (body.w_rtt, body.w_queue) {
         (Some(w_rtt), Some(w_queue)) => Some(Weights { w_rtt, w_queue }),

@@ -1072,16 +1072,11 @@ impl NodeConfig {
                 "policy `oracle` exists only in the simulator",
             );
         }
-        for (name, w) in [
-            ("routing.weights.w_rtt", self.routing.start_weights().w_rtt),
-            (
-                "routing.weights.w_queue",
-                self.routing.start_weights().w_queue,
-            ),
-        ] {
-            if !(w.is_finite() && w >= 0.0) {
-                return bad(name, "must be a finite number >= 0");
-            }
+        if let Some(name) = self.routing.start_weights().out_of_range() {
+            return bad(
+                &format!("routing.weights.{name}"),
+                &format!("must be a number in [0, {}]", gorgo_core::types::MAX_WEIGHT),
+            );
         }
         // Chains of forwards beyond this only add latency (and the wire refuses them).
         if self.routing.max_hops > gorgo_core::wire::MAX_HOPS {
@@ -1683,6 +1678,16 @@ token = "secret-token"
         let text = format!(
             "{MINIMAL}\n[limits]\nmax_body_bytes = 65536\nmax_body_bytes_in_flight = 1114112\n"
         );
+        NodeConfig::from_toml_str(&text).unwrap();
+        // Weights as the admin API takes them: [0, 100] (the config took any finite
+        // weight, which `PUT /admin/weights` then refused to put back).
+        for (w, field) in [("-1.0", "w_rtt"), ("150.0", "w_rtt"), ("nan", "w_rtt")] {
+            let text =
+                format!("{MINIMAL}\n[routing]\nweights = {{ w_rtt = {w}, w_queue = 1.0 }}\n");
+            let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+            assert!(e.contains(&format!("routing.weights.{field}")), "{e}");
+        }
+        let text = format!("{MINIMAL}\n[routing]\nweights = {{ w_rtt = 100.0, w_queue = 0 }}\n");
         NodeConfig::from_toml_str(&text).unwrap();
         for policy in ["nope", "oracle"] {
             let text = format!("{MINIMAL}\n[routing]\npolicy = \"{policy}\"\n");

@@ -667,12 +667,12 @@ async fn passthrough_server_errors_open_the_breaker() {
     node.shutdown.cancel();
 }
 
-/// A forward the node cannot serve is answered with the error its origin's client
-/// would have had from it directly: OpenAI code and param included
-/// (`context_length_exceeded` on `prompt` for a completions request, on `messages` for
-/// chat, which SDKs act on), not a bare message.
+/// A forward this node cannot hold (a prompt over its engines' context) is answered
+/// 502, naming this region and why, not with the 400 its own client would get: the
+/// origin checked the prompt against its own engines and serves it itself
+/// (`node_cluster::a_prompt_too_long_for_the_peer_is_served_at_its_origin`).
 #[tokio::test]
-async fn a_forward_refused_as_too_long_keeps_its_openai_code() {
+async fn a_forward_too_long_for_this_node_is_a_502_its_origin_serves() {
     use gorgo_node::api::{ServeError, Upstream};
     use tokio::io::AsyncReadExt;
     let engine = StubEngine::start("e").await;
@@ -689,16 +689,18 @@ async fn a_forward_refused_as_too_long_keeps_its_openai_code() {
         })
     })
     .await;
-    assert_eq!(ex.head.status, 400);
+    assert_eq!(ex.head.status, 502);
     let mut len = [0u8; 4];
     ex.from_node.read_exact(&mut len).await.unwrap();
     let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
     ex.from_node.read_exact(&mut body).await.unwrap();
     let err: serde_json::Value = serde_json::from_slice(&body).unwrap();
-    assert_eq!(err["error"]["code"], "context_length_exceeded", "{err}");
-    // A completions request's field is `prompt` (this test said `messages` while the
-    // node named that field whatever the endpoint).
-    assert_eq!(err["error"]["param"], "prompt", "{err}");
+    let message = err["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("region a cannot serve this forward")
+            && message.contains("prompt too long"),
+        "{err}"
+    );
     drop(ex.to_node);
     node.shutdown.cancel();
 }
