@@ -372,21 +372,23 @@ async fn peers(State(state): State<Arc<NodeState>>) -> Response {
 #[serde(deny_unknown_fields)]
 struct DecisionsQuery {
     limit: Option<usize>,
+    /// Newest decisions to skip: the next page starts where the last one ended.
+    offset: Option<usize>,
 }
 
 async fn decisions(
     State(state): State<Arc<NodeState>>,
     query: Result<Query<DecisionsQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Response {
-    let limit = match query {
-        Ok(Query(q)) => q.limit.unwrap_or(50),
+    let (limit, offset) = match query {
+        Ok(Query(q)) => (q.limit.unwrap_or(50), q.offset.unwrap_or(0)),
         Err(e) => return ApiError(StatusCode::BAD_REQUEST, e.body_text()).into_response(),
     };
     if limit > MAX_DECISIONS_PER_PAGE {
         let message = format!("limit: at most {MAX_DECISIONS_PER_PAGE}");
         return ApiError(StatusCode::BAD_REQUEST, message).into_response();
     }
-    Json(state.router.recent(limit)).into_response()
+    Json(state.router.recent(offset, limit)).into_response()
 }
 
 /// Most decisions one `/admin/decisions` answers: they are copied under the lock

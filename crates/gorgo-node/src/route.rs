@@ -90,9 +90,17 @@ impl Router {
         }
     }
 
-    /// The last `limit` decisions, newest first.
-    pub fn recent(&self, limit: usize) -> Vec<DecisionRecord> {
-        self.log.lock().iter().rev().take(limit).cloned().collect()
+    /// `limit` decisions, newest first, after the newest `offset`: pages through the
+    /// whole log, however long `routing.decision_log` makes it.
+    pub fn recent(&self, offset: usize, limit: usize) -> Vec<DecisionRecord> {
+        self.log
+            .lock()
+            .iter()
+            .rev()
+            .skip(offset)
+            .take(limit)
+            .cloned()
+            .collect()
     }
 
     fn next_random(&self) -> u64 {
@@ -303,7 +311,7 @@ mod tests {
             r.decide(&input(0, &chain), cands()).0,
             Target::Peer(NodeId::from("b"))
         );
-        let log = r.recent(10);
+        let log = r.recent(0, 10);
         assert_eq!(log.len(), 1);
         assert_eq!(log[0].candidates.len(), 2);
     }
@@ -332,6 +340,24 @@ mod tests {
         for _ in 0..5 {
             r.decide(&input(1, &chain), cands());
         }
-        assert_eq!(r.recent(10).len(), 2);
+        assert_eq!(r.recent(0, 10).len(), 2);
+    }
+
+    /// Pages of the log, newest first: an offset reaches decisions past the first
+    /// page (the API had only `limit`, at most 1,000, of a log of up to 100,000).
+    #[test]
+    fn the_log_pages_newest_first() {
+        let r = Router::new(8, 1);
+        let chain = HashChain::default();
+        for id in 0..5 {
+            let mut i = input(1, &chain);
+            i.request_id = id;
+            r.decide(&i, cands());
+        }
+        let ids = |page: Vec<DecisionRecord>| page.iter().map(|d| d.request_id).collect::<Vec<_>>();
+        assert_eq!(ids(r.recent(0, 2)), [4, 3]);
+        assert_eq!(ids(r.recent(2, 2)), [2, 1]);
+        assert_eq!(ids(r.recent(4, 2)), [0]);
+        assert!(r.recent(5, 2).is_empty());
     }
 }

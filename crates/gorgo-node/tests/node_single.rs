@@ -47,6 +47,17 @@ async fn non_streaming_chat_passes_through_with_headers() {
     assert!(predicted.is_finite() && predicted >= 0.0, "{predicted}");
     let v: serde_json::Value = resp.json().await.unwrap();
     assert_eq!(v["choices"][0]["message"]["content"], "hello world");
+    // Its decision, and an empty page past it.
+    assert_eq!(
+        admin_json(&node, "/admin/decisions?limit=5")
+            .await
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+    let past = admin_json(&node, "/admin/decisions?limit=5&offset=1").await;
+    assert!(past.as_array().unwrap().is_empty(), "{past}");
     node.shutdown.cancel();
 }
 
