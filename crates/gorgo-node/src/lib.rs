@@ -289,9 +289,10 @@ impl NodeState {
         check.engine = None;
         check.engines = list;
         check.validate_added_engine()?;
+        // The node's state, not the body: a 409, and only a restart lifts it.
         if *next >= gorgo_core::types::MAX_REPLICAS {
-            return Err(NodeError::Config(format!(
-                "invalid `engines`: {} engines were added in this run, the limit is {}",
+            return Err(NodeError::Conflict(format!(
+                "{} engines were added in this run, the limit is {}: restart the node to add more",
                 *next,
                 gorgo_core::types::MAX_REPLICAS
             )));

@@ -233,6 +233,46 @@ async fn an_engine_added_at_run_time_waits_for_its_first_health_check() {
     node.shutdown.cancel();
 }
 
+/// Replica numbers are never reused in a run: once 64 were given out, adding one more
+/// is a 409 that says a restart lifts it (it was a 400 naming `engines`, a field the
+/// body does not have).
+#[tokio::test]
+async fn past_64_engines_added_in_a_run_adding_is_a_conflict() {
+    let es = engines(1).await;
+    let node = start_node(config_with_engines("a", &[es[0].url()], ""), None).await;
+    let add = |port: u16| {
+        let body = serde_json::json!({"url": format!("http://127.0.0.2:{port}"), "kind": "sglang", "health_interval_ms": 3600000});
+        client()
+            .post(format!("{}/admin/engines", node.admin))
+            .bearer_auth(TOKEN)
+            .json(&body)
+            .send()
+    };
+    for port in 1..64 {
+        assert_eq!(add(port).await.unwrap().status(), 201, "engine {port}");
+    }
+    // 64 engines: one leaves, and the next would be replica 64.
+    let resp = client()
+        .delete(format!("{}/admin/engines/63", node.admin))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 202);
+    let state = node.state().clone();
+    until("engine 63 removed", || state.engine(63).is_none()).await;
+    let (status, err) = error_of(add(64).await.unwrap()).await;
+    assert_eq!(status, 409, "{err}");
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("restart"),
+        "{err}"
+    );
+    node.shutdown.cancel();
+}
+
 /// Changes of the engine set that the node's state blocks are refused with a 409 that
 /// says what blocks them, and a reload applies what it can:
 /// - removing the last engine in rotation while the others are drained (before: 202,
