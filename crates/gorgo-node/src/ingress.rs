@@ -609,6 +609,12 @@ async fn completion(
             respond(state, up, started, slot, measured, policy_name)
         }
         Err(e) => {
+            if tuned && matches!(e, ServeError::Timeout(_)) {
+                let waited_ms = started.elapsed().as_secs_f64() * 1000.0;
+                state
+                    .tuning
+                    .record_timed_out(&admission.epoch, admission.cell, waited_ms);
+            }
             let (status, outcome) = e.status();
             let m = e.message();
             tracing::warn!(request_id, %status, error = %m, "request failed");
@@ -774,9 +780,14 @@ impl Tracked {
                 .metrics
                 .routed_request(outcome, self.policy, &self.served_by);
             let mut open = self.held.lock().open.take();
+            let e2e = self.started.elapsed().as_secs_f64();
             if outcome == "ok" {
-                let e2e = self.started.elapsed().as_secs_f64();
                 self.state.metrics.e2e.observe(e2e);
+            }
+            // Cut at the deadline: its time is a lower bound on its E2E, as it was
+            // while it ran (left out, an arm's requests that ran into the deadline
+            // left its p95 E2E).
+            if outcome == "ok" || outcome == "timeout" {
                 if let Some(open) = open.take() {
                     self.state.tuning.record_finish(open, e2e * 1000.0);
                 }

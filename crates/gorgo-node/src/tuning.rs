@@ -520,6 +520,17 @@ impl TuningDriver {
         open
     }
 
+    /// A request admitted under `epoch` in `cell` timed out before its first token,
+    /// after `waited_ms`: that wait counts as its TTFT and its E2E, a lower bound on
+    /// each. Left out, an arm whose requests ran into the deadline had its slowest
+    /// requests taken out of its p95, and looked better for it.
+    pub fn record_timed_out(&self, epoch: &EpochKey, cell: Cell, waited_ms: f64) {
+        self.inner
+            .lock()
+            .tuner
+            .record(epoch, cell, waited_ms, waited_ms);
+    }
+
     /// The same request finished after `e2e_ms` (the E2E guard's evidence).
     pub fn record_finish(&self, open: OpenRequest, e2e_ms: f64) {
         self.inner.lock().tuner.record_finish(open, e2e_ms);
@@ -763,6 +774,41 @@ mod tests {
                 d.record_finish(open, 500.0);
             }
         }
+    }
+
+    /// A request that timed out before its first token counts its wait as its TTFT
+    /// and E2E: a candidate whose requests all run into the deadline is measured at
+    /// that wait, and refused. Left out, its arm held no sample at all.
+    #[test]
+    fn requests_that_time_out_count_their_wait() {
+        let c = TuningConfig {
+            settle_margin: 1.0,
+            fit_start: false,
+            ..cfg()
+        };
+        let d = TuningDriver::new("a".into(), c, Weights::default()).unwrap();
+        d.tick([], 0);
+        let mut key = 0u64;
+        for t in 1..200 {
+            let candidate = d.view().candidate;
+            for _ in 0..8 {
+                key += 1;
+                let a = d.admit(gorgo_core::hash::hash_bytes(&key.to_le_bytes()));
+                if candidate.is_some_and(|w| w == a.weights) {
+                    d.record_timed_out(&a.epoch, a.cell, 30_000.0);
+                } else if let Some(open) = d.record_first_token(&a.epoch, a.cell, 100.0, 0, None) {
+                    d.record_finish(open, 500.0);
+                }
+            }
+            d.tick([], t);
+            if let Some(trial) = d.view().history.iter().find(|e| e.record.samples > 0) {
+                assert!(trial.record.score_p95_ttft_ms >= 29_000.0, "{trial:?}");
+                assert!(trial.record.p95_e2e_ms >= 29_000.0, "{trial:?}");
+                assert!(!trial.record.accepted);
+                return;
+            }
+        }
+        panic!("no trial decided: {:?}", d.view().history);
     }
 
     /// A learned-weights file reads back the very weights written: a node started
