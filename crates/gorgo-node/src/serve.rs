@@ -158,10 +158,22 @@ fn check_model(state: &NodeState, mut req: RoutedRequest) -> Result<RoutedReques
 /// head), the request is routed again without that engine: to another local engine
 /// or a peer (at most `MAX_ATTEMPTS` (4) tries).
 pub async fn serve(state: &Arc<NodeState>, req: RoutedRequest) -> Result<Upstream, ServeError> {
+    let (req, mut excluded) = checked(state, req, false)?;
+    serve_excluding(state, &req, &mut excluded).await
+}
+
+/// `req` past the checks every entry point makes (a model some region serves, a
+/// prompt the engines can hold), and what it starts out leaving out: the nodes it has
+/// left, and with `all_local` this node's engines.
+fn checked(
+    state: &NodeState,
+    req: RoutedRequest,
+    all_local: bool,
+) -> Result<(RoutedRequest, Excluded), ServeError> {
     let req = check_model(state, req)?;
     check_context(state, &req)?;
-    let mut excluded = Excluded::leaving_out_path(&req, false, state.config.routing.max_hops);
-    serve_excluding(state, &req, &mut excluded).await
+    let excluded = Excluded::leaving_out_path(&req, all_local, state.config.routing.max_hops);
+    Ok((req, excluded))
 }
 
 /// Tries of one request, the first included: each failure before the first byte
@@ -195,9 +207,7 @@ pub async fn serve_elsewhere(
     state: &Arc<NodeState>,
     req: RoutedRequest,
 ) -> Result<Upstream, ServeError> {
-    let req = check_model(state, req)?;
-    check_context(state, &req)?;
-    let mut excluded = Excluded::leaving_out_path(&req, true, state.config.routing.max_hops);
+    let (req, mut excluded) = checked(state, req, true)?;
     serve_excluding(state, &req, &mut excluded).await
 }
 
@@ -208,9 +218,7 @@ pub async fn serve_draining(
     state: &Arc<NodeState>,
     req: RoutedRequest,
 ) -> Result<Upstream, ServeError> {
-    let req = check_model(state, req)?;
-    check_context(state, &req)?;
-    let mut excluded = Excluded::leaving_out_path(&req, true, state.config.routing.max_hops);
+    let (req, mut excluded) = checked(state, req, true)?;
     match serve_excluding(state, &req, &mut excluded).await {
         Err(e) if e.may_fall_back() => {
             excluded.all_local = false;

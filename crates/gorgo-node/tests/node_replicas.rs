@@ -34,6 +34,24 @@ async fn chat_as(node: &TestNode, prompt: &str, stream: bool) -> u16 {
         .as_u16()
 }
 
+/// One admin call to `node`: its status and JSON body.
+async fn admin_call(
+    node: &TestNode,
+    method: reqwest::Method,
+    path: String,
+    body: Option<serde_json::Value>,
+) -> (u16, serde_json::Value) {
+    let mut req = client()
+        .request(method, format!("{}{path}", node.admin))
+        .bearer_auth(TOKEN);
+    if let Some(b) = body {
+        req = req.json(&b);
+    }
+    let resp = req.send().await.unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.json::<serde_json::Value>().await.unwrap())
+}
+
 fn served(engines: &[Arc<StubEngine>]) -> Vec<u64> {
     engines.iter().map(|e| e.requests()).collect()
 }
@@ -103,20 +121,7 @@ async fn replicas_are_added_drained_and_removed_through_the_admin_api() {
     use reqwest::Method;
     let es = engines(3).await;
     let node = start_node(config_with_engines("a", &[es[0].url()], ""), None).await;
-    // One admin call: its status and JSON body.
-    let admin = |method: Method, path: &str, body: Option<serde_json::Value>| {
-        let mut req = client()
-            .request(method, format!("{}{path}", node.admin))
-            .bearer_auth(TOKEN);
-        if let Some(b) = body {
-            req = req.json(&b);
-        }
-        async move {
-            let resp = req.send().await.unwrap();
-            let status = resp.status().as_u16();
-            (status, resp.json::<serde_json::Value>().await.unwrap())
-        }
-    };
+    let admin = |method, path: &str, body| admin_call(&node, method, path.to_owned(), body);
     let add = |url: String, more: serde_json::Value| {
         let mut body = serde_json::json!({"url": url, "kind": "sglang"});
         body.as_object_mut()
@@ -286,19 +291,7 @@ async fn engine_set_changes_the_state_blocks_say_why_and_a_reload_applies_the_re
     let es = engines(3).await;
     let urls: Vec<String> = es.iter().map(|e| e.url()).collect();
     let node = start_node(config_with_engines("a", &urls[..2], ""), None).await;
-    let admin = |method: Method, path: &str, body: Option<serde_json::Value>| {
-        let mut req = client()
-            .request(method, format!("{}{path}", node.admin))
-            .bearer_auth(TOKEN);
-        if let Some(b) = body {
-            req = req.json(&b);
-        }
-        async move {
-            let resp = req.send().await.unwrap();
-            let status = resp.status().as_u16();
-            (status, resp.json::<serde_json::Value>().await.unwrap())
-        }
-    };
+    let admin = |method, path: &str, body| admin_call(&node, method, path.to_owned(), body);
     // Engine 1 drained: engine 0 is the last in rotation.
     assert_eq!(
         admin(Method::POST, "/admin/engines/1/drain", None).await.0,
