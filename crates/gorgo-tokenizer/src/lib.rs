@@ -67,6 +67,24 @@ pub enum TokenizerError {
     Request(String),
 }
 
+/// The most a chat template may render from a body of `body_bytes`: 8 bytes per body
+/// byte, plus 64 KiB for the template's own text (a fixed system prompt). A template
+/// that prints tools with `tojson(indent=4)` turns each `0,` of a deeply nested
+/// argument schema into a line of hundreds of spaces: a 64 KiB body rendered about
+/// 16 MB, rendered and encoded inline, and an 8 MiB one about 2 GB (an allocation
+/// failure aborts the process). Pretty-printing a real schema costs 2-4x.
+pub fn rendered_cap(body_bytes: usize) -> usize {
+    body_bytes.saturating_mul(8).saturating_add(64 << 10)
+}
+
+thread_local! {
+    /// The cap of the render running on this thread ([`rendered_cap`]): `tojson` lays
+    /// its output out under it too, since a filter's whole output is built before the
+    /// render writes any of it (a capped writer alone would still let `tojson` build
+    /// the 2 GB string).
+    static RENDER_CAP: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) };
+}
+
 /// Largest tokenizer, template or `tokenizer_config.json` file read, bytes: the
 /// largest real `tokenizer.json` files are about 35 MB.
 pub const MAX_TOKENIZER_FILE_BYTES: u64 = 64 << 20;
@@ -216,9 +234,10 @@ impl EngineTokenizer {
         })?;
         // Parsed into template values directly, which keep the client's key order (the
         // engine's Python dicts do; `tojson` of tools must print them as it does).
+        let cap = rendered_cap(body.len());
         let body: Value = serde_json::from_slice(body)
             .map_err(|e| TokenizerError::Request(format!("body is not JSON: {e}")))?;
-        template.render(&body)
+        template.render_capped(&body, cap)
     }
 
     /// The prompt's token ids as the engine counts them (see the crate docs); a
@@ -445,6 +464,12 @@ impl ChatTemplate {
     }
 
     fn render(&self, body: &Value) -> Result<String, TokenizerError> {
+        self.render_capped(body, usize::MAX)
+    }
+
+    /// [`ChatTemplate::render`], refused once the output passes `cap` bytes
+    /// ([`rendered_cap`]).
+    fn render_capped(&self, body: &Value, cap: usize) -> Result<String, TokenizerError> {
         let field = |name: &str| body.get_attr(name).ok().filter(|v| !v.is_undefined());
         let messages = field("messages")
             .ok_or_else(|| TokenizerError::Request("missing `messages`".into()))?;
@@ -471,9 +496,23 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE)
             .map_err(|e| TokenizerError::Request(e.to_string()))?;
-        template.render(ctx).map_err(|e| {
-            TokenizerError::Request(format!("the chat template cannot render this request: {e}"))
-        })
+        let mut w = pyjson::CappedWriter::new(cap);
+        let outer = RENDER_CAP.replace(cap);
+        let rendered = template.render_captured_to(ctx, &mut w);
+        RENDER_CAP.set(outer);
+        match rendered {
+            Ok(_) => String::from_utf8(w.out).map_err(|e| {
+                TokenizerError::Request(format!("the chat template rendered invalid UTF-8: {e}"))
+            }),
+            Err(e) if w.left == 0 || e.to_string().contains(pyjson::OVER_CAP) => {
+                Err(TokenizerError::Request(format!(
+                "the chat template renders this request to more than {cap} bytes (8 per body byte, plus 64 KiB)"
+            )))
+            }
+            Err(e) => Err(TokenizerError::Request(format!(
+                "the chat template cannot render this request: {e}"
+            ))),
+        }
     }
 }
 
@@ -701,9 +740,9 @@ fn tojson(value: &Value, indent: Option<Value>, kwargs: Kwargs) -> Result<Value,
         // serde_json's map is sorted by key.
         let sorted = serde_json::to_value(value)
             .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
-        pyjson::dumps(&sorted, &style)
+        pyjson::dumps(&sorted, &style, RENDER_CAP.get())
     } else {
-        pyjson::dumps(value, &style)
+        pyjson::dumps(value, &style, RENDER_CAP.get())
     }
     .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, e))?;
     Ok(Value::from_safe_string(text))

@@ -99,17 +99,63 @@ impl Formatter for PyFormatter<'_> {
     }
 }
 
-/// `value` as Python's `json.dumps` would print it with `style`.
-pub(crate) fn dumps<T: Serialize + ?Sized>(value: &T, style: &Style) -> Result<String, String> {
-    let mut out = Vec::new();
+/// How an output refused for its cap says so.
+pub(crate) const OVER_CAP: &str = "output over the render's cap";
+
+/// A writer that takes at most `left` more bytes, then fails: what writes through it
+/// (a chat template's render, `tojson`'s layout) stops there and holds no more.
+pub(crate) struct CappedWriter {
+    pub out: Vec<u8>,
+    pub left: usize,
+}
+
+impl CappedWriter {
+    pub fn new(cap: usize) -> Self {
+        CappedWriter {
+            out: Vec::new(),
+            left: cap,
+        }
+    }
+}
+
+impl Write for CappedWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if buf.len() > self.left {
+            self.left = 0;
+            return Err(std::io::Error::other("over its cap"));
+        }
+        self.left -= buf.len();
+        self.out.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// `value` as Python's `json.dumps` would print it with `style`, refused past `cap`
+/// bytes.
+pub(crate) fn dumps<T: Serialize + ?Sized>(
+    value: &T,
+    style: &Style,
+    cap: usize,
+) -> Result<String, String> {
+    let mut out = CappedWriter::new(cap);
     let formatter = PyFormatter {
         style,
         depth: 0,
         has_value: false,
     };
     let mut ser = serde_json::Serializer::with_formatter(&mut out, formatter);
-    value.serialize(&mut ser).map_err(|e| e.to_string())?;
-    let text = String::from_utf8(out).map_err(|e| e.to_string())?;
+    if let Err(e) = value.serialize(&mut ser) {
+        return Err(if out.left == 0 {
+            format!("{OVER_CAP} ({cap} bytes)")
+        } else {
+            e.to_string()
+        });
+    }
+    let text = String::from_utf8(out.out).map_err(|e| e.to_string())?;
     if !style.ensure_ascii || text.is_ascii() {
         return Ok(text);
     }
@@ -123,6 +169,10 @@ pub(crate) fn dumps<T: Serialize + ?Sized>(value: &T, style: &Style) -> Result<S
             for u in c.encode_utf16(&mut units) {
                 ascii.push_str(&format!("\\u{u:04x}"));
             }
+        }
+        // Escaping grows a character up to 12 bytes: the cap holds here too.
+        if ascii.len() > cap {
+            return Err(format!("{OVER_CAP} ({cap} bytes)"));
         }
     }
     Ok(ascii)
@@ -146,12 +196,12 @@ mod tests {
         let v = serde_json::json!({"a": [1, {"b": "é"}], "c": {}, "d": []});
         // json.dumps(v, ensure_ascii=False)
         assert_eq!(
-            dumps(&v, &style(None)).unwrap(),
+            dumps(&v, &style(None), usize::MAX).unwrap(),
             r#"{"a": [1, {"b": "é"}], "c": {}, "d": []}"#
         );
         // json.dumps(v, ensure_ascii=False, indent=2)
         assert_eq!(
-            dumps(&v, &style(Some(2))).unwrap(),
+            dumps(&v, &style(Some(2)), usize::MAX).unwrap(),
             "{\n  \"a\": [\n    1,\n    {\n      \"b\": \"é\"\n    }\n  ],\n  \"c\": {},\n  \"d\": []\n}"
         );
         let ascii = Style {
@@ -159,6 +209,13 @@ mod tests {
             ..style(None)
         };
         // json.dumps("é😀")
-        assert_eq!(dumps("é😀", &ascii).unwrap(), r#""\u00e9\ud83d\ude00""#);
+        assert_eq!(
+            dumps("é😀", &ascii, usize::MAX).unwrap(),
+            r#""\u00e9\ud83d\ude00""#
+        );
+        // Past its cap the layout stops where it is: an error, not the whole string.
+        let e = dumps(&v, &style(Some(2)), 10).unwrap_err();
+        assert!(e.contains(OVER_CAP), "{e}");
+        assert!(dumps("é😀", &ascii, 6).unwrap_err().contains(OVER_CAP));
     }
 }

@@ -474,3 +474,40 @@ fn a_template_that_loops_over_content_parts_gets_them() {
         assert_eq!(loops_over_content(source), loops, "{source}");
     }
 }
+
+/// A body whose chat template output would be many times its size is refused, at the
+/// cap, without building the whole output: a template printing tools with
+/// `tojson(indent=4)` turns each `0,` of a deeply nested schema into a line of
+/// hundreds of spaces (a 64 KiB body rendered about 16 MB before). Real tools render
+/// well within it.
+#[test]
+fn a_chat_render_is_capped_at_a_multiple_of_the_body() {
+    let source = "{% for t in tools %}{{ t | tojson(indent=4) }}{% endfor %}\
+                  {% for m in messages %}{{ m.content }}{% endfor %}"
+        .to_owned();
+    let template = ChatTemplate::compile(source, "<s>".into(), "</s>".into()).unwrap();
+    let render = |body: &str| {
+        let value: Value = serde_json::from_str(body).unwrap();
+        template.render_capped(&value, rendered_cap(body.len()))
+    };
+    let tools = |parameters: &str| {
+        format!(
+            r#"{{"messages": [{{"role": "user", "content": "hi"}}], "tools": [{{"type": "function", "function": {{"name": "f", "parameters": {parameters}}}}}]}}"#
+        )
+    };
+    let nested = format!(
+        "{}{}{}",
+        "[".repeat(100),
+        "0,".repeat(4000) + "0",
+        "]".repeat(100)
+    );
+    let bomb = tools(&nested);
+    let value: Value = serde_json::from_str(&bomb).unwrap();
+    let whole = template.render(&value).unwrap().len();
+    assert!(whole > 40 * bomb.len(), "{whole} from {}", bomb.len());
+    let e = render(&bomb).unwrap_err().to_string();
+    assert!(e.contains("more than"), "{e}");
+    let schema = r#"{"type": "object", "properties": {"city": {"type": "string", "description": "a city"}, "days": {"type": "integer", "minimum": 1}}, "required": ["city"]}"#;
+    let text = render(&tools(schema)).unwrap();
+    assert!(text.contains("\"city\""), "{text}");
+}
