@@ -314,6 +314,16 @@ impl<'a> CompletionsPrompt<'a> {
         const WRONG: &str = "`prompt` must be a string, an array of strings, an array of token ids or an array of token-id arrays";
         match prompt {
             Value::String(s) => Ok(CompletionsPrompt::Text(s)),
+            // Engines refuse a batch of no prompts, and a prompt of no token ids: an
+            // error here, where it costs the engine nothing.
+            Value::Array(items) if items.is_empty() => Err(invalid("`prompt` is an empty array")),
+            Value::Array(items)
+                if items
+                    .iter()
+                    .any(|i| i.as_array().is_some_and(Vec::is_empty)) =>
+            {
+                Err(invalid("`prompt` holds an empty token-id array"))
+            }
             Value::Array(items) if items.iter().all(Value::is_string) => Ok(
                 CompletionsPrompt::TextBatch(items.iter().filter_map(Value::as_str).collect()),
             ),
@@ -568,6 +578,12 @@ mod tests {
         assert_eq!(h_tokens(&t), 2);
         let tt = canonicalize(Endpoint::Completions, &json!({"prompt": [[1], [2, 3]]})).unwrap();
         assert_eq!(tt.len(), 12);
+        // What engines refuse: a batch of no prompts, a prompt of no token ids (`[]` was
+        // read as an empty batch of strings, and routed).
+        for empty in [json!([]), json!([[]]), json!([[1], []])] {
+            let e = canonicalize(Endpoint::Completions, &json!({"prompt": empty}));
+            assert!(e.unwrap_err().to_string().contains("empty"), "{empty}");
+        }
     }
 
     #[test]
@@ -605,7 +621,8 @@ mod tests {
             each(json!([[1], [2, 3]])),
             [alone(json!([1])), alone(json!([2, 3]))]
         );
-        assert!(each(json!([])).is_empty());
+        // No prompt at all is refused (`completions_forms`).
+        assert!(CompletionsPrompt::of_body(&json!({"prompt": []})).is_err());
     }
 
     fn h_tokens(bytes: &[u8]) -> u64 {

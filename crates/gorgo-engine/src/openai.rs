@@ -177,12 +177,6 @@ pub fn parse(
         Endpoint::Completions => {
             let prompt = CompletionsPrompt::of_body(&value)
                 .map_err(|e| BadRequest::new(e.to_string(), Some("prompt")))?;
-            if prompt.is_empty() {
-                return Err(BadRequest::new(
-                    "`prompt` must not be an empty array",
-                    Some("prompt"),
-                ));
-            }
             if prompt.len() > max_prompts {
                 return Err(BadRequest::new(
                     format!(

@@ -489,11 +489,16 @@ async fn completion(
         state.metrics.request("bad_request", "");
         return invalid_field_response(e.param, e.code, &e.message);
     }
+    // The field a prompt that cannot be read or rendered is about.
+    let prompt_param = match endpoint {
+        Endpoint::Chat => "messages",
+        Endpoint::Completions => "prompt",
+    };
     let prompt = match gorgo_core::prompt::canonicalize(endpoint, &parsed) {
         Ok(p) => p,
         Err(e) => {
             state.metrics.request("bad_request", "");
-            return error_response(StatusCode::BAD_REQUEST, &e.to_string());
+            return invalid_field_response(prompt_param, "invalid_value", &e.to_string());
         }
     };
     let canonical = gorgo_core::prompt::CanonicalSize::of(endpoint, &prompt);
@@ -520,7 +525,7 @@ async fn completion(
         Ok(c) => c,
         Err(e @ NodeError::Tokenize(_)) => {
             state.metrics.request("bad_request", "");
-            return error_response(StatusCode::BAD_REQUEST, &e.to_string());
+            return invalid_field_response(prompt_param, "invalid_value", &e.to_string());
         }
         Err(e) => {
             state.metrics.request("internal_error", "");

@@ -34,12 +34,16 @@ enum Rule {
     Stop,
     /// Chat: a boolean; completions: an integer 0..=20.
     Logprobs,
+    /// Chat: at least 1; completions: at least 0 (`max_tokens: 0` with `echo` scores a
+    /// prompt without generating: lm-evaluation-harness's loglikelihood requests, which
+    /// vLLM and SGLang take).
+    MaxTokens,
 }
 
 const RULES: &[(&str, Rule)] = &[
     ("model", Rule::String),
     ("stream", Rule::Bool),
-    ("max_tokens", Rule::Int(1, i64::MAX)),
+    ("max_tokens", Rule::MaxTokens),
     ("max_completion_tokens", Rule::Int(1, i64::MAX)),
     ("n", Rule::Int(1, 128)),
     ("temperature", Rule::Number(0.0, 2.0)),
@@ -129,6 +133,10 @@ fn check(
             Endpoint::Chat => check(param, Rule::Bool, v, endpoint),
             Endpoint::Completions => check(param, Rule::Int(0, 20), v, endpoint),
         },
+        Rule::MaxTokens => match endpoint {
+            Endpoint::Chat => check(param, Rule::Int(1, i64::MAX), v, endpoint),
+            Endpoint::Completions => check(param, Rule::Int(0, i64::MAX), v, endpoint),
+        },
     }
 }
 
@@ -167,6 +175,11 @@ mod tests {
             validate_request(Endpoint::Completions, &completions),
             Ok(())
         );
+        // A prompt scored, nothing generated (lm-evaluation-harness): completions only.
+        let scored = json!({"prompt": "x", "max_tokens": 0, "echo": true, "logprobs": 1});
+        assert_eq!(validate_request(Endpoint::Completions, &scored), Ok(()));
+        let e = validate_request(Endpoint::Chat, &json!({"max_tokens": 0})).unwrap_err();
+        assert_eq!((e.param, e.code), ("max_tokens", "invalid_value"));
     }
 
     #[test]

@@ -130,7 +130,28 @@ async fn bad_inputs_get_the_right_status_and_openai_errors() {
         .send()
         .await
         .unwrap();
-    assert_eq!(error_of(resp).await.0, 400, "chat without messages");
+    let (status, err) = error_of(resp).await;
+    assert_eq!(status, 400, "chat without messages");
+    // The field at fault is named, as for the fields `validate` checks.
+    assert_eq!(err["error"]["param"], "messages", "{err}");
+    // Prompts engines refuse: refused here, naming `prompt`, never reaching the engine.
+    let completions = format!("{}/v1/completions", node.base);
+    for prompt in [
+        serde_json::json!([]),
+        serde_json::json!([[]]),
+        serde_json::json!(5),
+    ] {
+        let resp = c
+            .post(&completions)
+            .json(&serde_json::json!({"model": "m", "prompt": prompt}))
+            .send()
+            .await
+            .unwrap();
+        let (status, err) = error_of(resp).await;
+        assert_eq!(status, 400, "{prompt}: {err}");
+        assert_eq!(err["error"]["param"], "prompt", "{prompt}: {err}");
+    }
+    assert_eq!(engine.requests(), 0);
 
     let resp = c
         .post(&url)
@@ -197,6 +218,15 @@ async fn bad_inputs_get_the_right_status_and_openai_errors() {
     assert_eq!(error_of(resp).await.0, 431);
 
     assert_eq!(engine.requests(), 0, "no bad request reached the engine");
+    // A prompt scored, nothing generated (lm-evaluation-harness's loglikelihood): not
+    // a bad request.
+    let resp = c
+        .post(format!("{}/v1/completions", node.base))
+        .json(&serde_json::json!({"model": "m", "prompt": "a b", "max_tokens": 0, "echo": true, "logprobs": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
     node.shutdown.cancel();
 }
 
