@@ -233,6 +233,23 @@ impl Drop for Slot {
     }
 }
 
+/// The client a connection from `ip` counts against for the per-IP cap: its IPv4
+/// address (an IPv4-mapped IPv6 one too), or its IPv6 /64. One host holds a whole /64
+/// (SLAAC, privacy addresses), so keyed by the full address it had a cap per address,
+/// 2^64 of them, and could take every `max_connections` slot alone.
+fn client_of(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => ip,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let prefix = u128::from(v6) & !((1u128 << 64) - 1);
+                IpAddr::V6(std::net::Ipv6Addr::from(prefix))
+            }
+        },
+    }
+}
+
 /// Claim a slot for a connection from `ip` at `epoch`'s clock. At a cap, the longest
 /// idle connection (of that IP, for the per-IP cap) is evicted to make room; with none
 /// idle the new connection is refused and the error names the cap.
@@ -243,6 +260,7 @@ fn claim(
     gauge: &Gauge,
     epoch: Instant,
 ) -> Result<(Slot, Option<&'static str>), &'static str> {
+    let ip = client_of(ip);
     let mut s = slots.lock();
     let mut evicted = None;
     if s.per_ip.get(&ip).copied().unwrap_or(0) >= limits.max_per_ip {
@@ -758,6 +776,38 @@ mod tests {
         drop(s1);
         assert_eq!(g.get(), 2);
         assert!(claim(&slots, &l, a, &g, t).is_ok());
+    }
+
+    /// The per-IP cap holds per IPv6 /64 (one host's), and an IPv4-mapped address is
+    /// its IPv4 one; before, each address of a /64 had its own cap.
+    #[test]
+    fn the_per_ip_cap_holds_per_ipv6_64() {
+        let slots = Arc::new(Mutex::new(Slots::default()));
+        let g = Gauge::default();
+        let l = limits(64, 2);
+        let t = Instant::now();
+        let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
+        let mut held = Vec::new();
+        for a in ["2001:db8::1", "2001:db8::2"] {
+            let (s, _) = claim(&slots, &l, ip(a), &g, t).unwrap();
+            s.activity.active.store(1, Ordering::Relaxed);
+            held.push(s);
+        }
+        assert_eq!(
+            claim(&slots, &l, ip("2001:db8::ffff:3"), &g, t).err(),
+            Some("per_ip")
+        );
+        // Another /64 is another client.
+        assert!(claim(&slots, &l, ip("2001:db8:0:1::1"), &g, t).is_ok());
+        for a in ["::ffff:10.0.0.1", "10.0.0.1"] {
+            let (s, _) = claim(&slots, &l, ip(a), &g, t).unwrap();
+            s.activity.active.store(1, Ordering::Relaxed);
+            held.push(s);
+        }
+        assert_eq!(
+            claim(&slots, &l, ip("10.0.0.1"), &g, t).err(),
+            Some("per_ip")
+        );
     }
 
     #[test]
