@@ -520,8 +520,8 @@ async fn completion(
     // may wait for the tokenizer's thread pool.
     drop(parsed);
     let counted =
-        crate::tokens::request_chain(&state, endpoint, &body, prompt, batch_longest_bytes);
-    let counted = match counted.await {
+        crate::tokens::request_chain(&state, endpoint, &body, prompt, batch_longest_bytes, slot);
+    let (counted, slot) = match counted.await {
         Ok(c) => c,
         Err(e @ NodeError::Tokenize(_)) => {
             state.metrics.request("bad_request", "");

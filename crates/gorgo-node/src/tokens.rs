@@ -235,18 +235,23 @@ pub struct CountedPrompt {
 /// ([`gorgo_core::prompt::CompletionsPrompt::longest_batch_prompt_bytes`]). Long bodies
 /// are tokenised on a blocking thread. A body the template cannot render is the
 /// client's error ([`NodeError::Tokenize`], a 400); a tokenizer that panicked is the
-/// node's ([`NodeError::Internal`], a 500).
-pub async fn request_chain(
+/// node's ([`NodeError::Internal`], a 500). `held` (the request's concurrency slot)
+/// goes with the work and comes back with its result: a client that goes away while
+/// its long body is tokenised on a blocking thread, which runs on, does not free its
+/// slot before the work ends (it did, and `max_concurrency` stopped bounding the
+/// tokenising, each run holding about 20 times the prompt).
+pub async fn request_chain<K: Send + 'static>(
     state: &Arc<NodeState>,
     endpoint: Endpoint,
     body: &Bytes,
     canonical: Vec<u8>,
     batch_longest_bytes: Option<u64>,
-) -> Result<CountedPrompt, NodeError> {
+    held: K,
+) -> Result<(CountedPrompt, K), NodeError> {
     if !state.tokens.exact() || body.len() <= INLINE_TOKENIZE_BYTES {
         // Inline, a panic would unwind the connection's task: the client would see a
         // reset, not the 500 a long body gets from the blocking thread.
-        return std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let counted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             state.tokens.count(
                 &state.hasher,
                 endpoint,
@@ -255,16 +260,18 @@ pub async fn request_chain(
                 batch_longest_bytes,
             )
         }))
-        .map_err(|_| NodeError::Internal("tokenizing failed: the tokenizer panicked".into()))?
-        .map_err(NodeError::from);
+        .map_err(|_| NodeError::Internal("tokenizing failed: the tokenizer panicked".into()))?;
+        return Ok((counted?, held));
     }
     let st = state.clone();
     let body = body.clone();
-    let counted = tokio::task::spawn_blocking(move || {
-        st.tokens
-            .count(&st.hasher, endpoint, &body, &canonical, batch_longest_bytes)
+    let (counted, held) = tokio::task::spawn_blocking(move || {
+        let counted = st
+            .tokens
+            .count(&st.hasher, endpoint, &body, &canonical, batch_longest_bytes);
+        (counted, held)
     })
     .await
     .map_err(|e| NodeError::Internal(format!("tokenizing failed: {e}")))?;
-    Ok(counted?)
+    Ok((counted?, held))
 }
