@@ -313,6 +313,54 @@ async fn a_body_held_open_after_done_still_completes() {
     assert!(o.measured.e2e_ms.unwrap() >= o.measured.ttft_ms.unwrap());
 }
 
+/// An open-loop request's body is built before its send time, while the dispatcher
+/// waits: a burst's bodies are all ready when it falls due. Built at the send time,
+/// `compare`'s replays (every policy's in one task, in list order) delayed each
+/// policy's burst by the bodies of the policies listed before it.
+#[tokio::test]
+async fn bodies_are_built_before_their_send_time() {
+    let server = Server::start().await;
+    let cluster = ClusterInfo::from_list(&format!("us={}", server.url)).unwrap();
+    let items: Vec<_> = [0, 300, 300, 300]
+        .iter()
+        .enumerate()
+        .map(|(i, &at)| ReplayItem {
+            arrival_ms: at,
+            ..item(i, "us", 2)
+        })
+        .collect();
+    let inner = bodies(&items);
+    let built = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let record = built.clone();
+    let b: BodyBuilder = Arc::new(move |i| {
+        record.lock().unwrap().push((i, std::time::Instant::now()));
+        inner(i)
+    });
+    let config = ReplayConfig {
+        mode: LoadMode::Open { time_scale: 1.0 },
+        ..ReplayConfig::default()
+    };
+    let out = replay(&cluster, items, b, &config, std::future::pending())
+        .await
+        .unwrap();
+    assert_eq!(out.failed(), 0);
+    let built = built.lock().unwrap().clone();
+    assert_eq!(
+        built.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+        [0, 1, 2, 3]
+    );
+    // Items 1-3 are due 300 ms after the start, and item 0 was built at the start: they
+    // are built long before (at send time, at least 300 ms after item 0).
+    let early = built[0].1 + std::time::Duration::from_millis(150);
+    for (i, at) in &built[1..] {
+        assert!(
+            *at < early,
+            "item {i} built {:?} after item 0",
+            *at - built[0].1
+        );
+    }
+}
+
 #[tokio::test]
 async fn latency_counts_from_the_scheduled_time() {
     // A single-threaded runtime and a body builder that takes 20 ms: five requests
