@@ -244,6 +244,14 @@ fn a_stale_pids_file_never_signals_another_process() {
 /// reaches `gorgo up` alone).
 #[test]
 fn an_interrupted_up_stops_every_child_it_started() {
+    // Ctrl-C, and the hangup of a closed terminal or a dropped SSH session (which
+    // killed `gorgo up` and left its children running).
+    for signal in ["-INT", "-HUP"] {
+        interrupted_up_stops_every_child(signal);
+    }
+}
+
+fn interrupted_up_stops_every_child(signal: &str) {
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
     let run = run_dir.display().to_string();
@@ -289,7 +297,7 @@ fn an_interrupted_up_stops_every_child_it_started() {
     };
     assert!(!run_dir.join("cluster.json").exists(), "still starting");
     let status = Command::new("kill")
-        .args(["-INT", &up.id().to_string()])
+        .args([signal, &up.id().to_string()])
         .status()
         .unwrap();
     assert!(status.success());
@@ -301,7 +309,7 @@ fn an_interrupted_up_stops_every_child_it_started() {
         let pid = p["pid"].as_u64().unwrap();
         assert!(
             !pid_alive(pid),
-            "{} (pid {pid}) outlived the interrupted gorgo up",
+            "{} (pid {pid}) outlived gorgo up stopped by {signal}",
             p["name"]
         );
     }

@@ -810,10 +810,10 @@ fn log_tail(run_dir: &Path, name: &str) -> String {
     lines[lines.len().saturating_sub(15)..].join("\n")
 }
 
-/// Ctrl-C or SIGTERM to `gorgo up`, caught from before its first child starts to the
-/// end: the children are in a process group of their own (a terminal's Ctrl-C reaches
-/// `gorgo up` alone), so a signal that killed `gorgo up` while it starts them would
-/// leave every one running.
+/// Ctrl-C, SIGTERM or SIGHUP (its terminal closed, its SSH session dropped) to `gorgo
+/// up`, caught from before its first child starts to the end: the children are in a
+/// process group of their own (a terminal's signals reach `gorgo up` alone), so a
+/// signal that killed `gorgo up` would leave every one running.
 struct Interrupt {
     /// Sent once, on the first signal.
     signalled: std::sync::mpsc::Receiver<()>,
@@ -835,11 +835,12 @@ impl Interrupt {
             .build()
             .context("starting the tokio runtime")?;
         // Installed here, before returning: not when the task first runs.
-        let (mut int, mut term) = {
+        let (mut int, mut term, mut hup) = {
             let _in = runtime.enter();
             (
                 signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
                 signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
+                signal(SignalKind::hangup()).context("installing the SIGHUP handler")?,
             )
         };
         let (tx, signalled) = std::sync::mpsc::channel();
@@ -850,6 +851,7 @@ impl Interrupt {
                 tokio::select! {
                     _ = int.recv() => {}
                     _ = term.recv() => {}
+                    _ = hup.recv() => {}
                 }
                 if nth == 0 {
                     let _ = tx.send(());

@@ -64,7 +64,18 @@ impl RunningCluster {
             source,
         })?;
         let log_path = opts.run_dir.join("up.log");
-        let log = std::fs::File::create(&log_path).map_err(|source| BenchError::Io {
+        // 0600: `gorgo up` prints the cluster's admin token, which opens every node's
+        // admin API to whoever reads it.
+        let log = {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&log_path)
+        }
+        .map_err(|source| BenchError::Io {
             path: log_path.clone(),
             source,
         })?;
@@ -86,6 +97,13 @@ impl RunningCluster {
         }
         if let Some(port) = opts.base_port {
             cmd.arg("--base-port").arg(port.to_string());
+        }
+        // `gorgo up`'s own wait for readiness (60 s unless told) within ours, so that a
+        // slow start fails with its message, not ours, and is not cut at 60 s when the
+        // caller allowed more.
+        let ready_s = opts.timeout.as_secs().saturating_sub(5).max(1);
+        if !opts.extra_args.iter().any(|a| a == "--ready-timeout-s") {
+            cmd.arg("--ready-timeout-s").arg(ready_s.to_string());
         }
         cmd.args(&opts.extra_args)
             .stdin(Stdio::null())
@@ -156,12 +174,17 @@ impl Drop for RunningCluster {
 
 /// `gorgo down --run-dir <dir>`, blocking: runs from `Drop` too.
 fn stop(exe: &Path, run_dir: &Path) -> Result<(), BenchError> {
+    use std::os::unix::process::CommandExt;
     let log_path = run_dir.join("down.log");
+    // Its own process group: a Ctrl-C at the terminal while it waits for the nodes to
+    // drain reaches the caller (which handles it), not `gorgo down`, which would die
+    // halfway and leave the engines and relays running.
     let output = std::process::Command::new(exe)
         .arg("down")
         .arg("--run-dir")
         .arg(run_dir)
         .stdin(Stdio::null())
+        .process_group(0)
         .output()
         .map_err(|e| BenchError::Cluster {
             action: "down",

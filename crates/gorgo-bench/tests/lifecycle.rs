@@ -39,6 +39,16 @@ async fn clusters_come_up_and_always_go_down() {
     }
     let log = calls(tmp.path());
     assert_eq!(log[0], "up a 7100");
+    // `gorgo up` waits for readiness within the caller's timeout (its own default, 60
+    // s, cut a caller's 120 s short), and its log, which holds the admin token, is
+    // the owner's alone.
+    let ready = std::fs::read_to_string(tmp.path().join("calls.log.ready")).unwrap();
+    assert_eq!(ready.lines().next(), Some("ready 25"));
+    let mode = std::fs::metadata(tmp.path().join("a/run/up.log")).unwrap();
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&mode.permissions()) & 0o077,
+        0
+    );
     assert!(
         log[1].starts_with("down ") && log[1].ends_with("a/run"),
         "{log:?}"

@@ -25,6 +25,7 @@ while [ $# -gt 0 ]; do
     --run-dir) dir="$2"; shift ;;
     --base-port) port="$2"; shift ;;
     --policy) policy="$2"; shift ;;
+    --ready-timeout-s) echo "ready $2" >> "{log}.ready"; shift ;;
   esac
   shift
 done
