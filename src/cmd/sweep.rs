@@ -358,6 +358,13 @@ fn live(
     if m.unreported_max_running {
         bail!("--live: emulators report their concurrency limit; drop --unreported-max-running");
     }
+    let sim_only = sim_only_flags(m);
+    if !sim_only.is_empty() {
+        bail!(
+            "--live: {} change only the simulated cluster (a live run would be the default cluster, labelled as if it were not); drop them",
+            sim_only.join(", ")
+        );
+    }
     let mut results = Vec::new();
     for &scale in scales {
         let out = args.out.join(format!("live-x{scale}"));
@@ -414,10 +421,63 @@ fn live(
     Ok((results, config))
 }
 
+/// The flags of `m` set away from their defaults that only the simulator applies: a
+/// live sweep runs the default cluster whatever they say.
+fn sim_only_flags(m: &SimModelArgs) -> Vec<&'static str> {
+    let default_metrics = gorgo_core::accounting::DEFAULT_METRICS_INTERVAL_MS as f64;
+    [
+        ("--region-seed", m.region_seed.is_some()),
+        ("--gossip-interval-ms", m.gossip_interval_ms != 250.0),
+        ("--gossip-delay-ms", m.gossip_delay_ms != 0.0),
+        ("--gossip-loss", m.gossip_loss != 0.0),
+        ("--max-hops", m.max_hops != 1),
+        ("--live-chains", m.live_chains),
+        ("--exact-state", m.exact_state),
+        ("--causal-oracle", m.causal_oracle),
+        (
+            "--metrics-interval-ms",
+            m.metrics_interval_ms != default_metrics,
+        ),
+        (
+            "--summary-sample",
+            m.summary_sample != gorgo_core::summary::SampleSetting::default(),
+        ),
+        ("--kv-events", m.kv_events),
+        ("--refuse-forwards", !m.refuse_forwards),
+        ("--hold-tokens", m.hold_tokens != 0),
+        ("--non-streamed-share", m.non_streamed_share != 0.0),
+    ]
+    .into_iter()
+    .filter_map(|(flag, set)| set.then_some(flag))
+    .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use clap::Parser;
+
+    /// `--live` refuses the flags only the simulator applies, naming them: a live sweep
+    /// with `--refuse-forwards false` ran the default cluster and said nothing.
+    #[test]
+    fn a_live_sweep_names_the_simulator_only_flags() {
+        let a = parse(&["--live"]).unwrap();
+        assert!(sim_only_flags(&a.model).is_empty());
+        let a = parse(&[
+            "--live",
+            "--refuse-forwards",
+            "false",
+            "--max-hops",
+            "2",
+            "--region-seed",
+            "3",
+        ])
+        .unwrap();
+        assert_eq!(
+            sim_only_flags(&a.model),
+            ["--region-seed", "--max-hops", "--refuse-forwards"]
+        );
+    }
 
     #[derive(Parser)]
     struct Cli {
