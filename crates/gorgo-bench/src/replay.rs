@@ -335,6 +335,14 @@ pub async fn replay(
                     drop(permit);
                     vec![outcome]
                 });
+                // Finished requests are collected as the replay goes: a task not joined
+                // keeps its whole cell, so a long trace held one per request sent.
+                while let Some(joined) = tasks.try_join_next() {
+                    match joined {
+                        Ok(batch) => outcomes.extend(batch),
+                        Err(e) => tracing::error!("replay task failed: {e}"),
+                    }
+                }
             }
         }
         LoadMode::Closed { concurrency } => {
