@@ -786,15 +786,24 @@ fn tuning_section(
     Ok(tuning)
 }
 
-/// One plain HTTP/1.1 GET; the status code, or `None` if nothing answered.
-fn http_status(addr: SocketAddr, path: &str) -> Option<u16> {
+/// Whether the node whose admin API is at `addr` is ready (`/readyz` 200) and is this
+/// run's: it takes this run's admin `token`.
+fn node_ready(addr: SocketAddr, token: &str) -> bool {
+    http_status(addr, "/readyz", None) == Some(200)
+        && http_status(addr, "/admin/state", Some(token)) == Some(200)
+}
+
+/// One plain HTTP/1.1 GET, with `token` as its bearer when given; the status code, or
+/// `None` if nothing answered.
+fn http_status(addr: SocketAddr, path: &str, token: Option<&str>) -> Option<u16> {
     let timeout = Duration::from_secs(2);
     let mut stream = TcpStream::connect_timeout(&addr, timeout).ok()?;
     stream.set_read_timeout(Some(timeout)).ok()?;
     stream.set_write_timeout(Some(timeout)).ok()?;
+    let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
     write!(
         stream,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Connection: close\r\n\r\n"
     )
     .ok()?;
     let mut head = [0u8; 64];
@@ -1096,9 +1105,13 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
                 log_tail(&run_dir, &name)
             );
         }
+        // Ready, and this run's node: it takes this run's admin token. Another run's
+        // node at the same address (two runs started at once on the same ports, this
+        // one's node failing to bind) answered `/readyz` too, and the run replayed
+        // against the other cluster under its own label.
         waiting.retain(|name| {
             let r = plan.regions.iter().find(|r| r.name == *name);
-            r.is_none_or(|r| http_status(r.admin_addr, "/readyz") != Some(200))
+            r.is_none_or(|r| !node_ready(r.admin_addr, &token))
         });
         if waiting.is_empty() {
             break;
@@ -1281,7 +1294,7 @@ fn wait_answering(
     timeout_s: u64,
 ) -> anyhow::Result<()> {
     let deadline = deadline_in("--ready-timeout-s", timeout_s)?;
-    while http_status(addr, path) != Some(200) {
+    while http_status(addr, path, None) != Some(200) {
         if !pid_alive(pid) {
             bail!(
                 "{name} exited while starting; its log:\n{}",
@@ -1408,6 +1421,40 @@ fn taken_addresses_refused(plan: &ClusterPlan) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A node is ready for this run only when it takes this run's admin token: one of
+    /// another run at the same address answers `/readyz` too (before, that was taken
+    /// as ready, and the run replayed against the other cluster under its own label).
+    #[test]
+    fn a_node_that_refuses_the_runs_token_is_not_its_node() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let mut stream = stream.unwrap();
+                // The whole head, however it was written.
+                let mut head = Vec::new();
+                let mut buf = [0u8; 256];
+                while !head.ends_with(b"\r\n\r\n") {
+                    match stream.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let req = String::from_utf8_lossy(&head);
+                let status = if req.starts_with("GET /readyz ")
+                    || req.contains("Authorization: Bearer theirs\r\n")
+                {
+                    "200 OK"
+                } else {
+                    "401 Unauthorized"
+                };
+                let _ = write!(stream, "HTTP/1.1 {status}\r\nContent-Length: 0\r\n\r\n");
+            }
+        });
+        assert!(!node_ready(addr, "ours"));
+        assert!(node_ready(addr, "theirs"));
+    }
 
     /// A pid that is no longer the recorded process (reused by another) is neither
     /// signalled nor waited for, at the start or at the deadline; the recorded one is
