@@ -239,6 +239,50 @@ fn a_stale_pids_file_never_signals_another_process() {
     assert!(!run_dir.join("pids.json").exists());
 }
 
+/// `gorgo restart` of a process whose cluster is gone starts it in a group of its own
+/// and records that group: the recorded group id, which may be another job's by now,
+/// is neither joined nor, by the `gorgo down` after, killed. Before, the restarted
+/// process joined it, and `gorgo down` killed the stranger with it.
+#[test]
+fn a_restart_never_joins_a_strangers_group() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("restart");
+    let run = run_dir.display().to_string();
+    std::fs::create_dir_all(run_dir.join("logs")).unwrap();
+    let mut stranger = Bystander::start();
+    let gone = {
+        let mut c = Command::new("true").spawn().unwrap();
+        c.wait().unwrap();
+        c.id()
+    };
+    let free = std::net::TcpListener::bind("127.0.0.81:0").unwrap();
+    let listen = free.local_addr().unwrap().to_string();
+    drop(free);
+    let pids = serde_json::json!({
+        "pgid": stranger.0.id(),
+        "processes": [{"name": "engine-x", "pid": gone, "args": [
+            "engine", "--profile", "paper-a100-mistral7b", "--listen", listen, "--model", "m",
+        ]}],
+    });
+    std::fs::write(run_dir.join("pids.json"), pids.to_string()).unwrap();
+    let out = gorgo(&["restart", "--run-dir", &run, "engine-x"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = gorgo(&["down", "--run-dir", &run]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stranger.0.try_wait().unwrap().is_none(),
+        "the stranger in the recorded group was killed"
+    );
+}
+
 /// Ctrl-C (SIGINT) while `gorgo up` waits for its nodes to be ready stops every child
 /// it has started (they are in a process group of their own: the terminal's Ctrl-C
 /// reaches `gorgo up` alone).

@@ -1201,6 +1201,14 @@ pub fn run_restart(args: RestartArgs) -> anyhow::Result<()> {
     let mut pids: PidsFile =
         serde_json::from_str(&text).with_context(|| format!("parsing {}", pids_path.display()))?;
     let wanted = [args.name.clone(), format!("node-{}", args.name)];
+    // The cluster's group still exists while another of its recorded processes runs:
+    // then the restarted one joins it. Otherwise the group id may be another job's
+    // now, which a later `gorgo down` would kill with the cluster.
+    let group = pids
+        .processes
+        .iter()
+        .any(|p| !wanted.contains(&p.name) && p.is_running())
+        .then_some(pids.pgid);
     let Some(entry) = pids.processes.iter_mut().find(|p| wanted.contains(&p.name)) else {
         let names: Vec<&str> = pids.processes.iter().map(|p| p.name.as_str()).collect();
         bail!(
@@ -1218,18 +1226,22 @@ pub fn run_restart(args: RestartArgs) -> anyhow::Result<()> {
     }
     let name = entry.name.clone();
     if entry.is_running() {
-        signal_pid(entry.pid, if args.kill { "KILL" } else { "TERM" });
-        // A node drains before it exits: allow its drain deadline and then some.
-        let deadline = Instant::now() + STOP_GRACE * 4;
-        while pid_alive(entry.pid) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
+        // Waited for while it is still the recorded process (`is_running`: its pid,
+        // reused by another, is neither waited for nor killed), as `gorgo down` waits:
+        // a node for its drain deadline and its exit, the others for `STOP_GRACE`.
+        let grace = if args.kill {
+            Duration::ZERO
+        } else if entry.is_node() {
+            (node_drain_deadline(&entry.args) + NODE_EXIT_MARGIN).min(NODE_STOP_MAX)
+        } else {
+            STOP_GRACE
+        };
+        if !stop_all(&[&*entry], grace).is_empty() && !args.kill {
+            eprintln!("{name} did not stop on SIGTERM; killed it");
         }
-        if pid_alive(entry.pid) {
-            eprintln!("{name} did not stop on SIGTERM; killing it");
-            signal_pid(entry.pid, "KILL");
-            while pid_alive(entry.pid) {
-                std::thread::sleep(Duration::from_millis(20));
-            }
+        let deadline = Instant::now() + STOP_GRACE;
+        while entry.is_running() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
         }
     } else if pid_alive(entry.pid) {
         eprintln!(
@@ -1242,10 +1254,23 @@ pub fn run_restart(args: RestartArgs) -> anyhow::Result<()> {
     wait_for_ports(&entry.args);
     // Join the cluster's group if it still exists; otherwise a group of its own (its
     // pid is recorded either way, and `gorgo down` signals pids too).
-    let child = spawn_child(&run_dir, &name, &entry.args, Some(pids.pgid), true)
-        .or_else(|_| spawn_child(&run_dir, &name, &entry.args, None, true))?;
+    let joined = group.and_then(|pgid| {
+        spawn_child(&run_dir, &name, &entry.args, Some(pgid), true)
+            .ok()
+            .map(|c| (c, pgid))
+    });
+    let (child, pgid) = match joined {
+        Some(joined) => joined,
+        None => {
+            let child = spawn_child(&run_dir, &name, &entry.args, None, true)?;
+            let own = child.id();
+            (child, own)
+        }
+    };
     entry.pid = child.id();
     let pid = entry.pid;
+    // The group `gorgo down` kills last is the one the cluster's processes are in now.
+    pids.pgid = pgid;
     write_pids(&pids_path, &pids)?;
     if let Some(region) = name.strip_prefix("node-") {
         let cluster: ClusterInfo = serde_json::from_str(
