@@ -394,6 +394,14 @@ async fn read_client_body(
     Err(error_response(status, &message))
 }
 
+/// What a request head holds in memory: its names and values, and a map entry each.
+fn head_bytes(headers: &HeaderMap) -> usize {
+    headers
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len() + 32)
+        .sum()
+}
+
 /// Why the body could not be read.
 enum BodyError {
     TooLarge,
@@ -419,7 +427,12 @@ async fn read_body(
             return Err(BodyError::TooLarge);
         }
     }
+    // The request's head is held while its body arrives: it counts too. An HTTP/2
+    // client's heads of up to `max_header_bytes`, on 256 streams a connection, each
+    // waiting for a body that never comes, held memory the budget never saw.
+    let head = head_bytes(headers);
     let mut lease = state.body_budget.lease();
+    lease.cover(head).map_err(|_| BodyError::OverBudget)?;
     let mut buf = bytes::BytesMut::new();
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| BodyError::Broken(e.to_string()))?;
@@ -430,7 +443,9 @@ async fn read_body(
         if total > limit {
             return Err(BodyError::TooLarge);
         }
-        lease.cover(total).map_err(|_| BodyError::OverBudget)?;
+        lease
+            .cover(head + total)
+            .map_err(|_| BodyError::OverBudget)?;
         buf.extend_from_slice(&data);
     }
     Ok(buf.freeze())

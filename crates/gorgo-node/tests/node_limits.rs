@@ -620,6 +620,50 @@ async fn an_engine_failing_mid_stream_opens_its_breaker() {
     node.shutdown.cancel();
 }
 
+/// Request heads waiting for their bodies hold the budget too: eighteen heads of about
+/// 60 KB whose bodies never come take it, and the next request gets a 503 at once
+/// instead of its head joining them. Before, heads were not counted (an HTTP/2 client
+/// could hold 256 of them a connection, 1,024 connections an address).
+#[tokio::test]
+async fn heads_waiting_for_their_bodies_hold_the_budget() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(
+        config(
+            "a",
+            &engine.url(),
+            "[limits]\nmax_body_bytes = 65536\nmax_body_bytes_in_flight = 1114112\n",
+        ),
+        None,
+    )
+    .await;
+    let reading = |n: &TestNode| n.state().metrics.body_bytes_reading.get();
+    let head = |pad: usize| {
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-pad: {}\r\ncontent-type: application/json\r\ncontent-length: 10\r\n\r\n",
+            "p".repeat(pad)
+        )
+    };
+    let mut waiting = Vec::new();
+    for _ in 0..18 {
+        let mut s = connect_from("127.0.0.2", http_addr(&node)).await;
+        s.write_all(head(60_000).as_bytes()).await.unwrap();
+        waiting.push(s);
+    }
+    until("the heads take the budget", || {
+        reading(&node) >= 18 * 60_000
+    })
+    .await;
+    let mut s = connect_from("127.0.0.3", http_addr(&node)).await;
+    s.write_all(head(60_000).as_bytes()).await.unwrap();
+    let mut answer = vec![0u8; 64];
+    let n = s.read(&mut answer).await.unwrap();
+    let line = String::from_utf8_lossy(&answer[..n]);
+    assert!(line.starts_with("HTTP/1.1 503"), "{line}");
+    drop(waiting);
+    until("the heads give the budget back", || reading(&node) == 0).await;
+    node.shutdown.cancel();
+}
+
 /// A client body being read with `sent` of its announced `len` bytes sent.
 async fn partial_body(from: &str, to: SocketAddr, len: usize, sent: usize) -> TcpStream {
     let mut s = connect_from(from, to).await;
@@ -646,14 +690,18 @@ async fn bodies_being_read_share_one_byte_budget() {
     )
     .await;
     let reading = |n: &TestNode| n.state().metrics.body_bytes_reading.get();
-    // Clients hold what they have sent, to the byte, not what they announce:
-    // seventeen that sent 64 KiB - 1 of 64 KiB and one that sent 17 bytes take the
-    // whole budget.
+    // Clients hold their heads and what they have sent, to the byte, not what they
+    // announce. `partial_body`'s head holds 148 bytes (each header's name and value,
+    // and 32 for its entry): sixteen that sent 64 KiB - 1 of 64 KiB and one that sent
+    // 63,036 bytes take the whole budget.
+    const HEAD: usize = 148;
     let mut slow = Vec::new();
-    slow.push(partial_body("127.0.0.2", http_addr(&node), 65_536, 17).await);
-    for _ in 0..17 {
+    for _ in 0..16 {
         slow.push(partial_body("127.0.0.2", http_addr(&node), 65_536, 65_535).await);
     }
+    let rest = budget as usize - 16 * (HEAD + 65_535) - HEAD;
+    assert_eq!(rest, 63_036);
+    slow.push(partial_body("127.0.0.2", http_addr(&node), 65_536, rest).await);
     until("the slow bodies take the budget", || {
         reading(&node) >= budget
     })
