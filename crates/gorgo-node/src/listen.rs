@@ -788,26 +788,19 @@ mod tests {
         let t = Instant::now();
         let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
         let mut held = Vec::new();
-        for a in ["2001:db8::1", "2001:db8::2"] {
-            let (s, _) = claim(&slots, &l, ip(a), &g, t).unwrap();
-            s.activity.active.store(1, Ordering::Relaxed);
-            held.push(s);
-        }
-        assert_eq!(
-            claim(&slots, &l, ip("2001:db8::ffff:3"), &g, t).err(),
-            Some("per_ip")
-        );
+        // Two busy connections from `a` and `b`; a third from `c` is one too many.
+        let mut fill = |a: &str, b: &str, c: &str| {
+            for from in [a, b] {
+                let (s, _) = claim(&slots, &l, ip(from), &g, t).unwrap();
+                s.activity.active.store(1, Ordering::Relaxed);
+                held.push(s);
+            }
+            assert_eq!(claim(&slots, &l, ip(c), &g, t).err(), Some("per_ip"), "{c}");
+        };
+        fill("2001:db8::1", "2001:db8::2", "2001:db8::ffff:3");
+        fill("::ffff:10.0.0.1", "10.0.0.1", "10.0.0.1");
         // Another /64 is another client.
         assert!(claim(&slots, &l, ip("2001:db8:0:1::1"), &g, t).is_ok());
-        for a in ["::ffff:10.0.0.1", "10.0.0.1"] {
-            let (s, _) = claim(&slots, &l, ip(a), &g, t).unwrap();
-            s.activity.active.store(1, Ordering::Relaxed);
-            held.push(s);
-        }
-        assert_eq!(
-            claim(&slots, &l, ip("10.0.0.1"), &g, t).err(),
-            Some("per_ip")
-        );
     }
 
     #[test]

@@ -4,6 +4,7 @@
 mod common;
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
@@ -626,16 +627,7 @@ async fn an_engine_failing_mid_stream_opens_its_breaker() {
 /// could hold 256 of them a connection, 1,024 connections an address).
 #[tokio::test]
 async fn heads_waiting_for_their_bodies_hold_the_budget() {
-    let engine = StubEngine::start("e").await;
-    let node = start_node(
-        config(
-            "a",
-            &engine.url(),
-            "[limits]\nmax_body_bytes = 65536\nmax_body_bytes_in_flight = 1114112\n",
-        ),
-        None,
-    )
-    .await;
+    let (_engine, node) = smallest_budget_node().await;
     let reading = |n: &TestNode| n.state().metrics.body_bytes_reading.get();
     let head = |pad: usize| {
         format!(
@@ -664,6 +656,22 @@ async fn heads_waiting_for_their_bodies_hold_the_budget() {
     node.shutdown.cancel();
 }
 
+/// A node with a 64 KiB body cap and the smallest budget of bodies being read that
+/// allows (64 KiB + 1 MiB: one largest forwarded request), and its engine.
+async fn smallest_budget_node() -> (Arc<StubEngine>, TestNode) {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(
+        config(
+            "a",
+            &engine.url(),
+            "[limits]\nmax_body_bytes = 65536\nmax_body_bytes_in_flight = 1114112\n",
+        ),
+        None,
+    )
+    .await;
+    (engine, node)
+}
+
 /// A client body being read with `sent` of its announced `len` bytes sent.
 async fn partial_body(from: &str, to: SocketAddr, len: usize, sent: usize) -> TcpStream {
     let mut s = connect_from(from, to).await;
@@ -677,18 +685,9 @@ async fn partial_body(from: &str, to: SocketAddr, len: usize, sent: usize) -> Tc
 
 #[tokio::test]
 async fn bodies_being_read_share_one_byte_budget() {
-    let engine = StubEngine::start("e").await;
     // The smallest budget a 64 KiB body cap allows: one largest forwarded request.
     let budget: i64 = 65_536 + 1_048_576;
-    let node = start_node(
-        config(
-            "a",
-            &engine.url(),
-            "[limits]\nmax_body_bytes = 65536\nmax_body_bytes_in_flight = 1114112\n",
-        ),
-        None,
-    )
-    .await;
+    let (engine, node) = smallest_budget_node().await;
     let reading = |n: &TestNode| n.state().metrics.body_bytes_reading.get();
     // Clients hold their heads and what they have sent, to the byte, not what they
     // announce. `partial_body`'s head holds 148 bytes (each header's name and value,
