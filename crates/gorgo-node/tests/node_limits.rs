@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use common::*;
 use gorgo_node::mesh::Mesh;
+use gorgo_node::ValidatedConfig;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 
@@ -313,18 +314,11 @@ async fn http2_with_prior_knowledge_is_served() {
 
 #[tokio::test]
 async fn a_prompt_over_the_context_is_refused_before_routing_and_never_cached() {
-    let mesh = Mesh::new();
-    mesh.set_rtt("a", "b", 5.0);
     let ea = StubEngine::start("a").await;
     let eb = StubEngine::start("b").await;
-    let a = start_node(
+    let (a, b) = pair(
         config_with_engine("a", &ea.url(), "max_context_tokens = 1000\n"),
-        Some(&mesh),
-    )
-    .await;
-    let b = start_node(
         config_with_engine("b", &eb.url(), "max_context_tokens = 1000\n"),
-        Some(&mesh),
     )
     .await;
     let big = prompt("huge", 64 * 1024);
@@ -405,13 +399,14 @@ async fn what_the_engine_refuses_is_not_put_in_the_cache_model() {
 
 #[tokio::test]
 async fn requests_waiting_on_a_hung_engine_fall_back_to_a_peer_when_its_breaker_opens() {
-    let mesh = Mesh::new();
-    mesh.set_rtt("a", "b", 5.0);
     let ea = StubEngine::start("a").await;
     let eb = StubEngine::start("b").await;
     let checks = "health_interval_ms = 100\nhealth_timeout_ms = 200\n";
-    let a = start_node(config_with_engine("a", &ea.url(), checks), Some(&mesh)).await;
-    let b = start_node(config_with_engine("b", &eb.url(), checks), Some(&mesh)).await;
+    let (a, b) = pair(
+        config_with_engine("a", &ea.url(), checks),
+        config_with_engine("b", &eb.url(), checks),
+    )
+    .await;
     // Both engines confirmed healthy, and each node has the other's stats.
     for n in [&a, &b] {
         until("engines confirmed and peers' stats in", || {
@@ -442,12 +437,9 @@ async fn requests_waiting_on_a_hung_engine_fall_back_to_a_peer_when_its_breaker_
 
 #[tokio::test]
 async fn a_draining_node_finishes_what_it_has_and_sends_new_work_to_peers() {
-    let mesh = Mesh::new();
-    mesh.set_rtt("a", "b", 5.0);
     let ea = StubEngine::start("a").await;
     let eb = StubEngine::start("b").await;
-    let a = start_node(config("a", &ea.url(), ""), Some(&mesh)).await;
-    let b = start_node(config("b", &eb.url(), ""), Some(&mesh)).await;
+    let (a, b) = pair(config("a", &ea.url(), ""), config("b", &eb.url(), "")).await;
     until("a has b's stats", || has_peer_stats(&a)).await;
     // One request in flight at a's engine, held there.
     ea.set_mode(HANG);
@@ -500,14 +492,11 @@ async fn a_draining_node_finishes_what_it_has_and_sends_new_work_to_peers() {
 /// the local fallback routed it afresh, and a peer that looked cheaper got it again.
 #[tokio::test]
 async fn a_draining_node_does_not_retry_the_peer_that_failed_it() {
-    let mesh = Mesh::new();
-    mesh.set_rtt("a", "b", 5.0);
     let ea = StubEngine::start("a").await;
     let eb = StubEngine::start("b").await;
-    let a = start_node(config("a", &ea.url(), ""), Some(&mesh)).await;
-    let b = start_node(
+    let (a, b) = pair(
+        config("a", &ea.url(), ""),
         config("b", &eb.url(), "[limits]\nfirst_byte_timeout_ms = 200\n"),
-        Some(&mesh),
     )
     .await;
     until("a has b's stats", || has_peer_stats(&a)).await;
@@ -539,17 +528,14 @@ async fn a_draining_node_does_not_retry_the_peer_that_failed_it() {
 /// rotation, so the drain's first phase, local work, passes at once).
 #[tokio::test]
 async fn a_drain_still_cuts_a_client_that_stopped_reading() {
-    let mesh = Mesh::new();
-    mesh.set_rtt("a", "b", 5.0);
     let ea = StubEngine::start("a").await;
     let eb = StubEngine::start("b").await;
     eb.set_mode(FLOOD);
-    let a = start_node(
+    let (a, b) = pair(
         config("a", &ea.url(), "[limits]\nwrite_timeout_ms = 2000\n"),
-        Some(&mesh),
+        config("b", &eb.url(), ""),
     )
     .await;
-    let b = start_node(config("b", &eb.url(), ""), Some(&mesh)).await;
     until("a has b's stats", || has_peer_stats(&a)).await;
     a.state().engine(0).unwrap().start_draining();
     let mut s = small_window_connection(&a).await;
@@ -654,6 +640,16 @@ async fn heads_waiting_for_their_bodies_hold_the_budget() {
     drop(waiting);
     until("the heads give the budget back", || reading(&node) == 0).await;
     node.shutdown.cancel();
+}
+
+/// Nodes `a` and `b`, configured by `config_a` and `config_b`, on a mesh 5 ms apart
+/// (the nodes hold the mesh).
+async fn pair(config_a: ValidatedConfig, config_b: ValidatedConfig) -> (TestNode, TestNode) {
+    let mesh = Mesh::new();
+    mesh.set_rtt("a", "b", 5.0);
+    let a = start_node(config_a, Some(&mesh)).await;
+    let b = start_node(config_b, Some(&mesh)).await;
+    (a, b)
 }
 
 /// A node with a 64 KiB body cap and the smallest budget of bodies being read that
