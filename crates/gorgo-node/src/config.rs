@@ -1120,6 +1120,18 @@ impl NodeConfig {
             }
             other => NodeError::Config(format!("invalid `tuning`: {other}")),
         })?;
+        // The leader renews its lease with the proposal it re-announces every gossip
+        // interval: a lease shorter than two of them runs out between announcements,
+        // and a node whose view holds the leader dead takes the line over each time.
+        if self.tuning.es.leader_lease_ms < self.cluster.gossip_interval_ms.saturating_mul(2) {
+            return bad(
+                "tuning.leader_lease_ms",
+                &format!(
+                    "must be at least twice cluster.gossip_interval_ms ({} ms): the leader renews it once an interval",
+                    self.cluster.gossip_interval_ms
+                ),
+            );
+        }
         // The file is written when tuning freezes, maybe hours in: a directory that is
         // not there is said now, not then.
         if let Some(out) = &self.tuning.learned_weights_out {
@@ -1847,6 +1859,22 @@ token = "secret-token"
         let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
         let line = text.lines().position(|l| l.contains("= =")).unwrap() + 1;
         assert!(e.contains(&format!("line {line}")), "{e}");
+    }
+
+    /// A leader lease that can run out between two of the leader's announcements (one
+    /// a gossip interval) is refused, naming it; the default fits the default interval.
+    #[test]
+    fn a_leader_lease_under_two_gossip_intervals_is_refused() {
+        NodeConfig::from_toml_str(MINIMAL).unwrap();
+        for (interval, lease) in [(1500, 2000), (250, 0)] {
+            let text = format!(
+                "{MINIMAL}\n[cluster]\ngossip_interval_ms = {interval}\n[tuning]\nleader_lease_ms = {lease}\n"
+            );
+            let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+            assert!(e.contains("tuning.leader_lease_ms"), "{e}");
+        }
+        let text = format!("{MINIMAL}\n[cluster]\ngossip_interval_ms = 1000\n");
+        NodeConfig::from_toml_str(&text).unwrap();
     }
 
     #[test]
