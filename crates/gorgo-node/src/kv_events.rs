@@ -358,24 +358,18 @@ fn apply_follower(
         tracing::info!(gaps = counters.gaps, "kv events: a gap in the sequence");
     }
     let now = state.now_ms();
-    let mut deltas = Vec::new();
-    {
-        let mut cache = engine.shadow.lock();
-        if cache.source() != source {
+    state.change_index(engine.replica, engine.shadow, |cache| {
+        let switched = (cache.source() != source).then(|| {
             tracing::info!(
                 ?source,
                 reason = reason.unwrap_or(""),
                 "kv events: the prefix index follows a new source"
             );
-            deltas.extend(cache.set_source(source));
-        }
-        if !changes.is_empty() {
-            deltas.extend(cache.apply_kv_changes(&changes, now));
-        }
-    }
-    for delta in deltas {
-        state.peers.publish_summary(engine.replica, &delta);
-    }
+            cache.set_source(source)
+        });
+        let applied = (!changes.is_empty()).then(|| cache.apply_kv_changes(&changes, now));
+        [switched.flatten(), applied.flatten()]
+    });
     actions
 }
 

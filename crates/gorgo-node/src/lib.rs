@@ -432,15 +432,12 @@ impl NodeState {
         let mut gone = Vec::new();
         for e in self.engines().iter() {
             let capacity = e.adapter.kv_capacity_tokens();
-            let mut shadow = e.shadow.lock();
-            let deltas = [
-                shadow.set_capacity(capacity),
-                shadow.follow_peers(live, now),
-            ];
-            drop(shadow);
-            for delta in deltas.into_iter().flatten() {
-                self.peers.publish_summary(e.replica, &delta);
-            }
+            self.change_index(e.replica, &e.shadow, |shadow| {
+                [
+                    shadow.set_capacity(capacity),
+                    shadow.follow_peers(live, now),
+                ]
+            });
             // Read once, before the stats: an engine that leaves at this tick must
             // have said draining in the stats it published last (peers keep them,
             // and would price a replica that is gone as idle). Read after them, a
@@ -469,6 +466,23 @@ impl NodeState {
                 .cloned()
                 .collect();
             *engines = Arc::new(kept);
+        }
+    }
+
+    /// Change engine `replica`'s prefix `index` with `change` and hand the summary changes it
+    /// returns to gossip, under the index's lock. Taken under it and handed over after
+    /// it, two changes could reach the gossiped mirror in the other order: an older
+    /// delta after a sample change set the mirror back to the old sample, and brought
+    /// back fingerprints the newer one had removed.
+    pub fn change_index<const N: usize>(
+        &self,
+        replica: u16,
+        index: &Mutex<shadow::LocalCache>,
+        change: impl FnOnce(&mut shadow::LocalCache) -> [Option<gorgo_core::summary::SummaryDelta>; N],
+    ) {
+        let mut cache = index.lock();
+        for delta in change(&mut cache).into_iter().flatten() {
+            self.peers.publish_summary(replica, &delta);
         }
     }
 

@@ -605,10 +605,9 @@ pub async fn serve_local(
         if let Some(kv) = &engine.kv_events {
             kv.on_dispatch();
         }
-        let delta = engine.shadow.lock().insert(&req.chain, dispatched_ms);
-        if let Some(delta) = delta {
-            state.peers.publish_summary(replica, &delta);
-        }
+        state.change_index(replica, &engine.shadow, |shadow| {
+            [shadow.insert(&req.chain, dispatched_ms)]
+        });
     }
     let headers = pass_headers(resp.headers());
     // Only a stream's first chunk marks the first token; a whole JSON body comes at the
@@ -642,13 +641,9 @@ pub async fn serve_local(
                     let error = predicted.abs_diff(cached) as f64 / prompt_tokens as f64;
                     st.metrics.cache_estimate_error.observe(error.min(1.0));
                 }
-                let delta = eng
-                    .shadow
-                    .lock()
-                    .correct(&chain, cached, predicted, dispatched_ms);
-                if let Some(delta) = delta {
-                    st.peers.publish_summary(replica, &delta);
-                }
+                st.change_index(replica, &eng.shadow, |shadow| {
+                    [shadow.correct(&chain, cached, predicted, dispatched_ms)]
+                });
             }
             // Its count of prompt tokens measures ours and teaches the ratio.
             if let (Some(engine_tokens), false) = (usage.prompt_tokens(), observed) {

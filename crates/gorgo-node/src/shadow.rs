@@ -8,7 +8,9 @@
 //! engine says, nothing modelled). One index serves both, so its summary and what
 //! peers hold of it carry on across a switch as ordinary changes.
 
-use gorgo_core::summary::{SampleChooser, SampleSetting, SummaryDelta, SummarySample};
+use gorgo_core::summary::{
+    FingerprintSet, SampleChooser, SampleSetting, SummaryDelta, SummarySample,
+};
 use gorgo_core::{HashChain, IndexSource, NodeBlockChange, ShadowIndex};
 
 /// The shadow index, how far its summary has been handed to gossip, and the choice of
@@ -18,6 +20,12 @@ pub struct LocalCache {
     index: ShadowIndex,
     published_version: u64,
     published_sample: SummarySample,
+    /// The set as handed out (at `published_version`): what the gossiped mirror holds.
+    /// One change larger than the summary's log (an engine's cache cleared, a sample
+    /// change, on a large index) has no delta in it; it is handed out as the difference
+    /// from this set. Before, it was not handed out at all, and peers kept the old set
+    /// for good.
+    published: FingerprintSet,
     sample: SampleChooser,
     source: IndexSource,
     /// The engine's capacity, which the shadow model evicts to (unbounded while the
@@ -35,6 +43,7 @@ impl LocalCache {
             index: ShadowIndex::with_sample(capacity_tokens.max(1), sample.current()),
             published_version: 0,
             published_sample: sample.current(),
+            published: FingerprintSet::default(),
             sample,
             source: IndexSource::Shadow,
             model_capacity: capacity_tokens.max(1),
@@ -161,10 +170,38 @@ impl LocalCache {
         {
             return None;
         }
-        let delta = summary.delta_since(self.published_version);
+        let delta = summary
+            .delta_since(self.published_version)
+            .unwrap_or_else(|| {
+                let now: FingerprintSet = summary.snapshot().fingerprints.into_iter().collect();
+                let mut added: Vec<u32> = now
+                    .iter()
+                    .filter(|fp| !self.published.contains(fp))
+                    .copied()
+                    .collect();
+                let mut removed: Vec<u32> = self
+                    .published
+                    .iter()
+                    .filter(|fp| !now.contains(fp))
+                    .copied()
+                    .collect();
+                added.sort_unstable();
+                removed.sort_unstable();
+                SummaryDelta {
+                    from_version: self.published_version,
+                    to_version: summary.version(),
+                    added,
+                    removed,
+                    sample: summary.sample(),
+                }
+            });
+        for fp in &delta.removed {
+            self.published.remove(fp);
+        }
+        self.published.extend(delta.added.iter().copied());
         self.published_version = summary.version();
         self.published_sample = summary.sample();
-        delta
+        Some(delta)
     }
 
     /// Blocks held.
@@ -205,6 +242,54 @@ mod tests {
         assert_eq!(d.added.len(), summarised);
         assert!(c.insert(&chain, 1).is_none());
         assert_eq!(c.longest_match(&chain), chain.prefix_tokens(chain.len()));
+    }
+
+    /// One change larger than the summary's log (65,536 entries: here an engine's KV
+    /// events clearing 70,000 blocks) reaches the gossiped mirror whole, as the
+    /// difference from what was handed out. Before, it was not handed out at all, and
+    /// peers kept every cleared prefix for good.
+    #[test]
+    fn a_change_past_the_summary_log_still_reaches_gossip() {
+        let mut c = LocalCache::new(1 << 40, SampleSetting::Auto);
+        let mut mirror = gorgo_core::LocalSummary::new();
+        let replay = |m: &mut gorgo_core::LocalSummary, d: SummaryDelta| {
+            d.added.iter().for_each(|&fp| m.record_add(fp));
+            d.removed.iter().for_each(|&fp| m.record_remove(fp));
+            m.set_sample(d.sample);
+        };
+        if let Some(d) = c.set_source(IndexSource::Events) {
+            replay(&mut mirror, d);
+        }
+        let blocks: Vec<u64> = (1..=70_000u64)
+            .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+            .collect();
+        for (k, batch) in blocks.chunks(1_000).enumerate() {
+            let changes: Vec<NodeBlockChange> = batch
+                .iter()
+                .enumerate()
+                .map(|(i, &hash)| NodeBlockChange::Added {
+                    hash,
+                    parent: (k * 1_000 + i > 0).then(|| blocks[k * 1_000 + i - 1]),
+                    tokens: 64,
+                })
+                .collect();
+            replay(&mut mirror, c.apply_kv_changes(&changes, 0).unwrap());
+        }
+        assert!(mirror.len() > 65_536, "{}", mirror.len());
+        let d = c
+            .apply_kv_changes(&[NodeBlockChange::Cleared], 1)
+            .expect("the clear is handed out");
+        assert!(d.removed.len() > 65_536);
+        replay(&mut mirror, d);
+        assert_eq!(mirror.len(), 0);
+        // And the next change follows on as a delta again.
+        let one = [NodeBlockChange::Added {
+            hash: 7,
+            parent: None,
+            tokens: 64,
+        }];
+        replay(&mut mirror, c.apply_kv_changes(&one, 2).unwrap());
+        assert_eq!(mirror.len(), 1);
     }
 
     #[test]
