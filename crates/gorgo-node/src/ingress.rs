@@ -85,10 +85,7 @@ async fn models(State(state): State<Arc<NodeState>>) -> Response {
         .map(|entry| (entry, vec![state.id.0.clone()]))
         .collect();
     for peer in state.peers.peers().iter().filter(|p| p.alive) {
-        let Some(stats) = peer.stats.as_ref().filter(|s| !s.draining) else {
-            continue;
-        };
-        for model in &stats.models {
+        for model in peer.models() {
             match listed
                 .iter_mut()
                 .find(|(e, _)| e.get("id").and_then(Value::as_str) == Some(model))

@@ -655,7 +655,7 @@ impl NodeState {
                     .get_or_create(&label)
                     .set(age_ms as f64 / 1000.0);
             }
-            if let Some(age_ms) = p.stats_age_ms {
+            if let Some(age_ms) = p.freshest_stats_age_ms() {
                 self.metrics
                     .stats_age
                     .get_or_create(&label)

@@ -110,6 +110,34 @@ pub struct PeerView {
     pub summary_age_ms: Option<u64>,
 }
 
+impl PeerView {
+    /// The models the peer's engines in rotation serve, each once, from every engine's
+    /// stats: `stats` are its first engine's, which may have left (replica 0 removed,
+    /// its last stats saying draining), and the peer's other engines' models went
+    /// unlisted with it.
+    pub fn models(&self) -> std::collections::BTreeSet<&str> {
+        let each: Vec<&QueueStats> = if self.engines.is_empty() {
+            self.stats.iter().collect()
+        } else {
+            self.engines.iter().map(|e| &e.stats).collect()
+        };
+        each.into_iter()
+            .filter(|s| !s.draining)
+            .flat_map(|s| s.models.iter().map(String::as_str))
+            .collect()
+    }
+
+    /// How old the peer's freshest stats are, ms: those of its first engine alone grew
+    /// without end once that engine had left, on a peer whose others report.
+    pub fn freshest_stats_age_ms(&self) -> Option<u64> {
+        self.engines
+            .iter()
+            .map(|e| e.stats_age_ms)
+            .min()
+            .or(self.stats_age_ms)
+    }
+}
+
 /// One engine of a peer as the router sees it: its last queue stats and when they
 /// arrived (the forward ledger clears by arrival, `gorgo_core::candidates`).
 #[derive(Debug, Clone, Serialize)]
@@ -260,4 +288,54 @@ impl PeerSource for NoPeers {
         Box::pin(std::future::ready(()))
     }
     fn publish_stats(&self, _stats: QueueStats) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn engine(models: &[&str], draining: bool, age_ms: u64) -> PeerEngine {
+        PeerEngine {
+            stats: QueueStats {
+                models: models.iter().map(|m| (*m).to_owned()).collect(),
+                draining,
+                ..QueueStats::default()
+            },
+            stats_age_ms: age_ms,
+        }
+    }
+
+    /// A peer whose first engine has left (its last stats say draining, and age): its
+    /// other engines' models are listed and its stats are as fresh as theirs. Before,
+    /// both came from the first engine alone: no model listed, an age that only grew.
+    #[test]
+    fn a_peer_whose_first_engine_left_is_read_from_its_others() {
+        let gone = engine(&["m"], true, 600_000);
+        let peer = PeerView {
+            id: NodeId::from("b"),
+            region: None,
+            alive: true,
+            rtt_ms: 1.0,
+            stats: Some(gone.stats.clone()),
+            engines: vec![
+                gone,
+                engine(&["m", "n"], false, 80),
+                engine(&["n"], false, 40),
+            ],
+            stats_age_ms: Some(600_000),
+            summary_version: 0,
+            summary_entries: 0,
+            summary_age_ms: None,
+        };
+        assert_eq!(peer.models().into_iter().collect::<Vec<_>>(), ["m", "n"]);
+        assert_eq!(peer.freshest_stats_age_ms(), Some(40));
+        // A peer known only by its stats (no engine list): those.
+        let plain = PeerView {
+            engines: Vec::new(),
+            stats: Some(engine(&["p"], false, 0).stats),
+            ..peer
+        };
+        assert_eq!(plain.models().into_iter().collect::<Vec<_>>(), ["p"]);
+        assert_eq!(plain.freshest_stats_age_ms(), Some(600_000));
+    }
 }
