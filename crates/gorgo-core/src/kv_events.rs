@@ -853,6 +853,15 @@ impl BlockTracker {
         let mut bytes = Vec::with_capacity(b * 4);
         for (i, &h) in hashes.iter().enumerate() {
             if let Some(existing) = self.engine.get_mut(&h) {
+                // Known, under another parent: the engine's hashes do not name a block
+                // by its prefix (a page hashed by its own tokens alone), so this hash
+                // says nothing of where the chain is. Following it chained the next
+                // blocks from the wrong place and claimed a prefix the engine does not
+                // hold; the rest of the event is not read.
+                if existing.parent != prev {
+                    counters.ignored_blocks += (hashes.len() - i) as u64;
+                    return;
+                }
                 // Stored already (another request got there first, or a duplicate
                 // physical block): one more copy; follow it.
                 existing.copies = existing.copies.saturating_add(1);

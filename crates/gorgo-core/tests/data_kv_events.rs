@@ -675,3 +675,31 @@ fn a_block_stored_twice_stays_until_both_copies_are_removed() {
     assert_eq!(held_node_blocks(&f, &prompt, 64), 0);
     assert_eq!(f.engine_blocks(), 0);
 }
+
+/// An engine whose block hashes name a page by its own tokens alone (not by its
+/// prefix: a hash that comes back under another parent) claims no prefix it does not
+/// hold: a page seen again under another parent stops the event there. Before, the
+/// follower went on from where that hash first stood, and chained the next page as a
+/// first block: `[5, 9]` held though the engine holds `[5, 7, 5, 9]`.
+#[test]
+fn a_hash_seen_again_under_another_parent_claims_nothing_after_it() {
+    let mut f = KvEventFollower::new(KvFollowerConfig::new(2), 0).unwrap();
+    let page = |t: u32| 1_000 + u64::from(t);
+    let ev = KvEvent::BlockStored {
+        block_hashes: vec![page(5), page(7), page(5), page(9)],
+        parent: None,
+        token_ids: vec![5, 7, 5, 9],
+        block_size: 1,
+        lora_id: None,
+        medium: None,
+    };
+    let (s, p) = message(0, vec![ev]);
+    deliver(&mut f, s, &p, 0);
+    assert_eq!(
+        held_node_blocks(&f, &[5, 9], 2),
+        0,
+        "a prefix the engine does not hold"
+    );
+    assert_eq!(held_node_blocks(&f, &[5, 7, 5, 9], 2), 1);
+    assert_eq!(f.counters().ignored_blocks, 2);
+}
