@@ -535,6 +535,14 @@ impl KvEventFollower {
                         self.stream = Stream::Live { next: 1 };
                         self.apply(payload, now_ms);
                     } else {
+                        // A new publisher whose first batches were lost: its engine
+                        // restarted, so its cache starts empty too. Kept, the dead
+                        // engine's blocks stayed in the index (and in what peers hold
+                        // of it) while the shadow model carried on from them.
+                        self.tracker.clear(&mut Vec::new());
+                        if self.source == IndexSource::Events {
+                            self.changes.push(NodeBlockChange::Cleared);
+                        }
                         self.resync(now_ms, "publisher restarted");
                         self.stream = Stream::Fresh { full_replay: true };
                         self.on_batch(seq, payload, now_ms);

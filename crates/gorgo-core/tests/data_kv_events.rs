@@ -703,3 +703,28 @@ fn a_hash_seen_again_under_another_parent_claims_nothing_after_it() {
     assert_eq!(held_node_blocks(&f, &[5, 7, 5, 9], 2), 1);
     assert_eq!(f.counters().ignored_blocks, 2);
 }
+
+/// A publisher that restarts and whose first batches are lost (its sequence goes back,
+/// not to 0) belongs to a restarted engine, whose cache starts empty: the index is
+/// cleared. Before, the dead engine's blocks stayed in it while the shadow model
+/// carried on from them.
+#[test]
+fn a_publisher_back_at_a_lower_sequence_clears_the_index() {
+    let mut f = KvEventFollower::new(KvFollowerConfig::new(64), 0).unwrap();
+    let prompt: Vec<u32> = (0..128).collect();
+    let (_, ev) = stored(&prompt, 16, None);
+    let (s, p) = message(0, vec![ev]);
+    deliver(&mut f, s, &p, 0);
+    for seq in 1..10 {
+        let (s, p) = message(seq, Vec::new());
+        deliver(&mut f, s, &p, seq);
+    }
+    assert_eq!(f.source(), IndexSource::Events);
+    assert_eq!(held_node_blocks(&f, &prompt, 64), 2);
+    f.take_changes();
+    let (s, p) = message(3, Vec::new());
+    deliver(&mut f, s, &p, 10);
+    assert!(f.take_changes().contains(&NodeBlockChange::Cleared));
+    assert_eq!(held_node_blocks(&f, &prompt, 64), 0);
+    assert_eq!(f.counters().restarts, 1);
+}
