@@ -333,7 +333,12 @@ impl KvEventFollower {
 
     /// The node dispatched a request to the engine (the silence check).
     pub fn on_dispatch(&mut self) {
-        self.dispatches_since_batch = self.dispatches_since_batch.saturating_add(1);
+        self.on_dispatches(1);
+    }
+
+    /// The node dispatched `n` requests to the engine since it last said so.
+    pub fn on_dispatches(&mut self, n: u64) {
+        self.dispatches_since_batch = self.dispatches_since_batch.saturating_add(n);
     }
 
     /// The SUB socket is subscribed (at start, or again): with a replay socket and no

@@ -56,6 +56,11 @@ pub fn node_block_tokens(config: &ValidatedConfig) -> usize {
 #[derive(Debug)]
 pub struct KvEvents {
     follower: Mutex<KvEventFollower>,
+    /// Dispatches not yet handed to the follower: counted here by the request path,
+    /// which must not wait on the follower's lock (held while a batch of up to 8 MiB
+    /// decodes, or a replay's held batches are fed again), and handed over by the
+    /// event task each time it takes the lock ([`KvEvents::follower`]).
+    dispatched: AtomicU64,
     endpoint: String,
     replay_endpoint: Option<String>,
     replay_timeout: Duration,
@@ -122,6 +127,7 @@ impl KvEvents {
         Ok(Some(KvEvents {
             replay_timeout: Duration::from_millis(follower_config.replay_timeout_ms),
             follower: Mutex::new(follower),
+            dispatched: AtomicU64::new(0),
             endpoint,
             replay_endpoint: engine.kv_events_replay.clone(),
             frame_limits: gorgo_core::zmtp::FrameLimits::for_kv_events(
@@ -133,7 +139,15 @@ impl KvEvents {
 
     /// The node dispatched a request to its engine (the silence check).
     pub fn on_dispatch(&self) {
-        self.follower.lock().on_dispatch();
+        self.dispatched.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The follower, told of the dispatches since it last was: before a batch it is
+    /// to apply (which resets the count) and before a tick (which reads it).
+    fn follower(&self) -> parking_lot::MutexGuard<'_, KvEventFollower> {
+        let mut f = self.follower.lock();
+        f.on_dispatches(self.dispatched.swap(0, Ordering::Relaxed));
+        f
     }
 
     /// The source the index follows now.
@@ -242,7 +256,7 @@ pub async fn run(
                     let frames = msg.into_vec();
                     let parts: Vec<&[u8]> = frames.iter().map(|f| f.as_ref()).collect();
                     let now = state.now_ms();
-                    kv.follower.lock().on_message(&parts, now);
+                    kv.follower().on_message(&parts, now);
                 }
                 Err(e) => {
                     // The socket reconnects by itself; do not spin on a broken one.
@@ -256,11 +270,11 @@ pub async fn run(
             Some(frames) = replay_rx.recv() => {
                 let parts: Vec<&[u8]> = frames.iter().map(|f| f.as_ref()).collect();
                 let now = state.now_ms();
-                kv.follower.lock().on_replay_message(&parts, now);
+                kv.follower().on_replay_message(&parts, now);
             }
             _ = tick.tick() => {
                 let now = state.now_ms();
-                kv.follower.lock().tick(now);
+                kv.follower().tick(now);
             }
         }
         actions = apply_follower(&state, engine, kv);
