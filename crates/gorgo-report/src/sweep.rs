@@ -323,6 +323,13 @@ impl Sweep {
         mut points: Vec<SweepPoint>,
     ) -> Self {
         points.sort_by(|a, b| a.offered_rps.total_cmp(&b.offered_rps));
+        // A live point's percentiles are over every request sent, those that failed
+        // before the metric ranked slowest (`gorgo compare`'s report), so its p95 is
+        // the one to hold against the SLO as it is, +inf where it is censored: the
+        // bound `slo_p95` takes for the simulator's (over completed requests only)
+        // held a live policy with one failure to its p99, and missed it at 1%.
+        let live = config.get("mode").and_then(serde_json::Value::as_str) == Some("live");
+        let held = |r: &PolicyResult, s: &LatencyStats| if live { s.p95 } else { slo_p95(r, s) };
         let mut sweep = Sweep {
             config,
             trace_rate_rps,
@@ -336,11 +343,11 @@ impl Sweep {
             .policies()
             .into_iter()
             .map(|p| {
-                // Failed requests count as infinitely slow (`slo_p95`).
+                // Failed requests count as infinitely slow (`held`).
                 let curve: Vec<(f64, f64, f64)> = sweep
                     .curve(&p)
                     .into_iter()
-                    .map(|(load, r)| (load, slo_p95(r, &r.ttft_ms), slo_p95(r, &r.e2e_ms)))
+                    .map(|(load, r)| (load, held(r, &r.ttft_ms), held(r, &r.e2e_ms)))
                     .collect();
                 let (rps, bound) = goodput_with_bound(&curve, slo);
                 Goodput {
@@ -712,6 +719,37 @@ mod tests {
         r.itl_ms = LatencyStats::default();
         r.ttft_ms.p95 = ttft_p95;
         r
+    }
+
+    /// A live point with a few failures is held to its p95 (over every request, the
+    /// failures ranked slowest): one timeout in 1,000 no longer makes it a miss, as its
+    /// p99 did. A simulated one (percentiles over completed requests) still is held
+    /// to the bound that counts its failures.
+    #[test]
+    fn a_live_point_with_few_failures_is_held_to_its_p95() {
+        let point = |load: f64| {
+            let mut r = result(1500.0);
+            r.requests = 1000;
+            r.failed = 1;
+            r.ttft_ms.p99 = 2600.0;
+            SweepPoint {
+                time_scale: 1.0 / load,
+                offered_rps: load,
+                policies: vec![("gorgo".into(), r)],
+            }
+        };
+        let goodput = |mode: &str| {
+            Sweep::new(
+                serde_json::json!({"mode": mode}),
+                1.0,
+                SLO,
+                vec![point(2.0)],
+            )
+            .goodput[0]
+                .bound
+        };
+        assert_eq!(goodput("live"), Bound::AtLeast);
+        assert_eq!(goodput("sim"), Bound::Below);
     }
 
     #[test]
