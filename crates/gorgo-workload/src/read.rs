@@ -480,11 +480,33 @@ fn parse_azure_row(
     Ok((when, input, output))
 }
 
-/// Parse `YYYY-MM-DD HH:MM:SS[.fraction]` (also with `T`, ignoring a trailing `Z`) into
-/// ms since the Unix epoch, UTC.
+/// Parse `YYYY-MM-DD HH:MM:SS[.fraction]` (also with `T`; a trailing `Z` or a UTC
+/// offset `±HH:MM`, as Azure's 2024 traces write `+00:00`) into ms since the Unix
+/// epoch, UTC.
 pub fn parse_datetime_ms(s: &str) -> std::result::Result<u64, String> {
-    let bad = || format!("timestamp `{s}` is not `YYYY-MM-DD HH:MM:SS[.fff]`");
+    let bad = || format!("timestamp `{s}` is not `YYYY-MM-DD HH:MM:SS[.fff][Z|±HH:MM]`");
     let s = s.trim().trim_end_matches('Z');
+    // A UTC offset after the time: `+HH:MM` or `-HH:MM` (after the date's own dashes).
+    let (s, offset_ms) = match s.get(s.len().saturating_sub(6)..) {
+        Some(tail)
+            if s.len() > 16
+                && (tail.starts_with('+') || tail.starts_with('-'))
+                && tail.as_bytes()[3] == b':'
+                && tail[1..3]
+                    .bytes()
+                    .chain(tail[4..6].bytes())
+                    .all(|b| b.is_ascii_digit()) =>
+        {
+            let hours: i64 = tail[1..3].parse().map_err(|_| bad())?;
+            let minutes: i64 = tail[4..6].parse().map_err(|_| bad())?;
+            if hours > 23 || minutes > 59 {
+                return Err(bad());
+            }
+            let sign = if tail.starts_with('-') { -1 } else { 1 };
+            (&s[..s.len() - 6], sign * (hours * 60 + minutes) * 60_000)
+        }
+        _ => (s, 0),
+    };
     let (date, time) = s.split_once([' ', 'T']).ok_or_else(bad)?;
     let mut d = date.splitn(3, '-');
     let (y, m, day) = (d.next(), d.next(), d.next());
@@ -514,7 +536,8 @@ pub fn parse_datetime_ms(s: &str) -> std::result::Result<u64, String> {
         .collect::<String>();
     let ms_frac: i64 = ms_frac.parse().map_err(|_| bad())?;
     let days = days_from_civil(y, m, day);
-    let ms = ((days * 24 + hh) * 60 + mm) * 60_000 + ss * 1000 + ms_frac;
+    // Local time minus its offset is UTC.
+    let ms = ((days * 24 + hh) * 60 + mm) * 60_000 + ss * 1000 + ms_frac - offset_ms;
     u64::try_from(ms).map_err(|_| format!("timestamp `{s}` is before 1970"))
 }
 
@@ -568,6 +591,21 @@ mod tests {
         );
         assert!(parse_datetime_ms("2023-13-16 18:15:46").is_err());
         assert!(parse_datetime_ms("yesterday").is_err());
+        // Azure's 2024 traces write a UTC offset (every row was refused): applied.
+        assert_eq!(
+            parse_datetime_ms("2024-05-10 00:00:00.009930+00:00").unwrap(),
+            1_715_299_200_009
+        );
+        assert_eq!(
+            parse_datetime_ms("2024-05-10T02:30:00+02:30").unwrap(),
+            1_715_299_200_000
+        );
+        assert_eq!(
+            parse_datetime_ms("2024-05-09 22:00:00-02:00").unwrap(),
+            1_715_299_200_000
+        );
+        assert!(parse_datetime_ms("2024-05-10 00:00:00+24:00").is_err());
+        assert!(parse_datetime_ms("2024-05-10 00:00:00+0a:00").is_err());
     }
 
     proptest::proptest! {
