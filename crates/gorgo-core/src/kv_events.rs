@@ -348,6 +348,10 @@ impl KvEventFollower {
     /// empty answer means it has published nothing: the index follows the events,
     /// which start with the next batch, seq 0.
     pub fn on_subscribed(&mut self, now_ms: u64) {
+        // A new connection starts its silence clock: what was sent on the old one is
+        // no sign against it.
+        self.last_batch_ms = now_ms;
+        self.dispatches_since_batch = 0;
         if let Stream::Fresh { full_replay: true } = self.stream {
             if self.config.replay {
                 self.counters.replays += 1;
@@ -459,11 +463,17 @@ impl KvEventFollower {
                 self.replay_failed(now_ms, "replay timed out");
             }
         }
-        if self.source == IndexSource::Events
-            && now_ms.saturating_sub(self.last_batch_ms) >= self.config.silence_ms
+        // Checked on either source: a connection that died without a word while the
+        // index was on the shadow model (waiting for its first batch, or after a
+        // resync) was never replaced, and the index stayed on the model for good.
+        if now_ms.saturating_sub(self.last_batch_ms) >= self.config.silence_ms
             && self.dispatches_since_batch >= self.config.silence_dispatches
         {
             self.counters.silences += 1;
+            // The node subscribes again on a new connection (`on_subscribed` starts
+            // the clock anew); until then, one silence per `silence_ms`.
+            self.last_batch_ms = now_ms;
+            self.dispatches_since_batch = 0;
             self.resync(now_ms, "silent stream");
         }
         self.update_source(now_ms);

@@ -728,3 +728,34 @@ fn a_publisher_back_at_a_lower_sequence_clears_the_index() {
     assert_eq!(held_node_blocks(&f, &prompt, 64), 0);
     assert_eq!(f.counters().restarts, 1);
 }
+
+/// A stream silent while the index is on the shadow model (no batch yet since the
+/// subscription, requests sent) is a silence too, so the node subscribes again on a new
+/// connection; a new subscription starts the clock anew. Before, silence was checked
+/// only while following events: a connection dead before its first batch was never
+/// replaced.
+#[test]
+fn a_stream_silent_before_its_first_batch_is_a_silence() {
+    let cfg = KvFollowerConfig {
+        silence_ms: 1_000,
+        silence_dispatches: 2,
+        ..KvFollowerConfig::new(64)
+    };
+    let mut f = KvEventFollower::new(cfg, 0).unwrap();
+    f.on_subscribed(0);
+    assert_eq!(f.source(), IndexSource::Shadow);
+    f.on_dispatch();
+    f.on_dispatch();
+    f.tick(999);
+    assert_eq!(f.counters().silences, 0);
+    f.tick(1_000);
+    assert_eq!(f.counters().silences, 1);
+    // Subscribed again: its own clock, its own dispatches.
+    f.on_subscribed(1_001);
+    f.on_dispatch();
+    f.tick(2_500);
+    assert_eq!(f.counters().silences, 1);
+    f.on_dispatch();
+    f.tick(2_500);
+    assert_eq!(f.counters().silences, 2);
+}
