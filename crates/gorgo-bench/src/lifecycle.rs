@@ -66,14 +66,20 @@ impl RunningCluster {
         let log_path = opts.run_dir.join("up.log");
         // 0600: `gorgo up` prints the cluster's admin token, which opens every node's
         // admin API to whoever reads it.
+        // `mode` applies to a file it creates; one a run before left keeps its own,
+        // so it is set again.
         let log = {
-            use std::os::unix::fs::OpenOptionsExt;
+            use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
             std::fs::OpenOptions::new()
                 .write(true)
                 .create(true)
                 .truncate(true)
                 .mode(0o600)
                 .open(&log_path)
+                .and_then(|f| {
+                    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+                    Ok(f)
+                })
         }
         .map_err(|source| BenchError::Io {
             path: log_path.clone(),

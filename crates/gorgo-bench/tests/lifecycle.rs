@@ -21,6 +21,14 @@ async fn clusters_come_up_and_always_go_down() {
     let server = Server::start().await;
     let tmp = tempfile::tempdir().unwrap();
     let exe = fake_gorgo(tmp.path(), &server.url);
+    // A log a run before left, readable by all: the next run's is the owner's alone.
+    std::fs::create_dir_all(tmp.path().join("a/run")).unwrap();
+    std::fs::write(tmp.path().join("a/run/up.log"), "old").unwrap();
+    std::fs::set_permissions(
+        tmp.path().join("a/run/up.log"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o644),
+    )
+    .unwrap();
     let opts = |policy: &str| UpOptions {
         exe: exe.clone(),
         topology: tmp.path().join("topo.toml"),
