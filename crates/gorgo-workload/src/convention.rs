@@ -22,9 +22,11 @@ pub const CHAT_TEMPLATE_TOKENS: u64 = 64;
 
 /// The most prompt tokens a request with `output_tokens` may have so that prompt,
 /// output and chat template fit an engine context of `max_context` tokens (at least 1).
+/// A row of no output is sent (and simulated) asking for one token
+/// ([`crate::prompt::chat_body`]): that one counts too.
 pub fn context_prompt_limit(output_tokens: u32, max_context: u64) -> u64 {
     max_context
-        .saturating_sub(u64::from(output_tokens))
+        .saturating_sub(u64::from(output_tokens.max(1)))
         .saturating_sub(CHAT_TEMPLATE_TOKENS)
         .max(1)
 }
@@ -176,6 +178,9 @@ mod tests {
         assert_eq!(r.input_tokens, 1000 - 3 - CHAT_TEMPLATE_TOKENS);
         // A context too small for the output still leaves a one-token prompt.
         assert_eq!(context_prompt_limit(500, 100), 1);
+        // No output is sent as one token: it counts (the prompt plus the template and
+        // the one token asked for overflowed the context by one).
+        assert_eq!(context_prompt_limit(0, 4096), 4096 - 1 - CHAT_TEMPLATE_TOKENS);
     }
 
     #[test]
