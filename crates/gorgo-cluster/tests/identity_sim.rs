@@ -1134,6 +1134,51 @@ fn a_snapshot_request_makes_no_engine_of_the_asker() {
     assert_eq!(v.engines.len(), 1, "n0's row for n1: {v:?}");
 }
 
+/// A member asking for a snapshot of an engine every 100 ms gets at most one per
+/// `SNAPSHOT_REQUEST_EVERY` (500 ms): a snapshot takes the whole set, sorted, under the
+/// summary's lock. Before, every request was honoured at the next round (one snapshot
+/// a round, 250 ms).
+#[test]
+fn snapshot_requests_are_honoured_at_most_twice_a_second() {
+    let (mut sim, creds, handles) = n0_holding_n1s_run(91);
+    let (n0_id, n1_id) = {
+        let h = handles.lock();
+        (h["n0"].identity(), h["n1"].identity())
+    };
+    let snapshots = |handles: &Handles| {
+        handles.lock()["n0"]
+            .metrics()
+            .snapshots_sent
+            .load(Ordering::Relaxed)
+    };
+    run_for(&mut sim, Duration::from_secs(2));
+    let n1_creds = creds["n1"].clone();
+    sim.client("asker", async move {
+        let (_endpoint, conn) = raw_connection(
+            "asker",
+            &n1_creds,
+            SocketAddr::new(turmoil::lookup("n0"), PORT),
+        )
+        .await?;
+        conn.send_datagram(swim_datagram(n1_id, n0_id))?;
+        let request = GossipMessage::SnapshotRequest {
+            origin: NodeId::from("n1"),
+            have_version: 0,
+            replica: 0,
+        };
+        loop {
+            send_uni(&conn, &framed(&request)).await?;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    run_for(&mut sim, Duration::from_millis(500));
+    let before = snapshots(&handles);
+    run_for(&mut sim, Duration::from_secs(10));
+    let sent = snapshots(&handles) - before;
+    // Twenty honoured in ten seconds, and a few more to n2 and n1's own connection.
+    assert!((15..=25).contains(&sent), "{sent} snapshots in 10 s");
+}
+
 /// Why n0 closed a connection, when it did.
 fn closed_by_n0(conn: &quinn::Connection) -> Option<String> {
     match conn.close_reason()? {
