@@ -180,7 +180,10 @@ mod tests {
         assert_eq!(context_prompt_limit(500, 100), 1);
         // No output is sent as one token: it counts (the prompt plus the template and
         // the one token asked for overflowed the context by one).
-        assert_eq!(context_prompt_limit(0, 4096), 4096 - 1 - CHAT_TEMPLATE_TOKENS);
+        assert_eq!(
+            context_prompt_limit(0, 4096),
+            4096 - 1 - CHAT_TEMPLATE_TOKENS
+        );
     }
 
     #[test]
