@@ -860,9 +860,12 @@ impl BlockTracker {
         let b = self.node_block_tokens;
         let (mut end, mut chain_end) = match parent {
             None => (0, None),
+            // The parent must end on a block of this size too: after blocks of 16, one
+            // of 32 starts at 16, and a node block of 64 ended inside the third such
+            // block ([48, 80]), claiming 16 tokens the engine may not match.
             Some(p) => match self.engine.get(&p) {
-                Some(pb) => (pb.end, pb.chain_end),
-                None => {
+                Some(pb) if pb.end.is_multiple_of(block_size as u64) => (pb.end, pb.chain_end),
+                _ => {
                     counters.ignored_blocks += hashes.len() as u64;
                     return;
                 }

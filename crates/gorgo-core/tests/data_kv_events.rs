@@ -759,3 +759,21 @@ fn a_stream_silent_before_its_first_batch_is_a_silence() {
     f.tick(2_500);
     assert_eq!(f.counters().silences, 2);
 }
+
+/// Blocks of 32 after a block of 16 start off the 32-token grid: they are not read. A
+/// node block of 64 would end inside the third of them ([48, 80]) and claim 16 tokens
+/// the engine matches only with the whole block; before, a prompt that shares the first
+/// 64 tokens but not the next 16 was held at one node block.
+#[test]
+fn blocks_off_their_own_grid_are_not_read() {
+    let mut f = KvEventFollower::new(KvFollowerConfig::new(64), 0).unwrap();
+    let prompt: Vec<u32> = (0..80).collect();
+    let (first, ev) = stored(&prompt[..16], 16, None);
+    let (_, rest) = stored(&prompt[16..], 32, Some(first[0]));
+    let (s, p) = message(0, vec![ev, rest]);
+    deliver(&mut f, s, &p, 0);
+    let mut diverging = prompt[..70].to_vec();
+    diverging.extend([9_000, 9_001]);
+    assert_eq!(held_node_blocks(&f, &diverging, 64), 0);
+    assert_eq!(f.counters().ignored_blocks, 2);
+}
