@@ -69,6 +69,11 @@ impl AtomicFile {
         ));
         let tmp = path.with_file_name(tmp_name);
         let file = std::fs::File::create(&tmp)?;
+        // The replacement keeps the file's mode: created anew it took the default, and
+        // a file made 0600 (or read-only to others) came back readable by all.
+        if let Ok(old) = std::fs::metadata(&path) {
+            file.set_permissions(old.permissions())?;
+        }
         Ok(AtomicFile {
             tmp,
             path,
@@ -245,6 +250,24 @@ mod tests {
         drop(f);
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "through the link");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
+    }
+
+    /// The replacement keeps the destination's mode, read-only included (created anew,
+    /// a 0600 file came back 0644).
+    #[cfg(unix)]
+    #[test]
+    fn an_atomic_write_keeps_the_files_mode() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("secret.toml");
+        for mode in [0o600, 0o400] {
+            std::fs::write(&path, "old").unwrap_or(());
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+            write_atomic(&path, b"new").unwrap();
+            assert_eq!(std::fs::read_to_string(&path).unwrap(), "new");
+            let got = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+            assert_eq!(got, mode, "{got:o}");
+        }
     }
 
     /// A destination that is not a regular file is written in place, not replaced by
