@@ -1101,33 +1101,10 @@ fn a_snapshot_request_makes_no_engine_of_the_asker() {
         n0_engine_40_at(&handles, "n1") && n0_engine_40_at(&handles, "n2")
     })
     .unwrap_or_else(|| panic!("n0's engine 40 never reached its peers: {}", dump(&handles)));
-    let snapshots = |handles: &Handles| {
-        handles.lock()["n0"]
-            .metrics()
-            .snapshots_sent
-            .load(Ordering::Relaxed)
-    };
-    let before = snapshots(&handles);
-    let n1_creds = creds["n1"].clone();
-    sim.client("relay", async move {
-        let (_endpoint, conn) = raw_connection(
-            "relay",
-            &n1_creds,
-            SocketAddr::new(turmoil::lookup("n0"), PORT),
-        )
-        .await?;
-        conn.send_datagram(swim_datagram(n1_id, n0_id))?;
-        let request = GossipMessage::SnapshotRequest {
-            origin: NodeId::from("n1"),
-            have_version: 0,
-            replica: 40,
-        };
-        send_uni(&conn, &framed(&request)).await?;
-        std::future::pending::<()>().await;
-        Ok(())
-    });
+    let before = n0_snapshots_sent(&handles);
+    ask_n0_for_snapshots(&mut sim, &creds, (n0_id, n1_id), 40, None);
     run_until(&mut sim, Duration::from_secs(3), |_| {
-        snapshots(&handles) > before
+        n0_snapshots_sent(&handles) > before
     })
     .unwrap_or_else(|| panic!("n0 never answered the request: {}", dump(&handles)));
     let v = view_of(&handles, "n0", "n1").expect("n0 knows n1");
@@ -1145,13 +1122,39 @@ fn snapshot_requests_are_honoured_at_most_twice_a_second() {
         let h = handles.lock();
         (h["n0"].identity(), h["n1"].identity())
     };
-    let snapshots = |handles: &Handles| {
-        handles.lock()["n0"]
-            .metrics()
-            .snapshots_sent
-            .load(Ordering::Relaxed)
-    };
     run_for(&mut sim, Duration::from_secs(2));
+    ask_n0_for_snapshots(
+        &mut sim,
+        &creds,
+        (n0_id, n1_id),
+        0,
+        Some(Duration::from_millis(100)),
+    );
+    run_for(&mut sim, Duration::from_millis(500));
+    let before = n0_snapshots_sent(&handles);
+    run_for(&mut sim, Duration::from_secs(10));
+    let sent = n0_snapshots_sent(&handles) - before;
+    // Twenty honoured in ten seconds, and a few more to n2 and n1's own connection.
+    assert!((15..=25).contains(&sent), "{sent} snapshots in 10 s");
+}
+
+/// Snapshots n0 has sent.
+fn n0_snapshots_sent(handles: &Handles) -> u64 {
+    handles.lock()["n0"]
+        .metrics()
+        .snapshots_sent
+        .load(Ordering::Relaxed)
+}
+
+/// A raw connection with n1's certificate (n1's SWIM claim on it first) asks n0 for a
+/// snapshot of its engine `replica`: once, or every `every`.
+fn ask_n0_for_snapshots(
+    sim: &mut turmoil::Sim<'_>,
+    creds: &std::collections::BTreeMap<String, gorgo_cluster::NodeCredentials>,
+    (n0_id, n1_id): (gorgo_cluster::MemberId, gorgo_cluster::MemberId),
+    replica: u16,
+    every: Option<Duration>,
+) {
     let n1_creds = creds["n1"].clone();
     sim.client("asker", async move {
         let (_endpoint, conn) = raw_connection(
@@ -1164,19 +1167,16 @@ fn snapshot_requests_are_honoured_at_most_twice_a_second() {
         let request = GossipMessage::SnapshotRequest {
             origin: NodeId::from("n1"),
             have_version: 0,
-            replica: 0,
+            replica,
         };
         loop {
             send_uni(&conn, &framed(&request)).await?;
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            match every {
+                Some(every) => tokio::time::sleep(every).await,
+                None => std::future::pending::<()>().await,
+            }
         }
     });
-    run_for(&mut sim, Duration::from_millis(500));
-    let before = snapshots(&handles);
-    run_for(&mut sim, Duration::from_secs(10));
-    let sent = snapshots(&handles) - before;
-    // Twenty honoured in ten seconds, and a few more to n2 and n1's own connection.
-    assert!((15..=25).contains(&sent), "{sent} snapshots in 10 s");
 }
 
 /// Why n0 closed a connection, when it did.
