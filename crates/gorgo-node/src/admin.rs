@@ -15,7 +15,7 @@ use serde::Deserialize;
 use serde_json::json;
 use serde_json::Value;
 
-use crate::api::{error_response, ApiError};
+use crate::api::{error_response, invalid_field_response, ApiError};
 use crate::NodeState;
 
 /// Largest PUT body on the admin API.
@@ -386,7 +386,7 @@ async fn decisions(
     };
     if limit > MAX_DECISIONS_PER_PAGE {
         let message = format!("limit: at most {MAX_DECISIONS_PER_PAGE}");
-        return ApiError(StatusCode::BAD_REQUEST, message).into_response();
+        return invalid_field_response("limit", "invalid_value", &message);
     }
     Json(state.router.recent(offset, limit)).into_response()
 }
@@ -439,30 +439,29 @@ async fn put_weights(
         w_queue: body.w_queue.unwrap_or(0.0),
     };
     if let Some(name) = given.out_of_range() {
-        return ApiError(
-            StatusCode::BAD_REQUEST,
-            format!("`{name}` must be in [0, {}]", gorgo_core::types::MAX_WEIGHT),
-        )
-        .into_response();
+        let message = format!("`{name}` must be in [0, {}]", gorgo_core::types::MAX_WEIGHT);
+        return invalid_field_response(name, "invalid_value", &message);
     }
     let weights = match (body.w_rtt, body.w_queue) {
         (Some(w_rtt), Some(w_queue)) => Some(Weights { w_rtt, w_queue }),
         (None, None) => None,
-        _ => {
-            return ApiError(
-                StatusCode::BAD_REQUEST,
-                "give both `w_rtt` and `w_queue`, or neither".into(),
-            )
-            .into_response()
+        (Some(_), None) => {
+            let message = "give both `w_rtt` and `w_queue`, or neither";
+            return invalid_field_response("w_queue", "missing_field", message);
+        }
+        (None, Some(_)) => {
+            let message = "give both `w_rtt` and `w_queue`, or neither";
+            return invalid_field_response("w_rtt", "missing_field", message);
         }
     };
     let mode = match (body.mode, weights) {
         (Some(TuningMode::Static) | None, Some(_)) => TuningMode::Static,
         (Some(m), None) => m,
         (Some(m), Some(_)) => {
-            return ApiError(
-                StatusCode::BAD_REQUEST,
-                format!(
+            return invalid_field_response(
+                "mode",
+                "invalid_value",
+                &format!(
                     "weights can only be set with mode `static` (mode `{}` tunes them)",
                     serde_json::to_value(m)
                         .ok()
@@ -470,7 +469,6 @@ async fn put_weights(
                         .unwrap_or_default()
                 ),
             )
-            .into_response()
         }
         (None, None) => {
             return ApiError(

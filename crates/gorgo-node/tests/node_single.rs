@@ -423,7 +423,7 @@ async fn admin_api_requires_the_token_and_reports_decisions() {
         .unwrap();
     let (status, body) = error_of(resp).await;
     assert_eq!(status, 400);
-    assert!(body.to_string().contains("limit"), "{body}");
+    assert_eq!(body["error"]["param"], "limit", "{body}");
 
     let resp = c
         .put(format!("{}/admin/weights", node.admin))
@@ -441,7 +441,19 @@ async fn admin_api_requires_the_token_and_reports_decisions() {
         .send()
         .await
         .unwrap();
-    assert_eq!(error_of(resp).await.0, 400);
+    let (status, body) = error_of(resp).await;
+    assert_eq!(status, 400);
+    assert_eq!(body["error"]["param"], "w_rtt", "{body}");
+    let resp = c
+        .put(format!("{}/admin/weights", node.admin))
+        .bearer_auth(TOKEN)
+        .json(&serde_json::json!({"w_rtt": 1.0}))
+        .send()
+        .await
+        .unwrap();
+    let (status, body) = error_of(resp).await;
+    assert_eq!(status, 400);
+    assert_eq!(body["error"]["param"], "w_queue", "{body}");
     let resp = c
         .put(format!("{}/admin/weights", node.admin))
         .bearer_auth(TOKEN)
