@@ -148,34 +148,43 @@ impl ClusterPeers {
     }
 }
 
+/// The router's view of one peer from the cluster's: every engine whose stats
+/// arrived, and the ages of the peer's freshest stats and summary (those of its
+/// first engine alone grow without end once that engine has left).
+fn router_view(p: gorgo_cluster::PeerView) -> PeerView {
+    let summary_age_ms = p
+        .engines
+        .iter()
+        .filter_map(|e| e.summary_age_ms)
+        .min()
+        .or(p.summary_age_ms);
+    PeerView {
+        id: p.id,
+        region: Some(p.region),
+        alive: p.alive,
+        // No RTT sample yet: the peer is not a candidate worth paying for.
+        rtt_ms: p.rtt_ms.unwrap_or(f64::INFINITY),
+        stats: p.stats,
+        engines: p
+            .engines
+            .into_iter()
+            .filter_map(|e| {
+                Some(PeerEngine {
+                    stats: e.stats?,
+                    stats_age_ms: e.stats_age_ms.unwrap_or(0),
+                })
+            })
+            .collect(),
+        stats_age_ms: p.stats_age_ms,
+        summary_version: p.summary_version.unwrap_or(0),
+        summary_entries: p.summary_len as u64,
+        summary_age_ms,
+    }
+}
+
 impl PeerSource for ClusterPeers {
     fn peers(&self) -> Vec<PeerView> {
-        self.handle
-            .peers()
-            .into_iter()
-            .map(|p| PeerView {
-                id: p.id,
-                region: Some(p.region),
-                alive: p.alive,
-                // No RTT sample yet: the peer is not a candidate worth paying for.
-                rtt_ms: p.rtt_ms.unwrap_or(f64::INFINITY),
-                stats: p.stats,
-                engines: p
-                    .engines
-                    .into_iter()
-                    .filter_map(|e| {
-                        Some(PeerEngine {
-                            stats: e.stats?,
-                            stats_age_ms: e.stats_age_ms.unwrap_or(0),
-                        })
-                    })
-                    .collect(),
-                stats_age_ms: p.stats_age_ms,
-                summary_version: p.summary_version.unwrap_or(0),
-                summary_entries: p.summary_len as u64,
-                summary_age_ms: p.summary_age_ms,
-            })
-            .collect()
+        self.handle.peers().into_iter().map(router_view).collect()
     }
 
     fn matched_tokens(&self, peer: &NodeId, replica: u16, chain: &HashChain) -> u64 {
@@ -442,6 +451,43 @@ pub fn adapt_incoming(handle: &ClusterHandle) -> Result<IncomingForwards, NodeEr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A peer whose first engine has left (its summary frozen an hour ago) and whose
+    /// second still gossips: the router's view, and with it
+    /// `gorgo_peer_prefixes_age_seconds`, gives the second's age.
+    #[test]
+    fn a_peers_summary_age_is_its_freshest_engines() {
+        let engine = |replica: u16, summary_age_ms: u64| gorgo_cluster::PeerEngineView {
+            replica,
+            summary_version: Some(1),
+            summary_len: 1,
+            summary_bytes: 8,
+            summary_age_ms: Some(summary_age_ms),
+            pending_deltas: 0,
+            stats: None,
+            stats_age_ms: None,
+        };
+        let peer = gorgo_cluster::PeerView {
+            id: NodeId::from("b"),
+            region: "eu".into(),
+            addr: "127.0.0.1:1".parse().unwrap(),
+            generation: 1,
+            incarnation: None,
+            state: gorgo_cluster::PeerState::Alive,
+            alive: true,
+            rtt_ms: Some(10.0),
+            summary_version: Some(1),
+            summary_len: 1,
+            summary_bytes: 8,
+            summary_age_ms: Some(3_600_000),
+            stats: None,
+            stats_age_ms: None,
+            engines: vec![engine(0, 3_600_000), engine(1, 250)],
+            bytes_sent: 0,
+            bytes_received: 0,
+        };
+        assert_eq!(router_view(peer).summary_age_ms, Some(250));
+    }
 
     /// A peer that takes no message (alive to SWIM, refusing streams) holds one
     /// sender task however many ticks send to it, and gets the newest message once
