@@ -103,11 +103,13 @@ impl AtomicFile {
     /// Put the file in place of the old one.
     pub fn commit(mut self) -> io::Result<()> {
         self.finish()?;
-        if !self.in_place {
-            std::fs::rename(&self.tmp, &self.path)?;
+        if self.in_place {
+            self.committed = true;
+            return Ok(());
         }
+        std::fs::rename(&self.tmp, &self.path)?;
         self.committed = true;
-        Ok(())
+        sync_dir(&self.path)
     }
 
     fn open(&mut self) -> io::Result<&mut BufWriter<std::fs::File>> {
@@ -135,6 +137,21 @@ impl Drop for AtomicFile {
             let _ = std::fs::remove_file(&self.tmp);
         }
     }
+}
+
+/// Flush the directory holding `path` to disk: the rename is an entry of the
+/// directory, and until that is on disk a crash can bring back the old file (or none,
+/// for a new one) although its content was synced. A no-op where directories cannot
+/// be opened as files (not Unix).
+fn sync_dir(path: &Path) -> io::Result<()> {
+    if !cfg!(unix) {
+        return Ok(());
+    }
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    std::fs::File::open(dir)?.sync_all()
 }
 
 /// `path` with every symbolic link followed, a dangling last link to the path it
