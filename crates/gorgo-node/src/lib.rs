@@ -447,6 +447,10 @@ impl NodeState {
             stats.draining |= removing;
             self.peers.publish_stats(stats);
             if removing && e.adapter.inflight() == 0 {
+                // Its summary goes empty before it leaves: peers held it for good (the
+                // cluster gossips the engine's last state every round), against their
+                // cap on a peer's fingerprints, after every removal of the run.
+                self.change_index(e.replica, &e.shadow, |shadow| [shadow.clear()]);
                 gone.push(e.replica);
             }
         }

@@ -139,6 +139,14 @@ impl LocalCache {
         self.take_delta()
     }
 
+    /// Forget every block: the engine has left the node, and what peers hold of its
+    /// summary (counted against their cap on a peer's fingerprints) goes with the
+    /// delta returned. Its last stats say draining, so it is no candidate either way.
+    pub fn clear(&mut self) -> Option<SummaryDelta> {
+        self.index.clear();
+        self.take_delta()
+    }
+
     /// Apply the KV-event follower's changes (while the events rule).
     pub fn apply_kv_changes(
         &mut self,

@@ -21,20 +21,27 @@ async fn quic_node(
     CancellationToken,
     std::net::SocketAddr,
 ) {
+    quic_node_of(id, &[engine.url()], ca, seeds).await
+}
+
+/// [`quic_node`] fronting the engines at `urls` (replicas in that order).
+async fn quic_node_of(
+    id: &str,
+    urls: &[String],
+    ca: &gorgo_cluster::ClusterCa,
+    seeds: &[std::net::SocketAddr],
+) -> (
+    gorgo_node::NodeHandle,
+    CancellationToken,
+    std::net::SocketAddr,
+) {
     // Bind the QUIC port first so the peer can use it as a seed.
     let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     let quic = udp.local_addr().unwrap();
     drop(udp);
     let seeds: Vec<String> = seeds.iter().map(|s| format!("\"{s}\"")).collect();
-    let mut cfg = config(
-        id,
-        &engine.url(),
-        &format!(
-            "[cluster]\nseeds = [{}]\ngossip_interval_ms = 50\n",
-            seeds.join(", ")
-        ),
-    )
-    .into_inner();
+    let mut cfg =
+        config_with_engines(id, urls, &format!("seeds = [{}]\n", seeds.join(", "))).into_inner();
     cfg.listen.quic = quic;
     let cfg = cfg.validate().unwrap();
     let creds = ca.issue(&NodeId::from(id)).unwrap().credentials;
@@ -147,6 +154,74 @@ async fn saturated_node_forwards_over_quic() {
     ] {
         assert!(metric_value(&text, series).is_some(), "{series} in {text}");
     }
+    a_stop.cancel();
+    b_stop.cancel();
+}
+
+/// An engine removed from b at run time takes its summary with it: a, which held b's
+/// summary of it (fingerprints counted against a's cap on what b's summaries hold),
+/// hears it emptied. Before, b gossiped the engine's last summary every round for the
+/// rest of its run, and a held it.
+#[tokio::test]
+async fn a_removed_engines_summary_is_emptied_at_its_peers() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let ca = gorgo_cluster::ClusterCa::generate("test CA").unwrap();
+    let ea = StubEngine::start("a").await;
+    let eb = [StubEngine::start("b0").await, StubEngine::start("b1").await];
+    let (a, a_stop, a_quic) = quic_node("a", &ea, &ca, &[]).await;
+    let urls: Vec<String> = eb.iter().map(|e| e.url()).collect();
+    let (b, b_stop, _) = quic_node_of("b", &urls, &ca, &[a_quic]).await;
+
+    // b's engine 1 serves the prompt (engine 0 drained meanwhile).
+    let p = prompt("the removed engine's context", 40_000);
+    b.state.engine(0).unwrap().start_draining();
+    let resp = client()
+        .post(format!("http://{}/v1/chat/completions", b.http_addr))
+        .json(&chat_body(&p, false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(eb[1].requests(), 1);
+    assert!(b.state.engine(0).unwrap().start_serving());
+
+    let chain = a.state.hasher.chain(
+        &gorgo_core::prompt::canonicalize(gorgo_core::Endpoint::Chat, &chat_body(&p, false))
+            .unwrap(),
+    );
+    let held = {
+        let (peers, chain) = (a.state.peers.clone(), chain.clone());
+        move || peers.matched_tokens(&NodeId::from("b"), 1, &chain)
+    };
+    let wait = |what: &'static str, done: Box<dyn Fn() -> bool>| async move {
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while !done() {
+                // Gossip runs on its own clock; poll its result.
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect(what)
+    };
+    wait(
+        "a holds b's summary of engine 1",
+        Box::new(move || held() > 0),
+    )
+    .await;
+
+    assert!(b.state.remove_engine(1).unwrap());
+    let state = b.state.clone();
+    wait(
+        "engine 1 leaves b",
+        Box::new(move || state.engine(1).is_none()),
+    )
+    .await;
+    let peers = a.state.peers.clone();
+    wait(
+        "a's copy of engine 1's summary is emptied",
+        Box::new(move || peers.matched_tokens(&NodeId::from("b"), 1, &chain) == 0),
+    )
+    .await;
     a_stop.cancel();
     b_stop.cancel();
 }
