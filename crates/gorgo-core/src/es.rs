@@ -127,6 +127,7 @@ impl ParamBounds {
             && self.max.is_finite()
             && self.min > 0.0
             && self.min <= self.max
+            && self.max <= crate::types::MAX_WEIGHT
             && self.start >= self.min
             && self.start <= self.max;
         if ok {
@@ -135,8 +136,11 @@ impl ParamBounds {
             Err(CoreError::InvalidConfig {
                 field: field.into(),
                 reason: format!(
-                    "need 0 < min <= start <= max, got start {} in [{}, {}]",
-                    self.start, self.min, self.max
+                    "need 0 < min <= start <= max <= {}, got start {} in [{}, {}]",
+                    crate::types::MAX_WEIGHT,
+                    self.start,
+                    self.min,
+                    self.max
                 ),
             })
         }

@@ -18,8 +18,10 @@ impl From<&str> for NodeId {
     }
 }
 
-/// The tunable weights of the cost model (`w_rtt`, `w_queue`).
+/// The tunable weights of the cost model (`w_rtt`, `w_queue`). Unknown keys are
+/// refused: `routing.weights = { w_prefill = 2.0, .. }` was dropped without a word.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Weights {
     /// Multiplies the network RTT term.
     pub w_rtt: f64,

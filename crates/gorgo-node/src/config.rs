@@ -602,11 +602,28 @@ impl<'de> Deserialize<'de> for TuningSection {
     }
 }
 
+/// `[tuning]` keys and the alias each is also accepted by (`gorgo_core::TuningConfig`'s
+/// serde aliases).
+const TUNING_KEY_ALIASES: [(&str, &str); 3] = [
+    ("window_requests", "window"),
+    ("window_max_ms", "time_cap_ms"),
+    ("e2e_guard", "guard"),
+];
+
 /// Add to a `[tuning]` table every key it does not set, at the defaults for `policy`.
 fn fill_tuning_defaults(table: &mut toml::Table, policy: PolicyKind) {
     // Serialising a value of plain numbers and enums cannot fail.
     if let Ok(defaults) = toml::Table::try_from(TuningSection::for_policy(policy).es) {
         for (key, value) in defaults {
+            // A key given by its alias is given: its default under the other name
+            // made serde see the field twice ("duplicate field `window_requests`").
+            let alias = TUNING_KEY_ALIASES
+                .iter()
+                .find(|(name, _)| *name == key)
+                .map(|(_, alias)| *alias);
+            if alias.is_some_and(|a| table.contains_key(a)) {
+                continue;
+            }
             table.entry(key).or_insert(value);
         }
     }
@@ -874,11 +891,32 @@ const KV_EVENTS_MAX_BLOCKS_CEILING: usize = 1 << 24;
 /// Ceiling of `engine.kv_events_max_message_bytes`.
 const KV_EVENTS_MAX_MESSAGE_CEILING: usize = 256 << 20;
 
+/// Most tokens one prefix block may have (`routing.block_tokens`): engines page their
+/// KV cache in blocks of 16 to a few hundred tokens.
+pub const MAX_BLOCK_TOKENS: usize = 65_536;
+
+/// Most bytes one prefix block may have (`routing.block_bytes`, prompts hashed
+/// without a tokenizer): [`MAX_BLOCK_TOKENS`] at 4 bytes a token.
+pub const MAX_BLOCK_BYTES: usize = 4 * MAX_BLOCK_TOKENS;
+
 /// `tcp://host:port` with a non-empty host and a port.
 fn is_tcp_endpoint(s: &str) -> bool {
     s.strip_prefix("tcp://")
         .and_then(|rest| rest.rsplit_once(':'))
         .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok())
+}
+
+/// What a wildcard `kv_events` host is told.
+const BIND_ENDPOINT: &str =
+    "is the engine's bind address (a wildcard host); give the address the node connects to";
+
+/// True for an endpoint whose host is a wildcard to bind to (`*`, `0.0.0.0`, `::`):
+/// the engine's side of a ZMQ endpoint (vLLM's `"endpoint": "tcp://*:5557"`), which
+/// the node cannot connect to.
+fn is_bind_endpoint(s: &str) -> bool {
+    s.strip_prefix("tcp://")
+        .and_then(|rest| rest.rsplit_once(':'))
+        .is_some_and(|(host, _)| matches!(host, "*" | "0.0.0.0" | "[::]" | "::" | "[*]"))
 }
 
 /// Hard ceiling on `max_body_bytes`: nothing from the network is unbounded.
@@ -1082,14 +1120,22 @@ impl NodeConfig {
         if self.routing.max_hops > gorgo_core::wire::MAX_HOPS {
             return bad("routing.max_hops", "must be at most 8");
         }
-        if self.routing.block_bytes == 0 {
-            return bad("routing.block_bytes", "must be > 0");
+        // Ceilings too: a chain reserves a few bytes per token of a block for every
+        // request, so a typo of 10^12 asked for terabytes at the first request.
+        if !(1..=MAX_BLOCK_BYTES).contains(&self.routing.block_bytes) {
+            return bad(
+                "routing.block_bytes",
+                &format!("must be in 1..={MAX_BLOCK_BYTES}"),
+            );
         }
         if !(1..=64).contains(&self.routing.bytes_per_token) {
             return bad("routing.bytes_per_token", "must be in 1..=64");
         }
-        if self.routing.block_tokens == 0 {
-            return bad("routing.block_tokens", "must be > 0");
+        if !(1..=MAX_BLOCK_TOKENS).contains(&self.routing.block_tokens) {
+            return bad(
+                "routing.block_tokens",
+                &format!("must be in 1..={MAX_BLOCK_TOKENS}"),
+            );
         }
         // The engine's KV events are re-chained into blocks of this size, which the
         // follower takes up to 4096 tokens (`gorgo_core::kv_events`): checked here, so
@@ -1316,6 +1362,9 @@ impl NodeConfig {
                 if !is_tcp_endpoint(endpoint) {
                     return bad(&f("kv_events"), "must be tcp://host:port");
                 }
+                if is_bind_endpoint(endpoint) {
+                    return bad(&f("kv_events"), BIND_ENDPOINT);
+                }
                 if e.tokenizer.is_none() && !self.routing.block_bytes.is_multiple_of(4) {
                     // Without a tokenizer the node's blocks are bytes, and engine tokens
                     // are matched as 4-byte chunks (docs/kv-events.md).
@@ -1331,6 +1380,9 @@ impl NodeConfig {
                 }
                 Some(endpoint) if !is_tcp_endpoint(endpoint) => {
                     return bad(&f("kv_events_replay"), "must be tcp://host:port");
+                }
+                Some(endpoint) if is_bind_endpoint(endpoint) => {
+                    return bad(&f("kv_events_replay"), BIND_ENDPOINT);
                 }
                 _ => {}
             }
@@ -1375,6 +1427,25 @@ impl NodeConfig {
                         &f("chat_add_special_tokens"),
                         "must be the same for every engine",
                     );
+                }
+            }
+        }
+        // One publisher is one engine's: two engines given the same KV-event endpoint
+        // would each take the other's blocks for its own.
+        let mut endpoints = std::collections::HashSet::new();
+        for e in self.engines() {
+            for endpoint in [&e.kv_events, &e.kv_events_replay].into_iter().flatten() {
+                if !endpoints.insert(endpoint.as_str()) {
+                    return match names {
+                        EngineFieldNames::LastAdded => bad(
+                            "kv_events",
+                            &format!("another engine of the node has {endpoint}"),
+                        ),
+                        EngineFieldNames::File => bad(
+                            "engines",
+                            &format!("two engines have the KV-event endpoint {endpoint}"),
+                        ),
+                    };
                 }
             }
         }
@@ -1627,10 +1698,42 @@ token = "secret-token"
                 "routing.block_bytes",
             ),
         ];
-        for (text, field) in cases {
+        let kv = |endpoint: &str| {
+            MINIMAL.replace(
+                engine,
+                &format!("{engine}kv_events = \"{endpoint}\"\ntokenizer = \"t.json\"\n"),
+            )
+        };
+        let more = [
+            // A block size typo asked for terabytes at the first request.
+            (
+                format!("{MINIMAL}\n[routing]\nblock_tokens = 1000000000000\n"),
+                "routing.block_tokens",
+            ),
+            (
+                format!("{MINIMAL}\n[routing]\nblock_bytes = 1000000000000\n"),
+                "routing.block_bytes",
+            ),
+            // vLLM's bind form, copied from the engine's side.
+            (kv("tcp://*:5557"), "engine.kv_events"),
+            (kv("tcp://0.0.0.0:5557"), "engine.kv_events"),
+            (
+                format!(
+                    "{MINIMAL}\n[tuning]\nw_rtt = {{ start = 150.0, min = 1.0, max = 200.0 }}\n"
+                ),
+                "tuning.w_rtt",
+            ),
+        ];
+        for (text, field) in cases.into_iter().chain(more) {
             let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
             assert!(e.contains(&format!("`{field}`")), "{field}: {e}");
         }
+        // Unknown keys of the weights are refused, not dropped.
+        let text = format!(
+            "{MINIMAL}\n[routing]\nweights = {{ w_rtt = 1.0, w_queue = 1.0, w_prefill = 2.0 }}\n"
+        );
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        assert!(e.contains("w_prefill"), "{e}");
         // The largest accepted values load.
         let ok = format!("{MINIMAL}\n[limits]\nmax_concurrency = 16777216\n");
         NodeConfig::from_toml_str(&ok).unwrap();
@@ -1901,6 +2004,29 @@ token = "secret-token"
             let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
             assert!(e.contains(field), "{extra}: {e}");
         }
+    }
+
+    /// The aliases of `[tuning]` keys load (`window` was "duplicate field
+    /// `window_requests`": the default was filled in under the other name).
+    #[test]
+    fn tuning_keys_load_by_their_aliases() {
+        let text = format!("{MINIMAL}\n[tuning]\nwindow = 64\ntime_cap_ms = 30000\nguard = 0.1\n");
+        let c = NodeConfig::from_toml_str(&text).unwrap();
+        assert_eq!(c.tuning.es.window, 64);
+        assert_eq!(c.tuning.es.time_cap_ms, 30_000);
+        assert_eq!(c.tuning.es.guard, 0.1);
+    }
+
+    /// Two engines given one KV-event endpoint would each take the other's blocks.
+    #[test]
+    fn two_engines_with_one_kv_event_endpoint_are_refused() {
+        let engine = "[engine]\nurl = \"http://127.0.0.1:30000\"\nkind = \"sglang\"\n";
+        let entry = |port: u16| {
+            format!("[[engines]]\nurl = \"http://127.0.0.1:{port}\"\nkind = \"sglang\"\nkv_events = \"tcp://127.0.0.1:5557\"\ntokenizer = \"t.json\"\n")
+        };
+        let text = MINIMAL.replace(engine, &(entry(30000) + &entry(30001)));
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        assert!(e.contains("`engines`") && e.contains("5557"), "{e}");
     }
 
     /// The learned-weights file is written when tuning freezes, maybe hours in: a

@@ -83,8 +83,13 @@ pub fn read_learned_weights(path: &Path) -> Result<Weights, NodeError> {
         ("rtt_weight", lw.rtt_weight),
         ("queue_weight", lw.queue_weight),
     ] {
-        if !(v.is_finite() && v >= 0.0) {
-            return Err(bad(format!("`{name}` must be a finite number >= 0")));
+        // The one rule for weights a person gives (`routing.weights`, `PUT
+        // /admin/weights`), so that weights the file set can be put back.
+        if !(v.is_finite() && (0.0..=gorgo_core::types::MAX_WEIGHT).contains(&v)) {
+            return Err(bad(format!(
+                "`{name}` must be in [0, {}]",
+                gorgo_core::types::MAX_WEIGHT
+            )));
         }
     }
     for (name, v) in [
@@ -866,6 +871,12 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("rtt_weight"));
+        // Above what `PUT /admin/weights` takes: it could not be put back.
+        std::fs::write(&p, r#"{"rtt_weight": 1, "queue_weight": 1000}"#).unwrap();
+        assert!(read_learned_weights(&p)
+            .unwrap_err()
+            .to_string()
+            .contains("queue_weight"));
         assert!(read_learned_weights(&dir.path().join("none.json")).is_err());
         // Its length says 0: only a capped read stops it.
         if Path::new("/dev/zero").exists() {
