@@ -61,6 +61,10 @@ fn serve(
     config_path: &std::path::Path,
 ) -> anyhow::Result<()> {
     runtime.block_on(async move {
+        // Caught from here on: a SIGHUP while the node starts (tokenizer, cluster) was
+        // the default action, which ends the process.
+        #[cfg(unix)]
+        let hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup());
         let shutdown = gorgo_node::CancellationToken::new();
         let node = gorgo_node::cluster::start_with_cluster(config, shutdown.clone())
             .await
@@ -68,6 +72,7 @@ fn serve(
         tracing::info!(http = %node.http_addr, admin = %node.admin_addr, "gorgo node ready");
         #[cfg(unix)]
         tokio::spawn(reload_on_hangup(
+            hangups,
             node.state.clone(),
             config_path.to_owned(),
             shutdown.clone(),
@@ -91,15 +96,16 @@ fn serve(
 
 /// On SIGHUP, read the config file again and make the node's engines follow its
 /// `[[engines]]` ([`gorgo_node::NodeState::reload_engines`]); a config that does not
-/// load is logged and changes nothing. Only the engine list is reloaded.
+/// load is logged and changes nothing. Only the engine list is reloaded; the other
+/// tables changed in the file are named in a warning (they need a restart).
 #[cfg(unix)]
 async fn reload_on_hangup(
+    hangups: std::io::Result<tokio::signal::unix::Signal>,
     state: std::sync::Arc<gorgo_node::NodeState>,
     path: PathBuf,
     shutdown: gorgo_node::CancellationToken,
 ) {
-    use tokio::signal::unix::{signal, SignalKind};
-    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+    let Ok(mut hup) = hangups else {
         tracing::warn!("SIGHUP cannot be caught: no config reload");
         return;
     };
@@ -110,6 +116,17 @@ async fn reload_on_hangup(
         }
         match gorgo_node::NodeConfig::load(&path) {
             Ok(config) => match state.reload_engines(config.engines()) {
+                Ok(done) if !state.config.changed_besides_engines(&config).is_empty() => {
+                    let (added, removed) = done;
+                    let left = state.config.changed_besides_engines(&config);
+                    tracing::warn!(
+                        ?added,
+                        ?removed,
+                        not_applied = ?left,
+                        "reloaded the engines of {}; the other tables changed there take a restart",
+                        path.display()
+                    )
+                }
                 Ok((added, removed)) => {
                     tracing::info!(
                         ?added,

@@ -1464,6 +1464,28 @@ impl NodeConfig {
         Ok(())
     }
 
+    /// The tables of `other` that differ from this config's, the engine list aside:
+    /// what a reload, which applies only the engines, leaves as it runs (named in its
+    /// log, so that an edit it did not apply does not pass for applied).
+    pub fn changed_besides_engines(&self, other: &NodeConfig) -> Vec<&'static str> {
+        let changed = [
+            ("node", self.node != other.node),
+            ("listen", self.listen != other.listen),
+            ("cluster", self.cluster != other.cluster),
+            ("tls", self.tls != other.tls),
+            ("routing", self.routing != other.routing),
+            ("tuning", self.tuning != other.tuning),
+            ("admin", self.admin != other.admin),
+            ("limits", self.limits != other.limits),
+            ("telemetry", self.telemetry != other.telemetry),
+        ];
+        changed
+            .into_iter()
+            .filter(|(_, c)| *c)
+            .map(|(name, _)| name)
+            .collect()
+    }
+
     /// The address peers should dial to reach this node.
     pub fn advertised_quic(&self) -> SocketAddr {
         self.listen.advertise_quic.unwrap_or(self.listen.quic)
@@ -2015,6 +2037,21 @@ token = "secret-token"
         assert_eq!(c.tuning.es.window, 64);
         assert_eq!(c.tuning.es.time_cap_ms, 30_000);
         assert_eq!(c.tuning.es.guard, 0.1);
+    }
+
+    /// A reload applies the engines only; the other tables it was given changed are
+    /// named.
+    #[test]
+    fn a_reload_names_the_tables_it_leaves_as_they_run() {
+        let old = NodeConfig::from_toml_str(MINIMAL).unwrap();
+        let same_but_engine = NodeConfig::from_toml_str(
+            &MINIMAL.replace("http://127.0.0.1:30000", "http://127.0.0.1:30001"),
+        )
+        .unwrap();
+        assert!(old.changed_besides_engines(&same_but_engine).is_empty());
+        let text = format!("{MINIMAL}\n[limits]\nmax_concurrency = 7\n[routing]\nmax_hops = 2\n");
+        let new = NodeConfig::from_toml_str(&text).unwrap();
+        assert_eq!(old.changed_besides_engines(&new), ["routing", "limits"]);
     }
 
     /// Two engines given one KV-event endpoint would each take the other's blocks.
