@@ -416,10 +416,23 @@ pub async fn start_with_credentials(
             "cluster.peers: used as seeds; to dial a peer somewhere other than what it advertises, use cluster.dial_overrides"
         );
     }
+    // Bound here, as the HTTP and admin listeners are, so that a port in use names
+    // its field (the cluster's own bind said "io: Address already in use").
+    let udp = std::net::UdpSocket::bind(config.listen.quic).map_err(|e| {
+        NodeError::Config(format!(
+            "invalid `listen.quic`: cannot listen on {}: {e}",
+            config.listen.quic
+        ))
+    })?;
     let summary = SharedSummary::new(LocalSummary::new(), gorgo_cluster::system_clock());
-    let handle = gorgo_cluster::start(cc, ClusterSocket::Bind, summary.clone(), shutdown.clone())
-        .await
-        .map_err(|e| NodeError::Cluster(e.to_string()))?;
+    let handle = gorgo_cluster::start(
+        cc,
+        ClusterSocket::Std(udp),
+        summary.clone(),
+        shutdown.clone(),
+    )
+    .await
+    .map_err(|e| NodeError::Cluster(e.to_string()))?;
     let incoming = adapt_incoming(&handle)?;
     let engines = config.engines().len() as u16;
     let peers = ClusterPeers::new(

@@ -225,3 +225,29 @@ async fn a_removed_engines_summary_is_emptied_at_its_peers() {
     a_stop.cancel();
     b_stop.cancel();
 }
+
+/// A QUIC port in use is refused naming `listen.quic`, as the HTTP and admin ports
+/// name theirs (it was "cluster: io: Address already in use").
+#[tokio::test]
+async fn a_quic_port_in_use_names_its_field() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let ca = gorgo_cluster::ClusterCa::generate("test CA").unwrap();
+    let engine = StubEngine::start("a").await;
+    let taken = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let mut cfg = config("a", &engine.url(), "").into_inner();
+    cfg.listen.quic = taken.local_addr().unwrap();
+    let listeners = NodeListeners {
+        http: TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        admin: TcpListener::bind("127.0.0.1:0").await.unwrap(),
+    };
+    let creds = ca.issue(&NodeId::from("a")).unwrap().credentials;
+    let e = gorgo_node::cluster::start_with_credentials(
+        cfg.validate().unwrap(),
+        creds,
+        listeners,
+        CancellationToken::new(),
+    )
+    .await
+    .unwrap_err();
+    assert!(e.to_string().contains("`listen.quic`"), "{e}");
+}
