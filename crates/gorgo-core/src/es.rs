@@ -90,7 +90,9 @@ const NOISE_ALPHA: f64 = 0.1;
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ParamBounds {
-    /// Initial value (and the fixed value in `static` mode).
+    /// Where tuning starts (and the [`Tuner`](crate::tuning::Tuner)'s weights in
+    /// `static` mode; a node routes with `routing.weights` in `static` mode instead,
+    /// docs/node.md).
     pub start: f64,
     /// Lower bound, > 0 (the mutation works on logarithms).
     pub min: f64,
@@ -153,7 +155,8 @@ impl ParamBounds {
 pub enum TuningMode {
     /// Tune continuously.
     Online,
-    /// Fixed weights (the `start` values: from config or a learned-weights file).
+    /// Fixed weights: a node's `routing.weights` (or its learned-weights file), the
+    /// simulator's `--weights`; the tuner itself reports its `start` values.
     Static,
     /// Tune until the step size falls below `freeze_sigma`, then keep the incumbent.
     TuneThenFreeze,

@@ -316,9 +316,9 @@ pub struct ClusterSection {
     /// QUIC addresses to join through.
     #[serde(default)]
     pub seeds: Vec<SocketAddr>,
-    /// Per-peer dial addresses (node id -> address), overriding what the peer
-    /// advertises: under WAN emulation the path a->b goes through a relay specific
-    /// to that pair.
+    /// Peer addresses by node id: added to the seeds (kept for old configs; a node id
+    /// is unknown until the first exchange, so it cannot key a dial override: that is
+    /// `dial_overrides`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub peers: BTreeMap<String, SocketAddr>,
     /// Dial addresses by advertised address (`"advertised" = "dial"`): to reach a peer
