@@ -43,18 +43,25 @@ async fn quic_node_of(
     let mut cfg =
         config_with_engines(id, urls, &format!("seeds = [{}]\n", seeds.join(", "))).into_inner();
     cfg.listen.quic = quic;
-    let cfg = cfg.validate().unwrap();
-    let creds = ca.issue(&NodeId::from(id)).unwrap().credentials;
+    let shutdown = CancellationToken::new();
+    let handle = start_quic(cfg, ca, &shutdown).await.unwrap();
+    (handle, shutdown, quic)
+}
+
+/// Start node `cfg` on the QUIC cluster, its certificate from `ca`, HTTP and admin on
+/// port 0.
+async fn start_quic(
+    cfg: gorgo_node::NodeConfig,
+    ca: &gorgo_cluster::ClusterCa,
+    shutdown: &CancellationToken,
+) -> Result<gorgo_node::NodeHandle, gorgo_node::NodeError> {
+    let creds = ca.issue(&NodeId(cfg.node.id.clone())).unwrap().credentials;
     let listeners = NodeListeners {
         http: TcpListener::bind("127.0.0.1:0").await.unwrap(),
         admin: TcpListener::bind("127.0.0.1:0").await.unwrap(),
     };
-    let shutdown = CancellationToken::new();
-    let handle =
-        gorgo_node::cluster::start_with_credentials(cfg, creds, listeners, shutdown.clone())
-            .await
-            .unwrap();
-    (handle, shutdown, quic)
+    let cfg = cfg.validate().unwrap();
+    gorgo_node::cluster::start_with_credentials(cfg, creds, listeners, shutdown.clone()).await
 }
 
 #[tokio::test]
@@ -236,18 +243,8 @@ async fn a_quic_port_in_use_names_its_field() {
     let taken = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     let mut cfg = config("a", &engine.url(), "").into_inner();
     cfg.listen.quic = taken.local_addr().unwrap();
-    let listeners = NodeListeners {
-        http: TcpListener::bind("127.0.0.1:0").await.unwrap(),
-        admin: TcpListener::bind("127.0.0.1:0").await.unwrap(),
-    };
-    let creds = ca.issue(&NodeId::from("a")).unwrap().credentials;
-    let e = gorgo_node::cluster::start_with_credentials(
-        cfg.validate().unwrap(),
-        creds,
-        listeners,
-        CancellationToken::new(),
-    )
-    .await
-    .unwrap_err();
+    let e = start_quic(cfg, &ca, &CancellationToken::new())
+        .await
+        .unwrap_err();
     assert!(e.to_string().contains("`listen.quic`"), "{e}");
 }
