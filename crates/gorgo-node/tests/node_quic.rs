@@ -48,6 +48,12 @@ async fn quic_node_of(
     (handle, shutdown, quic)
 }
 
+/// The cluster's CA for a test (the TLS provider installed first).
+fn test_ca() -> gorgo_cluster::ClusterCa {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    gorgo_cluster::ClusterCa::generate("test CA").unwrap()
+}
+
 /// Start node `cfg` on the QUIC cluster, its certificate from `ca`, HTTP and admin on
 /// port 0.
 async fn start_quic(
@@ -66,8 +72,7 @@ async fn start_quic(
 
 #[tokio::test]
 async fn saturated_node_forwards_over_quic() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let ca = gorgo_cluster::ClusterCa::generate("test CA").unwrap();
+    let ca = test_ca();
     let (ea, eb) = (StubEngine::start("a").await, StubEngine::start("b").await);
     let (a, a_stop, a_quic) = quic_node("a", &ea, &ca, &[]).await;
     let (b, b_stop, _) = quic_node("b", &eb, &ca, &[a_quic]).await;
@@ -171,8 +176,7 @@ async fn saturated_node_forwards_over_quic() {
 /// rest of its run, and a held it.
 #[tokio::test]
 async fn a_removed_engines_summary_is_emptied_at_its_peers() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let ca = gorgo_cluster::ClusterCa::generate("test CA").unwrap();
+    let ca = test_ca();
     let ea = StubEngine::start("a").await;
     let eb = [StubEngine::start("b0").await, StubEngine::start("b1").await];
     let (a, a_stop, a_quic) = quic_node("a", &ea, &ca, &[]).await;
@@ -237,8 +241,7 @@ async fn a_removed_engines_summary_is_emptied_at_its_peers() {
 /// name theirs (it was "cluster: io: Address already in use").
 #[tokio::test]
 async fn a_quic_port_in_use_names_its_field() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let ca = gorgo_cluster::ClusterCa::generate("test CA").unwrap();
+    let ca = test_ca();
     let engine = StubEngine::start("a").await;
     let taken = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     let mut cfg = config("a", &engine.url(), "").into_inner();
