@@ -519,6 +519,10 @@ async fn completion(
         .and_then(Value::as_str)
         .map(str::to_owned);
     let stream_usage = StreamUsage::of_request(endpoint, &parsed);
+    // Only event streams are measured for tuning (`respond`): a whole JSON body's
+    // head comes at the end of generation, so one that runs into the deadline is a
+    // long generation, not a long wait for its first token.
+    let streamed = !matches!(stream_usage, StreamUsage::NotStreamed);
     // A completions batch is checked against the context prompt by prompt: without a
     // tokenizer, from its longest prompt's size.
     let batch_longest_bytes = match endpoint {
@@ -626,7 +630,7 @@ async fn completion(
             respond(state, up, started, slot, measured, policy_name)
         }
         Err(e) => {
-            if tuned && matches!(e, ServeError::Timeout(_)) {
+            if tuned && streamed && matches!(e, ServeError::Timeout(_)) {
                 let waited_ms = started.elapsed().as_secs_f64() * 1000.0;
                 state
                     .tuning
@@ -673,12 +677,14 @@ fn respond(
         .saturating_sub(started.elapsed());
     let held = Arc::new(parking_lot::Mutex::new(Held {
         upstream: Some((up.body, slot)),
+        waiting: measured.clone(),
         open: None,
     }));
     let (watch_tx, watch_rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(drop_at_deadline(
         Arc::downgrade(&held),
         state.clone(),
+        started,
         deadline,
         watch_rx,
     ));
@@ -722,11 +728,28 @@ struct Held {
     /// The upstream body and the request's slot, until the response ends or its
     /// deadline passes.
     upstream: Option<(BodyStream, Slot)>,
+    /// The tuning epoch and cell of a measured request until its first token: at the
+    /// deadline its wait so far is a lower bound on its TTFT and E2E.
+    waiting: Option<(EpochKey, Cell)>,
     /// The tuner's handle on the request once its first token counted: handed back at
     /// the end (its E2E, or abandoned), and until then a lower bound in the reports.
-    /// Past the deadline nothing more of it is measured: abandoned there, or a client
-    /// that stopped reading would report its time so far growing without end.
     open: Option<OpenRequest>,
+}
+
+impl Held {
+    /// The request ran into its deadline after `elapsed_ms`: what the tuner holds of
+    /// it ends with that time as a lower bound (on its TTFT and E2E before its first
+    /// token, on its E2E after). Left out, an arm whose requests ran into the deadline
+    /// lost its slowest. Once: the deadline's task and the body's own deadline both
+    /// come here, and whichever is first takes what there is.
+    fn end_at_deadline(&mut self, tuning: &crate::tuning::TuningDriver, elapsed_ms: f64) {
+        if let Some((epoch, cell)) = self.waiting.take() {
+            tuning.record_timed_out(&epoch, cell, elapsed_ms);
+        }
+        if let Some(open) = self.open.take() {
+            tuning.record_finish(open, elapsed_ms);
+        }
+    }
 }
 
 /// The response body relay: passes chunks through unchanged, measures TTFT and E2E,
@@ -764,6 +787,7 @@ struct Tracked {
 async fn drop_at_deadline(
     held: std::sync::Weak<parking_lot::Mutex<Held>>,
     state: Arc<NodeState>,
+    started: Instant,
     deadline: Duration,
     done: tokio::sync::oneshot::Receiver<()>,
 ) {
@@ -772,14 +796,12 @@ async fn drop_at_deadline(
         _ = done => return,
     }
     if let Some(held) = held.upgrade() {
-        let (upstream, open) = {
+        let upstream = {
             let mut h = held.lock();
-            (h.upstream.take(), h.open.take())
+            h.end_at_deadline(&state.tuning, started.elapsed().as_secs_f64() * 1000.0);
+            h.upstream.take()
         };
         drop(upstream);
-        if let Some(open) = open {
-            state.tuning.abandon(open);
-        }
     }
 }
 
@@ -796,22 +818,24 @@ impl Tracked {
             self.state
                 .metrics
                 .routed_request(outcome, self.policy, &self.served_by);
-            let mut open = self.held.lock().open.take();
             let e2e = self.started.elapsed().as_secs_f64();
             if outcome == "ok" {
                 self.state.metrics.e2e.observe(e2e);
             }
-            // Cut at the deadline: its time is a lower bound on its E2E, as it was
-            // while it ran (left out, an arm's requests that ran into the deadline
-            // left its p95 E2E).
-            if outcome == "ok" || outcome == "timeout" {
-                if let Some(open) = open.take() {
-                    self.state.tuning.record_finish(open, e2e * 1000.0);
-                }
+            let mut held = self.held.lock();
+            if outcome == "timeout" {
+                held.end_at_deadline(&self.state.tuning, e2e * 1000.0);
             }
+            held.waiting = None;
+            let open = held.open.take();
+            drop(held);
             if let Some(open) = open {
-                // Failed or cancelled after its first token: no E2E to count.
-                self.state.tuning.abandon(open);
+                if outcome == "ok" {
+                    self.state.tuning.record_finish(open, e2e * 1000.0);
+                } else {
+                    // Failed or cancelled after its first token: no E2E to count.
+                    self.state.tuning.abandon(open);
+                }
             }
         }
     }
@@ -889,6 +913,8 @@ impl Stream for Tracked {
             {
                 if !self.first_seen && !bytes.is_empty() {
                     self.first_seen = true;
+                    // Its first byte came: no longer a wait for the deadline to count.
+                    self.held.lock().waiting = None;
                     let ttft = self.started.elapsed().as_secs_f64();
                     if self.ok_status {
                         self.state.metrics.ttft.observe(ttft);

@@ -863,6 +863,37 @@ async fn a_stalled_http2_response_leaves_the_tuners_open_requests_at_its_deadlin
     node.shutdown.cancel();
 }
 
+/// A streamed request whose engine sent its head and then nothing until the deadline
+/// counts its wait for tuning, a lower bound on its TTFT and E2E: the one sample of a
+/// one-request window closes it. (Counted only where no head came, it counted nothing
+/// on real engines, which send a stream's head before prefill: an arm whose requests
+/// ran into the deadline lost its slowest.)
+#[tokio::test]
+async fn a_stream_cut_at_its_deadline_before_its_first_token_counts_its_wait() {
+    let engine = StubEngine::start("e").await;
+    engine.set_mode(HEAD_THEN_HANG);
+    let node = start_node(
+        config(
+            "a",
+            &engine.url(),
+            "[limits]\nrequest_timeout_ms = 300\n[tuning]\nmode = \"online\"\nstartup_grace_ms = 0\nwindow_requests = 1\nmin_samples = 1\nfit_start = false\n",
+        ),
+        None,
+    )
+    .await;
+    let epoch = || node.state().tuning.epoch();
+    until("the node leads its tuning line", || epoch() > 0).await;
+    let before = epoch();
+    let resp = post_chat(&node, "stuck", true).await;
+    let text = resp.text().await.unwrap();
+    assert!(text.contains("timed out"), "{text}");
+    until("the window closes on the request's wait", || {
+        epoch() > before
+    })
+    .await;
+    node.shutdown.cancel();
+}
+
 /// On HTTP/2 one stream whose client stopped reading is cut after `write_timeout_ms`
 /// while the connection's other streams go on: the stalled one's engine stream is
 /// dropped, the other is still served. (The wait was tracked per connection, so the

@@ -41,6 +41,9 @@ pub const FLOOD: u8 = 7;
 pub const FAIL_MID_EVENT: u8 = 8;
 /// Answer the native routes 500 with an OpenAI error body (an engine failing them).
 pub const SERVER_ERROR: u8 = 9;
+/// Send a stream's head at once (as vLLM and SGLang do, before prefill), then nothing
+/// until released: an engine whose scheduler is stuck.
+pub const HEAD_THEN_HANG: u8 = 10;
 
 /// A stub OpenAI-compatible engine whose load and behaviour the test sets.
 pub struct StubEngine {
@@ -267,7 +270,12 @@ fn async_stream(
         let (first, second, e) = (first.clone(), second.clone(), e.clone());
         async move {
             match step {
-                0 => Some((Ok(first), 1)),
+                0 => {
+                    if mode == HEAD_THEN_HANG {
+                        e.release.notified().await;
+                    }
+                    Some((Ok(first), 1))
+                }
                 1 if mode == FAIL_MID_EVENT => {
                     e.release.notified().await;
                     Some((Ok(Bytes::from_static(b"data: {\"id\":\"x\",\"cho")), 4))
