@@ -232,6 +232,17 @@ async fn local_passthrough(
 ) -> Response {
     let started = Instant::now();
     let limits = &state.config.limits;
+    // A draining node takes no new engine work it cannot hand to a peer: a keep-alive
+    // client sending embeddings kept the engine busy, and the drain ran to its deadline
+    // and cut every stream still in flight. Its client retries elsewhere.
+    if state.is_draining() {
+        state.metrics.request("unavailable", "");
+        return overloaded_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "draining: this node takes no new requests for its engine",
+            limits.retry_after_s,
+        );
+    }
     let body = match read_client_body(&state, body, &headers).await {
         Ok(b) => b,
         Err(resp) => return resp,

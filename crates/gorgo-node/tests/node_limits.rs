@@ -477,6 +477,18 @@ async fn a_draining_node_finishes_what_it_has_and_sends_new_work_to_peers() {
         .unwrap();
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["x-gorgo-served-by"], "b");
+    // Work only its own engine can take (a passthrough route) is refused with a
+    // retry hint: a keep-alive client's embeddings held the drain to its deadline.
+    let seen = ea.requests();
+    let resp = client()
+        .post(format!("{}/v1/embeddings", a.base))
+        .json(&serde_json::json!({"model": "m", "input": "x"}))
+        .send()
+        .await
+        .unwrap();
+    assert!(resp.headers().contains_key("retry-after"));
+    assert_eq!(error_of(resp).await.0, 503);
+    assert_eq!(ea.requests(), seen, "the engine took no new work");
     assert!(!drain.is_finished(), "the held request is still in flight");
     // The held request finishes: the drain ends clean.
     ea.set_mode(NORMAL);
