@@ -484,7 +484,11 @@ async fn completion(
             .clone()
             .try_acquire_owned()
             .ok()
-            .map(Slot::Overflow),
+            .and_then(|forward| {
+                // As many as forward permits: there is one whenever that was.
+                let relay = state.overflow_permits.clone().try_acquire_owned().ok()?;
+                Some(Slot::Overflow(forward, relay))
+            }),
     };
     let Some(slot) = slot else {
         state.metrics.request("unavailable", "");
@@ -623,7 +627,7 @@ async fn completion(
             // Draining: peers take new work while any is alive, so the node empties.
             Slot::Ingress(_) if state.is_draining() => serve_draining(&state, req).await,
             Slot::Ingress(_) => serve(&state, req).await,
-            Slot::Overflow(_) => serve_elsewhere(&state, req).await,
+            Slot::Overflow(..) => serve_elsewhere(&state, req).await,
         }
     };
     // `request_timeout_ms` bounds the whole request, the tries before its head too
@@ -666,7 +670,10 @@ async fn completion(
 /// of the forward cap while a peer serves it.
 enum Slot {
     Ingress(#[allow(dead_code)] OwnedSemaphorePermit),
-    Overflow(#[allow(dead_code)] OwnedSemaphorePermit),
+    Overflow(
+        #[allow(dead_code)] OwnedSemaphorePermit,
+        #[allow(dead_code)] OwnedSemaphorePermit,
+    ),
 }
 
 fn respond(

@@ -90,8 +90,13 @@ pub struct NodeState {
     pub metrics: metrics::NodeMetrics,
     /// Ingress concurrency cap.
     pub permits: Arc<Semaphore>,
-    /// Cap on forwards served for peers.
+    /// Cap on forwards: those served for peers, and client requests relayed to a peer
+    /// because the ingress cap was full (overflow).
     pub forward_permits: Arc<Semaphore>,
+    /// One permit held by each overflow relay besides its forward permit: the count
+    /// that tells a drain's "local work" (peers' forwards served here) from client
+    /// requests that only pass through to peers.
+    pub overflow_permits: Arc<Semaphore>,
     /// Bytes of request bodies being read at once, clients' and peers' together.
     pub body_budget: budget::BodyBudget,
     /// The last `/health_generate` probe's outcome (`Err`: why it failed) and when it
@@ -176,6 +181,7 @@ impl NodeState {
             tokens,
             permits: Arc::new(Semaphore::new(config.limits.max_concurrency)),
             forward_permits: Arc::new(Semaphore::new(config.limits.max_forwards)),
+            overflow_permits: Arc::new(Semaphore::new(config.limits.max_forwards)),
             body_budget,
             health_probe: tokio::sync::Mutex::new(None),
             draining: AtomicBool::new(false),
@@ -200,6 +206,12 @@ impl NodeState {
     /// Whether the node is draining: not ready for new traffic.
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Whether a drain has got past the work only this node can finish (its engines'
+    /// requests, peers' forwards) and closed the client listener ([`drain`]).
+    pub fn is_closing(&self) -> bool {
+        self.closing.is_cancelled()
     }
 
     /// Whether this node is ready for traffic (`/readyz`): not draining, and one of its
@@ -737,11 +749,19 @@ pub async fn drain(state: &Arc<NodeState>, deadline: Duration) -> usize {
     state.peers.drain();
     let started = Instant::now();
     let limits = &state.config.limits;
+    // Peers' forwards served here: forward permits held, less those of overflow
+    // relays, which go to peers and, under load, never all end at once (they held the
+    // drain to its deadline).
     let local_work = || {
-        state.engine_inflight() as usize
-            + (limits.max_forwards - state.forward_permits.available_permits())
+        let forwards = limits.max_forwards - state.forward_permits.available_permits();
+        let relays = limits.max_forwards - state.overflow_permits.available_permits();
+        state.engine_inflight() as usize + forwards.saturating_sub(relays)
     };
-    let clients = || limits.max_concurrency - state.permits.available_permits();
+    // Client requests: those holding an ingress slot, and the overflow relays.
+    let clients = || {
+        (limits.max_concurrency - state.permits.available_permits())
+            + (limits.max_forwards - state.overflow_permits.available_permits())
+    };
     for phase in ["local work", "client requests"] {
         loop {
             let n = if phase == "local work" {

@@ -499,6 +499,62 @@ async fn a_draining_node_finishes_what_it_has_and_sends_new_work_to_peers() {
     b.shutdown.cancel();
 }
 
+/// A drain closes the client listener once the work only this node can finish is done,
+/// though client requests it relays to peers are still in flight: an overflow relay
+/// (the ingress cap full, the request sent on to a peer) holds a forward slot, and was
+/// counted as a peer's forward served here, so under load the drain ran to its deadline.
+#[tokio::test]
+async fn a_drain_does_not_wait_on_overflow_relays_as_local_work() {
+    let ea = StubEngine::start("a").await;
+    let eb = StubEngine::start("b").await;
+    let (a, b) = pair(
+        config("a", &ea.url(), "[limits]\nmax_concurrency = 1\n"),
+        config("b", &eb.url(), ""),
+    )
+    .await;
+    until("a has b's stats", || has_peer_stats(&a)).await;
+    // a's engine looks busy, so a sends its requests to b, whose engine holds them.
+    ea.waiting.store(50, std::sync::atomic::Ordering::SeqCst);
+    a.state().engine(0).unwrap().adapter.scrape().await;
+    eb.set_mode(HANG);
+    let send = |name: &'static str| {
+        let url = format!("{}/v1/chat/completions", a.base);
+        tokio::spawn(async move {
+            client()
+                .post(url)
+                .json(&chat_body(&prompt(name, 200), false))
+                .send()
+                .await
+                .map(|r| r.status())
+        })
+    };
+    // The first holds a's one ingress slot; the second overflows to b.
+    let first = send("routed");
+    until("the first is at b's engine", || eb.requests() >= 1).await;
+    let second = send("overflow");
+    until("the overflow is at b's engine", || eb.requests() >= 2).await;
+    assert_eq!(ea.requests(), 0);
+    let drain = tokio::spawn({
+        let state = a.state().clone();
+        async move { gorgo_node::drain(&state, Duration::from_secs(60)).await }
+    });
+    until("a closes its listener, its own work done", || {
+        a.state().is_closing()
+    })
+    .await;
+    assert!(
+        !drain.is_finished(),
+        "the relayed requests are still in flight"
+    );
+    eb.set_mode(NORMAL);
+    eb.release.notify_waiters();
+    assert_eq!(first.await.unwrap().unwrap(), 200);
+    assert_eq!(second.await.unwrap().unwrap(), 200);
+    assert_eq!(drain.await.unwrap(), 0, "nothing left in flight");
+    a.shutdown.cancel();
+    b.shutdown.cancel();
+}
+
 /// A draining node whose peer fails the request before its first byte serves it
 /// itself, and does not try that peer again: the peer's engine sees it once. Before,
 /// the local fallback routed it afresh, and a peer that looked cheaper got it again.
