@@ -542,6 +542,13 @@ pub enum Verdict {
     StartFit,
 }
 
+/// Bound on `|e2e_drift|` a line's state may carry (a factor e in p95 E2E).
+pub const MAX_E2E_DRIFT: f64 = 1.0;
+
+/// Bound on the trial noise variance a line's state may carry (a standard deviation of
+/// 1 in the log ratio: a factor e between two windows of the same weights).
+pub const MAX_NOISE_VAR: f64 = 1.0;
+
 /// The whole tuner state: it travels with every proposal.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EsState {
@@ -591,6 +598,32 @@ pub struct EsState {
 }
 
 impl EsState {
+    /// Hold the state to what an honest line can reach, whoever computed it (a proposal
+    /// from the network, or this leader's own window): evidence and drift that are
+    /// not finite would poison every later decision; finite but extreme drift or
+    /// noise would switch the E2E guard off, or settle the line for good; a step size
+    /// outside the bounds would mutate by nothing (or by anything), and a tiny one
+    /// would freeze a `tune-then-freeze` line at once.
+    pub fn bound(&mut self, cfg: &TuningConfig) {
+        if self.pending_trial.as_ref().is_some_and(|t| !t.is_finite()) {
+            self.pending_trial = None;
+        }
+        if !self.e2e_drift.is_finite() {
+            self.e2e_drift = 0.0;
+        }
+        self.e2e_drift = self.e2e_drift.clamp(-MAX_E2E_DRIFT, MAX_E2E_DRIFT);
+        if !(self.noise_var.is_finite() && self.noise_var >= 0.0) {
+            self.noise_var = 0.0;
+            self.noise_samples = 0;
+        }
+        self.noise_var = self.noise_var.min(MAX_NOISE_VAR);
+        self.incumbent = cfg.clip(self.incumbent);
+        if !(self.sigma.is_finite() && self.sigma > 0.0) {
+            self.sigma = cfg.sigma0;
+        }
+        self.sigma = self.sigma.clamp(cfg.sigma_min, cfg.sigma_max);
+    }
+
     /// A fresh tuner at the configured start.
     pub fn new(cfg: &TuningConfig) -> Self {
         EsState {

@@ -474,12 +474,8 @@ pub const MAX_PROPOSAL_COUNTER: u64 = 1 << 48;
 /// so that a line the config allows is one followers take.
 pub use crate::es::MAX_SWITCHBACK_BLOCK_MS;
 
-/// Bound on `|e2e_drift|` a proposal may carry (a factor e in p95 E2E).
-pub const MAX_E2E_DRIFT: f64 = 1.0;
-
-/// Bound on the trial noise variance a proposal may carry (a standard deviation of
-/// 1 in the log ratio: a factor e between two windows of the same weights).
-pub const MAX_NOISE_VAR: f64 = 1.0;
+/// Bounds on a line's state (the E2E drift, the trial noise): [`EsState::bound`].
+pub use crate::es::{MAX_E2E_DRIFT, MAX_NOISE_VAR};
 
 impl Proposal {
     /// Whether the proposal could come from an honest line: epoch and counters below
@@ -787,32 +783,7 @@ impl Tuner {
         // Never route with out-of-bounds or non-finite weights, whoever sent them.
         p.weights = self.cfg.clip(p.weights);
         p.candidate = p.candidate.map(|c| self.cfg.clip(c));
-        // Evidence and drift that are not finite would poison every later decision.
-        if p.state
-            .pending_trial
-            .as_ref()
-            .is_some_and(|t| !t.is_finite())
-        {
-            p.state.pending_trial = None;
-        }
-        if !p.state.e2e_drift.is_finite() {
-            p.state.e2e_drift = 0.0;
-        }
-        // Finite but extreme drift or noise would switch the E2E guard off, or settle
-        // the line for good: no honest line comes near these bounds.
-        p.state.e2e_drift = p.state.e2e_drift.clamp(-MAX_E2E_DRIFT, MAX_E2E_DRIFT);
-        if !(p.state.noise_var.is_finite() && p.state.noise_var >= 0.0) {
-            p.state.noise_var = 0.0;
-            p.state.noise_samples = 0;
-        }
-        p.state.noise_var = p.state.noise_var.min(MAX_NOISE_VAR);
-        p.state.incumbent = self.cfg.clip(p.state.incumbent);
-        // A step size outside the bounds, whoever sent it, would mutate by nothing (or
-        // by anything), and a tiny one would freeze a `tune-then-freeze` line at once.
-        if !(p.state.sigma.is_finite() && p.state.sigma > 0.0) {
-            p.state.sigma = self.cfg.sigma0;
-        }
-        p.state.sigma = p.state.sigma.clamp(self.cfg.sigma_min, self.cfg.sigma_max);
+        p.state.bound(&self.cfg);
         self.adopt(p);
         self.stop_leading();
         Vec::new()
@@ -1145,7 +1116,12 @@ impl Tuner {
         self.fit_evidence = (TermSums::default(), 0);
     }
 
-    fn start_leading(&mut self, p: Proposal, now_ms: u64, out: &mut Vec<TuningOutput>) {
+    fn start_leading(&mut self, mut p: Proposal, now_ms: u64, out: &mut Vec<TuningOutput>) {
+        // The bounds its followers hold the line's state to, on the leader's own copy
+        // too: a window's freak (or a crafted report's) evidence could otherwise take
+        // its drift past them and switch the E2E guard off for as long as it leads,
+        // and its state and its followers' would part.
+        p.state.bound(&self.cfg);
         self.lead = Some(Lead {
             epoch: p.epoch,
             window_started_ms: now_ms,
@@ -1797,6 +1773,34 @@ mod tests {
         for k in TUNING_JSONL_KEYS {
             assert!(line.get(k).is_some(), "{k}");
         }
+    }
+
+    /// A leader's own windows are held to the bounds its followers hold a proposal
+    /// to: a trial accepted on a freak E2E ratio (1 ms against 1e6) took the leader's
+    /// drift to -13.8, which let every later step that worsens E2E by up to the guard
+    /// pass for as long as it led, and its state and its followers' parted.
+    #[test]
+    fn a_leaders_own_window_keeps_its_state_in_bounds() {
+        let cfg = TuningConfig {
+            noise_z: 0.0,
+            fit_start: false,
+            ..sequential()
+        };
+        let mut t = Tuner::new("a".into(), cfg).unwrap();
+        t.tick(0);
+        let epoch = t.admit(0, 0).epoch;
+        for i in 0..10 {
+            t.record(&epoch, 0, 100.0 + i as f64, 1e6);
+        }
+        t.tick(10);
+        let epoch = t.admit(0, 0).epoch;
+        for _ in 0..10 {
+            t.record(&epoch, 1, 50.0, 1.0);
+        }
+        let rec = first_record(&t.tick(20)).expect("a decision");
+        assert!(rec.accepted);
+        let drift = t.current().unwrap().state.e2e_drift;
+        assert_eq!(drift, -MAX_E2E_DRIFT, "{drift}");
     }
 
     /// A window counts a request at its first token: one still decoding when the window
