@@ -463,6 +463,10 @@ struct Flight {
     /// The TTFT the client's node's decision predicted for its chosen candidate, ms
     /// (cost-based policies only).
     predicted_ttft_ms: Option<f32>,
+    /// How long it had waited at its node when it was last decided, ms: held
+    /// ([`SimConfig::hold_tokens`]) and decided again. Not part of what the decision's
+    /// terms priced, so the start fit's residual leaves it out.
+    held_ms: f64,
     /// The target's own TTFT estimate carried by its refusal, ms.
     refusal_estimate_ms: Option<f64>,
     /// What the serving engine's index predicted cached when it was dispatched there:
@@ -479,6 +483,17 @@ struct Flight {
     /// The longest prefix of the prompt any engine of the cluster held when the
     /// client's node decided (the truth, which no node has; a diagnostic).
     cached_anywhere_tokens: u64,
+}
+
+impl Flight {
+    /// The start fit's sample of this request: its decision's terms against its TTFT
+    /// less the time it was held before that decision (which the terms did not price,
+    /// and which grows with the very queues the queue term prices: left in, it pushed
+    /// the fitted `w_queue` up, and the node holds nothing).
+    fn term_sample(&self) -> Option<TermSample> {
+        let (terms, w) = self.chosen_terms?;
+        TermSample::new(&terms, w, self.ttft_ms - self.held_ms)
+    }
 }
 
 /// One forward of a request, as the node that made it keeps it. Live, a forward's
@@ -1016,6 +1031,7 @@ impl<'a> Sim<'a> {
             ttft_ms: f64::NAN,
             cached_tokens: 0,
             predicted_ttft_ms: None,
+            held_ms: 0.0,
             refusal_estimate_ms: None,
             dispatch_cached_tokens: 0,
             chosen_terms: None,
@@ -1422,6 +1438,7 @@ impl<'a> Sim<'a> {
             // A request decided again after a hold ([`SimConfig::hold_tokens`]) has
             // waited at the node since it arrived.
             let held_ms = (now - f.arrived_ms).max(0.0);
+            f.held_ms = held_ms;
             f.predicted_ttft_ms = predicted.map(|v| (v + held_ms) as f32);
             f.predicted_cached_tokens = target.as_ref().ok().map(|&(_, c)| c);
             f.chosen_terms = chosen_terms.map(|t| (t, weights));
@@ -1915,10 +1932,7 @@ impl<'a> Sim<'a> {
             return;
         };
         f.open = t.record_first_token(&f.epoch, f.cell, f.ttft_ms, now as u64);
-        if let Some(sample) = f
-            .chosen_terms
-            .and_then(|(terms, w)| TermSample::new(&terms, w, f.ttft_ms))
-        {
+        if let Some(sample) = f.term_sample() {
             t.record_terms(&f.epoch, sample);
         }
     }
@@ -2429,6 +2443,15 @@ mod tests {
             (sample.rtt_ms, sample.queue_ms),
             (300.0, local.raw_queue_ms)
         );
+        // A request held 500 ms before its decision: the start fit's residual is what
+        // the terms priced, not the hold (which the node never has).
+        let f = sim.flight_mut(0);
+        f.ttft_ms = 2_600.0;
+        let unheld = f.term_sample().unwrap();
+        f.held_ms = 500.0;
+        f.ttft_ms += 500.0;
+        let held = f.term_sample().unwrap();
+        assert_eq!(held.residual_ms, unheld.residual_ms);
     }
 
     /// A row listing a million block ids for a one-token prompt keeps one block.
