@@ -56,7 +56,8 @@ pub struct SimArgs {
     #[arg(long)]
     tuning_sigma: Option<f64>,
     /// Set a `[tuning]` key (as in a node's config) on the policy's tuning defaults,
-    /// `KEY=VALUE` (a JSON value, e.g. `max_trial_windows=2`); repeatable.
+    /// `KEY=VALUE` (a JSON value, e.g. `max_trial_windows=2`); repeatable. Applied
+    /// after `--tuning-sigma`; `--weights` and `--tuning-window` win over it.
     #[arg(long = "tuning-set", value_parser = parse_key_value)]
     tuning_set: Vec<(String, serde_json::Value)>,
     /// Per-request rows kept per policy for requests.csv and exact percentiles; longer

@@ -87,7 +87,8 @@ pub struct SimConfig {
     /// `sigma_min` to it when smaller.
     pub tuning_sigma: Option<f64>,
     /// `[tuning]` keys set on the policy's tuning defaults (the node config's names and
-    /// values, e.g. `("max_trial_windows", 2)`), applied last.
+    /// values, e.g. `("max_trial_windows", 2)`), applied after `tuning_sigma` and
+    /// checked then; `weights` and `tuning_window` are applied after them and win.
     pub tuning_set: Vec<(String, serde_json::Value)>,
     /// Fixed weights for the policies that use weights, and the start of tuning
     /// (`None`: the policy's defaults).
