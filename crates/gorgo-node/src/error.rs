@@ -23,6 +23,11 @@ pub enum NodeError {
     /// past `limits.max_body_bytes_in_flight`: refused before it is read.
     #[error("request bodies being read would exceed limits.max_body_bytes_in_flight")]
     BodyBudget,
+    /// A peer took a forward and sent no response head within the first-byte timeout,
+    /// or answered 504 itself: nothing reached the client; the client's answer, where
+    /// nothing else can serve, is a 504 (a wait), not a 503 (no room).
+    #[error("{0}")]
+    HeadTimeout(String),
     /// Membership declared the peer a forward went to dead (or saw it restart) before
     /// it answered: nothing reached the client, so the request may be served
     /// elsewhere.

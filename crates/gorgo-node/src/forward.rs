@@ -155,7 +155,7 @@ pub async fn forward(
         biased;
         _ = &mut gone => return Err(NodeError::PeerGone(peer.clone())),
         head = tokio::time::timeout(timeout, fut).instrument(span.clone()) => head.map_err(|_| {
-            NodeError::Cluster(format!("peer {peer} sent no response head in time"))
+            NodeError::HeadTimeout(format!("peer {peer} sent no response head in time"))
         })??,
     };
     if let Some(refusal) = head.refusal {
@@ -168,10 +168,12 @@ pub async fn forward(
         // The peer could not serve after all (its engine failed, timed out or it is
         // overloaded): nothing reached the client yet, so the caller may still serve
         // locally.
-        return Err(NodeError::Cluster(format!(
-            "peer {peer} answered {}",
-            head.status
-        )));
+        let message = format!("peer {peer} answered {}", head.status);
+        return Err(if head.status == 504 {
+            NodeError::HeadTimeout(message)
+        } else {
+            NodeError::Cluster(message)
+        });
     }
     let headers = head
         .headers

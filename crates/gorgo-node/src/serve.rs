@@ -372,7 +372,11 @@ async fn route_and_serve(
                         met = local.terms.served_locally_after(elapsed_ms, input.weights);
                         serve_local_or_exclude(state, req, local.replica, excluded).await
                     }
-                    // Routed again without that peer (the caller's retry).
+                    // Routed again without that peer (the caller's retry); if nothing
+                    // else serves it, a peer that kept it waiting is a 504.
+                    None if matches!(e, NodeError::HeadTimeout(_)) => {
+                        Err(ServeError::Timeout(format!("{failed}: {e}")))
+                    }
                     None => Err(ServeError::Unavailable(failed)),
                 }
             }

@@ -589,6 +589,52 @@ async fn a_draining_node_does_not_retry_the_peer_that_failed_it() {
     b.shutdown.cancel();
 }
 
+/// A request relayed to a peer that answers 504 (its engine sent no head in time), with
+/// nowhere else to go, is a 504 for its client: a wait, not a full node (it was a 503
+/// "forward failed and no local engine", with a hint to retry at once).
+#[tokio::test]
+async fn an_overflow_relay_that_times_out_at_the_peer_is_a_504() {
+    let ea = StubEngine::start("a").await;
+    let eb = StubEngine::start("b").await;
+    let (a, b) = pair(
+        config("a", &ea.url(), "[limits]\nmax_concurrency = 1\n"),
+        config("b", &eb.url(), "[limits]\nfirst_byte_timeout_ms = 200\n"),
+    )
+    .await;
+    until("a has b's stats", || has_peer_stats(&a)).await;
+    // a's one ingress slot is held at its own engine; the next request overflows to b,
+    // whose engine sends no head.
+    ea.set_mode(HANG);
+    eb.set_mode(HANG);
+    let held = tokio::spawn(post_chat_owned(a.base.clone(), "held"));
+    until("a's slot is held at its engine", || ea.requests() >= 1).await;
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", a.base))
+        .json(&chat_body(&prompt("overflow", 200), true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(eb.requests(), 1, "relayed to b");
+    let (status, body) = error_of(resp).await;
+    assert_eq!(status, 504, "{body}");
+    ea.release.notify_waiters();
+    eb.release.notify_waiters();
+    let _ = held.await;
+    a.shutdown.cancel();
+    b.shutdown.cancel();
+}
+
+/// POST a small chat to `base`, its status (a task may own it).
+async fn post_chat_owned(base: String, name: &'static str) -> Option<u16> {
+    client()
+        .post(format!("{base}/v1/chat/completions"))
+        .json(&chat_body(&prompt(name, 200), false))
+        .send()
+        .await
+        .ok()
+        .map(|r| r.status().as_u16())
+}
+
 /// A client that stops reading a response relayed from a peer is still cut at
 /// `write_timeout_ms` once the node drains and its connections are closing: the write
 /// watchdog used to stop at the close, so the request kept its ingress slot and the
