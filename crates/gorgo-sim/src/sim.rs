@@ -476,6 +476,12 @@ struct Flight {
     /// When its first byte reaches the client, ms: one stream's bytes arrive in order,
     /// so its last byte ([`Ev::Complete`]) arrives no earlier, whatever the jitter.
     first_byte_at_client_ms: f64,
+    /// When its first byte leaves its home node for the client, ms: where the live node
+    /// measures the TTFT its tuner takes (from `arrived_ms`; a node cannot see its
+    /// client's delay).
+    first_byte_at_node_ms: f64,
+    /// When its last byte leaves its home node, ms: the end of the E2E its tuner takes.
+    last_byte_at_node_ms: f64,
     /// The cached tokens the client's node believed its chosen candidate holds.
     predicted_cached_tokens: Option<u64>,
     /// The client's node's terms for its chosen candidate and the weights it priced
@@ -493,7 +499,14 @@ impl Flight {
     /// the fitted `w_queue` up, and the node holds nothing).
     fn term_sample(&self) -> Option<TermSample> {
         let (terms, w) = self.chosen_terms?;
-        TermSample::new(&terms, w, self.ttft_ms - self.held_ms)
+        TermSample::new(&terms, w, self.node_ttft_ms() - self.held_ms)
+    }
+
+    /// Its TTFT as its home node measures it: from its arrival there to its first byte
+    /// leaving it (the client's delay both ways left out, as the live node's tuner
+    /// cannot see it).
+    fn node_ttft_ms(&self) -> f64 {
+        self.first_byte_at_node_ms - self.arrived_ms
     }
 }
 
@@ -1037,6 +1050,8 @@ impl<'a> Sim<'a> {
             dispatch_cached_tokens: 0,
             chosen_terms: None,
             first_byte_at_client_ms: f64::NEG_INFINITY,
+            first_byte_at_node_ms: f64::NAN,
+            last_byte_at_node_ms: f64::NAN,
             predicted_cached_tokens: None,
             cached_anywhere_tokens: 0,
             first_token_seen: false,
@@ -1859,6 +1874,7 @@ impl<'a> Sim<'a> {
         f.cached_tokens = cached;
         f.ttft_ms = at + back - f.send_ms;
         f.first_byte_at_client_ms = at + back;
+        f.first_byte_at_node_ms = at + link;
         let engine_ttft = at - f.dispatched_ms;
         match self.oracle.as_mut() {
             Some(o) => {
@@ -1919,12 +1935,12 @@ impl<'a> Sim<'a> {
         let Some(f) = self.flights.get_mut(slot as usize).and_then(|f| f.as_mut()) else {
             return;
         };
-        // When the client sees it, on the clock its TTFT is measured on (the TTFT
-        // includes the client's delay): the tuner takes the request's start as this
-        // less the TTFT, its send, as the node does (at the node's clock, not the
-        // engine's first token, which overstated a running request's time so far by
-        // one client delay).
-        let now = f.send_ms + f.ttft_ms;
+        // As the live node measures it: from the request's arrival at the node to its
+        // first byte leaving the node, at that moment (the client's delay both ways,
+        // which the node cannot see, left out: it put 2-12 ms of constant residual
+        // into the start fit, which has no intercept, and shifted every trial's p95).
+        let now = f.first_byte_at_node_ms;
+        let ttft_ms = f.node_ttft_ms();
         let Some(t) = self
             .nodes
             .get_mut(f.home as usize)
@@ -1932,7 +1948,7 @@ impl<'a> Sim<'a> {
         else {
             return;
         };
-        f.open = t.record_first_token(&f.epoch, f.cell, f.ttft_ms, now as u64);
+        f.open = t.record_first_token(&f.epoch, f.cell, ttft_ms, now as u64);
         if let Some(sample) = f.term_sample() {
             t.record_terms(&f.epoch, sample);
         }
@@ -1979,8 +1995,10 @@ impl<'a> Sim<'a> {
             }
         }
         let first_at_client = f.first_byte_at_client_ms;
+        let first_at_node = f.first_byte_at_node_ms;
         let hops_back = f.path.len();
-        let mut back = self.client_delay(home);
+        let client = self.client_delay(home);
+        let mut back = 0.0;
         // Back the way the request came, as the first byte; the relays pass the stream
         // on as it comes, so the transfer at the links' rate counts once.
         for h in (0..hops_back).rev() {
@@ -1992,6 +2010,9 @@ impl<'a> Sim<'a> {
                 back += out_tokens as f64 * SSE_BYTES_PER_TOKEN * 8.0 / (rate * 1000.0);
             }
         }
+        // Where the live node's tuner measures the E2E: the last byte leaving the node.
+        self.flight_mut(slot).last_byte_at_node_ms = (at + back).max(first_at_node);
+        let back = back + client;
         // The last byte follows the first on the same stream: its own delay draws
         // cannot overtake it. (The forwarding nodes' first bytes, `Ev::FirstByte`, are
         // due no later than the client's and were scheduled first, so they are handled
@@ -2054,7 +2075,8 @@ impl<'a> Sim<'a> {
                 .get_mut(f.home as usize)
                 .and_then(|n| n.tuner.as_mut()),
         ) {
-            t.record_finish(open, e2e);
+            // At the node, as the live node's tuner takes it (`node_ttft_ms`).
+            t.record_finish(open, f.last_byte_at_node_ms - f.arrived_ms);
         }
         self.out.push(Row {
             index: f.index,
@@ -2447,10 +2469,14 @@ mod tests {
         // A request held 500 ms before its decision: the start fit's residual is what
         // the terms priced, not the hold (which the node never has).
         let f = sim.flight_mut(0);
-        f.ttft_ms = 2_600.0;
+        f.first_byte_at_node_ms = f.arrived_ms + 2_600.0;
         let unheld = f.term_sample().unwrap();
+        assert_eq!(
+            unheld.residual_ms, sample.residual_ms,
+            "measured at the node"
+        );
         f.held_ms = 500.0;
-        f.ttft_ms += 500.0;
+        f.first_byte_at_node_ms += 500.0;
         let held = f.term_sample().unwrap();
         assert_eq!(held.residual_ms, unheld.residual_ms);
     }
