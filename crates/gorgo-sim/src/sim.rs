@@ -1276,6 +1276,15 @@ impl<'a> Sim<'a> {
     /// Decide where a request that is at node `r` is served, and send it there.
     fn route(&mut self, slot: u32, now: f64) {
         let r = self.flight(slot).home as usize;
+        // As the live node's `check_context`, before any decision: a prompt longer than
+        // the node's engines take is refused at its door (400), never routed.
+        let prompt_tokens = self.flight(slot).prompt_tokens;
+        let context = self.cfg.profiles[r].context_length;
+        if prompt_tokens > context {
+            let msg = format!("context length is {context} tokens; the prompt has {prompt_tokens}");
+            self.fail(slot, now, &msg);
+            return;
+        }
         self.route_at(slot, r, now);
     }
 
@@ -1703,20 +1712,11 @@ impl<'a> Sim<'a> {
         match self.oracle.as_mut() {
             Some(o) => {
                 f.dispatch_cached_tokens = o.index[e].longest_match(&f.chain);
-                o.index[e].insert(&f.chain, nowu)
             }
             None => {
                 let node = &mut self.nodes[r].engines[k];
                 let cached = node.shadow.longest_match(&f.chain).min(prompt_tokens);
                 f.dispatch_cached_tokens = cached;
-                // The index learns the prompt with the engine's response head (a success
-                // head: the engine accepted it), as the live node's does: at once for a
-                // stream, with the whole response for a client that does not stream
-                // (the engine sends that head with the body, at the end: `finished`).
-                // Following the engine's events, the node models nothing.
-                if node.models_cache() && f.streamed {
-                    node.shadow.insert(&f.chain, nowu);
-                }
                 let uncached = prompt_tokens - cached;
                 if f.streamed {
                     node.view
@@ -1729,7 +1729,25 @@ impl<'a> Sim<'a> {
         }
         let engine = &mut self.engines[e];
         match engine.engine.submit(req, now) {
-            Ok(()) => engine.queued_prompt_tokens += prompt_tokens,
+            Ok(()) => {
+                engine.queued_prompt_tokens += prompt_tokens;
+                // The index learns the prompt with the engine's response head (a success
+                // head: the engine accepted it), as the live node's does: at once for a
+                // stream, with the whole response for a client that does not stream
+                // (the engine sends that head with the body, at the end: `finished`).
+                // Following the engine's events, the node models nothing. A prompt the
+                // engine refused never enters it (it evicted the model's whole cache).
+                let f = self.flights[slot as usize].as_ref().expect("live");
+                match self.oracle.as_mut() {
+                    Some(o) => o.index[e].insert(&f.chain, nowu),
+                    None => {
+                        let node = &mut self.nodes[r].engines[k];
+                        if node.models_cache() && f.streamed {
+                            node.shadow.insert(&f.chain, nowu);
+                        }
+                    }
+                }
+            }
             Err(reason) => {
                 // A failure, as the node's ticket of an error answer: released, no
                 // decode time learnt.
@@ -2479,6 +2497,37 @@ mod tests {
         f.first_byte_at_node_ms += 500.0;
         let held = f.term_sample().unwrap();
         assert_eq!(held.residual_ms, unheld.residual_ms);
+    }
+
+    /// A prompt the engine refuses (prompt and output over its context, the prompt
+    /// alone within it) never enters the node's index, as the live node learns a prompt
+    /// only from a success head: inserted at dispatch, a prompt near the engine's
+    /// capacity evicted the node's whole model of its cache, and peers heard it.
+    #[test]
+    fn a_prompt_the_engine_refuses_leaves_the_index_as_it_was() {
+        let profile = Profile::by_name("paper-a100-mistral7b").unwrap();
+        let context = profile.context_length;
+        let cfg = SimConfig::new(Network::uniform(1, 40.0, 3.0), profile);
+        let mut sim = Sim::new(&cfg, PolicyKind::Gorgo).unwrap();
+        let blocks = (context / 16) as usize;
+        let row = TraceRequest {
+            input_tokens: context - 16,
+            output_tokens: 1000,
+            tokens_per_block: 16,
+            blocks: gorgo_workload::BlockIds::Int((0..blocks as u64).collect()),
+            user: None,
+            session: None,
+            home_region: Some(sim.names[0].clone()),
+            request_id: None,
+            system_prompt_hash: None,
+            timestamp_ms: 0,
+        };
+        sim.admit(0, 0.0, row);
+        let chain = sim.flight(0).chain.clone();
+        assert!(!chain.hashes.is_empty());
+        sim.dispatch(0, 0, 10.0);
+        assert!(sim.flights[0].is_none(), "refused: failed and released");
+        assert_eq!(sim.nodes[0].engines[0].shadow.longest_match(&chain), 0);
     }
 
     /// A row listing a million block ids for a one-token prompt keeps one block.

@@ -110,10 +110,21 @@ fn every_policy_conserves_requests() {
         .iter()
         .filter(|r| r.input_tokens + r.output_tokens as u64 > cfg.profiles[0].context_length)
         .count() as u64;
+    let context = cfg.profiles[0].context_length;
+    let over_context = t.iter().filter(|r| r.input_tokens > context).count();
+    assert!(over_context > 0, "the trace has prompts over the context");
     for kind in PolicyKind::ALL {
         let r = run(&cfg, kind, &t);
         check_conservation(&cfg, &r, t.len());
         assert_eq!(r.counters.failed, too_long, "{kind}");
+        // A prompt over the context is refused at its node's door, as the live node's
+        // `check_context` does: never forwarded (it was routed, and could cost a WAN
+        // hop before the engine refused it).
+        for row in r.rows.as_ref().unwrap() {
+            if u64::from(row.input_tokens) > context {
+                assert_eq!((row.ok, row.hops), (false, 0), "{kind}: {row:?}");
+            }
+        }
     }
 }
 
@@ -210,11 +221,9 @@ fn local_only_never_forwards_and_failures_are_recorded() {
     assert_eq!(r.counters.failed, 1);
     assert_eq!(r.counters.completed + 1, t.len() as u64);
     let failed: Vec<_> = r.rows.as_ref().unwrap().iter().filter(|r| !r.ok).collect();
-    assert!(failed[0]
-        .error
-        .as_deref()
-        .unwrap()
-        .contains("engine refused"));
+    // Refused at its node's door (the live node's `check_context`), before any engine.
+    let error = failed[0].error.as_deref().unwrap();
+    assert!(error.contains("context length"), "{error}");
 }
 
 #[test]
@@ -736,9 +745,21 @@ fn the_decision_log_keeps_the_first_decisions_and_changes_nothing() {
     let c = &logged.counters;
     let client = d.iter().filter(|l| l.record.hops == 0).count() as u64;
     let refused = d.iter().filter(|l| l.record.reason == "refused").count() as u64;
-    // One decision per request at its home node, one per forward at its target (its
-    // check there, or its decision when served).
-    assert_eq!(client, c.requests);
+    // One decision per request at its home node (but those refused at its door, a
+    // prompt over the context: the live node decides nothing for them either), one per
+    // forward at its target (its check there, or its decision when served).
+    let at_door = logged
+        .rows
+        .as_ref()
+        .unwrap()
+        .iter()
+        .filter(|r| {
+            r.error
+                .as_deref()
+                .is_some_and(|e| e.starts_with("context length"))
+        })
+        .count() as u64;
+    assert_eq!(client + at_door, c.requests);
     assert_eq!(refused, c.refused_forwards);
     assert!(refused > 0, "this load refuses some forwards");
     // (`forwarded` counts the completed forwards; a failed one was decided too.)
