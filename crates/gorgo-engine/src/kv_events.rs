@@ -133,15 +133,34 @@ impl KvPublisher {
         }
     }
 
-    /// Publish `events` as the next batch.
+    /// Publish `events` as the next batch, or as consecutive batches where one would
+    /// hold more events or bytes than a subscriber decodes
+    /// ([`gorgo_core::kv_wire::MAX_EVENTS_PER_BATCH`], the default payload cap): one
+    /// admission round that evicts 85k blocks made a batch the node refused as
+    /// undecodable, and it resynced (a replay gave it the same batch again).
     pub fn publish(&mut self, events: Vec<KvEvent>, ts: f64) {
+        for chunk in events.chunks(gorgo_core::kv_wire::MAX_EVENTS_PER_BATCH) {
+            self.publish_within_cap(chunk, ts);
+        }
+    }
+
+    /// Publish `events` as one batch if its payload is within the default cap, else
+    /// halves of them, each in turn.
+    fn publish_within_cap(&mut self, events: &[KvEvent], ts: f64) {
+        let payload = encode_batch(&KvEventBatch {
+            ts,
+            events: events.to_vec(),
+            data_parallel_rank: Some(0),
+        });
+        if payload.len() > gorgo_core::kv_wire::DEFAULT_MAX_PAYLOAD_BYTES && events.len() > 1 {
+            let (first, rest) = events.split_at(events.len() / 2);
+            self.publish_within_cap(first, ts);
+            self.publish_within_cap(rest, ts);
+            return;
+        }
         let seq = self.next_seq;
         self.next_seq += 1;
-        let payload = Bytes::from(encode_batch(&KvEventBatch {
-            ts,
-            events,
-            data_parallel_rank: Some(0),
-        }));
+        let payload = Bytes::from(payload);
         {
             let mut ring = self.ring.lock().expect("ring lock poisoned");
             if ring.len() == REPLAY_BUFFER_BATCHES {
@@ -241,5 +260,53 @@ async fn serve_replays(mut router: zeromq::RouterSocket, ring: Arc<Mutex<VecDequ
                 break;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gorgo_core::kv_wire::{decode_batch, DEFAULT_MAX_PAYLOAD_BYTES, MAX_EVENTS_PER_BATCH};
+
+    /// A step's changes past what a subscriber decodes in one batch (by events, or by
+    /// bytes: 64-token blocks' ids) go out as consecutive batches, each decodable, the
+    /// events in order.
+    #[tokio::test]
+    async fn a_step_past_a_batchs_caps_goes_out_in_decodable_batches() {
+        let mut publisher = KvPublisher::bind("tcp://127.0.0.1:0", None, 16)
+            .await
+            .unwrap();
+        let removed = (0..MAX_EVENTS_PER_BATCH as u64 + 4_464)
+            .map(|h| KvEvent::BlockRemoved {
+                block_hashes: vec![h],
+                medium: None,
+            })
+            .collect();
+        publisher.publish(removed, 0.0);
+        let stored = (0..40_000u64)
+            .map(|h| KvEvent::BlockStored {
+                block_hashes: vec![h],
+                parent: None,
+                token_ids: vec![u32::MAX; 64],
+                block_size: 64,
+                lora_id: None,
+                medium: None,
+            })
+            .collect();
+        publisher.publish(stored, 0.0);
+        let ring = publisher.ring.lock().unwrap();
+        assert!(ring.len() >= 4, "{} batches", ring.len());
+        let mut removed_seen = 0u64;
+        for (i, (seq, payload)) in ring.iter().enumerate() {
+            assert_eq!(*seq, i as u64);
+            let batch = decode_batch(payload, DEFAULT_MAX_PAYLOAD_BYTES).expect("decodable");
+            for e in batch.events {
+                if let KvEvent::BlockRemoved { block_hashes, .. } = e {
+                    assert_eq!(block_hashes, [removed_seen], "in order");
+                    removed_seen += 1;
+                }
+            }
+        }
+        assert_eq!(removed_seen, MAX_EVENTS_PER_BATCH as u64 + 4_464);
     }
 }
