@@ -441,7 +441,11 @@ async fn drive(
         let now = Instant::now();
         kv.extend(driver.step(now));
         if let (Some(publisher), false) = (&mut kv_events, kv.is_empty()) {
-            publisher.publish(kv, driver.ms(now) / 1000.0);
+            // vLLM stamps a batch with `time.time()`: consumers measure event lag by it.
+            let unix_s = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            publisher.publish(kv, unix_s);
         }
     }
 }
