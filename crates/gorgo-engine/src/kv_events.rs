@@ -139,6 +139,10 @@ impl KvPublisher {
     /// admission round that evicts 85k blocks made a batch the node refused as
     /// undecodable, and it resynced (a replay gave it the same batch again).
     pub fn publish(&mut self, events: Vec<KvEvent>, ts: f64) {
+        if events.is_empty() {
+            // An empty batch is a batch (a heartbeat): it goes out as one.
+            return self.publish_within_cap(&[], ts);
+        }
         for chunk in events.chunks(gorgo_core::kv_wire::MAX_EVENTS_PER_BATCH) {
             self.publish_within_cap(chunk, ts);
         }
@@ -294,6 +298,10 @@ mod tests {
             })
             .collect();
         publisher.publish(stored, 0.0);
+        // An empty batch (a heartbeat) is one batch still.
+        let batches = publisher.ring.lock().unwrap().len();
+        publisher.publish(Vec::new(), 0.0);
+        assert_eq!(publisher.ring.lock().unwrap().len(), batches + 1);
         let ring = publisher.ring.lock().unwrap();
         assert!(ring.len() >= 4, "{} batches", ring.len());
         let mut removed_seen = 0u64;
