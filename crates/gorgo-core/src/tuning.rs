@@ -1775,12 +1775,9 @@ mod tests {
         }
     }
 
-    /// A leader's own windows are held to the bounds its followers hold a proposal
-    /// to: a trial accepted on a freak E2E ratio (1 ms against 1e6) took the leader's
-    /// drift to -13.8, which let every later step that worsens E2E by up to the guard
-    /// pass for as long as it led, and its state and its followers' parted.
-    #[test]
-    fn a_leaders_own_window_keeps_its_state_in_bounds() {
+    /// A single node leading a sequential line from its first tick, with neither the
+    /// adaptive noise margin nor the start fit: trials judged on their two windows.
+    fn plain_sequential_leader() -> Tuner {
         let cfg = TuningConfig {
             noise_z: 0.0,
             fit_start: false,
@@ -1788,6 +1785,16 @@ mod tests {
         };
         let mut t = Tuner::new("a".into(), cfg).unwrap();
         t.tick(0);
+        t
+    }
+
+    /// A leader's own windows are held to the bounds its followers hold a proposal
+    /// to: a trial accepted on a freak E2E ratio (1 ms against 1e6) took the leader's
+    /// drift to -13.8, which let every later step that worsens E2E by up to the guard
+    /// pass for as long as it led, and its state and its followers' parted.
+    #[test]
+    fn a_leaders_own_window_keeps_its_state_in_bounds() {
+        let mut t = plain_sequential_leader();
         let epoch = t.admit(0, 0).epoch;
         for i in 0..10 {
             t.record(&epoch, 0, 100.0 + i as f64, 1e6);
@@ -1807,13 +1814,7 @@ mod tests {
     /// closes is in its TTFT, and its end, reported after the close, is dropped.
     #[test]
     fn a_window_counts_requests_still_decoding_at_its_close() {
-        let cfg = TuningConfig {
-            noise_z: 0.0,
-            fit_start: false,
-            ..sequential()
-        };
-        let mut t = Tuner::new("a".into(), cfg).unwrap();
-        t.tick(0);
+        let mut t = plain_sequential_leader();
         let first = t.admit(0, 0).epoch;
         let mut running = Vec::new();
         for i in 0..10 {

@@ -2424,18 +2424,7 @@ mod tests {
         let profile = Profile::by_name("paper-a100-mistral7b").unwrap();
         let cfg = SimConfig::new(Network::uniform(2, 40.0, 3.0), profile);
         let mut sim = Sim::new(&cfg, PolicyKind::Gorgo).unwrap();
-        let row = TraceRequest {
-            input_tokens: 1000,
-            output_tokens: 10,
-            tokens_per_block: 256,
-            blocks: gorgo_workload::BlockIds::None,
-            user: None,
-            session: None,
-            home_region: Some(sim.names[0].clone()),
-            request_id: None,
-            system_prompt_hash: None,
-            timestamp_ms: 0,
-        };
+        let row = row_at(&sim, 0, 1000, 10, gorgo_workload::BlockIds::None);
         sim.admit(0, 0.0, row);
         let w = Weights {
             w_rtt: 0.5,
@@ -2499,6 +2488,29 @@ mod tests {
         assert_eq!(held.residual_ms, unheld.residual_ms);
     }
 
+    /// A row of `input` and `output` tokens whose home is region `home` of `sim`, its
+    /// blocks of 256 tokens `blocks`.
+    fn row_at(
+        sim: &Sim<'_>,
+        home: usize,
+        input: u64,
+        output: u32,
+        blocks: gorgo_workload::BlockIds,
+    ) -> TraceRequest {
+        TraceRequest {
+            input_tokens: input,
+            output_tokens: output,
+            tokens_per_block: 256,
+            blocks,
+            user: None,
+            session: None,
+            home_region: Some(sim.names[home].clone()),
+            request_id: None,
+            system_prompt_hash: None,
+            timestamp_ms: 0,
+        }
+    }
+
     /// A prompt the engine refuses (prompt and output over its context, the prompt
     /// alone within it) never enters the node's index, as the live node learns a prompt
     /// only from a success head: inserted at dispatch, a prompt near the engine's
@@ -2510,18 +2522,9 @@ mod tests {
         let cfg = SimConfig::new(Network::uniform(1, 40.0, 3.0), profile);
         let mut sim = Sim::new(&cfg, PolicyKind::Gorgo).unwrap();
         let blocks = (context / 16) as usize;
-        let row = TraceRequest {
-            input_tokens: context - 16,
-            output_tokens: 1000,
-            tokens_per_block: 16,
-            blocks: gorgo_workload::BlockIds::Int((0..blocks as u64).collect()),
-            user: None,
-            session: None,
-            home_region: Some(sim.names[0].clone()),
-            request_id: None,
-            system_prompt_hash: None,
-            timestamp_ms: 0,
-        };
+        let ids = gorgo_workload::BlockIds::Int((0..blocks as u64).collect());
+        let mut row = row_at(&sim, 0, context - 16, 1000, ids);
+        row.tokens_per_block = 16;
         sim.admit(0, 0.0, row);
         let chain = sim.flight(0).chain.clone();
         assert!(!chain.hashes.is_empty());
