@@ -18,6 +18,11 @@ fn topology() -> String {
 }
 
 fn generate(dir: &Path) -> std::path::PathBuf {
+    generate_lasting(dir, "120")
+}
+
+/// [`generate`] of `seconds` of traffic.
+fn generate_lasting(dir: &Path, seconds: &str) -> std::path::PathBuf {
     let trace = dir.join("trace.jsonl");
     let out = gorgo()
         .args([
@@ -26,7 +31,7 @@ fn generate(dir: &Path) -> std::path::PathBuf {
             "--seed",
             "3",
             "--duration-s",
-            "120",
+            seconds,
             "--users",
             "40",
         ])
@@ -45,7 +50,11 @@ fn generate(dir: &Path) -> std::path::PathBuf {
 #[test]
 fn sim_writes_the_compare_report_with_tuning_and_oracle_gap() {
     let dir = tempfile::tempdir().unwrap();
-    let trace = generate(dir.path());
+    // Long enough for trials to be decided (the line measures its noise for four
+    // windows first), without a start fit (a record only where it moves a weight) and
+    // a line that never settles (windows of 16 measure a noise no trial could see
+    // through): `tuning.jsonl` has trial records whatever the fits and noise are.
+    let trace = generate_lasting(dir.path(), "400");
     let out_dir = dir.path().join("out");
     let out = gorgo()
         .args([
@@ -55,6 +64,10 @@ fn sim_writes_the_compare_report_with_tuning_and_oracle_gap() {
             "--tune",
             "--tuning-window",
             "16",
+            "--tuning-set",
+            "fit_start=false",
+            "--tuning-set",
+            "settle_margin=1.0",
         ])
         .args([
             "--time-scale",
