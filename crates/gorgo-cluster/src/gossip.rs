@@ -156,35 +156,6 @@ struct EngineGossip {
     summary: Arc<dyn SummarySource>,
     /// The stats this engine last published (attached to every summary message).
     stats: QueueStats,
-    /// When each peer's last snapshot request was honoured ([`SNAPSHOT_REQUEST_EVERY`]).
-    asked: std::collections::HashMap<NodeId, Instant>,
-}
-
-/// Shortest time between two snapshot requests of one peer for one engine that are
-/// honoured. A snapshot takes the whole set, sorted, under the summary's lock; one
-/// request a round (30 bytes each) made a node build and send one every round. An
-/// honest peer asks at most once a second for one gap.
-pub(crate) const SNAPSHOT_REQUEST_EVERY: Duration = Duration::from_millis(500);
-
-impl EngineGossip {
-    /// Whether `peer`'s snapshot request at `now` is honoured: its first, or one at
-    /// least [`SNAPSHOT_REQUEST_EVERY`] after the last honoured.
-    fn honours_request(&mut self, peer: &NodeId, now: Instant) -> bool {
-        if self
-            .asked
-            .get(peer)
-            .is_some_and(|at| now.saturating_duration_since(*at) < SNAPSHOT_REQUEST_EVERY)
-        {
-            return false;
-        }
-        // Bounded by the peers that ask: those that asked long ago are let go.
-        if self.asked.len() >= 1024 {
-            self.asked
-                .retain(|_, at| now.saturating_duration_since(*at) < SNAPSHOT_REQUEST_EVERY);
-        }
-        self.asked.insert(peer.clone(), now);
-        true
-    }
 }
 
 /// The gossip side of a running member: one [`EngineGossip`] per engine it fronts.
@@ -254,7 +225,6 @@ impl GossipDriver {
                     version,
                     ..QueueStats::default()
                 },
-                asked: std::collections::HashMap::new(),
             },
         );
     }
@@ -450,9 +420,9 @@ pub(crate) fn handle_frame(
         // engines to it. Taken from a peer in the table only, as all gossip.
         if transport.peers.peers.contains_key(from) {
             if let Some(e) = gossip.engines.lock().get_mut(&replica) {
-                if e.honours_request(from, Instant::now()) {
-                    e.sender.on_snapshot_request(from);
-                } else {
+                // At most one a peer every `SNAPSHOT_REQUEST_EVERY_MS` (the core's
+                // rule, which the simulator follows too).
+                if !e.sender.on_snapshot_request(from, gossip.now_ms()) {
                     tracing::debug!(peer = %from, replica, "snapshot request too soon after the last: not honoured");
                 }
             }

@@ -1112,7 +1112,7 @@ fn a_snapshot_request_makes_no_engine_of_the_asker() {
 }
 
 /// A member asking for a snapshot of an engine every 100 ms gets at most one per
-/// `SNAPSHOT_REQUEST_EVERY` (500 ms): a snapshot takes the whole set, sorted, under the
+/// `SNAPSHOT_REQUEST_EVERY_MS` (500 ms, the core's rule): a snapshot takes the whole set, sorted, under the
 /// summary's lock. Before, every request was honoured at the next round (one snapshot
 /// a round, 250 ms).
 #[test]

@@ -552,7 +552,16 @@ struct SendState {
     /// The peer asked for a snapshot and none was polled since: the verdict on a
     /// message in flight when it asked must not turn the next one back into a delta.
     wants_snapshot: bool,
+    /// When its last snapshot request was honoured ([`SNAPSHOT_REQUEST_EVERY_MS`]).
+    request_honoured_ms: Option<u64>,
 }
+
+/// Shortest time between two snapshot requests of one peer that are honoured, ms. A
+/// snapshot takes the whole set, sorted, under the summary's lock; one request a round
+/// (30 bytes each) made a node build and send one every round. An honest peer asks at
+/// most once a second for one gap. Here, so that the node and the simulator honour the
+/// same requests.
+pub const SNAPSHOT_REQUEST_EVERY_MS: u64 = 500;
 
 /// Digest of a model list, to tell whether a peer holds the current one.
 fn models_digest(models: &[String]) -> u64 {
@@ -684,13 +693,24 @@ impl GossipSender {
         st.models_acked = delivered.then_some(sent.models);
     }
 
-    /// `peer` asked for a snapshot: its next message is one, whatever the verdict on
-    /// a message in flight now.
-    pub fn on_snapshot_request(&mut self, peer: &NodeId) {
-        if let Some(st) = self.peers.get_mut(peer) {
-            st.acked = None;
-            st.wants_snapshot = true;
+    /// `peer` asked for a snapshot at `now_ms`: its next message is one, whatever the
+    /// verdict on a message in flight now, unless its last honoured request was less
+    /// than [`SNAPSHOT_REQUEST_EVERY_MS`] ago (or it is a peer this sender holds
+    /// nothing for: its first message is a snapshot anyway). True when honoured.
+    pub fn on_snapshot_request(&mut self, peer: &NodeId, now_ms: u64) -> bool {
+        let Some(st) = self.peers.get_mut(peer) else {
+            return false;
+        };
+        if st
+            .request_honoured_ms
+            .is_some_and(|at| now_ms.saturating_sub(at) < SNAPSHOT_REQUEST_EVERY_MS)
+        {
+            return false;
         }
+        st.request_honoured_ms = Some(now_ms);
+        st.acked = None;
+        st.wants_snapshot = true;
+        true
     }
 }
 
@@ -1531,7 +1551,7 @@ mod tests {
             Some(GossipMessage::SummarySnapshot { .. })
         ));
         sent(&mut s, &b, true);
-        s.on_snapshot_request(&b);
+        assert!(s.on_snapshot_request(&b, 0));
         assert!(matches!(
             poll(&mut s, &b, &local, &st),
             Some(GossipMessage::SummarySnapshot { .. })
@@ -1543,7 +1563,9 @@ mod tests {
             poll(&mut s, &b, &local, &st),
             Some(GossipMessage::SummaryDelta { .. })
         ));
-        s.on_snapshot_request(&b);
+        // One too soon after the last honoured is not honoured; the next one is.
+        assert!(!s.on_snapshot_request(&b, SNAPSHOT_REQUEST_EVERY_MS - 1));
+        assert!(s.on_snapshot_request(&b, SNAPSHOT_REQUEST_EVERY_MS));
         sent(&mut s, &b, true);
         assert!(matches!(
             poll(&mut s, &b, &local, &st),
@@ -2748,7 +2770,7 @@ mod tests {
                 *seen.entry(what).or_default() += 1;
                 if let Ok(got) = got {
                     if got.snapshot_requested {
-                        sender.on_snapshot_request(&b);
+                        sender.on_snapshot_request(&b, now);
                     }
                     limit_peer_pending(&mut engines, |g| g, r, &me, now, &cfg);
                 }
@@ -2832,7 +2854,7 @@ mod tests {
                 if let Some(req) = r.reply.filter(|_| now.is_multiple_of(2)) {
                     let r2 = PeerGossip::new().receive(0, &a, &b, req, now, &cfg).unwrap();
                     if r2.snapshot_requested {
-                        sender.on_snapshot_request(&b);
+                        sender.on_snapshot_request(&b, now);
                     }
                 }
             };
@@ -2849,7 +2871,7 @@ mod tests {
                             if now.is_multiple_of(2) {
                                 let r2 = PeerGossip::new().receive(0, &a, &b, req, now, &cfg).unwrap();
                                 if r2.snapshot_requested {
-                                    sender.on_snapshot_request(&b);
+                                    sender.on_snapshot_request(&b, now);
                                 }
                             }
                         }
@@ -2884,13 +2906,13 @@ mod tests {
                 now += 1_000;
                 stats.version += 1;
                 if view.tick(&b, 0, now, &cfg).is_some() {
-                    sender.on_snapshot_request(&b);
+                    sender.on_snapshot_request(&b, now);
                 }
                 if let Some(m) = poll(&mut sender, &b, &local, &stats) {
                     sent(&mut sender, &b, true);
                     let r = view.receive(0, &b, &a, m, now, &cfg).unwrap();
                     if r.reply.is_some() {
-                        sender.on_snapshot_request(&b);
+                        sender.on_snapshot_request(&b, now);
                     }
                 }
             }

@@ -98,7 +98,7 @@ fn run_with(link: &Link, secs: u64, cfg: GossipConfig) -> Outcome {
                     net.push((now + delta_ms, false, request));
                 }
             } else {
-                sender.on_snapshot_request(&b);
+                sender.on_snapshot_request(&b, now);
             }
         }
         if now % 250 == 0 {

@@ -2259,7 +2259,7 @@ impl<'a> Sim<'a> {
                 if received.snapshot_requested {
                     node.engines[k]
                         .gossip
-                        .on_snapshot_request(&self.node_ids[from]);
+                        .on_snapshot_request(&self.node_ids[from], now as u64);
                 }
                 // The peer's reorder buffers, all its engines together, within their
                 // cap, as the cluster keeps them.
