@@ -537,7 +537,7 @@ async fn completion(
     // Only event streams are measured for tuning (`respond`): a whole JSON body's
     // head comes at the end of generation, so one that runs into the deadline is a
     // long generation, not a long wait for its first token.
-    let streamed = !matches!(stream_usage, StreamUsage::NotStreamed);
+    let streamed = stream_usage.is_streamed();
     // A completions batch is checked against the context prompt by prompt: without a
     // tokenizer, from its longest prompt's size.
     let batch_longest_bytes = match endpoint {
