@@ -16,17 +16,89 @@ fn node(config: &std::path::Path, check: bool) -> std::process::Output {
     cmd.output().expect("running gorgo node")
 }
 
+const EXAMPLES: [&str; 3] = ["us-ashburn", "eu-frankfurt", "ap-seoul"];
+
+/// The example configs copied to `dir/configs/nodes`, with the certificates they name
+/// (`../../certs/`) written by `gorgo certs`.
+fn examples_with_certs(dir: &std::path::Path) -> std::path::PathBuf {
+    let nodes = dir.join("configs/nodes");
+    std::fs::create_dir_all(&nodes).unwrap();
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/nodes");
+    for name in EXAMPLES {
+        let file = format!("{name}.toml");
+        std::fs::copy(src.join(&file), nodes.join(&file)).unwrap();
+    }
+    let out = Command::new(GORGO)
+        .args(["certs", "--nodes", &EXAMPLES.join(",")])
+        .arg("--out")
+        .arg(dir.join("certs"))
+        .output()
+        .expect("running gorgo certs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    nodes
+}
+
 #[test]
 fn example_configs_validate() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/nodes");
-    for name in ["us-ashburn", "eu-frankfurt", "ap-seoul"] {
-        let out = node(&dir.join(format!("{name}.toml")), true);
+    let dir = tempfile::tempdir().unwrap();
+    let nodes = examples_with_certs(dir.path());
+    for name in EXAMPLES {
+        let out = node(&nodes.join(format!("{name}.toml")), true);
         assert!(
             out.status.success(),
             "{name}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
     }
+}
+
+/// `--check` reads the files a start reads: a config whose schema is right but whose
+/// certificate names another node, or whose learned-weights file is missing, fails the
+/// check, naming what is wrong, instead of failing the start it vouched for.
+#[test]
+fn the_check_reads_the_files_a_start_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let nodes = examples_with_certs(dir.path());
+    let example = std::fs::read_to_string(nodes.join("us-ashburn.toml")).unwrap();
+
+    let stolen = nodes.join("stolen.toml");
+    std::fs::write(
+        &stolen,
+        example.replace("certs/us-ashburn.", "certs/ap-seoul."),
+    )
+    .unwrap();
+    let out = node(&stolen, true);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("tls:") && err.contains("us-ashburn"), "{err}");
+
+    let no_certs = nodes.join("no-certs.toml");
+    std::fs::write(&no_certs, example.replace("certs/ca.pem", "certs/nope.pem")).unwrap();
+    let out = node(&no_certs, true);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("tls:") && err.contains("nope.pem"), "{err}");
+
+    let weights = nodes.join("weights.toml");
+    std::fs::write(
+        &weights,
+        example.replace(
+            "[tuning]",
+            "[tuning]\nweights_file = \"missing-weights.json\"",
+        ),
+    )
+    .unwrap();
+    let out = node(&weights, true);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("tuning.weights_file") && err.contains("missing-weights.json"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -10,7 +10,8 @@ pub struct NodeArgs {
     /// The node's TOML config (see docs/node.md and configs/nodes/).
     #[arg(long)]
     pub config: PathBuf,
-    /// Check the config and exit.
+    /// Check the config and the files it names (certificates, tokenizer, learned
+    /// weights) and exit.
     #[arg(long)]
     pub check: bool,
 }
@@ -22,6 +23,8 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
     let config = gorgo_node::NodeConfig::load(&args.config)
         .with_context(|| format!("loading {}", args.config.display()))?;
     if args.check {
+        gorgo_node::cluster::preflight(&config)
+            .with_context(|| format!("checking {}", args.config.display()))?;
         println!("{}: ok", args.config.display());
         return Ok(());
     }

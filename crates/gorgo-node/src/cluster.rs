@@ -16,8 +16,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::NodeError;
 use crate::peers::{
-    ForwardRecv, ForwardSend, GossipCounters, IncomingForward, IncomingForwards, PeerEngine,
-    PeerSource, PeerView,
+    ForwardRecv, ForwardSend, GossipCounters, IncomingForward, IncomingForwards, NoPeers,
+    PeerEngine, PeerSource, PeerView,
 };
 use crate::tuning::TUNING_APP_KIND;
 use crate::{NodeHandle, NodeListeners, NodeState, ValidatedConfig};
@@ -363,19 +363,35 @@ pub fn spawn_app_inbox(
     Ok(())
 }
 
+/// The node's certificates as `[tls]` names them; errors name the table.
+fn load_credentials(config: &ValidatedConfig) -> Result<NodeCredentials, NodeError> {
+    let files = TlsFiles {
+        ca: config.tls.ca.clone(),
+        cert: config.tls.cert.clone(),
+        key: config.tls.key.clone(),
+    };
+    NodeCredentials::load(&files).map_err(|e| NodeError::Config(format!("tls: {e}")))
+}
+
+/// Everything a start reads besides the sockets, checked without starting
+/// (`gorgo node --check`): the certificates (signed by the CA, valid now, naming
+/// `node.id`), the tokenizer and chat template, the learned-weights file. A config
+/// that passes the schema but names a missing or mismatched file would otherwise pass
+/// the check and fail at the start it was meant to vouch for.
+pub fn preflight(config: &ValidatedConfig) -> Result<(), NodeError> {
+    load_credentials(config)?
+        .check_identity(&NodeId(config.node.id.clone()))
+        .map_err(|e| NodeError::Config(format!("tls: {e}")))?;
+    NodeState::new(config.clone(), Arc::new(NoPeers)).map(drop)
+}
+
 /// Start a node and its QUIC cluster member from a config: load the certificates,
 /// join through the seeds, bind the HTTP and admin listeners, serve until `shutdown`.
 pub async fn start_with_cluster(
     config: ValidatedConfig,
     shutdown: CancellationToken,
 ) -> Result<NodeHandle, NodeError> {
-    let files = TlsFiles {
-        ca: config.tls.ca.clone(),
-        cert: config.tls.cert.clone(),
-        key: config.tls.key.clone(),
-    };
-    let credentials =
-        NodeCredentials::load(&files).map_err(|e| NodeError::Config(format!("tls: {e}")))?;
+    let credentials = load_credentials(&config)?;
     let listeners = NodeListeners::bind(&config).await?;
     start_with_credentials(config, credentials, listeners, shutdown).await
 }
