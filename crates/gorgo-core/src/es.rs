@@ -617,6 +617,11 @@ impl EsState {
             self.noise_samples = 0;
         }
         self.noise_var = self.noise_var.min(MAX_NOISE_VAR);
+        // Scores are p95s in ms: an infinite one would put an infinite noise
+        // observation into the next sequential decision.
+        let score = |s: Option<f64>| s.filter(|p| p.is_finite() && *p > 0.0);
+        self.incumbent_score = score(self.incumbent_score);
+        self.last_incumbent_p95_ms = score(self.last_incumbent_p95_ms);
         self.incumbent = cfg.clip(self.incumbent);
         if !(self.sigma.is_finite() && self.sigma > 0.0) {
             self.sigma = cfg.sigma0;

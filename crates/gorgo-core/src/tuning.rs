@@ -2288,10 +2288,14 @@ mod tests {
         let mut extreme = base;
         extreme.state.e2e_drift = -1e300;
         extreme.state.noise_var = f64::INFINITY;
+        extreme.state.last_incumbent_p95_ms = Some(f64::INFINITY);
+        extreme.state.incumbent_score = Some(-1.0);
         assert!(t.handle_proposal(&"relay".into(), extreme, 0).is_empty());
         let s = &t.current().unwrap().state;
         assert_eq!(s.e2e_drift, -MAX_E2E_DRIFT);
         assert_eq!(s.noise_var, 0.0);
+        assert_eq!(s.last_incumbent_p95_ms, None);
+        assert_eq!(s.incumbent_score, None);
         assert_eq!(saturating_sum([u64::MAX, 2].into_iter()), u64::MAX);
     }
 
