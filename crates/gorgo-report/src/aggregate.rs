@@ -38,14 +38,16 @@ pub struct PolicyResult {
     /// Fraction of completed requests served outside their home region.
     pub forwarded_share: f64,
     /// Engine-reported cached prompt tokens over prompt tokens, over completed requests
-    /// whose engine reported them; `None` when none did.
+    /// served by a region whose engine reported them (a request it left them out of
+    /// counts as 0 cached: [`PolicyResult::from_records`]); `None` when none did.
     #[serde(default)]
     pub cache_hit_ratio: Option<f64>,
     /// The same ratio per serving region (regions with a report only).
     #[serde(default)]
     pub cache_hit_ratio_by_region: BTreeMap<String, f64>,
     /// How well the cost model's TTFT estimate matched the measured TTFT; `None` when no
-    /// completed request carried an estimate (policies that do not estimate costs).
+    /// request that measured its TTFT carried an estimate (policies that do not
+    /// estimate costs).
     #[serde(default)]
     pub prediction: Option<PredictionError>,
     /// Gossip the nodes sent while requests arrived, bytes per node per second: what a
@@ -54,8 +56,8 @@ pub struct PolicyResult {
     pub gossip_bytes_per_node_per_s: Option<f64>,
 }
 
-/// The cost model's prediction error over one policy's completed requests: the chosen
-/// candidate's estimated TTFT against the TTFT measured at the client.
+/// The cost model's prediction error over one policy's requests that measured their
+/// TTFT: the chosen candidate's estimated TTFT against the TTFT measured at the client.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct PredictionError {
     /// Median of `|estimated - measured| / measured`, percent.
@@ -96,7 +98,20 @@ pub fn hit_ratio(cached: u64, prompt: u64) -> Option<f64> {
 
 impl PolicyResult {
     /// Aggregate one policy's records.
+    ///
+    /// An engine that reports cached prompt tokens may leave them out when nothing was
+    /// cached (vLLM with `--enable-prompt-tokens-details` sends `cached_tokens` only
+    /// when it is not 0): a completed request without them, served by a region whose
+    /// engine reported them for another request, counts as a miss, not as unknown
+    /// (which would leave every miss out of the ratio). The prediction error counts
+    /// every request that measured its TTFT, one cut after its first token too.
     pub fn from_records<'a>(records: impl IntoIterator<Item = &'a RequestRecord>) -> Self {
+        let records: Vec<&RequestRecord> = records.into_iter().collect();
+        let reports_cached: std::collections::BTreeSet<&str> = records
+            .iter()
+            .filter(|r| r.ok && r.cached_tokens.is_some())
+            .filter_map(|r| r.served_by.as_deref())
+            .collect();
         let mut requests = 0u64;
         let mut failed = 0u64;
         let (mut first, mut last) = (f64::INFINITY, f64::NEG_INFINITY);
@@ -120,6 +135,9 @@ impl PolicyResult {
                         },
                 );
             }
+            if let Some(p) = r.predicted_ttft_ms.filter(|_| r.ttft_ms.is_finite()) {
+                predicted.push((p, r.ttft_ms));
+            }
             if !r.ok {
                 failed += 1;
                 continue;
@@ -135,7 +153,13 @@ impl PolicyResult {
             if r.forwarded() {
                 forwarded += 1;
             }
-            if let Some(cached) = r.cached_tokens {
+            let cached = r.cached_tokens.or_else(|| {
+                r.served_by
+                    .as_deref()
+                    .is_some_and(|s| reports_cached.contains(s))
+                    .then_some(0)
+            });
+            if let Some(cached) = cached {
                 let cached = cached.min(r.input_tokens);
                 hits.0 += cached;
                 hits.1 += r.input_tokens;
@@ -144,9 +168,6 @@ impl PolicyResult {
                     e.0 += cached;
                     e.1 += r.input_tokens;
                 }
-            }
-            if let Some(p) = r.predicted_ttft_ms {
-                predicted.push((p, r.ttft_ms));
             }
         }
         let completed = requests - failed;

@@ -133,12 +133,26 @@ pub(crate) fn ttft_cdf(report: &Report) -> Result<String> {
     Ok(svg)
 }
 
-/// One CDF line: the policy, its completed requests' latencies (sorted, finite) and
+/// One CDF line: the policy, the latencies its requests measured (sorted, finite) and
 /// how many requests it sent in all (the denominator of the y axis).
 type CdfSeries<'a> = (&'a str, Vec<f64>, usize);
 
+/// A request's TTFT, when it measured one: a stream cut after its first token has
+/// one, as in the live report's percentiles (the simulator fails requests only before).
+fn measured_ttft(r: &crate::RequestRecord) -> Option<f64> {
+    Some(r.ttft_ms).filter(|v| v.is_finite())
+}
+
+/// A completed request's E2E (a failed one's is when it failed).
+fn completed_e2e(r: &crate::RequestRecord) -> Option<f64> {
+    r.ok.then_some(r.e2e_ms)
+}
+
 /// Every policy's [`CdfSeries`] of the latency `pick` reads.
-fn cdf_series(report: &Report, pick: fn(&crate::RequestRecord) -> f64) -> Vec<CdfSeries<'_>> {
+fn cdf_series(
+    report: &Report,
+    pick: fn(&crate::RequestRecord) -> Option<f64>,
+) -> Vec<CdfSeries<'_>> {
     report
         .results
         .policies
@@ -146,8 +160,7 @@ fn cdf_series(report: &Report, pick: fn(&crate::RequestRecord) -> f64) -> Vec<Cd
         .map(|(policy, _)| {
             let records = || report.records.iter().filter(|r| &r.policy == policy);
             let mut v: Vec<f64> = records()
-                .filter(|r| r.ok)
-                .map(pick)
+                .filter_map(pick)
                 .filter(|v| v.is_finite())
                 .map(|v| v.max(0.1))
                 .collect();
@@ -178,13 +191,13 @@ fn draw_latency_cdfs(report: &Report, svg: &mut String) -> DrawResult {
         &left,
         "TTFT CDF",
         "TTFT (log scale)",
-        &series(|r| r.ttft_ms),
+        &series(measured_ttft),
     )?;
     draw_cdf(
         &right,
         "E2E CDF",
         "end-to-end latency (log scale)",
-        &series(|r| r.e2e_ms),
+        &series(completed_e2e),
     )?;
     root.present()?;
     Ok(())
@@ -1039,12 +1052,21 @@ mod tests {
             .map(|i| rec("gorgo", "us", i as f64 * 10.0, i % 2 == 0))
             .collect();
         let report = Report::from_records(&(), records).unwrap();
-        let series = cdf_series(&report, |r| r.ttft_ms);
+        let series = cdf_series(&report, completed_e2e);
         let (_, v, total) = &series[0];
         assert_eq!((v.len(), *total), (5, 10));
         let points = cdf_points(v, *total);
         assert_eq!(points.last().unwrap().1, 0.5);
         assert_eq!(points[0].1, 0.1);
+        // A failed request that measured its TTFT (cut after its first token) is in
+        // the TTFT line, as in the table's percentiles; one failed before is not.
+        let mut records: Vec<_> = (0..10)
+            .map(|i| rec("gorgo", "us", i as f64 * 10.0, i % 2 == 0))
+            .collect();
+        records[1].ttft_ms = f64::NAN;
+        let report = Report::from_records(&(), records).unwrap();
+        let (_, v, total) = &cdf_series(&report, measured_ttft)[0];
+        assert_eq!((v.len(), *total), (9, 10));
         // A report without rows says so on the plot.
         let empty = Report::from_records(&(), Vec::new()).unwrap();
         assert!(ttft_cdf(&empty)

@@ -40,8 +40,9 @@ pub struct RequestRecord {
     pub cached_anywhere_tokens: Option<u64>,
     /// Send time, ms from the start of the run.
     pub start_ms: f64,
-    /// When a successful (2xx) response head arrived, ms after the send: the stream
-    /// began. `None` when the request failed before one did (connect error, error
+    /// When a successful (2xx) response head arrived, ms after `start_ms` (the
+    /// scheduled send: subtract `slip_ms` of `requests.csv` for the time after the
+    /// actual send): the stream began. `None` when the request failed before one did (connect error, error
     /// status, timeout), or when the driver does not measure it (the simulator). A
     /// failed request that has it was cut mid-stream.
     #[serde(default)]

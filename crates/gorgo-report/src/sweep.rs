@@ -583,7 +583,15 @@ pub fn render_sweep_markdown(sweep: &Sweep) -> String {
         .iter()
         .flat_map(|p| &p.policies)
         .any(|(_, r)| r.failed > 0);
-    if any_failed {
+    let live = sweep.config.get("mode").and_then(serde_json::Value::as_str) == Some("live");
+    if any_failed && live {
+        out.push_str(
+            "\nFailed requests count as infinitely slow against the SLO: a live point's p95 \
+             is over every request sent, a request that failed before measuring the metric \
+             ranked slowest, so a load where more than 5% failed before measuring it misses \
+             the SLO (`inf`); a stream cut after its first token keeps its TTFT.\n",
+        );
+    } else if any_failed {
         out.push_str(
             "\nFailed requests count as infinitely slow against the SLO: a load where more \
              than 5% failed misses it; with fewer, its p99 stands in for the p95 (the \
@@ -1008,6 +1016,24 @@ mod tests {
         assert_eq!(goodput(with(2, 1500.0)), (1.0, Bound::AtLeast));
         // 5 of 100: the p95 is the slowest completed request, which nothing stored bounds.
         assert_eq!(goodput(with(5, 600.0)), (0.0, Bound::Below));
+    }
+
+    /// The note under the tables says how failures were held to the SLO, which
+    /// differs: a simulated point's p99 stands in for its p95, a live point's p95 is
+    /// over every request already.
+    #[test]
+    fn the_failure_note_follows_the_sweeps_mode() {
+        let mut r = result(500.0);
+        r.requests = 100;
+        r.failed = 2;
+        let mut sweep = sweep_of(vec![(1.0, vec![("least-load", r)])]);
+        assert!(render_sweep_markdown(&sweep).contains("p99 stands in"));
+        sweep.config = serde_json::json!({"mode": "live"});
+        let md = render_sweep_markdown(&sweep);
+        assert!(
+            !md.contains("p99") && md.contains("over every request sent"),
+            "{md}"
+        );
     }
 
     /// A censored p95 (+inf) and an unmeasured one (NaN) are both `null` in JSON;

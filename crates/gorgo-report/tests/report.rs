@@ -151,6 +151,52 @@ fn cache_hits_and_prediction_error_are_aggregated() {
     assert_eq!(back, report.results);
 }
 
+/// vLLM (`--enable-prompt-tokens-details`) sends `cached_tokens` only when it is not
+/// 0: in a region whose engine reported it for some request, a completed request
+/// without it is a miss. An engine that never reports it (llama.cpp) leaves its region
+/// out of the ratio.
+#[test]
+fn a_region_that_reports_cached_tokens_counts_their_omission_as_a_miss() {
+    let mut v: Vec<_> = (0..4)
+        .map(|i| rec("gorgo", i, "us", "us", 100.0, 1100.0))
+        .collect();
+    v[0].cached_tokens = Some(800);
+    for r in &mut v[1..] {
+        r.cached_tokens = None;
+    }
+    let mut llama = rec("gorgo", 9, "eu", "eu", 100.0, 1100.0);
+    llama.cached_tokens = None;
+    v.push(llama);
+    let report = Report::from_records(&(), v).unwrap();
+    let g = report.results.policy("gorgo").unwrap();
+    assert_eq!(g.cache_hit_ratio, Some(0.2));
+    assert_eq!(g.cache_hit_ratio_by_region["us"], 0.2);
+    assert!(!g.cache_hit_ratio_by_region.contains_key("eu"));
+}
+
+/// A stream cut after its first token measured its TTFT: the cost model's estimate is
+/// compared with it, as the live report's TTFT percentiles count it.
+#[test]
+fn the_prediction_error_counts_a_request_cut_after_its_first_token() {
+    let mut v: Vec<_> = (0..3)
+        .map(|i| rec("gorgo", i, "us", "us", 100.0, 1100.0))
+        .collect();
+    for r in &mut v {
+        r.predicted_ttft_ms = Some(110.0);
+    }
+    v[2].ok = false;
+    v[2].ttft_ms = 1000.0;
+    v.push(RequestRecord {
+        ok: false,
+        ttft_ms: f64::NAN,
+        predicted_ttft_ms: Some(110.0),
+        ..rec("gorgo", 3, "us", "us", 0.0, 0.0)
+    });
+    let report = Report::from_records(&(), v).unwrap();
+    let p = report.results.policy("gorgo").unwrap().prediction.unwrap();
+    assert_eq!(p.n, 3);
+}
+
 #[test]
 fn empty_and_all_failed_policies_still_aggregate() {
     let failed = RequestRecord {

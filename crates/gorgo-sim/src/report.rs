@@ -44,7 +44,8 @@ fn record(policy: &str, regions: &[String], r: &Row) -> RequestRecord {
         region: regions[r.home as usize].clone(),
         served_by: r.served.map(|s| regions[s as usize].clone()),
         hops: r.hops as u32,
-        ttft_ms: r.ttft_ms as f64,
+        // The simulator fails requests only before their first token: no TTFT.
+        ttft_ms: if r.ok { r.ttft_ms as f64 } else { f64::NAN },
         e2e_ms: r.e2e_ms as f64,
         itl_ms: None,
         input_tokens: r.input_tokens as u64,
