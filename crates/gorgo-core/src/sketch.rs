@@ -336,7 +336,9 @@ impl LatencySketch {
         let mut seen = self.zero_count;
         let g = gamma();
         for (&k, &c) in &self.buckets {
-            seen += c;
+            // Saturating as `merge` is: sketches from the network each fit a u64, but
+            // their merge may not, and the count then stops at u64::MAX.
+            seen = seen.saturating_add(c);
             if seen >= rank {
                 let mid = 2.0 * g.powi(k) / (g + 1.0);
                 // The true extremes are known exactly; never answer outside them.
@@ -584,6 +586,28 @@ mod tests {
             crate::wire::decode::<LatencySketch>(&bytes, 1 << 16).unwrap(),
             good
         );
+    }
+
+    /// Two sketches from the network, each of a count that fits a u64, merged past it
+    /// (the tuning leader merges its followers' cells): the merged count saturates,
+    /// and a quantile walks the buckets without overflowing.
+    #[test]
+    fn a_merge_past_u64_answers_quantiles() {
+        let wire = |zero_count: u64, buckets: Vec<(i32, u64)>| {
+            let w = SketchWire {
+                buckets,
+                zero_count,
+                sum: 1.0,
+                min: 1.0,
+                max: 1.0,
+            };
+            crate::wire::decode::<LatencySketch>(&crate::wire::encode(&w), 1 << 16).unwrap()
+        };
+        let mut m = LatencySketch::new();
+        m.merge(&wire(1 << 63, vec![]));
+        m.merge(&wire(0, vec![(key_of(1.0), 1 << 63)]));
+        assert_eq!(m.count(), u64::MAX);
+        assert_eq!(m.quantile(0.95), Some(1.0));
     }
 
     fn within(approx: f64, exact: f64) -> bool {
