@@ -1270,12 +1270,13 @@ impl PeerGossip {
             waiting = true;
         }
         let Some(summary) = self.summary.as_mut() else {
-            if waiting {
+            if waiting && self.holds_room_for(&delta) {
                 // The snapshot on its way will give it a version to follow on from.
                 self.hold(delta, now_ms);
                 return Ok((SummaryEvent::Buffered, false));
             }
-            // Nothing to apply it to: only a snapshot helps.
+            // Nothing to apply it to (or no room to hold it): only a snapshot helps.
+            self.clear_pending();
             return Ok((SummaryEvent::Gap, false));
         };
         let follows = delta.from_version == summary.version();
@@ -1302,12 +1303,14 @@ impl PeerGossip {
             }
             Err(CoreError::SummaryGap { have, from }) if from > have => {
                 let since = *self.gap_since_ms.get_or_insert(now_ms);
-                let full = self.pending.len() >= config.max_pending_deltas
-                    && !self.pending.contains_key(&delta.from_version);
+                let new = !self.pending.contains_key(&delta.from_version);
+                let full = self.pending.len() >= config.max_pending_deltas && new;
                 // While a snapshot is on its way, the deltas past the gap are likely
                 // the ones that follow it, sent after it and overtaking it: held
-                // for it, however long and however many.
-                if !waiting && (full || now_ms.saturating_sub(since) >= config.gap_timeout_ms) {
+                // for it, however long and, up to MAX_HELD_DELTAS, however many.
+                if !self.holds_room_for(&delta)
+                    || (!waiting && (full || now_ms.saturating_sub(since) >= config.gap_timeout_ms))
+                {
                     self.clear_pending();
                     return Ok((SummaryEvent::Gap, false));
                 }
@@ -1322,6 +1325,12 @@ impl PeerGossip {
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// Whether the reorder buffer can take `delta`: it replaces one held, or the buffer
+    /// holds fewer than [`MAX_HELD_DELTAS`].
+    fn holds_room_for(&self, delta: &SummaryDelta) -> bool {
+        self.pending.len() < MAX_HELD_DELTAS || self.pending.contains_key(&delta.from_version)
     }
 
     /// Hold `delta`, past a gap, until the gap fills or a snapshot it follows lands.
@@ -1417,6 +1426,14 @@ fn over_cap(what: &str, held: usize, others: usize, config: &GossipConfig) -> Co
     ))
 }
 
+/// Deltas one peer engine's reorder buffer holds at most, even while a snapshot is on
+/// its way (when [`GossipConfig::max_pending_deltas`] does not apply): one delta a
+/// gossip round, a snapshot in transit for minutes. Past it the buffer goes, as for any
+/// overflowing gap. Why, besides the byte cap: an empty delta pins 72 bytes, so the
+/// 16 MiB cap alone let a peer park about 230,000 of them, and each message the buffer
+/// takes sums it ([`PeerGossip::pending_bytes`]).
+pub const MAX_HELD_DELTAS: usize = 4096;
+
 /// Apply held deltas that now follow on; forget the ones already covered. False when
 /// one that follows on would take the peer over
 /// [`GossipConfig::max_peer_fingerprints`] (its other engines hold `others`): the
@@ -1431,11 +1448,12 @@ fn drain(
 ) -> bool {
     let mut progressed = false;
     let whole = loop {
-        let held = summary.version();
-        pending.retain(|_, d| d.to_version > held);
-        let Some(next) = pending.remove(&held) else {
+        let Some(next) = pending.remove(&summary.version()) else {
             break true;
         };
+        if next.to_version <= summary.version() {
+            continue;
+        }
         // Held deltas passed `SummaryDelta::check` on arrival, so they apply.
         if check_room(summary, &next, others, config).is_err()
             || summary.apply_delta(&next).is_err()
@@ -1445,6 +1463,9 @@ fn drain(
         }
         progressed = true;
     };
+    // Once, not per delta applied: the buffer may hold MAX_HELD_DELTAS.
+    let held = summary.version();
+    pending.retain(|_, d| d.to_version > held);
     if pending.is_empty() {
         *gap_since_ms = None;
     } else if progressed {
@@ -2336,6 +2357,30 @@ mod tests {
         assert_eq!(p.stats().unwrap().order(), (3, 1));
         recv(&mut p, of_run(3, 2, snapshot_of(1000, &[6])), 2_100);
         assert_eq!(p.summary().unwrap().version(), 1001);
+    }
+
+    /// Deltas that arrive before a run's first snapshot are held for it however long
+    /// it takes, but not however many: past MAX_HELD_DELTAS the buffer goes. Those it
+    /// held apply in one pass when the snapshot lands.
+    #[test]
+    fn deltas_held_for_a_snapshot_are_bounded_in_number() {
+        let mut p = PeerGossip::new();
+        let n = MAX_HELD_DELTAS as u64;
+        for i in 0..n {
+            let r = recv(&mut p, delta(10 + i, 11 + i, &[]), 0);
+            assert_eq!(r.summary, SummaryEvent::Buffered);
+        }
+        assert_eq!(p.pending(), MAX_HELD_DELTAS);
+        recv(&mut p, snapshot(10), 1);
+        assert_eq!(p.summary().unwrap().version(), 10 + n);
+        assert_eq!(p.pending(), 0);
+        let mut p = PeerGossip::new();
+        for i in 0..n {
+            recv(&mut p, delta(10 + i, 11 + i, &[]), 0);
+        }
+        let r = recv(&mut p, delta(10 + n, 11 + n, &[]), 0);
+        assert_eq!(r.summary, SummaryEvent::Gap);
+        assert_eq!(p.pending(), 0);
     }
 
     #[test]
