@@ -641,7 +641,8 @@ pub struct ClusterMetrics {
     pub malformed_received: AtomicU64,
     /// SWIM packets whose claimed sender did not match the TLS peer.
     pub spoofed_received: AtomicU64,
-    /// Inbound connections refused (handshake failure, unknown identity).
+    /// Inbound connections refused (handshake failure, unknown identity, a handshake
+    /// not done within its deadline, or one past the cap on handshakes at once).
     pub handshakes_failed: AtomicU64,
     /// Handshakes, dialed or accepted, that failed because the other side speaks
     /// another cluster protocol version (no ALPN in common): a node of another release.

@@ -169,6 +169,17 @@ pub const MAX_APP_MESSAGE: usize = 64 * 1024;
 /// After a failed dial, datagrams to that address are dropped for this long instead of
 /// queueing more dials behind a dead peer.
 const DIAL_BACKOFF: Duration = Duration::from_millis(500);
+/// Longest a QUIC handshake may take, dialing or accepting. quinn has no handshake
+/// deadline of its own, and its idle timer restarts on every authenticated packet,
+/// handshake packets included: a host that sends its first flight and then only
+/// pings (no certificate needed) kept an accepting task and its connection state for
+/// ever, and a dial to such a seed held the address's dial slot, and every send queued
+/// behind it, for ever. A handshake across the world takes a few round trips.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Inbound handshakes in progress at once; past it new ones are refused at once
+/// (`Incoming::refuse`): each holds a task and connection state until it completes
+/// or times out, and a handshake needs no certificate to start.
+const MAX_INBOUND_HANDSHAKES: usize = 256;
 /// Longest a one-message stream may take to be sent or read whole (a 4 MiB snapshot
 /// needs about 3.4 s at 10 Mbit/s): a peer that opens a stream and stalls, or stops
 /// granting flow-control credit, costs a bounded task, not one for ever.
@@ -696,10 +707,15 @@ pub(crate) async fn connect(
     }
     let server_name = node.map_or(CLUSTER_SERVER_NAME, |n| n.0.as_str());
     let result = async {
-        let conn = inner
-            .endpoint()?
-            .connect(addr, server_name)?
+        let connecting = inner.endpoint()?.connect(addr, server_name)?;
+        let conn = tokio::time::timeout(HANDSHAKE_TIMEOUT, connecting)
             .await
+            .map_err(|_| {
+                ClusterError::Io(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("handshake with {addr} not done within {HANDSHAKE_TIMEOUT:?}"),
+                ))
+            })?
             .inspect_err(|e| inner.handshake_failed(addr, e, true))?;
         let Some(peer) = peer_node_id(&conn) else {
             conn.close(1u32.into(), b"no node id");
@@ -870,21 +886,34 @@ pub(crate) async fn accept_loop(inner: Arc<Transport>) {
     let Ok(endpoint) = inner.endpoint() else {
         return;
     };
+    let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_INBOUND_HANDSHAKES));
     loop {
         let incoming = tokio::select! {
             biased;
             _ = inner.shutdown.cancelled() => return,
             i = endpoint.accept() => match i { Some(i) => i, None => return },
         };
+        let Ok(handshake) = handshakes.clone().try_acquire_owned() else {
+            ClusterMetrics::bump(&inner.metrics.handshakes_failed);
+            incoming.refuse();
+            continue;
+        };
         let inner = inner.clone();
         tokio::spawn(async move {
             let from = incoming.remote_address();
-            let conn = match incoming.await {
-                Ok(c) => c,
-                Err(e) => {
+            let accepted = tokio::time::timeout(HANDSHAKE_TIMEOUT, incoming).await;
+            drop(handshake);
+            let conn = match accepted {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => {
                     ClusterMetrics::bump(&inner.metrics.handshakes_failed);
                     inner.handshake_failed(from, &e, false);
                     tracing::debug!("inbound handshake failed: {e}");
+                    return;
+                }
+                Err(_) => {
+                    ClusterMetrics::bump(&inner.metrics.handshakes_failed);
+                    tracing::debug!(%from, "inbound handshake not done within {HANDSHAKE_TIMEOUT:?}");
                     return;
                 }
             };
