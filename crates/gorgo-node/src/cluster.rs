@@ -261,6 +261,15 @@ impl PeerSource for ClusterPeers {
     }
 
     fn send_tuning(&self, to: &NodeId, msg: &TuningMessage) {
+        // `to` may come from a message body (a stale proposal's leader): a sender task
+        // for an id no member holds would wait for the cluster to close, one per
+        // made-up id.
+        let alive = self.handle.alive_peers();
+        self.tuning_out.retain(|id| alive.contains(id));
+        if !alive.contains(to) {
+            tracing::debug!(peer = %to, "tuning message to a node not alive: not sent");
+            return;
+        }
         let Some(bytes) = tuning_bytes(msg) else {
             return;
         };

@@ -29,6 +29,17 @@ async fn quic_node(
     // does (as in `tuning_mesh`).
     let tuning = "[tuning]\nmode = \"online\"\nwindow_requests = 4\nmax_trial_windows = 1\n\
                   min_samples = 2\nstartup_grace_ms = 0\nsettle_margin = 1.0\n";
+    node_with_tuning(id, engine, ca, advertise, cluster, tuning).await
+}
+
+async fn node_with_tuning(
+    id: &str,
+    engine: &StubEngine,
+    ca: &gorgo_cluster::ClusterCa,
+    advertise: Option<std::net::SocketAddr>,
+    cluster: &str,
+    tuning: &str,
+) -> (gorgo_node::NodeHandle, CancellationToken) {
     let mut cfg = config(id, &engine.url(), &format!("{cluster}\n{tuning}")).into_inner();
     cfg.listen.quic = free_udp();
     cfg.listen.advertise_quic = advertise;
@@ -106,4 +117,45 @@ async fn proposals_and_reports_travel_over_quic_through_a_dial_override() {
         .all(|e| e.record.samples + e.record.incumbent_samples >= 2));
     a_stop.cancel();
     b_stop.cancel();
+}
+
+/// A tuning message addressed to an id no member holds (a stale proposal names its
+/// leader, which the message body sets) starts no sender task: before, each made-up id
+/// got a task that waited for the cluster to close.
+#[tokio::test]
+async fn tuning_messages_to_ids_no_member_holds_start_no_tasks() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let engine = StubEngine::start("a").await;
+    let ca = gorgo_cluster::ClusterCa::generate("test CA").unwrap();
+    // Static: the node leads no line, so nothing it broadcasts prunes the senders
+    // (a follower's case).
+    let (node, shutdown) = node_with_tuning("a", &engine, &ca, None, "", "").await;
+    let cfg = gorgo_core::es::TuningConfig::gorgo();
+    let proposal = |leader: String| {
+        gorgo_core::tuning::TuningMessage::Proposal(gorgo_core::tuning::Proposal {
+            epoch: 3,
+            leader: leader.as_str().into(),
+            incarnation: 0,
+            weights: cfg.start_weights(),
+            candidate: None,
+            phase: gorgo_core::tuning::Phase::MeasureCandidate,
+            state: gorgo_core::es::EsState::new(&cfg),
+            switchback_block_ms: None,
+        })
+    };
+    let tasks = tokio::runtime::Handle::current().metrics();
+    let before = tasks.num_alive_tasks();
+    for i in 0..300 {
+        let to = NodeId::from(format!("ghost-{i}").as_str());
+        node.state
+            .peers
+            .send_tuning(&to, &proposal(format!("ghost-{i}")));
+    }
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+    let after = tasks.num_alive_tasks();
+    assert!(after < before + 100, "{before} tasks before, {after} after");
+    shutdown.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(10), node.wait()).await;
 }
