@@ -44,6 +44,16 @@ pub enum EngineFailure {
     Timeout,
     /// Connection refused, reset, or a broken response (502).
     Failed(String),
+    /// Not sent: the breaker is open, or its half-open probe is out (503). No failure
+    /// of the engine's, so not counted as one (`gorgo_engine_failures_total`).
+    Refused(String),
+}
+
+impl EngineFailure {
+    /// Whether the engine failed the request (not refused before sending it).
+    pub fn is_engine_failure(&self) -> bool {
+        !matches!(self, EngineFailure::Refused(_))
+    }
 }
 
 impl From<EngineFailure> for crate::api::ServeError {
@@ -56,6 +66,9 @@ impl From<EngineFailure> for crate::api::ServeError {
             }
             EngineFailure::Failed(m) => {
                 crate::api::ServeError::Failed(format!("engine failed: {m}"))
+            }
+            EngineFailure::Refused(m) => {
+                crate::api::ServeError::Unavailable(format!("engine unavailable: {m}"))
             }
         }
     }
@@ -321,7 +334,7 @@ impl EngineAdapter {
             (admission, health.probe())
         };
         if !admission.may_send() {
-            return Err(EngineFailure::Failed(
+            return Err(EngineFailure::Refused(
                 "engine circuit breaker is open".into(),
             ));
         }

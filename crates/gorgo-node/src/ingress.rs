@@ -301,13 +301,20 @@ async fn local_passthrough(
     {
         Ok(r) => r,
         Err(e) => {
-            state.metrics.engine_failures.inc();
+            if e.is_engine_failure() {
+                state.metrics.engine_failures.inc();
+            }
             let e = ServeError::from(e);
             state.metrics.routed_request(e.status().1, UNROUTED, "");
             return e.response();
         }
     };
     let status = resp.status().as_u16();
+    if resp.status().is_server_error() {
+        // Counted against the breaker in `send_streamed`, and here as the routed
+        // paths count it: relayed to the client, as no peer serves these routes.
+        state.metrics.engine_failures.inc();
+    }
     let headers: Vec<(String, String)> = resp
         .headers()
         .get("content-type")

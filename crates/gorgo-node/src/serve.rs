@@ -595,7 +595,9 @@ pub async fn serve_local(
         .instrument(engine_span.clone())
         .await
         .map_err(|e| {
-            state.metrics.engine_failures.inc();
+            if e.is_engine_failure() {
+                state.metrics.engine_failures.inc();
+            }
             ServeError::from(e)
         })?;
     let status = resp.status().as_u16();

@@ -665,6 +665,14 @@ async fn an_abandoned_probe_frees_the_breakers_slot() {
     let probe = spawn_probe(&adapter);
     until("the probe reaches the engine", || engine.requests() == 1).await;
     assert_eq!(adapter.breaker(), BreakerState::HalfOpen { probing: true });
+    // Another request while the probe is out is refused unsent: the engine did not
+    // fail it (a 503 for its client, not a 502, and no engine failure counted).
+    let refused = spawn_probe(&adapter).await.unwrap();
+    assert!(
+        matches!(refused, Err(gorgo_node::engine::EngineFailure::Refused(_))),
+        "{refused:?}"
+    );
+    assert!(!refused.unwrap_err().is_engine_failure());
     probe.abort();
     assert!(probe.await.unwrap_err().is_cancelled());
     assert_eq!(adapter.breaker(), BreakerState::HalfOpen { probing: false });
@@ -705,6 +713,17 @@ async fn passthrough_server_errors_open_the_breaker() {
         "{:?}",
         adapter.breaker()
     );
+    // Each 5xx counts as an engine failure, as on the routed paths.
+    assert_eq!(node.state().metrics.engine_failures.get(), 2);
+    // The open breaker takes the next one unsent: 503, not counted as a failure.
+    let resp = client()
+        .post(format!("{}/v1/embeddings", node.base))
+        .json(&serde_json::json!({"model": "m", "input": "hi"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 503);
+    assert_eq!(node.state().metrics.engine_failures.get(), 2);
     node.shutdown.cancel();
 }
 
