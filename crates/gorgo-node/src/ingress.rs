@@ -941,7 +941,9 @@ impl Stream for Tracked {
                     // Its first byte came: no longer a wait for the deadline to count.
                     self.held.lock().waiting = None;
                     let ttft = self.started.elapsed().as_secs_f64();
-                    if self.ok_status {
+                    // A whole JSON body's first byte comes with its last: its time is
+                    // the E2E, not a TTFT (`respond`), for the histogram as for tuning.
+                    if self.ok_status && self.events.is_some() {
                         self.state.metrics.ttft.observe(ttft);
                         let ttft_ms = ttft * 1000.0;
                         if let Some((epoch, cell)) = &self.measured {

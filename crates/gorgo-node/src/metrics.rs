@@ -395,7 +395,7 @@ impl NodeMetrics {
         let ttft = Histogram::new(exponential_buckets(0.005, 1.6, 20));
         registry.register(
             "ttft_seconds",
-            "Time to first content byte at the client",
+            "Time to first content byte at the client, of streamed responses",
             ttft.clone(),
         );
         let e2e = Histogram::new(exponential_buckets(0.01, 1.6, 24));

@@ -88,6 +88,8 @@ struct Sent {
     forwarded_to: BTreeMap<String, u64>,
     /// The slowest request, send to last byte: no node saw a TTFT above it.
     slowest: Duration,
+    /// Requests answered 200 as an event stream: those the TTFT histogram counts.
+    streamed: u64,
 }
 
 impl Sent {
@@ -123,6 +125,7 @@ async fn send_traffic(c: &MeshCluster) -> Sent {
         let started = Instant::now();
         let resp = req.send().await.unwrap();
         assert_eq!(resp.status(), 200);
+        sent.streamed += u64::from(n % 2 == 0);
         let header = |name: &str| resp.headers()[name].to_str().unwrap().to_owned();
         let (served_by, hops) = (header("x-gorgo-served-by"), header("x-gorgo-hops"));
         let body = resp.bytes().await.unwrap();
@@ -346,11 +349,12 @@ async fn prometheus_answers_routing_queries_about_a_three_node_cluster() {
         sent.forwards()
     );
 
-    // TTFT: one observation per request, and the p95 lies at or below the bucket
-    // bound that holds the slowest request as the client timed it.
+    // TTFT: one observation per streamed request (a whole JSON body's first byte
+    // comes with its last), and the p95 lies at or below the bucket bound that holds
+    // the slowest request as the client timed it.
     assert_eq!(
         prometheus.scalar("sum(gorgo_ttft_seconds_count)").await as u64,
-        sent.total()
+        sent.streamed
     );
     let p95 = prometheus
         .scalar("histogram_quantile(0.95, sum by (le) (gorgo_ttft_seconds_bucket))")
