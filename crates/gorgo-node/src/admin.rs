@@ -169,6 +169,17 @@ async fn readyz(State(state): State<Arc<NodeState>>) -> Response {
         (StatusCode::OK, "ready").into_response()
     } else if state.is_draining() {
         error_response(StatusCode::SERVICE_UNAVAILABLE, "draining")
+    } else if state
+        .engines()
+        .iter()
+        .all(|e| e.status() != crate::local::EngineStatus::Serving)
+    {
+        // An operator's `POST /admin/engines/N/drain` on every engine: the engines
+        // may be healthy, this node just takes no requests for them.
+        error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "every local engine drained",
+        )
     } else {
         error_response(StatusCode::SERVICE_UNAVAILABLE, "local engine not healthy")
     }

@@ -163,6 +163,24 @@ async fn replicas_are_added_drained_and_removed_through_the_admin_api() {
         let path = format!("/admin/engines/{r}/drain");
         assert_eq!(admin(Method::POST, &path, None).await.0, 200);
     }
+    // All three drained, the node is not ready, and says why: its engines are
+    // healthy, it takes no requests for them.
+    assert_eq!(
+        admin(Method::POST, "/admin/engines/2/drain", None).await.0,
+        200
+    );
+    let ready = client()
+        .get(format!("{}/readyz", node.admin))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), 503);
+    let why = ready.text().await.unwrap();
+    assert!(why.contains("every local engine drained"), "{why}");
+    assert_eq!(
+        admin(Method::POST, "/admin/engines/2/serve", None).await.0,
+        200
+    );
     let before = served(&es);
     for i in 0..5 {
         assert_eq!(chat(&node, &prompt(&format!("drain {i}"), 300)).await, 200);
