@@ -399,7 +399,8 @@ async fn decisions(
         let message = format!("limit: at most {MAX_DECISIONS_PER_PAGE}");
         return invalid_field_response("limit", "invalid_value", &message);
     }
-    Json(state.router.recent(offset, limit)).into_response()
+    let page = state.router.recent(offset, limit);
+    Json(page.iter().map(|r| r.as_ref()).collect::<Vec<_>>()).into_response()
 }
 
 /// Most decisions one `/admin/decisions` answers: they are copied under the lock

@@ -4,6 +4,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use gorgo_core::cost::{Candidate, ForwardLedger};
 pub use gorgo_core::decision::DecisionRecord;
@@ -63,7 +64,7 @@ pub struct DecisionInput<'a> {
 /// The router's own state: policy instances, decision log, forward ledger.
 pub struct Router {
     policies: Mutex<HashMap<PolicyKind, Box<dyn Policy>>>,
-    log: Mutex<VecDeque<DecisionRecord>>,
+    log: Mutex<VecDeque<Arc<DecisionRecord>>>,
     log_capacity: usize,
     /// This node's forwards to each peer not yet visible in their stats.
     pub ledger: Mutex<ForwardLedger>,
@@ -91,8 +92,10 @@ impl Router {
     }
 
     /// `limit` decisions, newest first, after the newest `offset`: pages through the
-    /// whole log, however long `routing.decision_log` makes it.
-    pub fn recent(&self, offset: usize, limit: usize) -> Vec<DecisionRecord> {
+    /// whole log, however long `routing.decision_log` makes it. Shared, not copied:
+    /// every decision takes the log's lock, and a page of 1,000 records, each with
+    /// every candidate of the cluster, deep-copied under it stalled routing.
+    pub fn recent(&self, offset: usize, limit: usize) -> Vec<Arc<DecisionRecord>> {
         self.log
             .lock()
             .iter()
@@ -202,7 +205,7 @@ impl Router {
         if log.len() >= self.log_capacity {
             log.pop_front();
         }
-        log.push_back(record);
+        log.push_back(Arc::new(record));
     }
 
     /// The forward that decision `request_id`'s record (made at `at_ms`) chose did not
@@ -215,7 +218,8 @@ impl Router {
             .rev()
             .find(|r| r.request_id == request_id && r.at_ms == at_ms)
         {
-            r.forward_outcome = Some(outcome.to_owned());
+            // A copy only while a page being served shares it.
+            Arc::make_mut(r).forward_outcome = Some(outcome.to_owned());
         }
     }
 
@@ -354,10 +358,29 @@ mod tests {
             i.request_id = id;
             r.decide(&i, cands());
         }
-        let ids = |page: Vec<DecisionRecord>| page.iter().map(|d| d.request_id).collect::<Vec<_>>();
+        let ids =
+            |page: Vec<Arc<DecisionRecord>>| page.iter().map(|d| d.request_id).collect::<Vec<_>>();
         assert_eq!(ids(r.recent(0, 2)), [4, 3]);
         assert_eq!(ids(r.recent(2, 2)), [2, 1]);
         assert_eq!(ids(r.recent(4, 2)), [0]);
         assert!(r.recent(5, 2).is_empty());
+    }
+
+    /// A page shares the log's records rather than copying them under the lock every
+    /// decision takes; a record a page holds still takes its forward's outcome (in
+    /// the log, not in the page already served).
+    #[test]
+    fn a_page_shares_the_logs_records() {
+        let r = Router::new(8, 1);
+        let chain = HashChain::default();
+        r.decide(&input(1, &chain), cands());
+        let (a, b) = (r.recent(0, 1), r.recent(0, 1));
+        assert!(Arc::ptr_eq(&a[0], &b[0]));
+        r.note_forward_outcome(a[0].request_id, a[0].at_ms, "forward-refused");
+        assert_eq!(a[0].forward_outcome, None);
+        assert_eq!(
+            r.recent(0, 1)[0].forward_outcome.as_deref(),
+            Some("forward-refused")
+        );
     }
 }
