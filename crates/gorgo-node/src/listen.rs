@@ -666,8 +666,17 @@ async fn serve_connection(
             r = conn.as_mut() => {
                 if let Err(e) = r {
                     let m = e.to_string();
-                    if m.contains("timeout") {
-                        metrics.refuse(port, "header_timeout");
+                    let timed_out = e
+                        .downcast_ref::<hyper::Error>()
+                        .map_or(m.contains("timeout"), hyper::Error::is_timeout);
+                    if timed_out {
+                        // Hyper's header timer runs again after each HTTP/1 response,
+                        // so a keep-alive connection that served its requests and went
+                        // quiet ends here too: that is an idle close, not a client
+                        // slow to send a head.
+                        let served = activity.headed.load(Ordering::Relaxed)
+                            && activity.active.load(Ordering::Relaxed) == 0;
+                        metrics.refuse(port, if served { "idle" } else { "header_timeout" });
                     }
                     tracing::debug!(port, %addr, error = %m, "connection ended");
                 }

@@ -183,6 +183,41 @@ async fn idle_and_silent_connections_are_closed() {
     node.shutdown.cancel();
 }
 
+/// A keep-alive HTTP/1 connection that served a request and then went quiet is closed
+/// at the header timeout (hyper's timer runs again after each response) and counted
+/// as `idle`: a client slow to send a head is what `header_timeout` counts, and a
+/// pool's idle connections there hid it.
+#[tokio::test]
+async fn a_quiet_keep_alive_connection_is_counted_idle() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(
+        config(
+            "a",
+            &engine.url(),
+            "[limits]\nheader_timeout_ms = 200\nidle_timeout_ms = 3600000\n",
+        ),
+        None,
+    )
+    .await;
+    let mut s = connect_from("127.0.0.2", http_addr(&node)).await;
+    s.write_all(b"GET /v1/models HTTP/1.1\r\nhost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let out = read_to_close(&mut s, Duration::from_secs(20)).await;
+    assert!(
+        out.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&out)
+    );
+    let metrics = metrics_text(&node).await;
+    assert!(
+        metrics.contains(r#"gorgo_connections_refused_total{port="client",reason="idle"} 1"#),
+        "{metrics}"
+    );
+    assert!(!metrics.contains(r#"reason="header_timeout""#), "{metrics}");
+    node.shutdown.cancel();
+}
+
 /// An HTTP/2 (h2c) client that sends the preface and half a request head (a HEADERS
 /// frame without END_HEADERS, and no CONTINUATION) is closed after
 /// `header_timeout_ms`, as an HTTP/1 client with half a head is: hyper's header
