@@ -728,7 +728,6 @@ fn respond(
         finished: false,
         deadline: Box::pin(tokio::time::sleep(deadline)),
     };
-    state.metrics.inflight.inc();
     let mut resp = Response::new(Body::from_stream(tracked));
     *resp.status_mut() = status;
     let h = resp.headers_mut();
@@ -834,7 +833,6 @@ impl Tracked {
     fn finish(&mut self, outcome: &str) {
         if !self.finished {
             self.finished = true;
-            self.state.metrics.inflight.dec();
             let outcome = if outcome == "ok" && !self.ok_status {
                 "engine_error"
             } else {

@@ -617,6 +617,16 @@ impl NodeState {
             .set(self.tuning.is_leader() as i64);
     }
 
+    /// Client requests in flight: those holding an ingress slot (from the moment the
+    /// slot is taken, through routing, the engine's or a peer's wait for a head, to the
+    /// body's end), and the overflow relays. What `gorgo_inflight_requests` shows and
+    /// a drain waits on.
+    pub fn client_requests_in_flight(&self) -> usize {
+        let limits = &self.config.limits;
+        (limits.max_concurrency - self.permits.available_permits())
+            + (limits.max_forwards - self.overflow_permits.available_permits())
+    }
+
     /// Update the gauges that are read at scrape time. The per-engine and per-peer
     /// families are cleared and refilled, so a removed engine's series and a
     /// forgotten peer's go with them; what they are refilled with is read first, and
@@ -636,6 +646,9 @@ impl NodeState {
             })
             .collect();
         let refilling = self.metrics.refilling();
+        self.metrics
+            .inflight
+            .set(metrics::gauge_value(self.client_requests_in_flight() as u64));
         self.metrics
             .peers_alive
             .set(peers.iter().filter(|p| p.alive).count() as i64);
@@ -757,11 +770,7 @@ pub async fn drain(state: &Arc<NodeState>, deadline: Duration) -> usize {
         let relays = limits.max_forwards - state.overflow_permits.available_permits();
         state.engine_inflight() as usize + forwards.saturating_sub(relays)
     };
-    // Client requests: those holding an ingress slot, and the overflow relays.
-    let clients = || {
-        (limits.max_concurrency - state.permits.available_permits())
-            + (limits.max_forwards - state.overflow_permits.available_permits())
-    };
+    let clients = || state.client_requests_in_flight();
     for phase in ["local work", "client requests"] {
         loop {
             let n = if phase == "local work" {

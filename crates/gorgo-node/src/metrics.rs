@@ -493,7 +493,7 @@ impl NodeMetrics {
         let inflight = Gauge::default();
         registry.register(
             "inflight_requests",
-            "Requests in flight through the ingress",
+            "Client requests in flight through the ingress, from admission to the body's end",
             inflight.clone(),
         );
         let engine_healthy = Gauge::default();

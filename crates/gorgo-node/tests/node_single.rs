@@ -530,11 +530,21 @@ async fn a_request_that_is_not_streamed_leaves_the_queue_at_its_expected_prefill
     })
     .await;
     assert_eq!(adapter.inflight(), 1);
+    // In flight for the node's gauge too, though no response head has come (it
+    // counted from the head, which such a request gets with its last byte).
+    let metrics = metrics_text(&node).await;
+    assert!(metrics.contains("gorgo_inflight_requests 1\n"), "{metrics}");
     engine.release.notify_waiters();
     let resp = request.await.unwrap().unwrap();
     assert_eq!(resp.status(), 200);
     resp.bytes().await.unwrap();
     until("the request finishes", || adapter.inflight() == 0).await;
+    until("the client's slot is free", || {
+        node.state().client_requests_in_flight() == 0
+    })
+    .await;
+    let metrics = metrics_text(&node).await;
+    assert!(metrics.contains("gorgo_inflight_requests 0\n"), "{metrics}");
     node.shutdown.cancel();
 }
 
