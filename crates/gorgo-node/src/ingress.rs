@@ -486,6 +486,10 @@ async fn completion(
     // bound that work (and its memory: a parsed body is many times its size) too.
     let slot = match state.permits.clone().try_acquire_owned() {
         Ok(p) => Some(Slot::Ingress(p)),
+        // Only with a live peer: without one the relay would parse and tokenise the
+        // body for nothing, log its healthy engines as excluded and answer "no
+        // healthy engine".
+        Err(_) if !state.peers.peers().iter().any(|p| p.alive) => None,
         Err(_) => state
             .forward_permits
             .clone()

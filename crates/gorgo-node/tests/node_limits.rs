@@ -534,6 +534,55 @@ async fn a_draining_node_finishes_what_it_has_and_sends_new_work_to_peers() {
     b.shutdown.cancel();
 }
 
+/// A node with no live peer and its ingress full answers "too many requests in flight"
+/// (503, `Retry-After`) at once. Before, the request took an overflow slot for a relay
+/// no peer could take: parsed and tokenised, logged with its healthy engine excluded,
+/// and answered "no healthy engine and no live peer".
+#[tokio::test]
+async fn a_full_node_without_peers_does_not_overflow() {
+    let engine = StubEngine::start("e").await;
+    engine.set_mode(HANG);
+    let node = start_node(
+        config("a", &engine.url(), "[limits]\nmax_concurrency = 1\n"),
+        None,
+    )
+    .await;
+    let url = format!("{}/v1/chat/completions", node.base);
+    let first = tokio::spawn({
+        let url = url.clone();
+        async move {
+            client()
+                .post(url)
+                .json(&chat_body("first", false))
+                .send()
+                .await
+                .map(|r| r.status())
+        }
+    });
+    until("the first holds the slot", || engine.requests() >= 1).await;
+    let resp = client()
+        .post(&url)
+        .json(&chat_body("second", false))
+        .send()
+        .await
+        .unwrap();
+    assert!(resp.headers().contains_key("retry-after"));
+    let (status, err) = error_of(resp).await;
+    assert_eq!(status, 503);
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("too many requests in flight"),
+        "{err}"
+    );
+    let decisions = admin_json(&node, "/admin/decisions").await;
+    assert_eq!(decisions.as_array().unwrap().len(), 1, "{decisions}");
+    engine.release.notify_waiters();
+    assert_eq!(first.await.unwrap().unwrap(), 200);
+    node.shutdown.cancel();
+}
+
 /// A drain closes the client listener once the work only this node can finish is done,
 /// though client requests it relays to peers are still in flight: an overflow relay
 /// (the ingress cap full, the request sent on to a peer) holds a forward slot, and was
