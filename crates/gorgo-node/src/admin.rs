@@ -132,32 +132,47 @@ async fn read_body_in_time(
 /// `GET /metrics`: OpenMetrics to a scraper that asks for it (Prometheus does, in
 /// its `Accept`), the Prometheus text format 0.0.4 to everyone else (`curl`,
 /// `promtool check metrics`), as Prometheus' own client libraries negotiate.
+///
+/// One encoding at a time, on the blocking pool; a scrape shares the first encoding
+/// that started after it arrived ([`NodeState`]'s `scrapes`).
 async fn metrics(State(state): State<Arc<NodeState>>, headers: http::HeaderMap) -> Response {
-    state.refresh_gauges();
+    let arrived = std::time::Instant::now();
     let openmetrics = headers
         .get_all(http::header::ACCEPT)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .any(|v| v.contains("application/openmetrics-text"));
-    if openmetrics {
-        (
-            [(
-                http::header::CONTENT_TYPE,
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            )],
-            state.metrics.encode(),
-        )
-            .into_response()
+    let content_type = if openmetrics {
+        "application/openmetrics-text; version=1.0.0; charset=utf-8"
     } else {
-        (
-            [(
-                http::header::CONTENT_TYPE,
-                "text/plain; version=0.0.4; charset=utf-8",
-            )],
-            state.metrics.encode_prometheus_text(),
-        )
-            .into_response()
-    }
+        "text/plain; version=0.0.4; charset=utf-8"
+    };
+    let mut scrapes = state.scrapes.lock().await;
+    let last = &mut scrapes[usize::from(openmetrics)];
+    let body = match last.as_ref().filter(|(started, _)| *started >= arrived) {
+        Some((_, body)) => body.clone(),
+        None => {
+            let started = std::time::Instant::now();
+            let st = state.clone();
+            let encoded = tokio::task::spawn_blocking(move || {
+                st.refresh_gauges();
+                if openmetrics {
+                    st.metrics.encode()
+                } else {
+                    st.metrics.encode_prometheus_text()
+                }
+            })
+            .await;
+            let Ok(encoded) = encoded else {
+                return error_response(StatusCode::INTERNAL_SERVER_ERROR, "encoding failed");
+            };
+            let body = bytes::Bytes::from(encoded);
+            *last = Some((started, body.clone()));
+            body
+        }
+    };
+    drop(scrapes);
+    ([(http::header::CONTENT_TYPE, content_type)], body).into_response()
 }
 
 async fn readyz(State(state): State<Arc<NodeState>>) -> Response {

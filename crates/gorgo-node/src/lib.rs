@@ -104,6 +104,12 @@ pub struct NodeState {
     /// during one share its answer, so unauthenticated callers cannot turn the route
     /// into unbounded engine work.
     pub(crate) health_probe: tokio::sync::Mutex<Option<(Instant, Result<(), String>)>>,
+    /// The last `/metrics` encoding of each format (OpenMetrics, Prometheus text) and
+    /// when it started, held while one runs: scrapes run one at a time, off the async
+    /// workers, and those that arrive during one wait for the next and share it, so
+    /// a flood of scrapes (no token needed) neither parks the workers the client
+    /// ingress runs on nor encodes the registry once each.
+    pub(crate) scrapes: tokio::sync::Mutex<[Option<(Instant, bytes::Bytes)>; 2]>,
     /// Set when the node starts draining (SIGTERM): `/readyz` answers 503 so load
     /// balancers stop sending, while in-flight requests finish.
     draining: AtomicBool,
@@ -184,6 +190,7 @@ impl NodeState {
             overflow_permits: Arc::new(Semaphore::new(config.limits.max_forwards)),
             body_budget,
             health_probe: tokio::sync::Mutex::new(None),
+            scrapes: tokio::sync::Mutex::new([None, None]),
             draining: AtomicBool::new(false),
             closing: CancellationToken::new(),
             started: Instant::now(),
