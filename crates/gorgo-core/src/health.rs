@@ -197,25 +197,45 @@ impl EngineHealth {
         }
     }
 
-    /// The outcome of a real request.
+    /// The outcome of a real request other than the half-open probe (whose failure is
+    /// [`EngineHealth::on_probe_failed`]'s).
+    ///
+    /// While the breaker is not closed, every such request was sent before it opened
+    /// (it admits none but the probe since). An answer during the cooldown is older
+    /// news than what opened it, so it does not close it (the cooldown holds, and then
+    /// one probe decides); after the cooldown an answer shows the engine serving now,
+    /// and closes it. A failure is the opening's own news arriving late (the requests a
+    /// hung engine held time out one by one): it neither extends the cooldown nor
+    /// reopens a half-open breaker, whose probe decides. Before, each such timeout
+    /// opened the breaker for another whole cooldown, and one arriving while a probe
+    /// was out threw the probe's success away.
     pub fn on_request(&mut self, outcome: RequestOutcome, now_ms: u64) -> Option<HealthChange> {
+        let state = self.state(now_ms);
         match outcome {
-            // An answer during the cooldown comes from a request sent before the
-            // breaker opened: older news than what opened it, so it does not close it
-            // (the cooldown holds, and then one probe decides).
-            RequestOutcome::Answered if matches!(self.state(now_ms), BreakerState::Open { .. }) => {
-                None
-            }
+            RequestOutcome::Answered if matches!(state, BreakerState::Open { .. }) => None,
             RequestOutcome::Answered => self.succeed(),
+            RequestOutcome::Failed if state != BreakerState::Closed => None,
             RequestOutcome::Failed => {
                 self.consecutive_failures = self.consecutive_failures.saturating_add(1);
-                let probing = matches!(self.state(now_ms), BreakerState::HalfOpen { .. });
-                if probing || self.consecutive_failures >= self.config.failures_to_open {
+                if self.consecutive_failures >= self.config.failures_to_open {
                     self.open(now_ms)
                 } else {
                     None
                 }
             }
+        }
+    }
+
+    /// Probe `probe` ([`EngineHealth::probe`]) failed: open again for a whole
+    /// cooldown, if it still holds the slot (a health check may have reopened the
+    /// breaker while it was out, and a later probe may hold the slot now).
+    pub fn on_probe_failed(&mut self, probe: u64, now_ms: u64) -> Option<HealthChange> {
+        if probe == self.probes && self.state(now_ms) == (BreakerState::HalfOpen { probing: true })
+        {
+            self.consecutive_failures = self.consecutive_failures.saturating_add(1);
+            self.open(now_ms)
+        } else {
+            None
         }
     }
 
@@ -301,7 +321,7 @@ mod tests {
         assert!(!h.routable(1_001));
         // The probe fails: open again for a full cooldown.
         assert_eq!(
-            h.on_request(RequestOutcome::Failed, 1_200),
+            h.on_probe_failed(h.probe(), 1_200),
             Some(HealthChange::Reopened)
         );
         assert_eq!(h.state(1_300), BreakerState::Open { until_ms: 2_200 });
@@ -328,6 +348,44 @@ mod tests {
         assert_eq!(
             h.on_request(RequestOutcome::Answered, 1_000),
             Some(HealthChange::Closed)
+        );
+    }
+
+    /// A request sent before the breaker opened that fails later (a hung engine's held
+    /// requests time out one by one) neither extends the cooldown nor reopens the
+    /// half-open breaker, nor throws away its probe's success: the probe decides.
+    #[test]
+    fn a_late_failure_is_the_openings_news_not_new_news() {
+        let mut h = breaker();
+        for _ in 0..3 {
+            h.on_request(RequestOutcome::Failed, 0);
+        }
+        assert_eq!(h.state(0), BreakerState::Open { until_ms: 1_000 });
+        assert_eq!(h.on_request(RequestOutcome::Failed, 500), None);
+        assert_eq!(h.state(500), BreakerState::Open { until_ms: 1_000 });
+        assert_eq!(h.admit(1_000), Admission::Probe);
+        assert_eq!(h.on_request(RequestOutcome::Failed, 1_001), None);
+        assert_eq!(h.state(1_001), BreakerState::HalfOpen { probing: true });
+        assert_eq!(
+            h.on_request(RequestOutcome::Answered, 1_002),
+            Some(HealthChange::Closed)
+        );
+        // A probe's failure after it lost the slot decides nothing.
+        h.on_check(false, 2_000);
+        assert_eq!(h.admit(3_000), Admission::Probe);
+        let stale = h.probe();
+        assert_eq!(h.on_check(false, 3_100), Some(HealthChange::Reopened));
+        assert_eq!(h.admit(4_100), Admission::Probe);
+        assert_eq!(h.on_probe_failed(stale, 4_200), None);
+        assert_eq!(h.state(4_200), BreakerState::HalfOpen { probing: true });
+        // Closed, failures count again.
+        h.on_request(RequestOutcome::Answered, 4_300);
+        for _ in 0..2 {
+            assert_eq!(h.on_request(RequestOutcome::Failed, 4_400), None);
+        }
+        assert_eq!(
+            h.on_request(RequestOutcome::Failed, 4_400),
+            Some(HealthChange::Opened)
         );
     }
 
@@ -378,6 +436,7 @@ mod tests {
             for (kind, dt) in events {
                 now += dt;
                 let change = match kind {
+                    0 if dt % 3 == 0 => h.on_probe_failed(h.probe(), now),
                     0 => h.on_request(RequestOutcome::Failed, now),
                     1 => h.on_request(RequestOutcome::Answered, now),
                     2 => h.on_check(dt % 2 == 0, now),

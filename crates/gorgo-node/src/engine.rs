@@ -352,13 +352,21 @@ impl EngineAdapter {
             _ = opened => Err(EngineFailure::Failed("engine circuit breaker opened".into())),
         };
         probe.held = false;
+        let failed = match &result {
+            Ok(resp) => resp.status().is_server_error(),
+            Err(_) => true,
+        };
         match &result {
-            Ok(resp) if resp.status().is_server_error() => self.record(RequestOutcome::Failed),
+            // The probe's failure opens the breaker again, if it still holds the slot.
+            _ if failed && admission == Admission::Probe => {
+                let change = self.health.lock().on_probe_failed(probe_id, self.now_ms());
+                self.changed(change);
+            }
+            _ if failed => self.record(RequestOutcome::Failed),
             // A probe's answer is its head: it closes the breaker now, not when a long
             // body ends (or never, if its client leaves first).
             Ok(_) if admission == Admission::Probe => self.record(RequestOutcome::Answered),
-            Ok(_) => {}
-            Err(_) => self.record(RequestOutcome::Failed),
+            _ => {}
         }
         result
     }
