@@ -110,6 +110,9 @@ struct Inner {
     started: Instant,
     events: Mutex<std::collections::VecDeque<(Duration, MembershipEvent)>>,
     membership_tx: tokio::sync::watch::Sender<u64>,
+    /// When this node last renewed its identity (a rejoin): a "you were declared down"
+    /// for the new identity sooner than a suspicion could run its course is not news.
+    renewed_at: Mutex<Option<Instant>>,
 }
 
 /// What the node holds: cheap to clone, every method usable from any task.
@@ -252,6 +255,7 @@ pub async fn start(
         started: Instant::now(),
         events: Mutex::new(std::collections::VecDeque::new()),
         membership_tx: tokio::sync::watch::channel(0).0,
+        renewed_at: Mutex::new(None),
         config,
     });
     let handler = StatsHandler {
@@ -381,6 +385,7 @@ fn renew_identity(
             tracing::warn!(generation = next.generation, "declared down; rejoining");
             inner.log(MembershipEvent::Rejoined(next.generation));
             *inner.me.lock() = next;
+            *inner.renewed_at.lock() = Some(Instant::now());
             announce_to_known(inner, foca, rt);
         }
         Err(e) => tracing::warn!("renewing the identity failed: {e}"),
@@ -483,8 +488,8 @@ fn handle_data(
 ) {
     // The TLS peer must be who the packet claims to come from: a node may only speak
     // for itself.
-    let src = match foca::Codec::decode_header(&mut BincodeCodec, data) {
-        Ok(h) if h.src.node == *from => h.src,
+    let header = match foca::Codec::decode_header(&mut BincodeCodec, data) {
+        Ok(h) if h.src.node == *from => h,
         Ok(_) => {
             ClusterMetrics::bump(&inner.metrics.spoofed_received);
             return;
@@ -497,11 +502,30 @@ fn handle_data(
     // And the id must not be held alive at another address: a second process with
     // the same certificate stays out of SWIM altogether; nor may the address be held
     // alive by another id, which foca would replace (docs/cluster.md, "Identity").
+    let src = &header.src;
     match inner.peers.sender_claim(&inner.node_id, from, src.addr) {
-        Claim::Accepted => inner.transport.bind_inbound(conn, &src),
+        Claim::Accepted => inner.transport.bind_inbound(conn, src),
         refused => {
             inner.transport.refuse(from, conn);
-            inner.refused(&src, refused);
+            inner.refused(src, refused);
+            return;
+        }
+    }
+    // foca renews its identity on any "you were declared down" for it, and every
+    // renewal makes each peer forget this node's summaries and cut the forwards it has
+    // in flight here. A member that declares the identity just renewed down sooner
+    // than a suspicion can take (probe, indirect probe, suspicion timeout) is not
+    // reporting a suspicion: one member with a certificate made this node renew at
+    // every packet.
+    if header.message == foca::Message::TurnUndead && header.dst == *foca.identity() {
+        let window = inner.config.swim.probe_period + inner.config.swim.suspect_to_down_after;
+        if inner
+            .renewed_at
+            .lock()
+            .is_some_and(|at| at.elapsed() < window)
+        {
+            ClusterMetrics::bump(&inner.metrics.spurious_turn_undead_dropped);
+            tracing::debug!(peer = %from, "declared down just after renewing: ignored");
             return;
         }
     }
@@ -579,6 +603,7 @@ fn drain(
             OwnedNotification::Rejoin(id) => {
                 inner.log(MembershipEvent::Rejoined(id.generation));
                 *inner.me.lock() = id;
+                *inner.renewed_at.lock() = Some(Instant::now());
                 self_state = self_state.max_with(SelfState::Rejoined);
             }
             // Also what foca says after our own `leave_cluster`; the callers that leave

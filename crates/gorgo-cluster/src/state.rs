@@ -653,8 +653,9 @@ pub struct ClusterMetrics {
     /// Handshakes, dialed or accepted, that failed because one side's certificate has
     /// expired: a node to re-issue (`gorgo certs --days`) and restart.
     pub handshakes_expired_certificate: AtomicU64,
-    /// "You were declared down" notices foca wanted to send to a member that refuted
-    /// its suspicion in time (dropped: see `docs/cluster.md`).
+    /// "You were declared down" notices dropped: those foca wanted to send to a member
+    /// that refuted its suspicion in time, and those received for this node's identity
+    /// sooner after its last renewal than a suspicion can take (see `docs/cluster.md`).
     pub spurious_turn_undead_dropped: AtomicU64,
     /// Claims of a peer's node id from another address than the live member holding
     /// it (SWIM packets, membership updates, stats broadcasts), and SWIM packets whose

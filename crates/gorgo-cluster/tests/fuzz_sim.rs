@@ -150,3 +150,81 @@ fn random_traffic_changes_nothing() {
     let m = h["n0"].metrics();
     assert!(m.malformed_received.load(Ordering::Relaxed) > 1000, "{m:?}");
 }
+
+/// A member with a certificate that keeps declaring n0 down (`TurnUndead` to n0's
+/// current identity, five times a second for 5 s) makes it renew at most once per
+/// suspicion's length (probe, indirect probe, suspicion timeout: 2.4 s), not at every
+/// packet (25 renewals before): each renewal makes every peer forget n0's summaries
+/// and cut their forwards there.
+#[test]
+fn a_member_declaring_a_node_down_again_and_again_gets_a_renewal_per_suspicion() {
+    let mut sim = sim(3, Duration::from_secs(120));
+    let creds = credentials(&["n0", "n1", "fuzz"]);
+    let handles = Handles::default();
+    for (i, n) in ["n0", "n1"].iter().enumerate() {
+        add_node(
+            &mut sim,
+            NodeSpec {
+                name: (*n).to_owned(),
+                region: format!("region-{i}"),
+                credentials: creds[*n].clone(),
+                seeds: if i == 0 {
+                    vec![]
+                } else {
+                    vec!["n0".to_owned()]
+                },
+                churn: None,
+                generation: 1,
+            },
+            handles.clone(),
+        );
+    }
+    run_until(&mut sim, Duration::from_secs(10), |_| {
+        converged(&handles, &["n0", "n1"])
+    })
+    .expect("converge");
+    let done = Arc::new(AtomicBool::new(false));
+    let finished = done.clone();
+    let fuzz_creds = creds["fuzz"].clone();
+    let targets = handles.clone();
+    sim.client("fuzz", async move {
+        let target = SocketAddr::new(turmoil::lookup("n0"), PORT);
+        let (_endpoint, conn) = raw_connection("fuzz", &fuzz_creds, target).await?;
+        for _ in 0..25 {
+            let dst = targets.lock()["n0"].identity();
+            let header = foca::Header {
+                src: gorgo_cluster::MemberId {
+                    node: gorgo_core::NodeId::from("fuzz"),
+                    region: "fuzz".to_owned(),
+                    addr: SocketAddr::new(turmoil::lookup("fuzz"), 9001),
+                    generation: 1,
+                },
+                src_incarnation: 0,
+                dst,
+                message: foca::Message::TurnUndead,
+            };
+            let mut packet = vec![1u8];
+            foca::Codec::encode_header(
+                &mut gorgo_cluster::identity::BincodeCodec,
+                &header,
+                &mut packet,
+            )?;
+            conn.send_datagram(packet.into())?;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        finished.store(true, Ordering::SeqCst);
+        Ok(())
+    });
+    run_until(&mut sim, Duration::from_secs(60), |_| {
+        done.load(Ordering::SeqCst)
+    })
+    .expect("the member finishes");
+    let h = handles.lock();
+    let generation = h["n0"].identity().generation;
+    assert!((2..=4).contains(&generation), "{generation}");
+    let m = h["n0"].metrics();
+    assert!(
+        m.spurious_turn_undead_dropped.load(Ordering::Relaxed) >= 20,
+        "{m:?}"
+    );
+}
