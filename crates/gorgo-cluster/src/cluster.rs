@@ -91,7 +91,7 @@ struct Inner {
     draining: std::sync::atomic::AtomicBool,
     /// Refused claims already logged at warning level, so that an impostor sending
     /// ten packets a second logs once (the metric counts them all).
-    refusals_logged: Mutex<std::collections::HashSet<(NodeId, SocketAddr)>>,
+    refusals_logged: Mutex<crate::state::LogOnce<(NodeId, SocketAddr)>>,
     /// The QUIC endpoint and connections (hands what arrives back to this `Inner`
     /// through [`Inbound`]).
     transport: Arc<Transport>,
@@ -226,7 +226,10 @@ pub async fn start(
         me: Mutex::new(me.clone()),
         incarnation,
         draining: std::sync::atomic::AtomicBool::new(false),
-        refusals_logged: Mutex::new(std::collections::HashSet::new()),
+        refusals_logged: Mutex::new(crate::state::LogOnce::new(
+            transport::REFUSAL_WARNINGS.0,
+            transport::REFUSAL_WARNINGS.1,
+        )),
         transport: Arc::new(Transport::new(
             config.node_id.clone(),
             endpoint,
@@ -786,11 +789,9 @@ impl Inner {
     /// way.
     fn refused(&self, claim: &MemberId, why: Claim) {
         let first = {
-            let mut logged = self.refusals_logged.lock();
-            if logged.len() >= 1024 {
-                logged.clear();
-            }
-            logged.insert((claim.node.clone(), claim.addr))
+            self.refusals_logged
+                .lock()
+                .first((claim.node.clone(), claim.addr), Instant::now())
         };
         match why {
             Claim::Accepted => {}

@@ -733,9 +733,62 @@ impl ClusterMetrics {
     }
 }
 
+/// Which warnings to log: each key once, and at most `cap` keys a `window`. Why both:
+/// a warning per key, not per packet, and a sender that makes up a new key each packet
+/// (a new source address) logs `cap` a window, not one a packet; and when the window
+/// ends the set starts again, so that a flood of made-up keys does not silence the
+/// warnings about a real misconfiguration for the rest of the run.
+#[derive(Debug)]
+pub(crate) struct LogOnce<K> {
+    logged: std::collections::HashSet<K>,
+    /// When the window began (its first key).
+    since: Option<Instant>,
+    cap: usize,
+    window: std::time::Duration,
+}
+
+impl<K: std::hash::Hash + Eq> LogOnce<K> {
+    /// At most `cap` keys a `window`.
+    pub(crate) fn new(cap: usize, window: std::time::Duration) -> Self {
+        LogOnce {
+            logged: std::collections::HashSet::new(),
+            since: None,
+            cap,
+            window,
+        }
+    }
+
+    /// Whether to log `key` at `now`: the first time in this window, while the
+    /// window has room.
+    pub(crate) fn first(&mut self, key: K, now: Instant) -> bool {
+        let since = *self.since.get_or_insert(now);
+        if now.saturating_duration_since(since) >= self.window {
+            self.logged.clear();
+            self.since = Some(now);
+        }
+        self.logged.len() < self.cap && self.logged.insert(key)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each key once a window, at most `cap` keys a window, and a new window starts
+    /// over: a flood of made-up keys neither logs one a packet nor silences the rest
+    /// of the run.
+    #[test]
+    fn warnings_are_once_per_key_and_capped_per_window() {
+        let t0 = Instant::now();
+        let mut log = LogOnce::new(2, std::time::Duration::from_secs(60));
+        assert!(log.first(1, t0));
+        assert!(!log.first(1, t0));
+        assert!(log.first(2, t0));
+        assert!(!log.first(3, t0), "over the cap");
+        let later = t0 + std::time::Duration::from_secs(60);
+        assert!(log.first(3, later));
+        assert!(log.first(1, later));
+    }
 
     fn member(n: &str, g: u64) -> MemberId {
         MemberId {

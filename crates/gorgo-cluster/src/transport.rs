@@ -7,7 +7,7 @@
 //! (`state`), and hands what arrives to an [`Inbound`] the cluster implements, so it
 //! imports nothing from the modules above it.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -84,14 +84,16 @@ pub(crate) struct Transport {
     /// How long a stream on an inbound connection that has made no SWIM claim yet
     /// waits for one ([`VOUCH_WAIT_PROBE_PERIODS`] SWIM probe periods).
     vouch_wait: Duration,
-    /// The addresses already warned about, with why (at most
-    /// [`MAX_REFUSAL_WARNINGS`]): a warning per address and cause, not per dial.
-    warned: Mutex<HashSet<(SocketAddr, HandshakeRefusal)>>,
+    /// The addresses already warned about, with why: a warning per address and cause,
+    /// not per dial ([`REFUSAL_WARNINGS`]).
+    warned: Mutex<crate::state::LogOnce<(SocketAddr, HandshakeRefusal)>>,
 }
 
-/// Most addresses a node warns about once each for a handshake refused with a
-/// cause the operator must act on; beyond them only the counters and debug logs say.
-const MAX_REFUSAL_WARNINGS: usize = 256;
+/// Warnings of refused claims and handshakes: at most 256 keys every 10 minutes, then
+/// only the counters and debug logs say, until the window ends. (Before, 256 foreign
+/// handshakes from made-up addresses silenced these warnings for the rest of the run,
+/// and refused claims from a new address each packet logged one a packet.)
+pub(crate) const REFUSAL_WARNINGS: (usize, Duration) = (256, Duration::from_secs(600));
 
 /// A handshake refused for a cause the TLS alert names and an operator must act on:
 /// without it, a node of another release, or one issued under another cluster's CA,
@@ -494,7 +496,10 @@ impl Transport {
             shutdown,
             inbound,
             vouch_wait: probe_period.saturating_mul(VOUCH_WAIT_PROBE_PERIODS),
-            warned: Mutex::new(HashSet::new()),
+            warned: Mutex::new(crate::state::LogOnce::new(
+                REFUSAL_WARNINGS.0,
+                REFUSAL_WARNINGS.1,
+            )),
         }
     }
 
@@ -510,8 +515,9 @@ impl Transport {
             HandshakeRefusal::ExpiredCertificate => &self.metrics.handshakes_expired_certificate,
         });
         let first = {
-            let mut warned = self.warned.lock();
-            warned.len() < MAX_REFUSAL_WARNINGS && warned.insert((addr, refusal))
+            self.warned
+                .lock()
+                .first((addr, refusal), tokio::time::Instant::now())
         };
         if first {
             let side = if dialed { "dialing" } else { "accepting" };
