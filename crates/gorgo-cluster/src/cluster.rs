@@ -806,6 +806,17 @@ impl Inner {
                     );
                 }
             }
+            Claim::Full => {
+                ClusterMetrics::bump(&self.metrics.malformed_received);
+                if first {
+                    tracing::warn!(
+                        peer = %claim.node,
+                        claimed_from = %claim.addr,
+                        max = crate::state::MAX_PEERS,
+                        "a new member with the membership table full; refused"
+                    );
+                }
+            }
             Claim::Invalid => {
                 ClusterMetrics::bump(&self.metrics.malformed_received);
                 if first {

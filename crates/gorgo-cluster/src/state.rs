@@ -62,7 +62,15 @@ pub(crate) enum Claim {
     /// heard of second-hand, so a member relaying made-up ones must not grow the
     /// table.
     Invalid,
+    /// A new member while the table holds [`MAX_PEERS`]: members are heard of
+    /// second-hand, and each one costs a full summary snapshot a round while it cannot
+    /// be reached, so a member relaying made-up ones must not grow it without end.
+    Full,
 }
+
+/// Members the table holds at most, down ones included until forgotten: far beyond
+/// any deployment this design serves (one node a region, 32 regions simulated).
+pub const MAX_PEERS: usize = 1024;
 
 /// One peer's entry in the table.
 #[derive(Debug)]
@@ -454,6 +462,9 @@ impl PeerTable {
         let claim = self.claim(me, &member.node, member.addr);
         if claim != Claim::Accepted {
             return claim;
+        }
+        if self.peers.len() >= MAX_PEERS && !self.peers.contains_key(&member.node) {
+            return Claim::Full;
         }
         let mut fresh = false;
         let mut e = self.peers.entry(member.node.clone()).or_insert_with(|| {
@@ -1242,6 +1253,27 @@ mod tests {
             assert_eq!(t.member_up(&me(), &made_up, now), Claim::Invalid, "{bad:?}");
         }
         assert_eq!(t.alive_ids(), vec![a.clone()]);
+    }
+
+    /// Members heard of second-hand fill the table only up to MAX_PEERS; one it holds
+    /// already still comes up (a restart, a rejoin).
+    #[test]
+    fn the_table_holds_at_most_max_peers() {
+        let t = PeerTable::default();
+        let now = Instant::now();
+        for i in 0..MAX_PEERS {
+            let m = member_at(
+                &format!("n{i}"),
+                1,
+                &format!("10.0.{}.{}:7000", i / 250, i % 250),
+            );
+            assert_eq!(t.member_up(&me(), &m, now), Claim::Accepted);
+        }
+        let extra = member_at("extra", 1, "10.9.0.1:7000");
+        assert_eq!(t.member_up(&me(), &extra, now), Claim::Full);
+        assert!(!t.is_alive(&extra.node));
+        let rejoin = member_at("n0", 2, "10.0.0.0:7000");
+        assert_eq!(t.member_up(&me(), &rejoin, now), Claim::Accepted);
     }
 
     #[test]
