@@ -161,28 +161,7 @@ fn a_member_declaring_a_node_down_again_and_again_gets_a_renewal_per_suspicion()
     let mut sim = sim(3, Duration::from_secs(120));
     let creds = credentials(&["n0", "n1", "fuzz"]);
     let handles = Handles::default();
-    for (i, n) in ["n0", "n1"].iter().enumerate() {
-        add_node(
-            &mut sim,
-            NodeSpec {
-                name: (*n).to_owned(),
-                region: format!("region-{i}"),
-                credentials: creds[*n].clone(),
-                seeds: if i == 0 {
-                    vec![]
-                } else {
-                    vec!["n0".to_owned()]
-                },
-                churn: None,
-                generation: 1,
-            },
-            handles.clone(),
-        );
-    }
-    run_until(&mut sim, Duration::from_secs(10), |_| {
-        converged(&handles, &["n0", "n1"])
-    })
-    .expect("converge");
+    converged_cluster(&mut sim, &["n0", "n1"], &creds, 1, &handles);
     let done = Arc::new(AtomicBool::new(false));
     let finished = done.clone();
     let fuzz_creds = creds["fuzz"].clone();

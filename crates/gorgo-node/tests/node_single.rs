@@ -704,13 +704,14 @@ async fn passthrough_server_errors_open_the_breaker() {
     .await;
     let adapter = node.state().engine(0).unwrap().adapter.clone();
     until("the engine is confirmed", || adapter.is_ready()).await;
-    for _ in 0..2 {
-        let resp = client()
+    let embed = || {
+        client()
             .post(format!("{}/v1/embeddings", node.base))
             .json(&serde_json::json!({"model": "m", "input": "hi"}))
             .send()
-            .await
-            .unwrap();
+    };
+    for _ in 0..2 {
+        let resp = embed().await.unwrap();
         assert_eq!(resp.status(), 500);
         resp.bytes().await.unwrap();
     }
@@ -726,13 +727,7 @@ async fn passthrough_server_errors_open_the_breaker() {
     // Each 5xx counts as an engine failure, as on the routed paths.
     assert_eq!(node.state().metrics.engine_failures.get(), 2);
     // The open breaker takes the next one unsent: 503, not counted as a failure.
-    let resp = client()
-        .post(format!("{}/v1/embeddings", node.base))
-        .json(&serde_json::json!({"model": "m", "input": "hi"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 503);
+    assert_eq!(embed().await.unwrap().status(), 503);
     assert_eq!(node.state().metrics.engine_failures.get(), 2);
     node.shutdown.cancel();
 }
