@@ -553,6 +553,13 @@ fn engine_message(
         let value = message
             .get_item(&key)
             .map_err(|e| TokenizerError::Request(e.to_string()))?;
+        // A key sent as `null` is no key to the engines (SGLang drops every None
+        // field, vLLM rebuilds the message from the ones set): templates test
+        // `'tool_calls' in message` and then take its length, which fails on none
+        // (SDKs re-send an assistant message with `"tool_calls": null`).
+        if value.is_none() && key.as_str() != Some("content") {
+            continue;
+        }
         let value = match key.as_str() {
             Some("content") => {
                 has_content = true;

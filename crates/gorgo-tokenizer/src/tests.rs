@@ -511,3 +511,22 @@ fn a_chat_render_is_capped_at_a_multiple_of_the_body() {
     let text = render(&tools(schema)).unwrap();
     assert!(text.contains("\"city\""), "{text}");
 }
+
+/// A message key sent as `null` is no key, as to the engines (SGLang drops None
+/// fields, vLLM rebuilds the message from those set): Llama 3's template tests
+/// `'tool_calls' in message` and takes its length, which failed on an assistant message
+/// re-sent with `"tool_calls": null`, and the node refused a request the engine takes.
+#[test]
+fn a_null_message_key_is_no_key() {
+    let source = "{% for m in messages %}{% if 'tool_calls' in m %}{{ m.tool_calls | length }}\
+                  {% else %}{{ m.content }}{% endif %}{% endfor %}"
+        .to_owned();
+    let template = ChatTemplate::compile(source, "<s>".into(), "</s>".into()).unwrap();
+    let body: Value = serde_json::from_str(
+        r#"{"messages": [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello", "tool_calls": null},
+            {"role": "user", "content": null, "name": null}]}"#,
+    )
+    .unwrap();
+    assert_eq!(template.render(&body).unwrap(), "hihello");
+}
