@@ -236,10 +236,12 @@ async fn relay_connection(
     a.and(b)
 }
 
-/// A chunk in flight; `None` data is the end of the stream.
+/// A chunk in flight; `None` data is the end of the stream, `failed` why it ended if
+/// not cleanly (the reader's error, passed on after the bytes before it).
 struct Chunk {
     due: Instant,
     data: Option<Bytes>,
+    failed: Option<std::io::Error>,
 }
 
 /// Reads what `reader` has (up to `buf.len()` bytes) and returns a copy of
@@ -283,14 +285,28 @@ async fn pipe(
         // bytes read (see `read_chunk`).
         let mut buf = vec![0u8; options.chunk_size];
         loop {
-            let Some(data) = read_chunk(&mut reader, &mut buf).await? else {
+            let read = read_chunk(&mut reader, &mut buf).await;
+            let (data, failed) = match read {
+                Ok(Some(data)) => (data, None),
+                Ok(None) => (Bytes::new(), None),
+                // A read that fails (a reset after the peer's last bytes) ends the
+                // stream after what was read before it, as TCP delivers it: the
+                // writer passes the failure on once those bytes are out, instead of
+                // this side cutting them off (a node's early 413 before a reset).
+                Err(e) => (Bytes::new(), Some(e)),
+            };
+            if data.is_empty() {
                 let due = match shaper.admit(now(), 0) {
                     Verdict::Deliver(due) => due,
                     _ => now(),
                 };
-                let _ = tx.send(Chunk { due, data: None });
+                let _ = tx.send(Chunk {
+                    due,
+                    data: None,
+                    failed,
+                });
                 return Ok::<(), std::io::Error>(());
-            };
+            }
             let n = data.len();
             stats.add(&stats.packets_in, 1);
             stats.add(&stats.bytes_in, n as u64);
@@ -310,6 +326,7 @@ async fn pipe(
                 .send(Chunk {
                     due,
                     data: Some(data),
+                    failed: None,
                 })
                 .is_err()
             {
@@ -328,6 +345,9 @@ async fn pipe(
                     credit.add_permits(data.len());
                 }
                 None => {
+                    if let Some(e) = chunk.failed {
+                        return Err(e);
+                    }
                     writer.shutdown().await?;
                     break;
                 }

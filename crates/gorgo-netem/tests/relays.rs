@@ -383,6 +383,40 @@ async fn tcp_stream_is_intact_under_backpressure_and_half_close_propagates() {
     .expect("test timed out");
 }
 
+/// Bytes the relay has read before the connection is reset reach the other side
+/// after their delay, as TCP delivers them; the reset then ends the stream. Before,
+/// the read error dropped what was still waiting out its delay (a node's early 413
+/// followed by a reset reached the client as an empty stream).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_bytes_read_before_a_reset_are_delivered() {
+    tokio::time::timeout(TEST_TIMEOUT, async {
+        let target = TcpListener::bind(localhost()).await.unwrap();
+        let target_addr = target.local_addr().unwrap();
+        let relay = TcpRelay::start_with(
+            localhost(),
+            target_addr,
+            delay(200),
+            3,
+            TcpRelayOptions::default(),
+        )
+        .await
+        .unwrap();
+        let mut client = TcpStream::connect(relay.local_addr()).await.unwrap();
+        let (mut upstream, _) = target.accept().await.unwrap();
+        upstream.write_all(b"hello").await.unwrap();
+        // The relay has read it, and holds it for its delay: then the reset.
+        relay.stats().wait_until(|c| c.bytes_in >= 5).await;
+        upstream.set_zero_linger().unwrap();
+        drop(upstream);
+        let mut got = Vec::new();
+        let _ = client.read_to_end(&mut got).await;
+        assert_eq!(got, b"hello");
+        relay.shutdown().await;
+    })
+    .await
+    .expect("test timed out");
+}
+
 /// `usize::MAX` as "unlimited" (queue budget and connection limit) relays
 /// like any other limit, and the connection stops counting as active once it
 /// closes.
