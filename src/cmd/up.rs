@@ -481,10 +481,14 @@ fn node_drain_deadline(args: &[String]) -> Duration {
 }
 
 /// SIGTERM every one of `procs`, wait up to `grace` for them all to exit, SIGKILL the
-/// rest: their names.
+/// rest: their names. A `grace` of zero sends no SIGTERM: a kill is a crash (`gorgo
+/// restart --kill`), and a SIGTERM milliseconds before it let a node start its drain
+/// and tell its peers it was leaving.
 fn stop_all(procs: &[&PidEntry], grace: Duration) -> Vec<String> {
-    for p in procs.iter().filter(|p| p.is_running()) {
-        signal_pid(p.pid, "TERM");
+    if !grace.is_zero() {
+        for p in procs.iter().filter(|p| p.is_running()) {
+            signal_pid(p.pid, "TERM");
+        }
     }
     // `grace` is bounded by the constants above: no overflow.
     let deadline = Instant::now() + grace;
@@ -1514,6 +1518,44 @@ mod tests {
         assert!(mine.is_running());
         stop_all(&[&mine], Duration::from_secs(30));
         assert!(other.wait().is_ok());
+    }
+
+    /// A zero grace is a crash: SIGKILL alone. A SIGTERM first (milliseconds before
+    /// the kill) let a node start its drain and tell its peers it was leaving, so
+    /// `gorgo restart --kill` tested a graceful leave, not a crash.
+    #[test]
+    fn a_kill_sends_no_sigterm_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let marker = dir.path().join("termed");
+        // Python runs a signal handler at once (it interrupts the sleep): a SIGTERM
+        // milliseconds before the kill leaves its mark.
+        let script = format!(
+            "import signal, time\n\
+             def term(*_):\n    open({:?}, 'w').write('term')\n    time.sleep(30)\n\
+             signal.signal(signal.SIGTERM, term)\nprint('ready', flush=True)\ntime.sleep(30)\n",
+            marker.display().to_string()
+        );
+        let mut child = Command::new("python3")
+            .args(["-c", &script])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The trap is set once it says so.
+        let mut ready = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+            &mut ready,
+        )
+        .unwrap();
+        let entry = PidEntry {
+            name: "engine-a".into(),
+            pid: child.id(),
+            args: vec!["-c".into(), script.clone()],
+        };
+        assert!(entry.is_running());
+        assert_eq!(stop_all(&[&entry], Duration::ZERO), ["engine-a"]);
+        child.wait().unwrap();
+        assert!(!marker.exists(), "the process got a SIGTERM");
     }
 
     #[test]
