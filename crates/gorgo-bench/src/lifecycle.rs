@@ -116,6 +116,11 @@ impl RunningCluster {
             .stdout(log)
             .stderr(log_err)
             .kill_on_drop(true);
+        // What the run dir's pids file held before: a `gorgo up` that refuses to
+        // start (a cluster already runs from there) leaves it as it was, and that
+        // cluster, not ours, is left alone.
+        let pids_file = opts.run_dir.join("pids.json");
+        let pids_before = std::fs::read(&pids_file).ok();
         // From here on, whatever happens, the guard tears the cluster down.
         let mut guard = RunningCluster {
             exe: opts.exe.clone(),
@@ -146,6 +151,12 @@ impl RunningCluster {
             }
         };
         if !status.success() {
+            if pids_before.is_some() && std::fs::read(&pids_file).ok() == pids_before {
+                // Nothing of ours started: another cluster runs from this run dir
+                // (a second compare with the same --out), and `gorgo down` here
+                // would stop it mid-replay.
+                guard.stopped = true;
+            }
             return Err(BenchError::Cluster {
                 action: "up",
                 reason: format!("{status}: {}", log_tail(&log_path)),

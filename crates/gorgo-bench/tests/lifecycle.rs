@@ -69,6 +69,22 @@ async fn clusters_come_up_and_always_go_down() {
     let log = calls(tmp.path());
     assert!(log.last().unwrap().ends_with("broken/run"), "{log:?}");
 
+    // An up that fails leaving the run dir's pids file as it was started nothing: the
+    // cluster already running from there (a second compare with the same --out) is
+    // not stopped.
+    let busy = tmp.path().join("busy/run");
+    std::fs::create_dir_all(&busy).unwrap();
+    std::fs::write(busy.join("pids.json"), "{\"running\": true}").unwrap();
+    let err = RunningCluster::up(&UpOptions {
+        run_dir: busy.clone(),
+        ..opts("broken")
+    })
+    .await
+    .unwrap_err();
+    assert!(matches!(err, BenchError::Cluster { action: "up", .. }));
+    let log = calls(tmp.path());
+    assert!(log.iter().all(|l| !l.ends_with("busy/run")), "{log:?}");
+
     // A whole parallel comparison: distinct port blocks, every request measured,
     // every cluster down.
     std::fs::remove_file(tmp.path().join("calls.log")).unwrap();
