@@ -437,6 +437,18 @@ async fn up_serves_every_region_and_down_stops_everything() {
         .timeout(Duration::from_secs(30))
         .build()
         .unwrap();
+    // Ready means the nodes have met: each lists both others alive with their stats
+    // the moment `up` returns, so a replay's first requests route as the rest do.
+    for region in regions {
+        let url = format!("{}/admin/peers", region["admin_url"].as_str().unwrap());
+        let peers = admin_get(&http, &url, &token).await;
+        let met = peers.as_array().map_or(0, |p| {
+            p.iter()
+                .filter(|p| p["alive"] == true && !p["stats"].is_null())
+                .count()
+        });
+        assert_eq!(met, 2, "{url}: {peers}");
+    }
     let mut served = std::collections::BTreeSet::new();
     for region in regions {
         let url = format!(

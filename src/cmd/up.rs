@@ -797,9 +797,35 @@ fn node_ready(addr: SocketAddr, token: &str) -> bool {
         && http_status(addr, "/admin/state", Some(token)) == Some(200)
 }
 
+/// Whether the node whose admin API is at `addr` lists each of `others` (node ids)
+/// alive with its queue stats: its peers are routing candidates. `/readyz` says only
+/// that its own engine serves; a replay started before the nodes had met (hundreds of
+/// ms of gossip on a wide topology) served its first requests all locally, under any
+/// policy.
+fn node_sees_peers(addr: SocketAddr, token: &str, others: &[&str]) -> bool {
+    let Some((200, body)) = http_get(addr, "/admin/peers", Some(token)) else {
+        return false;
+    };
+    let Ok(peers) = serde_json::from_slice::<Vec<serde_json::Value>>(&body) else {
+        return false;
+    };
+    others.iter().all(|id| {
+        peers
+            .iter()
+            .any(|p| p["id"].as_str() == Some(id) && p["alive"] == true && !p["stats"].is_null())
+    })
+}
+
 /// One plain HTTP/1.1 GET, with `token` as its bearer when given; the status code, or
 /// `None` if nothing answered.
 fn http_status(addr: SocketAddr, path: &str, token: Option<&str>) -> Option<u16> {
+    http_get(addr, path, token).map(|(status, _)| status)
+}
+
+/// One plain HTTP/1.1 GET (`Connection: close`), with `token` as its bearer when given:
+/// the status code and the body (at most 4 MiB, read until the node closes), or `None`
+/// if nothing answered.
+fn http_get(addr: SocketAddr, path: &str, token: Option<&str>) -> Option<(u16, Vec<u8>)> {
     let timeout = Duration::from_secs(2);
     let mut stream = TcpStream::connect_timeout(&addr, timeout).ok()?;
     stream.set_read_timeout(Some(timeout)).ok()?;
@@ -810,10 +836,13 @@ fn http_status(addr: SocketAddr, path: &str, token: Option<&str>) -> Option<u16>
         "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Connection: close\r\n\r\n"
     )
     .ok()?;
-    let mut head = [0u8; 64];
-    let n = stream.read(&mut head).ok()?;
-    let line = std::str::from_utf8(&head[..n]).ok()?;
-    line.split_whitespace().nth(1)?.parse().ok()
+    let mut response = Vec::new();
+    let _ = (&mut stream).take(4 << 20).read_to_end(&mut response);
+    let head_end = response.windows(4).position(|w| w == b"\r\n\r\n");
+    let head = std::str::from_utf8(&response[..head_end.unwrap_or(response.len())]).ok()?;
+    let status = head.split_whitespace().nth(1)?.parse().ok()?;
+    let body = head_end.map_or(Vec::new(), |i| response[i + 4..].to_vec());
+    Some((status, body))
 }
 
 fn log_tail(run_dir: &Path, name: &str) -> String {
@@ -1097,8 +1126,9 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         });
     }
 
-    // Ready: every node answers /readyz with 200, and no child has died; a signal
-    // stops the wait (and, as `children` drops, every child).
+    // Ready: every node answers /readyz with 200 and lists the others alive, and no
+    // child has died; a signal stops the wait (and, as `children` drops, every
+    // child).
     let deadline = deadline_in("--ready-timeout-s", args.ready_timeout_s)?;
     let mut waiting: Vec<&str> = plan.regions.iter().map(|r| r.name.as_str()).collect();
     while !waiting.is_empty() {
@@ -1113,16 +1143,23 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         // node at the same address (two runs started at once on the same ports, this
         // one's node failing to bind) answered `/readyz` too, and the run replayed
         // against the other cluster under its own label.
+        // And every node sees every other: their first requests route as in the rest
+        // of the run ([`node_sees_peers`]).
+        let ids: Vec<&str> = plan.regions.iter().map(|r| r.name.as_str()).collect();
         waiting.retain(|name| {
             let r = plan.regions.iter().find(|r| r.name == *name);
-            r.is_none_or(|r| !node_ready(r.admin_addr, &token))
+            let others: Vec<&str> = ids.iter().copied().filter(|id| id != name).collect();
+            r.is_none_or(|r| {
+                !(node_ready(r.admin_addr, &token)
+                    && node_sees_peers(r.admin_addr, &token, &others))
+            })
         });
         if waiting.is_empty() {
             break;
         }
         if Instant::now() >= deadline {
             bail!(
-                "nodes not ready after {} s: {} (logs in {})",
+                "nodes not ready (serving, every peer alive) after {} s: {} (logs in {})",
                 args.ready_timeout_s,
                 waiting.join(", "),
                 run_dir.join("logs").display()
