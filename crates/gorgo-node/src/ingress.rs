@@ -544,6 +544,14 @@ async fn completion(
         .get("model")
         .and_then(Value::as_str)
         .map(str::to_owned);
+    // vLLM's `truncate_prompt_tokens`: the engine keeps the prompt's last N tokens. The
+    // context check holds N, not the whole prompt, against the engine (it refused
+    // prompts vLLM serves), and the token estimate learns nothing from the engine's
+    // count of N. (-1, "to the context length", is left to the engine's own check.)
+    let truncated_to = parsed
+        .get("truncate_prompt_tokens")
+        .and_then(Value::as_u64)
+        .filter(|&n| n > 0);
     let stream_usage = StreamUsage::of_request(endpoint, &parsed);
     // Only event streams are measured for tuning (`respond`): a whole JSON body's
     // head comes at the end of generation, so one that runs into the deadline is a
@@ -620,8 +628,10 @@ async fn completion(
         stream_usage,
         headers: pass,
         chain: counted.chain,
-        longest_prompt_tokens: counted.longest_prompt_tokens,
-        canonical: Some(canonical),
+        longest_prompt_tokens: truncated_to.map_or(counted.longest_prompt_tokens, |n| {
+            n.min(counted.longest_prompt_tokens)
+        }),
+        canonical: Some(canonical).filter(|_| truncated_to.is_none()),
         hops: 0,
         via: Vec::new(),
         policy,

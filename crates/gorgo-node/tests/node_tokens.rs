@@ -209,6 +209,17 @@ async fn context_check_uses_the_exact_count() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 200);
+    // vLLM keeps the last `truncate_prompt_tokens` of a prompt: the node holds that,
+    // not the whole prompt, against the context (it refused what vLLM serves).
+    let mut truncated = body(&long);
+    truncated["truncate_prompt_tokens"] = 16.into();
+    let resp = c
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&truncated)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
     stop.cancel();
 }
 
