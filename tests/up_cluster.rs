@@ -574,6 +574,25 @@ async fn up_serves_every_region_and_down_stops_everything() {
     );
     assert!(!bench_out.join("results.json").exists());
 
+    // `gorgo restart netem` returns once the new relays serve (their control API
+    // answers): it reported a netem that failed to bind as restarted.
+    let out = gorgo(&["restart", "--run-dir", &run, "netem"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let pids: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(run_dir.join("pids.json")).unwrap()).unwrap();
+    let netem_pid = pids["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "netem")
+        .and_then(|p| p["pid"].as_u64())
+        .unwrap();
+    assert!(pid_alive(netem_pid));
+
     // `gorgo down` stops the nodes first and lets them drain: a stream in flight when
     // it starts finishes whole, on an engine and relays that are still up.
     let region = &regions[0];

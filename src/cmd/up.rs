@@ -1335,6 +1335,23 @@ pub fn run_restart(args: RestartArgs) -> anyhow::Result<()> {
             )?;
         }
     }
+    if name == "netem" {
+        let args_of = |n: &str| {
+            pids.processes
+                .iter()
+                .find(|p| p.name == n)
+                .map(|p| p.args.clone())
+        };
+        if let Some(control) = args_of("netem").and_then(|a| netem_control_addr(&a)) {
+            wait_answering(
+                &run_dir,
+                &name,
+                pid,
+                (control, "/links"),
+                args.ready_timeout_s,
+            )?;
+        }
+    }
     if name.starts_with("engine-") {
         if let Some(addr) = entry_listen(&pids, &name) {
             wait_answering(
@@ -1375,6 +1392,28 @@ fn wait_answering(
     Ok(())
 }
 
+/// The control API address of the netem started with `args` (`netem --topology ...`):
+/// its `--control`, else its plan's. It answers once every relay is bound (the
+/// relays start first), so a netem that failed to start (the old one's sockets still
+/// held) is seen, not reported restarted.
+fn netem_control_addr(args: &[String]) -> Option<SocketAddr> {
+    #[derive(clap::Parser)]
+    struct Netem {
+        #[command(flatten)]
+        args: super::netem::NetemArgs,
+    }
+    let parsed = <Netem as clap::Parser>::try_parse_from(args).ok()?.args;
+    if let Some(control) = parsed.control {
+        return Some(control);
+    }
+    let topology = Topology::from_file(&parsed.topology).ok()?;
+    let options = PlanOptions {
+        ip_base: parsed.ip_base,
+        base_port: parsed.base_port,
+    };
+    Some(plan_cluster(&topology, &options).ok()?.control_addr)
+}
+
 /// The `--listen` address `name` was started with (an engine emulator's).
 fn entry_listen(pids: &PidsFile, name: &str) -> Option<SocketAddr> {
     let args = &pids.processes.iter().find(|p| p.name == name)?.args;
@@ -1401,6 +1440,9 @@ fn wait_for_ports(args: &[String]) {
     }
     if let Some(addr) = value_of("--listen").and_then(|a| a.parse::<SocketAddr>().ok()) {
         tcp.push(addr);
+    }
+    if args.first().is_some_and(|a| a == "netem") {
+        tcp.extend(netem_control_addr(args));
     }
     let free = || {
         tcp.iter().all(|a| std::net::TcpListener::bind(a).is_ok())
