@@ -427,8 +427,6 @@ async fn up_serves_every_region_and_down_stops_everything() {
     );
     let cluster: serde_json::Value =
         serde_json::from_slice(&std::fs::read(run_dir.join("cluster.json")).unwrap()).unwrap();
-    let pids: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(run_dir.join("pids.json")).unwrap()).unwrap();
     let token = cluster["admin_token"].as_str().unwrap().to_owned();
     let regions = cluster["regions"].as_array().unwrap();
     assert_eq!(regions.len(), 3);
