@@ -12,6 +12,32 @@ use rand::{Rng, SeedableRng};
 
 const NAMES: [&str; 3] = ["n0", "n1", "n2"];
 
+/// A SWIM datagram (kind byte, then a header alone) from the `fuzz` host, a member
+/// under its own id and address, to `dst`.
+fn swim_from_fuzz(
+    dst: gorgo_cluster::MemberId,
+    message: foca::Message<gorgo_cluster::MemberId>,
+) -> Result<Vec<u8>, Box<dyn std::error::Error>> {
+    let header = foca::Header {
+        src: gorgo_cluster::MemberId {
+            node: gorgo_core::NodeId::from("fuzz"),
+            region: "fuzz".to_owned(),
+            addr: SocketAddr::new(turmoil::lookup("fuzz"), 9001),
+            generation: 1,
+        },
+        src_incarnation: 0,
+        dst,
+        message,
+    };
+    let mut packet = vec![1u8];
+    foca::Codec::encode_header(
+        &mut gorgo_cluster::identity::BincodeCodec,
+        &header,
+        &mut packet,
+    )?;
+    Ok(packet)
+}
+
 #[test]
 fn random_traffic_changes_nothing() {
     let mut sim = sim(3, Duration::from_secs(300));
@@ -71,29 +97,13 @@ fn random_traffic_changes_nothing() {
         // A SWIM packet claiming its own id and address first, addressed to nobody
         // here (so foca takes nothing from it): the node takes a connection's streams
         // only once it has made such a claim, and the garbage must reach the decoders.
-        let header = foca::Header {
-            src: gorgo_cluster::MemberId {
-                node: gorgo_core::NodeId::from("fuzz"),
-                region: "fuzz".to_owned(),
-                addr: SocketAddr::new(turmoil::lookup("fuzz"), 9001),
-                generation: 1,
-            },
-            src_incarnation: 0,
-            dst: gorgo_cluster::MemberId {
-                node: gorgo_core::NodeId::from("nobody"),
-                region: String::new(),
-                addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 1),
-                generation: 0,
-            },
-            message: foca::Message::Gossip,
+        let nobody = gorgo_cluster::MemberId {
+            node: gorgo_core::NodeId::from("nobody"),
+            region: String::new(),
+            addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 1),
+            generation: 0,
         };
-        let mut claim = vec![1u8];
-        foca::Codec::encode_header(
-            &mut gorgo_cluster::identity::BincodeCodec,
-            &header,
-            &mut claim,
-        )?;
-        conn.send_datagram(claim.into())?;
+        conn.send_datagram(swim_from_fuzz(nobody, foca::Message::Gossip)?.into())?;
         for i in 0..3000u32 {
             let len = rng.random_range(1..1000);
             let mut d: Vec<u8> = (0..len).map(|_| rng.random()).collect();
@@ -171,24 +181,7 @@ fn a_member_declaring_a_node_down_again_and_again_gets_a_renewal_per_suspicion()
         let (_endpoint, conn) = raw_connection("fuzz", &fuzz_creds, target).await?;
         for _ in 0..25 {
             let dst = targets.lock()["n0"].identity();
-            let header = foca::Header {
-                src: gorgo_cluster::MemberId {
-                    node: gorgo_core::NodeId::from("fuzz"),
-                    region: "fuzz".to_owned(),
-                    addr: SocketAddr::new(turmoil::lookup("fuzz"), 9001),
-                    generation: 1,
-                },
-                src_incarnation: 0,
-                dst,
-                message: foca::Message::TurnUndead,
-            };
-            let mut packet = vec![1u8];
-            foca::Codec::encode_header(
-                &mut gorgo_cluster::identity::BincodeCodec,
-                &header,
-                &mut packet,
-            )?;
-            conn.send_datagram(packet.into())?;
+            conn.send_datagram(swim_from_fuzz(dst, foca::Message::TurnUndead)?.into())?;
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         finished.store(true, Ordering::SeqCst);
