@@ -514,6 +514,27 @@ fn handle_data(
             return;
         }
     }
+    // foca takes an announce only when addressed to the address this node advertises,
+    // and drops the others without a word: a peer that seeds this node at another
+    // address (one that reaches it) re-announces for ever, and neither side says why.
+    if header.message == foca::Message::Announce && header.dst.addr != foca.identity().addr {
+        ClusterMetrics::bump(&inner.metrics.misaddressed_announces);
+        if inner
+            .refusals_logged
+            .lock()
+            .first((from.clone(), header.dst.addr), Instant::now())
+        {
+            tracing::warn!(
+                peer = %from,
+                seeded_at = %header.dst.addr,
+                advertised = %foca.identity().addr,
+                "a peer announces to this node at an address it does not advertise, which SWIM ignores: \
+                 seed it at the advertised address (listen.advertise_quic), and map that to the one \
+                 that reaches it with cluster.dial_overrides on the peer"
+            );
+        }
+        return;
+    }
     // foca renews its identity on any "you were declared down" for it, and every
     // renewal makes each peer forget this node's summaries and cut the forwards it has
     // in flight here. A member that declares the identity just renewed down sooner

@@ -652,6 +652,11 @@ pub struct ClusterMetrics {
     pub malformed_received: AtomicU64,
     /// SWIM packets whose claimed sender did not match the TLS peer.
     pub spoofed_received: AtomicU64,
+    /// Announces (joins) addressed to another address than the one this node
+    /// advertises, which foca ignores: a peer seeding this node at an address that
+    /// reaches it (a private IP, a load balancer) while it advertises another. Each
+    /// new (sender, address) pair is also warned about, naming both addresses.
+    pub misaddressed_announces: AtomicU64,
     /// Inbound connections refused (handshake failure, unknown identity, a handshake
     /// not done within its deadline, or one past the cap on handshakes at once).
     pub handshakes_failed: AtomicU64,

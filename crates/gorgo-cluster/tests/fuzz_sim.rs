@@ -200,3 +200,39 @@ fn a_member_declaring_a_node_down_again_and_again_gets_a_renewal_per_suspicion()
         "{m:?}"
     );
 }
+
+/// A member that announces itself to n0 at an address n0 does not advertise (a peer
+/// seeding it at an address that reaches it while it advertises another) is counted,
+/// and warned about: foca ignores such an announce, and the peer re-announced for ever
+/// with nothing said on either side.
+#[test]
+fn an_announce_to_an_address_not_advertised_is_counted() {
+    let mut sim = sim(4, Duration::from_secs(60));
+    let creds = credentials(&["n0", "n1", "fuzz"]);
+    let handles = Handles::default();
+    converged_cluster(&mut sim, &["n0", "n1"], &creds, 1, &handles);
+    let done = Arc::new(AtomicBool::new(false));
+    let finished = done.clone();
+    let fuzz_creds = creds["fuzz"].clone();
+    sim.client("fuzz", async move {
+        let target = SocketAddr::new(turmoil::lookup("n0"), PORT);
+        let (_endpoint, conn) = raw_connection("fuzz", &fuzz_creds, target).await?;
+        let elsewhere = gorgo_cluster::MemberId {
+            node: gorgo_core::NodeId::from("n0"),
+            region: String::new(),
+            addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 9, 9, 9)), PORT),
+            generation: 0,
+        };
+        conn.send_datagram(swim_from_fuzz(elsewhere, foca::Message::Announce)?.into())?;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        finished.store(true, Ordering::SeqCst);
+        Ok(())
+    });
+    run_until(&mut sim, Duration::from_secs(30), |_| {
+        done.load(Ordering::SeqCst)
+    })
+    .expect("the member finishes");
+    let h = handles.lock();
+    let m = h["n0"].metrics();
+    assert_eq!(m.misaddressed_announces.load(Ordering::Relaxed), 1, "{m:?}");
+}

@@ -313,6 +313,7 @@ impl PeerSource for ClusterPeers {
                 expired_certificate: load(&m.handshakes_expired_certificate),
                 unbound_stream: load(&m.unbound_streams_dropped),
                 excess_connection: load(&m.excess_connections_closed),
+                misaddressed_announce: load(&m.misaddressed_announces),
             },
             traffic,
             messages_sent: crate::peers::GossipSent {

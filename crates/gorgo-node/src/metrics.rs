@@ -669,6 +669,7 @@ impl NodeMetrics {
             ("expired_certificate", r.expired_certificate),
             ("unbound_stream", r.unbound_stream),
             ("excess_connection", r.excess_connection),
+            ("misaddressed_announce", r.misaddressed_announce),
         ] {
             let labels = RefusedLabels {
                 what: what.to_owned(),

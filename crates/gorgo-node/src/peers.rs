@@ -215,6 +215,10 @@ pub struct Refused {
     pub unbound_stream: u64,
     /// Inbound connections closed over the per-certificate cap.
     pub excess_connection: u64,
+    /// Announces (joins) addressed to another address than this node advertises,
+    /// which SWIM ignores: a peer seeding this node at an address it does not
+    /// advertise (docs/cluster.md).
+    pub misaddressed_announce: u64,
 }
 
 /// The cluster as the router needs it.

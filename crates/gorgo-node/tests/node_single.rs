@@ -461,6 +461,7 @@ async fn admin_api_requires_the_token_and_reports_decisions() {
         "handshake",
         "unbound_stream",
         "excess_connection",
+        "misaddressed_announce",
     ] {
         let line = format!("gorgo_cluster_refused_total{{what=\"{what}\"}} 0");
         assert!(metrics.contains(&line), "{line} in {metrics}");
