@@ -626,9 +626,13 @@ impl ForwardLedger {
         if entry.forwards.len() >= MAX_LEDGER_ENTRIES_PER_PEER {
             entry.remove(0);
         }
+        // In send order, which `observe_stats` clears from the front: two requests
+        // decided at once (in the node, on different tasks) may record out of order,
+        // and an entry behind a later one stayed pending past the stats that cleared it.
+        let at = entry.forwards.partition_point(|&(sent, ..)| sent <= now_ms);
         entry
             .forwards
-            .push_back((now_ms, prefill_tokens, prompt_tokens));
+            .insert(at, (now_ms, prefill_tokens, prompt_tokens));
         entry.prefill_tokens += prefill_tokens;
         entry.prompt_tokens += prompt_tokens;
     }
@@ -1164,6 +1168,18 @@ mod tests {
         );
         l.forget(&p);
         assert_eq!(l.pending(&p, 0), (0, 0));
+    }
+
+    /// Two requests decided at once may record their forwards out of send order (the
+    /// later one first): stats that reflect the earlier one clear it all the same.
+    #[test]
+    fn forwards_recorded_out_of_order_clear_in_send_order() {
+        let p = NodeId::from("b");
+        let mut l = ForwardLedger::new();
+        l.record_forward(&p, 0, 500, 500, 104);
+        l.record_forward(&p, 0, 1000, 1000, 100);
+        assert!(l.observe_stats(&p, &stats_v(0, 1), 122, 20.0));
+        assert_eq!(l.pending(&p, 0), (1, 500));
     }
 
     #[test]

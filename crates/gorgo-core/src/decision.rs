@@ -376,17 +376,18 @@ pub struct ForwardOffer {
 
 impl ForwardOffer {
     /// An offer, when its figures can be compared with: a finite, non-negative cost
-    /// and finite, non-negative weights, as `routing.weights` allows them (a peer's
-    /// garbage is ignored, not refused on; a weight of 0, an operator's choice to
-    /// ignore a term, is a figure like any other).
+    /// and weights `routing.weights` allows (in `[0, MAX_WEIGHT]`:
+    /// [`Weights::out_of_range`]); a peer's garbage is ignored, not refused on (a
+    /// `w_queue` of 1e300 priced any queue here past every offer). A weight of 0, an
+    /// operator's choice to ignore a term, is a figure like any other.
     pub fn new(cost_ms: f64, weights: Weights, policy: PolicyKind) -> Option<Self> {
-        let ok = |v: f64| v.is_finite() && v >= 0.0;
-        (cost_ms.is_finite() && cost_ms >= 0.0 && ok(weights.w_rtt) && ok(weights.w_queue))
-            .then_some(ForwardOffer {
+        (cost_ms.is_finite() && cost_ms >= 0.0 && weights.out_of_range().is_none()).then_some(
+            ForwardOffer {
                 cost_ms,
                 weights,
                 policy,
-            })
+            },
+        )
     }
 }
 

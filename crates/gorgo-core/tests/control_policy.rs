@@ -9,6 +9,7 @@ use gorgo_core::decision::{
 };
 use gorgo_core::hash::HashChain;
 use gorgo_core::policy::{build, PolicyKind, RouteRequest};
+use gorgo_core::types::MAX_WEIGHT;
 use gorgo_core::{CoreError, NodeId, Weights};
 use proptest::prelude::*;
 
@@ -1007,7 +1008,9 @@ fn the_target_prices_its_cost_with_the_offers_weights_and_garbage_offers_are_dro
             "{cost}"
         );
     }
-    for bad in [-1.0, f64::NAN, f64::INFINITY] {
+    // Past what `routing.weights` allows too: a `w_queue` of 1e300 priced any queue
+    // here past every offer, refusing all of that peer's forwards.
+    for bad in [-1.0, f64::NAN, f64::INFINITY, 1e300, MAX_WEIGHT + 1.0] {
         let weights = Weights {
             w_rtt: 1.0,
             w_queue: bad,
