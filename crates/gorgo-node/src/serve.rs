@@ -47,6 +47,11 @@ struct Excluded {
     all_local: bool,
     replicas: Vec<u16>,
     peers: Vec<NodeId>,
+    /// A peer refused this request already: a forward after that goes with no offer,
+    /// so that the request is refused at most once (docs/policy.md, "Refusal at the
+    /// target"). Before, a local engine that failed it after a refusal sent it back to
+    /// the same peer with another offer, to be refused again (up to three times).
+    refused: bool,
 }
 
 impl Excluded {
@@ -58,6 +63,7 @@ impl Excluded {
     fn leaving_out_path(req: &RoutedRequest, all_local: bool, max_hops: u8) -> Self {
         Excluded {
             all_local,
+            refused: false,
             replicas: Vec::new(),
             peers: if req.hops < max_hops {
                 req.via.clone()
@@ -323,7 +329,7 @@ async fn route_and_serve(
     // What serving here costs, sent with a forward so the peer can refuse it; not when
     // this node cannot serve it itself.
     let best_local = best_local(&record);
-    let offer = if local_excluded {
+    let offer = if local_excluded || excluded.refused {
         None
     } else {
         best_local.and_then(|l| ForwardOffer::new(l.terms.total_ms, input.weights, policy))
@@ -348,6 +354,7 @@ async fn route_and_serve(
             Err(NodeError::Refused { refusal, .. }) if best_local.is_some() => {
                 tracing::debug!(request_id = req.request_id, %peer, ?refusal, "forward refused; serving locally");
                 state.metrics.forward(&peer.0, "refused");
+                excluded.refused = true;
                 let elapsed_ms = decided.elapsed().as_secs_f64() * 1000.0;
                 state
                     .router
