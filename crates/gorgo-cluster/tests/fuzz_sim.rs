@@ -161,29 +161,26 @@ fn random_traffic_changes_nothing() {
     assert!(m.malformed_received.load(Ordering::Relaxed) > 1000, "{m:?}");
 }
 
-/// A member with a certificate that keeps declaring n0 down (`TurnUndead` to n0's
-/// current identity, five times a second for 5 s) makes it renew at most once per
-/// suspicion's length (probe, indirect probe, suspicion timeout: 2.4 s), not at every
-/// packet (25 renewals before): each renewal makes every peer forget n0's summaries
-/// and cut their forwards there.
-#[test]
-fn a_member_declaring_a_node_down_again_and_again_gets_a_renewal_per_suspicion() {
-    let mut sim = sim(3, Duration::from_secs(120));
+/// n0 and n1 converged, then the `fuzz` member (a certificate from the cluster's CA)
+/// connected to n0 runs `script` on that connection (with the nodes' handles) to its
+/// end; the handles to check after.
+fn a_member_at_n0<F, Fut>(seed: u64, script: F) -> Handles
+where
+    F: FnOnce(quinn::Connection, Handles) -> Fut + 'static,
+    Fut: std::future::Future<Output = Result<(), Box<dyn std::error::Error>>> + 'static,
+{
+    let mut sim = sim(seed, Duration::from_secs(120));
     let creds = credentials(&["n0", "n1", "fuzz"]);
     let handles = Handles::default();
     converged_cluster(&mut sim, &["n0", "n1"], &creds, 1, &handles);
     let done = Arc::new(AtomicBool::new(false));
     let finished = done.clone();
     let fuzz_creds = creds["fuzz"].clone();
-    let targets = handles.clone();
+    let nodes = handles.clone();
     sim.client("fuzz", async move {
         let target = SocketAddr::new(turmoil::lookup("n0"), PORT);
         let (_endpoint, conn) = raw_connection("fuzz", &fuzz_creds, target).await?;
-        for _ in 0..25 {
-            let dst = targets.lock()["n0"].identity();
-            conn.send_datagram(swim_from_fuzz(dst, foca::Message::TurnUndead)?.into())?;
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        script(conn, nodes).await?;
         finished.store(true, Ordering::SeqCst);
         Ok(())
     });
@@ -191,6 +188,24 @@ fn a_member_declaring_a_node_down_again_and_again_gets_a_renewal_per_suspicion()
         done.load(Ordering::SeqCst)
     })
     .expect("the member finishes");
+    handles
+}
+
+/// A member with a certificate that keeps declaring n0 down (`TurnUndead` to n0's
+/// current identity, five times a second for 5 s) makes it renew at most once per
+/// suspicion's length (probe, indirect probe, suspicion timeout: 2.4 s), not at every
+/// packet (25 renewals before): each renewal makes every peer forget n0's summaries
+/// and cut their forwards there.
+#[test]
+fn a_member_declaring_a_node_down_again_and_again_gets_a_renewal_per_suspicion() {
+    let handles = a_member_at_n0(3, |conn, nodes| async move {
+        for _ in 0..25 {
+            let dst = nodes.lock()["n0"].identity();
+            conn.send_datagram(swim_from_fuzz(dst, foca::Message::TurnUndead)?.into())?;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Ok(())
+    });
     let h = handles.lock();
     let generation = h["n0"].identity().generation;
     assert!((2..=4).contains(&generation), "{generation}");
@@ -207,16 +222,7 @@ fn a_member_declaring_a_node_down_again_and_again_gets_a_renewal_per_suspicion()
 /// with nothing said on either side.
 #[test]
 fn an_announce_to_an_address_not_advertised_is_counted() {
-    let mut sim = sim(4, Duration::from_secs(60));
-    let creds = credentials(&["n0", "n1", "fuzz"]);
-    let handles = Handles::default();
-    converged_cluster(&mut sim, &["n0", "n1"], &creds, 1, &handles);
-    let done = Arc::new(AtomicBool::new(false));
-    let finished = done.clone();
-    let fuzz_creds = creds["fuzz"].clone();
-    sim.client("fuzz", async move {
-        let target = SocketAddr::new(turmoil::lookup("n0"), PORT);
-        let (_endpoint, conn) = raw_connection("fuzz", &fuzz_creds, target).await?;
+    let handles = a_member_at_n0(4, |conn, _| async move {
         let elsewhere = gorgo_cluster::MemberId {
             node: gorgo_core::NodeId::from("n0"),
             region: String::new(),
@@ -225,13 +231,8 @@ fn an_announce_to_an_address_not_advertised_is_counted() {
         };
         conn.send_datagram(swim_from_fuzz(elsewhere, foca::Message::Announce)?.into())?;
         tokio::time::sleep(Duration::from_secs(1)).await;
-        finished.store(true, Ordering::SeqCst);
         Ok(())
     });
-    run_until(&mut sim, Duration::from_secs(30), |_| {
-        done.load(Ordering::SeqCst)
-    })
-    .expect("the member finishes");
     let h = handles.lock();
     let m = h["n0"].metrics();
     assert_eq!(m.misaddressed_announces.load(Ordering::Relaxed), 1, "{m:?}");
