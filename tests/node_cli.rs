@@ -16,6 +16,16 @@ fn node(config: &std::path::Path, check: bool) -> std::process::Output {
     cmd.output().expect("running gorgo node")
 }
 
+/// `text` written as `dir/name` and given to `gorgo node` (`check`: with `--check`):
+/// its stderr, once it has failed, as a config that is wrong must.
+fn refused(dir: &std::path::Path, name: &str, text: &str, check: bool) -> String {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    let out = node(&path, check);
+    assert!(!out.status.success(), "{name} was taken");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 const EXAMPLES: [&str; 3] = ["us-ashburn", "eu-frankfurt", "ap-seoul"];
 
 /// The example configs copied to `dir/configs/nodes`, with the certificates they name
@@ -65,36 +75,31 @@ fn the_check_reads_the_files_a_start_reads() {
     let nodes = examples_with_certs(dir.path());
     let example = std::fs::read_to_string(nodes.join("us-ashburn.toml")).unwrap();
 
-    let stolen = nodes.join("stolen.toml");
-    std::fs::write(
-        &stolen,
-        example.replace("certs/us-ashburn.", "certs/ap-seoul."),
-    )
-    .unwrap();
-    let out = node(&stolen, true);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused(
+        &nodes,
+        "stolen.toml",
+        &example.replace("certs/us-ashburn.", "certs/ap-seoul."),
+        true,
+    );
     assert!(err.contains("tls:") && err.contains("us-ashburn"), "{err}");
 
-    let no_certs = nodes.join("no-certs.toml");
-    std::fs::write(&no_certs, example.replace("certs/ca.pem", "certs/nope.pem")).unwrap();
-    let out = node(&no_certs, true);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused(
+        &nodes,
+        "no-certs.toml",
+        &example.replace("certs/ca.pem", "certs/nope.pem"),
+        true,
+    );
     assert!(err.contains("tls:") && err.contains("nope.pem"), "{err}");
 
-    let weights = nodes.join("weights.toml");
-    std::fs::write(
-        &weights,
-        example.replace(
+    let err = refused(
+        &nodes,
+        "weights.toml",
+        &example.replace(
             "[tuning]",
             "[tuning]\nweights_file = \"missing-weights.json\"",
         ),
-    )
-    .unwrap();
-    let out = node(&weights, true);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+        true,
+    );
     assert!(
         err.contains("tuning.weights_file") && err.contains("missing-weights.json"),
         "{err}"
@@ -109,28 +114,27 @@ fn typo_and_missing_field_are_named() {
     )
     .unwrap();
 
-    let typo = dir.path().join("typo.toml");
-    std::fs::write(&typo, example.replace("max_hops = 1", "max_hop = 1")).unwrap();
-    let out = node(&typo, false);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused(
+        dir.path(),
+        "typo.toml",
+        &example.replace("max_hops = 1", "max_hop = 1"),
+        false,
+    );
     assert!(err.contains("max_hop"), "{err}");
 
-    let missing = dir.path().join("missing.toml");
-    std::fs::write(&missing, example.replace("kind = \"sglang\"", "")).unwrap();
-    let out = node(&missing, false);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused(
+        dir.path(),
+        "missing.toml",
+        &example.replace("kind = \"sglang\"", ""),
+        false,
+    );
     assert!(err.contains("missing field `kind`"), "{err}");
 
-    let range = dir.path().join("range.toml");
-    std::fs::write(
-        &range,
-        example.replace("max_body_bytes = 8388608", "max_body_bytes = 0"),
-    )
-    .unwrap();
-    let out = node(&range, false);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused(
+        dir.path(),
+        "range.toml",
+        &example.replace("max_body_bytes = 8388608", "max_body_bytes = 0"),
+        false,
+    );
     assert!(err.contains("limits.max_body_bytes"), "{err}");
 }
