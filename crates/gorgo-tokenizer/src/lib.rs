@@ -11,14 +11,18 @@
 //!   HF's `tojson`, `raise_exception`, `strftime_now`) with `messages` as vLLM
 //!   normalises them (content parts joined with "\n" into one string unless the
 //!   template loops over them, `null` content as "", a tool call's `arguments` string
-//!   parsed into the JSON object it holds), `add_generation_prompt = true`, `tools`
-//!   (none when absent or empty), `bos_token`, `eos_token` and the request's
-//!   `chat_template_kwargs`; the text is tokenised with special tokens parsed, and the
-//!   tokenizer's own added tokens (BOS) only when `chat_add_special_tokens` says so
-//!   (vLLM and SGLang: no, the template writes `bos_token` itself; llama-cpp-python's
-//!   built-in chat formats: yes).
+//!   parsed into the JSON object it holds), the request's `add_generation_prompt`
+//!   (default true), `tools` (none when absent or empty), `bos_token`, `eos_token` and
+//!   the request's `chat_template_kwargs`; with `continue_final_message` the text is
+//!   cut after the last message's, as HF cuts it. Each render has a fuel budget (a
+//!   step count) in proportion to the body. The text is tokenised with special
+//!   tokens parsed, and the tokenizer's own added tokens (BOS) when the request's
+//!   `add_special_tokens` (vLLM's) says so, or else when `chat_add_special_tokens`
+//!   does (vLLM and SGLang: no, the template writes `bos_token` itself;
+//!   llama-cpp-python's built-in chat formats: yes).
 //! - `completions`: a string prompt is tokenised with special tokens added (all three
-//!   engines do); an array of strings is a batch, counted as the sum (the longest
+//!   engines do) unless the request says `"add_special_tokens": false` (vLLM's
+//!   parameter); an array of strings is a batch, counted as the sum (the longest
 //!   prompt is given beside it: engines check a batch against the context prompt by
 //!   prompt); token ids are taken as they are.
 //!
@@ -227,6 +231,11 @@ impl EngineTokenizer {
 
     /// The chat prompt the engine builds from a `chat/completions` body.
     pub fn render_chat(&self, body: &[u8]) -> Result<String, TokenizerError> {
+        Ok(self.rendered_chat(body)?.text)
+    }
+
+    /// [`EngineTokenizer::render_chat`], with what the body asks of tokenising it.
+    fn rendered_chat(&self, body: &[u8]) -> Result<RenderedChat, TokenizerError> {
         let template = self.template.as_ref().ok_or_else(|| {
             TokenizerError::Request(
                 "chat requests cannot be counted: the tokenizer has no chat template".into(),
@@ -237,7 +246,10 @@ impl EngineTokenizer {
         let cap = rendered_cap(body.len());
         let body: Value = serde_json::from_slice(body)
             .map_err(|e| TokenizerError::Request(format!("body is not JSON: {e}")))?;
-        template.render_capped(&body, cap)
+        Ok(RenderedChat {
+            text: template.render_capped(&body, cap)?,
+            add_special_tokens: bool_field(&body, ADD_SPECIAL_TOKENS)?,
+        })
     }
 
     /// The prompt's token ids as the engine counts them (see the crate docs); a
@@ -270,8 +282,11 @@ impl EngineTokenizer {
     ) -> Result<Vec<Vec<u32>>, TokenizerError> {
         match endpoint {
             Endpoint::Chat => {
-                let text = self.render_chat(body)?;
-                Ok(vec![self.encode(&text, self.chat_add_special_tokens)?])
+                let chat = self.rendered_chat(body)?;
+                let specials = chat
+                    .add_special_tokens
+                    .unwrap_or(self.chat_add_special_tokens);
+                Ok(vec![self.encode(&chat.text, specials)?])
             }
             Endpoint::Completions => {
                 let body: serde_json::Value = serde_json::from_slice(body)
@@ -282,18 +297,25 @@ impl EngineTokenizer {
     }
 
     /// A completions body's prompts' ids: its `prompt` read as the canonical path reads
-    /// it ([`CompletionsPrompt`]), each string tokenised with special tokens added,
-    /// token ids as they are.
+    /// it ([`CompletionsPrompt`]), each string tokenised with special tokens added
+    /// unless the body says `"add_special_tokens": false` (vLLM's parameter), token ids
+    /// as they are.
     fn completion_ids(&self, body: &serde_json::Value) -> Result<Vec<Vec<u32>>, TokenizerError> {
         let prompt = CompletionsPrompt::of_body(body).map_err(|e| match e {
             gorgo_core::CoreError::InvalidRequest(m) => TokenizerError::Request(m),
             other => TokenizerError::Request(other.to_string()),
         })?;
+        let specials = match body.get(ADD_SPECIAL_TOKENS) {
+            None | Some(serde_json::Value::Null) => true,
+            Some(serde_json::Value::Bool(b)) => *b,
+            Some(_) => return Err(not_a_boolean(ADD_SPECIAL_TOKENS)),
+        };
         match prompt {
-            CompletionsPrompt::Text(s) => Ok(vec![self.encode(s, true)?]),
-            CompletionsPrompt::TextBatch(prompts) => {
-                prompts.into_iter().map(|s| self.encode(s, true)).collect()
-            }
+            CompletionsPrompt::Text(s) => Ok(vec![self.encode(s, specials)?]),
+            CompletionsPrompt::TextBatch(prompts) => prompts
+                .into_iter()
+                .map(|s| self.encode(s, specials))
+                .collect(),
             CompletionsPrompt::TokenIds(ids) => Ok(vec![ids]),
             CompletionsPrompt::TokenIdBatch(prompts) => Ok(prompts),
         }
@@ -417,6 +439,44 @@ fn special_tokens_processor(
     Ok(processor.into())
 }
 
+/// A chat body's prompt text, and whether the body asks for the tokenizer's own special
+/// tokens on top of the template's (vLLM's `add_special_tokens`; `None`: the engine's
+/// default, `chat_add_special_tokens`).
+struct RenderedChat {
+    text: String,
+    add_special_tokens: Option<bool>,
+}
+
+/// The request field (vLLM's, on both endpoints) that turns the tokenizer's own
+/// special tokens (BOS) on or off.
+const ADD_SPECIAL_TOKENS: &str = "add_special_tokens";
+
+/// The request's boolean `name`, `None` when absent or `null` (a `null` key is no key,
+/// as to the engines).
+fn bool_field(body: &Value, name: &str) -> Result<Option<bool>, TokenizerError> {
+    match body.get_attr(name) {
+        Ok(v) if v.kind() == ValueKind::Bool => Ok(Some(v.is_true())),
+        Ok(v) if !v.is_undefined() && !v.is_none() => Err(not_a_boolean(name)),
+        _ => Ok(None),
+    }
+}
+
+fn not_a_boolean(name: &str) -> TokenizerError {
+    TokenizerError::Request(format!("`{name}` must be a boolean"))
+}
+
+/// The fuel ([`minijinja::Environment::set_fuel`]: about one per instruction, and one
+/// per 64 bytes of data) a render whose output is capped at `cap` bytes may burn: 16
+/// per byte of the cap, so 128 per body byte plus 1 Mi. The output cap bounds what a
+/// render writes, not how long it loops: a template that compares every message with
+/// every other one spends its time and writes little, and held a tokenizing thread
+/// for minutes. Measured with the fixture's ChatML template, a render burns 0.2-0.3
+/// per body byte on `fixtures/chat-prompts.jsonl` and 1.0 on 5,000 messages of two
+/// bytes each: the budget leaves templates ten times as busy a wide margin.
+fn render_fuel(cap: usize) -> u64 {
+    (cap as u64).saturating_mul(16)
+}
+
 /// The arguments every chat render gets, beside `messages` and the request's
 /// `chat_template_kwargs`.
 #[derive(Serialize)]
@@ -477,10 +537,23 @@ impl ChatTemplate {
         let tools = field("tools")
             .filter(|t| t.len().is_some_and(|n| n > 0))
             .unwrap_or(Value::from(()));
+        // vLLM's and SGLang's request fields, rendered as HF's `apply_chat_template`
+        // renders them (vLLM calls it): `continue_final_message` leaves the last
+        // message open for the model to go on with, which a generation prompt would
+        // close.
+        let continue_final = bool_field(body, "continue_final_message")?.unwrap_or(false);
+        let add_generation_prompt = bool_field(body, "add_generation_prompt")?.unwrap_or(true);
+        if continue_final && add_generation_prompt {
+            return Err(TokenizerError::Request(
+                "`continue_final_message` needs `\"add_generation_prompt\": false`: \
+                 the generation prompt would close the message to continue"
+                    .into(),
+            ));
+        }
         let base = Value::from(Serde(RenderContext {
             messages: &messages,
             tools,
-            add_generation_prompt: true,
+            add_generation_prompt,
             bos_token: &self.bos_token,
             eos_token: &self.eos_token,
         }));
@@ -492,8 +565,11 @@ impl ChatTemplate {
             }
             _ => base,
         };
-        let template = self
-            .env
+        // Fuel is the environment's; a clone (its templates and functions are shared)
+        // carries this render's budget.
+        let mut env = self.env.clone();
+        env.set_fuel(Some(render_fuel(cap)));
+        let template = env
             .get_template(TEMPLATE)
             .map_err(|e| TokenizerError::Request(e.to_string()))?;
         let mut w = pyjson::CappedWriter::new(cap);
@@ -501,9 +577,22 @@ impl ChatTemplate {
         let rendered = template.render_captured_to(ctx, &mut w);
         RENDER_CAP.set(outer);
         match rendered {
-            Ok(_) => String::from_utf8(w.out).map_err(|e| {
-                TokenizerError::Request(format!("the chat template rendered invalid UTF-8: {e}"))
-            }),
+            Ok(_) => {
+                let text = String::from_utf8(w.out).map_err(|e| {
+                    TokenizerError::Request(format!(
+                        "the chat template rendered invalid UTF-8: {e}"
+                    ))
+                })?;
+                if continue_final {
+                    continued(text, &messages)
+                } else {
+                    Ok(text)
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(TokenizerError::Request(format!(
+                "the chat template takes too long on this request: it ran past {} steps",
+                render_fuel(cap)
+            ))),
             Err(e) if w.left == 0 || e.to_string().contains(pyjson::OVER_CAP) => {
                 Err(TokenizerError::Request(format!(
                 "the chat template renders this request to more than {cap} bytes (8 per body byte, plus 64 KiB)"
@@ -514,6 +603,46 @@ impl ChatTemplate {
             ))),
         }
     }
+}
+
+/// `rendered` cut just after the last message's text, as HF's `apply_chat_template`
+/// cuts it for `continue_final_message`: at the last place the text (stripped) appears,
+/// keeping its trailing whitespace when the template kept it; a content-parts message
+/// continues its last text part.
+fn continued(mut rendered: String, messages: &Value) -> Result<String, TokenizerError> {
+    let refuse =
+        |why: &str| TokenizerError::Request(format!("`continue_final_message` is set but {why}"));
+    let last = messages
+        .len()
+        .and_then(|n| n.checked_sub(1))
+        .and_then(|i| messages.get_item_by_index(i).ok())
+        .ok_or_else(|| refuse("there is no message to continue"))?;
+    let content = last.get_attr("content").unwrap_or_default();
+    let text = if content.kind() == ValueKind::Seq {
+        iter_of(&content)?
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .find_map(|part| part.get_attr("text").ok().filter(|t| !t.is_undefined()))
+            .ok_or_else(|| refuse("the final message has no text to continue"))?
+    } else {
+        content
+    };
+    let text = text
+        .as_str()
+        .ok_or_else(|| refuse("the final message's text is not a string"))?;
+    let stripped = text.trim();
+    let at = rendered.rfind(stripped).ok_or_else(|| {
+        refuse("the chat template does not write the final message's text as sent")
+    })?;
+    let lstripped = text.trim_start();
+    let end = if rendered.get(at..at + lstripped.len()) == Some(text) {
+        at + lstripped.len()
+    } else {
+        at + stripped.len()
+    };
+    rendered.truncate(end);
+    Ok(rendered)
 }
 
 /// `messages` as vLLM hands them to the template (its "string" content format, the one

@@ -530,3 +530,118 @@ fn a_null_message_key_is_no_key() {
     .unwrap();
     assert_eq!(template.render(&body).unwrap(), "hihello");
 }
+
+/// vLLM's request fields that change the prompt: `add_generation_prompt: false`
+/// leaves the assistant header out, `continue_final_message` cuts the render just
+/// after the last message's text (as HF's `apply_chat_template` does), and
+/// `add_special_tokens` adds the tokenizer's BOS on top of the template's (chat) or
+/// leaves it out (completions). The node counted every request as if none were set.
+#[test]
+fn generation_prompt_final_message_and_special_tokens_are_the_request_s() {
+    let t = fixture();
+    let turn = |extra: serde_json::Value| {
+        let mut body = json!({"model": "m", "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "The answer is "},
+        ]});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        serde_json::to_vec(&body).unwrap()
+    };
+    let head = "<s><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nThe answer is ";
+    let closed = format!("{head}<|im_end|>\n");
+    assert_eq!(
+        t.render_chat(&turn(json!({}))).unwrap(),
+        format!("{closed}<|im_start|>assistant\n")
+    );
+    assert_eq!(
+        t.render_chat(&turn(json!({"add_generation_prompt": false})))
+            .unwrap(),
+        closed
+    );
+    // The template writes the message as sent, so its trailing space is kept.
+    let open = json!({"add_generation_prompt": false, "continue_final_message": true});
+    assert_eq!(t.render_chat(&turn(open.clone())).unwrap(), head);
+    for (extra, error) in [
+        (
+            json!({"continue_final_message": true}),
+            "add_generation_prompt",
+        ),
+        (
+            json!({"add_generation_prompt": "no"}),
+            "`add_generation_prompt` must be a boolean",
+        ),
+        (
+            json!({"add_special_tokens": 1}),
+            "`add_special_tokens` must be a boolean",
+        ),
+    ] {
+        let e = t.prompt_ids(Endpoint::Chat, &turn(extra)).unwrap_err();
+        assert!(e.to_string().contains(error), "{e}");
+    }
+    // A `null` flag is no flag.
+    assert_eq!(
+        t.render_chat(&turn(json!({"add_generation_prompt": null})))
+            .unwrap(),
+        format!("{closed}<|im_start|>assistant\n")
+    );
+    // A template that strips the message loses its trailing space.
+    let trims = ChatTemplate::compile(
+        "{% for m in messages %}[{{ m.content | trim }}]{% endfor %}".to_owned(),
+        "<s>".into(),
+        "</s>".into(),
+    )
+    .unwrap();
+    let body: Value = serde_json::from_slice(&turn(json!({"add_generation_prompt": false,
+        "continue_final_message": true})))
+    .unwrap();
+    assert_eq!(trims.render(&body).unwrap(), "[hi][The answer is");
+    // Content parts: the last text part is continued.
+    let parts = serde_json::to_vec(&json!({"model": "m", "add_generation_prompt": false,
+        "continue_final_message": true, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "text", "text": "The"}, {"type": "text", "text": "answer"}]},
+    ]}))
+    .unwrap();
+    assert!(t.render_chat(&parts).unwrap().ends_with("The\nanswer"));
+    // BOS: the template's, then the tokenizer's on request.
+    let plain = t.prompt_ids(Endpoint::Chat, &turn(open.clone())).unwrap();
+    let mut with_bos = open;
+    with_bos["add_special_tokens"] = json!(true);
+    let bos = t.prompt_ids(Endpoint::Chat, &turn(with_bos)).unwrap();
+    assert_eq!(bos.len(), plain.len() + 1);
+    assert_eq!(&bos[..2], &[1, 1]);
+    let completions = |extra: serde_json::Value| {
+        let mut body = json!({"model": "m", "prompt": "the fox"});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        t.prompt_ids(Endpoint::Completions, &serde_json::to_vec(&body).unwrap())
+            .unwrap()
+    };
+    let with = completions(json!({}));
+    assert_eq!(with[0], 1);
+    assert_eq!(completions(json!({"add_special_tokens": false})), with[1..]);
+}
+
+/// A template that loops without writing (every message against every other) is
+/// stopped by its fuel, not the output cap, and the client is told why.
+#[test]
+fn a_render_that_loops_too_long_is_refused() {
+    let source = "{% for m in messages %}{% for n in messages %}\
+                  {% if m.content == n.content %}{% endif %}{% endfor %}{% endfor %}ok"
+        .to_owned();
+    let template = ChatTemplate::compile(source, "<s>".into(), "</s>".into()).unwrap();
+    let render = |n: usize| {
+        let messages: Vec<_> = (0..n)
+            .map(|i| json!({"role": "user", "content": i.to_string()}))
+            .collect();
+        let body = json!({"messages": messages}).to_string();
+        let value: Value = serde_json::from_str(&body).unwrap();
+        template.render_capped(&value, rendered_cap(body.len()))
+    };
+    assert_eq!(render(100).unwrap(), "ok");
+    let e = render(5_000).unwrap_err().to_string();
+    assert!(e.contains("takes too long"), "{e}");
+}
