@@ -545,6 +545,7 @@ async fn completion(
         .and_then(Value::as_str)
         .map(str::to_owned);
     // vLLM's `truncate_prompt_tokens`: the engine keeps the prompt's last N tokens. The
+    // prompt is counted, priced and hashed as those N (`tokens::request_chain`), the
     // context check holds N, not the whole prompt, against the engine (it refused
     // prompts vLLM serves), and the token estimate learns nothing from the engine's
     // count of N. (-1, "to the context length", is left to the engine's own check.)
@@ -569,8 +570,15 @@ async fn completion(
     // 128 MiB as a `Value`); nothing below reads it, and counting the prompt's tokens
     // may wait for the tokenizer's thread pool.
     drop(parsed);
-    let counted =
-        crate::tokens::request_chain(&state, endpoint, &body, prompt, batch_longest_bytes, slot);
+    let counted = crate::tokens::request_chain(
+        &state,
+        endpoint,
+        &body,
+        prompt,
+        batch_longest_bytes,
+        truncated_to,
+        slot,
+    );
     let (counted, slot) = match counted.await {
         Ok(c) => c,
         Err(e @ NodeError::Tokenize(_)) => {
@@ -628,9 +636,7 @@ async fn completion(
         stream_usage,
         headers: pass,
         chain: counted.chain,
-        longest_prompt_tokens: truncated_to.map_or(counted.longest_prompt_tokens, |n| {
-            n.min(counted.longest_prompt_tokens)
-        }),
+        longest_prompt_tokens: counted.longest_prompt_tokens,
         canonical: Some(canonical).filter(|_| truncated_to.is_none()),
         hops: 0,
         via: Vec::new(),

@@ -115,7 +115,9 @@ impl PromptTokens {
     /// a tokenizer, over the canonical bytes (hashed by `byte_chains`) without, counted
     /// with the estimate learned for the prompt's shape. `batch_longest_bytes`: for a
     /// completions batch, its longest prompt's canonical bytes
-    /// ([`gorgo_core::prompt::CompletionsPrompt::longest_batch_prompt_bytes`]).
+    /// ([`gorgo_core::prompt::CompletionsPrompt::longest_batch_prompt_bytes`]);
+    /// `truncated_to`, vLLM's `truncate_prompt_tokens` (the engine keeps the last N
+    /// tokens), which the tokenizer reads from the body itself.
     fn count(
         &self,
         byte_chains: &gorgo_core::PromptHasher,
@@ -123,6 +125,7 @@ impl PromptTokens {
         body: &[u8],
         canonical: &[u8],
         batch_longest_bytes: Option<u64>,
+        truncated_to: Option<u64>,
     ) -> Result<CountedPrompt, TokenizerError> {
         if let Some(t) = &self.tokenizer {
             let prompt = t.tokenize_prompt(endpoint, body)?;
@@ -132,10 +135,11 @@ impl PromptTokens {
             });
         }
         let shape = PromptShape::of(endpoint, canonical);
-        let (rate, overhead, longest) = {
+        let (rate, bytes_per_token, overhead, longest) = {
             let ratio = self.ratios[shape.index()].read();
             (
                 ratio.per_byte(),
+                ratio.bytes_per_token(),
                 ratio.overhead_tokens(),
                 batch_longest_bytes.map(|bytes| ratio.tokens(bytes)),
             )
@@ -144,11 +148,23 @@ impl PromptTokens {
         if let Some(first) = chain.block_tokens.first_mut() {
             *first = first.saturating_add(overhead.min(u32::MAX as u64) as u32);
         }
+        // A truncated prompt is its last N tokens: priced as those, and hashed from the
+        // bytes they are estimated to span, so it matches no untruncated prompt's cache
+        // (the engine's cache holds the kept tokens from their own start). A batch's
+        // prompts are truncated one by one, which bytes cannot follow: its chain stays
+        // whole, its longest prompt is held to N.
+        if let Some(n) =
+            truncated_to.filter(|&n| batch_longest_bytes.is_none() && n < chain.total_tokens())
+        {
+            let kept = ((n as f64 * bytes_per_token).ceil() as usize).min(canonical.len());
+            chain = byte_chains.chain_counted(&canonical[canonical.len() - kept..], &rate);
+        }
         let total = chain.total_tokens();
+        let longest = longest.map_or(total, |n| n.min(total));
         Ok(CountedPrompt {
             chain,
             // One prompt of a batch is never more than all of them.
-            longest_prompt_tokens: longest.map_or(total, |n| n.min(total)),
+            longest_prompt_tokens: truncated_to.map_or(longest, |n| n.min(longest)),
         })
     }
 
@@ -246,6 +262,7 @@ pub async fn request_chain<K: Send + 'static>(
     body: &Bytes,
     canonical: Vec<u8>,
     batch_longest_bytes: Option<u64>,
+    truncated_to: Option<u64>,
     held: K,
 ) -> Result<(CountedPrompt, K), NodeError> {
     if !state.tokens.exact() || body.len() <= INLINE_TOKENIZE_BYTES {
@@ -258,6 +275,7 @@ pub async fn request_chain<K: Send + 'static>(
                 body,
                 &canonical,
                 batch_longest_bytes,
+                truncated_to,
             )
         }))
         .map_err(|_| NodeError::Internal("tokenizing failed: the tokenizer panicked".into()))?;
@@ -266,12 +284,75 @@ pub async fn request_chain<K: Send + 'static>(
     let st = state.clone();
     let body = body.clone();
     let (counted, held) = tokio::task::spawn_blocking(move || {
-        let counted = st
-            .tokens
-            .count(&st.hasher, endpoint, &body, &canonical, batch_longest_bytes);
+        let counted = st.tokens.count(
+            &st.hasher,
+            endpoint,
+            &body,
+            &canonical,
+            batch_longest_bytes,
+            truncated_to,
+        );
         (counted, held)
     })
     .await
     .map_err(|e| NodeError::Internal(format!("tokenizing failed: {e}")))?;
     Ok((counted?, held))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without a tokenizer, a prompt truncated to its last N tokens (vLLM's
+    /// `truncate_prompt_tokens`) is priced as about N tokens, not the whole prompt, and
+    /// shares no block with the whole prompt's chain: the engine caches the kept tokens
+    /// from their own start, so the whole prompt's cached prefix is no hit for it.
+    #[test]
+    fn a_truncated_prompt_is_priced_and_hashed_as_its_kept_tokens() {
+        let tokens = PromptTokens {
+            tokenizer: None,
+            block_tokens: 64,
+            ratios: PromptShape::ALL.map(|_| RwLock::new(TokenRatio::new(4.0).unwrap())),
+        };
+        let hasher =
+            gorgo_core::PromptHasher::new(256, Box::new(gorgo_core::BytesPerToken(4))).unwrap();
+        let canonical = "the quick brown fox jumps over the lazy dog. ".repeat(200);
+        let count = |truncated_to| {
+            tokens
+                .count(
+                    &hasher,
+                    Endpoint::Completions,
+                    b"{}",
+                    canonical.as_bytes(),
+                    None,
+                    truncated_to,
+                )
+                .unwrap()
+        };
+        let whole = count(None);
+        assert_eq!(whole.chain.total_tokens(), 2250);
+        let kept = count(Some(500));
+        assert_eq!(kept.chain.total_tokens(), 500);
+        assert_eq!(kept.longest_prompt_tokens, 500);
+        assert!(kept
+            .chain
+            .hashes
+            .iter()
+            .all(|h| !whole.chain.hashes.contains(h)));
+        // A bound above the prompt keeps all of it.
+        assert_eq!(count(Some(5000)).chain.hashes, whole.chain.hashes);
+        // A batch's chain stays whole; its longest prompt is held to N.
+        let batch = tokens
+            .count(
+                &hasher,
+                Endpoint::Completions,
+                b"{}",
+                canonical.as_bytes(),
+                Some(4000),
+                Some(500),
+            )
+            .unwrap();
+        assert_eq!(batch.chain.hashes, whole.chain.hashes);
+        assert_eq!(batch.longest_prompt_tokens, 500);
+    }
 }

@@ -25,6 +25,7 @@
 //!   parameter); an array of strings is a batch, counted as the sum (the longest
 //!   prompt is given beside it: engines check a batch against the context prompt by
 //!   prompt); token ids are taken as they are.
+//! - both: vLLM's `truncate_prompt_tokens` N keeps each prompt's last N ids.
 //!
 //! It lives in its own crate because two programs need the very same counting: the
 //! node (routing, context check, hash chain over token ids) and the engine emulator
@@ -248,7 +249,7 @@ impl EngineTokenizer {
             .map_err(|e| TokenizerError::Request(format!("body is not JSON: {e}")))?;
         Ok(RenderedChat {
             text: template.render_capped(&body, cap)?,
-            add_special_tokens: bool_field(&body, ADD_SPECIAL_TOKENS)?,
+            tokenising: Tokenising::of(|name| chat_field(&body, name))?,
         })
     }
 
@@ -284,9 +285,11 @@ impl EngineTokenizer {
             Endpoint::Chat => {
                 let chat = self.rendered_chat(body)?;
                 let specials = chat
+                    .tokenising
                     .add_special_tokens
                     .unwrap_or(self.chat_add_special_tokens);
-                Ok(vec![self.encode(&chat.text, specials)?])
+                let ids = self.encode(&chat.text, specials)?;
+                Ok(vec![chat.tokenising.kept(ids)])
             }
             Endpoint::Completions => {
                 let body: serde_json::Value = serde_json::from_slice(body)
@@ -305,20 +308,18 @@ impl EngineTokenizer {
             gorgo_core::CoreError::InvalidRequest(m) => TokenizerError::Request(m),
             other => TokenizerError::Request(other.to_string()),
         })?;
-        let specials = match body.get(ADD_SPECIAL_TOKENS) {
-            None | Some(serde_json::Value::Null) => true,
-            Some(serde_json::Value::Bool(b)) => *b,
-            Some(_) => return Err(not_a_boolean(ADD_SPECIAL_TOKENS)),
-        };
-        match prompt {
-            CompletionsPrompt::Text(s) => Ok(vec![self.encode(s, specials)?]),
+        let tokenising = Tokenising::of(|name| body.get(name).cloned())?;
+        let specials = tokenising.add_special_tokens.unwrap_or(true);
+        let prompts = match prompt {
+            CompletionsPrompt::Text(s) => vec![self.encode(s, specials)?],
             CompletionsPrompt::TextBatch(prompts) => prompts
                 .into_iter()
                 .map(|s| self.encode(s, specials))
-                .collect(),
-            CompletionsPrompt::TokenIds(ids) => Ok(vec![ids]),
-            CompletionsPrompt::TokenIdBatch(prompts) => Ok(prompts),
-        }
+                .collect::<Result<_, _>>()?,
+            CompletionsPrompt::TokenIds(ids) => vec![ids],
+            CompletionsPrompt::TokenIdBatch(prompts) => prompts,
+        };
+        Ok(prompts.into_iter().map(|p| tokenising.kept(p)).collect())
     }
 
     /// Tokenise `text`, special tokens written in it parsed as such; with
@@ -439,30 +440,73 @@ fn special_tokens_processor(
     Ok(processor.into())
 }
 
-/// A chat body's prompt text, and whether the body asks for the tokenizer's own special
-/// tokens on top of the template's (vLLM's `add_special_tokens`; `None`: the engine's
-/// default, `chat_add_special_tokens`).
+/// A chat body's prompt text, and how the body asks for it to be tokenised.
 struct RenderedChat {
     text: String,
-    add_special_tokens: Option<bool>,
+    tokenising: Tokenising,
 }
 
-/// The request field (vLLM's, on both endpoints) that turns the tokenizer's own
-/// special tokens (BOS) on or off.
-const ADD_SPECIAL_TOKENS: &str = "add_special_tokens";
+/// vLLM's request fields (on both endpoints) that change a prompt's ids after the
+/// text: `add_special_tokens` turns the tokenizer's own special tokens (BOS) on or off
+/// (`None`: the endpoint's default), and `truncate_prompt_tokens` keeps each prompt's
+/// last N ids (`None`: all; vLLM's -1, "to the context length", is left to the
+/// engine's own check).
+struct Tokenising {
+    add_special_tokens: Option<bool>,
+    truncate_to: Option<usize>,
+}
 
-/// The request's boolean `name`, `None` when absent or `null` (a `null` key is no key,
-/// as to the engines).
-fn bool_field(body: &Value, name: &str) -> Result<Option<bool>, TokenizerError> {
-    match body.get_attr(name) {
-        Ok(v) if v.kind() == ValueKind::Bool => Ok(Some(v.is_true())),
-        Ok(v) if !v.is_undefined() && !v.is_none() => Err(not_a_boolean(name)),
-        _ => Ok(None),
+impl Tokenising {
+    /// Read from a body whose field `name` is `field(name)` (`None` when absent).
+    fn of(field: impl Fn(&str) -> Option<serde_json::Value>) -> Result<Tokenising, TokenizerError> {
+        const TRUNCATE: &str = "truncate_prompt_tokens";
+        let truncate_to = match field(TRUNCATE) {
+            None | Some(serde_json::Value::Null) => None,
+            Some(v) => match v.as_i64() {
+                Some(-1 | 0) => None,
+                Some(n) if n > 0 => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+                _ => {
+                    return Err(TokenizerError::Request(format!(
+                        "`{TRUNCATE}` must be an integer of at least -1"
+                    )))
+                }
+            },
+        };
+        Ok(Tokenising {
+            add_special_tokens: bool_of(ADD_SPECIAL_TOKENS, field(ADD_SPECIAL_TOKENS))?,
+            truncate_to,
+        })
+    }
+
+    /// `ids` as the engine keeps them: the last `truncate_to`.
+    fn kept(&self, mut ids: Vec<u32>) -> Vec<u32> {
+        if let Some(n) = self.truncate_to.filter(|&n| n < ids.len()) {
+            ids.drain(..ids.len() - n);
+        }
+        ids
     }
 }
 
-fn not_a_boolean(name: &str) -> TokenizerError {
-    TokenizerError::Request(format!("`{name}` must be a boolean"))
+/// The field (vLLM's, on both endpoints) that turns the tokenizer's own special tokens
+/// (BOS) on or off.
+const ADD_SPECIAL_TOKENS: &str = "add_special_tokens";
+
+/// A chat body's field `name` as JSON, `None` when absent.
+fn chat_field(body: &Value, name: &str) -> Option<serde_json::Value> {
+    let v = body.get_attr(name).ok().filter(|v| !v.is_undefined())?;
+    serde_json::to_value(&v).ok()
+}
+
+/// The request's boolean `name` from its value `v`; `None` when absent or `null` (a
+/// `null` key is no key, as to the engines).
+fn bool_of(name: &str, v: Option<serde_json::Value>) -> Result<Option<bool>, TokenizerError> {
+    match v {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(serde_json::Value::Bool(b)) => Ok(Some(b)),
+        Some(_) => Err(TokenizerError::Request(format!(
+            "`{name}` must be a boolean"
+        ))),
+    }
 }
 
 /// The fuel ([`minijinja::Environment::set_fuel`]: about one per instruction, and one
@@ -541,8 +585,9 @@ impl ChatTemplate {
         // renders them (vLLM calls it): `continue_final_message` leaves the last
         // message open for the model to go on with, which a generation prompt would
         // close.
-        let continue_final = bool_field(body, "continue_final_message")?.unwrap_or(false);
-        let add_generation_prompt = bool_field(body, "add_generation_prompt")?.unwrap_or(true);
+        let flag = |name: &str| bool_of(name, chat_field(body, name));
+        let continue_final = flag("continue_final_message")?.unwrap_or(false);
+        let add_generation_prompt = flag("add_generation_prompt")?.unwrap_or(true);
         if continue_final && add_generation_prompt {
             return Err(TokenizerError::Request(
                 "`continue_final_message` needs `\"add_generation_prompt\": false`: \

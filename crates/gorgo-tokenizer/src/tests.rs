@@ -645,3 +645,50 @@ fn a_render_that_loops_too_long_is_refused() {
     let e = render(5_000).unwrap_err().to_string();
     assert!(e.contains("takes too long"), "{e}");
 }
+
+/// vLLM's `truncate_prompt_tokens` keeps each prompt's last N ids, after the template
+/// and the special tokens: the node counted (and the emulator reported) the whole
+/// prompt.
+#[test]
+fn truncate_prompt_tokens_keeps_each_prompt_s_last_ids() {
+    let t = fixture();
+    let with = |mut body: serde_json::Value, extra: serde_json::Value| {
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        serde_json::to_vec(&body).unwrap()
+    };
+    let chat = json!({"model": "m", "messages": [{"role": "user", "content": "the quick brown fox and the dog"}]});
+    let whole = t
+        .prompt_ids(Endpoint::Chat, &with(chat.clone(), json!({})))
+        .unwrap();
+    assert!(whole.len() > 8, "{}", whole.len());
+    let kept = t
+        .prompt_ids(
+            Endpoint::Chat,
+            &with(chat.clone(), json!({"truncate_prompt_tokens": 8})),
+        )
+        .unwrap();
+    assert_eq!(kept, whole[whole.len() - 8..]);
+    for all in [json!(-1), json!(null), json!(10_000)] {
+        let body = with(chat.clone(), json!({"truncate_prompt_tokens": all}));
+        assert_eq!(t.prompt_ids(Endpoint::Chat, &body).unwrap(), whole);
+    }
+    for bad in [json!(-2), json!("8"), json!(1.5)] {
+        let body = with(chat.clone(), json!({"truncate_prompt_tokens": bad}));
+        let e = t.prompt_ids(Endpoint::Chat, &body).unwrap_err().to_string();
+        assert!(
+            e.contains("`truncate_prompt_tokens` must be an integer"),
+            "{e}"
+        );
+    }
+    // A batch: each prompt on its own.
+    let batch =
+        json!({"model": "m", "prompt": ["the quick brown fox", "a"], "truncate_prompt_tokens": 2});
+    let each = t
+        .each_prompt_ids(Endpoint::Completions, &serde_json::to_vec(&batch).unwrap())
+        .unwrap();
+    let first = t.encode("the quick brown fox", true).unwrap();
+    assert_eq!(each[0], first[first.len() - 2..]);
+    assert_eq!(each[1], t.encode("a", true).unwrap());
+}
