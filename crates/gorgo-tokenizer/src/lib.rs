@@ -10,7 +10,7 @@
 //!   renders it: `trim_blocks`, `lstrip_blocks`, loop controls, Python string methods,
 //!   HF's `tojson`, `raise_exception`, `strftime_now`) with `messages` as vLLM
 //!   normalises them (content parts joined with "\n" into one string unless the
-//!   template loops over them, `null` content as "", a tool call's `arguments` string
+//!   template loops over them, which then gets every content as a list of parts, `null` content as "", a tool call's `arguments` string
 //!   parsed into the JSON object it holds), the request's `add_generation_prompt`
 //!   (default true), `tools` (none when absent or empty), `bos_token`, `eos_token` and
 //!   the request's `chat_template_kwargs`; with `continue_final_message` the text is
@@ -693,7 +693,7 @@ fn continued(mut rendered: String, messages: &Value) -> Result<String, Tokenizer
 /// `messages` as vLLM hands them to the template (its "string" content format, the one
 /// templates that write `message.content` as a string need): a message's content parts
 /// joined with "\n" into one string (unless `takes_content_parts`: the template loops
-/// over them, and gets them as sent), each part read as the canonical path reads it
+/// over them, and gets them as [`engine_content_parts`] gives them), each part read as the canonical path reads it
 /// ([`gorgo_core::prompt::content_part_text`]: a non-text part is a placeholder that
 /// tells two images apart), `null` or missing content as "", and an assistant's
 /// tool-call arguments as objects ([`parsed_tool_arguments`]). Anything that is not a
@@ -739,8 +739,7 @@ fn engine_message(
                 has_content = true;
                 match takes_content_parts {
                     false => engine_content(i, &value)?,
-                    true if value.is_none() => Value::from(""),
-                    true => value,
+                    true => engine_content_parts(i, &value)?,
                 }
             }
             Some("tool_calls") if assistant => parsed_tool_arguments(&value),
@@ -749,7 +748,12 @@ fn engine_message(
         pairs.push((key, value));
     }
     if !has_content {
-        pairs.push((Value::from("content"), Value::from("")));
+        let none = if takes_content_parts {
+            Value::from(Vec::<Value>::new())
+        } else {
+            Value::from("")
+        };
+        pairs.push((Value::from("content"), none));
     }
     Ok(Value::from_pairs(pairs))
 }
@@ -773,6 +777,60 @@ fn engine_content(i: usize, content: &Value) -> Result<Value, TokenizerError> {
         );
     }
     Ok(Value::from(texts.join("\n")))
+}
+
+/// A message's content as vLLM's "openai" content format gives it to a template that
+/// loops over the parts: always a list (`null` or missing content is empty, a string
+/// one text part), each text-like part (`text`, `input_text`, `output_text`,
+/// `refusal`, `thinking`) as `{"type": "text", "text": ...}` (one without its text
+/// left out), each media part as `{"type": "image"}`, `"audio"` or `"video"` (what
+/// templates test to write their placeholder token). A part of another type is
+/// refused, as vLLM refuses it.
+fn engine_content_parts(i: usize, content: &Value) -> Result<Value, TokenizerError> {
+    let text = |t: Value| Value::from_pairs([("type", Value::from("text")), ("text", t)]);
+    if content.is_none() || content.is_undefined() {
+        return Ok(Value::from(Vec::<Value>::new()));
+    }
+    if content.kind() == ValueKind::String {
+        return Ok(Value::from(vec![text(content.clone())]));
+    }
+    if content.kind() != ValueKind::Seq {
+        return Ok(content.clone());
+    }
+    let mut parts = Vec::with_capacity(content.len().unwrap_or(0));
+    for (j, part) in iter_of(content)?.enumerate() {
+        if part.kind() == ValueKind::String {
+            parts.push(text(part));
+            continue;
+        }
+        let kind = part.get_attr("type").unwrap_or_default();
+        let field = match kind.as_str() {
+            Some("text" | "input_text" | "output_text") => "text",
+            Some(other @ ("refusal" | "thinking")) => other,
+            Some("image_url" | "input_image" | "image_pil" | "image_embeds") => {
+                parts.push(Value::from_pairs([("type", "image")]));
+                continue;
+            }
+            Some("audio_url" | "input_audio" | "audio_embeds") => {
+                parts.push(Value::from_pairs([("type", "audio")]));
+                continue;
+            }
+            Some("video_url") => {
+                parts.push(Value::from_pairs([("type", "video")]));
+                continue;
+            }
+            _ => {
+                return Err(TokenizerError::Request(format!(
+                    "`messages[{i}].content[{j}]` has a `type` the engine does not take: {kind}"
+                )))
+            }
+        };
+        match part.get_attr(field) {
+            Ok(t) if !t.is_undefined() && !t.is_none() => parts.push(text(t)),
+            _ => {}
+        }
+    }
+    Ok(Value::from(parts))
 }
 
 /// An assistant's `tool_calls` with each call's `function.arguments` given as a JSON
@@ -824,8 +882,8 @@ fn with_item(map: &Value, key: &str, value: Value) -> Option<Value> {
 
 /// Whether a template loops over a message's content parts (`{% for part in
 /// message['content'] %}`, `message.content`, `m["content"]`): vLLM then hands it the
-/// OpenAI list as the client sent it (its "openai" content format) instead of the
-/// joined string, which such a template would iterate character by character. vLLM
+/// content as a list of parts (its "openai" content format, [`engine_content_parts`])
+/// instead of the joined string, which such a template would iterate character by character. vLLM
 /// looks for that loop in the template's syntax tree; this looks at each `{% for %}`
 /// statement of its source: the iterable, up to a filter, a condition or the end,
 /// reads a `content` member (sliced, parenthesised or through `.get` too).

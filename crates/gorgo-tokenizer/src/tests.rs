@@ -430,23 +430,32 @@ fn content_is_normalised_as_vllm_does() {
 #[test]
 fn a_template_that_loops_over_content_parts_gets_them() {
     // vLLM hands a template that iterates a message's content (vision models' templates:
-    // `{% for part in message['content'] %}`) the OpenAI list, not the joined string
-    // (its "openai" content format): iterating a string would print nothing.
+    // `{% for part in message['content'] %}`) a list of parts, not the joined string
+    // (its "openai" content format): iterating a string would print nothing. A string
+    // content is one text part, `null` none, media parts are `{"type": "image"}` and
+    // the like, and other text-like parts are text.
     let dir = tempfile::tempdir().unwrap();
     let tpl = dir.path().join("parts.jinja");
     std::fs::write(
         &tpl,
         "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}\
          {% else %}{%- for part in m['content'] -%}{% if part['type'] == 'text' %}\
-         [{{ part['text'] }}]{% endif %}{% endfor %}{% endif %};{% endfor %}",
+         [{{ part['text'] }}]{% elif part['type'] == 'image' %}<img>{% else %}?{% endif %}\
+         {% endfor %}{% endif %};{% endfor %}",
     )
     .unwrap();
     let t = EngineTokenizer::load(Path::new(FIXTURE_TOKENIZER), Some(&tpl), false).unwrap();
     let body = chat(json!([
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         {"role": "user", "content": "c"},
+        {"role": "assistant", "content": null},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}, {"type": "text", "text": "d"}]},
     ]));
-    assert_eq!(t.render_chat(&body).unwrap(), "[a][b];c;");
+    assert_eq!(t.render_chat(&body).unwrap(), "[a][b];[c];;[no];<img>[d];");
+    let odd = chat(json!([{"role": "user", "content": [{"type": "file", "file": {}}]}]));
+    let e = t.render_chat(&odd).unwrap_err().to_string();
+    assert!(e.contains("`messages[0].content[0]` has a `type`"), "{e}");
     for (source, loops) in [
         ("{% for c in message.content %}{% endfor %}", true),
         (
