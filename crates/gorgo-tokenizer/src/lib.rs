@@ -693,9 +693,10 @@ fn continued(mut rendered: String, messages: &Value) -> Result<String, Tokenizer
 /// `messages` as vLLM hands them to the template (its "string" content format, the one
 /// templates that write `message.content` as a string need): a message's content parts
 /// joined with "\n" into one string (unless `takes_content_parts`: the template loops
-/// over them, and gets them as [`engine_content_parts`] gives them), each part read as the canonical path reads it
-/// ([`gorgo_core::prompt::content_part_text`]: a non-text part is a placeholder that
-/// tells two images apart), `null` or missing content as "", and an assistant's
+/// over them, and gets them as [`engine_content_parts`] gives them), each part read as
+/// the canonical path reads it ([`gorgo_core::prompt::content_part_text`]: a non-text
+/// part is a placeholder that tells two images apart), `null` or missing content as
+/// "", and an assistant's
 /// tool-call arguments as objects ([`parsed_tool_arguments`]). Anything that is not a
 /// list of objects is left for the template to refuse.
 fn engine_messages(messages: &Value, takes_content_parts: bool) -> Result<Value, TokenizerError> {
