@@ -570,14 +570,25 @@ fn prepare(requests: &mut [TraceRequest], load: &LoadArgs, cfg: &mut serde_json:
 }
 
 /// A token cancelled on the first Ctrl-C or SIGTERM (a `kill`, a CI timeout), so
-/// replays stop and clusters are torn down rather than left running.
+/// replays stop and clusters are torn down rather than left running. A second signal
+/// exits at once (status 130), as it would have without the handler: a teardown that
+/// hangs (a node that does not stop) is the operator's to cut short.
 fn cancel_on_ctrl_c() -> CancellationToken {
     let cancel = CancellationToken::new();
     let c = cancel.clone();
     tokio::spawn(async move {
-        if super::netem::wait_for_shutdown_signal().await.is_ok() {
-            eprintln!("interrupted: stopping replays and tearing clusters down");
+        if super::shutdown_signal().await.is_ok() {
+            eprintln!(
+                "interrupted: stopping replays and tearing clusters down (again to exit now)"
+            );
             c.cancel();
+            if super::shutdown_signal().await.is_ok() {
+                eprintln!(
+                    "interrupted again: exiting; a cluster being torn down may be left \
+                     running (`gorgo down RUN_DIR` stops it)"
+                );
+                std::process::exit(130);
+            }
         }
     });
     cancel

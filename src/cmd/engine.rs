@@ -141,7 +141,7 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
 /// Resolves on Ctrl-C or SIGTERM. Where the handlers cannot be installed it never
 /// resolves: stopping at once would be worse than serving until killed.
 async fn signalled() {
-    if let Err(e) = super::netem::wait_for_shutdown_signal().await {
+    if let Err(e) = super::shutdown_signal().await {
         tracing::warn!(error = %e, "cannot wait for signals: serving until killed");
         std::future::pending::<()>().await;
     }

@@ -11,6 +11,7 @@ pub mod trace;
 pub mod tune_offline;
 pub mod up;
 
+use anyhow::Context as _;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 use tracing_subscriber::Layer as _;
@@ -34,4 +35,23 @@ pub fn init_tracing_with(extra: Option<ExtraLayer>) {
         .with(extra)
         .with(tracing_subscriber::fmt::layer().with_filter(filter))
         .try_init();
+}
+
+/// Resolves on Ctrl-C or SIGTERM (what `gorgo down`, `kill` and CI timeouts send): the
+/// one way every long-running subcommand waits to stop.
+pub async fn shutdown_signal() -> anyhow::Result<()> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
+        tokio::select! {
+            r = tokio::signal::ctrl_c() => r.context("waiting for Ctrl-C")?,
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    tokio::signal::ctrl_c()
+        .await
+        .context("waiting for Ctrl-C")?;
+    Ok(())
 }

@@ -83,7 +83,7 @@ pub fn run(args: NetemArgs) -> anyhow::Result<()> {
         // A relay that stopped on its own (its socket failed) would leave its link
         // silently dead: the run stops with an error instead.
         let stopped = tokio::select! {
-            r = wait_for_shutdown_signal() => { r?; false }
+            r = super::shutdown_signal() => { r?; false }
             r = control => { r.context("control API failed")?; false }
             _ = a_relay_stops(&cluster) => true,
         };
@@ -105,22 +105,4 @@ async fn a_relay_stops(cluster: &NetemCluster) {
             return;
         }
     }
-}
-
-/// Resolves on Ctrl-C or SIGTERM (what `gorgo down` sends).
-pub async fn wait_for_shutdown_signal() -> anyhow::Result<()> {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        let mut term = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
-        tokio::select! {
-            r = tokio::signal::ctrl_c() => r.context("waiting for Ctrl-C")?,
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    tokio::signal::ctrl_c()
-        .await
-        .context("waiting for Ctrl-C")?;
-    Ok(())
 }

@@ -80,7 +80,7 @@ fn serve(
             config_path.to_owned(),
             shutdown.clone(),
         ));
-        wait_for_signal().await;
+        let _ = super::shutdown_signal().await;
         let deadline = std::time::Duration::from_millis(node.state.config.limits.drain_timeout_ms);
         tracing::info!(deadline_ms = deadline.as_millis() as u64, "draining");
         tokio::select! {
@@ -89,7 +89,7 @@ fn serve(
                 let leave = node.state.peers.leave();
                 let _ = tokio::time::timeout(std::time::Duration::from_secs(5), leave).await;
             }
-            _ = wait_for_signal() => tracing::warn!("second signal: stopping now"),
+            _ = super::shutdown_signal() => tracing::warn!("second signal: stopping now"),
         }
         shutdown.cancel();
         let _ = tokio::time::timeout(std::time::Duration::from_secs(10), node.wait()).await;
@@ -144,27 +144,5 @@ async fn reload_on_hangup(
                 tracing::error!(error = %e, "reload: {} does not load; nothing changed", path.display())
             }
         }
-    }
-}
-
-async fn wait_for_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
     }
 }
