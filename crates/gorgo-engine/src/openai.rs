@@ -186,6 +186,20 @@ pub fn parse(
                     Some("prompt"),
                 ));
             }
+            // vLLM refuses an empty prompt, alone or in a batch, rather than serve
+            // nothing.
+            let empty = match &prompt {
+                CompletionsPrompt::Text(s) => s.is_empty(),
+                CompletionsPrompt::TextBatch(v) => v.iter().any(|s| s.is_empty()),
+                CompletionsPrompt::TokenIds(ids) => ids.is_empty(),
+                CompletionsPrompt::TokenIdBatch(v) => v.iter().any(Vec::is_empty),
+            };
+            if empty {
+                return Err(BadRequest::new(
+                    "Either prompt or prompt_embeds must be provided and non-empty.",
+                    Some("prompt"),
+                ));
+            }
             prompt.each_canonical()
         }
     };
@@ -423,14 +437,21 @@ mod tests {
     }
 
     /// A completions batch is one prompt per element, each rendered as it would be
-    /// alone; an empty batch and one over the limit are refused naming `prompt`.
+    /// alone; an empty batch or prompt and a batch over the limit are refused naming
+    /// `prompt`.
     #[test]
     fn a_batch_is_prompt_by_prompt_within_its_limit() {
         let p = parse(Endpoint::Completions, br#"{"prompt":["ab","cd"]}"#, 1, 2).unwrap();
         assert_eq!(p.prompts, [b"ab".to_vec(), b"cd".to_vec()]);
         let p = parse(Endpoint::Completions, br#"{"prompt":[[1],[2]]}"#, 1, 2).unwrap();
         assert_eq!(p.prompts.len(), 2);
-        for body in [&br#"{"prompt":["a","b","c"]}"#[..], br#"{"prompt":[]}"#] {
+        for body in [
+            &br#"{"prompt":["a","b","c"]}"#[..],
+            br#"{"prompt":[]}"#,
+            br#"{"prompt":""}"#,
+            br#"{"prompt":["a",""]}"#,
+            br#"{"prompt":[[1],[]]}"#,
+        ] {
             let e = parse(Endpoint::Completions, body, 1, 2).unwrap_err();
             assert_eq!(e.param, Some("prompt"), "{}", e.message);
         }

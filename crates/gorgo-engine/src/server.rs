@@ -943,10 +943,12 @@ impl SseStream {
     /// Append the SSE event(s) for `progress` (`None`: the engine went away).
     fn render(&mut self, progress: Option<ChoiceProgress>, out: &mut Vec<u8>) {
         let Some((choice, progress)) = progress else {
-            // The engine went away mid-stream: end with an error event.
+            // The engine went away mid-stream: an error event, then the end of the
+            // stream as vLLM ends it (`[DONE]` after the error chunk).
             self.done = true;
             let v = openai::error_body("engine stopped", "server_error", None, Some("unavailable"));
             Self::data(out, &v);
+            out.extend_from_slice(b"data: [DONE]\n\n");
             return;
         };
         // The token this event carries, counted before it is recorded.
@@ -1009,6 +1011,36 @@ mod tests {
         assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
         assert!(!s.guard.armed);
         assert!(s.next_chunk().now_or_never().flatten().is_none());
+    }
+
+    /// An engine that goes away mid-stream ends the stream as vLLM ends a failed one:
+    /// an error event, then `[DONE]` (a client waiting for it no longer hangs on).
+    #[test]
+    fn a_stream_the_engine_leaves_ends_with_an_error_then_done() {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (commands, _commands_rx) = mpsc::unbounded_channel();
+        let mut s = SseStream {
+            rx,
+            guard: AbortOnDrop {
+                ids: 1..2,
+                commands,
+                armed: true,
+            },
+            meta: openai::ResponseMeta::new(Endpoint::Chat, 1, "m".into(), false),
+            choices: Choices::new(1, 10),
+            finish_reason: "length",
+            done: false,
+        };
+        tx.send((0, Progress::First { cached_tokens: 0 })).unwrap();
+        drop(tx);
+        let mut text = String::new();
+        while let Some(chunk) = s.next_chunk().now_or_never().flatten() {
+            text.push_str(std::str::from_utf8(&chunk).unwrap());
+        }
+        let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
+        assert_eq!(events.len(), 3, "{text}");
+        assert!(events[1].contains("engine stopped"), "{text}");
+        assert_eq!(events[2], "data: [DONE]");
     }
 
     fn at(start: Instant, ms: f64) -> Instant {
