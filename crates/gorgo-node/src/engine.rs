@@ -87,6 +87,11 @@ pub struct EngineAdapter {
     /// `true` while the breaker is open; requests waiting for the engine's head watch
     /// it so they can fall back the moment it opens.
     opened: tokio::sync::watch::Sender<bool>,
+    /// Bumped each time the engine fails again while its breaker is open (a health
+    /// check, or the half-open probe): requests not streamed, whose head comes only
+    /// with the whole answer, watch this instead of the first opening
+    /// ([`EngineAdapter::send_streamed`]).
+    failing_again: tokio::sync::watch::Sender<u64>,
     /// The engine's context length, once known (config, or `/v1/models`).
     max_context_tokens: AtomicU64,
     /// When the concurrency limit was last asked for, and whether the engine answered
@@ -142,6 +147,7 @@ impl EngineAdapter {
                 cooldown_ms: engine.breaker_cooldown_ms,
             })),
             opened: tokio::sync::watch::Sender::new(false),
+            failing_again: tokio::sync::watch::Sender::new(0),
             max_context_tokens: AtomicU64::new(engine.max_context_tokens.unwrap_or(0)),
             models: Mutex::new(EngineModels::default()),
             limit_read: Mutex::new(None),
@@ -187,6 +193,7 @@ impl EngineAdapter {
             // Still open: wake the probe that was out (its outcome decides nothing).
             Some(HealthChange::Reopened) => {
                 self.opened.send_replace(true);
+                self.failing_again.send_modify(|n| *n = n.wrapping_add(1));
             }
             None => {}
         }
@@ -215,6 +222,19 @@ impl EngineAdapter {
             }
             // The adapter is gone: it will not open any more.
             std::future::pending::<()>().await;
+        }
+    }
+
+    /// A future that resolves once the engine fails again while its breaker is open,
+    /// from now on: two health checks failed in a row, or a failed half-open probe.
+    fn failed_again(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.failing_again.subscribe();
+        rx.borrow_and_update();
+        async move {
+            if rx.changed().await.is_err() {
+                // The adapter is gone: it will not fail any more.
+                std::future::pending::<()>().await;
+            }
         }
     }
 
@@ -307,7 +327,7 @@ impl EngineAdapter {
         body: Bytes,
     ) -> Result<reqwest::Response, EngineFailure> {
         let result = self
-            .send_streamed(method, path, headers, body, self.head_timeouts.0)
+            .send_streamed(method, path, headers, body, FirstToken::Streamed)
             .await;
         if matches!(&result, Ok(resp) if !resp.status().is_server_error()) {
             self.record(RequestOutcome::Answered);
@@ -318,15 +338,23 @@ impl EngineAdapter {
     /// [`EngineAdapter::send_request`] for a response whose body the caller relays:
     /// failures before the head and 5xx heads are counted here, the success is not;
     /// the caller records the outcome when the body ends ([`EngineAdapter::record`]),
-    /// so an engine that dies mid-stream counts as failing.
+    /// so an engine that dies mid-stream counts as failing. `first_token` says when the
+    /// head is due ([`EngineAdapter::head_timeout`]). A streamed request is abandoned
+    /// the moment the breaker opens; one not streamed, whose head comes only with the
+    /// whole answer, once the engine fails again while the breaker is open (a second
+    /// health check in a row, or the probe): abandoning it at the first opening threw
+    /// away minutes of generation (run again elsewhere, or failed) on one health check
+    /// that timed out, while a hung engine still fails the next check a health interval
+    /// later.
     pub async fn send_streamed(
         &self,
         method: http::Method,
         path: &str,
         headers: &[(String, String)],
         body: Bytes,
-        head_timeout: Duration,
+        first_token: FirstToken,
     ) -> Result<reqwest::Response, EngineFailure> {
+        let head_timeout = self.head_timeout(first_token);
         let now = self.now_ms();
         let (admission, probe_id) = {
             let mut health = self.health.lock();
@@ -346,7 +374,11 @@ impl EngineAdapter {
             held: admission == Admission::Probe,
             id: probe_id,
         };
-        let opened = self.opened();
+        // Subscribed now, before the send: an opening from here on counts.
+        let opened = match first_token {
+            FirstToken::Streamed => futures::future::Either::Left(self.opened()),
+            FirstToken::AtTheEnd => futures::future::Either::Right(self.failed_again()),
+        };
         let result = tokio::select! {
             r = self.send(method, path, headers, body, head_timeout) => r,
             _ = opened => Err(EngineFailure::Failed("engine circuit breaker opened".into())),
@@ -417,8 +449,15 @@ impl EngineAdapter {
             Ok(Ok(r)) if r.status().is_success()
         );
         let now = self.now_ms();
-        let change = self.health.lock().on_check(ok, now);
+        let (change, again) = {
+            let mut health = self.health.lock();
+            let open = !matches!(health.state(now), BreakerState::Closed);
+            (health.on_check(ok, now), open && !ok)
+        };
         self.changed(change);
+        if again {
+            self.failing_again.send_modify(|n| *n = n.wrapping_add(1));
+        }
         ok
     }
 

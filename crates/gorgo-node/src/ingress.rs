@@ -290,13 +290,7 @@ async fn local_passthrough(
     });
     let resp = match engine
         .adapter
-        .send_streamed(
-            http::Method::POST,
-            uri.path(),
-            &pass,
-            body,
-            engine.adapter.head_timeout(first_token),
-        )
+        .send_streamed(http::Method::POST, uri.path(), &pass, body, first_token)
         .await
     {
         Ok(r) => r,

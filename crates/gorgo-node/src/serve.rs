@@ -597,7 +597,7 @@ pub async fn serve_local(
             req.endpoint.path(),
             &headers,
             sent.body,
-            engine.adapter.head_timeout(first_token),
+            first_token,
         )
         .instrument(engine_span.clone())
         .await

@@ -627,17 +627,73 @@ fn spawn_probe(
 ) -> tokio::task::JoinHandle<Result<reqwest::Response, gorgo_node::engine::EngineFailure>> {
     let adapter = adapter.clone();
     tokio::spawn(async move {
-        let head_timeout = adapter.head_timeout(gorgo_node::engine::FirstToken::Streamed);
         adapter
             .send_streamed(
                 http::Method::POST,
                 "/v1/completions",
                 &[],
                 bytes::Bytes::from_static(b"{}"),
-                head_timeout,
+                gorgo_node::engine::FirstToken::Streamed,
             )
             .await
     })
+}
+
+/// A request not streamed, whose head comes only with its whole answer, is not thrown
+/// away when one health check fails and opens the breaker: it waits for its answer
+/// (it was abandoned, its generation lost, and its client got a 502 with nowhere else
+/// to go). When the engine fails a second check in a row, it is abandoned.
+#[tokio::test]
+async fn one_failed_health_check_does_not_abandon_a_request_not_streamed() {
+    use gorgo_core::health::BreakerState;
+    use std::sync::atomic::Ordering::SeqCst;
+    let engine = StubEngine::start("e").await;
+    let node = start_node(config_with_engine("a", &engine.url(), ""), None).await;
+    let adapter = node.state().engine(0).unwrap().adapter.clone();
+    // After the first health check (the next is an hour away).
+    until("the engine is confirmed", || adapter.is_ready()).await;
+    let send = |name: &'static str| {
+        let url = format!("{}/v1/chat/completions", node.base);
+        tokio::spawn(async move {
+            let resp = client()
+                .post(url)
+                .json(&chat_body(&prompt(name, 200), false))
+                .send()
+                .await
+                .unwrap();
+            resp.status()
+        })
+    };
+    engine.set_mode(HANG);
+    let held = send("held");
+    until("the request is at the engine", || engine.requests() == 1).await;
+    engine.unhealthy.store(true, SeqCst);
+    assert!(!adapter.check_health().await);
+    assert!(matches!(adapter.breaker(), BreakerState::Open { .. }));
+    engine.unhealthy.store(false, SeqCst);
+    engine.set_mode(NORMAL);
+    engine.release.notify_waiters();
+    let status = tokio::time::timeout(std::time::Duration::from_secs(20), held)
+        .await
+        .expect("answered")
+        .unwrap();
+    assert_eq!(status, 200, "its answer reached its client");
+    assert_eq!(engine.requests(), 1, "generated once");
+    // A second failure in a row: the engine stays unresponsive, and the request moves.
+    assert!(adapter.check_health().await);
+    engine.set_mode(HANG);
+    let held = send("held again");
+    until("the request is at the engine", || engine.requests() == 2).await;
+    engine.unhealthy.store(true, SeqCst);
+    assert!(!adapter.check_health().await);
+    assert!(!adapter.check_health().await);
+    let status = tokio::time::timeout(std::time::Duration::from_secs(20), held)
+        .await
+        .expect("abandoned long before its head timeout (600 s)")
+        .unwrap();
+    assert!(status.is_server_error(), "{status}");
+    engine.release.notify_waiters();
+    node.shutdown.cancel();
 }
 
 /// A health check that fails while the half-open probe waits for its head opens the
