@@ -362,7 +362,10 @@ where
         longest_prompt_tokens,
         chain: msg.chain,
         canonical: None,
-        hops: msg.hops,
+        // The path it took, whatever the count it came with says: a peer that sent
+        // `hops: 0` with a `via` of one let the request travel up to `MAX_HOPS`
+        // whatever `max_hops` allows (the guard reads `hops`).
+        hops: msg.hops.max(u8::try_from(msg.via.len()).unwrap_or(u8::MAX)),
         via: msg.via,
         policy,
         origin: msg.origin,

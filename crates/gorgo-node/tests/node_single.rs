@@ -927,6 +927,34 @@ async fn a_forward_that_is_garbage_or_never_sent_gets_a_502_head() {
     node.shutdown.cancel();
 }
 
+/// A forward is as many hops along as the nodes it has been through, whatever its
+/// `hops` says: the max-hops guard reads the count, and a peer that sent `hops: 0`
+/// with one node in `via` had the request forwarded again past `max_hops`.
+#[tokio::test]
+async fn a_forward_counts_the_hops_of_its_path() {
+    let (_engine, node) = impatient_node().await;
+    let request = gorgo_core::wire::ForwardRequest {
+        hops: 0,
+        ..forward_request(
+            "b",
+            gorgo_core::Endpoint::Completions,
+            br#"{"prompt":"hello world"}"#.to_vec(),
+        )
+    };
+    let frame = forward_frame(&request).await;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let ex = forward_exchange(node.state(), &frame, move |_, req| {
+        let _ = tx.send(req.hops);
+        std::future::pending()
+    });
+    let hops = tokio::select! {
+        hops = rx => hops.unwrap(),
+        _ = ex => panic!("no request served"),
+    };
+    assert_eq!(hops, 1);
+    node.shutdown.cancel();
+}
+
 /// A node whose waits on a peer's or client's bytes end after 50 ms
 /// (`limits.body_timeout_ms`), for tests of peers that stop sending or reading.
 async fn impatient_node() -> (std::sync::Arc<StubEngine>, TestNode) {
