@@ -222,7 +222,9 @@ impl CostTerms {
     /// as the RTT term (`weights.w_rtt` times it, as a peer's RTT is weighted, so that
     /// [`crate::tuning::TermSample::new`] reads it back unweighted) and adds to the
     /// estimated TTFT (what the node then predicts for the client). `None` for an
-    /// elapsed time that is not a finite number >= 0.
+    /// elapsed time that is not a finite number >= 0. The node also uses it for a
+    /// request tried again after an engine or a peer failed it before its first byte:
+    /// the time the earlier tries took is lost the same way.
     ///
     /// Why: the start fit (`tuning::TermSums`) regresses the measured TTFT on the
     /// chosen candidate's RTT and queue terms. Fed the peer's terms for a request the

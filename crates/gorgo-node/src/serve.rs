@@ -162,10 +162,11 @@ fn check_model(state: &NodeState, mut req: RoutedRequest) -> Result<RoutedReques
 /// here, before routing, so it reaches no engine and no cache model. When a local
 /// engine fails it before the first byte (a breaker that opened, a timeout, a 5xx
 /// head), the request is routed again without that engine: to another local engine
-/// or a peer (at most `MAX_ATTEMPTS` (4) tries).
+/// or a peer (at most `MAX_ATTEMPTS` (4) tries, whose terms carry the time the
+/// earlier ones took).
 pub async fn serve(state: &Arc<NodeState>, req: RoutedRequest) -> Result<Upstream, ServeError> {
     let (req, mut excluded) = checked(state, req, false)?;
-    serve_excluding(state, &req, &mut excluded).await
+    serve_excluding(state, &req, &mut excluded, &mut Tries::new()).await
 }
 
 /// `req` past the checks every entry point makes (a model some region serves, a
@@ -186,19 +187,57 @@ fn checked(
 /// leaves out the engine that failed it, and a client waits for at most this many.
 const MAX_ATTEMPTS: usize = 4;
 
+/// The tries one request has had, however many passes route it ([`serve_draining`]
+/// makes two): at most [`MAX_ATTEMPTS`] in all, and the time since the first, which
+/// a later try's terms carry (its client has waited that long already).
+struct Tries {
+    made: usize,
+    first: Option<Instant>,
+}
+
+impl Tries {
+    fn new() -> Self {
+        Tries {
+            made: 0,
+            first: None,
+        }
+    }
+
+    /// Count a try about to be made: the time lost to the tries before it (0 for the
+    /// first), `None` once [`MAX_ATTEMPTS`] are spent.
+    fn next(&mut self) -> Option<f64> {
+        if self.made >= MAX_ATTEMPTS {
+            return None;
+        }
+        self.made += 1;
+        match self.first {
+            Some(first) => Some(first.elapsed().as_secs_f64() * 1000.0),
+            None => {
+                self.first = Some(Instant::now());
+                Some(0.0)
+            }
+        }
+    }
+}
+
 async fn serve_excluding(
     state: &Arc<NodeState>,
     req: &RoutedRequest,
     excluded: &mut Excluded,
+    tries: &mut Tries,
 ) -> Result<Upstream, ServeError> {
     let mut first_error = None;
-    for _ in 0..MAX_ATTEMPTS {
+    while let Some(lost_ms) = tries.next() {
         let before = excluded.len();
-        match route_and_serve(state, req, excluded).await {
+        match route_and_serve(state, req, excluded, lost_ms).await {
             // An engine or a peer failed it: route again without it.
             Err(e) if e.may_fall_back() && excluded.len() > before => {
                 first_error.get_or_insert(e);
             }
+            // A refusal is the answer a forwarding node asked for, whatever failed
+            // before it: the node serves the request itself (a 502 told it this node
+            // had failed, and it learned no bias).
+            Err(e @ ServeError::Refused(_)) => return Err(e),
             // Nowhere else to go: the first failure says what went wrong.
             Err(e) => return Err(first_error.unwrap_or(e)),
             served => return served,
@@ -214,7 +253,7 @@ pub async fn serve_elsewhere(
     req: RoutedRequest,
 ) -> Result<Upstream, ServeError> {
     let (req, mut excluded) = checked(state, req, true)?;
-    serve_excluding(state, &req, &mut excluded).await
+    serve_excluding(state, &req, &mut excluded, &mut Tries::new()).await
 }
 
 /// Serve `req` while this node drains: at a peer while one can take it, so the node
@@ -225,10 +264,12 @@ pub async fn serve_draining(
     req: RoutedRequest,
 ) -> Result<Upstream, ServeError> {
     let (req, mut excluded) = checked(state, req, true)?;
-    match serve_excluding(state, &req, &mut excluded).await {
+    // One budget of tries for both passes: a client waits for at most four.
+    let mut tries = Tries::new();
+    match serve_excluding(state, &req, &mut excluded, &mut tries).await {
         Err(e) if e.may_fall_back() => {
             excluded.all_local = false;
-            serve_excluding(state, &req, &mut excluded).await
+            serve_excluding(state, &req, &mut excluded, &mut tries).await
         }
         served => served,
     }
@@ -259,11 +300,13 @@ fn check_context(state: &NodeState, req: &RoutedRequest) -> Result<(), ServeErro
 
 /// One decision and its dispatch. A forward that fails before its first byte falls
 /// back to the best local engine not `excluded`; a local engine that fails it is added
-/// to `excluded` (the caller routes it again).
+/// to `excluded` (the caller routes it again). `lost_ms`: the time earlier tries of
+/// this request took, which the terms it is served with carry.
 async fn route_and_serve(
     state: &Arc<NodeState>,
     req: &RoutedRequest,
     excluded: &mut Excluded,
+    lost_ms: f64,
 ) -> Result<Upstream, ServeError> {
     let local_excluded = excluded.all_local;
     let policy = req.policy.unwrap_or(state.policy);
@@ -389,6 +432,11 @@ async fn route_and_serve(
             }
         },
     };
+    // A later try: its client has waited for the earlier ones already (as for a
+    // forward that comes back, the time lost counts as the route's).
+    if lost_ms > 0.0 {
+        met = met.and_then(|t| t.served_locally_after(lost_ms, input.weights));
+    }
     served.map(|mut up| {
         up.chosen_terms = met.map(|t| (t, input.weights));
         if let Some(p) = met.and_then(|t| t.estimated_ttft_ms) {

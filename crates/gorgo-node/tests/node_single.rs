@@ -955,6 +955,49 @@ async fn a_forward_counts_the_hops_of_its_path() {
     node.shutdown.cancel();
 }
 
+/// A forward this node would serve on an engine that fails it before its first byte,
+/// and then refuses (its other engine costs more than the forwarding node's offer),
+/// is answered with the refusal: the forwarding node serves it itself and learns from
+/// it. It got a 502 (the first failure), as if this node had failed.
+#[tokio::test]
+async fn a_refusal_after_a_failed_try_is_a_refusal() {
+    let dead = StubEngine::start("dead").await;
+    let slow = StubEngine::start("slow").await;
+    let engines: String = [(dead.url(), 0.01), (slow.url(), 50.0)]
+        .iter()
+        .map(|(url, t_p_ms)| {
+            format!(
+                "[[engines]]\nurl = \"{url}\"\nkind = \"sglang\"\nmetrics_interval_ms = 0\n\
+                 health_interval_ms = 3600000\nt_p_ms = {t_p_ms}\n"
+            )
+        })
+        .collect();
+    let node = start_node(config_text("a", &engines, ""), None).await;
+    // The cheap engine dies: connections to it are refused.
+    dead.shutdown.cancel();
+    let body = serde_json::json!({"model": "m", "prompt": prompt("refused", 200)});
+    let request = gorgo_core::wire::ForwardRequest {
+        offer: gorgo_core::decision::ForwardOffer::new(
+            100.0,
+            node.state().tuning.weights(),
+            gorgo_core::policy::PolicyKind::Gorgo,
+        ),
+        ..forward_request(
+            "b",
+            gorgo_core::Endpoint::Completions,
+            serde_json::to_vec(&body).unwrap(),
+        )
+    };
+    let frame = forward_frame(&request).await;
+    let ex = forward_exchange(node.state(), &frame, |state, req| async move {
+        gorgo_node::serve::serve(&state, req).await
+    })
+    .await;
+    assert!(ex.head.refusal.is_some(), "{:?}", ex.head);
+    assert_eq!(slow.requests(), 0);
+    node.shutdown.cancel();
+}
+
 /// A node whose waits on a peer's or client's bytes end after 50 ms
 /// (`limits.body_timeout_ms`), for tests of peers that stop sending or reading.
 async fn impatient_node() -> (std::sync::Arc<StubEngine>, TestNode) {

@@ -467,7 +467,7 @@ pub fn config_with_engines(id: &str, urls: &[String], extra: &str) -> ValidatedC
 }
 
 /// The config of node `id` with `engines` (its engine tables) and `extra` appended.
-fn config_text(id: &str, engines: &str, extra: &str) -> ValidatedConfig {
+pub fn config_text(id: &str, engines: &str, extra: &str) -> ValidatedConfig {
     let text = format!(
         r#"
 [node]
