@@ -288,17 +288,29 @@ async fn local_passthrough(
         let tokens = (body.len() as f64 / state.tokens.bytes_per_token()).ceil() as u64;
         engine.adapter.dispatch(tokens, tokens, first_token)
     });
-    let resp = match engine
-        .adapter
-        .send_streamed(http::Method::POST, uri.path(), &pass, body, first_token)
-        .await
-    {
-        Ok(r) => r,
-        Err(e) => {
+    // Under the request's one deadline, as routed requests are: a head that came
+    // after it left `respond` no time, and the client got a 200 whose body was cut at
+    // once (a head wait not streamed is the longer of the request and first-byte
+    // timeouts, from the send, after a body read that may take its own timeout).
+    let sent = tokio::time::timeout_at(
+        (started + Duration::from_millis(limits.request_timeout_ms)).into(),
+        engine
+            .adapter
+            .send_streamed(http::Method::POST, uri.path(), &pass, body, first_token),
+    )
+    .await;
+    let resp = match sent {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => {
             if e.is_engine_failure() {
                 state.metrics.engine_failures.inc();
             }
             let e = ServeError::from(e);
+            state.metrics.routed_request(e.status().1, UNROUTED, "");
+            return e.response();
+        }
+        Err(_) => {
+            let e = ServeError::Timeout("request timed out".into());
             state.metrics.routed_request(e.status().1, UNROUTED, "");
             return e.response();
         }

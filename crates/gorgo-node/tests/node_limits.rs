@@ -1207,3 +1207,31 @@ async fn a_request_tried_again_carries_the_time_its_first_try_took() {
     es[0].release.notify_waiters();
     node.shutdown.cancel();
 }
+
+/// A route the node passes to its engine unrouted (SGLang's `/generate`) waits for
+/// its head under the request's deadline, as routed requests do: a 504 when it passes.
+/// It waited the first-byte timeout (120 s here) from the send, and a head that came
+/// after the deadline was relayed as a 200 whose body was cut at once.
+#[tokio::test]
+async fn a_passthrough_request_waits_for_its_head_within_its_deadline() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(
+        config("a", &engine.url(), "[limits]\nrequest_timeout_ms = 300\n"),
+        None,
+    )
+    .await;
+    engine.set_mode(HANG);
+    let resp = tokio::time::timeout(
+        Duration::from_secs(20),
+        client()
+            .post(format!("{}/generate", node.base))
+            .json(&serde_json::json!({"text": "hello", "sampling_params": {"max_new_tokens": 4}}))
+            .send(),
+    )
+    .await
+    .expect("answered at its deadline, long before the first-byte timeout")
+    .unwrap();
+    assert_eq!(resp.status(), 504);
+    engine.release.notify_waiters();
+    node.shutdown.cancel();
+}
