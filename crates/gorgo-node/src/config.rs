@@ -129,8 +129,8 @@ enum EngineFieldNames {
 /// host in lower case, the scheme's default port left out, no trailing `/`. Duplicate
 /// engines are found on it (config validation, `POST /admin/engines`, a reload) and the
 /// engine adapter sends to it: one engine added twice would be two candidates with two
-/// gossip streams, each counting half of its requests. A URL that does not parse comes
-/// back only trimmed (validation refuses it).
+/// gossip streams, each counting half of its requests. A URL that does not parse, or
+/// whose port is no port, comes back only trimmed (validation refuses it).
 pub fn normalize_engine_url(url: &str) -> String {
     let trimmed = url.trim_end_matches('/');
     let Ok(uri) = trimmed.parse::<http::Uri>() else {
@@ -139,6 +139,11 @@ pub fn normalize_engine_url(url: &str) -> String {
     let (Some(scheme), Some(authority)) = (uri.scheme_str(), uri.authority()) else {
         return trimmed.to_owned();
     };
+    // `http::Uri` takes any digits as a port and reads one past 65535 as none: left
+    // out below, `:300000` would become the default port, another engine's.
+    if port_text(authority).is_some() && authority.port_u16().is_none() {
+        return trimmed.to_owned();
+    }
     let scheme = scheme.to_ascii_lowercase();
     // User info (credentials the engine's client sends) stays as written.
     let userinfo = authority
@@ -161,6 +166,59 @@ pub fn normalize_engine_url(url: &str) -> String {
         .trim_end_matches('/');
     format!("{scheme}://{userinfo}{host}{port}{path}")
 }
+
+/// The port of `authority` as written (after the host, or an IPv6 literal's `]`), if
+/// one is written.
+fn port_text(authority: &http::uri::Authority) -> Option<&str> {
+    let host_port = authority.as_str().rsplit('@').next().unwrap_or_default();
+    match host_port.rsplit_once(']') {
+        Some((_, rest)) => rest.strip_prefix(':'),
+        None => host_port.rsplit_once(':').map(|(_, port)| port),
+    }
+}
+
+/// Why an engine URL cannot be sent to (the reason, without the field's name), or
+/// `Ok`: the one check of `engine.url`, `engines[i].url` (the file, a reload,
+/// `POST /admin/engines`) and `gorgo up --engine-url`, so that none of them takes a
+/// URL every request to would fail at.
+pub fn check_engine_url(url: &str) -> Result<(), String> {
+    // Schemes are case-insensitive (RFC 3986); the adapter sends to the normalised URL.
+    let scheme_is = |s: &str| {
+        url.get(..s.len())
+            .is_some_and(|p| p.eq_ignore_ascii_case(s))
+    };
+    if scheme_is("https://") {
+        // The node's HTTP client is built without TLS: every request would fail.
+        return Err(
+            "the node speaks plain HTTP to its engine, which runs beside it: use http://".into(),
+        );
+    }
+    if !scheme_is("http://") {
+        return Err("must start with http://".into());
+    }
+    let Ok(uri) = url.parse::<http::Uri>() else {
+        return Err("not a valid URL".into());
+    };
+    if let Some(authority) = uri.authority() {
+        match port_text(authority) {
+            Some(port) if authority.port_u16().is_none_or(|p| p == 0) => {
+                return Err(format!("port `{port}`: must be in 1..=65535"));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Most ms of `t_p_ms` (a token's prefill) and `decode_step_ms` (a decode step) a
+/// seed may say: a second a token is slower than any engine a node fronts (a CPU
+/// llama.cpp takes tens of ms), so more is a typo; and near `f64::MAX` the fit's band
+/// around its seed is infinite.
+pub const MAX_SEED_MS_PER_TOKEN: f64 = 1_000.0;
+
+/// Most ms of `base_ms` (the fixed part of TTFT) a seed may say: ten minutes, the
+/// default `limits.request_timeout_ms`, which no fixed cost of a request approaches.
+pub const MAX_SEED_BASE_MS: f64 = 600_000.0;
 
 /// `[engine]`: the local inference engine.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -1093,8 +1151,18 @@ impl NodeConfig {
             );
             return bad("listen.advertise_quic", &reason);
         }
-        if self.node.region.trim().is_empty() {
-            return bad("node.region", "must not be empty");
+        // The region travels in every membership id (SWIM packets are capped at 1100
+        // bytes: a long one never joins) and in the `x-gorgo-served-by` header (which
+        // drops a value that is not visible ASCII): the id's rule, which every
+        // region name of `gorgo up` (its nodes' ids) already meets.
+        if let Err(e) =
+            gorgo_cluster::validate_node_id(&gorgo_core::NodeId(self.node.region.clone()))
+        {
+            let reason = match e {
+                gorgo_cluster::ClusterError::Config { reason, .. } => reason,
+                other => other.to_string(),
+            };
+            return bad("node.region", &reason);
         }
         self.check_engines(names)?;
         if self.cluster.gossip_interval_ms == 0 {
@@ -1178,9 +1246,27 @@ impl NodeConfig {
                 ),
             );
         }
+        // "Never" written as the largest number: capped as the other waits are (0
+        // starts a line at the first tick).
+        check_timeout("tuning.window_max_ms", self.tuning.es.time_cap_ms)?;
+        if self.tuning.es.startup_grace_ms > 0 {
+            check_timeout("tuning.startup_grace_ms", self.tuning.es.startup_grace_ms)?;
+        }
         // The file is written when tuning freezes, maybe hours in: a directory that is
-        // not there is said now, not then.
+        // not there, or a path that names a directory, is said now, not then.
         if let Some(out) = &self.tuning.learned_weights_out {
+            let names_a_dir = out.file_name().is_none()
+                || out
+                    .as_os_str()
+                    .to_string_lossy()
+                    .ends_with(std::path::is_separator)
+                || out.is_dir();
+            if names_a_dir {
+                return bad(
+                    "tuning.learned_weights_out",
+                    &format!("{}: is a directory; name the file to write", out.display()),
+                );
+            }
             let dir = out
                 .parent()
                 .filter(|d| !d.as_os_str().is_empty())
@@ -1263,6 +1349,13 @@ impl NodeConfig {
         ] {
             check_timeout(name, v)?;
         }
+        // Seconds, and 0 is meaningful ("retry at once"); a week at most, as any wait.
+        if self.limits.retry_after_s > MAX_TIMEOUT_MS / 1000 {
+            return bad(
+                "limits.retry_after_s",
+                &format!("must be in 0..={} (a week)", MAX_TIMEOUT_MS / 1000),
+            );
+        }
         Ok(())
     }
 
@@ -1304,24 +1397,16 @@ impl NodeConfig {
         }
         let first = self.shared_engine();
         let last = self.engines().len() - 1;
+        // Field `name` of engine `i`.
+        let field = |i: usize, name: &str| match names {
+            EngineFieldNames::LastAdded if i == last => name.to_owned(),
+            _ if self.engine.is_some() => format!("engine.{name}"),
+            _ => format!("engines[{i}].{name}"),
+        };
         for (i, e) in self.engines().iter().enumerate() {
-            let f = |name: &str| match names {
-                EngineFieldNames::LastAdded if i == last => name.to_owned(),
-                _ if self.engine.is_some() => format!("engine.{name}"),
-                _ => format!("engines[{i}].{name}"),
-            };
-            let url = e.url.as_str();
-            // Schemes are case-insensitive (RFC 3986); the adapter sends to the
-            // normalised URL.
-            let scheme_is = |s: &str| {
-                url.get(..s.len())
-                    .is_some_and(|p| p.eq_ignore_ascii_case(s))
-            };
-            if !(scheme_is("http://") || scheme_is("https://")) {
-                return bad(&f("url"), "must start with http:// or https://");
-            }
-            if url.parse::<http::Uri>().is_err() {
-                return bad(&f("url"), "not a valid URL");
+            let f = |name: &str| field(i, name);
+            if let Err(reason) = check_engine_url(&e.url) {
+                return bad(&f("url"), &reason);
             }
             if !e.health_path().starts_with('/') {
                 return bad(&f("health_path"), "must start with /");
@@ -1331,14 +1416,25 @@ impl NodeConfig {
             if e.metrics_interval_ms > 0 {
                 check_timeout(&f("metrics_interval_ms"), e.metrics_interval_ms)?;
             }
-            if !(e.t_p_ms.is_finite() && e.t_p_ms >= 0.0) {
-                return bad(&f("t_p_ms"), "must be a finite number >= 0");
+            // The seeds of the engine's fit and view (`EngineAdapter::new`), checked
+            // here so that their errors name the engine's field.
+            if !(e.t_p_ms > 0.0 && e.t_p_ms <= MAX_SEED_MS_PER_TOKEN) {
+                return bad(
+                    &f("t_p_ms"),
+                    &format!("must be a number in (0, {MAX_SEED_MS_PER_TOKEN}] (ms a token)"),
+                );
             }
-            if !(e.base_ms.is_finite() && e.base_ms >= 0.0) {
-                return bad(&f("base_ms"), "must be a finite number >= 0");
+            if !(e.base_ms >= 0.0 && e.base_ms <= MAX_SEED_BASE_MS) {
+                return bad(
+                    &f("base_ms"),
+                    &format!("must be a number in [0, {MAX_SEED_BASE_MS}] (ms)"),
+                );
             }
-            if !(e.decode_step_ms.is_finite() && e.decode_step_ms >= 0.0) {
-                return bad(&f("decode_step_ms"), "must be a finite number >= 0");
+            if !(e.decode_step_ms >= 0.0 && e.decode_step_ms <= MAX_SEED_MS_PER_TOKEN) {
+                return bad(
+                    &f("decode_step_ms"),
+                    &format!("must be a number in [0, {MAX_SEED_MS_PER_TOKEN}] (ms a step)"),
+                );
             }
             // The files themselves are read (and their errors named) when the node starts:
             // `NodeState::new`.
@@ -1386,8 +1482,9 @@ impl NodeConfig {
                 }
                 _ => {}
             }
-            if e.kv_events_silence_ms == 0 {
-                return bad(&f("kv_events_silence_ms"), "must be > 0");
+            // 0 follows a stream at once.
+            if e.kv_events_warmup_ms > 0 {
+                check_timeout(&f("kv_events_warmup_ms"), e.kv_events_warmup_ms)?;
             }
             if !(1..=KV_EVENTS_MAX_BLOCKS_CEILING).contains(&e.kv_events_max_blocks) {
                 return bad(&f("kv_events_max_blocks"), "must be in 1..=16777216");
@@ -1407,6 +1504,7 @@ impl NodeConfig {
             for (name, v) in [
                 ("health_timeout_ms", e.health_timeout_ms),
                 ("breaker_cooldown_ms", e.breaker_cooldown_ms),
+                ("kv_events_silence_ms", e.kv_events_silence_ms),
             ] {
                 check_timeout(&f(name), v)?;
             }
@@ -1431,22 +1529,27 @@ impl NodeConfig {
             }
         }
         // One publisher is one engine's: two engines given the same KV-event endpoint
-        // would each take the other's blocks for its own.
-        let mut endpoints = std::collections::HashSet::new();
-        for e in self.engines() {
-            for endpoint in [&e.kv_events, &e.kv_events_replay].into_iter().flatten() {
-                if !endpoints.insert(endpoint.as_str()) {
-                    return match names {
-                        EngineFieldNames::LastAdded => bad(
-                            "kv_events",
-                            &format!("another engine of the node has {endpoint}"),
-                        ),
-                        EngineFieldNames::File => bad(
-                            "engines",
-                            &format!("two engines have the KV-event endpoint {endpoint}"),
-                        ),
-                    };
-                }
+        // would each take the other's blocks for its own, and one engine's publisher
+        // and replay socket cannot be one socket. The error names the second of the
+        // two fields, as the file (or the request's body) has it.
+        let mut endpoints = std::collections::HashMap::new();
+        for (i, e) in self.engines().iter().enumerate() {
+            for (name, endpoint) in [
+                ("kv_events", &e.kv_events),
+                ("kv_events_replay", &e.kv_events_replay),
+            ] {
+                let Some(endpoint) = endpoint else { continue };
+                let Some((j, other)) = endpoints.insert(endpoint.as_str(), (i, name)) else {
+                    continue;
+                };
+                let reason = if j == i {
+                    format!("{endpoint} is also this engine's `{other}`")
+                } else if names == EngineFieldNames::LastAdded && i == last {
+                    format!("another engine of the node has {endpoint}")
+                } else {
+                    format!("{endpoint} is also `{}`", field(j, other))
+                };
+                return bad(&field(i, name), &reason);
             }
         }
         // One engine spelled two ways is one engine.
@@ -1569,7 +1672,7 @@ token = "secret-token"
         for (a, b) in [
             ("http://127.0.0.1:1", "http://127.0.0.1:1/"),
             ("http://localhost:1", "HTTP://LOCALHOST:1"),
-            ("https://engine", "https://Engine:443/"),
+            ("http://engine", "http://Engine:80/"),
             ("http://127.0.0.1", "http://127.0.0.1:80"),
         ] {
             let e = NodeConfig::from_toml_str(&with_engines(&[a, b], ""))
@@ -2063,7 +2166,217 @@ token = "secret-token"
         };
         let text = MINIMAL.replace(engine, &(entry(30000) + &entry(30001)));
         let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
-        assert!(e.contains("`engines`") && e.contains("5557"), "{e}");
+        assert!(
+            e.contains("`engines[1].kv_events`")
+                && e.contains("5557")
+                && e.contains("`engines[0].kv_events`"),
+            "{e}"
+        );
+    }
+
+    /// One socket given as an engine's publisher and as its replay socket: the error
+    /// names the field as the file has it, `engine.kv_events_replay` (it said
+    /// `engines`, a table a file with `[engine]` does not have), or the entry's.
+    #[test]
+    fn a_replay_socket_that_is_the_publisher_names_its_field() {
+        let engine = "[engine]\nurl = \"http://127.0.0.1:30000\"\nkind = \"sglang\"\n";
+        let kv = "kv_events = \"tcp://127.0.0.1:5557\"\ntokenizer = \"t.json\"\n";
+        let text = MINIMAL.replace(
+            engine,
+            &format!("{engine}{kv}kv_events_replay = \"tcp://127.0.0.1:5557\"\n"),
+        );
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        assert!(e.contains("`engine.kv_events_replay`"), "{e}");
+        let entry = |port: u16, more: &str| {
+            format!("[[engines]]\nurl = \"http://127.0.0.1:{port}\"\nkind = \"sglang\"\n{more}")
+        };
+        let second = "kv_events = \"tcp://127.0.0.1:6000\"\ntokenizer = \"t.json\"\nkv_events_replay = \"tcp://127.0.0.1:5557\"\n";
+        let text = MINIMAL.replace(engine, &(entry(30000, kv) + &entry(30001, second)));
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        assert!(
+            e.contains("`engines[1].kv_events_replay`") && e.contains("`engines[0].kv_events`"),
+            "{e}"
+        );
+    }
+
+    /// MINIMAL with `extra` lines in its `[engine]`.
+    fn with_engine_lines(extra: &str) -> String {
+        MINIMAL.replace("kind = \"sglang\"", &format!("kind = \"sglang\"\n{extra}"))
+    }
+
+    /// The node's engine client has no TLS: an `https` engine failed every request
+    /// while `--check` said the config was fine. Refused, naming the field, in the
+    /// file and in `POST /admin/engines` (its bare field).
+    #[test]
+    fn an_https_engine_is_refused_naming_the_field() {
+        let text = MINIMAL.replace("http://127.0.0.1:30000", "https://127.0.0.1:30000");
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        assert!(
+            e.contains("`engine.url`") && e.contains("plain HTTP"),
+            "{e}"
+        );
+        let text = with_engines(&["http://127.0.0.1:1", "HTTPS://engine"], "");
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        assert!(e.contains("`engines[1].url`"), "{e}");
+        let mut added = NodeConfig::from_toml_str(&with_engines(&["http://127.0.0.1:1"], ""))
+            .unwrap()
+            .into_inner();
+        added.engines.push(EngineSection::new(
+            "https://127.0.0.1:2",
+            EngineKind::Sglang,
+        ));
+        let e = added.validate_added_engine().unwrap_err().to_string();
+        assert!(
+            e.contains("invalid `url`") && e.contains("plain HTTP"),
+            "{e}"
+        );
+    }
+
+    /// `http::Uri` takes any digits as a port: `:300000` passed, and the normal form
+    /// dropped it (requests went to port 80).
+    #[test]
+    fn an_engine_port_that_is_no_port_is_refused_naming_the_field() {
+        for port in ["300000", "65536", "0"] {
+            let url = format!("http://127.0.0.1:{port}");
+            let text = MINIMAL.replace("http://127.0.0.1:30000", &url);
+            let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+            assert!(
+                e.contains("`engine.url`") && e.contains(port),
+                "{port}: {e}"
+            );
+            let text = with_engines(&["http://127.0.0.1:1", &url], "");
+            let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+            assert!(e.contains("`engines[1].url`"), "{port}: {e}");
+        }
+        assert_eq!(
+            normalize_engine_url("http://127.0.0.1:300000/"),
+            "http://127.0.0.1:300000"
+        );
+        for url in [
+            "http://127.0.0.1:65535",
+            "http://[::1]:8000",
+            "http://[::1]",
+        ] {
+            let text = MINIMAL.replace("http://127.0.0.1:30000", url);
+            NodeConfig::from_toml_str(&text).unwrap_or_else(|e| panic!("{url}: {e}"));
+        }
+    }
+
+    /// The seeds of an engine's fit are checked once, naming the engine's field:
+    /// `t_p_ms = 0` was refused later by the fit under a name of neither form, and
+    /// `1e306` became infinite inside it.
+    #[test]
+    fn engine_seeds_out_of_range_are_refused_naming_the_field() {
+        for (extra, field) in [
+            ("t_p_ms = 0.0", "engine.t_p_ms"),
+            ("t_p_ms = 1e306", "engine.t_p_ms"),
+            ("t_p_ms = nan", "engine.t_p_ms"),
+            ("base_ms = 1e306", "engine.base_ms"),
+            ("base_ms = -1.0", "engine.base_ms"),
+            ("decode_step_ms = 1e306", "engine.decode_step_ms"),
+            ("decode_step_ms = inf", "engine.decode_step_ms"),
+        ] {
+            let e = NodeConfig::from_toml_str(&with_engine_lines(extra))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("`{field}`")), "{extra}: {e}");
+        }
+        let text = with_engines(
+            &["http://127.0.0.1:1", "http://127.0.0.1:2"],
+            "t_p_ms = 0.0",
+        );
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        assert!(e.contains("`engines[1].t_p_ms`"), "{e}");
+        // The ceilings themselves load.
+        NodeConfig::from_toml_str(&with_engine_lines(
+            "t_p_ms = 1000.0\nbase_ms = 600000.0\ndecode_step_ms = 1000.0",
+        ))
+        .unwrap();
+    }
+
+    /// The learned-weights file is written maybe hours in: a path that names a
+    /// directory (one that exists, or one written with a trailing `/`) is refused
+    /// when the config is checked, not when tuning freezes.
+    #[test]
+    fn a_learned_weights_path_that_names_a_directory_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = |path: &str| format!("{MINIMAL}\n[tuning]\nlearned_weights_out = \"{path}\"\n");
+        let d = dir.path().display().to_string();
+        for path in [d.clone(), format!("{d}/new/"), format!("{d}/..")] {
+            let e = NodeConfig::from_toml_str(&text(&path))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("`tuning.learned_weights_out`"), "{path}: {e}");
+        }
+        NodeConfig::from_toml_str(&text(&format!("{d}/w.json"))).unwrap();
+    }
+
+    /// The region travels in every membership id (SWIM packets are capped) and in a
+    /// response header: a long one never joined, a non-ASCII one lost the header,
+    /// and neither named the field. The id's rule applies, as for `node.id`.
+    #[test]
+    fn a_region_no_packet_or_header_can_carry_is_refused_naming_the_field() {
+        let long = "r".repeat(1100);
+        for region in [long.as_str(), "us east", "région", "", "US_East", "-x"] {
+            let text =
+                MINIMAL.replace("region = \"us-ashburn\"", &format!("region = \"{region}\""));
+            let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+            assert!(e.contains("`node.region`"), "{region}: {e}");
+        }
+        let text = MINIMAL.replace("us-ashburn", &"r".repeat(63));
+        NodeConfig::from_toml_str(&text).unwrap();
+        // The id is bounded the same way already (it is a TLS server name).
+        let text = MINIMAL.replace("id = \"a\"", &format!("id = \"{}\"", "a".repeat(64)));
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        assert!(e.contains("`node.id`"), "{e}");
+    }
+
+    /// Waits written as "never" (the largest TOML integer) are capped at a week as the
+    /// timeouts are; 0 stays where it means something (no warm-up, no grace, retry at
+    /// once).
+    #[test]
+    fn waits_written_as_never_are_refused_naming_the_field() {
+        let max = "9223372036854775807";
+        for (text, field) in [
+            (
+                with_engine_lines(&format!("kv_events_warmup_ms = {max}")),
+                "engine.kv_events_warmup_ms",
+            ),
+            (
+                with_engine_lines(&format!("kv_events_silence_ms = {max}")),
+                "engine.kv_events_silence_ms",
+            ),
+            (
+                with_engine_lines("kv_events_silence_ms = 0"),
+                "engine.kv_events_silence_ms",
+            ),
+            (
+                format!("{MINIMAL}\n[tuning]\nstartup_grace_ms = {max}\n"),
+                "tuning.startup_grace_ms",
+            ),
+            (
+                format!("{MINIMAL}\n[tuning]\nwindow_max_ms = {max}\n"),
+                "tuning.window_max_ms",
+            ),
+            (
+                format!("{MINIMAL}\n[limits]\nretry_after_s = {max}\n"),
+                "limits.retry_after_s",
+            ),
+            (
+                format!("{MINIMAL}\n[limits]\nretry_after_s = 604801\n"),
+                "limits.retry_after_s",
+            ),
+        ] {
+            let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+            assert!(e.contains(&format!("`{field}`")), "{field}: {e}");
+        }
+        let ok = format!(
+            "{}\n[tuning]\nstartup_grace_ms = 0\nwindow_max_ms = {MAX_TIMEOUT_MS}\n[limits]\nretry_after_s = 0\n",
+            with_engine_lines("kv_events_warmup_ms = 0")
+        );
+        NodeConfig::from_toml_str(&ok).unwrap();
+        let ok = format!("{MINIMAL}\n[limits]\nretry_after_s = 604800\n");
+        NodeConfig::from_toml_str(&ok).unwrap();
     }
 
     /// The learned-weights file is written when tuning freezes, maybe hours in: a

@@ -278,9 +278,6 @@ impl NodeState {
         self: &Arc<Self>,
         engine: config::EngineSection,
     ) -> Result<Arc<local::LocalEngine>, NodeError> {
-        let Some(shutdown) = self.shutdown.get() else {
-            return Err(NodeError::Config("the node has not started".into()));
-        };
         // One change of the engine set at a time (add, remove, reload).
         let mut next = self.next_replica.lock();
         // An engine on its way out is the node's state, not a mistake in the body: it
@@ -298,55 +295,94 @@ impl NodeState {
                 e.adapter.inflight()
             )));
         }
-        // Checked as the config file's engines are, with the new one among the
-        // engines the node fronts now (not the file's at start: an engine of the file
-        // removed since may come back).
-        let mut check = self.config.clone().into_inner();
+        let added = self.prepare_engines(*next, std::slice::from_ref(&engine))?;
+        self.install_engines(&mut next, &added)?;
+        Ok(added[0].clone())
+    }
+
+    /// The engines `new` would be, numbered from replica `next`, each checked (with
+    /// the engines the node fronts now and those of `new` before it) and built, but
+    /// none in the set and none started: everything an addition can fail on, done
+    /// before the set changes, so that a reload adds all of its engines or none.
+    fn prepare_engines(
+        &self,
+        next: u16,
+        new: &[config::EngineSection],
+    ) -> Result<Vec<Arc<local::LocalEngine>>, NodeError> {
+        if new.is_empty() {
+            return Ok(Vec::new());
+        }
+        let Some(shutdown) = self.shutdown.get() else {
+            return Err(NodeError::Config("the node has not started".into()));
+        };
+        // Checked as the config file's engines are, with the engines the node fronts
+        // now (not the file's at start: an engine of the file removed since may come
+        // back).
         let mut list: Vec<config::EngineSection> =
             self.engines().iter().map(|e| e.config.clone()).collect();
-        list.push(engine.clone());
-        check.engine = None;
-        check.engines = list;
-        check.validate_added_engine()?;
+        for engine in new {
+            list.push(engine.clone());
+            let mut check = self.config.clone().into_inner();
+            check.engine = None;
+            check.engines = list.clone();
+            check.validate_added_engine()?;
+        }
         // The node's state, not the body: a 409, and only a restart lifts it.
-        if *next >= gorgo_core::types::MAX_REPLICAS {
+        if usize::from(next) + new.len() > usize::from(gorgo_core::types::MAX_REPLICAS) {
             return Err(NodeError::Conflict(format!(
-                "{} engines were added in this run, the limit is {}: restart the node to add more",
-                *next,
-                gorgo_core::types::MAX_REPLICAS
+                "{next} engines were added in this run, the limit is {}: restart the node to add {} more",
+                gorgo_core::types::MAX_REPLICAS,
+                new.len()
             )));
         }
-        let replica = *next;
-        let added = Arc::new(
-            local::LocalEngine::new(
-                &self.config,
-                &engine,
-                replica,
-                shutdown.child_token(),
-                self.now_ms(),
-            )?
-            .awaiting_first_check(),
-        );
+        new.iter()
+            .zip(next..)
+            .map(|(engine, replica)| {
+                let e = local::LocalEngine::new(
+                    &self.config,
+                    engine,
+                    replica,
+                    shutdown.child_token(),
+                    self.now_ms(),
+                )?;
+                Ok(Arc::new(e.awaiting_first_check()))
+            })
+            .collect()
+    }
+
+    /// Put engines built by [`prepare_engines`](Self::prepare_engines) in the set, in
+    /// one change, and start them; `next` (held since they were prepared) moves past
+    /// their replica numbers.
+    fn install_engines(
+        self: &Arc<Self>,
+        next: &mut u16,
+        added: &[Arc<local::LocalEngine>],
+    ) -> Result<(), NodeError> {
         {
             let mut engines = self.engines.write();
-            if engines
-                .iter()
-                .any(|e| config::normalize_engine_url(&e.config.url) == url)
-            {
-                return Err(NodeError::Config(format!(
-                    "invalid `url`: the node already fronts {}",
-                    engine.url
-                )));
+            for a in added {
+                let url = config::normalize_engine_url(&a.config.url);
+                if engines
+                    .iter()
+                    .any(|e| config::normalize_engine_url(&e.config.url) == url)
+                {
+                    return Err(NodeError::Config(format!(
+                        "invalid `url`: the node already fronts {}",
+                        a.config.url
+                    )));
+                }
             }
             let mut set = engines.as_ref().clone();
-            set.push(added.clone());
+            set.extend(added.iter().cloned());
             *engines = Arc::new(set);
         }
-        *next += 1;
-        self.peers.add_engine(replica);
-        spawn_engine_tasks(self, &added, &mut None);
-        tracing::info!(replica, url = %engine.url, "engine added");
-        Ok(added)
+        for a in added {
+            *next += 1;
+            self.peers.add_engine(a.replica);
+            spawn_engine_tasks(self, a, &mut None);
+            tracing::info!(replica = a.replica, url = %a.config.url, "engine added");
+        }
+        Ok(())
     }
 
     /// Remove engine `replica` (`DELETE /admin/engines/{replica}`): it drains (no new
@@ -365,25 +401,7 @@ impl NodeState {
         if e.is_removing() {
             return Ok(true);
         }
-        let staying = engines
-            .iter()
-            .filter(|o| o.replica != replica && o.status() == local::EngineStatus::Serving)
-            .count();
-        if staying == 0 {
-            let drained: Vec<String> = engines
-                .iter()
-                .filter(|o| o.replica != replica && !o.is_removing())
-                .map(|o| o.replica.to_string())
-                .collect();
-            return Err(NodeError::Conflict(if drained.is_empty() {
-                "the node's last engine cannot be removed".into()
-            } else {
-                format!(
-                    "the node's last engine in rotation cannot be removed (drained: {}; put one back with POST /admin/engines/R/serve first)",
-                    drained.join(", ")
-                )
-            }));
-        }
+        one_stays_in_rotation(&engines, &[replica])?;
         e.start_removing();
         tracing::info!(replica, url = %e.config.url, "engine removal: draining");
         Ok(true)
@@ -393,22 +411,25 @@ impl NodeState {
     /// reload): entries whose `url` the node does not front are added, engines whose
     /// `url` the list no longer has are removed (drained first). An entry whose url
     /// stays keeps its engine as it runs (changed settings of it need a restart, and
-    /// are named in the log). Returns the replicas added and removed; stops at the
-    /// first error, with what was done so far done. Additions come first: removing
-    /// first would refuse to remove the last of the old engines (a node always keeps
-    /// one), so a list that replaces every engine would stop halfway.
+    /// are named in the log). Returns the replicas added and removed. All or nothing:
+    /// every addition and removal is checked before any is made (docs/node.md says a
+    /// bad reload changes nothing), and an error changes nothing. The new engines
+    /// count as staying: a list that replaces every engine is no removal of the last.
     pub fn reload_engines(
         self: &Arc<Self>,
         wanted: &[config::EngineSection],
     ) -> Result<(Vec<u16>, Vec<u16>), NodeError> {
+        // Held from the plan to the last change: the plan is checked against the set
+        // it changes.
+        let mut next = self.next_replica.lock();
         let current = self.engines();
         // By engine, however its URL is spelled here or there.
         let same =
             |a: &str, b: &str| config::normalize_engine_url(a) == config::normalize_engine_url(b);
-        let mut added = Vec::new();
+        let mut new = Vec::new();
         for w in wanted {
             match current.iter().find(|e| same(&e.config.url, &w.url)) {
-                None => added.push(self.add_engine(w.clone())?.replica),
+                None => new.push(w.clone()),
                 // Still draining out (removed through the admin API): it cannot come
                 // back before it has left. The rest of the list is applied.
                 Some(e) if e.is_removing() => {
@@ -417,10 +438,10 @@ impl NodeState {
                 Some(_) => {}
             }
         }
-        let mut removed = Vec::new();
+        let mut leaving = Vec::new();
         for e in current.iter().filter(|e| !e.is_removing()) {
             match wanted.iter().find(|w| same(&w.url, &e.config.url)) {
-                None => {}
+                None => leaving.push(e.clone()),
                 // Settings other than the URL's spelling.
                 Some(w)
                     if (config::EngineSection {
@@ -429,15 +450,22 @@ impl NodeState {
                     }) != e.config =>
                 {
                     tracing::warn!(replica = e.replica, url = %e.config.url, "reload: this engine's settings changed; restart the node to apply them");
-                    continue;
                 }
-                Some(_) => continue,
-            }
-            if self.remove_engine(e.replica)? {
-                removed.push(e.replica);
+                Some(_) => {}
             }
         }
-        Ok((added, removed))
+        let added = self.prepare_engines(*next, &new)?;
+        let after: Vec<_> = current.iter().chain(&added).cloned().collect();
+        let removed: Vec<u16> = leaving.iter().map(|e| e.replica).collect();
+        one_stays_in_rotation(&after, &removed)?;
+        // Nothing below fails but a race `install_engines` refuses before it changes
+        // anything.
+        self.install_engines(&mut next, &added)?;
+        for e in &leaving {
+            e.start_removing();
+            tracing::info!(replica = e.replica, url = %e.config.url, "engine removal: draining");
+        }
+        Ok((added.iter().map(|e| e.replica).collect(), removed))
     }
 
     /// Once per gossip interval: follow each engine's KV capacity, keep its summary
@@ -805,6 +833,38 @@ pub async fn drain(state: &Arc<NodeState>, deadline: Duration) -> usize {
         state.closing.cancel();
     }
     0
+}
+
+/// Refused (409) when removing the engines `leaving` would leave none of `engines`
+/// in rotation (serving, not being removed): a node left with drained engines only
+/// serves nothing itself, and nothing would say why.
+fn one_stays_in_rotation(
+    engines: &[Arc<local::LocalEngine>],
+    leaving: &[u16],
+) -> Result<(), NodeError> {
+    if leaving.is_empty() {
+        return Ok(());
+    }
+    let staying = engines
+        .iter()
+        .filter(|o| !leaving.contains(&o.replica) && o.status() == local::EngineStatus::Serving)
+        .count();
+    if staying > 0 {
+        return Ok(());
+    }
+    let drained: Vec<String> = engines
+        .iter()
+        .filter(|o| !leaving.contains(&o.replica) && !o.is_removing())
+        .map(|o| o.replica.to_string())
+        .collect();
+    Err(NodeError::Conflict(if drained.is_empty() {
+        "the node's last engine cannot be removed".into()
+    } else {
+        format!(
+            "the node's last engine in rotation cannot be removed (drained: {}; put one back with POST /admin/engines/R/serve first)",
+            drained.join(", ")
+        )
+    }))
 }
 
 /// Start engine `e`'s tasks (health checks, scrapes, KV events) until the node's

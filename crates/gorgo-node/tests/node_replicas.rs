@@ -471,6 +471,43 @@ async fn a_reload_replaces_every_engine_and_a_removed_one_comes_back() {
     node.shutdown.cancel();
 }
 
+/// A reload applies whole or not at all (docs/node.md: a bad config changes nothing):
+/// one whose third engine is invalid adds none of the others (it added them one at a
+/// time and stopped at the third, leaving the second added), and one whose removals
+/// would leave no engine in rotation adds nothing either.
+#[tokio::test]
+async fn a_reload_that_cannot_apply_whole_changes_nothing() {
+    let es = engines(3).await;
+    let node = start_node(config_with_engines("a", &[es[0].url()], ""), None).await;
+    let state = node.state().clone();
+    let mut wanted = config_with_engines("a", &[es[0].url(), es[1].url()], "")
+        .engines()
+        .to_vec();
+    let mut third = wanted[1].clone();
+    third.url = es[2].url();
+    third.health_interval_ms = 0;
+    wanted.push(third);
+    let e = state.reload_engines(&wanted).unwrap_err().to_string();
+    assert!(e.contains("health_interval_ms"), "{e}");
+    let urls: Vec<String> = state
+        .engines()
+        .iter()
+        .map(|e| e.config.url.clone())
+        .collect();
+    assert_eq!(urls, [es[0].url()], "nothing added");
+    // Engine 0 removed for a drained engine: no engine would stay in rotation.
+    let mut drained = wanted[1].clone();
+    drained.weight = 0.0;
+    let e = state.reload_engines(&[drained]).unwrap_err().to_string();
+    assert!(e.contains("cannot be removed"), "{e}");
+    assert_eq!(state.engines().len(), 1, "nothing added");
+    assert!(!state.engines()[0].is_removing(), "nothing removed");
+    // No replica number was spent on what was not added.
+    let (added, removed) = state.reload_engines(&wanted[..2]).unwrap();
+    assert_eq!((added, removed), (vec![1], vec![]));
+    node.shutdown.cancel();
+}
+
 #[tokio::test]
 async fn health_checks_take_a_dead_replica_out_without_a_request() {
     let es = engines(2).await;
