@@ -62,7 +62,8 @@ pub struct SimConfig {
     /// decides over its own engines and every peer's, each with its own view, prefix
     /// index and gossip stream (docs/design.md, "Replicas"); 1 by default.
     pub replicas: usize,
-    /// Period of each node's gossip (summary delta + queue stats) and tuning tick, ms.
+    /// Period of each node's gossip (summary delta + queue stats) and tuning tick, ms
+    /// (at least 1).
     pub gossip_interval_ms: f64,
     /// Extra transit delay of gossip on top of the one-way delay, ms.
     pub gossip_extra_delay_ms: f64,
@@ -135,7 +136,7 @@ pub struct SimConfig {
     /// ([`gorgo_core::cost::slot_wait_ms`]).
     pub unreported_max_running: bool,
     /// Period of each node's scrape of its engine's `/metrics`, ms (the node's
-    /// `engine.metrics_interval_ms`).
+    /// `engine.metrics_interval_ms`; at least 1).
     pub metrics_interval_ms: f64,
     /// Late binding (a candidate mechanism the live node does not have yet; 0, the
     /// default: off): each node holds a request it decided for its own engine while
@@ -177,6 +178,11 @@ pub const KV_SAMPLE_MS: f64 = 10_000.0;
 /// Bytes the live cluster puts before each gossip message on its uni-stream (kind
 /// byte and staleness stamp, `gorgo-cluster`'s gossip frame).
 pub const GOSSIP_FRAME_HEADER: usize = 9;
+
+/// Shortest `gossip_interval_ms` and `metrics_interval_ms`, ms: a shorter one added to
+/// a late event time in f64 ms can leave it unchanged (`now + 1e-20 == now`), and the
+/// run would never end; no live node gossips or scrapes more often than this.
+const MIN_INTERVAL_MS: f64 = 1.0;
 
 impl SimConfig {
     /// Defaults of docs/design.md around a network, one profile for every region.
@@ -244,8 +250,10 @@ impl SimConfig {
                 format!("must be in 1..={MAX_REPLICAS}"),
             ));
         }
-        if !(self.gossip_interval_ms.is_finite() && self.gossip_interval_ms > 0.0) {
-            return Err(invalid("gossip_interval_ms", "must be > 0"));
+        // At least a millisecond: events are times in ms, and an interval so small
+        // that `now + interval == now` ticked at one instant for ever.
+        if !(self.gossip_interval_ms.is_finite() && self.gossip_interval_ms >= MIN_INTERVAL_MS) {
+            return Err(invalid("gossip_interval_ms", "must be at least 1 (ms)"));
         }
         if !(self.gossip_extra_delay_ms.is_finite() && self.gossip_extra_delay_ms >= 0.0) {
             return Err(invalid("gossip_extra_delay_ms", "must be >= 0"));
@@ -256,8 +264,8 @@ impl SimConfig {
         if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
             return Err(invalid("time_scale", "must be > 0"));
         }
-        if !(self.metrics_interval_ms.is_finite() && self.metrics_interval_ms > 0.0) {
-            return Err(invalid("metrics_interval_ms", "must be > 0"));
+        if !(self.metrics_interval_ms.is_finite() && self.metrics_interval_ms >= MIN_INTERVAL_MS) {
+            return Err(invalid("metrics_interval_ms", "must be at least 1 (ms)"));
         }
         if !(self.decode_step_ms.is_finite() && self.decode_step_ms >= 0.0) {
             return Err(invalid("decode_step_ms", "must be >= 0"));
@@ -2366,6 +2374,37 @@ mod tests {
             }
             trim_to_prompt(&mut chain, input);
             prop_assert_eq!(chain, popped);
+        }
+    }
+
+    /// An interval so small that `now + interval == now` never let the run end: the
+    /// gossip and scrape periods are at least a millisecond, refused naming the field
+    /// (the CLI names the flag from it).
+    #[test]
+    fn intervals_under_a_millisecond_are_refused_naming_the_field() {
+        let profile = Profile::by_name("paper-a100-mistral7b").unwrap();
+        let cfg = SimConfig::new(Network::uniform(2, 40.0, 3.0), profile);
+        cfg.validate().unwrap();
+        for (field, set) in [
+            (
+                "gossip_interval_ms",
+                (|c, v| c.gossip_interval_ms = v) as fn(&mut SimConfig, f64),
+            ),
+            ("metrics_interval_ms", |c, v| c.metrics_interval_ms = v),
+        ] {
+            for v in [1e-20, 0.5, 0.0, f64::NAN] {
+                let mut c = cfg.clone();
+                set(&mut c, v);
+                match c.validate() {
+                    Err(crate::SimError::InvalidConfig { field: f, .. }) => {
+                        assert_eq!(f, field, "{v}")
+                    }
+                    other => panic!("{field} = {v}: {other:?}"),
+                }
+            }
+            let mut c = cfg.clone();
+            set(&mut c, 1.0);
+            c.validate().unwrap();
         }
     }
 
