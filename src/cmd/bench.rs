@@ -100,6 +100,10 @@ impl LoadArgs {
                 anyhow::bail!("--window must be a positive number of seconds, got {w}");
             }
         }
+        // The replay refuses 0 too, but only once `compare` has started every cluster.
+        if self.concurrency == Some(0) {
+            anyhow::bail!("--concurrency must be at least 1");
+        }
         if self.max_requests == Some(0) {
             anyhow::bail!("--max-requests must be at least 1");
         }
@@ -199,7 +203,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         !args.load.no_ignore_eos,
     );
     let output = runtime.block_on(async {
-        let cancel = cancel_on_ctrl_c();
+        let cancel = cancel_on_ctrl_c(None);
         gorgo_bench::replay(&cluster, items, bodies, &config, cancel.cancelled()).await
     })?;
     let label = args.policy.clone().unwrap_or(args.label.clone());
@@ -369,7 +373,7 @@ fn compare_and_report(
     let requests = Arc::new(requests);
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
     let comparison = runtime.block_on(async {
-        let cancel = cancel_on_ctrl_c();
+        let cancel = cancel_on_ctrl_c(Some(out.clone()));
         gorgo_bench::compare(&spec, requests, cancel).await
     })?;
     if comparison.runs.is_empty() {
@@ -467,6 +471,7 @@ pub struct DemoArgs {
 
 /// `gorgo demo`: three regions, a seeded generated workload, every main policy.
 pub fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
+    let load = demo_load(&args)?;
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     let topology = args.out.join("three-region.toml");
@@ -500,19 +505,7 @@ pub fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
         base_port: DEFAULT_BASE_PORT,
         port_stride: 100,
         up_timeout_s: 120.0,
-        load: LoadArgs {
-            time_scale: args.time_scale,
-            mode: Mode::Open,
-            concurrency: None,
-            duration: None,
-            window: None,
-            max_requests: None,
-            max_context_tokens: Some(32_768),
-            timeout_s: 120.0,
-            model: gorgo_workload::DEFAULT_MODEL.into(),
-            no_ignore_eos: false,
-            no_progress: false,
-        },
+        load,
     };
     let mut cfg = compare.load.describe();
     cfg["command"] = "demo".into();
@@ -540,6 +533,26 @@ pub fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
         );
     }
     compare_and_report(&compare, requests, cfg)
+}
+
+/// The demo's load, checked before anything starts: the replay refuses a bad
+/// `--time-scale` too, but only once every cluster is up.
+fn demo_load(args: &DemoArgs) -> anyhow::Result<LoadArgs> {
+    let load = LoadArgs {
+        time_scale: args.time_scale,
+        mode: Mode::Open,
+        concurrency: None,
+        duration: None,
+        window: None,
+        max_requests: None,
+        max_context_tokens: Some(32_768),
+        timeout_s: 120.0,
+        model: gorgo_workload::DEFAULT_MODEL.into(),
+        no_ignore_eos: false,
+        no_progress: false,
+    };
+    load.check()?;
+    Ok(load)
 }
 
 /// Read the workload, cut to `--window` and `--max-requests` as `gorgo sim` cuts it
@@ -572,8 +585,10 @@ fn prepare(requests: &mut [TraceRequest], load: &LoadArgs, cfg: &mut serde_json:
 /// A token cancelled on the first Ctrl-C or SIGTERM (a `kill`, a CI timeout), so
 /// replays stop and clusters are torn down rather than left running. A second signal
 /// exits at once (status 130), as it would have without the handler: a teardown that
-/// hangs (a node that does not stop) is the operator's to cut short.
-fn cancel_on_ctrl_c() -> CancellationToken {
+/// hangs (a node that does not stop) is the operator's to cut short. `clusters_in`:
+/// the `--out` of `compare` and `demo`, under which each policy's cluster runs, for
+/// the hint that stops one left running.
+fn cancel_on_ctrl_c(clusters_in: Option<PathBuf>) -> CancellationToken {
     let cancel = CancellationToken::new();
     let c = cancel.clone();
     tokio::spawn(async move {
@@ -583,15 +598,26 @@ fn cancel_on_ctrl_c() -> CancellationToken {
             );
             c.cancel();
             if super::shutdown_signal().await.is_ok() {
-                eprintln!(
-                    "interrupted again: exiting; a cluster being torn down may be left \
-                     running (`gorgo down RUN_DIR` stops it)"
-                );
+                match clusters_in {
+                    Some(out) => {
+                        eprintln!("interrupted again: exiting; {}", left_running_hint(&out))
+                    }
+                    None => eprintln!("interrupted again: exiting"),
+                }
                 std::process::exit(130);
             }
         }
     });
     cancel
+}
+
+/// What stops a cluster of `compare` (output dir `out`) that a second signal left
+/// running: `gorgo down` on its run dir, `<out>/<policy>/run` (`gorgo_bench::compare`).
+fn left_running_hint(out: &Path) -> String {
+    format!(
+        "a cluster being torn down may be left running (`gorgo down --run-dir {}` stops it)",
+        out.join("POLICY").join("run").display()
+    )
 }
 
 /// Print the table of the report written to `out`; an error (a non-zero exit) when
@@ -639,6 +665,18 @@ mod tests {
         assert_eq!(d.policies.split(',').count(), 6);
         assert_eq!(d.engine_profile, DEFAULT_ENGINE_PROFILE);
         assert!(DEMO_TOPOLOGY.contains("us-ashburn"));
+        demo_load(&d).unwrap();
+    }
+
+    /// The demo's `--time-scale` is checked before anything starts (the replay
+    /// refused it only once every cluster was up).
+    #[test]
+    fn a_demo_time_scale_the_replay_refuses_is_refused_first() {
+        let d = Demo::try_parse_from(["demo", "--time-scale=-1"])
+            .unwrap()
+            .args;
+        let err = demo_load(&d).unwrap_err().to_string();
+        assert!(err.contains("--time-scale"), "{err}");
     }
 
     /// Each cluster's block grows with `--replicas` (replica k's engine at base + 10 +
@@ -730,6 +768,9 @@ mod tests {
             ("--max-requests=0", "--max-requests"),
             ("--time-scale=NaN", "--time-scale"),
             ("--timeout-s=1e300", "--timeout-s"),
+            // The replay refused it too, but only after `compare` had started every
+            // cluster; closed loop or open.
+            ("--concurrency=0", "--concurrency"),
         ] {
             let err = load(&[bad]).check().unwrap_err().to_string();
             assert!(err.contains(flag), "{bad}: {err}");
@@ -737,5 +778,31 @@ mod tests {
         load(&["--window=30", "--max-context-tokens=32768"])
             .check()
             .unwrap();
+        let err = load(&["--mode=closed", "--concurrency=0"])
+            .check()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--concurrency"), "{err}");
+    }
+
+    /// The hint a second Ctrl-C prints is a command `gorgo down` takes (it said
+    /// `gorgo down RUN_DIR`, and `down` has no positional argument), on the run dir
+    /// `compare` gives each policy's cluster.
+    #[test]
+    fn the_hint_after_a_second_signal_is_a_valid_down_command() {
+        #[derive(Parser)]
+        struct Down {
+            #[command(flatten)]
+            args: super::super::up::DownArgs,
+        }
+        let hint = left_running_hint(Path::new("/tmp/cmp"));
+        let command = hint.split('`').nth(1).expect("a command in backticks");
+        let mut words = command.split_whitespace();
+        assert_eq!(words.next(), Some("gorgo"), "{hint}");
+        assert_eq!(words.next(), Some("down"), "{hint}");
+        let down = Down::try_parse_from(std::iter::once("down").chain(words))
+            .unwrap_or_else(|e| panic!("{hint}: {e}"))
+            .args;
+        assert_eq!(down.run_dir, Path::new("/tmp/cmp/POLICY/run"));
     }
 }

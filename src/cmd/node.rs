@@ -80,7 +80,7 @@ fn serve(
             config_path.to_owned(),
             shutdown.clone(),
         ));
-        let _ = super::shutdown_signal().await;
+        signal_or_never().await;
         let deadline = std::time::Duration::from_millis(node.state.config.limits.drain_timeout_ms);
         tracing::info!(deadline_ms = deadline.as_millis() as u64, "draining");
         tokio::select! {
@@ -89,12 +89,22 @@ fn serve(
                 let leave = node.state.peers.leave();
                 let _ = tokio::time::timeout(std::time::Duration::from_secs(5), leave).await;
             }
-            _ = super::shutdown_signal() => tracing::warn!("second signal: stopping now"),
+            _ = signal_or_never() => tracing::warn!("second signal: stopping now"),
         }
         shutdown.cancel();
         let _ = tokio::time::timeout(std::time::Duration::from_secs(10), node.wait()).await;
         Ok(())
     })
+}
+
+/// Resolves on Ctrl-C or SIGTERM; never where the handlers cannot be installed (that is
+/// logged): an error returned at once read as a signal, and the node drained as soon
+/// as it was ready (`gorgo engine` waits the same way).
+async fn signal_or_never() {
+    if let Err(e) = super::shutdown_signal().await {
+        tracing::error!(error = %e, "cannot wait for signals: serving until killed");
+        std::future::pending::<()>().await;
+    }
 }
 
 /// On SIGHUP, read the config file again and make the node's engines follow its
@@ -138,7 +148,7 @@ async fn reload_on_hangup(
                         path.display()
                     )
                 }
-                Err(e) => tracing::error!(error = %e, "reloading the engines"),
+                Err(e) => tracing::error!(error = %e, "reloading the engines: nothing changed"),
             },
             Err(e) => {
                 tracing::error!(error = %e, "reload: {} does not load; nothing changed", path.display())

@@ -133,8 +133,9 @@ pub struct UpArgs {
     /// Tuning trial window, requests cluster-wide (default: the node's, 128).
     #[arg(long)]
     pub tuning_window: Option<u32>,
-    /// Time cap of a quiet tuning window, ms (default: the node's, 60000).
-    #[arg(long)]
+    /// Time cap of a quiet tuning window, ms (default: the node's, 60000); 1 ms to a
+    /// week, as the node's `tuning.window_max_ms` (refused here, before anything starts).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=gorgo_node::config::MAX_TIMEOUT_MS))]
     pub tuning_window_ms: Option<u64>,
     /// Fewest samples a capped window is scored on (default: the node's, 32, at most the
     /// window).
@@ -558,6 +559,40 @@ fn random_token() -> anyhow::Result<String> {
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
+/// The `--engine-*-ms` seeds, checked before anything starts as the node checks
+/// `engine.t_p_ms`, `base_ms` and `decode_step_ms` (ceilings included): a value the
+/// node refuses failed only once the relays and the first engines had started.
+fn check_engine_seed_flags(args: &UpArgs) -> anyhow::Result<()> {
+    use gorgo_node::config::{MAX_SEED_BASE_MS, MAX_SEED_MS_PER_TOKEN};
+    for (flag, value, zero_ok, max) in [
+        (
+            "--engine-t-p-ms",
+            args.engine_t_p_ms,
+            false,
+            MAX_SEED_MS_PER_TOKEN,
+        ),
+        (
+            "--engine-base-ms",
+            args.engine_base_ms,
+            true,
+            MAX_SEED_BASE_MS,
+        ),
+        (
+            "--engine-decode-step-ms",
+            args.engine_decode_step_ms,
+            false,
+            MAX_SEED_MS_PER_TOKEN,
+        ),
+    ] {
+        if let Some(v) = value {
+            if !(v <= max && (v > 0.0 || (zero_ok && v == 0.0))) {
+                bail!("{flag} {v}: must be a positive number of milliseconds, at most {max}");
+            }
+        }
+    }
+    Ok(())
+}
+
 /// `--engine-url` (`region=url,...`, read by the one parser of such lists) into a map,
 /// checking every region exists.
 fn parse_engine_urls(
@@ -574,6 +609,10 @@ fn parse_engine_urls(
         topology
             .region_index(&region)
             .with_context(|| format!("--engine-url `{region}={url}`"))?;
+        // As the node checks `engine.url`, before any process of the cluster starts.
+        if let Err(reason) = gorgo_node::config::check_engine_url(&url) {
+            bail!("--engine-url `{region}={url}`: {reason}");
+        }
         urls.insert(region, url);
     }
     Ok(urls)
@@ -962,17 +1001,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     tuning_section(&args, "check", policy)?;
     deadline_in("--ready-timeout-s", args.ready_timeout_s)?;
     let engine_kind: EngineKind = args.engine_kind.parse().context("--engine-kind")?;
-    for (flag, value, zero_ok) in [
-        ("--engine-t-p-ms", args.engine_t_p_ms, false),
-        ("--engine-base-ms", args.engine_base_ms, true),
-        ("--engine-decode-step-ms", args.engine_decode_step_ms, false),
-    ] {
-        if let Some(v) = value {
-            if !(v.is_finite() && (v > 0.0 || (zero_ok && v == 0.0))) {
-                bail!("{flag} {v}: must be a finite, positive number of milliseconds");
-            }
-        }
-    }
+    check_engine_seed_flags(&args)?;
 
     std::fs::create_dir_all(args.run_dir.join("logs"))
         .with_context(|| format!("creating {}", args.run_dir.display()))?;
@@ -1653,6 +1682,12 @@ mod tests {
         assert!(format!("{e:#}").contains("mars"), "{e:#}");
         let e = parse_engine_urls(std::slice::from_ref(&region), &topology).unwrap_err();
         assert!(format!("{e:#}").contains("region=url"), "{e:#}");
+        // What the node would refuse as `engine.url` is refused here, before anything
+        // starts: its client speaks no TLS, and a port past 65535 is no port.
+        for url in ["https://127.0.0.1:30000", "http://127.0.0.1:300000"] {
+            let e = parse_engine_urls(&[format!("{region}={url}")], &topology).unwrap_err();
+            assert!(format!("{e:#}").contains("--engine-url"), "{e:#}");
+        }
     }
 
     fn plan() -> ClusterPlan {
@@ -1832,5 +1867,37 @@ mod tests {
         let cli = Cli::parse_from(["up", "--tuning", "sometimes"]);
         let e = tuning_section(&cli.up, "us", PolicyKind::Gorgo).unwrap_err();
         assert!(e.to_string().contains("--tuning"), "{e}");
+        // "Never" as the largest number: refused as the node refuses
+        // `tuning.window_max_ms`, but before anything starts.
+        let Err(e) = Cli::try_parse_from(["up", "--tuning-window-ms", "18446744073709551615"])
+        else {
+            panic!("--tuning-window-ms past a week was taken");
+        };
+        let e = e.to_string();
+        assert!(e.contains("--tuning-window-ms"), "{e}");
+    }
+
+    /// The engine seeds the node refuses (past its ceilings too) are refused with the
+    /// flag's name before anything starts.
+    #[test]
+    fn engine_seed_flags_the_node_refuses_are_refused_first() {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            up: UpArgs,
+        }
+        for (flag, value) in [
+            ("--engine-t-p-ms", "1e306"),
+            ("--engine-t-p-ms", "0"),
+            ("--engine-base-ms", "1e306"),
+            ("--engine-decode-step-ms", "1e306"),
+        ] {
+            let cli = Cli::parse_from(["up", flag, value]);
+            let e = check_engine_seed_flags(&cli.up).unwrap_err().to_string();
+            assert!(e.contains(flag), "{flag} {value}: {e}");
+        }
+        let cli = Cli::parse_from(["up", "--engine-t-p-ms", "1000", "--engine-base-ms", "0"]);
+        check_engine_seed_flags(&cli.up).unwrap();
     }
 }
