@@ -711,6 +711,36 @@ struct Sim<'a> {
     now: f64,
     /// When the cluster's caches are next sampled for copies ([`KV_SAMPLE_MS`]).
     next_kv_sample_ms: f64,
+    /// Virtual time the trace starts at ([`warm_up_ms`]): the nodes gossip and scrape
+    /// from 0, so that the first requests find every peer known, as live.
+    warm_ms: f64,
+    /// When the next trace row not yet admitted is sent, if any: ticks and scrapes
+    /// skip a long idle gap up to its warm-up.
+    next_send_ms: Option<f64>,
+}
+
+/// Ticks of gossip a simulated cluster runs before its trace starts.
+const WARM_UP_TICKS: f64 = 4.0;
+
+/// An idle stretch (nothing in flight) longer than this before the next row is
+/// skipped by ticks and scrapes, up to that row's warm-up ([`Sim::next_periodic`]).
+const IDLE_SKIP_MS: f64 = 60_000.0;
+
+/// How long before its trace a simulated cluster starts: a few gossip ticks and two
+/// scrapes, plus twice the longest one-way delay (a stats message and a snapshot
+/// request's answer on the way). Live, `gorgo up` starts a replay only once every
+/// node lists every other alive with stats; a cluster starting cold at the first row
+/// served the first burst locally under every policy, and (in short windows) every
+/// later decision saw a different view than live.
+fn warm_up_ms(cfg: &SimConfig) -> f64 {
+    let longest = cfg
+        .network
+        .one_way_ms
+        .iter()
+        .flatten()
+        .fold(0.0f64, |m, &d| m.max(d));
+    (WARM_UP_TICKS * cfg.gossip_interval_ms).max(2.0 * cfg.metrics_interval_ms)
+        + 2.0 * (longest + cfg.network.jitter_ms + cfg.gossip_extra_delay_ms)
 }
 
 /// Run `policy` over `trace` and collect its results. `progress` is called every few
@@ -735,7 +765,7 @@ impl<'a> Sim<'a> {
         let names = cfg.network.names();
         let n = names.len();
         let node_ids: Vec<NodeId> = names.iter().map(|s| NodeId(s.clone())).collect();
-        let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ hash_bytes(kind.as_str().as_bytes()));
+        let rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ hash_bytes(kind.as_str().as_bytes()));
         let replicas = cfg.replicas;
         let engine_profiles: Vec<&Profile> = cfg
             .profiles
@@ -785,7 +815,9 @@ impl<'a> Sim<'a> {
             engine_events: Vec::new(),
             trace_done: false,
             now: 0.0,
-            next_kv_sample_ms: 0.0,
+            next_kv_sample_ms: warm_up_ms(cfg),
+            warm_ms: warm_up_ms(cfg),
+            next_send_ms: None,
         };
         if kind == PolicyKind::Oracle {
             sim.oracle = Some(Oracle {
@@ -885,12 +917,17 @@ impl<'a> Sim<'a> {
                 });
             }
             // Nodes do not tick in lockstep, nor scrape their engines together: each
-            // starts at its own phase.
+            // starts at its own phase. The phases are the seed's, not the policy's, so
+            // that every policy of a comparison meets the same staleness at each
+            // arrival (paired, as live runs of one cluster are); drawn per policy, a
+            // trace on a grid (Mooncake's bursts 3 s apart, 12 gossip intervals)
+            // fixed a different staleness at every burst for each policy.
+            let mut phases = ChaCha8Rng::seed_from_u64(cfg.seed ^ hash_bytes(b"phases"));
             for i in 0..n {
-                let phase = rng.random::<f64>() * cfg.gossip_interval_ms;
+                let phase = phases.random::<f64>() * cfg.gossip_interval_ms;
                 sim.push(phase, Ev::Tick(i as u8));
                 for k in 0..replicas {
-                    let phase = rng.random::<f64>() * cfg.metrics_interval_ms;
+                    let phase = phases.random::<f64>() * cfg.metrics_interval_ms;
                     let e = sim.engine_index(i, k);
                     sim.push(phase, Ev::Scrape(e as u16));
                 }
@@ -964,12 +1001,13 @@ impl<'a> Sim<'a> {
                         Some(row) => {
                             let row = row?;
                             let o = *origin.get_or_insert(row.timestamp_ms);
-                            let send =
-                                row.timestamp_ms.saturating_sub(o) as f64 * self.cfg.time_scale;
+                            let send = self.warm_ms
+                                + row.timestamp_ms.saturating_sub(o) as f64 * self.cfg.time_scale;
                             next = Some((send, row));
                         }
                     }
                 }
+                self.next_send_ms = next.as_ref().map(|(send, _)| *send);
                 let Some((send, _)) = &next else { break };
                 if self.heap.peek().is_some_and(|top| top.at < *send) {
                     break;
@@ -1002,7 +1040,7 @@ impl<'a> Sim<'a> {
                 progress(self.progress());
             }
         }
-        self.out.run.counters.end_ms = self.now;
+        self.out.run.counters.end_ms = self.now - self.warm_ms;
         progress(self.progress());
         Ok(())
     }
@@ -1013,7 +1051,7 @@ impl<'a> Sim<'a> {
             requests: c.requests,
             finished: c.completed + c.failed,
             in_flight: self.live,
-            now_ms: self.now,
+            now_ms: self.now - self.warm_ms,
         }
     }
 
@@ -1105,8 +1143,8 @@ impl<'a> Sim<'a> {
             let view = &mut node.engines[k].view;
             view.scrape(metrics, view.scrape_started(), now as u64);
         }
-        if !(self.trace_done && self.live == 0) {
-            self.push(now + self.cfg.metrics_interval_ms, Ev::Scrape(e as u16));
+        if let Some(at) = self.next_periodic(now, self.cfg.metrics_interval_ms) {
+            self.push(at, Ev::Scrape(e as u16));
         }
     }
 
@@ -2072,7 +2110,7 @@ impl<'a> Sim<'a> {
             error: Some(why.into()),
             ttft_ms: 0.0,
             e2e_ms: (now - f.send_ms) as f32,
-            start_ms: f.send_ms,
+            start_ms: f.send_ms - self.warm_ms,
             input_tokens: f.prompt_tokens.min(u32::MAX as u64) as u32,
             output_tokens: 0,
             cached_tokens: 0,
@@ -2113,7 +2151,7 @@ impl<'a> Sim<'a> {
             error: None,
             ttft_ms: f.ttft_ms as f32,
             e2e_ms: e2e as f32,
-            start_ms: f.send_ms,
+            start_ms: f.send_ms - self.warm_ms,
             input_tokens: f.prompt_tokens.min(u32::MAX as u64) as u32,
             output_tokens: f.output_tokens,
             cached_tokens: f.cached_tokens.min(u32::MAX as u64) as u32,
@@ -2197,8 +2235,27 @@ impl<'a> Sim<'a> {
             None => Vec::new(),
         };
         self.tuning_outputs(r, outputs, now);
-        if !(self.trace_done && self.live == 0) {
-            self.push(now + self.cfg.gossip_interval_ms, Ev::Tick(r as u8));
+        if let Some(at) = self.next_periodic(now, self.cfg.gossip_interval_ms) {
+            self.push(at, Ev::Tick(r as u8));
+        }
+    }
+
+    /// When a periodic event (a tick, a scrape) at `now` comes next, `interval` on:
+    /// `None` once the trace is done and nothing is in flight. With nothing in flight
+    /// and the next row over [`IDLE_SKIP_MS`] away, the whole intervals up to that
+    /// row's warm-up are skipped (its phase kept): an outlier timestamp (an epoch-ms
+    /// row in a relative trace) had the nodes tick for centuries of virtual time.
+    fn next_periodic(&self, now: f64, interval: f64) -> Option<f64> {
+        if self.trace_done && self.live == 0 {
+            return None;
+        }
+        let next = now + interval;
+        match self.next_send_ms {
+            Some(send) if self.live == 0 && send - next > IDLE_SKIP_MS + self.warm_ms => {
+                let skipped = ((send - self.warm_ms - next) / interval).floor();
+                Some(next + skipped * interval)
+            }
+            _ => Some(next),
         }
     }
 
@@ -2207,13 +2264,16 @@ impl<'a> Sim<'a> {
     fn send_gossip(&mut self, r: usize, p: usize, msg: GossipMessage, now: f64) {
         let delay = self.link_delay(r, p) + self.cfg.gossip_extra_delay_ms;
         let c = &mut self.out.run.counters;
-        c.gossip_messages += 1;
         let bytes = (core_gossip::encoded_len(&msg) + GOSSIP_FRAME_HEADER) as u64;
-        c.gossip_bytes += bytes;
-        if !self.trace_done {
+        // Over the run, not its warm-up (the per-second figure is over the run).
+        if now >= self.warm_ms {
+            c.gossip_messages += 1;
+            c.gossip_bytes += bytes;
+        }
+        if !self.trace_done && now >= self.warm_ms {
             // While requests still arrive: the load the gossip figure is quoted at.
             c.gossip_bytes_arriving += bytes;
-            c.gossip_arriving_until_ms = now;
+            c.gossip_arriving_until_ms = now - self.warm_ms;
         }
         if self.cfg.gossip_loss > 0.0
             && self.nodes[r].gossip_loss_rng.random::<f64>() < self.cfg.gossip_loss
@@ -2330,7 +2390,7 @@ impl<'a> Sim<'a> {
                 }
                 TuningOutput::Record(record) => self.out.run.tuning.push(TuningLine {
                     policy: self.kind.as_str().to_owned(),
-                    at_ms: now,
+                    at_ms: now - self.warm_ms,
                     record,
                 }),
             }
@@ -2375,6 +2435,29 @@ mod tests {
             trim_to_prompt(&mut chain, input);
             prop_assert_eq!(chain, popped);
         }
+    }
+
+    /// Every policy of a comparison meets the same gossip and scrape phases (paired,
+    /// as the policies of one live cluster do): they were drawn per policy, so each
+    /// met its own staleness at every burst of a gridded trace.
+    #[test]
+    fn policies_of_one_seed_share_their_gossip_and_scrape_phases() {
+        let profile = Profile::by_name("paper-a100-mistral7b").unwrap();
+        let cfg = SimConfig::new(crate::Network::uniform(3, 40.0, 3.0), profile);
+        let phases = |kind| {
+            let sim = Sim::new(&cfg, kind).unwrap();
+            let mut at: Vec<(String, u64)> = sim
+                .heap
+                .iter()
+                .map(|s| (format!("{:?}", s.ev), s.at.to_bits()))
+                .collect();
+            at.sort();
+            at
+        };
+        let gorgo = phases(PolicyKind::Gorgo);
+        assert_eq!(gorgo.len(), 6, "a tick and a scrape per node");
+        assert_eq!(gorgo, phases(PolicyKind::LeastLoad));
+        assert_eq!(gorgo, phases(PolicyKind::PrefixCache));
     }
 
     /// An interval so small that `now + interval == now` never let the run end: the
