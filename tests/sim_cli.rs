@@ -317,3 +317,39 @@ fn trace_convert_onto_its_own_input_keeps_every_row() {
         .file_type()
         .is_symlink());
 }
+
+/// A trace (or window) that selects no request is an error naming it: the report of
+/// no requests was a table of blanks, written with exit status 0.
+#[test]
+fn a_selection_of_no_request_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty.jsonl");
+    std::fs::write(&empty, "").unwrap();
+    let late = dir.path().join("late.jsonl");
+    std::fs::write(
+        &late,
+        "{\"timestamp\": 5000, \"input_length\": 100, \"output_length\": 4, \"hash_ids\": [1]}\n",
+    )
+    .unwrap();
+    for (trace, window) in [(&empty, None), (&late, Some("0.001"))] {
+        let mut cmd = gorgo();
+        cmd.args([
+            "sim",
+            "--topology",
+            &topology(),
+            "--policies",
+            "round-robin",
+        ])
+        .arg("--trace")
+        .arg(trace)
+        .arg("--out")
+        .arg(dir.path().join("out"));
+        if let Some(w) = window {
+            cmd.args(["--window-s", w]);
+        }
+        let out = cmd.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{err}");
+        assert!(err.contains("selects no request"), "{err}");
+    }
+}

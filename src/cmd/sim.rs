@@ -533,6 +533,16 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         };
         let run = simulate(&cfg, *kind, rows(&args.trace, &args.model)?, &mut progress)
             .with_context(|| format!("simulating {name}"))?;
+        // A report of no requests is a table of blanks that looks like a result.
+        if run.counters.requests == 0 {
+            bail!(
+                "{} selects no request{}",
+                args.trace.display(),
+                args.model
+                    .window_s
+                    .map_or(String::new(), |w| format!(" in its --window-s {w} window"))
+            );
+        }
         let wall_s = started.elapsed().as_secs_f64();
         let c = &run.counters;
         // Summary gossip sent per node per second of virtual time (frames as the live
