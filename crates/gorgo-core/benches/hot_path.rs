@@ -329,6 +329,7 @@ fn bench_kv_siblings(c: &mut Criterion) {
             ts: 0.0,
             events: vec![event],
             data_parallel_rank: None,
+            unknown_events: 0,
         });
         (encode_seq(seq), payload)
     };
@@ -342,6 +343,7 @@ fn bench_kv_siblings(c: &mut Criterion) {
             block_size: 1,
             lora_id: None,
             medium: None,
+            extra_keys_from: None,
         },
     );
     let (seq1, repeated) = batch(
@@ -353,6 +355,7 @@ fn bench_kv_siblings(c: &mut Criterion) {
             block_size: 1,
             lora_id: None,
             medium: None,
+            extra_keys_from: None,
         },
     );
     group.bench_function("restore_a_known_block_200k_times", |b| {

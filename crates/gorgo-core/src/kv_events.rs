@@ -17,10 +17,11 @@
 //!
 //! The stream: batches carry a seq from 0. A gap asks the replay socket for the
 //! missing batches (the live ones are held meanwhile, within a byte budget); a long
-//! gap, a failed or incomplete replay, an undecodable batch or a stream that went
-//! silent while requests were served is a resync: forget every block and fall back
-//! to the shadow model until the stream has been continuous for the warm-up time (or
-//! from its seq 0: then it has told everything). A seq that goes back is a publisher
+//! gap, a failed or incomplete replay, an undecodable batch, a stream that went
+//! silent while requests were served or a closed connection to the publisher (the
+//! engine may have restarted) is a resync: forget every block and fall back to the
+//! shadow model until the stream has been continuous for the warm-up time (or from
+//! its seq 0: then it has told everything). A seq that goes back is a publisher
 //! restart: from seq 0 its cache starts empty.
 //!
 //! The mapping: an engine block is kept with its own token ids, where it ends in the
@@ -182,9 +183,11 @@ pub struct KvEventCounters {
     pub events: u64,
     /// Events of a type this version does not know, skipped.
     pub unknown_events: u64,
-    /// Engine blocks stored that the index cannot use: LoRA blocks, other tiers, an
-    /// unknown parent, token counts that do not fit the block size, a block size that
-    /// does not divide the node's.
+    /// Engine blocks stored that the index cannot use: LoRA blocks, blocks whose hash
+    /// folds in extra keys (a cache salt, multimodal hashes) and those after them,
+    /// token-pair blocks (SGLang's EAGLE), other tiers, an unknown parent, token
+    /// counts that do not fit the block size, a block size that does not divide the
+    /// node's.
     pub ignored_blocks: u64,
     /// Engine blocks not tracked because `max_engine_blocks` were.
     pub dropped_blocks: u64,
@@ -204,6 +207,9 @@ pub struct KvEventCounters {
     pub oversized: u64,
     /// Times the stream went silent while requests were served.
     pub silences: u64,
+    /// Times the connection to the publisher closed (the engine may have restarted):
+    /// each a resync.
+    pub disconnects: u64,
 }
 
 /// The position of the stream.
@@ -367,6 +373,21 @@ impl KvEventFollower {
                     .push(FollowerAction::RequestReplay { from_seq: 0 });
             }
         }
+    }
+
+    /// The connection to the publisher closed. The engine may have restarted: vLLM
+    /// seeds its block hashes per process, so a restarted engine never removes the
+    /// old blocks, and the batches it publishes before the SUB socket is back are
+    /// lost, after which its seq can read as an ordinary gap (or no gap at all) and
+    /// the dead engine's blocks would stay for good. So the picture is not trusted:
+    /// a resync onto the shadow model, and the next subscription asks for the
+    /// publisher's whole buffer as at the start ([`Self::on_subscribed`]); the events
+    /// are followed again by the usual rules (a history seen from seq 0, or the
+    /// warm-up).
+    pub fn on_disconnected(&mut self, now_ms: u64) {
+        self.counters.disconnects += 1;
+        self.resync(now_ms, "publisher connection closed");
+        self.stream = Stream::Fresh { full_replay: true };
     }
 
     /// A message of the SUB socket: `[topic, seq, payload]`.
@@ -695,6 +716,8 @@ impl KvEventFollower {
         self.counters.batches += 1;
         self.last_batch_ms = now_ms;
         self.dispatches_since_batch = 0;
+        self.counters.events += batch.unknown_events;
+        self.counters.unknown_events += batch.unknown_events;
         let mut out = Vec::new();
         for event in batch.events {
             self.counters.events += 1;
@@ -706,20 +729,48 @@ impl KvEventFollower {
                     block_size,
                     lora_id,
                     medium,
+                    extra_keys_from,
                 } => {
                     if lora_id.is_some() || !is_gpu(medium.as_deref()) {
                         self.counters.ignored_blocks += block_hashes.len() as u64;
                         continue;
                     }
+                    // A block whose hash folds in extra keys (a cache salt, an image's
+                    // hash) is not the token block a prompt's chain names: the engine
+                    // shares it with no request that lacks those keys. Like a LoRA
+                    // block it is ignored, and so are the blocks after it in the event,
+                    // whose hashes chain from it (a later event below any of them has
+                    // an unknown parent and is ignored too); the plain blocks before it
+                    // are kept.
+                    let n = block_hashes.len();
+                    let plain = extra_keys_from.map_or(n, |i| i.min(n));
+                    let (hashes, tokens) = if plain == n {
+                        (&block_hashes[..], &token_ids[..])
+                    } else {
+                        let size = block_size as usize;
+                        match plain.checked_mul(size) {
+                            Some(end) if n.checked_mul(size) == Some(token_ids.len()) => {
+                                self.counters.ignored_blocks += (n - plain) as u64;
+                                (&block_hashes[..plain], &token_ids[..end])
+                            }
+                            // Token ids that do not fit the blocks: the tracker would
+                            // ignore every one of them.
+                            _ => {
+                                self.counters.ignored_blocks += n as u64;
+                                continue;
+                            }
+                        }
+                    };
                     self.tracker.store(
-                        &block_hashes,
+                        hashes,
                         parent,
-                        &token_ids,
+                        tokens,
                         block_size as usize,
                         &mut out,
                         &mut self.counters,
                     );
                 }
+                KvEvent::TokenPairsStored { blocks } => self.counters.ignored_blocks += blocks,
                 KvEvent::BlockRemoved {
                     block_hashes,
                     medium,

@@ -5,23 +5,27 @@
 //! started, `payload` a msgpack `EventBatch` as msgspec encodes it. Older vLLM and
 //! SGLang declare their structs `array_like=True`: a batch is `[ts, events,
 //! data_parallel_rank]` and each event a tagged array `["BlockStored", block_hashes,
-//! parent_block_hash, token_ids, block_size, lora_id, medium, ...]`, `["BlockRemoved",
-//! block_hashes, medium, ...]`, `["AllBlocksCleared"]`. Newer vLLM encodes the same
-//! structs as maps (`{"ts": .., "events": [{"type": "BlockStored", "block_hashes": ..,
-//! ..}], ..}`). Both are accepted, fields past the ones read are skipped (new versions
-//! append fields), and a block hash may be an integer or bytes (newer vLLM hashes
-//! blocks with SHA-256 and sends the digest).
+//! parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys,
+//! ...]`, `["BlockRemoved", block_hashes, medium, ...]`, `["AllBlocksCleared"]`. Newer
+//! vLLM encodes the same structs as maps (`{"ts": .., "events": [{"type":
+//! "BlockStored", "block_hashes": .., ..}], ..}`). Both are accepted, fields past the
+//! ones read are skipped (new versions append fields), and a block hash may be an
+//! integer or bytes (newer vLLM hashes blocks with SHA-256 and sends the digest).
+//! SGLang with EAGLE speculative decoding keys its radix tree by token pairs and
+//! publishes `token_ids` as pairs (`[[1, 2], [2, 3]]`): such a store decodes as
+//! [`KvEvent::TokenPairsStored`], not as an error that would lose the whole batch.
 //!
 //! The replay socket (a ROUTER) answers a request carrying an 8-byte big-endian start
 //! seq with `[seq, payload]` messages for each batch it still buffers from there, then
 //! the end marker: seq `-1` with an empty payload.
 //!
 //! Every size here is capped: the payload before decoding, the nesting depth while
-//! decoding; arrays are never preallocated beyond what the bytes can hold.
+//! decoding; arrays are never preallocated beyond what the bytes can hold, and what a
+//! batch decodes to is bounded by its bytes ([`max_events_per_batch`]).
 
 use std::fmt;
 
-use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 
 use crate::error::CoreError;
@@ -60,6 +64,21 @@ pub enum KvEvent {
         lora_id: Option<i64>,
         /// Where the blocks are (`GPU` or absent: the prefix cache; else another tier).
         medium: Option<String>,
+        /// The first block whose hash folds in more than its tokens: vLLM's
+        /// `extra_keys`, one entry per block (`nil` for a plain one), name a cache
+        /// salt, multimodal or prompt-embedding hashes, a LoRA adapter. Two requests
+        /// with the same token ids (an image's placeholder tokens, a salted and an
+        /// unsalted prompt) do not share those blocks on the engine, so this block and
+        /// the ones after it (their hashes chain from it) are not the plain token
+        /// blocks a prompt's chain names. `None`: every block is plain.
+        extra_keys_from: Option<usize>,
+    },
+    /// Blocks stored under keys of token pairs: SGLang with EAGLE speculative decoding
+    /// keys its radix tree by bigrams and publishes each page's `token_ids` as pairs.
+    /// The node's chains are over single tokens, so these are counted, not mapped.
+    TokenPairsStored {
+        /// How many blocks the event stored.
+        blocks: u64,
     },
     /// Blocks left the prefix cache.
     BlockRemoved {
@@ -70,7 +89,9 @@ pub enum KvEvent {
     },
     /// The whole cache was emptied (a reset, an engine restart).
     AllBlocksCleared,
-    /// An event type this version does not know: skipped, counted.
+    /// An event type this version does not know: skipped, counted. [`decode_batch`]
+    /// counts these in [`KvEventBatch::unknown_events`] instead of listing them (see
+    /// [`max_events_per_batch`]); [`encode_batch`] leaves them out.
     Unknown,
 }
 
@@ -83,6 +104,10 @@ pub struct KvEventBatch {
     pub events: Vec<KvEvent>,
     /// The data-parallel rank of the publishing engine, when it says.
     pub data_parallel_rank: Option<i64>,
+    /// Events of a type this version does not know, skipped while decoding: counted
+    /// here, not listed, since one can take two bytes on the wire (`[""]`) and a
+    /// listed [`KvEvent`] takes over a hundred.
+    pub unknown_events: u64,
 }
 
 /// The key the node keeps an engine block under: the integer itself, or the one
@@ -105,37 +130,80 @@ pub enum EngineBlockHash<'a> {
     Bytes(&'a [u8]),
 }
 
-/// Most events one batch may carry. An event of two bytes on the wire (`[""]`, an
-/// unknown one) decodes to about a hundred, so the payload cap alone let one 8 MiB
-/// batch take about 0.5-0.8 GB while it decoded; 65,536 events hold at most a few MiB,
-/// far beyond what an engine batches (a handful to a few hundred).
-pub const MAX_EVENTS_PER_BATCH: usize = 1 << 16;
+/// The shortest encoding of an event a decoded batch lists: `["BlockRemoved", []]`,
+/// 15 bytes (an array header, the tag in 13, an empty array). The other kinds are
+/// longer (`["BlockStored", [], nil, [], 0]` 17, `["AllBlocksCleared"]` 18, every map
+/// form more); an unknown event can be 2 bytes (`[""]`), which is why those are only
+/// counted ([`KvEventBatch::unknown_events`]).
+pub const MIN_LISTED_EVENT_BYTES: usize = 15;
 
-/// A batch's event list, refused past [`MAX_EVENTS_PER_BATCH`] while it decodes.
-struct CappedEvents(Vec<WireEvent>);
+/// Most events a batch of `max_payload_bytes` can list: what its bytes can hold, so no
+/// batch within the byte cap is refused for its count. SGLang publishes one
+/// `BlockStored` per page (one token by default) and a whole scheduler step in one
+/// batch: 256 requests finishing together with 512 new tokens each store ~131k blocks
+/// at once, and evicting a 70k-token radix leaf removes 70k; a count cap below what
+/// the bytes hold (65,536, once) refused such batches, and the node forgot every block
+/// and resynced on each.
+///
+/// What that costs while decoding: a listed event takes `size_of::<KvEvent>()` (128
+/// bytes on 64-bit) plus its small allocations (a hash list, a medium string) for at
+/// least 15 bytes on the wire, and the list is reserved once, never past what the
+/// bytes can list (`EventsSeed`). Measured with a counting allocator: 8 MiB of the
+/// shortest events (559,239) peak at 68 MiB, 8.5 bytes per byte received; events with
+/// a hash, a token id and a medium about 7. The worst stays what one event's hash list
+/// always cost, 12 bytes per byte (a 1-byte hash decodes to 8, its `Vec` growing by
+/// doubling): an 8 MiB batch, the default cap, decodes to at most ~100 MiB, and a
+/// lower `kv_events_max_message_bytes` lowers that in proportion. Unknown events,
+/// 2 bytes each at the least, are counted instead of listed.
+pub const fn max_events_per_batch(max_payload_bytes: usize) -> usize {
+    max_payload_bytes / MIN_LISTED_EVENT_BYTES
+}
 
-impl<'de> Deserialize<'de> for CappedEvents {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = CappedEvents;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a list of KV events")
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<CappedEvents, A::Error> {
-                let mut events = Vec::new();
-                while let Some(e) = seq.next_element::<WireEvent>()? {
-                    if events.len() == MAX_EVENTS_PER_BATCH {
-                        return Err(de::Error::custom(format!(
-                            "more than {MAX_EVENTS_PER_BATCH} events"
-                        )));
-                    }
-                    events.push(e);
-                }
-                Ok(CappedEvents(events))
+/// [`max_events_per_batch`] of [`DEFAULT_MAX_PAYLOAD_BYTES`] (559,240): a publisher
+/// splitting its batches for a subscriber at the default cap needs no more.
+pub const MAX_EVENTS_PER_BATCH: usize = max_events_per_batch(DEFAULT_MAX_PAYLOAD_BYTES);
+
+/// A batch's events as decoded: the ones the node reads, listed; the unknown ones,
+/// counted.
+struct DecodedEvents {
+    events: Vec<KvEvent>,
+    unknown: u64,
+}
+
+/// Decodes a batch's event list into [`DecodedEvents`]. The list is reserved once, for
+/// the count its header announces but never more than the payload's bytes can list
+/// (`max_events`): it never grows by doubling (which held up to twice the list, and a
+/// copy of it while it grew), and a header that lies reserves no more than honest
+/// bytes could fill.
+struct EventsSeed {
+    max_events: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for EventsSeed {
+    type Value = DecodedEvents;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<DecodedEvents, D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for EventsSeed {
+    type Value = DecodedEvents;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a list of KV events")
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<DecodedEvents, A::Error> {
+        let reserve = seq.size_hint().unwrap_or(0).min(self.max_events);
+        let mut out = DecodedEvents {
+            events: Vec::with_capacity(reserve),
+            unknown: 0,
+        };
+        while let Some(e) = seq.next_element::<WireEvent>()? {
+            match e.0 {
+                KvEvent::Unknown => out.unknown += 1,
+                event => out.events.push(event),
             }
         }
-        d.deserialize_seq(V)
+        Ok(out)
     }
 }
 
@@ -149,9 +217,11 @@ pub fn decode_batch(payload: &[u8], max_bytes: usize) -> Result<KvEventBatch, Co
     }
     let mut de = rmp_serde::Deserializer::from_read_ref(payload);
     de.set_max_depth(MAX_DEPTH);
-    let batch = WireBatch::deserialize(&mut de)
-        .map_err(|e| CoreError::Malformed(format!("kv event batch: {e}")))?;
-    Ok(batch.0)
+    BatchSeed {
+        max_events: max_events_per_batch(payload.len()),
+    }
+    .deserialize(&mut de)
+    .map_err(|e| CoreError::Malformed(format!("kv event batch: {e}")))
 }
 
 /// Decode the 8-byte big-endian seq frame.
@@ -171,7 +241,10 @@ pub fn encode_seq(seq: i64) -> [u8; 8] {
 }
 
 /// Encode a batch the way SGLang and older vLLM do (`array_like`, integer hashes):
-/// the emulator's publisher and the tests.
+/// the emulator's publisher and the tests. Extra keys are written as vLLM places them
+/// (after `lora_name`), a placeholder key standing for the block's (the keys
+/// themselves are not kept); token-pair stores and unknown events, only counted when
+/// decoded, are left out.
 pub fn encode_batch(batch: &KvEventBatch) -> Vec<u8> {
     #[derive(Serialize)]
     struct Batch<'a>(f64, Vec<Event<'a>>, Option<i64>);
@@ -187,6 +260,17 @@ pub fn encode_batch(batch: &KvEventBatch) -> Vec<u8> {
             Option<i64>,
             Option<&'a str>,
         ),
+        StoredWithKeys(
+            &'static str,
+            &'a [u64],
+            Option<u64>,
+            &'a [u32],
+            u32,
+            Option<i64>,
+            Option<&'a str>,
+            Option<&'a str>,
+            Vec<Option<(&'static str,)>>,
+        ),
         Removed(&'static str, &'a [u64], Option<&'a str>),
         Cleared((&'static str,)),
     }
@@ -201,6 +285,7 @@ pub fn encode_batch(batch: &KvEventBatch) -> Vec<u8> {
                 block_size,
                 lora_id,
                 medium,
+                extra_keys_from: None,
             } => Some(Event::Stored(
                 "BlockStored",
                 block_hashes,
@@ -209,6 +294,27 @@ pub fn encode_batch(batch: &KvEventBatch) -> Vec<u8> {
                 *block_size,
                 *lora_id,
                 medium.as_deref(),
+            )),
+            KvEvent::BlockStored {
+                block_hashes,
+                parent,
+                token_ids,
+                block_size,
+                lora_id,
+                medium,
+                extra_keys_from: Some(keyed),
+            } => Some(Event::StoredWithKeys(
+                "BlockStored",
+                block_hashes,
+                *parent,
+                token_ids,
+                *block_size,
+                *lora_id,
+                medium.as_deref(),
+                None,
+                (0..block_hashes.len())
+                    .map(|i| (i == *keyed).then_some(("extra key",)))
+                    .collect(),
             )),
             KvEvent::BlockRemoved {
                 block_hashes,
@@ -219,64 +325,76 @@ pub fn encode_batch(batch: &KvEventBatch) -> Vec<u8> {
                 medium.as_deref(),
             )),
             KvEvent::AllBlocksCleared => Some(Event::Cleared(("AllBlocksCleared",))),
-            KvEvent::Unknown => None,
+            KvEvent::TokenPairsStored { .. } | KvEvent::Unknown => None,
         })
         .collect();
     rmp_serde::to_vec(&Batch(batch.ts, events, batch.data_parallel_rank))
         .expect("encoding plain values into a Vec cannot fail")
 }
 
-struct WireBatch(KvEventBatch);
+/// Decodes an `EventBatch` (either encoding) whose event list the payload's bytes
+/// bound to `max_events` ([`EventsSeed`]).
+struct BatchSeed {
+    max_events: usize,
+}
 
-impl<'de> Deserialize<'de> for WireBatch {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = WireBatch;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("an EventBatch array or map")
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<WireBatch, A::Error> {
-                let ts: f64 = seq
-                    .next_element::<Number>()?
-                    .ok_or_else(|| de::Error::missing_field("ts"))?
-                    .0;
-                let events = seq
-                    .next_element::<CappedEvents>()?
-                    .ok_or_else(|| de::Error::missing_field("events"))?
-                    .0;
-                let rank: Option<OptInt> = seq.next_element()?;
-                while seq.next_element::<IgnoredAny>()?.is_some() {}
-                Ok(WireBatch(KvEventBatch {
-                    ts,
-                    events: events.into_iter().map(|e| e.0).collect(),
-                    data_parallel_rank: rank.and_then(|r| r.0),
-                }))
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<WireBatch, A::Error> {
-                let (mut ts, mut events, mut rank) = (None, None, None);
-                while let Some(key) = map.next_key::<FieldName>()? {
-                    match key.0.as_str() {
-                        "ts" => ts = Some(map.next_value::<Number>()?.0),
-                        "events" => events = Some(map.next_value::<CappedEvents>()?.0),
-                        "data_parallel_rank" => rank = map.next_value::<OptInt>()?.0,
-                        _ => {
-                            map.next_value::<IgnoredAny>()?;
-                        }
-                    }
+impl<'de> DeserializeSeed<'de> for BatchSeed {
+    type Value = KvEventBatch;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<KvEventBatch, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for BatchSeed {
+    type Value = KvEventBatch;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an EventBatch array or map")
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<KvEventBatch, A::Error> {
+        let ts: f64 = seq
+            .next_element::<Number>()?
+            .ok_or_else(|| de::Error::missing_field("ts"))?
+            .0;
+        let events = seq
+            .next_element_seed(EventsSeed {
+                max_events: self.max_events,
+            })?
+            .ok_or_else(|| de::Error::missing_field("events"))?;
+        let rank: Option<OptInt> = seq.next_element()?;
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(KvEventBatch {
+            ts,
+            events: events.events,
+            data_parallel_rank: rank.and_then(|r| r.0),
+            unknown_events: events.unknown,
+        })
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<KvEventBatch, A::Error> {
+        let (mut ts, mut events, mut rank) = (None, None, None);
+        while let Some(key) = map.next_key::<FieldName>()? {
+            match key.0.as_str() {
+                "ts" => ts = Some(map.next_value::<Number>()?.0),
+                "events" => {
+                    // A repeated key replaces the list: drop the first before
+                    // the second is reserved.
+                    drop(events.take());
+                    events = Some(map.next_value_seed(EventsSeed {
+                        max_events: self.max_events,
+                    })?);
                 }
-                Ok(WireBatch(KvEventBatch {
-                    ts: ts.ok_or_else(|| de::Error::missing_field("ts"))?,
-                    events: events
-                        .ok_or_else(|| de::Error::missing_field("events"))?
-                        .into_iter()
-                        .map(|e| e.0)
-                        .collect(),
-                    data_parallel_rank: rank,
-                }))
+                "data_parallel_rank" => rank = map.next_value::<OptInt>()?.0,
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
             }
         }
-        d.deserialize_any(V)
+        let events: DecodedEvents = events.ok_or_else(|| de::Error::missing_field("events"))?;
+        Ok(KvEventBatch {
+            ts: ts.ok_or_else(|| de::Error::missing_field("ts"))?,
+            events: events.events,
+            data_parallel_rank: rank,
+            unknown_events: events.unknown,
+        })
     }
 }
 
@@ -286,32 +404,45 @@ struct EventFields {
     tag: Option<String>,
     block_hashes: Option<Vec<u64>>,
     parent: Option<Option<u64>>,
-    token_ids: Option<Vec<u32>>,
+    token_ids: Option<TokenIds>,
     block_size: Option<u32>,
     lora_id: Option<i64>,
     medium: Option<String>,
+    extra_keys_from: Option<usize>,
 }
 
 impl EventFields {
     fn finish<E: de::Error>(self) -> Result<KvEvent, E> {
         let tag = self.tag.ok_or_else(|| E::missing_field("type"))?;
         Ok(match tag.as_str() {
-            "BlockStored" => KvEvent::BlockStored {
-                block_hashes: self
+            "BlockStored" => {
+                let block_hashes = self
                     .block_hashes
-                    .ok_or_else(|| E::missing_field("block_hashes"))?,
-                parent: self
+                    .ok_or_else(|| E::missing_field("block_hashes"))?;
+                let parent = self
                     .parent
-                    .ok_or_else(|| E::missing_field("parent_block_hash"))?,
-                token_ids: self
+                    .ok_or_else(|| E::missing_field("parent_block_hash"))?;
+                let token_ids = self
                     .token_ids
-                    .ok_or_else(|| E::missing_field("token_ids"))?,
-                block_size: self
+                    .ok_or_else(|| E::missing_field("token_ids"))?;
+                let block_size = self
                     .block_size
-                    .ok_or_else(|| E::missing_field("block_size"))?,
-                lora_id: self.lora_id,
-                medium: self.medium,
-            },
+                    .ok_or_else(|| E::missing_field("block_size"))?;
+                match token_ids {
+                    TokenIds::Pairs => KvEvent::TokenPairsStored {
+                        blocks: block_hashes.len() as u64,
+                    },
+                    TokenIds::Ids(token_ids) => KvEvent::BlockStored {
+                        block_hashes,
+                        parent,
+                        token_ids,
+                        block_size,
+                        lora_id: self.lora_id,
+                        medium: self.medium,
+                        extra_keys_from: self.extra_keys_from,
+                    },
+                }
+            }
             "BlockRemoved" => KvEvent::BlockRemoved {
                 block_hashes: self
                     .block_hashes
@@ -347,6 +478,10 @@ impl<'de> Deserialize<'de> for WireEvent {
                         f.block_size = seq.next_element()?;
                         f.lora_id = seq.next_element::<OptInt>()?.and_then(|v| v.0);
                         f.medium = seq.next_element::<Option<String>>()?.flatten();
+                        // `lora_name`, then vLLM's `extra_keys`.
+                        if seq.next_element::<IgnoredAny>()?.is_some() {
+                            f.extra_keys_from = seq.next_element::<ExtraKeys>()?.and_then(|k| k.0);
+                        }
                     }
                     Some("BlockRemoved") => {
                         f.block_hashes = seq.next_element::<Hashes>()?.map(|h| h.0);
@@ -368,6 +503,7 @@ impl<'de> Deserialize<'de> for WireEvent {
                         "block_size" => f.block_size = Some(map.next_value()?),
                         "lora_id" => f.lora_id = map.next_value::<OptInt>()?.0,
                         "medium" => f.medium = map.next_value()?,
+                        "extra_keys" => f.extra_keys_from = map.next_value::<ExtraKeys>()?.0,
                         _ => {
                             map.next_value::<IgnoredAny>()?;
                         }
@@ -378,6 +514,139 @@ impl<'de> Deserialize<'de> for WireEvent {
                     f.parent = Some(None);
                 }
                 f.finish().map(WireEvent)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// A `BlockStored`'s `token_ids`: token ids, or SGLang's EAGLE pairs (`[[1, 2], [2,
+/// 3]]`), whose contents are skipped. Any pair makes the whole list pairs.
+enum TokenIds {
+    Ids(Vec<u32>),
+    Pairs,
+}
+
+impl<'de> Deserialize<'de> for TokenIds {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = TokenIds;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a list of token ids or token pairs")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<TokenIds, A::Error> {
+                // Grown as the elements come: never preallocated from the header.
+                let mut ids = Vec::new();
+                let mut pairs = false;
+                while let Some(t) = seq.next_element::<TokenId>()? {
+                    match t {
+                        TokenId::Id(id) if !pairs => ids.push(id),
+                        TokenId::Id(_) => {}
+                        TokenId::Pair => {
+                            pairs = true;
+                            ids = Vec::new();
+                        }
+                    }
+                }
+                Ok(if pairs {
+                    TokenIds::Pairs
+                } else {
+                    TokenIds::Ids(ids)
+                })
+            }
+        }
+        d.deserialize_seq(V)
+    }
+}
+
+/// One element of `token_ids`: a token id (a `u32`: a larger one is an error), or a
+/// list (an EAGLE pair), skipped.
+enum TokenId {
+    Id(u32),
+    Pair,
+}
+
+impl<'de> Deserialize<'de> for TokenId {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = TokenId;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a token id (u32) or a token pair")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<TokenId, E> {
+                u32::try_from(v)
+                    .map(TokenId::Id)
+                    .map_err(|_| E::custom(format!("token id {v} past u32")))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<TokenId, E> {
+                u32::try_from(v)
+                    .map(TokenId::Id)
+                    .map_err(|_| E::custom(format!("token id {v} not a u32")))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<TokenId, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(TokenId::Pair)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// vLLM's `extra_keys` (`list[tuple | None] | None`), read as the index of its first
+/// non-nil entry; the keys themselves are skipped. Any other value (not vLLM's shape:
+/// some fork's field in that place) is taken as keys from the first block on: what
+/// this version cannot read is no evidence that the blocks are plain, and failing the
+/// batch would lose its other events.
+struct ExtraKeys(Option<usize>);
+
+impl<'de> Deserialize<'de> for ExtraKeys {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = ExtraKeys;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a list of extra keys or nil")
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<ExtraKeys, E> {
+                Ok(ExtraKeys(None))
+            }
+            fn visit_none<E: de::Error>(self) -> Result<ExtraKeys, E> {
+                Ok(ExtraKeys(None))
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<ExtraKeys, E> {
+                Ok(ExtraKeys(Some(0)))
+            }
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<ExtraKeys, E> {
+                Ok(ExtraKeys(Some(0)))
+            }
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<ExtraKeys, E> {
+                Ok(ExtraKeys(Some(0)))
+            }
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<ExtraKeys, E> {
+                Ok(ExtraKeys(Some(0)))
+            }
+            fn visit_str<E: de::Error>(self, _: &str) -> Result<ExtraKeys, E> {
+                Ok(ExtraKeys(Some(0)))
+            }
+            fn visit_bytes<E: de::Error>(self, _: &[u8]) -> Result<ExtraKeys, E> {
+                Ok(ExtraKeys(Some(0)))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<ExtraKeys, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(ExtraKeys(Some(0)))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<ExtraKeys, A::Error> {
+                let mut first = None;
+                let mut i = 0usize;
+                while let Some(key) = seq.next_element::<Option<IgnoredAny>>()? {
+                    if key.is_some() && first.is_none() {
+                        first = Some(i);
+                    }
+                    i += 1;
+                }
+                Ok(ExtraKeys(first))
             }
         }
         d.deserialize_any(V)
@@ -525,6 +794,7 @@ mod tests {
             block_size: 16,
             lora_id: None,
             medium: Some("GPU".into()),
+            extra_keys_from: None,
         }
     }
 
@@ -541,6 +811,7 @@ mod tests {
                 KvEvent::AllBlocksCleared,
             ],
             data_parallel_rank: Some(0),
+            unknown_events: 0,
         };
         let bytes = encode_batch(&batch);
         assert_eq!(decode_batch(&bytes, 1 << 20).unwrap(), batch);
@@ -621,51 +892,255 @@ mod tests {
         assert_eq!(batch.data_parallel_rank, None);
         assert_eq!(
             batch.events,
-            vec![
-                KvEvent::BlockStored {
-                    block_hashes: vec![hash_bytes(&digest)],
-                    parent: None,
-                    token_ids: (0..16).collect(),
-                    block_size: 16,
-                    lora_id: None,
-                    medium: Some("GPU".into()),
-                },
-                KvEvent::Unknown,
-            ]
+            vec![KvEvent::BlockStored {
+                block_hashes: vec![hash_bytes(&digest)],
+                parent: None,
+                token_ids: (0..16).collect(),
+                block_size: 16,
+                lora_id: None,
+                medium: Some("GPU".into()),
+                extra_keys_from: None,
+            }]
         );
+        assert_eq!(batch.unknown_events, 1);
     }
 
-    /// A batch of tiny unknown events past the cap is refused while it decodes, not
-    /// after it has taken a hundred times its size.
+    /// The shortest listed event is what [`MIN_LISTED_EVENT_BYTES`] says, so a batch
+    /// of them filling the byte cap is within [`max_events_per_batch`]; tiny unknown
+    /// events are counted, not listed.
     #[test]
-    fn a_batch_of_too_many_events_is_refused() {
-        let at_cap = rmp_serde::to_vec(&(0.0f64, vec![("",); MAX_EVENTS_PER_BATCH])).unwrap();
-        assert_eq!(
-            decode_batch(&at_cap, 8 << 20).unwrap().events.len(),
-            MAX_EVENTS_PER_BATCH
-        );
-        let over = rmp_serde::to_vec(&(0.0f64, vec![("",); MAX_EVENTS_PER_BATCH + 1])).unwrap();
-        let e = decode_batch(&over, 8 << 20).unwrap_err().to_string();
-        assert!(e.contains("more than 65536 events"), "{e}");
-        // The map form too.
-        #[derive(Serialize)]
-        struct Named {
-            ts: f64,
-            events: Vec<(&'static str,)>,
+    fn the_event_count_follows_from_the_bytes() {
+        let removed = rmp_serde::to_vec(&("BlockRemoved", Vec::<u64>::new())).unwrap();
+        assert_eq!(removed.len(), MIN_LISTED_EVENT_BYTES);
+        let stored =
+            rmp_serde::to_vec(&("BlockStored", Vec::<u64>::new(), (), Vec::<u32>::new(), 0u8))
+                .unwrap();
+        let cleared = rmp_serde::to_vec(&("AllBlocksCleared",)).unwrap();
+        assert!(stored.len() > MIN_LISTED_EVENT_BYTES && cleared.len() > MIN_LISTED_EVENT_BYTES);
+        // A batch of nothing but the shortest events, as many as 1 MiB holds.
+        let cap = 1 << 20;
+        let n = max_events_per_batch(cap) - 1;
+        let bytes =
+            rmp_serde::to_vec(&(0u8, vec![("BlockRemoved", Vec::<u64>::new()); n])).unwrap();
+        assert!(bytes.len() <= cap, "{}", bytes.len());
+        assert_eq!(decode_batch(&bytes, cap).unwrap().events.len(), n);
+        // Unknown events of two bytes each: counted, the list empty.
+        let unknown = rmp_serde::to_vec(&(0.0f64, vec![("",); 4 << 20])).unwrap();
+        let batch = decode_batch(&unknown, DEFAULT_MAX_PAYLOAD_BYTES + 16).unwrap();
+        assert_eq!((batch.events.len(), batch.unknown_events), (0, 4 << 20));
+    }
+
+    /// SGLang publishes one `BlockStored` per one-token page and a scheduler step in one
+    /// batch: 70,000 of them (or 70,000 `BlockRemoved`, a long radix leaf evicted) are
+    /// within the byte cap and decode, though past the old count cap of 65,536.
+    #[test]
+    fn a_step_of_one_token_pages_decodes() {
+        let stored: Vec<KvEvent> = (0..70_000u64)
+            .map(|h| KvEvent::BlockStored {
+                block_hashes: vec![h + 1],
+                parent: (h > 0).then_some(h),
+                token_ids: vec![h as u32],
+                block_size: 1,
+                lora_id: None,
+                medium: Some(MEDIUM_GPU.into()),
+                extra_keys_from: None,
+            })
+            .collect();
+        let removed: Vec<KvEvent> = (0..70_000u64)
+            .map(|h| KvEvent::BlockRemoved {
+                block_hashes: vec![70_000 - h],
+                medium: Some(MEDIUM_GPU.into()),
+            })
+            .collect();
+        for events in [stored, removed] {
+            let batch = KvEventBatch {
+                ts: 0.0,
+                events,
+                data_parallel_rank: None,
+                unknown_events: 0,
+            };
+            let bytes = encode_batch(&batch);
+            assert!(bytes.len() <= DEFAULT_MAX_PAYLOAD_BYTES, "{}", bytes.len());
+            assert_eq!(
+                decode_batch(&bytes, DEFAULT_MAX_PAYLOAD_BYTES).unwrap(),
+                batch
+            );
         }
-        let named = rmp_serde::to_vec_named(&Named {
-            ts: 0.0,
-            events: vec![("",); MAX_EVENTS_PER_BATCH + 1],
-        })
+    }
+
+    /// vLLM's `extra_keys` (per block, `nil` for a plain one) give the first keyed
+    /// block, in the map form and the array form (after `lora_name`).
+    #[test]
+    fn extra_keys_mark_the_first_keyed_block() {
+        #[derive(Serialize)]
+        struct Stored {
+            #[serde(rename = "type")]
+            tag: &'static str,
+            block_hashes: Vec<u64>,
+            parent_block_hash: Option<u64>,
+            token_ids: Vec<u32>,
+            block_size: u32,
+            lora_id: Option<i64>,
+            medium: &'static str,
+            lora_name: Option<&'static str>,
+            extra_keys: Option<Vec<Option<(&'static str, u32)>>>,
+        }
+        #[derive(Serialize)]
+        struct Batch {
+            ts: f64,
+            events: Vec<Stored>,
+        }
+        let stored = |extra_keys| Stored {
+            tag: "BlockStored",
+            block_hashes: vec![1, 2, 3, 4],
+            parent_block_hash: None,
+            token_ids: (0..16).collect(),
+            block_size: 4,
+            lora_id: None,
+            medium: "GPU",
+            lora_name: None,
+            extra_keys,
+        };
+        let cases = [
+            (Some(vec![Some(("salt", 0)), None, None, None]), Some(0)),
+            (Some(vec![None, None, Some(("mm", 7)), None]), Some(2)),
+            (Some(vec![None; 4]), None),
+            (None, None),
+        ];
+        for (keys, want) in cases {
+            let map = rmp_serde::to_vec_named(&Batch {
+                ts: 0.0,
+                events: vec![stored(keys.clone())],
+            })
+            .unwrap();
+            let array = rmp_serde::to_vec(&Batch {
+                ts: 0.0,
+                events: vec![stored(keys.clone())],
+            })
+            .unwrap();
+            for bytes in [map, array] {
+                let batch = decode_batch(&bytes, 1 << 20).unwrap();
+                match &batch.events[..] {
+                    [KvEvent::BlockStored {
+                        extra_keys_from, ..
+                    }] => assert_eq!(*extra_keys_from, want, "{keys:?}"),
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+        // Not vLLM's shape: no evidence the blocks are plain.
+        let odd = rmp_serde::to_vec(&(
+            0.0f64,
+            vec![(
+                "BlockStored",
+                vec![1u64],
+                (),
+                vec![1u32],
+                1u8,
+                (),
+                "GPU",
+                (),
+                9u8,
+            )],
+        ))
         .unwrap();
-        let e = decode_batch(&named, 8 << 20).unwrap_err().to_string();
-        assert!(e.contains("more than 65536 events"), "{e}");
+        match &decode_batch(&odd, 1 << 20).unwrap().events[..] {
+            [KvEvent::BlockStored {
+                extra_keys_from, ..
+            }] => assert_eq!(*extra_keys_from, Some(0)),
+            other => panic!("{other:?}"),
+        }
+        // And back through the emulator's encoding.
+        let keyed = KvEventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockStored {
+                block_hashes: vec![1, 2],
+                parent: None,
+                token_ids: vec![1, 2],
+                block_size: 1,
+                lora_id: None,
+                medium: None,
+                extra_keys_from: Some(1),
+            }],
+            data_parallel_rank: None,
+            unknown_events: 0,
+        };
+        assert_eq!(decode_batch(&encode_batch(&keyed), 1 << 20).unwrap(), keyed);
+    }
+
+    /// SGLang in EAGLE mode publishes token pairs: the store decodes as such (its blocks
+    /// counted), and the rest of the batch with it.
+    #[test]
+    fn token_pairs_decode_without_failing_the_batch() {
+        // [0.0, [["BlockStored", [1], nil, [[1, 2]], 1, nil, "GPU"],
+        //        ["BlockRemoved", [9], "GPU"]]]
+        let bytes = rmp_serde::to_vec(&(
+            0.0f64,
+            (
+                (
+                    "BlockStored",
+                    vec![1u64],
+                    (),
+                    vec![(1u32, 2u32)],
+                    1u32,
+                    (),
+                    "GPU",
+                ),
+                ("BlockRemoved", vec![9u64], "GPU"),
+            ),
+        ))
+        .unwrap();
+        assert_eq!(
+            &bytes[..],
+            b"\x92\xcb\0\0\0\0\0\0\0\0\x92\x97\xabBlockStored\x91\x01\xc0\x91\x92\x01\x02\x01\xc0\xa3GPU\x93\xacBlockRemoved\x91\x09\xa3GPU"
+        );
+        let batch = decode_batch(&bytes, 1 << 20).unwrap();
+        assert_eq!(
+            batch.events,
+            vec![
+                KvEvent::TokenPairsStored { blocks: 1 },
+                KvEvent::BlockRemoved {
+                    block_hashes: vec![9],
+                    medium: Some("GPU".into()),
+                },
+            ]
+        );
+        // Pairs after plain ids, in the map form, make the store pairs too; a token id
+        // past u32 is still an error.
+        #[derive(Serialize)]
+        struct Stored {
+            #[serde(rename = "type")]
+            tag: &'static str,
+            block_hashes: Vec<u64>,
+            token_ids: (u32, (u32, u32)),
+            block_size: u32,
+        }
+        let mixed = rmp_serde::to_vec_named(&(
+            0.0f64,
+            vec![Stored {
+                tag: "BlockStored",
+                block_hashes: vec![1, 2],
+                token_ids: (5, (5, 6)),
+                block_size: 1,
+            }],
+        ))
+        .unwrap();
+        assert_eq!(
+            decode_batch(&mixed, 1 << 20).unwrap().events,
+            vec![KvEvent::TokenPairsStored { blocks: 2 }]
+        );
+        let big = rmp_serde::to_vec(&(
+            0.0f64,
+            vec![("BlockStored", vec![1u64], (), (1u64 << 33, (1u8, 2u8)), 1u8)],
+        ))
+        .unwrap();
+        assert!(decode_batch(&big, 1 << 20).is_err());
     }
 
     #[test]
     fn trailing_fields_negative_hashes_and_garbage() {
-        // ["BlockStored", [-5], -6, [1,2], 2, nil, nil, "extra", 9] in a batch with an
-        // extra trailing field.
+        // ["BlockStored", [-5], -6, [1,2], 2, nil, nil, "extra", nil, 9] (`lora_name`,
+        // no `extra_keys`, a field past them) in a batch with an extra trailing field.
         let ev = (
             "BlockStored",
             vec![-5i64],
@@ -675,6 +1150,7 @@ mod tests {
             None::<i64>,
             None::<String>,
             "extra",
+            (),
             9u8,
         );
         let bytes = rmp_serde::to_vec(&(0.0f64, vec![ev], None::<i64>, "more")).unwrap();
@@ -688,6 +1164,7 @@ mod tests {
                 block_size: 2,
                 lora_id: None,
                 medium: None,
+                extra_keys_from: None,
             }]
         );
         for junk in [
@@ -758,6 +1235,7 @@ mod tests {
                     block_size: 1,
                     lora_id: None,
                     medium: None,
+                    extra_keys_from: None,
                 },
                 KvEvent::BlockRemoved {
                     block_hashes: vec![1],

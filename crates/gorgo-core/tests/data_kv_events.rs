@@ -59,6 +59,7 @@ impl RefEngine {
             block_size: self.block_size as u32,
             lora_id: None,
             medium: Some("GPU".into()),
+            extra_keys_from: None,
         })
     }
 
@@ -162,6 +163,7 @@ fn message(seq: u64, events: Vec<KvEvent>) -> (u64, Vec<u8>) {
         ts: seq as f64,
         events,
         data_parallel_rank: None,
+        unknown_events: 0,
     });
     (seq, payload)
 }
@@ -334,6 +336,7 @@ fn stored(prompt: &[u32], block: usize, parent_key: Option<u64>) -> (Vec<u64>, K
             block_size: block as u32,
             lora_id: None,
             medium: None,
+            extra_keys_from: None,
         },
     )
 }
@@ -692,6 +695,7 @@ fn a_hash_seen_again_under_another_parent_claims_nothing_after_it() {
         block_size: 1,
         lora_id: None,
         medium: None,
+        extra_keys_from: None,
     };
     let (s, p) = message(0, vec![ev]);
     deliver(&mut f, s, &p, 0);
@@ -776,4 +780,199 @@ fn blocks_off_their_own_grid_are_not_read() {
     diverging.extend([9_000, 9_001]);
     assert_eq!(held_node_blocks(&f, &diverging, 64), 0);
     assert_eq!(f.counters().ignored_blocks, 2);
+}
+
+/// One batch of a scheduler step of SGLang's one-token pages: 70,000 chained
+/// `BlockStored` events (past the 65,536 events a batch once held at most, within the
+/// byte cap) are applied, no resync; and so are 70,000 `BlockRemoved` (a long radix
+/// leaf evicted page by page). Before, each batch was refused and every block forgotten.
+#[test]
+fn a_batch_of_70k_one_token_pages_is_applied() {
+    let mut f = KvEventFollower::new(KvFollowerConfig::new(64), 0).unwrap();
+    let prompt: Vec<u32> = (0..70_000).collect();
+    let mut hashes = Vec::new();
+    let mut parent = None;
+    let stores: Vec<KvEvent> = prompt
+        .iter()
+        .map(|&t| {
+            let h = RefEngine::key(parent, &[t]);
+            let ev = KvEvent::BlockStored {
+                block_hashes: vec![h],
+                parent,
+                token_ids: vec![t],
+                block_size: 1,
+                lora_id: None,
+                medium: Some("GPU".into()),
+                extra_keys_from: None,
+            };
+            hashes.push(h);
+            parent = Some(h);
+            ev
+        })
+        .collect();
+    let (s, p) = message(0, stores);
+    assert!(p.len() <= gorgo_core::kv_wire::DEFAULT_MAX_PAYLOAD_BYTES);
+    deliver(&mut f, s, &p, 0);
+    assert_eq!(f.counters().resyncs, 0);
+    assert_eq!(f.source(), IndexSource::Events);
+    assert_eq!(f.engine_blocks(), 70_000);
+    assert_eq!(f.node_blocks(), 70_000 / 64);
+    assert_eq!(held_node_blocks(&f, &prompt, 64), 70_000 / 64);
+    // The leaf evicted page by page, the last first.
+    let removals: Vec<KvEvent> = hashes
+        .iter()
+        .rev()
+        .map(|&h| KvEvent::BlockRemoved {
+            block_hashes: vec![h],
+            medium: Some("GPU".into()),
+        })
+        .collect();
+    let (s, p) = message(1, removals);
+    deliver(&mut f, s, &p, 1);
+    assert_eq!(f.counters().resyncs, 0);
+    assert_eq!(f.counters().decode_errors, 0);
+    assert_eq!((f.engine_blocks(), f.node_blocks()), (0, 0));
+    assert_eq!(f.counters().events, 140_000);
+}
+
+/// vLLM's extra keys in the map form: four blocks whose first folds in a cache salt
+/// (`[["salt"], null, null, null]`). The same tokens unsalted are not what the engine
+/// holds, so none of the four is a node block (the three after it chain from it):
+/// counted like LoRA blocks. A salt from the third block keeps the two before it.
+#[test]
+fn blocks_under_extra_keys_are_not_plain_token_blocks() {
+    #[derive(serde::Serialize)]
+    struct Stored {
+        #[serde(rename = "type")]
+        tag: &'static str,
+        block_hashes: Vec<u64>,
+        parent_block_hash: Option<u64>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+        lora_id: Option<i64>,
+        medium: &'static str,
+        lora_name: Option<&'static str>,
+        extra_keys: Vec<Option<(&'static str,)>>,
+    }
+    #[derive(serde::Serialize)]
+    struct Batch {
+        ts: f64,
+        events: Vec<Stored>,
+    }
+    let payload = |hashes: Vec<u64>, prompt: &[u32], keyed: usize| {
+        rmp_serde::to_vec_named(&Batch {
+            ts: 0.0,
+            events: vec![Stored {
+                tag: "BlockStored",
+                block_hashes: hashes,
+                parent_block_hash: None,
+                token_ids: prompt.to_vec(),
+                block_size: 16,
+                lora_id: None,
+                medium: "GPU",
+                lora_name: None,
+                extra_keys: (0..4).map(|i| (i == keyed).then_some(("salt",))).collect(),
+            }],
+        })
+        .unwrap()
+    };
+    let prompt: Vec<u32> = (0..64).collect();
+    let (hashes, _) = stored(&prompt, 16, None);
+    // Node blocks of 16 tokens: one per engine block.
+    let mut f = KvEventFollower::new(KvFollowerConfig::new(16), 0).unwrap();
+    deliver(&mut f, 0, &payload(hashes.clone(), &prompt, 0), 0);
+    assert_eq!(f.source(), IndexSource::Events);
+    assert_eq!(held_node_blocks(&f, &prompt, 16), 0);
+    assert_eq!((f.engine_blocks(), f.node_blocks()), (0, 0));
+    assert_eq!(f.counters().ignored_blocks, 4);
+    // Keyed from the third block: the two plain ones before it are held.
+    let mut f = KvEventFollower::new(KvFollowerConfig::new(16), 0).unwrap();
+    deliver(&mut f, 0, &payload(hashes, &prompt, 2), 0);
+    assert_eq!(held_node_blocks(&f, &prompt, 16), 2);
+    assert_eq!(f.engine_blocks(), 2);
+    assert_eq!(f.counters().ignored_blocks, 2);
+}
+
+/// SGLang in EAGLE mode stores pages of token pairs: the store is counted as ignored,
+/// the removal beside it in the batch applied, no resync. Before, the whole batch did
+/// not decode, and the node resynced on each.
+#[test]
+fn a_token_pair_store_is_ignored_and_its_batch_applied() {
+    let mut f = KvEventFollower::new(KvFollowerConfig::new(1), 0).unwrap();
+    let plain = rmp_serde::to_vec(&(
+        0.0f64,
+        (("BlockStored", vec![9u64], (), vec![7u32], 1u8, (), "GPU"),),
+    ))
+    .unwrap();
+    deliver(&mut f, 0, &plain, 0);
+    assert_eq!(held_node_blocks(&f, &[7], 1), 1);
+    // [0.0, [["BlockStored",[1],null,[[1,2]],1,null,"GPU"], ["BlockRemoved",[9],"GPU"]]]
+    let pairs = rmp_serde::to_vec(&(
+        0.0f64,
+        (
+            (
+                "BlockStored",
+                vec![1u64],
+                (),
+                vec![(1u32, 2u32)],
+                1u8,
+                (),
+                "GPU",
+            ),
+            ("BlockRemoved", vec![9u64], "GPU"),
+        ),
+    ))
+    .unwrap();
+    deliver(&mut f, 1, &pairs, 1);
+    assert_eq!(f.counters().resyncs, 0);
+    assert_eq!(f.counters().decode_errors, 0);
+    assert_eq!(f.counters().ignored_blocks, 1);
+    assert_eq!(held_node_blocks(&f, &[7], 1), 0);
+    assert_eq!(f.engine_blocks(), 0);
+    assert_eq!(f.source(), IndexSource::Events);
+}
+
+/// A closed connection to the publisher may be an engine restart whose first batches
+/// were lost: its next seq can read as no gap at all. The picture is not trusted (a
+/// resync onto the shadow model, the dead engine's blocks forgotten), the next
+/// subscription asks for the whole buffer again, and the stream is followed by the
+/// usual rules: here the warm-up.
+#[test]
+fn a_closed_connection_is_a_possible_restart() {
+    let cfg = KvFollowerConfig {
+        warmup_ms: 100,
+        replay: true,
+        ..KvFollowerConfig::new(64)
+    };
+    let mut f = KvEventFollower::new(cfg, 0).unwrap();
+    let old: Vec<u32> = (0..128).collect();
+    let (_, ev) = stored(&old, 16, None);
+    let (s, p) = message(0, vec![ev]);
+    deliver(&mut f, s, &p, 0);
+    assert_eq!(held_node_blocks(&f, &old, 64), 2);
+    f.take_changes();
+    f.on_disconnected(10);
+    assert_eq!(f.source(), IndexSource::Shadow);
+    assert_eq!(f.fallback_reason(), Some("publisher connection closed"));
+    assert_eq!((f.counters().disconnects, f.counters().resyncs), (1, 1));
+    assert_eq!(held_node_blocks(&f, &old, 64), 0);
+    // Subscribed again: the whole buffer asked for, as at the start.
+    f.on_subscribed(20);
+    assert_eq!(
+        f.take_actions(),
+        vec![FollowerAction::RequestReplay { from_seq: 0 }]
+    );
+    // The new engine's buffer no longer starts at 0 and its next batch is seq 1, as
+    // if nothing had happened: followed only after the warm-up, without the old blocks.
+    let new: Vec<u32> = (1_000..1_128).collect();
+    let (_, ev) = stored(&new, 16, None);
+    let (_, p) = message(1, vec![ev]);
+    f.on_replay_message(&[&encode_seq(1), &p], 30);
+    f.on_replay_message(&[&encode_seq(-1), b""], 30);
+    deliver(&mut f, 2, &message(2, Vec::new()).1, 40);
+    assert_eq!(f.source(), IndexSource::Shadow);
+    f.tick(130);
+    assert_eq!(f.source(), IndexSource::Events);
+    assert_eq!(held_node_blocks(&f, &new, 64), 2);
+    assert_eq!(held_node_blocks(&f, &old, 64), 0);
 }

@@ -155,6 +155,7 @@ impl KvPublisher {
             ts,
             events: events.to_vec(),
             data_parallel_rank: Some(0),
+            unknown_events: 0,
         });
         if payload.len() > gorgo_core::kv_wire::DEFAULT_MAX_PAYLOAD_BYTES && events.len() > 1 {
             let (first, rest) = events.split_at(events.len() / 2);
@@ -215,6 +216,7 @@ pub fn encode_changes(
                     block_size: block_tokens as u32,
                     lora_id: None,
                     medium: Some(gorgo_core::kv_wire::MEDIUM_GPU.to_owned()),
+                    extra_keys_from: None,
                 });
             }
             CacheChange::Removed { hash } => events.push(KvEvent::BlockRemoved {
@@ -295,6 +297,7 @@ mod tests {
                 block_size: 64,
                 lora_id: None,
                 medium: None,
+                extra_keys_from: None,
             })
             .collect();
         publisher.publish(stored, 0.0);

@@ -8,6 +8,14 @@
 //! sends panics the node: the follower counts it and resyncs, and both sockets
 //! connect through [`crate::kv_guard`]'s relay, which cuts a connection at a frame
 //! header over the limits before the `zeromq` decoder reserves memory for it.
+//!
+//! The relay also says when the engine closes the SUB connection: the engine may have
+//! restarted, so the follower stops trusting its picture
+//! ([`KvEventFollower::on_disconnected`]) and the task subscribes again on a new
+//! socket after a pause (`TICK`), retrying every `CONNECT_RETRY`. Left to itself, the `zeromq`
+//! SUB socket reconnects with a backoff that grows to 30 s (its `ReconnectConfig`,
+//! which 0.6 does not let a socket set), and whatever a restarted engine published
+//! meanwhile was lost without a sign.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -197,10 +205,13 @@ pub async fn run(
         engine: kv.refused_frames.clone(),
         node: state.metrics.kv_events.refused_frames.clone(),
     };
-    let guarded = |upstream: String| {
+    // Told when the engine closes the SUB connection (not the replay ones: a replay's
+    // connection ends with it).
+    let engine_closed = kv_guard::EngineClosed::default();
+    let guarded = |upstream: String, closed: Option<kv_guard::EngineClosed>| {
         let (rejects, shutdown) = (rejects.clone(), shutdown.clone());
         async move {
-            match kv_guard::start(&upstream, kv.frame_limits, rejects, shutdown).await {
+            match kv_guard::start(&upstream, kv.frame_limits, rejects, closed, shutdown).await {
                 Ok(g) => Some(g.endpoint),
                 Err(e) => {
                     tracing::error!(upstream, error = %e, "kv events: cannot start the frame relay; events not followed");
@@ -209,11 +220,11 @@ pub async fn run(
             }
         }
     };
-    let Some(endpoint) = guarded(kv.endpoint.clone()).await else {
+    let Some(endpoint) = guarded(kv.endpoint.clone(), Some(engine_closed.clone())).await else {
         return;
     };
     let replay_endpoint = match kv.replay_endpoint.clone() {
-        Some(upstream) => match guarded(upstream).await {
+        Some(upstream) => match guarded(upstream, None).await {
             Some(local) => Some(local),
             None => return,
         },
@@ -249,8 +260,14 @@ pub async fn run(
                 replay_tx,
             )));
         }
+        let mut closed = false;
         tokio::select! {
             _ = shutdown.cancelled() => break,
+            _ = engine_closed.notified() => {
+                closed = true;
+                let now = state.now_ms();
+                kv.follower().on_disconnected(now);
+            }
             msg = sub.recv() => match msg {
                 Ok(msg) => {
                     let frames = msg.into_vec();
@@ -281,15 +298,33 @@ pub async fn run(
         // A silent stream while requests were served: the connection may be dead
         // without a word (a NAT or load balancer dropped the flow, the engine's host
         // went away), which TCP and ZeroMQ would not notice while nothing is sent.
-        // Subscribe again on a new connection.
+        // A connection the engine closed: it may have restarted, and the socket's own
+        // reconnect backs off up to 30 s. Either way, subscribe again on a new
+        // connection now.
         let now_silences = kv.follower.lock().counters().silences;
-        if now_silences > silences {
+        let silent = now_silences > silences;
+        if silent || closed {
             silences = now_silences;
-            tracing::warn!(
-                endpoint = kv.endpoint,
-                "kv events: the stream went silent; subscribing again"
-            );
+            if silent {
+                tracing::warn!(
+                    endpoint = kv.endpoint,
+                    "kv events: the stream went silent; subscribing again"
+                );
+            } else {
+                tracing::warn!(
+                    endpoint = kv.endpoint,
+                    "kv events: the engine closed the connection (it may have restarted); subscribing again"
+                );
+            }
             drop(sub);
+            if closed {
+                // A pause first, so an engine that takes a connection and closes it at
+                // once is not reconnected to in a loop.
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(TICK) => {}
+                }
+            }
             let Some(again) = subscribe(&endpoint, &kv.endpoint, &shutdown).await else {
                 break;
             };

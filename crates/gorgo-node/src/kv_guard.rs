@@ -10,6 +10,10 @@
 //! core's [`FrameGuard`], closing both connections at the first frame it refuses. The
 //! sockets then reconnect by themselves; what the cut lost is a gap in the event
 //! sequence, which the follower replays or resyncs (docs/kv-events.md).
+//!
+//! The relay is also where the engine's side of a connection is seen to close (the
+//! `zeromq` SUB socket reconnects without a word): it says so through
+//! [`EngineClosed`], since the engine may have restarted (docs/kv-events.md).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -46,6 +50,11 @@ pub struct RejectCounters {
     pub node: Counter,
 }
 
+/// Told each time the engine closes a relayed connection it had accepted (not when
+/// the node's side closes, nor when the relay cuts one at a refused frame): the engine
+/// may have restarted, and the SUB socket, which reconnects by itself, would not say.
+pub type EngineClosed = Arc<tokio::sync::Notify>;
+
 /// A running relay: the endpoint the node's socket connects to instead of the
 /// engine's.
 #[derive(Debug)]
@@ -55,11 +64,13 @@ pub struct GuardedEndpoint {
 }
 
 /// Start a relay to `upstream` (`tcp://host:port`) checking the engine's frames
-/// against `limits`, until `shutdown`.
+/// against `limits`, until `shutdown`; `closed` (if any) is told when the engine closes
+/// a connection.
 pub async fn start(
     upstream: &str,
     limits: FrameLimits,
     rejects: RejectCounters,
+    closed: Option<EngineClosed>,
     shutdown: CancellationToken,
 ) -> std::io::Result<GuardedEndpoint> {
     let target = upstream
@@ -97,12 +108,17 @@ pub async fn start(
             };
             let target = target.clone();
             let rejects = rejects.clone();
+            let closed = closed.clone();
             let shutdown = shutdown.clone();
             tokio::spawn(async move {
                 let _permit = permit;
-                tokio::select! {
-                    _ = shutdown.cancelled() => {}
-                    _ = relay(downstream, &target, limits, &rejects) => {}
+                let end = tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    end = relay(downstream, &target, limits, &rejects) => end,
+                };
+                if let (RelayEnd::EngineClosed, Some(closed)) = (end, closed) {
+                    tracing::info!(upstream = %target, "kv events relay: the engine closed the connection");
+                    closed.notify_one();
                 }
             });
         }
@@ -112,23 +128,39 @@ pub async fn start(
     })
 }
 
+/// How a relayed connection ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RelayEnd {
+    /// The engine was never reached.
+    Unreachable,
+    /// The engine closed its side (or it broke): it may have restarted.
+    EngineClosed,
+    /// The node closed its side, or the guard cut the connection at a refused frame.
+    Other,
+}
+
 /// One connection: the node's bytes to the engine unchecked, the engine's to the node
 /// through the guard; ends when either side closes or the guard refuses a frame.
-async fn relay(downstream: TcpStream, target: &str, limits: FrameLimits, rejects: &RejectCounters) {
+async fn relay(
+    downstream: TcpStream,
+    target: &str,
+    limits: FrameLimits,
+    rejects: &RejectCounters,
+) -> RelayEnd {
     let upstream = match tokio::time::timeout(UPSTREAM_CONNECT_TIMEOUT, TcpStream::connect(target))
         .await
     {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
             tracing::debug!(upstream = target, error = %e, "kv events relay: engine not reachable");
-            return;
+            return RelayEnd::Unreachable;
         }
         Err(_) => {
             tracing::debug!(
                 upstream = target,
                 "kv events relay: engine connect timed out"
             );
-            return;
+            return RelayEnd::Unreachable;
         }
     };
     let _ = upstream.set_nodelay(true);
@@ -143,23 +175,23 @@ async fn relay(downstream: TcpStream, target: &str, limits: FrameLimits, rejects
         let mut buf = vec![0u8; READ_CHUNK];
         loop {
             let n = match up_read.read(&mut buf).await {
-                Ok(0) | Err(_) => return,
+                Ok(0) | Err(_) => return RelayEnd::EngineClosed,
                 Ok(n) => n,
             };
             if let Err(e) = guard.feed(&buf[..n]) {
                 rejects.engine.fetch_add(1, Ordering::Relaxed);
                 rejects.node.inc();
                 tracing::warn!(upstream = target, error = %e, "kv events relay: a frame refused, connection closed");
-                return;
+                return RelayEnd::Other;
             }
             if down_write.write_all(&buf[..n]).await.is_err() {
-                return;
+                return RelayEnd::Other;
             }
         }
     };
     // Either direction ending ends both: the sockets reconnect as a pair.
     tokio::select! {
-        _ = to_engine => {}
-        _ = to_node => {}
+        _ = to_engine => RelayEnd::Other,
+        end = to_node => end,
     }
 }

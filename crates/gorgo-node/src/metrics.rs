@@ -216,6 +216,9 @@ pub struct KvEventMetrics {
     pub decode_errors: Counter,
     /// Silent streams.
     pub silences: Counter,
+    /// Connections to the publisher the engine closed (each a resync: it may have
+    /// restarted).
+    pub disconnects: Counter,
     /// Engine blocks ignored (LoRA, other tiers, unknown parents, odd sizes) or
     /// dropped over `engine.kv_events_max_blocks`.
     pub ignored_blocks: Counter,
@@ -281,6 +284,11 @@ impl KvEventMetrics {
                 "silences",
                 "KV event streams gone silent while requests were served",
                 &self.silences,
+            ),
+            (
+                "disconnects",
+                "Connections to a KV event publisher its engine closed (each a resync: it may have restarted)",
+                &self.disconnects,
             ),
             (
                 "ignored_blocks",
@@ -363,6 +371,7 @@ impl KvEventMetrics {
         up(&self.restarts, now.restarts, was.restarts);
         up(&self.decode_errors, now.decode_errors, was.decode_errors);
         up(&self.silences, now.silences, was.silences);
+        up(&self.disconnects, now.disconnects, was.disconnects);
         up(
             &self.ignored_blocks,
             now.ignored_blocks + now.dropped_blocks,

@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use gorgo_core::kv_wire::{encode_seq, KvEvent};
+use gorgo_core::kv_wire::{encode_batch, encode_seq, KvEvent, KvEventBatch};
 use gorgo_core::{HashChain, IndexSource};
 use gorgo_engine::kv_events::KvPublisher;
 use gorgo_engine::profile::Profile;
@@ -68,6 +68,7 @@ fn stored(bytes: &[u8], salt: u64) -> (KvEvent, Vec<u64>) {
             block_size: 16,
             lora_id: None,
             medium: Some("GPU".into()),
+            extra_keys_from: None,
         },
         hashes,
     )
@@ -352,6 +353,102 @@ fn zmtp_command(body: &[u8]) -> Vec<u8> {
     let mut f = vec![0x04, body.len() as u8];
     f.extend_from_slice(body);
     f
+}
+
+/// A message frame with `body` (`more`: another frame of the message follows).
+fn zmtp_frame(body: &[u8], more: bool) -> Vec<u8> {
+    let mut f = if body.len() < 256 {
+        vec![more as u8, body.len() as u8]
+    } else {
+        let mut f = vec![more as u8 | 0x02];
+        f.extend_from_slice(&(body.len() as u64).to_be_bytes());
+        f
+    };
+    f.extend_from_slice(body);
+    f
+}
+
+/// What a PUB socket sends on a new connection (its greeting and READY), then one
+/// KV-event message `[topic, seq, batch of events]`: a subscriber gets the message
+/// whenever it connects, with no need to wait for its subscription to arrive.
+fn zmtp_publish_on_connect(seq: i64, events: Vec<KvEvent>) -> Vec<u8> {
+    let payload = encode_batch(&KvEventBatch {
+        ts: 0.0,
+        events,
+        data_parallel_rank: None,
+        unknown_events: 0,
+    });
+    let mut out = zmtp_greeting().to_vec();
+    out.extend(zmtp_command(b"\x05READY\x0bSocket-Type\x00\x00\x00\x03PUB"));
+    out.extend(zmtp_frame(b"", true));
+    out.extend(zmtp_frame(&encode_seq(seq), true));
+    out.extend(zmtp_frame(&payload, false));
+    out
+}
+
+/// An engine that closes its connection may have restarted: publisher A stores X and
+/// its connection closes; publisher B on the same port (the engine back, its first
+/// batches lost while the node was away) goes on at seq 1, which reads as no gap at
+/// all. The node stopped trusting its picture when the connection closed: X is gone,
+/// and B's blocks are followed after the warm-up. Before, the SUB socket reconnected
+/// without a word, seq 1 was applied in order, and the dead engine's X stayed for good.
+#[tokio::test]
+async fn a_connection_the_engine_closed_is_a_possible_restart() {
+    use tokio::io::AsyncWriteExt;
+    let engine = StubEngine::start("a").await;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
+    let (x, y) = (text(1, 512), text(2, 768));
+    let from_a = zmtp_publish_on_connect(0, vec![stored(&x, 1).0]);
+    let from_b = zmtp_publish_on_connect(1, vec![stored(&y, 2).0]);
+    let close_a = std::sync::Arc::new(tokio::sync::Notify::new());
+    let close = close_a.clone();
+    let publishers = tokio::spawn(async move {
+        // A: the first connection, closed when the test says.
+        let (mut a, _) = listener.accept().await.unwrap();
+        a.write_all(&from_a).await.unwrap();
+        close.notified().await;
+        drop(a);
+        // B: every later connection, held open.
+        let mut held = Vec::new();
+        loop {
+            let (mut b, _) = listener.accept().await.unwrap();
+            let _ = b.write_all(&from_b).await;
+            held.push(b);
+        }
+    });
+    let node = start_node(
+        config_with_engine("a", &engine.url(), &kv_config(&endpoint, None)),
+        None,
+    )
+    .await;
+    let state = node.state().clone();
+    let engine0 = state.engine(0).unwrap();
+    let kv = engine0.kv_events.as_ref().unwrap();
+    let held = |chain: &HashChain| state.engine(0).unwrap().shadow.lock().longest_match(chain);
+    let (chain_x, chain_y) = (
+        HashChain::from_bytes(&x, 256, 4),
+        HashChain::from_bytes(&y, 256, 4),
+    );
+    until("A's blocks in the index", || {
+        kv.source() == IndexSource::Events && held(&chain_x) == 128
+    })
+    .await;
+    close_a.notify_one();
+    until("B's blocks in the index", || {
+        kv.source() == IndexSource::Events && held(&chain_y) == 192
+    })
+    .await;
+    assert_eq!(held(&chain_x), 0, "the dead engine's blocks stayed");
+    let view = kv.view(state.now_ms());
+    assert!(view.counters.disconnects >= 1, "{view:?}");
+    let metrics = metrics_text(&node).await;
+    assert!(
+        metrics.contains("gorgo_kv_event_disconnects_total"),
+        "{metrics}"
+    );
+    publishers.abort();
+    node.shutdown.cancel();
 }
 
 /// A publisher that sends what the `zeromq` decoder must never read: on its first
