@@ -979,13 +979,12 @@ mod tests {
     use super::*;
     use futures::FutureExt;
 
-    /// Events the engine produced while the stream was not polled go out in one write,
-    /// each its own SSE event, in order, ending the stream when the request is done.
-    #[test]
-    fn a_stream_behind_the_model_catches_up_in_one_write() {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let (commands, _commands_rx) = mpsc::unbounded_channel();
-        let mut s = SseStream {
+    /// A chat stream of one choice of request 1, fed by `rx`.
+    fn one_choice_stream(
+        rx: mpsc::UnboundedReceiver<ChoiceProgress>,
+        commands: mpsc::UnboundedSender<Command>,
+    ) -> SseStream {
+        SseStream {
             rx,
             guard: AbortOnDrop {
                 ids: 1..2,
@@ -996,7 +995,16 @@ mod tests {
             choices: Choices::new(1, 10),
             finish_reason: "length",
             done: false,
-        };
+        }
+    }
+
+    /// Events the engine produced while the stream was not polled go out in one write,
+    /// each its own SSE event, in order, ending the stream when the request is done.
+    #[test]
+    fn a_stream_behind_the_model_catches_up_in_one_write() {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (commands, _commands_rx) = mpsc::unbounded_channel();
+        let mut s = one_choice_stream(rx, commands);
         tx.send((0, Progress::First { cached_tokens: 0 })).unwrap();
         let first = s.next_chunk().now_or_never().flatten().unwrap();
         assert_eq!(first.windows(6).filter(|w| w == b"data: ").count(), 1);
@@ -1019,18 +1027,7 @@ mod tests {
     fn a_stream_the_engine_leaves_ends_with_an_error_then_done() {
         let (tx, rx) = mpsc::unbounded_channel();
         let (commands, _commands_rx) = mpsc::unbounded_channel();
-        let mut s = SseStream {
-            rx,
-            guard: AbortOnDrop {
-                ids: 1..2,
-                commands,
-                armed: true,
-            },
-            meta: openai::ResponseMeta::new(Endpoint::Chat, 1, "m".into(), false),
-            choices: Choices::new(1, 10),
-            finish_reason: "length",
-            done: false,
-        };
+        let mut s = one_choice_stream(rx, commands);
         tx.send((0, Progress::First { cached_tokens: 0 })).unwrap();
         drop(tx);
         let mut text = String::new();

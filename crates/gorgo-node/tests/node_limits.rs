@@ -1171,43 +1171,6 @@ async fn a_stalled_http2_stream_is_cut_while_the_others_flow() {
     node.shutdown.cancel();
 }
 
-/// A request tried again after a replica kept it waiting past the first-byte timeout
-/// is predicted, and measured for the start fit, with the time that try took: the
-/// prediction its client was told left it out (its terms were the second replica's
-/// alone), and the fit's residuals grew by up to a first-byte timeout.
-#[tokio::test]
-async fn a_request_tried_again_carries_the_time_its_first_try_took() {
-    let es = [StubEngine::start("e0").await, StubEngine::start("e1").await];
-    let urls: Vec<String> = es.iter().map(|e| e.url()).collect();
-    let node = start_node(
-        config_with_engines("a", &urls, "[limits]\nfirst_byte_timeout_ms = 300\n"),
-        None,
-    )
-    .await;
-    es[0].set_mode(HANG);
-    let resp = client()
-        .post(format!("{}/v1/chat/completions", node.base))
-        .json(&chat_body(&prompt("retried", 200), true))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    assert_eq!(
-        es[0].requests(),
-        1,
-        "the first try went to the hung replica"
-    );
-    assert_eq!(es[1].requests(), 1);
-    let predicted: f64 = resp.headers()["x-gorgo-predicted-ttft-ms"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
-    assert!(predicted >= 300.0, "{predicted}");
-    es[0].release.notify_waiters();
-    node.shutdown.cancel();
-}
-
 /// A route the node passes to its engine unrouted (SGLang's `/generate`) waits for
 /// its head under the request's deadline, as routed requests do: a 504 when it passes.
 /// It waited the first-byte timeout (120 s here) from the send, and a head that came

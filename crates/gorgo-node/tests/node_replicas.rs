@@ -404,7 +404,28 @@ async fn a_hung_replica_times_out_and_its_requests_go_to_another() {
     .await;
     // Engine 0 accepts requests and never answers them (a wedged engine).
     es[0].set_mode(HANG);
-    for i in 0..6 {
+    // The first goes to it, times out and is tried again: predicted (and measured for
+    // the start fit) with the time that first try took, which the prediction its
+    // client was told left out (the second replica's terms alone).
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .json(&chat_body(&prompt("hung 0", 400), true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        es[0].requests(),
+        1,
+        "the first try went to the hung replica"
+    );
+    let predicted: f64 = resp.headers()["x-gorgo-predicted-ttft-ms"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(predicted >= 300.0, "{predicted}");
+    for i in 1..6 {
         let status = chat_as(&node, &prompt(&format!("hung {i}"), 400), true).await;
         assert_eq!(status, 200, "request {i}");
     }
