@@ -230,6 +230,19 @@ async fn local_passthrough(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
+    let pending = CancelledIfDropped::new(state.clone());
+    let _ = pending.policy.set(UNROUTED);
+    pending
+        .answer(pass_to_engine(state, uri, headers, body))
+        .await
+}
+
+async fn pass_to_engine(
+    state: Arc<NodeState>,
+    uri: http::Uri,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
     let started = Instant::now();
     let limits = &state.config.limits;
     // A draining node takes no new engine work it cannot hand to a peer: a keep-alive
@@ -472,11 +485,67 @@ async fn read_body(
     Ok(buf.freeze())
 }
 
+/// Counts a request as `cancelled` when its handler is dropped before it answers: the
+/// client went away while the node read its body, routed it, or waited for its
+/// response head (an engine that hangs, a non-streamed generation). Without it such a
+/// request was in no count at all, though the engine may have run it. Every answer
+/// counts its own outcome and disarms it; from the head on [`Tracked`] counts.
+struct CancelledIfDropped {
+    state: Arc<NodeState>,
+    /// The policy label, set by the handler once it knows which policy routes the
+    /// request; empty (a request the client left before it was routed) until then.
+    policy: Arc<std::sync::OnceLock<&'static str>>,
+    armed: bool,
+}
+
+impl CancelledIfDropped {
+    fn new(state: Arc<NodeState>) -> Self {
+        Self {
+            state,
+            policy: Arc::default(),
+            armed: true,
+        }
+    }
+
+    /// Run a handler under the guard: if its future is dropped before it answers,
+    /// the request counts as cancelled.
+    async fn answer(mut self, handler: impl std::future::Future<Output = Response>) -> Response {
+        let resp = handler.await;
+        self.armed = false;
+        resp
+    }
+}
+
+impl Drop for CancelledIfDropped {
+    fn drop(&mut self) {
+        if self.armed {
+            let policy = self.policy.get().copied().unwrap_or("");
+            self.state.metrics.routed_request("cancelled", policy, "");
+        }
+    }
+}
+
 async fn completion(
     state: Arc<NodeState>,
     endpoint: Endpoint,
     headers: HeaderMap,
     body: Body,
+) -> Response {
+    let pending = CancelledIfDropped::new(state.clone());
+    let policy = pending.policy.clone();
+    pending
+        .answer(route_completion(state, endpoint, headers, body, policy))
+        .await
+}
+
+/// `routed_by` is set to the policy's label once it is known (the label of a request
+/// its client leaves from then on).
+async fn route_completion(
+    state: Arc<NodeState>,
+    endpoint: Endpoint,
+    headers: HeaderMap,
+    body: Body,
+    routed_by: Arc<std::sync::OnceLock<&'static str>>,
 ) -> Response {
     let started = Instant::now();
     let limits = &state.config.limits;
@@ -655,6 +724,7 @@ async fn completion(
         offer: None,
     };
     let policy_name = policy.unwrap_or(state.policy).as_str();
+    let _ = routed_by.set(policy_name);
     let serving = async {
         match slot {
             // Draining: peers take new work while any is alive, so the node empties.

@@ -634,6 +634,11 @@ async fn serve_connection(
         }
     });
     let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    // HTTP/1 half-close stays off (hyper's default): an EOF from the client is how the
+    // node learns that it left, and cancels the engine work it was waiting for (a
+    // non-streamed generation holds no byte to write until it ends). A client that
+    // shuts its write side after the request (`nc -N`) is therefore taken as gone: it
+    // gets no answer, and the request counts as cancelled.
     builder
         .http1()
         .timer(TokioTimer::new())

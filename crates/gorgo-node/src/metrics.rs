@@ -19,7 +19,8 @@ use std::sync::atomic::AtomicU64;
 pub struct RequestLabels {
     /// `ok`, `engine_error` (the engine answered with an error status), `bad_request`,
     /// `too_large`, `engine_failed`, `unavailable`, `timeout`, `model_not_found`,
-    /// `stream_error`, `cancelled`, `internal_error`.
+    /// `stream_error`, `cancelled` (the client left, before or after the head),
+    /// `internal_error`.
     pub outcome: String,
     /// The routing policy that placed it (`gorgo`, `round-robin`, ...; empty when the
     /// request was refused before it was routed).

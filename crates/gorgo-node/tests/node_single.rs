@@ -1235,3 +1235,40 @@ async fn a_taken_listen_address_is_named() {
         "{e}"
     );
 }
+
+/// A client that leaves before the response head (the engine still working on a
+/// non-streamed answer, or hung) is counted as cancelled, with the policy that routed
+/// it, and its engine request is dropped. It was in no count at all: a hung engine
+/// whose clients gave up showed as a node with no traffic and no errors.
+#[tokio::test]
+async fn a_client_that_leaves_before_the_head_is_counted_as_cancelled() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(config("a", &engine.url(), ""), None).await;
+    engine.set_mode(HANG);
+    let adapter = &node.state().engine(0).unwrap().adapter;
+    for (sent, stream) in [false, true].into_iter().enumerate() {
+        let url = format!("{}/v1/chat/completions", node.base);
+        let body = chat_body("leaving early", stream);
+        let pending = tokio::spawn(async move { client().post(url).json(&body).send().await });
+        until("the engine to hold the request", || {
+            engine.requests() as usize > sent && adapter.inflight() == 1
+        })
+        .await;
+        pending.abort();
+        until("the engine request to be dropped", || {
+            adapter.inflight() == 0
+        })
+        .await;
+    }
+    let series = r#"gorgo_requests_total{outcome="cancelled",policy="gorgo",served_by=""}"#;
+    let mut counted = None;
+    for _ in 0..2000 {
+        counted = metric_value(&metrics_text(&node).await, series);
+        if counted == Some(2.0) {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(counted, Some(2.0), "{}", metrics_text(&node).await);
+    engine.release.notify_waiters();
+}
