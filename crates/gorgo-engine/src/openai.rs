@@ -53,13 +53,25 @@ pub struct ParsedRequest {
 fn positive_int(body: &Value, field: &'static str) -> Result<Option<u32>, BadRequest> {
     match body.get(field) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => match v.as_i64() {
-            Some(n) if n >= 1 => Ok(Some(n.min(u32::MAX as i64) as u32)),
-            Some(n) => Err(BadRequest::new(
+        // Beyond u32 no context holds it: refused as such, not clamped into a message
+        // that names another number (2^63-1 was told "you requested 4294967296").
+        Some(v) => match (v.as_u64(), v.as_i64()) {
+            (Some(n), _) => match u32::try_from(n) {
+                Ok(n) if n >= 1 => Ok(Some(n)),
+                Ok(n) => Err(BadRequest::new(
+                    format!("`{field}` must be at least 1, got {n}"),
+                    Some(field),
+                )),
+                Err(_) => Err(BadRequest::new(
+                    format!("`{field}` must be at most {}, got {n}", u32::MAX),
+                    Some(field),
+                )),
+            },
+            (None, Some(n)) => Err(BadRequest::new(
                 format!("`{field}` must be at least 1, got {n}"),
                 Some(field),
             )),
-            None => Err(BadRequest::new(
+            (None, None) => Err(BadRequest::new(
                 format!("`{field}` must be an integer"),
                 Some(field),
             )),
@@ -409,6 +421,13 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e.param, Some("max_tokens"));
+        // Integers beyond u32 are named as sent, not clamped, nor called non-integers.
+        for big in ["9223372036854775807", "18446744073709551615"] {
+            let body = format!(r#"{{"prompt":"x","max_tokens":{big}}}"#);
+            let e = parse(Endpoint::Completions, body.as_bytes(), 1, 8).unwrap_err();
+            assert_eq!(e.param, Some("max_tokens"));
+            assert!(e.message.contains(big), "{}", e.message);
+        }
         let e = parse(Endpoint::Completions, br#"{"max_tokens":3}"#, 1, 8).unwrap_err();
         assert_eq!(e.param, Some("prompt"));
     }
