@@ -270,12 +270,9 @@ async fn pass_to_engine(
             limits.retry_after_s,
         );
     };
-    let Ok(Value::Object(fields)) = serde_json::from_slice::<Value>(&body) else {
-        state.metrics.request("bad_request", "");
-        return error_response(
-            StatusCode::BAD_REQUEST,
-            "request body must be a JSON object",
-        );
+    let fields = match parse_object(&state, &body) {
+        Ok(fields) => fields,
+        Err(resp) => return resp,
     };
     // An embedding's body comes when its prompt is prefilled; a generation's, unless
     // streamed, only once it has finished decoding.
@@ -584,19 +581,9 @@ async fn route_completion(
             limits.retry_after_s,
         );
     };
-    let parsed: Value = match serde_json::from_slice(&body) {
-        Ok(v @ Value::Object(_)) => v,
-        Ok(_) => {
-            state.metrics.request("bad_request", "");
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                "request body must be a JSON object",
-            );
-        }
-        Err(e) => {
-            state.metrics.request("bad_request", "");
-            return error_response(StatusCode::BAD_REQUEST, &format!("malformed JSON: {e}"));
-        }
+    let parsed = match parse_object(&state, &body) {
+        Ok(fields) => Value::Object(fields),
+        Err(resp) => return resp,
     };
     if let Err(e) = crate::validate::validate_request(endpoint, &parsed) {
         state.metrics.request("bad_request", "");
@@ -767,6 +754,23 @@ async fn route_completion(
             resp
         }
     }
+}
+
+/// Parse a client's body, which must be a JSON object, or answer 400 telling
+/// malformed JSON from JSON of another shape, and count it. One place for both the
+/// routed and the passed-through routes (the latter said "must be a JSON object" of
+/// JSON that did not parse).
+fn parse_object(
+    state: &NodeState,
+    body: &[u8],
+) -> Result<serde_json::Map<String, Value>, Response> {
+    let message = match serde_json::from_slice(body) {
+        Ok(Value::Object(fields)) => return Ok(fields),
+        Ok(_) => "request body must be a JSON object".to_owned(),
+        Err(e) => format!("malformed JSON: {e}"),
+    };
+    state.metrics.request("bad_request", "");
+    Err(error_response(StatusCode::BAD_REQUEST, &message))
 }
 
 /// What a request in flight holds: a slot of the ingress cap, or (the node full) one

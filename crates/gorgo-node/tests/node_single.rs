@@ -1272,3 +1272,24 @@ async fn a_client_that_leaves_before_the_head_is_counted_as_cancelled() {
     assert_eq!(counted, Some(2.0), "{}", metrics_text(&node).await);
     engine.release.notify_waiters();
 }
+
+/// The routes passed to the engine unrouted tell malformed JSON from JSON of another
+/// shape, as the routed ones do (they called both "must be a JSON object").
+#[tokio::test]
+async fn passed_through_routes_name_malformed_json() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(config("a", &engine.url(), ""), None).await;
+    for (body, says) in [("{", "malformed JSON"), ("[1]", "must be a JSON object")] {
+        let resp = client()
+            .post(format!("{}/v1/embeddings", node.base))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 400);
+        let v: serde_json::Value = resp.json().await.unwrap();
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(message.contains(says), "{body}: {message}");
+    }
+}
