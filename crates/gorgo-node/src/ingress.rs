@@ -272,7 +272,7 @@ async fn pass_to_engine(
     };
     let fields = match parse_object(&state, &body) {
         Ok(fields) => fields,
-        Err(resp) => return resp,
+        Err(m) => return error_response(StatusCode::BAD_REQUEST, &m),
     };
     // An embedding's body comes when its prompt is prefilled; a generation's, unless
     // streamed, only once it has finished decoding.
@@ -583,7 +583,7 @@ async fn route_completion(
     };
     let parsed = match parse_object(&state, &body) {
         Ok(fields) => Value::Object(fields),
-        Err(resp) => return resp,
+        Err(m) => return error_response(StatusCode::BAD_REQUEST, &m),
     };
     if let Err(e) = crate::validate::validate_request(endpoint, &parsed) {
         state.metrics.request("bad_request", "");
@@ -756,21 +756,18 @@ async fn route_completion(
     }
 }
 
-/// Parse a client's body, which must be a JSON object, or answer 400 telling
-/// malformed JSON from JSON of another shape, and count it. One place for both the
-/// routed and the passed-through routes (the latter said "must be a JSON object" of
-/// JSON that did not parse).
-fn parse_object(
-    state: &NodeState,
-    body: &[u8],
-) -> Result<serde_json::Map<String, Value>, Response> {
+/// Parse a client's body, which must be a JSON object; else count it as a bad
+/// request and say what is wrong, telling malformed JSON from JSON of another shape
+/// (the client's 400). One place for both the routed and the passed-through routes
+/// (the latter said "must be a JSON object" of JSON that did not parse).
+fn parse_object(state: &NodeState, body: &[u8]) -> Result<serde_json::Map<String, Value>, String> {
     let message = match serde_json::from_slice(body) {
         Ok(Value::Object(fields)) => return Ok(fields),
         Ok(_) => "request body must be a JSON object".to_owned(),
         Err(e) => format!("malformed JSON: {e}"),
     };
     state.metrics.request("bad_request", "");
-    Err(error_response(StatusCode::BAD_REQUEST, &message))
+    Err(message)
 }
 
 /// What a request in flight holds: a slot of the ingress cap, or (the node full) one
