@@ -81,15 +81,36 @@ fn the_check_reads_the_files_a_start_reads() {
         &example.replace("certs/us-ashburn.", "certs/ap-seoul."),
         true,
     );
-    assert!(err.contains("tls:") && err.contains("us-ashburn"), "{err}");
+    assert!(
+        err.contains("invalid `tls.cert`") && err.contains("us-ashburn"),
+        "{err}"
+    );
 
+    // A file that cannot be read names its field, once ("tls: tls: reading ...").
     let err = refused(
         &nodes,
         "no-certs.toml",
         &example.replace("certs/ca.pem", "certs/nope.pem"),
         true,
     );
-    assert!(err.contains("tls:") && err.contains("nope.pem"), "{err}");
+    assert!(
+        err.contains("invalid `tls.ca`") && err.contains("nope.pem") && !err.contains("tls: tls:"),
+        "{err}"
+    );
+
+    // Another node's key beside this node's certificate: the check passed it, and
+    // the start then failed naming no field ("keys may not be consistent").
+    let crossed = example.replace("certs/us-ashburn.key", "certs/eu-frankfurt.key");
+    assert_ne!(crossed, example);
+    for check in [true, false] {
+        let err = refused(&nodes, "crossed.toml", &crossed, check);
+        assert!(
+            err.contains("invalid `tls.key`")
+                && err.contains("eu-frankfurt.key")
+                && err.contains("`tls.cert`"),
+            "check: {check}: {err}"
+        );
+    }
 
     let err = refused(
         &nodes,

@@ -14,7 +14,8 @@ pub enum ClusterError {
     /// Socket or file IO.
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
-    /// A configuration value out of its valid range.
+    /// A configuration value out of its valid range, or a file it names that cannot
+    /// be used (`tls.key`: not the certificate's key).
     #[error("invalid config `{field}`: {reason}")]
     Config {
         /// The offending field.

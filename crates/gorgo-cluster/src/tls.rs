@@ -76,28 +76,66 @@ impl Clone for NodeCredentials {
 }
 
 impl NodeCredentials {
-    /// Load PEM files written by `gorgo certs`.
+    /// Load PEM files written by `gorgo certs`, and check that the key is the
+    /// certificate's (what the endpoint's TLS configuration checks when the cluster
+    /// starts). Errors name the file by its field of the node's `[tls]` table
+    /// (`tls.ca`, `tls.cert`, `tls.key`).
     pub fn load(files: &TlsFiles) -> Result<Self> {
-        let read = |p: &Path| {
-            std::fs::read(p).map_err(|e| ClusterError::Tls(format!("reading {}: {e}", p.display())))
+        let bad = |field: &'static str, path: &Path, why: String| ClusterError::Config {
+            field,
+            reason: format!("{}: {why}", path.display()),
         };
-        let ca = CertificateDer::from_pem_slice(&read(&files.ca)?)
-            .map_err(|e| ClusterError::Tls(format!("ca {}: {e}", files.ca.display())))?;
-        let cert_chain = CertificateDer::pem_slice_iter(&read(&files.cert)?)
+        let read = |field, p: &Path| {
+            std::fs::read(p).map_err(|e| bad(field, p, format!("cannot read it: {e}")))
+        };
+        let ca = CertificateDer::from_pem_slice(&read("tls.ca", &files.ca)?)
+            .map_err(|e| bad("tls.ca", &files.ca, e.to_string()))?;
+        let cert_chain = CertificateDer::pem_slice_iter(&read("tls.cert", &files.cert)?)
             .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|e| ClusterError::Tls(format!("cert {}: {e}", files.cert.display())))?;
+            .map_err(|e| bad("tls.cert", &files.cert, e.to_string()))?;
         if cert_chain.is_empty() {
-            return Err(ClusterError::Tls(format!(
-                "cert {}: no certificate",
-                files.cert.display()
-            )));
+            return Err(bad("tls.cert", &files.cert, "no certificate".into()));
         }
-        let key = PrivateKeyDer::from_pem_slice(&read(&files.key)?)
-            .map_err(|e| ClusterError::Tls(format!("key {}: {e}", files.key.display())))?;
-        Ok(NodeCredentials {
+        let key = PrivateKeyDer::from_pem_slice(&read("tls.key", &files.key)?)
+            .map_err(|e| bad("tls.key", &files.key, e.to_string()))?;
+        let credentials = NodeCredentials {
             ca,
             cert_chain,
             key,
+        };
+        credentials.check_key().map_err(|e| match e {
+            ClusterError::Config { field, reason } => ClusterError::Config {
+                field,
+                reason: format!(
+                    "{}: {reason} (`tls.cert` {})",
+                    files.key.display(),
+                    files.cert.display()
+                ),
+            },
+            other => other,
+        })?;
+        Ok(credentials)
+    }
+
+    /// Check that the private key is the one of the certificate (its public key is the
+    /// leaf certificate's), as rustls does when it builds the endpoint's TLS
+    /// configuration: a key of another node (or another certificate) is refused here,
+    /// naming `tls.key`, and not at the cluster's start as a "key mismatch".
+    pub fn check_key(&self) -> Result<()> {
+        rustls::sign::CertifiedKey::from_der(
+            self.cert_chain.clone(),
+            self.key.clone_key(),
+            &provider(),
+        )
+        .map(drop)
+        .map_err(|e| ClusterError::Config {
+            field: "tls.key",
+            reason: match e {
+                rustls::Error::InconsistentKeys(_) => {
+                    "not the private key of the certificate".into()
+                }
+                other => format!("cannot be used: {other}"),
+            },
         })
     }
 
@@ -114,12 +152,16 @@ impl NodeCredentials {
     /// refused, saying so).
     pub fn check_identity_at(&self, node: &NodeId, now: rustls::pki_types::UnixTime) -> Result<()> {
         use rustls::client::danger::ServerCertVerifier as _;
-        let (leaf, intermediates) = self
-            .cert_chain
-            .split_first()
-            .ok_or_else(|| ClusterError::Tls("cert: no certificate".into()))?;
-        let refused = |e: rustls::Error| {
-            ClusterError::Tls(format!("cert: not one the cluster's ca vouches for: {e}"))
+        let (leaf, intermediates) =
+            self.cert_chain
+                .split_first()
+                .ok_or_else(|| ClusterError::Config {
+                    field: "tls.cert",
+                    reason: "no certificate".into(),
+                })?;
+        let refused = |e: rustls::Error| ClusterError::Config {
+            field: "tls.cert",
+            reason: format!("not one the cluster's CA (`tls.ca`) vouches for: {e}"),
         };
         rustls::server::WebPkiClientVerifier::builder_with_provider(roots(self)?, provider())
             .build()
@@ -449,7 +491,7 @@ pub(crate) fn server_crypto(
         .map_err(|e| ClusterError::Tls(e.to_string()))?
         .with_client_cert_verifier(verifier)
         .with_single_cert(creds.cert_chain.clone(), creds.key.clone_key())
-        .map_err(|e| ClusterError::Tls(format!("node cert: {e}")))?;
+        .map_err(|e| ClusterError::Tls(format!("node cert (`tls.cert`, `tls.key`): {e}")))?;
     cfg.alpn_protocols = vec![ALPN.to_vec()];
     quinn::crypto::rustls::QuicServerConfig::try_from(cfg)
         .map_err(|e| ClusterError::Tls(e.to_string()))
@@ -464,7 +506,7 @@ pub(crate) fn client_crypto(
         .map_err(|e| ClusterError::Tls(e.to_string()))?
         .with_root_certificates(roots(creds)?)
         .with_client_auth_cert(creds.cert_chain.clone(), creds.key.clone_key())
-        .map_err(|e| ClusterError::Tls(format!("node cert: {e}")))?;
+        .map_err(|e| ClusterError::Tls(format!("node cert (`tls.cert`, `tls.key`): {e}")))?;
     cfg.alpn_protocols = vec![ALPN.to_vec()];
     quinn::crypto::rustls::QuicClientConfig::try_from(cfg)
         .map_err(|e| ClusterError::Tls(e.to_string()))
@@ -547,6 +589,70 @@ mod tests {
         assert!(
             write_cluster_certs(dir.path(), &[NodeId::from("Bad Name")], NODE_CERT_DAYS).is_err()
         );
+    }
+
+    /// Another node's key beside this node's certificate is refused when the files are
+    /// loaded (what `gorgo node --check` and a start read), naming `tls.key` and
+    /// `tls.cert`: it passed the check, and the start failed with "keys may not be
+    /// consistent: KeyMismatch". A file that cannot be read names its field once (it
+    /// said "tls: tls: reading ...").
+    #[test]
+    fn a_key_of_another_certificate_or_a_missing_file_names_its_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let nodes = [NodeId::from("a"), NodeId::from("b")];
+        let files = write_cluster_certs(dir.path(), &nodes, NODE_CERT_DAYS).unwrap();
+        let a = &files[0].1;
+        let crossed = TlsFiles {
+            key: files[1].1.key.clone(),
+            ..a.clone()
+        };
+        let err = NodeCredentials::load(&crossed).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            matches!(
+                err,
+                ClusterError::Config {
+                    field: "tls.key",
+                    ..
+                }
+            ) && text.contains("b.key")
+                && text.contains("`tls.cert`")
+                && text.contains("a.pem"),
+            "{text}"
+        );
+        for (field, files) in [
+            (
+                "tls.ca",
+                TlsFiles {
+                    ca: dir.path().join("nope.pem"),
+                    ..a.clone()
+                },
+            ),
+            (
+                "tls.cert",
+                TlsFiles {
+                    cert: dir.path().join("nope.pem"),
+                    ..a.clone()
+                },
+            ),
+            (
+                "tls.key",
+                TlsFiles {
+                    key: dir.path().join("nope.key"),
+                    ..a.clone()
+                },
+            ),
+        ] {
+            let err = NodeCredentials::load(&files).unwrap_err();
+            let text = err.to_string();
+            assert!(
+                matches!(err, ClusterError::Config { field: f, .. } if f == field)
+                    && text.contains("nope.")
+                    && !text.contains("tls: tls:"),
+                "{field}: {text}"
+            );
+        }
+        NodeCredentials::load(a).unwrap();
     }
 
     /// A node named `ca` would write its certificate and key over the CA's, and a node

@@ -246,21 +246,63 @@ struct PrefixMatchBody {
     replica: u16,
 }
 
-/// An admin call's JSON body, or the answer to a bad one in OpenAI's shape: 413 for a
-/// body over the admin API's limit, else 400 saying what the body must be and what
-/// was wrong with it (axum's own rejections are plain text, and a wrong field is a
-/// 422 there).
-fn admin_body<T>(
-    body: Result<Json<T>, axum::extract::rejection::JsonRejection>,
+/// An admin call's JSON body as `T`, or the answer to a bad one in OpenAI's shape: 413
+/// for a body over the admin API's limit, else 400 saying what the body must be
+/// (`expected`) and what was wrong with it, with `param` naming the field at fault
+/// where one is (axum's own rejections are plain text, and a wrong field is a 422
+/// there). The one reader of every admin body: each must be a JSON object, as its
+/// `expected` says (serde also takes a struct from an array of its fields in order:
+/// `[1, 2]` set the weights).
+fn admin_body<T: serde::de::DeserializeOwned>(
+    body: Result<Json<Value>, axum::extract::rejection::JsonRejection>,
     expected: &str,
-) -> Result<T, ApiError> {
-    body.map(|Json(b)| b).map_err(|e| {
+) -> Result<T, Box<Response>> {
+    let value = body.map(|Json(v)| v).map_err(|e| {
         let status = match e.status() {
             StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
             _ => StatusCode::BAD_REQUEST,
         };
-        ApiError(status, format!("{expected}: {}", e.body_text()))
+        Box::new(ApiError(status, format!("{expected}: {}", e.body_text())).into_response())
+    })?;
+    if !value.is_object() {
+        let message = format!("{expected}: a JSON object, not {}", json_kind(&value));
+        return Err(Box::new(
+            ApiError(StatusCode::BAD_REQUEST, message).into_response(),
+        ));
+    }
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let message = format!("{expected}: {e}");
+        let inner = e.inner().to_string();
+        // The field whose value is wrong; an unknown or missing one serde names in
+        // its message, with the object's path.
+        let path = e.path().to_string();
+        let named = || inner.split('`').nth(1).map(str::to_owned);
+        let (param, code) = if inner.starts_with("unknown field") {
+            (named(), "unknown_field")
+        } else if inner.starts_with("missing field") {
+            (named(), "missing_field")
+        } else if inner.starts_with("invalid type") {
+            (Some(path), "invalid_type")
+        } else {
+            (Some(path), "invalid_value")
+        };
+        Box::new(match param.filter(|p| p != ".") {
+            Some(param) => invalid_field_response(&param, code, &message),
+            None => ApiError(StatusCode::BAD_REQUEST, message).into_response(),
+        })
     })
+}
+
+/// What a JSON value is, for an error message.
+fn json_kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
 }
 
 /// The engine named in an admin path, or a 400 in OpenAI's shape.
@@ -283,11 +325,14 @@ fn admin_replica<T>(
 /// debugging; the body limit caps the prompt).
 async fn prefix_match(
     State(state): State<Arc<NodeState>>,
-    body: Result<Json<PrefixMatchBody>, axum::extract::rejection::JsonRejection>,
+    body: Result<Json<Value>, axum::extract::rejection::JsonRejection>,
 ) -> Response {
-    let body = match admin_body(body, "body must be {\"token_ids\": [integers]}") {
+    let body: PrefixMatchBody = match admin_body(
+        body,
+        "body must be {\"token_ids\": [integers], \"replica\"}",
+    ) {
         Ok(b) => b,
-        Err(e) => return e.into_response(),
+        Err(e) => return *e,
     };
     let chain = gorgo_core::HashChain::from_token_ids(
         &body.token_ids,
@@ -319,12 +364,13 @@ async fn list_engines(State(state): State<Arc<NodeState>>) -> Response {
 /// `GET /admin/engines` shows it; 400 naming the field that is wrong.
 async fn add_engine(
     State(state): State<Arc<NodeState>>,
-    body: Result<Json<crate::config::EngineSection>, axum::extract::rejection::JsonRejection>,
+    body: Result<Json<Value>, axum::extract::rejection::JsonRejection>,
 ) -> Response {
-    let engine = match admin_body(body, "body must be an `[[engines]]` entry as JSON") {
-        Ok(b) => b,
-        Err(e) => return e.into_response(),
-    };
+    let engine: crate::config::EngineSection =
+        match admin_body(body, "body must be an `[[engines]]` entry as a JSON object") {
+            Ok(b) => b,
+            Err(e) => return *e,
+        };
     match state.add_engine(engine) {
         Ok(e) => (StatusCode::CREATED, Json(e.view(state.now_ms()))).into_response(),
         Err(e) => refused_change(e),
@@ -332,11 +378,17 @@ async fn add_engine(
 }
 
 /// The answer to an engine change the node refused: 409 for a conflict with its state
-/// now, else 400 naming the request's field; the message without the `config:` the
-/// node's own log lines put before a config error.
+/// now, else 400 naming the request's field (in the message and, where the error
+/// knows it, in `param`); the message without the `config:` the node's own log lines
+/// put before a config error.
 fn refused_change(e: crate::NodeError) -> Response {
     match e {
         crate::NodeError::Conflict(m) => error_response(StatusCode::CONFLICT, &m),
+        crate::NodeError::InvalidField { field, reason } => invalid_field_response(
+            &field,
+            "invalid_value",
+            &format!("invalid `{field}`: {reason}"),
+        ),
         crate::NodeError::Config(m) => error_response(StatusCode::BAD_REQUEST, &m),
         other => error_response(StatusCode::BAD_REQUEST, &other.to_string()),
     }
@@ -344,7 +396,8 @@ fn refused_change(e: crate::NodeError) -> Response {
 
 /// `DELETE /admin/engines/{replica}`: drain the engine (no new requests; its stats say
 /// draining, so peers stop counting on it), then drop it once its requests are done.
-/// 202; 404 when no such engine; 409 for the node's last engine.
+/// 202; 404 when no such engine; 409 for the node's last engine in rotation
+/// ([`crate::NodeState::remove_engine`]).
 async fn remove_engine(
     State(state): State<Arc<NodeState>>,
     path: Result<axum::extract::Path<u16>, axum::extract::rejection::PathRejection>,
@@ -454,12 +507,13 @@ struct WeightsBody {
 
 async fn put_weights(
     State(state): State<Arc<NodeState>>,
-    body: Result<Json<WeightsBody>, axum::extract::rejection::JsonRejection>,
+    body: Result<Json<Value>, axum::extract::rejection::JsonRejection>,
 ) -> Response {
-    let body = match admin_body(body, "body must be {\"w_rtt\", \"w_queue\", \"mode\"}") {
-        Ok(w) => w,
-        Err(e) => return e.into_response(),
-    };
+    let body: WeightsBody =
+        match admin_body(body, "body must be {\"w_rtt\", \"w_queue\", \"mode\"}") {
+            Ok(w) => w,
+            Err(e) => return *e,
+        };
     // One rule with the config's, so that weights it took can be put back.
     let given = Weights {
         w_rtt: body.w_rtt.unwrap_or(0.0),

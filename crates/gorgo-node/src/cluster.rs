@@ -373,14 +373,28 @@ pub fn spawn_app_inbox(
     Ok(())
 }
 
-/// The node's certificates as `[tls]` names them; errors name the table.
+/// The node's certificates as `[tls]` names them, the key checked against the
+/// certificate; errors name the field ([`tls_error`]).
 fn load_credentials(config: &ValidatedConfig) -> Result<NodeCredentials, NodeError> {
     let files = TlsFiles {
         ca: config.tls.ca.clone(),
         cert: config.tls.cert.clone(),
         key: config.tls.key.clone(),
     };
-    NodeCredentials::load(&files).map_err(|e| NodeError::Config(format!("tls: {e}")))
+    NodeCredentials::load(&files).map_err(tls_error)
+}
+
+/// A certificate error as a config error naming its field (`tls.ca`, `tls.cert`,
+/// `tls.key`; a certificate for another node names `tls.cert` and `node.id`).
+fn tls_error(e: gorgo_cluster::ClusterError) -> NodeError {
+    match e {
+        gorgo_cluster::ClusterError::Config {
+            field: "node_id",
+            reason,
+        } => NodeError::invalid("tls.cert", format!("`node.id` {reason}")),
+        gorgo_cluster::ClusterError::Config { field, reason } => NodeError::invalid(field, reason),
+        other => NodeError::Config(other.to_string()),
+    }
 }
 
 /// Everything a start reads besides the sockets, checked without starting
@@ -391,7 +405,7 @@ fn load_credentials(config: &ValidatedConfig) -> Result<NodeCredentials, NodeErr
 pub fn preflight(config: &ValidatedConfig) -> Result<(), NodeError> {
     load_credentials(config)?
         .check_identity(&NodeId(config.node.id.clone()))
-        .map_err(|e| NodeError::Config(format!("tls: {e}")))?;
+        .map_err(tls_error)?;
     NodeState::new(config.clone(), Arc::new(NoPeers)).map(drop)
 }
 

@@ -125,64 +125,35 @@ enum EngineFieldNames {
     LastAdded,
 }
 
-/// An engine URL in the one form every spelling of the same engine shares: scheme and
-/// host in lower case, the scheme's default port left out, no trailing `/`. Duplicate
-/// engines are found on it (config validation, `POST /admin/engines`, a reload) and the
-/// engine adapter sends to it: one engine added twice would be two candidates with two
-/// gossip streams, each counting half of its requests. A URL that does not parse, or
-/// whose port is no port, comes back only trimmed (validation refuses it).
+/// An engine URL in the one form every spelling of the same engine shares: `http://`,
+/// the host as the node's HTTP client reads it (in lower case; an IPv4 address in any
+/// of the WHATWG forms, `2130706433` or `127.1`, as its dotted quad), and the port,
+/// the scheme's default left out; no trailing `/`. Duplicate engines are found on it
+/// (config validation, `POST /admin/engines`, a reload) and the engine adapter sends
+/// to it: one engine added twice would be two candidates with two gossip streams,
+/// each counting half of its requests. A URL [`check_engine_url`] refuses comes back
+/// only trimmed (validation refuses it before anything sends to it).
 pub fn normalize_engine_url(url: &str) -> String {
-    let trimmed = url.trim_end_matches('/');
-    let Ok(uri) = trimmed.parse::<http::Uri>() else {
-        return trimmed.to_owned();
-    };
-    let (Some(scheme), Some(authority)) = (uri.scheme_str(), uri.authority()) else {
-        return trimmed.to_owned();
-    };
-    // `http::Uri` takes any digits as a port and reads one past 65535 as none: left
-    // out below, `:300000` would become the default port, another engine's.
-    if port_text(authority).is_some() && authority.port_u16().is_none() {
-        return trimmed.to_owned();
-    }
-    let scheme = scheme.to_ascii_lowercase();
-    // User info (credentials the engine's client sends) stays as written.
-    let userinfo = authority
-        .as_str()
-        .rsplit_once('@')
-        .map_or(String::new(), |(u, _)| format!("{u}@"));
-    let host = authority.host().to_ascii_lowercase();
-    let default_port = match scheme.as_str() {
-        "http" => Some(80),
-        "https" => Some(443),
-        _ => None,
-    };
-    let port = authority
-        .port_u16()
-        .filter(|&p| Some(p) != default_port)
-        .map_or(String::new(), |p| format!(":{p}"));
-    let path = uri
-        .path_and_query()
-        .map_or("", |p| p.as_str())
-        .trim_end_matches('/');
-    format!("{scheme}://{userinfo}{host}{port}{path}")
-}
-
-/// The port of `authority` as written (after the host, or an IPv6 literal's `]`), if
-/// one is written.
-fn port_text(authority: &http::uri::Authority) -> Option<&str> {
-    let host_port = authority.as_str().rsplit('@').next().unwrap_or_default();
-    match host_port.rsplit_once(']') {
-        Some((_, rest)) => rest.strip_prefix(':'),
-        None => host_port.rsplit_once(':').map(|(_, port)| port),
-    }
+    parse_engine_url(url).unwrap_or_else(|_| url.trim_end_matches('/').to_owned())
 }
 
 /// Why an engine URL cannot be sent to (the reason, without the field's name), or
 /// `Ok`: the one check of `engine.url`, `engines[i].url` (the file, a reload,
 /// `POST /admin/engines`) and `gorgo up --engine-url`, so that none of them takes a
-/// URL every request to would fail at.
+/// URL every request to would fail at, or one that names the same engine as another
+/// in a spelling the duplicate check cannot see through.
 pub fn check_engine_url(url: &str) -> Result<(), String> {
-    // Schemes are case-insensitive (RFC 3986); the adapter sends to the normalised URL.
+    parse_engine_url(url).map(drop)
+}
+
+/// The one parse of an engine URL behind [`check_engine_url`] and
+/// [`normalize_engine_url`]: `http://host[:port]` and at most a trailing `/`, checked
+/// as written (the WHATWG parser the HTTP client uses would drop a `.` path segment,
+/// an empty `?` or `#` and a port `:`, and read `\` as `/`), then read by that
+/// parser, whose origin is the normal form.
+fn parse_engine_url(url: &str) -> Result<String, String> {
+    const FORM: &str = "must be http://host:port";
+    // Schemes are case-insensitive (RFC 3986); the adapter sends to the normal form.
     let scheme_is = |s: &str| {
         url.get(..s.len())
             .is_some_and(|p| p.eq_ignore_ascii_case(s))
@@ -196,16 +167,57 @@ pub fn check_engine_url(url: &str) -> Result<(), String> {
     if !scheme_is("http://") {
         return Err("must start with http://".into());
     }
-    let Ok(uri) = url.parse::<http::Uri>() else {
-        return Err("not a valid URL".into());
-    };
-    if let Some(authority) = uri.authority() {
-        match port_text(authority) {
-            Some(port) if authority.port_u16().is_none_or(|p| p == 0) => {
-                return Err(format!("port `{port}`: must be in 1..=65535"));
-            }
-            _ => {}
+    // The parser drops spaces and control characters (a tab, a line break) where it
+    // finds them: what is sent would not be what was written.
+    if !url.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(format!("{FORM}: visible ASCII only, no spaces"));
+    }
+    let rest = &url["http://".len()..];
+    let end = rest.find(['/', '?', '#', '\\']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    if authority.contains('@') {
+        return Err(format!("{FORM}, without user info (`user@`)"));
+    }
+    match tail {
+        "" | "/" => {}
+        _ if tail.starts_with('?') || tail.starts_with("/?") => {
+            return Err(format!("{FORM}, without a query (`?`)"));
         }
+        _ if tail.starts_with('#') || tail.starts_with("/#") => {
+            return Err(format!("{FORM}, without a fragment (`#`)"));
+        }
+        _ => return Err(format!("{FORM}, without a path (`/v1/...` is appended)")),
+    }
+    // The port as written: after the host, or after an IPv6 literal's `]`.
+    let port = match authority.rsplit_once(']') {
+        Some((_, after)) => after.strip_prefix(':'),
+        None => authority.rsplit_once(':').map(|(_, port)| port),
+    };
+    if let Some(port) = port {
+        let number = Some(port)
+            .filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|p| p.parse::<u16>().ok());
+        if number.is_none_or(|p| p == 0) {
+            return Err(format!("port `{port}`: must be in 1..=65535"));
+        }
+    }
+    let parsed = reqwest::Url::parse(url).map_err(|e| format!("not a valid URL: {e}"))?;
+    Ok(parsed.origin().ascii_serialization())
+}
+
+/// Why a `health_path` cannot be polled as written (the reason, without the field's
+/// name), or `Ok`: a path, `/` and then visible ASCII, without `?`, `#` or `\`. The
+/// URL parser drops control characters and reads `\` as `/` (a path other than the
+/// one configured would be polled), and a query or fragment is not a path.
+fn check_health_path(path: &str) -> Result<(), String> {
+    if !path.starts_with('/') {
+        return Err("must start with /".into());
+    }
+    if !path.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err("must be visible ASCII only: no spaces or control characters".into());
+    }
+    if let Some(c) = path.chars().find(|c| matches!(c, '?' | '#' | '\\')) {
+        return Err(format!("must be a path, without `{c}`"));
     }
     Ok(())
 }
@@ -692,6 +704,80 @@ fn toml_error(e: toml::de::Error) -> String {
     e.to_string().trim().replace('\n', " ")
 }
 
+/// A TOML syntax error as one line: its line and message, not the source snippet, and
+/// the key or table it is about, which toml's message leaves out ("duplicate key",
+/// "u64 value was too large"): ``duplicate key `engine.url` ``, ``duplicate table
+/// `[limits]` ``, ``invalid `limits.first_byte_timeout_ms`: ...``.
+fn syntax_error(text: &str, e: &toml::de::Error) -> String {
+    let Some(span) = e.span().filter(|s| text.is_char_boundary(s.start)) else {
+        return e.message().to_owned();
+    };
+    let at = span.start;
+    let line_no = 1 + text.as_bytes()[..at]
+        .iter()
+        .filter(|&&b| b == b'\n')
+        .count();
+    let start = text[..at].rfind('\n').map_or(0, |i| i + 1);
+    let line = text[start..].lines().next().unwrap_or_default();
+    let named = text.get(span.clone()).unwrap_or_default();
+    let message = e.message();
+    let trimmed = line.trim_start();
+    if trimmed.starts_with('[') {
+        return match message {
+            "duplicate key" => format!(
+                "line {line_no}: duplicate table `{}`",
+                trimmed.split('#').next().unwrap_or_default().trim_end()
+            ),
+            _ => format!("line {line_no}: {message}"),
+        };
+    }
+    // `key = value` in the table of the last header above it.
+    let Some((key, _)) = line.split_once('=') else {
+        return format!("line {line_no}: {message}");
+    };
+    let mut path = table_at(text, start);
+    path.extend(key.trim().split('.').map(|k| k.trim().to_owned()));
+    let in_value = at > start + key.len();
+    match message {
+        // A duplicate inside an inline table value: its own key after the line's.
+        "duplicate key" if in_value => {
+            format!("line {line_no}: duplicate key `{}.{named}`", path.join("."))
+        }
+        "duplicate key" => format!("line {line_no}: duplicate key `{}`", path.join(".")),
+        _ if in_value => format!("line {line_no}: invalid `{}`: {message}", path.join(".")),
+        _ => format!("line {line_no}: {message}"),
+    }
+}
+
+/// The table whose keys the line at byte `line_start` of `text` sets, as config
+/// errors name it: the last `[table]` header above it, or `[[engines]]` entry `i` as
+/// `engines[i]`; empty at the top level. Read line by line (a multi-line string that
+/// holds a line starting with `[` can mislead it: it names a key for an error
+/// message, nothing more).
+fn table_at(text: &str, line_start: usize) -> Vec<String> {
+    let header = |l: &str| {
+        let l = l.split('#').next().unwrap_or_default().trim();
+        l.starts_with('[').then(|| l.to_owned())
+    };
+    let headers: Vec<String> = text[..line_start].lines().filter_map(header).collect();
+    let Some(last) = headers.last() else {
+        return Vec::new();
+    };
+    let name = |h: &str| h.trim_matches(|c| c == '[' || c == ']').trim().to_owned();
+    let mut path: Vec<String> = name(last).split('.').map(|k| k.trim().to_owned()).collect();
+    if last.starts_with("[[") {
+        let entry = headers
+            .iter()
+            .filter(|h| h.starts_with("[[") && name(h) == name(last))
+            .count()
+            - 1;
+        if let Some(tail) = path.last_mut() {
+            *tail = format!("{tail}[{entry}]");
+        }
+    }
+    path
+}
+
 /// `routing.policy` by its docs/design.md name; `oracle` and unknown names are errors (the
 /// deserialiser adds the field's name).
 fn policy_by_name<'de, D: Deserializer<'de>>(deserializer: D) -> Result<PolicyKind, D::Error> {
@@ -785,9 +871,10 @@ fn check_timeout(field: &str, v: u64) -> Result<(), NodeError> {
     if (1..=MAX_TIMEOUT_MS).contains(&v) {
         return Ok(());
     }
-    Err(NodeError::Config(format!(
-        "invalid `{field}`: must be in 1..={MAX_TIMEOUT_MS} (a week)"
-    )))
+    Err(NodeError::invalid(
+        field,
+        format!("must be in 1..={MAX_TIMEOUT_MS} (a week)"),
+    ))
 }
 
 impl LimitsSection {
@@ -1056,17 +1143,9 @@ impl NodeConfig {
     /// Parse without validating. `[tuning]` keys left unset take the defaults of the
     /// configured policy, filled in before deserialising.
     fn parse_toml(text: &str) -> Result<NodeConfig, String> {
-        let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
-            // A syntax error: the message with its line, not the source snippet.
-            match e.span() {
-                Some(span) => {
-                    let before = &text.as_bytes()[..span.start.min(text.len())];
-                    let line = 1 + before.iter().filter(|&&b| b == b'\n').count();
-                    format!("line {line}: {}", e.message())
-                }
-                None => e.message().to_owned(),
-            }
-        })?;
+        let mut table: toml::Table = text
+            .parse()
+            .map_err(|e: toml::de::Error| syntax_error(text, &e))?;
         // An unreadable policy is reported when the whole config is deserialised.
         let policy = table
             .get("routing")
@@ -1130,9 +1209,7 @@ impl NodeConfig {
     }
 
     fn check(&self, names: EngineFieldNames) -> Result<(), NodeError> {
-        let bad = |field: &str, reason: &str| {
-            Err(NodeError::Config(format!("invalid `{field}`: {reason}")))
-        };
+        let bad = |field: &str, reason: &str| Err(NodeError::invalid(field, reason));
         // The id is the TLS name of the node's certificate: refused here, so `--check`
         // says so, not the cluster when the node starts.
         if let Err(e) = gorgo_cluster::validate_node_id(&gorgo_core::NodeId(self.node.id.clone())) {
@@ -1230,7 +1307,7 @@ impl NodeConfig {
         // `[tuning]` uses.
         self.tuning.es.validate().map_err(|e| match e {
             gorgo_core::CoreError::InvalidConfig { field, reason } => {
-                NodeError::Config(format!("invalid `tuning.{field}`: {reason}"))
+                NodeError::invalid(format!("tuning.{field}"), reason)
             }
             other => NodeError::Config(format!("invalid `tuning`: {other}")),
         })?;
@@ -1378,9 +1455,7 @@ impl NodeConfig {
     /// file does (`engine.url`, or `engines[2].url`), or the engine being added by its
     /// bare field (`url`).
     fn check_engines(&self, names: EngineFieldNames) -> Result<(), NodeError> {
-        let bad = |field: &str, reason: &str| {
-            Err(NodeError::Config(format!("invalid `{field}`: {reason}")))
-        };
+        let bad = |field: &str, reason: &str| Err(NodeError::invalid(field, reason));
         match (&self.engine, self.engines.len()) {
             (Some(_), n) if n > 0 => {
                 return bad("engines", "give `[engine]` or `[[engines]]`, not both")
@@ -1408,8 +1483,8 @@ impl NodeConfig {
             if let Err(reason) = check_engine_url(&e.url) {
                 return bad(&f("url"), &reason);
             }
-            if !e.health_path().starts_with('/') {
-                return bad(&f("health_path"), "must start with /");
+            if let Err(reason) = check_health_path(e.health_path()) {
+                return bad(&f("health_path"), &reason);
             }
             check_timeout(&f("health_interval_ms"), e.health_interval_ms)?;
             // 0 turns the scrape off.
@@ -1552,17 +1627,19 @@ impl NodeConfig {
                 return bad(&field(i, name), &reason);
             }
         }
-        // One engine spelled two ways is one engine.
-        let mut urls = std::collections::HashSet::new();
-        for e in self.engines() {
-            if !urls.insert(normalize_engine_url(&e.url)) {
-                return match names {
-                    EngineFieldNames::LastAdded => {
-                        bad("url", &format!("the node already fronts {}", e.url))
-                    }
-                    EngineFieldNames::File => bad("engines", "two engines have the same `url`"),
-                };
-            }
+        // One engine spelled two ways is one engine. The error names the second entry,
+        // as the file (or the request's body) has it, and the first.
+        let mut urls = std::collections::HashMap::new();
+        for (i, e) in self.engines().iter().enumerate() {
+            let Some(j) = urls.insert(normalize_engine_url(&e.url), i) else {
+                continue;
+            };
+            let reason = if names == EngineFieldNames::LastAdded && i == last {
+                format!("the node already fronts {}", e.url)
+            } else {
+                format!("the same engine as `{}` ({})", field(j, "url"), e.url)
+            };
+            return bad(&field(i, "url"), &reason);
         }
         Ok(())
     }
@@ -1649,24 +1726,23 @@ token = "secret-token"
             ("http://127.0.0.1:30000", "http://127.0.0.1:30000"),
             ("http://127.0.0.1:30000/", "http://127.0.0.1:30000"),
             (
-                "HTTP://Engine.Example:30000//",
+                "HTTP://Engine.Example:30000/",
                 "http://engine.example:30000",
             ),
             ("http://engine:80/", "http://engine"),
-            ("https://engine:443", "https://engine"),
-            ("https://engine:80", "https://engine:80"),
             ("http://[::1]:8000/", "http://[::1]:8000"),
-            (
-                "http://User:Pw@Engine:8000/v1/",
-                "http://User:Pw@engine:8000/v1",
-            ),
-            ("http://engine/Prefix/", "http://engine/Prefix"),
+            // The WHATWG forms of an IPv4 address, as the HTTP client reads them.
+            ("http://2130706502:47503", "http://127.0.0.70:47503"),
+            ("http://127.70:47503", "http://127.0.0.70:47503"),
+            ("http://0x7f.0.0.70:47503/", "http://127.0.0.70:47503"),
         ] {
+            assert_eq!(check_engine_url(url), Ok(()), "{url}");
             assert_eq!(normalize_engine_url(url), want, "{url}");
         }
     }
 
-    /// The duplicate check of the file compares normalised URLs.
+    /// The duplicate check of the file compares normalised URLs, and names both entries
+    /// (`engines[1].url` and the first), as docs/node.md promises.
     #[test]
     fn one_engine_spelled_two_ways_in_the_file_is_refused() {
         for (a, b) in [
@@ -1674,12 +1750,136 @@ token = "secret-token"
             ("http://localhost:1", "HTTP://LOCALHOST:1"),
             ("http://engine", "http://Engine:80/"),
             ("http://127.0.0.1", "http://127.0.0.1:80"),
+            ("http://127.0.0.70:47503", "http://2130706502:47503"),
         ] {
-            let e = NodeConfig::from_toml_str(&with_engines(&[a, b], ""))
+            let e = NodeConfig::from_toml_str(&with_engines(&["http://127.0.0.1:9", a, b], ""))
                 .unwrap_err()
                 .to_string();
-            assert!(e.contains("engines") && e.contains("same `url`"), "{e}");
+            assert!(
+                e.contains("invalid `engines[2].url`") && e.contains("`engines[1].url`"),
+                "{a} {b}: {e}"
+            );
         }
+    }
+
+    /// An engine URL is `http://host:port` and at most a trailing `/`: user info, a
+    /// path, a query or a fragment (even empty) is refused, naming the field. The
+    /// HTTP client sent `/x?y=1/v1/chat/completions` for `http://h:p/x?y=1`, and
+    /// `http://x@h:p`, `http://h:p/.` or `http://h:p/?` slipped past the duplicate
+    /// check as a second engine.
+    #[test]
+    fn an_engine_url_with_more_than_host_and_port_is_refused_naming_the_field() {
+        for (url, why) in [
+            ("http://x@127.0.0.70:47503", "user info"),
+            ("http://x:pw@127.0.0.70:47503/", "user info"),
+            ("http://127.0.0.70:47503/.", "path"),
+            ("http://127.0.0.70:47503//", "path"),
+            ("http://127.0.0.70:47503/v1", "path"),
+            ("http://127.0.0.70:47503\\x", "path"),
+            ("http://127.0.0.70:47503/?", "query"),
+            ("http://127.0.0.70:47503?", "query"),
+            ("http://127.0.0.70:47503/x?y=1", "path"),
+            ("http://127.0.0.70:47503?y=1", "query"),
+            ("http://127.0.0.70:47503/#", "fragment"),
+            ("http://127.0.0.70:47503#frag", "fragment"),
+            ("http://127.0.0.70:47503/\t", "visible ASCII"),
+            ("http://127.0.0.70 :1", "visible ASCII"),
+            ("http://127.0.0.1:", "port"),
+            ("http://127.0.0.1:+1", "port"),
+            ("http://:5", "not a valid URL"),
+        ] {
+            let reason = check_engine_url(url).unwrap_err();
+            assert!(reason.contains(why), "{url}: {reason}");
+            let text = MINIMAL.replace(
+                "\"http://127.0.0.1:30000\"",
+                &toml::Value::from(url).to_string(),
+            );
+            let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+            assert!(e.contains("invalid `engine.url`"), "{url}: {e}");
+            let text = with_engines(&["http://127.0.0.1:1", "http://127.0.0.1:2"], "").replace(
+                "\"http://127.0.0.1:2\"",
+                &toml::Value::from(url).to_string(),
+            );
+            if let Err(e) = NodeConfig::from_toml_str(&text) {
+                assert!(e.to_string().contains("`engines[1].url`"), "{url}: {e}");
+            } else {
+                panic!("{url} taken in [[engines]]");
+            }
+        }
+    }
+
+    /// `health_path` is a path: `/`, then visible ASCII without `?`, `#` or `\`. One
+    /// with a line break was polled as another path (the URL parser dropped it).
+    #[test]
+    fn a_health_path_that_is_no_path_is_refused_naming_the_field() {
+        for path in [
+            "/x\r\nEvil: 1",
+            "/health check",
+            "/x\u{7f}",
+            "/h?x=1",
+            "/h#x",
+            "/h\\x",
+            "health",
+            "/héalth",
+        ] {
+            let extra = format!("health_path = {}", toml::Value::from(path));
+            let e = NodeConfig::from_toml_str(&with_engine_lines(&extra))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("invalid `engine.health_path`"), "{path:?}: {e}");
+            let text = with_engines(&["http://127.0.0.1:1", "http://127.0.0.1:2"], &extra);
+            let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+            assert!(e.contains("`engines[1].health_path`"), "{path:?}: {e}");
+        }
+        for path in ["/health", "/health_generate", "/", "/v1/models", "/a%20b"] {
+            let extra = format!("health_path = {}", toml::Value::from(path));
+            NodeConfig::from_toml_str(&with_engine_lines(&extra))
+                .unwrap_or_else(|e| panic!("{path}: {e}"));
+        }
+    }
+
+    /// A duplicate key or table names it and its line (toml says "duplicate key"
+    /// alone), and an integer past TOML's range names its field.
+    #[test]
+    fn a_duplicate_key_or_an_integer_out_of_range_is_named() {
+        let line_of = |text: &str, needle: &str| {
+            1 + text
+                .lines()
+                .enumerate()
+                .filter(|(_, l)| l.contains(needle))
+                .map(|(i, _)| i)
+                .last()
+                .unwrap()
+        };
+        let text = with_engine_lines("url = \"http://127.0.0.1:2\"");
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        let line = line_of(&text, "url =");
+        assert!(
+            e.contains(&format!("line {line}: duplicate key `engine.url`")),
+            "{e}"
+        );
+        let text = format!("{MINIMAL}\n[limits]\nmax_hops = 1\n[limits]\nmax_body_bytes = 1\n");
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        let line = line_of(&text, "[limits]");
+        assert!(
+            e.contains(&format!("line {line}: duplicate table `[limits]`")),
+            "{e}"
+        );
+        let text = with_engines(
+            &["http://127.0.0.1:1", "http://127.0.0.1:2"],
+            "kind = \"vllm\"",
+        );
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        assert!(e.contains("duplicate key `engines[1].kind`"), "{e}");
+        let text = format!("{MINIMAL}\n[limits]\nfirst_byte_timeout_ms = 18446744073709551615\n");
+        let e = NodeConfig::from_toml_str(&text).unwrap_err().to_string();
+        let line = line_of(&text, "first_byte_timeout_ms");
+        assert!(
+            e.contains(&format!(
+                "line {line}: invalid `limits.first_byte_timeout_ms`"
+            )),
+            "{e}"
+        );
     }
 
     #[test]
@@ -1766,7 +1966,10 @@ token = "secret-token"
         ))
         .unwrap_err()
         .to_string();
-        assert!(e.contains("engines") && e.contains("same `url`"), "{e}");
+        assert!(
+            e.contains("`engines[1].url`") && e.contains("the same engine as `engines[0].url`"),
+            "{e}"
+        );
         // Both forms, or neither.
         let both =
             format!("{MINIMAL}\n[[engines]]\nurl = \"http://127.0.0.1:2\"\nkind = \"sglang\"\n");

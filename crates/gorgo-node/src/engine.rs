@@ -464,7 +464,12 @@ impl EngineAdapter {
     /// True when the engine is routable and at least one health check has confirmed
     /// it.
     pub fn is_ready(&self) -> bool {
-        self.health.lock().confirmed() && self.is_healthy()
+        self.health_checked() && self.is_healthy()
+    }
+
+    /// Whether a health check of the engine has ever passed.
+    pub fn health_checked(&self) -> bool {
+        self.health.lock().confirmed()
     }
 
     /// [`EngineAdapter::learn_models`] for a client's request while no list is known:
@@ -491,17 +496,43 @@ impl EngineAdapter {
     /// Read the engine's `/v1/models`: the models it serves (gossiped, so requests
     /// naming a model go where it is served) and, unless the config gave one, its
     /// context length (vLLM's `max_model_len`, SGLang's and others' `context_length` /
-    /// `max_context_length`). Failures keep what was known. Returns true when a list
-    /// was read.
+    /// `max_context_length`). Failures keep what was known: an answer that cannot be
+    /// read (over the cap, not JSON, not a model list, or a 404) is logged once until
+    /// the reason changes, and read again at the normal refresh (30 s); a read that
+    /// got no answer sooner (5 s). Returns true when a list was read.
     pub async fn learn_models(&self) -> bool {
-        let Fetched::Json(v) = self.get_json("/v1/models", MAX_MODELS_BYTES).await else {
-            return false;
+        let fetched = self.get_json("/v1/models", MAX_MODELS_BYTES).await;
+        let (answered, why) = match fetched {
+            Fetched::Json(v) => match ModelList::parse(&v) {
+                Some(list) => {
+                    self.models_read(&v, list);
+                    return true;
+                }
+                None => (
+                    true,
+                    "not an OpenAI model list ({\"data\": [...]})".to_owned(),
+                ),
+            },
+            Fetched::Refused(why) | Fetched::Unreadable(why) => (true, why),
+            Fetched::Failed(why) => (false, why),
         };
-        let Some(list) = ModelList::parse(&v) else {
-            return false;
-        };
+        let mut held = self.models.lock();
+        held.asked = Some((self.now_ms(), answered));
+        if held.error.as_deref() != Some(why.as_str()) {
+            if answered {
+                tracing::warn!(engine = %self.base, error = %why, kept = ?held.ids, "engine's /v1/models answer cannot be read; the models known are kept, read again in 30 s");
+            } else {
+                tracing::debug!(engine = %self.base, error = %why, "engine's /v1/models not read");
+            }
+            held.error = Some(why);
+        }
+        false
+    }
+
+    /// Take the model list `list` the engine's `/v1/models` answer `v` gave.
+    fn models_read(&self, v: &serde_json::Value, list: ModelList) {
         if self.max_context_tokens().is_none() {
-            if let Some(n) = context_length_of(&v) {
+            if let Some(n) = context_length_of(v) {
                 self.max_context_tokens.store(n, Ordering::Relaxed);
                 tracing::info!(engine = %self.base, max_context_tokens = n, "engine context length");
             }
@@ -511,12 +542,15 @@ impl EngineAdapter {
         if held.ids != list.ids {
             tracing::info!(engine = %self.base, models = ?list.ids, "engine models");
         }
+        if held.error.is_some() {
+            tracing::info!(engine = %self.base, "engine's /v1/models read again");
+        }
         *held = EngineModels {
             ids: list.ids,
             entries: list.entries,
-            read_at_ms: Some(now),
+            asked: Some((now, true)),
+            error: None,
         };
-        true
     }
 
     /// Read how many requests the engine runs at once, where it says: SGLang's
@@ -533,12 +567,12 @@ impl EngineAdapter {
             EngineKind::Vllm => return,
         };
         let fetched = self.get_json(path, MAX_SERVER_INFO_BYTES).await;
-        let answered = !matches!(fetched, Fetched::Failed);
+        let answered = matches!(fetched, Fetched::Json(_) | Fetched::Refused(_));
         *self.limit_read.lock() = Some((self.now_ms(), answered));
         let reported = match fetched {
             Fetched::Json(v) => reported_max_running(self.kind, &v),
-            Fetched::Refused => None,
-            Fetched::Failed => return,
+            Fetched::Refused(_) => None,
+            Fetched::Unreadable(_) | Fetched::Failed(_) => return,
         };
         let mut view = self.view.lock();
         let before = view.max_running_requests();
@@ -581,57 +615,51 @@ impl EngineAdapter {
     /// timeouts.
     async fn get_json(&self, path: &str, cap: usize) -> Fetched {
         let url = format!("{}{}", self.base, path);
+        let deadline = self.health_timeout * 5;
         // One deadline for the answer and its body together.
-        tokio::time::timeout(self.health_timeout * 5, self.fetch_json(url, cap))
+        tokio::time::timeout(deadline, self.fetch_json(url, cap))
             .await
-            .unwrap_or(Fetched::Failed)
+            .unwrap_or_else(|_| {
+                Fetched::Failed(format!("no answer within {} ms", deadline.as_millis()))
+            })
     }
 
     async fn fetch_json(&self, url: String, cap: usize) -> Fetched {
-        let Ok(resp) = self.client.get(url).send().await else {
-            return Fetched::Failed;
+        let resp = match self.client.get(url).send().await {
+            Ok(resp) => resp,
+            Err(e) => return Fetched::Failed(e.without_url().to_string()),
         };
+        let status = resp.status();
         // Only "no such endpoint" says the engine does not have it; a busy engine's 429
         // or 408 (or an auth error) says nothing about what it has.
-        if matches!(resp.status().as_u16(), 404 | 405 | 501) {
-            return Fetched::Refused;
+        if matches!(status.as_u16(), 404 | 405 | 501) {
+            return Fetched::Refused(format!("status {status}"));
         }
-        if !resp.status().is_success() {
-            return Fetched::Failed;
+        if !status.is_success() {
+            return Fetched::Failed(format!("status {status}"));
         }
-        let Some(body) = read_capped(resp, cap).await else {
-            return Fetched::Failed;
+        let body = match read_capped_or_why(resp, cap).await {
+            Ok(body) => body,
+            Err(Unread::OverCap) => {
+                return Fetched::Unreadable(format!("the answer is over the {cap}-byte cap"))
+            }
+            Err(Unread::Broken(why)) => return Fetched::Failed(why),
         };
         match serde_json::from_slice::<serde_json::Value>(&body) {
             Ok(v) => Fetched::Json(v),
-            Err(_) => Fetched::Refused,
+            Err(e) => Fetched::Refused(format!("not JSON: {e}")),
         }
     }
 
-    /// True when the concurrency limit was never asked for, was read longer than
-    /// [`MODELS_REFRESH`] ago, or got no answer longer than [`LIMIT_RETRY`] ago.
+    /// True when the concurrency limit is to be read again ([`read_due`]).
     fn limit_due(&self) -> bool {
-        let now = self.now_ms();
-        match *self.limit_read.lock() {
-            None => true,
-            Some((at, answered)) => {
-                let every = if answered {
-                    MODELS_REFRESH
-                } else {
-                    LIMIT_RETRY
-                };
-                now.saturating_sub(at) >= every.as_millis() as u64
-            }
-        }
+        read_due(*self.limit_read.lock(), self.now_ms())
     }
 
-    /// True when the model list was never read or is older than [`MODELS_REFRESH`].
+    /// True when the model list is to be read again ([`read_due`]): an answer that
+    /// could not be read is not asked for again at every health check.
     fn models_due(&self) -> bool {
-        let now = self.now_ms();
-        self.models
-            .lock()
-            .read_at_ms
-            .is_none_or(|t| now.saturating_sub(t) >= MODELS_REFRESH.as_millis() as u64)
+        read_due(self.models.lock().asked, self.now_ms())
     }
 
     /// One scrape of `/metrics`; a failure keeps the previous values for a while
@@ -725,12 +753,34 @@ where
     }
 }
 
+/// Whether a periodic read of the engine (its model list, its concurrency limit)
+/// last `asked` at (ms, whether the engine answered) is due at `now`: never asked;
+/// answered (a list, or an answer that could not be read) longer than
+/// [`MODELS_REFRESH`] ago; or no answer longer than [`LIMIT_RETRY`] ago.
+fn read_due(asked: Option<(u64, bool)>, now: u64) -> bool {
+    match asked {
+        None => true,
+        Some((at, answered)) => {
+            let every = if answered {
+                MODELS_REFRESH
+            } else {
+                LIMIT_RETRY
+            };
+            now.saturating_sub(at) >= every.as_millis() as u64
+        }
+    }
+}
+
 /// What the node holds of its engine's model list.
 #[derive(Debug, Default)]
 struct EngineModels {
     ids: Vec<String>,
     entries: Vec<serde_json::Value>,
-    read_at_ms: Option<u64>,
+    /// When the list was last asked for (ms), and whether the engine answered: see
+    /// [`read_due`].
+    asked: Option<(u64, bool)>,
+    /// Why the last read gave no list, as logged (once until it changes).
+    error: Option<String>,
 }
 
 /// A `/v1/models` answer, bounded: at most [`MAX_MODELS`] entries with a string `id`
@@ -780,31 +830,51 @@ fn context_length_of(models: &serde_json::Value) -> Option<u64> {
 /// engine that streams more than it announced, or announces nothing, is cut off there)
 /// or breaks. Every answer the node reads whole from a server it calls (its engines,
 /// the OTLP collector) goes through here.
-pub(crate) async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Option<Vec<u8>> {
+pub(crate) async fn read_capped(resp: reqwest::Response, cap: usize) -> Option<Vec<u8>> {
+    read_capped_or_why(resp, cap).await.ok()
+}
+
+/// Why [`read_capped`] read no body.
+#[derive(Debug)]
+enum Unread {
+    /// The body is over the cap (announced, or as it came).
+    OverCap,
+    /// The body broke off.
+    Broken(String),
+}
+
+/// [`read_capped`], saying why it read nothing.
+async fn read_capped_or_why(mut resp: reqwest::Response, cap: usize) -> Result<Vec<u8>, Unread> {
     if resp.content_length().is_some_and(|n| n > cap as u64) {
-        return None;
+        return Err(Unread::OverCap);
     }
     let mut body = Vec::new();
-    while let Some(chunk) = resp.chunk().await.ok()? {
+    while let Some(chunk) = resp
+        .chunk()
+        .await
+        .map_err(|e| Unread::Broken(e.without_url().to_string()))?
+    {
         if body.len() + chunk.len() > cap {
-            return None;
+            return Err(Unread::OverCap);
         }
         body.extend_from_slice(&chunk);
     }
-    Some(body)
+    Ok(body)
 }
 
-/// What a GET of an engine's JSON endpoint gave.
+/// What a GET of an engine's JSON endpoint gave; each failure with why, for the log.
 #[derive(Debug)]
 enum Fetched {
     /// A JSON answer.
     Json(serde_json::Value),
     /// The engine answered, but not with it (404, 405 or 501, or a body that is not
     /// JSON): it does not have this.
-    Refused,
-    /// No answer, any other error status (a busy 429, a 5xx), or one over the cap:
-    /// nothing learnt either way.
-    Failed,
+    Refused(String),
+    /// An answer over the cap: it has this, and more of it than is read.
+    Unreadable(String),
+    /// No answer, any other error status (a busy 429, a 5xx), or a body that broke
+    /// off: nothing learnt either way.
+    Failed(String),
 }
 
 /// The concurrency limit a server-info answer states (0 or absent: none). SGLang puts
@@ -1038,6 +1108,71 @@ mod tests {
             read_capped(small, 1 << 20).await.as_deref(),
             Some(&b"{}"[..])
         );
+        server.abort();
+    }
+
+    /// An engine's `/v1/models` answer that cannot be read (not JSON, over the cap) is
+    /// warned of once until the reason changes, and not read again before the normal
+    /// refresh: it failed silently, and was read again at every health check.
+    #[tokio::test]
+    async fn an_unreadable_model_list_is_warned_of_once_per_reason() {
+        use std::sync::Mutex as StdMutex;
+        let answer = Arc::new(StdMutex::new(b"{not json".to_vec()));
+        let served = answer.clone();
+        let app = axum::Router::new().route(
+            "/v1/models",
+            axum::routing::get(move || {
+                let body = served.lock().unwrap().clone();
+                async move { body }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move { axum::serve(listener, app).await });
+        /// The log lines, kept.
+        struct Logs(Arc<StdMutex<Vec<u8>>>);
+        impl std::io::Write for Logs {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(buf);
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let logs = Arc::new(StdMutex::new(Vec::<u8>::new()));
+        let kept = logs.clone();
+        let _subscriber = tracing::subscriber::set_default(
+            tracing_subscriber::fmt()
+                .with_writer(move || Logs(kept.clone()))
+                .with_ansi(false)
+                .finish(),
+        );
+        let section: EngineSection =
+            toml::from_str(&format!("url = \"http://{addr}\"\nkind = \"sglang\"")).unwrap();
+        let engine =
+            EngineAdapter::new(&section, 0, &crate::config::LimitsSection::default()).unwrap();
+        assert!(engine.models_due());
+        for _ in 0..3 {
+            assert!(!engine.learn_models().await);
+            assert!(!engine.models_due(), "read again before the refresh");
+        }
+        *answer.lock().unwrap() = vec![b' '; MAX_MODELS_BYTES + 1];
+        for _ in 0..2 {
+            assert!(!engine.learn_models().await);
+        }
+        *answer.lock().unwrap() = br#"{"data": [{"id": "m"}]}"#.to_vec();
+        assert!(engine.learn_models().await);
+        assert_eq!(engine.models(), ["m"]);
+        let text = String::from_utf8(logs.lock().unwrap().clone()).unwrap();
+        let warnings: Vec<&str> = text.lines().filter(|l| l.contains("WARN")).collect();
+        assert_eq!(warnings.len(), 2, "{text}");
+        assert!(warnings[0].contains("not JSON"), "{text}");
+        assert!(
+            warnings[1].contains(&format!("over the {MAX_MODELS_BYTES}-byte cap")),
+            "{text}"
+        );
+        assert!(text.contains("read again"), "{text}");
         server.abort();
     }
 

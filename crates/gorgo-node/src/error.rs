@@ -6,6 +6,16 @@ pub enum NodeError {
     /// The configuration is invalid; the message names the field.
     #[error("config: {0}")]
     Config(String),
+    /// One field of the configuration (or of an admin call's body, which is a piece of
+    /// it) is invalid: a config error whose field the code knows, so that the admin
+    /// API can name it in the error's `param`.
+    #[error("config: invalid `{field}`: {reason}")]
+    InvalidField {
+        /// The field as the file (`engines[2].url`) or the body (`url`) names it.
+        field: String,
+        /// Why it was refused.
+        reason: String,
+    },
     /// A change asked of the running node conflicts with its state (removing its
     /// last engine): the admin API's 409, not a config error.
     #[error("{0}")]
@@ -53,4 +63,14 @@ pub enum NodeError {
     /// fault, not the request's (a 500).
     #[error("internal: {0}")]
     Internal(String),
+}
+
+impl NodeError {
+    /// [`NodeError::InvalidField`]: `field` refused for `reason`.
+    pub fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        NodeError::InvalidField {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
 }

@@ -366,10 +366,10 @@ impl NodeState {
                     .iter()
                     .any(|e| config::normalize_engine_url(&e.config.url) == url)
                 {
-                    return Err(NodeError::Config(format!(
-                        "invalid `url`: the node already fronts {}",
-                        a.config.url
-                    )));
+                    return Err(NodeError::invalid(
+                        "url",
+                        format!("the node already fronts {}", a.config.url),
+                    ));
                 }
             }
             let mut set = engines.as_ref().clone();
@@ -388,8 +388,9 @@ impl NodeState {
     /// Remove engine `replica` (`DELETE /admin/engines/{replica}`): it drains (no new
     /// requests; peers see it draining) and leaves the set once its requests are done
     /// ([`NodeState::engines_tick`]). False when no such engine; refused for the last
-    /// engine in rotation (not being removed, not drained): a node left with drained
-    /// engines only serves nothing itself, and nothing would say why.
+    /// engine in rotation (serving, a health check passed and its breaker not open, as
+    /// `/readyz` counts it): a node left with drained engines, or with engines no
+    /// health check has passed, serves nothing itself, and nothing would say why.
     pub fn remove_engine(&self, replica: u16) -> Result<bool, NodeError> {
         // One change of the engine set at a time: two removals counting the engines
         // that stay at once could each leave the other as the last, and remove both.
@@ -401,7 +402,7 @@ impl NodeState {
         if e.is_removing() {
             return Ok(true);
         }
-        one_stays_in_rotation(&engines, &[replica])?;
+        one_stays_in_rotation(&engines, &[replica], &[])?;
         e.start_removing();
         tracing::info!(replica, url = %e.config.url, "engine removal: draining");
         Ok(true)
@@ -414,7 +415,9 @@ impl NodeState {
     /// are named in the log). Returns the replicas added and removed. All or nothing:
     /// every addition and removal is checked before any is made (docs/node.md says a
     /// bad reload changes nothing), and an error changes nothing. The new engines
-    /// count as staying: a list that replaces every engine is no removal of the last.
+    /// count as staying in rotation before any health check of theirs: a list that
+    /// replaces every engine is no removal of the last (the file says what the
+    /// engines are; the API's additions, one at a time, are checked first).
     pub fn reload_engines(
         self: &Arc<Self>,
         wanted: &[config::EngineSection],
@@ -457,7 +460,8 @@ impl NodeState {
         let added = self.prepare_engines(*next, &new)?;
         let after: Vec<_> = current.iter().chain(&added).cloned().collect();
         let removed: Vec<u16> = leaving.iter().map(|e| e.replica).collect();
-        one_stays_in_rotation(&after, &removed)?;
+        let new: Vec<u16> = added.iter().map(|e| e.replica).collect();
+        one_stays_in_rotation(&after, &removed, &new)?;
         // Nothing below fails but a race `install_engines` refuses before it changes
         // anything.
         self.install_engines(&mut next, &added)?;
@@ -701,7 +705,7 @@ impl NodeState {
         }
         self.metrics
             .engine_healthy
-            .set(engines.iter().filter(|e| e.adapter.is_healthy()).count() as i64);
+            .set(engines.iter().filter(|e| e.is_healthy()).count() as i64);
         self.metrics
             .engine_breaker
             .set(worst_breaker(engines.iter().map(|e| e.adapter.breaker())));
@@ -835,34 +839,50 @@ pub async fn drain(state: &Arc<NodeState>, deadline: Duration) -> usize {
     0
 }
 
-/// Refused (409) when removing the engines `leaving` would leave none of `engines`
-/// in rotation (serving, not being removed): a node left with drained engines only
-/// serves nothing itself, and nothing would say why.
+/// Refused (409) when removing the engines `leaving` would take the node's engines
+/// out of rotation, the staying engines all drained or being removed, or all without
+/// a passed health check while one leaving has: a node left so serves nothing itself,
+/// and nothing would say why. In rotation: serving (not drained, not being removed),
+/// and ready as `/readyz` counts it, a health check passed and the breaker not open;
+/// `fresh` engines (a reload's new ones) count as ready before their first check. A
+/// removal that leaves the node no less ready than it is is not refused: a node whose
+/// engines never passed a check (it started before them) can still swap them.
 fn one_stays_in_rotation(
     engines: &[Arc<local::LocalEngine>],
     leaving: &[u16],
+    fresh: &[u16],
 ) -> Result<(), NodeError> {
     if leaving.is_empty() {
         return Ok(());
     }
-    let staying = engines
-        .iter()
-        .filter(|o| !leaving.contains(&o.replica) && o.status() == local::EngineStatus::Serving)
-        .count();
-    if staying > 0 {
+    let serving = |o: &&Arc<local::LocalEngine>| o.status() == local::EngineStatus::Serving;
+    let ready = |o: &&Arc<local::LocalEngine>| {
+        serving(o) && (fresh.contains(&o.replica) || o.adapter.is_ready())
+    };
+    let (gone, staying): (Vec<_>, Vec<_>) =
+        engines.iter().partition(|o| leaving.contains(&o.replica));
+    if staying.iter().any(serving) && (staying.iter().any(ready) || !gone.iter().any(ready)) {
         return Ok(());
     }
-    let drained: Vec<String> = engines
-        .iter()
-        .filter(|o| !leaving.contains(&o.replica) && !o.is_removing())
-        .map(|o| o.replica.to_string())
-        .collect();
-    Err(NodeError::Conflict(if drained.is_empty() {
+    let named = |of: &dyn Fn(&&Arc<local::LocalEngine>) -> bool| -> String {
+        let replicas: Vec<String> = staying
+            .iter()
+            .filter(|o| of(o))
+            .map(|o| o.replica.to_string())
+            .collect();
+        replicas.join(", ")
+    };
+    let drained = named(&|o| !o.is_removing() && !serving(o));
+    let unchecked = named(&|o| serving(o));
+    Err(NodeError::Conflict(if !unchecked.is_empty() {
+        format!(
+            "the node's last engine that passed its health checks cannot be removed (not passed or failing now: {unchecked}; remove it once another has passed one)"
+        )
+    } else if drained.is_empty() {
         "the node's last engine cannot be removed".into()
     } else {
         format!(
-            "the node's last engine in rotation cannot be removed (drained: {}; put one back with POST /admin/engines/R/serve first)",
-            drained.join(", ")
+            "the node's last engine in rotation cannot be removed (drained: {drained}; put one back with POST /admin/engines/R/serve first)"
         )
     }))
 }

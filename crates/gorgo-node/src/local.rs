@@ -150,15 +150,20 @@ impl LocalEngine {
         self.status.load(Ordering::Acquire) == REMOVING
     }
 
-    /// Whether the engine takes new requests now: serving and healthy (and, added at
-    /// run time, confirmed by a health check).
+    /// Whether the engine takes new requests now: serving and healthy.
     pub fn takes_requests(&self) -> bool {
-        self.status() == EngineStatus::Serving
-            && if self.awaits_first_check {
-                self.adapter.is_ready()
-            } else {
-                self.adapter.is_healthy()
-            }
+        self.status() == EngineStatus::Serving && self.is_healthy()
+    }
+
+    /// Whether routing may count on the engine's health now: its breaker lets
+    /// requests through and, added at run time, a health check has passed (until
+    /// then it is not healthy, whatever its untried breaker says).
+    pub fn is_healthy(&self) -> bool {
+        if self.awaits_first_check {
+            self.adapter.is_ready()
+        } else {
+            self.adapter.is_healthy()
+        }
     }
 
     /// Its queue stats as gossiped: the view of the engine with the fit, marked
@@ -183,7 +188,8 @@ impl LocalEngine {
             "weight": self.config.weight,
             "status": self.status(),
             "removing": self.is_removing(),
-            "healthy": a.is_healthy(),
+            "healthy": self.is_healthy(),
+            "health_checked": a.health_checked(),
             "breaker": a.breaker(),
             "max_context_tokens": a.max_context_tokens(),
             "max_running_requests": a.max_running_requests().map(|l| l.0),

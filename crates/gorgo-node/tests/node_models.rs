@@ -250,3 +250,76 @@ async fn get_models(node: &TestNode) -> serde_json::Value {
     assert_eq!(resp.status(), 200);
     resp.json().await.unwrap()
 }
+
+/// An engine whose `/v1/models` answer cannot be read: not JSON, or a list of 10,000
+/// ids of 305 bytes (3 MB, over the node's 1 MiB cap); its health checks and model
+/// reads counted.
+struct UnreadableModels {
+    addr: std::net::SocketAddr,
+    checks: std::sync::atomic::AtomicU64,
+    reads: std::sync::atomic::AtomicU64,
+}
+
+impl UnreadableModels {
+    async fn start(huge: bool) -> Arc<Self> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let engine = Arc::new(UnreadableModels {
+            addr: listener.local_addr().unwrap(),
+            checks: Default::default(),
+            reads: Default::default(),
+        });
+        let answer = if huge {
+            let data: Vec<_> = (0..10_000)
+                .map(|i| serde_json::json!({"id": format!("{i:0>305}")}))
+                .collect();
+            serde_json::json!({ "data": data }).to_string()
+        } else {
+            "{\"data\": [".to_owned()
+        };
+        let (checked, read) = (engine.clone(), engine.clone());
+        let app = axum::Router::new()
+            .route(
+                "/health",
+                axum::routing::get(move || {
+                    checked.checks.fetch_add(1, SeqCst);
+                    async { "ok" }
+                }),
+            )
+            .route(
+                "/v1/models",
+                axum::routing::get(move || {
+                    read.reads.fetch_add(1, SeqCst);
+                    let answer = answer.clone();
+                    async move { answer }
+                }),
+            );
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        engine
+    }
+}
+
+/// An engine whose `/v1/models` answer cannot be read is asked for it again at the
+/// normal refresh (30 s), not at every health check: the node read a malformed or
+/// oversized list once a health interval, for good, and said nothing (the warning is
+/// `engine::tests::an_unreadable_model_list_is_warned_of_once_per_reason`).
+#[tokio::test]
+async fn an_unreadable_model_list_is_not_read_again_at_every_health_check() {
+    use std::sync::atomic::Ordering::SeqCst;
+    for huge in [false, true] {
+        let engine = UnreadableModels::start(huge).await;
+        let url = format!("http://{}", engine.addr);
+        let node = start_node(
+            config_with_engine("a", &url, "health_interval_ms = 10\n"),
+            None,
+        )
+        .await;
+        until("the list read and 20 health checks", || {
+            engine.reads.load(SeqCst) > 0 && engine.checks.load(SeqCst) >= 20
+        })
+        .await;
+        assert_eq!(engine.reads.load(SeqCst), 1, "huge: {huge}");
+        assert!(node.state().engine(0).unwrap().adapter.models().is_empty());
+        node.shutdown.cancel();
+    }
+}

@@ -631,3 +631,179 @@ async fn an_engine_spelled_another_way_is_refused_as_the_same_engine() {
     assert!(!message.starts_with("config:"), "{e}");
     node.shutdown.cancel();
 }
+
+/// An engine URL is `http://host:port`: the spellings that slipped past the duplicate
+/// check as another engine (user info, a `.` path, an empty query or fragment, the
+/// integer form of the IPv4 address, which the HTTP client reads as the same
+/// address) are refused, with `param` `url`, and the node still fronts one engine.
+#[tokio::test]
+async fn an_engine_url_is_host_and_port_however_it_is_spelled() {
+    use reqwest::Method;
+    let es = engines(1).await;
+    let node = start_node(config_with_engines("a", &[es[0].url()], ""), None).await;
+    let port = es[0].addr.port();
+    let url = es[0].url();
+    for spelled in [
+        format!("http://x@127.0.0.1:{port}"),
+        format!("{url}/."),
+        format!("{url}/?"),
+        format!("{url}/#"),
+        format!("{url}/x?y=1"),
+        format!("http://2130706433:{port}"),
+        format!("http://127.1:{port}/"),
+    ] {
+        let body = serde_json::json!({"url": spelled, "kind": "sglang"});
+        let (status, e) =
+            admin_call(&node, Method::POST, "/admin/engines".into(), Some(body)).await;
+        assert_eq!(status, 400, "{spelled}: {e}");
+        assert_eq!(e["error"]["param"], "url", "{spelled}: {e}");
+        let message = e["error"]["message"].as_str().unwrap();
+        assert!(message.starts_with("invalid `url`: "), "{spelled}: {e}");
+    }
+    assert_eq!(node.state().engines().len(), 1);
+    node.shutdown.cancel();
+}
+
+/// An engine no health check has passed is not reported healthy (the answer to
+/// `POST /admin/engines` said `"healthy": true` for an address nothing listens on),
+/// and it does not count as in rotation: the one engine that passed its checks cannot
+/// be removed while the others have passed none (it was, leaving the node with no
+/// working engine). Engines that never passed a check may be removed, and a reload
+/// may swap an engine that never passed one (a node started before its engine).
+#[tokio::test]
+async fn an_engine_no_health_check_passed_is_neither_healthy_nor_in_rotation() {
+    use reqwest::Method;
+    let es = engines(1).await;
+    let node = start_node(config_with_engines("a", &[es[0].url()], ""), None).await;
+    let state = node.state().clone();
+    until("engine 0 checked", || state.is_ready()).await;
+    let nowhere = serde_json::json!({"url": "http://127.0.0.2:1", "kind": "sglang"});
+    let (status, v) = admin_call(&node, Method::POST, "/admin/engines".into(), Some(nowhere)).await;
+    assert_eq!(status, 201, "{v}");
+    assert_eq!(v["healthy"], false, "{v}");
+    assert_eq!(v["health_checked"], false, "{v}");
+    let list = admin_json(&node, "/admin/engines").await;
+    assert_eq!(list[0]["healthy"], true, "{list}");
+    assert_eq!(list[0]["health_checked"], true, "{list}");
+    assert_eq!(list[1]["healthy"], false, "{list}");
+    let (status, e) = admin_call(&node, Method::DELETE, "/admin/engines/0".into(), None).await;
+    assert_eq!(status, 409, "{e}");
+    assert_eq!(e["error"]["code"], "conflict", "{e}");
+    let message = e["error"]["message"].as_str().unwrap();
+    assert!(message.contains("health check"), "{e}");
+    assert!(!state.engine(0).unwrap().is_removing());
+    assert!(state.is_ready());
+    // The unchecked one may go.
+    let (status, e) = admin_call(&node, Method::DELETE, "/admin/engines/1".into(), None).await;
+    assert_eq!(status, 202, "{e}");
+    node.shutdown.cancel();
+
+    // A node whose engine never answered: a reload swaps it for one that does.
+    let node = start_node(
+        config_with_engines("b", &["http://127.0.0.2:1".to_owned()], ""),
+        None,
+    )
+    .await;
+    let state = node.state().clone();
+    let wanted = config_with_engines("b", &[es[0].url()], "");
+    let (added, removed) = state.reload_engines(wanted.engines()).unwrap();
+    assert_eq!((added, removed), (vec![1], vec![0]));
+    until("engine 1 checked", || state.is_ready()).await;
+    node.shutdown.cancel();
+}
+
+/// Every admin body is a JSON object: serde also takes a struct from an array of its
+/// fields in order, and `PUT /admin/weights` took `[1, 2]` and changed the weights.
+/// A field of the wrong type or value is named in `param`.
+#[tokio::test]
+async fn admin_bodies_are_objects_and_their_errors_name_the_field() {
+    use reqwest::Method;
+    let es = engines(1).await;
+    let node = start_node(config_with_engines("a", &[es[0].url()], ""), None).await;
+    let before = *node.state().weights.read();
+    for (method, path, body) in [
+        (Method::PUT, "/admin/weights", serde_json::json!([1, 2])),
+        (
+            Method::PUT,
+            "/admin/weights",
+            serde_json::json!([1, 2, "static"]),
+        ),
+        (
+            Method::POST,
+            "/admin/engines",
+            serde_json::json!(["http://127.0.0.2:1", "sglang"]),
+        ),
+        (
+            Method::POST,
+            "/admin/prefix_match",
+            serde_json::json!([[1, 2], 0]),
+        ),
+        (Method::PUT, "/admin/weights", serde_json::json!("static")),
+    ] {
+        let (status, e) = admin_call(&node, method, path.into(), Some(body.clone())).await;
+        assert_eq!(status, 400, "{path} {body}: {e}");
+        let message = e["error"]["message"].as_str().unwrap();
+        assert!(
+            message.starts_with("body must be") && message.contains("a JSON object"),
+            "{path} {body}: {e}"
+        );
+    }
+    assert_eq!(*node.state().weights.read(), before, "weights unchanged");
+    assert_eq!(node.state().engines().len(), 1);
+    for (method, path, body, param) in [
+        (
+            Method::PUT,
+            "/admin/weights",
+            serde_json::json!({"w_rtt": "x", "w_queue": 1}),
+            "w_rtt",
+        ),
+        (
+            Method::PUT,
+            "/admin/weights",
+            serde_json::json!({"w_rt": 1, "w_queue": 1}),
+            "w_rt",
+        ),
+        (
+            Method::POST,
+            "/admin/engines",
+            serde_json::json!({"url": "http://127.0.0.2:1", "kind": "sglang", "weight": "x"}),
+            "weight",
+        ),
+        (
+            Method::POST,
+            "/admin/engines",
+            serde_json::json!({"url": "http://127.0.0.2:1"}),
+            "kind",
+        ),
+        (
+            Method::POST,
+            "/admin/engines",
+            serde_json::json!({"url": "http://127.0.0.2:1", "kind": "sglang", "weight": -1.0}),
+            "weight",
+        ),
+        (
+            Method::POST,
+            "/admin/engines",
+            serde_json::json!({"url": es[0].url(), "kind": "sglang"}),
+            "url",
+        ),
+        (
+            Method::POST,
+            "/admin/engines",
+            serde_json::json!({"url": "http://127.0.0.2:1", "kind": "sglang", "health_path": "/x\r\nEvil: 1"}),
+            "health_path",
+        ),
+        (
+            Method::POST,
+            "/admin/prefix_match",
+            serde_json::json!({"token_ids": [1, -2]}),
+            "token_ids[1]",
+        ),
+    ] {
+        let (status, e) = admin_call(&node, method, path.into(), Some(body.clone())).await;
+        assert_eq!(status, 400, "{path} {body}: {e}");
+        assert_eq!(e["error"]["param"], param, "{path} {body}: {e}");
+    }
+    assert_eq!(node.state().engines().len(), 1);
+    node.shutdown.cancel();
+}
