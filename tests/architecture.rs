@@ -18,9 +18,12 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("gorgo-workload", &["gorgo-core"]),
     ("gorgo-report", &["gorgo-core", "gorgo-files"]),
     ("gorgo-tokenizer", &["gorgo-core", "gorgo-files"]),
-    ("gorgo-engine", &["gorgo-core", "gorgo-tokenizer"]),
-    ("gorgo-netem", &[]),
-    ("gorgo-cluster", &["gorgo-core"]),
+    (
+        "gorgo-engine",
+        &["gorgo-core", "gorgo-tokenizer", "gorgo-files"],
+    ),
+    ("gorgo-netem", &["gorgo-files"]),
+    ("gorgo-cluster", &["gorgo-core", "gorgo-files"]),
     (
         "gorgo-node",
         &[

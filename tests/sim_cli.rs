@@ -353,3 +353,190 @@ fn a_selection_of_no_request_is_refused() {
         assert!(err.contains("selects no request"), "{err}");
     }
 }
+
+/// A subcommand whose stdout is a closed pipe (`| head -c 10`) or a full disk fails
+/// with an error naming stdout (exit 1); `println!` panicked there (exit 101, "failed
+/// printing to stdout").
+#[test]
+fn output_to_a_closed_pipe_or_a_full_disk_is_an_error_not_a_panic() {
+    let topology = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/configs/topologies/three-region.toml"
+    );
+    let closed_pipe = || {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        std::process::Stdio::from(writer)
+    };
+    let full_disk = || {
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap();
+        std::process::Stdio::from(full)
+    };
+    for (what, stdout) in [("closed pipe", closed_pipe()), ("full disk", full_disk())] {
+        let out = gorgo()
+            .args(["netem", "--topology", topology, "--plan"])
+            .env("RUST_BACKTRACE", "0")
+            .stdout(stdout)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{what}: {stderr}");
+        assert!(stderr.contains("writing to stdout"), "{what}: {stderr}");
+    }
+}
+
+/// Magnitudes no real run uses are refused naming the flag (or the profile file and
+/// field), in `sim`, `sweep`, `tune-offline` and `trace generate` alike: each ran for
+/// ever, held memory without bound, or exited 0 with figures that cannot be right
+/// (a time scale of `1e300`: TTFT p50 0 ms).
+#[test]
+fn magnitudes_no_run_uses_are_refused_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = generate(dir.path());
+    let profile = dir.path().join("slope0.toml");
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/configs/engines/paper-a100-mistral7b.toml"
+    ))
+    .unwrap()
+    .replace("t_p_ms_per_token = 0.0938", "t_p_ms_per_token = 0");
+    std::fs::write(&profile, text).unwrap();
+    let profile = profile.display().to_string();
+    let sim: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--time-scale", "1e300"], "--time-scale"),
+        (vec!["--time-scale", "inf"], "finite"),
+        (vec!["--gossip-delay-ms", "1e7"], "--gossip-delay-ms"),
+        (vec!["--gossip-interval-ms", "1e9"], "--gossip-interval-ms"),
+        (
+            vec!["--kv-events-delay-ms", "1e300"],
+            "--kv-events-delay-ms",
+        ),
+        (vec!["--tune", "--tuning-window", "1"], "--tuning-window"),
+        (vec!["--max-context-tokens", "1"], "--max-context-tokens"),
+        (vec!["--engine-profile", &profile], "t_p_ms_per_token"),
+    ];
+    for (extra, named) in sim {
+        let out = gorgo()
+            .args(["sim", "--topology", &topology(), "--policies", "gorgo"])
+            .args(["--max-requests", "20"])
+            .arg("--trace")
+            .arg(&trace)
+            .arg("--out")
+            .arg(dir.path().join("o"))
+            .args(&extra)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{extra:?}: {err}");
+        let short = err.lines().all(|l| l.len() < 300);
+        assert!(err.contains(named) && short, "{extra:?}: {err}");
+    }
+    let others: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["sweep", "--time-scales", "1e300"], "--time-scales"),
+        (vec!["sweep", "--rates", "1e-300"], "--rates"),
+        (
+            vec!["tune-offline", "--time-scale", "1e300"],
+            "--time-scale",
+        ),
+    ];
+    for (argv, named) in others {
+        let out = gorgo()
+            .args(&argv)
+            .args([
+                "--topology",
+                &topology(),
+                "--no-progress",
+                "--max-requests",
+                "20",
+            ])
+            .arg("--trace")
+            .arg(&trace)
+            .arg("--out")
+            .arg(dir.path().join("o"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{argv:?}: {err}");
+        let short = err.lines().all(|l| l.len() < 300);
+        assert!(err.contains(named) && short, "{argv:?}: {err}");
+    }
+    // The generator holds its trace in memory: `1e100` requests per user wrote one.
+    let out = gorgo()
+        .args([
+            "trace",
+            "generate",
+            "--users",
+            "1",
+            "--requests-per-user",
+            "1e100",
+        ])
+        .arg("--out")
+        .arg(dir.path().join("g.jsonl"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    let short = err.lines().all(|l| l.len() < 300);
+    assert!(err.contains("--requests-per-user") && short, "{err}");
+    assert!(!dir.path().join("g.jsonl").exists());
+}
+
+/// A rerun into the same `--out` without `--decisions` removes the old
+/// `decisions.jsonl`, which read as the new run's decisions.
+#[test]
+fn a_rerun_without_decisions_leaves_no_old_decisions_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = generate(dir.path());
+    let out_dir = dir.path().join("o");
+    let run = |extra: &[&str]| {
+        let out = gorgo()
+            .args(["sim", "--topology", &topology(), "--max-requests", "20"])
+            .arg("--trace")
+            .arg(&trace)
+            .arg("--out")
+            .arg(&out_dir)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(&["--policies", "gorgo", "--decisions", "5"]);
+    assert!(out_dir.join("decisions.jsonl").exists());
+    run(&["--policies", "least-load"]);
+    assert!(!out_dir.join("decisions.jsonl").exists());
+}
+
+/// The generator's `--config` is read with a cap (16 MiB): a valid one padded one byte
+/// over it, or `/dev/zero` (before, read until memory ran out), is refused naming the
+/// flag and the cap.
+#[test]
+fn a_generator_config_over_the_cap_is_refused_naming_the_flag() {
+    const CAP: usize = 16 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let big = dir.path().join("gen.toml");
+    std::fs::write(&big, format!("seed = 3\n{}", " ".repeat(CAP - 8))).unwrap();
+    let zero = Path::new("/dev/zero");
+    for config in [big.as_path(), zero].into_iter().filter(|p| p.exists()) {
+        let out = gorgo()
+            .args(["trace", "generate", "--config"])
+            .arg(config)
+            .arg("--out")
+            .arg(dir.path().join("t.jsonl"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success()
+                && err.contains(&format!("--config {}", config.display()))
+                && err.contains(&format!("larger than {CAP} bytes")),
+            "{err}"
+        );
+    }
+}

@@ -180,7 +180,9 @@ impl Drop for Bystander {
 
 /// A stale `pids.json` (a reboot, a `gorgo up` that was SIGKILLed) names pids that
 /// other processes may have by now: `gorgo down` leaves such a process alone, naming
-/// it, and `gorgo up` does not take it for a cluster already running.
+/// it, and `gorgo up` does not take it for a cluster already running. So when the
+/// recorded arguments are that process's own (`sleep 300` recorded with `300`): its
+/// program is not gorgo (before, only the arguments were compared, and it was killed).
 #[test]
 fn a_stale_pids_file_never_signals_another_process() {
     let dir = tempfile::tempdir().unwrap();
@@ -194,6 +196,8 @@ fn a_stale_pids_file_never_signals_another_process() {
         "processes": [
             {"name": "netem", "pid": pid, "args": ["netem", "--topology", "t.toml"]},
             {"name": "node-a", "pid": pid, "args": ["node", "--config", "node-a.toml"]},
+            {"name": "engine-x", "pid": pid, "args": ["300"]},
+            {"name": "engine-y", "pid": pid, "args": ["300"], "exe": GORGO},
         ],
     });
     std::fs::write(run_dir.join("pids.json"), pids.to_string()).unwrap();
@@ -237,6 +241,56 @@ fn a_stale_pids_file_never_signals_another_process() {
         "gorgo down signalled a process that was not the one recorded"
     );
     assert!(!run_dir.join("pids.json").exists());
+}
+
+/// `pids.json` is read with a cap (16 MiB), by `gorgo up`, `down` and `restart`: one
+/// that is valid JSON but one byte over it is refused naming the file and the cap
+/// (before, a run dir's `pids.json` linked to `/dev/zero` grew memory without end).
+#[test]
+fn a_pids_file_over_the_cap_is_refused_naming_it() {
+    const CAP: usize = 16 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("big");
+    let run = run_dir.display().to_string();
+    std::fs::create_dir_all(&run_dir).unwrap();
+    let pids = r#"{"pgid": 0, "processes": [{"name": "engine-x", "pid": 0, "args": ["x"]}]}"#;
+    let pids_path = run_dir.join("pids.json");
+    std::fs::write(
+        &pids_path,
+        format!("{pids}{}", " ".repeat(CAP + 1 - pids.len())),
+    )
+    .unwrap();
+    // Should `gorgo up` read past the file, an address taken here stops it before it
+    // starts anything.
+    let taken = std::net::TcpListener::bind("127.0.0.85:0").unwrap();
+    let base = (taken.local_addr().unwrap().port() - 6).to_string();
+    let topology = root().join("configs/topologies/three-region.toml");
+    let up = [
+        "up",
+        "--topology",
+        topology.to_str().unwrap(),
+        "--run-dir",
+        &run,
+        "--ip-base",
+        "85",
+        "--base-port",
+        &base,
+    ];
+    for args in [
+        &up[..],
+        &["down", "--run-dir", &run][..],
+        &["restart", "--run-dir", &run, "engine-x"][..],
+    ] {
+        let out = gorgo(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success()
+                && err.contains(&pids_path.display().to_string())
+                && err.contains(&format!("larger than {CAP} bytes")),
+            "{}: {err}",
+            args[0]
+        );
+    }
 }
 
 /// `gorgo restart` of a process whose cluster is gone starts it in a group of its own

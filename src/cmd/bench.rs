@@ -107,10 +107,14 @@ impl LoadArgs {
         if self.max_requests == Some(0) {
             anyhow::bail!("--max-requests must be at least 1");
         }
-        if self.max_context_tokens == Some(0) {
-            anyhow::bail!("--max-context-tokens must be at least 1");
-        }
-        self.replay_config().map(drop)
+        super::sim::check_max_context_tokens(self.max_context_tokens)?;
+        self.replay_config()?.validate().map_err(|e| match e {
+            gorgo_bench::BenchError::InvalidConfig {
+                field: "concurrency" | "max_in_flight",
+                reason,
+            } => anyhow::anyhow!("--concurrency {reason}"),
+            e => e.into(),
+        })
     }
 
     fn replay_config(&self) -> anyhow::Result<ReplayConfig> {
@@ -182,7 +186,8 @@ pub struct BenchArgs {
 pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     super::init_tracing();
     args.load.check()?;
-    let cluster = ClusterInfo::parse_spec(&args.cluster)?;
+    let cluster = ClusterInfo::parse_spec(&args.cluster)
+        .with_context(|| format!("--cluster {}", args.cluster))?;
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
     if let Some(policy) = &args.policy {
         runtime.block_on(check_policy_honoured(&cluster, policy))?;
@@ -624,9 +629,9 @@ fn left_running_hint(out: &Path) -> String {
 /// the run was `interrupted`: the report covers only what finished (its
 /// `config.cancelled` names what was cut short).
 fn finish(out: &Path, table: &str, runs: &[PolicyRun], interrupted: bool) -> anyhow::Result<()> {
-    println!("{table}");
+    outln!("{table}");
     let failed: usize = runs.iter().map(|r| r.output.failed()).sum();
-    println!("report: {}", out.display());
+    outln!("report: {}", out.display());
     if interrupted {
         anyhow::bail!("interrupted: the report covers what finished");
     }
@@ -718,6 +723,15 @@ mod tests {
             .is_ok());
         // The most replicas fit the default stride.
         assert!(spec(&["--replicas", "16"]).validate().is_ok());
+        // Blocks that run past the last port blame the base, not the stride.
+        let err = spec(&["--base-port", "65500"])
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("`base_port`") && !err.contains("`port_stride`"),
+            "{err}"
+        );
         // With KV events, each engine's two ports lie above it too.
         assert_eq!(super::super::up::cluster_port_span(1, true), 9);
         assert_eq!(super::super::up::cluster_port_span(2, true), 16);
@@ -771,6 +785,12 @@ mod tests {
             // The replay refused it too, but only after `compare` had started every
             // cluster; closed loop or open.
             ("--concurrency=0", "--concurrency"),
+            // Past what a client machine drives (two million clients took 6 GB).
+            ("--concurrency=2000000", "--concurrency"),
+            // Below the chat template, a prompt token and an output token: the output
+            // overflowed the limit, silently.
+            ("--max-context-tokens=1", "--max-context-tokens"),
+            ("--max-context-tokens=65", "--max-context-tokens"),
         ] {
             let err = load(&[bad]).check().unwrap_err().to_string();
             assert!(err.contains(flag), "{bad}: {err}");
@@ -783,6 +803,21 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("--concurrency"), "{err}");
+        let err = load(&["--mode=closed", "--concurrency=2000000"])
+            .check()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--concurrency") && err.contains("65536"),
+            "{err}"
+        );
+        load(&[
+            "--mode=closed",
+            "--concurrency=65536",
+            "--max-context-tokens=66",
+        ])
+        .check()
+        .unwrap();
     }
 
     /// The hint a second Ctrl-C prints is a command `gorgo down` takes (it said

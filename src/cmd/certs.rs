@@ -38,12 +38,12 @@ pub fn run(args: CertsArgs) -> anyhow::Result<()> {
         .with_context(|| format!("writing certificates to {}", args.out.display()))?;
     let ca = args.out.join("ca.pem");
     if existing {
-        println!("CA: {} (already there: issued under it)", ca.display());
+        outln!("CA: {} (already there: issued under it)", ca.display());
     } else {
-        println!("CA: {} (new)", ca.display());
+        outln!("CA: {} (new)", ca.display());
     }
     for (node, files) in written {
-        println!(
+        outln!(
             "{node}: cert {} key {}",
             files.cert.display(),
             files.key.display()

@@ -65,7 +65,8 @@ pub struct EngineArgs {
 /// `--drain-timeout-ms`).
 pub fn run(args: EngineArgs) -> anyhow::Result<()> {
     super::init_tracing();
-    let profile = Profile::by_name_or_file(&args.profile)?;
+    let profile = Profile::by_name_or_file(&args.profile)
+        .with_context(|| format!("--profile {}", args.profile))?;
     let mut config = EmulatorConfig::new(profile);
     config.model_name = args.model;
     config.block_bytes = args.block_bytes;

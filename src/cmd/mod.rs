@@ -1,4 +1,33 @@
 //! One module per subcommand; each owns its arguments and its driver.
+
+/// `print!` that fails instead of panicking: see [`write_stdout`]. Only in functions
+/// returning `anyhow::Result`.
+macro_rules! out {
+    ($($arg:tt)*) => {
+        $crate::cmd::write_stdout(format_args!($($arg)*))?
+    };
+}
+
+/// `println!` that fails instead of panicking: see [`write_stdout`].
+macro_rules! outln {
+    () => {
+        $crate::cmd::write_stdout(format_args!("\n"))?
+    };
+    ($($arg:tt)*) => {
+        $crate::cmd::write_stdout(format_args!("{}\n", format_args!($($arg)*)))?
+    };
+}
+
+/// `println!` for the status lines of a command whose work is done by then (a cluster
+/// started, processes stopped): written if stdout takes it, else left out, since a
+/// closed stdout must neither panic nor undo the work (`gorgo up --detach | true`
+/// tore its cluster down, leaving a stale `cluster.json`).
+macro_rules! tellln {
+    ($($arg:tt)*) => {
+        let _ = $crate::cmd::write_stdout(format_args!("{}\n", format_args!($($arg)*)));
+    };
+}
+
 pub mod bench;
 pub mod certs;
 pub mod engine;
@@ -15,6 +44,18 @@ use anyhow::Context as _;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 use tracing_subscriber::Layer as _;
+
+/// Write a subcommand's output to stdout and flush it, or say why not. `print!`
+/// panics when stdout is a closed pipe (`gorgo trace stats t.jsonl | head -1`) or a
+/// full disk (exit 101 and a panic message); a subcommand's output is its work, so a
+/// failure to write it is an error like any other: exit 1, naming stdout.
+pub fn write_stdout(args: std::fmt::Arguments<'_>) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    out.write_fmt(args)
+        .and_then(|()| out.flush())
+        .context("writing to stdout")
+}
 
 /// A layer of the process' subscriber beside its log lines (the node's OpenTelemetry
 /// layer).

@@ -46,7 +46,7 @@ pub fn run(args: NetemArgs) -> anyhow::Result<()> {
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "topology".to_owned());
-        print!("{}", tc_script(&topology, &name));
+        out!("{}", tc_script(&topology, &name));
         return Ok(());
     }
     let options = PlanOptions {
@@ -55,7 +55,7 @@ pub fn run(args: NetemArgs) -> anyhow::Result<()> {
     };
     let plan = plan_cluster(&topology, &options)?;
     if args.plan {
-        println!("{}", serde_json::to_string_pretty(&plan)?);
+        outln!("{}", serde_json::to_string_pretty(&plan)?);
         return Ok(());
     }
     super::init_tracing();
@@ -68,9 +68,10 @@ pub fn run(args: NetemArgs) -> anyhow::Result<()> {
             .with_context(|| format!("binding the control API on {control_addr}"))?;
         // Runs until the signal; dropping it at the end closes the listener.
         let control = serve_control(listener, cluster.links.clone(), std::future::pending());
-        println!("{:<34} {:<5} {:<22} target", "relay", "proto", "listen");
+        // The relays run whatever stdout does: a closed one must not stop them.
+        tellln!("{:<34} {:<5} {:<22} target", "relay", "proto", "listen");
         for relay in &cluster.relays {
-            println!(
+            tellln!(
                 "{:<34} {:<5} {:<22} {}",
                 relay.name,
                 relay.protocol,
@@ -78,8 +79,8 @@ pub fn run(args: NetemArgs) -> anyhow::Result<()> {
                 relay.target
             );
         }
-        println!("control API: http://{control_addr} (POST /partition?a=X&b=Y, POST /heal?a=X&b=Y, GET /links)");
-        println!("relays running; Ctrl-C to stop");
+        tellln!("control API: http://{control_addr} (POST /partition?a=X&b=Y, POST /heal?a=X&b=Y, GET /links)");
+        tellln!("relays running; Ctrl-C to stop");
         // A relay that stopped on its own (its socket failed) would leave its link
         // silently dead: the run stops with an error instead.
         let stopped = tokio::select! {

@@ -25,7 +25,7 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
     if args.check {
         gorgo_node::cluster::preflight(&config)
             .with_context(|| format!("checking {}", args.config.display()))?;
-        println!("{}: ok", args.config.display());
+        outln!("{}: ok", args.config.display());
         return Ok(());
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()

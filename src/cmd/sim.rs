@@ -201,9 +201,7 @@ impl SimModelArgs {
         if self.max_requests == Some(0) {
             bail!("--max-requests must be at least 1");
         }
-        if self.max_context_tokens == Some(0) {
-            bail!("--max-context-tokens must be at least 1");
-        }
+        check_max_context_tokens(self.max_context_tokens)?;
         let mut cfg = SimConfig::new(network(&topology), profile);
         cfg.replicas = self.replicas;
         cfg.gossip_interval_ms = self.gossip_interval_ms;
@@ -260,6 +258,22 @@ impl SimModelArgs {
             "non_streamed_share": self.non_streamed_share,
         })
     }
+}
+
+/// `--max-context-tokens` of `gorgo sim`, `sweep` and `bench`: room for the chat
+/// template, a prompt token and an output token
+/// ([`gorgo_workload::MIN_CONTEXT_TOKENS`]). Below it the prompt was shortened to one
+/// token and the output overflowed the limit, silently.
+pub fn check_max_context_tokens(max: Option<u64>) -> anyhow::Result<()> {
+    let min = gorgo_workload::MIN_CONTEXT_TOKENS;
+    if max.is_some_and(|m| m < min) {
+        bail!(
+            "--max-context-tokens must be at least {min} (the chat template's {} tokens, a \
+             prompt token and an output token)",
+            gorgo_workload::CHAT_TEMPLATE_TOKENS
+        );
+    }
+    Ok(())
 }
 
 /// `cfg.validate()`, its error naming the flag that sets the field where one does
@@ -577,8 +591,13 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     report
         .write(&args.out)
         .with_context(|| format!("writing the report to {}", args.out.display()))?;
+    let decisions = args.out.join("decisions.jsonl");
     if args.decisions > 0 {
-        write_decisions(&args.out.join("decisions.jsonl"), &runs)?;
+        write_decisions(&decisions, &runs)?;
+    } else {
+        // An earlier run's, which would read as this run's decisions.
+        gorgo_files::remove_stale(&decisions)
+            .with_context(|| format!("removing the stale {}", decisions.display()))?;
     }
     let gap = oracle_gap(&report.results);
     let floors = gorgo_sim::floor::request_floors(&cfg, rows(&args.trace, &args.model)?)

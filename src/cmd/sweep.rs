@@ -81,28 +81,36 @@ pub fn trace_rate(path: &Path, model: &SimModelArgs) -> anyhow::Result<(u64, f64
     Ok((n, n as f64 / ((last - first) as f64 / 1000.0)))
 }
 
-/// The time scales to run, largest (lightest load) first.
+/// The time scales to run, largest (lightest load) first; each within the simulator's
+/// bounds (`gorgo_sim::check_time_scale`, as `gorgo sim --time-scale`), live or not.
 fn time_scales(args: &SweepArgs, rate: f64) -> anyhow::Result<Vec<f64>> {
+    let reason = |s: f64| match gorgo_sim::check_time_scale(s) {
+        Err(gorgo_sim::SimError::InvalidConfig { reason, .. }) => Some(reason),
+        _ => None,
+    };
     let mut scales: Vec<f64> = match &args.rates {
         Some(rates) => rates
             .iter()
             .map(|&r| {
-                if r.is_finite() && r > 0.0 {
-                    Ok(rate / r)
-                } else {
+                if !(r.is_finite() && r > 0.0) {
                     bail!("--rates: {r} is not a positive rate")
+                }
+                let s = rate / r;
+                match reason(s) {
+                    None => Ok(s),
+                    Some(why) => bail!(
+                        "--rates: {r:e} requests/s is time scale {s:.3e} on this trace \
+                         ({rate:.3} requests/s), which {why}"
+                    ),
                 }
             })
             .collect::<anyhow::Result<_>>()?,
         None => args
             .time_scales
             .iter()
-            .map(|&s| {
-                if s.is_finite() && s > 0.0 {
-                    Ok(s)
-                } else {
-                    bail!("--time-scales: {s} is not a positive factor")
-                }
+            .map(|&s| match reason(s) {
+                None => Ok(s),
+                Some(why) => bail!("--time-scales: {s:e} {why}"),
             })
             .collect::<anyhow::Result<_>>()?,
     };
@@ -163,8 +171,8 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     sweep
         .write(&args.out)
         .with_context(|| format!("writing the sweep to {}", args.out.display()))?;
-    print!("{}", gorgo_report::sweep::render_sweep_markdown(&sweep));
-    println!(
+    out!("{}", gorgo_report::sweep::render_sweep_markdown(&sweep));
+    outln!(
         "\nSweep: {} ({:.1} s wall)",
         args.out.display(),
         started.elapsed().as_secs_f64()
@@ -500,6 +508,27 @@ mod tests {
         assert!(parse(&["--rates", "1", "--time-scales", "2"]).is_err());
         let a = parse(&["--rates", "0"]).unwrap();
         assert!(time_scales(&a, 4.0).is_err());
+    }
+
+    /// A load past the simulator's time scales (`gorgo_sim::MAX_TIME_SCALE`) is
+    /// refused naming the flag, as `gorgo sim --time-scale` refuses it: `1e14` ran for
+    /// ever and `--rates 1e-300` reported zeros.
+    #[test]
+    fn loads_past_the_simulators_time_scales_are_refused() {
+        for (argv, flag) in [
+            (["--time-scales", "1e14"], "--time-scales"),
+            (["--time-scales", "8,1e300"], "--time-scales"),
+            (["--time-scales", "inf"], "--time-scales"),
+            (["--rates", "1e-300"], "--rates"),
+            (["--rates", "0.0001"], "--rates"),
+        ] {
+            let e = time_scales(&parse(&argv).unwrap(), 4.0)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(flag) && e.len() < 200, "{argv:?}: {e}");
+        }
+        let a = parse(&["--time-scales", "10000"]).unwrap();
+        assert_eq!(time_scales(&a, 4.0).unwrap(), vec![10_000.0]);
     }
 
     /// A live point whose p95 TTFT is censored (more than 5% failed before a first

@@ -31,10 +31,18 @@ pub fn run(args: TopologyArgs) -> anyhow::Result<()> {
         seed: args.seed,
         client_delay_ms: args.client_delay_ms,
     };
-    let (topology, placed) = generate(&spec).context("generating the topology")?;
+    // The spec's fields are this command's flags: name them as such.
+    let (topology, placed) = generate(&spec).map_err(|e| match e {
+        gorgo_netem::NetemError::Invalid { field, reason }
+            if field == "regions" || field == "client_delay_ms" =>
+        {
+            anyhow::anyhow!("--{} {reason}", field.replace('_', "-"))
+        }
+        e => anyhow::Error::from(e).context("generating the topology"),
+    })?;
     let text = to_toml(&spec, &topology, &placed);
     if args.out.as_os_str() == "-" {
-        print!("{text}");
+        out!("{text}");
     } else {
         std::fs::write(&args.out, text)
             .with_context(|| format!("writing {}", args.out.display()))?;
@@ -45,4 +53,27 @@ pub fn run(args: TopologyArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A bad `--regions` or `--client-delay-ms` is named as the flag, not as a field
+    /// of a topology file the user never wrote.
+    #[test]
+    fn bad_values_name_the_flag() {
+        for (regions, client_delay_ms, flag) in
+            [(1, 5.0, "--regions"), (3, f64::NAN, "--client-delay-ms")]
+        {
+            let args = TopologyArgs {
+                regions,
+                seed: 0,
+                client_delay_ms,
+                out: "-".into(),
+            };
+            let e = run(args).unwrap_err().to_string();
+            assert!(e.contains(flag) && !e.contains("topology field"), "{e}");
+        }
+    }
 }

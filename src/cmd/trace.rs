@@ -186,9 +186,9 @@ fn stats(a: StatsArgs) -> anyhow::Result<()> {
     }
     let s = acc.finish();
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&s)?);
+        outln!("{}", serde_json::to_string_pretty(&s)?);
     } else {
-        print!("{}", s.render());
+        out!("{}", s.render());
     }
     Ok(())
 }
@@ -233,11 +233,26 @@ fn convert(a: ConvertArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The `trace generate` flag that sets generator field `field`, where one does.
+fn generator_flag(field: &str) -> Option<&'static str> {
+    Some(match field {
+        "duration_s" => "duration-s",
+        "users" => "users",
+        "regions" => "regions",
+        "region_weights" => "region-weights",
+        "region_utc_offsets_h" => "region-utc-offsets",
+        "start_hour_utc" => "start-hour-utc",
+        "diurnal_amplitude" => "diurnal-amplitude",
+        "requests_per_user" => "requests-per-user",
+        _ => return None,
+    })
+}
+
 fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     let mut cfg = match &a.config {
         Some(p) => {
-            let text =
-                std::fs::read_to_string(p).with_context(|| format!("read {}", p.display()))?;
+            let text = gorgo_files::read_capped(p, gorgo_files::MAX_CONFIG_FILE_BYTES)
+                .with_context(|| format!("--config {}", p.display()))?;
             GeneratorConfig::from_toml_str(&text)
                 .with_context(|| format!("parse {}", p.display()))?
         }
@@ -278,13 +293,22 @@ fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     if let Some(v) = a.output_tokens {
         cfg.output_tokens = v;
     }
-    let requests = gorgo_workload::generate(&cfg)?;
+    // Checked before anything is drawn (the trace is held whole in memory: at most
+    // `MAX_GENERATED_REQUESTS`), naming the flag that sets the field where one does.
+    let requests = gorgo_workload::generate(&cfg).map_err(|e| {
+        if let gorgo_workload::WorkloadError::InvalidConfig { field, reason } = &e {
+            if let Some(flag) = generator_flag(field) {
+                return anyhow::anyhow!("--{flag}: {reason}");
+            }
+        }
+        anyhow::Error::from(e)
+    })?;
     let mut out = Output::create(&a.out)?;
     let n = gorgo_workload::write_jsonl(&mut out, &requests)?;
     out.commit()?;
     eprintln!("wrote {n} requests to {}", a.out.display());
     if a.stats {
-        print!(
+        out!(
             "{}",
             gorgo_workload::TraceStats::from_requests(&requests).render()
         );

@@ -181,8 +181,8 @@ pub fn run(args: TuneOfflineArgs) -> anyhow::Result<()> {
     );
     let path = args.out.join("grid.md");
     std::fs::write(&path, &md).with_context(|| format!("writing {}", path.display()))?;
-    print!("{md}");
-    println!("\nGrid: {}", args.out.display());
+    out!("{md}");
+    outln!("\nGrid: {}", args.out.display());
     Ok(())
 }
 

@@ -241,16 +241,22 @@ struct PidEntry {
     /// and they tell whether the pid is still that process: [`PidEntry::is_running`]).
     #[serde(default)]
     args: Vec<String>,
+    /// The gorgo binary it runs (the one that started it), which
+    /// [`PidEntry::is_running`] checks too: arguments alone can be another program's.
+    /// Absent from the files of an older `gorgo up`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    exe: Option<PathBuf>,
 }
 
 impl PidEntry {
-    /// Whether the process recorded here still runs: its pid is alive and its command
-    /// line is `gorgo` with the recorded arguments. A stale `pids.json` (after a
-    /// reboot, or a `gorgo up` that was SIGKILLed) can name pids that other processes
-    /// have by now: those must be neither signalled nor taken for a running cluster.
-    /// An entry without arguments (an older `gorgo up`) cannot be checked: not running.
+    /// Whether the process recorded here still runs: its pid is alive, its program is
+    /// gorgo ([`PidEntry::runs_gorgo`]) and its arguments are the recorded ones. A
+    /// stale `pids.json` (after a reboot, or a `gorgo up` that was SIGKILLed) can name
+    /// pids that other processes have by now: those must be neither signalled nor
+    /// taken for a running cluster. An entry without arguments (an older `gorgo up`)
+    /// cannot be checked: not running.
     fn is_running(&self) -> bool {
-        if self.args.is_empty() || !pid_alive(self.pid) {
+        if self.args.is_empty() || !pid_alive(self.pid) || !self.runs_gorgo() {
             return false;
         }
         let Ok(cmdline) = std::fs::read(format!("/proc/{}/cmdline", self.pid)) else {
@@ -263,6 +269,25 @@ impl PidEntry {
         }
         words.next();
         words.eq(self.args.iter().map(String::as_bytes))
+    }
+
+    /// Whether the pid's program (`/proc/<pid>/exe`) is the recorded gorgo binary or,
+    /// for an entry that records none (an older `gorgo up`), a file named `gorgo`.
+    /// A binary replaced since the process started (a rebuild) reads `<path>
+    /// (deleted)` there, and still counts; a program that cannot be read (another
+    /// user's process) does not.
+    fn runs_gorgo(&self) -> bool {
+        let Ok(exe) = std::fs::read_link(format!("/proc/{}/exe", self.pid)) else {
+            return false;
+        };
+        let exe = match exe.to_str().and_then(|e| e.strip_suffix(" (deleted)")) {
+            Some(path) => PathBuf::from(path),
+            None => exe,
+        };
+        match &self.exe {
+            Some(recorded) => exe == *recorded,
+            None => exe.file_name() == Some("gorgo".as_ref()),
+        }
     }
 
     /// Whether the process of this entry was started as a node (`node-<region>`).
@@ -280,7 +305,7 @@ impl PidsFile {
         for p in other.iter().filter(|p| pid_alive(p.pid)) {
             eprintln!(
                 "warning: {}: pid {} ({}) is not the process recorded there any more \
-                 (its command line differs): left alone",
+                 (its program or command line differs): left alone",
                 path.display(),
                 p.pid,
                 p.name
@@ -318,17 +343,18 @@ pub struct RestartArgs {
     pub ready_timeout_s: u64,
 }
 
-/// Start `gorgo <args>` as the child `name` with its output in `<run_dir>/logs/
-/// <name>.log` (appended to with `append`, as a restart does), in process group
-/// `pgid` (a new group led by the child when `None`).
+/// Start `gorgo <args>` (the binary `exe`, this one: `pids.json` records it) as the
+/// child `name` with its output in `<run_dir>/logs/<name>.log` (appended to with
+/// `append`, as a restart does), in process group `pgid` (a new group led by the child
+/// when `None`).
 fn spawn_child(
+    exe: &Path,
     run_dir: &Path,
     name: &str,
     args: &[String],
     pgid: Option<u32>,
     append: bool,
 ) -> anyhow::Result<Child> {
-    let exe = std::env::current_exe().context("finding this binary")?;
     let log_path = run_dir.join("logs").join(format!("{name}.log"));
     let log = std::fs::OpenOptions::new()
         .create(true)
@@ -361,6 +387,8 @@ fn write_secret(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
 /// The running children; dropping it (an error while starting, or the end of
 /// a foreground run) stops them all.
 struct Children {
+    /// This gorgo binary, which every child runs (recorded in `pids.json`).
+    exe: PathBuf,
     run_dir: PathBuf,
     pgid: Option<u32>,
     children: Vec<(String, Child, Vec<String>)>,
@@ -372,7 +400,7 @@ struct Children {
 
 impl Children {
     fn spawn(&mut self, name: &str, args: &[String]) -> anyhow::Result<()> {
-        let child = spawn_child(&self.run_dir, name, args, self.pgid, false)?;
+        let child = spawn_child(&self.exe, &self.run_dir, name, args, self.pgid, false)?;
         let pgid = *self.pgid.get_or_insert(child.id());
         self.group.store(pgid, Ordering::Relaxed);
         self.children.push((name.to_owned(), child, args.to_vec()));
@@ -389,6 +417,7 @@ impl Children {
                     name: name.clone(),
                     pid: c.id(),
                     args: args.clone(),
+                    exe: Some(self.exe.clone()),
                 })
                 .collect(),
         };
@@ -416,6 +445,7 @@ impl Children {
                     name: name.clone(),
                     pid: c.id(),
                     args: args.clone(),
+                    exe: Some(self.exe.clone()),
                 })
             })
             .collect();
@@ -1008,7 +1038,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     let run_dir = std::fs::canonicalize(&args.run_dir)
         .with_context(|| format!("resolving --run-dir {}", args.run_dir.display()))?;
     let pids_path = run_dir.join("pids.json");
-    match std::fs::read_to_string(&pids_path) {
+    match gorgo_files::read_capped(&pids_path, gorgo_files::MAX_CONFIG_FILE_BYTES) {
         Ok(text) => {
             // Written whole or not at all (`write_pids`): one that does not parse was
             // not written by `gorgo up`, and may still stand for a running cluster.
@@ -1044,6 +1074,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
 
     let interrupt = Interrupt::install()?;
     let mut children = Children {
+        exe: std::env::current_exe().context("finding this binary")?,
         run_dir: run_dir.clone(),
         pgid: None,
         children: Vec::new(),
@@ -1209,9 +1240,12 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     let cluster_path = run_dir.join("cluster.json");
     write_secret(&cluster_path, &serde_json::to_vec_pretty(&cluster)?)?;
 
-    println!(
+    tellln!(
         "{:<16} {:<26} {:<26} {:<26} peers (emulated RTT ms)",
-        "region", "client url", "admin url", "engine url"
+        "region",
+        "client url",
+        "admin url",
+        "engine url"
     );
     for (r, p) in cluster.regions.iter().zip(&plan.regions) {
         let peers: Vec<String> = p
@@ -1219,7 +1253,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             .iter()
             .map(|q| format!("{} {}", q.region, q.rtt_ms))
             .collect();
-        println!(
+        tellln!(
             "{:<16} {:<26} {:<26} {:<26} {}",
             r.name,
             r.client_url,
@@ -1228,18 +1262,18 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             peers.join(", ")
         );
     }
-    println!("cluster file: {}", cluster_path.display());
-    println!("admin token:  {token}");
+    tellln!("cluster file: {}", cluster_path.display());
+    tellln!("admin token:  {token}");
 
     if args.detach {
-        println!(
+        tellln!(
             "running detached; stop with `gorgo down --run-dir {}`",
             args.run_dir.display()
         );
         children.armed = false;
         return Ok(());
     }
-    println!("running; Ctrl-C to stop");
+    tellln!("running; Ctrl-C to stop");
     let died = loop {
         if interrupt.wait(Duration::from_millis(500)) {
             break None;
@@ -1266,7 +1300,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
 pub fn run_restart(args: RestartArgs) -> anyhow::Result<()> {
     deadline_in("--ready-timeout-s", args.ready_timeout_s)?;
     let pids_path = args.run_dir.join("pids.json");
-    let text = std::fs::read_to_string(&pids_path)
+    let text = gorgo_files::read_capped(&pids_path, gorgo_files::MAX_CONFIG_FILE_BYTES)
         .with_context(|| format!("reading {} (is a cluster running?)", pids_path.display()))?;
     let mut pids: PidsFile =
         serde_json::from_str(&text).with_context(|| format!("parsing {}", pids_path.display()))?;
@@ -1315,7 +1349,7 @@ pub fn run_restart(args: RestartArgs) -> anyhow::Result<()> {
         }
     } else if pid_alive(entry.pid) {
         eprintln!(
-            "warning: pid {} is not {name} any more (its command line differs): left alone",
+            "warning: pid {} is not {name} any more (its program or command line differs): left alone",
             entry.pid
         );
     }
@@ -1324,28 +1358,33 @@ pub fn run_restart(args: RestartArgs) -> anyhow::Result<()> {
     wait_for_ports(&entry.args);
     // Join the cluster's group if it still exists; otherwise a group of its own (its
     // pid is recorded either way, and `gorgo down` signals pids too).
+    let exe = std::env::current_exe().context("finding this binary")?;
     let joined = group.and_then(|pgid| {
-        spawn_child(&run_dir, &name, &entry.args, Some(pgid), true)
+        spawn_child(&exe, &run_dir, &name, &entry.args, Some(pgid), true)
             .ok()
             .map(|c| (c, pgid))
     });
     let (child, pgid) = match joined {
         Some(joined) => joined,
         None => {
-            let child = spawn_child(&run_dir, &name, &entry.args, None, true)?;
+            let child = spawn_child(&exe, &run_dir, &name, &entry.args, None, true)?;
             let own = child.id();
             (child, own)
         }
     };
     entry.pid = child.id();
+    entry.exe = Some(exe);
     let pid = entry.pid;
     // The group `gorgo down` kills last is the one the cluster's processes are in now.
     pids.pgid = pgid;
     write_pids(&pids_path, &pids)?;
     if let Some(region) = name.strip_prefix("node-") {
         let cluster: ClusterInfo = serde_json::from_str(
-            &std::fs::read_to_string(run_dir.join("cluster.json"))
-                .context("reading cluster.json")?,
+            &gorgo_files::read_capped(
+                &run_dir.join("cluster.json"),
+                gorgo_files::MAX_CONFIG_FILE_BYTES,
+            )
+            .context("reading cluster.json")?,
         )
         .context("parsing cluster.json")?;
         let admin = cluster
@@ -1392,7 +1431,7 @@ pub fn run_restart(args: RestartArgs) -> anyhow::Result<()> {
             )?;
         }
     }
-    println!("restarted {name} (pid {pid})");
+    tellln!("restarted {name} (pid {pid})");
     Ok(())
 }
 
@@ -1488,10 +1527,10 @@ fn wait_for_ports(args: &[String]) {
 /// another process by now is named and left alone.
 pub fn run_down(args: DownArgs) -> anyhow::Result<()> {
     let pids_path = args.run_dir.join("pids.json");
-    let text = match std::fs::read_to_string(&pids_path) {
+    let text = match gorgo_files::read_capped(&pids_path, gorgo_files::MAX_CONFIG_FILE_BYTES) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            println!("nothing running from {}", args.run_dir.display());
+            tellln!("nothing running from {}", args.run_dir.display());
             return Ok(());
         }
         Err(e) => return Err(e).with_context(|| format!("reading {}", pids_path.display())),
@@ -1509,9 +1548,9 @@ pub fn run_down(args: DownArgs) -> anyhow::Result<()> {
         String::new()
     };
     if killed.is_empty() {
-        println!("stopped {} processes{gone}", running.len());
+        tellln!("stopped {} processes{gone}", running.len());
     } else {
-        println!(
+        tellln!(
             "stopped {} processes ({} needed SIGKILL: {}){gone}",
             running.len(),
             killed.len(),
@@ -1593,39 +1632,113 @@ mod tests {
         assert!(node_ready(addr, "theirs"));
     }
 
-    /// A pid that is no longer the recorded process (reused by another) is neither
-    /// signalled nor waited for, at the start or at the deadline; the recorded one is
-    /// stopped.
-    #[test]
-    fn stop_all_signals_only_the_recorded_processes() {
-        let mut other = Command::new("sleep").arg("30").spawn().unwrap();
-        // Just after its exec a process's cmdline reads empty for a moment: wait for
-        // the kernel to fill it (bounded; a condition, not a fixed sleep), so that the
-        // stranger below differs from it by its arguments, not by an empty read.
+    /// Waits until the kernel has filled the cmdline of a child just spawned: just
+    /// after its exec it reads empty for a moment (bounded; a condition, not a fixed
+    /// sleep), and an entry would then differ from it by an empty read.
+    fn wait_for_cmdline(child: &Child) {
         let filled = Instant::now() + Duration::from_secs(10);
-        while std::fs::read(format!("/proc/{}/cmdline", other.id())).is_ok_and(|c| c.is_empty())
+        while std::fs::read(format!("/proc/{}/cmdline", child.id())).is_ok_and(|c| c.is_empty())
             && Instant::now() < filled
         {
             std::thread::sleep(Duration::from_millis(1));
         }
+    }
+
+    /// The program a child runs (`/proc/<pid>/exe`, set by its exec, which `spawn`
+    /// has waited for): what `gorgo up` records for a child it started (its own
+    /// binary, which the child runs).
+    fn exe_of(child: &Child) -> PathBuf {
+        std::fs::read_link(format!("/proc/{}/exe", child.id())).unwrap()
+    }
+
+    /// A pid that is no longer the recorded process (reused by another) is neither
+    /// signalled nor waited for, at the start or at the deadline; the recorded one is
+    /// stopped. Another program with the recorded arguments is not the recorded
+    /// process either: before, only the arguments were compared, and `gorgo down`
+    /// killed a `sleep 30` recorded with the arguments `30`.
+    #[test]
+    fn stop_all_signals_only_the_recorded_processes() {
+        let mut other = Command::new("sleep").arg("30").spawn().unwrap();
+        wait_for_cmdline(&other);
         let stranger = PidEntry {
             name: "node-a".into(),
             pid: other.id(),
             args: vec!["node".into(), "--config".into(), "a.toml".into()],
+            exe: Some(exe_of(&other)),
         };
-        assert!(stop_all(&[&stranger], Duration::from_millis(200)).is_empty());
+        // Its arguments, but recorded as run by gorgo: by the binary recorded, or (an
+        // older `gorgo up`, which recorded none) by one named `gorgo`.
+        let pid = other.id();
+        let same_args = |exe: Option<PathBuf>| PidEntry {
+            name: "engine-a".into(),
+            pid,
+            args: vec!["30".into()],
+            exe,
+        };
+        let impostors = [
+            same_args(None),
+            same_args(Some("/usr/local/bin/gorgo".into())),
+        ];
+        for entry in [&stranger, &impostors[0], &impostors[1]] {
+            assert!(!entry.is_running(), "{entry:?}");
+            assert!(stop_all(&[entry], Duration::from_millis(200)).is_empty());
+        }
         assert!(
             matches!(other.try_wait(), Ok(None)),
             "another process was signalled"
         );
-        let mine = PidEntry {
-            name: "sleep".into(),
-            pid: other.id(),
-            args: vec!["30".into()],
-        };
+        let mine = same_args(Some(exe_of(&other)));
         assert!(mine.is_running());
         stop_all(&[&mine], Duration::from_secs(30));
         assert!(other.wait().is_ok());
+    }
+
+    /// A `pids.json` of an older `gorgo up` records no binary: its process must run a
+    /// file named `gorgo`. A binary deleted since the process started (a rebuild
+    /// replaces it; `/proc/<pid>/exe` then reads `<path> (deleted)`) is still the one
+    /// recorded.
+    #[test]
+    fn a_program_named_gorgo_or_the_recorded_one_counts_even_once_rebuilt() {
+        let mut sleep = Command::new("sleep").arg("30").spawn().unwrap();
+        let program = exe_of(&sleep);
+        sleep.kill().unwrap();
+        sleep.wait().unwrap();
+        if program.file_name() != Some("sleep".as_ref()) {
+            // A multi-call binary (busybox) runs by its name: not one to copy.
+            eprintln!("skipping: sleep is {}", program.display());
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let gorgo = dir.path().join("gorgo");
+        std::fs::copy(&program, &gorgo).unwrap();
+        let gorgo = std::fs::canonicalize(gorgo).unwrap();
+        // ETXTBSY while a process forked by another test still holds the copy open
+        // for writing: it closes at that process's exec.
+        let busy_until = Instant::now() + Duration::from_secs(10);
+        let mut child = loop {
+            match Command::new(&gorgo).arg("30").spawn() {
+                Err(e) if e.raw_os_error() == Some(26) && Instant::now() < busy_until => {
+                    std::thread::yield_now()
+                }
+                other => break other.unwrap(),
+            }
+        };
+        wait_for_cmdline(&child);
+        let older = PidEntry {
+            name: "engine-a".into(),
+            pid: child.id(),
+            args: vec!["30".into()],
+            exe: None,
+        };
+        let recorded = PidEntry {
+            exe: Some(gorgo.clone()),
+            ..older.clone()
+        };
+        assert!(older.is_running() && recorded.is_running());
+        std::fs::remove_file(&gorgo).unwrap();
+        assert!(older.is_running() && recorded.is_running());
+        let _ = child.kill();
+        child.wait().unwrap();
     }
 
     /// A zero grace is a crash: SIGKILL alone. A SIGTERM first (milliseconds before
@@ -1659,6 +1772,7 @@ mod tests {
             name: "engine-a".into(),
             pid: child.id(),
             args: vec!["-c".into(), script.clone()],
+            exe: Some(exe_of(&child)),
         };
         assert!(entry.is_running());
         assert_eq!(stop_all(&[&entry], Duration::ZERO), ["engine-a"]);

@@ -42,17 +42,20 @@ pub struct ClusterInfo {
 }
 
 impl ClusterInfo {
-    /// Read `cluster.json`, or `<dir>/cluster.json` when `path` is a directory.
+    /// Read `cluster.json`, or `<dir>/cluster.json` when `path` is a directory, with a
+    /// cap ([`gorgo_files::MAX_CONFIG_FILE_BYTES`]: `/dev/zero` is refused, not read).
     pub fn from_path(path: &Path) -> Result<Self, BenchError> {
         let file: PathBuf = if path.is_dir() {
             path.join("cluster.json")
         } else {
             path.to_path_buf()
         };
-        let text = std::fs::read_to_string(&file).map_err(|source| BenchError::Io {
-            path: file.clone(),
-            source,
-        })?;
+        let text = gorgo_files::read_capped(&file, gorgo_files::MAX_CONFIG_FILE_BYTES).map_err(
+            |source| BenchError::Io {
+                path: file.clone(),
+                source,
+            },
+        )?;
         let info: ClusterInfo = serde_json::from_str(&text)
             .map_err(|source| BenchError::Json { path: file, source })?;
         if info.regions.is_empty() {
@@ -326,5 +329,25 @@ mod tests {
             ClusterInfo::from_path(dir.path()),
             Err(BenchError::Json { .. })
         ));
+    }
+
+    /// `--cluster` names a file read with a cap: one byte over it, or `/dev/zero`
+    /// (which says it is empty), is refused naming the file and the cap.
+    #[test]
+    fn a_cluster_file_over_the_cap_is_refused() {
+        let cap = gorgo_files::MAX_CONFIG_FILE_BYTES;
+        let dir = tempfile::tempdir().unwrap();
+        let big = dir.path().join("cluster.json");
+        std::fs::File::create(&big)
+            .unwrap()
+            .set_len(cap + 1)
+            .unwrap();
+        let zero = Path::new("/dev/zero");
+        for path in [dir.path(), zero].into_iter().filter(|p| p.exists()) {
+            let e = ClusterInfo::parse_spec(path.to_str().unwrap()).unwrap_err();
+            assert!(matches!(e, BenchError::Io { .. }), "{e:?}");
+            let e = e.to_string();
+            assert!(e.contains(&format!("larger than {cap} bytes")), "{e}");
+        }
     }
 }

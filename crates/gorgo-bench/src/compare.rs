@@ -85,18 +85,25 @@ impl CompareSpec {
         let last_base = u64::from(self.base_port)
             + u64::from(self.port_stride) * (self.policies.len().saturating_sub(1) as u64);
         let overlap = self.policies.len() > 1 && u32::from(self.port_stride) < self.cluster_ports;
-        if overlap || last_base + u64::from(self.cluster_ports) > 65_536 {
-            let reason = format!(
-                "clusters' port blocks ({} ports each from --base-port {}, --port-stride {} \
-                 apart, {} clusters) overlap or run past 65535",
-                self.cluster_ports,
-                self.base_port,
-                self.port_stride,
-                self.policies.len()
-            );
+        let blocks = format!(
+            "clusters' port blocks ({} ports each from --base-port {}, --port-stride {} \
+             apart, {} clusters)",
+            self.cluster_ports,
+            self.base_port,
+            self.port_stride,
+            self.policies.len()
+        );
+        if overlap {
             return Err(BenchError::InvalidConfig {
                 field: "port_stride",
-                reason,
+                reason: format!("{blocks} overlap"),
+            });
+        }
+        // Blocks that do not overlap but end past the last port: the base is too high.
+        if last_base + u64::from(self.cluster_ports) > 65_536 {
+            return Err(BenchError::InvalidConfig {
+                field: "base_port",
+                reason: format!("{blocks} run past 65535"),
             });
         }
         Ok(())

@@ -120,7 +120,9 @@ impl RunningCluster {
         // start (a cluster already runs from there) leaves it as it was, and that
         // cluster, not ours, is left alone.
         let pids_file = opts.run_dir.join("pids.json");
-        let pids_before = std::fs::read(&pids_file).ok();
+        let read_pids =
+            || gorgo_files::read_capped_bytes(&pids_file, gorgo_files::MAX_CONFIG_FILE_BYTES).ok();
+        let pids_before = read_pids();
         // From here on, whatever happens, the guard tears the cluster down.
         let mut guard = RunningCluster {
             exe: opts.exe.clone(),
@@ -151,7 +153,7 @@ impl RunningCluster {
             }
         };
         if !status.success() {
-            if pids_before.is_some() && std::fs::read(&pids_file).ok() == pids_before {
+            if pids_before.is_some() && read_pids() == pids_before {
                 // Nothing of ours started: another cluster runs from this run dir
                 // (a second compare with the same --out), and `gorgo down` here
                 // would stop it mid-replay.

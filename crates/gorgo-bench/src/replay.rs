@@ -69,6 +69,11 @@ pub enum LoadMode {
     },
 }
 
+/// Most clients a closed loop may run, and most requests an open loop may cap in
+/// flight (`--concurrency`): far past what one client machine drives. Each closed-loop
+/// client is a task: two million of them took 6 GB to send one request.
+pub const MAX_CONCURRENCY: usize = 65_536;
+
 /// Everything that shapes a replay besides the workload and the cluster.
 #[derive(Debug, Clone)]
 pub struct ReplayConfig {
@@ -229,7 +234,7 @@ pub async fn replay(
     config: &ReplayConfig,
     shutdown: impl Future<Output = ()>,
 ) -> Result<ReplayOutput, BenchError> {
-    validate(config)?;
+    config.validate()?;
     if let Some(n) = config.max_requests {
         items.truncate(n);
     }
@@ -349,7 +354,8 @@ pub async fn replay(
             let next = Arc::new(AtomicUsize::new(0));
             // A duration past what the clock can hold is no deadline.
             let deadline = config.duration.and_then(|d| shared.start.checked_add(d));
-            for _ in 0..concurrency {
+            // A client more than there are requests would never send one.
+            for _ in 0..closed_loop_clients(concurrency, shared.items.len()) {
                 let shared = shared.clone();
                 let next = next.clone();
                 tasks.spawn(async move {
@@ -438,29 +444,40 @@ fn schedule_offsets(items: &[ReplayItem], time_scale: f64) -> Result<Vec<Duratio
         .collect()
 }
 
-fn validate(config: &ReplayConfig) -> Result<(), BenchError> {
-    match config.mode {
-        LoadMode::Open { time_scale } if !(time_scale.is_finite() && time_scale >= 0.0) => {
-            return Err(BenchError::InvalidConfig {
-                field: "time_scale",
-                reason: format!("must be a finite number >= 0, got {time_scale}"),
-            })
+/// Clients a closed loop of `concurrency` runs for `requests` requests: no more than
+/// there are requests.
+fn closed_loop_clients(concurrency: usize, requests: usize) -> usize {
+    concurrency.min(requests)
+}
+
+impl ReplayConfig {
+    /// Check the load's values, naming the field: [`replay`] refuses what this refuses.
+    pub fn validate(&self) -> Result<(), BenchError> {
+        let within = |n: usize| (1..=MAX_CONCURRENCY).contains(&n);
+        let range = format!("must be in [1, {MAX_CONCURRENCY}]");
+        match self.mode {
+            LoadMode::Open { time_scale } if !(time_scale.is_finite() && time_scale >= 0.0) => {
+                return Err(BenchError::InvalidConfig {
+                    field: "time_scale",
+                    reason: format!("must be a finite number >= 0, got {time_scale}"),
+                })
+            }
+            LoadMode::Closed { concurrency } if !within(concurrency) => {
+                return Err(BenchError::InvalidConfig {
+                    field: "concurrency",
+                    reason: range,
+                })
+            }
+            _ => {}
         }
-        LoadMode::Closed { concurrency: 0 } => {
+        if self.max_in_flight.is_some_and(|n| !within(n)) {
             return Err(BenchError::InvalidConfig {
-                field: "concurrency",
-                reason: "must be at least 1".into(),
-            })
+                field: "max_in_flight",
+                reason: range,
+            });
         }
-        _ => {}
+        Ok(())
     }
-    if config.max_in_flight == Some(0) {
-        return Err(BenchError::InvalidConfig {
-            field: "max_in_flight",
-            reason: "must be at least 1".into(),
-        });
-    }
-    Ok(())
 }
 
 /// Build item `index`'s body and send it. `scheduled` is its due time in open loop,
@@ -546,5 +563,40 @@ fn record(
             .completion_tokens
             .unwrap_or(measured.content_chunks),
         measured,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--concurrency` is bounded, closed loop or open, naming the field (two million
+    /// closed-loop clients took 6 GB to send one request); a closed loop never runs
+    /// more clients than requests.
+    #[test]
+    fn concurrency_is_bounded_and_clients_never_outnumber_requests() {
+        for concurrency in [MAX_CONCURRENCY + 1, 2_000_000, usize::MAX] {
+            let closed = ReplayConfig {
+                mode: LoadMode::Closed { concurrency },
+                ..ReplayConfig::default()
+            };
+            let e = closed.validate().unwrap_err().to_string();
+            assert!(e.contains("concurrency") && e.contains("65536"), "{e}");
+            let open = ReplayConfig {
+                max_in_flight: Some(concurrency),
+                ..ReplayConfig::default()
+            };
+            let e = open.validate().unwrap_err().to_string();
+            assert!(e.contains("max_in_flight"), "{e}");
+        }
+        let at_most = ReplayConfig {
+            mode: LoadMode::Closed {
+                concurrency: MAX_CONCURRENCY,
+            },
+            ..ReplayConfig::default()
+        };
+        at_most.validate().unwrap();
+        assert_eq!(closed_loop_clients(MAX_CONCURRENCY, 1), 1);
+        assert_eq!(closed_loop_clients(2, 9), 2);
     }
 }

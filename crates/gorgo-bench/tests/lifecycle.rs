@@ -190,13 +190,14 @@ async fn clusters_come_up_and_always_go_down() {
     }
     // Port blocks that overlap (closer than a block) or run past 65535 are refused
     // before anything starts (a stride of 0 put every cluster on one block; a block
-    // of 11 ports, two engines a region, overlaps at a stride of 7).
-    for (base_port, port_stride, cluster_ports) in [
-        (8000, 0, 7),
-        (8000, 6, 7),
-        (8000, 7, 11),
-        (65_500, 100, 7),
-        (65_430, 100, 7),
+    // of 11 ports, two engines a region, overlaps at a stride of 7), naming the flag
+    // at fault: the stride for an overlap, the base port for a run past 65535.
+    for (base_port, port_stride, cluster_ports, blamed) in [
+        (8000, 0, 7, "port_stride"),
+        (8000, 6, 7, "port_stride"),
+        (8000, 7, 11, "port_stride"),
+        (65_500, 100, 7, "base_port"),
+        (65_430, 100, 7, "base_port"),
     ] {
         let spec = CompareSpec {
             base_port,
@@ -207,7 +208,7 @@ async fn clusters_come_up_and_always_go_down() {
         let err = compare(&spec, Arc::new(requests(1)), CancellationToken::new())
             .await
             .unwrap_err();
-        assert!(err.to_string().contains("port_stride"), "{err}");
+        assert!(err.to_string().contains(blamed), "{err}");
     }
 
     // A comparison whose second cluster fails: the first one still goes down.

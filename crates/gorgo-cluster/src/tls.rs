@@ -38,6 +38,11 @@ pub const NODE_CERT_DAYS: u32 = 365;
 /// typo).
 pub const MAX_NODE_CERT_DAYS: u32 = 36_500;
 
+/// Largest PEM file read (a CA, a node certificate or key, the CA key `gorgo certs`
+/// issues under), bytes: real ones are a few KiB, and a wrong path (`/dev/zero`) must
+/// be refused, not read whole.
+const MAX_PEM_FILE_BYTES: u64 = 1 << 20;
+
 /// The name of the CA's files in a certificate directory (`ca.pem`, `ca.key`), beside
 /// each node's `<id>.pem` and `<id>.key`: no node may have it as its id.
 const CA_FILE_STEM: &str = "ca";
@@ -79,14 +84,16 @@ impl NodeCredentials {
     /// Load PEM files written by `gorgo certs`, and check that the key is the
     /// certificate's (what the endpoint's TLS configuration checks when the cluster
     /// starts). Errors name the file by its field of the node's `[tls]` table
-    /// (`tls.ca`, `tls.cert`, `tls.key`).
+    /// (`tls.ca`, `tls.cert`, `tls.key`). Each is read with a cap
+    /// ([`MAX_PEM_FILE_BYTES`]).
     pub fn load(files: &TlsFiles) -> Result<Self> {
         let bad = |field: &'static str, path: &Path, why: String| ClusterError::Config {
             field,
             reason: format!("{}: {why}", path.display()),
         };
         let read = |field, p: &Path| {
-            std::fs::read(p).map_err(|e| bad(field, p, format!("cannot read it: {e}")))
+            gorgo_files::read_capped_bytes(p, MAX_PEM_FILE_BYTES)
+                .map_err(|e| bad(field, p, format!("cannot read it: {e}")))
         };
         let ca = CertificateDer::from_pem_slice(&read("tls.ca", &files.ca)?)
             .map_err(|e| bad("tls.ca", &files.ca, e.to_string()))?;
@@ -405,7 +412,7 @@ pub fn write_cluster_certs(
         }
         (true, true) => {
             let read = |p: &Path| {
-                std::fs::read_to_string(p)
+                gorgo_files::read_capped(p, MAX_PEM_FILE_BYTES)
                     .map_err(|e| ClusterError::Tls(format!("reading {}: {e}", p.display())))
             };
             ClusterCa::from_pem(&read(&ca_path)?, &read(&key_path)?).map_err(|e| {
@@ -653,6 +660,52 @@ mod tests {
             );
         }
         NodeCredentials::load(a).unwrap();
+    }
+
+    /// Every PEM file is read with a cap: one byte over it, or `/dev/zero` (which says
+    /// it is empty), is refused naming its field (or the CA's file, for `gorgo
+    /// certs`) and the cap, never read whole.
+    #[cfg(unix)]
+    #[test]
+    fn a_pem_file_over_the_cap_is_refused_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = write_cluster_certs(dir.path(), &[NodeId::from("a")], NODE_CERT_DAYS)
+            .unwrap()
+            .remove(0)
+            .1;
+        let big = dir.path().join("big.pem");
+        std::fs::File::create(&big)
+            .unwrap()
+            .set_len(MAX_PEM_FILE_BYTES + 1)
+            .unwrap();
+        let cap = format!("larger than {MAX_PEM_FILE_BYTES} bytes");
+        let zero = Path::new("/dev/zero");
+        for path in [big.as_path(), zero].into_iter().filter(|p| p.exists()) {
+            for field in ["tls.ca", "tls.cert", "tls.key"] {
+                let mut bad = files.clone();
+                match field {
+                    "tls.ca" => bad.ca = path.to_path_buf(),
+                    "tls.cert" => bad.cert = path.to_path_buf(),
+                    _ => bad.key = path.to_path_buf(),
+                }
+                let err = NodeCredentials::load(&bad).unwrap_err();
+                let text = err.to_string();
+                assert!(
+                    matches!(err, ClusterError::Config { field: f, .. } if f == field)
+                        && text.contains(&path.display().to_string())
+                        && text.contains(&cap),
+                    "{field}: {text}"
+                );
+            }
+            // `gorgo certs` into a directory whose CA files are too big.
+            let out = tempfile::tempdir().unwrap();
+            std::os::unix::fs::symlink(path, out.path().join("ca.pem")).unwrap();
+            std::os::unix::fs::symlink(path, out.path().join("ca.key")).unwrap();
+            let text = write_cluster_certs(out.path(), &[NodeId::from("b")], NODE_CERT_DAYS)
+                .unwrap_err()
+                .to_string();
+            assert!(text.contains("ca.pem") && text.contains(&cap), "{text}");
+        }
     }
 
     /// A node named `ca` would write its certificate and key over the CA's, and a node

@@ -393,6 +393,14 @@ impl TuningConfig {
         if self.window == 0 {
             return bad("window_requests", "must be at least 1");
         }
+        // A paired trial splits each window between its two arms: a window of one
+        // request has one arm only, and no trial is ever decided.
+        if self.window < 2 && self.trial.is_paired() {
+            return bad(
+                "window_requests",
+                "must be at least 2 with an interleaved or switchback trial (each window holds both arms)",
+            );
+        }
         if self.max_trial_windows == 0 {
             return bad("max_trial_windows", "must be at least 1");
         }
@@ -1241,6 +1249,25 @@ mod tests {
             Err(CoreError::InvalidConfig { field, .. }) => assert_eq!(field, "window_requests"),
             other => panic!("{other:?}"),
         }
+        // A window of one request cannot hold both arms of a paired trial: it tuned
+        // nothing, silently; a sequential trial measures one arm a window.
+        for trial in ["interleaved", "switchback"] {
+            let cfg: TuningConfig = serde_json::from_str(&format!(
+                r#"{{"window_requests": 1, "min_samples": 1, "trial": "{trial}"}}"#
+            ))
+            .unwrap();
+            match cfg.validate() {
+                Err(CoreError::InvalidConfig { field, .. }) => {
+                    assert_eq!(field, "window_requests", "{trial}")
+                }
+                other => panic!("{trial}: {other:?}"),
+            }
+        }
+        let cfg: TuningConfig = serde_json::from_str(
+            r#"{"window_requests": 1, "min_samples": 1, "trial": "sequential"}"#,
+        )
+        .unwrap();
+        cfg.validate().unwrap();
         // Blocks longer than followers accept (`Proposal::is_plausible`) are refused
         // here, not dropped by every follower.
         let mut cfg = TuningConfig::gorgo();

@@ -30,6 +30,15 @@ const BUILT_IN: &[(&str, &str)] = &[
     ),
 ];
 
+/// Most ms a profile's fixed costs (`request_overhead_ms`, `prefill_base_ms`,
+/// `decode_base_ms`) may be: a minute, a thousand times any measured engine's.
+pub const MAX_FIXED_MS: f64 = 60_000.0;
+
+/// Most ms a profile's costs per token or sequence (`t_p_ms_per_token`, `per_seq_ms`,
+/// `per_ctx_token_ms`) may be: a second, as a node's `engine.t_p_ms` (a CPU llama.cpp
+/// takes tens of ms a token).
+pub const MAX_UNIT_MS: f64 = 1_000.0;
+
 /// Costs and limits of one engine (GPU + model + serving stack).
 ///
 /// Every time is in milliseconds. A prefill batch of `n` new tokens costs
@@ -113,13 +122,16 @@ impl Profile {
         Self::from_toml_str(text, name)
     }
 
-    /// Load a custom profile from a TOML file.
+    /// Load a custom profile from a TOML file, read with a cap
+    /// ([`gorgo_files::MAX_CONFIG_FILE_BYTES`]: `/dev/zero` is refused, not read).
     pub fn from_file(path: impl AsRef<std::path::Path>) -> Result<Profile, EngineError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| EngineError::ReadProfile {
-            path: path.display().to_string(),
-            source,
-        })?;
+        let text = gorgo_files::read_capped(path, gorgo_files::MAX_CONFIG_FILE_BYTES).map_err(
+            |source| EngineError::ReadProfile {
+                path: path.display().to_string(),
+                source,
+            },
+        )?;
         Self::from_toml_str(&text, &path.display().to_string())
     }
 
@@ -150,24 +162,40 @@ impl Profile {
     }
 
     /// Check value ranges; the error names the field.
+    ///
+    /// Times are bounded far above any real engine's ([`MAX_FIXED_MS`] for a fixed
+    /// cost, [`MAX_UNIT_MS`] for a cost per token or sequence): the simulator adds
+    /// them to virtual time in f64 ms, and a cost of `1e300` left it ticking at one
+    /// instant for ever. `t_p_ms_per_token` must be positive: it seeds each node's
+    /// prefill fit, which has no zero slope.
     pub fn validate(&self) -> Result<(), String> {
-        let non_negative = [
-            ("request_overhead_ms", self.request_overhead_ms),
-            ("prefill_base_ms", self.prefill_base_ms),
-            ("t_p_ms_per_token", self.t_p_ms_per_token),
-            ("decode_base_ms", self.decode_base_ms),
-            ("per_seq_ms", self.per_seq_ms),
-            ("per_ctx_token_ms", self.per_ctx_token_ms),
+        // (field, value, most, whether 0 is refused)
+        let times = [
+            (
+                "request_overhead_ms",
+                self.request_overhead_ms,
+                MAX_FIXED_MS,
+                false,
+            ),
+            ("prefill_base_ms", self.prefill_base_ms, MAX_FIXED_MS, false),
+            ("decode_base_ms", self.decode_base_ms, MAX_FIXED_MS, false),
+            ("t_p_ms_per_token", self.t_p_ms_per_token, MAX_UNIT_MS, true),
+            ("per_seq_ms", self.per_seq_ms, MAX_UNIT_MS, false),
+            (
+                "per_ctx_token_ms",
+                self.per_ctx_token_ms,
+                MAX_UNIT_MS,
+                false,
+            ),
         ];
-        for (field, v) in non_negative {
-            if !(v.is_finite() && v >= 0.0) {
+        for (field, v, max, positive) in times {
+            let low_ok = if positive { v > 0.0 } else { v >= 0.0 };
+            if !(v.is_finite() && low_ok && v <= max) {
+                let low = if positive { "(0" } else { "[0" };
                 return Err(format!(
-                    "field `{field}` must be a finite number >= 0, got {v}"
+                    "field `{field}` must be a number in {low}, {max}] ms"
                 ));
             }
-        }
-        if self.prefill_base_ms + self.t_p_ms_per_token <= 0.0 {
-            return Err("fields `prefill_base_ms` and `t_p_ms_per_token` cannot both be 0".into());
         }
         if self.decode_base_ms + self.per_seq_ms <= 0.0 {
             return Err("fields `decode_base_ms` and `per_seq_ms` cannot both be 0".into());
@@ -258,6 +286,33 @@ mod tests {
         assert!(e.contains("paper-a100-mistral7b"), "{e}");
     }
 
+    /// A profile file is read with a cap: one byte over it, or `/dev/zero` (which
+    /// says it is empty), is refused naming the file and the cap, never read whole.
+    #[test]
+    fn a_profile_file_over_the_cap_is_refused() {
+        let cap = gorgo_files::MAX_CONFIG_FILE_BYTES;
+        let dir = tempfile::tempdir().unwrap();
+        let big = dir.path().join("big.toml");
+        std::fs::File::create(&big)
+            .unwrap()
+            .set_len(cap + 1)
+            .unwrap();
+        let zero = std::path::Path::new("/dev/zero");
+        for path in [big.as_path(), zero].into_iter().filter(|p| p.exists()) {
+            let e = Profile::from_file(path).unwrap_err();
+            let read = matches!(e, EngineError::ReadProfile { .. });
+            let e = e.to_string();
+            // Read whole, the file's NULs would fill the message.
+            let e: String = e.chars().take(300).collect();
+            assert!(read, "{e}");
+            assert!(
+                e.contains(&path.display().to_string())
+                    && e.contains(&format!("larger than {cap} bytes")),
+                "{e}"
+            );
+        }
+    }
+
     #[test]
     fn unknown_field_is_named() {
         let mut text = include_str!("../../../configs/engines/h200-mistral7b.toml").to_owned();
@@ -297,6 +352,45 @@ mod tests {
         let bad = format!("{text}\nschedule = \"fifo\"\n");
         let e = Profile::from_toml_str(&bad, "x").unwrap_err().to_string();
         assert!(e.contains("schedule") && e.contains("prefill-first"), "{e}");
+    }
+
+    /// Times past what any engine takes are refused naming the field (a cost of
+    /// `1e300` hung the simulator), and so is a zero prefill slope, which the nodes'
+    /// fit refused later under the node setting's name (`engine.t_p_ms`).
+    #[test]
+    fn huge_times_and_a_zero_prefill_slope_are_refused_naming_the_field() {
+        let text = include_str!("../../../configs/engines/paper-a100-mistral7b.toml");
+        for (line, value, field) in [
+            ("t_p_ms_per_token = 0.0938", "1e300", "t_p_ms_per_token"),
+            ("t_p_ms_per_token = 0.0938", "1001", "t_p_ms_per_token"),
+            ("t_p_ms_per_token = 0.0938", "0", "t_p_ms_per_token"),
+            ("prefill_base_ms = 20.0", "1e300", "prefill_base_ms"),
+            (
+                "request_overhead_ms = 130.72",
+                "60001",
+                "request_overhead_ms",
+            ),
+            ("decode_base_ms = 10.36", "1e12", "decode_base_ms"),
+            ("per_seq_ms = 0.037", "1e300", "per_seq_ms"),
+            ("per_ctx_token_ms = 0.0000936", "1e300", "per_ctx_token_ms"),
+        ] {
+            assert!(text.contains(line), "{line}");
+            let key = line.split(" = ").next().unwrap();
+            let bad = text.replace(line, &format!("{key} = {value}"));
+            let e = Profile::from_toml_str(&bad, "p.toml")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("p.toml") && e.contains(field),
+                "{key} = {value}: {e}"
+            );
+            assert!(e.len() < 200, "{e}");
+        }
+        // At the bounds: accepted.
+        let edge = text
+            .replace("t_p_ms_per_token = 0.0938", "t_p_ms_per_token = 1000")
+            .replace("prefill_base_ms = 20.0", "prefill_base_ms = 60000");
+        Profile::from_toml_str(&edge, "p.toml").unwrap();
     }
 
     #[test]

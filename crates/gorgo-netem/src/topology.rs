@@ -103,13 +103,16 @@ pub(crate) fn check_range(field: &str, value: f64, lo: f64, hi: f64) -> Result<(
 }
 
 impl Topology {
-    /// Reads and validates a topology TOML file.
+    /// Reads and validates a topology TOML file, read with a cap
+    /// ([`gorgo_files::MAX_CONFIG_FILE_BYTES`]: `/dev/zero` is refused, not read).
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, NetemError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| NetemError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
+        let text = gorgo_files::read_capped(path, gorgo_files::MAX_CONFIG_FILE_BYTES).map_err(
+            |source| NetemError::Read {
+                path: path.display().to_string(),
+                source,
+            },
+        )?;
         Self::from_toml(&text)
     }
 
@@ -352,6 +355,31 @@ mod tests {
 
     fn err(text: &str) -> String {
         Topology::from_toml(text).unwrap_err().to_string()
+    }
+
+    /// A topology file is read with a cap: a valid one padded one byte over it, or
+    /// `/dev/zero` (which says it is empty), is refused naming the file and the cap.
+    #[test]
+    fn a_topology_file_over_the_cap_is_refused() {
+        let cap = gorgo_files::MAX_CONFIG_FILE_BYTES;
+        let dir = tempfile::tempdir().unwrap();
+        let ok = dir.path().join("ok.toml");
+        std::fs::write(&ok, SMALL).unwrap();
+        Topology::from_file(&ok).unwrap();
+        let big = dir.path().join("big.toml");
+        let padding = " ".repeat(cap as usize + 1 - SMALL.len());
+        std::fs::write(&big, format!("{SMALL}{padding}")).unwrap();
+        let zero = Path::new("/dev/zero");
+        for path in [big.as_path(), zero].into_iter().filter(|p| p.exists()) {
+            let e = Topology::from_file(path).unwrap_err();
+            assert!(matches!(e, NetemError::Read { .. }), "{e:?}");
+            let e = e.to_string();
+            assert!(
+                e.contains(&path.display().to_string())
+                    && e.contains(&format!("larger than {cap} bytes")),
+                "{e}"
+            );
+        }
     }
 
     #[test]

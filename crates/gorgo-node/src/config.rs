@@ -1122,9 +1122,10 @@ impl NodeConfig {
 
     /// Read, parse and validate a config file; relative paths (TLS, tuning files) are
     /// resolved against the file's directory so a config works from any working
-    /// directory.
+    /// directory. The file is read with a cap ([`gorgo_files::MAX_CONFIG_FILE_BYTES`]:
+    /// `/dev/zero` is refused, not read), at startup and on every SIGHUP reload.
     pub fn load(path: &Path) -> Result<ValidatedConfig, NodeError> {
-        let text = std::fs::read_to_string(path)
+        let text = gorgo_files::read_capped(path, gorgo_files::MAX_CONFIG_FILE_BYTES)
             .map_err(|e| NodeError::Config(format!("cannot read {}: {e}", path.display())))?;
         let mut config = NodeConfig::parse_toml(&text)
             .map_err(|e| NodeError::Config(format!("{}: {e}", path.display())))?;
@@ -2495,6 +2496,27 @@ token = "secret-token"
             "t_p_ms = 1000.0\nbase_ms = 600000.0\ndecode_step_ms = 1000.0",
         ))
         .unwrap();
+    }
+
+    /// The config file is read with a cap, at startup and on SIGHUP: a valid one
+    /// padded one byte over it, or `/dev/zero` (which says it is empty), is refused
+    /// naming the file and the cap, never read whole.
+    #[test]
+    fn a_config_file_over_the_cap_is_refused() {
+        let cap = gorgo_files::MAX_CONFIG_FILE_BYTES;
+        let dir = tempfile::tempdir().unwrap();
+        let big = dir.path().join("node.toml");
+        let padding = " ".repeat(cap as usize + 1 - MINIMAL.len());
+        std::fs::write(&big, format!("{MINIMAL}{padding}")).unwrap();
+        let zero = Path::new("/dev/zero");
+        for path in [big.as_path(), zero].into_iter().filter(|p| p.exists()) {
+            let e = NodeConfig::load(path).unwrap_err().to_string();
+            assert!(
+                e.contains(&path.display().to_string())
+                    && e.contains(&format!("larger than {cap} bytes")),
+                "{e}"
+            );
+        }
     }
 
     /// The learned-weights file is written maybe hours in: a path that names a

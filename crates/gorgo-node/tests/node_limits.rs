@@ -1065,7 +1065,8 @@ async fn a_stalled_http2_response_leaves_the_tuners_open_requests_at_its_deadlin
 /// counts its wait for tuning, a lower bound on its TTFT and E2E: the one sample of a
 /// one-request window closes it. (Counted only where no head came, it counted nothing
 /// on real engines, which send a stream's head before prefill: an arm whose requests
-/// ran into the deadline lost its slowest.)
+/// ran into the deadline lost its slowest.) A sequential trial: a paired one needs
+/// two requests a window.
 #[tokio::test]
 async fn a_stream_cut_at_its_deadline_before_its_first_token_counts_its_wait() {
     let engine = StubEngine::start("e").await;
@@ -1074,7 +1075,7 @@ async fn a_stream_cut_at_its_deadline_before_its_first_token_counts_its_wait() {
         config(
             "a",
             &engine.url(),
-            "[limits]\nrequest_timeout_ms = 300\n[tuning]\nmode = \"online\"\nstartup_grace_ms = 0\nwindow_requests = 1\nmin_samples = 1\nfit_start = false\n",
+            "[limits]\nrequest_timeout_ms = 300\n[tuning]\nmode = \"online\"\nstartup_grace_ms = 0\ntrial = \"sequential\"\nwindow_requests = 1\nmin_samples = 1\nfit_start = false\n",
         ),
         None,
     )

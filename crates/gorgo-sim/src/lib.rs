@@ -26,7 +26,10 @@ mod sim;
 
 pub use collect::{DecisionLine, PolicyRun, Row, SimCounters, Sketches, TuningLine};
 pub use network::{Network, RegionNet};
-pub use sim::{simulate, Progress, SimConfig};
+pub use sim::{
+    check_time_scale, simulate, Progress, SimConfig, MAX_INTERVAL_MS, MAX_TIME_SCALE,
+    MAX_VIRTUAL_MS,
+};
 
 /// The one error type of `gorgo-sim`.
 #[derive(Debug, thiserror::Error)]
@@ -48,6 +51,11 @@ pub enum SimError {
     /// Writing the report failed.
     #[error("report: {0}")]
     Report(#[from] gorgo_report::ReportError),
+    /// A run's virtual time went past what f64 milliseconds resolve
+    /// ([`MAX_VIRTUAL_MS`]), or stopped advancing; the message says which value
+    /// took it there.
+    #[error("virtual time {0}")]
+    VirtualTime(String),
 }
 
 /// Convenience alias for this crate's results.

@@ -45,7 +45,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::collect::{Collector, DecisionLine, PolicyRun, Row, TuningLine};
 use crate::network::Network;
-use crate::{invalid, Result};
+use crate::{invalid, Result, SimError};
 
 /// Bytes on the wire per streamed output token (one SSE `data:` chunk of an OpenAI
 /// chat completion), for the response transfer time over rate-limited links.
@@ -184,6 +184,40 @@ pub const GOSSIP_FRAME_HEADER: usize = 9;
 /// run would never end; no live node gossips or scrapes more often than this.
 const MIN_INTERVAL_MS: f64 = 1.0;
 
+/// Longest `gossip_interval_ms`, `metrics_interval_ms`, `gossip_extra_delay_ms` and
+/// `kv_events_delay_ms`, ms: an hour, far past any deployment's. A `1e12` interval
+/// ticked a run for ever, and a `1e8` gossip delay held every message of the run in
+/// flight at once.
+pub const MAX_INTERVAL_MS: f64 = 3_600_000.0;
+
+/// Largest `time_scale`: stretching a trace ten thousand times leaves its engines idle
+/// (the sweeps run 0.0625 to 8). Virtual time is f64 ms: a trace stretched `1e14`
+/// times reached 9e18 ms, where a 250 ms tick no longer moves it, and ran for ever.
+pub const MAX_TIME_SCALE: f64 = 10_000.0;
+
+/// Latest virtual time a run may reach, ms (about 317 years): f64 ms still resolve
+/// microseconds there. A run past it (a trace too long for its time scale, costs or
+/// delays too large for the bounds to catch together) fails naming the cause rather
+/// than report figures rounded to nonsense, or tick at one instant for ever.
+pub const MAX_VIRTUAL_MS: f64 = 1e13;
+
+/// Events a run may handle at one virtual instant before it counts as stuck (time no
+/// longer advancing): far more than any trace's burst makes (a few per request).
+const MAX_EVENTS_AT_ONE_INSTANT: u64 = 100_000_000;
+
+/// `time_scale` within (0, [`MAX_TIME_SCALE`]]: the rule [`SimConfig::validate`]
+/// applies, for a caller that names the value otherwise (`gorgo sweep --rates`).
+pub fn check_time_scale(time_scale: f64) -> Result<()> {
+    if time_scale.is_finite() && time_scale > 0.0 && time_scale <= MAX_TIME_SCALE {
+        Ok(())
+    } else {
+        Err(invalid(
+            "time_scale",
+            format!("must be a finite number in (0, {MAX_TIME_SCALE}]"),
+        ))
+    }
+}
+
 impl SimConfig {
     /// Defaults of docs/design.md around a network, one profile for every region.
     pub fn new(network: Network, profile: Profile) -> Self {
@@ -251,22 +285,39 @@ impl SimConfig {
             ));
         }
         // At least a millisecond: events are times in ms, and an interval so small
-        // that `now + interval == now` ticked at one instant for ever.
-        if !(self.gossip_interval_ms.is_finite() && self.gossip_interval_ms >= MIN_INTERVAL_MS) {
-            return Err(invalid("gossip_interval_ms", "must be at least 1 (ms)"));
-        }
-        if !(self.gossip_extra_delay_ms.is_finite() && self.gossip_extra_delay_ms >= 0.0) {
-            return Err(invalid("gossip_extra_delay_ms", "must be >= 0"));
+        // that `now + interval == now` ticked at one instant for ever. At most an
+        // hour, as every delay: a larger one ran for ever or held the run's gossip.
+        let interval = format!("must be in [{MIN_INTERVAL_MS}, {MAX_INTERVAL_MS}] (ms)");
+        let delay = format!("must be in [0, {MAX_INTERVAL_MS}] (ms)");
+        for (field, v, min, reason) in [
+            (
+                "gossip_interval_ms",
+                self.gossip_interval_ms,
+                MIN_INTERVAL_MS,
+                &interval,
+            ),
+            (
+                "metrics_interval_ms",
+                self.metrics_interval_ms,
+                MIN_INTERVAL_MS,
+                &interval,
+            ),
+            (
+                "gossip_extra_delay_ms",
+                self.gossip_extra_delay_ms,
+                0.0,
+                &delay,
+            ),
+            ("kv_events_delay_ms", self.kv_events_delay_ms, 0.0, &delay),
+        ] {
+            if !(v.is_finite() && (min..=MAX_INTERVAL_MS).contains(&v)) {
+                return Err(invalid(field, reason.as_str()));
+            }
         }
         if !(self.gossip_loss.is_finite() && (0.0..1.0).contains(&self.gossip_loss)) {
             return Err(invalid("gossip_loss", "must be in [0, 1)"));
         }
-        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
-            return Err(invalid("time_scale", "must be > 0"));
-        }
-        if !(self.metrics_interval_ms.is_finite() && self.metrics_interval_ms >= MIN_INTERVAL_MS) {
-            return Err(invalid("metrics_interval_ms", "must be at least 1 (ms)"));
-        }
+        check_time_scale(self.time_scale)?;
         if !(self.decode_step_ms.is_finite() && self.decode_step_ms >= 0.0) {
             return Err(invalid("decode_step_ms", "must be >= 0"));
         }
@@ -285,13 +336,51 @@ impl SimConfig {
         if self.tuning_window == Some(0) {
             return Err(invalid("tuning_window", "must be > 0"));
         }
-        if !(self.kv_events_delay_ms.is_finite() && self.kv_events_delay_ms >= 0.0) {
-            return Err(invalid("kv_events_delay_ms", "must be >= 0"));
+        // The nodes' tuning, checked as they will build it (the window, the trial
+        // design and `tuning_set` together), before any run.
+        if self.tune {
+            self.tuning_config(PolicyKind::Gorgo, self.seed)?;
         }
         if !(0.0..=1.0).contains(&self.non_streamed_share) {
             return Err(invalid("non_streamed_share", "must be in [0, 1]"));
         }
         Ok(())
+    }
+}
+
+impl SimConfig {
+    /// The tuning configuration of a node of `kind` whose mutations are seeded by
+    /// `seed`, checked: the policy's defaults, then `trial`, `tuning_sigma`,
+    /// `tuning_set` (which may set the seed too), `weights` and `tuning_window`. A
+    /// window the trial cannot use is blamed on `tuning_window` when that set it.
+    fn tuning_config(&self, kind: PolicyKind, seed: u64) -> Result<TuningConfig> {
+        let mut tc = TuningConfig::for_policy(kind);
+        tc.seed = seed;
+        tc.trial = self.trial;
+        if let Some(sigma) = self.tuning_sigma {
+            tc.sigma_min = tc.sigma_min.min(sigma);
+            tc.sigma0 = sigma.min(tc.sigma_max);
+        }
+        if !self.tuning_set.is_empty() {
+            tc = with_tuning_keys(tc, &self.tuning_set)?;
+        }
+        if let Some(w) = self.weights {
+            tc.w_rtt.start = w.w_rtt.clamp(tc.w_rtt.min, tc.w_rtt.max);
+            tc.w_queue.start = w.w_queue.clamp(tc.w_queue.min, tc.w_queue.max);
+        }
+        if let Some(w) = self.tuning_window {
+            tc.window = w;
+            tc.min_samples = tc.min_samples.min(w);
+        }
+        tc.validate().map_err(|e| match e {
+            gorgo_core::CoreError::InvalidConfig { field, reason }
+                if field == "window_requests" && self.tuning_window.is_some() =>
+            {
+                invalid("tuning_window", reason)
+            }
+            e => e.into(),
+        })?;
+        Ok(tc)
     }
 }
 
@@ -833,24 +922,7 @@ impl<'a> Sim<'a> {
             let tune = cfg.tune && kind.uses_weights();
             for (i, p) in cfg.profiles.iter().enumerate() {
                 let tuner = if tune {
-                    let mut tc = TuningConfig::for_policy(kind);
-                    tc.seed = cfg.seed.wrapping_add(i as u64);
-                    tc.trial = cfg.trial;
-                    if let Some(sigma) = cfg.tuning_sigma {
-                        tc.sigma_min = tc.sigma_min.min(sigma);
-                        tc.sigma0 = sigma.min(tc.sigma_max);
-                    }
-                    if !cfg.tuning_set.is_empty() {
-                        tc = with_tuning_keys(tc, &cfg.tuning_set)?;
-                    }
-                    if let Some(w) = cfg.weights {
-                        tc.w_rtt.start = w.w_rtt.clamp(tc.w_rtt.min, tc.w_rtt.max);
-                        tc.w_queue.start = w.w_queue.clamp(tc.w_queue.min, tc.w_queue.max);
-                    }
-                    if let Some(w) = cfg.tuning_window {
-                        tc.window = w;
-                        tc.min_samples = tc.min_samples.min(w);
-                    }
+                    let tc = cfg.tuning_config(kind, cfg.seed.wrapping_add(i as u64))?;
                     let mut t = Tuner::new(node_ids[i].clone(), tc)?;
                     t.set_membership(node_ids.iter().cloned());
                     Some(t)
@@ -990,6 +1062,8 @@ impl<'a> Sim<'a> {
         let mut index: u64 = 0;
         let mut next: Option<(f64, TraceRequest)> = None;
         let mut reported = 0u64;
+        // Events handled since virtual time last advanced.
+        let mut at_this_instant = 0u64;
         loop {
             // Read the trace up to the next event's time, so rows never sit in memory
             // ahead of when they matter.
@@ -1003,6 +1077,15 @@ impl<'a> Sim<'a> {
                             let o = *origin.get_or_insert(row.timestamp_ms);
                             let send = self.warm_ms
                                 + row.timestamp_ms.saturating_sub(o) as f64 * self.cfg.time_scale;
+                            if send > MAX_VIRTUAL_MS {
+                                return Err(SimError::VirtualTime(format!(
+                                    "of trace row {} would be {send:.3e} ms, past the \
+                                     {MAX_VIRTUAL_MS:e} ms a run may reach: the trace is too \
+                                     long for time_scale {}",
+                                    index + 1,
+                                    self.cfg.time_scale
+                                )));
+                            }
                             next = Some((send, row));
                         }
                     }
@@ -1019,6 +1102,21 @@ impl<'a> Sim<'a> {
             let Some(Scheduled { at, ev, .. }) = self.heap.pop() else {
                 break;
             };
+            if at > self.now {
+                at_this_instant = 0;
+            } else {
+                at_this_instant += 1;
+            }
+            if at > MAX_VIRTUAL_MS || at_this_instant > MAX_EVENTS_AT_ONE_INSTANT {
+                let what = if at > MAX_VIRTUAL_MS {
+                    format!("reached {at:.3e} ms, past the {MAX_VIRTUAL_MS:e} ms a run may reach")
+                } else {
+                    format!("stopped advancing at {at:.3e} ms ({at_this_instant} events at that instant)")
+                };
+                return Err(SimError::VirtualTime(format!(
+                    "{what}: the engine profile's costs, or the delays, are too large"
+                )));
+            }
             self.now = at;
             self.out.run.counters.events += 1;
             match ev {
@@ -2489,6 +2587,126 @@ mod tests {
             set(&mut c, 1.0);
             c.validate().unwrap();
         }
+    }
+
+    /// Magnitudes past their documented bounds are refused naming the field: a time
+    /// scale of `1e14` or a gossip interval of `1e12` ran for ever, a gossip delay of
+    /// `1e8` held all the run's gossip in flight, an infinite time scale was said to
+    /// be "not > 0"; values at the bounds are accepted.
+    #[test]
+    fn magnitudes_past_their_bounds_are_refused_naming_the_field() {
+        let profile = Profile::by_name("paper-a100-mistral7b").unwrap();
+        let cfg = SimConfig::new(Network::uniform(2, 40.0, 3.0), profile);
+        type Set = fn(&mut SimConfig, f64);
+        let cases: [(&str, Set, &[f64], f64); 5] = [
+            (
+                "time_scale",
+                |c, v| c.time_scale = v,
+                &[1e14, 1e16, 1e300, f64::INFINITY, 10_000.5],
+                MAX_TIME_SCALE,
+            ),
+            (
+                "gossip_interval_ms",
+                |c, v| c.gossip_interval_ms = v,
+                &[1e12, 1e300, 3_600_001.0],
+                MAX_INTERVAL_MS,
+            ),
+            (
+                "metrics_interval_ms",
+                |c, v| c.metrics_interval_ms = v,
+                &[1e300, 3_600_001.0],
+                MAX_INTERVAL_MS,
+            ),
+            (
+                "gossip_extra_delay_ms",
+                |c, v| c.gossip_extra_delay_ms = v,
+                &[1e8, 1e9, f64::INFINITY],
+                MAX_INTERVAL_MS,
+            ),
+            (
+                "kv_events_delay_ms",
+                |c, v| c.kv_events_delay_ms = v,
+                &[1e300, 3_600_001.0],
+                MAX_INTERVAL_MS,
+            ),
+        ];
+        for (field, set, bad, max) in cases {
+            for &v in bad {
+                let mut c = cfg.clone();
+                set(&mut c, v);
+                match c.validate() {
+                    Err(crate::SimError::InvalidConfig { field: f, reason }) => {
+                        assert_eq!(f, field, "{v}");
+                        assert!(
+                            reason.contains("finite") || field != "time_scale",
+                            "{reason}"
+                        );
+                    }
+                    other => panic!("{field} = {v}: {other:?}"),
+                }
+            }
+            let mut c = cfg.clone();
+            set(&mut c, max);
+            c.validate().unwrap();
+        }
+    }
+
+    /// A trace stretched past the virtual time f64 milliseconds resolve fails naming
+    /// the time scale, instead of reporting figures rounded away (or, further out,
+    /// ticking at one instant for ever).
+    #[test]
+    fn a_trace_stretched_past_the_last_resolvable_time_is_an_error() {
+        let profile = Profile::by_name("paper-a100-mistral7b").unwrap();
+        let mut cfg = SimConfig::new(Network::uniform(2, 40.0, 3.0), profile);
+        cfg.time_scale = MAX_TIME_SCALE;
+        let row = |timestamp_ms| TraceRequest {
+            timestamp_ms,
+            input_tokens: 100,
+            output_tokens: 4,
+            tokens_per_block: 256,
+            blocks: gorgo_workload::BlockIds::Int(vec![1]),
+            user: None,
+            session: None,
+            home_region: None,
+            request_id: None,
+            system_prompt_hash: None,
+        };
+        let trace = |last| vec![Ok(row(0)), Ok(row(last))];
+        // 2.7e12 ms of trace (85 years) x 10,000 is past the limit.
+        let e = simulate(
+            &cfg,
+            PolicyKind::LeastLoad,
+            trace(2_700_000_000_000),
+            &mut |_| {},
+        )
+        .unwrap_err();
+        assert!(
+            matches!(e, SimError::VirtualTime(_)) && e.to_string().contains("time_scale"),
+            "{e}"
+        );
+        // A day of it is fine.
+        let run = simulate(&cfg, PolicyKind::LeastLoad, trace(8_640_000), &mut |_| {}).unwrap();
+        assert_eq!(run.counters.completed, 2);
+    }
+
+    /// A tuning window the trial cannot split between its arms is refused before the
+    /// run, naming `tuning_window` (a window of 1 tuned nothing, silently, where
+    /// `window_requests = 1` in `tuning_set` was refused).
+    #[test]
+    fn a_one_request_window_of_a_paired_trial_is_refused() {
+        let profile = Profile::by_name("paper-a100-mistral7b").unwrap();
+        let mut cfg = SimConfig::new(Network::uniform(2, 40.0, 3.0), profile);
+        cfg.tune = true;
+        cfg.tuning_window = Some(1);
+        match cfg.validate() {
+            Err(SimError::InvalidConfig { field, .. }) => assert_eq!(field, "tuning_window"),
+            other => panic!("{other:?}"),
+        }
+        cfg.tuning_window = Some(2);
+        cfg.validate().unwrap();
+        cfg.tuning_window = Some(1);
+        cfg.trial = TrialDesign::Sequential;
+        cfg.validate().unwrap();
     }
 
     /// The causal oracle counts its own forward at once and another region's only

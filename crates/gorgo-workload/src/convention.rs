@@ -20,6 +20,12 @@ pub const DEFAULT_MODEL: &str = "gorgo-emulated";
 /// context, so [`clamp_to_context`] keeps them free.
 pub const CHAT_TEMPLATE_TOKENS: u64 = 64;
 
+/// Smallest `--max-context-tokens` (`gorgo bench`, `gorgo sim`): the chat template's
+/// [`CHAT_TEMPLATE_TOKENS`], one prompt token and one output token. Only prompts are
+/// shortened, never outputs: a row whose output does not fit beside a one-token prompt
+/// keeps it, and asks for more than the limit (an engine of that context refuses it).
+pub const MIN_CONTEXT_TOKENS: u64 = CHAT_TEMPLATE_TOKENS + 2;
+
 /// The most prompt tokens a request with `output_tokens` may have so that prompt,
 /// output and chat template fit an engine context of `max_context` tokens (at least 1).
 /// A row of no output is sent (and simulated) asking for one token

@@ -130,6 +130,17 @@ impl Default for GeneratorConfig {
     }
 }
 
+/// Most requests a generated trace may hold: the generator keeps the whole trace in
+/// memory (about 600 bytes a request, so some 6 GB here) to sort it by arrival, and
+/// [`GeneratorConfig::validate`] refuses a configuration whose expected count
+/// (`users x requests_per_user x duration_s / 1800 s`), or whose user count, is above
+/// it. Ten million is four times ART-Chat-2.5M.
+pub const MAX_GENERATED_REQUESTS: u64 = 10_000_000;
+
+/// Session starts the generator may draw before it gives up (a diurnal trough with
+/// `diurnal_amplitude` near 1 thins nearly every draw away): a bound on its time.
+const MAX_SESSION_DRAWS: u64 = 16 * MAX_GENERATED_REQUESTS;
+
 /// Default regional weights for `n` regions that are not the default three: Zipf-like.
 pub fn zipf_weights(n: usize) -> Vec<f64> {
     (0..n).map(|i| 1.0 / (i + 1) as f64).collect()
@@ -220,6 +231,23 @@ impl GeneratorConfig {
         }
         if self.users == 0 {
             return bad("users", "must be at least 1");
+        }
+        // Every user sends at least one request; the trace is held whole in memory.
+        if u64::from(self.users) > MAX_GENERATED_REQUESTS {
+            return bad(
+                "users",
+                &format!("at most {MAX_GENERATED_REQUESTS} (each user sends a request)"),
+            );
+        }
+        let expected = f64::from(self.users) * self.requests_per_user * self.duration_s / 1800.0;
+        if expected > MAX_GENERATED_REQUESTS as f64 {
+            return bad(
+                "requests_per_user",
+                &format!(
+                    "users x requests_per_user x duration_s / 1800 s is {expected:.3e} \
+                     requests, over the {MAX_GENERATED_REQUESTS} a generated trace may hold"
+                ),
+            );
         }
         if self.regions.is_empty() {
             return bad("regions", "needs at least one region");
@@ -374,6 +402,7 @@ pub fn generate(config: &GeneratorConfig) -> Result<Vec<TraceRequest>> {
         next_segment_id
     };
     let mut out = Vec::new();
+    let mut drawn = 0u64;
     // Per-user traits are stratified (one draw per 1/users quantile slice, in random
     // order): with a few hundred users, independent draws would let a handful of heavy
     // users move the window's p95 by 10% from seed to seed.
@@ -396,13 +425,28 @@ pub fn generate(config: &GeneratorConfig) -> Result<Vec<TraceRequest>> {
         let peak = 1.0 + c.diurnal_amplitude;
         let rate_max = base_session_rate * activity * peak / mean_diurnal;
         let expected = rate_max * c.duration_s;
+        // A mean the sampler refuses is an error, not no session: it was taken as 0,
+        // and `requests_per_user = 1e100` wrote one request.
         let candidates = if expected > 0.0 {
             Poisson::new(expected)
-                .map(|p| p.sample(&mut rng) as u64)
-                .unwrap_or(0)
+                .map_err(|e| WorkloadError::InvalidConfig {
+                    field: "requests_per_user",
+                    reason: format!("{expected:.3e} session starts for one user: {e}"),
+                })?
+                .sample(&mut rng) as u64
         } else {
             0
         };
+        drawn = drawn.saturating_add(candidates);
+        if drawn > MAX_SESSION_DRAWS {
+            return Err(WorkloadError::InvalidConfig {
+                field: "diurnal_amplitude",
+                reason: format!(
+                    "more than {MAX_SESSION_DRAWS} session starts drawn (the window sits \
+                     in a diurnal trough that thins nearly all of them away)"
+                ),
+            });
+        }
         let mut starts = Vec::new();
         for _ in 0..candidates {
             let t = rng.random::<f64>() * c.duration_s;
@@ -463,6 +507,18 @@ pub fn generate(config: &GeneratorConfig) -> Result<Vec<TraceRequest>> {
                     .fold(0u64, |sum, s| sum.saturating_add(s.tokens));
                 if t_s >= c.duration_s || input > c.max_input_tokens {
                     break;
+                }
+                // The expected count is bounded by `validate`; heavy-tailed activity
+                // could still draw far more.
+                if out.len() as u64 >= 2 * MAX_GENERATED_REQUESTS {
+                    return Err(WorkloadError::InvalidConfig {
+                        field: "activity_sigma",
+                        reason: format!(
+                            "the draws came to over {} requests, twice what a generated \
+                             trace may hold",
+                            2 * MAX_GENERATED_REQUESTS
+                        ),
+                    });
                 }
                 out.push(TraceRequest {
                     timestamp_ms: (t_s * 1000.0) as u64,
@@ -633,6 +689,42 @@ mod tests {
             let e = cfg.validate().unwrap_err().to_string();
             assert!(e.contains(field), "{field}: {e}");
         }
+    }
+
+    /// The trace is held in memory whole: a configuration asking for more than
+    /// [`MAX_GENERATED_REQUESTS`] is refused before anything is drawn, naming the
+    /// field (`users = 100000000` grew to 24 GB; `requests_per_user = 1e100` wrote one
+    /// request, its session count having overflowed the sampler).
+    #[test]
+    fn request_counts_past_the_cap_are_refused_before_generating() {
+        for (users, requests_per_user, field) in [
+            (100_000_000, 0.001, "users"),
+            (1, 1e9, "requests_per_user"),
+            (1, 1e100, "requests_per_user"),
+            (1, 1e300, "requests_per_user"),
+            (10_000, 1001.0, "requests_per_user"),
+        ] {
+            let cfg = GeneratorConfig {
+                users,
+                requests_per_user,
+                ..Default::default()
+            };
+            let e = cfg.validate().unwrap_err().to_string();
+            assert!(e.contains(field), "{users} x {requests_per_user}: {e}");
+            assert!(e.len() < 200, "a readable number: {e}");
+            if users == 1 && requests_per_user > 1e99 {
+                // Cheap either way: the sampler refused the mean, and one request came.
+                assert!(generate(&cfg).is_err(), "{requests_per_user}");
+            }
+        }
+        // At the cap: accepted.
+        GeneratorConfig {
+            users: 10_000,
+            requests_per_user: 1000.0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap();
     }
 
     #[test]

@@ -19,7 +19,7 @@ pub mod write;
 
 pub use convention::{
     clamp_to_context, context_prompt_limit, home_region, session_id, session_key,
-    CHAT_TEMPLATE_TOKENS, DEFAULT_MODEL,
+    CHAT_TEMPLATE_TOKENS, DEFAULT_MODEL, MIN_CONTEXT_TOKENS,
 };
 pub use error::WorkloadError;
 pub use generate::{generate, GeneratorConfig};

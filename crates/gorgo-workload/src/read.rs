@@ -561,9 +561,18 @@ mod tests {
         let e = row(r#"{"timestamp":0,"input_length":"ten","output_length":1}"#).unwrap_err();
         assert!(e.contains("`input_length`") && e.contains("column"), "{e}");
         assert!(!e.contains("line 1"), "{e}");
-        let e = row(r#"{"timestamp":0,"input_length":10,"output_length":1,"hash_ids":[1,"a"]}"#)
+        // A bad id says what the ids must be, not the name of the type behind them
+        // ("untagged enum BlockIds").
+        for ids in ["[1,\"a\"]", "[18446744073709551616]", "[-1]", "[1.5]", "{}"] {
+            let e = row(&format!(
+                r#"{{"timestamp":0,"input_length":10,"output_length":1,"hash_ids":{ids}}}"#
+            ))
             .unwrap_err();
-        assert!(e.contains("`hash_ids`"), "{e}");
+            assert!(
+                e.contains("`hash_ids`") && e.contains("all integers") && !e.contains("BlockIds"),
+                "{ids}: {e}"
+            );
+        }
         let e = row(r#"{"timestamp":0,"input_length":10,"output_length":1} x"#).unwrap_err();
         assert!(
             e.contains("trailing characters") && !e.contains("line 1"),

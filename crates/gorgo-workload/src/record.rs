@@ -9,7 +9,10 @@ use serde::{Deserialize, Serialize};
 /// identical prompt prefix up to block `i`, so they map one to one onto a
 /// [`HashChain`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "must be a list of block ids: all integers in [0, 2^64), or all strings"
+)]
 pub enum BlockIds {
     /// The trace carries no prefix information (Azure).
     #[default]
