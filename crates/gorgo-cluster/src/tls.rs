@@ -85,7 +85,7 @@ impl NodeCredentials {
     /// certificate's (what the endpoint's TLS configuration checks when the cluster
     /// starts). Errors name the file by its field of the node's `[tls]` table
     /// (`tls.ca`, `tls.cert`, `tls.key`). Each is read with a cap
-    /// ([`MAX_PEM_FILE_BYTES`]).
+    /// (1 MiB, `MAX_PEM_FILE_BYTES`).
     pub fn load(files: &TlsFiles) -> Result<Self> {
         let bad = |field: &'static str, path: &Path, why: String| ClusterError::Config {
             field,
