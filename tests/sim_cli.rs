@@ -5,8 +5,12 @@
 use std::path::Path;
 use std::process::Command;
 
+/// The binary, without a backtrace under its errors whatever the caller's
+/// `RUST_BACKTRACE` (the tests read the errors).
 fn gorgo() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_gorgo"))
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_gorgo"));
+    cmd.env("RUST_BACKTRACE", "0");
+    cmd
 }
 
 fn topology() -> String {
@@ -177,6 +181,37 @@ fn sim_rejects_bad_input_with_the_flag_named() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(flag), "{flag} {value}: {err}");
     }
+    // `--tuning-set` where nothing tunes did nothing, and was recorded as if it had.
+    for extra in [
+        &["--policies", "gorgo", "--tuning-set", "max_trial_windows=2"][..],
+        &[
+            "--policies",
+            "least-load,oracle",
+            "--tune",
+            "--tuning-set",
+            "max_trial_windows=2",
+        ],
+    ] {
+        let out = run(&[extra, &["--max-requests", "20"]].concat());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains("--tuning-set") && err.contains("--tune"),
+            "{extra:?}: {err}"
+        );
+    }
+    // A value of the wrong type names its key.
+    let out = run(&[
+        "--policies",
+        "gorgo",
+        "--tune",
+        "--tuning-set",
+        "max_trial_windows=abc",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--tuning-set `max_trial_windows`"),
+        "{err}"
+    );
     // The old flag is gone: the node's view is the default.
     let out = run(&["--live-node-stats"]);
     assert!(!out.status.success());
@@ -537,6 +572,98 @@ fn a_generator_config_over_the_cap_is_refused_naming_the_flag() {
                 && err.contains(&format!("--config {}", config.display()))
                 && err.contains(&format!("larger than {CAP} bytes")),
             "{err}"
+        );
+    }
+}
+
+/// `sim`, `sweep` and `tune-offline` create `--out` before they simulate: one that
+/// cannot be a directory (a file) failed only at the end ("File exists"). And
+/// `tune-offline` runs each distinct cell of its grid once (`1,1,1` ran one cell three
+/// times), and refuses a weight above the most a person may set (`1e300` ran).
+#[test]
+fn out_and_the_weight_grid_are_checked_before_simulating() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = generate(dir.path());
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "").unwrap();
+    let run = |argv: &[&str], out: &Path| {
+        gorgo()
+            .args(argv)
+            .args(["--topology", &topology(), "--max-requests", "20"])
+            .arg("--trace")
+            .arg(&trace)
+            .arg("--out")
+            .arg(out)
+            .output()
+            .unwrap()
+    };
+    let commands: [&[&str]; 3] = [
+        &["sim", "--policies", "round-robin"],
+        &[
+            "sweep",
+            "--policies",
+            "round-robin",
+            "--time-scales",
+            "2",
+            "--no-progress",
+        ],
+        &[
+            "tune-offline",
+            "--rtt-grid",
+            "1",
+            "--queue-grid",
+            "1",
+            "--no-progress",
+        ],
+    ];
+    for argv in commands {
+        let out = run(argv, &file);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{argv:?}: {err}");
+        assert!(
+            err.contains(&format!("--out {}", file.display())) && !err.contains("done:"),
+            "{argv:?}: {err}"
+        );
+    }
+
+    let grid = dir.path().join("grid");
+    let out = run(
+        &[
+            "tune-offline",
+            "--rtt-grid",
+            "1,1,1",
+            "--queue-grid",
+            "0.5,0.5",
+            "--no-progress",
+        ],
+        &grid,
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(grid.join("grid.json")).unwrap()).unwrap();
+    let cells: Vec<String> = report["points"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["weights"].to_string())
+        .collect();
+    let mut distinct = cells.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(cells.len(), distinct.len(), "{cells:?}");
+    // The one cell of the grid, and the default weights.
+    assert_eq!(cells.len(), 2, "{cells:?}");
+
+    for (flag, value) in [("--rtt-grid", "1e300"), ("--queue-grid", "100.5")] {
+        let out = run(&["tune-offline", "--no-progress", flag, value], &grid);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(flag) && err.contains("(0, 100]"),
+            "{flag} {value}: {err}"
         );
     }
 }

@@ -96,6 +96,97 @@ fn down_without_a_cluster_is_a_no_op_and_bad_topologies_are_named() {
     );
 }
 
+/// Flags that cannot work are refused before anything starts, naming the flag: a netem
+/// control API off loopback (it takes no token: `0.0.0.0` opened the partition API to
+/// the network), and a readiness timeout of 0 s (`up` and `restart` then always failed,
+/// "not ready after 0 s", the restarted process left running).
+#[test]
+fn flags_that_cannot_work_are_refused_naming_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let topology = root().join("configs/topologies/three-region.toml");
+    let topology = topology.to_str().unwrap();
+    // `--plan` exits before binding anything: the flag is checked first all the same.
+    for control in ["0.0.0.0:27999", "[::]:27999", "192.0.2.1:27999"] {
+        let out = gorgo(&[
+            "netem",
+            "--topology",
+            topology,
+            "--control",
+            control,
+            "--plan",
+        ]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success()
+                && err.contains(&format!("--control {control}"))
+                && err.contains("loopback"),
+            "{control}: {err}"
+        );
+    }
+    for control in ["127.0.0.9:27999", "[::1]:27999"] {
+        let out = gorgo(&[
+            "netem",
+            "--topology",
+            topology,
+            "--control",
+            control,
+            "--plan",
+        ]);
+        assert!(
+            out.status.success(),
+            "{control}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let run = dir.path().display().to_string();
+    let out = gorgo(&[
+        "restart",
+        "--run-dir",
+        &run,
+        "netem",
+        "--ready-timeout-s",
+        "0",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--ready-timeout-s"),
+        "{err}"
+    );
+    let err = up_refused(dir.path(), &["--ready-timeout-s", "0"]);
+    assert!(err.contains("--ready-timeout-s"), "{err}");
+}
+
+/// `gorgo bench` against a cluster that answers nothing: every request fails, and the
+/// exit status says so (it was 0, with "1 requests failed"); the report is written.
+#[test]
+fn a_bench_whose_every_request_failed_exits_non_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("one.jsonl");
+    std::fs::write(
+        &trace,
+        "{\"timestamp\": 0, \"input_length\": 100, \"output_length\": 10, \"hash_ids\": [0]}\n",
+    )
+    .unwrap();
+    let out_dir = dir.path().join("bench");
+    let out = gorgo(&[
+        "bench",
+        "--trace",
+        &trace.display().to_string(),
+        // Nothing listens on port 1.
+        "--cluster",
+        "us-ashburn=http://127.0.0.1:1",
+        "--no-progress",
+        "--out",
+        &out_dir.display().to_string(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("every request failed (1 of 1"),
+        "{err}"
+    );
+    assert!(out_dir.join("requests.csv").exists());
+}
+
 /// A node or region named `ca` would get certificate files named like the cluster
 /// CA's and overwrite them (the nodes then fail their handshakes with `UnknownIssuer`):
 /// `gorgo certs` and `gorgo up` refuse it, naming it, and keep the CA whole.

@@ -360,8 +360,7 @@ fn compare_and_report(
     if !args.topology.is_file() {
         anyhow::bail!("--topology {}: no such file", args.topology.display());
     }
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("creating {}", args.out.display()))?;
+    super::create_out_dir(&args.out)?;
     let out = args.out.canonicalize()?;
     let spec = compare_spec(
         args,
@@ -477,8 +476,7 @@ pub struct DemoArgs {
 /// `gorgo demo`: three regions, a seeded generated workload, every main policy.
 pub fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
     let load = demo_load(&args)?;
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("creating {}", args.out.display()))?;
+    super::create_out_dir(&args.out)?;
     let topology = args.out.join("three-region.toml");
     std::fs::write(&topology, DEMO_TOPOLOGY)
         .with_context(|| format!("writing {}", topology.display()))?;
@@ -626,14 +624,19 @@ fn left_running_hint(out: &Path) -> String {
 }
 
 /// Print the table of the report written to `out`; an error (a non-zero exit) when
-/// the run was `interrupted`: the report covers only what finished (its
-/// `config.cancelled` names what was cut short).
+/// the run was `interrupted` (the report covers only what finished: its
+/// `config.cancelled` names what was cut short) or when every request failed (an
+/// unreachable cluster, say), else the count of failed requests on stderr.
 fn finish(out: &Path, table: &str, runs: &[PolicyRun], interrupted: bool) -> anyhow::Result<()> {
     outln!("{table}");
     let failed: usize = runs.iter().map(|r| r.output.failed()).sum();
+    let sent: usize = runs.iter().map(|r| r.output.outcomes.len()).sum();
     outln!("report: {}", out.display());
     if interrupted {
         anyhow::bail!("interrupted: the report covers what finished");
+    }
+    if sent > 0 && failed == sent {
+        anyhow::bail!("every request failed ({failed} of {sent}; see requests.csv)");
     }
     if failed > 0 {
         eprintln!("{failed} requests failed (see requests.csv)");

@@ -57,6 +57,15 @@ pub fn write_stdout(args: std::fmt::Arguments<'_>) -> anyhow::Result<()> {
         .context("writing to stdout")
 }
 
+/// Create the output directory `out` of flag `--out` (and its parents) before any
+/// work, so that a path that cannot be one (an existing file) is an error naming the
+/// flag at once, not after every run: `compare`, `demo`, `sim`, `sweep` and
+/// `tune-offline`.
+pub fn create_out_dir(out: &std::path::Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(out)
+        .with_context(|| format!("--out {}: cannot create it as a directory", out.display()))
+}
+
 /// A layer of the process' subscriber beside its log lines (the node's OpenTelemetry
 /// layer).
 pub type ExtraLayer =

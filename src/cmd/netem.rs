@@ -23,7 +23,7 @@ pub struct NetemArgs {
     pub base_port: u16,
     /// Address of the control API (`POST /partition?a=X&b=Y`, `POST /heal?a=X&b=Y`,
     /// `GET /links`); default: the plan's `control_addr`, base port + 6 on region
-    /// 0's address.
+    /// 0's address. A loopback address: the API takes no token.
     #[arg(long)]
     pub control: Option<SocketAddr>,
     /// Seed of every relay's loss and jitter draws.
@@ -39,6 +39,12 @@ pub struct NetemArgs {
 
 /// Runs the relays, or prints the plan or tc script.
 pub fn run(args: NetemArgs) -> anyhow::Result<()> {
+    // Checked first, `--plan` or not: whoever reaches the API cuts the cluster's links.
+    if let Some(control) = args.control.filter(|a| !a.ip().is_loopback()) {
+        anyhow::bail!(
+            "--control {control}: the control API takes no token, so it listens on loopback only (127.0.0.0/8 or [::1])"
+        );
+    }
     let topology = Topology::from_file(&args.topology)?;
     if args.tc_script {
         let name = args

@@ -56,8 +56,9 @@ pub struct SimArgs {
     #[arg(long)]
     tuning_sigma: Option<f64>,
     /// Set a `[tuning]` key (as in a node's config) on the policy's tuning defaults,
-    /// `KEY=VALUE` (a JSON value, e.g. `max_trial_windows=2`); repeatable. Applied
-    /// after `--tuning-sigma`; `--weights` and `--tuning-window` win over it.
+    /// `KEY=VALUE` (a JSON value, e.g. `max_trial_windows=2`); repeatable; with
+    /// `--tune` only. Applied after `--tuning-sigma`; `--weights` and
+    /// `--tuning-window` win over it.
     #[arg(long = "tuning-set", value_parser = parse_key_value)]
     tuning_set: Vec<(String, serde_json::Value)>,
     /// Per-request rows kept per policy for requests.csv and exact percentiles; longer
@@ -507,7 +508,13 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     cfg.tuning_set = args.tuning_set.clone();
     cfg.max_rows = args.max_rows;
     cfg.decision_log = args.decisions;
+    // Read only by a tuner: anywhere else it was recorded in results.json and did
+    // nothing, a typo and all.
+    if !cfg.tuning_set.is_empty() && !policies.iter().any(|&k| cfg.tunes(k)) {
+        bail!("--tuning-set: no effect without --tune and a policy that tunes (gorgo, say)");
+    }
     validate(&cfg)?;
+    super::create_out_dir(&args.out)?;
 
     let mut config = json!({
         "mode": "sim",

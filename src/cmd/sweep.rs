@@ -139,6 +139,7 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     let model = args.model.config()?;
     let (requests, rate) = trace_rate(&args.trace, &args.model)?;
     let scales = time_scales(&args, rate)?;
+    super::create_out_dir(&args.out)?;
     let slo = Slo {
         ttft_p95_ms: args.ttft_slo_ms,
         e2e_p95_ms: args.e2e_slo_ms,

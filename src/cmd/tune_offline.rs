@@ -9,6 +9,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use gorgo_core::policy::PolicyKind;
+use gorgo_core::types::MAX_WEIGHT;
 use gorgo_core::Weights;
 use serde::Serialize;
 use serde_json::json;
@@ -73,16 +74,28 @@ pub struct GridPoint {
 }
 
 /// Run the grid and write the report.
-pub fn run(args: TuneOfflineArgs) -> anyhow::Result<()> {
+pub fn run(mut args: TuneOfflineArgs) -> anyhow::Result<()> {
     if !args.policy.uses_weights() {
         bail!("--policy {}: it uses no weights", args.policy);
     }
-    let positive = |v: &[f64]| v.iter().all(|x| x.is_finite() && *x > 0.0);
-    if args.rtt_grid.is_empty() || !positive(&args.rtt_grid) {
-        bail!("--rtt-grid: give positive values");
-    }
-    if args.queue_grid.is_empty() || !positive(&args.queue_grid) {
-        bail!("--queue-grid: give positive values");
+    for (flag, grid) in [
+        ("--rtt-grid", &mut args.rtt_grid),
+        ("--queue-grid", &mut args.queue_grid),
+    ] {
+        // Positive, and within what a person may set (`MAX_WEIGHT`, as the tuner's
+        // bounds and `routing.weights`).
+        if let Some(bad) = grid
+            .iter()
+            .find(|&&w| !(w.is_finite() && w > 0.0 && w <= MAX_WEIGHT))
+        {
+            bail!("{flag}: {bad:e} is not a weight in (0, {MAX_WEIGHT}]");
+        }
+        if grid.is_empty() {
+            bail!("{flag}: give at least one weight");
+        }
+        // Each distinct cell is simulated once (as `sweep` dedupes its time scales).
+        grid.sort_by(f64::total_cmp);
+        grid.dedup();
     }
     if !(args.e2e_tolerance.is_finite() && args.e2e_tolerance >= 0.0) {
         bail!("--e2e-tolerance must be >= 0");
@@ -90,6 +103,7 @@ pub fn run(args: TuneOfflineArgs) -> anyhow::Result<()> {
     let mut base = args.model.config()?;
     base.time_scale = args.time_scale;
     super::sim::validate(&base)?;
+    super::create_out_dir(&args.out)?;
     let default = args.policy.default_weights();
     let mut grid: Vec<Weights> = args
         .rtt_grid
@@ -148,8 +162,6 @@ pub fn run(args: TuneOfflineArgs) -> anyhow::Result<()> {
     let e2e_cap = at_default.p95_e2e_ms * (1.0 + args.e2e_tolerance);
     let best_within = best_by_ttft(points.iter().filter(|p| p.p95_e2e_ms <= e2e_cap)).cloned();
 
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("creating {}", args.out.display()))?;
     let mut config = json!({
         "trace": args.trace.display().to_string(),
         "time_scale": args.time_scale,

@@ -149,8 +149,8 @@ pub struct UpArgs {
     /// (docs/tuning.md).
     #[arg(long, value_parser = crate::cmd::sim::parse_trial)]
     pub tuning_trial: Option<gorgo_core::es::TrialDesign>,
-    /// Give up if the nodes are not all ready after this many seconds.
-    #[arg(long, default_value_t = 60)]
+    /// Give up if the nodes are not all ready after this many seconds (at least 1).
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     pub ready_timeout_s: u64,
     /// Each region's emulator publishes its cache's KV events (on its address, ports
     /// base + 7 and base + 8 for replay) and its node's prefix index follows them
@@ -338,8 +338,8 @@ pub struct RestartArgs {
     #[arg(long)]
     pub kill: bool,
     /// Give up if a restarted node is not ready (or a restarted engine emulator does
-    /// not answer `/health`) after this many seconds.
-    #[arg(long, default_value_t = 60)]
+    /// not answer `/health`) after this many seconds (at least 1).
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     pub ready_timeout_s: u64,
 }
 

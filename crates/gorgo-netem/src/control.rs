@@ -15,15 +15,15 @@
 //! | `GET /links` | `{"links": [{"a", "b", "up"}, ...]}` |
 //!
 //! `X` and `Y` are region names, or one of them [`CLIENTS`]: the link between
-//! a region and its clients (the client TCP relay). Errors are
-//! `{"error": "..."}` naming what was wrong (400: a missing or unknown region,
-//! a region paired with itself; 404, 405; 413 a body; 414 a URI over
-//! [`MAX_URI_BYTES`]).
+//! a region and its clients (the client TCP relay); both are percent-decoded.
+//! Errors are `{"error": "..."}` naming what was wrong (400: a missing or
+//! unknown region, a region paired with itself, an unknown or repeated
+//! parameter; 404, 405; 413 a body; 414 a URI over [`MAX_URI_BYTES`]).
 
 use std::future::Future;
 use std::sync::Arc;
 
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -242,24 +242,30 @@ async fn handle(
             )
         }
     };
+    // Percent-decoded (`us%2Dashburn` is `us-ashburn`), in order, repeats kept.
+    let Ok(Query(pairs)) = Query::<Vec<(String, String)>>::try_from_uri(&uri) else {
+        return error(StatusCode::BAD_REQUEST, "unreadable query: give a=X&b=Y");
+    };
     let (mut a, mut b) = (None, None);
-    for pair in uri
-        .query()
-        .unwrap_or("")
-        .split('&')
-        .filter(|p| !p.is_empty())
-    {
-        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-        match key {
-            "a" => a = Some(value),
-            "b" => b = Some(value),
+    for (key, value) in pairs {
+        let slot = match key.as_str() {
+            "a" => &mut a,
+            "b" => &mut b,
             _ => {
                 return error(
                     StatusCode::BAD_REQUEST,
                     format!("unknown parameter `{key}`: give a=X&b=Y"),
                 )
             }
+        };
+        // Which one would count is a guess: the last one cut the wrong link.
+        if slot.is_some() {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("parameter `{key}` given twice: give a=X&b=Y, each once"),
+            );
         }
+        *slot = Some(value);
     }
     let (Some(a), Some(b)) = (a, b) else {
         return error(
@@ -271,7 +277,7 @@ async fn handle(
             ),
         );
     };
-    match links.set(a, b, up) {
+    match links.set(&a, &b, up) {
         Ok(change) => {
             tracing::info!(a = %change.link.a, b = %change.link.b, up, changed = change.changed, "link set");
             Json(change).into_response()

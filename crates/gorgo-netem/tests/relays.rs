@@ -778,7 +778,22 @@ async fn control_api_partitions_and_heals_a_planned_cluster() {
         node_a.send_to(b"from a, healed", relay_b).await.unwrap();
         assert_eq!(recv(&node_b).await.0, b"from a, healed");
 
+        // Names are percent-decoded.
+        let encoded = a.replace('-', "%2D");
+        let (status, body) = http(api, &format!("POST /partition?a={encoded}&b={b}"), "").await;
+        assert_eq!((status, &body["a"]), (200, &serde_json::json!(a)), "{body}");
+        let (status, _) = http(api, &format!("POST /heal?b={b}&a={encoded}"), "").await;
+        assert_eq!(status, 200);
+
         // Errors name what is wrong.
+        // A repeated parameter is refused, not taken at its last value (which cut
+        // b - c here).
+        let (status, body) = http(api, &format!("POST /partition?a={a}&a={b}&b={c}"), "").await;
+        assert_eq!(status, 400, "{body}");
+        let msg = body["error"].as_str().unwrap();
+        assert!(msg.contains("`a` given twice"), "{msg}");
+        let (status, body) = http(api, &format!("POST /partition?a={a}&b={b}&b={c}"), "").await;
+        assert_eq!(status, 400, "{body}");
         let (status, body) = http(api, &format!("POST /partition?a={a}&b=mars"), "").await;
         assert_eq!(status, 400);
         let msg = body["error"].as_str().unwrap();

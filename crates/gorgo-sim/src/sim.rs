@@ -349,6 +349,12 @@ impl SimConfig {
 }
 
 impl SimConfig {
+    /// Whether a run of `kind` tunes its weights: with `tune`, a policy that uses
+    /// weights, but not the oracle (which is not tuned).
+    pub fn tunes(&self, kind: PolicyKind) -> bool {
+        self.tune && kind.uses_weights() && kind != PolicyKind::Oracle
+    }
+
     /// The tuning configuration of a node of `kind` whose mutations are seeded by
     /// `seed`, checked: the policy's defaults, then `trial`, `tuning_sigma`,
     /// `tuning_set` (which may set the seed too), `weights` and `tuning_window`. A
@@ -507,7 +513,6 @@ impl Ord for Scheduled {
     }
 }
 
-/// A request between its arrival and its last byte.
 /// `tc` with `keys` set as a node's `[tuning]` table would set them (errors name the
 /// key).
 fn with_tuning_keys(
@@ -518,13 +523,26 @@ fn with_tuning_keys(
     for (k, val) in keys {
         v[k.as_str()] = val.clone();
     }
-    let tc: TuningConfig =
-        serde_json::from_value(v).map_err(|e| invalid("tuning_set", e.to_string()))?;
+    // A value of the wrong type names its key (serde alone said only "invalid type:
+    // string \"abc\", expected u32").
+    let tc: TuningConfig = serde_path_to_error::deserialize(v).map_err(|e| {
+        let key = e.path().to_string();
+        let reason = e.into_inner().to_string();
+        invalid(
+            "tuning_set",
+            if key == "." {
+                reason
+            } else {
+                format!("`{key}`: {reason}")
+            },
+        )
+    })?;
     tc.validate()
         .map_err(|e| invalid("tuning_set", e.to_string()))?;
     Ok(tc)
 }
 
+/// A request between its arrival and its last byte.
 #[derive(Debug)]
 struct Flight {
     index: u64,
@@ -919,7 +937,7 @@ impl<'a> Sim<'a> {
                 forwards: Vec::new(),
             });
         } else {
-            let tune = cfg.tune && kind.uses_weights();
+            let tune = cfg.tunes(kind);
             for (i, p) in cfg.profiles.iter().enumerate() {
                 let tuner = if tune {
                     let tc = cfg.tuning_config(kind, cfg.seed.wrapping_add(i as u64))?;
@@ -2707,6 +2725,26 @@ mod tests {
         cfg.tuning_window = Some(1);
         cfg.trial = TrialDesign::Sequential;
         cfg.validate().unwrap();
+    }
+
+    /// A `tuning_set` value of the wrong type names its key: serde said only
+    /// "invalid type: string \"abc\", expected u32".
+    #[test]
+    fn a_tuning_set_value_of_the_wrong_type_names_its_key() {
+        let profile = Profile::by_name("paper-a100-mistral7b").unwrap();
+        let mut cfg = SimConfig::new(Network::uniform(2, 40.0, 3.0), profile);
+        cfg.tune = true;
+        cfg.tuning_set = vec![("max_trial_windows".into(), serde_json::json!("abc"))];
+        match cfg.validate() {
+            Err(SimError::InvalidConfig { field, reason }) => {
+                assert_eq!(field, "tuning_set");
+                assert!(
+                    reason.contains("`max_trial_windows`") && reason.contains("u32"),
+                    "{reason}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     /// The causal oracle counts its own forward at once and another region's only

@@ -22,6 +22,13 @@ pub const ART_TOKENS_PER_BLOCK: u32 = 256;
 /// Longest trace line accepted: a corrupt file must not make us buffer gigabytes.
 pub const MAX_LINE_BYTES: usize = 16 << 20;
 
+/// `text` without a leading UTF-8 byte order mark, which some editors write at the
+/// start of a file: a trace is read as if it had none, whatever its format (the Azure
+/// CSV reader, csv-core, drops it from the first record the same way).
+fn strip_bom(text: &str) -> &str {
+    text.strip_prefix('\u{feff}').unwrap_or(text)
+}
+
 /// The trace formats this crate reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TraceFormat {
@@ -57,10 +64,14 @@ impl std::str::FromStr for TraceFormat {
 /// Guess a trace's format from its path (extension) and its first bytes.
 ///
 /// Content wins over the extension: a JSON object on the first line is one of the JSONL
-/// formats, told apart by its keys; a `TIMESTAMP` header is Azure.
+/// formats, told apart by its keys; a `TIMESTAMP` header is Azure. A leading UTF-8
+/// byte order mark is skipped.
 pub fn detect_format(path: Option<&Path>, head: &[u8]) -> Result<TraceFormat> {
     let text = String::from_utf8_lossy(head);
-    let first = text.lines().map(str::trim).find(|l| !l.is_empty());
+    let first = strip_bom(&text)
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty());
     match first {
         Some(line) if line.starts_with('{') => {
             // Tell the JSONL formats apart by the first row's top-level keys (a chat
@@ -223,7 +234,13 @@ impl<R: BufRead> TraceReader<R> {
                     reason: format!("line longer than {MAX_LINE_BYTES} bytes"),
                 }));
             }
-            let text = buf.trim();
+            // Only the file's first line can start with a byte order mark.
+            let text = if self.line == 1 {
+                strip_bom(buf)
+            } else {
+                buf.as_str()
+            }
+            .trim();
             if text.is_empty() {
                 continue;
             }
@@ -367,6 +384,21 @@ fn check_input_length(tokens: u64) -> std::result::Result<(), String> {
     Ok(())
 }
 
+/// An id of field `field` that a live replay sends as the
+/// [`SESSION_HEADER`](gorgo_core::headers::SESSION_HEADER) value (`user`, `session`):
+/// an error for an ASCII control character, which no HTTP header value can carry (it
+/// failed at send time, naming neither the row nor the field).
+fn check_header_id(field: &str, id: Option<&str>) -> std::result::Result<(), String> {
+    match id.and_then(|s| s.chars().find(char::is_ascii_control)) {
+        Some(c) => Err(format!(
+            "`{field}` holds control character U+{:04X}, which its {} header cannot carry",
+            u32::from(c),
+            gorgo_core::headers::SESSION_HEADER
+        )),
+        None => Ok(()),
+    }
+}
+
 /// A JSON row, an error naming the field it is about and the column, not serde's own
 /// "at line 1 column N" (the row is always line 1 of its own text; the caller adds the
 /// file's line).
@@ -431,14 +463,23 @@ fn parse_json_row(
             "block_tokens {tokens_per_block} is not in [1, {MAX_INPUT_TOKENS}]"
         ));
     }
+    let user_field = if row.user.is_some() {
+        "user"
+    } else {
+        "token_hash"
+    };
+    let user = row.user.or(row.token_hash).map(String::from);
+    let session = row.session.map(String::from);
+    check_header_id(user_field, user.as_deref())?;
+    check_header_id("session", session.as_deref())?;
     let req = TraceRequest {
         timestamp_ms: 0,
         input_tokens: row.input_length,
         output_tokens,
         blocks: row.hash_ids,
         tokens_per_block,
-        user: row.user.or(row.token_hash).map(String::from),
-        session: row.session.map(String::from),
+        user,
+        session,
         home_region: row.home_region,
         request_id: row.request_id.map(String::from),
         system_prompt_hash: row.system_prompt_hash,
@@ -584,6 +625,88 @@ mod tests {
         assert!(parse_datetime_ms("2023-02-30 12:00:00").is_err());
         assert!(parse_datetime_ms("2023-04-31 00:00:00").is_err());
         assert!(parse_datetime_ms("2024-02-29 00:00:00").is_ok());
+    }
+
+    /// A UTF-8 byte order mark before the first row (as some editors write) is
+    /// skipped in JSONL as in an Azure CSV: the JSONL was an "unknown trace format",
+    /// or "line 1: column 1: expected value" with its format given.
+    #[test]
+    fn a_leading_byte_order_mark_is_skipped() {
+        let moon =
+            "{\"timestamp\": 0, \"input_length\": 100, \"output_length\": 10, \"hash_ids\": [0]}\n";
+        let bom = format!("\u{feff}{moon}");
+        assert_eq!(
+            detect_format(None, bom.as_bytes()).unwrap(),
+            TraceFormat::Mooncake
+        );
+        let read = |text: &str, format| {
+            TraceReader::new(std::io::Cursor::new(text.as_bytes().to_vec()), format)
+                .collect::<Vec<_>>()
+        };
+        let rows = read(&bom, TraceFormat::Mooncake);
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].as_ref().unwrap().input_tokens, 100);
+        // Detected from its header, not only from a `.csv` name.
+        let csv =
+            "\u{feff}TIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 18:15:46.68,100,10\r\n";
+        assert_eq!(
+            detect_format(None, csv.as_bytes()).unwrap(),
+            TraceFormat::Azure
+        );
+        let rows = read(csv, TraceFormat::Azure);
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].as_ref().unwrap().input_tokens, 100);
+        // One past the start of the file is no byte order mark: an error naming its line.
+        let rows = read(&format!("{moon}{bom}"), TraceFormat::Mooncake);
+        assert!(
+            matches!(rows[1], Err(WorkloadError::Parse { line: 2, .. })),
+            "{rows:?}"
+        );
+    }
+
+    /// `user` and `session` (ART-Chat: `token_hash`) become a live replay's
+    /// `x-session-id` header: a control character there is an error naming the line
+    /// and the field when the trace is read, not a "builder error" when it is sent.
+    #[test]
+    fn ids_sent_as_a_header_refuse_control_characters() {
+        let row = |r: &str, format| parse_json_row(r, format).map(|_| ());
+        let e = row(
+            r#"{"timestamp":0,"input_length":10,"output_length":1,"user":"\u0000\n"}"#,
+            TraceFormat::Gorgo,
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("`user`") && e.contains("U+0000") && e.contains("x-session-id"),
+            "{e}"
+        );
+        let e = row(
+            r#"{"timestamp":0,"input_length":10,"output_length":1,"user":"u","session":"s\u007f"}"#,
+            TraceFormat::Gorgo,
+        )
+        .unwrap_err();
+        assert!(e.contains("`session`") && e.contains("U+007F"), "{e}");
+        let e = row(
+            r#"{"timestamp":0,"input_length":10,"hash_ids":["ab"],"token_hash":"a\tb","request":{"max_tokens":5}}"#,
+            TraceFormat::ArtChat,
+        )
+        .unwrap_err();
+        assert!(e.contains("`token_hash`"), "{e}");
+        // Any other text, and numbers, are fine.
+        row(
+            r#"{"timestamp":0,"input_length":10,"output_length":1,"user":"Zoë 1","session":7}"#,
+            TraceFormat::Gorgo,
+        )
+        .unwrap();
+        let text = "{\"timestamp\":0,\"input_length\":10,\"output_length\":1,\"user\":\"u\"}\n\
+                    {\"timestamp\":1,\"input_length\":10,\"output_length\":1,\"user\":\"\\u001b\"}\n";
+        let rows: Vec<_> =
+            TraceReader::new(std::io::Cursor::new(text.as_bytes()), TraceFormat::Gorgo).collect();
+        match &rows[1] {
+            Err(e @ WorkloadError::Parse { line: 2, .. }) => {
+                assert!(e.to_string().contains("`user`"), "{e}")
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
