@@ -175,6 +175,8 @@ fn sim_rejects_bad_input_with_the_flag_named() {
         ("--metrics-interval-ms", "0"),
         ("--replicas", "0"),
         ("--max-requests", "0"),
+        // Weights a node's config and admin API refuse (over `MAX_WEIGHT`).
+        ("--weights", "1e300,1"),
     ] {
         let out = run(&[flag, value]);
         assert!(!out.status.success(), "{flag} {value}");

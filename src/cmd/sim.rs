@@ -400,9 +400,12 @@ pub fn parse_weights(s: &str) -> Result<Weights, String> {
     let [r, q] = parts.as_slice() else {
         return Err(format!("`{s}`: want W_RTT,W_QUEUE"));
     };
+    // Positive (the simulator divides by them), and within what a node's config and
+    // admin API take (`MAX_WEIGHT`): 1e300 was taken here alone.
+    let max = gorgo_core::types::MAX_WEIGHT;
     let num = |v: &str| match v.parse::<f64>() {
-        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
-        _ => Err(format!("`{v}` is not a positive number")),
+        Ok(x) if x.is_finite() && x > 0.0 && x <= max => Ok(x),
+        _ => Err(format!("`{v}` is not a weight in (0, {max}]")),
     };
     Ok(Weights {
         w_rtt: num(r)?,
