@@ -188,6 +188,16 @@ fn parse_engine_url(url: &str) -> Result<String, String> {
         }
         _ => return Err(format!("{FORM}, without a path (`/v1/...` is appended)")),
     }
+    check_port(authority)?;
+    let parsed = reqwest::Url::parse(url).map_err(|e| format!("not a valid URL: {e}"))?;
+    Ok(parsed.origin().ascii_serialization())
+}
+
+/// Why the port an `http://` URL's authority names (`host:port`, `[v6]:port`, or none)
+/// cannot be dialled, or `Ok`. Why its own check: the URL parser takes a port as
+/// written, so `:0` is accepted and dialled (and fails at every request), and its
+/// message for `:99999` does not say which range is meant.
+fn check_port(authority: &str) -> Result<(), String> {
     // The port as written: after the host, or after an IPv6 literal's `]`.
     let port = match authority.rsplit_once(']') {
         Some((_, after)) => after.strip_prefix(':'),
@@ -201,8 +211,34 @@ fn parse_engine_url(url: &str) -> Result<String, String> {
             return Err(format!("port `{port}`: must be in 1..=65535"));
         }
     }
-    let parsed = reqwest::Url::parse(url).map_err(|e| format!("not a valid URL: {e}"))?;
-    Ok(parsed.origin().ascii_serialization())
+    Ok(())
+}
+
+/// Why `telemetry.otlp_endpoint` cannot be posted to as written, or `Ok`: an
+/// `http://` URL (the node's HTTP client speaks no TLS: a collector runs beside it) of
+/// visible ASCII, without user info, whose port is dialable. Unlike an engine URL it
+/// is used as given, path included (`/v1/traces`).
+fn check_otlp_endpoint(url: &str) -> Result<(), String> {
+    if !url
+        .get(.."http://".len())
+        .is_some_and(|p| p.eq_ignore_ascii_case("http://"))
+    {
+        return Err("must start with http://".into());
+    }
+    if !url.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err("visible ASCII only, no spaces".into());
+    }
+    let rest = &url["http://".len()..];
+    let authority = &rest[..rest.find(['/', '?', '#', '\\']).unwrap_or(rest.len())];
+    if authority.contains('@') {
+        return Err("without user info (`user@`)".into());
+    }
+    check_port(authority)?;
+    match reqwest::Url::parse(url) {
+        Ok(parsed) if parsed.host_str().is_some_and(|h| !h.is_empty()) => Ok(()),
+        Ok(_) => Err("not a valid URL: no host".into()),
+        Err(e) => Err(format!("not a valid URL: {e}")),
+    }
 }
 
 /// Why a `health_path` cannot be polled as written (the reason, without the field's
@@ -1401,12 +1437,8 @@ impl NodeConfig {
             return bad("limits.max_header_bytes", "must be in 1024..=16777216");
         }
         if let Some(url) = &self.telemetry.otlp_endpoint {
-            if !url.starts_with("http://") {
-                // The node's HTTP client speaks no TLS: a collector runs beside it.
-                return bad("telemetry.otlp_endpoint", "must start with http://");
-            }
-            if url.parse::<http::Uri>().is_err() {
-                return bad("telemetry.otlp_endpoint", "not a valid URL");
+            if let Err(why) = check_otlp_endpoint(url) {
+                return bad("telemetry.otlp_endpoint", &why);
             }
         }
         if self.telemetry.service_name.trim().is_empty() {
@@ -2656,6 +2688,22 @@ token = "secret-token"
             (
                 "otlp_endpoint = \"http://bad host/\"",
                 "telemetry.otlp_endpoint",
+            ),
+            (
+                "otlp_endpoint = \"http://127.0.0.1:0/v1/traces\"",
+                "port `0`: must be in 1..=65535",
+            ),
+            (
+                "otlp_endpoint = \"http://127.0.0.1:99999/v1/traces\"",
+                "port `99999`: must be in 1..=65535",
+            ),
+            (
+                "otlp_endpoint = \"http://u:p@collector:4318/v1/traces\"",
+                "without user info",
+            ),
+            (
+                "otlp_endpoint = \"http://collector:4318/v1/traces\\n\"",
+                "visible ASCII only",
             ),
             ("service_name = \" \"", "telemetry.service_name"),
             ("otlp_endpont = \"http://x\"", "otlp_endpont"),
