@@ -255,6 +255,14 @@ impl Router {
         Self::cancel_in(&mut self.ledger.lock(), peer, record);
     }
 
+    /// The client left while a forward to `peer` waited for its head: the stream's
+    /// reset cancels the work there, so it leaves the ledger at once instead of
+    /// counting in the peer's queue until the peer's next stats.
+    pub fn forward_cancelled(&self, peer: &NodeId, record: &DecisionRecord) {
+        self.note_forward_outcome(record.request_id, record.at_ms, "forward-cancelled");
+        Self::cancel_in(&mut self.ledger.lock(), peer, record);
+    }
+
     /// Take the forward `record` chose off `peer`'s ledger entry.
     fn cancel_in(ledger: &mut ForwardLedger, peer: &NodeId, record: &DecisionRecord) {
         let chosen = record.candidates.iter().find(|c| c.chosen);

@@ -383,7 +383,7 @@ async fn route_and_serve(
             "no healthy engine and no live peer".into(),
         )),
         Target::Local(replica) => serve_local_or_exclude(state, req, replica, excluded).await,
-        Target::Peer(peer) => match forward(state, &peer, req, offer).await {
+        Target::Peer(peer) => match forward_until_head(state, &peer, &record, req, offer).await {
             Ok(up) => {
                 state.metrics.forward(&peer.0, "ok");
                 Ok(learn_forward_bias(
@@ -553,6 +553,48 @@ async fn serve_local_or_exclude(
         excluded.replicas.push(replica);
     }
     served
+}
+
+/// [`forward`] `req` to `peer` as `record` decided, taking it off the ledger if the
+/// client leaves before the response head ([`PendingForward`]).
+async fn forward_until_head(
+    state: &Arc<NodeState>,
+    peer: &NodeId,
+    record: &crate::route::DecisionRecord,
+    req: &RoutedRequest,
+    offer: Option<gorgo_core::decision::ForwardOffer>,
+) -> Result<Upstream, NodeError> {
+    let pending = PendingForward {
+        state,
+        peer,
+        record,
+    };
+    let result = forward(state, peer, req, offer).await;
+    pending.settled();
+    result
+}
+
+/// A forward waiting for its response head. Dropped there (the client left, and the
+/// request's future with it) it takes the forward off the ledger
+/// ([`crate::route::Router::forward_cancelled`]); once the head is in, or the forward
+/// failed, the caller forgets it and accounts for the outcome itself.
+struct PendingForward<'a> {
+    state: &'a NodeState,
+    peer: &'a NodeId,
+    record: &'a crate::route::DecisionRecord,
+}
+
+impl PendingForward<'_> {
+    /// The head came in or the forward failed: the caller accounts for it.
+    fn settled(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for PendingForward<'_> {
+    fn drop(&mut self) {
+        self.state.router.forward_cancelled(self.peer, self.record);
+    }
 }
 
 /// Wrap a forwarded response so that its first chunk tells the forward ledger how long

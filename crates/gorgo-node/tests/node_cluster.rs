@@ -332,6 +332,36 @@ async fn forward_failing_before_first_byte_falls_back_locally() {
     c.engines[1].release.notify_waiters();
 }
 
+/// A client that leaves while its forward waits for the peer's head takes the forward
+/// off the ledger then (the stream's reset cancels the work at the peer), not at the
+/// peer's next stats.
+#[tokio::test]
+async fn a_forward_whose_client_left_before_the_head_leaves_the_ledger() {
+    let c = cluster("").await;
+    let pending = c.held_at_b().await;
+    pending.abort();
+    tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let d = admin_json(&c.nodes[0], "/admin/decisions?limit=1").await;
+            if d[0]["forward_outcome"] == "forward-cancelled" {
+                assert_eq!(d[0]["winner"], "b", "{d}");
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the forward's outcome is noted once the client left");
+    let ledger = c.nodes[0]
+        .state()
+        .router
+        .ledger
+        .lock()
+        .pending(&"b".into(), 0);
+    assert_eq!(ledger, (0, 0));
+    c.engines[1].release.notify_waiters();
+}
+
 /// A peer whose engine times out before its first byte answers the forward 504
 /// before anything reached the client: the forwarding node serves the request
 /// itself, as for a 502 or a 503 (it used to relay the 504 to the client).
