@@ -13,8 +13,9 @@ pub struct EngineArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:30000")]
     pub listen: std::net::SocketAddr,
-    /// Model name to report (default: the profile's model).
-    #[arg(long)]
+    /// Model name to report (default: the profile's model): not blank, no control
+    /// characters, at most 256 bytes (what a node's peers keep of a model id).
+    #[arg(long, value_parser = parse_model)]
     pub model: Option<String>,
     /// Prefix-cache block size over prompt bytes (64 bytes = 16 tokens): a positive
     /// multiple of 4, so that a block holds whole 4-byte tokens (the chain rounds a
@@ -30,8 +31,9 @@ pub struct EngineArgs {
         value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..)
     )]
     pub max_queue: usize,
-    /// Output tokens when a request sets neither `max_tokens` nor `gorgo_output_tokens`
-    /// (at least 1).
+    /// Output tokens of a chat request that sets neither `max_tokens` nor
+    /// `gorgo_output_tokens` (at least 1), cut to the room its context leaves;
+    /// completions default to 16, as vLLM's do.
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
     pub default_max_tokens: u32,
     /// Count prompt tokens (`usage.prompt_tokens`, context, cache) with this HF
@@ -148,6 +150,30 @@ async fn signalled() {
     }
 }
 
+/// `--model`: a name clients can send and a node's peers keep. An empty one was
+/// served (`/v1/models` listed `""`, which no client names and which peers drop from
+/// gossip, as they drop ids over `MAX_MODEL_ID_BYTES`); a blank one or one with a
+/// control character is no better.
+fn parse_model(s: &str) -> Result<String, String> {
+    let max = gorgo_core::types::MAX_MODEL_ID_BYTES;
+    if s.trim().is_empty() {
+        return Err("must name a model, got an empty or blank name".into());
+    }
+    if let Some(c) = s.chars().find(|c| c.is_control()) {
+        return Err(format!(
+            "{s:?} holds control character U+{:04X}",
+            u32::from(c)
+        ));
+    }
+    if s.len() > max {
+        return Err(format!(
+            "{} bytes, over the {max} a model id may have",
+            s.len()
+        ));
+    }
+    Ok(s.to_owned())
+}
+
 /// `--block-bytes`: refused unless a positive multiple of 4 (clap's error then names
 /// the flag), whatever other flags are given.
 fn parse_block_bytes(s: &str) -> Result<usize, String> {
@@ -185,6 +211,25 @@ mod tests {
         // Zero output tokens is refused too, rather than quietly made 1.
         let e = parse(&["--default-max-tokens", "0"]).expect_err("0 is refused");
         assert!(e.to_string().contains("--default-max-tokens"), "{e}");
+    }
+
+    /// An empty, blank or control-character model name is refused naming `--model`
+    /// (an empty one was served as the model's id).
+    #[test]
+    fn a_model_name_no_client_can_send_is_refused_naming_the_flag() {
+        let long = "m".repeat(gorgo_core::types::MAX_MODEL_ID_BYTES + 1);
+        for bad in ["", "  ", "a\nb", "tab\there", long.as_str()] {
+            let e = parse(&["--model", bad]).expect_err(bad);
+            assert!(e.to_string().contains("--model"), "{bad:?}: {e}");
+        }
+        assert_eq!(
+            parse(&["--model", "org/My Model-7B"])
+                .unwrap()
+                .model
+                .as_deref(),
+            Some("org/My Model-7B")
+        );
+        assert_eq!(parse(&[]).unwrap().model, None);
     }
 
     /// Blocks of partial tokens would round each block's count up: refused with or

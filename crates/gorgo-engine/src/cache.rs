@@ -37,6 +37,10 @@ pub struct PrefixMatch {
     /// Tokens of the last matched block that its cached node lacks (it was cached by a
     /// shorter prompt): the request computes them and grows the node.
     pub short: u32,
+    /// Tokens the last matched block's cached node holds beyond the prompt's block (a
+    /// longer prompt cached it): a request referencing the node holds them without
+    /// using them, which the engine's admission must allow for.
+    pub long: u32,
 }
 
 /// Prefix cache over chain blocks with LRU eviction of unreferenced leaves.
@@ -132,6 +136,7 @@ impl RadixCache {
             m.tokens += want.min(node.tokens) as u64;
             if node.tokens != want {
                 m.short = want.saturating_sub(node.tokens);
+                m.long = node.tokens.saturating_sub(want);
                 break;
             }
         }

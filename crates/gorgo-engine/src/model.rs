@@ -19,7 +19,7 @@ use std::collections::VecDeque;
 
 use gorgo_core::HashChain;
 
-use crate::cache::RadixCache;
+use crate::cache::{PrefixMatch, RadixCache};
 use crate::{Profile, Schedule};
 
 /// One request as the engine sees it.
@@ -175,6 +175,17 @@ impl Running {
     fn decoding(&self) -> bool {
         !self.prefilling() && self.generated >= 1 && self.generated < self.req.max_output_tokens
     }
+}
+
+/// What a request admitted now takes ([`Engine::fit`]).
+#[derive(Debug, Clone, Copy)]
+struct Fit {
+    /// Prompt tokens served from the cache.
+    cached: u64,
+    /// KV tokens it reserves outside the cache: uncached prompt and whole output.
+    need: u64,
+    /// KV tokens free before any eviction.
+    free: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -504,8 +515,10 @@ impl Engine {
                     }
                     self.start_iteration(start);
                     if self.inflight.is_none() {
-                        // Nothing could start (cannot happen with an empty engine, since
-                        // oversized requests are refused); do not spin.
+                        // Nothing could start. With nothing in flight nothing runs, and
+                        // an idle engine admits any request the profile accepts
+                        // (`admit`), so this cannot happen; do not spin if it did.
+                        debug_assert!(false, "idle engine with a ready request it cannot admit");
                         return;
                     }
                 }
@@ -575,7 +588,6 @@ impl Engine {
     /// may be chunked over later batches. Admitting further ahead would hold KV for
     /// prompts whose prefill has not begun, evicting cached prefixes at saturation.
     fn admit(&mut self, t: f64) {
-        let capacity = self.profile.max_total_tokens;
         let mut batch_tokens: u64 = self
             .running
             .iter()
@@ -592,30 +604,32 @@ impl Engine {
                 return;
             }
             let req = &head.req;
-            let m = self
+            let full = self
                 .cache
                 .match_prefix(&req.chain.hashes, &req.chain.block_tokens);
-            let (matched, matched_tokens) = (m.blocks, m.tokens);
-            // A fully cached prompt still computes its last token (as SGLang does).
-            let cached = matched_tokens.min(req.prompt_tokens - 1);
-            let need = req.prompt_tokens - cached + req.max_output_tokens as u64;
-            // What referencing the matched blocks takes out of the evictable total:
-            // the cached nodes' tokens, whatever the request's own block sizes.
-            let unreferenced_matched: u64 = req.chain.hashes[..matched]
-                .iter()
-                .filter(|h| self.cache.refs(**h) == 0)
-                .map(|h| self.cache.tokens(*h) as u64)
-                .sum();
-            let used = self.cache.cached_tokens() + self.private_tokens;
-            let free = capacity.saturating_sub(used);
-            // Saturating: a hash repeated within a chain counts twice above.
-            let reclaimable = self
-                .cache
-                .evictable_tokens()
-                .saturating_sub(unreferenced_matched);
-            if free + reclaimable < need {
-                return;
+            let mut plan = self.fit(req, full).map(|fit| (full, fit));
+            if plan.is_none() && full.long > 0 {
+                // The last matched block's node holds more than the prompt's block (a
+                // longer prompt with the same block id cached it): referencing it
+                // would hold its unused tokens too, which within a block of the KV
+                // capacity never fit, not even on an idle engine. The request computes
+                // that block itself instead, as a radix cache would split the node and
+                // evict its unused tail. Without the block it fits any engine that is
+                // idle (the profile refuses prompt + output >= capacity), so the queue
+                // never stalls.
+                let last = req.chain.block_tokens[full.blocks - 1] as u64;
+                let without = PrefixMatch {
+                    blocks: full.blocks - 1,
+                    tokens: full.tokens - last,
+                    short: 0,
+                    long: 0,
+                };
+                plan = self.fit(req, without).map(|fit| (without, fit));
             }
+            let Some((m, Fit { cached, need, free })) = plan else {
+                return;
+            };
+            let (matched, matched_tokens) = (m.blocks, m.tokens);
             let head = self.waiting.pop_front().expect("front exists");
             let req = head.req;
             for &h in &req.chain.hashes[..matched] {
@@ -642,6 +656,29 @@ impl Engine {
                 req,
             });
         }
+    }
+
+    /// What admitting `req` with the cached prefix `m` takes, or `None` when it does
+    /// not fit now, even after evicting every unreferenced block it does not use.
+    fn fit(&self, req: &EngineRequest, m: PrefixMatch) -> Option<Fit> {
+        // A fully cached prompt still computes its last token (as SGLang does).
+        let cached = m.tokens.min(req.prompt_tokens - 1);
+        let need = req.prompt_tokens - cached + req.max_output_tokens as u64;
+        // What referencing the matched blocks takes out of the evictable total:
+        // the cached nodes' tokens, whatever the request's own block sizes.
+        let unreferenced_matched: u64 = req.chain.hashes[..m.blocks]
+            .iter()
+            .filter(|h| self.cache.refs(**h) == 0)
+            .map(|h| self.cache.tokens(*h) as u64)
+            .sum();
+        let used = self.cache.cached_tokens() + self.private_tokens;
+        let free = self.profile.max_total_tokens.saturating_sub(used);
+        // Saturating: a hash repeated within a chain counts twice above.
+        let reclaimable = self
+            .cache
+            .evictable_tokens()
+            .saturating_sub(unreferenced_matched);
+        (free + reclaimable >= need).then_some(Fit { cached, need, free })
     }
 
     /// Apply the effects of an iteration that just ended.
@@ -909,6 +946,114 @@ mod tests {
             decode.expect("request 1 decodes"),
             long_first.expect("request 2 starts"),
         )
+    }
+
+    /// A trace-style request: block ids `ids` of 64 tokens over a prompt of `tokens`
+    /// (its last block holds what is left), as the simulator builds them.
+    fn trace_request(id: u64, ids: &[u64], tokens: u64, out: u32) -> EngineRequest {
+        EngineRequest {
+            id,
+            chain: HashChain::from_int_block_ids(ids, 64, tokens),
+            prompt_tokens: tokens,
+            max_output_tokens: out,
+            arrival_ms: f64::NAN,
+        }
+    }
+
+    /// [`drain`], failing on a stall: nothing in flight while the queue's head is
+    /// ready to start (an idle engine that would wait for ever).
+    fn drain_or_stall(engine: &mut Engine) -> Result<Vec<EngineEvent>, String> {
+        let mut events = Vec::new();
+        while let Some(t) = engine.next_event_time() {
+            engine.step_into(t, &mut events);
+            if engine.inflight.is_none() && engine.next_event_time().is_some_and(|n| n <= t) {
+                return Err(format!(
+                    "stalled at {t} ms: {} waiting, {} running, {} cached",
+                    engine.waiting.len(),
+                    engine.running.len(),
+                    engine.cache.cached_tokens()
+                ));
+            }
+        }
+        Ok(events)
+    }
+
+    /// A prompt whose shortened last block matches a block a longer prompt cached in
+    /// full would hold that block's unused tokens too; within a block of the KV
+    /// capacity they do not fit, even on an idle engine, which waited for ever. It
+    /// computes that block itself instead, as a radix cache evicts a split node's
+    /// unused tail.
+    #[test]
+    fn a_longer_cached_last_block_never_stalls_an_idle_engine() {
+        let mut p = profile(0.0, 8);
+        p.max_total_tokens = 130;
+        let mut engine = Engine::new(p);
+        // 128 prompt tokens (two full blocks) + 1 output: 129 of 130.
+        engine
+            .submit(trace_request(1, &[1, 2], 128, 1), 0.0)
+            .unwrap();
+        drain_or_stall(&mut engine).unwrap();
+        assert_eq!(engine.stats().cached_tokens, 128);
+        // The same two ids over 100 tokens (block 2 holds 36 of the cached 64) + 10
+        // output: 110 of 130, which the profile accepts.
+        engine
+            .submit(trace_request(2, &[1, 2], 100, 10), 1_000.0)
+            .unwrap();
+        let events = drain_or_stall(&mut engine).unwrap();
+        let cached = events.iter().find_map(|e| match e {
+            EngineEvent::FirstToken {
+                id: 2,
+                cached_tokens,
+                ..
+            } => Some(*cached_tokens),
+            _ => None,
+        });
+        assert_eq!(
+            cached,
+            Some(64),
+            "block 1 reused, block 2 computed: {events:?}"
+        );
+        assert!(events
+            .iter()
+            .any(|e| matches!(e, EngineEvent::Finished { id: 2, .. })));
+        let s = engine.stats();
+        assert_eq!((s.used_tokens, s.running, s.waiting), (0, 0, 0));
+        assert!(s.cached_tokens <= 130, "{s:?}");
+    }
+
+    proptest::proptest! {
+        /// Whatever the requests and however tight the KV capacity (down to one token
+        /// over the largest request, which the profile accepts), an engine never sits
+        /// idle with a request ready to start, and every request finishes.
+        #[test]
+        fn an_idle_engine_never_stalls_with_a_request_queued(
+            reqs in proptest::collection::vec((0u64..3, 1u64..300, 1u32..40, 0.0f64..300.0), 1..30),
+            slack in 1u64..80,
+            chunk in 16u64..512,
+            max_running in 1u32..6,
+        ) {
+            let largest = reqs.iter().map(|r| r.1 + r.2 as u64).max().unwrap_or(0);
+            let mut p = profile(0.0, max_running);
+            p.max_total_tokens = largest + slack;
+            p.chunked_prefill_size = chunk;
+            let mut engine = Engine::new(p);
+            let mut reqs = reqs;
+            reqs.sort_by(|a, b| a.3.total_cmp(&b.3));
+            let n = reqs.len();
+            let mut events = Vec::new();
+            for (i, (family, tokens, out, at)) in reqs.into_iter().enumerate() {
+                // Prompts of a family share block ids at any length: a block is cached
+                // short by one prompt and in full by another.
+                let ids: Vec<u64> = (0..tokens.div_ceil(64)).map(|b| family * 1000 + b).collect();
+                while let Some(t) = engine.next_event_time().filter(|&t| t <= at) {
+                    engine.step_into(t, &mut events);
+                }
+                engine.submit(trace_request(i as u64, &ids, tokens, out), at).unwrap();
+            }
+            events.extend(drain_or_stall(&mut engine).map_err(proptest::test_runner::TestCaseError::fail)?);
+            let finished = events.iter().filter(|e| matches!(e, EngineEvent::Finished { .. })).count();
+            proptest::prop_assert_eq!(finished, n);
+        }
     }
 
     #[test]

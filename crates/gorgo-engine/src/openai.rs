@@ -30,6 +30,10 @@ impl BadRequest {
     }
 }
 
+/// `max_tokens` of a `/v1/completions` request that leaves the field out: OpenAI's
+/// default, and vLLM's (`CompletionRequest.max_tokens = 16`).
+pub const COMPLETIONS_DEFAULT_MAX_TOKENS: u32 = 16;
+
 /// What the emulator needs from a completion request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParsedRequest {
@@ -38,16 +42,100 @@ pub struct ParsedRequest {
     /// Each prompt's canonical bytes (tokens = bytes / 4, rounded up): one, but one
     /// per prompt for a completions batch, each served as a sequence of its own.
     pub prompts: Vec<Vec<u8>>,
-    /// Output tokens to produce.
+    /// Output tokens to produce where the context leaves room for them: the emulator
+    /// has no EOS, so this stands for where the model's answer ends
+    /// ([`ParsedRequest::budget`] cuts it to the room).
     pub output_tokens: u32,
-    /// `max_tokens` as asked (or the default): "length" if output reaches it.
-    pub max_tokens: u32,
+    /// The output limit the context is checked against, as vLLM takes it:
+    /// `max_tokens` as asked (`max_completion_tokens` on chat); without the field,
+    /// [`COMPLETIONS_DEFAULT_MAX_TOKENS`] on completions, and on chat (or a `null`
+    /// on completions) `None`: whatever the context leaves.
+    pub max_tokens: Option<u32>,
     /// SSE streaming asked for.
     pub stream: bool,
     /// `stream_options.include_usage`.
     pub include_usage: bool,
     /// The `model` field, if given.
     pub model: Option<String>,
+}
+
+/// What one prompt of a request gets ([`ParsedRequest::budget`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budget {
+    /// Output tokens to produce.
+    pub output_tokens: u32,
+    /// `"length"` when the output reaches the limit (`max_tokens`, or the context's
+    /// room without it), else `"stop"`.
+    pub finish_reason: &'static str,
+}
+
+impl ParsedRequest {
+    /// Check a prompt of `prompt_tokens` against a context of `context_length` as vLLM
+    /// does, and say what it produces.
+    ///
+    /// With a limit, prompt + limit must fit the context (counted whatever is
+    /// produced). Without one, vLLM lets the output take what the context leaves, so a
+    /// prompt is refused only when it leaves no room for one output token, and the
+    /// output is cut to that room.
+    pub fn budget(&self, prompt_tokens: u64, context_length: u64) -> Result<Budget, BadRequest> {
+        let too_long = |message: String| BadRequest {
+            message,
+            param: Some(prompt_param(self.endpoint)),
+            code: Some("context_length_exceeded"),
+        };
+        let limit = match self.max_tokens {
+            Some(m) => {
+                let requested = prompt_tokens + u64::from(m);
+                if requested > context_length {
+                    return Err(too_long(format!(
+                        "This model's maximum context length is {context_length} tokens. However, you requested {requested} tokens ({prompt_tokens} in the prompt, {m} for the completion). Please reduce the length of the prompt or completion."
+                    )));
+                }
+                u64::from(m)
+            }
+            None => {
+                if prompt_tokens >= context_length {
+                    return Err(too_long(format!(
+                        "This model's maximum context length is {context_length} tokens. However, you requested {prompt_tokens} tokens in the prompt, which leaves no room for the completion. Please reduce the length of the prompt."
+                    )));
+                }
+                context_length - prompt_tokens
+            }
+        };
+        // The limit may be past u32 (a context's room): the output is not.
+        let output_tokens =
+            u32::try_from(limit).map_or(self.output_tokens, |l| self.output_tokens.min(l));
+        let finish_reason = if u64::from(output_tokens) >= limit {
+            "length"
+        } else {
+            "stop"
+        };
+        Ok(Budget {
+            output_tokens,
+            finish_reason,
+        })
+    }
+}
+
+/// The field holding an `endpoint`'s prompt, named by errors about the prompt.
+pub fn prompt_param(endpoint: Endpoint) -> &'static str {
+    match endpoint {
+        Endpoint::Chat => "messages",
+        Endpoint::Completions => "prompt",
+    }
+}
+
+/// Whether Python reads `v` as true (`null`, `false`, `0`, `""`, `[]` and `{}` are
+/// false): what vLLM's request checks test, as in `if data.get("stream_options")`.
+fn python_truthy(v: &Value) -> bool {
+    match v {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64() != Some(0.0),
+        Value::String(s) => !s.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(o) => !o.is_empty(),
+    }
 }
 
 fn positive_int(body: &Value, field: &'static str) -> Result<Option<u32>, BadRequest> {
@@ -83,9 +171,12 @@ fn positive_int(body: &Value, field: &'static str) -> Result<Option<u32>, BadReq
 /// most `max_prompts` prompts.
 ///
 /// Output length: `gorgo_output_tokens` (an extension, to replay a trace's
-/// `output_length`; capped by `max_tokens` when both are given) else `max_tokens`
-/// (`max_completion_tokens` on chat) else `default_max_tokens`. The emulator has no EOS,
-/// so `ignore_eos` changes nothing.
+/// `output_length`, where the model's answer would end) else the limit, `max_tokens`
+/// (`max_completion_tokens` on chat; 16 on completions without the field, as OpenAI
+/// and vLLM), else, with no limit (chat without it, as vLLM lets the output take what
+/// the context leaves), `default_max_tokens`; never past the limit. The emulator has
+/// no EOS, so `ignore_eos` changes nothing. `stream_options` without `stream` is
+/// refused, as vLLM refuses it.
 pub fn parse(
     endpoint: Endpoint,
     body: &[u8],
@@ -157,13 +248,21 @@ pub fn parse(
         }
     }
     let trace_output = positive_int(&value, "gorgo_output_tokens")?;
-    let max_tokens = asked.unwrap_or(default_max_tokens.max(1));
-    let output_tokens = match (trace_output, asked) {
+    // vLLM's `CompletionRequest.max_tokens` defaults to 16 when the field is absent;
+    // an explicit `null` is `None` there, as on chat: what the context leaves.
+    let max_tokens = match (endpoint, asked) {
+        (_, Some(m)) => Some(m),
+        (Endpoint::Completions, None) if value.get("max_tokens").is_none() => {
+            Some(COMPLETIONS_DEFAULT_MAX_TOKENS)
+        }
+        (_, None) => None,
+    };
+    let output_tokens = match (trace_output, max_tokens) {
         (Some(t), Some(m)) => t.min(m),
         (Some(t), None) => t,
-        (None, _) => max_tokens,
+        (None, Some(m)) => m,
+        (None, None) => default_max_tokens.max(1),
     };
-    let max_tokens = max_tokens.max(output_tokens);
     let stream = match value.get("stream") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
@@ -174,6 +273,12 @@ pub fn parse(
             ))
         }
     };
+    if !stream && value.get("stream_options").is_some_and(python_truthy) {
+        return Err(BadRequest::new(
+            "Stream options can only be defined when `stream=True`.",
+            Some("stream_options"),
+        ));
+    }
     let include_usage = value
         .get("stream_options")
         .and_then(|o| o.get("include_usage"))
@@ -339,12 +444,14 @@ impl ResponseMeta {
         })
     }
 
-    /// A whole non-streaming response: one choice per text, indexed in order.
-    pub fn full(&self, texts: &[String], finish_reason: &str, usage: Value) -> Value {
+    /// A whole non-streaming response: one choice per text, indexed in order, each
+    /// with its `finish_reasons` entry.
+    pub fn full(&self, texts: &[String], finish_reasons: &[&str], usage: Value) -> Value {
         let choices: Vec<Value> = texts
             .iter()
+            .zip(finish_reasons)
             .enumerate()
-            .map(|(index, text)| match self.endpoint {
+            .map(|(index, (text, finish_reason))| match self.endpoint {
                 Endpoint::Chat => json!({
                     "index": index,
                     "message": {"role": "assistant", "content": text},
@@ -385,7 +492,10 @@ mod tests {
             8,
         )
         .unwrap();
-        assert_eq!((p.output_tokens, p.max_tokens, p.stream), (128, 128, false));
+        assert_eq!(
+            (p.output_tokens, p.max_tokens, p.stream),
+            (128, None, false)
+        );
         let p = parse(
             Endpoint::Chat,
             br#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":10,"gorgo_output_tokens":4,"stream":true,"stream_options":{"include_usage":true}}"#,
@@ -395,16 +505,137 @@ mod tests {
         .unwrap();
         assert_eq!(
             (p.output_tokens, p.max_tokens, p.stream, p.include_usage),
-            (4, 10, true, true)
+            (4, Some(10), true, true)
         );
+        // Without a limit the trace's length stands; completions' default limit cuts it.
         let p = parse(
-            Endpoint::Completions,
-            br#"{"prompt":"abcd","gorgo_output_tokens":300}"#,
-            16,
+            Endpoint::Chat,
+            br#"{"messages":[{"role":"user","content":"hi"}],"gorgo_output_tokens":300}"#,
+            128,
             8,
         )
         .unwrap();
-        assert_eq!((p.output_tokens, p.max_tokens), (300, 300));
+        assert_eq!((p.output_tokens, p.max_tokens), (300, None));
+        let p = parse(
+            Endpoint::Completions,
+            br#"{"prompt":"abcd","gorgo_output_tokens":300}"#,
+            128,
+            8,
+        )
+        .unwrap();
+        assert_eq!((p.output_tokens, p.max_tokens), (16, Some(16)));
+    }
+
+    /// `/v1/completions` without `max_tokens` produces 16 tokens, OpenAI's and vLLM's
+    /// default, whatever the emulator's chat default; an explicit `null` is vLLM's
+    /// `None` (what the context leaves), as on chat.
+    #[test]
+    fn completions_default_to_16_tokens() {
+        let p = parse(Endpoint::Completions, br#"{"prompt":"abcd"}"#, 128, 8).unwrap();
+        assert_eq!((p.output_tokens, p.max_tokens), (16, Some(16)));
+        let b = p.budget(1, 4096).unwrap();
+        assert_eq!((b.output_tokens, b.finish_reason), (16, "length"));
+        // Counted in the context check, as vLLM counts its default.
+        let e = p.budget(4090, 4096).unwrap_err();
+        assert_eq!(e.code, Some("context_length_exceeded"));
+        assert!(e.message.contains("4106 tokens"), "{}", e.message);
+        let p = parse(
+            Endpoint::Completions,
+            br#"{"prompt":"abcd","max_tokens":null}"#,
+            128,
+            8,
+        )
+        .unwrap();
+        assert_eq!((p.output_tokens, p.max_tokens), (128, None));
+        let p = parse(
+            Endpoint::Completions,
+            br#"{"prompt":"abcd","max_tokens":40}"#,
+            128,
+            8,
+        )
+        .unwrap();
+        assert_eq!((p.output_tokens, p.max_tokens), (40, Some(40)));
+    }
+
+    /// Without `max_tokens` vLLM lets the output take what the context leaves: a
+    /// prompt that leaves room for one token is accepted and the output cut to the
+    /// room (the emulator's default length is not counted); one that fills the context
+    /// is refused naming the prompt. With `max_tokens`, prompt + it must fit.
+    #[test]
+    fn without_max_tokens_a_prompt_that_fits_the_context_is_accepted() {
+        let chat = |extra: &str| {
+            let body = format!(r#"{{"messages":[{{"role":"user","content":"x"}}]{extra}}}"#);
+            parse(Endpoint::Chat, body.as_bytes(), 128, 8).unwrap()
+        };
+        let p = chat("");
+        let b = p.budget(100, 4096).unwrap();
+        assert_eq!((b.output_tokens, b.finish_reason), (128, "stop"));
+        let b = p.budget(4000, 4096).unwrap();
+        assert_eq!((b.output_tokens, b.finish_reason), (96, "length"));
+        let b = p.budget(4095, 4096).unwrap();
+        assert_eq!((b.output_tokens, b.finish_reason), (1, "length"));
+        for prompt in [4096, 5000] {
+            let e = p.budget(prompt, 4096).unwrap_err();
+            assert_eq!(
+                (e.param, e.code),
+                (Some("messages"), Some("context_length_exceeded"))
+            );
+            assert!(
+                e.message.contains("maximum context length is 4096")
+                    && e.message
+                        .contains(&format!("{prompt} tokens in the prompt")),
+                "{}",
+                e.message
+            );
+        }
+        // A trace's length under no limit: cut to the room too.
+        let b = chat(r#","gorgo_output_tokens":500"#)
+            .budget(4000, 4096)
+            .unwrap();
+        assert_eq!((b.output_tokens, b.finish_reason), (96, "length"));
+        // With a limit, the limit is counted, whatever is produced.
+        let p = chat(r#","max_tokens":100,"gorgo_output_tokens":5"#);
+        let b = p.budget(3996, 4096).unwrap();
+        assert_eq!((b.output_tokens, b.finish_reason), (5, "stop"));
+        let e = p.budget(3997, 4096).unwrap_err();
+        assert!(e.message.contains("4097 tokens"), "{}", e.message);
+        assert_eq!(e.code, Some("context_length_exceeded"));
+    }
+
+    /// vLLM refuses `stream_options` that Python reads as true unless `stream` is
+    /// true (`{}` and `null` pass, as there), naming the field.
+    #[test]
+    fn stream_options_without_stream_are_refused() {
+        for endpoint in [Endpoint::Chat, Endpoint::Completions] {
+            let body = |extra: &str| match endpoint {
+                Endpoint::Chat => {
+                    format!(r#"{{"messages":[{{"role":"user","content":"x"}}]{extra}}}"#)
+                }
+                Endpoint::Completions => format!(r#"{{"prompt":"x"{extra}}}"#),
+            };
+            for extra in [
+                r#","stream_options":{"include_usage":true}"#,
+                r#","stream_options":{"include_usage":false},"stream":false"#,
+                r#","stream_options":{"continuous_usage_stats":true},"stream":null"#,
+            ] {
+                let e = parse(endpoint, body(extra).as_bytes(), 128, 8).unwrap_err();
+                assert_eq!(e.param, Some("stream_options"), "{extra}");
+                assert_eq!(
+                    e.message,
+                    "Stream options can only be defined when `stream=True`."
+                );
+            }
+            for extra in [
+                r#","stream_options":{}"#,
+                r#","stream_options":null"#,
+                r#","stream_options":{"include_usage":true},"stream":true"#,
+            ] {
+                assert!(
+                    parse(endpoint, body(extra).as_bytes(), 128, 8).is_ok(),
+                    "{extra}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -47,7 +47,11 @@ pub struct EmulatorConfig {
     pub max_queue: usize,
     /// Largest request body accepted, bytes (413 beyond).
     pub max_body_bytes: usize,
-    /// Output tokens when a request gives neither `max_tokens` nor `gorgo_output_tokens`.
+    /// Output tokens when a request gives no limit (a chat request without
+    /// `max_tokens`, whose output vLLM lets take what the context leaves) nor
+    /// `gorgo_output_tokens`: where the emulated answer ends, cut to the context's room.
+    /// A completions request without `max_tokens` gets OpenAI's 16
+    /// ([`openai::COMPLETIONS_DEFAULT_MAX_TOKENS`]).
     pub default_max_tokens: u32,
     /// Count prompt tokens with the model's tokenizer and chat template, as a real
     /// engine does, instead of canonical bytes / 4: `usage.prompt_tokens`, the context
@@ -61,8 +65,8 @@ pub struct EmulatorConfig {
 
 impl EmulatorConfig {
     /// Defaults around `profile`: 64-byte blocks, queue limit 1024, 16 MiB bodies,
-    /// 128 output tokens by default (the paper's `max_tokens`), a 30 s drain (a node's
-    /// default drain deadline).
+    /// 128 output tokens where a request sets no limit (the paper's `max_tokens`), a
+    /// 30 s drain (a node's default drain deadline).
     pub fn new(profile: Profile) -> Self {
         EmulatorConfig {
             profile,
@@ -671,10 +675,7 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
         Ok(p) => p,
         Err(e) => return bad_request(e),
     };
-    let param = match endpoint {
-        Endpoint::Chat => "messages",
-        Endpoint::Completions => "prompt",
-    };
+    let param = openai::prompt_param(endpoint);
     // Each prompt's chain and KV-event token ids.
     let prompts: Vec<(HashChain, Option<Arc<[u32]>>)> = match &state.config.tokenizer {
         None => parsed
@@ -715,22 +716,14 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
             }
         },
     };
-    let profile = &state.config.profile;
-    // Each prompt against the context on its own, as vLLM checks a batch.
+    let context_length = state.config.profile.context_length;
+    // Each prompt against the context on its own, with a budget of its own, as vLLM
+    // checks a batch.
+    let mut budgets = Vec::with_capacity(prompts.len());
     for (chain, _) in &prompts {
-        let prompt_tokens = chain.total_tokens().max(1);
-        let requested = prompt_tokens + parsed.output_tokens as u64;
-        if requested > profile.context_length {
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                &format!(
-                    "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the prompt, {} for the completion). Please reduce the length of the prompt or completion.",
-                    profile.context_length, requested, prompt_tokens, parsed.output_tokens
-                ),
-                "invalid_request_error",
-                Some(param),
-                Some("context_length_exceeded"),
-            );
+        match parsed.budget(chain.total_tokens().max(1), context_length) {
+            Ok(b) => budgets.push(b),
+            Err(e) => return bad_request(e),
         }
     }
     let choices = prompts.len();
@@ -743,12 +736,13 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
     let seqs = ids
         .clone()
         .zip(prompts)
-        .map(|(id, (chain, token_ids))| Sequence {
+        .zip(&budgets)
+        .map(|((id, (chain, token_ids)), budget)| Sequence {
             req: EngineRequest {
                 id,
                 prompt_tokens: chain.total_tokens().max(1),
                 chain,
-                max_output_tokens: parsed.output_tokens,
+                max_output_tokens: budget.output_tokens,
                 arrival_ms: 0.0,
             },
             token_ids,
@@ -809,11 +803,7 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
         .clone()
         .unwrap_or_else(|| state.model.to_string());
     let meta = ResponseMeta::new(endpoint, first_id, model, parsed.include_usage);
-    let finish_reason = if parsed.output_tokens >= parsed.max_tokens {
-        "length"
-    } else {
-        "stop"
-    };
+    let finish_reasons: Vec<&'static str> = budgets.iter().map(|b| b.finish_reason).collect();
     let mut choices = Choices::new(choices, prompt_tokens);
     if !parsed.stream {
         while let Some((choice, p)) = progress_rx.recv().await {
@@ -830,7 +820,7 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
             .iter()
             .map(|&n| openai::filler_text(n))
             .collect();
-        let body = meta.full(&texts, finish_reason, choices.usage());
+        let body = meta.full(&texts, &finish_reasons, choices.usage());
         return axum::Json(body).into_response();
     }
     let stream = SseStream {
@@ -838,7 +828,7 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
         guard,
         meta,
         choices,
-        finish_reason,
+        finish_reasons,
         done: false,
     };
     let body = futures::stream::unfold(stream, |mut s| async move {
@@ -904,7 +894,8 @@ struct SseStream {
     guard: AbortOnDrop,
     meta: ResponseMeta,
     choices: Choices,
-    finish_reason: &'static str,
+    /// Each choice's `finish_reason` (its own budget: [`openai::Budget`]).
+    finish_reasons: Vec<&'static str>,
     done: bool,
 }
 
@@ -957,7 +948,10 @@ impl SseStream {
         let v = match progress {
             Progress::First { .. } => self.meta.chunk(choice, openai::token_text(0), true, None),
             Progress::Token => self.meta.chunk(choice, openai::token_text(k), false, None),
-            Progress::Done { .. } => self.meta.chunk(choice, "", false, Some(self.finish_reason)),
+            Progress::Done { .. } => {
+                self.meta
+                    .chunk(choice, "", false, Some(self.finish_reasons[choice]))
+            }
         };
         Self::data(out, &v);
         if all_done {
@@ -993,7 +987,7 @@ mod tests {
             },
             meta: openai::ResponseMeta::new(Endpoint::Chat, 1, "m".into(), false),
             choices: Choices::new(1, 10),
-            finish_reason: "length",
+            finish_reasons: vec!["length"],
             done: false,
         }
     }

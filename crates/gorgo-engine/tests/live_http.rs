@@ -410,6 +410,73 @@ async fn bad_input_gets_openai_errors() {
     server.shutdown().await;
 }
 
+/// The defaults vLLM applies, through HTTP: a chat prompt that fits the context
+/// without `max_tokens` is served (its output cut to the room the context leaves, not
+/// refused for the emulator's default length), `/v1/completions` without `max_tokens`
+/// produces 16 tokens, and `stream_options` without `stream` is a 400 naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_max_tokens_and_stray_stream_options_follow_vllm() {
+    let mut profile = Profile::by_name("h200-dense-1.5b").unwrap();
+    profile.context_length = 300;
+    let server = Server::start(EmulatorConfig::new(profile)).await;
+    let client = reqwest::Client::new();
+    let post = |path: &str, body: Value| {
+        client
+            .post(format!("{}{path}", server.base))
+            .json(&body)
+            .send()
+    };
+    // About 250 prompt tokens: with the default 128 counted, over the context.
+    let chat = json!({"messages": [{"role": "user", "content": text(3, 250)}]});
+    let resp = post("/v1/chat/completions", chat).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let v: Value = resp.json().await.unwrap();
+    let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt > 300 - 128 && prompt < 300, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"].as_u64(), Some(300 - prompt));
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    // Short of the room: the default length, ended as an answer ends.
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}]});
+    let v: Value = post("/v1/chat/completions", chat)
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 128, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+
+    let resp = post("/v1/completions", json!({"prompt": "abcdabcd"}))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 16, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+
+    for (path, body) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": true}}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "stream": false, "stream_options": {"include_usage": true}}),
+        ),
+    ] {
+        let resp = post(path, body).await.unwrap();
+        assert_eq!(resp.status(), 400, "{path}");
+        let v: Value = resp.json().await.unwrap();
+        assert_eq!(v["error"]["param"], "stream_options", "{v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        assert_eq!(
+            v["error"]["message"], "Stream options can only be defined when `stream=True`.",
+            "{v}"
+        );
+    }
+    server.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overload_is_503_and_a_disconnect_frees_the_slot() {
     let mut profile = Profile::by_name("h200-mistral7b").unwrap();
