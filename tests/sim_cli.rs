@@ -201,6 +201,19 @@ fn sim_rejects_bad_input_with_the_flag_named() {
             "{extra:?}: {err}"
         );
     }
+    // So were the other tuning-only flags: ignored without `--tune`.
+    for extra in [
+        &["--tuning-window", "16"][..],
+        &["--trial", "sequential"],
+        &["--tuning-sigma", "0.1"],
+    ] {
+        let out = run(&[extra, &["--policies", "gorgo", "--max-requests", "20"]].concat());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(extra[0]) && err.contains("--tune"),
+            "{extra:?}: {err}"
+        );
+    }
     // A value of the wrong type names its key.
     let out = run(&[
         "--policies",
@@ -668,4 +681,185 @@ fn out_and_the_weight_grid_are_checked_before_simulating() {
             "{flag} {value}: {err}"
         );
     }
+}
+
+/// `gorgo trace convert` and `generate` write only what the trace readers read back:
+/// a CSV row dated 9999 (converted, then refused by the reader of the output), a
+/// `--spread-ties` past the readers' last millisecond, a generated line over the
+/// readers' 16 MiB (`tokens_per_block = 1` and a 2M-token system prompt) are errors
+/// naming the line and the field, and no file is written. An Azure row earlier than the
+/// first (moved to t = 0 without a word) is an error naming its line; statistics of an
+/// empty trace are an error, not zeros; an empty region name is refused naming
+/// `--regions`.
+#[test]
+fn trace_writers_refuse_what_the_readers_refuse() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |name: &str| dir.path().join(name);
+    let failed = |args: &[&std::ffi::OsStr], wants: &[&str]| {
+        let out = gorgo().args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded: {err}");
+        for want in wants {
+            assert!(err.contains(want), "{args:?}: wants {want:?}: {err}");
+        }
+    };
+    let os = |s: &'static str| std::ffi::OsStr::new(s);
+    let header = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,100,10\n";
+    std::fs::write(
+        p("y9999.csv"),
+        format!("{header}9999-12-31 23:59:59,100,10\n"),
+    )
+    .unwrap();
+    std::fs::write(
+        p("early.csv"),
+        format!("{header}2023-11-16 18:15:40.00,100,10\n"),
+    )
+    .unwrap();
+    for (csv, want) in [
+        ("y9999.csv", "timestamp 251702142252320"),
+        ("early.csv", "6680 ms before the first row"),
+    ] {
+        failed(
+            &[
+                os("trace"),
+                os("convert"),
+                p(csv).as_os_str(),
+                os("--out"),
+                p("out.jsonl").as_os_str(),
+            ],
+            &[csv, "line 3:", want],
+        );
+        assert!(!p("out.jsonl").exists(), "{csv}");
+    }
+    // Two runs of ties: the last is spread over the 9 s between them, past 9e12 ms.
+    let row = |t: u64| {
+        format!("{{\"timestamp\":{t},\"input_length\":10,\"output_length\":1,\"hash_ids\":[1]}}\n")
+    };
+    let near_max = [
+        8_999_999_990_000,
+        8_999_999_990_000,
+        8_999_999_999_000,
+        8_999_999_999_000,
+    ]
+    .map(row)
+    .concat();
+    std::fs::write(p("max.jsonl"), near_max).unwrap();
+    failed(
+        &[
+            os("trace"),
+            os("convert"),
+            p("max.jsonl").as_os_str(),
+            os("--spread-ties"),
+            os("--out"),
+            p("out.jsonl").as_os_str(),
+        ],
+        &["--spread-ties", "output line 4", "timestamp"],
+    );
+    assert!(!p("out.jsonl").exists());
+    std::fs::write(
+        p("gen.toml"),
+        "tokens_per_block = 1\nsystem_prompt_median_tokens = 2000000.0\nsystem_prompt_sigma = 0.0\n\
+         max_input_tokens = 16777216\nusers = 1\nduration_s = 60.0\n",
+    )
+    .unwrap();
+    failed(
+        &[
+            os("trace"),
+            os("generate"),
+            os("--config"),
+            p("gen.toml").as_os_str(),
+            os("--out"),
+            p("out.jsonl").as_os_str(),
+        ],
+        &["output line 1 (request r0)", "16777216 bytes", "hash_ids"],
+    );
+    assert!(!p("out.jsonl").exists());
+    std::fs::write(p("empty.jsonl"), "").unwrap();
+    failed(
+        &[os("trace"), os("stats"), p("empty.jsonl").as_os_str()],
+        &["holds no request"],
+    );
+    for regions in ["", "a,,b", "a, b"] {
+        failed(
+            &[
+                os("trace"),
+                os("generate"),
+                os("--users"),
+                os("3"),
+                os("--regions"),
+                std::ffi::OsStr::new(regions),
+                os("--out"),
+                p("out.jsonl").as_os_str(),
+            ],
+            &["--regions"],
+        );
+    }
+    assert!(!p("out.jsonl").exists());
+}
+
+/// When no request of the trace fits any engine, the floor is over no request: the
+/// table says so rather than printing `NaN`.
+#[test]
+fn a_floor_over_no_request_is_not_nan() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("long.jsonl");
+    std::fs::write(
+        &trace,
+        "{\"timestamp\":0,\"input_length\":200000,\"output_length\":10,\"hash_ids\":[1]}\n",
+    )
+    .unwrap();
+    let out_dir = dir.path().join("out");
+    let out = gorgo()
+        .args([
+            "sim",
+            "--topology",
+            &topology(),
+            "--policies",
+            "round-robin",
+        ])
+        .arg("--trace")
+        .arg(&trace)
+        .arg("--out")
+        .arg(&out_dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let table = std::fs::read_to_string(out_dir.join("table.md")).unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for text in [table.as_str(), &stdout] {
+        assert!(!text.contains("NaN"), "{text}");
+        assert!(
+            text.contains("no policy can beat it") && text.contains("n/a"),
+            "{text}"
+        );
+    }
+}
+
+/// `gorgo netem --tc-script` names the topology file it was given in the script's
+/// header, not `configs/topologies/<stem>.toml`.
+#[test]
+fn the_tc_script_names_the_topology_file_given() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("mine.toml");
+    std::fs::copy(topology(), &file).unwrap();
+    let out = gorgo()
+        .args(["netem", "--tc-script", "--topology"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let script = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let header = script.lines().nth(1).unwrap();
+    assert!(
+        header.contains(&format!("Generated from {} by", file.display())),
+        "{header}"
+    );
 }

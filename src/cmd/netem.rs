@@ -47,12 +47,10 @@ pub fn run(args: NetemArgs) -> anyhow::Result<()> {
     }
     let topology = Topology::from_file(&args.topology)?;
     if args.tc_script {
-        let name = args
-            .topology
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "topology".to_owned());
-        out!("{}", tc_script(&topology, &name));
+        out!(
+            "{}",
+            tc_script(&topology, &args.topology.display().to_string())
+        );
         return Ok(());
     }
     let options = PlanOptions {

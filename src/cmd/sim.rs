@@ -38,21 +38,22 @@ pub struct SimArgs {
     /// `tuning.jsonl`.
     #[arg(long)]
     tune: bool,
-    /// Tuning trial window, requests cluster-wide (default: the core's).
+    /// Tuning trial window, requests cluster-wide (default: the core's); with `--tune`
+    /// only.
     #[arg(long)]
     tuning_window: Option<usize>,
-    /// Tuning trial design: `interleaved` (candidate and incumbent in one window, by
-    /// a hash of each request), `switchback` (in one window, by blocks of time) or
-    /// `sequential` (adjacent windows).
-    #[arg(long, default_value = "interleaved", value_parser = parse_trial)]
-    trial: TrialDesign,
+    /// Tuning trial design: `interleaved` (the default: candidate and incumbent in one
+    /// window, by a hash of each request), `switchback` (in one window, by blocks of
+    /// time) or `sequential` (adjacent windows); with `--tune` only.
+    #[arg(long, value_parser = parse_trial)]
+    trial: Option<TrialDesign>,
     /// Fixed weights `W_RTT,W_QUEUE` for the policies that use weights (with
     /// `--tune`: where tuning starts). Default: each policy's own.
     #[arg(long, value_parser = parse_weights)]
     weights: Option<Weights>,
     /// The tuner's initial step size (log space; default the core's 0.5). A tiny one
     /// (0.01) makes every trial compare nearly equal weights: its log ratios are the
-    /// trial design's noise.
+    /// trial design's noise. With `--tune` only.
     #[arg(long)]
     tuning_sigma: Option<f64>,
     /// Set a `[tuning]` key (as in a node's config) on the policy's tuning defaults,
@@ -505,16 +506,24 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     cfg.time_scale = args.time_scale;
     cfg.tune = args.tune;
     cfg.tuning_window = args.tuning_window;
-    cfg.trial = args.trial;
+    cfg.trial = args.trial.unwrap_or_default();
     cfg.weights = args.weights;
     cfg.tuning_sigma = args.tuning_sigma;
     cfg.tuning_set = args.tuning_set.clone();
     cfg.max_rows = args.max_rows;
     cfg.decision_log = args.decisions;
-    // Read only by a tuner: anywhere else it was recorded in results.json and did
+    // Read only by a tuner: anywhere else each was recorded in results.json and did
     // nothing, a typo and all.
-    if !cfg.tuning_set.is_empty() && !policies.iter().any(|&k| cfg.tunes(k)) {
-        bail!("--tuning-set: no effect without --tune and a policy that tunes (gorgo, say)");
+    let tuning_only = [
+        ("--tuning-window", args.tuning_window.is_some()),
+        ("--trial", args.trial.is_some()),
+        ("--tuning-sigma", args.tuning_sigma.is_some()),
+        ("--tuning-set", !args.tuning_set.is_empty()),
+    ];
+    if let Some((flag, _)) = tuning_only.iter().find(|(_, given)| *given) {
+        if !policies.iter().any(|&k| cfg.tunes(k)) {
+            bail!("{flag}: no effect without --tune and a policy that tunes (gorgo, say)");
+        }
     }
     validate(&cfg)?;
     super::create_out_dir(&args.out)?;
@@ -526,7 +535,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         "time_scale": args.time_scale,
         "tune": args.tune,
         "tuning_window": args.tuning_window,
-        "trial": args.trial,
+        "trial": cfg.trial,
         "weights": args.weights,
         "tuning_sigma": args.tuning_sigma,
         "tuning_set": args.tuning_set.iter().cloned().collect::<serde_json::Map<_, _>>(),
@@ -647,16 +656,21 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             g.gorgo_p95_ttft_ms, g.oracle_p95_ttft_ms, g.p95_ttft_ratio, g.p50_ttft_ratio
         ));
     }
-    lines.push(format!(
-        "Floor (no policy can beat it: each request alone on the fastest engine, an unbounded cache shared by every engine, no network): \
-         TTFT p50 {:.1} ms, p95 {:.1} ms; E2E p95 {:.2} s; cache hit at most {}\n",
-        floor.ttft_ms.p50,
-        floor.ttft_ms.p95,
-        floor.e2e_ms.p95 / 1000.0,
-        floor
-            .cache_hit_ratio
-            .map_or("-".into(), |h| format!("{:.1}%", h * 100.0))
-    ));
+    let floor_label = "Floor (no policy can beat it: each request alone on the fastest engine, an unbounded cache shared by every engine, no network)";
+    // Over no request (every prompt too long for every engine) its figures are NaN.
+    lines.push(if floor.requests == 0 {
+        format!("{floor_label}: n/a (no request of the trace fits an engine: every one fails)\n")
+    } else {
+        format!(
+            "{floor_label}: TTFT p50 {:.1} ms, p95 {:.1} ms; E2E p95 {:.2} s; cache hit at most {}\n",
+            floor.ttft_ms.p50,
+            floor.ttft_ms.p95,
+            floor.e2e_ms.p95 / 1000.0,
+            floor
+                .cache_hit_ratio
+                .map_or("-".into(), |h| format!("{:.1}%", h * 100.0))
+        )
+    });
     let mut f = std::fs::OpenOptions::new()
         .append(true)
         .open(&table)

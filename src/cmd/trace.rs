@@ -185,6 +185,11 @@ fn stats(a: StatsArgs) -> anyhow::Result<()> {
         acc.push(&r.with_context(|| a.file.display().to_string())?);
     }
     let s = acc.finish();
+    // Statistics of nothing are zeros that read as a result, as `sim` and `bench`
+    // refuse to report on no request.
+    if s.requests == 0 {
+        bail!("{} holds no request", a.file.display());
+    }
     if a.json {
         outln!("{}", serde_json::to_string_pretty(&s)?);
     } else {
@@ -219,12 +224,16 @@ fn convert(a: ConvertArgs) -> anyhow::Result<()> {
             all.len()
         );
         for r in slice_window(all.into_iter().map(Ok), start, duration) {
-            out.write(&r?)?;
+            // The spread can move the last stamps past what a trace may hold.
+            out.write(&r?).with_context(|| {
+                format!("--out {} (times after --spread-ties)", a.out.display())
+            })?;
             n += 1;
         }
     } else {
         for r in slice_window(reader, start, duration) {
-            out.write(&r.with_context(|| a.input.display().to_string())?)?;
+            out.write(&r.with_context(|| a.input.display().to_string())?)
+                .with_context(|| format!("--out {}", a.out.display()))?;
             n += 1;
         }
     }
@@ -304,7 +313,8 @@ fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         anyhow::Error::from(e)
     })?;
     let mut out = Output::create(&a.out)?;
-    let n = gorgo_workload::write_jsonl(&mut out, &requests)?;
+    let n = gorgo_workload::write_jsonl(&mut out, &requests)
+        .with_context(|| format!("--out {}", a.out.display()))?;
     out.commit()?;
     eprintln!("wrote {n} requests to {}", a.out.display());
     if a.stats {

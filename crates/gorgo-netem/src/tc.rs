@@ -23,16 +23,22 @@ fn fmt_ms(ms: f64) -> String {
 
 /// A bash script (`up`, `down`, `exec <region> <cmd>...`) that builds one
 /// namespace per region and one per region's clients, joined by a bridge, with
-/// per-destination `netem` qdiscs on each namespace's egress. `name` labels the
-/// script (usually the topology file's stem).
-pub fn tc_script(topology: &Topology, name: &str) -> String {
+/// per-destination `netem` qdiscs on each namespace's egress. `source` is the
+/// topology file as given, which the header names (it named
+/// `configs/topologies/<stem>.toml` whatever file was given).
+pub fn tc_script(topology: &Topology, source: &str) -> String {
     let n = topology.regions.len();
     let mut s = String::new();
     let w = &mut s;
     let _ = writeln!(w, "#!/usr/bin/env bash");
+    // A newline in the path would end the comment and put the rest in the script.
+    let source: String = source
+        .chars()
+        .map(|c| if c.is_control() { '?' } else { c })
+        .collect();
     let _ = writeln!(
         w,
-        "# Generated from configs/topologies/{name}.toml by `gorgo netem --topology <file> --tc-script`; do not edit."
+        "# Generated from {source} by `gorgo netem --topology <file> --tc-script`; do not edit."
     );
     let _ = writeln!(
         w,
@@ -173,7 +179,7 @@ mod tests {
             let topology =
                 Topology::from_file(format!("{root}/configs/topologies/{name}.toml")).unwrap();
             let path = format!("{root}/netem/{name}.sh");
-            let expected = tc_script(&topology, name);
+            let expected = tc_script(&topology, &format!("configs/topologies/{name}.toml"));
             if std::env::var_os("GORGO_REGENERATE").is_some() {
                 std::fs::write(&path, &expected).unwrap();
             }
@@ -205,7 +211,12 @@ mod tests {
         "#,
         )
         .unwrap();
-        let s = tc_script(&t, "x");
+        let s = tc_script(&t, "/tmp/x\nrm -rf ~.toml");
+        // The header names the file given, and a newline in it stays in the comment.
+        assert!(
+            s.contains("# Generated from /tmp/x?rm -rf ~.toml by"),
+            "{s}"
+        );
         assert!(s.contains("shape gorgo-a 11 10.77.0.11 delay 45ms 2ms loss 1% rate 100000kbit"));
         assert!(s.contains("shape gorgo-b 10 10.77.0.10 delay 45ms 2ms loss 1% rate 100000kbit"));
         assert!(s.contains("shape gorgo-a-client 10 10.77.0.10 delay 2.5ms"));

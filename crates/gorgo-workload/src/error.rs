@@ -14,6 +14,18 @@ pub enum WorkloadError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A row a writer was handed that the trace readers would refuse
+    /// (`crate::read::check_request`, the line length): written, the trace would not
+    /// read back, so nothing is written of it.
+    #[error("output line {line}{request}: {reason} (the trace readers would refuse it)")]
+    Unreadable {
+        /// 1-based line of the output the row would have been.
+        line: u64,
+        /// ` (request <id>)` when the row has an id, else empty.
+        request: String,
+        /// What is wrong with it, naming the field.
+        reason: String,
+    },
     /// The input matches none of the known trace formats.
     #[error("unknown trace format: {0}")]
     UnknownFormat(String),

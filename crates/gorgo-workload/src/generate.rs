@@ -252,6 +252,20 @@ impl GeneratorConfig {
         if self.regions.is_empty() {
             return bad("regions", "needs at least one region");
         }
+        // Every row carries its region as `home_region`: an empty name (`--regions ''`)
+        // or one with surrounding blanks (`--regions 'a, b'`) is no topology's region,
+        // and a control character no header or table can show.
+        if let Some(r) = self.regions.iter().find(|r| {
+            r.trim().is_empty() || r.trim() != r.as_str() || r.chars().any(char::is_control)
+        }) {
+            return bad(
+                "regions",
+                &format!(
+                    "{r:?} is no region name (empty, or with surrounding blanks or control \
+                     characters)"
+                ),
+            );
+        }
         // A region twice would be two regions of one name to the replay and the
         // simulator, which key everything by name.
         if let Some((i, _)) = self
@@ -689,6 +703,35 @@ mod tests {
             let e = cfg.validate().unwrap_err().to_string();
             assert!(e.contains(field), "{field}: {e}");
         }
+    }
+
+    /// Every row carries its region as `home_region`: an empty name (`--regions ''`
+    /// wrote `"home_region":""`), a blank one, one with surrounding blanks (`a, b`) or
+    /// a control character is refused naming `regions`.
+    #[test]
+    fn region_names_that_name_no_region_are_refused() {
+        for name in ["", "  ", " b", "b ", "a\tb", "a\u{7f}"] {
+            let cfg = GeneratorConfig {
+                regions: vec!["a".into(), name.into()],
+                region_weights: vec![1.0; 2],
+                region_utc_offsets_h: vec![0.0; 2],
+                ..Default::default()
+            };
+            match cfg.validate() {
+                Err(WorkloadError::InvalidConfig { field, reason }) => {
+                    assert_eq!(field, "regions", "{name:?}");
+                    assert!(reason.contains(&format!("{name:?}")), "{reason}");
+                }
+                other => panic!("{name:?}: {other:?}"),
+            }
+        }
+        let cfg = GeneratorConfig {
+            regions: vec!["a".into(), "us east 2".into()],
+            region_weights: vec![1.0; 2],
+            region_utc_offsets_h: vec![0.0; 2],
+            ..Default::default()
+        };
+        cfg.validate().unwrap();
     }
 
     /// The trace is held in memory whole: a configuration asking for more than

@@ -197,10 +197,38 @@ impl<R: BufRead> TraceReader<R> {
         self.origin_ms
     }
 
-    fn rebase(&mut self, absolute_ms: u64) -> u64 {
+    /// `absolute_ms` from the origin (the first row's time). A row earlier than the
+    /// first is an error: a streaming reader has yielded the rows before it already,
+    /// rebased to the first, and cannot put it before them (it was moved to 0 without
+    /// a word, ahead of rows that came before it). Rows later than the first may be in
+    /// any order: the selection of a run sorts them (`select_requests`).
+    fn rebase(&mut self, absolute_ms: u64) -> std::result::Result<u64, String> {
         let origin = *self.origin_ms.get_or_insert(absolute_ms);
-        // Rows slightly out of order before the first one clamp to the window start.
-        absolute_ms.saturating_sub(origin)
+        absolute_ms.checked_sub(origin).ok_or_else(|| {
+            format!(
+                "timestamp is {} ms before the first row's, which this format's times are \
+                 rebased to: sort the rows by time",
+                origin - absolute_ms
+            )
+        })
+    }
+
+    /// `req` as read at the current line, rebased when the format is ([`Self::rebase`])
+    /// and checked as every row is ([`check_request`]), or the error naming the line.
+    fn finish_row(
+        &mut self,
+        mut req: TraceRequest,
+        absolute_ms: u64,
+        user_field: &str,
+    ) -> Result<TraceRequest> {
+        let line = self.line;
+        let parse = |reason| WorkloadError::Parse { line, reason };
+        req.timestamp_ms = match self.format {
+            TraceFormat::ArtChat | TraceFormat::Azure => self.rebase(absolute_ms).map_err(parse)?,
+            TraceFormat::Mooncake | TraceFormat::Gorgo => absolute_ms,
+        };
+        check_request(&req, user_field).map_err(parse)?;
+        Ok(req)
     }
 
     fn next_line(&mut self) -> Option<Result<TraceRequest>> {
@@ -228,10 +256,10 @@ impl<R: BufRead> TraceReader<R> {
                 return None;
             }
             self.line += 1;
-            if n > MAX_LINE_BYTES {
+            if let Err(reason) = check_line_bytes(n) {
                 return Some(Err(WorkloadError::Parse {
                     line: self.line,
-                    reason: format!("line longer than {MAX_LINE_BYTES} bytes"),
+                    reason,
                 }));
             }
             // Only the file's first line can start with a byte order mark.
@@ -246,13 +274,7 @@ impl<R: BufRead> TraceReader<R> {
             }
             let parsed = parse_json_row(text, self.format);
             return Some(match parsed {
-                Ok((mut req, absolute_ms)) => {
-                    req.timestamp_ms = match self.format {
-                        TraceFormat::ArtChat => self.rebase(absolute_ms),
-                        _ => absolute_ms,
-                    };
-                    Ok(req)
-                }
+                Ok((req, absolute_ms, user_field)) => self.finish_row(req, absolute_ms, user_field),
                 Err(reason) => Err(WorkloadError::Parse {
                     line: self.line,
                     reason,
@@ -295,18 +317,22 @@ impl<R: BufRead> TraceReader<R> {
             };
             let row = parse_azure_row(&record, cols);
             return Some(match row {
-                Ok((absolute_ms, input, output)) => Ok(TraceRequest {
-                    timestamp_ms: self.rebase(absolute_ms),
-                    input_tokens: input,
-                    output_tokens: output,
-                    blocks: BlockIds::None,
-                    tokens_per_block: ART_TOKENS_PER_BLOCK,
-                    user: None,
-                    session: None,
-                    home_region: None,
-                    request_id: None,
-                    system_prompt_hash: None,
-                }),
+                Ok((absolute_ms, input, output)) => self.finish_row(
+                    TraceRequest {
+                        timestamp_ms: 0,
+                        input_tokens: input,
+                        output_tokens: output,
+                        blocks: BlockIds::None,
+                        tokens_per_block: ART_TOKENS_PER_BLOCK,
+                        user: None,
+                        session: None,
+                        home_region: None,
+                        request_id: None,
+                        system_prompt_hash: None,
+                    },
+                    absolute_ms,
+                    "user",
+                ),
                 Err(reason) => Err(WorkloadError::Parse { line, reason }),
             });
         }
@@ -384,6 +410,51 @@ fn check_input_length(tokens: u64) -> std::result::Result<(), String> {
     Ok(())
 }
 
+/// A timestamp, ms from the trace's origin, in `[0, MAX_TIMESTAMP_MS]`: checked on
+/// the number a JSON row spells (before it is rounded to whole ms) and on every row a
+/// reader yields or a writer writes ([`check_request`]).
+fn check_timestamp(ms: f64) -> std::result::Result<(), String> {
+    if !(ms.is_finite() && (0.0..=MAX_TIMESTAMP_MS).contains(&ms)) {
+        return Err(format!(
+            "timestamp {ms} is not a number of ms in [0, {MAX_TIMESTAMP_MS}] from the \
+             trace's origin"
+        ));
+    }
+    Ok(())
+}
+
+/// A line of `bytes` (its newline included) within [`MAX_LINE_BYTES`]: what the JSONL
+/// readers take, and so what [`crate::JsonlWriter`] may write. The message leaves the
+/// length to the caller: a reader stops counting one byte past the limit.
+pub(crate) fn check_line_bytes(bytes: usize) -> std::result::Result<(), String> {
+    if bytes > MAX_LINE_BYTES {
+        return Err(format!(
+            "line longer than the {MAX_LINE_BYTES} bytes a trace line may have"
+        ));
+    }
+    Ok(())
+}
+
+/// Why `req` is no row a trace may hold, naming the field: the one check of the values
+/// every reader yields (whatever the format spelt) and [`crate::JsonlWriter`] writes,
+/// so that whatever `gorgo trace convert` or `generate` writes reads back. `user_field`
+/// names the field `req.user` came from (`user`; ART-Chat's `token_hash`).
+pub(crate) fn check_request(
+    req: &TraceRequest,
+    user_field: &str,
+) -> std::result::Result<(), String> {
+    check_timestamp(req.timestamp_ms as f64)?;
+    check_input_length(req.input_tokens)?;
+    if req.tokens_per_block == 0 || u64::from(req.tokens_per_block) > MAX_INPUT_TOKENS {
+        return Err(format!(
+            "block_tokens {} is not in [1, {MAX_INPUT_TOKENS}]",
+            req.tokens_per_block
+        ));
+    }
+    check_header_id(user_field, req.user.as_deref())?;
+    check_header_id("session", req.session.as_deref())
+}
+
 /// An id of field `field` that a live replay sends as the
 /// [`SESSION_HEADER`](gorgo_core::headers::SESSION_HEADER) value (`user`, `session`):
 /// an error for an ASCII control character, which no HTTP header value can carry (it
@@ -429,18 +500,16 @@ fn describe_json_error(field: Option<String>, e: &serde_json::Error) -> String {
     }
 }
 
+/// A JSON row as a request (its timestamp left at 0), its absolute timestamp in ms and
+/// the field its user came from, for [`check_request`] once the reader has rebased it.
 fn parse_json_row(
     text: &str,
     format: TraceFormat,
-) -> std::result::Result<(TraceRequest, u64), String> {
+) -> std::result::Result<(TraceRequest, u64, &'static str), String> {
     let row: JsonRow = parse_row_json(text)?;
-    if !row.timestamp.is_finite() || !(0.0..=MAX_TIMESTAMP_MS).contains(&row.timestamp) {
-        return Err(format!(
-            "timestamp {} is not a number of ms in [0, {MAX_TIMESTAMP_MS}]",
-            row.timestamp
-        ));
-    }
-    check_input_length(row.input_length)?;
+    // Before it is rounded (and saturated) to whole ms: the message shows the number
+    // the row spells.
+    check_timestamp(row.timestamp)?;
     let output = row
         .output_length
         .or_else(|| {
@@ -458,11 +527,6 @@ fn parse_json_row(
         _ => MOONCAKE_TOKENS_PER_BLOCK,
     };
     let tokens_per_block = row.block_tokens.unwrap_or(default_block);
-    if tokens_per_block == 0 || tokens_per_block > MAX_INPUT_TOKENS as u32 {
-        return Err(format!(
-            "block_tokens {tokens_per_block} is not in [1, {MAX_INPUT_TOKENS}]"
-        ));
-    }
     let user_field = if row.user.is_some() {
         "user"
     } else {
@@ -470,8 +534,6 @@ fn parse_json_row(
     };
     let user = row.user.or(row.token_hash).map(String::from);
     let session = row.session.map(String::from);
-    check_header_id(user_field, user.as_deref())?;
-    check_header_id("session", session.as_deref())?;
     let req = TraceRequest {
         timestamp_ms: 0,
         input_tokens: row.input_length,
@@ -484,7 +546,7 @@ fn parse_json_row(
         request_id: row.request_id.map(String::from),
         system_prompt_hash: row.system_prompt_hash,
     };
-    Ok((req, row.timestamp.round() as u64))
+    Ok((req, row.timestamp.round() as u64, user_field))
 }
 
 fn azure_columns(header: &csv::StringRecord) -> std::result::Result<[usize; 3], String> {
@@ -586,9 +648,19 @@ pub fn parse_datetime_ms(s: &str) -> std::result::Result<u64, String> {
 mod tests {
     use super::*;
 
+    /// A JSON row parsed and checked as a reader does (not rebased), or the reason.
+    fn checked_row(text: &str, format: TraceFormat) -> std::result::Result<(), String> {
+        let (req, absolute_ms, user_field) = parse_json_row(text, format)?;
+        let req = TraceRequest {
+            timestamp_ms: absolute_ms,
+            ..req
+        };
+        check_request(&req, user_field)
+    }
+
     #[test]
     fn out_of_range_values_are_errors_naming_the_field() {
-        let row = |r: &str| parse_json_row(r, TraceFormat::Mooncake).map(|_| ());
+        let row = |r: &str| checked_row(r, TraceFormat::Mooncake);
         let e = row(r#"{"timestamp":0,"input_length":1000000000000,"output_length":1}"#);
         assert!(e.unwrap_err().contains("input_length"));
         let e = row(r#"{"timestamp":1e300,"input_length":10,"output_length":1}"#);
@@ -669,7 +741,7 @@ mod tests {
     /// and the field when the trace is read, not a "builder error" when it is sent.
     #[test]
     fn ids_sent_as_a_header_refuse_control_characters() {
-        let row = |r: &str, format| parse_json_row(r, format).map(|_| ());
+        let row = checked_row;
         let e = row(
             r#"{"timestamp":0,"input_length":10,"output_length":1,"user":"\u0000\n"}"#,
             TraceFormat::Gorgo,
@@ -707,6 +779,49 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    /// ART-Chat and Azure times are rebased to the first row: a row earlier than it is
+    /// an error naming its line (it was moved to 0 without a word, ahead of the rows
+    /// before it), and so is one too late for any reader (a CSV row dated 9999, which
+    /// `trace convert` wrote and the reader of its output refused). Rows after the
+    /// first may be in any order.
+    #[test]
+    fn rebased_rows_before_the_first_or_out_of_range_are_errors_naming_the_line() {
+        let read = |text: &str, format| {
+            TraceReader::new(std::io::Cursor::new(text.as_bytes().to_vec()), format)
+                .map(|r| r.map(|req| req.timestamp_ms).map_err(|e| e.to_string()))
+                .collect::<Vec<_>>()
+        };
+        let csv = "TIMESTAMP,ContextTokens,GeneratedTokens\n\
+                   2023-11-16 18:15:46.68,100,10\n\
+                   2023-11-16 18:15:40.00,100,10\n\
+                   2023-11-16 18:15:48.00,100,10\n\
+                   2023-11-16 18:15:47.00,100,10\n\
+                   9999-12-31 23:59:59,100,10\n";
+        let rows = read(csv, TraceFormat::Azure);
+        assert_eq!(rows[0], Ok(0));
+        let e = rows[1].as_ref().unwrap_err();
+        assert!(
+            e.starts_with("line 3:") && e.contains("6680 ms before the first row"),
+            "{e}"
+        );
+        assert_eq!(rows[2..4], [Ok(1320), Ok(320)]);
+        let e = rows[4].as_ref().unwrap_err();
+        assert!(e.starts_with("line 6:") && e.contains("timestamp"), "{e}");
+        let art = |t: u64| {
+            format!(
+                "{{\"timestamp\":{t},\"input_length\":10,\"hash_ids\":[\"ab\"],\"token_hash\":\"u\",\"request\":{{\"max_tokens\":5}}}}\n"
+            )
+        };
+        let rows = read(&(art(1000) + &art(400) + &art(1500)), TraceFormat::ArtChat);
+        assert_eq!(rows[0], Ok(0));
+        let e = rows[1].as_ref().unwrap_err();
+        assert!(
+            e.starts_with("line 2:") && e.contains("600 ms before the first row"),
+            "{e}"
+        );
+        assert_eq!(rows[2], Ok(500));
     }
 
     #[test]
