@@ -73,9 +73,10 @@ impl BreakerState {
 /// What happened to a real request, as the breaker counts it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RequestOutcome {
-    /// The engine answered with a non-5xx head.
+    /// The engine answered (a head that is no 5xx).
     Answered,
-    /// Connect error, reset, first-byte timeout, or a 5xx head.
+    /// Connect error, reset, first-byte timeout, or a head that says the engine failed
+    /// (the node counts 502, 503 and 504: another 5xx answers for the request).
     Failed,
 }
 

@@ -112,8 +112,15 @@ fn json_error_response(status: StatusCode, body: String) -> Response {
 /// nor read it, still talk to this one (the peer then checks the whole chain).
 pub const LONGEST_PROMPT_HEADER: &str = "x-gorgo-longest-prompt-tokens";
 
-/// Response headers from the engine that travel to the client.
-pub const PASS_RESPONSE_HEADERS: &[&str] = &["content-type", "cache-control", "x-request-id"];
+/// Response headers from the engine that travel to the client. `x-accel-buffering: no`
+/// is how an engine's event stream (llama-cpp-python's, through sse-starlette) tells
+/// an nginx in front of the node not to hold its events back.
+pub const PASS_RESPONSE_HEADERS: &[&str] = &[
+    "content-type",
+    "cache-control",
+    "x-request-id",
+    "x-accel-buffering",
+];
 /// Client headers that travel to the engine.
 pub const PASS_REQUEST_HEADERS: &[&str] =
     &["content-type", "authorization", "accept", "x-request-id"];
@@ -198,6 +205,50 @@ pub enum ServeError {
     /// peer said serving it there would (503 on the forward stream, never to a client:
     /// only forwards carry a cost to refuse against).
     Refused(gorgo_core::decision::Refusal),
+    /// The local engine answered a server error (5xx) before anything reached the
+    /// client. To the request path a failure like [`ServeError::Failed`] (routed again
+    /// without that engine; 502 on a forward's head, which its origin serves
+    /// elsewhere), but a client with nowhere else to go gets the engine's own answer,
+    /// as it would from the engine directly: llama-cpp-python answers a request it
+    /// cannot parse (a message role it does not know) 500 with what is wrong, and the
+    /// client got "engine answered 500" instead ([`ServeError::response`]).
+    EngineAnswered(EngineAnswer),
+}
+
+/// An engine's error answer, held whole so that it can still reach the client after
+/// the request was routed again ([`ServeError::EngineAnswered`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineAnswer {
+    /// The engine's status.
+    pub status: u16,
+    /// The engine's response headers that travel to clients ([`PASS_RESPONSE_HEADERS`]).
+    pub headers: Vec<(String, String)>,
+    /// The engine's body, read whole (at most [`ENGINE_ANSWER_MAX_BYTES`]).
+    pub body: Bytes,
+}
+
+/// The largest error answer of an engine the node holds to pass on (a validation
+/// error with its traceback is a few KiB); a larger one is a plain 502.
+pub const ENGINE_ANSWER_MAX_BYTES: usize = 64 * 1024;
+
+impl EngineAnswer {
+    /// What the engine said went wrong: its OpenAI error's `message` (or FastAPI's
+    /// `detail`), else its body as text, at most 512 characters, after the status.
+    pub fn message(&self) -> String {
+        let said = serde_json::from_slice::<serde_json::Value>(&self.body)
+            .ok()
+            .and_then(|v| {
+                let m = v.pointer("/error/message").or_else(|| v.get("detail"))?;
+                Some(m.as_str().map_or_else(|| m.to_string(), str::to_owned))
+            })
+            .unwrap_or_else(|| String::from_utf8_lossy(&self.body).into_owned());
+        let said: String = said.chars().take(512).collect();
+        if said.trim().is_empty() {
+            format!("engine answered {}", self.status)
+        } else {
+            format!("engine answered {}: {said}", self.status)
+        }
+    }
 }
 
 /// A response on its way to the client.
@@ -235,11 +286,16 @@ impl std::fmt::Debug for Upstream {
 
 impl ServeError {
     /// The HTTP status a client (or, through a forward, the origin) gets, and the
-    /// outcome label of the request metric: the one mapping of the request path.
+    /// outcome label of the request metric: the one mapping of the request path. An
+    /// engine's own error answer is a 502 to the request path (a forward's origin
+    /// serves it elsewhere); its client gets the engine's status
+    /// ([`ServeError::response`]).
     pub fn status(&self) -> (StatusCode, &'static str) {
         match self {
             ServeError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
-            ServeError::Failed(_) => (StatusCode::BAD_GATEWAY, "engine_failed"),
+            ServeError::Failed(_) | ServeError::EngineAnswered(_) => {
+                (StatusCode::BAD_GATEWAY, "engine_failed")
+            }
             ServeError::Timeout(_) => (StatusCode::GATEWAY_TIMEOUT, "timeout"),
             ServeError::ContextLength { .. } => (StatusCode::BAD_REQUEST, "bad_request"),
             ServeError::ModelNotFound(_) => (StatusCode::NOT_FOUND, "model_not_found"),
@@ -261,6 +317,7 @@ impl ServeError {
                 "forward refused: {:.0} ms here against {:.0} ms at the forwarding node",
                 r.local_cost_ms, r.origin_cost_ms
             ),
+            ServeError::EngineAnswered(answer) => answer.message(),
         }
     }
 
@@ -289,8 +346,23 @@ impl ServeError {
         }
     }
 
-    /// The error as a client response, in OpenAI's shape.
+    /// The error as a client response, in OpenAI's shape; an engine's own error answer
+    /// as the engine gave it (status, body and passed headers).
     pub fn response(&self) -> Response {
+        if let ServeError::EngineAnswered(answer) = self {
+            let mut resp = Response::new(Body::from(answer.body.clone()));
+            *resp.status_mut() =
+                StatusCode::from_u16(answer.status).unwrap_or(StatusCode::BAD_GATEWAY);
+            for (k, v) in &answer.headers {
+                if let (Ok(name), Ok(value)) = (
+                    http::HeaderName::from_bytes(k.as_bytes()),
+                    HeaderValue::from_str(v),
+                ) {
+                    resp.headers_mut().insert(name, value);
+                }
+            }
+            return resp;
+        }
         let status = self.status().0;
         json_error_response(
             status,
@@ -303,7 +375,10 @@ impl ServeError {
     pub fn may_fall_back(&self) -> bool {
         matches!(
             self,
-            ServeError::Failed(_) | ServeError::Timeout(_) | ServeError::Unavailable(_)
+            ServeError::Failed(_)
+                | ServeError::Timeout(_)
+                | ServeError::Unavailable(_)
+                | ServeError::EngineAnswered(_)
         )
     }
 }

@@ -318,7 +318,8 @@ impl EngineAdapter {
     /// Send a real request (one the breaker judges the engine by) and wait for its
     /// head: refused at once while the breaker is open, abandoned the moment it opens
     /// (so the caller can fall back before the first byte), its outcome counted: a
-    /// failure or a 5xx head as a failure, any other head as a success.
+    /// failure or a gateway failure's head ([`EngineAdapter::is_gateway_failure`]) as a
+    /// failure, another 5xx not at all, any other head as a success.
     pub async fn send_request(
         &self,
         method: http::Method,
@@ -335,8 +336,21 @@ impl EngineAdapter {
         result
     }
 
+    /// Whether an engine's response head says the engine, not the request, failed: a
+    /// 502, 503 or 504 (Envoy's "gateway failures"), which count against the breaker.
+    /// Another 5xx is the engine answering for the request: llama-cpp-python answers
+    /// 500 to a body it cannot parse, so counting it would let one client's three bad
+    /// requests shut the engine off for everyone for a cooldown. It counts neither way
+    /// (the request is still routed elsewhere, and a client with nowhere else to go
+    /// gets the answer); an engine that fails every request so is the health check's
+    /// to find.
+    pub fn is_gateway_failure(status: http::StatusCode) -> bool {
+        matches!(status.as_u16(), 502..=504)
+    }
+
     /// [`EngineAdapter::send_request`] for a response whose body the caller relays:
-    /// failures before the head and 5xx heads are counted here, the success is not;
+    /// failures before the head and gateway failures' heads are counted here, the
+    /// success is not (nor another 5xx, [`EngineAdapter::is_gateway_failure`]);
     /// the caller records the outcome when the body ends ([`EngineAdapter::record`]),
     /// so an engine that dies mid-stream counts as failing. `first_token` says when the
     /// head is due ([`EngineAdapter::head_timeout`]). A streamed request is abandoned
@@ -385,7 +399,7 @@ impl EngineAdapter {
         };
         probe.held = false;
         let failed = match &result {
-            Ok(resp) => resp.status().is_server_error(),
+            Ok(resp) => Self::is_gateway_failure(resp.status()),
             Err(_) => true,
         };
         match &result {

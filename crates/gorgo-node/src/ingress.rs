@@ -327,16 +327,14 @@ async fn pass_to_engine(
     };
     let status = resp.status().as_u16();
     if resp.status().is_server_error() {
-        // Counted against the breaker in `send_streamed`, and here as the routed
-        // paths count it: relayed to the client, as no peer serves these routes.
+        // Counted against the breaker in `send_streamed` when a gateway failure, and
+        // here as the routed paths count it: relayed to the client, as no peer
+        // serves these routes.
         state.metrics.engine_failures.inc();
     }
-    let headers: Vec<(String, String)> = resp
-        .headers()
-        .get("content-type")
-        .and_then(|v| v.to_str().ok())
-        .map(|v| vec![("content-type".to_owned(), v.to_owned())])
-        .unwrap_or_default();
+    // The headers routed requests pass on (only `content-type` did: an embedding's
+    // `x-request-id` never reached its client).
+    let headers = crate::serve::pass_headers(resp.headers());
     // The ticket and the breaker's verdict ride with the body (its first chunk marks
     // the prefill, and a success's its decode's start; no fit sample: these prompts'
     // sizes are estimates).

@@ -14,7 +14,8 @@ use gorgo_core::health::RequestOutcome;
 use gorgo_core::NodeId;
 
 use crate::api::{
-    BodyStream, RoutedRequest, ServeError, Upstream, PASS_RESPONSE_HEADERS, PREDICTED_TTFT_HEADER,
+    BodyStream, EngineAnswer, RoutedRequest, ServeError, Upstream, PASS_RESPONSE_HEADERS,
+    PREDICTED_TTFT_HEADER,
 };
 use crate::config::UnlistedModel;
 use crate::engine::{EngineTicket, FirstToken};
@@ -25,7 +26,9 @@ use crate::stream_usage::UsageStripped;
 use crate::{telemetry, NodeState};
 use tracing::Instrument as _;
 
-fn pass_headers(headers: &reqwest::header::HeaderMap) -> Vec<(String, String)> {
+/// The engine's response headers that travel to the client ([`PASS_RESPONSE_HEADERS`]),
+/// on the routed and the unrouted routes alike.
+pub(crate) fn pass_headers(headers: &reqwest::header::HeaderMap) -> Vec<(String, String)> {
     PASS_RESPONSE_HEADERS
         .iter()
         .filter_map(|&name| {
@@ -468,8 +471,10 @@ where
     F: FnMut(&reqwest::Result<Bytes>, Option<&mut EngineTicket>) + Send + 'static,
     K: Send + 'static,
 {
-    // A 5xx head already counted as a failure (`send_streamed`); the end of its error
-    // body is no answer (it would close the breaker it may just have opened).
+    // A 5xx head is no answer for the breaker: a gateway failure counted as a failure
+    // already (`send_streamed`), another 5xx counts neither way
+    // (`EngineAdapter::is_gateway_failure`); the end of its error body must not close
+    // a breaker it may just have opened.
     let server_error = resp.status().is_server_error();
     // Only a success decoded anything: an error body's end must not teach the view a
     // decode time (a response that is not streamed would teach its expected prefill
@@ -701,8 +706,21 @@ pub async fn serve_local(
     engine_span.record("http.response.status_code", status);
     if resp.status().is_server_error() {
         state.metrics.engine_failures.inc();
-        // Nothing of it reached the client: let the caller route it elsewhere.
-        return Err(ServeError::Failed(format!("engine answered {status}")));
+        // Nothing of it reached the client: let the caller route it elsewhere, holding
+        // the engine's answer for a client with nowhere else to go.
+        let headers = pass_headers(resp.headers());
+        let read = engine
+            .adapter
+            .read_answer(resp, crate::api::ENGINE_ANSWER_MAX_BYTES)
+            .await;
+        return Err(match read {
+            Some(body) => ServeError::EngineAnswered(EngineAnswer {
+                status,
+                headers,
+                body: body.into(),
+            }),
+            None => ServeError::Failed(format!("engine answered {status}")),
+        });
     }
     if resp.status().is_success() {
         if let Some(kv) = &engine.kv_events {

@@ -333,6 +333,65 @@ async fn engine_failure_is_502_and_timeout_is_504() {
     node.shutdown.cancel();
 }
 
+/// An engine's own 5xx answer reaches a client with nowhere else to go as the engine
+/// gave it (status, body, `x-request-id`), as it would from the engine directly:
+/// llama-cpp-python answers a body it cannot parse (a role it does not know) 500 with
+/// what is wrong, and the node's client got a 502 "engine answered 500" instead.
+/// Streamed or not, chat or completions.
+#[tokio::test]
+async fn an_engines_server_error_reaches_a_client_with_nowhere_else_to_go() {
+    let engine = StubEngine::start("e").await;
+    engine.set_mode(SERVER_ERROR);
+    let node = start_node(
+        config_with_engine("a", &engine.url(), "breaker_failures = 100\n"),
+        None,
+    )
+    .await;
+    let completion = serde_json::json!({"model": "m", "prompt": "x", "stream": true});
+    for (path, body) in [
+        ("/v1/chat/completions", chat_body("x", false)),
+        ("/v1/completions", completion),
+    ] {
+        let resp = client()
+            .post(format!("{}{path}", node.base))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 500, "{path}");
+        assert_eq!(resp.headers()["content-type"], "application/json");
+        assert_eq!(resp.headers()["x-request-id"], "engine-request-7");
+        assert_eq!(resp.text().await.unwrap(), SERVER_ERROR_BODY, "{path}");
+    }
+    // Still an engine failure to the node: counted, and no answer for the breaker.
+    assert_eq!(node.state().metrics.engine_failures.get(), 2);
+    node.shutdown.cancel();
+}
+
+/// The engine's response headers a client reads reach it on every route: a stream's
+/// `x-accel-buffering: no` (llama-cpp-python's, so that an nginx in front does not hold
+/// its events back), and an unrouted route's `x-request-id` (only `content-type` was
+/// passed on there).
+#[tokio::test]
+async fn engine_response_headers_pass_on_every_route() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(config("a", &engine.url(), ""), None).await;
+    let resp = post_chat(&node, "x", true).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-accel-buffering"], "no");
+    resp.bytes().await.unwrap();
+    engine.set_mode(SERVER_ERROR);
+    let resp = client()
+        .post(format!("{}/v1/embeddings", node.base))
+        .json(&serde_json::json!({"model": "m", "input": "hi"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 500);
+    assert_eq!(resp.headers()["x-request-id"], "engine-request-7");
+    node.shutdown.cancel();
+}
+
 #[tokio::test]
 async fn no_engine_and_no_peer_is_503() {
     // An engine address nothing listens on: every health check fails.
@@ -753,7 +812,7 @@ async fn an_abandoned_probe_frees_the_breakers_slot() {
 #[tokio::test]
 async fn passthrough_server_errors_open_the_breaker() {
     let engine = StubEngine::start("e").await;
-    engine.set_mode(SERVER_ERROR);
+    engine.set_mode(UNAVAILABLE);
     let node = start_node(
         config_with_engine("a", &engine.url(), "breaker_failures = 2\n"),
         None,
@@ -769,8 +828,12 @@ async fn passthrough_server_errors_open_the_breaker() {
     };
     for _ in 0..2 {
         let resp = embed().await.unwrap();
-        assert_eq!(resp.status(), 500);
-        resp.bytes().await.unwrap();
+        assert_eq!(resp.status(), 503);
+        assert_eq!(
+            resp.text().await.unwrap(),
+            r#"{"error":{"message":"engine unavailable"}}"#,
+            "the engine's answer"
+        );
     }
     until("the relayed bodies end", || adapter.inflight() == 0).await;
     assert!(
@@ -783,9 +846,53 @@ async fn passthrough_server_errors_open_the_breaker() {
     );
     // Each 5xx counts as an engine failure, as on the routed paths.
     assert_eq!(node.state().metrics.engine_failures.get(), 2);
-    // The open breaker takes the next one unsent: 503, not counted as a failure.
-    assert_eq!(embed().await.unwrap().status(), 503);
+    // The open breaker takes the next one unsent: the node's 503, not counted as a
+    // failure.
+    let resp = embed().await.unwrap();
+    assert_eq!(resp.status(), 503);
+    let text = resp.text().await.unwrap();
+    assert!(!text.contains("engine unavailable"), "{text}");
     assert_eq!(node.state().metrics.engine_failures.get(), 2);
+    node.shutdown.cancel();
+}
+
+/// A 500 is the engine answering for the request (llama-cpp-python's answer to a body
+/// it cannot parse), not the engine failing: however many come in a row, on the routed
+/// and the unrouted routes, the breaker stays closed and the next good request is
+/// served. Counted as 5xx, they let one client's bad requests shut the engine off for
+/// everyone for a cooldown.
+#[tokio::test]
+async fn an_engines_500_answers_do_not_open_the_breaker() {
+    let engine = StubEngine::start("e").await;
+    engine.set_mode(SERVER_ERROR);
+    let node = start_node(
+        config_with_engine("a", &engine.url(), "breaker_failures = 2\n"),
+        None,
+    )
+    .await;
+    let adapter = node.state().engine(0).unwrap().adapter.clone();
+    until("the engine is confirmed", || adapter.is_ready()).await;
+    for stream in [false, true, false] {
+        let resp = post_chat(&node, "x", stream).await;
+        assert_eq!(resp.status(), 500);
+        resp.bytes().await.unwrap();
+    }
+    let resp = client()
+        .post(format!("{}/v1/embeddings", node.base))
+        .json(&serde_json::json!({"model": "m", "input": "hi"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 500);
+    resp.bytes().await.unwrap();
+    until("the relayed bodies end", || adapter.inflight() == 0).await;
+    assert_eq!(
+        adapter.breaker(),
+        gorgo_core::health::BreakerState::Closed,
+        "four 500s in a row"
+    );
+    engine.set_mode(NORMAL);
+    assert_eq!(post_chat(&node, "x", false).await.status(), 200);
     node.shutdown.cancel();
 }
 

@@ -39,11 +39,18 @@ pub const FLOOD: u8 = 7;
 /// Send the first SSE chunk, wait to be released, then send half of the next event
 /// and break the connection (an engine dying inside an event).
 pub const FAIL_MID_EVENT: u8 = 8;
-/// Answer the native routes 500 with an OpenAI error body (an engine failing them).
+/// Answer the native routes, chat and completions 500 with an OpenAI error body and an
+/// `x-request-id` (an engine failing them, or llama-cpp-python refusing a body it
+/// cannot parse: [`SERVER_ERROR_BODY`]).
 pub const SERVER_ERROR: u8 = 9;
+/// The body of a `SERVER_ERROR` answer.
+pub const SERVER_ERROR_BODY: &str = r#"{"error":{"message":"1 validation error: messages.0.role: Input should be 'user'","type":"internal_server_error","param":null,"code":null}}"#;
 /// Send a stream's head at once (as vLLM and SGLang do, before prefill), then nothing
 /// until released: an engine whose scheduler is stuck.
 pub const HEAD_THEN_HANG: u8 = 10;
+/// Answer the native routes, chat and completions 503 (an engine that cannot serve:
+/// a gateway failure, which counts against the breaker).
+pub const UNAVAILABLE: u8 = 11;
 
 /// A stub OpenAI-compatible engine whose load and behaviour the test sets.
 pub struct StubEngine {
@@ -190,6 +197,8 @@ async fn complete(
     let is_chat = v.get("messages").is_some();
     match e.mode.load(Ordering::SeqCst) {
         HANG | HANG_ALL => e.release.notified().await,
+        SERVER_ERROR => return server_error(),
+        UNAVAILABLE => return unavailable(),
         REJECT => {
             return Response::builder()
                 .status(400)
@@ -240,8 +249,10 @@ async fn complete(
                 .unwrap();
         }
         let stream = async_stream(first, second, mode, e.clone());
+        // As llama-cpp-python's server (sse-starlette) sends its streams.
         return Response::builder()
             .header("content-type", "text/event-stream")
+            .header("x-accel-buffering", "no")
             .body(Body::from_stream(stream))
             .unwrap();
     }
@@ -257,6 +268,25 @@ async fn complete(
     Response::builder()
         .header("content-type", "application/json")
         .body(Body::from(body.to_string()))
+        .unwrap()
+}
+
+/// The answer of an engine in `SERVER_ERROR` mode.
+fn server_error() -> Response {
+    Response::builder()
+        .status(500)
+        .header("content-type", "application/json")
+        .header("x-request-id", "engine-request-7")
+        .body(Body::from(SERVER_ERROR_BODY))
+        .unwrap()
+}
+
+/// The answer of an engine in `UNAVAILABLE` mode.
+fn unavailable() -> Response {
+    Response::builder()
+        .status(503)
+        .header("content-type", "application/json")
+        .body(Body::from(r#"{"error":{"message":"engine unavailable"}}"#))
         .unwrap()
 }
 
@@ -324,13 +354,10 @@ async fn native(State(e): State<Arc<StubEngine>>, uri: axum::http::Uri, body: By
         e.release.notified().await;
     }
     if mode == SERVER_ERROR {
-        return Response::builder()
-            .status(500)
-            .header("content-type", "application/json")
-            .body(Body::from(
-                r#"{"error":{"message":"internal","type":"internal_server_error","param":null,"code":null}}"#,
-            ))
-            .unwrap();
+        return server_error();
+    }
+    if mode == UNAVAILABLE {
+        return unavailable();
     }
     let path = uri.path().to_owned();
     if v.get("stream").and_then(|s| s.as_bool()).unwrap_or(false) {
