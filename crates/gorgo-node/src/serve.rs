@@ -278,9 +278,18 @@ pub async fn serve_draining(
     }
 }
 
+/// How far over the context an estimated prompt count (no tokenizer) must be before
+/// the node refuses it, as a share of the context: within it the engine, which counts
+/// exactly, decides (its refusal reaches the client as it gave it). The estimate runs
+/// a few percent high or low (8% high before the byte rate's fit, measured against
+/// llama.cpp), and refusing a prompt the engine would serve is worse than letting the
+/// engine refuse one.
+pub const ESTIMATED_CONTEXT_TOLERANCE: f64 = 0.10;
+
 /// Refuse a prompt the engines cannot hold (the smallest context any of them says it
 /// has: replicas serve one model, and a request may land on any of them). A completions
-/// batch is checked prompt by prompt, as vLLM checks it: its longest prompt.
+/// batch is checked prompt by prompt, as vLLM checks it: its longest prompt. A count
+/// estimated from bytes is refused only past [`ESTIMATED_CONTEXT_TOLERANCE`].
 fn check_context(state: &NodeState, req: &RoutedRequest) -> Result<(), ServeError> {
     let prompt_tokens = req.longest_prompt_tokens;
     let max = state
@@ -288,8 +297,15 @@ fn check_context(state: &NodeState, req: &RoutedRequest) -> Result<(), ServeErro
         .iter()
         .filter_map(|e| e.adapter.max_context_tokens())
         .min();
+    let over = |max: u64| {
+        if state.tokens.exact() {
+            prompt_tokens > max
+        } else {
+            prompt_tokens as f64 > max as f64 * (1.0 + ESTIMATED_CONTEXT_TOLERANCE)
+        }
+    };
     match max {
-        Some(max) if prompt_tokens > max => Err(ServeError::ContextLength {
+        Some(max) if over(max) => Err(ServeError::ContextLength {
             endpoint: req.endpoint,
             message: format!(
                 "this model's maximum context length is {max} tokens; the prompt has \

@@ -385,6 +385,38 @@ async fn a_prompt_over_the_context_is_refused_before_routing_and_never_cached() 
     b.shutdown.cancel();
 }
 
+/// Without a tokenizer the node's count is an estimate: a prompt it estimates a few
+/// percent over the context goes to the engine, which counts exactly (its refusal
+/// reaches the client as it gave it); one well over is refused before routing. The
+/// node refused a prompt llama.cpp served (estimated 2,130 tokens against a 2,048
+/// context, 1,967 by the engine's count).
+#[tokio::test]
+async fn an_estimate_near_the_context_is_left_to_the_engine() {
+    let engine = StubEngine::start("e").await;
+    let p = prompt("near the edge", 16 * 1024);
+    // The node's estimate of the prompt, read from a node with room to spare.
+    let roomy = start_node(config("a", &engine.url(), ""), None).await;
+    let resp = post_chat(&roomy, &p, false).await;
+    assert_eq!(resp.status(), 200);
+    let d = admin_json(&roomy, "/admin/decisions?limit=1").await;
+    let estimate = d[0]["prompt_tokens"].as_u64().unwrap();
+    roomy.shutdown.cancel();
+    for (context, status) in [(estimate * 19 / 20, 200), (estimate * 4 / 5, 400)] {
+        let extra = format!("max_context_tokens = {context}\n");
+        let node = start_node(config_with_engine("a", &engine.url(), &extra), None).await;
+        let before = engine.requests();
+        let resp = post_chat(&node, &p, false).await;
+        assert_eq!(
+            resp.status(),
+            status,
+            "{estimate} estimated, context {context}"
+        );
+        let reached = engine.requests() - before;
+        assert_eq!(reached, u64::from(status == 200), "context {context}");
+        node.shutdown.cancel();
+    }
+}
+
 #[tokio::test]
 async fn what_the_engine_refuses_is_not_put_in_the_cache_model() {
     let engine = StubEngine::start("e").await;
