@@ -553,9 +553,55 @@ fn handle_data(
             return;
         }
     }
+    forget_outranking_down_identity(foca, rt, src);
     if let Err(e) = foca.handle_data(data, &mut *rt) {
         ClusterMetrics::bump(&inner.metrics.malformed_received);
         tracing::debug!(peer = %from, "swim packet refused: {e}");
+    }
+}
+
+/// Let go of the down identity foca holds at `src`'s address for `src`'s own node id
+/// when it outranks `src` (a higher generation), so that foca takes `src` as the
+/// node's new identity rather than a stale one.
+///
+/// Why: the generation is the wall clock at start, and a node restarted at its address
+/// on a clock that reads earlier than its previous run's start (a clock stepped back,
+/// the host replaced) has an older generation than the identity its peers declared
+/// down there. foca's address conflict goes to the higher generation, so it answered
+/// every packet of the restarted node with "you are down", and the node renewed
+/// (generation + 1) again and again, still below: out of the cluster until foca
+/// dropped the old identity `remove_down_after` (60 s) after declaring it down.
+/// Measured live: a node restarted under `faketime -30m` rejoined 63 s after its kill.
+/// `src` is the TLS-authenticated sender and the peer table accepted its claim; a
+/// restart at the same address is the same claim ("Identity" in docs/cluster.md).
+/// Only a down identity is let go, so a live node is never replaced this way.
+fn forget_outranking_down_identity(
+    foca: &mut ClusterFoca,
+    rt: &mut AccumulatingRuntime<MemberId>,
+    src: &MemberId,
+) {
+    let stale = foca
+        .iter_membership_state()
+        .find(|m| {
+            let id = m.id();
+            m.state() == foca::State::Down
+                && id.addr == src.addr
+                && id.node == src.node
+                && id.generation > src.generation
+        })
+        .map(|m| m.id().clone());
+    if let Some(stale) = stale {
+        tracing::info!(
+            peer = %src.node,
+            down_generation = stale.generation,
+            generation = src.generation,
+            "a peer restarted at its address with an older generation (its clock behind its previous run's); its down identity is let go"
+        );
+        // `RemoveDown` removes a member only while it is down: what foca's own timer
+        // would do `remove_down_after` later.
+        if let Err(e) = foca.handle_timer(Timer::RemoveDown(stale), &mut *rt) {
+            tracing::debug!(peer = %src.node, "forgetting a down identity: {e}");
+        }
     }
 }
 

@@ -237,6 +237,92 @@ fn a_node_restarted_elsewhere_on_a_clock_behind_is_heard() {
     );
 }
 
+/// n1 is killed and restarted at once at its own address, on a clock a minute behind
+/// its first run's start (a clock stepped back; measured live with `faketime -30m`):
+/// its generation is older than the identity its peers hold there. Once they declare
+/// the old identity down (failure detection, about 3 s), the restarted run is taken
+/// as n1 and heard, and kept. Before, foca answered each of its packets with "you are
+/// down" (the old identity's higher generation won the address), it renewed by one
+/// generation again and again, and it was out of the cluster until foca dropped the
+/// old identity 60 s (`remove_down_after`) after declaring it down.
+#[test]
+fn a_node_restarted_at_its_address_on_a_clock_behind_rejoins() {
+    let mut sim = sim(73, Duration::from_secs(120));
+    let creds = credentials(&NAMES);
+    let handles = Handles::default();
+    for i in [0, 2] {
+        add_node(&mut sim, seeded_spec(&NAMES, i, &creds, 0), handles.clone());
+    }
+    // n1's first run on the simulated clock with 4 running; its restart a minute
+    // behind with 0 running and a summary of its own.
+    let runs = Arc::new(AtomicU32::new(0));
+    {
+        let s = seeded_spec(&NAMES, 1, &creds, 0);
+        let handles = handles.clone();
+        let runs = runs.clone();
+        sim.host("n1", move || {
+            let (s, handles) = (s.clone(), handles.clone());
+            let run = runs.fetch_add(1, Ordering::SeqCst);
+            async move {
+                let clock = sim_clock();
+                let behind_ms = if run == 0 { 0 } else { 60_000 };
+                let wall: gorgo_cluster::WallClock =
+                    Arc::new(move || clock().saturating_sub(behind_ms));
+                let (h, summary) = start_node_with(&s, |c| {
+                    c.generation = Some(wall());
+                    c.wall_clock = wall;
+                })
+                .await?;
+                handles.lock().insert(s.name.clone(), h.clone());
+                let (base, n, running) = if run == 0 { (1, 50, 4) } else { (1_000, 7, 0) };
+                summary.update(|sm| {
+                    for fp in base..base + n {
+                        sm.record_add(fp);
+                    }
+                });
+                let mut tick = tokio::time::interval(Duration::from_millis(100));
+                loop {
+                    tick.tick().await;
+                    h.broadcast_stats(QueueStats {
+                        running,
+                        ..Default::default()
+                    })?;
+                }
+            }
+        });
+    }
+    set_wan_latencies(&mut sim, &NAMES);
+    converge(&mut sim, &handles, &NAMES);
+    run_until(&mut sim, Duration::from_secs(10), |_| {
+        holds_current_run(&handles, 4)
+    })
+    .unwrap_or_else(|| panic!("the first run is heard: {}", dump(&handles)));
+    let first = handles.lock()["n1"].identity().generation;
+
+    // kill -9 and restart at once with the same config, the clock now behind.
+    handles.lock().remove("n1");
+    let restarted_at = sim.elapsed();
+    sim.bounce("n1");
+    let heard = run_until(&mut sim, Duration::from_secs(15), |_| {
+        holds_current_run(&handles, 0)
+    })
+    .unwrap_or_else(|| panic!("the restarted run is not heard in 15 s: {}", dump(&handles)));
+    let second = handles.lock()["n1"].identity().generation;
+    assert!(second < first, "{second} vs {first}");
+    eprintln!(
+        "restarted run (clock a minute behind, same address) heard everywhere {:?} after it started",
+        heard - restarted_at
+    );
+    let lost = run_until(&mut sim, Duration::from_secs(10), |_| {
+        !holds_current_run(&handles, 0)
+    });
+    assert!(
+        lost.is_none(),
+        "the restarted run's state went at {lost:?}: {}",
+        dump(&handles)
+    );
+}
+
 /// One peer's view of `id`, as `viewer` holds it.
 fn view_of(handles: &Handles, viewer: &str, id: &str) -> Option<gorgo_cluster::PeerView> {
     handles.lock()[viewer]
