@@ -20,7 +20,10 @@ use crate::config::ClusterConfig;
 use crate::error::{ClusterError, Result};
 use crate::gossip::{GossipDriver, SummarySource};
 use crate::identity::{BincodeCodec, MemberId};
-use crate::state::{Claim, ClusterMetrics, PeerTable, PeerView, TrafficKind};
+use crate::state::{
+    Claim, ClusterMetrics, IdentityRefusal, OwnIdRefusals, PeerTable, PeerView, TrafficKind,
+    REFUSAL_TTL_ANNOUNCE_PERIODS,
+};
 use crate::tls::{client_crypto, server_crypto, validate_node_id};
 use crate::transport::{self, Inbound, Transport, MAX_APP_MESSAGE, STREAM_APP};
 pub use crate::transport::{AppMessage, IncomingForward};
@@ -92,6 +95,9 @@ struct Inner {
     /// Refused claims already logged at warning level, so that an impostor sending
     /// ten packets a second logs once (the metric counts them all).
     refusals_logged: Mutex<crate::state::LogOnce<(NodeId, SocketAddr)>>,
+    /// Peers that refused this node's own claim to its id, and where they hold it
+    /// (docs/cluster.md, "Identity: one live process per node id").
+    own_id_refusals: OwnIdRefusals,
     /// The QUIC endpoint and connections (hands what arrives back to this `Inner`
     /// through [`Inbound`]).
     transport: Arc<Transport>,
@@ -230,6 +236,7 @@ pub async fn start(
             transport::REFUSAL_WARNINGS.0,
             transport::REFUSAL_WARNINGS.1,
         )),
+        own_id_refusals: OwnIdRefusals::default(),
         transport: Arc::new(Transport::new(
             config.node_id.clone(),
             endpoint,
@@ -507,9 +514,23 @@ fn handle_data(
     // alive by another id, which foca would replace (docs/cluster.md, "Identity").
     let src = &header.src;
     match inner.peers.sender_claim(&inner.node_id, from, src.addr) {
-        Claim::Accepted => inner.transport.bind_inbound(conn, src),
+        Claim::Accepted => {
+            inner.transport.bind_inbound(conn, src);
+            // A peer sends SWIM only to a claim it accepted (`may_send_swim`): one
+            // that refused this node's id takes it now.
+            if inner.own_id_refusals.accepted_by(from) {
+                tracing::info!(node = %inner.node_id, peer = %from, "a peer that refused this node's id takes it now");
+            }
+        }
         refused => {
             inner.transport.refuse(from, conn);
+            // The process behind the connection is told, once per connection, that
+            // the id is alive elsewhere and where: it has no other way to learn it.
+            if let Claim::Conflict { bound } = refused {
+                if inner.transport.tell_held_elsewhere(from, conn, bound) {
+                    tracing::debug!(peer = %from, claimed_from = %src.addr, alive_at = %bound, "connection of a refused claim closed, telling it where the id is alive");
+                }
+            }
             inner.refused(src, refused);
             return;
         }
@@ -821,6 +842,28 @@ impl Inbound for Inner {
         }
     }
 
+    fn own_id_refused(&self, by: &NodeId, held_at: SocketAddr) {
+        ClusterMetrics::bump(&self.metrics.own_id_refused);
+        let ttl = self.refusal_ttl();
+        if self
+            .own_id_refusals
+            .record(by, held_at, Instant::now(), ttl)
+        {
+            tracing::error!(
+                node = %self.node_id,
+                advertised = %self.config.advertise,
+                refused_by = %by,
+                alive_at = %held_at,
+                "peer {by} refuses this node: it holds node id {} alive at {held_at}. Another \
+                 process runs with this node's id (a copied config or certificate?), and this \
+                 one stays out of the cluster while it does; stop one of them. (A node \
+                 restarted at a new address before its previous run was declared down is \
+                 refused only until then.)",
+                self.node_id
+            );
+        }
+    }
+
     fn forward(&self, fwd: IncomingForward) {
         if let Err(e) = self.forward_tx.try_send(fwd) {
             // Dropping the streams resets them: the origin retries locally.
@@ -840,6 +883,15 @@ impl Inbound for Inner {
 pub const MAX_MEMBERSHIP_EVENTS: usize = 4096;
 
 impl Inner {
+    /// How long a refusal of this node's id is held after the last one
+    /// ([`REFUSAL_TTL_ANNOUNCE_PERIODS`]).
+    fn refusal_ttl(&self) -> Duration {
+        self.config
+            .swim
+            .announce_period
+            .saturating_mul(REFUSAL_TTL_ANNOUNCE_PERIODS)
+    }
+
     fn log(&self, e: MembershipEvent) {
         tracing::info!(node = %self.node_id, event = ?e, "membership");
         let mut events = self.events.lock();
@@ -1040,6 +1092,17 @@ impl ClusterHandle {
     /// makes its peers drop what they held of the previous run at once.
     pub fn incarnation(&self) -> u64 {
         self.inner.incarnation
+    }
+
+    /// The peers refusing this node's claim to its own id now, and where each holds
+    /// the id alive: empty unless another process runs with this node's id (or this
+    /// node restarted at a new address before its previous run was declared down).
+    /// Why: the refused process learns no member and would otherwise serve as a
+    /// one-node island with nothing saying why (docs/cluster.md, "Identity").
+    pub fn identity_refusals(&self) -> Vec<IdentityRefusal> {
+        self.inner
+            .own_id_refusals
+            .current(Instant::now(), self.inner.refusal_ttl())
     }
 
     /// The local address of the QUIC endpoint.

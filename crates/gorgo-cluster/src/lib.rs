@@ -23,7 +23,10 @@ pub use config::{system_clock, ClusterConfig, SwimTimings, WallClock};
 pub use error::{ClusterError, Result};
 pub use gossip::{HoldsSummary, SharedSummary, SummarySource};
 pub use identity::{MemberId, MAX_SWIM_PACKET};
-pub use state::{ClusterMetrics, PeerEngineView, PeerState, PeerTable, PeerView, RTT_EWMA_ALPHA};
+pub use state::{
+    ClusterMetrics, IdentityRefusal, PeerEngineView, PeerState, PeerTable, PeerView,
+    REFUSAL_TTL_ANNOUNCE_PERIODS, RTT_EWMA_ALPHA,
+};
 pub use tls::{
     quinn_client_config, validate_node_id, write_cluster_certs, write_secret, ClusterCa,
     IssuedNode, NodeCredentials, TlsFiles, CLUSTER_SERVER_NAME, MAX_NODE_CERT_DAYS, NODE_CERT_DAYS,

@@ -682,6 +682,11 @@ pub struct ClusterMetrics {
     /// Membership updates that claim this node's own id for another process, refused
     /// (this node keeps its id and goes on).
     pub own_id_claimed: AtomicU64,
+    /// Connections peers closed because they hold this node's own id alive at
+    /// another address (`ClusterHandle::identity_refusals` says who and where): this
+    /// process is a second one with a live node's id, or it restarted at a new address
+    /// before its previous run was declared down (then it stops within seconds).
+    pub own_id_refused: AtomicU64,
     /// Streams (gossip, app messages, forwards) refused because they came on a
     /// connection no accepted claim vouches for while the node id is bound elsewhere,
     /// or on an inbound connection that made no SWIM claim within the wait for one
@@ -749,6 +754,115 @@ impl ClusterMetrics {
     }
 }
 
+/// A peer's refusal of this node's own claim to its node id, as this node was told
+/// of it ([`crate::ClusterHandle::identity_refusals`]).
+///
+/// Why: a peer that holds this node's id alive at another address refuses every SWIM
+/// packet of this process, so a second process started with a live node's config and
+/// certificate learns no member and serves its clients as a one-node island, while
+/// only the peers log the conflict. The refusing peer closes the connection with a
+/// code that says so and the live holder's address (docs/cluster.md, "Identity: one
+/// live process per node id"), and this is what the refused process keeps of it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct IdentityRefusal {
+    /// The peer that refused this node's claim.
+    pub by: NodeId,
+    /// Where that peer holds this node's id alive: the address the live holder
+    /// advertises, as the peer knows it.
+    pub held_at: SocketAddr,
+    /// Time since that peer first refused this node, ms (this run of refusals: one
+    /// that stopped for [`REFUSAL_TTL_ANNOUNCE_PERIODS`] announce periods is over).
+    pub first_age_ms: u64,
+    /// Time since its last refusal, ms.
+    pub last_age_ms: u64,
+}
+
+/// Announce periods (`SwimTimings::announce_period`, 2 s by default) a refusal of this
+/// node's id is held after the last one: a process every peer refuses re-announces
+/// each period (foca knows no member), and each announce comes on a new connection
+/// that the refusing peer closes again, so a refusal still going on is told again
+/// every period; five leave room for lost closes. One that stopped (the holder died
+/// and the peer now takes this node, or the peer went away) goes within 10 s.
+pub const REFUSAL_TTL_ANNOUNCE_PERIODS: u32 = 5;
+
+/// The refusals of this node's own claim to its id, by the peer that refused
+/// ([`IdentityRefusal`]); at most [`MAX_PEERS`] peers (the one refused longest ago
+/// goes first), since any certificate holder can tell one.
+#[derive(Debug, Default)]
+pub(crate) struct OwnIdRefusals {
+    by: Mutex<std::collections::BTreeMap<NodeId, HeldRefusal>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct HeldRefusal {
+    held_at: SocketAddr,
+    first: Instant,
+    last: Instant,
+}
+
+impl OwnIdRefusals {
+    /// Peer `by` refused this node's id, held alive at `held_at` in its view, at
+    /// `now`; refusals last told more than `ttl` ago are over. True when this is news
+    /// to log: the first refusal of a run of them from `by`, or a new `held_at`.
+    pub(crate) fn record(
+        &self,
+        by: &NodeId,
+        held_at: SocketAddr,
+        now: Instant,
+        ttl: std::time::Duration,
+    ) -> bool {
+        let mut held = self.by.lock();
+        held.retain(|_, r| now.saturating_duration_since(r.last) <= ttl);
+        if let Some(r) = held.get_mut(by) {
+            let news = r.held_at != held_at;
+            r.held_at = held_at;
+            r.last = now;
+            return news;
+        }
+        if held.len() >= MAX_PEERS {
+            let oldest = held
+                .iter()
+                .min_by_key(|(_, r)| r.last)
+                .map(|(k, _)| k.clone());
+            if let Some(oldest) = oldest {
+                held.remove(&oldest);
+            }
+        }
+        held.insert(
+            by.clone(),
+            HeldRefusal {
+                held_at,
+                first: now,
+                last: now,
+            },
+        );
+        true
+    }
+
+    /// Peer `by` took a SWIM packet of this node's (it sent one on a claim it
+    /// accepted): whatever it refused before is over. True when it had refused.
+    pub(crate) fn accepted_by(&self, by: &NodeId) -> bool {
+        let mut held = self.by.lock();
+        // The common case, a packet of a peer that never refused: no map walk.
+        !held.is_empty() && held.remove(by).is_some()
+    }
+
+    /// The refusals going on at `now` (told within `ttl`), sorted by peer.
+    pub(crate) fn current(&self, now: Instant, ttl: std::time::Duration) -> Vec<IdentityRefusal> {
+        self.by
+            .lock()
+            .iter()
+            .filter(|(_, r)| now.saturating_duration_since(r.last) <= ttl)
+            .map(|(by, r)| IdentityRefusal {
+                by: by.clone(),
+                held_at: r.held_at,
+                first_age_ms: now.saturating_duration_since(r.first).as_millis() as u64,
+                last_age_ms: now.saturating_duration_since(r.last).as_millis() as u64,
+            })
+            .collect()
+    }
+}
+
 /// Which warnings to log: each key once, and at most `cap` keys a `window`. Why both:
 /// a warning per key, not per packet, and a sender that makes up a new key each packet
 /// (a new source address) logs `cap` a window, not one a packet; and when the window
@@ -804,6 +918,66 @@ mod tests {
         let later = t0 + std::time::Duration::from_secs(60);
         assert!(log.first(3, later));
         assert!(log.first(1, later));
+    }
+
+    /// A refusal of this node's id is held from its first to TTL after its last: its
+    /// first age runs on across refusals, a new holder address is news (logged
+    /// again), a peer that takes this node ends it at once, one not told again within
+    /// the TTL is over, and the peers held are capped.
+    #[test]
+    fn own_id_refusals_run_from_the_first_to_the_last_within_the_ttl() {
+        let ttl = std::time::Duration::from_secs(10);
+        let s = std::time::Duration::from_secs;
+        let t0 = Instant::now();
+        let (a, b) = (NodeId::from("a"), NodeId::from("b"));
+        let (x, y): (SocketAddr, SocketAddr) = (
+            "10.0.0.1:7000".parse().unwrap(),
+            "10.0.0.2:7000".parse().unwrap(),
+        );
+        let r = OwnIdRefusals::default();
+        assert!(r.current(t0, ttl).is_empty());
+        assert!(r.record(&a, x, t0, ttl), "the first is news");
+        assert!(!r.record(&a, x, t0 + s(2), ttl), "the same again is not");
+        assert!(r.record(&b, x, t0 + s(3), ttl));
+        let now = t0 + s(4);
+        assert_eq!(
+            r.current(now, ttl),
+            [
+                IdentityRefusal {
+                    by: a.clone(),
+                    held_at: x,
+                    first_age_ms: 4_000,
+                    last_age_ms: 2_000
+                },
+                IdentityRefusal {
+                    by: b.clone(),
+                    held_at: x,
+                    first_age_ms: 1_000,
+                    last_age_ms: 1_000
+                },
+            ]
+        );
+        assert!(
+            r.record(&a, y, t0 + s(5), ttl),
+            "a new holder address is news"
+        );
+        assert_eq!(r.current(t0 + s(5), ttl)[0].held_at, y);
+        assert_eq!(r.current(t0 + s(5), ttl)[0].first_age_ms, 5_000);
+        // a takes this node: over at once; b, not told again, goes after the TTL.
+        assert!(r.accepted_by(&a));
+        assert!(!r.accepted_by(&a));
+        assert_eq!(r.current(t0 + s(13), ttl).len(), 1);
+        assert!(r.current(t0 + s(14), ttl).is_empty());
+        // Told again after it was over: a new run of refusals, its age from now.
+        assert!(r.record(&b, x, t0 + s(20), ttl));
+        assert_eq!(r.current(t0 + s(20), ttl)[0].first_age_ms, 0);
+        // At most MAX_PEERS peers: the one told longest ago goes.
+        for i in 0..MAX_PEERS {
+            r.record(&NodeId(format!("p{i}")), x, t0 + s(21), ttl);
+        }
+        let held = r.current(t0 + s(21), ttl);
+        assert_eq!(held.len(), MAX_PEERS);
+        assert!(held.iter().all(|h| h.by != b), "b was told longest ago");
     }
 
     fn member(n: &str, g: u64) -> MemberId {

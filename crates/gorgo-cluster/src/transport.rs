@@ -66,6 +66,9 @@ pub(crate) trait Inbound: Send + Sync + 'static {
     /// peer vouches the connection ([`Transport::bind_inbound`] on its side) before
     /// the streams on it wait out [`Transport::vouch_wait`] there.
     fn dialed(&self, peer: &NodeId, conn: &quinn::Connection);
+    /// `by` closed a connection with [`CLOSE_ID_HELD_ELSEWHERE`]: it holds this node's
+    /// id alive at `held_at` and refused this process's claim to it.
+    fn own_id_refused(&self, by: &NodeId, held_at: SocketAddr);
 }
 
 /// The node's QUIC endpoint, its connections, and the byte counting of what crosses
@@ -155,6 +158,44 @@ impl HandshakeRefusal {
                 .to_owned(),
         }
     }
+}
+
+/// Application error code of a connection closed because its SWIM packets claim the
+/// peer's node id from an address other than the one a live member holds it at; the
+/// close's reason is that address (`SocketAddr`'s text, at most
+/// [`MAX_HELD_ELSEWHERE_REASON`] bytes).
+///
+/// Why: the refused process is otherwise never told. Its peers refuse each of its
+/// packets and answer none, so a second process started with a live node's config and
+/// certificate logged "ready", answered `/readyz` and served its clients as a one-node
+/// island, while only the peers logged the conflict. A close is the one reply that
+/// needs no claim accepted, and it is one per connection: the process must dial anew
+/// (a handshake of its own) to be told again, so the telling never outgrows what the
+/// refused process sends.
+pub(crate) const CLOSE_ID_HELD_ELSEWHERE: u32 = 2;
+/// Longest reason taken with [`CLOSE_ID_HELD_ELSEWHERE`]: the text of any socket
+/// address fits (an IPv6 address with a scope id and a port is at most 58 bytes); a
+/// longer one is not an address, and is dropped as malformed.
+pub(crate) const MAX_HELD_ELSEWHERE_REASON: usize = 64;
+
+/// The live holder's address a peer named in closing a connection with
+/// [`CLOSE_ID_HELD_ELSEWHERE`]: `Some(Ok(addr))` when it did, `Some(Err(()))` for that
+/// code with a reason that is no address (or over [`MAX_HELD_ELSEWHERE_REASON`]),
+/// `None` for any other end of the connection.
+fn held_elsewhere(e: &quinn::ConnectionError) -> Option<Result<SocketAddr, ()>> {
+    let quinn::ConnectionError::ApplicationClosed(close) = e else {
+        return None;
+    };
+    if close.error_code != CLOSE_ID_HELD_ELSEWHERE.into() {
+        return None;
+    }
+    Some(
+        Some(&close.reason[..])
+            .filter(|r| r.len() <= MAX_HELD_ELSEWHERE_REASON)
+            .and_then(|r| std::str::from_utf8(r).ok())
+            .and_then(|r| r.parse().ok())
+            .ok_or(()),
+    )
 }
 
 /// First byte of a uni-stream carrying summary gossip.
@@ -600,6 +641,28 @@ impl Transport {
             .remove_if(peer, |_, c| c.stable_id() == id);
     }
 
+    /// A SWIM packet on `conn` claimed `peer` from another address than `bound`, where
+    /// a live member holds the id ([`crate::state::Claim::Conflict`]): close the
+    /// connection with [`CLOSE_ID_HELD_ELSEWHERE`] and `bound`, so that the process
+    /// behind it learns that it was refused and where the holder is. Not the
+    /// connection this node dialed to `bound` (the holder's own, whatever one packet
+    /// on it says), and one close per connection: a closed one is left as it is. True
+    /// when this closed it.
+    pub(crate) fn tell_held_elsewhere(
+        &self,
+        peer: &NodeId,
+        conn: &quinn::Connection,
+        bound: SocketAddr,
+    ) -> bool {
+        if !usable(conn) || self.may_speak_for(peer, conn) == Some(true) {
+            return false;
+        }
+        let reason = bound.to_string();
+        debug_assert!(reason.len() <= MAX_HELD_ELSEWHERE_REASON, "{reason}");
+        conn.close(CLOSE_ID_HELD_ELSEWHERE.into(), reason.as_bytes());
+        true
+    }
+
     /// Whether a stream on `conn` speaks for `peer`, when that is known yet: it does
     /// on a connection this node dialed (it chose the address) and on one whose SWIM
     /// claim was accepted for the address the id is bound to now; it does not on one
@@ -956,11 +1019,11 @@ fn serve(inner: &Arc<Transport>, peer: NodeId, conn: quinn::Connection) {
 }
 
 async fn read_datagrams(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connection) {
-    loop {
+    let closed = loop {
         let d = tokio::select! {
             biased;
             _ = inner.shutdown.cancelled() => return,
-            d = conn.read_datagram() => match d { Ok(d) => d, Err(_) => break },
+            d = conn.read_datagram() => match d { Ok(d) => d, Err(e) => break e },
         };
         inner.metrics.received(TrafficKind::Swim, d.len());
         inner.peers.add_bytes(&peer, 0, d.len() as u64);
@@ -972,6 +1035,15 @@ async fn read_datagrams(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connec
             Some(inbound) => inbound.swim(peer.clone(), conn.clone(), d.slice(1..)),
             None => return,
         }
+    };
+    match held_elsewhere(&closed) {
+        Some(Ok(held_at)) => {
+            if let Some(inbound) = inner.inbound.upgrade() {
+                inbound.own_id_refused(&peer, held_at);
+            }
+        }
+        Some(Err(())) => ClusterMetrics::bump(&inner.metrics.malformed_received),
+        None => {}
     }
     // Forget the connection if it is still the registered one, by node and by the
     // address it was dialed on: peers that come back on new addresses must not leave
@@ -1200,6 +1272,47 @@ mod tests {
             HandshakeRefusal::of(&quinn::ConnectionError::TimedOut),
             None
         );
+    }
+
+    /// A close with [`CLOSE_ID_HELD_ELSEWHERE`] names the holder's address, and the
+    /// longest address there is fits its cap; a reason that is no address, or over
+    /// the cap, is malformed; any other close is none of it.
+    #[test]
+    fn a_close_for_an_id_held_elsewhere_names_the_holder() {
+        let closed = |code: u32, reason: &str| {
+            quinn::ConnectionError::ApplicationClosed(quinn::ApplicationClose {
+                error_code: code.into(),
+                reason: bytes::Bytes::copy_from_slice(reason.as_bytes()),
+            })
+        };
+        let longest = SocketAddr::V6(std::net::SocketAddrV6::new(
+            std::net::Ipv6Addr::new(
+                0xffff, 0xffff, 0xffff, 0xffff, 0xffff, 0xffff, 0xfffe, 0xffff,
+            ),
+            65535,
+            0,
+            u32::MAX,
+        ));
+        assert!(
+            longest.to_string().len() <= MAX_HELD_ELSEWHERE_REASON,
+            "{longest}"
+        );
+        for addr in [addr(7000), longest] {
+            assert_eq!(
+                held_elsewhere(&closed(CLOSE_ID_HELD_ELSEWHERE, &addr.to_string())),
+                Some(Ok(addr))
+            );
+        }
+        let padded = format!("{}{}", " ".repeat(MAX_HELD_ELSEWHERE_REASON), addr(1));
+        for reason in ["", "not an address", padded.as_str()] {
+            assert_eq!(
+                held_elsewhere(&closed(CLOSE_ID_HELD_ELSEWHERE, reason)),
+                Some(Err(())),
+                "{reason:?}"
+            );
+        }
+        assert_eq!(held_elsewhere(&closed(1, "10.0.0.1:1")), None);
+        assert_eq!(held_elsewhere(&quinn::ConnectionError::TimedOut), None);
     }
 
     /// A caller turned away while a failed dial backs off is told why that dial

@@ -140,6 +140,8 @@ fn a_restarted_node_replaces_its_previous_run_at_once() {
         reverted.is_none(),
         "the old run's state returned at {reverted:?}"
     );
+    // A restart at its own address is the same claim: never told it is refused.
+    assert_eq!(told_of_refusal(&handles, "n1"), None);
 }
 
 /// n1 crashes, is declared down, and starts again on another host whose clock reads
@@ -222,6 +224,8 @@ fn a_node_restarted_elsewhere_on_a_clock_behind_is_heard() {
     .unwrap_or_else(|| panic!("the restarted run is never heard: {}", dump(&handles)));
     let second_run = handles.lock()["n1"].incarnation();
     assert!(second_run < first_run, "{second_run} vs {first_run}");
+    // Restarted elsewhere once its old run was declared down: never told it is refused.
+    assert_eq!(told_of_refusal(&handles, "n1"), None);
     eprintln!(
         "restarted run (clock a minute behind) heard everywhere {:?} after it started",
         heard - restarted_at
@@ -309,6 +313,7 @@ fn a_node_restarted_at_its_address_on_a_clock_behind_rejoins() {
     .unwrap_or_else(|| panic!("the restarted run is not heard in 15 s: {}", dump(&handles)));
     let second = handles.lock()["n1"].identity().generation;
     assert!(second < first, "{second} vs {first}");
+    assert_eq!(told_of_refusal(&handles, "n1"), None);
     eprintln!(
         "restarted run (clock a minute behind, same address) heard everywhere {:?} after it started",
         heard - restarted_at
@@ -408,6 +413,113 @@ fn an_impostor_with_the_same_id_never_pushes_the_genuine_node_out() {
         n1_addr,
         Duration::from_secs(20),
         "after the impostor died",
+    );
+}
+
+/// Whether `name`'s process was never told that a peer refuses its id
+/// (`ClusterHandle::identity_refusals`, `own_id_refused`): what a genuine node, or a
+/// genuine restart, must keep. `None` when it was not.
+fn told_of_refusal(handles: &Handles, name: &str) -> Option<String> {
+    let h = handles.lock();
+    let node = &h[name];
+    let refusals = node.identity_refusals();
+    let told = node.metrics().own_id_refused.load(Ordering::Relaxed);
+    (!refusals.is_empty() || told > 0)
+        .then(|| format!("{name} was told {told} times that its id is refused: {refusals:?}"))
+}
+
+/// The peers of the impostor that refuse it now, each with where it holds n1, sorted.
+fn refused_imp_at(impostor: &Handles) -> Vec<(String, SocketAddr)> {
+    impostor.lock()["imp"]
+        .identity_refusals()
+        .into_iter()
+        .map(|r| (r.by.0, r.held_at))
+        .collect()
+}
+
+/// A second process started with a live node's id and certificate (a copied config)
+/// is told by each peer that refuses it, with where that peer holds the id alive:
+/// `identity_refusals` names n0 and n2 and n1's address, and `own_id_refused` counts,
+/// for as long as it runs; the genuine n1 is never told and keeps its place. It is
+/// told once per connection it opens: no more often than it re-announces (every 2 s
+/// per seed), whatever it sends. Once the genuine n1 dies and is declared down, the
+/// peers take the second process as n1 (the claim rule) and the refusals clear.
+/// Before, the second process was never told: it logged "ready" and served as a
+/// one-node island, its refusals and counter empty.
+#[test]
+fn a_second_process_with_a_live_nodes_id_is_told_where_the_id_is_alive() {
+    let mut sim = sim(69, Duration::from_secs(120));
+    let creds = credentials(&NAMES);
+    let handles = Handles::default();
+    converged_cluster(&mut sim, &NAMES, &creds, 0, &handles);
+    let n1_addr = handles.lock()["n1"].identity().addr;
+    let impostor = n1_impostor(&mut sim, &creds, &["n0", "n2"], Some(QueueStats::default()));
+    let both = vec![("n0".to_owned(), n1_addr), ("n2".to_owned(), n1_addr)];
+    let started = run_until(&mut sim, Duration::from_secs(1), |_| {
+        impostor.lock().contains_key("imp")
+    })
+    .expect("the second process starts");
+    let told = run_until(&mut sim, Duration::from_secs(5), |_| {
+        refused_imp_at(&impostor) == both
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "the second process is not told by both peers: {:?}",
+            refused_imp_at(&impostor)
+        )
+    });
+    eprintln!(
+        "second process told by both peers {:?} after it started",
+        told - started
+    );
+    // Told while it runs (each re-announce is refused anew), never more than once a
+    // connection, and the genuine n1 is unharmed and never told.
+    let told_before = impostor.lock()["imp"]
+        .metrics()
+        .own_id_refused
+        .load(Ordering::Relaxed);
+    let window = Duration::from_secs(20);
+    let broken = run_until(&mut sim, window, |_| {
+        genuine_n1_violation(&handles, n1_addr).is_some()
+            || told_of_refusal(&handles, "n1").is_some()
+            || refused_imp_at(&impostor) != both
+    });
+    assert!(
+        broken.is_none(),
+        "at {broken:?}: {:?} / {:?} / the second process holds {:?}",
+        genuine_n1_violation(&handles, n1_addr),
+        told_of_refusal(&handles, "n1"),
+        refused_imp_at(&impostor)
+    );
+    let imp = impostor.lock()["imp"].clone();
+    let told_in_window = imp.metrics().own_id_refused.load(Ordering::Relaxed) - told_before;
+    eprintln!("told {told_in_window} times in {window:?}");
+    // One connection per seed per announce period (2 s), and a spare for each.
+    assert!(
+        (2..=2 * (20 / 2 + 1)).contains(&told_in_window),
+        "told {told_in_window} times in {window:?}"
+    );
+    // (The refusals' ages are not checked here: read from outside the simulation,
+    // `Instant::now()` is not the simulated clock. `state::tests` checks them.)
+    assert!(imp.alive_peers().is_empty(), "{:?}", imp.peers());
+
+    // The genuine n1 dies: once declared down, the second process is taken as n1.
+    handles.lock().remove("n1");
+    sim.crash("n1");
+    let crashed = sim.elapsed();
+    let taken = run_until(&mut sim, Duration::from_secs(15), |_| {
+        let imp = &impostor.lock()["imp"];
+        imp.identity_refusals().is_empty() && imp.alive_peers().len() == 2
+    });
+    eprintln!(
+        "taken as n1 {:?} after the genuine n1 died",
+        taken.map(|t| t - crashed)
+    );
+    assert!(
+        taken.is_some(),
+        "the second process is still refused once n1 died: {:?}, alive {:?}",
+        refused_imp_at(&impostor),
+        impostor.lock()["imp"].alive_peers()
     );
 }
 

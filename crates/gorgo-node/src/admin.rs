@@ -184,6 +184,10 @@ async fn readyz(State(state): State<Arc<NodeState>>) -> Response {
         (StatusCode::OK, "ready").into_response()
     } else if state.is_draining() {
         error_response(StatusCode::SERVICE_UNAVAILABLE, "draining")
+    } else if let Some(refused) = refused_island_message(&state) {
+        // Its peers refuse this node's id and none takes it: a second process with a
+        // live node's id, an island whose clients belong to the cluster's nodes.
+        error_response(StatusCode::SERVICE_UNAVAILABLE, &refused)
     } else if state
         .engines()
         .iter()
@@ -198,6 +202,24 @@ async fn readyz(State(state): State<Arc<NodeState>>) -> Response {
     } else {
         error_response(StatusCode::SERVICE_UNAVAILABLE, "local engine not healthy")
     }
+}
+
+/// What `/readyz` says of a node its peers refuse, none taking it
+/// ([`crate::peers::refused_island`]): its id, who refuses it and where they hold
+/// the id alive. `None` when that is not why it is not ready.
+fn refused_island_message(state: &NodeState) -> Option<String> {
+    let refused = crate::peers::refused_island(&*state.peers);
+    let since_ms = refused.iter().map(|r| r.first_age_ms).max()?;
+    let by: Vec<&str> = refused.iter().map(|r| r.by.0.as_str()).collect();
+    let held_at: std::collections::BTreeSet<String> =
+        refused.iter().map(|r| r.held_at.to_string()).collect();
+    Some(format!(
+        "node id {} is alive at {} as its peers know it ({} refused this process, for \
+         {since_ms} ms): another process runs with this node's id; stop one of them",
+        state.id,
+        held_at.into_iter().collect::<Vec<_>>().join(", "),
+        by.join(", "),
+    ))
 }
 
 async fn admin_state(State(state): State<Arc<NodeState>>) -> Response {
@@ -219,6 +241,9 @@ async fn admin_state(State(state): State<Arc<NodeState>>) -> Response {
         "prefix_index_source": first["prefix_index_source"],
         "kv_events": first["kv_events"],
         "peers": state.peers.peers(),
+        // Peers refusing this node's own id, and where each holds it alive: empty but
+        // in a second process with a live node's id (docs/cluster.md, "Identity").
+        "identity_refused": state.peers.identity_refusals(),
         "weights": *state.weights.read(),
         "policy": state.config.routing.policy,
         // Whether a client's `x-gorgo-policy` is honoured: `gorgo bench --policy`

@@ -290,6 +290,10 @@ impl PeerSource for ClusterPeers {
         }
     }
 
+    fn identity_refusals(&self) -> Vec<gorgo_cluster::IdentityRefusal> {
+        self.handle.identity_refusals()
+    }
+
     fn gossip_counters(&self) -> GossipCounters {
         let m = self.handle.metrics();
         let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
@@ -304,6 +308,7 @@ impl PeerSource for ClusterPeers {
             bytes_received: traffic.swim.1 + traffic.summary.1 + traffic.app.1,
             identity_conflicts: load(&m.identity_conflicts),
             own_id_claimed: load(&m.own_id_claimed),
+            own_id_refused: load(&m.own_id_refused),
             refused: crate::peers::Refused {
                 malformed: load(&m.malformed_received),
                 spoofed: load(&m.spoofed_received),

@@ -224,12 +224,15 @@ impl NodeState {
     /// Whether this node is ready for traffic (`/readyz`): not draining, and one of its
     /// own engines (not drained) is confirmed healthy. A node whose engine is down could still forward,
     /// but a load balancer does better sending its clients to a node with an engine.
+    /// Nor is a node whose peers refuse its id and none is alive
+    /// ([`peers::refused_island`]): a second process with a live node's id.
     pub fn is_ready(&self) -> bool {
         !self.is_draining()
             && self
                 .engines()
                 .iter()
                 .any(|e| e.status() == local::EngineStatus::Serving && e.adapter.is_ready())
+            && peers::refused_island(&*self.peers).is_empty()
     }
 
     /// The engines this node fronts now, in replica order (a snapshot: an engine

@@ -140,6 +140,9 @@ pub struct NodeMetrics {
     pub cluster_identity_conflicts: Counter,
     /// Claims of this node's own id by another process, refused.
     pub cluster_own_id_claimed: Counter,
+    /// Connections peers closed because they hold this node's own id alive at another
+    /// address: nonzero means this process is a second one with a live node's id.
+    pub cluster_own_id_refused: Counter,
     /// What the cluster transport refused or dropped, by kind (garbage on the gossip
     /// port, a wrong certificate, a certificate holder opening too many connections).
     pub cluster_refused: Family<RefusedLabels, Counter>,
@@ -463,6 +466,12 @@ impl NodeMetrics {
             "Claims of this node's own id by another process, refused",
             cluster_own_id_claimed.clone(),
         );
+        let cluster_own_id_refused = Counter::default();
+        registry.register(
+            "cluster_own_id_refused",
+            "Connections peers closed because they hold this node's own id alive at another address",
+            cluster_own_id_refused.clone(),
+        );
         let cluster_refused = Family::<RefusedLabels, Counter>::default();
         registry.register(
             "cluster_refused",
@@ -625,6 +634,7 @@ impl NodeMetrics {
             gossip_messages_sent,
             cluster_spurious_turn_undead_dropped,
             cluster_own_id_claimed,
+            cluster_own_id_refused,
             prefixes_age,
             stats_age,
             inflight,
@@ -665,6 +675,7 @@ impl NodeMetrics {
         mirror(&self.gossip_received_bytes, g.bytes_received);
         mirror(&self.cluster_identity_conflicts, g.identity_conflicts);
         mirror(&self.cluster_own_id_claimed, g.own_id_claimed);
+        mirror(&self.cluster_own_id_refused, g.own_id_refused);
         mirror(
             &self.cluster_spurious_turn_undead_dropped,
             g.spurious_turn_undead_dropped,

@@ -160,6 +160,9 @@ pub struct GossipCounters {
     pub identity_conflicts: u64,
     /// Claims of this node's own id by another process, refused.
     pub own_id_claimed: u64,
+    /// Connections peers closed because they hold this node's own id alive at another
+    /// address: this process is refused as a second one with a live node's id.
+    pub own_id_refused: u64,
     /// What the transport refused or dropped, by kind (`metrics::RefusedLabels`).
     pub refused: Refused,
     /// Bytes by traffic kind and direction (`metrics::TrafficLabels`): the totals
@@ -262,11 +265,35 @@ pub trait PeerSource: Send + Sync + 'static {
     fn gossip_counters(&self) -> GossipCounters {
         GossipCounters::default()
     }
+    /// The peers refusing this node's claim to its own id now, each with where it
+    /// holds the id alive: another process runs with this node's id
+    /// (docs/cluster.md, "Identity"). `/admin/state` shows them, and `/readyz` fails
+    /// while they leave the node with no live peer ([`refused_island`]).
+    fn identity_refusals(&self) -> Vec<gorgo_cluster::IdentityRefusal> {
+        Vec::new()
+    }
     /// Send a tuning message to one peer, best effort (the protocol repeats itself
     /// every tick, so a lost message costs one round).
     fn send_tuning(&self, _to: &NodeId, _msg: &TuningMessage) {}
     /// Send a tuning message to every live peer, best effort.
     fn broadcast_tuning(&self, _msg: &TuningMessage) {}
+}
+
+/// The refusals of this node's id when they leave it alone: some peer refuses it
+/// ([`PeerSource::identity_refusals`]) and none is alive. Empty otherwise.
+///
+/// Why: such a node is a second process with a live node's id (a copied config or
+/// certificate), cut off from the cluster while the genuine one lives; it would serve
+/// its clients from its own engine as a one-node island, so `/readyz` fails and a
+/// load balancer sends them to a node in the cluster. A node some peer takes is in
+/// the cluster, refusals or not (two peers that met two processes with one id in a
+/// different order each take one), and stays ready.
+pub fn refused_island(peers: &dyn PeerSource) -> Vec<gorgo_cluster::IdentityRefusal> {
+    let refusals = peers.identity_refusals();
+    if refusals.is_empty() || peers.peers().iter().any(|p| p.alive) {
+        return Vec::new();
+    }
+    refusals
 }
 
 /// A cluster of one: no peers. Used when a node runs alone.

@@ -251,3 +251,89 @@ async fn a_quic_port_in_use_names_its_field() {
         .unwrap_err();
     assert!(e.to_string().contains("`listen.quic`"), "{e}");
 }
+
+/// `/readyz` of the admin API at `admin`: status and body.
+async fn readyz(admin: std::net::SocketAddr) -> (u16, String) {
+    let resp = client()
+        .get(format!("http://{admin}/readyz"))
+        .send()
+        .await
+        .unwrap();
+    (resp.status().as_u16(), resp.text().await.unwrap())
+}
+
+/// `/admin/state`'s `identity_refused` at `admin`.
+async fn identity_refused(admin: std::net::SocketAddr) -> serde_json::Value {
+    let state: serde_json::Value = client()
+        .get(format!("http://{admin}/admin/state"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    state["identity_refused"].clone()
+}
+
+/// A second node started with b's id and a certificate for it (a copied config, on
+/// another port) while b is alive says so itself: its `/admin/state` lists a's
+/// refusal with b's address, `/metrics` counts it, and `/readyz` answers 503 naming
+/// the id and that address, though its engine is healthy. b stays ready, refused by
+/// nobody. Before, the second node answered `/readyz` 200 and showed nothing.
+#[tokio::test]
+async fn a_second_node_with_a_live_nodes_id_says_so_and_is_not_ready() {
+    let ca = test_ca();
+    let (ea, eb, edup) = (
+        StubEngine::start("a").await,
+        StubEngine::start("b").await,
+        StubEngine::start("b").await,
+    );
+    let (a, a_stop, a_quic) = quic_node("a", &ea, &ca, &[]).await;
+    let (b, b_stop, b_quic) = quic_node("b", &eb, &ca, &[a_quic]).await;
+    let b_seen = a.state.peers.clone();
+    until("a holds b alive", || {
+        b_seen
+            .peers()
+            .iter()
+            .any(|p| p.id == NodeId::from("b") && p.alive)
+    })
+    .await;
+    let (dup, dup_stop, _) = quic_node("b", &edup, &ca, &[a_quic]).await;
+
+    // Its engine passes its first health check and a's refusal comes back on its own
+    // clock: poll for what the duplicate says, never assume when.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let (status, body) = loop {
+        let (status, body) = readyz(dup.admin_addr).await;
+        if body.contains("another process") || tokio::time::Instant::now() > deadline {
+            break (status, body);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body.contains("node id b") && body.contains(&b_quic.to_string()),
+        "{body}"
+    );
+    let refused = identity_refused(dup.admin_addr).await;
+    assert_eq!(refused[0]["by"], "a", "{refused}");
+    assert_eq!(refused[0]["held_at"], b_quic.to_string(), "{refused}");
+    assert!(refused[0]["first_age_ms"].is_u64(), "{refused}");
+    let text = metrics_at(&format!("http://{}", dup.admin_addr)).await;
+    let told = metric_value(&text, "gorgo_cluster_own_id_refused_total");
+    assert!(told.is_some_and(|v| v >= 1.0), "{told:?} in {text}");
+
+    // The genuine b: ready (its engine checked), refused by nobody.
+    until("b's engine is healthy", || b.state.is_ready()).await;
+    assert_eq!(readyz(b.admin_addr).await.0, 200);
+    assert_eq!(identity_refused(b.admin_addr).await, serde_json::json!([]));
+    let text = metrics_at(&format!("http://{}", b.admin_addr)).await;
+    assert_eq!(
+        metric_value(&text, "gorgo_cluster_own_id_refused_total"),
+        Some(0.0)
+    );
+    for stop in [dup_stop, b_stop, a_stop] {
+        stop.cancel();
+    }
+}
