@@ -8,6 +8,9 @@
 //! knowledge, "h2c") with a header-read timeout, an idle timeout and a cap on the
 //! request head. A connection that cannot get a slot is accepted and closed at once,
 //! so it leaves the kernel's backlog instead of blocking the clients behind it.
+//! An HTTP/1 answer that leaves its request body unread (413, 408) is followed by a
+//! bounded lingering close, so that a client still sending reads the answer instead
+//! of a reset.
 //! Shutdown stops accepting, asks every connection to finish its in-flight requests
 //! (HTTP/1 `Connection: close`, HTTP/2 GOAWAY) and waits up to a drain deadline.
 
@@ -46,6 +49,11 @@ pub const RESERVED_FDS: u64 = 1_024;
 /// How long a stopping listener waits for its connections to close.
 const CLOSE_GRACE: Duration = Duration::from_secs(1);
 
+/// The longest a connection reads on after a response that left its request body
+/// unread (nginx's `lingering_timeout` default): long enough for a client still
+/// sending to see the answer, short enough not to hold the connection for it.
+pub const LINGER_TIME: Duration = Duration::from_secs(5);
+
 /// Caps and timeouts of one listener.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConnLimits {
@@ -68,6 +76,14 @@ pub struct ConnLimits {
     /// How long shutdown waits for connections to close once asked to. A graceful
     /// stop drains before shutdown ([`crate::NodeHandle::drain`]), so this is short.
     pub close_grace: Duration,
+    /// After an HTTP/1 response that left its request body unread (413, 408, 503...),
+    /// the most bytes of that body read and thrown away before the connection closes.
+    /// Closing on unread bytes makes the kernel reset the connection, and a client
+    /// still sending loses the answer to the reset of its writes (a lingering close,
+    /// as nginx's `lingering_close`).
+    pub linger_bytes: usize,
+    /// How long that reading on lasts at most.
+    pub linger_time: Duration,
 }
 
 impl ConnLimits {
@@ -87,6 +103,8 @@ impl ConnLimits {
             max_header_bytes: limits.max_header_bytes,
             max_headers: 100,
             close_grace: CLOSE_GRACE,
+            linger_bytes: limits.max_body_bytes,
+            linger_time: linger_time(limits),
         }
     }
 
@@ -102,8 +120,16 @@ impl ConnLimits {
             max_header_bytes: limits.max_header_bytes,
             max_headers: 100,
             close_grace: CLOSE_GRACE,
+            linger_bytes: limits.max_body_bytes,
+            linger_time: linger_time(limits),
         }
     }
+}
+
+/// [`LINGER_TIME`], or less where a client is given less to send a whole body: a
+/// client never has longer to finish an unwanted body than a wanted one.
+fn linger_time(limits: &crate::config::LimitsSection) -> Duration {
+    LINGER_TIME.min(Duration::from_millis(limits.body_timeout_ms))
 }
 
 /// Raise the soft descriptor limit to the hard one (as Go's runtime and most servers
@@ -487,6 +513,77 @@ impl HttpBody for TrackedBody {
     }
 }
 
+/// An HTTP/1 request body that, dropped before its end, hands itself back to `left`:
+/// what the handler did not read (an answer given before or without the whole body),
+/// for the connection to read on and throw away after the response ([`linger`]).
+struct Reclaimable {
+    inner: Option<Incoming>,
+    /// The body ended, cleanly or not: nothing left to read.
+    ended: bool,
+    left: Arc<Mutex<Option<Incoming>>>,
+}
+
+impl HttpBody for Reclaimable {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let Some(inner) = self.inner.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let polled = Pin::new(inner).poll_frame(cx);
+        if matches!(polled, Poll::Ready(None | Some(Err(_)))) {
+            self.ended = true;
+        }
+        polled
+    }
+    fn is_end_stream(&self) -> bool {
+        self.inner.as_ref().is_none_or(HttpBody::is_end_stream)
+    }
+    fn size_hint(&self) -> SizeHint {
+        self.inner
+            .as_ref()
+            .map_or_else(SizeHint::default, HttpBody::size_hint)
+    }
+}
+
+impl Drop for Reclaimable {
+    fn drop(&mut self) {
+        let Some(inner) = self.inner.take() else {
+            return;
+        };
+        if !self.ended && !inner.is_end_stream() {
+            *self.left.lock() = Some(inner);
+        }
+    }
+}
+
+/// Read and throw away what is left of a request body its response did not read,
+/// until it ends, more than `max_bytes` of it have been read or `until` passes: the
+/// client still sending it gets the time to read the answer before the connection
+/// closes (then on unread bytes, the kernel resets it). Returns the bytes read.
+async fn linger<B: HttpBody<Data = Bytes> + Unpin>(
+    mut body: B,
+    max_bytes: usize,
+    until: tokio::time::Instant,
+) -> usize {
+    use http_body_util::BodyExt;
+    let mut read = 0usize;
+    let drain = async {
+        while read <= max_bytes {
+            match body.frame().await {
+                Some(Ok(frame)) => read += frame.data_ref().map_or(0, |d| d.len()),
+                _ => break,
+            }
+        }
+    };
+    let _ = tokio::time::timeout_at(until, drain).await;
+    read
+}
+
 /// Bytes of a request head as the limit counts them: request target and headers.
 fn head_bytes<B>(req: &Request<B>) -> usize {
     let target = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
@@ -605,15 +702,34 @@ async fn serve_connection(
     let evict = slot.evict.clone();
     let svc_activity = activity.clone();
     let svc_metrics = metrics.clone();
+    // The unread body of an HTTP/1 request answered without it, read on here (one
+    // request at a time on HTTP/1: one place is enough).
+    let (linger_tx, mut linger_rx) = tokio::sync::mpsc::channel::<Incoming>(1);
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
         let in_flight = InFlight::begin(&svc_activity);
         let app = app.clone();
         let metrics = svc_metrics.clone();
+        let linger_tx = linger_tx.clone();
         async move {
-            let resp = if head_bytes(&req) > limits.max_header_bytes
+            // HTTP/2 needs none of it: an answer before the body ends the stream
+            // (RST_STREAM NO_ERROR), not the connection.
+            let left = (req.version() < http::Version::HTTP_2)
+                .then(|| Arc::new(Mutex::new(None::<Incoming>)));
+            let req = match &left {
+                Some(left) => req.map(|b| {
+                    Body::new(Reclaimable {
+                        inner: Some(b),
+                        ended: false,
+                        left: left.clone(),
+                    })
+                }),
+                None => req.map(Body::new),
+            };
+            let mut resp = if head_bytes(&req) > limits.max_header_bytes
                 || req.headers().len() > limits.max_headers
             {
                 metrics.refuse(port, "header_too_large");
+                drop(req);
                 error_response(
                     StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
                     &format!(
@@ -622,11 +738,24 @@ async fn serve_connection(
                     ),
                 )
             } else {
-                match app.oneshot(req.map(Body::new)).await {
+                match app.oneshot(req).await {
                     Ok(r) => r,
                     Err(never) => match never {},
                 }
             };
+            // The body the answer left unread (the 431 above dropped it too): read on
+            // after the answer. Where it may hold more than is read on, the answer
+            // says the connection closes after it; one read to its end can stay open.
+            if let Some(unread) = left.and_then(|l| l.lock().take()) {
+                let rest = unread.size_hint().exact();
+                if rest.is_none_or(|n| n > limits.linger_bytes as u64) {
+                    resp.headers_mut().insert(
+                        http::header::CONNECTION,
+                        http::HeaderValue::from_static("close"),
+                    );
+                }
+                let _ = linger_tx.try_send(unread);
+            }
             let (parts, body) = resp.into_parts();
             let activity = in_flight.0.clone();
             let out = activity.outgoing(body, in_flight);
@@ -666,8 +795,19 @@ async fn serve_connection(
     // HTTP/1 it fires with hyper's own).
     let mut first_head = Box::pin(tokio::time::sleep(limits.header_timeout));
     let mut headed = false;
+    // Reading on an unread body ([`linger`]). The connection has no request in
+    // flight meanwhile: it keeps its slot, and may be evicted at a cap as idle.
+    let mut lingering: Option<Pin<Box<dyn std::future::Future<Output = usize> + Send>>> = None;
     loop {
         tokio::select! {
+            Some(unread) = linger_rx.recv(), if lingering.is_none() => {
+                let until = tokio::time::Instant::now() + limits.linger_time;
+                lingering = Some(Box::pin(linger(unread, limits.linger_bytes, until)));
+            }
+            read = async { lingering.as_mut().expect("branch enabled").await }, if lingering.is_some() => {
+                lingering = None;
+                tracing::debug!(port, %addr, read, "read on an unread request body");
+            }
             r = conn.as_mut() => {
                 if let Err(e) = r {
                     let m = e.to_string();
@@ -766,6 +906,8 @@ mod tests {
             max_header_bytes: 1024,
             max_headers: 10,
             close_grace: Duration::from_secs(1),
+            linger_bytes: 1024,
+            linger_time: Duration::from_secs(1),
         }
     }
 
@@ -838,6 +980,40 @@ mod tests {
         drop(old);
         assert_eq!(slots.lock().evicting, 0);
         assert_eq!(slots.lock().total, 2);
+    }
+
+    /// Reading on an unread body stops once more than its byte bound has been read,
+    /// though the client would send forever.
+    #[tokio::test]
+    async fn lingering_stops_after_its_bytes() {
+        let chunk = Bytes::from(vec![0u8; 1000]);
+        let endless =
+            futures::stream::repeat_with(move || Ok::<_, Infallible>(Frame::data(chunk.clone())));
+        let far = tokio::time::Instant::now() + Duration::from_secs(3600);
+        let read = linger(http_body_util::StreamBody::new(endless), 10_500, far).await;
+        assert_eq!(read, 11_000);
+    }
+
+    /// ... and at its deadline, though the client sends nothing more and never closes.
+    #[tokio::test]
+    async fn lingering_stops_at_its_deadline() {
+        let silent = futures::stream::pending::<Result<Frame<Bytes>, Infallible>>();
+        let soon = tokio::time::Instant::now() + Duration::from_millis(20);
+        let read = linger(http_body_util::StreamBody::new(silent), usize::MAX, soon).await;
+        assert_eq!(read, 0);
+    }
+
+    /// The reading on lasts no longer than a client is given to send a whole body.
+    #[test]
+    fn lingering_lasts_at_most_the_body_timeout() {
+        let mut l = crate::config::LimitsSection::default();
+        assert_eq!(ConnLimits::client(&l, None).linger_time, LINGER_TIME);
+        l.body_timeout_ms = 200;
+        assert_eq!(
+            ConnLimits::admin(&l).linger_time,
+            Duration::from_millis(200)
+        );
+        assert_eq!(ConnLimits::client(&l, None).linger_bytes, l.max_body_bytes);
     }
 
     #[test]

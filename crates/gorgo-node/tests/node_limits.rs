@@ -1231,3 +1231,158 @@ async fn a_passthrough_request_waits_for_its_head_within_its_deadline() {
     engine.release.notify_waiters();
     node.shutdown.cancel();
 }
+
+/// A connection from 127.0.0.2 with a small, fixed send buffer: what the node does not
+/// read of a body cannot hide in the client's kernel buffers, so a node that closes on
+/// an unread body resets the client's writes every time.
+async fn small_send_buffer(to: SocketAddr) -> TcpStream {
+    let sock = TcpSocket::new_v4().unwrap();
+    sock.set_send_buffer_size(16 * 1024).unwrap();
+    sock.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+    sock.connect(to).await.unwrap()
+}
+
+/// What the node sends up to the end of the response head (and whatever came with
+/// it), or until it closes or resets the connection.
+async fn read_head(s: &mut TcpStream) -> String {
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let read = async {
+        while !out.windows(4).any(|w| w == b"\r\n\r\n") {
+            match s.read(&mut buf).await {
+                Ok(n) if n > 0 => out.extend_from_slice(&buf[..n]),
+                _ => break,
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), read)
+        .await
+        .expect("the node answers");
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// One whole response with a `content-length`, head and body, off a kept-alive
+/// connection: the next read starts at the next response.
+async fn read_response(s: &mut TcpStream) -> String {
+    let mut text = read_head(s).await;
+    let head_end = text.find("\r\n\r\n").expect("a response head") + 4;
+    let len: usize = text[..head_end]
+        .to_ascii_lowercase()
+        .split("content-length: ")
+        .nth(1)
+        .and_then(|v| v.split("\r\n").next()?.parse().ok())
+        .expect("a content-length");
+    let mut rest = vec![0u8; (head_end + len).saturating_sub(text.len())];
+    s.read_exact(&mut rest).await.unwrap();
+    text.push_str(&String::from_utf8_lossy(&rest));
+    text
+}
+
+/// A client that sends its whole body before it reads (as `gorgo bench` replaying a
+/// 67 MB trace row did, through hyper) gets the node's 413, not a reset: the node
+/// reads on, and throws away, what the client still sends after the answer (a
+/// lingering close) instead of closing on unread bytes, which makes the kernel reset
+/// the connection under the client's writes. Both ways a body is found too large: by
+/// its announced length (answered at once, nothing of it read), and by its bytes (a
+/// chunked body read to the cap).
+#[tokio::test]
+async fn a_client_still_sending_a_body_over_the_cap_gets_the_413() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(
+        config("a", &engine.url(), "[limits]\nmax_body_bytes = 1048576\n"),
+        None,
+    )
+    .await;
+    let cap = 1usize << 20;
+
+    // Announced one byte over the cap: 413 before a byte of it is read.
+    let mut s = small_send_buffer(http_addr(&node)).await;
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        cap + 1
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(&vec![b' '; cap + 1])
+        .await
+        .expect("the whole body is taken, not reset");
+    let text = read_head(&mut s).await;
+    assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+    assert!(
+        text.to_ascii_lowercase().contains("connection: close"),
+        "{text}"
+    );
+
+    // Chunked, half as much again as the cap: 413 once the cap is read; the rest is
+    // read to its end, and the node then closes cleanly.
+    let mut s = small_send_buffer(http_addr(&node)).await;
+    s.write_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let chunk = [
+        format!("{:x}\r\n", 64 * 1024).into_bytes(),
+        vec![b' '; 64 * 1024],
+        b"\r\n".to_vec(),
+    ]
+    .concat();
+    for _ in 0..(cap + cap / 2) / (64 * 1024) {
+        s.write_all(&chunk)
+            .await
+            .expect("the whole body is taken, not reset");
+    }
+    s.write_all(b"0\r\n\r\n").await.unwrap();
+    let out = read_to_close(&mut s, Duration::from_secs(20)).await;
+    let text = String::from_utf8_lossy(&out);
+    assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+    assert!(text.contains("\"request_too_large\""), "{text}");
+    assert_eq!(engine.requests(), 0);
+    node.shutdown.cancel();
+}
+
+/// A client that stops sending after a 413 but keeps its connection open is closed
+/// once the reading on is over (`limits.body_timeout_ms` here, under the 5 s it lasts
+/// at most), not held to the idle timeout.
+#[tokio::test]
+async fn a_client_that_stalls_after_a_413_is_closed() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(
+        config(
+            "a",
+            &engine.url(),
+            "[limits]\nmax_body_bytes = 65536\nbody_timeout_ms = 300\n",
+        ),
+        None,
+    )
+    .await;
+    let mut s = partial_body("127.0.0.2", http_addr(&node), 1 << 30, 4096).await;
+    let out = read_to_close(&mut s, Duration::from_secs(20)).await;
+    let text = String::from_utf8_lossy(&out);
+    assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+    node.shutdown.cancel();
+}
+
+/// A small body the answer left unread is read to its end, and its connection goes on
+/// serving: the reading on closes only a connection whose body may hold more than it
+/// reads.
+#[tokio::test]
+async fn a_small_unread_body_keeps_its_connection() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(config("a", &engine.url(), ""), None).await;
+    let mut s = connect_from("127.0.0.2", http_addr(&node)).await;
+    for _ in 0..2 {
+        s.write_all(
+            b"POST /no/such/route HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\n0123456789",
+        )
+        .await
+        .unwrap();
+        let text = read_response(&mut s).await;
+        assert!(text.starts_with("HTTP/1.1 404"), "{text}");
+        assert!(
+            !text.to_ascii_lowercase().contains("connection: close"),
+            "{text}"
+        );
+        assert!(text.ends_with('}'), "{text}");
+    }
+    node.shutdown.cancel();
+}
