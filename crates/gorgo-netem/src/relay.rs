@@ -106,7 +106,8 @@ pub struct RelayCounters {
     pub lost: u64,
     /// Datagrams dropped because a queue's byte budget was full.
     pub overflowed: u64,
-    /// Datagrams the OS refused to send.
+    /// Datagrams the OS refused to send, and TCP writes that failed (that side of
+    /// the connection was reset or gone).
     pub send_errors: u64,
     /// UDP sessions or TCP connections opened.
     pub flows_opened: u64,

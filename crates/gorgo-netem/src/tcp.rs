@@ -5,10 +5,16 @@
 //! Connection setup itself is not delayed: the first delay a client sees is on
 //! its first bytes. While the link's gate is down (a partition) new connections
 //! are closed at once and open ones are cut.
+//!
+//! A side that is gone (a read from it fails: reset; or a write to it fails) ends
+//! only what flows towards it: the other direction still delivers what it holds,
+//! then its end (a half-close), and what the live side still sends is read and
+//! dropped until it closes, as a client still uploading to a server that answered
+//! and reset gets the answer first. `reset_grace` bounds how long that lasts.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -22,7 +28,9 @@ use crate::relay::{now, wake_at, RelayHandle, RelayStats};
 use crate::NetemError;
 
 /// Pause after a failed accept (out of descriptors: it would fail again at once).
-const ACCEPT_RETRY: std::time::Duration = std::time::Duration::from_millis(20);
+const ACCEPT_RETRY: Duration = Duration::from_millis(20);
+/// Default of [`TcpRelayOptions::reset_grace`].
+const DEFAULT_RESET_GRACE: Duration = Duration::from_secs(5);
 /// Limits of a TCP relay.
 #[derive(Clone, Debug)]
 pub struct TcpRelayOptions {
@@ -31,6 +39,12 @@ pub struct TcpRelayOptions {
     /// Largest chunk read at once (one delay decision per chunk), in
     /// `[1, u32::MAX]`: a chunk takes its length in credit at once.
     pub chunk_size: usize,
+    /// Once one side of a connection is gone (reset, or a write to it failed), how
+    /// long beyond the links' delay and jitter the other side has to take what the
+    /// relay holds for it and to close; then the connection is cut (5 s by default).
+    /// Without a bound a client that neither reads nor closes would hold the
+    /// connection's task forever.
+    pub reset_grace: Duration,
 }
 
 impl Default for TcpRelayOptions {
@@ -38,6 +52,7 @@ impl Default for TcpRelayOptions {
         TcpRelayOptions {
             max_connections: 4096,
             chunk_size: 64 * 1024,
+            reset_grace: DEFAULT_RESET_GRACE,
         }
     }
 }
@@ -214,6 +229,8 @@ async fn relay_connection(
     upstream.set_nodelay(true)?;
     let (client_read, client_write) = client.into_split();
     let (upstream_read, upstream_write) = upstream.into_split();
+    let client_gone = CancellationToken::new();
+    let target_gone = CancellationToken::new();
     let forward = pipe(
         client_read,
         upstream_write,
@@ -222,6 +239,10 @@ async fn relay_connection(
         options,
         stats,
         cancel,
+        Sides {
+            reader_gone: &client_gone,
+            writer_gone: &target_gone,
+        },
     );
     let backward = pipe(
         upstream_read,
@@ -231,17 +252,49 @@ async fn relay_connection(
         options,
         stats,
         cancel,
+        Sides {
+            reader_gone: &target_gone,
+            writer_gone: &client_gone,
+        },
     );
-    let (a, b) = tokio::join!(forward, backward);
-    a.and(b)
+    let both = async {
+        let (a, b) = tokio::join!(forward, backward);
+        a.and(b)
+    };
+    // Once a side is gone, what the relay holds for the other is due within the links'
+    // delay and jitter; the grace bounds a side that takes nothing or never closes.
+    let due = [&link.to_target, &link.to_source]
+        .map(|p| p.delay.saturating_add(p.jitter))
+        .into_iter()
+        .max()
+        .unwrap_or_default();
+    let cut = async {
+        tokio::select! {
+            _ = client_gone.cancelled() => {}
+            _ = target_gone.cancelled() => {}
+        }
+        tokio::time::sleep(due.saturating_add(options.reset_grace)).await;
+    };
+    tokio::select! {
+        r = both => r,
+        _ = cut => {
+            tracing::debug!("tcp relay connection cut: reset_grace passed after a side was gone");
+            Ok(())
+        }
+    }
 }
 
-/// A chunk in flight; `None` data is the end of the stream, `failed` why it ended if
-/// not cleanly (the reader's error, passed on after the bytes before it).
+/// A chunk in flight; `None` data is the end of the stream.
 struct Chunk {
     due: Instant,
     data: Option<Bytes>,
-    failed: Option<std::io::Error>,
+}
+
+/// The sides of one direction of a connection: each cancelled once its socket is
+/// gone (a read from it or a write to it failed), seen by both directions.
+struct Sides<'a> {
+    reader_gone: &'a CancellationToken,
+    writer_gone: &'a CancellationToken,
 }
 
 /// Reads what `reader` has (up to `buf.len()` bytes) and returns a copy of
@@ -258,8 +311,10 @@ async fn read_chunk(
 }
 
 /// One direction of a connection: a reader that stamps each chunk with its
-/// delivery time and a writer that writes it then. Any error cancels the
-/// whole connection (both directions).
+/// delivery time and a writer that writes it then. A failed read ends the stream
+/// after what was read before it; a failed write drops what the reader still sends
+/// until it ends (see the module docs). The direction ends when its writer does.
+#[allow(clippy::too_many_arguments)]
 async fn pipe(
     mut reader: impl AsyncRead + Unpin,
     mut writer: impl AsyncWrite + Unpin,
@@ -268,6 +323,7 @@ async fn pipe(
     options: &TcpRelayOptions,
     stats: &RelayStats,
     cancel: &CancellationToken,
+    sides: Sides<'_>,
 ) -> std::io::Result<()> {
     // At least one chunk, or a full-size read could never get its credit. At
     // most MAX_PERMITS (2^61 bytes), above which `Semaphore::new` panics: a
@@ -285,26 +341,24 @@ async fn pipe(
         // bytes read (see `read_chunk`).
         let mut buf = vec![0u8; options.chunk_size];
         loop {
-            let read = read_chunk(&mut reader, &mut buf).await;
-            let (data, failed) = match read {
-                Ok(Some(data)) => (data, None),
-                Ok(None) => (Bytes::new(), None),
+            let data = match read_chunk(&mut reader, &mut buf).await {
+                Ok(Some(data)) => data,
+                Ok(None) => Bytes::new(),
                 // A read that fails (a reset after the peer's last bytes) ends the
-                // stream after what was read before it, as TCP delivers it: the
-                // writer passes the failure on once those bytes are out, instead of
-                // this side cutting them off (a node's early 413 before a reset).
-                Err(e) => (Bytes::new(), Some(e)),
+                // stream after what was read before it, as TCP delivers it, instead
+                // of cutting those bytes off (a node's early 413 before a reset).
+                Err(e) => {
+                    tracing::debug!(error = %e, "tcp relay read failed; ending the stream");
+                    sides.reader_gone.cancel();
+                    Bytes::new()
+                }
             };
             if data.is_empty() {
                 let due = match shaper.admit(now(), 0) {
                     Verdict::Deliver(due) => due,
                     _ => now(),
                 };
-                let _ = tx.send(Chunk {
-                    due,
-                    data: None,
-                    failed,
-                });
+                let _ = tx.send(Chunk { due, data: None });
                 return Ok::<(), std::io::Error>(());
             }
             let n = data.len();
@@ -326,7 +380,6 @@ async fn pipe(
                 .send(Chunk {
                     due,
                     data: Some(data),
-                    failed: None,
                 })
                 .is_err()
             {
@@ -337,32 +390,67 @@ async fn pipe(
     let write_side = async {
         while let Some(chunk) = rx.recv().await {
             tokio::time::sleep_until(wake_at(chunk.due)).await;
-            match chunk.data {
-                Some(data) => {
-                    writer.write_all(&data).await?;
-                    stats.add(&stats.packets_out, 1);
-                    stats.add(&stats.bytes_out, data.len() as u64);
-                    credit.add_permits(data.len());
+            let Some(data) = chunk.data else {
+                // The end of the stream travels after the data, as a half-close.
+                if let Err(e) = writer.shutdown().await {
+                    writer_gone(stats, &sides, &e);
                 }
-                None => {
-                    if let Some(e) = chunk.failed {
-                        return Err(e);
-                    }
-                    writer.shutdown().await?;
-                    break;
+                return Ok::<(), std::io::Error>(());
+            };
+            if let Err(e) = writer.write_all(&data).await {
+                credit.add_permits(data.len());
+                writer_gone(stats, &sides, &e);
+                // The writer's side is gone: what the reader still sends is read and
+                // dropped (the network carries it to a host that is no longer there)
+                // until the reader's side ends it, while the other direction
+                // delivers what it holds. A reader's side that sends and never
+                // closes is cut with the connection after `reset_grace`.
+                while let Some(Chunk {
+                    data: Some(dropped),
+                    ..
+                }) = rx.recv().await
+                {
+                    credit.add_permits(dropped.len());
                 }
+                return Ok(());
+            }
+            stats.add(&stats.packets_out, 1);
+            stats.add(&stats.bytes_out, data.len() as u64);
+            credit.add_permits(data.len());
+        }
+        Ok(())
+    };
+    // The direction ends with its writer: at the end of the stream, or after its
+    // writer's side is gone and its reader's side has ended too.
+    let joined = async {
+        tokio::pin!(read_side, write_side);
+        let mut reading = true;
+        loop {
+            tokio::select! {
+                r = &mut read_side, if reading => {
+                    r?;
+                    reading = false;
+                }
+                w = &mut write_side => return w,
             }
         }
-        Ok::<(), std::io::Error>(())
     };
     let result = tokio::select! {
         _ = cancel.cancelled() => Ok(()),
-        r = async { tokio::try_join!(read_side, write_side).map(|_| ()) } => r,
+        r = joined => r,
     };
     if result.is_err() {
         cancel.cancel();
     }
     result
+}
+
+/// A write to a direction's writer failed: its side is gone (counted in
+/// `send_errors`), which starts the connection's `reset_grace`.
+fn writer_gone(stats: &RelayStats, sides: &Sides<'_>, e: &std::io::Error) {
+    tracing::debug!(error = %e, "tcp relay write failed; the other direction goes on");
+    stats.add(&stats.send_errors, 1);
+    sides.writer_gone.cancel();
 }
 
 #[cfg(test)]

@@ -417,6 +417,97 @@ async fn tcp_bytes_read_before_a_reset_are_delivered() {
     .expect("test timed out");
 }
 
+/// A reply the relay holds for a client (one not reading yet) when the target resets
+/// the connection and the client's upload to it then fails.
+struct HeldReply {
+    relay: gorgo_netem::RelayHandle,
+    client: TcpStream,
+}
+
+/// The target answers `reply` and resets the connection; the client, not reading,
+/// uploads until the relay's write of its bytes to the target fails (counted in
+/// `send_errors`) or its own write fails.
+async fn reply_held_when_the_upload_fails(reply: usize, options: TcpRelayOptions) -> HeldReply {
+    let target = TcpListener::bind(localhost()).await.unwrap();
+    let target_addr = target.local_addr().unwrap();
+    let relay = TcpRelay::start_with(localhost(), target_addr, delay(0), 9, options)
+        .await
+        .unwrap();
+    // A small receive window: the client's buffers hold little of the reply, the
+    // relay the rest.
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.set_recv_buffer_size(16 * 1024).unwrap();
+    let mut client = sock.connect(relay.local_addr()).await.unwrap();
+    let (mut upstream, _) = target.accept().await.unwrap();
+    upstream.write_all(&vec![7u8; reply]).await.unwrap();
+    relay
+        .stats()
+        .wait_until(|c| c.bytes_in >= reply as u64)
+        .await;
+    upstream.set_zero_linger().unwrap();
+    drop(upstream);
+    let chunk = [1u8; 1024];
+    loop {
+        tokio::select! {
+            _ = relay.stats().wait_until(|c| c.send_errors >= 1) => break,
+            w = client.write_all(&chunk) => if w.is_err() { break },
+        }
+    }
+    HeldReply { relay, client }
+}
+
+/// A write that fails on one side (the target reset the connection under the client's
+/// upload) no longer cuts the other direction: the reply the relay holds reaches the
+/// client whole, then the reset. Before, the failed write cancelled both directions
+/// and dropped the reply (a node's early 413 to a client still sending its body was
+/// lost 5 times in 6 through `gorgo up`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_a_held_reply_is_delivered_after_the_upload_fails() {
+    tokio::time::timeout(TEST_TIMEOUT, async {
+        let reply = 8 << 20;
+        let HeldReply { relay, mut client } =
+            reply_held_when_the_upload_fails(reply, TcpRelayOptions::default()).await;
+        let mut got = 0usize;
+        let mut buf = vec![0u8; 64 * 1024];
+        while let Ok(n) = client.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+            assert!(
+                buf[..n].iter().all(|&b| b == 7),
+                "only the reply comes back"
+            );
+            got += n;
+        }
+        assert_eq!(got, reply);
+        // The client closes: the relay, which dropped what it still sent, ends.
+        drop(client);
+        relay.stats().wait_until(|c| c.flows_active == 0).await;
+        relay.shutdown().await;
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// After a failed write the connection ends even if the other side never takes what
+/// the relay holds for it: `reset_grace` past the link's delay it is cut, so no task
+/// outlives a client that stopped reading.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_a_client_that_takes_nothing_after_a_failed_write_is_cut() {
+    tokio::time::timeout(TEST_TIMEOUT, async {
+        let options = TcpRelayOptions {
+            reset_grace: Duration::from_millis(50),
+            ..TcpRelayOptions::default()
+        };
+        let held = reply_held_when_the_upload_fails(8 << 20, options).await;
+        held.relay.stats().wait_until(|c| c.flows_active == 0).await;
+        held.relay.shutdown().await;
+        drop(held.client);
+    })
+    .await
+    .expect("test timed out");
+}
+
 /// `usize::MAX` as "unlimited" (queue budget and connection limit) relays
 /// like any other limit, and the connection stops counting as active once it
 /// closes.
