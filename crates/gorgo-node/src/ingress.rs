@@ -758,11 +758,18 @@ async fn route_completion(
 /// request and say what is wrong, telling malformed JSON from JSON of another shape
 /// (the client's 400). One place for both the routed and the passed-through routes
 /// (the latter said "must be a JSON object" of JSON that did not parse).
+/// A body of more than [`crate::validate::MAX_JSON_CONTAINERS`] objects and arrays is
+/// refused before it is parsed (what parsing it would hold is many times its size).
 fn parse_object(state: &NodeState, body: &[u8]) -> Result<serde_json::Map<String, Value>, String> {
-    let message = match serde_json::from_slice(body) {
-        Ok(Value::Object(fields)) => return Ok(fields),
-        Ok(_) => "request body must be a JSON object".to_owned(),
-        Err(e) => format!("malformed JSON: {e}"),
+    use crate::validate::{too_many_containers, MAX_JSON_CONTAINERS};
+    let message = if too_many_containers(body, MAX_JSON_CONTAINERS) {
+        format!("request body holds more than {MAX_JSON_CONTAINERS} JSON objects and arrays")
+    } else {
+        match serde_json::from_slice(body) {
+            Ok(Value::Object(fields)) => return Ok(fields),
+            Ok(_) => "request body must be a JSON object".to_owned(),
+            Err(e) => format!("malformed JSON: {e}"),
+        }
     };
     state.metrics.request("bad_request", "");
     Err(message)

@@ -152,8 +152,55 @@ pub fn validate_request(endpoint: Endpoint, body: &Value) -> Result<(), InvalidF
     Ok(())
 }
 
+/// Most JSON objects and arrays a client's body may hold. Parsed, each costs hundreds
+/// of bytes to a few KiB, whatever its size in the body: a 7.8 MB body of 230,000 tiny
+/// messages (refused anyway, over the context) took a node from about 50 to 360 MB of
+/// resident memory, and one body parses per runtime worker at a time, so a node on a
+/// large machine could be made to hold gigabytes. A conversation of thousands of turns
+/// with tool calls holds a few tens of thousands.
+pub const MAX_JSON_CONTAINERS: usize = 65_536;
+
+/// Whether `body` holds more than `max` JSON objects and arrays (`{` and `[` outside
+/// strings), counted in one pass over its bytes before it is parsed. Malformed JSON
+/// counts too; the parser says what is wrong with it.
+pub fn too_many_containers(body: &[u8], max: usize) -> bool {
+    let (mut count, mut in_string, mut escaped) = (0usize, false, false);
+    for &b in body {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+        } else {
+            match b {
+                b'"' => in_string = true,
+                b'{' | b'[' => {
+                    count += 1;
+                    if count > max {
+                        return true;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    false
+}
+
 #[cfg(test)]
 mod tests {
+    /// Brackets inside strings, escaped quotes among them, are not containers.
+    #[test]
+    fn containers_are_counted_outside_strings() {
+        let body = br#"{"messages":[{"role":"user","content":"[{ \"[{\" }]"}]}"#;
+        assert!(!super::too_many_containers(body, 3));
+        assert!(super::too_many_containers(body, 2));
+        assert!(!super::too_many_containers(br#""{{{[[[""#, 0));
+        assert!(super::too_many_containers(br#"[["#, 1));
+    }
+
     use super::*;
     use serde_json::json;
 
