@@ -157,7 +157,9 @@ pub fn validate_request(endpoint: Endpoint, body: &Value) -> Result<(), InvalidF
 /// messages (refused anyway, over the context) took a node from about 50 to 360 MB of
 /// resident memory, and one body parses per runtime worker at a time, so a node on a
 /// large machine could be made to hold gigabytes. A conversation of thousands of turns
-/// with tool calls holds a few tens of thousands.
+/// with tool calls holds a few tens of thousands. At the cap a body still costs about
+/// 100 MB parsed (65,534 tiny messages in 2 MB: resident memory 17 -> 121 MB, release
+/// build); refused before parsing, 230,000 in 6.9 MB cost 7 MB.
 pub const MAX_JSON_CONTAINERS: usize = 65_536;
 
 /// Whether `body` holds more than `max` JSON objects and arrays (`{` and `[` outside
