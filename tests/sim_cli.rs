@@ -710,27 +710,17 @@ fn trace_writers_refuse_what_the_readers_refuse() {
         format!("{header}9999-12-31 23:59:59,100,10\n"),
     )
     .unwrap();
-    std::fs::write(
-        p("early.csv"),
-        format!("{header}2023-11-16 18:15:40.00,100,10\n"),
-    )
-    .unwrap();
-    for (csv, want) in [
-        ("y9999.csv", "timestamp 251702142252320"),
-        ("early.csv", "6680 ms before the first row"),
-    ] {
-        failed(
-            &[
-                os("trace"),
-                os("convert"),
-                p(csv).as_os_str(),
-                os("--out"),
-                p("out.jsonl").as_os_str(),
-            ],
-            &[csv, "line 3:", want],
-        );
-        assert!(!p("out.jsonl").exists(), "{csv}");
-    }
+    failed(
+        &[
+            os("trace"),
+            os("convert"),
+            p("y9999.csv").as_os_str(),
+            os("--out"),
+            p("out.jsonl").as_os_str(),
+        ],
+        &["y9999.csv", "line 3:", "timestamp 251702142252320"],
+    );
+    assert!(!p("out.jsonl").exists());
     // Two runs of ties: the last is spread over the 9 s between them, past 9e12 ms.
     let row = |t: u64| {
         format!("{{\"timestamp\":{t},\"input_length\":10,\"output_length\":1,\"hash_ids\":[1]}}\n")
