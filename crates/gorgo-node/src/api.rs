@@ -114,12 +114,14 @@ pub const LONGEST_PROMPT_HEADER: &str = "x-gorgo-longest-prompt-tokens";
 
 /// Response headers from the engine that travel to the client. `x-accel-buffering: no`
 /// is how an engine's event stream (llama-cpp-python's, through sse-starlette) tells
-/// an nginx in front of the node not to hold its events back.
+/// an nginx in front of the node not to hold its events back; `retry-after` comes with
+/// an engine's own 503 or 429, which a client with nowhere else to go gets as it is.
 pub const PASS_RESPONSE_HEADERS: &[&str] = &[
     "content-type",
     "cache-control",
     "x-request-id",
     "x-accel-buffering",
+    "retry-after",
 ];
 /// Client headers that travel to the engine.
 pub const PASS_REQUEST_HEADERS: &[&str] =

@@ -55,6 +55,11 @@ struct Excluded {
     /// target"). Before, a local engine that failed it after a refusal sent it back to
     /// the same peer with another offer, to be refused again (up to three times).
     refused: bool,
+    /// Local engines that answered it with a 5xx other than a gateway failure: not
+    /// counted against their breakers then (it may be the request's fault,
+    /// [`crate::engine::EngineAdapter::is_gateway_failure`]), but once another engine
+    /// or a peer serves it, it was theirs, and it counts ([`Excluded::served`]).
+    answered_5xx: Vec<u16>,
 }
 
 impl Excluded {
@@ -67,6 +72,7 @@ impl Excluded {
         Excluded {
             all_local,
             refused: false,
+            answered_5xx: Vec::new(),
             replicas: Vec::new(),
             peers: if req.hops < max_hops {
                 req.via.clone()
@@ -83,6 +89,21 @@ impl Excluded {
     /// How much was left out: a retry is worth it only when this grew.
     fn len(&self) -> usize {
         self.replicas.len() + self.peers.len()
+    }
+
+    /// The request was served (a 2xx head) after local engines answered it with a
+    /// 5xx that is no gateway failure: the request was not at fault, those engines
+    /// were, and their breakers count it. One bad request that every engine answers
+    /// 500 (llama-cpp-python's answer to a body it cannot parse) counts nowhere.
+    fn served(&mut self, state: &NodeState, status: u16) {
+        if !(200..300).contains(&status) {
+            return;
+        }
+        for replica in self.answered_5xx.drain(..) {
+            if let Some(engine) = state.engine(replica) {
+                engine.adapter.record(RequestOutcome::Failed);
+            }
+        }
     }
 }
 
@@ -243,7 +264,10 @@ async fn serve_excluding(
             Err(e @ ServeError::Refused(_)) => return Err(e),
             // Nowhere else to go: the first failure says what went wrong.
             Err(e) => return Err(first_error.unwrap_or(e)),
-            served => return served,
+            Ok(up) => {
+                excluded.served(state, up.status);
+                return Ok(up);
+            }
         }
     }
     Err(first_error.unwrap_or_else(|| ServeError::Unavailable("no engine could serve".into())))
@@ -572,6 +596,13 @@ async fn serve_local_or_exclude(
     let served = serve_local(state, req, replica).await;
     if served.as_ref().is_err_and(|e| e.may_fall_back()) {
         excluded.replicas.push(replica);
+    }
+    if let Err(ServeError::EngineAnswered(answer)) = &served {
+        if !crate::engine::EngineAdapter::is_gateway_failure(
+            http::StatusCode::from_u16(answer.status).unwrap_or(http::StatusCode::BAD_GATEWAY),
+        ) {
+            excluded.answered_5xx.push(replica);
+        }
     }
     served
 }

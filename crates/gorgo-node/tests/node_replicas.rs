@@ -116,6 +116,35 @@ async fn a_dead_replica_is_routed_around_before_the_first_byte() {
     node.shutdown.cancel();
 }
 
+/// A 500 counts against an engine once another engine serves the same request: then
+/// the request was not at fault. Engine 0 answers every request 500 while its health
+/// check passes; each request goes on to engine 1 and is served, and engine 0's breaker
+/// opens. (A request every engine answers 500 counts nowhere:
+/// `node_single::an_engines_500_answers_do_not_open_the_breaker`.)
+#[tokio::test]
+async fn an_engine_whose_500s_another_engine_serves_is_taken_out() {
+    let es = engines(2).await;
+    es[0].set_mode(SERVER_ERROR);
+    let urls: Vec<String> = es.iter().map(|e| e.url()).collect();
+    let node = start_node(config_with_engines("a", &urls, ""), None).await;
+    let broken = node.state().engine(0).unwrap().adapter.clone();
+    for i in 0..8 {
+        let status = chat(&node, &prompt(&format!("request {i}"), 400)).await;
+        assert_eq!(status, 200, "request {i} served by the other replica");
+    }
+    assert_eq!(es[1].requests(), 8);
+    assert!(es[0].requests() >= 3, "{}", es[0].requests());
+    assert!(
+        matches!(
+            broken.breaker(),
+            gorgo_core::health::BreakerState::Open { .. }
+        ),
+        "{:?}",
+        broken.breaker()
+    );
+    node.shutdown.cancel();
+}
+
 #[tokio::test]
 async fn replicas_are_added_drained_and_removed_through_the_admin_api() {
     use reqwest::Method;
