@@ -153,31 +153,21 @@ pub fn check_engine_url(url: &str) -> Result<(), String> {
 /// parser, whose origin is the normal form.
 fn parse_engine_url(url: &str) -> Result<String, String> {
     const FORM: &str = "must be http://host:port";
-    // Schemes are case-insensitive (RFC 3986); the adapter sends to the normal form.
-    let scheme_is = |s: &str| {
-        url.get(..s.len())
-            .is_some_and(|p| p.eq_ignore_ascii_case(s))
-    };
-    if scheme_is("https://") {
+    if url
+        .get(.."https://".len())
+        .is_some_and(|p| p.eq_ignore_ascii_case("https://"))
+    {
         // The node's HTTP client is built without TLS: every request would fail.
         return Err(
             "the node speaks plain HTTP to its engine, which runs beside it: use http://".into(),
         );
     }
-    if !scheme_is("http://") {
-        return Err("must start with http://".into());
-    }
-    // The parser drops spaces and control characters (a tab, a line break) where it
-    // finds them: what is sent would not be what was written.
-    if !url.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err(format!("{FORM}: visible ASCII only, no spaces"));
-    }
-    let rest = &url["http://".len()..];
-    let end = rest.find(['/', '?', '#', '\\']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(end);
-    if authority.contains('@') {
-        return Err(format!("{FORM}, without user info (`user@`)"));
-    }
+    let (_, tail) = split_http_url(url).map_err(|e| match e {
+        HttpUrlError::Scheme => "must start with http://".to_owned(),
+        HttpUrlError::NotVisibleAscii => format!("{FORM}: visible ASCII only, no spaces"),
+        HttpUrlError::UserInfo => format!("{FORM}, without user info (`user@`)"),
+        HttpUrlError::Port(why) => why,
+    })?;
     match tail {
         "" | "/" => {}
         _ if tail.starts_with('?') || tail.starts_with("/?") => {
@@ -188,16 +178,44 @@ fn parse_engine_url(url: &str) -> Result<String, String> {
         }
         _ => return Err(format!("{FORM}, without a path (`/v1/...` is appended)")),
     }
-    check_port(authority)?;
     let parsed = reqwest::Url::parse(url).map_err(|e| format!("not a valid URL: {e}"))?;
     Ok(parsed.origin().ascii_serialization())
 }
 
-/// Why the port an `http://` URL's authority names (`host:port`, `[v6]:port`, or none)
-/// cannot be dialled, or `Ok`. Why its own check: the URL parser takes a port as
-/// written, so `:0` is accepted and dialled (and fails at every request), and its
-/// message for `:99999` does not say which range is meant.
-fn check_port(authority: &str) -> Result<(), String> {
+/// Why [`split_http_url`] refused a URL.
+enum HttpUrlError {
+    /// Not `http://` (in any case).
+    Scheme,
+    /// A space or control character: the URL parser drops them where it finds them
+    /// (a tab, a line break), so what is sent would not be what was written.
+    NotVisibleAscii,
+    /// `user@host`.
+    UserInfo,
+    /// The port, and why it cannot be dialled.
+    Port(String),
+}
+
+/// An `http://` URL as written, split into its authority and what follows it (path,
+/// query, fragment), checked the same way for every URL the node dials: the scheme in
+/// any case (RFC 3986), visible ASCII, no user info, and a port in 1..=65535 when one
+/// is written (the URL parser takes a port as written, so `:0` is accepted and dialled,
+/// and fails at every request, and its message for `:99999` does not say which range
+/// is meant).
+fn split_http_url(url: &str) -> Result<(&str, &str), HttpUrlError> {
+    if !url
+        .get(.."http://".len())
+        .is_some_and(|p| p.eq_ignore_ascii_case("http://"))
+    {
+        return Err(HttpUrlError::Scheme);
+    }
+    if !url.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(HttpUrlError::NotVisibleAscii);
+    }
+    let rest = &url["http://".len()..];
+    let (authority, tail) = rest.split_at(rest.find(['/', '?', '#', '\\']).unwrap_or(rest.len()));
+    if authority.contains('@') {
+        return Err(HttpUrlError::UserInfo);
+    }
     // The port as written: after the host, or after an IPv6 literal's `]`.
     let port = match authority.rsplit_once(']') {
         Some((_, after)) => after.strip_prefix(':'),
@@ -208,32 +226,25 @@ fn check_port(authority: &str) -> Result<(), String> {
             .filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
             .and_then(|p| p.parse::<u16>().ok());
         if number.is_none_or(|p| p == 0) {
-            return Err(format!("port `{port}`: must be in 1..=65535"));
+            return Err(HttpUrlError::Port(format!(
+                "port `{port}`: must be in 1..=65535"
+            )));
         }
     }
-    Ok(())
+    Ok((authority, tail))
 }
 
 /// Why `telemetry.otlp_endpoint` cannot be posted to as written, or `Ok`: an
-/// `http://` URL (the node's HTTP client speaks no TLS: a collector runs beside it) of
-/// visible ASCII, without user info, whose port is dialable. Unlike an engine URL it
-/// is used as given, path included (`/v1/traces`).
+/// `http://` URL (the node's HTTP client speaks no TLS: a collector runs beside it)
+/// checked as every URL the node dials is ([`split_http_url`]). Unlike an engine URL
+/// it is used as given, path included (`/v1/traces`).
 fn check_otlp_endpoint(url: &str) -> Result<(), String> {
-    if !url
-        .get(.."http://".len())
-        .is_some_and(|p| p.eq_ignore_ascii_case("http://"))
-    {
-        return Err("must start with http://".into());
-    }
-    if !url.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err("visible ASCII only, no spaces".into());
-    }
-    let rest = &url["http://".len()..];
-    let authority = &rest[..rest.find(['/', '?', '#', '\\']).unwrap_or(rest.len())];
-    if authority.contains('@') {
-        return Err("without user info (`user@`)".into());
-    }
-    check_port(authority)?;
+    split_http_url(url).map_err(|e| match e {
+        HttpUrlError::Scheme => "must start with http://".to_owned(),
+        HttpUrlError::NotVisibleAscii => "visible ASCII only, no spaces".to_owned(),
+        HttpUrlError::UserInfo => "without user info (`user@`)".to_owned(),
+        HttpUrlError::Port(why) => why,
+    })?;
     match reqwest::Url::parse(url) {
         Ok(parsed) if parsed.host_str().is_some_and(|h| !h.is_empty()) => Ok(()),
         Ok(_) => Err("not a valid URL: no host".into()),

@@ -713,7 +713,13 @@ async fn serve_connection(
         async move {
             // HTTP/2 needs none of it: an answer before the body ends the stream
             // (RST_STREAM NO_ERROR), not the connection.
-            let left = (req.version() < http::Version::HTTP_2)
+            // Nor a client that waits for `100 Continue` before it sends its body: it
+            // sends nothing to be reset, and reading on would invite the body.
+            let expects_continue = req
+                .headers()
+                .get(http::header::EXPECT)
+                .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+            let left = (req.version() < http::Version::HTTP_2 && !expects_continue)
                 .then(|| Arc::new(Mutex::new(None::<Incoming>)));
             let req = match &left {
                 Some(left) => req.map(|b| {
@@ -748,7 +754,13 @@ async fn serve_connection(
             // says the connection closes after it; one read to its end can stay open.
             if let Some(unread) = left.and_then(|l| l.lock().take()) {
                 let rest = unread.size_hint().exact();
-                if rest.is_none_or(|n| n > limits.linger_bytes as u64) {
+                // A 408 or 413 closes whatever is left (RFC 9110 15.5.9: the server
+                // closes after a 408; a client that sent too much is not kept).
+                let refused_body = matches!(
+                    resp.status(),
+                    StatusCode::REQUEST_TIMEOUT | StatusCode::PAYLOAD_TOO_LARGE
+                );
+                if refused_body || rest.is_none_or(|n| n > limits.linger_bytes as u64) {
                     resp.headers_mut().insert(
                         http::header::CONNECTION,
                         http::HeaderValue::from_static("close"),

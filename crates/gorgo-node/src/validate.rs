@@ -159,7 +159,10 @@ pub fn validate_request(endpoint: Endpoint, body: &Value) -> Result<(), InvalidF
 /// large machine could be made to hold gigabytes. A conversation of thousands of turns
 /// with tool calls holds a few tens of thousands. At the cap a body still costs about
 /// 100 MB parsed (65,534 tiny messages in 2 MB: resident memory 17 -> 121 MB, release
-/// build); refused before parsing, 230,000 in 6.9 MB cost 7 MB.
+/// build); refused before parsing, 230,000 in 6.9 MB cost 7 MB. Scalars are not
+/// counted: they cost far less each (8 MiB of `0,` is about 130 MB parsed, the worst a
+/// body within `limits.max_body_bytes` can do with them), and a token-id prompt of a
+/// long-context model is a million of them.
 pub const MAX_JSON_CONTAINERS: usize = 65_536;
 
 /// Whether `body` holds more than `max` JSON objects and arrays (`{` and `[` outside
