@@ -843,6 +843,12 @@ impl Inbound for Inner {
     }
 
     fn own_id_refused(&self, by: &NodeId, held_at: SocketAddr) {
+        // A peer that says this node's id is alive at this node's own address says
+        // nothing that can be true of another process: not believed.
+        if held_at == self.config.advertise {
+            ClusterMetrics::bump(&self.metrics.malformed_received);
+            return;
+        }
         ClusterMetrics::bump(&self.metrics.own_id_refused);
         let ttl = self.refusal_ttl();
         if self

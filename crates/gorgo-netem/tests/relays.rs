@@ -458,7 +458,8 @@ async fn reply_held_when_the_upload_fails(reply: usize, options: TcpRelayOptions
 
 /// A write that fails on one side (the target reset the connection under the client's
 /// upload) no longer cuts the other direction: the reply the relay holds reaches the
-/// client whole, then the reset. Before, the failed write cancelled both directions
+/// client whole, then its end (passed on as a half-close, not a reset). Before, the
+/// failed write cancelled both directions
 /// and dropped the reply (a node's early 413 to a client still sending its body was
 /// lost 5 times in 6 through `gorgo up`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
