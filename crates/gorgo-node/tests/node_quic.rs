@@ -301,16 +301,16 @@ async fn a_second_node_with_a_live_nodes_id_says_so_and_is_not_ready() {
     .await;
     let (dup, dup_stop, _) = quic_node("b", &edup, &ca, &[a_quic]).await;
 
-    // Its engine passes its first health check and a's refusal comes back on its own
-    // clock: poll for what the duplicate says, never assume when.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    let (status, body) = loop {
-        let (status, body) = readyz(dup.admin_addr).await;
-        if body.contains("another process") || tokio::time::Instant::now() > deadline {
-            break (status, body);
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    // Its engine passes its first health check and a's refusal comes back on their
+    // own clocks: wait for both, never assume when.
+    let dup_engine = dup.state.engine(0).unwrap().adapter.clone();
+    let dup_peers = dup.state.peers.clone();
+    until(
+        "the duplicate's engine is healthy and a's refusal is in",
+        || dup_engine.is_ready() && !gorgo_node::peers::refused_island(&*dup_peers).is_empty(),
+    )
+    .await;
+    let (status, body) = readyz(dup.admin_addr).await;
     assert_eq!(status, 503, "{body}");
     assert!(
         body.contains("node id b") && body.contains(&b_quic.to_string()),
