@@ -112,6 +112,16 @@ fn json_error_response(status: StatusCode, body: String) -> Response {
 /// nor read it, still talk to this one (the peer then checks the whole chain).
 pub const LONGEST_PROMPT_HEADER: &str = "x-gorgo-longest-prompt-tokens";
 
+/// On a forward's response head only, set by the node that served it: the status of
+/// its engine's own server error ([`ServeError::EngineAnswered`]), whose body follows
+/// the head as the engine gave it, with the engine's passed headers in the head. The
+/// head's own status stays 502, what the request path makes of such an answer: the
+/// origin serves the request elsewhere where it can, and only a client with nowhere
+/// else to go gets the engine's answer. A header rather than a field of the head, so
+/// that nodes of the last build, which neither send nor read it, still talk to this
+/// one (to them it is the 502 it always was).
+pub const ENGINE_ANSWER_HEADER: &str = "x-gorgo-engine-answer";
+
 /// Response headers from the engine that travel to the client. `x-accel-buffering: no`
 /// is how an engine's event stream (llama-cpp-python's, through sse-starlette) tells
 /// an nginx in front of the node not to hold its events back; `retry-after` comes with
@@ -207,13 +217,14 @@ pub enum ServeError {
     /// peer said serving it there would (503 on the forward stream, never to a client:
     /// only forwards carry a cost to refuse against).
     Refused(gorgo_core::decision::Refusal),
-    /// The local engine answered a server error (5xx) before anything reached the
-    /// client. To the request path a failure like [`ServeError::Failed`] (routed again
-    /// without that engine; 502 on a forward's head, which its origin serves
-    /// elsewhere), but a client with nowhere else to go gets the engine's own answer,
-    /// as it would from the engine directly: llama-cpp-python answers a request it
-    /// cannot parse (a message role it does not know) 500 with what is wrong, and the
-    /// client got "engine answered 500" instead ([`ServeError::response`]).
+    /// An engine (this node's, or through a forward a peer's) answered a server error
+    /// (5xx) before anything reached the client. To the request path a failure like
+    /// [`ServeError::Failed`] (routed again without that engine or peer; a 502 head
+    /// with [`ENGINE_ANSWER_HEADER`] on a forward, which its origin serves elsewhere),
+    /// but a client with nowhere else to go gets the engine's own answer, as it would
+    /// from the engine directly: llama-cpp-python answers a request it cannot parse (a
+    /// message role it does not know) 500 with what is wrong, and the client got
+    /// "engine answered 500" instead ([`ServeError::response`]).
     EngineAnswered(EngineAnswer),
 }
 
@@ -234,6 +245,12 @@ pub struct EngineAnswer {
 pub const ENGINE_ANSWER_MAX_BYTES: usize = 64 * 1024;
 
 impl EngineAnswer {
+    /// The engine's status as a status code (a 502 for a number that is none: an
+    /// answer is only ever built from a 5xx head).
+    pub fn status_code(&self) -> StatusCode {
+        StatusCode::from_u16(self.status).unwrap_or(StatusCode::BAD_GATEWAY)
+    }
+
     /// What the engine said went wrong: its OpenAI error's `message` (or FastAPI's
     /// `detail`), else its body as text, at most 512 characters, after the status.
     pub fn message(&self) -> String {
@@ -287,17 +304,19 @@ impl std::fmt::Debug for Upstream {
 }
 
 impl ServeError {
-    /// The HTTP status a client (or, through a forward, the origin) gets, and the
-    /// outcome label of the request metric: the one mapping of the request path. An
-    /// engine's own error answer is a 502 to the request path (a forward's origin
-    /// serves it elsewhere); its client gets the engine's status
-    /// ([`ServeError::response`]).
+    /// The HTTP status a client gets ([`ServeError::response`]), and the outcome label
+    /// of the request metric: the one mapping of the request path. An engine's own
+    /// error answer is what the client gets of it: the engine's status, and
+    /// `engine_error`, the outcome of every engine error status relayed to a client
+    /// (a passed-through route's 500, a routed request's 4xx); it was 502
+    /// `engine_failed` though the client got the engine's 500. On a forward's head it
+    /// is a 502 all the same (`crate::forward`), so that the origin serves it
+    /// elsewhere.
     pub fn status(&self) -> (StatusCode, &'static str) {
         match self {
             ServeError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
-            ServeError::Failed(_) | ServeError::EngineAnswered(_) => {
-                (StatusCode::BAD_GATEWAY, "engine_failed")
-            }
+            ServeError::Failed(_) => (StatusCode::BAD_GATEWAY, "engine_failed"),
+            ServeError::EngineAnswered(answer) => (answer.status_code(), "engine_error"),
             ServeError::Timeout(_) => (StatusCode::GATEWAY_TIMEOUT, "timeout"),
             ServeError::ContextLength { .. } => (StatusCode::BAD_REQUEST, "bad_request"),
             ServeError::ModelNotFound(_) => (StatusCode::NOT_FOUND, "model_not_found"),
@@ -353,8 +372,7 @@ impl ServeError {
     pub fn response(&self) -> Response {
         if let ServeError::EngineAnswered(answer) = self {
             let mut resp = Response::new(Body::from(answer.body.clone()));
-            *resp.status_mut() =
-                StatusCode::from_u16(answer.status).unwrap_or(StatusCode::BAD_GATEWAY);
+            *resp.status_mut() = answer.status_code();
             for (k, v) in &answer.headers {
                 if let (Ok(name), Ok(value)) = (
                     http::HeaderName::from_bytes(k.as_bytes()),

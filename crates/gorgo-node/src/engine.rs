@@ -23,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{EngineKind, EngineSection, LimitsSection};
 use crate::error::NodeError;
+use crate::metrics::EngineFailureKind;
 
 /// Largest `/metrics` page we read from the engine.
 const MAX_METRICS_BYTES: usize = 4 * 1024 * 1024;
@@ -346,6 +347,17 @@ impl EngineAdapter {
     /// to find.
     pub fn is_gateway_failure(status: http::StatusCode) -> bool {
         matches!(status.as_u16(), 502..=504)
+    }
+
+    /// What an engine's 5xx head is to `gorgo_engine_failures_total`: a gateway
+    /// failure ([`EngineAdapter::is_gateway_failure`]) or the engine answering for the
+    /// request.
+    pub fn failure_kind(status: http::StatusCode) -> EngineFailureKind {
+        if Self::is_gateway_failure(status) {
+            EngineFailureKind::Gateway
+        } else {
+            EngineFailureKind::Answered
+        }
     }
 
     /// [`EngineAdapter::send_request`] for a response whose body the caller relays:

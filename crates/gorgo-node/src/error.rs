@@ -52,6 +52,17 @@ pub enum NodeError {
         /// Its figures.
         refusal: gorgo_core::decision::Refusal,
     },
+    /// The peer's engine answered the forward with a server error of its own and the
+    /// peer had nowhere else to serve it ([`crate::api::ENGINE_ANSWER_HEADER`]).
+    /// Nothing reached the client: the request may be served elsewhere, and a client
+    /// with nowhere else to go gets the engine's answer.
+    #[error("peer {peer}: {}", answer.message())]
+    EngineAnswered {
+        /// The peer.
+        peer: gorgo_core::NodeId,
+        /// Its engine's answer, read whole.
+        answer: crate::api::EngineAnswer,
+    },
     /// The trace exporter could not be built from `[telemetry]`.
     #[error("telemetry: {0}")]
     Telemetry(String),

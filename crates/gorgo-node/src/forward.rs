@@ -5,7 +5,10 @@
 //! engine's response bytes in chunk frames (u32 big-endian length, at most
 //! [`MAX_CHUNK_BYTES`], then the bytes), ended by a 0 length (clean end) or `u32::MAX`
 //! (the serving side failed mid-response). A stream that ends without either marker
-//! (reset, error) after the head is a mid-response failure too.
+//! (reset, error) after the head is a mid-response failure too. A 502 head with
+//! [`ENGINE_ANSWER_HEADER`] is the serving node's engine answering a server error of its
+//! own: the engine's body follows (at most [`ENGINE_ANSWER_MAX_BYTES`]), which the
+//! origin reads whole before it decides where the request goes next.
 //!
 //! Both ends live here: [`forward`] is the client (the origin relays a request to the
 //! peer `serve` chose), [`handle_incoming`] the server (a peer relays one to us).
@@ -23,9 +26,9 @@ use serde::Serialize;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::api::{
-    error_json, session_key, BodyStream, RoutedRequest, ServeError, Upstream,
-    LONGEST_PROMPT_HEADER, PASS_REQUEST_HEADERS, PASS_RESPONSE_HEADERS, POLICY_HEADER,
-    SESSION_HEADER,
+    error_json, session_key, BodyStream, EngineAnswer, RoutedRequest, ServeError, Upstream,
+    ENGINE_ANSWER_HEADER, ENGINE_ANSWER_MAX_BYTES, LONGEST_PROMPT_HEADER, PASS_REQUEST_HEADERS,
+    PASS_RESPONSE_HEADERS, POLICY_HEADER, SESSION_HEADER,
 };
 use crate::error::NodeError;
 use crate::peers::{ForwardRecv, ForwardSend, IncomingForward};
@@ -149,9 +152,16 @@ pub async fn forward(
         };
         write_frame(&mut send, &msg).await?;
         let head: ForwardResponseHead = read_frame(&mut recv, MAX_RESPONSE_HEAD).await?;
-        Ok::<_, NodeError>((send, recv, head))
+        // The peer's engine answered for the request: its answer follows the head at
+        // once, and is read under the same deadline and watch on the peer's death.
+        let answer = if matches!(head.status, 502..=504) {
+            read_engine_answer(&mut recv, &head).await
+        } else {
+            None
+        };
+        Ok::<_, NodeError>((send, recv, head, answer))
     };
-    let (send, recv, head) = tokio::select! {
+    let (send, recv, head, answer) = tokio::select! {
         biased;
         _ = &mut gone => return Err(NodeError::PeerGone(peer.clone())),
         head = tokio::time::timeout(timeout, fut).instrument(span.clone()) => head.map_err(|_| {
@@ -162,6 +172,15 @@ pub async fn forward(
         return Err(NodeError::Refused {
             peer: peer.clone(),
             refusal,
+        });
+    }
+    if let Some(answer) = answer {
+        // Its engine answered a server error, and the peer had nowhere else to go:
+        // nothing reached the client yet, so the caller may still serve it elsewhere,
+        // and holds the answer for a client with nowhere else to go.
+        return Err(NodeError::EngineAnswered {
+            peer: peer.clone(),
+            answer,
         });
     }
     if matches!(head.status, 502..=504) {
@@ -175,11 +194,7 @@ pub async fn forward(
             NodeError::Cluster(message)
         });
     }
-    let headers = head
-        .headers
-        .into_iter()
-        .filter(|(k, _)| PASS_RESPONSE_HEADERS.contains(&k.to_ascii_lowercase().as_str()))
-        .collect();
+    let headers = passed_headers(head.headers);
     let served_by_label = region_label(state, peer, &head.served_by.0);
     Ok(Upstream {
         status: head.status,
@@ -190,6 +205,48 @@ pub async fn forward(
         // The forward's span stays open while its response relays.
         body: chunk_stream(recv, (send, span), gone, peer.clone()),
         chosen_terms: None,
+    })
+}
+
+/// The headers of a peer's response head that travel to the client
+/// ([`PASS_RESPONSE_HEADERS`]): not the forward protocol's own.
+fn passed_headers(headers: Vec<(String, String)>) -> Vec<(String, String)> {
+    headers
+        .into_iter()
+        .filter(|(k, _)| PASS_RESPONSE_HEADERS.contains(&k.to_ascii_lowercase().as_str()))
+        .collect()
+}
+
+/// The engine answer a peer's 502 `head` says follows it ([`ENGINE_ANSWER_HEADER`]):
+/// its status, passed headers and body, read whole (at most
+/// [`ENGINE_ANSWER_MAX_BYTES`], as the peer held it). `None` when none follows (the
+/// peer's own failure) or what follows is no answer to hold: a status that is no server
+/// error, a body over the cap, a stream that broke. The head is then the plain 502 it
+/// is to a node of the last build.
+async fn read_engine_answer(
+    recv: &mut ForwardRecv,
+    head: &ForwardResponseHead,
+) -> Option<EngineAnswer> {
+    let status = head
+        .headers
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case(ENGINE_ANSWER_HEADER))?
+        .1
+        .trim()
+        .parse::<u16>()
+        .ok()
+        .filter(|s| (500..=599).contains(s))?;
+    let mut body = Vec::new();
+    while let Some(chunk) = read_chunk(recv, ENGINE_ANSWER_MAX_BYTES - body.len())
+        .await
+        .ok()?
+    {
+        body.extend_from_slice(&chunk);
+    }
+    Some(EngineAnswer {
+        status,
+        headers: passed_headers(head.headers.clone()),
+        body: body.into(),
     })
 }
 
@@ -238,7 +295,7 @@ fn chunk_stream<K: Send + 'static>(
                         Err(format!("peer {peer} declared dead mid-response")),
                         None,
                     )),
-                    chunk = read_chunk(&mut recv) => match chunk {
+                    chunk = read_chunk(&mut recv, MAX_CHUNK_BYTES) => match chunk {
                         Ok(Some(bytes)) => Some((Ok(bytes), Some((recv, keep, gone)))),
                         Ok(None) => None,
                         Err(e) => Some((Err(e), None)),
@@ -249,9 +306,9 @@ fn chunk_stream<K: Send + 'static>(
     ))
 }
 
-/// One chunk frame of a forwarded response: its bytes, `None` at a clean end, or why
-/// the stream broke.
-async fn read_chunk(recv: &mut ForwardRecv) -> Result<Option<Bytes>, String> {
+/// One chunk frame of a forwarded response, of at most `limit` bytes (checked before
+/// they are read): its bytes, `None` at a clean end, or why the stream broke.
+async fn read_chunk(recv: &mut ForwardRecv, limit: usize) -> Result<Option<Bytes>, String> {
     let mut len = [0u8; 4];
     recv.read_exact(&mut len)
         .await
@@ -259,7 +316,7 @@ async fn read_chunk(recv: &mut ForwardRecv) -> Result<Option<Bytes>, String> {
     match u32::from_be_bytes(len) {
         END_OK => Ok(None),
         END_ERR => Err("serving node failed mid-response".to_owned()),
-        n if n as usize > MAX_CHUNK_BYTES => Err(format!("peer chunk of {n} bytes over limit")),
+        n if n as usize > limit => Err(format!("peer chunk of {n} bytes over limit {limit}")),
         n => {
             let mut buf = vec![0u8; n as usize];
             recv.read_exact(&mut buf)
@@ -409,6 +466,15 @@ where
             let _ = bounded(&state, write).await;
             return;
         }
+        Err(ServeError::EngineAnswered(answer)) => {
+            // A 502, as the request path takes it: the origin serves it elsewhere where
+            // it can. The engine's answer follows, for a client with nowhere else to go
+            // (read by `read_engine_answer`; a node of the last build reads the 502).
+            let mut headers = answer.headers;
+            headers.push((ENGINE_ANSWER_HEADER.to_owned(), answer.status.to_string()));
+            let _ = write_whole_head(&mut send, &state, 502, req.hops, headers, &answer.body).await;
+            return;
+        }
         Err(e @ (ServeError::ContextLength { .. } | ServeError::ModelNotFound(_))) => {
             // What this region cannot hold, its origin can: it checked the prompt
             // against its own engines' context before routing, and forwarded for a model
@@ -518,6 +584,7 @@ async fn write_chunk(send: &mut ForwardSend, bytes: &[u8]) -> std::io::Result<()
     send.flush().await
 }
 
+/// A head with this node's own error, its OpenAI error `body` (JSON) and the end.
 async fn write_error_head(
     send: &mut ForwardSend,
     state: &NodeState,
@@ -525,16 +592,32 @@ async fn write_error_head(
     hops: u8,
     body: &str,
 ) -> Result<(), NodeError> {
+    let headers = vec![("content-type".into(), "application/json".into())];
+    write_whole_head(send, state, status, hops, headers, body.as_bytes()).await
+}
+
+/// A head with `status` and `headers`, then the whole `body` (no chunk when it is
+/// empty: a chunk of 0 bytes is the end marker) and the clean end.
+async fn write_whole_head(
+    send: &mut ForwardSend,
+    state: &NodeState,
+    status: u16,
+    hops: u8,
+    headers: Vec<(String, String)>,
+    body: &[u8],
+) -> Result<(), NodeError> {
     let head = ForwardResponseHead {
         status,
-        headers: vec![("content-type".into(), "application/json".into())],
+        headers,
         served_by: NodeId(state.config.node.region.clone()),
         hops,
         refusal: None,
     };
     bounded(state, async {
         write_frame(send, &head).await?;
-        write_chunk(send, body.as_bytes()).await?;
+        for piece in body.chunks(MAX_CHUNK_BYTES) {
+            write_chunk(send, piece).await?;
+        }
         end_stream(send, END_OK).await?;
         Ok::<_, NodeError>(())
     })
@@ -599,6 +682,62 @@ mod tests {
             .await
             .unwrap_err();
         assert!(err.to_string().contains("over limit"), "{err}");
+    }
+
+    /// A peer's 502 head with `headers`, then `body` in chunk frames of `chunk` bytes
+    /// and the clean end, as the origin reads it.
+    async fn answer_behind(
+        headers: Vec<(String, String)>,
+        body: &[u8],
+        chunk: usize,
+    ) -> Option<EngineAnswer> {
+        let head = ForwardResponseHead {
+            status: 502,
+            headers,
+            served_by: NodeId::from("b"),
+            hops: 1,
+            refusal: None,
+        };
+        let (a, b) = tokio::io::duplex(1 << 20);
+        let mut send: ForwardSend = Box::pin(a);
+        let mut recv: ForwardRecv = Box::pin(b);
+        for piece in body.chunks(chunk) {
+            write_chunk(&mut send, piece).await.unwrap();
+        }
+        end_stream(&mut send, END_OK).await.unwrap();
+        read_engine_answer(&mut recv, &head).await
+    }
+
+    fn answer_headers(status: &str) -> Vec<(String, String)> {
+        vec![
+            ("content-type".into(), "application/json".into()),
+            (ENGINE_ANSWER_HEADER.into(), status.into()),
+        ]
+    }
+
+    /// The engine's answer behind a 502 head is read whole, in however many chunks,
+    /// with the passed headers only; up to the cap the serving node held it to, and
+    /// only for a server error's status: anything else leaves the plain 502.
+    #[tokio::test]
+    async fn an_engine_answer_is_read_whole_within_its_cap() {
+        let body = vec![b'x'; ENGINE_ANSWER_MAX_BYTES];
+        let answer = answer_behind(answer_headers("500"), &body, 1000)
+            .await
+            .unwrap();
+        assert_eq!(answer.status, 500);
+        assert_eq!(answer.body.len(), ENGINE_ANSWER_MAX_BYTES);
+        assert_eq!(
+            answer.headers,
+            vec![("content-type".to_owned(), "application/json".to_owned())]
+        );
+        let over = vec![b'x'; ENGINE_ANSWER_MAX_BYTES + 1];
+        let over = answer_behind(answer_headers("500"), &over, 1000).await;
+        assert!(over.is_none(), "an answer over the cap was held");
+        for status in ["200", "404", "600", "x"] {
+            assert_eq!(answer_behind(answer_headers(status), b"{}", 2).await, None);
+        }
+        let plain = vec![("content-type".into(), "application/json".into())];
+        assert_eq!(answer_behind(plain, b"{}", 2).await, None);
     }
 
     #[tokio::test]

@@ -26,8 +26,9 @@ use crate::api::{
     overloaded_response, session_key, BodyStream, RoutedRequest, ServeError, Upstream, HOPS_HEADER,
     PASS_REQUEST_HEADERS, POLICY_HEADER, SERVED_BY_HEADER, SESSION_HEADER,
 };
-use crate::engine::{EngineTicket, FirstToken};
+use crate::engine::{EngineAdapter, EngineTicket, FirstToken};
 use crate::error::NodeError;
+use crate::metrics::EngineFailureKind;
 use crate::serve::{is_event_stream, relay_engine_body, serve, serve_draining, serve_elsewhere};
 use crate::sse::EventFramer;
 use crate::stream_usage::StreamUsage;
@@ -313,7 +314,7 @@ async fn pass_to_engine(
         Ok(Ok(r)) => r,
         Ok(Err(e)) => {
             if e.is_engine_failure() {
-                state.metrics.engine_failures.inc();
+                state.metrics.engine_failed(EngineFailureKind::Gateway);
             }
             let e = ServeError::from(e);
             state.metrics.routed_request(e.status().1, UNROUTED, "");
@@ -330,7 +331,9 @@ async fn pass_to_engine(
         // Counted against the breaker in `send_streamed` when a gateway failure, and
         // here as the routed paths count it: relayed to the client, as no peer
         // serves these routes.
-        state.metrics.engine_failures.inc();
+        state
+            .metrics
+            .engine_failed(EngineAdapter::failure_kind(resp.status()));
     }
     // The headers routed requests pass on (only `content-type` did: an embedding's
     // `x-request-id` never reached its client).
@@ -739,14 +742,20 @@ async fn route_completion(
                     .tuning
                     .record_timed_out(&admission.epoch, admission.cell, waited_ms);
             }
+            // What the client gets: an engine's own answer passed on is its status and
+            // `engine_error`, as a relayed one is.
             let (status, outcome) = e.status();
             let m = e.message();
-            tracing::warn!(request_id, %status, error = %m, "request failed");
+            tracing::warn!(request_id, %status, outcome, error = %m, "request failed");
             state.metrics.routed_request(outcome, policy_name, "");
             let mut resp = e.response();
+            // The node's own back-off on its 503; an engine's 503 passed on keeps the
+            // `Retry-After` it came with.
             if status == StatusCode::SERVICE_UNAVAILABLE {
                 if let Ok(v) = HeaderValue::from_str(&limits.retry_after_s.to_string()) {
-                    resp.headers_mut().insert(http::header::RETRY_AFTER, v);
+                    resp.headers_mut()
+                        .entry(http::header::RETRY_AFTER)
+                        .or_insert(v);
                 }
             }
             resp
@@ -758,12 +767,13 @@ async fn route_completion(
 /// request and say what is wrong, telling malformed JSON from JSON of another shape
 /// (the client's 400). One place for both the routed and the passed-through routes
 /// (the latter said "must be a JSON object" of JSON that did not parse).
-/// A body of more than [`crate::validate::MAX_JSON_CONTAINERS`] objects and arrays is
-/// refused before it is parsed (what parsing it would hold is many times its size).
+/// A body of more than [`crate::validate::MAX_JSON_CONTAINERS`] objects and arrays, or
+/// [`crate::validate::MAX_JSON_VALUES`] values, is refused before it is parsed (what
+/// parsing it would hold is many times its size).
 fn parse_object(state: &NodeState, body: &[u8]) -> Result<serde_json::Map<String, Value>, String> {
-    use crate::validate::{too_many_containers, MAX_JSON_CONTAINERS};
-    let message = if too_many_containers(body, MAX_JSON_CONTAINERS) {
-        format!("request body holds more than {MAX_JSON_CONTAINERS} JSON objects and arrays")
+    use crate::validate::{too_much_json, MAX_JSON_CONTAINERS, MAX_JSON_VALUES};
+    let message = if let Some(m) = too_much_json(body, MAX_JSON_CONTAINERS, MAX_JSON_VALUES) {
+        m
     } else {
         match serde_json::from_slice(body) {
             Ok(Value::Object(fields)) => return Ok(fields),

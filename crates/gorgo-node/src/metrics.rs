@@ -17,7 +17,9 @@ use std::sync::atomic::AtomicU64;
 /// Labels of request counts.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
-    /// `ok`, `engine_error` (the engine answered with an error status), `bad_request`,
+    /// `ok`, `engine_error` (the client got the engine's own error status: relayed, or
+    /// a 5xx passed on where nothing else could serve it, from this node's engine or
+    /// through a forward a peer's), `bad_request`,
     /// `too_large`, `engine_failed`, `unavailable`, `timeout`, `model_not_found`,
     /// `stream_error`, `cancelled` (the client left, before or after the head),
     /// `internal_error`.
@@ -106,6 +108,48 @@ pub struct VerdictLabels {
     pub verdict: String,
 }
 
+/// What an engine failure was, the `kind` label of `engine_failures_total`: what the
+/// breaker counts, and what it does not count at once, kept apart so that an alert on
+/// a failing engine is not set off by one client's bad requests.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum EngineFailureKind {
+    /// The engine failed the request: no answer (connect error, reset, first-byte
+    /// timeout), a stream it broke mid-way, or a 502, 503 or 504 head
+    /// (`crate::engine::EngineAdapter::is_gateway_failure`). Each counts against its
+    /// breaker.
+    Gateway,
+    /// The engine answered for the request with another 5xx (a 500: llama-cpp-python's
+    /// answer to a body it cannot parse). Its breaker counts it only once another engine
+    /// or a peer serves the same request.
+    Answered,
+}
+
+impl EngineFailureKind {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EngineFailureKind::Gateway => "gateway",
+            EngineFailureKind::Answered => "answered",
+        }
+    }
+}
+
+impl prometheus_client::encoding::EncodeLabelValue for EngineFailureKind {
+    fn encode(
+        &self,
+        encoder: &mut prometheus_client::encoding::LabelValueEncoder<'_>,
+    ) -> Result<(), std::fmt::Error> {
+        prometheus_client::encoding::EncodeLabelValue::encode(&self.as_str(), encoder)
+    }
+}
+
+/// Labels of engine failures.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EngineFailureLabels {
+    /// `gateway` or `answered` ([`EngineFailureKind`]).
+    pub kind: EngineFailureKind,
+}
+
 /// Every metric the node exports.
 #[derive(Debug)]
 pub struct NodeMetrics {
@@ -179,8 +223,10 @@ pub struct NodeMetrics {
     pub body_bytes_reading: Gauge,
     /// State of the engine's circuit breaker: 0 closed, 1 open, 2 half-open.
     pub engine_breaker: Gauge,
-    /// Failures of real requests to the engine that count towards its breaker.
-    pub engine_failures: Counter,
+    /// Failures of real requests to the engines, by kind: those that count towards the
+    /// breaker at once (`gateway`) and the engines' other 5xx answers (`answered`).
+    /// Counted through [`NodeMetrics::engine_failed`].
+    pub engine_failures: Family<EngineFailureLabels, Counter>,
     /// The bytes-per-token ratio the node counts with (learned from the engine without
     /// a tokenizer).
     pub bytes_per_token: Gauge<f64, std::sync::atomic::AtomicU64>,
@@ -580,10 +626,14 @@ impl NodeMetrics {
             "Engine circuit breaker: 0 closed, 1 open, 2 half-open",
             engine_breaker.clone(),
         );
-        let engine_failures = Counter::default();
+        let engine_failures = Family::<EngineFailureLabels, Counter>::default();
+        // Both series from the start: an alert's rate() has a zero to start from.
+        for kind in [EngineFailureKind::Gateway, EngineFailureKind::Answered] {
+            let _ = engine_failures.get_or_create(&EngineFailureLabels { kind });
+        }
         registry.register(
             "engine_failures",
-            "Failures of real requests to the engine (connect, timeout, 5xx)",
+            "Failures of real requests to the engines: gateway (no answer, a broken stream, a 502/503/504: counted by the breaker) or answered (another 5xx)",
             engine_failures.clone(),
         );
         let bytes_per_token = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
@@ -720,6 +770,20 @@ impl NodeMetrics {
             };
             mirror(&self.gossip_messages_sent.get_or_create(&labels), total);
         }
+    }
+
+    /// Count one failure of a real request to an engine.
+    pub fn engine_failed(&self, kind: EngineFailureKind) {
+        self.engine_failures
+            .get_or_create(&EngineFailureLabels { kind })
+            .inc();
+    }
+
+    /// The engine failures of `kind` counted so far.
+    pub fn engine_failures_of(&self, kind: EngineFailureKind) -> u64 {
+        self.engine_failures
+            .get_or_create(&EngineFailureLabels { kind })
+            .get()
     }
 
     /// Count one forward.

@@ -21,6 +21,7 @@ use crate::config::UnlistedModel;
 use crate::engine::{EngineTicket, FirstToken};
 use crate::error::NodeError;
 use crate::forward::forward;
+use crate::metrics::EngineFailureKind;
 use crate::route::{DecisionInput, Target};
 use crate::stream_usage::UsageStripped;
 use crate::{telemetry, NodeState};
@@ -466,11 +467,15 @@ async fn route_and_serve(
                         serve_local_or_exclude(state, req, local.replica, excluded).await
                     }
                     // Routed again without that peer (the caller's retry); if nothing
-                    // else serves it, a peer that kept it waiting is a 504.
-                    None if matches!(e, NodeError::HeadTimeout(_)) => {
-                        Err(ServeError::Timeout(format!("{failed}: {e}")))
-                    }
-                    None => Err(ServeError::Unavailable(failed)),
+                    // else serves it, a peer that kept it waiting is a 504, and one whose
+                    // engine answered for the request passes on that answer.
+                    None => Err(match e {
+                        NodeError::HeadTimeout(_) => ServeError::Timeout(format!("{failed}: {e}")),
+                        NodeError::EngineAnswered { answer, .. } => {
+                            ServeError::EngineAnswered(answer)
+                        }
+                        _ => ServeError::Unavailable(failed),
+                    }),
                 }
             }
         },
@@ -533,7 +538,7 @@ where
             // refuses it: it counts towards the breaker (a client going away drops the
             // stream instead, and counts nothing).
             failed_in_body.store(true, std::sync::atomic::Ordering::Relaxed);
-            st.metrics.engine_failures.inc();
+            st.metrics.engine_failed(EngineFailureKind::Gateway);
             eng.adapter.record(RequestOutcome::Failed);
             format!("engine stream failed: {}", e.without_url())
         })
@@ -745,14 +750,16 @@ pub async fn serve_local(
         .await
         .map_err(|e| {
             if e.is_engine_failure() {
-                state.metrics.engine_failures.inc();
+                state.metrics.engine_failed(EngineFailureKind::Gateway);
             }
             ServeError::from(e)
         })?;
     let status = resp.status().as_u16();
     engine_span.record("http.response.status_code", status);
     if resp.status().is_server_error() {
-        state.metrics.engine_failures.inc();
+        state
+            .metrics
+            .engine_failed(crate::engine::EngineAdapter::failure_kind(resp.status()));
         // Nothing of it reached the client: let the caller route it elsewhere, holding
         // the engine's answer for a client with nowhere else to go.
         let headers = pass_headers(resp.headers());

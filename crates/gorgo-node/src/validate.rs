@@ -159,17 +159,34 @@ pub fn validate_request(endpoint: Endpoint, body: &Value) -> Result<(), InvalidF
 /// large machine could be made to hold gigabytes. A conversation of thousands of turns
 /// with tool calls holds a few tens of thousands. At the cap a body still costs about
 /// 100 MB parsed (65,534 tiny messages in 2 MB: resident memory 17 -> 121 MB, release
-/// build); refused before parsing, 230,000 in 6.9 MB cost 7 MB. Scalars are not
-/// counted: they cost far less each (8 MiB of `0,` is about 130 MB parsed, the worst a
-/// body within `limits.max_body_bytes` can do with them), and a token-id prompt of a
-/// long-context model is a million of them.
+/// build); refused before parsing, 230,000 in 6.9 MB cost 7 MB. Scalars are bounded
+/// apart, by [`MAX_JSON_VALUES`].
 pub const MAX_JSON_CONTAINERS: usize = 65_536;
 
-/// Whether `body` holds more than `max` JSON objects and arrays (`{` and `[` outside
-/// strings), counted in one pass over its bytes before it is parsed. Malformed JSON
-/// counts too; the parser says what is wrong with it.
-pub fn too_many_containers(body: &[u8], max: usize) -> bool {
-    let (mut count, mut in_string, mut escaped) = (0usize, false, false);
+/// Most JSON values a client's body may hold: every number, string, `true`, `false`,
+/// `null`, object and array, and every object key (a member costs its key's `String`
+/// and its map entry besides its value: about 126 bytes parsed). Parsed, a value costs
+/// 32 bytes and a short string or key about as much again, whatever its size in the
+/// body, so the count, not the body's size, must bound what parsing holds: 8 MiB of
+/// `0,` parsed to 128 MB, and 256 MiB of it (the ceiling of `limits.max_body_bytes`)
+/// would to about 4 GB. 2^21 lets through a token-id prompt of a 1M-token context (1,048,576
+/// ids, about 7 MB, 32 MB parsed) twice over, so also batches of token-id lists,
+/// `logit_bias` maps of a whole vocabulary and long tool schemas. The worst body within
+/// both caps (65,534 one-member objects, the rest one-character strings: 8.3 MB) costs
+/// 162 MB parsed, whatever `limits.max_body_bytes` is; 2^21 zeros cost 64 MB (release
+/// build, glibc's allocator).
+pub const MAX_JSON_VALUES: usize = 1 << 21;
+
+/// Why `body` must not be parsed, if it must not: more than `max_containers` JSON
+/// objects and arrays, or more than `max_values` JSON values (see [`MAX_JSON_VALUES`]
+/// for what counts), found in one pass over its bytes before it is parsed. The answer
+/// is the message of the client's 400. Malformed JSON counts too (a stray byte outside
+/// a string as a scalar); the parser says what is wrong with it. Strings' bytes are not
+/// counted: a string costs its length once parsed, which the body's size bounds.
+pub fn too_much_json(body: &[u8], max_containers: usize, max_values: usize) -> Option<String> {
+    let (mut containers, mut values) = (0usize, 0usize);
+    // Inside a string; after its backslash; inside a number or literal.
+    let (mut in_string, mut escaped, mut in_scalar) = (false, false, false);
     for &b in body {
         if in_string {
             match b {
@@ -178,36 +195,113 @@ pub fn too_many_containers(body: &[u8], max: usize) -> bool {
                 b'"' => in_string = false,
                 _ => {}
             }
-        } else {
-            match b {
-                b'"' => in_string = true,
-                b'{' | b'[' => {
-                    count += 1;
-                    if count > max {
-                        return true;
-                    }
+            continue;
+        }
+        // What ends a number or literal (and is none of it).
+        let delimiter = matches!(
+            b,
+            b'"' | b'{' | b'[' | b'}' | b']' | b',' | b':' | b' ' | b'\t' | b'\n' | b'\r'
+        );
+        let starts_value = match b {
+            b'"' => {
+                in_string = true;
+                true
+            }
+            b'{' | b'[' => {
+                containers += 1;
+                if containers > max_containers {
+                    return Some(format!(
+                        "request body holds more than {max_containers} JSON objects and arrays"
+                    ));
                 }
-                _ => {}
+                true
+            }
+            _ => !delimiter && !in_scalar,
+        };
+        in_scalar = !delimiter;
+        if starts_value {
+            values += 1;
+            if values > max_values {
+                return Some(format!(
+                    "request body holds too many JSON values: more than {max_values} \
+                     (numbers, strings, literals, objects, arrays and object keys)"
+                ));
             }
         }
     }
-    false
+    None
 }
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// The containers cap, as [`too_much_json`] applies it with room for every value.
+    fn too_many_containers(body: &[u8], max: usize) -> bool {
+        too_much_json(body, max, usize::MAX).is_some()
+    }
+
+    /// The values cap, as [`too_much_json`] applies it with room for every container.
+    fn too_many_values(body: &[u8], max: usize) -> bool {
+        too_much_json(body, usize::MAX, max).is_some()
+    }
+
     /// Brackets inside strings, escaped quotes among them, are not containers.
     #[test]
     fn containers_are_counted_outside_strings() {
         let body = br#"{"messages":[{"role":"user","content":"[{ \"[{\" }]"}]}"#;
-        assert!(!super::too_many_containers(body, 3));
-        assert!(super::too_many_containers(body, 2));
-        assert!(!super::too_many_containers(br#""{{{[[[""#, 0));
-        assert!(super::too_many_containers(br#"[["#, 1));
+        assert!(!too_many_containers(body, 3));
+        assert!(too_many_containers(body, 2));
+        assert!(!too_many_containers(br#""{{{[[[""#, 0));
+        assert!(too_many_containers(br#"[["#, 1));
+        let m = too_much_json(b"[[", 1, usize::MAX).unwrap();
+        assert!(m.contains("more than 1 JSON objects and arrays"), "{m}");
     }
 
-    use super::*;
-    use serde_json::json;
+    /// Every value counts once, scalars and object keys too, whatever the spacing and
+    /// whatever a string holds; a number is one value however many digits it has.
+    #[test]
+    fn values_are_counted_scalars_and_keys_too() {
+        // Object, key, string, key, array, 3 numbers, true, null, false, key, "".
+        let body = br#" { "a" : "x,1 \" 2" , "b":[ -12.5e3 ,0,7, true,null , false],"":""} "#;
+        assert!(!too_many_values(body, 13));
+        assert!(too_many_values(body, 12));
+        assert!(!too_many_values(b"123456789", 1));
+        assert!(too_many_values(b"[1,2]", 2));
+        assert!(!too_many_values(b"[1,2]", 3));
+        // Malformed: a stray byte is a value; the parser refuses it anyway.
+        assert!(too_many_values(b"[1 2]", 2));
+        let m = too_much_json(b"[0,0,0]", usize::MAX, 3).unwrap();
+        assert!(m.contains("too many JSON values: more than 3"), "{m}");
+    }
+
+    /// 8 MiB of `0,` (128 MB parsed) is refused by the node's caps; a completions
+    /// prompt of token ids filling a 1M-token context passes, as does a batch of such
+    /// lists totalling 2 million ids.
+    #[test]
+    fn a_long_context_token_id_prompt_passes_the_caps() {
+        let caps = |body: &[u8]| too_much_json(body, MAX_JSON_CONTAINERS, MAX_JSON_VALUES);
+        let zeros = format!("[{}0]", "0,".repeat(4 << 20));
+        let m = caps(zeros.as_bytes()).expect("refused");
+        assert!(m.contains(&format!("more than {MAX_JSON_VALUES}")), "{m}");
+        let ids = |n: usize| {
+            (0..n)
+                .map(|i| (i * 7919 % 151_000).to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let prompt = format!(
+            r#"{{"model":"m","max_tokens":16,"logit_bias":{{"50256":-100}},"prompt":[{}]}}"#,
+            ids(1 << 20)
+        );
+        assert_eq!(caps(prompt.as_bytes()), None);
+        let quarter = ids(500_000);
+        let batch = format!(
+            r#"{{"model":"m","prompt":[[{quarter}],[{quarter}],[{quarter}],[{quarter}]]}}"#
+        );
+        assert_eq!(caps(batch.as_bytes()), None);
+    }
 
     fn err(body: Value) -> InvalidField {
         validate_request(Endpoint::Chat, &body).unwrap_err()

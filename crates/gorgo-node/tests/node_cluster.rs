@@ -814,3 +814,109 @@ async fn the_served_by_label_names_only_regions_membership_knows() {
         .collect();
     assert_eq!(labels, ["b"].into(), "{text}");
 }
+
+/// The requests `node` counted with `outcome`, whatever their policy and server.
+async fn requests_with_outcome(node: &TestNode, outcome: &str) -> f64 {
+    let label = format!("outcome=\"{outcome}\"");
+    metrics_text(node)
+        .await
+        .lines()
+        .filter(|l| l.starts_with("gorgo_requests_total{") && l.contains(&label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A peer's engine that answers a forward with a server error of its own (500, what
+/// llama-cpp-python answers a body it cannot parse), where neither the peer nor the
+/// origin has anywhere else to go, reaches the client as the engine gave it: status,
+/// body and passed headers, streamed or not, counted `engine_error` as what the client
+/// got. Before, the peer sent a plain 502 head and the client got the origin's 503
+/// "forward to b failed and no local engine".
+#[tokio::test]
+async fn a_peers_engine_answer_reaches_a_client_with_nowhere_else_to_go() {
+    let c = mesh_cluster(&["a", "b"], &[("a", "b", 150.0)], |_| String::new()).await;
+    // a's own engine is out: b is its only candidate.
+    c.nodes[0].state().engine(0).unwrap().start_draining();
+    c.engines[1].set_mode(SERVER_ERROR);
+    for stream in [false, true] {
+        let resp = post_chat(&c.nodes[0], &prompt("a bad request", 4000), stream).await;
+        assert_eq!(resp.status(), 500, "stream: {stream}");
+        assert_eq!(resp.headers()["content-type"], "application/json");
+        assert_eq!(resp.headers()["x-request-id"], "engine-request-7");
+        assert!(
+            !resp.headers().contains_key("x-gorgo-engine-answer"),
+            "the forward's own header stays between the nodes"
+        );
+        assert_eq!(resp.text().await.unwrap(), SERVER_ERROR_BODY);
+    }
+    assert_eq!(c.engines[0].requests(), 0, "a's drained engine got nothing");
+    assert_eq!(c.engines[1].requests(), 2);
+    assert_eq!(
+        requests_with_outcome(&c.nodes[0], "engine_error").await,
+        2.0
+    );
+    assert_eq!(
+        requests_with_outcome(&c.nodes[0], "engine_failed").await,
+        0.0
+    );
+    assert_eq!(requests_with_outcome(&c.nodes[0], "unavailable").await, 0.0);
+}
+
+/// A peer's engine answer is still no answer where the origin has somewhere else to
+/// go: a forward to b, whose engine answers 500, is served by c (a's own engine is
+/// out), or by a's own engine when it is in.
+#[tokio::test]
+async fn a_peers_engine_answer_is_served_elsewhere_where_the_origin_can() {
+    let c = cluster("").await;
+    let p = c.prefix_at_b(SERVER_ERROR).await;
+    assert_eq!(chat(&c.nodes[0], &p).await, (200, "a".into(), 0));
+    c.nodes[0].state().engine(0).unwrap().start_draining();
+    assert_eq!(chat(&c.nodes[0], &p).await, (200, "c".into(), 1));
+    assert_eq!(c.engines[1].requests(), 3, "b's engine answered both");
+    assert_eq!(
+        requests_with_outcome(&c.nodes[0], "engine_error").await,
+        0.0
+    );
+}
+
+/// The head of a forward whose engine answered for it is the 502 it was, which a node
+/// of the last build takes as before (it serves the request elsewhere and never reads
+/// the body), with the engine's status in the forward's own header and its passed
+/// headers; the engine's body follows it whole.
+#[tokio::test]
+async fn an_engine_answer_travels_behind_a_502_head() {
+    use gorgo_node::api::{EngineAnswer, ServeError, ENGINE_ANSWER_HEADER};
+    use tokio::io::AsyncReadExt;
+    let c = mesh_cluster(&["a"], &[], |_| String::new()).await;
+    let body = br#"{"prompt": "x"}"#.to_vec();
+    let request = forward_request("b", gorgo_core::Endpoint::Completions, body);
+    let mut ex = forward_exchange(
+        c.nodes[0].state(),
+        &forward_frame(&request).await,
+        |_, _| {
+            std::future::ready(Err(ServeError::EngineAnswered(EngineAnswer {
+                status: 500,
+                headers: vec![("x-request-id".into(), "engine-request-7".into())],
+                body: SERVER_ERROR_BODY.into(),
+            })))
+        },
+    )
+    .await;
+    assert_eq!(ex.head.status, 502);
+    let header = |name: &str| {
+        ex.head
+            .headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+    };
+    assert_eq!(header(ENGINE_ANSWER_HEADER).as_deref(), Some("500"));
+    assert_eq!(header("x-request-id").as_deref(), Some("engine-request-7"));
+    let mut rest = Vec::new();
+    ex.from_node.read_to_end(&mut rest).await.unwrap();
+    let len = SERVER_ERROR_BODY.len();
+    assert_eq!(rest[..4], (len as u32).to_be_bytes());
+    assert_eq!(&rest[4..4 + len], SERVER_ERROR_BODY.as_bytes());
+    assert_eq!(rest[4 + len..], 0u32.to_be_bytes(), "then the clean end");
+    ex.served.await.unwrap();
+}

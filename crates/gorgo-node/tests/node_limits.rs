@@ -1386,3 +1386,59 @@ async fn a_small_unread_body_keeps_its_connection() {
     }
     node.shutdown.cancel();
 }
+
+/// A completions `prompt` of `n` token ids (below 151,000, as a large vocabulary's).
+fn token_id_prompt(n: usize) -> String {
+    let ids: Vec<String> = (0..n).map(|i| (i * 7919 % 151_000).to_string()).collect();
+    format!(
+        r#"{{"model":"m","max_tokens":1,"prompt":[{}]}}"#,
+        ids.join(",")
+    )
+}
+
+/// A body of more JSON values than the node parses (scalars count: 8 MiB of `0,` is
+/// 128 MB parsed) is refused before it is parsed, with a message naming the cap, on
+/// the routed and the passed-through routes alike; a completions prompt of token ids
+/// filling a 1M-token context is routed.
+#[tokio::test]
+async fn a_body_of_too_many_json_values_is_refused_and_a_1m_token_prompt_is_not() {
+    let engine = StubEngine::start("e").await;
+    let node = start_node(config("a", &engine.url(), ""), None).await;
+    let cap = gorgo_node::validate::MAX_JSON_VALUES;
+    // The object, its 3 keys, `model`'s and `max_tokens`' values and the array: 7.
+    let zeros = format!(
+        r#"{{"model":"m","max_tokens":1,"prompt":[{}0]}}"#,
+        "0,".repeat(cap - 7)
+    );
+    for path in ["/v1/completions", "/v1/embeddings"] {
+        let resp = client()
+            .post(format!("{}{path}", node.base))
+            .header("content-type", "application/json")
+            .body(zeros.clone())
+            .send()
+            .await
+            .unwrap();
+        let (status, err) = error_of(resp).await;
+        assert_eq!(status, 400, "{path}");
+        let message = err["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains(&format!("too many JSON values: more than {cap}")),
+            "{path}: {message}"
+        );
+        assert_eq!(err["error"]["type"], "invalid_request_error", "{err}");
+    }
+    assert_eq!(engine.requests(), 0);
+    let resp = client()
+        .post(format!("{}/v1/completions", node.base))
+        .header("content-type", "application/json")
+        .body(token_id_prompt(1 << 20))
+        .send()
+        .await
+        .unwrap();
+    // The stub engine's own body limit (axum's 2 MB) may answer it; the node parsed,
+    // counted and routed it.
+    assert_ne!(resp.status(), 400, "{}", resp.text().await.unwrap());
+    let d = admin_json(&node, "/admin/decisions?limit=1").await;
+    assert_eq!(d[0]["prompt_tokens"], 1 << 20, "{d}");
+    node.shutdown.cancel();
+}

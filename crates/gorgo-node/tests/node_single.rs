@@ -2,6 +2,7 @@
 mod common;
 
 use common::*;
+use gorgo_node::metrics::EngineFailureKind;
 
 /// `cost_term_seconds` holds milliseconds over a thousand: `gorgo`'s terms are
 /// recorded, `gorgo-paper`'s, which count tokens, are not (a 4,000-token prompt showed
@@ -363,8 +364,65 @@ async fn an_engines_server_error_reaches_a_client_with_nowhere_else_to_go() {
         assert_eq!(resp.headers()["x-request-id"], "engine-request-7");
         assert_eq!(resp.text().await.unwrap(), SERVER_ERROR_BODY, "{path}");
     }
-    // Still an engine failure to the node: counted, and no answer for the breaker.
-    assert_eq!(node.state().metrics.engine_failures.get(), 2);
+    // Still an engine failure to the node, counted as the engine answering for the
+    // request (not against its breaker); and what the client got, the engine's error,
+    // is the request's outcome.
+    let metrics = &node.state().metrics;
+    assert_eq!(metrics.engine_failures_of(EngineFailureKind::Answered), 2);
+    assert_eq!(metrics.engine_failures_of(EngineFailureKind::Gateway), 0);
+    let text = metrics_text(&node).await;
+    assert_eq!(
+        metric_value(&text, r#"gorgo_engine_failures_total{kind="answered"}"#),
+        Some(2.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric_value(&text, r#"gorgo_engine_failures_total{kind="gateway"}"#),
+        Some(0.0),
+        "{text}"
+    );
+    let outcomes: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("gorgo_requests_total{"))
+        .collect();
+    assert!(
+        outcomes
+            .iter()
+            .any(|l| l.contains(r#"outcome="engine_error""#) && l.ends_with(" 2")),
+        "{outcomes:?}"
+    );
+    assert!(
+        !outcomes.iter().any(|l| l.contains("engine_failed")),
+        "{outcomes:?}"
+    );
+    node.shutdown.cancel();
+}
+
+/// An engine's own 503 passed on to a client with nowhere else to go keeps the
+/// `Retry-After` the engine sent, as it would from the engine directly: the node's own
+/// back-off (`limits.retry_after_s`) goes only on a 503 that has none.
+#[tokio::test]
+async fn an_engines_own_503_keeps_its_retry_after() {
+    let engine = StubEngine::start("e").await;
+    engine.set_mode(UNAVAILABLE);
+    let node = start_node(
+        config_with_engine("a", &engine.url(), "breaker_failures = 100\n"),
+        None,
+    )
+    .await;
+    let resp = post_chat(&node, "x", false).await;
+    assert_eq!(resp.status(), 503);
+    assert_eq!(resp.headers()["retry-after"], UNAVAILABLE_RETRY_AFTER);
+    assert_eq!(
+        resp.text().await.unwrap(),
+        r#"{"error":{"message":"engine unavailable"}}"#
+    );
+    assert_eq!(
+        node.state()
+            .metrics
+            .engine_failures_of(EngineFailureKind::Gateway),
+        1
+    );
     node.shutdown.cancel();
 }
 
@@ -844,15 +902,18 @@ async fn passthrough_server_errors_open_the_breaker() {
         "{:?}",
         adapter.breaker()
     );
-    // Each 5xx counts as an engine failure, as on the routed paths.
-    assert_eq!(node.state().metrics.engine_failures.get(), 2);
+    // Each 5xx counts as an engine failure, as on the routed paths: a 503, a gateway
+    // failure.
+    let failures = |kind| node.state().metrics.engine_failures_of(kind);
+    assert_eq!(failures(EngineFailureKind::Gateway), 2);
+    assert_eq!(failures(EngineFailureKind::Answered), 0);
     // The open breaker takes the next one unsent: the node's 503, not counted as a
     // failure.
     let resp = embed().await.unwrap();
     assert_eq!(resp.status(), 503);
     let text = resp.text().await.unwrap();
     assert!(!text.contains("engine unavailable"), "{text}");
-    assert_eq!(node.state().metrics.engine_failures.get(), 2);
+    assert_eq!(failures(EngineFailureKind::Gateway), 2);
     node.shutdown.cancel();
 }
 

@@ -51,6 +51,8 @@ pub const HEAD_THEN_HANG: u8 = 10;
 /// Answer the native routes, chat and completions 503 (an engine that cannot serve:
 /// a gateway failure, which counts against the breaker).
 pub const UNAVAILABLE: u8 = 11;
+/// The `Retry-After` of an `UNAVAILABLE` answer (not the node's default of 1).
+pub const UNAVAILABLE_RETRY_AFTER: &str = "7";
 
 /// A stub OpenAI-compatible engine whose load and behaviour the test sets.
 pub struct StubEngine {
@@ -281,11 +283,12 @@ fn server_error() -> Response {
         .unwrap()
 }
 
-/// The answer of an engine in `UNAVAILABLE` mode.
+/// The answer of an engine in `UNAVAILABLE` mode, with the back-off it asks for.
 fn unavailable() -> Response {
     Response::builder()
         .status(503)
         .header("content-type", "application/json")
+        .header("retry-after", UNAVAILABLE_RETRY_AFTER)
         .body(Body::from(r#"{"error":{"message":"engine unavailable"}}"#))
         .unwrap()
 }
