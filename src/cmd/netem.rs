@@ -1,7 +1,7 @@
 //! `gorgo netem`: runs every user-space WAN relay a topology calls for (one
 //! client TCP relay per region, one UDP relay in front of each node) on the
-//! loopback plan of `gorgo_netem::plan_cluster`, and the control API that cuts
-//! and heals their links, until Ctrl-C or SIGTERM.
+//! loopback plan of `gorgo_netem::plan_cluster`, and the control API that cuts,
+//! heals and reshapes their links, until Ctrl-C or SIGTERM.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -22,8 +22,9 @@ pub struct NetemArgs {
     #[arg(long, default_value_t = PlanOptions::default().base_port)]
     pub base_port: u16,
     /// Address of the control API (`POST /partition?a=X&b=Y`, `POST /heal?a=X&b=Y`,
-    /// `GET /links`); default: the plan's `control_addr`, base port + 6 on region
-    /// 0's address. A loopback address: the API takes no token.
+    /// `POST /shape?a=X&b=Y&delay_ms=D&rate_mbps=R&loss=L`, `GET /links`); default:
+    /// the plan's `control_addr`, base port + 6 on region 0's address. A loopback
+    /// address: the API takes no token.
     #[arg(long)]
     pub control: Option<SocketAddr>,
     /// Seed of every relay's loss and jitter draws.
@@ -83,7 +84,7 @@ pub fn run(args: NetemArgs) -> anyhow::Result<()> {
                 relay.target
             );
         }
-        tellln!("control API: http://{control_addr} (POST /partition?a=X&b=Y, POST /heal?a=X&b=Y, GET /links)");
+        tellln!("control API: http://{control_addr} (POST /partition?a=X&b=Y, POST /heal?a=X&b=Y, POST /shape?a=X&b=Y&delay_ms=D, GET /links)");
         tellln!("relays running; Ctrl-C to stop");
         // A relay that stopped on its own (its socket failed) would leave its link
         // silently dead: the run stops with an error instead.

@@ -30,6 +30,14 @@ pub enum NetemError {
     /// A link that cannot be cut or healed (a region paired with itself).
     #[error("link {0}")]
     Link(String),
+    /// A control API parameter (a link change) with a value that makes no sense.
+    #[error("parameter `{field}`: {reason}")]
+    Param {
+        /// The parameter, as the API names it.
+        field: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The cluster plan does not fit in the address or port space.
     #[error("cluster plan: {0}")]
     Plan(String),
@@ -54,6 +62,13 @@ pub enum NetemError {
 impl NetemError {
     pub(crate) fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
         NetemError::Invalid {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn param(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        NetemError::Param {
             field: field.into(),
             reason: reason.into(),
         }

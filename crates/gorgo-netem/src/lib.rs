@@ -6,8 +6,8 @@
 //! Layers: [`Topology`] (the file), [`LinkShaper`] (sans-IO: a packet and
 //! `now` in, a delivery time or a drop out), [`UdpRelay`] / [`TcpRelay`]
 //! (thin tokio drivers), [`plan_cluster`] / [`NetemCluster`] (a whole local
-//! cluster on loopback addresses), [`LinkTable`] / [`serve_control`] (cutting
-//! and healing its links while it runs).
+//! cluster on loopback addresses), [`LinkTable`] / [`serve_control`] (cutting,
+//! healing and reshaping its links while it runs).
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
 
@@ -22,10 +22,13 @@ mod tcp;
 mod topology;
 mod udp;
 
-pub use control::{serve_control, LinkChange, LinkStatus, LinkTable, CLIENTS, MAX_URI_BYTES};
+pub use control::{
+    serve_control, DirectionStatus, LinkChange, LinkShape, LinkStatus, LinkTable, CLIENTS,
+    MAX_URI_BYTES,
+};
 pub use error::NetemError;
 pub use link::{
-    DuplexLink, LinkParams, LinkShaper, Mode, Verdict, DATAGRAM_OVERHEAD_BYTES,
+    DuplexLink, LinkParams, LinkShaper, Mode, SharedLinkParams, Verdict, DATAGRAM_OVERHEAD_BYTES,
     DEFAULT_QUEUE_LIMIT_BYTES,
 };
 pub use plan::{

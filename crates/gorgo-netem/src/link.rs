@@ -3,10 +3,12 @@
 //! The relays are thin drivers around [`LinkShaper`]; tests drive it with
 //! made-up instants.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use tokio::sync::watch;
 
 use crate::relay::LinkGate;
 
@@ -60,25 +62,100 @@ impl LinkParams {
     }
 }
 
+/// The parameters of one link direction, shared by every shaper that carries
+/// it (clones share them, as [`LinkGate`] clones share the gate).
+///
+/// It exists so the control API can make a link slower or faster while the
+/// relays run: a change applies to what is admitted after it (datagrams and
+/// stream chunks already queued keep their delivery time), and, as the link
+/// never reorders without jitter, a shorter delay shows once what was sent
+/// before it has arrived.
+#[derive(Clone, Debug)]
+pub struct SharedLinkParams {
+    params: Arc<watch::Sender<LinkParams>>,
+}
+
+impl SharedLinkParams {
+    /// A direction that starts with `params`.
+    pub fn new(params: LinkParams) -> Self {
+        SharedLinkParams {
+            params: Arc::new(watch::Sender::new(params)),
+        }
+    }
+
+    /// The parameters now.
+    pub fn get(&self) -> LinkParams {
+        self.params.borrow().clone()
+    }
+
+    /// Changes the parameters with `change`; returns whether they changed.
+    pub fn update(&self, change: impl FnOnce(&mut LinkParams)) -> bool {
+        self.params.send_if_modified(|params| {
+            let before = params.clone();
+            change(params);
+            *params != before
+        })
+    }
+
+    /// A shaper for one flow of this direction that follows its changes.
+    pub(crate) fn shaper(&self, mode: Mode, seed: u64) -> LiveShaper {
+        let mut params = self.params.subscribe();
+        let shaper = LinkShaper::new(params.borrow_and_update().clone(), mode, seed);
+        LiveShaper { shaper, params }
+    }
+}
+
+impl From<LinkParams> for SharedLinkParams {
+    fn from(params: LinkParams) -> Self {
+        SharedLinkParams::new(params)
+    }
+}
+
+/// A [`LinkShaper`] that takes its direction's [`SharedLinkParams`] as they
+/// change: the relays' shaper, while `LinkShaper` stays a pure state machine.
+#[derive(Debug)]
+pub(crate) struct LiveShaper {
+    shaper: LinkShaper,
+    params: watch::Receiver<LinkParams>,
+}
+
+impl LiveShaper {
+    /// [`LinkShaper::admit`] under the direction's parameters now.
+    pub(crate) fn admit(&mut self, now: Instant, len: usize) -> Verdict {
+        // An error means every `SharedLinkParams` is gone: nothing can change.
+        if self.params.has_changed().unwrap_or(false) {
+            let params = self.params.borrow_and_update().clone();
+            self.shaper.set_params(params);
+        }
+        self.shaper.admit(now, len)
+    }
+
+    /// [`LinkShaper::release`].
+    pub(crate) fn release(&mut self, len: usize) {
+        self.shaper.release(len);
+    }
+}
+
 /// Both directions of a relayed path: towards the relay's target and back, and
 /// the switch that can cut it.
 #[derive(Clone, Debug)]
 pub struct DuplexLink {
     /// Source (the relay's client) to target.
-    pub to_target: LinkParams,
+    pub to_target: SharedLinkParams,
     /// Target's replies back to the source.
-    pub to_source: LinkParams,
+    pub to_source: SharedLinkParams,
     /// Up or cut (a partition); clones of a link share it, so one switch can cut
     /// both relays a pair of regions talks through.
     pub gate: LinkGate,
 }
 
 impl DuplexLink {
-    /// The same parameters in both directions, with a gate of its own (up).
+    /// The same parameters in both directions (each direction its own, so a
+    /// change to one leaves the other), with a gate of its own (up).
     pub fn symmetric(link: LinkParams) -> Self {
         DuplexLink {
-            to_target: link.clone(),
-            to_source: link,
+            to_target: SharedLinkParams::new(link.clone()),
+            to_source: SharedLinkParams::new(link),
             gate: LinkGate::default(),
         }
     }
@@ -133,6 +210,16 @@ impl LinkShaper {
     /// The link parameters this shaper applies.
     pub fn params(&self) -> &LinkParams {
         &self.params
+    }
+
+    /// Applies `params` from the next [`admit`](Self::admit) on. What was
+    /// admitted before keeps its delivery time, and the wire and order state
+    /// carry over: a new rate serialises behind what is still on the wire, and
+    /// where the link keeps order a shorter delay delivers nothing before what
+    /// was admitted earlier. The queue budget counts on (what is queued was
+    /// charged under the old one).
+    pub fn set_params(&mut self, params: LinkParams) {
+        self.params = params;
     }
 
     /// In [`Mode::Datagram`], bytes charged for datagrams admitted and not yet
@@ -295,6 +382,36 @@ mod tests {
             assert!(matches!(s.admit(now, usize::MAX / 2), Verdict::Deliver(_)));
         }
         assert_eq!(s.queued_bytes(), 0);
+    }
+
+    /// New parameters apply from the next admit; what was admitted keeps its
+    /// time, and a shorter delay does not let a stream chunk overtake.
+    #[test]
+    fn new_params_apply_to_what_is_admitted_after() {
+        let now = Instant::now();
+        let ms = Duration::from_millis;
+        let shared = SharedLinkParams::new(LinkParams::delay_only(ms(100)));
+        let mut s = shared.shaper(Mode::Stream, 1);
+        assert_eq!(s.admit(now, 10), Verdict::Deliver(now + ms(100)));
+        assert!(shared.update(|p| p.delay = ms(10)));
+        assert!(!shared.update(|p| p.delay = ms(10)), "no change");
+        let later = now + ms(50);
+        // Due at 60 ms, but a stream keeps order: not before the first chunk.
+        assert_eq!(s.admit(later, 10), Verdict::Deliver(now + ms(100)));
+        assert_eq!(s.admit(now + ms(200), 10), Verdict::Deliver(now + ms(210)));
+        // A rate set later serialises what comes after: 1000 bytes at 8 Mbit/s.
+        shared.update(|p| p.rate_bps = Some(8_000_000));
+        assert_eq!(
+            s.admit(now + ms(300), 1000),
+            Verdict::Deliver(now + ms(311))
+        );
+        // Loss: a datagram shaper made before the change loses about half after it.
+        let mut d = shared.shaper(Mode::Datagram, 2);
+        shared.update(|p| p.loss = 0.5);
+        let lost = (0..1000)
+            .filter(|_| d.admit(now, 0) == Verdict::Lost)
+            .count();
+        assert!((400..=600).contains(&lost), "lost {lost} of 1000 at 50%");
     }
 
     proptest! {

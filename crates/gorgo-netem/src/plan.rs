@@ -26,7 +26,6 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use serde::Serialize;
 
 use crate::control::LinkTable;
-use crate::link::DuplexLink;
 use crate::relay::{RelayCounters, RelayHandle};
 use crate::tcp::TcpRelay;
 use crate::topology::Topology;
@@ -175,8 +174,9 @@ pub struct ClusterRelay {
 pub struct NetemCluster {
     /// Every relay, client relays first.
     pub relays: Vec<ClusterRelay>,
-    /// The gate of every link: regions a and b share one (it drops a's
-    /// datagrams at b's relay and b's at a's), each region's clients have one.
+    /// The gate and parameters of every link: regions a and b share one (it
+    /// drops a's datagrams at b's relay and b's at a's, and a change of its
+    /// delay reaches both relays), each region's clients have one.
     pub links: LinkTable,
 }
 
@@ -189,15 +189,12 @@ impl NetemCluster {
         seed: u64,
     ) -> Result<Self, NetemError> {
         let mut relays = Vec::new();
-        let links = LinkTable::new(plan.regions.iter().map(|r| r.name.clone()).collect());
+        let links = LinkTable::new(topology);
         for (a, region) in plan.regions.iter().enumerate() {
             let handle = TcpRelay::start(
                 region.client_addr,
                 region.node_http_addr,
-                DuplexLink {
-                    gate: links.gate(a, None).clone(),
-                    ..DuplexLink::symmetric(topology.client_link(a))
-                },
+                links.client_link(a),
                 seed ^ (a as u64 + 1),
             )
             .await?;
@@ -212,12 +209,7 @@ impl NetemCluster {
             let mut routes = SourceRoutes::default();
             for (a, peer) in plan.regions.iter().enumerate() {
                 if a != b {
-                    let link = DuplexLink {
-                        to_target: topology.link(a, b),
-                        to_source: topology.link(b, a),
-                        gate: links.gate(a, Some(b)).clone(),
-                    };
-                    routes.by_ip.push((peer.ip, link));
+                    routes.by_ip.push((peer.ip, links.peer_link(a, b)));
                 }
             }
             let handle = UdpRelay::start_routed(

@@ -10,7 +10,9 @@
 //! only what flows towards it: the other direction still delivers what it holds,
 //! then its end (a half-close), and what the live side still sends is read and
 //! dropped until it closes, as a client still uploading to a server that answered
-//! and reset gets the answer first. `reset_grace` bounds how long that lasts.
+//! and reset gets the answer first. `reset_grace` bounds how long that lasts past
+//! the time the relay's last held chunk is due (on a slow link, long after the
+//! reset).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -19,11 +21,11 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::link::{DuplexLink, LinkParams, LinkShaper, Mode, Verdict};
+use crate::link::{DuplexLink, Mode, SharedLinkParams, Verdict};
 use crate::relay::{now, wake_at, RelayHandle, RelayStats};
 use crate::NetemError;
 
@@ -40,10 +42,12 @@ pub struct TcpRelayOptions {
     /// `[1, u32::MAX]`: a chunk takes its length in credit at once.
     pub chunk_size: usize,
     /// Once one side of a connection is gone (reset, or a write to it failed), how
-    /// long beyond the links' delay and jitter the other side has to take what the
-    /// relay holds for it and to close; then the connection is cut (5 s by default).
-    /// Without a bound a client that neither reads nor closes would hold the
-    /// connection's task forever.
+    /// long the other side has, past the time the last chunk the relay holds for it
+    /// is due (delay, jitter and rate included), to take what it holds and to
+    /// close; then the connection is cut (5 s by default). Counted from when the
+    /// held data is due, not from the loss, so a backlog that a slow link takes
+    /// longer than this to carry is delivered whole; without a bound a client
+    /// that neither reads nor closes would hold the connection's task forever.
     pub reset_grace: Duration,
 }
 
@@ -231,6 +235,8 @@ async fn relay_connection(
     let (upstream_read, upstream_write) = upstream.into_split();
     let client_gone = CancellationToken::new();
     let target_gone = CancellationToken::new();
+    // When the last chunk each direction holds for its writer's side is due.
+    let (forward_held, backward_held) = (watch::Sender::new(None), watch::Sender::new(None));
     let forward = pipe(
         client_read,
         upstream_write,
@@ -242,6 +248,7 @@ async fn relay_connection(
         Sides {
             reader_gone: &client_gone,
             writer_gone: &target_gone,
+            held_until: &forward_held,
         },
     );
     let backward = pipe(
@@ -255,25 +262,44 @@ async fn relay_connection(
         Sides {
             reader_gone: &target_gone,
             writer_gone: &client_gone,
+            held_until: &backward_held,
         },
     );
     let both = async {
         let (a, b) = tokio::join!(forward, backward);
         a.and(b)
     };
-    // Once a side is gone, what the relay holds for the other is due within the links'
-    // delay and jitter; the grace bounds a side that takes nothing or never closes.
-    let due = [&link.to_target, &link.to_source]
-        .map(|p| p.delay.saturating_add(p.jitter))
-        .into_iter()
-        .max()
-        .unwrap_or_default();
+    // Once a side is gone, the grace runs from when the last chunk held for a live
+    // side is due (later if a direction admits more), or from the loss if that is
+    // later: it bounds a side that takes nothing or never closes, not a backlog
+    // that the link is still carrying.
     let cut = async {
         tokio::select! {
             _ = client_gone.cancelled() => {}
             _ = target_gone.cancelled() => {}
         }
-        tokio::time::sleep(due.saturating_add(options.reset_grace)).await;
+        let gone_at = now();
+        let (mut forward, mut backward) = (forward_held.subscribe(), backward_held.subscribe());
+        loop {
+            let from = [(&mut forward, &target_gone), (&mut backward, &client_gone)]
+                .into_iter()
+                .filter_map(|(held, writer_gone)| {
+                    // Marked seen either way, or `changed` would wake at once again.
+                    let due = *held.borrow_and_update();
+                    due.filter(|_| !writer_gone.is_cancelled())
+                })
+                .fold(gone_at, Instant::max);
+            // `sleep` takes any length (an absurd grace waits "forever").
+            let wait = from
+                .saturating_duration_since(now())
+                .saturating_add(options.reset_grace);
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => break,
+                // The senders outlive this future, so `changed` cannot fail.
+                Ok(()) = forward.changed() => {}
+                Ok(()) = backward.changed() => {}
+            }
+        }
     };
     tokio::select! {
         r = both => r,
@@ -291,10 +317,31 @@ struct Chunk {
 }
 
 /// The sides of one direction of a connection: each cancelled once its socket is
-/// gone (a read from it or a write to it failed), seen by both directions.
+/// gone (a read from it or a write to it failed), seen by both directions; and
+/// when the last chunk this direction holds for its writer's side is due, from
+/// which `reset_grace` runs.
 struct Sides<'a> {
     reader_gone: &'a CancellationToken,
     writer_gone: &'a CancellationToken,
+    held_until: &'a watch::Sender<Option<Instant>>,
+}
+
+impl Sides<'_> {
+    /// A chunk (or the end of the stream) due at `due` was queued for the writer's
+    /// side: it raises `held_until` while that side is there to take it (what the
+    /// relay drops for a side that is gone holds nothing up).
+    fn holding(&self, due: Instant) {
+        if self.writer_gone.is_cancelled() {
+            return;
+        }
+        self.held_until.send_if_modified(|held| {
+            let later = held.is_none_or(|h| due > h);
+            if later {
+                *held = Some(due);
+            }
+            later
+        });
+    }
 }
 
 /// Reads what `reader` has (up to `buf.len()` bytes) and returns a copy of
@@ -318,7 +365,7 @@ async fn read_chunk(
 async fn pipe(
     mut reader: impl AsyncRead + Unpin,
     mut writer: impl AsyncWrite + Unpin,
-    params: &LinkParams,
+    params: &SharedLinkParams,
     seed: u64,
     options: &TcpRelayOptions,
     stats: &RelayStats,
@@ -329,12 +376,13 @@ async fn pipe(
     // most MAX_PERMITS (2^61 bytes), above which `Semaphore::new` panics: a
     // larger budget (usize::MAX as "unlimited") is no tighter than that.
     let budget = params
+        .get()
         .queue_limit_bytes
         .max(options.chunk_size)
         .min(Semaphore::MAX_PERMITS);
     let credit = Semaphore::new(budget);
     let (tx, mut rx) = mpsc::unbounded_channel::<Chunk>();
-    let mut shaper = LinkShaper::new(params.clone(), Mode::Stream, seed);
+    let mut shaper = params.shaper(Mode::Stream, seed);
 
     let read_side = async {
         // One buffer for every read: each chunk queued is a copy of just the
@@ -358,6 +406,7 @@ async fn pipe(
                     Verdict::Deliver(due) => due,
                     _ => now(),
                 };
+                sides.holding(due);
                 let _ = tx.send(Chunk { due, data: None });
                 return Ok::<(), std::io::Error>(());
             }
@@ -376,6 +425,7 @@ async fn pipe(
                 Verdict::Deliver(due) => due,
                 _ => now(),
             };
+            sides.holding(due);
             if tx
                 .send(Chunk {
                     due,

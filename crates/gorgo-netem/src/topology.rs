@@ -26,6 +26,10 @@ use crate::NetemError;
 
 /// Largest delay, jitter or client delay accepted, in ms: anything above is a typo.
 pub(crate) const MAX_DELAY_MS: f64 = 60_000.0;
+/// Slowest link rate accepted, in Mbit/s (1 kbit/s).
+pub(crate) const MIN_RATE_MBPS: f64 = 0.001;
+/// Fastest link rate accepted, in Mbit/s (1 Tbit/s).
+pub(crate) const MAX_RATE_MBPS: f64 = 1_000_000.0;
 /// Most regions a topology may list (the loopback plan gives each one an address).
 pub const MAX_REGIONS: usize = 64;
 /// Longest region name: names become namespace and file names.
@@ -93,13 +97,24 @@ pub struct Topology {
 /// Whether `value` is a finite number in `[lo, hi]`; the error names `field`.
 /// Shared with the sphere generator, so it makes only what this loader reads.
 pub(crate) fn check_range(field: &str, value: f64, lo: f64, hi: f64) -> Result<(), NetemError> {
-    if !value.is_finite() || value < lo || value > hi {
-        return Err(NetemError::invalid(
-            field,
-            format!("must be a number in [{lo}, {hi}], got {value}"),
-        ));
+    match out_of_range(value, lo, hi) {
+        Some(reason) => Err(NetemError::invalid(field, reason)),
+        None => Ok(()),
     }
-    Ok(())
+}
+
+/// Why `value` is not a finite number in `[lo, hi]`; `None` when it is. The
+/// reason alone, for the loader and the control API to name their own field.
+pub(crate) fn out_of_range(value: f64, lo: f64, hi: f64) -> Option<String> {
+    (!value.is_finite() || value < lo || value > hi)
+        .then(|| format!("must be a number in [{lo}, {hi}], got {value}"))
+}
+
+/// Why `loss` is not a fraction in `[0, 1)` (1 would drop everything: a
+/// partition is the way to do that); `None` when it is.
+pub(crate) fn bad_loss(loss: f64) -> Option<String> {
+    (!(loss.is_finite() && (0.0..1.0).contains(&loss)))
+        .then(|| format!("must be a fraction in [0, 1), got {loss}"))
 }
 
 impl Topology {
@@ -191,14 +206,11 @@ impl Topology {
             0.0,
             MAX_DELAY_MS,
         )?;
-        if !(raw.network.loss.is_finite() && (0.0..1.0).contains(&raw.network.loss)) {
-            return Err(NetemError::invalid(
-                "network.loss",
-                format!("must be a fraction in [0, 1), got {}", raw.network.loss),
-            ));
+        if let Some(reason) = bad_loss(raw.network.loss) {
+            return Err(NetemError::invalid("network.loss", reason));
         }
         if let Some(rate) = raw.network.rate_mbps {
-            check_range("network.rate_mbps", rate, 0.001, 1_000_000.0)?;
+            check_range("network.rate_mbps", rate, MIN_RATE_MBPS, MAX_RATE_MBPS)?;
         }
         let queue_limit_bytes = match raw.network.queue_limit_kib {
             None => DEFAULT_QUEUE_LIMIT_BYTES,
@@ -285,7 +297,7 @@ impl Topology {
             delay: ms(self.one_way_ms[a][b]),
             jitter: ms(self.jitter_ms),
             loss: self.loss,
-            rate_bps: self.rate_mbps.map(|m| (m * 1e6) as u64),
+            rate_bps: self.rate_mbps.map(mbps_to_bps),
             queue_limit_bytes: self.queue_limit_bytes,
         }
     }
@@ -302,8 +314,14 @@ impl Topology {
     }
 }
 
-fn ms(v: f64) -> Duration {
+/// A delay in ms (validated: finite, not negative) as a `Duration`.
+pub(crate) fn ms(v: f64) -> Duration {
     Duration::from_secs_f64(v / 1000.0)
+}
+
+/// A rate in Mbit/s (validated) in bits per second, as `LinkParams` takes it.
+pub(crate) fn mbps_to_bps(mbps: f64) -> u64 {
+    (mbps * 1e6) as u64
 }
 
 impl std::str::FromStr for Topology {

@@ -24,7 +24,7 @@ use tokio::net::UdpSocket;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::link::{DuplexLink, LinkShaper, Mode, Verdict};
+use crate::link::{DuplexLink, LiveShaper, Mode, Verdict};
 use crate::relay::{is_due, now, wake_at, LinkGate, RelayHandle, RelayStats};
 use crate::NetemError;
 
@@ -266,7 +266,7 @@ struct Forwarder {
     target: SocketAddr,
     upstream_ip: IpAddr,
     /// One shaper per link (source IP or default), shared by its sessions.
-    shapers: HashMap<LinkKey, LinkShaper>,
+    shapers: HashMap<LinkKey, LiveShaper>,
     routes: SourceRoutes,
     seed: u64,
     options: UdpRelayOptions,
@@ -355,7 +355,7 @@ impl Forwarder {
         let shaper = self
             .shapers
             .entry(key)
-            .or_insert_with(|| LinkShaper::new(link.to_target.clone(), Mode::Datagram, seed));
+            .or_insert_with(|| link.to_target.shaper(Mode::Datagram, seed));
         match shaper.admit(now(), payload.len()) {
             Verdict::Deliver(due) => self.queue.push(due, key, payload, upstream, None),
             Verdict::Lost => self.stats.add(&self.stats.lost, 1),
@@ -394,8 +394,7 @@ impl Forwarder {
             upstream: upstream.clone(),
             listen: self.listen.clone(),
             source,
-            shaper: LinkShaper::new(
-                to_source,
+            shaper: to_source.shaper(
                 Mode::Datagram,
                 self.seed ^ (opened + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15),
             ),
@@ -467,7 +466,7 @@ struct Reverse {
     upstream: Arc<UdpSocket>,
     listen: Arc<UdpSocket>,
     source: SocketAddr,
-    shaper: LinkShaper,
+    shaper: LiveShaper,
     /// The source's link's gate: replies are dropped while it is down.
     gate: LinkGate,
     last_active_ms: Arc<AtomicU64>,

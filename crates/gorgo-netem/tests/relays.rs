@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use gorgo_core::sketch::percentile;
 use gorgo_netem::{
-    plan_cluster, serve_control, ClusterPlan, DuplexLink, LinkGate, LinkParams, NetemCluster,
-    PlanOptions, SourceRoutes, TcpRelay, TcpRelayOptions, Topology, UdpRelay, UdpRelayOptions,
-    CLIENTS,
+    plan_cluster, serve_control, ClusterPlan, DuplexLink, LinkGate, LinkParams, LinkShape,
+    LinkTable, NetemCluster, PlanOptions, SourceRoutes, TcpRelay, TcpRelayOptions, Topology,
+    UdpRelay, UdpRelayOptions, CLIENTS,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
@@ -509,6 +509,182 @@ async fn tcp_a_client_that_takes_nothing_after_a_failed_write_is_cut() {
     .expect("test timed out");
 }
 
+/// The rate of the slow link in the `reset_grace` tests: 512 KiB take 4.2 s on it.
+const SLOW_LINK_BPS: u64 = 1_000_000;
+
+/// A relay over a 10 ms, 1 Mbit/s link to a target that answers `reply` bytes
+/// to a one-byte request and then resets the connection, once the relay has
+/// read them all (the link still holds most of them). Returns the relay and its
+/// client, which has read nothing and never closes.
+async fn slow_reply_then_reset(
+    reply: usize,
+    reset_grace: Duration,
+) -> (gorgo_netem::RelayHandle, TcpStream) {
+    let target = TcpListener::bind(localhost()).await.unwrap();
+    let link = LinkParams {
+        rate_bps: Some(SLOW_LINK_BPS),
+        ..LinkParams::delay_only(Duration::from_millis(10))
+    };
+    let options = TcpRelayOptions {
+        reset_grace,
+        ..TcpRelayOptions::default()
+    };
+    let relay = TcpRelay::start_with(
+        localhost(),
+        target.local_addr().unwrap(),
+        DuplexLink::symmetric(link),
+        4,
+        options,
+    )
+    .await
+    .unwrap();
+    let mut client = TcpStream::connect(relay.local_addr()).await.unwrap();
+    let (mut upstream, _) = target.accept().await.unwrap();
+    // A request through the relay first: the relay has set the connection up
+    // (a reset before that fails its setup, which ends it at once).
+    client.write_all(b"?").await.unwrap();
+    upstream.read_exact(&mut [0u8; 1]).await.unwrap();
+    upstream.write_all(&vec![7u8; reply]).await.unwrap();
+    relay
+        .stats()
+        .wait_until(|c| c.bytes_in >= reply as u64)
+        .await;
+    upstream.set_zero_linger().unwrap();
+    drop(upstream);
+    (relay, client)
+}
+
+/// `reset_grace` runs from when what the relay holds is due, not from the reset:
+/// a reply that a slow link takes four graces to carry reaches the client whole
+/// after the target's reset, and the connection, whose client never closes, is
+/// cut a grace after the reply's last byte was due. Before, the cut came a grace
+/// after the reset, with most of the reply still held. Paused clock: the link's
+/// seconds pass at once, in order.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn tcp_a_slow_links_backlog_outlasts_the_reset_grace() {
+    let (reply, grace) = (512 * 1024, Duration::from_secs(1));
+    let on_the_wire = Duration::from_secs_f64(reply as f64 * 8.0 / SLOW_LINK_BPS as f64);
+    assert!(on_the_wire > 4 * grace);
+    let start = Instant::now();
+    let (relay, mut client) = slow_reply_then_reset(reply, grace).await;
+    let mut got = Vec::new();
+    let _ = client.read_to_end(&mut got).await;
+    assert_eq!(got.len(), reply, "the whole reply, then its end");
+    relay.stats().wait_until(|c| c.flows_active == 0).await;
+    let cut_after = start.elapsed();
+    assert!(
+        cut_after >= on_the_wire + grace && cut_after < on_the_wire + 2 * grace,
+        "cut {cut_after:?} after the start; the reply was due by {on_the_wire:?}"
+    );
+    relay.shutdown().await;
+    drop(client);
+}
+
+/// With nothing held, a connection whose target reset and whose client neither
+/// reads nor closes is cut a grace (and the link's delay) after the reset.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn tcp_a_silent_connection_is_cut_after_the_reset_grace() {
+    let grace = Duration::from_secs(1);
+    let (relay, client) = slow_reply_then_reset(0, grace).await;
+    let reset_at = Instant::now();
+    relay.stats().wait_until(|c| c.flows_active == 0).await;
+    let cut_after = reset_at.elapsed();
+    assert!(
+        cut_after >= grace && cut_after < grace + Duration::from_millis(100),
+        "cut {cut_after:?} after the reset"
+    );
+    relay.shutdown().await;
+    drop(client);
+}
+
+/// How far a delivery on the paused clock may land from its delay: the relays
+/// wake up to their 0.9 ms timer lead early, on 1 ms timer ticks.
+const PAUSED_SLACK: Duration = Duration::from_millis(2);
+
+fn assert_took(took: Duration, expected_ms: u64, what: &str) {
+    let expected = Duration::from_millis(expected_ms);
+    assert!(
+        took + PAUSED_SLACK >= expected && took <= expected + PAUSED_SLACK,
+        "{what}: took {took:?}, expected {expected:?}"
+    );
+}
+
+/// A link's delay changed through the `LinkTable` while relays run applies to
+/// what is sent after the change: a's datagrams through b's UDP relay (a -> b)
+/// and a's clients' bytes through its client TCP relay. Paused clock: the
+/// delays are measured exactly, with no waiting.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_shaped_links_new_delay_applies_to_what_is_sent_after() {
+    let topology = Topology::from_toml(
+        r#"
+        [[regions]]
+        name = "a"
+        client_delay_ms = 2
+        [[regions]]
+        name = "b"
+        client_delay_ms = 3
+        [one_way_ms]
+        a = { b = 10 }
+        b = { a = 12 }
+    "#,
+    )
+    .unwrap();
+    let table = LinkTable::new(&topology);
+    let slow = |ms: f64| LinkShape {
+        delay_ms: Some(ms),
+        ..LinkShape::default()
+    };
+
+    let node_b = UdpSocket::bind(localhost()).await.unwrap();
+    let relay_b = UdpRelay::start_with(
+        localhost(),
+        node_b.local_addr().unwrap(),
+        table.peer_link(0, 1),
+        1,
+        UdpRelayOptions::default(),
+    )
+    .await
+    .unwrap();
+    let node_a = UdpSocket::bind(localhost()).await.unwrap();
+    let one_way = async |payload: &[u8]| {
+        let sent = Instant::now();
+        node_a.send_to(payload, relay_b.local_addr()).await.unwrap();
+        assert_eq!(recv(&node_b).await.0, payload);
+        sent.elapsed()
+    };
+    assert_took(one_way(b"before").await, 10, "a -> b from the topology");
+    let change = table.shape("b", "a", &slow(250.0)).unwrap();
+    assert!(change.changed);
+    assert_took(one_way(b"after").await, 250, "a -> b shaped");
+    table.shape("a", "b", &slow(0.0)).unwrap();
+    assert_took(one_way(b"back to fast").await, 0, "a -> b shaped again");
+    relay_b.shutdown().await;
+
+    let ingress = TcpListener::bind(localhost()).await.unwrap();
+    let relay = TcpRelay::start(
+        localhost(),
+        ingress.local_addr().unwrap(),
+        table.client_link(0),
+        2,
+    )
+    .await
+    .unwrap();
+    let mut client = TcpStream::connect(relay.local_addr()).await.unwrap();
+    let (mut node, _) = ingress.accept().await.unwrap();
+    let mut upload = async |byte: u8| {
+        let sent = Instant::now();
+        client.write_all(&[byte]).await.unwrap();
+        let mut got = [0u8; 1];
+        node.read_exact(&mut got).await.unwrap();
+        assert_eq!(got[0], byte);
+        sent.elapsed()
+    };
+    assert_took(upload(1).await, 2, "clients -> a from the topology");
+    table.shape(CLIENTS, "a", &slow(100.0)).unwrap();
+    assert_took(upload(2).await, 100, "clients -> a shaped");
+    relay.shutdown().await;
+}
+
 /// `usize::MAX` as "unlimited" (queue budget and connection limit) relays
 /// like any other limit, and the connection stops counting as active once it
 /// closes.
@@ -808,7 +984,8 @@ async fn http(addr: SocketAddr, request_line: &str, extra: &str) -> (u16, serde_
 
 /// A planned three-region cluster (lan.toml) with its control API: partitioning
 /// a from b drops a's datagrams at b's relay (and only those: c still reaches b),
-/// healing lets them through again; bad requests get errors naming what is wrong.
+/// healing lets them through again; shaping a - b changes both its directions
+/// (and only its own); bad requests get errors naming what is wrong.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_api_partitions_and_heals_a_planned_cluster() {
     let topology = Topology::from_file(concat!(
@@ -909,6 +1086,82 @@ async fn control_api_partitions_and_heals_a_planned_cluster() {
         let (status, _) = http(api, &long, "").await;
         assert_eq!(status, 414);
         assert!(cluster.links.links().iter().all(|l| l.up));
+
+        // Shaping: a - b slower, both ways, in the answer and in /links.
+        let shape = format!("POST /shape?a={a}&b={b}&delay_ms=150&rate_mbps=10&loss=0.02");
+        let (status, body) = http(api, &shape, "").await;
+        assert_eq!((status, &body["changed"]), (200, &true.into()), "{body}");
+        for dir in ["a_to_b", "b_to_a"] {
+            let d = &body[dir];
+            assert_eq!(
+                (&d["delay_ms"], &d["rate_mbps"], &d["loss"]),
+                (&150.0.into(), &10.0.into(), &0.02.into()),
+                "{body}"
+            );
+        }
+        let (_, links) = http(api, "GET /links", "").await;
+        assert_eq!(links["links"][0]["b"], b, "{links}");
+        assert_eq!(links["links"][0]["b_to_a"]["delay_ms"], 150.0, "{links}");
+        assert_eq!(
+            links["links"][1]["a_to_b"]["delay_ms"], 1.0,
+            "a - c as it was: {links}"
+        );
+        let (status, body) = http(
+            api,
+            &format!("POST /shape?b={a}&a={b}&rate_mbps=unlimited"),
+            "",
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(
+            body["a_to_b"]["rate_mbps"],
+            serde_json::Value::Null,
+            "{body}"
+        );
+        let (status, body) = http(
+            api,
+            &format!("POST /shape?a={a}&b={CLIENTS}&delay_ms=40"),
+            "",
+        )
+        .await;
+        assert_eq!(
+            (status, &body["b_to_a"]["delay_ms"]),
+            (200, &40.0.into()),
+            "{body}"
+        );
+        // Bad values are refused naming the parameter, and change nothing.
+        let before = http(api, "GET /links", "").await.1;
+        for (query, names) in [
+            (format!("a={a}&b={b}&delay_ms=-5"), "`delay_ms`"),
+            (format!("a={a}&b={b}&delay_ms=NaN"), "`delay_ms`"),
+            (format!("a={a}&b={b}&delay_ms=1e9"), "`delay_ms`"),
+            (
+                format!("a={a}&b={b}&delay_ms=slow"),
+                "`slow` is not a number",
+            ),
+            (format!("a={a}&b={b}&rate_mbps=0"), "`rate_mbps`"),
+            (format!("a={a}&b={b}&loss=1"), "`loss`"),
+            (format!("a={a}&b={CLIENTS}&loss=0.1"), "TCP"),
+            (format!("a={a}&b=mars&delay_ms=5"), "`mars`"),
+            (
+                format!("a={a}&b={b}&jitter_ms=5"),
+                "unknown parameter `jitter_ms`",
+            ),
+            (
+                format!("a={a}&b={b}&delay_ms=5&delay_ms=6"),
+                "`delay_ms` given twice",
+            ),
+            (format!("a={a}&b={b}"), "nothing to change"),
+            (format!("a={a}&delay_ms=5"), "both ends"),
+        ] {
+            let (status, body) = http(api, &format!("POST /shape?{query}"), "").await;
+            assert_eq!(status, 400, "{query}: {body}");
+            let msg = body["error"].as_str().unwrap();
+            assert!(msg.contains(names), "{query}: {msg}");
+        }
+        assert_eq!(http(api, "GET /links", "").await.1, before);
+        let (status, _) = http(api, &format!("GET /shape?a={a}&b={b}&delay_ms=5"), "").await;
+        assert_eq!(status, 405);
 
         control.abort();
         cluster.shutdown().await;
