@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::ClusterConfig;
 use crate::error::{ClusterError, Result};
 use crate::gossip::{GossipDriver, SummarySource};
-use crate::identity::{BincodeCodec, MemberId};
+use crate::identity::{self, BincodeCodec, MemberId};
 use crate::state::{
     Claim, ClusterMetrics, IdentityRefusal, OwnIdRefusals, PeerTable, PeerView, TrafficKind,
     REFUSAL_TTL_ANNOUNCE_PERIODS,
@@ -575,10 +575,73 @@ fn handle_data(
         }
     }
     forget_outranking_down_identity(foca, rt, src);
-    if let Err(e) = foca.handle_data(data, &mut *rt) {
+    let kept = drop_relayed_address_claims(inner, foca, &header, data);
+    if let Err(e) = foca.handle_data(kept.as_deref().unwrap_or(data), &mut *rt) {
         ClusterMetrics::bump(&inner.metrics.malformed_received);
         tracing::debug!(peer = %from, "swim packet refused: {e}");
     }
+}
+
+/// `data` without the membership updates it relays that would replace the member foca
+/// holds at an address (alive, suspect or down) with another identity: another node
+/// id, or the same id under a newer generation (`identity::displaced_by_relayed`);
+/// `None` when it relays none. Each under another node id is counted in
+/// `identity_conflicts` and warned about once per claimed id and address; one under
+/// the held id (most likely a restart heard of before its own word) only logged at
+/// debug level.
+///
+/// Why: a relayed update is no one's own word, and foca keys members by address: one
+/// forged update took a live node out of membership for as long as the relaying member
+/// kept the phantom alive. Not "until the holder is suspected or down": a member can
+/// relay that suspicion or "down" first, and the genuine node's own answer to the
+/// forgery (foca declares another identity at its address down and gossips that) is
+/// such an update too. A restarted node, or a new node at a dead node's address, is
+/// taken from its own SWIM packets instead (the latter once this node holds the old
+/// one down, `PeerTable::sender_claim`): it announces itself to every peer it dials
+/// for gossip, so within a gossip round (docs/cluster.md, "Identity").
+fn drop_relayed_address_claims(
+    inner: &Arc<Inner>,
+    foca: &ClusterFoca,
+    header: &foca::Header<MemberId>,
+    data: &[u8],
+) -> Option<Vec<u8>> {
+    // foca reads the updates only of a packet addressed to this identity.
+    if header.dst != *foca.identity() {
+        return None;
+    }
+    let mut refused = Vec::new();
+    let kept = identity::without_updates(data, |update| {
+        let holder = identity::displaced_by_relayed(foca.iter_membership_state(), update.id());
+        if let Some(holder) = holder {
+            refused.push((update.id().clone(), holder.node.clone()));
+        }
+        holder.is_some()
+    });
+    let now = Instant::now();
+    for (claim, holder) in refused {
+        if claim.node == holder {
+            // Most likely a restart heard of before its own word, which comes within a
+            // gossip round: routine, not a conflict.
+            tracing::debug!(peer = %claim.node, generation = claim.generation, relayed_by = %header.src.node, "a relayed new identity of a held member; waiting for its own word");
+            continue;
+        }
+        ClusterMetrics::bump(&inner.metrics.identity_conflicts);
+        if inner
+            .refusals_logged
+            .lock()
+            .first((claim.node.clone(), claim.addr), now)
+        {
+            tracing::warn!(
+                peer = %claim.node,
+                claimed_at = %claim.addr,
+                held_by = %holder,
+                relayed_by = %header.src.node,
+                "a member relays another identity at the address of a member held here; \
+                 not believed until it claims the address itself"
+            );
+        }
+    }
+    kept
 }
 
 /// Let go of the down identity foca holds at `src`'s address for `src`'s own node id
@@ -658,9 +721,10 @@ fn drain(
             // never probed again: it is down here too, and the new one is up if foca
             // holds it active. (`member_up` is idempotent: a `MemberUp(new)` that
             // follows changes nothing.) A new node at a dead node's address (a
-            // re-provisioned host, a reused pod IP) takes its place this way when
-            // heard of second-hand; first-hand, `handle_data` refuses the claim while
-            // the old node is alive here (`PeerTable::sender_claim`).
+            // re-provisioned host, a reused pod IP) takes its place this way from its
+            // own SWIM packets, which `handle_data` refuses while the old node is alive
+            // here (`PeerTable::sender_claim`); heard of second-hand, it is not
+            // believed (`drop_relayed_address_claims`), nor is a relayed restart.
             //
             // Why not `Addr = (NodeId, SocketAddr)`, so that different ids never
             // conflict: seeds are announced to with a placeholder identity that has no

@@ -400,8 +400,9 @@ impl PeerTable {
     /// genuine newcomer at a dead node's address (a re-provisioned host, a reused pod
     /// IP) waits for failure detection to declare the old node down (about 3 s), then
     /// re-announces and is accepted. Only first-hand claims are checked here: what
-    /// foca hears of second-hand is not authenticated in SWIM (a member may as well
-    /// say a node is down), and the rename it causes is handled in `cluster.rs`.
+    /// foca hears of second-hand is not authenticated in SWIM, and an update relayed
+    /// about another identity at a held address is dropped before foca sees it
+    /// (`drop_relayed_address_claims` in `cluster.rs`).
     pub(crate) fn sender_claim(&self, me: &NodeId, node: &NodeId, addr: SocketAddr) -> Claim {
         let claim = self.claim(me, node, addr);
         // The live holder of its own address needs no scan: the table holds one live
@@ -674,10 +675,13 @@ pub struct ClusterMetrics {
     /// sooner after its last renewal than a suspicion can take (see `docs/cluster.md`).
     pub spurious_turn_undead_dropped: AtomicU64,
     /// Claims of a peer's node id from another address than the live member holding
-    /// it (SWIM packets, membership updates, stats broadcasts), and SWIM packets whose
-    /// sender claims an address a live member with another id holds, refused: an
-    /// impostor, a node restarted elsewhere before its old self was declared down, or
-    /// a new node at a dead node's address before that one was declared down.
+    /// it (SWIM packets, membership updates, stats broadcasts), SWIM packets whose
+    /// sender claims an address a live member with another id holds, and relayed
+    /// membership updates that name another id at the address of a member foca holds
+    /// (dropped before foca sees them), refused: an impostor or a forged update, a
+    /// node restarted elsewhere before its old self was declared down, or a new node
+    /// at a dead node's address (before that one was declared down; heard of
+    /// second-hand, until it speaks for itself).
     pub identity_conflicts: AtomicU64,
     /// Membership updates that claim this node's own id for another process, refused
     /// (this node keeps its id and goes on).

@@ -1,7 +1,8 @@
 //! Who a node is, on turmoil: a node restarted under the same config replaces what its
 //! peers held of its previous run at once, a second process with the same node id
 //! (the same certificate, another address) never pushes the genuine node out, and a
-//! node with another id at a node's address takes its place only once it is dead.
+//! node with another id at a node's address takes its place only once it is dead, and
+//! on its own word, never on a member's relayed update.
 //! Also what a member, its own certificate in hand, can leave in a node's peer table:
 //! a summary gap it never fills, a snapshot request naming an engine.
 
@@ -1034,18 +1035,21 @@ fn a_new_node_at_a_crashed_nodes_address_takes_its_place() {
 }
 
 /// The same replacement heard of second-hand: n0 still holds n1 alive when a member
-/// (n2, through its own certificate) tells it that n4 is alive at n1's address.
-/// foca replaces n1 with n4 at once, saying only `Rename(n1, n4)`: n0 takes n1 down
-/// and n4 up then, well before it could have declared n1 down itself (a suspicion
-/// alone lasts 1.6 s).
+/// (n2, through its own certificate) tells it that n4 is alive at n1's address. n0
+/// cannot tell that from a forged claim of a live node's address
+/// (`a_relayed_claim_of_a_live_nodes_address_under_another_id_is_not_believed`), so it
+/// does not believe it: it keeps n1 until its own failure detection declares it down,
+/// and takes n4 from n4's own SWIM packets then. Before, foca replaced n1 with n4 at
+/// once (`Rename(n1, n4)`), as it did a forged n4.
 #[test]
-fn a_new_node_at_a_crashed_nodes_address_heard_of_second_hand_takes_its_place_at_once() {
+fn a_new_node_at_a_crashed_nodes_address_heard_of_second_hand_waits_for_its_own_word() {
     let (mut sim, creds, handles) = n1s_host_restarts_as_n4(97);
     let (n0_id, n1_id, n2_id) = {
         let h = handles.lock();
         (h["n0"].identity(), h["n1"].identity(), h["n2"].identity())
     };
     handles.lock().remove("n1");
+    let crashed_at = sim.elapsed();
     sim.bounce("n1");
     run_until(&mut sim, Duration::from_secs(1), |_| {
         handles.lock().contains_key("n4")
@@ -1053,47 +1057,42 @@ fn a_new_node_at_a_crashed_nodes_address_heard_of_second_hand_takes_its_place_at
     .expect("n4 starts");
     let n4_id = handles.lock()["n4"].identity();
     assert_eq!(n4_id.addr, n1_id.addr);
-    let mut packet = swim_datagram(n2_id, n0_id).to_vec();
-    packet.extend_from_slice(&1u16.to_be_bytes()); // one membership update
-    foca::Codec::encode_member(
-        &mut gorgo_cluster::identity::BincodeCodec,
-        &foca::Member::alive(n4_id),
-        &mut packet,
-    )
-    .expect("encode");
-    let sent = one_datagram_to_n0(&mut sim, "relay", creds["n2"].clone(), packet.into());
+    let sent = one_datagram_to_n0(
+        &mut sim,
+        "relay",
+        creds["n2"].clone(),
+        relaying(n2_id, n0_id, &[foca::Member::alive(n4_id)]),
+    );
     let sent_at = run_until(&mut sim, Duration::from_secs(1), |_| {
         sent.load(Ordering::SeqCst) == 1
     })
     .expect("the update is sent");
+    let n0_kept_n1 = |handles: &Handles| {
+        view_of(handles, "n0", "n1").is_some_and(|v| v.alive)
+            && !view_of(handles, "n0", "n4").is_some_and(|v| v.alive)
+    };
     assert!(
-        view_of(&handles, "n0", "n1").is_some_and(|v| v.alive),
+        n0_kept_n1(&handles),
         "n0 still holds n1 alive when it hears of n4: {}",
         dump(&handles)
     );
-    let n0_replaced = |handles: &Handles| {
-        view_of(handles, "n0", "n1").is_some_and(|v| !v.alive)
-            && view_of(handles, "n0", "n4").is_some_and(|v| v.alive && v.addr == n1_id.addr)
-    };
-    let replaced = run_until(&mut sim, Duration::from_secs(1), |_| n0_replaced(&handles))
-        .unwrap_or_else(|| {
-            panic!(
-                "n0 did not replace n1 with n4 within 1 s of hearing of it (sent at {sent_at:?}): {}",
-                dump(&handles)
-            )
-        });
-    eprintln!(
-        "n0 replaced n1 with n4 {:?} after the update was sent",
-        replaced - sent_at
-    );
-    // n4 is genuine: it stays, and everyone ends up seeing it in n1's place.
-    let everywhere = run_until(&mut sim, Duration::from_secs(15), |_| {
-        n4_in_n1s_place(&handles, n1_id.addr).is_none()
+    // Well before n0 could declare n1 down itself (a suspicion alone lasts 1.6 s).
+    let replaced = run_until(&mut sim, Duration::from_millis(500), |_| {
+        !n0_kept_n1(&handles)
     });
     assert!(
-        everywhere.is_some(),
-        "{:?}",
-        n4_in_n1s_place(&handles, n1_id.addr)
+        replaced.is_none(),
+        "n0 took the relayed n4 in n1's place at {replaced:?} (sent at {sent_at:?}): {}",
+        dump(&handles)
+    );
+    // n4 is genuine: once n1 is declared down, everyone takes it from its own word.
+    let everywhere = run_until(&mut sim, Duration::from_secs(15), |_| {
+        n4_in_n1s_place(&handles, n1_id.addr).is_none()
+    })
+    .unwrap_or_else(|| panic!("{:?}", n4_in_n1s_place(&handles, n1_id.addr)));
+    eprintln!(
+        "n4 in n1's place everywhere {:?} after n1 crashed",
+        everywhere - crashed_at
     );
 }
 
@@ -1155,6 +1154,264 @@ fn a_claim_of_a_live_nodes_address_under_another_id_is_refused() {
     assert!(
         conflicts(&handles) > conflicts_before,
         "n0 counted no refused claim"
+    );
+}
+
+/// A SWIM datagram (`[1][foca packet]`) from `src` to `dst` that relays `updates`
+/// (a gossip message with piggybacked membership updates): what a member passes on of
+/// what it heard, which SWIM does not authenticate.
+fn relaying(
+    src: gorgo_cluster::MemberId,
+    dst: gorgo_cluster::MemberId,
+    updates: &[foca::Member<gorgo_cluster::MemberId>],
+) -> bytes::Bytes {
+    let mut packet = swim_datagram(src, dst).to_vec();
+    let count = u16::try_from(updates.len()).expect("a few updates");
+    packet.extend_from_slice(&count.to_be_bytes());
+    for update in updates {
+        foca::Codec::encode_member(
+            &mut gorgo_cluster::identity::BincodeCodec,
+            update,
+            &mut packet,
+        )
+        .expect("encode");
+    }
+    packet.into()
+}
+
+/// n9, a made-up member at n1's address with a generation that wins any address
+/// conflict.
+fn n9_at(n1: &gorgo_cluster::MemberId) -> gorgo_cluster::MemberId {
+    gorgo_cluster::MemberId {
+        node: NodeId::from("n9"),
+        region: "region-9".to_owned(),
+        addr: n1.addr,
+        generation: u64::MAX / 2,
+    }
+}
+
+/// A member (a process on host "relay" holding n2's certificate, speaking as n2)
+/// relays `updates(i)` to each of `to` (host and identity), for i in 0..30, five times
+/// a second; the counter is how many rounds went out.
+fn forging_relay(
+    sim: &mut turmoil::Sim<'static>,
+    creds: &std::collections::BTreeMap<String, gorgo_cluster::NodeCredentials>,
+    n2: gorgo_cluster::MemberId,
+    to: Vec<(&'static str, gorgo_cluster::MemberId)>,
+    updates: impl Fn(u16) -> Vec<foca::Member<gorgo_cluster::MemberId>> + 'static,
+) -> Arc<AtomicU32> {
+    let sent = Arc::new(AtomicU32::new(0));
+    let (rounds, relay_creds) = (sent.clone(), creds["n2"].clone());
+    sim.client("relay", async move {
+        let (endpoint, first) = raw_connection(
+            "relay",
+            &relay_creds,
+            SocketAddr::new(turmoil::lookup(to[0].0), PORT),
+        )
+        .await?;
+        let mut conns = vec![first];
+        for (host, _) in &to[1..] {
+            let target = SocketAddr::new(turmoil::lookup(*host), PORT);
+            conns.push(
+                endpoint
+                    .connect(target, gorgo_cluster::CLUSTER_SERVER_NAME)?
+                    .await?,
+            );
+        }
+        for i in 0..30 {
+            for (conn, (_, dst)) in conns.iter().zip(&to) {
+                conn.send_datagram(relaying(n2.clone(), dst.clone(), &updates(i)))?;
+            }
+            rounds.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        std::future::pending::<()>().await;
+        Ok(())
+    });
+    sent
+}
+
+/// What n0 and n2 hold that they must not: n9 alive.
+fn n9_held_alive(handles: &Handles) -> Option<String> {
+    ["n0", "n2"].iter().find_map(|viewer| {
+        view_of(handles, viewer, "n9")
+            .filter(|v| v.alive)
+            .map(|v| format!("{viewer} holds n9 alive: {v:?}"))
+    })
+}
+
+/// A member relays to n0 and to n1 a made-up member, n9, alive at n1's address with
+/// a generation that wins any address conflict, five times a second for 6 s with a
+/// growing incarnation (so that it would refute any suspicion of n9). foca keys
+/// members by address: before, n0 replaced the live n1 with n9 at the first packet
+/// (`Rename`), and n1 could never win its address back by renewing. Now an update
+/// relayed about another id at the address of a member foca holds is dropped before
+/// foca sees it (counted as an identity conflict): n0 and n2 keep n1 alive at its
+/// address throughout (n1's own word that n9 is down, gossiped on, included), never
+/// list n9, and still watch n1: once it crashes it is declared down.
+#[test]
+fn a_relayed_claim_of_a_live_nodes_address_under_another_id_is_not_believed() {
+    let mut sim = sim(103, Duration::from_secs(120));
+    let creds = credentials(&NAMES);
+    let handles = Handles::default();
+    converged_cluster(&mut sim, &NAMES, &creds, 0, &handles);
+    let (n0_id, n1_id, n2_id) = {
+        let h = handles.lock();
+        (h["n0"].identity(), h["n1"].identity(), h["n2"].identity())
+    };
+    let conflicts = |handles: &Handles| {
+        handles.lock()["n0"]
+            .metrics()
+            .identity_conflicts
+            .load(Ordering::Relaxed)
+    };
+    let conflicts_before = conflicts(&handles);
+    let forged = n9_at(&n1_id);
+    let sent = forging_relay(
+        &mut sim,
+        &creds,
+        n2_id,
+        vec![("n0", n0_id), ("n1", n1_id.clone())],
+        move |i| vec![foca::Member::new(forged.clone(), i, foca::State::Alive)],
+    );
+    let displaced = |handles: &Handles| {
+        genuine_n1_violation(handles, n1_id.addr).or_else(|| n9_held_alive(handles))
+    };
+    let broken = run_until(&mut sim, Duration::from_secs(10), |_| {
+        displaced(&handles).is_some()
+    });
+    assert!(
+        broken.is_none(),
+        "at {broken:?}, after {} forged updates: {:?}\n{}",
+        sent.load(Ordering::SeqCst),
+        displaced(&handles),
+        dump(&handles)
+    );
+    assert_eq!(
+        sent.load(Ordering::SeqCst),
+        30,
+        "every forged update was sent"
+    );
+    let counted = conflicts(&handles) - conflicts_before;
+    assert!(
+        counted >= 30,
+        "n0 counted {counted} dropped relayed claims, not every one of the 30"
+    );
+    // And n0 still watches n1: once it dies, it is declared down.
+    handles.lock().remove("n1");
+    sim.crash("n1");
+    let down = run_until(&mut sim, Duration::from_secs(10), |_| {
+        view_of(&handles, "n0", "n1").is_some_and(|v| !v.alive)
+    });
+    assert!(
+        down.is_some(),
+        "n0 never declared the crashed n1 down: {}",
+        dump(&handles)
+    );
+}
+
+/// The same forgery preceded, in each packet, by "n1 is down" (which SWIM lets any
+/// member say). n0 takes n1 down, as before; n1, told so, renews its identity and
+/// rejoins at its address. The made-up n9 must not be what holds the address by then:
+/// a rule that believed a relayed claim once the address's holder was down (or
+/// suspect) would have let n9 in right behind the "down", and n1 could not win its
+/// address back (n9's generation is higher than any renewal's).
+#[test]
+fn a_relayed_down_before_a_claim_of_the_address_lets_no_other_id_in() {
+    let mut sim = sim(107, Duration::from_secs(120));
+    let creds = credentials(&NAMES);
+    let handles = Handles::default();
+    converged_cluster(&mut sim, &NAMES, &creds, 0, &handles);
+    let (n0_id, n1_id, n2_id) = {
+        let h = handles.lock();
+        (h["n0"].identity(), h["n1"].identity(), h["n2"].identity())
+    };
+    let forged = n9_at(&n1_id);
+    let n1_down = foca::Member::down(n1_id.clone());
+    let sent = forging_relay(&mut sim, &creds, n2_id, vec![("n0", n0_id)], move |i| {
+        vec![
+            n1_down.clone(),
+            foca::Member::new(forged.clone(), i, foca::State::Alive),
+        ]
+    });
+    let n9_in = run_until(&mut sim, Duration::from_secs(10), |_| {
+        n9_held_alive(&handles).is_some()
+    });
+    assert!(
+        n9_in.is_none(),
+        "at {n9_in:?}, after {} forged packets: {:?}\n{}",
+        sent.load(Ordering::SeqCst),
+        n9_held_alive(&handles),
+        dump(&handles)
+    );
+    assert_eq!(
+        sent.load(Ordering::SeqCst),
+        30,
+        "every forged packet was sent"
+    );
+    // n1 is back at its address everywhere (under a renewed generation) and stays.
+    run_until(&mut sim, Duration::from_secs(10), |_| {
+        genuine_n1_violation(&handles, n1_id.addr).is_none()
+    })
+    .unwrap_or_else(|| panic!("{:?}", genuine_n1_violation(&handles, n1_id.addr)));
+    genuine_n1_kept(
+        &mut sim,
+        &handles,
+        n1_id.addr,
+        Duration::from_secs(5),
+        "after",
+    );
+}
+
+/// The same forgery under n1's own id: a member relays n1 alive at its address under a
+/// generation far above its own (a restart of n1, as far as n0 can tell), five times a
+/// second for 6 s. Before, n0 took it as n1's new identity, so it probed a phantom
+/// (the relay refuting every suspicion) and answered the genuine n1's packets with
+/// "you are down": n1 renewed every 2.5-3 s (each renewal makes every peer forget its
+/// summaries and cut its forwards), and had n1 died, n0 would not have noticed. Now
+/// n0 keeps n1's own identity throughout and n1 never renews.
+#[test]
+fn a_relayed_restart_of_a_live_node_is_not_believed() {
+    let mut sim = sim(109, Duration::from_secs(120));
+    let creds = credentials(&NAMES);
+    let handles = Handles::default();
+    converged_cluster(&mut sim, &NAMES, &creds, 0, &handles);
+    let (n0_id, n1_id, n2_id) = {
+        let h = handles.lock();
+        (h["n0"].identity(), h["n1"].identity(), h["n2"].identity())
+    };
+    let forged = gorgo_cluster::MemberId {
+        generation: u64::MAX / 2,
+        ..n1_id.clone()
+    };
+    let sent = forging_relay(&mut sim, &creds, n2_id, vec![("n0", n0_id)], move |i| {
+        vec![foca::Member::new(forged.clone(), i, foca::State::Alive)]
+    });
+    let moved = |handles: &Handles| {
+        let own = handles.lock()["n1"].identity();
+        if own != n1_id {
+            return Some(format!("n1 renewed its identity: {own:?}"));
+        }
+        genuine_n1_violation(handles, n1_id.addr).or_else(|| {
+            view_of(handles, "n0", "n1")
+                .filter(|v| v.generation != n1_id.generation)
+                .map(|v| format!("n0 holds n1 at another generation: {v:?}"))
+        })
+    };
+    let broken = run_until(&mut sim, Duration::from_secs(10), |_| {
+        moved(&handles).is_some()
+    });
+    assert!(
+        broken.is_none(),
+        "at {broken:?}, after {} forged updates: {:?}\n{}",
+        sent.load(Ordering::SeqCst),
+        moved(&handles),
+        dump(&handles)
+    );
+    assert_eq!(
+        sent.load(Ordering::SeqCst),
+        30,
+        "every forged update was sent"
     );
 }
 
