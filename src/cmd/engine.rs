@@ -1,7 +1,7 @@
 //! `gorgo engine`: the OpenAI-compatible engine emulator (model in `gorgo-engine`).
 
 use anyhow::Context;
-use gorgo_engine::{EmulatorConfig, Profile};
+use gorgo_engine::{EmulatedKind, EmulatorConfig, Profile};
 
 /// Arguments of this subcommand.
 #[derive(clap::Args, Debug)]
@@ -13,6 +13,12 @@ pub struct EngineArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:30000")]
     pub listen: std::net::SocketAddr,
+    /// The engine to pass for, throughout: `sglang` (the default: SGLang's `/metrics`
+    /// names and `/get_server_info`, what `gorgo up` and a node of kind `sglang`
+    /// read) or `vllm` (vLLM's names, for a node of kind `vllm`); each with that
+    /// engine's API defaults and error bodies (docs/engine-profiles.md).
+    #[arg(long, default_value = "sglang", value_parser = parse_kind)]
+    pub kind: EmulatedKind,
     /// Model name to report (default: the profile's model): not blank, no control
     /// characters, at most 256 bytes (what a node's peers keep of a model id).
     #[arg(long, value_parser = parse_model)]
@@ -33,7 +39,7 @@ pub struct EngineArgs {
     pub max_queue: usize,
     /// Output tokens of a chat request that sets neither `max_tokens` nor
     /// `gorgo_output_tokens` (at least 1), cut to the room its context leaves;
-    /// completions default to 16, as vLLM's do.
+    /// completions default to 16, as vLLM's and SGLang's do.
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
     pub default_max_tokens: u32,
     /// Count prompt tokens (`usage.prompt_tokens`, context, cache) with this HF
@@ -70,6 +76,7 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
     let profile = Profile::by_name_or_file(&args.profile)
         .with_context(|| format!("--profile {}", args.profile))?;
     let mut config = EmulatorConfig::new(profile);
+    config.kind = args.kind;
     config.model_name = args.model;
     config.block_bytes = args.block_bytes;
     config.max_queue = args.max_queue;
@@ -97,6 +104,7 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
         tracing::info!(
             addr = %listener.local_addr()?,
             profile = %config.profile.name,
+            kind = %config.kind,
             "engine emulator listening"
         );
         let (first_signal, first_signal_rx) = tokio::sync::oneshot::channel::<()>();
@@ -174,6 +182,13 @@ fn parse_model(s: &str) -> Result<String, String> {
     Ok(s.to_owned())
 }
 
+/// `--kind`: one of the engines the emulator can pass for (clap's error then names the
+/// flag and the choices).
+fn parse_kind(s: &str) -> Result<EmulatedKind, String> {
+    s.parse()
+        .map_err(|e: gorgo_engine::EngineError| e.to_string())
+}
+
 /// `--block-bytes`: refused unless a positive multiple of 4 (clap's error then names
 /// the flag), whatever other flags are given.
 fn parse_block_bytes(s: &str) -> Result<usize, String> {
@@ -230,6 +245,22 @@ mod tests {
             Some("org/My Model-7B")
         );
         assert_eq!(parse(&[]).unwrap().model, None);
+    }
+
+    /// `--kind` takes the two engines the emulator passes for, SGLang by default (what
+    /// `gorgo up` and nodes of kind `sglang` read); anything else is refused naming
+    /// the flag and the choices.
+    #[test]
+    fn kind_is_sglang_or_vllm() {
+        assert_eq!(parse(&[]).unwrap().kind, EmulatedKind::Sglang);
+        assert_eq!(parse(&["--kind", "vllm"]).unwrap().kind, EmulatedKind::Vllm);
+        for bad in ["openai", "VLLM", ""] {
+            let e = parse(&["--kind", bad]).expect_err(bad).to_string();
+            assert!(
+                e.contains("--kind") && e.contains("sglang or vllm"),
+                "{bad:?}: {e}"
+            );
+        }
     }
 
     /// Blocks of partial tokens would round each block's count up: refused with or

@@ -10,9 +10,9 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EngineKind {
-    /// SGLang (and the GORGO emulator, which uses SGLang's metric names).
+    /// SGLang (and the GORGO emulator by default, `gorgo engine --kind sglang`).
     Sglang,
-    /// vLLM (`vllm:` metric names).
+    /// vLLM (`vllm:` metric names; the emulator with `gorgo engine --kind vllm`).
     Vllm,
     /// Any OpenAI-compatible server without usable metrics: local accounting only.
     Openai,

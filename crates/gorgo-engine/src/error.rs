@@ -11,6 +11,12 @@ pub enum EngineError {
         /// The built-in names, comma-separated.
         known: String,
     },
+    /// An emulated engine kind other than `sglang` or `vllm`.
+    #[error("unknown engine kind `{name}` (expected sglang or vllm)")]
+    UnknownKind {
+        /// The name asked for.
+        name: String,
+    },
     /// A profile file that does not parse; the message names the field.
     #[error("invalid engine profile {source_name}: {message}")]
     InvalidProfile {

@@ -3,11 +3,14 @@
 //! Only what an engine needs: the prompt (rendered by `gorgo_core::prompt`, the one
 //! canonical rendering), the output budget, streaming flags. Responses copy the shapes
 //! SGLang and vLLM produce so routers and benchmarks parse the emulator like the real
-//! thing.
+//! thing; where the two engines differ (a stray `stream_options`, a `null`
+//! `max_tokens`, the context check, the error body), the [`EmulatedKind`]'s way.
 
 use serde_json::{json, Value};
 
 use gorgo_core::prompt::{canonicalize, CompletionsPrompt, Endpoint};
+
+use crate::EmulatedKind;
 
 /// A request validation failure, rendered as OpenAI's error JSON with status 400.
 #[derive(Debug, Clone, PartialEq)]
@@ -31,7 +34,7 @@ impl BadRequest {
 }
 
 /// `max_tokens` of a `/v1/completions` request that leaves the field out: OpenAI's
-/// default, and vLLM's (`CompletionRequest.max_tokens = 16`).
+/// default, vLLM's and SGLang's (`CompletionRequest.max_tokens = 16` in both).
 pub const COMPLETIONS_DEFAULT_MAX_TOKENS: u32 = 16;
 
 /// What the emulator needs from a completion request.
@@ -46,17 +49,20 @@ pub struct ParsedRequest {
     /// has no EOS, so this stands for where the model's answer ends
     /// ([`ParsedRequest::budget`] cuts it to the room).
     pub output_tokens: u32,
-    /// The output limit the context is checked against, as vLLM takes it:
+    /// The output limit the context is checked against, as both engines take it:
     /// `max_tokens` as asked (`max_completion_tokens` on chat); without the field,
-    /// [`COMPLETIONS_DEFAULT_MAX_TOKENS`] on completions, and on chat (or a `null`
-    /// on completions) `None`: whatever the context leaves.
+    /// [`COMPLETIONS_DEFAULT_MAX_TOKENS`] on completions, and on chat (or, on vLLM, a
+    /// `null` on completions) `None`: whatever the context leaves.
     pub max_tokens: Option<u32>,
     /// SSE streaming asked for.
     pub stream: bool,
-    /// `stream_options.include_usage`.
+    /// `stream_options.include_usage`; where `stream_options` leaves it out, the
+    /// engine's default (vLLM: true, SGLang: false).
     pub include_usage: bool,
     /// The `model` field, if given.
     pub model: Option<String>,
+    /// The engine whose context check [`ParsedRequest::budget`] applies.
+    pub kind: EmulatedKind,
 }
 
 /// What one prompt of a request gets ([`ParsedRequest::budget`]).
@@ -70,21 +76,28 @@ pub struct Budget {
 }
 
 impl ParsedRequest {
-    /// Check a prompt of `prompt_tokens` against a context of `context_length` as vLLM
-    /// does, and say what it produces.
+    /// Check a prompt of `prompt_tokens` against a context of `context_length` as the
+    /// kind's engine does, and say what it produces.
     ///
     /// With a limit, prompt + limit must fit the context (counted whatever is
-    /// produced). Without one, vLLM lets the output take what the context leaves, so a
-    /// prompt is refused only when it leaves no room for one output token, and the
-    /// output is cut to that room.
+    /// produced): within it on vLLM, below it on SGLang (whose tokenizer manager
+    /// refuses `input + max_new_tokens >= context_len`). Without one, both let the
+    /// output take what the context leaves, so a prompt is refused only when it leaves
+    /// no room for one output token, and the output is cut to that room. SGLang
+    /// checks the prompt alone first, whatever the limit.
     pub fn budget(&self, prompt_tokens: u64, context_length: u64) -> Result<Budget, BadRequest> {
         let too_long = |message: String| BadRequest {
             message,
             param: Some(prompt_param(self.endpoint)),
             code: Some("context_length_exceeded"),
         };
-        let limit = match self.max_tokens {
-            Some(m) => {
+        if self.kind == EmulatedKind::Sglang && prompt_tokens >= context_length {
+            return Err(too_long(format!(
+                "The input ({prompt_tokens} tokens) is longer than the model's context length ({context_length} tokens)."
+            )));
+        }
+        let limit = match (self.max_tokens, self.kind) {
+            (Some(m), EmulatedKind::Vllm) => {
                 let requested = prompt_tokens + u64::from(m);
                 if requested > context_length {
                     return Err(too_long(format!(
@@ -93,7 +106,16 @@ impl ParsedRequest {
                 }
                 u64::from(m)
             }
-            None => {
+            (Some(m), EmulatedKind::Sglang) => {
+                let requested = prompt_tokens + u64::from(m);
+                if requested >= context_length {
+                    return Err(too_long(format!(
+                        "Requested token count exceeds the model's maximum context length of {context_length} tokens. You requested a total of {requested} tokens: {prompt_tokens} tokens from the input messages and {m} tokens for the completion. Please reduce the number of tokens in the input messages or the completion to fit within the limit."
+                    )));
+                }
+                u64::from(m)
+            }
+            (None, _) => {
                 if prompt_tokens >= context_length {
                     return Err(too_long(format!(
                         "This model's maximum context length is {context_length} tokens. However, you requested {prompt_tokens} tokens in the prompt, which leaves no room for the completion. Please reduce the length of the prompt."
@@ -167,17 +189,20 @@ fn positive_int(body: &Value, field: &'static str) -> Result<Option<u32>, BadReq
     }
 }
 
-/// Parse and validate a request body for `endpoint`; a completions batch holds at
-/// most `max_prompts` prompts.
+/// Parse and validate a request body for `endpoint` as an engine of `kind` does; a
+/// completions batch holds at most `max_prompts` prompts.
 ///
 /// Output length: `gorgo_output_tokens` (an extension, to replay a trace's
 /// `output_length`, where the model's answer would end) else the limit, `max_tokens`
-/// (`max_completion_tokens` on chat; 16 on completions without the field, as OpenAI
-/// and vLLM), else, with no limit (chat without it, as vLLM lets the output take what
-/// the context leaves), `default_max_tokens`; never past the limit. The emulator has
-/// no EOS, so `ignore_eos` changes nothing. `stream_options` without `stream` is
-/// refused, as vLLM refuses it.
+/// (`max_completion_tokens` on chat; 16 on completions without the field, as OpenAI,
+/// vLLM and SGLang), else, with no limit (chat without it, as both engines let the
+/// output take what the context leaves), `default_max_tokens`; never past the limit.
+/// The emulator has no EOS, so `ignore_eos` changes nothing. `stream_options`
+/// without `stream` is refused on vLLM (its `validate_stream_options`) and ignored on
+/// SGLang, which has no such check; a `null` `max_tokens` on completions is vLLM's
+/// "no limit" and SGLang's 400 (an `int` field there).
 pub fn parse(
+    kind: EmulatedKind,
     endpoint: Endpoint,
     body: &[u8],
     default_max_tokens: u32,
@@ -231,7 +256,15 @@ pub fn parse(
             Some(n) => Some(n),
             None => positive_int(&value, "max_tokens")?,
         },
-        Endpoint::Completions => positive_int(&value, "max_tokens")?,
+        Endpoint::Completions => {
+            if kind == EmulatedKind::Sglang && value.get("max_tokens") == Some(&Value::Null) {
+                return Err(BadRequest::new(
+                    "`max_tokens` must be an integer, got null",
+                    Some("max_tokens"),
+                ));
+            }
+            positive_int(&value, "max_tokens")?
+        }
     };
     // One choice per prompt: refuse what asks for more rather than answer with the
     // wrong shape and load.
@@ -248,8 +281,9 @@ pub fn parse(
         }
     }
     let trace_output = positive_int(&value, "gorgo_output_tokens")?;
-    // vLLM's `CompletionRequest.max_tokens` defaults to 16 when the field is absent;
-    // an explicit `null` is `None` there, as on chat: what the context leaves.
+    // `CompletionRequest.max_tokens` defaults to 16 when the field is absent; an
+    // explicit `null` (refused above on SGLang) is vLLM's `None`, as on chat: what
+    // the context leaves.
     let max_tokens = match (endpoint, asked) {
         (_, Some(m)) => Some(m),
         (Endpoint::Completions, None) if value.get("max_tokens").is_none() => {
@@ -273,17 +307,22 @@ pub fn parse(
             ))
         }
     };
-    if !stream && value.get("stream_options").is_some_and(python_truthy) {
+    let options = value.get("stream_options");
+    if kind == EmulatedKind::Vllm && !stream && options.is_some_and(python_truthy) {
         return Err(BadRequest::new(
             "Stream options can only be defined when `stream=True`.",
             Some("stream_options"),
         ));
     }
-    let include_usage = value
-        .get("stream_options")
-        .and_then(|o| o.get("include_usage"))
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
+    // `StreamOptions.include_usage` defaults to true on vLLM, false on SGLang; an
+    // explicit `null` is false on both.
+    let include_usage = match options.and_then(|o| o.as_object()) {
+        Some(o) => match o.get("include_usage") {
+            None => kind == EmulatedKind::Vllm,
+            Some(v) => v.as_bool().unwrap_or(false),
+        },
+        None => false,
+    };
     let model = value
         .get("model")
         .and_then(Value::as_str)
@@ -328,6 +367,7 @@ pub fn parse(
         stream,
         include_usage,
         model,
+        kind,
     })
 }
 
@@ -474,14 +514,211 @@ impl ResponseMeta {
     }
 }
 
-/// OpenAI's error body.
-pub fn error_body(message: &str, kind: &str, param: Option<&str>, code: Option<&str>) -> Value {
-    json!({"error": {"message": message, "type": kind, "param": param, "code": code}})
+/// The error body an engine of `kind` answers with: vLLM's (and OpenAI's) nests the
+/// fields under `"error"`; SGLang's `ErrorResponse` is flat, marked
+/// `"object": "error"`. The fields keep OpenAI's names on both (`type` such as
+/// `invalid_request_error`, `code` such as `context_length_exceeded`) where the
+/// engines put an exception name and the HTTP status (docs/engine-profiles.md).
+pub fn error_body(
+    kind: EmulatedKind,
+    message: &str,
+    err_type: &str,
+    param: Option<&str>,
+    code: Option<&str>,
+) -> Value {
+    match kind {
+        EmulatedKind::Vllm => {
+            json!({"error": {"message": message, "type": err_type, "param": param, "code": code}})
+        }
+        EmulatedKind::Sglang => json!({
+            "object": "error", "message": message, "type": err_type, "param": param, "code": code,
+        }),
+    }
+}
+
+/// The error event that ends a stream: both engines send `{"error": {...}}`, the
+/// inner fields as [`error_body`] has them (SGLang's
+/// `create_streaming_error_response` wraps its flat body).
+pub fn stream_error_body(
+    kind: EmulatedKind,
+    message: &str,
+    err_type: &str,
+    code: Option<&str>,
+) -> Value {
+    let body = error_body(kind, message, err_type, None, code);
+    match kind {
+        EmulatedKind::Vllm => body,
+        EmulatedKind::Sglang => json!({ "error": body }),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// [`super::parse`] as vLLM parses: the rules most tests here check, the same on
+    /// SGLang but where the `sglang_*` tests say otherwise.
+    fn parse(
+        endpoint: Endpoint,
+        body: &[u8],
+        default_max_tokens: u32,
+        max_prompts: usize,
+    ) -> Result<ParsedRequest, BadRequest> {
+        super::parse(
+            EmulatedKind::Vllm,
+            endpoint,
+            body,
+            default_max_tokens,
+            max_prompts,
+        )
+    }
+
+    /// [`super::parse`] as SGLang parses.
+    fn sglang(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, BadRequest> {
+        super::parse(EmulatedKind::Sglang, endpoint, body, 128, 8)
+    }
+
+    /// SGLang has no check of `stream_options` against `stream`: what vLLM refuses it
+    /// serves, not streamed. A streamed request's `stream_options` without
+    /// `include_usage` asks for usage on vLLM (its default is true), not on SGLang;
+    /// an explicit `null` asks on neither.
+    #[test]
+    fn sglang_ignores_stream_options_without_stream_and_defaults_usage_off() {
+        for (endpoint, body) in [
+            (
+                Endpoint::Chat,
+                &br#"{"messages":[{"role":"user","content":"x"}],"stream_options":{"include_usage":true}}"#[..],
+            ),
+            (
+                Endpoint::Completions,
+                br#"{"prompt":"x","stream":false,"stream_options":{"continuous_usage_stats":true}}"#,
+            ),
+        ] {
+            let p = sglang(endpoint, body).unwrap();
+            assert!(!p.stream);
+            assert_eq!(
+                parse(endpoint, body, 128, 8).unwrap_err().param,
+                Some("stream_options")
+            );
+        }
+        let streamed = |options: &str| {
+            format!(r#"{{"prompt":"x","stream":true,"stream_options":{options}}}"#).into_bytes()
+        };
+        for (options, vllm, sglang_usage) in [
+            ("{}", true, false),
+            (r#"{"continuous_usage_stats":false}"#, true, false),
+            (r#"{"include_usage":null}"#, false, false),
+            (r#"{"include_usage":true}"#, true, true),
+            (r#"{"include_usage":false}"#, false, false),
+            ("null", false, false),
+        ] {
+            let body = streamed(options);
+            let asked = |p: ParsedRequest| p.include_usage;
+            assert_eq!(
+                asked(parse(Endpoint::Completions, &body, 128, 8).unwrap()),
+                vllm,
+                "vllm {options}"
+            );
+            assert_eq!(
+                asked(sglang(Endpoint::Completions, &body).unwrap()),
+                sglang_usage,
+                "sglang {options}"
+            );
+        }
+    }
+
+    /// `"max_tokens": null` on completions: no limit on vLLM (`Optional[int]`), a 400
+    /// naming the field on SGLang (`max_tokens: int = 16`). Absent, 16 on both.
+    #[test]
+    fn sglang_refuses_a_null_completions_limit() {
+        let e = sglang(
+            Endpoint::Completions,
+            br#"{"prompt":"x","max_tokens":null}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.param, Some("max_tokens"), "{}", e.message);
+        assert!(e.message.contains("null"), "{}", e.message);
+        let p = sglang(Endpoint::Completions, br#"{"prompt":"x"}"#).unwrap();
+        assert_eq!(p.max_tokens, Some(COMPLETIONS_DEFAULT_MAX_TOKENS));
+        // Chat's limit is optional on SGLang too.
+        let p = sglang(
+            Endpoint::Chat,
+            br#"{"messages":[{"role":"user","content":"x"}],"max_tokens":null}"#,
+        )
+        .unwrap();
+        assert_eq!(p.max_tokens, None);
+    }
+
+    /// SGLang refuses a prompt that fills the context whatever the limit, in its own
+    /// words, and prompt + limit that reaches the context (vLLM: only past it).
+    #[test]
+    fn sglang_checks_the_context_in_its_own_way() {
+        let limited = br#"{"messages":[{"role":"user","content":"x"}],"max_tokens":96}"#;
+        let s = sglang(Endpoint::Chat, limited).unwrap();
+        let v = parse(Endpoint::Chat, limited, 128, 8).unwrap();
+        // 4000 + 96 = the context: vLLM serves it, SGLang does not.
+        assert!(v.budget(4000, 4096).is_ok());
+        let e = s.budget(4000, 4096).unwrap_err();
+        assert_eq!(
+            (e.param, e.code),
+            (Some("messages"), Some("context_length_exceeded"))
+        );
+        assert_eq!(
+            e.message,
+            "Requested token count exceeds the model's maximum context length of 4096 tokens. \
+             You requested a total of 4096 tokens: 4000 tokens from the input messages and 96 \
+             tokens for the completion. Please reduce the number of tokens in the input \
+             messages or the completion to fit within the limit."
+        );
+        let b = s.budget(3999, 4096).unwrap();
+        assert_eq!((b.output_tokens, b.finish_reason), (96, "length"));
+        for prompt in [4096, 5000] {
+            let e = s.budget(prompt, 4096).unwrap_err();
+            assert_eq!(
+                e.message,
+                format!(
+                    "The input ({prompt} tokens) is longer than the model's context length \
+                     (4096 tokens)."
+                )
+            );
+            assert_eq!(e.code, Some("context_length_exceeded"));
+        }
+        // Without a limit, the output takes the room left, as on vLLM.
+        let s = sglang(
+            Endpoint::Chat,
+            br#"{"messages":[{"role":"user","content":"x"}]}"#,
+        )
+        .unwrap();
+        let b = s.budget(4000, 4096).unwrap();
+        assert_eq!((b.output_tokens, b.finish_reason), (96, "length"));
+    }
+
+    /// vLLM nests the error's fields under `"error"`; SGLang's are flat beside
+    /// `"object": "error"`, and nested only in the event that ends a stream.
+    #[test]
+    fn error_bodies_take_the_kinds_shape() {
+        let fields = json!({"message": "m", "type": "t", "param": "p", "code": "c"});
+        assert_eq!(
+            error_body(EmulatedKind::Vllm, "m", "t", Some("p"), Some("c")),
+            json!({ "error": fields })
+        );
+        let mut flat = fields.clone();
+        flat["object"] = "error".into();
+        assert_eq!(
+            error_body(EmulatedKind::Sglang, "m", "t", Some("p"), Some("c")),
+            flat
+        );
+        let mut streamed = flat;
+        streamed["param"] = Value::Null;
+        assert_eq!(
+            stream_error_body(EmulatedKind::Sglang, "m", "t", Some("c")),
+            json!({ "error": streamed })
+        );
+        assert_eq!(
+            stream_error_body(EmulatedKind::Vllm, "m", "t", Some("c")),
+            error_body(EmulatedKind::Vllm, "m", "t", None, Some("c"))
+        );
+    }
 
     #[test]
     fn output_length_rules() {

@@ -30,13 +30,16 @@ use tokio::time::Instant;
 
 use crate::metrics::MetricsSnapshot;
 use crate::openai::{self, BadRequest, ResponseMeta};
-use crate::{Engine, EngineError, EngineEvent, EngineRequest, Profile, RejectReason};
+use crate::{EmulatedKind, Engine, EngineError, EngineEvent, EngineRequest, Profile, RejectReason};
 
 /// How the emulator serves.
 #[derive(Debug, Clone)]
 pub struct EmulatorConfig {
     /// Costs and limits of the emulated engine.
     pub profile: Profile,
+    /// The engine it passes for: `/metrics` names, `/get_server_info` (SGLang only),
+    /// API defaults and error bodies.
+    pub kind: EmulatedKind,
     /// Model name to report; `None`: the profile's `model`.
     pub model_name: Option<String>,
     /// Prefix-cache block size over prompt bytes (64 bytes = 16 tokens, SGLang-like pages).
@@ -48,7 +51,7 @@ pub struct EmulatorConfig {
     /// Largest request body accepted, bytes (413 beyond).
     pub max_body_bytes: usize,
     /// Output tokens when a request gives no limit (a chat request without
-    /// `max_tokens`, whose output vLLM lets take what the context leaves) nor
+    /// `max_tokens`, whose output both engines let take what the context leaves) nor
     /// `gorgo_output_tokens`: where the emulated answer ends, cut to the context's room.
     /// A completions request without `max_tokens` gets OpenAI's 16
     /// ([`openai::COMPLETIONS_DEFAULT_MAX_TOKENS`]).
@@ -64,12 +67,13 @@ pub struct EmulatorConfig {
 }
 
 impl EmulatorConfig {
-    /// Defaults around `profile`: 64-byte blocks, queue limit 1024, 16 MiB bodies,
-    /// 128 output tokens where a request sets no limit (the paper's `max_tokens`), a
-    /// 30 s drain (a node's default drain deadline).
+    /// Defaults around `profile`: SGLang, 64-byte blocks, queue limit 1024, 16 MiB
+    /// bodies, 128 output tokens where a request sets no limit (the paper's
+    /// `max_tokens`), a 30 s drain (a node's default drain deadline).
     pub fn new(profile: Profile) -> Self {
         EmulatorConfig {
             profile,
+            kind: EmulatedKind::default(),
             model_name: None,
             block_bytes: 64,
             max_queue: 1024,
@@ -91,6 +95,11 @@ impl EmulatorConfig {
         self.model_name
             .clone()
             .unwrap_or_else(|| self.profile.model.clone())
+    }
+
+    /// Tokens per prefix-cache block (vLLM's page states its capacity in them).
+    fn block_tokens(&self) -> u64 {
+        (self.block_bytes / gorgo_core::hash::BYTES_PER_TOKEN) as u64
     }
 }
 
@@ -176,6 +185,7 @@ pub async fn serve_with_kv_events(
         engine,
         Instant::now(),
         kv_events.as_ref().map(|p| p.block_tokens()),
+        config.kind,
     );
     let state = AppState {
         kv_events: kv_events.is_some(),
@@ -221,13 +231,18 @@ pub async fn serve_with_kv_events(
 }
 
 fn router(state: AppState) -> Router {
-    Router::new()
+    let router = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
-        .route("/metrics", get(metrics))
-        .route("/get_server_info", get(server_info))
+        .route("/metrics", get(metrics));
+    // SGLang's own route; vLLM has none (404), and a node of kind `vllm` never asks.
+    let router = match state.config.kind {
+        EmulatedKind::Sglang => router.route("/get_server_info", get(server_info)),
+        EmulatedKind::Vllm => router,
+    };
+    router
         // After the routes: it applies to the routes registered so far.
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
@@ -265,14 +280,19 @@ struct Driver {
 }
 
 impl Driver {
-    fn new(engine: Engine, start: Instant, kv_block_tokens: Option<usize>) -> Self {
+    fn new(
+        engine: Engine,
+        start: Instant,
+        kv_block_tokens: Option<usize>,
+        kind: EmulatedKind,
+    ) -> Self {
         Driver {
             engine,
             start,
             token_ids: HashMap::new(),
             aborted: Vec::new(),
             streams: HashMap::new(),
-            snapshot: MetricsSnapshot::new(),
+            snapshot: MetricsSnapshot::new(kind),
             events: Vec::new(),
             kv_block_tokens,
         }
@@ -473,22 +493,25 @@ async fn sleep_until(wake: Option<Instant>) {
     }
 }
 
+/// An error answer in the body shape of the engine `kind` passes for.
 fn error_response(
+    kind: EmulatedKind,
     status: StatusCode,
     message: &str,
-    kind: &str,
+    err_type: &str,
     param: Option<&str>,
     code: Option<&str>,
 ) -> Response {
     (
         status,
-        axum::Json(openai::error_body(message, kind, param, code)),
+        axum::Json(openai::error_body(kind, message, err_type, param, code)),
     )
         .into_response()
 }
 
-fn bad_request(e: BadRequest) -> Response {
+fn bad_request(kind: EmulatedKind, e: BadRequest) -> Response {
     error_response(
+        kind,
         StatusCode::BAD_REQUEST,
         &e.message,
         "invalid_request_error",
@@ -497,8 +520,9 @@ fn bad_request(e: BadRequest) -> Response {
     )
 }
 
-async fn not_found(req: Request) -> Response {
+async fn not_found(State(state): State<AppState>, req: Request) -> Response {
     error_response(
+        state.config.kind,
         StatusCode::NOT_FOUND,
         &format!("no route for {} {}", req.method(), req.uri().path()),
         "invalid_request_error",
@@ -513,6 +537,7 @@ async fn not_found(req: Request) -> Response {
 async fn health(State(state): State<AppState>) -> Response {
     if state.commands.is_closed() {
         return error_response(
+            state.config.kind,
             StatusCode::SERVICE_UNAVAILABLE,
             "the engine has stopped",
             "server_error",
@@ -524,8 +549,9 @@ async fn health(State(state): State<AppState>) -> Response {
 }
 
 /// A known route with the wrong method: OpenAI's error JSON rather than an empty 405.
-async fn method_not_allowed(req: Request) -> Response {
+async fn method_not_allowed(State(state): State<AppState>, req: Request) -> Response {
     error_response(
+        state.config.kind,
         StatusCode::METHOD_NOT_ALLOWED,
         &format!(
             "method {} not allowed on {}",
@@ -580,7 +606,7 @@ async fn metrics(State(state): State<AppState>) -> Response {
                 header::CONTENT_TYPE,
                 "text/plain; version=0.0.4; charset=utf-8",
             )],
-            snapshot.render(&state.model),
+            snapshot.render(&state.model, state.config.block_tokens()),
         )
             .into_response(),
         Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
@@ -639,11 +665,13 @@ async fn read_body(body: Body, limit: usize) -> Result<Bytes, BodyError> {
 }
 
 async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response {
+    let kind = state.config.kind;
     let limit = state.config.max_body_bytes;
     let body = match read_body(req.into_body(), limit).await {
         Ok(b) => b,
         Err(BodyError::TooLarge) => {
             return error_response(
+                kind,
                 StatusCode::PAYLOAD_TOO_LARGE,
                 &format!("request body over {limit} bytes"),
                 "invalid_request_error",
@@ -653,6 +681,7 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
         }
         Err(BodyError::Read(e)) => {
             return error_response(
+                kind,
                 StatusCode::BAD_REQUEST,
                 &format!("cannot read the request body: {e}"),
                 "invalid_request_error",
@@ -667,13 +696,14 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
     // the queue order (docs/engine-profiles.md, "Arrival").
     let received = Instant::now();
     let parsed = match openai::parse(
+        kind,
         endpoint,
         &body,
         state.config.default_max_tokens,
         state.config.max_batch_prompts(),
     ) {
         Ok(p) => p,
-        Err(e) => return bad_request(e),
+        Err(e) => return bad_request(kind, e),
     };
     let param = openai::prompt_param(endpoint);
     // Each prompt's chain and KV-event token ids.
@@ -708,11 +738,14 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
                 })
                 .collect(),
             Err(e) => {
-                return bad_request(BadRequest {
-                    message: e.to_string(),
-                    param: Some(param),
-                    code: None,
-                })
+                return bad_request(
+                    kind,
+                    BadRequest {
+                        message: e.to_string(),
+                        param: Some(param),
+                        code: None,
+                    },
+                )
             }
         },
     };
@@ -723,7 +756,7 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
     for (chain, _) in &prompts {
         match parsed.budget(chain.total_tokens().max(1), context_length) {
             Ok(b) => budgets.push(b),
-            Err(e) => return bad_request(e),
+            Err(e) => return bad_request(kind, e),
         }
     }
     let choices = prompts.len();
@@ -758,6 +791,7 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
     });
     let unavailable = || {
         error_response(
+            kind,
             StatusCode::SERVICE_UNAVAILABLE,
             "engine is shutting down",
             "server_error",
@@ -779,6 +813,7 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
     let refused = match reply_rx.await {
         Ok(Ok(())) => None,
         Ok(Err(RejectReason::QueueFull { limit })) => Some(error_response(
+            kind,
             StatusCode::SERVICE_UNAVAILABLE,
             &format!("engine overloaded: {limit} requests already waiting"),
             "server_error",
@@ -786,6 +821,7 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
             Some("overloaded"),
         )),
         Ok(Err(reason)) => Some(error_response(
+            kind,
             StatusCode::BAD_REQUEST,
             &reason.to_string(),
             "invalid_request_error",
@@ -824,6 +860,7 @@ async fn complete(state: AppState, endpoint: Endpoint, req: Request) -> Response
         return axum::Json(body).into_response();
     }
     let stream = SseStream {
+        kind,
         rx: progress_rx,
         guard,
         meta,
@@ -890,6 +927,8 @@ impl Choices {
 
 /// State of one SSE response: turns engine progress into `data:` chunks.
 struct SseStream {
+    /// Whose error event ends a stream the engine left.
+    kind: EmulatedKind,
     rx: mpsc::UnboundedReceiver<ChoiceProgress>,
     guard: AbortOnDrop,
     meta: ResponseMeta,
@@ -937,7 +976,12 @@ impl SseStream {
             // The engine went away mid-stream: an error event, then the end of the
             // stream as vLLM ends it (`[DONE]` after the error chunk).
             self.done = true;
-            let v = openai::error_body("engine stopped", "server_error", None, Some("unavailable"));
+            let v = openai::stream_error_body(
+                self.kind,
+                "engine stopped",
+                "server_error",
+                Some("unavailable"),
+            );
             Self::data(out, &v);
             out.extend_from_slice(b"data: [DONE]\n\n");
             return;
@@ -979,6 +1023,7 @@ mod tests {
         commands: mpsc::UnboundedSender<Command>,
     ) -> SseStream {
         SseStream {
+            kind: EmulatedKind::Vllm,
             rx,
             guard: AbortOnDrop {
                 ids: 1..2,
@@ -1086,7 +1131,7 @@ mod tests {
         profile.request_overhead_ms = 0.0;
         let mut engine = Engine::new(profile);
         engine.set_record_cache_changes(true);
-        Driver::new(engine, start, Some(16))
+        Driver::new(engine, start, Some(16), EmulatedKind::default())
     }
 
     #[test]
@@ -1162,7 +1207,7 @@ mod tests {
         profile.request_overhead_ms = 50.0;
         profile.max_running_requests = 1;
         let start = Instant::now();
-        let mut driver = Driver::new(Engine::new(profile), start, None);
+        let mut driver = Driver::new(Engine::new(profile), start, None, EmulatedKind::default());
         // The large request's handler started first but hashed longer.
         let mut small = submit(
             &mut driver,
@@ -1273,8 +1318,10 @@ mod tests {
             .await
             .expect("body");
         let v: Value = serde_json::from_slice(&body).expect("JSON body");
-        assert_eq!(v["error"]["code"], "unavailable", "{v}");
-        assert_eq!(v["error"]["type"], "server_error", "{v}");
+        // SGLang's flat error body, the default kind's.
+        assert_eq!(v["object"], "error", "{v}");
+        assert_eq!(v["code"], "unavailable", "{v}");
+        assert_eq!(v["type"], "server_error", "{v}");
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use futures::StreamExt;
-use gorgo_engine::{serve, EmulatorConfig, Profile};
+use gorgo_engine::{serve, EmulatedKind, EmulatorConfig, Profile};
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
 
@@ -112,6 +112,34 @@ async fn stream_chat(
     let (events, done) = sse_events(std::str::from_utf8(&all).unwrap());
     assert!(done, "stream ends with [DONE]");
     (ttft.unwrap(), events)
+}
+
+/// The fields of an error body `v` from an emulator of `kind`, checked to be in that
+/// engine's shape: under `"error"` (vLLM) or flat beside `"object": "error"` (SGLang).
+fn error_fields(kind: EmulatedKind, v: &Value) -> &Value {
+    let fields = match kind {
+        EmulatedKind::Vllm => {
+            assert_eq!(v.as_object().map(|o| o.len()), Some(1), "{v}");
+            &v["error"]
+        }
+        EmulatedKind::Sglang => {
+            assert_eq!(v["object"], "error", "{v}");
+            assert!(v.get("error").is_none(), "{v}");
+            v
+        }
+    };
+    assert!(
+        fields["message"].is_string() && fields["type"].is_string(),
+        "{v}"
+    );
+    fields
+}
+
+/// An emulator config of `kind` around `profile`.
+fn config_of(kind: EmulatedKind, profile: Profile) -> EmulatorConfig {
+    let mut config = EmulatorConfig::new(profile);
+    config.kind = kind;
+    config
 }
 
 fn usage_of(events: &[Value]) -> Value {
@@ -295,10 +323,19 @@ async fn a_malformed_body_is_400_not_413() {
     server.shutdown().await;
 }
 
+/// Bad input gets a 400 (404, 405) naming the field at fault, in the error shape of
+/// the engine each kind passes for; SGLang's `/get_server_info` is there only on the
+/// SGLang kind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_openai_errors() {
+    for kind in EmulatedKind::ALL {
+        bad_input_gets_openai_errors_of(kind).await;
+    }
+}
+
+async fn bad_input_gets_openai_errors_of(kind: EmulatedKind) {
     let profile = Profile::by_name("h200-dense-1.5b").unwrap();
-    let server = Server::start(EmulatorConfig::new(profile)).await;
+    let server = Server::start(config_of(kind, profile)).await;
     let client = reqwest::Client::new();
     let post = |path: &str, body: String| {
         client
@@ -361,10 +398,9 @@ async fn bad_input_gets_openai_errors() {
     ];
     for (path, body, status, param, code) in cases {
         let resp = post(path, body).await.unwrap();
-        assert_eq!(resp.status().as_u16(), status, "{path}");
+        assert_eq!(resp.status().as_u16(), status, "{kind} {path}");
         let v: Value = resp.json().await.unwrap();
-        let err = &v["error"];
-        assert!(err["message"].is_string() && err["type"].is_string(), "{v}");
+        let err = error_fields(kind, &v);
         assert_eq!(err["param"].as_str(), param, "{v}");
         assert_eq!(err["code"].as_str(), code, "{v}");
     }
@@ -376,8 +412,7 @@ async fn bad_input_gets_openai_errors() {
         .unwrap();
     assert_eq!(resp.status(), 405);
     let v: Value = resp.json().await.unwrap();
-    assert_eq!(v["error"]["code"], "method_not_allowed", "{v}");
-    assert!(v["error"]["message"].is_string(), "{v}");
+    assert_eq!(error_fields(kind, &v)["code"], "method_not_allowed", "{v}");
     // Non-streaming completion and the small endpoints.
     let resp = post(
         "/v1/completions",
@@ -398,9 +433,12 @@ async fn bad_input_gets_openai_errors() {
     };
     let models = get_json("/v1/models").await;
     assert_eq!(models["data"][0]["id"], "Qwen/Qwen2.5-1.5B-Instruct");
-    // SGLang's server info, where a node reads the concurrency limit.
+    // SGLang's server info, where a node reads the concurrency limit; vLLM has none.
     let info = get_json("/get_server_info").await;
-    assert_eq!(info["max_running_requests"], 512);
+    match kind {
+        EmulatedKind::Sglang => assert_eq!(info["max_running_requests"], 512),
+        EmulatedKind::Vllm => assert_eq!(error_fields(kind, &info)["code"], "not_found"),
+    }
     let health = client
         .get(format!("{}/health", server.base))
         .send()
@@ -418,7 +456,7 @@ async fn bad_input_gets_openai_errors() {
 async fn missing_max_tokens_and_stray_stream_options_follow_vllm() {
     let mut profile = Profile::by_name("h200-dense-1.5b").unwrap();
     profile.context_length = 300;
-    let server = Server::start(EmulatorConfig::new(profile)).await;
+    let server = Server::start(config_of(EmulatedKind::Vllm, profile)).await;
     let client = reqwest::Client::new();
     let post = |path: &str, body: Value| {
         client
@@ -467,13 +505,90 @@ async fn missing_max_tokens_and_stray_stream_options_follow_vllm() {
         let resp = post(path, body).await.unwrap();
         assert_eq!(resp.status(), 400, "{path}");
         let v: Value = resp.json().await.unwrap();
-        assert_eq!(v["error"]["param"], "stream_options", "{v}");
-        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        let err = error_fields(EmulatedKind::Vllm, &v);
+        assert_eq!(err["param"], "stream_options", "{v}");
+        assert_eq!(err["type"], "invalid_request_error", "{v}");
         assert_eq!(
-            v["error"]["message"], "Stream options can only be defined when `stream=True`.",
+            err["message"], "Stream options can only be defined when `stream=True`.",
             "{v}"
         );
     }
+    server.shutdown().await;
+}
+
+/// SGLang's ways where vLLM's differ, through HTTP: `stream_options` without
+/// `stream` is served (no usage chunk to give), a `null` completions limit is a 400 in
+/// SGLang's flat error shape, prompt + limit reaching the context is refused, and
+/// `stream_options: {}` does not ask for usage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stray_stream_options_and_limits_follow_sglang() {
+    let mut profile = Profile::by_name("h200-dense-1.5b").unwrap();
+    profile.context_length = 300;
+    let server = Server::start(config_of(EmulatedKind::Sglang, profile)).await;
+    let client = reqwest::Client::new();
+    let post = |path: &str, body: Value| {
+        client
+            .post(format!("{}{path}", server.base))
+            .json(&body)
+            .send()
+    };
+    let resp = post(
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "stream_options": {"include_usage": true}}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 200);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 2, "{v}");
+
+    let resp = post(
+        "/v1/completions",
+        json!({"prompt": "hi", "max_tokens": null}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 400);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(
+        error_fields(EmulatedKind::Sglang, &v)["param"],
+        "max_tokens",
+        "{v}"
+    );
+
+    // A prompt of exactly 200 tokens (completions count what they are sent) and a
+    // limit of 100: the context's 300, which vLLM would serve.
+    let resp = post(
+        "/v1/completions",
+        json!({"prompt": text(4, 200), "max_tokens": 100}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 400);
+    let v: Value = resp.json().await.unwrap();
+    let err = error_fields(EmulatedKind::Sglang, &v);
+    assert_eq!(err["code"], "context_length_exceeded", "{v}");
+    assert!(
+        err["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("Requested token count exceeds"),
+        "{v}"
+    );
+
+    let resp = post(
+        "/v1/completions",
+        json!({"prompt": "hi", "max_tokens": 2, "stream": true, "stream_options": {}}),
+    )
+    .await
+    .unwrap();
+    let (events, done) = sse_events(&resp.text().await.unwrap());
+    assert!(done);
+    assert!(
+        events.iter().all(|e| e.get("usage").is_none()),
+        "{events:?}"
+    );
     server.shutdown().await;
 }
 
@@ -505,7 +620,7 @@ async fn overload_is_503_and_a_disconnect_frees_the_slot() {
     let c = chat(text(3, 200), 3).await.unwrap();
     assert_eq!(c.status(), 503);
     let v: Value = c.json().await.unwrap();
-    assert_eq!(v["error"]["code"], "overloaded");
+    assert_eq!(error_fields(EmulatedKind::Sglang, &v)["code"], "overloaded");
     // A's client goes away: its slot and KV reference are freed and B completes.
     drop(a_stream);
     let body = b.text().await.unwrap();
@@ -669,7 +784,11 @@ async fn a_completions_batch_is_one_sequence_per_prompt() {
         let resp = post(json!({"prompt": prompt})).await.unwrap();
         assert_eq!(resp.status(), 400);
         let v: Value = resp.json().await.unwrap();
-        assert_eq!(v["error"]["param"], "prompt", "{v}");
+        assert_eq!(
+            error_fields(EmulatedKind::Sglang, &v)["param"],
+            "prompt",
+            "{v}"
+        );
     }
     // One prompt of a batch over the context is refused, naming it.
     let long = vec![text(7, 10), text(8, 33_000)];
@@ -678,6 +797,10 @@ async fn a_completions_batch_is_one_sequence_per_prompt() {
         .unwrap();
     assert_eq!(resp.status(), 400);
     let v: Value = resp.json().await.unwrap();
-    assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    assert_eq!(
+        error_fields(EmulatedKind::Sglang, &v)["code"],
+        "context_length_exceeded",
+        "{v}"
+    );
     server.shutdown().await;
 }
