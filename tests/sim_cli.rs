@@ -853,3 +853,75 @@ fn the_tc_script_names_the_topology_file_given() {
         "{header}"
     );
 }
+
+/// `--out /dev/stdout` puts the file on stdout: through a pipe (the atomic write made
+/// a temporary file beside the pipe's `pipe:[N]` and failed, "No such file"), and
+/// appended to a file stdout was opened on with `>>` (the rename replaced that file,
+/// dropping what it held). A directory is refused naming it.
+#[test]
+fn out_dev_stdout_writes_to_stdout() {
+    let args = [
+        "trace",
+        "generate",
+        "--seed",
+        "3",
+        "--duration-s",
+        "20",
+        "--users",
+        "4",
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("trace.jsonl");
+    let out = gorgo().args(args).arg("--out").arg(&file).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let trace = std::fs::read_to_string(&file).unwrap();
+    assert!(!trace.is_empty());
+
+    let out = gorgo()
+        .args(args)
+        .args(["--out", "/dev/stdout"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), trace);
+
+    let log = dir.path().join("log");
+    std::fs::write(&log, "kept\n").unwrap();
+    let appended = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
+    let out = gorgo()
+        .args(args)
+        .args(["--out", "/dev/stdout"])
+        .stdout(appended)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        std::fs::read_to_string(&log).unwrap(),
+        format!("kept\n{trace}")
+    );
+
+    let out = gorgo()
+        .args(args)
+        .arg("--out")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("{}: is a directory", dir.path().display())),
+        "{stderr}"
+    );
+}

@@ -16,7 +16,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// temporary file, so the destination keeps its old content and no stray file is left.
 /// An output that is also the input (`gorgo trace convert F --out F`) is thus read
 /// whole before it is replaced. Where the destination is a symbolic link, the file it
-/// points to is replaced, not the link.
+/// points to is replaced, not the link, as `cp` and a shell's `>` do: the link is how
+/// its owner points a tool at the real file (a config kept elsewhere), and replacing
+/// it would leave that file stale and the link silently turned into a copy.
+///
+/// Committed, the replacement survives a power loss: the temporary file is synced
+/// before the rename and the directory after it. A destination that is not a regular
+/// file, or that names an open descriptor, is written directly instead
+/// ([`AtomicFile::create`]); a directory is refused.
 #[derive(Debug)]
 #[must_use = "an atomic file is removed unless committed"]
 pub struct AtomicFile {
@@ -31,28 +38,43 @@ pub struct AtomicFile {
 }
 
 impl AtomicFile {
-    /// Start writing `path` (its directory must exist). A destination that exists and
-    /// is not a regular file (`/dev/null`, `/dev/stdout` on a pipe, a FIFO) is written
-    /// in place: renaming over it would replace the device or pipe with a file, and
-    /// such a destination has no old content to keep whole.
+    /// Start writing `path` (its directory must exist). Some destinations are written
+    /// directly, with no temporary file and no rename, as `cat > path` would:
+    /// - one that exists and is not a regular file (`/dev/null`, a FIFO, a terminal):
+    ///   renaming over it would replace the device or pipe with a file, and it has no
+    ///   old content to keep whole;
+    /// - one that names an open descriptor of this process (`/dev/stdout`, `/dev/fd/N`,
+    ///   `/proc/self/fd/N`, or a link to one): the user asked for the bytes on that
+    ///   descriptor. A pipe there has no path a rename could reach, and a file there
+    ///   (`>> log`) is appended to, where a replacement would drop what it held and
+    ///   leave the descriptor on the unlinked old file.
+    ///
+    /// A directory, or a path ending in `/`, is refused with an error naming it
+    /// ([`io::ErrorKind::IsADirectory`]).
     pub fn create(path: &Path) -> io::Result<Self> {
         // Two writes in one process (two in-process nodes, two reports) never share a
         // temporary file; the process id keeps concurrent processes apart.
         static NEXT: AtomicU64 = AtomicU64::new(0);
+        if path.as_os_str().as_encoded_bytes().last() == Some(&b'/') {
+            return Err(is_a_directory(path));
+        }
+        // Asked of the kernel, which follows `/dev/stdout` to what the descriptor is
+        // (a pipe's `pipe:[N]` is no path that `resolve_links` could follow).
+        if let Ok(meta) = std::fs::metadata(path) {
+            if meta.is_dir() {
+                return Err(is_a_directory(path));
+            }
+            if !meta.is_file() {
+                return Self::in_place(path, false);
+            }
+            if names_a_descriptor(path) {
+                return Self::in_place(path, true);
+            }
+        }
         // Through a link to the file it names: renaming over the link would replace
         // the link and leave its target as it was (a dangling link too: its target is
         // created).
         let path = resolve_links(path)?;
-        if std::fs::metadata(&path).is_ok_and(|m| !m.is_file()) {
-            let file = std::fs::OpenOptions::new().write(true).open(&path)?;
-            return Ok(AtomicFile {
-                tmp: path.clone(),
-                path,
-                file: Some(BufWriter::new(file)),
-                committed: false,
-                in_place: true,
-            });
-        }
         let name = path.file_name().ok_or_else(|| {
             io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -80,6 +102,23 @@ impl AtomicFile {
             file: Some(BufWriter::new(file)),
             committed: false,
             in_place: false,
+        })
+    }
+
+    /// Write straight into `path` (see [`AtomicFile::create`]), appending where it is
+    /// a regular file reached through a descriptor (appending to a pipe or a device
+    /// means nothing, and a block device would refuse a write past its end).
+    fn in_place(path: &Path, append: bool) -> io::Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .append(append)
+            .open(path)?;
+        Ok(AtomicFile {
+            tmp: path.to_path_buf(),
+            path: path.to_path_buf(),
+            file: Some(BufWriter::new(file)),
+            committed: false,
+            in_place: true,
         })
     }
 
@@ -147,19 +186,62 @@ fn sync_dir(path: &Path) -> io::Result<()> {
     if !cfg!(unix) {
         return Ok(());
     }
-    let dir = match path.parent() {
+    let dir = parent_dir(path);
+    #[cfg(test)]
+    tests::SYNCED_DIRS.with(|d| d.borrow_mut().push(dir.to_path_buf()));
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// The directory holding `path`: `.` for a bare file name, whose parent is empty.
+fn parent_dir(path: &Path) -> &Path {
+    match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
-    };
-    std::fs::File::open(dir)?.sync_all()
+    }
+}
+
+/// The error for a destination that is a directory: nothing can be written there, and
+/// the OS's own error ("Is a directory") would not say which path.
+fn is_a_directory(path: &Path) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::IsADirectory,
+        format!("{}: is a directory, not a file to write", path.display()),
+    )
+}
+
+/// The longest chain of symbolic links followed, as the kernel's (40), so a loop is
+/// an error and not a hang.
+const MAX_LINKS: usize = 40;
+
+/// Whether `path`, or a link on the way from it, names an open descriptor of this
+/// process (`/dev/stdout`, `/dev/fd/N`, `/proc/self/fd/N`): a descriptor directory
+/// holds it. Asked of the directory, since the descriptor's own link names what it is
+/// open on (a file, `pipe:[N]`), not the descriptor.
+fn names_a_descriptor(path: &Path) -> bool {
+    let mut path = path.to_path_buf();
+    for _ in 0..MAX_LINKS {
+        let dir = parent_dir(&path).to_path_buf();
+        match std::fs::canonicalize(&dir) {
+            // Linux: `/proc/<pid>/fd` or `/proc/<pid>/task/<tid>/fd` (where
+            // `/proc/self/fd` and `/dev/fd` lead); BSDs and macOS: `/dev/fd`.
+            Ok(d) if d == Path::new("/dev/fd") => return true,
+            Ok(d) if d.starts_with("/proc") && d.file_name() == Some("fd".as_ref()) => return true,
+            _ => {}
+        }
+        match std::fs::read_link(&path) {
+            // Relative to the link's directory; `join` keeps an absolute target whole.
+            Ok(target) => path = dir.join(target),
+            Err(_) => return false,
+        }
+    }
+    false
 }
 
 /// `path` with every symbolic link followed, a dangling last link to the path it
 /// names: what a write through the link must replace.
 fn resolve_links(path: &Path) -> io::Result<PathBuf> {
     let mut path = path.to_path_buf();
-    // A bound on link chains, as the kernel's (40), so a loop is an error.
-    for _ in 0..40 {
+    for _ in 0..MAX_LINKS {
         match std::fs::canonicalize(&path) {
             Ok(p) => return Ok(p),
             Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
@@ -194,8 +276,10 @@ pub fn stage(path: &Path, contents: &[u8]) -> io::Result<AtomicFile> {
     Ok(file)
 }
 
-/// Replace `path` with `contents` atomically: a reader sees the old file or the new
-/// one, never a part, and a failed write leaves the old one.
+/// Replace `path` with `contents` atomically and durably: a reader sees the old file
+/// or the new one, never a part, a failed write leaves the old one, and once this
+/// returns a power loss cannot bring the old one back. Pipes, devices and open
+/// descriptors (`--out /dev/stdout`) are written directly ([`AtomicFile::create`]).
 pub fn write_atomic(path: &Path, contents: &[u8]) -> io::Result<()> {
     stage(path, contents)?.commit()
 }
@@ -212,6 +296,17 @@ pub fn remove_stale(path: &Path) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::cell::RefCell;
+
+    thread_local! {
+        /// The directories [`sync_dir`] synced on this thread (each test runs on its
+        /// own), so a test sees that a commit made its rename durable.
+        pub(super) static SYNCED_DIRS: RefCell<Vec<PathBuf>> = const { RefCell::new(Vec::new()) };
+    }
+
+    fn synced_dirs() -> Vec<PathBuf> {
+        SYNCED_DIRS.with(|d| d.take())
+    }
 
     #[test]
     fn a_failed_commit_leaves_the_old_file_and_no_temporary() {
@@ -220,10 +315,12 @@ mod tests {
         write_atomic(&path, b"old").unwrap();
         write_atomic(&path, b"new").unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), b"new");
-        // A directory in the way: the rename fails and the temporary file goes.
+        // A directory put in the way after staging: the rename fails and the
+        // temporary file goes.
         let blocked = dir.path().join("b.svg");
+        let staged = stage(&blocked, b"x").unwrap();
         std::fs::create_dir(&blocked).unwrap();
-        assert!(write_atomic(&blocked, b"x").is_err());
+        assert!(staged.commit().is_err());
         // Staged, never committed: the destination is untouched.
         drop(stage(&path, b"dropped").unwrap());
         assert_eq!(std::fs::read(&path).unwrap(), b"new");
@@ -232,6 +329,83 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names.len(), 2, "{names:?}");
+    }
+
+    /// A committed write syncs the directory the file was renamed in (else a power
+    /// loss can undo the rename), once and after the rename; one staged and dropped,
+    /// or written in place, syncs none. A bare file name's directory is `.`.
+    #[test]
+    fn a_commit_syncs_the_directory_of_the_rename() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("results.json");
+        synced_dirs();
+        write_atomic(&path, b"new").unwrap();
+        assert_eq!(synced_dirs(), [std::fs::canonicalize(dir.path()).unwrap()]);
+        drop(stage(&path, b"dropped").unwrap());
+        write_atomic(Path::new("/dev/null"), b"gone").unwrap();
+        assert_eq!(synced_dirs(), Vec::<PathBuf>::new());
+        assert_eq!(std::fs::read(&path).unwrap(), b"new");
+        sync_dir(Path::new("results.json")).unwrap();
+        assert_eq!(synced_dirs(), [PathBuf::from(".")]);
+    }
+
+    /// A directory (or a path ending in `/`, existing or not) is refused naming the
+    /// path, and nothing is created.
+    #[test]
+    fn a_directory_target_is_refused_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let sub = dir.path().join("reports");
+        std::fs::create_dir(&sub).unwrap();
+        let absent = format!("{}/", dir.path().join("new").display());
+        let slashed = format!("{}/", sub.display());
+        for path in [sub.as_path(), Path::new(&slashed), Path::new(&absent)] {
+            let e = write_atomic(path, b"x").unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::IsADirectory, "{e}");
+            assert_eq!(
+                e.to_string(),
+                format!("{}: is a directory, not a file to write", path.display())
+            );
+        }
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+        assert_eq!(std::fs::read_dir(&sub).unwrap().count(), 0);
+    }
+
+    /// A path naming an open descriptor gets the bytes on that descriptor: a pipe
+    /// (`--out /dev/stdout | ...`: no path a rename could reach) and a file opened to
+    /// append (`>> log`: replaced, it lost what it held and the descriptor kept the
+    /// unlinked old file).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn an_open_descriptor_is_written_through() {
+        use std::io::Read as _;
+        use std::os::fd::AsRawFd as _;
+        let (mut reader, writer) = io::pipe().unwrap();
+        write_atomic(
+            Path::new(&format!("/dev/fd/{}", writer.as_raw_fd())),
+            b"on the pipe",
+        )
+        .unwrap();
+        drop(writer);
+        let mut got = String::new();
+        reader.read_to_string(&mut got).unwrap();
+        assert_eq!(got, "on the pipe");
+
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("log");
+        std::fs::write(&log, "kept\n").unwrap();
+        let appended = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
+        // A link to the descriptor, as `/dev/stdout` is to `/proc/self/fd/1`.
+        let link = dir.path().join("out");
+        std::os::unix::fs::symlink(format!("/proc/self/fd/{}", appended.as_raw_fd()), &link)
+            .unwrap();
+        write_atomic(&link, b"added\n").unwrap();
+        assert_eq!(std::fs::read_to_string(&log).unwrap(), "kept\nadded\n");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
+
+        assert!(names_a_descriptor(Path::new("/dev/stdout")));
+        assert!(names_a_descriptor(Path::new("/proc/self/fd/0")));
+        assert!(!names_a_descriptor(&log));
+        assert!(!names_a_descriptor(Path::new("/dev/null")));
     }
 
     /// A reader that opened the old file reads it whole after the write (a truncating
@@ -303,7 +477,9 @@ mod tests {
 
         let fifo = dir.path().join("out.fifo");
         let made = std::process::Command::new("mkfifo").arg(&fifo).status();
-        if made.is_ok_and(|s| s.success()) {
+        if !made.as_ref().is_ok_and(|s| s.success()) {
+            eprintln!("skipped the FIFO case: mkfifo failed ({made:?})");
+        } else {
             let path = fifo.clone();
             let reader = std::thread::spawn(move || std::fs::read(path).unwrap());
             write_atomic(&fifo, b"through the pipe").unwrap();
