@@ -1221,7 +1221,8 @@ impl ClusterHandle {
     /// [`broadcast_stats`](Self::broadcast_stats). Versions only grow within a run:
     /// a peer keeps what it holds of the replica against a snapshot of a lower
     /// version, so a summary that replaces another must continue its versions (the
-    /// node never replaces one: it does not reuse replica numbers).
+    /// node never replaces one: it does not reuse replica numbers). Refused for a
+    /// replica that left in this run ([`remove_engine`](Self::remove_engine)).
     pub fn set_engine(&self, replica: u16, summary: Arc<dyn SummarySource>) -> Result<()> {
         if replica >= gorgo_core::types::MAX_REPLICAS {
             return Err(ClusterError::Config {
@@ -1229,8 +1230,33 @@ impl ClusterHandle {
                 reason: format!("must be below {}", gorgo_core::types::MAX_REPLICAS),
             });
         }
-        self.inner.gossip.set_engine(replica, summary);
+        if !self.inner.gossip.set_engine(replica, summary) {
+            return Err(ClusterError::Config {
+                field: "replica",
+                reason: format!(
+                    "engine {replica} left in this run; a replica number is not reused"
+                ),
+            });
+        }
         Ok(())
+    }
+
+    /// This node fronts engine `replica` no more (removed at run time, its requests
+    /// done): its stream ends with stats that say so
+    /// ([`gorgo_core::gossip::LEFT_VERSION`]), sent to each peer on its summary
+    /// stream until it takes them and as a SWIM copy now, on which peers let go of
+    /// the engine: it leaves their table and views. Nothing else of it is sent from
+    /// now on (before, its last stats and summary went out every round for the rest
+    /// of the run, and every peer listed a phantom replica). Errors for a replica
+    /// not gossiped, or one that left already.
+    pub fn remove_engine(&self, replica: u16) -> Result<()> {
+        let Some(last) = self.inner.gossip.end_engine(replica) else {
+            return Err(ClusterError::Config {
+                field: "replica",
+                reason: format!("engine {replica} is not gossiped"),
+            });
+        };
+        self.broadcast_swim(last)
     }
 
     /// Open a bi-stream to `peer` to forward a request.
@@ -1310,11 +1336,17 @@ impl ClusterHandle {
             return Err(ClusterError::Config {
                 field: "replica",
                 reason: format!(
-                    "engine {} is not gossiped (`set_engine` first)",
+                    "engine {} is not gossiped (`set_engine` first), or has left",
                     stats.replica
                 ),
             });
         }
+        self.broadcast_swim(stats)
+    }
+
+    /// The SWIM copy of `stats` (their version set by the gossip driver): a foca
+    /// broadcast now.
+    fn broadcast_swim(&self, mut stats: QueueStats) -> Result<()> {
         // The SWIM copy is capped small ([`MAX_STATS_BROADCAST`]): it leaves the model
         // list to the summary messages, and receivers keep the models they hold.
         stats.models.clear();

@@ -156,6 +156,9 @@ struct EngineGossip {
     summary: Arc<dyn SummarySource>,
     /// The stats this engine last published (attached to every summary message).
     stats: QueueStats,
+    /// The node fronts the engine no more ([`GossipDriver::end_engine`]): `stats` end
+    /// its stream, and each peer gets them once.
+    left: bool,
 }
 
 /// The gossip side of a running member: one [`EngineGossip`] per engine it fronts.
@@ -198,8 +201,13 @@ impl GossipDriver {
     /// Gossip `summary` as engine `replica` (replacing what that replica gossiped:
     /// every peer gets a snapshot of it on the next round, and takes it only if its
     /// version is above the one it holds: see [`crate::ClusterHandle::set_engine`]).
-    pub(crate) fn set_engine(&self, replica: u16, summary: Arc<dyn SummarySource>) {
+    /// False, and nothing changed, for a replica that left in this run: its peers
+    /// hold its end, which outranks anything it could send.
+    pub(crate) fn set_engine(&self, replica: u16, summary: Arc<dyn SummarySource>) -> bool {
         let mut engines = self.engines.lock();
+        if engines.get(&replica).is_some_and(|e| e.left) {
+            return false;
+        }
         // Stamped from the start: a summary sent before the first stats are
         // published must already say which run and which engine it is of.
         let version = engines.get(&replica).map_or(0, |e| e.stats.version);
@@ -225,8 +233,29 @@ impl GossipDriver {
                     version,
                     ..QueueStats::default()
                 },
+                left: false,
             },
         );
+        true
+    }
+
+    /// The node fronts engine `replica` no more (removed at run time, its requests
+    /// done): its stream ends with its last stats at [`core_gossip::LEFT_VERSION`],
+    /// draining, which every peer gets once (again after it rejoins or asks for a
+    /// snapshot), and on which peers let go of the engine. Nothing else of it is sent,
+    /// and stats published for it are refused. Returns those last stats; `None` when
+    /// the replica is not gossiped or has left already. Its entry stays: a replica
+    /// number is not reused within a run, and engine 0's summary stays readable
+    /// ([`crate::ClusterHandle::local_summary`]).
+    pub(crate) fn end_engine(&self, replica: u16) -> Option<QueueStats> {
+        let mut engines = self.engines.lock();
+        let e = engines.get_mut(&replica).filter(|e| !e.left)?;
+        e.left = true;
+        e.stats.version = core_gossip::LEFT_VERSION;
+        e.stats.draining = true;
+        // Every peer, up to date or not, is sent the end next.
+        e.sender.retain_peers(|_| false);
+        Some(e.stats.clone())
     }
 
     /// The summary engine `replica` gossips.
@@ -236,10 +265,10 @@ impl GossipDriver {
 
     /// Record `stats` (of engine `stats.replica`) as the engine's latest, their
     /// version made monotonic per engine for this run; false when the engine is not
-    /// gossiped.
+    /// gossiped, or has left (its stats ended).
     pub(crate) fn set_stats(&self, stats: &mut QueueStats) -> bool {
         let mut engines = self.engines.lock();
-        let Some(e) = engines.get_mut(&stats.replica) else {
+        let Some(e) = engines.get_mut(&stats.replica).filter(|e| !e.left) else {
             return false;
         };
         stats.version = stats.version.max(e.stats.version + 1);
@@ -250,11 +279,12 @@ impl GossipDriver {
         true
     }
 
-    /// Every engine's last stats.
+    /// Every engine's last stats (of those that have not left).
     pub(crate) fn all_stats(&self) -> Vec<QueueStats> {
         self.engines
             .lock()
             .values()
+            .filter(|e| !e.left)
             .map(|e| e.stats.clone())
             .collect()
     }
@@ -330,6 +360,10 @@ fn round(gossip: &Arc<GossipDriver>, transport: &Arc<Transport>) {
         for (&replica, e) in engines.iter_mut() {
             e.sender.retain_peers(|p| peers.contains(p));
             for peer in &peers {
+                if e.left && e.sender.acked(peer).is_some() {
+                    // The peer took the engine's end: nothing more of it goes there.
+                    continue;
+                }
                 let mut polled = None;
                 let (sender, stats) = (&mut e.sender, &e.stats);
                 e.summary

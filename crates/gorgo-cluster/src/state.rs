@@ -249,9 +249,10 @@ pub struct PeerView {
     pub alive: bool,
     /// EWMA of QUIC path RTT, ms; `None` before the first sample.
     pub rtt_ms: Option<f64>,
-    /// Version of the summary of its first engine (replica 0) we hold; `None` before
-    /// the first snapshot. The fields down to `stats_age_ms` are the first engine's,
-    /// which is all a one-engine peer has; `engines` has every engine's.
+    /// Version of the summary of its first engine (replica 0, or the lowest that has
+    /// not left) we hold; `None` before the first snapshot. The fields down to
+    /// `stats_age_ms` are the first engine's, which is all a one-engine peer has;
+    /// `engines` has every engine's.
     pub summary_version: Option<u64>,
     /// Fingerprints in the summary we hold.
     pub summary_len: usize,
@@ -263,7 +264,8 @@ pub struct PeerView {
     pub stats: Option<QueueStats>,
     /// Time since those stats arrived, ms.
     pub stats_age_ms: Option<u64>,
-    /// Every engine of the peer heard of, by replica.
+    /// Every engine of the peer heard of, by replica, but those that left it
+    /// ([`gorgo_core::gossip::PeerGossip::left`]).
     pub engines: Vec<PeerEngineView>,
     /// Gossip bytes we sent to this peer (summaries and app messages).
     pub bytes_sent: u64,
@@ -297,10 +299,13 @@ impl PeerTable {
             .iter()
             .map(|e| {
                 let p = e.value();
+                // An engine that left the peer is in no view (its stats ended its
+                // stream; the entry stays, so that nothing late of it comes back).
                 let engines: Vec<PeerEngineView> = p
                     .engines
                     .iter()
                     .enumerate()
+                    .filter(|(_, h)| !h.gossip.left())
                     .map(|(i, h)| PeerEngineView {
                         replica: i as u16,
                         summary_version: h.gossip.summary().map(|s| s.version()),

@@ -369,6 +369,96 @@ fn each_engine_of_a_node_is_gossiped_as_its_own_replica() {
     assert!(heard(0, &|s| !s.draining));
 }
 
+/// A removed engine leaves its peers' tables: its stream ends with stats that say so
+/// (`ClusterHandle::remove_engine`), the peers let go of its summary and list it in
+/// no view, and its node sends nothing more of it; an engine added after it (the next
+/// replica number) is heard as any. Before, the removed engine's last stats and
+/// summary went out every round for the rest of the run, and every peer listed it.
+#[test]
+fn a_removed_engine_leaves_its_peers_tables_and_is_sent_no_more() {
+    use gorgo_cluster::SharedSummary;
+    use gorgo_core::summary::LocalSummary;
+    let mut sim = sim(31, Duration::from_secs(60));
+    let creds = credentials(&NAMES);
+    let handles = Handles::default();
+    converged_cluster(&mut sim, &NAMES, &creds, 1, &handles);
+    let n1 = NodeId::from("n1");
+    let engine = || {
+        let summary = SharedSummary::new(LocalSummary::new(), sim_clock());
+        summary.update(|s| s.record_add(11));
+        summary
+    };
+    let n1h = handles.lock()["n1"].clone();
+    n1h.set_engine(1, engine()).unwrap();
+    for replica in [0, 1] {
+        n1h.broadcast_stats(QueueStats {
+            replica,
+            ..Default::default()
+        })
+        .unwrap();
+    }
+    // The replicas of n1 each peer lists, and whether it holds engine 1's summary.
+    let listed = |replica: u16| {
+        let h = handles.lock();
+        ["n0", "n2"].map(|o| {
+            let view = h[o].peers().into_iter().find(|p| p.id == n1).unwrap();
+            let replicas: Vec<u16> = view
+                .engines
+                .iter()
+                .filter(|e| e.stats.is_some())
+                .map(|e| e.replica)
+                .collect();
+            (replicas, h[o].with_peer_summary(&n1, replica, |s| s.len()))
+        })
+    };
+    run_until(&mut sim, Duration::from_secs(5), |_| {
+        listed(1) == [(vec![0, 1], Some(1)), (vec![0, 1], Some(1))]
+    })
+    .expect("engine 1 is heard");
+    let sent = || {
+        let m = n1h.metrics();
+        m.deltas_sent.load(Ordering::Relaxed) + m.snapshots_sent.load(Ordering::Relaxed)
+    };
+    let window = Duration::from_secs(10);
+    let before = sent();
+    run_for(&mut sim, window);
+    let two_engines = sent() - before;
+
+    n1h.remove_engine(1).unwrap();
+    run_until(&mut sim, Duration::from_secs(5), |_| {
+        listed(1) == [(vec![0], None), (vec![0], None)]
+    })
+    .expect("engine 1 leaves every peer's view");
+    let before = sent();
+    run_for(&mut sim, window);
+    let one_engine = sent() - before;
+    // Engine 0's stream alone: about half of what two engines sent.
+    assert!(
+        one_engine * 4 < two_engines * 3,
+        "{one_engine} messages in {window:?} after the removal, {two_engines} before"
+    );
+    // Its stats are refused, it cannot leave twice, and its number is not reused.
+    assert!(n1h
+        .broadcast_stats(QueueStats {
+            replica: 1,
+            ..Default::default()
+        })
+        .is_err());
+    assert!(n1h.remove_engine(1).is_err());
+    assert!(n1h.set_engine(1, engine()).is_err());
+    // The next engine comes in as any.
+    n1h.set_engine(2, engine()).unwrap();
+    n1h.broadcast_stats(QueueStats {
+        replica: 2,
+        ..Default::default()
+    })
+    .unwrap();
+    run_until(&mut sim, Duration::from_secs(5), |_| {
+        listed(2) == [(vec![0, 2], Some(1)), (vec![0, 2], Some(1))]
+    })
+    .expect("engine 2 is heard");
+}
+
 /// Published stats go out on a gossip round at once, to a peer that is up to date too
 /// (an empty delta carries them), not on the next tick of the round's own timer: here
 /// that timer fires once a minute, and each publication is still sent within a second

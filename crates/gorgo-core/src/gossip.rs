@@ -36,6 +36,27 @@ use crate::summary::{varint_len, LocalSummary, PeerSummary, SummaryDelta};
 use crate::types::{NodeId, QueueStats, MAX_REPLICAS};
 use crate::wire::GossipMessage;
 
+/// The stats version ([`QueueStats::version`]) that ends an engine's stream: its origin
+/// fronts the engine no more (removed at run time, its requests done) and sends
+/// nothing more of it in this run (a node never reuses a replica number within a
+/// run). A peer that holds such stats lets go of the engine's summary, takes no
+/// summary of it again, and drivers list the engine nowhere ([`PeerGossip::left`]):
+/// without an end, peers kept a removed engine's last stats and summary for the
+/// rest of the origin's run, a phantom replica in every view of the peer. Being the
+/// highest version, it outranks whatever of the engine is still travelling, so a late
+/// message cannot bring it back; a newer run of the origin resets it as all else.
+///
+/// Why a version, not a message or a field of its own: the encoding stays as it is
+/// (no new [`crate::wire::PROTOCOL_VERSION`], so a rolling upgrade keeps one
+/// cluster), and a node built before this reads the end as the engine's newest stats,
+/// which say draining: it keeps the engine out of routing as it did.
+pub const LEFT_VERSION: u64 = u64::MAX;
+
+/// Whether `stats` end their engine's stream ([`LEFT_VERSION`]).
+pub fn engine_left(stats: &QueueStats) -> bool {
+    stats.version == LEFT_VERSION
+}
+
 /// Knobs of the gossip state machine (defaults: what the live cluster runs).
 #[derive(Debug, Clone, PartialEq)]
 pub struct GossipConfig {
@@ -862,6 +883,22 @@ impl PeerGossip {
         self.stats.as_ref()
     }
 
+    /// Whether the engine left its node: the stats held end its stream
+    /// ([`LEFT_VERSION`]). It holds no summary then and takes none; drivers leave it
+    /// out of every view of the peer.
+    pub fn left(&self) -> bool {
+        self.stats.as_ref().is_some_and(engine_left)
+    }
+
+    /// The engine left ([`left`](Self::left)): what is held of its summary goes, and
+    /// nothing is waited for or asked for again.
+    fn let_go_of_summary(&mut self) {
+        self.summary = None;
+        self.clear_pending();
+        self.snapshot_wait = None;
+        self.first_snapshot_due = false;
+    }
+
     /// Deltas held until a gap fills.
     pub fn pending(&self) -> usize {
         self.pending.len()
@@ -1095,6 +1132,9 @@ impl PeerGossip {
             }
         }
         self.stats = Some(kept);
+        if self.left() {
+            self.let_go_of_summary();
+        }
         true
     }
 
@@ -1195,6 +1235,11 @@ impl PeerGossip {
             // belong to the run held (a restarted peer counts from the start again).
             return Ok(out);
         }
+        if self.left() && !matches!(msg, GossipMessage::SnapshotRequest { .. }) {
+            // The engine's stream ended: a summary message of it still travelling
+            // must not bring its summary back (its stats are older than the end).
+            return Ok(out);
+        }
         // Held deltas were let go because one would take the peer over its cap.
         let mut let_go = false;
         match msg {
@@ -1244,6 +1289,12 @@ impl PeerGossip {
                     self.receive_delta(delta, others_fingerprints, now_ms, config)?;
                 out.stats_updated = self.offer_summary_stats(stats);
             }
+        }
+        if self.left() {
+            // This message ended the engine's stream: the summary it brought is gone
+            // with the engine, and no gap of it is worth a snapshot.
+            out.summary = SummaryEvent::None;
+            return Ok(out);
         }
         if out.summary == SummaryEvent::Gap || let_go {
             out.reply = self.snapshot_request(me, replica, now_ms, config);
@@ -2457,6 +2508,80 @@ mod tests {
         assert!(engines.iter().skip(1).all(|e| e.summary().is_none()));
         // Run 200 speaking for engine 1 is heard.
         assert!(offer(&mut engines, &mut run, stats_of(200, 2, 1)));
+    }
+
+    /// An engine's stream ends with stats at [`LEFT_VERSION`] (its node removed it):
+    /// the peer lets go of its summary and holds it as left, a message of it still
+    /// travelling (older, by summary gossip or SWIM) does not bring it back, and a new
+    /// run of the peer is heard as ever. Before, a removed engine's last stats and
+    /// summary were held for the rest of the peer's run.
+    #[test]
+    fn an_engines_end_lets_go_of_it_and_nothing_late_brings_it_back() {
+        let (me, b) = (NodeId::from("a"), NodeId::from("b"));
+        let cfg = GossipConfig::default();
+        let mut engines = vec![PeerGossip::new(); 2];
+        let mut run = PeerRun::new();
+        let recv = |engines: &mut [PeerGossip], run: &mut PeerRun, msg| {
+            receive_from_peer(engines, |g| g, run, &me, &b, msg, 0, &cfg).unwrap()
+        };
+        let offer = |engines: &mut [PeerGossip], run: &mut PeerRun, s: QueueStats| {
+            offer_peer_stats(engines, |g| g, run, &s)
+        };
+        for r in [0, 1] {
+            let got = recv(
+                &mut engines,
+                &mut run,
+                of_run(100, 5, on(r, snapshot_of(7, &[1, 2]))),
+            );
+            assert_eq!(got.summary, SummaryEvent::Snapshot);
+        }
+        assert!(!engines[1].left());
+        // Engine 1's end, on a delta that follows what is held.
+        let mut end = of_run(100, LEFT_VERSION, on(1, change(7, 8, &[3], &[])));
+        if let GossipMessage::SummaryDelta { stats, .. } = &mut end {
+            stats.draining = true;
+        }
+        let got = recv(&mut engines, &mut run, end);
+        assert_eq!((got.summary, got.stats_updated), (SummaryEvent::None, true));
+        assert_eq!(got.reply, None);
+        assert!(engines[1].left() && engines[1].summary().is_none());
+        assert_eq!(engines[1].fingerprints(), 0);
+        // Late messages of it, of the same run: nothing comes back.
+        for late in [
+            of_run(100, 6, on(1, snapshot_of(9, &[4]))),
+            of_run(100, 7, on(1, change(8, 9, &[5], &[]))),
+            of_run(100, 8, on(1, change(20, 21, &[6], &[]))),
+        ] {
+            assert_eq!(recv(&mut engines, &mut run, late), Received::nothing());
+        }
+        assert!(!offer(&mut engines, &mut run, stats_of(100, 9, 1)));
+        assert_eq!(engines[1].tick(&me, 1, 60_000, &cfg), None);
+        assert!(engines[1].left() && engines[1].summary().is_none());
+        // The other engine is untouched.
+        assert_eq!(engines[0].summary().map(PeerSummary::len), Some(2));
+        // A snapshot request (taken by the peer's first engine) is still reported
+        // when that engine has left.
+        assert!(offer(
+            &mut engines,
+            &mut run,
+            stats_of(100, LEFT_VERSION, 0)
+        ));
+        assert!(engines[0].left() && engines[0].summary().is_none());
+        let request = GossipMessage::SnapshotRequest {
+            origin: b.clone(),
+            have_version: 0,
+            replica: 0,
+        };
+        assert!(recv(&mut engines, &mut run, request).snapshot_requested);
+        // A new run of the peer fronts engine 1 again.
+        let got = recv(
+            &mut engines,
+            &mut run,
+            of_run(200, 1, on(1, snapshot_of(3, &[7]))),
+        );
+        assert_eq!(got.summary, SummaryEvent::Snapshot);
+        assert!(!engines[1].left() && !engines[0].left());
+        assert_eq!(engines[1].summary().map(PeerSummary::len), Some(1));
     }
 
     /// A peer restarted on a clock that reads earlier than its previous start (review

@@ -149,8 +149,9 @@ impl ClusterPeers {
 }
 
 /// The router's view of one peer from the cluster's: every engine whose stats
-/// arrived, and the ages of the peer's freshest stats and summary (those of its
-/// first engine alone grow without end once that engine has left).
+/// arrived (one that left the peer is in no view), and the ages of the peer's
+/// freshest stats and summary (those of its first engine alone may have stopped
+/// coming while the others' come).
 fn router_view(p: gorgo_cluster::PeerView) -> PeerView {
     let summary_age_ms = p
         .engines
@@ -241,6 +242,13 @@ impl PeerSource for ClusterPeers {
                 self.summaries.lock().insert(replica, summary);
             }
             Err(e) => tracing::warn!(replica, error = %e, "engine not gossiped"),
+        }
+    }
+
+    fn remove_engine(&self, replica: u16) {
+        self.summaries.lock().remove(&replica);
+        if let Err(e) = self.handle.remove_engine(replica) {
+            tracing::warn!(replica, error = %e, "engine's gossip not ended");
         }
     }
 

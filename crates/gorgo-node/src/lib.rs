@@ -389,11 +389,12 @@ impl NodeState {
     }
 
     /// Remove engine `replica` (`DELETE /admin/engines/{replica}`): it drains (no new
-    /// requests; peers see it draining) and leaves the set once its requests are done
-    /// ([`NodeState::engines_tick`]). False when no such engine; refused for the last
-    /// engine in rotation (serving, a health check passed and its breaker not open, as
-    /// `/readyz` counts it): a node left with drained engines, or with engines no
-    /// health check has passed, serves nothing itself, and nothing would say why.
+    /// requests; peers see it draining) and leaves the set, and then its peers'
+    /// views, once its requests are done ([`NodeState::engines_tick`]). False when no
+    /// such engine; refused for the last engine in rotation (serving, a health check
+    /// passed and its breaker not open, as `/readyz` counts it): a node left with
+    /// drained engines, or with engines no health check has passed, serves nothing
+    /// itself, and nothing would say why.
     pub fn remove_engine(&self, replica: u16) -> Result<bool, NodeError> {
         // One change of the engine set at a time: two removals counting the engines
         // that stay at once could each leave the other as the last, and remove both.
@@ -477,8 +478,8 @@ impl NodeState {
 
     /// Once per gossip interval: follow each engine's KV capacity, keep its summary
     /// sample in step with the cluster, publish its stats, and let go of removed
-    /// engines whose requests are done (their last stats say draining: peers stop
-    /// counting on them; their summary goes with them).
+    /// engines whose requests are done (their last stats say draining, then their
+    /// gossip stream ends: peers drop them, summary and all).
     pub fn engines_tick(&self) {
         let live = self.peers.peers().iter().filter(|p| p.alive).count();
         let now = self.now_ms();
@@ -501,9 +502,9 @@ impl NodeState {
             stats.draining |= removing;
             self.peers.publish_stats(stats);
             if removing && e.adapter.inflight() == 0 {
-                // Its summary goes empty before it leaves: peers held it for good (the
-                // cluster gossips the engine's last state every round), against their
-                // cap on a peer's fingerprints, after every removal of the run.
+                // Its summary goes empty before it leaves: a peer of an earlier build,
+                // which keeps the engine after its stream ends, holds no fingerprints
+                // of it against its cap on a peer's.
                 self.change_index(e.replica, &e.shadow, |shadow| [shadow.clear()]);
                 gone.push(e.replica);
             }
@@ -524,6 +525,12 @@ impl NodeState {
                 .cloned()
                 .collect();
             *engines = Arc::new(kept);
+            drop(engines);
+            // Its stream ends after the draining stats above: peers drop the engine
+            // (before, they listed it for the rest of the run).
+            for &replica in &gone {
+                self.peers.remove_engine(replica);
+            }
         }
     }
 

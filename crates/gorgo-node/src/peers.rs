@@ -261,6 +261,10 @@ pub trait PeerSource: Send + Sync + 'static {
     /// This node fronts a new engine `replica` (added at run time): gossip its
     /// summary and stats as their own stream from now on.
     fn add_engine(&self, _replica: u16) {}
+    /// This node fronts engine `replica` no more (removed, its requests done): end
+    /// its stream, so that peers drop it (without, they listed it for the rest of the
+    /// run). A peer source that reads this node's engines directly has nothing to do.
+    fn remove_engine(&self, _replica: u16) {}
     /// Gossip traffic so far.
     fn gossip_counters(&self) -> GossipCounters {
         GossipCounters::default()

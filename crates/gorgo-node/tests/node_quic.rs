@@ -237,6 +237,110 @@ async fn a_removed_engines_summary_is_emptied_at_its_peers() {
     b_stop.cancel();
 }
 
+/// An engine removed from a at run time leaves b's view of a once it has drained:
+/// b's `/admin/state` lists a's remaining engine only, and the model only that
+/// engine served is gone from b's `/v1/models`; added back (the same URL, the next
+/// replica number) it is listed at b again. Before, a gossiped the removed engine's
+/// last (draining) stats and empty summary every round for the rest of its run, and
+/// b listed a phantom replica of a.
+#[tokio::test]
+async fn a_removed_engine_leaves_its_peers_views_and_comes_back_when_added_again() {
+    let ca = test_ca();
+    let ea = [StubEngine::start("a0").await, StubEngine::start("a1").await];
+    ea[1].set_models(&["only-at-a1"]);
+    let eb = StubEngine::start("b").await;
+    let urls: Vec<String> = ea.iter().map(|e| e.url()).collect();
+    let (a, a_stop, a_quic) = quic_node_of("a", &urls, &ca, &[]).await;
+    let (b, b_stop, _) = quic_node("b", &eb, &ca, &[a_quic]).await;
+    // a's engines as b's router sees them (what `/admin/state` shows), and whether
+    // b's `/v1/models` counts a's second engine's model.
+    let view = {
+        let peers = b.state.peers.clone();
+        move || {
+            let of_a = peers.peers().into_iter().find(|p| p.id.0 == "a");
+            of_a.map_or((vec![], false), |p| {
+                let replicas: Vec<u16> = p.engines.iter().map(|e| e.stats.replica).collect();
+                (replicas, p.models().contains("only-at-a1"))
+            })
+        }
+    };
+    let admin_state = || async {
+        let state: serde_json::Value = client()
+            .get(format!("http://{}/admin/state", b.admin_addr))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let of_a = state["peers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["id"] == "a")
+            .cloned()
+            .unwrap();
+        let replicas: Vec<u64> = of_a["engines"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["replica"].as_u64().unwrap())
+            .collect();
+        replicas
+    };
+    let models = || async {
+        let list: serde_json::Value = client()
+            .get(format!("http://{}/v1/models", b.http_addr))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        list["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["id"] == "only-at-a1")
+            .map(|m| m["nodes"].clone())
+    };
+    until("b lists a's two engines", || view() == (vec![0, 1], true)).await;
+    assert_eq!(admin_state().await, [0, 1]);
+    assert_eq!(models().await, Some(serde_json::json!(["a"])));
+
+    assert!(a.state.remove_engine(1).unwrap());
+    let state = a.state.clone();
+    until("engine 1 drains and leaves a", || state.engine(1).is_none()).await;
+    until("b lists a's remaining engine only", || {
+        view() == (vec![0], false)
+    })
+    .await;
+    assert_eq!(admin_state().await, [0]);
+    assert_eq!(models().await, None);
+
+    // The same engine added back: the next replica number, heard at b as any.
+    let added: serde_json::Value = client()
+        .post(format!("http://{}/admin/engines", a.admin_addr))
+        .bearer_auth(TOKEN)
+        .json(&serde_json::json!({"url": urls[1], "kind": "sglang"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(added["replica"], 2, "{added}");
+    until("b lists the engine added back", || {
+        view() == (vec![0, 2], true)
+    })
+    .await;
+    assert_eq!(admin_state().await, [0, 2]);
+    assert_eq!(models().await, Some(serde_json::json!(["a"])));
+    a_stop.cancel();
+    b_stop.cancel();
+}
+
 /// A QUIC port in use is refused naming `listen.quic`, as the HTTP and admin ports
 /// name theirs (it was "cluster: io: Address already in use").
 #[tokio::test]
