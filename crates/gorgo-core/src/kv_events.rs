@@ -19,10 +19,23 @@
 //! missing batches (the live ones are held meanwhile, within a byte budget); a long
 //! gap, a failed or incomplete replay, an undecodable batch, a stream that went
 //! silent while requests were served or a closed connection to the publisher (the
-//! engine may have restarted) is a resync: forget every block and fall back to the
-//! shadow model until the stream has been continuous for the warm-up time (or from
-//! its seq 0: then it has told everything). A seq that goes back is a publisher
-//! restart: from seq 0 its cache starts empty.
+//! engine may have restarted) is a resync: fall back to the shadow model until the
+//! stream has been continuous for the warm-up time (or from its seq 0: then it has
+//! told everything). A resync for lost events of a publisher that carries on keeps
+//! the blocks known before it as *unconfirmed*: the engine stores a block once and
+//! serves it from cache after, so a hot prefix (a shared system prompt) is never
+//! stored again, and forgetting it dropped it from the index for good. Unconfirmed
+//! blocks leave by an explicit `BlockRemoved` (one copy is all they are taken to
+//! have), `AllBlocksCleared`, a publisher restart, or eviction at the block cap, where
+//! they go first; storing one again confirms it. A resync that may hide another
+//! engine process (a closed connection, a silent stream, a seq that goes back: a
+//! restarted vLLM hashes with a new seed and never removes the old blocks) forgets
+//! every block. A seq that goes back is a publisher restart: from seq 0 its cache
+//! starts empty.
+//!
+//! The block cap (`max_engine_blocks`) bounds memory: at it, the least recently
+//! stored leaf block (unconfirmed ones first) is evicted to make room, so the index
+//! keeps the engine's newest blocks rather than freezing on its oldest.
 //!
 //! The mapping: an engine block is kept with its own token ids, where it ends in the
 //! sequence and the node chain up to the last node-block boundary it reaches, so a
@@ -31,7 +44,7 @@
 //! is ignored). `BlockRemoved` drops the engine block and everything stored below it
 //! (the engine matches no further), with the node blocks no other engine block keeps.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use serde::Serialize;
 
@@ -51,7 +64,8 @@ pub struct KvFollowerConfig {
     /// The node's block size in tokens (`routing.block_tokens`): a multiple of the
     /// engine's block size, or the engine's blocks are ignored.
     pub node_block_tokens: usize,
-    /// Engine blocks tracked at most; blocks stored beyond are ignored and counted.
+    /// Engine blocks tracked at most: at the cap the least recently stored leaf block
+    /// (unconfirmed ones first) is evicted for a new one, and counted.
     pub max_engine_blocks: usize,
     /// Largest batch payload decoded.
     pub max_payload_bytes: usize,
@@ -189,7 +203,9 @@ pub struct KvEventCounters {
     /// counts that do not fit the block size, a block size that does not divide the
     /// node's.
     pub ignored_blocks: u64,
-    /// Engine blocks not tracked because `max_engine_blocks` were.
+    /// Engine blocks forgotten for `max_engine_blocks`: evicted to make room, or new
+    /// ones not tracked when nothing could be evicted (the cap filled by the chain
+    /// being stored).
     pub dropped_blocks: u64,
     /// Gaps in the seq.
     pub gaps: u64,
@@ -199,7 +215,8 @@ pub struct KvEventCounters {
     pub replay_failures: u64,
     /// Publisher restarts (the seq went back).
     pub restarts: u64,
-    /// Resyncs: every block forgotten, back to the shadow model.
+    /// Resyncs: back to the shadow model, the blocks kept unconfirmed (events lost)
+    /// or forgotten (the engine may have restarted).
     pub resyncs: u64,
     /// Messages or batches that did not decode (oversized ones included).
     pub decode_errors: u64,
@@ -229,6 +246,17 @@ enum Stream {
         pending: BTreeMap<u64, Vec<u8>>,
         pending_bytes: usize,
     },
+}
+
+/// What a resync does with the blocks known before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Picture {
+    /// Events of a publisher that carries on were lost: keep the blocks, unconfirmed
+    /// (the engine will not store its hot prefixes again).
+    Keep,
+    /// The publisher may be another engine process (a restart hashes anew and never
+    /// removes the old blocks): forget them.
+    Forget,
 }
 
 /// The state machine of the module docs.
@@ -316,6 +344,12 @@ impl KvEventFollower {
         self.tracker.engine.len()
     }
 
+    /// Engine blocks kept unconfirmed by a resync for lost events: held until the
+    /// engine removes them, stores them again (confirmed), or the cap evicts them.
+    pub fn unconfirmed_blocks(&self) -> usize {
+        self.tracker.unconfirmed
+    }
+
     /// Node blocks the engine holds, as far as the events told.
     pub fn node_blocks(&self) -> usize {
         self.tracker.nodes.len()
@@ -386,7 +420,7 @@ impl KvEventFollower {
     /// warm-up).
     pub fn on_disconnected(&mut self, now_ms: u64) {
         self.counters.disconnects += 1;
-        self.resync(now_ms, "publisher connection closed");
+        self.resync(now_ms, "publisher connection closed", Picture::Forget);
         self.stream = Stream::Fresh { full_replay: true };
     }
 
@@ -394,7 +428,7 @@ impl KvEventFollower {
     pub fn on_message(&mut self, frames: &[&[u8]], now_ms: u64) {
         let (seq, payload) = match self.parse_frames(frames, 3) {
             Ok(v) => v,
-            Err(reason) => return self.resync(now_ms, reason),
+            Err(reason) => return self.resync(now_ms, reason, Picture::Keep),
         };
         self.on_batch(seq, payload, now_ms);
     }
@@ -430,6 +464,7 @@ impl KvEventFollower {
         if seq < *next {
             return; // already applied
         }
+        let whole_history = startup && seq == *next;
         if seq > *next {
             if !startup {
                 return self.replay_failed(now_ms, "replay misses batches");
@@ -437,10 +472,14 @@ impl KvEventFollower {
             // The publisher's buffer no longer starts at 0: the cache's start is lost.
             self.history_complete = false;
             self.continuous_since_ms = Some(now_ms);
-        } else if startup {
-            self.history_complete = true;
         }
         *next = seq + 1;
+        if whole_history {
+            // The whole history comes: what was known before (unconfirmed blocks kept
+            // by a resync) is rebuilt from it or was evicted in it.
+            self.forget_blocks();
+            self.history_complete = true;
+        }
         // An undecodable batch resyncs inside: the replay is then over.
         self.apply(payload, now_ms);
     }
@@ -495,7 +534,8 @@ impl KvEventFollower {
             // the clock anew); until then, one silence per `silence_ms`.
             self.last_batch_ms = now_ms;
             self.dispatches_since_batch = 0;
-            self.resync(now_ms, "silent stream");
+            // A connection dead without a word may hide an engine that restarted.
+            self.resync(now_ms, "silent stream", Picture::Forget);
         }
         self.update_source(now_ms);
     }
@@ -529,6 +569,9 @@ impl KvEventFollower {
         match &mut self.stream {
             Stream::Fresh { full_replay } => {
                 if seq == 0 {
+                    // A publisher from its start: its cache was empty then, so the
+                    // blocks a resync kept unconfirmed belong to a previous one.
+                    self.forget_blocks();
                     self.history_complete = true;
                 } else if *full_replay
                     && self.config.replay
@@ -556,17 +599,14 @@ impl KvEventFollower {
                     {
                         self.start_replay(next, seq, payload, now_ms);
                     } else {
-                        self.resync(now_ms, "gap without replay");
+                        self.resync(now_ms, "gap without replay", Picture::Keep);
                         self.on_batch(seq, payload, now_ms);
                     }
                 } else {
                     self.counters.restarts += 1;
                     if seq == 0 {
                         // A new publisher: its cache starts empty.
-                        self.tracker.clear(&mut Vec::new());
-                        if self.source == IndexSource::Events {
-                            self.changes.push(NodeBlockChange::Cleared);
-                        }
+                        self.forget_blocks();
                         self.history_complete = true;
                         self.stream = Stream::Live { next: 1 };
                         self.apply(payload, now_ms);
@@ -575,11 +615,8 @@ impl KvEventFollower {
                         // restarted, so its cache starts empty too. Kept, the dead
                         // engine's blocks stayed in the index (and in what peers hold
                         // of it) while the shadow model carried on from them.
-                        self.tracker.clear(&mut Vec::new());
-                        if self.source == IndexSource::Events {
-                            self.changes.push(NodeBlockChange::Cleared);
-                        }
-                        self.resync(now_ms, "publisher restarted");
+                        self.forget_blocks();
+                        self.resync(now_ms, "publisher restarted", Picture::Forget);
                         self.stream = Stream::Fresh { full_replay: true };
                         self.on_batch(seq, payload, now_ms);
                     }
@@ -680,7 +717,7 @@ impl KvEventFollower {
         reason: &'static str,
     ) {
         self.counters.replay_failures += 1;
-        self.resync(now_ms, reason);
+        self.resync(now_ms, reason, Picture::Keep);
         self.refeeding = true;
         for (seq, payload) in pending {
             self.on_batch(seq, &payload, now_ms);
@@ -688,11 +725,26 @@ impl KvEventFollower {
         self.refeeding = false;
     }
 
-    /// Forget every block and fall back to the shadow model; the next batch starts a
-    /// stream whose beginning we did not see.
-    fn resync(&mut self, now_ms: u64, reason: &'static str) {
-        self.counters.resyncs += 1;
+    /// Every block forgotten: the engine's cache starts empty (a publisher restart),
+    /// or a whole history follows.
+    fn forget_blocks(&mut self) {
         self.tracker.clear(&mut Vec::new());
+        if self.source == IndexSource::Events {
+            self.changes.push(NodeBlockChange::Cleared);
+        }
+    }
+
+    /// Fall back to the shadow model, with the blocks known so far kept unconfirmed or
+    /// forgotten (`picture`); the next batch starts a stream whose beginning we did
+    /// not see. Before, every resync forgot every block, and the return to the events
+    /// cleared the index: a prefix the engine kept cached and never stored again (a
+    /// shared system prompt) was gone from it for good.
+    fn resync(&mut self, now_ms: u64, reason: &'static str, picture: Picture) {
+        self.counters.resyncs += 1;
+        match picture {
+            Picture::Keep => self.tracker.mark_unconfirmed(),
+            Picture::Forget => self.tracker.clear(&mut Vec::new()),
+        }
         self.history_complete = false;
         self.continuous_since_ms = None;
         self.stream = Stream::Fresh { full_replay: false };
@@ -709,7 +761,7 @@ impl KvEventFollower {
             Ok(b) => b,
             Err(_) => {
                 self.counters.decode_errors += 1;
-                self.resync(now_ms, "undecodable batch");
+                self.resync(now_ms, "undecodable batch", Picture::Keep);
                 return false;
             }
         };
@@ -837,8 +889,23 @@ struct EngineBlock {
     /// How many times the engine stored it and has not removed it since: vLLM keeps
     /// duplicate physical blocks of one hash (two requests with the same new prefix
     /// in one step), storing and evicting each, so the first eviction must not take a
-    /// prefix the engine still holds out of the index.
+    /// prefix the engine still holds out of the index. An unconfirmed block counts as
+    /// one: the removals of the others may be among the events lost.
     copies: u32,
+    /// The tracker's epoch when it was last stored: older than the tracker's is
+    /// unconfirmed (kept across a resync for lost events).
+    epoch: u32,
+    /// When it was last stored (the tracker's store clock): the cap evicts the least
+    /// recent leaf.
+    stamp: u64,
+}
+
+impl EngineBlock {
+    /// Its key among the leaves: unconfirmed (older epochs) first, then least
+    /// recently stored.
+    fn leaf_key(&self, hash: u64) -> (u32, u64, u64) {
+        (self.epoch, self.stamp, hash)
+    }
 }
 
 /// One node block: held while `refs` engine blocks complete it.
@@ -857,6 +924,17 @@ struct BlockTracker {
     max_engine_blocks: usize,
     engine: HashMap<u64, EngineBlock, FingerprintBuildHasher>,
     nodes: HashMap<u64, NodeBlock, FingerprintBuildHasher>,
+    /// Bumped by each resync that keeps the blocks: those stored before are
+    /// unconfirmed.
+    epoch: u32,
+    /// The store clock (`EngineBlock::stamp`).
+    clock: u64,
+    /// Blocks with nothing stored below them, by [`EngineBlock::leaf_key`]: what the
+    /// cap evicts first. Only leaves, so that an eviction never cuts a chain the
+    /// engine holds below it.
+    leaves: BTreeSet<(u32, u64, u64)>,
+    /// Blocks whose epoch is older than `epoch`.
+    unconfirmed: usize,
 }
 
 impl BlockTracker {
@@ -866,7 +944,85 @@ impl BlockTracker {
             max_engine_blocks,
             engine: HashMap::default(),
             nodes: HashMap::default(),
+            epoch: 0,
+            clock: 0,
+            leaves: BTreeSet::new(),
+            unconfirmed: 0,
         }
+    }
+
+    /// A resync for lost events: every block known so far becomes unconfirmed.
+    fn mark_unconfirmed(&mut self) {
+        self.epoch = self.epoch.wrapping_add(1);
+        if self.epoch == 0 {
+            // Four billion resyncs: start the epochs again rather than let the old
+            // blocks read as confirmed.
+            self.clear(&mut Vec::new());
+            return;
+        }
+        self.unconfirmed = self.engine.len();
+    }
+
+    /// The engine stored block `hash` again (or stored below it): it holds it now.
+    /// Confirms it and its unconfirmed ancestors (each block flips once per resync,
+    /// so the walk costs nothing over time) and refreshes its stamp. An unconfirmed
+    /// block comes back as one copy: the engine most likely evicted it among the
+    /// events lost and computed it again.
+    fn touch(&mut self, hash: u64) {
+        self.clock += 1;
+        let (epoch, clock) = (self.epoch, self.clock);
+        let mut cur = Some(hash);
+        let mut first = true;
+        while let Some(h) = cur {
+            let Some(b) = self.engine.get_mut(&h) else {
+                return;
+            };
+            let stale = b.epoch != epoch;
+            if !first && !stale {
+                return;
+            }
+            let leaf = b.children.is_empty();
+            if leaf {
+                self.leaves.remove(&b.leaf_key(h));
+            }
+            if stale {
+                b.copies = 1;
+                b.epoch = epoch;
+                self.unconfirmed = self.unconfirmed.saturating_sub(1);
+            }
+            if first {
+                b.stamp = clock;
+            }
+            if leaf {
+                self.leaves.insert(b.leaf_key(h));
+            }
+            first = false;
+            cur = b.parent;
+        }
+    }
+
+    /// Room for one more block at the cap: evict the first leaf (unconfirmed, then
+    /// least recently stored) other than `keep` (the parent of the block to store);
+    /// false when there is none.
+    fn make_room(
+        &mut self,
+        keep: Option<u64>,
+        out: &mut Vec<NodeBlockChange>,
+        counters: &mut KvEventCounters,
+    ) -> bool {
+        while self.engine.len() >= self.max_engine_blocks {
+            let victim = self
+                .leaves
+                .iter()
+                .map(|&(_, _, h)| h)
+                .find(|&h| Some(h) != keep);
+            let Some(victim) = victim else {
+                return false;
+            };
+            counters.dropped_blocks += 1;
+            self.remove_all(victim, out);
+        }
+        true
     }
 
     /// The last `n` tokens of the sequence that ends with `block`.
@@ -922,6 +1078,10 @@ impl BlockTracker {
                 }
             },
         };
+        // The engine stored below it: it holds the parent.
+        if let Some(p) = parent {
+            self.touch(p);
+        }
         let mut prev = parent;
         // The tokens of the node block in progress, looked up only when a new block
         // needs them: a batch that restores known blocks (or names one many times)
@@ -940,15 +1100,19 @@ impl BlockTracker {
                     return;
                 }
                 // Stored already (another request got there first, or a duplicate
-                // physical block): one more copy; follow it.
-                existing.copies = existing.copies.saturating_add(1);
+                // physical block): one more copy (an unconfirmed one is confirmed as
+                // one copy); follow it.
+                if existing.epoch == self.epoch {
+                    existing.copies = existing.copies.saturating_add(1);
+                }
                 end = existing.end;
                 chain_end = existing.chain_end;
+                self.touch(h);
                 prev = Some(h);
                 partial = None;
                 continue;
             }
-            if self.engine.len() >= self.max_engine_blocks {
+            if !self.make_room(prev, out, counters) {
                 counters.dropped_blocks += (hashes.len() - i) as u64;
                 return;
             }
@@ -971,7 +1135,7 @@ impl BlockTracker {
                 }
             }
             end += block_size as u64;
-            self.engine.insert(
+            self.insert_block(
                 h,
                 EngineBlock {
                     parent: prev,
@@ -981,13 +1145,27 @@ impl BlockTracker {
                     completes,
                     children: HashSet::default(),
                     copies: 1,
+                    epoch: self.epoch,
+                    stamp: 0,
                 },
             );
-            if let Some(p) = prev.and_then(|p| self.engine.get_mut(&p)) {
-                p.children.insert(h);
-            }
             prev = Some(h);
         }
+    }
+
+    /// Track a new block below its parent (stamped now, a leaf).
+    fn insert_block(&mut self, hash: u64, mut block: EngineBlock) {
+        self.clock += 1;
+        block.stamp = self.clock;
+        if let Some(p) = block.parent.and_then(|p| self.engine.get_mut(&p)) {
+            if p.children.is_empty() {
+                self.leaves
+                    .remove(&p.leaf_key(block.parent.unwrap_or_default()));
+            }
+            p.children.insert(hash);
+        }
+        self.leaves.insert(block.leaf_key(hash));
+        self.engine.insert(hash, block);
     }
 
     /// One engine block that is a node block (see [`AlignedBlockEvent`]).
@@ -1000,19 +1178,25 @@ impl BlockTracker {
         counters: &mut KvEventCounters,
     ) {
         if let Some(existing) = self.engine.get_mut(&hash) {
-            existing.copies = existing.copies.saturating_add(1);
+            if existing.epoch == self.epoch {
+                existing.copies = existing.copies.saturating_add(1);
+            }
+            self.touch(hash);
             return;
         }
         if parent.is_some_and(|p| !self.engine.contains_key(&p)) {
             counters.ignored_blocks += 1;
             return;
         }
-        if self.engine.len() >= self.max_engine_blocks {
+        if let Some(p) = parent {
+            self.touch(p);
+        }
+        if !self.make_room(parent, out, counters) {
             counters.dropped_blocks += 1;
             return;
         }
         self.add_node_ref(hash, parent, tokens, out);
-        self.engine.insert(
+        self.insert_block(
             hash,
             EngineBlock {
                 parent,
@@ -1022,11 +1206,10 @@ impl BlockTracker {
                 completes: vec![hash],
                 children: HashSet::default(),
                 copies: 1,
+                epoch: self.epoch,
+                stamp: 0,
             },
         );
-        if let Some(p) = parent.and_then(|p| self.engine.get_mut(&p)) {
-            p.children.insert(hash);
-        }
     }
 
     fn add_node_ref(
@@ -1055,25 +1238,41 @@ impl BlockTracker {
         node.refs += 1;
     }
 
-    /// Drop one copy of engine block `hash`; with the last, the block and everything
-    /// stored below it.
+    /// Drop one copy of engine block `hash` (an unconfirmed block has one); with the
+    /// last, the block and everything stored below it.
     fn remove(&mut self, hash: u64, out: &mut Vec<NodeBlockChange>) {
         let Some(block) = self.engine.get_mut(&hash) else {
             return;
         };
-        if block.copies > 1 {
+        if block.copies > 1 && block.epoch == self.epoch {
             block.copies -= 1;
             return;
         }
-        let parent = block.parent;
+        self.remove_all(hash, out);
+    }
+
+    /// Drop engine block `hash`, every copy, and everything stored below it.
+    fn remove_all(&mut self, hash: u64, out: &mut Vec<NodeBlockChange>) {
+        let Some(parent) = self.engine.get(&hash).map(|b| b.parent) else {
+            return;
+        };
         if let Some(p) = parent.and_then(|p| self.engine.get_mut(&p)) {
             p.children.remove(&hash);
+            if p.children.is_empty() {
+                self.leaves.insert(p.leaf_key(parent.unwrap_or_default()));
+            }
         }
         let mut stack = vec![hash];
         while let Some(h) = stack.pop() {
             let Some(b) = self.engine.remove(&h) else {
                 continue;
             };
+            if b.children.is_empty() {
+                self.leaves.remove(&b.leaf_key(h));
+            }
+            if b.epoch != self.epoch {
+                self.unconfirmed = self.unconfirmed.saturating_sub(1);
+            }
             stack.extend(b.children);
             for node in b.completes {
                 if let Some(n) = self.nodes.get_mut(&node) {
@@ -1090,6 +1289,8 @@ impl BlockTracker {
     fn clear(&mut self, out: &mut Vec<NodeBlockChange>) {
         self.engine.clear();
         self.nodes.clear();
+        self.leaves.clear();
+        self.unconfirmed = 0;
         out.push(NodeBlockChange::Cleared);
     }
 
@@ -1105,5 +1306,191 @@ impl BlockTracker {
                 tokens: n.tokens,
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv_wire::{encode_batch, encode_seq, KvEventBatch};
+    use crate::HashChain;
+
+    /// Node and engine blocks of 4 tokens: one engine block per node block.
+    const B: usize = 4;
+
+    fn cfg() -> KvFollowerConfig {
+        KvFollowerConfig {
+            warmup_ms: 100,
+            ..KvFollowerConfig::new(B)
+        }
+    }
+
+    fn store(hashes: &[u64], parent: Option<u64>, first_token: u32) -> KvEvent {
+        KvEvent::BlockStored {
+            block_hashes: hashes.to_vec(),
+            parent,
+            token_ids: (first_token..first_token + (hashes.len() * B) as u32).collect(),
+            block_size: B as u32,
+            lora_id: None,
+            medium: None,
+            extra_keys_from: None,
+        }
+    }
+
+    fn removed(hashes: &[u64]) -> KvEvent {
+        KvEvent::BlockRemoved {
+            block_hashes: hashes.to_vec(),
+            medium: None,
+        }
+    }
+
+    fn send(f: &mut KvEventFollower, seq: u64, events: Vec<KvEvent>, now: u64) {
+        let payload = encode_batch(&KvEventBatch {
+            ts: 0.0,
+            events,
+            data_parallel_rank: None,
+            unknown_events: 0,
+        });
+        f.on_message(&[b"kv", &encode_seq(seq as i64), &payload], now);
+    }
+
+    /// Leading node blocks of the token run `from..to` the follower holds.
+    fn held(f: &KvEventFollower, from: u32, to: u32) -> usize {
+        let ids: Vec<u32> = (from..to).collect();
+        let chain = HashChain::from_token_ids(&ids, B);
+        chain
+            .hashes
+            .iter()
+            .take_while(|h| f.contains_node_block(**h))
+            .count()
+    }
+
+    /// A hot prefix (a shared system prompt) stored before a gap and never stored
+    /// again, since the engine serves it from cache, is still held when the index
+    /// returns to the events after the resync; a request stored below it after the
+    /// gap chains from it; the engine's `BlockRemoved` still takes it out. Before, the
+    /// resync forgot it, the child was an orphan, and the return to the events
+    /// cleared it from the index for good.
+    #[test]
+    fn a_hot_prefix_stored_before_a_gap_is_held_after_the_resync() {
+        let mut f = KvEventFollower::new(cfg(), 0).unwrap();
+        send(&mut f, 0, vec![store(&[11, 12], None, 0)], 0);
+        send(&mut f, 1, vec![store(&[21], None, 100)], 1);
+        assert_eq!(f.source(), IndexSource::Events);
+        f.take_changes();
+        // Batch 2 is lost; batch 3 stores a request below the hot prefix.
+        send(&mut f, 3, vec![store(&[13], Some(12), 8)], 10);
+        assert_eq!(f.counters().resyncs, 1);
+        assert_eq!(f.source(), IndexSource::Shadow);
+        assert_eq!(f.counters().ignored_blocks, 0, "the child chained");
+        assert_eq!(f.unconfirmed_blocks(), 1, "11 and 12 confirmed below 13");
+        f.tick(110);
+        assert_eq!(f.source(), IndexSource::Events);
+        let changes = f.take_changes();
+        assert_eq!(changes[0], NodeBlockChange::Cleared);
+        assert_eq!(changes.len(), 1 + 4, "{changes:?}");
+        assert_eq!(held(&f, 0, 12), 3, "the hot prefix and its child");
+        assert_eq!(held(&f, 100, 104), 1, "kept, unconfirmed");
+        // The engine evicts the hot prefix: it leaves with everything below it.
+        send(&mut f, 4, vec![removed(&[11])], 120);
+        assert_eq!(held(&f, 0, 12), 0);
+        let gone = f
+            .take_changes()
+            .into_iter()
+            .filter(|c| matches!(c, NodeBlockChange::Removed { .. }))
+            .count();
+        assert_eq!(gone, 3);
+        assert_eq!(f.engine_blocks(), 1);
+    }
+
+    /// An unconfirmed block counts as one copy (the other copies' removals may be
+    /// among the events lost); storing it again confirms it as one copy.
+    #[test]
+    fn an_unconfirmed_block_is_one_copy_until_stored_again() {
+        let mut f = KvEventFollower::new(cfg(), 0).unwrap();
+        let twice = vec![store(&[11], None, 0), store(&[11], None, 0)];
+        send(&mut f, 0, twice.clone(), 0);
+        send(&mut f, 1, vec![store(&[21], None, 100)], 0);
+        send(&mut f, 3, vec![], 1); // 2 lost: a resync, both kept
+        assert_eq!(f.unconfirmed_blocks(), 2);
+        send(&mut f, 4, vec![removed(&[11])], 2);
+        assert_eq!(held(&f, 0, 4), 0, "one removal takes an unconfirmed block");
+        // Stored again: confirmed, one copy.
+        send(&mut f, 5, vec![store(&[21], None, 100)], 3);
+        assert_eq!(f.unconfirmed_blocks(), 0);
+        send(&mut f, 6, vec![removed(&[21])], 4);
+        assert_eq!(held(&f, 100, 104), 0);
+        assert_eq!(f.engine_blocks(), 0);
+    }
+
+    /// After a resync that kept the blocks, a stream from seq 0 is a publisher from
+    /// its start, whose cache was empty: the kept blocks belong to an older one.
+    #[test]
+    fn a_stream_from_seq_0_after_a_resync_forgets_the_kept_blocks() {
+        let mut f = KvEventFollower::new(cfg(), 0).unwrap();
+        send(&mut f, 0, vec![store(&[11, 12], None, 0)], 0);
+        f.on_message(&[b"kv", &encode_seq(1), b"\xc1 not msgpack"], 1);
+        assert_eq!(f.fallback_reason(), Some("undecodable batch"));
+        assert_eq!(held(&f, 0, 8), 2, "kept, unconfirmed");
+        send(&mut f, 0, vec![store(&[31], None, 200)], 2);
+        assert_eq!(f.source(), IndexSource::Events, "the whole history");
+        assert_eq!(held(&f, 0, 8), 0);
+        assert_eq!(held(&f, 200, 204), 1);
+        assert_eq!(f.unconfirmed_blocks(), 0);
+    }
+
+    /// At the block cap the least recently stored leaf makes room for a new block
+    /// (a leaf only: the engine holds a chain's start while it holds its end), and
+    /// unconfirmed leaves go first. Before, the new blocks were dropped and the index
+    /// froze on the oldest.
+    #[test]
+    fn at_the_cap_the_least_recently_stored_leaf_makes_room() {
+        let capped = KvFollowerConfig {
+            max_engine_blocks: 3,
+            ..cfg()
+        };
+        let mut f = KvEventFollower::new(capped, 0).unwrap();
+        send(&mut f, 0, vec![store(&[11, 12], None, 0)], 0);
+        send(&mut f, 1, vec![store(&[21], None, 100)], 1);
+        send(&mut f, 2, vec![store(&[31], None, 200)], 2);
+        assert_eq!(held(&f, 200, 204), 1, "the new block is held");
+        assert_eq!(held(&f, 0, 8), 1, "12, the oldest leaf, made room");
+        assert_eq!(f.counters().dropped_blocks, 1);
+        // 21 stored again is recent: 11 (a leaf now, and older) goes next.
+        send(&mut f, 3, vec![store(&[21], None, 100)], 3);
+        send(&mut f, 4, vec![store(&[41], None, 300)], 4);
+        assert_eq!(held(&f, 0, 8), 0);
+        assert_eq!((held(&f, 100, 104), held(&f, 300, 304)), (1, 1));
+        assert_eq!(f.engine_blocks(), 3);
+
+        // Unconfirmed first: 21, kept by a resync, goes before 11, confirmed (below 13)
+        // but stored earlier.
+        let four = KvFollowerConfig {
+            max_engine_blocks: 4,
+            ..cfg()
+        };
+        let mut f = KvEventFollower::new(four, 0).unwrap();
+        send(&mut f, 0, vec![store(&[11, 12], None, 0)], 0);
+        send(&mut f, 1, vec![store(&[21], None, 100)], 1);
+        send(&mut f, 3, vec![store(&[13], Some(12), 8)], 2); // 2 lost: a resync
+        assert_eq!(f.unconfirmed_blocks(), 1);
+        send(&mut f, 4, vec![removed(&[12])], 3); // 11 is a leaf again
+        send(&mut f, 5, vec![store(&[31], None, 200)], 4);
+        send(&mut f, 6, vec![store(&[41], None, 300)], 5);
+        send(&mut f, 7, vec![store(&[51], None, 400)], 6);
+        assert_eq!(held(&f, 100, 104), 0, "the unconfirmed leaf went");
+        assert_eq!(held(&f, 0, 4), 1);
+        assert_eq!(f.engine_blocks(), 4);
+
+        // A chain longer than the cap keeps its start: its own parent is never the
+        // one evicted for it.
+        let one = KvFollowerConfig {
+            max_engine_blocks: 1,
+            ..cfg()
+        };
+        let mut f = KvEventFollower::new(one, 0).unwrap();
+        send(&mut f, 0, vec![store(&[11, 12], None, 0)], 0);
+        assert_eq!(held(&f, 0, 8), 1);
+        assert_eq!(f.counters().dropped_blocks, 1);
     }
 }

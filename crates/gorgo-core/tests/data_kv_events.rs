@@ -403,11 +403,13 @@ fn garbage_oversized_and_silence_resync_into_the_shadow_model() {
     assert_eq!(f.source(), IndexSource::Events);
     assert_eq!(f.node_blocks(), 4);
 
-    // Garbage with a good seq: a resync, every block forgotten.
+    // Garbage with a good seq: a resync, the blocks kept unconfirmed (the engine
+    // does not store what it still holds again).
     deliver(&mut f, 1, b"\xc1\xc1 not msgpack", 10);
     assert_eq!(f.source(), IndexSource::Shadow);
     assert_eq!(f.fallback_reason(), Some("undecodable batch"));
-    assert_eq!(f.node_blocks(), 0);
+    assert_eq!(f.node_blocks(), 4);
+    assert_eq!(f.unconfirmed_blocks(), 4);
     assert_eq!(f.counters().decode_errors, 1);
     // Wrong framing, a short seq, an oversized payload: counted, never a panic.
     f.on_message(&[b"only one frame"], 11);
@@ -416,8 +418,8 @@ fn garbage_oversized_and_silence_resync_into_the_shadow_model() {
     assert_eq!(f.counters().decode_errors, 4);
     assert_eq!(f.counters().oversized, 1);
 
-    // The stream comes back mid-way: the index waits for the warm-up (the blocks
-    // cached before are unknown), then follows the events again.
+    // The stream comes back mid-way: the index waits for the warm-up, then follows
+    // the events again; the first half stored again is confirmed.
     let (_, ev) = stored(&prompt[..8], 4, None);
     let (s, p) = message(5, vec![ev]);
     deliver(&mut f, s, &p, 20);
@@ -426,7 +428,8 @@ fn garbage_oversized_and_silence_resync_into_the_shadow_model() {
     assert_eq!(f.source(), IndexSource::Shadow);
     f.tick(120);
     assert_eq!(f.source(), IndexSource::Events);
-    assert_eq!(f.node_blocks(), 2);
+    assert_eq!(f.node_blocks(), 4);
+    assert_eq!(f.unconfirmed_blocks(), 2);
     assert_eq!(f.fallback_ms(120), 110);
 
     // Silence with requests served: a resync; silence without requests is fine.

@@ -95,6 +95,10 @@ pub struct KvEventsView {
     pub fallback_seconds: f64,
     /// Engine blocks tracked.
     pub engine_blocks: usize,
+    /// Of those, the blocks a resync for lost events kept unconfirmed: the engine may
+    /// hold them without storing them again (a hot prefix), so they stay until it
+    /// removes them, stores them again, or the block cap evicts them.
+    pub unconfirmed_blocks: usize,
     /// Node blocks the events say the engine holds.
     pub node_blocks: usize,
     /// The stream's counters.
@@ -174,6 +178,7 @@ impl KvEvents {
             fallback_reason: f.fallback_reason(),
             fallback_seconds: f.fallback_ms(now_ms) as f64 / 1000.0,
             engine_blocks: f.engine_blocks(),
+            unconfirmed_blocks: f.unconfirmed_blocks(),
             node_blocks: f.node_blocks(),
             counters: *f.counters(),
             refused_frames: self.refused_frames.load(Ordering::Relaxed),
@@ -394,7 +399,7 @@ fn apply_follower(
             reason = reason.unwrap_or("resync"),
             resyncs = counters.resyncs,
             decode_errors = counters.decode_errors,
-            "kv events: resync, every block forgotten"
+            "kv events: resync onto the shadow model"
         );
     }
     if counters.restarts > was.restarts {

@@ -604,3 +604,97 @@ async fn a_silently_dead_connection_is_replaced_after_a_silence() {
     .await;
     node.shutdown.cancel();
 }
+
+/// A hot prefix (a shared system prompt the engine keeps cached and never stores
+/// again) stored before a lost batch is still matched once the index returns to the
+/// events after the resync, kept unconfirmed; the engine's `BlockRemoved` still takes
+/// it out. Before, the resync forgot it and the return to the events cleared it from
+/// the index for good, so routing stopped sending its requests to this engine.
+#[tokio::test]
+async fn a_hot_prefix_stored_before_a_gap_is_matched_after_the_resync() {
+    let engine = StubEngine::start("a").await;
+    let mut raw = zeromq::PubSocket::new();
+    let endpoint = raw.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+    let node = start_node(
+        config_with_engine("a", &engine.url(), &kv_config(&endpoint, None)),
+        None,
+    )
+    .await;
+    let state = node.state().clone();
+    let engine0 = state.engine(0).unwrap();
+    let kv = engine0.kv_events.as_ref().unwrap();
+    let held = |chain: &HashChain| state.engine(0).unwrap().shadow.lock().longest_match(chain);
+    let batch = |seq: i64, events: Vec<KvEvent>| {
+        let payload = encode_batch(&KvEventBatch {
+            ts: 0.0,
+            events,
+            data_parallel_rank: None,
+            unknown_events: 0,
+        });
+        zeromq::ZmqMessage::try_from(vec![
+            bytes::Bytes::new(),
+            bytes::Bytes::copy_from_slice(&encode_seq(seq)),
+            bytes::Bytes::from(payload),
+        ])
+        .unwrap()
+    };
+    // Empty batches until the node hears the stream (a PUB drops what it sends before
+    // the subscription takes effect).
+    let mut seq = 0;
+    let mut sent = 0;
+    while kv.view(0).counters.batches == 0 {
+        raw.send(batch(seq, vec![])).await.unwrap();
+        seq += 1;
+        sent += 1;
+        assert!(sent < 2_000, "the node never heard the publisher");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let hot = text(3, 512);
+    let (ev, hashes) = stored(&hot, 3);
+    raw.send(batch(seq, vec![ev])).await.unwrap();
+    seq += 1;
+    let chain = HashChain::from_bytes(&hot, 256, 4);
+    // Followed after the warm-up (the stream's start was not seen).
+    let mut sent = 0;
+    while !(kv.source() == IndexSource::Events && held(&chain) == 128) {
+        raw.send(batch(seq, vec![])).await.unwrap();
+        seq += 1;
+        sent += 1;
+        assert!(sent < 2_000, "the hot prefix never reached the index");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // A batch lost (no replay socket): a resync onto the shadow model, and back to
+    // the events after the warm-up.
+    seq += 1;
+    let mut sent = 0;
+    loop {
+        raw.send(batch(seq, vec![])).await.unwrap();
+        seq += 1;
+        let view = kv.view(state.now_ms());
+        if view.counters.resyncs >= 1 && view.source == IndexSource::Events {
+            break;
+        }
+        sent += 1;
+        assert!(sent < 2_000, "never back on the events: {view:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let view = kv.view(state.now_ms());
+    assert_eq!(view.counters.gaps, 1, "{view:?}");
+    assert_eq!(view.unconfirmed_blocks, 8, "{view:?}");
+    assert_eq!(held(&chain), 128, "the hot prefix dropped out of the index");
+    let admin = admin_json(&node, "/admin/state").await;
+    assert_eq!(admin["kv_events"]["unconfirmed_blocks"], 8, "{admin}");
+    // The engine evicts it: out of the index.
+    raw.send(batch(
+        seq,
+        vec![KvEvent::BlockRemoved {
+            block_hashes: vec![hashes[0]],
+            medium: None,
+        }],
+    ))
+    .await
+    .unwrap();
+    until("the eviction of the hot prefix", || held(&chain) == 0).await;
+    assert_eq!(kv.view(state.now_ms()).unconfirmed_blocks, 0);
+    node.shutdown.cancel();
+}
