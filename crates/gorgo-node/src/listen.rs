@@ -5,8 +5,10 @@
 //! a node in front of an engine must not. Here each accepted connection first takes a
 //! slot (a global cap kept under the process's descriptor limit, and a cap per client
 //! IP), then is served by hyper's auto builder (HTTP/1.1, and HTTP/2 with prior
-//! knowledge, "h2c") with a header-read timeout, an idle timeout and a cap on the
-//! request head. A connection that cannot get a slot is accepted and closed at once,
+//! knowledge, "h2c") with a header-read timeout (for HTTP/2 heads too: `H2Heads`),
+//! an idle timeout and a cap on the request head. A request that lies in the socket
+//! when a timer expires (a node resumed after a stop) is read, not lost to the timer
+//! (`ConnIo`). A connection that cannot get a slot is accepted and closed at once,
 //! so it leaves the kernel's backlog instead of blocking the clients behind it.
 //! An HTTP/1 answer that leaves its request body unread (413, 408) is followed by a
 //! bounded lingering close, so that a client still sending reads the answer instead
@@ -21,7 +23,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{Request, Response, StatusCode};
@@ -34,8 +36,12 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
+// The runtime's clock (virtual under `tokio::time::pause`): connections' idle and
+// head waits are measured on the clock their timers run on.
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 
@@ -58,7 +64,8 @@ pub const LINGER_TIME: Duration = Duration::from_secs(5);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConnLimits {
     /// Time to send a request head (and, for HTTP/1, the longest wait for the next
-    /// request on a keep-alive connection).
+    /// request on a keep-alive connection; for a later HTTP/2 head, from its first
+    /// byte or the end of the last request).
     pub header_timeout: Duration,
     /// A connection with no request in flight for this long is closed.
     pub idle_timeout: Duration,
@@ -308,6 +315,8 @@ fn claim(
         active: AtomicUsize::new(0),
         headed: AtomicBool::new(false),
         last_ms: AtomicU64::new(epoch.elapsed().as_millis() as u64),
+        head_since: AtomicU64::new(0),
+        recheck: tokio::sync::Notify::new(),
         outgoing: Mutex::new(Vec::new()),
         epoch,
     });
@@ -342,6 +351,13 @@ struct Activity {
     /// Set once a request head has arrived whole (the service was called).
     headed: AtomicBool,
     last_ms: AtomicU64,
+    /// Since when (ms after `epoch`, plus one; 0: none) an HTTP/2 request head has
+    /// been partly in ([`H2Heads`]): hyper tells of a head only once it is whole and
+    /// times none it has begun.
+    head_since: AtomicU64,
+    /// Wakes the connection's watchdog to look again now: a head began, or the last
+    /// request in flight ended with one partly in.
+    recheck: tokio::sync::Notify,
     /// The responses on their way out (one at a time on HTTP/1, up to the stream cap
     /// on HTTP/2), each with its own wait for the client: one HTTP/2 stream whose
     /// client stopped reading must be seen while the others still flow.
@@ -436,6 +452,28 @@ impl Activity {
         }
         WriteStall::Streams(stalled.len())
     }
+    /// Record whether an HTTP/2 request head is partly in after the bytes just read.
+    fn head_pending(&self, pending: bool) {
+        let since = self.head_since.load(Ordering::Relaxed);
+        if pending && since == 0 {
+            self.head_since.store(self.now_ms() + 1, Ordering::Relaxed);
+            self.recheck.notify_one();
+        } else if !pending && since != 0 {
+            self.head_since.store(0, Ordering::Relaxed);
+        }
+    }
+    /// How long a request head has been partly in with no request in flight: since
+    /// it began or since the last request ended, whichever came later (a head begun
+    /// while a response was still going out is timed from the end of it, as hyper
+    /// times an HTTP/1 head from the end of the last response).
+    fn head_wait(&self) -> Option<Duration> {
+        let since = self.head_since.load(Ordering::Relaxed);
+        if since == 0 || self.active.load(Ordering::Relaxed) > 0 {
+            return None;
+        }
+        let from = (since - 1).max(self.last_ms.load(Ordering::Relaxed));
+        Some(Duration::from_millis(self.now_ms().saturating_sub(from)))
+    }
     fn idle_for(&self) -> Option<Duration> {
         if self.active.load(Ordering::Relaxed) > 0 {
             return None;
@@ -463,7 +501,11 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.touch();
-        self.0.active.fetch_sub(1, Ordering::Relaxed);
+        let was = self.0.active.fetch_sub(1, Ordering::Relaxed);
+        // The head's wait starts now: the watchdog must time it from here.
+        if was == 1 && self.0.head_since.load(Ordering::Relaxed) != 0 {
+            self.0.recheck.notify_one();
+        }
     }
 }
 
@@ -568,7 +610,7 @@ impl Drop for Reclaimable {
 async fn linger<B: HttpBody<Data = Bytes> + Unpin>(
     mut body: B,
     max_bytes: usize,
-    until: tokio::time::Instant,
+    until: Instant,
 ) -> usize {
     use http_body_util::BodyExt;
     let mut read = 0usize;
@@ -593,6 +635,169 @@ fn head_bytes<B>(req: &Request<B>) -> usize {
             .iter()
             .map(|(k, v)| k.as_str().len() + v.len() + 4)
             .sum::<usize>()
+}
+
+/// The client preface of HTTP/2 with prior knowledge (RFC 9113 3.4).
+const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Follows an HTTP/2 client's frames just far enough to know whether a request head is
+/// partly in: hyper hands the service a head only once its header block is whole and
+/// keeps no timer on one begun, so a later head sent by halves (a HEADERS frame and no
+/// CONTINUATION, or a frame header cut short) held the connection until the idle
+/// timeout. A connection whose first bytes are not the preface is HTTP/1: hyper's own
+/// header timer covers it, and nothing is followed.
+#[derive(Debug, Default)]
+struct H2Heads {
+    /// Preface bytes seen so far; frames follow it.
+    preface: usize,
+    /// Not HTTP/2: nothing to follow.
+    off: bool,
+    /// The frame header being read and how many of its 9 bytes are in.
+    header: [u8; 9],
+    have: usize,
+    /// Payload bytes of the frame being read still to come.
+    payload_left: usize,
+    /// The frame being read ends a header block (END_HEADERS).
+    ends_block: bool,
+    /// A header block began (HEADERS) and has not ended.
+    in_block: bool,
+}
+
+impl H2Heads {
+    /// Follow `bytes`, the next ones the client sent. `None` on HTTP/1; else whether a
+    /// request head is partly in after them.
+    fn feed(&mut self, mut bytes: &[u8]) -> Option<bool> {
+        const HEADERS: u8 = 0x1;
+        const CONTINUATION: u8 = 0x9;
+        const END_HEADERS: u8 = 0x4;
+        if self.off {
+            return None;
+        }
+        if self.preface < H2_PREFACE.len() {
+            let n = bytes.len().min(H2_PREFACE.len() - self.preface);
+            if bytes[..n] != H2_PREFACE[self.preface..self.preface + n] {
+                self.off = true;
+                return None;
+            }
+            self.preface += n;
+            bytes = &bytes[n..];
+        }
+        while !bytes.is_empty() {
+            if self.payload_left > 0 {
+                let n = bytes.len().min(self.payload_left);
+                self.payload_left -= n;
+                bytes = &bytes[n..];
+                if self.payload_left == 0 {
+                    self.frame_end();
+                }
+                continue;
+            }
+            let n = bytes.len().min(self.header.len() - self.have);
+            self.header[self.have..self.have + n].copy_from_slice(&bytes[..n]);
+            self.have += n;
+            bytes = &bytes[n..];
+            if self.have == self.header.len() {
+                self.have = 0;
+                let [l0, l1, l2, kind, flags, ..] = self.header;
+                self.payload_left = usize::from(l0) << 16 | usize::from(l1) << 8 | usize::from(l2);
+                self.in_block |= kind == HEADERS;
+                self.ends_block =
+                    matches!(kind, HEADERS | CONTINUATION) && flags & END_HEADERS != 0;
+                if self.payload_left == 0 {
+                    self.frame_end();
+                }
+            }
+        }
+        Some(self.in_block || self.have > 0)
+    }
+
+    fn frame_end(&mut self) {
+        if self.ends_block {
+            self.in_block = false;
+            self.ends_block = false;
+        }
+    }
+}
+
+/// A client connection's socket as hyper sees it, with two things hyper does not do.
+///
+/// A read the runtime answers "not yet" (its readiness cache, filled from epoll, holds
+/// no event for the socket) asks the kernel itself while the connection has no request
+/// in flight. After a stop (SIGSTOP, a VM pause) the runtime's first turn gets no
+/// events (epoll_wait fails with EINTR) and runs the timers that expired meanwhile: a
+/// request sent meanwhile on a keep-alive connection lay unread in the socket when
+/// hyper's header timer or the idle watchdog closed the connection, and its client got
+/// no answer. Asked, the kernel hands it over, and the request is served. Only reads of
+/// an idle connection ask (the ones a timer may end); the rest do what the runtime says.
+///
+/// It also follows an HTTP/2 client's frames ([`H2Heads`]) for the head timer.
+struct ConnIo {
+    tcp: TcpStream,
+    activity: Arc<Activity>,
+    heads: H2Heads,
+}
+
+impl AsyncRead for ConnIo {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        use std::io::{ErrorKind, Read};
+        let this = self.get_mut();
+        let start = buf.filled().len();
+        let mut polled = Pin::new(&mut this.tcp).poll_read(cx, buf);
+        if polled.is_pending()
+            && buf.remaining() > 0
+            && this.activity.active.load(Ordering::Relaxed) == 0
+        {
+            // The runtime's waker stays registered: its event, when it comes, only
+            // polls a read that finds nothing.
+            let sock = socket2::SockRef::from(&this.tcp);
+            polled = match (&*sock).read(buf.initialize_unfilled()) {
+                Ok(n) => {
+                    buf.advance(n);
+                    Poll::Ready(Ok(()))
+                }
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {
+                    Poll::Pending
+                }
+                Err(e) => Poll::Ready(Err(e)),
+            };
+        }
+        if let Poll::Ready(Ok(())) = polled {
+            if let Some(pending) = this.heads.feed(&buf.filled()[start..]) {
+                this.activity.head_pending(pending);
+            }
+        }
+        polled
+    }
+}
+
+impl AsyncWrite for ConnIo {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().tcp).poll_write(cx, buf)
+    }
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().tcp).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.tcp.is_write_vectored()
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_flush(cx)
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_shutdown(cx)
+    }
 }
 
 /// Serve `app` on `listener` under `limits` until `closing` (or `shutdown`, which
@@ -689,7 +894,7 @@ pub async fn run(
 
 #[allow(clippy::too_many_arguments)]
 async fn serve_connection(
-    tcp: tokio::net::TcpStream,
+    tcp: TcpStream,
     addr: SocketAddr,
     slot: Slot,
     app: axum::Router,
@@ -795,7 +1000,12 @@ async fn serve_connection(
         .keep_alive_interval(Duration::from_secs(20))
         .keep_alive_timeout(Duration::from_secs(10));
     let closing_token = closing;
-    let conn = builder.serve_connection(TokioIo::new(tcp), service);
+    let io = ConnIo {
+        tcp,
+        activity: activity.clone(),
+        heads: H2Heads::default(),
+    };
+    let conn = builder.serve_connection(TokioIo::new(io), service);
     tokio::pin!(conn);
     let mut closing = false;
     let mut check = Box::pin(tokio::time::sleep(
@@ -804,7 +1014,7 @@ async fn serve_connection(
     // The first request head's deadline. Hyper enforces `header_timeout` for HTTP/1
     // (`header_read_timeout`), not for HTTP/2, whose half-sent HEADERS frame would
     // otherwise hold the connection until the idle check; this covers both (for
-    // HTTP/1 it fires with hyper's own).
+    // HTTP/1 it fires with hyper's own). Later HTTP/2 heads: `check` ([`H2Heads`]).
     let mut first_head = Box::pin(tokio::time::sleep(limits.header_timeout));
     let mut headed = false;
     // Reading on an unread body ([`linger`]). The connection has no request in
@@ -812,14 +1022,10 @@ async fn serve_connection(
     let mut lingering: Option<Pin<Box<dyn std::future::Future<Output = usize> + Send>>> = None;
     loop {
         tokio::select! {
-            Some(unread) = linger_rx.recv(), if lingering.is_none() => {
-                let until = tokio::time::Instant::now() + limits.linger_time;
-                lingering = Some(Box::pin(linger(unread, limits.linger_bytes, until)));
-            }
-            read = async { lingering.as_mut().expect("branch enabled").await }, if lingering.is_some() => {
-                lingering = None;
-                tracing::debug!(port, %addr, read, "read on an unread request body");
-            }
+            // The connection first: where its bytes and an expired timer are both
+            // ready (a node resumed after a stop), it reads the request (see
+            // [`ConnIo`]) before a timer below can take it for idle.
+            biased;
             r = conn.as_mut() => {
                 if let Err(e) = r {
                     let m = e.to_string();
@@ -838,6 +1044,14 @@ async fn serve_connection(
                     tracing::debug!(port, %addr, error = %m, "connection ended");
                 }
                 return;
+            }
+            Some(unread) = linger_rx.recv(), if lingering.is_none() => {
+                let until = Instant::now() + limits.linger_time;
+                lingering = Some(Box::pin(linger(unread, limits.linger_bytes, until)));
+            }
+            read = async { lingering.as_mut().expect("branch enabled").await }, if lingering.is_some() => {
+                lingering = None;
+                tracing::debug!(port, %addr, read, "read on an unread request body");
             }
             _ = first_head.as_mut(), if !headed => {
                 headed = true;
@@ -863,21 +1077,35 @@ async fn serve_connection(
             // request): a graceful close waits for the responses in flight, and a
             // client that stopped reading one would hold it, and its slot, until
             // the drain's deadline.
+            // A head began, or the last request ended with one partly in: time it.
+            _ = activity.recheck.notified() => check.as_mut().reset(Instant::now()),
             _ = check.as_mut() => {
+                let head = activity.head_wait();
                 match activity.idle_for() {
                     // Nothing in flight: close outright (a graceful close would wait
-                    // for a half-sent head).
+                    // for a half-sent head). An HTTP/2 head partly in for the header
+                    // timeout is a client slow to send it, as an HTTP/1 one is.
+                    Some(_) if head.is_some_and(|w| w >= limits.header_timeout) => {
+                        metrics.refuse(port, "header_timeout");
+                        return;
+                    }
                     Some(idle) if idle >= limits.idle_timeout => {
                         metrics.refuse(port, "idle");
                         return;
                     }
-                    // Checked again by the idle deadline, or sooner: a request that
-                    // starts meanwhile may stall, and that must be seen within the
-                    // write timeout.
-                    Some(idle) => check.as_mut().reset(
-                        tokio::time::Instant::now()
-                            + (limits.idle_timeout - idle).min(limits.write_timeout),
-                    ),
+                    // Checked again by the idle or the head deadline, or sooner: a
+                    // request that starts meanwhile may stall, and that must be seen
+                    // within the write timeout.
+                    Some(idle) => {
+                        let head_left =
+                            head.map_or(Duration::MAX, |w| limits.header_timeout - w);
+                        check.as_mut().reset(
+                            Instant::now()
+                                + (limits.idle_timeout - idle)
+                                    .min(limits.write_timeout)
+                                    .min(head_left),
+                        )
+                    }
                     None => match activity.write_stall(limits.write_timeout) {
                         // Its client stopped reading what it asked for: close (the
                         // response is lost to it anyway), freeing the slot.
@@ -890,10 +1118,10 @@ async fn serve_connection(
                             for _ in 0..n {
                                 metrics.refuse(port, "write_timeout_stream");
                             }
-                            check.as_mut().reset(tokio::time::Instant::now());
+                            check.as_mut().reset(Instant::now());
                         }
                         WriteStall::None(waited) => check.as_mut().reset(
-                            tokio::time::Instant::now()
+                            Instant::now()
                                 + (limits.write_timeout - waited.unwrap_or_default())
                                     .min(limits.idle_timeout),
                         ),
@@ -1001,7 +1229,7 @@ mod tests {
         let chunk = Bytes::from(vec![0u8; 1000]);
         let endless =
             futures::stream::repeat_with(move || Ok::<_, Infallible>(Frame::data(chunk.clone())));
-        let far = tokio::time::Instant::now() + Duration::from_secs(3600);
+        let far = Instant::now() + Duration::from_secs(3600);
         let read = linger(http_body_util::StreamBody::new(endless), 10_500, far).await;
         assert_eq!(read, 11_000);
     }
@@ -1010,7 +1238,7 @@ mod tests {
     #[tokio::test]
     async fn lingering_stops_at_its_deadline() {
         let silent = futures::stream::pending::<Result<Frame<Bytes>, Infallible>>();
-        let soon = tokio::time::Instant::now() + Duration::from_millis(20);
+        let soon = Instant::now() + Duration::from_millis(20);
         let read = linger(http_body_util::StreamBody::new(silent), usize::MAX, soon).await;
         assert_eq!(read, 0);
     }
@@ -1035,5 +1263,312 @@ mod tests {
         assert_eq!(c.max_connections, (20_000 - RESERVED_FDS as usize) / 2);
         let c = ConnLimits::client(&l, None);
         assert_eq!(c.max_connections, l.max_connections);
+    }
+
+    /// An HTTP/2 frame: length, type, flags, stream, payload.
+    fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let len = (payload.len() as u32).to_be_bytes();
+        let mut f = vec![len[1], len[2], len[3], kind, flags];
+        f.extend_from_slice(&stream.to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    }
+
+    /// `GET /` over HTTP/2 (HPACK static entries: `:method GET`, `:scheme http`,
+    /// `:path /`) on `stream`, whole (END_STREAM, END_HEADERS).
+    fn h2_get(stream: u32) -> Vec<u8> {
+        frame(0x1, 0x5, stream, &[0x82, 0x86, 0x84])
+    }
+
+    /// The preface, empty SETTINGS and `GET /` on stream 1.
+    fn h2_open() -> Vec<u8> {
+        let mut b = H2_PREFACE.to_vec();
+        b.extend(frame(0x4, 0, 0, &[]));
+        b.extend(h2_get(1));
+        b
+    }
+
+    /// Whether the server's frames in `got` end `stream` (END_STREAM on its HEADERS or
+    /// DATA).
+    fn h2_ended(got: &[u8], stream: u32) -> bool {
+        let mut rest = got;
+        while rest.len() >= 9 {
+            let len =
+                (usize::from(rest[0]) << 16) | (usize::from(rest[1]) << 8) | usize::from(rest[2]);
+            let id = u32::from_be_bytes([rest[5], rest[6], rest[7], rest[8]]) & 0x7fff_ffff;
+            if rest.len() < 9 + len {
+                return false;
+            }
+            if matches!(rest[3], 0x0 | 0x1) && rest[4] & 0x1 != 0 && id == stream {
+                return true;
+            }
+            rest = &rest[9 + len..];
+        }
+        false
+    }
+
+    /// One connection served by [`serve_connection`] on a real socket, polled by the
+    /// test itself (not spawned): the test decides when the runtime hears of its bytes.
+    struct Driven {
+        conn: Pin<Box<dyn std::future::Future<Output = ()>>>,
+        /// The client's end (blocking writes; reads do not block).
+        client: std::net::TcpStream,
+        /// The server's socket, to see what lies unread in it.
+        server_view: std::net::TcpStream,
+        /// What the client has read.
+        got: Vec<u8>,
+        activity: Arc<Activity>,
+        metrics: ConnMetrics,
+    }
+
+    fn timeouts(header_ms: u64, idle_ms: u64) -> ConnLimits {
+        ConnLimits {
+            header_timeout: Duration::from_millis(header_ms),
+            idle_timeout: Duration::from_millis(idle_ms),
+            write_timeout: Duration::from_secs(3600),
+            ..limits(64, 64)
+        }
+    }
+
+    impl Driven {
+        fn start(limits: ConnLimits) -> Self {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+            let (server, peer) = listener.accept().unwrap();
+            server.set_nonblocking(true).unwrap();
+            let server_view = server.try_clone().unwrap();
+            let metrics = ConnMetrics::default();
+            let slots = Arc::new(Mutex::new(Slots::default()));
+            let (slot, _) = claim(
+                &slots,
+                &limits,
+                peer.ip(),
+                &Gauge::default(),
+                Instant::now(),
+            )
+            .unwrap();
+            let activity = slot.activity.clone();
+            let app = axum::Router::new().route("/", axum::routing::get(|| async { "ok" }));
+            let conn = Box::pin(serve_connection(
+                TcpStream::from_std(server).unwrap(),
+                peer,
+                slot,
+                app,
+                limits,
+                "client",
+                metrics.clone(),
+                CancellationToken::new(),
+            ));
+            Driven {
+                conn,
+                client,
+                server_view,
+                got: Vec::new(),
+                activity,
+                metrics,
+            }
+        }
+
+        fn send(&mut self, bytes: &[u8]) {
+            use std::io::Write;
+            self.client.write_all(bytes).unwrap();
+        }
+
+        /// One poll of the connection, with no turn of the runtime before it: whether
+        /// it is still open.
+        fn poll_open(&mut self) -> bool {
+            let waker = futures::task::noop_waker();
+            let mut cx = Context::from_waker(&waker);
+            self.conn.as_mut().poll(&mut cx).is_pending()
+        }
+
+        /// Poll the connection and let the runtime run its tasks and hear of the
+        /// sockets (no time passes) until `done` holds; panics if it closes.
+        async fn until(&mut self, what: &str, done: impl Fn(&Self) -> bool) {
+            use std::io::Read;
+            self.client.set_nonblocking(true).unwrap();
+            for _ in 0..100_000 {
+                assert!(self.poll_open(), "the connection closed waiting for {what}");
+                let mut buf = [0u8; 4096];
+                if let Ok(n) = self.client.read(&mut buf) {
+                    self.got.extend_from_slice(&buf[..n]);
+                }
+                if done(self) {
+                    self.client.set_nonblocking(false).unwrap();
+                    return;
+                }
+                tokio::task::yield_now().await;
+            }
+            panic!("never saw {what}");
+        }
+
+        /// Wait (without a turn of the runtime) until the kernel holds bytes in the
+        /// server's socket that the connection has not read.
+        fn until_unread_bytes(&self) {
+            while !self.unread_bytes() {
+                std::hint::spin_loop();
+            }
+        }
+
+        /// Whether the server's socket holds bytes the connection has not read.
+        fn unread_bytes(&self) -> bool {
+            self.server_view.peek(&mut [0u8; 1]).is_ok_and(|n| n > 0)
+        }
+
+        fn refused(&self, reason: &str) -> u64 {
+            self.metrics
+                .refused
+                .get_or_create(&RefusedLabels {
+                    port: "client".into(),
+                    reason: reason.into(),
+                })
+                .get()
+        }
+
+        fn responses(&self) -> usize {
+            self.got
+                .windows(12)
+                .filter(|w| w == b"HTTP/1.1 200")
+                .count()
+        }
+    }
+
+    /// A node stopped (SIGSTOP) past a kept-alive HTTP/1 connection's wait for its next
+    /// head, and a request sent on it meanwhile: at the resume, hyper's header timer
+    /// had expired and the runtime had not heard of the bytes (its first turn after a
+    /// stop gets no events), so hyper found nothing to read, closed the connection on
+    /// the timer (`idle`) and the client got no answer. Reproduced here by letting the
+    /// timers expire, writing the request, and polling the connection before the
+    /// runtime polls its sockets again.
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn an_http1_request_sent_while_the_node_was_stopped_is_served() {
+        let mut d = Driven::start(timeouts(200, 3_600_000));
+        d.send(b"GET / HTTP/1.1\r\nhost: a\r\n\r\n");
+        d.until("the first response", |d| {
+            d.responses() == 1 && d.got.ends_with(b"ok")
+        })
+        .await;
+        // Stopped past the header timeout; the request arrives meanwhile.
+        tokio::time::advance(Duration::from_secs(1)).await;
+        d.send(b"GET / HTTP/1.1\r\nhost: a\r\n\r\n");
+        d.until_unread_bytes();
+        assert!(
+            d.poll_open(),
+            "closed on its expired timer, the request unread"
+        );
+        d.until("the second response", |d| {
+            d.responses() == 2 && d.got.ends_with(b"ok")
+        })
+        .await;
+        assert_eq!(d.refused("idle"), 0);
+    }
+
+    /// The same on HTTP/2, whose idle connection the watchdog closes at
+    /// `idle_timeout`: the request in the socket is read before the expired timer is
+    /// looked at.
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn an_http2_request_sent_while_the_node_was_stopped_is_served() {
+        let mut d = Driven::start(timeouts(200, 300));
+        d.send(&h2_open());
+        d.until("stream 1 to end", |d| {
+            h2_ended(&d.got, 1) && d.activity.active.load(Ordering::Relaxed) == 0
+        })
+        .await;
+        // Several stops: which of the connection's futures is polled first must not
+        // be left to chance.
+        for stream in [3, 5, 7, 9] {
+            tokio::time::advance(Duration::from_secs(1)).await;
+            d.send(&h2_get(stream));
+            d.until_unread_bytes();
+            assert!(
+                d.poll_open(),
+                "closed on its expired timer, the request unread"
+            );
+            d.until("the stream to end", |d| {
+                h2_ended(&d.got, stream) && d.activity.active.load(Ordering::Relaxed) == 0
+            })
+            .await;
+        }
+        assert_eq!(d.refused("idle"), 0);
+    }
+
+    /// A later HTTP/2 head sent by halves (HEADERS without END_HEADERS, and no
+    /// CONTINUATION) on a connection with nothing in flight is closed at the header
+    /// timeout, counted as `header_timeout`: hyper times no HTTP/2 head, and only the
+    /// idle timeout (an hour here) closed it.
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_later_http2_head_sent_by_halves_is_closed_at_the_header_timeout() {
+        let mut d = Driven::start(timeouts(200, 3_600_000));
+        d.send(&h2_open());
+        d.until("stream 1 to end", |d| {
+            h2_ended(&d.got, 1) && d.activity.active.load(Ordering::Relaxed) == 0
+        })
+        .await;
+        d.send(&frame(0x1, 0x1, 3, &[0x82]));
+        d.until("the half head to be read", |d| !d.unread_bytes())
+            .await;
+        tokio::time::advance(Duration::from_millis(150)).await;
+        assert!(d.poll_open(), "closed before the header timeout");
+        tokio::time::advance(Duration::from_millis(100)).await;
+        assert!(
+            !d.poll_open(),
+            "a half head held the connection past the header timeout"
+        );
+        assert_eq!(d.refused("header_timeout"), 1);
+        assert_eq!(d.refused("idle"), 0);
+    }
+
+    /// ... while a quiet HTTP/2 connection (no head begun) is kept until the idle
+    /// timeout, counted as `idle`.
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_quiet_http2_connection_is_kept_until_the_idle_timeout() {
+        let mut d = Driven::start(timeouts(200, 5_000));
+        d.send(&h2_open());
+        d.until("stream 1 to end", |d| {
+            h2_ended(&d.got, 1) && d.activity.active.load(Ordering::Relaxed) == 0
+        })
+        .await;
+        // A whole PING is no head.
+        d.send(&frame(0x6, 0, 0, &[0; 8]));
+        d.until("the ping's answer", |d| {
+            d.got.windows(4).any(|w| w == [0, 0, 8, 6])
+        })
+        .await;
+        tokio::time::advance(Duration::from_secs(4)).await;
+        assert!(d.poll_open(), "closed before the idle timeout");
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert!(!d.poll_open());
+        assert_eq!(d.refused("idle"), 1);
+        assert_eq!(d.refused("header_timeout"), 0);
+    }
+
+    /// A head is partly in from its HEADERS frame's first byte to the end of the frame
+    /// that ends its header block, however the bytes are cut; HTTP/1 is not followed.
+    #[test]
+    fn h2_heads_follow_header_blocks_across_reads() {
+        let mut start = H2_PREFACE.to_vec();
+        start.extend(frame(0x4, 0, 0, &[0; 6]));
+        let mut head = frame(0x1, 0x1, 1, &[0x82, 0x86]);
+        head.extend(frame(0x9, 0x0, 1, &[0x84]));
+        head.extend(frame(0x9, 0x4, 1, &[0x41, 0x1, b'a']));
+        let window_update = frame(0x8, 0, 0, &[0, 0, 0, 1]);
+        let mut cut = H2Heads::default();
+        assert_eq!(cut.feed(&start[..5]), Some(false));
+        assert_eq!(cut.feed(&start[5..]), Some(false));
+        for (i, b) in head.iter().enumerate() {
+            let last = i == head.len() - 1;
+            assert_eq!(cut.feed(std::slice::from_ref(b)), Some(!last), "byte {i}");
+        }
+        assert_eq!(cut.feed(&window_update), Some(false));
+        // A HEADERS frame that ends its own block, whole in one read.
+        assert_eq!(cut.feed(&frame(0x1, 0x5, 3, &[0x82])), Some(false));
+        let mut whole = H2Heads::default();
+        assert_eq!(
+            whole.feed(&[start, head, window_update].concat()),
+            Some(false)
+        );
+        let mut h1 = H2Heads::default();
+        assert_eq!(h1.feed(b"POST / HTTP/1.1\r\n"), None);
+        assert_eq!(h1.feed(&frame(0x1, 0, 1, &[0x82])), None);
     }
 }
