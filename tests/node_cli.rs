@@ -1,5 +1,7 @@
 //! `gorgo node` from the built binary: the example configs validate, and a typo or a
-//! missing field is an error that names it (and the node does not start).
+//! missing field is an error that names it (and the node does not start). Also the
+//! engine emulator a node is tested against: `gorgo engine --tokenizer` counts as the
+//! engine of its `--kind` counts.
 
 use std::process::Command;
 
@@ -158,4 +160,64 @@ fn typo_and_missing_field_are_named() {
         false,
     );
     assert!(err.contains("limits.max_body_bytes"), "{err}");
+}
+
+/// `gorgo engine --tokenizer` counts a chat prompt as the engine of its `--kind` builds
+/// it, as a node of that kind counts it: two text parts joined with "\n" by vLLM
+/// (66 tokens with the fixture tokenizer), with " " by SGLang (65), as transformers'
+/// `apply_chat_template` counts them given each engine's messages
+/// (`crates/gorgo-node/tests/node_tokens.rs` says how). Before, every kind joined them
+/// as vLLM does.
+#[test]
+fn an_emulator_counts_chat_prompts_as_its_kind_builds_them() {
+    use std::io::{BufRead, Read, Write};
+    let body = r#"{"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "text", "text": "Which"}, {"type": "text", "text": "words?"}]}]}"#;
+    for (kind, tokens) in [("vllm", 66), ("sglang", 65)] {
+        let mut engine = Command::new(GORGO)
+            .args([
+                "engine",
+                "--listen",
+                "127.0.0.1:0",
+                "--model",
+                "m",
+                "--kind",
+                kind,
+            ])
+            .arg("--tokenizer")
+            .arg(gorgo_tokenizer::FIXTURE_TOKENIZER)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("running gorgo engine");
+        // It logs its address once it listens.
+        let log = std::io::BufReader::new(engine.stdout.take().unwrap());
+        let addr = log
+            .lines()
+            .map_while(Result::ok)
+            .find_map(|line| {
+                let at = line.find("listening")?;
+                let from = at + line[at..].find("127.0.0.1:")?;
+                let port: String = line[from + 10..]
+                    .chars()
+                    .take_while(char::is_ascii_digit)
+                    .collect();
+                Some(format!("127.0.0.1:{port}"))
+            })
+            .expect("the emulator's address in its log");
+        let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+        write!(
+            conn,
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut answer = String::new();
+        conn.read_to_string(&mut answer).unwrap();
+        engine.kill().unwrap();
+        engine.wait().unwrap();
+        let json = answer.split("\r\n\r\n").nth(1).expect("a body");
+        let v: serde_json::Value = serde_json::from_str(json).expect(&answer);
+        assert_eq!(v["usage"]["prompt_tokens"], tokens, "{kind}: {answer}");
+    }
 }

@@ -93,7 +93,9 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
                 anyhow::anyhow!("--{}: {reason}", field.replace('_', "-"))
             }
             other => anyhow::anyhow!("--tokenizer: {other}"),
-        })?;
+        })?
+        // Chat prompts built as the engine it passes for builds them.
+        .for_engine(args.kind.into());
         config.tokenizer = Some(std::sync::Arc::new(tokenizer));
     }
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;

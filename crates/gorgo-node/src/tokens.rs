@@ -1,7 +1,8 @@
 //! Prompt tokens on the node: exact with the engine's tokenizer, learned without.
 //!
 //! With `engine.tokenizer` the node renders and tokenises each request as the engine
-//! does ([`gorgo_tokenizer::EngineTokenizer`]) and hashes the token ids in blocks of
+//! of its `engine.kind` does ([`gorgo_tokenizer::EngineTokenizer`], whose rules for
+//! vLLM and SGLang differ: [`EngineTokenizer::for_engine`]) and hashes the token ids in blocks of
 //! `routing.block_tokens` ([`HashChain::from_token_ids`]): exact prompt-token counts for
 //! the context check and the cost model, and blocks on the engine's KV page
 //! boundaries. Without it the chain stays over canonical bytes (`NodeState::hasher`)
@@ -86,7 +87,10 @@ impl PromptTokens {
                         NodeError::Config(format!("invalid `engine.{field}`: {reason}"))
                     }
                     other => NodeError::Config(format!("invalid `engine.tokenizer`: {other}")),
-                })?,
+                })?
+                // vLLM and SGLang build a chat prompt each its own way: counted as the
+                // engine of `engine.kind` builds it (the first engine's, for all).
+                .for_engine(config.shared_engine().kind),
             ),
         };
         let ratio = TokenRatio::new(config.routing.bytes_per_token as f64)
@@ -118,6 +122,12 @@ impl PromptTokens {
     /// ([`gorgo_core::prompt::CompletionsPrompt::longest_batch_prompt_bytes`]);
     /// `truncated_to`, vLLM's `truncate_prompt_tokens` (the engine keeps the last N
     /// tokens), which the tokenizer reads from the body itself.
+    ///
+    /// The tokenizer parses `body` again rather than take the ingress's parsed
+    /// `serde_json::Value`: that one (serde_json here has no `preserve_order`) has its
+    /// objects' keys sorted, and a template prints a tool's `parameters` schema with
+    /// `tojson` in the client's order, as the engines (Python dicts) print it; sorted,
+    /// the same request renders to other text, whose ids hash to another chain.
     fn count(
         &self,
         byte_chains: &gorgo_core::PromptHasher,

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use common::*;
 use gorgo_engine::profile::Profile;
 use gorgo_engine::server::EmulatorConfig;
+use gorgo_engine::EmulatedKind;
 use gorgo_tokenizer::{EngineTokenizer, FIXTURE_TOKENIZER};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -29,12 +30,20 @@ fn fixture_tokenizer() -> EngineTokenizer {
     EngineTokenizer::load(Path::new(FIXTURE_TOKENIZER), None, false).unwrap()
 }
 
-/// An emulator that counts `usage.prompt_tokens` with the fixture tokenizer.
+/// An SGLang emulator (the kind of the tests' nodes) that counts `usage.prompt_tokens`
+/// with the fixture tokenizer.
 async fn counting_emulator(shutdown: &CancellationToken) -> String {
+    counting_emulator_of(EmulatedKind::Sglang, shutdown).await
+}
+
+/// An emulator of `kind` that counts `usage.prompt_tokens` with the fixture tokenizer,
+/// building chat prompts as that engine does.
+async fn counting_emulator_of(kind: EmulatedKind, shutdown: &CancellationToken) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let mut cfg = EmulatorConfig::new(Profile::by_name("h200-dense-1.5b").unwrap());
-    cfg.tokenizer = Some(Arc::new(fixture_tokenizer()));
+    cfg.kind = kind;
+    cfg.tokenizer = Some(Arc::new(fixture_tokenizer().for_engine(kind.into())));
     // The model the fixture's chat prompts name: nodes route only to engines listing it.
     cfg.model_name = Some("m".into());
     let sd = shutdown.clone();
@@ -366,6 +375,96 @@ async fn a_forwarded_batch_is_checked_with_the_origins_longest_prompt() {
         assert_eq!(ex.head.status, status, "{longest:?}");
         drop(ex.to_node);
     }
+    node.shutdown.cancel();
+    stop.cancel();
+}
+
+/// A node of `kind` counting with the fixture tokenizer, in front of the engine at `url`.
+fn node_of_kind(kind: EmulatedKind, url: &str) -> gorgo_node::ValidatedConfig {
+    let engine = format!(
+        "[engine]\nurl = \"{url}\"\nkind = \"{kind}\"\nmetrics_interval_ms = 0\nhealth_interval_ms = 3600000\n{}",
+        tokenizer_keys()
+    );
+    config_text("a", &engine, "")
+}
+
+/// A chat request with tools (in the client's key order, one without a `description`,
+/// one with `strict` and a key the engines drop), a tool call whose `arguments` is a
+/// JSON string, and a tool result in two text parts.
+const TOOLS_BODY: &str = r#"{"model": "m", "max_tokens": 4, "messages": [{"role": "system", "content": "Plan trips."}, {"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\", \"unit\": \"celsius\"}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "Sunny,"}, {"type": "text", "text": "12 degrees"}]}], "tools": [{"function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}, "strict": true}, "type": "function", "x_note": "dropped"}, {"type": "function", "function": {"name": "lookup", "description": "Find a thing."}}]}"#;
+
+/// A chat request whose messages are content parts (`text` and `input_text`).
+const PARTS_BODY: &str = r#"{"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text", "text": "Compare these two lines:"}, {"type": "text", "text": "the cat sat on the mat"}, {"type": "input_text", "text": "the dog sat on the log"}]}, {"role": "assistant", "content": [{"type": "text", "text": "They differ in"}, {"type": "text", "text": "two words."}]}, {"role": "user", "content": [{"type": "text", "text": "Which"}, {"type": "text", "text": "words?"}]}]}"#;
+
+/// The node counts a request with tools and one of content parts as the engine of its
+/// kind builds them: vLLM dumps each tool through its pydantic model (`"description":
+/// null` where missing, its field order) and joins parts with "\n", SGLang dumps them
+/// through its own (`description` first, `strict`, `defer_loading`) and joins parts
+/// with " ". The node printed the client's tools as sent and joined with "\n" for
+/// every engine, and read an `input_text` part as a placeholder.
+///
+/// The expected counts come from neither the node nor the emulator (which count with
+/// the same code) but from transformers' own `apply_chat_template` (5.25, jinja2
+/// 3.1.6) on the fixture's template, given the messages and tools as each engine
+/// builds them (their normalisation replicated from vLLM's `chat_utils.py` /
+/// `protocol.py` and SGLang's `serving_chat.py` / `jinja_template_utils.py` /
+/// `protocol.py`, the tool models in pydantic 2.14), tokenised by `tokenizers` 0.23
+/// without special tokens: `tokenizer.apply_chat_template(conversation,
+/// tools=[ChatCompletionToolsParam(**t).model_dump() for t in tools], tokenize=False,
+/// add_generation_prompt=True)` for vLLM, `tools=[Tool(**t).model_dump() ...]` and
+/// `" ".join` of the text parts for SGLang.
+#[tokio::test]
+async fn tools_and_content_parts_count_as_the_engine_kind_builds_them() {
+    for (kind, tools, parts) in [
+        (EmulatedKind::Vllm, 1093, 202),
+        (EmulatedKind::Sglang, 1161, 198),
+    ] {
+        let stop = CancellationToken::new();
+        let url = counting_emulator_of(kind, &stop).await;
+        let node = start_node(node_of_kind(kind, &url), None).await;
+        for (body, expected) in [(TOOLS_BODY, tools), (PARTS_BODY, parts)] {
+            let (engine, counted) = send(&node, body, false).await;
+            assert_eq!((counted, engine), (expected, expected), "{kind}: {body}");
+        }
+        node.shutdown.cancel();
+        stop.cancel();
+    }
+}
+
+/// A tool call whose `arguments` string holds no JSON: vLLM renders it as `{}` (1,054
+/// tokens by transformers' `apply_chat_template`, as in
+/// `tools_and_content_parts_count_as_the_engine_kind_builds_them`), SGLang refuses the
+/// request, and so does a node in front of it, naming the field. The node printed the
+/// string as sent.
+#[tokio::test]
+async fn tool_call_arguments_that_hold_no_json_are_read_as_the_engine_reads_them() {
+    let body = TOOLS_BODY.replace(
+        r#""{\"city\": \"Oslo\", \"unit\": \"celsius\"}""#,
+        r#""not json""#,
+    );
+    assert_ne!(body, TOOLS_BODY);
+    let stop = CancellationToken::new();
+    let url = counting_emulator_of(EmulatedKind::Vllm, &stop).await;
+    let node = start_node(node_of_kind(EmulatedKind::Vllm, &url), None).await;
+    assert_eq!(send(&node, &body, false).await, (1054, 1054));
+    node.shutdown.cancel();
+    let url = counting_emulator_of(EmulatedKind::Sglang, &stop).await;
+    let node = start_node(node_of_kind(EmulatedKind::Sglang, &url), None).await;
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let (status, err) = error_of(resp).await;
+    assert_eq!(status, 400);
+    assert_eq!(err["error"]["param"], "messages", "{err}");
+    let message = err["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("`messages[2].tool_calls[0].function.arguments` must be valid JSON"),
+        "{message}"
+    );
     node.shutdown.cancel();
     stop.cancel();
 }

@@ -8,18 +8,35 @@
 //!
 //! - `chat/completions`: the template is rendered (Jinja, as HF's `apply_chat_template`
 //!   renders it: `trim_blocks`, `lstrip_blocks`, loop controls, Python string methods,
-//!   HF's `tojson`, `raise_exception`, `strftime_now`) with `messages` as vLLM
-//!   normalises them (content parts joined with "\n" into one string unless the
-//!   template loops over them, which then gets every content as a list of parts, `null` content as "", a tool call's `arguments` string
-//!   parsed into the JSON object it holds), the request's `add_generation_prompt`
-//!   (default true), `tools` (none when absent or empty), `bos_token`, `eos_token` and
-//!   the request's `chat_template_kwargs`; with `continue_final_message` the text is
-//!   cut after the last message's, as HF cuts it. Each render has a fuel budget (a
-//!   step count) in proportion to the body. The text is tokenised with special
-//!   tokens parsed, and the tokenizer's own added tokens (BOS) when the request's
-//!   `add_special_tokens` (vLLM's) says so, or else when `chat_add_special_tokens`
-//!   does (vLLM and SGLang: no, the template writes `bos_token` itself;
-//!   llama-cpp-python's built-in chat formats: yes).
+//!   HF's `tojson`, `raise_exception`, `strftime_now`) with the arguments the engine
+//!   passes it, which vLLM and SGLang build differently
+//!   ([`EngineTokenizer::for_engine`]; vLLM's unless told, and for `openai` engines):
+//!   - `messages`: content parts joined into one string, vLLM's text-like parts with
+//!     "\n", SGLang's text parts with " " (its other parts left out), unless the
+//!     template wants the parts (its `{% for %}` loops over a message's content; for
+//!     SGLang also any template naming a medium), which then get them as the engine
+//!     lists them, a tool result's text parts still one string; `null` content as "";
+//!     a tool call's `arguments` string parsed (vLLM: any JSON value, `{}` for none;
+//!     SGLang: a JSON object or the request is refused); SGLang makes a last
+//!     assistant message the user's, or with `continue_final_message` writes its text
+//!     after the render;
+//!   - `tools` (none when absent or empty) as the engine's pydantic model dumps each
+//!     (vLLM: `type`, `function` {`name`, `description`, `parameters`, the client's
+//!     other keys}; SGLang: `type`, `function` {`description`, `name`, `parameters`,
+//!     `strict`}, `defer_loading`; missing fields as their defaults); SGLang gives
+//!     none on `"tool_choice": "none"`, only the named one on a named choice, and
+//!     renders again with the bare functions when its dump fails the template;
+//!   - `add_generation_prompt` (vLLM: the request's, default true; SGLang: always),
+//!     `documents` (vLLM: the request's), `bos_token`, `eos_token`, and the request's
+//!     `chat_template_kwargs` with its `reasoning_effort` (vLLM: the request's over
+//!     the kwargs, and `enable_thinking` from it; SGLang: the kwargs over it).
+//!
+//!   With vLLM's `continue_final_message` the text is cut after the last message's, as
+//!   HF cuts it. Each render has a fuel budget (a step count) in proportion to the
+//!   body. The text is tokenised with special tokens parsed, and the tokenizer's own
+//!   added tokens (BOS) when the request's `add_special_tokens` (vLLM's) says so, or
+//!   else when `chat_add_special_tokens` does (vLLM and SGLang: no, the template
+//!   writes `bos_token` itself; llama-cpp-python's built-in chat formats: yes).
 //! - `completions`: a string prompt is tokenised with special tokens added (all three
 //!   engines do) unless the request says `"add_special_tokens": false` (vLLM's
 //!   parameter); an array of strings is a batch, counted as the sum (the longest
@@ -38,9 +55,8 @@ use std::path::{Path, PathBuf};
 
 use gorgo_core::prompt::CompletionsPrompt;
 use gorgo_core::Endpoint;
-use minijinja::value::{Kwargs, Serde, Value, ValueKind};
+use minijinja::value::{merge_maps, Kwargs, Serde, Value, ValueKind};
 use minijinja::{Environment, ErrorKind};
-use serde::Serialize;
 
 mod pyjson;
 
@@ -120,6 +136,7 @@ impl std::fmt::Debug for EngineTokenizer {
             .field("source", &self.source)
             .field("chat_template", &self.template.is_some())
             .field("chat_add_special_tokens", &self.chat_add_special_tokens)
+            .field("rules", &self.template.as_ref().map(|t| t.rules))
             .finish()
     }
 }
@@ -131,7 +148,28 @@ struct ChatTemplate {
     eos_token: String,
     /// The template loops over content parts ([`loops_over_content`]): a message's
     /// content array is left as it is, not joined into a string.
-    takes_content_parts: bool,
+    loops_over_parts: bool,
+    /// The template's text names a medium (`image`, `audio`, `video`, `vision`), which
+    /// SGLang takes for a template that wants content parts ([`names_media`]).
+    names_media: bool,
+    /// Whose rules turn a request into the template's arguments.
+    rules: Rules,
+}
+
+/// Whose rules turn a chat request into the template's arguments: vLLM and SGLang
+/// normalise a request differently before the same template sees it (content parts
+/// joined with "\n" or " ", tools dumped in another key order, the last assistant
+/// message), so the count follows the kind of engine the node fronts
+/// ([`EngineTokenizer::for_engine`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+enum Rules {
+    /// vLLM's (`vllm/entrypoints/chat_utils.py`, `vllm/renderers/hf.py`,
+    /// `ChatCompletionRequest.build_chat_params`); also an `openai` engine's.
+    #[default]
+    Vllm,
+    /// SGLang's (`serving_chat.py` `_process_messages` / `_apply_jinja_template`,
+    /// `jinja_template_utils.py` `process_content_for_template_format`).
+    Sglang,
 }
 
 /// Name of the one template in a [`ChatTemplate`]'s environment.
@@ -218,6 +256,20 @@ impl EngineTokenizer {
             chat_add_special_tokens,
             source: tokenizer.to_owned(),
         })
+    }
+
+    /// Count chat requests as an engine of `kind` builds them: vLLM's rules (the
+    /// default, and an `openai` engine's) or SGLang's, which differ in how content parts
+    /// are joined, how tools are dumped, and what becomes of a last assistant message
+    /// (see the crate docs). The node and the emulator both say which engine they are.
+    pub fn for_engine(mut self, kind: gorgo_core::EngineKind) -> Self {
+        if let Some(t) = &mut self.template {
+            t.rules = match kind {
+                gorgo_core::EngineKind::Sglang => Rules::Sglang,
+                gorgo_core::EngineKind::Vllm | gorgo_core::EngineKind::Openai => Rules::Vllm,
+            };
+        }
+        self
     }
 
     /// Whether a chat template was found (chat requests can be counted).
@@ -521,17 +573,6 @@ fn render_fuel(cap: usize) -> u64 {
     (cap as u64).saturating_mul(16)
 }
 
-/// The arguments every chat render gets, beside `messages` and the request's
-/// `chat_template_kwargs`.
-#[derive(Serialize)]
-struct RenderContext<'a> {
-    messages: &'a Value,
-    tools: Value,
-    add_generation_prompt: bool,
-    bos_token: &'a str,
-    eos_token: &'a str,
-}
-
 impl ChatTemplate {
     /// Compile `source` in an environment set up as HF's (`transformers`'
     /// `ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)` with loop
@@ -549,14 +590,17 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
-        let takes_content_parts = loops_over_content(&source);
+        let loops_over_parts = loops_over_content(&source);
+        let names_media = names_media(&source);
         env.add_template_owned(TEMPLATE, source)
             .map_err(|e| format!("template does not compile: {e:#}"))?;
         let template = ChatTemplate {
             env,
             bos_token,
             eos_token,
-            takes_content_parts,
+            loops_over_parts,
+            names_media,
+            rules: Rules::default(),
         };
         let probe = Value::from(Serde(serde_json::json!({
             "messages": [{"role": "user", "content": "hello"}]
@@ -565,6 +609,17 @@ impl ChatTemplate {
             .render(&probe)
             .map_err(|e| format!("template does not render a one-message chat: {e}"))?;
         Ok(template)
+    }
+
+    /// Whether messages reach the template with their content as a list of parts
+    /// (the engine's "openai" content format) rather than one string: vLLM decides
+    /// from the template's `{% for %}` loops over a message's content, SGLang also for
+    /// any template that names a medium.
+    fn takes_content_parts(&self) -> bool {
+        match self.rules {
+            Rules::Vllm => self.loops_over_parts,
+            Rules::Sglang => self.names_media || self.loops_over_parts,
+        }
     }
 
     fn render(&self, body: &Value) -> Result<String, TokenizerError> {
@@ -577,75 +632,191 @@ impl ChatTemplate {
         let field = |name: &str| body.get_attr(name).ok().filter(|v| !v.is_undefined());
         let messages = field("messages")
             .ok_or_else(|| TokenizerError::Request("missing `messages`".into()))?;
-        let messages = engine_messages(&messages, self.takes_content_parts)?;
-        let tools = field("tools")
-            .filter(|t| t.len().is_some_and(|n| n > 0))
-            .unwrap_or(Value::from(()));
-        // vLLM's and SGLang's request fields, rendered as HF's `apply_chat_template`
-        // renders them (vLLM calls it): `continue_final_message` leaves the last
-        // message open for the model to go on with, which a generation prompt would
-        // close.
+        // vLLM's request fields, passed as HF's `apply_chat_template` takes them (vLLM
+        // calls it): `continue_final_message` leaves the last message open for the
+        // model to go on with, which a generation prompt would close. SGLang has no
+        // `add_generation_prompt` (it always asks for the prompt) and continues the
+        // last message its own way ([`sglang_final_assistant`]).
         let flag = |name: &str| bool_of(name, chat_field(body, name));
         let continue_final = flag("continue_final_message")?.unwrap_or(false);
-        let add_generation_prompt = flag("add_generation_prompt")?.unwrap_or(true);
-        if continue_final && add_generation_prompt {
+        let add_generation_prompt = match self.rules {
+            Rules::Vllm => flag("add_generation_prompt")?.unwrap_or(true),
+            Rules::Sglang => true,
+        };
+        if self.rules == Rules::Vllm && continue_final && add_generation_prompt {
             return Err(TokenizerError::Request(
                 "`continue_final_message` needs `\"add_generation_prompt\": false`: \
                  the generation prompt would close the message to continue"
                     .into(),
             ));
         }
-        let base = Value::from(Serde(RenderContext {
-            messages: &messages,
-            tools,
-            add_generation_prompt,
-            bos_token: &self.bos_token,
-            eos_token: &self.eos_token,
-        }));
-        // vLLM and SGLang pass `chat_template_kwargs` (e.g. `enable_thinking`) to the
-        // template; the fixed arguments win over them.
-        let ctx = match field("chat_template_kwargs") {
-            Some(extra) if extra.kind() == ValueKind::Map => {
-                minijinja::context! { ..base, ..extra }
+        let mut messages = engine_messages(&messages, self.takes_content_parts(), self.rules)?;
+        let mut continued_with = None;
+        if self.rules == Rules::Sglang {
+            (messages, continued_with) = sglang_final_assistant(messages, continue_final)?;
+        }
+        let tools = engine_tools(field("tools"), field("tool_choice"), self.rules);
+        let rendered = match self.render_arguments(
+            self.arguments(body, &messages, tools.clone(), add_generation_prompt),
+            cap,
+        ) {
+            // SGLang renders again with each tool's `function` alone when its dump
+            // fails the template (Mistral's templates expect them so).
+            Err(Rendering::Failed(_)) if self.rules == Rules::Sglang && !tools.is_none() => {
+                let functions = iter_of(&tools)?
+                    .map(|t| match t.get_attr("function") {
+                        Ok(f) if !f.is_undefined() => f,
+                        _ => t,
+                    })
+                    .collect::<Vec<_>>();
+                self.render_arguments(
+                    self.arguments(
+                        body,
+                        &messages,
+                        Value::from(functions),
+                        add_generation_prompt,
+                    ),
+                    cap,
+                )
             }
-            _ => base,
+            other => other,
         };
+        let text = rendered.map_err(|e| e.into_error(cap))?;
+        match (self.rules, continue_final) {
+            (Rules::Vllm, true) => continued(text, &messages),
+            // SGLang writes the message it took off after the whole render.
+            (Rules::Sglang, _) => Ok(text + continued_with.as_deref().unwrap_or("")),
+            (Rules::Vllm, false) => Ok(text),
+        }
+    }
+
+    /// The template's arguments as HF's `apply_chat_template` passes them to the
+    /// render: its own (`messages`, `tools`, `documents`, `add_generation_prompt`) over
+    /// the engine's keyword arguments over the tokenizer's special tokens (HF's
+    /// `{**special_tokens_map, **kwargs}`: `chat_template_kwargs` can set `bos_token`).
+    /// The keyword arguments: vLLM's `chat_template_kwargs` under the request's
+    /// `documents` and `reasoning_effort` (with `enable_thinking` set from the latter
+    /// unless the kwargs set it); SGLang's `reasoning_effort` under its
+    /// `chat_template_kwargs`, and no `documents` of its own.
+    fn arguments(
+        &self,
+        body: &Value,
+        messages: &Value,
+        tools: Value,
+        add_generation_prompt: bool,
+    ) -> Value {
+        let request = |name: &str| {
+            body.get_attr(name)
+                .ok()
+                .filter(|v| !v.is_undefined() && !v.is_none())
+        };
+        let kwargs = request("chat_template_kwargs")
+            .filter(|k| k.kind() == ValueKind::Map)
+            .unwrap_or_else(|| Value::from_pairs(Vec::<(Value, Value)>::new()));
+        let effort = request("reasoning_effort");
+        let extra = match self.rules {
+            Rules::Vllm => {
+                let mut set = Vec::new();
+                if let Some(effort) = effort {
+                    if kwargs
+                        .get_attr("enable_thinking")
+                        .is_ok_and(|v| v.is_undefined())
+                    {
+                        set.push((
+                            "enable_thinking",
+                            Value::from(effort.as_str() != Some("none")),
+                        ));
+                    }
+                    set.push(("reasoning_effort", effort));
+                }
+                if let Some(documents) = request("documents") {
+                    set.push(("documents", documents));
+                }
+                merge_maps([kwargs, Value::from_pairs(set)])
+            }
+            Rules::Sglang => {
+                let set: Vec<_> = effort
+                    .map(|e| ("reasoning_effort", e))
+                    .into_iter()
+                    .collect();
+                merge_maps([Value::from_pairs(set), kwargs])
+            }
+        };
+        let documents = extra
+            .get_attr("documents")
+            .ok()
+            .filter(|d| !d.is_undefined())
+            .unwrap_or(Value::from(()));
+        let own = Value::from_pairs([
+            ("messages", messages.clone()),
+            ("tools", tools),
+            ("documents", documents),
+            ("add_generation_prompt", Value::from(add_generation_prompt)),
+        ]);
+        let specials = Value::from_pairs([
+            ("bos_token", self.bos_token.as_str()),
+            ("eos_token", self.eos_token.as_str()),
+        ]);
+        merge_maps([specials, extra, own])
+    }
+
+    /// Render with the arguments `ctx`, the output capped at `cap` bytes and the
+    /// steps at [`render_fuel`] of it.
+    fn render_arguments(&self, ctx: Value, cap: usize) -> Result<String, Rendering> {
         // Fuel is the environment's; a clone (its templates and functions are shared)
         // carries this render's budget.
         let mut env = self.env.clone();
         env.set_fuel(Some(render_fuel(cap)));
         let template = env
             .get_template(TEMPLATE)
-            .map_err(|e| TokenizerError::Request(e.to_string()))?;
+            .map_err(|e| Rendering::Failed(e.to_string()))?;
         let mut w = pyjson::CappedWriter::new(cap);
         let outer = RENDER_CAP.replace(cap);
         let rendered = template.render_captured_to(ctx, &mut w);
         RENDER_CAP.set(outer);
         match rendered {
-            Ok(_) => {
-                let text = String::from_utf8(w.out).map_err(|e| {
-                    TokenizerError::Request(format!(
-                        "the chat template rendered invalid UTF-8: {e}"
-                    ))
-                })?;
-                if continue_final {
-                    continued(text, &messages)
-                } else {
-                    Ok(text)
-                }
+            Ok(_) => String::from_utf8(w.out).map_err(|e| {
+                Rendering::Refused(TokenizerError::Request(format!(
+                    "the chat template rendered invalid UTF-8: {e}"
+                )))
+            }),
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(Rendering::OutOfFuel),
+            Err(e) if w.left == 0 || e.to_string().contains(pyjson::OVER_CAP) => {
+                Err(Rendering::OverCap)
             }
-            Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(TokenizerError::Request(format!(
+            Err(e) => Err(Rendering::Failed(e.to_string())),
+        }
+    }
+}
+
+/// Why a render gave no text ([`ChatTemplate::render_arguments`]): only a template's
+/// own failure is worth another try with other arguments (SGLang's tools fallback).
+enum Rendering {
+    /// The template raised, or could not do what it was told.
+    Failed(String),
+    /// The render ran past its fuel.
+    OutOfFuel,
+    /// The output passed the cap.
+    OverCap,
+    /// Refused for what it wrote.
+    Refused(TokenizerError),
+}
+
+impl Rendering {
+    /// The client's error for a render capped at `cap` bytes.
+    fn into_error(self, cap: usize) -> TokenizerError {
+        match self {
+            Rendering::Failed(e) => TokenizerError::Request(format!(
+                "the chat template cannot render this request: {e}"
+            )),
+            Rendering::OutOfFuel => TokenizerError::Request(format!(
                 "the chat template takes too long on this request: it ran past {} steps",
                 render_fuel(cap)
-            ))),
-            Err(e) if w.left == 0 || e.to_string().contains(pyjson::OVER_CAP) => {
-                Err(TokenizerError::Request(format!(
+            )),
+            Rendering::OverCap => TokenizerError::Request(format!(
                 "the chat template renders this request to more than {cap} bytes (8 per body byte, plus 64 KiB)"
-            )))
-            }
-            Err(e) => Err(TokenizerError::Request(format!(
-                "the chat template cannot render this request: {e}"
-            ))),
+            )),
+            Rendering::Refused(e) => e,
         }
     }
 }
@@ -690,22 +861,25 @@ fn continued(mut rendered: String, messages: &Value) -> Result<String, Tokenizer
     Ok(rendered)
 }
 
-/// `messages` as vLLM hands them to the template (its "string" content format, the one
-/// templates that write `message.content` as a string need): a message's content parts
-/// joined with "\n" into one string (unless `takes_content_parts`: the template loops
-/// over them, and gets them as [`engine_content_parts`] gives them), each part read as
-/// the canonical path reads it ([`gorgo_core::prompt::content_part_text`]: a non-text
-/// part is a placeholder that tells two images apart), `null` or missing content as
-/// "", and an assistant's
-/// tool-call arguments as objects ([`parsed_tool_arguments`]). Anything that is not a
-/// list of objects is left for the template to refuse.
-fn engine_messages(messages: &Value, takes_content_parts: bool) -> Result<Value, TokenizerError> {
+/// `messages` as the engine hands them to the template. vLLM's "string" content format
+/// (the one templates that write `message.content` as a string need): a message's
+/// content parts joined with "\n" into one string, each part read as the canonical
+/// path reads it ([`gorgo_core::prompt::content_part_text`]: a non-text part is a
+/// placeholder that tells two images apart); SGLang's: its text parts joined with " ",
+/// other parts left out ([`sglang_content`]). With `parts` (the template loops over
+/// them, [`ChatTemplate::takes_content_parts`]) the "openai" format instead:
+/// [`engine_content_parts`] or [`sglang_content_parts`], a tool message's text parts
+/// still joined (vLLM "\n", SGLang " "). Both: `null` or missing content as "" (vLLM's
+/// "openai" format: no parts), `null` keys dropped, an assistant's tool-call arguments
+/// as the engine parses them ([`engine_tool_calls`]). Anything that is not a list of
+/// objects is left for the template to refuse.
+fn engine_messages(messages: &Value, parts: bool, rules: Rules) -> Result<Value, TokenizerError> {
     if messages.kind() != ValueKind::Seq {
         return Ok(messages.clone());
     }
     let mut out = Vec::with_capacity(messages.len().unwrap_or(0));
     for (i, message) in iter_of(messages)?.enumerate() {
-        out.push(engine_message(i, message, takes_content_parts)?);
+        out.push(engine_message(i, message, parts, rules)?);
     }
     Ok(Value::from(out))
 }
@@ -714,14 +888,14 @@ fn engine_messages(messages: &Value, takes_content_parts: bool) -> Result<Value,
 fn engine_message(
     i: usize,
     message: Value,
-    takes_content_parts: bool,
+    parts: bool,
+    rules: Rules,
 ) -> Result<Value, TokenizerError> {
     if message.kind() != ValueKind::Map {
         return Ok(message);
     }
-    let assistant = message
-        .get_attr("role")
-        .is_ok_and(|r| r.as_str() == Some("assistant"));
+    let role = message.get_attr("role").unwrap_or_default();
+    let role = role.as_str();
     let mut pairs = Vec::with_capacity(message.len().unwrap_or(0) + 1);
     let mut has_content = false;
     for key in iter_of(&message)? {
@@ -738,29 +912,57 @@ fn engine_message(
         let value = match key.as_str() {
             Some("content") => {
                 has_content = true;
-                match takes_content_parts {
-                    false => engine_content(i, &value)?,
-                    true => engine_content_parts(i, &value)?,
+                engine_content(i, &value, role, parts, rules)?
+            }
+            Some("tool_calls") if role == Some("assistant") => {
+                match engine_tool_calls(i, &value, rules)? {
+                    Some(calls) => calls,
+                    None => continue,
                 }
             }
-            Some("tool_calls") if assistant => parsed_tool_arguments(&value),
             _ => value,
         };
         pairs.push((key, value));
     }
     if !has_content {
-        let none = if takes_content_parts {
-            Value::from(Vec::<Value>::new())
-        } else {
-            Value::from("")
-        };
-        pairs.push((Value::from("content"), none));
+        let content = engine_content(i, &Value::from(()), role, parts, rules)?;
+        pairs.push((Value::from("content"), content));
     }
     Ok(Value::from_pairs(pairs))
 }
 
-/// A message's content as [`engine_messages`] says.
-fn engine_content(i: usize, content: &Value) -> Result<Value, TokenizerError> {
+/// A message's content as [`engine_messages`] says, for a message of `role`.
+fn engine_content(
+    i: usize,
+    content: &Value,
+    role: Option<&str>,
+    parts: bool,
+    rules: Rules,
+) -> Result<Value, TokenizerError> {
+    match (rules, parts) {
+        (Rules::Vllm, false) => vllm_content(i, content),
+        (Rules::Sglang, false) => sglang_content(i, content),
+        (Rules::Vllm, true) => {
+            let parts = engine_content_parts(i, content)?;
+            // vLLM gives a tool message's parts to the template as one string when
+            // they are all text: most templates write a tool result as a string.
+            Ok(match role {
+                Some("tool") => joined_text_parts(&parts, "\n")?.unwrap_or(parts),
+                _ => parts,
+            })
+        }
+        (Rules::Sglang, true) => {
+            let parts = sglang_content_parts(i, content)?;
+            Ok(match role {
+                Some("tool") => joined_text_parts(&parts, " ")?.unwrap_or(parts),
+                _ => parts,
+            })
+        }
+    }
+}
+
+/// vLLM's "string" content: [`engine_messages`].
+fn vllm_content(i: usize, content: &Value) -> Result<Value, TokenizerError> {
     if content.is_none() || content.is_undefined() {
         return Ok(Value::from(""));
     }
@@ -770,14 +972,145 @@ fn engine_content(i: usize, content: &Value) -> Result<Value, TokenizerError> {
     let mut texts = Vec::with_capacity(content.len().unwrap_or(0));
     for (j, part) in iter_of(content)?.enumerate() {
         let bad = |e: &str| TokenizerError::Request(format!("`messages[{i}].content[{j}]` {e}"));
-        let part = serde_json::to_value(&part).map_err(|e| bad(&e.to_string()))?;
-        texts.push(
-            gorgo_core::prompt::content_part_text(&part)
-                .map_err(bad)?
-                .into_owned(),
-        );
+        match vllm_text_part(&part) {
+            Some(Some(text)) => texts.push(
+                text.as_str()
+                    .ok_or_else(|| bad("has a text that is not a string"))?
+                    .to_owned(),
+            ),
+            // vLLM leaves it out; the canonical path refuses it, and on the node first.
+            Some(None) => return Err(bad("has no text")),
+            None => {
+                let part = serde_json::to_value(&part).map_err(|e| bad(&e.to_string()))?;
+                texts.push(
+                    gorgo_core::prompt::content_part_text(&part)
+                        .map_err(bad)?
+                        .into_owned(),
+                );
+            }
+        }
     }
     Ok(Value::from(texts.join("\n")))
+}
+
+/// A content part vLLM reads as text (`_parse_chat_message_content_part`): a string, or
+/// a `text`, `input_text` or `output_text` part (its `text`), a `refusal` or `thinking`
+/// one (the field of that name); `Some(None)` for one without its text (left out).
+/// `None`: a part of another type.
+fn vllm_text_part(part: &Value) -> Option<Option<Value>> {
+    if part.kind() == ValueKind::String {
+        return Some(Some(part.clone()));
+    }
+    let field = match part_type(part)?.as_str() {
+        "text" | "input_text" | "output_text" => "text",
+        "refusal" => "refusal",
+        "thinking" => "thinking",
+        _ => return None,
+    };
+    Some(
+        part.get_attr(field)
+            .ok()
+            .filter(|t| !t.is_undefined() && !t.is_none()),
+    )
+}
+
+/// SGLang's "string" content (`process_content_for_template_format`): the text of its
+/// `text` and `input_text` parts joined with " ", every other part left out (an image
+/// leaves no mark in the prompt), `null` as "".
+fn sglang_content(i: usize, content: &Value) -> Result<Value, TokenizerError> {
+    if content.is_none() || content.is_undefined() {
+        return Ok(Value::from(""));
+    }
+    if content.kind() != ValueKind::Seq {
+        return Ok(content.clone());
+    }
+    let mut texts = Vec::with_capacity(content.len().unwrap_or(0));
+    for (j, part) in iter_of(content)?.enumerate() {
+        if matches!(part_type(&part).as_deref(), Some("text" | "input_text")) {
+            texts.push(part_text(i, j, &part)?);
+        }
+    }
+    Ok(Value::from(texts.join(" ")))
+}
+
+/// SGLang's "openai" content (`process_content_for_template_format`): a string stays a
+/// string, `null` is "", and a list keeps its `text` / `input_text` parts as
+/// `{"type": "text", "text": ...}`, its media as `{"type": "image"}` (`"video"`,
+/// `"audio"`), a `tool_reference` as it is, and drops the rest.
+fn sglang_content_parts(i: usize, content: &Value) -> Result<Value, TokenizerError> {
+    if content.is_none() || content.is_undefined() {
+        return Ok(Value::from(""));
+    }
+    if content.kind() != ValueKind::Seq {
+        return Ok(content.clone());
+    }
+    let mut parts = Vec::with_capacity(content.len().unwrap_or(0));
+    for (j, part) in iter_of(content)?.enumerate() {
+        let kind = part_type(&part);
+        let medium = match kind.as_deref() {
+            Some("text" | "input_text") => {
+                parts.push(Value::from_pairs([
+                    ("type", Value::from("text")),
+                    ("text", Value::from(part_text(i, j, &part)?)),
+                ]));
+                continue;
+            }
+            Some("tool_reference") => {
+                parts.push(part);
+                continue;
+            }
+            Some("image_url" | "input_image") => "image",
+            Some("video_url") => "video",
+            Some("audio_url") => "audio",
+            _ => continue,
+        };
+        parts.push(Value::from_pairs([("type", medium)]));
+    }
+    Ok(Value::from(parts))
+}
+
+/// A content part's `type`, when it is an object with a string one.
+fn part_type(part: &Value) -> Option<String> {
+    if part.kind() != ValueKind::Map {
+        return None;
+    }
+    part.get_attr("type")
+        .ok()
+        .and_then(|t| t.as_str().map(str::to_owned))
+}
+
+/// The `text` of text part `j` of message `i`, which the engines require a string.
+fn part_text(i: usize, j: usize, part: &Value) -> Result<String, TokenizerError> {
+    part.get_attr("text")
+        .ok()
+        .and_then(|t| t.as_str().map(str::to_owned))
+        .ok_or_else(|| {
+            TokenizerError::Request(format!(
+                "`messages[{i}].content[{j}].text` must be a string"
+            ))
+        })
+}
+
+/// A tool message's parts as the engines flatten them: when every part is text, their
+/// texts joined with `separator` ("" for none); `None` when some part is not text, or
+/// the content is not a list.
+fn joined_text_parts(parts: &Value, separator: &str) -> Result<Option<Value>, TokenizerError> {
+    if parts.kind() != ValueKind::Seq {
+        return Ok(None);
+    }
+    let mut texts = Vec::with_capacity(parts.len().unwrap_or(0));
+    for part in iter_of(parts)? {
+        if part_type(&part).as_deref() != Some("text") {
+            return Ok(None);
+        }
+        texts.push(
+            part.get_attr("text")
+                .ok()
+                .and_then(|t| t.as_str().map(str::to_owned))
+                .unwrap_or_default(),
+        );
+    }
+    Ok(Some(Value::from(texts.join(separator))))
 }
 
 /// A message's content as vLLM's "openai" content format gives it to a template that
@@ -800,77 +1133,109 @@ fn engine_content_parts(i: usize, content: &Value) -> Result<Value, TokenizerErr
     }
     let mut parts = Vec::with_capacity(content.len().unwrap_or(0));
     for (j, part) in iter_of(content)?.enumerate() {
-        if part.kind() == ValueKind::String {
-            parts.push(text(part));
-            continue;
+        match vllm_text_part(&part) {
+            Some(Some(t)) => {
+                parts.push(text(t));
+                continue;
+            }
+            Some(None) => continue,
+            None => {}
         }
         let kind = part.get_attr("type").unwrap_or_default();
-        let field = match kind.as_str() {
-            Some("text" | "input_text" | "output_text") => "text",
-            Some(other @ ("refusal" | "thinking")) => other,
-            Some("image_url" | "input_image" | "image_pil" | "image_embeds") => {
-                parts.push(Value::from_pairs([("type", "image")]));
-                continue;
-            }
-            Some("audio_url" | "input_audio" | "audio_embeds") => {
-                parts.push(Value::from_pairs([("type", "audio")]));
-                continue;
-            }
-            Some("video_url") => {
-                parts.push(Value::from_pairs([("type", "video")]));
-                continue;
-            }
+        let medium = match kind.as_str() {
+            Some("image_url" | "input_image" | "image_pil" | "image_embeds") => "image",
+            Some("audio_url" | "input_audio" | "audio_embeds") => "audio",
+            Some("video_url") => "video",
             _ => {
                 return Err(TokenizerError::Request(format!(
                     "`messages[{i}].content[{j}]` has a `type` the engine does not take: {kind}"
                 )))
             }
         };
-        match part.get_attr(field) {
-            Ok(t) if !t.is_undefined() && !t.is_none() => parts.push(text(t)),
-            _ => {}
-        }
+        parts.push(Value::from_pairs([("type", medium)]));
     }
     Ok(Value::from(parts))
 }
 
-/// An assistant's `tool_calls` with each call's `function.arguments` given as a JSON
-/// string (OpenAI's form) parsed into the object it holds, as vLLM does before the
-/// template (templates print them with `tojson` and expect an object); its keys keep
-/// the string's order, as Python's `json.loads` keeps them. Arguments that are not a
-/// string holding a JSON object stay as they are.
-fn parsed_tool_arguments(calls: &Value) -> Value {
+/// An assistant's `tool_calls` as the engine gives them to the template, which prints
+/// each call's `function.arguments` with `tojson` and expects a value, not OpenAI's JSON
+/// string. vLLM (`_postprocess_messages`): an empty list is no `tool_calls` (`None`
+/// here), a string is parsed into the JSON value it holds (its keys in the string's
+/// order, as `json.loads` keeps them) or `{}` when it holds no JSON, an object or a
+/// list stays, anything else (`null`, a number) is `{}`. SGLang
+/// (`normalize_assistant_tool_call_arguments`): a string must hold a JSON object
+/// (anything else is the client's error, as SGLang answers it), other values stay.
+fn engine_tool_calls(
+    i: usize,
+    calls: &Value,
+    rules: Rules,
+) -> Result<Option<Value>, TokenizerError> {
     if calls.kind() != ValueKind::Seq {
-        return calls.clone();
+        return Ok(Some(calls.clone()));
     }
-    let Ok(items) = calls.try_iter() else {
-        return calls.clone();
-    };
-    let parsed = |call: Value| -> Option<Value> {
-        let function = call.get_attr("function").ok()?;
-        let arguments = function.get_attr("arguments").ok()?;
-        let object: Value = serde_json::from_str(arguments.as_str()?).ok()?;
-        if object.kind() != ValueKind::Map {
-            return None;
+    if rules == Rules::Vllm && calls.len() == Some(0) {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(calls.len().unwrap_or(0));
+    for (j, call) in iter_of(calls)?.enumerate() {
+        let function = call.get_attr("function").unwrap_or_default();
+        if function.kind() != ValueKind::Map {
+            out.push(call);
+            continue;
         }
-        let function = with_item(&function, "arguments", object)?;
-        with_item(&call, "function", function)
-    };
-    items
-        .map(|call| parsed(call.clone()).unwrap_or(call))
-        .collect()
+        let arguments = function.get_attr("arguments").unwrap_or_default();
+        let parsed = match (rules, arguments.as_str()) {
+            (Rules::Vllm, Some(text)) => {
+                serde_json::from_str::<Value>(text).unwrap_or_else(|_| empty_map())
+            }
+            (Rules::Vllm, None) if matches!(arguments.kind(), ValueKind::Map | ValueKind::Seq) => {
+                out.push(call);
+                continue;
+            }
+            (Rules::Vllm, None) => empty_map(),
+            (Rules::Sglang, Some(text)) => {
+                let field = format!("`messages[{i}].tool_calls[{j}].function.arguments`");
+                let value: Value = serde_json::from_str(text).map_err(|e| {
+                    TokenizerError::Request(format!("{field} must be valid JSON: {e}"))
+                })?;
+                if value.kind() != ValueKind::Map {
+                    return Err(TokenizerError::Request(format!(
+                        "{field} must be a JSON object"
+                    )));
+                }
+                value
+            }
+            (Rules::Sglang, None) => {
+                out.push(call);
+                continue;
+            }
+        };
+        let call = with_item(&function, "arguments", parsed)
+            .and_then(|function| with_item(&call, "function", function))
+            .unwrap_or(call);
+        out.push(call);
+    }
+    Ok(Some(Value::from(out)))
 }
 
-/// `map` with `key`'s value replaced, the keys in their order (`None`: not a map).
+/// `{}`.
+fn empty_map() -> Value {
+    Value::from_pairs(Vec::<(Value, Value)>::new())
+}
+
+/// `map` with `key` set to `value`, the keys in their order, a new key last (`None`: not
+/// a map).
 fn with_item(map: &Value, key: &str, value: Value) -> Option<Value> {
     if map.kind() != ValueKind::Map {
         return None;
     }
-    let pairs: Vec<(Value, Value)> = map
+    let mut found = false;
+    let mut pairs: Vec<(Value, Value)> = map
         .try_iter()
         .ok()?
         .map(|k| {
             let v = if k.as_str() == Some(key) {
+                found = true;
                 value.clone()
             } else {
                 map.get_item(&k).unwrap_or_default()
@@ -878,7 +1243,156 @@ fn with_item(map: &Value, key: &str, value: Value) -> Option<Value> {
             (k, v)
         })
         .collect();
+    if !found {
+        pairs.push((Value::from(key), value));
+    }
     Some(Value::from_pairs(pairs))
+}
+
+/// SGLang's `_handle_last_assistant_message`, after its content is normalised: a last
+/// assistant message with string content is taken off and its text written after the
+/// render (`continue_final_message`, returned beside the messages), or else becomes a
+/// user message of that content alone, so the prompt always ends on the user's turn.
+fn sglang_final_assistant(
+    messages: Value,
+    continue_final: bool,
+) -> Result<(Value, Option<String>), TokenizerError> {
+    if messages.kind() != ValueKind::Seq {
+        return Ok((messages, None));
+    }
+    let mut items: Vec<Value> = iter_of(&messages)?.collect();
+    let Some(last) = items.last() else {
+        return Ok((messages, None));
+    };
+    let assistant = last
+        .get_attr("role")
+        .is_ok_and(|r| r.as_str() == Some("assistant"));
+    let content = last.get_attr("content").unwrap_or_default();
+    let Some(text) = content.as_str().filter(|_| assistant).map(str::to_owned) else {
+        return Ok((messages, None));
+    };
+    if continue_final {
+        items.pop();
+        return Ok((Value::from(items), Some(text)));
+    }
+    let user = Value::from_pairs([("role", Value::from("user")), ("content", content)]);
+    *items.last_mut().expect("a last message") = user;
+    Ok((Value::from(items), None))
+}
+
+/// The request's `tools` as the engine dumps them for the template (none when absent or
+/// empty): each tool through the engine's pydantic model ([`engine_tool`]). SGLang
+/// also gives none on `"tool_choice": "none"` and only the named one on a named
+/// choice; vLLM gives them all (unless started with
+/// `--exclude-tools-when-tool-choice-none`, not followed here).
+fn engine_tools(tools: Option<Value>, choice: Option<Value>, rules: Rules) -> Value {
+    let Some(tools) = tools.filter(|t| t.len().is_some_and(|n| n > 0)) else {
+        return Value::from(());
+    };
+    if tools.kind() != ValueKind::Seq {
+        return tools;
+    }
+    let Ok(items) = tools.try_iter().map(|i| i.collect::<Vec<_>>()) else {
+        return tools;
+    };
+    let choice = choice.unwrap_or_default();
+    let named = match rules {
+        Rules::Sglang if choice.as_str() == Some("none") => return Value::from(()),
+        Rules::Sglang => choice
+            .get_attr("function")
+            .and_then(|f| f.get_attr("name"))
+            .ok()
+            .filter(|n| !n.is_undefined() && !n.is_none()),
+        Rules::Vllm => None,
+    };
+    items
+        .into_iter()
+        .filter(|tool| {
+            named.as_ref().is_none_or(|name| {
+                tool.get_attr("function")
+                    .and_then(|f| f.get_attr("name"))
+                    .is_ok_and(|n| &n == name)
+            })
+        })
+        .map(|tool| engine_tool(tool, rules))
+        .collect()
+}
+
+/// One tool as the engine's `model_dump()` gives it: the model's fields in their
+/// declared order, a missing optional one as its default. vLLM
+/// (`ChatCompletionToolsParam`, `FunctionDefinition`): `{"type", "function": {"name",
+/// "description", "parameters", "defer_loading" when set, then any other key of the
+/// client's}, "defer_loading" when set}`, other keys of the tool dropped. SGLang
+/// (`Tool`, `Function`): `{"type", "function": {"description", "name", "parameters",
+/// "strict", "defer_loading" when set}, "defer_loading"}`, other keys dropped. Both
+/// give the function the tool's `defer_loading` when it has none. A tool or function
+/// that is not an object is left as it is (the engine refuses it).
+fn engine_tool(tool: Value, rules: Rules) -> Value {
+    let set = |v: &Value, key: &str| {
+        v.get_attr(key)
+            .ok()
+            .filter(|x| !x.is_undefined() && !x.is_none())
+    };
+    let function = tool.get_attr("function").unwrap_or_default();
+    if tool.kind() != ValueKind::Map || function.kind() != ValueKind::Map {
+        return tool;
+    }
+    let none = Value::from(());
+    let tool_defer = set(&tool, "defer_loading");
+    let defer = set(&function, "defer_loading").or_else(|| tool_defer.clone());
+    let kind = set(&tool, "type").unwrap_or(Value::from("function"));
+    let name = function.get_attr("name").unwrap_or_default();
+    let description = set(&function, "description").unwrap_or(none.clone());
+    let parameters = set(&function, "parameters").unwrap_or(none.clone());
+    let mut f: Vec<(Value, Value)> = Vec::new();
+    let mut t: Vec<(Value, Value)> = vec![(Value::from("type"), kind)];
+    match rules {
+        Rules::Vllm => {
+            f.push((Value::from("name"), name));
+            f.push((Value::from("description"), description));
+            f.push((Value::from("parameters"), parameters));
+            if let Some(d) = defer {
+                f.push((Value::from("defer_loading"), d));
+            }
+            // Pydantic keeps the keys it does not know (vLLM's models allow them),
+            // after its own.
+            const OWN: [&str; 4] = ["name", "description", "parameters", "defer_loading"];
+            if let Ok(keys) = function.try_iter() {
+                for key in keys {
+                    if !key.as_str().is_some_and(|k| OWN.contains(&k)) {
+                        let value = function.get_item(&key).unwrap_or_default();
+                        f.push((key, value));
+                    }
+                }
+            }
+            t.push((Value::from("function"), Value::from_pairs(f)));
+            if let Some(d) = tool_defer {
+                t.push((Value::from("defer_loading"), d));
+            }
+        }
+        Rules::Sglang => {
+            f.push((Value::from("description"), description));
+            f.push((Value::from("name"), name));
+            f.push((Value::from("parameters"), parameters));
+            let strict = set(&function, "strict").unwrap_or(Value::from(false));
+            f.push((Value::from("strict"), strict));
+            if let Some(d) = defer {
+                f.push((Value::from("defer_loading"), d));
+            }
+            t.push((Value::from("function"), Value::from_pairs(f)));
+            t.push((Value::from("defer_loading"), tool_defer.unwrap_or(none)));
+        }
+    }
+    Value::from_pairs(t)
+}
+
+/// Whether a template's text names a medium: SGLang then gives it content parts
+/// whatever its loops (`detect_jinja_template_content_format`'s shortcut for
+/// multimodal templates).
+fn names_media(source: &str) -> bool {
+    ["image", "audio", "video", "vision"]
+        .iter()
+        .any(|k| source.contains(k))
 }
 
 /// Whether a template loops over a message's content parts (`{% for part in

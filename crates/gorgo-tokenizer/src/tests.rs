@@ -1,4 +1,5 @@
 use super::*;
+use gorgo_core::EngineKind;
 use serde_json::json;
 
 fn fixture() -> EngineTokenizer {
@@ -73,9 +74,11 @@ fn tools_print_as_hf_tojson_in_client_order() {
     let body = br#"{"messages": [{"role": "user", "content": "weather?"}],
         "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]}"#;
     let text = t.render_chat(body).unwrap();
+    // As vLLM's pydantic model dumps it: its fields in their order, a missing
+    // `description` as `null`; the schema as the client wrote it.
     assert!(
         text.contains(r#"<tools>
-{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+{"type": "function", "function": {"name": "get_weather", "description": null, "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 </tools>"#),
         "{text}"
     );
@@ -93,8 +96,9 @@ fn tools_print_as_hf_tojson_in_client_order() {
     ]));
     let text = t.render_chat(&body).unwrap();
     assert!(text.contains("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n"), "{text}");
-    // `arguments` as OpenAI sends them, a JSON string: parsed into the object first, as
-    // vLLM does, its keys in the string's order. A string that is no JSON object stays.
+    // `arguments` as OpenAI sends them, a JSON string: parsed into the value it holds
+    // first, as vLLM does, its keys in the string's order; one that holds no JSON is
+    // `{}` to vLLM.
     let with_arguments = |arguments: &str| {
         let call = serde_json::to_string(arguments).unwrap();
         format!(
@@ -109,9 +113,8 @@ fn tools_print_as_hf_tojson_in_client_order() {
         text.contains(r#""arguments": {"city": "Paris", "at": "noon"}}"#),
         "{text}"
     );
-    for kept in ["not json", "[1, 2]"] {
-        let text = t.render_chat(with_arguments(kept).as_bytes()).unwrap();
-        let printed = serde_json::to_string(kept).unwrap();
+    for (sent, printed) in [("not json", "{}"), ("[1, 2]", "[1, 2]")] {
+        let text = t.render_chat(with_arguments(sent).as_bytes()).unwrap();
         assert!(
             text.contains(&format!(r#""arguments": {printed}}}"#)),
             "{text}"
@@ -700,4 +703,307 @@ fn truncate_prompt_tokens_keeps_each_prompt_s_last_ids() {
     let first = t.encode("the quick brown fox", true).unwrap();
     assert_eq!(each[0], first[first.len() - 2..]);
     assert_eq!(each[1], t.encode("a", true).unwrap());
+}
+
+/// The fixture's tokenizer with `source` as its chat template, counting as `kind`.
+fn templated(source: &str, kind: EngineKind) -> EngineTokenizer {
+    let dir = tempfile::tempdir().unwrap();
+    let tpl = dir.path().join("t.jinja");
+    std::fs::write(&tpl, source).unwrap();
+    EngineTokenizer::load(Path::new(FIXTURE_TOKENIZER), Some(&tpl), false)
+        .unwrap()
+        .for_engine(kind)
+}
+
+/// Each engine dumps the request's tools through its own pydantic model before the
+/// template prints them (`tojson` in most tool templates): vLLM
+/// (`[tool.model_dump() for tool in request.tools]`, `ChatCompletionToolsParam` /
+/// `FunctionDefinition`) its fields in their order with `"description": null` where
+/// missing and the function's other keys after them, SGLang (`Tool` / `Function`)
+/// `description` first, `strict` and a top-level `defer_loading` always, other keys
+/// dropped; SGLang also drops the tools on `"tool_choice": "none"`, keeps only the
+/// named one, and renders again with the functions alone when its dump fails the
+/// template. The node printed the client's dicts as sent. Expected dumps: the engines'
+/// models replicated in pydantic 2.14 (`model_dump()`); expected counts: transformers
+/// 5.25 `apply_chat_template` on the fixture template with those dumps, tokenised by
+/// `tokenizers` 0.23 without special tokens (`crates/gorgo-node/tests/node_tokens.rs`,
+/// `tools_and_content_parts_count_as_the_engine_kind_builds_them`, says how).
+#[test]
+fn tools_reach_the_template_as_each_engine_dumps_them() {
+    let tools = r#"[{"function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}, "strict": true}, "type": "function", "x_note": "dropped"},
+        {"type": "function", "function": {"name": "lookup", "description": "Find a thing."}},
+        {"type": "function", "function": {"name": "later"}, "defer_loading": true}]"#;
+    let body = |extra: &str| {
+        format!(r#"{{"messages": [{{"role": "user", "content": "hi"}}], "tools": {tools}{extra}}}"#)
+    };
+    let dump = "{% for t in tools or [] %}{{ t | tojson }}\n{% endfor %}\
+                {% for m in messages %}{{ m.content }}{% endfor %}";
+    let vllm = r#"{"type": "function", "function": {"name": "get_weather", "description": null, "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}, "strict": true}}
+{"type": "function", "function": {"name": "lookup", "description": "Find a thing.", "parameters": null}}
+{"type": "function", "function": {"name": "later", "description": null, "parameters": null, "defer_loading": true}, "defer_loading": true}
+hi"#;
+    let sglang = r#"{"type": "function", "function": {"description": null, "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}, "strict": true}, "defer_loading": null}
+{"type": "function", "function": {"description": "Find a thing.", "name": "lookup", "parameters": null, "strict": false}, "defer_loading": null}
+{"type": "function", "function": {"description": null, "name": "later", "parameters": null, "strict": false, "defer_loading": true}, "defer_loading": true}
+hi"#;
+    let t = templated(dump, EngineKind::Vllm);
+    assert_eq!(t.render_chat(body("").as_bytes()).unwrap(), vllm);
+    // vLLM renders the tools whatever the choice (`--exclude-tools-when-tool-choice-none`
+    // is off by default).
+    let none = body(r#", "tool_choice": "none""#);
+    assert_eq!(t.render_chat(none.as_bytes()).unwrap(), vllm);
+    let s = templated(dump, EngineKind::Sglang);
+    assert_eq!(s.render_chat(body("").as_bytes()).unwrap(), sglang);
+    assert_eq!(s.render_chat(none.as_bytes()).unwrap(), "hi");
+    let named = body(r#", "tool_choice": {"type": "function", "function": {"name": "lookup"}}"#);
+    assert_eq!(
+        s.render_chat(named.as_bytes()).unwrap(),
+        "{\"type\": \"function\", \"function\": {\"description\": \"Find a thing.\", \"name\": \"lookup\", \"parameters\": null, \"strict\": false}, \"defer_loading\": null}\nhi"
+    );
+    // A template that takes only the functions: SGLang's second render.
+    let flat = "{% for t in tools or [] %}{% if t.name is not defined %}\
+                {{ raise_exception('flat tools only') }}{% endif %}{{ t.name }}({{ t.strict }}),\
+                {% endfor %}{% for m in messages %}{{ m.content }};{% endfor %}";
+    assert_eq!(
+        templated(flat, EngineKind::Sglang)
+            .render_chat(body("").as_bytes())
+            .unwrap(),
+        "get_weather(True),lookup(False),later(False),hi;"
+    );
+    let e = templated(flat, EngineKind::Vllm)
+        .render_chat(body("").as_bytes())
+        .unwrap_err();
+    assert!(e.to_string().contains("flat tools only"), "{e}");
+    // The fixture's ChatML template: what each engine counts.
+    let request = r#"{"model": "m", "messages": [{"role": "system", "content": "Plan trips."}, {"role": "user", "content": "Weather in Oslo?"}],
+        "tools": [{"function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, "strict": true}, "type": "function", "x_note": "dropped"},
+                  {"type": "function", "function": {"name": "lookup", "description": "Find a thing."}}]}"#;
+    for (kind, tokens) in [(EngineKind::Vllm, 798), (EngineKind::Sglang, 864)] {
+        let ids = fixture()
+            .for_engine(kind)
+            .prompt_ids(Endpoint::Chat, request.as_bytes())
+            .unwrap();
+        assert_eq!(ids.len(), tokens, "{kind}");
+    }
+}
+
+/// A message's content parts reach a template that writes `message.content` as one
+/// string: vLLM joins the text of its text-like parts (`text`, `input_text`,
+/// `output_text`, `refusal`, `thinking`) with "\n", SGLang
+/// (`process_content_for_template_format`) those of its `text` and `input_text` parts
+/// with " " and leaves every other part out. The node joined every engine's with "\n"
+/// and took an `input_text` part for a placeholder. Expected texts and counts:
+/// transformers 5.25 `apply_chat_template` as in
+/// `tools_reach_the_template_as_each_engine_dumps_them`.
+#[test]
+fn content_parts_are_joined_as_each_engine_joins_them() {
+    let body = br#"{"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Compare these two lines:"}, {"type": "text", "text": "the cat sat on the mat"}, {"type": "input_text", "text": "the dog sat on the log"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "They differ in"}, {"type": "text", "text": "two words."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Which"}, {"type": "text", "text": "words?"}]}]}"#;
+    for (kind, text, tokens) in [
+        (
+            EngineKind::Vllm,
+            "<s><|im_start|>user\nCompare these two lines:\nthe cat sat on the mat\nthe dog sat on the log<|im_end|>\n<|im_start|>assistant\nThey differ in\ntwo words.<|im_end|>\n<|im_start|>user\nWhich\nwords?<|im_end|>\n<|im_start|>assistant\n",
+            202,
+        ),
+        (
+            EngineKind::Sglang,
+            "<s><|im_start|>user\nCompare these two lines: the cat sat on the mat the dog sat on the log<|im_end|>\n<|im_start|>assistant\nThey differ in two words.<|im_end|>\n<|im_start|>user\nWhich words?<|im_end|>\n<|im_start|>assistant\n",
+            198,
+        ),
+    ] {
+        let t = fixture().for_engine(kind);
+        assert_eq!(t.render_chat(body).unwrap(), text, "{kind}");
+        assert_eq!(t.prompt_ids(Endpoint::Chat, body).unwrap().len(), tokens);
+    }
+    // SGLang leaves an image out of a string content; a part it does not know too.
+    let image = br#"{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}, {"type": "text", "text": "what?"}, {"type": "refusal", "refusal": "no"}]}]}"#;
+    let s = fixture().for_engine(EngineKind::Sglang);
+    assert!(s
+        .render_chat(image)
+        .unwrap()
+        .contains("<|im_start|>user\nwhat?<|im_end|>"));
+}
+
+/// A template that loops over content parts (the engines' "openai" content format)
+/// still gets a tool message's text parts as one string (most write a tool result
+/// as a string): vLLM joins them with "\n", SGLang with " ". SGLang keeps a string
+/// content a string, and gives the parts to any template that names a medium
+/// (`image`, `audio`, `video`, `vision`), loop or not. Expected texts: transformers
+/// 5.25 `apply_chat_template` with each engine's messages.
+#[test]
+fn a_tool_result_in_parts_is_one_string_as_each_engine_gives_it() {
+    let source = "{% for m in messages %}{{ m.role }}:{% if m.content is string %}{{ m.content }}\
+                  {% else %}{% for p in m.content %}({{ p.type }}{% if p.text is defined %} {{ p.text }}\
+                  {% endif %}){% endfor %}{% endif %};{% endfor %}";
+    let body = br#"{"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "data:,"}}, {"type": "input_text", "text": "b"}]},
+        {"role": "assistant", "content": null},
+        {"role": "tool", "content": [{"type": "text", "text": "c"}, {"type": "text", "text": "d"}]}]}"#;
+    assert_eq!(
+        templated(source, EngineKind::Vllm)
+            .render_chat(body)
+            .unwrap(),
+        "user:(text a)(image)(text b);assistant:;tool:c\nd;"
+    );
+    assert_eq!(
+        templated(source, EngineKind::Sglang)
+            .render_chat(body)
+            .unwrap(),
+        "user:(text a)(image)(text b);assistant:;tool:c d;"
+    );
+    // No loop, but a medium named: SGLang's parts, vLLM's string.
+    let media = "{# an image template #}{% for m in messages %}{% if m.content is string %}\
+                 S:{{ m.content }}{% else %}L{{ m.content | length }}{% endif %};{% endfor %}";
+    let parts = br#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}, {"role": "user", "content": "c"}]}"#;
+    assert_eq!(
+        templated(media, EngineKind::Sglang)
+            .render_chat(parts)
+            .unwrap(),
+        "L2;S:c;"
+    );
+    assert_eq!(
+        templated(media, EngineKind::Vllm)
+            .render_chat(parts)
+            .unwrap(),
+        "S:a\nb;S:c;"
+    );
+}
+
+/// An assistant's tool-call `arguments` string: vLLM (`_postprocess_messages`) parses
+/// any JSON value from it, takes one that holds none (or `null`, or a number) for
+/// `{}`, and drops an empty `tool_calls`; SGLang
+/// (`normalize_assistant_tool_call_arguments`) refuses a string that holds no JSON
+/// object, so the node answers the 400 SGLang would. The node kept such strings.
+#[test]
+fn tool_call_arguments_are_read_as_each_engine_reads_them() {
+    let source =
+        "{% for m in messages %}{{ m.role }}{% if 'tool_calls' in m %}{% for c in m.tool_calls %}\
+                  <{{ c.function.arguments | tojson }}>{% endfor %}{% endif %};{% endfor %}";
+    let calls_then = |arguments: &[&str], then: &str| {
+        let calls: Vec<String> = arguments
+            .iter()
+            .map(|a| {
+                format!(r#"{{"id": "1", "type": "function", "function": {{"name": "f", "arguments": {a}}}}}"#)
+            })
+            .collect();
+        format!(
+            r#"{{"messages": [{{"role": "user", "content": "hi"}}, {{"role": "assistant", "content": null, "tool_calls": [{}]}}{then}]}}"#,
+            calls.join(", ")
+        )
+    };
+    let calls = |arguments: &[&str]| calls_then(arguments, "");
+    let sent = [
+        r#""not json""#,
+        r#""[1, 2]""#,
+        "5",
+        r#"{"x": 1}"#,
+        r#""{\"b\": 1, \"a\": 2}""#,
+    ];
+    let v = templated(source, EngineKind::Vllm);
+    assert_eq!(
+        v.render_chat(calls(&sent).as_bytes()).unwrap(),
+        r#"user;assistant<{}><[1, 2]><{}><{"x": 1}><{"b": 1, "a": 2}>;"#
+    );
+    assert_eq!(
+        v.render_chat(calls(&[]).as_bytes()).unwrap(),
+        "user;assistant;"
+    );
+    let s = templated(source, EngineKind::Sglang);
+    assert_eq!(
+        s.render_chat(calls(&sent[3..]).as_bytes()).unwrap(),
+        r#"user;user;"#,
+        "the last assistant message becomes the user's, its calls dropped"
+    );
+    let last = calls_then(&sent[3..], r#", {"role": "tool", "content": "ok"}"#);
+    assert_eq!(
+        s.render_chat(last.as_bytes()).unwrap(),
+        r#"user;assistant<{"x": 1}><{"b": 1, "a": 2}>;tool;"#
+    );
+    for (bad, why) in [
+        (sent[0], "must be valid JSON"),
+        (sent[1], "must be a JSON object"),
+    ] {
+        let e = s.render_chat(calls(&[bad]).as_bytes()).unwrap_err();
+        let e = e.to_string();
+        assert!(
+            e.contains("`messages[1].tool_calls[0].function.arguments`") && e.contains(why),
+            "{e}"
+        );
+    }
+}
+
+/// A last assistant message: vLLM renders it closed and asks for a new turn, or (with
+/// `continue_final_message` and `add_generation_prompt: false`) leaves it open; SGLang
+/// (`_handle_last_assistant_message`, no `add_generation_prompt` of its own) makes it
+/// the user's, or with `continue_final_message` takes it off and writes its text after
+/// the render. Expected texts: transformers 5.25 `apply_chat_template` with each
+/// engine's messages and arguments.
+#[test]
+fn a_last_assistant_message_is_what_each_engine_makes_of_it() {
+    let turn = |extra: &str| {
+        format!(
+            r#"{{"messages": [{{"role": "user", "content": "hi"}}, {{"role": "assistant", "content": "The answer is "}}]{extra}}}"#
+        )
+    };
+    let head = "<s><|im_start|>user\nhi<|im_end|>\n";
+    let open = format!("{head}<|im_start|>assistant\nThe answer is ");
+    let v = fixture();
+    let s = fixture().for_engine(EngineKind::Sglang);
+    assert_eq!(
+        v.render_chat(turn("").as_bytes()).unwrap(),
+        format!("{open}<|im_end|>\n<|im_start|>assistant\n")
+    );
+    assert_eq!(
+        s.render_chat(turn("").as_bytes()).unwrap(),
+        format!("{head}<|im_start|>user\nThe answer is <|im_end|>\n<|im_start|>assistant\n")
+    );
+    let continued = turn(r#", "continue_final_message": true"#);
+    assert!(v.render_chat(continued.as_bytes()).is_err());
+    assert_eq!(s.render_chat(continued.as_bytes()).unwrap(), open);
+    let closed = turn(r#", "continue_final_message": true, "add_generation_prompt": false"#);
+    assert_eq!(v.render_chat(closed.as_bytes()).unwrap(), open);
+    assert_eq!(s.render_chat(closed.as_bytes()).unwrap(), open);
+}
+
+/// vLLM passes the request's `documents` and `reasoning_effort` to the template over
+/// its `chat_template_kwargs` (`build_chat_params`), and `enable_thinking` from the
+/// effort unless the kwargs set it; SGLang passes `reasoning_effort` under its kwargs
+/// and no documents. Both let the kwargs set the special tokens (HF's
+/// `{**special_tokens_map, **kwargs}`). The node passed none of these.
+#[test]
+fn documents_and_reasoning_effort_reach_the_template_as_each_engine_passes_them() {
+    let source = "{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}\
+                  {{ reasoning_effort }}|{{ enable_thinking }}|{{ bos_token }}|{{ messages[0].content }}";
+    let body = |extra: &str| {
+        format!(
+            r#"{{"messages": [{{"role": "user", "content": "x"}}], "documents": [{{"title": "T", "text": "body"}}]{extra}}}"#
+        )
+    };
+    let v = templated(source, EngineKind::Vllm);
+    let s = templated(source, EngineKind::Sglang);
+    let effort = body(
+        r#", "reasoning_effort": "low", "chat_template_kwargs": {"bos_token": "B", "reasoning_effort": "high"}"#,
+    );
+    assert_eq!(
+        v.render_chat(effort.as_bytes()).unwrap(),
+        "[T: body]low|True|B|x"
+    );
+    assert_eq!(s.render_chat(effort.as_bytes()).unwrap(), "high||B|x");
+    let off = body(r#", "reasoning_effort": "none""#);
+    assert_eq!(
+        v.render_chat(off.as_bytes()).unwrap(),
+        "[T: body]none|False|<s>|x"
+    );
+    let kept =
+        body(r#", "reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": true}"#);
+    assert_eq!(
+        v.render_chat(kept.as_bytes()).unwrap(),
+        "[T: body]none|True|<s>|x"
+    );
+    assert_eq!(
+        v.render_chat(body("").as_bytes()).unwrap(),
+        "[T: body]||<s>|x"
+    );
 }
