@@ -13,11 +13,15 @@
 //! unknown (snapshots).
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use gorgo_core::gossip::{self as core_gossip, GossipConfig, GossipSender, SendId, SummaryEvent};
-use gorgo_core::summary::LocalSummary;
+use bytes::Bytes;
+use gorgo_core::gossip::{
+    self as core_gossip, GossipConfig, GossipSender, Planned, Prepared, SendId, SummaryEvent,
+};
+use gorgo_core::summary::{LocalSummary, SummarySnapshot};
 use gorgo_core::wire::{self, GossipMessage, MAX_GOSSIP_MESSAGE};
 use gorgo_core::ShadowIndex;
 use gorgo_core::{NodeId, QueueStats};
@@ -159,6 +163,8 @@ struct EngineGossip {
     /// The node fronts the engine no more ([`GossipDriver::end_engine`]): `stats` end
     /// its stream, and each peer gets them once.
     left: bool,
+    /// The summary's last snapshot, sorted once for every peer that gets it.
+    snapshots: Arc<SnapshotCache>,
 }
 
 /// The gossip side of a running member: one [`EngineGossip`] per engine it fronts.
@@ -234,6 +240,7 @@ impl GossipDriver {
                     ..QueueStats::default()
                 },
                 left: false,
+                snapshots: Arc::default(),
             },
         );
         true
@@ -353,42 +360,22 @@ fn round(gossip: &Arc<GossipDriver>, transport: &Arc<Transport>) {
         send_snapshot_request(transport, peer, &request);
     }
     let peers = transport.peers.alive_ids();
-    // What to send, decided under the lock; sent after it.
-    let mut out = Vec::new();
-    {
-        let mut engines = gossip.engines.lock();
-        for (&replica, e) in engines.iter_mut() {
-            e.sender.retain_peers(|p| peers.contains(p));
-            for peer in &peers {
-                if e.left && e.sender.acked(peer).is_some() {
-                    // The peer took the engine's end: nothing more of it goes there.
-                    continue;
-                }
-                let mut polled = None;
-                let (sender, stats) = (&mut e.sender, &e.stats);
-                e.summary
-                    .with_summary(&mut |s| polled = sender.poll(peer, s, stats));
-                let Some(core_gossip::Outgoing { id, message: msg }) = polled else {
-                    continue;
-                };
-                let (oldest_ms, is_snapshot) = match &msg {
-                    GossipMessage::SummaryDelta { delta, .. } => {
-                        (e.summary.oldest_change_after(delta.from_version), false)
-                    }
-                    _ => (0, true),
-                };
-                let frame = frame(oldest_ms, &msg);
-                if frame.len() > MAX_GOSSIP_FRAME {
-                    tracing::warn!(
-                        bytes = frame.len(),
-                        replica,
-                        "summary over the gossip cap; not sent"
-                    );
-                    e.sender.on_sent(peer, id, false);
-                    continue;
-                }
-                out.push((replica, peer.clone(), id, frame, is_snapshot));
+    let (mut out, snapshots) = gossip.plan_round(&peers);
+    // Snapshots are sorted and encoded here, after every lock: once per engine a round,
+    // one frame for every peer that gets it.
+    for job in snapshots {
+        let (replica, frame, peers) = job.build(&gossip.me);
+        for (peer, id) in peers {
+            if frame.len() > MAX_GOSSIP_FRAME {
+                tracing::warn!(
+                    bytes = frame.len(),
+                    replica,
+                    "summary over the gossip cap; not sent"
+                );
+                gossip.on_sent(replica, &peer, id, false);
+                continue;
             }
+            out.push((replica, peer, id, frame.clone(), true));
         }
     }
     for (replica, peer, id, frame, is_snapshot) in out {
@@ -406,6 +393,164 @@ fn round(gossip: &Arc<GossipDriver>, transport: &Arc<Transport>) {
             // since this one was polled.
             gossip.on_sent(replica, &peer, id, result.is_ok());
         });
+    }
+}
+
+/// A frame to send: (replica, peer, send id, frame, is a snapshot).
+type Outbound = (u16, NodeId, SendId, Bytes, bool);
+
+/// One engine's snapshot of a round, to build after the locks
+/// ([`GossipDriver::plan_round`]).
+struct SnapshotJob {
+    replica: u16,
+    cache: Arc<SnapshotCache>,
+    source: SnapshotSource,
+    stats: QueueStats,
+    /// Every peer that gets it, with its send's id.
+    peers: Vec<(NodeId, SendId)>,
+}
+
+impl SnapshotJob {
+    /// After every lock: the snapshot sorted (once per version: [`SnapshotCache`]) and
+    /// framed as node `me`'s, once for all the job's peers; with the replica and the
+    /// peers.
+    fn build(self, me: &NodeId) -> (u16, Bytes, Vec<(NodeId, SendId)>) {
+        let snapshot = self.cache.sorted(self.source);
+        let msg = GossipMessage::SummarySnapshot {
+            origin: me.clone(),
+            snapshot: SummarySnapshot::clone(&snapshot),
+            stats: self.stats,
+        };
+        (self.replica, Bytes::from(frame(0, &msg)), self.peers)
+    }
+}
+
+impl GossipDriver {
+    /// What every engine sends each of `peers` this round, decided under the engines'
+    /// lock: deltas framed, and at most one snapshot job per engine, whose set was
+    /// copied (or found in its cache) under one hold of the summary's lock for every
+    /// peer of the engine, so that all the peers that get a snapshot this round get
+    /// the same version, sorted once.
+    fn plan_round(&self, peers: &[NodeId]) -> (Vec<Outbound>, Vec<SnapshotJob>) {
+        let (mut out, mut jobs) = (Vec::new(), Vec::new());
+        let mut engines = self.engines.lock();
+        for (&replica, e) in engines.iter_mut() {
+            e.sender.retain_peers(|p| peers.contains(p));
+            let (mut deltas, mut snapshot_peers, mut source) = (Vec::new(), Vec::new(), None);
+            let (sender, stats, left, cache) = (&mut e.sender, &e.stats, e.left, &e.snapshots);
+            e.summary.with_summary(&mut |s| {
+                for peer in peers {
+                    if left && sender.acked(peer).is_some() {
+                        // The peer took the engine's end: nothing more of it goes
+                        // there.
+                        continue;
+                    }
+                    match sender.plan(peer, s, stats) {
+                        None => {}
+                        Some((id, Planned::Message(msg))) => deltas.push((peer.clone(), id, *msg)),
+                        Some((id, Planned::Snapshot)) => {
+                            // One version for every peer: the summary is not changed
+                            // while this lock is held.
+                            source.get_or_insert_with(|| cache.source(s));
+                            snapshot_peers.push((peer.clone(), id));
+                        }
+                    }
+                }
+            });
+            for (peer, id, msg) in deltas {
+                let oldest_ms = match &msg {
+                    GossipMessage::SummaryDelta { delta, .. } => {
+                        e.summary.oldest_change_after(delta.from_version)
+                    }
+                    _ => 0,
+                };
+                let frame = frame(oldest_ms, &msg);
+                if frame.len() > MAX_GOSSIP_FRAME {
+                    tracing::warn!(
+                        bytes = frame.len(),
+                        replica,
+                        "summary over the gossip cap; not sent"
+                    );
+                    e.sender.on_sent(&peer, id, false);
+                    continue;
+                }
+                out.push((replica, peer, id, Bytes::from(frame), false));
+            }
+            if let Some(source) = source {
+                jobs.push(SnapshotJob {
+                    replica,
+                    cache: e.snapshots.clone(),
+                    source,
+                    stats: e.stats.clone(),
+                    peers: snapshot_peers,
+                });
+            }
+        }
+        (out, jobs)
+    }
+}
+
+/// One engine's last snapshot, sorted, kept for the peers that get the same version
+/// later (a snapshot request, a join). Why: a snapshot is the whole set sorted, up to
+/// 4M fingerprints; built for each peer that asked, under the summary's lock, it held
+/// the request path up for its whole sort (140 ms a peer measured at 4M) (docs/cluster.md, "Snapshots off
+/// the lock"). Keyed by version and sample: within one summary a version names one
+/// set (the deltas peers apply rest on it), and the sample can change without a new
+/// version. A summary that replaces the engine's ([`GossipDriver::set_engine`]) gets
+/// a cache of its own.
+#[derive(Debug, Default)]
+pub(crate) struct SnapshotCache {
+    held: Mutex<Option<Arc<SummarySnapshot>>>,
+    /// Sets sorted: one per version and sample, however many peers get it (what tests
+    /// and measurements count).
+    sorts: AtomicU64,
+}
+
+/// What a snapshot is built from ([`SnapshotCache::source`]).
+#[derive(Debug)]
+pub(crate) enum SnapshotSource {
+    /// The cache's, sorted already.
+    Sorted(Arc<SummarySnapshot>),
+    /// A copy of the set as it stood, in no order.
+    Copied(SummarySnapshot),
+}
+
+impl SnapshotCache {
+    /// Under the summary's lock: the cached snapshot when it is of `s` as it stands,
+    /// otherwise a copy of its set, unsorted (O(fingerprints), but no sort).
+    pub(crate) fn source(&self, s: &LocalSummary) -> SnapshotSource {
+        let held = self.held.lock();
+        match held.as_ref() {
+            Some(c) if c.version == s.version() && c.sample == s.sample() => {
+                SnapshotSource::Sorted(c.clone())
+            }
+            _ => SnapshotSource::Copied(SummarySnapshot {
+                version: s.version(),
+                fingerprints: s.fingerprints().collect(),
+                sample: s.sample(),
+            }),
+        }
+    }
+
+    /// After the summary's lock: the snapshot `source` is of, sorted (and kept) when a
+    /// copy.
+    pub(crate) fn sorted(&self, source: SnapshotSource) -> Arc<SummarySnapshot> {
+        match source {
+            SnapshotSource::Sorted(s) => s,
+            SnapshotSource::Copied(mut s) => {
+                s.fingerprints.sort_unstable();
+                self.sorts.fetch_add(1, Ordering::Relaxed);
+                let s = Arc::new(s);
+                *self.held.lock() = Some(s.clone());
+                s
+            }
+        }
+    }
+
+    /// Sets sorted so far.
+    #[cfg(test)]
+    pub(crate) fn sorts(&self) -> u64 {
+        self.sorts.load(Ordering::Relaxed)
     }
 }
 
@@ -463,6 +608,10 @@ pub(crate) fn handle_frame(
         }
         return;
     }
+    // A snapshot's set (up to millions of fingerprints) is built here, before the
+    // peer's shard lock, which routing reads on every request: under it, the snapshot
+    // is swapped in (docs/cluster.md, "Snapshots off the lock").
+    let mut msg = Prepared::new(msg);
     let (now, now_ms) = (Instant::now(), gossip.now_ms());
     let (received, over_cap) = {
         let Some(mut guard) = transport.peers.peers.get_mut(from) else {
@@ -471,7 +620,7 @@ pub(crate) fn handle_frame(
         };
         // Within the cap on what the peer's summaries hold, all its engines together,
         // and of the run heard of the peer.
-        let received = guard.receive(&gossip.me, from, msg, now_ms, &gossip.config);
+        let received = guard.receive(&gossip.me, from, &mut msg, now_ms, &gossip.config);
         let e = &mut guard.engines[usize::from(replica)];
         let received = match received {
             Ok(r) => {
@@ -497,6 +646,8 @@ pub(crate) fn handle_frame(
         let over_cap = guard.limit_pending(replica, &gossip.me, now_ms, &gossip.config);
         (received, over_cap)
     };
+    // What a snapshot replaced is freed now, after the lock.
+    drop(msg);
     if received.summary == (SummaryEvent::Applied { empty: false }) && oldest_change_ms > 0 {
         let wall = (gossip.wall_clock)();
         metrics.record_staleness(wall.saturating_sub(oldest_change_ms));
@@ -521,7 +672,6 @@ fn send_snapshot_request(transport: &Arc<Transport>, peer: NodeId, request: &Gos
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicU64, Ordering};
 
     fn clock() -> (Arc<AtomicU64>, WallClock) {
         let t = Arc::new(AtomicU64::new(1_000));
@@ -547,6 +697,174 @@ mod tests {
         shared.with_summary(&mut |s| seen = s.version());
         assert_eq!(seen, 13);
         assert_eq!(SummarySource::len(&*shared), 1);
+    }
+
+    /// A driver gossiping a summary of `n` fingerprints as engine 0 of node "me".
+    fn driver(n: u32) -> (GossipDriver, Arc<SharedSummary>) {
+        let (_, clock) = clock();
+        let summary = SharedSummary::new(LocalSummary::new(), clock.clone());
+        summary.update(|s| (0..n).rev().for_each(|fp| s.record_add(fp)));
+        let driver = GossipDriver::new(NodeId::from("me"), 1, summary.clone(), clock);
+        (driver, summary)
+    }
+
+    fn peers(k: usize) -> Vec<NodeId> {
+        (0..k).map(|i| NodeId(format!("p{i}"))).collect()
+    }
+
+    /// The frames a round sends, snapshots built as `round` builds them: (peer, is a
+    /// snapshot, frame). Every send is marked delivered.
+    fn run_round(d: &GossipDriver, peers: &[NodeId]) -> Vec<(NodeId, bool, Bytes)> {
+        let (mut sent, jobs) = d.plan_round(peers);
+        for job in jobs {
+            let (_, f, peers) = job.build(&d.me);
+            sent.extend(peers.into_iter().map(|(p, id)| (0, p, id, f.clone(), true)));
+        }
+        sent.into_iter()
+            .map(|(r, p, id, f, snap)| {
+                d.on_sent(r, &p, id, true);
+                (p, snap, f)
+            })
+            .collect()
+    }
+
+    fn sorts(d: &GossipDriver) -> u64 {
+        d.engines.lock()[&0].snapshots.sorts()
+    }
+
+    /// k peers that get a snapshot of one version cost one sort, whether they get it
+    /// in one round (joins) or in k (snapshot requests), and the sort is of the version
+    /// sent. Before, each peer's snapshot sorted the whole set, under the summary's
+    /// lock.
+    #[test]
+    fn k_snapshots_of_one_version_sort_once() {
+        let (d, summary) = driver(1_000);
+        let ps = peers(4);
+        let sent = run_round(&d, &ps);
+        assert_eq!(sent.len(), 4);
+        assert!(sent.iter().all(|(_, snap, _)| *snap));
+        assert_eq!(sorts(&d), 1, "four joins, one sort");
+        let want = summary.read(|s| s.snapshot());
+        for (_, _, f) in &sent {
+            let msg: GossipMessage = wire::decode(&f[9..], MAX_GOSSIP_MESSAGE).unwrap();
+            let GossipMessage::SummarySnapshot { snapshot, .. } = msg else {
+                panic!("not a snapshot: {msg:?}");
+            };
+            assert_eq!(snapshot, want);
+        }
+        let snapshots_to = |sent: &[(NodeId, bool, Bytes)]| -> Vec<NodeId> {
+            sent.iter().filter(|s| s.1).map(|s| s.0.clone()).collect()
+        };
+        // Up to date: deltas, then each peer asks for a snapshot in a round of its
+        // own (the version unchanged).
+        assert!(snapshots_to(&run_round(&d, &ps)).is_empty());
+        for p in &ps {
+            assert!(d
+                .engines
+                .lock()
+                .get_mut(&0)
+                .unwrap()
+                .sender
+                .on_snapshot_request(p, 0));
+            assert_eq!(snapshots_to(&run_round(&d, &ps)), std::slice::from_ref(p));
+        }
+        assert_eq!(sorts(&d), 1, "four requests of one version, one sort");
+        // A new version is sorted again once asked for; the others get a delta.
+        summary.update(|s| s.record_add(5_000));
+        assert!(d
+            .engines
+            .lock()
+            .get_mut(&0)
+            .unwrap()
+            .sender
+            .on_snapshot_request(&ps[0], 1_000));
+        assert_eq!(snapshots_to(&run_round(&d, &ps)), [ps[0].clone()]);
+        assert_eq!(sorts(&d), 2);
+        // A sample change keeps the version but changes what a snapshot says.
+        summary.update(|s| s.set_sample(gorgo_core::summary::SummarySample::at_least(2)));
+        assert!(d
+            .engines
+            .lock()
+            .get_mut(&0)
+            .unwrap()
+            .sender
+            .on_snapshot_request(&ps[1], 1_000));
+        run_round(&d, &ps);
+        assert_eq!(sorts(&d), 3);
+        // A summary that replaces the engine's gets a cache of its own.
+        let (_, other) = driver(10);
+        d.set_engine(0, other);
+        assert_eq!(sorts(&d), 0);
+    }
+
+    /// The measurements of docs/cluster.md, "Snapshots off the lock": serving k
+    /// snapshot requests of one 4M-fingerprint version, as before (each sorted under
+    /// the summary's lock) and now. Run in release:
+    /// `cargo test --release -p gorgo-cluster --lib -- --ignored --nocapture measure_`.
+    #[test]
+    #[ignore = "measurement: prints figures"]
+    fn measure_serving_k_snapshot_requests_of_one_version() {
+        use std::time::Instant as Clock;
+        let n = 4_000_000;
+        let (d, summary) = driver(n);
+        let k = 8;
+        let ps = peers(k);
+        // Before: each request sorted the set under the summary's lock.
+        let (mut held_max, mut total) = (Duration::ZERO, Duration::ZERO);
+        for _ in 0..k {
+            let t = Clock::now();
+            let snapshot = summary.read(|s| s.snapshot());
+            let held = t.elapsed();
+            held_max = held_max.max(held);
+            total += held;
+            std::hint::black_box(snapshot);
+        }
+        println!(
+            "before: {k} requests of {n} fingerprints: summary lock held {:.1} ms each \
+             (max), {:.1} ms in all",
+            held_max.as_secs_f64() * 1e3,
+            total.as_secs_f64() * 1e3
+        );
+        // Now: the peers join (one round, one copy and one sort), then each asks in a
+        // round of its own.
+        // (summary lock held within, the whole round)
+        let timed_round = |ask: Option<&NodeId>| {
+            if let Some(p) = ask {
+                d.engines
+                    .lock()
+                    .get_mut(&0)
+                    .unwrap()
+                    .sender
+                    .on_snapshot_request(p, 0);
+            }
+            let t = Clock::now();
+            let (_, jobs) = d.plan_round(&ps);
+            let planned = t.elapsed();
+            for job in jobs {
+                let s = job.cache.sorted(job.source);
+                for (p, id) in job.peers {
+                    d.on_sent(0, &p, id, true);
+                }
+                std::hint::black_box(s);
+            }
+            (planned, t.elapsed())
+        };
+        let (mut plan_max, first) = timed_round(None);
+        let mut after = Duration::ZERO;
+        for p in &ps {
+            let (planned, all) = timed_round(Some(p));
+            plan_max = plan_max.max(planned);
+            after += all;
+        }
+        println!(
+            "now: {k} joins then {k} requests: summary lock held at most {:.1} ms \
+             (a copy, once), first round {:.1} ms in all (copy + sort), {:.3} ms each \
+             request after; {} sort(s)",
+            plan_max.as_secs_f64() * 1e3,
+            first.as_secs_f64() * 1e3,
+            after.as_secs_f64() * 1e3 / k as f64,
+            sorts(&d)
+        );
     }
 
     #[test]

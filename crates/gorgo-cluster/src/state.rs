@@ -9,7 +9,9 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use dashmap::DashMap;
-use gorgo_core::gossip::{self as core_gossip, GossipConfig, PeerGossip, PeerRun, Received};
+use gorgo_core::gossip::{
+    self as core_gossip, GossipConfig, PeerGossip, PeerRun, Prepared, Received,
+};
 use gorgo_core::wire::GossipMessage;
 use gorgo_core::{CoreError, NodeId, QueueStats};
 use parking_lot::Mutex;
@@ -141,23 +143,28 @@ impl PeerEntry {
         }
     }
 
-    /// Hand `msg`, a summary message (which the transport says came from `from`), to
-    /// the state of the engine it is about, within
+    /// Hand `msg`, a summary message (which the transport says came from `from`)
+    /// prepared outside the table's lock ([`Prepared`]: a snapshot's set is built
+    /// already, and what it replaces is left in `msg`, for the caller to drop after
+    /// the lock), to the state of the engine it is about, within
     /// [`GossipConfig::max_peer_fingerprints`] for all of the peer's engines together,
     /// when it is of the run the peer's [`PeerRun`] hears
-    /// ([`gorgo_core::gossip::receive_from_peer`]), on behalf of node `me`. Why here:
-    /// the cap and the run are per peer, and this entry is what holds all of a peer's
-    /// engines. The caller has checked the message's replica against the limit.
+    /// ([`gorgo_core::gossip::receive_prepared_from_peer`]), on behalf of node `me`.
+    /// Why here: the cap and the run are per peer, and this entry is what holds all of
+    /// a peer's engines. The caller has checked the message's replica against the
+    /// limit.
     pub(crate) fn receive(
         &mut self,
         me: &NodeId,
         from: &NodeId,
-        msg: GossipMessage,
+        msg: &mut Prepared,
         now_ms: u64,
         config: &GossipConfig,
     ) -> Result<Received, CoreError> {
-        self.make_room(core_gossip::replica(&msg));
-        let received = core_gossip::receive_from_peer(
+        if let Some(m) = msg.message() {
+            self.make_room(core_gossip::replica(m));
+        }
+        let received = core_gossip::receive_prepared_from_peer(
             &mut self.engines,
             |h| &mut h.gossip,
             &mut self.run,
@@ -912,6 +919,7 @@ impl<K: std::hash::Hash + Eq> LogOnce<K> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gorgo_core::summary::{LocalSummary, SummaryDelta, SummarySnapshot};
 
     /// Each key once a window, at most `cap` keys a window, and a new window starts
     /// over: a flood of made-up keys neither logs one a packet nor silences the rest
@@ -1050,6 +1058,270 @@ mod tests {
     /// A restarted peer's snapshot that arrives before membership brings its new
     /// identity is kept when the identity comes: it is already the new run's. A rejoin
     /// of the run membership has vouched for lets go of what is held, as before.
+    /// Peer "a"'s (run 1) message carrying `snapshot` or `delta` of its engine 0.
+    fn of_a(snapshot: Option<SummarySnapshot>, delta: Option<SummaryDelta>) -> GossipMessage {
+        let (origin, stats) = (NodeId::from("a"), QueueStats::default());
+        let stats = QueueStats {
+            incarnation: 1,
+            version: 1,
+            ..stats
+        };
+        match (snapshot, delta) {
+            (Some(snapshot), _) => GossipMessage::SummarySnapshot {
+                origin,
+                snapshot,
+                stats,
+            },
+            (None, delta) => GossipMessage::SummaryDelta {
+                origin,
+                delta: delta.unwrap_or_default(),
+                stats,
+            },
+        }
+    }
+
+    /// Whether what engine 0 of `e` holds is `local`'s set at `local`'s version.
+    fn holds(e: &PeerEntry, local: &LocalSummary) -> Result<(), String> {
+        let held = e.engines[0].gossip.summary().ok_or("nothing held")?;
+        let want = local.snapshot();
+        if held.version() != want.version
+            || held.len() != want.fingerprints.len()
+            || !want.fingerprints.iter().all(|&fp| held.contains(fp))
+        {
+            return Err(format!(
+                "held v{} ({} fps), want v{} ({} fps)",
+                held.version(),
+                held.len(),
+                want.version,
+                want.fingerprints.len()
+            ));
+        }
+        Ok(())
+    }
+
+    /// A peer's snapshot is built outside the table's lock ([`Prepared`]); under it,
+    /// it is swapped in, and what it replaced comes back to be freed after the lock.
+    /// Before, the set was built (and the old one freed) under the shard lock routing
+    /// reads: tens of ms at a 4M-fingerprint join or resync.
+    #[test]
+    fn a_snapshot_is_built_before_the_lock_and_swapped_in_under_it() {
+        let t = PeerTable::default();
+        let a = NodeId::from("a");
+        let cfg = GossipConfig::default();
+        t.member_up(&me(), &member("a", 1), Instant::now());
+        let mut local = LocalSummary::new();
+        for fp in 0..100 {
+            local.record_add(fp);
+        }
+        let mut first = Prepared::new(of_a(Some(local.snapshot()), None));
+        assert!(first.holds_summary(), "the set is built when prepared");
+        let mut e = t.peers.get_mut(&a).unwrap();
+        e.receive(&me(), &a, &mut first, 0, &cfg).unwrap();
+        assert!(!first.holds_summary(), "nothing was held before");
+        holds(&e, &local).unwrap();
+        for fp in 100..150 {
+            local.record_add(fp);
+        }
+        let mut second = Prepared::new(of_a(Some(local.snapshot()), None));
+        e.receive(&me(), &a, &mut second, 0, &cfg).unwrap();
+        assert!(second.holds_summary(), "the replaced set comes back");
+        holds(&e, &local).unwrap();
+        // An older snapshot is not applied: its set comes back, unused.
+        let mut old = Prepared::new(of_a(Some(SummarySnapshot::default()), None));
+        e.receive(&me(), &a, &mut old, 0, &cfg).unwrap();
+        assert!(old.holds_summary());
+        holds(&e, &local).unwrap();
+        // Taken once: a second take does nothing.
+        e.receive(&me(), &a, &mut old, 0, &cfg).unwrap();
+        holds(&e, &local).unwrap();
+    }
+
+    /// Deltas taken while a snapshot is being built (after it is prepared, before it
+    /// is taken) are neither lost nor applied twice: one that follows the snapshot
+    /// waits for it, one it covers is applied and then replaced by the same set.
+    #[test]
+    fn deltas_taken_while_a_snapshot_is_built_are_neither_lost_nor_doubled() {
+        let cfg = GossipConfig::default();
+        let a = NodeId::from("a");
+        let mut local = LocalSummary::new();
+        let change = |local: &mut LocalSummary, from: u32| {
+            for fp in from..from + 10 {
+                local.record_add(fp);
+            }
+            local.record_remove(from);
+        };
+        change(&mut local, 0);
+        let v0 = local.version();
+        let s0 = local.snapshot();
+        change(&mut local, 100);
+        let covered = local.delta_since(v0).unwrap();
+        let snapshot = local.snapshot();
+        let vs = local.version();
+        change(&mut local, 200);
+        let follows = local.delta_since(vs).unwrap();
+        // Held nothing, or held v0: the delta the snapshot covers, the one that
+        // follows it, or both, taken while it is built.
+        for (start, during) in [
+            (None, vec![follows.clone()]),
+            (Some(s0.clone()), vec![covered.clone()]),
+            (Some(s0.clone()), vec![follows.clone()]),
+            (Some(s0.clone()), vec![covered.clone(), follows.clone()]),
+            (Some(s0.clone()), vec![follows.clone(), covered.clone()]),
+        ] {
+            let t = PeerTable::default();
+            t.member_up(&me(), &member("a", 1), Instant::now());
+            let mut e = t.peers.get_mut(&a).unwrap();
+            if let Some(s0) = start.clone() {
+                let mut m = Prepared::new(of_a(Some(s0), None));
+                e.receive(&me(), &a, &mut m, 0, &cfg).unwrap();
+            }
+            let mut building = Prepared::new(of_a(Some(snapshot.clone()), None));
+            for d in &during {
+                let mut m = Prepared::new(of_a(None, Some(d.clone())));
+                e.receive(&me(), &a, &mut m, 1, &cfg).unwrap();
+            }
+            e.receive(&me(), &a, &mut building, 2, &cfg).unwrap();
+            let case = format!(
+                "from {:?}, {} deltas",
+                start.map(|s| s.version),
+                during.len()
+            );
+            if during.iter().any(|d| d.from_version == vs) {
+                holds(&e, &local)
+                    .map_err(|m| format!("{case}: {m}"))
+                    .unwrap();
+            } else {
+                // Up to the snapshot; the next delta follows on.
+                let mut m = Prepared::new(of_a(None, Some(follows.clone())));
+                e.receive(&me(), &a, &mut m, 3, &cfg).unwrap();
+                holds(&e, &local)
+                    .map_err(|m| format!("{case}: {m}"))
+                    .unwrap();
+            }
+            assert_eq!(e.engines[0].gossip.pending(), 0, "{case}");
+        }
+    }
+
+    /// The measurement of docs/cluster.md, "Snapshots off the lock": how long the
+    /// peer's shard lock (which routing reads on every request) is held while a
+    /// 4M-fingerprint snapshot replaces a 4M one, as before (built and the old set
+    /// freed under it) and now. Run in release:
+    /// `cargo test --release -p gorgo-cluster --lib -- --ignored --nocapture measure_`.
+    #[test]
+    #[ignore = "measurement: prints figures"]
+    fn measure_lock_hold_applying_a_4m_fingerprint_snapshot() {
+        use std::time::Instant as Clock;
+        let cfg = GossipConfig::default();
+        let (t, a) = (PeerTable::default(), NodeId::from("a"));
+        t.member_up(&me(), &member("a", 1), Instant::now());
+        let n: u32 = 4_000_000;
+        let snapshot = |version: u64, salt: u32| SummarySnapshot {
+            version,
+            fingerprints: (0..n)
+                .map(|i| i.wrapping_mul(2_654_435_761) ^ salt)
+                .collect(),
+            ..Default::default()
+        };
+        let mut version = 1;
+        let mut apply = |early: bool| {
+            version += 1;
+            let msg = of_a(Some(snapshot(version, version as u32)), None);
+            let t0 = Clock::now();
+            let mut prepared = early.then(|| Prepared::new(msg.clone()));
+            let built = t0.elapsed();
+            let t1 = Clock::now();
+            let mut guard = t.peers.get_mut(&a).unwrap();
+            let mut msg = prepared.take().unwrap_or_else(|| Prepared::new(msg));
+            guard.receive(&me(), &a, &mut msg, 0, &cfg).unwrap();
+            if !early {
+                drop(msg);
+                drop(guard);
+                return (built, t1.elapsed());
+            }
+            drop(guard);
+            let held = t1.elapsed();
+            drop(msg);
+            (built, held)
+        };
+        apply(true);
+        for _ in 0..3 {
+            let (_, before) = apply(false);
+            let (built, now) = apply(true);
+            println!(
+                "{n} fingerprints replacing {n}: shard lock held {:.1} ms before, \
+                 {:.3} ms now (set built outside it in {:.1} ms)",
+                before.as_secs_f64() * 1e3,
+                now.as_secs_f64() * 1e3,
+                built.as_secs_f64() * 1e3
+            );
+        }
+    }
+
+    proptest::proptest! {
+        /// Whenever a snapshot is prepared and whatever deltas are taken before it is
+        /// taken, the peer ends where it would have had the snapshot been received
+        /// whole when taken (the path before snapshots were built off the lock), and,
+        /// once every delta is in, holds the sender's summary.
+        #[test]
+        fn a_snapshot_prepared_early_ends_where_one_received_whole_does(
+            changes in proptest::collection::vec((0u32..64, proptest::bool::ANY), 1..60),
+            cut in 0usize..6,
+            order in proptest::collection::vec(0usize..100, 6),
+            prepared_at in 0usize..7,
+        ) {
+            let cfg = GossipConfig::default();
+            let a = NodeId::from("a");
+            // The sender's stream: deltas of 6 rounds, a snapshot after round `cut`.
+            let mut local = LocalSummary::new();
+            let (mut deltas, mut snapshot) = (Vec::new(), None);
+            let per_round = changes.len().div_ceil(6);
+            for (round, chunk) in changes.chunks(per_round).enumerate() {
+                let from = local.version();
+                for &(fp, add) in chunk {
+                    if add { local.record_add(fp) } else { local.record_remove(fp) }
+                }
+                deltas.push(local.delta_since(from).unwrap());
+                if round == cut {
+                    snapshot = Some(local.snapshot());
+                }
+            }
+            let snapshot = snapshot.unwrap_or_else(|| local.snapshot());
+            // Deltas in a shuffled order; the snapshot is taken after all of them, and
+            // prepared after the first `prepared_at`.
+            let mut shuffled: Vec<(usize, SummaryDelta)> =
+                order.iter().copied().zip(deltas.iter().cloned()).collect();
+            shuffled.sort_by_key(|(k, _)| *k);
+            let run = |early: bool| {
+                let t = PeerTable::default();
+                t.member_up(&me(), &member("a", 1), Instant::now());
+                let mut e = t.peers.get_mut(&a).unwrap();
+                let mut building = None;
+                for (i, (_, d)) in shuffled.iter().enumerate() {
+                    if early && i == prepared_at {
+                        building = Some(Prepared::new(of_a(Some(snapshot.clone()), None)));
+                    }
+                    let mut m = Prepared::new(of_a(None, Some(d.clone())));
+                    let _ = e.receive(&me(), &a, &mut m, 0, &cfg);
+                }
+                let mut s = building
+                    .unwrap_or_else(|| Prepared::new(of_a(Some(snapshot.clone()), None)));
+                let _ = e.receive(&me(), &a, &mut s, 0, &cfg);
+                // Then every delta again, in order, as the sender would resend them
+                // after a snapshot request: nothing was lost.
+                let h = e.engines[0].gossip.summary().map(|s| (s.version(), s.len()));
+                let pending = e.engines[0].gossip.pending();
+                for d in &deltas {
+                    let mut m = Prepared::new(of_a(None, Some(d.clone())));
+                    let _ = e.receive(&me(), &a, &mut m, 0, &cfg);
+                }
+                (h, pending, holds(&e, &local))
+            };
+            let (early, whole) = (run(true), run(false));
+            proptest::prop_assert_eq!(&early, &whole);
+            proptest::prop_assert_eq!(early.2, Ok(()));
+        }
+    }
+
     #[test]
     fn a_new_runs_state_heard_before_its_identity_is_kept() {
         let config = GossipConfig::default();
@@ -1072,7 +1344,7 @@ mod tests {
         t.peers
             .get_mut(&a)
             .unwrap()
-            .receive(&me(), &a, of_run(1), 0, &config)
+            .receive(&me(), &a, &mut Prepared::new(of_run(1)), 0, &config)
             .unwrap();
         // Membership vouches for the run held (the run heard does not change).
         assert!(!t.vouch_run(&member("a", 1), 1));
@@ -1080,7 +1352,7 @@ mod tests {
         t.peers
             .get_mut(&a)
             .unwrap()
-            .receive(&me(), &a, of_run(2), 0, &config)
+            .receive(&me(), &a, &mut Prepared::new(of_run(2)), 0, &config)
             .unwrap();
         assert!(held(&t));
         t.member_up(&me(), &member("a", 2), Instant::now());
@@ -1116,7 +1388,13 @@ mod tests {
             assert!(t.dropped_before_entry.is_empty());
             let mut e = t.peers.get_mut(&a).unwrap();
             let got = e
-                .receive(&me(), &a, summary_msg(0, Some((1, 2))), 0, &config)
+                .receive(
+                    &me(),
+                    &a,
+                    &mut Prepared::new(summary_msg(0, Some((1, 2)))),
+                    0,
+                    &config,
+                )
                 .unwrap();
             assert_eq!(got.reply.is_some(), asks, "dropped {dropped}, late {late}");
         }
@@ -1136,7 +1414,8 @@ mod tests {
             msg: GossipMessage,
             config: &GossipConfig,
         ) -> Option<GossipMessage> {
-            e.receive(&me(), &"a".into(), msg, 0, config).unwrap();
+            e.receive(&me(), &"a".into(), &mut Prepared::new(msg), 0, config)
+                .unwrap();
             e.limit_pending(replica, &me(), 0, config)
         }
         // Room for two deltas of 1,000 fingerprints, whichever engines hold them.
@@ -1191,13 +1470,26 @@ mod tests {
             ..Default::default()
         };
         for r in 0..2 {
-            e.receive(&me(), &a, summary_msg(r, None), 0, &cfg).unwrap();
+            e.receive(&me(), &a, &mut Prepared::new(summary_msg(r, None)), 0, &cfg)
+                .unwrap();
         }
-        e.receive(&me(), &a, summary_msg(0, Some((1, 6))), 0, &cfg)
-            .unwrap();
+        e.receive(
+            &me(),
+            &a,
+            &mut Prepared::new(summary_msg(0, Some((1, 6)))),
+            0,
+            &cfg,
+        )
+        .unwrap();
         // Six more on engine 1 would hold 12: refused (the driver counts it
         // malformed), engine 1 unchanged.
-        let refused = e.receive(&me(), &a, summary_msg(1, Some((1, 6))), 0, &cfg);
+        let refused = e.receive(
+            &me(),
+            &a,
+            &mut Prepared::new(summary_msg(1, Some((1, 6)))),
+            0,
+            &cfg,
+        );
         assert!(
             matches!(&refused, Err(CoreError::Malformed(m)) if m.contains("12")),
             "{refused:?}"
@@ -1208,8 +1500,14 @@ mod tests {
         };
         assert_eq!((held(&e, 0), held(&e, 1)), ((2, 6), (1, 0)));
         // Four fit.
-        e.receive(&me(), &a, summary_msg(1, Some((1, 4))), 0, &cfg)
-            .unwrap();
+        e.receive(
+            &me(),
+            &a,
+            &mut Prepared::new(summary_msg(1, Some((1, 4)))),
+            0,
+            &cfg,
+        )
+        .unwrap();
         assert_eq!(held(&e, 1), (2, 4));
     }
 
@@ -1229,7 +1527,8 @@ mod tests {
                 let from = NodeId::from(peer);
                 for msg in [None, Some((3, 1))] {
                     let msg = summary_msg_of(peer, r, msg);
-                    e.receive(&me(), &from, msg, 0, &cfg).unwrap();
+                    e.receive(&me(), &from, &mut Prepared::new(msg), 0, &cfg)
+                        .unwrap();
                 }
                 assert_eq!(e.engines[r as usize].gossip.pending(), 1);
             }

@@ -32,7 +32,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use crate::error::CoreError;
-use crate::summary::{varint_len, LocalSummary, PeerSummary, SummaryDelta};
+use crate::summary::{varint_len, LocalSummary, PeerSummary, SummaryDelta, SummarySnapshot};
 use crate::types::{NodeId, QueueStats, MAX_REPLICAS};
 use crate::wire::GossipMessage;
 
@@ -203,16 +203,38 @@ pub fn receive_from_peer<T>(
     now_ms: u64,
     config: &GossipConfig,
 ) -> Result<Received, CoreError> {
-    let r = match msg {
+    let mut msg = Prepared::new(msg);
+    receive_prepared_from_peer(engines, gossip, run, me, from, &mut msg, now_ms, config)
+}
+
+/// [`receive_from_peer`] for a message prepared ahead ([`Prepared::new`], outside the
+/// lock the driver holds around this call): a snapshot is swapped in, not built, and
+/// what it replaced is left in `msg`, for the driver to drop after its lock. A
+/// message taken already takes nothing. Errors: as [`receive_from_peer`].
+#[allow(clippy::too_many_arguments)]
+pub fn receive_prepared_from_peer<T>(
+    engines: &mut [T],
+    gossip: fn(&mut T) -> &mut PeerGossip,
+    run: &mut PeerRun,
+    me: &NodeId,
+    from: &NodeId,
+    msg: &mut Prepared,
+    now_ms: u64,
+    config: &GossipConfig,
+) -> Result<Received, CoreError> {
+    let Some(m) = msg.msg.as_ref() else {
+        return Ok(Received::nothing());
+    };
+    let r = match m {
         GossipMessage::SnapshotRequest { .. } => 0,
-        _ => usize::from(replica(&msg)),
+        _ => usize::from(replica(m)),
     };
     if r >= engines.len() {
         return Err(CoreError::Malformed(format!(
             "gossip about engine {r} of {from}, which is not held"
         )));
     }
-    let incarnation = message_run(&msg);
+    let incarnation = message_run(m);
     // What the peer's other engines hold once the message is taken: those of another
     // run than its own are reset then.
     let others: usize = engines
@@ -223,7 +245,7 @@ pub fn receive_from_peer<T>(
         .filter(|g| incarnation.is_none() || g.incarnation == incarnation)
         .map(|g| g.fingerprints())
         .sum();
-    gossip(&mut engines[r]).check(others, from, &msg, config)?;
+    gossip(&mut engines[r]).check(others, from, msg, config)?;
     if let Some(i) = incarnation {
         match run.admit(i) {
             // A dead run's summary message, still travelling.
@@ -236,6 +258,64 @@ pub fn receive_from_peer<T>(
         }
     }
     gossip(&mut engines[r]).take(others, me, msg, now_ms, config)
+}
+
+/// A summary message made ready to take ([`receive_prepared_from_peer`]) before the
+/// driver takes the lock its readers wait on: a snapshot's fingerprint set, up to
+/// millions of entries, is built here, so that taking the snapshot under the lock is
+/// a swap. Once taken, it holds what the snapshot replaced (or the set it built, when
+/// the snapshot was not applied), for the driver to drop after the lock: freeing a
+/// set of millions takes milliseconds too.
+///
+/// Why: the cluster's peer table is read by routing on every request, and building a
+/// peer's 4M-fingerprint set under its shard lock blocked routing for as long as the
+/// build took (hundreds of ms measured) at every join and resync (docs/cluster.md, "Snapshots off the lock"). Whatever else
+/// the message does is decided when it is taken, under the lock, in the order
+/// messages are taken: a delta taken while a snapshot is being built is ordered
+/// before it, as a delta that arrived first.
+#[derive(Debug)]
+pub struct Prepared {
+    /// The message until taken; a snapshot's fingerprints are moved into `summary`.
+    msg: Option<GossipMessage>,
+    /// Fingerprints the snapshot carried, as sent: what the cap counts.
+    sent: usize,
+    /// A snapshot's summary, built; once taken, the summary to drop after the lock.
+    summary: Option<PeerSummary>,
+}
+
+impl Prepared {
+    /// Make `msg` ready to take: a snapshot's set is built now (O(fingerprints), so
+    /// call it outside any lock readers take); any other message is kept as is.
+    pub fn new(mut msg: GossipMessage) -> Self {
+        let (mut sent, mut summary) = (0, None);
+        if let GossipMessage::SummarySnapshot { snapshot, .. } = &mut msg {
+            sent = snapshot.fingerprints.len();
+            let mut built = PeerSummary::new();
+            built.apply_snapshot(SummarySnapshot {
+                version: snapshot.version,
+                fingerprints: std::mem::take(&mut snapshot.fingerprints),
+                sample: snapshot.sample,
+            });
+            summary = Some(built);
+        }
+        Prepared {
+            msg: Some(msg),
+            sent,
+            summary,
+        }
+    }
+
+    /// The message, until taken (a snapshot's without its fingerprints, which are in
+    /// the set built): what drivers read its replica and origin from.
+    pub fn message(&self) -> Option<&GossipMessage> {
+        self.msg.as_ref()
+    }
+
+    /// Whether it still holds a summary: before it is taken, a snapshot's set built;
+    /// after, the summary the driver drops once its lock is released.
+    pub fn holds_summary(&self) -> bool {
+        self.summary.is_some()
+    }
 }
 
 /// Offer `stats` of engine `stats.replica` of a peer (a SWIM broadcast's copy: stats
@@ -549,6 +629,16 @@ pub struct Outgoing {
     pub message: GossipMessage,
 }
 
+/// What to send a peer, as [`GossipSender::plan`] decides it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Planned {
+    /// This message (a delta; boxed, a snapshot plan being one word).
+    Message(Box<GossipMessage>),
+    /// A snapshot of the summary planned with, at its version then, with the stats
+    /// planned with ([`GossipMessage::SummarySnapshot`]): the driver builds it.
+    Snapshot,
+}
+
 /// The message to a peer that waits for the transport's verdict.
 #[derive(Debug, Clone, Copy)]
 struct InFlight {
@@ -655,6 +745,30 @@ impl GossipSender {
         summary: &LocalSummary,
         stats: &QueueStats,
     ) -> Option<Outgoing> {
+        let (id, planned) = self.plan(peer, summary, stats)?;
+        let message = match planned {
+            Planned::Message(message) => *message,
+            Planned::Snapshot => GossipMessage::SummarySnapshot {
+                origin: self.me.clone(),
+                snapshot: summary.snapshot(),
+                stats: stats.clone(),
+            },
+        };
+        Some(Outgoing { id, message })
+    }
+
+    /// What [`poll`](Self::poll) decides, a snapshot left for the driver to build:
+    /// the send's id, and a delta message or [`Planned::Snapshot`], which must be of
+    /// `summary` as it is now (its version is what the peer holds once it lands). Why:
+    /// a snapshot is the whole set sorted; a driver that sends one to several peers
+    /// builds it once per version, and sorts it outside the summary's lock
+    /// (docs/cluster.md, "Snapshots off the lock").
+    pub fn plan(
+        &mut self,
+        peer: &NodeId,
+        summary: &LocalSummary,
+        stats: &QueueStats,
+    ) -> Option<(SendId, Planned)> {
         if *peer == self.me {
             return None;
         }
@@ -663,27 +777,22 @@ impl GossipSender {
             return None;
         }
         let version = summary.version();
-        let origin = self.me.clone();
         let models = models_digest(&stats.models);
         let acked = if st.wants_snapshot { None } else { st.acked };
-        let msg = match acked.map(|v| (v, summary.delta_since(v))) {
+        let planned = match acked.map(|v| (v, summary.delta_since(v))) {
             Some((v, Some(delta))) => {
                 if v == version && !self.config.send_unchanged && st.models_acked == Some(models) {
                     return None;
                 }
-                GossipMessage::SummaryDelta {
-                    origin,
+                Planned::Message(Box::new(GossipMessage::SummaryDelta {
+                    origin: self.me.clone(),
                     delta,
                     stats: stats.clone(),
-                }
+                }))
             }
             _ => {
                 st.wants_snapshot = false;
-                GossipMessage::SummarySnapshot {
-                    origin,
-                    snapshot: summary.snapshot(),
-                    stats: stats.clone(),
-                }
+                Planned::Snapshot
             }
         };
         let id = SendId(self.next_id);
@@ -693,7 +802,7 @@ impl GossipSender {
             version,
             models,
         });
-        Some(Outgoing { id, message: msg })
+        Some((id, planned))
     }
 
     /// The transport's verdict on message `id`, which [`poll`](Self::poll) gave for
@@ -1180,8 +1289,9 @@ impl PeerGossip {
         now_ms: u64,
         config: &GossipConfig,
     ) -> Result<Received, CoreError> {
+        let mut msg = Prepared::new(msg);
         self.check(others_fingerprints, from, &msg, config)?;
-        self.take(others_fingerprints, me, msg, now_ms, config)
+        self.take(others_fingerprints, me, &mut msg, now_ms, config)
     }
 
     /// Refuse `msg` (from `from`, the peer's other engines holding `others`
@@ -1191,9 +1301,12 @@ impl PeerGossip {
         &self,
         others: usize,
         from: &NodeId,
-        msg: &GossipMessage,
+        prepared: &Prepared,
         config: &GossipConfig,
     ) -> Result<(), CoreError> {
+        let Some(msg) = prepared.msg.as_ref() else {
+            return Ok(());
+        };
         if origin(msg) != from {
             return Err(CoreError::Malformed(format!(
                 "gossip from {from} claims to come from {}",
@@ -1208,8 +1321,8 @@ impl PeerGossip {
         }
         match msg {
             GossipMessage::SummaryDelta { delta, .. } => delta.check(),
-            GossipMessage::SummarySnapshot { snapshot, .. } => {
-                let held = others.saturating_add(snapshot.fingerprints.len());
+            GossipMessage::SummarySnapshot { .. } => {
+                let held = others.saturating_add(prepared.sent);
                 if held > config.max_peer_fingerprints {
                     return Err(over_cap("snapshot", held, others, config));
                 }
@@ -1219,17 +1332,22 @@ impl PeerGossip {
         }
     }
 
-    /// Handle `msg`, which passed [`check`](Self::check), on behalf of node `me`.
+    /// Handle `prepared`, which passed [`check`](Self::check), on behalf of node `me`:
+    /// a snapshot's set, built already, is swapped in, and what it replaced is left in
+    /// `prepared` ([`Prepared`]).
     fn take(
         &mut self,
         others_fingerprints: usize,
         me: &NodeId,
-        msg: GossipMessage,
+        prepared: &mut Prepared,
         now_ms: u64,
         config: &GossipConfig,
     ) -> Result<Received, CoreError> {
-        let replica = replica(&msg);
         let mut out = Received::nothing();
+        let Some(msg) = prepared.msg.take() else {
+            return Ok(out);
+        };
+        let replica = replica(&msg);
         if message_run(&msg).is_some_and(|i| !self.admit(i)) {
             // A dead run's summary message, still travelling: its versions do not
             // belong to the run held (a restarted peer counts from the start again).
@@ -1259,13 +1377,17 @@ impl PeerGossip {
                 self.snapshot_landed(now_ms, config);
                 out.stats_updated = self.offer_summary_stats(stats);
             }
-            GossipMessage::SummarySnapshot {
-                snapshot, stats, ..
-            } => {
-                self.snapshot_len = snapshot.fingerprints.len();
+            GossipMessage::SummarySnapshot { stats, .. } => {
+                let Some(built) = prepared.summary.take() else {
+                    // Not reached: `Prepared::new` builds every snapshot's set.
+                    return Ok(out);
+                };
+                self.snapshot_len = prepared.sent;
                 self.first_snapshot_due = false;
-                let summary = self.summary.get_or_insert_with(PeerSummary::new);
-                summary.apply_snapshot(snapshot);
+                // The swap: what was held goes back to the driver, to drop after its
+                // lock.
+                prepared.summary = self.summary.take();
+                let summary = self.summary.insert(built);
                 // Deltas that overtook the snapshot follow on from it.
                 let_go = !drain(
                     &mut self.pending,

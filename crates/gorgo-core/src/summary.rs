@@ -446,6 +446,13 @@ impl LocalSummary {
         Some(delta)
     }
 
+    /// Every fingerprint in the set, in no order. Why: a driver copies the set under
+    /// the lock that guards the summary and sorts the copy after it, once for every
+    /// peer that gets the version ([`snapshot`](Self::snapshot) sorts in place).
+    pub fn fingerprints(&self) -> impl Iterator<Item = u32> + '_ {
+        self.refcounts.keys().copied()
+    }
+
     /// The whole set at the current version.
     pub fn snapshot(&self) -> SummarySnapshot {
         let mut fingerprints: Vec<u32> = self.refcounts.keys().copied().collect();
