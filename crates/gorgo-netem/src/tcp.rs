@@ -14,13 +14,14 @@
 //! the time the relay's last held chunk is due (on a slow link, long after the
 //! reset).
 
+use std::io::ErrorKind;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -227,7 +228,7 @@ async fn relay_connection(
 ) -> std::io::Result<()> {
     let upstream = tokio::select! {
         _ = cancel.cancelled() => return Ok(()),
-        u = TcpStream::connect(target) => u?,
+        u = connect_upstream(target) => u?,
     };
     client.set_nodelay(true)?;
     upstream.set_nodelay(true)?;
@@ -307,6 +308,34 @@ async fn relay_connection(
             tracing::debug!("tcp relay connection cut: reset_grace passed after a side was gone");
             Ok(())
         }
+    }
+}
+
+/// Connects to `target` as `TcpStream::connect` does (its errors, refused,
+/// unreachable or timed out, are returned as they are), except for a connection
+/// that the target accepted, answered and reset before the connect completed in
+/// user space: `connect` sees the reset (`SO_ERROR` is `ECONNRESET`, or `EPIPE`
+/// after the target's FIN) and fails, though the kernel still holds the answer,
+/// which a direct client would read. That connection is returned instead, so the
+/// relay reads the answer and then the end of the stream (the reset consumed as
+/// the connect's error). The kernel reports a reset before the handshake as
+/// `ECONNREFUSED`, so these two errors mean the connection existed. `connect`
+/// closes its descriptor when it fails, so a second one of the same socket
+/// keeps it.
+async fn connect_upstream(target: SocketAddr) -> std::io::Result<TcpStream> {
+    let socket = if target.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    let kept = socket2::SockRef::from(&socket).try_clone()?;
+    match socket.connect(target).await {
+        Ok(stream) => Ok(stream),
+        Err(e) if matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::BrokenPipe) => {
+            tracing::debug!(error = %e, "tcp relay target reset before the connect completed");
+            TcpStream::from_std(kept.into())
+        }
+        Err(e) => Err(e),
     }
 }
 
@@ -534,5 +563,17 @@ mod tests {
         });
         assert!(task.await.unwrap_err().is_panic());
         assert_eq!(stats.snapshot().flows_active, 0);
+    }
+
+    /// A target that refuses the connection is still a failed connect, reported
+    /// as `TcpStream::connect` reports it (only a reset after the handshake is
+    /// taken as a connection).
+    #[tokio::test]
+    async fn a_refused_upstream_connect_fails_as_before() {
+        let closed = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let target = closed.local_addr().unwrap();
+        drop(closed);
+        let err = connect_upstream(target).await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::ConnectionRefused, "{err}");
     }
 }

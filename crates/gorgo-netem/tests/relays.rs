@@ -1169,3 +1169,40 @@ async fn control_api_partitions_and_heals_a_planned_cluster() {
     .await
     .expect("test timed out");
 }
+
+/// A target that answers and resets at once, before the relay's connect to it has
+/// completed in user space, still has its answer relayed: the kernel holds the
+/// bytes, as it would for a direct client. Before, the connect saw the reset
+/// (`SO_ERROR`) and the relay dropped the client's connection with an empty stream
+/// (23-48 of 50 delivered
+/// in runs on a 2-core machine).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_an_answer_sent_with_a_reset_before_the_connect_completes_is_delivered() {
+    const CONNECTIONS: usize = 50;
+    tokio::time::timeout(TEST_TIMEOUT, async {
+        let target = TcpListener::bind(localhost()).await.unwrap();
+        let target_addr = target.local_addr().unwrap();
+        let answering = tokio::spawn(async move {
+            for _ in 0..CONNECTIONS {
+                let (mut conn, _) = target.accept().await.unwrap();
+                conn.write_all(b"hello").await.unwrap();
+                conn.set_zero_linger().unwrap();
+            }
+        });
+        let relay = TcpRelay::start(localhost(), target_addr, delay(0), 5)
+            .await
+            .unwrap();
+        let mut delivered = 0;
+        for _ in 0..CONNECTIONS {
+            let mut client = TcpStream::connect(relay.local_addr()).await.unwrap();
+            let mut got = Vec::new();
+            let _ = client.read_to_end(&mut got).await;
+            delivered += usize::from(got == b"hello");
+        }
+        assert_eq!(delivered, CONNECTIONS, "answers delivered of {CONNECTIONS}");
+        answering.await.unwrap();
+        relay.shutdown().await;
+    })
+    .await
+    .expect("test timed out");
+}
