@@ -515,6 +515,9 @@ fn handle_data(
     let src = &header.src;
     match inner.peers.sender_claim(&inner.node_id, from, src.addr) {
         Claim::Accepted => {
+            // Credited only now, its kind byte counted: a datagram that is refused is
+            // no one's traffic but the transport's (`swim_bytes_received`).
+            inner.peers.add_bytes(from, 0, data.len() as u64 + 1);
             inner.transport.bind_inbound(conn, src);
             // A peer sends SWIM only to a claim it accepted (`may_send_swim`): one
             // that refused this node's id takes it now.

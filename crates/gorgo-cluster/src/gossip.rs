@@ -335,15 +335,19 @@ pub(crate) async fn run(
             biased;
             _ = shutdown.cancelled() => return,
             _ = gossip.published.notified() => {
-                round(&gossip, &transport);
+                round(&gossip, &transport).await;
                 tick.reset();
             }
-            _ = tick.tick() => round(&gossip, &transport),
+            _ = tick.tick() => round(&gossip, &transport).await,
         }
     }
 }
 
-fn round(gossip: &Arc<GossipDriver>, transport: &Arc<Transport>) {
+/// One round: every peer's deltas sent at once, then the snapshots built
+/// ([`build_snapshots`]) and sent. Awaited by [`run`] before its next round, so that a
+/// round plans its snapshots only once the last round's are in the cache: a version is
+/// sorted once however many rounds ask for it.
+async fn round(gossip: &Arc<GossipDriver>, transport: &Arc<Transport>) {
     for (node, conn) in transport.conns.all() {
         if conn.close_reason().is_none() {
             transport
@@ -360,24 +364,69 @@ fn round(gossip: &Arc<GossipDriver>, transport: &Arc<Transport>) {
         send_snapshot_request(transport, peer, &request);
     }
     let peers = transport.peers.alive_ids();
-    let (mut out, snapshots) = gossip.plan_round(&peers);
-    // Snapshots are sorted and encoded here, after every lock: once per engine a round,
-    // one frame for every peer that gets it.
-    for job in snapshots {
-        let (replica, frame, peers) = job.build(&gossip.me);
+    let (deltas, snapshots) = gossip.plan_round(&peers);
+    // The deltas wait for no sort.
+    send_all(gossip, transport, deltas);
+    if snapshots.is_empty() {
+        return;
+    }
+    // Snapshots are sorted and encoded after every lock, off this task: once per
+    // engine a round, one frame for every peer that gets it.
+    let mut out = Vec::new();
+    for (replica, frame, peers) in build_snapshots(gossip.me.clone(), snapshots).await {
         for (peer, id) in peers {
-            if frame.len() > MAX_GOSSIP_FRAME {
-                tracing::warn!(
-                    bytes = frame.len(),
-                    replica,
-                    "summary over the gossip cap; not sent"
-                );
+            let Some(frame) = frame.as_ref().filter(|f| f.len() <= MAX_GOSSIP_FRAME) else {
+                if let Some(f) = &frame {
+                    tracing::warn!(
+                        bytes = f.len(),
+                        replica,
+                        "summary over the gossip cap; not sent"
+                    );
+                }
                 gossip.on_sent(replica, &peer, id, false);
                 continue;
-            }
+            };
             out.push((replica, peer, id, frame.clone(), true));
         }
     }
+    send_all(gossip, transport, out);
+}
+
+/// Each job's snapshot sorted (once per version: [`SnapshotCache`]) and framed as node
+/// `me`'s on tokio's blocking pool, with the job's replica and peers; no frame (sends
+/// failed) when that task did not finish (the runtime shutting down).
+///
+/// Why not on the gossip task: sorting a 4M-fingerprint set takes 60-130 ms, for which
+/// it held a tokio worker and every task queued behind it (forwards, SWIM, streams).
+async fn build_snapshots(me: NodeId, mut jobs: Vec<SnapshotJob>) -> Vec<BuiltSnapshot> {
+    let peers: Vec<(u16, Vec<(NodeId, SendId)>)> = jobs
+        .iter_mut()
+        .map(|j| (j.replica, std::mem::take(&mut j.peers)))
+        .collect();
+    let built = tokio::task::spawn_blocking(move || {
+        jobs.into_iter()
+            .map(|j| Some(j.build(&me)))
+            .collect::<Vec<_>>()
+    })
+    .await;
+    let frames = built.unwrap_or_else(|e| {
+        tracing::warn!("summary snapshots not built: {e}");
+        vec![None; peers.len()]
+    });
+    peers
+        .into_iter()
+        .zip(frames)
+        .map(|((replica, peers), frame)| (replica, frame, peers))
+        .collect()
+}
+
+/// A snapshot built for a round: (replica, its frame if built, every peer that gets it
+/// with its send's id).
+type BuiltSnapshot = (u16, Option<Bytes>, Vec<(NodeId, SendId)>);
+
+/// Send each of `out` on a uni-stream of its own, and report each send's outcome to
+/// its engine's sender.
+fn send_all(gossip: &Arc<GossipDriver>, transport: &Arc<Transport>, out: Vec<Outbound>) {
     for (replica, peer, id, frame, is_snapshot) in out {
         let (gossip, transport) = (gossip.clone(), transport.clone());
         tokio::spawn(async move {
@@ -411,17 +460,17 @@ struct SnapshotJob {
 }
 
 impl SnapshotJob {
-    /// After every lock: the snapshot sorted (once per version: [`SnapshotCache`]) and
-    /// framed as node `me`'s, once for all the job's peers; with the replica and the
-    /// peers.
-    fn build(self, me: &NodeId) -> (u16, Bytes, Vec<(NodeId, SendId)>) {
+    /// After every lock (on the blocking pool: [`build_snapshots`]): the snapshot
+    /// sorted (once per version: [`SnapshotCache`]) and framed as node `me`'s, once for
+    /// all the job's peers.
+    fn build(self, me: &NodeId) -> Bytes {
         let snapshot = self.cache.sorted(self.source);
         let msg = GossipMessage::SummarySnapshot {
             origin: me.clone(),
             snapshot: SummarySnapshot::clone(&snapshot),
             stats: self.stats,
         };
-        (self.replica, Bytes::from(frame(0, &msg)), self.peers)
+        Bytes::from(frame(0, &msg))
     }
 }
 
@@ -504,6 +553,9 @@ pub(crate) struct SnapshotCache {
     /// Sets sorted: one per version and sample, however many peers get it (what tests
     /// and measurements count).
     sorts: AtomicU64,
+    /// The thread the last sort ran on (tests: not the gossip task's).
+    #[cfg(test)]
+    sorted_on: Mutex<Option<std::thread::ThreadId>>,
 }
 
 /// What a snapshot is built from ([`SnapshotCache::source`]).
@@ -540,6 +592,10 @@ impl SnapshotCache {
             SnapshotSource::Copied(mut s) => {
                 s.fingerprints.sort_unstable();
                 self.sorts.fetch_add(1, Ordering::Relaxed);
+                #[cfg(test)]
+                {
+                    *self.sorted_on.lock() = Some(std::thread::current().id());
+                }
                 let s = Arc::new(s);
                 *self.held.lock() = Some(s.clone());
                 s
@@ -716,8 +772,9 @@ mod tests {
     /// snapshot, frame). Every send is marked delivered.
     fn run_round(d: &GossipDriver, peers: &[NodeId]) -> Vec<(NodeId, bool, Bytes)> {
         let (mut sent, jobs) = d.plan_round(peers);
-        for job in jobs {
-            let (_, f, peers) = job.build(&d.me);
+        for mut job in jobs {
+            let peers = std::mem::take(&mut job.peers);
+            let f = job.build(&d.me);
             sent.extend(peers.into_iter().map(|(p, id)| (0, p, id, f.clone(), true)));
         }
         sent.into_iter()
@@ -795,6 +852,37 @@ mod tests {
         let (_, other) = driver(10);
         d.set_engine(0, other);
         assert_eq!(sorts(&d), 0);
+    }
+
+    /// A round's snapshots are sorted and framed on tokio's blocking pool, not on the
+    /// gossip task: a 4M-fingerprint sort (60-130 ms) held that task's worker thread,
+    /// and every task queued on it, for the whole sort. The frames are those the peers
+    /// would get from a sort in place, and one version is still sorted once.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_rounds_snapshots_are_sorted_off_the_gossip_task() {
+        let (d, summary) = driver(1_000);
+        let ps = peers(3);
+        let (deltas, jobs) = d.plan_round(&ps);
+        assert!(deltas.is_empty());
+        let built = build_snapshots(d.me.clone(), jobs).await;
+        let cache = d.engines.lock()[&0].snapshots.clone();
+        let sorted_on = *cache.sorted_on.lock();
+        assert_eq!(cache.sorts(), 1);
+        assert!(sorted_on.is_some());
+        assert_ne!(
+            sorted_on,
+            Some(std::thread::current().id()),
+            "sorted on the gossip task"
+        );
+        let [(0, Some(frame), got)] = &built[..] else {
+            panic!("one frame of engine 0: {built:?}");
+        };
+        assert_eq!(got.iter().map(|(p, _)| p.clone()).collect::<Vec<_>>(), ps);
+        let msg: GossipMessage = wire::decode(&frame[9..], MAX_GOSSIP_MESSAGE).unwrap();
+        let GossipMessage::SummarySnapshot { snapshot, .. } = msg else {
+            panic!("not a snapshot: {msg:?}");
+        };
+        assert_eq!(snapshot, summary.read(|s| s.snapshot()));
     }
 
     /// The measurements of docs/cluster.md, "Snapshots off the lock": serving k

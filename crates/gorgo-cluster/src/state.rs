@@ -274,9 +274,14 @@ pub struct PeerView {
     /// Every engine of the peer heard of, by replica, but those that left it
     /// ([`gorgo_core::gossip::PeerGossip::left`]).
     pub engines: Vec<PeerEngineView>,
-    /// Gossip bytes we sent to this peer (summaries and app messages).
+    /// Bytes we sent to this peer: SWIM datagrams, summary and app streams (payload
+    /// handed to QUIC).
     pub bytes_sent: u64,
-    /// Gossip bytes we received from this peer.
+    /// Bytes we took from this peer as its own: SWIM datagrams whose packet speaks for
+    /// it from the address its id is bound to, and summary and app streams read whole
+    /// on a connection vouched for it. What was refused is credited to no peer (a
+    /// certificate names who sent it, not whom it speaks for); the node-wide
+    /// [`ClusterMetrics`] byte counters count it.
     pub bytes_received: u64,
 }
 
@@ -645,7 +650,7 @@ pub enum TrafficKind {
 pub struct ClusterMetrics {
     /// SWIM bytes sent.
     pub swim_bytes_sent: AtomicU64,
-    /// SWIM bytes received.
+    /// SWIM bytes received: every datagram read, refused ones included.
     pub swim_bytes_received: AtomicU64,
     /// Summary gossip bytes sent.
     pub summary_bytes_sent: AtomicU64,

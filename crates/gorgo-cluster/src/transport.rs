@@ -1025,8 +1025,10 @@ async fn read_datagrams(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connec
             _ = inner.shutdown.cancelled() => return,
             d = conn.read_datagram() => match d { Ok(d) => d, Err(e) => break e },
         };
+        // Every datagram read, refused or not; the peer is credited with it only once
+        // the SWIM checks take it as the peer's own (`cluster::handle_data`): the
+        // certificate names who sent it, not whom its packet speaks for.
         inner.metrics.received(TrafficKind::Swim, d.len());
-        inner.peers.add_bytes(&peer, 0, d.len() as u64);
         if d.len() < 2 || d.len() > MAX_SWIM_PACKET + 1 || d[0] != DATAGRAM_SWIM {
             ClusterMetrics::bump(&inner.metrics.malformed_received);
             continue;
@@ -1093,53 +1095,26 @@ async fn accept_unis(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connectio
                 let _ = recv.stop(1u32.into());
                 return;
             }
-            // Read the kind first so each kind gets its own cap: an app message
-            // stream may not buffer a gossip-sized payload.
-            let mut kind = [0u8; 1];
-            if !matches!(
-                tokio::time::timeout(STREAM_TIMEOUT, recv.read_exact(&mut kind)).await,
-                Ok(Ok(()))
-            ) {
-                ClusterMetrics::bump(&inner.metrics.malformed_received);
-                let _ = recv.stop(1u32.into());
-                return;
-            }
-            let cap = match kind[0] {
-                STREAM_GOSSIP => MAX_GOSSIP_FRAME,
-                STREAM_APP => MAX_APP_MESSAGE + 2,
-                _ => {
-                    ClusterMetrics::bump(&inner.metrics.malformed_received);
-                    let _ = recv.stop(1u32.into());
-                    return;
-                }
-            };
-            let rest = match tokio::time::timeout(STREAM_TIMEOUT, recv.read_to_end(cap - 1)).await {
-                Ok(Ok(b)) => b,
-                Ok(Err(e)) => {
+            let bytes = match read_uni(&mut recv).await {
+                Ok(b) => b,
+                Err(e) => {
                     tracing::debug!(%peer, "uni-stream dropped: {e}");
                     ClusterMetrics::bump(&inner.metrics.malformed_received);
-                    return;
-                }
-                Err(_) => {
-                    tracing::debug!(%peer, "uni-stream not sent in time");
-                    ClusterMetrics::bump(&inner.metrics.malformed_received);
                     let _ = recv.stop(1u32.into());
                     return;
                 }
             };
-            let mut bytes = Vec::with_capacity(rest.len() + 1);
-            bytes.push(kind[0]);
-            bytes.extend_from_slice(&rest);
-            inner.peers.add_bytes(&peer, 0, bytes.len() as u64);
             match bytes.first() {
                 Some(&STREAM_GOSSIP) => {
                     inner.metrics.received(TrafficKind::Summary, bytes.len());
+                    inner.peers.add_bytes(&peer, 0, bytes.len() as u64);
                     if let Some(inbound) = inner.inbound.upgrade() {
                         inbound.gossip(&peer, &bytes[1..]);
                     }
                 }
                 Some(&STREAM_APP) if bytes.len() >= 2 && bytes.len() - 2 <= MAX_APP_MESSAGE => {
                     inner.metrics.received(TrafficKind::App, bytes.len());
+                    inner.peers.add_bytes(&peer, 0, bytes.len() as u64);
                     let msg = AppMessage {
                         from: peer,
                         kind: bytes[1],
@@ -1153,6 +1128,44 @@ async fn accept_unis(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connectio
             }
         });
     }
+}
+
+/// A uni-stream's whole message, its kind byte first, read within one
+/// [`STREAM_TIMEOUT`] in all; the kind is read first so that each kind gets its own
+/// cap (an app message stream may not buffer a gossip-sized payload).
+///
+/// Why one deadline for the whole read: with one for the kind byte and another for
+/// the rest, a peer that sent the rest late (or its first byte after the others: QUIC
+/// opens a stream at any offset) held the task for up to twice as long.
+async fn read_uni<R: tokio::io::AsyncRead + Unpin>(recv: &mut R) -> Result<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let read = async {
+        let mut kind = [0u8; 1];
+        recv.read_exact(&mut kind).await?;
+        let limit = match kind[0] {
+            STREAM_GOSSIP => MAX_GOSSIP_FRAME,
+            STREAM_APP => MAX_APP_MESSAGE + 2,
+            k => return Err(ClusterError::Decode(format!("unknown stream kind {k}"))),
+        };
+        let mut bytes = vec![kind[0]];
+        // One byte past the cap tells a message over it from one at it.
+        recv.take(limit as u64).read_to_end(&mut bytes).await?;
+        if bytes.len() > limit {
+            return Err(ClusterError::TooLarge {
+                size: bytes.len(),
+                limit,
+            });
+        }
+        Ok(bytes)
+    };
+    tokio::time::timeout(STREAM_TIMEOUT, read)
+        .await
+        .map_err(|_| {
+            ClusterError::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("stream not read whole within {STREAM_TIMEOUT:?}"),
+            ))
+        })?
 }
 
 async fn accept_bis(inner: Arc<Transport>, peer: NodeId, conn: quinn::Connection) {
@@ -1333,5 +1346,77 @@ mod tests {
         );
         tokio::time::advance(DIAL_BACKOFF).await;
         assert!(slot.refused_while_backing_off(addr(1)).is_none());
+    }
+
+    /// A peer that trickles a stream (its kind byte just before the deadline, then a
+    /// byte now and then, never the end) is cut when `STREAM_TIMEOUT` has passed since
+    /// the read began, not that long again after its kind byte: the kind and the rest
+    /// are read under one deadline. A whole message within it is read as sent.
+    #[tokio::test(start_paused = true)]
+    async fn a_trickled_stream_is_cut_at_one_deadline() {
+        use tokio::io::AsyncWriteExt;
+        let (mut peer, mut recv) = tokio::io::duplex(64);
+        tokio::spawn(async move {
+            tokio::time::sleep(STREAM_TIMEOUT - Duration::from_secs(1)).await;
+            peer.write_all(&[STREAM_GOSSIP]).await?;
+            loop {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                peer.write_all(&[0]).await?;
+            }
+            #[allow(unreachable_code)]
+            Ok::<_, std::io::Error>(())
+        });
+        let started = Instant::now();
+        let read = read_uni(&mut recv).await;
+        let took = started.elapsed();
+        assert!(
+            matches!(&read, Err(ClusterError::Io(e)) if e.kind() == std::io::ErrorKind::TimedOut),
+            "{read:?}"
+        );
+        assert!(
+            took >= STREAM_TIMEOUT && took < STREAM_TIMEOUT + Duration::from_secs(1),
+            "cut after {took:?}"
+        );
+
+        let (mut peer, mut recv) = tokio::io::duplex(64);
+        let mut message = vec![STREAM_APP, 7];
+        message.extend_from_slice(&[9; 100]);
+        let sent = message.clone();
+        tokio::spawn(async move {
+            for chunk in sent.chunks(10) {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                peer.write_all(chunk).await?;
+            }
+            Ok::<_, std::io::Error>(())
+        });
+        assert_eq!(read_uni(&mut recv).await.expect("read whole"), message);
+    }
+
+    /// Each kind's cap, its kind byte included: a message at it is read, one byte
+    /// more is refused, and an unknown kind is refused at once.
+    #[tokio::test]
+    async fn a_stream_over_its_kinds_cap_is_refused() {
+        let at_cap: Vec<u8> = [STREAM_APP]
+            .into_iter()
+            .chain(std::iter::repeat_n(1, MAX_APP_MESSAGE + 1))
+            .collect();
+        assert_eq!(
+            read_uni(&mut &at_cap[..]).await.expect("at the cap").len(),
+            MAX_APP_MESSAGE + 2
+        );
+        let mut over = at_cap.clone();
+        over.push(1);
+        assert!(matches!(
+            read_uni(&mut &over[..]).await,
+            Err(ClusterError::TooLarge { limit, .. }) if limit == MAX_APP_MESSAGE + 2
+        ));
+        assert!(matches!(
+            read_uni(&mut &[9u8, 1, 2][..]).await,
+            Err(ClusterError::Decode(_))
+        ));
+        assert!(matches!(
+            read_uni(&mut &[][..]).await,
+            Err(ClusterError::Io(_))
+        ));
     }
 }

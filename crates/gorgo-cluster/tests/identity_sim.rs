@@ -1776,3 +1776,80 @@ fn a_seed_answered_with_a_live_nodes_certificate_does_not_take_its_place() {
     assert_eq!(count(stolen), 0, "n1's messages went to the impostor");
     assert!(count(genuine) >= 20, "n1 did not get n0's messages");
 }
+
+/// A process holding n1's (stolen) certificate sends n0 SWIM datagrams that n0 refuses
+/// (garbage, and packets that speak for n2): n0 reads them (`swim_bytes_received`) but
+/// credits none of their bytes to n1, whose `bytes_received` at n0 grows by what the
+/// genuine n1 sent n0 meanwhile and no more. Before, every datagram on a connection
+/// with n1's certificate was credited to n1 before any check.
+#[test]
+fn refused_datagrams_under_a_peers_certificate_are_not_credited_to_it() {
+    let (mut sim, creds, handles) = n0_holding_n1s_run(107);
+    let counts = |handles: &Handles| {
+        let read = handles.lock()["n0"]
+            .metrics()
+            .swim_bytes_received
+            .load(Ordering::Relaxed);
+        let credited = view_of(handles, "n0", "n1").map_or(0, |v| v.bytes_received);
+        let sent = view_of(handles, "n1", "n0").map_or(0, |v| v.bytes_sent);
+        (read, credited, sent)
+    };
+    let before = counts(&handles);
+    const DATAGRAMS: usize = 600;
+    const SIZE: usize = 900;
+    let stolen = creds["n1"].clone();
+    let sent = Arc::new(AtomicU32::new(0));
+    let done = sent.clone();
+    sim.client("thief", async move {
+        let n0 = SocketAddr::new(turmoil::lookup("n0"), PORT);
+        let (_endpoint, conn) = raw_connection("thief", &stolen, n0).await?;
+        let as_n2 = gorgo_cluster::MemberId {
+            node: NodeId::from("n2"),
+            region: "region-2".to_owned(),
+            addr: SocketAddr::new(turmoil::lookup("n2"), PORT),
+            generation: 1,
+        };
+        let to_n0 = gorgo_cluster::MemberId {
+            node: NodeId::from("n0"),
+            region: "region-0".to_owned(),
+            addr: n0,
+            generation: 1,
+        };
+        let spoofed = swim_datagram(as_n2, to_n0);
+        // The SWIM kind byte, then a header that does not decode.
+        let mut garbage = vec![0xffu8; SIZE];
+        garbage[0] = 1;
+        for i in 0..DATAGRAMS {
+            let d = if i % 2 == 0 {
+                bytes::Bytes::from(garbage.clone())
+            } else {
+                spoofed.clone()
+            };
+            conn.send_datagram(d)?;
+            // The peer's pace: in bursts its and n0's datagram buffers take whole.
+            if i % 20 == 19 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        done.store(1, Ordering::SeqCst);
+        std::future::pending::<()>().await;
+        Ok(())
+    });
+    run_until(&mut sim, Duration::from_secs(10), |_| {
+        sent.load(Ordering::SeqCst) == 1
+    })
+    .expect("the thief sends its datagrams");
+    run_for(&mut sim, Duration::from_secs(1));
+    let after = counts(&handles);
+    let (read, credited, sent_by_n1) = (after.0 - before.0, after.1 - before.1, after.2 - before.2);
+    eprintln!("n0 read {read} SWIM bytes, credited n1 with {credited}; n1 sent n0 {sent_by_n1}");
+    assert!(
+        read as usize >= DATAGRAMS / 4 * SIZE,
+        "n0 read {read} SWIM bytes: the thief's did not arrive"
+    );
+    // What was in flight from n1 when counting started arrives within the window.
+    assert!(
+        credited <= sent_by_n1 + 4 * 1024,
+        "n0 credited n1 with {credited} bytes; n1 sent it {sent_by_n1}"
+    );
+}
