@@ -128,11 +128,14 @@ enum EngineFieldNames {
 /// An engine URL in the one form every spelling of the same engine shares: `http://`,
 /// the host as the node's HTTP client reads it (in lower case; an IPv4 address in any
 /// of the WHATWG forms, `2130706433` or `127.1`, as its dotted quad), and the port,
-/// the scheme's default left out; no trailing `/`. Duplicate engines are found on it
-/// (config validation, `POST /admin/engines`, a reload) and the engine adapter sends
-/// to it: one engine added twice would be two candidates with two gossip streams,
-/// each counting half of its requests. A URL [`check_engine_url`] refuses comes back
-/// only trimmed (validation refuses it before anything sends to it).
+/// the scheme's default left out; then the path prefix, if any, as written (a gateway
+/// that routes by path: `http://gw:8080/llama`), without a trailing `/`. Duplicate
+/// engines are found on it (config validation, `POST /admin/engines`, a reload) and
+/// the engine adapter sends to it, every path it asks for (`/v1/...`, `/metrics`,
+/// the health path) appended: one engine added twice would be two candidates with two
+/// gossip streams, each counting half of its requests. A URL [`check_engine_url`]
+/// refuses comes back only trimmed (validation refuses it before anything sends to
+/// it).
 pub fn normalize_engine_url(url: &str) -> String {
     parse_engine_url(url).unwrap_or_else(|_| url.trim_end_matches('/').to_owned())
 }
@@ -147,12 +150,13 @@ pub fn check_engine_url(url: &str) -> Result<(), String> {
 }
 
 /// The one parse of an engine URL behind [`check_engine_url`] and
-/// [`normalize_engine_url`]: `http://host[:port]` and at most a trailing `/`, checked
-/// as written (the WHATWG parser the HTTP client uses would drop a `.` path segment,
-/// an empty `?` or `#` and a port `:`, and read `\` as `/`), then read by that
-/// parser, whose origin is the normal form.
+/// [`normalize_engine_url`]: `http://host[:port]`, an optional path prefix
+/// ([`engine_path_prefix`]) and at most a trailing `/`, checked as written (the
+/// WHATWG parser the HTTP client uses would drop a `.` path segment, an empty `?` or
+/// `#` and a port `:`, and read `\` as `/`), then read by that parser, whose origin
+/// and path are the normal form.
 fn parse_engine_url(url: &str) -> Result<String, String> {
-    const FORM: &str = "must be http://host:port";
+    const FORM: &str = "must be http://host:port, or http://host:port/prefix";
     if url
         .get(.."https://".len())
         .is_some_and(|p| p.eq_ignore_ascii_case("https://"))
@@ -168,18 +172,79 @@ fn parse_engine_url(url: &str) -> Result<String, String> {
         HttpUrlError::UserInfo => format!("{FORM}, without user info (`user@`)"),
         HttpUrlError::Port(why) => why,
     })?;
-    match tail {
-        "" | "/" => {}
-        _ if tail.starts_with('?') || tail.starts_with("/?") => {
-            return Err(format!("{FORM}, without a query (`?`)"));
-        }
-        _ if tail.starts_with('#') || tail.starts_with("/#") => {
-            return Err(format!("{FORM}, without a fragment (`#`)"));
-        }
-        _ => return Err(format!("{FORM}, without a path (`/v1/...` is appended)")),
+    // The node appends its own paths, and `/v1/...?x` would not carry the query.
+    match tail.find(['?', '#']).map(|at| &tail[at..at + 1]) {
+        Some("?") => return Err(format!("{FORM}, without a query (`?`)")),
+        Some(_) => return Err(format!("{FORM}, without a fragment (`#`)")),
+        None => {}
     }
+    engine_path_prefix(tail)?;
     let parsed = reqwest::Url::parse(url).map_err(|e| format!("not a valid URL: {e}"))?;
-    Ok(parsed.origin().ascii_serialization())
+    // The checks above leave the parser nothing to change in the path: its path is
+    // the prefix as written (and what every request is sent under).
+    let path = parsed.path();
+    let prefix = path.strip_suffix('/').unwrap_or(path);
+    Ok(format!("{}{prefix}", parsed.origin().ascii_serialization()))
+}
+
+/// Why the path of an engine URL (`tail`, what follows the authority; no query or
+/// fragment) is no prefix the node can send under as written, or `Ok`: empty or `/`,
+/// or `/` and segments of RFC 3986 path characters (letters, digits,
+/// `-._~!$&'()*+,;=:@` and `%` with two hex digits: percent-encoding is left as
+/// written), with at most a trailing `/`. Refused: an empty segment (`//`), a `.` or
+/// `..` segment (also as `%2e`: the HTTP client's parser drops or climbs them, so
+/// another path than the one written would be sent, and the duplicate check could
+/// not see through it), `\` (read as `/`), characters the parser would
+/// percent-encode, and a last segment `v1` (the node appends `/v1/...` itself: an
+/// OpenAI client's base URL given here would send `/v1/v1/chat/completions`).
+fn engine_path_prefix(tail: &str) -> Result<(), String> {
+    if matches!(tail, "" | "/") {
+        return Ok(());
+    }
+    let Some(path) = tail.strip_prefix('/') else {
+        return Err(format!("the path `{tail}`: `\\` is read as `/`; write `/`"));
+    };
+    let path = path.strip_suffix('/').unwrap_or(path);
+    let is_dot = |seg: &str| {
+        matches!(
+            seg.to_ascii_lowercase().replace("%2e", ".").as_str(),
+            "." | ".."
+        )
+    };
+    for seg in path.split('/') {
+        if seg.is_empty() {
+            return Err(format!("the path `{tail}`: an empty segment (`//`)"));
+        }
+        if is_dot(seg) {
+            return Err(format!(
+                "the path `{tail}`: a `.` or `..` segment (the HTTP client would drop or climb it)"
+            ));
+        }
+        let bytes = seg.as_bytes();
+        for (i, &b) in bytes.iter().enumerate() {
+            let ok = b.is_ascii_alphanumeric()
+                || b"-._~!$&'()*+,;=:@".contains(&b)
+                || (b == b'%'
+                    && bytes
+                        .get(i + 1..i + 3)
+                        .is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit)));
+            // An escape's hex digits are letters or digits: they pass on their own.
+            if ok {
+                continue;
+            }
+            return Err(match b {
+                b'%' => format!("the path `{tail}`: `%` must start a two-hex-digit escape (`%2F`)"),
+                b'\\' => format!("the path `{tail}`: `\\` is read as `/`; write `/`"),
+                _ => format!("the path `{tail}`: `{}` must be percent-encoded", b as char),
+            });
+        }
+    }
+    if path.rsplit('/').next() == Some("v1") {
+        return Err(format!(
+            "the path `{tail}` ends in `/v1`: the node appends `/v1/...` itself; leave it out"
+        ));
+    }
+    Ok(())
 }
 
 /// Why [`split_http_url`] refused a URL.
@@ -283,7 +348,9 @@ pub const MAX_SEED_BASE_MS: f64 = 600_000.0;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EngineSection {
-    /// Base URL, e.g. `http://127.0.0.1:30000` (paths `/v1/...` are appended).
+    /// Base URL, e.g. `http://127.0.0.1:30000`, or with the path prefix of a gateway
+    /// that routes by path, `http://gw:8080/llama`: every path the node asks for
+    /// (`/v1/...`, `/metrics`, the health path) is appended ([`normalize_engine_url`]).
     pub url: String,
     /// `sglang`, `vllm` or `openai`.
     pub kind: EngineKind,
@@ -299,7 +366,7 @@ pub struct EngineSection {
     /// queue allows.
     #[serde(default)]
     pub max_running_requests: Option<u32>,
-    /// Health check path (GET, expects 2xx).
+    /// Health check path (GET, expects 2xx), under `url`'s path prefix when it has one.
     /// Default: `/health` for SGLang and vLLM, `/v1/models` for a generic OpenAI server.
     #[serde(default)]
     pub health_path: Option<String>,
@@ -1645,6 +1712,24 @@ impl NodeConfig {
                         "must be the same for every engine",
                     );
                 }
+                // The one tokenizer counts chat prompts by the first engine's kind's
+                // rules (`PromptTokens::new`); an engine whose kind builds them another
+                // way would have every chat request counted and hashed wrongly.
+                if first.tokenizer.is_some()
+                    && !gorgo_tokenizer::EngineTokenizer::same_chat_rules(first.kind, e.kind)
+                {
+                    return bad(
+                        &f("kind"),
+                        &format!(
+                            "`{}` builds chat prompts by other rules than `{}` (`{}`), and the \
+                             node counts every engine's prompts with its one `tokenizer`: give \
+                             engines that share a tokenizer one kind (`openai` counts as `vllm`)",
+                            e.kind,
+                            field(0, "kind"),
+                            first.kind
+                        ),
+                    );
+                }
             }
         }
         // One publisher is one engine's: two engines given the same KV-event endpoint
@@ -1743,7 +1828,6 @@ key = "a.key"
 token = "secret-token"
 "#;
 
-    /// Every spelling of one engine normalises to one URL; other engines stay apart.
     /// A response that is not streamed sends its head only when the whole answer is
     /// generated: its head waits for the request timeout, a streamed one's for the
     /// first-byte timeout (never less, whatever the request timeout says).
@@ -1764,10 +1848,23 @@ token = "secret-token"
         assert_eq!(ms(short.head_timeout(false)), 300);
     }
 
+    /// Every spelling of one engine normalises to one URL; other engines stay apart.
+    /// A path prefix (a gateway routing by path) is kept as written, percent-encoding
+    /// included, less a trailing `/`.
     #[test]
     fn engine_urls_normalise_to_one_spelling() {
         for (url, want) in [
             ("http://127.0.0.1:30000", "http://127.0.0.1:30000"),
+            ("http://gw:8080/llama", "http://gw:8080/llama"),
+            ("http://GW:8080/llama/", "http://gw:8080/llama"),
+            ("http://gw:80/Llama/a-b_c~d.e", "http://gw/Llama/a-b_c~d.e"),
+            (
+                "http://gw/serving-endpoints/x/",
+                "http://gw/serving-endpoints/x",
+            ),
+            ("http://gw/a%2Fb/m:1@v;p=1", "http://gw/a%2Fb/m:1@v;p=1"),
+            ("http://gw/v1beta/v2", "http://gw/v1beta/v2"),
+            ("http://gw/...", "http://gw/..."),
             ("http://127.0.0.1:30000/", "http://127.0.0.1:30000"),
             (
                 "HTTP://Engine.Example:30000/",
@@ -1795,6 +1892,8 @@ token = "secret-token"
             ("http://engine", "http://Engine:80/"),
             ("http://127.0.0.1", "http://127.0.0.1:80"),
             ("http://127.0.0.70:47503", "http://2130706502:47503"),
+            ("http://gw:1/llama", "http://GW:1/llama/"),
+            ("http://gw/a%2Fb", "http://gw:80/a%2Fb/"),
         ] {
             let e = NodeConfig::from_toml_str(&with_engines(&["http://127.0.0.1:9", a, b], ""))
                 .unwrap_err()
@@ -1806,23 +1905,124 @@ token = "secret-token"
         }
     }
 
-    /// An engine URL is `http://host:port` and at most a trailing `/`: user info, a
-    /// path, a query or a fragment (even empty) is refused, naming the field. The
-    /// HTTP client sent `/x?y=1/v1/chat/completions` for `http://h:p/x?y=1`, and
-    /// `http://x@h:p`, `http://h:p/.` or `http://h:p/?` slipped past the duplicate
-    /// check as a second engine.
+    /// Engines behind one gateway that differ only in their path prefix are as many
+    /// engines (`location /llama/` and `location /qwen/` of one nginx); a prefix is
+    /// case-sensitive, as paths are.
     #[test]
-    fn an_engine_url_with_more_than_host_and_port_is_refused_naming_the_field() {
+    fn engines_that_differ_only_in_their_path_prefix_are_distinct() {
+        let urls = [
+            "http://gw:8080",
+            "http://gw:8080/llama",
+            "http://gw:8080/llama/b",
+            "http://gw:8080/Llama",
+            "http://gw:8080/qwen/",
+        ];
+        let c = NodeConfig::from_toml_str(&with_engines(&urls, "")).unwrap();
+        assert_eq!(c.engines().len(), urls.len());
+        let sent: std::collections::HashSet<_> =
+            urls.iter().map(|u| normalize_engine_url(u)).collect();
+        assert_eq!(sent.len(), urls.len(), "{sent:?}");
+    }
+
+    /// The one tokenizer counts chat prompts by the first engine's kind's rules: an
+    /// engine sharing it whose kind builds them otherwise (`sglang` beside `vllm`) is
+    /// refused naming its `kind`, in the file and when `POST /admin/engines` adds it;
+    /// `openai` counts as `vllm`, and without a tokenizer kinds may mix.
+    #[test]
+    fn engines_sharing_a_tokenizer_whose_kinds_count_chats_otherwise_are_refused() {
+        let mixed = |kinds: &[&str], tokenizer: bool| {
+            let list: String = kinds
+                .iter()
+                .enumerate()
+                .map(|(i, kind)| {
+                    let tok = if tokenizer {
+                        "tokenizer = \"tok/tokenizer.json\"\n"
+                    } else {
+                        ""
+                    };
+                    format!(
+                        "[[engines]]\nurl = \"http://127.0.0.1:{}\"\nkind = \"{kind}\"\n{tok}\n",
+                        i + 1
+                    )
+                })
+                .collect();
+            MINIMAL.replace(
+                "[engine]\nurl = \"http://127.0.0.1:30000\"\nkind = \"sglang\"\n",
+                &list,
+            )
+        };
+        for kinds in [["sglang", "vllm"], ["vllm", "sglang"], ["openai", "sglang"]] {
+            let e = NodeConfig::from_toml_str(&mixed(&kinds, true))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("invalid `engines[1].kind`")
+                    && e.contains(&format!("`{}` builds chat prompts", kinds[1]))
+                    && e.contains(&format!("`engines[0].kind` (`{}`)", kinds[0]))
+                    && e.contains("`tokenizer`"),
+                "{kinds:?}: {e}"
+            );
+            // The same validation as `POST /admin/engines`: the added engine's field bare.
+            let mut added = NodeConfig::from_toml_str(&mixed(&kinds[..1], true))
+                .unwrap()
+                .into_inner();
+            added.engines.push(
+                toml::from_str(&format!(
+                "url = \"http://127.0.0.1:9\"\nkind = \"{}\"\ntokenizer = \"tok/tokenizer.json\"",
+                kinds[1]
+            ))
+                .unwrap(),
+            );
+            let e = added.validate_added_engine().unwrap_err().to_string();
+            assert!(e.contains("invalid `kind`"), "{kinds:?}: {e}");
+        }
+        for kinds in [
+            &["vllm", "openai"][..],
+            &["openai", "vllm", "openai"],
+            &["sglang", "sglang"],
+        ] {
+            NodeConfig::from_toml_str(&mixed(kinds, true)).unwrap();
+        }
+        NodeConfig::from_toml_str(&mixed(&["sglang", "vllm", "openai"], false)).unwrap();
+    }
+
+    /// An engine URL is `http://host:port`, a path prefix and at most a trailing `/`:
+    /// user info, a query or a fragment (even empty), and a path the HTTP client would
+    /// send otherwise than written are refused, naming the field. The HTTP client sent
+    /// `/x?y=1/v1/chat/completions` for `http://h:p/x?y=1`, and `http://x@h:p`,
+    /// `http://h:p/.` or `http://h:p/?` slipped past the duplicate check as a second
+    /// engine.
+    #[test]
+    fn an_engine_url_with_more_than_host_port_and_prefix_is_refused_naming_the_field() {
         for (url, why) in [
             ("http://x@127.0.0.70:47503", "user info"),
             ("http://x:pw@127.0.0.70:47503/", "user info"),
-            ("http://127.0.0.70:47503/.", "path"),
-            ("http://127.0.0.70:47503//", "path"),
-            ("http://127.0.0.70:47503/v1", "path"),
-            ("http://127.0.0.70:47503\\x", "path"),
+            ("http://127.0.0.70:47503/.", "`.` or `..` segment"),
+            ("http://127.0.0.70:47503/a/..", "`.` or `..` segment"),
+            ("http://127.0.0.70:47503/a/%2E%2e/b", "`.` or `..` segment"),
+            ("http://127.0.0.70:47503/./a", "`.` or `..` segment"),
+            ("http://127.0.0.70:47503//", "empty segment"),
+            ("http://127.0.0.70:47503/a//b", "empty segment"),
+            ("http://127.0.0.70:47503/a//", "empty segment"),
+            ("http://127.0.0.70:47503/v1", "ends in `/v1`"),
+            ("http://127.0.0.70:47503/llama/v1/", "ends in `/v1`"),
+            ("http://127.0.0.70:47503\\x", "is read as `/`"),
+            ("http://127.0.0.70:47503/a\\b", "is read as `/`"),
+            (
+                "http://127.0.0.70:47503/a{b}",
+                "`{` must be percent-encoded",
+            ),
+            (
+                "http://127.0.0.70:47503/a\"b",
+                "`\"` must be percent-encoded",
+            ),
+            ("http://127.0.0.70:47503/a%zz", "two-hex-digit escape"),
+            ("http://127.0.0.70:47503/a%4", "two-hex-digit escape"),
             ("http://127.0.0.70:47503/?", "query"),
             ("http://127.0.0.70:47503?", "query"),
-            ("http://127.0.0.70:47503/x?y=1", "path"),
+            ("http://127.0.0.70:47503/x?y=1", "query"),
+            ("http://127.0.0.70:47503/x#y", "fragment"),
+            ("http://127.0.0.70:47503/x/\u{e9}", "visible ASCII"),
             ("http://127.0.0.70:47503?y=1", "query"),
             ("http://127.0.0.70:47503/#", "fragment"),
             ("http://127.0.0.70:47503#frag", "fragment"),

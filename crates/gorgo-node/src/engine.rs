@@ -79,6 +79,8 @@ impl From<EngineFailure> for crate::api::ServeError {
 #[derive(Debug)]
 pub struct EngineAdapter {
     client: reqwest::Client,
+    /// The engine's URL in its normal form, path prefix included: every URL sent to
+    /// is this and a path (`/v1/...`, `/metrics`, the health path) appended.
     base: String,
     kind: EngineKind,
     health_path: String,

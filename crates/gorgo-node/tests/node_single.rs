@@ -1505,3 +1505,73 @@ async fn a_body_of_too_many_objects_is_refused_unparsed() {
         .unwrap();
     assert_eq!(resp.status(), 200);
 }
+
+/// An engine behind a gateway that routes by path (`location /llama/` of an nginx, a
+/// KServe or cloud serving endpoint): with `engine.url = "http://gw/llama/"` every
+/// request the node makes of the engine (its health check, its `/metrics` scrape, its
+/// reads of `/v1/models` and `/get_server_info`, a client's chat) goes under
+/// `/llama`, the trailing `/` written once. The URL was refused ("without a path").
+#[tokio::test]
+async fn an_engine_behind_a_path_prefix_is_asked_everything_under_it() {
+    let engine = StubEngine::start("e").await;
+    // The gateway: `/llama/...` reaches the stub with the prefix stripped; any other
+    // path is 404. Every path asked is recorded.
+    use axum::response::IntoResponse;
+    let seen = std::sync::Arc::new(parking_lot::Mutex::new(Vec::<String>::new()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gateway = format!("http://{}", listener.local_addr().unwrap());
+    let (stub, log) = (engine.url(), seen.clone());
+    let app = axum::Router::new().fallback(move |req: axum::extract::Request| {
+        let (stub, log) = (stub.clone(), log.clone());
+        async move {
+            let path = req.uri().path().to_owned();
+            log.lock().push(path.clone());
+            let Some(rest) = path.strip_prefix("/llama/") else {
+                return (axum::http::StatusCode::NOT_FOUND, Vec::new()).into_response();
+            };
+            let method = req.method().clone();
+            let body = axum::body::to_bytes(req.into_body(), usize::MAX)
+                .await
+                .unwrap();
+            let resp = client()
+                .request(method, format!("{stub}/{rest}"))
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            let status = axum::http::StatusCode::from_u16(resp.status().as_u16()).unwrap();
+            (status, resp.bytes().await.unwrap().to_vec()).into_response()
+        }
+    });
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let section = format!(
+        "[engine]\nurl = \"{gateway}/llama/\"\nkind = \"sglang\"\n\
+         health_interval_ms = 50\nmetrics_interval_ms = 50\n"
+    );
+    let node = start_node(config_text("a", &section, ""), None).await;
+    let asked = |path: &str| seen.lock().iter().any(|p| p == path);
+    until("health check, scrape and reads under /llama", || {
+        [
+            "/llama/health",
+            "/llama/metrics",
+            "/llama/v1/models",
+            "/llama/get_server_info",
+        ]
+        .iter()
+        .all(|p| asked(p))
+    })
+    .await;
+    let resp = post_chat(&node, "behind a gateway", false).await;
+    assert_eq!(resp.status(), 200);
+    let v: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "hello world");
+    assert!(asked("/llama/v1/chat/completions"));
+    let seen = seen.lock().clone();
+    assert!(
+        seen.iter()
+            .all(|p| p.starts_with("/llama/") && !p.contains("//")),
+        "{seen:?}"
+    );
+    node.shutdown.cancel();
+}

@@ -172,6 +172,16 @@ enum Rules {
     Sglang,
 }
 
+impl Rules {
+    /// The rules an engine of `kind` follows (`openai` counts as vLLM).
+    fn of(kind: gorgo_core::EngineKind) -> Rules {
+        match kind {
+            gorgo_core::EngineKind::Sglang => Rules::Sglang,
+            gorgo_core::EngineKind::Vllm | gorgo_core::EngineKind::Openai => Rules::Vllm,
+        }
+    }
+}
+
 /// Name of the one template in a [`ChatTemplate`]'s environment.
 const TEMPLATE: &str = "chat";
 
@@ -264,12 +274,17 @@ impl EngineTokenizer {
     /// (see the crate docs). The node and the emulator both say which engine they are.
     pub fn for_engine(mut self, kind: gorgo_core::EngineKind) -> Self {
         if let Some(t) = &mut self.template {
-            t.rules = match kind {
-                gorgo_core::EngineKind::Sglang => Rules::Sglang,
-                gorgo_core::EngineKind::Vllm | gorgo_core::EngineKind::Openai => Rules::Vllm,
-            };
+            t.rules = Rules::of(kind);
         }
         self
+    }
+
+    /// Whether engines of kinds `a` and `b` have their chat prompts counted by the
+    /// same rules ([`EngineTokenizer::for_engine`]): a node counts every engine's
+    /// prompts with one tokenizer, so its config refuses engines sharing one whose
+    /// rules differ (one engine's counts and prefix hashes would be wrong).
+    pub fn same_chat_rules(a: gorgo_core::EngineKind, b: gorgo_core::EngineKind) -> bool {
+        Rules::of(a) == Rules::of(b)
     }
 
     /// Whether a chat template was found (chat requests can be counted).
