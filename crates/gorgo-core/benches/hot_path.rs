@@ -4,6 +4,10 @@
 //! Run: `cargo bench -p gorgo-core --bench hot_path -- --warm-up-time 1 --measurement-time 3`
 //! (figures in docs/benchmarks.md).
 
+use std::cell::Cell;
+use std::ops::{Deref, DerefMut};
+use std::time::{Duration, Instant};
+
 use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion};
 use gorgo_core::candidates::{build_candidates, LocalState, PeerState};
 use gorgo_core::cost::ForwardLedger;
@@ -93,6 +97,34 @@ fn decide_target(
         .map(|d| d.target_index)
 }
 
+/// The forward ledger as the node's mutex hands it to `build_candidates`, adding to
+/// `held` how long it was held: the node's other decisions and every forward's record
+/// and settle wait that long (docs/benchmarks.md, "Ledger lock").
+struct Held<'a> {
+    ledger: &'a mut ForwardLedger,
+    since: Instant,
+    held: &'a Cell<Duration>,
+}
+
+impl Deref for Held<'_> {
+    type Target = ForwardLedger;
+    fn deref(&self) -> &ForwardLedger {
+        self.ledger
+    }
+}
+
+impl DerefMut for Held<'_> {
+    fn deref_mut(&mut self) -> &mut ForwardLedger {
+        self.ledger
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.held.set(self.held.get() + self.since.elapsed());
+    }
+}
+
 struct Peer {
     node: NodeId,
     rtt_ms: f64,
@@ -151,6 +183,8 @@ fn bench(c: &mut Criterion) {
     let summaries: std::collections::HashMap<&NodeId, &PeerSummary> =
         peers.iter().map(|p| (&p.node, &p.summary)).collect();
     let mut n = 0u64;
+    // How long the ledger was held, summed over decisions.
+    let held = Cell::new(Duration::ZERO);
     // Everything a request costs the node before it proxies: hash the prompt, match it
     // locally and against every peer, build candidates (the core's builder, as the node
     // calls it), decide.
@@ -175,7 +209,11 @@ fn bench(c: &mut Criterion) {
             [local],
             peer_states,
             |id, _replica| summaries.get(id).map_or(0, |s| s.matched_tokens(&chain)),
-            &mut ledger,
+            || Held {
+                ledger: &mut ledger,
+                since: Instant::now(),
+                held: &held,
+            },
             1_500,
         );
         decide_target(&chain, prompt_tokens, &candidates, policy.as_mut(), n)
@@ -187,15 +225,20 @@ fn bench(c: &mut Criterion) {
         })
     });
     // Criterion reports means and medians; the tail comes from raw samples, one
-    // decision per sample.
-    let mut samples_us: Vec<f64> = (0..50_000u64)
+    // decision per sample, with the time the ledger was held in it.
+    let (mut samples_us, mut held_us): (Vec<f64>, Vec<f64>) = (0..50_000u64)
         .map(|i| {
-            let t = std::time::Instant::now();
+            held.set(Duration::ZERO);
+            let t = Instant::now();
             black_box(one_decision(i.wrapping_mul(0x9e37_79b9_7f4a_7c15)));
-            t.elapsed().as_secs_f64() * 1e6
+            (
+                t.elapsed().as_secs_f64() * 1e6,
+                held.get().as_secs_f64() * 1e6,
+            )
         })
-        .collect();
+        .unzip();
     samples_us.sort_by(f64::total_cmp);
+    held_us.sort_by(f64::total_cmp);
     println!(
         "gorgo_decision raw samples: n {} p50 {:.2} us p99 {:.2} us p99.9 {:.2} us max {:.2} us",
         samples_us.len(),
@@ -203,6 +246,13 @@ fn bench(c: &mut Criterion) {
         percentile(&samples_us, 99.0).unwrap_or(f64::NAN),
         percentile(&samples_us, 99.9).unwrap_or(f64::NAN),
         samples_us.last().copied().unwrap_or(f64::NAN),
+    );
+    println!(
+        "gorgo_decision ledger held per decision: p50 {:.2} us p99 {:.2} us p99.9 {:.2} us max {:.2} us",
+        percentile(&held_us, 50.0).unwrap_or(f64::NAN),
+        percentile(&held_us, 99.0).unwrap_or(f64::NAN),
+        percentile(&held_us, 99.9).unwrap_or(f64::NAN),
+        held_us.last().copied().unwrap_or(f64::NAN),
     );
 }
 
@@ -270,7 +320,7 @@ fn bench_replicas(c: &mut Criterion) {
                             .find(|(node, k, ..)| node == id && *k == replica)
                             .map_or(0, |(_, _, _, s, _)| s.matched_tokens(&chain))
                     },
-                    &mut ledger,
+                    || &mut ledger,
                     1_500,
                 );
                 decide_target(&chain, prompt_tokens, &candidates, policy.as_mut(), n)

@@ -9,6 +9,8 @@
 //! added. The live node and the simulator both call [`build_candidates`]; neither
 //! assembles candidates itself.
 
+use std::ops::DerefMut;
+
 use crate::cost::{Candidate, ForwardLedger};
 use crate::types::{NodeId, QueueStats};
 
@@ -57,11 +59,18 @@ pub struct PeerState<'a> {
 /// candidate's stats version (clearing the forwards those stats already reflect) and
 /// its pending forwards are applied. A peer's engines come one after another (the
 /// count of peer nodes, which sets [`Candidate::deciders`], relies on it).
-pub fn build_candidates<'a>(
+///
+/// `ledger` gives access to the forward ledger: the node passes a closure that locks
+/// its shared ledger, the simulator one that hands out its own. It is called once,
+/// after every `matched_tokens` call and only when a peer engine is a candidate: the
+/// summary walks (up to 16 peers' summaries against an 8k-token prompt's chain) do not
+/// depend on the ledger, and while the node's lock is held every other request's
+/// decision and every forward's record and settle wait on it.
+pub fn build_candidates<'a, L: DerefMut<Target = ForwardLedger>>(
     locals: impl IntoIterator<Item = LocalState>,
     peers: impl IntoIterator<Item = PeerState<'a>>,
     mut matched_tokens: impl FnMut(&NodeId, u16) -> u64,
-    ledger: &mut ForwardLedger,
+    ledger: impl FnOnce() -> L,
     now_ms: u64,
 ) -> Vec<Candidate> {
     let mut out: Vec<Candidate> = locals
@@ -86,6 +95,9 @@ pub fn build_candidates<'a>(
     // the nodes that decide on each peer's stats, this one included.
     let mut peer_nodes = 0u32;
     let mut last_peer: Option<&NodeId> = None;
+    // The peer candidates with their matches and when their stats arrived, in order,
+    // before the ledger is touched.
+    let mut arrived_at = Vec::new();
     for p in peers {
         if !p.alive || me.as_ref() == Some(p.node) {
             continue;
@@ -100,13 +112,7 @@ pub fn build_candidates<'a>(
         if !p.eligible {
             continue;
         }
-        ledger.observe_stats(
-            p.node,
-            stats,
-            now_ms.saturating_sub(p.stats_age_ms),
-            p.rtt_ms,
-        );
-        let mut c = Candidate {
+        out.push(Candidate {
             node: p.node.clone(),
             is_local: false,
             healthy: true,
@@ -118,9 +124,17 @@ pub fn build_candidates<'a>(
             inflight_forward_raw_prompt_tokens: 0,
             forward_bias_ms: 0.0,
             deciders: 1,
-        };
-        ledger.apply(&mut c, now_ms);
-        out.push(c);
+        });
+        arrived_at.push(now_ms.saturating_sub(p.stats_age_ms));
+    }
+    if !arrived_at.is_empty() {
+        // Each engine's stats observed, then its pending forwards applied, one engine
+        // after another (as the ledger saw them before the matches moved out).
+        let mut ledger = ledger();
+        for (c, at) in out[n_local..].iter_mut().zip(arrived_at) {
+            ledger.observe_stats(&c.node, &c.stats, at, c.rtt_ms);
+            ledger.apply(c, now_ms);
+        }
     }
     // Every node but the peer itself decides on the same stale stats of that peer.
     let deciders = peer_nodes.max(1);
@@ -203,7 +217,7 @@ mod tests {
             },
         ];
         let mut ledger = ForwardLedger::new();
-        let out = build_candidates([local()], peers, |_, _| 42, &mut ledger, 100);
+        let out = build_candidates([local()], peers, |_, _| 42, || &mut ledger, 100);
         assert_eq!(out.len(), 2);
         assert!(out[0].is_local && out[0].cached_tokens == 7);
         // Two nodes in the decision: the peer is judged by one node (this one).
@@ -231,10 +245,52 @@ mod tests {
         };
         let peers = [peer(&b, true), peer(&c, false), peer(&d, true)];
         let mut ledger = ForwardLedger::new();
-        let out = build_candidates([local()], peers, |_, _| 0, &mut ledger, 100);
+        let out = build_candidates([local()], peers, |_, _| 0, || &mut ledger, 100);
         let nodes: Vec<&str> = out.iter().map(|c| c.node.0.as_str()).collect();
         assert_eq!(nodes, ["a", "b", "d"]);
         assert_eq!((out[1].deciders, out[2].deciders), (3, 3));
+    }
+
+    /// The node's ledger is one mutex every decision and every forward's record and
+    /// settle take: the summary walks run before it is locked, and a decision without
+    /// a peer candidate does not lock it at all.
+    #[test]
+    fn the_ledger_is_locked_once_after_every_match() {
+        let (b, c) = (NodeId::from("b"), NodeId::from("c"));
+        let stats = QueueStats::default();
+        let peer = |node| PeerState {
+            node,
+            alive: true,
+            eligible: true,
+            rtt_ms: 20.0,
+            stats: Some(&stats),
+            stats_age_ms: 0,
+        };
+        let ledger = std::sync::Mutex::new(ForwardLedger::new());
+        let (mut matches, mut locks) = (0, 0);
+        let out = build_candidates(
+            [local()],
+            [peer(&b), peer(&c)],
+            |_, _| {
+                assert!(ledger.try_lock().is_ok(), "matched under the ledger lock");
+                matches += 1;
+                5
+            },
+            || {
+                locks += 1;
+                ledger.lock().unwrap()
+            },
+            100,
+        );
+        assert_eq!((out.len(), matches, locks), (3, 2, 1));
+        let out = build_candidates(
+            [local()],
+            [],
+            |_, _| 0,
+            || -> &mut ForwardLedger { unreachable!("no peer candidate, no ledger") },
+            100,
+        );
+        assert_eq!(out.len(), 1);
     }
 
     #[test]
@@ -256,11 +312,11 @@ mod tests {
             stats: Some(&stats),
             stats_age_ms: 0,
         };
-        let out = build_candidates([local()], [peer], |_, _| 0, &mut ledger, 100);
+        let out = build_candidates([local()], [peer], |_, _| 0, || &mut ledger, 100);
         assert_eq!(out[1].inflight_forwards, 1);
         assert_eq!(out[1].inflight_forward_prompt_tokens, 500);
         // The same version again clears nothing more.
-        let out = build_candidates([local()], [peer], |_, _| 0, &mut ledger, 1000);
+        let out = build_candidates([local()], [peer], |_, _| 0, || &mut ledger, 1000);
         assert_eq!(out[1].inflight_forward_prompt_tokens, 500);
     }
 
@@ -286,7 +342,7 @@ mod tests {
                 stats: Some(&stats),
                 stats_age_ms: age,
             };
-            let out = build_candidates([local()], [peer], |_, _| 0, &mut ledger, 400);
+            let out = build_candidates([local()], [peer], |_, _| 0, || &mut ledger, 400);
             assert_eq!(out[1].inflight_forward_prompt_tokens, pending, "age {age}");
         }
     }

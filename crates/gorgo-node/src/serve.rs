@@ -148,12 +148,12 @@ fn candidates(state: &NodeState, req: &RoutedRequest, excluded: &Excluded) -> Ve
             stats_age_ms: e.stats_age_ms,
         })
     });
-    let mut ledger = state.router.ledger.lock();
+    // The builder locks the ledger only after the summary walks.
     build_candidates(
         locals,
         views,
         |peer, replica| state.peers.matched_tokens(peer, replica, chain),
-        &mut ledger,
+        || state.router.ledger.lock(),
         state.now_ms(),
     )
 }

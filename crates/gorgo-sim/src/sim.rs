@@ -1402,7 +1402,7 @@ impl<'a> Sim<'a> {
                         .map_or(0, |s| s.matched_tokens(chain))
                 })
             },
-            &mut node.ledger,
+            || &mut node.ledger,
             now as u64,
         );
         let engines = cands
