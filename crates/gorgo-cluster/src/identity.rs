@@ -171,7 +171,9 @@ pub(crate) fn without_updates(
     }
     let header_len = data.len() - rest.len();
     let count = rest.get_u16();
-    let mut kept: Vec<&[u8]> = Vec::with_capacity(usize::from(count));
+    // The count is the sender's word: each update takes at least a byte of what
+    // follows, so no more than that is reserved before they decode.
+    let mut kept: Vec<&[u8]> = Vec::with_capacity(usize::from(count).min(rest.len()));
     for _ in 0..count {
         let before = rest;
         let member = BincodeCodec.decode_member(&mut rest).ok()?;

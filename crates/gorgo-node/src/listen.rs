@@ -753,16 +753,24 @@ impl AsyncRead for ConnIo {
         {
             // The runtime's waker stays registered: its event, when it comes, only
             // polls a read that finds nothing.
+            // A one-byte peek first: most of these asks find nothing (a keep-alive
+            // connection between requests), and then nothing of `buf` is zeroed.
             let sock = socket2::SockRef::from(&this.tcp);
-            polled = match (&*sock).read(buf.initialize_unfilled()) {
-                Ok(n) => {
-                    buf.advance(n);
-                    Poll::Ready(Ok(()))
-                }
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {
-                    Poll::Pending
-                }
+            let waiting = |e: &std::io::Error| {
+                matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted)
+            };
+            polled = match sock.peek(&mut [std::mem::MaybeUninit::uninit()]) {
+                Err(e) if waiting(&e) => Poll::Pending,
                 Err(e) => Poll::Ready(Err(e)),
+                // Bytes, or the end of the stream (0): the read takes them.
+                Ok(_) => match (&*sock).read(buf.initialize_unfilled()) {
+                    Ok(n) => {
+                        buf.advance(n);
+                        Poll::Ready(Ok(()))
+                    }
+                    Err(e) if waiting(&e) => Poll::Pending,
+                    Err(e) => Poll::Ready(Err(e)),
+                },
             };
         }
         if let Poll::Ready(Ok(())) = polled {
